@@ -1,0 +1,9 @@
+"""aserve: an LLM inference server in one asyncio process."""
+
+from __future__ import annotations
+
+from aserve.llm import LLM, GenerationOutput
+from aserve.scheduler.request import SamplingParams
+
+__all__ = ["LLM", "GenerationOutput", "SamplingParams"]
+__version__ = "0.1.0"

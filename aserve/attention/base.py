@@ -1,0 +1,44 @@
+"""The attention-backend interface: plan once per batch, then run every layer."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from aserve.forward import ForwardBatch
+
+
+class AttentionBackend(Protocol):
+    """Paged attention over the KV pool.
+
+    `prepare` builds the batch's metadata once (index tensors, masks, kernel plans) and stores
+    it in `batch.attn_metadata`; `forward` is then called by every layer with that batch. It
+    writes the new tokens' K/V into the pool at `batch.out_slots` and returns the attention
+    output `[tokens, num_heads * head_dim]`.
+    """
+
+    def prepare(self, batch: ForwardBatch) -> None: ...
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+    ) -> torch.Tensor: ...
+
+
+class SplitBackend:
+    """Prefill through one backend and decode through another (`--attention-backend a,b`)."""
+
+    def __init__(self, prefill: AttentionBackend, decode: AttentionBackend) -> None:
+        self.prefill = prefill
+        self.decode = decode
+
+    def _pick(self, batch: ForwardBatch) -> AttentionBackend:
+        return self.decode if batch.is_decode else self.prefill
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        self._pick(batch).prepare(batch)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        return self._pick(batch).forward(q, k, v, layer, batch)

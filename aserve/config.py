@@ -1,0 +1,210 @@
+"""Configuration, resolved once at start-up into frozen dataclasses.
+
+`ModelConfig` is read from a Hugging Face config.json. `EngineConfig`, `SchedulerConfig` and
+`ServerConfig` hold the options of the command line; `build_config(**options)` turns the flat
+keyword form (the CLI's option names with underscores, also used by `aserve.LLM`) into them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+class ConfigError(ValueError):
+    """An option or a model config that aserve cannot run with; the message says why."""
+
+
+def _as_int_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape and quirks of one dense decoder, read from a Hugging Face config.json."""
+
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    hidden_act: str = "silu"
+    rope_scaling: dict[str, Any] | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    torch_dtype: str | None = None
+
+    @classmethod
+    def from_hf(
+        cls, config: dict[str, Any], generation_config: dict[str, Any] | None = None
+    ) -> ModelConfig:
+        architectures = config.get("architectures") or []
+        arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ConfigError(
+                f"unsupported architecture {architectures or config.get('model_type')!r}; "
+                f"aserve runs {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            )
+        family = SUPPORTED_ARCHITECTURES[arch]
+        num_heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        head_dim = config.get("head_dim") or hidden // num_heads
+        eos = set(_as_int_tuple(config.get("eos_token_id")))
+        if generation_config:
+            eos |= set(_as_int_tuple(generation_config.get("eos_token_id")))
+        rope_scaling = config.get("rope_scaling")
+        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in (
+            None,
+            "default",
+        ):
+            rope_scaling = None
+        return cls(
+            architecture=arch,
+            model_type=family,
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(config["intermediate_size"]),
+            num_layers=int(config["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(config.get("rope_theta", 10000.0)),
+            max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=bool(config.get("attention_bias", family == "qwen2")),
+            qk_norm=family == "qwen3",
+            hidden_act=str(config.get("hidden_act", "silu")),
+            rope_scaling=rope_scaling,
+            eos_token_ids=tuple(sorted(eos)),
+            bos_token_id=config.get("bos_token_id"),
+            torch_dtype=config.get("torch_dtype") or config.get("dtype"),
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine needs to load a model and size its KV cache."""
+
+    model_path: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    dummy_weight: bool = False
+    tensor_parallel_size: int = 1
+    disable_pynccl: bool = False
+    max_running_requests: int = 256
+    max_seq_len_override: int | None = None
+    memory_ratio: float = 0.9
+    num_pages: int | None = None
+    page_size: int = 1
+    attention_backend: str = "auto"
+    cuda_graph_max_bs: int | None = None
+    moe_backend: str = "auto"
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batching policy: how many requests run, how many prompt tokens one prefill takes."""
+
+    max_running_requests: int = 256
+    max_prefill_length: int = 8192
+    cache_type: str = "radix"
+    page_size: int = 1
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything `aserve` was started with; engine and scheduler parts are nested."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    host: str = "127.0.0.1"
+    port: int = 1919
+    api_key: str | None = None
+    served_model_name: str | None = None
+    log_level: str = "info"
+    num_tokenizer: int = 1
+    max_queued_requests: int | None = None
+    shell_mode: bool = False
+    silent_output: bool = False
+
+
+_SHARED_KEYS = {"max_running_requests", "page_size"}
+
+
+def build_config(**options: Any) -> ServerConfig:
+    """Route flat option names (as the CLI spells them) into the nested config.
+
+    Options that both the engine and the scheduler read (page size, running-request cap)
+    are given once and copied into both, so the two can never disagree.
+    """
+    parts: dict[str, dict[str, Any]] = {"engine": {}, "scheduler": {}, "server": {}}
+    owners = {
+        "engine": {f.name for f in dataclasses.fields(EngineConfig)},
+        "scheduler": {f.name for f in dataclasses.fields(SchedulerConfig)},
+        "server": {f.name for f in dataclasses.fields(ServerConfig)} - {"engine", "scheduler"},
+    }
+    for key, value in options.items():
+        if key == "model":
+            key = "model_path"
+        targets = [part for part, names in owners.items() if key in names]
+        if not targets:
+            raise ConfigError(f"unknown option {key!r}")
+        for part in targets:
+            parts[part][key] = value
+    config = ServerConfig(
+        engine=EngineConfig(**parts["engine"]),
+        scheduler=SchedulerConfig(**parts["scheduler"]),
+        **parts["server"],
+    )
+    validate(config)
+    return config
+
+
+def validate(config: ServerConfig) -> None:
+    """Refuse option values that cannot work, with a message that names the option."""
+    engine, sched = config.engine, config.scheduler
+    checks = [
+        (
+            engine.dtype in ("auto", "float16", "bfloat16", "float32"),
+            "--dtype must be auto, float16, bfloat16 or float32",
+        ),
+        (engine.page_size >= 1, "--page-size must be at least 1"),
+        (engine.max_running_requests >= 1, "--max-running-requests must be at least 1"),
+        (sched.max_prefill_length >= 1, "--max-prefill-length must be at least 1"),
+        (sched.cache_type in ("radix", "naive"), "--cache-type must be radix or naive"),
+        (0.0 < engine.memory_ratio <= 1.0, "--memory-ratio must be in (0, 1]"),
+        (engine.num_pages is None or engine.num_pages >= 2, "--num-pages must be at least 2"),
+        (engine.tensor_parallel_size >= 1, "--tp must be at least 1"),
+        (
+            engine.max_seq_len_override is None or engine.max_seq_len_override >= 2,
+            "--max-seq-len-override must be at least 2",
+        ),
+        (config.num_tokenizer >= 1, "--num-tokenizer must be at least 1"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)

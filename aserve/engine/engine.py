@@ -1,0 +1,143 @@
+"""The engine of one rank: model, KV pool, page table, attention backend and sampler.
+
+`Engine.step(batch, sampling)` runs one forward and samples the next token of every request
+in the batch. It knows nothing about requests or queues: the scheduler plans, the engine
+computes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from aserve.attention.base import AttentionBackend, SplitBackend
+from aserve.config import ConfigError, EngineConfig, ModelConfig
+from aserve.distributed.group import TPGroup
+from aserve.engine.memory import GiB, free_device_memory, kv_bytes_per_token, plan_num_pages
+from aserve.engine.sampler import SampleOutput, Sampler, SamplingBatch
+from aserve.forward import ForwardBatch
+from aserve.kvcache.pages import PageTable
+from aserve.kvcache.pool import KVPool
+from aserve.models.registry import build_model
+from aserve.models.weights import fill_dummy_weights, iter_weights, torch_dtype
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda asked for, but torch sees no CUDA device")
+    return device
+
+
+@contextlib.contextmanager
+def _construct_on(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
+    """New parameters are created directly on `device` in `dtype` (no float32 detour)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        model_dir: Path | None,
+        tp: TPGroup | None = None,
+    ) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.tp = tp or TPGroup()
+        self.device = resolve_device(config.device)
+        self.dtype = torch_dtype(config.dtype, self.device, model_config.torch_dtype)
+        self.max_seq_len = model_config.max_position_embeddings
+        if config.max_seq_len_override is not None:
+            self.max_seq_len = config.max_seq_len_override
+
+        self.free_memory_before_load = free_device_memory(self.device)
+        started = time.perf_counter()
+        with _construct_on(self.device, self.dtype):
+            self.model = build_model(model_config, self.max_seq_len, self.tp)
+        if config.dummy_weight:
+            fill_dummy_weights(self.model, config.seed)
+        else:
+            assert model_dir is not None
+            self.model.load_weights(iter_weights(model_dir, progress=self.tp.rank == 0))
+        self.model.eval()
+        self.load_seconds = time.perf_counter() - started
+        self.free_memory_after_load = free_device_memory(self.device)
+
+        self.num_pages = plan_num_pages(
+            config, model_config, self.tp, self.dtype, self.device, self.max_seq_len
+        )
+        self.pool = KVPool(
+            model_config.num_layers,
+            self.num_pages,
+            config.page_size,
+            max(1, model_config.num_kv_heads // self.tp.size),
+            model_config.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.kv_cache_bytes = (
+            self.num_pages
+            * config.page_size
+            * kv_bytes_per_token(model_config, self.tp, self.dtype)
+        )
+        self.page_table = PageTable(
+            config.max_running_requests, self.max_seq_len, config.page_size, self.device
+        )
+        self.attn = self._create_attention_backend(config.attention_backend)
+        self.sampler = Sampler()
+
+    def _create_attention_backend(self, name: str) -> AttentionBackend:
+        names = name.split(",")
+        if len(names) == 2:
+            return SplitBackend(self._single_backend(names[0]), self._single_backend(names[1]))
+        if len(names) != 1:
+            raise ConfigError("--attention-backend takes one backend or two as prefill,decode")
+        return self._single_backend(names[0])
+
+    def _single_backend(self, name: str) -> AttentionBackend:
+        if name in ("auto", "torch"):
+            from aserve.attention.torch_native import TorchNativeBackend
+
+            local_heads = self.model_config.num_heads // self.tp.size
+            return TorchNativeBackend(self.pool, local_heads, self.model_config.head_dim)
+        raise ConfigError(f"attention backend {name!r} is not available on {self.device.type}")
+
+    def describe(self) -> str:
+        """The start-up summary users look for: model, dtype, device, KV size and memory."""
+        tokens = (self.num_pages - 1) * self.config.page_size
+        return (
+            f"{self.model_config.architecture} dtype={str(self.dtype).removeprefix('torch.')} "
+            f"device={self.device} max_total_num_tokens={tokens} "
+            f"pages={self.num_pages - 1}x{self.config.page_size} "
+            f"kv_cache={self.kv_cache_bytes / GiB:.2f} GiB context_len={self.max_seq_len} "
+            f"free_mem_before_load={self.free_memory_before_load / GiB:.2f} GiB "
+            f"free_mem_after_load={self.free_memory_after_load / GiB:.2f} GiB "
+            f"load_time={self.load_seconds:.1f}s"
+        )
+
+    @torch.inference_mode()
+    def step(self, batch: ForwardBatch, sampling: SamplingBatch) -> SampleOutput:
+        """Forward `batch`, sample one token per request, and record it in the token table
+        at the position after the request's context, where the next decode step reads it."""
+        self.attn.prepare(batch)
+        logits = self.model(batch, self.attn)
+        out = self.sampler.sample(logits, sampling)
+        self.page_table.tokens[batch.rows, batch.seq_lens_tensor] = out.next_ids.to(torch.int32)
+        return out

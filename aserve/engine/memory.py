@@ -1,0 +1,74 @@
+"""How many KV pages fit: what is left after the weights, within the memory ratio."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from aserve.config import EngineConfig, ModelConfig
+from aserve.distributed.group import TPGroup
+from aserve.kvcache.pool import KVPool
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+CPU_KV_BUDGET_BYTES = 2 * GiB
+CPU_KV_SHARE_OF_AVAILABLE = 0.25
+
+
+def available_host_memory() -> int:
+    """MemAvailable from /proc/meminfo; total physical memory where that file is missing."""
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def free_device_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return available_host_memory()
+
+
+def kv_bytes_per_token(model: ModelConfig, tp: TPGroup, dtype: torch.dtype) -> int:
+    local_kv_heads = max(1, model.num_kv_heads // tp.size)
+    return KVPool.bytes_per_token(model.num_layers, local_kv_heads, model.head_dim, dtype)
+
+
+def plan_num_pages(
+    config: EngineConfig,
+    model: ModelConfig,
+    tp: TPGroup,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_seq_len: int,
+) -> int:
+    """Pages for the KV pool (including the dummy page 0).
+
+    On CUDA: `memory_ratio` of the device's total memory may be in use once the pool exists,
+    so the pool gets that share minus what is already used (weights, CUDA context). On CPU a
+    laptop must stay usable: the pool takes at most a quarter of available RAM and 2 GiB.
+    Never more than every running request at full context could use.
+    """
+    if config.num_pages is not None:
+        return config.num_pages
+    per_token = kv_bytes_per_token(model, tp, dtype)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(free - total * (1.0 - config.memory_ratio))
+    else:
+        budget = int(min(CPU_KV_BUDGET_BYTES, available_host_memory() * CPU_KV_SHARE_OF_AVAILABLE))
+    tokens = min(budget // per_token, config.max_running_requests * max_seq_len)
+    pages = tokens // config.page_size + 1
+    if pages < 2:
+        raise MemoryError(
+            f"no room for a KV cache: {budget / GiB:.2f} GiB left for it, one token needs "
+            f"{per_token} bytes; lower the model size or raise --memory-ratio"
+        )
+    return pages

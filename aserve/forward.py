@@ -1,0 +1,53 @@
+"""ForwardBatch: everything one forward step needs, passed explicitly down the model.
+
+It sits low in the house: attention backends, models, graphs and the sampler read it, and it
+imports none of them.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass
+class ForwardBatch:
+    """One step over B requests and T new tokens, flattened request after request.
+
+    `prefix_lens[i]` tokens of request i already have KV in the pool; this step computes
+    `extend_lens[i]` more (1 in decode), so its KV length becomes `seq_lens[i]`. Host-side
+    lengths are plain lists, so backends can plan without reading device memory.
+    """
+
+    mode: ForwardMode
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_slots: torch.Tensor
+    rows: torch.Tensor
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    seq_lens: list[int]
+    seq_lens_tensor: torch.Tensor
+    logit_indices: torch.Tensor
+    page_table: torch.Tensor
+    attn_metadata: Any = None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def is_decode(self) -> bool:
+        return self.mode is ForwardMode.DECODE

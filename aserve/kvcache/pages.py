@@ -1,0 +1,104 @@
+"""KV pages: the free-page allocator and the device page table.
+
+A page holds `page_size` consecutive token slots of the KV pool. Page 0 is never handed out:
+padded batch rows (CUDA-graph padding) write their K/V there. The page table maps
+(request slot, position) to a KV slot index, `page * page_size + position % page_size`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+class PageAllocator:
+    """Free list of KV pages. Cheap host-side bookkeeping; the KV tensors live in `KVPool`."""
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        if num_pages < 2:
+            raise ValueError("the KV pool needs at least 2 pages (page 0 is the dummy page)")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self._free = list(range(num_pages - 1, 0, -1))
+        self._is_free = [False] + [True] * (num_pages - 1)
+
+    @property
+    def usable_pages(self) -> int:
+        return self.num_pages - 1
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def alloc(self, count: int) -> list[int] | None:
+        """`count` pages, or None (nothing taken) when fewer are free."""
+        if count > len(self._free):
+            return None
+        if count == 0:
+            return []
+        pages = self._free[-count:]
+        del self._free[-count:]
+        for page in pages:
+            self._is_free[page] = False
+        return pages
+
+    def free(self, pages: Iterable[int]) -> None:
+        for page in pages:
+            if page <= 0 or self._is_free[page]:
+                raise RuntimeError(f"page {page} freed twice or never allocated")
+            self._is_free[page] = True
+            self._free.append(page)
+
+    def free_page_ids(self) -> list[int]:
+        return list(self._free)
+
+
+def pages_needed(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+class PageTable:
+    """Per request slot, the KV slot of every position; plus the token ids at those positions.
+
+    Both live on the engine's device so a decode step can gather its input ids and KV
+    locations without a host round trip. Row `max_running_requests` is the dummy row that
+    padded batch entries use. One column more than the context: a step that fills the context
+    still writes its sampled token somewhere.
+    """
+
+    def __init__(
+        self, max_running_requests: int, max_seq_len: int, page_size: int, device: torch.device
+    ) -> None:
+        width = pages_needed(max_seq_len + 1, page_size) * page_size
+        rows = max_running_requests + 1
+        self.page_size = page_size
+        self.dummy_row = max_running_requests
+        self.slots = torch.zeros(rows, width, dtype=torch.int32, device=device)
+        self.tokens = torch.zeros(rows, width, dtype=torch.int32, device=device)
+        self._free_rows = list(range(max_running_requests - 1, -1, -1))
+        self._page_offsets = torch.arange(page_size, dtype=torch.int32)
+
+    @property
+    def free_rows(self) -> int:
+        return len(self._free_rows)
+
+    def alloc_row(self) -> int:
+        return self._free_rows.pop()
+
+    def free_row(self, row: int) -> None:
+        self._free_rows.append(row)
+
+    def write_pages(self, row: int, first_page_index: int, pages: list[int]) -> None:
+        """Map the positions covered by `pages` (page `first_page_index` of the row onwards)."""
+        if not pages:
+            return
+        size = self.page_size
+        slots = torch.tensor(pages, dtype=torch.int32)[:, None] * size + self._page_offsets
+        start = first_page_index * size
+        self.slots[row, start : start + len(pages) * size].copy_(slots.flatten(), non_blocking=True)
+
+    def write_tokens(self, row: int, start: int, token_ids: list[int]) -> None:
+        if token_ids:
+            values = torch.tensor(token_ids, dtype=torch.int32)
+            self.tokens[row, start : start + len(token_ids)].copy_(values, non_blocking=True)

@@ -1,0 +1,169 @@
+"""Radix prefix cache: finished requests leave their KV pages in a tree keyed by token ids.
+
+Every edge holds a whole number of pages, so a match is always page aligned and a page is
+never shared between a cached prefix and a request's private tail. A node is locked while a
+running request reads its pages (the lock counts up to the root); unlocked leaves are evicted
+least-recently-used first.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator
+
+from aserve.kvcache.base import PrefixMatch
+from aserve.kvcache.pages import PageAllocator
+
+
+class RadixNode:
+    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access")
+
+    def __init__(self, key: tuple[int, ...], pages: list[int], parent: RadixNode | None) -> None:
+        self.key = key
+        self.pages = pages
+        self.children: dict[tuple[int, ...], RadixNode] = {}
+        self.parent = parent
+        self.lock_ref = 0
+        self.last_access = 0
+
+
+class RadixCache:
+    def __init__(self, allocator: PageAllocator) -> None:
+        self._allocator = allocator
+        self._page_size = allocator.page_size
+        self._root = RadixNode((), [], None)
+        self._root.lock_ref = 1
+        self._clock = itertools.count(1)
+        self._evictable_pages = 0
+        self._cached_pages = 0
+
+    @property
+    def evictable_pages(self) -> int:
+        return self._evictable_pages
+
+    @property
+    def cached_pages(self) -> int:
+        return self._cached_pages
+
+    def _first_page(self, token_ids: tuple[int, ...] | list[int], start: int) -> tuple[int, ...]:
+        return tuple(token_ids[start : start + self._page_size])
+
+    def _common_pages(self, key: tuple[int, ...], token_ids: list[int], start: int) -> int:
+        """How many whole pages of `key` equal `token_ids[start:]`."""
+        size = self._page_size
+        limit = min(len(key), len(token_ids) - start) // size
+        pages = 0
+        while pages < limit:
+            offset = pages * size
+            if key[offset : offset + size] != tuple(
+                token_ids[start + offset : start + offset + size]
+            ):
+                break
+            pages += 1
+        return pages
+
+    def _split(self, node: RadixNode, num_pages: int) -> RadixNode:
+        """Cut `node` after `num_pages` pages; returns the new upper part."""
+        cut = num_pages * self._page_size
+        parent = node.parent
+        assert parent is not None
+        upper = RadixNode(node.key[:cut], node.pages[:num_pages], parent)
+        upper.lock_ref = node.lock_ref
+        upper.last_access = node.last_access
+        parent.children[self._first_page(node.key, 0)] = upper
+        node.key = node.key[cut:]
+        node.pages = node.pages[num_pages:]
+        node.parent = upper
+        upper.children[self._first_page(node.key, 0)] = node
+        return upper
+
+    def match(self, token_ids: list[int]) -> PrefixMatch:
+        node, pages, matched = self._root, [], 0
+        now = next(self._clock)
+        while True:
+            child = node.children.get(self._first_page(token_ids, matched))
+            if child is None:
+                break
+            common = self._common_pages(child.key, token_ids, matched)
+            if common == 0:
+                break
+            if common * self._page_size < len(child.key):
+                child = self._split(child, common)
+            child.last_access = now
+            pages.extend(child.pages)
+            matched += len(child.key)
+            node = child
+        return PrefixMatch(node, pages, matched)
+
+    def lock(self, handle: object | None) -> None:
+        node = handle if isinstance(handle, RadixNode) else None
+        while node is not None and node is not self._root:
+            if node.lock_ref == 0:
+                self._evictable_pages -= len(node.pages)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, handle: object | None) -> None:
+        node = handle if isinstance(handle, RadixNode) else None
+        while node is not None and node is not self._root:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._evictable_pages += len(node.pages)
+            node = node.parent
+
+    def insert(self, token_ids: list[int], pages: list[int]) -> None:
+        size = self._page_size
+        assert len(token_ids) == len(pages) * size, "insert takes whole pages"
+        node, matched = self._root, 0
+        now = next(self._clock)
+        while matched < len(token_ids):
+            child = node.children.get(self._first_page(token_ids, matched))
+            if child is None:
+                new_pages = pages[matched // size :]
+                leaf = RadixNode(tuple(token_ids[matched:]), new_pages, node)
+                leaf.last_access = now
+                node.children[leaf.key[:size]] = leaf
+                self._cached_pages += len(new_pages)
+                self._evictable_pages += len(new_pages)
+                return
+            common = self._common_pages(child.key, token_ids, matched)
+            if common * size < len(child.key):
+                child = self._split(child, common)
+            first = matched // size
+            duplicates = [p for p, q in zip(pages[first : first + common], child.pages) if p != q]
+            self._allocator.free(duplicates)
+            child.last_access = now
+            matched += len(child.key)
+            node = child
+
+    def evict(self, num_pages: int) -> int:
+        heap = [(leaf.last_access, id(leaf), leaf) for leaf in self._evictable_leaves()]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            assert parent is not None
+            del parent.children[self._first_page(leaf.key, 0)]
+            self._allocator.free(leaf.pages)
+            freed += len(leaf.pages)
+            self._cached_pages -= len(leaf.pages)
+            self._evictable_pages -= len(leaf.pages)
+            if parent is not self._root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    def _evictable_leaves(self) -> Iterator[RadixNode]:
+        return (n for n in self._nodes() if not n.children and n.lock_ref == 0)
+
+    def _nodes(self) -> Iterator[RadixNode]:
+        stack = list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def owned_pages(self) -> Iterator[int]:
+        for node in self._nodes():
+            yield from node.pages

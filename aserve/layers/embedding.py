@@ -1,0 +1,43 @@
+"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of rows."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from aserve.distributed.group import TPGroup
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Ranks look up the ids in their slice, zero the rest, and all-reduce the rows."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.local_vocab = -(-vocab_size // tp.size)
+        self.vocab_start = tp.rank * self.local_vocab
+        self.weight = nn.Parameter(torch.empty(self.local_vocab, hidden_size), False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.local_vocab)
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(rows.masked_fill(outside[:, None], 0))
+
+    def load_weight(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
+        rows = tensor[self.vocab_start : self.vocab_start + self.local_vocab]
+        self.weight.data[: rows.shape[0]].copy_(rows)
+        self.weight.data[rows.shape[0] :].zero_()
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Score `hidden` against every vocabulary row (the tied LM head uses this too)."""
+        local = F.linear(hidden, self.weight)
+        return self.tp.all_gather(local, dim=-1)[:, : self.vocab_size]
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """An untied output projection: the same sharding as the embedding, its own weight."""

@@ -1,0 +1,91 @@
+"""Tensor-parallel linear layers; exact plain linears at world size 1.
+
+Column-parallel layers split the output features over ranks (no communication); row-parallel
+layers split the input features and all-reduce the partial sums. Each layer copies the slice
+of a checkpoint tensor that belongs to its rank in `load_weight`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from aserve.distributed.group import TPGroup
+
+
+class ColumnParallelLinear(nn.Module):
+    """`y = x W^T + b` with W's rows (outputs) split over ranks.
+
+    `output_sizes` lists the logical matrices fused into this one (e.g. gate and up); each is
+    split separately so every rank gets its part of each, and `load_weight(tensor, shard)`
+    fills matrix number `shard`.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.local_sizes = [size // tp.size for size in output_sizes]
+        for size in output_sizes:
+            tp.shard(size)
+        self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), input_size), False)
+        self.bias = nn.Parameter(torch.empty(sum(self.local_sizes)), False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def _rank_rows(self, tensor: torch.Tensor, shard: int) -> torch.Tensor:
+        size = self.local_sizes[shard]
+        return tensor.narrow(0, self.tp.rank * size, size)
+
+    def load_weight(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
+        param = self.weight if name == "weight" else self.bias
+        assert param is not None, f"checkpoint has a {name} this layer does not"
+        offset = sum(self.local_sizes[:shard])
+        param.data.narrow(0, offset, self.local_sizes[shard]).copy_(self._rank_rows(tensor, shard))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections fused. With fewer KV heads than ranks, KV heads are
+    replicated so each rank keeps whole heads."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        tp: TPGroup,
+    ) -> None:
+        self.kv_replicas = max(1, tp.size // num_kv_heads)
+        kv_total = max(num_kv_heads, tp.size) * head_dim
+        super().__init__(hidden_size, [num_heads * head_dim, kv_total, kv_total], bias, tp)
+
+    def _rank_rows(self, tensor: torch.Tensor, shard: int) -> torch.Tensor:
+        size = self.local_sizes[shard]
+        index = self.tp.rank if shard == 0 else self.tp.rank // self.kv_replicas
+        return tensor.narrow(0, index * size, size)
+
+
+class RowParallelLinear(nn.Module):
+    """`y = x W^T + b` with W's columns (inputs) split over ranks; partial sums all-reduced."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        start, end = tp.shard(input_size)
+        self.input_start, self.local_input = start, end - start
+        self.weight = nn.Parameter(torch.empty(output_size, self.local_input), False)
+        self.bias = nn.Parameter(torch.empty(output_size), False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+    def load_weight(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
+        if name == "bias":
+            assert self.bias is not None
+            self.bias.data.copy_(tensor)
+        else:
+            self.weight.data.copy_(tensor.narrow(1, self.input_start, self.local_input))

@@ -1,0 +1,31 @@
+"""RMSNorm as Hugging Face computes it (float32 statistics), with an optional fused residual add."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size), False)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._norm(x)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`residual += x` then normalise it; returns (normalised, new residual)."""
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def load_weight(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
+        self.weight.data.copy_(tensor)

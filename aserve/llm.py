@@ -1,0 +1,142 @@
+"""The offline Python API: `LLM(model).generate(prompts, params)`.
+
+It drives the same scheduler coroutine as the server, on a private event loop, so offline
+results are what the server would return for the same requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from aserve.config import build_config
+from aserve.runtime import Runtime
+from aserve.scheduler.request import FinishReason, Req, SamplingParams, TokenLogprob
+from aserve.tokenizer import Tokenizer
+
+Prompt = str | list[int]
+Conversation = list[dict[str, Any]]
+
+
+@dataclass
+class GenerationOutput:
+    """One prompt's result. `token_ids` include a final stop token; `text` does not."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    error: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+def _is_single_prompt(prompts: Prompt | Sequence[Prompt]) -> bool:
+    return isinstance(prompts, str) or (
+        isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)
+    )
+
+
+def _per_prompt(
+    params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    if len(params) != count:
+        raise ValueError(f"{len(params)} sampling params for {count} prompts")
+    return list(params)
+
+
+class LLM:
+    """Load a model and generate offline. Keywords are the CLI's options with underscores,
+    e.g. `LLM(dummy_weight=True, page_size=16, cache_type="naive")`."""
+
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        self.config = build_config(model=model, **options)
+        self.runtime = Runtime(self.config)
+        self.scheduler = self.runtime.scheduler
+        self.tokenizer = self.runtime.tokenizer
+        self._loop = asyncio.new_event_loop()
+        self._task: asyncio.Task[None] | None = None
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[GenerationOutput]:
+        prompt_list = [prompts] if _is_single_prompt(prompts) else list(prompts)
+        ids = [self._encode(p) for p in prompt_list]
+        return self._run(ids, _per_prompt(sampling_params, len(ids)))
+
+    def chat(
+        self,
+        conversations: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[GenerationOutput]:
+        """Apply the model's chat template to each conversation and generate the reply."""
+        tokenizer = self._require_tokenizer()
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        ids = [tokenizer.apply_chat_template(c) for c in conversations]  # type: ignore[arg-type]
+        return self._run(ids, _per_prompt(sampling_params, len(ids)))
+
+    def _require_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError("this model folder has no tokenizer: pass token ids, not text")
+        return self.tokenizer
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self._require_tokenizer().encode(prompt)
+        return [int(t) for t in prompt]
+
+    def _run(self, ids: list[list[int]], params: list[SamplingParams]) -> list[GenerationOutput]:
+        if self._task is None or self._task.done():
+            self._task = self._loop.create_task(self.scheduler.run())
+        reqs = [self.scheduler.make_request(p, sp) for p, sp in zip(ids, params)]
+        return self._loop.run_until_complete(self._collect_all(reqs))
+
+    async def _collect_all(self, reqs: list[Req]) -> list[GenerationOutput]:
+        for req in reqs:
+            self.scheduler.submit(req)
+        return list(await asyncio.gather(*(self._collect(r) for r in reqs)))
+
+    async def _collect(self, req: Req) -> GenerationOutput:
+        token_ids: list[int] = []
+        logprobs: list[TokenLogprob] = []
+        while True:
+            out = await req.channel.get()
+            token_ids.extend(out.token_ids)
+            logprobs.extend(out.logprobs)
+            if out.finish_reason is not None:
+                break
+        text_ids = token_ids
+        if out.finish_reason is FinishReason.STOP and token_ids:
+            text_ids = token_ids[:-1]
+        text = self.tokenizer.decode(text_ids) if self.tokenizer is not None else ""
+        return GenerationOutput(
+            prompt_token_ids=req.prompt_ids,
+            token_ids=token_ids,
+            text=text,
+            finish_reason=out.finish_reason.value,
+            error=out.error,
+            logprobs=logprobs if req.params.logprobs else None,
+        )
+
+    def close(self) -> None:
+        """Stop the scheduler and release the loop; the LLM cannot generate afterwards."""
+        if self._loop.is_closed():
+            return
+        self.runtime.close()
+        if self._task is not None:
+            self._loop.run_until_complete(self._task)
+        self._loop.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,174 @@
+"""One dense decoder for Llama, Mistral, Qwen2/2.5 and Qwen3.
+
+The families differ only in flags read from the config: Qwen2 adds a bias to the Q/K/V
+projections, Qwen3 normalises each head of Q and K, Llama-3 scales its rope frequencies, and
+small models tie the LM head to the embedding. Checkpoint names are Hugging Face's; the
+fused projections (qkv_proj, gate_up_proj) load their parts by shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from aserve.attention.base import AttentionBackend
+from aserve.config import ModelConfig
+from aserve.distributed.group import TPGroup
+from aserve.forward import ForwardBatch
+from aserve.layers.activation import silu_and_mul
+from aserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from aserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from aserve.layers.norm import RMSNorm
+from aserve.layers.rotary import RotaryEmbedding
+
+
+class DecoderAttention(nn.Module):
+    def __init__(
+        self, config: ModelConfig, layer: int, rotary: RotaryEmbedding, tp: TPGroup
+    ) -> None:
+        super().__init__()
+        self.layer = layer
+        self.rotary = rotary
+        self.head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            config.head_dim,
+            config.num_heads,
+            config.num_kv_heads,
+            config.qkv_bias,
+            tp,
+        )
+        self.q_size, self.kv_size = self.qkv_proj.local_sizes[0], self.qkv_proj.local_sizes[1]
+        self.o_proj = RowParallelLinear(
+            config.num_heads * config.head_dim, config.hidden_size, False, tp
+        )
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        batch: ForwardBatch,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(-1, self.q_size // self.head_dim, self.head_dim)
+        k = k.reshape(-1, self.kv_size // self.head_dim, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        v = v.reshape(k.shape)
+        return self.o_proj(attn.forward(q, k, v, self.layer, batch))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [inter, inter], False, tp)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, False, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, config: ModelConfig, layer: int, rotary: RotaryEmbedding, tp: TPGroup
+    ) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(config, layer, rotary, tp)
+        self.mlp = DecoderMLP(config, tp)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        attn: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, batch, attn)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        rotary = RotaryEmbedding(
+            config.head_dim, max_positions, config.rope_theta, config.rope_scaling
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, rotary, tp) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        hidden = self.embed_tokens(batch.input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(batch.positions, hidden, residual, batch, attn)
+        hidden, _ = self.norm.add_and_norm(hidden, residual)
+        return hidden
+
+
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class DecoderForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, max_positions, tp)
+        self.lm_head = (
+            self.model.embed_tokens
+            if config.tie_word_embeddings
+            else ParallelLMHead(config.vocab_size, config.hidden_size, tp)
+        )
+
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        """Float32 logits `[batch, vocab]` at each request's `logit_indices` token."""
+        hidden = self.model(batch, attn)[batch.logit_indices]
+        return self.lm_head.logits(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into this rank's (fused, sharded) parameters."""
+        modules = dict(self.named_modules())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name or (
+                name == "lm_head.weight" and self.config.tie_word_embeddings
+            ):
+                continue
+            module_name, _, param = name.rpartition(".")
+            parent, _, leaf = module_name.rpartition(".")
+            target, shard = _FUSED.get(leaf, (leaf, 0))
+            module_name = f"{parent}.{target}" if parent else target
+            module = modules.get(module_name)
+            if module is None or not hasattr(module, "load_weight"):
+                raise ValueError(
+                    f"checkpoint tensor {name} has no place in {self.config.architecture}"
+                )
+            module.load_weight(param, tensor, shard)
+            loaded.add(f"{module_name}.{param}")
+        missing = {n for n, _ in self.named_parameters()} - loaded
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")

@@ -1,0 +1,206 @@
+"""Batch planning: which requests run next, how many tokens each, and which KV pages.
+
+Plain synchronous code with no device work and no awaits, so every policy here is unit
+tested on its own. The policy is prefill first: waiting requests are admitted while the
+prefill token budget, the running-request cap and the KV pool allow, the last one chunked
+if its prompt does not fit the budget; otherwise every decoding request advances one token.
+When the pool runs dry, cached prefixes are evicted first and then the newest requests are
+retracted to the front of the queue (their output so far is kept). The oldest request alone
+always fits: submission refuses requests that could not fit an empty pool.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from aserve.config import SchedulerConfig
+from aserve.forward import ForwardMode
+from aserve.kvcache.base import PrefixCache
+from aserve.kvcache.pages import PageAllocator, PageTable, pages_needed
+from aserve.scheduler.request import FinishReason, Req, ReqStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """Requests of one step with the tokens each computes; `samples[i]` is False for a
+    chunk that does not yet reach the end of its request's sequence."""
+
+    mode: ForwardMode
+    reqs: list[Req]
+    extend_lens: list[int]
+    samples: list[bool]
+
+
+class Planner:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        allocator: PageAllocator,
+        cache: PrefixCache,
+        page_table: PageTable,
+    ) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.cache = cache
+        self.page_table = page_table
+        self.page_size = allocator.page_size
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.num_retractions = 0
+
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch | None:
+        batch = self._plan_prefill() or self._plan_decode()
+        while batch is None and len(self.running) > 1:
+            self.retract(self.running[-1])
+            batch = self._plan_prefill() or self._plan_decode()
+        return batch
+
+    def _reserve(self, num_pages: int) -> bool:
+        """Make `num_pages` free, evicting unlocked cached prefixes if needed."""
+        short = num_pages - self.allocator.free_pages
+        if short > 0:
+            self.cache.evict(short)
+        return self.allocator.free_pages >= num_pages
+
+    def _grow(self, req: Req, num_tokens: int) -> bool:
+        """Give `req` KV pages for positions up to `num_tokens`; False if the pool is full."""
+        need = pages_needed(num_tokens, self.page_size) - len(req.pages)
+        if need <= 0:
+            return True
+        if not self._reserve(need):
+            return False
+        new_pages = self.allocator.alloc(need)
+        assert new_pages is not None
+        self.page_table.write_pages(req.slot, len(req.pages), new_pages)
+        req.pages.extend(new_pages)
+        return True
+
+    def _plan_prefill(self) -> ScheduledBatch | None:
+        budget = self.config.max_prefill_length
+        reqs: list[Req] = []
+        extends: list[int] = []
+        for req in self.running:
+            if req.decoding or budget == 0:
+                continue
+            n = min(req.extend_len, budget)
+            if not self._grow(req, req.cached_len + n):
+                break
+            reqs.append(req)
+            extends.append(n)
+            budget -= n
+        while self.waiting and budget > 0 and self._can_admit():
+            n = self._admit(self.waiting[0], budget)
+            if n == 0:
+                break
+            req = self.waiting.popleft()
+            reqs.append(req)
+            extends.append(n)
+            budget -= n
+        if not reqs:
+            return None
+        samples = [r.cached_len + n == r.total_len for r, n in zip(reqs, extends)]
+        return ScheduledBatch(ForwardMode.PREFILL, reqs, extends, samples)
+
+    def _can_admit(self) -> bool:
+        return (
+            len(self.running) < self.config.max_running_requests and self.page_table.free_rows > 0
+        )
+
+    def _admit(self, req: Req, budget: int) -> int:
+        """Match the cached prefix, take a row and pages; returns the tokens to prefill now
+        (0 when the pool cannot hold even the first chunk, leaving `req` waiting)."""
+        match = self.cache.match(req.all_ids[: req.total_len - 1])
+        self.cache.lock(match.handle)
+        n = min(req.total_len - match.length, budget)
+        need = pages_needed(match.length + n, self.page_size) - len(match.pages)
+        if not self._reserve(need):
+            self.cache.unlock(match.handle)
+            return 0
+        new_pages = self.allocator.alloc(need)
+        assert new_pages is not None
+        req.slot = self.page_table.alloc_row()
+        req.pages = match.pages + new_pages
+        req.prefix_len = req.cached_len = match.length
+        req.cache_handle = match.handle
+        req.status = ReqStatus.RUNNING
+        self.page_table.write_pages(req.slot, 0, req.pages)
+        self.running.append(req)
+        return n
+
+    def _plan_decode(self) -> ScheduledBatch | None:
+        for req in [r for r in self.running if r.decoding]:
+            while req.status is ReqStatus.RUNNING and not self._grow(req, req.total_len):
+                self.retract(self.running[-1])
+        reqs = [r for r in self.running if r.decoding]
+        if not reqs:
+            return None
+        return ScheduledBatch(ForwardMode.DECODE, reqs, [1] * len(reqs), [True] * len(reqs))
+
+    def complete(self, batch: ScheduledBatch, next_ids: list[int]) -> None:
+        """Account for a finished step: KV computed, sampled tokens appended."""
+        for req, n, keep, token in zip(batch.reqs, batch.extend_lens, batch.samples, next_ids):
+            if req.status is not ReqStatus.RUNNING:
+                continue
+            req.cached_len += n
+            if keep:
+                req.decoding = True
+                req.output_ids.append(token)
+
+    def _release(self, req: Req) -> None:
+        """Hand the request's computed whole pages to the prefix cache, free the rest."""
+        whole = req.cached_len // self.page_size
+        self.cache.insert(req.all_ids[: whole * self.page_size], req.pages[:whole])
+        self.allocator.free(req.pages[whole:])
+        self.cache.unlock(req.cache_handle)
+        self.page_table.free_row(req.slot)
+        req.pages, req.slot, req.cache_handle = [], -1, None
+        req.cached_len = req.prefix_len = 0
+        req.decoding = False
+        self.running.remove(req)
+
+    def retract(self, req: Req) -> None:
+        """Send a running request back to the front of the queue, keeping its output."""
+        self._release(req)
+        req.status = ReqStatus.WAITING
+        self.waiting.appendleft(req)
+        self.num_retractions += 1
+
+    def finish(self, req: Req, reason: FinishReason, error: str | None = None) -> None:
+        if req.status is ReqStatus.RUNNING:
+            self._release(req)
+        elif req.status is ReqStatus.WAITING and req in self.waiting:
+            self.waiting.remove(req)
+        req.status = ReqStatus.FINISHED
+        req.finish_reason = reason
+        req.error = error
+
+    def owned_pages(self) -> list[int]:
+        """Pages held by running requests beyond their cached prefix; for integrity checks."""
+        pages: list[int] = []
+        for req in self.running:
+            pages.extend(req.pages[req.prefix_len // self.page_size :])
+        return pages
+
+    def check_integrity(self) -> None:
+        """Every usable page is exactly one of: free, in the prefix cache, owned by a request."""
+        free = self.allocator.free_page_ids()
+        cached = list(self.cache.owned_pages())
+        owned = self.owned_pages()
+        everything = free + cached + owned
+        expected = set(range(1, self.allocator.num_pages))
+        if len(everything) != len(set(everything)) or set(everything) != expected:
+            seen: set[int] = set()
+            doubles = {p for p in everything if p in seen or seen.add(p)}
+            raise AssertionError(
+                f"KV page accounting broken: {len(free)} free, {len(cached)} cached, "
+                f"{len(owned)} owned of {len(expected)}; doubly owned {sorted(doubles)[:8]}, "
+                f"leaked {sorted(expected - set(everything))[:8]}"
+            )

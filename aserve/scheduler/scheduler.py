@@ -1,0 +1,175 @@
+"""The scheduler coroutine: plan a batch, run it on the engine, finish it, repeat.
+
+It lives on the server's event loop and is the only owner of requests, pages and the prefix
+cache; handlers talk to it through `submit` and `abort` and read their request's channel.
+On CPU the forward runs in one executor thread (torch releases the GIL while it computes),
+so HTTP handlers keep running during a step; planning and bookkeeping stay on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from aserve.config import SchedulerConfig
+from aserve.engine.engine import Engine
+from aserve.engine.sampler import SampleOutput
+from aserve.kvcache.base import PrefixCache
+from aserve.kvcache.naive import NaiveCache
+from aserve.kvcache.pages import PageAllocator, pages_needed
+from aserve.kvcache.radix import RadixCache
+from aserve.scheduler.batch import build_forward_batch, build_sampling_batch
+from aserve.scheduler.plan import Planner, ScheduledBatch
+from aserve.scheduler.request import FinishReason, Req, ReqOutput, SamplingParams, TokenLogprob
+
+logger = logging.getLogger(__name__)
+
+StepObserver = Callable[[ScheduledBatch, float], None]
+
+
+def make_prefix_cache(kind: str, allocator: PageAllocator) -> PrefixCache:
+    return RadixCache(allocator) if kind == "radix" else NaiveCache(allocator)
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, config: SchedulerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.allocator = PageAllocator(engine.num_pages, config.page_size)
+        self.cache = make_prefix_cache(config.cache_type, self.allocator)
+        self.planner = Planner(config, self.allocator, self.cache, engine.page_table)
+        self.eos_ids = frozenset(engine.model_config.eos_token_ids)
+        self.vocab_size = engine.model_config.vocab_size
+        self.max_seq_len = engine.max_seq_len
+        self._next_rid = 0
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._executor = (
+            ThreadPoolExecutor(1, thread_name_prefix="aserve-forward")
+            if engine.device.type == "cpu"
+            else None
+        )
+
+    def make_request(self, prompt_ids: list[int], params: SamplingParams) -> Req:
+        self._next_rid += 1
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        req = Req(rid=self._next_rid, prompt_ids=list(prompt_ids), params=params, seed=seed)
+        req.max_total_len = min(len(req.prompt_ids) + params.max_tokens, self.max_seq_len)
+        return req
+
+    def check_request(self, req: Req) -> str | None:
+        """Why `req` can never run, or None. Submission ends such a request with an error."""
+        n = len(req.prompt_ids)
+        if n == 0:
+            return "the prompt is empty"
+        if n >= self.max_seq_len:
+            return (
+                f"the prompt has {n} tokens but the context holds {self.max_seq_len} "
+                "(prompt plus at least one generated token)"
+            )
+        bad = next((t for t in req.prompt_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            return f"token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+        usable = self.allocator.usable_pages
+        if pages_needed(req.max_total_len, self.config.page_size) > usable:
+            return (
+                f"prompt plus max_tokens needs {req.max_total_len} KV tokens but the cache "
+                f"holds {usable * self.config.page_size}"
+            )
+        return None
+
+    def submit(self, req: Req) -> None:
+        problem = self.check_request(req)
+        if problem is not None:
+            self._finish(req, FinishReason.ERROR, problem)
+            return
+        self.planner.add(req)
+        self._wake.set()
+
+    def abort(self, req: Req) -> None:
+        """Ask for `req` to end; its pages are freed before the next step is planned."""
+        req.aborted = True
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+
+    async def run(self, on_step: StepObserver | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while not self._stopping:
+                self._apply_aborts()
+                planned = self.planner.schedule()
+                if planned is None:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                started = loop.time()
+                out = await self._run_step(planned)
+                self._process_results(planned, out)
+                if on_step is not None:
+                    on_step(planned, loop.time() - started)
+                await asyncio.sleep(0)
+        finally:
+            self._abort_everything()
+
+    async def _run_step(self, planned: ScheduledBatch) -> SampleOutput:
+        batch = build_forward_batch(planned, self.engine.page_table, self.engine.device)
+        sampling = build_sampling_batch(planned, self.vocab_size, self.engine.device)
+        if self._executor is None:
+            return self.engine.step(batch, sampling)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self.engine.step, batch, sampling)
+
+    def _process_results(self, planned: ScheduledBatch, out: SampleOutput) -> None:
+        next_ids = out.next_ids.tolist()
+        self.planner.complete(planned, next_ids)
+        for i, (req, keep) in enumerate(zip(planned.reqs, planned.samples)):
+            if not keep or req.aborted:
+                continue
+            token = next_ids[i]
+            logprobs = (
+                (out.token_logprob(i, req.params.top_logprobs),) if req.params.logprobs else ()
+            )
+            reason = self._finish_reason(req, token)
+            if reason is None:
+                req.channel.put_nowait(ReqOutput((token,), logprobs))
+            else:
+                self._finish(req, reason, tokens=(token,), logprobs=logprobs)
+
+    def _finish_reason(self, req: Req, token: int) -> FinishReason | None:
+        if token in req.params.stop_token_ids or (
+            token in self.eos_ids and not req.params.ignore_eos
+        ):
+            return FinishReason.STOP
+        if len(req.output_ids) >= req.params.max_tokens or req.total_len >= req.max_total_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(
+        self,
+        req: Req,
+        reason: FinishReason,
+        error: str | None = None,
+        tokens: tuple[int, ...] = (),
+        logprobs: tuple[TokenLogprob, ...] = (),
+    ) -> None:
+        self.planner.finish(req, reason, error)
+        req.channel.put_nowait(ReqOutput(tokens, logprobs, reason, error))
+
+    def _apply_aborts(self) -> None:
+        for req in [r for r in (*self.planner.running, *self.planner.waiting) if r.aborted]:
+            self._finish(req, FinishReason.ABORT)
+
+    def _abort_everything(self) -> None:
+        for req in [*self.planner.running, *self.planner.waiting]:
+            self._finish(req, FinishReason.ABORT)
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+
+    def check_integrity(self) -> None:
+        self.planner.check_integrity()
