@@ -31,9 +31,22 @@ def _as_int_tuple(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
+def _rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """Rope base and scaling, from `rope_parameters` (transformers >= 5 writes that) or the
+    older `rope_theta` / `rope_scaling` keys. Scaling of type "default" means none."""
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", config.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type"))
+    return theta, (params if kind not in (None, "default") else None)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape and quirks of one dense decoder, read from a Hugging Face config.json."""
+    """The shape and quirks of one dense decoder, read from a Hugging Face config.json.
+
+    Mistral's sliding window is honoured by capping the context at the window: within it,
+    sliding-window attention and full attention are the same computation.
+    """
 
     architecture: str
     model_type: str
@@ -74,12 +87,10 @@ class ModelConfig:
         eos = set(_as_int_tuple(config.get("eos_token_id")))
         if generation_config:
             eos |= set(_as_int_tuple(generation_config.get("eos_token_id")))
-        rope_scaling = config.get("rope_scaling")
-        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in (
-            None,
-            "default",
-        ):
-            rope_scaling = None
+        max_positions = int(config.get("max_position_embeddings", 4096))
+        if family == "mistral" and config.get("sliding_window"):
+            max_positions = min(max_positions, int(config["sliding_window"]))
+        rope_theta, rope_scaling = _rope_settings(config)
         return cls(
             architecture=arch,
             model_type=family,
@@ -91,8 +102,8 @@ class ModelConfig:
             num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(config.get("rope_theta", 10000.0)),
-            max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+            rope_theta=rope_theta,
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=bool(config.get("attention_bias", family == "qwen2")),
             qk_norm=family == "qwen3",

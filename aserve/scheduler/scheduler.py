@@ -133,7 +133,7 @@ class Scheduler:
                 continue
             token = next_ids[i]
             logprobs = (
-                (out.token_logprob(i, req.params.top_logprobs),) if req.params.logprobs else ()
+                (out.to_token_logprobs(i, req.params.top_logprobs),) if req.params.logprobs else ()
             )
             reason = self._finish_reason(req, token)
             if reason is None:

@@ -1,0 +1,81 @@
+"""Our forward against Hugging Face transformers' on the same random weights (float32)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from aserve import LLM, SamplingParams
+from aserve.scheduler.batch import build_forward_batch
+from aserve.scheduler.request import FinishReason
+from tests.tiny_models import FAMILIES, make_tiny_model
+
+PROMPTS = [[5, 17, 42, 9, 100, 3, 77, 12, 250, 31, 8], [300, 4, 4, 61]]
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def hf_model(folder: Path) -> torch.nn.Module:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
+    return model.eval()
+
+
+@torch.inference_mode()
+def our_logits(llm: LLM, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+    """Logits after the prompt and after each teacher-forced continuation token, computed
+    through the planner, the page table and the attention backend as a real run would."""
+    scheduler, engine = llm.scheduler, llm.runtime.engine
+    req = scheduler.make_request(prompt, SamplingParams(max_tokens=len(continuation) + 1))
+    scheduler.planner.add(req)
+    rows = []
+    for token in [*continuation, None]:
+        planned = scheduler.planner.schedule()
+        assert planned is not None and planned.reqs == [req]
+        batch = build_forward_batch(planned, engine.page_table, engine.device)
+        engine.attn.prepare(batch)
+        rows.append(engine.model(batch, engine.attn)[0])
+        if token is None:
+            break
+        engine.page_table.tokens[req.slot, batch.seq_lens[0]] = token
+        scheduler.planner.complete(planned, [token])
+    scheduler.planner.finish(req, FinishReason.ABORT)
+    return torch.stack(rows)
+
+
+def test_logits_match_transformers(tiny: Path) -> None:
+    hf = hf_model(tiny)
+    with LLM(str(tiny), page_size=4) as llm:
+        for prompt in PROMPTS:
+            continuation = [7, 123, 45, 2, 99]
+            ours = our_logits(llm, prompt, continuation)
+            full = torch.tensor([prompt + continuation])
+            with torch.inference_mode():
+                theirs = hf(full).logits[0, len(prompt) - 1 :]
+            torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=1e-4)
+        llm.scheduler.check_integrity()
+
+
+def test_greedy_matches_transformers_generate(tiny: Path) -> None:
+    hf = hf_model(tiny)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with LLM(str(tiny), page_size=1) as llm:
+        outputs = llm.generate(PROMPTS, params)
+        llm.scheduler.check_integrity()
+    for prompt, out in zip(PROMPTS, outputs):
+        expected = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
+        assert out.token_ids == expected
+        assert out.finish_reason == "length"

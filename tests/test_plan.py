@@ -1,0 +1,128 @@
+"""The batch planner on its own: admission, chunking, caps, retraction and page accounting."""
+
+from __future__ import annotations
+
+import torch
+
+from aserve.config import SchedulerConfig
+from aserve.forward import ForwardMode
+from aserve.kvcache.pages import PageAllocator, PageTable
+from aserve.kvcache.radix import RadixCache
+from aserve.scheduler.plan import Planner
+from aserve.scheduler.request import FinishReason, Req, ReqStatus, SamplingParams
+
+
+def make_planner(
+    num_pages: int = 64, page_size: int = 1, max_prefill: int = 64, max_running: int = 8
+) -> Planner:
+    allocator = PageAllocator(num_pages, page_size)
+    config = SchedulerConfig(
+        max_running_requests=max_running, max_prefill_length=max_prefill, page_size=page_size
+    )
+    table = PageTable(max_running, 128, page_size, torch.device("cpu"))
+    return Planner(config, allocator, RadixCache(allocator), table)
+
+
+def make_req(rid: int, prompt_len: int, first_token: int = 10) -> Req:
+    prompt = [first_token + i for i in range(prompt_len)]
+    return Req(rid=rid, prompt_ids=prompt, params=SamplingParams(max_tokens=50), seed=0)
+
+
+def run_step(planner: Planner, token: int = 3) -> None:
+    planned = planner.schedule()
+    assert planned is not None
+    planner.complete(planned, [token] * len(planned.reqs))
+    planner.check_integrity()
+
+
+def test_prefill_comes_first_and_respects_the_budget() -> None:
+    planner = make_planner(max_prefill=10)
+    for i in range(3):
+        planner.add(make_req(i, 4, first_token=100 * (i + 1)))
+    planned = planner.schedule()
+    assert planned is not None and planned.mode is ForwardMode.PREFILL
+    assert planned.extend_lens == [4, 4, 2]
+    assert planned.samples == [True, True, False]
+    planner.complete(planned, [1, 1, 1])
+    planned = planner.schedule()
+    assert planned is not None and planned.mode is ForwardMode.PREFILL
+    assert [r.rid for r in planned.reqs] == [2] and planned.extend_lens == [2]
+    planner.complete(planned, [1])
+    planned = planner.schedule()
+    assert planned is not None and planned.mode is ForwardMode.DECODE
+    assert len(planned.reqs) == 3
+    planner.check_integrity()
+
+
+def test_long_prompt_is_chunked_and_samples_only_at_the_end() -> None:
+    planner = make_planner(max_prefill=4)
+    req = make_req(0, 10)
+    planner.add(req)
+    chunks = []
+    while not req.decoding:
+        planned = planner.schedule()
+        assert planned is not None
+        chunks.append((planned.extend_lens[0], planned.samples[0]))
+        planner.complete(planned, [7])
+    assert chunks == [(4, False), (4, False), (2, True)]
+    assert req.output_ids == [7]
+    assert req.cached_len == 10
+
+
+def test_running_cap_keeps_the_rest_waiting() -> None:
+    planner = make_planner(max_running=2)
+    for i in range(3):
+        planner.add(make_req(i, 3, first_token=10 * i))
+    planned = planner.schedule()
+    assert planned is not None and len(planned.reqs) == 2
+    assert len(planner.waiting) == 1
+
+
+def test_cached_prefix_is_reused_and_at_least_one_token_is_computed() -> None:
+    planner = make_planner()
+    first = make_req(0, 8)
+    planner.add(first)
+    run_step(planner)
+    planner.finish(first, FinishReason.STOP)
+    again = make_req(1, 8)
+    planner.add(again)
+    planned = planner.schedule()
+    assert planned is not None
+    assert again.prefix_len == 7 and planned.extend_lens == [1]
+    longer = make_req(2, 12)
+    planner.add(longer)
+    planner.complete(planned, [3])
+    planned = planner.schedule()
+    assert planned is not None and planned.reqs == [longer]
+    assert longer.prefix_len == 8 and planned.extend_lens == [4]
+
+
+def test_decode_retracts_the_newest_request_when_the_pool_is_full() -> None:
+    planner = make_planner(num_pages=13, max_prefill=64)
+    a, b = make_req(0, 5, first_token=10), make_req(1, 5, first_token=50)
+    planner.add(a)
+    planner.add(b)
+    run_step(planner)
+    run_step(planner)
+    assert a.total_len == 7 and b.total_len == 7
+    planned = planner.schedule()
+    assert planned is not None and planned.reqs == [a]
+    assert b.status is ReqStatus.WAITING and b.output_ids == [3, 3]
+    assert planner.num_retractions == 1
+    planner.check_integrity()
+
+
+def test_finish_and_abort_return_pages() -> None:
+    planner = make_planner(num_pages=32)
+    reqs = [make_req(i, 6, first_token=20 * i) for i in range(3)]
+    for req in reqs:
+        planner.add(req)
+    run_step(planner)
+    planner.finish(reqs[0], FinishReason.STOP)
+    planner.finish(reqs[1], FinishReason.ABORT)
+    planner.check_integrity()
+    assert planner.running == [reqs[2]]
+    planner.finish(reqs[2], FinishReason.LENGTH)
+    planner.cache.evict(1000)
+    assert planner.allocator.free_pages == planner.allocator.usable_pages
+    assert planner.page_table.free_rows == 8

@@ -1,0 +1,66 @@
+"""Tiny random Hugging Face checkpoints of every supported family, written to disk.
+
+Shapes are small enough for a 2-core CPU but keep what distinguishes the families: grouped
+query attention, Qwen2's QKV bias, Qwen3's per-head Q/K norm and explicit head_dim, Llama-3
+rope scaling, and tied or untied embeddings.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+COMMON: dict[str, Any] = {
+    "vocab_size": 320,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    },
+    "qwen2": {"rope_theta": 1000000.0, "tie_word_embeddings": True},
+    "qwen3": {"rope_theta": 1000000.0, "tie_word_embeddings": True, "head_dim": 32},
+    "mistral": {"rope_theta": 10000.0, "tie_word_embeddings": False, "sliding_window": None},
+}
+
+
+def make_tiny_model(family: str, folder: Path, seed: int = 0) -> Path:
+    """Random weights for `family`, saved as safetensors with its config.json."""
+    import transformers
+
+    config_cls = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+        "mistral": transformers.MistralConfig,
+    }[family]
+    config = config_cls(**COMMON, **FAMILIES[family])
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.1)
+            elif name.endswith("bias"):
+                param.normal_(0.0, 0.1)
+    model.save_pretrained(folder)
+    return folder
