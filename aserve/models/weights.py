@@ -1,0 +1,114 @@
+"""Reading a Hugging Face model folder: its configs, its tensors, or random stand-ins.
+
+The folder comes from `aserve.models.source.resolve_model`, so GGUF files have already been
+converted to safetensors here. Tensors keep their Hugging Face names and stored dtype; the model
+decides how to cast and shard them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from aserve.config import ConfigError
+from aserve.models.source import ModelSourceError
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def load_hf_config(folder: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """config.json, and generation_config.json or None (it holds extra eos ids when present)."""
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ModelSourceError(f"{folder} has no config.json: not a Hugging Face model folder")
+    generation_file = folder / "generation_config.json"
+    generation = json.loads(generation_file.read_text()) if generation_file.is_file() else None
+    return json.loads(config_file.read_text()), generation
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The index decides when there is one: repos may also hold e.g. consolidated.safetensors
+    with other names for the same weights."""
+    index = folder / SAFETENSORS_INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    single = folder / "model.safetensors"
+    return [single] if single.is_file() else sorted(folder.glob("*.safetensors"))
+
+
+def iter_weights(folder: Path, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the folder as (HF name, CPU tensor in its stored dtype), one at a time."""
+    files = safetensors_files(folder)
+    if files:
+        yield from iter_safetensors(files, progress)
+        return
+    bins = sorted(folder.glob("pytorch_model*.bin"))
+    if not bins:
+        raise ModelSourceError(f"{folder} holds no *.safetensors or pytorch_model*.bin weights")
+    yield from iter_torch_bins(bins, progress)
+
+
+def iter_safetensors(files: list[Path], progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    total = sum(count_tensors(file) for file in files)
+    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as handle:
+                names = handle.keys()
+                for name in names:
+                    yield name, handle.get_tensor(name)
+                    bar.update()
+
+
+def count_tensors(file: Path) -> int:
+    with safe_open(str(file), framework="pt", device="cpu") as handle:
+        return len(handle.keys())
+
+
+def iter_torch_bins(files: list[Path], progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """Old-style checkpoints; weights_only keeps a pickle from running code, mmap keeps RAM low."""
+    for file in tqdm(files, desc="Loading weights", unit="file", disable=not progress):
+        yield from torch.load(file, map_location="cpu", weights_only=True, mmap=True).items()
+
+
+def is_norm_weight(name: str, param: torch.Tensor) -> bool:
+    return name.endswith("norm.weight") or (param.dim() == 1 and "norm" in name)
+
+
+@torch.no_grad()
+def fill_dummy_weights(module: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights from shapes alone, for --dummy-weight benchmarks.
+
+    Filled in place on each parameter's device, so an 8B model on GPU takes no host memory
+    or copies. The same seed gives the same weights on the same device.
+    """
+    generators: dict[torch.device, torch.Generator] = {}
+    for name, param in module.named_parameters():
+        if name.endswith("bias"):
+            param.zero_()
+        elif is_norm_weight(name, param):
+            param.fill_(1.0)
+        elif param.is_floating_point():
+            if param.device not in generators:
+                generators[param.device] = torch.Generator(param.device).manual_seed(seed)
+            param.normal_(0.0, 0.02, generator=generators[param.device])
+
+
+def torch_dtype(name: str, device: torch.device, config_dtype: str | None) -> torch.dtype:
+    """The --dtype option. auto is float32 on CPU (fast there and exact); on CUDA it is the
+    checkpoint's half type, or bfloat16 when it has none (float32 would halve throughput)."""
+    if name in DTYPES:
+        return DTYPES[name]
+    if name != "auto":
+        raise ConfigError(f"--dtype must be auto, {', '.join(DTYPES)}; got {name!r}")
+    if device.type != "cuda":
+        return torch.float32
+    stored = (config_dtype or "").removeprefix("torch.")
+    return DTYPES[stored] if stored in ("float16", "bfloat16") else torch.bfloat16

