@@ -48,6 +48,8 @@ class Planner:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.num_retractions = 0
+        self.prompt_tokens_admitted = 0
+        self.prompt_tokens_cached = 0
 
     def add(self, req: Req) -> None:
         self.waiting.append(req)
@@ -131,6 +133,8 @@ class Planner:
         req.prefix_len = req.cached_len = match.length
         req.cache_handle = match.handle
         req.status = ReqStatus.RUNNING
+        self.prompt_tokens_admitted += req.total_len
+        self.prompt_tokens_cached += match.length
         self.page_table.write_pages(req.slot, 0, req.pages)
         self.running.append(req)
         return n

@@ -1,0 +1,58 @@
+"""Shared fixtures: the embedded SmolLM2 model (converted once per session) and its
+Hugging Face reference, plus the rule that every test leaves the KV cache consistent."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from aserve import LLM
+from aserve.models.source import resolve_model
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded default model as a Hugging Face folder, converted into a session cache."""
+    return resolve_model(None, cache_dir=tmp_path_factory.mktemp("aserve-cache"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_dir: Path) -> torch.nn.Module:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    return model.eval()
+
+
+def assert_pages_all_free(llm: LLM) -> None:
+    """No request holds a page, and once the prefix cache is emptied every page is free."""
+    scheduler = llm.scheduler
+    scheduler.check_integrity()
+    assert not scheduler.planner.running and not scheduler.planner.waiting
+    scheduler.cache.evict(scheduler.allocator.usable_pages)
+    assert scheduler.allocator.free_pages == scheduler.allocator.usable_pages
+    assert scheduler.engine.page_table.free_rows == scheduler.config.max_running_requests
+
+
+@pytest.fixture
+def make_llm() -> Iterator[Callable[..., LLM]]:
+    """Build LLMs for a test; afterwards each must have every KV page free again."""
+    made: list[LLM] = []
+
+    def build(model: str | Path | None = None, **options: Any) -> LLM:
+        options.setdefault("num_pages", 4096)
+        llm = LLM(str(model) if model is not None else None, **options)
+        made.append(llm)
+        return llm
+
+    yield build
+    try:
+        for llm in made:
+            assert_pages_all_free(llm)
+    finally:
+        for llm in made:
+            llm.close()

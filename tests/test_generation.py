@@ -1,0 +1,106 @@
+"""Greedy generation of the embedded SmolLM2: equal to transformers, and unchanged by every
+scheduling feature (radix hits, chunked prefill, page sizes, naive cache, retraction)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from aserve import LLM, SamplingParams
+
+TEXTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+    "List three primary colours:",
+    "Once upon a time, in a small village at the edge of a dark forest, there lived",
+    "Q: What is 12 times 12?\nA:",
+    "Translate to French: I like apples.",
+    "The quick brown fox",
+]
+NEW_TOKENS = 24
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(smollm2_dir: Path) -> list[list[int]]:
+    from aserve.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(smollm2_dir)
+    return [tokenizer.encode(t) for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def hf_tokens(smollm2_hf: torch.nn.Module, prompt_ids: list[list[int]]) -> list[list[int]]:
+    outputs = []
+    for ids in prompt_ids:
+        with torch.inference_mode():
+            generated = smollm2_hf.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        outputs.append(generated[0, len(ids) :].tolist())
+    return outputs
+
+
+def greedy_tokens(llm: LLM, prompt_ids: list[list[int]]) -> list[list[int]]:
+    outputs = llm.generate(prompt_ids, GREEDY)
+    assert all(o.finish_reason == "length" for o in outputs)
+    return [o.token_ids for o in outputs]
+
+
+def test_batched_greedy_equals_transformers(
+    make_llm: Callable[..., LLM], smollm2_dir: Path, prompt_ids, hf_tokens
+) -> None:
+    llm = make_llm(smollm2_dir)
+    assert greedy_tokens(llm, prompt_ids) == hf_tokens
+    text = llm.generate(TEXTS[0], GREEDY)[0].text
+    assert "Paris" in text
+
+
+def test_radix_hits_do_not_change_outputs(
+    make_llm: Callable[..., LLM], smollm2_dir: Path, prompt_ids, hf_tokens
+) -> None:
+    llm = make_llm(smollm2_dir, page_size=4)
+    planner = llm.scheduler.planner
+    assert greedy_tokens(llm, prompt_ids) == hf_tokens
+    cached_before = planner.prompt_tokens_cached
+    assert greedy_tokens(llm, prompt_ids) == hf_tokens
+    assert planner.prompt_tokens_cached - cached_before > sum(len(p) for p in prompt_ids) // 2
+    extended = [p + h[:5] for p, h in zip(prompt_ids, hf_tokens)]
+    outputs = llm.generate(extended, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert [o.token_ids for o in outputs] == [h[5:13] for h in hf_tokens]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"max_prefill_length": 7},
+        {"page_size": 1},
+        {"page_size": 16},
+        {"cache_type": "naive"},
+        {"max_running_requests": 3},
+    ],
+    ids=["chunked-prefill", "page-1", "page-16", "naive-cache", "three-running"],
+)
+def test_scheduling_options_do_not_change_outputs(
+    make_llm: Callable[..., LLM], smollm2_dir: Path, prompt_ids, hf_tokens, options: dict
+) -> None:
+    llm = make_llm(smollm2_dir, **options)
+    assert greedy_tokens(llm, prompt_ids) == hf_tokens
+
+
+def test_retraction_under_a_tiny_pool_keeps_outputs(
+    make_llm: Callable[..., LLM], smollm2_dir: Path, prompt_ids, hf_tokens
+) -> None:
+    longest = max(len(p) for p in prompt_ids) + NEW_TOKENS
+    llm = make_llm(smollm2_dir, num_pages=longest + 40, page_size=1)
+    assert greedy_tokens(llm, prompt_ids) == hf_tokens
+    assert llm.scheduler.planner.num_retractions > 0
