@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -111,6 +112,93 @@ def test_interrupted_conversion_leaves_no_cache(
     with pytest.raises(KeyboardInterrupt):
         resolve_model(None, cache_dir=tmp_path)
     assert list((tmp_path / "gguf").iterdir()) == []
+
+
+def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf does to llama's q_proj/k_proj rows."""
+    return (
+        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def write_tiny_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray]) -> None:
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(1)
+    writer.add_embedding_length(8)
+    writer.add_feed_forward_length(16)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_key_length(4)
+    writer.add_context_length(64)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(1e6)
+    writer.add_eos_token_id(5)
+    writer.add_eot_token_id(6)
+    for name, array in tensors.items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tiny_gguf_config_and_rope_rows(tmp_path: Path, arch: str) -> None:
+    """Only llama's Q/K rows are permuted by llama.cpp; qwen3 rows and q_norm pass through."""
+    generator = np.random.default_rng(0)
+    q, k = generator.standard_normal((16, 8)), generator.standard_normal((8, 8))
+    permuted = arch == "llama"
+    tensors = {
+        "token_embd.weight": generator.standard_normal((32, 8)),
+        "blk.0.attn_q.weight": llama_cpp_permute(q, 4) if permuted else q,
+        "blk.0.attn_k.weight": llama_cpp_permute(k, 2) if permuted else k,
+        "blk.0.attn_q_norm.weight": np.ones(4),
+    }
+    write_tiny_gguf(
+        tmp_path / "tiny.gguf", arch, {n: a.astype(np.float32) for n, a in tensors.items()}
+    )
+    reader = gguf.GGUFReader(tmp_path / "tiny.gguf")
+
+    config = source.hf_config(reader)
+    arrays = {
+        source.hf_tensor_name(t.name): source.hf_array(t, source.hf_tensor_name(t.name), config)
+        for t in reader.tensors
+    }
+
+    assert config["model_type"] == arch and config["head_dim"] == 4
+    assert config["num_key_value_heads"] == 2 and config["vocab_size"] == 32
+    assert config["rms_norm_eps"] == 1e-6 and config["tie_word_embeddings"]
+    assert source.generation_config(reader)["eos_token_id"] == [5, 6]
+    np.testing.assert_array_equal(
+        arrays["model.layers.0.self_attn.q_proj.weight"], q.astype(np.float32)
+    )
+    np.testing.assert_array_equal(
+        arrays["model.layers.0.self_attn.k_proj.weight"], k.astype(np.float32)
+    )
+    assert arrays["model.layers.0.self_attn.q_norm.weight"].shape == (4,)
+
+
+def test_unknown_gguf_tensor_is_refused() -> None:
+    with pytest.raises(ModelSourceError, match="'blk.0.ssm_conv1d.weight' has no Hugging Face"):
+        source.hf_tensor_name("blk.0.ssm_conv1d.weight")
+
+
+def test_converted_shards_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(source, "SHARD_BYTES", 100)
+    arrays = {
+        f"model.layers.{i}.mlp.up_proj.weight": np.full((4, 4), i, np.float32) for i in range(3)
+    }
+    source.save_sharded(iter(arrays.items()), tmp_path)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == [
+        f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)
+    ]
+    assert index["metadata"]["total_size"] == 3 * 64
+    loaded = dict(iter_weights(tmp_path, progress=False))
+    for name, array in arrays.items():
+        np.testing.assert_array_equal(loaded[name].numpy(), array)
 
 
 def test_changed_gguf_gets_a_new_cache_folder(tmp_path: Path) -> None:
