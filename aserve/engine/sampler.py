@@ -1,0 +1,252 @@
+"""Turn one batch of logits into next tokens: penalties, greedy or seeded sampling, logprobs.
+
+Sampling never syncs with the host: every per-row choice (greedy or not, top-k, top-p, min-p,
+penalties) is a tensor built once per batch, and the only Python branches test flags that
+`SamplingBatch.build` computed from the parameters, never tensor values.
+
+Randomness is a pure function of (seed, step, token id): an integer hash computed with tensor
+ops gives each candidate token a uniform number u, and the token with the largest p / -log(u)
+wins. That exponential race draws exactly from p, needs no generator state, and gives a request
+the same tokens whatever else shares its batch, on CPU and CUDA alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from aserve.scheduler.request import SamplingParams, TokenLogprob
+
+_MASK32 = 0xFFFFFFFF
+_SEED_SALT = 0x9E3779B9
+_TOKEN_SALT = 0x85EBCA6B
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """The lowbias32 avalanche mixer, in place on a fresh int64 tensor holding [0, 2**32).
+
+    Values stay non-negative, so every >> is logical. A product can pass 2**63 and wrap;
+    wrapping keeps the low 32 bits exact on CPU and CUDA alike, and the mask keeps only those.
+    In place because at [B, V] each temporary costs B * V * 8 bytes.
+    """
+    x ^= x >> 16
+    x.mul_(0x7FEB352D).bitwise_and_(_MASK32)
+    x ^= x >> 15
+    x.mul_(0x846CA68B).bitwise_and_(_MASK32)
+    x ^= x >> 16
+    return x
+
+
+def _row_keys(seeds: list[int], steps: list[int]) -> torch.Tensor:
+    """One 32-bit key per (seed, step); the low 64 bits of the seed take part."""
+    lo = torch.tensor([s & _MASK32 for s in seeds], dtype=torch.int64)
+    hi = torch.tensor([(s >> 32) & _MASK32 for s in seeds], dtype=torch.int64)
+    step = torch.tensor(steps, dtype=torch.int64) & _MASK32
+    return _mix32(_mix32(_mix32(hi ^ _SEED_SALT) ^ lo) ^ step)
+
+
+def seeded_exponential_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Exp(1) noise [B, V] from the row keys: u is an odd 24-bit integer over 2**24, exact in
+    float32 and strictly inside (0, 1), so the noise is finite and positive."""
+    tokens = _mix32(torch.arange(vocab_size, device=keys.device) ^ _TOKEN_SALT)
+    odd = (_mix32(keys[:, None] ^ tokens[None, :]) >> 8) | 1
+    return torch.log(odd.float() * 2.0**-24).neg_()
+
+
+def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Per-row occurrence counts [B, V] float32, scattered on the device from a flat index."""
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+    row_of = torch.repeat_interleave(torch.arange(len(rows)), lengths)
+    ids = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
+    flat = (row_of * vocab_size + torch.from_numpy(ids)).to(device)
+    counts = torch.zeros(len(rows) * vocab_size, dtype=torch.float32, device=device)
+    counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
+    return counts.view(len(rows), vocab_size)
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row sampling parameters as tensors, plus host flags that keep cheap paths cheap.
+
+    Greedy rows carry temperature 1 so that no row divides by zero; top_k 0 means no cut.
+    The token-count tensors exist only when some row has a penalty.
+    """
+
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    repetition_penalty: torch.Tensor
+    frequency_penalty: torch.Tensor
+    presence_penalty: torch.Tensor
+    keys: torch.Tensor
+    top_k: torch.Tensor
+    greedy: torch.Tensor
+    seen: torch.Tensor | None
+    output_counts: torch.Tensor | None
+    all_greedy: bool
+    any_greedy: bool
+    max_top_k: int
+    any_top_p: bool
+    any_min_p: bool
+    any_penalties: bool
+    want_logprobs: bool
+    max_top_logprobs: int
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        seeds: list[int],
+        steps: list[int],
+        prompt_ids: list[list[int]],
+        output_ids: list[list[int]],
+        vocab_size: int,
+        device: torch.device,
+    ) -> SamplingBatch:
+        """Pack the rows' parameters into tensors with two host-to-device copies (plus the
+        token ids of rows with penalties)."""
+        top_ks = [min(p.top_k, vocab_size) if p.top_k > 0 else 0 for p in params]
+        floats = torch.tensor(
+            [
+                [
+                    1.0 if p.greedy else p.temperature,
+                    p.top_p,
+                    p.min_p,
+                    p.repetition_penalty,
+                    p.frequency_penalty,
+                    p.presence_penalty,
+                ]
+                for p in params
+            ],
+            dtype=torch.float32,
+        ).to(device)
+        ints = torch.stack(
+            [
+                _row_keys(seeds, steps),
+                torch.tensor(top_ks, dtype=torch.int64),
+                torch.tensor([p.greedy for p in params], dtype=torch.int64),
+            ]
+        ).to(device)
+        any_penalties = any(p.has_penalties for p in params)
+        seen = output_counts = None
+        if any_penalties:
+            rows = list(zip(params, prompt_ids, output_ids, strict=True))
+            repeated = [ids + out if p.repetition_penalty != 1.0 else [] for p, ids, out in rows]
+            generated = [out if p.has_penalties else [] for p, _, out in rows]
+            seen = _token_counts(repeated, vocab_size, device).bool()
+            output_counts = _token_counts(generated, vocab_size, device)
+        temperature, top_p, min_p, repetition, frequency, presence = floats.unbind(1)
+        return cls(
+            temperature=temperature,
+            top_p=top_p,
+            min_p=min_p,
+            repetition_penalty=repetition,
+            frequency_penalty=frequency,
+            presence_penalty=presence,
+            keys=ints[0],
+            top_k=ints[1],
+            greedy=ints[2].bool(),
+            seen=seen,
+            output_counts=output_counts,
+            all_greedy=all(p.greedy for p in params),
+            any_greedy=any(p.greedy for p in params),
+            max_top_k=max(top_ks, default=0),
+            any_top_p=any(p.top_p < 1.0 for p in params),
+            any_min_p=any(p.min_p > 0.0 for p in params),
+            any_penalties=any_penalties,
+            want_logprobs=any(p.logprobs or p.top_logprobs > 0 for p in params),
+            max_top_logprobs=max((p.top_logprobs for p in params), default=0),
+        )
+
+
+class SampleOutput(NamedTuple):
+    """Next tokens [B] int64; logprobs of them [B] and the top-N alternatives [B, N], sorted
+    descending, or None when no row asked (top-N also None when N is 0)."""
+
+    next_ids: torch.Tensor
+    logprobs: torch.Tensor | None
+    top_ids: torch.Tensor | None
+    top_logprobs: torch.Tensor | None
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> SampleOutput:
+        """Move every tensor, e.g. to pinned host memory before the scheduler reads it."""
+        return SampleOutput(
+            *(None if t is None else t.to(device, non_blocking=non_blocking) for t in self)
+        )
+
+    def to_token_logprobs(self, row: int, n: int) -> TokenLogprob:
+        """Row `row` with its first `n` alternatives; reads values, so call it on host tensors."""
+        if self.logprobs is None:
+            raise ValueError("no row of this batch asked for logprobs")
+        top: tuple[tuple[int, float], ...] = ()
+        if self.top_ids is not None and self.top_logprobs is not None and n > 0:
+            ids, values = self.top_ids[row, :n].tolist(), self.top_logprobs[row, :n].tolist()
+            top = tuple(zip(ids, values, strict=True))
+        return TokenLogprob(int(self.next_ids[row]), float(self.logprobs[row]), top)
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition penalty as Hugging Face / vLLM (prompt and output tokens), then OpenAI's
+    frequency and presence penalties (output tokens only). Returns a new tensor."""
+    assert batch.seen is not None and batch.output_counts is not None
+    rep = batch.repetition_penalty[:, None]
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(batch.seen, penalised, logits)
+    counts = batch.output_counts
+    return (
+        logits
+        - batch.frequency_penalty[:, None] * counts
+        - batch.presence_penalty[:, None] * (counts > 0)
+    )
+
+
+def filter_top_k_top_p_min_p(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Zero the probabilities that top-k, then top-p (on the top-k mass), then min-p drop.
+
+    The result is not renormalised: the exponential race is invariant to scaling a row.
+    """
+    if batch.max_top_k > 0:
+        kth = probs.topk(batch.max_top_k, dim=-1).values
+        index = (batch.top_k.clamp(min=1) - 1)[:, None]
+        threshold = torch.where(batch.top_k[:, None] > 0, kth.gather(1, index), 0.0)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    if batch.any_top_p:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        limit = (batch.top_p * sorted_probs.sum(dim=-1))[:, None]
+        keep_sorted = mass_before < limit
+        keep = torch.empty_like(keep_sorted).scatter_(1, order, keep_sorted)
+        probs = probs.masked_fill(~keep, 0.0)
+    if batch.any_min_p:
+        floor = batch.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return probs
+
+
+class Sampler:
+    """Stateless; one instance serves every batch."""
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
+        """Pick one token per row of `logits` [B, V] as `batch` says, without host syncs."""
+        scores = apply_penalties(logits.float(), batch) if batch.any_penalties else logits
+        if batch.all_greedy:
+            next_ids = scores.argmax(dim=-1)
+        else:
+            probs = torch.softmax(scores / batch.temperature[:, None], dim=-1)
+            probs = filter_top_k_top_p_min_p(probs, batch)
+            noise = seeded_exponential_noise(batch.keys, probs.shape[-1])
+            next_ids = (probs / noise).argmax(dim=-1)
+            if batch.any_greedy:
+                next_ids = torch.where(batch.greedy, scores.argmax(dim=-1), next_ids)
+        if not batch.want_logprobs:
+            return SampleOutput(next_ids, None, None, None)
+        logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+        chosen = logprobs.gather(1, next_ids[:, None]).squeeze(1)
+        if batch.max_top_logprobs == 0:
+            return SampleOutput(next_ids, chosen, None, None)
+        top = logprobs.topk(batch.max_top_logprobs, dim=-1)
+        return SampleOutput(next_ids, chosen, top.indices, top.values)

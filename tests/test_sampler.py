@@ -1,0 +1,348 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from aserve.engine.sampler import (
+    SampleOutput,
+    Sampler,
+    SamplingBatch,
+    apply_penalties,
+    seeded_exponential_noise,
+)
+from aserve.scheduler.request import SamplingParams, TokenLogprob
+
+CPU = torch.device("cpu")
+CHI2_3DOF_P999 = 16.27
+
+
+def make_batch(
+    params: list[SamplingParams],
+    vocab_size: int,
+    seeds: list[int] | None = None,
+    steps: list[int] | None = None,
+    prompts: list[list[int]] | None = None,
+    outputs: list[list[int]] | None = None,
+    device: torch.device = CPU,
+) -> SamplingBatch:
+    """A batch whose seeds default to the params' seeds and whose histories default to empty."""
+    n = len(params)
+    return SamplingBatch.build(
+        params,
+        seeds if seeds is not None else [p.seed or 0 for p in params],
+        steps if steps is not None else [0] * n,
+        prompts if prompts is not None else [[] for _ in range(n)],
+        outputs if outputs is not None else [[] for _ in range(n)],
+        vocab_size,
+        device,
+    )
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    seeds: list[int] | None = None,
+    steps: list[int] | None = None,
+    prompts: list[list[int]] | None = None,
+    outputs: list[list[int]] | None = None,
+) -> SampleOutput:
+    batch = make_batch(params, logits.shape[-1], seeds, steps, prompts, outputs, logits.device)
+    return Sampler().sample(logits, batch)
+
+
+def run_request(
+    logits: torch.Tensor, params: SamplingParams, seed: int, steps: int, row: int, width: int
+) -> list[int]:
+    """One request's tokens over `steps` steps, sampled at `row` of a batch of `width` rows
+    whose other rows use different parameters, seeds and logits."""
+    others = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.3, top_k=3, presence_penalty=1.0),
+        SamplingParams(temperature=0.7, top_p=0.5, min_p=0.1),
+    ]
+    tokens = []
+    for step in range(steps):
+        generator = torch.Generator().manual_seed(step)
+        batch_logits = torch.randn(width, logits.shape[-1], generator=generator)
+        batch_logits[row] = logits
+        params_list = [others[i % len(others)] for i in range(width)]
+        params_list[row] = params
+        seeds = [1000 + 17 * i + step for i in range(width)]
+        seeds[row] = seed
+        outputs = [[i, step] for i in range(width)]
+        out = sample(batch_logits, params_list, seeds=seeds, steps=[step] * width, outputs=outputs)
+        tokens.append(int(out.next_ids[row]))
+    return tokens
+
+
+def frequencies(logits: torch.Tensor, params: SamplingParams, draws: int) -> torch.Tensor:
+    """Counts per token over `draws` distinct (seed, step) pairs of the same distribution."""
+    seeds = [i // 8 for i in range(draws)]
+    steps = [i % 8 for i in range(draws)]
+    out = sample(logits.expand(draws, -1), [params] * draws, seeds=seeds, steps=steps)
+    return torch.bincount(out.next_ids, minlength=logits.shape[-1])
+
+
+def test_greedy_is_argmax_for_any_dtype() -> None:
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(0))
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        out = sample(logits.to(dtype), [SamplingParams(temperature=0.0)] * 6)
+        assert out.next_ids.dtype == torch.int64
+        assert torch.equal(out.next_ids, logits.to(dtype).float().argmax(dim=-1))
+        assert out.logprobs is None and out.top_ids is None
+
+
+def test_top_k_one_is_greedy_at_temperature_one() -> None:
+    logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=1.0, top_k=1)] * 8
+    for step in range(5):
+        out = sample(logits, params, seeds=list(range(8)), steps=[step] * 8)
+        assert torch.equal(out.next_ids, logits.argmax(dim=-1))
+
+
+def test_same_seed_same_tokens_whatever_the_batch() -> None:
+    logits = torch.zeros(40)
+    params = SamplingParams(temperature=0.9, top_p=0.95)
+    alone = run_request(logits, params, seed=123, steps=30, row=0, width=1)
+    assert len(set(alone)) > 10
+    assert run_request(logits, params, seed=123, steps=30, row=2, width=5) == alone
+    assert run_request(logits, params, seed=123, steps=30, row=0, width=3) == alone
+    assert run_request(logits, params, seed=124, steps=30, row=0, width=1) != alone
+
+
+def test_row_order_does_not_change_tokens() -> None:
+    logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(2))
+    params = [SamplingParams(temperature=1.0, seed=5), SamplingParams(temperature=0.8, seed=9)]
+    forward = sample(logits, params, steps=[3, 3]).next_ids
+    backward = sample(logits.flip(0), params[::-1], steps=[3, 3]).next_ids
+    assert torch.equal(forward, backward.flip(0))
+
+
+def test_different_seeds_give_different_streams() -> None:
+    logits = torch.zeros(2, 100)
+    params = [SamplingParams(temperature=1.0)] * 2
+    same = 0
+    for step in range(200):
+        ids = sample(logits, params, seeds=[1, 2], steps=[step, step]).next_ids
+        same += int(ids[0] == ids[1])
+    assert same < 10
+
+
+def test_large_seeds_use_their_high_bits() -> None:
+    logits = torch.zeros(2, 1000)
+    params = [SamplingParams(temperature=1.0)] * 2
+    ids = sample(logits, params, seeds=[7, 7 + 2**40]).next_ids
+    assert ids[0] != ids[1]
+
+
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        (SamplingParams(), [0.5, 0.25, 0.15, 0.10]),
+        (SamplingParams(temperature=0.5), [25 / 34.5, 6.25 / 34.5, 2.25 / 34.5, 1 / 34.5]),
+        (SamplingParams(top_k=3), [0.5 / 0.9, 0.25 / 0.9, 0.15 / 0.9, 0.0]),
+        (SamplingParams(top_p=0.7), [2 / 3, 1 / 3, 0.0, 0.0]),
+        (SamplingParams(min_p=0.35), [2 / 3, 1 / 3, 0.0, 0.0]),
+    ],
+)
+def test_frequencies_match_probabilities(params: SamplingParams, expected: list[float]) -> None:
+    draws = 8000
+    counts = frequencies(torch.tensor([0.5, 0.25, 0.15, 0.10]).log(), params, draws)
+    chi2 = 0.0
+    for count, p in zip(counts.tolist(), expected, strict=True):
+        if p == 0.0:
+            assert count == 0
+        else:
+            chi2 += (count - draws * p) ** 2 / (draws * p)
+    assert chi2 < CHI2_3DOF_P999
+
+
+def test_top_p_applies_to_the_top_k_mass() -> None:
+    logits = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
+    counts = frequencies(logits, SamplingParams(top_k=2, top_p=0.5), draws=500)
+    assert counts.tolist() == [500, 0, 0, 0]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.5, top_k=5),
+        SamplingParams(temperature=1.5, top_p=0.6),
+        SamplingParams(temperature=1.5, min_p=0.3),
+        SamplingParams(temperature=0.7, top_k=8, top_p=0.8, min_p=0.05),
+    ],
+)
+def test_filters_never_pick_outside_the_allowed_set(params: SamplingParams) -> None:
+    rows, vocab = 400, 64
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(3)) * 2
+    probs = torch.softmax(logits / params.temperature, dim=-1)
+    allowed = torch.ones_like(probs, dtype=torch.bool)
+    if params.top_k > 0:
+        allowed &= probs >= probs.topk(params.top_k, dim=-1).values[:, -1:]
+    kept = probs * allowed
+    if params.top_p < 1.0:
+        ranked, order = kept.sort(dim=-1, descending=True)
+        before = ranked.cumsum(dim=-1) - ranked
+        inside = before < params.top_p * ranked.sum(dim=-1, keepdim=True)
+        allowed &= torch.zeros_like(inside).scatter(1, order, inside)
+    if params.min_p > 0.0:
+        allowed &= probs >= params.min_p * probs.amax(dim=-1, keepdim=True)
+    out = sample(logits, [params] * rows, seeds=list(range(rows)))
+    picked = allowed.gather(1, out.next_ids[:, None]).squeeze(1)
+    assert picked.all()
+    assert (out.next_ids != logits.argmax(dim=-1)).sum() > rows // 10
+
+
+def test_repetition_penalty_counts_prompt_and_output() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, -0.5, 1.0], [2.0, -1.0, 0.5, -0.5, 1.0]])
+    params = [SamplingParams(repetition_penalty=2.0), SamplingParams()]
+    batch = make_batch(params, 5, prompts=[[0, 1], [0, 1]], outputs=[[2], [2]])
+    penalised = apply_penalties(logits, batch)
+    assert penalised[0].tolist() == [1.0, -2.0, 0.25, -0.5, 1.0]
+    assert torch.equal(penalised[1], logits[1])
+
+
+def test_frequency_and_presence_count_output_only() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, -0.5, 1.0]])
+    params = [SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)]
+    batch = make_batch(params, 5, prompts=[[0, 0, 4]], outputs=[[1, 1, 2]])
+    assert apply_penalties(logits, batch)[0].tolist() == [2.0, -2.25, -0.25, -0.5, 1.0]
+
+
+def test_negative_presence_penalty_raises_seen_tokens() -> None:
+    logits = torch.tensor([[1.0, 0.0, 0.0]])
+    batch = make_batch([SamplingParams(presence_penalty=-1.5)], 3, outputs=[[2, 2]])
+    assert apply_penalties(logits, batch)[0].tolist() == [1.0, 0.0, 1.5]
+
+
+def test_penalties_change_greedy_choice() -> None:
+    logits = torch.tensor([[2.0, 1.9, 0.0]])
+    params = [SamplingParams(temperature=0.0, presence_penalty=0.5)]
+    assert sample(logits, params, outputs=[[0]]).next_ids.tolist() == [1]
+    assert sample(logits, params, prompts=[[0]]).next_ids.tolist() == [0]
+
+
+def test_logprobs_are_raw_log_softmax_with_sorted_top() -> None:
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(4))
+    params = [
+        SamplingParams(temperature=0.5, logprobs=True, top_logprobs=5, repetition_penalty=1.5),
+        SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2),
+        SamplingParams(temperature=1.0),
+    ]
+    out = sample(logits, params, seeds=[1, 2, 3], outputs=[[0, 1], [], [2]])
+    expected = torch.log_softmax(logits, dim=-1)
+    assert out.logprobs is not None and out.top_ids is not None and out.top_logprobs is not None
+    chosen = expected.gather(1, out.next_ids[:, None]).squeeze(1)
+    torch.testing.assert_close(out.logprobs, chosen)
+    assert out.top_ids.shape == (3, 5)
+    assert torch.equal(out.top_ids, expected.argsort(dim=-1, descending=True)[:, :5])
+    assert (out.top_logprobs[:, :-1] >= out.top_logprobs[:, 1:]).all()
+    row = out.to(CPU).to_token_logprobs(1, 2)
+    assert isinstance(row, TokenLogprob)
+    assert row.token_id == int(logits[1].argmax())
+    assert row.logprob == pytest.approx(float(expected[1].max()))
+    assert [i for i, _ in row.top] == out.top_ids[1, :2].tolist()
+    assert [lp for _, lp in row.top] == pytest.approx(out.top_logprobs[1, :2].tolist())
+
+
+def test_logprobs_without_top_alternatives() -> None:
+    logits = torch.randn(2, 10, generator=torch.Generator().manual_seed(5))
+    out = sample(logits, [SamplingParams(logprobs=True), SamplingParams()], seeds=[1, 2])
+    assert out.logprobs is not None and out.top_ids is None
+    assert out.to_token_logprobs(0, 3).top == ()
+
+
+def test_mixed_batch_of_greedy_and_sampled_rows() -> None:
+    vocab = 50
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(6)) * 0.3
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, seed=11),
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=1.2, seed=12),
+    ]
+    sampled_moves = 0
+    for step in range(20):
+        out = sample(logits, params, seeds=[0, 11, 0, 12], steps=[step] * 4).next_ids
+        assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
+        for row in (1, 3):
+            alone = sample(logits[row : row + 1], [params[row]], steps=[step]).next_ids
+            assert out[row] == alone[0]
+            sampled_moves += int(out[row] != logits[row].argmax())
+    assert sampled_moves > 20
+
+
+def test_noise_is_exponential() -> None:
+    keys = torch.arange(64, dtype=torch.int64) * 2654435761 % 2**32
+    noise = seeded_exponential_noise(keys, 4096)
+    assert torch.isfinite(noise).all() and (noise > 0).all()
+    assert noise.mean().item() == pytest.approx(1.0, abs=0.01)
+    assert noise.var().item() == pytest.approx(1.0, abs=0.03)
+    u = torch.exp(-noise)
+    assert (u < 0.5).float().mean().item() == pytest.approx(0.5, abs=0.005)
+    assert not torch.equal(noise[0], noise[1])
+
+
+def lowbias32(x: int) -> int:
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_noise_follows_the_pinned_hash() -> None:
+    """The seeded stream is part of the contract: changing the hash changes users' outputs.
+    Products past 2**63 wrap inside the mixer; the grid is wide enough to hit them."""
+    keys = [0, 1, 0xDEADBEEF, 0xFFFFFFFF]
+    noise = seeded_exponential_noise(torch.tensor(keys), 300)
+    expected = [
+        [
+            -math.log(((lowbias32(key ^ lowbias32(t ^ 0x85EBCA6B)) >> 8) | 1) * 2.0**-24)
+            for t in range(300)
+        ]
+        for key in keys
+    ]
+    torch.testing.assert_close(noise, torch.tensor(expected), rtol=1e-6, atol=0.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_cpu_without_host_sync() -> None:
+    rows, vocab = 64, 32000
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(7)) * 3
+    params = [
+        SamplingParams(
+            temperature=[0.0, 0.7, 1.0, 1.3][i % 4],
+            top_k=[-1, 50, -1, 200][i % 3],
+            top_p=[1.0, 0.9][i % 2],
+            min_p=[0.0, 0.05][i % 5 == 0],
+            frequency_penalty=0.3 * (i % 2),
+            repetition_penalty=1.2,
+            top_logprobs=3 * (i % 2),
+            logprobs=bool(i % 2),
+        )
+        for i in range(rows)
+    ]
+    seeds = [i * 7919 for i in range(rows)]
+    steps = [i % 6 for i in range(rows)]
+    prompts = [[i, i + 1] for i in range(rows)]
+    outputs = [[i, 2 * i, 2 * i] for i in range(rows)]
+    cpu = sample(logits, params, seeds, steps, prompts, outputs)
+    cuda = torch.device("cuda")
+    batch = make_batch(params, vocab, seeds, steps, prompts, outputs, cuda)
+    logits_gpu = logits.to(cuda)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        gpu = Sampler().sample(logits_gpu, batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(gpu.next_ids.cpu(), cpu.next_ids)
+    assert gpu.logprobs is not None and cpu.logprobs is not None
+    torch.testing.assert_close(gpu.logprobs.cpu(), cpu.logprobs)
+    keys = torch.tensor([0, 1, 0xDEADBEEF, 0xFFFFFFFF])
+    noise = seeded_exponential_noise(keys.to(cuda), vocab).cpu()
+    torch.testing.assert_close(noise, seeded_exponential_noise(keys, vocab), rtol=1e-6, atol=0.0)
