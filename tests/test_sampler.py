@@ -12,7 +12,7 @@ from aserve.engine.sampler import (
     apply_penalties,
     seeded_exponential_noise,
 )
-from aserve.scheduler.request import SamplingParams, TokenLogprob
+from aserve.sampling_params import SamplingParams, TokenLogprob
 
 CPU = torch.device("cpu")
 CHI2_3DOF_P999 = 16.27

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from aserve.scheduler.request import SamplingParams, TokenLogprob
+from aserve.sampling_params import SamplingParams, TokenLogprob
 
 _MASK32 = 0xFFFFFFFF
 _SEED_SALT = 0x9E3779B9
