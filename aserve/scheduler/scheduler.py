@@ -47,6 +47,7 @@ class Scheduler:
         self._next_rid = 0
         self._wake = asyncio.Event()
         self._stopping = False
+        self._running = False
         self._executor = (
             ThreadPoolExecutor(1, thread_name_prefix="aserve-forward")
             if engine.device.type == "cpu"
@@ -99,6 +100,9 @@ class Scheduler:
         self._wake.set()
 
     async def run(self, on_step: StepObserver | None = None) -> None:
+        if self._running:
+            raise RuntimeError("the scheduler loop is already running")
+        self._running = True
         loop = asyncio.get_running_loop()
         try:
             while not self._stopping:
