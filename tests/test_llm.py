@@ -3,7 +3,6 @@ scheduler, logprobs against transformers, error results, aborts and option plumb
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from pathlib import Path
 

@@ -27,6 +27,7 @@ class _PrefillMetadata:
 @dataclass
 class _DecodeMetadata:
     kv_slots: torch.Tensor
+    flat_slots: torch.Tensor
     mask: torch.Tensor
 
 
@@ -66,7 +67,7 @@ class TorchNativeBackend:
         slots = batch.page_table[batch.rows, :longest].long()
         lens = torch.tensor(batch.seq_lens, device=device)
         mask = torch.arange(longest, device=device)[None, :] < lens[:, None]
-        return _DecodeMetadata(slots, mask[:, None, None, :])
+        return _DecodeMetadata(slots, slots.flatten(), mask[:, None, None, :])
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
@@ -84,8 +85,8 @@ class TorchNativeBackend:
         k_pool, v_pool = self.pool.k[layer], self.pool.v[layer]
         for seq in meta.seqs:
             q_seq = q[seq.q_start : seq.q_start + seq.q_len].transpose(0, 1)
-            k_seq = k_pool[seq.kv_slots].transpose(0, 1)
-            v_seq = v_pool[seq.kv_slots].transpose(0, 1)
+            k_seq = k_pool.index_select(0, seq.kv_slots).transpose(0, 1)
+            v_seq = v_pool.index_select(0, seq.kv_slots).transpose(0, 1)
             o = F.scaled_dot_product_attention(
                 q_seq,
                 k_seq,
@@ -98,8 +99,9 @@ class TorchNativeBackend:
         return out
 
     def _decode(self, q: torch.Tensor, layer: int, meta: _DecodeMetadata) -> torch.Tensor:
-        k = self.pool.k[layer][meta.kv_slots].transpose(1, 2)
-        v = self.pool.v[layer][meta.kv_slots].transpose(1, 2)
+        shape = (*meta.kv_slots.shape, *self.pool.k[layer].shape[1:])
+        k = self.pool.k[layer].index_select(0, meta.flat_slots).view(shape).transpose(1, 2)
+        v = self.pool.v[layer].index_select(0, meta.flat_slots).view(shape).transpose(1, 2)
         o = F.scaled_dot_product_attention(
             q[:, :, None, :], k, v, attn_mask=meta.mask, enable_gqa=True
         )

@@ -54,13 +54,13 @@ class DecoderAttention(nn.Module):
         batch: ForwardBatch,
         attn: AttentionBackend,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(-1, self.q_size // self.head_dim, self.head_dim)
-        k = k.reshape(-1, self.kv_size // self.head_dim, self.head_dim)
+        qkv = self.qkv_proj(hidden)
+        tokens, q_heads = qkv.shape[0], self.q_size // self.head_dim
+        qk = qkv[:, : self.q_size + self.kv_size].view(tokens, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        v = v.reshape(k.shape)
+            qk = torch.cat((self.q_norm(qk[:, :q_heads]), self.k_norm(qk[:, q_heads:])), dim=1)
+        q, k = self.rotary(positions, qk).split([q_heads, qk.shape[1] - q_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(k.shape)
         return self.o_proj(attn.forward(q, k, v, self.layer, batch))
 
 

@@ -1,0 +1,220 @@
+"""`aserve` on the command line: options with mini-SGLang's names and aliases -> ServerConfig."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from aserve.config import ConfigError, ServerConfig, build_config
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """A bad option is one line on stderr and exit code 2, not a usage dump."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"aserve: error: {message} (see aserve --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _OneLineParser(
+        prog="aserve",
+        description="Serve an LLM over an OpenAI-compatible HTTP API from one asyncio process.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    model = p.add_argument_group("model")
+    model.add_argument(
+        "--model-path",
+        "--model",
+        dest="model_path",
+        default=None,
+        help="Hugging Face folder (config.json + safetensors) or a .gguf file; "
+        "default: the embedded SmolLM2-135M-Instruct",
+    )
+    model.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float16", "bfloat16", "float32"],
+        help="weight and activation dtype; auto is float32 on CPU and the model's dtype on GPU",
+    )
+    model.add_argument(
+        "--dummy-weight",
+        action="store_true",
+        help="random weights of the model's shapes (config.json alone), for benchmarks",
+    )
+    model.add_argument("--device", default="auto", help="cpu, cuda or cuda:N; auto prefers CUDA")
+    model.add_argument("--seed", type=int, default=0, help="seed of the dummy weights")
+    model.add_argument(
+        "--max-seq-len-override",
+        type=_positive_int,
+        default=None,
+        help="context length to use instead of the model's",
+    )
+
+    parallel = p.add_argument_group("parallelism")
+    parallel.add_argument(
+        "--tensor-parallel-size",
+        "--tp-size",
+        "--tp",
+        dest="tensor_parallel_size",
+        type=_positive_int,
+        default=1,
+        help="GPUs to shard the model over",
+    )
+    parallel.add_argument(
+        "--disable-pynccl",
+        action="store_true",
+        help="use torch.distributed's NCCL for tensor-parallel collectives",
+    )
+
+    memory = p.add_argument_group("memory and batching")
+    memory.add_argument(
+        "--max-running-requests",
+        type=_positive_int,
+        default=256,
+        help="requests decoded together at most",
+    )
+    memory.add_argument(
+        "--memory-ratio",
+        type=float,
+        default=0.9,
+        help="share of GPU memory that weights, KV cache and activations may use",
+    )
+    memory.add_argument(
+        "--num-pages",
+        "--num-tokens",
+        dest="num_pages",
+        type=_positive_int,
+        default=None,
+        help="KV cache pages (overrides the memory-based size)",
+    )
+    memory.add_argument("--page-size", type=_positive_int, default=1, help="tokens per KV page")
+    memory.add_argument(
+        "--max-prefill-length",
+        "--max-extend-length",
+        dest="max_prefill_length",
+        type=_positive_int,
+        default=8192,
+        help="prompt tokens one prefill step takes at most; longer prompts are chunked",
+    )
+    memory.add_argument(
+        "--cache-type",
+        "--cache",
+        dest="cache_type",
+        default="radix",
+        choices=["radix", "naive"],
+        help="prefix cache: radix reuses shared prompt prefixes",
+    )
+
+    kernels = p.add_argument_group("kernels")
+    kernels.add_argument(
+        "--attention-backend",
+        "--attn",
+        dest="attention_backend",
+        default="auto",
+        help="auto, fi, fa or torch; 'a,b' picks prefill and decode backends separately",
+    )
+    kernels.add_argument(
+        "--cuda-graph-max-bs",
+        "--graph",
+        dest="cuda_graph_max_bs",
+        type=_non_negative_int,
+        default=None,
+        help="largest decode batch captured in a CUDA graph; 0 disables graphs",
+    )
+    kernels.add_argument("--moe-backend", default="auto", help="MoE kernels: auto, torch or fused")
+
+    server = p.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    server.add_argument("--port", type=int, default=1919, help="port to listen on")
+    server.add_argument("--api-key", default=None, help="require this bearer token")
+    server.add_argument(
+        "--served-model-name", default=None, help="model name in the API (default: the path)"
+    )
+    server.add_argument(
+        "--num-tokenizer",
+        "--tokenizer-count",
+        dest="num_tokenizer",
+        type=_positive_int,
+        default=1,
+        help="tokenizer threads",
+    )
+    server.add_argument(
+        "--max-queued-requests",
+        type=_positive_int,
+        default=None,
+        help="waiting requests beyond which new ones get 503",
+    )
+    server.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="logging verbosity",
+    )
+    server.add_argument(
+        "--silent-output", action="store_true", help="no periodic batch statistics in the log"
+    )
+    server.add_argument(
+        "--shell-mode",
+        "--shell",
+        dest="shell_mode",
+        action="store_true",
+        help="chat in the terminal instead of serving HTTP",
+    )
+    p.add_argument(
+        "--prompt",
+        default="Hello! What can you do?",
+        help="the message of the one-shot chat that runs until the HTTP server lands",
+    )
+    return p
+
+
+def parse_config(argv: Sequence[str] | None = None) -> tuple[ServerConfig, argparse.Namespace]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    options = {k: v for k, v in vars(args).items() if k != "prompt"}
+    try:
+        return build_config(**options), args
+    except ConfigError as error:
+        parser.error(str(error))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config, args = parse_config(argv)
+    logging.basicConfig(
+        level=config.log_level.upper(), format="[%(asctime)s] %(levelname)s %(message)s"
+    )
+    from aserve.llm import LLM
+    from aserve.sampling_params import SamplingParams
+
+    options = {k: v for k, v in vars(args).items() if k not in ("prompt", "model_path")}
+    try:
+        llm = LLM(args.model_path, **options)
+    except ConfigError as error:
+        print(f"aserve: error: {error}", file=sys.stderr)
+        return 2
+    with llm:
+        conversation = [{"role": "user", "content": args.prompt}]
+        reply = llm.chat(conversation, SamplingParams(temperature=0.0, max_tokens=128))[0]
+        print(reply.text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

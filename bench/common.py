@@ -1,0 +1,92 @@
+"""What every benchmark shares: the seeded workload, the machine description and the record
+that each run appends to bench/results.jsonl (bench/RESULTS.md is rendered from it)."""
+
+from __future__ import annotations
+
+import json
+import platform
+import random
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+RESULTS_JSONL = BENCH_DIR / "results.jsonl"
+
+
+def random_workload(
+    num_seqs: int,
+    input_range: tuple[int, int],
+    output_range: tuple[int, int],
+    seed: int,
+    vocab_limit: int = 10000,
+) -> list[tuple[list[int], int]]:
+    """mini-SGLang's offline workload: (prompt token ids, output length) pairs, lengths
+    uniform in the given inclusive ranges, token ids uniform in [0, vocab_limit)."""
+    rng = random.Random(seed)
+    workload = []
+    for _ in range(num_seqs):
+        input_len = rng.randint(*input_range)
+        output_len = rng.randint(*output_range)
+        workload.append(([rng.randrange(vocab_limit) for _ in range(input_len)], output_len))
+    return workload
+
+
+def device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return f"CPU {cpu} x{torch.get_num_threads()} threads"
+
+
+def git_commit() -> str:
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=BENCH_DIR, capture_output=True, text=True, check=False
+        ).stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    return commit + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def record(
+    bench: str,
+    engine: str,
+    model: str,
+    settings: dict[str, Any],
+    output_tokens: int,
+    seconds: float,
+    run_id: str,
+    **figures: Any,
+) -> dict[str, Any]:
+    """Append one result line; `run_id` ties ours and the peer's figures of one run."""
+    line = {
+        "bench": bench,
+        "engine": engine,
+        "run_id": run_id,
+        "date": time.strftime("%Y-%m-%d"),
+        "model": model,
+        "device": device_name(),
+        "commit": git_commit(),
+        "settings": settings,
+        "output_tokens": output_tokens,
+        "seconds": round(seconds, 3),
+        "tok_s": round(output_tokens / seconds, 1),
+        **figures,
+    }
+    with RESULTS_JSONL.open("a") as f:
+        f.write(json.dumps(line) + "\n")
+    return line
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S")

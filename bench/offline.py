@@ -1,0 +1,132 @@
+"""Offline throughput: mini-SGLang's workload through `aserve.LLM`, optionally with the
+Hugging Face transformers peer on the same model and workload in the same run.
+
+    python bench/offline.py                                  # embedded SmolLM2, small CPU run
+    python bench/offline.py --model bench/models/qwen3-0.6b --dummy-weight \\
+        --num-seqs 256 --input-len 100 1024 --output-len 100 1024 --temperature 0.6 \\
+        --max-seq-len 4096 --max-prefill-length 16384 --cuda-graph-max-bs 256 --page-size 256
+    python bench/offline.py --peer hf --num-seqs 16 --max-running-requests 16 \\
+        --input-len 128 128 --output-len 64 64 --temperature 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import new_run_id, random_workload, record  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="aserve offline throughput benchmark")
+    p.add_argument("--model", default=None, help="model folder or .gguf (default: embedded)")
+    p.add_argument("--dummy-weight", action="store_true")
+    p.add_argument("--num-seqs", type=int, default=16)
+    p.add_argument("--input-len", type=int, nargs=2, default=(100, 1024), metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=(100, 1024), metavar=("MIN", "MAX"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--max-seq-len", type=int, default=4096)
+    p.add_argument("--max-prefill-length", type=int, default=16384)
+    p.add_argument("--max-running-requests", type=int, default=256)
+    p.add_argument("--page-size", type=int, default=1)
+    p.add_argument("--num-pages", type=int, default=None)
+    p.add_argument("--cuda-graph-max-bs", type=int, default=None)
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--peer", choices=["hf"], default=None, help="also run this peer")
+    p.add_argument(
+        "--hf-cache", default=None, help="transformers cache_implementation, e.g. static"
+    )
+    p.add_argument("--no-record", action="store_true", help="print only, append nothing")
+    return p.parse_args()
+
+
+def run_aserve(args: argparse.Namespace, workload: list[tuple[list[int], int]]):  # noqa: ANN201
+    from aserve import LLM, SamplingParams
+
+    llm = LLM(
+        args.model,
+        dummy_weight=args.dummy_weight,
+        max_seq_len_override=args.max_seq_len,
+        max_prefill_length=args.max_prefill_length,
+        max_running_requests=args.max_running_requests,
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
+        attention_backend=args.attention_backend,
+        dtype=args.dtype,
+    )
+    params = [
+        SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True, seed=i)
+        for i, (_, n) in enumerate(workload)
+    ]
+    llm.generate([workload[0][0][:16]], SamplingParams(max_tokens=4, ignore_eos=True))
+    started = time.perf_counter()
+    outputs = llm.generate([p for p, _ in workload], params)
+    seconds = time.perf_counter() - started
+    tokens = sum(len(o.token_ids) for o in outputs)
+    assert tokens == sum(n for _, n in workload), "every request must produce its tokens"
+    return llm, tokens, seconds
+
+
+def main() -> None:
+    args = parse_args()
+    workload = random_workload(
+        args.num_seqs, tuple(args.input_len), tuple(args.output_len), args.seed
+    )
+    settings = {
+        k: getattr(args, k)
+        for k in (
+            "num_seqs",
+            "input_len",
+            "output_len",
+            "seed",
+            "temperature",
+            "max_seq_len",
+            "max_prefill_length",
+            "max_running_requests",
+            "page_size",
+            "cuda_graph_max_bs",
+            "attention_backend",
+            "dtype",
+            "dummy_weight",
+        )
+    }
+    settings["input_len"], settings["output_len"] = list(args.input_len), list(args.output_len)
+    run_id = new_run_id()
+    llm, tokens, seconds = run_aserve(args, workload)
+    model_name = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
+    print(f"aserve       {tokens:>8} tokens {seconds:8.2f} s {tokens / seconds:10.1f} tok/s")
+    if not args.no_record:
+        record("offline", "aserve", model_name, settings, tokens, seconds, run_id)
+    if args.peer == "hf":
+        from bench.hf_baseline import load_hf_model, run_hf
+
+        engine = llm.runtime.engine
+        model_dir, dtype, device = llm.runtime.model_dir, engine.dtype, str(engine.device)
+        llm.close()
+        del llm, engine
+        hf = load_hf_model(model_dir, args.dummy_weight, dtype, device)
+        run_hf(hf, workload[:1], 1, 0.0, args.hf_cache)
+        hf_tokens, hf_seconds = run_hf(
+            hf, workload, args.max_running_requests, args.temperature, args.hf_cache
+        )
+        print(
+            f"transformers {hf_tokens:>8} tokens {hf_seconds:8.2f} s "
+            f"{hf_tokens / hf_seconds:10.1f} tok/s   aserve/transformers "
+            f"{(tokens / seconds) / (hf_tokens / hf_seconds):.2f}x"
+        )
+        if not args.no_record:
+            peer_settings = {**settings, "hf_cache": args.hf_cache}
+            record(
+                "offline", "transformers", model_name, peer_settings, hf_tokens, hf_seconds, run_id
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""Repository hygiene that CI must hold: README commands, CI script and lint agree."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    command = next(line for line in ci_lines if "pytest" in line)
+    assert command in (ROOT / "README.md").read_text().splitlines()
+
+
+@pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff comes with the test extras")
+def test_ruff_lint_and_format_are_clean() -> None:
+    for args in (["check", "."], ["format", "--check", "."]):
+        result = subprocess.run(
+            ["ruff", *args], cwd=ROOT, capture_output=True, text=True, check=False
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_import_aserve_loads_no_gpu_kernels() -> None:
+    code = "import sys, aserve; assert 'flashinfer' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
