@@ -53,11 +53,57 @@ def render(lines: list[dict]) -> str:
     return HEADER + "\n".join(rows) + "\n"
 
 
+SERVING_HEADER = """
+## Serving
+
+From `python bench/serving.py` against a running server: `n` prompts, input and output lengths,
+`T` the temperature; `conc` caps the requests in flight and `rate` is the Poisson arrival rate
+(inf: all at once). Latencies are median / p99 in ms: TTFT to the first text chunk, ITL between
+text chunks, E2E to the end of the stream.
+
+"""
+
+
+def render_serving(lines: list[dict]) -> str:
+    """Serving runs get their own table: their settings and figures are not offline ones."""
+    if not lines:
+        return ""
+
+    def span(pair: list[int]) -> str:
+        return str(pair[0]) if pair[0] == pair[1] else f"{pair[0]}-{pair[1]}"
+
+    rows = [
+        "| date | engine | model | device | commit | workload | conc | rate | req/s | out tok/s "
+        "| TTFT | ITL | E2E | failed | label |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for line in sorted(lines, key=lambda x: x["run_id"]):
+        s = line["settings"]
+        rows.append(
+            f"| {line['date']} | {line['engine']} | {line['model']} | {line['device']} | "
+            f"{line['commit']} | n={s['num_prompts']} in={span(s['input_len'])} "
+            f"out={span(s['output_len'])} T={s['temperature']} | "
+            f"{s['max_concurrency'] or '-'} | {s['request_rate']} | "
+            f"{line['request_throughput']:.2f} | {line['output_throughput']:.1f} | "
+            f"{line['median_ttft_ms']:.1f} / {line['p99_ttft_ms']:.1f} | "
+            f"{line['median_itl_ms']:.1f} / {line['p99_itl_ms']:.1f} | "
+            f"{line['median_e2e_latency_ms']:.0f} / {line['p99_e2e_latency_ms']:.0f} | "
+            f"{line['failed']} | {s['label'].replace('|', '/') or '-'} |"
+        )
+    return SERVING_HEADER + "\n".join(rows) + "\n"
+
+
 def main() -> None:
     jsonl = BENCH_DIR / "results.jsonl"
     lines = [json.loads(x) for x in jsonl.read_text().splitlines() if x.strip()]
     notes = BENCH_DIR / "NOTES.md"
-    text = render(lines) + ("\n" + notes.read_text() if notes.exists() else "")
+    serving = [x for x in lines if x["bench"] == "serving"]
+    offline = [x for x in lines if x["bench"] != "serving"]
+    text = (
+        render(offline)
+        + render_serving(serving)
+        + ("\n" + notes.read_text() if notes.exists() else "")
+    )
     (BENCH_DIR / "RESULTS.md").write_text(text)
     print(text)
 

@@ -1,0 +1,361 @@
+"""Online serving benchmark: concurrent streaming clients against a running OpenAI-compatible
+server (aserve, or a peer such as SGLang), with sglang.bench_serving's figures and names.
+
+    python bench/serving.py --num-prompts 64 --max-concurrency 16 \\
+        --random-input-len 512 --random-output-len 128 --random-range-ratio 1
+    python bench/serving.py --num-prompts 200 --request-rate 8 \\
+        --input-len 100 1024 --output-len 100 1024 --label "graph bs 256, page 256"
+
+Prompts are bench/common.py's seeded token-id workload, sent as a list of ids in "prompt", so
+input lengths are exact and no tokenizer is needed on the client. TTFT is the time to the first
+chunk carrying text, ITL each gap between successive text chunks (a chunk holding several
+tokens is one gap, as in sglang), E2E the time until `[DONE]`; output tokens come from the
+usage chunk (text chunks are counted when a server sends none). A failed request is counted
+and its error shown; it never stops the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import os
+import random
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import new_run_id, random_workload, record  # noqa: E402
+
+Workload = list[tuple[list[int], int]]
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    """One request's outcome; times in seconds from the moment it was sent."""
+
+    prompt_len: int
+    ok: bool
+    output_len: int = 0
+    ttft: float = 0.0
+    itl: tuple[float, ...] = ()
+    latency: float = 0.0
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class BenchmarkRun:
+    results: tuple[RequestResult, ...]
+    duration: float
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    return headers
+
+
+async def first_model(base_url: str, api_key: str | None = None) -> str:
+    """The served model id, as sglang.bench_serving finds it when --model is not given."""
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"{base_url.rstrip('/')}/v1/models", headers=_headers(api_key)) as response,
+    ):
+        response.raise_for_status()
+        return (await response.json())["data"][0]["id"]
+
+
+async def _read_stream(
+    response: aiohttp.ClientResponse, sent: float, prompt_len: int
+) -> RequestResult:
+    ttft = 0.0
+    last = sent
+    gaps: list[float] = []
+    chunks = 0
+    completion_tokens: int | None = None
+    async for raw in response.content:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            latency = time.perf_counter() - sent
+            output_len = chunks if completion_tokens is None else completion_tokens
+            return RequestResult(
+                prompt_len, True, output_len, ttft if chunks else latency, tuple(gaps), latency
+            )
+        frame = orjson.loads(data)
+        if "error" in frame:
+            return RequestResult(prompt_len, False, error=f"stream error: {frame['error']}")
+        usage = frame.get("usage")
+        if usage:
+            completion_tokens = usage.get("completion_tokens", completion_tokens)
+        choices = frame.get("choices")
+        if choices and choices[0].get("text"):
+            now = time.perf_counter()
+            if chunks:
+                gaps.append(now - last)
+            else:
+                ttft = now - sent
+            last = now
+            chunks += 1
+    return RequestResult(prompt_len, False, error="stream ended before [DONE]")
+
+
+async def send_request(
+    session: aiohttp.ClientSession,
+    url: str,
+    headers: dict[str, str],
+    payload: dict[str, Any],
+) -> RequestResult:
+    """Any failure (HTTP status, connection, malformed stream) becomes a failed result, so one
+    bad request is reported instead of ending the benchmark."""
+    prompt_len = len(payload["prompt"])
+    sent = time.perf_counter()
+    try:
+        async with session.post(url, data=orjson.dumps(payload), headers=headers) as response:
+            if response.status != 200:
+                body = (await response.text())[:200]
+                return RequestResult(prompt_len, False, error=f"HTTP {response.status}: {body}")
+            if payload["stream"]:
+                return await _read_stream(response, sent, prompt_len)
+            body = orjson.loads(await response.read())
+            latency = time.perf_counter() - sent
+            output_len = (body.get("usage") or {}).get("completion_tokens", payload["max_tokens"])
+            return RequestResult(prompt_len, True, output_len, latency, (), latency)
+    except Exception as e:
+        return RequestResult(prompt_len, False, error=f"{type(e).__name__}: {e}")
+
+
+async def benchmark(
+    base_url: str,
+    model: str,
+    workload: Workload,
+    *,
+    max_concurrency: int | None = None,
+    request_rate: float = math.inf,
+    temperature: float = 0.0,
+    api_key: str | None = None,
+    stream: bool = True,
+    seed: int = 0,
+    warmup_requests: int = 1,
+) -> BenchmarkRun:
+    """Send `workload` with Poisson arrivals at `request_rate` (inf: all at once), at most
+    `max_concurrency` in flight; warm-up requests come first and are not measured."""
+    url = f"{base_url.rstrip('/')}/v1/completions"
+    headers = _headers(api_key)
+
+    def payload(prompt: list[int], max_tokens: int) -> dict[str, Any]:
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "ignore_eos": True,
+            "stream": stream,
+        }
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0)
+    timeout = aiohttp.ClientTimeout(total=None)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
+        async def limited(prompt: list[int], max_tokens: int) -> RequestResult:
+            async with limit:
+                return await send_request(session, url, headers, payload(prompt, max_tokens))
+
+        if warmup_requests:
+            prompt, max_tokens = workload[0]
+            warm = payload(prompt[:16], min(max_tokens, 16))
+            outcomes = await asyncio.gather(
+                *(send_request(session, url, headers, warm) for _ in range(warmup_requests))
+            )
+            if not any(r.ok for r in outcomes):
+                raise RuntimeError(f"warm-up failed against {url}: {outcomes[0].error}")
+        arrivals = random.Random(seed)
+        started = time.perf_counter()
+        tasks = []
+        for i, (prompt, max_tokens) in enumerate(workload):
+            if i and math.isfinite(request_rate):
+                await asyncio.sleep(arrivals.expovariate(request_rate))
+            tasks.append(asyncio.create_task(limited(prompt, max_tokens)))
+        results = await asyncio.gather(*tasks)
+        return BenchmarkRun(tuple(results), time.perf_counter() - started)
+
+
+def _latency_figures(name: str, seconds: Sequence[float]) -> dict[str, float]:
+    ms = np.asarray(seconds or [0.0]) * 1000
+    return {
+        f"mean_{name}_ms": round(float(ms.mean()), 3),
+        f"median_{name}_ms": round(float(np.median(ms)), 3),
+        f"p90_{name}_ms": round(float(np.percentile(ms, 90)), 3),
+        f"p99_{name}_ms": round(float(np.percentile(ms, 99)), 3),
+    }
+
+
+def summarize(run: BenchmarkRun) -> dict[str, Any]:
+    """sglang.bench_serving's figures under its key names (p90 added beside p99); throughputs
+    and latencies count successful requests only, and `concurrency` is the mean number of
+    requests in flight."""
+    done = [r for r in run.results if r.ok]
+    total_input = sum(r.prompt_len for r in done)
+    total_output = sum(r.output_len for r in done)
+    duration = run.duration
+    tpots = [(r.latency - r.ttft) / (r.output_len - 1) for r in done if r.output_len > 1]
+    return {
+        "completed": len(done),
+        "failed": len(run.results) - len(done),
+        "total_input_tokens": total_input,
+        "total_output_tokens": total_output,
+        "request_throughput": round(len(done) / duration, 3),
+        "input_throughput": round(total_input / duration, 3),
+        "output_throughput": round(total_output / duration, 3),
+        "total_throughput": round((total_input + total_output) / duration, 3),
+        "concurrency": round(sum(r.latency for r in done) / duration, 3),
+        **_latency_figures("ttft", [r.ttft for r in done]),
+        **_latency_figures("tpot", tpots),
+        **_latency_figures("itl", [gap for r in done for gap in r.itl]),
+        **_latency_figures("e2e_latency", [r.latency for r in done]),
+    }
+
+
+def format_result(
+    run: BenchmarkRun,
+    figures: dict[str, Any],
+    request_rate: float,
+    max_concurrency: int | None,
+) -> str:
+    """The table in sglang.bench_serving's layout, so that the two read side by side."""
+    rows = [
+        ("Traffic request rate:", request_rate),
+        ("Max request concurrency:", max_concurrency or "not set"),
+        ("Successful requests:", figures["completed"]),
+        ("Failed requests:", figures["failed"]),
+        ("Benchmark duration (s):", f"{run.duration:.2f}"),
+        ("Total input tokens:", figures["total_input_tokens"]),
+        ("Total generated tokens:", figures["total_output_tokens"]),
+        ("Request throughput (req/s):", f"{figures['request_throughput']:.2f}"),
+        ("Input token throughput (tok/s):", f"{figures['input_throughput']:.2f}"),
+        ("Output token throughput (tok/s):", f"{figures['output_throughput']:.2f}"),
+        ("Total token throughput (tok/s):", f"{figures['total_throughput']:.2f}"),
+        ("Concurrency:", f"{figures['concurrency']:.2f}"),
+    ]
+    lines = [f"{' Serving Benchmark Result ':=^50}"]
+    lines += [f"{label:<40} {value}" for label, value in rows]
+    for title, name, short in (
+        ("End-to-End Latency", "e2e_latency", "E2E Latency"),
+        ("Time to First Token", "ttft", "TTFT"),
+        ("Time per Output Token (excl. 1st token)", "tpot", "TPOT"),
+        ("Inter-Token Latency", "itl", "ITL"),
+    ):
+        lines.append(f"{title:-^50}")
+        for stat in ("mean", "median", "p90", "p99"):
+            label = f"{stat.capitalize()} {short} (ms):"
+            lines.append(f"{label:<40} {figures[f'{stat}_{name}_ms']:.2f}")
+    lines.append("=" * 50)
+    errors = Counter(r.error for r in run.results if not r.ok)
+    lines += [f"{count} x {error}" for error, count in errors.most_common(3)]
+    return "\n".join(lines)
+
+
+def _ratio_range(length: int, ratio: float) -> tuple[int, int]:
+    """sglang's random lengths: uniform in [length * ratio, length], at least one token."""
+    return max(int(length * ratio), 1), length
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="aserve online serving benchmark")
+    p.add_argument("--base-url", default="http://127.0.0.1:1919")
+    p.add_argument("--model", default=None, help="model id (default: first of /v1/models)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--max-concurrency", type=int, default=None, help="default: unlimited")
+    p.add_argument(
+        "--request-rate", type=float, default=math.inf, help="req/s, Poisson (default: inf)"
+    )
+    inputs = p.add_mutually_exclusive_group()
+    inputs.add_argument("--random-input-len", type=int, default=1024)
+    inputs.add_argument("--input-len", type=int, nargs=2, metavar=("MIN", "MAX"))
+    outputs = p.add_mutually_exclusive_group()
+    outputs.add_argument("--random-output-len", type=int, default=1024)
+    outputs.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"))
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    p.add_argument("--disable-stream", action="store_true", help="TTFT then equals E2E")
+    p.add_argument("--warmup-requests", type=int, default=1)
+    p.add_argument("--engine", default="aserve", help="name recorded for the server measured")
+    p.add_argument("--label", default="", help="free text stored with the settings")
+    p.add_argument("--no-record", action="store_true", help="print only, append nothing")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    input_range = args.input_len or _ratio_range(args.random_input_len, args.random_range_ratio)
+    output_range = args.output_len or _ratio_range(args.random_output_len, args.random_range_ratio)
+    workload = random_workload(args.num_prompts, tuple(input_range), tuple(output_range), args.seed)
+    try:
+        model = args.model or asyncio.run(first_model(args.base_url, args.api_key))
+        run = asyncio.run(
+            benchmark(
+                args.base_url,
+                model,
+                workload,
+                max_concurrency=args.max_concurrency,
+                request_rate=args.request_rate,
+                temperature=args.temperature,
+                api_key=args.api_key,
+                stream=not args.disable_stream,
+                seed=args.seed,
+                warmup_requests=args.warmup_requests,
+            )
+        )
+    except (aiohttp.ClientError, RuntimeError) as e:
+        sys.exit(f"cannot benchmark {args.base_url}: {e}")
+    figures = summarize(run)
+    print(format_result(run, figures, args.request_rate, args.max_concurrency))
+    if not figures["completed"]:
+        sys.exit("no request succeeded; nothing recorded")
+    if args.no_record:
+        return
+    settings = {
+        "num_prompts": args.num_prompts,
+        "input_len": list(input_range),
+        "output_len": list(output_range),
+        "seed": args.seed,
+        "temperature": args.temperature,
+        "max_concurrency": args.max_concurrency,
+        "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+        "stream": not args.disable_stream,
+        "label": args.label,
+    }
+    record(
+        "serving",
+        args.engine,
+        Path(model).name,
+        settings,
+        figures["total_output_tokens"],
+        run.duration,
+        new_run_id(),
+        **figures,
+    )
+
+
+if __name__ == "__main__":
+    main()
