@@ -177,10 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="chat in the terminal instead of serving HTTP",
     )
-    p.add_argument(
-        "--prompt",
-        default="Hello! What can you do?",
-        help="the message of the one-shot chat that runs until the HTTP server lands",
+    server.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds running requests get to finish after SIGINT/SIGTERM before they abort",
     )
     return p
 
@@ -188,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_config(argv: Sequence[str] | None = None) -> tuple[ServerConfig, argparse.Namespace]:
     parser = build_parser()
     args = parser.parse_args(argv)
-    options = {k: v for k, v in vars(args).items() if k != "prompt"}
+    options = {k: v for k, v in vars(args).items() if k != "drain_timeout"}
     try:
         return build_config(**options), args
     except ConfigError as error:
@@ -200,20 +201,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="[%(asctime)s] %(levelname)s %(message)s"
     )
-    from aserve.llm import LLM
-    from aserve.sampling_params import SamplingParams
+    if config.shell_mode:
+        from aserve.server.shell import run_shell
 
-    options = {k: v for k, v in vars(args).items() if k not in ("prompt", "model_path")}
-    try:
-        llm = LLM(args.model_path, **options)
-    except ConfigError as error:
-        print(f"aserve: error: {error}", file=sys.stderr)
-        return 2
-    with llm:
-        conversation = [{"role": "user", "content": args.prompt}]
-        reply = llm.chat(conversation, SamplingParams(temperature=0.0, max_tokens=128))[0]
-        print(reply.text)
-    return 0
+        return run_shell(config)
+    from aserve.server.serve import run
+
+    return run(config, args.drain_timeout)
 
 
 if __name__ == "__main__":

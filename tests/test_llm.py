@@ -146,10 +146,13 @@ def test_context_limit_ends_with_length(make_llm: Callable[..., LLM], tiny: Path
     assert out.finish_reason == "length" and len(PROMPTS[1]) + len(out.token_ids) == 12
 
 
-def test_request_bigger_than_the_pool_is_refused(make_llm: Callable[..., LLM], tiny: Path) -> None:
+def test_context_is_capped_at_the_pool_size(make_llm: Callable[..., LLM], tiny: Path) -> None:
     llm = make_llm(tiny, num_pages=8, page_size=1)
+    assert llm.runtime.engine.max_seq_len == 7
     out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=20))[0]
-    assert out.finish_reason == "error" and "KV" in out.error
+    assert out.finish_reason == "error" and "context holds 7" in out.error
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=20, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 1
 
 
 def test_abort_frees_pages_and_spares_the_others(make_llm: Callable[..., LLM], tiny: Path) -> None:

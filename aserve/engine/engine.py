@@ -83,6 +83,16 @@ class Engine:
         self.num_pages = plan_num_pages(
             config, model_config, self.tp, self.dtype, self.device, self.max_seq_len
         )
+        pool_tokens = (self.num_pages - 1) * config.page_size
+        if pool_tokens < self.max_seq_len:
+            logger.warning(
+                "the KV cache holds %d tokens, fewer than the context of %d: serving a "
+                "context of %d",
+                pool_tokens,
+                self.max_seq_len,
+                pool_tokens,
+            )
+            self.max_seq_len = pool_tokens
         self.pool = KVPool(
             model_config.num_layers,
             self.num_pages,

@@ -1,0 +1,81 @@
+"""One choice of a chat or completion request: submit it, stream its text, end it cleanly.
+
+A `Choice` turns the scheduler's token ids into text through the incremental detokenizer and
+the stop-string matcher, so streamed and non-streamed responses are built from the same
+deltas. Whatever way the request ends — finished, stop string, client gone, server fault —
+`run` leaves no request behind in the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from aserve.sampling_params import SamplingParams, TokenLogprob
+from aserve.scheduler.request import FinishReason, Req
+from aserve.scheduler.scheduler import Scheduler
+from aserve.textstream import TextStream
+from aserve.tokenizer import Tokenizer
+
+
+@dataclass
+class Delta:
+    """New text of one choice, the tokens behind it, and the finish reason on the last one."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None = None
+
+
+@dataclass
+class Choice:
+    scheduler: Scheduler
+    tokenizer: Tokenizer | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: list[str]
+    req: Req | None = None
+    completion_tokens: int = 0
+    first_token_seen: bool = False
+    _stream: TextStream | None = field(default=None, repr=False)
+
+    def prepare(self) -> str | None:
+        """Create the request; returns why it can never run (the caller answers 400)."""
+        self.req = self.scheduler.make_request(self.prompt_ids, self.params)
+        return self.scheduler.check_request(self.req)
+
+    async def run(self) -> AsyncIterator[Delta]:
+        assert self.req is not None
+        req = self.req
+        if self.tokenizer is not None:
+            self._stream = TextStream(self.tokenizer, self.prompt_ids, self.stop)
+        self.scheduler.submit(req)
+        try:
+            while True:
+                out = await req.channel.get()
+                self.completion_tokens += len(out.token_ids)
+                ids = list(out.token_ids)
+                text_ids = ids[:-1] if out.finish_reason is FinishReason.STOP else ids
+                text, stopped = self._text(text_ids)
+                if out.finish_reason is FinishReason.ERROR:
+                    raise RuntimeError(out.error or "generation failed")
+                if stopped:
+                    self.scheduler.abort(req)
+                    yield Delta(text, ids, list(out.logprobs), "stop")
+                    return
+                if out.finish_reason is not None:
+                    text += self._stream.finish() if self._stream is not None else ""
+                    yield Delta(text, ids, list(out.logprobs), out.finish_reason.value)
+                    return
+                if text or ids:
+                    yield Delta(text, ids, list(out.logprobs))
+        finally:
+            if req.finish_reason is None:
+                self.scheduler.abort(req)
+
+    def _text(self, token_ids: list[int]) -> tuple[str, bool]:
+        if self._stream is None:
+            return "", False
+        delta = self._stream.push(token_ids)
+        return delta.text, delta.stopped

@@ -1,0 +1,132 @@
+"""Shape choices' deltas into OpenAI bodies and SSE chunks, chat and completion alike.
+
+Streamed and non-streamed responses are built from the same deltas, so their text, finish
+reasons and usage agree by construction.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aserve.runtime import Runtime
+from aserve.sampling_params import TokenLogprob
+from aserve.server import openai
+from aserve.server.generation import Choice, Delta
+from aserve.server.openai import GenerationRequest, ResponseHead
+
+
+class ResponseShaper:
+    def __init__(
+        self,
+        parsed: GenerationRequest,
+        head: ResponseHead,
+        runtime: Runtime,
+        choices: list[Choice],
+    ) -> None:
+        self.parsed = parsed
+        self.head = head
+        self.runtime = runtime
+        self.choices = choices
+        self.is_chat = parsed.kind == "chat"
+        self._text_offsets = [0] * len(choices)
+
+    def _echo_text(self, index: int) -> str:
+        if not self.parsed.echo or self.runtime.tokenizer is None:
+            return ""
+        return self.runtime.tokenizer.decode(self.choices[index].prompt_ids)
+
+    def _token_texts(
+        self, logprobs: list[TokenLogprob]
+    ) -> list[tuple[str, TokenLogprob, list[str]]]:
+        tokenizer = self.runtime.tokenizer
+        if tokenizer is None:
+            return [(str(lp.token_id), lp, [str(i) for i, _ in lp.top]) for lp in logprobs]
+        return [
+            (
+                tokenizer.decode([lp.token_id], False),
+                lp,
+                [tokenizer.decode([i], False) for i, _ in lp.top],
+            )
+            for lp in logprobs
+        ]
+
+    def _logprobs(self, index: int, logprobs: list[TokenLogprob]) -> dict[str, Any] | None:
+        if not self.parsed.params.logprobs:
+            return None
+        entries = self._token_texts(logprobs)
+        if self.is_chat:
+            return openai.chat_logprobs(entries)
+        body = openai.completion_logprobs(entries, self._text_offsets[index])
+        self._text_offsets[index] += sum(len(text) for text, _, _ in entries)
+        return body
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        """Chat streams open each choice with the assistant role; echo sends the prompt."""
+        chunks = []
+        for index in range(len(self.choices)):
+            if self.is_chat:
+                delta = {"role": "assistant", "content": ""}
+                chunks.append(openai.chat_chunk(self.head, index, delta))
+            elif self.parsed.echo:
+                text = self._echo_text(index)
+                self._text_offsets[index] = len(text)
+                chunks.append(openai.completion_chunk(self.head, index, text))
+        return chunks
+
+    def delta_chunks(self, index: int, delta: Delta) -> list[dict[str, Any]]:
+        logprobs = self._logprobs(index, delta.logprobs)
+        if self.is_chat:
+            chunks = []
+            if delta.text or logprobs:
+                chunks.append(
+                    openai.chat_chunk(self.head, index, {"content": delta.text}, None, logprobs)
+                )
+            if delta.finish_reason is not None:
+                chunks.append(openai.chat_chunk(self.head, index, {}, delta.finish_reason))
+            return chunks
+        if not delta.text and logprobs is None and delta.finish_reason is None:
+            return []
+        return [
+            openai.completion_chunk(self.head, index, delta.text, delta.finish_reason, logprobs)
+        ]
+
+    def _usage(self) -> dict[str, int]:
+        prompt_tokens = sum(
+            len(c.prompt_ids) for i, c in enumerate(self.choices) if i % self.parsed.n == 0
+        )
+        return openai.usage(prompt_tokens, sum(c.completion_tokens for c in self.choices))
+
+    def usage_chunk(self) -> dict[str, Any] | None:
+        if not self.parsed.include_usage:
+            return None
+        return openai.usage_chunk(self.head, self.parsed.kind, self._usage())
+
+    def full_body(self, results: list[list[Delta]]) -> dict[str, Any]:
+        choices = []
+        for index, deltas in enumerate(results):
+            text = "".join(d.text for d in deltas)
+            finish = deltas[-1].finish_reason if deltas else "abort"
+            logprobs = self._logprobs(index, [lp for d in deltas for lp in d.logprobs])
+            if self.is_chat:
+                message = {"role": "assistant", "content": text}
+                choices.append(
+                    {
+                        "index": index,
+                        "message": message,
+                        "logprobs": logprobs,
+                        "finish_reason": finish,
+                    }
+                )
+            else:
+                echo = self._echo_text(index)
+                if logprobs is not None and echo:
+                    logprobs["text_offset"] = [o + len(echo) for o in logprobs["text_offset"]]
+                choices.append(
+                    {
+                        "index": index,
+                        "text": echo + text,
+                        "logprobs": logprobs,
+                        "finish_reason": finish,
+                    }
+                )
+        return openai.full_body(self.head, self.parsed.kind, choices, self._usage())

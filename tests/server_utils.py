@@ -1,0 +1,67 @@
+"""Start a real `aserve` process on a free loopback port and wait until /health says ready."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"aserve-test-{self.port}.log"
+        self._log = self.log_path.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "aserve", "--port", str(self.port), *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+    def health(self) -> int:
+        try:
+            with urllib.request.urlopen(self.base_url + "/health", timeout=2) as response:
+                return int(response.status)
+        except urllib.error.HTTPError as error:
+            return int(error.code)
+        except OSError:
+            return 0
+
+    def wait_ready(self, timeout_s: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{self.log()}")
+            if self.health() == 200:
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"server not ready in {timeout_s} s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return int(self.proc.returncode)

@@ -1,0 +1,403 @@
+"""The HTTP server end to end: a real `aserve` process on a loopback port, real clients
+(aiohttp and the openai SDK), the embedded SmolLM2 model."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from tests.server_utils import ServerProcess
+
+MODEL = "smol"
+HELLO = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir: Path) -> Iterator[ServerProcess]:
+    process = ServerProcess(
+        ["--model", str(smollm2_dir), "--served-model-name", MODEL, "--num-pages", "8193"]
+    )
+    try:
+        process.wait_ready()
+        yield process
+    finally:
+        assert process.stop() == 0, process.log()
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+async def post(url: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    async with aiohttp.ClientSession() as session:
+        data = body if isinstance(body, bytes) else orjson.dumps(body)
+        async with session.post(url, data=data, headers=headers) as response:
+            return response.status, orjson.loads(await response.read())
+
+
+async def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url, headers=headers) as response:
+            return response.status, await response.read()
+
+
+async def stream(url: str, body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """All SSE payloads of a streamed request, and the raw frames."""
+    frames: list[bytes] = []
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url, json={**body, "stream": True}) as response:
+            assert response.status == 200
+            assert response.headers["Content-Type"].startswith("text/event-stream")
+            buffer = b""
+            async for piece in response.content.iter_any():
+                buffer += piece
+                while b"\n\n" in buffer:
+                    frame, buffer = buffer.split(b"\n\n", 1)
+                    frames.append(frame)
+    assert frames[-1] == b"data: [DONE]", frames[-1]
+    for frame in frames:
+        assert frame.startswith(b"data: ")
+        frame.decode("utf-8")
+    return [orjson.loads(f[6:]) for f in frames[:-1]], frames
+
+
+def chat_text(chunks: list[dict[str, Any]], index: int = 0) -> str:
+    return "".join(
+        c["choices"][0]["delta"].get("content", "")
+        for c in chunks
+        if c["choices"] and c["choices"][0]["index"] == index
+    )
+
+
+def metric_value(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_health_models_and_metrics(server: ServerProcess) -> None:
+    assert server.health() == 200
+    status, body = run(get(server.base_url + "/v1/models"))
+    models = orjson.loads(body)
+    assert status == 200 and models["object"] == "list"
+    assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == 8192
+    status, body = run(get(server.base_url + "/metrics"))
+    assert status == 200
+    for name in (
+        "aserve:num_requests_running",
+        "aserve:kv_cache_usage_perc",
+        "aserve:time_to_first_token_seconds",
+        "aserve:prompt_tokens_total",
+    ):
+        assert name in body.decode()
+
+
+def test_chat_completion_shape(server: ServerProcess) -> None:
+    status, body = run(
+        post(
+            server.base_url + "/v1/chat/completions",
+            {"model": MODEL, "messages": HELLO, "temperature": 0, "max_tokens": 20},
+        )
+    )
+    assert status == 200
+    assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
+    assert isinstance(body["created"], int) and body["model"] == MODEL
+    choice = body["choices"][0]
+    assert choice["index"] == 0 and choice["message"]["role"] == "assistant"
+    assert "Paris" in choice["message"]["content"]
+    assert choice["finish_reason"] == "stop"
+    usage = body["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def test_streamed_chat_equals_non_streamed(server: ServerProcess) -> None:
+    request = {
+        "model": MODEL,
+        "messages": HELLO,
+        "temperature": 0,
+        "max_tokens": 30,
+        "stream_options": {"include_usage": True},
+    }
+    _, full = run(post(server.base_url + "/v1/chat/completions", request))
+    chunks, _ = run(stream(server.base_url + "/v1/chat/completions", request))
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chat_text(chunks) == full["choices"][0]["message"]["content"]
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert (
+        finishes[-1] == full["choices"][0]["finish_reason"]
+        and finishes.count(None) == len(finishes) - 1
+    )
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == full["usage"]
+
+
+def test_completion_prompt_forms_echo_and_n(server: ServerProcess) -> None:
+    url = server.base_url + "/v1/completions"
+    base = {"model": MODEL, "temperature": 0, "max_tokens": 8}
+    _, one = run(post(url, {**base, "prompt": "The capital of France is"}))
+    assert one["object"] == "text_completion" and one["id"].startswith("cmpl-")
+    _, tokens = run(post(server.base_url + "/tokenize", {"prompt": "The capital of France is"}))
+    _, by_ids = run(post(url, {**base, "prompt": tokens["tokens"]}))
+    assert by_ids["choices"][0]["text"] == one["choices"][0]["text"]
+    _, many = run(post(url, {**base, "prompt": ["The capital of France is", "One, two,"]}))
+    assert [c["index"] for c in many["choices"]] == [0, 1]
+    assert many["choices"][0]["text"] == one["choices"][0]["text"]
+    _, nested = run(post(url, {**base, "prompt": [tokens["tokens"], tokens["tokens"]]}))
+    assert len(nested["choices"]) == 2
+    _, echoed = run(post(url, {**base, "prompt": "The capital of France is", "echo": True}))
+    assert echoed["choices"][0]["text"] == "The capital of France is" + one["choices"][0]["text"]
+    _, n2 = run(post(url, {"model": MODEL, "prompt": "Once", "n": 2, "seed": 1, "max_tokens": 12}))
+    assert len(n2["choices"]) == 2 and n2["usage"]["completion_tokens"] == 24
+    _, again = run(
+        post(url, {"model": MODEL, "prompt": "Once", "n": 2, "seed": 1, "max_tokens": 12})
+    )
+    assert [c["text"] for c in again["choices"]] == [c["text"] for c in n2["choices"]]
+
+
+def test_streamed_completion_equals_non_streamed(server: ServerProcess) -> None:
+    request = {"model": MODEL, "prompt": "def fibonacci(n):", "temperature": 0, "max_tokens": 40}
+    _, full = run(post(server.base_url + "/v1/completions", request))
+    chunks, _ = run(stream(server.base_url + "/v1/completions", request))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == full["choices"][0]["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_stop_strings_never_appear(server: ServerProcess) -> None:
+    url = server.base_url + "/v1/completions"
+    base = {
+        "model": MODEL,
+        "prompt": "List the numbers from 1 to 20:",
+        "temperature": 0,
+        "max_tokens": 60,
+        "ignore_eos": True,
+    }
+    _, free = run(post(url, base))
+    text = free["choices"][0]["text"]
+    stop = text[len(text) // 3 : len(text) // 3 + 4]
+    assert len(stop.strip()) >= 2, text
+    expected = text[: text.index(stop)]
+    _, stopped = run(post(url, {**base, "stop": [stop, "never-appears"]}))
+    assert stopped["choices"][0]["text"] == expected
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    chunks, _ = run(stream(url, {**base, "stop": stop}))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == expected
+
+
+def test_logprobs(server: ServerProcess) -> None:
+    _, chat = run(
+        post(
+            server.base_url + "/v1/chat/completions",
+            {
+                "model": MODEL,
+                "messages": HELLO,
+                "temperature": 0,
+                "max_tokens": 5,
+                "logprobs": True,
+                "top_logprobs": 3,
+            },
+        )
+    )
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == chat["usage"]["completion_tokens"]
+    for entry in content:
+        assert entry["logprob"] <= 0 and len(entry["top_logprobs"]) == 3
+        assert entry["top_logprobs"][0]["logprob"] == pytest.approx(entry["logprob"], abs=1e-4)
+    _, completion = run(
+        post(
+            server.base_url + "/v1/completions",
+            {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "logprobs": 2},
+        )
+    )
+    lp = completion["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 4
+    assert all(len(top) <= 2 for top in lp["top_logprobs"])
+    assert lp["text_offset"][0] == 0
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "fragment"),
+    [
+        ("/v1/chat/completions", b"{not json", None, "JSON"),
+        ("/v1/chat/completions", {"model": MODEL}, "messages", "messages"),
+        ("/v1/chat/completions", {"messages": "hi"}, "messages", "messages"),
+        (
+            "/v1/chat/completions",
+            {"messages": HELLO, "temperature": -1},
+            "temperature",
+            "temperature",
+        ),
+        ("/v1/chat/completions", {"messages": HELLO, "top_p": 2}, "top_p", "top_p"),
+        (
+            "/v1/chat/completions",
+            {"messages": HELLO, "max_tokens": "ten"},
+            "max_tokens",
+            "max_tokens",
+        ),
+        ("/v1/chat/completions", {"messages": HELLO, "n": 0}, "n", "'n'"),
+        ("/v1/chat/completions", {"messages": HELLO, "model": "gpt-4"}, "model", "gpt-4"),
+        ("/v1/completions", {"prompt": 5}, "prompt", "prompt"),
+        ("/v1/completions", {"prompt": [1, -2]}, "prompt", "token ids"),
+        ("/v1/completions", {"prompt": [10**7]}, "prompt", "vocabulary"),
+        ("/v1/completions", {"prompt": "hi", "stop": [""]}, "stop", "stop"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 9000}, "max_tokens", "9000"),
+    ],
+)
+def test_bad_requests_get_openai_errors(
+    server: ServerProcess, path: str, body: Any, param: str | None, fragment: str
+) -> None:
+    status, reply = run(post(server.base_url + path, body))
+    assert status == 400, reply
+    error = reply["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert fragment in error["message"]
+
+
+def test_context_error_names_both_numbers(server: ServerProcess) -> None:
+    _, reply = run(
+        post(server.base_url + "/v1/completions", {"prompt": "Hello there", "max_tokens": 8191})
+    )
+    message = reply["error"]["message"]
+    assert (
+        "8192" in message
+        and "8191" in message
+        and reply["error"]["code"] == "context_length_exceeded"
+    )
+
+
+def test_unknown_fields_are_tolerated(server: ServerProcess) -> None:
+    status, _ = run(
+        post(
+            server.base_url + "/v1/chat/completions",
+            {"messages": HELLO, "max_tokens": 2, "user": "x", "frobnicate": {"a": 1}},
+        )
+    )
+    assert status == 200
+
+
+def test_tokenize_detokenize_and_generate(server: ServerProcess) -> None:
+    _, tokens = run(post(server.base_url + "/tokenize", {"prompt": "Hello world"}))
+    assert tokens["count"] == len(tokens["tokens"]) > 0
+    _, text = run(post(server.base_url + "/detokenize", {"tokens": tokens["tokens"]}))
+    assert text["prompt"] == "Hello world"
+    _, chat_tokens = run(post(server.base_url + "/tokenize", {"messages": HELLO}))
+    assert chat_tokens["count"] > tokens["count"]
+    status, generated = run(
+        post(
+            server.base_url + "/generate",
+            {
+                "input_ids": tokens["tokens"],
+                "sampling_params": {"max_new_tokens": 6, "temperature": 0},
+            },
+        )
+    )
+    assert status == 200 and len(generated["output_ids"]) == 6
+    assert generated["meta_info"]["finish_reason"]["type"] == "length"
+    _, by_text = run(
+        post(
+            server.base_url + "/generate",
+            {"text": "Hello world", "sampling_params": {"max_new_tokens": 6, "temperature": 0}},
+        )
+    )
+    assert by_text["output_ids"] == generated["output_ids"] and by_text["text"]
+
+
+def test_openai_sdk(server: ServerProcess) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
+    reply = client.chat.completions.create(
+        model=MODEL, messages=HELLO, temperature=0, max_tokens=20
+    )
+    assert "Paris" in reply.choices[0].message.content
+    streamed = client.chat.completions.create(
+        model=MODEL,
+        messages=HELLO,
+        temperature=0,
+        max_tokens=20,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    pieces, usage = [], None
+    for chunk in streamed:
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+        else:
+            usage = chunk.usage
+    assert "".join(pieces) == reply.choices[0].message.content
+    assert usage is not None and usage.completion_tokens == reply.usage.completion_tokens
+    completion = client.completions.create(
+        model=MODEL, prompt="One, two,", max_tokens=5, temperature=0
+    )
+    assert completion.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=HELLO, temperature=5000)
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_concurrent_streams(server: ServerProcess) -> None:
+    request = {"model": MODEL, "messages": HELLO, "temperature": 0, "max_tokens": 16}
+    _, single = run(post(server.base_url + "/v1/chat/completions", request))
+
+    async def many() -> list[list[dict[str, Any]]]:
+        results = await asyncio.gather(
+            *(stream(server.base_url + "/v1/chat/completions", request) for _ in range(32))
+        )
+        return [chunks for chunks, _ in results]
+
+    for chunks in run(many()):
+        assert chat_text(chunks) == single["choices"][0]["message"]["content"]
+
+
+def idle_metrics(server: ServerProcess, timeout_s: float = 10.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        _, body = run(get(server.base_url + "/metrics"))
+        text = body.decode()
+        idle = (
+            metric_value(text, "aserve:num_requests_running") == 0
+            and metric_value(text, "aserve:kv_cache_usage_perc") == 0
+        )
+        if idle or time.monotonic() > deadline:
+            return text
+        time.sleep(0.1)
+
+
+def test_client_disconnect_frees_pages(server: ServerProcess) -> None:
+    request = {"model": MODEL, "prompt": "Count forever:", "max_tokens": 4000, "ignore_eos": True}
+
+    async def streaming_then_hang_up() -> float:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(
+                server.base_url + "/v1/completions", json={**request, "stream": True}
+            ) as response:
+                await response.content.readline()
+                await response.content.readline()
+                _, body = await get(server.base_url + "/metrics")
+                return metric_value(body.decode(), "aserve:kv_cache_usage_perc")
+
+    async def non_streaming_then_hang_up() -> None:
+        timeout = aiohttp.ClientTimeout(total=1.0)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            with pytest.raises(asyncio.TimeoutError):
+                async with session.post(server.base_url + "/v1/completions", json=request):
+                    pass
+
+    busy = run(streaming_then_hang_up())
+    assert busy > 0
+    text = idle_metrics(server)
+    assert metric_value(text, "aserve:kv_cache_usage_perc") == 0
+    assert metric_value(text, "aserve:num_requests_running") == 0
+    run(non_streaming_then_hang_up())
+    text = idle_metrics(server)
+    assert metric_value(text, "aserve:kv_cache_usage_perc") == 0
+    assert metric_value(text, "aserve:num_requests_running") == 0

@@ -1,0 +1,296 @@
+"""Start-up, auth, queue limits, faults, shutdown and the CLI's one-line errors, each on its
+own short-lived server process; plus shell mode driven through a pseudo-terminal."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pty
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import orjson
+import pytest
+
+from tests.server_utils import ServerProcess
+from tests.test_server import get, post, run, stream
+
+HELLO = [{"role": "user", "content": "Say hello."}]
+
+
+def test_bad_option_is_one_line_and_exit_code_2() -> None:
+    for args in (
+        ["--page-size", "0"],
+        ["--cache", "lru"],
+        ["--dtype", "float8"],
+        ["--memory-ratio", "3"],
+    ):
+        result = subprocess.run(
+            [sys.executable, "-m", "aserve", *args], capture_output=True, text=True, timeout=60
+        )
+        assert result.returncode == 2, args
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_missing_model_is_one_line(tmp_path: Path) -> None:
+    process = ServerProcess(["--model", str(tmp_path / "nope")])
+    code = process.proc.wait(60)
+    log = process.log()
+    assert code == 2 and "does not exist" in log and "Traceback" not in log
+    process.stop()
+
+
+def test_busy_port_is_one_clear_line(smollm2_dir: Path) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "aserve", "--model", str(smollm2_dir), "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert result.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_health_is_503_while_loading_then_ready(smollm2_dir: Path) -> None:
+    process = ServerProcess(["--model", str(smollm2_dir), "--num-pages", "2048"])
+    try:
+        codes = set()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and 200 not in codes:
+            codes.add(process.health())
+            time.sleep(0.05)
+        assert 503 in codes and 200 in codes
+        log = process.log()
+        for fragment in (
+            "LlamaForCausalLM",
+            "dtype=float32",
+            "device=cpu",
+            "max_total_num_tokens=2047",
+            "kv_cache=",
+            "free_mem_before_load",
+            "free_mem_after_load",
+            "http://127.0.0.1:",
+        ):
+            assert fragment in log, fragment
+    finally:
+        assert process.stop() == 0
+
+
+def test_api_key_and_queue_limit(smollm2_dir: Path) -> None:
+    process = ServerProcess(
+        [
+            "--model",
+            str(smollm2_dir),
+            "--num-pages",
+            "2048",
+            "--api-key",
+            "s3cret",
+            "--max-running-requests",
+            "1",
+            "--max-queued-requests",
+            "1",
+        ]
+    )
+    auth = {"Authorization": "Bearer s3cret"}
+    try:
+        process.wait_ready()
+        url = process.base_url + "/v1/chat/completions"
+        assert process.health() == 200
+        status, body = run(post(url, {"messages": HELLO, "max_tokens": 2}))
+        assert status == 401 and body["error"]["code"] == "invalid_api_key"
+        status, _ = run(
+            post(url, {"messages": HELLO, "max_tokens": 2}, {"Authorization": "Bearer wrong"})
+        )
+        assert status == 401
+        status, _ = run(get(process.base_url + "/v1/models"))
+        assert status == 401
+        status, body = run(post(url, {"messages": HELLO, "max_tokens": 2}, auth))
+        assert status == 200
+
+        async def overload() -> list[tuple[int, str | None]]:
+            long = {"messages": HELLO, "max_tokens": 60, "ignore_eos": True}
+            async with aiohttp.ClientSession(headers=auth) as session:
+
+                async def one(delay: float) -> tuple[int, str | None]:
+                    await asyncio.sleep(delay)
+                    async with session.post(url, json=long) as response:
+                        await response.read()
+                        return response.status, response.headers.get("Retry-After")
+
+                return list(await asyncio.gather(one(0), one(0.3), one(0.6)))
+
+        results = run(overload())
+        assert sorted(s for s, _ in results) == [200, 200, 503]
+        assert [r for s, r in results if s == 503] == ["1"]
+    finally:
+        assert process.stop() == 0
+
+
+def test_sigterm_drains_running_requests(smollm2_dir: Path) -> None:
+    process = ServerProcess(["--model", str(smollm2_dir), "--num-pages", "2048"])
+    try:
+        process.wait_ready()
+        url = process.base_url + "/v1/completions"
+
+        async def scenario() -> tuple[list[dict], int, int]:
+            body = {"prompt": "Count:", "max_tokens": 48, "ignore_eos": True, "temperature": 0}
+            streaming = asyncio.create_task(stream(url, body))
+            await asyncio.sleep(1.0)
+            process.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            health = process.health()
+            refused, _ = await post(url, {"prompt": "late", "max_tokens": 2})
+            chunks, _ = await streaming
+            return chunks, health, refused
+
+        chunks, health, refused = run(scenario())
+        assert health == 503 and refused == 503
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert process.proc.wait(60) == 0
+    finally:
+        process.stop()
+
+
+def test_drain_timeout_aborts_the_rest(smollm2_dir: Path) -> None:
+    process = ServerProcess(
+        ["--model", str(smollm2_dir), "--num-pages", "4096", "--drain-timeout", "0.5"]
+    )
+    try:
+        process.wait_ready()
+
+        async def scenario() -> int:
+            body = {"prompt": "Count:", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+            async with aiohttp.ClientSession() as session:
+                async with session.post(process.base_url + "/v1/completions", json=body) as r:
+                    await r.content.readline()
+                    process.proc.send_signal(signal.SIGINT)
+                    started = time.monotonic()
+                    await r.read()
+                    return int(time.monotonic() - started)
+
+        assert run(scenario()) < 20
+        assert process.proc.wait(60) == 0
+    finally:
+        process.stop()
+
+
+def test_internal_fault_fails_only_that_request(smollm2_dir: Path) -> None:
+    """A fault inside one request's generation is a 500 for it; the next request is fine."""
+    from aiohttp.test_utils import TestServer
+
+    from aserve.config import build_config
+    from aserve.server.app import Server
+
+    async def scenario() -> tuple[int, dict, int]:
+        server = Server(build_config(model=str(smollm2_dir), num_pages=1024))
+        await server.load()
+        tokenizer = server.runtime.tokenizer
+        original = tokenizer.encode
+
+        def flaky(text: str) -> list[int]:
+            if text == "explode":
+                raise RuntimeError("tokenizer fault")
+            return original(text)
+
+        tokenizer.encode = flaky
+        test_server = TestServer(server.make_app())
+        await test_server.start_server()
+        base = f"http://127.0.0.1:{test_server.port}"
+        try:
+            bad_status, bad = await post(base + "/v1/completions", {"prompt": "explode"})
+            good_status, _ = await post(
+                base + "/v1/completions", {"prompt": "fine", "max_tokens": 2}
+            )
+        finally:
+            await test_server.close()
+            await server.drain(1.0)
+        return bad_status, bad, good_status
+
+    bad_status, bad, good_status = run(scenario())
+    assert bad_status == 500 and bad["error"]["type"] == "internal_server_error"
+    assert good_status == 200
+
+
+def read_until(fd: int, marker: bytes, timeout_s: float = 120.0) -> bytes:
+    data = b""
+    deadline = time.monotonic() + timeout_s
+    while marker not in data:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(data.decode(errors="replace"))
+        ready, _, _ = select.select([fd], [], [], remaining)
+        if ready:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            data += chunk
+    return data
+
+
+def test_shell_mode_through_a_pty(smollm2_dir: Path) -> None:
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "aserve",
+            "--shell",
+            "--model",
+            str(smollm2_dir),
+            "--num-pages",
+            "4096",
+            "--log-level",
+            "warning",
+        ],
+        stdin=follower,
+        stdout=follower,
+        stderr=follower,
+        close_fds=True,
+    )
+    os.close(follower)
+    try:
+        banner = read_until(leader, b"> ")
+        assert b"/reset" in banner
+        os.write(leader, b"What is the capital of France?\n")
+        first = read_until(leader, b"> ")
+        assert b"Paris" in first
+        os.write(leader, b"And what did I just ask you?\n")
+        second = read_until(leader, b"> ")
+        assert b"capital" in second.lower() or b"france" in second.lower()
+        os.write(leader, b"/reset\n")
+        assert b"history cleared" in read_until(leader, b"> ")
+        os.write(leader, b"/exit\n")
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(leader)
+
+
+def test_one_process_without_tp(smollm2_dir: Path) -> None:
+    process = ServerProcess(["--model", str(smollm2_dir), "--num-pages", "1024"])
+    try:
+        process.wait_ready()
+        children = subprocess.run(
+            ["pgrep", "-P", str(process.proc.pid)], capture_output=True, text=True
+        ).stdout.split()
+        assert children == []
+        status, body = run(get(process.base_url + "/health"))
+        assert status == 200 and orjson.loads(body)["status"] == "ok"
+    finally:
+        assert process.stop() == 0
