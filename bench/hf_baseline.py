@@ -13,7 +13,9 @@ from pathlib import Path
 import torch
 
 
-def load_hf_model(model_dir: Path, dummy_weight: bool, dtype: torch.dtype, device: str):  # noqa: ANN201
+def load_hf_model(
+    model_dir: Path, dummy_weight: bool, dtype: torch.dtype, device: str
+) -> torch.nn.Module:
     import transformers
 
     if dummy_weight:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from aserve import LLM, SamplingParams  # noqa: E402
 from bench.common import new_run_id, random_workload, record  # noqa: E402
 
 
@@ -46,9 +47,9 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def run_aserve(args: argparse.Namespace, workload: list[tuple[list[int], int]]):  # noqa: ANN201
-    from aserve import LLM, SamplingParams
-
+def run_aserve(
+    args: argparse.Namespace, workload: list[tuple[list[int], int]]
+) -> tuple[LLM, int, float]:
     llm = LLM(
         args.model,
         dummy_weight=args.dummy_weight,

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import aiohttp
 import orjson
-import pytest
 
 from tests.server_utils import ServerProcess
 from tests.test_server import get, post, run, stream

@@ -11,7 +11,7 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -26,6 +26,7 @@ from aserve.server import openai
 from aserve.server.generation import Choice, Delta
 from aserve.server.openai import APIError, GenerationRequest, ResponseHead
 from aserve.server.responses import ResponseShaper
+from aserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("aserve.server")
 
@@ -206,7 +207,7 @@ class Server:
         return await self._generate(request, runtime, parsed, prompts)
 
     @staticmethod
-    def _tokenizer(runtime: Runtime):  # noqa: ANN205
+    def _tokenizer(runtime: Runtime) -> Tokenizer:
         if runtime.tokenizer is None:
             raise APIError("this model has no tokenizer: send token ids to /v1/completions")
         return runtime.tokenizer
@@ -277,7 +278,7 @@ class Server:
             deltas.append(delta)
         return deltas
 
-    async def _observed(self, choice: Choice, started: float):  # noqa: ANN202
+    async def _observed(self, choice: Choice, started: float) -> AsyncIterator[Delta]:
         """The choice's deltas, with latency metrics recorded on the way."""
         previous = started
         async for delta in choice.run():
@@ -316,7 +317,7 @@ class Server:
                 async for delta in self._observed(choice, started):
                     events.put_nowait((index, delta))
                 events.put_nowait((index, None))
-            except Exception as error:  # noqa: BLE001
+            except Exception as error:
                 events.put_nowait((index, error))
 
         tasks = [asyncio.create_task(pump(i, c)) for i, c in enumerate(choices)]
