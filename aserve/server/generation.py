@@ -65,8 +65,11 @@ class Choice:
                     yield Delta(text, ids, list(out.logprobs), "stop")
                     return
                 if out.finish_reason is not None:
-                    text += self._stream.finish() if self._stream is not None else ""
-                    yield Delta(text, ids, list(out.logprobs), out.finish_reason.value)
+                    reason = out.finish_reason.value
+                    if self._stream is not None:
+                        text += self._stream.finish()
+                        reason = "stop" if self._stream.stopped else reason
+                    yield Delta(text, ids, list(out.logprobs), reason)
                     return
                 if text or ids:
                     yield Delta(text, ids, list(out.logprobs))
