@@ -2,7 +2,7 @@
 
 The conversation history is kept across turns; `/reset` forgets it and `/exit` (or EOF)
 leaves. As in mini-SGLang, one request runs at a time and decode graphs stop at batch 1.
-Replies are sampled (temperature 0.7, top-p 0.9) with the turn number as seed, so a
+Replies are sampled (temperature 0.7, top-p 0.9) with a fixed seed, so the same
 conversation replays the same way.
 """
 
@@ -27,13 +27,13 @@ def shell_config(config: ServerConfig) -> ServerConfig:
     return dataclasses.replace(config, engine=engine, scheduler=scheduler)
 
 
-async def _reply(runtime: Runtime, history: list[dict[str, str]], turn: int, out: TextIO) -> str:
+async def _reply(runtime: Runtime, history: list[dict[str, str]], out: TextIO) -> str:
     assert runtime.tokenizer is not None
     prompt = runtime.tokenizer.apply_chat_template(history)
     room = runtime.engine.max_seq_len - len(prompt)
     if room < 1:
         raise ConfigError("the conversation no longer fits the context: /reset to start over")
-    params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=min(room, 512), seed=turn)
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=min(room, 512), seed=0)
     choice = Choice(runtime.scheduler, runtime.tokenizer, prompt, params, [])
     problem = choice.prepare()
     if problem is not None:
@@ -76,7 +76,7 @@ def run_shell(config: ServerConfig, stdin: TextIO = sys.stdin, out: TextIO = sys
                 continue
             history.append({"role": "user", "content": text})
             try:
-                answer = loop.run_until_complete(_reply(runtime, history, len(history), out))
+                answer = loop.run_until_complete(_reply(runtime, history, out))
             except ConfigError as error:
                 history.pop()
                 out.write(f"(error: {error})\n")
