@@ -93,15 +93,42 @@ def render_serving(lines: list[dict]) -> str:
     return SERVING_HEADER + "\n".join(rows) + "\n"
 
 
+FOOTPRINT_HEADER = """
+## Footprint
+
+From `python bench/footprint.py`: seconds from `aserve` to a ready /health with an empty
+conversion cache (cold) and a filled one (warm), resident memory after start-up and at peak
+under concurrent streams, and the processes the server runs.
+
+| date | device | commit | ready cold s | ready warm s | RSS idle MiB | RSS streams MiB \
+| streams | processes |
+|---|---|---|---|---|---|---|---|---|
+"""
+
+
+def render_footprint(lines: list[dict]) -> str:
+    if not lines:
+        return ""
+    rows = [
+        f"| {x['date']} | {x['device']} | {x['commit']} | {x['ready_cold_s']} | "
+        f"{x['ready_warm_s']} | {x['rss_idle_mib']} | {x['rss_streams_mib']} | "
+        f"{x['settings']['streams']} | {x['processes']} |"
+        for x in lines
+    ]
+    return FOOTPRINT_HEADER + "\n".join(rows) + "\n"
+
+
 def main() -> None:
     jsonl = BENCH_DIR / "results.jsonl"
     lines = [json.loads(x) for x in jsonl.read_text().splitlines() if x.strip()]
     notes = BENCH_DIR / "NOTES.md"
     serving = [x for x in lines if x["bench"] == "serving"]
-    offline = [x for x in lines if x["bench"] != "serving"]
+    footprint = [x for x in lines if x["bench"] == "footprint"]
+    offline = [x for x in lines if x["bench"] == "offline"]
     text = (
         render(offline)
         + render_serving(serving)
+        + render_footprint(footprint)
         + ("\n" + notes.read_text() if notes.exists() else "")
     )
     (BENCH_DIR / "RESULTS.md").write_text(text)
