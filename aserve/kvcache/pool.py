@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
+
+
+def zeros_on(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros; on CPU backed by anonymous memory that the OS commits page by page when it is
+    first written, so a large, mostly idle KV pool does not count in the resident memory."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
 
 
 class KVPool:
@@ -25,8 +37,8 @@ class KVPool:
         shape = (num_pages * page_size, num_kv_heads, head_dim)
         self.num_pages = num_pages
         self.page_size = page_size
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [zeros_on(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [zeros_on(shape, dtype, device) for _ in range(num_layers)]
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer][slots] = k
