@@ -1,0 +1,60 @@
+"""The engine on CUDA (run on the GPU machine; skipped without CUDA)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from aserve import LLM, SamplingParams
+from tests.tiny_models import FAMILIES, make_tiny_model
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+PROMPTS = [[5, 17, 42, 9, 100, 3, 77, 12, 250, 31, 8], [300, 4, 4, 61], list(range(3, 90))]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "models"
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_float32_greedy_on_gpu_equals_cpu(
+    make_llm: Callable[..., LLM], tmp_path: Path, family: str
+) -> None:
+    folder = make_tiny_model(family, tmp_path)
+    cpu = make_llm(folder, device="cpu", page_size=4)
+    gpu = make_llm(folder, device="cuda", dtype="float32", page_size=4)
+    assert [o.token_ids for o in gpu.generate(PROMPTS, GREEDY)] == [
+        o.token_ids for o in cpu.generate(PROMPTS, GREEDY)
+    ]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_bf16_logprobs_close_to_transformers(
+    make_llm: Callable[..., LLM], tmp_path: Path, family: str
+) -> None:
+    import transformers
+
+    folder = make_tiny_model(family, tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    hf = hf.cuda().eval()
+    llm = make_llm(folder, device="cuda", dtype="bfloat16")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=True)
+    for prompt in PROMPTS:
+        out = llm.generate([prompt], params)[0]
+        with torch.inference_mode():
+            logits = hf(torch.tensor([prompt + out.token_ids], device="cuda")).logits[0].float()
+        expected = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1]
+        ours = torch.tensor([lp.logprob for lp in out.logprobs], device="cuda")
+        theirs = expected.gather(1, torch.tensor(out.token_ids, device="cuda")[:, None])[:, 0]
+        torch.testing.assert_close(ours, theirs, atol=0.05, rtol=0.05)
+
+
+def test_dummy_qwen3_shape_runs_in_bf16(make_llm: Callable[..., LLM]) -> None:
+    llm = make_llm(BENCH / "qwen3-0.6b", dummy_weight=True, max_seq_len_override=2048)
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.6, max_tokens=16, ignore_eos=True))
+    assert [len(o.token_ids) for o in outputs] == [16, 16, 16]
+    assert llm.runtime.engine.dtype is torch.bfloat16
