@@ -43,13 +43,20 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--hf-cache", default=None, help="transformers cache_implementation, e.g. static"
     )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs per engine, each on a workload with its own seed; the median is recorded",
+    )
     p.add_argument("--no-record", action="store_true", help="print only, append nothing")
     return p.parse_args()
 
 
-def run_aserve(
-    args: argparse.Namespace, workload: list[tuple[list[int], int]]
-) -> tuple[LLM, int, float]:
+Workload = list[tuple[list[int], int]]
+
+
+def build_llm(args: argparse.Namespace) -> LLM:
     llm = LLM(
         args.model,
         dummy_weight=args.dummy_weight,
@@ -62,24 +69,45 @@ def run_aserve(
         attention_backend=args.attention_backend,
         dtype=args.dtype,
     )
+    llm.generate([list(range(1, 17))], SamplingParams(max_tokens=4, ignore_eos=True))
+    return llm
+
+
+def run_aserve(llm: LLM, workload: Workload, temperature: float) -> tuple[int, float]:
     params = [
-        SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True, seed=i)
+        SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=i)
         for i, (_, n) in enumerate(workload)
     ]
-    llm.generate([workload[0][0][:16]], SamplingParams(max_tokens=4, ignore_eos=True))
     started = time.perf_counter()
     outputs = llm.generate([p for p, _ in workload], params)
     seconds = time.perf_counter() - started
     tokens = sum(len(o.token_ids) for o in outputs)
     assert tokens == sum(n for _, n in workload), "every request must produce its tokens"
-    return llm, tokens, seconds
+    return tokens, seconds
+
+
+def median_run(runs: list[tuple[int, float]]) -> tuple[int, float]:
+    """The run with the median throughput (runs are few; ties take the lower one)."""
+    ordered = sorted(runs, key=lambda r: r[0] / r[1])
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def report(name: str, runs: list[tuple[int, float]]) -> tuple[int, float]:
+    tokens, seconds = median_run(runs)
+    spread = ", ".join(f"{t / s:.1f}" for t, s in runs)
+    print(
+        f"{name:<12} {tokens:>8} tokens {seconds:8.2f} s {tokens / seconds:10.1f} tok/s "
+        f"(median of {len(runs)}: {spread})"
+    )
+    return tokens, seconds
 
 
 def main() -> None:
     args = parse_args()
-    workload = random_workload(
-        args.num_seqs, tuple(args.input_len), tuple(args.output_len), args.seed
-    )
+    workloads = [
+        random_workload(args.num_seqs, tuple(args.input_len), tuple(args.output_len), args.seed + r)
+        for r in range(args.repeat)
+    ]
     settings = {
         k: getattr(args, k)
         for k in (
@@ -96,15 +124,26 @@ def main() -> None:
             "attention_backend",
             "dtype",
             "dummy_weight",
+            "repeat",
         )
     }
     settings["input_len"], settings["output_len"] = list(args.input_len), list(args.output_len)
     run_id = new_run_id()
-    llm, tokens, seconds = run_aserve(args, workload)
     model_name = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
-    print(f"aserve       {tokens:>8} tokens {seconds:8.2f} s {tokens / seconds:10.1f} tok/s")
+    llm = build_llm(args)
+    ours = [run_aserve(llm, w, args.temperature) for w in workloads]
+    tokens, seconds = report("aserve", ours)
     if not args.no_record:
-        record("offline", "aserve", model_name, settings, tokens, seconds, run_id)
+        record(
+            "offline",
+            "aserve",
+            model_name,
+            settings,
+            tokens,
+            seconds,
+            run_id,
+            runs_tok_s=[round(t / s, 1) for t, s in ours],
+        )
     if args.peer == "hf":
         from bench.hf_baseline import load_hf_model, run_hf
 
@@ -113,19 +152,24 @@ def main() -> None:
         llm.close()
         del llm, engine
         hf = load_hf_model(model_dir, args.dummy_weight, dtype, device)
-        run_hf(hf, workload[:1], 1, 0.0, args.hf_cache)
-        hf_tokens, hf_seconds = run_hf(
-            hf, workload, args.max_running_requests, args.temperature, args.hf_cache
-        )
-        print(
-            f"transformers {hf_tokens:>8} tokens {hf_seconds:8.2f} s "
-            f"{hf_tokens / hf_seconds:10.1f} tok/s   aserve/transformers "
-            f"{(tokens / seconds) / (hf_tokens / hf_seconds):.2f}x"
-        )
+        run_hf(hf, workloads[0][:1], 1, 0.0, args.hf_cache)
+        peers = [
+            run_hf(hf, w, args.max_running_requests, args.temperature, args.hf_cache)
+            for w in workloads
+        ]
+        hf_tokens, hf_seconds = report("transformers", peers)
+        print(f"aserve/transformers {(tokens / seconds) / (hf_tokens / hf_seconds):.2f}x")
         if not args.no_record:
             peer_settings = {**settings, "hf_cache": args.hf_cache}
             record(
-                "offline", "transformers", model_name, peer_settings, hf_tokens, hf_seconds, run_id
+                "offline",
+                "transformers",
+                model_name,
+                peer_settings,
+                hf_tokens,
+                hf_seconds,
+                run_id,
+                runs_tok_s=[round(t / s, 1) for t, s in peers],
             )
 
 

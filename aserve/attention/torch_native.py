@@ -26,9 +26,11 @@ class _PrefillMetadata:
 
 @dataclass
 class _DecodeMetadata:
+    """`mask` hides the padding of shorter contexts; None when all lengths are equal."""
+
     kv_slots: torch.Tensor
     flat_slots: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None
 
 
 class TorchNativeBackend:
@@ -65,6 +67,8 @@ class TorchNativeBackend:
         longest = max(batch.seq_lens)
         device = batch.page_table.device
         slots = batch.page_table[batch.rows, :longest].long()
+        if min(batch.seq_lens) == longest:
+            return _DecodeMetadata(slots, slots.flatten(), None)
         lens = torch.tensor(batch.seq_lens, device=device)
         mask = torch.arange(longest, device=device)[None, :] < lens[:, None]
         return _DecodeMetadata(slots, slots.flatten(), mask[:, None, None, :])
