@@ -207,3 +207,24 @@ def test_dummy_weights_run_from_a_config_alone(
     llm = make_llm(tmp_path, dummy_weight=True, num_pages=256)
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5, ignore_eos=True))[0]
     assert len(out.token_ids) == 5 and out.text == ""
+
+
+def test_failing_step_ends_its_requests_and_the_loop_goes_on(
+    make_llm: Callable[..., LLM], tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm = make_llm(tiny)
+    engine = llm.runtime.engine
+    real_step = engine.step
+    calls = {"n": 0}
+
+    def flaky_step(*args: object) -> object:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("kernel fault")
+        return real_step(*args)
+
+    monkeypatch.setattr(engine, "step", flaky_step)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    failed = llm.generate([PROMPTS[0]], params)[0]
+    assert failed.finish_reason == "error" and "kernel fault" in failed.error
+    assert llm.generate([PROMPTS[0]], params)[0].finish_reason == "length"

@@ -43,8 +43,11 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
-def make_tiny_model(family: str, folder: Path, seed: int = 0) -> Path:
-    """Random weights for `family`, saved as safetensors with its config.json."""
+def make_tiny_model(
+    family: str, folder: Path, seed: int = 0, overrides: dict[str, Any] | None = None
+) -> Path:
+    """Random weights for `family`, saved as safetensors with its config.json; `overrides`
+    change shapes (GPU kernels want head dims of 64 or more)."""
     import transformers
 
     config_cls = {
@@ -53,7 +56,7 @@ def make_tiny_model(family: str, folder: Path, seed: int = 0) -> Path:
         "qwen3": transformers.Qwen3Config,
         "mistral": transformers.MistralConfig,
     }[family]
-    config = config_cls(**COMMON, **FAMILIES[family])
+    config = config_cls(**{**COMMON, **FAMILIES[family], **(overrides or {})})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     with torch.no_grad():

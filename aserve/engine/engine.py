@@ -122,12 +122,29 @@ class Engine:
         return self._single_backend(names[0])
 
     def _single_backend(self, name: str) -> AttentionBackend:
-        if name in ("auto", "torch"):
+        """`auto` is FlashInfer on CUDA in half precision (its kernels have no float32) and
+        plain torch otherwise."""
+        if name == "auto":
+            half = self.dtype in (torch.float16, torch.bfloat16)
+            name = "fi" if self.device.type == "cuda" and half else "torch"
+        local_heads = self.model_config.num_heads // self.tp.size
+        head_dim = self.model_config.head_dim
+        if name == "torch":
             from aserve.attention.torch_native import TorchNativeBackend
 
-            local_heads = self.model_config.num_heads // self.tp.size
-            return TorchNativeBackend(self.pool, local_heads, self.model_config.head_dim)
-        raise ConfigError(f"attention backend {name!r} is not available on {self.device.type}")
+            return TorchNativeBackend(self.pool, local_heads, head_dim)
+        if name in ("fi", "fa") and self.device.type == "cuda":
+            from aserve.attention.flashinfer import FlashInferBackend
+
+            local_kv_heads = max(1, self.model_config.num_kv_heads // self.tp.size)
+            kernels = "fa3" if name == "fa" else "fa2"
+            return FlashInferBackend(
+                self.pool, local_heads, local_kv_heads, head_dim, self.dtype, kernels
+            )
+        raise ConfigError(
+            f"attention backend {name!r} is not available on {self.device.type}; "
+            "choose torch, or fi / fa on CUDA"
+        )
 
     def describe(self) -> str:
         """The start-up summary users look for: model, dtype, device, KV size and memory."""

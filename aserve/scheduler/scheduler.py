@@ -110,7 +110,11 @@ class Scheduler:
                     await self._wake.wait()
                     continue
                 started = loop.time()
-                out = await self._run_step(planned)
+                try:
+                    out = await self._run_step(planned)
+                except Exception as error:
+                    self._fail_batch(planned, error)
+                    continue
                 self._process_results(planned, out)
                 if on_step is not None:
                     on_step(planned, loop.time() - started)
@@ -138,6 +142,12 @@ class Scheduler:
                 req.channel.put_nowait(ReqOutput((token,), logprobs))
             else:
                 self._finish(req, reason, tokens=(token,), logprobs=logprobs)
+
+    def _fail_batch(self, planned: ScheduledBatch, error: Exception) -> None:
+        """A step that raised ends its requests with an error; the loop and others go on."""
+        logger.exception("a %s step of %d requests failed", planned.mode.value, len(planned.reqs))
+        for req in planned.reqs:
+            self._finish(req, FinishReason.ERROR, f"internal error: {error!r}")
 
     def _finish_reason(self, req: Req, token: int) -> FinishReason | None:
         if token in req.params.stop_token_ids or (

@@ -1,0 +1,115 @@
+"""Paged attention through FlashInfer kernels (CUDA only; `--attention-backend fi` or `fa`).
+
+The KV pool's per-layer tensors `[pages * page_size, kv_heads, head_dim]` are FlashInfer's
+NHD paged layout once viewed as `[pages, page_size, kv_heads, head_dim]`, so kernels read
+the pool in place. `prepare` plans once per batch: lengths and index pointers are built on
+the host from the batch's host-side lists (FlashInfer's planner reads them on the host
+anyway, so no device synchronisation), page indices are gathered on the device from the
+page table.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from aserve.forward import ForwardBatch
+from aserve.kvcache.pool import KVPool
+
+WORKSPACE_BYTES = 256 * 1024 * 1024
+
+
+class FlashInferBackend:
+    """`prefill_backend` "fa2" (FlashInfer's own kernels, `fi`) or "fa3" (FlashAttention-3
+    kernels on Hopper, `fa`). Decode uses FlashInfer's decode kernels, with tensor cores when
+    several query heads share a KV head."""
+
+    def __init__(
+        self,
+        pool: KVPool,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        prefill_backend: str = "fa2",
+    ) -> None:
+        try:
+            import flashinfer
+        except ImportError as error:
+            raise ImportError(
+                "--attention-backend fi needs FlashInfer: pip install 'aserve[gpu]'"
+            ) from error
+        self.pool = pool
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.page_size = pool.page_size
+        device = pool.k[0].device
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend=prefill_backend
+        )
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=num_heads // num_kv_heads >= 4
+        )
+
+    def _page_layout(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """kv index pointers and last-page lengths (host) and page indices (device)."""
+        size = self.page_size
+        counts = [-(-length // size) for length in batch.seq_lens]
+        indptr = torch.zeros(len(counts) + 1, dtype=torch.int32)
+        torch.cumsum(torch.tensor(counts, dtype=torch.int32), 0, out=indptr[1:])
+        last = torch.tensor(
+            [length - (n - 1) * size for length, n in zip(batch.seq_lens, counts)],
+            dtype=torch.int32,
+        )
+        device = batch.page_table.device
+        count_tensor = torch.tensor(counts, device=device)
+        rows = torch.repeat_interleave(batch.rows, count_tensor)
+        starts = torch.repeat_interleave(indptr[:-1].to(device, non_blocking=True), count_tensor)
+        columns = (torch.arange(rows.shape[0], device=device) - starts) * size
+        indices = batch.page_table[rows, columns] // size
+        return indptr, last, indices
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        indptr, last, indices = self._page_layout(batch)
+        common = dict(
+            num_kv_heads=self.num_kv_heads,
+            page_size=self.page_size,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+        )
+        if batch.is_decode:
+            self.decode_wrapper.plan(
+                indptr,
+                indices,
+                last,
+                num_qo_heads=self.num_heads,
+                head_dim=self.head_dim,
+                **common,
+            )
+            batch.attn_metadata = self.decode_wrapper
+            return
+        qo_indptr = torch.zeros(batch.batch_size + 1, dtype=torch.int32)
+        torch.cumsum(torch.tensor(batch.extend_lens, dtype=torch.int32), 0, out=qo_indptr[1:])
+        self.prefill_wrapper.plan(
+            qo_indptr,
+            indptr,
+            indices,
+            last,
+            num_qo_heads=self.num_heads,
+            head_dim_qk=self.head_dim,
+            causal=True,
+            **common,
+        )
+        batch.attn_metadata = self.prefill_wrapper
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        self.pool.store(layer, batch.out_slots, k, v)
+        shape = (-1, self.page_size, self.num_kv_heads, self.head_dim)
+        cache = (self.pool.k[layer].view(shape), self.pool.v[layer].view(shape))
+        q = q.reshape(-1, self.num_heads, self.head_dim).contiguous()
+        out = batch.attn_metadata.run(q, cache)
+        return out.reshape(-1, self.num_heads * self.head_dim)
