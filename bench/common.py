@@ -4,6 +4,7 @@ that each run appends to bench/results.jsonl (bench/RESULTS.md is rendered from 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import random
 import subprocess
@@ -49,12 +50,15 @@ def device_name() -> str:
 
 
 def git_commit() -> str:
+    """The checkout's short commit; where there is no git (the GPU machine's copy of the
+    tree), the caller passes it in ASERVE_COMMIT."""
+
     def git(*args: str) -> str:
         return subprocess.run(
             ["git", *args], cwd=BENCH_DIR, capture_output=True, text=True, check=False
         ).stdout.strip()
 
-    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    commit = git("rev-parse", "--short", "HEAD") or os.environ.get("ASERVE_COMMIT", "unknown")
     return commit + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 

@@ -144,33 +144,34 @@ def main() -> None:
             run_id,
             runs_tok_s=[round(t / s, 1) for t, s in ours],
         )
-    if args.peer == "hf":
-        from bench.hf_baseline import load_hf_model, run_hf
-
-        engine = llm.runtime.engine
-        model_dir, dtype, device = llm.runtime.model_dir, engine.dtype, str(engine.device)
+    if args.peer != "hf":
         llm.close()
-        del llm, engine
-        hf = load_hf_model(model_dir, args.dummy_weight, dtype, device)
-        run_hf(hf, workloads[0][:1], 1, 0.0, args.hf_cache)
-        peers = [
-            run_hf(hf, w, args.max_running_requests, args.temperature, args.hf_cache)
-            for w in workloads
-        ]
-        hf_tokens, hf_seconds = report("transformers", peers)
-        print(f"aserve/transformers {(tokens / seconds) / (hf_tokens / hf_seconds):.2f}x")
-        if not args.no_record:
-            peer_settings = {**settings, "hf_cache": args.hf_cache}
-            record(
-                "offline",
-                "transformers",
-                model_name,
-                peer_settings,
-                hf_tokens,
-                hf_seconds,
-                run_id,
-                runs_tok_s=[round(t / s, 1) for t, s in peers],
-            )
+        return
+    from bench.hf_baseline import load_hf_model, run_hf
+
+    engine = llm.runtime.engine
+    model_dir, dtype, device = llm.runtime.model_dir, engine.dtype, str(engine.device)
+    llm.close()
+    del llm, engine
+    hf = load_hf_model(model_dir, args.dummy_weight, dtype, device)
+    run_hf(hf, workloads[0][:1], 1, 0.0, args.hf_cache)
+    peers = [
+        run_hf(hf, w, args.max_running_requests, args.temperature, args.hf_cache) for w in workloads
+    ]
+    hf_tokens, hf_seconds = report("transformers", peers)
+    print(f"aserve/transformers {(tokens / seconds) / (hf_tokens / hf_seconds):.2f}x")
+    if not args.no_record:
+        peer_settings = {**settings, "hf_cache": args.hf_cache}
+        record(
+            "offline",
+            "transformers",
+            model_name,
+            peer_settings,
+            hf_tokens,
+            hf_seconds,
+            run_id,
+            runs_tok_s=[round(t / s, 1) for t, s in peers],
+        )
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ def test_bad_option_is_one_line_and_exit_code_2() -> None:
         ["--cache", "lru"],
         ["--dtype", "float8"],
         ["--memory-ratio", "3"],
+        ["--tp", "2"],
     ):
         result = subprocess.run(
             [sys.executable, "-m", "aserve", *args], capture_output=True, text=True, timeout=60
@@ -100,6 +101,7 @@ def test_api_key_and_queue_limit(smollm2_dir: Path) -> None:
             "1",
             "--max-queued-requests",
             "1",
+            "--silent-output",
         ]
     )
     auth = {"Authorization": "Bearer s3cret"}
@@ -133,6 +135,7 @@ def test_api_key_and_queue_limit(smollm2_dir: Path) -> None:
         results = run(overload())
         assert sorted(s for s, _ in results) == [200, 200, 503]
         assert [r for s, r in results if s == 503] == ["1"]
+        assert "Prefill batch." not in process.log()
     finally:
         assert process.stop() == 0
 
@@ -158,6 +161,7 @@ def test_sigterm_drains_running_requests(smollm2_dir: Path) -> None:
         assert health == 503 and refused == 503
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert process.proc.wait(60) == 0
+        assert "Prefill batch. #new-seq: 1, #new-token:" in process.log()
     finally:
         process.stop()
 
@@ -269,7 +273,8 @@ def test_shell_mode_through_a_pty(smollm2_dir: Path) -> None:
         return echoed_and_reply.split("\n", 1)[1].rsplit("\n", 1)[0]
 
     try:
-        assert b"/reset" in read_until(leader, b"> ")
+        banner = read_until(leader, b"> ")
+        assert b"/reset" in banner and b"INFO" not in banner, "--log-level warning hides INFO"
         capital = ask("What is the capital of France?")
         assert "Paris" in capital
         follow_up = ask("Why is it famous?")
