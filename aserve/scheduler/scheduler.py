@@ -21,7 +21,7 @@ from aserve.engine.engine import Engine
 from aserve.engine.sampler import SampleOutput
 from aserve.kvcache.base import PrefixCache
 from aserve.kvcache.naive import NaiveCache
-from aserve.kvcache.pages import PageAllocator, pages_needed
+from aserve.kvcache.pages import PageAllocator
 from aserve.kvcache.radix import RadixCache
 from aserve.scheduler.batch import build_forward_batch, build_sampling_batch
 from aserve.scheduler.plan import Planner, ScheduledBatch
@@ -59,7 +59,10 @@ class Scheduler:
         return req
 
     def check_request(self, req: Req) -> str | None:
-        """Why `req` can never run, or None. Submission ends such a request with an error."""
+        """Why `req` can never run, or None. Submission ends such a request with an error.
+
+        A request always fits an empty KV pool: the engine caps the context at the pool size.
+        """
         n = len(req.prompt_ids)
         if n == 0:
             return "the prompt is empty"
@@ -71,12 +74,6 @@ class Scheduler:
         bad = next((t for t in req.prompt_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             return f"token id {bad} is outside the vocabulary [0, {self.vocab_size})"
-        usable = self.allocator.usable_pages
-        if pages_needed(req.max_total_len, self.config.page_size) > usable:
-            return (
-                f"prompt plus max_tokens needs {req.max_total_len} KV tokens but the cache "
-                f"holds {usable * self.config.page_size}"
-            )
         return None
 
     def submit(self, req: Req) -> None:

@@ -378,7 +378,7 @@ class Server:
         body = await self._json(request)
         tokenizer = self._tokenizer(runtime)
         if isinstance(body.get("messages"), list):
-            messages = [openai._message_text(m, i) for i, m in enumerate(body["messages"])]
+            messages = [openai.message_text(m, i) for i, m in enumerate(body["messages"])]
             tokens = await tokenizer.apply_chat_template_async(messages)
         elif isinstance(body.get("prompt"), str):
             tokens = await tokenizer.encode_async(body["prompt"])
@@ -391,7 +391,7 @@ class Server:
     async def detokenize(self, request: web.Request) -> web.Response:
         runtime = self._ready_runtime()
         body = await self._json(request)
-        tokens = openai._token_id_list(body.get("tokens"), "tokens")
+        tokens = openai.token_id_list(body.get("tokens"), "tokens")
         vocab = runtime.model_config.vocab_size
         if any(t >= vocab for t in tokens):
             raise APIError(f"token ids must be below the vocabulary size {vocab}", param="tokens")

@@ -98,7 +98,7 @@ def _stop_strings(body: dict[str, Any]) -> list[str]:
     return stop
 
 
-def _token_id_list(value: Any, name: str) -> list[int]:
+def token_id_list(value: Any, name: str) -> list[int]:
     if not isinstance(value, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
     ):
@@ -118,7 +118,7 @@ def _sampling_params(
             top_k=int(_get(body, "top_k", (int,), -1)),
             min_p=_number(body, "min_p", 0.0),
             seed=_get(body, "seed", (int,)),
-            stop_token_ids=tuple(_token_id_list(stop_token_ids, "stop_token_ids")),
+            stop_token_ids=tuple(token_id_list(stop_token_ids, "stop_token_ids")),
             ignore_eos=bool(_get(body, "ignore_eos", (bool,), False)),
             presence_penalty=_number(body, "presence_penalty", 0.0),
             frequency_penalty=_number(body, "frequency_penalty", 0.0),
@@ -154,7 +154,7 @@ def _max_tokens(body: dict[str, Any], default: int | None) -> int | None:
     return value
 
 
-def _message_text(message: Any, index: int) -> dict[str, str]:
+def message_text(message: Any, index: int) -> dict[str, str]:
     if not isinstance(message, dict) or message.get("role") not in (
         "system",
         "user",
@@ -196,7 +196,7 @@ def parse_chat(body: dict[str, Any]) -> GenerationRequest:
         **_common(body, "chat"),
         params=_sampling_params(body, max_tokens, want_logprobs, top),
         max_tokens=max_tokens,
-        messages=[_message_text(m, i) for i, m in enumerate(messages)],
+        messages=[message_text(m, i) for i, m in enumerate(messages)],
     )
 
 
@@ -209,9 +209,9 @@ def parse_completion(body: dict[str, Any]) -> GenerationRequest:
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         texts = list(prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
-        token_ids = [_token_id_list(p, "prompt") for p in prompt]
+        token_ids = [token_id_list(p, "prompt") for p in prompt]
     elif isinstance(prompt, list) and prompt:
-        token_ids = [_token_id_list(prompt, "prompt")]
+        token_ids = [token_id_list(prompt, "prompt")]
     else:
         raise APIError(
             "'prompt' must be a string, a list of strings, token ids or lists of token ids",
