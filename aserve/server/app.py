@@ -11,10 +11,8 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
 
-import orjson
 from aiohttp import web
 
 from aserve.config import ServerConfig
@@ -23,29 +21,15 @@ from aserve.metrics import Metrics, SchedulerSnapshot, StatsLogger
 from aserve.runtime import Runtime
 from aserve.scheduler.plan import ScheduledBatch
 from aserve.server import openai
-from aserve.server.generation import Choice, Delta
-from aserve.server.openai import APIError, GenerationRequest, ResponseHead
-from aserve.server.responses import ResponseShaper
-from aserve.tokenizer import Tokenizer
+from aserve.server.completions import Completions
+from aserve.server.http import error_response, json_response, read_json, require_tokenizer
+from aserve.server.openai import APIError
 
 logger = logging.getLogger("aserve.server")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
-
-
-def json_response(
-    body: Any, status: int = 200, headers: dict[str, str] | None = None
-) -> web.Response:
-    return web.Response(
-        body=orjson.dumps(body), status=status, content_type="application/json", headers=headers
-    )
-
-
-def error_response(error: APIError) -> web.Response:
-    headers = {"Retry-After": "1"} if error.status == 503 else None
-    return json_response(error.body(), error.status, headers)
 
 
 class Server:
@@ -153,24 +137,14 @@ class Server:
 
     # ---- helpers ---------------------------------------------------------------------
 
-    def _ready_runtime(self) -> Runtime:
+    def ready_runtime(self) -> Runtime:
         if self.draining:
             raise APIError("server is shutting down", 503, error_type="server_error")
         if self.runtime is None:
             raise APIError("model is still loading", 503, error_type="server_error")
         return self.runtime
 
-    @staticmethod
-    async def _json(request: web.Request) -> dict[str, Any]:
-        try:
-            body = orjson.loads(await request.read())
-        except orjson.JSONDecodeError as error:
-            raise APIError(f"request body is not valid JSON: {error}") from None
-        if not isinstance(body, dict):
-            raise APIError("request body must be a JSON object")
-        return body
-
-    def _check_model(self, name: str) -> None:
+    def check_model(self, name: str) -> None:
         if name and name != self.model_name:
             raise APIError(
                 f"model '{name}' does not exist; this server serves '{self.model_name}'",
@@ -179,173 +153,10 @@ class Server:
                 code="model_not_found",
             )
 
-    def _check_queue(self, runtime: Runtime, extra: int) -> None:
+    def check_queue(self, runtime: Runtime, extra: int) -> None:
         limit = self.config.max_queued_requests
         if limit is not None and len(runtime.scheduler.planner.waiting) + extra > limit:
             raise APIError("too many queued requests, retry later", 503, error_type="server_error")
-
-    # ---- generation endpoints ----------------------------------------------------------
-
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        runtime = self._ready_runtime()
-        parsed = openai.parse_chat(await self._json(request))
-        tokenizer = self._tokenizer(runtime)
-        assert parsed.messages is not None
-        try:
-            prompt = await tokenizer.apply_chat_template_async(parsed.messages)
-        except ValueError as error:
-            raise APIError(str(error), param="messages") from None
-        return await self._generate(request, runtime, parsed, [prompt])
-
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        runtime = self._ready_runtime()
-        parsed = openai.parse_completion(await self._json(request))
-        prompts = parsed.token_ids
-        if parsed.texts:
-            tokenizer = self._tokenizer(runtime)
-            prompts = list(await asyncio.gather(*(tokenizer.encode_async(t) for t in parsed.texts)))
-        return await self._generate(request, runtime, parsed, prompts)
-
-    @staticmethod
-    def _tokenizer(runtime: Runtime) -> Tokenizer:
-        if runtime.tokenizer is None:
-            raise APIError("this model has no tokenizer: send token ids to /v1/completions")
-        return runtime.tokenizer
-
-    def _make_choices(
-        self, runtime: Runtime, parsed: GenerationRequest, prompts: list[list[int]]
-    ) -> list[Choice]:
-        context = runtime.engine.max_seq_len
-        choices = []
-        for prompt in prompts:
-            if parsed.max_tokens is not None and len(prompt) + parsed.max_tokens > context:
-                raise APIError(
-                    f"this model's context is {context} tokens, but the prompt has "
-                    f"{len(prompt)} tokens and max_tokens is {parsed.max_tokens}",
-                    param="max_tokens",
-                    code="context_length_exceeded",
-                )
-            max_tokens = parsed.max_tokens or context - len(prompt)
-            if max_tokens < 1:
-                raise APIError(
-                    f"this model's context is {context} tokens and the prompt has "
-                    f"{len(prompt)} tokens: no room to generate",
-                    param="messages",
-                    code="context_length_exceeded",
-                )
-            for i in range(parsed.n):
-                seed = parsed.params.seed
-                params = openai.SamplingParams(
-                    **{
-                        **parsed.params.__dict__,
-                        "max_tokens": max_tokens,
-                        "seed": None if seed is None else seed + i,
-                    }
-                )
-                choice = Choice(runtime.scheduler, runtime.tokenizer, prompt, params, parsed.stop)
-                problem = choice.prepare()
-                if problem is not None:
-                    raise APIError(problem, param="prompt")
-                choices.append(choice)
-        return choices
-
-    async def _generate(
-        self,
-        request: web.Request,
-        runtime: Runtime,
-        parsed: GenerationRequest,
-        prompts: list[list[int]],
-    ) -> web.StreamResponse:
-        self._check_model(parsed.model)
-        choices = self._make_choices(runtime, parsed, prompts)
-        self._check_queue(runtime, len(choices))
-        prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
-        head = ResponseHead(openai.new_id(prefix), self.model_name)
-        shaper = ResponseShaper(parsed, head, runtime, choices)
-        self.active_requests += 1
-        started = time.monotonic()
-        try:
-            if parsed.stream:
-                return await self._stream(request, shaper, choices, started)
-            results = await asyncio.gather(*(self._collect(c, started) for c in choices))
-            return json_response(shaper.full_body(results))
-        finally:
-            self.active_requests -= 1
-
-    async def _collect(self, choice: Choice, started: float) -> list[Delta]:
-        deltas = []
-        async for delta in self._observed(choice, started):
-            deltas.append(delta)
-        return deltas
-
-    async def _observed(self, choice: Choice, started: float) -> AsyncIterator[Delta]:
-        """The choice's deltas, with latency metrics recorded on the way."""
-        previous = started
-        async for delta in choice.run():
-            now = time.monotonic()
-            if delta.token_ids:
-                if not choice.first_token_seen:
-                    choice.first_token_seen = True
-                    self.metrics.on_first_token(now - started, len(choice.prompt_ids))
-                else:
-                    self.metrics.on_tokens(len(delta.token_ids), now - previous)
-                previous = now
-            if delta.finish_reason is not None:
-                self.metrics.on_finish(
-                    delta.finish_reason,
-                    now - started,
-                    len(choice.prompt_ids),
-                    choice.completion_tokens,
-                )
-            yield delta
-
-    async def _stream(
-        self,
-        request: web.Request,
-        shaper: ResponseShaper,
-        choices: list[Choice],
-        started: float,
-    ) -> web.StreamResponse:
-        response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        )
-        await response.prepare(request)
-        events: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
-
-        async def pump(index: int, choice: Choice) -> None:
-            try:
-                async for delta in self._observed(choice, started):
-                    events.put_nowait((index, delta))
-                events.put_nowait((index, None))
-            except Exception as error:
-                events.put_nowait((index, error))
-
-        tasks = [asyncio.create_task(pump(i, c)) for i, c in enumerate(choices)]
-        try:
-            for chunk in shaper.opening_chunks():
-                await response.write(sse(chunk))
-            remaining = len(choices)
-            while remaining:
-                index, item = await events.get()
-                if item is None:
-                    remaining -= 1
-                    continue
-                if isinstance(item, BaseException):
-                    logger.error("streamed choice failed: %s", item)
-                    await response.write(sse(APIError(str(item), 500).body()))
-                    break
-                for chunk in shaper.delta_chunks(index, item):
-                    await response.write(sse(chunk))
-            else:
-                usage_chunk = shaper.usage_chunk()
-                if usage_chunk is not None:
-                    await response.write(sse(usage_chunk))
-            await response.write(b"data: [DONE]\n\n")
-            await response.write_eof()
-        finally:
-            for task in tasks:
-                task.cancel()
-        return response
 
     # ---- other endpoints ---------------------------------------------------------------
 
@@ -357,7 +168,7 @@ class Server:
         return json_response({"status": "ok"})
 
     async def models(self, request: web.Request) -> web.Response:
-        runtime = self._ready_runtime()
+        runtime = self.ready_runtime()
         card = {
             "id": self.model_name,
             "object": "model",
@@ -374,9 +185,9 @@ class Server:
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        runtime = self._ready_runtime()
-        body = await self._json(request)
-        tokenizer = self._tokenizer(runtime)
+        runtime = self.ready_runtime()
+        body = await read_json(request)
+        tokenizer = require_tokenizer(runtime)
         if isinstance(body.get("messages"), list):
             messages = [openai.message_text(m, i) for i, m in enumerate(body["messages"])]
             tokens = await tokenizer.apply_chat_template_async(messages)
@@ -389,64 +200,23 @@ class Server:
         )
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        runtime = self._ready_runtime()
-        body = await self._json(request)
+        runtime = self.ready_runtime()
+        body = await read_json(request)
         tokens = openai.token_id_list(body.get("tokens"), "tokens")
         vocab = runtime.model_config.vocab_size
         if any(t >= vocab for t in tokens):
             raise APIError(f"token ids must be below the vocabulary size {vocab}", param="tokens")
-        return json_response({"prompt": self._tokenizer(runtime).decode(tokens)})
-
-    async def generate(self, request: web.Request) -> web.StreamResponse:
-        """SGLang's native route: text or input_ids in, text and output_ids out."""
-        runtime = self._ready_runtime()
-        body = await self._json(request)
-        sampling = body.get("sampling_params") or {}
-        if not isinstance(sampling, dict):
-            raise APIError("'sampling_params' must be an object", param="sampling_params")
-        completion_body = {
-            **sampling,
-            "max_tokens": sampling.get("max_new_tokens", sampling.get("max_tokens", 128)),
-            "prompt": body.get("input_ids", body.get("text")),
-            "stream": False,
-        }
-        completion_body.pop("max_new_tokens", None)
-        parsed = openai.parse_completion(completion_body)
-        prompts = parsed.token_ids
-        if parsed.texts:
-            prompts = [await self._tokenizer(runtime).encode_async(parsed.texts[0])]
-        choices = self._make_choices(runtime, parsed, prompts[:1])
-        self._check_queue(runtime, 1)
-        self.active_requests += 1
-        try:
-            deltas = await self._collect(choices[0], time.monotonic())
-        finally:
-            self.active_requests -= 1
-        output_ids = [t for d in deltas for t in d.token_ids]
-        return json_response(
-            {
-                "text": "".join(d.text for d in deltas),
-                "output_ids": output_ids,
-                "meta_info": {
-                    "prompt_tokens": len(prompts[0]),
-                    "completion_tokens": len(output_ids),
-                    "finish_reason": {"type": deltas[-1].finish_reason if deltas else "abort"},
-                },
-            }
-        )
+        return json_response({"prompt": require_tokenizer(runtime).decode(tokens)})
 
     def make_app(self) -> web.Application:
         app = web.Application(middlewares=[self.guard], client_max_size=64 * 1024 * 1024)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
-        app.router.add_post("/v1/completions", self.completions)
+        completions = Completions(self)
+        app.router.add_post("/v1/chat/completions", completions.chat_completions)
+        app.router.add_post("/v1/completions", completions.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_endpoint)
-        app.router.add_post("/generate", self.generate)
+        app.router.add_post("/generate", completions.generate)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         return app
-
-
-def sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(payload) + b"\n\n"
