@@ -10,6 +10,8 @@ page table.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from aserve.forward import ForwardBatch
@@ -72,24 +74,10 @@ class FlashInferBackend:
         return indptr, last, indices
 
     def prepare(self, batch: ForwardBatch) -> None:
-        indptr, last, indices = self._page_layout(batch)
-        common = dict(
-            num_kv_heads=self.num_kv_heads,
-            page_size=self.page_size,
-            q_data_type=self.dtype,
-            kv_data_type=self.dtype,
-        )
         if batch.is_decode:
-            self.decode_wrapper.plan(
-                indptr,
-                indices,
-                last,
-                num_qo_heads=self.num_heads,
-                head_dim=self.head_dim,
-                **common,
-            )
-            batch.attn_metadata = self.decode_wrapper
+            self.plan_decode(self.decode_wrapper, batch)
             return
+        indptr, last, indices = self._page_layout(batch)
         qo_indptr = torch.zeros(batch.batch_size + 1, dtype=torch.int32)
         torch.cumsum(torch.tensor(batch.extend_lens, dtype=torch.int32), 0, out=qo_indptr[1:])
         self.prefill_wrapper.plan(
@@ -98,11 +86,45 @@ class FlashInferBackend:
             indices,
             last,
             num_qo_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
             head_dim_qk=self.head_dim,
+            page_size=self.page_size,
             causal=True,
-            **common,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
         )
         batch.attn_metadata = self.prefill_wrapper
+
+    def plan_decode(self, wrapper: Any, batch: ForwardBatch) -> None:
+        """Plan a decode batch into `wrapper` (ours, or a CUDA-graph one with static buffers)."""
+        indptr, last, indices = self._page_layout(batch)
+        wrapper.plan(
+            indptr,
+            indices,
+            last,
+            num_qo_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            page_size=self.page_size,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+        )
+        batch.attn_metadata = wrapper
+
+    def graph_decode_wrapper(self, batch_size: int, max_pages: int) -> Any:
+        """A decode wrapper whose metadata lives in static buffers, for one captured size."""
+        import flashinfer
+
+        device = self.workspace.device
+        return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace,
+            "NHD",
+            use_cuda_graph=True,
+            use_tensor_cores=self.decode_wrapper.use_tensor_cores,
+            paged_kv_indptr_buffer=torch.zeros(batch_size + 1, dtype=torch.int32, device=device),
+            paged_kv_indices_buffer=torch.zeros(max_pages, dtype=torch.int32, device=device),
+            paged_kv_last_page_len_buffer=torch.zeros(batch_size, dtype=torch.int32, device=device),
+        )
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch

@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from aserve.kvcache.pages import PageTable
 from aserve.kvcache.pool import KVPool
 from aserve.models.registry import build_model
 from aserve.models.weights import fill_dummy_weights, iter_weights, torch_dtype
+
+if TYPE_CHECKING:
+    from aserve.engine.graph import DecodeGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +116,7 @@ class Engine:
         )
         self.attn = self._create_attention_backend(config.attention_backend)
         self.sampler = Sampler()
+        self.graphs = self._capture_graphs()
 
     def _create_attention_backend(self, name: str) -> AttentionBackend:
         names = name.split(",")
@@ -146,6 +151,26 @@ class Engine:
             "choose torch, or fi / fa on CUDA"
         )
 
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        """Decode graphs on CUDA when the decode backend is FlashInfer (the torch backend
+        plans with host-side shapes). `--cuda-graph-max-bs` unset means every batch up to
+        256 (or the running-request cap); 0 turns graphs off."""
+        decode = self.attn.decode if isinstance(self.attn, SplitBackend) else self.attn
+        max_bs = self.config.cuda_graph_max_bs
+        if max_bs is None:
+            max_bs = min(256, self.config.max_running_requests)
+        if self.device.type != "cuda" or max_bs == 0:
+            return None
+        from aserve.attention.flashinfer import FlashInferBackend
+
+        if not isinstance(decode, FlashInferBackend):
+            logger.info("CUDA graphs are off: they need the FlashInfer decode backend")
+            return None
+        from aserve.engine.graph import DecodeGraphs
+
+        max_bs = min(max_bs, self.config.max_running_requests)
+        return DecodeGraphs(self.model, decode, self.page_table, max_bs, self.max_seq_len)
+
     def describe(self) -> str:
         """The start-up summary users look for: model, dtype, device, KV size and memory."""
         tokens = (self.num_pages - 1) * self.config.page_size
@@ -156,15 +181,18 @@ class Engine:
             f"kv_cache={self.kv_cache_bytes / GiB:.2f} GiB context_len={self.max_seq_len} "
             f"free_mem_before_load={self.free_memory_before_load / GiB:.2f} GiB "
             f"free_mem_after_load={self.free_memory_after_load / GiB:.2f} GiB "
-            f"load_time={self.load_seconds:.1f}s"
+            f"load_time={self.load_seconds:.1f}s cuda_graph={self.graphs is not None}"
         )
 
     @torch.inference_mode()
     def step(self, batch: ForwardBatch, sampling: SamplingBatch) -> SampleOutput:
         """Forward `batch`, sample one token per request, and record it in the token table
         at the position after the request's context, where the next decode step reads it."""
-        self.attn.prepare(batch)
-        logits = self.model(batch, self.attn)
+        if batch.is_decode and self.graphs and batch.batch_size <= self.graphs.max_batch_size:
+            logits = self.graphs.run(batch)
+        else:
+            self.attn.prepare(batch)
+            logits = self.model(batch, self.attn)
         out = self.sampler.sample(logits, sampling)
         self.page_table.tokens[batch.rows, batch.seq_lens_tensor] = out.next_ids.to(torch.int32)
         return out

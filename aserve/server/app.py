@@ -59,7 +59,9 @@ class Server:
         snapshot = self._snapshot()
         self.metrics.update_scheduler(snapshot)
         if planned.mode is ForwardMode.DECODE:
-            self.stats.on_step("decode", snapshot, seconds, len(planned.reqs))
+            graphs = self.runtime.engine.graphs if self.runtime is not None else None
+            replayed = graphs is not None and len(planned.reqs) <= graphs.max_batch_size
+            self.stats.on_step("decode", snapshot, seconds, len(planned.reqs), cuda_graph=replayed)
             return
         first_chunks = [
             r for r, n in zip(planned.reqs, planned.extend_lens) if r.cached_len - n == r.prefix_len

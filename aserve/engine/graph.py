@@ -1,0 +1,120 @@
+"""CUDA graphs of the decode forward, one per captured batch size.
+
+A decode step of a small model is hundreds of tiny kernels; replaying a captured graph
+launches them all at once. Inputs live in static buffers that each step copies into; a batch
+is padded up to the next captured size, pad rows reading and writing only the dummy page 0
+through the page table's dummy row. Attention metadata is planned into a FlashInfer
+wrapper with static buffers per size. Sampling stays outside the graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import nn
+
+from aserve.attention.flashinfer import FlashInferBackend
+from aserve.forward import ForwardBatch, ForwardMode
+from aserve.kvcache.pages import PageTable, pages_needed
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, then every 16 up to the maximum (which is always included)."""
+    sizes = {s for s in (1, 2, 4, 8) if s <= max_batch_size}
+    sizes.update(range(16, max_batch_size + 1, 16))
+    sizes.add(max_batch_size)
+    return sorted(sizes)
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: nn.Module,
+        attn: FlashInferBackend,
+        page_table: PageTable,
+        max_batch_size: int,
+        max_seq_len: int,
+    ) -> None:
+        self.model = model
+        self.attn = attn
+        self.page_table = page_table
+        self.sizes = capture_sizes(max_batch_size)
+        self.max_batch_size = self.sizes[-1]
+        device = page_table.slots.device
+        n = self.max_batch_size
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.out_slots = torch.zeros(n, dtype=torch.int64, device=device)
+        self.rows = torch.full((n,), page_table.dummy_row, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int64, device=device)
+        self.logit_indices = torch.arange(n, device=device)
+        pages_per_seq = pages_needed(max_seq_len + 1, attn.page_size)
+        self.wrappers = {bs: attn.graph_decode_wrapper(bs, bs * pages_per_seq) for bs in self.sizes}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self._capture()
+
+    def _static_batch(self, size: int, seq_lens: list[int]) -> ForwardBatch:
+        return ForwardBatch(
+            mode=ForwardMode.DECODE,
+            input_ids=self.input_ids[:size],
+            positions=self.positions[:size],
+            out_slots=self.out_slots[:size],
+            rows=self.rows[:size],
+            prefix_lens=[n - 1 for n in seq_lens],
+            extend_lens=[1] * size,
+            seq_lens=seq_lens,
+            seq_lens_tensor=self.seq_lens[:size],
+            logit_indices=self.logit_indices[:size],
+            page_table=self.page_table.slots,
+        )
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        started = time.perf_counter()
+        free_before = torch.cuda.mem_get_info()[0]
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):
+            batch = self._static_batch(size, [1] * size)
+            self.attn.plan_decode(self.wrappers[size], batch)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self.model(batch, self.attn)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[size] = self.model(batch, self.attn)
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+        used = free_before - torch.cuda.mem_get_info()[0]
+        logger.info(
+            "captured decode CUDA graphs for batch sizes %s in %.1f s, using %.2f GiB",
+            self.sizes,
+            time.perf_counter() - started,
+            used / (1 << 30),
+        )
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits of a decode batch of at most `max_batch_size` requests, by graph replay."""
+        count = batch.batch_size
+        size = next(s for s in self.sizes if s >= count)
+        self.input_ids[:count].copy_(batch.input_ids)
+        self.positions[:count].copy_(batch.positions)
+        self.out_slots[:count].copy_(batch.out_slots)
+        self.rows[:count].copy_(batch.rows)
+        self.seq_lens[:count].copy_(batch.seq_lens_tensor)
+        if size > count:
+            self.input_ids[count:size].zero_()
+            self.positions[count:size].zero_()
+            self.out_slots[count:size].zero_()
+            self.rows[count:size].fill_(self.page_table.dummy_row)
+            self.seq_lens[count:size].fill_(1)
+        padded = self._static_batch(size, batch.seq_lens + [1] * (size - count))
+        self.attn.plan_decode(self.wrappers[size], padded)
+        self.graphs[size].replay()
+        return self.outputs[size][:count]
