@@ -24,6 +24,7 @@ from aserve.engine.sampler import SampleOutput, Sampler, SamplingBatch
 from aserve.forward import ForwardBatch
 from aserve.kvcache.pages import PageTable
 from aserve.kvcache.pool import KVPool
+from aserve.layers.fused import fused_ops
 from aserve.models.registry import build_model
 from aserve.models.weights import fill_dummy_weights, iter_weights, torch_dtype
 
@@ -73,8 +74,9 @@ class Engine:
 
         self.free_memory_before_load = free_device_memory(self.device)
         started = time.perf_counter()
+        ops = fused_ops(self.device, self.dtype)
         with _construct_on(self.device, self.dtype):
-            self.model = build_model(model_config, self.max_seq_len, self.tp)
+            self.model = build_model(model_config, self.max_seq_len, self.tp, ops)
         if config.dummy_weight:
             fill_dummy_weights(self.model, config.seed)
         else:

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    """With `ops` (FlashInfer), one fused kernel; `add_and_norm` then updates the residual and
+    the input in place."""
+
+    def __init__(self, size: int, eps: float, ops: ModuleType | None = None) -> None:
         super().__init__()
         self.eps = eps
+        self.ops = ops
         self.weight = nn.Parameter(torch.ones(size), False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -18,12 +24,17 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            return self.ops.rmsnorm(x.contiguous(), self.weight, self.eps)
         return self._norm(x)
 
     def add_and_norm(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`residual += x` then normalise it; returns (normalised, new residual)."""
+        if self.ops is not None:
+            self.ops.fused_add_rmsnorm(x, residual, self.weight, self.eps)
+            return x, residual
         residual = x + residual
         return self._norm(residual), residual
 

@@ -7,6 +7,7 @@ and looked up per token. Llama-3 frequency scaling and linear scaling are suppor
 from __future__ import annotations
 
 import math
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -44,21 +45,41 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 
 class RotaryEmbedding(nn.Module):
+    """With `ops` (FlashInfer), Q and K are rotated in place by one kernel reading a
+    `[positions, head_dim]` cache of cos | sin halves."""
+
     def __init__(
-        self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        ops: ModuleType | None = None,
     ) -> None:
         super().__init__()
-        freqs = torch.outer(
-            torch.arange(max_positions).float(), rope_inv_freq(head_dim, theta, scaling)
-        )
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_positions).float(), inv_freq)
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.register_buffer("cos_sin", torch.cat((self.cos, self.sin), -1), persistent=False)
         self.head_dim = head_dim
+        self.ops = ops
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Rotate `x` `[tokens, heads, head_dim]` by its tokens' positions; Q and K heads can
-        go through in one call."""
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q `[tokens, heads * head_dim]` and k `[tokens, kv_heads * head_dim]`."""
+        if self.ops is not None:
+            self.ops.apply_rope_with_cos_sin_cache_inplace(
+                positions, q, k, self.head_dim, self.cos_sin, is_neox=True
+            )
+            return q, k
+        return self._rotate(positions, q), self._rotate(positions, k)
+
+    def _rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        heads = x.view(x.shape[0], -1, self.head_dim)
         cos = self.cos[positions][:, None, :].to(x.dtype)
         sin = self.sin[positions][:, None, :].to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        x1, x2 = heads.chunk(2, dim=-1)
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return rotated.view(x.shape)

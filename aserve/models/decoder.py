@@ -9,6 +9,7 @@ fused projections (qkv_proj, gate_up_proj) load their parts by shard.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -26,7 +27,12 @@ from aserve.layers.rotary import RotaryEmbedding
 
 class DecoderAttention(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer: int, rotary: RotaryEmbedding, tp: TPGroup
+        self,
+        config: ModelConfig,
+        layer: int,
+        rotary: RotaryEmbedding,
+        tp: TPGroup,
+        ops: ModuleType | None,
     ) -> None:
         super().__init__()
         self.layer = layer
@@ -44,8 +50,9 @@ class DecoderAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             config.num_heads * config.head_dim, config.hidden_size, False, tp
         )
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        eps = config.rms_norm_eps
+        self.q_norm = RMSNorm(config.head_dim, eps, ops) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, eps, ops) if config.qk_norm else None
 
     def forward(
         self,
@@ -54,36 +61,42 @@ class DecoderAttention(nn.Module):
         batch: ForwardBatch,
         attn: AttentionBackend,
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
-        tokens, q_heads = qkv.shape[0], self.q_size // self.head_dim
-        qk = qkv[:, : self.q_size + self.kv_size].view(tokens, -1, self.head_dim)
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], -1)
         if self.q_norm is not None and self.k_norm is not None:
-            qk = torch.cat((self.q_norm(qk[:, :q_heads]), self.k_norm(qk[:, q_heads:])), dim=1)
-        q, k = self.rotary(positions, qk).split([q_heads, qk.shape[1] - q_heads], dim=1)
-        v = qkv[:, self.q_size + self.kv_size :].view(k.shape)
-        return self.o_proj(attn.forward(q, k, v, self.layer, batch))
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+        q, k = self.rotary(positions, q, k)
+        heads = (q.shape[0], -1, self.head_dim)
+        out = attn.forward(q.view(heads), k.view(heads), v.view(heads), self.layer, batch)
+        return self.o_proj(out)
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup, ops: ModuleType | None) -> None:
         super().__init__()
+        self.ops = ops
         inter = config.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [inter, inter], False, tp)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.ops))
 
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer: int, rotary: RotaryEmbedding, tp: TPGroup
+        self,
+        config: ModelConfig,
+        layer: int,
+        rotary: RotaryEmbedding,
+        tp: TPGroup,
+        ops: ModuleType | None,
     ) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(config, layer, rotary, tp)
-        self.mlp = DecoderMLP(config, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DecoderAttention(config, layer, rotary, tp, ops)
+        self.mlp = DecoderMLP(config, tp, ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(
         self,
@@ -104,16 +117,18 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int, tp: TPGroup) -> None:
+    def __init__(
+        self, config: ModelConfig, max_positions: int, tp: TPGroup, ops: ModuleType | None
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         rotary = RotaryEmbedding(
-            config.head_dim, max_positions, config.rope_theta, config.rope_scaling
+            config.head_dim, max_positions, config.rope_theta, config.rope_scaling, ops
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, rotary, tp) for i in range(config.num_layers)
+            DecoderLayer(config, i, rotary, tp, ops) for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         hidden = self.embed_tokens(batch.input_ids)
@@ -134,10 +149,18 @@ _FUSED = {
 
 
 class DecoderForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int, tp: TPGroup) -> None:
+    """`ops` is FlashInfer's module for fused norm / rope / activation kernels, or None."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_positions: int,
+        tp: TPGroup,
+        ops: ModuleType | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, max_positions, tp)
+        self.model = DecoderModel(config, max_positions, tp, ops)
         self.lm_head = (
             self.model.embed_tokens
             if config.tie_word_embeddings
