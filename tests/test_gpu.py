@@ -19,6 +19,7 @@ pytestmark = [
 PROMPTS = [[5, 17, 42, 9, 100, 3, 77, 12, 250, 31, 8], [300, 4, 4, 61], list(range(3, 90))]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "models"
+KERNEL_SHAPES = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -39,10 +40,13 @@ def test_bf16_logprobs_close_to_transformers(
 ) -> None:
     import transformers
 
-    folder = make_tiny_model(family, tmp_path)
+    shapes = {**KERNEL_SHAPES, "head_dim": 128 if family == "qwen3" else 64}
+    folder = make_tiny_model(family, tmp_path, overrides=shapes)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
     hf = hf.cuda().eval()
     llm = make_llm(folder, device="cuda", dtype="bfloat16")
+    assert type(llm.runtime.engine.attn).__name__ == "FlashInferBackend"
+    assert llm.runtime.engine.graphs is not None
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=True)
     for prompt in PROMPTS:
         out = llm.generate([prompt], params)[0]
@@ -59,9 +63,6 @@ def test_dummy_qwen3_shape_runs_in_bf16(make_llm: Callable[..., LLM]) -> None:
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.6, max_tokens=16, ignore_eos=True))
     assert [len(o.token_ids) for o in outputs] == [16, 16, 16]
     assert llm.runtime.engine.dtype is torch.bfloat16
-
-
-KERNEL_SHAPES = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
@@ -129,11 +131,12 @@ class Engine:
         return self._single_backend(names[0])
 
     def _single_backend(self, name: str) -> AttentionBackend:
-        """`auto` is FlashInfer on CUDA in half precision (its kernels have no float32) and
-        plain torch otherwise."""
+        """`auto` is FlashInfer on CUDA in half precision with a head size its kernels
+        support (they have no float32), plain torch otherwise."""
         if name == "auto":
             half = self.dtype in (torch.float16, torch.bfloat16)
-            name = "fi" if self.device.type == "cuda" and half else "torch"
+            supported = self.model_config.head_dim in FLASHINFER_HEAD_DIMS
+            name = "fi" if self.device.type == "cuda" and half and supported else "torch"
         local_heads = self.model_config.num_heads // self.tp.size
         head_dim = self.model_config.head_dim
         if name == "torch":
