@@ -34,8 +34,8 @@ def render(lines: list[dict]) -> str:
         runs[line["run_id"]][line["engine"]] = line
     rows = [
         "| date | bench | model | device | commit | workload | aserve tok/s | peer | peer tok/s "
-        "| aserve / peer |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| aserve / peer | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run_id in sorted(runs):
         engines = runs[run_id]
@@ -48,7 +48,8 @@ def render(lines: list[dict]) -> str:
         rows.append(
             f"| {ours['date']} | {ours['bench']} | {ours['model']} | {ours['device']} | "
             f"{ours['commit']} | {_workload(ours['settings'])} | {ours['tok_s']:.1f} | "
-            f"{peer_name or '-'} | {peer['tok_s'] if peer else '-'} | {ratio} |"
+            f"{peer_name or '-'} | {peer['tok_s'] if peer else '-'} | {ratio} | "
+            f"{ours.get('note', '')} |"
         )
     return HEADER + "\n".join(rows) + "\n"
 

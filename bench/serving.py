@@ -103,7 +103,7 @@ async def _read_stream(
         if usage:
             completion_tokens = usage.get("completion_tokens", completion_tokens)
         choices = frame.get("choices")
-        if choices and choices[0].get("text"):
+        if choices and (choices[0].get("text") or choices[0].get("token_ids")):
             now = time.perf_counter()
             if chunks:
                 gaps.append(now - last)
@@ -165,6 +165,7 @@ async def benchmark(
             "temperature": temperature,
             "ignore_eos": True,
             "stream": stream,
+            "return_token_ids": True,
         }
         if stream:
             body["stream_options"] = {"include_usage": True}

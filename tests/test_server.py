@@ -401,3 +401,32 @@ def test_client_disconnect_frees_pages(server: ServerProcess) -> None:
     text = idle_metrics(server)
     assert metric_value(text, "aserve:kv_cache_usage_perc") == 0
     assert metric_value(text, "aserve:num_requests_running") == 0
+
+
+def test_return_token_ids(server: ServerProcess) -> None:
+    """vLLM's `return_token_ids`: every chunk with tokens carries them, text or not."""
+    request = {
+        "model": MODEL,
+        "prompt": "Hello",
+        "temperature": 0,
+        "max_tokens": 12,
+        "return_token_ids": True,
+        "stream_options": {"include_usage": True},
+    }
+    _, full = run(post(server.base_url + "/v1/completions", request))
+    ids = full["choices"][0]["token_ids"]
+    assert len(ids) == full["usage"]["completion_tokens"] == 12
+    chunks, _ = run(stream(server.base_url + "/v1/completions", request))
+    streamed = [t for c in chunks if c["choices"] for t in c["choices"][0].get("token_ids", [])]
+    assert streamed == ids
+    _, tokens = run(post(server.base_url + "/tokenize", {"prompt": "Hello"}))
+    _, generated = run(
+        post(
+            server.base_url + "/generate",
+            {
+                "input_ids": tokens["tokens"],
+                "sampling_params": {"max_new_tokens": 12, "temperature": 0},
+            },
+        )
+    )
+    assert generated["output_ids"] == ids

@@ -60,6 +60,7 @@ class GenerationRequest:
     include_usage: bool = False
     stop: list[str] = field(default_factory=list)
     echo: bool = False
+    return_token_ids: bool = False
     messages: list[dict[str, Any]] | None = None
     texts: list[str] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list)
@@ -142,6 +143,7 @@ def _common(body: dict[str, Any], kind: str) -> dict[str, Any]:
         "stream": bool(_get(body, "stream", (bool,), False)),
         "include_usage": bool(stream_options.get("include_usage", False)),
         "stop": _stop_strings(body),
+        "return_token_ids": bool(_get(body, "return_token_ids", (bool,), False)),
     }
 
 

@@ -75,20 +75,23 @@ class ResponseShaper:
 
     def delta_chunks(self, index: int, delta: Delta) -> list[dict[str, Any]]:
         logprobs = self._logprobs(index, delta.logprobs)
+        token_ids = self.parsed.return_token_ids and bool(delta.token_ids)
         if self.is_chat:
             chunks = []
-            if delta.text or logprobs:
-                chunks.append(
-                    openai.chat_chunk(self.head, index, {"content": delta.text}, None, logprobs)
-                )
+            if delta.text or logprobs or token_ids:
+                message = {"content": delta.text}
+                chunks.append(openai.chat_chunk(self.head, index, message, None, logprobs))
             if delta.finish_reason is not None:
                 chunks.append(openai.chat_chunk(self.head, index, {}, delta.finish_reason))
-            return chunks
-        if not delta.text and logprobs is None and delta.finish_reason is None:
-            return []
-        return [
-            openai.completion_chunk(self.head, index, delta.text, delta.finish_reason, logprobs)
-        ]
+        elif delta.text or logprobs is not None or token_ids or delta.finish_reason is not None:
+            chunks = [
+                openai.completion_chunk(self.head, index, delta.text, delta.finish_reason, logprobs)
+            ]
+        else:
+            chunks = []
+        if token_ids and chunks:
+            chunks[0]["choices"][0]["token_ids"] = delta.token_ids
+        return chunks
 
     def _usage(self) -> dict[str, int]:
         prompt_tokens = sum(
@@ -105,6 +108,7 @@ class ResponseShaper:
         choices = []
         for index, deltas in enumerate(results):
             text = "".join(d.text for d in deltas)
+            token_ids = [t for d in deltas for t in d.token_ids]
             finish = deltas[-1].finish_reason if deltas else "abort"
             logprobs = self._logprobs(index, [lp for d in deltas for lp in d.logprobs])
             if self.is_chat:
@@ -129,4 +133,6 @@ class ResponseShaper:
                         "finish_reason": finish,
                     }
                 )
+            if self.parsed.return_token_ids:
+                choices[-1]["token_ids"] = token_ids
         return openai.full_body(self.head, self.parsed.kind, choices, self._usage())
