@@ -21,7 +21,7 @@ from aserve.config import ConfigError, EngineConfig, ModelConfig
 from aserve.distributed.group import TPGroup
 from aserve.engine.memory import GiB, free_device_memory, kv_bytes_per_token, plan_num_pages
 from aserve.engine.sampler import SampleOutput, Sampler, SamplingBatch
-from aserve.forward import ForwardBatch
+from aserve.forward import ForwardBatch, ForwardMode
 from aserve.kvcache.pages import PageTable
 from aserve.kvcache.pool import KVPool
 from aserve.layers.fused import fused_ops
@@ -120,6 +120,7 @@ class Engine:
         )
         self.attn = self._create_attention_backend(config.attention_backend)
         self.sampler = Sampler()
+        self._warm_up()
         self.graphs = self._capture_graphs()
 
     def _create_attention_backend(self, name: str) -> AttentionBackend:
@@ -155,6 +156,35 @@ class Engine:
             f"attention backend {name!r} is not available on {self.device.type}; "
             "choose torch, or fi / fa on CUDA"
         )
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """One-token prefill and decode on the dummy page, so that FlashInfer compiles (first
+        start, minutes; cached in ~/.cache/flashinfer after) or loads its kernels now rather
+        than inside the first request."""
+        if self.device.type != "cuda":
+            return
+        logger.info("warming up GPU kernels (the first start compiles them, which takes minutes)")
+        started = time.perf_counter()
+        zero = torch.zeros(1, dtype=torch.int64, device=self.device)
+        for mode in (ForwardMode.PREFILL, ForwardMode.DECODE):
+            batch = ForwardBatch(
+                mode=mode,
+                input_ids=zero,
+                positions=zero,
+                out_slots=zero,
+                rows=torch.full_like(zero, self.page_table.dummy_row),
+                prefix_lens=[0],
+                extend_lens=[1],
+                seq_lens=[1],
+                seq_lens_tensor=torch.ones_like(zero),
+                logit_indices=zero,
+                page_table=self.page_table.slots,
+            )
+            self.attn.prepare(batch)
+            self.model(batch, self.attn)
+        torch.cuda.synchronize(self.device)
+        logger.info("GPU kernels ready in %.1f s", time.perf_counter() - started)
 
     def _capture_graphs(self) -> DecodeGraphs | None:
         """Decode graphs on CUDA when the decode backend is FlashInfer (the torch backend
