@@ -87,13 +87,17 @@ def test_radix_hits_do_not_change_outputs(
         {"page_size": 16},
         {"cache_type": "naive"},
         {"max_running_requests": 3},
+        {"overlap": True, "max_prefill_length": 7, "page_size": 4},
     ],
-    ids=["chunked-prefill", "page-1", "page-16", "naive-cache", "three-running"],
+    ids=["chunked-prefill", "page-1", "page-16", "naive-cache", "three-running", "overlap"],
 )
 def test_scheduling_options_do_not_change_outputs(
     make_llm: Callable[..., LLM], smollm2_dir: Path, prompt_ids, hf_tokens, options: dict
 ) -> None:
+    options = dict(options)
+    overlap = options.pop("overlap", False)
     llm = make_llm(smollm2_dir, **options)
+    llm.scheduler.overlap = overlap
     assert greedy_tokens(llm, prompt_ids) == hf_tokens
 
 

@@ -122,3 +122,21 @@ def test_cuda_graphs_do_not_change_outputs(make_llm: Callable[..., LLM], tmp_pat
         for a, b in zip(ours, reference):
             for x, y in zip(a.logprobs, b.logprobs):
                 assert x.logprob == pytest.approx(y.logprob, abs=0.02)
+
+
+def test_overlap_on_and_off_give_the_same_tokens(
+    make_llm: Callable[..., LLM], tmp_path: Path
+) -> None:
+    folder = make_tiny_model("llama", tmp_path, overrides={**KERNEL_SHAPES, "head_dim": 64})
+    options = {"device": "cuda", "dtype": "bfloat16", "page_size": 16, "num_pages": 64}
+    overlapped = make_llm(folder, **options)
+    plain = make_llm(folder, **options)
+    plain.scheduler.overlap = False
+    assert overlapped.scheduler.overlap
+    prompts = [list(range(7 + i, 7 + i + 5 + 9 * i)) for i in range(12)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=5 + 4 * i, ignore_eos=True) for i in range(12)
+    ]
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in overlapped.generate(prompts, params)] == expected
+    assert overlapped.scheduler.planner.num_retractions > 0

@@ -25,7 +25,8 @@ def make_planner(
 
 def make_req(rid: int, prompt_len: int, first_token: int = 10) -> Req:
     prompt = [first_token + i for i in range(prompt_len)]
-    return Req(rid=rid, prompt_ids=prompt, params=SamplingParams(max_tokens=50), seed=0)
+    params = SamplingParams(max_tokens=50)
+    return Req(rid=rid, prompt_ids=prompt, params=params, seed=0, max_total_len=prompt_len + 50)
 
 
 def run_step(planner: Planner, token: int = 3) -> None:

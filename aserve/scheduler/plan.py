@@ -12,7 +12,7 @@ always fits: submission refuses requests that could not fit an empty pool.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aserve.config import SchedulerConfig
 from aserve.forward import ForwardMode
@@ -20,16 +20,20 @@ from aserve.kvcache.base import PrefixCache
 from aserve.kvcache.pages import PageAllocator, PageTable, pages_needed
 from aserve.scheduler.request import FinishReason, Req, ReqStatus
 
+PENDING_TOKEN = -1
+
 
 @dataclass
 class ScheduledBatch:
     """Requests of one step with the tokens each computes; `samples[i]` is False for a
-    chunk that does not yet reach the end of its request's sequence."""
+    chunk that does not yet reach the end of its request's sequence. `output_slots[i]` is
+    where request i's sampled token goes in its `output_ids` (set at launch)."""
 
     mode: ForwardMode
     reqs: list[Req]
     extend_lens: list[int]
     samples: list[bool]
+    output_slots: list[int] = field(default_factory=list)
 
 
 class Planner:
@@ -60,10 +64,14 @@ class Planner:
 
     def schedule(self) -> ScheduledBatch | None:
         batch = self._plan_prefill() or self._plan_decode()
-        while batch is None and len(self.running) > 1:
+        while batch is None and len(self.running) > 1 and self._starved():
             self.retract(self.running[-1])
             batch = self._plan_prefill() or self._plan_decode()
         return batch
+
+    def _starved(self) -> bool:
+        """Running requests want a step but none could be planned: the pool is full."""
+        return any(not r.decoding or self._wants_decode(r) for r in self.running)
 
     def _reserve(self, num_pages: int) -> bool:
         """Make `num_pages` free, evicting unlocked cached prefixes if needed."""
@@ -140,23 +148,42 @@ class Planner:
         return n
 
     def _plan_decode(self) -> ScheduledBatch | None:
-        for req in [r for r in self.running if r.decoding]:
+        for req in [r for r in self.running if self._wants_decode(r)]:
             while req.status is ReqStatus.RUNNING and not self._grow(req, req.total_len):
                 self.retract(self.running[-1])
-        reqs = [r for r in self.running if r.decoding]
+        reqs = [r for r in self.running if self._wants_decode(r)]
         if not reqs:
             return None
         return ScheduledBatch(ForwardMode.DECODE, reqs, [1] * len(reqs), [True] * len(reqs))
 
-    def complete(self, batch: ScheduledBatch, next_ids: list[int]) -> None:
-        """Account for a finished step: KV computed, sampled tokens appended."""
-        for req, n, keep, token in zip(batch.reqs, batch.extend_lens, batch.samples, next_ids):
-            if req.status is not ReqStatus.RUNNING:
-                continue
+    @staticmethod
+    def _wants_decode(req: Req) -> bool:
+        """Decoding and not already at its length limit (with overlap, the token that reaches
+        the limit may still be in flight)."""
+        return (
+            req.decoding
+            and len(req.output_ids) < req.params.max_tokens
+            and req.total_len < req.max_total_len
+        )
+
+    def launched(self, batch: ScheduledBatch) -> None:
+        """Account for a step as soon as it is launched: its KV counts as computed and each
+        sampling request gets a pending token, so the next step can be planned before this
+        one's results are known (overlap scheduling)."""
+        batch.output_slots = [-1] * len(batch.reqs)
+        for i, (req, n, keep) in enumerate(zip(batch.reqs, batch.extend_lens, batch.samples)):
             req.cached_len += n
             if keep:
                 req.decoding = True
-                req.output_ids.append(token)
+                batch.output_slots[i] = len(req.output_ids)
+                req.output_ids.append(PENDING_TOKEN)
+
+    def complete(self, batch: ScheduledBatch, next_ids: list[int]) -> None:
+        """Launch accounting and results at once (steps that are not overlapped)."""
+        self.launched(batch)
+        for req, slot, token in zip(batch.reqs, batch.output_slots, next_ids):
+            if slot >= 0:
+                req.output_ids[slot] = token
 
     def _release(self, req: Req) -> None:
         """Hand the request's computed whole pages to the prefix cache, free the rest."""

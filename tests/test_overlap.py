@@ -1,0 +1,98 @@
+"""Overlap scheduling (step N+1 planned and launched before step N's results are read) must
+not change any output. On CPU a step is synchronous, but the bookkeeping is the same code
+the GPU runs, so these tests switch overlap on explicitly."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from aserve import LLM, SamplingParams
+from aserve.scheduler.request import FinishReason
+from tests.tiny_models import make_tiny_model
+
+PROMPTS = [[5, 17, 42, 9, 100, 3], [300, 4, 4, 61, 7, 7, 7, 8, 250], [11, 12], list(range(20, 60))]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model("llama", tmp_path_factory.mktemp("llama"))
+
+
+def both(make_llm: Callable[..., LLM], tiny: Path, **options: object) -> tuple[LLM, LLM]:
+    plain = make_llm(tiny, **options)
+    overlapped = make_llm(tiny, **options)
+    overlapped.scheduler.overlap = True
+    return plain, overlapped
+
+
+def results(llm: LLM, params: list[SamplingParams]) -> list[tuple[list[int], str]]:
+    return [(o.token_ids, o.finish_reason) for o in llm.generate(PROMPTS, params)]
+
+
+def test_overlap_keeps_greedy_sampled_and_stopped_outputs(
+    make_llm: Callable[..., LLM], tiny: Path
+) -> None:
+    plain, overlapped = both(make_llm, tiny)
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    free = plain.generate(PROMPTS, greedy)
+    params = [
+        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[free[1].token_ids[5]]),
+        SamplingParams(temperature=0.9, top_p=0.8, seed=3, max_tokens=25, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+    ]
+    expected = results(plain, params)
+    assert expected[1][1] == "stop" and expected[0][1] == "length"
+    assert results(overlapped, params) == expected
+    assert results(overlapped, [greedy] * 4) == [(o.token_ids, "length") for o in free]
+
+
+def test_overlap_keeps_outputs_under_retraction(make_llm: Callable[..., LLM], tiny: Path) -> None:
+    plain, overlapped = both(make_llm, tiny, num_pages=90, page_size=1)
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * 4
+    expected = results(plain, params)
+    assert results(overlapped, params) == expected
+    assert overlapped.scheduler.planner.num_retractions > 0
+
+
+def test_overlap_keeps_penalised_outputs(make_llm: Callable[..., LLM], tiny: Path) -> None:
+    plain, overlapped = both(make_llm, tiny)
+    params = [
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, frequency_penalty=1.5),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.7, seed=1, max_tokens=20, repetition_penalty=1.3),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, presence_penalty=1.0),
+    ]
+    assert results(overlapped, params) == results(plain, params)
+
+
+def test_overlap_abort_spares_the_others(make_llm: Callable[..., LLM], tiny: Path) -> None:
+    plain, overlapped = both(make_llm, tiny)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    expected = plain.generate([PROMPTS[1]], params)[0].token_ids
+    scheduler = overlapped.scheduler
+
+    async def scenario() -> tuple[FinishReason | None, list[int]]:
+        victim = scheduler.make_request(PROMPTS[0], params)
+        survivor = scheduler.make_request(PROMPTS[1], params)
+        scheduler.submit(victim)
+        scheduler.submit(survivor)
+        for _ in range(3):
+            await victim.channel.get()
+        scheduler.abort(victim)
+        reason = None
+        while reason is None:
+            reason = (await victim.channel.get()).finish_reason
+        produced: list[int] = []
+        while True:
+            out = await survivor.channel.get()
+            produced.extend(out.token_ids)
+            if out.finish_reason is not None:
+                return reason, produced
+
+    overlapped.generate([[1, 2]], SamplingParams(max_tokens=1))
+    reason, produced = overlapped._loop.run_until_complete(scenario())
+    assert reason is FinishReason.ABORT and produced == expected
