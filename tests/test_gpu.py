@@ -128,7 +128,7 @@ def test_overlap_on_and_off_give_the_same_tokens(
     make_llm: Callable[..., LLM], tmp_path: Path
 ) -> None:
     folder = make_tiny_model("llama", tmp_path, overrides={**KERNEL_SHAPES, "head_dim": 64})
-    options = {"device": "cuda", "dtype": "bfloat16", "page_size": 16, "num_pages": 64}
+    options = {"device": "cuda", "dtype": "bfloat16", "page_size": 16, "num_pages": 24}
     overlapped = make_llm(folder, **options)
     plain = make_llm(folder, **options)
     plain.scheduler.overlap = False
