@@ -124,11 +124,17 @@ def test_cuda_graphs_do_not_change_outputs(make_llm: Callable[..., LLM], tmp_pat
                 assert x.logprob == pytest.approx(y.logprob, abs=0.02)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "num_pages"), [("float32", 24), ("bfloat16", 1024)], ids=["fp32-retracting", "bf16"]
+)
 def test_overlap_on_and_off_give_the_same_tokens(
-    make_llm: Callable[..., LLM], tmp_path: Path
+    make_llm: Callable[..., LLM], tmp_path: Path, dtype: str, num_pages: int
 ) -> None:
+    """In float32 (torch attention) also under retraction. In bf16 retraction is left out:
+    overlap moves the retraction points, and a re-prefill in bf16 rounds differently from
+    the decode steps it replaces, which can flip near-tied tokens of a random model."""
     folder = make_tiny_model("llama", tmp_path, overrides={**KERNEL_SHAPES, "head_dim": 64})
-    options = {"device": "cuda", "dtype": "bfloat16", "page_size": 16, "num_pages": 24}
+    options = {"device": "cuda", "dtype": dtype, "page_size": 16, "num_pages": num_pages}
     overlapped = make_llm(folder, **options)
     plain = make_llm(folder, **options)
     plain.scheduler.overlap = False
@@ -139,4 +145,5 @@ def test_overlap_on_and_off_give_the_same_tokens(
     ]
     expected = [o.token_ids for o in plain.generate(prompts, params)]
     assert [o.token_ids for o in overlapped.generate(prompts, params)] == expected
-    assert overlapped.scheduler.planner.num_retractions > 0
+    retracted = overlapped.scheduler.planner.num_retractions > 0
+    assert retracted == (dtype == "float32")
