@@ -56,7 +56,8 @@ class FlashInferBackend:
         )
 
     def _page_layout(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """kv index pointers and last-page lengths (host) and page indices (device)."""
+        """kv index pointers and last-page lengths (host) and page indices (device). Nothing
+        here waits for the device: sizes come from the host lists, copies are asynchronous."""
         size = self.page_size
         counts = [-(-length // size) for length in batch.seq_lens]
         indptr = torch.zeros(len(counts) + 1, dtype=torch.int32)
@@ -66,10 +67,13 @@ class FlashInferBackend:
             dtype=torch.int32,
         )
         device = batch.page_table.device
-        count_tensor = torch.tensor(counts, device=device)
-        rows = torch.repeat_interleave(batch.rows, count_tensor)
-        starts = torch.repeat_interleave(indptr[:-1].to(device, non_blocking=True), count_tensor)
-        columns = (torch.arange(rows.shape[0], device=device) - starts) * size
+        total = int(indptr[-1])
+        count_tensor = torch.tensor(counts).to(device, non_blocking=True)
+        rows = torch.repeat_interleave(batch.rows, count_tensor, output_size=total)
+        starts = torch.repeat_interleave(
+            indptr[:-1].to(device, non_blocking=True), count_tensor, output_size=total
+        )
+        columns = (torch.arange(total, device=device) - starts) * size
         indices = batch.page_table[rows, columns] // size
         return indptr, last, indices
 

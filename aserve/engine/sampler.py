@@ -62,7 +62,7 @@ def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) 
     lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
     row_of = torch.repeat_interleave(torch.arange(len(rows)), lengths)
     ids = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
-    flat = (row_of * vocab_size + torch.from_numpy(ids)).to(device)
+    flat = (row_of * vocab_size + torch.from_numpy(ids)).to(device, non_blocking=True)
     counts = torch.zeros(len(rows) * vocab_size, dtype=torch.float32, device=device)
     counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
     return counts.view(len(rows), vocab_size)
@@ -108,7 +108,8 @@ class SamplingBatch:
         device: torch.device,
     ) -> SamplingBatch:
         """Pack the rows' parameters into tensors with two host-to-device copies (plus the
-        token ids of rows with penalties)."""
+        token ids of rows with penalties). The copies are asynchronous: a blocking copy would
+        wait for the step in flight and undo overlap scheduling."""
         top_ks = [min(p.top_k, vocab_size) if p.top_k > 0 else 0 for p in params]
         floats = torch.tensor(
             [
@@ -123,14 +124,14 @@ class SamplingBatch:
                 for p in params
             ],
             dtype=torch.float32,
-        ).to(device)
+        ).to(device, non_blocking=True)
         ints = torch.stack(
             [
                 _row_keys(seeds, steps),
                 torch.tensor(top_ks, dtype=torch.int64),
                 torch.tensor([p.greedy for p in params], dtype=torch.int64),
             ]
-        ).to(device)
+        ).to(device, non_blocking=True)
         any_penalties = any(p.has_penalties for p in params)
         seen = output_counts = None
         if any_penalties:
