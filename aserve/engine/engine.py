@@ -133,7 +133,9 @@ class Engine:
 
     def _single_backend(self, name: str) -> AttentionBackend:
         """`auto` is FlashInfer on CUDA in half precision with a head size its kernels
-        support (they have no float32), plain torch otherwise."""
+        support (they have no float32), plain torch otherwise. FA3 prefill (`fa`) was
+        measured no faster than FlashInfer's own on the H200 (bench/NOTES.md), so auto
+        uses `fi` for both phases."""
         if name == "auto":
             half = self.dtype in (torch.float16, torch.bfloat16)
             supported = self.model_config.head_dim in FLASHINFER_HEAD_DIMS
