@@ -12,6 +12,7 @@ import torch
 from aserve import LLM, SamplingParams
 from aserve.config import ConfigError
 from aserve.scheduler.request import FinishReason
+from tests.scenarios import abort_one_of_two
 from tests.tiny_models import make_tiny_model
 
 PROMPTS = [[5, 17, 42, 9, 100, 3], [300, 4, 4, 61, 7, 7, 7, 8, 250], [11, 12]]
@@ -156,28 +157,10 @@ def test_context_is_capped_at_the_pool_size(make_llm: Callable[..., LLM], tiny: 
 
 def test_abort_frees_pages_and_spares_the_others(make_llm: Callable[..., LLM], tiny: Path) -> None:
     llm = make_llm(tiny)
-    scheduler = llm.scheduler
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     expected = tokens(llm, [PROMPTS[1]], params)[0]
 
-    async def scenario() -> tuple[FinishReason | None, list[int]]:
-        victim = scheduler.make_request(PROMPTS[0], params)
-        survivor = scheduler.make_request(PROMPTS[1], params)
-        scheduler.submit(victim)
-        scheduler.submit(survivor)
-        await victim.channel.get()
-        scheduler.abort(victim)
-        reason = None
-        while reason is None:
-            reason = (await victim.channel.get()).finish_reason
-        produced: list[int] = []
-        while True:
-            out = await survivor.channel.get()
-            produced.extend(out.token_ids)
-            if out.finish_reason is not None:
-                return reason, produced
-
-    reason, produced = llm._loop.run_until_complete(scenario())
+    reason, produced = abort_one_of_two(llm, PROMPTS[0], PROMPTS[1], params, 1)
     assert reason is FinishReason.ABORT
     assert produced == expected
 

@@ -11,6 +11,7 @@ import pytest
 
 from aserve import LLM, SamplingParams
 from aserve.scheduler.request import FinishReason
+from tests.scenarios import abort_one_of_two
 from tests.tiny_models import make_tiny_model
 
 PROMPTS = [[5, 17, 42, 9, 100, 3], [300, 4, 4, 61, 7, 7, 7, 8, 250], [11, 12], list(range(20, 60))]
@@ -73,26 +74,6 @@ def test_overlap_abort_spares_the_others(make_llm: Callable[..., LLM], tiny: Pat
     plain, overlapped = both(make_llm, tiny)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     expected = plain.generate([PROMPTS[1]], params)[0].token_ids
-    scheduler = overlapped.scheduler
-
-    async def scenario() -> tuple[FinishReason | None, list[int]]:
-        victim = scheduler.make_request(PROMPTS[0], params)
-        survivor = scheduler.make_request(PROMPTS[1], params)
-        scheduler.submit(victim)
-        scheduler.submit(survivor)
-        for _ in range(3):
-            await victim.channel.get()
-        scheduler.abort(victim)
-        reason = None
-        while reason is None:
-            reason = (await victim.channel.get()).finish_reason
-        produced: list[int] = []
-        while True:
-            out = await survivor.channel.get()
-            produced.extend(out.token_ids)
-            if out.finish_reason is not None:
-                return reason, produced
-
     overlapped.generate([[1, 2]], SamplingParams(max_tokens=1))
-    reason, produced = overlapped._loop.run_until_complete(scenario())
+    reason, produced = abort_one_of_two(overlapped, PROMPTS[0], PROMPTS[1], params, 3)
     assert reason is FinishReason.ABORT and produced == expected
