@@ -45,9 +45,5 @@ class ForwardBatch:
         return len(self.seq_lens)
 
     @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    @property
     def is_decode(self) -> bool:
         return self.mode is ForwardMode.DECODE

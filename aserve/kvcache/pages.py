@@ -97,8 +97,3 @@ class PageTable:
         slots = torch.tensor(pages, dtype=torch.int32)[:, None] * size + self._page_offsets
         start = first_page_index * size
         self.slots[row, start : start + len(pages) * size].copy_(slots.flatten(), non_blocking=True)
-
-    def write_tokens(self, row: int, start: int, token_ids: list[int]) -> None:
-        if token_ids:
-            values = torch.tensor(token_ids, dtype=torch.int32)
-            self.tokens[row, start : start + len(token_ids)].copy_(values, non_blocking=True)

@@ -58,10 +58,6 @@ class Planner:
     def add(self, req: Req) -> None:
         self.waiting.append(req)
 
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def schedule(self) -> ScheduledBatch | None:
         batch = self._plan_prefill() or self._plan_decode()
         while batch is None and len(self.running) > 1 and self._starved():
