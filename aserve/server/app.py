@@ -53,7 +53,6 @@ class Server:
         runtime = await loop.run_in_executor(None, Runtime, self.config)
         self.runtime = runtime
         self._scheduler_task = asyncio.create_task(runtime.scheduler.run(self._on_step))
-        logger.info("%s", runtime.engine.describe())
 
     def _on_step(self, planned: ScheduledBatch, seconds: float) -> None:
         snapshot = self._snapshot()
