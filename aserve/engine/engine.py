@@ -20,13 +20,14 @@ from aserve.attention.base import AttentionBackend, SplitBackend
 from aserve.config import ConfigError, EngineConfig, ModelConfig
 from aserve.distributed.group import TPGroup
 from aserve.engine.memory import GiB, free_device_memory, kv_bytes_per_token, plan_num_pages
-from aserve.engine.sampler import SampleOutput, Sampler, SamplingBatch
+from aserve.engine.sampler import SampleOutput, Sampler, SamplingBatch, fused_sampling
 from aserve.forward import ForwardBatch, ForwardMode
 from aserve.kvcache.pages import PageTable
 from aserve.kvcache.pool import KVPool
 from aserve.layers.fused import fused_ops
 from aserve.models.registry import build_model
 from aserve.models.weights import fill_dummy_weights, iter_weights, torch_dtype
+from aserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from aserve.engine.graph import DecodeGraphs
@@ -119,7 +120,7 @@ class Engine:
             config.max_running_requests, self.max_seq_len, config.page_size, self.device
         )
         self.attn = self._create_attention_backend(config.attention_backend)
-        self.sampler = Sampler()
+        self.sampler = Sampler(fused_sampling(self.device), config.seed)
         self._warm_up()
         self.graphs = self._capture_graphs()
 
@@ -161,9 +162,9 @@ class Engine:
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
-        """One-token prefill and decode on the dummy page, so that FlashInfer compiles (first
-        start, minutes; cached in ~/.cache/flashinfer after) or loads its kernels now rather
-        than inside the first request."""
+        """One-token prefill, decode and sampling on the dummy page, so that FlashInfer
+        compiles (first start, minutes; cached in ~/.cache/flashinfer after) or loads its
+        kernels now rather than inside the first request."""
         if self.device.type != "cuda":
             return
         logger.info("warming up GPU kernels (the first start compiles them, which takes minutes)")
@@ -184,7 +185,12 @@ class Engine:
                 page_table=self.page_table.slots,
             )
             self.attn.prepare(batch)
-            self.model(batch, self.attn)
+            logits = self.model(batch, self.attn)
+        unseeded = SamplingParams(temperature=1.0, top_k=2, top_p=0.9, min_p=0.01)
+        sampling = SamplingBatch.build(
+            [unseeded], [0], [0], [[]], [[]], logits.shape[-1], self.device
+        )
+        self.sampler.sample(logits, sampling)
         torch.cuda.synchronize(self.device)
         logger.info("GPU kernels ready in %.1f s", time.perf_counter() - started)
 

@@ -4,16 +4,24 @@ Sampling never syncs with the host: every per-row choice (greedy or not, top-k, 
 penalties) is a tensor built once per batch, and the only Python branches test flags that
 `SamplingBatch.build` computed from the parameters, never tensor values.
 
-Randomness is a pure function of (seed, step, token id): an integer hash computed with tensor
-ops gives each candidate token a uniform number u, and the token with the largest p / -log(u)
-wins. That exponential race draws exactly from p, needs no generator state, and gives a request
-the same tokens whatever else shares its batch, on CPU and CUDA alike.
+Two ways to draw, both exact samples of the filtered distribution:
+- Seeded (CPU, and any batch where a request gave its own `seed`): randomness is a pure
+  function of (seed, step, token id). An integer hash computed with tensor ops gives each
+  candidate token a uniform number u, and the token with the largest p / -log(u) wins. That
+  exponential race needs no generator state and gives a request the same tokens whatever else
+  shares its batch, on CPU and CUDA alike; it costs several passes over [B, V] int64 tensors.
+- Fused (CUDA with FlashInfer, when no request of the batch gave a seed): FlashInfer's
+  softmax and rejection-sampling kernels, per-row temperature / top-k / top-p / min-p in one
+  batched call. Their Philox stream is per batch row, not per request, so they cannot promise
+  a seeded request the same tokens in another batch; requests without a seed need no such
+  promise, and this path is several times cheaper at large batch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
+from types import ModuleType
 from typing import NamedTuple
 
 import numpy as np
@@ -93,6 +101,7 @@ class SamplingBatch:
     any_top_p: bool
     any_min_p: bool
     any_penalties: bool
+    any_seeded: bool
     want_logprobs: bool
     max_top_logprobs: int
 
@@ -159,6 +168,7 @@ class SamplingBatch:
             any_top_p=any(p.top_p < 1.0 for p in params),
             any_min_p=any(p.min_p > 0.0 for p in params),
             any_penalties=any_penalties,
+            any_seeded=any(p.seed is not None for p in params),
             want_logprobs=any(p.logprobs or p.top_logprobs > 0 for p in params),
             max_top_logprobs=max((p.top_logprobs for p in params), default=0),
         )
@@ -228,8 +238,26 @@ def filter_top_k_top_p_min_p(probs: torch.Tensor, batch: SamplingBatch) -> torch
     return probs
 
 
+def fused_sampling(device: torch.device) -> ModuleType | None:
+    """FlashInfer's sampling kernels on CUDA, or None (CPU, or FlashInfer not installed)."""
+    if device.type != "cuda":
+        return None
+    try:
+        import flashinfer.sampling
+    except ImportError:
+        return None
+    return flashinfer.sampling
+
+
 class Sampler:
-    """Stateless; one instance serves every batch."""
+    """One instance serves every batch. With FlashInfer's kernels (`fused`), unseeded batches
+    draw from a Philox stream keyed by `seed` and a call counter kept on the host, so no call
+    reads a generator's state from the device."""
+
+    def __init__(self, fused: ModuleType | None = None, seed: int = 0) -> None:
+        self.fused = fused
+        self.seed = seed
+        self.calls = 0
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         """Pick one token per row of `logits` [B, V] as `batch` says, without host syncs."""
@@ -237,10 +265,10 @@ class Sampler:
         if batch.all_greedy:
             next_ids = scores.argmax(dim=-1)
         else:
-            probs = torch.softmax(scores / batch.temperature[:, None], dim=-1)
-            probs = filter_top_k_top_p_min_p(probs, batch)
-            noise = seeded_exponential_noise(batch.keys, probs.shape[-1])
-            next_ids = (probs / noise).argmax(dim=-1)
+            if self.fused is not None and not batch.any_seeded:
+                next_ids = self._fused_draw(scores, batch)
+            else:
+                next_ids = self._seeded_draw(scores, batch)
             if batch.any_greedy:
                 next_ids = torch.where(batch.greedy, scores.argmax(dim=-1), next_ids)
         if not batch.want_logprobs:
@@ -251,3 +279,34 @@ class Sampler:
             return SampleOutput(next_ids, chosen, None, None)
         top = logprobs.topk(batch.max_top_logprobs, dim=-1)
         return SampleOutput(next_ids, chosen, top.indices, top.values)
+
+    def _seeded_draw(self, scores: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        probs = torch.softmax(scores / batch.temperature[:, None], dim=-1)
+        probs = filter_top_k_top_p_min_p(probs, batch)
+        noise = seeded_exponential_noise(batch.keys, probs.shape[-1])
+        return (probs / noise).argmax(dim=-1)
+
+    def _fused_draw(self, scores: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Top-k, then top-p on what top-k kept, then min-p: the order of the seeded path.
+        Top-k 0 (no cut) becomes the vocabulary size, which FlashInfer reads the same way."""
+        fused = self.fused
+        assert fused is not None
+        self.calls += 1
+        rng = {"seed": self.seed, "offset": self.calls * 4096}
+        probs = fused.softmax(scores.float(), temperature=batch.temperature)
+        top_k = torch.where(batch.top_k > 0, batch.top_k, probs.shape[-1])
+        if batch.any_min_p:
+            if batch.max_top_k > 0:
+                probs = fused.top_k_renorm_probs(probs, top_k)
+            if batch.any_top_p:
+                probs = fused.top_p_renorm_probs(probs, batch.top_p)
+            ids = fused.min_p_sampling_from_probs(probs, batch.min_p, **rng)
+        elif batch.max_top_k > 0 and batch.any_top_p:
+            ids = fused.top_k_top_p_sampling_from_probs(probs, top_k, batch.top_p, **rng)
+        elif batch.max_top_k > 0:
+            ids = fused.top_k_sampling_from_probs(probs, top_k, **rng)
+        elif batch.any_top_p:
+            ids = fused.top_p_sampling_from_probs(probs, batch.top_p, **rng)
+        else:
+            ids = fused.sampling_from_probs(probs, **rng)
+        return ids.long()
