@@ -14,6 +14,7 @@ from typing import Any
 from aserve.config import build_config
 from aserve.runtime import Runtime
 from aserve.scheduler.request import FinishReason, Req, SamplingParams, TokenLogprob
+from aserve.scheduler.scheduler import StepObserver
 from aserve.tokenizer import Tokenizer
 
 Prompt = str | list[int]
@@ -93,9 +94,16 @@ class LLM:
             return self._require_tokenizer().encode(prompt)
         return [int(t) for t in prompt]
 
+    def start_scheduler(self, on_step: StepObserver | None = None) -> None:
+        """Start the scheduler loop now, calling `on_step(batch, seconds)` after every step
+        (profilers and benchmarks watch steps this way); `generate` starts it otherwise."""
+        if self._task is not None and not self._task.done():
+            raise RuntimeError("the scheduler loop is already running")
+        self._task = self._loop.create_task(self.scheduler.run(on_step))
+
     def _run(self, ids: list[list[int]], params: list[SamplingParams]) -> list[GenerationOutput]:
         if self._task is None or self._task.done():
-            self._task = self._loop.create_task(self.scheduler.run())
+            self.start_scheduler()
         reqs = [self.scheduler.make_request(p, sp) for p, sp in zip(ids, params)]
         return self._loop.run_until_complete(self._collect_all(reqs))
 

@@ -39,6 +39,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--cuda-graph-max-bs", type=int, default=None)
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--seeded", action="store_true", help="give every request its own seed")
     p.add_argument("--peer", choices=["hf"], default=None, help="also run this peer")
     p.add_argument(
         "--hf-cache", default=None, help="transformers cache_implementation, e.g. static"
@@ -73,9 +74,13 @@ def build_llm(args: argparse.Namespace) -> LLM:
     return llm
 
 
-def run_aserve(llm: LLM, workload: Workload, temperature: float) -> tuple[int, float]:
+def run_aserve(llm: LLM, workload: Workload, temperature: float, seeded: bool) -> tuple[int, float]:
+    """Requests carry no seed unless `seeded`, as in mini-SGLang's benchmark: on CUDA a seeded
+    request takes the slower batch-invariant sampling path (aserve/engine/sampler.py)."""
     params = [
-        SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=i)
+        SamplingParams(
+            temperature=temperature, max_tokens=n, ignore_eos=True, seed=i if seeded else None
+        )
         for i, (_, n) in enumerate(workload)
     ]
     started = time.perf_counter()
@@ -125,13 +130,14 @@ def main() -> None:
             "dtype",
             "dummy_weight",
             "repeat",
+            "seeded",
         )
     }
     settings["input_len"], settings["output_len"] = list(args.input_len), list(args.output_len)
     run_id = new_run_id()
     model_name = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
     llm = build_llm(args)
-    ours = [run_aserve(llm, w, args.temperature) for w in workloads]
+    ours = [run_aserve(llm, w, args.temperature, args.seeded) for w in workloads]
     tokens, seconds = report("aserve", ours)
     if not args.no_record:
         record(

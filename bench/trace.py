@@ -1,0 +1,155 @@
+"""Does the GPU idle between decode steps? A torch profiler trace of steady decode, summarised.
+
+    python bench/trace.py --model bench/models/qwen3-0.6b --dummy-weight --batch 64
+
+Runs `--batch` requests to the end of their prefill, then profiles `--steps` decode steps of
+the whole batch and reads the kernels' timeline from the trace: busy time, the gaps between
+one kernel's end and the next one's start, and where the host spends its time. With overlap
+scheduling the next step's kernels are queued before the previous step ends, so the gaps
+should be launch-latency sized (a few microseconds), never a host-sized hole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from aserve import LLM, SamplingParams  # noqa: E402
+from aserve.forward import ForwardMode  # noqa: E402
+from aserve.scheduler.plan import ScheduledBatch  # noqa: E402
+from bench.common import new_run_id, random_workload, record  # noqa: E402
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="profile steady decode and report GPU idle gaps")
+    p.add_argument("--model", default=None)
+    p.add_argument("--dummy-weight", action="store_true")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--warmup-steps", type=int, default=16)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--page-size", type=int, default=256)
+    p.add_argument("--trace-out", default=None, help="also keep the Chrome trace here")
+    p.add_argument("--no-record", action="store_true")
+    return p.parse_args()
+
+
+class DecodeWindow:
+    """Starts the profiler after `warmup` decode steps and stops it `steps` later."""
+
+    def __init__(self, prof: profile, warmup: int, steps: int) -> None:
+        self.prof, self.warmup, self.steps = prof, warmup, steps
+        self.decode_steps = 0
+        self.started_at = self.stopped_at = 0.0
+
+    def __call__(self, planned: ScheduledBatch, seconds: float) -> None:
+        if planned.mode is not ForwardMode.DECODE:
+            return
+        self.decode_steps += 1
+        if self.decode_steps == self.warmup:
+            self.prof.start()
+            self.started_at = time.perf_counter()
+        elif self.decode_steps == self.warmup + self.steps:
+            torch.cuda.synchronize()
+            self.stopped_at = time.perf_counter()
+            self.prof.stop()
+
+
+def gpu_intervals(trace_file: Path) -> list[tuple[float, float]]:
+    """(start, end) in microseconds of every kernel, copy and memset, by start time."""
+    events = json.loads(trace_file.read_text())["traceEvents"]
+    spans = [
+        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES
+    ]
+    return sorted(spans)
+
+
+def summarise(spans: list[tuple[float, float]]) -> dict[str, float]:
+    """Busy time as the union of the spans; gaps where no GPU work runs at all."""
+    busy, gaps = 0.0, []
+    current_start, current_end = spans[0]
+    for start, end in spans[1:]:
+        if start > current_end:
+            busy += current_end - current_start
+            gaps.append(start - current_end)
+            current_start, current_end = start, end
+        else:
+            current_end = max(current_end, end)
+    busy += current_end - current_start
+    window = spans[-1][1] - spans[0][0]
+    gaps.sort()
+    return {
+        "window_ms": window / 1e3,
+        "busy_ms": busy / 1e3,
+        "gpu_busy_pct": 100.0 * busy / window,
+        "gaps": len(gaps),
+        "gap_median_us": statistics.median(gaps) if gaps else 0.0,
+        "gap_p99_us": gaps[int(0.99 * (len(gaps) - 1))] if gaps else 0.0,
+        "gap_max_us": gaps[-1] if gaps else 0.0,
+        "gaps_over_50us": sum(g > 50.0 for g in gaps),
+        "idle_ms": sum(gaps) / 1e3,
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/trace.py needs a CUDA device (it reads GPU kernel timelines)")
+    llm = LLM(
+        args.model,
+        dummy_weight=args.dummy_weight,
+        page_size=args.page_size,
+        max_running_requests=max(args.batch, 1),
+    )
+    workload = random_workload(args.batch, (args.input_len,) * 2, (1, 1), seed=0)
+    prompts = [p for p, _ in workload]
+    total_steps = args.warmup_steps + args.steps + 4
+    params = SamplingParams(temperature=args.temperature, max_tokens=total_steps, ignore_eos=True)
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    window = DecodeWindow(prof, args.warmup_steps, args.steps)
+    llm.start_scheduler(on_step=window)
+    llm.generate(prompts, params)
+    llm.close()
+
+    trace_path = Path(args.trace_out or tempfile.mkstemp(suffix=".json")[1])
+    prof.export_chrome_trace(str(trace_path))
+    stats = summarise(gpu_intervals(trace_path))
+    host_ms = (window.stopped_at - window.started_at) * 1e3 / args.steps
+    stats["step_ms"] = host_ms
+    print(f"decode, batch {args.batch}, {args.steps} steps profiled after {args.warmup_steps}")
+    for key, value in stats.items():
+        print(f"  {key:<16} {value:10.2f}")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    if not args.no_record:
+        model = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
+        settings = {k: getattr(args, k) for k in ("batch", "input_len", "steps", "temperature")}
+        tokens = args.batch * args.steps
+        record(
+            "trace",
+            "aserve",
+            model,
+            settings,
+            tokens,
+            host_ms * args.steps / 1e3,
+            new_run_id(),
+            **{k: round(v, 2) for k, v in stats.items()},
+        )
+
+
+if __name__ == "__main__":
+    main()
