@@ -50,15 +50,17 @@ def device_name() -> str:
 
 
 def git_commit() -> str:
-    """The checkout's short commit; where there is no git (the GPU machine's copy of the
-    tree), the caller passes it in ASERVE_COMMIT."""
+    """The checkout's short commit. ASERVE_COMMIT wins when set: the GPU machine's copy of
+    the tree may carry a stale .git, so the caller names the commit it copied."""
 
     def git(*args: str) -> str:
         return subprocess.run(
             ["git", *args], cwd=BENCH_DIR, capture_output=True, text=True, check=False
         ).stdout.strip()
 
-    commit = git("rev-parse", "--short", "HEAD") or os.environ.get("ASERVE_COMMIT", "unknown")
+    if os.environ.get("ASERVE_COMMIT"):
+        return os.environ["ASERVE_COMMIT"]
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
     return commit + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 

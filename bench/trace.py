@@ -17,7 +17,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter, defaultdict
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -68,19 +70,29 @@ class DecodeWindow:
             self.prof.stop()
 
 
-def gpu_intervals(trace_file: Path) -> list[tuple[float, float]]:
-    """(start, end) in microseconds of every kernel, copy and memset, by start time."""
+def gpu_events(trace_file: Path) -> list[dict[str, Any]]:
+    """Every kernel, copy and memset of the trace, by start time."""
     events = json.loads(trace_file.read_text())["traceEvents"]
-    spans = [
-        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
-        for e in events
-        if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES
-    ]
-    return sorted(spans)
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES]
+    return sorted(gpu, key=lambda e: float(e["ts"]))
 
 
-def summarise(spans: list[tuple[float, float]]) -> dict[str, float]:
-    """Busy time as the union of the spans; gaps where no GPU work runs at all."""
+def kernel_table(events: list[dict[str, Any]], steps: int, rows: int = 12) -> str:
+    """The kernels that take the GPU's time, per decode step."""
+    totals: dict[str, float] = defaultdict(float)
+    counts: Counter[str] = Counter()
+    for e in events:
+        totals[e["name"]] += float(e.get("dur", 0.0))
+        counts[e["name"]] += 1
+    lines = [f"{'us/step':>9} {'calls/step':>10}  kernel"]
+    for name, total in sorted(totals.items(), key=lambda kv: -kv[1])[:rows]:
+        lines.append(f"{total / steps:9.1f} {counts[name] / steps:10.1f}  {name[:90]}")
+    return "\n".join(lines)
+
+
+def summarise(events: list[dict[str, Any]]) -> dict[str, float]:
+    """Busy time as the union of the events' spans; gaps where no GPU work runs at all."""
+    spans = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events]
     busy, gaps = 0.0, []
     current_start, current_end = spans[0]
     for start, end in spans[1:]:
@@ -128,12 +140,14 @@ def main() -> None:
 
     trace_path = Path(args.trace_out or tempfile.mkstemp(suffix=".json")[1])
     prof.export_chrome_trace(str(trace_path))
-    stats = summarise(gpu_intervals(trace_path))
+    events = gpu_events(trace_path)
+    stats = summarise(events)
     host_ms = (window.stopped_at - window.started_at) * 1e3 / args.steps
     stats["step_ms"] = host_ms
     print(f"decode, batch {args.batch}, {args.steps} steps profiled after {args.warmup_steps}")
     for key, value in stats.items():
         print(f"  {key:<16} {value:10.2f}")
+    print(kernel_table(events, args.steps))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
     if not args.no_record:
         model = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
