@@ -415,3 +415,15 @@ def test_fused_sampler_keeps_seeded_batches_batch_invariant() -> None:
     mixed = [SamplingParams(temperature=0.0 if i % 2 else 1.0, top_k=50) for i in range(16)]
     out = sampler.sample(logits, make_batch(mixed, 1000, device=cuda)).next_ids
     assert torch.equal(out[1::2], logits.argmax(dim=-1)[1::2])
+
+
+def test_per_row_parameters_are_contiguous_arrays() -> None:
+    """FlashInfer's sampling kernels read per-row parameters as plain arrays (no strides)."""
+    params = [
+        SamplingParams(temperature=0.5 + i, top_p=0.9, min_p=0.1, top_k=2 * i) for i in range(3)
+    ]
+    batch = make_batch(params, 10)
+    for name in ("temperature", "top_p", "min_p", "top_k", "keys", "greedy"):
+        assert getattr(batch, name).is_contiguous(), name
+    assert batch.temperature.tolist() == [0.5, 1.5, 2.5]
+    assert batch.top_k.tolist() == [0, 2, 4]

@@ -118,19 +118,17 @@ class SamplingBatch:
     ) -> SamplingBatch:
         """Pack the rows' parameters into tensors with two host-to-device copies (plus the
         token ids of rows with penalties). The copies are asynchronous: a blocking copy would
-        wait for the step in flight and undo overlap scheduling."""
+        wait for the step in flight and undo overlap scheduling. Each parameter is one
+        contiguous row, because FlashInfer's kernels read them as plain arrays."""
         top_ks = [min(p.top_k, vocab_size) if p.top_k > 0 else 0 for p in params]
         floats = torch.tensor(
             [
-                [
-                    1.0 if p.greedy else p.temperature,
-                    p.top_p,
-                    p.min_p,
-                    p.repetition_penalty,
-                    p.frequency_penalty,
-                    p.presence_penalty,
-                ]
-                for p in params
+                [1.0 if p.greedy else p.temperature for p in params],
+                [p.top_p for p in params],
+                [p.min_p for p in params],
+                [p.repetition_penalty for p in params],
+                [p.frequency_penalty for p in params],
+                [p.presence_penalty for p in params],
             ],
             dtype=torch.float32,
         ).to(device, non_blocking=True)
@@ -149,7 +147,7 @@ class SamplingBatch:
             generated = [out if p.has_penalties else [] for p, _, out in rows]
             seen = _token_counts(repeated, vocab_size, device).bool()
             output_counts = _token_counts(generated, vocab_size, device)
-        temperature, top_p, min_p, repetition, frequency, presence = floats.unbind(1)
+        temperature, top_p, min_p, repetition, frequency, presence = floats.unbind(0)
         return cls(
             temperature=temperature,
             top_p=top_p,
@@ -293,7 +291,7 @@ class Sampler:
         assert fused is not None
         self.calls += 1
         rng = {"seed": self.seed, "offset": self.calls * 4096}
-        probs = fused.softmax(scores.float(), temperature=batch.temperature)
+        probs = fused.softmax(scores.float().contiguous(), temperature=batch.temperature)
         top_k = torch.where(batch.top_k > 0, batch.top_k, probs.shape[-1])
         if batch.any_min_p:
             if batch.max_top_k > 0:
