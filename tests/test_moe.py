@@ -171,7 +171,7 @@ def test_expert_slices_of_tensor_parallel_ranks_sum_to_the_whole() -> None:
     for rank in range(2):
         moe = SparseMoE(16, inter, 8, 2, True, TPGroup(rank, 2), moe_backend("torch", x.device))
         for name, tensor in checkpoint.items():
-            moe.experts.load_weight(name, tensor)
+            moe.experts.load_tensor(name, tensor)
         assert moe.experts.w13.shape == (8, inter, 16) and moe.experts.w2.shape == (
             8,
             16,

@@ -173,7 +173,7 @@ class ExpertWeights(nn.Module):
 
     Checkpoints name experts one by one (`E.gate_proj.weight`, ...), as transformers saves
     them, or stacked (`gate_up_proj` `[E, 2I, H]`, `down_proj` `[E, H, I]`), as its modules
-    hold them. `load_weight` returns the per-expert parts a tensor filled, so the model can
+    hold them. `load_tensor` returns the per-expert parts a tensor filled, so the model can
     tell a checkpoint that misses one expert."""
 
     PARTS = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
@@ -192,7 +192,7 @@ class ExpertWeights(nn.Module):
     def _slice(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         return tensor.narrow(dim, self.inter_start, self.local_inter)
 
-    def load_weight(self, name: str, tensor: torch.Tensor) -> list[str]:
+    def load_tensor(self, name: str, tensor: torch.Tensor) -> list[str]:
         local = self.local_inter
         if name == "gate_up_proj":
             gate, up = tensor.chunk(2, dim=1)

@@ -57,7 +57,7 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
         experts = modules.get(prefix)
         if not isinstance(experts, ExpertWeights):
             raise ValueError(f"checkpoint tensor {name} has no place in {self.config.architecture}")
-        return [f"{prefix}.{filled}" for filled in experts.load_weight(part, tensor)]
+        return [f"{prefix}.{filled}" for filled in experts.load_tensor(part, tensor)]
 
     def expected_tensors(self) -> set[str]:
         """Every expert's gate, up and down in place of the stacked parameters they fill."""
