@@ -73,6 +73,8 @@ class BlockLayout(NamedTuple):
 
 
 def align_blocks(topk_ids: torch.Tensor, num_experts: int, block: int) -> BlockLayout:
+    """Torch ops only (sort, scatter, cumsum, searchsorted): it runs on CPU for the tests and
+    inside a captured CUDA graph on the GPU."""
     num_pairs = topk_ids.numel()
     groups = group_by_expert(topk_ids, num_experts)
     padded = (groups.counts + block - 1) // block * block
