@@ -16,7 +16,9 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+MOE_BACKENDS = ("auto", "torch", "fused")
 
 
 class ConfigError(ValueError):
@@ -40,12 +42,26 @@ def _rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None
     return theta, (params if kind not in (None, "default") else None)
 
 
+def _moe_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """Transformers 5 writes `num_local_experts` where Qwen's own configs say `num_experts`;
+    the defaults are Qwen3MoeConfig's."""
+    return {
+        "num_experts": int(config.get("num_experts") or config.get("num_local_experts") or 0),
+        "num_experts_per_tok": int(config.get("num_experts_per_tok", 8)),
+        "moe_intermediate_size": int(config["moe_intermediate_size"]),
+        "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+        "decoder_sparse_step": int(config.get("decoder_sparse_step") or 1),
+        "mlp_only_layers": _as_int_tuple(config.get("mlp_only_layers")),
+    }
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape and quirks of one dense decoder, read from a Hugging Face config.json.
+    """The shape and quirks of one decoder, read from a Hugging Face config.json.
 
     Mistral's sliding window is honoured by capping the context at the window: within it,
-    sliding-window attention and full attention are the same computation.
+    sliding-window attention and full attention are the same computation. The MoE fields
+    keep their defaults (no experts) for dense models.
     """
 
     architecture: str
@@ -68,6 +84,21 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     torch_dtype: str | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Transformers' rule: every `decoder_sparse_step`-th layer is sparse unless listed
+        in `mlp_only_layers`, which keep a dense MLP of `intermediate_size`."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
     @classmethod
     def from_hf(
@@ -106,12 +137,13 @@ class ModelConfig:
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=bool(config.get("attention_bias", family == "qwen2")),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             hidden_act=str(config.get("hidden_act", "silu")),
             rope_scaling=rope_scaling,
             eos_token_ids=tuple(sorted(eos)),
             bos_token_id=config.get("bos_token_id"),
             torch_dtype=config.get("torch_dtype") or config.get("dtype"),
+            **_moe_settings(config) if family == "qwen3_moe" else {},
         )
 
 
@@ -219,6 +251,7 @@ def validate(config: ServerConfig) -> None:
             "--max-seq-len-override must be at least 2",
         ),
         (config.num_tokenizer >= 1, "--num-tokenizer must be at least 1"),
+        (engine.moe_backend in MOE_BACKENDS, "--moe-backend must be auto, torch or fused"),
     ]
     for ok, message in checks:
         if not ok:

@@ -5,6 +5,8 @@ Hugging Face transformers peer on the same model and workload in the same run.
     python bench/offline.py --model bench/models/qwen3-0.6b --dummy-weight \\
         --num-seqs 256 --input-len 100 1024 --output-len 100 1024 --temperature 0.6 \\
         --max-seq-len 4096 --max-prefill-length 16384 --cuda-graph-max-bs 256 --page-size 256
+    python bench/offline.py --model bench/models/qwen3-30b-a3b --dummy-weight --moe-backend fused \\
+        --num-seqs 256 --max-seq-len 4096 --cuda-graph-max-bs 256 --page-size 256
     python bench/offline.py --peer hf --num-seqs 16 --max-running-requests 16 \\
         --input-len 128 128 --output-len 64 64 --temperature 0
 """
@@ -38,6 +40,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-pages", type=int, default=None)
     p.add_argument("--cuda-graph-max-bs", type=int, default=None)
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--moe-backend", default="auto", help="MoE models: auto, torch or fused")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--seeded", action="store_true", help="give every request its own seed")
     p.add_argument("--peer", choices=["hf"], default=None, help="also run this peer")
@@ -68,6 +71,7 @@ def build_llm(args: argparse.Namespace) -> LLM:
         num_pages=args.num_pages,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         attention_backend=args.attention_backend,
+        moe_backend=args.moe_backend,
         dtype=args.dtype,
     )
     llm.generate([list(range(1, 17))], SamplingParams(max_tokens=4, ignore_eos=True))
@@ -127,6 +131,7 @@ def main() -> None:
             "page_size",
             "cuda_graph_max_bs",
             "attention_backend",
+            "moe_backend",
             "dtype",
             "dummy_weight",
             "repeat",

@@ -2,7 +2,8 @@
 
 Shapes are small enough for a 2-core CPU but keep what distinguishes the families: grouped
 query attention, Qwen2's QKV bias, Qwen3's per-head Q/K norm and explicit head_dim, Llama-3
-rope scaling, and tied or untied embeddings.
+rope scaling, tied or untied embeddings, and Qwen3-MoE's routed experts next to a dense MLP
+layer (`mlp_only_layers`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,17 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "qwen2": {"rope_theta": 1000000.0, "tie_word_embeddings": True},
     "qwen3": {"rope_theta": 1000000.0, "tie_word_embeddings": True, "head_dim": 32},
     "mistral": {"rope_theta": 10000.0, "tie_word_embeddings": False, "sliding_window": None},
+    "qwen3_moe": {
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "head_dim": 32,
+        "num_hidden_layers": 3,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+        "mlp_only_layers": [1],
+    },
 }
 
 
@@ -55,6 +67,7 @@ def make_tiny_model(
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
         "mistral": transformers.MistralConfig,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
     }[family]
     config = config_cls(**{**COMMON, **FAMILIES[family], **(overrides or {})})
     torch.manual_seed(seed)
@@ -65,5 +78,9 @@ def make_tiny_model(
                 param.normal_(1.0, 0.1)
             elif name.endswith("bias"):
                 param.normal_(0.0, 0.1)
+            elif ".mlp.gate." in name:
+                param.normal_(0.0, 0.5)
+            elif ".mlp.experts." in name:
+                param.normal_(0.0, 0.2)
     model.save_pretrained(folder)
     return folder

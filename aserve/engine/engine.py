@@ -79,7 +79,9 @@ class Engine:
         started = time.perf_counter()
         ops = fused_ops(self.device, self.dtype)
         with _construct_on(self.device, self.dtype):
-            self.model = build_model(model_config, self.max_seq_len, self.tp, ops)
+            self.model = build_model(
+                model_config, self.max_seq_len, self.tp, ops, config.moe_backend, self.device
+            )
         if config.dummy_weight:
             fill_dummy_weights(self.model, config.seed)
         else:
@@ -202,7 +204,7 @@ class Engine:
         max_bs = self.config.cuda_graph_max_bs
         if max_bs is None:
             max_bs = min(256, self.config.max_running_requests)
-        if self.device.type != "cuda" or max_bs == 0:
+        if self.device.type != "cuda" or max_bs == 0 or not self.model.graph_capturable:
             return None
         from aserve.attention.flashinfer import FlashInferBackend
 

@@ -8,7 +8,7 @@ fused projections (qkv_proj, gate_up_proj) load their parts by shard.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import ModuleType
 
 import torch
@@ -71,6 +71,10 @@ class DecoderAttention(nn.Module):
         return self.o_proj(out)
 
 
+MLPFactory = Callable[[int], nn.Module]
+"""Builds the MLP of layer number `i`: families with expert layers swap some or all."""
+
+
 class DecoderMLP(nn.Module):
     def __init__(self, config: ModelConfig, tp: TPGroup, ops: ModuleType | None) -> None:
         super().__init__()
@@ -91,10 +95,11 @@ class DecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         tp: TPGroup,
         ops: ModuleType | None,
+        mlp: nn.Module,
     ) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(config, layer, rotary, tp, ops)
-        self.mlp = DecoderMLP(config, tp, ops)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -118,7 +123,12 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     def __init__(
-        self, config: ModelConfig, max_positions: int, tp: TPGroup, ops: ModuleType | None
+        self,
+        config: ModelConfig,
+        max_positions: int,
+        tp: TPGroup,
+        ops: ModuleType | None,
+        make_mlp: MLPFactory,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
@@ -126,7 +136,7 @@ class DecoderModel(nn.Module):
             config.head_dim, max_positions, config.rope_theta, config.rope_scaling, ops
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, rotary, tp, ops) for i in range(config.num_layers)
+            DecoderLayer(config, i, rotary, tp, ops, make_mlp(i)) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -149,7 +159,11 @@ _FUSED = {
 
 
 class DecoderForCausalLM(nn.Module):
-    """`ops` is FlashInfer's module for fused norm / rope / activation kernels, or None."""
+    """`ops` is FlashInfer's module for fused norm / rope / activation kernels, or None.
+    `make_mlp` replaces the dense MLP of some layers (see models/moe.py)."""
+
+    graph_capturable = True
+    """Whether a decode step may be captured in a CUDA graph (no host syncs inside)."""
 
     def __init__(
         self,
@@ -157,10 +171,12 @@ class DecoderForCausalLM(nn.Module):
         max_positions: int,
         tp: TPGroup,
         ops: ModuleType | None = None,
+        make_mlp: MLPFactory | None = None,
     ) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, max_positions, tp, ops)
+        mlps = make_mlp or (lambda _: DecoderMLP(config, tp, ops))
+        self.model = DecoderModel(config, max_positions, tp, ops, mlps)
         self.lm_head = (
             self.model.embed_tokens
             if config.tie_word_embeddings
@@ -181,17 +197,25 @@ class DecoderForCausalLM(nn.Module):
                 name == "lm_head.weight" and self.config.tie_word_embeddings
             ):
                 continue
-            module_name, _, param = name.rpartition(".")
-            parent, _, leaf = module_name.rpartition(".")
-            target, shard = _FUSED.get(leaf, (leaf, 0))
-            module_name = f"{parent}.{target}" if parent else target
-            module = modules.get(module_name)
-            if module is None or not hasattr(module, "load_weight"):
-                raise ValueError(
-                    f"checkpoint tensor {name} has no place in {self.config.architecture}"
-                )
-            module.load_weight(param, tensor, shard)
-            loaded.add(f"{module_name}.{param}")
-        missing = {n for n, _ in self.named_parameters()} - loaded
+            loaded.update(self.load_tensor(modules, name, tensor))
+        missing = self.expected_tensors() - loaded
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+    def load_tensor(
+        self, modules: dict[str, nn.Module], name: str, tensor: torch.Tensor
+    ) -> list[str]:
+        """Load one checkpoint tensor; returns the names of what it filled, which
+        `expected_tensors` must cover once every tensor is in."""
+        module_name, _, param = name.rpartition(".")
+        parent, _, leaf = module_name.rpartition(".")
+        target, shard = _FUSED.get(leaf, (leaf, 0))
+        module_name = f"{parent}.{target}" if parent else target
+        module = modules.get(module_name)
+        if module is None or not hasattr(module, "load_weight"):
+            raise ValueError(f"checkpoint tensor {name} has no place in {self.config.architecture}")
+        module.load_weight(param, tensor, shard)
+        return [f"{module_name}.{param}"]
+
+    def expected_tensors(self) -> set[str]:
+        return {n for n, _ in self.named_parameters()}

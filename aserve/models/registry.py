@@ -4,16 +4,28 @@ from __future__ import annotations
 
 from types import ModuleType
 
+import torch
 from torch import nn
 
 from aserve.config import ModelConfig
 from aserve.distributed.group import TPGroup
+from aserve.layers.moe import moe_backend as select_moe_backend
 from aserve.models.decoder import DecoderForCausalLM
+from aserve.models.moe import Qwen3MoeForCausalLM
 
 
 def build_model(
-    config: ModelConfig, max_positions: int, tp: TPGroup, ops: ModuleType | None = None
+    config: ModelConfig,
+    max_positions: int,
+    tp: TPGroup,
+    ops: ModuleType | None = None,
+    moe_backend: str = "auto",
+    device: torch.device | None = None,
 ) -> nn.Module:
     """Construct (uninitialised) the model for `config`; dense families share one class.
-    `ops` selects FlashInfer's fused kernels (see aserve/layers/fused.py)."""
+    `ops` selects FlashInfer's fused kernels (see aserve/layers/fused.py); `moe_backend`
+    (--moe-backend) the expert kernels of MoE families for `device` (default: CPU)."""
+    if config.model_type == "qwen3_moe":
+        backend = select_moe_backend(moe_backend, device or torch.device("cpu"))
+        return Qwen3MoeForCausalLM(config, max_positions, tp, ops, backend)
     return DecoderForCausalLM(config, max_positions, tp, ops)

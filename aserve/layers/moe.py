@@ -1,0 +1,244 @@
+"""A sparse mixture-of-experts MLP: a router picks `top_k` experts per token, each a SiLU-gated
+MLP, and the token's output is their routing-weighted sum.
+
+The experts run behind `MoEBackend`. `torch` sorts the (token, expert) pairs by expert and runs
+one matmul pair per expert that has tokens; it reads the group sizes on the host, so it cannot
+be captured in a CUDA graph. `fused` (aserve/layers/moe_triton.py, CUDA) runs Triton
+grouped-GEMM kernels over the block layout of `align_blocks`, built on the device with no host
+sync.
+
+Tensor parallelism splits every expert along its intermediate dimension: each rank holds the
+rows of gate and up and the columns of down that belong to it, computes a partial sum for
+every token, and one all-reduce of the layer output completes it. The router is replicated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from aserve.config import ConfigError
+from aserve.distributed.group import TPGroup
+
+ExpertsFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+]
+
+
+@dataclass(frozen=True)
+class MoEBackend:
+    """`experts(x, w13, w2, topk_weights, topk_ids)` returns `[tokens, hidden]`: each token's
+    routing-weighted sum over its experts (this rank's partial sum under tensor parallelism).
+    `w13` is `[experts, 2 * inter, hidden]` (gate rows, then up rows), `w2` is
+    `[experts, hidden, inter]`. `host_sync` backends cannot run inside a CUDA graph."""
+
+    name: str
+    experts: ExpertsFn
+    host_sync: bool
+
+
+class ExpertGroups(NamedTuple):
+    """The (token, slot) pairs of `topk_ids.flatten()` grouped by expert.
+
+    `order` lists pair ids expert by expert (stable, so token order is kept inside a group);
+    `counts[e]` is how many pairs expert `e` got, zero included."""
+
+    order: torch.Tensor
+    counts: torch.Tensor
+
+
+def group_by_expert(topk_ids: torch.Tensor, num_experts: int) -> ExpertGroups:
+    """Sort pairs by expert without a host sync (bincount would read the max id on the host)."""
+    flat = topk_ids.flatten()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
+    return ExpertGroups(torch.argsort(flat, stable=True), counts)
+
+
+class BlockLayout(NamedTuple):
+    """Pairs laid out for a grouped GEMM that works on `block` rows at a time.
+
+    Each expert's pairs start at a multiple of `block` and are padded to one with the value
+    `num_pairs` (no pair), so every block of `sorted_pairs` belongs to one expert:
+    `block_expert[b]`, or `num_experts` for blocks past the last expert's run. Sizes depend
+    only on the shapes (the worst case), so the layout is built without a host sync."""
+
+    sorted_pairs: torch.Tensor
+    block_expert: torch.Tensor
+
+
+def align_blocks(topk_ids: torch.Tensor, num_experts: int, block: int) -> BlockLayout:
+    """Torch ops only (sort, scatter, cumsum, searchsorted): it runs on CPU for the tests and
+    inside a captured CUDA graph on the GPU."""
+    num_pairs = topk_ids.numel()
+    groups = group_by_expert(topk_ids, num_experts)
+    padded = (groups.counts + block - 1) // block * block
+    ends = padded.cumsum(0)
+    max_blocks = -(-(num_pairs + min(num_pairs, num_experts) * (block - 1)) // block)
+    device = topk_ids.device
+    experts = topk_ids.flatten().long()[groups.order]
+    first = groups.counts.cumsum(0) - groups.counts
+    rank_in_group = torch.arange(num_pairs, device=device) - first[experts]
+    dest = (ends - padded)[experts] + rank_in_group
+    sorted_pairs = torch.full((max_blocks * block,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pairs.scatter_(0, dest, groups.order.to(torch.int32))
+    starts = torch.arange(0, max_blocks * block, block, device=device)
+    block_expert = torch.searchsorted(ends, starts, right=True).to(torch.int32)
+    return BlockLayout(sorted_pairs, block_expert)
+
+
+def torch_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Grouped dispatch: gather the pairs expert by expert, one gate_up and one down matmul per
+    expert with tokens on its contiguous slice, then scatter-add the weighted rows back."""
+    top_k = topk_ids.shape[1]
+    order, counts = group_by_expert(topk_ids, w13.shape[0])
+    tokens = order // top_k
+    gathered = x[tokens]
+    out = torch.empty_like(gathered)
+    start = 0
+    for expert, count in enumerate(counts.tolist()):
+        if count == 0:
+            continue
+        rows = slice(start, start + count)
+        gate, up = F.linear(gathered[rows], w13[expert]).chunk(2, dim=-1)
+        out[rows] = F.linear(F.silu(gate) * up, w2[expert])
+        start += count
+    out *= topk_weights.flatten()[order, None].to(out.dtype)
+    return torch.zeros_like(x).index_add_(0, tokens, out)
+
+
+TORCH_BACKEND = MoEBackend("torch", torch_experts, host_sync=True)
+
+
+def moe_backend(name: str, device: torch.device) -> MoEBackend:
+    """`auto` is `fused` on CUDA when Triton imports, `torch` otherwise. Triton is imported
+    here, not at module level, so `import aserve` works where it is absent."""
+    if name == "torch":
+        return TORCH_BACKEND
+    if device.type != "cuda":
+        if name == "fused":
+            raise ConfigError(
+                f"--moe-backend fused needs a CUDA device (this engine runs on {device.type}); "
+                "use auto or torch"
+            )
+        return TORCH_BACKEND
+    try:
+        from aserve.layers.moe_triton import fused_experts
+    except ImportError as error:
+        if name == "fused":
+            raise ConfigError(
+                f"--moe-backend fused needs Triton ({error}); install the triton that matches "
+                "your torch, or use --moe-backend torch"
+            ) from error
+        return TORCH_BACKEND
+    return MoEBackend("fused", fused_experts, host_sync=False)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k experts per token and their weights, as transformers computes them: softmax in
+    float32, optionally renormalised over the chosen k, weights cast back to the model dtype."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), ids
+
+
+class Router(nn.Module):
+    """The gate: one score per expert. Replicated on every rank, so all ranks route alike."""
+
+    def __init__(self, num_experts: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def load_weight(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
+        self.weight.data.copy_(tensor)
+
+
+class ExpertWeights(nn.Module):
+    """Every expert's weights stacked: `w13` `[E, 2 * I / tp, H]` (gate rows, then up rows)
+    and `w2` `[E, H, I / tp]`, this rank's slice of the intermediate dimension `I`.
+
+    Checkpoints name experts one by one (`E.gate_proj.weight`, ...), as transformers saves
+    them, or stacked (`gate_up_proj` `[E, 2I, H]`, `down_proj` `[E, H, I]`), as its modules
+    hold them. `load_tensor` returns the per-expert parts a tensor filled, so the model can
+    tell a checkpoint that misses one expert."""
+
+    PARTS = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+
+    def __init__(self, num_experts: int, hidden_size: int, inter_size: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        start, end = tp.shard(inter_size)
+        self.inter_start, self.local_inter = start, end - start
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.local_inter, hidden_size), False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.local_inter), False)
+
+    def parts(self) -> list[str]:
+        return [f"{e}.{part}" for e in range(self.num_experts) for part in self.PARTS]
+
+    def _slice(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        return tensor.narrow(dim, self.inter_start, self.local_inter)
+
+    def load_tensor(self, name: str, tensor: torch.Tensor) -> list[str]:
+        local = self.local_inter
+        if name == "gate_up_proj":
+            gate, up = tensor.chunk(2, dim=1)
+            self.w13.data[:, :local].copy_(self._slice(gate, 1))
+            self.w13.data[:, local:].copy_(self._slice(up, 1))
+            return [p for p in self.parts() if not p.endswith("down_proj.weight")]
+        if name == "down_proj":
+            self.w2.data.copy_(self._slice(tensor, 2))
+            return [p for p in self.parts() if p.endswith("down_proj.weight")]
+        expert, _, part = name.partition(".")
+        if not expert.isdigit() or part not in self.PARTS or int(expert) >= self.num_experts:
+            raise ValueError(f"unknown expert tensor {name!r}")
+        index = int(expert)
+        if part == "gate_proj.weight":
+            self.w13.data[index, :local].copy_(self._slice(tensor, 0))
+        elif part == "up_proj.weight":
+            self.w13.data[index, local:].copy_(self._slice(tensor, 0))
+        else:
+            self.w2.data[index].copy_(self._slice(tensor, 1))
+        return [name]
+
+
+class SparseMoE(nn.Module):
+    """Router plus experts, named as in Hugging Face checkpoints (`gate`, `experts`)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        inter_size: int,
+        num_experts: int,
+        top_k: int,
+        renormalize: bool,
+        tp: TPGroup,
+        backend: MoEBackend,
+    ) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.tp = tp
+        self.backend = backend
+        self.gate = Router(num_experts, hidden_size)
+        self.experts = ExpertWeights(num_experts, hidden_size, inter_size, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        out = self.backend.experts(x, self.experts.w13, self.experts.w2, weights, ids)
+        return self.tp.all_reduce(out)

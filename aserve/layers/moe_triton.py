@@ -1,0 +1,164 @@
+"""The `fused` MoE backend: two Triton grouped-GEMM launches over the pairs of a batch.
+
+The (token, expert) pairs are laid out by `align_blocks` in blocks of `BLOCK_M` rows that each
+belong to one expert, so every program multiplies a tile of one expert's rows by that expert's
+weights. The first launch gathers the tokens' hidden rows, multiplies them by gate and up in
+the same program and writes `silu(gate) * up` (the activation never makes a round trip through
+memory at full gate_up width); the second multiplies that by down and scales each row by its
+routing weight. Each token's k rows are then summed. Everything runs on the device with sizes
+known from the shapes, so a decode step can be captured in a CUDA graph.
+
+Imported only by `aserve.layers.moe.moe_backend` on CUDA: Triton is not installed everywhere.
+float32 runs with IEEE products (no TF32), so it can be compared token for token with the
+torch backend.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from aserve.layers.moe import align_blocks
+
+
+@triton.jit
+def _moe_gemm(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    weight_ptr,
+    sorted_pairs_ptr,
+    block_expert_ptr,
+    num_pairs,
+    num_experts,
+    n_size,
+    k_size,
+    stride_am,
+    stride_ak,
+    stride_be,
+    stride_bn,
+    stride_bk,
+    stride_cm,
+    stride_cn,
+    ROWS_PER_A: tl.constexpr,
+    GATED: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One `[BLOCK_M, BLOCK_N]` tile of `C[pair] = A[pair // ROWS_PER_A] @ B[expert]^T`.
+
+    GATED (the gate_up pass): B holds gate rows `[0, n_size)` then up rows `[n_size, 2 n_size)`
+    and the tile is `silu(A @ gate^T) * (A @ up^T)`. Otherwise (the down pass) each row is
+    scaled by its pair's routing weight.
+    Padding rows (pair id `num_pairs`) load zeros and store nothing. PRECISION applies to
+    float32 inputs only: "ieee" keeps full products there."""
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    if expert >= num_experts:
+        return
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + offs_m).to(tl.int64)
+    row_ok = pairs < num_pairs
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = offs_n < n_size
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = a_ptr + (pairs // ROWS_PER_A)[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_start in range(0, k_size, BLOCK_K):
+        k_ok = offs_k < k_size - k_start
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if GATED:
+            up = tl.load(
+                b_ptrs + n_size * stride_bn, mask=k_ok[:, None] & col_ok[None, :], other=0.0
+            )
+            acc_up = tl.dot(a, up, acc_up, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    else:
+        weight = tl.load(weight_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
+        acc = acc * weight[:, None]
+    c_ptrs = c_ptr + pairs[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _block_m(num_pairs: int, num_experts: int) -> int:
+    """Rows per tile: small when experts get few rows each (decode), so padding stays small."""
+    per_expert = num_pairs / num_experts
+    return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
+
+
+def _launch(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    weights: torch.Tensor,
+    layout_pairs: torch.Tensor,
+    layout_experts: torch.Tensor,
+    rows_per_a: int,
+    gated: bool,
+    block_m: int,
+) -> None:
+    n_size = c.shape[1]
+    ieee = a.dtype == torch.float32
+    block_n, block_k = 64, 32 if ieee else 64
+    grid = (layout_experts.numel(), triton.cdiv(n_size, block_n))
+    _moe_gemm[grid](
+        a,
+        b,
+        c,
+        weights,
+        layout_pairs,
+        layout_experts,
+        weights.numel(),
+        b.shape[0],
+        n_size,
+        a.shape[1],
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        b.stride(2),
+        c.stride(0),
+        c.stride(1),
+        ROWS_PER_A=rows_per_a,
+        GATED=gated,
+        PRECISION="ieee" if ieee else "tf32",
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=4,
+        num_stages=2 if ieee else 3,
+    )
+
+
+def fused_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """The `MoEBackend.experts` contract (see aserve/layers/moe.py), on CUDA."""
+    tokens, top_k = topk_ids.shape
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    num_pairs = tokens * top_k
+    block_m = _block_m(num_pairs, num_experts)
+    layout = align_blocks(topk_ids, num_experts, block_m)
+    weights = topk_weights.reshape(-1).contiguous()
+    x = x.contiguous()
+    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    _launch(x, w13, act, weights, *layout, rows_per_a=top_k, gated=True, block_m=block_m)
+    out = torch.empty(num_pairs, x.shape[1], dtype=x.dtype, device=x.device)
+    _launch(act, w2, out, weights, *layout, rows_per_a=1, gated=False, block_m=block_m)
+    return out.view(tokens, top_k, -1).sum(dim=1)

@@ -1,0 +1,69 @@
+"""Qwen3-MoE: the dense decoder of models/decoder.py with sparse expert MLPs.
+
+Attention, norms, embedding and LM head are the dense decoder's (Qwen3's per-head Q/K norm
+included). Layers that `ModelConfig.is_moe_layer` picks get a `SparseMoE` (router + experts,
+aserve/layers/moe.py); the others, e.g. those in `mlp_only_layers`, keep a dense MLP of
+`intermediate_size`.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from aserve.config import ModelConfig
+from aserve.distributed.group import TPGroup
+from aserve.layers.moe import TORCH_BACKEND, ExpertWeights, MoEBackend, SparseMoE
+from aserve.models.decoder import DecoderForCausalLM, DecoderMLP
+
+EXPERTS = ".mlp.experts."
+
+
+class Qwen3MoeForCausalLM(DecoderForCausalLM):
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_positions: int,
+        tp: TPGroup,
+        ops: ModuleType | None = None,
+        backend: MoEBackend = TORCH_BACKEND,
+    ) -> None:
+        def make_mlp(layer: int) -> nn.Module:
+            if not config.is_moe_layer(layer):
+                return DecoderMLP(config, tp, ops)
+            return SparseMoE(
+                config.hidden_size,
+                config.moe_intermediate_size,
+                config.num_experts,
+                config.num_experts_per_tok,
+                config.norm_topk_prob,
+                tp,
+                backend,
+            )
+
+        super().__init__(config, max_positions, tp, ops, make_mlp)
+        self.graph_capturable = not backend.host_sync
+
+    def load_tensor(
+        self, modules: dict[str, nn.Module], name: str, tensor: torch.Tensor
+    ) -> list[str]:
+        """Expert tensors go into their layer's stacked weights; the rest as in the dense model."""
+        layer, found, part = name.partition(EXPERTS)
+        if not found:
+            return super().load_tensor(modules, name, tensor)
+        prefix = layer + EXPERTS.rstrip(".")
+        experts = modules.get(prefix)
+        if not isinstance(experts, ExpertWeights):
+            raise ValueError(f"checkpoint tensor {name} has no place in {self.config.architecture}")
+        return [f"{prefix}.{filled}" for filled in experts.load_tensor(part, tensor)]
+
+    def expected_tensors(self) -> set[str]:
+        """Every expert's gate, up and down in place of the stacked parameters they fill."""
+        expected = super().expected_tensors()
+        for name, module in self.named_modules():
+            if isinstance(module, ExpertWeights):
+                expected -= {f"{name}.w13", f"{name}.w2"}
+                expected |= {f"{name}.{part}" for part in module.parts()}
+        return expected

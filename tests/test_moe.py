@@ -1,0 +1,319 @@
+"""Qwen3-MoE: parity with transformers, the torch backend's grouped dispatch against a naive
+per-token reference, the block layout of the fused path, checkpoint layouts, tensor-parallel
+expert slices, and (marked gpu) the Triton backend against the torch one."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from aserve import LLM, SamplingParams
+from aserve.config import ConfigError, ModelConfig
+from aserve.distributed.group import TPGroup
+from aserve.layers.moe import (
+    SparseMoE,
+    align_blocks,
+    group_by_expert,
+    moe_backend,
+    route,
+    torch_experts,
+)
+from aserve.models.registry import build_model
+from aserve.models.weights import fill_dummy_weights, iter_weights, load_hf_config
+from tests.test_models import PROMPTS, hf_model, our_logits
+from tests.tiny_models import make_tiny_model
+
+BENCH_MOE = Path(__file__).resolve().parent.parent / "bench" / "models" / "qwen3-30b-a3b"
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+GPU_SHAPES = {
+    "hidden_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+}
+GPU_PROMPTS = [*PROMPTS, list(range(3, 90))]
+VARIANTS = {
+    "raw-topk": {"norm_topk_prob": False},
+    "sparse-step-2": {"decoder_sparse_step": 2, "mlp_only_layers": []},
+}
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def tiny_moe(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny qwen3_moe family of tests/tiny_models.py (renormalised top-k, one dense layer,
+    run by test_models.py) in the variants that it leaves out."""
+    folder = tmp_path_factory.mktemp(request.param)
+    return make_tiny_model("qwen3_moe", folder, overrides=VARIANTS[request.param])
+
+
+def naive_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """Token by token, expert by expert: the definition the backends must meet."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate, up = (w13[e] @ x[t]).chunk(2)
+            out[t] += weights[t, j] * (w2[e] @ (F.silu(gate) * up))
+    return out
+
+
+def random_experts(
+    tokens: int, experts: int, top_k: int, hidden: int, inter: int, used: int | None = None
+) -> tuple[torch.Tensor, ...]:
+    """Inputs for a backend; `used` confines routing to the first experts, so the rest get
+    no tokens."""
+    gen = torch.Generator().manual_seed(tokens * 31 + experts)
+    x = torch.randn(tokens, hidden, generator=gen)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    w2 = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
+    logits = torch.randn(tokens, used or experts, generator=gen)
+    weights, ids = route(logits, top_k, renormalize=True)
+    return x, w13, w2, weights, ids
+
+
+def test_logits_match_transformers(tiny_moe: Path) -> None:
+    hf = hf_model(tiny_moe)
+    with LLM(str(tiny_moe), page_size=4) as llm:
+        model = llm.runtime.engine.model
+        ours_sparse = [isinstance(layer.mlp, SparseMoE) for layer in model.model.layers]
+        assert ours_sparse == [
+            type(layer.mlp).__name__.endswith("MoeBlock") for layer in hf.model.layers
+        ]
+        assert any(ours_sparse) and not all(ours_sparse)
+        for prompt in PROMPTS:
+            continuation = [7, 123, 45, 2, 99]
+            ours = our_logits(llm, prompt, continuation)
+            with torch.inference_mode():
+                theirs = hf(torch.tensor([prompt + continuation])).logits[0, len(prompt) - 1 :]
+            torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=1e-4)
+        llm.scheduler.check_integrity()
+
+
+def test_greedy_matches_transformers_generate(tiny_moe: Path) -> None:
+    hf = hf_model(tiny_moe)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with LLM(str(tiny_moe), page_size=1) as llm:
+        outputs = llm.generate(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, outputs):
+        expected = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
+        assert out.token_ids == expected
+
+
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "used"),
+    [(1, 8, 2, None), (9, 8, 2, 3), (40, 16, 4, None), (5, 32, 8, 10)],
+)
+def test_torch_backend_equals_naive_reference(
+    tokens: int, experts: int, top_k: int, used: int | None
+) -> None:
+    inputs = random_experts(tokens, experts, top_k, hidden=24, inter=12, used=used)
+    torch.testing.assert_close(torch_experts(*inputs), naive_experts(*inputs))
+
+
+def test_group_by_expert_keeps_token_order_and_counts_empty_experts() -> None:
+    ids = torch.tensor([[3, 0], [3, 5], [0, 3]])
+    order, counts = group_by_expert(ids, 7)
+    assert counts.tolist() == [2, 0, 0, 3, 0, 1, 0]
+    assert order.tolist() == [1, 4, 0, 2, 5, 3]
+
+
+@pytest.mark.parametrize("block", [1, 4, 16])
+def test_align_blocks_handles_experts_without_tokens(block: int) -> None:
+    ids = torch.tensor([[3, 0], [3, 5], [0, 3], [5, 3], [3, 0]])
+    num_pairs, num_experts = ids.numel(), 8
+    layout = align_blocks(ids, num_experts, block)
+    pairs = layout.sorted_pairs.view(-1, block)
+    assert pairs.shape[0] == layout.block_expert.numel()
+    flat = ids.flatten()
+    seen: list[int] = []
+    for row, expert in zip(pairs.tolist(), layout.block_expert.tolist()):
+        real = [p for p in row if p < num_pairs]
+        if expert == num_experts:
+            assert not real, "blocks past the last expert hold no pairs"
+            continue
+        assert real, "an expert's block holds at least one pair"
+        assert all(flat[p] == expert for p in real)
+        assert row[: len(real)] == real, "padding only at the end of an expert's run"
+        seen += real
+    assert sorted(seen) == list(range(num_pairs))
+    counts = torch.bincount(flat, minlength=num_experts)
+    used_blocks = sum(-(-c // block) for c in counts.tolist())
+    assert (layout.block_expert < num_experts).sum().item() == used_blocks
+    assert layout.block_expert.tolist() == sorted(layout.block_expert.tolist())
+
+
+def test_expert_slices_of_tensor_parallel_ranks_sum_to_the_whole() -> None:
+    """Each rank holds every expert's slice of the intermediate dimension; the all-reduce of
+    their partial sums is the unsharded output."""
+    x, w13, w2, weights, ids = random_experts(6, 8, 2, hidden=16, inter=12)
+    inter = w13.shape[1] // 2
+    checkpoint = {}
+    for e in range(8):
+        checkpoint[f"{e}.gate_proj.weight"] = w13[e, :inter]
+        checkpoint[f"{e}.up_proj.weight"] = w13[e, inter:]
+        checkpoint[f"{e}.down_proj.weight"] = w2[e]
+    total = torch.zeros_like(x)
+    for rank in range(2):
+        moe = SparseMoE(16, inter, 8, 2, True, TPGroup(rank, 2), moe_backend("torch", x.device))
+        for name, tensor in checkpoint.items():
+            moe.experts.load_tensor(name, tensor)
+        assert moe.experts.w13.shape == (8, inter, 16) and moe.experts.w2.shape == (
+            8,
+            16,
+            inter // 2,
+        )
+        total += torch_experts(x, moe.experts.w13, moe.experts.w2, weights, ids)
+    torch.testing.assert_close(total, torch_experts(x, w13, w2, weights, ids))
+
+
+def build_tiny(folder: Path) -> torch.nn.Module:
+    config = ModelConfig.from_hf(*load_hf_config(folder))
+    return build_model(config, 64, TPGroup())
+
+
+def test_stacked_expert_checkpoint_loads_like_per_expert(tmp_path: Path) -> None:
+    """Transformers saves experts one by one, but its modules hold them stacked
+    (`experts.gate_up_proj`, `experts.down_proj`); a state dict saved as is loads the same."""
+    folder = make_tiny_model("qwen3_moe", tmp_path / "per-expert")
+    stacked = tmp_path / "stacked"
+    stacked.mkdir()
+    (stacked / "config.json").write_text((folder / "config.json").read_text())
+    state = {k: v.contiguous() for k, v in hf_model(folder).state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    save_file(state, stacked / "model.safetensors")
+    reference, ours = build_tiny(folder), build_tiny(stacked)
+    reference.load_weights(iter_weights(folder, progress=False))
+    ours.load_weights(iter_weights(stacked, progress=False))
+    for (name, a), (_, b) in zip(reference.state_dict().items(), ours.state_dict().items()):
+        torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
+
+
+def test_checkpoint_missing_one_expert_is_refused(tmp_path: Path) -> None:
+    folder = make_tiny_model("qwen3_moe", tmp_path)
+    model = build_tiny(folder)
+    missing = "model.layers.0.mlp.experts.3.up_proj.weight"
+    weights = ((n, t) for n, t in iter_weights(folder, progress=False) if n != missing)
+    with pytest.raises(ValueError, match="lacks 1 tensors"):
+        model.load_weights(weights)
+
+
+def test_moe_backend_option(make_llm: Callable[..., LLM], tmp_path: Path) -> None:
+    folder = make_tiny_model("qwen3_moe", tmp_path)
+    for name in ("auto", "torch"):
+        llm = make_llm(folder, moe_backend=name)
+        assert llm.runtime.engine.model.model.layers[0].mlp.backend.name == "torch"
+    with pytest.raises(ConfigError, match=r"^--moe-backend fused needs a CUDA device"):
+        LLM(str(folder), device="cpu", moe_backend="fused")
+    with pytest.raises(ConfigError, match="--moe-backend must be"):
+        LLM(str(folder), moe_backend="triton")
+
+
+def test_dummy_weights_run_from_the_bench_config(
+    make_llm: Callable[..., LLM], tmp_path: Path
+) -> None:
+    """bench/models/qwen3-30b-a3b shrunk: every parameter gets finite, small random values."""
+    config = json.loads((BENCH_MOE / "config.json").read_text())
+    assert ModelConfig.from_hf(config).num_experts == 128
+    config.update(num_hidden_layers=2, hidden_size=128, intermediate_size=256, vocab_size=512)
+    config.update(num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=16)
+    config.update(moe_intermediate_size=64, mlp_only_layers=[1])
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = build_tiny(tmp_path)
+    fill_dummy_weights(model)
+    for name, param in model.named_parameters():
+        assert torch.isfinite(param).all(), name
+        if "experts" in name or "mlp.gate" in name:
+            assert 0.01 < param.std().item() < 0.03, name
+    llm = make_llm(tmp_path, dummy_weight=True, num_pages=256)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5, ignore_eos=True))[0]
+    assert len(out.token_ids) == 5
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "used"),
+    [(1, 8, 2, None), (7, 128, 8, None), (300, 8, 2, 3), (1000, 64, 4, None)],
+)
+def test_fused_experts_match_torch_backend(
+    dtype: torch.dtype, tokens: int, experts: int, top_k: int, used: int | None
+) -> None:
+    """Odd sizes (inter 96, hidden 200) leave partial tiles on both GEMMs."""
+    fused = moe_backend("fused", torch.device("cuda"))
+    inputs = random_experts(tokens, experts, top_k, hidden=200, inter=96, used=used)
+    x, w13, w2, weights, ids = (t.cuda() for t in inputs)
+    x, w13, w2, weights = (t.to(dtype) for t in (x, w13, w2, weights))
+    expected = torch_experts(x.float(), w13.float(), w2.float(), weights.float(), ids)
+    actual = fused.experts(x, w13, w2, weights, ids).float()
+    if dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+    else:
+        torch.testing.assert_close(actual, expected, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_fused_backend_greedy_equals_torch_backend_in_float32(
+    make_llm: Callable[..., LLM], tmp_path: Path
+) -> None:
+    folder = make_tiny_model("qwen3_moe", tmp_path, overrides=GPU_SHAPES)
+    options = {"device": "cuda", "dtype": "float32", "attention_backend": "torch"}
+    fused = make_llm(folder, moe_backend="fused", **options)
+    reference = make_llm(folder, moe_backend="torch", **options)
+    assert fused.runtime.engine.model.model.layers[0].mlp.backend.name == "fused"
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    assert [o.token_ids for o in fused.generate(GPU_PROMPTS, params)] == [
+        o.token_ids for o in reference.generate(GPU_PROMPTS, params)
+    ]
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_fused_backend_bf16_logits_close_to_torch_backend(
+    make_llm: Callable[..., LLM], tmp_path: Path
+) -> None:
+    folder = make_tiny_model("qwen3_moe", tmp_path, overrides=GPU_SHAPES)
+    options = {"device": "cuda", "dtype": "bfloat16", "attention_backend": "torch"}
+    fused = make_llm(folder, moe_backend="fused", max_prefill_length=40, **options)
+    reference = make_llm(folder, moe_backend="torch", max_prefill_length=40, **options)
+    prompt, continuation = list(range(3, 100)), [7, 123, 45, 2, 99, 5]
+    expected = our_logits(reference, prompt, continuation)
+    torch.testing.assert_close(
+        our_logits(fused, prompt, continuation), expected, atol=0.06, rtol=0.03
+    )
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_fused_moe_runs_in_cuda_graphs(make_llm: Callable[..., LLM], tmp_path: Path) -> None:
+    """The fused path has no host sync, so decode is captured; the torch path turns graphs
+    off rather than failing the capture."""
+    pytest.importorskip("flashinfer")
+    folder = make_tiny_model("qwen3_moe", tmp_path, overrides=GPU_SHAPES)
+    options = {"device": "cuda", "dtype": "bfloat16", "page_size": 16, "num_pages": 1024}
+    graphed = make_llm(folder, moe_backend="fused", cuda_graph_max_bs=8, **options)
+    eager = make_llm(folder, moe_backend="fused", cuda_graph_max_bs=0, **options)
+    assert graphed.runtime.engine.graphs is not None
+    assert make_llm(folder, moe_backend="torch", **options).runtime.engine.graphs is None
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=True)
+    prompts = [list(range(7 + i, 12 + 3 * i)) for i in range(5)]
+    for ours, reference in zip(graphed.generate(prompts, params), eager.generate(prompts, params)):
+        assert ours.token_ids == reference.token_ids
+        for a, b in zip(ours.logprobs, reference.logprobs):
+            assert a.logprob == pytest.approx(b.logprob, abs=0.02)
