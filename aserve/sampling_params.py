@@ -7,6 +7,7 @@ all read them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 
@@ -18,9 +19,9 @@ class SamplingError(ValueError):
 class SamplingParams:
     """How to pick tokens for one request. Field names and meanings follow OpenAI's API.
 
-    temperature 0 means greedy. top_k <= 0 means no top-k cut. A request without a seed
-    gets a random one at submission, so every request samples from its own seeded stream
-    and its output never depends on which other requests share its batch.
+    temperature 0 means greedy. top_k <= 0 means no top-k cut. A request with a seed gets
+    the same tokens whatever other requests share its batch; one without may be drawn by
+    faster batch-wide kernels (see aserve/engine/sampler.py).
     """
 
     max_tokens: int = 16
@@ -66,6 +67,41 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+    @cached_property
+    def sampler_row(self) -> tuple[float, ...]:
+        """This request's row of the sampler's per-batch table (columns in SAMPLER_COLUMNS),
+        computed once: the sampler packs it every step."""
+        return (
+            1.0 if self.greedy else self.temperature,
+            self.top_p,
+            self.min_p,
+            self.repetition_penalty,
+            self.frequency_penalty,
+            self.presence_penalty,
+            max(self.top_k, 0),
+            self.greedy,
+            self.has_penalties,
+            self.seed is not None,
+            self.logprobs or self.top_logprobs > 0,
+            self.top_logprobs,
+        )
+
+
+SAMPLER_COLUMNS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "top_k",
+    "greedy",
+    "penalties",
+    "seeded",
+    "logprobs",
+    "top_logprobs",
+)
 
 
 class TokenLogprob(NamedTuple):

@@ -189,8 +189,9 @@ class Engine:
             self.attn.prepare(batch)
             logits = self.model(batch, self.attn)
         unseeded = SamplingParams(temperature=1.0, top_k=2, top_p=0.9, min_p=0.01)
+        fused = self.sampler.fused is not None
         sampling = SamplingBatch.build(
-            [unseeded], [0], [0], [[]], [[]], logits.shape[-1], self.device
+            [unseeded], [0], [0], [[]], [[]], logits.shape[-1], self.device, fused
         )
         self.sampler.sample(logits, sampling)
         torch.cuda.synchronize(self.device)

@@ -90,7 +90,7 @@ class SamplingBatch:
     repetition_penalty: torch.Tensor
     frequency_penalty: torch.Tensor
     presence_penalty: torch.Tensor
-    keys: torch.Tensor
+    keys: torch.Tensor | None
     top_k: torch.Tensor
     greedy: torch.Tensor
     seen: torch.Tensor | None
@@ -115,31 +115,27 @@ class SamplingBatch:
         output_ids: list[list[int]],
         vocab_size: int,
         device: torch.device,
+        fused: bool = False,
     ) -> SamplingBatch:
         """Pack the rows' parameters into tensors with two host-to-device copies (plus the
         token ids of rows with penalties). The copies are asynchronous: a blocking copy would
         wait for the step in flight and undo overlap scheduling. Each parameter is one
-        contiguous row, because FlashInfer's kernels read them as plain arrays."""
-        top_ks = [min(p.top_k, vocab_size) if p.top_k > 0 else 0 for p in params]
-        floats = torch.tensor(
-            [
-                [1.0 if p.greedy else p.temperature for p in params],
-                [p.top_p for p in params],
-                [p.min_p for p in params],
-                [p.repetition_penalty for p in params],
-                [p.frequency_penalty for p in params],
-                [p.presence_penalty for p in params],
-            ],
-            dtype=torch.float32,
-        ).to(device, non_blocking=True)
-        ints = torch.stack(
-            [
-                _row_keys(seeds, steps),
-                torch.tensor(top_ks, dtype=torch.int64),
-                torch.tensor([p.greedy for p in params], dtype=torch.int64),
-            ]
-        ).to(device, non_blocking=True)
-        any_penalties = any(p.has_penalties for p in params)
+        contiguous row, because FlashInfer's kernels read them as plain arrays.
+
+        `fused` says the sampler has FlashInfer's kernels; a batch without seeded rows is
+        then drawn by them and needs no hash keys (`keys` is None)."""
+        table = np.array([p.sampler_row for p in params], dtype=np.float64).reshape(-1, 12)
+        (temperature, top_p, min_p, rep, freq, pres, top_k, greedy, penalties, seeded,
+         logprobs, top_logprobs) = table.T  # fmt: skip
+        top_k = np.minimum(top_k, vocab_size)
+        floats = torch.from_numpy(np.ascontiguousarray(table[:, :6].T, dtype=np.float32))
+        floats = floats.to(device, non_blocking=True)
+        any_seeded = bool(seeded.any())
+        ints = [torch.from_numpy(top_k.astype(np.int64)), torch.from_numpy(greedy.astype(np.int64))]
+        if any_seeded or not fused:
+            ints.append(_row_keys(seeds, steps))
+        packed = torch.stack(ints).to(device, non_blocking=True)
+        any_penalties = bool(penalties.any())
         seen = output_counts = None
         if any_penalties:
             rows = list(zip(params, prompt_ids, output_ids, strict=True))
@@ -147,28 +143,28 @@ class SamplingBatch:
             generated = [out if p.has_penalties else [] for p, _, out in rows]
             seen = _token_counts(repeated, vocab_size, device).bool()
             output_counts = _token_counts(generated, vocab_size, device)
-        temperature, top_p, min_p, repetition, frequency, presence = floats.unbind(0)
+        temperature_t, top_p_t, min_p_t, rep_t, freq_t, pres_t = floats.unbind(0)
         return cls(
-            temperature=temperature,
-            top_p=top_p,
-            min_p=min_p,
-            repetition_penalty=repetition,
-            frequency_penalty=frequency,
-            presence_penalty=presence,
-            keys=ints[0],
-            top_k=ints[1],
-            greedy=ints[2].bool(),
+            temperature=temperature_t,
+            top_p=top_p_t,
+            min_p=min_p_t,
+            repetition_penalty=rep_t,
+            frequency_penalty=freq_t,
+            presence_penalty=pres_t,
+            keys=packed[2] if len(ints) == 3 else None,
+            top_k=packed[0],
+            greedy=packed[1].bool(),
             seen=seen,
             output_counts=output_counts,
-            all_greedy=all(p.greedy for p in params),
-            any_greedy=any(p.greedy for p in params),
-            max_top_k=max(top_ks, default=0),
-            any_top_p=any(p.top_p < 1.0 for p in params),
-            any_min_p=any(p.min_p > 0.0 for p in params),
+            all_greedy=bool(greedy.all()),
+            any_greedy=bool(greedy.any()),
+            max_top_k=int(top_k.max(initial=0)),
+            any_top_p=bool((top_p < 1.0).any()),
+            any_min_p=bool((min_p > 0.0).any()),
             any_penalties=any_penalties,
-            any_seeded=any(p.seed is not None for p in params),
-            want_logprobs=any(p.logprobs or p.top_logprobs > 0 for p in params),
-            max_top_logprobs=max((p.top_logprobs for p in params), default=0),
+            any_seeded=any_seeded,
+            want_logprobs=bool(logprobs.any()),
+            max_top_logprobs=int(top_logprobs.max(initial=0)),
         )
 
 
@@ -263,10 +259,10 @@ class Sampler:
         if batch.all_greedy:
             next_ids = scores.argmax(dim=-1)
         else:
-            if self.fused is not None and not batch.any_seeded:
+            if batch.keys is None:
                 next_ids = self._fused_draw(scores, batch)
             else:
-                next_ids = self._seeded_draw(scores, batch)
+                next_ids = self._seeded_draw(scores, batch, batch.keys)
             if batch.any_greedy:
                 next_ids = torch.where(batch.greedy, scores.argmax(dim=-1), next_ids)
         if not batch.want_logprobs:
@@ -278,17 +274,19 @@ class Sampler:
         top = logprobs.topk(batch.max_top_logprobs, dim=-1)
         return SampleOutput(next_ids, chosen, top.indices, top.values)
 
-    def _seeded_draw(self, scores: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def _seeded_draw(
+        self, scores: torch.Tensor, batch: SamplingBatch, keys: torch.Tensor
+    ) -> torch.Tensor:
         probs = torch.softmax(scores / batch.temperature[:, None], dim=-1)
         probs = filter_top_k_top_p_min_p(probs, batch)
-        noise = seeded_exponential_noise(batch.keys, probs.shape[-1])
+        noise = seeded_exponential_noise(keys, probs.shape[-1])
         return (probs / noise).argmax(dim=-1)
 
     def _fused_draw(self, scores: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Top-k, then top-p on what top-k kept, then min-p: the order of the seeded path.
         Top-k 0 (no cut) becomes the vocabulary size, which FlashInfer reads the same way."""
         fused = self.fused
-        assert fused is not None
+        assert fused is not None, "a batch without hash keys needs FlashInfer's kernels"
         self.calls += 1
         rng = {"seed": self.seed, "offset": self.calls * 4096}
         probs = fused.softmax(scores.float().contiguous(), temperature=batch.temperature)

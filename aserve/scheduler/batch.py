@@ -52,7 +52,7 @@ def build_forward_batch(
 
 
 def build_sampling_batch(
-    planned: ScheduledBatch, vocab_size: int, device: torch.device
+    planned: ScheduledBatch, vocab_size: int, device: torch.device, fused: bool
 ) -> SamplingBatch:
     reqs = planned.reqs
     return SamplingBatch.build(
@@ -63,4 +63,5 @@ def build_sampling_batch(
         output_ids=[r.output_ids for r in reqs],
         vocab_size=vocab_size,
         device=device,
+        fused=fused,
     )

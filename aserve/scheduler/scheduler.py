@@ -163,7 +163,9 @@ class Scheduler:
         them, and a CUDA event marks when they are there."""
         started = time.perf_counter()
         batch = build_forward_batch(planned, self.engine.page_table, self.engine.device)
-        sampling = build_sampling_batch(planned, self.vocab_size, self.engine.device)
+        sampling = build_sampling_batch(
+            planned, self.vocab_size, self.engine.device, self.engine.sampler.fused is not None
+        )
         out = self.engine.step(batch, sampling)
         self.planner.launched(planned)
         if self.engine.device.type != "cuda":
