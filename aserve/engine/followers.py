@@ -15,6 +15,7 @@ terminates any that do not exit.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -99,11 +100,10 @@ class Followers:
 
     def _describe_death(self) -> WorkerFailure | None:
         for rank, process in enumerate(self.processes, start=1):
-            if process.exitcode is not None:
-                return WorkerFailure(
-                    f"tensor-parallel rank {rank} (pid {process.pid}) exited with code "
-                    f"{process.exitcode}; see its log lines above"
-                )
+            code = process.exitcode
+            if code is not None:
+                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                return WorkerFailure(f"tensor-parallel rank {rank} (pid {process.pid}) {how}")
         return None
 
     def _wait_for(self, done: Callable[[], bool]) -> None:
@@ -126,7 +126,7 @@ class Followers:
         wait([p.sentinel for p in self.processes])
         if self._closing:
             return
-        self.failure = self._describe_death()
+        self.failure = self.dead_rank()
         if self.failure is None:
             return
         logger.error("%s", self.failure)
@@ -162,10 +162,8 @@ class Followers:
             return
         self._closing = True
         for pipe in self.pipes:
-            try:
+            with contextlib.suppress(OSError):
                 pipe.send_bytes(b"")
-            except OSError:
-                pass
         deadline = time.monotonic() + STOP_TIMEOUT_S
         for process in self.processes:
             process.join(max(0.0, deadline - time.monotonic()))
