@@ -39,6 +39,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--cuda-graph-max-bs", type=int, default=None)
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (GPUs)")
     p.add_argument("--peer", choices=["hf"], default=None, help="also run this peer")
     p.add_argument(
         "--hf-cache", default=None, help="transformers cache_implementation, e.g. static"
@@ -68,6 +69,7 @@ def build_llm(args: argparse.Namespace) -> LLM:
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         attention_backend=args.attention_backend,
         dtype=args.dtype,
+        tensor_parallel_size=args.tp,
     )
     llm.generate([list(range(1, 17))], SamplingParams(max_tokens=4, ignore_eos=True))
     return llm
@@ -125,6 +127,7 @@ def main() -> None:
             "dtype",
             "dummy_weight",
             "repeat",
+            "tp",
         )
     }
     settings["input_len"], settings["output_len"] = list(args.input_len), list(args.output_len)
