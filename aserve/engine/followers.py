@@ -62,6 +62,7 @@ class Followers:
         self.failure: WorkerFailure | None = None
         self._closing = False
         self.group = TPGroup()
+        self._timeout_s = timeout_s
         timeout = timedelta(seconds=timeout_s)
         self._store = create_store(size, timeout)
         self._threads_before = torch.get_num_threads()
@@ -92,7 +93,8 @@ class Followers:
             self.processes.append(process)
             self.pipes.append(ours)
         try:
-            self._wait_for(lambda: self._store.check([f"joining/{r}" for r in range(1, size)]))
+            joined = [f"joining/{r}" for r in range(1, size)]
+            self._wait_for(lambda: self._store.check(joined), "reach the rendezvous")
             self.group = join_group(self._store, 0, size, device, timeout)
         except BaseException:
             self.close()
@@ -106,18 +108,24 @@ class Followers:
                 return WorkerFailure(f"tensor-parallel rank {rank} (pid {process.pid}) {how}")
         return None
 
-    def _wait_for(self, done: Callable[[], bool]) -> None:
-        """Poll `done` while every worker lives; a dead worker raises WorkerFailure."""
+    def _wait_for(self, done: Callable[[], bool], what: str) -> None:
+        """Poll `done` while every worker lives; a dead worker or the start-up timeout
+        raises WorkerFailure."""
+        deadline = time.monotonic() + self._timeout_s
         while not done():
             failure = self._describe_death()
             if failure is not None:
                 raise failure
+            if time.monotonic() > deadline:
+                raise WorkerFailure(
+                    f"tensor-parallel workers did not {what} in {self._timeout_s:.0f} s"
+                )
             time.sleep(POLL_S)
 
     def wait_ready(self) -> None:
         """After rank 0 built its engine: wait for every worker's, then start watching."""
         for pipe in self.pipes:
-            self._wait_for(pipe.poll)
+            self._wait_for(pipe.poll, "build their engines")
             if pipe.recv_bytes() != READY:
                 raise WorkerFailure("a tensor-parallel worker sent an unexpected message")
         threading.Thread(target=self._watch, name="aserve-tp-watch", daemon=True).start()

@@ -13,10 +13,12 @@ died) ends the worker too, so no worker outlives the server.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 import torch
@@ -48,6 +50,7 @@ class WorkerArgs:
 
 def run_worker(args: WorkerArgs, conn: Connection) -> None:
     """Spawn target: set up, build the engine, report ready, follow until told to stop."""
+    threading.Thread(target=_exit_with_parent, name="aserve-tp-parent", daemon=True).start()
     logging.basicConfig(
         level=args.log_level, format=f"%(asctime)s rank{args.rank} %(levelname)s %(message)s"
     )
@@ -67,6 +70,15 @@ def run_worker(args: WorkerArgs, conn: Connection) -> None:
         logger.error(
             "rank 0 went away; tensor-parallel worker %d (pid %d) exits", args.rank, os.getpid()
         )
+
+
+def _exit_with_parent() -> None:
+    """Rank 0 died (even by SIGKILL, which spares daemonic children): exit at once, in
+    whatever phase this worker is, rather than wait on a rendezvous or collective."""
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        wait([parent.sentinel])
+        os._exit(1)
 
 
 @torch.inference_mode()
