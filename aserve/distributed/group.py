@@ -60,10 +60,11 @@ class TPGroup:
         self.host_group.allreduce([tensor], options).wait()
         return int(tensor.item())
 
-    def close(self, abort: bool = False) -> None:
-        """Release the backends; `abort` when a peer died (NCCL could wait on it forever)."""
+    def close(self) -> None:
+        """Release the backends by aborting them: local and immediate, it never waits on a
+        peer, which may be gone (a graceful NCCL shutdown could wait on a dead rank)."""
         for group in (self.device_group, self.host_group):
-            release = getattr(group, "abort" if abort else "shutdown", None)
+            release = getattr(group, "abort", None)
             if release is not None:
                 release()
 

@@ -184,7 +184,7 @@ class Followers:
                 process.join()
         for pipe in self.pipes:
             pipe.close()
-        self.group.close(abort=self.failure is not None)
+        self.group.close()
         torch.set_num_threads(self._threads_before)
 
 
@@ -203,7 +203,13 @@ def check_shardable(config: EngineConfig, model: ModelConfig) -> None:
         uneven.append("KV heads")
     if uneven:
         raise ConfigError(f"--tp {size} does not evenly split the model's {', '.join(uneven)}")
-    if resolve_device(config.device).type == "cuda" and torch.cuda.device_count() < size:
+    device = resolve_device(config.device)
+    if device.type == "cuda" and device.index is not None:
+        raise ConfigError(
+            f"with --tp, rank r runs on GPU r: choose the GPUs with CUDA_VISIBLE_DEVICES, "
+            f"not --device {config.device}"
+        )
+    if device.type == "cuda" and torch.cuda.device_count() < size:
         raise ConfigError(f"--tp {size} needs {size} GPUs; torch sees {torch.cuda.device_count()}")
 
 
