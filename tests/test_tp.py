@@ -21,7 +21,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from aserve import LLM, SamplingParams
+from aserve.config import ConfigError
 from aserve.distributed.group import TPGroup
+from aserve.engine.step import StepSpec
+from aserve.forward import ForwardMode
+from aserve.kvcache.pages import PageWrite
 from aserve.layers.embedding import VocabParallelEmbedding
 from aserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tests.server_utils import ServerProcess
@@ -79,6 +83,26 @@ def test_tp2_prefix_hit_and_chunked_prefill_equal_tp1(pair: tuple[LLM, LLM]) -> 
         o.token_ids for o in one.generate([follow_up, PROMPTS[1]], GREEDY)
     ]
     two.scheduler.check_integrity()
+
+
+def test_tp_that_does_not_split_the_model_is_refused(tmp_path: Path) -> None:
+    folder = make_tiny_model("llama", tmp_path)
+    with pytest.raises(ConfigError, match="--tp 3 does not evenly split .* attention heads"):
+        LLM(str(folder), tensor_parallel_size=3, **OPTIONS)
+
+
+def test_step_spec_survives_packing() -> None:
+    spec = StepSpec(
+        mode=ForwardMode.PREFILL,
+        rows=[3, 0],
+        prefix_lens=[8, 0],
+        extend_lens=[2, 3],
+        input_ids=[11, 12, 21, 22, 23],
+        page_writes=[PageWrite(3, 2, [7]), PageWrite(0, 0, [4, 5, 9])],
+    )
+    assert StepSpec.unpack(spec.pack()) == spec
+    decode = StepSpec(ForwardMode.DECODE, [1], [40], [1], [], [])
+    assert StepSpec.unpack(decode.pack()) == decode
 
 
 @dataclass(frozen=True)
