@@ -243,10 +243,6 @@ def validate(config: ServerConfig) -> None:
         (engine.num_pages is None or engine.num_pages >= 2, "--num-pages must be at least 2"),
         (engine.tensor_parallel_size >= 1, "--tp must be at least 1"),
         (
-            engine.tensor_parallel_size == 1,
-            "--tp above 1 is not supported yet: tensor parallelism is a planned feature",
-        ),
-        (
             engine.max_seq_len_override is None or engine.max_seq_len_override >= 2,
             "--max-seq-len-override must be at least 2",
         ),

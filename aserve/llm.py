@@ -102,10 +102,18 @@ class LLM:
         self._task = self._loop.create_task(self.scheduler.run(on_step))
 
     def _run(self, ids: list[list[int]], params: list[SamplingParams]) -> list[GenerationOutput]:
-        if self._task is None or self._task.done():
+        """Raises the error that ended the engine (a dead tensor-parallel rank), if one did."""
+        self._raise_if_dead()
+        if self._task is None:
             self.start_scheduler()
         reqs = [self.scheduler.make_request(p, sp) for p, sp in zip(ids, params)]
-        return self._loop.run_until_complete(self._collect_all(reqs))
+        outputs = self._loop.run_until_complete(self._collect_all(reqs))
+        self._raise_if_dead()
+        return outputs
+
+    def _raise_if_dead(self) -> None:
+        if self._task is not None and self._task.done() and self._task.exception() is not None:
+            raise RuntimeError(f"the engine has stopped: {self._task.exception()}")
 
     async def _collect_all(self, reqs: list[Req]) -> list[GenerationOutput]:
         for req in reqs:
@@ -138,9 +146,12 @@ class LLM:
         """Stop the scheduler and release the loop; the LLM cannot generate afterwards."""
         if self._loop.is_closed():
             return
-        self.runtime.close()
+        self.scheduler.stop()
         if self._task is not None:
-            self._loop.run_until_complete(self._task)
+            self._loop.run_until_complete(asyncio.wait([self._task]))
+            if not self._task.cancelled():
+                self._task.exception()  # retrieved: generate() reported it already
+        self.runtime.close()
         self._loop.close()
 
     def __enter__(self) -> LLM:

@@ -7,7 +7,7 @@ import logging
 import time
 
 from aserve.config import ModelConfig, ServerConfig
-from aserve.engine.engine import Engine
+from aserve.engine.followers import start_engine
 from aserve.models.source import resolve_model
 from aserve.models.weights import load_hf_config
 from aserve.scheduler.scheduler import Scheduler
@@ -28,12 +28,18 @@ class Runtime:
             if has_tokenizer(self.model_dir)
             else None
         )
-        self.engine = Engine(config.engine, self.model_config, self.model_dir)
-        self.scheduler = Scheduler(self.engine, config.scheduler)
+        self.engine, self.followers = start_engine(config.engine, self.model_config, self.model_dir)
+        self.scheduler = Scheduler(self.engine, config.scheduler, self.followers)
+        if self.followers is not None:
+            self.followers.on_failure = self.scheduler.fail
         self.startup_seconds = time.perf_counter() - started
         logger.info("model ready: %s (%s)", self.model_dir, self.engine.describe())
 
     def close(self) -> None:
+        """Release everything; call it once the scheduler loop has ended (or never ran),
+        since stopping the tensor-parallel workers ends the steps they can follow."""
         self.scheduler.stop()
         if self.tokenizer is not None:
             self.tokenizer.close()
+        if self.followers is not None:
+            self.followers.close()

@@ -43,6 +43,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--moe-backend", default="auto", help="MoE models: auto, torch or fused")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--seeded", action="store_true", help="give every request its own seed")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (GPUs)")
     p.add_argument("--peer", choices=["hf"], default=None, help="also run this peer")
     p.add_argument(
         "--hf-cache", default=None, help="transformers cache_implementation, e.g. static"
@@ -73,6 +74,7 @@ def build_llm(args: argparse.Namespace) -> LLM:
         attention_backend=args.attention_backend,
         moe_backend=args.moe_backend,
         dtype=args.dtype,
+        tensor_parallel_size=args.tp,
     )
     llm.generate([list(range(1, 17))], SamplingParams(max_tokens=4, ignore_eos=True))
     return llm
@@ -136,6 +138,7 @@ def main() -> None:
             "dummy_weight",
             "repeat",
             "seeded",
+            "tp",
         )
     }
     settings["input_len"], settings["output_len"] = list(args.input_len), list(args.output_len)

@@ -147,3 +147,41 @@ def test_overlap_on_and_off_give_the_same_tokens(
     assert [o.token_ids for o in overlapped.generate(prompts, params)] == expected
     retracted = overlapped.scheduler.planner.num_retractions > 0
     assert retracted == (dtype == "float32")
+
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
+@two_gpus
+def test_tp2_greedy_equals_tp1_on_cuda(make_llm: Callable[..., LLM], tmp_path: Path) -> None:
+    """float32 (torch attention): NCCL all-reduce / all-gather and the id broadcast."""
+    folder = make_tiny_model("llama", tmp_path, overrides={**KERNEL_SHAPES, "head_dim": 64})
+    options = {"device": "cuda", "dtype": "float32", "page_size": 4, "max_prefill_length": 40}
+    one = make_llm(folder, **options)
+    two = make_llm(folder, tensor_parallel_size=2, **options)
+    assert two.runtime.engine.tp.size == 2
+    assert [o.token_ids for o in two.generate(PROMPTS, GREEDY)] == [
+        o.token_ids for o in one.generate(PROMPTS, GREEDY)
+    ]
+
+
+@two_gpus
+def test_tp2_bf16_cuda_graphs_on_both_ranks(make_llm: Callable[..., LLM], tmp_path: Path) -> None:
+    """bfloat16 with FlashInfer and decode graphs captured on both ranks in lockstep: graphs
+    change nothing under TP, and TP=2 agrees with TP=1 as closely as bf16 sums allow."""
+    folder = make_tiny_model("llama", tmp_path, overrides={**KERNEL_SHAPES, "head_dim": 64})
+    one = make_llm(folder, device="cuda", dtype="bfloat16")
+    graphs = make_llm(folder, device="cuda", dtype="bfloat16", tensor_parallel_size=2)
+    eager = make_llm(
+        folder, device="cuda", dtype="bfloat16", tensor_parallel_size=2, cuda_graph_max_bs=0
+    )
+    assert graphs.runtime.engine.graphs is not None and eager.runtime.engine.graphs is None
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=True)
+    with_graphs = graphs.generate(PROMPTS, params)
+    assert [o.token_ids for o in with_graphs] == [
+        o.token_ids for o in eager.generate(PROMPTS, params)
+    ]
+    for ours, theirs in zip(with_graphs, one.generate(PROMPTS, params)):
+        assert ours.token_ids[0] == theirs.token_ids[0]
+        assert ours.logprobs is not None and theirs.logprobs is not None
+        assert ours.logprobs[0].logprob == pytest.approx(theirs.logprobs[0].logprob, abs=0.05)

@@ -1,12 +1,20 @@
 """The tensor-parallel group that layers reduce and gather over.
 
 At world size 1 every collective is the identity, so the same layers run unsharded on a
-laptop. Larger groups go through torch.distributed (NCCL on CUDA, gloo on CPU).
+laptop. Larger groups hold two torch.distributed backends of their own, built from a TCP
+store rather than through `init_process_group`: torch's default group is process-wide state,
+and owning the groups lets a process open and close engines one after another (tests, the
+offline LLM) without touching a user's own torch.distributed setup.
+
+- the device group runs the model's collectives: NCCL on CUDA, gloo on CPU;
+- the host group (always gloo) agrees on host-side numbers, such as the KV pool size.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -15,24 +23,50 @@ import torch
 class TPGroup:
     rank: int = 0
     size: int = 1
+    device_group: Any = field(default=None, compare=False, repr=False)
+    host_group: Any = field(default=None, compare=False, repr=False)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over ranks, in place."""
         if self.size == 1:
             return x
-        import torch.distributed as dist
-
-        dist.all_reduce(x)
+        self.device_group.allreduce([x]).wait()
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's `x` along `dim`, in rank order."""
         if self.size == 1:
             return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self.device_group.allgather([parts], [x.contiguous()]).wait()
+        return torch.cat(parts, dim=dim)
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` on every rank, in place (a device tensor: NCCL on CUDA)."""
+        if self.size == 1:
+            return x
+        self.device_group.broadcast([x], _broadcast_options()).wait()
+        return x
+
+    def agree_min(self, value: int) -> int:
+        """The smallest `value` of all ranks (e.g. the KV pages that fit on every GPU)."""
+        if self.size == 1:
+            return value
         import torch.distributed as dist
 
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous())
-        return torch.cat(parts, dim=dim)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        tensor = torch.tensor([value], dtype=torch.int64)
+        self.host_group.allreduce([tensor], options).wait()
+        return int(tensor.item())
+
+    def close(self) -> None:
+        """Release the backends by aborting them: local and immediate, it never waits on a
+        peer, which may be gone (a graceful NCCL shutdown could wait on a dead rank)."""
+        for group in (self.device_group, self.host_group):
+            release = getattr(group, "abort", None)
+            if release is not None:
+                release()
 
     def shard(self, total: int) -> tuple[int, int]:
         """This rank's [start, end) of a dimension of size `total` that divides evenly."""
@@ -40,3 +74,46 @@ class TPGroup:
             raise ValueError(f"size {total} does not split over {self.size} ranks")
         part = total // self.size
         return self.rank * part, (self.rank + 1) * part
+
+
+def _broadcast_options() -> Any:
+    import torch.distributed as dist
+
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    return options
+
+
+def create_store(size: int, timeout: timedelta) -> Any:
+    """Rank 0's rendezvous store on a port the OS picks, so a busy port never stops start-up;
+    `store.port` is the port to hand to the other ranks."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        "127.0.0.1", 0, size, is_master=True, timeout=timeout, wait_for_workers=False
+    )
+
+
+def connect_store(port: int, size: int, timeout: timedelta) -> Any:
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timeout)
+
+
+def join_group(
+    store: Any, rank: int, size: int, device: torch.device, timeout: timedelta
+) -> TPGroup:
+    """Build this rank's backends; blocks until every rank has called it (or `timeout`)."""
+    import torch.distributed as dist
+
+    host = dist.ProcessGroupGloo(dist.PrefixStore("host", store), rank, size, timeout=timeout)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False
+        options._timeout = timeout
+        prefix = dist.PrefixStore("device", store)
+        device_group = dist.ProcessGroupNCCL(prefix, rank, size, options)
+    else:
+        prefix = dist.PrefixStore("device", store)
+        device_group = dist.ProcessGroupGloo(prefix, rank, size, timeout=timeout)
+    return TPGroup(rank, size, device_group, host)

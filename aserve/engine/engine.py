@@ -86,7 +86,7 @@ class Engine:
             fill_dummy_weights(self.model, config.seed)
         else:
             assert model_dir is not None
-            self.model.load_weights(iter_weights(model_dir, progress=self.tp.rank == 0))
+            self.model.load_weights(iter_weights(model_dir, self.tp.rank == 0, lazy=True))
         self.model.eval()
         self.load_seconds = time.perf_counter() - started
         self.free_memory_after_load = free_device_memory(self.device)
@@ -222,7 +222,7 @@ class Engine:
         tokens = (self.num_pages - 1) * self.config.page_size
         return (
             f"{self.model_config.architecture} dtype={str(self.dtype).removeprefix('torch.')} "
-            f"device={self.device} max_total_num_tokens={tokens} "
+            f"device={self.device} tp={self.tp.size} max_total_num_tokens={tokens} "
             f"pages={self.num_pages - 1}x{self.config.page_size} "
             f"kv_cache={self.kv_cache_bytes / GiB:.2f} GiB context_len={self.max_seq_len} "
             f"free_mem_before_load={self.free_memory_before_load / GiB:.2f} GiB "
@@ -233,12 +233,19 @@ class Engine:
     @torch.inference_mode()
     def step(self, batch: ForwardBatch, sampling: SamplingBatch) -> SampleOutput:
         """Forward `batch`, sample one token per request, and record it in the token table
-        at the position after the request's context, where the next decode step reads it."""
-        if batch.is_decode and self.graphs and batch.batch_size <= self.graphs.max_batch_size:
-            logits = self.graphs.run(batch)
-        else:
-            self.attn.prepare(batch)
-            logits = self.model(batch, self.attn)
-        out = self.sampler.sample(logits, sampling)
-        self.page_table.tokens[batch.rows, batch.seq_lens_tensor] = out.next_ids.to(torch.int32)
+        at the position after the request's context, where the next decode step reads it.
+        Under tensor parallelism rank 0 samples and broadcasts the ids to the other ranks."""
+        out = self.sampler.sample(self.forward(batch), sampling)
+        self.record_tokens(batch, self.tp.broadcast(out.next_ids))
         return out
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits of `batch`; decode batches that fit a captured graph replay it."""
+        if batch.is_decode and self.graphs and batch.batch_size <= self.graphs.max_batch_size:
+            return self.graphs.run(batch)
+        self.attn.prepare(batch)
+        return self.model(batch, self.attn)
+
+    def record_tokens(self, batch: ForwardBatch, next_ids: torch.Tensor) -> None:
+        self.page_table.tokens[batch.rows, batch.seq_lens_tensor] = next_ids.to(torch.int32)

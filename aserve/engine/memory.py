@@ -54,7 +54,8 @@ def plan_num_pages(
     On CUDA: `memory_ratio` of the device's total memory may be in use once the pool exists,
     so the pool gets that share minus what is already used (weights, CUDA context). On CPU a
     laptop must stay usable: the pool takes at most a quarter of available RAM and 2 GiB.
-    Never more than every running request at full context could use.
+    Never more than every running request at full context could use. Tensor-parallel
+    ranks take the smallest count of them all, so every rank's pool has the same pages.
     """
     if config.num_pages is not None:
         return config.num_pages
@@ -65,7 +66,7 @@ def plan_num_pages(
     else:
         budget = int(min(CPU_KV_BUDGET_BYTES, available_host_memory() * CPU_KV_SHARE_OF_AVAILABLE))
     tokens = min(budget // per_token, config.max_running_requests * max_seq_len)
-    pages = tokens // config.page_size + 1
+    pages = tp.agree_min(tokens // config.page_size + 1)
     if pages < 2:
         raise MemoryError(
             f"no room for a KV cache: {budget / GiB:.2f} GiB left for it, one token needs "

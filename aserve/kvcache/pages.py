@@ -8,6 +8,7 @@ padded batch rows (CUDA-graph padding) write their K/V there. The page table map
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 
@@ -54,6 +55,14 @@ class PageAllocator:
         return list(self._free)
 
 
+class PageWrite(NamedTuple):
+    """One `PageTable.write_pages` call, as recorded for tensor-parallel followers."""
+
+    row: int
+    first_page_index: int
+    pages: list[int]
+
+
 def pages_needed(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
@@ -78,6 +87,7 @@ class PageTable:
         self.tokens = torch.zeros(rows, width, dtype=torch.int32, device=device)
         self._free_rows = list(range(max_running_requests - 1, -1, -1))
         self._page_offsets = torch.arange(page_size, dtype=torch.int32)
+        self._journal: list[PageWrite] | None = None
 
     @property
     def free_rows(self) -> int:
@@ -89,10 +99,24 @@ class PageTable:
     def free_row(self, row: int) -> None:
         self._free_rows.append(row)
 
+    def record_writes(self) -> None:
+        """From now on keep every `write_pages` call until `take_writes` (rank 0 under tensor
+        parallelism: the followers' page tables must see the same writes)."""
+        self._journal = []
+
+    def take_writes(self) -> list[PageWrite]:
+        """The writes recorded since the last call (none unless `record_writes` was called)."""
+        if not self._journal:
+            return []
+        writes, self._journal = self._journal, []
+        return writes
+
     def write_pages(self, row: int, first_page_index: int, pages: list[int]) -> None:
         """Map the positions covered by `pages` (page `first_page_index` of the row onwards)."""
         if not pages:
             return
+        if self._journal is not None:
+            self._journal.append(PageWrite(row, first_page_index, list(pages)))
         size = self.page_size
         slots = torch.tensor(pages, dtype=torch.int32)[:, None] * size + self._page_offsets
         start = first_page_index * size

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aserve.distributed.group import TPGroup
+from aserve.layers.weight import WeightSource
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -28,7 +29,7 @@ class VocabParallelEmbedding(nn.Module):
         rows = F.embedding(local.masked_fill(outside, 0), self.weight)
         return self.tp.all_reduce(rows.masked_fill(outside[:, None], 0))
 
-    def load_weight(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
+    def load_weight(self, name: str, tensor: WeightSource, shard: int = 0) -> None:
         rows = tensor[self.vocab_start : self.vocab_start + self.local_vocab]
         self.weight.data[: rows.shape[0]].copy_(rows)
         self.weight.data[rows.shape[0] :].zero_()

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aserve.distributed.group import TPGroup
+from aserve.layers.weight import WeightSource
 
 
 class ColumnParallelLinear(nn.Module):
@@ -34,11 +35,11 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
-    def _rank_rows(self, tensor: torch.Tensor, shard: int) -> torch.Tensor:
+    def _rank_rows(self, tensor: WeightSource, shard: int) -> torch.Tensor:
         size = self.local_sizes[shard]
-        return tensor.narrow(0, self.tp.rank * size, size)
+        return tensor[self.tp.rank * size : (self.tp.rank + 1) * size]
 
-    def load_weight(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
+    def load_weight(self, name: str, tensor: WeightSource, shard: int = 0) -> None:
         param = self.weight if name == "weight" else self.bias
         assert param is not None, f"checkpoint has a {name} this layer does not"
         offset = sum(self.local_sizes[:shard])
@@ -62,10 +63,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         kv_total = max(num_kv_heads, tp.size) * head_dim
         super().__init__(hidden_size, [num_heads * head_dim, kv_total, kv_total], bias, tp)
 
-    def _rank_rows(self, tensor: torch.Tensor, shard: int) -> torch.Tensor:
+    def _rank_rows(self, tensor: WeightSource, shard: int) -> torch.Tensor:
         size = self.local_sizes[shard]
         index = self.tp.rank if shard == 0 else self.tp.rank // self.kv_replicas
-        return tensor.narrow(0, index * size, size)
+        return tensor[index * size : (index + 1) * size]
 
 
 class RowParallelLinear(nn.Module):
@@ -83,9 +84,10 @@ class RowParallelLinear(nn.Module):
         y = self.tp.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
-    def load_weight(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
+    def load_weight(self, name: str, tensor: WeightSource, shard: int = 0) -> None:
         if name == "bias":
             assert self.bias is not None
-            self.bias.data.copy_(tensor)
+            self.bias.data.copy_(tensor[:])
         else:
-            self.weight.data.copy_(tensor.narrow(1, self.input_start, self.local_input))
+            end = self.input_start + self.local_input
+            self.weight.data.copy_(tensor[:, self.input_start : end])

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from aserve.layers.weight import WeightSource
+
 
 class RMSNorm(nn.Module):
     """With `ops` (FlashInfer), one fused kernel; `add_and_norm` then updates the residual and
@@ -38,5 +40,5 @@ class RMSNorm(nn.Module):
         residual = x + residual
         return self._norm(residual), residual
 
-    def load_weight(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
-        self.weight.data.copy_(tensor)
+    def load_weight(self, name: str, tensor: WeightSource, shard: int = 0) -> None:
+        self.weight.data.copy_(tensor[:])

@@ -23,6 +23,7 @@ from aserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from aserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from aserve.layers.norm import RMSNorm
 from aserve.layers.rotary import RotaryEmbedding
+from aserve.layers.weight import WeightSource
 
 
 class DecoderAttention(nn.Module):
@@ -188,7 +189,7 @@ class DecoderForCausalLM(nn.Module):
         hidden = self.model(batch, attn)[batch.logit_indices]
         return self.lm_head.logits(hidden).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> None:
         """Copy Hugging Face-named tensors into this rank's (fused, sharded) parameters."""
         modules = dict(self.named_modules())
         loaded: set[str] = set()

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from aserve.config import ConfigError
+from aserve.layers.weight import WeightSource
 from aserve.models.source import ModelSourceError
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -44,11 +45,15 @@ def safetensors_files(folder: Path) -> list[Path]:
     return [single] if single.is_file() else sorted(folder.glob("*.safetensors"))
 
 
-def iter_weights(folder: Path, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the folder as (HF name, CPU tensor in its stored dtype), one at a time."""
+def iter_weights(
+    folder: Path, progress: bool = True, lazy: bool = False
+) -> Iterator[tuple[str, WeightSource]]:
+    """Every tensor of the folder as (HF name, CPU tensor in its stored dtype), one at a time.
+    `lazy` yields safetensors slices instead, read only where the model indexes them (a
+    tensor-parallel rank reads its shard, not the whole tensor)."""
     files = safetensors_files(folder)
     if files:
-        yield from iter_safetensors(files, progress)
+        yield from iter_safetensors(files, progress, lazy)
         return
     bins = sorted(folder.glob("pytorch_model*.bin"))
     if not bins:
@@ -56,14 +61,16 @@ def iter_weights(folder: Path, progress: bool = True) -> Iterator[tuple[str, tor
     yield from iter_torch_bins(bins, progress)
 
 
-def iter_safetensors(files: list[Path], progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(
+    files: list[Path], progress: bool, lazy: bool = False
+) -> Iterator[tuple[str, WeightSource]]:
     total = sum(count_tensors(file) for file in files)
     with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as handle:
                 names = handle.keys()
                 for name in names:
-                    yield name, handle.get_tensor(name)
+                    yield name, handle.get_slice(name) if lazy else handle.get_tensor(name)
                     bar.update()
 
 

@@ -25,12 +25,14 @@ import torch
 
 from aserve.config import SchedulerConfig
 from aserve.engine.engine import Engine
+from aserve.engine.followers import Followers
 from aserve.engine.sampler import SampleOutput
+from aserve.engine.step import forward_batch
 from aserve.kvcache.base import PrefixCache
 from aserve.kvcache.naive import NaiveCache
 from aserve.kvcache.pages import PageAllocator
 from aserve.kvcache.radix import RadixCache
-from aserve.scheduler.batch import build_forward_batch, build_sampling_batch
+from aserve.scheduler.batch import build_sampling_batch, step_spec
 from aserve.scheduler.plan import Planner, ScheduledBatch
 from aserve.scheduler.request import (
     FinishReason,
@@ -60,9 +62,12 @@ def make_prefix_cache(kind: str, allocator: PageAllocator) -> PrefixCache:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, config: SchedulerConfig) -> None:
+    def __init__(
+        self, engine: Engine, config: SchedulerConfig, followers: Followers | None = None
+    ) -> None:
         self.engine = engine
         self.config = config
+        self.followers = followers
         self.allocator = PageAllocator(engine.num_pages, config.page_size)
         self.cache = make_prefix_cache(config.cache_type, self.allocator)
         self.planner = Planner(config, self.allocator, self.cache, engine.page_table)
@@ -73,6 +78,8 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._stopping = False
         self._running = False
+        self._fatal: Exception | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.overlap = engine.device.type == "cuda" and not os.environ.get("ASERVE_DISABLE_OVERLAP")
 
     def make_request(self, prompt_ids: list[int], params: SamplingParams) -> Req:
@@ -117,15 +124,24 @@ class Scheduler:
         self._stopping = True
         self._wake.set()
 
+    def fail(self, error: Exception) -> None:
+        """End the loop with `error`, which every request gets and `run` raises. Callable
+        from any thread: the tensor-parallel watcher reports a dead rank through it."""
+        self._fatal = error
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._wake.set)
+
     async def run(self, on_step: StepObserver | None = None) -> None:
         """Plan, launch, finish. With overlap, step N+1 is planned and launched before the
         results of step N are read, so the GPU never waits for the host in between."""
         if self._running:
             raise RuntimeError("the scheduler loop is already running")
         self._running = True
+        self._loop = asyncio.get_running_loop()
         pending: InFlight | None = None
         try:
             while not self._stopping:
+                self._check_fatal()
                 self._apply_aborts()
                 if pending is not None and (not self.overlap or self._penalties_running()):
                     await self._finish_step(pending, on_step)
@@ -142,6 +158,8 @@ class Scheduler:
                 try:
                     launched = self._launch(planned)
                 except Exception as error:
+                    if self.followers is not None:
+                        raise self.followers.explain(error) from error
                     self._fail_batch(planned, error)
                     continue
                 if pending is not None:
@@ -150,8 +168,15 @@ class Scheduler:
                 await asyncio.sleep(0)
             if pending is not None:
                 await self._finish_step(pending, on_step)
+        except Exception as error:
+            self._fatal = self._fatal or error
+            raise
         finally:
             self._abort_everything()
+
+    def _check_fatal(self) -> None:
+        if self._fatal is not None:
+            raise self._fatal
 
     def _penalties_running(self) -> bool:
         """Penalties count the tokens generated so far, so a step that uses them waits for
@@ -162,7 +187,10 @@ class Scheduler:
         """Queue the step's kernels; on CUDA the sampled ids are copied to host memory behind
         them, and a CUDA event marks when they are there."""
         started = time.perf_counter()
-        batch = build_forward_batch(planned, self.engine.page_table, self.engine.device)
+        spec = step_spec(planned, self.engine.page_table)
+        if self.followers is not None:
+            self.followers.send(spec)
+        batch = forward_batch(spec, self.engine.page_table, self.engine.device)
         sampling = build_sampling_batch(
             planned, self.vocab_size, self.engine.device, self.engine.sampler.fused is not None
         )
@@ -184,6 +212,7 @@ class Scheduler:
         """
         if step.done is not None:
             while not step.done.query():
+                self._check_fatal()
                 await asyncio.sleep(0)
         self._process_results(step.planned, step.out)
         if on_step is not None:
@@ -239,8 +268,11 @@ class Scheduler:
             self._finish(req, FinishReason.ABORT)
 
     def _abort_everything(self) -> None:
+        """Requests left when the loop ends are aborted, or get the error that ended it."""
+        reason = FinishReason.ABORT if self._fatal is None else FinishReason.ERROR
+        error = None if self._fatal is None else str(self._fatal)
         for req in [*self.planner.running, *self.planner.waiting]:
-            self._finish(req, FinishReason.ABORT)
+            self._finish(req, reason, error)
 
     def check_integrity(self) -> None:
         self.planner.check_integrity()

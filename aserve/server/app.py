@@ -43,7 +43,7 @@ class Server:
         self.metrics = Metrics(self.model_name)
         self.stats = StatsLogger(silent=config.silent_output)
         self.active_requests = 0
-        self._scheduler_task: asyncio.Task[None] | None = None
+        self.scheduler_task: asyncio.Task[None] | None = None
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -52,7 +52,7 @@ class Server:
         loop = asyncio.get_running_loop()
         runtime = await loop.run_in_executor(None, Runtime, self.config)
         self.runtime = runtime
-        self._scheduler_task = asyncio.create_task(runtime.scheduler.run(self._on_step))
+        self.scheduler_task = asyncio.create_task(runtime.scheduler.run(self._on_step))
 
     def _on_step(self, planned: ScheduledBatch, seconds: float) -> None:
         snapshot = self._snapshot()
@@ -97,9 +97,11 @@ class Server:
         while self.active_requests and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.runtime is not None:
+            self.runtime.scheduler.stop()
+        if self.scheduler_task is not None:
+            await asyncio.wait([self.scheduler_task])
+        if self.runtime is not None:
             self.runtime.close()
-        if self._scheduler_task is not None:
-            await self._scheduler_task
 
     # ---- middleware ------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ import sys
 from aiohttp import web
 
 from aserve.config import ConfigError, ServerConfig
+from aserve.engine.followers import WorkerFailure
 from aserve.server.app import Server
 
 logger = logging.getLogger("aserve.server")
@@ -46,7 +47,11 @@ async def serve(config: ServerConfig, drain_timeout_s: float = 30.0) -> int:
     code = 0
     if load.done() and load.exception() is not None:
         error = load.exception()
-        message = str(error) if isinstance(error, (ConfigError, MemoryError)) else repr(error)
+        message = (
+            str(error)
+            if isinstance(error, (ConfigError, MemoryError, WorkerFailure))
+            else repr(error)
+        )
         print(f"aserve: error: {message}", file=sys.stderr)
         code = 2 if isinstance(error, ConfigError) else 1
     else:
@@ -54,7 +59,7 @@ async def serve(config: ServerConfig, drain_timeout_s: float = 30.0) -> int:
             logger.info(
                 "ready: serving %s on http://%s:%d", server.model_name, config.host, config.port
             )
-            await stopping
+            code = await _until_stopped(stopping, server)
         logger.info("shutting down: draining running requests (up to %.0f s)", drain_timeout_s)
     load.cancel()
     stopping.cancel()
@@ -62,6 +67,18 @@ async def serve(config: ServerConfig, drain_timeout_s: float = 30.0) -> int:
     await runner.cleanup()
     logger.info("stopped")
     return code
+
+
+async def _until_stopped(stopping: asyncio.Task[bool], server: Server) -> int:
+    """0 on a signal; 1, with the error on stderr, if the scheduler loop ended by itself
+    (a tensor-parallel rank died: the engine cannot go on, so neither can the server)."""
+    ended = server.scheduler_task
+    assert ended is not None
+    await asyncio.wait({stopping, ended}, return_when=asyncio.FIRST_COMPLETED)
+    if not ended.done() or ended.cancelled() or ended.exception() is None:
+        return 0
+    print(f"aserve: error: {ended.exception()}", file=sys.stderr)
+    return 1
 
 
 def run(config: ServerConfig, drain_timeout_s: float = 30.0) -> int:

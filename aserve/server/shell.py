@@ -85,7 +85,8 @@ def run_shell(config: ServerConfig, stdin: TextIO = sys.stdin, out: TextIO = sys
     except KeyboardInterrupt:
         out.write("\n")
     finally:
+        runtime.scheduler.stop()
+        loop.run_until_complete(asyncio.wait([scheduler_task]))
         runtime.close()
-        loop.run_until_complete(scheduler_task)
         loop.close()
     return 0

@@ -1,0 +1,239 @@
+"""Tensor parallelism on CPU: two gloo ranks against one, on tiny random checkpoints.
+
+One TP=2 and one TP=1 LLM per checkpoint are shared by the parity tests (spawning a rank
+costs seconds); the lifecycle tests start their own.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from aserve import LLM, SamplingParams
+from aserve.config import ConfigError
+from aserve.distributed.group import TPGroup
+from aserve.engine.step import StepSpec
+from aserve.forward import ForwardMode
+from aserve.kvcache.pages import PageWrite
+from aserve.layers.embedding import VocabParallelEmbedding
+from aserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tests.server_utils import ServerProcess
+from tests.tiny_models import make_tiny_model
+
+OPTIONS = {"device": "cpu", "dtype": "float32", "page_size": 4, "num_pages": 1024}
+PROMPTS = [[5, 17, 42, 9, 100, 3, 77, 12, 250, 31, 8], [300, 4, 4, 61], list(range(3, 60))]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=[2, 1], ids=["kv_heads_split", "kv_heads_replicated"])
+def pair(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[LLM, LLM]]:
+    """(TP=1, TP=2) on the same llama checkpoint with 2 KV heads (split over the ranks) or
+    1 (replicated on both). Prompts over 16 tokens are prefilled in chunks."""
+    kv_heads = request.param
+    folder = tmp_path_factory.mktemp(f"kv{kv_heads}")
+    make_tiny_model("llama", folder, overrides={"num_key_value_heads": kv_heads})
+    one = LLM(str(folder), max_prefill_length=16, **OPTIONS)
+    two = LLM(str(folder), max_prefill_length=16, tensor_parallel_size=2, **OPTIONS)
+    yield one, two
+    two.close()
+    one.close()
+
+
+def test_tp2_greedy_tokens_and_logprobs_equal_tp1(pair: tuple[LLM, LLM]) -> None:
+    one, two = pair
+    assert two.runtime.engine.tp.size == 2
+    params = SamplingParams(
+        temperature=0, max_tokens=6, ignore_eos=True, logprobs=True, top_logprobs=5
+    )
+    expected = one.generate(PROMPTS, params)
+    got = two.generate(PROMPTS, params)
+    for ours, theirs in zip(got, expected):
+        assert ours.token_ids == theirs.token_ids
+        assert ours.logprobs is not None and theirs.logprobs is not None
+        for a, b in zip(ours.logprobs, theirs.logprobs):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-5)
+    two.scheduler.check_integrity()
+
+
+def test_tp2_prefix_hit_and_chunked_prefill_equal_tp1(pair: tuple[LLM, LLM]) -> None:
+    one, two = pair
+    long_prompt = list(range(100, 150))
+    follow_up = [*long_prompt, 7, 8, 9]
+    for llm in pair:
+        llm.generate([long_prompt], GREEDY)
+    cached_before = two.scheduler.planner.prompt_tokens_cached
+    got = two.generate([follow_up, PROMPTS[1]], GREEDY)
+    assert two.scheduler.planner.prompt_tokens_cached - cached_before >= 48
+    assert [o.token_ids for o in got] == [
+        o.token_ids for o in one.generate([follow_up, PROMPTS[1]], GREEDY)
+    ]
+    two.scheduler.check_integrity()
+
+
+def test_tp_that_does_not_split_the_model_is_refused(tmp_path: Path) -> None:
+    folder = make_tiny_model("llama", tmp_path)
+    with pytest.raises(ConfigError, match="--tp 3 does not evenly split .* attention heads"):
+        LLM(str(folder), tensor_parallel_size=3, **OPTIONS)
+
+
+def test_step_spec_survives_packing() -> None:
+    spec = StepSpec(
+        mode=ForwardMode.PREFILL,
+        rows=[3, 0],
+        prefix_lens=[8, 0],
+        extend_lens=[2, 3],
+        input_ids=[11, 12, 21, 22, 23],
+        page_writes=[PageWrite(3, 2, [7]), PageWrite(0, 0, [4, 5, 9])],
+    )
+    assert StepSpec.unpack(spec.pack()) == spec
+    decode = StepSpec(ForwardMode.DECODE, [1], [40], [1], [], [])
+    assert StepSpec.unpack(decode.pack()) == decode
+
+
+@dataclass(frozen=True)
+class LocalRank(TPGroup):
+    """One rank of a group whose collectives the test does by hand (sum or concatenate the
+    ranks' outputs), so layers are checked without processes."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        return x
+
+
+RANKS = [LocalRank(0, 2), LocalRank(1, 2)]
+
+
+def lazy(tensor: torch.Tensor, tmp_path: Path) -> object:
+    """`tensor` as a safetensors slice, read from disk only where indexed."""
+    save_file({"t": tensor.contiguous()}, str(tmp_path / "t.safetensors"))
+    handle = safe_open(str(tmp_path / "t.safetensors"), framework="pt")
+    return handle.get_slice("t")
+
+
+@torch.no_grad()
+def test_sharded_layers_equal_unsharded(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(3, 16)
+
+    gate, up = torch.randn(8, 16), torch.randn(8, 16)
+    full = ColumnParallelLinear(16, [8, 8], False, TPGroup())
+    full.load_weight("weight", gate, 0)
+    full.load_weight("weight", up, 1)
+    parts = []
+    for rank in RANKS:
+        layer = ColumnParallelLinear(16, [8, 8], False, rank)
+        layer.load_weight("weight", lazy(gate, tmp_path), 0)
+        layer.load_weight("weight", up, 1)
+        parts.append(layer(x).split(4, dim=-1))
+    expected = full(x)
+    torch.testing.assert_close(torch.cat([p[0] for p in parts], -1), expected[:, :8])
+    torch.testing.assert_close(torch.cat([p[1] for p in parts], -1), expected[:, 8:])
+
+    down = torch.randn(16, 8)
+    row = RowParallelLinear(8, 16, False, TPGroup())
+    row.load_weight("weight", down)
+    h = torch.randn(3, 8)
+    summed = torch.zeros(3, 16)
+    for rank in RANKS:
+        layer = RowParallelLinear(8, 16, False, rank)
+        layer.load_weight("weight", lazy(down, tmp_path))
+        summed += layer(h[:, rank.rank * 4 : rank.rank * 4 + 4])
+    torch.testing.assert_close(summed, row(h))
+
+    vocab = torch.randn(11, 16)
+    ids = torch.tensor([0, 5, 6, 10])
+    embed = VocabParallelEmbedding(11, 16, TPGroup())
+    embed.load_weight("weight", vocab)
+    ranks = [VocabParallelEmbedding(11, 16, rank) for rank in RANKS]
+    for layer in ranks:
+        layer.load_weight("weight", lazy(vocab, tmp_path))
+    torch.testing.assert_close(sum(layer(ids) for layer in ranks), embed(ids))
+    logits = torch.cat([layer.logits(x) for layer in ranks], -1)[:, :11]
+    torch.testing.assert_close(logits, embed.logits(x))
+
+
+@torch.no_grad()
+def test_qkv_replicates_kv_heads_over_more_ranks() -> None:
+    """One KV head, two ranks: each rank gets half the query heads and the whole KV head."""
+    q, k, v = torch.randn(8, 16), torch.randn(4, 16), torch.randn(4, 16)
+    x = torch.randn(2, 16)
+    for rank in RANKS:
+        layer = QKVParallelLinear(16, 4, 2, 1, False, rank)
+        for shard, tensor in enumerate((q, k, v)):
+            layer.load_weight("weight", tensor, shard)
+        out_q, out_k, out_v = layer(x).split([4, 4, 4], -1)
+        torch.testing.assert_close(out_q, x @ q[rank.rank * 4 : rank.rank * 4 + 4].T)
+        torch.testing.assert_close(out_k, x @ k.T)
+        torch.testing.assert_close(out_v, x @ v.T)
+
+
+def tp2_llm(tmp_path: Path) -> LLM:
+    return LLM(str(make_tiny_model("llama", tmp_path)), tensor_parallel_size=2, **OPTIONS)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_close_leaves_no_child_process(tmp_path: Path) -> None:
+    llm = tp2_llm(tmp_path)
+    pids = [p.pid for p in llm.runtime.followers.processes]
+    assert llm.generate([PROMPTS[0]], GREEDY)[0].finish_reason == "length"
+    llm.close()
+    assert not any(alive(pid) for pid in pids)
+    assert not [p for p in multiprocessing.active_children() if p.pid in pids]
+
+
+def test_killed_worker_is_a_clear_error_not_a_hang(tmp_path: Path) -> None:
+    llm = tp2_llm(tmp_path)
+    try:
+        worker = llm.runtime.followers.processes[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"tensor-parallel rank 1 .* killed by signal 9"):
+            llm.generate(PROMPTS, GREEDY)
+        assert time.monotonic() - started < 10
+    finally:
+        llm.close()
+
+
+def test_server_exits_with_one_line_when_a_worker_dies(tmp_path: Path) -> None:
+    folder = make_tiny_model("llama", tmp_path)
+    server = ServerProcess(["--model", str(folder), "--tp", "2", "--device", "cpu"])
+    try:
+        server.wait_ready()
+        workers = subprocess.run(
+            ["pgrep", "-P", str(server.proc.pid), "-f", "spawn_main"],
+            capture_output=True,
+            text=True,
+        ).stdout.split()
+        assert len(workers) == 1
+        os.kill(int(workers[0]), signal.SIGKILL)
+        assert server.proc.wait(30) == 1
+        errors = [line for line in server.log().splitlines() if line.startswith("aserve: error")]
+        assert errors == [
+            f"aserve: error: tensor-parallel rank 1 (pid {workers[0]}) was killed by signal 9"
+        ]
+    finally:
+        server.stop()
