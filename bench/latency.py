@@ -37,6 +37,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--page-size", type=int, default=256)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (GPUs)")
     p.add_argument("--no-record", action="store_true")
     return p.parse_args()
 
@@ -57,7 +58,8 @@ class StepClock:
 
 
 def bandwidth_bound_ms(llm: LLM) -> float | None:
-    """Weight bytes over the GPU's peak bandwidth, or None off the GPUs in the table."""
+    """Weight bytes over the GPU's peak bandwidth, or None off the GPUs in the table. Under
+    tensor parallelism these are rank 0's shards: each GPU reads its own at the same time."""
     engine = llm.runtime.engine
     if engine.device.type != "cuda":
         return None
@@ -71,7 +73,12 @@ def bandwidth_bound_ms(llm: LLM) -> float | None:
 
 def main() -> None:
     args = parse_args()
-    llm = LLM(args.model, dummy_weight=args.dummy_weight, page_size=args.page_size)
+    llm = LLM(
+        args.model,
+        dummy_weight=args.dummy_weight,
+        page_size=args.page_size,
+        tensor_parallel_size=args.tp,
+    )
     clock = StepClock()
     llm.start_scheduler(on_step=clock)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
@@ -96,7 +103,7 @@ def main() -> None:
     print(f"time to first token {ttft:.1f} ms for a {args.input_len}-token prompt")
     if not args.no_record:
         model = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
-        settings = {k: getattr(args, k) for k in ("input_len", "output_len", "repeat")}
+        settings = {k: getattr(args, k) for k in ("input_len", "output_len", "repeat", "tp")}
         record(
             "latency",
             "aserve",
