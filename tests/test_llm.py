@@ -3,6 +3,7 @@ scheduler, logprobs against transformers, error results, aborts and option plumb
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -56,7 +57,7 @@ def test_presence_and_frequency_penalties_stop_repetition(
     plain = tokens(llm, PROMPTS, base)
     assert any(len(set(t)) < len(t) for t in plain), "the tiny model should repeat itself"
     for field in ("presence_penalty", "frequency_penalty"):
-        penalised = tokens(llm, PROMPTS, SamplingParams(**{**base.__dict__, field: 2.0}))
+        penalised = tokens(llm, PROMPTS, dataclasses.replace(base, **{field: 2.0}))
         repeats = sum(len(t) - len(set(t)) for t in penalised)
         assert repeats < sum(len(t) - len(set(t)) for t in plain), field
 
@@ -66,9 +67,7 @@ def test_repetition_penalty_avoids_prompt_tokens(make_llm: Callable[..., LLM], t
     base = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompt = PROMPTS[0] + tokens(llm, [PROMPTS[0]], base)[0]
     plain = tokens(llm, [prompt], base)[0]
-    penalised = tokens(
-        llm, [prompt], SamplingParams(**{**base.__dict__, "repetition_penalty": 10.0})
-    )[0]
+    penalised = tokens(llm, [prompt], dataclasses.replace(base, repetition_penalty=10.0))[0]
     assert sum(t in prompt for t in penalised) < sum(t in prompt for t in plain)
 
 

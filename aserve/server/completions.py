@@ -6,6 +6,7 @@ into one JSON body or a stream of SSE chunks, with latency metrics recorded on t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -73,12 +74,10 @@ class Completions:
                 )
             for i in range(parsed.n):
                 seed = parsed.params.seed
-                params = openai.SamplingParams(
-                    **{
-                        **parsed.params.__dict__,
-                        "max_tokens": max_tokens,
-                        "seed": None if seed is None else seed + i,
-                    }
+                params = dataclasses.replace(
+                    parsed.params,
+                    max_tokens=max_tokens,
+                    seed=None if seed is None else seed + i,
                 )
                 choice = Choice(runtime.scheduler, runtime.tokenizer, prompt, params, parsed.stop)
                 problem = choice.prepare()
