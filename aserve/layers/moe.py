@@ -24,6 +24,7 @@ from torch import nn
 
 from aserve.config import ConfigError
 from aserve.distributed.group import TPGroup
+from aserve.layers.weight import WeightSource
 
 ExpertsFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
@@ -165,8 +166,8 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
 
-    def load_weight(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
-        self.weight.data.copy_(tensor)
+    def load_weight(self, name: str, tensor: WeightSource, shard: int = 0) -> None:
+        self.weight.data.copy_(tensor[:])
 
 
 class ExpertWeights(nn.Module):
@@ -191,29 +192,29 @@ class ExpertWeights(nn.Module):
     def parts(self) -> list[str]:
         return [f"{e}.{part}" for e in range(self.num_experts) for part in self.PARTS]
 
-    def _slice(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
-        return tensor.narrow(dim, self.inter_start, self.local_inter)
-
-    def load_tensor(self, name: str, tensor: torch.Tensor) -> list[str]:
+    def load_tensor(self, name: str, tensor: WeightSource) -> list[str]:
+        """Per-expert tensors read only this rank's slice of the intermediate dimension;
+        the stacked gate_up layout interleaves gate and up, so it is read whole."""
         local = self.local_inter
+        shard = slice(self.inter_start, self.inter_start + local)
         if name == "gate_up_proj":
-            gate, up = tensor.chunk(2, dim=1)
-            self.w13.data[:, :local].copy_(self._slice(gate, 1))
-            self.w13.data[:, local:].copy_(self._slice(up, 1))
+            gate, up = tensor[:].chunk(2, dim=1)
+            self.w13.data[:, :local].copy_(gate[:, shard])
+            self.w13.data[:, local:].copy_(up[:, shard])
             return [p for p in self.parts() if not p.endswith("down_proj.weight")]
         if name == "down_proj":
-            self.w2.data.copy_(self._slice(tensor, 2))
+            self.w2.data.copy_(tensor[:, :, shard])
             return [p for p in self.parts() if p.endswith("down_proj.weight")]
         expert, _, part = name.partition(".")
         if not expert.isdigit() or part not in self.PARTS or int(expert) >= self.num_experts:
             raise ValueError(f"unknown expert tensor {name!r}")
         index = int(expert)
         if part == "gate_proj.weight":
-            self.w13.data[index, :local].copy_(self._slice(tensor, 0))
+            self.w13.data[index, :local].copy_(tensor[shard])
         elif part == "up_proj.weight":
-            self.w13.data[index, local:].copy_(self._slice(tensor, 0))
+            self.w13.data[index, local:].copy_(tensor[shard])
         else:
-            self.w2.data[index].copy_(self._slice(tensor, 1))
+            self.w2.data[index].copy_(tensor[:, shard])
         return [name]
 
 

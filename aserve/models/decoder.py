@@ -204,7 +204,7 @@ class DecoderForCausalLM(nn.Module):
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
 
     def load_tensor(
-        self, modules: dict[str, nn.Module], name: str, tensor: torch.Tensor
+        self, modules: dict[str, nn.Module], name: str, tensor: WeightSource
     ) -> list[str]:
         """Load one checkpoint tensor; returns the names of what it filled, which
         `expected_tensors` must cover once every tensor is in."""

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from types import ModuleType
 
-import torch
 from torch import nn
 
 from aserve.config import ModelConfig
 from aserve.distributed.group import TPGroup
 from aserve.layers.moe import TORCH_BACKEND, ExpertWeights, MoEBackend, SparseMoE
+from aserve.layers.weight import WeightSource
 from aserve.models.decoder import DecoderForCausalLM, DecoderMLP
 
 EXPERTS = ".mlp.experts."
@@ -47,7 +47,7 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
         self.graph_capturable = not backend.host_sync
 
     def load_tensor(
-        self, modules: dict[str, nn.Module], name: str, tensor: torch.Tensor
+        self, modules: dict[str, nn.Module], name: str, tensor: WeightSource
     ) -> list[str]:
         """Expert tensors go into their layer's stacked weights; the rest as in the dense model."""
         layer, found, part = name.partition(EXPERTS)
