@@ -42,4 +42,5 @@ class Runtime:
         if self.tokenizer is not None:
             self.tokenizer.close()
         if self.followers is not None:
+            self.engine.graphs = None
             self.followers.close()

@@ -12,11 +12,17 @@ offline LLM) without touching a user's own torch.distributed setup.
 
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
+
+ABORT_TIMEOUT_S = 10
 
 
 @dataclass(frozen=True)
@@ -61,12 +67,23 @@ class TPGroup:
         return int(tensor.item())
 
     def close(self) -> None:
-        """Release the backends by aborting them: local and immediate, it never waits on a
-        peer, which may be gone (a graceful NCCL shutdown could wait on a dead rank)."""
+        """Release the backends by aborting them, which never waits on a peer that may be
+        gone (a graceful NCCL shutdown could wait on a dead rank). Seen on two H200s: an
+        NCCL abort after CUDA graphs had captured its collectives did not return, so each
+        abort gets ABORT_TIMEOUT_S on a daemon thread and is otherwise left to process exit."""
         for group in (self.device_group, self.host_group):
             release = getattr(group, "abort", None)
-            if release is not None:
-                release()
+            if release is None:
+                continue
+            aborting = threading.Thread(target=release, name="tp-abort", daemon=True)
+            aborting.start()
+            aborting.join(ABORT_TIMEOUT_S)
+            if aborting.is_alive():
+                logger.warning(
+                    "a tensor-parallel process group did not close in %d s; it goes with the "
+                    "process",
+                    ABORT_TIMEOUT_S,
+                )
 
     def shard(self, total: int) -> tuple[int, int]:
         """This rank's [start, end) of a dimension of size `total` that divides evenly."""
