@@ -49,7 +49,9 @@ class WorkerArgs:
 
 
 def run_worker(args: WorkerArgs, conn: Connection) -> None:
-    """Spawn target: set up, build the engine, report ready, follow until told to stop."""
+    """Spawn target: set up, build the engine, report ready, follow until told to stop.
+    A follower has nothing to flush, so it leaves with os._exit: on two H200s, NCCL's
+    teardown at interpreter exit did not return once CUDA graphs had captured collectives."""
     threading.Thread(target=_exit_with_parent, name="aserve-tp-parent", daemon=True).start()
     logging.basicConfig(
         level=args.log_level, format=f"%(asctime)s rank{args.rank} %(levelname)s %(message)s"
@@ -70,6 +72,8 @@ def run_worker(args: WorkerArgs, conn: Connection) -> None:
         logger.error(
             "rank 0 went away; tensor-parallel worker %d (pid %d) exits", args.rank, os.getpid()
         )
+    logging.shutdown()
+    os._exit(0)
 
 
 def _exit_with_parent() -> None:
