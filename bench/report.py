@@ -119,6 +119,60 @@ def render_footprint(lines: list[dict]) -> str:
     return FOOTPRINT_HEADER + "\n".join(rows) + "\n"
 
 
+LATENCY_HEADER = """
+## Single-stream decode
+
+From `python bench/latency.py`: one request, greedy, ms per new token over the decode steps
+(the prefill is the time to first token), beside the weight-bandwidth bound (weight bytes of
+one rank over the GPU's data-sheet HBM bandwidth).
+
+| date | model | device | commit | tp | prompt | new tokens | ms/token | bound ms | x bound \
+| TTFT ms | note |
+|---|---|---|---|---|---|---|---|---|---|---|---|
+"""
+
+
+def render_latency(lines: list[dict]) -> str:
+    if not lines:
+        return ""
+    rows = []
+    for x in lines:
+        s, bound = x["settings"], x.get("bound_ms")
+        ratio = f"{x['ms_per_token'] / bound:.2f}x" if bound else "-"
+        rows.append(
+            f"| {x['date']} | {x['model']} | {x['device']} | {x['commit']} | {s.get('tp', 1)} | "
+            f"{s['input_len']} | {s['output_len']} | {x['ms_per_token']:.2f} | "
+            f"{bound if bound else '-'} | {ratio} | {x['ttft_ms']} | {x.get('note', '')} |"
+        )
+    return LATENCY_HEADER + "\n".join(rows) + "\n"
+
+
+TRACE_HEADER = """
+## Decode trace
+
+From `python bench/trace.py`: a torch profiler trace of steady decode at a fixed batch, read
+from the GPU's kernel timeline: the share of the window with a kernel running, the idle time
+between kernels, and the largest gap.
+
+| date | model | device | commit | batch | steps | step ms | GPU busy % | idle ms | gaps > 50 us \
+| max gap us | note |
+|---|---|---|---|---|---|---|---|---|---|---|---|
+"""
+
+
+def render_trace(lines: list[dict]) -> str:
+    if not lines:
+        return ""
+    rows = [
+        f"| {x['date']} | {x['model']} | {x['device']} | {x['commit']} | "
+        f"{x['settings']['batch']} | {x['settings']['steps']} | {x['step_ms']} | "
+        f"{x['gpu_busy_pct']} | {x['idle_ms']} | {x['gaps_over_50us']} | {x['gap_max_us']} | "
+        f"{x.get('note', '')} |"
+        for x in lines
+    ]
+    return TRACE_HEADER + "\n".join(rows) + "\n"
+
+
 def main() -> None:
     jsonl = BENCH_DIR / "results.jsonl"
     lines = [json.loads(x) for x in jsonl.read_text().splitlines() if x.strip()]
@@ -126,8 +180,12 @@ def main() -> None:
     serving = [x for x in lines if x["bench"] == "serving"]
     footprint = [x for x in lines if x["bench"] == "footprint"]
     offline = [x for x in lines if x["bench"] == "offline"]
+    latency = [x for x in lines if x["bench"] == "latency"]
+    trace = [x for x in lines if x["bench"] == "trace"]
     text = (
         render(offline)
+        + render_latency(latency)
+        + render_trace(trace)
         + render_serving(serving)
         + render_footprint(footprint)
         + ("\n" + notes.read_text() if notes.exists() else "")
