@@ -158,6 +158,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     disable_pynccl: bool = False
     max_running_requests: int = 256
+    max_prefill_length: int = 8192
     max_seq_len_override: int | None = None
     memory_ratio: float = 0.9
     num_pages: int | None = None
@@ -195,7 +196,7 @@ class ServerConfig:
     silent_output: bool = False
 
 
-_SHARED_KEYS = {"max_running_requests", "page_size"}
+_SHARED_KEYS = {"max_running_requests", "max_prefill_length", "page_size"}
 
 
 def build_config(**options: Any) -> ServerConfig:

@@ -8,6 +8,7 @@ import time
 
 from aserve.config import ModelConfig, ServerConfig
 from aserve.engine.followers import start_engine
+from aserve.engine.memory import GiB, free_device_memory
 from aserve.models.source import resolve_model
 from aserve.models.weights import load_hf_config
 from aserve.scheduler.scheduler import Scheduler
@@ -34,6 +35,19 @@ class Runtime:
             self.followers.on_failure = self.scheduler.fail
         self.startup_seconds = time.perf_counter() - started
         logger.info("model ready: %s (%s)", self.model_dir, self.engine.describe())
+        logger.info(self.capacity_line())
+
+    def capacity_line(self) -> str:
+        """The start-up line SGLang users read to see what fits, with SGLang's names."""
+        engine = self.engine
+        free = free_device_memory(engine.device) / GiB
+        where = "gpu" if engine.device.type == "cuda" else "host"
+        return (
+            f"max_total_num_tokens={(engine.num_pages - 1) * engine.config.page_size}, "
+            f"chunked_prefill_size={self.config.scheduler.max_prefill_length}, "
+            f"max_running_requests={self.config.scheduler.max_running_requests}, "
+            f"context_len={engine.max_seq_len}, available_{where}_mem={free:.2f} GB"
+        )
 
     def close(self) -> None:
         """Release everything; call it once the scheduler loop has ended (or never ran),

@@ -41,6 +41,26 @@ def kv_bytes_per_token(model: ModelConfig, tp: TPGroup, dtype: torch.dtype) -> i
     return KVPool.bytes_per_token(model.num_layers, local_kv_heads, model.head_dim, dtype)
 
 
+def working_memory_bytes(
+    config: EngineConfig, model: ModelConfig, tp: TPGroup, dtype: torch.dtype
+) -> int:
+    """What a step needs besides weights and KV, kept out of the pool on CUDA: the largest
+    prefill chunk's activations (residual, normed input, Q/K/V, attention output, and the
+    MLP's gate/up and product, all alive at once at worst), the sampler's float32 [B, vocab]
+    tensors (logits, probabilities, filtered copies: four at once), and the decode CUDA
+    graphs' own pool, which holds one such activation set at the largest captured batch."""
+    size = torch.finfo(dtype).bits // 8
+    local_q = model.num_heads // tp.size
+    local_kv = max(1, model.num_kv_heads // tp.size)
+    inter = max(model.intermediate_size, model.moe_intermediate_size * model.num_experts_per_tok)
+    attention = (2 * local_q + 2 * local_kv) * model.head_dim
+    width = 3 * model.hidden_size + attention + 3 * inter // tp.size
+    prefill = config.max_prefill_length * width * size
+    graphs = config.max_running_requests * (width * size + model.vocab_size * size)
+    sampling = 4 * config.max_running_requests * model.vocab_size * 4
+    return prefill + graphs + sampling
+
+
 def plan_num_pages(
     config: EngineConfig,
     model: ModelConfig,
@@ -51,8 +71,10 @@ def plan_num_pages(
 ) -> int:
     """Pages for the KV pool (including the dummy page 0).
 
-    On CUDA: `memory_ratio` of the device's total memory may be in use once the pool exists,
-    so the pool gets that share minus what is already used (weights, CUDA context). On CPU a
+    On CUDA, as mini-SGLang defines `--memory-ratio`: that share of the device's total memory
+    may be in use once the pool exists, so the pool gets it minus what is already used
+    (weights, CUDA context) and minus the working memory of a step (activations, sampler,
+    CUDA graphs: `working_memory_bytes`), so no admitted batch runs out of memory. On CPU a
     laptop must stay usable: the pool takes at most a quarter of available RAM and 2 GiB.
     Never more than every running request at full context could use. Tensor-parallel
     ranks take the smallest count of them all, so every rank's pool has the same pages.
@@ -62,7 +84,8 @@ def plan_num_pages(
     per_token = kv_bytes_per_token(model, tp, dtype)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        budget = int(free - total * (1.0 - config.memory_ratio))
+        working = working_memory_bytes(config, model, tp, dtype)
+        budget = int(free - total * (1.0 - config.memory_ratio)) - working
     else:
         budget = int(min(CPU_KV_BUDGET_BYTES, available_host_memory() * CPU_KV_SHARE_OF_AVAILABLE))
     tokens = min(budget // per_token, config.max_running_requests * max_seq_len)
