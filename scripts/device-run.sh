@@ -1,0 +1,33 @@
+#!/bin/bash
+# Steps for the GPU machine (the `device` tool), run from the repository root there with the
+# wheels and FlashInfer kernel pack in .whl/ (see ../shared/device/README.md):
+#   COMMIT=<sha> bash scripts/device-run.sh qwen llama latency trace gpu-tests aot
+# Each step prints a short tail; new bench lines land in $OUT/new-results.jsonl.
+set -x
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+mkdir -p /tmp/site/flashinfer/data/aot && tar xzf .whl/fi-aot-0.6.8-sm90a.tgz -C /tmp/site/flashinfer/data/aot
+export PYTHONPATH=/tmp/site:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-jit PYTHONUNBUFFERED=1 ASERVE_COMMIT=${COMMIT}
+cp bench/results.jsonl /tmp/results.orig
+W="--dummy-weight --num-seqs 256 --input-len 100 1024 --output-len 100 1024 --temperature 0.6 --max-seq-len 4096 --max-prefill-length 16384 --page-size 256 --cuda-graph-max-bs 256"
+for step in "$@"; do
+  case $step in
+    sampler-tests) timeout 200 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_sampler.py 2>&1 | grep -v "^  /\|^    " | tail -60 ;;
+    tests) timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_sampler.py 2>&1 | tail -25 ;;
+    qwen) timeout 200 python3 bench/offline.py --model bench/models/qwen3-0.6b $W 2>&1 | grep -v Warning | tail -4 ;;
+    qwen-seeded) timeout 200 python3 bench/offline.py --model bench/models/qwen3-0.6b $W --seeded 2>&1 | tail -2 ;;
+    llama) timeout 300 python3 bench/offline.py --model bench/models/llama-3.1-8b $W 2>&1 | tail -2 ;;
+    trace1) for m in qwen3-0.6b llama-3.1-8b; do timeout 200 python3 bench/trace.py --model bench/models/$m --dummy-weight --batch 1 --no-record 2>&1 | grep -A26 "^decode, batch"; done ;;
+    trace) timeout 200 python3 bench/trace.py --model bench/models/qwen3-0.6b --dummy-weight --batch 64 --trace-out $OUT/trace64.json 2>&1 | tail -60; gzip -f $OUT/trace64.json ;;
+    cprof) timeout 200 python3 -m cProfile -o $OUT/offline.prof bench/offline.py --model bench/models/qwen3-0.6b $W --no-record 2>&1 | tail -2
+           python3 -c "import pstats; s=pstats.Stats('$OUT/offline.prof'); s.sort_stats('tottime').print_stats(35)" | tail -50 ;;
+    moe-tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_moe.py 2>&1 | grep -v "^  /\|^    " | tail -40 ;;
+    moe-fused) timeout 300 python3 bench/offline.py --model bench/models/qwen3-30b-a3b --moe-backend fused $W 2>&1 | grep -v Warn | tail -30 ;;
+    moe-torch) timeout 300 python3 bench/offline.py --model bench/models/qwen3-30b-a3b --moe-backend torch $W 2>&1 | tail -3 ;;
+    latency) for m in qwen3-0.6b llama-3.1-8b; do timeout 200 python3 bench/latency.py --model bench/models/$m --dummy-weight 2>&1 | tail -2; done ;;
+    gpu-tests) timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_sampler.py tests/test_moe.py 2>&1 | grep -v "^  /\|^    " | tail -40 ;;
+    tp-tests) timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k tp2 2>&1 | grep -v "^  /\|^    " | tail -40 ;;
+    tp-bench) for tp in 1 2; do timeout 250 python3 bench/offline.py --model bench/models/llama-3.1-8b --tp $tp $W 2>&1 | tail -2; timeout 200 python3 bench/latency.py --model bench/models/llama-3.1-8b --dummy-weight --tp $tp 2>&1 | tail -2; done ;;
+    aot) mkdir -p /tmp/pack && cp -r /tmp/site/flashinfer/data/aot/* /tmp/pack/ && cp -r /tmp/fi-jit/.cache/flashinfer/0.6.8/90a/cached_ops/* /tmp/pack/ && (cd /tmp/pack && tar czf $OUT/fi-aot-0.6.8-sm90a.tgz */*.so && ls) ;;
+  esac
+done
+diff <(cat /tmp/results.orig) bench/results.jsonl | grep '^>' | sed 's/^> //' > $OUT/new-results.jsonl
