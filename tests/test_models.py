@@ -10,7 +10,7 @@ import torch
 from aserve import LLM, SamplingParams
 from aserve.scheduler.batch import build_forward_batch
 from aserve.scheduler.request import FinishReason
-from tests.tiny_models import FAMILIES, make_tiny_model
+from tests.tiny_models import FAMILIES, hf_greedy_tokens, make_tiny_model
 
 PROMPTS = [[5, 17, 42, 9, 100, 3, 77, 12, 250, 31, 8], [300, 4, 4, 61]]
 
@@ -69,13 +69,6 @@ def test_greedy_matches_transformers_generate(tiny: Path) -> None:
         outputs = llm.generate(PROMPTS, params)
         llm.scheduler.check_integrity()
     for prompt, out in zip(PROMPTS, outputs):
-        expected = hf.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=12,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )[0, len(prompt) :].tolist()
+        expected = hf_greedy_tokens(hf, prompt, 12)
         assert out.token_ids == expected
         assert out.finish_reason == "length"

@@ -27,7 +27,7 @@ from aserve.layers.moe import (
 from aserve.models.registry import build_model
 from aserve.models.weights import fill_dummy_weights, iter_weights, load_hf_config
 from tests.test_models import PROMPTS, hf_model, our_logits
-from tests.tiny_models import make_tiny_model
+from tests.tiny_models import hf_greedy_tokens, make_tiny_model
 
 BENCH_MOE = Path(__file__).resolve().parent.parent / "bench" / "models" / "qwen3-30b-a3b"
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -103,14 +103,7 @@ def test_greedy_matches_transformers_generate(tiny_moe: Path) -> None:
     with LLM(str(tiny_moe), page_size=1) as llm:
         outputs = llm.generate(PROMPTS, params)
     for prompt, out in zip(PROMPTS, outputs):
-        expected = hf.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=12,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )[0, len(prompt) :].tolist()
+        expected = hf_greedy_tokens(hf, prompt, 12)
         assert out.token_ids == expected
 
 

@@ -84,3 +84,16 @@ def make_tiny_model(
                 param.normal_(0.0, 0.2)
     model.save_pretrained(folder)
     return folder
+
+
+def hf_greedy_tokens(hf: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Transformers' greedy continuation of one prompt, EOS ignored (the reference tokens)."""
+    out = hf.generate(  # type: ignore[operator]
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
