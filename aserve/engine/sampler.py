@@ -27,7 +27,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from aserve.sampling_params import SamplingParams, TokenLogprob
+from aserve.sampling_params import SAMPLER_COLUMNS, SamplingParams, TokenLogprob
 
 _MASK32 = 0xFFFFFFFF
 _SEED_SALT = 0x9E3779B9
@@ -101,7 +101,6 @@ class SamplingBatch:
     any_top_p: bool
     any_min_p: bool
     any_penalties: bool
-    any_seeded: bool
     want_logprobs: bool
     max_top_logprobs: int
 
@@ -124,15 +123,16 @@ class SamplingBatch:
 
         `fused` says the sampler has FlashInfer's kernels; a batch without seeded rows is
         then drawn by them and needs no hash keys (`keys` is None)."""
-        table = np.array([p.sampler_row for p in params], dtype=np.float64).reshape(-1, 12)
+        table = np.array([p.sampler_row for p in params], dtype=np.float64)
+        table = table.reshape(-1, len(SAMPLER_COLUMNS))
         (temperature, top_p, min_p, rep, freq, pres, top_k, greedy, penalties, seeded,
          logprobs, top_logprobs) = table.T  # fmt: skip
         top_k = np.minimum(top_k, vocab_size)
         floats = torch.from_numpy(np.ascontiguousarray(table[:, :6].T, dtype=np.float32))
         floats = floats.to(device, non_blocking=True)
-        any_seeded = bool(seeded.any())
+        needs_keys = bool(seeded.any()) or not fused
         ints = [torch.from_numpy(top_k.astype(np.int64)), torch.from_numpy(greedy.astype(np.int64))]
-        if any_seeded or not fused:
+        if needs_keys:
             ints.append(_row_keys(seeds, steps))
         packed = torch.stack(ints).to(device, non_blocking=True)
         any_penalties = bool(penalties.any())
@@ -151,7 +151,7 @@ class SamplingBatch:
             repetition_penalty=rep_t,
             frequency_penalty=freq_t,
             presence_penalty=pres_t,
-            keys=packed[2] if len(ints) == 3 else None,
+            keys=packed[2] if needs_keys else None,
             top_k=packed[0],
             greedy=packed[1].bool(),
             seen=seen,
@@ -162,7 +162,6 @@ class SamplingBatch:
             any_top_p=bool((top_p < 1.0).any()),
             any_min_p=bool((min_p > 0.0).any()),
             any_penalties=any_penalties,
-            any_seeded=any_seeded,
             want_logprobs=bool(logprobs.any()),
             max_top_logprobs=int(top_logprobs.max(initial=0)),
         )
