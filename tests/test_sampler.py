@@ -140,26 +140,34 @@ def test_large_seeds_use_their_high_bits() -> None:
     assert ids[0] != ids[1]
 
 
-@pytest.mark.parametrize(
-    ("params", "expected"),
-    [
-        (SamplingParams(), [0.5, 0.25, 0.15, 0.10]),
-        (SamplingParams(temperature=0.5), [25 / 34.5, 6.25 / 34.5, 2.25 / 34.5, 1 / 34.5]),
-        (SamplingParams(top_k=3), [0.5 / 0.9, 0.25 / 0.9, 0.15 / 0.9, 0.0]),
-        (SamplingParams(top_p=0.7), [2 / 3, 1 / 3, 0.0, 0.0]),
-        (SamplingParams(min_p=0.35), [2 / 3, 1 / 3, 0.0, 0.0]),
-    ],
-)
-def test_frequencies_match_probabilities(params: SamplingParams, expected: list[float]) -> None:
-    draws = 8000
-    counts = frequencies(torch.tensor([0.5, 0.25, 0.15, 0.10]).log(), params, draws)
+FREQUENCY_CASES = [
+    (SamplingParams(), [0.5, 0.25, 0.15, 0.10]),
+    (SamplingParams(temperature=0.5), [25 / 34.5, 6.25 / 34.5, 2.25 / 34.5, 1 / 34.5]),
+    (SamplingParams(top_k=3), [0.5 / 0.9, 0.25 / 0.9, 0.15 / 0.9, 0.0]),
+    (SamplingParams(top_p=0.7), [2 / 3, 1 / 3, 0.0, 0.0]),
+    (SamplingParams(min_p=0.35), [2 / 3, 1 / 3, 0.0, 0.0]),
+    (SamplingParams(top_k=2, top_p=0.5), [1.0, 0.0, 0.0, 0.0]),
+    (SamplingParams(top_k=3, top_p=0.9, min_p=0.4), [2 / 3, 1 / 3, 0.0, 0.0]),
+]
+
+
+def assert_frequencies(counts: list[int], expected: list[float]) -> None:
+    """Impossible tokens never drawn, certain ones always, the rest within a chi-square
+    bound (p = 0.001)."""
+    total = sum(counts)
     chi2 = 0.0
-    for count, p in zip(counts.tolist(), expected, strict=True):
-        if p == 0.0:
-            assert count == 0
+    for count, p in zip(counts, expected, strict=True):
+        if p in (0.0, 1.0):
+            assert count == total * p
         else:
-            chi2 += (count - draws * p) ** 2 / (draws * p)
+            chi2 += (count - total * p) ** 2 / (total * p)
     assert chi2 < CHI2_3DOF_P999
+
+
+@pytest.mark.parametrize(("params", "expected"), FREQUENCY_CASES)
+def test_frequencies_match_probabilities(params: SamplingParams, expected: list[float]) -> None:
+    counts = frequencies(torch.tensor([0.5, 0.25, 0.15, 0.10]).log(), params, draws=8000)
+    assert_frequencies(counts.tolist(), expected)
 
 
 def test_top_p_applies_to_the_top_k_mass() -> None:
@@ -351,17 +359,6 @@ def test_cuda_matches_cpu_without_host_sync() -> None:
     torch.testing.assert_close(noise, seeded_exponential_noise(keys, vocab), rtol=1e-6, atol=0.0)
 
 
-FREQUENCY_CASES = [
-    (SamplingParams(), [0.5, 0.25, 0.15, 0.10]),
-    (SamplingParams(temperature=0.5), [25 / 34.5, 6.25 / 34.5, 2.25 / 34.5, 1 / 34.5]),
-    (SamplingParams(top_k=3), [0.5 / 0.9, 0.25 / 0.9, 0.15 / 0.9, 0.0]),
-    (SamplingParams(top_p=0.7), [2 / 3, 1 / 3, 0.0, 0.0]),
-    (SamplingParams(min_p=0.35), [2 / 3, 1 / 3, 0.0, 0.0]),
-    (SamplingParams(top_k=2, top_p=0.5), [1.0, 0.0, 0.0, 0.0]),
-    (SamplingParams(top_k=3, top_p=0.9, min_p=0.4), [2 / 3, 1 / 3, 0.0, 0.0]),
-]
-
-
 def fused_sampler() -> Sampler:
     """The FlashInfer path, or a skip that says why it cannot run."""
     from aserve.engine.sampler import fused_sampling
@@ -394,14 +391,7 @@ def test_fused_frequencies_match_probabilities(
     if sum(p > 0.0 for p in expected) > 1:
         assert not torch.equal(picks[0], picks[1])
     counts = torch.bincount(torch.cat(picks).cpu(), minlength=4)
-    total = draws * calls
-    chi2 = 0.0
-    for count, p in zip(counts.tolist(), expected, strict=True):
-        if p in (0.0, 1.0):
-            assert count == total * p
-        else:
-            chi2 += (count - total * p) ** 2 / (total * p)
-    assert chi2 < CHI2_3DOF_P999
+    assert_frequencies(counts.tolist(), expected)
 
 
 @pytest.mark.gpu
