@@ -3,6 +3,7 @@ start and stop."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -15,6 +16,14 @@ from aserve.scheduler.scheduler import Scheduler
 from aserve.tokenizer import Tokenizer, has_tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+def freeze_startup_objects() -> None:
+    """Take what start-up built (model, tokenizer, graphs: millions of objects) out of the
+    garbage collector's sight. Otherwise every full collection walks all of it: measured at
+    up to 130 ms with SmolLM2 on a laptop CPU, a stall of every stream and of the GPU."""
+    gc.collect()
+    gc.freeze()
 
 
 class Runtime:
@@ -34,6 +43,7 @@ class Runtime:
         if self.followers is not None:
             self.followers.on_failure = self.scheduler.fail
         self.startup_seconds = time.perf_counter() - started
+        freeze_startup_objects()
         logger.info("model ready: %s (%s)", self.model_dir, self.engine.describe())
         logger.info(self.capacity_line())
 

@@ -1,7 +1,11 @@
-"""The peer: Hugging Face transformers `generate` on the same model and workload.
+"""The peer: Hugging Face transformers on the same model and workload.
 
-Requests run in fixed batches of `batch_size` (left padded), each batch generating the
-longest output length it holds; only the tokens each request asked for are counted.
+`run_hf` uses `generate`: requests run in fixed batches of `batch_size` (left padded), each
+batch generating the longest output length it holds; only the tokens each request asked for
+are counted. `run_hf_continuous` uses transformers' continuous batching (`generate_batch`,
+paged attention), which takes one output length for all requests: it generates the longest
+length of the workload for every request and counts every token it generated, so give it a
+workload of one output length for a like-for-like figure.
 """
 
 from __future__ import annotations
@@ -65,6 +69,30 @@ def run_hf(
     if device.type == "cuda":
         torch.cuda.synchronize()
     return counted, time.perf_counter() - started
+
+
+def run_hf_continuous(
+    model: torch.nn.Module, workload: list[tuple[list[int], int]], temperature: float
+) -> tuple[int, float]:
+    """Generate the workload with `generate_batch`; returns (tokens generated, seconds).
+    Not under inference mode: its worker thread updates tensors that it made in place."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        max_new_tokens=max(n for _, n in workload),
+        do_sample=temperature > 0,
+        temperature=temperature if temperature > 0 else None,
+        top_p=None,
+        top_k=None,
+        eos_token_id=-1,
+        pad_token_id=0,
+    )
+    started = time.perf_counter()
+    outputs = model.generate_batch(  # type: ignore[operator]
+        inputs=[prompt for prompt, _ in workload], generation_config=config
+    )
+    seconds = time.perf_counter() - started
+    return sum(len(o.generated_tokens) for o in outputs.values()), seconds
 
 
 def main() -> None:

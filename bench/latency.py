@@ -38,6 +38,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--page-size", type=int, default=256)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (GPUs)")
+    p.add_argument("--moe-backend", default="auto", help="MoE models: auto, torch or fused")
     p.add_argument("--no-record", action="store_true")
     return p.parse_args()
 
@@ -59,7 +60,9 @@ class StepClock:
 
 def bandwidth_bound_ms(llm: LLM) -> float | None:
     """Weight bytes over the GPU's peak bandwidth, or None off the GPUs in the table. Under
-    tensor parallelism these are rank 0's shards: each GPU reads its own at the same time."""
+    tensor parallelism these are rank 0's shards: each GPU reads its own at the same time.
+    Of a mixture-of-experts layer one token reads only the experts it is routed to, so
+    expert weights count at num_experts_per_tok / num_experts."""
     engine = llm.runtime.engine
     if engine.device.type != "cuda":
         return None
@@ -67,7 +70,12 @@ def bandwidth_bound_ms(llm: LLM) -> float | None:
     peak = next((tb for key, tb in PEAK_BANDWIDTH_TB_S.items() if key in name), None)
     if peak is None:
         return None
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    config = engine.model_config
+    routed = config.num_experts_per_tok / config.num_experts if config.num_experts else 1.0
+    weight_bytes = sum(
+        p.numel() * p.element_size() * (routed if ".experts." in name else 1.0)
+        for name, p in engine.model.named_parameters()
+    )
     return weight_bytes / (peak * 1e12) * 1e3
 
 
@@ -78,6 +86,7 @@ def main() -> None:
         dummy_weight=args.dummy_weight,
         page_size=args.page_size,
         tensor_parallel_size=args.tp,
+        moe_backend=args.moe_backend,
     )
     clock = StepClock()
     llm.start_scheduler(on_step=clock)
@@ -103,7 +112,8 @@ def main() -> None:
     print(f"time to first token {ttft:.1f} ms for a {args.input_len}-token prompt")
     if not args.no_record:
         model = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
-        settings = {k: getattr(args, k) for k in ("input_len", "output_len", "repeat", "tp")}
+        keys = ("input_len", "output_len", "repeat", "tp", "moe_backend")
+        settings = {k: getattr(args, k) for k in keys}
         record(
             "latency",
             "aserve",

@@ -49,6 +49,12 @@ def parse_args() -> argparse.Namespace:
         "--hf-cache", default=None, help="transformers cache_implementation, e.g. static"
     )
     p.add_argument(
+        "--hf-mode",
+        choices=["generate", "continuous"],
+        default="generate",
+        help="the peer's API: batched `generate`, or continuous batching (`generate_batch`)",
+    )
+    p.add_argument(
         "--repeat",
         type=int,
         default=1,
@@ -161,21 +167,26 @@ def main() -> None:
     if args.peer != "hf":
         llm.close()
         return
-    from bench.hf_baseline import load_hf_model, run_hf
+    from bench.hf_baseline import load_hf_model, run_hf, run_hf_continuous
 
     engine = llm.runtime.engine
     model_dir, dtype, device = llm.runtime.model_dir, engine.dtype, str(engine.device)
     llm.close()
     del llm, engine
     hf = load_hf_model(model_dir, args.dummy_weight, dtype, device)
-    run_hf(hf, workloads[0][:1], 1, 0.0, args.hf_cache)
-    peers = [
-        run_hf(hf, w, args.max_running_requests, args.temperature, args.hf_cache) for w in workloads
-    ]
+    if args.hf_mode == "continuous":
+        run_hf_continuous(hf, workloads[0][:1], 0.0)
+        peers = [run_hf_continuous(hf, w, args.temperature) for w in workloads]
+    else:
+        run_hf(hf, workloads[0][:1], 1, 0.0, args.hf_cache)
+        peers = [
+            run_hf(hf, w, args.max_running_requests, args.temperature, args.hf_cache)
+            for w in workloads
+        ]
     hf_tokens, hf_seconds = report("transformers", peers)
     print(f"aserve/transformers {(tokens / seconds) / (hf_tokens / hf_seconds):.2f}x")
     if not args.no_record:
-        peer_settings = {**settings, "hf_cache": args.hf_cache}
+        peer_settings = {**settings, "hf_cache": args.hf_cache, "hf_mode": args.hf_mode}
         record(
             "offline",
             "transformers",

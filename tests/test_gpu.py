@@ -149,6 +149,55 @@ def test_overlap_on_and_off_give_the_same_tokens(
     assert retracted == (dtype == "float32")
 
 
+SMOLLM2_GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def smollm2_cpu_tokens(smollm2_dir: Path) -> tuple[list[list[int]], list[list[int]]]:
+    """The embedded model's prompts and its float32 greedy tokens on the CPU (the reference)."""
+    from tests.test_generation import TEXTS
+
+    llm = LLM(str(smollm2_dir), device="cpu", num_pages=4096)
+    try:
+        assert llm.tokenizer is not None
+        prompts = [llm.tokenizer.encode(text) for text in TEXTS]
+        return prompts, [o.token_ids for o in llm.generate(prompts, SMOLLM2_GREEDY)]
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"max_prefill_length": 7},
+        {"page_size": 1},
+        {"page_size": 16},
+        {"page_size": 256},
+        {"cache_type": "naive"},
+        {"overlap": False},
+    ],
+    ids=["default", "chunked-prefill", "page-1", "page-16", "page-256", "naive", "no-overlap"],
+)
+def test_embedded_smollm2_float32_greedy_on_gpu_equals_cpu(
+    make_llm: Callable[..., LLM], smollm2_dir: Path, smollm2_cpu_tokens, options: dict
+) -> None:
+    """Eight prompts, batched, 32 tokens each; a second run of the same prompts on the GPU
+    takes their prefixes from the radix cache and must not change a token either. (Float32
+    runs torch attention without graphs: FlashInfer has no float32 kernels; graphs on / off
+    is checked in bfloat16 by test_cuda_graphs_do_not_change_outputs.)"""
+    options = dict(options)
+    overlap = options.pop("overlap", True)
+    llm = make_llm(smollm2_dir, device="cuda", dtype="float32", **options)
+    llm.scheduler.overlap = overlap
+    prompts, expected = smollm2_cpu_tokens
+    assert [o.token_ids for o in llm.generate(prompts, SMOLLM2_GREEDY)] == expected
+    cached_before = llm.scheduler.planner.prompt_tokens_cached
+    assert [o.token_ids for o in llm.generate(prompts, SMOLLM2_GREEDY)] == expected
+    if options.get("cache_type") != "naive":
+        assert llm.scheduler.planner.prompt_tokens_cached > cached_before
+
+
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
 

@@ -165,7 +165,6 @@ class Scheduler:
                 if pending is not None:
                     await self._finish_step(pending, on_step)
                 pending = launched
-                await asyncio.sleep(0)
             if pending is not None:
                 await self._finish_step(pending, on_step)
         except Exception as error:
@@ -206,10 +205,14 @@ class Scheduler:
     async def _finish_step(self, step: InFlight, on_step: StepObserver | None) -> None:
         """Wait for a launched step without blocking the loop, then hand out its tokens.
 
-        The CUDA event is polled between yields, so handlers run while the GPU computes.
-        Polling was chosen over waiting in an executor thread (a thread hop per step);
-        measuring the two against each other is still to do.
+        The loop yields here at least once a step: this is where handlers run, stream the
+        previous step's tokens and submit new requests. With overlap the next step is already
+        queued behind this one, so their work hides behind two steps of GPU time, not one.
+        The CUDA event is polled between yields. Polling was chosen over waiting in an
+        executor thread (a thread hop per step); measuring the two against each other is
+        still to do.
         """
+        await asyncio.sleep(0)
         if step.done is not None:
             while not step.done.query():
                 self._check_fatal()

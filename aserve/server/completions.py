@@ -6,6 +6,7 @@ into one JSON body or a stream of SSE chunks, with latency metrics recorded on t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -147,6 +148,38 @@ class Completions:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await response.prepare(request)
+        for chunk in shaper.opening_chunks():
+            await response.write(sse(chunk))
+        async with contextlib.aclosing(self._merged(choices, started)) as merged:
+            async for index, item in merged:
+                if isinstance(item, BaseException):
+                    logger.error("streamed choice failed: %s", item)
+                    await response.write(sse(APIError(str(item), 500).body()))
+                    break
+                chunks = shaper.delta_chunks(index, item)
+                if chunks:
+                    await response.write(b"".join(sse(chunk) for chunk in chunks))
+            else:
+                usage_chunk = shaper.usage_chunk()
+                if usage_chunk is not None:
+                    await response.write(sse(usage_chunk))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _merged(
+        self, choices: list[Choice], started: float
+    ) -> AsyncIterator[tuple[int, Delta | BaseException]]:
+        """Every choice's deltas as they come, with the choice's index; a failed choice gives
+        its exception. One choice (n=1, the usual case) is read in place: a task and a queue
+        between it and the response would cost two loop wake-ups per token instead of one."""
+        if len(choices) == 1:
+            try:
+                async for delta in self._observed(choices[0], started):
+                    yield 0, delta
+            except Exception as error:
+                yield 0, error
+            return
         events: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
 
         async def pump(index: int, choice: Choice) -> None:
@@ -159,30 +192,16 @@ class Completions:
 
         tasks = [asyncio.create_task(pump(i, c)) for i, c in enumerate(choices)]
         try:
-            for chunk in shaper.opening_chunks():
-                await response.write(sse(chunk))
             remaining = len(choices)
             while remaining:
                 index, item = await events.get()
                 if item is None:
                     remaining -= 1
                     continue
-                if isinstance(item, BaseException):
-                    logger.error("streamed choice failed: %s", item)
-                    await response.write(sse(APIError(str(item), 500).body()))
-                    break
-                for chunk in shaper.delta_chunks(index, item):
-                    await response.write(sse(chunk))
-            else:
-                usage_chunk = shaper.usage_chunk()
-                if usage_chunk is not None:
-                    await response.write(sse(usage_chunk))
-            await response.write(b"data: [DONE]\n\n")
-            await response.write_eof()
+                yield index, item
         finally:
             for task in tasks:
                 task.cancel()
-        return response
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         """SGLang's native route: text or input_ids in, text and output_ids out."""
