@@ -52,6 +52,7 @@ class RequestResult:
     itl: tuple[float, ...] = ()
     latency: float = 0.0
     error: str = ""
+    headers: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ async def first_model(base_url: str, api_key: str | None = None) -> str:
 
 
 async def _read_stream(
-    response: aiohttp.ClientResponse, sent: float, prompt_len: int
+    response: aiohttp.ClientResponse, sent: float, prompt_len: int, headers: float
 ) -> RequestResult:
     ttft = 0.0
     last = sent
@@ -93,8 +94,9 @@ async def _read_stream(
         if data == b"[DONE]":
             latency = time.perf_counter() - sent
             output_len = chunks if completion_tokens is None else completion_tokens
+            first = ttft if chunks else latency
             return RequestResult(
-                prompt_len, True, output_len, ttft if chunks else latency, tuple(gaps), latency
+                prompt_len, True, output_len, first, tuple(gaps), latency, headers=headers
             )
         frame = orjson.loads(data)
         if "error" in frame:
@@ -129,12 +131,15 @@ async def send_request(
             if response.status != 200:
                 body = (await response.text())[:200]
                 return RequestResult(prompt_len, False, error=f"HTTP {response.status}: {body}")
+            headers_at = time.perf_counter() - sent
             if payload["stream"]:
-                return await _read_stream(response, sent, prompt_len)
+                return await _read_stream(response, sent, prompt_len, headers_at)
             body = orjson.loads(await response.read())
             latency = time.perf_counter() - sent
             output_len = (body.get("usage") or {}).get("completion_tokens", payload["max_tokens"])
-            return RequestResult(prompt_len, True, output_len, latency, (), latency)
+            return RequestResult(
+                prompt_len, True, output_len, latency, (), latency, headers=headers_at
+            )
     except Exception as e:
         return RequestResult(prompt_len, False, error=f"{type(e).__name__}: {e}")
 
@@ -232,6 +237,7 @@ def summarize(run: BenchmarkRun) -> dict[str, Any]:
         **_latency_figures("tpot", tpots),
         **_latency_figures("itl", [gap for r in done for gap in r.itl]),
         **_latency_figures("e2e_latency", [r.latency for r in done]),
+        **_latency_figures("headers", [r.headers for r in done]),
     }
 
 
@@ -263,6 +269,7 @@ def format_result(
         ("Time to First Token", "ttft", "TTFT"),
         ("Time per Output Token (excl. 1st token)", "tpot", "TPOT"),
         ("Inter-Token Latency", "itl", "ITL"),
+        ("Time to Response Headers (connect + accept)", "headers", "Headers"),
     ):
         lines.append(f"{title:-^50}")
         for stat in ("mean", "median", "p90", "p99"):

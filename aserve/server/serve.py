@@ -20,12 +20,17 @@ from aserve.server.app import Server
 
 logger = logging.getLogger("aserve.server")
 
+# Connections the kernel queues until the loop accepts them. aiohttp's default of 128 is
+# less than a burst of streaming clients: the connections over it have their SYN dropped
+# and retried a second or more later, which shows up as a time to first token of seconds.
+LISTEN_BACKLOG = 2048
+
 
 async def serve(config: ServerConfig, drain_timeout_s: float = 30.0) -> int:
     server = Server(config)
     runner = web.AppRunner(server.make_app(), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
+    site = web.TCPSite(runner, config.host, config.port, backlog=LISTEN_BACKLOG)
     try:
         await site.start()
     except OSError as error:
