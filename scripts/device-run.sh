@@ -33,7 +33,7 @@ for step in "$@"; do
               pkill -INT -f "aserve --model"; sleep 4; grep -c "Prefill batch" $OUT/server-qwen3-0.6b.log; cp $OUT/server-qwen3-0.6b.log $OUT/server-2048.log
               sed -i 's/^LISTEN_BACKLOG = 2048/LISTEN_BACKLOG = 128/' aserve/server/serve.py
               serve qwen3-0.6b $S && timeout 200 python3 bench/serving.py $B --no-record 2>&1 | grep -E "throughput|TTFT|ITL|Headers|Failed"
-              pkill -INT -f "aserve --model"; sleep 4; grep -c "Prefill batch" $OUT/server-qwen3-0.6b.log; git checkout aserve/server/serve.py ;;
+              pkill -INT -f "aserve --model"; sleep 4; grep -c "Prefill batch" $OUT/server-qwen3-0.6b.log; sed -i "s/^LISTEN_BACKLOG = 128/LISTEN_BACKLOG = 2048/" aserve/server/serve.py ;;
     trace256) timeout 200 python3 bench/trace.py --model bench/models/qwen3-0.6b --dummy-weight --batch 256 --no-record 2>&1 | tail -40 ;;
     moe-ratio) for b in fused torch; do timeout 250 python3 bench/offline.py --model bench/models/qwen3-30b-a3b --moe-backend $b $W --num-seqs 64 --output-len 100 256 2>&1 | grep -v Warn | tail -2;
                timeout 150 python3 bench/latency.py --model bench/models/qwen3-30b-a3b --dummy-weight --moe-backend $b --repeat 2 2>&1 | tail -2; done ;;
