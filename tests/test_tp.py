@@ -85,6 +85,26 @@ def test_tp2_prefix_hit_and_chunked_prefill_equal_tp1(pair: tuple[LLM, LLM]) -> 
     two.scheduler.check_integrity()
 
 
+def test_tp2_moe_greedy_tokens_and_logprobs_equal_tp1(tmp_path: Path) -> None:
+    """Qwen3-MoE with every expert's intermediate dimension split over the ranks (and a
+    dense MLP layer beside the sparse ones)."""
+    folder = make_tiny_model("qwen3_moe", tmp_path)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=True)
+    with (
+        LLM(str(folder), **OPTIONS) as one,
+        LLM(str(folder), tensor_parallel_size=2, **OPTIONS) as two,
+    ):
+        experts = two.runtime.engine.model.model.layers[0].mlp.experts
+        assert experts.w2.shape[-1] == 32 // 2
+        expected = one.generate(PROMPTS, params)
+        got = two.generate(PROMPTS, params)
+    for ours, theirs in zip(got, expected):
+        assert ours.token_ids == theirs.token_ids
+        assert ours.logprobs is not None and theirs.logprobs is not None
+        for a, b in zip(ours.logprobs, theirs.logprobs):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+
+
 def test_tp_that_does_not_split_the_model_is_refused(tmp_path: Path) -> None:
     folder = make_tiny_model("llama", tmp_path)
     with pytest.raises(ConfigError, match="--tp 3 does not evenly split .* attention heads"):
