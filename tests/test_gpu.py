@@ -58,6 +58,29 @@ def test_bf16_logprobs_close_to_transformers(
         torch.testing.assert_close(ours, theirs, atol=0.05, rtol=0.05)
 
 
+def test_qk_norm_in_place_on_strided_heads_equals_torch() -> None:
+    """Qwen3's Q/K norm runs in place on Q and K inside the fused QKV output (strided views)
+    and leaves V alone."""
+    from aserve.layers.fused import fused_ops
+    from aserve.layers.norm import RMSNorm
+
+    ops = fused_ops(torch.device("cuda"), torch.bfloat16)
+    assert ops is not None
+    head_dim, q_heads, kv_heads = 128, 4, 2
+    fused, plain = RMSNorm(head_dim, 1e-6, ops).cuda(), RMSNorm(head_dim, 1e-6).cuda()
+    for norm in (fused, plain):
+        norm.weight.data = torch.linspace(0.5, 1.5, head_dim, device="cuda")
+    qkv = torch.randn(5, (q_heads + 2 * kv_heads) * head_dim, device="cuda", dtype=torch.bfloat16)
+    expected = qkv.clone()
+    q, k, v = qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    eq, ek, ev = expected.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    assert fused.norm_heads(q, head_dim).data_ptr() == q.data_ptr()
+    fused.norm_heads(k, head_dim)
+    torch.testing.assert_close(q, plain.norm_heads(eq, head_dim), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(k, plain.norm_heads(ek, head_dim), atol=2e-2, rtol=2e-2)
+    assert torch.equal(v, ev)
+
+
 def test_dummy_qwen3_shape_runs_in_bf16(make_llm: Callable[..., LLM]) -> None:
     llm = make_llm(BENCH / "qwen3-0.6b", dummy_weight=True, max_seq_len_override=2048)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.6, max_tokens=16, ignore_eos=True))

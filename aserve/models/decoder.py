@@ -64,8 +64,8 @@ class DecoderAttention(nn.Module):
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], -1)
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+            q = self.q_norm.norm_heads(q, self.head_dim)
+            k = self.k_norm.norm_heads(k, self.head_dim)
         q, k = self.rotary(positions, q, k)
         heads = (q.shape[0], -1, self.head_dim)
         out = attn.forward(q.view(heads), k.view(heads), v.view(heads), self.layer, batch)
