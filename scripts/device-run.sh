@@ -44,7 +44,7 @@ for step in "$@"; do
     startup) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-noaot .whl/*.whl   # no kernel pack: a fresh machine
              for m in qwen3-0.6b llama-3.1-8b; do rm -rf /tmp/fi-cold; for phase in first second; do
                PYTHONPATH=/tmp/site-noaot:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-cold ready_in --model bench/models/$m --dummy-weight; done; done ;;
-    startup-smol) for phase in first second; do ready_in; done; rm -rf /tmp/fi-cold; for phase in first second; do
+    startup-smol) rm -rf /tmp/fi-cold ~/.cache/aserve; for phase in first second; do   # GGUF conversion and kernels, cold then cached
                PYTHONPATH=/tmp/site-noaot:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-cold ready_in; done ;;
     trace256) timeout 200 python3 bench/trace.py --model bench/models/qwen3-0.6b --dummy-weight --batch 256 --no-record 2>&1 | tail -40 ;;
     moe-ratio) for b in fused torch; do timeout 250 python3 bench/offline.py --model bench/models/qwen3-30b-a3b --moe-backend $b $W --num-seqs 64 --output-len 100 256 2>&1 | grep -v Warn | tail -2;
