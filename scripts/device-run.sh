@@ -16,9 +16,9 @@ serve() {  # serve MODEL [options]: start the server in the background and wait 
   for i in $(seq 120); do curl -sf localhost:1919/health > /dev/null && return 0; sleep 1; done; tail -5 $OUT/server-$1.log; return 1
 }
 ready_in() {  # ready_in MODEL-ARGS...: seconds from starting the server to a ready /health
-  local t0=$(date +%s.%N); python3 -m aserve "$@" --port 1919 > $OUT/start.log 2>&1 &
-  for i in $(seq 1500); do curl -sf localhost:1919/health > /dev/null && break; sleep 0.2; done
-  echo "ready in $(echo "$(date +%s.%N) - $t0" | bc) s: $*"; grep -h "kernels ready\|captured" $OUT/start.log | cut -c 27-140
+  local t0=$(date +%s.%N); python3 -m aserve "$@" --port 1919 > $OUT/start.log 2>&1 & local pid=$!
+  for i in $(seq 1500); do curl -sf localhost:1919/health > /dev/null && break; kill -0 $pid 2> /dev/null || { tail -3 $OUT/start.log; return 1; }; sleep 0.2; done
+  echo "ready in $(python3 -c "import time; print(round(time.time() - $t0, 1))") s: $*"; grep -h "kernels ready\|captured" $OUT/start.log | cut -c 27-140
   pkill -INT -f "python3 -m aserve"; sleep 4
 }
 # The embedded model's wheel (93 MB) is over one call's carry limit with the FlashInfer wheels:
@@ -45,7 +45,7 @@ for step in "$@"; do
              for m in qwen3-0.6b llama-3.1-8b; do rm -rf /tmp/fi-cold; for phase in first second; do
                PYTHONPATH=/tmp/site-noaot:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-cold ready_in --model bench/models/$m --dummy-weight; done; done ;;
     startup-smol) rm -rf /tmp/fi-cold ~/.cache/aserve; for phase in first second; do   # GGUF conversion and kernels, cold then cached
-               PYTHONPATH=/tmp/site-noaot:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-cold ready_in; done ;;
+               PYTHONPATH=/tmp/site-noaot:/tmp/site:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-cold ready_in; done ;;
     trace256) timeout 200 python3 bench/trace.py --model bench/models/qwen3-0.6b --dummy-weight --batch 256 --no-record 2>&1 | tail -40 ;;
     moe-ratio) for b in fused torch; do timeout 250 python3 bench/offline.py --model bench/models/qwen3-30b-a3b --moe-backend $b $W --num-seqs 64 --output-len 100 256 2>&1 | grep -v Warn | tail -2;
                timeout 150 python3 bench/latency.py --model bench/models/qwen3-30b-a3b --dummy-weight --moe-backend $b --repeat 2 2>&1 | tail -2; done ;;
