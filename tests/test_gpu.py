@@ -69,7 +69,7 @@ def test_qk_norm_in_place_on_strided_heads_equals_torch() -> None:
     head_dim, q_heads, kv_heads = 128, 4, 2
     fused, plain = RMSNorm(head_dim, 1e-6, ops).cuda(), RMSNorm(head_dim, 1e-6).cuda()
     for norm in (fused, plain):
-        norm.weight.data = torch.linspace(0.5, 1.5, head_dim, device="cuda")
+        norm.weight.data = torch.linspace(0.5, 1.5, head_dim, device="cuda").bfloat16()
     qkv = torch.randn(5, (q_heads + 2 * kv_heads) * head_dim, device="cuda", dtype=torch.bfloat16)
     expected = qkv.clone()
     q, k, v = qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
