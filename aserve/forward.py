@@ -24,7 +24,8 @@ class ForwardBatch:
 
     `prefix_lens[i]` tokens of request i already have KV in the pool; this step computes
     `extend_lens[i]` more (1 in decode), so its KV length becomes `seq_lens[i]`. Host-side
-    lengths are plain lists, so backends can plan without reading device memory.
+    lengths and `row_ids` (the page-table rows, `rows` on the device) are plain lists, so
+    backends can plan without reading device memory.
     """
 
     mode: ForwardMode
@@ -32,6 +33,7 @@ class ForwardBatch:
     positions: torch.Tensor
     out_slots: torch.Tensor
     rows: torch.Tensor
+    row_ids: list[int]
     prefix_lens: list[int]
     extend_lens: list[int]
     seq_lens: list[int]

@@ -41,7 +41,8 @@ for step in "$@"; do
               serve qwen3-0.6b $S && timeout 200 python3 bench/serving.py $B --no-record 2>&1 | grep -E "throughput|TTFT|ITL|Headers|Failed"
               pkill -INT -f "aserve --model"; sleep 4; grep -c "Prefill batch" $OUT/server-qwen3-0.6b.log; sed -i "s/^LISTEN_BACKLOG = 128/LISTEN_BACKLOG = 2048/" aserve/server/serve.py ;;
     qwen3-tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k "qk_norm or qwen3" 2>&1 | grep -v "^  /\|^    " | tail -30 ;;
-    startup) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-noaot .whl/*.whl   # no kernel pack: a fresh machine
+    noaot-site) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-noaot .whl/*.whl ;;  # no kernel pack: a fresh machine
+    startup)
              for m in qwen3-0.6b llama-3.1-8b; do rm -rf /tmp/fi-cold; for phase in first second; do
                PYTHONPATH=/tmp/site-noaot:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-cold ready_in --model bench/models/$m --dummy-weight; done; done ;;
     startup-smol) rm -rf /tmp/fi-cold ~/.cache/aserve; for phase in first second; do   # GGUF conversion and kernels, cold then cached

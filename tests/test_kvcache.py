@@ -153,3 +153,21 @@ def test_naive_cache_frees_everything_it_is_given() -> None:
     cache.insert([1, 2, 3], pages)
     assert allocator.free_pages == allocator.usable_pages
     assert cache.match([1, 2, 3]).length == 0
+
+
+def test_page_layout_from_the_host_mirror_matches_the_device_table() -> None:
+    """FlashInfer's description of a batch, built on the host, names the same pages as the
+    slots of the device table, including the dummy row that padded graph entries use."""
+    table = PageTable(
+        max_running_requests=4, max_seq_len=40, page_size=8, device=torch.device("cpu")
+    )
+    table.write_pages(2, 0, [5, 9])
+    table.write_pages(0, 0, [3])
+    table.write_pages(2, 2, [4])
+    table.write_pages(0, 1, [7, 1, 6])
+    rows, lens = [2, 0, table.dummy_row], [17, 25, 1]
+    indptr, last, pages = table.page_layout(rows, lens)
+    assert indptr.tolist() == [0, 3, 7, 8]
+    assert last.tolist() == [1, 1, 1]
+    expected = [int(table.slots[r, p]) // 8 for r, n in zip(rows, lens) for p in range(0, n, 8)]
+    assert pages.tolist() == expected == [5, 9, 4, 3, 7, 1, 6, 0]

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from aserve.forward import ForwardBatch
+from aserve.kvcache.pages import PageTable
 from aserve.kvcache.pool import KVPool
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
@@ -28,6 +29,7 @@ class FlashInferBackend:
     def __init__(
         self,
         pool: KVPool,
+        page_table: PageTable,
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
@@ -41,6 +43,7 @@ class FlashInferBackend:
                 "--attention-backend fi needs FlashInfer: pip install 'aserve[gpu]'"
             ) from error
         self.pool = pool
+        self.page_table = page_table
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -67,26 +70,13 @@ class FlashInferBackend:
         return self.num_heads // self.num_kv_heads >= 4 or batch_size <= 64
 
     def _page_layout(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """kv index pointers and last-page lengths (host) and page indices (device). Nothing
-        here waits for the device: sizes come from the host lists, copies are asynchronous."""
-        size = self.page_size
-        counts = [-(-length // size) for length in batch.seq_lens]
-        indptr = torch.zeros(len(counts) + 1, dtype=torch.int32)
-        torch.cumsum(torch.tensor(counts, dtype=torch.int32), 0, out=indptr[1:])
-        last = torch.tensor(
-            [length - (n - 1) * size for length, n in zip(batch.seq_lens, counts)],
-            dtype=torch.int32,
-        )
-        device = batch.page_table.device
-        total = int(indptr[-1])
-        count_tensor = torch.tensor(counts).to(device, non_blocking=True)
-        rows = torch.repeat_interleave(batch.rows, count_tensor, output_size=total)
-        starts = torch.repeat_interleave(
-            indptr[:-1].to(device, non_blocking=True), count_tensor, output_size=total
-        )
-        columns = (torch.arange(total, device=device) - starts) * size
-        indices = batch.page_table[rows, columns] // size
-        return indptr, last, indices
+        """kv index pointers and last-page lengths (host) and page ids (copied to the device
+        behind the queued work), from the page table's host mirror: no device work to queue
+        and nothing that waits for the device."""
+        indptr, last, pages = self.page_table.page_layout(batch.row_ids, batch.seq_lens)
+        device = self.workspace.device
+        indices = torch.from_numpy(pages).to(device, non_blocking=True)
+        return torch.from_numpy(indptr), torch.from_numpy(last), indices
 
     def prepare(self, batch: ForwardBatch) -> None:
         if batch.is_decode:

@@ -50,9 +50,8 @@ class TorchNativeBackend:
 
     def _prepare_prefill(self, batch: ForwardBatch) -> _PrefillMetadata:
         seqs, q_start = [], 0
-        rows = batch.rows.tolist()
         for row, prefix, extend, total in zip(
-            rows, batch.prefix_lens, batch.extend_lens, batch.seq_lens
+            batch.row_ids, batch.prefix_lens, batch.extend_lens, batch.seq_lens
         ):
             slots = batch.page_table[row, :total].long()
             mask = None

@@ -155,7 +155,13 @@ class Engine:
             local_kv_heads = max(1, self.model_config.num_kv_heads // self.tp.size)
             kernels = "fa3" if name == "fa" else "fa2"
             return FlashInferBackend(
-                self.pool, local_heads, local_kv_heads, head_dim, self.dtype, kernels
+                self.pool,
+                self.page_table,
+                local_heads,
+                local_kv_heads,
+                head_dim,
+                self.dtype,
+                kernels,
             )
         raise ConfigError(
             f"attention backend {name!r} is not available on {self.device.type}; "
@@ -179,6 +185,7 @@ class Engine:
                 positions=zero,
                 out_slots=zero,
                 rows=torch.full_like(zero, self.page_table.dummy_row),
+                row_ids=[self.page_table.dummy_row],
                 prefix_lens=[0],
                 extend_lens=[1],
                 seq_lens=[1],

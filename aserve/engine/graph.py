@@ -58,13 +58,14 @@ class DecodeGraphs:
         self.outputs: dict[int, torch.Tensor] = {}
         self._capture()
 
-    def _static_batch(self, size: int, seq_lens: list[int]) -> ForwardBatch:
+    def _static_batch(self, size: int, seq_lens: list[int], row_ids: list[int]) -> ForwardBatch:
         return ForwardBatch(
             mode=ForwardMode.DECODE,
             input_ids=self.input_ids[:size],
             positions=self.positions[:size],
             out_slots=self.out_slots[:size],
             rows=self.rows[:size],
+            row_ids=row_ids,
             prefix_lens=[n - 1 for n in seq_lens],
             extend_lens=[1] * size,
             seq_lens=seq_lens,
@@ -79,7 +80,7 @@ class DecodeGraphs:
         free_before = torch.cuda.mem_get_info()[0]
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
-            batch = self._static_batch(size, [1] * size)
+            batch = self._static_batch(size, [1] * size, [self.page_table.dummy_row] * size)
             self.attn.plan_decode(self.wrappers[size], batch)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -114,7 +115,12 @@ class DecodeGraphs:
             self.out_slots[count:size].zero_()
             self.rows[count:size].fill_(self.page_table.dummy_row)
             self.seq_lens[count:size].fill_(1)
-        padded = self._static_batch(size, batch.seq_lens + [1] * (size - count))
+        padding = size - count
+        padded = self._static_batch(
+            size,
+            batch.seq_lens + [1] * padding,
+            batch.row_ids + [self.page_table.dummy_row] * padding,
+        )
         self.attn.plan_decode(self.wrappers[size], padded)
         self.graphs[size].replay()
         return self.outputs[size][:count]

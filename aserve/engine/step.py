@@ -90,6 +90,7 @@ def forward_batch(spec: StepSpec, page_table: PageTable, device: torch.device) -
         positions=positions,
         out_slots=page_table.slots[token_rows, positions].long(),
         rows=rows,
+        row_ids=list(spec.rows),
         prefix_lens=list(prefix_lens),
         extend_lens=list(extend_lens),
         seq_lens=seq_lens,

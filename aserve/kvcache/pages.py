@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 
@@ -73,7 +74,8 @@ class PageTable:
     Both live on the engine's device so a decode step can gather its input ids and KV
     locations without a host round trip. Row `max_running_requests` is the dummy row that
     padded batch entries use. One column more than the context: a step that fills the context
-    still writes its sampled token somewhere.
+    still writes its sampled token somewhere. `pages` mirrors the rows' page ids on the host,
+    from which `page_layout` describes a batch to FlashInfer without device work.
     """
 
     def __init__(
@@ -85,6 +87,7 @@ class PageTable:
         self.dummy_row = max_running_requests
         self.slots = torch.zeros(rows, width, dtype=torch.int32, device=device)
         self.tokens = torch.zeros(rows, width, dtype=torch.int32, device=device)
+        self.pages = np.zeros((rows, width // page_size), dtype=np.int32)
         self._free_rows = list(range(max_running_requests - 1, -1, -1))
         self._page_offsets = torch.arange(page_size, dtype=torch.int32)
         self._journal: list[PageWrite] | None = None
@@ -117,7 +120,22 @@ class PageTable:
             return
         if self._journal is not None:
             self._journal.append(PageWrite(row, first_page_index, list(pages)))
+        self.pages[row, first_page_index : first_page_index + len(pages)] = pages
         size = self.page_size
         slots = torch.tensor(pages, dtype=torch.int32)[:, None] * size + self._page_offsets
         start = first_page_index * size
         self.slots[row, start : start + len(pages) * size].copy_(slots.flatten(), non_blocking=True)
+
+    def page_layout(
+        self, row_ids: list[int], seq_lens: list[int]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The rows' KV as FlashInfer's paged layout, on the host: page index pointers
+        `[B + 1]`, tokens in each row's last page `[B]`, and the page ids, row after row."""
+        lens = np.asarray(seq_lens, dtype=np.int32)
+        counts = -(-lens // self.page_size)
+        indptr = np.zeros(len(lens) + 1, dtype=np.int32)
+        np.cumsum(counts, out=indptr[1:])
+        last = lens - (counts - 1) * self.page_size
+        widest = int(counts.max(initial=0))
+        grid = self.pages[np.asarray(row_ids, dtype=np.int64), :widest]
+        return indptr, last, grid[np.arange(widest) < counts[:, None]]
