@@ -13,15 +13,16 @@ class AttentionBackend(Protocol):
     """Paged attention over the KV pool.
 
     `prepare` builds the batch's metadata once (index tensors, masks, kernel plans) and stores
-    it in `batch.attn_metadata`; `forward` is then called by every layer with that batch. It
-    writes the new tokens' K/V into the pool at `batch.out_slots` and returns the attention
-    output `[tokens, num_heads * head_dim]`.
+    it in `batch.attn_metadata`; `forward` is then called by every layer with that batch,
+    with Q `[tokens, num_heads, head_dim]` and the new tokens' K and V side by side
+    `[tokens, 2, kv_heads, head_dim]`. It writes K/V into the pool at `batch.out_slots` and
+    returns the attention output `[tokens, num_heads * head_dim]`.
     """
 
     def prepare(self, batch: ForwardBatch) -> None: ...
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+        self, q: torch.Tensor, kv: torch.Tensor, layer: int, batch: ForwardBatch
     ) -> torch.Tensor: ...
 
 
@@ -39,6 +40,6 @@ class SplitBackend:
         self._pick(batch).prepare(batch)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+        self, q: torch.Tensor, kv: torch.Tensor, layer: int, batch: ForwardBatch
     ) -> torch.Tensor:
-        return self._pick(batch).forward(q, k, v, layer, batch)
+        return self._pick(batch).forward(q, kv, layer, batch)

@@ -1,11 +1,11 @@
 """Paged attention through FlashInfer kernels (CUDA only; `--attention-backend fi` or `fa`).
 
-The KV pool's per-layer tensors `[pages * page_size, kv_heads, head_dim]` are FlashInfer's
-NHD paged layout once viewed as `[pages, page_size, kv_heads, head_dim]`, so kernels read
-the pool in place. `prepare` plans once per batch: lengths and index pointers are built on
-the host from the batch's host-side lists (FlashInfer's planner reads them on the host
-anyway, so no device synchronisation), page indices are gathered on the device from the
-page table.
+The KV pool's per-layer K and V halves `[pages * page_size, kv_heads, head_dim]` are
+FlashInfer's NHD paged layout once viewed as `[pages, page_size, kv_heads, head_dim]`; the
+kernels take their strides (K and V of a slot sit side by side), so they read the pool in
+place. `prepare` plans once per batch, from host data only: lengths, index pointers and
+page ids come from the batch's host-side lists and the page table's host mirror
+(FlashInfer's planner reads them on the host anyway), so nothing waits for the device.
 """
 
 from __future__ import annotations
@@ -133,11 +133,15 @@ class FlashInferBackend:
         )
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+        self, q: torch.Tensor, kv: torch.Tensor, layer: int, batch: ForwardBatch
     ) -> torch.Tensor:
-        self.pool.store(layer, batch.out_slots, k, v)
+        """The decode kernels read Q with its strides (Q is a slice of the fused QKV output),
+        which saves a copy a layer; prefill gets a contiguous Q."""
+        self.pool.store(layer, batch.out_slots, kv)
         shape = (-1, self.page_size, self.num_kv_heads, self.head_dim)
         cache = (self.pool.k[layer].view(shape), self.pool.v[layer].view(shape))
-        q = q.reshape(-1, self.num_heads, self.head_dim).contiguous()
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        if not batch.is_decode:
+            q = q.contiguous()
         out = batch.attn_metadata.run(q, cache)
         return out.reshape(-1, self.num_heads * self.head_dim)

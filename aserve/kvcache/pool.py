@@ -1,4 +1,4 @@
-"""The KV pool: per layer, one K and one V tensor indexed by KV slot."""
+"""The KV pool: per layer, one tensor indexed by KV slot that holds K and V side by side."""
 
 from __future__ import annotations
 
@@ -18,8 +18,11 @@ def zeros_on(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -
 
 
 class KVPool:
-    """K/V storage of `num_pages * page_size` slots per layer, `[slots, kv_heads, head_dim]`.
+    """K/V storage of `num_pages * page_size` slots per layer, `[slots, 2, kv_heads, head_dim]`.
 
+    A slot's K and V sit side by side, as they come out of the fused QKV projection, so one
+    indexed write stores both (`store`); `k[layer]` and `v[layer]` are the two strided halves
+    `[slots, kv_heads, head_dim]` that backends read (FlashInfer through their strides).
     Attention backends write the new tokens' K/V at their slots and read a request's context
     through the page table; nothing else touches these tensors.
     """
@@ -34,15 +37,16 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        shape = (num_pages * page_size, num_kv_heads, head_dim)
+        shape = (num_pages * page_size, 2, num_kv_heads, head_dim)
         self.num_pages = num_pages
         self.page_size = page_size
-        self.k = [zeros_on(shape, dtype, device) for _ in range(num_layers)]
-        self.v = [zeros_on(shape, dtype, device) for _ in range(num_layers)]
+        self.kv = [zeros_on(shape, dtype, device) for _ in range(num_layers)]
+        self.k = [layer[:, 0] for layer in self.kv]
+        self.v = [layer[:, 1] for layer in self.kv]
 
-    def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer][slots] = k
-        self.v[layer][slots] = v
+    def store(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """Write `kv` `[tokens, 2, kv_heads, head_dim]` (K then V of each token) at `slots`."""
+        self.kv[layer][slots] = kv
 
     @staticmethod
     def bytes_per_token(

@@ -30,15 +30,15 @@ class RMSNorm(nn.Module):
             return self.ops.rmsnorm(x.contiguous(), self.weight, self.eps)
         return self._norm(x)
 
-    def norm_heads(self, x: torch.Tensor, head_dim: int) -> torch.Tensor:
-        """Normalise each head of `x` `[tokens, heads * head_dim]` (Qwen3's Q/K norm). With
-        FlashInfer in place: `x` may be Q or K inside the fused QKV output, a strided view the
-        kernel reads as it is, where a reshape would first copy it."""
+    def norm_heads(self, x: torch.Tensor, head_dim: int) -> None:
+        """Normalise each head of `x` `[tokens, heads * head_dim]` in place (Qwen3's Q/K norm).
+        `x` may be Q or K inside the fused QKV output, a strided view that FlashInfer's kernel
+        reads as it is, where a reshape would first copy it."""
         heads = x.unflatten(-1, (-1, head_dim))
         if self.ops is not None:
             self.ops.rmsnorm(heads, self.weight, self.eps, out=heads)
-            return x
-        return self._norm(heads).flatten(-2)
+        else:
+            heads.copy_(self._norm(heads))
 
     def add_and_norm(
         self, x: torch.Tensor, residual: torch.Tensor

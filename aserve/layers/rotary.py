@@ -65,16 +65,16 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.ops = ops
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q `[tokens, heads * head_dim]` and k `[tokens, kv_heads * head_dim]`."""
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Rotate q `[tokens, heads * head_dim]` and k `[tokens, kv_heads * head_dim]` in place
+        (they may be strided views into the fused QKV output)."""
         if self.ops is not None:
             self.ops.apply_rope_with_cos_sin_cache_inplace(
                 positions, q, k, self.head_dim, self.cos_sin, is_neox=True
             )
-            return q, k
-        return self._rotate(positions, q), self._rotate(positions, k)
+            return
+        q.copy_(self._rotate(positions, q))
+        k.copy_(self._rotate(positions, k))
 
     def _rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         heads = x.view(x.shape[0], -1, self.head_dim)

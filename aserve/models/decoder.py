@@ -62,13 +62,21 @@ class DecoderAttention(nn.Module):
         batch: ForwardBatch,
         attn: AttentionBackend,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], -1)
+        """Q/K norm and RoPE work in place on the fused QKV output, so K and V stay side by
+        side there and reach the KV pool in one write."""
+        q, kv = self.qkv_proj(hidden).split([self.q_size, 2 * self.kv_size], -1)
+        k = kv[:, : self.kv_size]
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm.norm_heads(q, self.head_dim)
-            k = self.k_norm.norm_heads(k, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        heads = (q.shape[0], -1, self.head_dim)
-        out = attn.forward(q.view(heads), k.view(heads), v.view(heads), self.layer, batch)
+            self.q_norm.norm_heads(q, self.head_dim)
+            self.k_norm.norm_heads(k, self.head_dim)
+        self.rotary(positions, q, k)
+        tokens = q.shape[0]
+        out = attn.forward(
+            q.view(tokens, -1, self.head_dim),
+            kv.view(tokens, 2, -1, self.head_dim),
+            self.layer,
+            batch,
+        )
         return self.o_proj(out)
 
 
