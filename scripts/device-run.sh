@@ -31,15 +31,6 @@ for step in "$@"; do
     smol-tests) timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k smollm2 2>&1 | grep -v "^  /\|^    " | tail -30 ;;
     serving) serve qwen3-0.6b --max-seq-len-override 4096 --max-prefill-length 16384 --page-size 256 --cuda-graph-max-bs 256 \
               && timeout 200 python3 bench/serving.py --num-prompts 256 --input-len 100 1024 --output-len 100 1024 --temperature 0.6 --label "offline workload over HTTP, 256 streams" 2>&1 | head -30; pkill -INT -f "aserve --model"; sleep 3 ;;
-    serving-ab) cat /proc/sys/net/core/somaxconn; python3 -m pip install -q --no-index --no-deps --target /tmp/tools .tools/py_spy*.whl
-              S="--max-seq-len-override 4096 --max-prefill-length 16384 --page-size 256 --cuda-graph-max-bs 256"
-              B="--num-prompts 256 --input-len 100 1024 --output-len 100 1024 --temperature 0.6"
-              serve qwen3-0.6b $S && { (sleep 4; timeout 20 /tmp/tools/bin/py-spy record -p $(pgrep -f "aserve --model" | head -1) -d 8 -r 200 -f raw -o $OUT/spy.txt --nonblocking > $OUT/spy.log 2>&1) &
-                timeout 200 python3 bench/serving.py $B --label "offline workload over HTTP, 256 streams, listen backlog 2048" 2>&1 | grep -E "throughput|TTFT|ITL|Headers|Failed"; }
-              pkill -INT -f "aserve --model"; sleep 4; grep -c "Prefill batch" $OUT/server-qwen3-0.6b.log; cp $OUT/server-qwen3-0.6b.log $OUT/server-2048.log
-              sed -i 's/^LISTEN_BACKLOG = 2048/LISTEN_BACKLOG = 128/' aserve/server/serve.py
-              serve qwen3-0.6b $S && timeout 200 python3 bench/serving.py $B --no-record 2>&1 | grep -E "throughput|TTFT|ITL|Headers|Failed"
-              pkill -INT -f "aserve --model"; sleep 4; grep -c "Prefill batch" $OUT/server-qwen3-0.6b.log; sed -i "s/^LISTEN_BACKLOG = 128/LISTEN_BACKLOG = 2048/" aserve/server/serve.py ;;
     qwen3-tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k "qk_norm or qwen3" 2>&1 | grep -v "^  /\|^    " | tail -30 ;;
     noaot-site) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-noaot .whl/*.whl ;;  # no kernel pack: a fresh machine
     startup)
