@@ -1,0 +1,37 @@
+"""The output channel between the scheduler and a request's reader."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aserve.sampling_params import TokenLogprob
+from aserve.scheduler.request import FinishReason, OutputChannel, ReqOutput
+
+
+def test_a_reader_that_fell_behind_gets_everything_pending_as_one_output() -> None:
+    async def scenario() -> tuple[ReqOutput, ReqOutput]:
+        channel = OutputChannel()
+        channel.put_nowait(ReqOutput((5,), (TokenLogprob(5, -0.5, ()),)))
+        channel.put_nowait(ReqOutput((6, 7), ()))
+        channel.put_nowait(ReqOutput((8,), (), FinishReason.LENGTH))
+        merged = await channel.get()
+        channel.put_nowait(ReqOutput((), (), FinishReason.ABORT, "late"))
+        return merged, await channel.get()
+
+    merged, single = asyncio.run(scenario())
+    assert merged.token_ids == (5, 6, 7, 8)
+    assert [lp.token_id for lp in merged.logprobs] == [5]
+    assert merged.finish_reason is FinishReason.LENGTH and merged.error is None
+    assert single == ReqOutput((), (), FinishReason.ABORT, "late")
+
+
+def test_a_waiting_reader_wakes_on_the_next_output() -> None:
+    async def scenario() -> ReqOutput:
+        channel = OutputChannel()
+        reader = asyncio.create_task(channel.get())
+        await asyncio.sleep(0)
+        assert not reader.done()
+        asyncio.get_running_loop().call_soon(channel.put_nowait, ReqOutput((9,), ()))
+        return await asyncio.wait_for(reader, timeout=5)
+
+    assert asyncio.run(scenario()) == ReqOutput((9,), ())
