@@ -171,6 +171,25 @@ def test_streamed_completion_equals_non_streamed(server: ServerProcess) -> None:
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
+def test_streamed_choices_equal_non_streamed(server: ServerProcess) -> None:
+    """Several choices share one stream (n=2, and two prompts): each index's chunks add up to
+    that choice's non-streamed text, and the usage counts them all."""
+    url = server.base_url + "/v1/completions"
+    base = {"model": MODEL, "max_tokens": 10, "seed": 3, "stream_options": {"include_usage": True}}
+    for request in (
+        {**base, "prompt": "Once", "n": 2},
+        {**base, "prompt": ["The capital of France is", "One, two,"], "temperature": 0},
+    ):
+        _, full = run(post(url, request))
+        chunks, _ = run(stream(url, request))
+        texts = ["", ""]
+        for chunk in chunks:
+            for choice in chunk["choices"]:
+                texts[choice["index"]] += choice["text"]
+        assert texts == [c["text"] for c in full["choices"]]
+        assert chunks[-1]["usage"]["completion_tokens"] == 20
+
+
 def test_stop_strings_never_appear(server: ServerProcess) -> None:
     url = server.base_url + "/v1/completions"
     base = {
