@@ -69,21 +69,21 @@ def forward_batch(spec: StepSpec, page_table: PageTable, device: torch.device) -
     where the previous step's sampled ids were written."""
     prefix_lens, extend_lens = spec.prefix_lens, spec.extend_lens
     seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
-    rows = torch.tensor(spec.rows, dtype=torch.int64)
+    rows = torch.tensor(spec.rows, dtype=torch.int64).to(device, non_blocking=True)
     if spec.mode is ForwardMode.DECODE:
-        positions = torch.tensor(prefix_lens, dtype=torch.int64)
+        positions = torch.tensor(prefix_lens, dtype=torch.int64).to(device, non_blocking=True)
         token_rows = rows
-        input_ids = None
+        input_ids = page_table.tokens[rows, positions].long()
+        logit_indices = torch.arange(len(rows), device=device)
     else:
         positions = torch.cat([torch.arange(p, s) for p, s in zip(prefix_lens, seq_lens)])
-        token_rows = torch.repeat_interleave(rows, torch.tensor(extend_lens))
+        positions = positions.to(device, non_blocking=True)
+        token_rows = torch.repeat_interleave(
+            torch.tensor(spec.rows, dtype=torch.int64), torch.tensor(extend_lens)
+        ).to(device, non_blocking=True)
         input_ids = torch.tensor(spec.input_ids, dtype=torch.int64).to(device, non_blocking=True)
-    rows = rows.to(device, non_blocking=True)
-    token_rows = token_rows.to(device, non_blocking=True)
-    positions = positions.to(device, non_blocking=True)
-    if input_ids is None:
-        input_ids = page_table.tokens[token_rows, positions].long()
-    ends = torch.tensor(extend_lens, dtype=torch.int64).cumsum(0) - 1
+        ends = torch.tensor(extend_lens, dtype=torch.int64).cumsum(0) - 1
+        logit_indices = ends.to(device, non_blocking=True)
     return ForwardBatch(
         mode=spec.mode,
         input_ids=input_ids,
@@ -95,6 +95,6 @@ def forward_batch(spec: StepSpec, page_table: PageTable, device: torch.device) -
         extend_lens=list(extend_lens),
         seq_lens=seq_lens,
         seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int64).to(device, non_blocking=True),
-        logit_indices=ends.to(device, non_blocking=True),
+        logit_indices=logit_indices,
         page_table=page_table.slots,
     )
