@@ -28,6 +28,7 @@ from aserve.forward import ForwardMode
 from aserve.kvcache.pages import PageWrite
 from aserve.layers.embedding import VocabParallelEmbedding
 from aserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from aserve.llm import GenerationOutput
 from tests.server_utils import ServerProcess
 from tests.tiny_models import make_tiny_model
 
@@ -52,21 +53,24 @@ def pair(
     one.close()
 
 
-def test_tp2_greedy_tokens_and_logprobs_equal_tp1(pair: tuple[LLM, LLM]) -> None:
-    one, two = pair
-    assert two.runtime.engine.tp.size == 2
-    params = SamplingParams(
-        temperature=0, max_tokens=6, ignore_eos=True, logprobs=True, top_logprobs=5
-    )
-    expected = one.generate(PROMPTS, params)
-    got = two.generate(PROMPTS, params)
-    for ours, theirs in zip(got, expected):
+def assert_same_generations(got: list[GenerationOutput], expected: list[GenerationOutput]) -> None:
+    """Same tokens; logprobs and top alternatives equal up to float32 summation order."""
+    for ours, theirs in zip(got, expected, strict=True):
         assert ours.token_ids == theirs.token_ids
         assert ours.logprobs is not None and theirs.logprobs is not None
         for a, b in zip(ours.logprobs, theirs.logprobs):
             assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
             assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-5)
+
+
+def test_tp2_greedy_tokens_and_logprobs_equal_tp1(pair: tuple[LLM, LLM]) -> None:
+    one, two = pair
+    assert two.runtime.engine.tp.size == 2
+    params = SamplingParams(
+        temperature=0, max_tokens=6, ignore_eos=True, logprobs=True, top_logprobs=5
+    )
+    assert_same_generations(two.generate(PROMPTS, params), one.generate(PROMPTS, params))
     two.scheduler.check_integrity()
 
 
@@ -96,13 +100,7 @@ def test_tp2_moe_greedy_tokens_and_logprobs_equal_tp1(tmp_path: Path) -> None:
     ):
         experts = two.runtime.engine.model.model.layers[0].mlp.experts
         assert experts.w2.shape[-1] == 32 // 2
-        expected = one.generate(PROMPTS, params)
-        got = two.generate(PROMPTS, params)
-    for ours, theirs in zip(got, expected):
-        assert ours.token_ids == theirs.token_ids
-        assert ours.logprobs is not None and theirs.logprobs is not None
-        for a, b in zip(ours.logprobs, theirs.logprobs):
-            assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+        assert_same_generations(two.generate(PROMPTS, params), one.generate(PROMPTS, params))
 
 
 def test_tp_that_does_not_split_the_model_is_refused(tmp_path: Path) -> None:
