@@ -49,17 +49,21 @@ def our_logits(llm: LLM, prompt: list[int], continuation: list[int]) -> torch.Te
     return torch.stack(rows)
 
 
+def assert_logits_match(llm: LLM, hf: torch.nn.Module) -> None:
+    """Our float32 logits of each prompt's prefill and five decode steps equal transformers'."""
+    for prompt in PROMPTS:
+        continuation = [7, 123, 45, 2, 99]
+        ours = our_logits(llm, prompt, continuation)
+        with torch.inference_mode():
+            theirs = hf(torch.tensor([prompt + continuation])).logits[0, len(prompt) - 1 :]
+        torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=1e-4)
+    llm.scheduler.check_integrity()
+
+
 def test_logits_match_transformers(tiny: Path) -> None:
     hf = hf_model(tiny)
     with LLM(str(tiny), page_size=4) as llm:
-        for prompt in PROMPTS:
-            continuation = [7, 123, 45, 2, 99]
-            ours = our_logits(llm, prompt, continuation)
-            full = torch.tensor([prompt + continuation])
-            with torch.inference_mode():
-                theirs = hf(full).logits[0, len(prompt) - 1 :]
-            torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=1e-4)
-        llm.scheduler.check_integrity()
+        assert_logits_match(llm, hf)
 
 
 def test_greedy_matches_transformers_generate(tiny: Path) -> None:

@@ -26,7 +26,7 @@ from aserve.layers.moe import (
 )
 from aserve.models.registry import build_model
 from aserve.models.weights import fill_dummy_weights, iter_weights, load_hf_config
-from tests.test_models import PROMPTS, hf_model, our_logits
+from tests.test_models import PROMPTS, assert_logits_match, hf_model, our_logits
 from tests.tiny_models import hf_greedy_tokens, make_tiny_model
 
 BENCH_MOE = Path(__file__).resolve().parent.parent / "bench" / "models" / "qwen3-30b-a3b"
@@ -88,13 +88,7 @@ def test_logits_match_transformers(tiny_moe: Path) -> None:
             type(layer.mlp).__name__.endswith("MoeBlock") for layer in hf.model.layers
         ]
         assert any(ours_sparse) and not all(ours_sparse)
-        for prompt in PROMPTS:
-            continuation = [7, 123, 45, 2, 99]
-            ours = our_logits(llm, prompt, continuation)
-            with torch.inference_mode():
-                theirs = hf(torch.tensor([prompt + continuation])).logits[0, len(prompt) - 1 :]
-            torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=1e-4)
-        llm.scheduler.check_integrity()
+        assert_logits_match(llm, hf)
 
 
 def test_greedy_matches_transformers_generate(tiny_moe: Path) -> None:
