@@ -38,9 +38,10 @@ for step in "$@"; do
                PYTHONPATH=/tmp/site-noaot:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-cold ready_in --model bench/models/$m --dummy-weight; done; done ;;
     startup-smol) rm -rf /tmp/fi-cold ~/.cache/aserve; for phase in first second; do   # GGUF conversion and kernels, cold then cached
                PYTHONPATH=/tmp/site-noaot:/tmp/site:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-cold ready_in; done ;;
-    spy) python3 -m pip install -q --no-index --no-deps --target /tmp/site .tools/py_spy-*.whl
-         timeout 200 /tmp/site/bin/py-spy record -r 400 -f raw -o $OUT/spy-latency.txt -- python3 bench/latency.py --model bench/models/qwen3-0.6b --dummy-weight --repeat 1 --output-len 1500 --no-record 2>&1 | tail -3
+    spy) python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/spy .tools/py_spy-*.whl
+         timeout 200 /tmp/spy/bin/py-spy record -r 400 -f raw -o $OUT/spy-latency.txt -- python3 bench/latency.py --model bench/models/qwen3-0.6b --dummy-weight --repeat 1 --output-len 1500 --no-record 2>&1 | tail -3
          python3 scripts/spy_summary.py $OUT/spy-latency.txt 2>&1 | head -70 ;;
+    decode-kernels) timeout 200 python3 bench/decode_kernels.py 2>&1 | tail -16 ;;
     trace256) timeout 200 python3 bench/trace.py --model bench/models/qwen3-0.6b --dummy-weight --batch 256 --no-record 2>&1 | tail -40 ;;
     moe-ratio) for b in fused torch; do timeout 250 python3 bench/offline.py --model bench/models/qwen3-30b-a3b --moe-backend $b $W --num-seqs 64 --output-len 100 256 2>&1 | grep -v Warn | tail -2;
                timeout 150 python3 bench/latency.py --model bench/models/qwen3-30b-a3b --dummy-weight --moe-backend $b --repeat 2 2>&1 | tail -2; done ;;

@@ -1,0 +1,89 @@
+"""FlashInfer's two decode kernels against each other: tensor cores or CUDA cores, per batch.
+
+    python bench/decode_kernels.py
+
+`FlashInferBackend.use_tensor_cores` picks one per batch size from these figures. Each
+kernel runs 20 times inside a CUDA graph (as in serving), bf16, head dim 128, a context of
+`--context` tokens a request, and prints microseconds per call (one layer).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+SHAPES = {"qwen3-0.6b (16 q / 8 kv heads)": (16, 8), "llama-3.1-8b (32 q / 8 kv heads)": (32, 8)}
+REPLAYS = 20
+
+
+def time_kernel(
+    batch: int, q_heads: int, kv_heads: int, context: int, page_size: int, tensor_cores: bool
+) -> float:
+    import flashinfer
+
+    device = torch.device("cuda")
+    head_dim = 128
+    pages_per_seq = -(-context // page_size)
+    num_pages = batch * pages_per_seq
+    cache = torch.randn(
+        num_pages, 2, page_size, kv_heads, head_dim, dtype=torch.bfloat16, device=device
+    )
+    q = torch.randn(batch, q_heads, head_dim, dtype=torch.bfloat16, device=device)
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=device)
+    indptr = torch.arange(batch + 1, dtype=torch.int32, device=device) * pages_per_seq
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        workspace,
+        "NHD",
+        use_cuda_graph=True,
+        use_tensor_cores=tensor_cores,
+        paged_kv_indptr_buffer=indptr.clone(),
+        paged_kv_indices_buffer=torch.zeros(num_pages, dtype=torch.int32, device=device),
+        paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device=device),
+    )
+    last = context - (pages_per_seq - 1) * page_size
+    wrapper.plan(
+        indptr.cpu(),
+        torch.arange(num_pages, dtype=torch.int32),
+        torch.full((batch,), last, dtype=torch.int32),
+        num_qo_heads=q_heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        q_data_type=torch.bfloat16,
+        kv_data_type=torch.bfloat16,
+    )
+    wrapper.run(q, cache)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(REPLAYS):
+            wrapper.run(q, cache)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000 / (10 * REPLAYS)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--context", type=int, default=1000)
+    p.add_argument("--page-size", type=int, default=256)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
+    args = p.parse_args()
+    print(f"us per layer, context {args.context}, pages of {args.page_size}")
+    print(f"{'shape':<34} {'batch':>5} {'tensor cores':>13} {'cuda cores':>11}")
+    for name, (q_heads, kv_heads) in SHAPES.items():
+        for batch in args.batches:
+            tc, cc = (
+                time_kernel(batch, q_heads, kv_heads, args.context, args.page_size, tc)
+                for tc in (True, False)
+            )
+            print(f"{name:<34} {batch:>5} {tc:>13.1f} {cc:>11.1f}")
+
+
+if __name__ == "__main__":
+    main()
