@@ -80,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     parallel.add_argument(
         "--disable-pynccl",
         action="store_true",
-        help="use torch.distributed's NCCL for tensor-parallel collectives (today the only "
-        "path: aserve has no faster custom all-reduce yet, so this changes nothing)",
+        help="use torch.distributed's NCCL for every tensor-parallel collective (by default "
+        "small all-reduces take a one-shot kernel over NVLink when the GPUs allow it)",
     )
 
     memory = p.add_argument_group("memory and batching")

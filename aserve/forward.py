@@ -25,22 +25,35 @@ class ForwardBatch:
     `prefix_lens[i]` tokens of request i already have KV in the pool; this step computes
     `extend_lens[i]` more (1 in decode), so its KV length becomes `seq_lens[i]`. Host-side
     lengths and `row_ids` (the page-table rows, `rows` on the device) are plain lists, so
-    backends can plan without reading device memory.
+    backends can plan without reading device memory. The per-token inputs are the rows of
+    one `[3, T]` tensor, so a CUDA graph takes them with one copy; `record_index` is where
+    each request's sampled token goes in the token table (flattened).
     """
 
     mode: ForwardMode
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    out_slots: torch.Tensor
+    token_inputs: torch.Tensor
     rows: torch.Tensor
     row_ids: list[int]
     prefix_lens: list[int]
     extend_lens: list[int]
     seq_lens: list[int]
-    seq_lens_tensor: torch.Tensor
     logit_indices: torch.Tensor
+    record_index: torch.Tensor
     page_table: torch.Tensor
     attn_metadata: Any = None
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self.token_inputs[0]
+
+    @property
+    def out_slots(self) -> torch.Tensor:
+        """The KV slot each token's K and V are written to."""
+        return self.token_inputs[1]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.token_inputs[2]
 
     @property
     def batch_size(self) -> int:

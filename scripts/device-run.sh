@@ -42,6 +42,7 @@ for step in "$@"; do
          timeout 200 /tmp/spy/bin/py-spy record -r 400 -f raw -o $OUT/spy-latency.txt -- python3 bench/latency.py --model bench/models/qwen3-0.6b --dummy-weight --repeat 1 --output-len 1500 --no-record 2>&1 | tail -3
          python3 scripts/spy_summary.py $OUT/spy-latency.txt 2>&1 | head -70 ;;
     decode-kernels) timeout 200 python3 bench/decode_kernels.py 2>&1 | tail -16 ;;
+    all-reduce) timeout 200 python3 bench/all_reduce.py --tp 2 2>&1 | tail -12 ;;
     trace256) timeout 200 python3 bench/trace.py --model bench/models/qwen3-0.6b --dummy-weight --batch 256 --no-record 2>&1 | tail -40 ;;
     moe-ratio) for b in fused torch; do timeout 250 python3 bench/offline.py --model bench/models/qwen3-30b-a3b --moe-backend $b $W --num-seqs 64 --output-len 100 256 2>&1 | grep -v Warn | tail -2;
                timeout 150 python3 bench/latency.py --model bench/models/qwen3-30b-a3b --dummy-weight --moe-backend $b --repeat 2 2>&1 | tail -2; done ;;

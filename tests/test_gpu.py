@@ -229,15 +229,16 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPU
 
 @two_gpus
 def test_tp2_greedy_equals_tp1_on_cuda(make_llm: Callable[..., LLM], tmp_path: Path) -> None:
-    """float32 (torch attention): NCCL all-reduce / all-gather and the id broadcast."""
+    """float32 (torch attention): all-reduces (the one-shot kernel over NVLink, and NCCL
+    with `--disable-pynccl`), all-gather and the id broadcast."""
     folder = make_tiny_model("llama", tmp_path, overrides={**KERNEL_SHAPES, "head_dim": 64})
     options = {"device": "cuda", "dtype": "float32", "page_size": 4, "max_prefill_length": 40}
-    one = make_llm(folder, **options)
-    two = make_llm(folder, tensor_parallel_size=2, **options)
-    assert two.runtime.engine.tp.size == 2
-    assert [o.token_ids for o in two.generate(PROMPTS, GREEDY)] == [
-        o.token_ids for o in one.generate(PROMPTS, GREEDY)
-    ]
+    expected = [o.token_ids for o in make_llm(folder, **options).generate(PROMPTS, GREEDY)]
+    for disable_pynccl in (False, True):
+        two = make_llm(folder, tensor_parallel_size=2, disable_pynccl=disable_pynccl, **options)
+        assert two.runtime.engine.tp.size == 2
+        assert (two.runtime.engine.tp.one_shot is None) == disable_pynccl
+        assert [o.token_ids for o in two.generate(PROMPTS, GREEDY)] == expected
 
 
 @two_gpus

@@ -8,7 +8,8 @@ from aserve.config import SchedulerConfig
 from aserve.forward import ForwardMode
 from aserve.kvcache.pages import PageAllocator, PageTable
 from aserve.kvcache.radix import RadixCache
-from aserve.scheduler.plan import Planner
+from aserve.scheduler.batch import SamplingBatches, build_forward_batch
+from aserve.scheduler.plan import Planner, ScheduledBatch
 from aserve.scheduler.request import FinishReason, Req, ReqStatus, SamplingParams
 
 
@@ -127,3 +128,53 @@ def test_finish_and_abort_return_pages() -> None:
     planner.cache.evict(1000)
     assert planner.allocator.free_pages == planner.allocator.usable_pages
     assert planner.page_table.free_rows == 8
+
+
+def test_forward_batch_takes_slots_from_the_host_mirror_and_ids_from_the_token_table() -> None:
+    """A step's KV slots come from the page table's host mirror and decode input ids from
+    the device token table, where the previous step recorded its sampled ids: the slots
+    must agree with the device page table the planner wrote."""
+    planner = make_planner(num_pages=64, page_size=4, max_prefill=64)
+    reqs = [make_req(i, n, first_token=30 * i) for i, n in enumerate((5, 9, 3))]
+    for req in reqs:
+        planner.add(req)
+    table = planner.page_table
+    for mode in (ForwardMode.PREFILL, ForwardMode.DECODE):
+        planned = planner.schedule()
+        assert planned is not None and planned.mode is mode
+        batch = build_forward_batch(planned, table, torch.device("cpu"))
+        rows = torch.tensor([r.slot for r in reqs]).repeat_interleave(
+            torch.tensor(planned.extend_lens)
+        )
+        assert torch.equal(batch.out_slots, table.slots[rows, batch.positions].long())
+        if mode is ForwardMode.DECODE:
+            assert torch.equal(batch.input_ids, table.tokens[rows, batch.positions])
+        else:
+            assert batch.input_ids.tolist() == [t for r in reqs for t in r.prompt_ids]
+        ends = torch.tensor(planned.extend_lens).cumsum(0) - 1
+        assert torch.equal(batch.logit_indices, ends)
+        next_ids = torch.tensor([7, 8, 9])
+        table.tokens.view(-1).index_copy_(0, batch.record_index, next_ids)
+        assert table.tokens[[r.slot for r in reqs], batch.seq_lens].tolist() == [7, 8, 9]
+        planner.complete(planned, next_ids.tolist())
+    assert [r.all_ids[-2:] for r in reqs] == [[7, 7], [8, 8], [9, 9]]
+
+
+def test_sampling_batch_is_reused_only_while_nothing_in_it_changes() -> None:
+    batches = SamplingBatches(vocab_size=100, device=torch.device("cpu"), fused=True)
+    plain = [make_req(i, 4) for i in range(3)]
+    first = batches.build(ScheduledBatch(ForwardMode.DECODE, plain, [1] * 3, [True] * 3))
+    again = batches.build(ScheduledBatch(ForwardMode.DECODE, plain, [1] * 3, [True] * 3))
+    assert again is first
+    reordered = batches.build(ScheduledBatch(ForwardMode.DECODE, plain[::-1], [1] * 3, [True] * 3))
+    assert reordered is not first
+    seeded = make_req(5, 4)
+    seeded.params = SamplingParams(max_tokens=50, seed=1)
+    penalised = make_req(6, 4)
+    penalised.params = SamplingParams(max_tokens=50, presence_penalty=0.5)
+    for odd in (seeded, penalised):
+        reqs = [*plain, odd]
+        step = batches.build(ScheduledBatch(ForwardMode.DECODE, reqs, [1] * 4, [True] * 4))
+        assert (
+            batches.build(ScheduledBatch(ForwardMode.DECODE, reqs, [1] * 4, [True] * 4)) is not step
+        )

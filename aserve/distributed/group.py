@@ -7,18 +7,22 @@ and owning the groups lets a process open and close engines one after another (t
 offline LLM) without touching a user's own torch.distributed setup.
 
 - the device group runs the model's collectives: NCCL on CUDA, gloo on CPU;
-- the host group (always gloo) agrees on host-side numbers, such as the KV pool size.
+- the host group (always gloo) agrees on host-side numbers, such as the KV pool size;
+- on GPUs that reach each other's memory, small all-reduces take a one-shot kernel over
+  symmetric memory instead of NCCL (`one_shot.py`), unless `--disable-pynccl` says not to.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
 import torch
+
+from aserve.distributed.one_shot import OneShotAllReduce, can_use_one_shot
 
 logger = logging.getLogger(__name__)
 
@@ -31,11 +35,16 @@ class TPGroup:
     size: int = 1
     device_group: Any = field(default=None, compare=False, repr=False)
     host_group: Any = field(default=None, compare=False, repr=False)
+    one_shot: OneShotAllReduce | None = field(default=None, compare=False, repr=False)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum `x` over ranks, in place."""
+        """Sum `x` over ranks: a new tensor from the one-shot path, else `x` summed in place."""
         if self.size == 1:
             return x
+        if self.one_shot is not None:
+            summed = self.one_shot.all_reduce(x)
+            if summed is not None:
+                return summed
         self.device_group.allreduce([x]).wait()
         return x
 
@@ -118,9 +127,15 @@ def connect_store(port: int, size: int, timeout: timedelta) -> Any:
 
 
 def join_group(
-    store: Any, rank: int, size: int, device: torch.device, timeout: timedelta
+    store: Any,
+    rank: int,
+    size: int,
+    device: torch.device,
+    timeout: timedelta,
+    one_shot: bool = True,
 ) -> TPGroup:
-    """Build this rank's backends; blocks until every rank has called it (or `timeout`)."""
+    """Build this rank's backends; blocks until every rank has called it (or `timeout`).
+    `one_shot` False keeps every device collective on NCCL (`--disable-pynccl`)."""
     import torch.distributed as dist
 
     host = dist.ProcessGroupGloo(dist.PrefixStore("host", store), rank, size, timeout=timeout)
@@ -133,4 +148,30 @@ def join_group(
     else:
         prefix = dist.PrefixStore("device", store)
         device_group = dist.ProcessGroupGloo(prefix, rank, size, timeout=timeout)
-    return TPGroup(rank, size, device_group, host)
+    group = TPGroup(rank, size, device_group, host)
+    if one_shot and group.agree_min(int(can_use_one_shot(size, device))):
+        group = _with_one_shot(group, store, device)
+    return group
+
+
+def _with_one_shot(group: TPGroup, store: Any, device: torch.device) -> TPGroup:
+    """`group` with the one-shot all-reduce, if every rank opens it and it sums a test
+    tensor as NCCL does; otherwise `group` as it was, with the reason logged."""
+    fast: OneShotAllReduce | None = None
+    try:
+        fast = OneShotAllReduce.open(store, group.rank, group.size, device)
+        probe = torch.arange(4096, dtype=torch.bfloat16, device=device) * (group.rank + 1)
+        summed = fast.all_reduce(probe)
+        expected = group.all_reduce(probe.clone())
+        works = summed is not None and torch.equal(summed, expected)
+    except Exception as error:  # any failure here means: stay on NCCL
+        logger.warning("the one-shot all-reduce is unavailable (%s); using NCCL", error)
+        works = False
+    if fast is None or not group.agree_min(int(works)):
+        logger.info("tensor-parallel all-reduce: NCCL")
+        return group
+    logger.info(
+        "tensor-parallel all-reduce: one-shot over symmetric memory up to %d KiB, NCCL above",
+        fast.max_bytes // 1024,
+    )
+    return replace(group, one_shot=fast)

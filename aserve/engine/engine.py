@@ -21,6 +21,7 @@ from aserve.config import ConfigError, EngineConfig, ModelConfig
 from aserve.distributed.group import TPGroup
 from aserve.engine.memory import GiB, free_device_memory, kv_bytes_per_token, plan_num_pages
 from aserve.engine.sampler import SampleOutput, Sampler, SamplingBatch, fused_sampling
+from aserve.engine.step import StepSpec, forward_batch
 from aserve.forward import ForwardBatch, ForwardMode
 from aserve.kvcache.pages import PageTable
 from aserve.kvcache.pool import KVPool
@@ -177,22 +178,10 @@ class Engine:
             return
         logger.info("warming up GPU kernels (the first start compiles them, which takes minutes)")
         started = time.perf_counter()
-        zero = torch.zeros(1, dtype=torch.int64, device=self.device)
+        dummy = self.page_table.dummy_row
         for mode in (ForwardMode.PREFILL, ForwardMode.DECODE):
-            batch = ForwardBatch(
-                mode=mode,
-                input_ids=zero,
-                positions=zero,
-                out_slots=zero,
-                rows=torch.full_like(zero, self.page_table.dummy_row),
-                row_ids=[self.page_table.dummy_row],
-                prefix_lens=[0],
-                extend_lens=[1],
-                seq_lens=[1],
-                seq_lens_tensor=torch.ones_like(zero),
-                logit_indices=zero,
-                page_table=self.page_table.slots,
-            )
+            spec = StepSpec(mode, [dummy], [0], [1], [0] if mode is ForwardMode.PREFILL else [], [])
+            batch = forward_batch(spec, self.page_table, self.device)
             self.attn.prepare(batch)
             logits = self.model(batch, self.attn)
         unseeded = SamplingParams(temperature=1.0, top_k=2, top_p=0.9, min_p=0.01)
@@ -255,4 +244,4 @@ class Engine:
         return self.model(batch, self.attn)
 
     def record_tokens(self, batch: ForwardBatch, next_ids: torch.Tensor) -> None:
-        self.page_table.tokens[batch.rows, batch.seq_lens_tensor] = next_ids.to(torch.int32)
+        self.page_table.tokens.view(-1).index_copy_(0, batch.record_index, next_ids)

@@ -95,7 +95,9 @@ class Followers:
         try:
             joined = [f"joining/{r}" for r in range(1, size)]
             self._wait_for(lambda: self._store.check(joined), "reach the rendezvous")
-            self.group = join_group(self._store, 0, size, device, timeout)
+            self.group = join_group(
+                self._store, 0, size, device, timeout, one_shot=not config.disable_pynccl
+            )
         except BaseException:
             self.close()
             raise

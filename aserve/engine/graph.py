@@ -1,10 +1,11 @@
 """CUDA graphs of the decode forward, one per captured batch size.
 
 A decode step of a small model is hundreds of tiny kernels; replaying a captured graph
-launches them all at once. Inputs live in static buffers that each step copies into; a batch
-is padded up to the next captured size, pad rows reading and writing only the dummy page 0
-through the page table's dummy row. Attention metadata is planned into a FlashInfer
-wrapper with static buffers per size. Sampling stays outside the graph.
+launches them all at once. The per-token inputs (ids, KV slots, positions) live in one static
+`[3, max_batch]` buffer that each step fills with one copy; a batch is padded up to the next
+captured size, pad rows (zeros) reading and writing only the dummy page 0. Attention
+metadata is planned into a FlashInfer wrapper with static buffers per size. Sampling stays
+outside the graph.
 """
 
 from __future__ import annotations
@@ -46,11 +47,8 @@ class DecodeGraphs:
         self.max_batch_size = self.sizes[-1]
         device = page_table.slots.device
         n = self.max_batch_size
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.out_slots = torch.zeros(n, dtype=torch.int64, device=device)
+        self.token_inputs = torch.zeros(3, n, dtype=torch.int64, device=device)
         self.rows = torch.full((n,), page_table.dummy_row, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.int64, device=device)
         self.logit_indices = torch.arange(n, device=device)
         pages_per_seq = pages_needed(max_seq_len + 1, attn.page_size)
         self.wrappers = {bs: attn.graph_decode_wrapper(bs, bs * pages_per_seq) for bs in self.sizes}
@@ -61,16 +59,14 @@ class DecodeGraphs:
     def _static_batch(self, size: int, seq_lens: list[int], row_ids: list[int]) -> ForwardBatch:
         return ForwardBatch(
             mode=ForwardMode.DECODE,
-            input_ids=self.input_ids[:size],
-            positions=self.positions[:size],
-            out_slots=self.out_slots[:size],
+            token_inputs=self.token_inputs[:, :size],
             rows=self.rows[:size],
             row_ids=row_ids,
             prefix_lens=[n - 1 for n in seq_lens],
             extend_lens=[1] * size,
             seq_lens=seq_lens,
-            seq_lens_tensor=self.seq_lens[:size],
             logit_indices=self.logit_indices[:size],
+            record_index=self.logit_indices[:size],  # unused: tokens are recorded outside
             page_table=self.page_table.slots,
         )
 
@@ -104,17 +100,9 @@ class DecodeGraphs:
         """Logits of a decode batch of at most `max_batch_size` requests, by graph replay."""
         count = batch.batch_size
         size = next(s for s in self.sizes if s >= count)
-        self.input_ids[:count].copy_(batch.input_ids)
-        self.positions[:count].copy_(batch.positions)
-        self.out_slots[:count].copy_(batch.out_slots)
-        self.rows[:count].copy_(batch.rows)
-        self.seq_lens[:count].copy_(batch.seq_lens_tensor)
+        self.token_inputs[:, :count].copy_(batch.token_inputs)
         if size > count:
-            self.input_ids[count:size].zero_()
-            self.positions[count:size].zero_()
-            self.out_slots[count:size].zero_()
-            self.rows[count:size].fill_(self.page_table.dummy_row)
-            self.seq_lens[count:size].fill_(1)
+            self.token_inputs[:, count:size].zero_()
         padding = size - count
         padded = self._static_batch(
             size,

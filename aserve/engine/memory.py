@@ -9,6 +9,7 @@ import torch
 
 from aserve.config import EngineConfig, ModelConfig
 from aserve.distributed.group import TPGroup
+from aserve.kvcache.pages import PageTable
 from aserve.kvcache.pool import KVPool
 
 logger = logging.getLogger(__name__)
@@ -74,8 +75,9 @@ def plan_num_pages(
     On CUDA, as mini-SGLang defines `--memory-ratio`: that share of the device's total memory
     may be in use once the pool exists, so the pool gets it minus what is already used
     (weights, CUDA context) and minus the working memory of a step (activations, sampler,
-    CUDA graphs: `working_memory_bytes`), so no admitted batch runs out of memory. On CPU a
-    laptop must stay usable: the pool takes at most a quarter of available RAM and 2 GiB.
+    CUDA graphs: `working_memory_bytes`; the page table), so no admitted batch runs out of
+    memory. On CPU a laptop must stay usable: the pool takes at most a quarter of available
+    RAM and 2 GiB.
     Never more than every running request at full context could use. Tensor-parallel
     ranks take the smallest count of them all, so every rank's pool has the same pages.
     """
@@ -85,6 +87,8 @@ def plan_num_pages(
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         working = working_memory_bytes(config, model, tp, dtype)
+        rows = config.max_running_requests + 1
+        working += rows * PageTable.bytes_per_row(max_seq_len, config.page_size)
         budget = int(free - total * (1.0 - config.memory_ratio)) - working
     else:
         budget = int(min(CPU_KV_BUDGET_BYTES, available_host_memory() * CPU_KV_SHARE_OF_AVAILABLE))

@@ -122,7 +122,7 @@ class SamplingBatch:
         contiguous row, because FlashInfer's kernels read them as plain arrays.
 
         `fused` says the sampler has FlashInfer's kernels; a batch without seeded rows is
-        then drawn by them and needs no hash keys (`keys` is None)."""
+        then drawn by them and needs no hash keys (`keys` is None), nor does a greedy batch."""
         table = np.array([p.sampler_row for p in params], dtype=np.float64)
         table = table.reshape(-1, len(SAMPLER_COLUMNS))
         (temperature, top_p, min_p, rep, freq, pres, top_k, greedy, penalties, seeded,
@@ -130,7 +130,7 @@ class SamplingBatch:
         top_k = np.minimum(top_k, vocab_size)
         floats = torch.from_numpy(np.ascontiguousarray(table[:, :6].T, dtype=np.float32))
         floats = floats.to(device, non_blocking=True)
-        needs_keys = bool(seeded.any()) or not fused
+        needs_keys = (bool(seeded.any()) or not fused) and not greedy.all()
         ints = [torch.from_numpy(top_k.astype(np.int64)), torch.from_numpy(greedy.astype(np.int64))]
         if needs_keys:
             ints.append(_row_keys(seeds, steps))

@@ -64,37 +64,50 @@ class StepSpec:
 
 
 def forward_batch(spec: StepSpec, page_table: PageTable, device: torch.device) -> ForwardBatch:
-    """The spec's ForwardBatch on `page_table` (its page writes already applied). Prefill
-    input ids come from the spec; decode input ids are read from the device token table,
-    where the previous step's sampled ids were written."""
+    """The spec's ForwardBatch on `page_table` (its page writes already applied).
+
+    Everything but decode input ids is known on the host (KV slots from the page table's host
+    mirror), so the batch's integers travel in one host-to-device copy. Decode input ids are
+    the previous step's sampled ids, which only the device knows while that step is in
+    flight: one gather from the token table fetches them.
+    """
     prefix_lens, extend_lens = spec.prefix_lens, spec.extend_lens
     seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
-    rows = torch.tensor(spec.rows, dtype=torch.int64).to(device, non_blocking=True)
+    rows = np.asarray(spec.rows, dtype=np.int64)
+    size = len(rows)
     if spec.mode is ForwardMode.DECODE:
-        positions = torch.tensor(prefix_lens, dtype=torch.int64).to(device, non_blocking=True)
+        positions = np.asarray(prefix_lens, dtype=np.int64)
         token_rows = rows
-        input_ids = page_table.tokens[rows, positions].long()
-        logit_indices = torch.arange(len(rows), device=device)
+        input_ids = np.zeros(size, dtype=np.int64)
+        logit_indices = np.arange(size, dtype=np.int64)
     else:
-        positions = torch.cat([torch.arange(p, s) for p, s in zip(prefix_lens, seq_lens)])
-        positions = positions.to(device, non_blocking=True)
-        token_rows = torch.repeat_interleave(
-            torch.tensor(spec.rows, dtype=torch.int64), torch.tensor(extend_lens)
-        ).to(device, non_blocking=True)
-        input_ids = torch.tensor(spec.input_ids, dtype=torch.int64).to(device, non_blocking=True)
-        ends = torch.tensor(extend_lens, dtype=torch.int64).cumsum(0) - 1
-        logit_indices = ends.to(device, non_blocking=True)
+        extends = np.asarray(extend_lens, dtype=np.int64)
+        ends = np.cumsum(extends)
+        token_rows = np.repeat(rows, extends)
+        offsets = np.arange(int(ends[-1]), dtype=np.int64) - np.repeat(ends - extends, extends)
+        positions = np.repeat(np.asarray(prefix_lens, dtype=np.int64), extends) + offsets
+        input_ids = np.asarray(spec.input_ids, dtype=np.int64)
+        logit_indices = ends - 1
+    out_slots = page_table.slot_ids(token_rows, positions)
+    record_index = rows * page_table.width + np.asarray(seq_lens, dtype=np.int64)
+    parts = [input_ids, out_slots, positions, rows, logit_indices, record_index]
+    if spec.mode is ForwardMode.DECODE:
+        parts.append(rows * page_table.width + positions)
+    packed = torch.from_numpy(np.concatenate(parts)).to(device, non_blocking=True)
+    tokens = len(positions)
+    token_inputs = packed[: 3 * tokens].view(3, tokens)
+    per_request = packed[3 * tokens :].view(-1, size)
+    if spec.mode is ForwardMode.DECODE:
+        torch.index_select(page_table.tokens.view(-1), 0, per_request[3], out=token_inputs[0])
     return ForwardBatch(
         mode=spec.mode,
-        input_ids=input_ids,
-        positions=positions,
-        out_slots=page_table.slots[token_rows, positions].long(),
-        rows=rows,
+        token_inputs=token_inputs,
+        rows=per_request[0],
         row_ids=list(spec.rows),
         prefix_lens=list(prefix_lens),
         extend_lens=list(extend_lens),
         seq_lens=seq_lens,
-        seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int64).to(device, non_blocking=True),
-        logit_indices=logit_indices,
+        logit_indices=per_request[1],
+        record_index=per_request[2],
         page_table=page_table.slots,
     )

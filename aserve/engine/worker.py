@@ -63,7 +63,9 @@ def run_worker(args: WorkerArgs, conn: Connection) -> None:
     timeout = timedelta(seconds=args.timeout_s)
     store = connect_store(args.port, args.size, timeout)
     store.set(f"joining/{args.rank}", "1")
-    group = join_group(store, args.rank, args.size, device, timeout)
+    group = join_group(
+        store, args.rank, args.size, device, timeout, one_shot=not args.config.disable_pynccl
+    )
     engine = Engine(args.config, args.model_config, args.model_dir, group)
     conn.send_bytes(READY)
     try:

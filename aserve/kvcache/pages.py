@@ -71,11 +71,12 @@ def pages_needed(num_tokens: int, page_size: int) -> int:
 class PageTable:
     """Per request slot, the KV slot of every position; plus the token ids at those positions.
 
-    Both live on the engine's device so a decode step can gather its input ids and KV
-    locations without a host round trip. Row `max_running_requests` is the dummy row that
-    padded batch entries use. One column more than the context: a step that fills the context
-    still writes its sampled token somewhere. `pages` mirrors the rows' page ids on the host,
-    from which `page_layout` describes a batch to FlashInfer without device work.
+    Both live on the engine's device: a decode step gathers its input ids, which only the
+    device knows while the previous step is in flight, without a host round trip. Row
+    `max_running_requests` is the dummy row that padded batch entries use. One column more
+    than the context: a step that fills the context still writes its sampled token somewhere.
+    `pages` mirrors the rows' page ids on the host, from which `slot_ids` and `page_layout`
+    describe a batch without device work.
     """
 
     def __init__(
@@ -85,8 +86,9 @@ class PageTable:
         rows = max_running_requests + 1
         self.page_size = page_size
         self.dummy_row = max_running_requests
+        self.width = width
         self.slots = torch.zeros(rows, width, dtype=torch.int32, device=device)
-        self.tokens = torch.zeros(rows, width, dtype=torch.int32, device=device)
+        self.tokens = torch.zeros(rows, width, dtype=torch.int64, device=device)
         self.pages = np.zeros((rows, width // page_size), dtype=np.int32)
         self._free_rows = list(range(max_running_requests - 1, -1, -1))
         self._page_offsets = torch.arange(page_size, dtype=torch.int32)
@@ -125,6 +127,17 @@ class PageTable:
         slots = torch.tensor(pages, dtype=torch.int32)[:, None] * size + self._page_offsets
         start = first_page_index * size
         self.slots[row, start : start + len(pages) * size].copy_(slots.flatten(), non_blocking=True)
+
+    @staticmethod
+    def bytes_per_row(max_seq_len: int, page_size: int) -> int:
+        """Device memory of one row: its slot (int32) and token (int64) columns."""
+        return pages_needed(max_seq_len + 1, page_size) * page_size * (4 + 8)
+
+    def slot_ids(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """The KV slot of each (row, position), from the host mirror (int64)."""
+        size = self.page_size
+        pages = self.pages[rows, positions // size].astype(np.int64)
+        return pages * size + positions % size
 
     def page_layout(
         self, row_ids: list[int], seq_lens: list[int]

@@ -32,7 +32,7 @@ from aserve.kvcache.base import PrefixCache
 from aserve.kvcache.naive import NaiveCache
 from aserve.kvcache.pages import PageAllocator
 from aserve.kvcache.radix import RadixCache
-from aserve.scheduler.batch import build_sampling_batch, step_spec
+from aserve.scheduler.batch import SamplingBatches, step_spec
 from aserve.scheduler.plan import Planner, ScheduledBatch
 from aserve.scheduler.request import (
     FinishReason,
@@ -80,6 +80,9 @@ class Scheduler:
         self._running = False
         self._fatal: Exception | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.sampling_batches = SamplingBatches(
+            self.vocab_size, engine.device, engine.sampler.fused is not None
+        )
         self.overlap = engine.device.type == "cuda" and not os.environ.get("ASERVE_DISABLE_OVERLAP")
 
     def make_request(self, prompt_ids: list[int], params: SamplingParams) -> Req:
@@ -190,9 +193,7 @@ class Scheduler:
         if self.followers is not None:
             self.followers.send(spec)
         batch = forward_batch(spec, self.engine.page_table, self.engine.device)
-        sampling = build_sampling_batch(
-            planned, self.vocab_size, self.engine.device, self.engine.sampler.fused is not None
-        )
+        sampling = self.sampling_batches.build(planned)
         out = self.engine.step(batch, sampling)
         self.planner.launched(planned)
         if self.engine.device.type != "cuda":

@@ -1,0 +1,65 @@
+"""A one-shot all-reduce over NVLink for small tensors, through torch symmetric memory.
+
+Each rank owns a buffer that every other rank of the host has mapped (torch's symmetric
+memory). One kernel copies a rank's input into its buffer, waits at a barrier for every
+rank to have done the same, and sums all buffers in place of the input's copy. A decode
+step's all-reduce is a few kilobytes a layer; NCCL's ring spends more time on its steps
+than on the bytes (bench/all_reduce.py measures both). Larger tensors (prefill) go to NCCL.
+`--disable-pynccl` keeps every collective on NCCL.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MAX_BYTES = 512 * 1024
+"""The largest input taken here; bigger ones go to NCCL (bench/all_reduce.py)."""
+
+
+class OneShotAllReduce:
+    def __init__(self, group_name: str, buffer: torch.Tensor, max_bytes: int) -> None:
+        self.group_name = group_name
+        self.buffer = buffer
+        self.max_bytes = max_bytes
+
+    @classmethod
+    def open(
+        cls, store: Any, rank: int, size: int, device: torch.device, max_bytes: int = MAX_BYTES
+    ) -> OneShotAllReduce:
+        """Allocate and map every rank's buffer; a collective call (every rank, same
+        arguments). `store` is the group's rendezvous store, which also names the group."""
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+        from torch._C._distributed_c10d import _SymmetricMemory
+
+        group_name = f"aserve-tp-{store.port}"
+        _SymmetricMemory.set_group_info(group_name, rank, size, dist.PrefixStore("one-shot", store))
+        buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+        symm_mem.rendezvous(buffer, group_name)
+        return cls(group_name, buffer, max_bytes)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The sum of `x` over ranks as a new tensor, or None when `x` is too large or not
+        contiguous for this path. Every rank must call it with the same shape."""
+        nbytes = x.numel() * x.element_size()
+        # the kernel moves 16-byte vectors
+        if nbytes > self.max_bytes or nbytes % 16 or not x.is_contiguous():
+            return None
+        staged = self.buffer[:nbytes].view(x.dtype).view(x.shape)
+        out = torch.empty_like(x)
+        torch.ops.symm_mem.one_shot_all_reduce_copy_out(staged, x, "sum", self.group_name, out)
+        return out
+
+
+def can_use_one_shot(size: int, device: torch.device) -> bool:
+    """Every pair of this host's GPUs in the group reaches the other's memory directly."""
+    if device.type != "cuda" or size < 2 or torch.cuda.device_count() < size:
+        return False
+    return all(
+        torch.cuda.can_device_access_peer(a, b) for a in range(size) for b in range(size) if a != b
+    )

@@ -1,0 +1,94 @@
+"""NCCL against the one-shot all-reduce over symmetric memory, per message size, on N GPUs.
+
+    python bench/all_reduce.py --tp 2
+
+Each rank runs 20 all-reduces of a bf16 tensor inside a CUDA graph (as decode does) and
+rank 0 prints microseconds per all-reduce for both paths. `one_shot.MAX_BYTES`, the size up
+to which aserve takes the one-shot path, comes from this table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from aserve.distributed.group import connect_store, create_store, join_group  # noqa: E402
+from aserve.distributed.one_shot import OneShotAllReduce  # noqa: E402
+
+SIZES_KIB = (8, 32, 128, 256, 512, 1024, 2048)
+REPLAYS = 20
+TIMEOUT = timedelta(seconds=120)
+
+
+def time_graph(run: Callable[[], object]) -> float:
+    """Microseconds per call of `run()`, captured REPLAYS times in one graph."""
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(REPLAYS):
+            run()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000 / (10 * REPLAYS)
+
+
+def measure(store: Any, rank: int, size: int) -> list[tuple[int, float, float]]:
+    """Join the group as `rank` and time both paths at every size (a collective call)."""
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    group = join_group(store, rank, size, device, TIMEOUT, one_shot=False)
+    fast = OneShotAllReduce.open(store, rank, size, device, max_bytes=max(SIZES_KIB) * 1024)
+    rows = []
+    for kib in SIZES_KIB:
+        x = torch.randn(kib * 512, dtype=torch.bfloat16, device=device)
+        nccl = time_graph(lambda x=x: group.device_group.allreduce([x]).wait())
+        one_shot = time_graph(lambda x=x: fast.all_reduce(x))
+        rows.append((kib, nccl, one_shot))
+    return rows
+
+
+def follower(rank: int, size: int, port: int) -> None:
+    measure(connect_store(port, size, TIMEOUT), rank, size)
+    os._exit(0)  # NCCL's teardown after graph capture may not return (engine/followers.py)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tp", type=int, default=2)
+    args = p.parse_args()
+    store = create_store(args.tp, TIMEOUT)
+    context = torch.multiprocessing.get_context("spawn")
+    workers = [
+        context.Process(target=follower, args=(rank, args.tp, store.port))
+        for rank in range(1, args.tp)
+    ]
+    for worker in workers:
+        worker.start()
+    rows = measure(store, 0, args.tp)
+    print(f"all-reduce of bf16, {args.tp} GPUs, us per call (CUDA graph of {REPLAYS})")
+    print(f"{'KiB':>6} {'NCCL':>8} {'one-shot':>9}")
+    for kib, nccl, one_shot in rows:
+        print(f"{kib:>6} {nccl:>8.1f} {one_shot:>9.1f}")
+    for worker in workers:
+        worker.join(60)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
