@@ -7,6 +7,7 @@ from typing import Protocol
 import torch
 
 from aserve.forward import ForwardBatch
+from aserve.kvcache.pool import KVPool
 
 
 class AttentionBackend(Protocol):
@@ -16,13 +17,16 @@ class AttentionBackend(Protocol):
     it in `batch.attn_metadata`; `forward` is then called by every layer with that batch,
     with Q `[tokens, num_heads, head_dim]` and the new tokens' K and V side by side
     `[tokens, 2, kv_heads, head_dim]`. It writes K/V into the pool at `batch.out_slots` and
-    returns the attention output `[tokens, num_heads * head_dim]`.
+    returns the attention output `[tokens, num_heads * head_dim]`. K/V None means the
+    caller has written them into the pool already (the fused RoPE kernel on CUDA does).
     """
+
+    pool: KVPool
 
     def prepare(self, batch: ForwardBatch) -> None: ...
 
     def forward(
-        self, q: torch.Tensor, kv: torch.Tensor, layer: int, batch: ForwardBatch
+        self, q: torch.Tensor, kv: torch.Tensor | None, layer: int, batch: ForwardBatch
     ) -> torch.Tensor: ...
 
 
@@ -32,6 +36,7 @@ class SplitBackend:
     def __init__(self, prefill: AttentionBackend, decode: AttentionBackend) -> None:
         self.prefill = prefill
         self.decode = decode
+        self.pool = prefill.pool
 
     def _pick(self, batch: ForwardBatch) -> AttentionBackend:
         return self.decode if batch.is_decode else self.prefill
@@ -40,6 +45,6 @@ class SplitBackend:
         self._pick(batch).prepare(batch)
 
     def forward(
-        self, q: torch.Tensor, kv: torch.Tensor, layer: int, batch: ForwardBatch
+        self, q: torch.Tensor, kv: torch.Tensor | None, layer: int, batch: ForwardBatch
     ) -> torch.Tensor:
         return self._pick(batch).forward(q, kv, layer, batch)

@@ -63,11 +63,12 @@ class FlashInferBackend:
 
     def use_tensor_cores(self, batch_size: int) -> bool:
         """FlashInfer's tensor-core decode kernel, or its CUDA-core one. Measured on the H200
-        (bf16, head dim 128, contexts 530-850, pages of 16 and 256): with 4 or more query
-        heads per KV head tensor cores win at every batch (Llama-3.1-8B shape, 1.3-2.3x);
-        with 2 (Qwen3-0.6B) they win at batch 64 (47 against 67 us per layer, pages of 256)
-        and lose slightly at batch 256 (152 against 143 us)."""
-        return self.num_heads // self.num_kv_heads >= 4 or batch_size <= 64
+        (bench/decode_kernels.py: bf16, head dim 128, context 1000, pages of 256, us per
+        layer): with 4 query heads per KV head tensor cores win at every batch (Llama-3.1-8B
+        shape, 11 against 29 at batch 1, 75 against 104 at 64); with 2 (Qwen3-0.6B) they win
+        up to batch 8 (12.9 against 16.1), tie at 32 and lose from 64 on (74 against 72), where
+        the CUDA-core kernel's plan is also cheaper on the host."""
+        return self.num_heads // self.num_kv_heads >= 4 or batch_size <= 16
 
     def _page_layout(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """kv index pointers and last-page lengths (host) and page ids (copied to the device
@@ -133,11 +134,12 @@ class FlashInferBackend:
         )
 
     def forward(
-        self, q: torch.Tensor, kv: torch.Tensor, layer: int, batch: ForwardBatch
+        self, q: torch.Tensor, kv: torch.Tensor | None, layer: int, batch: ForwardBatch
     ) -> torch.Tensor:
         """The decode kernels read Q with its strides (Q is a slice of the fused QKV output),
         which saves a copy a layer; prefill gets a contiguous Q."""
-        self.pool.store(layer, batch.out_slots, kv)
+        if kv is not None:
+            self.pool.store(layer, batch.out_slots, kv)
         shape = (-1, self.page_size, self.num_kv_heads, self.head_dim)
         cache = (self.pool.k[layer].view(shape), self.pool.v[layer].view(shape))
         q = q.reshape(-1, self.num_heads, self.head_dim)

@@ -73,9 +73,10 @@ class TorchNativeBackend:
         return _DecodeMetadata(slots, slots.flatten(), mask[:, None, None, :])
 
     def forward(
-        self, q: torch.Tensor, kv: torch.Tensor, layer: int, batch: ForwardBatch
+        self, q: torch.Tensor, kv: torch.Tensor | None, layer: int, batch: ForwardBatch
     ) -> torch.Tensor:
-        self.pool.store(layer, batch.out_slots, kv)
+        if kv is not None:
+            self.pool.store(layer, batch.out_slots, kv)
         q = q.view(-1, self.num_heads, self.head_dim)
         if batch.is_decode:
             out = self._decode(q, layer, batch.attn_metadata)

@@ -51,9 +51,10 @@ class DecoderAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             config.num_heads * config.head_dim, config.hidden_size, False, tp
         )
-        eps = config.rms_norm_eps
+        eps = self.eps = config.rms_norm_eps
         self.q_norm = RMSNorm(config.head_dim, eps, ops) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, eps, ops) if config.qk_norm else None
+        self.norm_rope_store = _norm_rope_store_kernel(ops, config.head_dim)
 
     def forward(
         self,
@@ -63,21 +64,46 @@ class DecoderAttention(nn.Module):
         attn: AttentionBackend,
     ) -> torch.Tensor:
         """Q/K norm and RoPE work in place on the fused QKV output, so K and V stay side by
-        side there and reach the KV pool in one write."""
+        side there and reach the KV pool in one write. On CUDA one kernel does all three."""
         q, kv = self.qkv_proj(hidden).split([self.q_size, 2 * self.kv_size], -1)
-        k = kv[:, : self.kv_size]
-        if self.q_norm is not None and self.k_norm is not None:
-            self.q_norm.norm_heads(q, self.head_dim)
-            self.k_norm.norm_heads(k, self.head_dim)
-        self.rotary(positions, q, k)
         tokens = q.shape[0]
-        out = attn.forward(
-            q.view(tokens, -1, self.head_dim),
-            kv.view(tokens, 2, -1, self.head_dim),
-            self.layer,
-            batch,
-        )
+        q_weight = None if self.q_norm is None else self.q_norm.weight
+        k_weight = None if self.k_norm is None else self.k_norm.weight
+        new_kv: torch.Tensor | None = None  # None: already in the pool
+        if self.norm_rope_store is not None:
+            self.norm_rope_store(
+                q,
+                kv,
+                positions,
+                self.rotary.cos_sin,
+                q_weight,
+                k_weight,
+                self.eps,
+                attn.pool.kv[self.layer],
+                batch.out_slots,
+                self.head_dim,
+            )
+        else:
+            k = kv[:, : self.kv_size]
+            if self.q_norm is not None and self.k_norm is not None:
+                self.q_norm.norm_heads(q, self.head_dim)
+                self.k_norm.norm_heads(k, self.head_dim)
+            self.rotary(positions, q, k)
+            new_kv = kv.view(tokens, 2, -1, self.head_dim)
+        out = attn.forward(q.view(tokens, -1, self.head_dim), new_kv, self.layer, batch)
         return self.o_proj(out)
+
+
+def _norm_rope_store_kernel(ops: ModuleType | None, head_dim: int) -> Callable[..., None] | None:
+    """The one-kernel Q/K norm, RoPE and KV write (`layers/rope_store.py`) where the layers
+    use fused kernels (CUDA, half precision) and Triton is installed, else None."""
+    if ops is None or head_dim not in (64, 128, 256):
+        return None
+    try:
+        from aserve.layers.rope_store import norm_rope_store
+    except ImportError:
+        return None
+    return norm_rope_store
 
 
 MLPFactory = Callable[[int], nn.Module]

@@ -1,0 +1,133 @@
+"""Q/K norm, RoPE and the KV write of one layer in a single Triton kernel (CUDA only).
+
+Between the QKV projection and attention a layer otherwise runs up to four small kernels:
+Qwen3's Q norm and K norm, RoPE on Q and K, and the indexed write of K and V into the pool.
+At batch 1 each is a few microseconds of launch-bound work, a layer's worth adds up to more
+than the attention kernel itself. Here one program per token and part (Q, K or V) loads
+the part's heads once, normalises and rotates them in float32 as FlashInfer's kernels do
+(rounding to the model dtype after the norm, as their two kernels in a row would), writes Q
+back in place and K and V to their slot of the pool.
+
+Imported only on CUDA (it imports Triton).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _norm_rope_heads(
+    src,
+    num_heads,
+    BLOCK_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    NORM: tl.constexpr,
+    weight,
+    eps,
+    cos,
+    sin,
+    dst,
+):
+    """Rotate `num_heads` heads at `src`, after an RMSNorm with NORM, into `dst`."""
+    heads = tl.arange(0, BLOCK_HEADS)[:, None]
+    cols = tl.arange(0, HALF)[None, :]
+    mask = heads < num_heads
+    first = heads * (2 * HALF) + cols
+    x1 = tl.load(src + first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + first + HALF, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        mean_square = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
+        scale = tl.rsqrt(mean_square + eps)[:, None]
+        w1 = tl.load(weight + cols).to(tl.float32)
+        w2 = tl.load(weight + HALF + cols).to(tl.float32)
+        x1 = (x1 * scale * w1).to(src.dtype.element_ty).to(tl.float32)
+        x2 = (x2 * scale * w2).to(src.dtype.element_ty).to(tl.float32)
+    y1 = (x1 * cos - x2 * sin).to(src.dtype.element_ty)
+    y2 = (x2 * cos + x1 * sin).to(src.dtype.element_ty)
+    tl.store(dst + first, y1, mask=mask)
+    tl.store(dst + first + HALF, y2, mask=mask)
+
+
+@triton.jit
+def _norm_rope_store_kernel(
+    qkv,
+    row_stride,
+    positions,
+    cos_sin,
+    q_weight,
+    k_weight,
+    eps,
+    cache,
+    slots,
+    NUM_Q: tl.constexpr,
+    NUM_KV: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NORM: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    row = qkv + token * row_stride
+    slot = tl.load(slots + token)
+    cache_row = cache + slot * (2 * NUM_KV * HEAD_DIM)
+    if part == 2:
+        heads = tl.arange(0, BLOCK_KV)[:, None]
+        cols = tl.arange(0, HEAD_DIM)[None, :]
+        mask = heads < NUM_KV
+        v = tl.load(row + (NUM_Q + NUM_KV) * HEAD_DIM + heads * HEAD_DIM + cols, mask=mask)
+        tl.store(cache_row + NUM_KV * HEAD_DIM + heads * HEAD_DIM + cols, v, mask=mask)
+    else:
+        position = tl.load(positions + token)
+        cols = tl.arange(0, HALF)[None, :]
+        cos = tl.load(cos_sin + position * HEAD_DIM + cols)
+        sin = tl.load(cos_sin + position * HEAD_DIM + HALF + cols)
+        if part == 0:
+            _norm_rope_heads(row, NUM_Q, BLOCK_Q, HALF, NORM, q_weight, eps, cos, sin, row)
+        else:
+            k = row + NUM_Q * HEAD_DIM
+            _norm_rope_heads(k, NUM_KV, BLOCK_KV, HALF, NORM, k_weight, eps, cos, sin, cache_row)
+
+
+def norm_rope_store(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    head_dim: int,
+) -> None:
+    """Q `[T, heads * head_dim]` and KV `[T, 2 * kv_heads * head_dim]`, both views of one
+    fused QKV output: norm (when weights are given) and rotate Q in place; norm and rotate
+    K and write it with V into `cache` `[slots, 2, kv_heads, head_dim]` at `slots`. K in the
+    QKV output is left as it was: attention reads K from the pool."""
+    tokens = q.shape[0]
+    num_q, num_kv = q.shape[1] // head_dim, kv.shape[1] // (2 * head_dim)
+    assert kv.data_ptr() == q.data_ptr() + q.shape[1] * q.element_size()
+    assert q.stride(1) == 1 and kv.stride(0) == q.stride(0) and cache.is_contiguous()
+    norm = q_weight is not None and k_weight is not None
+    _norm_rope_store_kernel[(tokens, 3)](
+        q,
+        q.stride(0),
+        positions,
+        cos_sin,
+        q_weight if norm else cos_sin,
+        k_weight if norm else cos_sin,
+        eps,
+        cache,
+        slots,
+        NUM_Q=num_q,
+        NUM_KV=num_kv,
+        BLOCK_Q=triton.next_power_of_2(num_q),
+        BLOCK_KV=triton.next_power_of_2(num_kv),
+        HEAD_DIM=head_dim,
+        NORM=norm,
+    )
