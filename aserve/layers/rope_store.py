@@ -76,16 +76,16 @@ def _norm_rope_store_kernel(
     slot = tl.load(slots + token)
     cache_row = cache + slot * (2 * NUM_KV * HEAD_DIM)
     if part == 2:
-        heads = tl.arange(0, BLOCK_KV)[:, None]
-        cols = tl.arange(0, HEAD_DIM)[None, :]
-        mask = heads < NUM_KV
-        v = tl.load(row + (NUM_Q + NUM_KV) * HEAD_DIM + heads * HEAD_DIM + cols, mask=mask)
-        tl.store(cache_row + NUM_KV * HEAD_DIM + heads * HEAD_DIM + cols, v, mask=mask)
+        kv_heads = tl.arange(0, BLOCK_KV)[:, None]
+        offsets = kv_heads * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+        v_mask = kv_heads < NUM_KV
+        v = tl.load(row + (NUM_Q + NUM_KV) * HEAD_DIM + offsets, mask=v_mask)
+        tl.store(cache_row + NUM_KV * HEAD_DIM + offsets, v, mask=v_mask)
     else:
         position = tl.load(positions + token)
-        cols = tl.arange(0, HALF)[None, :]
-        cos = tl.load(cos_sin + position * HEAD_DIM + cols)
-        sin = tl.load(cos_sin + position * HEAD_DIM + HALF + cols)
+        half = tl.arange(0, HALF)[None, :]
+        cos = tl.load(cos_sin + position * HEAD_DIM + half)
+        sin = tl.load(cos_sin + position * HEAD_DIM + HALF + half)
         if part == 0:
             _norm_rope_heads(row, NUM_Q, BLOCK_Q, HALF, NORM, q_weight, eps, cos, sin, row)
         else:
