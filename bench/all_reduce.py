@@ -52,7 +52,9 @@ def measure(store: Any, rank: int, size: int) -> list[tuple[int, float, float]]:
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     group = join_group(store, rank, size, device, TIMEOUT, one_shot=False)
-    fast = OneShotAllReduce.open(store, rank, size, device, max_bytes=max(SIZES_KIB) * 1024)
+    fast = OneShotAllReduce.open(
+        store, group.device_group, rank, size, device, max_bytes=max(SIZES_KIB) * 1024
+    )
     rows = []
     for kib in SIZES_KIB:
         x = torch.randn(kib * 512, dtype=torch.bfloat16, device=device)

@@ -80,6 +80,8 @@ class TPGroup:
         gone (a graceful NCCL shutdown could wait on a dead rank). Seen on two H200s: an
         NCCL abort after CUDA graphs had captured its collectives did not return, so each
         abort gets ABORT_TIMEOUT_S on a daemon thread and is otherwise left to process exit."""
+        if self.one_shot is not None:
+            self.one_shot.close()
         for group in (self.device_group, self.host_group):
             release = getattr(group, "abort", None)
             if release is None:
@@ -159,7 +161,7 @@ def _with_one_shot(group: TPGroup, store: Any, device: torch.device) -> TPGroup:
     tensor as NCCL does; otherwise `group` as it was, with the reason logged."""
     fast: OneShotAllReduce | None = None
     try:
-        fast = OneShotAllReduce.open(store, group.rank, group.size, device)
+        fast = OneShotAllReduce.open(store, group.device_group, group.rank, group.size, device)
         probe = torch.arange(4096, dtype=torch.bfloat16, device=device) * (group.rank + 1)
         summed = fast.all_reduce(probe)
         expected = group.all_reduce(probe.clone())

@@ -29,19 +29,40 @@ class OneShotAllReduce:
 
     @classmethod
     def open(
-        cls, store: Any, rank: int, size: int, device: torch.device, max_bytes: int = MAX_BYTES
+        cls,
+        store: Any,
+        device_group: Any,
+        rank: int,
+        size: int,
+        device: torch.device,
+        max_bytes: int = MAX_BYTES,
     ) -> OneShotAllReduce:
         """Allocate and map every rank's buffer; a collective call (every rank, same
-        arguments). `store` is the group's rendezvous store, which also names the group."""
+        arguments). Symmetric memory finds its group by name in torch's process-group
+        registry, so the NCCL backend `device_group` is registered there under a name taken
+        from the rendezvous `store`'s port (the same on every rank, unique on the host)."""
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
-        from torch._C._distributed_c10d import _SymmetricMemory
+        from torch._C._distributed_c10d import _register_process_group, _SymmetricMemory
 
         group_name = f"aserve-tp-{store.port}"
-        _SymmetricMemory.set_group_info(group_name, rank, size, dist.PrefixStore("one-shot", store))
+        prefix = dist.PrefixStore("one-shot", store)
+        group = dist.ProcessGroup(prefix, rank, size)
+        nccl = dist.ProcessGroup.BackendType.NCCL
+        group._set_default_backend(nccl)
+        group._register_backend(device, nccl, device_group)
+        group._set_group_name(group_name)
+        _register_process_group(group_name, group)
+        _SymmetricMemory.set_group_info(group_name, rank, size, prefix)
         buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(buffer, group_name)
         return cls(group_name, buffer, max_bytes)
+
+    def close(self) -> None:
+        """Drop the registry entry `open` made (the buffer goes with this object)."""
+        from torch._C._distributed_c10d import _unregister_process_group
+
+        _unregister_process_group(self.group_name)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor | None:
         """The sum of `x` over ranks as a new tensor, or None when `x` is too large or not
