@@ -43,6 +43,13 @@ for step in "$@"; do
          python3 scripts/spy_summary.py $OUT/spy-latency.txt 2>&1 | head -70 ;;
     decode-kernels) timeout 200 python3 bench/decode_kernels.py 2>&1 | tail -16 ;;
     all-reduce) timeout 200 python3 bench/all_reduce.py --tp 2 2>&1 | tail -12 ;;
+    tp-hang) python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/spy .tools/py_spy-*.whl
+             for t in tp2_greedy tp2_bf16; do
+               python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k $t > $OUT/$t.log 2>&1 & pid=$!
+               for i in $(seq 90); do kill -0 $pid 2> /dev/null || break; sleep 1; done
+               if kill -0 $pid 2> /dev/null; then echo "$t: still running after 90 s"
+                 for p in $(pgrep -f "python3"); do /tmp/spy/bin/py-spy dump -p $p 2>&1 | head -40; done; pkill -9 -f pytest; pkill -9 -f multiprocessing; fi
+               tail -3 $OUT/$t.log; done ;;
     trace256) timeout 200 python3 bench/trace.py --model bench/models/qwen3-0.6b --dummy-weight --batch 256 --no-record 2>&1 | tail -40 ;;
     moe-ratio) for b in fused torch; do timeout 250 python3 bench/offline.py --model bench/models/qwen3-30b-a3b --moe-backend $b $W --num-seqs 64 --output-len 100 256 2>&1 | grep -v Warn | tail -2;
                timeout 150 python3 bench/latency.py --model bench/models/qwen3-30b-a3b --dummy-weight --moe-backend $b --repeat 2 2>&1 | tail -2; done ;;
