@@ -20,6 +20,16 @@ logger = logging.getLogger(__name__)
 MAX_BYTES = 512 * 1024
 """The largest input taken here; bigger ones go to NCCL (bench/all_reduce.py)."""
 
+_opened_in_this_process = False
+"""torch's symmetric-memory rendezvous numbers its exchanges per process: a process that
+opened the path once (rank 0 of an earlier engine) and fresh worker processes disagree on
+the numbers, and a second rendezvous hangs (seen on two H200s). A server opens one engine,
+so only a second engine in one process (tests, a re-created offline LLM) stays on NCCL."""
+
+
+def opened_in_this_process() -> bool:
+    return _opened_in_this_process
+
 
 class OneShotAllReduce:
     def __init__(self, group_name: str, buffer: torch.Tensor, max_bytes: int) -> None:
@@ -45,6 +55,8 @@ class OneShotAllReduce:
         import torch.distributed._symmetric_memory as symm_mem
         from torch._C._distributed_c10d import _register_process_group, _SymmetricMemory
 
+        global _opened_in_this_process
+        _opened_in_this_process = True
         group_name = f"aserve-tp-{store.port}"
         prefix = dist.PrefixStore("one-shot", store)
         group = dist.ProcessGroup(prefix, rank, size)
@@ -78,8 +90,12 @@ class OneShotAllReduce:
 
 
 def can_use_one_shot(size: int, device: torch.device) -> bool:
-    """Every pair of this host's GPUs in the group reaches the other's memory directly."""
+    """Every pair of this host's GPUs in the group reaches the other's memory directly, and
+    this process has not opened the path before."""
     if device.type != "cuda" or size < 2 or torch.cuda.device_count() < size:
+        return False
+    if _opened_in_this_process:
+        logger.info("an earlier engine in this process used the one-shot all-reduce: NCCL now")
         return False
     return all(
         torch.cuda.can_device_access_peer(a, b) for a in range(size) for b in range(size) if a != b
