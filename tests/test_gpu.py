@@ -294,14 +294,21 @@ def test_tp2_greedy_equals_tp1_on_cuda(make_llm: Callable[..., LLM], tmp_path: P
 @two_gpus
 def test_tp2_bf16_cuda_graphs_on_both_ranks(make_llm: Callable[..., LLM], tmp_path: Path) -> None:
     """bfloat16 with FlashInfer and decode graphs captured on both ranks in lockstep: graphs
-    change nothing under TP, and TP=2 agrees with TP=1 as closely as bf16 sums allow."""
+    change nothing under TP, and TP=2 agrees with TP=1 as closely as bf16 sums allow. Run
+    first in its process, the graphs engine takes the one-shot all-reduce and the eager one
+    NCCL (one opening per process), so their equal tokens also check one against the other."""
+    from aserve.distributed import one_shot
+
     folder = make_tiny_model("llama", tmp_path, overrides={**KERNEL_SHAPES, "head_dim": 64})
     one = make_llm(folder, device="cuda", dtype="bfloat16")
+    first_in_process = not one_shot.opened_in_this_process()
     graphs = make_llm(folder, device="cuda", dtype="bfloat16", tensor_parallel_size=2)
     eager = make_llm(
         folder, device="cuda", dtype="bfloat16", tensor_parallel_size=2, cuda_graph_max_bs=0
     )
     assert graphs.runtime.engine.graphs is not None and eager.runtime.engine.graphs is None
+    assert (graphs.runtime.engine.tp.one_shot is not None) == first_in_process
+    assert eager.runtime.engine.tp.one_shot is None
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=True)
     with_graphs = graphs.generate(PROMPTS, params)
     assert [o.token_ids for o in with_graphs] == [
