@@ -152,11 +152,13 @@ TRACE_HEADER = """
 
 From `python bench/trace.py`: a torch profiler trace of steady decode at a fixed batch, read
 from the GPU's kernel timeline: the share of the window with a kernel running, the idle time
-between kernels, and the largest gap.
+between kernels, and the largest gap. The profiler slows the host; the last three columns
+come from a pass without it (CUDA events around each step): the stream's idle share between
+steps, and the longest of those idle spans.
 
 | date | model | device | commit | batch | steps | step ms | GPU busy % | idle ms | gaps > 50 us \
-| max gap us | note |
-|---|---|---|---|---|---|---|---|---|---|---|---|
+| max gap us | unprofiled step ms | unprofiled idle % | unprofiled max idle us | note |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
 """
 
 
@@ -167,7 +169,8 @@ def render_trace(lines: list[dict]) -> str:
         f"| {x['date']} | {x['model']} | {x['device']} | {x['commit']} | "
         f"{x['settings']['batch']} | {x['settings']['steps']} | {x['step_ms']} | "
         f"{x['gpu_busy_pct']} | {x['idle_ms']} | {x['gaps_over_50us']} | {x['gap_max_us']} | "
-        f"{x.get('note', '')} |"
+        f"{x.get('unprofiled_step_ms', '-')} | {x.get('unprofiled_idle_pct', '-')} | "
+        f"{x.get('unprofiled_idle_max_us', '-')} | {x.get('note', '')} |"
         for x in lines
     ]
     return TRACE_HEADER + "\n".join(rows) + "\n"
