@@ -62,13 +62,14 @@ class FlashInferBackend:
         }
 
     def use_tensor_cores(self, batch_size: int) -> bool:
-        """FlashInfer's tensor-core decode kernel, or its CUDA-core one. Measured on the H200
-        (bench/decode_kernels.py: bf16, head dim 128, context 1000, pages of 256, us per
-        layer): with 4 query heads per KV head tensor cores win at every batch (Llama-3.1-8B
-        shape, 11 against 29 at batch 1, 75 against 104 at 64); with 2 (Qwen3-0.6B) they win
-        up to batch 8 (12.9 against 16.1), tie at 32 and lose from 64 on (74 against 72), where
-        the CUDA-core kernel's plan is also cheaper on the host."""
-        return self.num_heads // self.num_kv_heads >= 4 or batch_size <= 16
+        """FlashInfer's tensor-core decode kernel, or its CUDA-core one. With 4 or more query
+        heads per KV head tensor cores win at every batch (bench/decode_kernels.py on the
+        H200, Llama-3.1-8B shape: 11 against 29 us a layer at batch 1, 75 against 104 at 64).
+        With 2 (Qwen3-0.6B) they win at batch 64 in real decode (trace at batch 64, mixed
+        contexts of 530-850: 1.37 against 1.92 ms a step; a micro-benchmark with equal
+        contexts of 1000 ties at 74 against 72 us a layer) and lose slightly at 256 (152
+        against 143 us a layer)."""
+        return self.num_heads // self.num_kv_heads >= 4 or batch_size <= 64
 
     def _page_layout(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """kv index pointers and last-page lengths (host) and page ids (copied to the device
