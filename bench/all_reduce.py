@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -23,28 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aserve.distributed.group import connect_store, create_store, join_group  # noqa: E402
 from aserve.distributed.one_shot import OneShotAllReduce  # noqa: E402
+from bench.common import us_per_call_in_graph  # noqa: E402
 
 SIZES_KIB = (8, 32, 128, 256, 512, 1024, 2048)
 REPLAYS = 20
 TIMEOUT = timedelta(seconds=120)
-
-
-def time_graph(run: Callable[[], object]) -> float:
-    """Microseconds per call of `run()`, captured REPLAYS times in one graph."""
-    run()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(REPLAYS):
-            run()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000 / (10 * REPLAYS)
 
 
 def measure(store: Any, rank: int, size: int) -> list[tuple[int, float, float]]:
@@ -58,8 +40,8 @@ def measure(store: Any, rank: int, size: int) -> list[tuple[int, float, float]]:
     rows = []
     for kib in SIZES_KIB:
         x = torch.randn(kib * 512, dtype=torch.bfloat16, device=device)
-        nccl = time_graph(lambda x=x: group.device_group.allreduce([x]).wait())
-        one_shot = time_graph(lambda x=x: fast.all_reduce(x))
+        nccl = us_per_call_in_graph(lambda x=x: group.device_group.allreduce([x]).wait(), REPLAYS)
+        one_shot = us_per_call_in_graph(lambda x=x: fast.all_reduce(x), REPLAYS)
         rows.append((kib, nccl, one_shot))
     return rows
 

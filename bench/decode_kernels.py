@@ -10,8 +10,14 @@ kernel runs 20 times inside a CUDA graph (as in serving), bf16, head dim 128, a 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import us_per_call_in_graph  # noqa: E402
 
 SHAPES = {"qwen3-0.6b (16 q / 8 kv heads)": (16, 8), "llama-3.1-8b (32 q / 8 kv heads)": (32, 8)}
 REPLAYS = 20
@@ -53,19 +59,7 @@ def time_kernel(
         q_data_type=torch.bfloat16,
         kv_data_type=torch.bfloat16,
     )
-    wrapper.run(q, cache)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(REPLAYS):
-            wrapper.run(q, cache)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000 / (10 * REPLAYS)
+    return us_per_call_in_graph(lambda: wrapper.run(q, cache), REPLAYS)
 
 
 def main() -> None:
