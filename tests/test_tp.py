@@ -202,6 +202,39 @@ def test_qkv_replicates_kv_heads_over_more_ranks() -> None:
         torch.testing.assert_close(out_v, x @ v.T)
 
 
+class _Summing:
+    """Stands in for the device backend: 'all-reduces' by doubling, as two equal ranks would."""
+
+    def allreduce(self, tensors: list[torch.Tensor]) -> _Summing:
+        tensors[0].mul_(2)
+        return self
+
+    def wait(self) -> None:
+        return None
+
+
+class _SmallOnly:
+    """Stands in for the one-shot path: takes tensors of up to 4 elements."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor | None:
+        return x * 10 if x.numel() <= 4 else None
+
+
+def test_all_reduce_takes_the_one_shot_path_only_for_what_it_accepts() -> None:
+    small_only = _SmallOnly()
+    group = TPGroup(rank=0, size=2, device_group=_Summing(), one_shot=small_only)  # type: ignore[arg-type]
+    assert group.all_reduce(torch.ones(4)).tolist() == [10.0] * 4
+    assert group.all_reduce(torch.ones(5)).tolist() == [2.0] * 5
+    without = TPGroup(rank=0, size=2, device_group=_Summing())
+    assert without.all_reduce(torch.ones(2)).tolist() == [2.0, 2.0]
+
+
+def test_one_shot_is_never_opened_on_cpu() -> None:
+    from aserve.distributed.one_shot import can_use_one_shot
+
+    assert not can_use_one_shot(2, torch.device("cpu"))
+
+
 def tp2_llm(tmp_path: Path) -> LLM:
     return LLM(str(make_tiny_model("llama", tmp_path)), tensor_parallel_size=2, **OPTIONS)
 
