@@ -96,6 +96,7 @@ def forward_batch(spec: StepSpec, page_table: PageTable, device: torch.device) -
     packed = torch.from_numpy(np.concatenate(parts)).to(device, non_blocking=True)
     tokens = len(positions)
     token_inputs = packed[: 3 * tokens].view(3, tokens)
+    # rows, logit indices, record index and, in decode, where each input id is in the table
     per_request = packed[3 * tokens :].view(-1, size)
     if spec.mode is ForwardMode.DECODE:
         torch.index_select(page_table.tokens.view(-1), 0, per_request[3], out=token_inputs[0])
