@@ -169,7 +169,9 @@ def _with_one_shot(group: TPGroup, store: Any, device: torch.device) -> TPGroup:
     except Exception as error:  # any failure here means: stay on NCCL
         logger.warning("the one-shot all-reduce is unavailable (%s); using NCCL", error)
         works = False
-    if fast is None or not group.agree_min(int(works)):
+    if not group.agree_min(int(works)) or fast is None:
+        if fast is not None:
+            fast.close()
         logger.info("tensor-parallel all-reduce: NCCL")
         return group
     logger.info(
