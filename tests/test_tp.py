@@ -235,6 +235,55 @@ def test_one_shot_is_never_opened_on_cpu() -> None:
     assert not can_use_one_shot(2, torch.device("cpu"))
 
 
+class _FakeOneShot:
+    """Opens on rank 0 only; sums like NCCL would, so rank 0 on its own would keep it."""
+
+    closed = False
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    def close(self) -> None:
+        _FakeOneShot.closed = True
+
+
+def test_one_shot_that_opens_on_one_rank_only_leaves_both_on_the_backend(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every rank reaches the agreement, also the one whose opening failed: the group falls
+    back on both ranks (no rank left waiting) and rank 0 releases what it opened."""
+    import threading
+    from datetime import timedelta
+
+    from aserve.distributed import group as group_module
+
+    def open_on_rank_0(store: object, device_group: object, rank: int, *_: object) -> object:
+        if rank != 0:
+            raise RuntimeError("no peer access")
+        return _FakeOneShot()
+
+    monkeypatch.setattr(group_module.OneShotAllReduce, "open", open_on_rank_0)
+    timeout = timedelta(seconds=20)
+    store = group_module.create_store(2, timeout)
+    results: dict[int, TPGroup] = {}
+
+    def rank_main(rank: int) -> None:
+        own = store if rank == 0 else group_module.connect_store(store.port, 2, timeout)
+        joined = group_module.join_group(own, rank, 2, torch.device("cpu"), timeout, False)
+        results[rank] = group_module._with_one_shot(joined, own, torch.device("cpu"))
+
+    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert sorted(results) == [0, 1], "a rank did not come back from the agreement"
+    assert all(g.one_shot is None for g in results.values())
+    assert _FakeOneShot.closed
+    for joined in results.values():
+        joined.close()
+
+
 def tp2_llm(tmp_path: Path) -> LLM:
     return LLM(str(make_tiny_model("llama", tmp_path)), tensor_parallel_size=2, **OPTIONS)
 

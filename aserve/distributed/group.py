@@ -157,25 +157,34 @@ def join_group(
 
 
 def _with_one_shot(group: TPGroup, store: Any, device: torch.device) -> TPGroup:
-    """`group` with the one-shot all-reduce, if every rank opens it and it sums a test
-    tensor as NCCL does; otherwise `group` as it was, with the reason logged."""
+    """`group` with the one-shot all-reduce if every rank opens it and it sums a test tensor
+    as NCCL does, else `group` as it was. Every rank makes the same collective calls whatever
+    happens on it (agree on opening, probe, agree on the probe), so no rank is left waiting."""
     fast: OneShotAllReduce | None = None
     try:
         fast = OneShotAllReduce.open(store, group.device_group, group.rank, group.size, device)
-        probe = torch.arange(4096, dtype=torch.bfloat16, device=device) * (group.rank + 1)
-        summed = fast.all_reduce(probe)
-        expected = group.all_reduce(probe.clone())
-        works = summed is not None and torch.equal(summed, expected)
     except Exception as error:  # any failure here means: stay on NCCL
         logger.warning("the one-shot all-reduce is unavailable (%s); using NCCL", error)
+    if not group.agree_min(int(fast is not None)) or fast is None:
+        return _without(fast, group)
+    try:
+        probe = torch.arange(4096, dtype=torch.bfloat16, device=device) * (group.rank + 1)
+        summed = fast.all_reduce(probe)
+        works = summed is not None and torch.equal(summed, group.all_reduce(probe.clone()))
+    except Exception as error:
+        logger.warning("the one-shot all-reduce failed its check (%s); using NCCL", error)
         works = False
-    if not group.agree_min(int(works)) or fast is None:
-        if fast is not None:
-            fast.close()
-        logger.info("tensor-parallel all-reduce: NCCL")
-        return group
+    if not group.agree_min(int(works)):
+        return _without(fast, group)
     logger.info(
         "tensor-parallel all-reduce: one-shot over symmetric memory up to %d KiB, NCCL above",
         fast.max_bytes // 1024,
     )
     return replace(group, one_shot=fast)
+
+
+def _without(fast: OneShotAllReduce | None, group: TPGroup) -> TPGroup:
+    if fast is not None:
+        fast.close()
+    logger.info("tensor-parallel all-reduce: NCCL")
+    return group
