@@ -67,8 +67,6 @@ class DecoderAttention(nn.Module):
         side there and reach the KV pool in one write. On CUDA one kernel does all three."""
         q, kv = self.qkv_proj(hidden).split([self.q_size, 2 * self.kv_size], -1)
         tokens = q.shape[0]
-        q_weight = None if self.q_norm is None else self.q_norm.weight
-        k_weight = None if self.k_norm is None else self.k_norm.weight
         new_kv: torch.Tensor | None = None  # None: already in the pool
         if self.norm_rope_store is not None:
             self.norm_rope_store(
@@ -76,8 +74,8 @@ class DecoderAttention(nn.Module):
                 kv,
                 positions,
                 self.rotary.cos_sin,
-                q_weight,
-                k_weight,
+                None if self.q_norm is None else self.q_norm.weight,
+                None if self.k_norm is None else self.k_norm.weight,
                 self.eps,
                 attn.pool.kv[self.layer],
                 batch.out_slots,
