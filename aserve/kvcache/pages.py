@@ -82,7 +82,7 @@ class PageTable:
     def __init__(
         self, max_running_requests: int, max_seq_len: int, page_size: int, device: torch.device
     ) -> None:
-        width = pages_needed(max_seq_len + 1, page_size) * page_size
+        width = self.row_width(max_seq_len, page_size)
         rows = max_running_requests + 1
         self.page_size = page_size
         self.dummy_row = max_running_requests
@@ -129,9 +129,14 @@ class PageTable:
         self.slots[row, start : start + len(pages) * size].copy_(slots.flatten(), non_blocking=True)
 
     @staticmethod
-    def bytes_per_row(max_seq_len: int, page_size: int) -> int:
+    def row_width(max_seq_len: int, page_size: int) -> int:
+        """Columns of a row: the context plus one, in whole pages."""
+        return pages_needed(max_seq_len + 1, page_size) * page_size
+
+    @classmethod
+    def bytes_per_row(cls, max_seq_len: int, page_size: int) -> int:
         """Device memory of one row: its slot (int32) and token (int64) columns."""
-        return pages_needed(max_seq_len + 1, page_size) * page_size * (4 + 8)
+        return cls.row_width(max_seq_len, page_size) * (4 + 8)
 
     def slot_ids(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """The KV slot of each (row, position), from the host mirror (int64)."""
