@@ -54,7 +54,7 @@ class DecoderAttention(nn.Module):
         eps = self.eps = config.rms_norm_eps
         self.q_norm = RMSNorm(config.head_dim, eps, ops) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, eps, ops) if config.qk_norm else None
-        self.norm_rope_store = _norm_rope_store_kernel(ops, config.head_dim)
+        self.norm_rope_store = _fused_norm_rope_store(ops, config.head_dim)
 
     def forward(
         self,
@@ -92,7 +92,7 @@ class DecoderAttention(nn.Module):
         return self.o_proj(out)
 
 
-def _norm_rope_store_kernel(ops: ModuleType | None, head_dim: int) -> Callable[..., None] | None:
+def _fused_norm_rope_store(ops: ModuleType | None, head_dim: int) -> Callable[..., None] | None:
     """The one-kernel Q/K norm, RoPE and KV write (`layers/rope_store.py`) where the layers
     use fused kernels (CUDA, half precision) and Triton is installed, else None."""
     if ops is None or head_dim not in (64, 128, 256):
