@@ -108,3 +108,50 @@ def test_retraction_under_a_tiny_pool_keeps_outputs(
     llm = make_llm(smollm2_dir, num_pages=longest + 40, page_size=1)
     assert greedy_tokens(llm, prompt_ids) == hf_tokens
     assert llm.scheduler.planner.num_retractions > 0
+
+
+def test_decode_stage_follows_rows_that_change_hands(
+    make_llm: Callable[..., LLM],
+    smollm2_dir: Path,
+    prompt_ids: list[list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The CPU decode stage keeps a batch's K/V across steps; it must start afresh whenever
+    a row gets a new request. First one request at a time on one row, each prompt 3 tokens
+    longer than the one before and 4 tokens generated, so each request's first decode length
+    is its predecessor's last plus one: only the row's generation tells them apart. Then
+    requests of mixed lengths on 3 rows, rows changing hands while others keep decoding.
+    Both give the tokens of the path that gathers K/V from the pool every step."""
+    from aserve.attention import torch_native
+
+    flat = [t for ids in prompt_ids for t in ids]
+    chained = [flat[i : i + 10 + 3 * i] for i in range(5)]
+    four = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    mixed = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        for n in (3, 9, 24, 5, 17, 2, 11, 24)
+    ]
+
+    def run(running: int, prompts: list[list[int]], params) -> list[list[int]]:  # type: ignore[no-untyped-def]
+        llm = make_llm(smollm2_dir, max_running_requests=running)
+        return [o.token_ids for o in llm.generate(prompts, params)]
+
+    stages_built = 0
+    original_init = torch_native._DecodeStage.__init__
+
+    def counting_init(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        nonlocal stages_built
+        stages_built += 1
+        original_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch_native._DecodeStage, "__init__", counting_init)
+    staged_chained = run(1, chained, four)
+    assert stages_built == len(chained)  # one per request: its other two decode steps append
+    staged_mixed = run(3, prompt_ids, mixed)
+    assert [len(t) for t in staged_mixed] == [p.max_tokens for p in mixed]
+
+    monkeypatch.setattr(torch_native.TorchNativeBackend, "STAGE_MAX_BYTES", 0)
+    built_before = stages_built
+    assert run(1, chained, four) == staged_chained
+    assert run(3, prompt_ids, mixed) == staged_mixed
+    assert stages_built == built_before  # the reference runs never staged

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from aserve import LLM, SamplingParams
 from aserve.scheduler.batch import build_forward_batch
@@ -76,3 +77,21 @@ def test_greedy_matches_transformers_generate(tiny: Path) -> None:
         expected = hf_greedy_tokens(hf, prompt, 12)
         assert out.token_ids == expected
         assert out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_cpu_weight_equals_plain_linear(rows: int, bias: bool) -> None:
+    """The packed weight serves every row count, not only the one it was packed for (the
+    op's fallback for other counts would read the all-zero stand-in and give zeros)."""
+    from aserve.layers.cpu_gemm import PackedWeight, can_pack
+
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 64, generator=generator)
+    if not can_pack(weight):
+        pytest.skip("this torch build has no MKL (packing is x86-only)")
+    b = torch.randn(96, generator=generator) if bias else None
+    x = torch.randn(rows, 64, generator=generator)
+    packed = PackedWeight(weight)
+    torch.testing.assert_close(packed.linear(x, b), F.linear(x, weight, b))
+    torch.testing.assert_close(packed.linear(x[None], b)[0], F.linear(x, weight, b))

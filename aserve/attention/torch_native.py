@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from aserve.forward import ForwardBatch
-from aserve.kvcache.pool import KVPool
+from aserve.kvcache.pages import PageTable
+from aserve.kvcache.pool import KVPool, zeros_on
 
 
 @dataclass
@@ -26,21 +27,64 @@ class _PrefillMetadata:
 
 @dataclass
 class _DecodeMetadata:
-    """`mask` hides the padding of shorter contexts; None when all lengths are equal."""
+    """`mask` hides the padding of shorter contexts; None when all lengths are equal. With a
+    `stage`, K/V are read from it: gathered into it this step when `append` is False, else
+    only the new token is appended at (`batch_index`, `positions`)."""
 
     kv_slots: torch.Tensor
-    flat_slots: torch.Tensor
     mask: torch.Tensor | None
+    stage: _DecodeStage | None
+    append: bool
+    batch_index: torch.Tensor | None
+    positions: torch.Tensor | None
+
+
+class _DecodeStage:
+    """Dense copies of a decode batch's K/V, `[batch, capacity, 2, kv_heads, head_dim]` a
+    layer, kept across steps while the batch keeps its requests. Gathering every context
+    from the pool each step costs more on a CPU than the attention that reads it (it reads
+    and writes the whole context); with the stage a step appends one token per request."""
+
+    HEADROOM = 64  # positions allocated past the longest context, so growth rarely rebuilds
+
+    def __init__(self, key: tuple[int, ...], seq_lens: list[int], pool: KVPool) -> None:
+        self.key = key
+        self.seq_lens = seq_lens
+        self.capacity = max(seq_lens) + self.HEADROOM
+        shape = (len(seq_lens), self.capacity, *pool.kv[0].shape[1:])
+        # Zeros (committed page by page as written): positions past a context are masked,
+        # and a masked position must not hold a NaN that the softmax's zero weight keeps.
+        self.kv = [zeros_on(shape, layer.dtype, layer.device) for layer in pool.kv]
+
+    @staticmethod
+    def nbytes(batch_size: int, longest: int, pool: KVPool) -> int:
+        layer = pool.kv[0]
+        per_position = layer[0].numel() * layer.element_size() * len(pool.kv)
+        return batch_size * (longest + _DecodeStage.HEADROOM) * per_position
+
+    def continues(self, key: tuple[int, ...], seq_lens: list[int]) -> bool:
+        """True when `seq_lens` are this stage's requests one token further, within capacity."""
+        return (
+            key == self.key
+            and all(n == m + 1 for n, m in zip(seq_lens, self.seq_lens))
+            and max(seq_lens) <= self.capacity
+        )
 
 
 class TorchNativeBackend:
     """Prefill runs one SDPA call per request (a cached prefix makes the mask bottom-right
-    aligned); decode pads the batch to its longest context and runs one masked SDPA call."""
+    aligned); decode pads the batch to its longest context and runs one masked SDPA call.
+    On CPU, decode reads K/V from a `_DecodeStage` when it fits `STAGE_MAX_BYTES`."""
 
-    def __init__(self, pool: KVPool, num_heads: int, head_dim: int) -> None:
+    STAGE_MAX_BYTES = 512 << 20
+
+    def __init__(self, pool: KVPool, page_table: PageTable, num_heads: int, head_dim: int) -> None:
         self.pool = pool
+        self.page_table = page_table
         self.num_heads = num_heads
         self.head_dim = head_dim
+        self.use_stage = pool.kv[0].device.type == "cpu"
+        self._stage: _DecodeStage | None = None
 
     def prepare(self, batch: ForwardBatch) -> None:
         if batch.is_decode:
@@ -66,11 +110,32 @@ class TorchNativeBackend:
         longest = max(batch.seq_lens)
         device = batch.page_table.device
         slots = batch.page_table[batch.rows, :longest].long()
-        if min(batch.seq_lens) == longest:
-            return _DecodeMetadata(slots, slots.flatten(), None)
-        lens = torch.tensor(batch.seq_lens, device=device)
-        mask = torch.arange(longest, device=device)[None, :] < lens[:, None]
-        return _DecodeMetadata(slots, slots.flatten(), mask[:, None, None, :])
+        mask = None
+        if min(batch.seq_lens) < longest:
+            lens = torch.tensor(batch.seq_lens, device=device)
+            mask = (torch.arange(longest, device=device)[None, :] < lens[:, None])[:, None, None]
+        stage, append = self._pick_stage(batch, longest)
+        batch_index = positions = None
+        if append:
+            batch_index = torch.arange(batch.batch_size)
+            positions = torch.tensor(batch.seq_lens) - 1
+        return _DecodeMetadata(slots, mask, stage, append, batch_index, positions)
+
+    def _pick_stage(self, batch: ForwardBatch, longest: int) -> tuple[_DecodeStage | None, bool]:
+        """The stage to read this step, and whether it only needs the new tokens appended."""
+        if not self.use_stage:
+            return None, False
+        rows = batch.row_ids
+        key = (*rows, *self.page_table.row_generations[rows].tolist())
+        stage = self._stage
+        if stage is not None and stage.continues(key, batch.seq_lens):
+            stage.seq_lens = batch.seq_lens
+            return stage, True
+        self._stage = None  # free the old stage before allocating its successor
+        if _DecodeStage.nbytes(batch.batch_size, longest, self.pool) > self.STAGE_MAX_BYTES:
+            return None, False
+        self._stage = _DecodeStage(key, batch.seq_lens, self.pool)
+        return self._stage, False
 
     def forward(
         self, q: torch.Tensor, kv: torch.Tensor | None, layer: int, batch: ForwardBatch
@@ -85,28 +150,43 @@ class TorchNativeBackend:
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def _prefill(self, q: torch.Tensor, layer: int, meta: _PrefillMetadata) -> torch.Tensor:
+        """Inputs get a batch dimension: with three, SDPA on CPU takes its slow math path."""
         out = torch.empty_like(q)
-        k_pool, v_pool = self.pool.k[layer], self.pool.v[layer]
+        kv_pool = self.pool.kv[layer]
         for seq in meta.seqs:
             q_seq = q[seq.q_start : seq.q_start + seq.q_len].transpose(0, 1)
-            k_seq = k_pool.index_select(0, seq.kv_slots).transpose(0, 1)
-            v_seq = v_pool.index_select(0, seq.kv_slots).transpose(0, 1)
+            kv_seq = kv_pool.index_select(0, seq.kv_slots)
             o = F.scaled_dot_product_attention(
-                q_seq,
-                k_seq,
-                v_seq,
+                q_seq[None],
+                kv_seq[None, :, 0].transpose(1, 2),
+                kv_seq[None, :, 1].transpose(1, 2),
                 attn_mask=seq.mask,
                 is_causal=seq.mask is None,
                 enable_gqa=True,
             )
-            out[seq.q_start : seq.q_start + seq.q_len] = o.transpose(0, 1)
+            out[seq.q_start : seq.q_start + seq.q_len] = o[0].transpose(0, 1)
         return out
 
     def _decode(self, q: torch.Tensor, layer: int, meta: _DecodeMetadata) -> torch.Tensor:
-        shape = (*meta.kv_slots.shape, *self.pool.k[layer].shape[1:])
-        k = self.pool.k[layer].index_select(0, meta.flat_slots).view(shape).transpose(1, 2)
-        v = self.pool.v[layer].index_select(0, meta.flat_slots).view(shape).transpose(1, 2)
+        batch_size, longest = meta.kv_slots.shape
+        kv_pool = self.pool.kv[layer]
+        if meta.stage is None:
+            kv = kv_pool.index_select(0, meta.kv_slots.flatten())
+            kv = kv.view(batch_size, longest, *kv_pool.shape[1:])
+        elif meta.append:
+            new_slots = meta.kv_slots[meta.batch_index, meta.positions]
+            kv = meta.stage.kv[layer]
+            kv[meta.batch_index, meta.positions] = kv_pool[new_slots]
+            kv = kv[:, :longest]
+        else:
+            kv = meta.stage.kv[layer][:, :longest]
+            gathered = kv_pool.index_select(0, meta.kv_slots.flatten())
+            kv.copy_(gathered.view(batch_size, longest, *kv_pool.shape[1:]))
         o = F.scaled_dot_product_attention(
-            q[:, :, None, :], k, v, attn_mask=meta.mask, enable_gqa=True
+            q[:, :, None, :],
+            kv[:, :, 0].transpose(1, 2),
+            kv[:, :, 1].transpose(1, 2),
+            attn_mask=meta.mask,
+            enable_gqa=True,
         )
         return o[:, :, 0, :]

@@ -26,6 +26,7 @@ from aserve.forward import ForwardBatch, ForwardMode
 from aserve.kvcache.pages import PageTable
 from aserve.kvcache.pool import KVPool
 from aserve.layers.fused import fused_ops
+from aserve.layers.linear import pack_linear_weights
 from aserve.models.registry import build_model
 from aserve.models.weights import fill_dummy_weights, iter_weights, torch_dtype
 from aserve.sampling_params import SamplingParams
@@ -89,6 +90,8 @@ class Engine:
             assert model_dir is not None
             self.model.load_weights(iter_weights(model_dir, self.tp.rank == 0, lazy=True))
         self.model.eval()
+        if self.device.type == "cpu":
+            pack_linear_weights(self.model)
         self.load_seconds = time.perf_counter() - started
         self.free_memory_after_load = free_device_memory(self.device)
 
@@ -149,7 +152,7 @@ class Engine:
         if name == "torch":
             from aserve.attention.torch_native import TorchNativeBackend
 
-            return TorchNativeBackend(self.pool, local_heads, head_dim)
+            return TorchNativeBackend(self.pool, self.page_table, local_heads, head_dim)
         if name in ("fi", "fa") and self.device.type == "cuda":
             from aserve.attention.flashinfer import FlashInferBackend
 

@@ -91,6 +91,9 @@ class PageTable:
         self.tokens = torch.zeros(rows, width, dtype=torch.int64, device=device)
         self.pages = np.zeros((rows, width // page_size), dtype=np.int32)
         self._free_rows = list(range(max_running_requests - 1, -1, -1))
+        # Bumped whenever a row is mapped from its first page (a request admitted or
+        # re-admitted), so state kept per row across decode steps can tell its owner changed.
+        self.row_generations = np.zeros(rows, dtype=np.int64)
         self._page_offsets = torch.arange(page_size, dtype=torch.int32)
         self._journal: list[PageWrite] | None = None
 
@@ -122,6 +125,8 @@ class PageTable:
             return
         if self._journal is not None:
             self._journal.append(PageWrite(row, first_page_index, list(pages)))
+        if first_page_index == 0:
+            self.row_generations[row] += 1
         self.pages[row, first_page_index : first_page_index + len(pages)] = pages
         size = self.page_size
         slots = torch.tensor(pages, dtype=torch.int32)[:, None] * size + self._page_offsets

@@ -2,7 +2,8 @@
 
 Column-parallel layers split the output features over ranks (no communication); row-parallel
 layers split the input features and all-reduce the partial sums. Each layer copies the slice
-of a checkpoint tensor that belongs to its rank in `load_weight`.
+of a checkpoint tensor that belongs to its rank in `load_weight`. On CPU the loaded weights
+are replaced by MKL-packed ones (`pack_linear_weights`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aserve.distributed.group import TPGroup
+from aserve.layers.cpu_gemm import PackedWeight, can_pack
 from aserve.layers.weight import WeightSource
 
 
@@ -31,8 +33,11 @@ class ColumnParallelLinear(nn.Module):
             tp.shard(size)
         self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), input_size), False)
         self.bias = nn.Parameter(torch.empty(sum(self.local_sizes)), False) if bias else None
+        self.packed: PackedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed.linear(x, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def _rank_rows(self, tensor: WeightSource, shard: int) -> torch.Tensor:
@@ -79,9 +84,11 @@ class RowParallelLinear(nn.Module):
         self.input_start, self.local_input = start, end - start
         self.weight = nn.Parameter(torch.empty(output_size, self.local_input), False)
         self.bias = nn.Parameter(torch.empty(output_size), False) if bias else None
+        self.packed: PackedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        partial = F.linear(x, self.weight) if self.packed is None else self.packed.linear(x, None)
+        y = self.tp.all_reduce(partial)
         return y if self.bias is None else y + self.bias
 
     def load_weight(self, name: str, tensor: WeightSource, shard: int = 0) -> None:
@@ -91,3 +98,17 @@ class RowParallelLinear(nn.Module):
         else:
             end = self.input_start + self.local_input
             self.weight.data.copy_(tensor[:, self.input_start : end])
+
+
+def pack_linear_weights(model: nn.Module) -> int:
+    """Swap every packable linear weight of `model` for its MKL-packed form (after loading:
+    a packed layer has no plain `weight` left); returns how many were packed."""
+    packed = 0
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and can_pack(
+            module.weight
+        ):
+            module.packed = PackedWeight(module.weight.detach())
+            del module.weight
+            packed += 1
+    return packed
