@@ -111,7 +111,7 @@ def test_norm_rope_store_kernel_equals_the_separate_steps(
     if qk_norm:
         norms[0].norm_heads(q, head_dim)
         norms[1].norm_heads(kv[:, :kv_size], head_dim)
-    rotary(positions, q, kv[:, :kv_size])
+    rotary(positions, expected[:, : q_size + kv_size], q_size)
     pools[0].store(0, slots, kv.reshape(tokens, 2, kv_heads, head_dim))
 
     q, kv = qkv.split([q_size, 2 * kv_size], -1)

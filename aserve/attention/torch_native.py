@@ -182,11 +182,12 @@ class TorchNativeBackend:
             kv = meta.stage.kv[layer][:, :longest]
             gathered = kv_pool.index_select(0, meta.kv_slots.flatten())
             kv.copy_(gathered.view(batch_size, longest, *kv_pool.shape[1:]))
+        # A KV head's group of query heads as its queries: K/V are read once per KV head.
+        kv_heads = kv.shape[3]
         o = F.scaled_dot_product_attention(
-            q[:, :, None, :],
+            q.view(batch_size, kv_heads, -1, self.head_dim),
             kv[:, :, 0].transpose(1, 2),
             kv[:, :, 1].transpose(1, 2),
             attn_mask=meta.mask,
-            enable_gqa=True,
         )
-        return o[:, :, 0, :]
+        return o.view(batch_size, self.num_heads, self.head_dim)

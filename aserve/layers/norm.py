@@ -22,6 +22,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size), False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        """In float32 and lower precision alike: normalised in float32, then weighted."""
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
         return self.weight * normed.to(x.dtype)
 

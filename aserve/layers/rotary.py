@@ -46,7 +46,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 class RotaryEmbedding(nn.Module):
     """With `ops` (FlashInfer), Q and K are rotated in place by one kernel reading a
-    `[positions, head_dim]` cache of cos | sin halves."""
+    `[positions, head_dim]` cache of cos | sin halves. In plain torch `x * cos + half * sin`
+    with whole-head tables (`cos | cos`, `-sin | sin`) and `half` = x's halves swapped."""
 
     def __init__(
         self,
@@ -59,27 +60,25 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions).float(), inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
-        self.register_buffer("cos_sin", torch.cat((self.cos, self.sin), -1), persistent=False)
+        cos, sin = freqs.cos(), freqs.sin()
+        self.register_buffer("cos_sin", torch.cat((cos, sin), -1), persistent=False)
+        self.register_buffer("head_cos", torch.cat((cos, cos), -1), persistent=False)
+        self.register_buffer("head_sin", torch.cat((-sin, sin), -1), persistent=False)
         self.head_dim = head_dim
         self.ops = ops
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
-        """Rotate q `[tokens, heads * head_dim]` and k `[tokens, kv_heads * head_dim]` in place
-        (they may be strided views into the fused QKV output)."""
+    def forward(self, positions: torch.Tensor, qk: torch.Tensor, q_size: int) -> None:
+        """Rotate Q and K in place: `qk` `[tokens, (heads + kv_heads) * head_dim]` holds them
+        side by side (a strided view into the fused QKV output), Q in the first `q_size`
+        columns. Plain torch rotates all their heads in one pass."""
         if self.ops is not None:
             self.ops.apply_rope_with_cos_sin_cache_inplace(
-                positions, q, k, self.head_dim, self.cos_sin, is_neox=True
+                positions, qk[:, :q_size], qk[:, q_size:], self.head_dim, self.cos_sin, is_neox=True
             )
             return
-        q.copy_(self._rotate(positions, q))
-        k.copy_(self._rotate(positions, k))
-
-    def _rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        heads = x.view(x.shape[0], -1, self.head_dim)
-        cos = self.cos[positions][:, None, :].to(x.dtype)
-        sin = self.sin[positions][:, None, :].to(x.dtype)
-        x1, x2 = heads.chunk(2, dim=-1)
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return rotated.view(x.shape)
+        heads = qk.unflatten(-1, (-1, self.head_dim))
+        cos = self.head_cos[positions][:, None, :].to(qk.dtype)
+        sin = self.head_sin[positions][:, None, :].to(qk.dtype)
+        half = self.head_dim // 2
+        swapped = torch.cat((heads[..., half:], heads[..., :half]), dim=-1)
+        heads.copy_(heads * cos + swapped * sin)

@@ -65,7 +65,8 @@ class DecoderAttention(nn.Module):
     ) -> torch.Tensor:
         """Q/K norm and RoPE work in place on the fused QKV output, so K and V stay side by
         side there and reach the KV pool in one write. On CUDA one kernel does all three."""
-        q, kv = self.qkv_proj(hidden).split([self.q_size, 2 * self.kv_size], -1)
+        qkv = self.qkv_proj(hidden)
+        q, kv = qkv.split([self.q_size, 2 * self.kv_size], -1)
         tokens = q.shape[0]
         new_kv: torch.Tensor | None = None  # None: already in the pool
         if self.norm_rope_store is not None:
@@ -86,7 +87,7 @@ class DecoderAttention(nn.Module):
             if self.q_norm is not None and self.k_norm is not None:
                 self.q_norm.norm_heads(q, self.head_dim)
                 self.k_norm.norm_heads(k, self.head_dim)
-            self.rotary(positions, q, k)
+            self.rotary(positions, qkv[:, : self.q_size + self.kv_size], self.q_size)
             new_kv = kv.view(tokens, 2, -1, self.head_dim)
         out = attn.forward(q.view(tokens, -1, self.head_dim), new_kv, self.layer, batch)
         return self.o_proj(out)
