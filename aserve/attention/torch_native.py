@@ -190,4 +190,4 @@ class TorchNativeBackend:
             kv[:, :, 1].transpose(1, 2),
             attn_mask=meta.mask,
         )
-        return o.view(batch_size, self.num_heads, self.head_dim)
+        return o.reshape(batch_size, self.num_heads, self.head_dim)
