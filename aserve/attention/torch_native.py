@@ -45,7 +45,7 @@ class _DecodeStage:
     from the pool each step costs more on a CPU than the attention that reads it (it reads
     and writes the whole context); with the stage a step appends one token per request."""
 
-    HEADROOM = 64  # positions allocated past the longest context, so growth rarely rebuilds
+    HEADROOM = 32  # positions allocated past the longest context, so growth rarely rebuilds
 
     def __init__(self, key: tuple[int, ...], seq_lens: list[int], pool: KVPool) -> None:
         self.key = key
@@ -76,7 +76,7 @@ class TorchNativeBackend:
     aligned); decode pads the batch to its longest context and runs one masked SDPA call.
     On CPU, decode reads K/V from a `_DecodeStage` when it fits `STAGE_MAX_BYTES`."""
 
-    STAGE_MAX_BYTES = 512 << 20
+    STAGE_MAX_BYTES = 256 << 20
 
     def __init__(self, pool: KVPool, page_table: PageTable, num_heads: int, head_dim: int) -> None:
         self.pool = pool

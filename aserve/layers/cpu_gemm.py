@@ -9,6 +9,9 @@ picks for 256 rows was the best at every row count measured (1 to 2,048), so tha
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+
 import torch
 
 PACKED_FOR_ROWS = 256
@@ -39,3 +42,11 @@ class PackedWeight:
         rows = x.reshape(-1, x.shape[-1])
         out = torch.ops.mkl._mkl_linear(rows, self.packed, self.stand_in, bias, rows.shape[0])
         return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def return_freed_memory() -> None:
+    """Hand the heap's free memory back to the OS. After packing, glibc keeps the freed plain
+    weights in its heap, which counted as ~100 MiB of resident memory for the 135M model;
+    elsewhere (no glibc) this does nothing."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aserve.distributed.group import TPGroup
-from aserve.layers.cpu_gemm import PackedWeight, can_pack
+from aserve.layers.cpu_gemm import PackedWeight, can_pack, return_freed_memory
 from aserve.layers.weight import WeightSource
 
 
@@ -111,4 +111,5 @@ def pack_linear_weights(model: nn.Module) -> int:
             module.packed = PackedWeight(module.weight.detach())
             del module.weight
             packed += 1
+    return_freed_memory()
     return packed
