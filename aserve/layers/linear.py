@@ -100,16 +100,13 @@ class RowParallelLinear(nn.Module):
             self.weight.data.copy_(tensor[:, self.input_start : end])
 
 
-def pack_linear_weights(model: nn.Module) -> int:
+def pack_linear_weights(model: nn.Module) -> None:
     """Swap every packable linear weight of `model` for its MKL-packed form (after loading:
-    a packed layer has no plain `weight` left); returns how many were packed."""
-    packed = 0
+    a packed layer has no plain `weight` left)."""
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and can_pack(
             module.weight
         ):
             module.packed = PackedWeight(module.weight.detach())
             del module.weight
-            packed += 1
     return_freed_memory()
-    return packed
