@@ -132,7 +132,9 @@ def test_decode_stage_follows_rows_that_change_hands(
         for n in (3, 9, 24, 5, 17, 2, 11, 24)
     ]
 
-    def run(running: int, prompts: list[list[int]], params) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    def run(
+        running: int, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[int]]:
         llm = make_llm(smollm2_dir, max_running_requests=running)
         return [o.token_ids for o in llm.generate(prompts, params)]
 
