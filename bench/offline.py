@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -151,7 +152,24 @@ def main() -> None:
     run_id = new_run_id()
     model_name = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
     llm = build_llm(args)
-    ours = [run_aserve(llm, w, args.temperature, args.seeded) for w in workloads]
+    ours: list[tuple[int, float]] = []
+    peers: list[tuple[int, float]] = []
+    if args.peer == "hf" and llm.runtime.engine.device.type == "cpu":
+        # Both engines stay loaded and take turns on each workload, so a noisy neighbour on
+        # a shared CPU slows both alike instead of whichever ran during it.
+        run_peer = load_peer(args, llm)
+        for workload in workloads:
+            ours.append(run_aserve(llm, workload, args.temperature, args.seeded))
+            peers.append(run_peer(workload))
+        llm.close()
+    else:
+        ours = [run_aserve(llm, w, args.temperature, args.seeded) for w in workloads]
+        if args.peer == "hf":
+            # On a GPU one engine at a time: the peer loads after ours has freed its memory.
+            run_peer = load_peer(args, llm)
+            peers = [run_peer(w) for w in workloads]
+        else:
+            llm.close()
     tokens, seconds = report("aserve", ours)
     if not args.no_record:
         record(
@@ -164,25 +182,8 @@ def main() -> None:
             run_id,
             runs_tok_s=[round(t / s, 1) for t, s in ours],
         )
-    if args.peer != "hf":
-        llm.close()
+    if not peers:
         return
-    from bench.hf_baseline import load_hf_model, run_hf, run_hf_continuous
-
-    engine = llm.runtime.engine
-    model_dir, dtype, device = llm.runtime.model_dir, engine.dtype, str(engine.device)
-    llm.close()
-    del llm, engine
-    hf = load_hf_model(model_dir, args.dummy_weight, dtype, device)
-    if args.hf_mode == "continuous":
-        run_hf_continuous(hf, workloads[0][:1], 0.0)
-        peers = [run_hf_continuous(hf, w, args.temperature) for w in workloads]
-    else:
-        run_hf(hf, workloads[0][:1], 1, 0.0, args.hf_cache)
-        peers = [
-            run_hf(hf, w, args.max_running_requests, args.temperature, args.hf_cache)
-            for w in workloads
-        ]
     hf_tokens, hf_seconds = report("transformers", peers)
     print(f"aserve/transformers {(tokens / seconds) / (hf_tokens / hf_seconds):.2f}x")
     if not args.no_record:
@@ -197,6 +198,24 @@ def main() -> None:
             run_id,
             runs_tok_s=[round(t / s, 1) for t, s in peers],
         )
+
+
+def load_peer(args: argparse.Namespace, llm: LLM) -> Callable[[Workload], tuple[int, float]]:
+    """Load transformers on our model, warm it up, and return a function that runs a
+    workload through it. On a GPU `llm` is closed first, to free its memory."""
+    from bench.hf_baseline import load_hf_model, run_hf, run_hf_continuous
+
+    engine = llm.runtime.engine
+    model_dir, dtype, device = llm.runtime.model_dir, engine.dtype, engine.device
+    if device.type != "cpu":
+        llm.close()
+    del engine
+    hf = load_hf_model(model_dir, args.dummy_weight, dtype, str(device))
+    if args.hf_mode == "continuous":
+        run_hf_continuous(hf, [([1, 2, 3, 4], 2)], 0.0)
+        return lambda w: run_hf_continuous(hf, w, args.temperature)
+    run_hf(hf, [([1, 2, 3, 4], 2)], 1, 0.0, args.hf_cache)
+    return lambda w: run_hf(hf, w, args.max_running_requests, args.temperature, args.hf_cache)
 
 
 if __name__ == "__main__":

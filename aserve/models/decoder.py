@@ -177,8 +177,9 @@ class DecoderModel(nn.Module):
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         hidden = self.embed_tokens(batch.input_ids)
         residual = None
+        positions = batch.positions  # one tensor for all layers: rope looks its tables up once
         for layer in self.layers:
-            hidden, residual = layer(batch.positions, hidden, residual, batch, attn)
+            hidden, residual = layer(positions, hidden, residual, batch, attn)
         hidden, _ = self.norm.add_and_norm(hidden, residual)
         return hidden
 
