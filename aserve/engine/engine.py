@@ -25,6 +25,7 @@ from aserve.engine.step import StepSpec, forward_batch
 from aserve.forward import ForwardBatch, ForwardMode
 from aserve.kvcache.pages import PageTable
 from aserve.kvcache.pool import KVPool
+from aserve.layers.cpu_gemm import return_freed_memory
 from aserve.layers.fused import fused_ops
 from aserve.layers.linear import pack_linear_weights
 from aserve.models.registry import build_model
@@ -92,6 +93,8 @@ class Engine:
         self.model.eval()
         if self.device.type == "cpu":
             pack_linear_weights(self.model)
+            self.model.pack_lm_head(None if config.dummy_weight else model_dir)
+            return_freed_memory()
         self.load_seconds = time.perf_counter() - started
         self.free_memory_after_load = free_device_memory(self.device)
 

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aserve.distributed.group import TPGroup
+from aserve.layers.cpu_gemm import PackedWeight
 from aserve.layers.weight import WeightSource
 
 
@@ -20,8 +21,12 @@ class VocabParallelEmbedding(nn.Module):
         self.local_vocab = -(-vocab_size // tp.size)
         self.vocab_start = tp.rank * self.local_vocab
         self.weight = nn.Parameter(torch.empty(self.local_vocab, hidden_size), False)
+        self.packed: PackedWeight | None = None
+        self.lookup_table: torch.Tensor | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.lookup_table is not None:
+            return F.embedding(ids, self.lookup_table).to(self.dtype)
         if self.tp.size == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.vocab_start
@@ -36,8 +41,20 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Score `hidden` against every vocabulary row (the tied LM head uses this too)."""
+        if self.packed is not None:
+            return self.packed.linear(hidden, None)[:, : self.vocab_size]
         local = F.linear(hidden, self.weight)
         return self.tp.all_gather(local, dim=-1)[:, : self.vocab_size]
+
+    def pack(self, lookup_table: torch.Tensor | None = None) -> None:
+        """CPU, one rank: pack the weight for `logits` as the linear layers are (at 16 rows a
+        step's logits took 12 ms plain, 9 packed) and drop the plain one. A packed matrix
+        serves no row lookups: a table that is also the embedding reads its rows from
+        `lookup_table` (the checkpoint's, memory-mapped, so no second copy stays resident)."""
+        self.packed = PackedWeight(self.weight.detach())
+        self.lookup_table = lookup_table
+        self.dtype = self.weight.dtype
+        del self.weight
 
 
 class ParallelLMHead(VocabParallelEmbedding):

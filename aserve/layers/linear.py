@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aserve.distributed.group import TPGroup
-from aserve.layers.cpu_gemm import PackedWeight, can_pack, return_freed_memory
+from aserve.layers.cpu_gemm import PackedWeight, can_pack
 from aserve.layers.weight import WeightSource
 
 
@@ -102,11 +102,11 @@ class RowParallelLinear(nn.Module):
 
 def pack_linear_weights(model: nn.Module) -> None:
     """Swap every packable linear weight of `model` for its MKL-packed form (after loading:
-    a packed layer has no plain `weight` left)."""
+    a packed layer has no plain `weight` left; `return_freed_memory` then gives the plain
+    weights' memory back)."""
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and can_pack(
             module.weight
         ):
             module.packed = PackedWeight(module.weight.detach())
             del module.weight
-    return_freed_memory()

@@ -9,6 +9,7 @@ fused projections (qkv_proj, gate_up_proj) load their parts by shard.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -19,11 +20,13 @@ from aserve.config import ModelConfig
 from aserve.distributed.group import TPGroup
 from aserve.forward import ForwardBatch
 from aserve.layers.activation import silu_and_mul
+from aserve.layers.cpu_gemm import can_pack
 from aserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from aserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from aserve.layers.norm import RMSNorm
 from aserve.layers.rotary import RotaryEmbedding
 from aserve.layers.weight import WeightSource
+from aserve.models.weights import map_checkpoint_tensor
 
 
 class DecoderAttention(nn.Module):
@@ -222,6 +225,22 @@ class DecoderForCausalLM(nn.Module):
         """Float32 logits `[batch, vocab]` at each request's `logit_indices` token."""
         hidden = self.model(batch, attn)[batch.logit_indices]
         return self.lm_head.logits(hidden).float()
+
+    def pack_lm_head(self, checkpoint: Path | None) -> None:
+        """On CPU, pack the LM head (`VocabParallelEmbedding.pack`). A head tied to the
+        embedding keeps serving lookups from the checkpoint's table; without a checkpoint
+        (dummy weights) it stays plain."""
+        head = self.lm_head
+        if head.tp.size != 1 or not can_pack(head.weight):
+            return
+        if head is not self.model.embed_tokens:
+            head.pack()
+            return
+        table = None
+        if checkpoint is not None:
+            table = map_checkpoint_tensor(checkpoint, "model.embed_tokens.weight")
+        if table is not None and table.shape == head.weight.shape:
+            head.pack(table)
 
     def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> None:
         """Copy Hugging Face-named tensors into this rank's (fused, sharded) parameters."""

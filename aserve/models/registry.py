@@ -5,7 +5,6 @@ from __future__ import annotations
 from types import ModuleType
 
 import torch
-from torch import nn
 
 from aserve.config import ModelConfig
 from aserve.distributed.group import TPGroup
@@ -21,7 +20,7 @@ def build_model(
     ops: ModuleType | None = None,
     moe_backend: str = "auto",
     device: torch.device | None = None,
-) -> nn.Module:
+) -> DecoderForCausalLM:
     """Construct (uninitialised) the model for `config`; dense families share one class.
     `ops` selects FlashInfer's fused kernels (see aserve/layers/fused.py); `moe_backend`
     (--moe-backend) the expert kernels of MoE families for `device` (default: CPU)."""

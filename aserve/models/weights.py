@@ -8,6 +8,7 @@ decides how to cast and shard them.
 from __future__ import annotations
 
 import json
+import mmap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,29 @@ def iter_safetensors(
                 for name in names:
                     yield name, handle.get_slice(name) if lazy else handle.get_tensor(name)
                     bar.update()
+
+
+SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
+
+
+def map_checkpoint_tensor(folder: Path, name: str) -> torch.Tensor | None:
+    """Tensor `name` of the folder's safetensors, read through a memory map of its file:
+    the OS reads pages when they are indexed and may drop them again, so a big table read a
+    few rows at a time does not stay resident. None when no safetensors file holds it in a
+    float type. The mapping is copy-on-write: nothing can change the file through it."""
+    for file in safetensors_files(folder):
+        with open(file, "rb") as handle:
+            header_size = int.from_bytes(handle.read(8), "little")
+            entry = json.loads(handle.read(header_size)).get(name)
+            if entry is None or entry["dtype"] not in SAFETENSORS_DTYPES:
+                continue
+            mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+        start, end = entry["data_offsets"]
+        dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+        count = (end - start) // torch.empty((), dtype=dtype).element_size()
+        flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=8 + header_size + start)
+        return flat.view(entry["shape"])
+    return None
 
 
 def count_tensors(file: Path) -> int:
