@@ -80,9 +80,10 @@ SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch
 
 def map_checkpoint_tensor(folder: Path, name: str) -> torch.Tensor | None:
     """Tensor `name` of the folder's safetensors, read through a memory map of its file:
-    the OS reads pages when they are indexed and may drop them again, so a big table read a
-    few rows at a time does not stay resident. None when no safetensors file holds it in a
-    float type. The mapping is copy-on-write: nothing can change the file through it."""
+    the OS reads pages in when they are indexed and may drop them again under memory
+    pressure, so the tensor takes no memory of the process's own. None when no safetensors
+    file holds it in a float type. The mapping is copy-on-write: nothing can change the file
+    through it."""
     for file in safetensors_files(folder):
         with open(file, "rb") as handle:
             header_size = int.from_bytes(handle.read(8), "little")
