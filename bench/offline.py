@@ -209,7 +209,6 @@ def load_peer(args: argparse.Namespace, llm: LLM) -> Callable[[Workload], tuple[
     model_dir, dtype, device = llm.runtime.model_dir, engine.dtype, engine.device
     if device.type != "cpu":
         llm.close()
-    del engine
     hf = load_hf_model(model_dir, args.dummy_weight, dtype, str(device))
     if args.hf_mode == "continuous":
         run_hf_continuous(hf, [([1, 2, 3, 4], 2)], 0.0)
