@@ -13,5 +13,6 @@ def silu_and_mul(gate_up: torch.Tensor, ops: ModuleType | None = None) -> torch.
     if ops is not None:
         return ops.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
-    # SiLU of the strided half is 3x slower on CPU than of a contiguous copy.
-    return F.silu(gate.contiguous(), inplace=True).mul_(up)
+    # Out of place: in place on the strided half ran 3x slower on CPU, and a contiguous
+    # copy first cost 40 against 28 us at 16 rows (3.0 against 2.2 ms at 2,400).
+    return F.silu(gate).mul_(up)

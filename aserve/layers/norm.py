@@ -22,11 +22,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size), False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        """In float32 and lower precision alike: normalised in float32, then weighted."""
+        """Hugging Face's formula, op for op (the same bits): normalised in float32, then
+        weighted. On CPU `F.rms_norm` gives the same bits but took 3.7 ms at 2,400 tokens of
+        SmolLM2 against 1.0 ms for these in-place steps."""
+        x32 = x.float()
+        inv_rms = x32.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
         if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+            return (x * inv_rms).mul_(self.weight)
+        return self.weight * (x32 * inv_rms).to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ops is not None:
@@ -46,11 +49,12 @@ class RMSNorm(nn.Module):
     def add_and_norm(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`residual += x` then normalise it; returns (normalised, new residual)."""
+        """`residual += x` then normalise it; returns (normalised, new residual). Either
+        input may be overwritten (the torch path sums into `x`, saving an allocation)."""
         if self.ops is not None:
             self.ops.fused_add_rmsnorm(x, residual, self.weight, self.eps)
             return x, residual
-        residual = x + residual
+        residual = x.add_(residual)
         return self._norm(residual), residual
 
     def load_weight(self, name: str, tensor: WeightSource, shard: int = 0) -> None:
