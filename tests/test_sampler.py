@@ -10,6 +10,7 @@ from aserve.engine.sampler import (
     Sampler,
     SamplingBatch,
     apply_penalties,
+    row_argmax,
     seeded_exponential_noise,
 )
 from aserve.sampling_params import SamplingParams, TokenLogprob
@@ -424,3 +425,17 @@ def test_per_row_parameters_are_contiguous_arrays() -> None:
         assert getattr(batch, name).is_contiguous(), name
     assert batch.temperature.tolist() == [0.5, 1.5, 2.5]
     assert batch.top_k.tolist() == [0, 2, 4]
+
+
+@pytest.mark.parametrize("vocab", [100, 4096, 5000, 49152, 49155])
+def test_row_argmax_is_argmax(vocab: int) -> None:
+    """The blocked CPU argmax returns torch's index: ties go to the first maximum (across
+    blocks and within one), a NaN wins, and a short last block is handled."""
+    generator = torch.Generator().manual_seed(vocab)
+    spread = torch.randn(8, vocab, generator=generator)
+    ties = torch.randint(0, 3, (8, vocab), generator=generator).float()
+    ties[2, -1] = 5.0  # the maximum in the last column only
+    ties[3, 7] = ties[3, -2] = 5.0
+    ties[4, vocab // 2] = ties[4, -1] = float("nan")
+    for scores in (spread, ties, ties[:, :-3]):
+        assert torch.equal(row_argmax(scores), scores.argmax(dim=-1))

@@ -65,6 +65,28 @@ def seeded_exponential_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tenso
     return torch.log(odd.float() * 2.0**-24).neg_()
 
 
+_ARGMAX_BLOCK = 1024
+
+
+def row_argmax(scores: torch.Tensor) -> torch.Tensor:
+    """`scores.argmax(-1)` of a `[rows, vocab]` tensor, the same index (the first maximum; a
+    NaN counts as the largest). On CPU argmax is not vectorised: 16 rows of 49,152 took
+    0.69 ms against 0.04 for `amax`. So find the first block that holds the row's maximum
+    with `amax`, then argmax only within that block."""
+    rows, vocab = scores.shape
+    if scores.device.type != "cpu" or vocab < 4 * _ARGMAX_BLOCK:
+        return scores.argmax(dim=-1)
+    scores = scores.contiguous()
+    whole = vocab - vocab % _ARGMAX_BLOCK
+    maxima = scores[:, :whole].view(rows, -1, _ARGMAX_BLOCK).amax(dim=-1)
+    if whole < vocab:
+        maxima = torch.cat((maxima, scores[:, whole:].amax(dim=-1, keepdim=True)), dim=1)
+    start = maxima.argmax(dim=-1) * _ARGMAX_BLOCK
+    # The last block may be short: its window repeats the final column, after the original.
+    columns = (start[:, None] + torch.arange(_ARGMAX_BLOCK)).clamp_(max=vocab - 1)
+    return start + scores.gather(1, columns).argmax(dim=-1)
+
+
 def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
     """Per-row occurrence counts [B, V] float32, scattered on the device from a flat index."""
     lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
@@ -256,14 +278,14 @@ class Sampler:
         """Pick one token per row of `logits` [B, V] as `batch` says, without host syncs."""
         scores = apply_penalties(logits.float(), batch) if batch.any_penalties else logits
         if batch.all_greedy:
-            next_ids = scores.argmax(dim=-1)
+            next_ids = row_argmax(scores)
         else:
             if batch.keys is None:
                 next_ids = self._fused_draw(scores, batch)
             else:
                 next_ids = self._seeded_draw(scores, batch, batch.keys)
             if batch.any_greedy:
-                next_ids = torch.where(batch.greedy, scores.argmax(dim=-1), next_ids)
+                next_ids = torch.where(batch.greedy, row_argmax(scores), next_ids)
         if not batch.want_logprobs:
             return SampleOutput(next_ids, None, None, None)
         logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
@@ -279,7 +301,7 @@ class Sampler:
         probs = torch.softmax(scores / batch.temperature[:, None], dim=-1)
         probs = filter_top_k_top_p_min_p(probs, batch)
         noise = seeded_exponential_noise(keys, probs.shape[-1])
-        return (probs / noise).argmax(dim=-1)
+        return row_argmax(probs / noise)
 
     def _fused_draw(self, scores: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Top-k, then top-p on what top-k kept, then min-p: the order of the seeded path.

@@ -5,7 +5,6 @@ from __future__ import annotations
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from aserve.layers.weight import WeightSource
