@@ -62,7 +62,10 @@ def git_commit() -> str:
     if os.environ.get("ASERVE_COMMIT"):
         return os.environ["ASERVE_COMMIT"]
     commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    return commit + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    # The figures this writes do not make the tree dirty: runs in a row keep the commit.
+    records = (f":(top,exclude)bench/{name}" for name in ("results.jsonl", "RESULTS.md"))
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ":/", *records)
+    return commit + ("-dirty" if changed else "")
 
 
 def record(
