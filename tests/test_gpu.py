@@ -125,6 +125,31 @@ def test_norm_rope_store_kernel_equals_the_separate_steps(
     assert torch.equal(qkv[:, q_size:], original[:, q_size:])  # attention reads K from the pool
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 14336), (1000, 576), (49152, 576)])
+def test_one_row_gemv_equals_linear(n: int, k: int, bias: bool) -> None:
+    """The Triton GEMV against `F.linear` in float32 on the same bf16 inputs, on shapes that
+    fill its blocks and shapes that do not; gated, against SiLU-and-mul then the product."""
+    import torch.nn.functional as F
+
+    from aserve.layers.gemv import gemv
+
+    torch.manual_seed(0)
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    weight = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
+    b = torch.randn(n, device=device, dtype=dtype) if bias else None
+    x = torch.randn(1, k, device=device, dtype=dtype)
+    expected = F.linear(x.float(), weight.float(), None if b is None else b.float())
+    tolerance = {"atol": 2e-2, "rtol": 2e-2}  # bf16 output rounding
+    torch.testing.assert_close(gemv(x, weight, b).float(), expected, **tolerance)
+
+    gate_up = torch.randn(1, 2 * k, device=device, dtype=dtype)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    activation = (F.silu(gate) * up).to(dtype).float()  # rounded as the separate kernel stores it
+    expected = F.linear(activation, weight.float(), None if b is None else b.float())
+    torch.testing.assert_close(gemv(gate_up, weight, b, gated=True).float(), expected, **tolerance)
+
+
 def test_dummy_qwen3_shape_runs_in_bf16(make_llm: Callable[..., LLM]) -> None:
     llm = make_llm(BENCH / "qwen3-0.6b", dummy_weight=True, max_seq_len_override=2048)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.6, max_tokens=16, ignore_eos=True))

@@ -27,7 +27,7 @@ from aserve.kvcache.pages import PageTable
 from aserve.kvcache.pool import KVPool
 from aserve.layers.cpu_gemm import return_freed_memory
 from aserve.layers.fused import fused_ops
-from aserve.layers.linear import pack_linear_weights
+from aserve.layers.linear import pack_linear_weights, use_one_row_kernel
 from aserve.models.registry import build_model
 from aserve.models.weights import fill_dummy_weights, iter_weights, torch_dtype
 from aserve.sampling_params import SamplingParams
@@ -91,6 +91,8 @@ class Engine:
             assert model_dir is not None
             self.model.load_weights(iter_weights(model_dir, self.tp.rank == 0, lazy=True))
         self.model.eval()
+        if ops is not None:
+            use_one_row_kernel(self.model)
         if self.device.type == "cpu":
             pack_linear_weights(self.model)
             self.model.pack_lm_head(None if config.dummy_weight else model_dir)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,6 +25,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.local_vocab, hidden_size), False)
         self.packed: PackedWeight | None = None
         self.lookup_table: torch.Tensor | None = None
+        self.one_row: Callable[..., torch.Tensor] | None = None  # see layers/linear.py
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.lookup_table is not None:
@@ -43,7 +46,10 @@ class VocabParallelEmbedding(nn.Module):
         """Score `hidden` against every vocabulary row (the tied LM head uses this too)."""
         if self.packed is not None:
             return self.packed.linear(hidden, None)[:, : self.vocab_size]
-        local = F.linear(hidden, self.weight)
+        if self.one_row is not None and hidden.shape[0] == 1:
+            local = self.one_row(hidden, self.weight, None)
+        else:
+            local = F.linear(hidden, self.weight)
         return self.tp.all_gather(local, dim=-1)[:, : self.vocab_size]
 
     def pack(self, lookup_table: torch.Tensor | None = None) -> None:

@@ -3,18 +3,27 @@
 Column-parallel layers split the output features over ranks (no communication); row-parallel
 layers split the input features and all-reduce the partial sums. Each layer copies the slice
 of a checkpoint tensor that belongs to its rank in `load_weight`. On CPU the loaded weights
-are replaced by MKL-packed ones (`pack_linear_weights`).
+are replaced by MKL-packed ones (`pack_linear_weights`); on CUDA in half precision a one-row
+input goes through the GEMV kernel of layers/gemv.py (`use_one_row_kernel`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from aserve.distributed.group import TPGroup
+from aserve.layers.activation import silu_and_mul
 from aserve.layers.cpu_gemm import PackedWeight, can_pack
+from aserve.layers.embedding import VocabParallelEmbedding
 from aserve.layers.weight import WeightSource
+
+OneRowProduct = Callable[..., torch.Tensor]
+"""`(x, weight, bias, gated=False) -> x W^T + bias` for one row (layers/gemv.py)."""
 
 
 class ColumnParallelLinear(nn.Module):
@@ -34,10 +43,13 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), input_size), False)
         self.bias = nn.Parameter(torch.empty(sum(self.local_sizes)), False) if bias else None
         self.packed: PackedWeight | None = None
+        self.one_row: OneRowProduct | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return self.packed.linear(x, self.bias)
+        if self.one_row is not None and x.shape[0] == 1:
+            return self.one_row(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def _rank_rows(self, tensor: WeightSource, shard: int) -> torch.Tensor:
@@ -85,9 +97,25 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(output_size, self.local_input), False)
         self.bias = nn.Parameter(torch.empty(output_size), False) if bias else None
         self.packed: PackedWeight | None = None
+        self.one_row: OneRowProduct | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = F.linear(x, self.weight) if self.packed is None else self.packed.linear(x, None)
+        if self.packed is not None:
+            partial = self.packed.linear(x, None)
+        elif self.one_row is not None and x.shape[0] == 1:
+            partial = self.one_row(x, self.weight, None)
+        else:
+            partial = F.linear(x, self.weight)
+        return self._reduce(partial)
+
+    def forward_gated(self, gate_up: torch.Tensor, ops: ModuleType | None) -> torch.Tensor:
+        """The layer applied to SiLU(gate) * up of a fused gate|up output: at one row on CUDA
+        one kernel does both."""
+        if self.one_row is not None and gate_up.shape[0] == 1:
+            return self._reduce(self.one_row(gate_up, self.weight, None, gated=True))
+        return self(silu_and_mul(gate_up, ops))
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(partial)
         return y if self.bias is None else y + self.bias
 
@@ -110,3 +138,16 @@ def pack_linear_weights(model: nn.Module) -> None:
         ):
             module.packed = PackedWeight(module.weight.detach())
             del module.weight
+
+
+def use_one_row_kernel(model: nn.Module) -> None:
+    """Route `model`'s one-row products (decode at batch 1) through the Triton GEMV; where
+    Triton is missing nothing changes. For CUDA in half precision: float32 keeps cuBLAS, so
+    its results stay those the CPU comparisons were made with."""
+    try:
+        from aserve.layers.gemv import gemv
+    except ImportError:
+        return
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+            module.one_row = gemv

@@ -19,7 +19,6 @@ from aserve.attention.base import AttentionBackend
 from aserve.config import ModelConfig
 from aserve.distributed.group import TPGroup
 from aserve.forward import ForwardBatch
-from aserve.layers.activation import silu_and_mul
 from aserve.layers.cpu_gemm import can_pack
 from aserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from aserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -121,7 +120,7 @@ class DecoderMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, config.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.ops))
+        return self.down_proj.forward_gated(self.gate_up_proj(x), self.ops)
 
 
 class DecoderLayer(nn.Module):
