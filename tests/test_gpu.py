@@ -150,6 +150,63 @@ def test_one_row_gemv_equals_linear(n: int, k: int, bias: bool) -> None:
     torch.testing.assert_close(gemv(gate_up, weight, b, gated=True).float(), expected, **tolerance)
 
 
+@pytest.mark.parametrize("page_size", [1, 16, 256])
+@pytest.mark.parametrize(
+    ("q_heads", "kv_heads", "head_dim"), [(32, 8, 128), (16, 8, 128), (9, 3, 64)]
+)
+def test_small_batch_triton_decode_equals_plain_attention(
+    page_size: int, q_heads: int, kv_heads: int, head_dim: int
+) -> None:
+    """The Triton decode kernels against softmax attention written out in float32, for
+    contexts from 1 token to more than the splits cover evenly, on pages scattered over
+    the pool, from a wrapper planned for a CUDA graph (static buffers) and one that is not."""
+    from aserve.attention.triton_decode import MAX_BATCH, TritonDecodeWrapper
+    from aserve.kvcache.pool import KVPool
+
+    torch.manual_seed(0)
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    lengths = [1, 7, 300, 1000, 4097, 33, 256, 2][:MAX_BATCH]
+    pages_per_row = [-(-n // page_size) for n in lengths]
+    num_pages = sum(pages_per_row) + 8
+    pool = KVPool(1, num_pages, page_size, kv_heads, head_dim, dtype, device)
+    pool.kv[0].copy_(torch.randn_like(pool.kv[0]))
+    page_ids = (torch.randperm(num_pages - 1, device=device) + 1)[: sum(pages_per_row)]
+    indptr = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    indptr[1:] = torch.tensor(pages_per_row).cumsum(0)
+    last = torch.tensor([n - (p - 1) * page_size for n, p in zip(lengths, pages_per_row)])
+    qkv = torch.randn(len(lengths), (q_heads + 2 * kv_heads) * head_dim, device=device, dtype=dtype)
+    q = qkv[:, : q_heads * head_dim].view(len(lengths), q_heads, head_dim)  # strided rows
+
+    expected = []
+    for row, n in enumerate(lengths):
+        pages = page_ids[indptr[row] : indptr[row + 1]].long()
+        slots = (pages[:, None] * page_size + torch.arange(page_size, device=device)).flatten()[:n]
+        k, v = pool.k[0][slots].float(), pool.v[0][slots].float()  # [n, kv_heads, head_dim]
+        group = q_heads // kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[row].float(), k) * head_dim**-0.5
+        expected.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), v))
+    shape = (-1, page_size, kv_heads, head_dim)
+    cache = (pool.k[0].view(shape), pool.v[0].view(shape))
+    for wrapper in (
+        TritonDecodeWrapper(device),
+        TritonDecodeWrapper(device, len(lengths), sum(pages_per_row)),
+    ):
+        wrapper.plan(
+            indptr,
+            page_ids.int(),
+            last.int(),
+            num_qo_heads=q_heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            page_size=page_size,
+            q_data_type=dtype,
+            kv_data_type=dtype,
+        )
+        out = wrapper.run(q, cache)
+        torch.testing.assert_close(out.float(), torch.stack(expected), atol=2e-2, rtol=2e-2)
+
+
 def test_dummy_qwen3_shape_runs_in_bf16(make_llm: Callable[..., LLM]) -> None:
     llm = make_llm(BENCH / "qwen3-0.6b", dummy_weight=True, max_seq_len_override=2048)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.6, max_tokens=16, ignore_eos=True))

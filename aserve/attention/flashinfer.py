@@ -10,6 +10,7 @@ page ids come from the batch's host-side lists and the page table's host mirror
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -60,6 +61,7 @@ class FlashInferBackend:
             )
             for tensor_cores in (False, True)
         }
+        self.small_batch_decode = _small_batch_decode(device, head_dim)
 
     def use_tensor_cores(self, batch_size: int) -> bool:
         """FlashInfer's tensor-core decode kernel, or its CUDA-core one. With 4 or more query
@@ -80,9 +82,17 @@ class FlashInferBackend:
         indices = torch.from_numpy(pages).to(device, non_blocking=True)
         return torch.from_numpy(indptr), torch.from_numpy(last), indices
 
+    def _uses_triton(self, batch_size: int) -> bool:
+        """Small decode batches run the Triton kernels of attention/triton_decode.py."""
+        kernels = self.small_batch_decode
+        return kernels is not None and batch_size <= kernels.MAX_BATCH
+
     def prepare(self, batch: ForwardBatch) -> None:
         if batch.is_decode:
-            wrapper = self.decode_wrappers[self.use_tensor_cores(batch.batch_size)]
+            if self._uses_triton(batch.batch_size):
+                wrapper = self.small_batch_decode.TritonDecodeWrapper(self.workspace.device)
+            else:
+                wrapper = self.decode_wrappers[self.use_tensor_cores(batch.batch_size)]
             self.plan_decode(wrapper, batch)
             return
         indptr, last, indices = self._page_layout(batch)
@@ -124,6 +134,8 @@ class FlashInferBackend:
         import flashinfer
 
         device = self.workspace.device
+        if self._uses_triton(batch_size):
+            return self.small_batch_decode.TritonDecodeWrapper(device, batch_size, max_pages)
         return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace,
             "NHD",
@@ -148,3 +160,15 @@ class FlashInferBackend:
             q = q.contiguous()
         out = batch.attn_metadata.run(q, cache)
         return out.reshape(-1, self.num_heads * self.head_dim)
+
+
+def _small_batch_decode(device: torch.device, head_dim: int) -> ModuleType | None:
+    """attention/triton_decode.py where Triton is installed and the head size is one its
+    kernels take, else None."""
+    if head_dim not in (64, 128, 256):
+        return None
+    try:
+        from aserve.attention import triton_decode
+    except ImportError:
+        return None
+    return triton_decode
