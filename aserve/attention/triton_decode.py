@@ -185,7 +185,8 @@ class TritonDecodeWrapper:
             q.stride(0),
             k_cache,
             v_cache,
-            k_cache.stride(1),
+            k_cache.stride(0)
+            // self.page_size,  # a slot's stride (that of a size-1 dim is arbitrary)
             self.indptr,
             self.page_ids,
             self.last_page_len,
