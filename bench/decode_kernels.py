@@ -1,8 +1,10 @@
-"""FlashInfer's two decode kernels against each other: tensor cores or CUDA cores, per batch.
+"""Decode kernels against each other per batch: FlashInfer's with tensor cores or CUDA cores,
+and the Triton kernels of attention/triton_decode.py.
 
     python bench/decode_kernels.py
 
-`FlashInferBackend.use_tensor_cores` picks one per batch size from these figures. Each
+`FlashInferBackend.use_tensor_cores` picks one of FlashInfer's per batch size from these
+figures, and `triton_decode.MAX_BATCH` the largest batch given to the Triton ones. Each
 kernel runs 20 times inside a CUDA graph (as in serving), bf16, head dim 128, a context of
 `--context` tokens a request, and prints microseconds per call (one layer).
 """
@@ -24,14 +26,18 @@ REPLAYS = 20
 
 
 def time_kernel(
-    batch: int, q_heads: int, kv_heads: int, context: int, page_size: int, tensor_cores: bool
+    batch: int, q_heads: int, kv_heads: int, context: int, page_size: int, kernel: str
 ) -> float:
+    """`kernel`: "tensor cores", "cuda cores" or "triton"."""
     import flashinfer
 
     device = torch.device("cuda")
     head_dim = 128
     pages_per_seq = -(-context // page_size)
     num_pages = batch * pages_per_seq
+    last = context - (pages_per_seq - 1) * page_size
+    if kernel == "triton":
+        return time_triton(batch, q_heads, kv_heads, num_pages, page_size, last)
     cache = torch.randn(
         num_pages, 2, page_size, kv_heads, head_dim, dtype=torch.bfloat16, device=device
     )
@@ -42,15 +48,43 @@ def time_kernel(
         workspace,
         "NHD",
         use_cuda_graph=True,
-        use_tensor_cores=tensor_cores,
+        use_tensor_cores=kernel == "tensor cores",
         paged_kv_indptr_buffer=indptr.clone(),
         paged_kv_indices_buffer=torch.zeros(num_pages, dtype=torch.int32, device=device),
         paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device=device),
     )
-    last = context - (pages_per_seq - 1) * page_size
     wrapper.plan(
         indptr.cpu(),
         torch.arange(num_pages, dtype=torch.int32),
+        torch.full((batch,), last, dtype=torch.int32),
+        num_qo_heads=q_heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        q_data_type=torch.bfloat16,
+        kv_data_type=torch.bfloat16,
+    )
+    return us_per_call_in_graph(lambda: wrapper.run(q, cache), REPLAYS)
+
+
+def time_triton(
+    batch: int, q_heads: int, kv_heads: int, num_pages: int, page_size: int, last: int
+) -> float:
+    """The Triton kernels on the KV pool's own layout (K and V of a slot side by side)."""
+    from aserve.attention.triton_decode import TritonDecodeWrapper
+
+    device = torch.device("cuda")
+    head_dim = 128
+    pool = torch.randn(
+        num_pages * page_size, 2, kv_heads, head_dim, dtype=torch.bfloat16, device=device
+    )
+    shape = (num_pages, page_size, kv_heads, head_dim)
+    cache = (pool[:, 0].view(shape), pool[:, 1].view(shape))
+    q = torch.randn(batch, q_heads, head_dim, dtype=torch.bfloat16, device=device)
+    wrapper = TritonDecodeWrapper(device, batch, num_pages)
+    wrapper.plan(
+        torch.arange(batch + 1, dtype=torch.int32) * (num_pages // batch),
+        torch.arange(num_pages, dtype=torch.int32, device=device),
         torch.full((batch,), last, dtype=torch.int32),
         num_qo_heads=q_heads,
         num_kv_heads=kv_heads,
@@ -69,14 +103,15 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
     args = p.parse_args()
     print(f"us per layer, context {args.context}, pages of {args.page_size}")
-    print(f"{'shape':<34} {'batch':>5} {'tensor cores':>13} {'cuda cores':>11}")
+    kernels = ("tensor cores", "cuda cores", "triton")
+    print(f"{'shape':<34} {'batch':>5} " + " ".join(f"{k:>12}" for k in kernels))
     for name, (q_heads, kv_heads) in SHAPES.items():
         for batch in args.batches:
-            tc, cc = (
-                time_kernel(batch, q_heads, kv_heads, args.context, args.page_size, tc)
-                for tc in (True, False)
-            )
-            print(f"{name:<34} {batch:>5} {tc:>13.1f} {cc:>11.1f}")
+            times = [
+                time_kernel(batch, q_heads, kv_heads, args.context, args.page_size, kernel)
+                for kernel in kernels
+            ]
+            print(f"{name:<34} {batch:>5} " + " ".join(f"{t:>12.1f}" for t in times))
 
 
 if __name__ == "__main__":
