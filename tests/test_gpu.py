@@ -203,8 +203,9 @@ def test_small_batch_triton_decode_equals_plain_attention(
             q_data_type=dtype,
             kv_data_type=dtype,
         )
-        out = wrapper.run(q, cache)
-        torch.testing.assert_close(out.float(), torch.stack(expected), atol=2e-2, rtol=2e-2)
+        for _ in range(2):  # the second call finds the merge tickets reset by the first
+            out = wrapper.run(q, cache)
+            torch.testing.assert_close(out.float(), torch.stack(expected), atol=2e-2, rtol=2e-2)
 
 
 def test_dummy_qwen3_shape_runs_in_bf16(make_llm: Callable[..., LLM]) -> None:

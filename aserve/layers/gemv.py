@@ -72,7 +72,14 @@ def gemv(
     # H200. Fewer rows a program lost with `gated`: each program computes the activation of
     # the whole input row (one row a program doubled the time of the 8B shape's down
     # projection).
-    block_n, block_k, warps, stages = (8, 1024, 4, 4) if k >= 2048 else (2, 512, 2, 2)
+    if k < 2048:
+        block_n, block_k, warps, stages = 2, 512, 2, 2
+    elif gated:
+        block_n, block_k, warps, stages = 8, 1024, 4, 4
+    elif k % 2048 == 0:
+        block_n, block_k, warps, stages = 2, 2048, 8, 2
+    else:
+        block_n, block_k, warps, stages = 2, 1024, 4, 2
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
         weight,
