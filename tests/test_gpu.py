@@ -203,7 +203,7 @@ def test_small_batch_triton_decode_equals_plain_attention(
             q_data_type=dtype,
             kv_data_type=dtype,
         )
-        for _ in range(2):  # the second call finds the merge tickets reset by the first
+        for _ in range(2):  # planned once, run per layer
             out = wrapper.run(q, cache)
             torch.testing.assert_close(out.float(), torch.stack(expected), atol=2e-2, rtol=2e-2)
 
