@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,72 +29,66 @@ REPLAYS = 20
 def time_kernel(
     batch: int, q_heads: int, kv_heads: int, context: int, page_size: int, kernel: str
 ) -> float:
-    """`kernel`: "tensor cores", "cuda cores" or "triton"."""
-    import flashinfer
-
+    """`kernel`: "tensor cores", "cuda cores" or "triton". Both kinds of wrapper get the same
+    plan: `batch` requests of `context` tokens on consecutive pages."""
     device = torch.device("cuda")
     head_dim = 128
     pages_per_seq = -(-context // page_size)
     num_pages = batch * pages_per_seq
-    last = context - (pages_per_seq - 1) * page_size
-    if kernel == "triton":
-        return time_triton(batch, q_heads, kv_heads, num_pages, page_size, last)
-    cache = torch.randn(
-        num_pages, 2, page_size, kv_heads, head_dim, dtype=torch.bfloat16, device=device
-    )
     q = torch.randn(batch, q_heads, head_dim, dtype=torch.bfloat16, device=device)
+    if kernel == "triton":
+        wrapper, cache = triton_wrapper(batch, kv_heads, num_pages, page_size)
+    else:
+        wrapper, cache = flashinfer_wrapper(batch, kv_heads, num_pages, page_size, kernel)
+    wrapper.plan(
+        torch.arange(batch + 1, dtype=torch.int32) * pages_per_seq,
+        torch.arange(num_pages, dtype=torch.int32),
+        torch.full((batch,), context - (pages_per_seq - 1) * page_size, dtype=torch.int32),
+        num_qo_heads=q_heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        q_data_type=torch.bfloat16,
+        kv_data_type=torch.bfloat16,
+    )
+    return us_per_call_in_graph(lambda: wrapper.run(q, cache), REPLAYS)
+
+
+def flashinfer_wrapper(
+    batch: int, kv_heads: int, num_pages: int, page_size: int, kernel: str
+) -> tuple[Any, torch.Tensor]:
+    """A CUDA-graph decode wrapper of FlashInfer's and a paged cache of its own layout."""
+    import flashinfer
+
+    device = torch.device("cuda")
+    cache = torch.randn(num_pages, 2, page_size, kv_heads, 128, dtype=torch.bfloat16, device=device)
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=device)
-    indptr = torch.arange(batch + 1, dtype=torch.int32, device=device) * pages_per_seq
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
         workspace,
         "NHD",
         use_cuda_graph=True,
         use_tensor_cores=kernel == "tensor cores",
-        paged_kv_indptr_buffer=indptr.clone(),
+        paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32, device=device),
         paged_kv_indices_buffer=torch.zeros(num_pages, dtype=torch.int32, device=device),
         paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device=device),
     )
-    wrapper.plan(
-        indptr.cpu(),
-        torch.arange(num_pages, dtype=torch.int32),
-        torch.full((batch,), last, dtype=torch.int32),
-        num_qo_heads=q_heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        page_size=page_size,
-        q_data_type=torch.bfloat16,
-        kv_data_type=torch.bfloat16,
-    )
-    return us_per_call_in_graph(lambda: wrapper.run(q, cache), REPLAYS)
+    return wrapper, cache
 
 
-def time_triton(
-    batch: int, q_heads: int, kv_heads: int, num_pages: int, page_size: int, last: int
-) -> float:
-    """The Triton kernels on the KV pool's own layout (K and V of a slot side by side)."""
+def triton_wrapper(
+    batch: int, kv_heads: int, num_pages: int, page_size: int
+) -> tuple[Any, tuple[torch.Tensor, torch.Tensor]]:
+    """The Triton kernels' wrapper (static buffers, as in a graph) and K/V views of a pool of
+    the engine's layout (K and V of a slot side by side)."""
     from aserve.attention.triton_decode import TritonDecodeWrapper
 
     device = torch.device("cuda")
-    head_dim = 128
-    pool = torch.randn(
-        num_pages * page_size, 2, kv_heads, head_dim, dtype=torch.bfloat16, device=device
+    pool = torch.randn(num_pages * page_size, 2, kv_heads, 128, dtype=torch.bfloat16, device=device)
+    shape = (num_pages, page_size, kv_heads, 128)
+    return TritonDecodeWrapper(device, batch, num_pages), (
+        pool[:, 0].view(shape),
+        pool[:, 1].view(shape),
     )
-    shape = (num_pages, page_size, kv_heads, head_dim)
-    cache = (pool[:, 0].view(shape), pool[:, 1].view(shape))
-    q = torch.randn(batch, q_heads, head_dim, dtype=torch.bfloat16, device=device)
-    wrapper = TritonDecodeWrapper(device, batch, num_pages)
-    wrapper.plan(
-        torch.arange(batch + 1, dtype=torch.int32) * (num_pages // batch),
-        torch.arange(num_pages, dtype=torch.int32, device=device),
-        torch.full((batch,), last, dtype=torch.int32),
-        num_qo_heads=q_heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        page_size=page_size,
-        q_data_type=torch.bfloat16,
-        kv_data_type=torch.bfloat16,
-    )
-    return us_per_call_in_graph(lambda: wrapper.run(q, cache), REPLAYS)
 
 
 def main() -> None:
