@@ -62,6 +62,11 @@ class FlashInferBackend:
             for tensor_cores in (False, True)
         }
         self.small_batch_decode = _small_batch_decode(device, head_dim)
+        self.small_batch_wrapper = (
+            None
+            if self.small_batch_decode is None
+            else self.small_batch_decode.TritonDecodeWrapper(device)
+        )
 
     def use_tensor_cores(self, batch_size: int) -> bool:
         """FlashInfer's tensor-core decode kernel, or its CUDA-core one. With 4 or more query
@@ -90,7 +95,7 @@ class FlashInferBackend:
     def prepare(self, batch: ForwardBatch) -> None:
         if batch.is_decode:
             if self._uses_triton(batch.batch_size):
-                wrapper = self.small_batch_decode.TritonDecodeWrapper(self.workspace.device)
+                wrapper = self.small_batch_wrapper
             else:
                 wrapper = self.decode_wrappers[self.use_tensor_cores(batch.batch_size)]
             self.plan_decode(wrapper, batch)
