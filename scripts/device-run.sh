@@ -42,6 +42,7 @@ for step in "$@"; do
          timeout 200 /tmp/spy/bin/py-spy record -r 400 -f raw -o $OUT/spy-latency.txt -- python3 bench/latency.py --model bench/models/qwen3-0.6b --dummy-weight --repeat 1 --output-len 1500 --no-record 2>&1 | tail -3
          python3 scripts/spy_summary.py $OUT/spy-latency.txt 2>&1 | head -70 ;;
     decode-kernels) timeout 200 python3 bench/decode_kernels.py 2>&1 | tail -16 ;;
+    comm-build) python3 -c "import time; t = time.time(); from flashinfer.jit.comm import gen_trtllm_comm_module as g; g().build_and_load(); print('trtllm_comm ready in', round(time.time() - t, 1), 's')" 2>&1 | tail -3 ;;
     all-reduce) timeout 200 python3 bench/all_reduce.py --tp 2 2>&1 | tail -12 ;;
     tp-hang) python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/spy .tools/py_spy-*.whl
              for t in tp2_greedy tp2_bf16; do

@@ -378,8 +378,9 @@ def test_tp2_greedy_equals_tp1_on_cuda(make_llm: Callable[..., LLM], tmp_path: P
 def test_tp2_bf16_cuda_graphs_on_both_ranks(make_llm: Callable[..., LLM], tmp_path: Path) -> None:
     """bfloat16 with FlashInfer and decode graphs captured on both ranks in lockstep: graphs
     change nothing under TP, and TP=2 agrees with TP=1 as closely as bf16 sums allow. Run
-    first in its process, the graphs engine takes the one-shot all-reduce and the eager one
-    NCCL (one opening per process), so their equal tokens also check one against the other."""
+    first in its process, the graphs engine takes the one-shot all-reduce, fused with the
+    residual add and RMSNorm (`fused_norm.py`), and the eager one NCCL and separate norms (one
+    opening per process), so their equal tokens also check one against the other."""
     from aserve.distributed import one_shot
 
     folder = make_tiny_model("llama", tmp_path, overrides={**KERNEL_SHAPES, "head_dim": 64})
@@ -391,7 +392,8 @@ def test_tp2_bf16_cuda_graphs_on_both_ranks(make_llm: Callable[..., LLM], tmp_pa
     )
     assert graphs.runtime.engine.graphs is not None and eager.runtime.engine.graphs is None
     assert (graphs.runtime.engine.tp.one_shot is not None) == first_in_process
-    assert eager.runtime.engine.tp.one_shot is None
+    assert (graphs.runtime.engine.tp.add_norm is not None) == first_in_process
+    assert eager.runtime.engine.tp.one_shot is None and eager.runtime.engine.tp.add_norm is None
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=True)
     with_graphs = graphs.generate(PROMPTS, params)
     assert [o.token_ids for o in with_graphs] == [

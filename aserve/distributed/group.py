@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from aserve.distributed.fused_norm import AllReduceAddNorm
 from aserve.distributed.one_shot import OneShotAllReduce, can_use_one_shot
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class TPGroup:
     device_group: Any = field(default=None, compare=False, repr=False)
     host_group: Any = field(default=None, compare=False, repr=False)
     one_shot: OneShotAllReduce | None = field(default=None, compare=False, repr=False)
+    add_norm: AllReduceAddNorm | None = field(default=None, compare=False, repr=False)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over ranks: a new tensor from the one-shot path, else `x` summed in place."""
@@ -47,6 +49,15 @@ class TPGroup:
                 return summed
         self.device_group.allreduce([x]).wait()
         return x
+
+    def all_reduce_add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`residual += sum of x over ranks`, then RMSNorm, in one kernel (fused_norm.py):
+        (normalised, residual), or None where that kernel does not apply."""
+        if self.add_norm is None:
+            return None
+        return self.add_norm(x, residual, weight, eps)
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's `x` along `dim`, in rank order."""
@@ -180,7 +191,51 @@ def _with_one_shot(group: TPGroup, store: Any, device: torch.device) -> TPGroup:
         "tensor-parallel all-reduce: one-shot over symmetric memory up to %d KiB, NCCL above",
         fast.max_bytes // 1024,
     )
-    return replace(group, one_shot=fast)
+    return _with_add_norm(replace(group, one_shot=fast), fast)
+
+
+def _with_add_norm(group: TPGroup, fast: OneShotAllReduce) -> TPGroup:
+    """`group` with the fused all-reduce + add + RMSNorm if every rank opens it and it
+    matches the separate steps on a test input, else `group` as it was (collective calls in
+    the same order on every rank, as `_with_one_shot`)."""
+    fused: AllReduceAddNorm | None = None
+    logger.info("loading the fused all-reduce + RMSNorm kernel (a first start compiles it)")
+    try:
+        fused = fast.open_add_norm()
+        torch.cuda.synchronize()  # every rank's markers are written before any rank sends
+    except Exception as error:  # FlashInfer missing or its kernel not built for this GPU
+        logger.info("the fused all-reduce + RMSNorm is unavailable (%s)", error)
+    if not group.agree_min(int(fused is not None)) or fused is None:
+        return group
+    try:
+        works = _add_norm_matches(group, fused, fast.buffer.device)
+    except Exception as error:
+        logger.warning("the fused all-reduce + RMSNorm failed its check (%s)", error)
+        works = False
+    if not group.agree_min(int(works)):
+        return group
+    logger.info(
+        "tensor-parallel add + RMSNorm: fused with the all-reduce up to %d KiB",
+        fused.max_bytes // 1024,
+    )
+    return replace(group, add_norm=fused)
+
+
+def _add_norm_matches(group: TPGroup, fused: AllReduceAddNorm, device: torch.device) -> bool:
+    """One fused call against the sum, add and norm done one by one in float32."""
+    shape = (3, 1024)
+    base = (torch.arange(3 * 1024, device=device).view(shape) % 7 - 3).float()
+    residual = (torch.arange(3 * 1024, device=device).view(shape) % 5).float()
+    weight = torch.linspace(0.5, 1.5, 1024, device=device)
+    expected = residual + base * (group.size * (group.size + 1) // 2)
+    normed = expected * torch.rsqrt(expected.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+    half = torch.bfloat16
+    x = base * (group.rank + 1)
+    out = fused(x.to(half), residual.to(half), weight.to(half), 1e-6)
+    if out is None:
+        return False
+    close = torch.allclose(out[1].float(), expected, rtol=0.01, atol=0.01)
+    return close and torch.allclose(out[0].float(), normed, rtol=0.02, atol=0.02)
 
 
 def _without(fast: OneShotAllReduce | None, group: TPGroup) -> TPGroup:

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from aserve.distributed.fused_norm import AllReduceAddNorm, workspace_bytes
+
 logger = logging.getLogger(__name__)
 
 MAX_BYTES = 2 * 1024 * 1024
@@ -34,9 +36,13 @@ def opened_in_this_process() -> bool:
 
 
 class OneShotAllReduce:
-    def __init__(self, group_name: str, buffer: torch.Tensor, max_bytes: int) -> None:
+    def __init__(
+        self, group_name: str, buffer: torch.Tensor, addresses: list[int], rank: int, max_bytes: int
+    ) -> None:
         self.group_name = group_name
-        self.buffer = buffer
+        self.buffer = buffer  # the one-shot staging area, then fused_norm.py's workspace
+        self.addresses = addresses  # where each rank's buffer is mapped in this process
+        self.rank = rank
         self.max_bytes = max_bytes
 
     @classmethod
@@ -68,9 +74,16 @@ class OneShotAllReduce:
         group._set_group_name(group_name)
         _register_process_group(group_name, group)
         _SymmetricMemory.set_group_info(group_name, rank, size, prefix)
-        buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
-        symm_mem.rendezvous(buffer, group_name)
-        return cls(group_name, buffer, max_bytes)
+        total = max_bytes + workspace_bytes(size, max_bytes)
+        buffer = symm_mem.empty(total, dtype=torch.uint8, device=device)
+        handle = symm_mem.rendezvous(buffer, group_name)
+        return cls(group_name, buffer, list(handle.buffer_ptrs), rank, max_bytes)
+
+    def open_add_norm(self) -> AllReduceAddNorm:
+        """The fused all-reduce + add + RMSNorm over the rest of the buffer (fused_norm.py)."""
+        regions = [address + self.max_bytes for address in self.addresses]
+        local = self.buffer[self.max_bytes :]
+        return AllReduceAddNorm.open(regions, local, self.rank, self.max_bytes)
 
     def close(self) -> None:
         """Drop the registry entry `open` made (the buffer goes with this object)."""

@@ -1,7 +1,8 @@
 """Tensor-parallel linear layers; exact plain linears at world size 1.
 
 Column-parallel layers split the output features over ranks (no communication); row-parallel
-layers split the input features and all-reduce the partial sums. Each layer copies the slice
+layers split the input features and all-reduce the partial sums (or leave that to the next
+layer). Each layer copies the slice
 of a checkpoint tensor that belongs to its rank in `load_weight`. On CPU the loaded weights
 are replaced by MKL-packed ones (`pack_linear_weights`); on CUDA in half precision a one-row
 input goes through the GEMV kernel of layers/gemv.py (`use_one_row_kernel`).
@@ -87,11 +88,23 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
-    """`y = x W^T + b` with W's columns (inputs) split over ranks; partial sums all-reduced."""
+    """`y = x W^T + b` with W's columns (inputs) split over ranks; partial sums all-reduced,
+    or with `reduce_results=False` returned as they are, for the layer after to reduce (the
+    decoder's next RMSNorm, which can fuse the all-reduce into its kernel)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPGroup) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        tp: TPGroup,
+        reduce_results: bool = True,
+    ) -> None:
         super().__init__()
+        if bias and not reduce_results:
+            raise ValueError("a bias is added after the all-reduce: keep reduce_results")
         self.tp = tp
+        self.reduce_results = reduce_results
         start, end = tp.shard(input_size)
         self.input_start, self.local_input = start, end - start
         self.weight = nn.Parameter(torch.empty(output_size, self.local_input), False)
@@ -116,6 +129,8 @@ class RowParallelLinear(nn.Module):
         return self(silu_and_mul(gate_up, ops))
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        if not self.reduce_results:
+            return partial
         y = self.tp.all_reduce(partial)
         return y if self.bias is None else y + self.bias
 

@@ -219,7 +219,9 @@ class ExpertWeights(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Router plus experts, named as in Hugging Face checkpoints (`gate`, `experts`)."""
+    """Router plus experts, named as in Hugging Face checkpoints (`gate`, `experts`). Under
+    tensor parallelism the output is this rank's partial sum, as the dense MLP's: the
+    decoder's next norm reduces it."""
 
     def __init__(
         self,
@@ -234,12 +236,10 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.top_k = top_k
         self.renormalize = renormalize
-        self.tp = tp
         self.backend = backend
         self.gate = Router(num_experts, hidden_size)
         self.experts = ExpertWeights(num_experts, hidden_size, inter_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        out = self.backend.experts(x, self.experts.w13, self.experts.w2, weights, ids)
-        return self.tp.all_reduce(out)
+        return self.backend.experts(x, self.experts.w13, self.experts.w2, weights, ids)

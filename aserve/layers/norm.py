@@ -7,6 +7,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from aserve.distributed.group import TPGroup
 from aserve.layers.weight import WeightSource
 
 
@@ -46,10 +47,17 @@ class RMSNorm(nn.Module):
             heads.copy_(self._norm(heads))
 
     def add_and_norm(
-        self, x: torch.Tensor, residual: torch.Tensor
+        self, x: torch.Tensor, residual: torch.Tensor, tp: TPGroup | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`residual += x` then normalise it; returns (normalised, new residual). Either
-        input may be overwritten (the torch path sums into `x`, saving an allocation)."""
+        input may be overwritten (the torch path sums into `x`, saving an allocation).
+        With `tp`, `x` is this rank's partial sum, all-reduced first: in the same kernel as
+        the add and norm where `tp` can (fused_norm.py)."""
+        if tp is not None and tp.size > 1:
+            fused = tp.all_reduce_add_norm(x, residual, self.weight, self.eps)
+            if fused is not None:
+                return fused
+            x = tp.all_reduce(x)
         if self.ops is not None:
             self.ops.fused_add_rmsnorm(x, residual, self.weight, self.eps)
             return x, residual

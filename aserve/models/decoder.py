@@ -51,7 +51,7 @@ class DecoderAttention(nn.Module):
         )
         self.q_size, self.kv_size = self.qkv_proj.local_sizes[0], self.qkv_proj.local_sizes[1]
         self.o_proj = RowParallelLinear(
-            config.num_heads * config.head_dim, config.hidden_size, False, tp
+            config.num_heads * config.head_dim, config.hidden_size, False, tp, reduce_results=False
         )
         eps = self.eps = config.rms_norm_eps
         self.q_norm = RMSNorm(config.head_dim, eps, ops) if config.qk_norm else None
@@ -117,7 +117,9 @@ class DecoderMLP(nn.Module):
         self.ops = ops
         inter = config.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [inter, inter], False, tp)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, False, tp)
+        self.down_proj = RowParallelLinear(
+            inter, config.hidden_size, False, tp, reduce_results=False
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj.forward_gated(self.gate_up_proj(x), self.ops)
@@ -138,6 +140,7 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.tp = tp
 
     def forward(
         self,
@@ -147,13 +150,16 @@ class DecoderLayer(nn.Module):
         batch: ForwardBatch,
         attn: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention and the MLP return partial sums over tensor-parallel ranks; each norm
+        after them reduces (`add_and_norm` with the group). The layer's output is partial
+        too: the next layer's input norm, or the model's final one, reduces it."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
-            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual, self.tp)
         hidden = self.self_attn(positions, hidden, batch, attn)
-        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual, self.tp)
         return self.mlp(hidden), residual
 
 
@@ -175,6 +181,7 @@ class DecoderModel(nn.Module):
             DecoderLayer(config, i, rotary, tp, ops, make_mlp(i)) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.tp = tp
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         hidden = self.embed_tokens(batch.input_ids)
@@ -182,7 +189,7 @@ class DecoderModel(nn.Module):
         positions = batch.positions  # one tensor for all layers: rope looks its tables up once
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, batch, attn)
-        hidden, _ = self.norm.add_and_norm(hidden, residual)
+        hidden, _ = self.norm.add_and_norm(hidden, residual, self.tp)
         return hidden
 
 
