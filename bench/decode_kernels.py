@@ -7,6 +7,13 @@ and the Triton kernels of attention/triton_decode.py.
 figures, and `triton_decode.MAX_BATCH` the largest batch given to the Triton ones. Each
 kernel runs 20 times inside a CUDA graph (as in serving), bf16, head dim 128, a context of
 `--context` tokens a request, and prints microseconds per call (one layer).
+
+    python bench/decode_kernels.py --variants --batches 64 256 --context 880
+
+times FlashInfer's tensor-core decode on the Llama-3.1-8B shape instead, over KV layouts
+and plans: the engine's pool (a slot's K and V side by side, so one head's rows of a page
+lie 4 KiB apart), FlashInfer's own NHD (K of a page, then its V) and HND (one head's rows
+of a page together), with and without splitting long contexts, and FA3's kernel.
 """
 
 from __future__ import annotations
@@ -54,6 +61,65 @@ def time_kernel(
     return us_per_call_in_graph(lambda: wrapper.run(q, cache), REPLAYS)
 
 
+VARIANTS = {
+    # name: (cache layout, backend, disable_split_kv)
+    "engine pool": ("engine", "fa2", False),
+    "NHD": ("NHD", "fa2", False),
+    "HND": ("HND", "fa2", False),
+    "engine, no split": ("engine", "fa2", True),
+    "HND, no split": ("HND", "fa2", True),
+    "engine, fa3": ("engine", "fa3", False),
+}
+
+
+def time_variant(batch: int, context: int, page_size: int, variant: str) -> float:
+    """FlashInfer's tensor-core decode for the Llama-3.1-8B shape (32 q / 8 kv heads) over
+    one of VARIANTS, `batch` requests of `context` tokens on pages in shuffled order."""
+    import flashinfer
+
+    layout, backend, no_split = VARIANTS[variant]
+    device = torch.device("cuda")
+    q_heads, kv_heads, head_dim = 32, 8, 128
+    pages_per_seq = -(-context // page_size)
+    num_pages = batch * pages_per_seq
+    cache: Any
+    if layout == "engine":
+        pool = torch.randn(
+            num_pages * page_size, 2, kv_heads, head_dim, dtype=torch.bfloat16, device=device
+        )
+        shape = (num_pages, page_size, kv_heads, head_dim)
+        cache = (pool[:, 0].view(shape), pool[:, 1].view(shape))
+    else:
+        inner = (page_size, kv_heads) if layout == "NHD" else (kv_heads, page_size)
+        cache = torch.randn(num_pages, 2, *inner, head_dim, dtype=torch.bfloat16, device=device)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        torch.zeros(256 << 20, dtype=torch.uint8, device=device),
+        "NHD" if layout == "engine" else layout,
+        use_cuda_graph=True,
+        use_tensor_cores=True,
+        paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32, device=device),
+        paged_kv_indices_buffer=torch.zeros(num_pages, dtype=torch.int32, device=device),
+        paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device=device),
+        backend=backend,
+    )
+    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(0))
+    options = {"disable_split_kv": True} if no_split else {}
+    wrapper.plan(
+        torch.arange(batch + 1, dtype=torch.int32) * pages_per_seq,
+        order.to(torch.int32),
+        torch.full((batch,), context - (pages_per_seq - 1) * page_size, dtype=torch.int32),
+        num_qo_heads=q_heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        q_data_type=torch.bfloat16,
+        kv_data_type=torch.bfloat16,
+        **options,
+    )
+    q = torch.randn(batch, q_heads, head_dim, dtype=torch.bfloat16, device=device)
+    return us_per_call_in_graph(lambda: wrapper.run(q, cache), REPLAYS)
+
+
 def flashinfer_wrapper(
     batch: int, kv_heads: int, num_pages: int, page_size: int, kernel: str
 ) -> tuple[Any, torch.Tensor]:
@@ -96,7 +162,22 @@ def main() -> None:
     p.add_argument("--context", type=int, default=1000)
     p.add_argument("--page-size", type=int, default=256)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
+    p.add_argument("--variants", action="store_true", help="layouts and plans, 8B shape")
     args = p.parse_args()
+    if args.variants:
+        kv_bytes = 2 * 8 * 128 * 2 * args.context  # K and V, 8 heads, bf16, a request
+        print(f"Llama-3.1-8B, tensor cores, context {args.context}, pages of {args.page_size}")
+        print(f"{'variant':<18} {'batch':>5} {'us/layer':>9} {'TB/s':>6}")
+        for batch in args.batches:
+            for variant in VARIANTS:
+                try:
+                    us = time_variant(batch, args.context, args.page_size, variant)
+                except Exception as error:  # a backend this build or layout lacks
+                    print(f"{variant:<18} {batch:>5} failed: {str(error)[:80]}")
+                    continue
+                rate = batch * kv_bytes / us / 1e6
+                print(f"{variant:<18} {batch:>5} {us:>9.1f} {rate:>6.2f}")
+        return
     print(f"us per layer, context {args.context}, pages of {args.page_size}")
     kernels = ("tensor cores", "cuda cores", "triton")
     print(f"{'shape':<34} {'batch':>5} " + " ".join(f"{k:>12}" for k in kernels))
