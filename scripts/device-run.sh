@@ -34,9 +34,9 @@ for step in "$@"; do
     qwen3-tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k "qk_norm or qwen3" 2>&1 | grep -v "^  /\|^    " | tail -30 ;;
     noaot-site) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-noaot .whl/*.whl ;;  # no kernel pack: a fresh machine
     startup)
-             for m in qwen3-0.6b llama-3.1-8b; do rm -rf /tmp/fi-cold; for phase in first second; do
+             for m in qwen3-0.6b llama-3.1-8b; do rm -rf /tmp/fi-cold ~/.triton/cache; for phase in first second; do
                PYTHONPATH=/tmp/site-noaot:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-cold ready_in --model bench/models/$m --dummy-weight; done; done ;;
-    startup-smol) rm -rf /tmp/fi-cold ~/.cache/aserve; for phase in first second; do   # GGUF conversion and kernels, cold then cached
+    startup-smol) rm -rf /tmp/fi-cold ~/.cache/aserve ~/.triton/cache; for phase in first second; do   # GGUF conversion and kernels, cold then cached
                PYTHONPATH=/tmp/site-noaot:/tmp/site:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-cold ready_in; done ;;
     spy) python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/spy .tools/py_spy-*.whl
          timeout 200 /tmp/spy/bin/py-spy record -r 400 -f raw -o $OUT/spy-latency.txt -- python3 bench/latency.py --model bench/models/qwen3-0.6b --dummy-weight --repeat 1 --output-len 1500 --no-record 2>&1 | tail -3
