@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from aserve import LLM, SamplingParams
 from aserve.config import ConfigError
+from aserve.distributed.fused_norm import RESIDUAL_RMS_NORM, AllReduceAddNorm, workspace_bytes
 from aserve.distributed.group import TPGroup
 from aserve.engine.step import StepSpec
 from aserve.forward import ForwardMode
@@ -227,6 +228,49 @@ def test_all_reduce_takes_the_one_shot_path_only_for_what_it_accepts() -> None:
     assert group.all_reduce(torch.ones(5)).tolist() == [2.0] * 5
     without = TPGroup(rank=0, size=2, device_group=_Summing())
     assert without.all_reduce(torch.ones(2)).tolist() == [2.0, 2.0]
+
+
+class _RecordingKernels:
+    """Stands in for FlashInfer's fused all-reduce module: records each call's arguments."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[object, ...]] = []
+
+    def trtllm_allreduce_fusion(self, *args: object) -> None:
+        self.calls.append(args)
+
+
+def test_fused_add_norm_takes_only_what_its_kernel_accepts() -> None:
+    """16-bit, contiguous, hidden a multiple of 8 (16-byte vectors), within `max_bytes`;
+    anything else is left to the separate all-reduce and norm. A call passes the one-shot
+    residual-add-RMSNorm pattern with the residual updated in place."""
+    kernels = _RecordingKernels()
+    table, state = torch.zeros(7, dtype=torch.int64), torch.zeros(5, dtype=torch.int32)
+    fused = AllReduceAddNorm(kernels, table, state, rank=1, size=2, max_bytes=4096)
+    half = torch.bfloat16
+    x, residual = torch.ones(2, 1024, dtype=half), torch.ones(2, 1024, dtype=half)
+    weight = torch.ones(1024, dtype=half)
+    assert fused(x.float(), residual.float(), weight.float(), 1e-6) is None
+    too_big = torch.ones(3, 1024, dtype=half)
+    assert fused(too_big, too_big.clone(), weight, 1e-6) is None
+    odd_hidden = torch.ones(2, 12, dtype=half)
+    assert fused(odd_hidden, odd_hidden.clone(), weight[:12], 1e-6) is None
+    assert fused(torch.ones(1024, 2, dtype=half).t(), residual, weight, 1e-6) is None
+    assert kernels.calls == []
+    out = fused(x, residual, weight, 1e-6)
+    assert out is not None and out[1] is residual and out[0].shape == x.shape
+    (args,) = kernels.calls
+    assert args[0] is x and args[1:6] == (2, 1, 2, 1024, table)
+    assert args[7] is True and args[10] == RESIDUAL_RMS_NORM  # one-shot, add + RMSNorm
+    assert args[12] is residual and args[13] is residual and args[14] is out[0]
+    assert args[17] is weight and args[18] == 1e-6
+
+
+def test_fused_add_norm_workspace_follows_flashinfer_layout() -> None:
+    """Data buffer, barrier flags, then three Lamport buffers, each 2 MiB aligned."""
+    mib = 1 << 20
+    assert workspace_bytes(2, 2 * mib) == (4 + 2 + 12) * mib
+    assert workspace_bytes(8, 2 * mib) == (16 + 2 + 48) * mib
 
 
 def test_one_shot_is_never_opened_on_cpu() -> None:
