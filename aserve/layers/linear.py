@@ -2,10 +2,10 @@
 
 Column-parallel layers split the output features over ranks (no communication); row-parallel
 layers split the input features and all-reduce the partial sums (or leave that to the next
-layer). Each layer copies the slice
-of a checkpoint tensor that belongs to its rank in `load_weight`. On CPU the loaded weights
-are replaced by MKL-packed ones (`pack_linear_weights`); on CUDA in half precision a one-row
-input goes through the GEMV kernel of layers/gemv.py (`use_one_row_kernel`).
+layer). Each layer copies the slice of a checkpoint tensor that belongs to its rank in
+`load_weight`. On CPU the loaded weights are replaced by MKL-packed ones
+(`pack_linear_weights`); on CUDA in half precision a one-row input goes through the GEMV
+kernel of layers/gemv.py (`use_one_row_kernel`).
 """
 
 from __future__ import annotations
