@@ -36,29 +36,19 @@ REPLAYS = 20
 def time_kernel(
     batch: int, q_heads: int, kv_heads: int, context: int, page_size: int, kernel: str
 ) -> float:
-    """`kernel`: "tensor cores", "cuda cores" or "triton". Both kinds of wrapper get the same
-    plan: `batch` requests of `context` tokens on consecutive pages."""
-    device = torch.device("cuda")
-    head_dim = 128
-    pages_per_seq = -(-context // page_size)
-    num_pages = batch * pages_per_seq
-    q = torch.randn(batch, q_heads, head_dim, dtype=torch.bfloat16, device=device)
+    """`kernel`: "tensor cores", "cuda cores" or "triton". Every kernel gets the same plan:
+    `batch` requests of `context` tokens on consecutive pages."""
+    num_pages = batch * -(-context // page_size)
     if kernel == "triton":
-        wrapper, cache = triton_wrapper(batch, kv_heads, num_pages, page_size)
+        from aserve.attention.triton_decode import TritonDecodeWrapper
+
+        wrapper: Any = TritonDecodeWrapper(torch.device("cuda"), batch, num_pages)
+        cache = paged_cache("engine", num_pages, page_size, kv_heads)
     else:
-        wrapper, cache = flashinfer_wrapper(batch, kv_heads, num_pages, page_size, kernel)
-    wrapper.plan(
-        torch.arange(batch + 1, dtype=torch.int32) * pages_per_seq,
-        torch.arange(num_pages, dtype=torch.int32),
-        torch.full((batch,), context - (pages_per_seq - 1) * page_size, dtype=torch.int32),
-        num_qo_heads=q_heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        page_size=page_size,
-        q_data_type=torch.bfloat16,
-        kv_data_type=torch.bfloat16,
-    )
-    return us_per_call_in_graph(lambda: wrapper.run(q, cache), REPLAYS)
+        wrapper = flashinfer_wrapper(batch, num_pages, kernel == "tensor cores", "NHD", "auto")
+        cache = paged_cache("NHD", num_pages, page_size, kv_heads)
+    plan(wrapper, batch, q_heads, kv_heads, context, page_size, torch.arange(num_pages))
+    return time_run(wrapper, batch, q_heads, cache)
 
 
 VARIANTS = {
@@ -75,86 +65,81 @@ VARIANTS = {
 def time_variant(batch: int, context: int, page_size: int, variant: str) -> float:
     """FlashInfer's tensor-core decode for the Llama-3.1-8B shape (32 q / 8 kv heads) over
     one of VARIANTS, `batch` requests of `context` tokens on pages in shuffled order."""
-    import flashinfer
-
     layout, backend, no_split = VARIANTS[variant]
+    q_heads, kv_heads = 32, 8
+    num_pages = batch * -(-context // page_size)
+    wrapper = flashinfer_wrapper(
+        batch, num_pages, True, "NHD" if layout == "engine" else layout, backend
+    )
+    cache = paged_cache(layout, num_pages, page_size, kv_heads)
+    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(0))
+    options = {"disable_split_kv": True} if no_split else {}
+    plan(wrapper, batch, q_heads, kv_heads, context, page_size, order, **options)
+    return time_run(wrapper, batch, q_heads, cache)
+
+
+def paged_cache(layout: str, num_pages: int, page_size: int, kv_heads: int) -> Any:
+    """A bf16 KV cache of head dim 128: "engine" gives K/V views of the engine's pool (a
+    slot's K and V side by side), "NHD" / "HND" FlashInfer's own layouts."""
     device = torch.device("cuda")
-    q_heads, kv_heads, head_dim = 32, 8, 128
-    pages_per_seq = -(-context // page_size)
-    num_pages = batch * pages_per_seq
-    cache: Any
     if layout == "engine":
         pool = torch.randn(
-            num_pages * page_size, 2, kv_heads, head_dim, dtype=torch.bfloat16, device=device
+            num_pages * page_size, 2, kv_heads, 128, dtype=torch.bfloat16, device=device
         )
-        shape = (num_pages, page_size, kv_heads, head_dim)
-        cache = (pool[:, 0].view(shape), pool[:, 1].view(shape))
-    else:
-        inner = (page_size, kv_heads) if layout == "NHD" else (kv_heads, page_size)
-        cache = torch.randn(num_pages, 2, *inner, head_dim, dtype=torch.bfloat16, device=device)
-    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        shape = (num_pages, page_size, kv_heads, 128)
+        return pool[:, 0].view(shape), pool[:, 1].view(shape)
+    inner = (page_size, kv_heads) if layout == "NHD" else (kv_heads, page_size)
+    return torch.randn(num_pages, 2, *inner, 128, dtype=torch.bfloat16, device=device)
+
+
+def flashinfer_wrapper(
+    batch: int, num_pages: int, tensor_cores: bool, layout: str, backend: str
+) -> Any:
+    """A CUDA-graph decode wrapper of FlashInfer's (static index buffers)."""
+    import flashinfer
+
+    device = torch.device("cuda")
+    return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
         torch.zeros(256 << 20, dtype=torch.uint8, device=device),
-        "NHD" if layout == "engine" else layout,
+        layout,
         use_cuda_graph=True,
-        use_tensor_cores=True,
+        use_tensor_cores=tensor_cores,
         paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32, device=device),
         paged_kv_indices_buffer=torch.zeros(num_pages, dtype=torch.int32, device=device),
         paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device=device),
         backend=backend,
     )
-    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(0))
-    options = {"disable_split_kv": True} if no_split else {}
+
+
+def plan(
+    wrapper: Any,
+    batch: int,
+    q_heads: int,
+    kv_heads: int,
+    context: int,
+    page_size: int,
+    pages: torch.Tensor,
+    **options: Any,
+) -> None:
+    """Plan `batch` requests of `context` tokens, request i on the i-th run of `pages`."""
+    pages_per_seq = -(-context // page_size)
     wrapper.plan(
         torch.arange(batch + 1, dtype=torch.int32) * pages_per_seq,
-        order.to(torch.int32),
+        pages.to(torch.int32),
         torch.full((batch,), context - (pages_per_seq - 1) * page_size, dtype=torch.int32),
         num_qo_heads=q_heads,
         num_kv_heads=kv_heads,
-        head_dim=head_dim,
+        head_dim=128,
         page_size=page_size,
         q_data_type=torch.bfloat16,
         kv_data_type=torch.bfloat16,
         **options,
     )
-    q = torch.randn(batch, q_heads, head_dim, dtype=torch.bfloat16, device=device)
+
+
+def time_run(wrapper: Any, batch: int, q_heads: int, cache: Any) -> float:
+    q = torch.randn(batch, q_heads, 128, dtype=torch.bfloat16, device="cuda")
     return us_per_call_in_graph(lambda: wrapper.run(q, cache), REPLAYS)
-
-
-def flashinfer_wrapper(
-    batch: int, kv_heads: int, num_pages: int, page_size: int, kernel: str
-) -> tuple[Any, torch.Tensor]:
-    """A CUDA-graph decode wrapper of FlashInfer's and a paged cache of its own layout."""
-    import flashinfer
-
-    device = torch.device("cuda")
-    cache = torch.randn(num_pages, 2, page_size, kv_heads, 128, dtype=torch.bfloat16, device=device)
-    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=device)
-    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        workspace,
-        "NHD",
-        use_cuda_graph=True,
-        use_tensor_cores=kernel == "tensor cores",
-        paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32, device=device),
-        paged_kv_indices_buffer=torch.zeros(num_pages, dtype=torch.int32, device=device),
-        paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device=device),
-    )
-    return wrapper, cache
-
-
-def triton_wrapper(
-    batch: int, kv_heads: int, num_pages: int, page_size: int
-) -> tuple[Any, tuple[torch.Tensor, torch.Tensor]]:
-    """The Triton kernels' wrapper (static buffers, as in a graph) and K/V views of a pool of
-    the engine's layout (K and V of a slot side by side)."""
-    from aserve.attention.triton_decode import TritonDecodeWrapper
-
-    device = torch.device("cuda")
-    pool = torch.randn(num_pages * page_size, 2, kv_heads, 128, dtype=torch.bfloat16, device=device)
-    shape = (num_pages, page_size, kv_heads, 128)
-    return TritonDecodeWrapper(device, batch, num_pages), (
-        pool[:, 0].view(shape),
-        pool[:, 1].view(shape),
-    )
 
 
 def main() -> None:
