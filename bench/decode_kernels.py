@@ -4,7 +4,7 @@ and the Triton kernels of attention/triton_decode.py.
     python bench/decode_kernels.py
 
 `FlashInferBackend.use_tensor_cores` picks one of FlashInfer's per batch size from these
-figures, and `triton_decode.MAX_BATCH` the largest batch given to the Triton ones. Each
+figures, and `triton_decode.takes_batch` the batches given to the Triton ones. Each
 kernel runs 20 times inside a CUDA graph (as in serving), bf16, head dim 128, a context of
 `--context` tokens a request, and prints microseconds per call (one layer).
 

@@ -150,22 +150,33 @@ def test_one_row_gemv_equals_linear(n: int, k: int, bias: bool) -> None:
     torch.testing.assert_close(gemv(gate_up, weight, b, gated=True).float(), expected, **tolerance)
 
 
+@pytest.mark.parametrize("kernel", ["split", "whole"])
 @pytest.mark.parametrize("page_size", [1, 16, 256])
 @pytest.mark.parametrize(
     ("q_heads", "kv_heads", "head_dim"), [(32, 8, 128), (16, 8, 128), (9, 3, 64)]
 )
-def test_small_batch_triton_decode_equals_plain_attention(
-    page_size: int, q_heads: int, kv_heads: int, head_dim: int
+def test_triton_decode_equals_plain_attention(
+    kernel: str,
+    page_size: int,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The Triton decode kernels against softmax attention written out in float32, for
     contexts from 1 token to more than the splits cover evenly, on pages scattered over
-    the pool, from a wrapper planned for a CUDA graph (static buffers) and one that is not."""
-    from aserve.attention.triton_decode import MAX_BATCH, TritonDecodeWrapper
+    the pool, from a wrapper planned for a CUDA graph (static buffers) and one that is not.
+    `kernel` forces the split kernels (and their merge) or the whole-context kernel, which
+    the wrapper otherwise picks by batch size."""
+    from aserve.attention import triton_decode
+    from aserve.attention.triton_decode import TritonDecodeWrapper
     from aserve.kvcache.pool import KVPool
 
+    threshold = 1 if kernel == "whole" else 1 << 30
+    monkeypatch.setattr(triton_decode, "WHOLE_MIN_PROGRAMS", threshold)
     torch.manual_seed(0)
     device, dtype = torch.device("cuda"), torch.bfloat16
-    lengths = [1, 7, 300, 1000, 4097, 33, 256, 2][:MAX_BATCH]
+    lengths = [1, 7, 300, 1000, 4097, 33, 256, 2]
     pages_per_row = [-(-n // page_size) for n in lengths]
     num_pages = sum(pages_per_row) + 8
     pool = KVPool(1, num_pages, page_size, kv_heads, head_dim, dtype, device)
@@ -203,6 +214,7 @@ def test_small_batch_triton_decode_equals_plain_attention(
             q_data_type=dtype,
             kv_data_type=dtype,
         )
+        assert (wrapper.num_splits == 1) == (kernel == "whole")
         for _ in range(2):  # planned once, run per layer
             out = wrapper.run(q, cache)
             torch.testing.assert_close(out.float(), torch.stack(expected), atol=2e-2, rtol=2e-2)

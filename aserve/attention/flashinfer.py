@@ -24,8 +24,10 @@ WORKSPACE_BYTES = 256 * 1024 * 1024
 
 class FlashInferBackend:
     """`prefill_backend` "fa2" (FlashInfer's own kernels, `fi`) or "fa3" (FlashAttention-3
-    kernels on Hopper, `fa`). Decode uses FlashInfer's decode kernels, with or without tensor
-    cores as `use_tensor_cores` says for the batch."""
+    kernels on Hopper, `fa`). Decode uses the Triton kernels of attention/triton_decode.py for
+    the batch sizes they were measured faster at (1-2 requests, and from about 40 up), and
+    FlashInfer's decode kernels for the rest, with or without tensor cores as
+    `use_tensor_cores` says for the batch."""
 
     def __init__(
         self,
@@ -61,11 +63,9 @@ class FlashInferBackend:
             )
             for tensor_cores in (False, True)
         }
-        self.small_batch_decode = _small_batch_decode(device, head_dim)
-        self.small_batch_wrapper = (
-            None
-            if self.small_batch_decode is None
-            else self.small_batch_decode.TritonDecodeWrapper(device)
+        self.triton_decode = _triton_decode(device, head_dim)
+        self.triton_wrapper = (
+            None if self.triton_decode is None else self.triton_decode.TritonDecodeWrapper(device)
         )
 
     def use_tensor_cores(self, batch_size: int) -> bool:
@@ -88,14 +88,14 @@ class FlashInferBackend:
         return torch.from_numpy(indptr), torch.from_numpy(last), indices
 
     def _uses_triton(self, batch_size: int) -> bool:
-        """Small decode batches run the Triton kernels of attention/triton_decode.py."""
-        kernels = self.small_batch_decode
-        return kernels is not None and batch_size <= kernels.MAX_BATCH
+        """Decode batches the Triton kernels of attention/triton_decode.py are faster for."""
+        kernels = self.triton_decode
+        return kernels is not None and kernels.takes_batch(batch_size, self.num_kv_heads)
 
     def prepare(self, batch: ForwardBatch) -> None:
         if batch.is_decode:
             if self._uses_triton(batch.batch_size):
-                wrapper = self.small_batch_wrapper
+                wrapper = self.triton_wrapper
             else:
                 wrapper = self.decode_wrappers[self.use_tensor_cores(batch.batch_size)]
             self.plan_decode(wrapper, batch)
@@ -140,7 +140,7 @@ class FlashInferBackend:
 
         device = self.workspace.device
         if self._uses_triton(batch_size):
-            return self.small_batch_decode.TritonDecodeWrapper(device, batch_size, max_pages)
+            return self.triton_decode.TritonDecodeWrapper(device, batch_size, max_pages)
         return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace,
             "NHD",
@@ -167,7 +167,7 @@ class FlashInferBackend:
         return out.reshape(-1, self.num_heads * self.head_dim)
 
 
-def _small_batch_decode(device: torch.device, head_dim: int) -> ModuleType | None:
+def _triton_decode(device: torch.device, head_dim: int) -> ModuleType | None:
     """attention/triton_decode.py where Triton is installed and the head size is one its
     kernels take, else None."""
     if head_dim not in (64, 128, 256):

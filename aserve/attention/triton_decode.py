@@ -1,18 +1,26 @@
-"""Decode attention for small batches in two Triton kernels (CUDA only).
+"""Decode attention in Triton kernels, for the batch sizes where they beat FlashInfer's
+(CUDA only).
 
-At batch 1 FlashInfer's decode took 13 us a layer on the H200 for Llama-3.1-8B's shape at a
-context of 1,000 (its tensor-core kernel and the merge of its splits), where reading that
-layer's K and V takes about 1 us: the time is latency, a third of a single-stream step's
-time outside the weight reads. These kernels take 6.5 us (the step 4.58 -> 4.42 ms). Every
-(request, KV head) pair's context is cut into a fixed number of splits, enough programs to
-fill the GPU, and one program reads its split in blocks of tokens for all query heads of
-its KV head at once (padded to 16 rows for the tensor cores); a second kernel merges the
-splits by their log-sum-exp.
+One program reads a (request, KV head) pair's context, or a split of it, in blocks of
+tokens for all query heads of the KV head at once (padded to 16 rows for the tensor cores),
+with KV heads varying fastest over the launch so neighbouring programs read neighbouring
+heads of the same slots. Two regimes:
+
+- Small batches (1-2 requests): each pair's context is cut into a fixed number of splits,
+  enough programs to fill the GPU, and a second kernel merges the splits by their
+  log-sum-exp. At batch 1 FlashInfer's decode took 13 us a layer on the H200 for
+  Llama-3.1-8B's shape at a context of 1,000 (its tensor-core kernel and the merge of its
+  splits), where reading that layer's K and V takes about 1 us; these take 6.5 us.
+- Large batches (at least `WHOLE_MIN_PROGRAMS` pairs): one program a pair walks the whole
+  context and writes the output itself. Blocks of 128 tokens that lie in one page need one
+  page-id lookup each, and two pipeline stages keep the loads streaming; on the H200 this
+  reads the KV cache at 4.1-4.6 TB/s where FlashInfer's tensor-core decode reads it at
+  3.4-4.3 (8-24% faster at 40-256 requests of mixed contexts).
 
 `TritonDecodeWrapper` takes the paged layout FlashInfer's decode wrappers take (page index
 pointers, page ids, last-page lengths) through the same `plan` / `run` calls, so the
-FlashInfer backend hands it small batches, in CUDA graphs too (static buffers, a grid fixed
-at capture). Imported only on CUDA (it imports Triton).
+FlashInfer backend hands it the batches `takes_batch` names, in CUDA graphs too (static
+buffers, a grid fixed at capture). Imported only on CUDA (it imports Triton).
 """
 
 from __future__ import annotations
@@ -23,16 +31,36 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_BATCH = 2
-"""Batches up to this size use these kernels. bench/decode_kernels.py on the H200 (us a layer,
-Llama-3.1-8B shape, contexts of 1,000 / 2,000): batch 1 6.2 / 7.4 against FlashInfer's 11.0
-/ 11.5, batch 2 7.6 / 10.2 against 11.6 / 11.9, batch 4 10.0 / 14.0 against 12.2 / 13.0,
-batch 8 14.7 / 29.3 against 13.4 / 25.1 (each program then walks a long split alone)."""
+SPLIT_MAX_BATCH = 2
+"""Batches up to this size take the split kernels. bench/decode_kernels.py on the H200 (us a
+layer, Llama-3.1-8B shape, contexts of 1,000 / 2,000): batch 1 6.2 / 7.4 against
+FlashInfer's 11.0 / 11.5, batch 2 7.6 / 10.2 against 11.6 / 11.9, batch 4 10.0 / 14.0
+against 12.2 / 13.0, batch 8 14.7 / 29.3 against 13.4 / 25.1 (each program then walks a
+long split alone)."""
 
-BLOCK_TOKENS = 32
+WHOLE_MIN_PROGRAMS = 320
+"""Batches with at least this many (request, KV head) pairs take the whole-context kernel.
+Measured on the H200 against FlashInfer's tensor-core decode (8 KV heads, 32 or 16 query
+heads, contexts of 1,000, 2,000, or mixed in 100-1,100 / 100-2,048): from 40 requests (320
+pairs) it was faster in 52 of 56 cases and at most 4% slower (64 and 128 requests of exactly
+2,000 tokens); at 24-32 requests it lost 3-15% in 7 of 16 cases, so those stay with
+FlashInfer."""
+
+SPLIT_BLOCK_TOKENS = 32
 PROGRAMS = 264
 """Programs a batch's splits aim at: the H100/H200's 132 SMs twice. Blocks of 16 to 64
 tokens and 132 to 528 programs all gave the 8B single-stream step 4.33-4.36 ms."""
+
+WHOLE_BLOCK_TOKENS = 128
+WHOLE_STAGES = 2
+WHOLE_WARPS = 4
+"""The whole-context kernel's settings: of blocks of 64 or 128 tokens, 2 or 3 stages and 4 or
+8 warps, these were fastest on average over the cases above (0.93 of FlashInfer's time)."""
+
+
+def takes_batch(batch_size: int, num_kv_heads: int) -> bool:
+    """Whether these kernels beat FlashInfer's for a decode batch of this size."""
+    return batch_size <= SPLIT_MAX_BATCH or batch_size * num_kv_heads >= WHOLE_MIN_PROGRAMS
 
 
 @triton.jit
@@ -45,6 +73,8 @@ def _split_kernel(
     indptr,
     page_ids,
     last_page_len,
+    out,
+    out_stride,
     partial_out,
     partial_lse,
     sm_scale,
@@ -54,12 +84,15 @@ def _split_kernel(
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
-    request, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # KV heads vary fastest over the launch, so programs running side by side read
+    # neighbouring heads of the same tokens (one slot's K or V row is all heads together).
+    kv_head, request, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     first_page = tl.load(indptr + request)
     pages = tl.load(indptr + request + 1) - first_page
     seq_len = (pages - 1) * PAGE_SIZE + tl.load(last_page_len + request)  # a decode row has >= 1
-    chunk = tl.cdiv(seq_len, num_splits)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_T) * BLOCK_T  # blocks start aligned
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
@@ -77,8 +110,12 @@ def _split_kernel(
     for block in range(start, end, BLOCK_T):
         tokens = block + tl.arange(0, BLOCK_T)
         token_ok = tokens < end
-        page = tl.load(page_ids + first_page + tokens // PAGE_SIZE, mask=token_ok, other=0)
-        slots = page.to(tl.int64) * PAGE_SIZE + tokens % PAGE_SIZE
+        if PAGE_SIZE % BLOCK_T == 0:  # the block lies in one page: one page id to look up
+            page = tl.load(page_ids + first_page + block // PAGE_SIZE)
+            slots = page.to(tl.int64) * PAGE_SIZE + block % PAGE_SIZE + tl.arange(0, BLOCK_T)
+        else:
+            page = tl.load(page_ids + first_page + tokens // PAGE_SIZE, mask=token_ok, other=0)
+            slots = page.to(tl.int64) * PAGE_SIZE + tokens % PAGE_SIZE
         offsets = slots[:, None] * token_stride + kv_head * HEAD_DIM + dims[None, :]
         keys = tl.load(k_cache + offsets, mask=token_ok[:, None], other=0.0)
         scores = tl.dot(query, tl.trans(keys)) * scale
@@ -91,12 +128,19 @@ def _split_kernel(
         acc = acc * rescale[:, None] + tl.dot(weights.to(values.dtype), values)
         best = new_best
 
-    empty = total == 0.0
-    out = acc / tl.where(empty, 1.0, total)[:, None]
-    lse = tl.where(empty, float("-inf"), best + tl.log2(tl.where(empty, 1.0, total)))
-    slot = (request * tl.num_programs(1) * GROUP + heads) * num_splits + split
-    tl.store(partial_out + slot[:, None] * HEAD_DIM + dims[None, :], out, mask=row_ok[:, None])
-    tl.store(partial_lse + slot, lse, mask=row_ok)
+    if DIRECT:  # one split: the whole context, finished here
+        result = acc / total[:, None]
+        out_at = out + request * out_stride + heads[:, None] * HEAD_DIM + dims[None, :]
+        tl.store(out_at, result.to(out.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        empty = total == 0.0
+        result = acc / tl.where(empty, 1.0, total)[:, None]
+        lse = tl.where(empty, float("-inf"), best + tl.log2(tl.where(empty, 1.0, total)))
+        slot = (request * tl.num_programs(0) * GROUP + heads) * num_splits + split
+        tl.store(
+            partial_out + slot[:, None] * HEAD_DIM + dims[None, :], result, mask=row_ok[:, None]
+        )
+        tl.store(partial_lse + slot, lse, mask=row_ok)
 
 
 @triton.jit
@@ -170,7 +214,11 @@ class TritonDecodeWrapper:
         self.num_kv_heads = num_kv_heads
         self.group = num_qo_heads // num_kv_heads
         self.page_size = page_size
-        self.num_splits = min(64, max(1, math.ceil(PROGRAMS / (batch * num_kv_heads))))
+        pairs = batch * num_kv_heads
+        whole = pairs >= WHOLE_MIN_PROGRAMS
+        self.num_splits = 1 if whole else min(64, max(1, math.ceil(PROGRAMS / pairs)))
+        if self.num_splits == 1:
+            return
         shape = (batch * num_qo_heads * self.num_splits,)
         if self.partial is None or self.partial[1].shape != shape:
             self.partial = (
@@ -184,9 +232,10 @@ class TritonDecodeWrapper:
         k_cache, v_cache = cache
         batch, heads, head_dim = q.shape
         assert q.stride(2) == 1 and q.stride(1) == head_dim and k_cache.stride(3) == 1
-        partial_out, partial_lse = self.partial
+        direct = self.num_splits == 1
         out = torch.empty((batch, heads, head_dim), dtype=q.dtype, device=q.device)
-        _split_kernel[(batch, self.num_kv_heads, self.num_splits)](
+        partial_out, partial_lse = (out, out) if direct else self.partial
+        _split_kernel[(self.num_kv_heads, batch, self.num_splits)](
             q,
             q.stride(0),
             k_cache,
@@ -196,6 +245,8 @@ class TritonDecodeWrapper:
             self.indptr,
             self.page_ids,
             self.last_page_len,
+            out,
+            out.stride(0),
             partial_out,
             partial_lse,
             head_dim**-0.5,
@@ -204,9 +255,13 @@ class TritonDecodeWrapper:
             GROUP=self.group,
             GROUP_PAD=max(16, triton.next_power_of_2(self.group)),
             HEAD_DIM=head_dim,
-            BLOCK_T=BLOCK_TOKENS,
-            num_warps=4,
+            BLOCK_T=WHOLE_BLOCK_TOKENS if direct else SPLIT_BLOCK_TOKENS,
+            DIRECT=direct,
+            num_warps=WHOLE_WARPS if direct else 4,
+            num_stages=WHOLE_STAGES if direct else 3,
         )
+        if direct:
+            return out
         _merge_kernel[(batch, heads)](
             partial_out,
             partial_lse,
