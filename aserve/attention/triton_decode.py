@@ -17,6 +17,11 @@ heads of the same slots. Two regimes:
   reads the KV cache at 4.1-4.6 TB/s where FlashInfer's tensor-core decode reads it at
   3.4-4.3 (8-24% faster at 40-256 requests of mixed contexts).
 
+Programs take requests longest first (`plan` sorts them on the host): with contexts of mixed
+lengths a long one left for last would run alone at the end of the launch. On the H200,
+48-256 requests of 100-600, 100-1,100 or 100-2,048 tokens: 5% faster than in batch order
+over those 15 cases, 13% faster than FlashInfer.
+
 `TritonDecodeWrapper` takes the paged layout FlashInfer's decode wrappers take (page index
 pointers, page ids, last-page lengths) through the same `plan` / `run` calls, so the
 FlashInfer backend hands it the batches `takes_batch` names, in CUDA graphs too (static
@@ -70,6 +75,7 @@ def _split_kernel(
     k_cache,
     v_cache,
     token_stride,
+    order,
     indptr,
     page_ids,
     last_page_len,
@@ -88,7 +94,8 @@ def _split_kernel(
 ):
     # KV heads vary fastest over the launch, so programs running side by side read
     # neighbouring heads of the same tokens (one slot's K or V row is all heads together).
-    kv_head, request, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    kv_head, split = tl.program_id(0), tl.program_id(2)
+    request = tl.load(order + tl.program_id(1))
     first_page = tl.load(indptr + request)
     pages = tl.load(indptr + request + 1) - first_page
     seq_len = (pages - 1) * PAGE_SIZE + tl.load(last_page_len + request)  # a decode row has >= 1
@@ -183,6 +190,7 @@ class TritonDecodeWrapper:
         self.static = static_batch is not None
         if static_batch is not None:
             self.indptr = torch.zeros(static_batch + 1, dtype=torch.int32, device=device)
+            self.order = torch.zeros(static_batch, dtype=torch.int32, device=device)
             self.page_ids = torch.zeros(max(max_pages, 1), dtype=torch.int32, device=device)
             self.last_page_len = torch.zeros(static_batch, dtype=torch.int32, device=device)
         self.partial: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -202,11 +210,15 @@ class TritonDecodeWrapper:
     ) -> None:
         """Host `indptr` and `last_page_len`, page ids on the device (as FlashInfer takes them)."""
         batch = indptr.shape[0] - 1
+        lengths = (indptr[1:] - indptr[:-1] - 1) * page_size + last_page_len
+        order = torch.argsort(lengths, descending=True, stable=True).to(torch.int32)
         if self.static:
+            self.order[:batch].copy_(order, non_blocking=True)
             self.indptr[: batch + 1].copy_(indptr, non_blocking=True)
             self.last_page_len[:batch].copy_(last_page_len, non_blocking=True)
             self.page_ids[: indices.shape[0]].copy_(indices, non_blocking=True)
         else:
+            self.order = order.to(self.device, non_blocking=True)
             self.indptr = indptr.to(self.device, non_blocking=True)
             self.last_page_len = last_page_len.to(self.device, non_blocking=True)
             self.page_ids = indices
@@ -242,6 +254,7 @@ class TritonDecodeWrapper:
             v_cache,
             k_cache.stride(0)
             // self.page_size,  # a slot's stride (that of a size-1 dim is arbitrary)
+            self.order,
             self.indptr,
             self.page_ids,
             self.last_page_len,
