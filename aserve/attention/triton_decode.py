@@ -95,7 +95,8 @@ def _split_kernel(
     # KV heads vary fastest over the launch, so programs running side by side read
     # neighbouring heads of the same tokens (one slot's K or V row is all heads together).
     kv_head, split = tl.program_id(0), tl.program_id(2)
-    request = tl.load(order + tl.program_id(1))
+    # Longest first; a split batch (1-2 requests) skips that extra dependent load.
+    request = tl.load(order + tl.program_id(1)) if DIRECT else tl.program_id(1)
     first_page = tl.load(indptr + request)
     pages = tl.load(indptr + request + 1) - first_page
     seq_len = (pages - 1) * PAGE_SIZE + tl.load(last_page_len + request)  # a decode row has >= 1
