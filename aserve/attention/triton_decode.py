@@ -69,7 +69,7 @@ def takes_batch(batch_size: int, num_kv_heads: int) -> bool:
 
 
 @triton.jit
-def _split_kernel(
+def _attend_kernel(
     q,
     q_stride,
     k_cache,
@@ -248,7 +248,7 @@ class TritonDecodeWrapper:
         direct = self.num_splits == 1
         out = torch.empty((batch, heads, head_dim), dtype=q.dtype, device=q.device)
         partial_out, partial_lse = (out, out) if direct else self.partial
-        _split_kernel[(self.num_kv_heads, batch, self.num_splits)](
+        _attend_kernel[(self.num_kv_heads, batch, self.num_splits)](
             q,
             q.stride(0),
             k_cache,
