@@ -158,9 +158,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     server.add_argument(
         "--max-queued-requests",
-        type=_positive_int,
+        type=_non_negative_int,
         default=None,
-        help="waiting requests beyond which new ones get 503",
+        help="requests accepted beyond --max-running-requests (parsing, tokenizing or waiting "
+        "for a slot); more get 503 with Retry-After; unset: no bound",
+    )
+    server.add_argument(
+        "--generation-config",
+        default="auto",
+        help="sampling defaults for fields a request leaves unset: auto (the model's "
+        "generation_config.json), none (OpenAI's) or a folder holding a generation_config.json",
+    )
+    server.add_argument(
+        "--default-sampling",
+        default=None,
+        help="JSON object of sampling defaults over --generation-config's, e.g. "
+        '\'{"temperature": 0.7, "top_p": 0.9}\'',
     )
     server.add_argument(
         "--log-level",

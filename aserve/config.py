@@ -8,8 +8,12 @@ keyword form (the CLI's option names with underscores, also used by `aserve.LLM`
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from aserve.sampling_params import BOUNDS, DEFAULTABLE_FIELDS
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -194,6 +198,8 @@ class ServerConfig:
     max_queued_requests: int | None = None
     shell_mode: bool = False
     silent_output: bool = False
+    generation_config: str = "auto"
+    default_sampling: tuple[tuple[str, float], ...] = ()
 
 
 _SHARED_KEYS = {"max_running_requests", "max_prefill_length", "page_size"}
@@ -217,6 +223,8 @@ def build_config(**options: Any) -> ServerConfig:
         targets = [part for part, names in owners.items() if key in names]
         if not targets:
             raise ConfigError(f"unknown option {key!r}")
+        if key == "default_sampling":
+            value = sampling_overrides(value)
         for part in targets:
             parts[part][key] = value
     config = ServerConfig(
@@ -226,6 +234,36 @@ def build_config(**options: Any) -> ServerConfig:
     )
     validate(config)
     return config
+
+
+def sampling_overrides(value: str | Mapping[str, Any] | None) -> tuple[tuple[str, float], ...]:
+    """`--default-sampling` as JSON text (the CLI) or a mapping (`LLM(default_sampling=...)`),
+    checked against the API's ranges, as sorted (field, value) pairs."""
+    if value is None or value == "":
+        return ()
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as error:
+            raise ConfigError(f"--default-sampling is not valid JSON: {error}") from None
+    if not isinstance(value, Mapping):
+        raise ConfigError('--default-sampling must be a JSON object, e.g. {"temperature": 0.7}')
+    pairs = []
+    for name, number in sorted(value.items()):
+        if name not in DEFAULTABLE_FIELDS:
+            raise ConfigError(
+                f"--default-sampling: unknown field {name!r}; "
+                f"it sets {', '.join(DEFAULTABLE_FIELDS)}"
+            )
+        integral = name in ("top_k", "max_tokens")
+        kinds = (int,) if integral else (int, float)
+        if isinstance(number, bool) or not isinstance(number, kinds):
+            kind = "an integer" if integral else "a number"
+            raise ConfigError(f"--default-sampling: {name} must be {kind}")
+        if not BOUNDS[name].admits(number):
+            raise ConfigError(f"--default-sampling: {name} must be {BOUNDS[name].describe()}")
+        pairs.append((name, number))
+    return tuple(pairs)
 
 
 def validate(config: ServerConfig) -> None:
@@ -249,6 +287,10 @@ def validate(config: ServerConfig) -> None:
         ),
         (config.num_tokenizer >= 1, "--num-tokenizer must be at least 1"),
         (engine.moe_backend in MOE_BACKENDS, "--moe-backend must be auto, torch or fused"),
+        (
+            config.max_queued_requests is None or config.max_queued_requests >= 0,
+            "--max-queued-requests must be at least 0",
+        ),
     ]
     for ok, message in checks:
         if not ok:

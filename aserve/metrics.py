@@ -90,6 +90,11 @@ class Metrics:
     request_prompt_tokens             histogram  prompt tokens per finished request
     request_generation_tokens         histogram  generated tokens per finished request
     request_success_total             counter    finished requests by `finished_reason`
+    requests_rejected_total           counter    refused requests by `reason`: the error's
+                                                 OpenAI code (queue_full, model_loading,
+                                                 shutting_down, context_length_exceeded,
+                                                 request_too_large, invalid_api_key, ...) or
+                                                 its type (invalid_request_error)
     ================================  =========  ==============================================
 
     Token counters move as tokens arrive, not at finish, so `rate()` follows the load live.
@@ -150,6 +155,12 @@ class Metrics:
             registry=self.registry,
         )
         self._success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
+        self._rejected = Counter(
+            "aserve:requests_rejected",
+            "Refused requests by reason (the error's code or type).",
+            ["model_name", "reason"],
+            registry=self.registry,
+        )
         self._last = SchedulerSnapshot(0, 0, 0, 0, 0, 0, 0)
 
     def _make(self, kind: type[_Metric], name: str, doc: str, **kwargs: Any) -> _Metric:
@@ -179,6 +190,11 @@ class Metrics:
         self._e2e.observe(e2e_s)
         self._request_prompt_tokens.observe(prompt_tokens)
         self._request_generation_tokens.observe(generation_tokens)
+
+    def on_rejection(self, reason: str) -> None:
+        """A request refused at the edge; `reason` comes from aserve's own error codes, so
+        the label's values are few."""
+        self._rejected.labels(self.model_name, reason).inc()
 
     def update_scheduler(self, snapshot: SchedulerSnapshot) -> None:
         """Set the gauges, and advance the counters by how far the planner's totals moved."""

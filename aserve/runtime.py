@@ -10,6 +10,7 @@ import time
 from aserve.config import ModelConfig, ServerConfig
 from aserve.engine.followers import start_engine
 from aserve.engine.memory import GiB, free_device_memory
+from aserve.generation_defaults import describe, resolve_defaults
 from aserve.models.source import resolve_model
 from aserve.models.weights import load_hf_config
 from aserve.scheduler.scheduler import Scheduler
@@ -33,6 +34,9 @@ class Runtime:
         self.model_dir = resolve_model(config.engine.model_path)
         hf_config, generation_config = load_hf_config(self.model_dir)
         self.model_config = ModelConfig.from_hf(hf_config, generation_config)
+        self.sampling_defaults, origin = resolve_defaults(
+            config, generation_config, embedded=config.engine.model_path is None
+        )
         self.tokenizer = (
             Tokenizer(self.model_dir, config.num_tokenizer)
             if has_tokenizer(self.model_dir)
@@ -46,6 +50,11 @@ class Runtime:
         freeze_startup_objects()
         logger.info("model ready: %s (%s)", self.model_dir, self.engine.describe())
         logger.info(self.capacity_line())
+        logger.info(
+            "default sampling: %s (from %s); requests that set a field keep theirs",
+            describe(self.sampling_defaults),
+            origin,
+        )
 
     def capacity_line(self) -> str:
         """The start-up line SGLang users read to see what fits, with SGLang's names."""

@@ -15,6 +15,62 @@ class SamplingError(ValueError):
     """A sampling parameter outside its range; the message names the field."""
 
 
+class Bound(NamedTuple):
+    """An allowed range; None leaves that side open. The server's request schema states the
+    same ranges (aserve/server/protocol.py reads this table), so the API description and
+    the checks here cannot disagree."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+
+    def admits(self, value: float) -> bool:
+        return (
+            (self.ge is None or value >= self.ge)
+            and (self.gt is None or value > self.gt)
+            and (self.le is None or value <= self.le)
+        )
+
+    def describe(self) -> str:
+        low = f"[{_number(self.ge)}" if self.ge is not None else f"({_number(self.gt)}"
+        if self.le is None:
+            return f"{low[1:]} or more"
+        return f"in {low}, {_number(self.le)}]"
+
+
+def _number(value: float | None) -> str:
+    return str(value) if isinstance(value, int) else f"{value:g}"
+
+
+MAX_SEED = 2**63 - 1
+MAX_TOKEN_ID = 2**31 - 1
+BOUNDS: dict[str, Bound] = {
+    "max_tokens": Bound(ge=1),
+    "temperature": Bound(ge=0, le=100),
+    "top_p": Bound(gt=0, le=1),
+    "top_k": Bound(ge=-1, le=MAX_TOKEN_ID),
+    "min_p": Bound(ge=0, le=1),
+    "presence_penalty": Bound(ge=-2, le=2),
+    "frequency_penalty": Bound(ge=-2, le=2),
+    "repetition_penalty": Bound(gt=0, le=10),
+    "top_logprobs": Bound(ge=0, le=20),
+    "seed": Bound(ge=0, le=MAX_SEED),
+}
+
+# The fields a server-wide default may fill when a request leaves them unset (the model's
+# generation_config.json, --default-sampling); aserve/generation_defaults.py resolves them.
+DEFAULTABLE_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "max_tokens",
+)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request. Field names and meanings follow OpenAI's API.
@@ -40,21 +96,10 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        checks = [
-            (self.max_tokens >= 1, "max_tokens must be at least 1"),
-            (0.0 <= self.temperature <= 100.0, "temperature must be in [0, 100]"),
-            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
-            (self.top_k == -1 or self.top_k >= 0, "top_k must be -1 (off) or >= 0"),
-            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
-            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
-            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
-            (0.0 < self.repetition_penalty <= 10.0, "repetition_penalty must be in (0, 10]"),
-            (0 <= self.top_logprobs <= 20, "top_logprobs must be in [0, 20]"),
-            (self.seed is None or self.seed >= 0, "seed must be non-negative"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise SamplingError(message)
+        for name, bound in BOUNDS.items():
+            value = getattr(self, name)
+            if value is not None and not bound.admits(value):
+                raise SamplingError(f"{name} must be {bound.describe()}, got {value}")
 
     @property
     def greedy(self) -> bool:

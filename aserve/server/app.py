@@ -17,33 +17,41 @@ from aiohttp import web
 
 from aserve.config import ServerConfig
 from aserve.forward import ForwardMode
-from aserve.metrics import Metrics, SchedulerSnapshot, StatsLogger
+from aserve.metrics import SchedulerSnapshot, StatsLogger
 from aserve.runtime import Runtime
 from aserve.scheduler.plan import ScheduledBatch
-from aserve.server import openai
+from aserve.server import openai, protocol
 from aserve.server.completions import Completions
-from aserve.server.http import error_response, json_response, read_json, require_tokenizer
+from aserve.server.http import error_response, json_response
+from aserve.server.limits import MAX_BODY_BYTES
 from aserve.server.openai import APIError
+from aserve.server.openapi import openapi_spec
+from aserve.server.state import ServerState, require_tokenizer
 
 logger = logging.getLogger("aserve.server")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-OPEN_PATHS = frozenset({"/health", "/metrics"})
-DEFAULT_NAME = "SmolLM2-135M-Instruct"
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
 
 
 class Server:
-    """Holds the runtime once loaded, the metrics, and the draining flag."""
+    """The application around a `ServerState`: loading, draining, middleware and the small
+    routes; the generation routes live in completions.py."""
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.runtime: Runtime | None = None
-        self.draining = False
-        self.model_name = config.served_model_name or config.engine.model_path or DEFAULT_NAME
-        self.metrics = Metrics(self.model_name)
+        self.state = ServerState.create(config)
+        self.metrics = self.state.metrics
         self.stats = StatsLogger(silent=config.silent_output)
-        self.active_requests = 0
         self.scheduler_task: asyncio.Task[None] | None = None
+
+    @property
+    def runtime(self) -> Runtime | None:
+        return self.state.runtime
+
+    @property
+    def model_name(self) -> str:
+        return self.state.model_name
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -51,7 +59,7 @@ class Server:
         """Build the runtime off the loop, then start the scheduler coroutine."""
         loop = asyncio.get_running_loop()
         runtime = await loop.run_in_executor(None, Runtime, self.config)
-        self.runtime = runtime
+        self.state.loaded(runtime)
         self.scheduler_task = asyncio.create_task(runtime.scheduler.run(self._on_step))
 
     def _on_step(self, planned: ScheduledBatch, seconds: float) -> None:
@@ -92,9 +100,9 @@ class Server:
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new work, let running requests finish within `timeout_s`, abort the rest."""
-        self.draining = True
+        self.state.draining = True
         deadline = time.monotonic() + timeout_s
-        while self.active_requests and time.monotonic() < deadline:
+        while self.state.admission.in_use and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.runtime is not None:
             self.runtime.scheduler.stop()
@@ -113,11 +121,11 @@ class Server:
                 self._check_api_key(request)
             return await handler(request)
         except APIError as error:
-            return error_response(error)
+            return self._refused(error)
         except web.HTTPException as http_error:
             if http_error.status < 400:
                 raise
-            return error_response(APIError(http_error.reason, http_error.status))
+            return self._refused(APIError(http_error.reason, http_error.status))
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception:
@@ -125,6 +133,12 @@ class Server:
             return error_response(
                 APIError("internal server error", 500, error_type="internal_server_error")
             )
+
+    def _refused(self, error: APIError) -> web.Response:
+        """Every refusal is counted by its OpenAI code (or type); a 500 is a fault, not one."""
+        if error.status != 500:
+            self.metrics.on_rejection(error.code or error.error_type)
+        return error_response(error)
 
     def _check_api_key(self, request: web.Request) -> None:
         header = request.headers.get("Authorization", "")
@@ -138,46 +152,24 @@ class Server:
                 code="invalid_api_key",
             )
 
-    # ---- helpers ---------------------------------------------------------------------
-
-    def ready_runtime(self) -> Runtime:
-        if self.draining:
-            raise APIError("server is shutting down", 503, error_type="server_error")
-        if self.runtime is None:
-            raise APIError("model is still loading", 503, error_type="server_error")
-        return self.runtime
-
-    def check_model(self, name: str) -> None:
-        if name and name != self.model_name:
-            raise APIError(
-                f"model '{name}' does not exist; this server serves '{self.model_name}'",
-                400,
-                param="model",
-                code="model_not_found",
-            )
-
-    def check_queue(self, runtime: Runtime, extra: int) -> None:
-        limit = self.config.max_queued_requests
-        if limit is not None and len(runtime.scheduler.planner.waiting) + extra > limit:
-            raise APIError("too many queued requests, retry later", 503, error_type="server_error")
-
     # ---- other endpoints ---------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
-        if self.draining:
+        if self.state.draining:
             return json_response({"status": "draining"}, 503)
         if self.runtime is None:
             return json_response({"status": "loading"}, 503)
         return json_response({"status": "ok"})
 
     async def models(self, request: web.Request) -> web.Response:
-        runtime = self.ready_runtime()
+        runtime, _ = self.state.ready()
         card = {
             "id": self.model_name,
             "object": "model",
             "created": int(time.time()),
             "owned_by": "aserve",
             "max_model_len": runtime.engine.max_seq_len,
+            "default_sampling_params": dict(runtime.sampling_defaults),
         }
         return json_response({"object": "list", "data": [card]})
 
@@ -188,32 +180,41 @@ class Server:
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        runtime = self.ready_runtime()
-        body = await read_json(request)
-        tokenizer = require_tokenizer(runtime)
-        if isinstance(body.get("messages"), list):
-            messages = [openai.message_text(m, i) for i, m in enumerate(body["messages"])]
-            tokens = await tokenizer.apply_chat_template_async(messages)
-        elif isinstance(body.get("prompt"), str):
-            tokens = await tokenizer.encode_async(body["prompt"])
-        else:
-            raise APIError("send 'prompt' (a string) or 'messages'", param="prompt")
+        runtime, limits = self.state.ready()
+        with self.state.admission.reserve():
+            body = openai.parse_body(protocol.TokenizeRequest, await limits.read_body(request))
+            tokenizer = require_tokenizer(runtime)
+            if body.messages is not None:
+                messages = [openai.message_dict(m) for m in body.messages]
+                limits.check_text(sum(len(m["content"]) for m in messages), None, "messages")
+                tokens = await tokenizer.apply_chat_template_async(messages)
+            else:
+                assert body.prompt is not None
+                limits.check_text(len(body.prompt), None, "prompt")
+                tokens = await tokenizer.encode_async(body.prompt)
         return json_response(
             {"tokens": tokens, "count": len(tokens), "max_model_len": runtime.engine.max_seq_len}
         )
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        runtime = self.ready_runtime()
-        body = await read_json(request)
-        tokens = openai.token_id_list(body.get("tokens"), "tokens")
-        vocab = runtime.model_config.vocab_size
-        if any(t >= vocab for t in tokens):
-            raise APIError(f"token ids must be below the vocabulary size {vocab}", param="tokens")
-        return json_response({"prompt": require_tokenizer(runtime).decode(tokens)})
+        runtime, limits = self.state.ready()
+        with self.state.admission.reserve():
+            body = openai.parse_body(protocol.DetokenizeRequest, await limits.read_body(request))
+            vocab = runtime.model_config.vocab_size
+            if any(t >= vocab for t in body.tokens):
+                raise APIError(
+                    f"token ids must be below the vocabulary size {vocab}", param="tokens"
+                )
+            text = await require_tokenizer(runtime).decode_async(body.tokens)
+        return json_response({"prompt": text})
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return json_response(self._spec)
 
     def make_app(self) -> web.Application:
-        app = web.Application(middlewares=[self.guard], client_max_size=64 * 1024 * 1024)
-        completions = Completions(self)
+        app = web.Application(middlewares=[self.guard], client_max_size=MAX_BODY_BYTES)
+        self._spec = openapi_spec(bearer_auth=self.config.api_key is not None)
+        completions = Completions(self.state)
         app.router.add_post("/v1/chat/completions", completions.chat_completions)
         app.router.add_post("/v1/completions", completions.completions)
         app.router.add_get("/v1/models", self.models)
@@ -222,4 +223,5 @@ class Server:
         app.router.add_post("/generate", completions.generate)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/openapi.json", self.openapi)
         return app

@@ -11,46 +11,87 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from aserve.runtime import Runtime
+from aserve.sampling_params import MAX_SEED
 from aserve.server import openai
 from aserve.server.generation import Choice, Delta
-from aserve.server.http import json_response, read_json, require_tokenizer, sse
+from aserve.server.http import json_response, sse
+from aserve.server.limits import InputLimits
 from aserve.server.openai import APIError, GenerationRequest, ResponseHead
 from aserve.server.responses import ResponseShaper
-
-if TYPE_CHECKING:
-    from aserve.server.app import Server
+from aserve.server.state import ServerState, require_tokenizer
 
 logger = logging.getLogger("aserve.server")
 
 
 class Completions:
-    def __init__(self, server: Server) -> None:
-        self.server = server
+    """The generation routes. Each holds its admission places from its first line to its
+    terminal reply, whatever that is, so the server's bound holds under any burst."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        runtime = self.server.ready_runtime()
-        parsed = openai.parse_chat(await read_json(request))
-        tokenizer = require_tokenizer(runtime)
-        assert parsed.messages is not None
-        try:
-            prompt = await tokenizer.apply_chat_template_async(parsed.messages)
-        except ValueError as error:
-            raise APIError(str(error), param="messages") from None
-        return await self._generate(request, runtime, parsed, [prompt])
+        runtime, limits = self.state.ready()
+        with self.state.admission.reserve() as places:
+            parsed = openai.parse_chat(await limits.read_body(request), runtime.sampling_defaults)
+            self.state.check_model(parsed.model)
+            places.resize(parsed.n)
+            assert parsed.messages is not None
+            chars = sum(len(m["content"]) for m in parsed.messages)
+            limits.check_text(chars, parsed.max_tokens, "messages")
+            tokenizer = require_tokenizer(runtime)
+            try:
+                prompt = await tokenizer.apply_chat_template_async(parsed.messages)
+            except ValueError as error:
+                raise APIError(str(error), param="messages") from None
+            return await self._generate(request, runtime, parsed, [prompt])
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        runtime = self.server.ready_runtime()
-        parsed = openai.parse_completion(await read_json(request))
-        prompts = parsed.token_ids
-        if parsed.texts:
-            tokenizer = require_tokenizer(runtime)
-            prompts = list(await asyncio.gather(*(tokenizer.encode_async(t) for t in parsed.texts)))
-        return await self._generate(request, runtime, parsed, prompts)
+        runtime, limits = self.state.ready()
+        with self.state.admission.reserve() as places:
+            raw = await limits.read_body(request)
+            parsed = openai.parse_completion(raw, runtime.sampling_defaults)
+            self.state.check_model(parsed.model)
+            places.resize(parsed.n * (len(parsed.texts) or len(parsed.token_ids)))
+            prompts = await self._tokenized(runtime, limits, parsed)
+            return await self._generate(request, runtime, parsed, prompts)
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        """SGLang's native route: text or input_ids in, text and output_ids out."""
+        runtime, limits = self.state.ready()
+        with self.state.admission.reserve():
+            parsed = openai.parse_generate(
+                await limits.read_body(request), runtime.sampling_defaults
+            )
+            prompts = await self._tokenized(runtime, limits, parsed)
+            choice = self._make_choices(runtime, parsed, prompts)[0]
+            deltas = await self._collect(choice, time.monotonic())
+        output_ids = [t for d in deltas for t in d.token_ids]
+        return json_response(
+            {
+                "text": "".join(d.text for d in deltas),
+                "output_ids": output_ids,
+                "meta_info": {
+                    "prompt_tokens": len(prompts[0]),
+                    "completion_tokens": len(output_ids),
+                    "finish_reason": {"type": deltas[-1].finish_reason if deltas else "abort"},
+                },
+            }
+        )
+
+    async def _tokenized(
+        self, runtime: Runtime, limits: InputLimits, parsed: GenerationRequest
+    ) -> list[list[int]]:
+        if not parsed.texts:
+            return parsed.token_ids
+        for text in parsed.texts:
+            limits.check_text(len(text), parsed.max_tokens, "prompt")
+        tokenizer = require_tokenizer(runtime)
+        return list(await asyncio.gather(*(tokenizer.encode_async(t) for t in parsed.texts)))
 
     def _make_choices(
         self, runtime: Runtime, parsed: GenerationRequest, prompts: list[list[int]]
@@ -78,7 +119,7 @@ class Completions:
                 params = dataclasses.replace(
                     parsed.params,
                     max_tokens=max_tokens,
-                    seed=None if seed is None else seed + i,
+                    seed=None if seed is None else (seed + i) % (MAX_SEED + 1),
                 )
                 choice = Choice(runtime.scheduler, runtime.tokenizer, prompt, params, parsed.stop)
                 problem = choice.prepare()
@@ -94,21 +135,15 @@ class Completions:
         parsed: GenerationRequest,
         prompts: list[list[int]],
     ) -> web.StreamResponse:
-        self.server.check_model(parsed.model)
         choices = self._make_choices(runtime, parsed, prompts)
-        self.server.check_queue(runtime, len(choices))
         prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
-        head = ResponseHead(openai.new_id(prefix), self.server.model_name)
+        head = ResponseHead(openai.new_id(prefix), self.state.model_name)
         shaper = ResponseShaper(parsed, head, runtime, choices)
-        self.server.active_requests += 1
         started = time.monotonic()
-        try:
-            if parsed.stream:
-                return await self._stream(request, shaper, choices, started)
-            results = await asyncio.gather(*(self._collect(c, started) for c in choices))
-            return json_response(shaper.full_body(results))
-        finally:
-            self.server.active_requests -= 1
+        if parsed.stream:
+            return await self._stream(request, shaper, choices, started)
+        results = await asyncio.gather(*(self._collect(c, started) for c in choices))
+        return json_response(shaper.full_body(results))
 
     async def _collect(self, choice: Choice, started: float) -> list[Delta]:
         deltas = []
@@ -124,12 +159,12 @@ class Completions:
             if delta.token_ids:
                 if not choice.first_token_seen:
                     choice.first_token_seen = True
-                    self.server.metrics.on_first_token(now - started, len(choice.prompt_ids))
+                    self.state.metrics.on_first_token(now - started, len(choice.prompt_ids))
                 else:
-                    self.server.metrics.on_tokens(len(delta.token_ids), now - previous)
+                    self.state.metrics.on_tokens(len(delta.token_ids), now - previous)
                 previous = now
             if delta.finish_reason is not None:
-                self.server.metrics.on_finish(
+                self.state.metrics.on_finish(
                     delta.finish_reason,
                     now - started,
                     len(choice.prompt_ids),
@@ -202,41 +237,3 @@ class Completions:
         finally:
             for task in tasks:
                 task.cancel()
-
-    async def generate(self, request: web.Request) -> web.StreamResponse:
-        """SGLang's native route: text or input_ids in, text and output_ids out."""
-        runtime = self.server.ready_runtime()
-        body = await read_json(request)
-        sampling = body.get("sampling_params") or {}
-        if not isinstance(sampling, dict):
-            raise APIError("'sampling_params' must be an object", param="sampling_params")
-        completion_body = {
-            **sampling,
-            "max_tokens": sampling.get("max_new_tokens", sampling.get("max_tokens", 128)),
-            "prompt": body.get("input_ids", body.get("text")),
-            "stream": False,
-        }
-        completion_body.pop("max_new_tokens", None)
-        parsed = openai.parse_completion(completion_body)
-        prompts = parsed.token_ids
-        if parsed.texts:
-            prompts = [await require_tokenizer(runtime).encode_async(parsed.texts[0])]
-        choices = self._make_choices(runtime, parsed, prompts[:1])
-        self.server.check_queue(runtime, 1)
-        self.server.active_requests += 1
-        try:
-            deltas = await self._collect(choices[0], time.monotonic())
-        finally:
-            self.server.active_requests -= 1
-        output_ids = [t for d in deltas for t in d.token_ids]
-        return json_response(
-            {
-                "text": "".join(d.text for d in deltas),
-                "output_ids": output_ids,
-                "meta_info": {
-                    "prompt_tokens": len(prompts[0]),
-                    "completion_tokens": len(output_ids),
-                    "finish_reason": {"type": deltas[-1].finish_reason if deltas else "abort"},
-                },
-            }
-        )

@@ -1,7 +1,8 @@
 """The OpenAI wire format: request parsing and validation, response and SSE chunk shapes.
 
-Everything a client can get wrong is caught here and raised as `APIError`, which the app
-turns into OpenAI's error object; nothing invalid reaches the scheduler.
+Bodies are validated by the models of `protocol.py` (the same that /openapi.json describes);
+everything a client can get wrong is raised as `APIError`, which the app turns into OpenAI's
+error object, so nothing invalid reaches the scheduler.
 """
 
 from __future__ import annotations
@@ -9,12 +10,16 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+from pydantic import BaseModel, ValidationError
+
+from aserve.generation_defaults import SamplingDefaults
 from aserve.sampling_params import SamplingError, SamplingParams, TokenLogprob
+from aserve.server import protocol
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
-MAX_N = 16
+GENERATE_DEFAULT_MAX_TOKENS = 128
 
 
 class APIError(Exception):
@@ -66,170 +71,184 @@ class GenerationRequest:
     token_ids: list[list[int]] = field(default_factory=list)
 
 
-def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) and bool not in kinds:
-        raise APIError(f"'{name}' must be {_kind_names(kinds)}", param=name)
-    if not isinstance(value, kinds):
-        raise APIError(f"'{name}' must be {_kind_names(kinds)}", param=name)
-    return value
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+# Fields whose value may take several shapes: a wrong value is described by what it may be,
+# not by why it failed each shape.
+UNION_HINTS = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of such lists",
+    "stop": f"a non-empty string or a list of at most {protocol.MAX_STOP_STRINGS} of them",
+    "content": "a string or a list of text parts ({'type': 'text', 'text': ...}); images, "
+    "audio and files are not supported",
+}
 
 
-def _kind_names(kinds: tuple[type, ...]) -> str:
-    names = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
-    return " or ".join(names.get(k, k.__name__) for k in kinds)
+def parse_body(model: type[ModelT], raw: bytes) -> ModelT:
+    """The body validated by `model`, or a 400 that names the field and what is wrong."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as error:
+        message, param = validation_message(error)
+        raise APIError(message, param=param) from None
 
 
-def _number(body: dict[str, Any], name: str, default: float) -> float:
-    return float(_get(body, name, (int, float), default))
-
-
-def _stop_strings(body: dict[str, Any]) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise APIError("'stop' must be a non-empty string or a list of them", param="stop")
-    if len(stop) > 16:
-        raise APIError("'stop' takes at most 16 strings", param="stop")
-    return stop
-
-
-def token_id_list(value: Any, name: str) -> list[int]:
-    if not isinstance(value, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
-    ):
-        raise APIError(f"'{name}' must be a list of non-negative token ids", param=name)
-    return value
+def validation_message(error: ValidationError) -> tuple[str, str | None]:
+    """One line for the first problem, and the top-level field it is in."""
+    first = error.errors(include_url=False)[0]
+    kind, loc = first["type"], first["loc"]
+    if not loc:
+        if kind == "json_invalid":
+            return f"request body is not valid JSON: {first['msg']}", None
+        return "request body must be a JSON object", None
+    path, union = "", None
+    for index, part in enumerate(loc):
+        if isinstance(part, int):
+            path += f"[{part}]"
+            continue
+        if index and isinstance(loc[index - 1], int) and part in protocol.MESSAGE_ROLES:
+            continue  # the tag of a message's role, not a field
+        path += f".{part}" if path else part
+        if part in UNION_HINTS:
+            union = part
+            break
+    param = str(loc[0])
+    if union is not None and loc[-1] != union:
+        return f"'{path}' must be {UNION_HINTS[union]}", param
+    if kind == "missing":
+        return f"'{path}' is required", param
+    if kind in ("union_tag_not_found", "union_tag_invalid"):
+        roles = ", ".join(sorted(protocol.MESSAGE_ROLES))
+        return f"'{path}.role' must be one of {roles}", param
+    return f"'{path}': {first['msg'].removeprefix('Value error, ')}", param
 
 
 def _sampling_params(
-    body: dict[str, Any], max_tokens: int | None, logprobs: bool, top_logprobs: int
+    fields: protocol.SamplingFields,
+    defaults: SamplingDefaults,
+    max_tokens: int | None,
+    logprobs: bool,
+    top_logprobs: int,
 ) -> SamplingParams:
-    stop_token_ids = body.get("stop_token_ids") or []
+    """The request's sampling fields; those it leaves unset take the server's defaults."""
+    chosen = {name: value for name, value in defaults.items() if name != "max_tokens"}
+    for name in chosen.keys() | SAMPLED_FIELDS:
+        value = getattr(fields, name)
+        if value is not None:
+            chosen[name] = value
     try:
         return SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else 1,
-            temperature=_number(body, "temperature", 1.0),
-            top_p=_number(body, "top_p", 1.0),
-            top_k=int(_get(body, "top_k", (int,), -1)),
-            min_p=_number(body, "min_p", 0.0),
-            seed=_get(body, "seed", (int,)),
-            stop_token_ids=tuple(token_id_list(stop_token_ids, "stop_token_ids")),
-            ignore_eos=bool(_get(body, "ignore_eos", (bool,), False)),
-            presence_penalty=_number(body, "presence_penalty", 0.0),
-            frequency_penalty=_number(body, "frequency_penalty", 0.0),
-            repetition_penalty=_number(body, "repetition_penalty", 1.0),
+            stop_token_ids=tuple(fields.stop_token_ids or ()),
+            ignore_eos=bool(fields.ignore_eos),
             logprobs=logprobs,
             top_logprobs=top_logprobs,
+            **chosen,
         )
     except SamplingError as error:
         raise APIError(str(error), param=str(error).split()[0]) from None
 
 
-def _common(body: dict[str, Any], kind: str) -> dict[str, Any]:
-    n = int(_get(body, "n", (int,), 1))
-    if not 1 <= n <= MAX_N:
-        raise APIError(f"'n' must be between 1 and {MAX_N}", param="n")
-    stream_options = _get(body, "stream_options", (dict,), {})
+SAMPLED_FIELDS = frozenset(
+    ("temperature", "top_p", "top_k", "min_p", "seed")
+    + ("presence_penalty", "frequency_penalty", "repetition_penalty")
+)
+
+
+def _stop_strings(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def _common(
+    request: protocol.GenerationFields, kind: str, max_tokens: int | None
+) -> dict[str, Any]:
+    options = request.stream_options
     return {
         "kind": kind,
-        "model": _get(body, "model", (str,), ""),
-        "n": n,
-        "stream": bool(_get(body, "stream", (bool,), False)),
-        "include_usage": bool(stream_options.get("include_usage", False)),
-        "stop": _stop_strings(body),
-        "return_token_ids": bool(_get(body, "return_token_ids", (bool,), False)),
+        "model": request.model or "",
+        "n": request.n or 1,
+        "stream": bool(request.stream),
+        "include_usage": bool(options is not None and options.include_usage),
+        "stop": _stop_strings(request.stop),
+        "return_token_ids": bool(request.return_token_ids),
+        "max_tokens": max_tokens,
     }
 
 
-def _max_tokens(body: dict[str, Any], default: int | None) -> int | None:
-    value = _get(body, "max_completion_tokens", (int,)) or _get(body, "max_tokens", (int,))
-    if value is None:
-        return default
-    if value < 1:
-        raise APIError("'max_tokens' must be at least 1", param="max_tokens")
-    return value
-
-
-def message_text(message: Any, index: int) -> dict[str, str]:
-    if not isinstance(message, dict) or message.get("role") not in (
-        "system",
-        "user",
-        "assistant",
-        "developer",
-        "tool",
-    ):
-        raise APIError(
-            f"messages[{index}] needs a role of system, user or assistant", param="messages"
-        )
-    content = message.get("content")
+def message_dict(message: protocol.ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it: text content, `developer` as `system`, and a
+    previous reply's tool calls or a tool result's call id where there are some."""
+    content = message.content
     if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise APIError(
-                    f"messages[{index}].content: only text parts are supported", param="messages"
-                )
-            parts.append(str(part.get("text", "")))
-        content = "".join(parts)
-    if content is None:
-        content = ""
-    if not isinstance(content, str):
-        raise APIError(f"messages[{index}].content must be a string", param="messages")
-    role = "system" if message["role"] == "developer" else message["role"]
-    return {"role": role, "content": content}
+        content = "".join(part.text for part in content)
+    entry: dict[str, Any] = {
+        "role": "system" if message.role == "developer" else message.role,
+        "content": content or "",
+    }
+    if isinstance(message, protocol.AssistantMessage) and message.tool_calls:
+        entry["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+    if isinstance(message, protocol.ToolMessage):
+        entry["tool_call_id"] = message.tool_call_id
+    return entry
 
 
-def parse_chat(body: dict[str, Any]) -> GenerationRequest:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise APIError("'messages' must be a non-empty list", param="messages")
-    want_logprobs = bool(_get(body, "logprobs", (bool,), False))
-    top = int(_get(body, "top_logprobs", (int,), 0))
-    if top and not want_logprobs:
+def parse_chat(raw: bytes, defaults: SamplingDefaults) -> GenerationRequest:
+    request = parse_body(protocol.ChatCompletionRequest, raw)
+    if request.top_logprobs and not request.logprobs:
         raise APIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-    max_tokens = _max_tokens(body, None)
+    max_tokens = request.max_completion_tokens or request.max_tokens or defaults.get("max_tokens")
+    params = _sampling_params(
+        request, defaults, max_tokens, bool(request.logprobs), request.top_logprobs or 0
+    )
     return GenerationRequest(
-        **_common(body, "chat"),
-        params=_sampling_params(body, max_tokens, want_logprobs, top),
-        max_tokens=max_tokens,
-        messages=[message_text(m, i) for i, m in enumerate(messages)],
+        **_common(request, "chat", max_tokens),
+        params=params,
+        messages=[message_dict(m) for m in request.messages],
     )
 
 
-def parse_completion(body: dict[str, Any]) -> GenerationRequest:
-    prompt = body.get("prompt")
+def parse_completion(raw: bytes, defaults: SamplingDefaults) -> GenerationRequest:
+    request = parse_body(protocol.CompletionRequest, raw)
+    prompt = request.prompt
     texts: list[str] = []
     token_ids: list[list[int]] = []
     if isinstance(prompt, str):
         texts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        texts = list(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
-        token_ids = [token_id_list(p, "prompt") for p in prompt]
-    elif isinstance(prompt, list) and prompt:
-        token_ids = [token_id_list(prompt, "prompt")]
+    elif isinstance(prompt[0], str):
+        texts = list(prompt)  # type: ignore[arg-type]
+    elif isinstance(prompt[0], int):
+        token_ids = [list(prompt)]  # type: ignore[arg-type]
     else:
-        raise APIError(
-            "'prompt' must be a string, a list of strings, token ids or lists of token ids",
-            param="prompt",
-        )
-    logprobs = _get(body, "logprobs", (int,))
-    if logprobs is not None and not 0 <= logprobs <= 20:
-        raise APIError("'logprobs' must be between 0 and 20", param="logprobs")
-    max_tokens = _max_tokens(body, COMPLETION_DEFAULT_MAX_TOKENS)
+        token_ids = [list(p) for p in prompt]  # type: ignore[union-attr]
+    max_tokens = request.max_tokens or defaults.get("max_tokens") or COMPLETION_DEFAULT_MAX_TOKENS
+    logprobs = request.logprobs
     return GenerationRequest(
-        **_common(body, "completion"),
-        params=_sampling_params(body, max_tokens, logprobs is not None, logprobs or 0),
-        max_tokens=max_tokens,
-        echo=bool(_get(body, "echo", (bool,), False)),
+        **_common(request, "completion", int(max_tokens)),
+        params=_sampling_params(
+            request, defaults, int(max_tokens), logprobs is not None, logprobs or 0
+        ),
+        echo=bool(request.echo),
         texts=texts,
         token_ids=token_ids,
+    )
+
+
+def parse_generate(raw: bytes, defaults: SamplingDefaults) -> GenerationRequest:
+    """SGLang's /generate as a one-prompt completion."""
+    request = parse_body(protocol.GenerateRequest, raw)
+    sampling = request.sampling_params or protocol.GenerateSampling()
+    max_tokens = int(
+        sampling.max_new_tokens or defaults.get("max_tokens") or GENERATE_DEFAULT_MAX_TOKENS
+    )
+    return GenerationRequest(
+        kind="completion",
+        model="",
+        params=_sampling_params(sampling, defaults, max_tokens, False, 0),
+        max_tokens=max_tokens,
+        stop=_stop_strings(sampling.stop),
+        texts=[request.text] if request.text is not None else [],
+        token_ids=[list(request.input_ids)] if request.input_ids is not None else [],
     )
 
 

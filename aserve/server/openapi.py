@@ -1,0 +1,147 @@
+"""`/openapi.json`: the API's description, generated from the models that handlers validate
+with (protocol.py), so clients, gateways and fuzzers read the shapes the server enforces.
+
+Every route the app serves is listed in `OPERATIONS`; a test checks the two agree.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from aserve import __version__
+from aserve.server import protocol
+
+REF = "#/components/schemas/{model}"
+# The refusals every API route may give: bad input, no API key, body over the limit, a fault
+# in this request, the server full or not ready.
+API_ERRORS = {
+    400: "invalid request",
+    401: "missing or invalid API key (with --api-key)",
+    413: "request body over the limit that the model's context implies",
+    500: "a fault in this request; other requests go on",
+    503: "loading, shutting down, or full (--max-queued-requests); see Retry-After",
+}
+
+
+class Operation(NamedTuple):
+    method: str
+    path: str
+    summary: str
+    request: type[BaseModel] | None = None
+    reply: type[BaseModel] | None = None
+    stream: type[BaseModel] | None = None
+    errors: tuple[int, ...] = tuple(API_ERRORS)
+    open: bool = False
+
+
+OPERATIONS = (
+    Operation(
+        "post",
+        "/v1/chat/completions",
+        "OpenAI chat completion; with stream: true, SSE chunks ending with data: [DONE]",
+        protocol.ChatCompletionRequest,
+        protocol.ChatCompletion,
+        protocol.ChatCompletionChunk,
+    ),
+    Operation(
+        "post",
+        "/v1/completions",
+        "OpenAI text completion; with stream: true, SSE chunks ending with data: [DONE]",
+        protocol.CompletionRequest,
+        protocol.Completion,
+        protocol.Completion,
+    ),
+    Operation("get", "/v1/models", "The served model", reply=protocol.ModelList, errors=(401, 503)),
+    Operation(
+        "post",
+        "/generate",
+        "SGLang's native generation route",
+        protocol.GenerateRequest,
+        protocol.GenerateResponse,
+    ),
+    Operation(
+        "post",
+        "/tokenize",
+        "Token ids of a prompt or of chat messages (vLLM's shape)",
+        protocol.TokenizeRequest,
+        protocol.TokenizeResponse,
+    ),
+    Operation(
+        "post",
+        "/detokenize",
+        "Text of token ids (vLLM's shape)",
+        protocol.DetokenizeRequest,
+        protocol.DetokenizeResponse,
+    ),
+    Operation("get", "/health", "200 when ready; 503 while loading or draining", open=True),
+    Operation("get", "/metrics", "Prometheus metrics", open=True),
+    Operation("get", "/openapi.json", "This description", open=True),
+)
+
+
+def _schemas() -> dict[str, Any]:
+    requests = [op.request for op in OPERATIONS if op.request is not None]
+    replies = [m for op in OPERATIONS for m in (op.reply, op.stream) if m is not None]
+    replies += [protocol.ErrorResponse, protocol.Health]
+    pairs = [(m, "validation") for m in requests] + [(m, "serialization") for m in replies]
+    _, top = models_json_schema(pairs, ref_template=REF)
+    return top["$defs"]
+
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": REF.format(model=model.__name__)}
+
+
+def _responses(op: Operation) -> dict[str, Any]:
+    if op.path == "/health":
+        health = {"content": {"application/json": {"schema": _ref(protocol.Health)}}}
+        return {
+            "200": {"description": "ready", **health},
+            "503": {"description": "not ready", **health},
+        }
+    if op.path == "/metrics":
+        text = {"text/plain": {"schema": {"type": "string"}}}
+        return {"200": {"description": "Prometheus text exposition format", "content": text}}
+    if op.path == "/openapi.json":
+        return {"200": {"description": "OpenAPI 3.1", "content": {"application/json": {}}}}
+    content: dict[str, Any] = {}
+    if op.reply is not None:
+        content["application/json"] = {"schema": _ref(op.reply)}
+    if op.stream is not None:
+        content["text/event-stream"] = {
+            "schema": {
+                "type": "string",
+                "description": f"`data: {{{op.stream.__name__}}}` frames, then `data: [DONE]`",
+            }
+        }
+    responses: dict[str, Any] = {"200": {"description": "OK", "content": content}}
+    error = {"application/json": {"schema": _ref(protocol.ErrorResponse)}}
+    for status in op.errors:
+        responses[str(status)] = {"description": API_ERRORS[status], "content": error}
+    return responses
+
+
+def openapi_spec(bearer_auth: bool) -> dict[str, Any]:
+    """The description of this server; with `bearer_auth` (--api-key) the API routes say
+    they need the key."""
+    paths: dict[str, Any] = {}
+    for op in OPERATIONS:
+        operation: dict[str, Any] = {"summary": op.summary, "responses": _responses(op)}
+        if op.request is not None:
+            body = {"application/json": {"schema": _ref(op.request)}}
+            operation["requestBody"] = {"required": True, "content": body}
+        if bearer_auth and not op.open:
+            operation["security"] = [{"bearer": []}]
+        paths.setdefault(op.path, {})[op.method] = operation
+    components: dict[str, Any] = {"schemas": _schemas()}
+    if bearer_auth:
+        components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "aserve", "version": __version__},
+        "paths": paths,
+        "components": components,
+    }

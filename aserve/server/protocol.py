@@ -1,0 +1,383 @@
+"""The HTTP API's shapes as pydantic models: the requests the server validates and the replies
+it sends, defined once. Handlers parse bodies with these models and `/openapi.json` is
+generated from them, so the description and the checks cannot drift apart.
+
+Requests are strict about JSON types (no "1" for 1, no 1.0 for an integer, no 1 for true) and
+ignore fields they do not know, as OpenAI's API does. Sampling ranges come from
+`aserve.sampling_params.BOUNDS`, the table the offline API checks too. A field left out or
+null means "unset": the server's default applies (aserve/generation_defaults.py).
+
+Reply models are used for the description and by the tests; handlers build replies as
+plain dicts on the hot path, and the tests check those dicts against these models.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from aserve.sampling_params import BOUNDS, MAX_TOKEN_ID
+
+MAX_N = 16
+MAX_STOP_STRINGS = 16
+MAX_COMPLETION_LOGPROBS = 20
+
+
+def bounded(name: str, description: str) -> Any:
+    """An optional field with the range that `BOUNDS[name]` allows."""
+    bound = BOUNDS[name]
+    limits = {k: v for k, v in bound._asdict().items() if v is not None}
+    return Field(None, description=description, **limits)
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+def _integral(value: Any) -> Any:
+    """JSON Schema counts 3.0 as an integer, so the API does too; 3.5 stays an error."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+TokenId = Annotated[Int, Field(ge=0, le=MAX_TOKEN_ID)]
+NonEmptyText = Annotated[str, Field(min_length=1)]
+
+
+# ---- chat messages ---------------------------------------------------------------------
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+Content = str | list[TextPart]
+
+
+class FunctionCall(Strict):
+    name: str
+    arguments: str = Field(description="the arguments as a JSON text, as OpenAI sends them")
+
+
+class ToolCall(Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class SystemMessage(Strict):
+    role: Literal["system"]
+    content: Content
+    name: str | None = None
+
+
+class DeveloperMessage(Strict):
+    """OpenAI's newer name for a system message; templates see it as one."""
+
+    role: Literal["developer"]
+    content: Content
+    name: str | None = None
+
+
+class UserMessage(Strict):
+    role: Literal["user"]
+    content: Content
+    name: str | None = None
+
+
+class AssistantMessage(Strict):
+    """A previous reply: `content`, `tool_calls` or both; `content` may be null only beside
+    `tool_calls`."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "anyOf": [
+                {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+                {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array"}}},
+            ]
+        }
+    )
+
+    role: Literal["assistant"]
+    content: Content | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_validator(mode="after")
+    def _content_or_tool_calls(self) -> AssistantMessage:
+        if self.content is None and self.tool_calls is None:
+            raise ValueError("an assistant message needs 'content' or 'tool_calls'")
+        return self
+
+
+class ToolMessage(Strict):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str
+
+
+ChatMessage = Annotated[
+    SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage,
+    Field(discriminator="role"),
+]
+MESSAGE_ROLES = frozenset(("system", "developer", "user", "assistant", "tool"))
+
+
+# ---- generation requests ---------------------------------------------------------------
+
+Stop = NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOP_STRINGS)]
+
+
+class SamplingFields(Strict):
+    """The sampling fields that chat, completions and SGLang's /generate share."""
+
+    temperature: float | None = bounded("temperature", "0 is greedy")
+    top_p: float | None = bounded("top_p", "nucleus sampling mass")
+    top_k: Int | None = bounded("top_k", "-1 or 0: no top-k cut")
+    min_p: float | None = bounded("min_p", "drop tokens below min_p x the top probability")
+    presence_penalty: float | None = bounded("presence_penalty", "OpenAI's presence penalty")
+    frequency_penalty: float | None = bounded("frequency_penalty", "OpenAI's frequency penalty")
+    repetition_penalty: float | None = bounded("repetition_penalty", "1 is none (vLLM's)")
+    seed: Int | None = bounded("seed", "the same seed gives the same tokens")
+    stop: Stop | None = Field(None, description="strings that end the text, never shown")
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool | None = None
+
+
+class StreamOptions(Strict):
+    include_usage: bool | None = None
+
+
+class GenerationFields(SamplingFields):
+    model: str | None = None
+    max_tokens: Int | None = bounded("max_tokens", "default: the rest of the context")
+    n: Int | None = Field(None, ge=1, le=MAX_N)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool | None = Field(None, description="vLLM's: token ids in each choice")
+
+
+class ChatCompletionRequest(GenerationFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Int | None = bounded("max_tokens", "OpenAI's newer max_tokens")
+    logprobs: bool | None = None
+    top_logprobs: Int | None = bounded("top_logprobs", "needs logprobs: true")
+
+
+PromptIds = Annotated[list[TokenId], Field(min_length=1)]
+Prompt = (
+    str
+    | Annotated[list[str], Field(min_length=1)]
+    | PromptIds
+    | Annotated[list[PromptIds], Field(min_length=1)]
+)
+
+
+class CompletionRequest(GenerationFields):
+    prompt: Prompt
+    echo: bool | None = None
+    logprobs: Int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+
+
+class GenerateSampling(SamplingFields):
+    max_new_tokens: Int | None = bounded("max_tokens", "default 128")
+
+
+def exactly_one_of(*names: str) -> ConfigDict:
+    """The schema of a model whose validator wants exactly one of these fields set."""
+    branches = [
+        {"required": [name], "properties": {name: {"not": {"type": "null"}}}} for name in names
+    ]
+    return ConfigDict(json_schema_extra={"oneOf": branches})
+
+
+class GenerateRequest(Strict):
+    """SGLang's native route: `text` or `input_ids`, not both."""
+
+    model_config = exactly_one_of("text", "input_ids")
+
+    text: str | None = None
+    input_ids: PromptIds | None = None
+    sampling_params: GenerateSampling | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerateRequest:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("send exactly one of 'text' and 'input_ids'")
+        return self
+
+
+class TokenizeRequest(Strict):
+    """vLLM's /tokenize: `prompt` or `messages`, not both."""
+
+    model_config = exactly_one_of("prompt", "messages")
+
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of 'prompt' and 'messages'")
+        return self
+
+
+class DetokenizeRequest(Strict):
+    tokens: list[TokenId]
+
+
+# ---- replies -----------------------------------------------------------------------------
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class ReplyMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ReplyMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason
+    token_ids: list[int] | None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One `data:` frame of a streamed chat completion; the stream ends with `data: [DONE]`."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason | None
+    token_ids: list[int] | None = None
+
+
+class Completion(BaseModel):
+    """A text completion body, and also each `data:` frame of a streamed one (then
+    `finish_reason` is null until the last frame of a choice, and `usage` comes last)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+    default_sampling_params: dict[str, float] = Field(
+        description="what a request that leaves these fields unset is sampled with"
+    )
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok", "loading", "draining"]
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class GenerateFinish(BaseModel):
+    type: FinishReason
+
+
+class GenerateMeta(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: GenerateFinish
+
+
+class GenerateResponse(BaseModel):
+    text: str
+    output_ids: list[int]
+    meta_info: GenerateMeta

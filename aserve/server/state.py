@@ -1,0 +1,68 @@
+"""What the HTTP handlers share: the runtime once loaded, its input limits, admission, metrics
+and the draining flag. The scheduler owns requests, pages and the cache; this holds only what
+the edge needs to accept or refuse a request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aserve.config import ServerConfig
+from aserve.metrics import Metrics
+from aserve.runtime import Runtime
+from aserve.server.admission import Admission
+from aserve.server.limits import InputLimits
+from aserve.server.openai import APIError
+from aserve.tokenizer import Tokenizer
+
+DEFAULT_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    model_name: str
+    metrics: Metrics
+    admission: Admission
+    runtime: Runtime | None = None
+    limits: InputLimits | None = None
+    draining: bool = False
+
+    @classmethod
+    def create(cls, config: ServerConfig) -> ServerState:
+        name = config.served_model_name or config.engine.model_path or DEFAULT_NAME
+        queued = config.max_queued_requests
+        capacity = None if queued is None else config.scheduler.max_running_requests + queued
+        return cls(config, name, Metrics(name), Admission(capacity))
+
+    def loaded(self, runtime: Runtime) -> None:
+        tokenizer = runtime.tokenizer
+        chars_per_token = tokenizer.max_chars_per_token if tokenizer is not None else None
+        self.limits = InputLimits.for_model(runtime.engine.max_seq_len, chars_per_token)
+        self.runtime = runtime
+
+    def ready(self) -> tuple[Runtime, InputLimits]:
+        """The runtime and its limits, or a 503 while loading or draining."""
+        if self.draining:
+            raise APIError(
+                "server is shutting down", 503, error_type="server_error", code="shutting_down"
+            )
+        if self.runtime is None or self.limits is None:
+            raise APIError(
+                "model is still loading", 503, error_type="server_error", code="model_loading"
+            )
+        return self.runtime, self.limits
+
+    def check_model(self, name: str) -> None:
+        if name and name != self.model_name:
+            raise APIError(
+                f"model '{name}' does not exist; this server serves '{self.model_name}'",
+                400,
+                param="model",
+                code="model_not_found",
+            )
+
+
+def require_tokenizer(runtime: Runtime) -> Tokenizer:
+    if runtime.tokenizer is None:
+        raise APIError("this model has no tokenizer: send token ids to /v1/completions")
+    return runtime.tokenizer
