@@ -40,10 +40,12 @@ def _is_single_prompt(prompts: Prompt | Sequence[Prompt]) -> bool:
 
 
 def _per_prompt(
-    params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    params: SamplingParams | Sequence[SamplingParams] | None,
+    count: int,
+    default: SamplingParams,
 ) -> list[SamplingParams]:
     if params is None:
-        return [SamplingParams()] * count
+        return [default] * count
     if isinstance(params, SamplingParams):
         return [params] * count
     if len(params) != count:
@@ -63,6 +65,11 @@ class LLM:
         self._loop = asyncio.new_event_loop()
         self._task: asyncio.Task[None] | None = None
 
+    def default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` sample with when given no params: the model's
+        recommended sampling (see aserve/generation_defaults.py), else OpenAI's defaults."""
+        return SamplingParams(**self.runtime.sampling_defaults)  # type: ignore[arg-type]
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -70,7 +77,9 @@ class LLM:
     ) -> list[GenerationOutput]:
         prompt_list = [prompts] if _is_single_prompt(prompts) else list(prompts)
         ids = [self._encode(p) for p in prompt_list]
-        return self._run(ids, _per_prompt(sampling_params, len(ids)))
+        return self._run(
+            ids, _per_prompt(sampling_params, len(ids), self.default_sampling_params())
+        )
 
     def chat(
         self,
@@ -82,7 +91,9 @@ class LLM:
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         ids = [tokenizer.apply_chat_template(c) for c in conversations]  # type: ignore[arg-type]
-        return self._run(ids, _per_prompt(sampling_params, len(ids)))
+        return self._run(
+            ids, _per_prompt(sampling_params, len(ids), self.default_sampling_params())
+        )
 
     def _require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:

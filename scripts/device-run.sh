@@ -31,6 +31,18 @@ for step in "$@"; do
     smol-tests) timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k smollm2 2>&1 | grep -v "^  /\|^    " | tail -30 ;;
     serving) serve qwen3-0.6b --max-seq-len-override 4096 --max-prefill-length 16384 --page-size 256 --cuda-graph-max-bs 256 \
               && timeout 200 python3 bench/serving.py --num-prompts 256 --input-len 100 1024 --output-len 100 1024 --temperature 0.6 --label "offline workload over HTTP, 256 streams" 2>&1 | head -30; pkill -INT -f "aserve --model"; sleep 3 ;;
+    serving-ab)  # bench/serving.py against the tree at BEFORE (.old: git archive BEFORE aserve bench) and this one
+      for tree in ${AB_ORDER:-.old .}; do
+        c=$([ $tree = . ] && echo $COMMIT || echo $BEFORE); root=$PWD
+        (cd $tree && PYTHONPATH=/tmp/site:$PWD python3 -m aserve --model $root/bench/models/qwen3-0.6b --dummy-weight --port 1919 \
+          --max-seq-len-override 4096 --max-prefill-length 16384 --page-size 256 --cuda-graph-max-bs 256 > $OUT/server-ab.log 2>&1 &)
+        for i in $(seq 400); do curl -sf localhost:1919/health > /dev/null && break; sleep 1; done
+        ASERVE_COMMIT=$c timeout 200 python3 bench/serving.py --num-prompts 256 --input-len 100 1024 --output-len 100 1024 \
+          --temperature 0.6 --label "offline workload over HTTP, 256 streams" 2>&1 | head -14
+        ASERVE_COMMIT=$c timeout 100 python3 bench/serving.py --num-prompts 16 --max-concurrency 1 --random-input-len 512 \
+          --random-output-len 256 --random-range-ratio 1 --label "one stream at a time" 2>&1 | head -14
+        pkill -INT -f "python3 -m aserve"; sleep 5
+      done ;;
     qwen3-tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k "qk_norm or qwen3" 2>&1 | grep -v "^  /\|^    " | tail -30 ;;
     noaot-site) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-noaot .whl/*.whl ;;  # no kernel pack: a fresh machine
     startup)

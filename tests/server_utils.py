@@ -20,7 +20,9 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], port: int | None = None) -> None:
+    def __init__(
+        self, args: list[str], port: int | None = None, env: dict[str, str] | None = None
+    ) -> None:
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"aserve-test-{self.port}.log"
@@ -29,7 +31,7 @@ class ServerProcess:
             [sys.executable, "-m", "aserve", "--port", str(self.port), *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
 
     def health(self) -> int:

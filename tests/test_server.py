@@ -268,6 +268,10 @@ def test_logprobs(server: ServerProcess) -> None:
         ("/v1/completions", {"prompt": [10**7]}, "prompt", "vocabulary"),
         ("/v1/completions", {"prompt": "hi", "stop": [""]}, "stop", "stop"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 9000}, "max_tokens", "9000"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages", "content"),
+        ("/v1/chat/completions", {"messages": [{"role": "assistant"}]}, "messages", "tool_calls"),
+        ("/tokenize", {"prompt": "a", "messages": HELLO}, None, "exactly one of"),
+        ("/detokenize", {"tokens": [10**7]}, "tokens", "vocabulary"),
     ],
 )
 def test_bad_requests_get_openai_errors(
@@ -291,6 +295,61 @@ def test_context_error_names_both_numbers(server: ServerProcess) -> None:
         and "8191" in message
         and reply["error"]["code"] == "context_length_exceeded"
     )
+
+
+def test_big_inputs_are_refused_before_any_work(server: ServerProcess) -> None:
+    """A body over the limit that the context implies is a 413 named in bytes; a prompt too
+    long for the context is a 400 named in characters, told without tokenizing it."""
+    url = server.base_url + "/v1/completions"
+    huge = {"prompt": "a" * 20_000_000, "max_tokens": 1}
+    status, reply = run(post(url, huge))
+    assert status == 413 and reply["error"]["code"] == "request_too_large"
+    assert f"has {len(orjson.dumps(huge))} bytes" in reply["error"]["message"]
+    status, reply = run(post(url, {"prompt": "Paris " * 200_000, "max_tokens": 1}))
+    assert status == 400 and reply["error"]["code"] == "context_length_exceeded"
+    assert "1200000 characters" in reply["error"]["message"]
+    status, reply = run(post(server.base_url + "/tokenize", {"prompt": "x" * 1_000_000}))
+    assert status == 400 and "characters" in reply["error"]["message"]
+    _, metrics = run(get(server.base_url + "/metrics"))
+    assert metric_value(metrics.decode(), "aserve:requests_rejected_total") >= 3
+
+
+def test_replies_match_the_description(server: ServerProcess) -> None:
+    """The bodies the handlers build as plain dicts validate against the models that
+    /openapi.json describes."""
+    from aserve.server import protocol
+
+    status, body = run(get(server.base_url + "/openapi.json"))
+    spec = orjson.loads(body)
+    assert status == 200 and "/v1/chat/completions" in spec["paths"]
+    base = {"max_tokens": 4, "logprobs": True, "top_logprobs": 2, "return_token_ids": True}
+    _, reply = run(post(server.base_url + "/v1/chat/completions", {**base, "messages": HELLO}))
+    protocol.ChatCompletion.model_validate(reply)
+    chunks, _ = run(
+        stream(
+            server.base_url + "/v1/chat/completions",
+            {**base, "messages": HELLO, "stream_options": {"include_usage": True}},
+        )
+    )
+    for chunk in chunks:
+        protocol.ChatCompletionChunk.model_validate(chunk)
+    completion = {"prompt": ["Hi", "Yo"], "max_tokens": 3, "logprobs": 2, "echo": True}
+    _, reply = run(post(server.base_url + "/v1/completions", completion))
+    protocol.Completion.model_validate(reply)
+    chunks, _ = run(stream(server.base_url + "/v1/completions", completion))
+    for chunk in chunks:
+        protocol.Completion.model_validate(chunk)
+    _, body = run(get(server.base_url + "/v1/models"))
+    protocol.ModelList.model_validate_json(body)
+    _, reply = run(post(server.base_url + "/tokenize", {"messages": HELLO}))
+    protocol.TokenizeResponse.model_validate(reply)
+    _, reply = run(post(server.base_url + "/detokenize", {"tokens": reply["tokens"]}))
+    protocol.DetokenizeResponse.model_validate(reply)
+    _, reply = run(post(server.base_url + "/generate", {"text": "Hi"}))
+    protocol.GenerateResponse.model_validate(reply)
+    status, reply = run(post(server.base_url + "/v1/completions", {"prompt": 1}))
+    assert status == 400
+    protocol.ErrorResponse.model_validate(reply)
 
 
 def test_unknown_fields_are_tolerated(server: ServerProcess) -> None:

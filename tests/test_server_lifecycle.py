@@ -140,6 +140,62 @@ def test_api_key_and_queue_limit(smollm2_dir: Path) -> None:
         assert process.stop() == 0
 
 
+def test_burst_gets_exactly_the_bounded_number_of_answers(smollm2_dir: Path) -> None:
+    """5x capacity at once, chat and completions, streamed and not: exactly running +
+    queued requests are answered, the rest get 503 with Retry-After, and every one of them
+    gets a whole terminal reply. Places are taken before a body is even read, so requests
+    still being parsed or tokenized count too."""
+    running, queued, burst = 4, 8, 60
+    process = ServerProcess(
+        [
+            "--model",
+            str(smollm2_dir),
+            "--num-pages",
+            "2048",
+            "--max-running-requests",
+            str(running),
+            "--max-queued-requests",
+            str(queued),
+            "--silent-output",
+        ]
+    )
+    try:
+        process.wait_ready()
+
+        async def one(session: aiohttp.ClientSession, i: int) -> tuple[int, str | None, bytes]:
+            chat = i % 2 == 0
+            path = "/v1/chat/completions" if chat else "/v1/completions"
+            body: dict = {"max_tokens": 64, "ignore_eos": True, "stream": i % 3 == 0}
+            body |= {"messages": HELLO} if chat else {"prompt": "Once upon a time"}
+            async with session.post(process.base_url + path, json=body) as response:
+                return response.status, response.headers.get("Retry-After"), await response.read()
+
+        async def storm() -> list[tuple[int, str | None, bytes]]:
+            async with aiohttp.ClientSession() as session:
+                return list(await asyncio.gather(*(one(session, i) for i in range(burst))))
+
+        results = run(storm())
+        answered = [body for status, _, body in results if status == 200]
+        refused = [(after, body) for status, after, body in results if status == 503]
+        assert len(answered) == running + queued and len(refused) == burst - running - queued
+        for after, body in refused:
+            error = orjson.loads(body)["error"]
+            assert after == "1" and error["code"] == "queue_full", error
+        for body in answered:
+            if body.startswith(b"data: "):
+                assert body.endswith(b"data: [DONE]\n\n")
+            else:
+                assert orjson.loads(body)["usage"]["completion_tokens"] == 64
+        _, metrics = run(get(process.base_url + "/metrics"))
+        assert 'reason="queue_full"} 48.0' in metrics.decode()
+        status, _ = run(
+            post(process.base_url + "/v1/completions", {"prompt": "a", "max_tokens": 2})
+        )
+        assert status == 200
+    finally:
+        assert process.stop() == 0
+
+
 def test_sigterm_drains_running_requests(smollm2_dir: Path) -> None:
     process = ServerProcess(["--model", str(smollm2_dir), "--num-pages", "2048"])
     try:

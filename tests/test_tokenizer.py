@@ -424,3 +424,45 @@ def test_stop_that_only_the_end_of_generation_settles(tokenizer: Tokenizer) -> N
     ids = tokenizer.encode("x B1B2")
     assert stream.push(ids) == ("x ", False)
     assert stream.finish() == "B1" and stream.stopped and stream.matched == "B2"
+
+
+def test_text_length_bound_is_a_true_bound(tokenizer: Tokenizer, stray_bytes: list[int]) -> None:
+    """No text tokenizes to fewer tokens than its characters over the bound: the server
+    refuses prompts by that before tokenizing them."""
+    bound = tokenizer.max_chars_per_token
+    assert bound == max(len(piece) for piece in tokenizer.hf.get_vocab())
+    rng = random.Random(0)
+    texts = [*TEXTS, " " * 5000, "#" * 4000, "\n" + " " * 80, "<|im_start|>" * 50]
+    texts += [tokenizer.decode(rng.sample(range(len(tokenizer.hf)), 64)) for _ in range(20)]
+    for text in texts:
+        assert len(tokenizer.encode(text)) * bound >= len(text), text[:40]
+
+
+def bpe_backend(**options: object) -> Backend:
+    from tokenizers import pre_tokenizers
+
+    vocab = {"<unk>": 0, "a": 1, "b": 2, "ab": 3, "abab": 4}
+    backend = Backend(models.BPE(vocab, [("a", "b"), ("ab", "ab")], unk_token="<unk>", **options))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return backend
+
+
+def test_text_length_bound_only_where_it_holds(sentencepiece: Tokenizer) -> None:
+    """BPE bounds a token by its longest piece, four times that behind a normalizer; BPE
+    that fuses a run of unknown characters into one token, and Unigram, give no bound."""
+    from transformers import PreTrainedTokenizerFast
+
+    from aserve.tokenizer import chars_per_token_bound
+
+    def bound(backend: Backend) -> int | None:
+        return chars_per_token_bound(PreTrainedTokenizerFast(tokenizer_object=backend))
+
+    assert bound(bpe_backend()) == 5
+    fused = bpe_backend(fuse_unk=True)
+    assert bound(fused) is None
+    assert len(fused.encode("xyzxyzxyz").ids) == 1
+    assert bound(bpe_backend(fuse_unk=True, byte_fallback=True)) == 5
+    normalized = bpe_backend()
+    normalized.normalizer = normalizers.NFC()
+    assert bound(normalized) == 5 * 4
+    assert sentencepiece.max_chars_per_token is None

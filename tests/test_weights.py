@@ -142,6 +142,8 @@ def write_tiny_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray]) -> No
     writer.add_rope_freq_base(1e6)
     writer.add_eos_token_id(5)
     writer.add_eot_token_id(6)
+    writer.add_float32("general.sampling.temp", 0.6)
+    writer.add_int32("general.sampling.top_k", 20)
     for name, array in tensors.items():
         writer.add_tensor(name, array)
     writer.write_header_to_file()
@@ -176,7 +178,10 @@ def test_tiny_gguf_config_and_rope_rows(tmp_path: Path, arch: str) -> None:
     assert config["model_type"] == arch and config["head_dim"] == 4
     assert config["num_key_value_heads"] == 2 and config["vocab_size"] == 32
     assert config["rms_norm_eps"] == 1e-6 and config["tie_word_embeddings"]
-    assert source.generation_config(reader)["eos_token_id"] == [5, 6]
+    generation = source.generation_config(reader)
+    assert generation["eos_token_id"] == [5, 6]
+    assert (generation["temperature"], generation["top_k"]) == (0.6, 20)
+    assert "top_p" not in generation
     np.testing.assert_array_equal(
         arrays["model.layers.0.self_attn.q_proj.weight"], q.astype(np.float32)
     )

@@ -99,7 +99,9 @@ def validation_message(error: ValidationError) -> tuple[str, str | None]:
     if not loc:
         if kind == "json_invalid":
             return f"request body is not valid JSON: {first['msg']}", None
-        return "request body must be a JSON object", None
+        if kind == "model_type":
+            return "request body must be a JSON object", None
+        return first["msg"].removeprefix("Value error, "), None
     path, union = "", None
     for index, part in enumerate(loc):
         if isinstance(part, int):

@@ -24,11 +24,14 @@ MAX_STOP_STRINGS = 16
 MAX_COMPLETION_LOGPROBS = 20
 
 
+def limits(name: str) -> dict[str, float]:
+    """The range that `BOUNDS[name]` allows, as pydantic's Field keywords."""
+    return {k: v for k, v in BOUNDS[name]._asdict().items() if v is not None}
+
+
 def bounded(name: str, description: str) -> Any:
-    """An optional field with the range that `BOUNDS[name]` allows."""
-    bound = BOUNDS[name]
-    limits = {k: v for k, v in bound._asdict().items() if v is not None}
-    return Field(None, description=description, **limits)
+    """An optional number field with the range that `BOUNDS[name]` allows."""
+    return Field(None, description=description, **limits(name))
 
 
 class Strict(BaseModel):
@@ -40,8 +43,15 @@ def _integral(value: Any) -> Any:
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-Int = Annotated[int, BeforeValidator(_integral)]
-TokenId = Annotated[Int, Field(ge=0, le=MAX_TOKEN_ID)]
+# Integer fields: the range first, then the conversion, so the schema states the range.
+INTEGRAL = BeforeValidator(_integral)
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID), INTEGRAL]
+MaxTokens = Annotated[int, Field(**limits("max_tokens")), INTEGRAL]
+TopK = Annotated[int, Field(**limits("top_k")), INTEGRAL]
+Seed = Annotated[int, Field(**limits("seed")), INTEGRAL]
+TopLogprobs = Annotated[int, Field(**limits("top_logprobs")), INTEGRAL]
+N = Annotated[int, Field(ge=1, le=MAX_N), INTEGRAL]
+LogprobCount = Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS), INTEGRAL]
 NonEmptyText = Annotated[str, Field(min_length=1)]
 
 
@@ -135,12 +145,12 @@ class SamplingFields(Strict):
 
     temperature: float | None = bounded("temperature", "0 is greedy")
     top_p: float | None = bounded("top_p", "nucleus sampling mass")
-    top_k: Int | None = bounded("top_k", "-1 or 0: no top-k cut")
+    top_k: TopK | None = Field(None, description="-1 or 0: no top-k cut")
     min_p: float | None = bounded("min_p", "drop tokens below min_p x the top probability")
     presence_penalty: float | None = bounded("presence_penalty", "OpenAI's presence penalty")
     frequency_penalty: float | None = bounded("frequency_penalty", "OpenAI's frequency penalty")
     repetition_penalty: float | None = bounded("repetition_penalty", "1 is none (vLLM's)")
-    seed: Int | None = bounded("seed", "the same seed gives the same tokens")
+    seed: Seed | None = Field(None, description="the same seed gives the same tokens")
     stop: Stop | None = Field(None, description="strings that end the text, never shown")
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool | None = None
@@ -152,8 +162,8 @@ class StreamOptions(Strict):
 
 class GenerationFields(SamplingFields):
     model: str | None = None
-    max_tokens: Int | None = bounded("max_tokens", "default: the rest of the context")
-    n: Int | None = Field(None, ge=1, le=MAX_N)
+    max_tokens: MaxTokens | None = Field(None, description="default: the rest of the context")
+    n: N | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = Field(None, description="vLLM's: token ids in each choice")
@@ -161,9 +171,9 @@ class GenerationFields(SamplingFields):
 
 class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Int | None = bounded("max_tokens", "OpenAI's newer max_tokens")
+    max_completion_tokens: MaxTokens | None = Field(None, description="OpenAI's newer max_tokens")
     logprobs: bool | None = None
-    top_logprobs: Int | None = bounded("top_logprobs", "needs logprobs: true")
+    top_logprobs: TopLogprobs | None = Field(None, description="needs logprobs: true")
 
 
 PromptIds = Annotated[list[TokenId], Field(min_length=1)]
@@ -178,11 +188,11 @@ Prompt = (
 class CompletionRequest(GenerationFields):
     prompt: Prompt
     echo: bool | None = None
-    logprobs: Int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    logprobs: LogprobCount | None = None
 
 
 class GenerateSampling(SamplingFields):
-    max_new_tokens: Int | None = bounded("max_tokens", "default 128")
+    max_new_tokens: MaxTokens | None = Field(None, description="default 128")
 
 
 def exactly_one_of(*names: str) -> ConfigDict:

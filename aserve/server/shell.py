@@ -2,8 +2,9 @@
 
 The conversation history is kept across turns; `/reset` forgets it and `/exit` (or EOF)
 leaves. As in mini-SGLang, one request runs at a time and decode graphs stop at batch 1.
-Replies are sampled (temperature 0.7, top-p 0.9) with a fixed seed, so the same
-conversation replays the same way.
+Replies are sampled with the model's recommended sampling (the server's defaults, see
+aserve/generation_defaults.py), else temperature 0.7 and top-p 0.9, with a fixed seed, so
+the same conversation replays the same way.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from aserve.sampling_params import SamplingParams
 from aserve.server.generation import Choice
 
 BANNER = "aserve shell: type a message; /reset clears the history, /exit quits."
+# What the shell samples with where the model recommends nothing (its defaults win).
+SHELL_SAMPLING: dict[str, float] = {"temperature": 0.7, "top_p": 0.9, "max_tokens": 512}
 
 
 def shell_config(config: ServerConfig) -> ServerConfig:
@@ -33,7 +36,9 @@ async def _reply(runtime: Runtime, history: list[dict[str, str]], out: TextIO) -
     room = runtime.engine.max_seq_len - len(prompt)
     if room < 1:
         raise ConfigError("the conversation no longer fits the context: /reset to start over")
-    params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=min(room, 512), seed=0)
+    chosen = {**SHELL_SAMPLING, **runtime.sampling_defaults}
+    chosen["max_tokens"] = min(room, int(chosen["max_tokens"]))
+    params = SamplingParams(**chosen, seed=0)  # type: ignore[arg-type]
     choice = Choice(runtime.scheduler, runtime.tokenizer, prompt, params, [])
     problem = choice.prepare()
     if problem is not None:
