@@ -95,6 +95,8 @@ def test_chat_refusals_name_the_field(
         (openai.parse_completion, {"prompt": 5}, "prompt", "a list of token ids"),
         (openai.parse_completion, {"prompt": []}, "prompt", "'prompt' must be"),
         (openai.parse_completion, {"prompt": [1, -2]}, "prompt", "'prompt' must be"),
+        (openai.parse_completion, {"prompt": [1, 2.0]}, "prompt", "'prompt' must be"),
+        (openai.parse_completion, {"prompt": ["a", 1]}, "prompt", "'prompt' must be"),
         (openai.parse_completion, {"prompt": "x", "logprobs": 21}, "logprobs", "20"),
         (openai.parse_generate, {}, None, "exactly one of 'text' and 'input_ids'"),
         (openai.parse_generate, {"text": "a", "input_ids": [1]}, None, "exactly one of"),
@@ -136,7 +138,7 @@ def test_valid_shapes_parse() -> None:
     for prompt, texts, ids in [
         ("a", ["a"], []),
         (["a", "b"], ["a", "b"], []),
-        ([1, 2.0], [], [[1, 2]]),
+        ([1, 2], [], [[1, 2]]),
         ([[1], [2, 3]], [], [[1], [2, 3]]),
     ]:
         parsed = openai.parse_completion(orjson.dumps({"prompt": prompt}), {})

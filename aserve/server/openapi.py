@@ -95,6 +95,22 @@ def _ref(model: type[BaseModel]) -> dict[str, str]:
     return {"$ref": REF.format(model=model.__name__)}
 
 
+def _event(chunk: type[BaseModel]) -> dict[str, Any]:
+    """One server-sent event of a stream (OpenAPI 3.1 describes a stream by its events): a
+    JSON chunk in `data`, or the closing `[DONE]`."""
+    json_chunk = {
+        "type": "string",
+        "contentMediaType": "application/json",
+        "contentSchema": _ref(chunk),
+    }
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_chunk]}},
+        "description": f"`data: {{{chunk.__name__}}}` events, then `data: [DONE]`",
+    }
+
+
 def _responses(op: Operation) -> dict[str, Any]:
     if op.path == "/health":
         health = {"content": {"application/json": {"schema": _ref(protocol.Health)}}}
@@ -111,12 +127,7 @@ def _responses(op: Operation) -> dict[str, Any]:
     if op.reply is not None:
         content["application/json"] = {"schema": _ref(op.reply)}
     if op.stream is not None:
-        content["text/event-stream"] = {
-            "schema": {
-                "type": "string",
-                "description": f"`data: {{{op.stream.__name__}}}` frames, then `data: [DONE]`",
-            }
-        }
+        content["text/event-stream"] = {"schema": _event(op.stream)}
     responses: dict[str, Any] = {"200": {"description": "OK", "content": content}}
     error = {"application/json": {"schema": _ref(protocol.ErrorResponse)}}
     for status in op.errors:

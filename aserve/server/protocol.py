@@ -15,7 +15,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    model_validator,
+)
 
 from aserve.sampling_params import BOUNDS, MAX_TOKEN_ID
 
@@ -44,8 +52,10 @@ def _integral(value: Any) -> Any:
 
 
 # Integer fields: the range first, then the conversion, so the schema states the range.
+# Token ids are the exception: a prompt holds thousands, and converting each in Python
+# doubled the parse time of a 512-id prompt (82 -> 168 us), so 1.0 is refused there.
 INTEGRAL = BeforeValidator(_integral)
-TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID), INTEGRAL]
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 MaxTokens = Annotated[int, Field(**limits("max_tokens")), INTEGRAL]
 TopK = Annotated[int, Field(**limits("top_k")), INTEGRAL]
 Seed = Annotated[int, Field(**limits("seed")), INTEGRAL]
@@ -177,12 +187,27 @@ class ChatCompletionRequest(GenerationFields):
 
 
 PromptIds = Annotated[list[TokenId], Field(min_length=1)]
-Prompt = (
-    str
-    | Annotated[list[str], Field(min_length=1)]
-    | PromptIds
-    | Annotated[list[PromptIds], Field(min_length=1)]
-)
+
+
+def _prompt_kind(value: Any) -> str:
+    """Which shape a prompt has, read from its first element: pydantic then validates that
+    shape alone (trying each in turn made a 512-id prompt parse 3x slower)."""
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, list) and value and isinstance(value[0], str):
+        return "texts"
+    if isinstance(value, list) and value and isinstance(value[0], list):
+        return "batch"
+    return "ids"
+
+
+Prompt = Annotated[
+    Annotated[str, Tag("text")]
+    | Annotated[list[str], Field(min_length=1), Tag("texts")]
+    | Annotated[PromptIds, Tag("ids")]
+    | Annotated[list[PromptIds], Field(min_length=1), Tag("batch")],
+    Discriminator(_prompt_kind),
+]
 
 
 class CompletionRequest(GenerationFields):
