@@ -124,6 +124,19 @@ def validation_message(error: ValidationError) -> tuple[str, str | None]:
     return f"'{path}': {first['msg'].removeprefix('Value error, ')}", param
 
 
+# The request fields that map one to one onto SamplingParams.
+SAMPLED_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
 def _sampling_params(
     fields: protocol.SamplingFields,
     defaults: SamplingDefaults,
@@ -133,7 +146,7 @@ def _sampling_params(
 ) -> SamplingParams:
     """The request's sampling fields; those it leaves unset take the server's defaults."""
     chosen = {name: value for name, value in defaults.items() if name != "max_tokens"}
-    for name in chosen.keys() | SAMPLED_FIELDS:
+    for name in SAMPLED_FIELDS:
         value = getattr(fields, name)
         if value is not None:
             chosen[name] = value
@@ -148,12 +161,6 @@ def _sampling_params(
         )
     except SamplingError as error:
         raise APIError(str(error), param=str(error).split()[0]) from None
-
-
-SAMPLED_FIELDS = frozenset(
-    ("temperature", "top_p", "top_k", "min_p", "seed")
-    + ("presence_penalty", "frequency_penalty", "repetition_penalty")
-)
 
 
 def _stop_strings(stop: str | list[str] | None) -> list[str]:
