@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from aserve.config import ConfigError, ServerConfig, build_config
+from aserve.config import QUANTIZATIONS, ConfigError, ServerConfig, build_config
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -140,6 +140,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest decode batch captured in a CUDA graph; 0 disables graphs",
     )
     kernels.add_argument("--moe-backend", default="auto", help="MoE kernels: auto, torch or fused")
+    model.add_argument(
+        "--quantization",
+        "-q",
+        default="auto",
+        choices=QUANTIZATIONS,
+        help="auto: run the checkpoint's own (a quantized GGUF stays quantized); none: "
+        "de-quantize its weights to --dtype at load; int8, int4: quantize a float "
+        "checkpoint's linear layers at load (groups of 32, as Q8_0 and Q4_1)",
+    )
 
     server = p.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on")

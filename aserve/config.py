@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from aserve.sampling_params import BOUNDS, DEFAULTABLE_FIELDS
@@ -23,6 +25,9 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 MOE_BACKENDS = ("auto", "torch", "fused")
+# auto: the checkpoint's own (a quantized GGUF stays quantized); none: de-quantize to --dtype;
+# int8 / int4: quantize a float checkpoint's linear layers at load.
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 class ConfigError(ValueError):
@@ -65,7 +70,8 @@ class ModelConfig:
 
     Mistral's sliding window is honoured by capping the context at the window: within it,
     sliding-window attention and full attention are the same computation. The MoE fields
-    keep their defaults (no experts) for dense models.
+    keep their defaults (no experts) for dense models. `quantization` is the checkpoint's
+    `quantization_config.quant_method` ("gguf" for a quantized GGUF file), or None.
     """
 
     architecture: str
@@ -88,6 +94,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     torch_dtype: str | None = None
+    quantization: str | None = None
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -147,6 +154,7 @@ class ModelConfig:
             eos_token_ids=tuple(sorted(eos)),
             bos_token_id=config.get("bos_token_id"),
             torch_dtype=config.get("torch_dtype") or config.get("dtype"),
+            quantization=(config.get("quantization_config") or {}).get("quant_method"),
             **_moe_settings(config) if family == "qwen3_moe" else {},
         )
 
@@ -170,6 +178,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     cuda_graph_max_bs: int | None = None
     moe_backend: str = "auto"
+    quantization: str = "auto"
     seed: int = 0
 
 
@@ -288,6 +297,10 @@ def validate(config: ServerConfig) -> None:
         (config.num_tokenizer >= 1, "--num-tokenizer must be at least 1"),
         (engine.moe_backend in MOE_BACKENDS, "--moe-backend must be auto, torch or fused"),
         (
+            engine.quantization in QUANTIZATIONS,
+            f"--quantization must be one of {', '.join(QUANTIZATIONS)}",
+        ),
+        (
             config.max_queued_requests is None or config.max_queued_requests >= 0,
             "--max-queued-requests must be at least 0",
         ),
@@ -295,3 +308,13 @@ def validate(config: ServerConfig) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+
+
+def cache_root(cache_dir: Path | None = None) -> Path:
+    """cache_dir, else $ASERVE_CACHE_DIR, else $XDG_CACHE_HOME/aserve, else ~/.cache/aserve."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    if configured := os.environ.get("ASERVE_CACHE_DIR"):
+        return Path(configured).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "aserve"

@@ -3,11 +3,12 @@ start and stop."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import time
 
-from aserve.config import ModelConfig, ServerConfig
+from aserve.config import ConfigError, EngineConfig, ModelConfig, ServerConfig
 from aserve.engine.followers import start_engine
 from aserve.engine.memory import GiB, free_device_memory
 from aserve.generation_defaults import describe, resolve_defaults
@@ -27,6 +28,35 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
+def chosen_quantization(engine: EngineConfig, model: ModelConfig) -> str | None:
+    """What the weights run as: the checkpoint's own format (`auto`; dummy weights are
+    float), float (`none`), or a float checkpoint quantized at load (`int8`, `int4`)."""
+    stored = model.quantization
+    if stored not in (None, "gguf"):
+        raise ConfigError(
+            f"{stored} checkpoints are not supported: aserve runs GGUF files quantized and "
+            "float checkpoints (quantized at load with --quantization int8 or int4)"
+        )
+    requested = engine.quantization
+    if requested == "none" or (requested == "auto" and engine.dummy_weight):
+        return None
+    if requested == "auto":
+        chosen = stored
+    elif stored is not None:
+        raise ConfigError(
+            f"--quantization {requested} quantizes a float checkpoint at load; this one is "
+            "already quantized (GGUF): pass --quantization auto or none"
+        )
+    else:
+        chosen = requested
+    if chosen is not None and model.num_experts:
+        raise ConfigError(
+            "quantized weights do not reach MoE experts yet: pass --quantization none to run "
+            "this model in --dtype"
+        )
+    return chosen
+
+
 class Runtime:
     def __init__(self, config: ServerConfig) -> None:
         started = time.perf_counter()
@@ -34,6 +64,8 @@ class Runtime:
         self.model_dir = resolve_model(config.engine.model_path)
         hf_config, generation_config = load_hf_config(self.model_dir)
         self.model_config = ModelConfig.from_hf(hf_config, generation_config)
+        quantization = chosen_quantization(config.engine, self.model_config)
+        self.model_config = dataclasses.replace(self.model_config, quantization=quantization)
         self.sampling_defaults, origin = resolve_defaults(
             config, generation_config, embedded=config.engine.model_path is None
         )

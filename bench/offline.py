@@ -9,6 +9,8 @@ Hugging Face transformers peer on the same model and workload in the same run.
         --num-seqs 256 --max-seq-len 4096 --cuda-graph-max-bs 256 --page-size 256
     python bench/offline.py --peer hf --num-seqs 16 --max-running-requests 16 \\
         --input-len 128 128 --output-len 64 64 --temperature 0
+    python bench/offline.py --peer llamacpp --num-seqs 16 --max-running-requests 16 \\
+        --input-len 128 128 --output-len 64 64 --temperature 0 --repeat 3
 """
 
 from __future__ import annotations
@@ -45,7 +47,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--seeded", action="store_true", help="give every request its own seed")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (GPUs)")
-    p.add_argument("--peer", choices=["hf"], default=None, help="also run this peer")
+    p.add_argument(
+        "--peer",
+        choices=["hf", "llamacpp"],
+        default=None,
+        help="also run this peer: transformers, or llama.cpp on the same GGUF (CPU, greedy)",
+    )
     p.add_argument(
         "--hf-cache", default=None, help="transformers cache_implementation, e.g. static"
     )
@@ -154,16 +161,19 @@ def main() -> None:
     llm = build_llm(args)
     ours: list[tuple[int, float]] = []
     peers: list[tuple[int, float]] = []
-    if args.peer == "hf" and llm.runtime.engine.device.type == "cpu":
+    peer_name = {"hf": "transformers", "llamacpp": "llama.cpp"}.get(args.peer or "", "")
+    if args.peer and llm.runtime.engine.device.type == "cpu":
         # Both engines stay loaded and take turns on each workload, so a noisy neighbour on
         # a shared CPU slows both alike instead of whichever ran during it.
-        run_peer = load_peer(args, llm)
+        run_peer = load_llamacpp(args, llm) if args.peer == "llamacpp" else load_peer(args, llm)
         for workload in workloads:
             ours.append(run_aserve(llm, workload, args.temperature, args.seeded))
             peers.append(run_peer(workload))
         llm.close()
     else:
         ours = [run_aserve(llm, w, args.temperature, args.seeded) for w in workloads]
+        if args.peer == "llamacpp":
+            raise SystemExit("--peer llamacpp runs on CPU only, beside aserve on CPU")
         if args.peer == "hf":
             # On a GPU one engine at a time: the peer loads after ours has freed its memory.
             run_peer = load_peer(args, llm)
@@ -184,20 +194,41 @@ def main() -> None:
         )
     if not peers:
         return
-    hf_tokens, hf_seconds = report("transformers", peers)
-    print(f"aserve/transformers {(tokens / seconds) / (hf_tokens / hf_seconds):.2f}x")
+    peer_tokens, peer_seconds = report(peer_name, peers)
+    assert peer_tokens == tokens, "both engines must make the same tokens"
+    print(f"aserve/{peer_name} {(tokens / seconds) / (peer_tokens / peer_seconds):.2f}x")
     if not args.no_record:
-        peer_settings = {**settings, "hf_cache": args.hf_cache, "hf_mode": args.hf_mode}
+        peer_settings = dict(settings)
+        if args.peer == "hf":
+            peer_settings.update(hf_cache=args.hf_cache, hf_mode=args.hf_mode)
         record(
             "offline",
-            "transformers",
+            peer_name,
             model_name,
             peer_settings,
-            hf_tokens,
-            hf_seconds,
+            peer_tokens,
+            peer_seconds,
             run_id,
             runs_tok_s=[round(t / s, 1) for t, s in peers],
         )
+
+
+def load_llamacpp(args: argparse.Namespace, llm: LLM) -> Callable[[Workload], tuple[int, float]]:
+    """llama.cpp on the GGUF file that aserve loaded, with as many threads as torch uses."""
+    import torch
+
+    from aserve.models.source import embedded_gguf, is_gguf
+    from bench.llamacpp_peer import LlamaCppPeer
+
+    gguf = Path(args.model) if args.model else embedded_gguf()
+    if not is_gguf(gguf) or args.dummy_weight:
+        raise SystemExit("--peer llamacpp needs --model FILE.gguf (or the embedded model)")
+    if args.temperature != 0:
+        raise SystemExit("--peer llamacpp decodes greedily: pass --temperature 0")
+    longest = max(args.input_len) + max(args.output_len)
+    peer = LlamaCppPeer(gguf, torch.get_num_threads(), args.max_running_requests, longest)
+    peer.run([([1, 2, 3, 4], 2)])
+    return peer.run
 
 
 def load_peer(args: argparse.Namespace, llm: LLM) -> Callable[[Workload], tuple[int, float]]:

@@ -25,9 +25,17 @@ def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_hf(smollm2_dir: Path) -> torch.nn.Module:
+    """transformers' model of the embedded GGUF's weights de-quantized to float32 (which
+    tests/test_weights.py checks against transformers' own GGUF loader)."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    from aserve.models.weights import iter_weights
+
+    config = transformers.AutoConfig.from_pretrained(smollm2_dir)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    weights = dict(iter_weights(smollm2_dir, progress=False, dequantize=True))
+    model.load_state_dict(weights, strict=False)
+    model.tie_weights()
     return model.eval()
 
 

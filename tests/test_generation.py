@@ -1,5 +1,9 @@
 """Greedy generation of the embedded SmolLM2: equal to transformers, and unchanged by every
-scheduling feature (radix hits, chunked prefill, page sizes, naive cache, retraction)."""
+scheduling feature (radix hits, chunked prefill, page sizes, naive cache, retraction).
+
+These run the GGUF's weights de-quantized to float32 (`quantization="none"`), the same
+numbers transformers computes with, so tokens must match exactly; the quantized products
+have their own tests (tests/test_quant.py)."""
 
 from __future__ import annotations
 
@@ -59,7 +63,7 @@ def greedy_tokens(llm: LLM, prompt_ids: list[list[int]]) -> list[list[int]]:
 def test_batched_greedy_equals_transformers(
     make_llm: Callable[..., LLM], smollm2_dir: Path, prompt_ids, hf_tokens
 ) -> None:
-    llm = make_llm(smollm2_dir)
+    llm = make_llm(smollm2_dir, quantization="none")
     assert greedy_tokens(llm, prompt_ids) == hf_tokens
     text = llm.generate(TEXTS[0], GREEDY)[0].text
     assert "Paris" in text
@@ -68,7 +72,7 @@ def test_batched_greedy_equals_transformers(
 def test_radix_hits_do_not_change_outputs(
     make_llm: Callable[..., LLM], smollm2_dir: Path, prompt_ids, hf_tokens
 ) -> None:
-    llm = make_llm(smollm2_dir, page_size=4)
+    llm = make_llm(smollm2_dir, quantization="none", page_size=4)
     planner = llm.scheduler.planner
     assert greedy_tokens(llm, prompt_ids) == hf_tokens
     cached_before = planner.prompt_tokens_cached
@@ -96,7 +100,7 @@ def test_scheduling_options_do_not_change_outputs(
 ) -> None:
     options = dict(options)
     overlap = options.pop("overlap", False)
-    llm = make_llm(smollm2_dir, **options)
+    llm = make_llm(smollm2_dir, quantization="none", **options)
     llm.scheduler.overlap = overlap
     assert greedy_tokens(llm, prompt_ids) == hf_tokens
 
@@ -105,7 +109,7 @@ def test_retraction_under_a_tiny_pool_keeps_outputs(
     make_llm: Callable[..., LLM], smollm2_dir: Path, prompt_ids, hf_tokens
 ) -> None:
     longest = max(len(p) for p in prompt_ids) + NEW_TOKENS
-    llm = make_llm(smollm2_dir, num_pages=longest + 40, page_size=1)
+    llm = make_llm(smollm2_dir, quantization="none", num_pages=longest + 40, page_size=1)
     assert greedy_tokens(llm, prompt_ids) == hf_tokens
     assert llm.scheduler.planner.num_retractions > 0
 
@@ -135,7 +139,7 @@ def test_decode_stage_follows_rows_that_change_hands(
     def run(
         running: int, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
     ) -> list[list[int]]:
-        llm = make_llm(smollm2_dir, max_running_requests=running)
+        llm = make_llm(smollm2_dir, quantization="none", max_running_requests=running)
         return [o.token_ids for o in llm.generate(prompts, params)]
 
     stages_built = 0

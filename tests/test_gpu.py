@@ -319,7 +319,7 @@ def smollm2_cpu_tokens(smollm2_dir: Path) -> tuple[list[list[int]], list[list[in
     """The embedded model's prompts and its float32 greedy tokens on the CPU (the reference)."""
     from tests.test_generation import TEXTS
 
-    llm = LLM(str(smollm2_dir), device="cpu", num_pages=4096)
+    llm = LLM(str(smollm2_dir), device="cpu", num_pages=4096, quantization="none")
     try:
         assert llm.tokenizer is not None
         prompts = [llm.tokenizer.encode(text) for text in TEXTS]
@@ -351,7 +351,7 @@ def test_embedded_smollm2_float32_greedy_on_gpu_equals_cpu(
     is checked in bfloat16 by test_cuda_graphs_do_not_change_outputs.)"""
     options = dict(options)
     overlap = options.pop("overlap", True)
-    llm = make_llm(smollm2_dir, device="cuda", dtype="float32", **options)
+    llm = make_llm(smollm2_dir, device="cuda", dtype="float32", quantization="none", **options)
     llm.scheduler.overlap = overlap
     prompts, expected = smollm2_cpu_tokens
     assert [o.token_ids for o in llm.generate(prompts, SMOLLM2_GREEDY)] == expected

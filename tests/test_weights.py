@@ -1,4 +1,4 @@
-"""Model sources and weight loading: GGUF conversion checked against transformers' own loader,
+"""Model sources and weight loading: GGUF tensors checked against transformers' own loader,
 the conversion cache, safetensors shards, dummy weights, dtypes and the error messages.
 
 The embedded model is converted once per session by conftest's `smollm2_dir` fixture."""
@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 from aserve.config import ConfigError
 from aserve.models import source
+from aserve.models.gguf_weights import hf_tensor_name, iter_gguf
 from aserve.models.source import ModelSourceError, cache_folder_for, cache_root, resolve_model
 from aserve.models.weights import (
     fill_dummy_weights,
@@ -47,7 +48,7 @@ def test_conversion_matches_transformers_gguf_loader(smollm2_hf: Any) -> None:
     reference = load_gguf_checkpoint(
         str(source.embedded_gguf()), return_tensors=True, model_to_load=smollm2_hf
     )
-    ours = smollm2_hf.state_dict()
+    ours = smollm2_hf.state_dict()  # built from iter_weights(..., dequantize=True)
     checked = [
         "model.layers.0.self_attn.q_proj.weight",
         "model.layers.0.self_attn.k_proj.weight",
@@ -104,7 +105,9 @@ def test_second_resolve_reuses_cache(smollm2_dir: Path, monkeypatch: pytest.Monk
     assert resolve_model(str(source.embedded_gguf()), cache_dir=cache_dir) == smollm2_dir
     assert {path: path.stat().st_mtime_ns for path in smollm2_dir.iterdir()} == before
     assert [p.name for p in smollm2_dir.parent.iterdir()] == [smollm2_dir.name]
-    assert (smollm2_dir / "model.safetensors").is_file()
+    assert not list(smollm2_dir.glob("*.safetensors"))
+    pointed = json.loads((smollm2_dir / "gguf.json").read_text())["file"]
+    assert Path(pointed) == source.embedded_gguf().resolve()
 
 
 @needs_smollm
@@ -114,7 +117,7 @@ def test_interrupted_conversion_leaves_no_cache(
     def fail(*args: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(gguf.quants, "dequantize", fail)
+    monkeypatch.setattr(source, "write_tokenizer", fail)
     with pytest.raises(KeyboardInterrupt):
         resolve_model(None, cache_dir=tmp_path)
     assert list((tmp_path / "gguf").iterdir()) == []
@@ -170,10 +173,7 @@ def test_tiny_gguf_config_and_rope_rows(tmp_path: Path, arch: str) -> None:
     reader = gguf.GGUFReader(tmp_path / "tiny.gguf")
 
     config = source.hf_config(reader)
-    arrays = {
-        source.hf_tensor_name(t.name): source.hf_array(t, source.hf_tensor_name(t.name), config)
-        for t in reader.tensors
-    }
+    arrays = {n: t.numpy() for n, t in iter_gguf(tmp_path / "tiny.gguf", config, progress=False)}
 
     assert config["model_type"] == arch and config["head_dim"] == 4
     assert config["num_key_value_heads"] == 2 and config["vocab_size"] == 32
@@ -192,24 +192,8 @@ def test_tiny_gguf_config_and_rope_rows(tmp_path: Path, arch: str) -> None:
 
 
 def test_unknown_gguf_tensor_is_refused() -> None:
-    with pytest.raises(ModelSourceError, match="'blk.0.ssm_conv1d.weight' has no Hugging Face"):
-        source.hf_tensor_name("blk.0.ssm_conv1d.weight")
-
-
-def test_converted_shards_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(source, "SHARD_BYTES", 100)
-    arrays = {
-        f"model.layers.{i}.mlp.up_proj.weight": np.full((4, 4), i, np.float32) for i in range(3)
-    }
-    source.save_sharded(iter(arrays.items()), tmp_path)
-    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
-    assert sorted(set(index["weight_map"].values())) == [
-        f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)
-    ]
-    assert index["metadata"]["total_size"] == 3 * 64
-    loaded = dict(iter_weights(tmp_path, progress=False))
-    for name, array in arrays.items():
-        np.testing.assert_array_equal(loaded[name].numpy(), array)
+    with pytest.raises(ConfigError, match="'blk.0.ssm_conv1d.weight' has no Hugging Face"):
+        hf_tensor_name("blk.0.ssm_conv1d.weight")
 
 
 def test_changed_gguf_gets_a_new_cache_folder(tmp_path: Path) -> None:

@@ -78,6 +78,11 @@ class Engine:
         if config.max_seq_len_override is not None:
             self.max_seq_len = config.max_seq_len_override
 
+        if model_config.quantization is not None and self.device.type != "cpu":
+            raise ConfigError(
+                "quantized weights run on CPU for now: pass --quantization none to run "
+                f"the model in --dtype on {self.device.type}"
+            )
         self.free_memory_before_load = free_device_memory(self.device)
         started = time.perf_counter()
         ops = fused_ops(self.device, self.dtype)
@@ -89,7 +94,10 @@ class Engine:
             fill_dummy_weights(self.model, config.seed)
         else:
             assert model_dir is not None
-            self.model.load_weights(iter_weights(model_dir, self.tp.rank == 0, lazy=True))
+            dequantize = model_config.quantization != "gguf"
+            weights = iter_weights(model_dir, self.tp.rank == 0, lazy=True, dequantize=dequantize)
+            self.model.load_weights(weights)
+        self.model.finalize_quantized(self.device, self.dtype)
         self.model.eval()
         if ops is not None:
             use_one_row_kernel(self.model)

@@ -11,18 +11,27 @@ from torch import nn
 from aserve.distributed.group import TPGroup
 from aserve.layers.cpu_gemm import PackedWeight
 from aserve.layers.weight import WeightSource
+from aserve.quant.method import QuantizedTable, Shard, load_table_rows
 
 
 class VocabParallelEmbedding(nn.Module):
     """Ranks look up the ids in their slice, zero the rest, and all-reduce the rows."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup) -> None:
+    def __init__(
+        self, vocab_size: int, hidden_size: int, tp: TPGroup, quantized: bool = False
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.vocab_size = vocab_size
         self.local_vocab = -(-vocab_size // tp.size)
         self.vocab_start = tp.rank * self.local_vocab
-        self.weight = nn.Parameter(torch.empty(self.local_vocab, hidden_size), False)
+        if quantized:
+            self.register_parameter("weight", None)
+        else:
+            self.weight = nn.Parameter(torch.empty(self.local_vocab, hidden_size), False)
+        self.quantized = quantized
+        self.loaded: Shard | None = None
+        self.table: QuantizedTable | None = None
         self.packed: PackedWeight | None = None
         self.lookup_table: torch.Tensor | None = None
         self.one_row: Callable[..., torch.Tensor] | None = None  # see layers/linear.py
@@ -31,19 +40,36 @@ class VocabParallelEmbedding(nn.Module):
         if self.lookup_table is not None:
             return F.embedding(ids, self.lookup_table).to(self.dtype)
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return self._rows(ids)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.local_vocab)
-        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        rows = self._rows(local.masked_fill(outside, 0))
         return self.tp.all_reduce(rows.masked_fill(outside[:, None], 0))
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.table is not None:
+            return self.table.rows(ids)
+        return F.embedding(ids, self.weight)
 
     def load_weight(self, name: str, tensor: WeightSource, shard: int = 0) -> None:
         rows = tensor[self.vocab_start : self.vocab_start + self.local_vocab]
+        if self.quantized:
+            self.loaded = load_table_rows(rows, self.local_vocab)
+            return
         self.weight.data[: rows.shape[0]].copy_(rows)
         self.weight.data[rows.shape[0] :].zero_()
 
+    def finalize_quantized(self, dtype: torch.dtype, lookups: bool, head: bool) -> None:
+        """Pack a table that arrived quantized: for row lookups, for the logits, or both."""
+        assert self.loaded is not None, "the table was never loaded"
+        self.table = QuantizedTable(self.loaded, dtype, lookups, head)
+        self.loaded = None
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Score `hidden` against every vocabulary row (the tied LM head uses this too)."""
+        if self.table is not None:
+            local = self.table.logits(hidden)
+            return self.tp.all_gather(local, dim=-1)[:, : self.vocab_size]
         if self.packed is not None:
             return self.packed.linear(hidden, None)[:, : self.vocab_size]
         if self.one_row is not None and hidden.shape[0] == 1:

@@ -5,7 +5,9 @@ layers split the input features and all-reduce the partial sums (or leave that t
 layer). Each layer copies the slice of a checkpoint tensor that belongs to its rank in
 `load_weight`. On CPU the loaded weights are replaced by MKL-packed ones
 (`pack_linear_weights`); on CUDA in half precision a one-row input goes through the GEMV
-kernel of layers/gemv.py (`use_one_row_kernel`).
+kernel of layers/gemv.py (`use_one_row_kernel`). A layer under a `quantization` allocates no
+float weight: aserve/quant/method.py keeps its checkpoint weight (quantized in the file, or
+quantized as it arrives), packs and multiplies it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from aserve.layers.activation import silu_and_mul
 from aserve.layers.cpu_gemm import PackedWeight, can_pack
 from aserve.layers.embedding import VocabParallelEmbedding
 from aserve.layers.weight import WeightSource
+from aserve.quant.method import QuantizedLinearWeight
 
 OneRowProduct = Callable[..., torch.Tensor]
 """`(x, weight, bias, gated=False) -> x W^T + bias` for one row (layers/gemv.py)."""
@@ -35,18 +38,35 @@ class ColumnParallelLinear(nn.Module):
     fills matrix number `shard`.
     """
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, tp: TPGroup) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool,
+        tp: TPGroup,
+        quantization: str | None = None,
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.local_sizes = [size // tp.size for size in output_sizes]
         for size in output_sizes:
             tp.shard(size)
-        self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), input_size), False)
+        self.quantized = (
+            QuantizedLinearWeight(self.local_sizes, input_size, quantization)
+            if quantization
+            else None
+        )
+        if quantization:
+            self.register_parameter("weight", None)
+        else:
+            self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), input_size), False)
         self.bias = nn.Parameter(torch.empty(sum(self.local_sizes)), False) if bias else None
         self.packed: PackedWeight | None = None
         self.one_row: OneRowProduct | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized.linear(x, self.bias)
         if self.packed is not None:
             return self.packed.linear(x, self.bias)
         if self.one_row is not None and x.shape[0] == 1:
@@ -58,6 +78,9 @@ class ColumnParallelLinear(nn.Module):
         return tensor[self.tp.rank * size : (self.tp.rank + 1) * size]
 
     def load_weight(self, name: str, tensor: WeightSource, shard: int = 0) -> None:
+        if name == "weight" and self.quantized is not None:
+            self.quantized.load(shard, self._rank_rows(tensor, shard))
+            return
         param = self.weight if name == "weight" else self.bias
         assert param is not None, f"checkpoint has a {name} this layer does not"
         offset = sum(self.local_sizes[:shard])
@@ -76,10 +99,12 @@ class QKVParallelLinear(ColumnParallelLinear):
         num_kv_heads: int,
         bias: bool,
         tp: TPGroup,
+        quantization: str | None = None,
     ) -> None:
         self.kv_replicas = max(1, tp.size // num_kv_heads)
         kv_total = max(num_kv_heads, tp.size) * head_dim
-        super().__init__(hidden_size, [num_heads * head_dim, kv_total, kv_total], bias, tp)
+        sizes = [num_heads * head_dim, kv_total, kv_total]
+        super().__init__(hidden_size, sizes, bias, tp, quantization)
 
     def _rank_rows(self, tensor: WeightSource, shard: int) -> torch.Tensor:
         size = self.local_sizes[shard]
@@ -99,6 +124,7 @@ class RowParallelLinear(nn.Module):
         bias: bool,
         tp: TPGroup,
         reduce_results: bool = True,
+        quantization: str | None = None,
     ) -> None:
         super().__init__()
         if bias and not reduce_results:
@@ -107,13 +133,23 @@ class RowParallelLinear(nn.Module):
         self.reduce_results = reduce_results
         start, end = tp.shard(input_size)
         self.input_start, self.local_input = start, end - start
-        self.weight = nn.Parameter(torch.empty(output_size, self.local_input), False)
+        self.quantized = (
+            QuantizedLinearWeight([output_size], self.local_input, quantization)
+            if quantization
+            else None
+        )
+        if quantization:
+            self.register_parameter("weight", None)
+        else:
+            self.weight = nn.Parameter(torch.empty(output_size, self.local_input), False)
         self.bias = nn.Parameter(torch.empty(output_size), False) if bias else None
         self.packed: PackedWeight | None = None
         self.one_row: OneRowProduct | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
+        if self.quantized is not None:
+            partial = self.quantized.linear(x, None)
+        elif self.packed is not None:
             partial = self.packed.linear(x, None)
         elif self.one_row is not None and x.shape[0] == 1:
             partial = self.one_row(x, self.weight, None)
@@ -124,7 +160,7 @@ class RowParallelLinear(nn.Module):
     def forward_gated(self, gate_up: torch.Tensor, ops: ModuleType | None) -> torch.Tensor:
         """The layer applied to SiLU(gate) * up of a fused gate|up output: at one row on CUDA
         one kernel does both."""
-        if self.one_row is not None and gate_up.shape[0] == 1:
+        if self.one_row is not None and self.weight is not None and gate_up.shape[0] == 1:
             return self._reduce(self.one_row(gate_up, self.weight, None, gated=True))
         return self(silu_and_mul(gate_up, ops))
 
@@ -138,9 +174,12 @@ class RowParallelLinear(nn.Module):
         if name == "bias":
             assert self.bias is not None
             self.bias.data.copy_(tensor[:])
+            return
+        columns = tensor[:, self.input_start : self.input_start + self.local_input]
+        if self.quantized is not None:
+            self.quantized.load(0, columns)
         else:
-            end = self.input_start + self.local_input
-            self.weight.data.copy_(tensor[:, self.input_start : end])
+            self.weight.data.copy_(columns)
 
 
 def pack_linear_weights(model: nn.Module) -> None:
@@ -148,8 +187,10 @@ def pack_linear_weights(model: nn.Module) -> None:
     a packed layer has no plain `weight` left; `return_freed_memory` then gives the plain
     weights' memory back)."""
     for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and can_pack(
-            module.weight
+        if (
+            isinstance(module, (ColumnParallelLinear, RowParallelLinear))
+            and module.weight is not None
+            and can_pack(module.weight)
         ):
             module.packed = PackedWeight(module.weight.detach())
             del module.weight
@@ -163,6 +204,7 @@ def use_one_row_kernel(model: nn.Module) -> None:
         from aserve.layers.gemv import gemv
     except ImportError:
         return
+    kinds = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
     for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+        if isinstance(module, kinds) and getattr(module, "weight", None) is not None:
             module.one_row = gemv

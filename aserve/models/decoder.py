@@ -48,10 +48,16 @@ class DecoderAttention(nn.Module):
             config.num_kv_heads,
             config.qkv_bias,
             tp,
+            quantization=config.quantization,
         )
         self.q_size, self.kv_size = self.qkv_proj.local_sizes[0], self.qkv_proj.local_sizes[1]
         self.o_proj = RowParallelLinear(
-            config.num_heads * config.head_dim, config.hidden_size, False, tp, reduce_results=False
+            config.num_heads * config.head_dim,
+            config.hidden_size,
+            False,
+            tp,
+            reduce_results=False,
+            quantization=config.quantization,
         )
         eps = self.eps = config.rms_norm_eps
         self.q_norm = RMSNorm(config.head_dim, eps, ops) if config.qk_norm else None
@@ -116,9 +122,12 @@ class DecoderMLP(nn.Module):
         super().__init__()
         self.ops = ops
         inter = config.intermediate_size
-        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [inter, inter], False, tp)
+        quantization = config.quantization
+        self.gate_up_proj = ColumnParallelLinear(
+            config.hidden_size, [inter, inter], False, tp, quantization
+        )
         self.down_proj = RowParallelLinear(
-            inter, config.hidden_size, False, tp, reduce_results=False
+            inter, config.hidden_size, False, tp, reduce_results=False, quantization=quantization
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -173,7 +182,9 @@ class DecoderModel(nn.Module):
         make_mlp: MLPFactory,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, tp, config.quantization == "gguf"
+        )
         rotary = RotaryEmbedding(
             config.head_dim, max_positions, config.rope_theta, config.rope_scaling, ops
         )
@@ -224,7 +235,9 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = (
             self.model.embed_tokens
             if config.tie_word_embeddings
-            else ParallelLMHead(config.vocab_size, config.hidden_size, tp)
+            else ParallelLMHead(
+                config.vocab_size, config.hidden_size, tp, config.quantization == "gguf"
+            )
         )
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
@@ -237,7 +250,7 @@ class DecoderForCausalLM(nn.Module):
         embedding keeps serving lookups from the checkpoint's table; without a checkpoint
         (dummy weights) it stays plain."""
         head = self.lm_head
-        if head.tp.size != 1 or not can_pack(head.weight):
+        if head.tp.size != 1 or head.weight is None or not can_pack(head.weight):
             return
         if head is not self.model.embed_tokens:
             head.pack()
@@ -278,4 +291,22 @@ class DecoderForCausalLM(nn.Module):
         return [f"{module_name}.{param}"]
 
     def expected_tensors(self) -> set[str]:
-        return {n for n, _ in self.named_parameters()}
+        quantized = {
+            f"{n}.weight" for n, m in self.named_modules() if getattr(m, "quantized", None)
+        }
+        return {n for n, _ in self.named_parameters()} | quantized
+
+    def finalize_quantized(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Pack the quantized weights for products on `device` in `dtype` (embeddings and
+        the LM head only where the file quantized them: `--quantization int8|int4` leaves
+        them in `dtype`, as vLLM does)."""
+        if self.config.quantization is None:
+            return
+        for module in self.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.quantized:
+                module.quantized.finalize(device, dtype)
+        embed, head = self.model.embed_tokens, self.lm_head
+        if embed.quantized:
+            embed.finalize_quantized(dtype, lookups=True, head=head is embed)
+        if head is not embed and head.quantized:
+            head.finalize_quantized(dtype, lookups=False, head=True)

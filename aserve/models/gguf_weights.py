@@ -1,0 +1,119 @@
+"""The tensors of a GGUF file under Hugging Face names, read straight from the file.
+
+Float tensors (F32, F16, BF16) come as torch tensors. Quantized ones stay in their blocks
+(`QuantizedTensor`): the layers decode and pack them for their device, so a 4-bit file stays
+4-bit in memory. With `dequantize` they come as float32 instead, the reference that the
+quantized products are tested against (`--quantization none`). llama.cpp's converter
+interleaves the two rotary halves of each Q/K head of llama models; the rows are put back
+in Hugging Face's order here, quantized or not (rows are whole in every block format).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from aserve.config import ConfigError
+from aserve.quant.gguf import QuantizedTensor, UnsupportedFormat, quantized_tensor
+
+GGUF_POINTER = "gguf.json"
+"""The file in a converted folder that names the GGUF its weights are read from."""
+TOP_LEVEL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+FLOAT_TYPES = (
+    gguf.GGMLQuantizationType.F32,
+    gguf.GGMLQuantizationType.F16,
+    gguf.GGMLQuantizationType.BF16,
+)
+
+GGUFWeight = torch.Tensor | QuantizedTensor
+
+
+class GGUFTensorError(ConfigError):
+    """A tensor aserve cannot load: the message names it, its type or its problem."""
+
+
+def hf_tensor_name(name: str) -> str:
+    stem, _, kind = name.rpartition(".")
+    if stem in TOP_LEVEL_TENSORS:
+        return f"{TOP_LEVEL_TENSORS[stem]}.{kind}"
+    if stem == "rope_freqs":
+        raise GGUFTensorError(
+            "GGUF rope_freqs (Llama 3.1-style rope scaling) cannot be loaded yet; "
+            "use the model's Hugging Face folder"
+        )
+    prefix, layer, part = (stem.split(".") + ["", ""])[:3]
+    if prefix == "blk" and layer.isdigit() and part in LAYER_TENSORS:
+        return f"model.layers.{layer}.{LAYER_TENSORS[part]}.{kind}"
+    raise GGUFTensorError(f"GGUF tensor {name!r} has no Hugging Face name that aserve knows")
+
+
+def rope_row_order(rows: int, heads: int) -> torch.Tensor:
+    """Hugging Face's row i is llama.cpp's row order[i]: each head's two rotary halves
+    un-interleaved."""
+    half = rows // heads // 2
+    return torch.arange(rows).reshape(heads, half, 2).transpose(1, 2).reshape(rows)
+
+
+def has_quantized_matrices(reader: gguf.GGUFReader) -> bool:
+    return any(t.tensor_type not in FLOAT_TYPES and len(t.shape) == 2 for t in reader.tensors)
+
+
+def iter_gguf(
+    path: Path, config: dict[str, Any], dequantize: bool = False, progress: bool = True
+) -> Iterator[tuple[str, GGUFWeight]]:
+    """(Hugging Face name, tensor) for every tensor of the file; `config` is the config.json
+    built from the same file (head counts for the llama row order)."""
+    reader = gguf.GGUFReader(path)
+    heads = {
+        "self_attn.q_proj": config["num_attention_heads"],
+        "self_attn.k_proj": config["num_key_value_heads"],
+    }
+    permute = config["model_type"] == "llama"
+    for tensor in tqdm(reader.tensors, desc="Loading weights", unit="tensor", disable=not progress):
+        name = hf_tensor_name(tensor.name)
+        weight = _read(tensor, dequantize)
+        module = ".".join(name.split(".")[-3:-1])
+        if permute and module in heads and weight.shape[0] % (2 * heads[module]) == 0:
+            order = rope_row_order(weight.shape[0], heads[module])
+            weight = (
+                weight.permute_rows(order) if isinstance(weight, QuantizedTensor) else weight[order]
+            )
+        yield name, weight
+
+
+def _read(tensor: gguf.ReaderTensor, dequantize: bool) -> GGUFWeight:
+    shape = [int(size) for size in reversed(tensor.shape)]
+    kind = tensor.tensor_type
+    if kind in FLOAT_TYPES:
+        values = gguf.quants.dequantize(tensor.data, kind).astype(np.float32, copy=False)
+        return torch.from_numpy(np.array(values, copy=True).reshape(shape))
+    if len(shape) != 2:
+        raise GGUFTensorError(f"GGUF tensor {tensor.name}: a {kind.name} tensor of {shape}")
+    try:
+        quantized = quantized_tensor(tensor.data, kind, shape[0], shape[1])
+    except UnsupportedFormat as error:
+        raise GGUFTensorError(f"GGUF tensor {tensor.name}: {error}") from None
+    return quantized.decode().dequantize() if dequantize else quantized

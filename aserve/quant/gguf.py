@@ -1,0 +1,198 @@
+"""GGUF's block formats, decoded into `Codes` (aserve/quant/codes.py) without loss.
+
+A GGUF tensor of a quantized type is a `[rows, cols]` matrix whose rows are runs of blocks;
+each block holds the codes of 32 or 256 consecutive inputs and the scales that turn them into
+weights. The layouts follow llama.cpp's ggml-common.h; the decoders here are checked against
+the `gguf` package's de-quantization, bit for bit, in tests/test_quant.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QType
+
+from aserve.quant.codes import Codes
+
+# Inputs per block and bytes per block.
+BLOCKS: dict[QType, tuple[int, int]] = {
+    QType.Q4_0: (32, 18),
+    QType.Q4_1: (32, 20),
+    QType.Q5_0: (32, 22),
+    QType.Q5_1: (32, 24),
+    QType.Q8_0: (32, 34),
+    QType.Q4_K: (256, 144),
+    QType.Q5_K: (256, 176),
+    QType.Q6_K: (256, 210),
+}
+
+
+class UnsupportedFormat(ValueError):
+    """A tensor type aserve cannot run; the message names it and what aserve takes."""
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A GGUF tensor still in its blocks: `raw` uint8 `[rows, bytes per row]`. Selecting
+    rows or block-aligned columns (a tensor-parallel rank's share) keeps the blocks."""
+
+    raw: torch.Tensor
+    qtype: QType
+    cols: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.raw.shape[0]), self.cols)
+
+    def __getitem__(self, index: slice | tuple[slice, slice]) -> QuantizedTensor:
+        rows, cols = index if isinstance(index, tuple) else (index, slice(None))
+        raw = self.raw[rows]
+        start, stop, _ = cols.indices(self.cols)
+        if (start, stop) == (0, self.cols):
+            return QuantizedTensor(raw, self.qtype, self.cols)
+        size, nbytes = BLOCKS[self.qtype]
+        if start % size or stop % size:
+            raise ValueError(f"columns {start}:{stop} split a {self.qtype.name} block of {size}")
+        raw = raw[:, start // size * nbytes : stop // size * nbytes]
+        return QuantizedTensor(raw, self.qtype, stop - start)
+
+    def permute_rows(self, order: torch.Tensor) -> QuantizedTensor:
+        return QuantizedTensor(self.raw[order], self.qtype, self.cols)
+
+    def decode(self) -> Codes:
+        return decode(self.raw, self.qtype, self.cols)
+
+
+def quantized_tensor(data: np.ndarray, qtype: QType, rows: int, cols: int) -> QuantizedTensor:
+    """A GGUF reader's bytes of a `[rows, cols]` tensor (copied: the reader's are a read-only
+    memory map)."""
+    if qtype not in BLOCKS:
+        raise UnsupportedFormat(
+            f"{qtype.name} is not supported; aserve runs {', '.join(q.name for q in BLOCKS)}"
+        )
+    size, nbytes = BLOCKS[qtype]
+    if cols % size:
+        raise UnsupportedFormat(f"{cols} columns are not whole {qtype.name} blocks of {size}")
+    raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, cols // size * nbytes)
+    return QuantizedTensor(torch.from_numpy(raw.copy()), qtype, cols)
+
+
+def decode(raw: torch.Tensor, qtype: QType, cols: int) -> Codes:
+    size, nbytes = BLOCKS[qtype]
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, cols // size, nbytes)
+    codes, scales, offsets, group, bits = DECODERS[qtype](blocks)
+    return Codes(
+        codes.reshape(rows, cols).contiguous(),
+        scales.reshape(rows, cols // group).contiguous(),
+        offsets.reshape(rows, cols // group).contiguous(),
+        group,
+        bits,
+    )
+
+
+Decoded = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]
+
+
+def _half(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The float16 stored at byte `at` of every block, as float32 `[rows, blocks]`."""
+    return blocks[..., at : at + 2].contiguous().view(torch.float16)[..., 0].float()
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Low nibbles first, then high ones: a 32-input block of 16 bytes, in input order."""
+    return torch.cat([packed & 15, packed >> 4], -1)
+
+
+def _high_bits(qh: torch.Tensor, count: int) -> torch.Tensor:
+    """Bit i of a little-endian 32-bit field, for i < count, as `[..., count]`."""
+    field = qh.to(torch.int64)
+    word = field[..., 0] | field[..., 1] << 8 | field[..., 2] << 16 | field[..., 3] << 24
+    shifts = torch.arange(count)
+    return ((word[..., None] >> shifts) & 1).to(torch.uint8)
+
+
+def _q4_0(blocks: torch.Tensor) -> Decoded:
+    d = _half(blocks, 0)
+    return _nibbles(blocks[..., 2:18]), d, -8 * d, 32, 4
+
+
+def _q4_1(blocks: torch.Tensor) -> Decoded:
+    return _nibbles(blocks[..., 4:20]), _half(blocks, 0), _half(blocks, 2), 32, 4
+
+
+def _q5_0(blocks: torch.Tensor) -> Decoded:
+    d = _half(blocks, 0)
+    codes = _nibbles(blocks[..., 6:22]) | _high_bits(blocks[..., 2:6], 32) << 4
+    return codes, d, -16 * d, 32, 5
+
+
+def _q5_1(blocks: torch.Tensor) -> Decoded:
+    codes = _nibbles(blocks[..., 8:24]) | _high_bits(blocks[..., 4:8], 32) << 4
+    return codes, _half(blocks, 0), _half(blocks, 2), 32, 5
+
+
+def _q8_0(blocks: torch.Tensor) -> Decoded:
+    d = _half(blocks, 0)
+    codes = (blocks[..., 2:34].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+    return codes, d, -128 * d, 32, 8
+
+
+def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eight 6-bit scales and mins of a Q4_K / Q5_K super-block, from its 12 bytes."""
+    low, mid, high = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = torch.cat([low & 63, (high & 15) | ((low >> 2) & 48)], -1)
+    mins = torch.cat([mid & 63, (high >> 4) | ((mid >> 2) & 48)], -1)
+    return scales.float(), mins.float()
+
+
+def _k_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """128 bytes of a K super-block as 8 groups of 32: byte runs of 32 hold two groups,
+    low nibbles the first."""
+    runs = qs.reshape(*qs.shape[:-1], 4, 1, 32)
+    return torch.cat([runs & 15, runs >> 4], -2).reshape(*qs.shape[:-1], 8, 32)
+
+
+def _q4_k(blocks: torch.Tensor) -> Decoded:
+    d, dmin = _half(blocks, 0), _half(blocks, 2)
+    scales, mins = _k_scales(blocks[..., 4:16])
+    codes = _k_nibbles(blocks[..., 16:144])
+    return codes, d[..., None] * scales, -dmin[..., None] * mins, 32, 4
+
+
+def _q5_k(blocks: torch.Tensor) -> Decoded:
+    d, dmin = _half(blocks, 0), _half(blocks, 2)
+    scales, mins = _k_scales(blocks[..., 4:16])
+    qh = blocks[..., 16:48]
+    high = (qh[..., None, :] >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1
+    codes = _k_nibbles(blocks[..., 48:176]) | high << 4
+    return codes, d[..., None] * scales, -dmin[..., None] * mins, 32, 5
+
+
+def _q6_k(blocks: torch.Tensor) -> Decoded:
+    ql, qh = blocks[..., 0:128], blocks[..., 128:192]
+    scales = blocks[..., 192:208].contiguous().view(torch.int8).float()
+    d = _half(blocks, 208)
+    lead = ql.shape[:-1]
+    low_runs = ql.reshape(*lead, 2, 1, 64)
+    low = torch.cat([low_runs & 15, low_runs >> 4], -2).reshape(*lead, 8, 32)
+    high_runs = qh.reshape(*lead, 2, 1, 32)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
+    high = ((high_runs >> shifts) & 3).reshape(*lead, 8, 32)
+    step = d[..., None] * scales
+    return low | high << 4, step, -32 * step, 16, 6
+
+
+DECODERS: dict[QType, Callable[[torch.Tensor], Decoded]] = {
+    QType.Q4_0: _q4_0,
+    QType.Q4_1: _q4_1,
+    QType.Q5_0: _q5_0,
+    QType.Q5_1: _q5_1,
+    QType.Q8_0: _q8_0,
+    QType.Q4_K: _q4_k,
+    QType.Q5_K: _q5_k,
+    QType.Q6_K: _q6_k,
+}

@@ -1,0 +1,164 @@
+"""What a linear layer or embedding holds when its checkpoint weight arrives quantized.
+
+Layers know nothing of formats: they hand each arriving shard to a `QuantizedLinearWeight`
+(`load`), ask it to pack once every shard is in (`finalize`), and call `linear`. A fused
+projection whose shards share a format (the usual case) becomes one packed matrix; shards of
+different formats (a Q4_K_M file's Q4_K query beside its Q6_K value) stay separate products
+whose outputs are joined.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from aserve.quant.codes import Codes, quantize
+from aserve.quant.cpu import DenseWeight, cpu_weight
+from aserve.quant.gguf import QuantizedTensor
+from aserve.quant.native import NativeWeight
+
+
+class QuantizedProduct(Protocol):
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+
+Shard = Codes | torch.Tensor
+
+
+def is_quantized(tensor: object) -> bool:
+    return isinstance(tensor, QuantizedTensor)
+
+
+# `--quantization` methods that quantize a float checkpoint at load, and their widths.
+LOAD_TIME_BITS = {"int8": 8, "int4": 4}
+
+
+class QuantizedLinearWeight:
+    """The weight of a linear layer whose rows come in `len(shard_rows)` shards, under
+    `quantization`: "gguf" (shards arrive quantized) or a `LOAD_TIME_BITS` method (float
+    shards are quantized as they arrive)."""
+
+    def __init__(self, shard_rows: list[int], cols: int, quantization: str) -> None:
+        self.shard_rows = shard_rows
+        self.cols = cols
+        self.bits = LOAD_TIME_BITS.get(quantization)
+        self.shards: list[Shard | None] = [None] * len(shard_rows)
+        self.products: list[QuantizedProduct] = []
+
+    def load(self, shard: int, tensor: QuantizedTensor | torch.Tensor) -> None:
+        """This rank's rows of shard `shard`: still quantized, or a float tensor (files may
+        keep some matrices unquantized)."""
+        piece: Shard
+        if isinstance(tensor, QuantizedTensor):
+            piece = tensor.decode()
+        elif self.bits is not None:
+            piece = quantize(tensor, self.bits)
+        else:
+            piece = tensor.float()
+        if tuple(piece.shape) != (self.shard_rows[shard], self.cols):
+            raise ValueError(
+                f"shard {shard} is {tuple(piece.shape)}, expected "
+                f"{(self.shard_rows[shard], self.cols)}"
+            )
+        self.shards[shard] = piece
+
+    @property
+    def loaded(self) -> bool:
+        return all(s is not None for s in self.shards)
+
+    def finalize(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Pack the shards for products on `device`; runs of shards in one format join."""
+        if device.type != "cpu":
+            raise NotImplementedError("quantized weights run on CPU only for now")
+        runs: list[list[Shard]] = []
+        for piece in self.shards:
+            assert piece is not None, "finalize before every shard is loaded"
+            if runs and _same_format(runs[-1][-1], piece):
+                runs[-1].append(piece)
+            else:
+                runs.append([piece])
+        self.products = [_product(run, dtype) for run in runs]
+        self.shards = []
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.products)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if len(self.products) == 1:
+            return self.products[0].linear(x, bias)
+        out = torch.cat([p.linear(x, None) for p in self.products], -1)
+        return out if bias is None else out + bias
+
+
+def _same_format(a: Shard, b: Shard) -> bool:
+    if isinstance(a, Codes) and isinstance(b, Codes):
+        return (a.group, a.bits) == (b.group, b.bits)
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+
+
+def _product(run: list[Shard], dtype: torch.dtype) -> QuantizedProduct:
+    if isinstance(run[0], torch.Tensor):
+        return DenseWeight(torch.cat(run).to(dtype))  # type: ignore[arg-type]
+    return cpu_weight(Codes.concat_rows(run), dtype)  # type: ignore[arg-type]
+
+
+class QuantizedTable:
+    """An embedding table or LM head that arrived quantized: rows de-quantized as they are
+    looked up (`lookups`), and the weight packed for the logits product (`head`: an untied
+    LM head, or an embedding that the head is tied to). With aserve's kernels one copy
+    serves both."""
+
+    def __init__(self, table: Shard, dtype: torch.dtype, lookups: bool, head: bool) -> None:
+        self.dtype = dtype
+        product = _product([table], dtype)
+        self.head = product if head else None
+        self.lookups: NativeWeight | torch.Tensor | None = None
+        if lookups:
+            if isinstance(product, NativeWeight):
+                self.lookups = product
+            else:
+                self.lookups = table.dequantize(dtype) if isinstance(table, Codes) else table
+
+    @property
+    def nbytes(self) -> int:
+        sizes = [] if self.head is None else [self.head.nbytes]
+        if self.lookups is not None and self.lookups is not self.head:
+            sizes.append(self.lookups.nbytes)
+        return sum(sizes)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        assert self.lookups is not None, "this table serves no lookups"
+        flat = ids.reshape(-1)
+        if isinstance(self.lookups, NativeWeight):
+            return self.lookups.rows(flat).to(self.dtype)
+        return self.lookups[flat].to(self.dtype)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.head is not None, "this table is no LM head"
+        return self.head.linear(hidden, None)
+
+
+def load_table_rows(tensor: QuantizedTensor | torch.Tensor, rows: int) -> Shard:
+    """A rank's slice of a vocabulary table, zero rows appended up to `rows` (the last rank
+    of a vocabulary that does not split evenly)."""
+    piece: Shard = tensor.decode() if isinstance(tensor, QuantizedTensor) else tensor.float()
+    missing = rows - piece.shape[0]
+    if missing <= 0:
+        return piece
+    if isinstance(piece, Codes):
+        zeros = Codes(
+            piece.codes.new_zeros(missing, piece.shape[1]),
+            piece.scales.new_zeros(missing, piece.scales.shape[1]),
+            piece.offsets.new_zeros(missing, piece.offsets.shape[1]),
+            piece.group,
+            piece.bits,
+        )
+        return Codes.concat_rows([piece, zeros])
+    return torch.cat([piece, piece.new_zeros(missing, piece.shape[1])])

@@ -1,0 +1,137 @@
+"""aserve's CPU kernels for quantized weights (csrc/cpu_kernels.cpp), compiled on first use.
+
+PyTorch's own kernels were measured first, on the project's 2-core AVX2 box, SmolLM2-135M
+shapes, us per product at 1 / 16 / 128 rows against float32 MKL-packed weights (gate_up,
+3072 x 576; bench/NOTES.md has every shape):
+- `_weight_int4pack_mm_for_cpu`: 146 / 1,098 / 8,440 with bfloat16 activations (1,818 at one
+  row with float32 ones, a scalar path), against MKL's 180 / 888 / 3,722; it reads GGUF's
+  4-bit groups, but not its 8-bit ones, and rounds scales to bfloat16.
+- `_weight_int8pack_mm` and fbgemm's dynamic int8 linear: one scale per output row, which
+  GGUF's groups of 16 or 32 do not fit without changing the weights.
+The kernels here keep GGUF's groups exactly, expand the codes to float32 in registers and
+multiply float32 activations, with one order of operations per output whatever the batch: a
+radix-cache hit or a different batch leaves every logit bit-identical (a first version rounded
+activations to int8 as llama.cpp does, and cache hits changed greedy tokens).
+
+They build with torch's C++ extension loader (a C++ compiler and ninja) into aserve's cache,
+about 15 s the first time, then load in milliseconds. Where that fails the caller falls back
+to float32 weights (aserve/quant/cpu.py) and says so once.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import time
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from aserve.config import cache_root
+from aserve.quant.codes import Codes
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+GROUP = 32
+LANES = 8  # output features per panel: one AVX2 register of float32
+
+
+@cache
+def native_kernels() -> bool:
+    """Whether `torch.ops.aserve_cpu` is loaded, building it once if it must. Cached for
+    the process: the answer cannot change while it runs."""
+    if hasattr(torch.ops, "aserve_cpu") and hasattr(torch.ops.aserve_cpu, "linear"):
+        return True
+    from torch.utils import cpp_extension
+
+    folder = cache_root() / "kernels" / f"cpu-{platform.machine()}-torch{torch.__version__}"
+    folder.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    try:
+        cpp_extension.load(
+            name="aserve_cpu",
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-march=native"],
+            build_directory=str(folder),
+            is_python_module=False,
+        )
+    except Exception as error:
+        logger.warning(
+            "aserve's CPU kernels did not build (%s): quantized weights are de-quantized to "
+            "float32 instead; install a C++ compiler and ninja to keep them quantized",
+            str(error).splitlines()[0] if str(error) else type(error).__name__,
+        )
+        return False
+    logger.info("CPU kernels ready in %.1f s (%s)", time.perf_counter() - started, folder)
+    return True
+
+
+class NativeWeight:
+    """A weight in the kernels' panel layout (csrc/cpu_kernels.cpp): 4-bit codes in groups
+    of 32, or codes of up to 8 bits, signed, in groups of 16 or 32."""
+
+    def __init__(self, codes: Codes) -> None:
+        self.shape = codes.shape
+        codes = _groups_of_at_most_32(codes)
+        self.group = codes.group
+        self.four_bit = codes.bits <= 4 and codes.group == GROUP
+        rows, cols = codes.shape
+        padded = -(-rows // LANES) * LANES
+        values, scales, offsets = codes.codes, codes.scales, codes.offsets
+        if not self.four_bit:
+            if codes.bits == 8:  # 0..255 becomes -128..127, the offset takes the difference
+                values = (values.to(torch.int16) - 128).to(torch.int8)
+                offsets = offsets + 128 * scales
+            else:
+                values = values.to(torch.int8)
+        if padded > rows:
+            values = torch.cat([values, values.new_zeros(padded - rows, cols)])
+            scales = torch.cat([scales, scales.new_zeros(padded - rows, scales.shape[1])])
+            offsets = torch.cat([offsets, offsets.new_zeros(padded - rows, offsets.shape[1])])
+        panels, groups = padded // LANES, cols // self.group
+        per_word = 8 if self.four_bit else 4
+        lanes = values.view(panels, LANES, groups, self.group // per_word, per_word)
+        lanes = lanes.permute(0, 2, 3, 1, 4)  # [panel, group, word, lane, input]
+        if self.four_bit:
+            lanes = lanes[..., 0::2] | lanes[..., 1::2] << 4
+        self.words = lanes.contiguous().view(torch.int32).squeeze(-1)
+        self.scales = scales.view(panels, LANES, groups).transpose(1, 2).contiguous()
+        self.offsets = offsets.view(panels, LANES, groups).transpose(1, 2).contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        return self.words.nbytes + self.scales.nbytes + self.offsets.nbytes
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).float().contiguous()
+        out = torch.ops.aserve_cpu.linear(
+            rows, self.words, self.scales, self.offsets, self.group, self.four_bit
+        )
+        if out.shape[1] != self.shape[0]:
+            out = out[:, : self.shape[0]]
+        if bias is not None:
+            out = out + bias
+        return out.reshape(*x.shape[:-1], self.shape[0]).to(x.dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` de-quantized (embedding lookups): the same values the products use."""
+        return torch.ops.aserve_cpu.rows(
+            self.words, self.scales, self.offsets, self.group, self.four_bit, ids
+        )
+
+
+def _groups_of_at_most_32(codes: Codes) -> Codes:
+    """Groups wider than 32 (no GGUF format has them) split into groups of 32 that repeat
+    the scale and offset."""
+    if codes.group <= GROUP:
+        return codes
+    repeat = codes.group // GROUP
+    return Codes(
+        codes.codes,
+        codes.scales.repeat_interleave(repeat, 1),
+        codes.offsets.repeat_interleave(repeat, 1),
+        GROUP,
+        codes.bits,
+    )

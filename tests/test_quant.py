@@ -1,0 +1,302 @@
+"""Quantized GGUF weights: every block format decoded bit for bit as the `gguf` package
+de-quantizes it, products against the float32 de-quantized reference, tiny GGUF models of
+each format through `aserve.LLM`, the embedded model against its float32 path, and bad files
+refused in one line; float checkpoints quantized at load (`--quantization int8|int4`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as QType
+
+from aserve import LLM, SamplingParams
+from aserve.quant.codes import quantize
+from aserve.quant.gguf import BLOCKS, QuantizedTensor, decode
+from aserve.quant.native import NativeWeight, native_kernels
+from tests.tiny_models import make_tiny_model
+
+# Byte offsets of each format's float16 fields: random bytes elsewhere are valid codes.
+HALVES = {
+    QType.Q4_0: (0,),
+    QType.Q4_1: (0, 2),
+    QType.Q5_0: (0,),
+    QType.Q5_1: (0, 2),
+    QType.Q8_0: (0,),
+    QType.Q4_K: (0, 2),
+    QType.Q5_K: (0, 2),
+    QType.Q6_K: (208,),
+}
+FORMATS = list(BLOCKS)
+
+
+def random_blocks(qtype: QType, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """A valid `[rows, bytes]` tensor of `qtype`: random codes, small float16 scales."""
+    rng = np.random.default_rng(seed)
+    size, nbytes = BLOCKS[qtype]
+    raw = rng.integers(0, 256, (rows, cols // size, nbytes), dtype=np.uint8)
+    for at in HALVES[qtype]:
+        halves = rng.uniform(-0.05, 0.05, (rows, cols // size)).astype(np.float16)
+        raw[..., at : at + 2] = halves[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def test_every_format_has_its_half_offsets_listed() -> None:
+    assert set(HALVES) == set(BLOCKS)
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_decoding_is_gguf_dequantization_bit_for_bit(qtype: QType) -> None:
+    raw = random_blocks(qtype, 6, 512)
+    reference = gguf.quants.dequantize(raw, qtype).reshape(6, 512)
+    codes = decode(torch.from_numpy(raw), qtype, 512)
+    assert int(codes.codes.max()) < 2**codes.bits
+    np.testing.assert_array_equal(codes.dequantize().numpy(), reference)
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_rows_and_block_aligned_columns_keep_their_values(qtype: QType) -> None:
+    size, _ = BLOCKS[qtype]
+    tensor = QuantizedTensor(torch.from_numpy(random_blocks(qtype, 8, 2 * 256)), qtype, 512)
+    full = tensor.decode().dequantize()
+    torch.testing.assert_close(tensor[2:5].decode().dequantize(), full[2:5], rtol=0, atol=0)
+    right = tensor[:, 256:512].decode().dequantize()
+    torch.testing.assert_close(right, full[:, 256:512], rtol=0, atol=0)
+    order = torch.tensor([3, 1, 7, 0, 2, 6, 5, 4])
+    permuted = tensor.permute_rows(order).decode().dequantize()
+    torch.testing.assert_close(permuted, full[order], rtol=0, atol=0)
+    if size < 256:
+        with pytest.raises(ValueError, match="split"):
+            tensor[:, size // 2 :]
+
+
+needs_kernels = pytest.mark.skipif(
+    not native_kernels(), reason="aserve's CPU kernels did not build (no C++ compiler here)"
+)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_products_match_the_dequantized_weight(qtype: QType) -> None:
+    """Against the float64 product of the de-quantized weight within float32 rounding; a
+    row's result bit-identical alone and in batches of every tile shape (rows 1 to 9 and past
+    the 64-row block); lookups return the weight's own rows. 100 output features: the last
+    panel of 8 is padded."""
+    raw = torch.from_numpy(random_blocks(qtype, 100, 512, seed=1))
+    codes = decode(raw, qtype, 512)
+    weight = codes.dequantize()
+    native = NativeWeight(codes)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(70, 512, generator=generator)
+    exact = F.linear(x.double(), weight.double())
+    batch = native.linear(x, None)
+    assert batch.shape == (70, 100)
+    torch.testing.assert_close(batch.double(), exact, rtol=0, atol=1e-5 * float(exact.abs().max()))
+    for rows in (1, 2, 3, 4, 5, 8, 9):
+        assert torch.equal(native.linear(x[3 : 3 + rows], None), batch[3 : 3 + rows]), rows
+    ids = torch.tensor([5, 0, 99, 5])
+    torch.testing.assert_close(native.rows(ids), weight[ids], rtol=1e-6, atol=1e-6)
+
+
+def write_tiny_llama(path: Path, qtype: QType, seed: int = 0) -> None:
+    """A 2-layer llama GGUF with `qtype` matrices (random codes), float32 norms, no
+    tokenizer: hidden 256 so that K-quant super-blocks of 256 fit."""
+    hidden, inter, vocab, heads, kv_heads = 256, 512, 320, 4, 2
+    head_dim = hidden // heads
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(2)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_context_length(256)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_eos_token_id(1)
+    rng = np.random.default_rng(seed)
+    matrices = {"token_embd.weight": (vocab, hidden)}
+    for layer in range(2):
+        matrices |= {
+            f"blk.{layer}.attn_q.weight": (heads * head_dim, hidden),
+            f"blk.{layer}.attn_k.weight": (kv_heads * head_dim, hidden),
+            f"blk.{layer}.attn_v.weight": (kv_heads * head_dim, hidden),
+            f"blk.{layer}.attn_output.weight": (hidden, heads * head_dim),
+            f"blk.{layer}.ffn_gate.weight": (inter, hidden),
+            f"blk.{layer}.ffn_up.weight": (inter, hidden),
+            f"blk.{layer}.ffn_down.weight": (hidden, inter),
+        }
+        for norm in ("attn_norm", "ffn_norm"):
+            weight = 1 + 0.1 * rng.standard_normal(hidden)
+            writer.add_tensor(f"blk.{layer}.{norm}.weight", weight.astype(np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    for index, (name, (rows, cols)) in enumerate(matrices.items()):
+        raw = random_blocks(qtype, rows, cols, seed=seed * 100 + index)
+        writer.add_tensor(name, raw, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_tiny_gguf_of_each_format_runs_quantized(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, make_llm: Callable[..., LLM], qtype: QType
+) -> None:
+    """Loaded quantized (a matrix takes about its file bytes, not float32's), the first greedy
+    token of at least 5 of 6 prompts is that of the float32 de-quantized weights. Random
+    codes make a model of near-ties that the order of float sums can tip; the products
+    themselves are checked to 1e-5 above."""
+    monkeypatch.setenv("ASERVE_CACHE_DIR", str(tmp_path / "cache"))
+    model = tmp_path / f"tiny-{qtype.name}.gguf"
+    write_tiny_llama(model, qtype)
+    quantized = make_llm(model, num_pages=256)
+    reference = make_llm(model, num_pages=256, quantization="none")
+    assert quantized.runtime.model_config.quantization == "gguf"
+    layer = quantized.runtime.engine.model.model.layers[0].mlp.gate_up_proj
+    assert layer.weight is None and layer.quantized.nbytes < 512 * 256 * 2 * 2
+    prompts = [[(7 * i + 3 * j) % 300 + 2 for j in range(5 + i)] for i in range(6)]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ours = quantized.generate(prompts, greedy)
+    theirs = reference.generate(prompts, greedy)
+    agree = sum(a.token_ids[0] == b.token_ids[0] for a, b in zip(ours, theirs))
+    assert agree >= 5, [(a.token_ids, b.token_ids) for a, b in zip(ours, theirs)]
+
+
+@needs_kernels
+def test_embedded_model_quantized_against_its_float32_path(
+    make_llm: Callable[..., LLM], smollm2_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The embedded Q4_1 model on the kernels against the same weights de-quantized to
+    float32: both multiply float32 activations, so only the order of float sums differs
+    (24 of 24 tokens agree for all 8 prompts here); where they part is printed."""
+    from tests.test_generation import TEXTS
+
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    quantized = make_llm(smollm2_dir)
+    float32 = make_llm(smollm2_dir, quantization="none")
+    ours = [o.token_ids for o in quantized.generate(TEXTS, greedy)]
+    theirs = [o.token_ids for o in float32.generate(TEXTS, greedy)]
+    parted = [
+        next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), 24) for x, y in zip(ours, theirs)
+    ]
+    with capsys.disabled():
+        print(f"\nembedded Q4_1 against float32, first differing token of 8 prompts: {parted}")
+    assert "Paris" in quantized.generate(TEXTS[0], greedy)[0].text
+    assert min(parted) >= 8
+
+
+def test_bad_gguf_files_are_one_line(tmp_path: Path) -> None:
+    truncated = tmp_path / "truncated.gguf"
+    write_tiny_llama(truncated, QType.Q4_0)
+    truncated.write_bytes(truncated.read_bytes()[:-5000])
+    unsupported = tmp_path / "unsupported.gguf"
+    writer = gguf.GGUFWriter(unsupported, "llama")
+    for key, value in (("block_count", 1), ("embedding_length", 256)):
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_feed_forward_length(512)
+    writer.add_head_count(4)
+    writer.add_context_length(64)
+    raw = np.zeros((8, 84), np.uint8)  # one Q2_K super-block a row
+    writer.add_tensor("token_embd.weight", raw, raw_dtype=QType.Q2_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    for path, message in (
+        (truncated, "is not a whole GGUF file (truncated or damaged"),
+        (unsupported, "token_embd.weight is Q2_K, which aserve cannot run"),
+    ):
+        result = subprocess.run(
+            [sys.executable, "-m", "aserve", "--model", str(path), "--shell"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={"ASERVE_CACHE_DIR": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"},
+        )
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert lines[-1].startswith("aserve: error: ") and message in lines[-1], lines
+        assert sum("error" in line for line in lines) == 1, lines
+
+
+@pytest.mark.parametrize(("bits", "bound"), [(8, 0.01), (4, 0.12)])
+def test_quantize_keeps_a_float_weight_within_its_step(bits: int, bound: float) -> None:
+    """Gaussian weights lose about 0.6% (int8, steps of max|w| / 127) and 9% (int4, 15 steps
+    from min to max) of their norm; a group's largest magnitude (int8) or its minimum and
+    maximum (int4) come back to float rounding."""
+    weight = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    codes = quantize(weight, bits)
+    back = codes.dequantize()
+    assert codes.bits == bits and codes.group == 32 and codes.codes.dtype == torch.uint8
+    assert float((back - weight).norm() / weight.norm()) < bound
+    grouped, restored = weight.view(64, 8, 32), back.view(64, 8, 32)
+    extremes = (
+        [lambda t: t.abs().amax(-1)] if bits == 8 else [lambda t: t.amax(-1), lambda t: t.amin(-1)]
+    )
+    for extreme in extremes:
+        torch.testing.assert_close(extreme(restored), extreme(grouped), rtol=1e-5, atol=1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_float_checkpoint_quantized_at_load(
+    tmp_path: Path, make_llm: Callable[..., LLM], method: str
+) -> None:
+    """`--quantization int8|int4` on a float checkpoint: the linear layers hold codes (about
+    1 or 0.5 bytes a weight), greedy tokens mostly those of the float model (tiny random
+    models are full of near-ties: int8 must agree on 5 of 6 first tokens, int4 on 3), and
+    dummy weights quantize too."""
+    folder = make_tiny_model("llama", tmp_path / "llama")
+    quantized = make_llm(folder, num_pages=256, quantization=method)
+    reference = make_llm(folder, num_pages=256)
+    assert quantized.runtime.model_config.quantization == method
+    layer = quantized.runtime.engine.model.model.layers[0].mlp.gate_up_proj
+    weights = 256 * 64
+    assert layer.weight is None and layer.quantized.nbytes < weights * (
+        1.3 if method == "int8" else 0.8
+    )
+    prompts = [[(7 * i + 3 * j) % 300 + 2 for j in range(5 + i)] for i in range(6)]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ours = quantized.generate(prompts, greedy)
+    theirs = reference.generate(prompts, greedy)
+    agree = sum(a.token_ids[0] == b.token_ids[0] for a, b in zip(ours, theirs))
+    print(f"\n{method}: first greedy token agrees on {agree} of 6 prompts")
+    assert agree >= (5 if method == "int8" else 3), [
+        (a.token_ids, b.token_ids) for a, b in zip(ours, theirs)
+    ]
+    dummy = make_llm(folder, num_pages=256, dummy_weight=True, quantization=method)
+    assert dummy.runtime.engine.model.model.layers[0].mlp.gate_up_proj.quantized.products
+    assert len(dummy.generate(prompts[0], greedy)[0].token_ids) == 8
+
+
+def test_quantization_choices_refused_in_one_line(tmp_path: Path) -> None:
+    """int4 on an already quantized GGUF, and a checkpoint in a format aserve does not run."""
+    tiny = tmp_path / "tiny.gguf"
+    write_tiny_llama(tiny, QType.Q4_0)
+    awq = make_tiny_model("llama", tmp_path / "awq")
+    config = json.loads((awq / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (awq / "config.json").write_text(json.dumps(config))
+    for model, options, message in (
+        (tiny, ["--quantization", "int4"], "this one is already quantized (GGUF)"),
+        (awq, [], "awq checkpoints are not supported"),
+    ):
+        result = subprocess.run(
+            [sys.executable, "-m", "aserve", "--model", str(model), "--shell", *options],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={"ASERVE_CACHE_DIR": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"},
+        )
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert lines[-1].startswith("aserve: error: ") and message in lines[-1], lines
