@@ -8,13 +8,18 @@
 //   8-bit codes (-128..127): four inputs a word, input i in bits 8i..8i+7.
 // Scales and offsets are stored [panel, group, 8].
 //
-// y[m, n] = sum over k, in order, of w[n, k] * x[m, k], one fused multiply-add per input and
-// the weight de-quantized in a register on the way. Every output takes exactly that sequence of
-// operations whatever the number of rows, the tile it falls in or the thread, so a sequence's
-// logits do not depend on what it is batched with, nor on how much of its prompt was cached.
+// Every output y[m, n] is computed by one fixed sequence of float operations:
+//   total = 0
+//   for each group g:  part = 0;  for k in g, in order: part = fma(code[n, k], x[m, k], part)
+//                      total = fma(scale[n, g], part, total)
+//                      total = fma(offset[n, g], xsum[m, g], total)
+// with xsum[m, g] the sum of x[m, k] over g, added in order. Whatever the number of rows, the
+// tile an output falls in or the thread, it gets exactly these operations, so a sequence's
+// logits do not depend on what it is batched with nor on how much of its prompt was cached.
 // Activations stay float32: rounding them to int8 (llama.cpp's way) turned attention's last-bit
-// differences into visible ones. Tiles hold R rows by P panels (R * P = 8 running sums): many
-// rows share each de-quantized weight vector, and few rows still have 8 independent sums.
+// differences into visible ones. Few rows (decode) expand codes in registers, with R * P = 4
+// outputs' sums under way so that the adds' latency is hidden; many rows (prefill) expand two
+// panels of codes once into a buffer and run 6-row tiles over it.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -34,7 +39,7 @@ namespace {
 constexpr int64_t kLanes = 8;       // output features per panel
 constexpr int64_t kRowBlock = 64;   // rows of x that stay in cache while every panel passes
 constexpr int64_t kPanelBlock = 8;  // panels per unit of parallel work
-constexpr int64_t kManyRows = 16;   // from this many rows the weights are expanded to a buffer
+constexpr int64_t kManyRows = 16;   // from this many rows the codes are expanded to a buffer
 
 struct Weight {
   const uint32_t* words;  // [panels, groups, words_per_group, 8]
@@ -46,218 +51,248 @@ struct Weight {
   int64_t inputs_per_word() const { return four_bit ? 8 : 4; }
   int64_t words_per_group() const { return group / inputs_per_word(); }
   int64_t panel_words() const { return groups * words_per_group() * kLanes; }
+  int64_t at(int64_t panel, int64_t g) const { return (panel * groups + g) * kLanes; }
 };
 
-// The code of input i (of its word) in each lane.
+struct Rows {
+  const float* x;     // [rows, cols]
+  const float* xsum;  // [rows, groups]
+  float* y;           // [rows, out]
+  int64_t cols, groups, out;
+};
+
 #ifdef ASERVE_AVX2
+// The code of input i (of its word) in each lane, as a float.
 template <bool FourBit>
 inline __m256 code_of(__m256i words, int i) {
   if (FourBit) {
-    const __m256i nibble = _mm256_and_si256(_mm256_srli_epi32(words, 4 * i), _mm256_set1_epi32(15));
-    return _mm256_cvtepi32_ps(nibble);
+    return _mm256_cvtepi32_ps(
+        _mm256_and_si256(_mm256_srli_epi32(words, 4 * i), _mm256_set1_epi32(15)));
   }
   // Shift the byte to the top, then back down with its sign.
-  const __m256i top = _mm256_sllv_epi32(words, _mm256_set1_epi32(24 - 8 * i));
-  return _mm256_cvtepi32_ps(_mm256_srai_epi32(top, 24));
+  return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(words, 24 - 8 * i), 24));
 }
 
+// One group's part folded into the totals: total = fma(scale, part, total), then the offset.
+inline __m256 close_group(const Weight& w, const Rows& a, int64_t row, int64_t panel, int64_t g,
+                          __m256 part, __m256 total) {
+  total = _mm256_fmadd_ps(_mm256_loadu_ps(w.scales + w.at(panel, g)), part, total);
+  return _mm256_fmadd_ps(_mm256_loadu_ps(w.offsets + w.at(panel, g)),
+                         _mm256_broadcast_ss(a.xsum + row * a.groups + g), total);
+}
+
+// R rows against P panels, codes expanded in registers.
 template <int R, int P, bool FourBit>
-void tile(const Weight& w, const float* x, int64_t first_row, int64_t first_panel, float* y,
-          int64_t out) {
-  __m256 acc[R][P];
-  #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-    #pragma GCC unroll 16
-    for (int p = 0; p < P; ++p) acc[r][p] = _mm256_setzero_ps();
+void tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_panel) {
   constexpr int per_word = FourBit ? 8 : 4;
   const int64_t words = w.words_per_group();
+  __m256 total[R][P];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) total[r][p] = _mm256_setzero_ps();
   for (int64_t g = 0; g < w.groups; ++g) {
-    __m256 scale[P], offset[P];
-    #pragma GCC unroll 16
-    for (int p = 0; p < P; ++p) {
-      const int64_t at = ((first_panel + p) * w.groups + g) * kLanes;
-      scale[p] = _mm256_loadu_ps(w.scales + at);
-      offset[p] = _mm256_loadu_ps(w.offsets + at);
-    }
+    __m256 part[R][P];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int p = 0; p < P; ++p) part[r][p] = _mm256_setzero_ps();
     for (int64_t v = 0; v < words; ++v) {
+      const int64_t k0 = g * w.group + v * per_word;
       __m256i word[P];
-      #pragma GCC unroll 16
+#pragma GCC unroll 8
       for (int p = 0; p < P; ++p) {
         const uint32_t* src =
             w.words + (first_panel + p) * w.panel_words() + (g * words + v) * kLanes;
         word[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
       }
-      const int64_t k0 = g * w.group + v * per_word;
-      #pragma GCC unroll 16
+#pragma GCC unroll 8
       for (int i = 0; i < per_word; ++i) {
-        #pragma GCC unroll 16
+#pragma GCC unroll 8
         for (int p = 0; p < P; ++p) {
-          const __m256 weight = _mm256_fmadd_ps(code_of<FourBit>(word[p], i), scale[p], offset[p]);
-          #pragma GCC unroll 16
+          const __m256 code = code_of<FourBit>(word[p], i);
+#pragma GCC unroll 8
           for (int r = 0; r < R; ++r) {
-            const __m256 xk = _mm256_broadcast_ss(x + (first_row + r) * w.cols + k0 + i);
-            acc[r][p] = _mm256_fmadd_ps(weight, xk, acc[r][p]);
+            const __m256 xk = _mm256_broadcast_ss(a.x + (first_row + r) * a.cols + k0 + i);
+            part[r][p] = _mm256_fmadd_ps(code, xk, part[r][p]);
           }
         }
       }
     }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int p = 0; p < P; ++p)
+        total[r][p] = close_group(w, a, first_row + r, first_panel + p, g, part[r][p], total[r][p]);
   }
-  #pragma GCC unroll 16
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
-    #pragma GCC unroll 16
+#pragma GCC unroll 8
     for (int p = 0; p < P; ++p)
-      _mm256_storeu_ps(y + (first_row + r) * out + (first_panel + p) * kLanes, acc[r][p]);
+      _mm256_storeu_ps(a.y + (first_row + r) * a.out + (first_panel + p) * kLanes, total[r][p]);
 }
 
-// Panels [first, first + P) as float32 in `buffer`, [panel][input][lane]: the weights that many
-// rows share are expanded once instead of once per tile of rows.
+// Panels [first, first + P) as float codes in `buffer`, [panel][input][lane]: the codes that
+// many rows share are expanded once instead of once per tile of rows.
 template <int P, bool FourBit>
 void expand_panels(const Weight& w, int64_t first, float* buffer) {
   constexpr int per_word = FourBit ? 8 : 4;
   const int64_t words = w.words_per_group();
-  #pragma GCC unroll 16
   for (int p = 0; p < P; ++p) {
     float* out = buffer + p * w.cols * kLanes;
-    for (int64_t g = 0; g < w.groups; ++g) {
-      const int64_t at = ((first + p) * w.groups + g) * kLanes;
-      const __m256 scale = _mm256_loadu_ps(w.scales + at), offset = _mm256_loadu_ps(w.offsets + at);
-      for (int64_t v = 0; v < words; ++v) {
-        const uint32_t* src = w.words + (first + p) * w.panel_words() + (g * words + v) * kLanes;
-        const __m256i word = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-        const int64_t k0 = g * w.group + v * per_word;
-        #pragma GCC unroll 16
-        for (int i = 0; i < per_word; ++i) {
-          _mm256_storeu_ps(out + (k0 + i) * kLanes,
-                           _mm256_fmadd_ps(code_of<FourBit>(word, i), scale, offset));
-        }
+    const uint32_t* src = w.words + (first + p) * w.panel_words();
+    for (int64_t word = 0; word < w.groups * words; ++word) {
+      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + word * kLanes));
+#pragma GCC unroll 8
+      for (int i = 0; i < per_word; ++i) {
+        _mm256_storeu_ps(out + (word * per_word + i) * kLanes, code_of<FourBit>(bits, i));
       }
     }
   }
 }
 
-// The same sums as `tile`, reading the weights from `expand_panels`' buffer.
+// The same operations as `tile`, codes read from `expand_panels`' buffer; the totals wait in
+// y between groups (12 parts fill the registers).
 template <int R, int P>
-void tile_from_buffer(const float* buffer, const float* x, int64_t cols, int64_t first_row,
-                      int64_t first_panel, float* y, int64_t out) {
-  __m256 acc[R][P];
-  #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-    #pragma GCC unroll 16
-    for (int p = 0; p < P; ++p) acc[r][p] = _mm256_setzero_ps();
+void tile_from_buffer(const Weight& w, const Rows& a, const float* buffer, int64_t first_row,
+                      int64_t first_panel) {
   const float* rows[R];
-  #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) rows[r] = x + (first_row + r) * cols;
-  for (int64_t k = 0; k < cols; ++k) {
-    __m256 weight[P];
-    #pragma GCC unroll 16
-    for (int p = 0; p < P; ++p) weight[p] = _mm256_loadu_ps(buffer + (p * cols + k) * kLanes);
-    #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const __m256 xk = _mm256_broadcast_ss(rows[r] + k);
-      #pragma GCC unroll 16
-      for (int p = 0; p < P; ++p) acc[r][p] = _mm256_fmadd_ps(weight[p], xk, acc[r][p]);
-    }
+  float* totals[R];
+  const float* codes[P];
+#pragma GCC unroll 8
+  for (int p = 0; p < P; ++p) codes[p] = buffer + p * a.cols * kLanes;
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    rows[r] = a.x + (first_row + r) * a.cols;
+    totals[r] = a.y + (first_row + r) * a.out + first_panel * kLanes;
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) _mm256_storeu_ps(totals[r] + p * kLanes, _mm256_setzero_ps());
   }
-  #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-    #pragma GCC unroll 16
-    for (int p = 0; p < P; ++p)
-      _mm256_storeu_ps(y + (first_row + r) * out + (first_panel + p) * kLanes, acc[r][p]);
+  for (int64_t g = 0; g < w.groups; ++g) {
+    __m256 part[R][P];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int p = 0; p < P; ++p) part[r][p] = _mm256_setzero_ps();
+    const int64_t begin = g * w.group, end = begin + w.group;
+    for (int64_t k = begin; k < end; ++k) {
+      __m256 code[P];
+#pragma GCC unroll 8
+      for (int p = 0; p < P; ++p) code[p] = _mm256_loadu_ps(codes[p] + k * kLanes);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256 xk = _mm256_broadcast_ss(rows[r] + k);
+#pragma GCC unroll 8
+        for (int p = 0; p < P; ++p) part[r][p] = _mm256_fmadd_ps(code[p], xk, part[r][p]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int p = 0; p < P; ++p) {
+        float* total = totals[r] + p * kLanes;
+        _mm256_storeu_ps(total, close_group(w, a, first_row + r, first_panel + p, g, part[r][p],
+                                            _mm256_loadu_ps(total)));
+      }
+  }
 }
 
 template <int P>
-void rows_from_buffer(const float* buffer, const float* x, int64_t cols, int64_t first,
-                      int64_t last, int64_t first_panel, float* y, int64_t out) {
+void rows_from_buffer(const Weight& w, const Rows& a, const float* buffer, int64_t first,
+                      int64_t last, int64_t panel) {
   int64_t row = first;
-  for (; row + 6 <= last; row += 6) tile_from_buffer<6, P>(buffer, x, cols, row, first_panel, y, out);
+  for (; row + 6 <= last; row += 6) tile_from_buffer<6, P>(w, a, buffer, row, panel);
   switch (last - row) {
-    case 5: tile_from_buffer<5, P>(buffer, x, cols, row, first_panel, y, out); break;
-    case 4: tile_from_buffer<4, P>(buffer, x, cols, row, first_panel, y, out); break;
-    case 3: tile_from_buffer<3, P>(buffer, x, cols, row, first_panel, y, out); break;
-    case 2: tile_from_buffer<2, P>(buffer, x, cols, row, first_panel, y, out); break;
-    case 1: tile_from_buffer<1, P>(buffer, x, cols, row, first_panel, y, out); break;
+    case 5: tile_from_buffer<5, P>(w, a, buffer, row, panel); break;
+    case 4: tile_from_buffer<4, P>(w, a, buffer, row, panel); break;
+    case 3: tile_from_buffer<3, P>(w, a, buffer, row, panel); break;
+    case 2: tile_from_buffer<2, P>(w, a, buffer, row, panel); break;
+    case 1: tile_from_buffer<1, P>(w, a, buffer, row, panel); break;
     default: break;
   }
 }
 
-// Many rows: two panels at a time expanded into `buffer` (2 * cols * 8 floats), then every
-// row against them.
 template <bool FourBit>
-void many_rows_against_panels(const Weight& w, const float* x, int64_t first, int64_t last,
-                              int64_t first_panel, int64_t last_panel, float* y, int64_t out,
-                              float* buffer) {
+void many_rows(const Weight& w, const Rows& a, int64_t first, int64_t last, int64_t first_panel,
+               int64_t last_panel, float* buffer) {
   int64_t p = first_panel;
   for (; p + 2 <= last_panel; p += 2) {
     expand_panels<2, FourBit>(w, p, buffer);
-    rows_from_buffer<2>(buffer, x, w.cols, first, last, p, y, out);
+    rows_from_buffer<2>(w, a, buffer, first, last, p);
   }
   if (p < last_panel) {
     expand_panels<1, FourBit>(w, p, buffer);
-    rows_from_buffer<1>(buffer, x, w.cols, first, last, p, y, out);
+    rows_from_buffer<1>(w, a, buffer, first, last, p);
   }
-}
-#else
-template <bool FourBit>
-inline float code_of(uint32_t word, int i) {
-  if (FourBit) return static_cast<float>((word >> (4 * i)) & 15);
-  return static_cast<float>(static_cast<int8_t>((word >> (8 * i)) & 255));
 }
 
 template <int R, int P, bool FourBit>
-void tile(const Weight& w, const float* x, int64_t first_row, int64_t first_panel, float* y,
-          int64_t out) {
-  constexpr int per_word = FourBit ? 8 : 4;
-  const int64_t words = w.words_per_group();
-  for (int64_t p = first_panel; p < first_panel + P; ++p) {
-    for (int64_t lane = 0; lane < kLanes; ++lane) {
-      float acc[R] = {};
-      for (int64_t g = 0; g < w.groups; ++g) {
-        const float scale = w.scales[(p * w.groups + g) * kLanes + lane];
-        const float offset = w.offsets[(p * w.groups + g) * kLanes + lane];
-        for (int64_t v = 0; v < words; ++v) {
-          const uint32_t word = w.words[p * w.panel_words() + (g * words + v) * kLanes + lane];
-          const int64_t k0 = g * w.group + v * per_word;
-          #pragma GCC unroll 16
-          for (int i = 0; i < per_word; ++i) {
-            const float weight = std::fma(code_of<FourBit>(word, i), scale, offset);
-            #pragma GCC unroll 16
-            for (int r = 0; r < R; ++r) {
-              acc[r] = std::fma(weight, x[(first_row + r) * w.cols + k0 + i], acc[r]);
+void panels_at(const Weight& w, const Rows& a, int64_t row, int64_t first_panel,
+               int64_t last_panel) {
+  int64_t p = first_panel;
+  for (; p + P <= last_panel; p += P) tile<R, P, FourBit>(w, a, row, p);
+  for (; p < last_panel; ++p) tile<R, 1, FourBit>(w, a, row, p);
+}
+
+template <bool FourBit>
+void few_rows(const Weight& w, const Rows& a, int64_t first, int64_t last, int64_t first_panel,
+              int64_t last_panel) {
+  int64_t row = first;
+  for (; row + 4 <= last; row += 4) panels_at<4, 1, FourBit>(w, a, row, first_panel, last_panel);
+  if (row + 2 <= last) {
+    panels_at<2, 2, FourBit>(w, a, row, first_panel, last_panel);
+    row += 2;
+  }
+  if (row < last) panels_at<1, 4, FourBit>(w, a, row, first_panel, last_panel);
+}
+
+void rows_against_panels(const Weight& w, const Rows& a, int64_t first, int64_t last,
+                         int64_t first_panel, int64_t last_panel, std::vector<float>& buffer) {
+  if (last - first >= kManyRows) {
+    buffer.resize(2 * w.cols * kLanes);
+    if (w.four_bit) {
+      many_rows<true>(w, a, first, last, first_panel, last_panel, buffer.data());
+    } else {
+      many_rows<false>(w, a, first, last, first_panel, last_panel, buffer.data());
+    }
+  } else if (w.four_bit) {
+    few_rows<true>(w, a, first, last, first_panel, last_panel);
+  } else {
+    few_rows<false>(w, a, first, last, first_panel, last_panel);
+  }
+}
+#else
+inline float code_of(uint32_t word, int i, bool four_bit) {
+  if (four_bit) return static_cast<float>((word >> (4 * i)) & 15);
+  return static_cast<float>(static_cast<int8_t>((word >> (8 * i)) & 255));
+}
+
+// The same operations, one output at a time.
+void rows_against_panels(const Weight& w, const Rows& a, int64_t first, int64_t last,
+                         int64_t first_panel, int64_t last_panel, std::vector<float>&) {
+  const int64_t per_word = w.inputs_per_word(), words = w.words_per_group();
+  for (int64_t m = first; m < last; ++m) {
+    for (int64_t p = first_panel; p < last_panel; ++p) {
+      for (int64_t lane = 0; lane < kLanes; ++lane) {
+        float total = 0;
+        for (int64_t g = 0; g < w.groups; ++g) {
+          float part = 0;
+          for (int64_t v = 0; v < words; ++v) {
+            const uint32_t word = w.words[p * w.panel_words() + (g * words + v) * kLanes + lane];
+            const int64_t k0 = g * w.group + v * per_word;
+            for (int64_t i = 0; i < per_word; ++i) {
+              part = std::fma(code_of(word, i, w.four_bit), a.x[m * a.cols + k0 + i], part);
             }
           }
+          total = std::fma(w.scales[w.at(p, g) + lane], part, total);
+          total = std::fma(w.offsets[w.at(p, g) + lane], a.xsum[m * a.groups + g], total);
         }
+        a.y[m * a.out + p * kLanes + lane] = total;
       }
-      #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) y[(first_row + r) * out + p * kLanes + lane] = acc[r];
     }
   }
 }
 #endif
-
-// Rows [first, last) against panels [first_panel, last_panel): the widest tiles that fit.
-template <int R, int P, bool FourBit>
-void panels_at(const Weight& w, const float* x, int64_t row, int64_t first_panel,
-               int64_t last_panel, float* y, int64_t out) {
-  int64_t p = first_panel;
-  for (; p + P <= last_panel; p += P) tile<R, P, FourBit>(w, x, row, p, y, out);
-  for (; p < last_panel; ++p) tile<R, 1, FourBit>(w, x, row, p, y, out);
-}
-
-template <bool FourBit>
-void rows_against_panels(const Weight& w, const float* x, int64_t first, int64_t last,
-                         int64_t first_panel, int64_t last_panel, float* y, int64_t out) {
-  int64_t row = first;
-  for (; row + 8 <= last; row += 8) panels_at<8, 1, FourBit>(w, x, row, first_panel, last_panel, y, out);
-  if (row + 4 <= last) {
-    panels_at<4, 2, FourBit>(w, x, row, first_panel, last_panel, y, out);
-    row += 4;
-  }
-  if (row + 2 <= last) {
-    panels_at<2, 4, FourBit>(w, x, row, first_panel, last_panel, y, out);
-    row += 2;
-  }
-  if (row < last) panels_at<1, 8, FourBit>(w, x, row, first_panel, last_panel, y, out);
-}
 
 Weight weight_of(const at::Tensor& words, const at::Tensor& scales, const at::Tensor& offsets,
                  int64_t group, bool four_bit) {
@@ -291,38 +326,26 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& words, const at::Tensor
   TORCH_CHECK(x.size(1) == w.cols, "x has ", x.size(1), " columns, the weight ", w.cols);
   const int64_t rows = x.size(0), out = w.panels * kLanes;
   at::Tensor y = at::empty({rows, out}, x.options());
+  at::Tensor xsum = at::empty({rows, w.groups}, x.options());
   const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  float* sp = xsum.data_ptr<float>();
+  for (int64_t i = 0; i < rows * w.groups; ++i) {
+    float sum = 0;
+    for (int64_t k = 0; k < w.group; ++k) sum += xp[i * w.group + k];
+    sp[i] = sum;
+  }
+  const Rows a{xp, sp, y.data_ptr<float>(), w.cols, w.groups, out};
   const int64_t row_blocks = (rows + kRowBlock - 1) / kRowBlock;
   const int64_t panel_blocks = (w.panels + kPanelBlock - 1) / kPanelBlock;
   // Work units in row-block-major order: a thread's units mostly share one block of x.
   at::parallel_for(0, row_blocks * panel_blocks, 1, [&](int64_t begin, int64_t end) {
-#ifdef ASERVE_AVX2
     std::vector<float> buffer;
-#endif
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t rb = unit / panel_blocks, pb = unit % panel_blocks;
       const int64_t first = rb * kRowBlock, last = std::min(rows, first + kRowBlock);
       const int64_t first_panel = pb * kPanelBlock;
       const int64_t last_panel = std::min(w.panels, first_panel + kPanelBlock);
-#ifdef ASERVE_AVX2
-      if (last - first >= kManyRows) {
-        buffer.resize(2 * w.cols * kLanes);
-        if (w.four_bit) {
-          many_rows_against_panels<true>(w, xp, first, last, first_panel, last_panel, yp, out,
-                                         buffer.data());
-        } else {
-          many_rows_against_panels<false>(w, xp, first, last, first_panel, last_panel, yp, out,
-                                          buffer.data());
-        }
-        continue;
-      }
-#endif
-      if (w.four_bit) {
-        rows_against_panels<true>(w, xp, first, last, first_panel, last_panel, yp, out);
-      } else {
-        rows_against_panels<false>(w, xp, first, last, first_panel, last_panel, yp, out);
-      }
+      rows_against_panels(w, a, first, last, first_panel, last_panel, buffer);
     }
   });
   return y;
