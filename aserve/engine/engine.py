@@ -85,7 +85,7 @@ class Engine:
             )
         self.free_memory_before_load = free_device_memory(self.device)
         started = time.perf_counter()
-        ops = fused_ops(self.device, self.dtype)
+        ops = fused_ops(self.device, self.dtype, model_config.quantization is not None)
         with _construct_on(self.device, self.dtype):
             self.model = build_model(
                 model_config, self.max_seq_len, self.tp, ops, config.moe_backend, self.device
@@ -99,7 +99,7 @@ class Engine:
             self.model.load_weights(weights)
         self.model.finalize_quantized(self.device, self.dtype)
         self.model.eval()
-        if ops is not None:
+        if ops is not None and self.device.type == "cuda":
             use_one_row_kernel(self.model)
         if self.device.type == "cpu":
             pack_linear_weights(self.model)

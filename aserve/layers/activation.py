@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 import torch.nn.functional as F
 
+from aserve.layers.fused import FusedOps
 
-def silu_and_mul(gate_up: torch.Tensor, ops: ModuleType | None = None) -> torch.Tensor:
+
+def silu_and_mul(gate_up: torch.Tensor, ops: FusedOps | None = None) -> torch.Tensor:
     """`ops` (FlashInfer) does it in one kernel."""
     if ops is not None:
         return ops.silu_and_mul(gate_up)

@@ -1,8 +1,9 @@
-"""FlashInfer's fused kernels for layers that run on CUDA in half precision.
+"""Fused kernels for the layers' small steps: FlashInfer's on CUDA in half precision, aserve's
+own CPU ones (layers/cpu_ops.py, the same function names) for quantized models on CPU.
 
-The model is built with `ops` from `fused_ops(device, dtype)`: the `flashinfer` module where
-its kernels apply, otherwise None, and the layers then use their plain PyTorch code (CPU,
-float32, or no FlashInfer installed).
+The model is built with `ops` from `fused_ops(device, dtype, quantized)`: the `flashinfer`
+module or a `CpuKernels` where they apply, otherwise None, and the layers then use their
+plain PyTorch code (float models on CPU, or no FlashInfer installed).
 """
 
 from __future__ import annotations
@@ -11,8 +12,14 @@ from types import ModuleType
 
 import torch
 
+from aserve.layers.cpu_ops import CpuKernels, cpu_kernels
 
-def fused_ops(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
+FusedOps = ModuleType | CpuKernels
+
+
+def fused_ops(device: torch.device, dtype: torch.dtype, quantized: bool = False) -> FusedOps | None:
+    if device.type == "cpu":
+        return cpu_kernels(device, dtype, quantized)
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
         return None
     try:

@@ -13,7 +13,6 @@ quantized as it arrives), packs and multiplies it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +22,7 @@ from aserve.distributed.group import TPGroup
 from aserve.layers.activation import silu_and_mul
 from aserve.layers.cpu_gemm import PackedWeight, can_pack
 from aserve.layers.embedding import VocabParallelEmbedding
+from aserve.layers.fused import FusedOps
 from aserve.layers.weight import WeightSource
 from aserve.quant.method import QuantizedLinearWeight
 
@@ -157,7 +157,7 @@ class RowParallelLinear(nn.Module):
             partial = F.linear(x, self.weight)
         return self._reduce(partial)
 
-    def forward_gated(self, gate_up: torch.Tensor, ops: ModuleType | None) -> torch.Tensor:
+    def forward_gated(self, gate_up: torch.Tensor, ops: FusedOps | None) -> torch.Tensor:
         """The layer applied to SiLU(gate) * up of a fused gate|up output: at one row on CUDA
         one kernel does both."""
         if self.one_row is not None and self.weight is not None and gate_up.shape[0] == 1:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 from torch import nn
 
 from aserve.distributed.group import TPGroup
+from aserve.layers.fused import FusedOps
 from aserve.layers.weight import WeightSource
 
 
@@ -15,7 +14,7 @@ class RMSNorm(nn.Module):
     """With `ops` (FlashInfer), one fused kernel; `add_and_norm` then updates the residual and
     the input in place."""
 
-    def __init__(self, size: int, eps: float, ops: ModuleType | None = None) -> None:
+    def __init__(self, size: int, eps: float, ops: FusedOps | None = None) -> None:
         super().__init__()
         self.eps = eps
         self.ops = ops

@@ -7,11 +7,12 @@ and looked up per token. Llama-3 frequency scaling and linear scaling are suppor
 from __future__ import annotations
 
 import math
-from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
+
+from aserve.layers.fused import FusedOps
 
 
 def _base_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -55,7 +56,7 @@ class RotaryEmbedding(nn.Module):
         max_positions: int,
         theta: float,
         scaling: dict[str, Any] | None,
-        ops: ModuleType | None = None,
+        ops: FusedOps | None = None,
     ) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)

@@ -21,6 +21,7 @@ from aserve.distributed.group import TPGroup
 from aserve.forward import ForwardBatch
 from aserve.layers.cpu_gemm import can_pack
 from aserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from aserve.layers.fused import FusedOps
 from aserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from aserve.layers.norm import RMSNorm
 from aserve.layers.rotary import RotaryEmbedding
@@ -35,7 +36,7 @@ class DecoderAttention(nn.Module):
         layer: int,
         rotary: RotaryEmbedding,
         tp: TPGroup,
-        ops: ModuleType | None,
+        ops: FusedOps | None,
     ) -> None:
         super().__init__()
         self.layer = layer
@@ -101,10 +102,10 @@ class DecoderAttention(nn.Module):
         return self.o_proj(out)
 
 
-def _fused_norm_rope_store(ops: ModuleType | None, head_dim: int) -> Callable[..., None] | None:
+def _fused_norm_rope_store(ops: FusedOps | None, head_dim: int) -> Callable[..., None] | None:
     """The one-kernel Q/K norm, RoPE and KV write (`layers/rope_store.py`) where the layers
-    use fused kernels (CUDA, half precision) and Triton is installed, else None."""
-    if ops is None or head_dim not in (64, 128, 256):
+    use FlashInfer's kernels (CUDA, half precision) and Triton is installed, else None."""
+    if not isinstance(ops, ModuleType) or head_dim not in (64, 128, 256):
         return None
     try:
         from aserve.layers.rope_store import norm_rope_store
@@ -118,7 +119,7 @@ MLPFactory = Callable[[int], nn.Module]
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPGroup, ops: ModuleType | None) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup, ops: FusedOps | None) -> None:
         super().__init__()
         self.ops = ops
         inter = config.intermediate_size
@@ -141,7 +142,7 @@ class DecoderLayer(nn.Module):
         layer: int,
         rotary: RotaryEmbedding,
         tp: TPGroup,
-        ops: ModuleType | None,
+        ops: FusedOps | None,
         mlp: nn.Module,
     ) -> None:
         super().__init__()
@@ -178,7 +179,7 @@ class DecoderModel(nn.Module):
         config: ModelConfig,
         max_positions: int,
         tp: TPGroup,
-        ops: ModuleType | None,
+        ops: FusedOps | None,
         make_mlp: MLPFactory,
     ) -> None:
         super().__init__()
@@ -225,7 +226,7 @@ class DecoderForCausalLM(nn.Module):
         config: ModelConfig,
         max_positions: int,
         tp: TPGroup,
-        ops: ModuleType | None = None,
+        ops: FusedOps | None = None,
         make_mlp: MLPFactory | None = None,
     ) -> None:
         super().__init__()

@@ -8,12 +8,11 @@ aserve/layers/moe.py); the others, e.g. those in `mlp_only_layers`, keep a dense
 
 from __future__ import annotations
 
-from types import ModuleType
-
 from torch import nn
 
 from aserve.config import ModelConfig
 from aserve.distributed.group import TPGroup
+from aserve.layers.fused import FusedOps
 from aserve.layers.moe import TORCH_BACKEND, ExpertWeights, MoEBackend, SparseMoE
 from aserve.layers.weight import WeightSource
 from aserve.models.decoder import DecoderForCausalLM, DecoderMLP
@@ -27,7 +26,7 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
         config: ModelConfig,
         max_positions: int,
         tp: TPGroup,
-        ops: ModuleType | None = None,
+        ops: FusedOps | None = None,
         backend: MoEBackend = TORCH_BACKEND,
     ) -> None:
         def make_mlp(layer: int) -> nn.Module:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 
 from aserve.config import ModelConfig
 from aserve.distributed.group import TPGroup
+from aserve.layers.fused import FusedOps
 from aserve.layers.moe import moe_backend as select_moe_backend
 from aserve.models.decoder import DecoderForCausalLM
 from aserve.models.moe import Qwen3MoeForCausalLM
@@ -17,7 +16,7 @@ def build_model(
     config: ModelConfig,
     max_positions: int,
     tp: TPGroup,
-    ops: ModuleType | None = None,
+    ops: FusedOps | None = None,
     moe_backend: str = "auto",
     device: torch.device | None = None,
 ) -> DecoderForCausalLM:
