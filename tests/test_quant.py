@@ -259,6 +259,7 @@ def test_float_checkpoint_quantized_at_load(
     quantized = make_llm(folder, num_pages=256, quantization=method)
     reference = make_llm(folder, num_pages=256)
     assert quantized.runtime.model_config.quantization == method
+    assert quantized.runtime.engine.weight_bytes < reference.runtime.engine.weight_bytes
     layer = quantized.runtime.engine.model.model.layers[0].mlp.gate_up_proj
     weights = 256 * 64
     assert layer.weight is None and layer.quantized.nbytes < weights * (

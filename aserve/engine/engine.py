@@ -106,6 +106,7 @@ class Engine:
             self.model.pack_lm_head(None if config.dummy_weight else model_dir)
             return_freed_memory()
         self.load_seconds = time.perf_counter() - started
+        self.weight_bytes = weight_bytes(self.model)
         self.free_memory_after_load = free_device_memory(self.device)
 
         self.num_pages = plan_num_pages(
@@ -239,7 +240,8 @@ class Engine:
             f"kv_cache={self.kv_cache_bytes / GiB:.2f} GiB context_len={self.max_seq_len} "
             f"free_mem_before_load={self.free_memory_before_load / GiB:.2f} GiB "
             f"free_mem_after_load={self.free_memory_after_load / GiB:.2f} GiB "
-            f"load_time={self.load_seconds:.1f}s cuda_graph={self.graphs is not None}"
+            f"weights={self.weight_bytes / 2**20:.0f} MiB load_time={self.load_seconds:.1f}s "
+            f"cuda_graph={self.graphs is not None}"
         )
 
     @torch.inference_mode()
@@ -261,3 +263,23 @@ class Engine:
 
     def record_tokens(self, batch: ForwardBatch, next_ids: torch.Tensor) -> None:
         self.page_table.tokens.view(-1).index_copy_(0, batch.record_index, next_ids)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights in whatever form the layers keep them (plain, MKL-packed, quantized),
+    a tensor that tied layers share counted once."""
+    storages: dict[int, int] = {}
+    for tensor in model.parameters():
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    extra = 0
+    for module in model.modules():
+        packed = getattr(module, "packed", None)
+        if packed is not None:  # MKL's packed copy is opaque: counted as the plain matrix
+            extra += packed.stand_in.numel() * packed.stand_in.element_size()
+        lookup = getattr(module, "lookup_table", None)
+        if lookup is not None:
+            storages[lookup.untyped_storage().data_ptr()] = lookup.nbytes
+        for held in (getattr(module, "quantized", None), getattr(module, "table", None)):
+            if held is not None and not isinstance(held, bool):
+                extra += held.nbytes
+    return sum(storages.values()) + extra
