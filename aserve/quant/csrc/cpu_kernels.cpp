@@ -65,12 +65,19 @@ struct Rows {
 // The code of input i (of its word) in each lane, as a float.
 template <bool FourBit>
 inline __m256 code_of(__m256i words, int i) {
+  // A code c below 2^23 put in the mantissa of 2^23 is the float 2^23 + c; subtracting 2^23
+  // leaves c exactly. Cheaper than an int-to-float conversion, which some CPUs run on one
+  // port only. 8-bit codes are stored with their sign flipped (c + 128) for this.
+  const __m256i magic = _mm256_set1_epi32(0x4B000000);
   if (FourBit) {
-    return _mm256_cvtepi32_ps(
-        _mm256_and_si256(_mm256_srli_epi32(words, 4 * i), _mm256_set1_epi32(15)));
+    const __m256i code = _mm256_and_si256(_mm256_srli_epi32(words, 4 * i), _mm256_set1_epi32(15));
+    return _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(code, magic)),
+                         _mm256_set1_ps(8388608.0f));
   }
-  // Shift the byte to the top, then back down with its sign.
-  return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(words, 24 - 8 * i), 24));
+  const __m256i code =
+      _mm256_and_si256(_mm256_srli_epi32(_mm256_xor_si256(words, _mm256_set1_epi32(0x80808080)), 8 * i),
+                       _mm256_set1_epi32(255));
+  return _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(code, magic)), _mm256_set1_ps(8388736.0f));
 }
 
 // One group's part folded into the totals: total = fma(scale, part, total), then the offset.
