@@ -45,6 +45,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--moe-backend", default="auto", help="MoE models: auto, torch or fused")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", default="auto", help="auto, none, int8 or int4")
     p.add_argument("--seeded", action="store_true", help="give every request its own seed")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (GPUs)")
     p.add_argument(
@@ -89,7 +90,9 @@ def build_llm(args: argparse.Namespace) -> LLM:
         moe_backend=args.moe_backend,
         dtype=args.dtype,
         tensor_parallel_size=args.tp,
+        quantization=args.quantization,
     )
+    print(f"weights {llm.runtime.engine.weight_bytes / 2**30:.2f} GiB", flush=True)
     llm.generate([list(range(1, 17))], SamplingParams(max_tokens=4, ignore_eos=True))
     return llm
 
@@ -149,6 +152,7 @@ def main() -> None:
             "attention_backend",
             "moe_backend",
             "dtype",
+            "quantization",
             "dummy_weight",
             "repeat",
             "seeded",

@@ -78,9 +78,9 @@ class Engine:
         if config.max_seq_len_override is not None:
             self.max_seq_len = config.max_seq_len_override
 
-        if model_config.quantization is not None and self.device.type != "cpu":
+        if model_config.quantization is not None and self.device.type not in ("cpu", "cuda"):
             raise ConfigError(
-                "quantized weights run on CPU for now: pass --quantization none to run "
+                "quantized weights run on CPU and CUDA: pass --quantization none to run "
                 f"the model in --dtype on {self.device.type}"
             )
         self.free_memory_before_load = free_device_memory(self.device)

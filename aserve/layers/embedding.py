@@ -59,10 +59,12 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.data[: rows.shape[0]].copy_(rows)
         self.weight.data[rows.shape[0] :].zero_()
 
-    def finalize_quantized(self, dtype: torch.dtype, lookups: bool, head: bool) -> None:
+    def finalize_quantized(
+        self, device: torch.device, dtype: torch.dtype, lookups: bool, head: bool
+    ) -> None:
         """Pack a table that arrived quantized: for row lookups, for the logits, or both."""
         assert self.loaded is not None, "the table was never loaded"
-        self.table = QuantizedTable(self.loaded, dtype, lookups, head)
+        self.table = QuantizedTable(self.loaded, device, dtype, lookups, head)
         self.loaded = None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

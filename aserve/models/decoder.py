@@ -308,6 +308,6 @@ class DecoderForCausalLM(nn.Module):
                 module.quantized.finalize(device, dtype)
         embed, head = self.model.embed_tokens, self.lm_head
         if embed.quantized:
-            embed.finalize_quantized(dtype, lookups=True, head=head is embed)
+            embed.finalize_quantized(device, dtype, lookups=True, head=head is embed)
         if head is not embed and head.quantized:
-            head.finalize_quantized(dtype, lookups=False, head=True)
+            head.finalize_quantized(device, dtype, lookups=False, head=True)

@@ -89,3 +89,18 @@ def quantize(weight: torch.Tensor, bits: int, group: int = 32) -> Codes:
         codes = steps.round().clamp(0, 15).to(torch.uint8)
         return Codes(codes.view(rows, cols), scales, low, group, 4)
     raise ValueError(f"weights quantize to 4 or 8 bits, not {bits}")
+
+
+def groups_of_at_most_32(codes: Codes) -> Codes:
+    """Groups wider than 32 (no GGUF format has them) split into groups of 32 that repeat
+    the scale and offset."""
+    if codes.group <= 32:
+        return codes
+    repeat = codes.group // 32
+    return Codes(
+        codes.codes,
+        codes.scales.repeat_interleave(repeat, 1),
+        codes.offsets.repeat_interleave(repeat, 1),
+        32,
+        codes.bits,
+    )

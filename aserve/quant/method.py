@@ -16,7 +16,6 @@ import torch
 from aserve.quant.codes import Codes, quantize
 from aserve.quant.cpu import DenseWeight, cpu_weight
 from aserve.quant.gguf import QuantizedTensor
-from aserve.quant.native import NativeWeight
 
 
 class QuantizedProduct(Protocol):
@@ -74,8 +73,6 @@ class QuantizedLinearWeight:
 
     def finalize(self, device: torch.device, dtype: torch.dtype) -> None:
         """Pack the shards for products on `device`; runs of shards in one format join."""
-        if device.type != "cpu":
-            raise NotImplementedError("quantized weights run on CPU only for now")
         runs: list[list[Shard]] = []
         for piece in self.shards:
             assert piece is not None, "finalize before every shard is loaded"
@@ -83,7 +80,7 @@ class QuantizedLinearWeight:
                 runs[-1].append(piece)
             else:
                 runs.append([piece])
-        self.products = [_product(run, dtype) for run in runs]
+        self.products = [_product(run, device, dtype) for run in runs]
         self.shards = []
 
     @property
@@ -103,10 +100,15 @@ def _same_format(a: Shard, b: Shard) -> bool:
     return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
 
 
-def _product(run: list[Shard], dtype: torch.dtype) -> QuantizedProduct:
+def _product(run: list[Shard], device: torch.device, dtype: torch.dtype) -> QuantizedProduct:
     if isinstance(run[0], torch.Tensor):
-        return DenseWeight(torch.cat(run).to(dtype))  # type: ignore[arg-type]
-    return cpu_weight(Codes.concat_rows(run), dtype)  # type: ignore[arg-type]
+        return DenseWeight(torch.cat(run).to(device, dtype))  # type: ignore[arg-type]
+    codes = Codes.concat_rows(run)  # type: ignore[arg-type]
+    if device.type == "cuda":
+        from aserve.quant.cuda import CudaWeight
+
+        return CudaWeight(codes, device)
+    return cpu_weight(codes, dtype)
 
 
 class QuantizedTable:
@@ -115,16 +117,19 @@ class QuantizedTable:
     LM head, or an embedding that the head is tied to). With aserve's kernels one copy
     serves both."""
 
-    def __init__(self, table: Shard, dtype: torch.dtype, lookups: bool, head: bool) -> None:
+    def __init__(
+        self, table: Shard, device: torch.device, dtype: torch.dtype, lookups: bool, head: bool
+    ) -> None:
         self.dtype = dtype
-        product = _product([table], dtype)
+        product = _product([table], device, dtype)
         self.head = product if head else None
-        self.lookups: NativeWeight | torch.Tensor | None = None
+        self.lookups: QuantizedProduct | torch.Tensor | None = None
         if lookups:
-            if isinstance(product, NativeWeight):
+            if hasattr(product, "rows"):  # aserve's CPU kernels or the CUDA weight
                 self.lookups = product
             else:
-                self.lookups = table.dequantize(dtype) if isinstance(table, Codes) else table
+                dense = table.dequantize(dtype) if isinstance(table, Codes) else table
+                self.lookups = dense.to(device, dtype)
 
     @property
     def nbytes(self) -> int:
@@ -136,9 +141,9 @@ class QuantizedTable:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         assert self.lookups is not None, "this table serves no lookups"
         flat = ids.reshape(-1)
-        if isinstance(self.lookups, NativeWeight):
-            return self.lookups.rows(flat).to(self.dtype)
-        return self.lookups[flat].to(self.dtype)
+        if isinstance(self.lookups, torch.Tensor):
+            return self.lookups[flat].to(self.dtype)
+        return self.lookups.rows(flat).to(self.dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self.head is not None, "this table is no LM head"

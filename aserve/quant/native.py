@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from aserve.config import cache_root
-from aserve.quant.codes import Codes
+from aserve.quant.codes import Codes, groups_of_at_most_32
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class NativeWeight:
 
     def __init__(self, codes: Codes) -> None:
         self.shape = codes.shape
-        codes = _groups_of_at_most_32(codes)
+        codes = groups_of_at_most_32(codes)
         self.group = codes.group
         self.four_bit = codes.bits <= 4 and codes.group == GROUP
         rows, cols = codes.shape
@@ -120,18 +120,3 @@ class NativeWeight:
         return torch.ops.aserve_cpu.rows(
             self.words, self.scales, self.offsets, self.group, self.four_bit, ids
         )
-
-
-def _groups_of_at_most_32(codes: Codes) -> Codes:
-    """Groups wider than 32 (no GGUF format has them) split into groups of 32 that repeat
-    the scale and offset."""
-    if codes.group <= GROUP:
-        return codes
-    repeat = codes.group // GROUP
-    return Codes(
-        codes.codes,
-        codes.scales.repeat_interleave(repeat, 1),
-        codes.offsets.repeat_interleave(repeat, 1),
-        GROUP,
-        codes.bits,
-    )
