@@ -111,8 +111,8 @@ class CudaWeight:
         m, k = rows.shape
         n = self.shape[0]
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-        block_m = 16 if m <= 16 else 64
-        block_n = 64
+        # Few rows: narrow column tiles, so that more programs share the weight reads.
+        block_m, block_n, stages = (16, 32, 4) if m <= 16 else (64, 128, 3)
         grid = ((m + block_m - 1) // block_m, (n + block_n - 1) // block_n)
         _kernel()[grid](
             rows,
@@ -128,6 +128,7 @@ class CudaWeight:
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             BLOCK_M=block_m,
             BLOCK_N=block_n,
+            num_stages=stages,
         )
         if bias is not None:
             y += bias
