@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aserve.layers.activation import silu_and_mul
 from aserve.layers.cpu_ops import CpuKernels
 from aserve.layers.norm import RMSNorm
 from aserve.layers.rotary import RotaryEmbedding
@@ -40,10 +39,8 @@ def test_norms_match_the_plain_formula() -> None:
     torch.testing.assert_close(heads, expected, **CLOSE)
 
 
-def test_silu_and_mul_and_rope_match_the_plain_formulas() -> None:
+def test_rope_matches_the_plain_formula() -> None:
     generator = torch.Generator().manual_seed(1)
-    gate_up = torch.randn(7, 2 * 48, generator=generator)
-    torch.testing.assert_close(silu_and_mul(gate_up, CpuKernels()), silu_and_mul(gate_up), **CLOSE)
     plain = RotaryEmbedding(32, 128, 10000.0, None)
     fused = RotaryEmbedding(32, 128, 10000.0, None, CpuKernels())
     positions = torch.tensor([0, 5, 17, 127, 3])

@@ -1,13 +1,15 @@
-"""aserve's CPU kernels for a decoder's small steps (RMSNorm, the residual add, SiLU-and-mul,
-RoPE) behind the names of FlashInfer's functions, so that the layers call them as they call
-FlashInfer on CUDA. At batch 1 on the embedded 135M model the ATen ops these replace (about
-ten per layer) cost as much time as the quantized products. Used for quantized models on CPU
-in float32; the float path keeps Hugging Face's op-for-op formulas (its tests compare bits).
+"""aserve's CPU kernels for a decoder's small steps (RMSNorm, the residual add, RoPE) behind
+the names of FlashInfer's functions, so that the layers call them as they call FlashInfer on
+CUDA (SiLU-and-mul stays ATen's, which was as fast). At batch 1 on the embedded 135M model
+the ATen ops these replace cost as much time as the quantized products. Used for quantized
+models on CPU in float32; the float path keeps Hugging Face's op-for-op formulas (its tests
+compare bits).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from aserve.quant.native import native_kernels
 
@@ -32,7 +34,10 @@ class CpuKernels:
         torch.ops.aserve_cpu.fused_add_rmsnorm(x, residual, weight, eps)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aserve_cpu.silu_and_mul(gate_up)
+        """ATen's own: its vectorized exp ran 5x faster than a C++ loop at 2,048 rows and as
+        fast at one row."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)
 
     def apply_rope_with_cos_sin_cache_inplace(
         self,

@@ -438,23 +438,6 @@ void fused_add_rmsnorm(at::Tensor x, at::Tensor residual, const at::Tensor& weig
   });
 }
 
-at::Tensor silu_and_mul(const at::Tensor& gate_up) {
-  const Matrix in = rows_of(gate_up);
-  const int64_t half = in.cols / 2;
-  at::Tensor y = at::empty({in.rows, half}, gate_up.options());
-  float* out = y.data_ptr<float>();
-  at::parallel_for(0, in.rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float* gate = in.data + i * in.stride;
-      for (int64_t j = 0; j < half; ++j) {
-        const float g = gate[j];
-        out[i * half + j] = g / (1.0f + std::exp(-g)) * gate[half + j];
-      }
-    }
-  });
-  return y;
-}
-
 // Neox-style rotation of every head of Q and K in place; cos_sin[position] = (cos | sin).
 void rope(const at::Tensor& positions, at::Tensor query, at::Tensor key, int64_t head_size,
           const at::Tensor& cos_sin) {
@@ -494,7 +477,6 @@ TORCH_LIBRARY(aserve_cpu, m) {
   m.def("rmsnorm(Tensor x, Tensor weight, float eps) -> Tensor", rmsnorm);
   m.def("fused_add_rmsnorm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()",
         fused_add_rmsnorm);
-  m.def("silu_and_mul(Tensor gate_up) -> Tensor", silu_and_mul);
   m.def("rope(Tensor positions, Tensor(a!) query, Tensor(b!) key, int head_size, Tensor cos_sin) -> ()",
         rope);
   m.def(
