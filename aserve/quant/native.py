@@ -2,7 +2,7 @@
 
 PyTorch's own kernels were measured first, on the project's 2-core AVX2 box, SmolLM2-135M
 shapes, us per product at 1 / 16 / 128 rows against float32 MKL-packed weights (gate_up,
-3072 x 576; bench/NOTES.md has every shape):
+3072 x 576; `python bench/quant_kernels.py` times every shape of the model):
 - `_weight_int4pack_mm_for_cpu`: 146 / 1,098 / 8,440 with bfloat16 activations (1,818 at one
   row with float32 ones, a scalar path), against MKL's 180 / 888 / 3,722; it reads GGUF's
   4-bit groups, but not its 8-bit ones, and rounds scales to bfloat16.
