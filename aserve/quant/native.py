@@ -20,6 +20,7 @@ to float32 weights (aserve/quant/cpu.py) and says so once.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import platform
 import time
@@ -46,7 +47,8 @@ def native_kernels() -> bool:
         return True
     from torch.utils import cpp_extension
 
-    folder = cache_root() / "kernels" / f"cpu-{platform.machine()}-torch{torch.__version__}"
+    kind = f"cpu-{platform.machine()}-{_cpu_features()}-torch{torch.__version__}"
+    folder = cache_root() / "kernels" / kind
     folder.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     try:
@@ -66,6 +68,15 @@ def native_kernels() -> bool:
         return False
     logger.info("CPU kernels ready in %.1f s (%s)", time.perf_counter() - started, folder)
     return True
+
+
+def _cpu_features() -> str:
+    """A short hash of the CPU's feature flags: the kernels build with -march=native, so a
+    cache shared by machines of different CPUs (a network home) keeps one build per kind."""
+    cpuinfo = Path("/proc/cpuinfo")
+    text = cpuinfo.read_text() if cpuinfo.exists() else platform.processor()
+    flags = next((line for line in text.splitlines() if line.startswith("flags")), text)
+    return hashlib.sha1(flags.encode()).hexdigest()[:8]
 
 
 class NativeWeight:
