@@ -146,6 +146,46 @@ def write_tiny_llama(path: Path, qtype: QType, seed: int = 0) -> None:
     writer.close()
 
 
+def first_differences(ours: list[list[int]], theirs: list[list[int]], length: int) -> list[int]:
+    """Per prompt, the index of the first token where two generations part (`length` where
+    they never do)."""
+    return [
+        next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), length)
+        for x, y in zip(ours, theirs)
+    ]
+
+
+TINY_PROMPTS = [[(7 * i + 3 * j) % 300 + 2 for j in range(5 + i)] for i in range(6)]
+
+
+def first_tokens_agreeing(
+    ours: LLM, theirs: LLM, max_tokens: int = 6
+) -> tuple[int, list[tuple[list[int], list[int]]]]:
+    """How many of TINY_PROMPTS get the same first greedy token from both models, and both
+    models' tokens (for the assertion's message)."""
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    pairs = [
+        (a.token_ids, b.token_ids)
+        for a, b in zip(ours.generate(TINY_PROMPTS, greedy), theirs.generate(TINY_PROMPTS, greedy))
+    ]
+    return sum(a[0] == b[0] for a, b in pairs), pairs
+
+
+def assert_refused_in_one_line(model: Path, options: list[str], message: str, cache: Path) -> None:
+    """`aserve --model MODEL --shell OPTIONS` exits with one error line holding `message`."""
+    result = subprocess.run(
+        [sys.executable, "-m", "aserve", "--model", str(model), "--shell", *options],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"ASERVE_CACHE_DIR": str(cache), "PATH": "/usr/bin:/bin"},
+    )
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert lines[-1].startswith("aserve: error: ") and message in lines[-1], lines
+    assert sum("error" in line for line in lines) == 1, lines
+
+
 @needs_kernels
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 def test_tiny_gguf_of_each_format_runs_quantized(
@@ -163,12 +203,8 @@ def test_tiny_gguf_of_each_format_runs_quantized(
     assert quantized.runtime.model_config.quantization == "gguf"
     layer = quantized.runtime.engine.model.model.layers[0].mlp.gate_up_proj
     assert layer.weight is None and layer.quantized.nbytes < 512 * 256 * 2 * 2
-    prompts = [[(7 * i + 3 * j) % 300 + 2 for j in range(5 + i)] for i in range(6)]
-    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    ours = quantized.generate(prompts, greedy)
-    theirs = reference.generate(prompts, greedy)
-    agree = sum(a.token_ids[0] == b.token_ids[0] for a, b in zip(ours, theirs))
-    assert agree >= 5, [(a.token_ids, b.token_ids) for a, b in zip(ours, theirs)]
+    agree, pairs = first_tokens_agreeing(quantized, reference)
+    assert agree >= 5, pairs
 
 
 @needs_kernels
@@ -185,9 +221,7 @@ def test_embedded_model_quantized_against_its_float32_path(
     float32 = make_llm(smollm2_dir, quantization="none")
     ours = [o.token_ids for o in quantized.generate(TEXTS, greedy)]
     theirs = [o.token_ids for o in float32.generate(TEXTS, greedy)]
-    parted = [
-        next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), 24) for x, y in zip(ours, theirs)
-    ]
+    parted = first_differences(ours, theirs, 24)
     with capsys.disabled():
         print(f"\nembedded Q4_1 against float32, first differing token of 8 prompts: {parted}")
     assert "Paris" in quantized.generate(TEXTS[0], greedy)[0].text
@@ -215,17 +249,7 @@ def test_bad_gguf_files_are_one_line(tmp_path: Path) -> None:
         (truncated, "is not a whole GGUF file (truncated or damaged"),
         (unsupported, "token_embd.weight is Q2_K, which aserve cannot run"),
     ):
-        result = subprocess.run(
-            [sys.executable, "-m", "aserve", "--model", str(path), "--shell"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env={"ASERVE_CACHE_DIR": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"},
-        )
-        lines = result.stderr.strip().splitlines()
-        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
-        assert lines[-1].startswith("aserve: error: ") and message in lines[-1], lines
-        assert sum("error" in line for line in lines) == 1, lines
+        assert_refused_in_one_line(path, [], message, tmp_path / "cache")
 
 
 @pytest.mark.parametrize(("bits", "bound"), [(8, 0.01), (4, 0.12)])
@@ -265,18 +289,13 @@ def test_float_checkpoint_quantized_at_load(
     assert layer.weight is None and layer.quantized.nbytes < weights * (
         1.3 if method == "int8" else 0.8
     )
-    prompts = [[(7 * i + 3 * j) % 300 + 2 for j in range(5 + i)] for i in range(6)]
-    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    ours = quantized.generate(prompts, greedy)
-    theirs = reference.generate(prompts, greedy)
-    agree = sum(a.token_ids[0] == b.token_ids[0] for a, b in zip(ours, theirs))
+    agree, pairs = first_tokens_agreeing(quantized, reference, max_tokens=8)
     print(f"\n{method}: first greedy token agrees on {agree} of 6 prompts")
-    assert agree >= (5 if method == "int8" else 3), [
-        (a.token_ids, b.token_ids) for a, b in zip(ours, theirs)
-    ]
+    assert agree >= (5 if method == "int8" else 3), pairs
     dummy = make_llm(folder, num_pages=256, dummy_weight=True, quantization=method)
     assert dummy.runtime.engine.model.model.layers[0].mlp.gate_up_proj.quantized.products
-    assert len(dummy.generate(prompts[0], greedy)[0].token_ids) == 8
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert len(dummy.generate(TINY_PROMPTS[0], greedy)[0].token_ids) == 8
 
 
 def test_quantization_choices_refused_in_one_line(tmp_path: Path) -> None:
@@ -291,13 +310,4 @@ def test_quantization_choices_refused_in_one_line(tmp_path: Path) -> None:
         (tiny, ["--quantization", "int4"], "this one is already quantized (GGUF)"),
         (awq, [], "awq checkpoints are not supported"),
     ):
-        result = subprocess.run(
-            [sys.executable, "-m", "aserve", "--model", str(model), "--shell", *options],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env={"ASERVE_CACHE_DIR": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"},
-        )
-        lines = result.stderr.strip().splitlines()
-        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
-        assert lines[-1].startswith("aserve: error: ") and message in lines[-1], lines
+        assert_refused_in_one_line(model, options, message, tmp_path / "cache")

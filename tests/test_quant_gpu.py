@@ -13,7 +13,13 @@ from gguf import GGMLQuantizationType as QType
 
 from aserve import LLM, SamplingParams
 from aserve.quant.codes import Codes
-from tests.test_quant import FORMATS, decode, random_blocks, write_tiny_llama
+from tests.test_quant import (
+    FORMATS,
+    decode,
+    first_tokens_agreeing,
+    random_blocks,
+    write_tiny_llama,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -56,12 +62,8 @@ def test_tiny_gguf_runs_quantized_on_cuda(
     reference = make_llm(model, num_pages=256, quantization="none")
     engine, float_engine = quantized.runtime.engine, reference.runtime.engine
     assert engine.device.type == "cuda" and engine.weight_bytes < float_engine.weight_bytes
-    prompts = [[(7 * i + 3 * j) % 300 + 2 for j in range(5 + i)] for i in range(6)]
-    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    ours = quantized.generate(prompts, greedy)
-    theirs = reference.generate(prompts, greedy)
-    agree = sum(a.token_ids[0] == b.token_ids[0] for a, b in zip(ours, theirs))
-    assert agree >= 4, [(a.token_ids, b.token_ids) for a, b in zip(ours, theirs)]
+    agree, pairs = first_tokens_agreeing(quantized, reference)
+    assert agree >= 4, pairs
 
 
 def test_embedded_model_quantized_on_cuda(
@@ -84,10 +86,7 @@ def test_embedded_model_quantized_on_cuda(
         theirs = [o.token_ids for o in reference.generate(TEXTS, greedy)]
         if dtype == "bfloat16":
             assert "Paris" in quantized.generate(TEXTS[0], greedy)[0].text
-        return [
-            next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), 24)
-            for x, y in zip(ours, theirs)
-        ]
+        return first_differences(ours, theirs, 24)
 
     exact, rounded = first_differences("float32"), first_differences("bfloat16")
     with capsys.disabled():

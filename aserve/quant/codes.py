@@ -51,6 +51,28 @@ class Codes(NamedTuple):
             self.bits,
         )
 
+    def pad_rows(self, rows: int) -> Codes:
+        """Zero rows (weights of 0) appended up to `rows`."""
+        missing = rows - self.shape[0]
+        if missing <= 0:
+            return self
+        zeros = Codes(
+            self.codes.new_zeros(missing, self.shape[1]),
+            self.scales.new_zeros(missing, self.scales.shape[1]),
+            self.offsets.new_zeros(missing, self.offsets.shape[1]),
+            self.group,
+            self.bits,
+        )
+        return Codes.concat_rows([self, zeros])
+
+    def signed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codes as int8 and the offsets that keep `w`: 8-bit codes 0..255 become
+        -128..127 and the offset takes the difference; narrower codes fit as they are."""
+        if self.bits < 8:
+            return self.codes.to(torch.int8), self.offsets
+        shifted = (self.codes.to(torch.int16) - 128).to(torch.int8)
+        return shifted, self.offsets + 128 * self.scales
+
     @staticmethod
     def concat_rows(parts: list[Codes]) -> Codes:
         """Stack weights of one format (a fused projection's shards) into one."""

@@ -90,17 +90,14 @@ class CudaWeight:
         self.shape = codes.shape
         self.group = codes.group
         self.four_bit = codes.bits <= 4 and codes.group == 32
-        values = codes.codes.to(device)
-        offsets = codes.offsets.to(device, torch.float32)
-        scales = codes.scales.to(device, torch.float32)
         if self.four_bit:
+            values, offsets = codes.codes.to(device), codes.offsets
             self.codes = values[:, 0::2] | (values[:, 1::2] << 4)
         else:
-            shift = 128 if codes.bits == 8 else 0
-            self.codes = (values.to(torch.int16) - shift).to(torch.int8)
-            offsets = offsets + shift * scales
-        self.scales = scales.contiguous()
-        self.offsets = offsets.contiguous()
+            signed, offsets = codes.signed()
+            self.codes = signed.to(device)
+        self.scales = codes.scales.to(device, torch.float32).contiguous()
+        self.offsets = offsets.to(device, torch.float32).contiguous()
 
     @property
     def nbytes(self) -> int:

@@ -154,16 +154,7 @@ def load_table_rows(tensor: QuantizedTensor | torch.Tensor, rows: int) -> Shard:
     """A rank's slice of a vocabulary table, zero rows appended up to `rows` (the last rank
     of a vocabulary that does not split evenly)."""
     piece: Shard = tensor.decode() if isinstance(tensor, QuantizedTensor) else tensor.float()
-    missing = rows - piece.shape[0]
-    if missing <= 0:
-        return piece
     if isinstance(piece, Codes):
-        zeros = Codes(
-            piece.codes.new_zeros(missing, piece.shape[1]),
-            piece.scales.new_zeros(missing, piece.scales.shape[1]),
-            piece.offsets.new_zeros(missing, piece.offsets.shape[1]),
-            piece.group,
-            piece.bits,
-        )
-        return Codes.concat_rows([piece, zeros])
-    return torch.cat([piece, piece.new_zeros(missing, piece.shape[1])])
+        return piece.pad_rows(rows)
+    missing = rows - piece.shape[0]
+    return torch.cat([piece, piece.new_zeros(missing, piece.shape[1])]) if missing > 0 else piece

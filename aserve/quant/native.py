@@ -90,17 +90,10 @@ class NativeWeight:
         self.four_bit = codes.bits <= 4 and codes.group == GROUP
         rows, cols = codes.shape
         padded = -(-rows // LANES) * LANES
+        codes = codes.pad_rows(padded)
         values, scales, offsets = codes.codes, codes.scales, codes.offsets
         if not self.four_bit:
-            if codes.bits == 8:  # 0..255 becomes -128..127, the offset takes the difference
-                values = (values.to(torch.int16) - 128).to(torch.int8)
-                offsets = offsets + 128 * scales
-            else:
-                values = values.to(torch.int8)
-        if padded > rows:
-            values = torch.cat([values, values.new_zeros(padded - rows, cols)])
-            scales = torch.cat([scales, scales.new_zeros(padded - rows, scales.shape[1])])
-            offsets = torch.cat([offsets, offsets.new_zeros(padded - rows, offsets.shape[1])])
+            values, offsets = codes.signed()
         panels, groups = padded // LANES, cols // self.group
         per_word = 8 if self.four_bit else 4
         lanes = values.view(panels, LANES, groups, self.group // per_word, per_word)

@@ -88,22 +88,24 @@ inline __m256 close_group(const Weight& w, const Rows& a, int64_t row, int64_t p
                          _mm256_broadcast_ss(a.xsum + row * a.groups + g), total);
 }
 
+template <int R, int P>
+inline void set_zero(__m256 (&sums)[R][P]) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) sums[r][p] = _mm256_setzero_ps();
+}
+
 // R rows against P panels, codes expanded in registers.
 template <int R, int P, bool FourBit>
 void tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_panel) {
   constexpr int per_word = FourBit ? 8 : 4;
   const int64_t words = w.words_per_group();
   __m256 total[R][P];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int p = 0; p < P; ++p) total[r][p] = _mm256_setzero_ps();
+  set_zero(total);
   for (int64_t g = 0; g < w.groups; ++g) {
     __m256 part[R][P];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-      for (int p = 0; p < P; ++p) part[r][p] = _mm256_setzero_ps();
+    set_zero(part);
     for (int64_t v = 0; v < words; ++v) {
       const int64_t k0 = g * w.group + v * per_word;
       __m256i word[P];
@@ -177,10 +179,7 @@ void tile_from_buffer(const Weight& w, const Rows& a, const float* buffer, int64
   }
   for (int64_t g = 0; g < w.groups; ++g) {
     __m256 part[R][P];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-      for (int p = 0; p < P; ++p) part[r][p] = _mm256_setzero_ps();
+    set_zero(part);
     const int64_t begin = g * w.group, end = begin + w.group;
     for (int64_t k = begin; k < end; ++k) {
       __m256 code[P];
