@@ -16,6 +16,7 @@ from aserve.quant.codes import Codes
 from tests.test_quant import (
     FORMATS,
     decode,
+    first_differences,
     first_tokens_agreeing,
     random_blocks,
     write_tiny_llama,
@@ -78,7 +79,7 @@ def test_embedded_model_quantized_on_cuda(
 
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
-    def first_differences(dtype: str) -> list[int]:
+    def parted_from_twin(dtype: str) -> list[int]:
         quantized = make_llm(smollm2_dir, dtype=dtype)
         reference = make_llm(smollm2_dir, dtype=dtype, quantization="none")
         assert quantized.runtime.engine.weight_bytes < reference.runtime.engine.weight_bytes
@@ -88,7 +89,7 @@ def test_embedded_model_quantized_on_cuda(
             assert "Paris" in quantized.generate(TEXTS[0], greedy)[0].text
         return first_differences(ours, theirs, 24)
 
-    exact, rounded = first_differences("float32"), first_differences("bfloat16")
+    exact, rounded = parted_from_twin("float32"), parted_from_twin("bfloat16")
     with capsys.disabled():
         print("\nembedded Q4_1 on CUDA, first differing token of 8 prompts against the")
         print(f"de-quantized model: float32 {exact}, bfloat16 {rounded}")
