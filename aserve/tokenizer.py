@@ -9,6 +9,7 @@ which decodes only a few tokens per step and so runs on the loop itself.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -66,13 +67,32 @@ def backend_decode(hf: Any) -> Callable[..., str] | None:
     return hf.backend_tokenizer.decode if plain else None
 
 
+def light_model_config(model_dir: Path) -> Any | None:
+    """A stand-in for the model config that AutoTokenizer consults, where tokenizer_config.json
+    names the tokenizer class (then the config only lends its model type). Left to itself
+    AutoTokenizer loads the model's configuration class, which in transformers 5 imports
+    torch.distributed.tensor and sympy: about 50 MiB more resident for no tokenizer behaviour.
+    None where the class must come from the model type's own mapping."""
+    from transformers import PreTrainedConfig
+
+    tokenizer_file = model_dir / "tokenizer_config.json"
+    config_file = model_dir / "config.json"
+    if not tokenizer_file.is_file() or not config_file.is_file():
+        return None
+    if not json.loads(tokenizer_file.read_text()).get("tokenizer_class"):
+        return None
+    config = PreTrainedConfig()
+    config.model_type = json.loads(config_file.read_text()).get("model_type", "")
+    return config
+
+
 class Tokenizer:
     """A model folder's tokenizer; `special_ids` are the ids that skip_special_tokens drops."""
 
     def __init__(self, model_dir: Path, num_threads: int = 1) -> None:
         from transformers import AutoTokenizer
 
-        self.hf = AutoTokenizer.from_pretrained(str(model_dir))
+        self.hf = AutoTokenizer.from_pretrained(str(model_dir), config=light_model_config(model_dir))
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="aserve-tokenizer")
         self._backend_decode = backend_decode(self.hf)
         self.special_ids = self._ids_dropped_when_skipping_special()

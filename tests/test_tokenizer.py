@@ -466,3 +466,27 @@ def test_text_length_bound_only_where_it_holds(sentencepiece: Tokenizer) -> None
     normalized.normalizer = normalizers.NFC()
     assert bound(normalized) == 5 * 4
     assert sentencepiece.max_chars_per_token is None
+
+
+def test_tokenizer_loads_without_the_model_config_class(smollm2_dir: Path, tmp_path: Path) -> None:
+    """The light stand-in config gives the tokenizer AutoTokenizer picks by itself, the same ids
+    and chat prompt; without a tokenizer_class it steps aside so the model type decides."""
+    from transformers import AutoTokenizer
+
+    from aserve.tokenizer import light_model_config
+
+    ours = Tokenizer(smollm2_dir)
+    try:
+        reference = AutoTokenizer.from_pretrained(str(smollm2_dir))
+        assert type(ours.hf) is type(reference)
+        for text in TEXTS:
+            assert ours.hf.encode(text) == reference.encode(text)
+        messages = [{"role": "user", "content": TEXTS[0]}]
+        assert ours.hf.apply_chat_template(messages, tokenize=False) == (
+            reference.apply_chat_template(messages, tokenize=False)
+        )
+    finally:
+        ours.close()
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
+    assert light_model_config(tmp_path) is None
