@@ -92,7 +92,9 @@ class Tokenizer:
     def __init__(self, model_dir: Path, num_threads: int = 1) -> None:
         from transformers import AutoTokenizer
 
-        self.hf = AutoTokenizer.from_pretrained(str(model_dir), config=light_model_config(model_dir))
+        self.hf = AutoTokenizer.from_pretrained(
+            str(model_dir), config=light_model_config(model_dir)
+        )
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="aserve-tokenizer")
         self._backend_decode = backend_decode(self.hf)
         self.special_ids = self._ids_dropped_when_skipping_special()
