@@ -21,7 +21,8 @@ from gguf import GGMLQuantizationType as QType
 from aserve import LLM, SamplingParams
 from aserve.quant.codes import quantize
 from aserve.quant.gguf import BLOCKS, QuantizedTensor, decode
-from aserve.quant.native import NativeWeight, native_kernels
+from aserve.quant import native as native_module
+from aserve.quant.native import BLAS_ROWS, NativeWeight, native_kernels
 from tests.tiny_models import make_tiny_model
 
 # Byte offsets of each format's float16 fields: random bytes elsewhere are valid codes.
@@ -85,23 +86,30 @@ needs_kernels = pytest.mark.skipif(
 
 @needs_kernels
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
-def test_products_match_the_dequantized_weight(qtype: QType) -> None:
-    """Against the float64 product of the de-quantized weight within float32 rounding; a
-    row's result bit-identical alone and in batches of every tile shape (rows 1 to 9 and past
-    the 64-row block); lookups return the weight's own rows. 100 output features: the last
-    panel of 8 is padded."""
+def test_products_match_the_dequantized_weight(
+    qtype: QType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Against the float64 product of the de-quantized weight within float32 rounding, on the
+    kernels (few rows) and on BLAS over de-quantized slices (many rows, also several slices);
+    on the kernels a row's result bit-identical alone and in batches of every tile shape (rows
+    1 to 9 and past the 64-row block); lookups return the weight's own rows. 100 output
+    features: the last panel of 8 is padded."""
     raw = torch.from_numpy(random_blocks(qtype, 100, 512, seed=1))
     codes = decode(raw, qtype, 512)
     weight = codes.dequantize()
     native = NativeWeight(codes)
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(70, 512, generator=generator)
+    x = torch.randn(BLAS_ROWS + 20, 512, generator=generator)
     exact = F.linear(x.double(), weight.double())
-    batch = native.linear(x, None)
-    assert batch.shape == (70, 100)
-    torch.testing.assert_close(batch.double(), exact, rtol=0, atol=1e-5 * float(exact.abs().max()))
+    tolerance = 1e-5 * float(exact.abs().max())
+    kernels = native.linear(x[:70], None)
+    assert kernels.shape == (70, 100)
+    torch.testing.assert_close(kernels.double(), exact[:70], rtol=0, atol=tolerance)
     for rows in (1, 2, 3, 4, 5, 8, 9):
-        assert torch.equal(native.linear(x[3 : 3 + rows], None), batch[3 : 3 + rows]), rows
+        assert torch.equal(native.linear(x[3 : 3 + rows], None), kernels[3 : 3 + rows]), rows
+    torch.testing.assert_close(native.linear(x, None).double(), exact, rtol=0, atol=tolerance)
+    monkeypatch.setattr(native_module, "BLAS_SLICE_BYTES", 3 * 8 * 4 * 512)
+    torch.testing.assert_close(native.linear(x, None).double(), exact, rtol=0, atol=tolerance)
     ids = torch.tensor([5, 0, 99, 5])
     torch.testing.assert_close(native.rows(ids), weight[ids], rtol=1e-6, atol=1e-6)
 

@@ -15,7 +15,8 @@
 //                      total = fma(offset[n, g], xsum[m, g], total)
 // with xsum[m, g] the sum of x[m, k] over g, added in order. Whatever the number of rows, the
 // tile an output falls in or the thread, it gets exactly these operations, so a sequence's
-// logits do not depend on what it is batched with nor on how much of its prompt was cached.
+// logits do not depend on what it is batched with. (From native.py's BLAS_ROWS rows the caller
+// de-quantizes slices with `dequantize` and multiplies them with BLAS instead.)
 // Activations stay float32: rounding them to int8 (llama.cpp's way) turned attention's last-bit
 // differences into visible ones. Few rows (decode) expand codes in registers, with R * P = 4
 // outputs' sums under way so that the adds' latency is hidden; many rows (prefill) expand two
@@ -390,6 +391,53 @@ at::Tensor rows(const at::Tensor& words, const at::Tensor& scales, const at::Ten
   return out;
 }
 
+// Panels [first, first + out.size(1) / 8) de-quantized, w = fma(code, scale, offset), into
+// `out` as a [cols, 8 * panels] matrix (input-major, the layout the panels already have): many
+// rows multiply it with BLAS, whose tuned product beats any loop here once the expansion is
+// shared by enough rows. `out` is the caller's reused buffer: a fresh one of a few MiB cost
+// as much in page faults as the expansion itself.
+void dequantize(const at::Tensor& words, const at::Tensor& scales, const at::Tensor& offsets,
+                int64_t group, bool four_bit, int64_t first, at::Tensor out) {
+  const Weight w = weight_of(words, scales, offsets, group, four_bit);
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.is_contiguous() &&
+                  out.size(0) == w.cols && out.size(1) % kLanes == 0,
+              "out: contiguous float32 [cols, 8 * panels]");
+  const int64_t width = out.size(1), last = first + width / kLanes;
+  TORCH_CHECK(0 <= first && first < last && last <= w.panels, "panels out of range");
+  float* op = out.data_ptr<float>();
+  const int64_t per_word = w.inputs_per_word(), words_in_group = w.words_per_group();
+  // Group-major, so each thread writes its rows of `out` front to back (one sequential
+  // stream per input of the group) instead of a strip of 8 floats per row.
+  at::parallel_for(0, w.groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      for (int64_t p = first; p < last; ++p) {
+        float* column = op + (p - first) * kLanes;
+        for (int64_t v = 0; v < words_in_group; ++v) {
+          const uint32_t* src = w.words + p * w.panel_words() + (g * words_in_group + v) * kLanes;
+          const int64_t k0 = g * w.group + v * per_word;
+#ifdef ASERVE_AVX2
+          const __m256 scale = _mm256_loadu_ps(w.scales + w.at(p, g));
+          const __m256 offset = _mm256_loadu_ps(w.offsets + w.at(p, g));
+          const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+          for (int i = 0; i < per_word; ++i) {
+            const __m256 code = four_bit ? code_of<true>(bits, i) : code_of<false>(bits, i);
+            _mm256_storeu_ps(column + (k0 + i) * width, _mm256_fmadd_ps(code, scale, offset));
+          }
+#else
+          for (int64_t lane = 0; lane < kLanes; ++lane) {
+            for (int64_t i = 0; i < per_word; ++i) {
+              column[(k0 + i) * width + lane] =
+                  std::fma(code_of(src[lane], i, four_bit), w.scales[w.at(p, g) + lane],
+                           w.offsets[w.at(p, g) + lane]);
+            }
+          }
+#endif
+        }
+      }
+    }
+  });
+}
+
 // The small per-layer steps of a decoder, one pass each instead of several ATen ops: at batch
 // 1 on a 135M model their dispatch cost as much as the products. float32, rows of the last
 // dimension contiguous (the row stride is free: Q and K are views into the fused QKV output).
@@ -482,4 +530,8 @@ TORCH_LIBRARY(aserve_cpu, m) {
       "rows(Tensor words, Tensor scales, Tensor offsets, int group, bool four_bit, Tensor ids) "
       "-> Tensor",
       rows);
+  m.def(
+      "dequantize(Tensor words, Tensor scales, Tensor offsets, int group, bool four_bit, "
+      "int first, Tensor(a!) out) -> ()",
+      dequantize);
 }
