@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QType
 
 from aserve import LLM, SamplingParams
+from aserve.quant import native as native_module
 from aserve.quant.codes import quantize
 from aserve.quant.gguf import BLOCKS, QuantizedTensor, decode
-from aserve.quant import native as native_module
 from aserve.quant.native import BLAS_ROWS, NativeWeight, native_kernels
 from tests.tiny_models import make_tiny_model
 
