@@ -1,8 +1,11 @@
-"""aserve's CPU products for quantized weights against MKL's float32 product of the same
-weight de-quantized, per shape and row count (microseconds a product; prints a table).
+"""aserve's products for quantized weights against the float product of the same weight
+de-quantized, per shape and row count (microseconds a product; prints a table): on CPU
+against MKL float32, on CUDA against cuBLAS bfloat16.
 
     python bench/quant_kernels.py                      # SmolLM2-135M's shapes
     python bench/quant_kernels.py --shapes 4096x4096 --rows 1 16 512
+    python bench/quant_kernels.py --device cuda --shapes 6144x4096 4096x4096 28672x4096 \
+        4096x14336 --rows 1 16 64 256 1024 4096
 """
 
 from __future__ import annotations
@@ -36,15 +39,49 @@ def us_per_call(run: Callable[[], object], seconds: float = 0.5) -> float:
     return sorted(timings)[len(timings) // 2] * 1e6
 
 
+def us_per_cuda_call(run: Callable[[], object], calls: int = 50) -> float:
+    """Mean time of `calls` back-to-back calls on the GPU, after warm-up calls."""
+    for _ in range(3):
+        run()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        run()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / calls
+
+
+def products(codes: Codes, device: str) -> tuple[Callable, Callable, Callable[[int], object]]:
+    """(ours, float reference, activations of a row count) on `device`."""
+    if device == "cuda":
+        from aserve.quant.cuda import CudaWeight
+
+        weight = CudaWeight(codes, torch.device("cuda"), torch.bfloat16)
+        dense = codes.dequantize().to("cuda", torch.bfloat16)
+        return (
+            weight.linear,
+            lambda x, bias: torch.nn.functional.linear(x, dense),
+            lambda rows: torch.randn(rows, codes.shape[1], device="cuda", dtype=torch.bfloat16),
+        )
+    ours, mkl = NativeWeight(codes), PackedWeight(codes.dequantize())
+    return ours.linear, mkl.linear, lambda rows: torch.randn(rows, codes.shape[1])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--shapes", nargs="+", default=SMOLLM2, help="OUTxIN weight shapes")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 128, 2048])
     p.add_argument("--bits", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = p.parse_args()
-    if not native_kernels():
+    if args.device == "cpu" and not native_kernels():
         raise SystemExit("aserve's CPU kernels did not build here")
-    print(f"threads {torch.get_num_threads()}; us a product, aserve / MKL float32")
+    timed = us_per_cuda_call if args.device == "cuda" else us_per_call
+    if args.device == "cuda":
+        print(f"{torch.cuda.get_device_name()}; us a product, aserve / cuBLAS bfloat16")
+    else:
+        print(f"threads {torch.get_num_threads()}; us a product, aserve / MKL float32")
     print("shape        bits " + "".join(f"{m:>18}" for m in args.rows))
     for shape in args.shapes:
         out, cols = (int(v) for v in shape.split("x"))
@@ -56,12 +93,12 @@ def main() -> None:
                 32,
                 bits,
             )
-            ours, mkl = NativeWeight(codes), PackedWeight(codes.dequantize())
+            ours, reference, activations = products(codes, args.device)
             cells = []
             for rows in args.rows:
-                x = torch.randn(rows, cols)
-                a = us_per_call(lambda x=x, w=ours: w.linear(x, None))
-                b = us_per_call(lambda x=x, w=mkl: w.linear(x, None))
+                x = activations(rows)
+                a = timed(lambda x=x, f=ours: f(x, None))
+                b = timed(lambda x=x, f=reference: f(x, None))
                 cells.append(f"{a:>8.0f} / {b:<7.0f}")
             print(f"{shape:<12} {bits:>4} " + "".join(f"{c:>18}" for c in cells), flush=True)
 

@@ -43,6 +43,11 @@ for step in "$@"; do
           --random-output-len 256 --random-range-ratio 1 --label "one stream at a time" 2>&1 | head -14
         pkill -INT -f "python3 -m aserve"; sleep 5
       done ;;
+    quant-tests) timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_quant_gpu.py 2>&1 | grep -v "^  /\|^    " | tail -30 ;;
+    quant-kernels) timeout 300 python3 bench/quant_kernels.py --device cuda --shapes 6144x4096 4096x4096 28672x4096 4096x14336 \
+              --rows 1 16 64 256 1024 4096 2>&1 | tail -12 ;;
+    quant-bench) for q in ${QUANTS:-int4 int8}; do for m in ${QMODELS:-llama-3.1-8b qwen3-0.6b}; do
+              timeout 300 python3 bench/offline.py --model bench/models/$m $W --quantization $q 2>&1 | grep -v Warn | tail -2; done; done ;;
     qwen3-tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k "qk_norm or qwen3" 2>&1 | grep -v "^  /\|^    " | tail -30 ;;
     noaot-site) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-noaot .whl/*.whl ;;  # no kernel pack: a fresh machine
     startup)

@@ -30,26 +30,34 @@ pytestmark = [
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 def test_cuda_products_match_float64(qtype: QType) -> None:
-    """bfloat16 activations against the float64 product of the same (bf16-rounded)
-    activations and the exact de-quantized weight: only float32 accumulation differs. One
-    row, a few and many, and 100 outputs (not a multiple of the tile)."""
-    from aserve.quant.cuda import CudaWeight
+    """Against the float64 product of the same activations and the exact de-quantized
+    weight, in bfloat16 (the weight tiles are rounded to bfloat16 as a bf16 model's weights
+    are; float16 scales) and in float32: one row, a few (K split over programs), many (wider
+    tiles) and past DEQUANTIZE_ROWS (cuBLAS on the de-quantized weight), and 100 outputs (not
+    a multiple of the tile)."""
+    from aserve.quant.cuda import DEQUANTIZE_ROWS, CudaWeight
 
     codes: Codes = decode(torch.from_numpy(random_blocks(qtype, 100, 512, seed=2)), qtype, 512)
     weight = codes.dequantize().double().cuda()
-    cuda = CudaWeight(codes, torch.device("cuda"))
-    assert cuda.nbytes < 100 * 512 * 2, "smaller than the bfloat16 weight"
     generator = torch.Generator().manual_seed(0)
-    for rows in (1, 5, 70):
-        x = torch.randn(rows, 512, generator=generator).to("cuda", torch.bfloat16)
-        exact = x.double() @ weight.T
-        out = cuda.linear(x, None)
-        assert out.dtype == torch.bfloat16 and out.shape == (rows, 100)
+    for dtype, tolerance in ((torch.bfloat16, 1e-2), (torch.float32, 1e-5)):
+        cuda = CudaWeight(codes, torch.device("cuda"), dtype)
+        assert cuda.scales.dtype == (torch.float16 if dtype == torch.bfloat16 else dtype)
+        if dtype == torch.bfloat16:
+            assert cuda.nbytes < 100 * 512 * 2, "smaller than the bfloat16 weight"
+        for rows in (1, 5, 70, DEQUANTIZE_ROWS + 3):
+            x = torch.randn(rows, 512, generator=generator).to("cuda", dtype)
+            exact = x.double() @ weight.T
+            out = cuda.linear(x, None)
+            assert out.dtype == dtype and out.shape == (rows, 100)
+            torch.testing.assert_close(
+                out.double(), exact, rtol=0, atol=tolerance * float(exact.abs().max())
+            )
+        ids = torch.tensor([5, 0, 99], device="cuda")
+        largest = float(weight.abs().max())
         torch.testing.assert_close(
-            out.double(), exact, rtol=1e-2, atol=1e-2 * float(exact.abs().max())
+            cuda.rows(ids).double(), weight[ids], rtol=0, atol=tolerance * largest
         )
-    ids = torch.tensor([5, 0, 99], device="cuda")
-    torch.testing.assert_close(cuda.rows(ids), weight[ids].float(), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)

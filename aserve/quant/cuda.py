@@ -1,89 +1,139 @@
-"""Quantized weights on CUDA: a Triton weight-only GEMM that reads the codes as they are.
+"""Quantized weights on CUDA: Triton products that read the codes as they are.
 
-The weight keeps its integer codes (4-bit two to a byte, or 8-bit) with float32 scales and
-offsets per group of 32 inputs, as on CPU (quant/codes.py); nothing is de-quantized to
-bfloat16 in memory. Each group's products are one tensor-core dot of the activations with
-the codes (small integers, exact in bfloat16), accumulated in float32, then scaled and offset
-once per group, `y += part * scale + sum(x over the group) * offset`: the weights enter the
-product exactly as the file holds them. Triton is imported on first use.
+The weight keeps its integer codes (4-bit two to a byte, or 8-bit) with a scale and offset per
+group of 16 or 32 inputs, as on CPU (quant/codes.py); the scales are float16 beside 16-bit
+activations (their rounding, 2^-11, is below that of the activations) and float32 beside
+float32 ones. Nothing is de-quantized in memory for decode: a tile of codes is expanded in
+registers to the activations' dtype, `w = code * scale + offset`, and fed to a tensor-core
+dot, several groups per step along K. Few rows split K over several programs, so that a
+matrix of few output tiles still keeps every SM reading weights; their float32 partial sums
+are added in a fixed order (no atomics: the same batch gives the same bits). Many rows
+(prefill chunks) de-quantize the weight to the activations' dtype and let cuBLAS multiply:
+the expansion costs a small part of such a product. Imported only on CUDA (it imports
+Triton).
 """
 
 from __future__ import annotations
 
-from functools import cache
-from typing import Any
-
 import torch
+import triton
+import triton.language as tl
 
 from aserve.quant.codes import Codes, groups_of_at_most_32
 
 GROUPS = (16, 32)
+DEQUANTIZE_ROWS = 1024  # from this many rows, de-quantize and multiply with cuBLAS
+BUSY_PROGRAMS = 2 * 132  # programs that keep an H100/H200's SMs reading weights
 
 
-@cache
-def _kernel() -> Any:
-    import triton
-    import triton.language as tl
+@triton.jit
+def expand(
+    codes_ptr,
+    scales_ptr,
+    offsets_ptr,
+    rows,
+    k,
+    K,
+    FOUR_BIT: tl.constexpr,
+    GROUP: tl.constexpr,
+    dtype: tl.constexpr,
+):
+    """The weight tile [k, rows] in `dtype`: w = code * scale + offset."""
+    groups = K // GROUP
+    ok = k[:, None] < K
+    if FOUR_BIT:
+        # byte j of a row holds input 2j in its low nibble and 2j + 1 in its high one
+        packed = tl.load(codes_ptr + rows[None, :] * (K // 2) + k[:, None] // 2, mask=ok, other=0)
+        code = (packed >> ((k[:, None] % 2) * 4)) & 15
+    else:
+        code = tl.load(codes_ptr + rows[None, :] * K + k[:, None], mask=ok, other=0)
+    where = rows[None, :] * groups + k[:, None] // GROUP
+    scale = tl.load(scales_ptr + where, mask=ok, other=0.0).to(tl.float32)
+    offset = tl.load(offsets_ptr + where, mask=ok, other=0.0).to(tl.float32)
+    return (code.to(tl.float32) * scale + offset).to(dtype)
 
-    @triton.jit
-    def quantized_gemm(
-        x_ptr,
-        codes_ptr,
-        scales_ptr,
-        offsets_ptr,
-        y_ptr,
-        M,
-        N,
-        K,
-        FOUR_BIT: tl.constexpr,
-        GROUP: tl.constexpr,
-        PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-    ):
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        ks = tl.arange(0, GROUP)
-        row_ok = rows < M
-        col_ok = cols < N
-        groups = K // GROUP
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for g in range(0, groups):
-            k = g * GROUP + ks
-            x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=row_ok[:, None], other=0.0)
-            if FOUR_BIT:
-                # byte j of a row holds input 2j in its low nibble and 2j + 1 in its high one
-                packed = tl.load(
-                    codes_ptr + cols[None, :] * (K // 2) + (k[:, None] // 2),
-                    mask=col_ok[None, :],
-                    other=0,
-                )
-                code = (packed >> ((k[:, None] % 2) * 4)) & 15
-            else:
-                code = tl.load(
-                    codes_ptr + cols[None, :] * K + k[:, None], mask=col_ok[None, :], other=0
-                )
-            part = tl.dot(x, code.to(x.dtype), input_precision=PRECISION)
-            scale = tl.load(scales_ptr + cols * groups + g, mask=col_ok, other=0.0)
-            offset = tl.load(offsets_ptr + cols * groups + g, mask=col_ok, other=0.0)
-            x_sum = tl.sum(x.to(tl.float32), axis=1)
-            acc += part * scale[None, :] + x_sum[:, None] * offset[None, :]
-        tl.store(
-            y_ptr + rows[:, None] * N + cols[None, :],
-            acc.to(y_ptr.dtype.element_ty),
-            mask=row_ok[:, None] & col_ok[None, :],
+
+@triton.jit
+def quantized_gemm(
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
+    offsets_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    FOUR_BIT: tl.constexpr,
+    GROUP: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    cols = tl.where(cols < N, cols, N - 1)  # clamped: reads stay inside, stores masked
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
+        k = step + tl.arange(0, BLOCK_K)
+        x = tl.load(
+            x_ptr + rows[:, None] * K + k[None, :],
+            mask=row_ok[:, None] & (k[None, :] < K),
+            other=0.0,
         )
+        w = expand(
+            codes_ptr, scales_ptr, offsets_ptr, cols, k, K, FOUR_BIT, GROUP, x_ptr.dtype.element_ty
+        )
+        acc += tl.dot(x, w, input_precision=PRECISION)
+    out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(
+        y_ptr + pid_k * M * N + rows[:, None] * N + out[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & (out[None, :] < N),
+    )
 
-    return quantized_gemm
+
+@triton.jit
+def dequantize_kernel(
+    codes_ptr,
+    scales_ptr,
+    offsets_ptr,
+    w_ptr,
+    N,
+    K,
+    FOUR_BIT: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    safe = tl.where(rows < N, rows, N - 1)
+    w = expand(
+        codes_ptr, scales_ptr, offsets_ptr, safe, k, K, FOUR_BIT, GROUP, w_ptr.dtype.element_ty
+    )
+    tl.store(w_ptr + rows[None, :] * K + k[:, None], w, mask=(rows[None, :] < N) & (k[:, None] < K))
+
+
+def _split_k(tiles: int, k_steps: int) -> int:
+    """How many programs share each output tile's K: enough tiles to keep the GPU busy, and at
+    least two steps of K each."""
+    split = 1
+    while tiles * split < BUSY_PROGRAMS and k_steps // (2 * split) >= 2:
+        split *= 2
+    return split
 
 
 class CudaWeight:
     """A `[rows, cols]` weight on CUDA in groups of 16 or 32 inputs: 4-bit codes two to a
     byte, or codes of up to 8 bits as int8 (the offset takes the shift by 128)."""
 
-    def __init__(self, codes: Codes, device: torch.device) -> None:
+    def __init__(self, codes: Codes, device: torch.device, dtype: torch.dtype) -> None:
         codes = groups_of_at_most_32(codes)
         if codes.group not in GROUPS or codes.bits > 8:
             raise ValueError(f"CUDA products take groups of {GROUPS} and up to 8 bits")
@@ -96,8 +146,9 @@ class CudaWeight:
         else:
             signed, offsets = codes.signed()
             self.codes = signed.to(device)
-        self.scales = codes.scales.to(device, torch.float32).contiguous()
-        self.offsets = offsets.to(device, torch.float32).contiguous()
+        scale_dtype = torch.float32 if dtype == torch.float32 else torch.float16
+        self.scales = codes.scales.to(device, scale_dtype).contiguous()
+        self.offsets = offsets.to(device, scale_dtype).contiguous()
 
     @property
     def nbytes(self) -> int:
@@ -105,13 +156,27 @@ class CudaWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).contiguous()
+        n = self.shape[0]
+        many = rows.shape[0] >= DEQUANTIZE_ROWS
+        y = rows @ self.dequantize(x.dtype).t() if many else self._fused(rows)
+        if bias is not None:
+            y += bias
+        return y.reshape(*x.shape[:-1], n)
+
+    def _fused(self, rows: torch.Tensor) -> torch.Tensor:
         m, k = rows.shape
         n = self.shape[0]
-        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-        # Few rows: narrow column tiles, so that more programs share the weight reads.
-        block_m, block_n, stages = (16, 32, 4) if m <= 16 else (64, 128, 3)
-        grid = ((m + block_m - 1) // block_m, (n + block_n - 1) // block_n)
-        _kernel()[grid](
+        if m <= 16:
+            block_m, block_n, block_k, warps, stages = 16, 64, 128, 4, 4
+        elif m <= 64:
+            block_m, block_n, block_k, warps, stages = 64, 64, 128, 4, 3
+        else:
+            block_m, block_n, block_k, warps, stages = 64, 128, 64, 4, 3
+        tiles_m, tiles_n = -(-m // block_m), -(-n // block_n)
+        split = _split_k(tiles_m * tiles_n, -(-k // block_k))
+        out_dtype = rows.dtype if split == 1 else torch.float32
+        y = torch.empty(split, m, n, dtype=out_dtype, device=rows.device)
+        quantized_gemm[(tiles_m, tiles_n, split)](
             rows,
             self.codes,
             self.scales,
@@ -122,14 +187,34 @@ class CudaWeight:
             k,
             FOUR_BIT=self.four_bit,
             GROUP=self.group,
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            PRECISION="ieee" if rows.dtype == torch.float32 else "tf32",
             BLOCK_M=block_m,
             BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            SPLIT_K=split,
+            num_warps=warps,
             num_stages=stages,
         )
-        if bias is not None:
-            y += bias
-        return y.reshape(*x.shape[:-1], n)
+        return y[0] if split == 1 else y.sum(0).to(rows.dtype)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight de-quantized to `dtype`, `[rows, cols]` (a transient for large products)."""
+        n, k = self.shape
+        w = torch.empty(n, k, dtype=dtype, device=self.codes.device)
+        block_n, block_k = 64, 128
+        dequantize_kernel[(-(-n // block_n), -(-k // block_k))](
+            self.codes,
+            self.scales,
+            self.offsets,
+            w,
+            n,
+            k,
+            FOUR_BIT=self.four_bit,
+            GROUP=self.group,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+        )
+        return w
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` de-quantized, in float32 (embedding lookups)."""
@@ -139,5 +224,6 @@ class CudaWeight:
         else:
             values = codes.float()
         grouped = values.view(len(ids), -1, self.group)
-        out = grouped * self.scales[ids][..., None] + self.offsets[ids][..., None]
+        scales, offsets = self.scales[ids].float(), self.offsets[ids].float()
+        out = grouped * scales[..., None] + offsets[..., None]
         return out.view(len(ids), -1)

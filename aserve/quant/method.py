@@ -107,7 +107,7 @@ def _product(run: list[Shard], device: torch.device, dtype: torch.dtype) -> Quan
     if device.type == "cuda":
         from aserve.quant.cuda import CudaWeight
 
-        return CudaWeight(codes, device)
+        return CudaWeight(codes, device, dtype)
     return cpu_weight(codes, dtype)
 
 
