@@ -31,23 +31,25 @@ def expand(
     codes_ptr,
     scales_ptr,
     offsets_ptr,
-    rows,
     k,
+    cols,
+    N,
     K,
     FOUR_BIT: tl.constexpr,
     GROUP: tl.constexpr,
     dtype: tl.constexpr,
 ):
-    """The weight tile [k, rows] in `dtype`: w = code * scale + offset."""
-    groups = K // GROUP
+    """The weight tile [k, cols] in `dtype`, w = code * scale + offset. Codes, scales and
+    offsets are stored input-major ([K, N]), so a tile's loads run along N, coalesced; the
+    rows that share a byte or a group are loaded again from cache."""
     ok = k[:, None] < K
     if FOUR_BIT:
-        # byte j of a row holds input 2j in its low nibble and 2j + 1 in its high one
-        packed = tl.load(codes_ptr + rows[None, :] * (K // 2) + k[:, None] // 2, mask=ok, other=0)
+        # byte (j, n) holds input 2j of output n in its low nibble and 2j + 1 in its high one
+        packed = tl.load(codes_ptr + (k[:, None] // 2) * N + cols[None, :], mask=ok, other=0)
         code = (packed >> ((k[:, None] % 2) * 4)) & 15
     else:
-        code = tl.load(codes_ptr + rows[None, :] * K + k[:, None], mask=ok, other=0)
-    where = rows[None, :] * groups + k[:, None] // GROUP
+        code = tl.load(codes_ptr + k[:, None] * N + cols[None, :], mask=ok, other=0)
+    where = (k[:, None] // GROUP) * N + cols[None, :]
     scale = tl.load(scales_ptr + where, mask=ok, other=0.0).to(tl.float32)
     offset = tl.load(offsets_ptr + where, mask=ok, other=0.0).to(tl.float32)
     return (code.to(tl.float32) * scale + offset).to(dtype)
@@ -87,7 +89,16 @@ def quantized_gemm(
             other=0.0,
         )
         w = expand(
-            codes_ptr, scales_ptr, offsets_ptr, cols, k, K, FOUR_BIT, GROUP, x_ptr.dtype.element_ty
+            codes_ptr,
+            scales_ptr,
+            offsets_ptr,
+            k,
+            cols,
+            N,
+            K,
+            FOUR_BIT,
+            GROUP,
+            x_ptr.dtype.element_ty,
         )
         acc += tl.dot(x, w, input_precision=PRECISION)
     out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -108,16 +119,17 @@ def dequantize_kernel(
     K,
     FOUR_BIT: tl.constexpr,
     GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    safe = tl.where(rows < N, rows, N - 1)
+    """The weight de-quantized into w, [K, N] (the layout of the codes)."""
+    k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    safe = tl.where(cols < N, cols, N - 1)
     w = expand(
-        codes_ptr, scales_ptr, offsets_ptr, safe, k, K, FOUR_BIT, GROUP, w_ptr.dtype.element_ty
+        codes_ptr, scales_ptr, offsets_ptr, k, safe, N, K, FOUR_BIT, GROUP, w_ptr.dtype.element_ty
     )
-    tl.store(w_ptr + rows[None, :] * K + k[:, None], w, mask=(rows[None, :] < N) & (k[:, None] < K))
+    tl.store(w_ptr + k[:, None] * N + cols[None, :], w, mask=(k[:, None] < K) & (cols[None, :] < N))
 
 
 def _split_k(tiles: int, k_steps: int) -> int:
@@ -142,13 +154,15 @@ class CudaWeight:
         self.four_bit = codes.bits <= 4 and codes.group == 32
         if self.four_bit:
             values, offsets = codes.codes.to(device), codes.offsets
-            self.codes = values[:, 0::2] | (values[:, 1::2] << 4)
+            packed = values[:, 0::2] | (values[:, 1::2] << 4)
         else:
             signed, offsets = codes.signed()
-            self.codes = signed.to(device)
+            packed = signed.to(device)
         scale_dtype = torch.float32 if dtype == torch.float32 else torch.float16
-        self.scales = codes.scales.to(device, scale_dtype).contiguous()
-        self.offsets = offsets.to(device, scale_dtype).contiguous()
+        # input-major, [K (/ 2), N] and [groups, N]: see `expand`
+        self.codes = packed.t().contiguous()
+        self.scales = codes.scales.to(device, scale_dtype).t().contiguous()
+        self.offsets = offsets.to(device, scale_dtype).t().contiguous()
 
     @property
     def nbytes(self) -> int:
@@ -158,7 +172,7 @@ class CudaWeight:
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         n = self.shape[0]
         many = rows.shape[0] >= DEQUANTIZE_ROWS
-        y = rows @ self.dequantize(x.dtype).t() if many else self._fused(rows)
+        y = rows @ self.dequantize(x.dtype) if many else self._fused(rows)
         if bias is not None:
             y += bias
         return y.reshape(*x.shape[:-1], n)
@@ -171,7 +185,7 @@ class CudaWeight:
         elif m <= 64:
             block_m, block_n, block_k, warps, stages = 64, 64, 128, 4, 3
         else:
-            block_m, block_n, block_k, warps, stages = 64, 128, 64, 4, 3
+            block_m, block_n, block_k, warps, stages = 128, 128, 64, 8, 3
         tiles_m, tiles_n = -(-m // block_m), -(-n // block_n)
         split = _split_k(tiles_m * tiles_n, -(-k // block_k))
         out_dtype = rows.dtype if split == 1 else torch.float32
@@ -198,11 +212,12 @@ class CudaWeight:
         return y[0] if split == 1 else y.sum(0).to(rows.dtype)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight de-quantized to `dtype`, `[rows, cols]` (a transient for large products)."""
+        """The weight de-quantized to `dtype`, transposed, `[cols, rows]` (a transient for
+        large products)."""
         n, k = self.shape
-        w = torch.empty(n, k, dtype=dtype, device=self.codes.device)
-        block_n, block_k = 64, 128
-        dequantize_kernel[(-(-n // block_n), -(-k // block_k))](
+        w = torch.empty(k, n, dtype=dtype, device=self.codes.device)
+        block_k, block_n = 32, 128
+        dequantize_kernel[(-(-k // block_k), -(-n // block_n))](
             self.codes,
             self.scales,
             self.offsets,
@@ -211,19 +226,19 @@ class CudaWeight:
             k,
             FOUR_BIT=self.four_bit,
             GROUP=self.group,
-            BLOCK_N=block_n,
             BLOCK_K=block_k,
+            BLOCK_N=block_n,
         )
         return w
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` de-quantized, in float32 (embedding lookups)."""
-        codes = self.codes[ids]
+        codes = self.codes[:, ids].t()
         if self.four_bit:
             values = torch.stack([codes & 15, codes >> 4], -1).flatten(-2).float()
         else:
             values = codes.float()
         grouped = values.view(len(ids), -1, self.group)
-        scales, offsets = self.scales[ids].float(), self.offsets[ids].float()
+        scales, offsets = self.scales[:, ids].t().float(), self.offsets[:, ids].t().float()
         out = grouped * scales[..., None] + offsets[..., None]
         return out.view(len(ids), -1)
