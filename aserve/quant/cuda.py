@@ -42,7 +42,7 @@ def expand(
     """The weight tile [k, cols] in `dtype`, w = code * scale + offset. Codes, scales and
     offsets are stored input-major ([K, N]), so a tile's loads run along N, coalesced; the
     rows that share a byte or a group are loaded again from cache."""
-    ok = k[:, None] < K
+    ok = (k[:, None] < K) & (cols[None, :] < N)
     if FOUR_BIT:
         # byte (j, n) holds input 2j of output n in its low nibble and 2j + 1 in its high one
         packed = tl.load(codes_ptr + (k[:, None] // 2) * N + cols[None, :], mask=ok, other=0)
@@ -79,7 +79,6 @@ def quantized_gemm(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
-    cols = tl.where(cols < N, cols, N - 1)  # clamped: reads stay inside, stores masked
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
         k = step + tl.arange(0, BLOCK_K)
@@ -101,11 +100,10 @@ def quantized_gemm(
             x_ptr.dtype.element_ty,
         )
         acc += tl.dot(x, w, input_precision=PRECISION)
-    out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(
-        y_ptr + pid_k * M * N + rows[:, None] * N + out[None, :],
+        y_ptr + pid_k * M * N + rows[:, None] * N + cols[None, :],
         acc.to(y_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & (out[None, :] < N),
+        mask=row_ok[:, None] & (cols[None, :] < N),
     )
 
 
@@ -125,9 +123,8 @@ def dequantize_kernel(
     """The weight de-quantized into w, [K, N] (the layout of the codes)."""
     k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    safe = tl.where(cols < N, cols, N - 1)
     w = expand(
-        codes_ptr, scales_ptr, offsets_ptr, k, safe, N, K, FOUR_BIT, GROUP, w_ptr.dtype.element_ty
+        codes_ptr, scales_ptr, offsets_ptr, k, cols, N, K, FOUR_BIT, GROUP, w_ptr.dtype.element_ty
     )
     tl.store(w_ptr + k[:, None] * N + cols[None, :], w, mask=(k[:, None] < K) & (cols[None, :] < N))
 
@@ -186,6 +183,8 @@ class CudaWeight:
             block_m, block_n, block_k, warps, stages = 64, 64, 128, 4, 3
         else:
             block_m, block_n, block_k, warps, stages = 128, 128, 64, 8, 3
+        if rows.dtype == torch.float32:  # twice the bytes a tile: fits shared memory
+            block_k, stages = 32, 2
         tiles_m, tiles_n = -(-m // block_m), -(-n // block_n)
         split = _split_k(tiles_m * tiles_n, -(-k // block_k))
         out_dtype = rows.dtype if split == 1 else torch.float32
