@@ -31,10 +31,10 @@ pytestmark = [
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 def test_cuda_products_match_float64(qtype: QType) -> None:
     """Against the float64 product of the same activations and the exact de-quantized
-    weight, in bfloat16 (the weight tiles are rounded to bfloat16 as a bf16 model's weights
-    are; float16 scales) and in float32: one row, a few (K split over programs), many (wider
-    tiles) and past DEQUANTIZE_ROWS (cuBLAS on the de-quantized weight), and 100 outputs (not
-    a multiple of the tile)."""
+    weight, in bfloat16 (float16 scales; past DEQUANTIZE_ROWS the weight is rounded to
+    bfloat16 for cuBLAS, as a bf16 model's is) and in float32: one row, a few (groups split
+    over programs), many (wider tiles) and past DEQUANTIZE_ROWS, and 100 outputs (not a
+    multiple of the tile)."""
     from aserve.quant.cuda import DEQUANTIZE_ROWS, CudaWeight
 
     codes: Codes = decode(torch.from_numpy(random_blocks(qtype, 100, 512, seed=2)), qtype, 512)

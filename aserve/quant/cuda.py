@@ -3,9 +3,11 @@
 The weight keeps its integer codes (4-bit two to a byte, or 8-bit) with a scale and offset per
 group of 16 or 32 inputs, as on CPU (quant/codes.py); the scales are float16 beside 16-bit
 activations (their rounding, 2^-11, is below that of the activations) and float32 beside
-float32 ones. Nothing is de-quantized in memory for decode: a tile of codes is expanded in
-registers to the activations' dtype, `w = code * scale + offset`, and fed to a tensor-core
-dot, several groups per step along K. Few rows split K over several programs, so that a
+float32 ones. Nothing is de-quantized in memory for decode: codes are stored input-major so
+that a tile loads along the outputs, and each group is one tensor-core dot of activations
+and codes (small integers, exact in 16 bits) scaled and offset once per group in float32.
+(Expanding `code * scale + offset` per weight before a wider dot was slower: the expanded
+scales filled shared memory.) Few rows split the groups over several programs, so that a
 matrix of few output tiles still keeps every SM reading weights; their float32 partial sums
 are added in a fixed order (no atomics: the same batch gives the same bits). Many rows
 (prefill chunks) de-quantize the weight to the activations' dtype and let cuBLAS multiply:
@@ -27,32 +29,15 @@ BUSY_PROGRAMS = 2 * 132  # programs that keep an H100/H200's SMs reading weights
 
 
 @triton.jit
-def expand(
-    codes_ptr,
-    scales_ptr,
-    offsets_ptr,
-    k,
-    cols,
-    N,
-    K,
-    FOUR_BIT: tl.constexpr,
-    GROUP: tl.constexpr,
-    dtype: tl.constexpr,
-):
-    """The weight tile [k, cols] in `dtype`, w = code * scale + offset. Codes, scales and
-    offsets are stored input-major ([K, N]), so a tile's loads run along N, coalesced; the
-    rows that share a byte or a group are loaded again from cache."""
+def group_codes(codes_ptr, k, cols, N, K, FOUR_BIT: tl.constexpr):
+    """One group's codes [k, cols] as stored, input-major ([K (/ 2), N]), so that a tile loads
+    along N, coalesced (the two inputs of a byte load it twice, from cache)."""
     ok = (k[:, None] < K) & (cols[None, :] < N)
     if FOUR_BIT:
         # byte (j, n) holds input 2j of output n in its low nibble and 2j + 1 in its high one
         packed = tl.load(codes_ptr + (k[:, None] // 2) * N + cols[None, :], mask=ok, other=0)
-        code = (packed >> ((k[:, None] % 2) * 4)) & 15
-    else:
-        code = tl.load(codes_ptr + k[:, None] * N + cols[None, :], mask=ok, other=0)
-    where = (k[:, None] // GROUP) * N + cols[None, :]
-    scale = tl.load(scales_ptr + where, mask=ok, other=0.0).to(tl.float32)
-    offset = tl.load(offsets_ptr + where, mask=ok, other=0.0).to(tl.float32)
-    return (code.to(tl.float32) * scale + offset).to(dtype)
+        return (packed >> ((k[:, None] % 2) * 4)) & 15
+    return tl.load(codes_ptr + k[:, None] * N + cols[None, :], mask=ok, other=0)
 
 
 @triton.jit
@@ -70,40 +55,33 @@ def quantized_gemm(
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
 ):
+    """y[split] = the groups split, pid_k, SPLIT_K, ... of x @ w.T: per group a tensor-core dot
+    of the activations with the codes (small integers, exact in 16 bits), then
+    `acc += part * scale + sum(x over the group) * offset` in float32."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
+    col_ok = cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for step in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
-        k = step + tl.arange(0, BLOCK_K)
-        x = tl.load(
-            x_ptr + rows[:, None] * K + k[None, :],
-            mask=row_ok[:, None] & (k[None, :] < K),
-            other=0.0,
-        )
-        w = expand(
-            codes_ptr,
-            scales_ptr,
-            offsets_ptr,
-            k,
-            cols,
-            N,
-            K,
-            FOUR_BIT,
-            GROUP,
-            x_ptr.dtype.element_ty,
-        )
-        acc += tl.dot(x, w, input_precision=PRECISION)
+    for start in range(pid_k * GROUP, K, GROUP * SPLIT_K):
+        k = start + tl.arange(0, GROUP)
+        x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=row_ok[:, None], other=0.0)
+        code = group_codes(codes_ptr, k, cols, N, K, FOUR_BIT)
+        part = tl.dot(x, code.to(x.dtype), input_precision=PRECISION)
+        where = (start // GROUP) * N + cols
+        scale = tl.load(scales_ptr + where, mask=col_ok, other=0.0).to(tl.float32)
+        offset = tl.load(offsets_ptr + where, mask=col_ok, other=0.0).to(tl.float32)
+        x_sum = tl.sum(x.to(tl.float32), axis=1)
+        acc += part * scale[None, :] + x_sum[:, None] * offset[None, :]
     tl.store(
         y_ptr + pid_k * M * N + rows[:, None] * N + cols[None, :],
         acc.to(y_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & (cols[None, :] < N),
+        mask=row_ok[:, None] & col_ok[None, :],
     )
 
 
@@ -117,23 +95,31 @@ def dequantize_kernel(
     K,
     FOUR_BIT: tl.constexpr,
     GROUP: tl.constexpr,
-    BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """The weight de-quantized into w, [K, N] (the layout of the codes)."""
-    k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    """One group of the weight de-quantized into w, [K, N] (the codes' layout):
+    w = code * scale + offset."""
+    start = tl.program_id(0) * GROUP
+    k = start + tl.arange(0, GROUP)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    w = expand(
-        codes_ptr, scales_ptr, offsets_ptr, k, cols, N, K, FOUR_BIT, GROUP, w_ptr.dtype.element_ty
+    col_ok = cols < N
+    code = group_codes(codes_ptr, k, cols, N, K, FOUR_BIT).to(tl.float32)
+    where = (start // GROUP) * N + cols
+    scale = tl.load(scales_ptr + where, mask=col_ok, other=0.0).to(tl.float32)
+    offset = tl.load(offsets_ptr + where, mask=col_ok, other=0.0).to(tl.float32)
+    w = code * scale[None, :] + offset[None, :]
+    tl.store(
+        w_ptr + k[:, None] * N + cols[None, :],
+        w.to(w_ptr.dtype.element_ty),
+        mask=col_ok[None, :],
     )
-    tl.store(w_ptr + k[:, None] * N + cols[None, :], w, mask=(k[:, None] < K) & (cols[None, :] < N))
 
 
-def _split_k(tiles: int, k_steps: int) -> int:
-    """How many programs share each output tile's K: enough tiles to keep the GPU busy, and at
-    least two steps of K each."""
+def _split_k(tiles: int, groups: int) -> int:
+    """How many programs share each output tile's groups: enough to keep the GPU busy, and at
+    least eight groups each."""
     split = 1
-    while tiles * split < BUSY_PROGRAMS and k_steps // (2 * split) >= 2:
+    while tiles * split < BUSY_PROGRAMS and groups // (2 * split) >= 8:
         split *= 2
     return split
 
@@ -178,15 +164,13 @@ class CudaWeight:
         m, k = rows.shape
         n = self.shape[0]
         if m <= 16:
-            block_m, block_n, block_k, warps, stages = 16, 64, 128, 4, 4
+            block_m, block_n, warps, stages = 16, 64, 4, 5
         elif m <= 64:
-            block_m, block_n, block_k, warps, stages = 64, 64, 128, 4, 3
+            block_m, block_n, warps, stages = 64, 64, 4, 4
         else:
-            block_m, block_n, block_k, warps, stages = 128, 128, 64, 8, 3
-        if rows.dtype == torch.float32:  # twice the bytes a tile: fits shared memory
-            block_k, stages = 32, 2
+            block_m, block_n, warps, stages = 128, 128, 8, 3
         tiles_m, tiles_n = -(-m // block_m), -(-n // block_n)
-        split = _split_k(tiles_m * tiles_n, -(-k // block_k))
+        split = _split_k(tiles_m * tiles_n, k // self.group)
         out_dtype = rows.dtype if split == 1 else torch.float32
         y = torch.empty(split, m, n, dtype=out_dtype, device=rows.device)
         quantized_gemm[(tiles_m, tiles_n, split)](
@@ -203,7 +187,6 @@ class CudaWeight:
             PRECISION="ieee" if rows.dtype == torch.float32 else "tf32",
             BLOCK_M=block_m,
             BLOCK_N=block_n,
-            BLOCK_K=block_k,
             SPLIT_K=split,
             num_warps=warps,
             num_stages=stages,
@@ -215,8 +198,8 @@ class CudaWeight:
         large products)."""
         n, k = self.shape
         w = torch.empty(k, n, dtype=dtype, device=self.codes.device)
-        block_k, block_n = 32, 128
-        dequantize_kernel[(-(-k // block_k), -(-n // block_n))](
+        block_n = 128
+        dequantize_kernel[(k // self.group, -(-n // block_n))](
             self.codes,
             self.scales,
             self.offsets,
@@ -225,7 +208,6 @@ class CudaWeight:
             k,
             FOUR_BIT=self.four_bit,
             GROUP=self.group,
-            BLOCK_K=block_k,
             BLOCK_N=block_n,
         )
         return w
