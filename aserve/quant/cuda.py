@@ -36,8 +36,10 @@ def group_codes(codes_ptr, k, cols, N, K, FOUR_BIT: tl.constexpr):
     if FOUR_BIT:
         # byte (j, n) holds input 2j of output n in its low nibble and 2j + 1 in its high one
         packed = tl.load(codes_ptr + (k[:, None] // 2) * N + cols[None, :], mask=ok, other=0)
-        return (packed >> ((k[:, None] % 2) * 4)) & 15
-    return tl.load(codes_ptr + k[:, None] * N + cols[None, :], mask=ok, other=0)
+        code = (packed >> ((k[:, None] % 2) * 4)) & 15
+    else:
+        code = tl.load(codes_ptr + k[:, None] * N + cols[None, :], mask=ok, other=0)
+    return code
 
 
 @triton.jit
