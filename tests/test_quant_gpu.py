@@ -54,6 +54,7 @@ def test_cuda_products_match_float64(qtype: QType) -> None:
                 out.double(), exact, rtol=0, atol=tolerance * float(exact.abs().max())
             )
         ids = torch.tensor([5, 0, 99], device="cuda")
+        assert cuda.rows(ids).is_contiguous()
         largest = float(weight.abs().max())
         torch.testing.assert_close(
             cuda.rows(ids).double(), weight[ids], rtol=0, atol=tolerance * largest

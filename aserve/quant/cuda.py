@@ -216,7 +216,7 @@ class CudaWeight:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` de-quantized, in float32 (embedding lookups)."""
-        codes = self.codes[:, ids].t()
+        codes = self.codes[:, ids].t().contiguous()
         if self.four_bit:
             values = torch.stack([codes & 15, codes >> 4], -1).flatten(-2).float()
         else:
@@ -224,4 +224,4 @@ class CudaWeight:
         grouped = values.view(len(ids), -1, self.group)
         scales, offsets = self.scales[:, ids].t().float(), self.offsets[:, ids].t().float()
         out = grouped * scales[..., None] + offsets[..., None]
-        return out.view(len(ids), -1)
+        return out.reshape(len(ids), -1).contiguous()
