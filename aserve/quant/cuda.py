@@ -45,6 +45,7 @@ def group_codes(codes_ptr, k, cols, N, K, FOUR_BIT: tl.constexpr):
 @triton.jit
 def quantized_gemm(
     x_ptr,
+    x_sums_ptr,
     codes_ptr,
     scales_ptr,
     offsets_ptr,
@@ -57,11 +58,14 @@ def quantized_gemm(
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    GROUPS_PER_STEP: tl.constexpr,
     SPLIT_K: tl.constexpr,
 ):
-    """y[split] = the groups split, pid_k, SPLIT_K, ... of x @ w.T: per group a tensor-core dot
-    of the activations with the codes (small integers, exact in 16 bits), then
-    `acc += part * scale + sum(x over the group) * offset` in float32."""
+    """y[pid_k] = this program's share of x @ w.T (steps pid_k, pid_k + SPLIT_K, ... of
+    GROUPS_PER_STEP groups, a divisor of the groups): per group a tensor-core dot of the
+    activations with the codes (small integers, exact in 16 bits), then
+    `acc += part * scale + x_sum * offset` in float32, x_sum being the group's sum of x
+    (x_sums, computed once per product)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -69,17 +73,21 @@ def quantized_gemm(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
     col_ok = cols < N
+    groups = K // GROUP
+    step_size: tl.constexpr = GROUP * GROUPS_PER_STEP
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for start in range(pid_k * GROUP, K, GROUP * SPLIT_K):
-        k = start + tl.arange(0, GROUP)
-        x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=row_ok[:, None], other=0.0)
-        code = group_codes(codes_ptr, k, cols, N, K, FOUR_BIT)
-        part = tl.dot(x, code.to(x.dtype), input_precision=PRECISION)
-        where = (start // GROUP) * N + cols
-        scale = tl.load(scales_ptr + where, mask=col_ok, other=0.0).to(tl.float32)
-        offset = tl.load(offsets_ptr + where, mask=col_ok, other=0.0).to(tl.float32)
-        x_sum = tl.sum(x.to(tl.float32), axis=1)
-        acc += part * scale[None, :] + x_sum[:, None] * offset[None, :]
+    for step in range(pid_k * step_size, K, step_size * SPLIT_K):
+        for j in tl.static_range(GROUPS_PER_STEP):
+            start = step + j * GROUP
+            group = start // GROUP
+            k = start + tl.arange(0, GROUP)
+            x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=row_ok[:, None], other=0.0)
+            code = group_codes(codes_ptr, k, cols, N, K, FOUR_BIT)
+            part = tl.dot(x, code.to(x.dtype), input_precision=PRECISION)
+            scale = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
+            offset = tl.load(offsets_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
+            x_sum = tl.load(x_sums_ptr + rows * groups + group, mask=row_ok, other=0.0)
+            acc += part * scale[None, :] + x_sum[:, None] * offset[None, :]
     tl.store(
         y_ptr + pid_k * M * N + rows[:, None] * N + cols[None, :],
         acc.to(y_ptr.dtype.element_ty),
@@ -117,11 +125,11 @@ def dequantize_kernel(
     )
 
 
-def _split_k(tiles: int, groups: int) -> int:
-    """How many programs share each output tile's groups: enough to keep the GPU busy, and at
-    least eight groups each."""
+def _split_k(tiles: int, steps: int) -> int:
+    """How many programs share each output tile's steps along K: enough to keep the GPU busy,
+    and at least four steps each."""
     split = 1
-    while tiles * split < BUSY_PROGRAMS and groups // (2 * split) >= 8:
+    while tiles * split < BUSY_PROGRAMS and steps // (2 * split) >= 4:
         split *= 2
     return split
 
@@ -166,17 +174,22 @@ class CudaWeight:
         m, k = rows.shape
         n = self.shape[0]
         if m <= 16:
-            block_m, block_n, warps, stages = 16, 64, 4, 5
+            block_m, block_n, per_step, warps, stages = 16, 64, 4, 4, 4
         elif m <= 64:
-            block_m, block_n, warps, stages = 64, 64, 4, 4
+            block_m, block_n, per_step, warps, stages = 64, 64, 2, 4, 3
         else:
-            block_m, block_n, warps, stages = 128, 128, 8, 3
+            block_m, block_n, per_step, warps, stages = 128, 128, 2, 8, 3
+        groups = k // self.group
+        while groups % per_step:
+            per_step //= 2
         tiles_m, tiles_n = -(-m // block_m), -(-n // block_n)
-        split = _split_k(tiles_m * tiles_n, k // self.group)
+        split = _split_k(tiles_m * tiles_n, groups // per_step)
         out_dtype = rows.dtype if split == 1 else torch.float32
         y = torch.empty(split, m, n, dtype=out_dtype, device=rows.device)
+        x_sums = rows.float().view(m, groups, self.group).sum(-1)
         quantized_gemm[(tiles_m, tiles_n, split)](
             rows,
+            x_sums,
             self.codes,
             self.scales,
             self.offsets,
@@ -189,6 +202,7 @@ class CudaWeight:
             PRECISION="ieee" if rows.dtype == torch.float32 else "tf32",
             BLOCK_M=block_m,
             BLOCK_N=block_n,
+            GROUPS_PER_STEP=per_step,
             SPLIT_K=split,
             num_warps=warps,
             num_stages=stages,
