@@ -29,12 +29,13 @@ pytestmark = [
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
-def test_cuda_products_match_float64(qtype: QType) -> None:
+def test_cuda_products_match_float64(qtype: QType, monkeypatch: pytest.MonkeyPatch) -> None:
     """Against the float64 product of the same activations and the exact de-quantized
-    weight, in bfloat16 (float16 scales; past DEQUANTIZE_ROWS the weight is rounded to
+    weight, in bfloat16 (float16 scales; from DEQUANTIZE_ROWS the weight is rounded to
     bfloat16 for cuBLAS, as a bf16 model's is) and in float32: one row, a few (groups split
-    over programs), many (wider tiles) and past DEQUANTIZE_ROWS, and 100 outputs (not a
-    multiple of the tile)."""
+    over programs), more (wider tiles) and past DEQUANTIZE_ROWS, 100 outputs (not a multiple
+    of the tile); then 300 outputs de-quantized in slices of 128."""
+    from aserve.quant import cuda as cuda_module
     from aserve.quant.cuda import DEQUANTIZE_ROWS, CudaWeight
 
     codes: Codes = decode(torch.from_numpy(random_blocks(qtype, 100, 512, seed=2)), qtype, 512)
@@ -45,7 +46,7 @@ def test_cuda_products_match_float64(qtype: QType) -> None:
         assert cuda.scales.dtype == (torch.float16 if dtype == torch.bfloat16 else dtype)
         if dtype == torch.bfloat16:
             assert cuda.nbytes < 100 * 512 * 2, "smaller than the bfloat16 weight"
-        for rows in (1, 5, 70, DEQUANTIZE_ROWS + 3):
+        for rows in (1, 5, 40, DEQUANTIZE_ROWS + 3):
             x = torch.randn(rows, 512, generator=generator).to("cuda", dtype)
             exact = x.double() @ weight.T
             out = cuda.linear(x, None)
@@ -59,6 +60,14 @@ def test_cuda_products_match_float64(qtype: QType) -> None:
         torch.testing.assert_close(
             cuda.rows(ids).double(), weight[ids], rtol=0, atol=tolerance * largest
         )
+    wide: Codes = decode(torch.from_numpy(random_blocks(qtype, 300, 512, seed=3)), qtype, 512)
+    cuda = CudaWeight(wide, torch.device("cuda"), torch.bfloat16)
+    x = torch.randn(DEQUANTIZE_ROWS + 3, 512, generator=generator).to("cuda", torch.bfloat16)
+    exact = x.double() @ wide.dequantize().double().cuda().T
+    monkeypatch.setattr(cuda_module, "DEQUANTIZE_SLICE_BYTES", 128 * 512 * 2)
+    sliced = cuda.linear(x, None)
+    assert sliced.shape == (DEQUANTIZE_ROWS + 3, 300)
+    torch.testing.assert_close(sliced.double(), exact, rtol=0, atol=1e-2 * float(exact.abs().max()))
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)

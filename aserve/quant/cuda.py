@@ -9,9 +9,10 @@ and codes (small integers, exact in 16 bits) scaled and offset once per group in
 (Expanding `code * scale + offset` per weight before a wider dot was slower: the expanded
 scales filled shared memory.) Few rows split the groups over several programs, so that a
 matrix of few output tiles still keeps every SM reading weights; their float32 partial sums
-are added in a fixed order (no atomics: the same batch gives the same bits). Many rows
-(prefill chunks) de-quantize the weight to the activations' dtype and let cuBLAS multiply:
-the expansion costs a small part of such a product. Imported only on CUDA (it imports
+are added in a fixed order (no atomics: the same batch gives the same bits). From 64 rows
+(large decode batches, prefill chunks) slices of the weight are de-quantized to the
+activations' dtype and cuBLAS multiplies them: on an H200 that beat the fused kernel from
+about 64 rows (`bench/quant_kernels.py --device cuda`). Imported only on CUDA (it imports
 Triton).
 """
 
@@ -24,7 +25,8 @@ import triton.language as tl
 from aserve.quant.codes import Codes, groups_of_at_most_32
 
 GROUPS = (16, 32)
-DEQUANTIZE_ROWS = 1024  # from this many rows, de-quantize and multiply with cuBLAS
+DEQUANTIZE_ROWS = 64  # from this many rows, de-quantize and multiply with cuBLAS
+DEQUANTIZE_SLICE_BYTES = 64 << 20
 BUSY_PROGRAMS = 2 * 132  # programs that keep an H100/H200's SMs reading weights
 
 
@@ -103,23 +105,25 @@ def dequantize_kernel(
     w_ptr,
     N,
     K,
+    FIRST,
+    WIDTH,
     FOUR_BIT: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """One group of the weight de-quantized into w, [K, N] (the codes' layout):
-    w = code * scale + offset."""
+    """One group of outputs [FIRST, FIRST + WIDTH) de-quantized into w, [K, WIDTH] (the
+    codes' layout): w = code * scale + offset."""
     start = tl.program_id(0) * GROUP
     k = start + tl.arange(0, GROUP)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
+    cols = FIRST + tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < FIRST + WIDTH
     code = group_codes(codes_ptr, k, cols, N, K, FOUR_BIT).to(tl.float32)
     where = (start // GROUP) * N + cols
     scale = tl.load(scales_ptr + where, mask=col_ok, other=0.0).to(tl.float32)
     offset = tl.load(offsets_ptr + where, mask=col_ok, other=0.0).to(tl.float32)
     w = code * scale[None, :] + offset[None, :]
     tl.store(
-        w_ptr + k[:, None] * N + cols[None, :],
+        w_ptr + k[:, None] * WIDTH + (cols - FIRST)[None, :],
         w.to(w_ptr.dtype.element_ty),
         mask=col_ok[None, :],
     )
@@ -164,21 +168,35 @@ class CudaWeight:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         n = self.shape[0]
-        many = rows.shape[0] >= DEQUANTIZE_ROWS
-        y = rows @ self.dequantize(x.dtype) if many else self._fused(rows)
+        y = (
+            self._dequantized_product(rows)
+            if rows.shape[0] >= DEQUANTIZE_ROWS
+            else self._fused(rows)
+        )
         if bias is not None:
             y += bias
         return y.reshape(*x.shape[:-1], n)
+
+    def _dequantized_product(self, rows: torch.Tensor) -> torch.Tensor:
+        """Many rows: cuBLAS on slices of outputs de-quantized to the activations' dtype, each
+        at most DEQUANTIZE_SLICE_BYTES (an LM head would otherwise need a gigabyte more)."""
+        n, k = self.shape
+        width = max(128, DEQUANTIZE_SLICE_BYTES // (rows.element_size() * k) // 128 * 128)
+        if width >= n:
+            return rows @ self.dequantize(rows.dtype, 0, n)
+        y = rows.new_empty(rows.shape[0], n)
+        for first in range(0, n, width):
+            last = min(n, first + width)
+            y[:, first:last] = rows @ self.dequantize(rows.dtype, first, last)
+        return y
 
     def _fused(self, rows: torch.Tensor) -> torch.Tensor:
         m, k = rows.shape
         n = self.shape[0]
         if m <= 16:
             block_m, block_n, per_step, warps, stages = 16, 64, 4, 4, 4
-        elif m <= 64:
-            block_m, block_n, per_step, warps, stages = 64, 64, 2, 4, 3
         else:
-            block_m, block_n, per_step, warps, stages = 128, 128, 2, 8, 3
+            block_m, block_n, per_step, warps, stages = 64, 64, 2, 4, 3
         groups = k // self.group
         while groups % per_step:
             per_step //= 2
@@ -209,19 +227,20 @@ class CudaWeight:
         )
         return y[0] if split == 1 else y.sum(0).to(rows.dtype)
 
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight de-quantized to `dtype`, transposed, `[cols, rows]` (a transient for
-        large products)."""
-        n, k = self.shape
-        w = torch.empty(k, n, dtype=dtype, device=self.codes.device)
+    def dequantize(self, dtype: torch.dtype, first: int, last: int) -> torch.Tensor:
+        """Outputs [first, last) de-quantized to `dtype`, transposed: `[cols, last - first]`."""
+        k = self.shape[1]
+        w = torch.empty(k, last - first, dtype=dtype, device=self.codes.device)
         block_n = 128
-        dequantize_kernel[(k // self.group, -(-n // block_n))](
+        dequantize_kernel[(k // self.group, -(-(last - first) // block_n))](
             self.codes,
             self.scales,
             self.offsets,
             w,
-            n,
+            self.shape[0],
             k,
+            first,
+            last - first,
             FOUR_BIT=self.four_bit,
             GROUP=self.group,
             BLOCK_N=block_n,
