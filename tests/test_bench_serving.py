@@ -242,3 +242,16 @@ def test_main_records_a_line_that_report_renders(
     row = next(r for r in serving_table.splitlines() if "fake-model" in r)
     assert "| aserve |" in row and "n=4 in=8-12 out=4 T=0.0 | 2 | inf |" in row
     assert row.endswith("| 0 | a/b |")
+
+
+def test_workload_is_mini_sglangs_draw() -> None:
+    """The offline workload draws what mini-SGLang's benchmark/offline/bench.py draws (its
+    token totals, the first prompt's length and first ids), so that a comparison runs the
+    same prompts and lengths."""
+    workload = bench.common.random_workload(256, (100, 1024), (100, 1024), seed=0)
+    assert sum(len(prompt) for prompt, _ in workload) == 142_827
+    assert sum(output_len for _, output_len in workload) == 133_966
+    generator = random.Random(0)
+    first_len = generator.randint(100, 1024)
+    first_ids = [generator.randint(0, 10000) for _ in range(first_len)]
+    assert workload[0][0] == first_ids
