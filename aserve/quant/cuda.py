@@ -82,10 +82,23 @@ def quantized_gemm(
         for j in tl.static_range(GROUPS_PER_STEP):
             start = step + j * GROUP
             group = start // GROUP
-            k = start + tl.arange(0, GROUP)
-            x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=row_ok[:, None], other=0.0)
-            code = group_codes(codes_ptr, k, cols, N, K, FOUR_BIT)
-            part = tl.dot(x, code.to(x.dtype), input_precision=PRECISION)
+            if FOUR_BIT:
+                # each byte loaded once: its low nibbles meet the even inputs, its high ones
+                # the odd inputs, in two dots of half a group
+                pairs = start // 2 + tl.arange(0, GROUP // 2)
+                packed = tl.load(
+                    codes_ptr + pairs[:, None] * N + cols[None, :], mask=col_ok[None, :], other=0
+                )
+                even = x_ptr + rows[:, None] * K + (start + 2 * tl.arange(0, GROUP // 2))[None, :]
+                x_even = tl.load(even, mask=row_ok[:, None], other=0.0)
+                x_odd = tl.load(even + 1, mask=row_ok[:, None], other=0.0)
+                part = tl.dot(x_even, (packed & 15).to(x_even.dtype), input_precision=PRECISION)
+                part = tl.dot(x_odd, (packed >> 4).to(x_odd.dtype), part, input_precision=PRECISION)
+            else:
+                k = start + tl.arange(0, GROUP)
+                x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=row_ok[:, None], other=0.0)
+                code = group_codes(codes_ptr, k, cols, N, K, FOUR_BIT)
+                part = tl.dot(x, code.to(x.dtype), input_precision=PRECISION)
             scale = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
             offset = tl.load(offsets_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
             x_sum = tl.load(x_sums_ptr + rows * groups + group, mask=row_ok, other=0.0)
