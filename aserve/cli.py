@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from aserve.config import QUANTIZATIONS, ConfigError, ServerConfig, build_config
+from aserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, ConfigError, ServerConfig, build_config
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -148,6 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: run the checkpoint's own (a quantized GGUF stays quantized); none: "
         "de-quantize its weights to --dtype at load; int8, int4: quantize a float "
         "checkpoint's linear layers at load (groups of 32, as Q8_0 and Q4_1)",
+    )
+    model.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="auto: the KV cache in --dtype; fp8_e4m3: in FP8, half the bytes a token "
+        "(GPUs of compute capability 8.9 or newer)",
     )
 
     server = p.add_argument_group("server")

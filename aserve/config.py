@@ -28,6 +28,7 @@ MOE_BACKENDS = ("auto", "torch", "fused")
 # auto: the checkpoint's own (a quantized GGUF stays quantized); none: de-quantize to --dtype;
 # int8 / int4: quantize a float checkpoint's linear layers at load.
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
 
 class ConfigError(ValueError):
@@ -179,6 +180,7 @@ class EngineConfig:
     cuda_graph_max_bs: int | None = None
     moe_backend: str = "auto"
     quantization: str = "auto"
+    kv_cache_dtype: str = "auto"
     seed: int = 0
 
 
@@ -299,6 +301,10 @@ def validate(config: ServerConfig) -> None:
         (
             engine.quantization in QUANTIZATIONS,
             f"--quantization must be one of {', '.join(QUANTIZATIONS)}",
+        ),
+        (
+            engine.kv_cache_dtype in KV_CACHE_DTYPES,
+            f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}",
         ),
         (
             config.max_queued_requests is None or config.max_queued_requests >= 0,

@@ -73,7 +73,7 @@ class _DecodeStage:
         else:
             # Zeros (committed page by page as written): positions past a context are masked,
             # and a masked position must not hold a NaN that the softmax's zero weight keeps.
-            self.buffers = [zeros_on((numel,), layer.dtype, layer.device) for layer in pool.kv]
+            self.buffers = [zeros_on((numel,), pool.dtype, layer.device) for layer in pool.kv]
             self.kv = [buffer.view(shape) for buffer in self.buffers]
 
     @staticmethod
@@ -134,7 +134,7 @@ class TorchNativeBackend:
             lens = torch.tensor(batch.seq_lens, device=device)
             padding = torch.arange(longest, device=device)[None, :] >= lens[:, None]
             # Additive, built once a step: SDPA would turn a boolean mask into this per layer.
-            mask = torch.zeros(padding.shape, dtype=self.pool.kv[0].dtype, device=device)
+            mask = torch.zeros(padding.shape, dtype=self.pool.dtype, device=device)
             mask = mask.masked_fill_(padding, float("-inf"))[:, None, None]
         stage, append = self._pick_stage(batch, longest)
         append_at = None
@@ -156,7 +156,7 @@ class TorchNativeBackend:
         old = None if stage is None else stage.buffers
         del stage
         numel = _DecodeStage.numel(batch.batch_size, longest, self.pool)
-        if numel * self.pool.kv[0].element_size() > self.STAGE_MAX_BYTES:
+        if numel * torch.finfo(self.pool.dtype).bits // 8 > self.STAGE_MAX_BYTES:
             return None, False
         # Reuse the old stage's memory when the new one needs between half and all of it;
         # otherwise it is freed here, before its successor is allocated.
@@ -180,10 +180,9 @@ class TorchNativeBackend:
     def _prefill(self, q: torch.Tensor, layer: int, meta: _PrefillMetadata) -> torch.Tensor:
         """Inputs get a batch dimension: with three, SDPA on CPU takes its slow math path."""
         out = torch.empty_like(q)
-        kv_pool = self.pool.kv[layer]
         for seq in meta.seqs:
             q_seq = q[seq.q_start : seq.q_start + seq.q_len].transpose(0, 1)
-            kv_seq = kv_pool.index_select(0, seq.kv_slots)
+            kv_seq = self.pool.gather(layer, seq.kv_slots)
             o = F.scaled_dot_product_attention(
                 q_seq[None],
                 kv_seq[None, :, 0].transpose(1, 2),
@@ -201,21 +200,21 @@ class TorchNativeBackend:
         """`new_kv`: this step's K/V, already in the pool (None: only there)."""
         meta: _DecodeMetadata = batch.attn_metadata
         batch_size, longest = meta.kv_slots.shape
-        kv_pool = self.pool.kv[layer]
+        slot_shape = self.pool.kv[layer].shape[1:]
         if meta.stage is None:
-            kv = kv_pool.index_select(0, meta.kv_slots.flatten())
+            kv = self.pool.gather(layer, meta.kv_slots.flatten())
             # [batch, 2, kv_heads, longest, head_dim], strided
-            kv = kv.view(batch_size, longest, *kv_pool.shape[1:]).permute(0, 2, 3, 1, 4)
+            kv = kv.view(batch_size, longest, *slot_shape).permute(0, 2, 3, 1, 4)
         else:
             stage = meta.stage.kv[layer]
             token_major = stage.permute(0, 3, 1, 2, 4)  # [batch, capacity, 2, kv_heads, dim]
             if meta.append_at is not None:
-                if new_kv is None:
-                    new_kv = kv_pool[batch.out_slots]
+                if new_kv is None or self.pool.quantized:  # the stage holds what the pool reads
+                    new_kv = self.pool.gather(layer, batch.out_slots)
                 token_major.index_put_(meta.append_at, new_kv)
             else:
-                gathered = kv_pool.index_select(0, meta.kv_slots.flatten())
-                token_major[:, :longest] = gathered.view(batch_size, longest, *kv_pool.shape[1:])
+                gathered = self.pool.gather(layer, meta.kv_slots.flatten())
+                token_major[:, :longest] = gathered.view(batch_size, longest, *slot_shape)
             kv = stage[:, :, :, :longest]
         # A KV head's group of query heads as its queries: K/V are read once per KV head.
         kv_heads = kv.shape[2]

@@ -24,7 +24,7 @@ from aserve.engine.sampler import SampleOutput, Sampler, SamplingBatch, fused_sa
 from aserve.engine.step import StepSpec, forward_batch
 from aserve.forward import ForwardBatch, ForwardMode
 from aserve.kvcache.pages import PageTable
-from aserve.kvcache.pool import KVPool
+from aserve.kvcache.pool import KVPool, kv_storage_dtype
 from aserve.layers.cpu_gemm import return_freed_memory
 from aserve.layers.fused import fused_ops
 from aserve.layers.linear import pack_linear_weights, use_one_row_kernel
@@ -61,6 +61,25 @@ def _construct_on(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+def check_fp8_kv_cache(device: torch.device, attention_backend: str) -> None:
+    """FP8 KV needs FP8 hardware (Ada, Hopper and newer), and so far the torch attention
+    backend: FlashInfer's and the Triton decode kernels' FP8 paths are not wired yet."""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if capability is None or capability < (8, 9):
+        where = (
+            "a CPU" if capability is None else f"compute capability {capability[0]}.{capability[1]}"
+        )
+        raise ConfigError(
+            "--kv-cache-dtype fp8_e4m3 needs a GPU with FP8 (compute capability 8.9 or newer), "
+            f"not {where}: pass --kv-cache-dtype auto"
+        )
+    if attention_backend != "torch":
+        raise ConfigError(
+            "--kv-cache-dtype fp8_e4m3 runs with --attention-backend torch so far (FlashInfer "
+            "and Triton decode with an FP8 cache are not built yet)"
+        )
+
+
 class Engine:
     def __init__(
         self,
@@ -83,6 +102,9 @@ class Engine:
                 "quantized weights run on CPU and CUDA: pass --quantization none to run "
                 f"the model in --dtype on {self.device.type}"
             )
+        self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.dtype)
+        if self.kv_dtype != self.dtype:
+            check_fp8_kv_cache(self.device, config.attention_backend)
         self.free_memory_before_load = free_device_memory(self.device)
         started = time.perf_counter()
         ops = fused_ops(self.device, self.dtype, model_config.quantization is not None)
@@ -110,7 +132,13 @@ class Engine:
         self.free_memory_after_load = free_device_memory(self.device)
 
         self.num_pages = plan_num_pages(
-            config, model_config, self.tp, self.dtype, self.device, self.max_seq_len
+            config,
+            model_config,
+            self.tp,
+            self.dtype,
+            self.device,
+            self.max_seq_len,
+            self.kv_dtype,
         )
         pool_tokens = (self.num_pages - 1) * config.page_size
         if pool_tokens < self.max_seq_len:
@@ -130,11 +158,12 @@ class Engine:
             model_config.head_dim,
             self.dtype,
             self.device,
+            self.kv_dtype,
         )
         self.kv_cache_bytes = (
             self.num_pages
             * config.page_size
-            * kv_bytes_per_token(model_config, self.tp, self.dtype)
+            * kv_bytes_per_token(model_config, self.tp, self.kv_dtype)
         )
         self.page_table = PageTable(
             config.max_running_requests, self.max_seq_len, config.page_size, self.device
@@ -237,7 +266,8 @@ class Engine:
             f"{self.model_config.architecture} dtype={str(self.dtype).removeprefix('torch.')} "
             f"device={self.device} tp={self.tp.size} max_total_num_tokens={tokens} "
             f"pages={self.num_pages - 1}x{self.config.page_size} "
-            f"kv_cache={self.kv_cache_bytes / GiB:.2f} GiB context_len={self.max_seq_len} "
+            f"kv_cache={self.kv_cache_bytes / GiB:.2f} GiB "
+            f"kv_dtype={str(self.kv_dtype).removeprefix('torch.')} context_len={self.max_seq_len} "
             f"free_mem_before_load={self.free_memory_before_load / GiB:.2f} GiB "
             f"free_mem_after_load={self.free_memory_after_load / GiB:.2f} GiB "
             f"weights={self.weight_bytes / 2**20:.0f} MiB load_time={self.load_seconds:.1f}s "

@@ -69,6 +69,7 @@ def plan_num_pages(
     dtype: torch.dtype,
     device: torch.device,
     max_seq_len: int,
+    kv_dtype: torch.dtype,
 ) -> int:
     """Pages for the KV pool (including the dummy page 0).
 
@@ -83,7 +84,7 @@ def plan_num_pages(
     """
     if config.num_pages is not None:
         return config.num_pages
-    per_token = kv_bytes_per_token(model, tp, dtype)
+    per_token = kv_bytes_per_token(model, tp, kv_dtype)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         working = working_memory_bytes(config, model, tp, dtype)

@@ -1,4 +1,5 @@
-"""The KV pool: per layer, one tensor indexed by KV slot that holds K and V side by side."""
+"""The KV pool: per layer, one tensor indexed by KV slot that holds K and V side by side,
+in the model's dtype or in FP8 (`--kv-cache-dtype fp8_e4m3`, half the bytes a token)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,14 @@ import math
 import mmap
 
 import torch
+
+KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def kv_storage_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """What the pool stores for `--kv-cache-dtype`: `auto` keeps the model's dtype."""
+    return dtype if kv_cache_dtype == "auto" else KV_CACHE_DTYPES[kv_cache_dtype]
 
 
 def zeros_on(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -25,6 +34,11 @@ class KVPool:
     `[slots, kv_heads, head_dim]` that backends read (FlashInfer through their strides).
     Attention backends write the new tokens' K/V at their slots and read a request's context
     through the page table; nothing else touches these tensors.
+
+    In FP8 (`storage_dtype` float8_e4m3fn) a stored value is `k / k_scale` (or `v / v_scale`),
+    saturated at +-448, and reads multiply back: `scales[layer]` holds (k_scale, v_scale) in
+    float32, 1.0 unless a checkpoint brings calibrated ones (vLLM's convention). `dtype` is
+    what backends compute in; `gather` gives them a context in it.
     """
 
     def __init__(
@@ -36,21 +50,40 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        storage_dtype: torch.dtype | None = None,
     ) -> None:
         shape = (num_pages * page_size, 2, num_kv_heads, head_dim)
         self.num_pages = num_pages
         self.page_size = page_size
-        self.kv = [zeros_on(shape, dtype, device) for _ in range(num_layers)]
+        self.dtype = dtype
+        self.storage_dtype = storage_dtype or dtype
+        self.quantized = self.storage_dtype != dtype
+        self.kv = [zeros_on(shape, self.storage_dtype, device) for _ in range(num_layers)]
         self.k = [layer[:, 0] for layer in self.kv]
         self.v = [layer[:, 1] for layer in self.kv]
+        self.scales = torch.ones(num_layers, 2, dtype=torch.float32, device=device)
 
     def store(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """Write `kv` `[tokens, 2, kv_heads, head_dim]` (K then V of each token) at `slots`."""
-        self.kv[layer].index_copy_(0, slots, kv)
+        if self.quantized:
+            scaled = kv.float() / self.scales[layer][:, None, None]
+            fp8 = scaled.clamp_(-FP8_MAX, FP8_MAX).to(self.storage_dtype)
+            # as bytes: indexed copies of float8 tensors are not implemented on every device
+            self.kv[layer].view(torch.uint8).index_copy_(0, slots, fp8.view(torch.uint8))
+        else:
+            self.kv[layer].index_copy_(0, slots, kv)
+
+    def gather(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """The K/V at `slots`, `[len(slots), 2, kv_heads, head_dim]`, in `dtype`."""
+        if not self.quantized:
+            return self.kv[layer].index_select(0, slots)
+        stored = self.kv[layer].view(torch.uint8).index_select(0, slots).view(self.storage_dtype)
+        return (stored.float() * self.scales[layer][:, None, None]).to(self.dtype)
 
     @staticmethod
     def bytes_per_token(
         num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> int:
+        """Bytes of K and V a token takes over all layers, stored as `dtype`."""
         element = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * num_kv_heads * head_dim * element

@@ -78,7 +78,7 @@ class DecoderAttention(nn.Module):
         q, kv = qkv.split([self.q_size, 2 * self.kv_size], -1)
         tokens = q.shape[0]
         new_kv: torch.Tensor | None = None  # None: already in the pool
-        if self.norm_rope_store is not None:
+        if self.norm_rope_store is not None and not attn.pool.quantized:  # it writes 16 bits
             self.norm_rope_store(
                 q,
                 kv,
