@@ -30,12 +30,12 @@ def freeze_startup_objects() -> None:
 
 def chosen_quantization(engine: EngineConfig, model: ModelConfig) -> str | None:
     """What the weights run as: the checkpoint's own format (`auto`; dummy weights are
-    float), float (`none`), or a float checkpoint quantized at load (`int8`, `int4`)."""
+    float), float (`none`), or a float checkpoint quantized at load (`int8`, `int4`, `fp8`)."""
     stored = model.quantization
     if stored not in (None, "gguf"):
         raise ConfigError(
             f"{stored} checkpoints are not supported: aserve runs GGUF files quantized and "
-            "float checkpoints (quantized at load with --quantization int8 or int4)"
+            "float checkpoints (quantized at load with --quantization int8, int4 or fp8)"
         )
     requested = engine.quantization
     if requested == "none" or (requested == "auto" and engine.dummy_weight):

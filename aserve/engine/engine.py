@@ -61,22 +61,15 @@ def _construct_on(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def check_fp8_kv_cache(device: torch.device, attention_backend: str) -> None:
-    """FP8 KV needs FP8 hardware (Ada, Hopper and newer), and so far the torch attention
-    backend: FlashInfer's and the Triton decode kernels' FP8 paths are not wired yet."""
+def require_fp8_gpu(device: torch.device, option: str) -> None:
+    """FP8 weights and KV need FP8 hardware: compute capability 8.9 (Ada) or newer."""
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     if capability is None or capability < (8, 9):
         where = (
             "a CPU" if capability is None else f"compute capability {capability[0]}.{capability[1]}"
         )
         raise ConfigError(
-            "--kv-cache-dtype fp8_e4m3 needs a GPU with FP8 (compute capability 8.9 or newer), "
-            f"not {where}: pass --kv-cache-dtype auto"
-        )
-    if attention_backend != "torch":
-        raise ConfigError(
-            "--kv-cache-dtype fp8_e4m3 runs with --attention-backend torch so far (FlashInfer "
-            "and Triton decode with an FP8 cache are not built yet)"
+            f"{option} needs a GPU with FP8 (compute capability 8.9 or newer), not {where}"
         )
 
 
@@ -104,7 +97,14 @@ class Engine:
             )
         self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.dtype)
         if self.kv_dtype != self.dtype:
-            check_fp8_kv_cache(self.device, config.attention_backend)
+            require_fp8_gpu(self.device, "--kv-cache-dtype fp8_e4m3")
+            if config.attention_backend != "torch":
+                raise ConfigError(
+                    "--kv-cache-dtype fp8_e4m3 runs with --attention-backend torch so far "
+                    "(FlashInfer and Triton decode with an FP8 cache are not built yet)"
+                )
+        if model_config.quantization == "fp8":
+            require_fp8_gpu(self.device, "--quantization fp8")
         self.free_memory_before_load = free_device_memory(self.device)
         started = time.perf_counter()
         ops = fused_ops(self.device, self.dtype, model_config.quantization is not None)

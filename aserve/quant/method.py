@@ -15,6 +15,7 @@ import torch
 
 from aserve.quant.codes import Codes, quantize
 from aserve.quant.cpu import DenseWeight, cpu_weight
+from aserve.quant.fp8 import Fp8Rows, Fp8Weight, quantize_rows
 from aserve.quant.gguf import QuantizedTensor
 
 
@@ -27,26 +28,28 @@ class QuantizedProduct(Protocol):
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
 
 
-Shard = Codes | torch.Tensor
+Shard = Codes | Fp8Rows | torch.Tensor
 
 
 def is_quantized(tensor: object) -> bool:
     return isinstance(tensor, QuantizedTensor)
 
 
-# `--quantization` methods that quantize a float checkpoint at load, and their widths.
+# `--quantization` methods that quantize a float checkpoint at load into codes, and their
+# widths; "fp8" quantizes it at load into FP8 rows (quant/fp8.py).
 LOAD_TIME_BITS = {"int8": 8, "int4": 4}
 
 
 class QuantizedLinearWeight:
     """The weight of a linear layer whose rows come in `len(shard_rows)` shards, under
-    `quantization`: "gguf" (shards arrive quantized) or a `LOAD_TIME_BITS` method (float
-    shards are quantized as they arrive)."""
+    `quantization`: "gguf" (shards arrive quantized), a `LOAD_TIME_BITS` method or "fp8"
+    (float shards are quantized as they arrive)."""
 
     def __init__(self, shard_rows: list[int], cols: int, quantization: str) -> None:
         self.shard_rows = shard_rows
         self.cols = cols
         self.bits = LOAD_TIME_BITS.get(quantization)
+        self.fp8 = quantization == "fp8"
         self.shards: list[Shard | None] = [None] * len(shard_rows)
         self.products: list[QuantizedProduct] = []
 
@@ -58,6 +61,8 @@ class QuantizedLinearWeight:
             piece = tensor.decode()
         elif self.bits is not None:
             piece = quantize(tensor, self.bits)
+        elif self.fp8:
+            piece = quantize_rows(tensor)
         else:
             piece = tensor.float()
         if tuple(piece.shape) != (self.shard_rows[shard], self.cols):
@@ -97,12 +102,14 @@ class QuantizedLinearWeight:
 def _same_format(a: Shard, b: Shard) -> bool:
     if isinstance(a, Codes) and isinstance(b, Codes):
         return (a.group, a.bits) == (b.group, b.bits)
-    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+    return type(a) is type(b) and not isinstance(a, Codes)
 
 
 def _product(run: list[Shard], device: torch.device, dtype: torch.dtype) -> QuantizedProduct:
     if isinstance(run[0], torch.Tensor):
         return DenseWeight(torch.cat(run).to(device, dtype))  # type: ignore[arg-type]
+    if isinstance(run[0], Fp8Rows):
+        return Fp8Weight(Fp8Rows.concat_rows(run), device, dtype)  # type: ignore[arg-type]
     codes = Codes.concat_rows(run)  # type: ignore[arg-type]
     if device.type == "cuda":
         from aserve.quant.cuda import CudaWeight

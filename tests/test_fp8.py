@@ -1,7 +1,8 @@
-"""The FP8 KV cache (`--kv-cache-dtype fp8_e4m3`): the pool's rounding, saturation, scales and
-size, and the torch attention backend reading it, which is the reference the GPU kernels are
-checked against. Users get FP8 KV on FP8 GPUs only; these tests run the same reference path on
-the CPU by lifting that guard."""
+"""FP8 weights (`--quantization fp8`) and the FP8 KV cache (`--kv-cache-dtype fp8_e4m3`): the
+product against float64, the pool's rounding, saturation, scales and size, the torch
+attention backend reading it (the reference the GPU kernels are checked against), and models
+run end to end. Users get FP8 on FP8 GPUs only; these tests run the same code on the CPU (its
+`torch._scaled_mm` is a reference implementation) by lifting that guard."""
 
 from __future__ import annotations
 
@@ -14,7 +15,13 @@ import torch
 from aserve import LLM, SamplingParams
 from aserve.engine import engine as engine_module
 from aserve.kvcache.pool import FP8_MAX, KVPool
-from tests.test_quant import TINY_PROMPTS, assert_refused_in_one_line, first_differences
+from aserve.quant.fp8 import Fp8Weight, quantize_rows
+from tests.test_quant import (
+    TINY_PROMPTS,
+    assert_refused_in_one_line,
+    first_differences,
+    first_tokens_agreeing,
+)
 from tests.tiny_models import make_tiny_model
 
 FP8 = torch.float8_e4m3fn
@@ -52,7 +59,7 @@ def test_fp8_pool_rounds_saturates_and_scales() -> None:
 
 def fp8_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """Lift the FP8-hardware guard: the CPU then runs the torch reference path."""
-    monkeypatch.setattr(engine_module, "check_fp8_kv_cache", lambda device, backend: None)
+    monkeypatch.setattr(engine_module, "require_fp8_gpu", lambda device, option: None)
 
 
 @pytest.mark.parametrize("stage", [True, False], ids=["decode-stage", "pool-reads"])
@@ -95,12 +102,64 @@ def test_fp8_kv_cache_generates_like_the_float_cache(
     assert again == uncached
 
 
-def test_fp8_kv_cache_refused_without_fp8_hardware(tmp_path: Path) -> None:
-    """On a CPU (and on GPUs older than compute capability 8.9) the option is one line."""
+def test_fp8_refused_without_fp8_hardware(tmp_path: Path) -> None:
+    """On a CPU (and on GPUs older than compute capability 8.9) either option is one line."""
     folder = make_tiny_model("llama", tmp_path / "llama")
-    assert_refused_in_one_line(
-        folder,
-        ["--kv-cache-dtype", "fp8_e4m3"],
-        "--kv-cache-dtype fp8_e4m3 needs a GPU with FP8",
-        tmp_path / "cache",
-    )
+    for option, value in (("--kv-cache-dtype", "fp8_e4m3"), ("--quantization", "fp8")):
+        assert_refused_in_one_line(
+            folder,
+            [option, value],
+            f"{option} {value} needs a GPU with FP8",
+            tmp_path / "cache",
+        )
+
+
+@pytest.mark.parametrize("outputs", [96, 90], ids=["fp8-gemm", "unaligned"])
+def test_fp8_product_matches_float64(outputs: int) -> None:
+    """Per-row weight scales and per-token activation scales: within a tenth of the largest
+    output of the float64 product (e4m3 keeps 3 mantissa bits: each factor is off by up to
+    1/16, and the errors average out over the inputs); rows whose size the FP8 GEMM does not
+    take run de-quantized. A token's scale is its own: alone it gets the same result, up to
+    the order of float sums."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(outputs, 128, generator=generator) * 0.05
+    bias = torch.randn(outputs, generator=generator)
+    x = torch.randn(7, 128, generator=generator)
+    x[3] *= 100  # a token of large activations: its scale is its own
+    product = Fp8Weight(quantize_rows(weight), CPU, torch.float32)
+    assert product.values.dtype == FP8 and product.aligned == (outputs % 16 == 0)
+    assert product.nbytes == outputs * 128 + outputs * 4
+    exact = x.double() @ weight.double().T + bias.double()
+    out = product.linear(x, bias)
+    for token in range(7):
+        torch.testing.assert_close(
+            out[token].double(),
+            exact[token],
+            rtol=0,
+            atol=0.1 * float((exact[token] - bias.double()).abs().max()),
+        )
+        alone = product.linear(x[token : token + 1], bias)[0]
+        torch.testing.assert_close(alone, out[token], rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_weights_run_a_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, make_llm: Callable[..., LLM]
+) -> None:
+    """A tiny Llama (sizes multiples of 16) quantized to FP8 at load: its linear layers take a
+    quarter of their float32 bytes, and the first greedy token agrees with the float model's
+    on most prompts (random weights make near-ties); dummy weights quantize too."""
+    fp8_on_cpu(monkeypatch)
+    folder = make_tiny_model("llama", tmp_path / "llama")
+    fp8 = make_llm(folder, num_pages=256, quantization="fp8")
+    reference = make_llm(folder, num_pages=256)
+    layer = fp8.runtime.engine.model.model.layers[0].mlp.gate_up_proj
+    (product,) = layer.quantized.products
+    assert isinstance(product, Fp8Weight) and product.aligned
+    assert product.values.nbytes == product.shape[0] * product.shape[1]  # a byte a weight
+    assert fp8.runtime.engine.weight_bytes < reference.runtime.engine.weight_bytes
+    agree, pairs = first_tokens_agreeing(fp8, reference, max_tokens=8)
+    print(f"\nfp8: first greedy token agrees on {agree} of 6 prompts")
+    assert agree >= 4, pairs
+    dummy = make_llm(folder, num_pages=256, dummy_weight=True, quantization="fp8")
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert len(dummy.generate(TINY_PROMPTS[0], greedy)[0].token_ids) == 8
