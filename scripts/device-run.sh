@@ -48,6 +48,9 @@ for step in "$@"; do
               --rows 1 16 64 256 1024 4096 2>&1 | tail -12 ;;
     quant-bench) for q in ${QUANTS:-int4 int8}; do for m in ${QMODELS:-llama-3.1-8b qwen3-0.6b}; do
               timeout 300 python3 bench/offline.py --model bench/models/$m $W --quantization $q 2>&1 | grep -v Warn | tail -2; done; done ;;
+    fp8-tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_gpu.py -s 2>&1 | grep -v "^  /\|^    \|Loading\|Writing" | tail -20 ;;
+    fp8-bench) for m in ${QMODELS:-llama-3.1-8b}; do
+              timeout 300 python3 bench/offline.py --model bench/models/$m $W --quantization fp8 2>&1 | grep -v Warn | tail -2; done ;;
     qwen3-tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k "qk_norm or qwen3" 2>&1 | grep -v "^  /\|^    " | tail -30 ;;
     noaot-site) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-noaot .whl/*.whl ;;  # no kernel pack: a fresh machine
     startup)

@@ -1,0 +1,66 @@
+"""FP8 on the GPU machine (skipped without a CUDA device of compute capability 8.9 or newer):
+cuBLASLt's FP8 product against float64, and tiny models with FP8 weights or an FP8 KV cache
+against their bfloat16 selves."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from aserve import LLM
+from aserve.quant.fp8 import Fp8Weight, quantize_rows
+from tests.test_quant import first_tokens_agreeing
+from tests.tiny_models import make_tiny_model
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+        reason="needs a CUDA device with FP8 (compute capability 8.9 or newer)",
+    ),
+]
+SHAPES = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64, "num_attention_heads": 4}
+
+
+@pytest.mark.parametrize("rows", [1, 37, 512])
+def test_fp8_product_on_cuda(rows: int) -> None:
+    """bfloat16 activations, FP8 weight and activations: within a tenth of each token's
+    largest output of the float64 product."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(768, 1024, generator=generator) * 0.03
+    x = torch.randn(rows, 1024, generator=generator).to("cuda", torch.bfloat16)
+    product = Fp8Weight(quantize_rows(weight), torch.device("cuda"), torch.bfloat16)
+    out = product.linear(x, None)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 768)
+    exact = x.double() @ weight.double().cuda().T
+    scale = exact.abs().amax(dim=1, keepdim=True)
+    assert ((out.double() - exact).abs() <= 0.1 * scale).all()
+
+
+@pytest.mark.parametrize("option", ["weights", "kv"])
+def test_fp8_tiny_model_on_cuda(tmp_path: Path, make_llm: Callable[..., LLM], option: str) -> None:
+    """A tiny bf16 Llama with FP8 weights (FlashInfer attention) or an FP8 KV cache (the torch
+    attention backend): the first greedy token agrees with plain bf16 on most prompts; the
+    FP8 cache takes half the bytes of a bf16 one for the same pages."""
+    folder = make_tiny_model("llama", tmp_path / "llama", overrides=SHAPES)
+    if option == "weights":
+        fp8 = make_llm(folder, num_pages=256, dtype="bfloat16", quantization="fp8")
+    else:
+        fp8 = make_llm(
+            folder,
+            num_pages=256,
+            dtype="bfloat16",
+            kv_cache_dtype="fp8_e4m3",
+            attention_backend="torch",
+        )
+    reference = make_llm(folder, num_pages=256, dtype="bfloat16", attention_backend="torch")
+    if option == "kv":
+        engine = fp8.runtime.engine
+        assert engine.pool.kv[0].dtype == torch.float8_e4m3fn
+        assert 2 * engine.kv_cache_bytes == reference.runtime.engine.kv_cache_bytes
+    agree, pairs = first_tokens_agreeing(fp8, reference, max_tokens=8)
+    print(f"\nfp8 {option} on CUDA: first greedy token agrees on {agree} of 6 prompts")
+    assert agree >= 4, pairs
