@@ -22,7 +22,7 @@ pytestmark = [
         reason="needs a CUDA device with FP8 (compute capability 8.9 or newer)",
     ),
 ]
-SHAPES = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64, "num_attention_heads": 4}
+SHAPES = {"hidden_size": 512, "intermediate_size": 1024, "head_dim": 128, "num_attention_heads": 4}
 
 
 @pytest.mark.parametrize("rows", [1, 37, 512])
