@@ -65,6 +65,10 @@ def _moe_settings(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _as_block(value: Any) -> tuple[int, int] | None:
+    return None if not value else (int(value[0]), int(value[1]))
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The shape and quirks of one decoder, read from a Hugging Face config.json.
@@ -72,7 +76,9 @@ class ModelConfig:
     Mistral's sliding window is honoured by capping the context at the window: within it,
     sliding-window attention and full attention are the same computation. The MoE fields
     keep their defaults (no experts) for dense models. `quantization` is the checkpoint's
-    `quantization_config.quant_method` ("gguf" for a quantized GGUF file), or None.
+    `quantization_config.quant_method` ("gguf" for a quantized GGUF file), or None, until
+    the runtime replaces it with what the weights run as; `fp8_checkpoint` and `fp8_block`
+    (its `weight_block_size`) stay: they say how the file is to be read.
     """
 
     architecture: str
@@ -96,6 +102,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     torch_dtype: str | None = None
     quantization: str | None = None
+    fp8_checkpoint: bool = False
+    fp8_block: tuple[int, int] | None = None
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -134,6 +142,7 @@ class ModelConfig:
         if family == "mistral" and config.get("sliding_window"):
             max_positions = min(max_positions, int(config["sliding_window"]))
         rope_theta, rope_scaling = _rope_settings(config)
+        quantization = config.get("quantization_config") or {}
         return cls(
             architecture=arch,
             model_type=family,
@@ -155,7 +164,9 @@ class ModelConfig:
             eos_token_ids=tuple(sorted(eos)),
             bos_token_id=config.get("bos_token_id"),
             torch_dtype=config.get("torch_dtype") or config.get("dtype"),
-            quantization=(config.get("quantization_config") or {}).get("quant_method"),
+            quantization=quantization.get("quant_method"),
+            fp8_checkpoint=quantization.get("quant_method") == "fp8",
+            fp8_block=_as_block(quantization.get("weight_block_size")),
             **_moe_settings(config) if family == "qwen3_moe" else {},
         )
 

@@ -32,10 +32,11 @@ def chosen_quantization(engine: EngineConfig, model: ModelConfig) -> str | None:
     """What the weights run as: the checkpoint's own format (`auto`; dummy weights are
     float), float (`none`), or a float checkpoint quantized at load (`int8`, `int4`, `fp8`)."""
     stored = model.quantization
-    if stored not in (None, "gguf"):
+    if stored not in (None, "gguf", "fp8"):
         raise ConfigError(
-            f"{stored} checkpoints are not supported: aserve runs GGUF files quantized and "
-            "float checkpoints (quantized at load with --quantization int8, int4 or fp8)"
+            f"{stored} checkpoints are not supported: aserve runs GGUF files and FP8 "
+            "checkpoints quantized, and float checkpoints (quantized at load with "
+            "--quantization int8, int4 or fp8)"
         )
     requested = engine.quantization
     if requested == "none" or (requested == "auto" and engine.dummy_weight):
@@ -43,9 +44,10 @@ def chosen_quantization(engine: EngineConfig, model: ModelConfig) -> str | None:
     if requested == "auto":
         chosen = stored
     elif stored is not None:
+        kind = "GGUF" if stored == "gguf" else "FP8"
         raise ConfigError(
             f"--quantization {requested} quantizes a float checkpoint at load; this one is "
-            "already quantized (GGUF): pass --quantization auto or none"
+            f"already quantized ({kind}): pass --quantization auto or none"
         )
     else:
         chosen = requested

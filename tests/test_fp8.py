@@ -6,6 +6,7 @@ run end to end. Users get FP8 on FP8 GPUs only; these tests run the same code on
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -163,3 +164,108 @@ def test_fp8_weights_run_a_model(
     dummy = make_llm(folder, num_pages=256, dummy_weight=True, quantization="fp8")
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     assert len(dummy.generate(TINY_PROMPTS[0], greedy)[0].token_ids) == 8
+
+
+LINEAR = ("_proj.weight",)
+
+
+def write_fp8_checkpoint(
+    float_folder: Path, fp8_folder: Path, twin_folder: Path, block: tuple[int, int] | None
+) -> None:
+    """The float checkpoint's linear weights as a published FP8 checkpoint: float8_e4m3fn
+    values with `weight_scale_inv` per `block` (Qwen3-FP8's layout) or one `weight_scale` per
+    tensor, `quantization_config` naming fp8; a static `input_scale` too, which aserve drops.
+    `twin_folder` gets the float checkpoint whose weights are exactly the FP8 ones
+    de-quantized."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(float_folder / "model.safetensors"))
+    fp8_tensors: dict[str, torch.Tensor] = {}
+    twin: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if not name.endswith(LINEAR):
+            fp8_tensors[name] = twin[name] = tensor
+            continue
+        base = name.removesuffix(".weight")
+        if block is None:
+            scale = tensor.abs().amax() / FP8_MAX
+            values = (tensor / scale).to(FP8)
+            fp8_tensors[f"{base}.weight_scale"] = scale
+            twin[name] = values.float() * scale
+        else:
+            b0, b1 = block
+            blocks = tensor.unflatten(0, (-1, b0)).unflatten(2, (-1, b1))
+            scale = blocks.abs().amax(dim=(1, 3)) / FP8_MAX
+            full = scale.repeat_interleave(b0, 0).repeat_interleave(b1, 1)
+            values = (tensor / full).to(FP8)
+            fp8_tensors[f"{base}.weight_scale_inv"] = scale
+            twin[name] = values.float() * full
+        fp8_tensors[name] = values
+        fp8_tensors[f"{base}.input_scale"] = torch.tensor(1.0)
+    for folder, contents in ((fp8_folder, fp8_tensors), (twin_folder, twin)):
+        folder.mkdir()
+        save_file(contents, str(folder / "model.safetensors"))
+        config = json.loads((float_folder / "config.json").read_text())
+        if folder == fp8_folder:
+            config["quantization_config"] = {
+                "quant_method": "fp8",
+                "activation_scheme": "dynamic",
+                **({"weight_block_size": list(block)} if block else {}),
+            }
+        (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("block", [(32, 32), None], ids=["block-scales", "tensor-scale"])
+def test_fp8_checkpoint_loads_as_published(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    make_llm: Callable[..., LLM],
+    block: tuple[int, int] | None,
+) -> None:
+    """An FP8 checkpoint in the published layout runs in FP8 (first greedy tokens as its
+    de-quantized float twin on most prompts); with `--quantization none` it loads
+    de-quantized and generates exactly the twin's tokens; a weight without its scale is a
+    clear error."""
+    fp8_on_cpu(monkeypatch)
+    float_folder = make_tiny_model("llama", tmp_path / "float")
+    fp8_folder, twin_folder = tmp_path / "fp8", tmp_path / "twin"
+    write_fp8_checkpoint(float_folder, fp8_folder, twin_folder, block)
+    fp8 = make_llm(fp8_folder, num_pages=256)
+    twin = make_llm(twin_folder, num_pages=256)
+    assert fp8.runtime.model_config.quantization == "fp8"
+    (product,) = fp8.runtime.engine.model.model.layers[1].self_attn.o_proj.quantized.products
+    assert isinstance(product, Fp8Weight)
+    agree, pairs = first_tokens_agreeing(fp8, twin, max_tokens=8)
+    assert agree >= 4, pairs
+
+    dequantized = make_llm(fp8_folder, num_pages=256, quantization="none")
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ours = [o.token_ids for o in dequantized.generate(TINY_PROMPTS, greedy)]
+    assert ours == [o.token_ids for o in twin.generate(TINY_PROMPTS, greedy)]
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(fp8_folder / "model.safetensors"))
+    scale = "weight_scale_inv" if block else "weight_scale"
+    del tensors[f"model.layers.0.mlp.down_proj.{scale}"]
+    save_file(tensors, str(fp8_folder / "model.safetensors"))
+    with pytest.raises(ValueError, match="down_proj.weight has no scale"):
+        LLM(str(fp8_folder), num_pages=256)
+
+
+def test_fp8_tensor_slices_whole_blocks() -> None:
+    """A rank's rows or columns of a block-scaled weight carry their blocks' scales; a shard
+    that would start inside a block is refused."""
+    from aserve.quant.fp8 import Fp8Tensor
+
+    generator = torch.Generator().manual_seed(0)
+    values = (torch.randn(96, 64, generator=generator) * 100).to(FP8)
+    scale = torch.rand(3, 2, generator=generator) + 0.5
+    weight = Fp8Tensor(values, scale, (32, 32))
+    full = weight.dequantize()
+    assert torch.equal(weight[32:96].dequantize(), full[32:96])
+    assert torch.equal(weight[:, 32:64].dequantize(), full[:, 32:64])
+    with pytest.raises(ValueError, match="inside a 32x32 scale block"):
+        weight[16:48]
+    per_row = Fp8Tensor(values, scale.new_ones(96, 1) * 2, None)
+    assert torch.equal(per_row[40:50].rows().dequantize(), values[40:50].float() * 2)

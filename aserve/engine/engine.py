@@ -30,6 +30,7 @@ from aserve.layers.fused import fused_ops
 from aserve.layers.linear import pack_linear_weights, use_one_row_kernel
 from aserve.models.registry import build_model
 from aserve.models.weights import fill_dummy_weights, iter_weights, torch_dtype
+from aserve.quant.fp8 import pair_scales
 from aserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -118,6 +119,9 @@ class Engine:
             assert model_dir is not None
             dequantize = model_config.quantization != "gguf"
             weights = iter_weights(model_dir, self.tp.rank == 0, lazy=True, dequantize=dequantize)
+            if model_config.fp8_checkpoint:
+                float_weights = model_config.quantization != "fp8"
+                weights = pair_scales(weights, model_config.fp8_block, float_weights)
             self.model.load_weights(weights)
         self.model.finalize_quantized(self.device, self.dtype)
         self.model.eval()

@@ -84,7 +84,14 @@ def iter_safetensors(
             with safe_open(str(file), framework="pt", device="cpu") as handle:
                 names = handle.keys()
                 for name in names:
-                    yield name, handle.get_slice(name) if lazy else handle.get_tensor(name)
+                    piece = handle.get_slice(name) if lazy else None
+                    # a scalar (an FP8 scale) cannot be sliced: it comes whole
+                    yield (
+                        name,
+                        piece
+                        if piece is not None and piece.get_shape()
+                        else handle.get_tensor(name),
+                    )
                     bar.update()
 
 

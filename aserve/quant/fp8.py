@@ -10,7 +10,9 @@ are not multiples of 16 (what the FP8 GEMM takes) de-quantize the weight instead
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -51,6 +53,110 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = x.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
     values = (x.float() / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return values, scales
+
+
+class Fp8Tensor:
+    """An FP8 checkpoint's weight with its scale, as published: one scale for the tensor
+    (`weight_scale`, a scalar), one per output row (`[rows, 1]`), or one per block of
+    `block` = (rows, cols) (`weight_scale_inv`, `[ceil(rows / b0), ceil(cols / b1)]`); in
+    each case w = value * scale. Layers slice it like a tensor (their rank's rows or
+    columns, whole blocks), then take `rows()`."""
+
+    def __init__(self, values: Any, scale: torch.Tensor, block: tuple[int, int] | None) -> None:
+        self.values = values  # a tensor or a lazy safetensors slice, [rows, cols]
+        self.scale = scale.float()
+        self.block = block
+        self.shape = tuple(values.get_shape() if hasattr(values, "get_shape") else values.shape)
+
+    def __getitem__(self, index: slice | tuple[slice, slice]) -> Fp8Tensor:
+        rows, cols = (index, slice(None)) if isinstance(index, slice) else index
+        r0, r1, _ = rows.indices(self.shape[0])
+        c0, c1, _ = cols.indices(self.shape[1])
+        values = self.values[r0:r1, c0:c1]
+        if self.block is not None:
+            b0, b1 = self.block
+            if r0 % b0 or c0 % b1:
+                raise ValueError(
+                    f"a tensor-parallel shard starts inside a {b0}x{b1} scale block: use a "
+                    "--tp that splits the layers at whole blocks"
+                )
+            scale = self.scale[r0 // b0 : -(-r1 // b0), c0 // b1 : -(-c1 // b1)]
+        elif self.scale.numel() > 1:
+            scale = self.scale.reshape(-1)[r0:r1]
+        else:
+            scale = self.scale
+        return Fp8Tensor(values, scale, self.block)
+
+    def rows(self) -> Fp8Rows:
+        """Per-row scales: exact for a tensor's or a row's scale; block scales are applied and
+        the rows quantized again (one scale a row is what the FP8 GEMM here takes)."""
+        values = self.values[:] if not isinstance(self.values, torch.Tensor) else self.values
+        rows, cols = values.shape
+        if self.block is None:
+            scales = self.scale.reshape(-1).expand(rows) if self.scale.numel() == 1 else self.scale
+            return Fp8Rows(values, scales.reshape(-1).contiguous())
+        return quantize_rows(self.dequantize(values))
+
+    def dequantize(self, values: torch.Tensor | None = None) -> torch.Tensor:
+        """The weight in float32."""
+        if values is None:
+            values = self.values[:] if not isinstance(self.values, torch.Tensor) else self.values
+        rows, cols = values.shape
+        if self.block is None:
+            scale = self.scale.reshape(-1, 1) if self.scale.numel() > 1 else self.scale
+            return values.float() * scale
+        b0, b1 = self.block
+        scale = self.scale.repeat_interleave(b0, 0)[:rows].repeat_interleave(b1, 1)[:, :cols]
+        return values.float() * scale
+
+
+SCALE_NAMES = (".weight_scale_inv", ".weight_scale")
+
+
+def pair_scales(
+    weights: Iterable[tuple[str, Any]], block: tuple[int, int] | None, dequantize: bool
+) -> Iterator[tuple[str, Any]]:
+    """An FP8 checkpoint's tensors with each FP8 weight joined to its scale, whichever comes
+    first: `Fp8Tensor`s, or float32 weights with `dequantize` (`--quantization none`).
+    `block` is the config's `weight_block_size` (scales per block), else None (a scale per
+    tensor or per row).
+    Static activation scales (`input_scale`) are dropped: activations get a scale per token
+    at every product, which is finer."""
+    values: dict[str, Any] = {}
+    scales: dict[str, torch.Tensor] = {}
+
+    def joined(base: str) -> tuple[str, Any]:
+        weight = Fp8Tensor(values.pop(base), scales.pop(base), block)
+        return f"{base}.weight", weight.dequantize() if dequantize else weight
+
+    for name, tensor in weights:
+        scale_suffix = next((s for s in SCALE_NAMES if name.endswith(s)), None)
+        if scale_suffix is not None:
+            base = name[: -len(scale_suffix)]
+            scales[base] = tensor[:] if not isinstance(tensor, torch.Tensor) else tensor
+        elif name.endswith(".input_scale"):
+            continue
+        elif name.endswith(".weight") and _is_fp8(tensor):
+            base = name.removesuffix(".weight")
+            values[base] = tensor if base in scales else _read(tensor)
+        else:
+            yield name, tensor
+            continue
+        if base in values and base in scales:
+            yield joined(base)
+    if values:
+        raise ValueError(f"FP8 weight {sorted(values)[0]}.weight has no scale in the checkpoint")
+
+
+def _is_fp8(tensor: Any) -> bool:
+    if isinstance(tensor, torch.Tensor):
+        return tensor.dtype == FP8
+    return tensor.get_dtype() == "F8_E4M3"
+
+
+def _read(tensor: Any) -> torch.Tensor:
+    """A lazy slice read now: it may wait for its scale past the end of its file."""
+    return tensor if isinstance(tensor, torch.Tensor) else tensor[:]
 
 
 class Fp8Weight:

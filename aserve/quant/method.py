@@ -15,7 +15,7 @@ import torch
 
 from aserve.quant.codes import Codes, quantize
 from aserve.quant.cpu import DenseWeight, cpu_weight
-from aserve.quant.fp8 import Fp8Rows, Fp8Weight, quantize_rows
+from aserve.quant.fp8 import Fp8Rows, Fp8Tensor, Fp8Weight, quantize_rows
 from aserve.quant.gguf import QuantizedTensor
 
 
@@ -53,12 +53,14 @@ class QuantizedLinearWeight:
         self.shards: list[Shard | None] = [None] * len(shard_rows)
         self.products: list[QuantizedProduct] = []
 
-    def load(self, shard: int, tensor: QuantizedTensor | torch.Tensor) -> None:
+    def load(self, shard: int, tensor: QuantizedTensor | Fp8Tensor | torch.Tensor) -> None:
         """This rank's rows of shard `shard`: still quantized, or a float tensor (files may
         keep some matrices unquantized)."""
         piece: Shard
         if isinstance(tensor, QuantizedTensor):
             piece = tensor.decode()
+        elif isinstance(tensor, Fp8Tensor):
+            piece = tensor.rows()
         elif self.bits is not None:
             piece = quantize(tensor, self.bits)
         elif self.fp8:
