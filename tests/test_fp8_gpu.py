@@ -40,6 +40,20 @@ def test_fp8_product_on_cuda(rows: int) -> None:
     assert ((out.double() - exact).abs() <= 0.1 * scale).all()
 
 
+def test_one_kernel_token_quantization_equals_pytorch() -> None:
+    """The Triton per-token quantization gives the PyTorch version's scales and FP8 values,
+    bit for bit, on rows of very different magnitudes and a length no block divides."""
+    from aserve.quant import fp8, fp8_cuda
+
+    generator = torch.Generator().manual_seed(0)
+    magnitudes = torch.tensor([1.0, 10.0, 100.0, 0.01, 1000.0, 0.0])[:, None]
+    x = (torch.randn(6, 3000, generator=generator) * magnitudes).to("cuda", torch.bfloat16)
+    expected_values, expected_scales = fp8.quantize_tokens(x)
+    values, scales = fp8_cuda.quantize_tokens(x)
+    assert torch.equal(scales, expected_scales)
+    assert torch.equal(values.view(torch.uint8), expected_values.view(torch.uint8))
+
+
 @pytest.mark.parametrize("option", ["weights", "kv"])
 def test_fp8_tiny_model_on_cuda(tmp_path: Path, make_llm: Callable[..., LLM], option: str) -> None:
     """A tiny bf16 Llama with FP8 weights (FlashInfer attention) or an FP8 KV cache (the torch

@@ -168,6 +168,11 @@ class Fp8Weight:
         self.values = rows.values.to(device)
         self.scales = rows.scales.to(device, torch.float32)[None, :].contiguous()
         self.aligned = self.shape[0] % ALIGN == 0 and self.shape[1] % ALIGN == 0
+        self._quantize_tokens = quantize_tokens
+        if device.type == "cuda":
+            from aserve.quant import fp8_cuda
+
+            self._quantize_tokens = fp8_cuda.quantize_tokens
 
     @property
     def nbytes(self) -> int:
@@ -179,7 +184,7 @@ class Fp8Weight:
             weight = (self.values.to(x.dtype) * self.scales.t().to(x.dtype)).to(x.dtype)
             out = torch.nn.functional.linear(rows, weight, bias)
         else:
-            values, scales = quantize_tokens(rows)
+            values, scales = self._quantize_tokens(rows)
             out = torch._scaled_mm(
                 values,
                 self.values.t(),
