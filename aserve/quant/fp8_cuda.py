@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0
+FP8_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
