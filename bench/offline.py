@@ -11,12 +11,17 @@ Hugging Face transformers peer on the same model and workload in the same run.
         --input-len 128 128 --output-len 64 64 --temperature 0
     python bench/offline.py --peer llamacpp --num-seqs 16 --max-running-requests 16 \\
         --input-len 128 128 --output-len 64 64 --temperature 0 --repeat 3
+    PYTHONPATH=mini-sglang/python python bench/offline.py --model bench/models/qwen3-0.6b \\
+        --dummy-weight --num-seqs 256 --cuda-graph-max-bs 256 --peer minisgl --repeat 2
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -45,15 +50,20 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--moe-backend", default="auto", help="MoE models: auto, torch or fused")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--quantization", default="auto", help="auto, none, int8 or int4")
+    p.add_argument("--quantization", default="auto", help="auto, none, int8, int4 or fp8")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8_e4m3")
     p.add_argument("--seeded", action="store_true", help="give every request its own seed")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (GPUs)")
     p.add_argument(
         "--peer",
-        choices=["hf", "llamacpp"],
+        choices=["hf", "llamacpp", "minisgl"],
         default=None,
-        help="also run this peer: transformers, or llama.cpp on the same GGUF (CPU, greedy)",
+        help="also run this peer: transformers, llama.cpp on the same GGUF (CPU, greedy), or "
+        "mini-SGLang (a source checkout on PYTHONPATH; each engine in a process of its own)",
     )
+    p.add_argument("--child", choices=["aserve", "minisgl"], help=argparse.SUPPRESS)
+    p.add_argument("--child-workload", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
     p.add_argument(
         "--hf-cache", default=None, help="transformers cache_implementation, e.g. static"
     )
@@ -91,6 +101,7 @@ def build_llm(args: argparse.Namespace) -> LLM:
         dtype=args.dtype,
         tensor_parallel_size=args.tp,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     print(f"weights {llm.runtime.engine.weight_bytes / 2**30:.2f} GiB", flush=True)
     llm.generate([list(range(1, 17))], SamplingParams(max_tokens=4, ignore_eos=True))
@@ -130,8 +141,50 @@ def report(name: str, runs: list[tuple[int, float]]) -> tuple[int, float]:
     return tokens, seconds
 
 
+def run_in_processes(
+    args: argparse.Namespace, workloads: list[Workload]
+) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+    """`--peer minisgl`: per workload, each engine in a process of its own (two engines do not
+    fit one GPU's memory), which one goes first alternating from workload to workload."""
+    ours: list[tuple[int, float]] = []
+    peers: list[tuple[int, float]] = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for index, workload in enumerate(workloads):
+            path = Path(scratch) / f"workload-{index}.json"
+            path.write_text(json.dumps(workload))
+            order = ("aserve", "minisgl") if index % 2 == 0 else ("minisgl", "aserve")
+            for engine in order:
+                out = Path(scratch) / f"{engine}-{index}.json"
+                command = [sys.executable, __file__, *sys.argv[1:], "--child", engine]
+                command += ["--child-workload", str(path), "--child-out", str(out)]
+                subprocess.run(command, check=True)
+                tokens, seconds = json.loads(out.read_text())
+                (ours if engine == "aserve" else peers).append((tokens, seconds))
+    return ours, peers
+
+
+def run_child(args: argparse.Namespace) -> None:
+    """One engine on one workload, in the process `run_in_processes` started."""
+    workload = [(prompt, n) for prompt, n in json.loads(args.child_workload.read_text())]
+    if args.child == "aserve":
+        llm = build_llm(args)
+        result = run_aserve(llm, workload, args.temperature, args.seeded)
+        llm.close()
+    else:
+        from bench.minisgl_peer import run_minisgl
+
+        with tempfile.TemporaryDirectory() as scratch:
+            result = run_minisgl(args, workload, Path(scratch))
+    args.child_out.write_text(json.dumps(result))
+
+
 def main() -> None:
     args = parse_args()
+    if args.child:
+        run_child(args)
+        return
+    if args.peer == "minisgl" and not (args.model and args.dummy_weight):
+        raise SystemExit("--peer minisgl runs a model folder with --dummy-weight")
     workloads = [
         random_workload(args.num_seqs, tuple(args.input_len), tuple(args.output_len), args.seed + r)
         for r in range(args.repeat)
@@ -153,6 +206,7 @@ def main() -> None:
             "moe_backend",
             "dtype",
             "quantization",
+            "kv_cache_dtype",
             "dummy_weight",
             "repeat",
             "seeded",
@@ -162,11 +216,15 @@ def main() -> None:
     settings["input_len"], settings["output_len"] = list(args.input_len), list(args.output_len)
     run_id = new_run_id()
     model_name = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
-    llm = build_llm(args)
     ours: list[tuple[int, float]] = []
     peers: list[tuple[int, float]] = []
-    peer_name = {"hf": "transformers", "llamacpp": "llama.cpp"}.get(args.peer or "", "")
-    if args.peer and llm.runtime.engine.device.type == "cpu":
+    peer_name = {"hf": "transformers", "llamacpp": "llama.cpp", "minisgl": "mini-SGLang"}.get(
+        args.peer or "", ""
+    )
+    llm = build_llm(args) if args.peer != "minisgl" else None
+    if llm is None:
+        ours, peers = run_in_processes(args, workloads)
+    elif args.peer and llm.runtime.engine.device.type == "cpu":
         # Both engines stay loaded and take turns on each workload, so a noisy neighbour on
         # a shared CPU slows both alike instead of whichever ran during it.
         run_peer = load_llamacpp(args, llm) if args.peer == "llamacpp" else load_peer(args, llm)
