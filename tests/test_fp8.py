@@ -127,7 +127,7 @@ def test_fp8_product_matches_float64(outputs: int) -> None:
     bias = torch.randn(outputs, generator=generator)
     x = torch.randn(7, 128, generator=generator)
     x[3] *= 100  # a token of large activations: its scale is its own
-    product = Fp8Weight(quantize_rows(weight), CPU, torch.float32)
+    product = Fp8Weight(quantize_rows(weight), CPU)
     assert product.values.dtype == FP8 and product.aligned == (outputs % 16 == 0)
     assert product.nbytes == outputs * 128 + outputs * 4
     exact = x.double() @ weight.double().T + bias.double()

@@ -32,7 +32,7 @@ def test_fp8_product_on_cuda(rows: int) -> None:
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(768, 1024, generator=generator) * 0.03
     x = torch.randn(rows, 1024, generator=generator).to("cuda", torch.bfloat16)
-    product = Fp8Weight(quantize_rows(weight), torch.device("cuda"), torch.bfloat16)
+    product = Fp8Weight(quantize_rows(weight), torch.device("cuda"))
     out = product.linear(x, None)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 768)
     exact = x.double() @ weight.double().cuda().T

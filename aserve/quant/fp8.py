@@ -90,8 +90,8 @@ class Fp8Tensor:
     def rows(self) -> Fp8Rows:
         """Per-row scales: exact for a tensor's or a row's scale; block scales are applied and
         the rows quantized again (one scale a row is what the FP8 GEMM here takes)."""
-        values = self.values[:] if not isinstance(self.values, torch.Tensor) else self.values
-        rows, cols = values.shape
+        values = _read(self.values)
+        rows = values.shape[0]
         if self.block is None:
             scales = self.scale.reshape(-1).expand(rows) if self.scale.numel() == 1 else self.scale
             return Fp8Rows(values, scales.reshape(-1).contiguous())
@@ -99,8 +99,7 @@ class Fp8Tensor:
 
     def dequantize(self, values: torch.Tensor | None = None) -> torch.Tensor:
         """The weight in float32."""
-        if values is None:
-            values = self.values[:] if not isinstance(self.values, torch.Tensor) else self.values
+        values = _read(self.values) if values is None else values
         rows, cols = values.shape
         if self.block is None:
             scale = self.scale.reshape(-1, 1) if self.scale.numel() > 1 else self.scale
@@ -133,7 +132,7 @@ def pair_scales(
         scale_suffix = next((s for s in SCALE_NAMES if name.endswith(s)), None)
         if scale_suffix is not None:
             base = name[: -len(scale_suffix)]
-            scales[base] = tensor[:] if not isinstance(tensor, torch.Tensor) else tensor
+            scales[base] = _read(tensor)
         elif name.endswith(".input_scale"):
             continue
         elif name.endswith(".weight") and _is_fp8(tensor):
@@ -155,16 +154,16 @@ def _is_fp8(tensor: Any) -> bool:
 
 
 def _read(tensor: Any) -> torch.Tensor:
-    """A lazy slice read now: it may wait for its scale past the end of its file."""
+    """A tensor, or a lazy safetensors slice read now (a weight that waits for its scale may
+    outlive its file's handle)."""
     return tensor if isinstance(tensor, torch.Tensor) else tensor[:]
 
 
 class Fp8Weight:
     """An FP8 weight on its device, multiplied with `torch._scaled_mm`."""
 
-    def __init__(self, rows: Fp8Rows, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, rows: Fp8Rows, device: torch.device) -> None:
         self.shape = rows.shape
-        self.dtype = dtype
         self.values = rows.values.to(device)
         self.scales = rows.scales.to(device, torch.float32)[None, :].contiguous()
         self.aligned = self.shape[0] % ALIGN == 0 and self.shape[1] % ALIGN == 0
@@ -181,7 +180,7 @@ class Fp8Weight:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         if not self.aligned:
-            weight = (self.values.to(x.dtype) * self.scales.t().to(x.dtype)).to(x.dtype)
+            weight = self.values.to(x.dtype) * self.scales.t().to(x.dtype)
             out = torch.nn.functional.linear(rows, weight, bias)
         else:
             values, scales = self._quantize_tokens(rows)

@@ -33,8 +33,9 @@ def _quantize_tokens_kernel(x_ptr, values_ptr, scales_ptr, cols, x_stride, BLOCK
 
 
 def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Activations `[tokens, cols]` (rows contiguous) in FP8 with one float32 scale per
-    token, `[tokens, 1]`."""
+    """Activations `[tokens, cols]` in FP8 with one float32 scale per token, `[tokens, 1]`."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
     tokens, cols = x.shape
     values = torch.empty(tokens, cols, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(tokens, 1, dtype=torch.float32, device=x.device)

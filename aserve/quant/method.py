@@ -111,7 +111,7 @@ def _product(run: list[Shard], device: torch.device, dtype: torch.dtype) -> Quan
     if isinstance(run[0], torch.Tensor):
         return DenseWeight(torch.cat(run).to(device, dtype))  # type: ignore[arg-type]
     if isinstance(run[0], Fp8Rows):
-        return Fp8Weight(Fp8Rows.concat_rows(run), device, dtype)  # type: ignore[arg-type]
+        return Fp8Weight(Fp8Rows.concat_rows(run), device)  # type: ignore[arg-type]
     codes = Codes.concat_rows(run)  # type: ignore[arg-type]
     if device.type == "cuda":
         from aserve.quant.cuda import CudaWeight
