@@ -37,8 +37,9 @@ class KVPool:
 
     In FP8 (`storage_dtype` float8_e4m3fn) a stored value is `k / k_scale` (or `v / v_scale`),
     saturated at +-448, and reads multiply back: `scales[layer]` holds (k_scale, v_scale) in
-    float32, 1.0 unless a checkpoint brings calibrated ones (vLLM's convention). `dtype` is
-    what backends compute in; `gather` gives them a context in it.
+    float32, 1.0 (vLLM's default where no calibrated scales are given; a checkpoint's own
+    are not read yet). `dtype` is what backends compute in; `gather` gives them a context
+    in it.
     """
 
     def __init__(

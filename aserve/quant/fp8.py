@@ -110,6 +110,7 @@ class Fp8Tensor:
 
 
 SCALE_NAMES = (".weight_scale_inv", ".weight_scale")
+DROPPED = (".input_scale", ".k_scale", ".v_scale", ".kv_scale")
 
 
 def pair_scales(
@@ -120,7 +121,8 @@ def pair_scales(
     `block` is the config's `weight_block_size` (scales per block), else None (a scale per
     tensor or per row).
     Static activation scales (`input_scale`) are dropped: activations get a scale per token
-    at every product, which is finer."""
+    at every product, which is finer. So are calibrated KV-cache scales (`k_scale`,
+    `v_scale`, `kv_scale`): the FP8 cache uses 1.0 so far."""
     values: dict[str, Any] = {}
     scales: dict[str, torch.Tensor] = {}
 
@@ -133,7 +135,7 @@ def pair_scales(
         if scale_suffix is not None:
             base = name[: -len(scale_suffix)]
             scales[base] = _read(tensor)
-        elif name.endswith(".input_scale"):
+        elif name.endswith(DROPPED):
             continue
         elif name.endswith(".weight") and _is_fp8(tensor):
             base = name.removesuffix(".weight")
