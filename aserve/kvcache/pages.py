@@ -13,6 +13,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from aserve.kvcache.pool import zeros_on
+
 
 class PageAllocator:
     """Free list of KV pages. Cheap host-side bookkeeping; the KV tensors live in `KVPool`."""
@@ -87,8 +89,9 @@ class PageTable:
         self.page_size = page_size
         self.dummy_row = max_running_requests
         self.width = width
-        self.slots = torch.zeros(rows, width, dtype=torch.int32, device=device)
-        self.tokens = torch.zeros(rows, width, dtype=torch.int64, device=device)
+        # committed page by page as rows fill (on CPU): 25 MiB for 256 rows of 8,192 positions
+        self.slots = zeros_on((rows, width), torch.int32, device)
+        self.tokens = zeros_on((rows, width), torch.int64, device)
         self.pages = np.zeros((rows, width // page_size), dtype=np.int32)
         self._free_rows = list(range(max_running_requests - 1, -1, -1))
         # Bumped whenever a row is mapped from its first page (a request admitted or
