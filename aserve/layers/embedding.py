@@ -12,6 +12,7 @@ from aserve.distributed.group import TPGroup
 from aserve.layers.cpu_gemm import PackedWeight
 from aserve.layers.weight import WeightSource
 from aserve.quant.method import QuantizedTable, Shard, load_table_rows
+from aserve.quant.native import Scratch
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -60,11 +61,11 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.data[rows.shape[0] :].zero_()
 
     def finalize_quantized(
-        self, device: torch.device, dtype: torch.dtype, lookups: bool, head: bool
+        self, device: torch.device, dtype: torch.dtype, lookups: bool, head: bool, scratch: Scratch
     ) -> None:
         """Pack a table that arrived quantized: for row lookups, for the logits, or both."""
         assert self.loaded is not None, "the table was never loaded"
-        self.table = QuantizedTable(self.loaded, device, dtype, lookups, head)
+        self.table = QuantizedTable(self.loaded, device, dtype, lookups, head, scratch)
         self.loaded = None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ from aserve.layers.norm import RMSNorm
 from aserve.layers.rotary import RotaryEmbedding
 from aserve.layers.weight import WeightSource
 from aserve.models.weights import map_checkpoint_tensor
+from aserve.quant.native import Scratch
 
 
 class DecoderAttention(nn.Module):
@@ -303,11 +304,12 @@ class DecoderForCausalLM(nn.Module):
         them in `dtype`, as vLLM does)."""
         if self.config.quantization is None:
             return
+        scratch = Scratch()
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.quantized:
-                module.quantized.finalize(device, dtype)
+                module.quantized.finalize(device, dtype, scratch)
         embed, head = self.model.embed_tokens, self.lm_head
         if embed.quantized:
-            embed.finalize_quantized(device, dtype, lookups=True, head=head is embed)
+            embed.finalize_quantized(device, dtype, True, head is embed, scratch)
         if head is not embed and head.quantized:
-            head.finalize_quantized(device, dtype, lookups=False, head=True)
+            head.finalize_quantized(device, dtype, False, True, scratch)

@@ -7,7 +7,7 @@ import torch
 
 from aserve.layers.cpu_gemm import PackedWeight, can_pack
 from aserve.quant.codes import Codes
-from aserve.quant.native import NativeWeight, native_kernels
+from aserve.quant.native import NativeWeight, Scratch, native_kernels
 
 
 class DenseWeight:
@@ -31,9 +31,9 @@ class DenseWeight:
         return torch.nn.functional.linear(x, self.weight, bias)
 
 
-def cpu_weight(codes: Codes, dtype: torch.dtype) -> NativeWeight | DenseWeight:
+def cpu_weight(codes: Codes, dtype: torch.dtype, scratch: Scratch) -> NativeWeight | DenseWeight:
     """`codes` in the form that multiplies fastest here."""
     fits = codes.shape[1] % 32 == 0 and codes.bits <= 8 and codes.group in (16, 32, 64, 128, 256)
     if fits and native_kernels():
-        return NativeWeight(codes)
+        return NativeWeight(codes, scratch)
     return DenseWeight(codes.dequantize(dtype))

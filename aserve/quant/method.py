@@ -17,6 +17,7 @@ from aserve.quant.codes import Codes, quantize
 from aserve.quant.cpu import DenseWeight, cpu_weight
 from aserve.quant.fp8 import Fp8Rows, Fp8Tensor, Fp8Weight, quantize_rows
 from aserve.quant.gguf import QuantizedTensor
+from aserve.quant.native import Scratch
 
 
 class QuantizedProduct(Protocol):
@@ -78,8 +79,9 @@ class QuantizedLinearWeight:
     def loaded(self) -> bool:
         return all(s is not None for s in self.shards)
 
-    def finalize(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Pack the shards for products on `device`; runs of shards in one format join."""
+    def finalize(self, device: torch.device, dtype: torch.dtype, scratch: Scratch) -> None:
+        """Pack the shards for products on `device`; runs of shards in one format join.
+        `scratch`: the model's buffer for de-quantized slices (CPU)."""
         runs: list[list[Shard]] = []
         for piece in self.shards:
             assert piece is not None, "finalize before every shard is loaded"
@@ -87,7 +89,7 @@ class QuantizedLinearWeight:
                 runs[-1].append(piece)
             else:
                 runs.append([piece])
-        self.products = [_product(run, device, dtype) for run in runs]
+        self.products = [_product(run, device, dtype, scratch) for run in runs]
         self.shards = []
 
     @property
@@ -107,7 +109,9 @@ def _same_format(a: Shard, b: Shard) -> bool:
     return type(a) is type(b) and not isinstance(a, Codes)
 
 
-def _product(run: list[Shard], device: torch.device, dtype: torch.dtype) -> QuantizedProduct:
+def _product(
+    run: list[Shard], device: torch.device, dtype: torch.dtype, scratch: Scratch
+) -> QuantizedProduct:
     if isinstance(run[0], torch.Tensor):
         return DenseWeight(torch.cat(run).to(device, dtype))  # type: ignore[arg-type]
     if isinstance(run[0], Fp8Rows):
@@ -117,7 +121,7 @@ def _product(run: list[Shard], device: torch.device, dtype: torch.dtype) -> Quan
         from aserve.quant.cuda import CudaWeight
 
         return CudaWeight(codes, device, dtype)
-    return cpu_weight(codes, dtype)
+    return cpu_weight(codes, dtype, scratch)
 
 
 class QuantizedTable:
@@ -127,10 +131,16 @@ class QuantizedTable:
     serves both."""
 
     def __init__(
-        self, table: Shard, device: torch.device, dtype: torch.dtype, lookups: bool, head: bool
+        self,
+        table: Shard,
+        device: torch.device,
+        dtype: torch.dtype,
+        lookups: bool,
+        head: bool,
+        scratch: Scratch,
     ) -> None:
         self.dtype = dtype
-        product = _product([table], device, dtype)
+        product = _product([table], device, dtype, scratch)
         self.head = product if head else None
         self.lookups: QuantizedProduct | torch.Tensor | None = None
         if lookups:

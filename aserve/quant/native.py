@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import platform
-import threading
 import time
 from functools import cache
 from pathlib import Path
@@ -46,13 +45,18 @@ BLAS_ROWS = 128  # from this many rows, de-quantize slices and multiply them wit
 BLAS_SLICE_BYTES = 2 << 20
 
 
-class _Scratch(threading.local):
-    """Where `NativeWeight._blas_linear` expands codes, kept between calls, one per thread."""
+class Scratch:
+    """The float32 buffer where a model's products expand slices of codes for BLAS, kept
+    between calls and shared by them all (a model runs one product at a time); it grows to
+    the largest slice asked for, at most BLAS_SLICE_BYTES."""
 
-    buffer: torch.Tensor | None = None
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0)
 
-
-_scratch = _Scratch()
+    def take(self, numel: int) -> torch.Tensor:
+        if self.buffer.numel() < numel:
+            self.buffer = torch.empty(numel)
+        return self.buffer[:numel]
 
 
 @cache
@@ -99,7 +103,8 @@ class NativeWeight:
     """A weight in the kernels' panel layout (csrc/cpu_kernels.cpp): 4-bit codes in groups
     of 32, or codes of up to 8 bits, signed, in groups of 16 or 32."""
 
-    def __init__(self, codes: Codes) -> None:
+    def __init__(self, codes: Codes, scratch: Scratch | None = None) -> None:
+        self.scratch = scratch or Scratch()
         self.shape = codes.shape
         codes = groups_of_at_most_32(codes)
         self.group = codes.group
@@ -139,8 +144,8 @@ class NativeWeight:
         return out.reshape(*x.shape[:-1], self.shape[0]).to(x.dtype)
 
     def _blas_linear(self, rows: torch.Tensor) -> torch.Tensor:
-        """Many rows: de-quantize a slice of panels at a time into a reused buffer of at most
-        BLAS_SLICE_BYTES and let BLAS multiply it."""
+        """Many rows: de-quantize a slice of panels at a time into the scratch buffer (at most
+        BLAS_SLICE_BYTES) and let BLAS multiply it."""
         panels, cols = self.scales.shape[0], self.shape[1]
         step = min(panels, max(1, BLAS_SLICE_BYTES // (4 * LANES * cols)))
         if step == panels:
@@ -153,9 +158,7 @@ class NativeWeight:
 
     def _dequantize(self, first: int, last: int) -> torch.Tensor:
         cols, width = self.shape[1], (last - first) * LANES
-        if _scratch.buffer is None or _scratch.buffer.numel() < cols * width:
-            _scratch.buffer = torch.empty(cols * width)
-        out = _scratch.buffer[: cols * width].view(cols, width)
+        out = self.scratch.take(cols * width).view(cols, width)
         torch.ops.aserve_cpu.dequantize(
             self.words, self.scales, self.offsets, self.group, self.four_bit, first, out
         )
