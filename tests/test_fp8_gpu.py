@@ -78,3 +78,43 @@ def test_fp8_tiny_model_on_cuda(tmp_path: Path, make_llm: Callable[..., LLM], op
     agree, pairs = first_tokens_agreeing(fp8, reference, max_tokens=8)
     print(f"\nfp8 {option} on CUDA: first greedy token agrees on {agree} of 6 prompts")
     assert agree >= 4, pairs
+
+
+MORE_TEXTS = [
+    "Explain photosynthesis in one sentence.",
+    "The three laws of motion are",
+    "import numpy as np\n\ndef mean(values):",
+    "My favourite season is autumn because",
+    "The largest planet in the solar system is",
+    "Write a short poem about the moon.",
+    "In 1492, Christopher Columbus",
+    "To make a cup of tea, first",
+    "The difference between a list and a tuple in Python is",
+    "Once the rain stopped, the children",
+    "Water boils at",
+    "Name three programming languages:",
+]
+
+
+def test_fp8_kv_cache_on_the_embedded_model(
+    make_llm: Callable[..., LLM], smollm2_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The embedded model in bfloat16 with an FP8 KV cache against a bfloat16 cache (both on
+    the torch attention backend): greedy tokens of 20 prompts, 64 each; where they part is
+    printed (the issue asks for this agreement), and the README's answer holds."""
+    from aserve import SamplingParams
+    from tests.test_generation import TEXTS
+    from tests.test_quant import first_differences
+
+    prompts = TEXTS + MORE_TEXTS
+    greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    options = {"dtype": "bfloat16", "attention_backend": "torch", "quantization": "none"}
+    fp8 = make_llm(smollm2_dir, kv_cache_dtype="fp8_e4m3", **options)
+    bf16 = make_llm(smollm2_dir, **options)
+    ours = [o.token_ids for o in fp8.generate(prompts, greedy)]
+    theirs = [o.token_ids for o in bf16.generate(prompts, greedy)]
+    parted = first_differences(ours, theirs, 64)
+    with capsys.disabled():
+        print(f"\nFP8 KV against bf16 KV, embedded model, first differing token of 20: {parted}")
+    assert "Paris" in fp8.generate(TEXTS[0], greedy)[0].text
+    assert sorted(parted)[len(parted) // 2] >= 8, parted
