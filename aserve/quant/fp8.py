@@ -40,19 +40,18 @@ class Fp8Rows:
         return (self.values.float() * self.scales[:, None]).to(dtype)
 
 
-def quantize_rows(weight: torch.Tensor) -> Fp8Rows:
-    """Per-row (per output channel) scales, the largest magnitude of a row mapped to 448."""
-    weight = weight.float()
-    scales = weight.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
-    values = (weight / scales[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return Fp8Rows(values, scales)
-
-
 def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Activations `[tokens, cols]` in FP8 with one float32 scale per token, `[tokens, 1]`."""
+    """Rows `[rows, cols]` in FP8 with one float32 scale per row, `[rows, 1]`, the largest
+    magnitude of a row mapped to 448: activations per token, weights per output channel."""
     scales = x.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
     values = (x.float() / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return values, scales
+
+
+def quantize_rows(weight: torch.Tensor) -> Fp8Rows:
+    """A weight with per-row (per output channel) scales."""
+    values, scales = quantize_tokens(weight)
+    return Fp8Rows(values, scales.squeeze(1))
 
 
 class Fp8Tensor:
