@@ -104,16 +104,13 @@ def test_fp8_kv_cache_on_the_embedded_model(
     printed (the issue asks for this agreement), and the README's answer holds."""
     from aserve import SamplingParams
     from tests.test_generation import TEXTS
-    from tests.test_quant import first_differences
+    from tests.test_quant import greedy_parting
 
-    prompts = TEXTS + MORE_TEXTS
-    greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     options = {"dtype": "bfloat16", "attention_backend": "torch", "quantization": "none"}
     fp8 = make_llm(smollm2_dir, kv_cache_dtype="fp8_e4m3", **options)
     bf16 = make_llm(smollm2_dir, **options)
-    ours = [o.token_ids for o in fp8.generate(prompts, greedy)]
-    theirs = [o.token_ids for o in bf16.generate(prompts, greedy)]
-    parted = first_differences(ours, theirs, 64)
+    parted = greedy_parting(fp8, bf16, TEXTS + MORE_TEXTS, 64)
+    greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     with capsys.disabled():
         print(f"\nFP8 KV against bf16 KV, embedded model, first differing token of 20: {parted}")
     assert "Paris" in fp8.generate(TEXTS[0], greedy)[0].text

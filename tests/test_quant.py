@@ -163,6 +163,16 @@ def first_differences(ours: list[list[int]], theirs: list[list[int]], length: in
     ]
 
 
+def greedy_parting(ours: LLM, theirs: LLM, prompts: list[str], length: int) -> list[int]:
+    """`first_differences` of two models' greedy generations of `length` tokens."""
+    greedy = SamplingParams(temperature=0, max_tokens=length, ignore_eos=True)
+    return first_differences(
+        [o.token_ids for o in ours.generate(prompts, greedy)],
+        [o.token_ids for o in theirs.generate(prompts, greedy)],
+        length,
+    )
+
+
 TINY_PROMPTS = [[(7 * i + 3 * j) % 300 + 2 for j in range(5 + i)] for i in range(6)]
 
 
@@ -227,9 +237,7 @@ def test_embedded_model_quantized_against_its_float32_path(
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     quantized = make_llm(smollm2_dir)
     float32 = make_llm(smollm2_dir, quantization="none")
-    ours = [o.token_ids for o in quantized.generate(TEXTS, greedy)]
-    theirs = [o.token_ids for o in float32.generate(TEXTS, greedy)]
-    parted = first_differences(ours, theirs, 24)
+    parted = greedy_parting(quantized, float32, TEXTS, 24)
     with capsys.disabled():
         print(f"\nembedded Q4_1 against float32, first differing token of 8 prompts: {parted}")
     assert "Paris" in quantized.generate(TEXTS[0], greedy)[0].text

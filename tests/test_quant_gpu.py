@@ -16,8 +16,8 @@ from aserve.quant.codes import Codes
 from tests.test_quant import (
     FORMATS,
     decode,
-    first_differences,
     first_tokens_agreeing,
+    greedy_parting,
     random_blocks,
     write_tiny_llama,
 )
@@ -101,11 +101,9 @@ def test_embedded_model_quantized_on_cuda(
         quantized = make_llm(smollm2_dir, dtype=dtype)
         reference = make_llm(smollm2_dir, dtype=dtype, quantization="none")
         assert quantized.runtime.engine.weight_bytes < reference.runtime.engine.weight_bytes
-        ours = [o.token_ids for o in quantized.generate(TEXTS, greedy)]
-        theirs = [o.token_ids for o in reference.generate(TEXTS, greedy)]
         if dtype == "bfloat16":
             assert "Paris" in quantized.generate(TEXTS[0], greedy)[0].text
-        return first_differences(ours, theirs, 24)
+        return greedy_parting(quantized, reference, TEXTS, 24)
 
     exact, rounded = parted_from_twin("float32"), parted_from_twin("bfloat16")
     with capsys.disabled():
