@@ -39,6 +39,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=256)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (GPUs)")
     p.add_argument("--moe-backend", default="auto", help="MoE models: auto, torch or fused")
+    p.add_argument("--quantization", default="auto", help="auto, none, int8, int4 or fp8")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8_e4m3")
     p.add_argument("--no-record", action="store_true")
     return p.parse_args()
 
@@ -61,8 +63,9 @@ class StepClock:
 def bandwidth_bound_ms(llm: LLM) -> float | None:
     """Weight bytes over the GPU's peak bandwidth, or None off the GPUs in the table. Under
     tensor parallelism these are rank 0's shards: each GPU reads its own at the same time.
-    Of a mixture-of-experts layer one token reads only the experts it is routed to, so
-    expert weights count at num_experts_per_tok / num_experts."""
+    Quantized weights count in the bytes they are kept in. Of a mixture-of-experts layer one
+    token reads only the experts it is routed to, so expert weights count at
+    num_experts_per_tok / num_experts."""
     engine = llm.runtime.engine
     if engine.device.type != "cuda":
         return None
@@ -72,11 +75,13 @@ def bandwidth_bound_ms(llm: LLM) -> float | None:
         return None
     config = engine.model_config
     routed = config.num_experts_per_tok / config.num_experts if config.num_experts else 1.0
-    weight_bytes = sum(
-        p.numel() * p.element_size() * (routed if ".experts." in name else 1.0)
+    expert_bytes = sum(
+        p.numel() * p.element_size()
         for name, p in engine.model.named_parameters()
+        if ".experts." in name
     )
-    return weight_bytes / (peak * 1e12) * 1e3
+    read = engine.weight_bytes - expert_bytes * (1.0 - routed)
+    return read / (peak * 1e12) * 1e3
 
 
 def main() -> None:
@@ -87,6 +92,8 @@ def main() -> None:
         page_size=args.page_size,
         tensor_parallel_size=args.tp,
         moe_backend=args.moe_backend,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     clock = StepClock()
     llm.start_scheduler(on_step=clock)
@@ -113,6 +120,7 @@ def main() -> None:
     if not args.no_record:
         model = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
         keys = ("input_len", "output_len", "repeat", "tp", "moe_backend")
+        keys += ("quantization", "kv_cache_dtype")
         settings = {k: getattr(args, k) for k in keys}
         record(
             "latency",

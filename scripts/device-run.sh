@@ -51,6 +51,13 @@ for step in "$@"; do
     fp8-tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_gpu.py -s 2>&1 | grep -v "^  /\|^    \|Loading\|Writing" | tail -20 ;;
     fp8-bench) for m in ${QMODELS:-llama-3.1-8b}; do
               timeout 300 python3 bench/offline.py --model bench/models/$m $W --quantization fp8 2>&1 | grep -v Warn | tail -2; done ;;
+    fp8-matrix)  # bf16, FP8 weights, FP8 weights + FP8 KV (8B); bf16 and FP8 KV (0.6B): one command
+              for opts in "" "--quantization fp8" "--quantization fp8 --kv-cache-dtype fp8_e4m3" "--kv-cache-dtype fp8_e4m3"; do
+                timeout 300 python3 bench/offline.py --model bench/models/llama-3.1-8b $W $opts 2>&1 | grep -v Warn | tail -2; done
+              for opts in "" "--kv-cache-dtype fp8_e4m3" "--quantization fp8 --kv-cache-dtype fp8_e4m3"; do
+                timeout 300 python3 bench/offline.py --model bench/models/qwen3-0.6b $W $opts 2>&1 | grep -v Warn | tail -2; done ;;
+    fp8-latency) for opts in "" "--quantization fp8" "--quantization fp8 --kv-cache-dtype fp8_e4m3"; do
+              timeout 200 python3 bench/latency.py --model bench/models/llama-3.1-8b --dummy-weight $opts 2>&1 | tail -2; done ;;
     minisgl-bench) for m in ${MODELS:-qwen3-0.6b llama-3.1-8b}; do  # .minisgl: `git archive` of sgl-project/mini-sglang (python/), pyzmq and msgpack wheels in .whl
               PYTHONPATH=/tmp/site:$PWD:$PWD/.minisgl/python timeout 500 python3 bench/offline.py --model bench/models/$m $W --peer minisgl --repeat ${REPEAT:-2} 2>&1 | grep -v Warn | tail -8; done ;;
     qwen3-tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k "qk_norm or qwen3" 2>&1 | grep -v "^  /\|^    " | tail -30 ;;

@@ -44,7 +44,7 @@ def test_fp8_pool_rounds_saturates_and_scales() -> None:
     assert ((back - kv).abs() <= kv.abs() / 16 + 2**-9).all()
     assert torch.equal(pool.gather(0, slots), torch.zeros_like(kv)), "another layer untouched"
 
-    pool.scales[1] = torch.tensor([4.0, 0.5])
+    pool.set_scales(1, 4.0, 0.5)
     big = torch.full((1, 2, 2, 16), 1000.0)
     pool.store(1, slots[:1], big)
     stored = pool.gather(1, slots[:1])[0]

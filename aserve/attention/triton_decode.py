@@ -84,6 +84,7 @@ def _attend_kernel(
     partial_out,
     partial_lse,
     sm_scale,
+    v_scale,
     num_splits,
     PAGE_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
@@ -110,6 +111,8 @@ def _attend_kernel(
     row_ok = rows < GROUP
     query_at = q + request * q_stride + heads[:, None] * HEAD_DIM + dims[None, :]
     query = tl.load(query_at, mask=row_ok[:, None], other=0.0)
+    # An FP8 cache is widened to the queries' dtype as it is read: its K scale is folded into
+    # `sm_scale`, its V scale multiplies the result.
 
     best = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_PAD], tl.float32)
@@ -125,17 +128,18 @@ def _attend_kernel(
             page = tl.load(page_ids + first_page + tokens // PAGE_SIZE, mask=token_ok, other=0)
             slots = page.to(tl.int64) * PAGE_SIZE + tokens % PAGE_SIZE
         offsets = slots[:, None] * token_stride + kv_head * HEAD_DIM + dims[None, :]
-        keys = tl.load(k_cache + offsets, mask=token_ok[:, None], other=0.0)
+        keys = tl.load(k_cache + offsets, mask=token_ok[:, None], other=0.0).to(query.dtype)
         scores = tl.dot(query, tl.trans(keys)) * scale
         scores = tl.where(token_ok[None, :], scores, float("-inf"))
         new_best = tl.maximum(best, tl.max(scores, axis=1))
         weights = tl.exp2(scores - new_best[:, None])
         rescale = tl.exp2(best - new_best)
         total = total * rescale + tl.sum(weights, axis=1)
-        values = tl.load(v_cache + offsets, mask=token_ok[:, None], other=0.0)
-        acc = acc * rescale[:, None] + tl.dot(weights.to(values.dtype), values)
+        values = tl.load(v_cache + offsets, mask=token_ok[:, None], other=0.0).to(query.dtype)
+        acc = acc * rescale[:, None] + tl.dot(weights.to(query.dtype), values)
         best = new_best
 
+    acc = acc * v_scale
     if DIRECT:  # one split: the whole context, finished here
         result = acc / total[:, None]
         out_at = out + request * out_stride + heads[:, None] * HEAD_DIM + dims[None, :]
@@ -239,9 +243,16 @@ class TritonDecodeWrapper:
                 torch.empty(shape, dtype=torch.float32, device=self.device),
             )
 
-    def run(self, q: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def run(
+        self,
+        q: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> torch.Tensor:
         """`q` `[batch, heads, head_dim]` (rows may be strided); `cache` the K and V views
-        `[pages, page_size, kv_heads, head_dim]` of one layer's pool."""
+        `[pages, page_size, kv_heads, head_dim]` of one layer's pool, in `q`'s dtype or in
+        FP8 with the layer's scales."""
         k_cache, v_cache = cache
         batch, heads, head_dim = q.shape
         assert q.stride(2) == 1 and q.stride(1) == head_dim and k_cache.stride(3) == 1
@@ -263,7 +274,8 @@ class TritonDecodeWrapper:
             out.stride(0),
             partial_out,
             partial_lse,
-            head_dim**-0.5,
+            head_dim**-0.5 * k_scale,
+            v_scale,
             self.num_splits,
             PAGE_SIZE=self.page_size,
             GROUP=self.group,

@@ -99,10 +99,10 @@ class Engine:
         self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.dtype)
         if self.kv_dtype != self.dtype:
             require_fp8_gpu(self.device, "--kv-cache-dtype fp8_e4m3")
-            if config.attention_backend != "torch":
+            if "fa" in config.attention_backend.split(","):
                 raise ConfigError(
-                    "--kv-cache-dtype fp8_e4m3 runs with --attention-backend torch so far "
-                    "(FlashInfer and Triton decode with an FP8 cache are not built yet)"
+                    "--kv-cache-dtype fp8_e4m3 takes --attention-backend fi or torch: FA3 "
+                    "prefill reads an FP8 cache only with FP8 queries"
                 )
         if model_config.quantization == "fp8":
             require_fp8_gpu(self.device, "--quantization fp8")

@@ -37,9 +37,11 @@ class KVPool:
 
     In FP8 (`storage_dtype` float8_e4m3fn) a stored value is `k / k_scale` (or `v / v_scale`),
     saturated at +-448, and reads multiply back: `scales[layer]` holds (k_scale, v_scale) in
-    float32, 1.0 (vLLM's default where no calibrated scales are given; a checkpoint's own
-    are not read yet). `dtype` is what backends compute in; `gather` gives them a context
-    in it.
+    float32 on the device, `scale_pairs[layer]` the same as host floats for the kernels that
+    take them as arguments (FlashInfer's, the Triton ones). They are 1.0 (vLLM's default
+    where no calibrated scales are given; a checkpoint's own are not read yet) unless
+    `set_scales` says otherwise. `dtype` is what backends compute in; `gather` gives them a
+    context in it.
     """
 
     def __init__(
@@ -63,6 +65,12 @@ class KVPool:
         self.k = [layer[:, 0] for layer in self.kv]
         self.v = [layer[:, 1] for layer in self.kv]
         self.scales = torch.ones(num_layers, 2, dtype=torch.float32, device=device)
+        self.scale_pairs = [(1.0, 1.0)] * num_layers
+
+    def set_scales(self, layer: int, k_scale: float, v_scale: float) -> None:
+        """Set a layer's FP8 scales (before anything is stored with the old ones)."""
+        self.scales[layer] = torch.tensor([k_scale, v_scale])
+        self.scale_pairs[layer] = (k_scale, v_scale)
 
     def store(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """Write `kv` `[tokens, 2, kv_heads, head_dim]` (K then V of each token) at `slots`."""

@@ -6,7 +6,9 @@ At batch 1 each is a few microseconds of launch-bound work, a layer's worth adds
 than the attention kernel itself. Here one program per token and part (Q, K or V) loads
 the part's heads once, normalises and rotates them in float32 as FlashInfer's kernels do
 (rounding to the model dtype after the norm, as their two kernels in a row would), writes Q
-back in place and K and V to their slot of the pool.
+back in place and K and V to their slot of the pool. An FP8 pool gets K and V divided by the
+layer's scales and saturated, from the values rounded to the model dtype: the same bytes
+`KVPool.store` writes from the unfused path's output.
 
 Imported only on CUDA (it imports Triton).
 """
@@ -16,6 +18,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _to_fp8(x, scale):
+    """`x / scale` saturated at e4m3's largest finite value, +-448, as float8_e4m3fn. The
+    division rounds as IEEE's (and PyTorch's) does; plain `/` may be approximate."""
+    scaled = tl.math.div_rn(x.to(tl.float32), scale)
+    return tl.minimum(tl.maximum(scaled, -448.0), 448.0).to(tl.float8e4nv)
 
 
 @triton.jit
@@ -30,8 +40,11 @@ def _norm_rope_heads(
     cos,
     sin,
     dst,
+    dst_scale,
+    TO_FP8: tl.constexpr,
 ):
-    """Rotate `num_heads` heads at `src`, after an RMSNorm with NORM, into `dst`."""
+    """Rotate `num_heads` heads at `src`, after an RMSNorm with NORM, into `dst` (in FP8
+    over `dst_scale` with TO_FP8)."""
     heads = tl.arange(0, BLOCK_HEADS)[:, None]
     cols = tl.arange(0, HALF)[None, :]
     mask = heads < num_heads
@@ -47,6 +60,9 @@ def _norm_rope_heads(
         x2 = (x2 * scale * w2).to(src.dtype.element_ty).to(tl.float32)
     y1 = (x1 * cos - x2 * sin).to(src.dtype.element_ty)
     y2 = (x2 * cos + x1 * sin).to(src.dtype.element_ty)
+    if TO_FP8:
+        y1 = _to_fp8(y1, dst_scale)
+        y2 = _to_fp8(y2, dst_scale)
     tl.store(dst + first, y1, mask=mask)
     tl.store(dst + first + HALF, y2, mask=mask)
 
@@ -62,12 +78,15 @@ def _norm_rope_store_kernel(
     eps,
     cache,
     slots,
+    k_scale,
+    v_scale,
     NUM_Q: tl.constexpr,
     NUM_KV: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NORM: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
@@ -80,6 +99,8 @@ def _norm_rope_store_kernel(
         offsets = kv_heads * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
         v_mask = kv_heads < NUM_KV
         v = tl.load(row + (NUM_Q + NUM_KV) * HEAD_DIM + offsets, mask=v_mask)
+        if FP8:
+            v = _to_fp8(v, v_scale)
         tl.store(cache_row + NUM_KV * HEAD_DIM + offsets, v, mask=v_mask)
     else:
         position = tl.load(positions + token)
@@ -87,10 +108,14 @@ def _norm_rope_store_kernel(
         cos = tl.load(cos_sin + position * HEAD_DIM + half)
         sin = tl.load(cos_sin + position * HEAD_DIM + HALF + half)
         if part == 0:
-            _norm_rope_heads(row, NUM_Q, BLOCK_Q, HALF, NORM, q_weight, eps, cos, sin, row)
+            _norm_rope_heads(
+                row, NUM_Q, BLOCK_Q, HALF, NORM, q_weight, eps, cos, sin, row, 1.0, False
+            )
         else:
             k = row + NUM_Q * HEAD_DIM
-            _norm_rope_heads(k, NUM_KV, BLOCK_KV, HALF, NORM, k_weight, eps, cos, sin, cache_row)
+            _norm_rope_heads(
+                k, NUM_KV, BLOCK_KV, HALF, NORM, k_weight, eps, cos, sin, cache_row, k_scale, FP8
+            )
 
 
 def norm_rope_store(
@@ -104,11 +129,13 @@ def norm_rope_store(
     cache: torch.Tensor,
     slots: torch.Tensor,
     head_dim: int,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """Q `[T, heads * head_dim]` and KV `[T, 2 * kv_heads * head_dim]`, both views of one
     fused QKV output: norm (when weights are given) and rotate Q in place; norm and rotate
-    K and write it with V into `cache` `[slots, 2, kv_heads, head_dim]` at `slots`. K in the
-    QKV output is left as it was: attention reads K from the pool."""
+    K and write it with V into `cache` `[slots, 2, kv_heads, head_dim]` at `slots` (in the
+    model dtype, or in FP8 over `kv_scales`). K in the QKV output is left as it was:
+    attention reads K from the pool."""
     tokens = q.shape[0]
     num_q, num_kv = q.shape[1] // head_dim, kv.shape[1] // (2 * head_dim)
     assert kv.data_ptr() == q.data_ptr() + q.shape[1] * q.element_size()
@@ -124,10 +151,12 @@ def norm_rope_store(
         eps,
         cache,
         slots,
+        *kv_scales,
         NUM_Q=num_q,
         NUM_KV=num_kv,
         BLOCK_Q=triton.next_power_of_2(num_q),
         BLOCK_KV=triton.next_power_of_2(num_kv),
         HEAD_DIM=head_dim,
         NORM=norm,
+        FP8=cache.dtype == torch.float8_e4m3fn,
     )

@@ -79,7 +79,7 @@ class DecoderAttention(nn.Module):
         q, kv = qkv.split([self.q_size, 2 * self.kv_size], -1)
         tokens = q.shape[0]
         new_kv: torch.Tensor | None = None  # None: already in the pool
-        if self.norm_rope_store is not None and not attn.pool.quantized:  # it writes 16 bits
+        if self.norm_rope_store is not None:
             self.norm_rope_store(
                 q,
                 kv,
@@ -91,6 +91,7 @@ class DecoderAttention(nn.Module):
                 attn.pool.kv[self.layer],
                 batch.out_slots,
                 self.head_dim,
+                attn.pool.scale_pairs[self.layer],
             )
         else:
             k = kv[:, : self.kv_size]
