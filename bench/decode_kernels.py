@@ -1,5 +1,5 @@
 """Decode kernels against each other per batch: FlashInfer's with tensor cores or CUDA cores,
-and the Triton kernels of attention/triton_decode.py.
+and the Triton kernels of attention/triton_decode.py over a bf16 and an FP8 cache.
 
     python bench/decode_kernels.py
 
@@ -36,18 +36,23 @@ REPLAYS = 20
 def time_kernel(
     batch: int, q_heads: int, kv_heads: int, context: int, page_size: int, kernel: str
 ) -> float:
-    """`kernel`: "tensor cores", "cuda cores" or "triton". Every kernel gets the same plan:
-    `batch` requests of `context` tokens on consecutive pages."""
+    """`kernel`: "tensor cores", "cuda cores" or "triton", with " fp8" over an FP8 cache.
+    Every kernel gets the same plan: `batch` requests of `context` tokens on consecutive
+    pages."""
     num_pages = batch * -(-context // page_size)
-    if kernel == "triton":
+    kv_dtype = torch.float8_e4m3fn if kernel.endswith(" fp8") else torch.bfloat16
+    if kernel.startswith("triton"):
         from aserve.attention.triton_decode import TritonDecodeWrapper
 
         wrapper: Any = TritonDecodeWrapper(torch.device("cuda"), batch, num_pages)
-        cache = paged_cache("engine", num_pages, page_size, kv_heads)
+        k, v = paged_cache("engine", num_pages, page_size, kv_heads)
+        cache: Any = (k.to(kv_dtype), v.to(kv_dtype))
     else:
-        wrapper = flashinfer_wrapper(batch, num_pages, kernel == "tensor cores", "NHD", "auto")
-        cache = paged_cache("NHD", num_pages, page_size, kv_heads)
-    plan(wrapper, batch, q_heads, kv_heads, context, page_size, torch.arange(num_pages))
+        tensor_cores = kernel.startswith("tensor cores")
+        wrapper = flashinfer_wrapper(batch, num_pages, tensor_cores, "NHD", "auto")
+        cache = paged_cache("NHD", num_pages, page_size, kv_heads).to(kv_dtype)
+    pages = torch.arange(num_pages)
+    plan(wrapper, batch, q_heads, kv_heads, context, page_size, pages, kv_data_type=kv_dtype)
     return time_run(wrapper, batch, q_heads, cache)
 
 
@@ -119,6 +124,7 @@ def plan(
     context: int,
     page_size: int,
     pages: torch.Tensor,
+    kv_data_type: torch.dtype = torch.bfloat16,
     **options: Any,
 ) -> None:
     """Plan `batch` requests of `context` tokens, request i on the i-th run of `pages`."""
@@ -132,7 +138,7 @@ def plan(
         head_dim=128,
         page_size=page_size,
         q_data_type=torch.bfloat16,
-        kv_data_type=torch.bfloat16,
+        kv_data_type=kv_data_type,
         **options,
     )
 
@@ -148,6 +154,7 @@ def main() -> None:
     p.add_argument("--page-size", type=int, default=256)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
     p.add_argument("--variants", action="store_true", help="layouts and plans, 8B shape")
+    p.add_argument("--fp8", action="store_true", help="also each kernel over an FP8 cache")
     args = p.parse_args()
     if args.variants:
         kv_bytes = 2 * 8 * 128 * 2 * args.context  # K and V, 8 heads, bf16, a request
@@ -164,7 +171,9 @@ def main() -> None:
                 print(f"{variant:<18} {batch:>5} {us:>9.1f} {rate:>6.2f}")
         return
     print(f"us per layer, context {args.context}, pages of {args.page_size}")
-    kernels = ("tensor cores", "cuda cores", "triton")
+    kernels = ["tensor cores", "cuda cores", "triton"]
+    if args.fp8:
+        kernels += ["tensor cores fp8", "cuda cores fp8", "triton fp8"]
     print(f"{'shape':<34} {'batch':>5} " + " ".join(f"{k:>12}" for k in kernels))
     for name, (q_heads, kv_heads) in SHAPES.items():
         for batch in args.batches:
