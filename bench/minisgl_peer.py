@@ -57,6 +57,9 @@ def run_minisgl(args: argparse.Namespace, workload: Workload, scratch: Path) -> 
         max_running_req=args.max_running_requests,
         cuda_graph_max_bs=args.cuda_graph_max_bs or 256,
         page_size=args.page_size,
+        # Its own choice on Hopper is "fa,fi", FA3 prefill from the sgl-kernel wheel (hundreds
+        # of MB, not carried); FlashInfer for both phases is what aserve runs too.
+        attention_backend="fi",
     )
     llm.generate([list(range(1, 17))], SamplingParams(temperature=0.1, max_tokens=4))
     params = [
