@@ -263,6 +263,8 @@ def main() -> None:
         peer_settings = dict(settings)
         if args.peer == "hf":
             peer_settings.update(hf_cache=args.hf_cache, hf_mode=args.hf_mode)
+        if args.peer == "minisgl":  # its own bf16 weights and cache, FlashInfer both phases
+            peer_settings.update(quantization="none", kv_cache_dtype="auto", attention_backend="fi")
         record(
             "offline",
             peer_name,
