@@ -27,7 +27,9 @@ class ForwardBatch:
     lengths and `row_ids` (the page-table rows, `rows` on the device) are plain lists, so
     backends can plan without reading device memory. The per-token inputs are the rows of
     one `[3, T]` tensor, so a CUDA graph takes them with one copy; `record_index` is where
-    each request's sampled token goes in the token table (flattened).
+    each request's sampled token goes in the token table (flattened). Logits are computed at
+    `logit_indices`; where that holds more than each request's last token (prompt logprobs),
+    `sample_rows` are the rows of those last tokens among them.
     """
 
     mode: ForwardMode
@@ -40,6 +42,7 @@ class ForwardBatch:
     logit_indices: torch.Tensor
     record_index: torch.Tensor
     page_table: torch.Tensor
+    sample_rows: torch.Tensor | None = None
     attn_metadata: Any = None
 
     @property

@@ -23,7 +23,8 @@ Conversation = list[dict[str, Any]]
 
 @dataclass
 class GenerationOutput:
-    """One prompt's result. `token_ids` include a final stop token; `text` does not."""
+    """One prompt's result. `token_ids` include a final stop token; `text` does not.
+    `prompt_logprobs` (with SamplingParams.prompt_logprobs) score prompt tokens 1 to n-1."""
 
     prompt_token_ids: list[int]
     token_ids: list[int]
@@ -31,6 +32,7 @@ class GenerationOutput:
     finish_reason: str
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 def _is_single_prompt(prompts: Prompt | Sequence[Prompt]) -> bool:
@@ -134,10 +136,12 @@ class LLM:
     async def _collect(self, req: Req) -> GenerationOutput:
         token_ids: list[int] = []
         logprobs: list[TokenLogprob] = []
+        prompt_logprobs: list[TokenLogprob] = []
         while True:
             out = await req.channel.get()
             token_ids.extend(out.token_ids)
             logprobs.extend(out.logprobs)
+            prompt_logprobs.extend(out.prompt_logprobs)
             if out.finish_reason is not None:
                 break
         text_ids = token_ids
@@ -151,6 +155,7 @@ class LLM:
             finish_reason=out.finish_reason.value,
             error=out.error,
             logprobs=logprobs if req.params.logprobs else None,
+            prompt_logprobs=prompt_logprobs if req.params.prompt_logprobs is not None else None,
         )
 
     def close(self) -> None:

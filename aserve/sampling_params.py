@@ -54,6 +54,7 @@ BOUNDS: dict[str, Bound] = {
     "frequency_penalty": Bound(ge=-2, le=2),
     "repetition_penalty": Bound(gt=0, le=10),
     "top_logprobs": Bound(ge=0, le=20),
+    "prompt_logprobs": Bound(ge=0, le=20),
     "seed": Bound(ge=0, le=MAX_SEED),
 }
 
@@ -78,6 +79,11 @@ class SamplingParams:
     temperature 0 means greedy. top_k <= 0 means no top-k cut. A request with a seed gets
     the same tokens whatever other requests share its batch; one without may be drawn by
     faster batch-wide kernels (see aserve/engine/sampler.py).
+
+    `prompt_logprobs` (vLLM's field; OpenAI completions' `echo` with `logprobs`): the
+    log-probability of every prompt token after the first under the model, with that many
+    alternatives. Such a prompt is computed whole, not taken from the prefix cache, whose
+    tokens have no logits.
     """
 
     max_tokens: int = 16
@@ -93,6 +99,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))

@@ -160,13 +160,21 @@ def test_forward_batch_takes_slots_from_the_host_mirror_and_ids_from_the_token_t
     assert [r.all_ids[-2:] for r in reqs] == [[7, 7], [8, 8], [9, 9]]
 
 
+def decode_batch(reqs: list[Req]) -> ScheduledBatch:
+    size = len(reqs)
+    starts = [r.cached_len for r in reqs]
+    return ScheduledBatch(
+        ForwardMode.DECODE, reqs, [1] * size, [True] * size, starts, [False] * size
+    )
+
+
 def test_sampling_batch_is_reused_only_while_nothing_in_it_changes() -> None:
     batches = SamplingBatches(vocab_size=100, device=torch.device("cpu"), fused=True)
     plain = [make_req(i, 4) for i in range(3)]
-    first = batches.build(ScheduledBatch(ForwardMode.DECODE, plain, [1] * 3, [True] * 3))
-    again = batches.build(ScheduledBatch(ForwardMode.DECODE, plain, [1] * 3, [True] * 3))
+    first = batches.build(decode_batch(plain))
+    again = batches.build(decode_batch(plain))
     assert again is first
-    reordered = batches.build(ScheduledBatch(ForwardMode.DECODE, plain[::-1], [1] * 3, [True] * 3))
+    reordered = batches.build(decode_batch(plain[::-1]))
     assert reordered is not first
     seeded = make_req(5, 4)
     seeded.params = SamplingParams(max_tokens=50, seed=1)
@@ -174,7 +182,5 @@ def test_sampling_batch_is_reused_only_while_nothing_in_it_changes() -> None:
     penalised.params = SamplingParams(max_tokens=50, presence_penalty=0.5)
     for odd in (seeded, penalised):
         reqs = [*plain, odd]
-        step = batches.build(ScheduledBatch(ForwardMode.DECODE, reqs, [1] * 4, [True] * 4))
-        assert (
-            batches.build(ScheduledBatch(ForwardMode.DECODE, reqs, [1] * 4, [True] * 4)) is not step
-        )
+        step = batches.build(decode_batch(reqs))
+        assert batches.build(decode_batch(reqs)) is not step

@@ -116,11 +116,12 @@ def test_step_spec_survives_packing() -> None:
         rows=[3, 0],
         prefix_lens=[8, 0],
         extend_lens=[2, 3],
+        scored=[0, 1],
         input_ids=[11, 12, 21, 22, 23],
         page_writes=[PageWrite(3, 2, [7]), PageWrite(0, 0, [4, 5, 9])],
     )
     assert StepSpec.unpack(spec.pack()) == spec
-    decode = StepSpec(ForwardMode.DECODE, [1], [40], [1], [], [])
+    decode = StepSpec(ForwardMode.DECODE, [1], [40], [1], [0], [], [])
     assert StepSpec.unpack(decode.pack()) == decode
 
 

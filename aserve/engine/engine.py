@@ -20,7 +20,14 @@ from aserve.attention.base import AttentionBackend, SplitBackend
 from aserve.config import ConfigError, EngineConfig, ModelConfig
 from aserve.distributed.group import TPGroup
 from aserve.engine.memory import GiB, free_device_memory, kv_bytes_per_token, plan_num_pages
-from aserve.engine.sampler import SampleOutput, Sampler, SamplingBatch, fused_sampling
+from aserve.engine.sampler import (
+    PromptScoring,
+    SampleOutput,
+    Sampler,
+    SamplingBatch,
+    fused_sampling,
+    score_prompt,
+)
 from aserve.engine.step import StepSpec, forward_batch
 from aserve.forward import ForwardBatch, ForwardMode
 from aserve.kvcache.pages import PageTable
@@ -230,7 +237,8 @@ class Engine:
         started = time.perf_counter()
         dummy = self.page_table.dummy_row
         for mode in (ForwardMode.PREFILL, ForwardMode.DECODE):
-            spec = StepSpec(mode, [dummy], [0], [1], [0] if mode is ForwardMode.PREFILL else [], [])
+            prefill_ids = [0] if mode is ForwardMode.PREFILL else []
+            spec = StepSpec(mode, [dummy], [0], [1], [0], prefill_ids, [])
             batch = forward_batch(spec, self.page_table, self.device)
             self.attn.prepare(batch)
             logits = self.model(batch, self.attn)
@@ -279,12 +287,20 @@ class Engine:
         )
 
     @torch.inference_mode()
-    def step(self, batch: ForwardBatch, sampling: SamplingBatch) -> SampleOutput:
+    def step(
+        self, batch: ForwardBatch, sampling: SamplingBatch, scoring: PromptScoring | None = None
+    ) -> SampleOutput:
         """Forward `batch`, sample one token per request, and record it in the token table
         at the position after the request's context, where the next decode step reads it.
-        Under tensor parallelism rank 0 samples and broadcasts the ids to the other ranks."""
-        out = self.sampler.sample(self.forward(batch), sampling)
+        Under tensor parallelism rank 0 samples and broadcasts the ids to the other ranks.
+        With `scoring`, every logits row of the step is scored too (prompt logprobs)."""
+        logits = every_row = self.forward(batch)
+        if batch.sample_rows is not None:
+            logits = every_row.index_select(0, batch.sample_rows)
+        out = self.sampler.sample(logits, sampling)
         self.record_tokens(batch, self.tp.broadcast(out.next_ids))
+        if scoring is not None:
+            out = out._replace(**score_prompt(every_row, scoring))
         return out
 
     @torch.inference_mode()

@@ -191,12 +191,16 @@ class SamplingBatch:
 
 class SampleOutput(NamedTuple):
     """Next tokens [B] int64; logprobs of them [B] and the top-N alternatives [B, N], sorted
-    descending, or None when no row asked (top-N also None when N is 0)."""
+    descending, or None when no row asked (top-N also None when N is 0). The `prompt_` three
+    are the same for every logits row of a step with prompt logprobs (`score_prompt`)."""
 
     next_ids: torch.Tensor
     logprobs: torch.Tensor | None
     top_ids: torch.Tensor | None
     top_logprobs: torch.Tensor | None
+    prompt_logprobs: torch.Tensor | None = None
+    prompt_top_ids: torch.Tensor | None = None
+    prompt_top_logprobs: torch.Tensor | None = None
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> SampleOutput:
         """Move every tensor, e.g. to pinned host memory before the scheduler reads it."""
@@ -213,6 +217,26 @@ class SampleOutput(NamedTuple):
             ids, values = self.top_ids[row, :n].tolist(), self.top_logprobs[row, :n].tolist()
             top = tuple(zip(ids, values, strict=True))
         return TokenLogprob(int(self.next_ids[row]), float(self.logprobs[row]), top)
+
+
+class PromptScoring(NamedTuple):
+    """A step's prompt logprobs: `targets[r]` is the token whose log-probability logits row r
+    gives (0 for the rows that score no prompt token, read by nobody), with `top`
+    alternatives a row."""
+
+    targets: torch.Tensor
+    top: int
+
+
+def score_prompt(logits: torch.Tensor, scoring: PromptScoring) -> dict[str, torch.Tensor]:
+    """The model's own log-probabilities (no temperature or penalties, as vLLM reports
+    them) of the targets, and the top alternatives: SampleOutput's `prompt_` fields."""
+    logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    scores = {"prompt_logprobs": logprobs.gather(1, scoring.targets[:, None]).squeeze(1)}
+    if scoring.top > 0:
+        top = logprobs.topk(scoring.top, dim=-1)
+        scores.update(prompt_top_ids=top.indices, prompt_top_logprobs=top.values)
+    return scores
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

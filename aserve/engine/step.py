@@ -3,7 +3,8 @@
 Rank 0's scheduler turns its plan into a StepSpec; every rank (rank 0 included) builds its
 ForwardBatch from the spec with the same code, against its own page table. Tensor-parallel
 followers receive the spec packed into one int64 array, so it holds only plain integers:
-which rows run, their lengths, prefill token ids, and the page-table writes the planner made
+which rows run, their lengths, which want logits at every position (prompt logprobs: every
+rank's LM head takes part), prefill token ids, and the page-table writes the planner made
 since the previous step (decode input ids are read from each rank's own token table, where
 every rank wrote the same sampled ids).
 """
@@ -23,22 +24,25 @@ _MODES = (ForwardMode.PREFILL, ForwardMode.DECODE)
 
 @dataclass(frozen=True)
 class StepSpec:
-    """`input_ids` is empty in decode. `page_writes` are what rank 0's planner wrote into its
-    page table since the previous step; followers replay them before building the batch."""
+    """`input_ids` is empty in decode; `scored[i]` is 1 where request i wants logits at every
+    position of its chunk. `page_writes` are what rank 0's planner wrote into its page table
+    since the previous step; followers replay them before building the batch."""
 
     mode: ForwardMode
     rows: list[int]
     prefix_lens: list[int]
     extend_lens: list[int]
+    scored: list[int]
     input_ids: list[int]
     page_writes: list[PageWrite]
 
     def pack(self) -> bytes:
-        """[mode, B, T, W, rows, prefix_lens, extend_lens, input_ids, W x (row, first,
-        count), pages...] as int64 bytes."""
+        """[mode, B, T, W, rows, prefix_lens, extend_lens, scored, input_ids, W x (row,
+        first, count), pages...] as int64 bytes."""
         writes = self.page_writes
         header = [_MODES.index(self.mode), len(self.rows), len(self.input_ids), len(writes)]
-        fields = [header, self.rows, self.prefix_lens, self.extend_lens, self.input_ids]
+        fields = [header, self.rows, self.prefix_lens, self.extend_lens, self.scored]
+        fields.append(self.input_ids)
         fields += [[w.row, w.first_page_index, len(w.pages)] for w in writes]
         fields += [w.pages for w in writes]
         return np.fromiter(
@@ -51,16 +55,16 @@ class StepSpec:
         mode, size, num_ids, num_writes = values[:4]
         at = 4
         parts = []
-        for length in (size, size, size, num_ids, 3 * num_writes):
+        for length in (size, size, size, size, num_ids, 3 * num_writes):
             parts.append(values[at : at + length])
             at += length
-        rows, prefix_lens, extend_lens, input_ids, write_heads = parts
+        rows, prefix_lens, extend_lens, scored, input_ids, write_heads = parts
         writes = []
         for i in range(num_writes):
             row, first, count = write_heads[3 * i : 3 * i + 3]
             writes.append(PageWrite(row, first, values[at : at + count]))
             at += count
-        return cls(_MODES[mode], rows, prefix_lens, extend_lens, input_ids, writes)
+        return cls(_MODES[mode], rows, prefix_lens, extend_lens, scored, input_ids, writes)
 
 
 def forward_batch(spec: StepSpec, page_table: PageTable, device: torch.device) -> ForwardBatch:
@@ -69,12 +73,14 @@ def forward_batch(spec: StepSpec, page_table: PageTable, device: torch.device) -
     Everything but decode input ids is known on the host (KV slots from the page table's host
     mirror), so the batch's integers travel in one host-to-device copy. Decode input ids are
     the previous step's sampled ids, which only the device knows while that step is in
-    flight: one gather from the token table fetches them.
+    flight: one gather from the token table fetches them. Logits are taken at each request's
+    last token, and at every token of a scored chunk; `sample_rows` then picks the last ones.
     """
     prefix_lens, extend_lens = spec.prefix_lens, spec.extend_lens
     seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
     rows = np.asarray(spec.rows, dtype=np.int64)
     size = len(rows)
+    sample_rows = np.zeros(0, dtype=np.int64)
     if spec.mode is ForwardMode.DECODE:
         positions = np.asarray(prefix_lens, dtype=np.int64)
         token_rows = rows
@@ -88,27 +94,36 @@ def forward_batch(spec: StepSpec, page_table: PageTable, device: torch.device) -
         positions = np.repeat(np.asarray(prefix_lens, dtype=np.int64), extends) + offsets
         input_ids = np.asarray(spec.input_ids, dtype=np.int64)
         logit_indices = ends - 1
+        if any(spec.scored):
+            wanted = np.repeat(np.asarray(spec.scored, dtype=bool), extends)
+            wanted[ends - 1] = True
+            logit_indices = np.flatnonzero(wanted).astype(np.int64)
+            sample_rows = np.searchsorted(logit_indices, ends - 1).astype(np.int64)
     out_slots = page_table.slot_ids(token_rows, positions)
     record_index = rows * page_table.width + np.asarray(seq_lens, dtype=np.int64)
-    parts = [input_ids, out_slots, positions, rows, logit_indices, record_index]
+    per_request = [rows, record_index]
     if spec.mode is ForwardMode.DECODE:
-        parts.append(rows * page_table.width + positions)
+        per_request.append(rows * page_table.width + positions)
+    parts = [input_ids, out_slots, positions, *per_request, logit_indices, sample_rows]
     packed = torch.from_numpy(np.concatenate(parts)).to(device, non_blocking=True)
     tokens = len(positions)
     token_inputs = packed[: 3 * tokens].view(3, tokens)
-    # rows, logit indices, record index and, in decode, where each input id is in the table
-    per_request = packed[3 * tokens :].view(-1, size)
+    # rows, record index and, in decode, where each input id is in the table
+    request_end = 3 * tokens + len(per_request) * size
+    per_request_view = packed[3 * tokens : request_end].view(-1, size)
+    logits_end = request_end + len(logit_indices)
     if spec.mode is ForwardMode.DECODE:
-        torch.index_select(page_table.tokens.view(-1), 0, per_request[3], out=token_inputs[0])
+        torch.index_select(page_table.tokens.view(-1), 0, per_request_view[2], out=token_inputs[0])
     return ForwardBatch(
         mode=spec.mode,
         token_inputs=token_inputs,
-        rows=per_request[0],
+        rows=per_request_view[0],
         row_ids=list(spec.rows),
         prefix_lens=list(prefix_lens),
         extend_lens=list(extend_lens),
         seq_lens=seq_lens,
-        logit_indices=per_request[1],
-        record_index=per_request[2],
+        logit_indices=packed[request_end:logits_end],
+        record_index=per_request_view[1],
         page_table=page_table.slots,
+        sample_rows=packed[logits_end:] if len(sample_rows) else None,
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from aserve.engine.sampler import SamplingBatch
+from aserve.engine.sampler import PromptScoring, SamplingBatch
 from aserve.engine.step import StepSpec, forward_batch
 from aserve.forward import ForwardBatch, ForwardMode
 from aserve.kvcache.pages import PageTable
@@ -14,7 +14,7 @@ from aserve.scheduler.plan import ScheduledBatch
 def step_spec(planned: ScheduledBatch, page_table: PageTable) -> StepSpec:
     """The plan as plain integers: what every tensor-parallel rank needs to run the step."""
     reqs = planned.reqs
-    prefix_lens = [r.cached_len for r in reqs]
+    prefix_lens = planned.starts
     input_ids: list[int] = []
     if planned.mode is ForwardMode.PREFILL:
         for req, start, n in zip(reqs, prefix_lens, planned.extend_lens):
@@ -24,9 +24,30 @@ def step_spec(planned: ScheduledBatch, page_table: PageTable) -> StepSpec:
         rows=[r.slot for r in reqs],
         prefix_lens=prefix_lens,
         extend_lens=list(planned.extend_lens),
+        scored=[int(s) for s in planned.scored],
         input_ids=input_ids,
         page_writes=page_table.take_writes(),
     )
+
+
+def prompt_scoring(planned: ScheduledBatch, device: torch.device) -> PromptScoring | None:
+    """The targets of a step's logits rows, laid out as `forward_batch` takes them (every
+    position of a scored chunk, else the last): the prompt token after each scored position.
+    None for a step without scored chunks."""
+    if not any(planned.scored):
+        return None
+    targets: list[int] = []
+    top = 0
+    for req, start, n, scored in zip(
+        planned.reqs, planned.starts, planned.extend_lens, planned.scored
+    ):
+        if not scored:
+            targets.append(0)
+            continue
+        prompt = req.prompt_ids
+        targets.extend(prompt[p + 1] if p + 1 < len(prompt) else 0 for p in range(start, start + n))
+        top = max(top, req.params.prompt_logprobs or 0)
+    return PromptScoring(torch.tensor(targets).to(device, non_blocking=True), top)
 
 
 def build_forward_batch(

@@ -21,18 +21,26 @@ from aserve.kvcache.pages import PageAllocator, PageTable, pages_needed
 from aserve.scheduler.request import FinishReason, Req, ReqStatus
 
 PENDING_TOKEN = -1
+SCORED_ROWS_PER_STEP = 1024
+"""Prompt positions of requests asking for prompt logprobs that one step computes logits at:
+each is a float32 row of the vocabulary (1,024 x 152k is 0.6 GB), so their chunks are cut
+to this budget, shared by the step's scoring requests."""
 
 
 @dataclass
 class ScheduledBatch:
-    """Requests of one step with the tokens each computes; `samples[i]` is False for a
-    chunk that does not yet reach the end of its request's sequence. `output_slots[i]` is
-    where request i's sampled token goes in its `output_ids` (set at launch)."""
+    """Requests of one step with the tokens each computes from position `starts[i]` on;
+    `samples[i]` is False for a chunk that does not yet reach the end of its request's
+    sequence; `scored[i]` asks for logits at every position of the chunk (prompt logprobs).
+    `output_slots[i]` is where request i's sampled token goes in its `output_ids` (set at
+    launch)."""
 
     mode: ForwardMode
     reqs: list[Req]
     extend_lens: list[int]
     samples: list[bool]
+    starts: list[int]
+    scored: list[bool]
     output_slots: list[int] = field(default_factory=list)
 
 
@@ -91,29 +99,43 @@ class Planner:
 
     def _plan_prefill(self) -> ScheduledBatch | None:
         budget = self.config.max_prefill_length
+        scored_budget = SCORED_ROWS_PER_STEP
         reqs: list[Req] = []
         extends: list[int] = []
         for req in self.running:
             if req.decoding or budget == 0:
                 continue
-            n = min(req.extend_len, budget)
+            n = min(req.extend_len, budget, scored_budget if req.scoring else budget)
+            if n == 0:
+                continue
             if not self._grow(req, req.cached_len + n):
                 break
             reqs.append(req)
             extends.append(n)
             budget -= n
+            scored_budget -= n if req.scoring else 0
         while self.waiting and budget > 0 and self._can_admit():
-            n = self._admit(self.waiting[0], budget)
+            req = self.waiting[0]
+            scoring = req.scoring
+            n = self._admit(req, min(budget, scored_budget) if scoring else budget)
             if n == 0:
                 break
-            req = self.waiting.popleft()
+            self.waiting.popleft()
             reqs.append(req)
             extends.append(n)
             budget -= n
+            scored_budget -= n if scoring else 0
         if not reqs:
             return None
         samples = [r.cached_len + n == r.total_len for r, n in zip(reqs, extends)]
-        return ScheduledBatch(ForwardMode.PREFILL, reqs, extends, samples)
+        return ScheduledBatch(
+            ForwardMode.PREFILL,
+            reqs,
+            extends,
+            samples,
+            [r.cached_len for r in reqs],
+            [r.scoring for r in reqs],
+        )
 
     def _can_admit(self) -> bool:
         return (
@@ -122,8 +144,12 @@ class Planner:
 
     def _admit(self, req: Req, budget: int) -> int:
         """Match the cached prefix, take a row and pages; returns the tokens to prefill now
-        (0 when the pool cannot hold even the first chunk, leaving `req` waiting)."""
-        match = self.cache.match(req.all_ids[: req.total_len - 1])
+        (0 when the budget is 0 or the pool cannot hold even the first chunk, leaving `req`
+        waiting). A request scoring its prompt matches nothing: it needs every position's
+        logits."""
+        if budget == 0:
+            return 0
+        match = self.cache.match([] if req.scoring else req.all_ids[: req.total_len - 1])
         self.cache.lock(match.handle)
         n = min(req.total_len - match.length, budget)
         need = pages_needed(match.length + n, self.page_size) - len(match.pages)
@@ -150,7 +176,11 @@ class Planner:
         reqs = [r for r in self.running if self._wants_decode(r)]
         if not reqs:
             return None
-        return ScheduledBatch(ForwardMode.DECODE, reqs, [1] * len(reqs), [True] * len(reqs))
+        size = len(reqs)
+        starts = [r.cached_len for r in reqs]
+        return ScheduledBatch(
+            ForwardMode.DECODE, reqs, [1] * size, [True] * size, starts, [False] * size
+        )
 
     @staticmethod
     def _wants_decode(req: Req) -> bool:
@@ -169,6 +199,8 @@ class Planner:
         batch.output_slots = [-1] * len(batch.reqs)
         for i, (req, n, keep) in enumerate(zip(batch.reqs, batch.extend_lens, batch.samples)):
             req.cached_len += n
+            if batch.scored[i]:
+                req.scored_len = max(req.scored_len, req.cached_len)
             if keep:
                 req.decoding = True
                 batch.output_slots[i] = len(req.output_ids)

@@ -21,12 +21,14 @@ class ReqOutput(NamedTuple):
     """What the scheduler pushes to a request's channel after each step that produced tokens.
 
     `finish_reason` is set on the last message only; `error` explains an "error" finish.
+    `prompt_logprobs` (prompt tokens 1 to n-1) come with the first token, when asked for.
     """
 
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...]
     finish_reason: FinishReason | None = None
     error: str | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class OutputChannel:
@@ -64,6 +66,7 @@ class OutputChannel:
             tuple(lp for out in pending for lp in out.logprobs),
             last.finish_reason,
             last.error,
+            tuple(lp for out in pending for lp in out.prompt_logprobs),
         )
 
 
@@ -82,6 +85,11 @@ class Req:
     first `prefix_len` positions came from the prefix cache (locked through `cache_handle`),
     the other pages are the request's own. `decoding` turns true once the whole sequence has
     been prefilled: from then on each step feeds the last sampled token.
+
+    With `params.prompt_logprobs`, `prompt_logprobs[p]` is prompt token p + 1's, filled as
+    the steps computing position p come back; `scored_len` prompt positions have had their
+    logits launched (a retracted request keeps both: results in flight still land, and it
+    does not score its prompt again).
     """
 
     rid: int
@@ -101,6 +109,15 @@ class Req:
     error: str | None = None
     aborted: bool = False
     max_total_len: int = 0
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    scored_len: int = 0
+
+    @property
+    def scoring(self) -> bool:
+        """Its next prefill chunk must give logits at every position (prompt logprobs)."""
+        return (
+            self.params.prompt_logprobs is not None and self.scored_len < len(self.prompt_ids) - 1
+        )
 
     @property
     def all_ids(self) -> list[int]:

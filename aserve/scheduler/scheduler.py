@@ -32,7 +32,7 @@ from aserve.kvcache.base import PrefixCache
 from aserve.kvcache.naive import NaiveCache
 from aserve.kvcache.pages import PageAllocator
 from aserve.kvcache.radix import RadixCache
-from aserve.scheduler.batch import SamplingBatches, step_spec
+from aserve.scheduler.batch import SamplingBatches, prompt_scoring, step_spec
 from aserve.scheduler.plan import Planner, ScheduledBatch
 from aserve.scheduler.request import (
     FinishReason,
@@ -90,6 +90,8 @@ class Scheduler:
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         req = Req(rid=self._next_rid, prompt_ids=list(prompt_ids), params=params, seed=seed)
         req.max_total_len = min(len(req.prompt_ids) + params.max_tokens, self.max_seq_len)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * (len(req.prompt_ids) - 1)
         return req
 
     def check_request(self, req: Req) -> str | None:
@@ -194,7 +196,8 @@ class Scheduler:
             self.followers.send(spec)
         batch = forward_batch(spec, self.engine.page_table, self.engine.device)
         sampling = self.sampling_batches.build(planned)
-        out = self.engine.step(batch, sampling)
+        scoring = prompt_scoring(planned, self.engine.device)
+        out = self.engine.step(batch, sampling, scoring)
         self.planner.launched(planned)
         if self.engine.device.type != "cuda":
             return InFlight(planned, out, None, started)
@@ -224,6 +227,8 @@ class Scheduler:
 
     def _process_results(self, planned: ScheduledBatch, out: SampleOutput) -> None:
         next_ids = out.next_ids.tolist()
+        if out.prompt_logprobs is not None:
+            self._record_prompt_logprobs(planned, out)
         for i, (req, slot) in enumerate(zip(planned.reqs, planned.output_slots)):
             if slot < 0 or req.status is ReqStatus.FINISHED or req.aborted:
                 continue
@@ -232,12 +237,51 @@ class Scheduler:
             logprobs = (
                 (out.to_token_logprobs(i, req.params.top_logprobs),) if req.params.logprobs else ()
             )
+            prompt = self._prompt_logprobs(req) if slot == 0 else ()
             reason = self._finish_reason(req, token, slot + 1)
             if reason is None:
-                req.channel.put_nowait(ReqOutput((token,), logprobs))
+                req.channel.put_nowait(ReqOutput((token,), logprobs, prompt_logprobs=prompt))
                 continue
             del req.output_ids[slot + 1 :]
-            self._finish(req, reason, tokens=(token,), logprobs=logprobs)
+            self._finish(req, reason, tokens=(token,), logprobs=logprobs, prompt_logprobs=prompt)
+
+    @staticmethod
+    def _record_prompt_logprobs(planned: ScheduledBatch, out: SampleOutput) -> None:
+        """File each scored row's logprob under its prompt position (a position scored twice,
+        after a retraction, gets the same values again)."""
+        assert out.prompt_logprobs is not None
+        chosen = out.prompt_logprobs.tolist()
+        top_ids = [] if out.prompt_top_ids is None else out.prompt_top_ids.tolist()
+        top_values = [] if out.prompt_top_logprobs is None else out.prompt_top_logprobs.tolist()
+        row = 0
+        for req, start, n, scored in zip(
+            planned.reqs, planned.starts, planned.extend_lens, planned.scored
+        ):
+            if not scored:
+                row += 1
+                continue
+            k = req.params.prompt_logprobs or 0
+            for position in range(start, start + n):
+                if position < len(req.prompt_logprobs):
+                    top = tuple(zip(top_ids[row][:k], top_values[row][:k])) if k else ()
+                    token = req.prompt_ids[position + 1]
+                    req.prompt_logprobs[position] = TokenLogprob(token, chosen[row], top)
+                row += 1
+
+    @staticmethod
+    def _prompt_logprobs(req: Req) -> tuple[TokenLogprob, ...]:
+        """What goes out with the first token: every prompt position's logprob, all filled
+        by then (the steps that computed them came back earlier or with this one)."""
+        if req.params.prompt_logprobs is None:
+            return ()
+        filled = tuple(lp for lp in req.prompt_logprobs if lp is not None)
+        if len(filled) != len(req.prompt_logprobs):
+            logger.error(
+                "request %d: %d prompt logprobs missing",
+                req.rid,
+                len(req.prompt_logprobs) - len(filled),
+            )
+        return filled
 
     def _fail_batch(self, planned: ScheduledBatch, error: Exception) -> None:
         """A step that raised ends its requests with an error; the loop and others go on."""
@@ -263,9 +307,10 @@ class Scheduler:
         error: str | None = None,
         tokens: tuple[int, ...] = (),
         logprobs: tuple[TokenLogprob, ...] = (),
+        prompt_logprobs: tuple[TokenLogprob, ...] = (),
     ) -> None:
         self.planner.finish(req, reason, error)
-        req.channel.put_nowait(ReqOutput(tokens, logprobs, reason, error))
+        req.channel.put_nowait(ReqOutput(tokens, logprobs, reason, error, prompt_logprobs))
 
     def _apply_aborts(self) -> None:
         for req in [r for r in (*self.planner.running, *self.planner.waiting) if r.aborted]:
