@@ -54,7 +54,6 @@ BOUNDS: dict[str, Bound] = {
     "frequency_penalty": Bound(ge=-2, le=2),
     "repetition_penalty": Bound(gt=0, le=10),
     "top_logprobs": Bound(ge=0, le=20),
-    "prompt_logprobs": Bound(ge=0, le=20),
     "seed": Bound(ge=0, le=MAX_SEED),
 }
 
@@ -103,7 +102,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        for name, bound in BOUNDS.items():
+        # prompt_logprobs is no request field of its own (echo with logprobs sets it)
+        for name, bound in (*BOUNDS.items(), ("prompt_logprobs", BOUNDS["top_logprobs"])):
             value = getattr(self, name)
             if value is not None and not bound.admits(value):
                 raise SamplingError(f"{name} must be {bound.describe()}, got {value}")

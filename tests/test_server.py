@@ -242,6 +242,33 @@ def test_logprobs(server: ServerProcess) -> None:
     assert lp["text_offset"][0] == 0
 
 
+def test_echo_with_logprobs_scores_the_prompt(server: ServerProcess) -> None:
+    """OpenAI's echo with logprobs (what lm-eval-harness sends for log-likelihoods): the
+    prompt's tokens lead, the first with null logprobs, and the text offsets run through
+    the echoed text; streamed, the same lists arrive over the chunks."""
+    prompt = "The capital of France is Paris. The capital of Italy is"
+    request = {"model": MODEL, "prompt": prompt, "temperature": 0, "max_tokens": 2}
+    request |= {"logprobs": 1, "echo": True}
+    _, tokens = run(post(server.base_url + "/tokenize", {"prompt": prompt}))
+    count = len(tokens["tokens"])
+    _, full = run(post(server.base_url + "/v1/completions", request))
+    choice = full["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == count + 2
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(v <= 0 for v in lp["token_logprobs"][1:])
+    assert all(len(top) == 1 for top in lp["top_logprobs"][1:])
+    assert "".join(lp["tokens"]) == choice["text"] and choice["text"].startswith(prompt)
+    assert lp["text_offset"][count] == len(prompt)
+    assert lp["text_offset"] == sorted(lp["text_offset"])
+    # the last " is", which the first sentence's pattern predicts, beats " capital" after "The"
+    assert lp["token_logprobs"][count - 1] > lp["token_logprobs"][1]
+    chunks, _ = run(stream(server.base_url + "/v1/completions", request))
+    streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    for key in lp:
+        assert [v for part in streamed for v in part[key]] == lp[key]
+
+
 @pytest.mark.parametrize(
     ("path", "body", "param", "fragment"),
     [

@@ -26,6 +26,7 @@ class Delta:
     token_ids: list[int]
     logprobs: list[TokenLogprob]
     finish_reason: str | None = None
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -56,23 +57,24 @@ class Choice:
                 out = await req.channel.get()
                 self.completion_tokens += len(out.token_ids)
                 ids = list(out.token_ids)
+                prompt = list(out.prompt_logprobs)
                 text_ids = ids[:-1] if out.finish_reason is FinishReason.STOP else ids
                 text, stopped = self._text(text_ids)
                 if out.finish_reason is FinishReason.ERROR:
                     raise RuntimeError(out.error or "generation failed")
                 if stopped:
                     self.scheduler.abort(req)
-                    yield Delta(text, ids, list(out.logprobs), "stop")
+                    yield Delta(text, ids, list(out.logprobs), "stop", prompt)
                     return
                 if out.finish_reason is not None:
                     reason = out.finish_reason.value
                     if self._stream is not None:
                         text += self._stream.finish()
                         reason = "stop" if self._stream.stopped else reason
-                    yield Delta(text, ids, list(out.logprobs), reason)
+                    yield Delta(text, ids, list(out.logprobs), reason, prompt)
                     return
                 if text or ids:
-                    yield Delta(text, ids, list(out.logprobs))
+                    yield Delta(text, ids, list(out.logprobs), None, prompt)
         finally:
             if req.finish_reason is None:
                 self.scheduler.abort(req)

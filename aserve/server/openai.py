@@ -143,6 +143,7 @@ def _sampling_params(
     max_tokens: int | None,
     logprobs: bool,
     top_logprobs: int,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """The request's sampling fields; those it leaves unset take the server's defaults."""
     chosen = {name: value for name, value in defaults.items() if name != "max_tokens"}
@@ -157,6 +158,7 @@ def _sampling_params(
             ignore_eos=bool(fields.ignore_eos),
             logprobs=logprobs,
             top_logprobs=top_logprobs,
+            prompt_logprobs=prompt_logprobs,
             **chosen,
         )
     except SamplingError as error:
@@ -234,8 +236,14 @@ def parse_completion(raw: bytes, defaults: SamplingDefaults) -> GenerationReques
     logprobs = request.logprobs
     return GenerationRequest(
         **_common(request, "completion", int(max_tokens)),
+        # With echo, OpenAI's logprobs cover the prompt's tokens too.
         params=_sampling_params(
-            request, defaults, int(max_tokens), logprobs is not None, logprobs or 0
+            request,
+            defaults,
+            int(max_tokens),
+            logprobs is not None,
+            logprobs or 0,
+            logprobs if request.echo and logprobs is not None else None,
         ),
         echo=bool(request.echo),
         texts=texts,
@@ -301,17 +309,21 @@ def chat_logprobs(entries: list[tuple[str, TokenLogprob, list[str]]]) -> dict[st
 
 
 def completion_logprobs(
-    entries: list[tuple[str, TokenLogprob, list[str]]], text_offset: int
+    entries: list[tuple[str, TokenLogprob | None, list[str]]], text_offset: int
 ) -> dict[str, Any]:
-    """OpenAI legacy completion logprobs: parallel lists, top as {token: logprob} maps."""
+    """OpenAI legacy completion logprobs: parallel lists, top as {token: logprob} maps; an
+    entry without a logprob (an echoed prompt's first token) is null in both."""
     offsets, position = [], text_offset
     for text, _, _ in entries:
         offsets.append(position)
         position += len(text)
     return {
         "tokens": [text for text, _, _ in entries],
-        "token_logprobs": [lp.logprob for _, lp, _ in entries],
-        "top_logprobs": [{t: v for t, (_, v) in zip(tops, lp.top)} for _, lp, tops in entries],
+        "token_logprobs": [None if lp is None else lp.logprob for _, lp, _ in entries],
+        "top_logprobs": [
+            None if lp is None else {t: v for t, (_, v) in zip(tops, lp.top)}
+            for _, lp, tops in entries
+        ],
         "text_offset": offsets,
     }
 

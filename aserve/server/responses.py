@@ -29,6 +29,8 @@ class ResponseShaper:
         self.choices = choices
         self.is_chat = parsed.kind == "chat"
         self._text_offsets = [0] * len(choices)
+        self._scores_prompt = parsed.params.prompt_logprobs is not None
+        self._prompt_sent = [False] * len(choices)
 
     def _echo_text(self, index: int) -> str:
         if not self.parsed.echo or self.runtime.tokenizer is None:
@@ -49,6 +51,16 @@ class ResponseShaper:
             )
             for lp in logprobs
         ]
+
+    def _prompt_logprobs(self, index: int, scored: list[TokenLogprob]) -> dict[str, Any]:
+        """An echoed prompt's logprobs (OpenAI's echo with logprobs): its first token has
+        none, the others score the tokens before them; offsets count from the text's start."""
+        first = self.choices[index].prompt_ids[0]
+        tokenizer = self.runtime.tokenizer
+        head = str(first) if tokenizer is None else tokenizer.decode([first], False)
+        entries: list[tuple[str, TokenLogprob | None, list[str]]] = [(head, None, [])]
+        entries += self._token_texts(scored)
+        return openai.completion_logprobs(entries, 0)
 
     def _logprobs(self, index: int, logprobs: list[TokenLogprob]) -> dict[str, Any] | None:
         if not self.parsed.params.logprobs:
@@ -74,6 +86,16 @@ class ResponseShaper:
         return chunks
 
     def delta_chunks(self, index: int, delta: Delta) -> list[dict[str, Any]]:
+        """A choice's first delta brings its prompt's logprobs, when asked for: they go out
+        in a chunk of their own, after the echoed prompt and before the first token."""
+        if not self._scores_prompt or self._prompt_sent[index] or not delta.token_ids:
+            return self._delta_chunks(index, delta)
+        self._prompt_sent[index] = True
+        prompt = self._prompt_logprobs(index, delta.prompt_logprobs)
+        opening = openai.completion_chunk(self.head, index, "", None, prompt)
+        return [opening, *self._delta_chunks(index, delta)]
+
+    def _delta_chunks(self, index: int, delta: Delta) -> list[dict[str, Any]]:
         logprobs = self._logprobs(index, delta.logprobs)
         token_ids = self.parsed.return_token_ids and bool(delta.token_ids)
         if self.is_chat:
@@ -125,6 +147,10 @@ class ResponseShaper:
                 echo = self._echo_text(index)
                 if logprobs is not None and echo:
                     logprobs["text_offset"] = [o + len(echo) for o in logprobs["text_offset"]]
+                if logprobs is not None and self._scores_prompt:
+                    scored = [lp for d in deltas for lp in d.prompt_logprobs]
+                    prompt = self._prompt_logprobs(index, scored)
+                    logprobs = {key: prompt[key] + logprobs[key] for key in logprobs}
                 choices.append(
                     {
                         "index": index,
