@@ -176,6 +176,29 @@ def render_trace(lines: list[dict]) -> str:
     return TRACE_HEADER + "\n".join(rows) + "\n"
 
 
+PERPLEXITY_HEADER = """
+## Quality of FP8
+
+From `python bench/perplexity.py`: the mean log-probability of a fixed passage of English
+(every token after the first, through prompt logprobs) under the embedded model's weights,
+de-quantized once to bf16 and then run as each setting says.
+
+| date | device | commit | setting | tokens | mean logprob | perplexity | note |
+|---|---|---|---|---|---|---|---|
+"""
+
+
+def render_perplexity(lines: list[dict]) -> str:
+    if not lines:
+        return ""
+    rows = [
+        f"| {x['date']} | {x['device']} | {x['commit']} | {x['settings']['setting']} | "
+        f"{x['output_tokens']} | {x['mean_logprob']} | {x['perplexity']} | {x.get('note', '')} |"
+        for x in lines
+    ]
+    return PERPLEXITY_HEADER + "\n".join(rows) + "\n"
+
+
 def main() -> None:
     jsonl = BENCH_DIR / "results.jsonl"
     lines = [json.loads(x) for x in jsonl.read_text().splitlines() if x.strip()]
@@ -185,9 +208,11 @@ def main() -> None:
     offline = [x for x in lines if x["bench"] == "offline"]
     latency = [x for x in lines if x["bench"] == "latency"]
     trace = [x for x in lines if x["bench"] == "trace"]
+    perplexity = [x for x in lines if x["bench"] == "perplexity"]
     text = (
         render(offline)
         + render_latency(latency)
+        + render_perplexity(perplexity)
         + render_trace(trace)
         + render_serving(serving)
         + render_footprint(footprint)
