@@ -12,6 +12,7 @@ from aserve.config import ConfigError, EngineConfig, ModelConfig, ServerConfig
 from aserve.engine.followers import start_engine
 from aserve.engine.memory import GiB, free_device_memory
 from aserve.generation_defaults import describe, resolve_defaults
+from aserve.grammar import GrammarCompiler
 from aserve.models.source import resolve_model
 from aserve.models.weights import load_hf_config
 from aserve.scheduler.scheduler import Scheduler
@@ -77,7 +78,16 @@ class Runtime:
             else None
         )
         self.engine, self.followers = start_engine(config.engine, self.model_config, self.model_dir)
-        self.scheduler = Scheduler(self.engine, config.scheduler, self.followers)
+        grammars = (
+            None
+            if self.tokenizer is None
+            else GrammarCompiler(
+                self.tokenizer,
+                self.model_config.vocab_size,
+                frozenset(self.model_config.eos_token_ids),
+            )
+        )
+        self.scheduler = Scheduler(self.engine, config.scheduler, self.followers, grammars)
         if self.followers is not None:
             self.followers.on_failure = self.scheduler.fail
         self.startup_seconds = time.perf_counter() - started

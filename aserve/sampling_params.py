@@ -6,9 +6,10 @@ all read them.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from functools import cached_property
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 
 class SamplingError(ValueError):
@@ -57,6 +58,9 @@ BOUNDS: dict[str, Bound] = {
     "seed": Bound(ge=0, le=MAX_SEED),
 }
 
+GRAMMAR_FIELDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+"""SamplingParams' output constraints, of which a request takes at most one."""
+
 # The fields a server-wide default may fill when a request leaves them unset (the model's
 # generation_config.json, --default-sampling); aserve/generation_defaults.py resolves them.
 DEFAULTABLE_FIELDS = (
@@ -83,6 +87,11 @@ class SamplingParams:
     log-probability of every prompt token after the first under the model, with that many
     alternatives. Such a prompt is computed whole, not taken from the prefix cache, whose
     tokens have no logits.
+
+    At most one of `json_schema` (a JSON Schema, as a dict or its JSON text), `json_object`
+    (any JSON object), `regex`, `choice` (one of these strings) and `grammar` (EBNF, as
+    xgrammar reads it) constrains the output: tokens that cannot continue a match are never
+    sampled (aserve/grammar.py).
     """
 
     max_tokens: int = 16
@@ -99,14 +108,43 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     prompt_logprobs: int | None = None
+    json_schema: str | dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if isinstance(self.json_schema, dict):  # as text, the compile cache's key (in its own
+            # key order: properties come out in the order the schema lists them)
+            object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise SamplingError("choice must be a non-empty list of non-empty strings")
+        given = [name for name in GRAMMAR_FIELDS if getattr(self, name) not in (None, False)]
+        if len(given) > 1:
+            raise SamplingError(f"{given[0]} and {given[1]} cannot be combined: choose one")
         # prompt_logprobs is no request field of its own (echo with logprobs sets it)
         for name, bound in (*BOUNDS.items(), ("prompt_logprobs", BOUNDS["top_logprobs"])):
             value = getattr(self, name)
             if value is not None and not bound.admits(value):
                 raise SamplingError(f"{name} must be {bound.describe()}, got {value}")
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, text) of the output constraint, or None: one of GRAMMAR_FIELDS and the
+        schema, pattern or grammar (choices as a JSON list)."""
+        for name in GRAMMAR_FIELDS:
+            value = getattr(self, name)
+            if value is True:
+                return name, ""
+            if isinstance(value, tuple):
+                return name, json.dumps(list(value))
+            if value:
+                return name, str(value)
+        return None
 
     @property
     def greedy(self) -> bool:

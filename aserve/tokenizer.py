@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 REPLACEMENT = "\ufffd"
@@ -23,6 +23,8 @@ MAX_UNSETTLED_PUSHES = 8
 # A normalizer may join characters before the model sees them (NFC composes a Hangul syllable
 # from three jamo): the text-length bound allows four input characters per output character.
 NORMALIZER_SLACK = 4
+
+T = TypeVar("T")
 
 
 def has_tokenizer(model_dir: Path) -> bool:
@@ -134,6 +136,10 @@ class Tokenizer:
 
     async def decode_async(self, token_ids: Sequence[int]) -> str:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.decode, token_ids)
+
+    async def run_in_pool(self, work: Callable[..., T], *args: Any) -> T:
+        """Other work that belongs with the tokenizer off the event loop (grammar compiles)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, work, *args)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)

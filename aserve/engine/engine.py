@@ -30,6 +30,7 @@ from aserve.engine.sampler import (
 )
 from aserve.engine.step import StepSpec, forward_batch
 from aserve.forward import ForwardBatch, ForwardMode
+from aserve.grammar import TokenMasks
 from aserve.kvcache.pages import PageTable
 from aserve.kvcache.pool import KVPool, kv_storage_dtype
 from aserve.layers.cpu_gemm import return_freed_memory
@@ -288,15 +289,22 @@ class Engine:
 
     @torch.inference_mode()
     def step(
-        self, batch: ForwardBatch, sampling: SamplingBatch, scoring: PromptScoring | None = None
+        self,
+        batch: ForwardBatch,
+        sampling: SamplingBatch,
+        scoring: PromptScoring | None = None,
+        token_masks: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> SampleOutput:
         """Forward `batch`, sample one token per request, and record it in the token table
         at the position after the request's context, where the next decode step reads it.
         Under tensor parallelism rank 0 samples and broadcasts the ids to the other ranks.
-        With `scoring`, every logits row of the step is scored too (prompt logprobs)."""
+        With `scoring`, every logits row of the step is scored too (prompt logprobs); with
+        `token_masks` (bitmasks, rows), constrained rows sample only the tokens allowed."""
         logits = every_row = self.forward(batch)
         if batch.sample_rows is not None:
             logits = every_row.index_select(0, batch.sample_rows)
+        if token_masks is not None:
+            TokenMasks.apply(logits, *token_masks)
         out = self.sampler.sample(logits, sampling)
         self.record_tokens(batch, self.tp.broadcast(out.next_ids))
         if scoring is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import enum
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from aserve.sampling_params import SamplingParams, TokenLogprob
 
@@ -90,6 +90,9 @@ class Req:
     the steps computing position p come back; `scored_len` prompt positions have had their
     logits launched (a retracted request keeps both: results in flight still land, and it
     does not score its prompt again).
+
+    A constrained request carries its compiled `grammar` (aserve/grammar.py); the scheduler
+    gives it a `matcher` at submission and feeds it every sampled token.
     """
 
     rid: int
@@ -111,6 +114,8 @@ class Req:
     max_total_len: int = 0
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     scored_len: int = 0
+    grammar: Any = None
+    matcher: Any = None
 
     @property
     def scoring(self) -> bool:

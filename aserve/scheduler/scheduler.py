@@ -28,6 +28,7 @@ from aserve.engine.engine import Engine
 from aserve.engine.followers import Followers
 from aserve.engine.sampler import SampleOutput
 from aserve.engine.step import forward_batch
+from aserve.grammar import GrammarCompiler, GrammarError, TokenMasks, new_matcher
 from aserve.kvcache.base import PrefixCache
 from aserve.kvcache.naive import NaiveCache
 from aserve.kvcache.pages import PageAllocator
@@ -63,9 +64,15 @@ def make_prefix_cache(kind: str, allocator: PageAllocator) -> PrefixCache:
 
 class Scheduler:
     def __init__(
-        self, engine: Engine, config: SchedulerConfig, followers: Followers | None = None
+        self,
+        engine: Engine,
+        config: SchedulerConfig,
+        followers: Followers | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.engine = engine
+        self.grammars = grammars
+        self.token_masks = TokenMasks(engine.model_config.vocab_size)
         self.config = config
         self.followers = followers
         self.allocator = PageAllocator(engine.num_pages, config.page_size)
@@ -110,15 +117,31 @@ class Scheduler:
         bad = next((t for t in req.prompt_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             return f"token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+        if req.params.constraint is not None and self.grammars is None:
+            return "constrained output needs the model's tokenizer, and this model has none"
         return None
 
     def submit(self, req: Req) -> None:
         problem = self.check_request(req)
+        if problem is None and req.params.constraint is not None:
+            problem = self._attach_matcher(req)
         if problem is not None:
             self._finish(req, FinishReason.ERROR, problem)
             return
         self.planner.add(req)
         self._wake.set()
+
+    def _attach_matcher(self, req: Req) -> str | None:
+        """Give a constrained request its matcher, compiling its grammar here unless the
+        caller did (the server compiles off the event loop); why it failed, or None."""
+        assert self.grammars is not None
+        if req.grammar is None:
+            try:
+                req.grammar = self.grammars.compile(req.params)
+            except GrammarError as error:
+                return str(error)
+        req.matcher = new_matcher(req.grammar)
+        return None
 
     def abort(self, req: Req) -> None:
         """Ask for `req` to end; its pages are freed before the next step is planned."""
@@ -148,7 +171,7 @@ class Scheduler:
             while not self._stopping:
                 self._check_fatal()
                 self._apply_aborts()
-                if pending is not None and (not self.overlap or self._penalties_running()):
+                if pending is not None and (not self.overlap or self._needs_last_tokens()):
                     await self._finish_step(pending, on_step)
                     pending = None
                 planned = self.planner.schedule()
@@ -182,10 +205,10 @@ class Scheduler:
         if self._fatal is not None:
             raise self._fatal
 
-    def _penalties_running(self) -> bool:
-        """Penalties count the tokens generated so far, so a step that uses them waits for
-        the step in flight (its token must be known)."""
-        return any(r.params.has_penalties for r in self.planner.running)
+    def _needs_last_tokens(self) -> bool:
+        """Penalties count the tokens generated so far and a grammar's mask follows them, so
+        a step that uses either waits for the step in flight (its token must be known)."""
+        return any(r.params.has_penalties or r.matcher is not None for r in self.planner.running)
 
     def _launch(self, planned: ScheduledBatch) -> InFlight:
         """Queue the step's kernels; on CUDA the sampled ids are copied to host memory behind
@@ -197,7 +220,9 @@ class Scheduler:
         batch = forward_batch(spec, self.engine.page_table, self.engine.device)
         sampling = self.sampling_batches.build(planned)
         scoring = prompt_scoring(planned, self.engine.device)
-        out = self.engine.step(batch, sampling, scoring)
+        matchers = [r.matcher if keep else None for r, keep in zip(planned.reqs, planned.samples)]
+        masks = self.token_masks.build(matchers)
+        out = self.engine.step(batch, sampling, scoring, masks)
         self.planner.launched(planned)
         if self.engine.device.type != "cuda":
             return InFlight(planned, out, None, started)
@@ -239,6 +264,8 @@ class Scheduler:
             )
             prompt = self._prompt_logprobs(req) if slot == 0 else ()
             reason = self._finish_reason(req, token, slot + 1)
+            if req.matcher is not None and reason is None:
+                reason = self._advance_matcher(req, token)
             if reason is None:
                 req.channel.put_nowait(ReqOutput((token,), logprobs, prompt_logprobs=prompt))
                 continue
@@ -282,6 +309,15 @@ class Scheduler:
                 len(req.prompt_logprobs) - len(filled),
             )
         return filled
+
+    @staticmethod
+    def _advance_matcher(req: Req, token: int) -> FinishReason | None:
+        """Feed the grammar its token; STOP once it is complete (a grammar that ends can only
+        be followed by a stop token, which `ignore_eos` would otherwise keep sampling)."""
+        if not req.matcher.accept_token(token):
+            logger.error("request %d: the grammar refused token %d it allowed", req.rid, token)
+            return FinishReason.STOP
+        return FinishReason.STOP if req.matcher.is_terminated() else None
 
     def _fail_batch(self, planned: ScheduledBatch, error: Exception) -> None:
         """A step that raised ends its requests with an error; the loop and others go on."""
