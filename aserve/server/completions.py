@@ -11,9 +11,11 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from aiohttp import web
 
+from aserve.grammar import GrammarError
 from aserve.runtime import Runtime
 from aserve.sampling_params import MAX_SEED
 from aserve.server import openai
@@ -68,7 +70,8 @@ class Completions:
                 await limits.read_body(request), runtime.sampling_defaults
             )
             prompts = await self._tokenized(runtime, limits, parsed)
-            choice = self._make_choices(runtime, parsed, prompts)[0]
+            grammar = await self._grammar(runtime, parsed)
+            choice = self._make_choices(runtime, parsed, prompts, grammar)[0]
             deltas = await self._collect(choice, time.monotonic())
         output_ids = [t for d in deltas for t in d.token_ids]
         return json_response(
@@ -93,8 +96,27 @@ class Completions:
         tokenizer = require_tokenizer(runtime)
         return list(await asyncio.gather(*(tokenizer.encode_async(t) for t in parsed.texts)))
 
+    @staticmethod
+    async def _grammar(runtime: Runtime, parsed: GenerationRequest) -> Any:
+        """The request's output constraint compiled in the tokenizer's pool (every choice
+        shares it), or None without one; a bad one is a 400 naming its field."""
+        if parsed.params.constraint is None:
+            return None
+        param = parsed.constraint_field
+        grammars = runtime.scheduler.grammars
+        if grammars is None:
+            raise APIError("constrained output needs the model's tokenizer", param=param)
+        try:
+            return await grammars.compile_async(parsed.params)
+        except GrammarError as error:
+            raise APIError(str(error), param=param) from None
+
     def _make_choices(
-        self, runtime: Runtime, parsed: GenerationRequest, prompts: list[list[int]]
+        self,
+        runtime: Runtime,
+        parsed: GenerationRequest,
+        prompts: list[list[int]],
+        grammar: Any = None,
     ) -> list[Choice]:
         context = runtime.engine.max_seq_len
         choices = []
@@ -121,7 +143,14 @@ class Completions:
                     max_tokens=max_tokens,
                     seed=None if seed is None else (seed + i) % (MAX_SEED + 1),
                 )
-                choice = Choice(runtime.scheduler, runtime.tokenizer, prompt, params, parsed.stop)
+                choice = Choice(
+                    runtime.scheduler,
+                    runtime.tokenizer,
+                    prompt,
+                    params,
+                    parsed.stop,
+                    grammar=grammar,
+                )
                 problem = choice.prepare()
                 if problem is not None:
                     raise APIError(problem, param="prompt")
@@ -135,7 +164,8 @@ class Completions:
         parsed: GenerationRequest,
         prompts: list[list[int]],
     ) -> web.StreamResponse:
-        choices = self._make_choices(runtime, parsed, prompts)
+        grammar = await self._grammar(runtime, parsed)
+        choices = self._make_choices(runtime, parsed, prompts, grammar)
         prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
         head = ResponseHead(openai.new_id(prefix), self.state.model_name)
         shaper = ResponseShaper(parsed, head, runtime, choices)

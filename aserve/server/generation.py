@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from aserve.sampling_params import SamplingParams, TokenLogprob
 from aserve.scheduler.request import FinishReason, Req
@@ -37,6 +38,7 @@ class Choice:
     params: SamplingParams
     stop: list[str]
     req: Req | None = None
+    grammar: Any = None
     completion_tokens: int = 0
     first_token_seen: bool = False
     _stream: TextStream | None = field(default=None, repr=False)
@@ -44,6 +46,7 @@ class Choice:
     def prepare(self) -> str | None:
         """Create the request; returns why it can never run (the caller answers 400)."""
         self.req = self.scheduler.make_request(self.prompt_ids, self.params)
+        self.req.grammar = self.grammar
         return self.scheduler.check_request(self.req)
 
     async def run(self) -> AsyncIterator[Delta]:

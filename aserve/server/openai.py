@@ -69,6 +69,7 @@ class GenerationRequest:
     messages: list[dict[str, Any]] | None = None
     texts: list[str] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list)
+    constraint_field: str | None = None  # where the output constraint came from, for errors
 
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -144,9 +145,11 @@ def _sampling_params(
     logprobs: bool,
     top_logprobs: int,
     prompt_logprobs: int | None = None,
+    constraint: dict[str, Any] | None = None,
 ) -> SamplingParams:
     """The request's sampling fields; those it leaves unset take the server's defaults."""
     chosen = {name: value for name, value in defaults.items() if name != "max_tokens"}
+    chosen.update(constraint or {})
     for name in SAMPLED_FIELDS:
         value = getattr(fields, name)
         if value is not None:
@@ -163,6 +166,46 @@ def _sampling_params(
         )
     except SamplingError as error:
         raise APIError(str(error), param=str(error).split()[0]) from None
+
+
+CONSTRAINT_FIELDS = {  # request field: SamplingParams field
+    "guided_json": "json_schema",
+    "json_schema": "json_schema",
+    "guided_regex": "regex",
+    "regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+    "ebnf": "grammar",
+}
+
+
+def _constraint(
+    fields: protocol.SamplingFields, response_format: protocol.ResponseFormat | None = None
+) -> tuple[str | None, dict[str, Any]]:
+    """The request field that constrains the output (OpenAI's `response_format` or one of
+    vLLM's and SGLang's) and the constraint as SamplingParams fields; more than one is an
+    error."""
+    given: list[tuple[str, dict[str, Any]]] = []
+    if response_format is not None and response_format.type == "json_object":
+        given.append(("response_format", {"json_object": True}))
+    elif response_format is not None and response_format.type == "json_schema":
+        spec = response_format.json_schema
+        if spec is None or spec.schema_ is None:
+            raise APIError(
+                "response_format of type json_schema needs json_schema.schema",
+                param="response_format",
+            )
+        given.append(("response_format", {"json_schema": spec.schema_}))
+    for name, target in CONSTRAINT_FIELDS.items():
+        value = getattr(fields, name)
+        if value is not None:
+            given.append((name, {target: tuple(value) if target == "choice" else value}))
+    if len(given) > 1:
+        raise APIError(
+            f"'{given[0][0]}' and '{given[1][0]}' cannot be combined: choose one constraint",
+            param=given[1][0],
+        )
+    return given[0] if given else (None, {})
 
 
 def _stop_strings(stop: str | list[str] | None) -> list[str]:
@@ -209,13 +252,20 @@ def parse_chat(raw: bytes, defaults: SamplingDefaults) -> GenerationRequest:
     if request.top_logprobs and not request.logprobs:
         raise APIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     max_tokens = request.max_completion_tokens or request.max_tokens or defaults.get("max_tokens")
+    constraint_field, constraint = _constraint(request, request.response_format)
     params = _sampling_params(
-        request, defaults, max_tokens, bool(request.logprobs), request.top_logprobs or 0
+        request,
+        defaults,
+        max_tokens,
+        bool(request.logprobs),
+        request.top_logprobs or 0,
+        constraint=constraint,
     )
     return GenerationRequest(
         **_common(request, "chat", max_tokens),
         params=params,
         messages=[message_dict(m) for m in request.messages],
+        constraint_field=constraint_field,
     )
 
 
@@ -234,6 +284,7 @@ def parse_completion(raw: bytes, defaults: SamplingDefaults) -> GenerationReques
         token_ids = [list(p) for p in prompt]  # type: ignore[union-attr]
     max_tokens = request.max_tokens or defaults.get("max_tokens") or COMPLETION_DEFAULT_MAX_TOKENS
     logprobs = request.logprobs
+    constraint_field, constraint = _constraint(request, request.response_format)
     return GenerationRequest(
         **_common(request, "completion", int(max_tokens)),
         # With echo, OpenAI's logprobs cover the prompt's tokens too.
@@ -244,10 +295,12 @@ def parse_completion(raw: bytes, defaults: SamplingDefaults) -> GenerationReques
             logprobs is not None,
             logprobs or 0,
             logprobs if request.echo and logprobs is not None else None,
+            constraint,
         ),
         echo=bool(request.echo),
         texts=texts,
         token_ids=token_ids,
+        constraint_field=constraint_field,
     )
 
 
@@ -258,11 +311,13 @@ def parse_generate(raw: bytes, defaults: SamplingDefaults) -> GenerationRequest:
     max_tokens = int(
         sampling.max_new_tokens or defaults.get("max_tokens") or GENERATE_DEFAULT_MAX_TOKENS
     )
+    constraint_field, constraint = _constraint(sampling)
     return GenerationRequest(
         kind="completion",
         model="",
-        params=_sampling_params(sampling, defaults, max_tokens, False, 0),
+        params=_sampling_params(sampling, defaults, max_tokens, False, 0, None, constraint),
         max_tokens=max_tokens,
+        constraint_field=constraint_field,
         stop=_stop_strings(sampling.stop),
         texts=[request.text] if request.text is not None else [],
         token_ids=[list(request.input_ids)] if request.input_ids is not None else [],

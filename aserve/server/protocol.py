@@ -164,6 +164,28 @@ class SamplingFields(Strict):
     stop: Stop | None = Field(None, description="strings that end the text, never shown")
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool | None = None
+    # Output constraints under vLLM's names and SGLang's (at most one per request)
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM's: a JSON schema")
+    guided_regex: str | None = Field(None, description="vLLM's: a regular expression")
+    guided_choice: list[str] | None = Field(None, description="vLLM's: one of these strings")
+    guided_grammar: str | None = Field(None, description="vLLM's: an EBNF grammar")
+    json_schema: str | None = Field(None, description="SGLang's: a JSON schema as text")
+    regex: str | None = Field(None, description="SGLang's: a regular expression")
+    ebnf: str | None = Field(None, description="SGLang's: an EBNF grammar")
+
+
+class JsonSchemaFormat(Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    """OpenAI's: free text, any JSON object, or JSON that follows `json_schema.schema`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class StreamOptions(Strict):
@@ -177,6 +199,7 @@ class GenerationFields(SamplingFields):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = Field(None, description="vLLM's: token ids in each choice")
+    response_format: ResponseFormat | None = None
 
 
 class ChatCompletionRequest(GenerationFields):

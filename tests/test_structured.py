@@ -1,0 +1,272 @@
+"""Structured outputs through xgrammar: JSON schemas (OpenAI's `response_format`, as the openai
+SDK's `chat.completions.parse` sends it), JSON objects, regular expressions, choices and
+grammars (vLLM's and SGLang's fields), offline and over HTTP on the embedded model, beside
+unconstrained requests in the same batches."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import Callable, Iterator
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from pydantic import BaseModel, Field
+
+from aserve import LLM, SamplingParams
+from aserve.grammar import TokenMasks
+from tests.server_utils import ServerProcess
+from tests.test_server import post, run
+
+MODEL = "smol"
+
+
+class Colour(str, Enum):
+    RED = "red"
+    GREEN = "green"
+    BLUE = "blue"
+
+
+class City(BaseModel):
+    name: str = Field(max_length=16)
+    population: int = Field(ge=0, le=40_000_000)
+    capital: bool
+
+
+class Country(BaseModel):
+    """Nested objects, an array, an enum and a bounded number."""
+
+    name: str = Field(max_length=16)
+    cities: list[City] = Field(min_length=1, max_length=2)
+    flag_colour: Colour
+    area_km2: float = Field(ge=1, le=20_000_000)
+
+
+class Answer(BaseModel):
+    answer: str = Field(max_length=24)
+    confident: bool
+
+
+SCHEMAS = [Country, City, Answer]
+PROMPTS = {
+    Country: "Describe France as JSON: its name, two cities, its flag's main colour, its area.",
+    City: "Give Paris as JSON with its name, population and whether it is a capital.",
+    Answer: "What is the capital of France? Answer as JSON.",
+}
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir: Path) -> Iterator[ServerProcess]:
+    process = ServerProcess(["--model", str(smollm2_dir), "--served-model-name", MODEL])
+    try:
+        process.wait_ready()
+        yield process
+    finally:
+        assert process.stop() == 0, process.log()
+
+
+def client(server: ServerProcess) -> Any:
+    import openai
+
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def ask(schema: type[BaseModel]) -> list[dict[str, str]]:
+    return [{"role": "user", "content": PROMPTS[schema]}]
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=lambda s: s.__name__)
+def test_sdk_parse_returns_objects_of_the_schema(server: ServerProcess, schema: type) -> None:
+    """`chat.completions.parse` sends the model's strict JSON schema and parses the reply;
+    greedy and sampled, both finish by the grammar (not by length) with a valid object."""
+    sdk = client(server)
+    for options in ({"temperature": 0}, {"temperature": 0.9, "seed": 7}):
+        reply = sdk.chat.completions.parse(
+            model=MODEL,
+            messages=ask(schema),
+            response_format=schema,
+            max_tokens=300,
+            **options,
+        )
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        assert isinstance(choice.message.parsed, schema)
+        schema.model_validate_json(choice.message.content)
+
+
+def test_sdk_stream_with_a_schema(server: ServerProcess) -> None:
+    """Streamed, the chunks add up to an object of the schema."""
+    sdk = client(server)
+    with sdk.chat.completions.stream(
+        model=MODEL, messages=ask(City), response_format=City, max_tokens=200, temperature=0
+    ) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_completion()
+    assert isinstance(final.choices[0].message.parsed, City)
+
+
+def test_json_object_regex_choice_and_grammar(server: ServerProcess) -> None:
+    """OpenAI's json_object, and vLLM's guided_regex / guided_choice / guided_grammar and
+    SGLang's regex / ebnf (chat, completions and /generate)."""
+    sdk = client(server)
+    chat = sdk.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Give me a JSON object about a cat."}],
+        response_format={"type": "json_object"},
+        max_tokens=200,
+        temperature=0,
+    )
+    if chat.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(chat.choices[0].message.content), dict)
+    else:  # a 135M model may talk until the limit; what it wrote is still an object's start
+        assert chat.choices[0].message.content.lstrip().startswith("{")
+    pattern = r"[A-Z][a-z]{2,8}, [0-9]{4}"
+    completion = sdk.completions.create(
+        model=MODEL,
+        prompt="The city and year: ",
+        max_tokens=30,
+        temperature=0.7,
+        seed=1,
+        extra_body={"guided_regex": pattern},
+    )
+    assert re.fullmatch(pattern, completion.choices[0].text)
+    choices = ["Paris", "London", "Berlin"]
+    picked = sdk.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Which is the capital of France?"}],
+        max_tokens=10,
+        temperature=0,
+        extra_body={"guided_choice": choices},
+    )
+    assert picked.choices[0].message.content in choices
+    grammar = 'root ::= "yes" | "no"'
+    for fields in ({"guided_grammar": grammar}, {"ebnf": grammar}):
+        reply = sdk.completions.create(
+            model=MODEL, prompt="Is water wet?", max_tokens=5, temperature=0, extra_body=fields
+        )
+        assert reply.choices[0].text in ("yes", "no")
+    status, generated = run(
+        post(
+            server.base_url + "/generate",
+            {"text": "Year:", "sampling_params": {"max_new_tokens": 8, "regex": " [0-9]{4}"}},
+        )
+    )
+    assert status == 200 and re.fullmatch(" [0-9]{4}", generated["text"])
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "fragment"),
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "x"}}}},
+            "response_format",
+            "Unsupported type",
+        ),
+        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format", ""),
+        ({"guided_regex": "[a-"}, "guided_regex", "Unclosed"),
+        ({"guided_grammar": "root ::= foo"}, "guided_grammar", "not defined"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "cannot be combined"),
+        ({"guided_choice": []}, None, "choice"),
+        ({"response_format": {"type": "xml"}}, "response_format", ""),
+    ],
+)
+def test_bad_constraints_are_400s(
+    server: ServerProcess, fields: dict[str, Any], param: str | None, fragment: str
+) -> None:
+    """A constraint that cannot compile is an OpenAI-style 400 naming its field; the server
+    goes on serving."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    status, reply = run(post(server.base_url + "/v1/chat/completions", {**body, **fields}))
+    assert status == 400, reply
+    error = reply["error"]
+    assert fragment in error["message"]
+    if param is not None:
+        assert error["param"] == param
+    status, _ = run(post(server.base_url + "/v1/chat/completions", body))
+    assert status == 200
+
+
+def test_constrained_and_free_requests_share_batches(server: ServerProcess) -> None:
+    """Three schemas and three unconstrained greedy requests at once: each constrained one
+    is an object of its schema, each free one the text it gets alone."""
+    url = server.base_url + "/v1/chat/completions"
+    free = [
+        {"model": MODEL, "messages": [{"role": "user", "content": q}], "max_tokens": 24}
+        | {"temperature": 0}
+        for q in ("Name a fruit.", "Count to five.", "Say hello in French.")
+    ]
+    alone = [run(post(url, body))[1]["choices"][0]["message"]["content"] for body in free]
+    constrained = [
+        {"model": MODEL, "messages": ask(schema), "max_tokens": 300, "temperature": 0}
+        | {"response_format": strict_format(schema)}
+        for schema in SCHEMAS
+    ]
+
+    async def together() -> list[tuple[int, Any]]:
+        bodies = [x for pair in zip(constrained, free) for x in pair]
+        return list(await asyncio.gather(*(post(url, body) for body in bodies)))
+
+    replies = run(together())
+    for schema, (status, reply) in zip(SCHEMAS, replies[0::2]):
+        assert status == 200
+        schema.model_validate_json(reply["choices"][0]["message"]["content"])
+    assert [r["choices"][0]["message"]["content"] for _, r in replies[1::2]] == alone
+
+
+def strict_format(schema: type[BaseModel]) -> dict[str, Any]:
+    """`response_format` as the openai SDK builds it from a pydantic model."""
+    from openai.lib._pydantic import to_strict_json_schema
+
+    spec = {"name": schema.__name__, "schema": to_strict_json_schema(schema), "strict": True}
+    return {"type": "json_schema", "json_schema": spec}
+
+
+def test_offline_api_takes_the_same_constraints(
+    smollm2_dir: Path, make_llm: Callable[..., LLM]
+) -> None:
+    """SamplingParams(json_schema=..., regex=..., choice=...) on the offline API; a bad one
+    ends that request with an error, not the batch."""
+    llm = make_llm(smollm2_dir)
+    schema = City.model_json_schema()
+    outputs = llm.chat(
+        [ask(City), ask(Answer), [{"role": "user", "content": "Pick a colour."}]],
+        [
+            SamplingParams(temperature=0, max_tokens=200, json_schema=schema),
+            SamplingParams(
+                temperature=0, max_tokens=200, json_schema=json.dumps(Answer.model_json_schema())
+            ),
+            SamplingParams(temperature=0, max_tokens=8, choice=("red", "green", "blue")),
+        ],
+    )
+    City.model_validate_json(outputs[0].text)
+    Answer.model_validate_json(outputs[1].text)
+    assert outputs[2].text in ("red", "green", "blue")
+    bad, good = llm.generate(
+        ["a", "b"],
+        [SamplingParams(regex="(", max_tokens=3), SamplingParams(regex="[0-9]+", max_tokens=3)],
+    )
+    assert bad.finish_reason == "error" and "invalid regex" in (bad.error or "")
+    assert good.text.isdigit()
+
+
+def test_token_masks_equal_xgrammar_apply() -> None:
+    """Our -inf masking of the constrained rows equals xgrammar's reference on every row
+    (unconstrained rows untouched), for a vocabulary no multiple of 32."""
+    import xgrammar
+
+    vocab, batch = 1000, 5
+    generator = torch.Generator().manual_seed(0)
+    full = torch.randint(-(2**31), 2**31 - 1, (batch, (vocab + 31) // 32), generator=generator)
+    full = full.to(torch.int32)
+    logits = torch.randn(batch, vocab, generator=generator)
+    rows = torch.tensor([0, 3, 4])
+    expected = logits.clone()
+    xgrammar.apply_token_bitmask_inplace(expected, full, indices=rows.tolist())
+    ours = logits.clone()
+    TokenMasks.apply(ours, full[rows], rows)
+    assert torch.equal(ours, expected)
