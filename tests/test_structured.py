@@ -144,6 +144,20 @@ def test_json_object_regex_choice_and_grammar(server: ServerProcess) -> None:
         extra_body={"guided_choice": choices},
     )
     assert picked.choices[0].message.content in choices
+    scored = sdk.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Which is the capital of France?"}],
+        max_tokens=10,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=12,
+        extra_body={"guided_choice": ["yes", "no"]},
+    )
+    # the grammar allows a few tokens first ("y", "ye", "yes", "n", "no"): only those are
+    # listed, none at -inf
+    first = scored.choices[0].logprobs.content[0]
+    assert 1 <= len(first.top_logprobs) < 12
+    assert all(t.logprob > float("-inf") for t in first.top_logprobs)
     grammar = 'root ::= "yes" | "no"'
     for fields in ({"guided_grammar": grammar}, {"ebnf": grammar}):
         reply = sdk.completions.create(

@@ -215,7 +215,8 @@ class SampleOutput(NamedTuple):
         top: tuple[tuple[int, float], ...] = ()
         if self.top_ids is not None and self.top_logprobs is not None and n > 0:
             ids, values = self.top_ids[row, :n].tolist(), self.top_logprobs[row, :n].tolist()
-            top = tuple(zip(ids, values, strict=True))
+            # a constrained row may allow fewer tokens than asked for: the rest are -inf
+            top = tuple((i, v) for i, v in zip(ids, values, strict=True) if v != float("-inf"))
         return TokenLogprob(int(self.next_ids[row]), float(self.logprobs[row]), top)
 
 
