@@ -9,10 +9,10 @@ import logging
 import time
 
 from aserve.config import ConfigError, EngineConfig, ModelConfig, ServerConfig
+from aserve.constrained.grammar import GrammarCompiler
 from aserve.engine.followers import start_engine
 from aserve.engine.memory import GiB, free_device_memory
 from aserve.generation_defaults import describe, resolve_defaults
-from aserve.grammar import GrammarCompiler
 from aserve.models.source import resolve_model
 from aserve.models.weights import load_hf_config
 from aserve.scheduler.scheduler import Scheduler

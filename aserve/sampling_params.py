@@ -91,7 +91,7 @@ class SamplingParams:
     At most one of `json_schema` (a JSON Schema, as a dict or its JSON text), `json_object`
     (any JSON object), `regex`, `choice` (one of these strings) and `grammar` (EBNF, as
     xgrammar reads it) constrains the output: tokens that cannot continue a match are never
-    sampled (aserve/grammar.py).
+    sampled (aserve/constrained/).
     """
 
     max_tokens: int = 16

@@ -18,7 +18,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from aserve import LLM, SamplingParams
-from aserve.grammar import TokenMasks
+from aserve.constrained.masks import apply_token_masks
 from tests.server_utils import ServerProcess
 from tests.test_server import post, run
 
@@ -282,5 +282,5 @@ def test_token_masks_equal_xgrammar_apply() -> None:
     expected = logits.clone()
     xgrammar.apply_token_bitmask_inplace(expected, full, indices=rows.tolist())
     ours = logits.clone()
-    TokenMasks.apply(ours, full[rows], rows)
+    apply_token_masks(ours, full[rows], rows)
     assert torch.equal(ours, expected)

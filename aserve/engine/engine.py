@@ -30,7 +30,6 @@ from aserve.engine.sampler import (
 )
 from aserve.engine.step import StepSpec, forward_batch
 from aserve.forward import ForwardBatch, ForwardMode
-from aserve.grammar import TokenMasks
 from aserve.kvcache.pages import PageTable
 from aserve.kvcache.pool import KVPool, kv_storage_dtype
 from aserve.layers.cpu_gemm import return_freed_memory
@@ -303,9 +302,7 @@ class Engine:
         logits = every_row = self.forward(batch)
         if batch.sample_rows is not None:
             logits = every_row.index_select(0, batch.sample_rows)
-        if token_masks is not None:
-            TokenMasks.apply(logits, *token_masks)
-        out = self.sampler.sample(logits, sampling)
+        out = self.sampler.sample(logits, sampling, token_masks)
         self.record_tokens(batch, self.tp.broadcast(out.next_ids))
         if scoring is not None:
             out = out._replace(**score_prompt(every_row, scoring))

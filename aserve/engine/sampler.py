@@ -27,6 +27,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from aserve.constrained.masks import apply_token_masks
 from aserve.sampling_params import SAMPLER_COLUMNS, SamplingParams, TokenLogprob
 
 _MASK32 = 0xFFFFFFFF
@@ -299,8 +300,17 @@ class Sampler:
         self.seed = seed
         self.calls = 0
 
-    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
-        """Pick one token per row of `logits` [B, V] as `batch` says, without host syncs."""
+    def sample(
+        self,
+        logits: torch.Tensor,
+        batch: SamplingBatch,
+        token_masks: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> SampleOutput:
+        """Pick one token per row of `logits` [B, V] as `batch` says, without host syncs.
+        `token_masks` (bitmask rows, batch rows) first rule out what constrained rows'
+        grammars forbid: in place, so logprobs see it too."""
+        if token_masks is not None:
+            apply_token_masks(logits, *token_masks)
         scores = apply_penalties(logits.float(), batch) if batch.any_penalties else logits
         if batch.all_greedy:
             next_ids = row_argmax(scores)

@@ -91,7 +91,7 @@ class Req:
     logits launched (a retracted request keeps both: results in flight still land, and it
     does not score its prompt again).
 
-    A constrained request carries its compiled `grammar` (aserve/grammar.py); the scheduler
+    A constrained request carries its compiled `grammar` (aserve/constrained/); the scheduler
     gives it a `matcher` at submission and feeds it every sampled token.
     """
 

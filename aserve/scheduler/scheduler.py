@@ -24,11 +24,12 @@ from typing import NamedTuple
 import torch
 
 from aserve.config import SchedulerConfig
+from aserve.constrained.grammar import GrammarCompiler, GrammarError, new_matcher
+from aserve.constrained.masks import TokenMasks
 from aserve.engine.engine import Engine
 from aserve.engine.followers import Followers
 from aserve.engine.sampler import SampleOutput
 from aserve.engine.step import forward_batch
-from aserve.grammar import GrammarCompiler, GrammarError, TokenMasks, new_matcher
 from aserve.kvcache.base import PrefixCache
 from aserve.kvcache.naive import NaiveCache
 from aserve.kvcache.pages import PageAllocator

@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from aserve.grammar import GrammarError
+from aserve.constrained.grammar import GrammarError
 from aserve.runtime import Runtime
 from aserve.sampling_params import MAX_SEED
 from aserve.server import openai

@@ -10,6 +10,7 @@ word), the engine sets every other logit to -inf before sampling, and the sample
 fed back to the matcher. Requests without a constraint take no part in any of it.
 
 xgrammar is imported only when the first constraint arrives (its import takes seconds).
+The bitmasks themselves are constrained/masks.py's.
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from __future__ import annotations
 import json
 import re
 from typing import Any
-
-import torch
 
 from aserve.sampling_params import SamplingParams
 from aserve.tokenizer import Tokenizer
@@ -87,33 +86,3 @@ def new_matcher(grammar: Any) -> Any:
     import xgrammar
 
     return xgrammar.GrammarMatcher(grammar)
-
-
-class TokenMasks:
-    """Per step: the matchers of a batch's constrained rows fill a bitmask of allowed tokens;
-    `apply` sets the logits of every other token to -inf, on the logits' device."""
-
-    def __init__(self, vocab_size: int) -> None:
-        self.vocab_size = vocab_size
-        self.words = (vocab_size + 31) // 32
-
-    def build(self, matchers: list[Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Bitmask rows for the batch rows whose matcher is not None, and those rows."""
-        rows = [i for i, m in enumerate(matchers) if m is not None]
-        if not rows:
-            return None
-        mask = torch.empty(len(rows), self.words, dtype=torch.int32)
-        for at, row in enumerate(rows):
-            matchers[row].fill_next_token_bitmask(mask, at)
-        return mask, torch.tensor(rows)
-
-    @staticmethod
-    def apply(logits: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> None:
-        """Disallowed tokens of row `rows[j]` (bit clear in `mask[j]`) get -inf, in place."""
-        device = logits.device
-        mask, rows = mask.to(device, non_blocking=True), rows.to(device, non_blocking=True)
-        bits = torch.arange(32, device=device, dtype=torch.int32)
-        allowed = (mask[:, :, None] >> bits) & 1  # [rows, words, 32]
-        allowed = allowed.view(len(rows), -1)[:, : logits.shape[-1]].bool()
-        selected = logits.index_select(0, rows)
-        logits.index_copy_(0, rows, selected.masked_fill(~allowed, float("-inf")))

@@ -1,0 +1,38 @@
+"""The allowed-token bitmasks of one step: filled on the host by the constrained rows'
+matchers (32 tokens a word, xgrammar's layout), applied by the sampler as -inf logits on the
+logits' device. Only constrained rows get a mask row, so a batch with one constrained
+request moves one row, not the batch's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class TokenMasks:
+    """Builds a step's bitmask rows for the batch rows that have a matcher."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.words = (vocab_size + 31) // 32
+
+    def build(self, matchers: list[Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Bitmask rows for the batch rows whose matcher is not None, and those rows."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return None
+        mask = torch.empty(len(rows), self.words, dtype=torch.int32)
+        for at, row in enumerate(rows):
+            matchers[row].fill_next_token_bitmask(mask, at)
+        return mask, torch.tensor(rows)
+
+
+def apply_token_masks(logits: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> None:
+    """Disallowed tokens of row `rows[j]` (bit clear in `mask[j]`) get -inf, in place."""
+    device = logits.device
+    mask, rows = mask.to(device, non_blocking=True), rows.to(device, non_blocking=True)
+    bits = torch.arange(32, device=device, dtype=torch.int32)
+    allowed = (mask[:, :, None] >> bits) & 1  # [rows, words, 32]
+    allowed = allowed.view(len(rows), -1)[:, : logits.shape[-1]].bool()
+    selected = logits.index_select(0, rows)
+    logits.index_copy_(0, rows, selected.masked_fill(~allowed, float("-inf")))
