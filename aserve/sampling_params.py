@@ -58,7 +58,7 @@ BOUNDS: dict[str, Bound] = {
     "seed": Bound(ge=0, le=MAX_SEED),
 }
 
-GRAMMAR_FIELDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+GRAMMAR_FIELDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
 """SamplingParams' output constraints, of which a request takes at most one."""
 
 # The fields a server-wide default may fill when a request leaves them unset (the model's
@@ -89,8 +89,9 @@ class SamplingParams:
     tokens have no logits.
 
     At most one of `json_schema` (a JSON Schema, as a dict or its JSON text), `json_object`
-    (any JSON object), `regex`, `choice` (one of these strings) and `grammar` (EBNF, as
-    xgrammar reads it) constrains the output: tokens that cannot continue a match are never
+    (any JSON object), `regex`, `choice` (one of these strings), `grammar` (EBNF, as
+    xgrammar reads it) and `structural_tag` (xgrammar's, as JSON text: how forced tool calls
+    are written) constrains the output: tokens that cannot continue a match are never
     sampled (aserve/constrained/).
     """
 
@@ -113,6 +114,7 @@ class SamplingParams:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))

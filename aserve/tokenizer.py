@@ -105,12 +105,15 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text))
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]]) -> list[int]:
-        """The model's chat template with the assistant turn opened, as token ids."""
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The model's chat template with the assistant turn opened, as token ids; `tools`
+        (OpenAI's shape) are rendered as the template renders them."""
         if not self.hf.chat_template:
             raise ValueError("this model's tokenizer has no chat template")
         text = self.hf.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=True
+            list(messages), tools=tools, tokenize=False, add_generation_prompt=True
         )
         return list(self.hf.encode(text, add_special_tokens=False))
 
@@ -130,9 +133,11 @@ class Tokenizer:
     async def encode_async(self, text: str) -> list[int]:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.encode, text)
 
-    async def apply_chat_template_async(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+    async def apply_chat_template_async(
+        self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self.apply_chat_template, messages)
+        return await loop.run_in_executor(self._pool, self.apply_chat_template, messages, tools)
 
     async def decode_async(self, token_ids: Sequence[int]) -> str:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.decode, token_ids)

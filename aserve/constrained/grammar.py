@@ -73,8 +73,10 @@ class GrammarCompiler:
             if kind == "choice":
                 alternatives = " | ".join(json.dumps(c) for c in json.loads(text))
                 return compiler.compile_grammar(f"root ::= {alternatives}")
+            if kind == "structural_tag":
+                return compiler.compile_structural_tag(text)
             return compiler.compile_grammar(text)
-        except RuntimeError as error:
+        except (RuntimeError, ValueError) as error:
             raise GrammarError(f"invalid {kind}: {_clean(error)}") from None
 
     async def compile_async(self, params: SamplingParams) -> Any:

@@ -25,6 +25,8 @@ from aserve.server.limits import InputLimits
 from aserve.server.openai import APIError, GenerationRequest, ResponseHead
 from aserve.server.responses import ResponseShaper
 from aserve.server.state import ServerState, require_tokenizer
+from aserve.server.tools import forcing_tag, tool_format
+from aserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("aserve.server")
 
@@ -47,10 +49,27 @@ class Completions:
             limits.check_text(chars, parsed.max_tokens, "messages")
             tokenizer = require_tokenizer(runtime)
             try:
-                prompt = await tokenizer.apply_chat_template_async(parsed.messages)
+                prompt = await tokenizer.apply_chat_template_async(parsed.messages, parsed.tools)
             except ValueError as error:
                 raise APIError(str(error), param="messages") from None
+            if parsed.tools:
+                parsed = await self._with_tools(tokenizer, parsed)
             return await self._generate(request, runtime, parsed, [prompt])
+
+    @staticmethod
+    async def _with_tools(tokenizer: Tokenizer, parsed: GenerationRequest) -> GenerationRequest:
+        """Tool calls are parsed from the reply in the syntax the template teaches; with
+        tool_choice "required" or a named function a grammar writes them."""
+        syntax = tool_format(tokenizer.hf.chat_template)
+        parsed = dataclasses.replace(parsed, tool_syntax=syntax)
+        if parsed.tool_choice == "auto":
+            return parsed
+        tag = await tokenizer.run_in_pool(
+            forcing_tag, syntax, parsed.tools, parsed.tool_choice, parsed.parallel_tool_calls
+        )
+        return dataclasses.replace(
+            parsed, params=dataclasses.replace(parsed.params, structural_tag=tag)
+        )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         runtime, limits = self.state.ready()

@@ -7,6 +7,7 @@ error object, so nothing invalid reaches the scheduler.
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -70,6 +71,10 @@ class GenerationRequest:
     texts: list[str] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list)
     constraint_field: str | None = None  # where the output constraint came from, for errors
+    tools: list[dict[str, Any]] | None = None  # offered to the model (not with tool_choice none)
+    tool_choice: str | dict[str, Any] = "none"  # none, auto, required or a named function
+    parallel_tool_calls: bool = True
+    tool_syntax: str | None = None  # how the reply writes tool calls, when they are parsed
 
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -253,6 +258,12 @@ def parse_chat(raw: bytes, defaults: SamplingDefaults) -> GenerationRequest:
         raise APIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     max_tokens = request.max_completion_tokens or request.max_tokens or defaults.get("max_tokens")
     constraint_field, constraint = _constraint(request, request.response_format)
+    tools, tool_choice = _tools(request)
+    if tool_choice not in ("none", "auto") and constraint_field is not None:
+        raise APIError(
+            f"tool_choice {json.dumps(tool_choice)} and '{constraint_field}' cannot be combined",
+            param="tool_choice",
+        )
     params = _sampling_params(
         request,
         defaults,
@@ -265,8 +276,33 @@ def parse_chat(raw: bytes, defaults: SamplingDefaults) -> GenerationRequest:
         **_common(request, "chat", max_tokens),
         params=params,
         messages=[message_dict(m) for m in request.messages],
-        constraint_field=constraint_field,
+        constraint_field=constraint_field or ("tool_choice" if tool_choice != "auto" else None),
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=request.parallel_tool_calls is not False,
     )
+
+
+def _tools(
+    request: protocol.ChatCompletionRequest,
+) -> tuple[list[dict[str, Any]] | None, str | dict[str, Any]]:
+    """The tools to offer (OpenAI's shape) and the choice, defaulting as OpenAI does: auto
+    with tools, none without; a choice that names no offered function is a 400."""
+    offered = [tool.model_dump(exclude_none=True) for tool in request.tools or []]
+    choice = request.tool_choice
+    if choice is None:
+        choice = "auto" if offered else "none"
+    if isinstance(choice, protocol.NamedToolChoice):
+        names = [tool["function"]["name"] for tool in offered]
+        if choice.function.name not in names:
+            raise APIError(
+                f"tool_choice names '{choice.function.name}', which is not among the tools",
+                param="tool_choice",
+            )
+        return offered, choice.model_dump()
+    if choice != "none" and not offered:
+        raise APIError(f"tool_choice '{choice}' needs 'tools'", param="tool_choice")
+    return (offered if choice != "none" else None), choice
 
 
 def parse_completion(raw: bytes, defaults: SamplingDefaults) -> GenerationRequest:

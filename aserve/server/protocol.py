@@ -202,8 +202,34 @@ class GenerationFields(SamplingFields):
     response_format: ResponseFormat | None = None
 
 
+class FunctionDefinition(Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema")
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="default: auto with tools, none without"
+    )
+    parallel_tool_calls: bool | None = None
     max_completion_tokens: MaxTokens | None = Field(None, description="OpenAI's newer max_tokens")
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = Field(None, description="needs logprobs: true")
@@ -288,7 +314,7 @@ class DetokenizeRequest(Strict):
 
 # ---- replies -----------------------------------------------------------------------------
 
-FinishReason = Literal["stop", "length", "abort", "error"]
+FinishReason = Literal["stop", "length", "tool_calls", "abort", "error"]
 
 
 class ErrorDetail(BaseModel):
@@ -331,9 +357,21 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class ReplyFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class ReplyToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: ReplyFunction
+
+
 class ReplyMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None
+    tool_calls: list[ReplyToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -353,9 +391,14 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class DeltaToolCall(ReplyToolCall):
+    index: int
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -13,6 +13,7 @@ from aserve.sampling_params import TokenLogprob
 from aserve.server import openai
 from aserve.server.generation import Choice, Delta
 from aserve.server.openai import GenerationRequest, ResponseHead
+from aserve.server.tools import ToolTextStream, openai_calls, parse_tool_calls
 
 
 class ResponseShaper:
@@ -31,6 +32,8 @@ class ResponseShaper:
         self._text_offsets = [0] * len(choices)
         self._scores_prompt = parsed.params.prompt_logprobs is not None
         self._prompt_sent = [False] * len(choices)
+        syntax = parsed.tool_syntax
+        self._tool_streams = None if syntax is None else [ToolTextStream(syntax) for _ in choices]
 
     def _echo_text(self, index: int) -> str:
         if not self.parsed.echo or self.runtime.tokenizer is None:
@@ -99,12 +102,23 @@ class ResponseShaper:
         logprobs = self._logprobs(index, delta.logprobs)
         token_ids = self.parsed.return_token_ids and bool(delta.token_ids)
         if self.is_chat:
+            text, calls = delta.text, []
+            if self._tool_streams is not None:  # a call's syntax never goes out as content
+                stream = self._tool_streams[index]
+                text = stream.push(delta.text)
+                if delta.finish_reason is not None:
+                    rest, calls = stream.finish()
+                    text += rest
             chunks = []
-            if delta.text or logprobs or token_ids:
-                message = {"content": delta.text}
+            if text or logprobs or token_ids:
+                message = {"content": text}
                 chunks.append(openai.chat_chunk(self.head, index, message, None, logprobs))
+            if calls:
+                streamed = [{"index": i, **c} for i, c in enumerate(openai_calls(calls))]
+                chunks.append(openai.chat_chunk(self.head, index, {"tool_calls": streamed}))
             if delta.finish_reason is not None:
-                chunks.append(openai.chat_chunk(self.head, index, {}, delta.finish_reason))
+                reason = _finish_with_calls(delta.finish_reason, bool(calls))
+                chunks.append(openai.chat_chunk(self.head, index, {}, reason))
         elif delta.text or logprobs is not None or token_ids or delta.finish_reason is not None:
             chunks = [
                 openai.completion_chunk(self.head, index, delta.text, delta.finish_reason, logprobs)
@@ -134,7 +148,12 @@ class ResponseShaper:
             finish = deltas[-1].finish_reason if deltas else "abort"
             logprobs = self._logprobs(index, [lp for d in deltas for lp in d.logprobs])
             if self.is_chat:
-                message = {"role": "assistant", "content": text}
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if self.parsed.tool_syntax is not None:
+                    content, calls = parse_tool_calls(text, self.parsed.tool_syntax)
+                    if calls:
+                        message.update(content=content, tool_calls=openai_calls(calls))
+                        finish = _finish_with_calls(finish, True)
                 choices.append(
                     {
                         "index": index,
@@ -162,3 +181,8 @@ class ResponseShaper:
             if self.parsed.return_token_ids:
                 choices[-1]["token_ids"] = token_ids
         return openai.full_body(self.head, self.parsed.kind, choices, self._usage())
+
+
+def _finish_with_calls(reason: str, called: bool) -> str:
+    """OpenAI's finish reason for a reply that ended by itself in tool calls."""
+    return "tool_calls" if called and reason == "stop" else reason
