@@ -284,3 +284,164 @@ def test_token_masks_equal_xgrammar_apply() -> None:
     ours = logits.clone()
     apply_token_masks(ours, full[rows], rows)
     assert torch.equal(ours, expected)
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 12}},
+            "required": ["zone"],
+        },
+    },
+}
+TOOLS = [WEATHER_TOOL, TIME_TOOL]
+WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def assert_valid_calls(calls: Any, names: set[str]) -> None:
+    """Each call names an offered function and its arguments follow that function's schema."""
+    import jsonschema
+
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_and_named_tool_choice_give_valid_calls(
+    server: ServerProcess, parallel: bool
+) -> None:
+    """`required`: calls only, finish_reason tool_calls; without parallel_tool_calls exactly
+    one. With them the 135M model may go on calling until max_tokens: the complete calls are
+    still valid. A named function: a call of that function. Sampled as well as greedy."""
+    sdk = client(server)
+    for options in ({"temperature": 0}, {"temperature": 1.0, "seed": 3}):
+        reply = sdk.chat.completions.create(
+            model=MODEL,
+            messages=WEATHER_QUESTION,
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=parallel,
+            max_tokens=200,
+            **options,
+        )
+        choice = reply.choices[0]
+        assert_valid_calls(choice.message.tool_calls, {"get_weather", "get_time"})
+        if not parallel:
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None
+            assert len(choice.message.tool_calls) == 1
+        elif choice.finish_reason == "tool_calls":
+            assert choice.message.content is None
+        else:  # cut between calls, or inside one, which stays text
+            assert choice.finish_reason == "length"
+            rest = choice.message.content
+            assert rest is None or rest.startswith("<tool_call>")
+    named = sdk.chat.completions.create(
+        model=MODEL,
+        messages=WEATHER_QUESTION,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        max_tokens=100,
+        temperature=0,
+    )
+    assert named.choices[0].finish_reason == "tool_calls"
+    assert_valid_calls(named.choices[0].message.tool_calls, {"get_time"})
+
+
+def test_streamed_tool_calls_equal_the_reply(server: ServerProcess) -> None:
+    """Streamed, the call arrives as a tool_calls delta (never as content) and matches the
+    non-streamed reply's call."""
+    sdk = client(server)
+    request = {
+        "model": MODEL,
+        "messages": WEATHER_QUESTION,
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_tokens": 200,
+        "temperature": 0,
+    }
+    reply = sdk.chat.completions.create(**request)
+    content, calls, reasons = "", [], []
+    for chunk in sdk.chat.completions.create(**request, stream=True):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        calls += delta.tool_calls or []
+        reasons.append(chunk.choices[0].finish_reason)
+    assert content == "" and reasons[-1] == "tool_calls"
+    expected = reply.choices[0].message.tool_calls
+    assert [(c.index, c.function.name, c.function.arguments) for c in calls] == [
+        (0, expected[0].function.name, expected[0].function.arguments)
+    ]
+
+
+def test_a_conversation_with_tool_results(server: ServerProcess) -> None:
+    """The assistant's call and the tool's result go back into the history; the model
+    answers in text (tool_choice auto: a reply without calls stays content)."""
+    sdk = client(server)
+    history = [
+        *WEATHER_QUESTION,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "arguments": '{"city": "Paris", "unit": "celsius"}',
+                    },
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+    ]
+    reply = sdk.chat.completions.create(
+        model=MODEL, messages=history, tools=TOOLS, max_tokens=40, temperature=0
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason in ("stop", "length") and choice.message.content
+    assert choice.message.tool_calls is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "fragment"),
+    [
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}}, "'x'"),
+        ({"tool_choice": "required"}, "needs 'tools'"),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "cannot be combined",
+        ),
+    ],
+)
+def test_bad_tool_requests_are_400s(
+    server: ServerProcess, fields: dict[str, Any], fragment: str
+) -> None:
+    body = {"model": MODEL, "messages": WEATHER_QUESTION, "max_tokens": 4, **fields}
+    status, reply = run(post(server.base_url + "/v1/chat/completions", body))
+    assert status == 400 and reply["error"]["param"] == "tool_choice"
+    assert fragment in reply["error"]["message"]
