@@ -164,6 +164,20 @@ def test_json_object_regex_choice_and_grammar(server: ServerProcess) -> None:
             model=MODEL, prompt="Is water wet?", max_tokens=5, temperature=0, extra_body=fields
         )
         assert reply.choices[0].text in ("yes", "no")
+    tag_format = {
+        "type": "tag",
+        "begin": "<answer>",
+        "content": {"type": "json_schema", "json_schema": {"type": "integer", "minimum": 0}},
+        "end": "</answer>",
+    }
+    tagged = sdk.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "How many legs has a cat?"}],
+        max_tokens=20,
+        temperature=0,
+        response_format={"type": "structural_tag", "format": tag_format},
+    )
+    assert re.fullmatch(r"<answer>[0-9]+</answer>", tagged.choices[0].message.content)
     status, generated = run(
         post(
             server.base_url + "/generate",

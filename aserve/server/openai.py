@@ -201,6 +201,13 @@ def _constraint(
                 param="response_format",
             )
         given.append(("response_format", {"json_schema": spec.schema_}))
+    elif response_format is not None and response_format.type == "structural_tag":
+        if response_format.format is None:
+            raise APIError(
+                "response_format of type structural_tag needs 'format'", param="response_format"
+            )
+        tag = {"type": "structural_tag", "format": response_format.format}
+        given.append(("response_format", {"structural_tag": json.dumps(tag)}))
     for name, target in CONSTRAINT_FIELDS.items():
         value = getattr(fields, name)
         if value is not None:

@@ -182,10 +182,12 @@ class JsonSchemaFormat(Strict):
 
 
 class ResponseFormat(Strict):
-    """OpenAI's: free text, any JSON object, or JSON that follows `json_schema.schema`."""
+    """OpenAI's: free text, any JSON object, or JSON that follows `json_schema.schema`; or
+    (vLLM's and SGLang's) an xgrammar structural tag, its `format` describing the output."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    format: dict[str, Any] | None = Field(None, description="structural_tag: xgrammar's format")
 
 
 class StreamOptions(Strict):
