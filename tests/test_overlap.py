@@ -77,3 +77,40 @@ def test_overlap_abort_spares_the_others(make_llm: Callable[..., LLM], tiny: Pat
     overlapped.generate([[1, 2]], SamplingParams(max_tokens=1))
     reason, produced = abort_one_of_two(overlapped, PROMPTS[0], PROMPTS[1], params, 3)
     assert reason is FinishReason.ABORT and produced == expected
+
+
+def test_overlap_keeps_constrained_and_penalised_outputs(
+    make_llm: Callable[..., LLM], smollm2_dir: Path
+) -> None:
+    """Grammars and penalties need the step in flight's tokens: such a step launches its
+    forward, reads the step in flight, then launches its sampling. Outputs equal the
+    non-overlapped ones, with free requests in the same batches."""
+    from aserve.scheduler.scheduler import Scheduler
+
+    plain = make_llm(smollm2_dir)
+    overlapped = make_llm(smollm2_dir)
+    overlapped.scheduler.overlap = True
+    deferred: list[bool] = []
+
+    def spy(planned: object) -> bool:
+        deferred.append(Scheduler._needs_last_tokens(planned))  # type: ignore[arg-type]
+        return deferred[-1]
+
+    overlapped.scheduler._needs_last_tokens = spy  # type: ignore[method-assign]
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    prompts = ["A person as JSON:", "Phone number:", "Tell me a story.", "Pick:", "Count:"]
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, json_schema=schema),
+        SamplingParams(temperature=0.8, seed=5, max_tokens=12, regex=r" \d{3}-\d{4}"),
+        SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=6, choice=("left", "right")),
+        SamplingParams(temperature=0, max_tokens=70, ignore_eos=True),
+    ]
+    expected = [(o.token_ids, o.finish_reason) for o in plain.generate(prompts, params)]
+    ours = [(o.token_ids, o.finish_reason) for o in overlapped.generate(prompts, params)]
+    assert ours == expected
+    assert any(deferred) and not all(deferred)  # the free tail ran overlapped as before

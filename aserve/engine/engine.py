@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -67,6 +67,14 @@ def _construct_on(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
             yield
     finally:
         torch.set_default_dtype(previous)
+
+
+class StepLogits(NamedTuple):
+    """A step's logits: `sampled` rows (each request's last token) and `every_row` computed
+    (more than those only with prompt logprobs; otherwise the same tensor)."""
+
+    sampled: torch.Tensor
+    every_row: torch.Tensor
 
 
 def require_fp8_gpu(device: torch.device, option: str) -> None:
@@ -294,18 +302,35 @@ class Engine:
         scoring: PromptScoring | None = None,
         token_masks: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> SampleOutput:
-        """Forward `batch`, sample one token per request, and record it in the token table
-        at the position after the request's context, where the next decode step reads it.
-        Under tensor parallelism rank 0 samples and broadcasts the ids to the other ranks.
-        With `scoring`, every logits row of the step is scored too (prompt logprobs); with
-        `token_masks` (bitmasks, rows), constrained rows sample only the tokens allowed."""
-        logits = every_row = self.forward(batch)
-        if batch.sample_rows is not None:
-            logits = every_row.index_select(0, batch.sample_rows)
-        out = self.sampler.sample(logits, sampling, token_masks)
+        """Forward `batch` and sample it (`forward_logits`, then `sample`)."""
+        return self.sample(batch, self.forward_logits(batch), sampling, scoring, token_masks)
+
+    @torch.inference_mode()
+    def forward_logits(self, batch: ForwardBatch) -> StepLogits:
+        """The step's logits: each request's last row to sample, and every row computed."""
+        every_row = self.forward(batch)
+        if batch.sample_rows is None:
+            return StepLogits(every_row, every_row)
+        return StepLogits(every_row.index_select(0, batch.sample_rows), every_row)
+
+    @torch.inference_mode()
+    def sample(
+        self,
+        batch: ForwardBatch,
+        logits: StepLogits,
+        sampling: SamplingBatch,
+        scoring: PromptScoring | None = None,
+        token_masks: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> SampleOutput:
+        """Sample one token per request and record it in the token table at the position
+        after the request's context, where the next decode step reads it. Under tensor
+        parallelism rank 0 samples and broadcasts the ids to the other ranks. With
+        `scoring`, every logits row is scored too (prompt logprobs); with `token_masks`
+        (bitmasks, rows), constrained rows sample only the tokens allowed."""
+        out = self.sampler.sample(logits.sampled, sampling, token_masks)
         self.record_tokens(batch, self.tp.broadcast(out.next_ids))
         if scoring is not None:
-            out = out._replace(**score_prompt(every_row, scoring))
+            out = out._replace(**score_prompt(logits.every_row, scoring))
         return out
 
     @torch.inference_mode()

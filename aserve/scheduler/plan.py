@@ -198,6 +198,8 @@ class Planner:
         one's results are known (overlap scheduling)."""
         batch.output_slots = [-1] * len(batch.reqs)
         for i, (req, n, keep) in enumerate(zip(batch.reqs, batch.extend_lens, batch.samples)):
+            if req.status is ReqStatus.FINISHED:  # ended while this step's forward ran
+                continue
             req.cached_len += n
             if batch.scored[i]:
                 req.scored_len = max(req.scored_len, req.cached_len)

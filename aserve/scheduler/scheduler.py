@@ -26,10 +26,11 @@ import torch
 from aserve.config import SchedulerConfig
 from aserve.constrained.grammar import GrammarCompiler, GrammarError, new_matcher
 from aserve.constrained.masks import TokenMasks
-from aserve.engine.engine import Engine
+from aserve.engine.engine import Engine, StepLogits
 from aserve.engine.followers import Followers
 from aserve.engine.sampler import SampleOutput
 from aserve.engine.step import forward_batch
+from aserve.forward import ForwardBatch
 from aserve.kvcache.base import PrefixCache
 from aserve.kvcache.naive import NaiveCache
 from aserve.kvcache.pages import PageAllocator
@@ -48,6 +49,15 @@ from aserve.scheduler.request import (
 logger = logging.getLogger(__name__)
 
 StepObserver = Callable[[ScheduledBatch, float], None]
+
+
+class Forwarded(NamedTuple):
+    """A step whose forward is queued and whose sampling is not yet."""
+
+    planned: ScheduledBatch
+    batch: ForwardBatch
+    logits: StepLogits
+    started: float
 
 
 class InFlight(NamedTuple):
@@ -172,7 +182,7 @@ class Scheduler:
             while not self._stopping:
                 self._check_fatal()
                 self._apply_aborts()
-                if pending is not None and (not self.overlap or self._needs_last_tokens()):
+                if pending is not None and not self.overlap:
                     await self._finish_step(pending, on_step)
                     pending = None
                 planned = self.planner.schedule()
@@ -185,7 +195,13 @@ class Scheduler:
                     await self._wake.wait()
                     continue
                 try:
-                    launched = self._launch(planned)
+                    if pending is not None and self._needs_last_tokens(planned):
+                        forwarded = self._launch_forward(planned)
+                        await self._finish_step(pending, on_step)
+                        pending = None
+                        launched = self._launch_sampling(forwarded)
+                    else:
+                        launched = self._launch(planned)
                 except Exception as error:
                     if self.followers is not None:
                         raise self.followers.explain(error) from error
@@ -206,31 +222,48 @@ class Scheduler:
         if self._fatal is not None:
             raise self._fatal
 
-    def _needs_last_tokens(self) -> bool:
-        """Penalties count the tokens generated so far and a grammar's mask follows them, so
-        a step that uses either waits for the step in flight (its token must be known)."""
-        return any(r.params.has_penalties or r.matcher is not None for r in self.planner.running)
+    @staticmethod
+    def _needs_last_tokens(planned: ScheduledBatch) -> bool:
+        """Penalties count the tokens generated so far and a grammar's mask follows them: a
+        step that samples with either launches its forward, then reads the step in flight
+        (advancing the matchers) while that forward runs, then launches its sampling."""
+        return any(
+            keep and (r.params.has_penalties or r.matcher is not None)
+            for r, keep in zip(planned.reqs, planned.samples)
+        )
 
     def _launch(self, planned: ScheduledBatch) -> InFlight:
-        """Queue the step's kernels; on CUDA the sampled ids are copied to host memory behind
-        them, and a CUDA event marks when they are there."""
+        return self._launch_sampling(self._launch_forward(planned))
+
+    def _launch_forward(self, planned: ScheduledBatch) -> Forwarded:
+        """Queue the step's forward (the followers get its spec first)."""
         started = time.perf_counter()
         spec = step_spec(planned, self.engine.page_table)
         if self.followers is not None:
             self.followers.send(spec)
         batch = forward_batch(spec, self.engine.page_table, self.engine.device)
+        return Forwarded(planned, batch, self.engine.forward_logits(batch), started)
+
+    def _launch_sampling(self, step: Forwarded) -> InFlight:
+        """Queue the step's sampling; on CUDA the sampled ids are copied to host memory
+        behind it, and a CUDA event marks when they are there. A request that ended while
+        the forward ran samples unconstrained (its token is discarded)."""
+        planned = step.planned
         sampling = self.sampling_batches.build(planned)
         scoring = prompt_scoring(planned, self.engine.device)
-        matchers = [r.matcher if keep else None for r, keep in zip(planned.reqs, planned.samples)]
+        matchers = [
+            r.matcher if keep and r.status is not ReqStatus.FINISHED else None
+            for r, keep in zip(planned.reqs, planned.samples)
+        ]
         masks = self.token_masks.build(matchers)
-        out = self.engine.step(batch, sampling, scoring, masks)
+        out = self.engine.sample(step.batch, step.logits, sampling, scoring, masks)
         self.planner.launched(planned)
         if self.engine.device.type != "cuda":
-            return InFlight(planned, out, None, started)
+            return InFlight(planned, out, None, step.started)
         done = torch.cuda.Event()
         out = out.to("cpu", non_blocking=True)
         done.record()
-        return InFlight(planned, out, done, started)
+        return InFlight(planned, out, done, step.started)
 
     async def _finish_step(self, step: InFlight, on_step: StepObserver | None) -> None:
         """Wait for a launched step without blocking the loop, then hand out its tokens.
