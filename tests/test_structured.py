@@ -459,3 +459,34 @@ def test_bad_tool_requests_are_400s(
     status, reply = run(post(server.base_url + "/v1/chat/completions", body))
     assert status == 400 and reply["error"]["param"] == "tool_choice"
     assert fragment in reply["error"]["message"]
+
+
+def test_batch_filled_masks_equal_each_matcher_s_own(smollm2_dir: Path) -> None:
+    """Several constrained rows are filled together: the same bits as one matcher at a time,
+    for matchers at different points of different grammars."""
+    import xgrammar
+
+    from aserve.constrained.grammar import GrammarCompiler, new_matcher
+    from aserve.constrained.masks import TokenMasks
+    from aserve.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(smollm2_dir)
+    compiler = GrammarCompiler(tokenizer, 49152, frozenset({2}))
+    grammars = [
+        compiler.compile(SamplingParams(json_schema=City.model_json_schema())),
+        compiler.compile(SamplingParams(regex="[0-9]{2}-[a-z]+")),
+        compiler.compile(SamplingParams(choice=("alpha", "beta"))),
+    ]
+    matchers = [new_matcher(g) for g in grammars]
+    for matcher, text in zip(matchers, ['{"name": "Pa', "12-", ""]):
+        for token in tokenizer.encode(text):
+            assert matcher.accept_token(token)
+    built = TokenMasks(49152).build([matchers[0], None, matchers[1], matchers[2]])
+    assert built is not None
+    mask, rows = built
+    assert rows.tolist() == [0, 2, 3]
+    for at, matcher in enumerate(matchers):
+        alone = xgrammar.allocate_token_bitmask(1, 49152)
+        matcher.fill_next_token_bitmask(alone, 0)
+        assert torch.equal(mask[at], alone[0])
+    tokenizer.close()

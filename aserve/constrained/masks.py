@@ -5,16 +5,19 @@ request moves one row, not the batch's."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
 
 class TokenMasks:
-    """Builds a step's bitmask rows for the batch rows that have a matcher."""
+    """Builds a step's bitmask rows for the batch rows that have a matcher; several rows are
+    filled by xgrammar's batch matcher on a few threads (its C++ releases the GIL)."""
 
     def __init__(self, vocab_size: int) -> None:
         self.words = (vocab_size + 31) // 32
+        self._batch: Any = None
 
     def build(self, matchers: list[Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Bitmask rows for the batch rows whose matcher is not None, and those rows."""
@@ -22,9 +25,19 @@ class TokenMasks:
         if not rows:
             return None
         mask = torch.empty(len(rows), self.words, dtype=torch.int32)
-        for at, row in enumerate(rows):
-            matchers[row].fill_next_token_bitmask(mask, at)
+        if len(rows) == 1:
+            matchers[rows[0]].fill_next_token_bitmask(mask, 0)
+        else:
+            self._batch_matcher().batch_fill_next_token_bitmask([matchers[r] for r in rows], mask)
         return mask, torch.tensor(rows)
+
+    def _batch_matcher(self) -> Any:
+        if self._batch is None:
+            import xgrammar
+
+            threads = max(1, min(8, (os.cpu_count() or 2) // 2))
+            self._batch = xgrammar.BatchGrammarMatcher(max_threads=threads)
+        return self._batch
 
 
 def apply_token_masks(logits: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> None:
