@@ -5,6 +5,8 @@ cache; handlers talk to it through `submit` and `abort` and read their request's
 
 On CUDA, steps overlap: step N+1 is planned and launched before step N's results are read
 (`ASERVE_DISABLE_OVERLAP=1` turns it off; on CPU a step is synchronous, so it is off there).
+A step whose sampling needs step N's tokens (a grammar's mask, penalties) is launched in two
+parts: its forward, then, once step N is read while that forward runs, its sampling.
 On CPU the forward runs on the loop's own thread, and handlers run between steps. Running it
 in an executor thread was measured slower on a 2-core machine (SmolLM2, 16 x 64 tokens:
 14.1 s against 9.3 s): two OpenMP thread teams, the loop thread's and the executor's, spin
