@@ -78,31 +78,39 @@ class DecodeWindow:
 
 
 class StepEvents:
-    """Wraps `engine.step` to record a CUDA event before and after each full-batch decode
-    step (after `warmup` of them, for `steps`), with no profiler running."""
+    """Wraps `engine.forward_logits` and `engine.sample` to record a CUDA event before each
+    full-batch decode step's forward and after its sampling (after `warmup` of them, for
+    `steps`), with no profiler running."""
 
     def __init__(self, engine: Any, batch: int, warmup: int, steps: int) -> None:
-        self.engine, self.inner = engine, engine.step
+        self.engine = engine
+        self.inner_forward, self.inner_sample = engine.forward_logits, engine.sample
         self.batch, self.warmup, self.steps = batch, warmup, steps
         self.seen = 0
+        self.open: torch.cuda.Event | None = None
         self.marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        engine.step = self
+        engine.forward_logits, engine.sample = self.forward_logits, self.sample
 
-    def __call__(self, batch: Any, sampling: Any) -> Any:
+    def forward_logits(self, batch: Any) -> Any:
         counted = batch.is_decode and batch.batch_size == self.batch
         self.seen += counted
-        if not counted or not self.warmup < self.seen <= self.warmup + self.steps:
-            return self.inner(batch, sampling)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = self.inner(batch, sampling)
-        end.record()
-        self.marks.append((start, end))
+        if counted and self.warmup < self.seen <= self.warmup + self.steps:
+            self.open = torch.cuda.Event(enable_timing=True)
+            self.open.record()
+        return self.inner_forward(batch)
+
+    def sample(self, *args: Any) -> Any:
+        out = self.inner_sample(*args)
+        if self.open is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.marks.append((self.open, end))
+            self.open = None
         return out
 
     def detach(self) -> dict[str, float]:
-        """Restore `engine.step`; per-step time and the idle spans between steps, in us."""
-        self.engine.step = self.inner
+        """Restore the engine; per-step time and the idle spans between steps, in us."""
+        self.engine.forward_logits, self.engine.sample = self.inner_forward, self.inner_sample
         torch.cuda.synchronize()
         idle = [end.elapsed_time(start) * 1e3 for (_, end), (start, _) in pairwise(self.marks)]
         first, last = self.marks[0][0], self.marks[-1][1]

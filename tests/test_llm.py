@@ -196,16 +196,16 @@ def test_failing_step_ends_its_requests_and_the_loop_goes_on(
 ) -> None:
     llm = make_llm(tiny)
     engine = llm.runtime.engine
-    real_step = engine.step
+    real_forward = engine.forward_logits
     calls = {"n": 0}
 
-    def flaky_step(*args: object) -> object:
+    def flaky_forward(*args: object) -> object:
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("kernel fault")
-        return real_step(*args)
+        return real_forward(*args)
 
-    monkeypatch.setattr(engine, "step", flaky_step)
+    monkeypatch.setattr(engine, "forward_logits", flaky_forward)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     failed = llm.generate([PROMPTS[0]], params)[0]
     assert failed.finish_reason == "error" and "kernel fault" in failed.error

@@ -1,8 +1,9 @@
 """The engine of one rank: model, KV pool, page table, attention backend and sampler.
 
-`Engine.step(batch, sampling)` runs one forward and samples the next token of every request
-in the batch. It knows nothing about requests or queues: the scheduler plans, the engine
-computes.
+`Engine.forward_logits(batch)` runs one forward and `Engine.sample(...)` picks the next token
+of every request in the batch (two calls, so the scheduler can read the previous step
+between them when a grammar or penalties need its tokens). It knows nothing about requests
+or queues: the scheduler plans, the engine computes.
 """
 
 from __future__ import annotations
@@ -293,17 +294,6 @@ class Engine:
             f"weights={self.weight_bytes / 2**20:.0f} MiB load_time={self.load_seconds:.1f}s "
             f"cuda_graph={self.graphs is not None}"
         )
-
-    @torch.inference_mode()
-    def step(
-        self,
-        batch: ForwardBatch,
-        sampling: SamplingBatch,
-        scoring: PromptScoring | None = None,
-        token_masks: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> SampleOutput:
-        """Forward `batch` and sample it (`forward_logits`, then `sample`)."""
-        return self.sample(batch, self.forward_logits(batch), sampling, scoring, token_masks)
 
     @torch.inference_mode()
     def forward_logits(self, batch: ForwardBatch) -> StepLogits:
