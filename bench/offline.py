@@ -13,6 +13,13 @@ Hugging Face transformers peer on the same model and workload in the same run.
         --input-len 128 128 --output-len 64 64 --temperature 0 --repeat 3
     PYTHONPATH=mini-sglang/python python bench/offline.py --model bench/models/qwen3-0.6b \\
         --dummy-weight --num-seqs 256 --cuda-graph-max-bs 256 --peer minisgl --repeat 2
+    python bench/offline.py --model bench/models/qwen3-0.6b --dummy-weight --num-seqs 256 \\
+        --constrained 26     # 26 of the 256 requests (10%) under a grammar
+
+`--constrained N` puts N requests, spread over the workload, under `ENDLESS_GRAMMAR`: its
+masks are as selective as a JSON schema's, and it never lets a request end, so the token
+totals stay those of the free run. A model folder without a tokenizer (the shape-only
+bench models) borrows the embedded model's for it.
 """
 
 from __future__ import annotations
@@ -79,16 +86,44 @@ def parse_args() -> argparse.Namespace:
         default=1,
         help="runs per engine, each on a workload with its own seed; the median is recorded",
     )
+    p.add_argument(
+        "--constrained",
+        type=int,
+        default=0,
+        help="requests under a grammar (spread over the workload), to time constrained decoding",
+    )
     p.add_argument("--no-record", action="store_true", help="print only, append nothing")
     return p.parse_args()
 
 
 Workload = list[tuple[list[int], int]]
+ENDLESS_GRAMMAR = 'root ::= "{\\"k\\": " [0-9]+ ", " root'
+"""Records like JSON's, one after another, never closed: no string it allows can end."""
+
+
+def with_tokenizer(model: str | None, scratch: Path) -> str | None:
+    """`model`, or a copy of its config beside the embedded model's tokenizer where it has no
+    tokenizer of its own (a grammar needs one; ids past that vocabulary are never allowed)."""
+    from aserve.models.source import resolve_model
+    from aserve.tokenizer import has_tokenizer
+
+    if model is None or has_tokenizer(Path(model)):
+        return model
+    folder = scratch / "with-tokenizer"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text((Path(model) / "config.json").read_text())
+    embedded = resolve_model(None)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_text((embedded / name).read_text())
+    return str(folder)
 
 
 def build_llm(args: argparse.Namespace) -> LLM:
+    model = args.model
+    if args.constrained:
+        model = with_tokenizer(model, Path(tempfile.mkdtemp(prefix="aserve-bench-")))
     llm = LLM(
-        args.model,
+        model,
         dummy_weight=args.dummy_weight,
         max_seq_len_override=args.max_seq_len,
         max_prefill_length=args.max_prefill_length,
@@ -108,12 +143,20 @@ def build_llm(args: argparse.Namespace) -> LLM:
     return llm
 
 
-def run_aserve(llm: LLM, workload: Workload, temperature: float, seeded: bool) -> tuple[int, float]:
+def run_aserve(
+    llm: LLM, workload: Workload, temperature: float, seeded: bool, constrained: int = 0
+) -> tuple[int, float]:
     """Requests carry no seed unless `seeded`, as in mini-SGLang's benchmark: on CUDA a seeded
-    request takes the slower batch-invariant sampling path (aserve/engine/sampler.py)."""
+    request takes the slower batch-invariant sampling path (aserve/engine/sampler.py).
+    `constrained` of them, spread evenly, decode under ENDLESS_GRAMMAR."""
+    under = {i * len(workload) // constrained for i in range(constrained)} if constrained else set()
     params = [
         SamplingParams(
-            temperature=temperature, max_tokens=n, ignore_eos=True, seed=i if seeded else None
+            temperature=temperature,
+            max_tokens=n,
+            ignore_eos=True,
+            seed=i if seeded else None,
+            grammar=ENDLESS_GRAMMAR if i in under else None,
         )
         for i, (_, n) in enumerate(workload)
     ]
@@ -168,7 +211,7 @@ def run_child(args: argparse.Namespace) -> None:
     workload = [(prompt, n) for prompt, n in json.loads(args.child_workload.read_text())]
     if args.child == "aserve":
         llm = build_llm(args)
-        result = run_aserve(llm, workload, args.temperature, args.seeded)
+        result = run_aserve(llm, workload, args.temperature, args.seeded, args.constrained)
         llm.close()
     else:
         from bench.minisgl_peer import run_minisgl
@@ -180,6 +223,8 @@ def run_child(args: argparse.Namespace) -> None:
 
 def main() -> None:
     args = parse_args()
+    if args.constrained and args.peer:
+        raise SystemExit("--constrained runs beside aserve's free run, not beside a peer")
     if args.child:
         run_child(args)
         return
@@ -211,6 +256,7 @@ def main() -> None:
             "repeat",
             "seeded",
             "tp",
+            "constrained",
         )
     }
     settings["input_len"], settings["output_len"] = list(args.input_len), list(args.output_len)
@@ -229,11 +275,13 @@ def main() -> None:
         # a shared CPU slows both alike instead of whichever ran during it.
         run_peer = load_llamacpp(args, llm) if args.peer == "llamacpp" else load_peer(args, llm)
         for workload in workloads:
-            ours.append(run_aserve(llm, workload, args.temperature, args.seeded))
+            ours.append(run_aserve(llm, workload, args.temperature, args.seeded, args.constrained))
             peers.append(run_peer(workload))
         llm.close()
     else:
-        ours = [run_aserve(llm, w, args.temperature, args.seeded) for w in workloads]
+        ours = [
+            run_aserve(llm, w, args.temperature, args.seeded, args.constrained) for w in workloads
+        ]
         if args.peer == "llamacpp":
             raise SystemExit("--peer llamacpp runs on CPU only, beside aserve on CPU")
         if args.peer == "hf":

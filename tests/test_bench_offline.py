@@ -97,3 +97,24 @@ def test_stand_in_tokenizer_has_the_vocabulary_and_eos(tmp_path: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     assert tokenizer.eos_token_id == 7 and len(tokenizer) == 1000
     assert tokenizer.decode([3, 999]).split() == ["<t3>", "<t999>"]
+
+
+def test_constrained_requests_keep_the_token_totals(tmp_path: Path, smollm2_dir: Path) -> None:
+    """`--constrained N`: N requests decode under the endless grammar, so none ends early (the
+    totals equal the free run's), and what they write is its records; a shape-only folder
+    borrows the embedded tokenizer."""
+    from aserve import LLM, SamplingParams
+    from bench.offline import ENDLESS_GRAMMAR, run_aserve, with_tokenizer
+
+    tiny = make_tiny_model("llama", tmp_path / "tiny")
+    borrowed = with_tokenizer(str(tiny), tmp_path)
+    assert borrowed != str(tiny) and (Path(borrowed) / "tokenizer.json").is_file()
+    assert with_tokenizer(str(smollm2_dir), tmp_path) == str(smollm2_dir)
+    workload = [([5 + i, 17, 42, 9], 10 + i) for i in range(4)]
+    with LLM(str(smollm2_dir), num_pages=512) as llm:
+        tokens, _ = run_aserve(llm, workload, 0.6, False, constrained=2)
+        assert tokens == sum(n for _, n in workload)
+        text = llm.generate(
+            [[5, 17]], SamplingParams(max_tokens=12, ignore_eos=True, grammar=ENDLESS_GRAMMAR)
+        )[0].text
+    assert text.startswith('{"k": ') and len(text) > len('{"k": ')
