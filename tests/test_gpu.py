@@ -20,6 +20,18 @@ PROMPTS = [[5, 17, 42, 9, 100, 3, 77, 12, 250, 31, 8], [300, 4, 4, 61], list(ran
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "models"
 KERNEL_SHAPES = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
+KV_CACHE_DTYPES = [
+    "auto",
+    pytest.param(
+        "fp8_e4m3",
+        marks=pytest.mark.skipif(
+            not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+            reason="an FP8 cache needs compute capability 8.9 or newer",
+        ),
+    ),
+]
+"""The KV cache in the model dtype, and in FP8 (FlashInfer's FP8 prefill, Triton's FP8 decode,
+the fused kernel's FP8 write against the torch backend's `KVPool.store`)."""
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -227,12 +239,14 @@ def test_dummy_qwen3_shape_runs_in_bf16(make_llm: Callable[..., LLM]) -> None:
     assert llm.runtime.engine.dtype is torch.bfloat16
 
 
+@pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("page_size", [1, 16, 256])
 def test_flashinfer_logits_match_torch_backend(
-    make_llm: Callable[..., LLM], tmp_path: Path, family: str, page_size: int
+    make_llm: Callable[..., LLM], tmp_path: Path, family: str, page_size: int, kv_cache_dtype: str
 ) -> None:
-    """Chunked prefill (so later chunks attend to a cached prefix), then decode steps."""
+    """Chunked prefill (so later chunks attend to a cached prefix), then decode steps; both
+    backends read the same cache, in the model dtype or in FP8."""
     shapes = {**KERNEL_SHAPES, "head_dim": 128 if family == "qwen3" else 64}
     folder = make_tiny_model(family, tmp_path, overrides=shapes)
     options = {
@@ -241,6 +255,7 @@ def test_flashinfer_logits_match_torch_backend(
         "page_size": page_size,
         "max_prefill_length": 40,
         "num_pages": 4096 // page_size + 2,
+        "kv_cache_dtype": kv_cache_dtype,
     }
     reference = make_llm(folder, attention_backend="torch", **options)
     flashinfer = make_llm(folder, attention_backend="fi", **options)
@@ -266,11 +281,20 @@ def test_flashinfer_batched_greedy_equals_torch_backend(
             assert first == pytest.approx(reference.logprobs[0].logprob, abs=0.05)
 
 
-def test_cuda_graphs_do_not_change_outputs(make_llm: Callable[..., LLM], tmp_path: Path) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
+def test_cuda_graphs_do_not_change_outputs(
+    make_llm: Callable[..., LLM], tmp_path: Path, kv_cache_dtype: str
+) -> None:
     """Batches of 3, 5 and 20 pad to captured sizes 4, 8 and 32; 40 runs eagerly at first."""
     folder = make_tiny_model("llama", tmp_path, overrides={**KERNEL_SHAPES, "head_dim": 64})
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=True)
-    options = {"device": "cuda", "dtype": "bfloat16", "page_size": 16, "num_pages": 1024}
+    options = {
+        "device": "cuda",
+        "dtype": "bfloat16",
+        "page_size": 16,
+        "num_pages": 1024,
+        "kv_cache_dtype": kv_cache_dtype,
+    }
     with_graphs = make_llm(folder, cuda_graph_max_bs=32, **options)
     without = make_llm(folder, cuda_graph_max_bs=0, **options)
     graphs = with_graphs.runtime.engine.graphs
