@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -67,3 +68,13 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return int(self.proc.returncode)
+
+
+def serving(process: ServerProcess) -> Iterator[ServerProcess]:
+    """A module fixture's body: wait until `process` is ready, hand it out, and stop it after
+    the module's tests; it must exit cleanly (0), else its log is the failure message."""
+    try:
+        process.wait_ready()
+        yield process
+    finally:
+        assert process.stop() == 0, process.log()

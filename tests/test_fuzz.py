@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.server_utils import ServerProcess
+from tests.server_utils import ServerProcess, serving
 
 schemathesis = pytest.importorskip("schemathesis", reason="needs the test extra: schemathesis")
 hypothesis = pytest.importorskip("hypothesis", reason="schemathesis needs hypothesis")
@@ -33,28 +33,25 @@ EXAMPLES = int(os.environ.get("ASERVE_FUZZ_EXAMPLES", "40"))
 
 @pytest.fixture(scope="module")
 def fuzz_server(smollm2_dir: Path) -> Iterator[ServerProcess]:
-    process = ServerProcess(
-        [
-            "--model",
-            str(smollm2_dir),
-            "--max-seq-len-override",
-            "64",
-            "--default-sampling",
-            '{"max_tokens": 8}',
-            "--num-pages",
-            "2048",
-            "--max-running-requests",
-            "16",
-            "--api-key",
-            API_KEY,
-            "--silent-output",
-        ]
+    yield from serving(
+        ServerProcess(
+            [
+                "--model",
+                str(smollm2_dir),
+                "--max-seq-len-override",
+                "64",
+                "--default-sampling",
+                '{"max_tokens": 8}',
+                "--num-pages",
+                "2048",
+                "--max-running-requests",
+                "16",
+                "--api-key",
+                API_KEY,
+                "--silent-output",
+            ]
+        )
     )
-    try:
-        process.wait_ready()
-        yield process
-    finally:
-        assert process.stop() == 0, process.log()
 
 
 def fuzz(

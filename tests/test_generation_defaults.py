@@ -20,7 +20,7 @@ from aserve.generation_defaults import (
     resolve_defaults,
 )
 from aserve.sampling_params import SamplingParams
-from tests.server_utils import ServerProcess
+from tests.server_utils import ServerProcess, serving
 from tests.test_server import get, post, run
 
 README_QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -120,12 +120,7 @@ def default_server(smollm2_dir: Path) -> Iterator[ServerProcess]:
     """`aserve` with no --model, as the README starts it (the conversion cached by the
     smollm2_dir fixture is reused)."""
     cache = {"ASERVE_CACHE_DIR": str(smollm2_dir.parent.parent)}
-    process = ServerProcess(["--num-pages", "2048", "--silent-output"], env=cache)
-    try:
-        process.wait_ready()
-        yield process
-    finally:
-        assert process.stop() == 0, process.log()
+    yield from serving(ServerProcess(["--num-pages", "2048", "--silent-output"], env=cache))
 
 
 def test_readme_example_answers_paris(default_server: ServerProcess) -> None:

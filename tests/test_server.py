@@ -13,7 +13,7 @@ import aiohttp
 import orjson
 import pytest
 
-from tests.server_utils import ServerProcess
+from tests.server_utils import ServerProcess, serving
 
 MODEL = "smol"
 HELLO = [{"role": "user", "content": "What is the capital of France?"}]
@@ -21,14 +21,11 @@ HELLO = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def server(smollm2_dir: Path) -> Iterator[ServerProcess]:
-    process = ServerProcess(
-        ["--model", str(smollm2_dir), "--served-model-name", MODEL, "--num-pages", "8193"]
+    yield from serving(
+        ServerProcess(
+            ["--model", str(smollm2_dir), "--served-model-name", MODEL, "--num-pages", "8193"]
+        )
     )
-    try:
-        process.wait_ready()
-        yield process
-    finally:
-        assert process.stop() == 0, process.log()
 
 
 def run(coro: Any) -> Any:

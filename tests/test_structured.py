@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field
 
 from aserve import LLM, SamplingParams
 from aserve.constrained.masks import apply_token_masks
-from tests.server_utils import ServerProcess
+from tests.server_utils import ServerProcess, serving
 from tests.test_server import post, run
 
 MODEL = "smol"
@@ -61,12 +61,7 @@ PROMPTS = {
 
 @pytest.fixture(scope="module")
 def server(smollm2_dir: Path) -> Iterator[ServerProcess]:
-    process = ServerProcess(["--model", str(smollm2_dir), "--served-model-name", MODEL])
-    try:
-        process.wait_ready()
-        yield process
-    finally:
-        assert process.stop() == 0, process.log()
+    yield from serving(ServerProcess(["--model", str(smollm2_dir), "--served-model-name", MODEL]))
 
 
 def client(server: ServerProcess) -> Any:
