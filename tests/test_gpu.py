@@ -465,3 +465,71 @@ def assert_equal_until_a_near_tie(
                 assert mine.logprob - alternatives[other.token_id] <= tolerance, (step, mine)
                 break
             assert mine.logprob == pytest.approx(other.logprob, abs=tolerance), step
+
+
+def constrained_requests() -> tuple[list[list[dict[str, str]]], list[SamplingParams]]:
+    """Chat requests under a JSON schema, a regex and a choice, beside two free ones."""
+    from tests.test_structured import City, ask
+
+    free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    conversations = [
+        ask(City),
+        [{"role": "user", "content": "Say hello."}],
+        [{"role": "user", "content": "Give a date."}],
+        [{"role": "user", "content": "Pick a colour."}],
+        [{"role": "user", "content": "Count to five."}],
+    ]
+    params = [
+        SamplingParams(temperature=0, max_tokens=120, json_schema=City.model_json_schema()),
+        free,
+        SamplingParams(temperature=0, max_tokens=20, regex=r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"),
+        SamplingParams(temperature=0, max_tokens=8, choice=("red", "green", "blue")),
+        free,
+    ]
+    return conversations, params
+
+
+def test_constrained_greedy_on_gpu_equals_cpu(
+    make_llm: Callable[..., LLM], smollm2_dir: Path
+) -> None:
+    """Masks applied to CUDA logits (overlap on, matchers advanced as tokens come back) give
+    the CPU's tokens in float32; in bf16 with CUDA graphs each reply still obeys its grammar."""
+    import re
+
+    from tests.test_structured import City
+
+    conversations, params = constrained_requests()
+    cpu = make_llm(smollm2_dir, device="cpu", quantization="none")
+    expected = [o.token_ids for o in cpu.chat(conversations, params)]
+    gpu = make_llm(smollm2_dir, device="cuda", dtype="float32", quantization="none")
+    assert gpu.scheduler.overlap
+    assert [o.token_ids for o in gpu.chat(conversations, params)] == expected
+    fast = make_llm(smollm2_dir, device="cuda", dtype="bfloat16", quantization="none")
+    assert fast.runtime.engine.graphs is not None
+    city, _, date, colour, _ = fast.chat(conversations, params)
+    City.model_validate_json(city.text)
+    assert re.fullmatch(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]", date.text), date.text
+    assert colour.text in ("red", "green", "blue")
+
+
+def test_prompt_logprobs_on_gpu_equal_cpu(make_llm: Callable[..., LLM], tmp_path: Path) -> None:
+    """Prompt scoring on CUDA (scored chunks of a chunked prefill, beside a free request)
+    gives the CPU's values in float32 and values close to them in bf16 (FlashInfer)."""
+    folder = make_tiny_model("llama", tmp_path, overrides={**KERNEL_SHAPES, "head_dim": 64})
+    prompt = [(11 * i + 5) % 300 + 3 for i in range(41)]
+    scored = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=2)
+    free = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    batch = [[9, 8, 7, 6, 5], prompt]
+
+    def scores(llm: LLM) -> torch.Tensor:
+        outputs = llm.generate(batch, [free, scored])
+        assert outputs[0].prompt_logprobs is None
+        entries = outputs[1].prompt_logprobs
+        assert entries is not None and [lp.token_id for lp in entries] == prompt[1:]
+        return torch.tensor([[lp.logprob, *(v for _, v in lp.top)] for lp in entries])
+
+    reference = scores(make_llm(folder, device="cpu", page_size=4, max_prefill_length=16))
+    on_gpu = make_llm(folder, device="cuda", dtype="float32", page_size=4, max_prefill_length=16)
+    torch.testing.assert_close(scores(on_gpu), reference, atol=1e-4, rtol=1e-4)
+    bf16 = make_llm(folder, device="cuda", dtype="bfloat16", page_size=16, max_prefill_length=16)
+    torch.testing.assert_close(scores(bf16), reference, atol=0.05, rtol=0.02)
