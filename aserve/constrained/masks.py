@@ -13,10 +13,14 @@ import torch
 
 class TokenMasks:
     """Builds a step's bitmask rows for the batch rows that have a matcher; several rows are
-    filled by xgrammar's batch matcher on a few threads (its C++ releases the GIL)."""
+    filled by xgrammar's batch matcher on a few threads (its C++ releases the GIL). For a
+    CUDA device they are `pinned`: a copy from pageable memory would wait for the stream,
+    i.e. for the forward that the masks are built beside (torch's pinned-memory cache keeps
+    a block until the copies that read it are done)."""
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, pinned: bool = False) -> None:
         self.words = (vocab_size + 31) // 32
+        self.pinned = pinned
         self._batch: Any = None
 
     def build(self, matchers: list[Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -24,12 +28,12 @@ class TokenMasks:
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return None
-        mask = torch.empty(len(rows), self.words, dtype=torch.int32)
+        mask = torch.empty(len(rows), self.words, dtype=torch.int32, pin_memory=self.pinned)
         if len(rows) == 1:
             matchers[rows[0]].fill_next_token_bitmask(mask, 0)
         else:
             self._batch_matcher().batch_fill_next_token_bitmask([matchers[r] for r in rows], mask)
-        return mask, torch.tensor(rows)
+        return mask, torch.tensor(rows).pin_memory() if self.pinned else torch.tensor(rows)
 
     def _batch_matcher(self) -> Any:
         if self._batch is None:

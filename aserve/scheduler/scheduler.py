@@ -20,7 +20,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 import torch
@@ -85,7 +85,8 @@ class Scheduler:
     ) -> None:
         self.engine = engine
         self.grammars = grammars
-        self.token_masks = TokenMasks(engine.model_config.vocab_size)
+        on_cuda = engine.device.type == "cuda"
+        self.token_masks = TokenMasks(engine.model_config.vocab_size, pinned=on_cuda)
         self.config = config
         self.followers = followers
         self.allocator = PageAllocator(engine.num_pages, config.page_size)
@@ -199,9 +200,9 @@ class Scheduler:
                 try:
                     if pending is not None and self._needs_last_tokens(planned):
                         forwarded = self._launch_forward(planned)
-                        await self._finish_step(pending, on_step)
-                        pending = None
-                        launched = self._launch_sampling(forwarded)
+                        previous, pending = pending, None
+                        launched = await self._finish_step(previous, on_step, forwarded)
+                        assert launched is not None
                     else:
                         launched = self._launch(planned)
                 except Exception as error:
@@ -230,8 +231,7 @@ class Scheduler:
         step that samples with either launches its forward, then reads the step in flight
         (advancing the matchers) while that forward runs, then launches its sampling."""
         return any(
-            keep and (r.params.has_penalties or r.matcher is not None)
-            for r, keep in zip(planned.reqs, planned.samples)
+            keep and Scheduler._steers_sampling(r) for r, keep in zip(planned.reqs, planned.samples)
         )
 
     def _launch(self, planned: ScheduledBatch) -> InFlight:
@@ -267,8 +267,14 @@ class Scheduler:
         done.record()
         return InFlight(planned, out, done, step.started)
 
-    async def _finish_step(self, step: InFlight, on_step: StepObserver | None) -> None:
+    async def _finish_step(
+        self, step: InFlight, on_step: StepObserver | None, then: Forwarded | None = None
+    ) -> InFlight | None:
         """Wait for a launched step without blocking the loop, then hand out its tokens.
+        With `then` (the next step's forward, queued), the requests whose next sampling
+        follows their tokens (a grammar, penalties) take theirs first, `then`'s sampling is
+        launched (returned) and the rest of the batch is handed out while it runs: the GPU
+        waits only for the matchers, not for every request's bookkeeping.
 
         The loop yields here at least once a step: this is where handlers run, stream the
         previous step's tokens and submit new requests. With overlap the next step is already
@@ -282,15 +288,33 @@ class Scheduler:
             while not step.done.query():
                 self._check_fatal()
                 await asyncio.sleep(0)
-        self._process_results(step.planned, step.out)
-        if on_step is not None:
-            on_step(step.planned, time.perf_counter() - step.started)
-
-    def _process_results(self, planned: ScheduledBatch, out: SampleOutput) -> None:
+        planned, out = step.planned, step.out
         next_ids = out.next_ids.tolist()
         if out.prompt_logprobs is not None:
             self._record_prompt_logprobs(planned, out)
-        for i, (req, slot) in enumerate(zip(planned.reqs, planned.output_slots)):
+        rows = range(len(planned.reqs))
+        launched = None
+        try:
+            if then is not None:
+                steering = [self._steers_sampling(req) for req in planned.reqs]
+                first, rows = [i for i in rows if steering[i]], [i for i in rows if not steering[i]]
+                self._process_results(planned, out, next_ids, first)
+                launched = self._launch_sampling(then)
+        finally:  # a failed launch fails its own step, never this one's requests
+            self._process_results(planned, out, next_ids, rows)
+            if on_step is not None:
+                on_step(planned, time.perf_counter() - step.started)
+        return launched
+
+    @staticmethod
+    def _steers_sampling(req: Req) -> bool:
+        return req.params.has_penalties or req.matcher is not None
+
+    def _process_results(
+        self, planned: ScheduledBatch, out: SampleOutput, next_ids: list[int], rows: Iterable[int]
+    ) -> None:
+        for i in rows:
+            req, slot = planned.reqs[i], planned.output_slots[i]
             if slot < 0 or req.status is ReqStatus.FINISHED or req.aborted:
                 continue
             token = next_ids[i]
