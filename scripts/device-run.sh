@@ -59,8 +59,10 @@ for step in "$@"; do
                 timeout 300 python3 bench/offline.py --model bench/models/qwen3-0.6b $W $opts 2>&1 | grep -v Warn | tail -2; done ;;
     fp8-kernels) timeout 300 python3 bench/decode_kernels.py --fp8 --context 800 --batches 1 8 32 64 128 256 2>&1 | tail -14; timeout 100 python3 bench/prefill_kernels.py 2>&1 | tail -9 ;;
     perplexity) timeout 300 python3 bench/perplexity.py --settings bf16 fp8-weights fp8-kv 2>&1 | grep -v "Warn\|Loading" | tail -5 ;;  # after smol-a, smol-b
-    constrained) for n in 0 1 26 256; do  # issue 20: free, one, 10% and all of 256 under a grammar (xgrammar + tvm-ffi 0.1.11 wheels in .whl)
-              timeout 250 python3 bench/offline.py --model bench/models/qwen3-0.6b $W --constrained $n 2>&1 | grep -v Warn | tail -1; done ;;
+    constrained)  # issue 20: free, one, 10% and all of 256 under a grammar (xgrammar + tvm-ffi 0.1.11 wheels in .whl);
+                  # CMODEL: the shape's config.json beside a tokenizer (else the embedded model's is borrowed: smol-a, smol-b)
+              for n in ${CONSTRAINED:-0 1 26 256}; do
+                timeout 250 python3 bench/offline.py --model ${CMODEL:-bench/models/qwen3-0.6b} $W --constrained $n 2>&1 | grep -v Warn | tail -1; done ;;
     fp8-latency) for opts in "" "--quantization fp8" "--quantization fp8 --kv-cache-dtype fp8_e4m3"; do
               timeout 200 python3 bench/latency.py --model bench/models/llama-3.1-8b --dummy-weight $opts 2>&1 | tail -2; done ;;
     minisgl-bench) for m in ${MODELS:-qwen3-0.6b llama-3.1-8b}; do  # .minisgl: `git archive` of sgl-project/mini-sglang (python/), pyzmq and msgpack wheels in .whl
