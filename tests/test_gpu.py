@@ -533,3 +533,23 @@ def test_prompt_logprobs_on_gpu_equal_cpu(make_llm: Callable[..., LLM], tmp_path
     torch.testing.assert_close(scores(on_gpu), reference, atol=1e-4, rtol=1e-4)
     bf16 = make_llm(folder, device="cuda", dtype="bfloat16", page_size=16, max_prefill_length=16)
     torch.testing.assert_close(scores(bf16), reference, atol=0.05, rtol=0.02)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_mask_kernel_equals_the_torch_path(dtype: torch.dtype) -> None:
+    """The Triton kernel's -inf masking equals the CPU path's on masked rows and leaves the
+    others alone, for a vocabulary no multiple of 32 or of its block, mask words included."""
+    from aserve.constrained.masks import apply_token_masks
+    from tests.test_structured import masks_of
+
+    vocab, batch = 151_936 - 7, 6
+    generator = torch.Generator().manual_seed(0)
+    full = torch.randint(-(2**31), 2**31 - 1, (batch, (vocab + 31) // 32), generator=generator)
+    masks = masks_of(full.to(torch.int32), [5, 1, 2])
+    logits = torch.randn(batch, vocab, generator=generator).to(dtype)
+    expected = logits.clone()
+    apply_token_masks(expected, masks)
+    on_gpu = logits.cuda()
+    apply_token_masks(on_gpu, masks)
+    assert torch.equal(on_gpu.cpu(), expected)
+    assert torch.isinf(expected[[1, 2, 5]]).any() and not torch.isinf(expected[[0, 3, 4]]).any()

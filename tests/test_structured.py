@@ -18,7 +18,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from aserve import LLM, SamplingParams
-from aserve.constrained.masks import apply_token_masks
+from aserve.constrained.masks import StepMasks, apply_token_masks
 from tests.server_utils import ServerProcess, serving
 from tests.test_server import post, run
 
@@ -277,6 +277,15 @@ def test_offline_api_takes_the_same_constraints(
     assert good.text.isdigit()
 
 
+def masks_of(full: torch.Tensor, rows: list[int]) -> StepMasks:
+    """A step's masks for `rows`, their bitmask rows taken from `full` (one row per batch row)."""
+    count, words = len(rows), full.shape[1]
+    masks = StepMasks(torch.empty(count * words + count, dtype=torch.int32), count, words)
+    masks.bitmask.copy_(full[rows])
+    masks.rows.copy_(torch.tensor(rows))
+    return masks
+
+
 def test_token_masks_equal_xgrammar_apply() -> None:
     """Our -inf masking of the constrained rows equals xgrammar's reference on every row
     (unconstrained rows untouched), for a vocabulary no multiple of 32."""
@@ -287,11 +296,11 @@ def test_token_masks_equal_xgrammar_apply() -> None:
     full = torch.randint(-(2**31), 2**31 - 1, (batch, (vocab + 31) // 32), generator=generator)
     full = full.to(torch.int32)
     logits = torch.randn(batch, vocab, generator=generator)
-    rows = torch.tensor([0, 3, 4])
+    rows = [0, 3, 4]
     expected = logits.clone()
-    xgrammar.apply_token_bitmask_inplace(expected, full, indices=rows.tolist())
+    xgrammar.apply_token_bitmask_inplace(expected, full, indices=rows)
     ours = logits.clone()
-    apply_token_masks(ours, full[rows], rows)
+    apply_token_masks(ours, masks_of(full, rows))
     assert torch.equal(ours, expected)
 
 
@@ -477,11 +486,10 @@ def test_batch_filled_masks_equal_each_matcher_s_own(smollm2_dir: Path) -> None:
         for token in tokenizer.encode(text):
             assert matcher.accept_token(token)
     built = TokenMasks(49152).build([matchers[0], None, matchers[1], matchers[2]])
-    assert built is not None
-    mask, rows = built
-    assert rows.tolist() == [0, 2, 3]
+    assert built is not None and built.count == 3
+    assert built.rows.tolist() == [0, 2, 3]
     for at, matcher in enumerate(matchers):
         alone = xgrammar.allocate_token_bitmask(1, 49152)
         matcher.fill_next_token_bitmask(alone, 0)
-        assert torch.equal(mask[at], alone[0])
+        assert torch.equal(built.bitmask[at], alone[0])
     tokenizer.close()

@@ -19,6 +19,7 @@ import torch
 
 from aserve.attention.base import AttentionBackend, SplitBackend
 from aserve.config import ConfigError, EngineConfig, ModelConfig
+from aserve.constrained.masks import StepMasks
 from aserve.distributed.group import TPGroup
 from aserve.engine.memory import GiB, free_device_memory, kv_bytes_per_token, plan_num_pages
 from aserve.engine.sampler import (
@@ -310,13 +311,13 @@ class Engine:
         logits: StepLogits,
         sampling: SamplingBatch,
         scoring: PromptScoring | None = None,
-        token_masks: tuple[torch.Tensor, torch.Tensor] | None = None,
+        token_masks: StepMasks | None = None,
     ) -> SampleOutput:
         """Sample one token per request and record it in the token table at the position
         after the request's context, where the next decode step reads it. Under tensor
         parallelism rank 0 samples and broadcasts the ids to the other ranks. With
         `scoring`, every logits row is scored too (prompt logprobs); with `token_masks`
-        (bitmasks, rows), constrained rows sample only the tokens allowed."""
+        constrained rows sample only the tokens allowed."""
         out = self.sampler.sample(logits.sampled, sampling, token_masks)
         self.record_tokens(batch, self.tp.broadcast(out.next_ids))
         if scoring is not None:

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from aserve.constrained.masks import apply_token_masks
+from aserve.constrained.masks import StepMasks, apply_token_masks
 from aserve.sampling_params import SAMPLER_COLUMNS, SamplingParams, TokenLogprob
 
 _MASK32 = 0xFFFFFFFF
@@ -304,13 +304,13 @@ class Sampler:
         self,
         logits: torch.Tensor,
         batch: SamplingBatch,
-        token_masks: tuple[torch.Tensor, torch.Tensor] | None = None,
+        token_masks: StepMasks | None = None,
     ) -> SampleOutput:
         """Pick one token per row of `logits` [B, V] as `batch` says, without host syncs.
-        `token_masks` (bitmask rows, batch rows) first rule out what constrained rows'
+        `token_masks` (the constrained rows' bitmasks) first rule out what constrained rows'
         grammars forbid: in place, so logprobs see it too."""
         if token_masks is not None:
-            apply_token_masks(logits, *token_masks)
+            apply_token_masks(logits, token_masks)
         scores = apply_penalties(logits.float(), batch) if batch.any_penalties else logits
         if batch.all_greedy:
             next_ids = row_argmax(scores)
