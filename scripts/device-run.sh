@@ -62,7 +62,7 @@ for step in "$@"; do
     constrained)  # issue 20: free, one, 10% and all of 256 under a grammar (xgrammar + tvm-ffi 0.1.11 wheels in .whl);
                   # CMODEL: the shape's config.json beside a tokenizer (else the embedded model's is borrowed: smol-a, smol-b)
               for n in ${CONSTRAINED:-0 1 26 256}; do
-                timeout 250 python3 bench/offline.py --model ${CMODEL:-bench/models/qwen3-0.6b} $W --constrained $n 2>&1 | grep -v Warn | tail -1; done ;;
+                timeout 250 python3 bench/offline.py --model ${CMODEL:-bench/models/qwen3-0.6b} $W --constrained $n 2>&1 | grep "grammar backend\|tok/s" | tail -2; done ;;
     fp8-latency) for opts in "" "--quantization fp8" "--quantization fp8 --kv-cache-dtype fp8_e4m3"; do
               timeout 200 python3 bench/latency.py --model bench/models/llama-3.1-8b --dummy-weight $opts 2>&1 | tail -2; done ;;
     minisgl-bench) for m in ${MODELS:-qwen3-0.6b llama-3.1-8b}; do  # .minisgl: `git archive` of sgl-project/mini-sglang (python/), pyzmq and msgpack wheels in .whl
