@@ -6,6 +6,11 @@ against MKL float32, on CUDA against cuBLAS bfloat16.
     python bench/quant_kernels.py --shapes 4096x4096 --rows 1 16 512
     python bench/quant_kernels.py --device cuda --shapes 6144x4096 4096x4096 28672x4096 \
         4096x14336 --rows 1 16 64 256 1024 4096
+    python bench/quant_kernels.py --fp8 --shapes 6144x4096 28672x4096 4096x14336
+
+`--fp8` times one-row products with FP8 weights (CUDA): the FP8 GEMV with its default
+settings and a sweep of others, `torch._scaled_mm` with the row quantized, and the bfloat16
+GEMV and cuBLAS on the same weight.
 """
 
 from __future__ import annotations
@@ -77,13 +82,61 @@ def products(codes: Codes, device: str) -> tuple[Callable, Callable, Callable[[i
     return ours.linear, mkl.linear, lambda rows: torch.randn(rows, codes.shape[1])
 
 
+FP8_CONFIGS = [
+    (2, 2048, 8, 2),
+    (4, 2048, 8, 2),
+    (8, 1024, 4, 2),
+    (4, 4096, 8, 2),
+    (8, 2048, 8, 3),
+    (16, 1024, 8, 2),
+    (2, 4096, 8, 2),
+]
+"""(rows, columns a program reads at a time, warps, stages) tried by `--fp8`."""
+
+
+def fp8_one_row(shapes: list[str]) -> None:
+    print(f"{torch.cuda.get_device_name()}; us a one-row product")
+    print("shape        fp8 gemv  _scaled_mm  bf16 gemv  cuBLAS bf16  sweep (config: us)")
+    for shape in shapes:
+        print(fp8_row(shape), flush=True)
+
+
+def fp8_row(shape: str) -> str:
+    from aserve.layers.gemv import gemv
+    from aserve.quant.fp8 import Fp8Weight, quantize_rows
+    from aserve.quant.fp8_cuda import fp8_gemv
+
+    out, cols = (int(v) for v in shape.split("x"))
+    dense = torch.randn(out, cols, device="cuda") * 0.02
+    fp8 = Fp8Weight(quantize_rows(dense), torch.device("cuda"))
+    scaled_mm = Fp8Weight(quantize_rows(dense), torch.device("cuda"))
+    scaled_mm._one_row = None
+    dense = dense.to(torch.bfloat16)
+    x = torch.randn(1, cols, device="cuda", dtype=torch.bfloat16)
+    figures = [
+        us_per_cuda_call(lambda: fp8.linear(x, None)),
+        us_per_cuda_call(lambda: scaled_mm.linear(x, None)),
+        us_per_cuda_call(lambda: gemv(x, dense, None)),
+        us_per_cuda_call(lambda: torch.nn.functional.linear(x, dense)),
+    ]
+    sweep = [
+        f"{c}: {us_per_cuda_call(lambda c=c: fp8_gemv(x, fp8.values, fp8.scales, None, c)):.1f}"
+        for c in FP8_CONFIGS
+    ]
+    return f"{shape:<12}" + "".join(f"{f:>11.1f}" for f in figures) + "  " + ", ".join(sweep)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--shapes", nargs="+", default=SMOLLM2, help="OUTxIN weight shapes")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 128, 2048])
     p.add_argument("--bits", type=int, nargs="+", default=[4, 8])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--fp8", action="store_true", help="one-row FP8 products (CUDA)")
     args = p.parse_args()
+    if args.fp8:
+        fp8_one_row(args.shapes)
+        return
     if args.device == "cpu" and not native_kernels():
         raise SystemExit("aserve's CPU kernels did not build here")
     timed = us_per_cuda_call if args.device == "cuda" else us_per_call

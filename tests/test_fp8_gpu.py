@@ -46,6 +46,22 @@ def test_fp8_product_on_cuda(rows: int) -> None:
     assert ((out.double() - exact).abs() <= 0.1 * scale).all()
 
 
+@pytest.mark.parametrize(("n", "k"), [(768, 4096), (770, 1000)])
+def test_fp8_one_row_kernel_equals_the_dequantized_product(n: int, k: int) -> None:
+    """The one-row FP8 GEMV (bfloat16 activations as they are) against float64 on the
+    de-quantized weight, with a bias, for sizes its blocks divide and sizes they do not."""
+    from aserve.quant.fp8_cuda import fp8_gemv
+
+    generator = torch.Generator().manual_seed(0)
+    rows = quantize_rows(torch.randn(n, k, generator=generator) * 0.03)
+    x = torch.randn(1, k, generator=generator).to(torch.bfloat16)
+    bias = torch.randn(n, generator=generator).to(torch.bfloat16)
+    weight = Fp8Weight(rows, CUDA)
+    out = fp8_gemv(x.cuda(), weight.values, weight.scales, bias.cuda())
+    exact = x.double() @ rows.dequantize(torch.float64).T + bias.double()
+    assert (out.cpu().double() - exact).abs().max() <= 0.01 * exact.abs().max()
+
+
 def test_one_kernel_token_quantization_equals_pytorch() -> None:
     """The Triton per-token quantization gives the PyTorch version's scales and FP8 values,
     bit for bit, on rows of very different magnitudes and a length no block divides."""

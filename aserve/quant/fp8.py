@@ -1,7 +1,9 @@
 """FP8 weights (`--quantization fp8`): float8_e4m3fn values with one float32 scale per output
 row, multiplied by activations quantized per token as they come (dynamic scales), through
 `torch._scaled_mm` (cuBLASLt's FP8 GEMM on Hopper and Ada; a reference implementation on CPU,
-which the tests use). Half the bytes of a bf16 weight, which is what decode reads.
+which the tests use). Half the bytes of a bf16 weight, which is what decode reads. On CUDA a
+single row (decode at batch 1) takes a Triton GEMV instead that reads the FP8 weight as it is
+and leaves the activations in their own precision (quant/fp8_cuda.py).
 
 A row's scale maps its largest magnitude to 448, the largest finite e4m3 value, so no weight
 saturates; an activation row gets the same treatment at every product. Products whose sizes
@@ -10,7 +12,7 @@ are not multiples of 16 (what the FP8 GEMM takes) de-quantize the weight instead
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,10 +171,12 @@ class Fp8Weight:
         self.scales = rows.scales.to(device, torch.float32)[None, :].contiguous()
         self.aligned = self.shape[0] % ALIGN == 0 and self.shape[1] % ALIGN == 0
         self._quantize_tokens = quantize_tokens
+        self._one_row: Callable[..., torch.Tensor] | None = None
         if device.type == "cuda":
             from aserve.quant import fp8_cuda
 
             self._quantize_tokens = fp8_cuda.quantize_tokens
+            self._one_row = fp8_cuda.fp8_gemv
 
     @property
     def nbytes(self) -> int:
@@ -180,7 +184,9 @@ class Fp8Weight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if not self.aligned:
+        if self._one_row is not None and rows.shape[0] == 1:
+            out = self._one_row(rows, self.values, self.scales, bias)
+        elif not self.aligned:
             weight = self.values.to(x.dtype) * self.scales.t().to(x.dtype)
             out = torch.nn.functional.linear(rows, weight, bias)
         else:
