@@ -52,10 +52,10 @@ def chosen_quantization(engine: EngineConfig, model: ModelConfig) -> str | None:
         )
     else:
         chosen = requested
-    if chosen is not None and model.num_experts:
+    if chosen is not None and model.num_experts and (chosen != "fp8" or stored is not None):
         raise ConfigError(
-            "quantized weights do not reach MoE experts yet: pass --quantization none to run "
-            "this model in --dtype"
+            "MoE experts are quantized only by --quantization fp8 of a float checkpoint: pass "
+            "that, or --quantization none to run this model in --dtype"
         )
     return chosen
 

@@ -4,6 +4,7 @@ expert slices, and (marked gpu) the Triton backend against the torch one."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +18,7 @@ from aserve import LLM, SamplingParams
 from aserve.config import ConfigError, ModelConfig
 from aserve.distributed.group import TPGroup
 from aserve.layers.moe import (
+    ExpertWeights,
     SparseMoE,
     align_blocks,
     group_by_expert,
@@ -110,6 +112,41 @@ def test_torch_backend_equals_naive_reference(
 ) -> None:
     inputs = random_experts(tokens, experts, top_k, hidden=24, inter=12, used=used)
     torch.testing.assert_close(torch_experts(*inputs), naive_experts(*inputs))
+
+
+def fp8_experts(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`ExpertWeights.quantize_fp8` of these weights: (w13, w13_scale, w2, w2_scale)."""
+    experts = ExpertWeights(w13.shape[0], w13.shape[2], w13.shape[1] // 2, TPGroup())
+    experts.w13.data, experts.w2.data = w13, w2
+    experts.quantize_fp8()
+    assert experts.w13.dtype == experts.w2.dtype == torch.float8_e4m3fn
+    assert experts.w13_scale is not None and experts.w2_scale is not None
+    return experts.w13.data, experts.w13_scale, experts.w2.data, experts.w2_scale
+
+
+def test_fp8_experts_in_the_torch_backend_equal_their_dequantized_weights() -> None:
+    """Each FP8 expert is de-quantized as it is used: the float product of the de-quantized
+    weights, which stay within FP8's rounding of the originals."""
+    x, w13, w2, weights, ids = random_experts(9, 8, 2, hidden=24, inter=12, used=5)
+    q13, s13, q2, s2 = fp8_experts(w13, w2)
+    dq13, dq2 = q13.float() * s13[..., None], q2.float() * s2[..., None]
+    assert (dq13 - w13).abs().max() <= 0.07 * w13.abs().amax()
+    expected = torch_experts(x, dq13, dq2, weights, ids)
+    torch.testing.assert_close(torch_experts(x, q13, q2, weights, ids, s13, s2), expected)
+
+
+def test_only_fp8_of_a_float_checkpoint_reaches_moe_experts() -> None:
+    from aserve.config import EngineConfig
+    from aserve.runtime import chosen_quantization
+
+    moe = ModelConfig.from_hf(load_hf_config(BENCH_MOE)[0])
+    assert moe.num_experts and moe.quantization is None
+    assert chosen_quantization(EngineConfig(quantization="fp8"), moe) == "fp8"
+    with pytest.raises(ConfigError, match="--quantization fp8 of a float checkpoint"):
+        chosen_quantization(EngineConfig(quantization="int4"), moe)
+    stored = dataclasses.replace(moe, quantization="fp8")
+    with pytest.raises(ConfigError, match="--quantization fp8 of a float checkpoint"):
+        chosen_quantization(EngineConfig(quantization="auto"), stored)
 
 
 def test_group_by_expert_keeps_token_order_and_counts_empty_experts() -> None:
@@ -252,6 +289,43 @@ def test_fused_experts_match_torch_backend(
         torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
     else:
         torch.testing.assert_close(actual, expected, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(1, 8, 2), (300, 64, 4)])
+def test_fused_fp8_experts_match_torch_backend(tokens: int, experts: int, top_k: int) -> None:
+    """FP8 experts (bf16 activations): the fused kernels against the torch backend on the
+    same FP8 weights, which it de-quantizes."""
+    fused = moe_backend("fused", torch.device("cuda"))
+    x, w13, w2, weights, ids = random_experts(tokens, experts, top_k, hidden=200, inter=96)
+    q13, s13, q2, s2 = (t.cuda() for t in fp8_experts(w13, w2))
+    x, weights, ids = x.cuda().bfloat16(), weights.cuda().bfloat16(), ids.cuda()
+    expected = torch_experts(x.float(), q13, q2, weights.float(), ids, s13, s2)
+    actual = fused.experts(x, q13, q2, weights, ids, s13, s2).float()
+    torch.testing.assert_close(actual, expected, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_fp8_moe_model_in_cuda_graphs(make_llm: Callable[..., LLM], tmp_path: Path) -> None:
+    """`--quantization fp8` reaches the experts; under graphs and eagerly the fused FP8 path
+    gives the same tokens, and its first greedy tokens mostly agree with bf16."""
+    pytest.importorskip("flashinfer")
+    from tests.test_quant import first_tokens_agreeing
+
+    folder = make_tiny_model("qwen3_moe", tmp_path, overrides=GPU_SHAPES)
+    options = {"device": "cuda", "dtype": "bfloat16", "page_size": 16, "num_pages": 1024}
+    fp8 = make_llm(folder, quantization="fp8", moe_backend="fused", **options)
+    experts = fp8.runtime.engine.model.model.layers[1].mlp.experts
+    assert experts.w13.dtype == torch.float8_e4m3fn and fp8.runtime.engine.graphs is not None
+    eager = make_llm(folder, quantization="fp8", cuda_graph_max_bs=0, **options)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert [o.token_ids for o in fp8.generate(GPU_PROMPTS, params)] == [
+        o.token_ids for o in eager.generate(GPU_PROMPTS, params)
+    ]
+    agree, pairs = first_tokens_agreeing(fp8, make_llm(folder, **options), max_tokens=8)
+    assert agree >= 4, pairs
 
 
 @pytest.mark.gpu

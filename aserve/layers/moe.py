@@ -25,18 +25,19 @@ from torch import nn
 from aserve.config import ConfigError
 from aserve.distributed.group import TPGroup
 from aserve.layers.weight import WeightSource
+from aserve.quant.fp8 import quantize_rows
 
-ExpertsFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
-]
+ExpertsFn = Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True)
 class MoEBackend:
-    """`experts(x, w13, w2, topk_weights, topk_ids)` returns `[tokens, hidden]`: each token's
-    routing-weighted sum over its experts (this rank's partial sum under tensor parallelism).
-    `w13` is `[experts, 2 * inter, hidden]` (gate rows, then up rows), `w2` is
-    `[experts, hidden, inter]`. `host_sync` backends cannot run inside a CUDA graph."""
+    """`experts(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None)` returns
+    `[tokens, hidden]`: each token's routing-weighted sum over its experts (this rank's
+    partial sum under tensor parallelism). `w13` is `[experts, 2 * inter, hidden]` (gate
+    rows, then up rows), `w2` is `[experts, hidden, inter]`; FP8 weights come with one
+    float32 scale per expert row (`[experts, rows]`). `host_sync` backends cannot run inside
+    a CUDA graph."""
 
     name: str
     experts: ExpertsFn
@@ -99,9 +100,12 @@ def torch_experts(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Grouped dispatch: gather the pairs expert by expert, one gate_up and one down matmul per
-    expert with tokens on its contiguous slice, then scatter-add the weighted rows back."""
+    expert with tokens on its contiguous slice, then scatter-add the weighted rows back.
+    FP8 experts are de-quantized one at a time, as they are used."""
     top_k = topk_ids.shape[1]
     order, counts = group_by_expert(topk_ids, w13.shape[0])
     tokens = order // top_k
@@ -112,11 +116,20 @@ def torch_experts(
         if count == 0:
             continue
         rows = slice(start, start + count)
-        gate, up = F.linear(gathered[rows], w13[expert]).chunk(2, dim=-1)
-        out[rows] = F.linear(F.silu(gate) * up, w2[expert])
+        gate_up = _expert_weight(w13, w13_scale, expert, x.dtype)
+        gate, up = F.linear(gathered[rows], gate_up).chunk(2, dim=-1)
+        out[rows] = F.linear(F.silu(gate) * up, _expert_weight(w2, w2_scale, expert, x.dtype))
         start += count
     out *= topk_weights.flatten()[order, None].to(out.dtype)
     return torch.zeros_like(x).index_add_(0, tokens, out)
+
+
+def _expert_weight(
+    weight: torch.Tensor, scale: torch.Tensor | None, expert: int, dtype: torch.dtype
+) -> torch.Tensor:
+    if scale is None:
+        return weight[expert]
+    return (weight[expert].float() * scale[expert, :, None]).to(dtype)
 
 
 TORCH_BACKEND = MoEBackend("torch", torch_experts, host_sync=True)
@@ -188,6 +201,18 @@ class ExpertWeights(nn.Module):
         self.inter_start, self.local_inter = start, end - start
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.local_inter, hidden_size), False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.local_inter), False)
+        self.w13_scale: torch.Tensor | None = None
+        self.w2_scale: torch.Tensor | None = None
+
+    def quantize_fp8(self) -> None:
+        """Every expert row in FP8 with a float32 scale of its own, as `--quantization fp8`
+        does to linear layers (quantized after loading: the float experts are held once,
+        layer by layer, before this)."""
+        for name in ("w13", "w2"):
+            weight = getattr(self, name).data
+            rows = quantize_rows(weight.reshape(-1, weight.shape[-1]))
+            setattr(self, name, nn.Parameter(rows.values.view(weight.shape), False))
+            setattr(self, f"{name}_scale", rows.scales.float().view(weight.shape[:2]))
 
     def parts(self) -> list[str]:
         return [f"{e}.{part}" for e in range(self.num_experts) for part in self.PARTS]
@@ -242,4 +267,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        return self.backend.experts(x, self.experts.w13, self.experts.w2, weights, ids)
+        experts = self.experts
+        return self.backend.experts(
+            x, experts.w13, experts.w2, weights, ids, experts.w13_scale, experts.w2_scale
+        )

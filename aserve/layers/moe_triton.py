@@ -28,6 +28,7 @@ def _moe_gemm(
     b_ptr,
     c_ptr,
     weight_ptr,
+    scale_ptr,
     sorted_pairs_ptr,
     block_expert_ptr,
     num_pairs,
@@ -41,8 +42,10 @@ def _moe_gemm(
     stride_bk,
     stride_cm,
     stride_cn,
+    stride_se,
     ROWS_PER_A: tl.constexpr,
     GATED: tl.constexpr,
+    FP8: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -52,7 +55,8 @@ def _moe_gemm(
 
     GATED (the gate_up pass): B holds gate rows `[0, n_size)` then up rows `[n_size, 2 n_size)`
     and the tile is `silu(A @ gate^T) * (A @ up^T)`. Otherwise (the down pass) each row is
-    scaled by its pair's routing weight.
+    scaled by its pair's routing weight. FP8 (B in float8_e4m3fn): B's values are widened to
+    A's dtype for the dot and each output column is scaled by its expert row's scale.
     Padding rows (pair id `num_pairs`) load zeros and store nothing. PRECISION applies to
     float32 inputs only: "ieee" keeps full products there."""
     block = tl.program_id(0)
@@ -74,15 +78,24 @@ def _moe_gemm(
         k_ok = offs_k < k_size - k_start
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if FP8:
+            b = b.to(a.dtype)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         if GATED:
             up = tl.load(
                 b_ptrs + n_size * stride_bn, mask=k_ok[:, None] & col_ok[None, :], other=0.0
             )
+            if FP8:
+                up = up.to(a.dtype)
             acc_up = tl.dot(a, up, acc_up, input_precision=PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
+    if FP8:
+        scales = scale_ptr + expert * stride_se + offs_n
+        acc = acc * tl.load(scales, mask=col_ok, other=0.0)[None, :]
+        if GATED:
+            acc_up = acc_up * tl.load(scales + n_size, mask=col_ok, other=0.0)[None, :]
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up
     else:
@@ -108,6 +121,7 @@ def _launch(
     rows_per_a: int,
     gated: bool,
     block_m: int,
+    scale: torch.Tensor | None,
 ) -> None:
     n_size = c.shape[1]
     ieee = a.dtype == torch.float32
@@ -118,6 +132,7 @@ def _launch(
         b,
         c,
         weights,
+        weights if scale is None else scale,
         layout_pairs,
         layout_experts,
         weights.numel(),
@@ -131,8 +146,10 @@ def _launch(
         b.stride(2),
         c.stride(0),
         c.stride(1),
+        0 if scale is None else scale.stride(0),
         ROWS_PER_A=rows_per_a,
         GATED=gated,
+        FP8=scale is not None,
         PRECISION="ieee" if ieee else "tf32",
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -148,6 +165,8 @@ def fused_experts(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The `MoEBackend.experts` contract (see aserve/layers/moe.py), on CUDA."""
     tokens, top_k = topk_ids.shape
@@ -158,7 +177,7 @@ def fused_experts(
     weights = topk_weights.reshape(-1).contiguous()
     x = x.contiguous()
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    _launch(x, w13, act, weights, *layout, rows_per_a=top_k, gated=True, block_m=block_m)
+    _launch(x, w13, act, weights, *layout, top_k, True, block_m, w13_scale)
     out = torch.empty(num_pairs, x.shape[1], dtype=x.dtype, device=x.device)
-    _launch(act, w2, out, weights, *layout, rows_per_a=1, gated=False, block_m=block_m)
+    _launch(act, w2, out, weights, *layout, 1, False, block_m, w2_scale)
     return out.view(tokens, top_k, -1).sum(dim=1)
