@@ -317,7 +317,7 @@ def test_fp8_moe_model_in_cuda_graphs(make_llm: Callable[..., LLM], tmp_path: Pa
     folder = make_tiny_model("qwen3_moe", tmp_path, overrides=GPU_SHAPES)
     options = {"device": "cuda", "dtype": "bfloat16", "page_size": 16, "num_pages": 1024}
     fp8 = make_llm(folder, quantization="fp8", moe_backend="fused", **options)
-    experts = fp8.runtime.engine.model.model.layers[1].mlp.experts
+    experts = next(m for m in fp8.runtime.engine.model.modules() if isinstance(m, ExpertWeights))
     assert experts.w13.dtype == torch.float8_e4m3fn and fp8.runtime.engine.graphs is not None
     eager = make_llm(folder, quantization="fp8", cuda_graph_max_bs=0, **options)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
