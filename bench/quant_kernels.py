@@ -19,6 +19,7 @@ import argparse
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -104,12 +105,11 @@ def fp8_one_row(shapes: list[str]) -> None:
 def fp8_row(shape: str) -> str:
     from aserve.layers.gemv import gemv
     from aserve.quant.fp8 import Fp8Weight, quantize_rows
-    from aserve.quant.fp8_cuda import fp8_gemv
 
     out, cols = (int(v) for v in shape.split("x"))
     dense = torch.randn(out, cols, device="cuda") * 0.02
-    fp8 = Fp8Weight(quantize_rows(dense), torch.device("cuda"))
-    scaled_mm = Fp8Weight(quantize_rows(dense), torch.device("cuda"))
+    rows = quantize_rows(dense)
+    fp8, scaled_mm = Fp8Weight(rows, torch.device("cuda")), Fp8Weight(rows, torch.device("cuda"))
     scaled_mm._one_row = None
     dense = dense.to(torch.bfloat16)
     x = torch.randn(1, cols, device="cuda", dtype=torch.bfloat16)
@@ -119,10 +119,8 @@ def fp8_row(shape: str) -> str:
         us_per_cuda_call(lambda: gemv(x, dense, None)),
         us_per_cuda_call(lambda: torch.nn.functional.linear(x, dense)),
     ]
-    sweep = [
-        f"{c}: {us_per_cuda_call(lambda c=c: fp8_gemv(x, fp8.values, fp8.scales, None, c)):.1f}"
-        for c in FP8_CONFIGS
-    ]
+    swept = [partial(gemv, x, fp8.values, None, scales=fp8.scales, config=c) for c in FP8_CONFIGS]
+    sweep = [f"{c}: {us_per_cuda_call(run):.1f}" for c, run in zip(FP8_CONFIGS, swept)]
     return f"{shape:<12}" + "".join(f"{f:>11.1f}" for f in figures) + "  " + ", ".join(sweep)
 
 

@@ -50,14 +50,14 @@ def test_fp8_product_on_cuda(rows: int) -> None:
 def test_fp8_one_row_kernel_equals_the_dequantized_product(n: int, k: int) -> None:
     """The one-row FP8 GEMV (bfloat16 activations as they are) against float64 on the
     de-quantized weight, with a bias, for sizes its blocks divide and sizes they do not."""
-    from aserve.quant.fp8_cuda import fp8_gemv
+    from aserve.layers.gemv import gemv
 
     generator = torch.Generator().manual_seed(0)
     rows = quantize_rows(torch.randn(n, k, generator=generator) * 0.03)
     x = torch.randn(1, k, generator=generator).to(torch.bfloat16)
     bias = torch.randn(n, generator=generator).to(torch.bfloat16)
     weight = Fp8Weight(rows, CUDA)
-    out = fp8_gemv(x.cuda(), weight.values, weight.scales, bias.cuda())
+    out = gemv(x.cuda(), weight.values, bias.cuda(), scales=weight.scales)
     exact = x.double() @ rows.dequantize(torch.float64).T + bias.double()
     assert (out.cpu().double() - exact).abs().max() <= 0.01 * exact.abs().max()
 
