@@ -6,11 +6,11 @@ against MKL float32, on CUDA against cuBLAS bfloat16.
     python bench/quant_kernels.py --shapes 4096x4096 --rows 1 16 512
     python bench/quant_kernels.py --device cuda --shapes 6144x4096 4096x4096 28672x4096 \
         4096x14336 --rows 1 16 64 256 1024 4096
-    python bench/quant_kernels.py --fp8 --shapes 6144x4096 28672x4096 4096x14336
+    python bench/quant_kernels.py --fp8 --shapes 6144x4096 28672x4096 4096x14336 --rows 1 4 16
 
-`--fp8` times one-row products with FP8 weights (CUDA): the FP8 GEMV with its default
-settings and a sweep of others, `torch._scaled_mm` with the row quantized, and the bfloat16
-GEMV and cuBLAS on the same weight.
+`--fp8` times products of a few rows with FP8 weights (CUDA): the engine's choice, a sweep
+of the one-row GEMV's and `fp8_cuda.few_rows`'s settings, `torch._scaled_mm` with the rows
+quantized, and the bfloat16 GEMV and cuBLAS on the same weight.
 """
 
 from __future__ import annotations
@@ -83,45 +83,67 @@ def products(codes: Codes, device: str) -> tuple[Callable, Callable, Callable[[i
     return ours.linear, mkl.linear, lambda rows: torch.randn(rows, codes.shape[1])
 
 
-FP8_CONFIGS = [
-    (2, 2048, 8, 2),
-    (4, 2048, 8, 2),
-    (8, 1024, 4, 2),
-    (4, 4096, 8, 2),
-    (8, 2048, 8, 3),
-    (16, 1024, 8, 2),
-    (2, 4096, 8, 2),
+FP8_CONFIGS = [(8, 1024, 4, 2), (4, 2048, 8, 2), (16, 1024, 8, 2)]
+"""(rows, columns a program reads at a time, warps, stages) of the one-row GEMV tried by
+`--fp8`."""
+
+FEW_ROWS_CONFIGS = [
+    (64, 128, 1, 4, 4),
+    (64, 128, 1, 4, 6),
+    (64, 256, 1, 4, 4),
+    (128, 128, 1, 4, 4),
+    (128, 128, 1, 8, 4),
+    (128, 256, 1, 8, 3),
+    (64, 128, 2, 4, 4),
+    (64, 128, 4, 4, 4),
+    (128, 128, 2, 8, 4),
+    (64, 512, 1, 4, 3),
 ]
-"""(rows, columns a program reads at a time, warps, stages) tried by `--fp8`."""
+"""(outputs, columns a program reads at a time, splits of K, warps, stages) of
+`fp8_cuda.few_rows` tried by `--fp8`."""
 
 
-def fp8_one_row(shapes: list[str]) -> None:
-    print(f"{torch.cuda.get_device_name()}; us a one-row product")
-    print("shape        fp8 gemv  _scaled_mm  bf16 gemv  cuBLAS bf16  sweep (config: us)")
+def fp8_few_rows(shapes: list[str], row_counts: list[int]) -> None:
+    print(f"{torch.cuda.get_device_name()}; us a product with FP8 weights")
+    print(
+        "shape        rows    default  _scaled_mm  bf16 gemv  cuBLAS bf16  "
+        "sweep of the GEMV (1 row) and of few_rows (config: us)"
+    )
     for shape in shapes:
-        print(fp8_row(shape), flush=True)
+        for rows in row_counts:
+            print(fp8_product(shape, rows), flush=True)
 
 
-def fp8_row(shape: str) -> str:
+def fp8_product(shape: str, rows: int) -> str:
     from aserve.layers.gemv import gemv
     from aserve.quant.fp8 import Fp8Weight, quantize_rows
+    from aserve.quant.fp8_cuda import few_rows
 
     out, cols = (int(v) for v in shape.split("x"))
     dense = torch.randn(out, cols, device="cuda") * 0.02
-    rows = quantize_rows(dense)
-    fp8, scaled_mm = Fp8Weight(rows, torch.device("cuda")), Fp8Weight(rows, torch.device("cuda"))
-    scaled_mm._one_row = None
+    weight = quantize_rows(dense)
+    fp8, scaled_mm = (
+        Fp8Weight(weight, torch.device("cuda")),
+        Fp8Weight(weight, torch.device("cuda")),
+    )
+    scaled_mm._one_row = scaled_mm._few_rows = None
     dense = dense.to(torch.bfloat16)
-    x = torch.randn(1, cols, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
     figures = [
         us_per_cuda_call(lambda: fp8.linear(x, None)),
         us_per_cuda_call(lambda: scaled_mm.linear(x, None)),
-        us_per_cuda_call(lambda: gemv(x, dense, None)),
+        us_per_cuda_call(lambda: gemv(x, dense, None)) if rows == 1 else float("nan"),
         us_per_cuda_call(lambda: torch.nn.functional.linear(x, dense)),
     ]
-    swept = [partial(gemv, x, fp8.values, None, scales=fp8.scales, config=c) for c in FP8_CONFIGS]
-    sweep = [f"{c}: {us_per_cuda_call(run):.1f}" for c, run in zip(FP8_CONFIGS, swept)]
-    return f"{shape:<12}" + "".join(f"{f:>11.1f}" for f in figures) + "  " + ", ".join(sweep)
+    scales = fp8.scales.reshape(-1)
+    swept = [
+        (f"gemv {c}", partial(gemv, x, fp8.values, None, scales=fp8.scales, config=c))
+        for c in (FP8_CONFIGS if rows == 1 else [])
+    ] + [(str(c), partial(few_rows, x, fp8.values, scales, None, c)) for c in FEW_ROWS_CONFIGS]
+    sweep = [f"{name}: {us_per_cuda_call(run):.1f}" for name, run in swept]
+    return (
+        f"{shape:<12}{rows:>5}" + "".join(f"{f:>11.1f}" for f in figures) + "  " + ", ".join(sweep)
+    )
 
 
 def main() -> None:
@@ -130,10 +152,10 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 128, 2048])
     p.add_argument("--bits", type=int, nargs="+", default=[4, 8])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--fp8", action="store_true", help="one-row FP8 products (CUDA)")
+    p.add_argument("--fp8", action="store_true", help="FP8 products of --rows rows (CUDA)")
     args = p.parse_args()
     if args.fp8:
-        fp8_one_row(args.shapes)
+        fp8_few_rows(args.shapes, args.rows)
         return
     if args.device == "cpu" and not native_kernels():
         raise SystemExit("aserve's CPU kernels did not build here")

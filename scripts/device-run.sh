@@ -49,7 +49,14 @@ for step in "$@"; do
               --rows 1 16 64 256 1024 4096 2>&1 | tail -12 ;;
     quant-bench) for q in ${QUANTS:-int4 int8}; do for m in ${QMODELS:-llama-3.1-8b qwen3-0.6b}; do
               timeout 300 python3 bench/offline.py --model bench/models/$m $W --quantization $q 2>&1 | grep -v Warn | tail -2; done; done ;;
-    fp8-tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_gpu.py -s 2>&1 | grep -v "^  /\|^    \|Loading\|Writing" | tail -20 ;;
+    fp8-tests) timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_gpu.py -s 2>&1 | grep -v "^  /\|^    \|Loading\|Writing" | tail -40 ;;
+    decode-tests) timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k triton_decode 2>&1 | tail -3 ;;
+    fp8-sweep)  # FP8 products of 1-16 rows (one-row GEMV, few_rows settings) and the FP8 decode kernels' products
+              timeout 400 python3 bench/quant_kernels.py --fp8 --shapes 6144x4096 4096x4096 28672x4096 4096x14336 --rows 1 4 16 2>&1 | tail -14
+              timeout 200 python3 bench/decode_kernels.py --fp8 --context 800 --batches 1 64 256 2>&1 | tail -8 ;;
+    tp-fp8) for opts in "" "--quantization fp8 --kv-cache-dtype fp8_e4m3"; do  # on nvidia-h200-x2
+              timeout 250 python3 bench/offline.py --model bench/models/llama-3.1-8b --tp 2 $W $opts 2>&1 | tail -2
+              timeout 200 python3 bench/latency.py --model bench/models/llama-3.1-8b --dummy-weight --tp 2 $opts 2>&1 | tail -2; done ;;
     fp8-bench) for m in ${QMODELS:-llama-3.1-8b}; do
               timeout 300 python3 bench/offline.py --model bench/models/$m $W --quantization fp8 2>&1 | grep -v Warn | tail -2; done ;;
     fp8-matrix)  # bf16, FP8 weights, FP8 weights + FP8 KV (8B); bf16 and FP8 KV (0.6B): one command

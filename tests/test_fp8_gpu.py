@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from aserve import LLM
+from aserve import LLM, SamplingParams
+from aserve.kvcache.pool import KVPool
 from aserve.quant.fp8 import Fp8Weight, quantize_rows
-from tests.test_gpu import KERNEL_SHAPES
-from tests.test_quant import first_tokens_agreeing
+from tests.test_gpu import KERNEL_SHAPES, plain_decode_attention, scattered_pages, two_gpus
+from tests.test_quant import TINY_PROMPTS, first_tokens_agreeing
 from tests.tiny_models import make_tiny_model
 
 pytestmark = [
@@ -62,6 +63,36 @@ def test_fp8_one_row_kernel_equals_the_dequantized_product(n: int, k: int) -> No
     assert (out.cpu().double() - exact).abs().max() <= 0.01 * exact.abs().max()
 
 
+@pytest.mark.parametrize(("n", "k"), [(768, 4096), (770, 1000)])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("split", [1, 3])
+def test_few_rows_kernel_equals_its_float64_model(n: int, k: int, rows: int, split: int) -> None:
+    """`few_rows` (FP8 tensor cores, each 128 columns of the activations rounded to FP8 with
+    their own scale) against the same rounding done in PyTorch and the product in float64:
+    equal up to float32 sums, whole or split over K, with a bias, for sizes its blocks divide
+    and sizes they do not; and within 5% of the unrounded product (the rounding alone
+    is up to 3.5% of it on these rows)."""
+    from aserve.quant.fp8_cuda import few_rows
+
+    generator = torch.Generator().manual_seed(0)
+    weight = quantize_rows(torch.randn(n, k, generator=generator) * 0.03)
+    x = torch.randn(rows, k, generator=generator) * torch.linspace(0.01, 100, k) ** 0.5
+    x = x.to(torch.bfloat16)
+    bias = torch.randn(n, generator=generator).to(torch.bfloat16)
+    on_gpu = Fp8Weight(weight, CUDA)
+    out = few_rows(
+        x.cuda(), on_gpu.values, on_gpu.scales.reshape(-1), bias.cuda(), (64, 128, split, 4, 4)
+    )
+    padded = torch.nn.functional.pad(x.float(), (0, -k % 128)).unflatten(1, (-1, 128))
+    scales = padded.abs().amax(dim=2, keepdim=True).clamp(min=1e-12) / 448.0
+    rounded = ((padded / scales).clamp(-448, 448).to(FP8).float() * scales).flatten(1)[:, :k]
+    dequantized = weight.dequantize(torch.float64)
+    model = rounded.double() @ dequantized.T + bias.double()
+    assert ((out.cpu().double() - model).abs() <= 4e-3 * model.abs() + 1e-4).all()  # bf16 out
+    exact = x.double() @ dequantized.T + bias.double()
+    assert (out.cpu().double() - exact).abs().max() <= 0.05 * exact.abs().max()
+
+
 def test_one_kernel_token_quantization_equals_pytorch() -> None:
     """The Triton per-token quantization gives the PyTorch version's scales and FP8 values,
     bit for bit, on rows of very different magnitudes and a length no block divides."""
@@ -81,7 +112,6 @@ def test_fused_kv_write_stores_the_bytes_the_pool_stores(qk_norm: bool) -> None:
     """The one-kernel norm/RoPE/KV write into an FP8 pool writes exactly what `KVPool.store`
     makes of the same kernel's bfloat16 K and V: scaled by the layer's K and V scales,
     rounded to nearest, saturated at 448 (some values here are far past it)."""
-    from aserve.kvcache.pool import KVPool
     from aserve.layers.rope_store import norm_rope_store
     from aserve.layers.rotary import RotaryEmbedding
 
@@ -118,45 +148,44 @@ def test_fused_kv_write_stores_the_bytes_the_pool_stores(qk_norm: bool) -> None:
     assert pools[1].kv[0][slots].float().abs().amax() == 448.0  # some saturated
 
 
+@pytest.mark.parametrize(
+    "tensor_cores",
+    [(False, False), (True, False), (True, True)],
+    ids=["f16", "fp8-qk", "fp8-qk-pv"],
+)
 @pytest.mark.parametrize("kernel", ["split", "whole"])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_triton_decode_reads_an_fp8_cache(
-    kernel: str, page_size: int, monkeypatch: pytest.MonkeyPatch
+    kernel: str,
+    page_size: int,
+    tensor_cores: tuple[bool, bool],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The Triton decode kernels over an FP8 pool with K and V scales: softmax attention in
-    float32 over the de-quantized cache, for contexts of 1 to 4,097 tokens."""
+    """The Triton decode kernels over an FP8 pool with K and V scales, the products widened
+    to float16 or on the FP8 tensor cores (queries, or also the softmax weights, rounded to
+    FP8: a looser bound): softmax attention in float32 over the de-quantized cache, for
+    contexts of 1 to 4,097 tokens."""
     from aserve.attention import triton_decode
     from aserve.attention.triton_decode import TritonDecodeWrapper
-    from aserve.kvcache.pool import KVPool
 
     monkeypatch.setattr(triton_decode, "WHOLE_MIN_PROGRAMS", 1 if kernel == "whole" else 1 << 30)
+    monkeypatch.setattr(triton_decode, "FP8_TENSOR_CORES", tensor_cores)
     torch.manual_seed(0)
     q_heads, kv_heads, head_dim = 32, 8, 128
     lengths = [1, 7, 300, 1000, 4097, 33]
-    pages_per_row = [-(-n // page_size) for n in lengths]
-    num_pages = sum(pages_per_row) + 1
+    num_pages = sum(-(-n // page_size) for n in lengths) + 1
     pool = KVPool(1, num_pages, page_size, kv_heads, head_dim, torch.bfloat16, CUDA, FP8)
     pool.set_scales(0, 0.25, 3.0)
     every_slot = torch.arange(num_pages * page_size, device=CUDA)
     pool.store(0, every_slot, torch.randn(*pool.kv[0].shape, device=CUDA, dtype=torch.bfloat16))
-    page_ids = (torch.randperm(num_pages - 1, device=CUDA) + 1)[: sum(pages_per_row)]
-    indptr = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    indptr[1:] = torch.tensor(pages_per_row).cumsum(0)
-    last = torch.tensor([n - (p - 1) * page_size for n, p in zip(lengths, pages_per_row)])
+    page_ids, indptr, last = scattered_pages(lengths, page_size, num_pages)
     q = torch.randn(len(lengths), q_heads, head_dim, device=CUDA, dtype=torch.bfloat16)
-
-    expected = []
-    for row, n in enumerate(lengths):
-        pages = page_ids[indptr[row] : indptr[row + 1]].long()
-        slots = (pages[:, None] * page_size + torch.arange(page_size, device=CUDA)).flatten()[:n]
-        kv = pool.gather(0, slots).float().repeat_interleave(q_heads // kv_heads, dim=2)
-        scores = torch.einsum("hd,nhd->hn", q[row].float(), kv[:, 0]) * head_dim**-0.5
-        expected.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), kv[:, 1]))
+    expected = plain_decode_attention(pool, q, lengths, page_ids, indptr)
     wrapper = TritonDecodeWrapper(CUDA)
     wrapper.plan(
         indptr,
-        page_ids.int(),
-        last.int(),
+        page_ids,
+        last,
         num_qo_heads=q_heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
@@ -166,14 +195,16 @@ def test_triton_decode_reads_an_fp8_cache(
     )
     shape = (-1, page_size, kv_heads, head_dim)
     out = wrapper.run(q, (pool.k[0].view(shape), pool.v[0].view(shape)), *pool.scale_pairs[0])
-    torch.testing.assert_close(out.float(), torch.stack(expected), atol=3e-2, rtol=2e-2)
+    error = (out.float() - expected).abs()
+    print(f"\n{tensor_cores}: largest error {error.max():.4f}, mean {error.mean():.5f}")
+    bound = 3e-2 + 2e-2 * expected.abs() if tensor_cores == (False, False) else 0.12
+    assert (error <= bound).all()
 
 
 def test_fp8_prefix_hit_equals_recomputing(make_llm: Callable[..., LLM], tmp_path: Path) -> None:
     """A radix-cache hit on an FP8 prefix (read back from the pool, under CUDA graphs) gives
     the tokens that computing the prefix again gives. FlashInfer against the torch backend
     and graphs against eager, over an FP8 cache, are test_gpu.py's KV_CACHE_DTYPES cases."""
-    from aserve import SamplingParams
 
     folder = make_tiny_model("llama", tmp_path, overrides={**KERNEL_SHAPES, "head_dim": 64})
     options = {
@@ -213,6 +244,32 @@ def test_fp8_tiny_model_on_cuda(tmp_path: Path, make_llm: Callable[..., LLM], op
     assert agree >= 4, pairs
 
 
+@two_gpus
+def test_fp8_weights_and_cache_over_two_ranks(tmp_path: Path, make_llm: Callable[..., LLM]) -> None:
+    """`--tp 2` with FP8 weights and an FP8 KV cache: each rank quantizes its own shard (a
+    row-parallel shard's rows get scales of their own columns, so TP=2 is not bit-equal to
+    TP=1); CUDA graphs change nothing (both engines on NCCL, the path every later two-GPU
+    engine of a process takes), and the first greedy token agrees with TP=1 on most
+    prompts."""
+    folder = make_tiny_model("llama", tmp_path / "llama", overrides=SHAPES)
+    options = {"dtype": "bfloat16", "quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}
+    one = make_llm(folder, num_pages=256, **options)
+    graphs = make_llm(folder, tensor_parallel_size=2, disable_pynccl=True, **options)
+    eager = make_llm(
+        folder, tensor_parallel_size=2, disable_pynccl=True, cuda_graph_max_bs=0, **options
+    )
+    assert graphs.runtime.engine.graphs is not None and eager.runtime.engine.graphs is None
+    (product,) = graphs.runtime.engine.model.model.layers[0].mlp.down_proj.quantized.products
+    assert isinstance(product, Fp8Weight)
+    assert product.shape == (SHAPES["hidden_size"], SHAPES["intermediate_size"] // 2)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    with_graphs = [o.token_ids for o in graphs.generate(TINY_PROMPTS, params)]
+    assert with_graphs == [o.token_ids for o in eager.generate(TINY_PROMPTS, params)]
+    agree, pairs = first_tokens_agreeing(graphs, one, max_tokens=8)
+    print(f"\nfp8 TP=2 against TP=1: first greedy token agrees on {agree} of 6 prompts")
+    assert agree >= 4, pairs
+
+
 MORE_TEXTS = [
     "Explain photosynthesis in one sentence.",
     "The three laws of motion are",
@@ -236,7 +293,6 @@ def test_fp8_kv_cache_on_the_embedded_model(
     the default backends: FlashInfer prefill, Triton decode, CUDA graphs): greedy tokens of
     20 prompts, 64 each; where they part is printed (the issue asks for this agreement), and
     the README's answer holds."""
-    from aserve import SamplingParams
     from tests.test_generation import TEXTS
     from tests.test_quant import greedy_parting
 

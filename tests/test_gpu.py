@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from aserve import LLM, GenerationOutput, SamplingParams
+from aserve.kvcache.pool import KVPool
 from tests.test_models import our_logits
 from tests.tiny_models import FAMILIES, make_tiny_model
 
@@ -101,7 +102,6 @@ def test_norm_rope_store_kernel_equals_the_separate_steps(
 ) -> None:
     """The one-kernel Q/K norm + RoPE + KV write against the plain PyTorch layers doing the
     three steps one after another, on a fused QKV output with random positions and slots."""
-    from aserve.kvcache.pool import KVPool
     from aserve.layers.norm import RMSNorm
     from aserve.layers.rope_store import norm_rope_store
     from aserve.layers.rotary import RotaryEmbedding
@@ -182,7 +182,6 @@ def test_triton_decode_equals_plain_attention(
     the wrapper otherwise picks by batch size."""
     from aserve.attention import triton_decode
     from aserve.attention.triton_decode import TritonDecodeWrapper
-    from aserve.kvcache.pool import KVPool
 
     threshold = 1 if kernel == "whole" else 1 << 30
     monkeypatch.setattr(triton_decode, "WHOLE_MIN_PROGRAMS", threshold)
@@ -193,22 +192,10 @@ def test_triton_decode_equals_plain_attention(
     num_pages = sum(pages_per_row) + 8
     pool = KVPool(1, num_pages, page_size, kv_heads, head_dim, dtype, device)
     pool.kv[0].copy_(torch.randn_like(pool.kv[0]))
-    page_ids = (torch.randperm(num_pages - 1, device=device) + 1)[: sum(pages_per_row)]
-    indptr = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    indptr[1:] = torch.tensor(pages_per_row).cumsum(0)
-    last = torch.tensor([n - (p - 1) * page_size for n, p in zip(lengths, pages_per_row)])
+    page_ids, indptr, last = scattered_pages(lengths, page_size, num_pages)
     qkv = torch.randn(len(lengths), (q_heads + 2 * kv_heads) * head_dim, device=device, dtype=dtype)
     q = qkv[:, : q_heads * head_dim].view(len(lengths), q_heads, head_dim)  # strided rows
-
-    expected = []
-    for row, n in enumerate(lengths):
-        pages = page_ids[indptr[row] : indptr[row + 1]].long()
-        slots = (pages[:, None] * page_size + torch.arange(page_size, device=device)).flatten()[:n]
-        k, v = pool.k[0][slots].float(), pool.v[0][slots].float()  # [n, kv_heads, head_dim]
-        group = q_heads // kv_heads
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,nhd->hn", q[row].float(), k) * head_dim**-0.5
-        expected.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), v))
+    expected = plain_decode_attention(pool, q, lengths, page_ids, indptr)
     shape = (-1, page_size, kv_heads, head_dim)
     cache = (pool.k[0].view(shape), pool.v[0].view(shape))
     for wrapper in (
@@ -217,8 +204,8 @@ def test_triton_decode_equals_plain_attention(
     ):
         wrapper.plan(
             indptr,
-            page_ids.int(),
-            last.int(),
+            page_ids,
+            last,
             num_qo_heads=q_heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
@@ -229,7 +216,38 @@ def test_triton_decode_equals_plain_attention(
         assert (wrapper.num_splits == 1) == (kernel == "whole")
         for _ in range(2):  # planned once, run per layer
             out = wrapper.run(q, cache)
-            torch.testing.assert_close(out.float(), torch.stack(expected), atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def scattered_pages(
+    lengths: list[int], page_size: int, num_pages: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Requests of these lengths on pages scattered over a pool of `num_pages` (page 0 left
+    out), in FlashInfer's layout: page ids (on the GPU), page pointers and last-page lengths
+    (on the host)."""
+    pages_per_row = [-(-n // page_size) for n in lengths]
+    page_ids = (torch.randperm(num_pages - 1, device="cuda") + 1)[: sum(pages_per_row)]
+    indptr = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    indptr[1:] = torch.tensor(pages_per_row).cumsum(0)
+    last = [n - (p - 1) * page_size for n, p in zip(lengths, pages_per_row)]
+    return page_ids.int(), indptr, torch.tensor(last, dtype=torch.int32)
+
+
+def plain_decode_attention(
+    pool: KVPool, q: torch.Tensor, lengths: list[int], page_ids: torch.Tensor, indptr: torch.Tensor
+) -> torch.Tensor:
+    """Softmax attention of `q` `[requests, heads, head_dim]` written out in float32 over
+    layer 0's K and V as the pool reads them back (de-quantized, for an FP8 pool)."""
+    heads, head_dim = q.shape[1:]
+    expected = []
+    for row, n in enumerate(lengths):
+        pages = page_ids[indptr[row] : indptr[row + 1]].long()
+        slots = pages[:, None] * pool.page_size + torch.arange(pool.page_size, device="cuda")
+        kv = pool.gather(0, slots.flatten()[:n]).float()  # [n, 2, kv_heads, head_dim]
+        k, v = (kv[:, i].repeat_interleave(heads // kv.shape[2], dim=1) for i in (0, 1))
+        scores = torch.einsum("hd,nhd->hn", q[row].float(), k) * head_dim**-0.5
+        expected.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), v))
+    return torch.stack(expected)
 
 
 def test_dummy_qwen3_shape_runs_in_bf16(make_llm: Callable[..., LLM]) -> None:

@@ -23,6 +23,7 @@ import torch
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 ALIGN = 16  # the FP8 GEMM's alignment of both weight dimensions
+FEW_ROWS_MAX = 16  # on CUDA, products of 2 to this many rows take fp8_cuda.few_rows
 
 
 @dataclass
@@ -174,12 +175,15 @@ class Fp8Weight:
         self.aligned = self.shape[0] % ALIGN == 0 and self.shape[1] % ALIGN == 0
         self._quantize_tokens = quantize_tokens
         self._one_row: Callable[..., torch.Tensor] | None = None
+        self._few_rows: Callable[..., torch.Tensor] | None = None
         if device.type == "cuda":
             from aserve.layers.gemv import gemv
             from aserve.quant import fp8_cuda
 
             self._quantize_tokens = fp8_cuda.quantize_tokens
             self._one_row = gemv
+            self._few_rows = fp8_cuda.few_rows
+            self._row_scales = self.scales.reshape(-1)
 
     @property
     def nbytes(self) -> int:
@@ -189,6 +193,8 @@ class Fp8Weight:
         rows = x.reshape(-1, x.shape[-1])
         if self._one_row is not None and rows.shape[0] == 1:
             out = self._one_row(rows, self.values, bias, scales=self.scales)
+        elif self._few_rows is not None and rows.shape[0] <= FEW_ROWS_MAX:
+            out = self._few_rows(rows, self.values, self._row_scales, bias)
         elif not self.aligned:
             weight = self.values.to(x.dtype) * self.scales.t().to(x.dtype)
             out = torch.nn.functional.linear(rows, weight, bias)

@@ -42,3 +42,147 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if tokens:
         _quantize_tokens_kernel[(tokens,)](x, values, scales, cols, x.stride(0), BLOCK=1024)
     return values, scales
+
+
+FEW_ROWS_MAX = 16  # the tile of rows of `few_rows`'s tensor-core product
+
+
+@triton.jit
+def _few_rows_kernel(
+    x,
+    x_stride,
+    weight,
+    weight_stride,
+    weight_scales,
+    bias,
+    out,
+    out_stride,
+    partial,
+    m,
+    n,
+    k,
+    k_per_split,
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """`BLOCK_N` outputs for every row: the weight tile is the product's first operand
+    ("swap AB": its outputs fill the tensor cores' 64-row side, the few rows the narrow one).
+    Each `BLOCK_K` columns of the activations are quantized with their own scale (the block's
+    largest magnitude to 448) as they are read, so no kernel runs before this one."""
+    outputs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tokens = tl.arange(0, BLOCK_M)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    first = tl.program_id(1) * k_per_split
+    for start in range(first, tl.minimum(first + k_per_split, k), BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        x_tile = tl.load(
+            x + tokens[:, None] * x_stride + cols[None, :],
+            mask=(tokens[:, None] < m) & (cols[None, :] < k),
+            other=0.0,
+        ).to(tl.float32)
+        x_scale = tl.maximum(tl.max(tl.abs(x_tile), axis=1), 1e-12) / FP8_MAX
+        x_fp8 = tl.clamp(x_tile / x_scale[:, None], -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
+        w_tile = tl.load(
+            weight + outputs[:, None] * weight_stride + cols[None, :],
+            mask=(outputs[:, None] < n) & (cols[None, :] < k),
+            other=0.0,
+        )
+        acc += tl.dot(w_tile, tl.trans(x_fp8)) * x_scale[None, :]
+    ok = (outputs[:, None] < n) & (tokens[None, :] < m)
+    if SPLIT > 1:  # partial sums, added up by `_sum_splits_kernel`
+        at = (tl.program_id(1) * BLOCK_M + tokens[None, :]) * n + outputs[:, None]
+        tl.store(partial + at, acc, mask=ok)
+    else:
+        y = acc * tl.load(weight_scales + outputs, mask=outputs < n, other=0.0)[:, None]
+        if HAS_BIAS:
+            y += tl.load(bias + outputs, mask=outputs < n, other=0.0).to(tl.float32)[:, None]
+        at = out + tokens[None, :] * out_stride + outputs[:, None]
+        tl.store(at, y.to(out.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _sum_splits_kernel(
+    partial,
+    weight_scales,
+    bias,
+    out,
+    out_stride,
+    n,
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    token = tl.program_id(1)
+    outputs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = outputs < n
+    y = tl.zeros([BLOCK], dtype=tl.float32)
+    for split in range(SPLIT):
+        y += tl.load(partial + (split * BLOCK_M + token) * n + outputs, mask=ok, other=0.0)
+    y *= tl.load(weight_scales + outputs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(bias + outputs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out + token * out_stride + outputs, y.to(out.dtype.element_ty), mask=ok)
+
+
+def few_rows(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: tuple[int, int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """`x W^T + bias` for up to `FEW_ROWS_MAX` rows `x` `[m, K]` and an FP8 `weight` with one
+    float32 scale per row. `config` (outputs and columns a program reads at a time, splits of
+    K, warps, stages) overrides the measured choice, for bench/quant_kernels.py's sweep."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert m <= FEW_ROWS_MAX and x.stride(1) == 1 and weight.stride(1) == 1
+    block_n, block_k, split, warps, stages = config or (64, 128, 1, 4, 4)
+    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    split = triton.cdiv(k, k_per_split)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    partial = (
+        torch.empty((split, FEW_ROWS_MAX, n), dtype=torch.float32, device=x.device)
+        if split > 1
+        else out
+    )
+    _few_rows_kernel[(triton.cdiv(n, block_n), split)](
+        x,
+        x.stride(0),
+        weight,
+        weight.stride(0),
+        weight_scales,
+        weight if bias is None else bias,
+        out,
+        out.stride(0),
+        partial,
+        m,
+        n,
+        k,
+        k_per_split,
+        HAS_BIAS=bias is not None,
+        SPLIT=split,
+        BLOCK_N=block_n,
+        BLOCK_M=FEW_ROWS_MAX,
+        BLOCK_K=block_k,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    if split > 1:
+        _sum_splits_kernel[(triton.cdiv(n, 1024), m)](
+            partial,
+            weight_scales,
+            weight if bias is None else bias,
+            out,
+            out.stride(0),
+            n,
+            HAS_BIAS=bias is not None,
+            SPLIT=split,
+            BLOCK_M=FEW_ROWS_MAX,
+            BLOCK=1024,
+        )
+    return out
