@@ -36,19 +36,14 @@ REPLAYS = 20
 def time_kernel(
     batch: int, q_heads: int, kv_heads: int, context: int, page_size: int, kernel: str
 ) -> float:
-    """`kernel`: "tensor cores", "cuda cores" or "triton", with " fp8" over an FP8 cache
-    (and for Triton's, " qk" / " qk+pv": those products on the FP8 tensor cores). Every
-    kernel gets the same plan: `batch` requests of `context` tokens on consecutive pages."""
+    """`kernel`: "tensor cores", "cuda cores" or "triton", with " fp8" over an FP8 cache.
+    Every kernel gets the same plan: `batch` requests of `context` tokens on consecutive
+    pages."""
     num_pages = batch * -(-context // page_size)
-    kv_dtype = torch.float8_e4m3fn if " fp8" in kernel else torch.bfloat16
+    kv_dtype = torch.float8_e4m3fn if kernel.endswith(" fp8") else torch.bfloat16
     if kernel.startswith("triton"):
-        from aserve.attention import triton_decode
         from aserve.attention.triton_decode import TritonDecodeWrapper
 
-        triton_decode.FP8_TENSOR_CORES = (
-            kernel.endswith((" qk", " qk+pv")),
-            kernel.endswith("+pv"),
-        )
         wrapper: Any = TritonDecodeWrapper(torch.device("cuda"), batch, num_pages)
         k, v = paged_cache("engine", num_pages, page_size, kv_heads)
         cache: Any = (k.to(kv_dtype), v.to(kv_dtype))
@@ -178,7 +173,7 @@ def main() -> None:
     print(f"us per layer, context {args.context}, pages of {args.page_size}")
     kernels = ["tensor cores", "cuda cores", "triton"]
     if args.fp8:
-        kernels += ["tensor cores fp8", "triton fp8", "triton fp8 qk", "triton fp8 qk+pv"]
+        kernels += ["tensor cores fp8", "cuda cores fp8", "triton fp8"]
     print(f"{'shape':<34} {'batch':>5} " + " ".join(f"{k:>12}" for k in kernels))
     for name, (q_heads, kv_heads) in SHAPES.items():
         for batch in args.batches:

@@ -52,6 +52,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=256)
     p.add_argument("--trace-out", default=None, help="also keep the Chrome trace here")
     p.add_argument("--no-record", action="store_true")
+    p.add_argument("--quantization", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto")
     return p.parse_args()
 
 
@@ -181,6 +183,8 @@ def main() -> None:
         dummy_weight=args.dummy_weight,
         page_size=args.page_size,
         max_running_requests=max(args.batch, 1),
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     workload = random_workload(args.batch, (args.input_len,) * 2, (1, 1), seed=0)
     prompts = [p for p, _ in workload]

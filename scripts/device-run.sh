@@ -54,6 +54,8 @@ for step in "$@"; do
     fp8-sweep)  # FP8 products of 1-16 rows (one-row GEMV, few_rows settings) and the FP8 decode kernels' products
               timeout 400 python3 bench/quant_kernels.py --fp8 --shapes 6144x4096 4096x4096 28672x4096 4096x14336 --rows 1 4 16 2>&1 | tail -14
               timeout 200 python3 bench/decode_kernels.py --fp8 --context 800 --batches 1 64 256 2>&1 | tail -8 ;;
+    trace-fp8) for opts in "" "--quantization fp8 --kv-cache-dtype fp8_e4m3"; do  # where an 8B step at batch 256 goes
+              timeout 200 python3 bench/trace.py --model bench/models/llama-3.1-8b --dummy-weight --batch 256 --no-record $opts 2>&1 | grep -B2 -A14 "us/step"; done ;;
     tp-fp8) for opts in "" "--quantization fp8 --kv-cache-dtype fp8_e4m3"; do  # on nvidia-h200-x2
               timeout 250 python3 bench/offline.py --model bench/models/llama-3.1-8b --tp 2 $W $opts 2>&1 | tail -2
               timeout 200 python3 bench/latency.py --model bench/models/llama-3.1-8b --dummy-weight --tp 2 $opts 2>&1 | tail -2; done ;;

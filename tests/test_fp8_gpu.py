@@ -69,9 +69,10 @@ def test_fp8_one_row_kernel_equals_the_dequantized_product(n: int, k: int) -> No
 def test_few_rows_kernel_equals_its_float64_model(n: int, k: int, rows: int, split: int) -> None:
     """`few_rows` (FP8 tensor cores, each 128 columns of the activations rounded to FP8 with
     their own scale) against the same rounding done in PyTorch and the product in float64:
-    equal up to float32 sums, whole or split over K, with a bias, for sizes its blocks divide
-    and sizes they do not; and within 5% of the unrounded product (the rounding alone
-    is up to 3.5% of it on these rows)."""
+    equal within half a percent of a row's largest output (the output is rounded to bf16,
+    and Hopper's FP8 tensor cores add up their products in less than float32), whole or
+    split over K, with a bias, for sizes its blocks divide and sizes they do not; and within
+    5% of the unrounded product (the rounding alone is up to 3.5% of it on these rows)."""
     from aserve.quant.fp8_cuda import few_rows
 
     generator = torch.Generator().manual_seed(0)
@@ -88,7 +89,9 @@ def test_few_rows_kernel_equals_its_float64_model(n: int, k: int, rows: int, spl
     rounded = ((padded / scales).clamp(-448, 448).to(FP8).float() * scales).flatten(1)[:, :k]
     dequantized = weight.dequantize(torch.float64)
     model = rounded.double() @ dequantized.T + bias.double()
-    assert ((out.cpu().double() - model).abs() <= 4e-3 * model.abs() + 1e-4).all()  # bf16 out
+    error = (out.cpu().double() - model).abs() / model.abs().amax(dim=1, keepdim=True)
+    print(f"\nfew_rows {rows}x{n}x{k}, {split} splits: error {error.max():.1e} of a row's largest")
+    assert error.max() <= 5e-3
     exact = x.double() @ dequantized.T + bias.double()
     assert (out.cpu().double() - exact).abs().max() <= 0.05 * exact.abs().max()
 
@@ -148,28 +151,19 @@ def test_fused_kv_write_stores_the_bytes_the_pool_stores(qk_norm: bool) -> None:
     assert pools[1].kv[0][slots].float().abs().amax() == 448.0  # some saturated
 
 
-@pytest.mark.parametrize(
-    "tensor_cores",
-    [(False, False), (True, False), (True, True)],
-    ids=["f16", "fp8-qk", "fp8-qk-pv"],
-)
 @pytest.mark.parametrize("kernel", ["split", "whole"])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_triton_decode_reads_an_fp8_cache(
     kernel: str,
     page_size: int,
-    tensor_cores: tuple[bool, bool],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The Triton decode kernels over an FP8 pool with K and V scales, the products widened
-    to float16 or on the FP8 tensor cores (queries, or also the softmax weights, rounded to
-    FP8: a looser bound): softmax attention in float32 over the de-quantized cache, for
-    contexts of 1 to 4,097 tokens."""
+    """The Triton decode kernels over an FP8 pool with K and V scales: softmax attention in
+    float32 over the de-quantized cache, for contexts of 1 to 4,097 tokens."""
     from aserve.attention import triton_decode
     from aserve.attention.triton_decode import TritonDecodeWrapper
 
     monkeypatch.setattr(triton_decode, "WHOLE_MIN_PROGRAMS", 1 if kernel == "whole" else 1 << 30)
-    monkeypatch.setattr(triton_decode, "FP8_TENSOR_CORES", tensor_cores)
     torch.manual_seed(0)
     q_heads, kv_heads, head_dim = 32, 8, 128
     lengths = [1, 7, 300, 1000, 4097, 33]
@@ -195,10 +189,7 @@ def test_triton_decode_reads_an_fp8_cache(
     )
     shape = (-1, page_size, kv_heads, head_dim)
     out = wrapper.run(q, (pool.k[0].view(shape), pool.v[0].view(shape)), *pool.scale_pairs[0])
-    error = (out.float() - expected).abs()
-    print(f"\n{tensor_cores}: largest error {error.max():.4f}, mean {error.mean():.5f}")
-    bound = 3e-2 + 2e-2 * expected.abs() if tensor_cores == (False, False) else 0.12
-    assert (error <= bound).all()
+    torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=2e-2)
 
 
 def test_fp8_prefix_hit_equals_recomputing(make_llm: Callable[..., LLM], tmp_path: Path) -> None:

@@ -64,7 +64,6 @@ WHOLE_WARPS = 4
 
 
 FP8_DOT_F16 = True
-FP8_TENSOR_CORES = (False, False)
 FP8_WHOLE_STAGES = 2
 FP8_WHOLE_WARPS = 4
 """Over an FP8 cache: products in float16 (FP8 widens to it in one instruction per two values;
@@ -104,8 +103,6 @@ def _attend_kernel(
     BLOCK_T: tl.constexpr,
     DIRECT: tl.constexpr,
     F16: tl.constexpr,
-    FP8_QK: tl.constexpr,
-    FP8_PV: tl.constexpr,
 ):
     # KV heads vary fastest over the launch, so programs running side by side read
     # neighbouring heads of the same tokens (one slot's K or V row is all heads together).
@@ -132,13 +129,6 @@ def _attend_kernel(
     if F16:
         query = (query.to(tl.float32) * scale).to(tl.float16)
         scale = 1.0
-    # Or (FP8_QK) the queries in FP8 too, each row with its own scale, and the scores from
-    # the FP8 tensor cores: the cache is then read without widening. With FP8_PV the
-    # softmax weights (at most 1) go to FP8 times 448 for the product with V.
-    if FP8_QK:
-        scaled = query.to(tl.float32) * scale
-        row_scale = tl.maximum(tl.max(tl.abs(scaled), axis=1), 1e-30) / 448.0
-        query = tl.clamp(scaled / row_scale[:, None], -448.0, 448.0).to(tl.float8e4nv)
 
     best = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_PAD], tl.float32)
@@ -153,27 +143,18 @@ def _attend_kernel(
             page = tl.load(page_ids + first_page + tokens // PAGE_SIZE, mask=token_ok, other=0)
             slots = page.to(tl.int64) * PAGE_SIZE + tokens % PAGE_SIZE
         offsets = slots[:, None] * token_stride + kv_head * HEAD_DIM + dims[None, :]
-        keys = tl.load(k_cache + offsets, mask=token_ok[:, None], other=0.0)
-        if FP8_QK:
-            scores = tl.dot(query, tl.trans(keys)) * row_scale[:, None]
-        else:
-            scores = tl.dot(query, tl.trans(keys.to(query.dtype))) * scale
+        keys = tl.load(k_cache + offsets, mask=token_ok[:, None], other=0.0).to(query.dtype)
+        scores = tl.dot(query, tl.trans(keys)) * scale
         scores = tl.where(token_ok[None, :], scores, float("-inf"))
         new_best = tl.maximum(best, tl.max(scores, axis=1))
         weights = tl.exp2(scores - new_best[:, None])
         rescale = tl.exp2(best - new_best)
         total = total * rescale + tl.sum(weights, axis=1)
-        values = tl.load(v_cache + offsets, mask=token_ok[:, None], other=0.0)
-        if FP8_PV:
-            product = tl.dot((weights * 448.0).to(tl.float8e4nv), values)
-        elif FP8_QK:
-            product = tl.dot(weights.to(tl.float16), values.to(tl.float16))
-        else:
-            product = tl.dot(weights.to(query.dtype), values.to(query.dtype))
-        acc = acc * rescale[:, None] + product
+        values = tl.load(v_cache + offsets, mask=token_ok[:, None], other=0.0).to(query.dtype)
+        acc = acc * rescale[:, None] + tl.dot(weights.to(query.dtype), values)
         best = new_best
 
-    acc = acc * (v_scale / 448.0 if FP8_PV else v_scale)
+    acc = acc * v_scale
     if DIRECT:  # one split: the whole context, finished here
         result = acc / total[:, None]
         out_at = out + request * out_stride + heads[:, None] * HEAD_DIM + dims[None, :]
@@ -318,9 +299,7 @@ class TritonDecodeWrapper:
             HEAD_DIM=head_dim,
             BLOCK_T=WHOLE_BLOCK_TOKENS if direct else SPLIT_BLOCK_TOKENS,
             DIRECT=direct,
-            F16=fp8 and FP8_DOT_F16 and not FP8_TENSOR_CORES[0],
-            FP8_QK=fp8 and FP8_TENSOR_CORES[0],
-            FP8_PV=fp8 and FP8_TENSOR_CORES[1],
+            F16=fp8 and FP8_DOT_F16,
             num_warps=(FP8_WHOLE_WARPS if fp8 else WHOLE_WARPS) if direct else 4,
             num_stages=(FP8_WHOLE_STAGES if fp8 else WHOLE_STAGES) if direct else 3,
         )
