@@ -64,13 +64,17 @@ WHOLE_WARPS = 4
 
 
 FP8_DOT_F16 = True
-FP8_WHOLE_STAGES = 2
-FP8_WHOLE_WARPS = 4
+FP8_WHOLE_BLOCK_TOKENS = 64
+FP8_WHOLE_SETTINGS = ((1024, 1, 4), (0, 2, 6))
 """Over an FP8 cache: products in float16 (FP8 widens to it in one instruction per two values;
-to bfloat16 it takes more) and the whole-context settings of the bf16 cache. On the H200,
-contexts of 800, us a layer at 64 / 256 requests (8B shape): 47 / 170 against 52-70 /
-184-264 for the other settings of blocks of 64 or 128 tokens, 2 or 3 stages, 4 or 8 warps,
-widening to bfloat16 or float16; the bf16 cache takes 62 / 200."""
+to bfloat16 it takes more; FP8 tensor-core products, queries and softmax weights rounded to
+FP8, were no faster: 173 / 184 us at 256 requests against 170), blocks of 64 tokens, and
+(pairs from, warps, stages): half an FP8 block is in flight per stage, so smaller programs
+with deeper pipelines keep more bytes moving. On the H200, contexts of 800, us a layer (8B
+shape) at 64 / 256 requests: 35.6 / 131.4 with 2 warps and 6 stages, 44.9 / 120.8 with 1 warp
+and 4 stages, against 46.7 / 168.5 with the bf16 cache's 128 tokens, 4 warps and 2 stages
+(and 36-58 / 121-264 for 26 other settings of 32-256 tokens, 1-8 warps, 2-12 stages); the
+bf16 cache takes 62 / 203."""
 
 
 def takes_batch(batch_size: int, num_kv_heads: int) -> bool:
@@ -275,6 +279,14 @@ class TritonDecodeWrapper:
         fp8 = k_cache.dtype == torch.float8_e4m3fn
         out = torch.empty((batch, heads, head_dim), dtype=q.dtype, device=q.device)
         partial_out, partial_lse = (out, out) if direct else self.partial
+        if not direct:
+            block_tokens, warps, stages = SPLIT_BLOCK_TOKENS, 4, 3
+        elif fp8:
+            pairs = batch * self.num_kv_heads
+            _, warps, stages = next(s for s in FP8_WHOLE_SETTINGS if pairs >= s[0])
+            block_tokens = FP8_WHOLE_BLOCK_TOKENS
+        else:
+            block_tokens, warps, stages = WHOLE_BLOCK_TOKENS, WHOLE_WARPS, WHOLE_STAGES
         _attend_kernel[(self.num_kv_heads, batch, self.num_splits)](
             q,
             q.stride(0),
@@ -297,11 +309,11 @@ class TritonDecodeWrapper:
             GROUP=self.group,
             GROUP_PAD=max(16, triton.next_power_of_2(self.group)),
             HEAD_DIM=head_dim,
-            BLOCK_T=WHOLE_BLOCK_TOKENS if direct else SPLIT_BLOCK_TOKENS,
+            BLOCK_T=block_tokens,
             DIRECT=direct,
             F16=fp8 and FP8_DOT_F16,
-            num_warps=(FP8_WHOLE_WARPS if fp8 else WHOLE_WARPS) if direct else 4,
-            num_stages=(FP8_WHOLE_STAGES if fp8 else WHOLE_STAGES) if direct else 3,
+            num_warps=warps,
+            num_stages=stages,
         )
         if direct:
             return out
