@@ -19,11 +19,22 @@ from pathlib import Path
 Workload = list[tuple[list[int], int]]
 
 
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<t1> {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}<t2> {% endif %}"
+)
+"""The stand-in's chat template: a user turn is `<t1>` then its text, the reply starts after
+`<t2>` (a text of stand-in words re-tokenizes to exactly its ids, plus these)."""
+
+
 def tokenizer_folder(model_dir: Path, into: Path) -> Path:
     """`into`, holding `model_dir`'s config.json and a word-level tokenizer whose tokens are
-    `<t0>` .. `<tN-1>` for the config's vocabulary size, with its end-of-sequence token."""
+    `<t0>` .. `<tN-1>` for the config's vocabulary size, with its end-of-sequence token. Words
+    are split at spaces, so `" ".join(f"<t{i}>" for i in ids)` is a text prompt of exactly
+    `ids` (bench/serving.py's text and chat prompts on a benchmark shape)."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
 
     into.mkdir(parents=True, exist_ok=True)
     shutil.copy(model_dir / "config.json", into / "config.json")
@@ -31,8 +42,14 @@ def tokenizer_folder(model_dir: Path, into: Path) -> Path:
     eos = config.get("eos_token_id", 0)
     eos = eos[0] if isinstance(eos, list) else int(eos or 0)
     vocab = {f"<t{i}>": i for i in range(int(config["vocab_size"]))}
-    Tokenizer(WordLevel(vocab, unk_token="<t0>")).save(str(into / "tokenizer.json"))
-    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": f"<t{eos}>"}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="<t0>"))
+    tokenizer.pre_tokenizer = WhitespaceSplit()
+    tokenizer.save(str(into / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": f"<t{eos}>",
+        "chat_template": CHAT_TEMPLATE,
+    }
     (into / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     return into
 

@@ -7,7 +7,18 @@ server (aserve, or a peer such as SGLang), with sglang.bench_serving's figures a
         --input-len 100 1024 --output-len 100 1024 --label "graph bs 256, page 256"
 
 Prompts are bench/common.py's seeded token-id workload, sent as a list of ids in "prompt", so
-input lengths are exact and no tokenizer is needed on the client. TTFT is the time to the first
+input lengths are exact and no tokenizer is needed on the client; with `--tokenizer` they are
+decoded to text first, and `--api chat` sends that text as a user message to
+/v1/chat/completions (the server's usage then counts the prompt tokens). On a benchmark shape
+the stand-in tokenizer of bench/minisgl_peer.py makes the text re-tokenize to the same ids:
+
+    python bench/serving.py --api chat --tokenizer /tmp/shape-with-tokenizer \
+        --num-prompts 256 --input-len 100 1024 --output-len 100 1024 --client-processes 4
+
+`--client-processes N` deals the workload round-robin to N processes, each with its own event
+loop, connections and share of `--max-concurrency` / `--request-rate`, started together; the
+table then shows each process's CPU time over the run, so a client that is itself the bound
+(one core busy all the time) shows. TTFT is the time to the first
 chunk carrying text, ITL each gap between successive text chunks (a chunk holding several
 tokens is one gap, as in sglang), E2E the time until `[DONE]`; output tokens come from the
 usage chunk (text chunks are counted when a server sends none). A failed request is counted
@@ -20,9 +31,11 @@ import argparse
 import asyncio
 import contextlib
 import math
+import multiprocessing
 import os
 import random
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -38,7 +51,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import new_run_id, random_workload, record  # noqa: E402
 
-Workload = list[tuple[list[int], int]]
+Prompt = list[int] | str
+Workload = list[tuple[Prompt, int]]
 
 
 @dataclass(frozen=True)
@@ -59,6 +73,7 @@ class RequestResult:
 class BenchmarkRun:
     results: tuple[RequestResult, ...]
     duration: float
+    client_cpu: tuple[float, ...] = ()  # each client process's CPU seconds over the run
 
 
 def _headers(api_key: str | None) -> dict[str, str]:
@@ -104,8 +119,9 @@ async def _read_stream(
         usage = frame.get("usage")
         if usage:
             completion_tokens = usage.get("completion_tokens", completion_tokens)
+            prompt_len = usage.get("prompt_tokens", prompt_len)
         choices = frame.get("choices")
-        if choices and (choices[0].get("text") or choices[0].get("token_ids")):
+        if choices and _carries_text(choices[0]):
             now = time.perf_counter()
             if chunks:
                 gaps.append(now - last)
@@ -116,6 +132,13 @@ async def _read_stream(
     return RequestResult(prompt_len, False, error="stream ended before [DONE]")
 
 
+def _carries_text(choice: dict[str, Any]) -> bool:
+    """A completions chunk's text or token ids, or a chat chunk's content."""
+    return bool(
+        choice.get("text") or choice.get("token_ids") or (choice.get("delta") or {}).get("content")
+    )
+
+
 async def send_request(
     session: aiohttp.ClientSession,
     url: str,
@@ -124,7 +147,8 @@ async def send_request(
 ) -> RequestResult:
     """Any failure (HTTP status, connection, malformed stream) becomes a failed result, so one
     bad request is reported instead of ending the benchmark."""
-    prompt_len = len(payload["prompt"])
+    prompt = payload["prompt"] if "prompt" in payload else payload["messages"][0]["content"]
+    prompt_len = len(prompt) if isinstance(prompt, list) else 0  # text: from the usage
     sent = time.perf_counter()
     try:
         async with session.post(url, data=orjson.dumps(payload), headers=headers) as response:
@@ -136,7 +160,9 @@ async def send_request(
                 return await _read_stream(response, sent, prompt_len, headers_at)
             body = orjson.loads(await response.read())
             latency = time.perf_counter() - sent
-            output_len = (body.get("usage") or {}).get("completion_tokens", payload["max_tokens"])
+            usage = body.get("usage") or {}
+            output_len = usage.get("completion_tokens", payload["max_tokens"])
+            prompt_len = usage.get("prompt_tokens", prompt_len)
             return RequestResult(
                 prompt_len, True, output_len, latency, (), latency, headers=headers_at
             )
@@ -156,22 +182,30 @@ async def benchmark(
     stream: bool = True,
     seed: int = 0,
     warmup_requests: int = 1,
+    api: str = "completions",
+    start_together: Any = None,
 ) -> BenchmarkRun:
     """Send `workload` with Poisson arrivals at `request_rate` (inf: all at once), at most
-    `max_concurrency` in flight; warm-up requests come first and are not measured."""
-    url = f"{base_url.rstrip('/')}/v1/completions"
+    `max_concurrency` in flight, to the completions or the chat route; warm-up requests come
+    first and are not measured. `start_together` (a multiprocessing barrier) holds the first
+    request until every client process is ready."""
+    chat = api == "chat"
+    url = f"{base_url.rstrip('/')}/v1/{'chat/completions' if chat else 'completions'}"
     headers = _headers(api_key)
 
-    def payload(prompt: list[int], max_tokens: int) -> dict[str, Any]:
-        body = {
+    def payload(prompt: Prompt, max_tokens: int) -> dict[str, Any]:
+        body: dict[str, Any] = {
             "model": model,
-            "prompt": prompt,
             "max_tokens": max_tokens,
             "temperature": temperature,
             "ignore_eos": True,
             "stream": stream,
-            "return_token_ids": True,
         }
+        if chat:
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
+            body["return_token_ids"] = True
         if stream:
             body["stream_options"] = {"include_usage": True}
         return body
@@ -194,6 +228,9 @@ async def benchmark(
             if not any(r.ok for r in outcomes):
                 raise RuntimeError(f"warm-up failed against {url}: {outcomes[0].error}")
         arrivals = random.Random(seed)
+        if start_together is not None:
+            start_together.wait()
+        cpu_before = time.process_time()
         started = time.perf_counter()
         tasks = []
         for i, (prompt, max_tokens) in enumerate(workload):
@@ -201,7 +238,68 @@ async def benchmark(
                 await asyncio.sleep(arrivals.expovariate(request_rate))
             tasks.append(asyncio.create_task(limited(prompt, max_tokens)))
         results = await asyncio.gather(*tasks)
-        return BenchmarkRun(tuple(results), time.perf_counter() - started)
+        duration = time.perf_counter() - started
+        return BenchmarkRun(tuple(results), duration, (time.process_time() - cpu_before,))
+
+
+def _client_process(
+    shard: Workload, options: dict[str, Any], barrier: Any, results: Any, index: int
+) -> None:
+    """One client process of `benchmark_in_processes`: its shard, then its run on the queue."""
+    try:
+        run = asyncio.run(benchmark(workload=shard, start_together=barrier, **options))
+        results.put((index, run))
+    except BaseException as error:  # reported by the parent, which would otherwise wait
+        barrier.abort()
+        results.put((index, f"{type(error).__name__}: {error}"))
+
+
+def benchmark_in_processes(processes: int, workload: Workload, **options: Any) -> BenchmarkRun:
+    """`benchmark` from `processes` client processes (spawned), the workload dealt round-robin
+    and `max_concurrency` / `request_rate` shared out; they start together at a barrier and
+    the run lasts from then until the last one ends. Warm-up requests (and one short request)
+    are sent once, before. At most `max_concurrency` processes, when that is set."""
+    assert not options["max_concurrency"] or processes <= options["max_concurrency"]
+    warmup = options.pop("warmup_requests", 1)
+    if warmup:
+        prompt, max_tokens = workload[0]
+        short = [(prompt[:16], min(max_tokens, 16))]
+        asyncio.run(benchmark(workload=short, warmup_requests=warmup, **options))
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Barrier(processes + 1)
+    queue = context.Queue()
+    limit, rate, seed = options["max_concurrency"], options["request_rate"], options["seed"]
+    workers = []
+    for index in range(processes):
+        share = {
+            **options,
+            "max_concurrency": limit and limit // processes + (index < limit % processes),
+            "request_rate": rate / processes,
+            "seed": seed + index,
+            "warmup_requests": 0,
+        }
+        shard = workload[index::processes]
+        worker = context.Process(
+            target=_client_process, args=(shard, share, barrier, queue, index), daemon=True
+        )
+        worker.start()
+        workers.append(worker)
+    with contextlib.suppress(threading.BrokenBarrierError):  # a client failed: its error follows
+        barrier.wait()
+    started = time.perf_counter()
+    runs: dict[int, BenchmarkRun] = {}
+    for _ in workers:
+        index, run = queue.get()
+        if isinstance(run, str):
+            raise RuntimeError(f"client process {index} failed: {run}")
+        runs[index] = run
+    duration = time.perf_counter() - started
+    for worker in workers:
+        worker.join()
+    # Back in workload order: request i ran in process i % processes, as its (i // processes)th.
+    results = [runs[i % processes].results[i // processes] for i in range(len(workload))]
+    cpu = tuple(runs[i].client_cpu[0] for i in range(processes))
+    return BenchmarkRun(tuple(results), duration, cpu)
 
 
 def _latency_figures(name: str, seconds: Sequence[float]) -> dict[str, float]:
@@ -238,6 +336,8 @@ def summarize(run: BenchmarkRun) -> dict[str, Any]:
         **_latency_figures("itl", [gap for r in done for gap in r.itl]),
         **_latency_figures("e2e_latency", [r.latency for r in done]),
         **_latency_figures("headers", [r.headers for r in done]),
+        "client_processes": len(run.client_cpu) or 1,
+        "client_cpu_busy_pct": round(100 * max(run.client_cpu, default=0.0) / duration, 1),
     }
 
 
@@ -261,6 +361,8 @@ def format_result(
         ("Output token throughput (tok/s):", f"{figures['output_throughput']:.2f}"),
         ("Total token throughput (tok/s):", f"{figures['total_throughput']:.2f}"),
         ("Concurrency:", f"{figures['concurrency']:.2f}"),
+        ("Client processes:", len(run.client_cpu) or 1),
+        ("Client CPU busy (%, busiest process):", f"{figures['client_cpu_busy_pct']:.1f}"),
     ]
     lines = [f"{' Serving Benchmark Result ':=^50}"]
     lines += [f"{label:<40} {value}" for label, value in rows]
@@ -310,30 +412,52 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine", default="aserve", help="name recorded for the server measured")
     p.add_argument("--label", default="", help="free text stored with the settings")
     p.add_argument("--no-record", action="store_true", help="print only, append nothing")
-    return p.parse_args(argv)
+    p.add_argument("--api", choices=["completions", "chat"], default="completions")
+    p.add_argument("--tokenizer", default=None, help="send text: the ids decoded with this")
+    p.add_argument("--client-processes", type=int, default=1)
+    args = p.parse_args(argv)
+    if args.api == "chat" and not args.tokenizer:
+        p.error("--api chat sends text: give --tokenizer")
+    if args.client_processes < 1 or args.client_processes > (args.max_concurrency or math.inf):
+        p.error("--client-processes: from 1 to --max-concurrency")
+    return args
+
+
+def as_text(workload: Workload, tokenizer_path: str) -> Workload:
+    """Each prompt's ids decoded with the tokenizer at `tokenizer_path` (transformers)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    return [(tokenizer.decode(prompt), max_tokens) for prompt, max_tokens in workload]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     input_range = args.input_len or _ratio_range(args.random_input_len, args.random_range_ratio)
     output_range = args.output_len or _ratio_range(args.random_output_len, args.random_range_ratio)
-    workload = random_workload(args.num_prompts, tuple(input_range), tuple(output_range), args.seed)
+    workload: Workload = list(
+        random_workload(args.num_prompts, tuple(input_range), tuple(output_range), args.seed)
+    )
+    if args.tokenizer:
+        workload = as_text(workload, args.tokenizer)
     try:
         model = args.model or asyncio.run(first_model(args.base_url, args.api_key))
-        run = asyncio.run(
-            benchmark(
-                args.base_url,
-                model,
-                workload,
-                max_concurrency=args.max_concurrency,
-                request_rate=args.request_rate,
-                temperature=args.temperature,
-                api_key=args.api_key,
-                stream=not args.disable_stream,
-                seed=args.seed,
-                warmup_requests=args.warmup_requests,
-            )
-        )
+        options = {
+            "base_url": args.base_url,
+            "model": model,
+            "max_concurrency": args.max_concurrency,
+            "request_rate": args.request_rate,
+            "temperature": args.temperature,
+            "api_key": args.api_key,
+            "stream": not args.disable_stream,
+            "seed": args.seed,
+            "warmup_requests": args.warmup_requests,
+            "api": args.api,
+        }
+        if args.client_processes > 1:
+            run = benchmark_in_processes(args.client_processes, workload, **options)
+        else:
+            run = asyncio.run(benchmark(workload=workload, **options))
     except (aiohttp.ClientError, RuntimeError) as e:
         sys.exit(f"cannot benchmark {args.base_url}: {e}")
     figures = summarize(run)
@@ -351,6 +475,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         "max_concurrency": args.max_concurrency,
         "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
         "stream": not args.disable_stream,
+        "api": args.api,
+        "text": bool(args.tokenizer),
+        "client_processes": args.client_processes,
         "label": args.label,
     }
     record(

@@ -32,6 +32,18 @@ for step in "$@"; do
     head-tests) timeout 520 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_fp8_gpu.py 2>&1 | grep -v "^  /\|^    " | tail -30 ;;
     serving) serve qwen3-0.6b --max-seq-len-override 4096 --max-prefill-length 16384 --page-size 256 --cuda-graph-max-bs 256 \
               && timeout 200 python3 bench/serving.py --num-prompts 256 --input-len 100 1024 --output-len 100 1024 --temperature 0.6 --label "offline workload over HTTP, 256 streams" 2>&1 | head -30; pkill -INT -f "aserve --model"; sleep 3 ;;
+    serving-clients)  # issue 21: offline vs HTTP on the same draw; chat text / completion ids; 1 and 4 client processes
+              python3 -c "from pathlib import Path; from bench.minisgl_peer import tokenizer_folder as t; t(Path('bench/models/qwen3-0.6b'), Path('/tmp/q06'))"
+              timeout 200 python3 bench/offline.py --model /tmp/q06 $W 2>&1 | grep -v Warn | tail -1
+              (python3 -m aserve --model /tmp/q06 --dummy-weight --port 1919 --max-seq-len-override 4096 --max-prefill-length 16384 \
+                --page-size 256 --cuda-graph-max-bs 256 > $OUT/server-q06.log 2>&1 &)
+              for i in $(seq 200); do curl -sf localhost:1919/health > /dev/null && break; sleep 1; done
+              S="--num-prompts 256 --input-len 100 1024 --output-len 100 1024 --temperature 0.6"
+              for c in "--api chat --tokenizer /tmp/q06 --client-processes 1" "--api chat --tokenizer /tmp/q06 --client-processes 4" "--client-processes 4"; do
+                timeout 150 python3 bench/serving.py $S $c --label "issue 21: $c" 2>&1 | grep "Client\|Output token\|Total gen\|Total input\|Median TTFT\|P99 ITL\|Median ITL\|Failed"; done
+              timeout 100 python3 bench/serving.py --api chat --tokenizer /tmp/q06 --num-prompts 16 --max-concurrency 1 --random-input-len 512 \
+                --random-output-len 256 --random-range-ratio 1 --label "issue 21: one chat stream at a time" 2>&1 | grep "Output token\|Median ITL\|P99 ITL\|Median TTFT"
+              pkill -INT -f "python3 -m aserve"; sleep 3 ;;
     serving-ab)  # bench/serving.py against the tree at BEFORE (.old: git archive BEFORE aserve bench) and this one
       for tree in ${AB_ORDER:-.old .}; do
         c=$([ $tree = . ] && echo $COMMIT || echo $BEFORE); root=$PWD

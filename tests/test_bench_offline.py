@@ -97,6 +97,12 @@ def test_stand_in_tokenizer_has_the_vocabulary_and_eos(tmp_path: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     assert tokenizer.eos_token_id == 7 and len(tokenizer) == 1000
     assert tokenizer.decode([3, 999]).split() == ["<t3>", "<t999>"]
+    ids = [5, 17, 999, 0, 3]
+    assert tokenizer.encode(" ".join(f"<t{i}>" for i in ids), add_special_tokens=False) == ids
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "<t5> <t6>"}], add_generation_prompt=True, tokenize=False
+    )
+    assert tokenizer.encode(chat, add_special_tokens=False) == [1, 5, 6, 2]
 
 
 def test_constrained_requests_keep_the_token_totals(tmp_path: Path, smollm2_dir: Path) -> None:

@@ -255,3 +255,66 @@ def test_workload_is_mini_sglangs_draw() -> None:
     first_len = generator.randint(100, 1024)
     first_ids = [generator.randint(0, 10000) for _ in range(first_len)]
     assert workload[0][0] == first_ids
+
+
+def test_client_processes_share_the_workload(server: FakeServer) -> None:
+    """Three client processes: every request answered once, results back in workload order,
+    at most the concurrency asked for in flight, one CPU figure a process."""
+    workload = [(list(range(10 + i)), 3 + i % 4) for i in range(12)]
+    run = serving.benchmark_in_processes(
+        3,
+        workload,
+        base_url=server.url,
+        model=MODEL_ID,
+        max_concurrency=6,
+        request_rate=math.inf,
+        temperature=0.0,
+        api_key=None,
+        stream=True,
+        seed=0,
+        warmup_requests=1,
+    )
+    assert [r.prompt_len for r in run.results] == [len(p) for p, _ in workload]
+    assert [r.output_len for r in run.results] == [n for _, n in workload]
+    assert all(r.ok for r in run.results)
+    assert len(run.client_cpu) == 3 and all(0 < cpu < run.duration for cpu in run.client_cpu)
+    measured = [b for b in server.bodies if b["max_tokens"] != 3 or len(b["prompt"]) != 10]
+    assert len(server.bodies) == 2 + len(workload)  # a warm-up and a short request first
+    assert sorted(len(b["prompt"]) for b in measured) == [len(p) for p, _ in workload[1:]]
+    assert server.max_in_flight <= 6
+    figures = serving.summarize(run)
+    assert figures["client_processes"] == 3 and figures["client_cpu_busy_pct"] > 0
+
+
+def test_chat_text_prompts_against_aserve_keep_the_token_totals(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--api chat --tokenizer` from two client processes against a real server on a tiny
+    shape with the stand-in tokenizer (a vocabulary that holds the workload's ids, which go up
+    to 10,000): the text prompts re-tokenize to exactly their ids (plus the chat template's
+    two), and every output token is counted."""
+    from bench.minisgl_peer import tokenizer_folder
+    from tests.server_utils import ServerProcess
+    from tests.tiny_models import make_tiny_model
+
+    shape = make_tiny_model("llama", tmp_path / "tiny", overrides={"vocab_size": 10240})
+    folder = tokenizer_folder(shape, tmp_path / "with-tokenizer")
+    options = ["--dummy-weight", "--device", "cpu", "--dtype", "float32"]
+    lengths = ["--num-prompts", "6", "--input-len", "5", "40", "--output-len", "3", "9"]
+    aserve = ServerProcess(["--model", str(folder), *options])
+    try:
+        aserve.wait_ready()
+        serving.main(
+            ["--base-url", aserve.base_url, "--api", "chat", "--tokenizer", str(folder)]
+            + ["--client-processes", "2", "--temperature", "0.6", "--no-record", *lengths]
+        )
+    finally:
+        assert aserve.stop() == 0, aserve.log()
+    workload = bench.common.random_workload(6, (5, 40), (3, 9), 0)
+    table = capsys.readouterr().out
+    assert "Successful requests:                     6" in table
+    assert (
+        f"Total input tokens:                      {sum(len(p) + 2 for p, _ in workload)}" in table
+    )
+    assert f"Total generated tokens:                  {sum(n for _, n in workload)}" in table
+    assert "Client processes:                        2" in table
