@@ -39,7 +39,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,7 @@ class RequestResult:
     latency: float = 0.0
     error: str = ""
     headers: float = 0.0
+    text: str = ""  # the streamed text, kept only when the server sent no usage to count
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,7 @@ async def _read_stream(
     gaps: list[float] = []
     chunks = 0
     completion_tokens: int | None = None
+    pieces: list[str] = []
     async for raw in response.content:
         line = raw.strip()
         if not line.startswith(b"data:"):
@@ -110,8 +112,9 @@ async def _read_stream(
             latency = time.perf_counter() - sent
             output_len = chunks if completion_tokens is None else completion_tokens
             first = ttft if chunks else latency
+            text = "".join(pieces) if completion_tokens is None else ""
             return RequestResult(
-                prompt_len, True, output_len, first, tuple(gaps), latency, headers=headers
+                prompt_len, True, output_len, first, tuple(gaps), latency, "", headers, text
             )
         frame = orjson.loads(data)
         if "error" in frame:
@@ -122,6 +125,9 @@ async def _read_stream(
             prompt_len = usage.get("prompt_tokens", prompt_len)
         choices = frame.get("choices")
         if choices and _carries_text(choices[0]):
+            if completion_tokens is None:
+                choice = choices[0]
+                pieces.append(choice.get("text") or (choice.get("delta") or {}).get("content", ""))
             now = time.perf_counter()
             if chunks:
                 gaps.append(now - last)
@@ -431,6 +437,28 @@ def as_text(workload: Workload, tokenizer_path: str) -> Workload:
     return [(tokenizer.decode(prompt), max_tokens) for prompt, max_tokens in workload]
 
 
+def counted_without_usage(
+    run: BenchmarkRun, workload: Workload, tokenizer_path: str
+) -> BenchmarkRun:
+    """Token counts for a server that sends no usage (mini-SGLang's): the prompt and the
+    streamed text re-tokenized, as sglang.bench_serving counts (the chat template's tokens
+    are then not in the prompt count)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    results = tuple(
+        replace(r, prompt_len=r.prompt_len or count(str(prompt)), output_len=count(r.text))
+        if r.ok and r.text
+        else r
+        for r, (prompt, _) in zip(run.results, workload, strict=True)
+    )
+    return replace(run, results=results)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     input_range = args.input_len or _ratio_range(args.random_input_len, args.random_range_ratio)
@@ -460,6 +488,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             run = asyncio.run(benchmark(workload=workload, **options))
     except (aiohttp.ClientError, RuntimeError) as e:
         sys.exit(f"cannot benchmark {args.base_url}: {e}")
+    if args.tokenizer:
+        run = counted_without_usage(run, workload, args.tokenizer)
     figures = summarize(run)
     print(format_result(run, figures, args.request_rate, args.max_concurrency))
     if not figures["completed"]:

@@ -44,6 +44,20 @@ for step in "$@"; do
               timeout 100 python3 bench/serving.py --api chat --tokenizer /tmp/q06 --num-prompts 16 --max-concurrency 1 --random-input-len 512 \
                 --random-output-len 256 --random-range-ratio 1 --label "issue 21: one chat stream at a time" 2>&1 | grep "Output token\|Median ITL\|P99 ITL\|Median TTFT"
               pkill -INT -f "python3 -m aserve"; sleep 3 ;;
+    serving-peers)  # issue 21: aserve and mini-SGLang (.minisgl + fastapi/uvicorn wheels in .whl), offline and over HTTP, one command
+              python3 -c "from pathlib import Path; from bench.minisgl_peer import tokenizer_folder as t; t(Path('bench/models/qwen3-0.6b'), Path('/tmp/q06'))"
+              PYTHONPATH=/tmp/site:$PWD:$PWD/.minisgl/python timeout 200 python3 bench/offline.py --model /tmp/q06 $W --peer minisgl --repeat 1 2>&1 | grep "tok/s" | tail -2
+              O="--max-seq-len-override 4096 --max-prefill-length 16384 --page-size 256 --cuda-graph-max-bs 256"
+              for engine in aserve minisgl; do
+                if [ $engine = aserve ]; then (python3 -m aserve --model /tmp/q06 --dummy-weight --port 1919 $O > $OUT/server-aserve.log 2>&1 &)
+                else (PYTHONPATH=/tmp/site:$PWD/.minisgl/python python3 -m minisgl --model /tmp/q06 --dummy-weight --port 1919 $O --attn fi > $OUT/server-minisgl.log 2>&1 &); fi
+                for i in $(seq 240); do curl -sf localhost:1919/v1/models > /dev/null && break; sleep 1; done
+                C="--api chat --tokenizer /tmp/q06 --temperature 0.6 --engine $engine"
+                for run in "--num-prompts 256 --input-len 100 1024 --output-len 100 1024 --client-processes 4" \
+                           "--num-prompts 64 --input-len 100 1024 --output-len 100 1024 --max-concurrency 16 --client-processes 4" \
+                           "--num-prompts 16 --max-concurrency 1 --random-input-len 512 --random-output-len 256 --random-range-ratio 1"; do
+                  echo "== $engine $run"; timeout 150 python3 bench/serving.py $C $run --label "issue 21: chat, $run" 2>&1 | grep "Output token\|Total gen\|Median TTFT\|Median ITL\|P99 ITL\|Failed\|Client CPU"; done
+                pkill -INT -f "python3 -m aserve"; pkill -f "python3 -m minisgl"; sleep 4; pkill -9 -f minisgl; done ;;
     serving-ab)  # bench/serving.py against the tree at BEFORE (.old: git archive BEFORE aserve bench) and this one
       for tree in ${AB_ORDER:-.old .}; do
         c=$([ $tree = . ] && echo $COMMIT || echo $BEFORE); root=$PWD

@@ -11,6 +11,7 @@ import random
 import socket
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -318,3 +319,29 @@ def test_chat_text_prompts_against_aserve_keep_the_token_totals(
     )
     assert f"Total generated tokens:                  {sum(n for _, n in workload)}" in table
     assert "Client processes:                        2" in table
+
+
+def test_a_server_without_usage_is_counted_by_re_tokenizing(
+    server: FakeServer, tmp_path: Path
+) -> None:
+    """With a tokenizer, a stream that carried no usage gets its prompt and streamed text
+    counted by the tokenizer (sglang.bench_serving's way); streams with usage keep it."""
+    from bench.minisgl_peer import tokenizer_folder
+
+    shape = tmp_path / "shape"
+    shape.mkdir()
+    (shape / "config.json").write_text(json.dumps({"vocab_size": 300, "eos_token_id": 0}))
+    folder = tokenizer_folder(shape, tmp_path / "with-tokenizer")
+    workload = [(list(range(12)), 4), (list(range(NO_USAGE_LEN)), 6)]
+    run = asyncio.run(serving.benchmark(server.url, MODEL_ID, workload, warmup_requests=0))
+    assert [r.text for r in run.results] == ["", "xxxxxx"]
+    assert [r.output_len for r in run.results] == [4, 3]  # chunks, without usage
+    texts = serving.as_text(workload, str(folder))
+    assert texts[1][0] == " ".join(f"<t{i}>" for i in range(NO_USAGE_LEN))
+    counted = serving.counted_without_usage(
+        replace(run, results=tuple(replace(r, prompt_len=0) for r in run.results)),
+        texts,
+        str(folder),
+    )
+    assert [r.prompt_len for r in counted.results] == [0, NO_USAGE_LEN]
+    assert [r.output_len for r in counted.results] == [4, 1]  # "xxxxxx" is one (unknown) word
