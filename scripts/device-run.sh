@@ -57,7 +57,7 @@ for step in "$@"; do
                            "--num-prompts 64 --input-len 100 1024 --output-len 100 1024 --max-concurrency 16 --client-processes 4" \
                            "--num-prompts 16 --max-concurrency 1 --random-input-len 512 --random-output-len 256 --random-range-ratio 1"; do
                   echo "== $engine $run"; timeout 150 python3 bench/serving.py $C $run --label "issue 21: chat, $run" 2>&1 | grep "Output token\|Total gen\|Median TTFT\|Median ITL\|P99 ITL\|Failed\|Client CPU"; done
-                pkill -INT -f "python3 -m aserve"; pkill -f "python3 -m minisgl"; sleep 4; pkill -9 -f minisgl; done ;;
+                pkill -INT -f "python3 -m aserve --model"; pkill -f "python3 -m minisgl --model"; sleep 4; pkill -9 -f "minisgl --model"; done ;;
     serving-ab)  # bench/serving.py against the tree at BEFORE (.old: git archive BEFORE aserve bench) and this one
       for tree in ${AB_ORDER:-.old .}; do
         c=$([ $tree = . ] && echo $COMMIT || echo $BEFORE); root=$PWD
