@@ -75,6 +75,7 @@ class BenchmarkRun:
     results: tuple[RequestResult, ...]
     duration: float
     client_cpu: tuple[float, ...] = ()  # each client process's CPU seconds over the run
+    started: float = 0.0  # time.perf_counter() at the start (system-wide monotonic on Linux)
 
 
 def _headers(api_key: str | None) -> dict[str, str]:
@@ -236,16 +237,17 @@ async def benchmark(
         arrivals = random.Random(seed)
         if start_together is not None:
             start_together.wait()
-        cpu_before = time.process_time()
         started = time.perf_counter()
+        cpu_before = time.process_time()  # inside the wall-clock window, so cpu <= duration
         tasks = []
         for i, (prompt, max_tokens) in enumerate(workload):
             if i and math.isfinite(request_rate):
                 await asyncio.sleep(arrivals.expovariate(request_rate))
             tasks.append(asyncio.create_task(limited(prompt, max_tokens)))
         results = await asyncio.gather(*tasks)
+        cpu = time.process_time() - cpu_before
         duration = time.perf_counter() - started
-        return BenchmarkRun(tuple(results), duration, (time.process_time() - cpu_before,))
+        return BenchmarkRun(tuple(results), duration, (cpu,), started)
 
 
 def _client_process(
@@ -292,20 +294,22 @@ def benchmark_in_processes(processes: int, workload: Workload, **options: Any) -
         workers.append(worker)
     with contextlib.suppress(threading.BrokenBarrierError):  # a client failed: its error follows
         barrier.wait()
-    started = time.perf_counter()
     runs: dict[int, BenchmarkRun] = {}
     for _ in workers:
         index, run = queue.get()
         if isinstance(run, str):
             raise RuntimeError(f"client process {index} failed: {run}")
         runs[index] = run
-    duration = time.perf_counter() - started
+    # From the first client's start to the last one's end, on the clients' own clocks: the
+    # parent may be scheduled late after the barrier while its clients already run.
+    started = min(run.started for run in runs.values())
+    duration = max(run.started + run.duration for run in runs.values()) - started
     for worker in workers:
         worker.join()
     # Back in workload order: request i ran in process i % processes, as its (i // processes)th.
     results = [runs[i % processes].results[i // processes] for i in range(len(workload))]
     cpu = tuple(runs[i].client_cpu[0] for i in range(processes))
-    return BenchmarkRun(tuple(results), duration, cpu)
+    return BenchmarkRun(tuple(results), duration, cpu, started)
 
 
 def _latency_figures(name: str, seconds: Sequence[float]) -> dict[str, float]:

@@ -278,7 +278,10 @@ def test_client_processes_share_the_workload(server: FakeServer) -> None:
     assert [r.prompt_len for r in run.results] == [len(p) for p, _ in workload]
     assert [r.output_len for r in run.results] == [n for _, n in workload]
     assert all(r.ok for r in run.results)
-    assert len(run.client_cpu) == 3 and all(0 < cpu < run.duration for cpu in run.client_cpu)
+    # Each process's own figure; not compared with the wall time: a run this short (~20 ms) is
+    # within the kernel's CPU-accounting granularity (CI saw 30.6 ms of CPU in a 29.8 ms run).
+    assert len(run.client_cpu) == 3 and all(cpu > 0 for cpu in run.client_cpu)
+    assert run.duration >= max(r.latency for r in run.results)
     measured = [b for b in server.bodies if b["max_tokens"] != 3 or len(b["prompt"]) != 10]
     assert len(server.bodies) == 2 + len(workload)  # a warm-up and a short request first
     assert sorted(len(b["prompt"]) for b in measured) == [len(p) for p, _ in workload[1:]]
