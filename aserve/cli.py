@@ -10,6 +10,12 @@ from typing import NoReturn
 
 from aserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, ConfigError, ServerConfig, build_config
 
+ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
+# Options of the process around the server (its signals, its replicas), not of the server.
+PROCESS_OPTIONS = frozenset(
+    {"drain_timeout", "drain_delay", "dp_size", "router_policy", "router_args"}
+)
+
 
 class _OneLineParser(argparse.ArgumentParser):
     """A bad option is one line on stderr and exit code 2, not a usage dump."""
@@ -22,6 +28,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {text}")
     return value
 
 
@@ -214,13 +227,46 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds running requests get to finish after SIGINT/SIGTERM before they abort",
     )
+    server.add_argument(
+        "--drain-delay",
+        type=_non_negative_float,
+        default=0.0,
+        help="seconds after SIGINT/SIGTERM during which /health answers 503 but new requests "
+        "are still taken, so a load balancer stops sending before they are refused",
+    )
+
+    replicas = p.add_argument_group("data parallelism (replicas behind SGLang's router)")
+    replicas.add_argument(
+        "--data-parallel-size",
+        "--dp-size",
+        "--dp",
+        dest="dp_size",
+        type=_positive_int,
+        default=1,
+        help="replicas of the server, each with its own --tp GPUs (or share of the CPU cores) "
+        "and loopback port, behind SGLang's router on --host/--port (pip install "
+        '"aserve[router]")',
+    )
+    replicas.add_argument(
+        "--router-policy",
+        default="cache_aware",
+        choices=ROUTER_POLICIES,
+        help="how the router picks a replica: cache_aware sends requests to the replica "
+        "holding their longest prefix unless the load is uneven",
+    )
+    replicas.add_argument(
+        "--router-args",
+        default="",
+        help="more options for sglang_router.launch_router, as one string, e.g. "
+        "'--retry-max-retries 3'",
+    )
     return p
 
 
 def parse_config(argv: Sequence[str] | None = None) -> tuple[ServerConfig, argparse.Namespace]:
     parser = build_parser()
     args = parser.parse_args(argv)
-    options = {k: v for k, v in vars(args).items() if k != "drain_timeout"}
+    options = {k: v for k, v in vars(args).items() if k not in PROCESS_OPTIONS}
     try:
         return build_config(**options), args
     except ConfigError as error:
@@ -232,13 +278,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="[%(asctime)s] %(levelname)s %(message)s"
     )
+    if args.dp_size > 1:
+        if config.shell_mode:
+            build_parser().error("--shell-mode chats with one server: leave out --dp")
+        from aserve.replicas import run_replicas
+
+        return run_replicas(config, args, list(sys.argv[1:] if argv is None else argv))
     if config.shell_mode:
         from aserve.server.shell import run_shell
 
         return run_shell(config)
     from aserve.server.serve import run
 
-    return run(config, args.drain_timeout)
+    return run(config, args.drain_timeout, args.drain_delay)
 
 
 if __name__ == "__main__":

@@ -197,27 +197,63 @@ def test_burst_gets_exactly_the_bounded_number_of_answers(smollm2_dir: Path) -> 
 
 
 def test_sigterm_drains_running_requests(smollm2_dir: Path) -> None:
+    """SIGTERM while a stream runs: /health and new requests get 503 at once, the stream
+    ends normally, the process exits 0. The signal goes after the stream's first chunk, so
+    the request is running whatever the machine's speed."""
     process = ServerProcess(["--model", str(smollm2_dir), "--num-pages", "2048"])
     try:
         process.wait_ready()
         url = process.base_url + "/v1/completions"
 
-        async def scenario() -> tuple[list[dict], int, int]:
-            body = {"prompt": "Count:", "max_tokens": 48, "ignore_eos": True, "temperature": 0}
-            streaming = asyncio.create_task(stream(url, body))
-            await asyncio.sleep(1.0)
-            process.proc.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.3)
-            health = process.health()
-            refused, _ = await post(url, {"prompt": "late", "max_tokens": 2})
-            chunks, _ = await streaming
-            return chunks, health, refused
+        async def scenario() -> tuple[list[bytes], int, int]:
+            body = {
+                "prompt": "Count:",
+                "max_tokens": 400,
+                "ignore_eos": True,
+                "temperature": 0,
+                "stream": True,
+            }
+            async with aiohttp.ClientSession() as session, session.post(url, json=body) as r:
+                first = await r.content.readline()
+                process.proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.3)
+                health = process.health()
+                refused, _ = await post(url, {"prompt": "late", "max_tokens": 2})
+                rest = (await r.read()).split(b"\n\n")
+            return [first, *rest], health, refused
 
-        chunks, health, refused = run(scenario())
+        lines, health, refused = run(scenario())
         assert health == 503 and refused == 503
-        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        events = [line.strip() for line in lines if line.strip()]
+        assert events[-1] == b"data: [DONE]"
+        assert orjson.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
         assert process.proc.wait(60) == 0
         assert "Prefill batch. #new-seq: 1, #new-token:" in process.log()
+    finally:
+        process.stop()
+
+
+def test_drain_delay_keeps_taking_requests_while_health_says_503(smollm2_dir: Path) -> None:
+    """--drain-delay: after SIGTERM /health is 503 at once, yet requests are still answered
+    until the delay ends (a router's health check has then taken the replica out); later
+    ones are refused; the process exits 0."""
+    process = ServerProcess(["--model", str(smollm2_dir), "--drain-delay", "3"])
+    try:
+        process.wait_ready()
+        url = process.base_url + "/v1/completions"
+        process.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert process.health() == 503
+        status, body = run(post(url, {"prompt": "Hi", "max_tokens": 2, "temperature": 0}))
+        assert status == 200 and body["usage"]["completion_tokens"] == 2
+        assert "new requests taken for 3.0 s more" in process.log()
+        time.sleep(3.0)
+        try:
+            late, _ = run(post(url, {"prompt": "Hi", "max_tokens": 2}))
+        except aiohttp.ClientConnectionError:
+            late = 0  # nothing was running, so it has already stopped listening
+        assert late in (0, 503)
+        assert process.proc.wait(60) == 0
     finally:
         process.stop()
 

@@ -66,7 +66,8 @@ class Followers:
         timeout = timedelta(seconds=timeout_s)
         self._store = create_store(size, timeout)
         self._threads_before = torch.get_num_threads()
-        threads = 1 if device.type == "cuda" else max(1, (os.cpu_count() or 1) // size)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        threads = 1 if device.type == "cuda" else max(1, (cores or 1) // size)
         if device.type != "cuda":
             torch.set_num_threads(threads)
         context = torch.multiprocessing.get_context("spawn")

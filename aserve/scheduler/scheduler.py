@@ -162,6 +162,15 @@ class Scheduler:
         req.aborted = True
         self._wake.set()
 
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix (SGLang's /flush_cache) if no request is queued or running;
+        False, and nothing dropped, otherwise. Pages a step still in flight writes are safe to
+        free: a later step that takes them is queued behind it on the same stream."""
+        if self.planner.running or self.planner.waiting:
+            return False
+        self.cache.evict(self.cache.evictable_pages)
+        return True
+
     def stop(self) -> None:
         self._stopping = True
         self._wake.set()

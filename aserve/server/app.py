@@ -17,11 +17,12 @@ from aiohttp import web
 
 from aserve.config import ServerConfig
 from aserve.forward import ForwardMode
-from aserve.metrics import SchedulerSnapshot, StatsLogger
+from aserve.metrics import StatsLogger
 from aserve.runtime import Runtime
 from aserve.scheduler.plan import ScheduledBatch
 from aserve.server import openai, protocol
 from aserve.server.completions import Completions
+from aserve.server.fleet import OPEN_FLEET_PATHS, FleetRoutes
 from aserve.server.http import error_response, json_response
 from aserve.server.limits import MAX_BODY_BYTES
 from aserve.server.openai import APIError
@@ -31,7 +32,7 @@ from aserve.server.state import ServerState, require_tokenizer
 logger = logging.getLogger("aserve.server")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"}) | OPEN_FLEET_PATHS
 
 
 class Server:
@@ -63,7 +64,7 @@ class Server:
         self.scheduler_task = asyncio.create_task(runtime.scheduler.run(self._on_step))
 
     def _on_step(self, planned: ScheduledBatch, seconds: float) -> None:
-        snapshot = self._snapshot()
+        snapshot = self.state.snapshot()
         self.metrics.update_scheduler(snapshot)
         if planned.mode is ForwardMode.DECODE:
             graphs = self.runtime.engine.graphs if self.runtime is not None else None
@@ -80,22 +81,6 @@ class Server:
             sum(planned.extend_lens),
             new_seqs=len(first_chunks),
             cached_tokens=sum(r.prefix_len for r in first_chunks),
-        )
-
-    def _snapshot(self) -> SchedulerSnapshot:
-        assert self.runtime is not None
-        scheduler = self.runtime.scheduler
-        allocator, planner = scheduler.allocator, scheduler.planner
-        page_size = allocator.page_size
-        free = allocator.free_pages + scheduler.cache.evictable_pages
-        return SchedulerSnapshot(
-            running=len(planner.running),
-            waiting=len(planner.waiting),
-            used_kv_tokens=(allocator.usable_pages - free) * page_size,
-            total_kv_tokens=allocator.usable_pages * page_size,
-            prompt_tokens_admitted_total=planner.prompt_tokens_admitted,
-            prompt_tokens_cached_total=planner.prompt_tokens_cached,
-            retractions_total=planner.num_retractions,
         )
 
     async def drain(self, timeout_s: float) -> None:
@@ -155,7 +140,7 @@ class Server:
     # ---- other endpoints ---------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
-        if self.state.draining:
+        if self.state.draining or self.state.leaving:
             return json_response({"status": "draining"}, 503)
         if self.runtime is None:
             return json_response({"status": "loading"}, 503)
@@ -175,7 +160,7 @@ class Server:
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
         if self.runtime is not None:
-            self.metrics.update_scheduler(self._snapshot())
+            self.metrics.update_scheduler(self.state.snapshot())
         body, content_type = self.metrics.render()
         return web.Response(body=body, headers={"Content-Type": content_type})
 
@@ -224,4 +209,5 @@ class Server:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/openapi.json", self.openapi)
+        FleetRoutes(self.state).add_to(app)
         return app

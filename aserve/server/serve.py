@@ -1,18 +1,23 @@
 """Run the server: bind the port, load the model, serve until a signal, drain, exit.
 
 A busy port or a model that cannot load ends the process with one line on stderr, never a
-traceback. SIGINT / SIGTERM stop new work (503), give running requests up to
-`drain_timeout_s` to finish, abort the rest and return 0.
+traceback. SIGINT / SIGTERM turn /health to 503 at once; new requests are still taken for
+`drain_delay_s` (the time a router or load balancer needs to see that and stop sending: the
+replicas of `aserve --dp` get their router's), then refused (503); running requests get up
+to `drain_timeout_s` to finish, the rest are aborted, and the process returns 0. A second
+signal during the delay cuts it short.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from aserve.config import ConfigError, ServerConfig
 from aserve.engine.followers import WorkerFailure
@@ -26,7 +31,20 @@ logger = logging.getLogger("aserve.server")
 LISTEN_BACKLOG = 2048
 
 
-async def serve(config: ServerConfig, drain_timeout_s: float = 30.0) -> int:
+def _quiet_malformed_http(record: logging.LogRecord) -> bool:
+    """aiohttp logs a traceback for every request it cannot parse. Routers probe each worker
+    for gRPC (an HTTP/2 preface) when they add it; such bytes get a 400 and one debug line."""
+    error = record.exc_info[1] if record.exc_info else None
+    if isinstance(error, HttpProcessingError):
+        logger.debug("malformed HTTP request answered 400: %s", str(error).splitlines()[0])
+        return False
+    return True
+
+
+async def serve(
+    config: ServerConfig, drain_timeout_s: float = 30.0, drain_delay_s: float = 0.0
+) -> int:
+    logging.getLogger("aiohttp.server").addFilter(_quiet_malformed_http)
     server = Server(config)
     runner = web.AppRunner(server.make_app(), handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -42,12 +60,12 @@ async def serve(config: ServerConfig, drain_timeout_s: float = 30.0) -> int:
         return 1
     logger.info("listening on http://%s:%d (loading the model)", config.host, config.port)
 
-    stop = asyncio.Event()
+    signals = asyncio.Queue[int]()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, signals.put_nowait, sig)
     load = asyncio.create_task(server.load())
-    stopping = asyncio.create_task(stop.wait())
+    stopping = asyncio.create_task(signals.get())
     await asyncio.wait({load, stopping}, return_when=asyncio.FIRST_COMPLETED)
     code = 0
     if load.done() and load.exception() is not None:
@@ -65,6 +83,8 @@ async def serve(config: ServerConfig, drain_timeout_s: float = 30.0) -> int:
                 "ready: serving %s on http://%s:%d", server.model_name, config.host, config.port
             )
             code = await _until_stopped(stopping, server)
+            if code == 0 and drain_delay_s > 0:
+                await _announce_leaving(server, signals, drain_delay_s)
         logger.info("shutting down: draining running requests (up to %.0f s)", drain_timeout_s)
     load.cancel()
     stopping.cancel()
@@ -74,7 +94,7 @@ async def serve(config: ServerConfig, drain_timeout_s: float = 30.0) -> int:
     return code
 
 
-async def _until_stopped(stopping: asyncio.Task[bool], server: Server) -> int:
+async def _until_stopped(stopping: asyncio.Task[int], server: Server) -> int:
     """0 on a signal; 1, with the error on stderr, if the scheduler loop ended by itself
     (a tensor-parallel rank died: the engine cannot go on, so neither can the server)."""
     ended = server.scheduler_task
@@ -86,10 +106,18 @@ async def _until_stopped(stopping: asyncio.Task[bool], server: Server) -> int:
     return 1
 
 
-def run(config: ServerConfig, drain_timeout_s: float = 30.0) -> int:
+async def _announce_leaving(server: Server, signals: asyncio.Queue[int], delay_s: float) -> None:
+    """/health says 503 while requests are still taken, so balancers stop sending first."""
+    server.state.leaving = True
+    logger.info("stopping: /health answers 503; new requests taken for %.1f s more", delay_s)
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(signals.get(), delay_s)
+
+
+def run(config: ServerConfig, drain_timeout_s: float = 30.0, drain_delay_s: float = 0.0) -> int:
     try:
         import uvloop
 
-        return uvloop.run(serve(config, drain_timeout_s))
+        return uvloop.run(serve(config, drain_timeout_s, drain_delay_s))
     except ImportError:
-        return asyncio.run(serve(config, drain_timeout_s))
+        return asyncio.run(serve(config, drain_timeout_s, drain_delay_s))

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from aserve.config import ServerConfig
-from aserve.metrics import Metrics
+from aserve.metrics import Metrics, SchedulerSnapshot
 from aserve.runtime import Runtime
 from aserve.server.admission import Admission
 from aserve.server.limits import InputLimits
@@ -15,6 +15,7 @@ from aserve.server.openai import APIError
 from aserve.tokenizer import Tokenizer
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
+ROUTER_PLACEHOLDER_MODEL = "unknown"
 
 
 @dataclass
@@ -25,7 +26,8 @@ class ServerState:
     admission: Admission
     runtime: Runtime | None = None
     limits: InputLimits | None = None
-    draining: bool = False
+    leaving: bool = False  # told to stop: /health is 503, requests still taken (--drain-delay)
+    draining: bool = False  # requests refused, the running ones finishing
 
     @classmethod
     def create(cls, config: ServerConfig) -> ServerState:
@@ -52,8 +54,27 @@ class ServerState:
             )
         return self.runtime, self.limits
 
+    def snapshot(self) -> SchedulerSnapshot:
+        """The scheduler as metrics, stats lines and /get_load read it (once loaded)."""
+        assert self.runtime is not None
+        scheduler = self.runtime.scheduler
+        allocator, planner = scheduler.allocator, scheduler.planner
+        page_size = allocator.page_size
+        free = allocator.free_pages + scheduler.cache.evictable_pages
+        return SchedulerSnapshot(
+            running=len(planner.running),
+            waiting=len(planner.waiting),
+            used_kv_tokens=(allocator.usable_pages - free) * page_size,
+            total_kv_tokens=allocator.usable_pages * page_size,
+            prompt_tokens_admitted_total=planner.prompt_tokens_admitted,
+            prompt_tokens_cached_total=planner.prompt_tokens_cached,
+            retractions_total=planner.num_retractions,
+        )
+
     def check_model(self, name: str) -> None:
-        if name and name != self.model_name:
+        """A request may leave the model out; SGLang's router, which sends every request
+        through its own typed schema, fills an omitted one with its placeholder name."""
+        if name and name != self.model_name and name != ROUTER_PLACEHOLDER_MODEL:
             raise APIError(
                 f"model '{name}' does not exist; this server serves '{self.model_name}'",
                 400,
