@@ -413,6 +413,69 @@ def test_tokenize_detokenize_and_generate(server: ServerProcess) -> None:
     assert by_text["output_ids"] == generated["output_ids"] and by_text["text"]
 
 
+def test_router_facing_routes(server: ServerProcess) -> None:
+    """What SGLang's router reads when it adds a worker, in its shapes (old names too), each
+    as /openapi.json describes it."""
+    from aserve.server import protocol
+
+    for path in ("/server_info", "/get_server_info"):
+        status, body = run(get(server.base_url + path))
+        info = protocol.ServerInfo.model_validate_json(body).model_dump()
+        assert status == 200 and info["served_model_name"] == MODEL
+        assert info["dp_size"] == 1 and info["max_running_requests"] == 256
+        assert info["max_total_num_tokens"] == 8192 and info["context_length"] == 8192
+    for path in ("/model_info", "/get_model_info"):
+        status, body = run(get(server.base_url + path))
+        model = protocol.ModelInfo.model_validate_json(body).model_dump()
+        assert status == 200 and model["is_generation"] is True
+        assert model["model_type"] == "llama" and model["architectures"] == ["LlamaForCausalLM"]
+    status, body = run(get(server.base_url + "/get_load"))
+    assert status == 200
+    assert protocol.Load.model_validate_json(body).model_dump() == [
+        {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+    ]
+    status, body = run(get(server.base_url + "/health_generate"))
+    assert status == 200 and protocol.Health.model_validate_json(body).status == "ok"
+    # The router's placeholder for a request that names no model is served, not refused.
+    status, _ = run(
+        post(
+            server.base_url + "/v1/chat/completions",
+            {"model": "unknown", "messages": HELLO, "max_tokens": 1},
+        )
+    )
+    assert status == 200
+
+
+def test_flush_cache_empties_the_prefix_cache_only_when_idle(server: ServerProcess) -> None:
+    url = server.base_url + "/v1/completions"
+    body = {"prompt": "Flushing is done by the scheduler " * 8, "max_tokens": 1}
+    run(post(url, body))
+
+    def cached_tokens() -> float:
+        _, metrics = run(get(server.base_url + "/metrics"))
+        return metric_value(metrics.decode(), "aserve:prefix_cache_hits_total")
+
+    before = cached_tokens()
+    run(post(url, body))
+    assert cached_tokens() > before  # the second time the prompt came from the cache
+    status, flushed = run(post(server.base_url + "/flush_cache", b""))
+    assert status == 200 and flushed == {"status": "flushed"}
+    before = cached_tokens()
+    run(post(url, body))
+    assert cached_tokens() == before  # gone: computed again
+
+    async def flush_while_busy() -> tuple[int, Any]:
+        long = {"prompt": "Count:", "max_tokens": 300, "ignore_eos": True}
+        running = asyncio.create_task(post(url, long))
+        await asyncio.sleep(0.5)
+        refused = await post(server.base_url + "/flush_cache", b"")
+        await running
+        return refused
+
+    status, refused = run(flush_while_busy())
+    assert status == 400 and refused["error"]["code"] == "server_busy"
+
+
 def test_openai_sdk(server: ServerProcess) -> None:
     import openai
 

@@ -18,7 +18,7 @@ import aiohttp
 import orjson
 
 from tests.server_utils import ServerProcess
-from tests.test_server import get, post, run, stream
+from tests.test_server import get, post, run
 
 HELLO = [{"role": "user", "content": "Say hello."}]
 

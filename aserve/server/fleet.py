@@ -112,15 +112,16 @@ class FleetRoutes:
     async def health_generate(self, request: web.Request) -> web.Response:
         """Healthy only if the engine produces a token: a replica whose scheduler is stuck
         still answers /health, not this."""
-        runtime, _ = self.state.ready()
-        if self.state.leaving:
+        runtime = self.state.runtime
+        if runtime is None:
+            return json_response({"status": "loading"}, 503)
+        if self.state.leaving or self.state.draining:
             return json_response({"status": "draining"}, 503)
         first = runtime.model_config.bos_token_id or 0
         params = SamplingParams(max_tokens=1, temperature=0.0)
         choice = Choice(runtime.scheduler, None, [first], params, [])
-        problem = choice.prepare()
-        if problem is not None:
-            raise APIError(problem, 500, error_type="internal_server_error")
+        if choice.prepare() is not None:
+            return json_response({"status": "unhealthy"}, 503)
 
         async def one_token() -> bool:
             return sum([len(delta.token_ids) async for delta in choice.run()]) > 0

@@ -79,6 +79,54 @@ OPERATIONS = (
     Operation("get", "/health", "200 when ready; 503 while loading or draining", open=True),
     Operation("get", "/metrics", "Prometheus metrics", open=True),
     Operation("get", "/openapi.json", "This description", open=True),
+    *(
+        Operation(
+            "get",
+            path,
+            "Who this replica is (SGLang's shape, read by its router)",
+            reply=protocol.ServerInfo,
+            errors=(503,),
+            open=True,
+        )
+        for path in ("/server_info", "/get_server_info")
+    ),
+    *(
+        Operation(
+            "get",
+            path,
+            "The served model (SGLang's shape)",
+            reply=protocol.ModelInfo,
+            errors=(503,),
+            open=True,
+        )
+        for path in ("/model_info", "/get_model_info")
+    ),
+    Operation(
+        "get",
+        "/get_load",
+        "Requests and tokens held or queued (SGLang's shape)",
+        reply=protocol.Load,
+        errors=(503,),
+        open=True,
+    ),
+    *(
+        Operation(
+            method,
+            "/flush_cache",
+            "Drop the prefix cache; 400 while requests run",
+            reply=protocol.Flushed,
+            errors=(400, 401, 503),
+        )
+        for method in ("get", "post")
+    ),
+    Operation(
+        "get",
+        "/health_generate",
+        "200 once the engine has produced a token",
+        reply=protocol.Health,
+        errors=(503,),
+        open=True,
+    ),
 )
 
 
@@ -112,11 +160,11 @@ def _event(chunk: type[BaseModel]) -> dict[str, Any]:
 
 
 def _responses(op: Operation) -> dict[str, Any]:
-    if op.path == "/health":
+    if op.path in ("/health", "/health_generate"):
         health = {"content": {"application/json": {"schema": _ref(protocol.Health)}}}
         return {
             "200": {"description": "ready", **health},
-            "503": {"description": "not ready", **health},
+            "503": {"description": "not ready (loading, draining, or no token came)", **health},
         }
     if op.path == "/metrics":
         text = {"text/plain": {"schema": {"type": "string"}}}

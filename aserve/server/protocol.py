@@ -21,6 +21,7 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    RootModel,
     Tag,
     model_validator,
 )
@@ -459,7 +460,46 @@ class ModelList(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok", "loading", "draining"]
+    status: Literal["ok", "loading", "draining", "unhealthy"]
+
+
+class ServerInfo(BaseModel):
+    """What SGLang's router reads when it adds a worker (its model id: the served name)."""
+
+    model_path: str
+    served_model_name: str
+    version: str
+    dp_size: int
+    tp_size: int
+    max_running_requests: int
+    max_total_num_tokens: int
+    max_prefill_tokens: int
+    context_length: int
+    page_size: int
+    device: str
+
+
+class ModelInfo(BaseModel):
+    model_path: str
+    tokenizer_path: str | None
+    is_generation: bool
+    model_type: str
+    architectures: list[str]
+
+
+class RankLoad(BaseModel):
+    dp_rank: int
+    num_reqs: int
+    num_waiting_reqs: int
+    num_tokens: int = Field(description="KV tokens in use plus the prompt tokens still waiting")
+
+
+class Load(RootModel[list[RankLoad]]):
+    """One entry per data-parallel rank, as SGLang's /get_load answers (aserve has one)."""
+
+
+class Flushed(BaseModel):
+    status: Literal["flushed"]
 
 
 class TokenizeResponse(BaseModel):
