@@ -92,7 +92,8 @@ async def first_model(base_url: str, api_key: str | None = None) -> str:
         session.get(f"{base_url.rstrip('/')}/v1/models", headers=_headers(api_key)) as response,
     ):
         response.raise_for_status()
-        return (await response.json())["data"][0]["id"]
+        # content_type=None: SGLang's router sends its model list as text/plain.
+        return (await response.json(content_type=None))["data"][0]["id"]
 
 
 async def _read_stream(
