@@ -256,8 +256,11 @@ class StopSignals:
 
     def __init__(self) -> None:
         self.count = 0
+
+    def install(self) -> StopSignals:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
+        return self
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.count += 1
@@ -273,11 +276,17 @@ def _url(host: str, port: int) -> str:
 
 
 class Launcher:
-    def __init__(self, config: ServerConfig, args: argparse.Namespace, argv: list[str]) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        args: argparse.Namespace,
+        argv: list[str],
+        signals: StopSignals | None = None,
+    ) -> None:
         self.config = config
         self.args = args
         self.pump = OutputPump()
-        self.signals = StopSignals()
+        self.signals = signals or StopSignals()
         self.replicas: list[Child] = []
         self.first_ratio: dict[str, float] = {}
         self.router: Child | None = None
@@ -433,7 +442,7 @@ def run_replicas(config: ServerConfig, args: argparse.Namespace, argv: list[str]
             file=sys.stderr,
         )
         return 2
-    launcher = Launcher(config, args, argv)
+    launcher = Launcher(config, args, argv, StopSignals().install())
     failure = None
     try:
         launcher.start()

@@ -44,6 +44,13 @@ for step in "$@"; do
               timeout 100 python3 bench/serving.py --api chat --tokenizer /tmp/q06 --num-prompts 16 --max-concurrency 1 --random-input-len 512 \
                 --random-output-len 256 --random-range-ratio 1 --label "issue 21: one chat stream at a time" 2>&1 | grep "Output token\|Median ITL\|P99 ITL\|Median TTFT"
               pkill -INT -f "python3 -m aserve"; sleep 3 ;;
+    replicas)  # issue 22: one server against --dp 2 sharing this GPU, the same chat workload, one command
+              # (.whl also holds sglang-router 0.3.2 and what its launcher imports: setproctitle, fastapi, uvicorn)
+              python3 -c "from pathlib import Path; from bench.minisgl_peer import tokenizer_folder as t; t(Path('bench/models/qwen3-0.6b'), Path('/tmp/q06'))"
+              timeout 560 python3 -m bench.replicas --dp 2 --log-dir $OUT --server-args "--model /tmp/q06 --dummy-weight \
+                --max-seq-len-override 4096 --max-prefill-length 16384 --page-size 256 --cuda-graph-max-bs 256" -- --api chat \
+                --tokenizer /tmp/q06 --num-prompts 256 --input-len 100 1024 --output-len 100 1024 --temperature 0.6 --client-processes 4 \
+                2>&1 | grep "###\|Output token\|Total gen\|Total input\|Median TTFT\|Median ITL\|P99 ITL\|Failed" ;;
     serving-peers)  # issue 21: aserve and mini-SGLang (.minisgl + fastapi/uvicorn wheels in .whl), offline and over HTTP, one command
               python3 -c "from pathlib import Path; from bench.minisgl_peer import tokenizer_folder as t; t(Path('bench/models/qwen3-0.6b'), Path('/tmp/q06'))"
               PYTHONPATH=/tmp/site:$PWD:$PWD/.minisgl/python timeout 200 python3 bench/offline.py --model /tmp/q06 $W --peer minisgl --repeat 1 2>&1 | grep "tok/s" | tail -2

@@ -64,6 +64,35 @@ def test_replicas_split_the_cpu_cores() -> None:
     assert {p.env["OMP_NUM_THREADS"] for p in crowded} == {"1"}
 
 
+def test_replica_and_router_commands_follow_the_options() -> None:
+    """Each replica runs the same command line with later options that win (its own port on
+    loopback, --dp 1, a drain delay); the router gets --host/--port, the policy, the fast
+    health checks and --router-args last."""
+    from aserve.cli import parse_config
+    from aserve.replicas import DRAIN_DELAY_S, Launcher, StopSignals
+
+    argv = ["--dp", "2", "--host", "0.0.0.0", "--port", "8080", "--max-running-requests", "8"]
+    argv += ["--router-policy", "round_robin", "--router-args", "--retry-max-retries 3"]
+    config, args = parse_config(argv)
+    launcher = Launcher(config, args, argv, StopSignals())
+    waves = launcher.plan()
+    replicas = [r for wave in waves for r in wave]
+    assert len(replicas) == 2 and len({r.port for r in replicas}) == 2
+    for replica in replicas:
+        mine, mine_args = parse_config(replica.command[3:])
+        assert (mine.host, mine.port, mine_args.dp_size) == ("127.0.0.1", replica.port, 1)
+        assert mine_args.drain_delay == DRAIN_DELAY_S
+        assert mine.scheduler.max_running_requests == 8
+    router = launcher.router_command()
+    assert router[1:3] == ["-m", "sglang_router.launch_router"]
+    urls = [f"http://127.0.0.1:{r.port}" for r in replicas]
+    joined = " ".join(router)
+    workers = " ".join(urls)
+    assert f"--host 0.0.0.0 --port 8080 --worker-urls {workers} --policy round_robin" in joined
+    assert "--health-check-interval-secs 2 --health-failure-threshold 2" in joined
+    assert router[-2:] == ["--retry-max-retries", "3"]
+
+
 def test_dp_refuses_shell_mode_in_one_line() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "aserve", "--dp", "2", "--shell"],
@@ -88,6 +117,30 @@ def test_a_replica_that_cannot_start_stops_the_launch_in_one_line(tmp_path: Path
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]
     assert re.fullmatch(r"aserve: error: replica\d exited with code 2 before it was ready.*", last)
+
+
+@needs_router
+def test_replicas_do_not_outlive_a_killed_launcher(smollm2_dir: Path, tmp_path: Path) -> None:
+    """SIGKILL to the launcher (no chance to stop anything): its replicas get SIGTERM from
+    the kernel (PR_SET_PDEATHSIG) and exit."""
+    log = tmp_path / "launcher.log"
+    with log.open("w") as out:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "aserve", "--dp", "2", "--model", str(smollm2_dir)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    deadline = time.monotonic() + 120
+    while len(pids := re.findall(r"started replica\d \(pid (\d+)\)", log.read_text())) < 2:
+        assert time.monotonic() < deadline and launcher.poll() is None, log.read_text()
+        time.sleep(0.2)
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 60
+    while any(alive(int(pid)) for pid in pids):
+        assert time.monotonic() < deadline, f"replicas {pids} outlived the launcher"
+        time.sleep(0.2)
 
 
 # ---- the fleet -------------------------------------------------------------------------
@@ -144,11 +197,13 @@ class Fleet:
 
 
 def alive(pid: int) -> bool:
+    """Running: not gone, and not a zombie that nobody has reaped yet (an orphan's zombie
+    waits for whatever reaps orphans here)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
         return False
-    return True
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 @pytest.fixture(scope="module")
