@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import pty
+import re
 import select
 import signal
 import socket
@@ -84,6 +85,16 @@ def test_health_is_503_while_loading_then_ready(smollm2_dir: Path) -> None:
             "http://127.0.0.1:",
         ):
             assert fragment in log, fragment
+        # One line a start-up phase, with its time, in the order they run.
+        phases = [
+            r"CPU kernels ready in \d+\.\d s",
+            r"weights: 110 MiB on cpu in \d+\.\d s",
+            r"KV cache: 2047 tokens, 0\.09 GiB of float32, allocated in \d+\.\d s",
+            r"ready: serving",
+        ]
+        found = [re.search(phase, log) for phase in phases]
+        assert all(found), [p for p, f in zip(phases, found) if not f]
+        assert [f.start() for f in found] == sorted(f.start() for f in found)
     finally:
         assert process.stop() == 0
 

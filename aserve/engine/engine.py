@@ -151,6 +151,12 @@ class Engine:
         self.load_seconds = time.perf_counter() - started
         self.weight_bytes = weight_bytes(self.model)
         self.free_memory_after_load = free_device_memory(self.device)
+        logger.info(
+            "weights: %.0f MiB on %s in %.1f s",
+            self.weight_bytes / 2**20,
+            self.device,
+            self.load_seconds,
+        )
 
         self.num_pages = plan_num_pages(
             config,
@@ -171,6 +177,7 @@ class Engine:
                 pool_tokens,
             )
             self.max_seq_len = pool_tokens
+        pool_started = time.perf_counter()
         self.pool = KVPool(
             model_config.num_layers,
             self.num_pages,
@@ -188,6 +195,13 @@ class Engine:
         )
         self.page_table = PageTable(
             config.max_running_requests, self.max_seq_len, config.page_size, self.device
+        )
+        logger.info(
+            "KV cache: %d tokens, %.2f GiB of %s, allocated in %.1f s",
+            (self.num_pages - 1) * config.page_size,
+            self.kv_cache_bytes / GiB,
+            str(self.kv_dtype).removeprefix("torch."),
+            time.perf_counter() - pool_started,
         )
         self.attn = self._create_attention_backend(config.attention_backend)
         self.sampler = Sampler(fused_sampling(self.device), config.seed)
