@@ -106,6 +106,21 @@ def test_dp_refuses_shell_mode_in_one_line() -> None:
     ]
 
 
+def test_dp_without_the_router_is_one_line() -> None:
+    hide_router = "import sys; sys.modules['sglang_router'] = None; from aserve.cli import main; "
+    done = subprocess.run(
+        [sys.executable, "-c", hide_router + "sys.exit(main(['--dp', '2']))"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "aserve: error: --dp runs the replicas behind SGLang's router, which is not installed: "
+        'pip install "aserve[router]"'
+    ]
+
+
 @needs_router
 def test_a_replica_that_cannot_start_stops_the_launch_in_one_line(tmp_path: Path) -> None:
     done = subprocess.run(
