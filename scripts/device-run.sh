@@ -45,7 +45,9 @@ for step in "$@"; do
                 --random-output-len 256 --random-range-ratio 1 --label "issue 21: one chat stream at a time" 2>&1 | grep "Output token\|Median ITL\|P99 ITL\|Median TTFT"
               pkill -INT -f "python3 -m aserve"; sleep 3 ;;
     replicas)  # issue 22: one server against --dp 2 sharing this GPU, the same chat workload, one command
-              # (.whl also holds sglang-router 0.3.2 and what its launcher imports: setproctitle, fastapi, uvicorn)
+              # .whl also needs the router and what its launcher imports (py3.12 wheels, --no-deps):
+              # sglang-router==0.3.2 setproctitle==1.3.8 fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0
+              # opentelemetry-api typing-inspection (+ pydantic, pydantic-core, annotated-types if absent)
               python3 -c "from pathlib import Path; from bench.minisgl_peer import tokenizer_folder as t; t(Path('bench/models/qwen3-0.6b'), Path('/tmp/q06'))"
               timeout 560 python3 -m bench.replicas --dp 2 --log-dir $OUT --server-args "--model /tmp/q06 --dummy-weight \
                 --max-seq-len-override 4096 --max-prefill-length 16384 --page-size 256 --cuda-graph-max-bs 256" -- --api chat \
