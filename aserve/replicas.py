@@ -211,6 +211,7 @@ class Child:
     env: dict[str, str] = field(default_factory=dict)
     cpus: tuple[int, ...] = ()
     port: int = 0
+    first_args: tuple[str, ...] = ()  # options of the first start only (a shared GPU's share)
     proc: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
     restart_at: float | None = None
@@ -246,9 +247,8 @@ class Child:
         first, most = RESTART_BACKOFF_S
         ran_long = now - self.started_at > 60.0
         self.backoff_s = first if ran_long else min(self.backoff_s * 2, most)
-        delay = first if ran_long else self.backoff_s
-        self.restart_at = now + delay
-        return delay
+        self.restart_at = now + self.backoff_s
+        return self.backoff_s
 
 
 class StopSignals:
@@ -288,7 +288,6 @@ class Launcher:
         self.pump = OutputPump()
         self.signals = signals or StopSignals()
         self.replicas: list[Child] = []
-        self.first_ratio: dict[str, float] = {}
         self.router: Child | None = None
         self.argv = argv
 
@@ -316,9 +315,9 @@ class Launcher:
                 *("--dp", "1", "--host", "127.0.0.1", "--port", str(port)),
                 *("--drain-delay", str(DRAIN_DELAY_S)),
             ]
-            replica = Child(f"replica{index}", command, placement.env, placement.cpus, port)
-            if placement.memory_ratio is not None:
-                self.first_ratio[replica.name] = placement.memory_ratio
+            ratio = placement.memory_ratio
+            first = () if ratio is None else ("--memory-ratio", f"{ratio:.4f}")
+            replica = Child(f"replica{index}", command, placement.env, placement.cpus, port, first)
             self.replicas.append(replica)
             waves[placement.wave].append(replica)
             where = placement.env.get("CUDA_VISIBLE_DEVICES")
@@ -368,9 +367,7 @@ class Launcher:
     def start(self) -> None:
         for wave in self.plan():
             for replica in wave:
-                ratio = self.first_ratio.get(replica.name)
-                extra = [] if ratio is None else ["--memory-ratio", f"{ratio:.4f}"]
-                replica.start(self.pump, replica.command + extra)
+                replica.start(self.pump, [*replica.command, *replica.first_args])
             self.wait_until(
                 lambda wave=wave: all(
                     http_status(self.replica_url(r) + "/health") == 200 for r in wave

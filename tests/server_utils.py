@@ -4,20 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from aserve.replicas import free_port, http_status
 
 
 class ServerProcess:
@@ -36,13 +29,7 @@ class ServerProcess:
         )
 
     def health(self) -> int:
-        try:
-            with urllib.request.urlopen(self.base_url + "/health", timeout=2) as response:
-                return int(response.status)
-        except urllib.error.HTTPError as error:
-            return int(error.code)
-        except OSError:
-            return 0
+        return http_status(self.base_url + "/health")
 
     def wait_ready(self, timeout_s: float = 180.0) -> None:
         deadline = time.monotonic() + timeout_s

@@ -8,7 +8,6 @@ two ready replicas. The launcher's log names each replica's URL and pid.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.util
 import json
 import os
@@ -17,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,8 +25,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from aserve.replicas import place_on_cpus, place_on_gpus
-from tests.server_utils import free_port
+from aserve.replicas import free_port, http_status, place_on_cpus, place_on_gpus
 
 KEY = "fleet-key"
 MODEL = "SmolLM2-135M-Instruct"
@@ -93,13 +90,15 @@ def test_replica_and_router_commands_follow_the_options() -> None:
     assert router[-2:] == ["--retry-max-retries", "3"]
 
 
-def test_dp_refuses_shell_mode_in_one_line() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "aserve", "--dp", "2", "--shell"],
-        capture_output=True,
-        text=True,
-        timeout=120,
+def python(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+    """This interpreter run with `args`, its output captured as text."""
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=timeout_s
     )
+
+
+def test_dp_refuses_shell_mode_in_one_line() -> None:
+    done = python("-m", "aserve", "--dp", "2", "--shell")
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "aserve: error: --shell-mode chats with one server: leave out --dp (see aserve --help)"
@@ -108,12 +107,7 @@ def test_dp_refuses_shell_mode_in_one_line() -> None:
 
 def test_dp_without_the_router_is_one_line() -> None:
     hide_router = "import sys; sys.modules['sglang_router'] = None; from aserve.cli import main; "
-    done = subprocess.run(
-        [sys.executable, "-c", hide_router + "sys.exit(main(['--dp', '2']))"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = python("-c", hide_router + "sys.exit(main(['--dp', '2']))")
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "aserve: error: --dp runs the replicas behind SGLang's router, which is not installed: "
@@ -123,12 +117,7 @@ def test_dp_without_the_router_is_one_line() -> None:
 
 @needs_router
 def test_a_replica_that_cannot_start_stops_the_launch_in_one_line(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "aserve", "--dp", "2", "--model", str(tmp_path / "missing")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = python("-m", "aserve", "--dp", "2", "--model", str(tmp_path / "missing"), timeout_s=300)
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]
     assert re.fullmatch(r"aserve: error: replica\d exited with code 2 before it was ready.*", last)
@@ -269,11 +258,9 @@ def wait_restarted(fleet: Fleet, index: int, old_pid: int, timeout_s: float = 30
     url = fleet.replica_url(index)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if fleet.replica_pid(index) != old_pid:
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(url + "/health", timeout=5) as response:
-                    if response.status == 200 and router_sees_healthy(fleet, url):
-                        return
+        restarted = fleet.replica_pid(index) != old_pid
+        if restarted and http_status(url + "/health", 5) == 200 and router_sees_healthy(fleet, url):
+            return
         time.sleep(0.5)
     raise TimeoutError(f"replica {index} did not come back:\n{fleet.log()}")
 
@@ -398,7 +385,8 @@ def test_cache_aware_routing_keeps_a_system_prompt_on_one_replica(fleet: Fleet) 
 
     try:
         deadline = time.monotonic() + 120
-        while not _ready(f"http://127.0.0.1:{rr_port}") and time.monotonic() < deadline:
+        rr_url = f"http://127.0.0.1:{rr_port}"
+        while http_status(rr_url + "/readiness", 5) != 200 and time.monotonic() < deadline:
             time.sleep(0.5)
         aware_rate, aware_placed = run_phase(fleet.url)
         robin_rate, robin_placed = run_phase(f"http://127.0.0.1:{rr_port}")
@@ -409,14 +397,6 @@ def test_cache_aware_routing_keeps_a_system_prompt_on_one_replica(fleet: Fleet) 
     assert all(len(p) == 1 for p in aware_placed), aware_placed
     assert all(len(p) == 2 for p in robin_placed), robin_placed
     assert aware_rate > robin_rate + 0.1
-
-
-def _ready(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/readiness", timeout=5) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 def test_sigterm_of_a_replica_under_load_loses_no_request(fleet: Fleet) -> None:

@@ -198,7 +198,7 @@ class Engine:
         )
         logger.info(
             "KV cache: %d tokens, %.2f GiB of %s, allocated in %.1f s",
-            (self.num_pages - 1) * config.page_size,
+            pool_tokens,
             self.kv_cache_bytes / GiB,
             str(self.kv_dtype).removeprefix("torch."),
             time.perf_counter() - pool_started,

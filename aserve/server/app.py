@@ -22,17 +22,19 @@ from aserve.runtime import Runtime
 from aserve.scheduler.plan import ScheduledBatch
 from aserve.server import openai, protocol
 from aserve.server.completions import Completions
-from aserve.server.fleet import OPEN_FLEET_PATHS, FleetRoutes
+from aserve.server.fleet import FleetRoutes
 from aserve.server.http import error_response, json_response
 from aserve.server.limits import MAX_BODY_BYTES
 from aserve.server.openai import APIError
-from aserve.server.openapi import openapi_spec
+from aserve.server.openapi import OPERATIONS, openapi_spec
 from aserve.server.state import ServerState, require_tokenizer
 
 logger = logging.getLogger("aserve.server")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"}) | OPEN_FLEET_PATHS
+# Served without the API key: what /openapi.json marks open (health, metrics, what a router
+# reads), so the description and the check are one list.
+OPEN_PATHS = frozenset(op.path for op in OPERATIONS if op.open)
 
 
 class Server:

@@ -23,18 +23,6 @@ from aserve.server.state import ServerState
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 
-# Read by routers before they hold any key: identity and load, never data.
-OPEN_FLEET_PATHS = frozenset(
-    {
-        "/server_info",
-        "/get_server_info",
-        "/model_info",
-        "/get_model_info",
-        "/get_load",
-        "/health_generate",
-    }
-)
-
 
 class FleetRoutes:
     def __init__(self, state: ServerState) -> None:

@@ -37,6 +37,18 @@ class Operation(NamedTuple):
     open: bool = False
 
 
+# What a router reads of a replica (server/fleet.py): open, 503 until the model is loaded.
+FLEET_READS = (
+    (
+        ("/server_info", "/get_server_info"),
+        "Who this replica is (SGLang's shape, read by its router)",
+        protocol.ServerInfo,
+    ),
+    (("/model_info", "/get_model_info"), "The served model (SGLang's shape)", protocol.ModelInfo),
+    (("/get_load",), "Requests and tokens held or queued (SGLang's shape)", protocol.Load),
+    (("/health_generate",), "200 once the engine has produced a token", protocol.Health),
+)
+
 OPERATIONS = (
     Operation(
         "post",
@@ -80,34 +92,9 @@ OPERATIONS = (
     Operation("get", "/metrics", "Prometheus metrics", open=True),
     Operation("get", "/openapi.json", "This description", open=True),
     *(
-        Operation(
-            "get",
-            path,
-            "Who this replica is (SGLang's shape, read by its router)",
-            reply=protocol.ServerInfo,
-            errors=(503,),
-            open=True,
-        )
-        for path in ("/server_info", "/get_server_info")
-    ),
-    *(
-        Operation(
-            "get",
-            path,
-            "The served model (SGLang's shape)",
-            reply=protocol.ModelInfo,
-            errors=(503,),
-            open=True,
-        )
-        for path in ("/model_info", "/get_model_info")
-    ),
-    Operation(
-        "get",
-        "/get_load",
-        "Requests and tokens held or queued (SGLang's shape)",
-        reply=protocol.Load,
-        errors=(503,),
-        open=True,
+        Operation("get", path, summary, reply=reply, errors=(503,), open=True)
+        for paths, summary, reply in FLEET_READS
+        for path in paths
     ),
     *(
         Operation(
@@ -118,14 +105,6 @@ OPERATIONS = (
             errors=(400, 401, 503),
         )
         for method in ("get", "post")
-    ),
-    Operation(
-        "get",
-        "/health_generate",
-        "200 once the engine has produced a token",
-        reply=protocol.Health,
-        errors=(503,),
-        open=True,
     ),
 )
 
