@@ -174,7 +174,6 @@ class SamplingParams:
             max(self.top_k, 0),
             self.greedy,
             self.has_penalties,
-            self.seed is not None,
             self.logprobs or self.top_logprobs > 0,
             self.top_logprobs,
         )
@@ -190,7 +189,6 @@ SAMPLER_COLUMNS = (
     "top_k",
     "greedy",
     "penalties",
-    "seeded",
     "logprobs",
     "top_logprobs",
 )

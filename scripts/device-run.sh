@@ -6,7 +6,8 @@
 set -x
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  mkdir -p /tmp/site/flashinfer/data/aot && tar xzf .whl/fi-aot-0.6.8-sm90a.tgz -C /tmp/site/flashinfer/data/aot
+  if [ -f .whl/fi-aot-0.6.8-sm90a.tgz ]; then
+    mkdir -p /tmp/site/flashinfer/data/aot && tar xzf .whl/fi-aot-0.6.8-sm90a.tgz -C /tmp/site/flashinfer/data/aot; fi
 fi
 export PYTHONPATH=/tmp/site:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-jit PYTHONUNBUFFERED=1 ASERVE_COMMIT=${COMMIT}
 cp bench/results.jsonl /tmp/results.orig
@@ -18,7 +19,7 @@ serve() {  # serve MODEL [options]: start the server in the background and wait 
 ready_in() {  # ready_in MODEL-ARGS...: seconds from starting the server to a ready /health
   local t0=$(date +%s.%N); python3 -m aserve "$@" --port 1919 > $OUT/start.log 2>&1 & local pid=$!
   for i in $(seq 1500); do curl -sf localhost:1919/health > /dev/null && break; kill -0 $pid 2> /dev/null || { tail -3 $OUT/start.log; return 1; }; sleep 0.2; done
-  echo "ready in $(python3 -c "import time; print(round(time.time() - $t0, 1))") s: $*"; grep -h "kernels ready\|captured" $OUT/start.log | cut -c 27-140
+  echo "ready in $(python3 -c "import time; print(round(time.time() - $t0, 1))") s: $*"; grep -h "kernels ready\|captured\|weights:\|KV cache:" $OUT/start.log | cut -c 27-150
   pkill -INT -f "python3 -m aserve"; sleep 4
 }
 # The embedded model's wheel (93 MB) is over one call's carry limit with the FlashInfer wheels:
@@ -116,9 +117,11 @@ for step in "$@"; do
                 PYTHONPATH=/tmp/site:$PWD:$PWD/.minisgl/python timeout 280 python3 bench/offline.py --model bench/models/$m $W --peer minisgl --repeat 1 $opts 2>&1 | grep -v Warn | tail -4; done; done ;;
     qwen3-tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k "qk_norm or qwen3" 2>&1 | grep -v "^  /\|^    " | tail -30 ;;
     noaot-site) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-noaot .whl/*.whl ;;  # no kernel pack: a fresh machine
-    startup)
+    startup)  # cold (FlashInfer's and Triton's caches emptied) then warm start of each shape
              for m in qwen3-0.6b llama-3.1-8b; do rm -rf /tmp/fi-cold ~/.triton/cache; for phase in first second; do
                PYTHONPATH=/tmp/site-noaot:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-cold ready_in --model bench/models/$m --dummy-weight; done; done ;;
+    triton-tests) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_sampler.py 2>&1 | grep -v "^  /\|^    " | tail -15 ;;
+    gpu-parity) timeout 400 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_gpu.py 2>&1 | grep -v "^  /\|^    " | tail -15 ;;
     startup-smol) rm -rf /tmp/fi-cold ~/.cache/aserve ~/.triton/cache; for phase in first second; do   # GGUF conversion and kernels, cold then cached
                PYTHONPATH=/tmp/site-noaot:/tmp/site:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-cold ready_in; done ;;
     spy) python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/spy .tools/py_spy-*.whl

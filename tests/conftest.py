@@ -4,6 +4,7 @@ Hugging Face reference, plus the rule that every test leaves the KV cache consis
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,12 @@ from typing import Any
 import pytest
 import torch
 
-from aserve import LLM
+# Without a GPU, Triton kernels run under Triton's interpreter (tests/test_triton_kernels.py):
+# it is read when `triton` is first imported, so before anything imports it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from aserve import LLM  # noqa: E402
 from aserve.models.source import resolve_model
 
 

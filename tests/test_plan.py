@@ -169,18 +169,23 @@ def decode_batch(reqs: list[Req]) -> ScheduledBatch:
 
 
 def test_sampling_batch_is_reused_only_while_nothing_in_it_changes() -> None:
-    batches = SamplingBatches(vocab_size=100, device=torch.device("cpu"), fused=True)
+    """The same requests in the same order keep their packed parameters and get only new
+    steps (the hash keys follow each request's output length); another order or a row with
+    penalties (counts that change each step) packs afresh."""
+    batches = SamplingBatches(vocab_size=100, device=torch.device("cpu"))
     plain = [make_req(i, 4) for i in range(3)]
     first = batches.build(decode_batch(plain))
+    for r in plain:
+        r.output_ids.append(7)
     again = batches.build(decode_batch(plain))
-    assert again is first
+    assert again.temperature is first.temperature and again.seed_keys is first.seed_keys
+    assert first.steps is not None and again.steps is not None
+    assert first.steps.tolist() == [0, 0, 0] and again.steps.tolist() == [1, 1, 1]
+    assert not torch.equal(again.keys, first.keys)
     reordered = batches.build(decode_batch(plain[::-1]))
-    assert reordered is not first
-    seeded = make_req(5, 4)
-    seeded.params = SamplingParams(max_tokens=50, seed=1)
+    assert reordered.temperature is not first.temperature
     penalised = make_req(6, 4)
     penalised.params = SamplingParams(max_tokens=50, presence_penalty=0.5)
-    for odd in (seeded, penalised):
-        reqs = [*plain, odd]
-        step = batches.build(decode_batch(reqs))
-        assert batches.build(decode_batch(reqs)) is not step
+    reqs = [*plain, penalised]
+    step = batches.build(decode_batch(reqs))
+    assert batches.build(decode_batch(reqs)).temperature is not step.temperature

@@ -27,10 +27,8 @@ def make_batch(
     prompts: list[list[int]] | None = None,
     outputs: list[list[int]] | None = None,
     device: torch.device = CPU,
-    fused: bool = False,
 ) -> SamplingBatch:
-    """A batch whose seeds default to the params' seeds and whose histories default to empty;
-    `fused` builds it for a sampler with FlashInfer's kernels."""
+    """A batch whose seeds default to the params' seeds and whose histories default to empty."""
     n = len(params)
     return SamplingBatch.build(
         params,
@@ -40,7 +38,6 @@ def make_batch(
         outputs if outputs is not None else [[] for _ in range(n)],
         vocab_size,
         device,
-        fused,
     )
 
 
@@ -350,9 +347,11 @@ def test_cuda_matches_cpu_without_host_sync() -> None:
     torch.cuda.set_sync_debug_mode("error")
     try:
         gpu = Sampler().sample(logits_gpu, batch)
+        kernel = race_sampler().sample(logits_gpu, batch)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(gpu.next_ids.cpu(), cpu.next_ids)
+    assert torch.equal(kernel.next_ids.cpu(), cpu.next_ids)
     assert gpu.logprobs is not None and cpu.logprobs is not None
     torch.testing.assert_close(gpu.logprobs.cpu(), cpu.logprobs)
     keys = torch.tensor([0, 1, 0xDEADBEEF, 0xFFFFFFFF])
@@ -360,68 +359,70 @@ def test_cuda_matches_cpu_without_host_sync() -> None:
     torch.testing.assert_close(noise, seeded_exponential_noise(keys, vocab), rtol=1e-6, atol=0.0)
 
 
-def fused_sampler() -> Sampler:
-    """The FlashInfer path, or a skip that says why it cannot run."""
-    from aserve.engine.sampler import fused_sampling
+def race_sampler() -> Sampler:
+    """The sampler with the Triton race kernel, as the engine builds it on CUDA."""
+    from aserve.engine.sampler import race_kernel
 
-    fused = fused_sampling(torch.device("cuda"))
-    if fused is None:
-        pytest.skip("FlashInfer is not installed")
-    return Sampler(fused, seed=1234)
+    race = race_kernel(torch.device("cuda"))
+    if race is None:
+        pytest.skip("Triton is not installed")
+    return Sampler(race)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(("params", "expected"), FREQUENCY_CASES)
-def test_fused_frequencies_match_probabilities(
+def test_race_kernel_frequencies_match_probabilities(
     params: SamplingParams, expected: list[float]
 ) -> None:
-    """FlashInfer's kernels draw from the same filtered distribution as the seeded path, and
-    successive calls draw fresh numbers."""
-    sampler = fused_sampler()
+    """The kernel draws from the filtered distribution (rows with their own seeds), without
+    a host sync; the next step of the same rows draws fresh numbers."""
+    sampler = race_sampler()
     cuda = torch.device("cuda")
-    draws, calls = 4000, 4
+    draws = 8000
     logits = torch.tensor([0.5, 0.25, 0.15, 0.10]).log().to(cuda).expand(draws, -1)
-    batch = make_batch([params] * draws, 4, device=cuda, fused=True)
+    batch = make_batch([params] * draws, 4, seeds=list(range(draws)), device=cuda)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        picks = [sampler.sample(logits, batch).next_ids for _ in range(calls)]
+        picks = sampler.sample(logits, batch).next_ids
+        later = sampler.sample(logits, batch.at_steps([1] * draws)).next_ids
     finally:
         torch.cuda.set_sync_debug_mode("default")
     if sum(p > 0.0 for p in expected) > 1:
-        assert not torch.equal(picks[0], picks[1])
-    counts = torch.bincount(torch.cat(picks).cpu(), minlength=4)
-    assert_frequencies(counts.tolist(), expected)
+        assert not torch.equal(picks, later)
+    assert_frequencies(torch.bincount(picks.cpu(), minlength=4).tolist(), expected)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_fused_sampler_keeps_seeded_batches_batch_invariant() -> None:
-    """A batch with a user seed takes the seeded path, so the seeded request's tokens do not
-    depend on its neighbours; greedy rows of a fused batch stay argmax."""
-    sampler = fused_sampler()
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_race_kernel_picks_the_torch_race_winner(top_p: float) -> None:
+    """The kernel and the torch race agree token for token, over probabilities (top-p) and
+    over the logits themselves (temperature only), whatever the neighbours; greedy rows stay
+    argmax."""
+    sampler = race_sampler()
     cuda = torch.device("cuda")
-    logits = torch.randn(16, 1000, generator=torch.Generator().manual_seed(5)).to(cuda)
-    seeded = [SamplingParams(temperature=0.9, top_p=0.9, seed=42 + i) for i in range(16)]
-    expected = Sampler().sample(logits, make_batch(seeded, 1000, device=cuda)).next_ids
-    batch = make_batch(seeded, 1000, device=cuda, fused=True)
-    assert batch.keys is not None
+    logits = (torch.randn(48, 32000, generator=torch.Generator().manual_seed(5)) * 3).to(cuda)
+    params = [
+        SamplingParams(temperature=0.0 if i % 8 == 7 else 0.6 + i / 40, top_p=top_p, seed=42 + i)
+        for i in range(48)
+    ]
+    batch = make_batch(params, 32000, steps=[i % 5 for i in range(48)], device=cuda)
+    expected = Sampler().sample(logits, batch).next_ids
     assert torch.equal(sampler.sample(logits, batch).next_ids, expected)
-    mixed = [SamplingParams(temperature=0.0 if i % 2 else 1.0, top_k=50) for i in range(16)]
-    batch = make_batch(mixed, 1000, device=cuda, fused=True)
-    assert batch.keys is None
-    out = sampler.sample(logits, batch).next_ids
-    assert torch.equal(out[1::2], logits.argmax(dim=-1)[1::2])
+    alone = make_batch(params[3:4], 32000, steps=[3], device=cuda)
+    assert sampler.sample(logits[3:4], alone).next_ids[0] == expected[3]
+    assert torch.equal(expected[7::8], logits.argmax(dim=-1)[7::8])
 
 
 def test_per_row_parameters_are_contiguous_arrays() -> None:
-    """FlashInfer's sampling kernels read per-row parameters as plain arrays (no strides)."""
+    """The race kernel reads per-row parameters as plain arrays (no strides)."""
     params = [
         SamplingParams(temperature=0.5 + i, top_p=0.9, min_p=0.1, top_k=2 * i) for i in range(3)
     ]
     batch = make_batch(params, 10)
-    for name in ("temperature", "top_p", "min_p", "top_k", "keys", "greedy"):
+    for name in ("temperature", "top_p", "min_p", "top_k", "seed_keys", "steps", "greedy"):
         assert getattr(batch, name).is_contiguous(), name
     assert batch.temperature.tolist() == [0.5, 1.5, 2.5]
     assert batch.top_k.tolist() == [0, 2, 4]

@@ -10,6 +10,9 @@ page ids come from the batch's host-side lists and the page table's host mirror
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from types import ModuleType
 from typing import Any
 
@@ -20,6 +23,9 @@ from aserve.kvcache.pages import PageTable
 from aserve.kvcache.pool import KVPool
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
+BUILD_WORKSPACE_BYTES = 16 * 1024 * 1024
+
+logger = logging.getLogger("aserve.engine")
 
 
 class FlashInferBackend:
@@ -188,3 +194,66 @@ def _triton_decode(device: torch.device, head_dim: int) -> ModuleType | None:
     except ImportError:
         return None
     return triton_decode
+
+
+def build_kernels(
+    device: torch.device,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    page_size: int,
+    prefill_backend: str,
+) -> list[threading.Thread]:
+    """Start compiling (first start) or loading FlashInfer's prefill and tensor-core decode
+    modules, each in a thread of its own, and return the threads. An FP8 pool decodes with
+    the Triton kernels only, so it needs no decode module.
+
+    FlashInfer compiles a module when a wrapper first plans for it, one module after
+    another and each in minutes' share of the first start. Planning a one-token batch here
+    while the weights load and the Triton kernels compile overlaps all of it (the builds
+    are nvcc processes, so the threads hold no lock). The warm-up joins them before its
+    first prefill."""
+
+    def plan(kind: str) -> None:
+        import flashinfer
+
+        started = time.perf_counter()
+        workspace = torch.empty(BUILD_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        one = torch.tensor([0, 1], dtype=torch.int32)
+        page = torch.zeros(1, dtype=torch.int32, device=device)
+        last = torch.ones(1, dtype=torch.int32)
+        if kind == "prefill":
+            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                workspace, "NHD", backend=prefill_backend
+            )
+            wrapper.plan(
+                one, one, page, last, num_heads, num_kv_heads, head_dim, page_size,
+                causal=True, q_data_type=dtype, kv_data_type=kv_dtype,
+            )  # fmt: skip
+        else:
+            decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                workspace, "NHD", use_tensor_cores=True
+            )
+            decode.plan(
+                one, page, last, num_heads, num_kv_heads, head_dim, page_size,
+                q_data_type=dtype, kv_data_type=kv_dtype,
+            )  # fmt: skip
+        torch.cuda.synchronize(device)
+        logger.info("FlashInfer %s kernels ready in %.1f s", kind, time.perf_counter() - started)
+
+    def guarded(kind: str) -> None:
+        try:
+            plan(kind)
+        except Exception as error:  # the warm-up's own prefill then raises it in full
+            logger.debug("building FlashInfer's %s kernels ahead failed: %s", kind, error)
+
+    threads = [
+        threading.Thread(target=guarded, args=(kind,), name=f"flashinfer-{kind}", daemon=True)
+        for kind in ("prefill", "decode" if kv_dtype == dtype else "")
+        if kind
+    ]
+    for thread in threads:
+        thread.start()
+    return threads

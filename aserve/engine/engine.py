@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +28,7 @@ from aserve.engine.sampler import (
     SampleOutput,
     Sampler,
     SamplingBatch,
-    fused_sampling,
+    race_kernel,
     score_prompt,
 )
 from aserve.engine.step import StepSpec, forward_batch
@@ -124,6 +125,7 @@ class Engine:
         if model_config.quantization == "fp8":
             require_fp8_gpu(self.device, "--quantization fp8")
         self.free_memory_before_load = free_device_memory(self.device)
+        self._kernel_builds = self._start_kernel_builds()
         started = time.perf_counter()
         ops = fused_ops(self.device, self.dtype, model_config.quantization is not None)
         with _construct_on(self.device, self.dtype):
@@ -204,7 +206,7 @@ class Engine:
             time.perf_counter() - pool_started,
         )
         self.attn = self._create_attention_backend(config.attention_backend)
-        self.sampler = Sampler(fused_sampling(self.device), config.seed)
+        self.sampler = Sampler(race_kernel(self.device))
         self._warm_up()
         self.graphs = self._capture_graphs()
 
@@ -216,15 +218,37 @@ class Engine:
             raise ConfigError("--attention-backend takes one backend or two as prefill,decode")
         return self._single_backend(names[0])
 
-    def _single_backend(self, name: str) -> AttentionBackend:
+    def _resolved_backend(self, name: str) -> str:
         """`auto` is FlashInfer on CUDA in half precision with a head size its kernels
         support (they have no float32), plain torch otherwise. FA3 prefill (`fa`) was
         measured no faster than FlashInfer's own on the H200 (bench/NOTES.md), so auto
         uses `fi` for both phases."""
-        if name == "auto":
-            half = self.dtype in (torch.float16, torch.bfloat16)
-            supported = self.model_config.head_dim in FLASHINFER_HEAD_DIMS
-            name = "fi" if self.device.type == "cuda" and half and supported else "torch"
+        if name != "auto":
+            return name
+        half = self.dtype in (torch.float16, torch.bfloat16)
+        supported = self.model_config.head_dim in FLASHINFER_HEAD_DIMS
+        return "fi" if self.device.type == "cuda" and half and supported else "torch"
+
+    def _start_kernel_builds(self) -> list[threading.Thread]:
+        """FlashInfer's modules compile (or load) in threads while the weights load."""
+        prefill = self._resolved_backend(self.config.attention_backend.split(",")[0])
+        if self.device.type != "cuda" or prefill not in ("fi", "fa"):
+            return []
+        from aserve.attention.flashinfer import build_kernels
+
+        return build_kernels(
+            self.device,
+            self.model_config.num_heads // self.tp.size,
+            max(1, self.model_config.num_kv_heads // self.tp.size),
+            self.model_config.head_dim,
+            self.dtype,
+            self.kv_dtype,
+            self.config.page_size,
+            "fa3" if prefill == "fa" else "fa2",
+        )
+
+    def _single_backend(self, name: str) -> AttentionBackend:
+        name = self._resolved_backend(name)
         local_heads = self.model_config.num_heads // self.tp.size
         head_dim = self.model_config.head_dim
         if name == "torch":
@@ -252,28 +276,39 @@ class Engine:
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
-        """One-token prefill, decode and sampling on the dummy page, so that FlashInfer
-        compiles (first start, minutes; cached in ~/.cache/flashinfer after) or loads its
-        kernels now rather than inside the first request."""
+        """One-token decode, sampling and prefill on the dummy page, so that every kernel
+        compiles (first start) or loads now rather than inside the first request. Decode
+        and sampling first: they are Triton's, and compile while FlashInfer's modules
+        build in their threads, which the prefill then waits for."""
         if self.device.type != "cuda":
             return
-        logger.info("warming up GPU kernels (the first start compiles them, which takes minutes)")
+        logger.info("warming up GPU kernels (the first start compiles them)")
         started = time.perf_counter()
         dummy = self.page_table.dummy_row
-        for mode in (ForwardMode.PREFILL, ForwardMode.DECODE):
+        for mode in (ForwardMode.DECODE, ForwardMode.PREFILL):
+            if mode is ForwardMode.PREFILL:
+                for thread in self._kernel_builds:
+                    thread.join()
             prefill_ids = [0] if mode is ForwardMode.PREFILL else []
             spec = StepSpec(mode, [dummy], [0], [1], [0], prefill_ids, [])
             batch = forward_batch(spec, self.page_table, self.device)
             self.attn.prepare(batch)
             logits = self.model(batch, self.attn)
-        unseeded = SamplingParams(temperature=1.0, top_k=2, top_p=0.9, min_p=0.01)
-        fused = self.sampler.fused is not None
-        sampling = SamplingBatch.build(
-            [unseeded], [0], [0], [[]], [[]], logits.shape[-1], self.device, fused
-        )
-        self.sampler.sample(logits, sampling)
+            if mode is ForwardMode.DECODE:
+                self._warm_up_sampling(logits)
         torch.cuda.synchronize(self.device)
         logger.info("GPU kernels ready in %.1f s", time.perf_counter() - started)
+
+    def _warm_up_sampling(self, logits: torch.Tensor) -> None:
+        """Both races: over the logits (temperature only) and over filtered probabilities."""
+        for params in (
+            SamplingParams(temperature=1.0),
+            SamplingParams(temperature=1.0, top_k=2, top_p=0.9, min_p=0.01),
+        ):
+            sampling = SamplingBatch.build(
+                [params], [0], [0], [[]], [[]], logits.shape[-1], self.device
+            )
+            self.sampler.sample(logits, sampling)
 
     def _capture_graphs(self) -> DecodeGraphs | None:
         """Decode graphs on CUDA when the decode backend is FlashInfer (the torch backend

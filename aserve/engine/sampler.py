@@ -4,24 +4,20 @@ Sampling never syncs with the host: every per-row choice (greedy or not, top-k, 
 penalties) is a tensor built once per batch, and the only Python branches test flags that
 `SamplingBatch.build` computed from the parameters, never tensor values.
 
-Two ways to draw, both exact samples of the filtered distribution:
-- Seeded (CPU, and any batch where a request gave its own `seed`): randomness is a pure
-  function of (seed, step, token id). An integer hash computed with tensor ops gives each
-  candidate token a uniform number u, and the token with the largest p / -log(u) wins. That
-  exponential race needs no generator state and gives a request the same tokens whatever else
-  shares its batch, on CPU and CUDA alike; it costs several passes over [B, V] int64 tensors.
-- Fused (CUDA with FlashInfer, when no request of the batch gave a seed): FlashInfer's
-  softmax and rejection-sampling kernels, per-row temperature / top-k / top-p / min-p in one
-  batched call. Their Philox stream is per batch row, not per request, so they cannot promise
-  a seeded request the same tokens in another batch; requests without a seed need no such
-  promise, and this path is several times cheaper at large batch.
+Every draw is an exponential race, an exact sample of the filtered distribution: an integer
+hash of (request seed, step, token id) gives each candidate token a uniform number u, and the
+token with the largest p / -log(u) wins. It needs no generator state and gives a request the
+same tokens whatever else shares its batch; requests that name no seed get a random one when
+they arrive. On CPU the race is a few torch passes over [B, V] int64 tensors; on CUDA one
+Triton kernel (engine/race_triton.py) hashes and races in a single pass, over the logits
+themselves when no top-k / top-p / min-p asks for the probabilities.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from itertools import chain
-from types import ModuleType
 from typing import NamedTuple
 
 import numpy as np
@@ -50,12 +46,17 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _row_keys(seeds: list[int], steps: list[int]) -> torch.Tensor:
-    """One 32-bit key per (seed, step); the low 64 bits of the seed take part."""
+def _seed_keys(seeds: list[int]) -> torch.Tensor:
+    """One 32-bit key per seed (its low 64 bits take part); a row's key at a step is
+    `_mix32(seed_key ^ step)`."""
     lo = torch.tensor([s & _MASK32 for s in seeds], dtype=torch.int64)
     hi = torch.tensor([(s >> 32) & _MASK32 for s in seeds], dtype=torch.int64)
-    step = torch.tensor(steps, dtype=torch.int64) & _MASK32
-    return _mix32(_mix32(_mix32(hi ^ _SEED_SALT) ^ lo) ^ step)
+    return _mix32(_mix32(hi ^ _SEED_SALT) ^ lo)
+
+
+def step_keys(seed_keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Each row's key for its step: what the race hashes with each token id."""
+    return _mix32(seed_keys ^ (steps & _MASK32))
 
 
 def seeded_exponential_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -113,7 +114,8 @@ class SamplingBatch:
     repetition_penalty: torch.Tensor
     frequency_penalty: torch.Tensor
     presence_penalty: torch.Tensor
-    keys: torch.Tensor | None
+    seed_keys: torch.Tensor | None
+    steps: torch.Tensor | None
     top_k: torch.Tensor
     greedy: torch.Tensor
     seen: torch.Tensor | None
@@ -137,26 +139,22 @@ class SamplingBatch:
         output_ids: list[list[int]],
         vocab_size: int,
         device: torch.device,
-        fused: bool = False,
     ) -> SamplingBatch:
         """Pack the rows' parameters into tensors with two host-to-device copies (plus the
         token ids of rows with penalties). The copies are asynchronous: a blocking copy would
         wait for the step in flight and undo overlap scheduling. Each parameter is one
-        contiguous row, because FlashInfer's kernels read them as plain arrays.
-
-        `fused` says the sampler has FlashInfer's kernels; a batch without seeded rows is
-        then drawn by them and needs no hash keys (`keys` is None), nor does a greedy batch."""
+        contiguous row, as the race kernel reads them. A greedy batch has no seed keys."""
         table = np.array([p.sampler_row for p in params], dtype=np.float64)
         table = table.reshape(-1, len(SAMPLER_COLUMNS))
-        (temperature, top_p, min_p, rep, freq, pres, top_k, greedy, penalties, seeded,
+        (temperature, top_p, min_p, rep, freq, pres, top_k, greedy, penalties,
          logprobs, top_logprobs) = table.T  # fmt: skip
         top_k = np.minimum(top_k, vocab_size)
         floats = torch.from_numpy(np.ascontiguousarray(table[:, :6].T, dtype=np.float32))
         floats = floats.to(device, non_blocking=True)
-        needs_keys = (bool(seeded.any()) or not fused) and not greedy.all()
+        needs_keys = not greedy.all()
         ints = [torch.from_numpy(top_k.astype(np.int64)), torch.from_numpy(greedy.astype(np.int64))]
         if needs_keys:
-            ints.append(_row_keys(seeds, steps))
+            ints += [_seed_keys(seeds), torch.tensor(steps, dtype=torch.int64)]
         packed = torch.stack(ints).to(device, non_blocking=True)
         any_penalties = bool(penalties.any())
         seen = output_counts = None
@@ -174,7 +172,8 @@ class SamplingBatch:
             repetition_penalty=rep_t,
             frequency_penalty=freq_t,
             presence_penalty=pres_t,
-            keys=packed[2] if needs_keys else None,
+            seed_keys=packed[2] if needs_keys else None,
+            steps=packed[3] if needs_keys else None,
             top_k=packed[0],
             greedy=packed[1].bool(),
             seen=seen,
@@ -188,6 +187,21 @@ class SamplingBatch:
             want_logprobs=bool(logprobs.any()),
             max_top_logprobs=int(top_logprobs.max(initial=0)),
         )
+
+    def at_steps(self, steps: list[int]) -> SamplingBatch:
+        """The same rows at other steps: what a steady decode step needs, one small copy."""
+        if self.seed_keys is None:
+            return self
+        on_device = torch.tensor(steps, dtype=torch.int64).to(
+            self.seed_keys.device, non_blocking=True
+        )
+        return replace(self, steps=on_device)
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """Each row's hash key for its step (the torch race's input)."""
+        assert self.seed_keys is not None and self.steps is not None, "a greedy batch has no keys"
+        return step_keys(self.seed_keys, self.steps)
 
 
 class SampleOutput(NamedTuple):
@@ -279,26 +293,25 @@ def filter_top_k_top_p_min_p(probs: torch.Tensor, batch: SamplingBatch) -> torch
     return probs
 
 
-def fused_sampling(device: torch.device) -> ModuleType | None:
-    """FlashInfer's sampling kernels on CUDA, or None (CPU, or FlashInfer not installed)."""
+Race = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+def race_kernel(device: torch.device) -> Race | None:
+    """The one-pass race of engine/race_triton.py on CUDA, or None (CPU, or no Triton)."""
     if device.type != "cuda":
         return None
     try:
-        import flashinfer.sampling
+        from aserve.engine.race_triton import race
     except ImportError:
         return None
-    return flashinfer.sampling
+    return race
 
 
 class Sampler:
-    """One instance serves every batch. With FlashInfer's kernels (`fused`), unseeded batches
-    draw from a Philox stream keyed by `seed` and a call counter kept on the host, so no call
-    reads a generator's state from the device."""
+    """One instance serves every batch; `race` (CUDA) runs the draw as one kernel."""
 
-    def __init__(self, fused: ModuleType | None = None, seed: int = 0) -> None:
-        self.fused = fused
-        self.seed = seed
-        self.calls = 0
+    def __init__(self, race: Race | None = None) -> None:
+        self.race = race
 
     def sample(
         self,
@@ -315,10 +328,7 @@ class Sampler:
         if batch.all_greedy:
             next_ids = row_argmax(scores)
         else:
-            if batch.keys is None:
-                next_ids = self._fused_draw(scores, batch)
-            else:
-                next_ids = self._seeded_draw(scores, batch, batch.keys)
+            next_ids = self._draw(scores, batch)
             if batch.any_greedy:
                 next_ids = torch.where(batch.greedy, row_argmax(scores), next_ids)
         if not batch.want_logprobs:
@@ -330,35 +340,17 @@ class Sampler:
         top = logprobs.topk(batch.max_top_logprobs, dim=-1)
         return SampleOutput(next_ids, chosen, top.indices, top.values)
 
-    def _seeded_draw(
-        self, scores: torch.Tensor, batch: SamplingBatch, keys: torch.Tensor
-    ) -> torch.Tensor:
+    def _draw(self, scores: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Top-k, then top-p on what top-k kept, then min-p, then the race. Without those
+        filters the kernel races the logits at each row's temperature (the same winner as
+        the probabilities, up to rounding), which spares the softmax's passes."""
+        assert batch.seed_keys is not None and batch.steps is not None
+        filtered = batch.max_top_k > 0 or batch.any_top_p or batch.any_min_p
+        if self.race is not None and not filtered:
+            return self.race(scores, batch.seed_keys, batch.steps, batch.temperature)
         probs = torch.softmax(scores / batch.temperature[:, None], dim=-1)
         probs = filter_top_k_top_p_min_p(probs, batch)
-        noise = seeded_exponential_noise(keys, probs.shape[-1])
+        if self.race is not None:
+            return self.race(probs, batch.seed_keys, batch.steps, None)
+        noise = seeded_exponential_noise(batch.keys, probs.shape[-1])
         return row_argmax(probs / noise)
-
-    def _fused_draw(self, scores: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Top-k, then top-p on what top-k kept, then min-p: the order of the seeded path.
-        Top-k 0 (no cut) becomes the vocabulary size, which FlashInfer reads the same way."""
-        fused = self.fused
-        assert fused is not None, "a batch without hash keys needs FlashInfer's kernels"
-        self.calls += 1
-        rng = {"seed": self.seed, "offset": self.calls * 4096}
-        probs = fused.softmax(scores.float().contiguous(), temperature=batch.temperature)
-        top_k = torch.where(batch.top_k > 0, batch.top_k, probs.shape[-1])
-        if batch.any_min_p:
-            if batch.max_top_k > 0:
-                probs = fused.top_k_renorm_probs(probs, top_k)
-            if batch.any_top_p:
-                probs = fused.top_p_renorm_probs(probs, batch.top_p)
-            ids = fused.min_p_sampling_from_probs(probs, batch.min_p, **rng)
-        elif batch.max_top_k > 0 and batch.any_top_p:
-            ids = fused.top_k_top_p_sampling_from_probs(probs, top_k, batch.top_p, **rng)
-        elif batch.max_top_k > 0:
-            ids = fused.top_k_sampling_from_probs(probs, top_k, **rng)
-        elif batch.any_top_p:
-            ids = fused.top_p_sampling_from_probs(probs, batch.top_p, **rng)
-        else:
-            ids = fused.sampling_from_probs(probs, **rng)
-        return ids.long()

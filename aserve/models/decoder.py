@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from types import ModuleType
 
 import torch
 from torch import nn
@@ -20,6 +19,7 @@ from aserve.config import ModelConfig
 from aserve.distributed.group import TPGroup
 from aserve.forward import ForwardBatch
 from aserve.layers.cpu_gemm import can_pack
+from aserve.layers.cpu_ops import CpuKernels
 from aserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from aserve.layers.fused import FusedOps
 from aserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -107,13 +107,11 @@ class DecoderAttention(nn.Module):
 
 def _fused_norm_rope_store(ops: FusedOps | None, head_dim: int) -> Callable[..., None] | None:
     """The one-kernel Q/K norm, RoPE and KV write (`layers/rope_store.py`) where the layers
-    use FlashInfer's kernels (CUDA, half precision) and Triton is installed, else None."""
-    if not isinstance(ops, ModuleType) or head_dim not in (64, 128, 256):
+    use the Triton kernels of layers/cuda_ops.py (CUDA, half precision), else None."""
+    if ops is None or isinstance(ops, CpuKernels) or head_dim not in (64, 128, 256):
         return None
-    try:
-        from aserve.layers.rope_store import norm_rope_store
-    except ImportError:
-        return None
+    from aserve.layers.rope_store import norm_rope_store
+
     return norm_rope_store
 
 

@@ -57,33 +57,32 @@ def build_forward_batch(
 
 
 class SamplingBatches:
-    """Builds each step's SamplingBatch, and hands the previous one out again when a step
-    runs the same requests in the same order and the batch holds nothing that changes from
-    step to step (hash keys follow the step; penalties count the tokens so far). Steady
-    decode is such a step: it then skips packing and copying the parameters."""
+    """Builds each step's SamplingBatch. A step that runs the same requests in the same order
+    as the last one, none with penalties (they count the tokens so far), reuses its packed
+    parameters and copies only the rows' steps, which the hash keys follow. Steady decode is
+    such a step."""
 
-    def __init__(self, vocab_size: int, device: torch.device, fused: bool) -> None:
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = device
-        self.fused = fused
         self._last_rids: tuple[int, ...] = ()
         self._last: SamplingBatch | None = None
 
     def build(self, planned: ScheduledBatch) -> SamplingBatch:
         reqs = planned.reqs
         rids = tuple(r.rid for r in reqs)
+        steps = [len(r.output_ids) for r in reqs]
         if self._last is not None and rids == self._last_rids:
-            return self._last
+            return self._last.at_steps(steps)
         batch = SamplingBatch.build(
             params=[r.params for r in reqs],
             seeds=[r.seed for r in reqs],
-            steps=[len(r.output_ids) for r in reqs],
+            steps=steps,
             prompt_ids=[r.prompt_ids for r in reqs],
             output_ids=[r.output_ids for r in reqs],
             vocab_size=self.vocab_size,
             device=self.device,
-            fused=self.fused,
         )
-        reusable = batch.keys is None and not batch.any_penalties
+        reusable = not batch.any_penalties
         self._last, self._last_rids = (batch, rids) if reusable else (None, ())
         return batch

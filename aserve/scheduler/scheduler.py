@@ -101,9 +101,7 @@ class Scheduler:
         self._running = False
         self._fatal: Exception | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.sampling_batches = SamplingBatches(
-            self.vocab_size, engine.device, engine.sampler.fused is not None
-        )
+        self.sampling_batches = SamplingBatches(self.vocab_size, engine.device)
         self.overlap = engine.device.type == "cuda" and not os.environ.get("ASERVE_DISABLE_OVERLAP")
 
     def make_request(self, prompt_ids: list[int], params: SamplingParams) -> Req:

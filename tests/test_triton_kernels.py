@@ -1,0 +1,137 @@
+"""aserve's Triton kernels (layers/cuda_ops.py, engine/race_triton.py) against the torch
+formulas they replace: compiled on a GPU, and on CPU under Triton's interpreter (the same
+kernel code run by NumPy; tests/conftest.py turns it on when there is no GPU). float16,
+because the interpreter truncates to bfloat16 where the GPU rounds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aserve.engine.sampler import (
+    SamplingBatch,
+    _seed_keys,
+    filter_top_k_top_p_min_p,
+    row_argmax,
+    seeded_exponential_noise,
+    step_keys,
+)
+from aserve.layers.rotary import RotaryEmbedding
+from aserve.sampling_params import SamplingParams
+
+pytest.importorskip("triton", reason="Triton is not installed (it comes with xgrammar)")
+from aserve.engine.race_triton import race  # noqa: E402
+from aserve.layers.cuda_ops import CudaKernels  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ops = CudaKernels()
+
+
+def hf_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return weight * (x32 * x32.pow(2).mean(-1, keepdim=True).add(eps).rsqrt()).to(x.dtype)
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_rmsnorm_rows_and_strided_heads() -> None:
+    x = torch.randn(7, 96, generator=gen(0)).half().to(DEVICE)
+    weight = torch.randn(96, generator=gen(1)).half().to(DEVICE)
+    torch.testing.assert_close(ops.rmsnorm(x, weight, 1e-6), hf_rmsnorm(x, weight, 1e-6))
+    # Qwen3's Q norm: the heads of a strided slice of a wider row, normalised in place
+    qkv = torch.randn(5, 3 * 64 + 32, generator=gen(2)).half().to(DEVICE)
+    heads = qkv[:, : 3 * 64].unflatten(-1, (3, 64))
+    want = hf_rmsnorm(heads, weight[:64], 1e-5)
+    untouched = qkv[:, 3 * 64 :].clone()
+    ops.rmsnorm(heads, weight[:64], 1e-5, out=heads)
+    torch.testing.assert_close(heads, want)
+    assert torch.equal(qkv[:, 3 * 64 :], untouched)
+
+
+def test_fused_add_rmsnorm_rounds_the_sum_first() -> None:
+    x = torch.randn(6, 200, generator=gen(3)).half().to(DEVICE)
+    residual = torch.randn(6, 200, generator=gen(4)).half().to(DEVICE)
+    weight = torch.randn(200, generator=gen(5)).half().to(DEVICE)
+    total = x + residual
+    ops.fused_add_rmsnorm(x, residual, weight, 1e-6)
+    assert torch.equal(residual, total)
+    torch.testing.assert_close(x, hf_rmsnorm(total, weight, 1e-6))
+
+
+def test_silu_and_mul() -> None:
+    gate_up = torch.randn(4, 2 * 1500, generator=gen(6)).half().to(DEVICE)  # two column blocks
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(
+        ops.silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=2e-3, atol=2e-3
+    )
+
+
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_rope_matches_the_torch_rotation(head_dim: int) -> None:
+    plain = RotaryEmbedding(head_dim, 64, 10000.0, None).to(DEVICE)
+    fused = RotaryEmbedding(head_dim, 64, 10000.0, None, ops).to(DEVICE)
+    heads, kv_heads = 4, 2
+    qkv = torch.randn(9, (heads + 2 * kv_heads) * head_dim, generator=gen(7)).half().to(DEVICE)
+    positions = torch.tensor([0, 1, 2, 5, 9, 17, 33, 62, 63], device=DEVICE)
+    want, got = qkv.clone(), qkv.clone()
+    q_size, qk_size = heads * head_dim, (heads + kv_heads) * head_dim
+    plain(positions, want[:, :qk_size], q_size)
+    fused(positions, got[:, :qk_size], q_size)
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+    assert torch.equal(got[:, qk_size:], qkv[:, qk_size:])  # V untouched
+
+
+def torch_race(probs: torch.Tensor, seeds: list[int], steps: list[int]) -> torch.Tensor:
+    keys = step_keys(_seed_keys(seeds).to(DEVICE), torch.tensor(steps, device=DEVICE))
+    return row_argmax(probs / seeded_exponential_noise(keys, probs.shape[-1]))
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_race_picks_the_torch_race_winner(rows: int) -> None:
+    """Over probabilities (filtered) the same bits as the torch path; over logits at a
+    temperature the same winner (rounding differs only at ties). One row splits its 5,000
+    tokens over several programs."""
+    vocab = 5000
+    logits = (torch.randn(rows, vocab, generator=gen(8)) * 3).to(DEVICE)
+    temperature = torch.tensor([0.5, 0.7, 1.0, 1.3, 2.0][:rows], device=DEVICE)
+    seeds, steps = [11 + 7 * i for i in range(rows)], [i * 3 for i in range(rows)]
+    seed_keys, step_t = _seed_keys(seeds).to(DEVICE), torch.tensor(steps, device=DEVICE)
+    probs = torch.softmax(logits / temperature[:, None], dim=-1)
+    want = torch_race(probs, seeds, steps)
+    assert torch.equal(race(probs, seed_keys, step_t, None), want)
+    assert torch.equal(race(logits, seed_keys, step_t, temperature), want)
+    top_k = probs.masked_fill(probs < probs.topk(20, dim=-1).values[:, -1:], 0.0)
+    assert torch.equal(race(top_k, seed_keys, step_t, None), torch_race(top_k, seeds, steps))
+
+
+def test_race_over_many_steps_follows_the_distribution() -> None:
+    """A 4-token distribution drawn at 400 steps: frequencies within a chi-square bound."""
+    probs = torch.tensor([[0.1, 0.2, 0.3, 0.4]], device=DEVICE).repeat(400, 1)
+    seed_keys = _seed_keys([1234] * 400).to(DEVICE)
+    ids = race(probs, seed_keys, torch.arange(400, device=DEVICE), None)
+    counts = torch.bincount(ids.cpu(), minlength=4).float()
+    expected = probs[0].cpu() * 400
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 16.27, (counts.tolist(), chi2)  # p = 0.001 at 3 degrees of freedom
+
+
+def test_filters_then_race_keep_the_allowed_set() -> None:
+    """top-p on the torch side, race on the kernel: never a token outside the nucleus."""
+    logits = torch.randn(1, 300, generator=gen(9)).repeat(200, 1).to(DEVICE)
+    batch = SamplingBatch.build(
+        [SamplingParams(temperature=1.0, top_p=0.5)] * 200,
+        list(range(200)),
+        [0] * 200,
+        [[] for _ in range(200)],
+        [[] for _ in range(200)],
+        300,
+        DEVICE,
+    )
+    probs = filter_top_k_top_p_min_p(torch.softmax(logits, dim=-1), batch)
+    assert batch.seed_keys is not None and batch.steps is not None
+    ids = race(probs, batch.seed_keys, batch.steps, None)
+    allowed = probs[0] > 0
+    assert bool(allowed[ids].all())
+    assert len(set(ids.tolist())) > 1
