@@ -50,7 +50,12 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def measure(
-    name: str, server_args: list[str], serving_args: list[str], log_dir: Path, timeout_s: float
+    name: str,
+    server_args: list[str],
+    serving_args: list[str],
+    log_dir: Path,
+    timeout_s: float,
+    warmup_runs: int,
 ) -> None:
     port = free_port()
     log = log_dir / f"{name.replace(' ', '_')}.log"
@@ -58,8 +63,12 @@ def measure(
     try:
         ready = "/readiness" if "--dp" in server_args else "/health"
         wait_ready(proc, f"http://127.0.0.1:{port}{ready}", log, timeout_s)
+        url = ["--base-url", f"http://127.0.0.1:{port}"]
+        for _ in range(warmup_runs):
+            print(f"\n### {name} (warm-up, not recorded)", flush=True)
+            serving.main([*serving_args, *url, "--no-record"])
         print(f"\n### {name}", flush=True)
-        serving.main([*serving_args, "--base-url", f"http://127.0.0.1:{port}", "--label", name])
+        serving.main([*serving_args, *url, "--label", name])
     finally:
         stop(proc)
 
@@ -74,15 +83,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--server-args", default="", help="aserve options of both, as one string")
     p.add_argument("--router-policy", default="cache_aware")
     p.add_argument("--repeat", type=int, default=1, help="pairs of runs, one server first")
+    p.add_argument(
+        "--warmup-runs",
+        type=int,
+        default=1,
+        help="unrecorded runs of the workload on each fresh server first: a new server's "
+        "first burst runs at about half speed on a GPU (bench/NOTES.md)",
+    )
     p.add_argument("--log-dir", type=Path, default=Path("/tmp"))
     p.add_argument("--ready-timeout", type=float, default=900.0)
     args = p.parse_args(ours)
     server = shlex.split(args.server_args)
     fleet = [*server, "--dp", str(args.dp), "--router-policy", args.router_policy]
     for _ in range(args.repeat):
-        measure("one server", server, serving_args, args.log_dir, args.ready_timeout)
-        name = f"dp{args.dp} {args.router_policy}"
-        measure(name, fleet, serving_args, args.log_dir, args.ready_timeout)
+        timing = (args.log_dir, args.ready_timeout, args.warmup_runs)
+        measure("one server", server, serving_args, *timing)
+        measure(f"dp{args.dp} {args.router_policy}", fleet, serving_args, *timing)
 
 
 if __name__ == "__main__":

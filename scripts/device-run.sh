@@ -120,6 +120,17 @@ for step in "$@"; do
     startup)  # cold (FlashInfer's and Triton's caches emptied) then warm start of each shape
              for m in qwen3-0.6b llama-3.1-8b; do rm -rf /tmp/fi-cold ~/.triton/cache; for phase in first second; do
                PYTHONPATH=/tmp/site-noaot:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-cold ready_in --model bench/models/$m --dummy-weight; done; done ;;
+    startup-ab)  # issue 23: BEFORE's tree (.scratch/old, a git archive) against this one: cold then warm start of
+                 # qwen3-0.6b (caches emptied), then the offline figure of both shapes, before and after alternating
+              root=$PWD
+              for side in before after; do tree=$([ $side = before ] && echo .scratch/old || echo .); rm -rf /tmp/fi-$side ~/.triton/cache
+                for phase in cold warm; do (cd $tree && PYTHONPATH=/tmp/site:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-$side \
+                  ready_in --model $root/bench/models/qwen3-0.6b --dummy-weight); done; done
+              for m in qwen3-0.6b llama-3.1-8b; do for side in before after; do tree=$([ $side = before ] && echo .scratch/old || echo .)
+                (cd $tree && PYTHONPATH=/tmp/site:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-$side ASERVE_COMMIT=$side timeout 200 \
+                  python3 bench/offline.py --model $root/bench/models/$m $W --no-record 2>&1 | tail -1 | sed "s/^/$side /"); done; done ;;
+    import-time) python3 -X importtime -c "import aserve.cli, aserve.server.serve, aserve.server.app" 2> $OUT/importtime.txt
+              sort -t'|' -k2 -n $OUT/importtime.txt | tail -12; python3 -c "import time; t = time.time(); import transformers; print('transformers', round(time.time() - t, 2))" ;;
     triton-tests) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_sampler.py 2>&1 | grep -v "^  /\|^    " | tail -15 ;;
     gpu-parity) timeout 400 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_gpu.py 2>&1 | grep -v "^  /\|^    " | tail -15 ;;
     startup-smol) rm -rf /tmp/fi-cold ~/.cache/aserve ~/.triton/cache; for phase in first second; do   # GGUF conversion and kernels, cold then cached
