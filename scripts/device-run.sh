@@ -129,6 +129,14 @@ for step in "$@"; do
               for m in qwen3-0.6b llama-3.1-8b; do for side in before after; do tree=$([ $side = before ] && echo .scratch/old || echo .)
                 (cd $tree && PYTHONPATH=/tmp/site:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-$side ASERVE_COMMIT=$side timeout 200 \
                   python3 bench/offline.py --model $root/bench/models/$m $W --no-record 2>&1 | tail -1 | sed "s/^/$side /"); done; done ;;
+    trace-ab)  # where a step of the 8B shape at batch 256 goes, before (.scratch/old) and after; offline twice, alternating
+              root=$PWD
+              for side in before after; do tree=$([ $side = before ] && echo .scratch/old || echo .)
+                (cd $tree && PYTHONPATH=/tmp/site:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-$side timeout 200 python3 bench/trace.py \
+                  --model $root/bench/models/llama-3.1-8b --dummy-weight --batch 256 --no-record 2>&1 | grep -B2 -A16 "us/step" | sed "s/^/$side /"); done
+              for run in 1 2; do for side in before after; do tree=$([ $side = before ] && echo .scratch/old || echo .)
+                (cd $tree && PYTHONPATH=/tmp/site:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-$side timeout 200 \
+                  python3 bench/offline.py --model $root/bench/models/llama-3.1-8b $W --no-record 2>&1 | tail -1 | sed "s/^/$side /"); done; done ;;
     import-time) python3 -X importtime -c "import aserve.cli, aserve.server.serve, aserve.server.app" 2> $OUT/importtime.txt
               sort -t'|' -k2 -n $OUT/importtime.txt | tail -12; python3 -c "import time; t = time.time(); import transformers; print('transformers', round(time.time() - t, 2))" ;;
     triton-tests) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_sampler.py 2>&1 | grep -v "^  /\|^    " | tail -15 ;;
