@@ -199,6 +199,29 @@ def render_perplexity(lines: list[dict]) -> str:
     return PERPLEXITY_HEADER + "\n".join(rows) + "\n"
 
 
+STARTUP_HEADER = """
+## GPU start-up
+
+Seconds from `aserve --model M --dummy-weight` to a ready /health on the GPU machine
+(`scripts/device-run.sh startup` / `startup-ab`): cold with FlashInfer's and Triton's caches
+emptied in the same command (what a fresh box or container pays), warm right after.
+
+| date | device | model | commit | ready cold s | ready warm s | note |
+|---|---|---|---|---|---|---|
+"""
+
+
+def render_startup(lines: list[dict]) -> str:
+    if not lines:
+        return ""
+    rows = [
+        f"| {x['date']} | {x['device']} | {x['model']} | {x['commit']} | {x['ready_cold_s']} | "
+        f"{x['ready_warm_s']} | {x.get('note', '')} |"
+        for x in lines
+    ]
+    return STARTUP_HEADER + "\n".join(rows) + "\n"
+
+
 def main() -> None:
     jsonl = BENCH_DIR / "results.jsonl"
     lines = [json.loads(x) for x in jsonl.read_text().splitlines() if x.strip()]
@@ -209,6 +232,7 @@ def main() -> None:
     latency = [x for x in lines if x["bench"] == "latency"]
     trace = [x for x in lines if x["bench"] == "trace"]
     perplexity = [x for x in lines if x["bench"] == "perplexity"]
+    startup = [x for x in lines if x["bench"] == "startup"]
     text = (
         render(offline)
         + render_latency(latency)
@@ -216,6 +240,7 @@ def main() -> None:
         + render_trace(trace)
         + render_serving(serving)
         + render_footprint(footprint)
+        + render_startup(startup)
         + ("\n" + notes.read_text() if notes.exists() else "")
     )
     (BENCH_DIR / "RESULTS.md").write_text(text)
