@@ -139,6 +139,7 @@ for step in "$@"; do
                   python3 bench/offline.py --model $root/bench/models/llama-3.1-8b $W --no-record 2>&1 | tail -1 | sed "s/^/$side /"); done; done ;;
     import-time) python3 -X importtime -c "import aserve.cli, aserve.server.serve, aserve.server.app" 2> $OUT/importtime.txt
               sort -t'|' -k2 -n $OUT/importtime.txt | tail -12; python3 -c "import time; t = time.time(); import transformers; print('transformers', round(time.time() - t, 2))" ;;
+    fallbacks) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k "pretended or bf16_logprobs" 2>&1 | grep -v "^  /\|^    " | tail -25 ;;
     triton-tests) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_sampler.py 2>&1 | grep -v "^  /\|^    " | tail -15 ;;
     gpu-parity) timeout 400 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_gpu.py 2>&1 | grep -v "^  /\|^    " | tail -15 ;;
     startup-smol) rm -rf /tmp/fi-cold ~/.cache/aserve ~/.triton/cache; for phase in first second; do   # GGUF conversion and kernels, cold then cached

@@ -571,3 +571,51 @@ def test_cuda_mask_kernel_equals_the_torch_path(dtype: torch.dtype) -> None:
     apply_token_masks(on_gpu, masks)
     assert torch.equal(on_gpu.cpu(), expected)
     assert torch.isinf(expected[[1, 2, 5]]).any() and not torch.isinf(expected[[0, 3, 4]]).any()
+
+
+def compiled_triton_shared_memory() -> dict[str, int]:
+    """The most shared memory any compiled variant of each of aserve's Triton kernels uses."""
+    import sys
+
+    most: dict[str, int] = {}
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("aserve.") or module is None:
+            continue
+        for attr, value in vars(module).items():
+            kernel = getattr(value, "fn", value)  # an autotuner wraps its JITFunction
+            for entry in getattr(kernel, "device_caches", {}).values():
+                for compiled in entry[0].values():
+                    key = f"{name}.{attr}"
+                    most[key] = max(most.get(key, 0), compiled.metadata.shared)
+    return most
+
+
+def test_pretended_ampere_and_ada_gpus_run_their_fallbacks(
+    make_llm: Callable[..., LLM], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ASERVE_GPU_CAPABILITY lowers what aserve believes of the GPU: as an A100 (8.0), an
+    RTX 30xx (8.6) or an Ada card (8.9) the server gives the tokens it gives on the Hopper
+    it runs on (greedy and seeded), refuses FA3 (and FP8 below 8.9) in one line, and every
+    Triton kernel the process compiled fits the smallest shared memory of them (99 KB)."""
+    from aserve.config import ConfigError
+    from aserve.engine.gpu import CAPABILITY_ENV, shared_memory_limit
+
+    folder = make_tiny_model("qwen3", tmp_path, overrides={**KERNEL_SHAPES, "head_dim": 128})
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=24, ignore_eos=True)
+
+    def tokens(llm: LLM) -> list[list[int]]:
+        return [o.token_ids for p in (GREEDY, seeded) for o in llm.generate(PROMPTS, p)]
+
+    hopper = tokens(make_llm(folder, device="cuda", dtype="bfloat16"))
+    for pretended in ("8.0", "8.6", "8.9"):
+        monkeypatch.setenv(CAPABILITY_ENV, pretended)
+        assert tokens(make_llm(folder, device="cuda", dtype="bfloat16")) == hopper, pretended
+        with pytest.raises(ConfigError, match="needs a Hopper GPU"):
+            make_llm(folder, device="cuda", dtype="bfloat16", attention_backend="fa")
+        if pretended != "8.9":
+            with pytest.raises(ConfigError, match="compute capability 8.9 or newer"):
+                make_llm(folder, device="cuda", dtype="bfloat16", kv_cache_dtype="fp8_e4m3")
+    used = compiled_triton_shared_memory()
+    assert used, "no Triton kernel was compiled: the check below would prove nothing"
+    limit = shared_memory_limit((8, 6))
+    assert {k: v for k, v in used.items() if v > limit} == {}, used

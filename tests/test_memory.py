@@ -59,3 +59,16 @@ def test_capacity_line_uses_sglang_names(
         "context_len=128, available_host_mem="
     )
     assert line in caplog.text
+
+
+def test_pretended_capability_parses_or_says_how() -> None:
+    from aserve.config import ConfigError
+    from aserve.engine.gpu import parse_capability, shared_memory_limit
+
+    assert parse_capability("8.6") == (8, 6)
+    assert parse_capability("9.0") == (9, 0)
+    for bad in ("8", "8.x", "sm86", "8.6.1"):
+        with pytest.raises(ConfigError, match="MAJOR.MINOR"):
+            parse_capability(bad)
+    assert shared_memory_limit((8, 6)) == shared_memory_limit((8, 9)) == 99 * 1024
+    assert shared_memory_limit((8, 0)) < shared_memory_limit((9, 0))

@@ -22,6 +22,7 @@ from aserve.attention.base import AttentionBackend, SplitBackend
 from aserve.config import ConfigError, EngineConfig, ModelConfig
 from aserve.constrained.masks import StepMasks
 from aserve.distributed.group import TPGroup
+from aserve.engine.gpu import gpu_capability
 from aserve.engine.memory import GiB, free_device_memory, kv_bytes_per_token, plan_num_pages
 from aserve.engine.sampler import (
     PromptScoring,
@@ -82,7 +83,7 @@ class StepLogits(NamedTuple):
 
 def require_fp8_gpu(device: torch.device, option: str) -> None:
     """FP8 weights and KV need FP8 hardware: compute capability 8.9 (Ada) or newer."""
-    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    capability = gpu_capability(device)
     if capability is None or capability < (8, 9):
         where = (
             "a CPU" if capability is None else f"compute capability {capability[0]}.{capability[1]}"
@@ -124,6 +125,12 @@ class Engine:
                 )
         if model_config.quantization == "fp8":
             require_fp8_gpu(self.device, "--quantization fp8")
+        capability = gpu_capability(self.device)
+        if "fa" in config.attention_backend.split(",") and capability and capability < (9, 0):
+            raise ConfigError(
+                "--attention-backend fa (FlashAttention-3) needs a Hopper GPU (compute "
+                "capability 9.0); fi runs on every GPU aserve supports"
+            )
         self.free_memory_before_load = free_device_memory(self.device)
         self._kernel_builds = self._start_kernel_builds()
         started = time.perf_counter()
