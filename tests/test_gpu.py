@@ -582,7 +582,8 @@ def compiled_triton_shared_memory() -> dict[str, int]:
         if not name.startswith("aserve.") or module is None:
             continue
         for attr, value in vars(module).items():
-            kernel = getattr(value, "fn", value)  # an autotuner wraps its JITFunction
+            # a JITFunction, or an autotuner around one
+            kernel = value if hasattr(value, "device_caches") else getattr(value, "fn", None)
             for entry in getattr(kernel, "device_caches", {}).values():
                 for compiled in entry[0].values():
                     key = f"{name}.{attr}"
