@@ -29,7 +29,7 @@ def gpu_capability(device: torch.device) -> tuple[int, int] | None:
 
 
 def parse_capability(text: str) -> tuple[int, int]:
-    """"8.6" -> (8, 6); anything else is a one-line error."""
+    """MAJOR.MINOR text, such as 8.6, as (8, 6); anything else is a one-line error."""
     major, dot, minor = text.partition(".")
     if not (major.isdigit() and dot and minor.isdigit()):
         raise ConfigError(f"{CAPABILITY_ENV} takes MAJOR.MINOR such as 8.6, not {text!r}")
