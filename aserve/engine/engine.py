@@ -47,6 +47,9 @@ from aserve.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from aserve.engine.graph import DecodeGraphs
 
+# Attention backends that are FlashInfer's, and the prefill kernels each asks it for.
+FLASHINFER_KERNELS = {"fi": "fa2", "fa": "fa3"}
+
 logger = logging.getLogger(__name__)
 
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
@@ -104,6 +107,9 @@ class Engine:
         self.config = config
         self.model_config = model_config
         self.tp = tp or TPGroup()
+        # This rank's query and KV heads (a KV head is replicated when there are fewer than ranks).
+        self.local_heads = model_config.num_heads // self.tp.size
+        self.local_kv_heads = max(1, model_config.num_kv_heads // self.tp.size)
         self.device = resolve_device(config.device)
         self.dtype = torch_dtype(config.dtype, self.device, model_config.torch_dtype)
         self.max_seq_len = model_config.max_position_embeddings
@@ -191,7 +197,7 @@ class Engine:
             model_config.num_layers,
             self.num_pages,
             config.page_size,
-            max(1, model_config.num_kv_heads // self.tp.size),
+            self.local_kv_heads,
             model_config.head_dim,
             self.dtype,
             self.device,
@@ -239,42 +245,39 @@ class Engine:
     def _start_kernel_builds(self) -> list[threading.Thread]:
         """FlashInfer's modules compile (or load) in threads while the weights load."""
         prefill = self._resolved_backend(self.config.attention_backend.split(",")[0])
-        if self.device.type != "cuda" or prefill not in ("fi", "fa"):
+        if self.device.type != "cuda" or prefill not in FLASHINFER_KERNELS:
             return []
         from aserve.attention.flashinfer import build_kernels
 
         return build_kernels(
             self.device,
-            self.model_config.num_heads // self.tp.size,
-            max(1, self.model_config.num_kv_heads // self.tp.size),
+            self.local_heads,
+            self.local_kv_heads,
             self.model_config.head_dim,
             self.dtype,
             self.kv_dtype,
             self.config.page_size,
-            "fa3" if prefill == "fa" else "fa2",
+            FLASHINFER_KERNELS[prefill],
         )
 
     def _single_backend(self, name: str) -> AttentionBackend:
         name = self._resolved_backend(name)
-        local_heads = self.model_config.num_heads // self.tp.size
         head_dim = self.model_config.head_dim
         if name == "torch":
             from aserve.attention.torch_native import TorchNativeBackend
 
-            return TorchNativeBackend(self.pool, self.page_table, local_heads, head_dim)
-        if name in ("fi", "fa") and self.device.type == "cuda":
+            return TorchNativeBackend(self.pool, self.page_table, self.local_heads, head_dim)
+        if name in FLASHINFER_KERNELS and self.device.type == "cuda":
             from aserve.attention.flashinfer import FlashInferBackend
 
-            local_kv_heads = max(1, self.model_config.num_kv_heads // self.tp.size)
-            kernels = "fa3" if name == "fa" else "fa2"
             return FlashInferBackend(
                 self.pool,
                 self.page_table,
-                local_heads,
-                local_kv_heads,
+                self.local_heads,
+                self.local_kv_heads,
                 head_dim,
                 self.dtype,
-                kernels,
+                FLASHINFER_KERNELS[name],
             )
         raise ConfigError(
             f"attention backend {name!r} is not available on {self.device.type}; "
@@ -291,23 +294,8 @@ class Engine:
             return
         logger.info("warming up GPU kernels (the first start compiles them)")
         started = time.perf_counter()
-        dummy = self.page_table.dummy_row
-        for mode in (ForwardMode.DECODE, ForwardMode.PREFILL):
-            if mode is ForwardMode.PREFILL:
-                for thread in self._kernel_builds:
-                    thread.join()
-            prefill_ids = [0] if mode is ForwardMode.PREFILL else []
-            spec = StepSpec(mode, [dummy], [0], [1], [0], prefill_ids, [])
-            batch = forward_batch(spec, self.page_table, self.device)
-            self.attn.prepare(batch)
-            logits = self.model(batch, self.attn)
-            if mode is ForwardMode.DECODE:
-                self._warm_up_sampling(logits)
-        torch.cuda.synchronize(self.device)
-        logger.info("GPU kernels ready in %.1f s", time.perf_counter() - started)
-
-    def _warm_up_sampling(self, logits: torch.Tensor) -> None:
-        """Both races: over the logits (temperature only) and over filtered probabilities."""
+        logits = self._dummy_forward(ForwardMode.DECODE)
+        # Both races: over the logits (temperature only) and over filtered probabilities.
         for params in (
             SamplingParams(temperature=1.0),
             SamplingParams(temperature=1.0, top_k=2, top_p=0.9, min_p=0.01),
@@ -316,6 +304,19 @@ class Engine:
                 [params], [0], [0], [[]], [[]], logits.shape[-1], self.device
             )
             self.sampler.sample(logits, sampling)
+        for thread in self._kernel_builds:
+            thread.join()
+        self._dummy_forward(ForwardMode.PREFILL)
+        torch.cuda.synchronize(self.device)
+        logger.info("GPU kernels ready in %.1f s", time.perf_counter() - started)
+
+    def _dummy_forward(self, mode: ForwardMode) -> torch.Tensor:
+        """One token of one request on the dummy page."""
+        prefill_ids = [0] if mode is ForwardMode.PREFILL else []
+        spec = StepSpec(mode, [self.page_table.dummy_row], [0], [1], [0], prefill_ids, [])
+        batch = forward_batch(spec, self.page_table, self.device)
+        self.attn.prepare(batch)
+        return self.model(batch, self.attn)
 
     def _capture_graphs(self) -> DecodeGraphs | None:
         """Decode graphs on CUDA when the decode backend is FlashInfer (the torch backend
