@@ -54,17 +54,17 @@ for step in "$@"; do
                 --max-seq-len-override 4096 --max-prefill-length 16384 --page-size 256 --cuda-graph-max-bs 256" -- --api chat \
                 --tokenizer /tmp/q06 --num-prompts 256 --input-len 100 1024 --output-len 100 1024 --temperature 0.6 --client-processes 4 \
                 2>&1 | grep "###\|Output token\|Total gen\|Total input\|Median TTFT\|Median ITL\|P99 ITL\|Failed" ;;
-    loop-profile)  # issue 21: py-spy (wheel in .whl) on the server through a fresh and a warm 256-chat burst, then one unprofiled
+    loop-profile)  # issue 21: a server with ASERVE_STEP_TIMING=1 through four 256-chat bursts, py-spy (wheel in .whl) on the second
               python3 -c "from pathlib import Path; from bench.minisgl_peer import tokenizer_folder as t; t(Path('bench/models/qwen3-0.6b'), Path('/tmp/q06'))"
-              python3 -m aserve --model /tmp/q06 --dummy-weight --port 1919 --max-seq-len-override 4096 --max-prefill-length 16384 \
+              [ -n "$OFFLINE" ] && timeout 200 python3 bench/offline.py --model /tmp/q06 $W --no-record 2>&1 | tail -1
+              ASERVE_STEP_TIMING=1 python3 -m aserve --model /tmp/q06 --dummy-weight --port 1919 --max-seq-len-override 4096 --max-prefill-length 16384 \
                 --page-size 256 --cuda-graph-max-bs 256 ${SERVER_OPTS} > $OUT/server-profile.log 2>&1 & spid=$!
               for i in $(seq 200); do curl -sf localhost:1919/health > /dev/null && break; sleep 1; done
               S="--num-prompts 256 --input-len 100 1024 --output-len 100 1024 --temperature 0.6 --api chat --tokenizer /tmp/q06 --client-processes 4"
-              for run in first warm; do
-                /tmp/site/bin/py-spy record --pid $spid --nonblocking -r 200 -d ${PROFILE_S:-12} -f raw -o $OUT/prof-$run.txt > $OUT/pyspy-$run.log 2>&1 &
-                timeout 150 python3 bench/serving.py $S --label "issue 21: $run burst, py-spy on the server" 2>&1 | grep "Output token\|Median TTFT\|Median ITL\|P99 ITL\|Client CPU"; wait %2 2> /dev/null; sleep 1; done
-              timeout 150 python3 bench/serving.py $S --label "issue 21: after two bursts, no profiler" 2>&1 | grep "Output token\|Median TTFT\|Median ITL\|P99 ITL\|Client CPU"
-              kill -INT $spid; sleep 3; tail -3 $OUT/pyspy-warm.log ;;
+              for run in 1 2 3 4; do echo "== burst $run"; [ $run = 2 ] && { /tmp/site/bin/py-spy record --pid $spid -r 100 -d ${PROFILE_S:-10} -f raw -o $OUT/prof.txt > $OUT/pyspy.log 2>&1 & }
+                timeout 150 python3 bench/serving.py $S --label "issue 21: burst $run of one server${LABEL}" 2>&1 | grep "Output token\|Median TTFT\|Median ITL\|P99 ITL\|Client CPU"
+                grep "step timing" $OUT/server-profile.log | tail -n +${seen:-1} | cut -c 27-400; seen=$(( $(grep -c "step timing" $OUT/server-profile.log) + 1 )); done
+              kill -INT $spid; sleep 3; tail -2 $OUT/pyspy.log ;;
     serving-peers)  # issue 21: aserve and mini-SGLang (.minisgl + fastapi/uvicorn wheels in .whl), offline and over HTTP, one command
               python3 -c "from pathlib import Path; from bench.minisgl_peer import tokenizer_folder as t; t(Path('bench/models/qwen3-0.6b'), Path('/tmp/q06'))"
               PYTHONPATH=/tmp/site:$PWD:$PWD/.minisgl/python timeout 200 python3 bench/offline.py --model /tmp/q06 $W --peer minisgl --repeat 1 2>&1 | grep "tok/s" | tail -2

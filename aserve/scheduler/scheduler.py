@@ -47,6 +47,7 @@ from aserve.scheduler.request import (
     SamplingParams,
     TokenLogprob,
 )
+from aserve.scheduler.timing import StepTimer, step_timing_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class Forwarded(NamedTuple):
     batch: ForwardBatch
     logits: StepLogits
     started: float
+    gpu_start: torch.cuda.Event | None  # a timing event before the forward (ASERVE_STEP_TIMING)
 
 
 class InFlight(NamedTuple):
@@ -69,6 +71,8 @@ class InFlight(NamedTuple):
     out: SampleOutput
     done: torch.cuda.Event | None
     started: float
+    gpu_start: torch.cuda.Event | None
+    launch_s: float  # host time from the start of planning to the sampling launched
 
 
 def make_prefix_cache(kind: str, allocator: PageAllocator) -> PrefixCache:
@@ -103,6 +107,7 @@ class Scheduler:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.sampling_batches = SamplingBatches(self.vocab_size, engine.device)
         self.overlap = engine.device.type == "cuda" and not os.environ.get("ASERVE_DISABLE_OVERLAP")
+        self.timer = StepTimer() if step_timing_enabled(engine.device) else None
 
     def make_request(self, prompt_ids: list[int], params: SamplingParams) -> Req:
         self._next_rid += 1
@@ -195,12 +200,15 @@ class Scheduler:
                 if pending is not None and not self.overlap:
                     await self._finish_step(pending, on_step)
                     pending = None
+                plan_started = time.perf_counter()
                 planned = self.planner.schedule()
                 if planned is None:
                     if pending is not None:
                         await self._finish_step(pending, on_step)
                         pending = None
                         continue
+                    if self.timer is not None:
+                        self.timer.idle()
                     self._wake.clear()
                     await self._wake.wait()
                     continue
@@ -212,6 +220,7 @@ class Scheduler:
                         assert launched is not None
                     else:
                         launched = self._launch(planned)
+                    launched = launched._replace(launch_s=time.perf_counter() - plan_started)
                 except Exception as error:
                     if self.followers is not None:
                         raise self.followers.explain(error) from error
@@ -251,7 +260,8 @@ class Scheduler:
         if self.followers is not None:
             self.followers.send(spec)
         batch = forward_batch(spec, self.engine.page_table, self.engine.device)
-        return Forwarded(planned, batch, self.engine.forward_logits(batch), started)
+        gpu_start = StepTimer.mark() if self.timer is not None else None
+        return Forwarded(planned, batch, self.engine.forward_logits(batch), started, gpu_start)
 
     def _launch_sampling(self, step: Forwarded) -> InFlight:
         """Queue the step's sampling; on CUDA the sampled ids are copied to host memory
@@ -268,11 +278,11 @@ class Scheduler:
         out = self.engine.sample(step.batch, step.logits, sampling, scoring, masks)
         self.planner.launched(planned)
         if self.engine.device.type != "cuda":
-            return InFlight(planned, out, None, step.started)
-        done = torch.cuda.Event()
+            return InFlight(planned, out, None, step.started, None, 0.0)
+        done = torch.cuda.Event(enable_timing=self.timer is not None)
         out = out.to("cpu", non_blocking=True)
         done.record()
-        return InFlight(planned, out, done, step.started)
+        return InFlight(planned, out, done, step.started, step.gpu_start, 0.0)
 
     async def _finish_step(
         self, step: InFlight, on_step: StepObserver | None, then: Forwarded | None = None
@@ -291,10 +301,12 @@ class Scheduler:
         still to do.
         """
         await asyncio.sleep(0)
+        wait_started = time.perf_counter()
         if step.done is not None:
             while not step.done.query():
                 self._check_fatal()
                 await asyncio.sleep(0)
+        results_started = time.perf_counter()
         planned, out = step.planned, step.out
         next_ids = out.next_ids.tolist()
         if out.prompt_logprobs is not None:
@@ -311,6 +323,12 @@ class Scheduler:
             self._process_results(planned, out, next_ids, rows)
             if on_step is not None:
                 on_step(planned, time.perf_counter() - step.started)
+            if self.timer is not None and step.gpu_start is not None and step.done is not None:
+                finished = time.perf_counter()
+                waited = results_started - wait_started
+                self.timer.finished(
+                    step.gpu_start, step.done, step.launch_s, waited, finished - results_started
+                )
         return launched
 
     @staticmethod

@@ -1,0 +1,100 @@
+"""Whether the GPU waits on the event loop: `ASERVE_STEP_TIMING=1` brackets every step with
+timing CUDA events and logs, every few seconds, how much of the window the GPU was busy,
+the idle gaps between steps, and where the loop thread's time went.
+
+A gap between one step's end and the next step's start on the GPU is time the host took to
+plan and launch that step while nothing else was queued: with overlap there is none unless
+the loop (handlers, streaming, the scheduler's own bookkeeping) is the bound. That is the
+question issue 21 asks of 256 streams, and the one a user asks when HTTP is slower than
+offline. Off by default: an event pair per step costs a few microseconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def step_timing_enabled(device: torch.device) -> bool:
+    return device.type == "cuda" and os.environ.get("ASERVE_STEP_TIMING", "") not in ("", "0")
+
+
+class StepTimer:
+    """Collects one window of steps; `finished` logs and restarts it every `interval_s`."""
+
+    def __init__(self, interval_s: float = 5.0) -> None:
+        self.interval_s = interval_s
+        self._last_done: torch.cuda.Event | None = None
+        self._reset(time.perf_counter())
+
+    def _reset(self, now: float) -> None:
+        self._window_start = now
+        self._thread_cpu_start = time.thread_time()
+        self._steps = 0
+        self._gpu_busy_ms = 0.0
+        self._gaps: list[float] = []
+        self._launch_s = 0.0
+        self._results_s = 0.0
+        self._wait_s = 0.0
+
+    @staticmethod
+    def mark() -> torch.cuda.Event:
+        """A timing event recorded now on the current stream."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def finished(
+        self,
+        start: torch.cuda.Event,
+        done: torch.cuda.Event,
+        launch_s: float,
+        wait_s: float,
+        results_s: float,
+    ) -> None:
+        """A step whose `done` event has completed: `launch_s` the host time to plan and
+        launch it, `wait_s` the time the loop then polled for it (handlers ran meanwhile),
+        `results_s` the time to hand out its tokens."""
+        self._steps += 1
+        self._gpu_busy_ms += start.elapsed_time(done)
+        if self._last_done is not None:
+            self._gaps.append(max(0.0, self._last_done.elapsed_time(start)))
+        self._last_done = done
+        self._launch_s += launch_s
+        self._wait_s += wait_s
+        self._results_s += results_s
+        now = time.perf_counter()
+        if now - self._window_start >= self.interval_s:
+            self._log(now)
+            self._reset(now)
+
+    def idle(self) -> None:
+        """No step is queued: the next step's gap is waiting for work, not for the host."""
+        self._last_done = None
+
+    def _log(self, now: float) -> None:
+        wall_ms = (now - self._window_start) * 1e3
+        loop_cpu_ms = (time.thread_time() - self._thread_cpu_start) * 1e3
+        steps = max(self._steps, 1)
+        gaps = self._gaps or [0.0]
+        own_ms = (self._launch_s + self._results_s) * 1e3
+        logger.info(
+            "step timing: %d steps in %.0f ms, GPU busy %.1f%%, idle gaps mean %.3f / max %.2f "
+            "ms; loop thread CPU %.1f%% (scheduler plan+launch %.2f, results %.2f, polling "
+            "%.2f ms/step; handlers and the rest %.2f ms/step)",
+            self._steps,
+            wall_ms,
+            100 * self._gpu_busy_ms / wall_ms,
+            sum(gaps) / len(gaps),
+            max(gaps),
+            100 * loop_cpu_ms / wall_ms,
+            self._launch_s * 1e3 / steps,
+            self._results_s * 1e3 / steps,
+            self._wait_s * 1e3 / steps,
+            max(0.0, loop_cpu_ms - own_ms) / steps,
+        )
