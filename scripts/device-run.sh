@@ -61,7 +61,8 @@ for step in "$@"; do
                 --page-size 256 --cuda-graph-max-bs 256 ${SERVER_OPTS} > $OUT/server-profile.log 2>&1 & spid=$!
               for i in $(seq 200); do curl -sf localhost:1919/health > /dev/null && break; sleep 1; done
               S="--num-prompts 256 --input-len 100 1024 --output-len 100 1024 --temperature 0.6 --api chat --tokenizer /tmp/q06 --client-processes 4"
-              for run in 1 2 3 4; do echo "== burst $run"; [ $run = 2 ] && { /tmp/site/bin/py-spy record --pid $spid -r 100 -d ${PROFILE_S:-10} -f raw -o $OUT/prof.txt > $OUT/pyspy.log 2>&1 & }
+              for run in 1 2 3 4; do echo "== burst $run"; [ $run = 2 ] && { /tmp/site/bin/py-spy record --pid $spid --idle --threads -r 100 -d ${PROFILE_S:-10} -f raw -o $OUT/prof.txt > $OUT/pyspy.log 2>&1 & }
+                [ $run = 3 ] && { (sleep 3; for d in 1 2 3 4 5 6; do /tmp/site/bin/py-spy dump --pid $spid --native; sleep 0.4; done > $OUT/dumps.txt 2>&1) & }
                 timeout 150 python3 bench/serving.py $S --label "issue 21: burst $run of one server${LABEL}" 2>&1 | grep "Output token\|Median TTFT\|Median ITL\|P99 ITL\|Client CPU"
                 grep "step timing" $OUT/server-profile.log | tail -n +${seen:-1} | cut -c 27-400; seen=$(( $(grep -c "step timing" $OUT/server-profile.log) + 1 )); done
               kill -INT $spid; sleep 3; tail -2 $OUT/pyspy.log ;;

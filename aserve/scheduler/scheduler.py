@@ -73,6 +73,7 @@ class InFlight(NamedTuple):
     started: float
     gpu_start: torch.cuda.Event | None
     launch_s: float  # host time from the start of planning to the sampling launched
+    launch_cpu_s: float  # the loop thread's CPU time in that span
 
 
 def make_prefix_cache(kind: str, allocator: PageAllocator) -> PrefixCache:
@@ -200,7 +201,7 @@ class Scheduler:
                 if pending is not None and not self.overlap:
                     await self._finish_step(pending, on_step)
                     pending = None
-                plan_started = time.perf_counter()
+                plan_started, plan_cpu = time.perf_counter(), time.thread_time()
                 planned = self.planner.schedule()
                 if planned is None:
                     if pending is not None:
@@ -220,7 +221,10 @@ class Scheduler:
                         assert launched is not None
                     else:
                         launched = self._launch(planned)
-                    launched = launched._replace(launch_s=time.perf_counter() - plan_started)
+                    launched = launched._replace(
+                        launch_s=time.perf_counter() - plan_started,
+                        launch_cpu_s=time.thread_time() - plan_cpu,
+                    )
                 except Exception as error:
                     if self.followers is not None:
                         raise self.followers.explain(error) from error
@@ -278,11 +282,11 @@ class Scheduler:
         out = self.engine.sample(step.batch, step.logits, sampling, scoring, masks)
         self.planner.launched(planned)
         if self.engine.device.type != "cuda":
-            return InFlight(planned, out, None, step.started, None, 0.0)
+            return InFlight(planned, out, None, step.started, None, 0.0, 0.0)
         done = torch.cuda.Event(enable_timing=self.timer is not None)
         out = out.to("cpu", non_blocking=True)
         done.record()
-        return InFlight(planned, out, done, step.started, step.gpu_start, 0.0)
+        return InFlight(planned, out, done, step.started, step.gpu_start, 0.0, 0.0)
 
     async def _finish_step(
         self, step: InFlight, on_step: StepObserver | None, then: Forwarded | None = None
@@ -327,7 +331,12 @@ class Scheduler:
                 finished = time.perf_counter()
                 waited = results_started - wait_started
                 self.timer.finished(
-                    step.gpu_start, step.done, step.launch_s, waited, finished - results_started
+                    step.gpu_start,
+                    step.done,
+                    step.launch_s,
+                    step.launch_cpu_s,
+                    waited,
+                    finished - results_started,
                 )
         return launched
 

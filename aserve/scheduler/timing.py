@@ -39,6 +39,7 @@ class StepTimer:
         self._gpu_busy_ms = 0.0
         self._gaps: list[float] = []
         self._launch_s = 0.0
+        self._launch_cpu_s = 0.0
         self._results_s = 0.0
         self._wait_s = 0.0
 
@@ -54,18 +55,20 @@ class StepTimer:
         start: torch.cuda.Event,
         done: torch.cuda.Event,
         launch_s: float,
+        launch_cpu_s: float,
         wait_s: float,
         results_s: float,
     ) -> None:
         """A step whose `done` event has completed: `launch_s` the host time to plan and
-        launch it, `wait_s` the time the loop then polled for it (handlers ran meanwhile),
-        `results_s` the time to hand out its tokens."""
+        launch it (`launch_cpu_s` of it on the CPU), `wait_s` the time the loop then polled
+        for it (handlers ran meanwhile), `results_s` the time to hand out its tokens."""
         self._steps += 1
         self._gpu_busy_ms += start.elapsed_time(done)
         if self._last_done is not None:
             self._gaps.append(max(0.0, self._last_done.elapsed_time(start)))
         self._last_done = done
         self._launch_s += launch_s
+        self._launch_cpu_s += launch_cpu_s
         self._wait_s += wait_s
         self._results_s += results_s
         now = time.perf_counter()
@@ -74,8 +77,13 @@ class StepTimer:
             self._reset(now)
 
     def idle(self) -> None:
-        """No step is queued: the next step's gap is waiting for work, not for the host."""
+        """No step is queued: the window ends here (idle time is not the host's), and the
+        next step's gap is waiting for work, not for the host."""
         self._last_done = None
+        now = time.perf_counter()
+        if self._steps:
+            self._log(now)
+        self._reset(now)
 
     def _log(self, now: float) -> None:
         wall_ms = (now - self._window_start) * 1e3
@@ -85,8 +93,8 @@ class StepTimer:
         own_ms = (self._launch_s + self._results_s) * 1e3
         logger.info(
             "step timing: %d steps in %.0f ms, GPU busy %.1f%%, idle gaps mean %.3f / max %.2f "
-            "ms; loop thread CPU %.1f%% (scheduler plan+launch %.2f, results %.2f, polling "
-            "%.2f ms/step; handlers and the rest %.2f ms/step)",
+            "ms; loop thread CPU %.1f%% (scheduler plan+launch %.2f (CPU %.2f), results %.2f, "
+            "polling %.2f ms/step; handlers and the rest %.2f ms/step)",
             self._steps,
             wall_ms,
             100 * self._gpu_busy_ms / wall_ms,
@@ -94,6 +102,7 @@ class StepTimer:
             max(gaps),
             100 * loop_cpu_ms / wall_ms,
             self._launch_s * 1e3 / steps,
+            self._launch_cpu_s * 1e3 / steps,
             self._results_s * 1e3 / steps,
             self._wait_s * 1e3 / steps,
             max(0.0, loop_cpu_ms - own_ms) / steps,
