@@ -54,18 +54,21 @@ for step in "$@"; do
                 --max-seq-len-override 4096 --max-prefill-length 16384 --page-size 256 --cuda-graph-max-bs 256" -- --api chat \
                 --tokenizer /tmp/q06 --num-prompts 256 --input-len 100 1024 --output-len 100 1024 --temperature 0.6 --client-processes 4 \
                 2>&1 | grep "###\|Output token\|Total gen\|Total input\|Median TTFT\|Median ITL\|P99 ITL\|Failed" ;;
-    loop-profile)  # issue 21: a server with ASERVE_STEP_TIMING=1 through four 256-chat bursts, py-spy (wheel in .whl) on the second
+    loop-profile)  # issue 21: a server with ASERVE_STEP_TIMING=1 through three 256-chat bursts; on the second its threads' times and py-spy dumps (wheel in .whl)
               python3 -c "from pathlib import Path; from bench.minisgl_peer import tokenizer_folder as t; t(Path('bench/models/qwen3-0.6b'), Path('/tmp/q06'))"
               [ -n "$OFFLINE" ] && timeout 200 python3 bench/offline.py --model /tmp/q06 $W --no-record 2>&1 | tail -1
               ASERVE_STEP_TIMING=1 python3 -m aserve --model /tmp/q06 --dummy-weight --port 1919 --max-seq-len-override 4096 --max-prefill-length 16384 \
                 --page-size 256 --cuda-graph-max-bs 256 ${SERVER_OPTS} > $OUT/server-profile.log 2>&1 & spid=$!
               for i in $(seq 200); do curl -sf localhost:1919/health > /dev/null && break; sleep 1; done
               S="--num-prompts 256 --input-len 100 1024 --output-len 100 1024 --temperature 0.6 --api chat --tokenizer /tmp/q06 --client-processes 4"
-              for run in 1 2 3 4; do echo "== burst $run"; [ $run = 2 ] && { /tmp/site/bin/py-spy record --pid $spid --idle --threads -r 100 -d ${PROFILE_S:-10} -f raw -o $OUT/prof.txt > $OUT/pyspy.log 2>&1 & }
-                [ $run = 3 ] && { (sleep 3; for d in 1 2 3 4 5 6; do /tmp/site/bin/py-spy dump --pid $spid --native; sleep 0.4; done > $OUT/dumps.txt 2>&1) & }
+              for run in 1 2 3; do echo "== burst $run"
+                if [ $run = 2 ]; then python3 scripts/thread_times.py snap $spid > /tmp/before.json; n0=$(grep -c "Prefill batch" $OUT/server-profile.log)
+                  (while [ $(grep -c "Prefill batch" $OUT/server-profile.log) = $n0 ]; do sleep 0.05; done; sleep ${DUMP_AFTER:-0.5}
+                   for d in $(seq 16); do /tmp/site/bin/py-spy dump --pid $spid $([ $d -le 4 ] && echo --native); sleep 0.15; done > $OUT/dumps.txt 2>&1) & fi
                 timeout 150 python3 bench/serving.py $S --label "issue 21: burst $run of one server${LABEL}" 2>&1 | grep "Output token\|Median TTFT\|Median ITL\|P99 ITL\|Client CPU"
+                [ $run = 2 ] && { python3 scripts/thread_times.py snap $spid > /tmp/after.json; python3 scripts/thread_times.py diff /tmp/before.json /tmp/after.json; }
                 grep "step timing" $OUT/server-profile.log | tail -n +${seen:-1} | cut -c 27-400; seen=$(( $(grep -c "step timing" $OUT/server-profile.log) + 1 )); done
-              kill -INT $spid; sleep 3; tail -2 $OUT/pyspy.log ;;
+              kill -INT $spid; sleep 3 ;;
     serving-peers)  # issue 21: aserve and mini-SGLang (.minisgl + fastapi/uvicorn wheels in .whl), offline and over HTTP, one command
               python3 -c "from pathlib import Path; from bench.minisgl_peer import tokenizer_folder as t; t(Path('bench/models/qwen3-0.6b'), Path('/tmp/q06'))"
               PYTHONPATH=/tmp/site:$PWD:$PWD/.minisgl/python timeout 200 python3 bench/offline.py --model /tmp/q06 $W --peer minisgl --repeat 1 2>&1 | grep "tok/s" | tail -2
