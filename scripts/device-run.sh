@@ -64,7 +64,7 @@ for step in "$@"; do
               for run in 1 2 3; do echo "== burst $run"
                 if [ $run = 2 ]; then python3 scripts/thread_times.py snap $spid > /tmp/before.json; n0=$(grep -c "Prefill batch" $OUT/server-profile.log)
                   (while [ $(grep -c "Prefill batch" $OUT/server-profile.log) = $n0 ]; do sleep 0.05; done; sleep ${DUMP_AFTER:-0.5}
-                   for d in $(seq 16); do /tmp/site/bin/py-spy dump --pid $spid $([ $d -le 4 ] && echo --native); sleep 0.15; done > $OUT/dumps.txt 2>&1) & fi
+                   for d in $(seq 24); do /tmp/site/bin/py-spy dump --pid $spid --native; sleep 0.1; done > $OUT/dumps.txt 2>&1) & fi
                 timeout 150 python3 bench/serving.py $S --label "issue 21: burst $run of one server${LABEL}" 2>&1 | grep "Output token\|Median TTFT\|Median ITL\|P99 ITL\|Client CPU"
                 [ $run = 2 ] && { python3 scripts/thread_times.py snap $spid > /tmp/after.json; python3 scripts/thread_times.py diff /tmp/before.json /tmp/after.json; }
                 grep "step timing" $OUT/server-profile.log | tail -n +${seen:-1} | cut -c 27-400; seen=$(( $(grep -c "step timing" $OUT/server-profile.log) + 1 )); done

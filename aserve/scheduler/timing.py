@@ -11,9 +11,11 @@ offline. Off by default: an event pair per step costs a few microseconds.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
+from typing import Any
 
 import torch
 
@@ -30,7 +32,17 @@ class StepTimer:
     def __init__(self, interval_s: float = 5.0) -> None:
         self.interval_s = interval_s
         self._last_done: torch.cuda.Event | None = None
+        self._gc_started = 0.0
         self._reset(time.perf_counter())
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        """Collector pauses stall the loop like any other work: count them apart."""
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self._gc_s += time.perf_counter() - self._gc_started
+            self._gc_full += info["generation"] == 2
 
     def _reset(self, now: float) -> None:
         self._window_start = now
@@ -42,6 +54,8 @@ class StepTimer:
         self._launch_cpu_s = 0.0
         self._results_s = 0.0
         self._wait_s = 0.0
+        self._gc_s = 0.0
+        self._gc_full = 0
 
     @staticmethod
     def mark() -> torch.cuda.Event:
@@ -90,20 +104,26 @@ class StepTimer:
         loop_cpu_ms = (time.thread_time() - self._thread_cpu_start) * 1e3
         steps = max(self._steps, 1)
         gaps = self._gaps or [0.0]
-        own_ms = (self._launch_s + self._results_s) * 1e3
+        launch_ms, results_ms = self._launch_s * 1e3, self._results_s * 1e3
+        rest_ms = wall_ms - launch_ms - results_ms
+        rest_cpu_ms = loop_cpu_ms - self._launch_cpu_s * 1e3 - results_ms
         logger.info(
             "step timing: %d steps in %.0f ms, GPU busy %.1f%%, idle gaps mean %.3f / max %.2f "
-            "ms; loop thread CPU %.1f%% (scheduler plan+launch %.2f (CPU %.2f), results %.2f, "
-            "polling %.2f ms/step; handlers and the rest %.2f ms/step)",
+            "ms; loop thread CPU %.1f%%; per step: plan+launch %.2f ms (CPU %.2f), results "
+            "%.2f, outside the scheduler %.2f (CPU %.2f; polling for the GPU %.2f); garbage "
+            "collector %.0f ms (%d full)",
             self._steps,
             wall_ms,
             100 * self._gpu_busy_ms / wall_ms,
             sum(gaps) / len(gaps),
             max(gaps),
             100 * loop_cpu_ms / wall_ms,
-            self._launch_s * 1e3 / steps,
+            launch_ms / steps,
             self._launch_cpu_s * 1e3 / steps,
-            self._results_s * 1e3 / steps,
+            results_ms / steps,
+            rest_ms / steps,
+            max(0.0, rest_cpu_ms) / steps,
             self._wait_s * 1e3 / steps,
-            max(0.0, loop_cpu_ms - own_ms) / steps,
+            self._gc_s * 1e3,
+            self._gc_full,
         )
