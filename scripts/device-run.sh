@@ -79,6 +79,7 @@ for step in "$@"; do
                 for i in $(seq 240); do curl -sf localhost:1919/v1/models > /dev/null && break; sleep 1; done
                 C="--api chat --tokenizer /tmp/q06 --temperature 0.6 --engine $engine"
                 for run in "--num-prompts 256 --input-len 100 1024 --output-len 100 1024 --client-processes 4" \
+                           "--num-prompts 256 --input-len 100 1024 --output-len 100 1024 --client-processes 4" \
                            "--num-prompts 64 --input-len 100 1024 --output-len 100 1024 --max-concurrency 16 --client-processes 4" \
                            "--num-prompts 16 --max-concurrency 1 --random-input-len 512 --random-output-len 256 --random-range-ratio 1"; do
                   echo "== $engine $run"; timeout 150 python3 bench/serving.py $C $run --label "issue 21: chat, $run" 2>&1 | grep "Output token\|Total gen\|Median TTFT\|Median ITL\|P99 ITL\|Failed\|Client CPU"; done

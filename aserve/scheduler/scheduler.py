@@ -213,6 +213,8 @@ class Scheduler:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
+                if self.timer is not None:
+                    self.timer.resume(plan_started)
                 try:
                     if pending is not None and self._needs_last_tokens(planned):
                         forwarded = self._launch_forward(planned)

@@ -33,6 +33,7 @@ class StepTimer:
         self.interval_s = interval_s
         self._last_done: torch.cuda.Event | None = None
         self._gc_started = 0.0
+        self._idle = False
         self._reset(time.perf_counter())
         gc.callbacks.append(self._on_gc)
 
@@ -94,10 +95,15 @@ class StepTimer:
         """No step is queued: the window ends here (idle time is not the host's), and the
         next step's gap is waiting for work, not for the host."""
         self._last_done = None
-        now = time.perf_counter()
         if self._steps:
-            self._log(now)
-        self._reset(now)
+            self._log(time.perf_counter())
+        self._idle = True
+
+    def resume(self, now: float) -> None:
+        """Work again after `idle`: the next window opens now, when planning starts."""
+        if self._idle:
+            self._idle = False
+            self._reset(now)
 
     def _log(self, now: float) -> None:
         wall_ms = (now - self._window_start) * 1e3
