@@ -71,7 +71,8 @@ for step in "$@"; do
               kill -INT $spid; sleep 3 ;;
     serving-peers)  # issue 21: aserve and mini-SGLang (.minisgl + fastapi/uvicorn wheels in .whl), offline and over HTTP, one command
               python3 -c "from pathlib import Path; from bench.minisgl_peer import tokenizer_folder as t; t(Path('bench/models/qwen3-0.6b'), Path('/tmp/q06'))"
-              PYTHONPATH=/tmp/site:$PWD:$PWD/.minisgl/python timeout 200 python3 bench/offline.py --model /tmp/q06 $W --peer minisgl --repeat 1 2>&1 | grep "tok/s" | tail -2
+              PYTHONPATH=/tmp/site:$PWD:$PWD/.minisgl/python timeout 240 python3 bench/offline.py --model /tmp/q06 $W --peer minisgl --repeat 1 > $OUT/offline.log 2>&1
+              grep "tok/s" $OUT/offline.log || tail -5 $OUT/offline.log
               O="--max-seq-len-override 4096 --max-prefill-length 16384 --page-size 256 --cuda-graph-max-bs 256"
               for engine in aserve minisgl; do
                 if [ $engine = aserve ]; then (python3 -m aserve --model /tmp/q06 --dummy-weight --port 1919 $O > $OUT/server-aserve.log 2>&1 &)

@@ -6,8 +6,10 @@ drops before a first word, and byte-fallback runs that decode as a whole."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -16,7 +18,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, normalizers
 
 from aserve.textstream import StopStringMatcher, TextStream
-from aserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from aserve.tokenizer import INLINE_CHARS, IncrementalDetokenizer, Tokenizer
 
 TEXTS = (
     "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -174,6 +176,35 @@ def test_special_tokens_in_the_output(tokenizer: Tokenizer, skip: bool, seed: in
         pieces = detokenize(detokenizer, chunked(ids, rng, 4))
         assert "".join(pieces) == full
         assert_clean_pieces(pieces, full)
+
+
+def test_short_prompts_tokenize_on_the_loop_and_long_ones_in_the_pool(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Same ids either way; only prompts over INLINE_CHARS leave the loop's thread."""
+    threads: list[str] = []
+    encode_chat, encode = tokenizer.encode_chat, tokenizer.encode
+    monkeypatch.setattr(
+        tokenizer,
+        "encode_chat",
+        lambda text: threads.append(threading.current_thread().name) or encode_chat(text),
+    )
+    monkeypatch.setattr(
+        tokenizer,
+        "encode",
+        lambda text: threads.append(threading.current_thread().name) or encode(text),
+    )
+    short = " ".join(TEXTS)
+    long = short * (INLINE_CHARS // len(short) + 1)
+    for text in (short, long):
+        messages = [{"role": "user", "content": text}]
+        chat = asyncio.run(tokenizer.apply_chat_template_async(messages))
+        assert chat == tokenizer.apply_chat_template(messages)
+        assert asyncio.run(tokenizer.encode_async(text)) == encode(text)
+    loop_thread = threading.current_thread().name
+    pooled = [name != loop_thread for name in threads]
+    # per text: the chat, its reference (called here), the plain encode
+    assert pooled == [False, False, False, True, False, True]
 
 
 def test_prompt_tokens_are_context_only(tokenizer: Tokenizer) -> None:
