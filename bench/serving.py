@@ -38,10 +38,11 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import numpy as np
@@ -96,8 +97,81 @@ async def first_model(base_url: str, api_key: str | None = None) -> str:
         return (await response.json(content_type=None))["data"][0]["id"]
 
 
+class RawResponse:
+    """An HTTP/1.1 response read straight off its connection: the status, then the body as
+    lines, chunked transfer coding undone.
+
+    The request goes out as one write of headers and body. aiohttp's client, used here
+    before, wrote the headers of a burst's requests at once but their bodies one by one
+    between the streams it was already reading (seen on an H200: 256 chats reached the
+    server over half a second, one every 2 ms), which made the client the bound of the
+    arrival it was meant to measure."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.status = 0
+        self.chunked = False
+        self.length: int | None = None
+
+    @classmethod
+    async def post(cls, url: str, headers: dict[str, str], body: bytes) -> RawResponse:
+        parts = urlsplit(url)
+        host, port = parts.hostname or "localhost", parts.port or 80
+        reader, writer = await asyncio.open_connection(host, port, limit=1 << 22)
+        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        writer.write(
+            f"POST {parts.path} HTTP/1.1\r\nHost: {host}:{port}\r\n{head}"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+            + body
+        )
+        response = cls(reader, writer)
+        status = await reader.readline()
+        if not status:
+            raise ConnectionError("the server closed the connection without a response")
+        response.status = int(status.split()[1])
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            name, value = name.strip().lower(), value.strip()
+            if name == "transfer-encoding":
+                response.chunked = "chunked" in value.lower()
+            elif name == "content-length":
+                response.length = int(value)
+        return response
+
+    async def body(self) -> bytes:
+        return b"".join([piece async for piece in self._pieces()])
+
+    async def lines(self) -> AsyncIterator[bytes]:
+        pending = b""
+        async for piece in self._pieces():
+            pending += piece
+            *complete, pending = pending.split(b"\n")
+            for line in complete:
+                yield line
+        if pending:
+            yield pending
+
+    async def _pieces(self) -> AsyncIterator[bytes]:
+        reader = self.reader
+        if not self.chunked:
+            if self.length is not None:
+                yield await reader.readexactly(self.length)
+                return
+            while piece := await reader.read(1 << 16):
+                yield piece
+            return
+        while True:
+            size = int((await reader.readline()).split(b";")[0], 16)
+            if size == 0:
+                return
+            yield (await reader.readexactly(size + 2))[:-2]
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 async def _read_stream(
-    response: aiohttp.ClientResponse, sent: float, prompt_len: int, headers: float
+    response: RawResponse, sent: float, prompt_len: int, headers: float
 ) -> RequestResult:
     ttft = 0.0
     last = sent
@@ -105,7 +179,7 @@ async def _read_stream(
     chunks = 0
     completion_tokens: int | None = None
     pieces: list[str] = []
-    async for raw in response.content:
+    async for raw in response.lines():
         line = raw.strip()
         if not line.startswith(b"data:"):
             continue
@@ -147,35 +221,32 @@ def _carries_text(choice: dict[str, Any]) -> bool:
     )
 
 
-async def send_request(
-    session: aiohttp.ClientSession,
-    url: str,
-    headers: dict[str, str],
-    payload: dict[str, Any],
-) -> RequestResult:
+async def send_request(url: str, headers: dict[str, str], payload: dict[str, Any]) -> RequestResult:
     """Any failure (HTTP status, connection, malformed stream) becomes a failed result, so one
     bad request is reported instead of ending the benchmark."""
     prompt = payload["prompt"] if "prompt" in payload else payload["messages"][0]["content"]
     prompt_len = len(prompt) if isinstance(prompt, list) else 0  # text: from the usage
     sent = time.perf_counter()
+    response = None
     try:
-        async with session.post(url, data=orjson.dumps(payload), headers=headers) as response:
-            if response.status != 200:
-                body = (await response.text())[:200]
-                return RequestResult(prompt_len, False, error=f"HTTP {response.status}: {body}")
-            headers_at = time.perf_counter() - sent
-            if payload["stream"]:
-                return await _read_stream(response, sent, prompt_len, headers_at)
-            body = orjson.loads(await response.read())
-            latency = time.perf_counter() - sent
-            usage = body.get("usage") or {}
-            output_len = usage.get("completion_tokens", payload["max_tokens"])
-            prompt_len = usage.get("prompt_tokens", prompt_len)
-            return RequestResult(
-                prompt_len, True, output_len, latency, (), latency, headers=headers_at
-            )
+        response = await RawResponse.post(url, headers, orjson.dumps(payload))
+        if response.status != 200:
+            body = (await response.body())[:200].decode(errors="replace")
+            return RequestResult(prompt_len, False, error=f"HTTP {response.status}: {body}")
+        headers_at = time.perf_counter() - sent
+        if payload["stream"]:
+            return await _read_stream(response, sent, prompt_len, headers_at)
+        reply = orjson.loads(await response.body())
+        latency = time.perf_counter() - sent
+        usage = reply.get("usage") or {}
+        output_len = usage.get("completion_tokens", payload["max_tokens"])
+        prompt_len = usage.get("prompt_tokens", prompt_len)
+        return RequestResult(prompt_len, True, output_len, latency, (), latency, headers=headers_at)
     except Exception as e:
         return RequestResult(prompt_len, False, error=f"{type(e).__name__}: {e}")
+    finally:
+        if response is not None:
+            response.close()
 
 
 async def benchmark(
@@ -219,36 +290,33 @@ async def benchmark(
         return body
 
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
-    connector = aiohttp.TCPConnector(limit=max_concurrency or 0)
-    timeout = aiohttp.ClientTimeout(total=None)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 
-        async def limited(prompt: list[int], max_tokens: int) -> RequestResult:
-            async with limit:
-                return await send_request(session, url, headers, payload(prompt, max_tokens))
+    async def limited(prompt: Prompt, max_tokens: int) -> RequestResult:
+        async with limit:
+            return await send_request(url, headers, payload(prompt, max_tokens))
 
-        if warmup_requests:
-            prompt, max_tokens = workload[0]
-            warm = payload(prompt[:16], min(max_tokens, 16))
-            outcomes = await asyncio.gather(
-                *(send_request(session, url, headers, warm) for _ in range(warmup_requests))
-            )
-            if not any(r.ok for r in outcomes):
-                raise RuntimeError(f"warm-up failed against {url}: {outcomes[0].error}")
-        arrivals = random.Random(seed)
-        if start_together is not None:
-            start_together.wait()
-        started = time.perf_counter()
-        cpu_before = time.process_time()  # inside the wall-clock window, so cpu <= duration
-        tasks = []
-        for i, (prompt, max_tokens) in enumerate(workload):
-            if i and math.isfinite(request_rate):
-                await asyncio.sleep(arrivals.expovariate(request_rate))
-            tasks.append(asyncio.create_task(limited(prompt, max_tokens)))
-        results = await asyncio.gather(*tasks)
-        cpu = time.process_time() - cpu_before
-        duration = time.perf_counter() - started
-        return BenchmarkRun(tuple(results), duration, (cpu,), started)
+    if warmup_requests:
+        prompt, max_tokens = workload[0]
+        warm = payload(prompt[:16], min(max_tokens, 16))
+        outcomes = await asyncio.gather(
+            *(send_request(url, headers, warm) for _ in range(warmup_requests))
+        )
+        if not any(r.ok for r in outcomes):
+            raise RuntimeError(f"warm-up failed against {url}: {outcomes[0].error}")
+    arrivals = random.Random(seed)
+    if start_together is not None:
+        start_together.wait()
+    started = time.perf_counter()
+    cpu_before = time.process_time()  # inside the wall-clock window, so cpu <= duration
+    tasks = []
+    for i, (prompt, max_tokens) in enumerate(workload):
+        if i and math.isfinite(request_rate):
+            await asyncio.sleep(arrivals.expovariate(request_rate))
+        tasks.append(asyncio.create_task(limited(prompt, max_tokens)))
+    results = await asyncio.gather(*tasks)
+    cpu = time.process_time() - cpu_before
+    duration = time.perf_counter() - started
+    return BenchmarkRun(tuple(results), duration, (cpu,), started)
 
 
 def _client_process(
@@ -491,7 +559,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             run = benchmark_in_processes(args.client_processes, workload, **options)
         else:
             run = asyncio.run(benchmark(workload=workload, **options))
-    except (aiohttp.ClientError, RuntimeError) as e:
+    except (aiohttp.ClientError, OSError, RuntimeError) as e:
         sys.exit(f"cannot benchmark {args.base_url}: {e}")
     if args.tokenizer:
         run = counted_without_usage(run, workload, args.tokenizer)

@@ -22,6 +22,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aserve.config import ConfigError, ServerConfig
 from aserve.engine.followers import WorkerFailure
 from aserve.server.app import Server
+from aserve.server.listener import Listener, bind
 
 logger = logging.getLogger("aserve.server")
 
@@ -46,18 +47,18 @@ async def serve(
 ) -> int:
     logging.getLogger("aiohttp.server").addFilter(_quiet_malformed_http)
     server = Server(config)
+    try:
+        sockets = bind(config.host, config.port, LISTEN_BACKLOG)
+    except OSError as error:
+        reason = error.strerror or str(error)
+        where = f"{config.host}:{config.port}"
+        print(f"aserve: error: cannot listen on {where}: {reason}", file=sys.stderr)
+        return 1
     runner = web.AppRunner(server.make_app(), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port, backlog=LISTEN_BACKLOG)
-    try:
-        await site.start()
-    except OSError as error:
-        await runner.cleanup()
-        print(
-            f"aserve: error: cannot listen on {config.host}:{config.port}: {error.strerror}",
-            file=sys.stderr,
-        )
-        return 1
+    assert runner.server is not None
+    listener = Listener(sockets, runner.server)
+    listener.start()
     logger.info("listening on http://%s:%d (loading the model)", config.host, config.port)
 
     signals = asyncio.Queue[int]()
@@ -89,6 +90,7 @@ async def serve(
     load.cancel()
     stopping.cancel()
     await server.drain(drain_timeout_s)
+    listener.close()
     await runner.cleanup()
     logger.info("stopped")
     return code
