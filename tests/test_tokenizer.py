@@ -178,33 +178,59 @@ def test_special_tokens_in_the_output(tokenizer: Tokenizer, skip: bool, seed: in
         assert_clean_pieces(pieces, full)
 
 
-def test_short_prompts_tokenize_on_the_loop_and_long_ones_in_the_pool(
+@pytest.mark.parametrize("which", ["tokenizer", "sentencepiece"])
+def test_short_prompts_tokenize_on_the_loop_and_long_ones_in_pool_batches(
+    which: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Same ids every way. Prompts over INLINE_CHARS that arrive in one turn of the loop are
+    encoded by one call in the pool; short ones never leave the loop."""
+    tok: Tokenizer = request.getfixturevalue(which)
+    calls: list[tuple[str, int]] = []
+    encode_many = tok.encode_many
+
+    def spied(texts: list[str], special: bool) -> list[list[int]]:
+        calls.append((threading.current_thread().name, len(texts)))
+        return encode_many(texts, special)
+
+    monkeypatch.setattr(tok, "encode_many", spied)
+    short = TEXTS[0]
+    longs = [(text + " ") * (INLINE_CHARS // len(text) + 2) for text in TEXTS]
+    prompts = [short, *longs]
+    chats = [[{"role": "user", "content": text}] for text in prompts]
+    with_template = bool(tok.hf.chat_template)
+
+    async def burst() -> tuple[list[list[int]], list[list[int]]]:
+        chat_ids = asyncio.gather(
+            *(tok.apply_chat_template_async(c) for c in (chats if with_template else []))
+        )
+        plain_ids = asyncio.gather(*(tok.encode_async(t) for t in prompts))
+        return await chat_ids, await plain_ids
+
+    chat_ids, plain_ids = asyncio.run(burst())
+    assert chat_ids == [tok.apply_chat_template(c) for c in (chats if with_template else [])]
+    assert plain_ids == [tok.encode(t) for t in prompts]
+    # one batch of the long prompts, and one of the long chats where there is a template
+    assert [n for _, n in calls] == [len(longs)] * (1 + with_template)
+    assert all(name != threading.current_thread().name for name, _ in calls)
+
+
+def test_a_failed_batch_fails_its_requests_and_not_the_next(
     tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Same ids either way; only prompts over INLINE_CHARS leave the loop's thread."""
-    threads: list[str] = []
-    encode_chat, encode = tokenizer.encode_chat, tokenizer.encode
-    monkeypatch.setattr(
-        tokenizer,
-        "encode_chat",
-        lambda text: threads.append(threading.current_thread().name) or encode_chat(text),
-    )
-    monkeypatch.setattr(
-        tokenizer,
-        "encode",
-        lambda text: threads.append(threading.current_thread().name) or encode(text),
-    )
-    short = " ".join(TEXTS)
-    long = short * (INLINE_CHARS // len(short) + 1)
-    for text in (short, long):
-        messages = [{"role": "user", "content": text}]
-        chat = asyncio.run(tokenizer.apply_chat_template_async(messages))
-        assert chat == tokenizer.apply_chat_template(messages)
-        assert asyncio.run(tokenizer.encode_async(text)) == encode(text)
-    loop_thread = threading.current_thread().name
-    pooled = [name != loop_thread for name in threads]
-    # per text: the chat, its reference (called here), the plain encode
-    assert pooled == [False, False, False, True, False, True]
+    long = "word " * INLINE_CHARS
+    encode_many = tokenizer.encode_many
+
+    def broken(texts: list[str], special: bool) -> list[list[int]]:
+        raise RuntimeError("tokenizer broke")
+
+    async def ask() -> list[int]:
+        return await tokenizer.encode_async(long)
+
+    monkeypatch.setattr(tokenizer, "encode_many", broken)
+    with pytest.raises(RuntimeError, match="tokenizer broke"):
+        asyncio.run(ask())
+    monkeypatch.setattr(tokenizer, "encode_many", encode_many)
+    assert asyncio.run(ask()) == tokenizer.encode(long)
 
 
 def test_prompt_tokens_are_context_only(tokenizer: Tokenizer) -> None:
