@@ -1,9 +1,10 @@
 """Tokenizer access: encoding, chat templates and decoding of a model folder's tokenizer.
 
 The server calls the `*_async` methods. A prompt of up to `INLINE_CHARS` characters is
-tokenized on the event loop itself (a tenth of a millisecond or so). Longer ones go to a
-small thread pool, where the `tokenizers` library releases the GIL while it works, batched:
-every prompt that arrives in one turn of the loop is encoded by one call. One call per prompt
+tokenized on the event loop at once (a tenth of a millisecond or so). Longer ones wait for
+the next turn of the loop and are encoded together, by one call: on the loop if the turn's
+prompts are `INLINE_TURN_CHARS` characters in all or fewer, else in a small thread pool,
+where the `tokenizers` library releases the GIL while it works. One pool call per prompt
 was slower under load: each hop there and back waits for the GIL, which a busy loop gives up
 only every switch interval (5 ms), so under 256 streams on an H200 new requests reached the
 scheduler about one a step; encoding them all on the loop instead cost it about 1 ms per
@@ -32,6 +33,9 @@ NORMALIZER_SLACK = 4
 # Prompts this long or shorter are tokenized on the event loop (a byte-level BPE takes about
 # 0.3 ms per 1,000 characters on a laptop core); longer ones in the pool, batched per turn.
 INLINE_CHARS = 512
+# A turn's batch of at most this many characters in all is encoded on the loop (a few ms at
+# most); a bigger one, a burst's, in the pool.
+INLINE_TURN_CHARS = 16384
 
 T = TypeVar("T")
 
@@ -197,11 +201,22 @@ class Tokenizer:
         return await future
 
     def _send_batch(self, add_special_tokens: bool) -> None:
+        """A turn's texts: encoded here when they are few characters in all (a request
+        arriving alone then skips the pool hop and its GIL waits), else in the pool."""
         batch, self._batches[add_special_tokens] = self._batches[add_special_tokens], []
         texts = [text for text, _ in batch]
         loop = asyncio.get_running_loop()
+        futures = [future for _, future in batch]
+        if sum(map(len, texts)) <= INLINE_TURN_CHARS:
+            job: asyncio.Future[list[list[int]]] = loop.create_future()
+            try:
+                job.set_result(self.encode_many(texts, add_special_tokens))
+            except Exception as error:
+                job.set_exception(error)
+            _hand_out(job, futures)
+            return
         job = loop.run_in_executor(self._pool, self.encode_many, texts, add_special_tokens)
-        job.add_done_callback(lambda done: _hand_out(done, [f for _, f in batch]))
+        job.add_done_callback(lambda done: _hand_out(done, futures))
 
     async def decode_async(self, token_ids: Sequence[int]) -> str:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.decode, token_ids)

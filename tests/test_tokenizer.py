@@ -18,7 +18,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, normalizers
 
 from aserve.textstream import StopStringMatcher, TextStream
-from aserve.tokenizer import INLINE_CHARS, IncrementalDetokenizer, Tokenizer
+from aserve.tokenizer import INLINE_CHARS, INLINE_TURN_CHARS, IncrementalDetokenizer, Tokenizer
 
 TEXTS = (
     "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -179,11 +179,13 @@ def test_special_tokens_in_the_output(tokenizer: Tokenizer, skip: bool, seed: in
 
 
 @pytest.mark.parametrize("which", ["tokenizer", "sentencepiece"])
-def test_short_prompts_tokenize_on_the_loop_and_long_ones_in_pool_batches(
-    which: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("burst", [True, False])
+def test_prompts_arriving_together_are_encoded_by_one_call(
+    which: str, burst: bool, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Same ids every way. Prompts over INLINE_CHARS that arrive in one turn of the loop are
-    encoded by one call in the pool; short ones never leave the loop."""
+    """Same ids every way. A turn's long prompts are one call: in the pool when they are more
+    than INLINE_TURN_CHARS in all (a burst), on the loop when fewer; a prompt of at most
+    INLINE_CHARS never waits for the turn."""
     tok: Tokenizer = request.getfixturevalue(which)
     calls: list[tuple[str, int]] = []
     encode_many = tok.encode_many
@@ -193,31 +195,35 @@ def test_short_prompts_tokenize_on_the_loop_and_long_ones_in_pool_batches(
         return encode_many(texts, special)
 
     monkeypatch.setattr(tok, "encode_many", spied)
-    short = TEXTS[0]
-    longs = [(text + " ") * (INLINE_CHARS // len(text) + 2) for text in TEXTS]
-    prompts = [short, *longs]
+    size = INLINE_TURN_CHARS // 4 if burst else INLINE_CHARS * 2
+    longs = [((text + " ") * (size // len(text) + 1))[:size] for text in TEXTS]
+    longs = longs if burst else longs[:1]
+    prompts = [TEXTS[0], *longs]
     chats = [[{"role": "user", "content": text}] for text in prompts]
     with_template = bool(tok.hf.chat_template)
 
-    async def burst() -> tuple[list[list[int]], list[list[int]]]:
+    async def arrive_together() -> tuple[list[list[int]], list[list[int]]]:
         chat_ids = asyncio.gather(
             *(tok.apply_chat_template_async(c) for c in (chats if with_template else []))
         )
         plain_ids = asyncio.gather(*(tok.encode_async(t) for t in prompts))
         return await chat_ids, await plain_ids
 
-    chat_ids, plain_ids = asyncio.run(burst())
+    chat_ids, plain_ids = asyncio.run(arrive_together())
     assert chat_ids == [tok.apply_chat_template(c) for c in (chats if with_template else [])]
     assert plain_ids == [tok.encode(t) for t in prompts]
-    # one batch of the long prompts, and one of the long chats where there is a template
+    # one call for the long plain prompts, one for the long chats where there is a template
     assert [n for _, n in calls] == [len(longs)] * (1 + with_template)
-    assert all(name != threading.current_thread().name for name, _ in calls)
+    loop_thread = threading.current_thread().name
+    assert all((name != loop_thread) == burst for name, _ in calls)
 
 
+@pytest.mark.parametrize("chars", [INLINE_CHARS * 2, INLINE_TURN_CHARS * 2])
 def test_a_failed_batch_fails_its_requests_and_not_the_next(
-    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+    chars: int, tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    long = "word " * INLINE_CHARS
+    """On the loop and in the pool alike."""
+    long = "word " * (chars // 5)
     encode_many = tokenizer.encode_many
 
     def broken(texts: list[str], special: bool) -> list[list[int]]:

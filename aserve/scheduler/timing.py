@@ -96,7 +96,9 @@ class StepTimer:
         next step's gap is waiting for work, not for the host."""
         self._last_done = None
         if self._steps:
-            self._log(time.perf_counter())
+            now = time.perf_counter()
+            self._log(now)
+            self._reset(now)
         self._idle = True
 
     def resume(self, now: float) -> None:
@@ -127,7 +129,7 @@ class StepTimer:
             launch_ms / steps,
             self._launch_cpu_s * 1e3 / steps,
             results_ms / steps,
-            rest_ms / steps,
+            max(0.0, rest_ms) / steps,
             max(0.0, rest_cpu_ms) / steps,
             self._wait_s * 1e3 / steps,
             self._gc_s * 1e3,
