@@ -78,6 +78,16 @@ class Runtime:
             else None
         )
         self.engine, self.followers = start_engine(config.engine, self.model_config, self.model_dir)
+        # A GPU with little memory may have made the engine take smaller batches.
+        fitted = self.engine.config
+        config = self.config = dataclasses.replace(
+            config,
+            scheduler=dataclasses.replace(
+                config.scheduler,
+                max_running_requests=fitted.max_running_requests,
+                max_prefill_length=fitted.max_prefill_length,
+            ),
+        )
         grammars = (
             None
             if self.tokenizer is None

@@ -11,7 +11,15 @@ import torch
 from aserve import LLM
 from aserve.config import EngineConfig, ModelConfig
 from aserve.distributed.group import TPGroup
-from aserve.engine.memory import working_memory_bytes
+from aserve.engine.memory import (
+    MIN_PREFILL_LENGTH,
+    GiB,
+    fit_step_to_memory,
+    kv_bytes_per_token,
+    plan_num_pages,
+    working_memory_bytes,
+)
+from aserve.kvcache.pages import PageTable
 from tests.tiny_models import make_tiny_model
 
 
@@ -72,3 +80,120 @@ def test_pretended_capability_parses_or_says_how() -> None:
             parse_capability(bad)
     assert shared_memory_limit((8, 6)) == shared_memory_limit((8, 9)) == 99 * 1024
     assert shared_memory_limit((8, 0)) < shared_memory_limit((9, 0))
+
+
+def llama_8b() -> ModelConfig:
+    """The Llama-3.1-8B shape: a step's working memory is about 1.6 GiB at the defaults."""
+    return ModelConfig(
+        architecture="LlamaForCausalLM",
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+        qkv_bias=False,
+        qk_norm=False,
+    )
+
+
+def pretend_gpu(monkeypatch: pytest.MonkeyPatch, free_gib: float, total_gib: float = 80) -> None:
+    info = (int(free_gib * GiB), int(total_gib * GiB))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: info)
+
+
+def fit(config: EngineConfig, max_seq_len: int = 8192) -> EngineConfig:
+    return fit_step_to_memory(
+        config,
+        llama_8b(),
+        TPGroup(),
+        torch.bfloat16,
+        torch.device("cuda"),
+        max_seq_len,
+        torch.bfloat16,
+    )
+
+
+def test_enough_memory_keeps_the_batch_limits(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    pretend_gpu(monkeypatch, free_gib=60)
+    config = EngineConfig(memory_ratio=0.9, page_size=16)
+    with caplog.at_level("WARNING", logger="aserve.engine.memory"):
+        assert fit(config) == config
+    assert not caplog.records
+
+
+@pytest.mark.parametrize("left_gib", [2.0, 1.5])
+def test_little_memory_shrinks_batches_until_a_full_context_fits(
+    left_gib: float, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`left_gib` of the device within --memory-ratio is all that KV and a step may use."""
+    pretend_gpu(monkeypatch, free_gib=8 + left_gib, total_gib=80)
+    config = EngineConfig(memory_ratio=0.9, page_size=16)  # 8 GiB (10%) stays unused
+    with caplog.at_level("WARNING", logger="aserve.engine.memory"):
+        fitted = fit(config)
+    assert fitted.max_running_requests < config.max_running_requests
+    assert fitted.max_prefill_length <= config.max_prefill_length
+    assert fitted.max_prefill_length >= MIN_PREFILL_LENGTH
+    rows = fitted.max_running_requests + 1
+    working = working_memory_bytes(fitted, llama_8b(), TPGroup(), torch.bfloat16)
+    working += rows * PageTable.bytes_per_row(8192, 16)
+    full_context = 8192 * kv_bytes_per_token(llama_8b(), TPGroup(), torch.bfloat16)
+    assert working + full_context <= left_gib * GiB
+    # the largest limits that fit: doubling the running cap back would not
+    undone = EngineConfig(
+        memory_ratio=0.9,
+        page_size=16,
+        max_running_requests=fitted.max_running_requests * 2,
+        max_prefill_length=fitted.max_prefill_length,
+    )
+    undone_working = working_memory_bytes(undone, llama_8b(), TPGroup(), torch.bfloat16)
+    assert undone_working + full_context > left_gib * GiB
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert f"capped at {fitted.max_running_requests} instead of 256" in line
+    pages = plan_num_pages(
+        fitted, llama_8b(), TPGroup(), torch.bfloat16, torch.device("cuda"), 8192, torch.bfloat16
+    )
+    assert (pages - 1) * 16 >= 8192  # the pool holds a full context
+
+
+def test_no_memory_at_all_stops_at_the_smallest_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    pretend_gpu(monkeypatch, free_gib=8.01, total_gib=80)  # 10 MiB: not even one step
+    fitted = fit(EngineConfig(memory_ratio=0.9, page_size=16))
+    assert (fitted.max_running_requests, fitted.max_prefill_length) == (1, MIN_PREFILL_LENGTH)
+    with pytest.raises(MemoryError, match="no room for a KV cache"):
+        plan_num_pages(
+            fitted,
+            llama_8b(),
+            TPGroup(),
+            torch.bfloat16,
+            torch.device("cuda"),
+            8192,
+            torch.bfloat16,
+        )
+
+
+def test_cpu_and_fixed_pages_are_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    pretend_gpu(monkeypatch, free_gib=8.1, total_gib=80)
+    fixed = EngineConfig(num_pages=100)
+    assert fit(fixed) == fixed
+    config = EngineConfig()
+    assert (
+        fit_step_to_memory(
+            config,
+            llama_8b(),
+            TPGroup(),
+            torch.bfloat16,
+            torch.device("cpu"),
+            8192,
+            torch.bfloat16,
+        )
+        == config
+    )

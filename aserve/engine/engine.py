@@ -23,7 +23,13 @@ from aserve.config import ConfigError, EngineConfig, ModelConfig
 from aserve.constrained.masks import StepMasks
 from aserve.distributed.group import TPGroup
 from aserve.engine.gpu import gpu_capability
-from aserve.engine.memory import GiB, free_device_memory, kv_bytes_per_token, plan_num_pages
+from aserve.engine.memory import (
+    GiB,
+    fit_step_to_memory,
+    free_device_memory,
+    kv_bytes_per_token,
+    plan_num_pages,
+)
 from aserve.engine.sampler import (
     PromptScoring,
     SampleOutput,
@@ -173,6 +179,15 @@ class Engine:
             self.load_seconds,
         )
 
+        config = self.config = fit_step_to_memory(
+            config,
+            model_config,
+            self.tp,
+            self.dtype,
+            self.device,
+            self.max_seq_len,
+            self.kv_dtype,
+        )
         self.num_pages = plan_num_pages(
             config,
             model_config,

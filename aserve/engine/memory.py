@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -17,6 +18,7 @@ logger = logging.getLogger(__name__)
 GiB = 1 << 30
 CPU_KV_BUDGET_BYTES = 2 * GiB
 CPU_KV_SHARE_OF_AVAILABLE = 0.25
+MIN_PREFILL_LENGTH = 256  # the smallest prefill chunk that shrinking goes down to
 
 
 def available_host_memory() -> int:
@@ -60,6 +62,67 @@ def working_memory_bytes(
     graphs = config.max_running_requests * (width * size + model.vocab_size * size)
     sampling = 4 * config.max_running_requests * model.vocab_size * 4
     return prefill + graphs + sampling
+
+
+def fit_step_to_memory(
+    config: EngineConfig,
+    model: ModelConfig,
+    tp: TPGroup,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_seq_len: int,
+    kv_dtype: torch.dtype,
+) -> EngineConfig:
+    """`config` with the running-request cap (the CUDA graphs' largest batch and the
+    sampler's rows follow it) and the prefill chunk halved, the larger memory user first,
+    until a step's working memory leaves the KV pool room for one request at full context.
+    A small GPU (an edge box, or a large one shared) then starts with smaller batches, said
+    in one line, instead of a pool too small to serve a context, or none at all. Unchanged
+    where it already fits, on CPU, and with --num-pages."""
+    if device.type != "cuda" or config.num_pages is not None:
+        return config
+    free, total = torch.cuda.mem_get_info(device)
+    available = free - total * (1.0 - config.memory_ratio)
+    wanted_kv = max_seq_len * kv_bytes_per_token(model, tp, kv_dtype)
+    fitted = config
+
+    def working(c: EngineConfig) -> float:
+        rows = c.max_running_requests + 1
+        table = rows * PageTable.bytes_per_row(max_seq_len, c.page_size)
+        return working_memory_bytes(c, model, tp, dtype) + table
+
+    while working(fitted) + wanted_kv > available:
+        running, chunk = fitted.max_running_requests, fitted.max_prefill_length
+        halve_running = running > 1 and (
+            chunk <= MIN_PREFILL_LENGTH
+            or working(dataclasses.replace(fitted, max_prefill_length=chunk // 2))
+            > working(dataclasses.replace(fitted, max_running_requests=running // 2))
+        )
+        if halve_running:
+            fitted = dataclasses.replace(fitted, max_running_requests=running // 2)
+        elif chunk > MIN_PREFILL_LENGTH:
+            fitted = dataclasses.replace(
+                fitted, max_prefill_length=max(MIN_PREFILL_LENGTH, chunk // 2)
+            )
+        else:
+            break
+    fitted = dataclasses.replace(
+        fitted,
+        max_running_requests=tp.agree_min(fitted.max_running_requests),
+        max_prefill_length=tp.agree_min(fitted.max_prefill_length),
+    )
+    if fitted != config:
+        logger.warning(
+            "little GPU memory: %.2f GiB for the KV cache and a step's working memory, so "
+            "running requests (and CUDA graph batches) are capped at %d instead of %d and "
+            "prefill chunks at %d tokens instead of %d",
+            max(0.0, available) / GiB,
+            fitted.max_running_requests,
+            config.max_running_requests,
+            fitted.max_prefill_length,
+            config.max_prefill_length,
+        )
+    return fitted
 
 
 def plan_num_pages(

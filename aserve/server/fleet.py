@@ -40,7 +40,7 @@ class FleetRoutes:
 
     async def server_info(self, request: web.Request) -> web.Response:
         runtime, _ = self.state.ready()
-        config = self.state.config
+        config = runtime.config  # as run: a small GPU may have lowered the batch limits
         snapshot = self.state.snapshot()
         return json_response(
             {
