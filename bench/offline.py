@@ -55,6 +55,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--num-pages", type=int, default=None)
+    p.add_argument("--memory-ratio", type=float, default=0.9, help="as the server's option")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None)
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--moe-backend", default="auto", help="MoE models: auto, torch or fused")
@@ -132,6 +133,7 @@ def build_llm(args: argparse.Namespace) -> LLM:
         max_running_requests=args.max_running_requests,
         page_size=args.page_size,
         num_pages=args.num_pages,
+        memory_ratio=args.memory_ratio,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         attention_backend=args.attention_backend,
         moe_backend=args.moe_backend,

@@ -136,6 +136,11 @@ for step in "$@"; do
                 PYTHONPATH=/tmp/site:$PWD:$PWD/.minisgl/python timeout 280 python3 bench/offline.py --model bench/models/$m $W --peer minisgl --repeat 1 $opts 2>&1 | grep -v Warn | tail -4; done; done ;;
     qwen3-tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k "qk_norm or qwen3" 2>&1 | grep -v "^  /\|^    " | tail -30 ;;
     noaot-site) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-noaot .whl/*.whl ;;  # no kernel pack: a fresh machine
+    small-gpu)  # issue 23 item 4: the 8B shape with about 2 GiB left for KV and a step (SMALL_RATIO of the H200's memory:
+                # 16.1 GB of weights + ~0.6 GB of context + 2 GiB), the offline workload and 256 streams: no OOM, the log line
+              timeout 300 python3 bench/offline.py --model bench/models/llama-3.1-8b --dummy-weight --num-seqs 256 --input-len 100 1024 \
+                --output-len 100 1024 --temperature 0.6 --max-seq-len 4096 --page-size 256 --memory-ratio ${SMALL_RATIO:-0.133} --no-record 2>&1 \
+                | grep "little GPU memory\|KV cache:\|captured\|tok/s\|Error\|error" | cut -c 1-300 ;;
     startup)  # cold (FlashInfer's and Triton's caches emptied) then warm start of each shape
              for m in qwen3-0.6b llama-3.1-8b; do rm -rf /tmp/fi-cold ~/.triton/cache; for phase in first second; do
                PYTHONPATH=/tmp/site-noaot:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-cold ready_in --model bench/models/$m --dummy-weight; done; done ;;
