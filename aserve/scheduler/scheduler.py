@@ -223,10 +223,11 @@ class Scheduler:
                         assert launched is not None
                     else:
                         launched = self._launch(planned)
-                    launched = launched._replace(
-                        launch_s=time.perf_counter() - plan_started,
-                        launch_cpu_s=time.thread_time() - plan_cpu,
-                    )
+                    if self.timer is not None:
+                        launched = launched._replace(
+                            launch_s=time.perf_counter() - plan_started,
+                            launch_cpu_s=time.thread_time() - plan_cpu,
+                        )
                 except Exception as error:
                     if self.followers is not None:
                         raise self.followers.explain(error) from error
