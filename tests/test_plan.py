@@ -11,6 +11,7 @@ from aserve.kvcache.radix import RadixCache
 from aserve.scheduler.batch import SamplingBatches, build_forward_batch
 from aserve.scheduler.plan import Planner, ScheduledBatch
 from aserve.scheduler.request import FinishReason, Req, ReqStatus, SamplingParams
+from aserve.server.app import newly_admitted
 
 
 def make_planner(
@@ -189,3 +190,20 @@ def test_sampling_batch_is_reused_only_while_nothing_in_it_changes() -> None:
     reqs = [*plain, penalised]
     step = batches.build(decode_batch(reqs))
     assert batches.build(decode_batch(reqs)).temperature is not step.temperature
+
+
+def test_prefill_stats_count_each_admission_once_under_overlap() -> None:
+    """The `#new-seq` of a prefill line is reported after the next step launched, which may
+    be the same request's next chunk: it is read from where each chunk was planned to start."""
+    planner = make_planner(max_prefill=10)
+    short, long = make_req(0, 4), make_req(1, 12, first_token=200)
+    planner.add(short)
+    planner.add(long)
+    first = planner.schedule()
+    assert first is not None
+    planner.launched(first)
+    second = planner.schedule()
+    assert second is not None and second.reqs == [long]
+    planner.launched(second)  # both launched before the first is reported, as with overlap
+    assert newly_admitted(first) == [short, long]
+    assert newly_admitted(second) == []

@@ -20,6 +20,7 @@ from aserve.forward import ForwardMode
 from aserve.metrics import StatsLogger
 from aserve.runtime import Runtime
 from aserve.scheduler.plan import ScheduledBatch
+from aserve.scheduler.request import Req
 from aserve.server import openai, protocol
 from aserve.server.completions import Completions
 from aserve.server.fleet import FleetRoutes
@@ -35,6 +36,13 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Served without the API key: what /openapi.json marks open (health, metrics, what a router
 # reads), so the description and the check are one list.
 OPEN_PATHS = frozenset(op.path for op in OPERATIONS if op.open)
+
+
+def newly_admitted(planned: ScheduledBatch) -> list[Req]:
+    """The requests whose first chunk this prefill batch computed. Read from where each chunk
+    started when it was planned: with overlap the next step, maybe the same request's next
+    chunk, is already launched (and has moved `cached_len`) when this one is reported."""
+    return [r for r, start in zip(planned.reqs, planned.starts) if start == r.prefix_len]
 
 
 class Server:
@@ -73,16 +81,14 @@ class Server:
             replayed = graphs is not None and len(planned.reqs) <= graphs.max_batch_size
             self.stats.on_step("decode", snapshot, seconds, len(planned.reqs), cuda_graph=replayed)
             return
-        first_chunks = [
-            r for r, n in zip(planned.reqs, planned.extend_lens) if r.cached_len - n == r.prefix_len
-        ]
+        admitted = newly_admitted(planned)
         self.stats.on_step(
             "prefill",
             snapshot,
             seconds,
             sum(planned.extend_lens),
-            new_seqs=len(first_chunks),
-            cached_tokens=sum(r.prefix_len for r in first_chunks),
+            new_seqs=len(admitted),
+            cached_tokens=sum(r.prefix_len for r in admitted),
         )
 
     async def drain(self, timeout_s: float) -> None:
