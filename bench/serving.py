@@ -116,6 +116,8 @@ class RawResponse:
     @classmethod
     async def post(cls, url: str, headers: dict[str, str], body: bytes) -> RawResponse:
         parts = urlsplit(url)
+        if parts.scheme != "http":
+            raise ValueError(f"the benchmark client speaks plain HTTP, not {parts.scheme}")
         host, port = parts.hostname or "localhost", parts.port or 80
         reader, writer = await asyncio.open_connection(host, port, limit=1 << 22)
         head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
