@@ -64,6 +64,22 @@ def working_memory_bytes(
     return prefill + graphs + sampling
 
 
+def step_bytes(
+    config: EngineConfig, model: ModelConfig, tp: TPGroup, dtype: torch.dtype, max_seq_len: int
+) -> int:
+    """What the KV pool must leave on CUDA: a step's working memory and the page table."""
+    rows = config.max_running_requests + 1
+    table = rows * PageTable.bytes_per_row(max_seq_len, config.page_size)
+    return working_memory_bytes(config, model, tp, dtype) + table
+
+
+def within_ratio_bytes(config: EngineConfig, device: torch.device) -> int:
+    """Free device memory that --memory-ratio lets the pool and a step's working memory use:
+    that share of the total may be in use, and what is in use now stays."""
+    free, total = torch.cuda.mem_get_info(device)
+    return int(free - total * (1.0 - config.memory_ratio))
+
+
 def fit_step_to_memory(
     config: EngineConfig,
     model: ModelConfig,
@@ -81,15 +97,12 @@ def fit_step_to_memory(
     where it already fits, on CPU, and with --num-pages."""
     if device.type != "cuda" or config.num_pages is not None:
         return config
-    free, total = torch.cuda.mem_get_info(device)
-    available = free - total * (1.0 - config.memory_ratio)
+    available = within_ratio_bytes(config, device)
     wanted_kv = max_seq_len * kv_bytes_per_token(model, tp, kv_dtype)
     fitted = config
 
-    def working(c: EngineConfig) -> float:
-        rows = c.max_running_requests + 1
-        table = rows * PageTable.bytes_per_row(max_seq_len, c.page_size)
-        return working_memory_bytes(c, model, tp, dtype) + table
+    def working(c: EngineConfig) -> int:
+        return step_bytes(c, model, tp, dtype, max_seq_len)
 
     while working(fitted) + wanted_kv > available:
         running, chunk = fitted.max_running_requests, fitted.max_prefill_length
@@ -149,11 +162,9 @@ def plan_num_pages(
         return config.num_pages
     per_token = kv_bytes_per_token(model, tp, kv_dtype)
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        working = working_memory_bytes(config, model, tp, dtype)
-        rows = config.max_running_requests + 1
-        working += rows * PageTable.bytes_per_row(max_seq_len, config.page_size)
-        budget = int(free - total * (1.0 - config.memory_ratio)) - working
+        budget = within_ratio_bytes(config, device) - step_bytes(
+            config, model, tp, dtype, max_seq_len
+        )
     else:
         budget = int(min(CPU_KV_BUDGET_BYTES, available_host_memory() * CPU_KV_SHARE_OF_AVAILABLE))
     tokens = min(budget // per_token, config.max_running_requests * max_seq_len)

@@ -201,7 +201,8 @@ class Scheduler:
                 if pending is not None and not self.overlap:
                     await self._finish_step(pending, on_step)
                     pending = None
-                plan_started, plan_cpu = time.perf_counter(), time.thread_time()
+                plan_started = time.perf_counter()
+                plan_cpu = time.thread_time() if self.timer is not None else 0.0
                 planned = self.planner.schedule()
                 if planned is None:
                     if pending is not None:
