@@ -4,8 +4,10 @@
 #   COMMIT=<sha> bash scripts/device-run.sh qwen llama latency trace gpu-tests aot
 # Each step prints a short tail; new bench lines land in $OUT/new-results.jsonl.
 set -x
+# Peers' and tools' wheels (mini-SGLang's server, sglang-router, py-spy) live apart in .whl-peers/,
+# carried only by the steps that need them: with the router .whl alone is over half the carry limit.
 if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl $(ls .whl-peers/*.whl 2> /dev/null)
   if [ -f .whl/fi-aot-0.6.8-sm90a.tgz ]; then
     mkdir -p /tmp/site/flashinfer/data/aot && tar xzf .whl/fi-aot-0.6.8-sm90a.tgz -C /tmp/site/flashinfer/data/aot; fi
 fi
@@ -203,7 +205,8 @@ for step in "$@"; do
     tp-tests) for t in tp2_greedy tp2_bf16; do  # one process each: the one-shot all-reduce opens once per process
                 timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k $t 2>&1 | grep -v "^  /\|^    " | tail -20; done ;;
     tp-bench) for tp in ${TPS:-1 2}; do timeout 250 python3 bench/offline.py --model bench/models/llama-3.1-8b --tp $tp $W 2>&1 | tail -2; timeout 200 python3 bench/latency.py --model bench/models/llama-3.1-8b --dummy-weight --tp $tp 2>&1 | tail -2; done ;;
-    aot) mkdir -p /tmp/pack && cp -r /tmp/site/flashinfer/data/aot/* /tmp/pack/ && cp -r /tmp/fi-jit/.cache/flashinfer/0.6.8/90a/cached_ops/* /tmp/pack/ && (cd /tmp/pack && tar czf $OUT/fi-aot-0.6.8-sm90a.tgz */*.so && ls) ;;
+    aot) mkdir -p /tmp/pack && cp -r /tmp/site/flashinfer/data/aot/. /tmp/fi-jit/.cache/flashinfer/0.6.8/90a/cached_ops/. /tmp/pack/ 2> /dev/null
+         (cd /tmp/pack && tar czf $OUT/fi-aot-0.6.8-sm90a.tgz */*.so && ls && du -sh $OUT/fi-aot-0.6.8-sm90a.tgz) ;;
   esac
 done
 diff <(cat /tmp/results.orig) bench/results.jsonl | grep '^>' | sed 's/^> //' > $OUT/new-results.jsonl

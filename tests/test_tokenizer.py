@@ -18,7 +18,14 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, normalizers
 
 from aserve.textstream import StopStringMatcher, TextStream
-from aserve.tokenizer import INLINE_CHARS, INLINE_TURN_CHARS, IncrementalDetokenizer, Tokenizer
+import aserve.tokenizer
+from aserve.tokenizer import (
+    INLINE_CHARS,
+    INLINE_TURN_CHARS,
+    IncrementalDetokenizer,
+    Tokenizer,
+    _groups,
+)
 
 TEXTS = (
     "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -216,6 +223,47 @@ def test_prompts_arriving_together_are_encoded_by_one_call(
     assert [n for _, n in calls] == [len(longs)] * (1 + with_template)
     loop_thread = threading.current_thread().name
     assert all((name != loop_thread) == burst for name, _ in calls)
+
+
+def test_groups_are_consecutive_and_close_at_the_size() -> None:
+    assert _groups(["ab", "cd", "e", "fgh"], 3) == [(0, 2), (2, 4)]
+    assert _groups(["abcdef", "g"], 3) == [(0, 1), (1, 2)]
+    assert _groups(["a"], 100) == [(0, 1)]
+    assert _groups([], 3) == []
+
+
+def test_a_burst_is_handed_out_group_by_group(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first group's requests get their ids while the pool still encodes the next: the
+    second call waits for the first request to resume, which times out (and fails the batch)
+    if ids were handed out only once the whole burst was encoded."""
+    group = INLINE_TURN_CHARS
+    monkeypatch.setattr(aserve.tokenizer, "POOL_GROUP_CHARS", group)
+    prompts = [(f"prompt {i} " + "word " * group)[: group // 2] for i in range(6)]
+    calls: list[int] = []
+    first_answered = threading.Event()
+    encode_many = tokenizer.encode_many
+
+    def spied(texts: list[str], special: bool) -> list[list[int]]:
+        calls.append(len(texts))
+        if len(calls) == 2 and not first_answered.wait(5):
+            raise TimeoutError("the first group was not handed out before the second ran")
+        return encode_many(texts, special)
+
+    monkeypatch.setattr(tokenizer, "encode_many", spied)
+
+    async def one(i: int) -> list[int]:
+        ids = await tokenizer.encode_async(prompts[i])
+        if i == 0:
+            first_answered.set()
+        return ids
+
+    async def burst() -> list[list[int]]:
+        return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+
+    assert asyncio.run(burst()) == [tokenizer.encode(p) for p in prompts]
+    assert calls == [2, 2, 2]
 
 
 @pytest.mark.parametrize("chars", [INLINE_CHARS * 2, INLINE_TURN_CHARS * 2])

@@ -132,8 +132,9 @@ class Scheduler:
                 f"the prompt has {n} tokens but the context holds {self.max_seq_len} "
                 "(prompt plus at least one generated token)"
             )
-        bad = next((t for t in req.prompt_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
+        ids = req.prompt_ids
+        if min(ids) < 0 or max(ids) >= self.vocab_size:  # builtins: a burst checks 100k ids
+            bad = next(t for t in ids if not 0 <= t < self.vocab_size)
             return f"token id {bad} is outside the vocabulary [0, {self.vocab_size})"
         if req.params.constraint is not None and self.grammars is None:
             return "constrained output needs the model's tokenizer, and this model has none"
