@@ -72,11 +72,11 @@ class Runtime:
         self.sampling_defaults, origin = resolve_defaults(
             config, generation_config, embedded=config.engine.model_path is None
         )
-        self.tokenizer = (
-            Tokenizer(self.model_dir, config.num_tokenizer)
-            if has_tokenizer(self.model_dir)
-            else None
-        )
+        self.tokenizer: Tokenizer | None = None
+        if has_tokenizer(self.model_dir):
+            tokenizer_started = time.perf_counter()
+            self.tokenizer = Tokenizer(self.model_dir, config.num_tokenizer)
+            logger.info("tokenizer: loaded in %.1f s", time.perf_counter() - tokenizer_started)
         self.engine, self.followers = start_engine(config.engine, self.model_config, self.model_dir)
         # A GPU with little memory may have made the engine take smaller batches.
         fitted = self.engine.config

@@ -6,12 +6,12 @@ the next turn of the loop and are encoded together: by one call on the loop if t
 prompts are `INLINE_TURN_CHARS` characters in all or fewer, else in a small thread pool,
 where the `tokenizers` library releases the GIL while it works, one call per group of
 `POOL_GROUP_CHARS` so the first requests of a burst reach the scheduler while the rest are
-still being encoded. One pool call per prompt was slower under load: each hop there and back waits for the GIL, which a busy loop gives up
-only every switch interval (5 ms), so under 256 streams on an H200 new requests reached the
-scheduler about one a step; encoding them all on the loop instead cost it about 1 ms per
-4,000-character prompt of a byte-level BPE. Generated tokens become text through
-`IncrementalDetokenizer`, which decodes only a few tokens per step and so runs on the loop
-itself.
+still being encoded. One pool call per prompt was slower under load: each hop there and back
+waits for the GIL, which a busy loop gives up only every switch interval (5 ms), so under
+256 streams on an H200 new requests reached the scheduler about one a step; encoding them
+all on the loop instead cost it about 1 ms per 4,000-character prompt of a byte-level BPE.
+Generated tokens become text through `IncrementalDetokenizer`, which decodes only a few
+tokens per step and so runs on the loop itself.
 """
 
 from __future__ import annotations

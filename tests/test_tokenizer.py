@@ -17,8 +17,8 @@ import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, normalizers
 
-from aserve.textstream import StopStringMatcher, TextStream
 import aserve.tokenizer
+from aserve.textstream import StopStringMatcher, TextStream
 from aserve.tokenizer import (
     INLINE_CHARS,
     INLINE_TURN_CHARS,
