@@ -14,9 +14,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import orjson
+import pytest
 
 from tests.server_utils import ServerProcess
 from tests.test_server import get, post, run
@@ -327,6 +329,60 @@ def test_internal_fault_fails_only_that_request(smollm2_dir: Path) -> None:
     bad_status, bad, good_status = run(scenario())
     assert bad_status == 500 and bad["error"]["type"] == "internal_server_error"
     assert good_status == 200
+
+
+def test_a_burst_submits_every_stream_before_writing_any_headers(
+    smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Streams whose prompts are encoded together resume together: each submits its request,
+    and only after all have does any prepare its response, so the scheduler's next plan holds
+    the whole burst. Their replies are whole."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from aserve.config import build_config
+    from aserve.scheduler.scheduler import Scheduler
+    from aserve.server.app import Server
+
+    events: list[str] = []
+    submit, prepare = Scheduler.submit, web.StreamResponse.prepare
+
+    def spied_submit(self: Scheduler, req: Any) -> None:
+        events.append("submit")
+        submit(self, req)
+
+    async def spied_prepare(self: web.StreamResponse, request: web.BaseRequest) -> Any:
+        if not self.prepared:  # aiohttp calls it again once the handler returns
+            events.append("prepare")
+        return await prepare(self, request)
+
+    monkeypatch.setattr(Scheduler, "submit", spied_submit)
+    monkeypatch.setattr(web.StreamResponse, "prepare", spied_prepare)
+    burst = 6
+
+    async def scenario() -> list[list[bytes]]:
+        server = Server(build_config(model=str(smollm2_dir), num_pages=1024))
+        await server.load()
+        test_server = TestServer(server.make_app())
+        await test_server.start_server()
+        url = f"http://127.0.0.1:{test_server.port}/v1/chat/completions"
+
+        async def one(i: int) -> list[bytes]:
+            text = f"Question {i}: " + "tell me about the sea and the sky. " * 20  # > 512 chars
+            body = {"messages": [{"role": "user", "content": text}], "max_tokens": 4}
+            async with aiohttp.ClientSession() as session:
+                async with session.post(url, json={**body, "stream": True}) as response:
+                    return [line async for line in response.content if line.strip()]
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(burst)))
+        finally:
+            await test_server.close()
+            await server.drain(1.0)
+
+    replies = run(scenario())
+    assert all(lines[-1] == b"data: [DONE]\n" for lines in replies)
+    assert events == ["submit"] * burst + ["prepare"] * burst
 
 
 def read_until(fd: int, marker: bytes, timeout_s: float = 120.0) -> bytes:

@@ -190,7 +190,19 @@ class Completions:
         shaper = ResponseShaper(parsed, head, runtime, choices)
         started = time.monotonic()
         if parsed.stream:
-            return await self._stream(request, shaper, choices, started)
+            # Submit, then let the loop turn before preparing the response: the handlers of a
+            # burst resume together once their prompts are encoded, and this way the scheduler
+            # plans its first prefill after all of them have submitted, not after all have
+            # also written their headers (about half of a handler's work; 256 chat streams on
+            # an H200 spent ~60 ms in such a run of handlers).
+            for choice in choices:
+                choice.start()
+            try:
+                await asyncio.sleep(0)
+                return await self._stream(request, shaper, choices, started)
+            finally:
+                for choice in choices:
+                    choice.cancel()
         results = await asyncio.gather(*(self._collect(c, started) for c in choices))
         return json_response(shaper.full_body(results))
 

@@ -41,6 +41,7 @@ class Choice:
     grammar: Any = None
     completion_tokens: int = 0
     first_token_seen: bool = False
+    started: bool = False
     _stream: TextStream | None = field(default=None, repr=False)
 
     def prepare(self) -> str | None:
@@ -49,12 +50,26 @@ class Choice:
         self.req.grammar = self.grammar
         return self.scheduler.check_request(self.req)
 
+    def start(self) -> None:
+        """Hand the request to the scheduler (once); `run` reads what it produces. A caller
+        that starts a choice and may never run it must `cancel` it."""
+        assert self.req is not None
+        if self.started:
+            return
+        if self.tokenizer is not None:
+            self._stream = TextStream(self.tokenizer, self.prompt_ids, self.stop)
+        self.scheduler.submit(self.req)
+        self.started = True
+
+    def cancel(self) -> None:
+        """End the request unless it has ended."""
+        if self.started and self.req is not None and self.req.finish_reason is None:
+            self.scheduler.abort(self.req)
+
     async def run(self) -> AsyncIterator[Delta]:
         assert self.req is not None
         req = self.req
-        if self.tokenizer is not None:
-            self._stream = TextStream(self.tokenizer, self.prompt_ids, self.stop)
-        self.scheduler.submit(req)
+        self.start()
         try:
             while True:
                 out = await req.channel.get()
