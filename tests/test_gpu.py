@@ -257,25 +257,6 @@ def test_dummy_qwen3_shape_runs_in_bf16(make_llm: Callable[..., LLM]) -> None:
     assert llm.runtime.engine.dtype is torch.bfloat16
 
 
-def test_a_full_prefill_chunk_after_start_needs_no_new_gpu_memory(
-    make_llm: Callable[..., LLM],
-) -> None:
-    """The warm-up runs the largest prefill step, so a fresh server's first full chunk finds
-    its activations in the allocator's cache instead of calling cudaMalloc inside a burst."""
-    llm = make_llm(
-        BENCH / "qwen3-0.6b",
-        dummy_weight=True,
-        max_seq_len_override=4096,
-        max_prefill_length=4096,
-        num_pages=8192,
-    )
-    before = torch.cuda.memory_stats()["segment.large_pool.allocated"]
-    prompts = [[(7 * i) % 1000 + 3 for i in range(4090)], list(range(3, 4003))]
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-    assert [len(o.token_ids) for o in outputs] == [1, 1]
-    assert torch.cuda.memory_stats()["segment.large_pool.allocated"] == before
-
-
 @pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("page_size", [1, 16, 256])

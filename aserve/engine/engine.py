@@ -322,23 +322,13 @@ class Engine:
         for thread in self._kernel_builds:
             thread.join()
         self._dummy_forward(ForwardMode.PREFILL)
-        # The largest prefill step, so that its activations are in the allocator's cache and
-        # the kernels' long-input variants are built: on the H200 the first full chunk of a
-        # fresh server's first burst took 43 ms to launch, the next ones 11 ms.
-        self._dummy_forward(ForwardMode.PREFILL, self.largest_prefill)
         torch.cuda.synchronize(self.device)
         logger.info("GPU kernels ready in %.1f s", time.perf_counter() - started)
 
-    @property
-    def largest_prefill(self) -> int:
-        """Tokens in the largest prefill step the scheduler can plan."""
-        return min(self.config.max_prefill_length, self.max_seq_len)
-
-    def _dummy_forward(self, mode: ForwardMode, tokens: int = 1) -> torch.Tensor:
-        """One request of `tokens` tokens on the dummy row, whose every position maps to the
-        dummy page: its KV writes land there, as those of padded graph rows do."""
-        prefill_ids = [0] * tokens if mode is ForwardMode.PREFILL else []
-        spec = StepSpec(mode, [self.page_table.dummy_row], [0], [tokens], [0], prefill_ids, [])
+    def _dummy_forward(self, mode: ForwardMode) -> torch.Tensor:
+        """One token of one request on the dummy page."""
+        prefill_ids = [0] if mode is ForwardMode.PREFILL else []
+        spec = StepSpec(mode, [self.page_table.dummy_row], [0], [1], [0], prefill_ids, [])
         batch = forward_batch(spec, self.page_table, self.device)
         self.attn.prepare(batch)
         return self.model(batch, self.attn)
