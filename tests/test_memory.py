@@ -164,6 +164,20 @@ def test_little_memory_shrinks_batches_until_a_full_context_fits(
     assert (pages - 1) * 16 >= 8192  # the pool holds a full context
 
 
+def test_the_line_names_only_the_limits_that_shrank(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """3 GiB for an 8B with 16k-token chunks (the H200 run of device-run.sh small-gpu): only
+    the chunk shrinks, and the line says nothing about the running cap."""
+    pretend_gpu(monkeypatch, free_gib=8 + 3, total_gib=80)
+    config = EngineConfig(memory_ratio=0.9, page_size=16, max_prefill_length=16384)
+    with caplog.at_level("WARNING", logger="aserve.engine.memory"):
+        fitted = fit(config)
+    assert (fitted.max_running_requests, fitted.max_prefill_length) == (256, 8192)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.endswith("so prefill chunks at 8192 tokens instead of 16384")
+
+
 def test_no_memory_at_all_stops_at_the_smallest_limits(monkeypatch: pytest.MonkeyPatch) -> None:
     pretend_gpu(monkeypatch, free_gib=8.01, total_gib=80)  # 10 MiB: not even one step
     fitted = fit(EngineConfig(memory_ratio=0.9, page_size=16))

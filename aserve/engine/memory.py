@@ -124,16 +124,22 @@ def fit_step_to_memory(
         max_running_requests=tp.agree_min(fitted.max_running_requests),
         max_prefill_length=tp.agree_min(fitted.max_prefill_length),
     )
-    if fitted != config:
+    changes = []
+    if fitted.max_running_requests != config.max_running_requests:
+        changes.append(
+            f"running requests (and CUDA graph batches) are capped at "
+            f"{fitted.max_running_requests} instead of {config.max_running_requests}"
+        )
+    if fitted.max_prefill_length != config.max_prefill_length:
+        changes.append(
+            f"prefill chunks at {fitted.max_prefill_length} tokens instead of "
+            f"{config.max_prefill_length}"
+        )
+    if changes:
         logger.warning(
-            "little GPU memory: %.2f GiB for the KV cache and a step's working memory, so "
-            "running requests (and CUDA graph batches) are capped at %d instead of %d and "
-            "prefill chunks at %d tokens instead of %d",
+            "little GPU memory: %.2f GiB for the KV cache and a step's working memory, so %s",
             max(0.0, available) / GiB,
-            fitted.max_running_requests,
-            config.max_running_requests,
-            fitted.max_prefill_length,
-            config.max_prefill_length,
+            " and ".join(changes),
         )
     return fitted
 
