@@ -3,7 +3,10 @@
 # wheels and FlashInfer kernel pack in .whl/ (see ../shared/device/README.md):
 #   COMMIT=<sha> bash scripts/device-run.sh qwen llama latency trace gpu-tests aot
 # Each step prints a short tail; new bench lines land in $OUT/new-results.jsonl.
+# Give COMMIT as a literal sha: the device's copy of .git can be older than the tree it runs
+# (every command of one session reported the session's first commit from `git rev-parse`).
 set -x
+[ -n "$COMMIT" ] || { echo "COMMIT=<sha> is required: bench lines record it" >&2; exit 1; }
 # Peers' and tools' wheels (mini-SGLang's server, sglang-router, py-spy) live apart in .whl-peers/,
 # carried only by the steps that need them: with the router .whl alone is over half the carry limit.
 if [ -d .whl ]; then
@@ -48,7 +51,7 @@ for step in "$@"; do
                 --random-output-len 256 --random-range-ratio 1 --label "issue 21: one chat stream at a time" 2>&1 | grep "Output token\|Median ITL\|P99 ITL\|Median TTFT"
               pkill -INT -f "python3 -m aserve"; sleep 3 ;;
     replicas)  # issue 22: one server against --dp 2 sharing this GPU, the same chat workload, one command
-              # .whl also needs the router and what its launcher imports (py3.12 wheels, --no-deps):
+              # .whl-peers holds the router and what its launcher imports (py3.12 wheels, --no-deps):
               # sglang-router==0.3.2 setproctitle==1.3.8 fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0
               # opentelemetry-api typing-inspection (+ pydantic, pydantic-core, annotated-types if absent)
               python3 -c "from pathlib import Path; from bench.minisgl_peer import tokenizer_folder as t; t(Path('bench/models/qwen3-0.6b'), Path('/tmp/q06'))"
@@ -71,7 +74,7 @@ for step in "$@"; do
                 [ $run = 2 ] && { python3 scripts/thread_times.py snap $spid > /tmp/after.json; python3 scripts/thread_times.py diff /tmp/before.json /tmp/after.json; }
                 grep "step timing" $OUT/server-profile.log | tail -n +${seen:-1} | cut -c 27-400; seen=$(( $(grep -c "step timing" $OUT/server-profile.log) + 1 )); done
               kill -INT $spid; sleep 3 ;;
-    serving-peers)  # issue 21: aserve and mini-SGLang (.minisgl + fastapi/uvicorn wheels in .whl), offline and over HTTP, one command
+    serving-peers)  # issue 21: aserve and mini-SGLang (.minisgl + its wheels in .whl-peers), offline and over HTTP, one command
               python3 -c "from pathlib import Path; from bench.minisgl_peer import tokenizer_folder as t; t(Path('bench/models/qwen3-0.6b'), Path('/tmp/q06'))"
               # aserve's offline figure alone (mini-SGLang's offline run compiles its kernels first, which once
               # outlasted the timeout and left the command without its reference; `minisgl-bench` measures it)
@@ -88,7 +91,9 @@ for step in "$@"; do
                            "--num-prompts 64 --input-len 100 1024 --output-len 100 1024 --max-concurrency 16 --client-processes 4" \
                            "--num-prompts 16 --max-concurrency 1 --random-input-len 512 --random-output-len 256 --random-range-ratio 1"; do
                   echo "== $engine $run"; timeout 150 python3 bench/serving.py $C $run --label "issue 21: chat, $run" 2>&1 | grep "Output token\|Total gen\|Median TTFT\|Median ITL\|P99 ITL\|Failed\|Client CPU"; done
-                pkill -INT -f "python3 -m aserve --model"; pkill -f "python3 -m minisgl --model"; sleep 4; pkill -9 -f "minisgl --model"; done ;;
+                pkill -INT -f "python3 -m aserve --model"; pkill -f "python3 -m minisgl --model"; sleep 4; pkill -9 -f "minisgl --model"
+                # its spawned workers' command lines do not name it, and they held the GPU's memory after
+                pkill -9 -f "from multiprocessing.spawn"; sleep 2; done ;;
     serving-ab)  # bench/serving.py against the tree at BEFORE (.old: git archive BEFORE aserve bench) and this one
       for tree in ${AB_ORDER:-.old .}; do
         c=$([ $tree = . ] && echo $COMMIT || echo $BEFORE); root=$PWD
