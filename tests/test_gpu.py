@@ -620,3 +620,52 @@ def test_pretended_ampere_and_ada_gpus_run_their_fallbacks(
     assert used, "no Triton kernel was compiled: the check below would prove nothing"
     limit = shared_memory_limit((8, 6))
     assert {k: v for k, v in used.items() if v > limit} == {}, used
+
+
+def test_pretended_gpus_run_moe_quantized_and_fp8_models_as_the_hopper(
+    make_llm: Callable[..., LLM], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rest of item 3: the fused MoE kernels, the GGUF int4 / int8 products (Triton, on
+    the codes as stored) and FP8 weights with an FP8 KV cache give the Hopper's greedy tokens
+    on a pretended A100 / RTX 30xx (FP8: an Ada card, the least that has it), and every
+    Triton kernel the process compiled fits the smallest shared memory of those (99 KB)."""
+    from gguf import GGMLQuantizationType as QType
+
+    from aserve.engine.gpu import CAPABILITY_ENV, shared_memory_limit
+    from tests.test_moe import GPU_SHAPES
+    from tests.test_quant import write_tiny_llama
+
+    monkeypatch.setenv("ASERVE_CACHE_DIR", str(tmp_path / "cache"))
+    bf16 = {"device": "cuda", "dtype": "bfloat16", "num_pages": 1024}
+    moe = make_tiny_model("qwen3_moe", tmp_path / "moe", overrides=GPU_SHAPES)
+    dense = make_tiny_model(
+        "qwen3", tmp_path / "dense", overrides={**KERNEL_SHAPES, "head_dim": 128}
+    )
+    models: list[tuple[str, Path, dict[str, object], tuple[str, ...]]] = [
+        ("moe fused", moe, {**bf16, "moe_backend": "fused"}, ("8.0", "8.6")),
+        ("moe fused fp8", moe, {**bf16, "moe_backend": "fused", "quantization": "fp8"}, ("8.9",)),
+        (
+            "fp8 weights and kv",
+            dense,
+            {**bf16, "quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"},
+            ("8.9",),
+        ),
+    ]
+    for qtype in (QType.Q4_0, QType.Q8_0):
+        path = tmp_path / f"tiny-{qtype.name}.gguf"
+        write_tiny_llama(path, qtype)
+        models.append((qtype.name, path, {**bf16, "num_pages": 256}, ("8.0", "8.6")))
+
+    def greedy(llm: LLM) -> list[list[int]]:
+        return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+    for name, folder, options, pretences in models:
+        monkeypatch.delenv(CAPABILITY_ENV, raising=False)
+        hopper = greedy(make_llm(folder, **options))
+        for pretended in pretences:
+            monkeypatch.setenv(CAPABILITY_ENV, pretended)
+            assert greedy(make_llm(folder, **options)) == hopper, (name, pretended)
+    used = compiled_triton_shared_memory()
+    assert any("moe" in k for k in used) and any("quant.cuda" in k for k in used), used
+    limit = shared_memory_limit((8, 6))
+    assert {k: v for k, v in used.items() if v > limit} == {}, used
