@@ -63,7 +63,8 @@ def _hand_out(
 def _groups(texts: Sequence[str], group_chars: int) -> list[tuple[int, int]]:
     """Consecutive (start, end) index ranges of `texts`, each ending once it holds
     `group_chars` characters or more."""
-    groups, start, chars = [], 0, 0
+    groups: list[tuple[int, int]] = []
+    start = chars = 0
     for i, text in enumerate(texts):
         chars += len(text)
         if chars >= group_chars:
