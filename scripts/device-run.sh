@@ -74,6 +74,14 @@ for step in "$@"; do
                 [ $run = 2 ] && { python3 scripts/thread_times.py snap $spid > /tmp/after.json; python3 scripts/thread_times.py diff /tmp/before.json /tmp/after.json; }
                 grep "step timing" $OUT/server-profile.log | tail -n +${seen:-1} | cut -c 27-400; seen=$(( $(grep -c "step timing" $OUT/server-profile.log) + 1 )); done
               kill -INT $spid; sleep 3 ;;
+    timeline)  # issue 21: one server under scripts/request_timeline.py through two 256-chat bursts, then its report
+              python3 -c "from pathlib import Path; from bench.minisgl_peer import tokenizer_folder as t; t(Path('bench/models/qwen3-0.6b'), Path('/tmp/q06'))"
+              python3 scripts/request_timeline.py serve $OUT/timeline.json -- --model /tmp/q06 --dummy-weight --port 1919 \
+                --max-seq-len-override 4096 --max-prefill-length 16384 --page-size 256 --cuda-graph-max-bs 256 > $OUT/server-timeline.log 2>&1 & spid=$!
+              for i in $(seq 300); do curl -sf localhost:1919/health > /dev/null && break; kill -0 $spid || break; sleep 1; done
+              for run in 1 2; do timeout 150 python3 bench/serving.py --api chat --tokenizer /tmp/q06 --temperature 0.6 --num-prompts 256 \
+                --input-len 100 1024 --output-len 100 1024 --client-processes 4 --no-record 2>&1 | grep "Output token\|Median TTFT\|P99 ITL\|Failed"; done
+              kill -INT $spid; sleep 5; python3 scripts/request_timeline.py report $OUT/timeline.json | cut -c 1-600 ;;
     serving-peers)  # issue 21: aserve and mini-SGLang (.minisgl + its wheels in .whl-peers), offline and over HTTP, one command
               python3 -c "from pathlib import Path; from bench.minisgl_peer import tokenizer_folder as t; t(Path('bench/models/qwen3-0.6b'), Path('/tmp/q06'))"
               # aserve's offline figure alone (mini-SGLang's offline run compiles its kernels first, which once
