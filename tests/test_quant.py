@@ -22,7 +22,7 @@ from aserve import LLM, SamplingParams
 from aserve.quant import native as native_module
 from aserve.quant.codes import quantize
 from aserve.quant.gguf import BLOCKS, QuantizedTensor, decode
-from aserve.quant.native import BLAS_ROWS, NativeWeight, native_kernels
+from aserve.quant.native import BLAS_ROWS, NativeWeight, build_kind, native_kernels
 from tests.tiny_models import make_tiny_model
 
 # Byte offsets of each format's float16 fields: random bytes elsewhere are valid codes.
@@ -327,3 +327,16 @@ def test_quantization_choices_refused_in_one_line(tmp_path: Path) -> None:
         (awq, [], "awq checkpoints are not supported"),
     ):
         assert_refused_in_one_line(model, options, message, tmp_path / "cache")
+
+
+def test_each_torch_installation_builds_its_own_cpu_kernels(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two environments with the same torch version (a venv beside the system Python) get
+    folders of their own: sharing one, each rebuilt it in turn."""
+    here = build_kind()
+    assert here == build_kind()
+    assert f"torch{torch.__version__}" in here
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "venv" / "torch" / "__init__.py"))
+    there = build_kind()
+    assert there != here and there.rsplit("-", 1)[0] == here.rsplit("-", 1)[0]
