@@ -93,12 +93,13 @@ for step in "$@"; do
                 if [ $engine = aserve ]; then (python3 -m aserve --model /tmp/q06 --dummy-weight --port 1919 $O > $OUT/server-aserve.log 2>&1 &)
                 else (PYTHONPATH=/tmp/site:$PWD/.minisgl/python python3 -m minisgl --model /tmp/q06 --dummy-weight --port 1919 $O --attn fi > $OUT/server-minisgl.log 2>&1 &); fi
                 for i in $(seq 240); do curl -sf localhost:1919/v1/models > /dev/null && break; sleep 1; done
-                C="--api chat --tokenizer /tmp/q06 --temperature 0.6 --engine $engine"
+                C="--api chat --tokenizer /tmp/q06 --temperature 0.6 --engine $engine"; k=0
                 for run in "--num-prompts 256 --input-len 100 1024 --output-len 100 1024 --client-processes 4" \
                            "--num-prompts 256 --input-len 100 1024 --output-len 100 1024 --client-processes 4" \
                            "--num-prompts 64 --input-len 100 1024 --output-len 100 1024 --max-concurrency 16 --client-processes 4" \
                            "--num-prompts 16 --max-concurrency 1 --random-input-len 512 --random-output-len 256 --random-range-ratio 1"; do
-                  echo "== $engine $run"; timeout 150 python3 bench/serving.py $C $run --label "issue 21: chat, $run" 2>&1 | grep "Output token\|Total gen\|Median TTFT\|Median ITL\|P99 ITL\|Failed\|Client CPU"; done
+                  k=$((k + 1)); echo "== $engine $run"; timeout 150 python3 bench/serving.py $C $run \
+                    --label "issue 21: chat, run $k of the server (1-2: 256-stream bursts, 3: 16 at a time, 4: one at a time), $run" 2>&1 | grep "Output token\|Total gen\|Median TTFT\|Median ITL\|P99 ITL\|Failed\|Client CPU"; done
                 pkill -INT -f "python3 -m aserve --model"; pkill -f "python3 -m minisgl --model"; sleep 4; pkill -9 -f "minisgl --model"
                 # its spawned workers' command lines do not name it, and they held the GPU's memory after
                 pkill -9 -f "from multiprocessing.spawn"; sleep 2; done ;;
