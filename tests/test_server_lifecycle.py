@@ -4,6 +4,7 @@ own short-lived server process; plus shell mode driven through a pseudo-terminal
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import pty
 import re
@@ -13,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -294,36 +296,44 @@ def test_drain_timeout_aborts_the_rest(smollm2_dir: Path) -> None:
         process.stop()
 
 
-def test_internal_fault_fails_only_that_request(smollm2_dir: Path) -> None:
-    """A fault inside one request's generation is a 500 for it; the next request is fine."""
+@contextlib.asynccontextmanager
+async def in_process_server(model_dir: Path) -> AsyncIterator[tuple[Any, str]]:
+    """The server on this loop (loaded, listening on a free port) and its base URL; drained
+    afterwards. For tests that reach into it or patch what it calls."""
     from aiohttp.test_utils import TestServer
 
     from aserve.config import build_config
     from aserve.server.app import Server
 
+    server = Server(build_config(model=str(model_dir), num_pages=1024))
+    await server.load()
+    test_server = TestServer(server.make_app())
+    await test_server.start_server()
+    try:
+        yield server, f"http://127.0.0.1:{test_server.port}"
+    finally:
+        await test_server.close()
+        await server.drain(1.0)
+
+
+def test_internal_fault_fails_only_that_request(smollm2_dir: Path) -> None:
+    """A fault inside one request's generation is a 500 for it; the next request is fine."""
+
     async def scenario() -> tuple[int, dict, int]:
-        server = Server(build_config(model=str(smollm2_dir), num_pages=1024))
-        await server.load()
-        tokenizer = server.runtime.tokenizer
-        original = tokenizer.encode
+        async with in_process_server(smollm2_dir) as (server, base):
+            tokenizer = server.runtime.tokenizer
+            original = tokenizer.encode
 
-        def flaky(text: str) -> list[int]:
-            if text == "explode":
-                raise RuntimeError("tokenizer fault")
-            return original(text)
+            def flaky(text: str) -> list[int]:
+                if text == "explode":
+                    raise RuntimeError("tokenizer fault")
+                return original(text)
 
-        tokenizer.encode = flaky
-        test_server = TestServer(server.make_app())
-        await test_server.start_server()
-        base = f"http://127.0.0.1:{test_server.port}"
-        try:
+            tokenizer.encode = flaky
             bad_status, bad = await post(base + "/v1/completions", {"prompt": "explode"})
             good_status, _ = await post(
                 base + "/v1/completions", {"prompt": "fine", "max_tokens": 2}
             )
-        finally:
-            await test_server.close()
-            await server.drain(1.0)
         return bad_status, bad, good_status
 
     bad_status, bad, good_status = run(scenario())
@@ -338,11 +348,8 @@ def test_a_burst_submits_every_stream_before_writing_any_headers(
     and only after all have does any prepare its response, so the scheduler's next plan holds
     the whole burst. Their replies are whole."""
     from aiohttp import web
-    from aiohttp.test_utils import TestServer
 
-    from aserve.config import build_config
     from aserve.scheduler.scheduler import Scheduler
-    from aserve.server.app import Server
 
     events: list[str] = []
     submit, prepare = Scheduler.submit, web.StreamResponse.prepare
@@ -360,25 +367,17 @@ def test_a_burst_submits_every_stream_before_writing_any_headers(
     monkeypatch.setattr(web.StreamResponse, "prepare", spied_prepare)
     burst = 6
 
+    async def one(url: str, i: int) -> list[bytes]:
+        text = f"Question {i}: " + "tell me about the sea and the sky. " * 20  # > 512 chars
+        body = {"messages": [{"role": "user", "content": text}], "max_tokens": 4}
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url, json={**body, "stream": True}) as response:
+                return [line async for line in response.content if line.strip()]
+
     async def scenario() -> list[list[bytes]]:
-        server = Server(build_config(model=str(smollm2_dir), num_pages=1024))
-        await server.load()
-        test_server = TestServer(server.make_app())
-        await test_server.start_server()
-        url = f"http://127.0.0.1:{test_server.port}/v1/chat/completions"
-
-        async def one(i: int) -> list[bytes]:
-            text = f"Question {i}: " + "tell me about the sea and the sky. " * 20  # > 512 chars
-            body = {"messages": [{"role": "user", "content": text}], "max_tokens": 4}
-            async with aiohttp.ClientSession() as session:
-                async with session.post(url, json={**body, "stream": True}) as response:
-                    return [line async for line in response.content if line.strip()]
-
-        try:
-            return await asyncio.gather(*(one(i) for i in range(burst)))
-        finally:
-            await test_server.close()
-            await server.drain(1.0)
+        async with in_process_server(smollm2_dir) as (_, base):
+            url = base + "/v1/chat/completions"
+            return await asyncio.gather(*(one(url, i) for i in range(burst)))
 
     replies = run(scenario())
     assert all(lines[-1] == b"data: [DONE]\n" for lines in replies)
