@@ -125,6 +125,10 @@ for step in "$@"; do
     fp8-sweep)  # FP8 products of 1-16 rows (one-row GEMV, few_rows settings) and the FP8 decode kernels' products
               timeout 400 python3 bench/quant_kernels.py --fp8 --shapes 6144x4096 4096x4096 28672x4096 4096x14336 --rows 1 4 16 2>&1 | tail -14
               timeout 200 python3 bench/decode_kernels.py --fp8 --context 800 --batches 1 64 256 2>&1 | tail -8 ;;
+    census)  # issue 19: GPU time of an offline run's steps by kind and batch size (CENSUS: "model|options;...")
+              IFS=';' read -ra runs <<< "${CENSUS:-llama-3.1-8b|--quantization fp8 --kv-cache-dtype fp8_e4m3;qwen3-0.6b|--kv-cache-dtype fp8_e4m3}"
+              for r in "${runs[@]}"; do echo "== census ${r%%|*} ${r#*|}"
+                timeout 250 python3 bench/step_census.py --model bench/models/${r%%|*} --dummy-weight ${r#*|} 2>&1 | grep -v Warn | tail -14; done ;;
     trace-fp8) for opts in "" "--quantization fp8 --kv-cache-dtype fp8_e4m3"; do  # where an 8B step at batch 256 goes
               timeout 200 python3 bench/trace.py --model bench/models/llama-3.1-8b --dummy-weight --batch 256 --no-record $opts 2>&1 | grep -B2 -A14 "us/step"; done ;;
     tp-fp8) for opts in "" "--quantization fp8 --kv-cache-dtype fp8_e4m3"; do  # on nvidia-h200-x2
