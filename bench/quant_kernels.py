@@ -103,6 +103,80 @@ FEW_ROWS_CONFIGS = [
 `fp8_cuda.few_rows` tried by `--fp8`."""
 
 
+TOKEN_SCALED_CONFIGS: list[tuple[int, int, int, int, int, int, bool]] = [
+    (64, 64, 128, 1, 4, 4, False),
+    (64, 128, 128, 1, 4, 4, False),
+    (64, 256, 128, 1, 8, 3, False),
+    (128, 64, 128, 1, 4, 4, False),
+    (128, 128, 128, 1, 8, 4, False),
+    (128, 256, 128, 1, 8, 3, False),
+    (64, 128, 128, 2, 4, 4, False),
+    (64, 64, 128, 4, 4, 4, False),
+    (128, 128, 128, 2, 8, 4, False),
+    (64, 128, 256, 1, 4, 3, False),
+    (32, 128, 128, 1, 4, 4, True),
+    (64, 128, 128, 1, 4, 4, True),
+    (32, 64, 128, 1, 4, 5, True),
+    (32, 128, 128, 4, 4, 4, True),
+    (64, 128, 128, 2, 4, 4, True),
+    (16, 128, 128, 2, 4, 5, True),
+]
+"""(tokens, outputs, columns, splits of K, warps, stages, swap) of `fp8_cuda.token_scaled`
+tried by `--fp8-gemm`."""
+
+
+def fp8_gemm_sweep(shapes: list[str], row_counts: list[int]) -> None:
+    """Products of activations already in FP8 (a scale per token): `torch._scaled_mm` against
+    the Triton kernel's settings, with the quantization kernel's own time beside them."""
+    from aserve.quant.fp8 import quantize_rows
+    from aserve.quant.fp8_cuda import quantize_tokens, token_scaled
+
+    print(f"{torch.cuda.get_device_name()}; us a product with FP8 weights and activations")
+    print("shape        rows  quantize  _scaled_mm  best Triton (config)  rel. err  next best")
+    for shape in shapes:
+        out, cols = (int(v) for v in shape.split("x"))
+        weight = quantize_rows(torch.randn(out, cols, device="cuda") * 0.02)
+        values, weight_scales = weight.values.cuda(), weight.scales.cuda().float()
+        for rows in row_counts:
+            x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
+            x_values, x_scales = quantize_tokens(x)
+            quantize_us = us_per_cuda_call(partial(quantize_tokens, x))
+            cublas = partial(
+                torch._scaled_mm,
+                x_values,
+                values.t(),
+                scale_a=x_scales,
+                scale_b=weight_scales[None, :],
+                out_dtype=torch.bfloat16,
+            )
+            reference = cublas().float()
+            timed = []
+            for config in TOKEN_SCALED_CONFIGS:
+                run = partial(
+                    token_scaled,
+                    x_values,
+                    x_scales,
+                    values,
+                    weight_scales,
+                    None,
+                    torch.bfloat16,
+                    config,
+                )
+                try:
+                    error = (run().float() - reference).abs().max() / reference.abs().max()
+                    timed.append((us_per_cuda_call(run), config, float(error)))
+                except Exception as failure:  # a setting that does not compile here
+                    print(f"  {config}: {type(failure).__name__}: {str(failure)[:80]}")
+            timed.sort()
+            best_us, best, error = timed[0]
+            rest = ", ".join(f"{c}: {u:.1f}" for u, c, _ in timed[1:4])
+            print(
+                f"{shape:<12}{rows:>6}{quantize_us:>10.1f}{us_per_cuda_call(cublas):>12.1f}"
+                f"{best_us:>9.1f} {best}  {error:.1e}  {rest}",
+                flush=True,
+            )
+
+
 def fp8_few_rows(shapes: list[str], row_counts: list[int]) -> None:
     print(f"{torch.cuda.get_device_name()}; us a product with FP8 weights")
     print(
@@ -153,7 +227,13 @@ def main() -> None:
     p.add_argument("--bits", type=int, nargs="+", default=[4, 8])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--fp8", action="store_true", help="FP8 products of --rows rows (CUDA)")
+    p.add_argument(
+        "--fp8-gemm", action="store_true", help="FP8 x FP8 products: Triton settings (CUDA)"
+    )
     args = p.parse_args()
+    if args.fp8_gemm:
+        fp8_gemm_sweep(args.shapes, args.rows)
+        return
     if args.fp8:
         fp8_few_rows(args.shapes, args.rows)
         return

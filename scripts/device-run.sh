@@ -129,6 +129,12 @@ for step in "$@"; do
               IFS=';' read -ra runs <<< "${CENSUS:-llama-3.1-8b|--quantization fp8 --kv-cache-dtype fp8_e4m3;qwen3-0.6b|--kv-cache-dtype fp8_e4m3}"
               for r in "${runs[@]}"; do echo "== census ${r%%|*} ${r#*|}"
                 timeout 250 python3 bench/step_census.py --model bench/models/${r%%|*} --dummy-weight ${r#*|} 2>&1 | grep -v Warn | tail -14; done ;;
+    fp8-gemm)  # issue 19: FP8 x FP8 products, torch._scaled_mm against the Triton kernel's settings (8B shapes)
+              timeout 500 python3 bench/quant_kernels.py --fp8-gemm --shapes ${SHAPES:-6144x4096 4096x4096 28672x4096 4096x14336} \
+                --rows ${ROWS:-16 32 64 128 192 256 512 2048 16384} 2>&1 | grep -v Warn | tail -50 ;;
+    prefill-fp8)  # issue 19: where a 16k-token prefill step of the 8B shape goes, bf16 and FP8 weights + FP8 KV
+              for opts in "" "--quantization fp8 --kv-cache-dtype fp8_e4m3"; do
+                timeout 200 python3 bench/prefill_profile.py --model bench/models/llama-3.1-8b --dummy-weight $opts 2>&1 | grep -v Warn | tail -22; done ;;
     trace-fp8) for opts in "" "--quantization fp8 --kv-cache-dtype fp8_e4m3"; do  # where an 8B step at batch 256 goes
               timeout 200 python3 bench/trace.py --model bench/models/llama-3.1-8b --dummy-weight --batch 256 --no-record $opts 2>&1 | grep -B2 -A14 "us/step"; done ;;
     tp-fp8) for opts in "" "--quantization fp8 --kv-cache-dtype fp8_e4m3"; do  # on nvidia-h200-x2

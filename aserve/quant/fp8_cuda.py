@@ -193,3 +193,150 @@ def few_rows(
             BLOCK=1024,
         )
     return out
+
+
+@triton.jit
+def _token_scaled_kernel(
+    x,
+    x_scales,
+    weight,
+    weight_scales,
+    bias,
+    out,
+    partial,
+    m,
+    n,
+    k,
+    k_per_split,
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SWAP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """`x W^T` for activations already in FP8 with a scale per token: one tile of `BLOCK_M`
+    tokens by `BLOCK_N` outputs, scaled once at the end (the product is exact in FP8 blocks,
+    so there is no per-block rescaling as in `_few_rows_kernel`). With `SWAP` the weight tile
+    is the first operand, so that a few tokens take the tensor cores' narrow side."""
+    tokens = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    outputs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(2) * k_per_split + tl.arange(0, BLOCK_K)
+    x_at = x + tokens[:, None] * k + cols[None, :]
+    w_at = weight + outputs[:, None] * k + cols[None, :]
+    token_ok, output_ok = tokens < m, outputs < n
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for _ in range(0, k_per_split, BLOCK_K):  # k_per_split is a multiple of BLOCK_K
+        x_tile = tl.load(x_at, mask=token_ok[:, None], other=0.0)
+        w_tile = tl.load(w_at, mask=output_ok[:, None], other=0.0)
+        if SWAP:
+            acc = tl.dot(w_tile, tl.trans(x_tile), acc)
+        else:
+            acc = tl.dot(x_tile, tl.trans(w_tile), acc)
+        x_at += BLOCK_K
+        w_at += BLOCK_K
+    if SWAP:
+        acc = tl.trans(acc)
+    ok = token_ok[:, None] & output_ok[None, :]
+    if SPLIT > 1:  # partial sums, added up and scaled by `_sum_token_splits_kernel`
+        at = (tl.program_id(2) * m + tokens[:, None]) * n + outputs[None, :]
+        tl.store(partial + at, acc, mask=ok)
+    else:
+        y = acc * tl.load(x_scales + tokens, mask=token_ok, other=0.0)[:, None]
+        y *= tl.load(weight_scales + outputs, mask=output_ok, other=0.0)[None, :]
+        if HAS_BIAS:
+            y += tl.load(bias + outputs, mask=output_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out + tokens[:, None] * n + outputs[None, :], y.to(out.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _sum_token_splits_kernel(
+    partial,
+    x_scales,
+    weight_scales,
+    bias,
+    out,
+    m,
+    n,
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    token = tl.program_id(1)
+    outputs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = outputs < n
+    y = tl.zeros([BLOCK], dtype=tl.float32)
+    for split in range(SPLIT):
+        y += tl.load(partial + (split * m + token) * n + outputs, mask=ok, other=0.0)
+    y *= tl.load(weight_scales + outputs, mask=ok, other=0.0) * tl.load(x_scales + token)
+    if HAS_BIAS:
+        y += tl.load(bias + outputs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out + token * n + outputs, y.to(out.dtype.element_ty), mask=ok)
+
+
+TokenScaledConfig = tuple[int, int, int, int, int, int, bool]
+"""(tokens, outputs and columns a program takes at a time, splits of K, warps, stages, swap)."""
+
+
+def token_scaled(
+    values: torch.Tensor,
+    scales: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    config: TokenScaledConfig,
+) -> torch.Tensor:
+    """`x W^T + bias` for FP8 activations `values` `[m, K]` with one float32 scale per token
+    (`scales`, `[m]` or `[m, 1]`) and an FP8 `weight` `[n, K]` with one per row, as
+    `torch._scaled_mm` computes it with row-wise scales. K must be a multiple of the
+    config's columns and of its splits' columns."""
+    m, k = values.shape
+    n = weight.shape[0]
+    block_m, block_n, block_k, split, warps, stages, swap = config
+    assert k % (block_k * split) == 0 and values.is_contiguous() and weight.is_contiguous()
+    out = torch.empty((m, n), dtype=out_dtype, device=values.device)
+    partial = (
+        torch.empty((split, m, n), dtype=torch.float32, device=values.device) if split > 1 else out
+    )
+    scales = scales.reshape(-1)
+    bias_or_any = weight_scales if bias is None else bias
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split)
+    _token_scaled_kernel[grid](
+        values,
+        scales,
+        weight,
+        weight_scales,
+        bias_or_any,
+        out,
+        partial,
+        m,
+        n,
+        k,
+        k // split,
+        HAS_BIAS=bias is not None,
+        SPLIT=split,
+        SWAP=swap,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    if split > 1:
+        _sum_token_splits_kernel[(triton.cdiv(n, 1024), m)](
+            partial,
+            scales,
+            weight_scales,
+            bias_or_any,
+            out,
+            m,
+            n,
+            HAS_BIAS=bias is not None,
+            SPLIT=split,
+            BLOCK=1024,
+        )
+    return out
