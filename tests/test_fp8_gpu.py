@@ -15,6 +15,7 @@ import torch
 
 from aserve import LLM, SamplingParams
 from aserve.kvcache.pool import KVPool
+from aserve.models.decoder import DecoderLayer
 from aserve.quant.fp8 import Fp8Weight, quantize_rows
 from tests.test_gpu import KERNEL_SHAPES, plain_decode_attention, scattered_pages, two_gpus
 from tests.test_quant import TINY_PROMPTS, first_tokens_agreeing
@@ -224,16 +225,22 @@ def test_fp8_prefix_hit_equals_recomputing(make_llm: Callable[..., LLM], tmp_pat
 @pytest.mark.parametrize("option", ["weights", "kv"])
 def test_fp8_tiny_model_on_cuda(tmp_path: Path, make_llm: Callable[..., LLM], option: str) -> None:
     """A tiny bf16 Llama with FP8 weights or an FP8 KV cache (default attention backends):
-    the first greedy token agrees with plain bf16 on most prompts; the FP8 cache takes half
-    the bytes of a bf16 one for the same pages."""
+    the first greedy token agrees with plain bf16 on most prompts (six prompts in a batch:
+    FP8 weights then take FP8 activations from the norms); the FP8 cache takes half the
+    bytes of a bf16 one for the same pages."""
     folder = make_tiny_model("llama", tmp_path / "llama", overrides=SHAPES)
     setting = {"quantization": "fp8"} if option == "weights" else {"kv_cache_dtype": "fp8_e4m3"}
     fp8 = make_llm(folder, num_pages=256, dtype="bfloat16", **setting)
     reference = make_llm(folder, num_pages=256, dtype="bfloat16", attention_backend="torch")
+    engine = fp8.runtime.engine
     if option == "kv":
-        engine = fp8.runtime.engine
         assert engine.pool.kv[0].dtype == FP8
         assert 2 * engine.kv_cache_bytes == reference.runtime.engine.kv_cache_bytes
+    else:  # batches of two rows or more reach the products in FP8 from the norms
+        layer = next(m for m in engine.model.modules() if isinstance(m, DecoderLayer))
+        assert layer.input_layernorm.fp8_norm is not None
+        assert layer.post_attention_layernorm.fp8_norm is not None
+        assert layer.mlp.down_proj.fp8_gated is not None
     agree, pairs = first_tokens_agreeing(fp8, reference, max_tokens=8)
     print(f"\nfp8 {option} on CUDA: first greedy token agrees on {agree} of 6 prompts")
     assert agree >= 4, pairs

@@ -45,6 +45,7 @@ from aserve.kvcache.pool import KVPool, kv_storage_dtype
 from aserve.layers.cpu_gemm import return_freed_memory
 from aserve.layers.fused import fused_ops
 from aserve.layers.linear import pack_linear_weights, use_one_row_kernel
+from aserve.models.decoder import use_fp8_activations
 from aserve.models.registry import build_model
 from aserve.models.weights import fill_dummy_weights, iter_weights, torch_dtype
 from aserve.quant.fp8 import pair_scales
@@ -165,6 +166,8 @@ class Engine:
         self.model.eval()
         if ops is not None and self.device.type == "cuda":
             use_one_row_kernel(self.model)
+            if model_config.quantization == "fp8":
+                use_fp8_activations(self.model)
         if self.device.type == "cpu":
             pack_linear_weights(self.model)
             self.model.pack_lm_head(None if config.dummy_weight else model_dir)

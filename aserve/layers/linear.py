@@ -24,10 +24,14 @@ from aserve.layers.cpu_gemm import PackedWeight, can_pack
 from aserve.layers.embedding import VocabParallelEmbedding
 from aserve.layers.fused import FusedOps
 from aserve.layers.weight import WeightSource
+from aserve.quant.fp8 import Fp8Activations
 from aserve.quant.method import QuantizedLinearWeight
 
 OneRowProduct = Callable[..., torch.Tensor]
 """`(x, weight, bias, gated=False) -> x W^T + bias` for one row (layers/gemv.py)."""
+
+Fp8Gated = Callable[[torch.Tensor], Fp8Activations]
+"""quant/fp8_cuda.py's `silu_and_mul_fp8(gate_up)`."""
 
 
 class ColumnParallelLinear(nn.Module):
@@ -64,9 +68,12 @@ class ColumnParallelLinear(nn.Module):
         self.packed: PackedWeight | None = None
         self.one_row: OneRowProduct | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor:
+        """`x` in FP8 only where an FP8 weight takes it (models/decoder.py,
+        use_fp8_activations)."""
         if self.quantized is not None:
             return self.quantized.linear(x, self.bias)
+        assert isinstance(x, torch.Tensor)
         if self.packed is not None:
             return self.packed.linear(x, self.bias)
         if self.one_row is not None and x.shape[0] == 1:
@@ -145,16 +152,21 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size), False) if bias else None
         self.packed: PackedWeight | None = None
         self.one_row: OneRowProduct | None = None
+        # Set where this layer's weight is FP8 on CUDA (use_fp8_activations): the gated
+        # activation of two rows or more is then computed straight into FP8.
+        self.fp8_gated: Fp8Gated | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor:
         if self.quantized is not None:
             partial = self.quantized.linear(x, None)
-        elif self.packed is not None:
-            partial = self.packed.linear(x, None)
-        elif self.one_row is not None and x.shape[0] == 1:
-            partial = self.one_row(x, self.weight, None)
         else:
-            partial = F.linear(x, self.weight)
+            assert isinstance(x, torch.Tensor)
+            if self.packed is not None:
+                partial = self.packed.linear(x, None)
+            elif self.one_row is not None and x.shape[0] == 1:
+                partial = self.one_row(x, self.weight, None)
+            else:
+                partial = F.linear(x, self.weight)
         return self._reduce(partial)
 
     def forward_gated(self, gate_up: torch.Tensor, ops: FusedOps | None) -> torch.Tensor:
@@ -162,6 +174,8 @@ class RowParallelLinear(nn.Module):
         one kernel does both."""
         if self.one_row is not None and self.weight is not None and gate_up.shape[0] == 1:
             return self._reduce(self.one_row(gate_up, self.weight, None, gated=True))
+        if self.fp8_gated is not None and gate_up.shape[0] > 1:
+            return self(self.fp8_gated(gate_up))
         return self(silu_and_mul(gate_up, ops))
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from aserve.distributed.group import TPGroup
 from aserve.layers.fused import FusedOps
 from aserve.layers.weight import WeightSource
+from aserve.quant.fp8 import Fp8Activations
+
+Fp8Norm = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, float], Fp8Activations]
+"""quant/fp8_cuda.py's `norm_fp8(x, residual, weight, eps)`."""
 
 
 class RMSNorm(nn.Module):
@@ -19,6 +25,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.ops = ops
         self.weight = nn.Parameter(torch.ones(size), False)
+        # Set where an FP8 product follows on CUDA (models/decoder.py, use_fp8_activations):
+        # batches of two rows or more are then normalised straight into FP8.
+        self.fp8_norm: Fp8Norm | None = None
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         """Hugging Face's formula, op for op (the same bits): normalised in float32, then
@@ -30,7 +39,9 @@ class RMSNorm(nn.Module):
             return (x * inv_rms).mul_(self.weight)
         return self.weight * (x32 * inv_rms).to(x.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | Fp8Activations:
+        if self.fp8_norm is not None and x.shape[0] > 1:
+            return self.fp8_norm(x, None, self.weight, self.eps)
         if self.ops is not None:
             return self.ops.rmsnorm(x.contiguous(), self.weight, self.eps)
         return self._norm(x)
@@ -47,16 +58,18 @@ class RMSNorm(nn.Module):
 
     def add_and_norm(
         self, x: torch.Tensor, residual: torch.Tensor, tp: TPGroup | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor | Fp8Activations, torch.Tensor]:
         """`residual += x` then normalise it; returns (normalised, new residual). Either
         input may be overwritten (the torch path sums into `x`, saving an allocation).
         With `tp`, `x` is this rank's partial sum, all-reduced first: in the same kernel as
-        the add and norm where `tp` can (fused_norm.py)."""
+        the add and norm where `tp` can (fused_norm.py; its output stays in float)."""
         if tp is not None and tp.size > 1:
             fused = tp.all_reduce_add_norm(x, residual, self.weight, self.eps)
             if fused is not None:
                 return fused
             x = tp.all_reduce(x)
+        if self.fp8_norm is not None and x.shape[0] > 1:
+            return self.fp8_norm(x, residual, self.weight, self.eps), residual
         if self.ops is not None:
             self.ops.fused_add_rmsnorm(x, residual, self.weight, self.eps)
             return x, residual

@@ -5,8 +5,11 @@ which the tests use). Half the bytes of a bf16 weight, which is what decode read
 single row (decode at batch 1) takes the Triton GEMV instead, which reads the FP8 weight as it
 is and leaves the activations in their own precision (layers/gemv.py): at one row
 `_scaled_mm` plus the token quantization lost to the bf16 GEMV (an 8B step 5.33 ms against
-4.34). Two to 16 rows take `fp8_cuda.few_rows` (FP8 tensor cores, activations rounded per
-128 columns inside the kernel): 1.5-2x faster than `_scaled_mm` there.
+4.34). Two to 16 rows of float activations take `fp8_cuda.few_rows` (FP8 tensor cores,
+activations rounded per 128 columns inside the kernel): 1.5-2x faster than `_scaled_mm` there.
+Activations in FP8 already (`Fp8Activations`, from the norm or the gated activation before
+the product) and quantized ones of more rows take `fp8_cuda.token_scaled` where its measured
+settings beat `_scaled_mm` (up to 64-256 rows, by shape), else `_scaled_mm`.
 
 A row's scale maps its largest magnitude to 448, the largest finite e4m3 value, so no weight
 saturates; an activation row gets the same treatment at every product. Products whose sizes
@@ -44,6 +47,20 @@ class Fp8Rows:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.values.float() * self.scales[:, None]).to(dtype)
+
+
+@dataclass
+class Fp8Activations:
+    """Activations already in FP8 with one scale per token: what a norm or the gated
+    activation hands an FP8 product on CUDA (quant/fp8_cuda.py), so that no quantization
+    kernel runs between the two (three of an FP8 layer's four products take them)."""
+
+    values: torch.Tensor  # [tokens, cols] float8_e4m3fn
+    scales: torch.Tensor  # [tokens, 1] float32
+    dtype: torch.dtype  # the model's activations', which the product returns
+
+    def dequantize(self) -> torch.Tensor:
+        return (self.values.float() * self.scales).to(self.dtype)
 
 
 def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,6 +194,8 @@ class Fp8Weight:
         self._quantize_tokens = quantize_tokens
         self._one_row: Callable[..., torch.Tensor] | None = None
         self._few_rows: Callable[..., torch.Tensor] | None = None
+        self._token_scaled: Callable[..., torch.Tensor] | None = None
+        self._choose: Callable[[int, int, int], tuple | None] | None = None
         if device.type == "cuda":
             from aserve.layers.gemv import gemv
             from aserve.quant import fp8_cuda
@@ -184,29 +203,46 @@ class Fp8Weight:
             self._quantize_tokens = fp8_cuda.quantize_tokens
             self._one_row = gemv
             self._few_rows = fp8_cuda.few_rows
+            self._token_scaled = fp8_cuda.token_scaled
+            self._choose = fp8_cuda.token_scaled_config
             self._row_scales = self.scales.reshape(-1)
 
     @property
     def nbytes(self) -> int:
         return self.values.nbytes + self.scales.nbytes
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        if self._one_row is not None and rows.shape[0] == 1:
-            out = self._one_row(rows, self.values, bias, scales=self.scales)
-        elif self._few_rows is not None and rows.shape[0] <= FEW_ROWS_MAX:
-            out = self._few_rows(rows, self.values, self._row_scales, bias)
-        elif not self.aligned:
-            weight = self.values.to(x.dtype) * self.scales.t().to(x.dtype)
-            out = torch.nn.functional.linear(rows, weight, bias)
+    def linear(self, x: torch.Tensor | Fp8Activations, bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(x, Fp8Activations):
+            values, scales, dtype = x.values, x.scales, x.dtype
+            if not self.aligned:
+                return self.linear(x.dequantize(), bias)
         else:
+            rows = x.reshape(-1, x.shape[-1])
+            if self._one_row is not None and rows.shape[0] == 1:
+                out = self._one_row(rows, self.values, bias, scales=self.scales)
+                return out.reshape(*x.shape[:-1], self.shape[0])
+            if self._few_rows is not None and rows.shape[0] <= FEW_ROWS_MAX:
+                out = self._few_rows(rows, self.values, self._row_scales, bias)
+                return out.reshape(*x.shape[:-1], self.shape[0])
+            if not self.aligned:
+                weight = self.values.to(x.dtype) * self.scales.t().to(x.dtype)
+                return torch.nn.functional.linear(x, weight, bias)
             values, scales = self._quantize_tokens(rows)
+            dtype = x.dtype
+        config = None
+        if self._choose is not None:
+            config = self._choose(values.shape[0], self.shape[0], self.shape[1])
+        if config is not None and self._token_scaled is not None:
+            out = self._token_scaled(
+                values, scales, self.values, self._row_scales, bias, dtype, config
+            )
+        else:
             out = torch._scaled_mm(
                 values,
                 self.values.t(),
                 scale_a=scales,
                 scale_b=self.scales,
-                bias=None if bias is None else bias.to(x.dtype),
-                out_dtype=x.dtype,
+                bias=None if bias is None else bias.to(dtype),
+                out_dtype=dtype,
             )
-        return out.reshape(*x.shape[:-1], self.shape[0])
+        return out if isinstance(x, Fp8Activations) else out.reshape(*x.shape[:-1], -1)

@@ -1,12 +1,17 @@
-"""The per-token FP8 quantization of activations in one kernel (quant/fp8.py's
-`quantize_tokens` in five elementwise PyTorch kernels otherwise, twice per layer and product).
-Imported only on CUDA (it imports Triton)."""
+"""FP8 products on CUDA and the kernels that feed them: the per-token quantization of
+activations in one kernel (quant/fp8.py's `quantize_tokens` in five elementwise PyTorch
+kernels otherwise), the same quantization fused into the RMSNorm and the SiLU-and-mul that
+come before a product (`norm_fp8`, `silu_and_mul_fp8`), and the products themselves for a
+few rows (`few_rows`) and for up to a few hundred (`token_scaled`). Imported only on CUDA
+(it imports Triton)."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from aserve.quant.fp8 import Fp8Activations
 
 FP8_MAX = tl.constexpr(448.0)
 
@@ -42,6 +47,113 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if tokens:
         _quantize_tokens_kernel[(tokens,)](x, values, scales, cols, x.stride(0), BLOCK=1024)
     return values, scales
+
+
+@triton.jit
+def _norm_fp8_kernel(
+    x,
+    residual,
+    weight,
+    values,
+    scales,
+    eps,
+    x_stride,
+    residual_stride,
+    size,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program a row: (`residual += x`, rounded, then) the RMSNorm of layers/cuda_ops.py
+    rounded as it rounds, then that row quantized as `_quantize_tokens_kernel` quantizes it:
+    the same FP8 bytes and scale as the two kernels, in one pass and without the bf16 row."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < size
+    dtype = x.dtype.element_ty
+    total = tl.load(x + row * x_stride + cols, mask=inside, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        residual_row = residual + row * residual_stride
+        total += tl.load(residual_row + cols, mask=inside, other=0.0).to(tl.float32)
+        rounded = total.to(dtype)
+        tl.store(residual_row + cols, rounded, mask=inside)
+        total = rounded.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(total * total, axis=0) / size + eps)
+    normed = (total * inv_rms).to(dtype).to(tl.float32)
+    w = tl.load(weight + cols, mask=inside, other=0.0).to(tl.float32)
+    y = (normed * w).to(dtype).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12) / FP8_MAX
+    tl.store(scales + row, scale)
+    q = tl.clamp(y / scale, -FP8_MAX, FP8_MAX)
+    tl.store(values + row * size + cols, q.to(tl.float8e4nv), mask=inside)
+
+
+@triton.jit
+def _silu_mul_fp8_kernel(gate_up, values, scales, in_stride, size, BLOCK: tl.constexpr):
+    """One program a row, two passes over it: `silu(gate) * up` rounded as layers/cuda_ops.py
+    rounds it, its largest magnitude, then the row in FP8 (recomputed: the second read of
+    the row comes from L2)."""
+    row = tl.program_id(0)
+    source = gate_up + row * in_stride
+    dtype = gate_up.dtype.element_ty
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, size, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        inside = cols < size
+        gate = tl.load(source + cols, mask=inside, other=0.0).to(tl.float32)
+        up = tl.load(source + size + cols, mask=inside, other=0.0).to(tl.float32)
+        activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs((activated * up).to(dtype).to(tl.float32)))
+    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / FP8_MAX
+    tl.store(scales + row, scale)
+    for start in range(0, size, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        inside = cols < size
+        gate = tl.load(source + cols, mask=inside, other=0.0).to(tl.float32)
+        up = tl.load(source + size + cols, mask=inside, other=0.0).to(tl.float32)
+        activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        y = (activated * up).to(dtype).to(tl.float32)
+        q = tl.clamp(y / scale, -FP8_MAX, FP8_MAX)
+        tl.store(values + row * size + cols, q.to(tl.float8e4nv), mask=inside)
+
+
+def norm_fp8(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> Fp8Activations:
+    """RMSNorm of the rows of `x` (of `residual += x` with `residual`, updated in place) in
+    FP8 with a scale per row, for an FP8 product to take as it is."""
+    rows, size = x.shape
+    values = torch.empty(rows, size, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    if rows:
+        block = triton.next_power_of_2(size)
+        _norm_fp8_kernel[(rows,)](
+            x,
+            x if residual is None else residual,
+            weight,
+            values,
+            scales,
+            eps,
+            x.stride(0),
+            x.stride(0) if residual is None else residual.stride(0),
+            size,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=block,
+            num_warps=min(16, max(1, block // 256)),
+        )
+    return Fp8Activations(values, scales, x.dtype)
+
+
+def silu_and_mul_fp8(gate_up: torch.Tensor) -> Fp8Activations:
+    """`silu(gate) * up` of a fused gate|up output in FP8 with a scale per row."""
+    rows, size = gate_up.shape[0], gate_up.shape[1] // 2
+    values = torch.empty(rows, size, dtype=torch.float8_e4m3fn, device=gate_up.device)
+    scales = torch.empty(rows, 1, dtype=torch.float32, device=gate_up.device)
+    if rows:
+        block = min(2048, triton.next_power_of_2(size))
+        _silu_mul_fp8_kernel[(rows,)](
+            gate_up, values, scales, gate_up.stride(0), size, BLOCK=block, num_warps=8
+        )
+    return Fp8Activations(values, scales, gate_up.dtype)
 
 
 FEW_ROWS_MAX = 16  # the tile of rows of `few_rows`'s tensor-core product
@@ -340,3 +452,31 @@ def token_scaled(
             BLOCK=1024,
         )
     return out
+
+
+def token_scaled_config(m: int, n: int, k: int) -> TokenScaledConfig | None:
+    """The setting of `token_scaled` for `m` tokens and an `[n, k]` weight, or None where
+    `torch._scaled_mm` was as fast. From bench/quant_kernels.py --fp8-gemm on the H200 (us,
+    Llama-3.1-8B's products, Triton against `_scaled_mm`): wide products (gate_up, 28672 x
+    4096) win up to 64 tokens (31-33 against 43-47) and lose from 128 (36.8 against 35.4);
+    deep ones (down, 4096 x 14336) win up to 192 (19-34 against 37) and tie at 256; the
+    others (qkv 6144 x 4096, o 4096 x 4096) win up to 192 (6.6-15.3 against 13-20), and o,
+    whose outputs are no more than its inputs, at 256 too (10.7 against 13.0)."""
+    if k % 128:
+        return None
+    config: TokenScaledConfig | None
+    if n >= 4 * k:
+        config = (32, 128, 128, 1, 4, 4, True) if m <= 32 else None
+        config = (64, 128, 128, 1, 4, 4, False) if 32 < m <= 64 else config
+    elif k >= 2 * n:
+        config = (64, 64, 128, 4, 4, 4, False) if m <= 64 else None
+        config = (64, 128, 128, 2, 4, 4, False) if 64 < m <= 192 else config
+    elif m <= 32:
+        config = (32, 64, 128, 1, 4, 5, True)
+    elif m <= 192:
+        config = (64, 64, 128, 1, 4, 4, False)
+    else:
+        config = (64, 128, 128, 1, 4, 4, False) if m <= 256 and n <= k else None
+    if config is not None and k % (128 * config[3]):
+        config = config[:3] + (1,) + config[4:]
+    return config

@@ -15,7 +15,7 @@ import torch
 
 from aserve.quant.codes import Codes, quantize
 from aserve.quant.cpu import DenseWeight, cpu_weight
-from aserve.quant.fp8 import Fp8Rows, Fp8Tensor, Fp8Weight, quantize_rows
+from aserve.quant.fp8 import Fp8Activations, Fp8Rows, Fp8Tensor, Fp8Weight, quantize_rows
 from aserve.quant.gguf import QuantizedTensor
 from aserve.quant.native import Scratch
 
@@ -96,7 +96,16 @@ class QuantizedLinearWeight:
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.products)
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def fp8_product(self) -> Fp8Weight | None:
+        """The one FP8 product this weight is, if it is one: it takes FP8 activations."""
+        product = self.products[0] if len(self.products) == 1 else None
+        return product if isinstance(product, Fp8Weight) and product.aligned else None
+
+    def linear(self, x: torch.Tensor | Fp8Activations, bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(x, Fp8Activations):
+            product = self.fp8_product()
+            assert product is not None, "FP8 activations reach only an FP8 weight"
+            return product.linear(x, bias)
         if len(self.products) == 1:
             return self.products[0].linear(x, bias)
         out = torch.cat([p.linear(x, None) for p in self.products], -1)
