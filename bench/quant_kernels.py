@@ -177,6 +177,39 @@ def fp8_gemm_sweep(shapes: list[str], row_counts: list[int]) -> None:
             )
 
 
+def fp8_feeds(row_counts: list[int], hidden: int = 4096, inter: int = 14336) -> None:
+    """What feeds an FP8 product (us a call): the norm then the quantization kernel against
+    the fused norm, the gated activation then the quantization against the fused one, and
+    the quantization alone of an attention output (Llama-3.1-8B's widths by default)."""
+    from aserve.layers.cuda_ops import CudaKernels
+    from aserve.quant.fp8_cuda import norm_fp8, quantize_tokens, silu_and_mul_fp8
+
+    ops = CudaKernels()
+    print(f"{torch.cuda.get_device_name()}; us a call, hidden {hidden}, intermediate {inter}")
+    print("rows   norm+quantize  norm_fp8  silu+quantize  silu_fp8  quantize (hidden)")
+    weight = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
+    for rows in row_counts:
+        x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+        residual = torch.randn_like(x)
+        gate_up = torch.randn(rows, 2 * inter, device="cuda", dtype=torch.bfloat16)
+
+        def norm_then_quantize(x: torch.Tensor, residual: torch.Tensor) -> object:
+            ops.fused_add_rmsnorm(x, residual, weight, 1e-6)
+            return quantize_tokens(x)
+
+        def silu_then_quantize(gate_up: torch.Tensor) -> object:
+            return quantize_tokens(ops.silu_and_mul(gate_up))
+
+        figures = [
+            us_per_cuda_call(partial(norm_then_quantize, x, residual)),
+            us_per_cuda_call(partial(norm_fp8, x, residual, weight, 1e-6)),
+            us_per_cuda_call(partial(silu_then_quantize, gate_up)),
+            us_per_cuda_call(partial(silu_and_mul_fp8, gate_up)),
+            us_per_cuda_call(partial(quantize_tokens, x)),
+        ]
+        print(f"{rows:<6}" + "".join(f"{f:>14.1f}" for f in figures), flush=True)
+
+
 def fp8_few_rows(shapes: list[str], row_counts: list[int]) -> None:
     print(f"{torch.cuda.get_device_name()}; us a product with FP8 weights")
     print(
@@ -230,7 +263,13 @@ def main() -> None:
     p.add_argument(
         "--fp8-gemm", action="store_true", help="FP8 x FP8 products: Triton settings (CUDA)"
     )
+    p.add_argument(
+        "--fp8-feeds", action="store_true", help="FP8 norm/activation/quantization (CUDA)"
+    )
     args = p.parse_args()
+    if args.fp8_feeds:
+        fp8_feeds(args.rows)
+        return
     if args.fp8_gemm:
         fp8_gemm_sweep(args.shapes, args.rows)
         return

@@ -58,10 +58,12 @@ def test_norm_fp8_writes_what_the_norm_then_the_quantization_write(with_residual
 
 
 def test_silu_and_mul_fp8_writes_what_the_two_kernels_write() -> None:
-    """Rows wider than the kernel's block (two passes of two blocks each): the bytes and
-    scales of `silu_and_mul` followed by `quantize_tokens`."""
-    gate_up = rows_of_many_magnitudes(4, 2 * 3000, 3)
-    assert_same_fp8(silu_and_mul_fp8(gate_up), *quantize_tokens(ops.silu_and_mul(gate_up)))
+    """Rows narrower than the kernel's block and rows wider (two blocks a pass): the bytes
+    and scales of `silu_and_mul` followed by `quantize_tokens`."""
+    for size in (3000, 20000):
+        gate_up = rows_of_many_magnitudes(3, 2 * size, 3)
+        want = quantize_tokens(ops.silu_and_mul(gate_up))
+        assert_same_fp8(silu_and_mul_fp8(gate_up), *want)
 
 
 @pytest.mark.parametrize(
@@ -78,9 +80,11 @@ def test_token_scaled_equals_the_float64_product(
     config: tuple[int, int, int, int, int, int, bool], tokens: int
 ) -> None:
     """FP8 activations and weight, a scale per token and per output row, with a bias: equal
-    to the float64 product of the de-quantized operands within float32 accumulation's error,
-    with tokens and outputs that the tiles do not divide, whole or split over K, the weight
-    or the activations as the tensor cores' first operand."""
+    to the float64 product of the de-quantized operands within 1e-3 of a row's largest
+    output (float32 accumulation gives 1e-7; Hopper's FP8 tensor cores add up in fewer bits,
+    2e-4 here with the weight as the first operand: a twentieth of bf16's rounding), with
+    tokens and outputs that the tiles do not divide, whole or split over K, the weight or
+    the activations as the tensor cores' first operand."""
     generator = torch.Generator().manual_seed(4)
     weight = quantize_rows(torch.randn(200, 512, generator=generator) * 0.03)
     values, scales = quantize_tokens(rows_of_many_magnitudes(tokens, 512, 5))
@@ -98,7 +102,7 @@ def test_token_scaled_equals_the_float64_product(
     exact += bias.double()
     assert out.shape == (tokens, 200)
     error = (out.double() - exact).abs() / exact.abs().amax(dim=1, keepdim=True)
-    assert error.max() <= 1e-5
+    assert error.max() <= 1e-3
 
 
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])

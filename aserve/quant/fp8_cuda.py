@@ -45,8 +45,20 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     values = torch.empty(tokens, cols, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(tokens, 1, dtype=torch.float32, device=x.device)
     if tokens:
-        _quantize_tokens_kernel[(tokens,)](x, values, scales, cols, x.stride(0), BLOCK=1024)
+        block, warps = _row_block(cols)
+        _quantize_tokens_kernel[(tokens,)](
+            x, values, scales, cols, x.stride(0), BLOCK=block, num_warps=warps
+        )
     return values, scales
+
+
+def _row_block(cols: int) -> tuple[int, int]:
+    """(block, warps) for the kernels that take a whole row a program in two passes (its
+    largest magnitude, then its FP8 values): rows up to 16,384 wide in one block each pass,
+    so a program waits for memory twice and not once per 1,024 columns (a gated row of
+    Llama-3.1-8B's 14,336 took 14 dependent loads, about 20 us at a batch of 256)."""
+    block = min(16384, triton.next_power_of_2(cols))
+    return block, min(16, max(4, block // 512))
 
 
 @triton.jit
@@ -91,7 +103,7 @@ def _norm_fp8_kernel(
 def _silu_mul_fp8_kernel(gate_up, values, scales, in_stride, size, BLOCK: tl.constexpr):
     """One program a row, two passes over it: `silu(gate) * up` rounded as layers/cuda_ops.py
     rounds it, its largest magnitude, then the row in FP8 (recomputed: the second read of
-    the row comes from L2)."""
+    the row comes from cache). `BLOCK` covers a whole row where it can (`_row_block`)."""
     row = tl.program_id(0)
     source = gate_up + row * in_stride
     dtype = gate_up.dtype.element_ty
@@ -149,9 +161,9 @@ def silu_and_mul_fp8(gate_up: torch.Tensor) -> Fp8Activations:
     values = torch.empty(rows, size, dtype=torch.float8_e4m3fn, device=gate_up.device)
     scales = torch.empty(rows, 1, dtype=torch.float32, device=gate_up.device)
     if rows:
-        block = min(2048, triton.next_power_of_2(size))
+        block, warps = _row_block(size)
         _silu_mul_fp8_kernel[(rows,)](
-            gate_up, values, scales, gate_up.stride(0), size, BLOCK=block, num_warps=8
+            gate_up, values, scales, gate_up.stride(0), size, BLOCK=block, num_warps=warps
         )
     return Fp8Activations(values, scales, gate_up.dtype)
 
