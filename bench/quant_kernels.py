@@ -125,9 +125,23 @@ TOKEN_SCALED_CONFIGS: list[tuple[int, int, int, int, int, int, bool]] = [
 tried by `--fp8-gemm`."""
 
 
+class Rotating:
+    """Calls `product(weight)` with the next of several copies of a weight at each call, so
+    that a graph of 20 calls reads ~256 MiB of weights and none comes from L2 (the H200's
+    50 MB would hold a qkv or o weight of the 8B between calls, unlike a model's forward)."""
+
+    def __init__(self, weights: list[torch.Tensor], product: Callable[[torch.Tensor], object]):
+        self.weights, self.product, self.calls = weights, product, 0
+
+    def __call__(self) -> object:
+        self.calls += 1
+        return self.product(self.weights[self.calls % len(self.weights)])
+
+
 def fp8_gemm_sweep(shapes: list[str], row_counts: list[int]) -> None:
     """Products of activations already in FP8 (a scale per token): `torch._scaled_mm` against
-    the Triton kernel's settings, with the quantization kernel's own time beside them."""
+    the Triton kernel's settings, with the quantization kernel's own time beside them; the
+    weights rotate (`Rotating`)."""
     from aserve.quant.fp8 import quantize_rows
     from aserve.quant.fp8_cuda import quantize_tokens, token_scaled
 
@@ -137,56 +151,78 @@ def fp8_gemm_sweep(shapes: list[str], row_counts: list[int]) -> None:
         out, cols = (int(v) for v in shape.split("x"))
         weight = quantize_rows(torch.randn(out, cols, device="cuda") * 0.02)
         values, weight_scales = weight.values.cuda(), weight.scales.cuda().float()
+        copies = [values] + [values.clone() for _ in range(max(1, 2**28 // values.nbytes))]
         for rows in row_counts:
             x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
             x_values, x_scales = quantize_tokens(x)
             quantize_us = us_per_cuda_call(partial(quantize_tokens, x))
-            cublas = partial(
-                torch._scaled_mm,
-                x_values,
-                values.t(),
-                scale_a=x_scales,
-                scale_b=weight_scales[None, :],
-                out_dtype=torch.bfloat16,
-            )
-            reference = cublas().float()
+
+            reference = _scaled_mm_with(x_values, x_scales, weight_scales, values).float()
             timed = []
             for config in TOKEN_SCALED_CONFIGS:
                 run = partial(
-                    token_scaled,
-                    x_values,
-                    x_scales,
-                    values,
-                    weight_scales,
-                    None,
-                    torch.bfloat16,
-                    config,
+                    token_scaled, x_values, x_scales, values, weight_scales, None, x.dtype, config
+                )
+                rotating = Rotating(
+                    copies,
+                    partial(_token_scaled_with, x_values, x_scales, weight_scales, x.dtype, config),
                 )
                 try:
                     error = (run().float() - reference).abs().max() / reference.abs().max()
-                    timed.append((us_per_cuda_call(run), config, float(error)))
+                    timed.append((us_per_cuda_call(rotating), config, float(error)))
                 except Exception as failure:  # a setting that does not compile here
                     print(f"  {config}: {type(failure).__name__}: {str(failure)[:80]}")
             timed.sort()
             best_us, best, error = timed[0]
             rest = ", ".join(f"{c}: {u:.1f}" for u, c, _ in timed[1:4])
+            cublas_us = us_per_cuda_call(
+                Rotating(copies, partial(_scaled_mm_with, x_values, x_scales, weight_scales))
+            )
             print(
-                f"{shape:<12}{rows:>6}{quantize_us:>10.1f}{us_per_cuda_call(cublas):>12.1f}"
+                f"{shape:<12}{rows:>6}{quantize_us:>10.1f}{cublas_us:>12.1f}"
                 f"{best_us:>9.1f} {best}  {error:.1e}  {rest}",
                 flush=True,
             )
 
 
+def _token_scaled_with(
+    x_values: torch.Tensor,
+    x_scales: torch.Tensor,
+    weight_scales: torch.Tensor,
+    dtype: torch.dtype,
+    config: tuple[int, int, int, int, int, int, bool],
+    weight: torch.Tensor,
+) -> torch.Tensor:
+    from aserve.quant.fp8_cuda import token_scaled
+
+    return token_scaled(x_values, x_scales, weight, weight_scales, None, dtype, config)
+
+
+def _scaled_mm_with(
+    x_values: torch.Tensor,
+    x_scales: torch.Tensor,
+    weight_scales: torch.Tensor,
+    weight: torch.Tensor,
+) -> torch.Tensor:
+    return torch._scaled_mm(
+        x_values,
+        weight.t(),
+        scale_a=x_scales,
+        scale_b=weight_scales[None, :],
+        out_dtype=torch.bfloat16,
+    )
+
+
 def fp8_feeds(row_counts: list[int], hidden: int = 4096, inter: int = 14336) -> None:
     """What feeds an FP8 product (us a call): the norm then the quantization kernel against
-    the fused norm, the gated activation then the quantization against the fused one, and
-    the quantization alone of an attention output (Llama-3.1-8B's widths by default)."""
+    the fused norm, the gated activation then the quantization, and the quantization alone
+    of an attention output (Llama-3.1-8B's widths by default)."""
     from aserve.layers.cuda_ops import CudaKernels
-    from aserve.quant.fp8_cuda import norm_fp8, quantize_tokens, silu_and_mul_fp8
+    from aserve.quant.fp8_cuda import norm_fp8, quantize_tokens
 
     ops = CudaKernels()
     print(f"{torch.cuda.get_device_name()}; us a call, hidden {hidden}, intermediate {inter}")
-    print("rows   norm+quantize  norm_fp8  silu+quantize  silu_fp8  quantize (hidden)")
+    print("rows   norm+quantize  norm_fp8  silu+quantize  quantize (hidden)")
     weight = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
     for rows in row_counts:
         x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
@@ -204,7 +240,6 @@ def fp8_feeds(row_counts: list[int], hidden: int = 4096, inter: int = 14336) -> 
             us_per_cuda_call(partial(norm_then_quantize, x, residual)),
             us_per_cuda_call(partial(norm_fp8, x, residual, weight, 1e-6)),
             us_per_cuda_call(partial(silu_then_quantize, gate_up)),
-            us_per_cuda_call(partial(silu_and_mul_fp8, gate_up)),
             us_per_cuda_call(partial(quantize_tokens, x)),
         ]
         print(f"{rows:<6}" + "".join(f"{f:>14.1f}" for f in figures), flush=True)

@@ -240,7 +240,6 @@ def test_fp8_tiny_model_on_cuda(tmp_path: Path, make_llm: Callable[..., LLM], op
         layer = next(m for m in engine.model.modules() if isinstance(m, DecoderLayer))
         assert layer.input_layernorm.fp8_norm is not None
         assert layer.post_attention_layernorm.fp8_norm is not None
-        assert layer.mlp.down_proj.fp8_gated is not None
     agree, pairs = first_tokens_agreeing(fp8, reference, max_tokens=8)
     print(f"\nfp8 {option} on CUDA: first greedy token agrees on {agree} of 6 prompts")
     assert agree >= 4, pairs

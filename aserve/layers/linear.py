@@ -30,9 +30,6 @@ from aserve.quant.method import QuantizedLinearWeight
 OneRowProduct = Callable[..., torch.Tensor]
 """`(x, weight, bias, gated=False) -> x W^T + bias` for one row (layers/gemv.py)."""
 
-Fp8Gated = Callable[[torch.Tensor], Fp8Activations]
-"""quant/fp8_cuda.py's `silu_and_mul_fp8(gate_up)`."""
-
 
 class ColumnParallelLinear(nn.Module):
     """`y = x W^T + b` with W's rows (outputs) split over ranks.
@@ -152,9 +149,6 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size), False) if bias else None
         self.packed: PackedWeight | None = None
         self.one_row: OneRowProduct | None = None
-        # Set where this layer's weight is FP8 on CUDA (use_fp8_activations): the gated
-        # activation of two rows or more is then computed straight into FP8.
-        self.fp8_gated: Fp8Gated | None = None
 
     def forward(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor:
         if self.quantized is not None:
@@ -174,8 +168,6 @@ class RowParallelLinear(nn.Module):
         one kernel does both."""
         if self.one_row is not None and self.weight is not None and gate_up.shape[0] == 1:
             return self._reduce(self.one_row(gate_up, self.weight, None, gated=True))
-        if self.fp8_gated is not None and gate_up.shape[0] > 1:
-            return self(self.fp8_gated(gate_up))
         return self(silu_and_mul(gate_up, ops))
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:

@@ -106,10 +106,10 @@ class DecoderAttention(nn.Module):
 
 
 def use_fp8_activations(model: nn.Module) -> None:
-    """Where an FP8 weight follows a norm or the gated activation, have those write FP8
-    rows with their scales (quant/fp8_cuda.py) instead of bf16 rows that the product would
-    quantize in a kernel of its own: three of a layer's four quantization kernels go. CUDA
-    only; batches of one row keep bf16 for the one-row GEMV."""
+    """Where an FP8 weight follows a norm, have the norm write FP8 rows with their scales
+    (quant/fp8_cuda.py) instead of bf16 rows that the product would quantize in a kernel of
+    its own: two of a layer's four quantization kernels go. CUDA only; batches of one row
+    keep bf16 for the one-row GEMV."""
     from aserve.quant import fp8_cuda
 
     def takes_fp8(layer: ColumnParallelLinear | RowParallelLinear) -> bool:
@@ -123,8 +123,6 @@ def use_fp8_activations(model: nn.Module) -> None:
         mlp = module.mlp
         if isinstance(mlp, DecoderMLP) and takes_fp8(mlp.gate_up_proj):
             module.post_attention_layernorm.fp8_norm = fp8_cuda.norm_fp8
-        if isinstance(mlp, DecoderMLP) and takes_fp8(mlp.down_proj):
-            mlp.down_proj.fp8_gated = fp8_cuda.silu_and_mul_fp8
 
 
 def _fused_norm_rope_store(ops: FusedOps | None, head_dim: int) -> Callable[..., None] | None:

@@ -7,9 +7,9 @@ is and leaves the activations in their own precision (layers/gemv.py): at one ro
 `_scaled_mm` plus the token quantization lost to the bf16 GEMV (an 8B step 5.33 ms against
 4.34). Two to 16 rows of float activations take `fp8_cuda.few_rows` (FP8 tensor cores,
 activations rounded per 128 columns inside the kernel): 1.5-2x faster than `_scaled_mm` there.
-Activations in FP8 already (`Fp8Activations`, from the norm or the gated activation before
-the product) and quantized ones of more rows take `fp8_cuda.token_scaled` where its measured
-settings beat `_scaled_mm` (up to 64-256 rows, by shape), else `_scaled_mm`.
+Activations in FP8 already (`Fp8Activations`, from the norm before the product) and
+quantized ones of more rows take `fp8_cuda.token_scaled` where its measured settings beat
+`_scaled_mm` (up to 64-256 rows, by shape), else `_scaled_mm`.
 
 A row's scale maps its largest magnitude to 448, the largest finite e4m3 value, so no weight
 saturates; an activation row gets the same treatment at every product. Products whose sizes
@@ -51,9 +51,9 @@ class Fp8Rows:
 
 @dataclass
 class Fp8Activations:
-    """Activations already in FP8 with one scale per token: what a norm or the gated
-    activation hands an FP8 product on CUDA (quant/fp8_cuda.py), so that no quantization
-    kernel runs between the two (three of an FP8 layer's four products take them)."""
+    """Activations already in FP8 with one scale per token: what a norm hands an FP8 product
+    on CUDA (quant/fp8_cuda.py), so that no quantization kernel runs between the two (two of
+    an FP8 layer's four products take them)."""
 
     values: torch.Tensor  # [tokens, cols] float8_e4m3fn
     scales: torch.Tensor  # [tokens, 1] float32

@@ -1,8 +1,8 @@
 """FP8 products on CUDA and the kernels that feed them: the per-token quantization of
 activations in one kernel (quant/fp8.py's `quantize_tokens` in five elementwise PyTorch
-kernels otherwise), the same quantization fused into the RMSNorm and the SiLU-and-mul that
-come before a product (`norm_fp8`, `silu_and_mul_fp8`), and the products themselves for a
-few rows (`few_rows`) and for up to a few hundred (`token_scaled`). Imported only on CUDA
+kernels otherwise), the same quantization fused into the RMSNorm before a product
+(`norm_fp8`), and the products themselves for a few rows (`few_rows`) and for up to a few
+hundred (`token_scaled`). Imported only on CUDA
 (it imports Triton)."""
 
 from __future__ import annotations
@@ -53,10 +53,13 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _row_block(cols: int) -> tuple[int, int]:
-    """(block, warps) for the kernels that take a whole row a program in two passes (its
-    largest magnitude, then its FP8 values): rows up to 16,384 wide in one block each pass,
-    so a program waits for memory twice and not once per 1,024 columns (a gated row of
-    Llama-3.1-8B's 14,336 took 14 dependent loads, about 20 us at a batch of 256)."""
+    """(block, warps) for the quantization, which takes a whole row a program in two passes
+    (its largest magnitude, then its FP8 values): rows up to 16,384 wide in one block each
+    pass, so a program waits for memory twice and not once per 1,024 columns. A gated row of
+    Llama-3.1-8B (14,336) took 14 dependent loads; SiLU-and-mul fused into this kernel lost
+    to the two kernels below 256 rows, whose first one splits each row over programs
+    (bench/quant_kernels.py --fp8-feeds on the H200, us: 5.3 against 4.2 at 16 rows, 9.3
+    against 7.7 at 256)."""
     block = min(16384, triton.next_power_of_2(cols))
     return block, min(16, max(4, block // 512))
 
@@ -99,35 +102,6 @@ def _norm_fp8_kernel(
     tl.store(values + row * size + cols, q.to(tl.float8e4nv), mask=inside)
 
 
-@triton.jit
-def _silu_mul_fp8_kernel(gate_up, values, scales, in_stride, size, BLOCK: tl.constexpr):
-    """One program a row, two passes over it: `silu(gate) * up` rounded as layers/cuda_ops.py
-    rounds it, its largest magnitude, then the row in FP8 (recomputed: the second read of
-    the row comes from cache). `BLOCK` covers a whole row where it can (`_row_block`)."""
-    row = tl.program_id(0)
-    source = gate_up + row * in_stride
-    dtype = gate_up.dtype.element_ty
-    amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    for start in range(0, size, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        inside = cols < size
-        gate = tl.load(source + cols, mask=inside, other=0.0).to(tl.float32)
-        up = tl.load(source + size + cols, mask=inside, other=0.0).to(tl.float32)
-        activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs((activated * up).to(dtype).to(tl.float32)))
-    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / FP8_MAX
-    tl.store(scales + row, scale)
-    for start in range(0, size, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        inside = cols < size
-        gate = tl.load(source + cols, mask=inside, other=0.0).to(tl.float32)
-        up = tl.load(source + size + cols, mask=inside, other=0.0).to(tl.float32)
-        activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        y = (activated * up).to(dtype).to(tl.float32)
-        q = tl.clamp(y / scale, -FP8_MAX, FP8_MAX)
-        tl.store(values + row * size + cols, q.to(tl.float8e4nv), mask=inside)
-
-
 def norm_fp8(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> Fp8Activations:
@@ -153,19 +127,6 @@ def norm_fp8(
             num_warps=min(16, max(1, block // 256)),
         )
     return Fp8Activations(values, scales, x.dtype)
-
-
-def silu_and_mul_fp8(gate_up: torch.Tensor) -> Fp8Activations:
-    """`silu(gate) * up` of a fused gate|up output in FP8 with a scale per row."""
-    rows, size = gate_up.shape[0], gate_up.shape[1] // 2
-    values = torch.empty(rows, size, dtype=torch.float8_e4m3fn, device=gate_up.device)
-    scales = torch.empty(rows, 1, dtype=torch.float32, device=gate_up.device)
-    if rows:
-        block, warps = _row_block(size)
-        _silu_mul_fp8_kernel[(rows,)](
-            gate_up, values, scales, gate_up.stride(0), size, BLOCK=block, num_warps=warps
-        )
-    return Fp8Activations(values, scales, gate_up.dtype)
 
 
 FEW_ROWS_MAX = 16  # the tile of rows of `few_rows`'s tensor-core product
