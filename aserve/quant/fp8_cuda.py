@@ -429,27 +429,34 @@ def token_scaled(
 
 def token_scaled_config(m: int, n: int, k: int) -> TokenScaledConfig | None:
     """The setting of `token_scaled` for `m` tokens and an `[n, k]` weight, or None where
-    `torch._scaled_mm` was as fast. From bench/quant_kernels.py --fp8-gemm on the H200 (us,
-    Llama-3.1-8B's products, Triton against `_scaled_mm`): wide products (gate_up, 28672 x
-    4096) win up to 64 tokens (31-33 against 43-47) and lose from 128 (36.8 against 35.4);
-    deep ones (down, 4096 x 14336) win up to 192 (19-34 against 37) and tie at 256; the
-    others (qkv 6144 x 4096, o 4096 x 4096) win up to 192 (6.6-15.3 against 13-20), and o,
-    whose outputs are no more than its inputs, at 256 too (10.7 against 13.0)."""
+    `torch._scaled_mm` was as fast. From bench/quant_kernels.py --fp8-gemm on the H200
+    (weights rotating so that they stream from memory as in a forward; us, Llama-3.1-8B's
+    products, Triton against `_scaled_mm`): wide products (gate_up, 28672 x 4096) win up to
+    64 tokens (31-33 against 42-46) and at 160-192 (65 against 68-75), where cuBLAS's own
+    choice is slow; deep ones (down, 4096 x 14336) up to 192 (19-34 against 37-50) and tie
+    above; qkv (6144 x 4096) up to 192 (10-16 against 14-21) and o (4096 x 4096), whose
+    outputs are no more than its inputs, up to 256 (8.5-12.5 against 13.8-14.2)."""
     if k % 128:
         return None
-    config: TokenScaledConfig | None
+    config: TokenScaledConfig | None = None
     if n >= 4 * k:
-        config = (32, 128, 128, 1, 4, 4, True) if m <= 32 else None
-        config = (64, 128, 128, 1, 4, 4, False) if 32 < m <= 64 else config
+        if m <= 32:
+            config = (32, 128, 128, 1, 4, 4, True)
+        elif m <= 64:
+            config = (64, 128, 128, 1, 4, 4, False)
+        elif 128 < m <= 192:
+            config = (128, 256, 128, 1, 8, 3, False)
     elif k >= 2 * n:
-        config = (64, 64, 128, 4, 4, 4, False) if m <= 64 else None
-        config = (64, 128, 128, 2, 4, 4, False) if 64 < m <= 192 else config
-    elif m <= 32:
+        if m <= 64:
+            config = (64, 64, 128, 4, 4, 4, False)
+        elif m <= 192:
+            config = (64, 128, 128, 2, 4, 4, False)
+    elif m <= 64:
         config = (32, 64, 128, 1, 4, 5, True)
     elif m <= 192:
         config = (64, 64, 128, 1, 4, 4, False)
-    else:
-        config = (64, 128, 128, 1, 4, 4, False) if m <= 256 and n <= k else None
-    if config is not None and k % (128 * config[3]):
-        config = config[:3] + (1,) + config[4:]
+    elif m <= 256 and n <= k:
+        config = (64, 128, 256, 1, 4, 3, False)
+    if config is not None and k % (config[2] * config[3]):
+        config = None if k % config[2] else config[:3] + (1,) + config[4:]
     return config
