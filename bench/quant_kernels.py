@@ -124,7 +124,6 @@ TOKEN_SCALED_CONFIGS: list[tuple[int, int, int, int, int, int, bool]] = [
     (64, 128, 128, 4, 4, 4, False),
     (128, 256, 128, 2, 8, 3, False),
     (256, 128, 128, 1, 8, 3, False),
-    (256, 256, 128, 1, 16, 2, False),
     (128, 64, 128, 2, 4, 4, False),
 ]
 """(tokens, outputs, columns, splits of K, warps, stages, swap) of `fp8_cuda.token_scaled`
