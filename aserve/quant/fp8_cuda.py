@@ -432,9 +432,9 @@ def token_scaled_config(m: int, n: int, k: int) -> TokenScaledConfig | None:
     `torch._scaled_mm` was as fast. From bench/quant_kernels.py --fp8-gemm on the H200
     (weights rotating so that they stream from memory as in a forward; us, Llama-3.1-8B's
     products, Triton against `_scaled_mm`): wide products (gate_up, 28672 x 4096) win up to
-    64 tokens (31-33 against 42-46) and at 160-192 (65 against 68-75), where cuBLAS's own
-    choice is slow; deep ones (down, 4096 x 14336) up to 192 (19-34 against 37-50) and tie
-    above; qkv (6144 x 4096) up to 192 (10-16 against 14-21) and o (4096 x 4096), whose
+    64 tokens (31-33 against 42-46) and at 160-192 (60-61 against 68-75), where cuBLAS's own
+    choice is slow; deep ones (down, 4096 x 14336) up to 256 (19-34 against 37-50 up to 192,
+    35-36 against 37 above); qkv (6144 x 4096) up to 192 (10-16 against 14-21) and o (4096 x 4096), whose
     outputs are no more than its inputs, up to 256 (8.5-12.5 against 13.8-14.2)."""
     if k % 128:
         return None
@@ -445,12 +445,14 @@ def token_scaled_config(m: int, n: int, k: int) -> TokenScaledConfig | None:
         elif m <= 64:
             config = (64, 128, 128, 1, 4, 4, False)
         elif 128 < m <= 192:
-            config = (128, 256, 128, 1, 8, 3, False)
+            config = (256, 128, 128, 1, 8, 3, False)
     elif k >= 2 * n:
         if m <= 64:
             config = (64, 64, 128, 4, 4, 4, False)
         elif m <= 192:
             config = (64, 128, 128, 2, 4, 4, False)
+        elif m <= 256:
+            config = (128, 64, 128, 2, 4, 4, False)
     elif m <= 64:
         config = (32, 64, 128, 1, 4, 5, True)
     elif m <= 192:
