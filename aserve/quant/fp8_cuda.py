@@ -434,8 +434,8 @@ def token_scaled_config(m: int, n: int, k: int) -> TokenScaledConfig | None:
     products, Triton against `_scaled_mm`): wide products (gate_up, 28672 x 4096) win up to
     64 tokens (31-33 against 42-46) and at 160-192 (60-61 against 68-75), where cuBLAS's own
     choice is slow; deep ones (down, 4096 x 14336) up to 256 (19-34 against 37-50 up to 192,
-    35-36 against 37 above); qkv (6144 x 4096) up to 192 (10-16 against 14-21) and o (4096 x 4096), whose
-    outputs are no more than its inputs, up to 256 (8.5-12.5 against 13.8-14.2)."""
+    35-36 against 37 above); qkv (6144 x 4096) up to 192 (10-16 against 14-21) and o (4096 x
+    4096), whose outputs are no more than its inputs, up to 256 (8.5-12.5 against 13.8-14.2)."""
     if k % 128:
         return None
     config: TokenScaledConfig | None = None
