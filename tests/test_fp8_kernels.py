@@ -98,7 +98,8 @@ def test_token_scaled_equals_the_float64_product(
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
 def test_token_scaled_settings_fit_their_products(n: int, k: int) -> None:
     """Llama-3.1-8B's products: the chosen settings divide K as the kernel requires, small
-    batches always take the kernel and prefill-sized ones always cuBLAS."""
+    batches always take the kernel and prefill-sized ones always cuBLAS; on a GPU with 99 KB
+    of shared memory a block the same products take the kernel with tiles that fit."""
     for m in [2, 16, 32, 64, 128, 192, 256, 512, 16384]:
         config = token_scaled_config(m, n, k)
         if config is not None:
@@ -106,3 +107,9 @@ def test_token_scaled_settings_fit_their_products(n: int, k: int) -> None:
         assert (config is not None) if m <= 64 else True
         assert config is None if m > 256 else True
     assert token_scaled_config(16, 512, 1000) is None  # K no multiple of 128
+    # Ada's and consumer Ampere's 99 KB a block: fewer stages, every setting fits
+    for m in [2, 64, 160, 256]:
+        config = token_scaled_config(m, n, k, shared_memory=99 * 1024)
+        assert (config is None) == (token_scaled_config(m, n, k) is None)
+        if config is not None:
+            assert config[5] * (config[0] + config[1]) * config[2] <= 99 * 1024

@@ -20,9 +20,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
+
+from aserve.engine.gpu import gpu_capability, shared_memory_limit
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -204,7 +207,11 @@ class Fp8Weight:
             self._one_row = gemv
             self._few_rows = fp8_cuda.few_rows
             self._token_scaled = fp8_cuda.token_scaled
-            self._choose = fp8_cuda.token_scaled_config
+            capability = gpu_capability(device)
+            assert capability is not None
+            self._choose = partial(
+                fp8_cuda.token_scaled_config, shared_memory=shared_memory_limit(capability)
+            )
             self._row_scales = self.scales.reshape(-1)
 
     @property

@@ -427,7 +427,9 @@ def token_scaled(
     return out
 
 
-def token_scaled_config(m: int, n: int, k: int) -> TokenScaledConfig | None:
+def token_scaled_config(
+    m: int, n: int, k: int, shared_memory: int = 227 * 1024
+) -> TokenScaledConfig | None:
     """The setting of `token_scaled` for `m` tokens and an `[n, k]` weight, or None where
     `torch._scaled_mm` was as fast. From bench/quant_kernels.py --fp8-gemm on the H200
     (weights rotating so that they stream from memory as in a forward; us, Llama-3.1-8B's
@@ -435,7 +437,9 @@ def token_scaled_config(m: int, n: int, k: int) -> TokenScaledConfig | None:
     64 tokens (31-33 against 42-46) and at 160-192 (60-61 against 68-75), where cuBLAS's own
     choice is slow; deep ones (down, 4096 x 14336) up to 256 (19-34 against 37-50 up to 192,
     35-36 against 37 above); qkv (6144 x 4096) up to 192 (10-16 against 14-21) and o (4096 x
-    4096), whose outputs are no more than its inputs, up to 256 (8.5-12.5 against 13.8-14.2)."""
+    4096), whose outputs are no more than its inputs, up to 256 (8.5-12.5 against 13.8-14.2).
+    `shared_memory`: the bytes a block may use on this GPU (the settings were measured with
+    Hopper's 227 KB; smaller GPUs get fewer pipeline stages)."""
     if k % 128:
         return None
     config: TokenScaledConfig | None = None
@@ -459,6 +463,17 @@ def token_scaled_config(m: int, n: int, k: int) -> TokenScaledConfig | None:
         config = (64, 64, 128, 1, 4, 4, False)
     elif m <= 256 and n <= k:
         config = (64, 128, 256, 1, 4, 3, False)
-    if config is not None and k % (config[2] * config[3]):
-        config = None if k % config[2] else config[:3] + (1,) + config[4:]
-    return config
+    if config is None:
+        return None
+    block_m, block_n, block_k, split, warps, stages, swap = config
+    if k % (block_k * split):
+        if k % block_k:
+            return None
+        split = 1
+    # Each pipeline stage holds an FP8 tile of both operands: fewer stages where the GPU
+    # has less shared memory a block (99 KB on Ada and consumer Ampere, aserve/engine/gpu.py).
+    while stages > 2 and stages * (block_m + block_n) * block_k > shared_memory:
+        stages -= 1
+    if stages * (block_m + block_n) * block_k > shared_memory:
+        return None
+    return (block_m, block_n, block_k, split, warps, stages, swap)
