@@ -111,7 +111,8 @@ def _rope_kernel(
     )
 
 
-def _warps(block: int) -> int:
+def row_warps(block: int) -> int:
+    """Warps for a kernel that takes a row of `block` columns a program."""
     return min(16, max(1, block // 256))
 
 
@@ -144,7 +145,7 @@ class CudaKernels:
             out3.stride(1),
             size,
             BLOCK=block,
-            num_warps=_warps(block),
+            num_warps=row_warps(block),
         )
         return out
 
@@ -164,7 +165,7 @@ class CudaKernels:
             residual.stride(0),
             size,
             BLOCK=block,
-            num_warps=_warps(block),
+            num_warps=row_warps(block),
         )
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -62,9 +62,6 @@ class Fp8Activations:
     scales: torch.Tensor  # [tokens, 1] float32
     dtype: torch.dtype  # the model's activations', which the product returns
 
-    def dequantize(self) -> torch.Tensor:
-        return (self.values.float() * self.scales).to(self.dtype)
-
 
 def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows `[rows, cols]` in FP8 with one float32 scale per row, `[rows, 1]`, the largest
@@ -219,10 +216,9 @@ class Fp8Weight:
         return self.values.nbytes + self.scales.nbytes
 
     def linear(self, x: torch.Tensor | Fp8Activations, bias: torch.Tensor | None) -> torch.Tensor:
-        if isinstance(x, Fp8Activations):
+        if isinstance(x, Fp8Activations):  # only aligned weights take them (method.py)
+            assert self.aligned
             values, scales, dtype = x.values, x.scales, x.dtype
-            if not self.aligned:
-                return self.linear(x.dequantize(), bias)
         else:
             rows = x.reshape(-1, x.shape[-1])
             if self._one_row is not None and rows.shape[0] == 1:

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from aserve.layers.cuda_ops import row_warps
 from aserve.quant.fp8 import Fp8Activations
 
 FP8_MAX = tl.constexpr(448.0)
@@ -124,7 +125,7 @@ def norm_fp8(
             size,
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
-            num_warps=min(16, max(1, block // 256)),
+            num_warps=row_warps(block),
         )
     return Fp8Activations(values, scales, x.dtype)
 
@@ -191,23 +192,29 @@ def _few_rows_kernel(
 @triton.jit
 def _sum_splits_kernel(
     partial,
+    token_scales,
     weight_scales,
     bias,
     out,
     out_stride,
+    rows,
     n,
     HAS_BIAS: tl.constexpr,
+    HAS_TOKEN_SCALES: tl.constexpr,
     SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    """A split-K product's float32 partial sums `[SPLIT, rows, n]` added up and scaled per
+    output (and per token, for `token_scaled`): one token's outputs a program row."""
     token = tl.program_id(1)
     outputs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = outputs < n
     y = tl.zeros([BLOCK], dtype=tl.float32)
     for split in range(SPLIT):
-        y += tl.load(partial + (split * BLOCK_M + token) * n + outputs, mask=ok, other=0.0)
+        y += tl.load(partial + (split * rows + token) * n + outputs, mask=ok, other=0.0)
     y *= tl.load(weight_scales + outputs, mask=ok, other=0.0)
+    if HAS_TOKEN_SCALES:
+        y *= tl.load(token_scales + token)
     if HAS_BIAS:
         y += tl.load(bias + outputs, mask=ok, other=0.0).to(tl.float32)
     tl.store(out + token * out_stride + outputs, y.to(out.dtype.element_ty), mask=ok)
@@ -267,14 +274,16 @@ def few_rows(
     if split > 1:
         _sum_splits_kernel[(triton.cdiv(n, 1024), m)](
             partial,
+            weight_scales,  # unread: no token scales
             weight_scales,
             weight if bias is None else bias,
             out,
             out.stride(0),
+            FEW_ROWS_MAX,
             n,
             HAS_BIAS=bias is not None,
+            HAS_TOKEN_SCALES=False,
             SPLIT=split,
-            BLOCK_M=FEW_ROWS_MAX,
             BLOCK=1024,
         )
     return out
@@ -326,7 +335,7 @@ def _token_scaled_kernel(
     if SWAP:
         acc = tl.trans(acc)
     ok = token_ok[:, None] & output_ok[None, :]
-    if SPLIT > 1:  # partial sums, added up and scaled by `_sum_token_splits_kernel`
+    if SPLIT > 1:  # partial sums, added up and scaled by `_sum_splits_kernel`
         at = (tl.program_id(2) * m + tokens[:, None]) * n + outputs[None, :]
         tl.store(partial + at, acc, mask=ok)
     else:
@@ -335,31 +344,6 @@ def _token_scaled_kernel(
         if HAS_BIAS:
             y += tl.load(bias + outputs, mask=output_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(out + tokens[:, None] * n + outputs[None, :], y.to(out.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _sum_token_splits_kernel(
-    partial,
-    x_scales,
-    weight_scales,
-    bias,
-    out,
-    m,
-    n,
-    HAS_BIAS: tl.constexpr,
-    SPLIT: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    token = tl.program_id(1)
-    outputs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = outputs < n
-    y = tl.zeros([BLOCK], dtype=tl.float32)
-    for split in range(SPLIT):
-        y += tl.load(partial + (split * m + token) * n + outputs, mask=ok, other=0.0)
-    y *= tl.load(weight_scales + outputs, mask=ok, other=0.0) * tl.load(x_scales + token)
-    if HAS_BIAS:
-        y += tl.load(bias + outputs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out + token * n + outputs, y.to(out.dtype.element_ty), mask=ok)
 
 
 TokenScaledConfig = tuple[int, int, int, int, int, int, bool]
@@ -412,15 +396,17 @@ def token_scaled(
         num_stages=stages,
     )
     if split > 1:
-        _sum_token_splits_kernel[(triton.cdiv(n, 1024), m)](
+        _sum_splits_kernel[(triton.cdiv(n, 1024), m)](
             partial,
             scales,
             weight_scales,
             bias_or_any,
             out,
+            n,
             m,
             n,
             HAS_BIAS=bias is not None,
+            HAS_TOKEN_SCALES=True,
             SPLIT=split,
             BLOCK=1024,
         )
