@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -573,11 +574,10 @@ def test_cuda_mask_kernel_equals_the_torch_path(dtype: torch.dtype) -> None:
     assert torch.isinf(expected[[1, 2, 5]]).any() and not torch.isinf(expected[[0, 3, 4]]).any()
 
 
-def compiled_triton_shared_memory() -> dict[str, int]:
-    """The most shared memory any compiled variant of each of aserve's Triton kernels uses."""
+def aserve_kernel_caches() -> Iterator[tuple[str, dict[Any, Any]]]:
+    """(module.name, compiled variants by key) of each of aserve's Triton kernels, per device."""
     import sys
 
-    most: dict[str, int] = {}
     for name, module in list(sys.modules.items()):
         if not name.startswith("aserve.") or module is None:
             continue
@@ -585,9 +585,15 @@ def compiled_triton_shared_memory() -> dict[str, int]:
             # a JITFunction, or an autotuner around one
             kernel = value if hasattr(value, "device_caches") else getattr(value, "fn", None)
             for entry in getattr(kernel, "device_caches", {}).values():
-                for compiled in entry[0].values():
-                    key = f"{name}.{attr}"
-                    most[key] = max(most.get(key, 0), compiled.metadata.shared)
+                yield f"{name}.{attr}", entry[0]
+
+
+def compiled_triton_shared_memory() -> dict[str, int]:
+    """The most shared memory any compiled variant of each of aserve's Triton kernels uses."""
+    most: dict[str, int] = {}
+    for key, compiled_variants in aserve_kernel_caches():
+        for compiled in compiled_variants.values():
+            most[key] = max(most.get(key, 0), compiled.metadata.shared)
     return most
 
 
@@ -595,15 +601,8 @@ def forget_compiled_triton_kernels() -> None:
     """Empty the in-memory caches of aserve's compiled Triton kernels: what runs next is
     loaded again (from Triton's disk cache) and `compiled_triton_shared_memory` then sees
     only the variants that run used."""
-    import sys
-
-    for name, module in list(sys.modules.items()):
-        if not name.startswith("aserve.") or module is None:
-            continue
-        for value in vars(module).values():
-            kernel = value if hasattr(value, "device_caches") else getattr(value, "fn", None)
-            for entry in getattr(kernel, "device_caches", {}).values():
-                entry[0].clear()
+    for _, compiled_variants in aserve_kernel_caches():
+        compiled_variants.clear()
 
 
 def test_pretended_ampere_and_ada_gpus_run_their_fallbacks(
