@@ -188,6 +188,13 @@ for step in "$@"; do
               for run in 1 2; do for side in before after; do tree=$([ $side = before ] && echo .scratch/old || echo .)
                 (cd $tree && PYTHONPATH=/tmp/site:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-$side timeout 200 \
                   python3 bench/offline.py --model $root/bench/models/llama-3.1-8b $W --no-record 2>&1 | tail -1 | sed "s/^/$side /"); done; done ;;
+    startup-spy)  # issue 23: where a warm start's seconds go: every thread sampled by py-spy (idle included), 0.6B then 8B
+              python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/spy .whl-peers/py_spy-*.whl
+              for m in ${SPY_MODELS:-qwen3-0.6b llama-3.1-8b}; do ready_in --model bench/models/$m --dummy-weight > /dev/null; ready_in --model bench/models/$m --dummy-weight
+                cp $OUT/start.log $OUT/start-$m.log
+                /tmp/spy/bin/py-spy record -r 200 --idle --threads -f raw -o $OUT/spy-start-$m.txt -- python3 -m aserve --model bench/models/$m --dummy-weight --port 1919 > $OUT/spy-start-$m.log 2>&1 &
+                for i in $(seq 300); do curl -sf localhost:1919/health > /dev/null && break; sleep 0.2; done
+                pkill -INT -f "^python3 -m aserve"; wait; python3 scripts/spy_summary.py $OUT/spy-start-$m.txt 45 > $OUT/spy-start-$m.summary; done ;;
     import-time) python3 -X importtime -c "import aserve.cli, aserve.server.serve, aserve.server.app" 2> $OUT/importtime.txt
               sort -t'|' -k2 -n $OUT/importtime.txt | tail -12; python3 -c "import time; t = time.time(); import transformers; print('transformers', round(time.time() - t, 2))" ;;
     fallbacks) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k "pretended or bf16_logprobs" 2>&1 | grep -v "^  /\|^    " | tail -25 ;;
