@@ -7,6 +7,7 @@ import dataclasses
 import gc
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from aserve.config import ConfigError, EngineConfig, ModelConfig, ServerConfig
 from aserve.constrained.grammar import GrammarCompiler
@@ -72,12 +73,24 @@ class Runtime:
         self.sampling_defaults, origin = resolve_defaults(
             config, generation_config, embedded=config.engine.model_path is None
         )
-        self.tokenizer: Tokenizer | None = None
-        if has_tokenizer(self.model_dir):
-            tokenizer_started = time.perf_counter()
-            self.tokenizer = Tokenizer(self.model_dir, config.num_tokenizer)
-            logger.info("tokenizer: loaded in %.1f s", time.perf_counter() - tokenizer_started)
-        self.engine, self.followers = start_engine(config.engine, self.model_config, self.model_dir)
+        # The tokenizer (transformers' import alone is 2.4 s on the GPU machine) loads in a
+        # thread while the engine starts: neither needs the other.
+        with ThreadPoolExecutor(1, thread_name_prefix="tokenizer-load") as loader:
+            tokenizer = loader.submit(self._load_tokenizer, config.num_tokenizer)
+            try:
+                self.engine, self.followers = start_engine(
+                    config.engine, self.model_config, self.model_dir
+                )
+            except BaseException:
+                if tokenizer.exception() is None and tokenizer.result() is not None:
+                    tokenizer.result().close()
+                raise
+            try:
+                self.tokenizer = tokenizer.result()
+            except BaseException:
+                if self.followers is not None:
+                    self.followers.close()
+                raise
         # A GPU with little memory may have made the engine take smaller batches.
         fitted = self.engine.config
         config = self.config = dataclasses.replace(
@@ -109,6 +122,14 @@ class Runtime:
             describe(self.sampling_defaults),
             origin,
         )
+
+    def _load_tokenizer(self, num_threads: int) -> Tokenizer | None:
+        if not has_tokenizer(self.model_dir):
+            return None
+        started = time.perf_counter()
+        tokenizer = Tokenizer(self.model_dir, num_threads)
+        logger.info("tokenizer: loaded in %.1f s", time.perf_counter() - started)
+        return tokenizer
 
     def capacity_line(self) -> str:
         """The start-up line SGLang users read to see what fits, with SGLang's names."""

@@ -44,7 +44,8 @@ def time_kernel(
     if kernel.startswith("triton"):
         from aserve.attention.triton_decode import TritonDecodeWrapper
 
-        wrapper: Any = TritonDecodeWrapper(torch.device("cuda"), batch, num_pages)
+        page_ids = torch.zeros(num_pages, dtype=torch.int32, device="cuda")
+        wrapper: Any = TritonDecodeWrapper(torch.device("cuda"), batch, page_ids)
         k, v = paged_cache("engine", num_pages, page_size, kv_heads)
         cache: Any = (k.to(kv_dtype), v.to(kv_dtype))
     else:

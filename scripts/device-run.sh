@@ -188,6 +188,13 @@ for step in "$@"; do
               for run in 1 2; do for side in before after; do tree=$([ $side = before ] && echo .scratch/old || echo .)
                 (cd $tree && PYTHONPATH=/tmp/site:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-$side timeout 200 \
                   python3 bench/offline.py --model $root/bench/models/llama-3.1-8b $W --no-record 2>&1 | tail -1 | sed "s/^/$side /"); done; done ;;
+    startup-warm-ab)  # issue 23: warm starts of BEFORE's tree (.scratch/old, a git archive) and this one, alternating, per model
+              root=$PWD
+              for m in ${AB_MODELS:-qwen3-0.6b llama-3.1-8b smol}; do
+                args=$([ $m = smol ] || echo "--model $root/bench/models/$m --dummy-weight")
+                ready_in $args > /dev/null; (cd .scratch/old && PYTHONPATH=/tmp/site:$PWD ready_in $args > /dev/null)  # caches filled
+                for run in 1 2; do for side in before after; do tree=$([ $side = before ] && echo .scratch/old || echo .)
+                  (cd $tree && PYTHONPATH=/tmp/site:$PWD ready_in $args | sed "s/^/$side $m: /"); done; done; done ;;
     startup-spy)  # issue 23: where a warm start's seconds go: every thread sampled by py-spy (idle included), 0.6B then 8B
               python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/spy .whl-peers/py_spy-*.whl
               for m in ${SPY_MODELS:-qwen3-0.6b llama-3.1-8b}; do ready_in --model bench/models/$m --dummy-weight > /dev/null; ready_in --model bench/models/$m --dummy-weight

@@ -201,7 +201,9 @@ def test_triton_decode_equals_plain_attention(
     cache = (pool.k[0].view(shape), pool.v[0].view(shape))
     for wrapper in (
         TritonDecodeWrapper(device),
-        TritonDecodeWrapper(device, len(lengths), sum(pages_per_row)),
+        TritonDecodeWrapper(
+            device, len(lengths), torch.zeros(sum(pages_per_row), dtype=torch.int32, device=device)
+        ),
     ):
         wrapper.plan(
             indptr,

@@ -4,8 +4,10 @@ scheduler, logprobs against transformers, error results, aborts and option plumb
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -210,3 +212,58 @@ def test_failing_step_ends_its_requests_and_the_loop_goes_on(
     failed = llm.generate([PROMPTS[0]], params)[0]
     assert failed.finish_reason == "error" and "kernel fault" in failed.error
     assert llm.generate([PROMPTS[0]], params)[0].finish_reason == "length"
+
+
+def test_tokenizer_loads_while_the_engine_starts(
+    make_llm: Callable[..., LLM], tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tokenizer's load waits here until the engine has begun: loaded one after the
+    other (tokenizer first), it would time out."""
+    from aserve import runtime
+
+    engine_began = threading.Event()
+    real_start = runtime.start_engine
+
+    def starting(*args: Any) -> Any:
+        engine_began.set()
+        return real_start(*args)
+
+    seen: list[bool] = []
+
+    def load(self: runtime.Runtime, num_threads: int) -> None:
+        seen.append(engine_began.wait(timeout=30))
+
+    monkeypatch.setattr(runtime, "start_engine", starting)
+    monkeypatch.setattr(runtime.Runtime, "_load_tokenizer", load)
+    llm = make_llm(tiny)
+    assert seen == [True]
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].token_ids
+
+
+def test_a_failure_of_either_start_is_raised_and_the_other_closed(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aserve import runtime
+
+    closed: list[str] = []
+
+    class Loaded:
+        def close(self) -> None:
+            closed.append("tokenizer")
+
+    def broken_engine(*args: Any) -> Any:
+        raise ConfigError("engine broke")
+
+    monkeypatch.setattr(runtime.Runtime, "_load_tokenizer", lambda self, n: Loaded())
+    monkeypatch.setattr(runtime, "start_engine", broken_engine)
+    with pytest.raises(ConfigError, match="engine broke"):
+        LLM(str(tiny), num_pages=64)
+    assert closed == ["tokenizer"]
+
+    def broken_tokenizer(self: runtime.Runtime, num_threads: int) -> None:
+        raise RuntimeError("tokenizer broke")
+
+    monkeypatch.undo()
+    monkeypatch.setattr(runtime.Runtime, "_load_tokenizer", broken_tokenizer)
+    with pytest.raises(RuntimeError, match="tokenizer broke"):
+        LLM(str(tiny), num_pages=64)

@@ -17,6 +17,7 @@ from aserve.engine.memory import (
     fit_step_to_memory,
     kv_bytes_per_token,
     plan_num_pages,
+    step_bytes,
     working_memory_bytes,
 )
 from aserve.kvcache.pages import PageTable
@@ -53,6 +54,27 @@ def test_working_memory_counts_prefill_graphs_and_sampler() -> None:
     assert working_memory_bytes(longer, model(), TPGroup(), torch.bfloat16) > expected
 
 
+def test_step_counts_one_page_id_buffer_for_all_decode_graphs() -> None:
+    """The captured sizes share one int32 buffer of the largest batch's pages at full
+    context; with graphs off (or fewer graph rows) the step needs less."""
+    tiny, bf16 = model(), torch.bfloat16
+    base = EngineConfig(max_running_requests=300, page_size=4, cuda_graph_max_bs=0)
+    without = step_bytes(base, tiny, TPGroup(), bf16, 512)
+    graphs_up_to = {
+        limit: step_bytes(
+            EngineConfig(max_running_requests=300, page_size=4, cuda_graph_max_bs=limit),
+            tiny,
+            TPGroup(),
+            bf16,
+            512,
+        )
+        for limit in (None, 64)
+    }
+    pages_per_row = -(-513 // 4)
+    assert graphs_up_to[None] - without == 256 * pages_per_row * 4
+    assert graphs_up_to[64] - without == 64 * pages_per_row * 4
+
+
 def test_capacity_line_uses_sglang_names(
     make_llm: Callable[..., LLM], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -80,6 +102,19 @@ def test_pretended_capability_parses_or_says_how() -> None:
             parse_capability(bad)
     assert shared_memory_limit((8, 6)) == shared_memory_limit((8, 9)) == 99 * 1024
     assert shared_memory_limit((8, 0)) < shared_memory_limit((9, 0))
+
+
+def test_triton_hash_thread_leaves_the_key_for_the_launches() -> None:
+    """The thread computes the key that Triton's first launch would (it is cached)."""
+    cache = pytest.importorskip("triton.runtime.cache", reason="Triton is not installed")
+    from aserve.engine.gpu import start_triton_hash
+
+    cache.triton_key.cache_clear()
+    start_triton_hash().join()
+    assert cache.triton_key.cache_info().currsize == 1
+    hits = cache.triton_key.cache_info().hits
+    cache.triton_key()
+    assert cache.triton_key.cache_info().hits == hits + 1
 
 
 def llama_8b() -> ModelConfig:

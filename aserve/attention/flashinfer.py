@@ -150,20 +150,21 @@ class FlashInferBackend:
         )
         batch.attn_metadata = wrapper
 
-    def graph_decode_wrapper(self, batch_size: int, max_pages: int) -> Any:
-        """A decode wrapper whose metadata lives in static buffers, for one captured size."""
+    def graph_decode_wrapper(self, batch_size: int, page_ids: torch.Tensor) -> Any:
+        """A decode wrapper whose metadata lives in static buffers, for one captured size;
+        `page_ids` (int32) is the page-id buffer that the sizes share."""
         import flashinfer
 
         device = self.workspace.device
         if self._uses_triton(batch_size):
-            return self.triton_decode.TritonDecodeWrapper(device, batch_size, max_pages)
+            return self.triton_decode.TritonDecodeWrapper(device, batch_size, page_ids)
         return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace,
             "NHD",
             use_cuda_graph=True,
             use_tensor_cores=self.use_tensor_cores(batch_size),
             paged_kv_indptr_buffer=torch.zeros(batch_size + 1, dtype=torch.int32, device=device),
-            paged_kv_indices_buffer=torch.zeros(max_pages, dtype=torch.int32, device=device),
+            paged_kv_indices_buffer=page_ids,
             paged_kv_last_page_len_buffer=torch.zeros(batch_size, dtype=torch.int32, device=device),
         )
 

@@ -205,17 +205,22 @@ def _merge_kernel(
 class TritonDecodeWrapper:
     """FlashInfer's decode-wrapper calls (`plan`, then `run` per layer) over the kernels
     above. With `static_batch` the metadata lives in buffers sized for a CUDA graph of that
-    many requests and `max_pages` pages."""
+    many requests, the page ids in `page_ids` (int32, which the graphs of every size may
+    share: one runs at a time, and each plan writes it in stream order)."""
 
     def __init__(
-        self, device: torch.device, static_batch: int | None = None, max_pages: int = 0
+        self,
+        device: torch.device,
+        static_batch: int | None = None,
+        page_ids: torch.Tensor | None = None,
     ) -> None:
         self.device = device
         self.static = static_batch is not None
         if static_batch is not None:
+            assert page_ids is not None, "a static wrapper takes its page-id buffer"
             self.indptr = torch.zeros(static_batch + 1, dtype=torch.int32, device=device)
             self.order = torch.zeros(static_batch, dtype=torch.int32, device=device)
-            self.page_ids = torch.zeros(max(max_pages, 1), dtype=torch.int32, device=device)
+            self.page_ids = page_ids
             self.last_page_len = torch.zeros(static_batch, dtype=torch.int32, device=device)
         self.partial: tuple[torch.Tensor, torch.Tensor] | None = None
 

@@ -22,7 +22,7 @@ from aserve.attention.base import AttentionBackend, SplitBackend
 from aserve.config import ConfigError, EngineConfig, ModelConfig
 from aserve.constrained.masks import StepMasks
 from aserve.distributed.group import TPGroup
-from aserve.engine.gpu import gpu_capability
+from aserve.engine.gpu import gpu_capability, start_triton_hash
 from aserve.engine.memory import (
     GiB,
     fit_step_to_memory,
@@ -144,6 +144,7 @@ class Engine:
                 "--attention-backend fa (FlashAttention-3) needs a Hopper GPU (compute "
                 "capability 9.0); fi runs on every GPU aserve supports"
             )
+        self._triton_hash = start_triton_hash() if self.device.type == "cuda" else None
         self.free_memory_before_load = free_device_memory(self.device)
         self._kernel_builds = self._start_kernel_builds()
         started = time.perf_counter()
@@ -312,6 +313,8 @@ class Engine:
             return
         logger.info("warming up GPU kernels (the first start compiles them)")
         started = time.perf_counter()
+        if self._triton_hash is not None:
+            self._triton_hash.join()
         logits = self._dummy_forward(ForwardMode.DECODE)
         # Both races: over the logits (temperature only) and over filtered probabilities.
         for params in (

@@ -10,6 +10,7 @@ import torch
 
 from aserve.config import EngineConfig, ModelConfig
 from aserve.distributed.group import TPGroup
+from aserve.engine.graph import graph_page_ids
 from aserve.kvcache.pages import PageTable
 from aserve.kvcache.pool import KVPool
 
@@ -67,10 +68,13 @@ def working_memory_bytes(
 def step_bytes(
     config: EngineConfig, model: ModelConfig, tp: TPGroup, dtype: torch.dtype, max_seq_len: int
 ) -> int:
-    """What the KV pool must leave on CUDA: a step's working memory and the page table."""
+    """What the KV pool must leave on CUDA: a step's working memory, the page table and
+    the decode graphs' page ids (int32)."""
     rows = config.max_running_requests + 1
     table = rows * PageTable.bytes_per_row(max_seq_len, config.page_size)
-    return working_memory_bytes(config, model, tp, dtype) + table
+    graph_rows = min(256 if config.cuda_graph_max_bs is None else config.cuda_graph_max_bs, rows)
+    graph_pages = graph_page_ids(graph_rows, max_seq_len, config.page_size) * 4
+    return working_memory_bytes(config, model, tp, dtype) + table + graph_pages
 
 
 def within_ratio_bytes(config: EngineConfig, device: torch.device) -> int:
