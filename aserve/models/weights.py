@@ -59,11 +59,12 @@ def iter_weights(
     de-quantized to float32 with `dequantize`."""
     pointer = folder / GGUF_POINTER
     if pointer.is_file():
-        gguf_file = Path(json.loads(pointer.read_text())["file"])
+        pointed = json.loads(pointer.read_text())
+        gguf_file = Path(pointed["file"])
         if not gguf_file.is_file():
             raise ModelSourceError(f"{gguf_file}, which {pointer} names, is gone")
         config = json.loads((folder / "config.json").read_text())
-        yield from iter_gguf(gguf_file, config, dequantize, progress)
+        yield from iter_gguf(gguf_file, pointed["tensors"], config, dequantize, progress)
         return
     files = safetensors_files(folder)
     if files:
