@@ -136,15 +136,33 @@ def light_model_config(model_dir: Path) -> Any | None:
     return config
 
 
+def load_hf_tokenizer(model_dir: Path) -> Any:
+    """The fast tokenizer class that tokenizer_config.json names, imported by itself; any
+    other folder through AutoTokenizer. AutoTokenizer's import pulls in transformers' model
+    registry: with transformers 5.17 and scikit-learn installed (the GPU machine), the
+    generation utilities, torch.distributed.tensor and scikit-learn, 3 s alone and up to 14 s
+    beside the engine's start. A class named directly loads the same tokenizer (tested)."""
+    import transformers
+
+    config_file = model_dir / "tokenizer_config.json"
+    name = (
+        json.loads(config_file.read_text()).get("tokenizer_class")
+        if config_file.is_file()
+        else None
+    )
+    named = getattr(transformers, name, None) if isinstance(name, str) else None
+    if isinstance(named, type) and issubclass(named, transformers.PreTrainedTokenizerFast):
+        return named.from_pretrained(str(model_dir))
+    return transformers.AutoTokenizer.from_pretrained(
+        str(model_dir), config=light_model_config(model_dir)
+    )
+
+
 class Tokenizer:
     """A model folder's tokenizer; `special_ids` are the ids that skip_special_tokens drops."""
 
     def __init__(self, model_dir: Path, num_threads: int = 1) -> None:
-        from transformers import AutoTokenizer
-
-        self.hf = AutoTokenizer.from_pretrained(
-            str(model_dir), config=light_model_config(model_dir)
-        )
+        self.hf = load_hf_tokenizer(model_dir)
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="aserve-tokenizer")
         # Texts waiting for the next batch, by add_special_tokens (plain prompts / chats).
         self._batches: dict[bool, list[tuple[str, asyncio.Future[list[int]]]]] = {

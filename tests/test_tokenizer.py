@@ -601,3 +601,46 @@ def test_tokenizer_loads_without_the_model_config_class(smollm2_dir: Path, tmp_p
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
     assert light_model_config(tmp_path) is None
+
+
+@pytest.mark.parametrize("which", ["tokenizer", "sentencepiece"])
+def test_the_named_class_loads_what_auto_tokenizer_loads(
+    which: str, request: pytest.FixtureRequest
+) -> None:
+    """The class tokenizer_config.json names, loaded directly, is AutoTokenizer's tokenizer:
+    same class, ids, decode, special tokens and chat prompt."""
+    from transformers import AutoTokenizer
+
+    tok: Tokenizer = request.getfixturevalue(which)
+    folder = Path(tok.hf.name_or_path)
+    auto = AutoTokenizer.from_pretrained(str(folder))
+    assert type(tok.hf) is type(auto)
+    assert tok.hf.all_special_ids == auto.all_special_ids
+    for text in TEXTS:
+        for special in (True, False):
+            ids = tok.hf.encode(text, add_special_tokens=special)
+            assert ids == auto.encode(text, add_special_tokens=special)
+            assert tok.hf.decode(ids) == auto.decode(ids)
+    if auto.chat_template:
+        chat = [{"role": "user", "content": TEXTS[1]}]
+        assert tok.hf.apply_chat_template(chat, tokenize=False) == auto.apply_chat_template(
+            chat, tokenize=False
+        )
+
+
+def test_loading_a_named_class_leaves_transformers_auto_classes_unimported(
+    smollm2_dir: Path,
+) -> None:
+    """In a fresh interpreter, as the server starts."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from pathlib import Path; from aserve.tokenizer import Tokenizer; "
+        f"Tokenizer(Path({str(smollm2_dir)!r})).close(); "
+        "print(sorted(m for m in sys.modules if m.startswith('transformers.models.auto')))"
+    )
+    shown = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert shown.stdout.strip().splitlines()[-1] == "[]"
