@@ -202,9 +202,11 @@ def render_perplexity(lines: list[dict]) -> str:
 STARTUP_HEADER = """
 ## GPU start-up
 
-Seconds from `aserve --model M --dummy-weight` to a ready /health on the GPU machine
-(`scripts/device-run.sh startup` / `startup-ab`): cold with FlashInfer's and Triton's caches
-emptied in the same command (what a fresh box or container pays), warm right after.
+Seconds from `aserve --model M --dummy-weight` (the embedded model: `aserve` alone, its own
+weights) to a ready /health on the GPU machine (`scripts/device-run.sh startup`,
+`startup-smol`, `startup-ab`, `startup-warm-ab`): cold with FlashInfer's and Triton's caches
+(and aserve's GGUF cache) emptied in the same command (what a fresh box or container pays),
+warm right after; rows with only warm figures are A/B rounds of warm starts.
 
 | date | device | model | commit | ready cold s | ready warm s | note |
 |---|---|---|---|---|---|---|
