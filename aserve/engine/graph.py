@@ -84,8 +84,8 @@ class DecodeGraphs:
         started = time.perf_counter()
         free_before = torch.cuda.mem_get_info()[0]
         pool = torch.cuda.graph_pool_handle()
-        # Each size's eager warm-up on one side stream: a new stream per size made every
-        # warm-up slow (2/3 of the 8B shape's 1.9 s of capture, in its products).
+        # Every size's eager warm-up on one side stream: with a new stream per size, each
+        # kept its own cached activation blocks (0.95 GiB more for 35 sizes on the H200).
         warm_up = torch.cuda.Stream()
         for size in reversed(self.sizes):
             batch = self._static_batch(size, [1] * size, [self.page_table.dummy_row] * size)
