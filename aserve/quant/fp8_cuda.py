@@ -220,6 +220,32 @@ def _sum_splits_kernel(
     tl.store(out + token * out_stride + outputs, y.to(out.dtype.element_ty), mask=ok)
 
 
+def _sum_splits(
+    partial: torch.Tensor,
+    token_scales: torch.Tensor | None,
+    weight_scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
+    """`_sum_splits_kernel` into `out` `[m, n]` from `partial` `[splits, rows >= m, n]` (an
+    absent scale or bias passes another tensor as its unread pointer)."""
+    m, n = out.shape
+    _sum_splits_kernel[(triton.cdiv(n, 1024), m)](
+        partial,
+        weight_scales if token_scales is None else token_scales,
+        weight_scales,
+        weight_scales if bias is None else bias,
+        out,
+        out.stride(0),
+        partial.shape[1],
+        n,
+        HAS_BIAS=bias is not None,
+        HAS_TOKEN_SCALES=token_scales is not None,
+        SPLIT=partial.shape[0],
+        BLOCK=1024,
+    )
+
+
 def few_rows(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -272,20 +298,7 @@ def few_rows(
         num_stages=stages,
     )
     if split > 1:
-        _sum_splits_kernel[(triton.cdiv(n, 1024), m)](
-            partial,
-            weight_scales,  # unread: no token scales
-            weight_scales,
-            weight if bias is None else bias,
-            out,
-            out.stride(0),
-            FEW_ROWS_MAX,
-            n,
-            HAS_BIAS=bias is not None,
-            HAS_TOKEN_SCALES=False,
-            SPLIT=split,
-            BLOCK=1024,
-        )
+        _sum_splits(partial, None, weight_scales, bias, out)
     return out
 
 
@@ -396,20 +409,7 @@ def token_scaled(
         num_stages=stages,
     )
     if split > 1:
-        _sum_splits_kernel[(triton.cdiv(n, 1024), m)](
-            partial,
-            scales,
-            weight_scales,
-            bias_or_any,
-            out,
-            n,
-            m,
-            n,
-            HAS_BIAS=bias is not None,
-            HAS_TOKEN_SCALES=True,
-            SPLIT=split,
-            BLOCK=1024,
-        )
+        _sum_splits(partial, scales, weight_scales, bias, out)
     return out
 
 
