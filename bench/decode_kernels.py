@@ -84,6 +84,47 @@ def time_variant(batch: int, context: int, page_size: int, variant: str) -> floa
     return time_run(wrapper, batch, q_heads, cache)
 
 
+FP8_LAYOUTS = ("engine", "split K/V", "HND")
+FP8_SETTINGS = ((64, 1, 4), (64, 2, 6), (128, 2, 4), (128, 4, 3), (256, 4, 3), (256, 8, 2))
+
+
+def time_fp8_layout(
+    batch: int, q_heads: int, context: int, page_size: int, layout: str, setting: tuple[int, ...]
+) -> float:
+    """The Triton whole-context kernel over an FP8 cache of 8 KV heads in one of FP8_LAYOUTS,
+    `batch` requests of `context` tokens on shuffled pages, with one (block tokens, warps,
+    stages) setting: "engine" is the pool (a slot's K and V side by side, one head's row of
+    128 bytes every 2 KiB), "split K/V" K and V apart (every 1 KiB), "HND" one head's rows of
+    a page together (K and V of a page side by side)."""
+    from aserve.attention import triton_decode
+    from aserve.attention.triton_decode import TritonDecodeWrapper
+
+    kv_heads, num_pages = 8, batch * -(-context // page_size)
+    shape = (num_pages, page_size, kv_heads, 128)
+    if layout == "HND":
+        pool = torch.empty(num_pages, 2, kv_heads, page_size, 128, device="cuda")
+        k, v = (pool[:, i].transpose(1, 2) for i in (0, 1))
+    elif layout == "split K/V":
+        pool = torch.empty(2, *shape, device="cuda")
+        k, v = pool[0], pool[1]
+    else:
+        pool = torch.empty(num_pages * page_size, 2, kv_heads, 128, device="cuda")
+        k, v = (pool[:, i].view(shape) for i in (0, 1))
+    pool.normal_()
+    fp8 = pool.to(torch.float8_e4m3fn)  # same strides, so k and v's views carry over
+    k, v = (fp8.as_strided(t.shape, t.stride(), t.storage_offset()) for t in (k, v))
+    block_tokens, warps, stages = setting
+    triton_decode.FP8_WHOLE_BLOCK_TOKENS = block_tokens
+    triton_decode.FP8_WHOLE_SETTINGS = ((0, warps, stages),)
+    wrapper = TritonDecodeWrapper(
+        torch.device("cuda"), batch, torch.zeros(num_pages, dtype=torch.int32, device="cuda")
+    )
+    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(0))
+    plan(wrapper, batch, q_heads, kv_heads, context, page_size, order, torch.float8_e4m3fn)
+    assert wrapper.num_splits == 1, "the layouts are timed on the whole-context kernel"
+    return time_run(wrapper, batch, q_heads, (k, v))
+
+
 def paged_cache(layout: str, num_pages: int, page_size: int, kv_heads: int) -> Any:
     """A bf16 KV cache of head dim 128: "engine" gives K/V views of the engine's pool (a
     slot's K and V side by side), "NHD" / "HND" FlashInfer's own layouts."""
@@ -156,7 +197,23 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
     p.add_argument("--variants", action="store_true", help="layouts and plans, 8B shape")
     p.add_argument("--fp8", action="store_true", help="also each kernel over an FP8 cache")
+    p.add_argument("--fp8-layouts", action="store_true", help="Triton FP8 kernel per layout")
     args = p.parse_args()
+    if args.fp8_layouts:
+        kv_bytes = 2 * 8 * 128 * args.context  # K and V, 8 heads, FP8, a request
+        print(f"Triton FP8 whole-context decode, context {args.context}, pages of {args.page_size}")
+        print(f"{'shape':<34} {'batch':>5} {'layout':<10} {'tokens,warps,stages':<20} us  TB/s")
+        for name, (q_heads, _) in SHAPES.items():
+            for batch in args.batches:
+                for layout in FP8_LAYOUTS:
+                    for setting in FP8_SETTINGS:
+                        us = time_fp8_layout(
+                            batch, q_heads, args.context, args.page_size, layout, setting
+                        )
+                        rate = batch * kv_bytes / us / 1e6
+                        row = f"{name:<34} {batch:>5} {layout:<10} {str(setting):<20}"
+                        print(f"{row} {us:.1f} {rate:.2f}")
+        return
     if args.variants:
         kv_bytes = 2 * 8 * 128 * 2 * args.context  # K and V, 8 heads, bf16, a request
         print(f"Llama-3.1-8B, tensor cores, context {args.context}, pages of {args.page_size}")

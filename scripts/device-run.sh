@@ -148,6 +148,13 @@ for step in "$@"; do
                 timeout 300 python3 bench/offline.py --model bench/models/llama-3.1-8b $W $opts 2>&1 | grep -v Warn | tail -2; done
               for opts in "" "--kv-cache-dtype fp8_e4m3" "--quantization fp8 --kv-cache-dtype fp8_e4m3"; do
                 timeout 300 python3 bench/offline.py --model bench/models/qwen3-0.6b $W $opts 2>&1 | grep -v Warn | tail -2; done ;;
+    fp8-layouts)  # issue 19: the Triton FP8 decode kernel over the engine's pool, K and V apart, and HND pages
+              timeout 400 python3 bench/decode_kernels.py --fp8-layouts --context ${CONTEXT:-1000} --batches ${BATCHES:-64 256} 2>&1 | grep -v Warn | tail -80 ;;
+    trace-mid) for b in ${TRACE_BATCHES:-32 96}; do  # where an 8B FP8 + FP8 KV step at mid-sized batches goes
+              timeout 200 python3 bench/trace.py --model bench/models/llama-3.1-8b --dummy-weight --batch $b --input-len 1000 --no-record \
+                --quantization fp8 --kv-cache-dtype fp8_e4m3 2>&1 | grep -B2 -A16 "us/step"; done ;;
+    fp8-offline) timeout 300 python3 bench/offline.py --model bench/models/qwen3-0.6b $W --kv-cache-dtype fp8_e4m3 2>&1 | grep -v Warn | tail -1
+              timeout 300 python3 bench/offline.py --model bench/models/llama-3.1-8b $W --quantization fp8 --kv-cache-dtype fp8_e4m3 2>&1 | grep -v Warn | tail -1 ;;
     fp8-kernels) timeout 300 python3 bench/decode_kernels.py --fp8 --context 800 --batches 1 8 32 64 128 256 2>&1 | tail -14; timeout 100 python3 bench/prefill_kernels.py 2>&1 | tail -9 ;;
     perplexity) timeout 300 python3 bench/perplexity.py --settings bf16 fp8-weights fp8-kv 2>&1 | grep -v "Warn\|Loading" | tail -5 ;;  # after smol-a, smol-b
     constrained)  # issue 20: free, one, 10% and all of 256 under a grammar (xgrammar + tvm-ffi 0.1.11 wheels in .whl);

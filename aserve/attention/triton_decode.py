@@ -88,7 +88,9 @@ def _attend_kernel(
     q_stride,
     k_cache,
     v_cache,
+    page_stride,
     token_stride,
+    head_stride,
     order,
     indptr,
     page_ids,
@@ -142,11 +144,12 @@ def _attend_kernel(
         token_ok = tokens < end
         if PAGE_SIZE % BLOCK_T == 0:  # the block lies in one page: one page id to look up
             page = tl.load(page_ids + first_page + block // PAGE_SIZE)
-            slots = page.to(tl.int64) * PAGE_SIZE + block % PAGE_SIZE + tl.arange(0, BLOCK_T)
+            token_at = page.to(tl.int64) * page_stride + (block % PAGE_SIZE) * token_stride
+            token_at += tl.arange(0, BLOCK_T) * token_stride
         else:
             page = tl.load(page_ids + first_page + tokens // PAGE_SIZE, mask=token_ok, other=0)
-            slots = page.to(tl.int64) * PAGE_SIZE + tokens % PAGE_SIZE
-        offsets = slots[:, None] * token_stride + kv_head * HEAD_DIM + dims[None, :]
+            token_at = page.to(tl.int64) * page_stride + (tokens % PAGE_SIZE) * token_stride
+        offsets = token_at[:, None] + kv_head * head_stride + dims[None, :]
         keys = tl.load(k_cache + offsets, mask=token_ok[:, None], other=0.0).to(query.dtype)
         scores = tl.dot(query, tl.trans(keys)) * scale
         scores = tl.where(token_ok[None, :], scores, float("-inf"))
@@ -280,6 +283,7 @@ class TritonDecodeWrapper:
         k_cache, v_cache = cache
         batch, heads, head_dim = q.shape
         assert q.stride(2) == 1 and q.stride(1) == head_dim and k_cache.stride(3) == 1
+        assert k_cache.stride() == v_cache.stride()
         direct = self.num_splits == 1
         fp8 = k_cache.dtype == torch.float8_e4m3fn
         out = torch.empty((batch, heads, head_dim), dtype=q.dtype, device=q.device)
@@ -297,8 +301,7 @@ class TritonDecodeWrapper:
             q.stride(0),
             k_cache,
             v_cache,
-            k_cache.stride(0)
-            // self.page_size,  # a slot's stride (that of a size-1 dim is arbitrary)
+            *k_cache.stride()[:3],  # page, token in a page, head: any layout with these strides
             self.order,
             self.indptr,
             self.page_ids,
