@@ -86,16 +86,33 @@ def time_variant(batch: int, context: int, page_size: int, variant: str) -> floa
 
 FP8_LAYOUTS = ("engine", "split K/V", "HND")
 FP8_SETTINGS = ((64, 1, 4), (64, 2, 6), (128, 2, 4), (128, 4, 3), (256, 4, 3), (256, 8, 2))
+FP8_WHOLE_SWEEP = (
+    (64, 1, 4),
+    (64, 2, 6),
+    (32, 1, 4),
+    (32, 1, 8),
+    (32, 2, 6),
+    (64, 4, 4),
+    (16, 1, 8),
+)
+FP8_SPLIT_SWEEP = ((32, 4, 3), (64, 2, 6), (32, 1, 4), (64, 1, 4))
 
 
-def time_fp8_layout(
-    batch: int, q_heads: int, context: int, page_size: int, layout: str, setting: tuple[int, ...]
+def time_fp8_setting(
+    batch: int,
+    q_heads: int,
+    context: int,
+    page_size: int,
+    layout: str,
+    setting: tuple[int, int, int],
+    splits: int = 1,
 ) -> float:
-    """The Triton whole-context kernel over an FP8 cache of 8 KV heads in one of FP8_LAYOUTS,
+    """The Triton decode kernels over an FP8 cache of 8 KV heads in one of FP8_LAYOUTS,
     `batch` requests of `context` tokens on shuffled pages, with one (block tokens, warps,
-    stages) setting: "engine" is the pool (a slot's K and V side by side, one head's row of
-    128 bytes every 2 KiB), "split K/V" K and V apart (every 1 KiB), "HND" one head's rows of
-    a page together (K and V of a page side by side)."""
+    stages) setting, the whole-context kernel (`splits` 1) or each context cut in `splits`:
+    "engine" is the pool (a slot's K and V side by side, one head's row of 128 bytes every
+    2 KiB), "split K/V" K and V apart (every 1 KiB), "HND" one head's rows of a page
+    together (K and V of a page side by side)."""
     from aserve.attention import triton_decode
     from aserve.attention.triton_decode import TritonDecodeWrapper
 
@@ -113,15 +130,20 @@ def time_fp8_layout(
     pool.normal_()
     fp8 = pool.to(torch.float8_e4m3fn)  # same strides, so k and v's views carry over
     k, v = (fp8.as_strided(t.shape, t.stride(), t.storage_offset()) for t in (k, v))
-    block_tokens, warps, stages = setting
-    triton_decode.FP8_WHOLE_BLOCK_TOKENS = block_tokens
-    triton_decode.FP8_WHOLE_SETTINGS = ((0, warps, stages),)
+    if splits == 1:
+        triton_decode.WHOLE_MIN_PROGRAMS = 1
+        triton_decode.FP8_WHOLE_BLOCK_TOKENS = setting[0]
+        triton_decode.FP8_WHOLE_SETTINGS = ((0, *setting[1:]),)
+    else:
+        triton_decode.WHOLE_MIN_PROGRAMS = 1 << 30
+        triton_decode.PROGRAMS = splits * batch * kv_heads
+        triton_decode.FP8_SPLIT_SETTING = setting
     wrapper = TritonDecodeWrapper(
         torch.device("cuda"), batch, torch.zeros(num_pages, dtype=torch.int32, device="cuda")
     )
     order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(0))
     plan(wrapper, batch, q_heads, kv_heads, context, page_size, order, torch.float8_e4m3fn)
-    assert wrapper.num_splits == 1, "the layouts are timed on the whole-context kernel"
+    assert wrapper.num_splits == splits
     return time_run(wrapper, batch, q_heads, (k, v))
 
 
@@ -198,21 +220,29 @@ def main() -> None:
     p.add_argument("--variants", action="store_true", help="layouts and plans, 8B shape")
     p.add_argument("--fp8", action="store_true", help="also each kernel over an FP8 cache")
     p.add_argument("--fp8-layouts", action="store_true", help="Triton FP8 kernel per layout")
+    p.add_argument("--fp8-settings", action="store_true", help="Triton FP8 kernels' settings")
     args = p.parse_args()
-    if args.fp8_layouts:
+    if args.fp8_layouts or args.fp8_settings:
         kv_bytes = 2 * 8 * 128 * args.context  # K and V, 8 heads, FP8, a request
-        print(f"Triton FP8 whole-context decode, context {args.context}, pages of {args.page_size}")
-        print(f"{'shape':<34} {'batch':>5} {'layout':<10} {'tokens,warps,stages':<20} us  TB/s")
-        for name, (q_heads, _) in SHAPES.items():
+        print(f"Triton FP8 decode, context {args.context}, pages of {args.page_size}")
+        print(
+            f"{'shape':<34} {'batch':>5} {'layout':<10} {'tokens,warps,stages':<20} splits us TB/s"
+        )
+        shapes = SHAPES if args.fp8_layouts else {"llama-3.1-8b": (32, 8)}
+        for name, (q_heads, _) in shapes.items():
             for batch in args.batches:
-                for layout in FP8_LAYOUTS:
-                    for setting in FP8_SETTINGS:
-                        us = time_fp8_layout(
-                            batch, q_heads, args.context, args.page_size, layout, setting
-                        )
-                        rate = batch * kv_bytes / us / 1e6
-                        row = f"{name:<34} {batch:>5} {layout:<10} {str(setting):<20}"
-                        print(f"{row} {us:.1f} {rate:.2f}")
+                runs = [(lay, s, 1) for lay in FP8_LAYOUTS for s in FP8_SETTINGS]
+                if args.fp8_settings:
+                    runs = [("engine", s, 1) for s in FP8_WHOLE_SWEEP]
+                    if batch <= 96:
+                        runs += [("engine", s, n) for n in (2, 4, 8) for s in FP8_SPLIT_SWEEP]
+                for layout, setting, splits in runs:
+                    us = time_fp8_setting(
+                        batch, q_heads, args.context, args.page_size, layout, setting, splits
+                    )
+                    rate = batch * kv_bytes / us / 1e6
+                    row = f"{name:<34} {batch:>5} {layout:<10} {str(setting):<20} {splits:>6}"
+                    print(f"{row} {us:.1f} {rate:.2f}")
         return
     if args.variants:
         kv_bytes = 2 * 8 * 128 * 2 * args.context  # K and V, 8 heads, bf16, a request

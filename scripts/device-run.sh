@@ -150,6 +150,8 @@ for step in "$@"; do
                 timeout 300 python3 bench/offline.py --model bench/models/qwen3-0.6b $W $opts 2>&1 | grep -v Warn | tail -2; done ;;
     fp8-layouts)  # issue 19: the Triton FP8 decode kernel over the engine's pool, K and V apart, and HND pages
               timeout 400 python3 bench/decode_kernels.py --fp8-layouts --context ${CONTEXT:-1000} --batches ${BATCHES:-64 256} 2>&1 | grep -v Warn | tail -80 ;;
+    fp8-settings)  # issue 19: the Triton FP8 decode kernels' settings per batch (whole context, and 2-8 splits up to 96)
+              timeout 500 python3 bench/decode_kernels.py --fp8-settings --context ${CONTEXT:-1000} --batches ${BATCHES:-8 16 32 48 64 96 128 256} 2>&1 | grep -v Warn | tail -150 ;;
     trace-mid) for b in ${TRACE_BATCHES:-32 96}; do  # where an 8B FP8 + FP8 KV step at mid-sized batches goes
               timeout 200 python3 bench/trace.py --model bench/models/llama-3.1-8b --dummy-weight --batch $b --input-len 1000 --no-record \
                 --quantization fp8 --kv-cache-dtype fp8_e4m3 2>&1 | grep -B2 -A16 "us/step"; done ;;

@@ -77,6 +77,10 @@ and 4 stages, against 46.7 / 168.5 with the bf16 cache's 128 tokens, 4 warps and
 bf16 cache takes 62 / 203."""
 
 
+FP8_SPLIT_SETTING = (32, 4, 3)
+"""(block tokens, warps, stages) of the split kernel over an FP8 cache."""
+
+
 def takes_batch(batch_size: int, num_kv_heads: int) -> bool:
     """Whether these kernels beat FlashInfer's for a decode batch of this size."""
     return batch_size <= SPLIT_MAX_BATCH or batch_size * num_kv_heads >= WHOLE_MIN_PROGRAMS
@@ -289,7 +293,7 @@ class TritonDecodeWrapper:
         out = torch.empty((batch, heads, head_dim), dtype=q.dtype, device=q.device)
         partial_out, partial_lse = (out, out) if direct else self.partial
         if not direct:
-            block_tokens, warps, stages = SPLIT_BLOCK_TOKENS, 4, 3
+            block_tokens, warps, stages = FP8_SPLIT_SETTING if fp8 else (SPLIT_BLOCK_TOKENS, 4, 3)
         elif fp8:
             pairs = batch * self.num_kv_heads
             _, warps, stages = next(s for s in FP8_WHOLE_SETTINGS if pairs >= s[0])
