@@ -132,11 +132,10 @@ def time_fp8_setting(
     k, v = (fp8.as_strided(t.shape, t.stride(), t.storage_offset()) for t in (k, v))
     if splits == 1:
         triton_decode.WHOLE_MIN_PROGRAMS = 1
-        triton_decode.FP8_WHOLE_BLOCK_TOKENS = setting[0]
-        triton_decode.FP8_WHOLE_SETTINGS = ((0, *setting[1:]),)
+        triton_decode.FP8_WHOLE_SETTINGS = ((0, *setting),)
     else:
         triton_decode.WHOLE_MIN_PROGRAMS = 1 << 30
-        triton_decode.PROGRAMS = splits * batch * kv_heads
+        triton_decode.FP8_SPLIT_PROGRAMS = splits * batch * kv_heads
         triton_decode.FP8_SPLIT_SETTING = setting
     wrapper = TritonDecodeWrapper(
         torch.device("cuda"), batch, torch.zeros(num_pages, dtype=torch.int32, device="cuda")

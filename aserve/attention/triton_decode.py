@@ -64,21 +64,21 @@ WHOLE_WARPS = 4
 
 
 FP8_DOT_F16 = True
-FP8_WHOLE_BLOCK_TOKENS = 64
-FP8_WHOLE_SETTINGS = ((1024, 1, 4), (0, 2, 6))
+FP8_WHOLE_SETTINGS = ((1024, 16, 1, 8), (0, 32, 1, 8))
+FP8_SPLIT_SETTING = (64, 2, 6)
+FP8_SPLIT_PROGRAMS = 512
 """Over an FP8 cache: products in float16 (FP8 widens to it in one instruction per two values;
 to bfloat16 it takes more; FP8 tensor-core products, queries and softmax weights rounded to
-FP8, were no faster: 173 / 184 us at 256 requests against 170), blocks of 64 tokens, and
-(pairs from, warps, stages): half an FP8 block is in flight per stage, so smaller programs
-with deeper pipelines keep more bytes moving. On the H200, contexts of 800, us a layer (8B
-shape) at 64 / 256 requests: 35.6 / 131.4 with 2 warps and 6 stages, 44.9 / 120.8 with 1 warp
-and 4 stages, against 46.7 / 168.5 with the bf16 cache's 128 tokens, 4 warps and 2 stages
-(and 36-58 / 121-264 for 26 other settings of 32-256 tokens, 1-8 warps, 2-12 stages); the
-bf16 cache takes 62 / 203."""
-
-
-FP8_SPLIT_SETTING = (32, 4, 3)
-"""(block tokens, warps, stages) of the split kernel over an FP8 cache."""
+FP8, were no faster: 173 / 184 us at 256 requests against 170). Whole contexts take
+(pairs from, block tokens, warps, stages), splits (block tokens, warps, stages) and enough
+splits for `FP8_SPLIT_PROGRAMS` programs: one warp with deep pipelines of small blocks keeps
+the most bytes moving. On the H200 (bench/decode_kernels.py --fp8-settings, 8B shape,
+contexts of 1,000, us a layer), batch 8 / 16 / 32 / 48 / 64 / 96 / 128 / 256: 10.5 / 15.7 /
+26.3 / 39.4 / 40.9 / 64.3 / 76.7 / 153.4 with these, against 12 / 20 / 36.4 / 39.4 / 42.1 /
+69.0 / 87.9 / 164.2 with the settings before (splits for 264 programs in blocks of 32 with 4
+warps and 3 stages; whole contexts in blocks of 64 with 2 warps and 6 stages, then 1 warp
+and 4 stages from 1,024 pairs). Every setting of 16-256 tokens, 1-8 warps and 2-8 stages
+tried reads at most 3.4 TB/s of FP8, where the bf16 kernel reads 4.2."""
 
 
 def takes_batch(batch_size: int, num_kv_heads: int) -> bool:
@@ -264,7 +264,8 @@ class TritonDecodeWrapper:
         self.page_size = page_size
         pairs = batch * num_kv_heads
         whole = pairs >= WHOLE_MIN_PROGRAMS
-        self.num_splits = 1 if whole else min(64, max(1, math.ceil(PROGRAMS / pairs)))
+        programs = FP8_SPLIT_PROGRAMS if kv_data_type == torch.float8_e4m3fn else PROGRAMS
+        self.num_splits = 1 if whole else min(64, max(1, math.ceil(programs / pairs)))
         if self.num_splits == 1:
             return
         shape = (batch * num_qo_heads * self.num_splits,)
@@ -296,8 +297,7 @@ class TritonDecodeWrapper:
             block_tokens, warps, stages = FP8_SPLIT_SETTING if fp8 else (SPLIT_BLOCK_TOKENS, 4, 3)
         elif fp8:
             pairs = batch * self.num_kv_heads
-            _, warps, stages = next(s for s in FP8_WHOLE_SETTINGS if pairs >= s[0])
-            block_tokens = FP8_WHOLE_BLOCK_TOKENS
+            _, block_tokens, warps, stages = next(s for s in FP8_WHOLE_SETTINGS if pairs >= s[0])
         else:
             block_tokens, warps, stages = WHOLE_BLOCK_TOKENS, WHOLE_WARPS, WHOLE_STAGES
         _attend_kernel[(self.num_kv_heads, batch, self.num_splits)](
