@@ -152,6 +152,11 @@ for step in "$@"; do
               timeout 400 python3 bench/decode_kernels.py --fp8-layouts --context ${CONTEXT:-1000} --batches ${BATCHES:-64 256} 2>&1 | grep -v Warn | tail -80 ;;
     fp8-settings)  # issue 19: the Triton FP8 decode kernels' settings per batch (whole context, and 2-8 splits up to 96)
               timeout 500 python3 bench/decode_kernels.py --fp8-settings --context ${CONTEXT:-1000} --batches ${BATCHES:-8 16 32 48 64 96 128 256} 2>&1 | grep -v Warn | tail -150 ;;
+    offline-ab)  # BEFORE's tree (.scratch/old, a git archive) against this one, alternating; AB_RUNS: "model|options;..."
+              root=$PWD; IFS=';' read -ra runs <<< "${AB_RUNS:-qwen3-0.6b|--kv-cache-dtype fp8_e4m3;llama-3.1-8b|--quantization fp8 --kv-cache-dtype fp8_e4m3}"
+              for r in "${runs[@]}"; do for run in ${AB_REPEAT:-1 2}; do for side in before after; do tree=$([ $side = before ] && echo .scratch/old || echo .)
+                (cd $tree && PYTHONPATH=/tmp/site:$PWD timeout 250 python3 bench/offline.py --model $root/bench/models/${r%%|*} $W ${r#*|} \
+                  $([ $side = before ] && echo --no-record) 2>&1 | tail -1 | sed "s/^/$side ${r%%|*} ${r#*|}: /"); done; done; done ;;
     trace-mid) for b in ${TRACE_BATCHES:-32 96}; do  # where an 8B FP8 + FP8 KV step at mid-sized batches goes
               timeout 200 python3 bench/trace.py --model bench/models/llama-3.1-8b --dummy-weight --batch $b --input-len 1000 --no-record \
                 --quantization fp8 --kv-cache-dtype fp8_e4m3 2>&1 | grep -B2 -A16 "us/step"; done ;;
