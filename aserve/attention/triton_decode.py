@@ -77,11 +77,10 @@ contexts of 1,000, us a layer), batch 8 / 16 / 32 / 48 / 64 / 96 / 128 / 256: 10
 26.3 / 39.4 / 40.9 / 64.3 / 76.7 / 153.4 with these, against 12 / 20 / 36.4 / 39.4 / 42.1 /
 69.0 / 87.9 / 164.2 with the settings before (splits for 264 programs in blocks of 32 with 4
 warps and 3 stages; whole contexts in blocks of 64 with 2 warps and 6 stages, then 1 warp
-and 4 stages from 1,024 pairs). Every setting of 16-256 tokens, 1-8 warps and 2-8 stages
-tried reads at most 3.4 TB/s of FP8, where the bf16 kernel reads 4.2."""
-
-
-LAZY_RESCALE = True
+and 4 stages from 1,024 pairs); with whole blocks read without masks, 32 / 64 / 96 / 128 /
+256: 27.4 / 38.6 / 60.1 / 65.7 / 127.7 (4.1 TB/s of FP8 at 256, where the bf16 kernel reads
+4.3). Rescaling the running sums only when a row's max rose by more than 8 (a branch in the
+loop) was 3-15% slower."""
 
 
 def takes_batch(batch_size: int, num_kv_heads: int) -> bool:
@@ -108,7 +107,6 @@ def _attend_block(
     HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr,
     MASKED: tl.constexpr,
-    LAZY: tl.constexpr,
 ):
     """One block of tokens into the running softmax (`best` the rows' max score in log2
     units, `total` their weights' sum, `acc` the weighted values); `MASKED` for a block that
@@ -134,31 +132,17 @@ def _attend_block(
     scores = tl.dot(query, tl.trans(keys.to(query.dtype))) * scale
     if MASKED:
         scores = tl.where(token_ok[None, :], scores, float("-inf"))
-    block_best = tl.max(scores, axis=1)
-    if LAZY:
-        # Rescale only when some row's max rose by more than 8 (weights stay below 2^8,
-        # which float16 and bfloat16 hold): most blocks then skip the multiply of `acc`.
-        if tl.max(block_best - best) > 8.0:
-            new_best = tl.maximum(best, block_best)
-            rescale = tl.exp2(best - new_best)
-            acc = acc * rescale[:, None]
-            total = total * rescale
-            best = new_best
-        weights = tl.exp2(scores - best[:, None])
-        total += tl.sum(weights, axis=1)
-    else:
-        new_best = tl.maximum(best, block_best)
-        weights = tl.exp2(scores - new_best[:, None])
-        rescale = tl.exp2(best - new_best)
-        total = total * rescale + tl.sum(weights, axis=1)
-        acc = acc * rescale[:, None]
-        best = new_best
+    new_best = tl.maximum(best, tl.max(scores, axis=1))
+    weights = tl.exp2(scores - new_best[:, None])
+    rescale = tl.exp2(best - new_best)
+    total = total * rescale + tl.sum(weights, axis=1)
+    acc = acc * rescale[:, None]
     if MASKED:
         values = tl.load(v_cache + offsets, mask=token_ok[:, None], other=0.0)
     else:
         values = tl.load(v_cache + offsets)
     acc += tl.dot(weights.to(query.dtype), values.to(query.dtype))
-    return best, total, acc
+    return new_best, total, acc
 
 
 @triton.jit
@@ -188,7 +172,6 @@ def _attend_kernel(
     BLOCK_T: tl.constexpr,
     DIRECT: tl.constexpr,
     F16: tl.constexpr,
-    LAZY: tl.constexpr,
 ):
     # KV heads vary fastest over the launch, so programs running side by side read
     # neighbouring heads of the same tokens (one slot's K or V row is all heads together).
@@ -219,20 +202,20 @@ def _attend_kernel(
     best = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    # Whole blocks without masks (predicated loads and the scores' masking cost ~7% at 256
-    # requests), then the last, partial block with them.
+    # Whole blocks without masks, then the last, partial block with them: over an FP8 cache
+    # at 256 requests the masks cost 17% (bench/decode_kernels.py: 153.4 -> 127.7 us a layer).
     full_end = start + tl.maximum(end - start, 0) // BLOCK_T * BLOCK_T
     head_at = kv_head * head_stride
     for block in range(start, full_end, BLOCK_T):
         best, total, acc = _attend_block(
             query, best, total, acc, scale, block, end, k_cache, v_cache, page_ids + first_page,
-            page_stride, token_stride, head_at, PAGE_SIZE, HEAD_DIM, BLOCK_T, False, LAZY,
+            page_stride, token_stride, head_at, PAGE_SIZE, HEAD_DIM, BLOCK_T, False,
         )  # fmt: skip
     if full_end < end:
         best, total, acc = _attend_block(
             query, best, total, acc, scale, full_end, end, k_cache, v_cache,
             page_ids + first_page, page_stride, token_stride, head_at, PAGE_SIZE, HEAD_DIM,
-            BLOCK_T, True, LAZY,
+            BLOCK_T, True,
         )  # fmt: skip
 
     acc = acc * v_scale
@@ -394,7 +377,6 @@ class TritonDecodeWrapper:
             BLOCK_T=block_tokens,
             DIRECT=direct,
             F16=fp8 and FP8_DOT_F16,
-            LAZY=LAZY_RESCALE,
             num_warps=warps,
             num_stages=stages,
         )
