@@ -136,12 +136,11 @@ def _attend_block(
     weights = tl.exp2(scores - new_best[:, None])
     rescale = tl.exp2(best - new_best)
     total = total * rescale + tl.sum(weights, axis=1)
-    acc = acc * rescale[:, None]
     if MASKED:
         values = tl.load(v_cache + offsets, mask=token_ok[:, None], other=0.0)
     else:
         values = tl.load(v_cache + offsets)
-    acc += tl.dot(weights.to(query.dtype), values.to(query.dtype))
+    acc = acc * rescale[:, None] + tl.dot(weights.to(query.dtype), values.to(query.dtype))
     return new_best, total, acc
 
 
@@ -172,6 +171,7 @@ def _attend_kernel(
     BLOCK_T: tl.constexpr,
     DIRECT: tl.constexpr,
     F16: tl.constexpr,
+    UNMASKED_BLOCKS: tl.constexpr,
 ):
     # KV heads vary fastest over the launch, so programs running side by side read
     # neighbouring heads of the same tokens (one slot's K or V row is all heads together).
@@ -202,21 +202,30 @@ def _attend_kernel(
     best = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    # Whole blocks without masks, then the last, partial block with them: over an FP8 cache
-    # at 256 requests the masks cost 17% (bench/decode_kernels.py: 153.4 -> 127.7 us a layer).
-    full_end = start + tl.maximum(end - start, 0) // BLOCK_T * BLOCK_T
+    pages_of_request = page_ids + first_page
     head_at = kv_head * head_stride
-    for block in range(start, full_end, BLOCK_T):
-        best, total, acc = _attend_block(
-            query, best, total, acc, scale, block, end, k_cache, v_cache, page_ids + first_page,
-            page_stride, token_stride, head_at, PAGE_SIZE, HEAD_DIM, BLOCK_T, False,
-        )  # fmt: skip
-    if full_end < end:
-        best, total, acc = _attend_block(
-            query, best, total, acc, scale, full_end, end, k_cache, v_cache,
-            page_ids + first_page, page_stride, token_stride, head_at, PAGE_SIZE, HEAD_DIM,
-            BLOCK_T, True,
-        )  # fmt: skip
+    if UNMASKED_BLOCKS:
+        # Whole blocks without masks, then the last, partial block with them: over an FP8
+        # cache at 256 requests the masks cost 17% (bench/decode_kernels.py: 153.4 -> 127.7
+        # us a layer); the bf16 kernel lost 4% (128-256 requests) to 17% (48) this way.
+        full_end = start + tl.maximum(end - start, 0) // BLOCK_T * BLOCK_T
+        for block in range(start, full_end, BLOCK_T):
+            best, total, acc = _attend_block(
+                query, best, total, acc, scale, block, end, k_cache, v_cache, pages_of_request,
+                page_stride, token_stride, head_at, PAGE_SIZE, HEAD_DIM, BLOCK_T, False,
+            )  # fmt: skip
+        if full_end < end:
+            best, total, acc = _attend_block(
+                query, best, total, acc, scale, full_end, end, k_cache, v_cache,
+                pages_of_request, page_stride, token_stride, head_at, PAGE_SIZE, HEAD_DIM,
+                BLOCK_T, True,
+            )  # fmt: skip
+    else:
+        for block in range(start, end, BLOCK_T):
+            best, total, acc = _attend_block(
+                query, best, total, acc, scale, block, end, k_cache, v_cache, pages_of_request,
+                page_stride, token_stride, head_at, PAGE_SIZE, HEAD_DIM, BLOCK_T, True,
+            )  # fmt: skip
 
     acc = acc * v_scale
     if DIRECT:  # one split: the whole context, finished here
@@ -377,6 +386,7 @@ class TritonDecodeWrapper:
             BLOCK_T=block_tokens,
             DIRECT=direct,
             F16=fp8 and FP8_DOT_F16,
+            UNMASKED_BLOCKS=fp8,
             num_warps=warps,
             num_stages=stages,
         )
