@@ -173,7 +173,7 @@ for step in "$@"; do
     minisgl-bench) for m in ${MODELS:-qwen3-0.6b llama-3.1-8b}; do  # .minisgl: `git archive` of sgl-project/mini-sglang (python/), pyzmq and msgpack wheels in .whl
               PYTHONPATH=/tmp/site:$PWD:$PWD/.minisgl/python timeout 500 python3 bench/offline.py --model bench/models/$m $W --peer minisgl --repeat ${REPEAT:-2} $OPTS 2>&1 | grep -v Warn | tail -8; done ;;
     minisgl-fp8)  # bf16 and FP8 aserve, each beside mini-SGLang (bf16: it has no FP8 path), one command
-              for m in llama-3.1-8b qwen3-0.6b; do for opts in "" "--kv-cache-dtype fp8_e4m3 $([ $m = llama-3.1-8b ] && echo --quantization fp8)"; do
+              for m in ${FP8_MODELS:-llama-3.1-8b qwen3-0.6b}; do for opts in "" "--kv-cache-dtype fp8_e4m3 $([ $m = llama-3.1-8b ] && echo --quantization fp8)"; do
                 PYTHONPATH=/tmp/site:$PWD:$PWD/.minisgl/python timeout 280 python3 bench/offline.py --model bench/models/$m $W --peer minisgl --repeat 1 $opts 2>&1 | grep -v Warn | tail -4; done; done ;;
     qwen3-tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k "qk_norm or qwen3" 2>&1 | grep -v "^  /\|^    " | tail -30 ;;
     noaot-site) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-noaot .whl/*.whl ;;  # no kernel pack: a fresh machine
