@@ -207,7 +207,8 @@ def _attend_kernel(
     if UNMASKED_BLOCKS:
         # Whole blocks without masks, then the last, partial block with them: over an FP8
         # cache at 256 requests the masks cost 17% (bench/decode_kernels.py: 153.4 -> 127.7
-        # us a layer); the bf16 kernel lost 4% (128-256 requests) to 17% (48) this way.
+        # us a layer). Not for the splits' few blocks (2-5% slower at 1-32 requests) nor the
+        # bf16 kernel (4% slower at 128-256 requests, 17% at 48).
         full_end = start + tl.maximum(end - start, 0) // BLOCK_T * BLOCK_T
         for block in range(start, full_end, BLOCK_T):
             best, total, acc = _attend_block(
@@ -386,7 +387,7 @@ class TritonDecodeWrapper:
             BLOCK_T=block_tokens,
             DIRECT=direct,
             F16=fp8 and FP8_DOT_F16,
-            UNMASKED_BLOCKS=fp8,
+            UNMASKED_BLOCKS=fp8 and direct,
             num_warps=warps,
             num_stages=stages,
         )
