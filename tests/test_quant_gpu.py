@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -111,3 +112,49 @@ def test_embedded_model_quantized_on_cuda(
         print(f"de-quantized model: float32 {exact}, bfloat16 {rounded}")
     assert sum(p == 24 for p in exact) >= 7
     assert sum(p >= 8 for p in rounded) >= 4
+
+
+def compiled_variants(kernel: Any) -> int:
+    """How many compiled variants a Triton kernel holds, over its devices."""
+    return sum(len(entry[0]) for entry in kernel.device_caches.values())
+
+
+def test_one_compile_serves_every_row_count() -> None:
+    """The products' kernels are not specialized on their row count (Triton would compile
+    one variant for 1 row, one for multiples of 16 and one for the rest): each captured
+    batch size of a start-up would otherwise add compiles. One setting over 1-16 rows and
+    one over 17-48 for a GGUF product; one FP8 setting, split over K (its sum kernel too),
+    over 3-48 tokens."""
+    from aserve.quant import cuda as cuda_module
+    from aserve.quant import fp8_cuda
+    from aserve.quant.cuda import CudaWeight
+    from aserve.quant.fp8 import quantize_rows
+
+    qtype = QType.Q4_1
+    codes: Codes = decode(torch.from_numpy(random_blocks(qtype, 100, 512, seed=2)), qtype, 512)
+    weight = CudaWeight(codes, torch.device("cuda"), torch.bfloat16)
+    before = compiled_variants(cuda_module.quantized_gemm)
+    for rows in (1, 3, 16):
+        weight.linear(torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16), None)
+    assert compiled_variants(cuda_module.quantized_gemm) - before == 1
+    for rows in (17, 32, 48):
+        weight.linear(torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16), None)
+    assert compiled_variants(cuda_module.quantized_gemm) - before == 2
+
+    fp8_weight = quantize_rows(torch.randn(200, 512) * 0.03)
+    kernels = (fp8_cuda._token_scaled_kernel, fp8_cuda._sum_splits_kernel)
+    before_fp8 = [compiled_variants(kernel) for kernel in kernels]
+    for tokens in (3, 16, 17, 48):
+        values, scales = fp8_cuda.quantize_tokens(
+            torch.randn(tokens, 512, device="cuda", dtype=torch.bfloat16)
+        )
+        fp8_cuda.token_scaled(
+            values,
+            scales,
+            fp8_weight.values.cuda(),
+            fp8_weight.scales.cuda(),
+            None,
+            torch.bfloat16,
+            (32, 64, 128, 2, 4, 4, False),
+        )
+    assert [compiled_variants(k) - n for k, n in zip(kernels, before_fp8)] == [1, 1]

@@ -144,7 +144,9 @@ def _attend_block(
     return new_best, total, acc
 
 
-@triton.jit
+# One compile for every split count: each captured batch size would otherwise
+# add variants (Triton specializes integers equal to 1 and multiples of 16).
+@triton.jit(do_not_specialize=["num_splits"])
 def _attend_kernel(
     q,
     q_stride,

@@ -44,7 +44,9 @@ def group_codes(codes_ptr, k, cols, N, K, FOUR_BIT: tl.constexpr):
     return code
 
 
-@triton.jit
+# One compile for every row count: each captured batch size would otherwise
+# add variants (Triton specializes integers equal to 1 and multiples of 16).
+@triton.jit(do_not_specialize=["M"])
 def quantized_gemm(
     x_ptr,
     x_sums_ptr,

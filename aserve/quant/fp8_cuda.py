@@ -133,7 +133,9 @@ def norm_fp8(
 FEW_ROWS_MAX = 16  # the tile of rows of `few_rows`'s tensor-core product
 
 
-@triton.jit
+# One compile for every row count: each captured batch size would otherwise
+# add variants (Triton specializes integers equal to 1 and multiples of 16).
+@triton.jit(do_not_specialize=["m"])
 def _few_rows_kernel(
     x,
     x_stride,
@@ -189,7 +191,7 @@ def _few_rows_kernel(
         tl.store(at, y.to(out.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
 def _sum_splits_kernel(
     partial,
     token_scales,
@@ -302,7 +304,7 @@ def few_rows(
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["m"])
 def _token_scaled_kernel(
     x,
     x_scales,
