@@ -221,6 +221,11 @@ for step in "$@"; do
     fallbacks) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k "pretended or bf16_logprobs" 2>&1 | grep -v "^  /\|^    " | tail -25 ;;
     triton-tests) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_sampler.py 2>&1 | grep -v "^  /\|^    " | tail -15 ;;
     gpu-parity) timeout 400 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_gpu.py 2>&1 | grep -v "^  /\|^    " | tail -15 ;;
+    startup-smol-ab)  # issue 23: the embedded model's cold (every cache emptied, no kernel pack) then warm start,
+                      # BEFORE's tree (.scratch/old) then this one; after noaot-site, smol-a, smol-b
+              for side in before after; do tree=$([ $side = before ] && echo .scratch/old || echo .); rm -rf /tmp/fi-cold ~/.cache/aserve ~/.triton/cache
+                for phase in cold warm; do (cd $tree && PYTHONPATH=/tmp/site-noaot:/tmp/site:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-cold \
+                  ready_in | sed "s/^/$side $phase: /"); done; done ;;
     startup-smol) rm -rf /tmp/fi-cold ~/.cache/aserve ~/.triton/cache; for phase in first second; do   # GGUF conversion and kernels, cold then cached
                PYTHONPATH=/tmp/site-noaot:/tmp/site:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-cold ready_in; done ;;
     spy) python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/spy .tools/py_spy-*.whl
