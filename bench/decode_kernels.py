@@ -14,6 +14,12 @@ times FlashInfer's tensor-core decode on the Llama-3.1-8B shape instead, over KV
 and plans: the engine's pool (a slot's K and V side by side, so one head's rows of a page
 lie 4 KiB apart), FlashInfer's own NHD (K of a page, then its V) and HND (one head's rows
 of a page together), with and without splitting long contexts, and FA3's kernel.
+
+    python bench/decode_kernels.py --fp8-settings --batches 8 32 64 256
+
+times the Triton kernels over an FP8 cache in each (block tokens, warps, stages) setting of a
+sweep, whole contexts and 2-8 splits (`--fp8-layouts`: whole contexts over three layouts
+of the cache), which is where `triton_decode`'s FP8 settings come from.
 """
 
 from __future__ import annotations
