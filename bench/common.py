@@ -126,3 +126,41 @@ def us_per_call_in_graph(run: Callable[[], object], calls: int = 20) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1000 / (10 * calls)
+
+
+class StepTimer:
+    """Wraps an engine's `forward_logits` and `sample` to record a CUDA event before a step's
+    forward and after its sampling, with no profiler running: `marks` holds (start, end,
+    tag) for each step that `tag_of` (the step's batch -> a tag, or None to skip it) tags.
+    `detach` gives the engine its own methods back."""
+
+    def __init__(self, engine: Any, tag_of: Callable[[Any], Any]) -> None:
+        self.engine, self.tag_of = engine, tag_of
+        self.inner_forward, self.inner_sample = engine.forward_logits, engine.sample
+        self.open: tuple[Any, Any] | None = None
+        self.marks: list[tuple[Any, Any, Any]] = []
+        engine.forward_logits, engine.sample = self.forward_logits, self.sample
+
+    def forward_logits(self, batch: Any) -> Any:
+        import torch
+
+        tag = self.tag_of(batch)
+        if tag is not None:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self.open = (start, tag)
+        return self.inner_forward(batch)
+
+    def sample(self, *args: Any) -> Any:
+        import torch
+
+        out = self.inner_sample(*args)
+        if self.open is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.marks.append((self.open[0], end, self.open[1]))
+            self.open = None
+        return out
+
+    def detach(self) -> None:
+        self.engine.forward_logits, self.engine.sample = self.inner_forward, self.inner_sample

@@ -25,44 +25,27 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import random_workload  # noqa: E402
+from bench.common import StepTimer, random_workload  # noqa: E402
 from bench.offline import build_llm, run_aserve  # noqa: E402
 
 BATCH_BUCKETS = (1, 16, 64, 128, 192, 256, 1 << 30)
 
 
-class StepCensus:
-    """Wraps `engine.forward_logits` and `engine.sample` like bench/trace.py's StepEvents,
-    but for every step: (is decode, requests, new tokens, mean KV length, GPU ms)."""
+class StepCensus(StepTimer):
+    """Every step's GPU time with its shape: (is decode, requests, new tokens, mean KV
+    length)."""
 
     def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.inner_forward, self.inner_sample = engine.forward_logits, engine.sample
-        self.open: tuple[torch.cuda.Event, tuple[bool, int, int, float]] | None = None
-        self.marks: list[tuple[torch.cuda.Event, torch.cuda.Event, tuple[bool, int, int, float]]]
-        self.marks = []
-        engine.forward_logits, engine.sample = self.forward_logits, self.sample
+        super().__init__(engine, self.shape)
 
-    def forward_logits(self, batch: Any) -> Any:
-        start = torch.cuda.Event(enable_timing=True)
-        start.record()
-        shape = (
+    @staticmethod
+    def shape(batch: Any) -> tuple[bool, int, int, float]:
+        return (
             batch.is_decode,
             batch.batch_size,
             sum(batch.extend_lens),
             sum(batch.seq_lens) / batch.batch_size,
         )
-        self.open = (start, shape)
-        return self.inner_forward(batch)
-
-    def sample(self, *args: Any) -> Any:
-        out = self.inner_sample(*args)
-        if self.open is not None:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.marks.append((self.open[0], end, self.open[1]))
-            self.open = None
-        return out
 
     def table(self, wall_s: float) -> str:
         torch.cuda.synchronize()

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from aserve import LLM, SamplingParams  # noqa: E402
 from aserve.forward import ForwardMode  # noqa: E402
 from aserve.scheduler.plan import ScheduledBatch  # noqa: E402
-from bench.common import new_run_id, random_workload, record  # noqa: E402
+from bench.common import StepTimer, new_run_id, random_workload, record  # noqa: E402
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -79,42 +79,27 @@ class DecodeWindow:
             self.prof.stop()
 
 
-class StepEvents:
-    """Wraps `engine.forward_logits` and `engine.sample` to record a CUDA event before each
-    full-batch decode step's forward and after its sampling (after `warmup` of them, for
+class StepEvents(StepTimer):
+    """CUDA events around each full-batch decode step (after `warmup` of them, for
     `steps`), with no profiler running."""
 
     def __init__(self, engine: Any, batch: int, warmup: int, steps: int) -> None:
-        self.engine = engine
-        self.inner_forward, self.inner_sample = engine.forward_logits, engine.sample
+        super().__init__(engine, self.window_step)
         self.batch, self.warmup, self.steps = batch, warmup, steps
         self.seen = 0
-        self.open: torch.cuda.Event | None = None
-        self.marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        engine.forward_logits, engine.sample = self.forward_logits, self.sample
 
-    def forward_logits(self, batch: Any) -> Any:
+    def window_step(self, batch: Any) -> bool | None:
         counted = batch.is_decode and batch.batch_size == self.batch
         self.seen += counted
-        if counted and self.warmup < self.seen <= self.warmup + self.steps:
-            self.open = torch.cuda.Event(enable_timing=True)
-            self.open.record()
-        return self.inner_forward(batch)
+        return True if counted and self.warmup < self.seen <= self.warmup + self.steps else None
 
-    def sample(self, *args: Any) -> Any:
-        out = self.inner_sample(*args)
-        if self.open is not None:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.marks.append((self.open, end))
-            self.open = None
-        return out
-
-    def detach(self) -> dict[str, float]:
+    def stats(self) -> dict[str, float]:
         """Restore the engine; per-step time and the idle spans between steps, in us."""
-        self.engine.forward_logits, self.engine.sample = self.inner_forward, self.inner_sample
+        self.detach()
         torch.cuda.synchronize()
-        idle = [end.elapsed_time(start) * 1e3 for (_, end), (start, _) in pairwise(self.marks)]
+        idle = [
+            end.elapsed_time(start) * 1e3 for (_, end, _), (start, _, _) in pairwise(self.marks)
+        ]
         first, last = self.marks[0][0], self.marks[-1][1]
         window_us = first.elapsed_time(last) * 1e3
         return {
@@ -195,7 +180,7 @@ def main() -> None:
     llm.start_scheduler(on_step=window)
     unprofiled = StepEvents(llm.runtime.engine, args.batch, args.warmup_steps, args.steps)
     llm.generate(prompts, params)
-    plain = unprofiled.detach()
+    plain = unprofiled.stats()
     window.armed = True
     llm.generate(prompts, params)  # the prompts come from the prefix cache; decode is the same
     llm.close()
