@@ -48,10 +48,11 @@ def test_fp8_product_on_cuda(rows: int) -> None:
     assert ((out.double() - exact).abs() <= 0.1 * scale).all()
 
 
-@pytest.mark.parametrize(("n", "k"), [(768, 4096), (770, 1000)])
+@pytest.mark.parametrize(("n", "k"), [(768, 4096), (770, 1000), (6144, 4096), (16384, 1024)])
 def test_fp8_one_row_kernel_equals_the_dequantized_product(n: int, k: int) -> None:
-    """The one-row FP8 GEMV (bfloat16 activations as they are) against float64 on the
-    de-quantized weight, with a bias, for sizes its blocks divide and sizes they do not."""
+    """The one-row FP8 GEMVs (bfloat16 activations as they are) against float64 on the
+    de-quantized weight, with a bias, for sizes their blocks divide and sizes they do not
+    (16,384 rows take the kernel that widens FP8 with bit operations)."""
     from aserve.layers.gemv import gemv
 
     generator = torch.Generator().manual_seed(0)
@@ -62,6 +63,22 @@ def test_fp8_one_row_kernel_equals_the_dequantized_product(n: int, k: int) -> No
     out = gemv(x.cuda(), weight.values, bias.cuda(), scales=weight.scales)
     exact = x.double() @ rows.dequantize(torch.float64).T + bias.double()
     assert (out.cpu().double() - exact).abs().max() <= 0.01 * exact.abs().max()
+
+
+@pytest.mark.parametrize(("n", "k"), [(4096, 14336), (770, 1000)])
+def test_fp8_gated_row_equals_the_activation_then_the_product(n: int, k: int) -> None:
+    """One gate|up row through the FP8 down projection in one kernel (`gated_row`): the same
+    SiLU(gate) * up, rounded to bf16, then the product, as the separate kernels give."""
+    from aserve.layers.activation import silu_and_mul
+
+    generator = torch.Generator().manual_seed(0)
+    weight = Fp8Weight(quantize_rows(torch.randn(n, k, generator=generator) * 0.03), CUDA)
+    gate_up = torch.randn(1, 2 * k, generator=generator).to(CUDA, torch.bfloat16)
+    fused = weight.gated_row(gate_up)
+    assert fused is not None
+    apart = weight.linear(silu_and_mul(gate_up, None), None)
+    torch.testing.assert_close(fused.float(), apart.float(), atol=2e-2, rtol=2e-2)
+    assert weight.gated_row(gate_up.expand(2, -1).contiguous()) is None
 
 
 @pytest.mark.parametrize(("n", "k"), [(768, 4096), (770, 1000)])

@@ -135,3 +135,27 @@ def test_filters_then_race_keep_the_allowed_set() -> None:
     allowed = probs[0] > 0
     assert bool(allowed[ids].all())
     assert len(set(ids.tolist())) > 1
+
+
+def test_fp8_gemv_widens_every_byte_with_bit_operations() -> None:
+    """The wide-weight FP8 GEMV (`_fp8_words_kernel`: four e4m3 bytes a word, widened with
+    shifts and masks) against float64, over every finite e4m3 byte (zeros, denormals,
+    negatives, 448) and a bias. The output is bfloat16: rounded (GPU) or truncated
+    (interpreter), so a tolerance of one bfloat16 step, where a misplaced byte or bit would
+    be far off."""
+    from aserve.layers.gemv import FP8_WORDS_MIN_ROWS, gemv
+
+    n, k = FP8_WORDS_MIN_ROWS, 512
+    codes = torch.randint(0, 256, (n, k), generator=gen(20), dtype=torch.int32)
+    codes[(codes & 0x7F) == 0x7F] = 0x3C  # the two NaN codes become 1.5
+    codes[0, :256] = torch.arange(256, dtype=torch.int32)
+    codes[0, 0x7F] = codes[0, 0xFF] = 0
+    values = codes.to(torch.uint8).view(torch.float8_e4m3fn)
+    scales = torch.rand(n, generator=gen(21)) + 0.5
+    x = torch.randn(1, k, generator=gen(22)).bfloat16()
+    bias = torch.randn(n, generator=gen(23)).bfloat16()
+    out = gemv(x.to(DEVICE), values.to(DEVICE), bias.to(DEVICE), scales=scales.to(DEVICE))
+    exact = (x.double() @ (values.double() * scales.double()[:, None]).T) + bias.double()
+    error = (out.cpu().double() - exact).abs()
+    assert out.dtype == torch.bfloat16
+    assert (error <= exact.abs() * 2**-7 + 1e-3).all(), error.max()

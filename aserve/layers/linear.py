@@ -165,9 +165,13 @@ class RowParallelLinear(nn.Module):
 
     def forward_gated(self, gate_up: torch.Tensor, ops: FusedOps | None) -> torch.Tensor:
         """The layer applied to SiLU(gate) * up of a fused gate|up output: at one row on CUDA
-        one kernel does both."""
+        one kernel does both (float or FP8 weights)."""
         if self.one_row is not None and self.weight is not None and gate_up.shape[0] == 1:
             return self._reduce(self.one_row(gate_up, self.weight, None, gated=True))
+        if self.quantized is not None:
+            product = self.quantized.gated_row(gate_up)
+            if product is not None:
+                return self._reduce(product)
         return self(silu_and_mul(gate_up, ops))
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:

@@ -215,6 +215,13 @@ class Fp8Weight:
     def nbytes(self) -> int:
         return self.values.nbytes + self.scales.nbytes
 
+    def gated_row(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """The product of SiLU(gate) * up for one fused gate|up row, in one kernel (the GEMV
+        computes the activation as it reads it), or None where no such kernel runs."""
+        if self._one_row is None or gate_up.shape[0] != 1:
+            return None
+        return self._one_row(gate_up, self.values, None, gated=True, scales=self.scales)
+
     def linear(self, x: torch.Tensor | Fp8Activations, bias: torch.Tensor | None) -> torch.Tensor:
         if isinstance(x, Fp8Activations):  # only aligned weights take them (method.py)
             assert self.aligned

@@ -101,6 +101,12 @@ class QuantizedLinearWeight:
         product = self.products[0] if len(self.products) == 1 else None
         return product if isinstance(product, Fp8Weight) and product.aligned else None
 
+    def gated_row(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """SiLU(gate) * up of one fused gate|up row times this weight in one kernel, where
+        the weight is one FP8 product on CUDA; else None (the caller runs the activation)."""
+        product = self.products[0] if len(self.products) == 1 else None
+        return product.gated_row(gate_up) if isinstance(product, Fp8Weight) else None
+
     def linear(self, x: torch.Tensor | Fp8Activations, bias: torch.Tensor | None) -> torch.Tensor:
         if isinstance(x, Fp8Activations):
             product = self.fp8_product()
