@@ -160,7 +160,7 @@ for step in "$@"; do
     latency-ab)  # single stream of the 8B shape, BEFORE's tree (.scratch/old) against this one, alternating; LAT_OPTS
               root=$PWD; for run in ${AB_REPEAT:-1 2}; do for side in before after; do tree=$([ $side = before ] && echo .scratch/old || echo .)
                 (cd $tree && PYTHONPATH=/tmp/site:$PWD timeout 200 python3 bench/latency.py --model $root/bench/models/llama-3.1-8b --dummy-weight \
-                  ${LAT_OPTS:---quantization fp8 --kv-cache-dtype fp8_e4m3} $([ $side = before ] && echo --no-record) 2>&1 | tail -1 | sed "s/^/$side: /"); done; done ;;
+                  ${LAT_OPTS:---quantization fp8 --kv-cache-dtype fp8_e4m3} $([ $side = before ] && echo --no-record) 2>&1 | tail -2 | sed "s/^/$side: /"); done; done ;;
     trace-mid) for b in ${TRACE_BATCHES:-32 96}; do  # where an 8B FP8 + FP8 KV step at mid-sized batches goes
               timeout 200 python3 bench/trace.py --model bench/models/llama-3.1-8b --dummy-weight --batch $b --input-len 1000 --no-record \
                 --quantization fp8 --kv-cache-dtype fp8_e4m3 2>&1 | grep -B2 -A16 "us/step"; done ;;
