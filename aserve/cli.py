@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from aserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, ConfigError, ServerConfig, build_config
-from aserve.gpu_context import start_gpu_context
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 # Options of the process around the server (its signals, its replicas), not of the server.
@@ -285,7 +284,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         from aserve.replicas import run_replicas
 
         return run_replicas(config, args, list(sys.argv[1:] if argv is None else argv))
-    start_gpu_context(config.engine.device)  # while torch imports below
     if config.shell_mode:
         from aserve.server.shell import run_shell
 

@@ -87,9 +87,10 @@ class DecodeGraphs:
         # One eager forward, of the largest size, on a side stream before any capture: the
         # libraries' one-time set-ups (cuBLAS handles and workspaces, NCCL's first
         # collective) happen outside a graph. The other sizes are captured without one of
-        # their own (a third of the capture time): what a size meets for the first time (a
-        # Triton kernel of another setting, loaded or compiled; a cuBLAS kernel loaded
-        # lazily) is a host-side call that relaxed capture lets through, not stream work.
+        # their own: what a size meets for the first time (a Triton kernel of another
+        # setting, loaded or compiled; a cuBLAS kernel loaded lazily) is a host-side call
+        # that relaxed capture lets through, not stream work. Warm H200 starts: capture
+        # 1.0-1.3 s against 1.1-2.5 with a forward before every size (bench/NOTES.md).
         warm_up = torch.cuda.Stream()
         for size in reversed(self.sizes):
             batch = self._static_batch(size, [1] * size, [self.page_table.dummy_row] * size)
