@@ -125,7 +125,7 @@ class Runtime:
 
     def _load_tokenizer(self, num_threads: int) -> Tokenizer | None:
         started = time.perf_counter()
-        if complete_tokenizer(self.model_dir):  # the first start from a GGUF
+        if complete_tokenizer(self.model_dir, apart=True):  # the first start from a GGUF
             logger.info("tokenizer: written from the GGUF in %.1f s", time.perf_counter() - started)
             started = time.perf_counter()
         if not has_tokenizer(self.model_dir):

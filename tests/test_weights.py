@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from aserve import runtime
 from aserve.config import ConfigError
 from aserve.models import source
 from aserve.models.gguf_weights import hf_tensor_name, iter_gguf, tensor_table
@@ -417,25 +418,29 @@ def test_missing_embedded_model_says_how_to_install(monkeypatch: pytest.MonkeyPa
 
 
 @needs_smollm
-def test_a_first_start_writes_the_tokenizer_in_its_own_thread(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+def test_a_first_start_writes_the_tokenizer_in_a_process_of_its_own(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    smollm2_dir: Path,
 ) -> None:
     """The server's first start from a GGUF: the engine loads from the folder without the
-    tokenizer while the tokenizer thread writes it (logged), and text prompts work."""
+    tokenizer while the tokenizer thread has it written by a process of its own (logged),
+    the same files as in this process, and text prompts work."""
     import logging
-    import threading
 
     from aserve import LLM, SamplingParams
 
     monkeypatch.setenv("ASERVE_CACHE_DIR", str(tmp_path))
-    writers: list[str] = []
-    real_write = source.write_tokenizer
+    completed: list[bool] = []
+    real_complete = runtime.complete_tokenizer
 
-    def recorded(*args: Any) -> None:
-        writers.append(threading.current_thread().name)
-        real_write(*args)
+    def recorded(folder: Path, apart: bool = False) -> bool:
+        assert not has_tokenizer(folder) and (folder / "config.json").is_file()
+        completed.append(apart)
+        return real_complete(folder, apart)
 
-    monkeypatch.setattr(source, "write_tokenizer", recorded)
+    monkeypatch.setattr(runtime, "complete_tokenizer", recorded)
     with caplog.at_level(logging.INFO):
         llm = LLM(num_pages=64)
     try:
@@ -443,7 +448,24 @@ def test_a_first_start_writes_the_tokenizer_in_its_own_thread(
         assert output.text and len(output.token_ids) == 2
     finally:
         llm.close()
-    assert len(writers) == 1 and writers[0].startswith("tokenizer-load")
+    assert completed == [True]
     assert "tokenizer: written from the GGUF" in caplog.text
     [folder] = (tmp_path / "gguf").iterdir()
-    assert has_tokenizer(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (folder / name).read_text() == (smollm2_dir / name).read_text()
+
+
+@needs_smollm
+def test_a_tokenizer_that_fails_apart_is_one_line(tmp_path: Path) -> None:
+    """The tokenizer's process fails (here: its GGUF is gone): the error is the child's
+    one line, no traceback, and the folder has no tokenizer."""
+    gguf_file = tmp_path / "model.gguf"
+    gguf_file.write_bytes(source.embedded_gguf().read_bytes())
+    folder = resolve_model(str(gguf_file), cache_dir=tmp_path / "cache", tokenizer=False)
+    gguf_file.write_bytes(b"")
+    with pytest.raises(ModelSourceError) as error:
+        complete_tokenizer(folder, apart=True)
+    message = str(error.value)
+    assert "\n" not in message and "Traceback" not in message
+    assert message.startswith(f"cannot build a tokenizer from {gguf_file}")
+    assert not has_tokenizer(folder) and not list(folder.glob(".tokenizer.*"))

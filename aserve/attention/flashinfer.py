@@ -101,7 +101,7 @@ class FlashInferBackend:
         indices = torch.from_numpy(pages).to(device, non_blocking=True)
         return torch.from_numpy(indptr), torch.from_numpy(last), indices
 
-    def _uses_triton(self, batch_size: int) -> bool:
+    def uses_triton(self, batch_size: int) -> bool:
         """Decode batches the Triton kernels of attention/triton_decode.py are faster for."""
         kernels = self.triton_decode
         if kernels is None:
@@ -110,7 +110,7 @@ class FlashInferBackend:
 
     def prepare(self, batch: ForwardBatch) -> None:
         if batch.is_decode:
-            if self._uses_triton(batch.batch_size):
+            if self.uses_triton(batch.batch_size):
                 wrapper = self.triton_wrapper
             else:
                 wrapper = self.decode_wrappers[self.use_tensor_cores(batch.batch_size)]
@@ -156,7 +156,7 @@ class FlashInferBackend:
         import flashinfer
 
         device = self.workspace.device
-        if self._uses_triton(batch_size):
+        if self.uses_triton(batch_size):
             return self.triton_decode.TritonDecodeWrapper(device, batch_size, page_ids)
         return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace,

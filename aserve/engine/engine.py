@@ -239,8 +239,10 @@ class Engine:
         )
         self.attn = self._create_attention_backend(config.attention_backend)
         self.sampler = Sampler(race_kernel(self.device))
+        self.graphs = self._make_graphs()
         self._warm_up()
-        self.graphs = self._capture_graphs()
+        if self.graphs is not None:
+            self.graphs.capture()
 
     def _create_attention_backend(self, name: str) -> AttentionBackend:
         names = name.split(",")
@@ -306,9 +308,10 @@ class Engine:
     @torch.inference_mode()
     def _warm_up(self) -> None:
         """One-token decode, sampling and prefill on the dummy page, so that every kernel
-        compiles (first start) or loads now rather than inside the first request. Decode
-        and sampling first: they are Triton's, and compile while FlashInfer's modules
-        build in their threads, which the prefill then waits for."""
+        compiles (first start) or loads now rather than inside the first request. Decode,
+        sampling and the decode graphs of the sizes that use Triton attention first: their
+        kernels are Triton's, and compile while FlashInfer's modules build in their
+        threads, which the prefill then waits for."""
         if self.device.type != "cuda":
             return
         logger.info("warming up GPU kernels (the first start compiles them)")
@@ -325,6 +328,8 @@ class Engine:
                 [params], [0], [0], [[]], [[]], logits.shape[-1], self.device
             )
             self.sampler.sample(logits, sampling)
+        if self.graphs is not None and self._kernel_builds:
+            self.graphs.capture(self.graphs.sizes_without_flashinfer())
         for thread in self._kernel_builds:
             thread.join()
         self._dummy_forward(ForwardMode.PREFILL)
@@ -339,10 +344,10 @@ class Engine:
         self.attn.prepare(batch)
         return self.model(batch, self.attn)
 
-    def _capture_graphs(self) -> DecodeGraphs | None:
+    def _make_graphs(self) -> DecodeGraphs | None:
         """Decode graphs on CUDA when the decode backend is FlashInfer (the torch backend
-        plans with host-side shapes). `--cuda-graph-max-bs` unset means every batch up to
-        256 (or the running-request cap); 0 turns graphs off."""
+        plans with host-side shapes), not captured yet. `--cuda-graph-max-bs` unset means
+        every batch up to 256 (or the running-request cap); 0 turns graphs off."""
         decode = self.attn.decode if isinstance(self.attn, SplitBackend) else self.attn
         max_bs = self.config.cuda_graph_max_bs
         if max_bs is None:

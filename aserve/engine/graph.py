@@ -63,7 +63,12 @@ class DecodeGraphs:
         self.wrappers = {bs: attn.graph_decode_wrapper(bs, self.page_ids) for bs in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self._capture()
+        self._pool = torch.cuda.graph_pool_handle()
+
+    def sizes_without_flashinfer(self) -> list[int]:
+        """The sizes whose decode runs aserve's Triton attention: their capture needs none of
+        FlashInfer's modules, so it can go on while those build (a first start)."""
+        return [size for size in self.sizes if self.attn.uses_triton(size)]
 
     def _static_batch(self, size: int, seq_lens: list[int], row_ids: list[int]) -> ForwardBatch:
         return ForwardBatch(
@@ -80,35 +85,38 @@ class DecodeGraphs:
         )
 
     @torch.inference_mode()
-    def _capture(self) -> None:
+    def capture(self, sizes: list[int] | None = None) -> None:
+        """Capture `sizes` (by default every size not captured yet), largest first."""
+        sizes = sorted(set(self.sizes) - self.graphs.keys() if sizes is None else set(sizes))
+        if not sizes:
+            return
         started = time.perf_counter()
         free_before = torch.cuda.mem_get_info()[0]
-        pool = torch.cuda.graph_pool_handle()
-        # One eager forward, of the largest size, on a side stream before any capture: the
-        # libraries' one-time set-ups (cuBLAS handles and workspaces, NCCL's first
-        # collective) happen outside a graph. The other sizes are captured without one of
-        # their own: what a size meets for the first time (a Triton kernel of another
-        # setting, loaded or compiled; a cuBLAS kernel loaded lazily) is a host-side call
-        # that relaxed capture lets through, not stream work. Warm H200 starts: capture
-        # 1.0-1.3 s against 1.1-2.5 with a forward before every size (bench/NOTES.md).
-        warm_up = torch.cuda.Stream()
-        for size in reversed(self.sizes):
+        # One eager forward, before the first capture, on a side stream: the libraries'
+        # one-time set-ups (cuBLAS handles and workspaces, NCCL's first collective) happen
+        # outside a graph. The sizes are captured without one of their own: what a size
+        # meets for the first time (a Triton kernel of another setting, loaded or
+        # compiled; a cuBLAS kernel loaded lazily) is a host-side call that relaxed capture
+        # lets through, not stream work. Warm H200 starts: capture 1.0-1.3 s against
+        # 1.1-2.5 with a forward before every size (bench/NOTES.md).
+        for size in reversed(sizes):
             batch = self._static_batch(size, [1] * size, [self.page_table.dummy_row] * size)
             self.attn.plan_decode(self.wrappers[size], batch)
-            if size == self.max_batch_size:
+            if not self.graphs:
+                warm_up = torch.cuda.Stream()
                 warm_up.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(warm_up):
                     self.model(batch, self.attn)
                 torch.cuda.current_stream().wait_stream(warm_up)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="relaxed"):
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="relaxed"):
                 self.outputs[size] = self.model(batch, self.attn)
             self.graphs[size] = graph
         torch.cuda.synchronize()
         used = free_before - torch.cuda.mem_get_info()[0]
         logger.info(
             "captured decode CUDA graphs for batch sizes %s in %.1f s, using %.2f GiB",
-            self.sizes,
+            sizes,
             time.perf_counter() - started,
             used / (1 << 30),
         )
@@ -117,6 +125,7 @@ class DecodeGraphs:
         """Logits of a decode batch of at most `max_batch_size` requests, by graph replay."""
         count = batch.batch_size
         size = next(s for s in self.sizes if s >= count)
+        assert size in self.graphs, "decode graphs run once every size is captured"
         self.token_inputs[:, :count].copy_(batch.token_inputs)
         if size > count:
             self.token_inputs[:, count:size].zero_()

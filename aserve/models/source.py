@@ -23,6 +23,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -176,11 +178,15 @@ def convert_gguf(gguf_file: Path, out: Path) -> None:
     )
 
 
-def complete_tokenizer(folder: Path) -> bool:
+def complete_tokenizer(folder: Path, apart: bool = False) -> bool:
     """Write the tokenizer of a folder converted from a GGUF that holds one, unless it is
     there already; whether it wrote. Built in a temporary folder inside, then moved in file
     by file with the files `has_tokenizer` looks for last: a run cut short leaves it absent
-    (the next start writes it again), never half there."""
+    (the next start writes it again), never half there.
+
+    `apart` builds it in a process of its own: transformers builds it in Python through and
+    through, and in a thread beside the engine's start the two took turns at the GIL (the
+    embedded model's weights 21 s instead of 4 on the H200, the tokenizer 30 s)."""
     pointer = folder / GGUF_POINTER
     if has_tokenizer(folder) or not pointer.is_file():
         return False
@@ -190,7 +196,10 @@ def complete_tokenizer(folder: Path) -> bool:
     config = json.loads((folder / "config.json").read_text())
     staging = Path(tempfile.mkdtemp(prefix=".tokenizer.", dir=folder))
     try:
-        write_tokenizer(Path(source["file"]), config, staging)
+        if apart:
+            _write_tokenizer_apart(Path(source["file"]), config, staging)
+        else:
+            write_tokenizer(Path(source["file"]), config, staging)
         for file in sorted(staging.iterdir(), key=lambda f: f.name in TOKENIZER_FILES):
             os.replace(file, folder / file.name)
     finally:
@@ -297,6 +306,21 @@ def generation_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         value = read(f"general.sampling.{key}")
         config[name] = float32_decimal(value) if isinstance(value, float) else value
     return {key: value for key, value in config.items() if value is not None}
+
+
+def _write_tokenizer_apart(gguf_file: Path, config: dict[str, Any], out: Path) -> None:
+    """`write_tokenizer` in a new interpreter: a command line and not multiprocessing, which
+    would import the caller's main script again in the child."""
+    code = (
+        "import json, sys; from pathlib import Path; "
+        "from aserve.models.source import write_tokenizer; "
+        "write_tokenizer(Path(sys.argv[1]), json.loads(sys.argv[2]), Path(sys.argv[3]))"
+    )
+    command = [sys.executable, "-c", code, str(gguf_file), json.dumps(config), str(out)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:  # the child's last line is its error: "module.Class: message"
+        last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        raise ModelSourceError(last.removeprefix(f"{__name__}.ModelSourceError: "))
 
 
 def write_tokenizer(gguf_file: Path, config: dict[str, Any], out: Path) -> None:
