@@ -331,6 +331,31 @@ def test_cuda_graphs_do_not_change_outputs(
                 assert x.logprob == pytest.approx(y.logprob, abs=0.02)
 
 
+def test_graphs_captured_in_two_parts_after_compiling_ahead(
+    make_llm: Callable[..., LLM], tmp_path: Path
+) -> None:
+    """A first start's order: the sizes with Triton attention captured first, the others
+    run eagerly with Triton attention (`compile_ahead`) while FlashInfer's modules would
+    build, then captured with FlashInfer's: the same tokens as without graphs."""
+    folder = make_tiny_model("llama", tmp_path, overrides={**KERNEL_SHAPES, "head_dim": 64})
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    options = {"device": "cuda", "dtype": "bfloat16", "page_size": 16, "num_pages": 1024}
+    llm = make_llm(folder, cuda_graph_max_bs=64, **options)
+    graphs = llm.runtime.engine.graphs
+    first = graphs.sizes_without_flashinfer()
+    assert first and set(first) < set(graphs.sizes)
+    for size in set(graphs.sizes) - set(first):
+        del graphs.graphs[size], graphs.outputs[size]
+    graphs.compile_ahead()
+    assert graphs.graphs.keys() == set(first)
+    graphs.capture()
+    assert sorted(graphs.graphs) == graphs.sizes
+    without = make_llm(folder, cuda_graph_max_bs=0, **options)
+    prompts = [list(range(7 + i, 12 + 2 * i)) for i in range(5)]
+    ours = llm.generate(prompts, params)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in without.generate(prompts, params)]
+
+
 @pytest.mark.parametrize(
     ("dtype", "num_pages"), [("float32", 24), ("bfloat16", 1024)], ids=["fp32-retracting", "bf16"]
 )

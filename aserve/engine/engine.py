@@ -330,6 +330,11 @@ class Engine:
             self.sampler.sample(logits, sampling)
         if self.graphs is not None and self._kernel_builds:
             self.graphs.capture(self.graphs.sizes_without_flashinfer())
+            # A first start: the builds go on. Not under TP, where every rank must run the
+            # same forwards (their all-reduces pair up) and each rank's builds end apart.
+            building = any(thread.is_alive() for thread in self._kernel_builds)
+            if building and self.tp.size == 1:
+                self.graphs.compile_ahead()
         for thread in self._kernel_builds:
             thread.join()
         self._dummy_forward(ForwardMode.PREFILL)

@@ -85,6 +85,23 @@ class DecodeGraphs:
         )
 
     @torch.inference_mode()
+    def compile_ahead(self) -> None:
+        """One eager forward at each size not captured yet, attention through aserve's
+        Triton kernels: what else those sizes run (products, norms) compiles now, while
+        FlashInfer's modules build (a first start), rather than in their capture after."""
+        wrapper = self.attn.triton_wrapper
+        if wrapper is None:
+            return
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for size in sorted(set(self.sizes) - self.graphs.keys(), reverse=True):
+                batch = self._static_batch(size, [1] * size, [self.page_table.dummy_row] * size)
+                self.attn.plan_decode(wrapper, batch)
+                self.model(batch, self.attn)
+        torch.cuda.current_stream().wait_stream(side)
+
+    @torch.inference_mode()
     def capture(self, sizes: list[int] | None = None) -> None:
         """Capture `sizes` (by default every size not captured yet), largest first."""
         sizes = sorted(set(self.sizes) - self.graphs.keys() if sizes is None else set(sizes))
