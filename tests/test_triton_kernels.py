@@ -159,3 +159,19 @@ def test_fp8_gemv_widens_every_byte_with_bit_operations() -> None:
     error = (out.cpu().double() - exact).abs()
     assert out.dtype == torch.bfloat16
     assert (error <= exact.abs() * 2**-7 + 1e-3).all(), error.max()
+
+
+def test_flashinfer_builds_the_decode_modules_its_batches_plan() -> None:
+    """A start builds FlashInfer's decode modules that some batch will plan, and no other."""
+    from aserve.attention.flashinfer import decode_modules
+
+    # Llama-3.1-8B (4 query heads a KV head): tensor cores at every batch
+    assert decode_modules(32, 8, 128, 256) == ["decode"]
+    # Qwen3-0.6B (2): Triton from 40 requests, FlashInfer's 3-39 on tensor cores
+    assert decode_modules(16, 8, 128, 256) == ["decode"]
+    # SmolLM2-135M (3 KV heads): FlashInfer up to 106 requests, on CUDA cores above 64
+    assert decode_modules(9, 3, 64, 256) == ["decode", "CUDA-core decode"]
+    assert decode_modules(9, 3, 64, 64) == ["decode"]
+    # a head size the Triton kernels do not take: FlashInfer at every batch
+    assert decode_modules(8, 4, 96, 256) == ["decode", "CUDA-core decode"]
+    assert decode_modules(16, 8, 128, 2) == []  # Triton takes one and two requests

@@ -83,14 +83,7 @@ class FlashInferBackend:
         )
 
     def use_tensor_cores(self, batch_size: int) -> bool:
-        """FlashInfer's tensor-core decode kernel, or its CUDA-core one. With 4 or more query
-        heads per KV head tensor cores win at every batch (bench/decode_kernels.py on the
-        H200, Llama-3.1-8B shape: 11 against 29 us a layer at batch 1, 75 against 104 at 64).
-        With 2 (Qwen3-0.6B) they win at batch 64 in real decode (trace at batch 64, mixed
-        contexts of 530-850: 1.37 against 1.92 ms a step; a micro-benchmark with equal
-        contexts of 1000 ties at 74 against 72 us a layer) and lose slightly at 256 (152
-        against 143 us a layer)."""
-        return self.num_heads // self.num_kv_heads >= 4 or batch_size <= 64
+        return use_tensor_cores(self.num_heads, self.num_kv_heads, batch_size)
 
     def _page_layout(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """kv index pointers and last-page lengths (host) and page ids (copied to the device
@@ -197,6 +190,30 @@ def _triton_decode(device: torch.device, head_dim: int) -> ModuleType | None:
     return triton_decode
 
 
+def use_tensor_cores(num_heads: int, num_kv_heads: int, batch_size: int) -> bool:
+    """FlashInfer's tensor-core decode kernel, or its CUDA-core one. With 4 or more query
+    heads per KV head tensor cores win at every batch (bench/decode_kernels.py on the
+    H200, Llama-3.1-8B shape: 11 against 29 us a layer at batch 1, 75 against 104 at 64).
+    With 2 (Qwen3-0.6B) they win at batch 64 in real decode (trace at batch 64, mixed
+    contexts of 530-850: 1.37 against 1.92 ms a step; a micro-benchmark with equal
+    contexts of 1000 ties at 74 against 72 us a layer) and lose slightly at 256 (152
+    against 143 us a layer)."""
+    return num_heads // num_kv_heads >= 4 or batch_size <= 64
+
+
+def decode_modules(num_heads: int, num_kv_heads: int, head_dim: int, max_batch: int) -> list[str]:
+    """FlashInfer's decode modules ("decode" on tensor cores, "CUDA-core decode") that
+    batches of 1 to `max_batch` requests of a 16-bit pool plan: those the Triton kernels do
+    not take, by `use_tensor_cores`."""
+    triton = _triton_decode(torch.device("cuda"), head_dim)
+    tensor_cores = {
+        use_tensor_cores(num_heads, num_kv_heads, batch)
+        for batch in range(1, max_batch + 1)
+        if triton is None or not triton.takes_batch(batch, num_kv_heads)
+    }
+    return ["decode"] * (True in tensor_cores) + ["CUDA-core decode"] * (False in tensor_cores)
+
+
 def build_kernels(
     device: torch.device,
     num_heads: int,
@@ -206,10 +223,13 @@ def build_kernels(
     kv_dtype: torch.dtype,
     page_size: int,
     prefill_backend: str,
+    max_batch: int,
 ) -> list[threading.Thread]:
-    """Start compiling (first start) or loading FlashInfer's prefill and tensor-core decode
-    modules, each in a thread of its own, and return the threads. An FP8 pool decodes with
-    the Triton kernels only, so it needs no decode module.
+    """Start compiling (first start) or loading FlashInfer's prefill module and the decode
+    modules that batches of up to `max_batch` requests use (tensor-core, CUDA-core: by
+    `use_tensor_cores`, where the Triton kernels do not take the batch), each in a thread of
+    its own, and return the threads. An FP8 pool decodes with the Triton kernels only, so it
+    needs no decode module.
 
     FlashInfer compiles a module when a wrapper first plans for it, one module after
     another and each in minutes' share of the first start. Planning a one-token batch here
@@ -235,8 +255,8 @@ def build_kernels(
             )  # fmt: skip
         else:
             decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                workspace, "NHD", use_tensor_cores=True
-            )
+                workspace, "NHD", use_tensor_cores=kind == "decode"
+            )  # or "CUDA-core decode"
             decode.plan(
                 one, page, last, num_heads, num_kv_heads, head_dim, page_size,
                 q_data_type=dtype, kv_data_type=kv_dtype,
@@ -250,10 +270,12 @@ def build_kernels(
         except Exception as error:  # the warm-up's own prefill then raises it in full
             logger.debug("building FlashInfer's %s kernels ahead failed: %s", kind, error)
 
+    kinds = ["prefill"]
+    if kv_dtype == dtype:
+        kinds += decode_modules(num_heads, num_kv_heads, head_dim, max_batch)
     threads = [
         threading.Thread(target=guarded, args=(kind,), name=f"flashinfer-{kind}", daemon=True)
-        for kind in ("prefill", "decode" if kv_dtype == dtype else "")
-        if kind
+        for kind in kinds
     ]
     for thread in threads:
         thread.start()

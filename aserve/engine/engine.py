@@ -279,6 +279,7 @@ class Engine:
             self.kv_dtype,
             self.config.page_size,
             FLASHINFER_KERNELS[prefill],
+            self.config.max_running_requests,
         )
 
     def _single_backend(self, name: str) -> AttentionBackend:
