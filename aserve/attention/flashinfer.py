@@ -77,7 +77,7 @@ class FlashInferBackend:
             )
             for tensor_cores in (False, True)
         }
-        self.triton_decode = _triton_decode(device, head_dim)
+        self.triton_decode = _triton_decode(head_dim)
         self.triton_wrapper = (
             None if self.triton_decode is None else self.triton_decode.TritonDecodeWrapper(device)
         )
@@ -178,7 +178,7 @@ class FlashInferBackend:
         return out.reshape(-1, self.num_heads * self.head_dim)
 
 
-def _triton_decode(device: torch.device, head_dim: int) -> ModuleType | None:
+def _triton_decode(head_dim: int) -> ModuleType | None:
     """attention/triton_decode.py where Triton is installed and the head size is one its
     kernels take, else None."""
     if head_dim not in (64, 128, 256):
@@ -205,7 +205,7 @@ def decode_modules(num_heads: int, num_kv_heads: int, head_dim: int, max_batch: 
     """FlashInfer's decode modules ("decode" on tensor cores, "CUDA-core decode") that
     batches of 1 to `max_batch` requests of a 16-bit pool plan: those the Triton kernels do
     not take, by `use_tensor_cores`."""
-    triton = _triton_decode(torch.device("cuda"), head_dim)
+    triton = _triton_decode(head_dim)
     tensor_cores = {
         use_tensor_cores(num_heads, num_kv_heads, batch)
         for batch in range(1, max_batch + 1)
@@ -254,9 +254,9 @@ def build_kernels(
                 causal=True, q_data_type=dtype, kv_data_type=kv_dtype,
             )  # fmt: skip
         else:
-            decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(  # "CUDA-core decode" or not
                 workspace, "NHD", use_tensor_cores=kind == "decode"
-            )  # or "CUDA-core decode"
+            )
             decode.plan(
                 one, page, last, num_heads, num_kv_heads, head_dim, page_size,
                 q_data_type=dtype, kv_data_type=kv_dtype,

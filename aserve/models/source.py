@@ -13,7 +13,8 @@ The conversion has two parts. What the engine needs (configs, `gguf.json`) is wr
 a temporary folder renamed at the end, so an interrupted run never leaves it half-written.
 The tokenizer (transformers' import and its GGUF reading: 5-8 s of a first start) comes
 after, into the finished folder (`complete_tokenizer`), the files its presence is judged
-by moved in last; the server writes it in its tokenizer thread while the engine starts.
+by moved in last; the server's tokenizer thread has a process of its own write it while the
+engine starts.
 """
 
 from __future__ import annotations
