@@ -180,6 +180,10 @@ for step in "$@"; do
               for m in ${FP8_MODELS:-llama-3.1-8b qwen3-0.6b}; do for opts in "" "--kv-cache-dtype fp8_e4m3 $([ $m = llama-3.1-8b ] && echo --quantization fp8)"; do
                 PYTHONPATH=/tmp/site:$PWD:$PWD/.minisgl/python timeout 280 python3 bench/offline.py --model bench/models/$m $W --peer minisgl --repeat 1 $opts 2>&1 | grep -v Warn | tail -4; done; done ;;
     qwen3-tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k "qk_norm or qwen3" 2>&1 | grep -v "^  /\|^    " | tail -30 ;;
+    bytecode)  # what a pip install leaves and a warm start reads: byte-compiled packages. This machine sets
+               # PYTHONDONTWRITEBYTECODE=1 and its torch has no __pycache__, so every start compiled torch's sources
+              unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX=/tmp/pyc
+              python3 -m compileall -q -j 16 $(python3 -c "import torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))") /tmp/site > /dev/null 2>&1 ;;
     noaot-site) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-noaot .whl/*.whl ;;  # no kernel pack: a fresh machine
     small-gpu)  # issue 23 item 4: the 8B shape with about 2 GiB left for KV and a step (SMALL_RATIO of the H200's memory:
                 # 16.1 GB of weights + ~0.6 GB of context + 2 GiB), the offline workload and 256 streams: no OOM, the log line
