@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -23,6 +23,7 @@ from aserve.config import ConfigError, EngineConfig, ModelConfig
 from aserve.constrained.masks import StepMasks
 from aserve.distributed.group import TPGroup
 from aserve.engine.gpu import gpu_capability, start_triton_hash
+from aserve.engine.graph import DecodeGraphs, graph_batch_limit
 from aserve.engine.memory import (
     GiB,
     fit_step_to_memory,
@@ -50,9 +51,6 @@ from aserve.models.registry import build_model
 from aserve.models.weights import fill_dummy_weights, iter_weights, torch_dtype
 from aserve.quant.fp8 import pair_scales
 from aserve.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from aserve.engine.graph import DecodeGraphs
 
 # Attention backends that are FlashInfer's, and the prefill kernels each asks it for.
 FLASHINFER_KERNELS = {"fi": "fa2", "fa": "fa3"}
@@ -352,12 +350,9 @@ class Engine:
 
     def _make_graphs(self) -> DecodeGraphs | None:
         """Decode graphs on CUDA when the decode backend is FlashInfer (the torch backend
-        plans with host-side shapes), not captured yet. `--cuda-graph-max-bs` unset means
-        every batch up to 256 (or the running-request cap); 0 turns graphs off."""
+        plans with host-side shapes), not captured yet, up to `graph_batch_limit`."""
         decode = self.attn.decode if isinstance(self.attn, SplitBackend) else self.attn
-        max_bs = self.config.cuda_graph_max_bs
-        if max_bs is None:
-            max_bs = min(256, self.config.max_running_requests)
+        max_bs = graph_batch_limit(self.config)
         if self.device.type != "cuda" or max_bs == 0 or not self.model.graph_capturable:
             return None
         from aserve.attention.flashinfer import FlashInferBackend
@@ -365,9 +360,6 @@ class Engine:
         if not isinstance(decode, FlashInferBackend):
             logger.info("CUDA graphs are off: they need the FlashInfer decode backend")
             return None
-        from aserve.engine.graph import DecodeGraphs
-
-        max_bs = min(max_bs, self.config.max_running_requests)
         return DecodeGraphs(self.model, decode, self.page_table, max_bs, self.max_seq_len)
 
     def describe(self) -> str:

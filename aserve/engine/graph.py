@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from aserve.attention.flashinfer import FlashInferBackend
+from aserve.config import EngineConfig
 from aserve.forward import ForwardBatch, ForwardMode
 from aserve.kvcache.pages import PageTable, pages_needed
 
@@ -30,6 +31,13 @@ def capture_sizes(max_batch_size: int) -> list[int]:
     sizes.update(range(8, max_batch_size + 1, 8))
     sizes.add(max_batch_size)
     return sorted(sizes)
+
+
+def graph_batch_limit(config: EngineConfig) -> int:
+    """The largest batch the decode graphs capture: `--cuda-graph-max-bs`, unset meaning
+    256, never above the running-request cap; 0 turns graphs off."""
+    chosen = 256 if config.cuda_graph_max_bs is None else config.cuda_graph_max_bs
+    return min(chosen, config.max_running_requests)
 
 
 def graph_page_ids(max_batch_size: int, max_seq_len: int, page_size: int) -> int:

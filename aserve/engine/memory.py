@@ -10,7 +10,7 @@ import torch
 
 from aserve.config import EngineConfig, ModelConfig
 from aserve.distributed.group import TPGroup
-from aserve.engine.graph import graph_page_ids
+from aserve.engine.graph import graph_batch_limit, graph_page_ids
 from aserve.kvcache.pages import PageTable
 from aserve.kvcache.pool import KVPool
 
@@ -72,9 +72,7 @@ def step_bytes(
     the decode graphs' page ids (int32)."""
     rows = config.max_running_requests + 1
     table = rows * PageTable.bytes_per_row(max_seq_len, config.page_size)
-    graph_max = 256 if config.cuda_graph_max_bs is None else config.cuda_graph_max_bs
-    graph_rows = min(graph_max, config.max_running_requests)
-    graph_pages = graph_page_ids(graph_rows, max_seq_len, config.page_size) * 4
+    graph_pages = graph_page_ids(graph_batch_limit(config), max_seq_len, config.page_size) * 4
     return working_memory_bytes(config, model, tp, dtype) + table + graph_pages
 
 
