@@ -29,7 +29,8 @@ class ForwardBatch:
     one `[3, T]` tensor, so a CUDA graph takes them with one copy; `record_index` is where
     each request's sampled token goes in the token table (flattened). Logits are computed at
     `logit_indices`; where that holds more than each request's last token (prompt logprobs),
-    `sample_rows` are the rows of those last tokens among them.
+    `sample_rows` are the rows of those last tokens among them. `halfway`, where set, is
+    recorded on the stream once half of the layers are queued (see Scheduler.run).
     """
 
     mode: ForwardMode
@@ -44,6 +45,7 @@ class ForwardBatch:
     page_table: torch.Tensor
     sample_rows: torch.Tensor | None = None
     attn_metadata: Any = None
+    halfway: torch.cuda.Event | None = None
 
     @property
     def input_ids(self) -> torch.Tensor:

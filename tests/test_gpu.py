@@ -260,6 +260,38 @@ def test_dummy_qwen3_shape_runs_in_bf16(make_llm: Callable[..., LLM]) -> None:
     assert llm.runtime.engine.dtype is torch.bfloat16
 
 
+def test_next_step_is_planned_once_a_prefill_passes_its_middle_layer(
+    make_llm: Callable[..., LLM],
+) -> None:
+    """Behind a prefill chunk the next step is planned only once the GPU has passed the
+    chunk's middle layer (Scheduler.run), never straight behind its launch, and every
+    chunk carries that event. 24k prompt tokens in 8k chunks of the Qwen3-0.6B shape."""
+    llm = make_llm(
+        BENCH / "qwen3-0.6b", dummy_weight=True, max_seq_len_override=4096, max_prefill_length=8192
+    )
+    scheduler, planner = llm.scheduler, llm.scheduler.planner
+    launched: list[torch.cuda.Event | None] = []
+    unpassed_at_plan: list[bool] = []
+    launch_sampling, schedule = scheduler._launch_sampling, planner.schedule
+
+    def recording_launch(step: Any) -> Any:
+        launched.append(step.batch.halfway)
+        return launch_sampling(step)
+
+    def checking_schedule() -> Any:
+        if launched and launched[-1] is not None:
+            unpassed_at_plan.append(not launched[-1].query())
+        return schedule()
+
+    scheduler._launch_sampling = recording_launch  # type: ignore[method-assign]
+    planner.schedule = checking_schedule  # type: ignore[method-assign]
+    prompts = [[(7 * i + j) % 5000 + 10 for j in range(3000)] for i in range(8)]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert [len(o.token_ids) for o in outputs] == [4] * 8
+    assert sum(event is not None for event in launched) >= 3  # the prefill chunks
+    assert len(unpassed_at_plan) >= 3 and not any(unpassed_at_plan)
+
+
 @pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("page_size", [1, 16, 256])

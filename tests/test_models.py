@@ -73,6 +73,38 @@ def test_logits_match_transformers(tiny: Path) -> None:
             assert (head.lookup_table is not None) == tied
 
 
+def test_a_batch_halfway_event_is_recorded_after_half_the_layers(tiny: Path) -> None:
+    """The scheduler plans behind a prefill once the GPU passes `ForwardBatch.halfway`: the
+    model records it once, with the first half of its layers queued and the rest not."""
+    with LLM(str(tiny), page_size=4) as llm:
+        scheduler, engine = llm.scheduler, llm.runtime.engine
+        layers = engine.model.model.layers
+        ran: list[int] = []
+        hooks = [
+            layer.register_forward_pre_hook(lambda _m, _a, i=i: ran.append(i))
+            for i, layer in enumerate(layers)
+        ]
+
+        recorded_after: list[list[int]] = []
+
+        class Marker:
+            def record(self) -> None:
+                recorded_after.append(list(ran))
+
+        req = scheduler.make_request(PROMPTS[0], SamplingParams(max_tokens=1))
+        scheduler.planner.add(req)
+        planned = scheduler.planner.schedule()
+        assert planned is not None
+        batch = build_forward_batch(planned, engine.page_table, engine.device)
+        batch.halfway = Marker()  # type: ignore[assignment]
+        engine.forward(batch)
+        for hook in hooks:
+            hook.remove()
+        scheduler.planner.finish(req, FinishReason.ABORT)
+        assert len(layers) >= 2 and ran == list(range(len(layers)))
+        assert recorded_after == [list(range(len(layers) // 2))]
+
+
 def test_tied_head_without_checkpoint_stays_plain(tiny: Path) -> None:
     """Dummy weights have no checkpoint table to serve a tied head's lookups from."""
     with LLM(str(tiny), dummy_weight=True) as llm:

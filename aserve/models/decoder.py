@@ -220,7 +220,10 @@ class DecoderModel(nn.Module):
         hidden = self.embed_tokens(batch.input_ids)
         residual = None
         positions = batch.positions  # one tensor for all layers: rope looks its tables up once
-        for layer in self.layers:
+        middle = len(self.layers) // 2
+        for i, layer in enumerate(self.layers):
+            if i == middle and batch.halfway is not None:
+                batch.halfway.record()
             hidden, residual = layer(positions, hidden, residual, batch, attn)
         hidden, _ = self.norm.add_and_norm(hidden, residual, self.tp)
         return hidden
