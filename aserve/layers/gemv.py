@@ -72,6 +72,14 @@ def _gemv_kernel(
 
 
 @triton.jit
+def _bf16_halves(words):
+    """The two bfloat16 values packed in each 32-bit word, as float32: (lower, upper)."""
+    return (words << 16).to(tl.float32, bitcast=True), (words & 0xFFFF0000).to(
+        tl.float32, bitcast=True
+    )
+
+
+@triton.jit
 def _fp8_words_kernel(
     x_words,
     words,
@@ -94,20 +102,14 @@ def _fp8_words_kernel(
         odd = (w & 0x80008000) | ((w >> 4) & 0x07F007F0)
         even = ((w << 8) & 0x80008000) | ((w << 4) & 0x07F007F0)
         # Four activations: two bf16 pairs, a bf16 the top half of a float32.
-        low = tl.load(x_words + 2 * cols).to(tl.uint32, bitcast=True)
-        high = tl.load(x_words + 2 * cols + 1).to(tl.uint32, bitcast=True)
-        acc += (even << 16).to(tl.float32, bitcast=True) * (low << 16).to(tl.float32, bitcast=True)[
-            None, :
-        ]
-        acc += (odd << 16).to(tl.float32, bitcast=True) * (low & 0xFFFF0000).to(
-            tl.float32, bitcast=True
-        )[None, :]
-        acc += (even & 0xFFFF0000).to(tl.float32, bitcast=True) * (high << 16).to(
-            tl.float32, bitcast=True
-        )[None, :]
-        acc += (odd & 0xFFFF0000).to(tl.float32, bitcast=True) * (high & 0xFFFF0000).to(
-            tl.float32, bitcast=True
-        )[None, :]
+        x0, x1 = _bf16_halves(tl.load(x_words + 2 * cols).to(tl.uint32, bitcast=True))
+        x2, x3 = _bf16_halves(tl.load(x_words + 2 * cols + 1).to(tl.uint32, bitcast=True))
+        even_low, even_high = _bf16_halves(even)
+        odd_low, odd_high = _bf16_halves(odd)
+        acc += even_low * x0[None, :]
+        acc += odd_low * x1[None, :]
+        acc += even_high * x2[None, :]
+        acc += odd_high * x3[None, :]
     y = tl.sum(acc, axis=1) * (tl.load(scales + rows) * 1.329227995784916e36)  # 2^120
     if HAS_BIAS:
         y += tl.load(bias + rows).to(tl.float32)

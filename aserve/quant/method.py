@@ -96,16 +96,21 @@ class QuantizedLinearWeight:
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.products)
 
-    def fp8_product(self) -> Fp8Weight | None:
-        """The one FP8 product this weight is, if it is one: it takes FP8 activations."""
+    def _only_fp8(self) -> Fp8Weight | None:
+        """The one FP8 product this weight is, if it is one."""
         product = self.products[0] if len(self.products) == 1 else None
-        return product if isinstance(product, Fp8Weight) and product.aligned else None
+        return product if isinstance(product, Fp8Weight) else None
+
+    def fp8_product(self) -> Fp8Weight | None:
+        """The one FP8 product this weight is, if it takes FP8 activations."""
+        product = self._only_fp8()
+        return product if product is not None and product.aligned else None
 
     def gated_row(self, gate_up: torch.Tensor) -> torch.Tensor | None:
         """SiLU(gate) * up of one fused gate|up row times this weight in one kernel, where
         the weight is one FP8 product on CUDA; else None (the caller runs the activation)."""
-        product = self.products[0] if len(self.products) == 1 else None
-        return product.gated_row(gate_up) if isinstance(product, Fp8Weight) else None
+        product = self._only_fp8()
+        return None if product is None else product.gated_row(gate_up)
 
     def linear(self, x: torch.Tensor | Fp8Activations, bias: torch.Tensor | None) -> torch.Tensor:
         if isinstance(x, Fp8Activations):
