@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from aserve.scheduler.timing import StepTimer, step_timing_enabled
+from aserve.scheduler.timing import StepTimer, step_timing_window
 
 
 @dataclass
@@ -24,12 +24,18 @@ class GpuMark:
         return later.ms - self.ms
 
 
-def test_switched_on_only_for_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_switched_on_only_for_cuda_with_its_window_in_seconds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("ASERVE_STEP_TIMING", "1")
-    assert step_timing_enabled(torch.device("cuda"))
-    assert not step_timing_enabled(torch.device("cpu"))
+    assert step_timing_window(torch.device("cuda")) == 1.0
+    assert step_timing_window(torch.device("cpu")) is None
+    monkeypatch.setenv("ASERVE_STEP_TIMING", "0.25")
+    assert step_timing_window(torch.device("cuda")) == 0.25
+    monkeypatch.setenv("ASERVE_STEP_TIMING", "yes")
+    assert step_timing_window(torch.device("cuda")) == 1.0
     monkeypatch.setenv("ASERVE_STEP_TIMING", "0")
-    assert not step_timing_enabled(torch.device("cuda"))
+    assert step_timing_window(torch.device("cuda")) is None
 
 
 def test_a_busy_stretch_logs_its_steps_and_the_gaps_between_them(

@@ -47,7 +47,7 @@ from aserve.scheduler.request import (
     SamplingParams,
     TokenLogprob,
 )
-from aserve.scheduler.timing import StepTimer, step_timing_enabled
+from aserve.scheduler.timing import StepTimer, step_timing_window
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,8 @@ class Scheduler:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.sampling_batches = SamplingBatches(self.vocab_size, engine.device)
         self.overlap = engine.device.type == "cuda" and not os.environ.get("ASERVE_DISABLE_OVERLAP")
-        self.timer = StepTimer() if step_timing_enabled(engine.device) else None
+        window = step_timing_window(engine.device)
+        self.timer = None if window is None else StepTimer(window)
 
     def make_request(self, prompt_ids: list[int], params: SamplingParams) -> Req:
         self._next_rid += 1

@@ -1,6 +1,7 @@
-"""Whether the GPU waits on the event loop: `ASERVE_STEP_TIMING=1` brackets every step with
-timing CUDA events and logs, every few seconds, how much of the window the GPU was busy,
-the idle gaps between steps, and where the loop thread's time went.
+"""Whether the GPU waits on the event loop: `ASERVE_STEP_TIMING=<seconds>` brackets every step
+with timing CUDA events and logs, every that many seconds (1 s for any value that is not a
+number), how much of the window the GPU was busy, the idle gaps between steps, and where the
+loop thread's time went.
 
 A gap between one step's end and the next step's start on the GPU is time the host took to
 plan and launch that step while nothing else was queued: with overlap there is none unless
@@ -22,8 +23,15 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-def step_timing_enabled(device: torch.device) -> bool:
-    return device.type == "cuda" and os.environ.get("ASERVE_STEP_TIMING", "") not in ("", "0")
+def step_timing_window(device: torch.device) -> float | None:
+    """The window of `ASERVE_STEP_TIMING` in seconds, or None where it is off (or no GPU)."""
+    value = os.environ.get("ASERVE_STEP_TIMING", "")
+    if device.type != "cuda" or value in ("", "0"):
+        return None
+    try:
+        return max(0.05, float(value))
+    except ValueError:
+        return 1.0
 
 
 class StepTimer:
