@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import subprocess
 import sys
 import tempfile
@@ -232,6 +233,9 @@ def run_child(args: argparse.Namespace) -> None:
 
 def main() -> None:
     args = parse_args()
+    # ASERVE_STEP_TIMING's lines (aserve/scheduler/timing.py), which the server's log shows
+    logging.basicConfig(format="%(asctime)s %(message)s", level=logging.WARNING)
+    logging.getLogger("aserve.scheduler.timing").setLevel(logging.INFO)
     if args.constrained and args.peer:
         raise SystemExit("--constrained runs beside aserve's free run, not beside a peer")
     if args.child:
