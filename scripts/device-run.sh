@@ -106,13 +106,13 @@ for step in "$@"; do
     burst-timing)  # issue 21: step timing in half-second windows, offline then one server's bursts (draws 0, 1 = warm but uncached, 0 = cached)
               python3 -c "from pathlib import Path; from bench.minisgl_peer import tokenizer_folder as t; t(Path('bench/models/qwen3-0.6b'), Path('/tmp/q06'))"
               ASERVE_STEP_TIMING=0.5 timeout 200 python3 bench/offline.py --model /tmp/q06 $W --no-record > $OUT/offline-timing.log 2>&1
-              grep "tok/s" $OUT/offline-timing.log; grep "step timing" $OUT/offline-timing.log | cut -c 27-400
+              grep "tok/s" $OUT/offline-timing.log; grep "step timing" $OUT/offline-timing.log | sed 's/.*step timing: //' | cut -c 1-330
               ASERVE_STEP_TIMING=0.5 python3 -m aserve --model /tmp/q06 --dummy-weight --port 1919 --max-seq-len-override 4096 --max-prefill-length 16384 \
                 --page-size 256 --cuda-graph-max-bs 256 > $OUT/server-timing.log 2>&1 &
               for i in $(seq 240); do curl -sf localhost:1919/health > /dev/null && break; sleep 1; done
               for seed in 0 1 0; do echo "== burst, draw $seed"; timeout 150 python3 bench/serving.py --api chat --tokenizer /tmp/q06 --temperature 0.6 --num-prompts 256 \
                   --input-len 100 1024 --output-len 100 1024 --client-processes 4 --seed $seed --no-record 2>&1 | grep "Output token\|Median TTFT\|Median ITL\|P99 ITL\|Failed"
-                grep "step timing" $OUT/server-timing.log | tail -n +${seen:-1} | cut -c 27-400; seen=$(( $(grep -c "step timing" $OUT/server-timing.log) + 1 )); done
+                grep "step timing" $OUT/server-timing.log | tail -n +${seen:-1} | sed 's/.*step timing: //' | cut -c 1-330; seen=$(( $(grep -c "step timing" $OUT/server-timing.log) + 1 )); done
               pkill -INT -f "python3 -m aserve --model"; sleep 4 ;;
     burst-ab)  # issue 21: one 256-chat burst on a fresh server (no prefix cached), BEFORE's tree (.scratch/old) against this one, alternating
               python3 -c "from pathlib import Path; from bench.minisgl_peer import tokenizer_folder as t; t(Path('bench/models/qwen3-0.6b'), Path('/tmp/q06'))"
