@@ -170,10 +170,18 @@ class Planner:
         return n
 
     def _plan_decode(self) -> ScheduledBatch | None:
-        for req in [r for r in self.running if self._wants_decode(r)]:
+        """Every decoding request one token on. A step runs this for hundreds of requests,
+        and one in a page's worth needs a new page: the others are passed over cheaply."""
+        reqs = [r for r in self.running if self._wants_decode(r)]
+        retracted = False
+        for req in reqs:
+            if req.total_len <= len(req.pages) * self.page_size:
+                continue
             while req.status is ReqStatus.RUNNING and not self._grow(req, req.total_len):
                 self.retract(self.running[-1])
-        reqs = [r for r in self.running if self._wants_decode(r)]
+                retracted = True
+        if retracted:
+            reqs = [r for r in self.running if self._wants_decode(r)]
         if not reqs:
             return None
         size = len(reqs)
