@@ -103,14 +103,14 @@ for step in "$@"; do
                 pkill -INT -f "python3 -m aserve --model"; pkill -f "python3 -m minisgl --model"; sleep 4; pkill -9 -f "minisgl --model"
                 # its spawned workers' command lines do not name it, and they held the GPU's memory after
                 pkill -9 -f "from multiprocessing.spawn"; sleep 2; done ;;
-    burst-timing)  # issue 21: step timing in half-second windows, offline then one server's bursts (draws 0, 1 = warm but uncached, 0 = cached)
+    burst-timing)  # issue 21: step timing in WINDOW-second windows (0.5), offline (OFFLINE_REPEAT draws) then one server's bursts (DRAWS: 0 1 0)
               python3 -c "from pathlib import Path; from bench.minisgl_peer import tokenizer_folder as t; t(Path('bench/models/qwen3-0.6b'), Path('/tmp/q06'))"
-              ASERVE_STEP_TIMING=0.5 timeout 200 python3 bench/offline.py --model /tmp/q06 $W --no-record > $OUT/offline-timing.log 2>&1
+              ASERVE_STEP_TIMING=${WINDOW:-0.5} timeout 300 python3 bench/offline.py --model /tmp/q06 $W --repeat ${OFFLINE_REPEAT:-1} --no-record > $OUT/offline-timing.log 2>&1
               grep "tok/s" $OUT/offline-timing.log; grep "step timing" $OUT/offline-timing.log | sed 's/.*step timing: //' | cut -c 1-330
-              ASERVE_STEP_TIMING=0.5 python3 -m aserve --model /tmp/q06 --dummy-weight --port 1919 --max-seq-len-override 4096 --max-prefill-length 16384 \
+              ASERVE_STEP_TIMING=${WINDOW:-0.5} python3 -m aserve --model /tmp/q06 --dummy-weight --port 1919 --max-seq-len-override 4096 --max-prefill-length 16384 \
                 --page-size 256 --cuda-graph-max-bs 256 > $OUT/server-timing.log 2>&1 &
               for i in $(seq 240); do curl -sf localhost:1919/health > /dev/null && break; sleep 1; done
-              for seed in 0 1 0; do echo "== burst, draw $seed"; timeout 150 python3 bench/serving.py --api chat --tokenizer /tmp/q06 --temperature 0.6 --num-prompts 256 \
+              for seed in ${DRAWS:-0 1 0}; do echo "== burst, draw $seed"; timeout 150 python3 bench/serving.py --api chat --tokenizer /tmp/q06 --temperature 0.6 --num-prompts 256 \
                   --input-len 100 1024 --output-len 100 1024 --client-processes 4 --seed $seed --no-record 2>&1 | grep "Output token\|Median TTFT\|Median ITL\|P99 ITL\|Failed"
                 grep "step timing" $OUT/server-timing.log | tail -n +${seen:-1} | sed 's/.*step timing: //' | cut -c 1-330; seen=$(( $(grep -c "step timing" $OUT/server-timing.log) + 1 )); done
               pkill -INT -f "python3 -m aserve --model"; sleep 4 ;;
