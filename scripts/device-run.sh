@@ -119,13 +119,13 @@ for step in "$@"; do
               python3 -c "from pathlib import Path; from bench.minisgl_peer import tokenizer_folder as t; t(Path('bench/models/qwen3-0.6b'), Path('/tmp/q06'))"
               /tmp/site/bin/py-spy record --rate 250 --nonblocking --format raw --output $OUT/offline-spy.raw -- \
                 python3 bench/offline.py --model /tmp/q06 $W --no-record 2>&1 | grep "tok/s"
-              python3 -m aserve --model /tmp/q06 --dummy-weight --port 1919 --max-seq-len-override 4096 --max-prefill-length 16384 \
-                --page-size 256 --cuda-graph-max-bs 256 > $OUT/server-spy.log 2>&1 & spid=$!
+              # the server runs under py-spy (attaching to a running one sampled almost nothing): its whole life in one file
+              /tmp/site/bin/py-spy record --rate 250 --nonblocking --format raw --output $OUT/server-spy.raw -- python3 -m aserve --model /tmp/q06 \
+                --dummy-weight --port 1919 --max-seq-len-override 4096 --max-prefill-length 16384 --page-size 256 --cuda-graph-max-bs 256 > $OUT/server-spy.log 2>&1 &
               for i in $(seq 240); do curl -sf localhost:1919/health > /dev/null && break; sleep 1; done
-              for seed in 0 1; do /tmp/site/bin/py-spy record --pid $spid --rate 250 --nonblocking --format raw --output $OUT/burst-spy-$seed.raw --duration 14 > /dev/null 2>&1 & yid=$!
-                sleep 1; timeout 150 python3 bench/serving.py --api chat --tokenizer /tmp/q06 --temperature 0.6 --num-prompts 256 --input-len 100 1024 \
-                  --output-len 100 1024 --client-processes 4 --seed $seed --no-record 2>&1 | grep "Output token\|Median TTFT\|Median ITL\|P99 ITL\|Failed"; wait $yid; done
-              kill -INT $spid; sleep 4 ;;
+              for seed in ${DRAWS:-0 1}; do timeout 150 python3 bench/serving.py --api chat --tokenizer /tmp/q06 --temperature 0.6 --num-prompts 256 --input-len 100 1024 \
+                  --output-len 100 1024 --client-processes 4 --seed $seed --no-record 2>&1 | grep "Output token\|Median TTFT\|Median ITL\|P99 ITL\|Failed"; done
+              pkill -INT -f "python3 -m aserve --model"; sleep 6 ;;
     burst-ab)  # issue 21: one 256-chat burst on a fresh server (no prefix cached), BEFORE's tree (.scratch/old) against this one, alternating
               python3 -c "from pathlib import Path; from bench.minisgl_peer import tokenizer_folder as t; t(Path('bench/models/qwen3-0.6b'), Path('/tmp/q06'))"
               root=$PWD; for run in ${AB_REPEAT:-1 2}; do for side in before after; do tree=$([ $side = before ] && echo .scratch/old || echo .)
