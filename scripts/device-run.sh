@@ -117,7 +117,7 @@ for step in "$@"; do
     burst-spy)  # issue 21: py-spy (nonblocking, raw stacks in $OUT) over an offline run, then over one server's first two 256-chat bursts
               [ -x /tmp/site/bin/py-spy ] || { echo "carry .whl-peers (py-spy)"; exit 1; }
               python3 -c "from pathlib import Path; from bench.minisgl_peer import tokenizer_folder as t; t(Path('bench/models/qwen3-0.6b'), Path('/tmp/q06'))"
-              /tmp/site/bin/py-spy record --rate 250 --nonblocking --format raw --output $OUT/offline-spy.raw -- \
+              [ -n "$OFFLINE_SPY" ] && /tmp/site/bin/py-spy record --rate 250 --nonblocking --format raw --output $OUT/offline-spy.raw -- \
                 python3 bench/offline.py --model /tmp/q06 $W --no-record 2>&1 | grep "tok/s"
               # the server runs under py-spy (attaching to a running one sampled almost nothing): its whole life in one file
               /tmp/site/bin/py-spy record --rate 250 --nonblocking --format raw --output $OUT/server-spy.raw -- python3 -m aserve --model /tmp/q06 \
