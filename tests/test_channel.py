@@ -35,3 +35,22 @@ def test_a_waiting_reader_wakes_on_the_next_output() -> None:
         return await asyncio.wait_for(reader, timeout=5)
 
     assert asyncio.run(scenario()) == ReqOutput((9,), ())
+
+
+def test_a_listener_takes_outputs_in_the_putters_call_until_cleared() -> None:
+    async def scenario() -> tuple[list[ReqOutput], ReqOutput]:
+        channel = OutputChannel()
+        taken: list[ReqOutput] = []
+        channel.put_nowait(ReqOutput((1,), ()))
+        channel.listener = taken.append
+        channel.put_nowait(ReqOutput((2,), ()))  # behind a pending output: it waits too
+        assert taken == [] and channel.get_nowait() == ReqOutput((1, 2), ())
+        channel.put_nowait(ReqOutput((3,), ()))
+        channel.listener = None
+        channel.put_nowait(ReqOutput((4,), (), FinishReason.LENGTH))
+        return taken, await asyncio.wait_for(channel.get(), timeout=5)
+
+    taken, rest = asyncio.run(scenario())
+    assert taken == [ReqOutput((3,), ())]
+    assert rest == ReqOutput((4,), (), FinishReason.LENGTH)
+    assert OutputChannel().get_nowait() is None

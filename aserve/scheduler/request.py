@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -39,13 +40,21 @@ class OutputChannel:
     in one wake-up instead of one per token: under load that is what keeps the event loop, and
     with it the GPU, from waiting on hundreds of stream handlers. It is lighter than an
     `asyncio.Queue`, which the loop would wake once per put.
+
+    A `listener`, while set, takes each output as it is put, in the putter's call, instead of
+    the reader (a streamed response writes its events there; server/streaming.py); outputs
+    put after it is cleared wait for `get` as before. It must not raise.
     """
 
     def __init__(self) -> None:
         self._pending: list[ReqOutput] = []
         self._waiter: asyncio.Future[None] | None = None
+        self.listener: Callable[[ReqOutput], None] | None = None
 
     def put_nowait(self, out: ReqOutput) -> None:
+        if self.listener is not None and not self._pending:
+            self.listener(out)
+            return
         self._pending.append(out)
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
@@ -57,6 +66,14 @@ class OutputChannel:
                 await self._waiter
             finally:
                 self._waiter = None
+        out = self.get_nowait()
+        assert out is not None
+        return out
+
+    def get_nowait(self) -> ReqOutput | None:
+        """Everything pending as one output, as `get` gives it; None if nothing is."""
+        if not self._pending:
+            return None
         pending, self._pending = self._pending, []
         if len(pending) == 1:
             return pending[0]

@@ -6,11 +6,10 @@ into one JSON body or a stream of SSE chunks, with latency metrics recorded on t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from aiohttp import web
@@ -25,6 +24,7 @@ from aserve.server.limits import InputLimits
 from aserve.server.openai import APIError, GenerationRequest, ResponseHead
 from aserve.server.responses import ResponseShaper
 from aserve.server.state import ServerState, require_tokenizer
+from aserve.server.streaming import ChoiceStream, EventWriter
 from aserve.server.tools import forcing_tag, tool_format
 from aserve.tokenizer import Tokenizer
 
@@ -208,30 +208,25 @@ class Completions:
 
     async def _collect(self, choice: Choice, started: float) -> list[Delta]:
         deltas = []
-        async for delta in self._observed(choice, started):
+        async for delta in choice.run():
+            self._observe(choice, delta, started)
             deltas.append(delta)
         return deltas
 
-    async def _observed(self, choice: Choice, started: float) -> AsyncIterator[Delta]:
-        """The choice's deltas, with latency metrics recorded on the way."""
-        previous = started
-        async for delta in choice.run():
-            now = time.monotonic()
-            if delta.token_ids:
-                if not choice.first_token_seen:
-                    choice.first_token_seen = True
-                    self.state.metrics.on_first_token(now - started, len(choice.prompt_ids))
-                else:
-                    self.state.metrics.on_tokens(len(delta.token_ids), now - previous)
-                previous = now
-            if delta.finish_reason is not None:
-                self.state.metrics.on_finish(
-                    delta.finish_reason,
-                    now - started,
-                    len(choice.prompt_ids),
-                    choice.completion_tokens,
-                )
-            yield delta
+    def _observe(self, choice: Choice, delta: Delta, started: float) -> None:
+        """Latency metrics of a delta as it goes out."""
+        now = time.monotonic()
+        if delta.token_ids:
+            if not choice.first_token_seen:
+                choice.first_token_seen = True
+                self.state.metrics.on_first_token(now - started, len(choice.prompt_ids))
+            else:
+                self.state.metrics.on_tokens(len(delta.token_ids), now - choice.last_token_at)
+            choice.last_token_at = now
+        if delta.finish_reason is not None:
+            self.state.metrics.on_finish(
+                delta.finish_reason, now - started, len(choice.prompt_ids), choice.completion_tokens
+            )
 
     async def _stream(
         self,
@@ -244,57 +239,18 @@ class Completions:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await response.prepare(request)
-        for chunk in shaper.opening_chunks():
-            await response.write(sse(chunk))
-        async with contextlib.aclosing(self._merged(choices, started)) as merged:
-            async for index, item in merged:
-                if isinstance(item, BaseException):
-                    logger.error("streamed choice failed: %s", item)
-                    await response.write(sse(APIError(str(item), 500).body()))
-                    break
-                chunks = shaper.delta_chunks(index, item)
-                if chunks:
-                    await response.write(b"".join(sse(chunk) for chunk in chunks))
-            else:
-                usage_chunk = shaper.usage_chunk()
-                if usage_chunk is not None:
-                    await response.write(sse(usage_chunk))
+        # aiohttp sends the headers with the first write; the events after go straight out
+        await response.write(b"".join(sse(chunk) for chunk in shaper.opening_chunks()))
+        observe = partial(self._observe, started=started)
+        stream = ChoiceStream(shaper, choices, observe, EventWriter(request, response))
+        failure = await stream.run()
+        if failure is not None:
+            logger.error("streamed choice failed: %s", failure[1])
+            await response.write(sse(APIError(str(failure[1]), 500).body()))
+        else:
+            usage_chunk = shaper.usage_chunk()
+            if usage_chunk is not None:
+                await response.write(sse(usage_chunk))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
-
-    async def _merged(
-        self, choices: list[Choice], started: float
-    ) -> AsyncIterator[tuple[int, Delta | BaseException]]:
-        """Every choice's deltas as they come, with the choice's index; a failed choice gives
-        its exception. One choice (n=1, the usual case) is read in place: a task and a queue
-        between it and the response would cost two loop wake-ups per token instead of one."""
-        if len(choices) == 1:
-            try:
-                async for delta in self._observed(choices[0], started):
-                    yield 0, delta
-            except Exception as error:
-                yield 0, error
-            return
-        events: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
-
-        async def pump(index: int, choice: Choice) -> None:
-            try:
-                async for delta in self._observed(choice, started):
-                    events.put_nowait((index, delta))
-                events.put_nowait((index, None))
-            except Exception as error:
-                events.put_nowait((index, error))
-
-        tasks = [asyncio.create_task(pump(i, c)) for i, c in enumerate(choices)]
-        try:
-            remaining = len(choices)
-            while remaining:
-                index, item = await events.get()
-                if item is None:
-                    remaining -= 1
-                    continue
-                yield index, item
-        finally:
-            for task in tasks:
-                task.cancel()

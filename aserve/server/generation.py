@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aserve.sampling_params import SamplingParams, TokenLogprob
-from aserve.scheduler.request import FinishReason, Req
+from aserve.scheduler.request import FinishReason, Req, ReqOutput
 from aserve.scheduler.scheduler import Scheduler
 from aserve.textstream import TextStream
 from aserve.tokenizer import Tokenizer
@@ -41,7 +41,9 @@ class Choice:
     grammar: Any = None
     completion_tokens: int = 0
     first_token_seen: bool = False
+    last_token_at: float = 0.0
     started: bool = False
+    done: bool = False
     _stream: TextStream | None = field(default=None, repr=False)
 
     def prepare(self) -> str | None:
@@ -67,35 +69,46 @@ class Choice:
             self.scheduler.abort(self.req)
 
     async def run(self) -> AsyncIterator[Delta]:
+        """The choice's deltas as the scheduler hands out its tokens, to its end."""
         assert self.req is not None
         req = self.req
         self.start()
         try:
-            while True:
-                out = await req.channel.get()
-                self.completion_tokens += len(out.token_ids)
-                ids = list(out.token_ids)
-                prompt = list(out.prompt_logprobs)
-                text_ids = ids[:-1] if out.finish_reason is FinishReason.STOP else ids
-                text, stopped = self._text(text_ids)
-                if out.finish_reason is FinishReason.ERROR:
-                    raise RuntimeError(out.error or "generation failed")
-                if stopped:
-                    self.scheduler.abort(req)
-                    yield Delta(text, ids, list(out.logprobs), "stop", prompt)
-                    return
-                if out.finish_reason is not None:
-                    reason = out.finish_reason.value
-                    if self._stream is not None:
-                        text += self._stream.finish()
-                        reason = "stop" if self._stream.stopped else reason
-                    yield Delta(text, ids, list(out.logprobs), reason, prompt)
-                    return
-                if text or ids:
-                    yield Delta(text, ids, list(out.logprobs), None, prompt)
+            while not self.done:
+                delta = self.take(await req.channel.get())
+                if delta is not None:
+                    yield delta
         finally:
             if req.finish_reason is None:
                 self.scheduler.abort(req)
+
+    def take(self, out: ReqOutput) -> Delta | None:
+        """The delta of one output of the scheduler, None where it brings nothing to send;
+        the last one sets `done`. Plain code, so that a stream can run it where the
+        scheduler hands the output over (server/streaming.py). Raises on an error finish."""
+        assert self.req is not None
+        self.completion_tokens += len(out.token_ids)
+        ids = list(out.token_ids)
+        prompt = list(out.prompt_logprobs)
+        text_ids = ids[:-1] if out.finish_reason is FinishReason.STOP else ids
+        text, stopped = self._text(text_ids)
+        if out.finish_reason is FinishReason.ERROR:
+            self.done = True
+            raise RuntimeError(out.error or "generation failed")
+        if stopped:
+            self.done = True
+            self.scheduler.abort(self.req)
+            return Delta(text, ids, list(out.logprobs), "stop", prompt)
+        if out.finish_reason is not None:
+            self.done = True
+            reason = out.finish_reason.value
+            if self._stream is not None:
+                text += self._stream.finish()
+                reason = "stop" if self._stream.stopped else reason
+            return Delta(text, ids, list(out.logprobs), reason, prompt)
+        if text or ids:
+            return Delta(text, ids, list(out.logprobs), None, prompt)
+        return None
 
     def _text(self, token_ids: list[int]) -> tuple[str, bool]:
         if self._stream is None:
