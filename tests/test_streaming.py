@@ -14,7 +14,8 @@ import pytest
 from aserve.sampling_params import SamplingParams
 from aserve.scheduler.request import FinishReason, Req, ReqOutput
 from aserve.server import openai
-from aserve.server.generation import Choice
+from aserve.server.generation import Choice, Delta
+from aserve.server.http import sse
 from aserve.server.openai import ResponseHead
 from aserve.server.responses import ResponseShaper
 from aserve.server.streaming import ChoiceStream
@@ -163,3 +164,28 @@ def test_a_closed_connection_raises_and_stops_listening(tokenizer: Tokenizer) ->
     with pytest.raises(ConnectionResetError):
         run(stream, 2)
     assert all(c.req is not None and c.req.channel.listener is None for c in stream.choices)
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_a_text_delta_filled_into_its_template_is_the_chunk_serialized(
+    tokenizer: Tokenizer, kind: str
+) -> None:
+    body: dict[str, Any] = {"stream": True, "n": 2}
+    if kind == "chat":
+        body["messages"] = [{"role": "user", "content": "hi"}]
+        parsed = openai.parse_chat(json.dumps(body).encode(), {})
+    else:
+        body["prompt"] = "hi"
+        parsed = openai.parse_completion(json.dumps(body).encode(), {})
+    runtime = SimpleNamespace(tokenizer=tokenizer)
+    choices = [Choice(StandInScheduler(), tokenizer, [1], parsed.params, []) for _ in range(2)]  # type: ignore[arg-type]
+    shaper = ResponseShaper(parsed, ResponseHead('id-"1"', "m\\x"), runtime, choices)  # type: ignore[arg-type]
+    texts = ["Hello", "", ' "quoted"\n\ttab \\ back', "caf\u00e9 \u2603 \U0001f600", "\x00\x1f"]
+    for index in range(2):
+        for text in texts:
+            delta = Delta(text, [5], [])
+            expected = b"".join(sse(c) for c in shaper.delta_chunks(index, delta))
+            assert shaper.delta_events(index, delta) == expected
+        last = Delta("end", [6], [], "length")
+        expected = b"".join(sse(c) for c in shaper.delta_chunks(index, last))
+        assert shaper.delta_events(index, last) == expected

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
+
 from aserve.runtime import Runtime
 from aserve.sampling_params import TokenLogprob
 from aserve.server import openai
 from aserve.server.generation import Choice, Delta
+from aserve.server.http import sse
 from aserve.server.openai import GenerationRequest, ResponseHead
 from aserve.server.tools import ToolTextStream, openai_calls, parse_tool_calls
 
@@ -34,6 +37,23 @@ class ResponseShaper:
         self._prompt_sent = [False] * len(choices)
         syntax = parsed.tool_syntax
         self._tool_streams = None if syntax is None else [ToolTextStream(syntax) for _ in choices]
+        plain = not (parsed.params.logprobs or parsed.return_token_ids or self._scores_prompt)
+        self._text_templates = (
+            [self._text_template(i) for i in range(len(choices))]
+            if plain and syntax is None
+            else None
+        )
+
+    def _text_template(self, index: int) -> tuple[bytes, bytes]:
+        """A text delta's SSE event around its JSON string: the chunk serialized once with a
+        stand-in for the text, then cut there (a stand-in orjson writes as an escape)."""
+        stand_in = "\x00"
+        if self.is_chat:
+            chunk = openai.chat_chunk(self.head, index, {"content": stand_in})
+        else:
+            chunk = openai.completion_chunk(self.head, index, stand_in)
+        before, after = sse(chunk).split(orjson.dumps(stand_in))
+        return before, after
 
     def _echo_text(self, index: int) -> str:
         if not self.parsed.echo or self.runtime.tokenizer is None:
@@ -87,6 +107,16 @@ class ResponseShaper:
                 self._text_offsets[index] = len(text)
                 chunks.append(openai.completion_chunk(self.head, index, text))
         return chunks
+
+    def delta_events(self, index: int, delta: Delta) -> bytes:
+        """`delta_chunks` as SSE bytes. The usual delta, text alone, fills a template: it is
+        written for every token of every stream, on the event loop."""
+        if self._text_templates is not None and delta.finish_reason is None:
+            if not delta.text:
+                return b""
+            before, after = self._text_templates[index]
+            return before + orjson.dumps(delta.text) + after
+        return b"".join(sse(chunk) for chunk in self.delta_chunks(index, delta))
 
     def delta_chunks(self, index: int, delta: Delta) -> list[dict[str, Any]]:
         """A choice's first delta brings its prompt's logprobs, when asked for: they go out

@@ -21,7 +21,6 @@ from aiohttp import hdrs, web
 
 from aserve.scheduler.request import ReqOutput
 from aserve.server.generation import Choice, Delta
-from aserve.server.http import sse
 from aserve.server.responses import ResponseShaper
 
 WRITE_BUFFER_LIMIT = 1 << 16
@@ -124,9 +123,9 @@ class ChoiceStream:
 
     def _emit(self, index: int, delta: Delta) -> None:
         self.observe(self.choices[index], delta)
-        chunks = self.shaper.delta_chunks(index, delta)
-        if chunks:
-            self.writer.write(b"".join(sse(chunk) for chunk in chunks))
+        events = self.shaper.delta_events(index, delta)
+        if events:
+            self.writer.write(events)
 
     def _ended(self) -> bool:
         return (
