@@ -136,6 +136,16 @@ for step in "$@"; do
                   --output-len 100 1024 --client-processes 4 $([ $side = before ] && echo --no-record) --label "issue 21: one 256-chat burst on a fresh server, alternating with ${BEFORE:-?}" 2>&1 \
                   | grep "Output token\|Median TTFT\|P99 ITL\|Failed" | tr '\n' ' ' | sed "s/^/$side: /"; echo
                 pkill -INT -f "python3 -m aserve --model"; sleep 4; done; done ;;
+    stream-ab)  # issue 21: one stream at a time (512 in / 256 out, 16 requests), BEFORE's tree (.scratch/old) against this one, alternating
+              python3 -c "from pathlib import Path; from bench.minisgl_peer import tokenizer_folder as t; t(Path('bench/models/qwen3-0.6b'), Path('/tmp/q06'))"
+              for run in ${AB_REPEAT:-1 2}; do for side in before after; do tree=$([ $side = before ] && echo .scratch/old || echo .)
+                (cd $tree && PYTHONPATH=/tmp/site:$PWD python3 -m aserve --model /tmp/q06 --dummy-weight --port 1919 --max-seq-len-override 4096 \
+                  --max-prefill-length 16384 --page-size 256 --cuda-graph-max-bs 256 > $OUT/server-stream.log 2>&1 &)
+                for i in $(seq 240); do curl -sf localhost:1919/health > /dev/null && break; sleep 1; done
+                timeout 100 python3 bench/serving.py --api chat --tokenizer /tmp/q06 --num-prompts 16 --max-concurrency 1 --random-input-len 512 \
+                  --random-output-len 256 --random-range-ratio 1 $([ $side = before ] && echo --no-record) --label "issue 21: one chat stream at a time, alternating with ${BEFORE:-?}" 2>&1 \
+                  | grep "Median TTFT\|Median ITL\|P99 ITL\|Failed" | tr '\n' ' ' | sed "s/^/$side: /"; echo
+                pkill -INT -f "python3 -m aserve --model"; sleep 4; done; done ;;
     serving-ab)  # bench/serving.py against the tree at BEFORE (.old: git archive BEFORE aserve bench) and this one
       for tree in ${AB_ORDER:-.old .}; do
         c=$([ $tree = . ] && echo $COMMIT || echo $BEFORE); root=$PWD
