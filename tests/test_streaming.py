@@ -189,3 +189,56 @@ def test_a_text_delta_filled_into_its_template_is_the_chunk_serialized(
         last = Delta("end", [6], [], "length")
         expected = b"".join(sse(c) for c in shaper.delta_chunks(index, last))
         assert shaper.delta_events(index, last) == expected
+
+
+def test_events_go_out_in_http_chunks_and_a_client_that_stops_reading_congests_them() -> None:
+    """EventWriter on a real aiohttp connection: the bytes arrive framed as aiohttp frames a
+    body, a client that reads nothing makes the connection congested, and drain() returns
+    once it reads again."""
+    from aiohttp import ClientSession, web
+
+    from aserve.replicas import free_port
+    from aserve.server.streaming import WRITE_BUFFER_LIMIT, EventWriter
+
+    event = b"data: " + b"x" * 1000 + b"\n\n"
+    report: dict[str, Any] = {}
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b"")
+        writer = EventWriter(request, response)
+        assert writer.chunked
+        written = 0
+        while not writer.congested and written < 64 * 1024 * 1024:
+            writer.write(event)
+            written += 1
+        report["congested"] = writer.congested
+        report["congested_after"] = written
+        await asyncio.wait_for(writer.drain(), timeout=30)
+        report["drained"] = not writer.congested or writer.transport is None
+        writer.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def scenario() -> bytes:
+        app = web.Application()
+        app.router.add_get("/", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            async with ClientSession() as session:
+                async with session.get(f"http://127.0.0.1:{port}/") as reply:
+                    while "congested_after" not in report:  # read nothing until it congests
+                        await asyncio.sleep(0.01)
+                    return await reply.read()
+        finally:
+            await runner.cleanup()
+
+    body = asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+    count = report["congested_after"]
+    assert report["congested"] and count * len(event) > WRITE_BUFFER_LIMIT
+    assert report["drained"]
+    assert body == event * count + b"data: [DONE]\n\n"
