@@ -179,7 +179,7 @@ def test_a_text_delta_filled_into_its_template_is_the_chunk_serialized(
         parsed = openai.parse_completion(json.dumps(body).encode(), {})
     runtime = SimpleNamespace(tokenizer=tokenizer)
     choices = [Choice(StandInScheduler(), tokenizer, [1], parsed.params, []) for _ in range(2)]  # type: ignore[arg-type]
-    shaper = ResponseShaper(parsed, ResponseHead('id-"1"', "m\\x"), runtime, choices)  # type: ignore[arg-type]
+    shaper = ResponseShaper(parsed, ResponseHead('id-"1"', "m\\x\x00"), runtime, choices)  # type: ignore[arg-type]
     texts = ["Hello", "", ' "quoted"\n\ttab \\ back', "caf\u00e9 \u2603 \U0001f600", "\x00\x1f"]
     for index in range(2):
         for text in texts:

@@ -46,13 +46,14 @@ class ResponseShaper:
 
     def _text_template(self, index: int) -> tuple[bytes, bytes]:
         """A text delta's SSE event around its JSON string: the chunk serialized once with a
-        stand-in for the text, then cut there (a stand-in orjson writes as an escape)."""
+        stand-in for the text, then cut there (a stand-in orjson writes as an escape; the
+        text is the chunk's last string)."""
         stand_in = "\x00"
         if self.is_chat:
             chunk = openai.chat_chunk(self.head, index, {"content": stand_in})
         else:
             chunk = openai.completion_chunk(self.head, index, stand_in)
-        before, after = sse(chunk).split(orjson.dumps(stand_in))
+        before, after = sse(chunk).rsplit(orjson.dumps(stand_in), 1)
         return before, after
 
     def _echo_text(self, index: int) -> str:

@@ -56,9 +56,7 @@ class EventWriter:
 
 
 class ChoiceStream:
-    """The SSE events of one response's choices, from the first token to the last. Returns
-    the index of the choice that failed with its error, if one did (then the stream ends
-    there); a closed connection raises ConnectionResetError."""
+    """The SSE events of one response's choices, from the first token to the last."""
 
     def __init__(
         self,
@@ -76,6 +74,10 @@ class ChoiceStream:
         self._paused: asyncio.Future[None] | None = None
 
     async def run(self) -> tuple[int, Exception] | None:
+        """Stream to the end; the index of the choice that failed and its error, if one did
+        (the stream ends there). A closed connection raises ConnectionResetError. Behind a
+        slow client the handler reads the choices one after the other (their outputs wait,
+        merged, in their channels)."""
         self._paused = asyncio.get_running_loop().create_future()
         try:
             for index, choice in enumerate(self.choices):
