@@ -348,3 +348,19 @@ def test_a_server_without_usage_is_counted_by_re_tokenizing(
     )
     assert [r.prompt_len for r in counted.results] == [0, NO_USAGE_LEN]
     assert [r.output_len for r in counted.results] == [4, 1]  # "xxxxxx" is one (unknown) word
+
+
+def test_stream_loop_reports_the_loops_time_per_streamed_token() -> None:
+    """bench/stream_loop.py end to end at a small size: the server with its stand-in
+    scheduler, two bursts of chat streams, one figure for the measured burst."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "stream_loop.py"
+    command = [sys.executable, str(script), "--streams", "4", "--tokens", "8"]
+    done = subprocess.run(command + ["--bursts", "1"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    bursts = [line for line in done.stdout.splitlines() if line.startswith("burst:")]
+    assert len(bursts) == 2 and all(line.startswith("burst: 32 tokens") for line in bursts)
+    figure = done.stdout.splitlines()[-1]
+    assert figure.startswith("loop CPU a streamed token: ") and float(figure.split()[-2]) > 0
