@@ -40,7 +40,7 @@ class ResponseShaper:
         plain = not (parsed.params.logprobs or parsed.return_token_ids or self._scores_prompt)
         self._text_templates = (
             [self._text_template(i) for i in range(len(choices))]
-            if plain and syntax is None
+            if parsed.stream and plain and syntax is None
             else None
         )
 
