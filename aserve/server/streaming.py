@@ -89,16 +89,16 @@ class ChoiceStream:
         if self._gone is not None:
             raise self._gone
         for index, choice in enumerate(self.choices):  # a slow client: the handler reads
-            assert choice.req is not None
-            while not choice.done and self.failure is None:
-                await self.writer.drain()
-                try:
-                    delta = choice.take(await choice.req.channel.get())
-                except Exception as error:
-                    self.failure = (index, error)
-                    break
-                if delta is not None:
+            if self.failure is not None:
+                break
+            try:
+                async for delta in choice.run():
+                    await self.writer.drain()
                     self._emit(index, delta)
+            except ConnectionResetError:
+                raise
+            except Exception as error:
+                self.failure = (index, error)
         return self.failure
 
     def _listen(self, index: int, choice: Choice) -> None:
