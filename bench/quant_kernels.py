@@ -143,15 +143,20 @@ class Rotating:
         return self.product(self.weights[self.calls % len(self.weights)])
 
 
-def fp8_gemm_sweep(shapes: list[str], row_counts: list[int]) -> None:
-    """Products of activations already in FP8 (a scale per token): `torch._scaled_mm` against
-    the Triton kernel's settings, with the quantization kernel's own time beside them; the
+def fp8_gemm_sweep(shapes: list[str], row_counts: list[int], chosen: bool = False) -> None:
+    """Products of activations already in FP8 (a scale per token): `torch._scaled_mm` (its
+    float32 promotion every few products, then with the tensor cores' own accumulation, "fast
+    accum") against the Triton kernel's settings, or with `chosen` only the one the engine
+    takes (`token_scaled_config`), with the quantization kernel's own time beside them; the
     weights rotate (`Rotating`)."""
     from aserve.quant.fp8 import quantize_rows
-    from aserve.quant.fp8_cuda import quantize_tokens, token_scaled
+    from aserve.quant.fp8_cuda import quantize_tokens, token_scaled, token_scaled_config
 
     print(f"{torch.cuda.get_device_name()}; us a product with FP8 weights and activations")
-    print("shape        rows  quantize  _scaled_mm  best Triton (config)  rel. err  next best")
+    print(
+        "shape        rows  quantize  _scaled_mm  fast (rel. err)  "
+        "best Triton (config)  rel. err  next best"
+    )
     for shape in shapes:
         out, cols = (int(v) for v in shape.split("x"))
         weight = quantize_rows(torch.randn(out, cols, device="cuda") * 0.02)
@@ -163,8 +168,20 @@ def fp8_gemm_sweep(shapes: list[str], row_counts: list[int]) -> None:
             quantize_us = us_per_cuda_call(partial(quantize_tokens, x))
 
             reference = _scaled_mm_with(x_values, x_scales, weight_scales, values).float()
+            fast = _scaled_mm_with(x_values, x_scales, weight_scales, values, fast_accum=True)
+            fast_error = float((fast.float() - reference).abs().max() / reference.abs().max())
+            fast_us = us_per_cuda_call(
+                Rotating(
+                    copies,
+                    partial(_scaled_mm_with, x_values, x_scales, weight_scales, fast_accum=True),
+                )
+            )
+            configs = TOKEN_SCALED_CONFIGS
+            if chosen:
+                config = token_scaled_config(rows, out, cols)
+                configs = [] if config is None else [config]
             timed = []
-            for config in TOKEN_SCALED_CONFIGS:
+            for config in configs:
                 run = partial(
                     token_scaled, x_values, x_scales, values, weight_scales, None, x.dtype, config
                 )
@@ -178,14 +195,17 @@ def fp8_gemm_sweep(shapes: list[str], row_counts: list[int]) -> None:
                 except Exception as failure:  # a setting that does not compile here
                     print(f"  {config}: {type(failure).__name__}: {str(failure)[:80]}")
             timed.sort()
-            best_us, best, error = timed[0]
-            rest = ", ".join(f"{c}: {u:.1f}" for u, c, _ in timed[1:4])
+            triton = "-"
+            if timed:
+                best_us, best, error = timed[0]
+                rest = ", ".join(f"{c}: {u:.1f}" for u, c, _ in timed[1:4])
+                triton = f"{best_us:>9.1f} {best}  {error:.1e}  {rest}"
             cublas_us = us_per_cuda_call(
                 Rotating(copies, partial(_scaled_mm_with, x_values, x_scales, weight_scales))
             )
             print(
                 f"{shape:<12}{rows:>6}{quantize_us:>10.1f}{cublas_us:>12.1f}"
-                f"{best_us:>9.1f} {best}  {error:.1e}  {rest}",
+                f"{fast_us:>7.1f} ({fast_error:.1e}){triton}",
                 flush=True,
             )
 
@@ -208,6 +228,7 @@ def _scaled_mm_with(
     x_scales: torch.Tensor,
     weight_scales: torch.Tensor,
     weight: torch.Tensor,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     return torch._scaled_mm(
         x_values,
@@ -215,6 +236,7 @@ def _scaled_mm_with(
         scale_a=x_scales,
         scale_b=weight_scales[None, :],
         out_dtype=torch.bfloat16,
+        use_fast_accum=fast_accum,
     )
 
 
@@ -304,6 +326,9 @@ def main() -> None:
         "--fp8-gemm", action="store_true", help="FP8 x FP8 products: Triton settings (CUDA)"
     )
     p.add_argument(
+        "--chosen", action="store_true", help="--fp8-gemm: only the engine's Triton setting"
+    )
+    p.add_argument(
         "--fp8-feeds", action="store_true", help="FP8 norm/activation/quantization (CUDA)"
     )
     args = p.parse_args()
@@ -311,7 +336,7 @@ def main() -> None:
         fp8_feeds(args.rows)
         return
     if args.fp8_gemm:
-        fp8_gemm_sweep(args.shapes, args.rows)
+        fp8_gemm_sweep(args.shapes, args.rows, args.chosen)
         return
     if args.fp8:
         fp8_few_rows(args.shapes, args.rows)

@@ -173,7 +173,7 @@ for step in "$@"; do
               for r in "${runs[@]}"; do echo "== census ${r%%|*} ${r#*|}"
                 timeout 250 python3 bench/step_census.py --model bench/models/${r%%|*} --dummy-weight ${r#*|} 2>&1 | grep -v Warn | tail -14; done ;;
     fp8-gemm)  # issue 19: FP8 x FP8 products, torch._scaled_mm against the Triton kernel's settings (8B shapes)
-              timeout 500 python3 bench/quant_kernels.py --fp8-gemm --shapes ${SHAPES:-6144x4096 4096x4096 28672x4096 4096x14336} \
+              timeout 500 python3 bench/quant_kernels.py --fp8-gemm ${GEMM_OPTS} --shapes ${SHAPES:-6144x4096 4096x4096 28672x4096 4096x14336} \
                 --rows ${ROWS:-16 32 64 128 192 256 512 2048 16384} 2>&1 | grep -v Warn | tail -50 ;;
     fp8-feeds) timeout 200 python3 bench/quant_kernels.py --fp8-feeds --rows 16 64 128 256 16384 2>&1 | grep -v Warn | tail -7 ;;
     prefill-fp8)  # issue 19: where a 16k-token prefill step of the 8B shape goes, bf16 and FP8 weights + FP8 KV

@@ -11,6 +11,10 @@ Activations in FP8 already (`Fp8Activations`, from the norm before the product) 
 quantized ones of more rows take `fp8_cuda.token_scaled` where its measured settings beat
 `_scaled_mm` (up to 64-256 rows, by shape), else `_scaled_mm`.
 
+`_scaled_mm` adds up in the tensor cores' own accumulator ("fast accum", as vLLM's and
+SGLang's FP8 GEMMs do and as Triton's FP8 products on Hopper always do) rather than promoting
+to float32 every few products (bench/quant_kernels.py --fp8-gemm shows both, time and error).
+
 A row's scale maps its largest magnitude to 448, the largest finite e4m3 value, so no weight
 saturates; an activation row gets the same treatment at every product. Products whose sizes
 are not multiples of 16 (what the FP8 GEMM takes) de-quantize the weight instead.
@@ -254,5 +258,6 @@ class Fp8Weight:
                 scale_b=self.scales,
                 bias=None if bias is None else bias.to(dtype),
                 out_dtype=dtype,
+                use_fast_accum=True,
             )
         return out if isinstance(x, Fp8Activations) else out.reshape(*x.shape[:-1], -1)
