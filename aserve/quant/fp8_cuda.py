@@ -419,15 +419,16 @@ def token_scaled_config(
     m: int, n: int, k: int, shared_memory: int = 227 * 1024
 ) -> TokenScaledConfig | None:
     """The setting of `token_scaled` for `m` tokens and an `[n, k]` weight, or None where
-    `torch._scaled_mm` was as fast. From bench/quant_kernels.py --fp8-gemm on the H200
-    (weights rotating so that they stream from memory as in a forward; us, Llama-3.1-8B's
-    products, Triton against `_scaled_mm`): wide products (gate_up, 28672 x 4096) win up to
-    64 tokens (31-33 against 42-46) and at 160-192 (60-61 against 68-75), where cuBLAS's own
-    choice is slow; deep ones (down, 4096 x 14336) up to 256 (19-34 against 37-50 up to 192,
-    35-36 against 37 above); qkv (6144 x 4096) up to 192 (10-16 against 14-21) and o (4096 x
-    4096), whose outputs are no more than its inputs, up to 256 (8.5-12.5 against 13.8-14.2).
-    `shared_memory`: the bytes a block may use on this GPU (the settings were measured with
-    Hopper's 227 KB; smaller GPUs get fewer pipeline stages)."""
+    `torch._scaled_mm` (fast accumulation) was as fast. From bench/quant_kernels.py --fp8-gemm
+    --chosen on the H200 (weights rotating so that they stream from memory as in a forward;
+    us, Llama-3.1-8B's products, Triton against `_scaled_mm`): wide products (gate_up, 28672 x
+    4096) win up to 64 tokens (31.6-33.3 against 36.4-39.3; from 128 on cuBLAS is faster:
+    48.5 against 60.2 at 192); deep ones (down, 4096 x 14336) up to 256 (19.6-35.3 against
+    36.6-36.8); qkv (6144 x 4096) up to 128 (10.4-13.1 against 13.7-13.9; 15.6 against 14.2
+    at 192) and o (4096 x 4096), whose outputs are no more than its inputs, up to 256
+    (10.5-14.3 against 14.6-18.5). `shared_memory`: the bytes a block may use on this GPU
+    (the settings were measured with Hopper's 227 KB; smaller GPUs get fewer pipeline
+    stages)."""
     if k % 128:
         return None
     config: TokenScaledConfig | None = None
@@ -436,8 +437,6 @@ def token_scaled_config(
             config = (32, 128, 128, 1, 4, 4, True)
         elif m <= 64:
             config = (64, 128, 128, 1, 4, 4, False)
-        elif 128 < m <= 192:
-            config = (256, 128, 128, 1, 8, 3, False)
     elif k >= 2 * n:
         if m <= 64:
             config = (64, 64, 128, 4, 4, 4, False)
@@ -447,7 +446,7 @@ def token_scaled_config(
             config = (128, 64, 128, 2, 4, 4, False)
     elif m <= 64:
         config = (32, 64, 128, 1, 4, 5, True)
-    elif m <= 192:
+    elif m <= 128 or (m <= 192 and n <= k):
         config = (64, 64, 128, 1, 4, 4, False)
     elif m <= 256 and n <= k:
         config = (64, 128, 256, 1, 4, 3, False)
