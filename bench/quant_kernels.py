@@ -242,14 +242,14 @@ def _scaled_mm_with(
 
 def fp8_feeds(row_counts: list[int], hidden: int = 4096, inter: int = 14336) -> None:
     """What feeds an FP8 product (us a call): the norm then the quantization kernel against
-    the fused norm, the gated activation then the quantization, and the quantization alone
-    of an attention output (Llama-3.1-8B's widths by default)."""
+    the fused norm, the gated activation then the quantization against `silu_fp8`, and the
+    quantization alone of an attention output (Llama-3.1-8B's widths by default)."""
     from aserve.layers.cuda_ops import CudaKernels
-    from aserve.quant.fp8_cuda import norm_fp8, quantize_tokens
+    from aserve.quant.fp8_cuda import norm_fp8, quantize_tokens, silu_fp8
 
     ops = CudaKernels()
     print(f"{torch.cuda.get_device_name()}; us a call, hidden {hidden}, intermediate {inter}")
-    print("rows   norm+quantize  norm_fp8  silu+quantize  quantize (hidden)")
+    print("rows   norm+quantize      norm_fp8 silu+quantize      silu_fp8  quantize (hidden)")
     weight = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
     for rows in row_counts:
         x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
@@ -267,6 +267,7 @@ def fp8_feeds(row_counts: list[int], hidden: int = 4096, inter: int = 14336) -> 
             us_per_cuda_call(partial(norm_then_quantize, x, residual)),
             us_per_cuda_call(partial(norm_fp8, x, residual, weight, 1e-6)),
             us_per_cuda_call(partial(silu_then_quantize, gate_up)),
+            us_per_cuda_call(partial(silu_fp8, gate_up)),
             us_per_cuda_call(partial(quantize_tokens, x)),
         ]
         print(f"{rows:<6}" + "".join(f"{f:>14.1f}" for f in figures), flush=True)

@@ -66,19 +66,27 @@ def test_fp8_one_row_kernel_equals_the_dequantized_product(n: int, k: int) -> No
 
 
 @pytest.mark.parametrize(("n", "k"), [(4096, 14336), (770, 1000)])
-def test_fp8_gated_row_equals_the_activation_then_the_product(n: int, k: int) -> None:
-    """One gate|up row through the FP8 down projection in one kernel (`gated_row`): the same
-    SiLU(gate) * up, rounded to bf16, then the product, as the separate kernels give."""
+def test_fp8_gated_equals_the_activation_then_the_product(n: int, k: int) -> None:
+    """Gate|up rows through the FP8 down projection with a kernel fewer (`gated`): one row in
+    one kernel, and from `SILU_FP8_MIN_ROWS` rows the activation written in FP8, give the
+    same SiLU(gate) * up, rounded to bf16, then the product, as the separate kernels; rows
+    in between have no such path."""
     from aserve.layers.activation import silu_and_mul
+    from aserve.layers.cuda_ops import CudaKernels
+    from aserve.quant.fp8_cuda import SILU_FP8_MIN_ROWS
 
     generator = torch.Generator().manual_seed(0)
     weight = Fp8Weight(quantize_rows(torch.randn(n, k, generator=generator) * 0.03), CUDA)
     gate_up = torch.randn(1, 2 * k, generator=generator).to(CUDA, torch.bfloat16)
-    fused = weight.gated_row(gate_up)
+    fused = weight.gated(gate_up)
     assert fused is not None
     apart = weight.linear(silu_and_mul(gate_up, None), None)
     torch.testing.assert_close(fused.float(), apart.float(), atol=2e-2, rtol=2e-2)
-    assert weight.gated_row(gate_up.expand(2, -1).contiguous()) is None
+    assert weight.gated(gate_up.expand(2, -1).contiguous()) is None
+    many = torch.randn(SILU_FP8_MIN_ROWS, 2 * k, generator=generator).to(CUDA, torch.bfloat16)
+    fused = weight.gated(many)
+    assert fused is not None
+    assert torch.equal(fused, weight.linear(CudaKernels().silu_and_mul(many), None))
 
 
 @pytest.mark.parametrize(("n", "k"), [(768, 4096), (770, 1000)])

@@ -1,7 +1,7 @@
 """The FP8 kernels that feed and compute a layer's products (quant/fp8_cuda.py): compiled on
 a GPU, and on CPU under Triton's interpreter as tests/test_triton_kernels.py runs its own.
-The fused norm must write the bytes and scales that the float norm followed by the
-quantization kernel write; the token-scaled product must equal the float64
+The fused norm and the fused gated activation must write the bytes and scales that the float
+kernels followed by the quantization kernel write; the token-scaled product must equal the float64
 product of the FP8 values it reads."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from aserve.quant.fp8 import Fp8Activations, quantize_rows  # noqa: E402
 from aserve.quant.fp8_cuda import (  # noqa: E402
     norm_fp8,
     quantize_tokens,
+    silu_fp8,
     token_scaled,
     token_scaled_config,
 )
@@ -54,6 +55,13 @@ def test_norm_fp8_writes_what_the_norm_then_the_quantization_write(with_residual
         x_ref = ops.rmsnorm(x, weight, 1e-6)
         got = norm_fp8(x, None, weight, 1e-6)
     assert_same_fp8(got, *quantize_tokens(x_ref))
+
+
+def test_silu_fp8_writes_what_the_activation_then_the_quantization_write() -> None:
+    """Gate|up rows of magnitudes 0.01 to 100, halves no power of two wide: the same FP8
+    bytes and scales as SiLU-and-mul followed by `quantize_tokens`."""
+    gate_up = rows_of_many_magnitudes(6, 2 * 300, 3)
+    assert_same_fp8(silu_fp8(gate_up), *quantize_tokens(ops.silu_and_mul(gate_up)))
 
 
 @pytest.mark.parametrize(

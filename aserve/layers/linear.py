@@ -165,11 +165,12 @@ class RowParallelLinear(nn.Module):
 
     def forward_gated(self, gate_up: torch.Tensor, ops: FusedOps | None) -> torch.Tensor:
         """The layer applied to SiLU(gate) * up of a fused gate|up output: at one row on CUDA
-        one kernel does both (float or FP8 weights)."""
+        one kernel does both (float or FP8 weights); FP8 weights take many rows' activation
+        in FP8 from one kernel (`Fp8Weight.gated`)."""
         if self.one_row is not None and self.weight is not None and gate_up.shape[0] == 1:
             return self._reduce(self.one_row(gate_up, self.weight, None, gated=True))
         if self.quantized is not None:
-            product = self.quantized.gated_row(gate_up)
+            product = self.quantized.gated(gate_up)
             if product is not None:
                 return self._reduce(product)
         return self(silu_and_mul(gate_up, ops))

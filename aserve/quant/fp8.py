@@ -202,6 +202,8 @@ class Fp8Weight:
         self._one_row: Callable[..., torch.Tensor] | None = None
         self._few_rows: Callable[..., torch.Tensor] | None = None
         self._token_scaled: Callable[..., torch.Tensor] | None = None
+        self._silu_fp8: Callable[[torch.Tensor], Fp8Activations] | None = None
+        self._silu_fp8_min_rows = 0
         self._choose: Callable[[int, int, int], tuple | None] | None = None
         if device.type == "cuda":
             from aserve.layers.gemv import gemv
@@ -211,6 +213,9 @@ class Fp8Weight:
             self._one_row = gemv
             self._few_rows = fp8_cuda.few_rows
             self._token_scaled = fp8_cuda.token_scaled
+            if self.aligned and self.shape[1] <= 16384:
+                self._silu_fp8 = fp8_cuda.silu_fp8
+                self._silu_fp8_min_rows = fp8_cuda.SILU_FP8_MIN_ROWS
             capability = gpu_capability(device)
             assert capability is not None
             self._choose = partial(
@@ -222,12 +227,16 @@ class Fp8Weight:
     def nbytes(self) -> int:
         return self.values.nbytes + self.scales.nbytes
 
-    def gated_row(self, gate_up: torch.Tensor) -> torch.Tensor | None:
-        """The product of SiLU(gate) * up for one fused gate|up row, in one kernel (the GEMV
-        computes the activation as it reads it), or None where no such kernel runs."""
-        if self._one_row is None or gate_up.shape[0] != 1:
-            return None
-        return self._one_row(gate_up, self.values, None, gated=True, scales=self.scales)
+    def gated(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """The product of SiLU(gate) * up for fused gate|up rows with one kernel fewer, or
+        None where there is none: one row in one kernel (the GEMV computes the activation
+        as it reads it), many with the activation written in FP8 (`fp8_cuda.silu_fp8`)."""
+        rows = gate_up.shape[0]
+        if self._one_row is not None and rows == 1:
+            return self._one_row(gate_up, self.values, None, gated=True, scales=self.scales)
+        if self._silu_fp8 is not None and rows >= self._silu_fp8_min_rows:
+            return self.linear(self._silu_fp8(gate_up), None)
+        return None
 
     def linear(self, x: torch.Tensor | Fp8Activations, bias: torch.Tensor | None) -> torch.Tensor:
         if isinstance(x, Fp8Activations):  # only aligned weights take them (method.py)

@@ -130,6 +130,47 @@ def norm_fp8(
     return Fp8Activations(values, scales, x.dtype)
 
 
+@triton.jit
+def _silu_fp8_kernel(gate_up, values, scales, in_stride, size, BLOCK: tl.constexpr):
+    """One program a row: SiLU(gate) * up rounded as layers/cuda_ops.py's kernel rounds it,
+    then quantized as `_quantize_tokens_kernel` quantizes: the same FP8 bytes and scale as
+    the two kernels, without writing and reading back the bf16 row."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < size
+    source = gate_up + row * in_stride
+    dtype = gate_up.dtype.element_ty
+    gate = tl.load(source + cols, mask=inside, other=0.0).to(tl.float32)
+    up = tl.load(source + size + cols, mask=inside, other=0.0).to(tl.float32)
+    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    y = (activated * up).to(dtype).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12) / FP8_MAX
+    tl.store(scales + row, scale)
+    q = tl.clamp(y / scale, -FP8_MAX, FP8_MAX)
+    tl.store(values + row * size + cols, q.to(tl.float8e4nv), mask=inside)
+
+
+SILU_FP8_MIN_ROWS = 1024
+"""From this many rows `silu_fp8` replaces the activation kernel and the quantization kernel
+(below it, with a program a row, it lost to them: 9.3 against 7.7 us at 256 rows of the 8B
+shape on the H200)."""
+
+
+def silu_fp8(gate_up: torch.Tensor) -> Fp8Activations:
+    """SiLU(gate) * up of fused gate|up rows `[rows, 2 * size]` in FP8 with a scale per row,
+    for an FP8 product to take as it is. Rows up to 16,384 wide."""
+    rows, size = gate_up.shape[0], gate_up.shape[1] // 2
+    assert size <= 16384 and gate_up.stride(1) == 1
+    values = torch.empty(rows, size, dtype=torch.float8_e4m3fn, device=gate_up.device)
+    scales = torch.empty(rows, 1, dtype=torch.float32, device=gate_up.device)
+    if rows:
+        block = triton.next_power_of_2(size)
+        _silu_fp8_kernel[(rows,)](
+            gate_up, values, scales, gate_up.stride(0), size, BLOCK=block, num_warps=16
+        )
+    return Fp8Activations(values, scales, gate_up.dtype)
+
+
 FEW_ROWS_MAX = 16  # the tile of rows of `few_rows`'s tensor-core product
 
 

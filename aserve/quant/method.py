@@ -106,11 +106,12 @@ class QuantizedLinearWeight:
         product = self._only_fp8()
         return product if product is not None and product.aligned else None
 
-    def gated_row(self, gate_up: torch.Tensor) -> torch.Tensor | None:
-        """SiLU(gate) * up of one fused gate|up row times this weight in one kernel, where
-        the weight is one FP8 product on CUDA; else None (the caller runs the activation)."""
+    def gated(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """SiLU(gate) * up of fused gate|up rows times this weight with a kernel fewer
+        (`Fp8Weight.gated`), where the weight is one FP8 product on CUDA; else None (the
+        caller runs the activation)."""
         product = self._only_fp8()
-        return None if product is None else product.gated_row(gate_up)
+        return None if product is None else product.gated(gate_up)
 
     def linear(self, x: torch.Tensor | Fp8Activations, bias: torch.Tensor | None) -> torch.Tensor:
         if isinstance(x, Fp8Activations):
