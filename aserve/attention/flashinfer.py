@@ -164,17 +164,21 @@ class FlashInferBackend:
     def forward(
         self, q: torch.Tensor, kv: torch.Tensor | None, layer: int, batch: ForwardBatch
     ) -> torch.Tensor:
-        """The decode kernels read Q with its strides (Q is a slice of the fused QKV output),
-        which saves a copy a layer; prefill gets a contiguous Q."""
+        """The kernels read Q with its strides (Q is a slice of the fused QKV output), which
+        saves a copy a layer (176 us of a 16k-token prefill's layer of the 8B shape on the
+        H200), and write into an output left unfilled (FlashInfer's prefill zeroes its own
+        first, and every row is written)."""
         if kv is not None:
             self.pool.store(layer, batch.out_slots, kv)
         shape = (-1, self.page_size, self.num_kv_heads, self.head_dim)
         cache = (self.pool.k[layer].view(shape), self.pool.v[layer].view(shape))
         q = q.reshape(-1, self.num_heads, self.head_dim)
-        if not batch.is_decode:
-            q = q.contiguous()
         k_scale, v_scale = self.pool.scale_pairs[layer]
-        out = batch.attn_metadata.run(q, cache, k_scale=k_scale, v_scale=v_scale)
+        if batch.is_decode:
+            out = batch.attn_metadata.run(q, cache, k_scale=k_scale, v_scale=v_scale)
+        else:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            batch.attn_metadata.run(q, cache, out=out, k_scale=k_scale, v_scale=v_scale)
         return out.reshape(-1, self.num_heads * self.head_dim)
 
 

@@ -266,9 +266,11 @@ class DecoderForCausalLM(nn.Module):
         )
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        """Float32 logits `[batch, vocab]` at each request's `logit_indices` token."""
+        """Logits `[batch, vocab]` at each request's `logit_indices` token, in the model's
+        dtype: the sampler's kernels and log-softmax widen them as they read them, where a
+        float32 copy first cost a kernel and 0.10 ms of a 256-request step on the H200."""
         hidden = self.model(batch, attn)[batch.logit_indices]
-        return self.lm_head.logits(hidden).float()
+        return self.lm_head.logits(hidden)
 
     def pack_lm_head(self, checkpoint: Path | None) -> None:
         """On CPU, pack the LM head (`VocabParallelEmbedding.pack`). A head tied to the
