@@ -70,7 +70,8 @@ def test_fp8_gated_equals_the_activation_then_the_product(n: int, k: int) -> Non
     """Gate|up rows through the FP8 down projection with a kernel fewer (`gated`): one row in
     one kernel, and from `SILU_FP8_MIN_ROWS` rows the activation written in FP8, give the
     same SiLU(gate) * up, rounded to bf16, then the product, as the separate kernels; rows
-    in between have no such path."""
+    in between, and many rows of a weight the FP8 product does not take, have no such
+    path."""
     from aserve.layers.activation import silu_and_mul
     from aserve.layers.cuda_ops import CudaKernels
     from aserve.quant.fp8_cuda import SILU_FP8_MIN_ROWS
@@ -85,6 +86,9 @@ def test_fp8_gated_equals_the_activation_then_the_product(n: int, k: int) -> Non
     assert weight.gated(gate_up.expand(2, -1).contiguous()) is None
     many = torch.randn(SILU_FP8_MIN_ROWS, 2 * k, generator=generator).to(CUDA, torch.bfloat16)
     fused = weight.gated(many)
+    if not weight.aligned:  # FP8 products take sizes of multiples of 16 only
+        assert fused is None
+        return
     assert fused is not None
     assert torch.equal(fused, weight.linear(CudaKernels().silu_and_mul(many), None))
 
