@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from aserve.layers.pdl import pdl_options, wait_for_previous
+
 SPLIT_MAX_BATCH = 2
 """Batches up to this size take the split kernels. bench/decode_kernels.py on the H200 (us a
 layer, Llama-3.1-8B shape, contexts of 1,000 / 2,000): batch 1 6.2 / 7.4 against
@@ -174,7 +176,9 @@ def _attend_kernel(
     DIRECT: tl.constexpr,
     F16: tl.constexpr,
     UNMASKED_BLOCKS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     # KV heads vary fastest over the launch, so programs running side by side read
     # neighbouring heads of the same tokens (one slot's K or V row is all heads together).
     kv_head, split = tl.program_id(0), tl.program_id(2)
@@ -255,7 +259,9 @@ def _merge_kernel(
     num_splits,
     MAX_SPLITS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     request, head = tl.program_id(0), tl.program_id(1)
     row = request * tl.num_programs(1) + head
     splits = tl.arange(0, MAX_SPLITS)
@@ -392,6 +398,7 @@ class TritonDecodeWrapper:
             UNMASKED_BLOCKS=fp8 and direct,
             num_warps=warps,
             num_stages=stages,
+            **pdl_options(q.device),
         )
         if direct:
             return out
@@ -404,5 +411,6 @@ class TritonDecodeWrapper:
             MAX_SPLITS=triton.next_power_of_2(self.num_splits),
             HEAD_DIM=head_dim,
             num_warps=4,
+            **pdl_options(out.device),
         )
         return out

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from aserve.layers.pdl import pdl_options, wait_for_previous
+
 
 @triton.jit
 def _rmsnorm_kernel(
@@ -29,8 +31,10 @@ def _rmsnorm_kernel(
     out_head_stride,
     size,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per row; a row is one head of one token (`heads` per token)."""
+    wait_for_previous(PDL)
     row = tl.program_id(0)
     token, head = row // heads, row % heads
     cols = tl.arange(0, BLOCK)
@@ -46,9 +50,18 @@ def _rmsnorm_kernel(
 
 @triton.jit
 def _add_rmsnorm_kernel(
-    x, residual, weight, eps, x_stride, residual_stride, size, BLOCK: tl.constexpr
+    x,
+    residual,
+    weight,
+    eps,
+    x_stride,
+    residual_stride,
+    size,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """`residual += x` (rounded), then `x = norm(residual) * weight`, one program a row."""
+    wait_for_previous(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     inside = cols < size
@@ -66,8 +79,9 @@ def _add_rmsnorm_kernel(
 
 
 @triton.jit
-def _silu_and_mul_kernel(gate_up, out, in_stride, size, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(gate_up, out, in_stride, size, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Grid (rows, column blocks): `silu(gate) * up` for the halves of each row."""
+    wait_for_previous(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = cols < size
@@ -89,8 +103,10 @@ def _rope_kernel(
     k_stride,
     HALF: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (tokens, q_heads + k_heads): rotate the halves of one head in place."""
+    wait_for_previous(PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
     is_query = head < q_heads
@@ -146,6 +162,7 @@ class CudaKernels:
             size,
             BLOCK=block,
             num_warps=row_warps(block),
+            **pdl_options(x.device),
         )
         return out
 
@@ -166,6 +183,7 @@ class CudaKernels:
             size,
             BLOCK=block,
             num_warps=row_warps(block),
+            **pdl_options(x.device),
         )
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -175,7 +193,15 @@ class CudaKernels:
             return out
         block = min(1024, triton.next_power_of_2(size))
         grid = (rows, triton.cdiv(size, block))
-        _silu_and_mul_kernel[grid](gate_up, out, gate_up.stride(0), size, BLOCK=block, num_warps=4)
+        _silu_and_mul_kernel[grid](
+            gate_up,
+            out,
+            gate_up.stride(0),
+            size,
+            BLOCK=block,
+            num_warps=4,
+            **pdl_options(gate_up.device),
+        )
         return out
 
     def apply_rope_with_cos_sin_cache_inplace(
@@ -206,4 +232,5 @@ class CudaKernels:
             HALF=half,
             BLOCK=triton.next_power_of_2(half),
             num_warps=1,
+            **pdl_options(query.device),
         )

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from aserve.layers.pdl import pdl_options, wait_for_previous
+
 
 @triton.jit
 def _gemv_kernel(
@@ -44,7 +46,9 @@ def _gemv_kernel(
     EVEN: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for start in range(0, k, BLOCK_K):
@@ -91,7 +95,9 @@ def _fp8_words_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
     for start in range(0, word_count, BLOCK_W):
@@ -152,6 +158,7 @@ def _fp8_words(
         BLOCK_N=block_n,
         BLOCK_W=block_w,
         num_warps=warps,
+        **pdl_options(out.device),
     )
     return out
 
@@ -217,5 +224,6 @@ def gemv(
         BLOCK_K=block_k,
         num_warps=warps,
         num_stages=stages,
+        **pdl_options(x.device),
     )
     return out

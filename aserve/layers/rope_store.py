@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from aserve.layers.pdl import pdl_options, wait_for_previous
+
 
 @triton.jit
 def _to_fp8(x, scale):
@@ -87,7 +89,9 @@ def _norm_rope_store_kernel(
     HEAD_DIM: tl.constexpr,
     NORM: tl.constexpr,
     FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -159,4 +163,5 @@ def norm_rope_store(
         HEAD_DIM=head_dim,
         NORM=norm,
         FP8=cache.dtype == torch.float8_e4m3fn,
+        **pdl_options(q.device),
     )

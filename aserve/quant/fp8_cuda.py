@@ -12,16 +12,20 @@ import triton
 import triton.language as tl
 
 from aserve.layers.cuda_ops import row_warps
+from aserve.layers.pdl import pdl_options, wait_for_previous
 from aserve.quant.fp8 import Fp8Activations
 
 FP8_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
-def _quantize_tokens_kernel(x_ptr, values_ptr, scales_ptr, cols, x_stride, BLOCK: tl.constexpr):
+def _quantize_tokens_kernel(
+    x_ptr, values_ptr, scales_ptr, cols, x_stride, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
     """One token a program: the largest magnitude of its row, then the row divided by
     amax / 448, saturated and rounded to float8_e4m3fn (the same operations as the PyTorch
     version)."""
+    wait_for_previous(PDL)
     row = tl.program_id(0)
     offsets = tl.arange(0, BLOCK)
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -48,7 +52,14 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if tokens:
         block, warps = _row_block(cols)
         _quantize_tokens_kernel[(tokens,)](
-            x, values, scales, cols, x.stride(0), BLOCK=block, num_warps=warps
+            x,
+            values,
+            scales,
+            cols,
+            x.stride(0),
+            BLOCK=block,
+            num_warps=warps,
+            **pdl_options(x.device),
         )
     return values, scales
 
@@ -78,10 +89,12 @@ def _norm_fp8_kernel(
     size,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program a row: (`residual += x`, rounded, then) the RMSNorm of layers/cuda_ops.py
     rounded as it rounds, then that row quantized as `_quantize_tokens_kernel` quantizes it:
     the same FP8 bytes and scale as the two kernels, in one pass and without the bf16 row."""
+    wait_for_previous(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     inside = cols < size
@@ -126,15 +139,19 @@ def norm_fp8(
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
             num_warps=row_warps(block),
+            **pdl_options(x.device),
         )
     return Fp8Activations(values, scales, x.dtype)
 
 
 @triton.jit
-def _silu_fp8_kernel(gate_up, values, scales, in_stride, size, BLOCK: tl.constexpr):
+def _silu_fp8_kernel(
+    gate_up, values, scales, in_stride, size, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
     """One program a row: SiLU(gate) * up rounded as layers/cuda_ops.py's kernel rounds it,
     then quantized as `_quantize_tokens_kernel` quantizes: the same FP8 bytes and scale as
     the two kernels, without writing and reading back the bf16 row."""
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     inside = cols < size
@@ -167,7 +184,14 @@ def silu_fp8(gate_up: torch.Tensor) -> Fp8Activations:
     if rows:
         block = triton.next_power_of_2(size)
         _silu_fp8_kernel[(rows,)](
-            gate_up, values, scales, gate_up.stride(0), size, BLOCK=block, num_warps=16
+            gate_up,
+            values,
+            scales,
+            gate_up.stride(0),
+            size,
+            BLOCK=block,
+            num_warps=16,
+            **pdl_options(gate_up.device),
         )
     return Fp8Activations(values, scales, gate_up.dtype)
 
@@ -197,11 +221,13 @@ def _few_rows_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """`BLOCK_N` outputs for every row: the weight tile is the product's first operand
     ("swap AB": its outputs fill the tensor cores' 64-row side, the few rows the narrow one).
     Each `BLOCK_K` columns of the activations are quantized with their own scale (the block's
     largest magnitude to 448) as they are read, so no kernel runs before this one."""
+    wait_for_previous(PDL)
     outputs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     tokens = tl.arange(0, BLOCK_M)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -247,9 +273,11 @@ def _sum_splits_kernel(
     HAS_TOKEN_SCALES: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """A split-K product's float32 partial sums `[SPLIT, rows, n]` added up and scaled per
     output (and per token, for `token_scaled`): one token's outputs a program row."""
+    wait_for_previous(PDL)
     token = tl.program_id(1)
     outputs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = outputs < n
@@ -287,6 +315,7 @@ def _sum_splits(
         HAS_TOKEN_SCALES=token_scales is not None,
         SPLIT=partial.shape[0],
         BLOCK=1024,
+        **pdl_options(out.device),
     )
 
 
@@ -340,6 +369,7 @@ def few_rows(
         BLOCK_K=block_k,
         num_warps=warps,
         num_stages=stages,
+        **pdl_options(x.device),
     )
     if split > 1:
         _sum_splits(partial, None, weight_scales, bias, out)
@@ -365,11 +395,13 @@ def _token_scaled_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """`x W^T` for activations already in FP8 with a scale per token: one tile of `BLOCK_M`
     tokens by `BLOCK_N` outputs, scaled once at the end (the product is exact in FP8 blocks,
     so there is no per-block rescaling as in `_few_rows_kernel`). With `SWAP` the weight tile
     is the first operand, so that a few tokens take the tensor cores' narrow side."""
+    wait_for_previous(PDL)
     tokens = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     outputs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(2) * k_per_split + tl.arange(0, BLOCK_K)
@@ -451,6 +483,7 @@ def token_scaled(
         BLOCK_K=block_k,
         num_warps=warps,
         num_stages=stages,
+        **pdl_options(values.device),
     )
     if split > 1:
         _sum_splits(partial, scales, weight_scales, bias, out)

@@ -1,0 +1,48 @@
+"""Programmatic dependent launch (PDL) of aserve's Triton kernels on Hopper and newer GPUs.
+
+A decode step is a chain of a few hundred kernels, each needing the one before it: the GPU
+lets a kernel drain before it launches the next, about a microsecond of ramp and tail at
+each link. Launched with PDL, a kernel starts while the one before it still runs and waits
+(`griddepcontrol.wait`) until that one has finished and its writes are visible, so its
+launch and start overlap the other's tail. Such a kernel must call `wait_for_previous` before
+it reads or writes any memory that another kernel touches (weights excepted). A kernel
+launched without PDL (cuBLAS's, FlashInfer's, PyTorch's) waits for the one before it as
+usual, so the two kinds mix safely in a stream and in a CUDA graph. Imported only on CUDA
+(it imports Triton).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+
+@functools.cache
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def pdl(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with PDL (CUDA, compute capability 9.0 or newer)."""
+    if device.type != "cuda":
+        return False
+    return _capable(torch.cuda.current_device() if device.index is None else device.index)
+
+
+def pdl_options(device: torch.device) -> dict[str, bool]:
+    """A launch's options for a kernel that calls `wait_for_previous`: the kernel's `PDL` and
+    Triton's `launch_pdl`."""
+    on = pdl(device)
+    return {"PDL": on, "launch_pdl": on}
+
+
+@triton.jit
+def wait_for_previous(PDL: tl.constexpr):
+    """With PDL, wait for the kernel before this one, then let the next one launch."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
