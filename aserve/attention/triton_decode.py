@@ -398,7 +398,7 @@ class TritonDecodeWrapper:
             UNMASKED_BLOCKS=fp8 and direct,
             num_warps=warps,
             num_stages=stages,
-            **pdl_options(q.device),
+            **pdl_options(q.device, batch),
         )
         if direct:
             return out
@@ -411,6 +411,6 @@ class TritonDecodeWrapper:
             MAX_SPLITS=triton.next_power_of_2(self.num_splits),
             HEAD_DIM=head_dim,
             num_warps=4,
-            **pdl_options(out.device),
+            **pdl_options(out.device, batch),
         )
         return out

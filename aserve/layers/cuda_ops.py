@@ -162,7 +162,7 @@ class CudaKernels:
             size,
             BLOCK=block,
             num_warps=row_warps(block),
-            **pdl_options(x.device),
+            **pdl_options(x.device, tokens),
         )
         return out
 
@@ -183,7 +183,7 @@ class CudaKernels:
             size,
             BLOCK=block,
             num_warps=row_warps(block),
-            **pdl_options(x.device),
+            **pdl_options(x.device, rows),
         )
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -200,7 +200,7 @@ class CudaKernels:
             size,
             BLOCK=block,
             num_warps=4,
-            **pdl_options(gate_up.device),
+            **pdl_options(gate_up.device, rows),
         )
         return out
 
@@ -232,5 +232,5 @@ class CudaKernels:
             HALF=half,
             BLOCK=triton.next_power_of_2(half),
             num_warps=1,
-            **pdl_options(query.device),
+            **pdl_options(query.device, tokens),
         )

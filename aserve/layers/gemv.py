@@ -158,7 +158,7 @@ def _fp8_words(
         BLOCK_N=block_n,
         BLOCK_W=block_w,
         num_warps=warps,
-        **pdl_options(out.device),
+        **pdl_options(out.device, 1),
     )
     return out
 
@@ -224,6 +224,6 @@ def gemv(
         BLOCK_K=block_k,
         num_warps=warps,
         num_stages=stages,
-        **pdl_options(x.device),
+        **pdl_options(x.device, 1),
     )
     return out

@@ -7,8 +7,13 @@ each link. Launched with PDL, a kernel starts while the one before it still runs
 launch and start overlap the other's tail. Such a kernel must call `wait_for_previous` before
 it reads or writes any memory that another kernel touches (weights excepted). A kernel
 launched without PDL (cuBLAS's, FlashInfer's, PyTorch's) waits for the one before it as
-usual, so the two kinds mix safely in a stream and in a CUDA graph. Imported only on CUDA
-(it imports Triton).
+usual, so the two kinds mix safely in a stream and in a CUDA graph.
+
+Only launches over a few rows take it (`PDL_MAX_ROWS`). On the H200 a single 8B FP8 stream
+decoded in 2.85 ms/token with every kernel launched so, against 2.97 without; but the
+offline workload of Qwen3-0.6B with an FP8 cache, whose steps are mostly large batches' decode
+attention, lost 2.3% (34,082 -> 33,297 tok/s, three runs each alternating) and the 8B's did
+not move. Imported only on CUDA (it imports Triton).
 """
 
 from __future__ import annotations
@@ -33,10 +38,14 @@ def pdl(device: torch.device) -> bool:
     return _capable(torch.cuda.current_device() if device.index is None else device.index)
 
 
-def pdl_options(device: torch.device) -> dict[str, bool]:
-    """A launch's options for a kernel that calls `wait_for_previous`: the kernel's `PDL` and
-    Triton's `launch_pdl`."""
-    on = pdl(device)
+PDL_MAX_ROWS = 16
+"""Launches over up to this many rows (tokens, requests) take PDL."""
+
+
+def pdl_options(device: torch.device, rows: int) -> dict[str, bool]:
+    """A launch's options for a kernel that calls `wait_for_previous`, over `rows` rows: the
+    kernel's `PDL` and Triton's `launch_pdl`."""
+    on = rows <= PDL_MAX_ROWS and pdl(device)
     return {"PDL": on, "launch_pdl": on}
 
 

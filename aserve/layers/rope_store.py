@@ -163,5 +163,5 @@ def norm_rope_store(
         HEAD_DIM=head_dim,
         NORM=norm,
         FP8=cache.dtype == torch.float8_e4m3fn,
-        **pdl_options(q.device),
+        **pdl_options(q.device, tokens),
     )

@@ -59,7 +59,7 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             x.stride(0),
             BLOCK=block,
             num_warps=warps,
-            **pdl_options(x.device),
+            **pdl_options(x.device, tokens),
         )
     return values, scales
 
@@ -139,7 +139,7 @@ def norm_fp8(
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
             num_warps=row_warps(block),
-            **pdl_options(x.device),
+            **pdl_options(x.device, rows),
         )
     return Fp8Activations(values, scales, x.dtype)
 
@@ -191,7 +191,7 @@ def silu_fp8(gate_up: torch.Tensor) -> Fp8Activations:
             size,
             BLOCK=block,
             num_warps=16,
-            **pdl_options(gate_up.device),
+            **pdl_options(gate_up.device, rows),
         )
     return Fp8Activations(values, scales, gate_up.dtype)
 
@@ -315,7 +315,7 @@ def _sum_splits(
         HAS_TOKEN_SCALES=token_scales is not None,
         SPLIT=partial.shape[0],
         BLOCK=1024,
-        **pdl_options(out.device),
+        **pdl_options(out.device, m),
     )
 
 
@@ -369,7 +369,7 @@ def few_rows(
         BLOCK_K=block_k,
         num_warps=warps,
         num_stages=stages,
-        **pdl_options(x.device),
+        **pdl_options(x.device, m),
     )
     if split > 1:
         _sum_splits(partial, None, weight_scales, bias, out)
@@ -483,7 +483,7 @@ def token_scaled(
         BLOCK_K=block_k,
         num_warps=warps,
         num_stages=stages,
-        **pdl_options(values.device),
+        **pdl_options(values.device, m),
     )
     if split > 1:
         _sum_splits(partial, scales, weight_scales, bias, out)
