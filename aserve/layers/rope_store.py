@@ -69,7 +69,10 @@ def _norm_rope_heads(
     tl.store(dst + first + HALF, y2, mask=mask)
 
 
-@triton.jit
+# `positions` and `slots` are slices of the batch's packed index tensor, aligned to 16 bytes
+# or not by the rows before them: one compile for both (a second one otherwise ran inside a
+# server's first requests).
+@triton.jit(do_not_specialize_on_alignment=["positions", "slots"])
 def _norm_rope_store_kernel(
     qkv,
     row_stride,
