@@ -1,15 +1,15 @@
 """FP8 weights (`--quantization fp8`): float8_e4m3fn values with one float32 scale per output row,
 multiplied by activations quantized per token as they come (dynamic scales), through
-`torch._scaled_mm` (with row-wise scales a CUTLASS kernel of PyTorch's on Hopper and Ada; a
-reference implementation on CPU, which the tests use). Half the bytes of a bf16 weight, which
-is what decode reads. On CUDA a single row (decode at batch 1) takes the Triton GEMV instead,
-which reads the FP8 weight as it is and leaves the activations in their own precision
-(layers/gemv.py): at one row `_scaled_mm` plus the token quantization lost to the bf16 GEMV (an
-8B step 5.33 ms against 4.34). Two to 16 rows of float activations take `fp8_cuda.few_rows`
-(FP8 tensor cores, activations rounded per 128 columns inside the kernel): 1.5-2x faster than
-`_scaled_mm` there. Activations in FP8 already (`Fp8Activations`, from the norm before the
-product) and quantized ones of more rows take `fp8_cuda.token_scaled` where its measured
-settings beat `_scaled_mm` (up to 64-256 rows, by shape), else `_scaled_mm`.
+`torch._scaled_mm` (on Hopper cuBLASLt's row-wise-scaled FP8 kernels, `nvjet_*_ovscale` in a
+trace; a reference implementation on CPU, which the tests use). Half the bytes of a bf16
+weight, which is what decode reads. On CUDA a single row (decode at batch 1) takes the Triton
+GEMV instead, which reads the FP8 weight as it is and leaves the activations in their own
+precision (layers/gemv.py): at one row `_scaled_mm` plus the token quantization lost to the
+bf16 GEMV (an 8B step 5.33 ms against 4.34). Two to 16 rows of float activations take
+`fp8_cuda.few_rows` (FP8 tensor cores, activations rounded per 128 columns inside the kernel):
+1.5-2x faster than `_scaled_mm` there. Activations in FP8 already (`Fp8Activations`, from the
+norm before the product) and quantized ones of more rows take `fp8_cuda.token_scaled` where its
+measured settings beat `_scaled_mm` (up to 64-256 rows, by shape), else `_scaled_mm`.
 
 `_scaled_mm` adds up in the tensor cores' own accumulator ("fast accum", as vLLM's and
 SGLang's FP8 GEMMs do and as Triton's FP8 products on Hopper always do) rather than promoting
