@@ -175,3 +175,18 @@ def test_flashinfer_builds_the_decode_modules_its_batches_plan() -> None:
     # a head size the Triton kernels do not take: FlashInfer at every batch
     assert decode_modules(8, 4, 96, 256) == ["decode", "CUDA-core decode"]
     assert decode_modules(16, 8, 128, 2) == []  # Triton takes one and two requests
+
+
+def test_pdl_only_for_few_rows_on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Programmatic dependent launch (layers/pdl.py) goes to launches over up to
+    `PDL_MAX_ROWS` rows on a GPU of compute capability 9.0 or newer, never elsewhere."""
+    from aserve.layers import pdl
+
+    off = {"PDL": False, "launch_pdl": False}
+    assert pdl.pdl_options(torch.device("cpu"), 1) == off
+    monkeypatch.setattr(pdl, "_capable", lambda index: index == 0)  # a Hopper as GPU 0
+    hopper, older = torch.device("cuda", 0), torch.device("cuda", 1)
+    assert pdl.pdl_options(hopper, 1) == {"PDL": True, "launch_pdl": True}
+    assert pdl.pdl_options(hopper, pdl.PDL_MAX_ROWS)["PDL"]
+    assert pdl.pdl_options(hopper, pdl.PDL_MAX_ROWS + 1) == off
+    assert pdl.pdl_options(older, 1) == off
