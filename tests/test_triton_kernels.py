@@ -184,8 +184,9 @@ def test_pdl_only_for_few_rows_on_hopper(monkeypatch: pytest.MonkeyPatch) -> Non
 
     off = {"PDL": False, "launch_pdl": False}
     assert pdl.pdl_options(torch.device("cpu"), 1) == off
-    monkeypatch.setattr(pdl, "_capable", lambda index: index == 0)  # a Hopper as GPU 0
     hopper, older = torch.device("cuda", 0), torch.device("cuda", 1)
+    capabilities = {hopper: (9, 0), older: (8, 9)}
+    monkeypatch.setattr(pdl, "gpu_capability", lambda device: capabilities.get(device))
     assert pdl.pdl_options(hopper, 1) == {"PDL": True, "launch_pdl": True}
     assert pdl.pdl_options(hopper, pdl.PDL_MAX_ROWS)["PDL"]
     assert pdl.pdl_options(hopper, pdl.PDL_MAX_ROWS + 1) == off

@@ -18,24 +18,19 @@ not move. Imported only on CUDA (it imports Triton).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-
-@functools.cache
-def _capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
+from aserve.engine.gpu import gpu_capability
 
 
 def pdl(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with PDL (CUDA, compute capability 9.0 or newer)."""
-    if device.type != "cuda":
-        return False
-    return _capable(torch.cuda.current_device() if device.index is None else device.index)
+    """Whether kernels on `device` launch with PDL: CUDA, compute capability 9.0 or newer
+    (as `gpu_capability` gives it, so a GPU pretending to be older has none)."""
+    capability = gpu_capability(device)
+    return capability is not None and capability >= (9, 0)
 
 
 PDL_MAX_ROWS = 16
