@@ -79,6 +79,14 @@ def _add_rmsnorm_kernel(
 
 
 @triton.jit
+def silu_mul(gate, up, dtype: tl.constexpr):
+    """`silu(gate) * up` in `dtype` from float32 halves, SiLU's output rounded to `dtype`
+    first (Hugging Face's order); quant/fp8_cuda.py's FP8 activation rounds the same way."""
+    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (activated * up).to(dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(gate_up, out, in_stride, size, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Grid (rows, column blocks): `silu(gate) * up` for the halves of each row."""
     wait_for_previous(PDL)
@@ -88,8 +96,7 @@ def _silu_and_mul_kernel(gate_up, out, in_stride, size, BLOCK: tl.constexpr, PDL
     source = gate_up + row * in_stride
     gate = tl.load(source + cols, mask=inside, other=0.0).to(tl.float32)
     up = tl.load(source + size + cols, mask=inside, other=0.0).to(tl.float32)
-    activated = (gate / (1.0 + tl.exp(-gate))).to(out.dtype.element_ty).to(tl.float32)
-    tl.store(out + row * size + cols, (activated * up).to(out.dtype.element_ty), mask=inside)
+    tl.store(out + row * size + cols, silu_mul(gate, up, out.dtype.element_ty), mask=inside)
 
 
 @triton.jit

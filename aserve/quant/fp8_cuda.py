@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from aserve.layers.cuda_ops import row_warps
+from aserve.layers.cuda_ops import row_warps, silu_mul
 from aserve.layers.pdl import pdl_options, wait_for_previous
 from aserve.quant.fp8 import Fp8Activations
 
@@ -148,19 +148,17 @@ def norm_fp8(
 def _silu_fp8_kernel(
     gate_up, values, scales, in_stride, size, BLOCK: tl.constexpr, PDL: tl.constexpr
 ):
-    """One program a row: SiLU(gate) * up rounded as layers/cuda_ops.py's kernel rounds it,
-    then quantized as `_quantize_tokens_kernel` quantizes: the same FP8 bytes and scale as
-    the two kernels, without writing and reading back the bf16 row."""
+    """One program a row: SiLU(gate) * up as layers/cuda_ops.py's kernel computes it (its
+    `silu_mul`), then quantized as `_quantize_tokens_kernel` quantizes: the same FP8 bytes
+    and scale as the two kernels, without writing and reading back the bf16 row."""
     wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     inside = cols < size
     source = gate_up + row * in_stride
-    dtype = gate_up.dtype.element_ty
     gate = tl.load(source + cols, mask=inside, other=0.0).to(tl.float32)
     up = tl.load(source + size + cols, mask=inside, other=0.0).to(tl.float32)
-    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    y = (activated * up).to(dtype).to(tl.float32)
+    y = silu_mul(gate, up, gate_up.dtype.element_ty).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12) / FP8_MAX
     tl.store(scales + row, scale)
     q = tl.clamp(y / scale, -FP8_MAX, FP8_MAX)
