@@ -71,11 +71,10 @@ async def serve(
     code = 0
     if load.done() and load.exception() is not None:
         error = load.exception()
-        message = (
-            str(error)
-            if isinstance(error, (ConfigError, MemoryError, WorkerFailure))
-            else repr(error)
-        )
+        expected = isinstance(error, (ConfigError, MemoryError, WorkerFailure))
+        if not expected:  # a defect, not a setting: its traceback goes to the log
+            logger.error("start-up failed", exc_info=error)
+        message = str(error) if expected else repr(error)
         print(f"aserve: error: {message}", file=sys.stderr)
         code = 2 if isinstance(error, ConfigError) else 1
     else:
