@@ -30,6 +30,18 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
+def import_before_threads() -> None:
+    """Import torch's extension builder, and with it setuptools, while start-up has one thread.
+
+    setuptools' import puts a finder at the front of `sys.meta_path` and takes it out again
+    (its distutils shim). Python walks that list live, so a thread importing at that moment
+    can skip the path finder and not find an installed package: the tokenizer's thread failed
+    now and then with "No module named 'packaging'" inside `import transformers` while the
+    engine's thread built the CPU kernels (FlashInfer's builder threads import the same on a
+    GPU). Imported here it costs ~0.1 s, which the kernels' build paid anyway."""
+    from torch.utils import cpp_extension  # noqa: F401
+
+
 def chosen_quantization(engine: EngineConfig, model: ModelConfig) -> str | None:
     """What the weights run as: the checkpoint's own format (`auto`; dummy weights are
     float), float (`none`), or a float checkpoint quantized at load (`int8`, `int4`, `fp8`)."""
@@ -75,6 +87,7 @@ class Runtime:
         )
         # The tokenizer (transformers' import alone is 2.4 s on the GPU machine) loads in a
         # thread while the engine starts: neither needs the other.
+        import_before_threads()
         with ThreadPoolExecutor(1, thread_name_prefix="tokenizer-load") as loader:
             tokenizer = loader.submit(self._load_tokenizer, config.num_tokenizer)
             try:

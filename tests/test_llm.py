@@ -4,6 +4,8 @@ scheduler, logprobs against transformers, error results, aborts and option plumb
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -238,6 +240,27 @@ def test_tokenizer_loads_while_the_engine_starts(
     llm = make_llm(tiny)
     assert seen == [True]
     assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].token_ids
+
+
+def test_setuptools_is_imported_before_the_tokenizer_thread_starts(tiny: Path) -> None:
+    """setuptools' import takes a finder in and out of the front of sys.meta_path, which made
+    a concurrent import in the tokenizer's thread miss installed packages now and then; the
+    start imports it before that thread exists. In a fresh interpreter, where nothing has
+    imported it yet."""
+    script = f"""
+import sys
+from aserve import LLM, runtime
+seen = []
+runtime.Runtime._load_tokenizer = lambda self, n: seen.append("setuptools" in sys.modules)
+LLM({str(tiny)!r}, num_pages=64)
+print("imported first:", seen)
+"""
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "imported first: [True]" in done.stdout, done.stdout
 
 
 def test_a_failure_of_either_start_is_raised_and_the_other_closed(
