@@ -215,6 +215,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--silent-output", action="store_true", help="no periodic batch statistics in the log"
     )
     server.add_argument(
+        "--stream-interval",
+        type=_positive_int,
+        default=1,
+        help="tokens a streamed choice gathers before its next SSE event (the first token and "
+        "the last go out at once): fewer, larger events where the event loop bounds many "
+        "streams on a slow CPU; 1 sends every token as it comes",
+    )
+    server.add_argument(
         "--shell-mode",
         "--shell",
         dest="shell_mode",

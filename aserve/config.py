@@ -220,6 +220,7 @@ class ServerConfig:
     max_queued_requests: int | None = None
     shell_mode: bool = False
     silent_output: bool = False
+    stream_interval: int = 1
     generation_config: str = "auto"
     default_sampling: tuple[tuple[str, float], ...] = ()
 

@@ -42,11 +42,11 @@ def test_a_listener_takes_outputs_in_the_putters_call_until_cleared() -> None:
         channel = OutputChannel()
         taken: list[ReqOutput] = []
         channel.put_nowait(ReqOutput((1,), ()))
-        channel.listener = taken.append
+        channel.listen(taken.append)
         channel.put_nowait(ReqOutput((2,), ()))  # behind a pending output: it waits too
         assert taken == [] and channel.get_nowait() == ReqOutput((1, 2), ())
         channel.put_nowait(ReqOutput((3,), ()))
-        channel.listener = None
+        channel.unlisten()
         channel.put_nowait(ReqOutput((4,), (), FinishReason.LENGTH))
         return taken, await asyncio.wait_for(channel.get(), timeout=5)
 
@@ -54,3 +54,26 @@ def test_a_listener_takes_outputs_in_the_putters_call_until_cleared() -> None:
     assert taken == [ReqOutput((3,), ())]
     assert rest == ReqOutput((4,), (), FinishReason.LENGTH)
     assert OutputChannel().get_nowait() is None
+
+
+def test_a_listener_told_to_gather_gets_the_first_output_then_every_n_tokens_and_the_last() -> None:
+    channel, taken = OutputChannel(), []
+    channel.listen(taken.append, gather=3)
+    for token in range(1, 8):
+        channel.put_nowait(ReqOutput((token,), ()))
+    channel.put_nowait(ReqOutput((8,), (), FinishReason.LENGTH))
+    assert taken == [
+        ReqOutput((1,), ()),
+        ReqOutput((2, 3, 4), ()),
+        ReqOutput((5, 6, 7), ()),
+        ReqOutput((8,), (), FinishReason.LENGTH),
+    ]
+    # Stopped listening (a client that fell behind): what was gathered waits for the reader.
+    channel, taken = OutputChannel(), []
+    channel.listen(taken.append, gather=2)
+    channel.put_nowait(ReqOutput((1,), ()))
+    channel.put_nowait(ReqOutput((2,), ()))
+    channel.unlisten()
+    channel.put_nowait(ReqOutput((3,), ()))
+    assert taken == [ReqOutput((1,), ())]
+    assert channel.get_nowait() == ReqOutput((2, 3), ())

@@ -103,7 +103,7 @@ def test_health_is_503_while_loading_then_ready(smollm2_dir: Path) -> None:
         assert process.stop() == 0
 
 
-def test_api_key_and_queue_limit(smollm2_dir: Path) -> None:
+def test_api_key_queue_limit_and_stream_interval(smollm2_dir: Path) -> None:
     process = ServerProcess(
         [
             "--model",
@@ -117,6 +117,8 @@ def test_api_key_and_queue_limit(smollm2_dir: Path) -> None:
             "--max-queued-requests",
             "1",
             "--silent-output",
+            "--stream-interval",
+            "3",
         ]
     )
     auth = {"Authorization": "Bearer s3cret"}
@@ -134,6 +136,10 @@ def test_api_key_and_queue_limit(smollm2_dir: Path) -> None:
         assert status == 401
         status, body = run(post(url, {"messages": HELLO, "max_tokens": 2}, auth))
         assert status == 200
+        # --stream-interval 3: the first token at once, then events of three tokens each.
+        streamed = {"messages": HELLO, "max_tokens": 10, "ignore_eos": True, "stream": True}
+        per_event = run(tokens_per_event(url, {**streamed, "return_token_ids": True}, auth))
+        assert per_event == [1, 3, 3, 3]
 
         async def overload() -> list[tuple[int, str | None]]:
             long = {"messages": HELLO, "max_tokens": 60, "ignore_eos": True}
@@ -153,6 +159,22 @@ def test_api_key_and_queue_limit(smollm2_dir: Path) -> None:
         assert "Prefill batch." not in process.log()
     finally:
         assert process.stop() == 0
+
+
+async def tokens_per_event(url: str, body: dict[str, Any], headers: dict[str, str]) -> list[int]:
+    """How many token ids each SSE event of a streamed request carries (events with none
+    left out)."""
+    async with aiohttp.ClientSession(headers=headers) as session:
+        async with session.post(url, json=body) as response:
+            assert response.status == 200
+            text = (await response.read()).decode()
+    counts = []
+    for frame in text.split("\n\n"):
+        if frame.startswith("data: {"):
+            choices = orjson.loads(frame[6:])["choices"]
+            if choices and choices[0].get("token_ids"):
+                counts.append(len(choices[0]["token_ids"]))
+    return counts
 
 
 def test_burst_gets_exactly_the_bounded_number_of_answers(smollm2_dir: Path) -> None:

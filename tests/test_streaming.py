@@ -70,7 +70,7 @@ def tokenizer(smollm2_dir: Path) -> Tokenizer:
     return Tokenizer(smollm2_dir)
 
 
-def make_stream(tokenizer: Tokenizer, writer: RecordingWriter) -> ChoiceStream:
+def make_stream(tokenizer: Tokenizer, writer: RecordingWriter, gather: int = 1) -> ChoiceStream:
     parsed = openai.parse_chat(
         json.dumps(
             {"messages": [{"role": "user", "content": "hi"}], "stream": True, "n": 2}
@@ -86,7 +86,7 @@ def make_stream(tokenizer: Tokenizer, writer: RecordingWriter) -> ChoiceStream:
         choices.append(choice)
     runtime = SimpleNamespace(tokenizer=tokenizer)
     shaper = ResponseShaper(parsed, ResponseHead("chatcmpl-x", "m"), runtime, choices)  # type: ignore[arg-type]
-    return ChoiceStream(shaper, choices, lambda choice, delta: None, writer)  # type: ignore[arg-type]
+    return ChoiceStream(shaper, choices, lambda choice, delta: None, writer, gather)  # type: ignore[arg-type]
 
 
 def hand_out(stream: ChoiceStream, step: int, finish: FinishReason = FinishReason.LENGTH) -> None:
@@ -150,6 +150,16 @@ def test_a_client_that_falls_behind_gets_the_same_events_from_the_handler(
     assert texts(slow.events) == texts(fast.events)
     finishes = [e for e in b"".join(slow.events).split(b"\n\n") if b'"finish_reason":"length"' in e]
     assert len(finishes) == 2
+
+
+def test_a_stream_interval_sends_fewer_events_with_the_same_text(tokenizer: Tokenizer) -> None:
+    every = RecordingWriter()
+    assert run(make_stream(tokenizer, every), len(REPLIES[0])) is None
+    gathered = RecordingWriter()
+    assert run(make_stream(tokenizer, gathered, gather=2), len(REPLIES[0])) is None
+    assert texts(gathered.events) == texts(every.events)
+    # Five tokens a choice: the first at once, then two and two (the last with the finish).
+    assert (len(every.events), len(gathered.events)) == (10, 6)
 
 
 def test_an_error_finish_ends_the_stream_with_its_choice(tokenizer: Tokenizer) -> None:

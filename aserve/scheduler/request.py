@@ -41,21 +41,56 @@ class OutputChannel:
     with it the GPU, from waiting on hundreds of stream handlers. It is lighter than an
     `asyncio.Queue`, which the loop would wake once per put.
 
-    A `listener`, while set, takes each output as it is put, in the putter's call, instead of
+    A listener (`listen`) takes each output as it is put, in the putter's call, instead of
     the reader (a streamed response writes its events there; server/streaming.py); outputs
-    put after it is cleared wait for `get` as before. It must not raise.
+    put after `unlisten` wait for `get` as before. It must not raise. Told to `gather` n
+    tokens (`--stream-interval`), it gets the first output at once, then outputs joined as
+    `get` joins them once n tokens are held, and the last one with what is held.
     """
 
     def __init__(self) -> None:
         self._pending: list[ReqOutput] = []
         self._waiter: asyncio.Future[None] | None = None
-        self.listener: Callable[[ReqOutput], None] | None = None
+        self._listener: Callable[[ReqOutput], None] | None = None
+        self._gather = 1
+        self._held: list[ReqOutput] = []
+        self._held_tokens = 0
+        self._heard = False  # an output has gone to the listener or a reader
+
+    @property
+    def listener(self) -> Callable[[ReqOutput], None] | None:
+        return self._listener
+
+    def listen(self, listener: Callable[[ReqOutput], None], gather: int = 1) -> None:
+        """Hand outputs to `listener` from now on (call `get_nowait` first: outputs already
+        pending keep waiting for a reader)."""
+        self._listener, self._gather = listener, gather
+
+    def unlisten(self) -> None:
+        """Stop calling the listener; outputs it was gathering wait for `get`, first."""
+        self._listener = None
+        if self._held:
+            self._pending[:0] = self._held
+            self._held, self._held_tokens = [], 0
+            self._wake()
 
     def put_nowait(self, out: ReqOutput) -> None:
-        if self.listener is not None and not self._pending:
-            self.listener(out)
+        listener = self._listener
+        if listener is not None and not self._pending:
+            if self._gather > 1 and self._heard:
+                self._held.append(out)
+                self._held_tokens += len(out.token_ids)
+                if self._held_tokens < self._gather and out.finish_reason is None:
+                    return
+                out = _joined(self._held)
+                self._held, self._held_tokens = [], 0
+            self._heard = True
+            listener(out)
             return
         self._pending.append(out)
+        self._wake()
+
+    def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
@@ -75,16 +110,22 @@ class OutputChannel:
         if not self._pending:
             return None
         pending, self._pending = self._pending, []
-        if len(pending) == 1:
-            return pending[0]
-        last = pending[-1]
-        return ReqOutput(
-            tuple(t for out in pending for t in out.token_ids),
-            tuple(lp for out in pending for lp in out.logprobs),
-            last.finish_reason,
-            last.error,
-            tuple(lp for out in pending for lp in out.prompt_logprobs),
-        )
+        self._heard = True
+        return _joined(pending)
+
+
+def _joined(outputs: list[ReqOutput]) -> ReqOutput:
+    """Consecutive outputs as one: token ids and logprobs joined, the last one's finish."""
+    if len(outputs) == 1:
+        return outputs[0]
+    last = outputs[-1]
+    return ReqOutput(
+        tuple(t for out in outputs for t in out.token_ids),
+        tuple(lp for out in outputs for lp in out.logprobs),
+        last.finish_reason,
+        last.error,
+        tuple(lp for out in outputs for lp in out.prompt_logprobs),
+    )
 
 
 class ReqStatus(enum.Enum):

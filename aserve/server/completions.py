@@ -242,7 +242,8 @@ class Completions:
         # aiohttp sends the headers with the first write; the events after go straight out
         await response.write(b"".join(sse(chunk) for chunk in shaper.opening_chunks()))
         observe = partial(self._observe, started=started)
-        stream = ChoiceStream(shaper, choices, observe, EventWriter(request, response))
+        writer = EventWriter(request, response)
+        stream = ChoiceStream(shaper, choices, observe, writer, self.state.config.stream_interval)
         failure = await stream.run()
         if failure is not None:
             logger.error("streamed choice failed: %s", failure[1])

@@ -64,11 +64,13 @@ class ChoiceStream:
         choices: list[Choice],
         observe: Callable[[Choice, Delta], None],
         writer: EventWriter,
+        gather: int = 1,
     ) -> None:
         self.shaper = shaper
         self.choices = choices
         self.observe = observe
         self.writer = writer
+        self.gather = gather  # tokens an event waits for (--stream-interval)
         self.failure: tuple[int, Exception] | None = None
         self._gone: ConnectionResetError | None = None
         self._paused: asyncio.Future[None] | None = None
@@ -108,7 +110,7 @@ class ChoiceStream:
         if pending is not None:
             self._on_output(index, pending)
         if not self._ended() and not self._paused_yet():
-            choice.req.channel.listener = partial(self._on_output, index)
+            choice.req.channel.listen(partial(self._on_output, index), self.gather)
 
     def _on_output(self, index: int, out: ReqOutput) -> None:
         """The listener: called in the scheduler's hand-off, so it never raises."""
@@ -147,4 +149,4 @@ class ChoiceStream:
     def _stop_listening(self) -> None:
         for choice in self.choices:
             if choice.req is not None:
-                choice.req.channel.listener = None
+                choice.req.channel.unlisten()
