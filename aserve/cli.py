@@ -31,6 +31,15 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _stream_interval(text: str) -> int | None:
+    """`auto` (None) or a positive number of tokens."""
+    if text == "auto":
+        return None
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"takes auto or a number of tokens, got {text!r}")
+    return _positive_int(text)
+
+
 def _non_negative_float(text: str) -> float:
     value = float(text)
     if not value >= 0:
@@ -216,11 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     server.add_argument(
         "--stream-interval",
-        type=_positive_int,
-        default=1,
+        type=_stream_interval,
+        default=None,
         help="tokens a streamed choice gathers before its next SSE event (the first token and "
-        "the last go out at once): fewer, larger events where the event loop bounds many "
-        "streams on a slow CPU; 1 sends every token as it comes",
+        "the last go out at once); auto (default): one, or two while the GPU waits on the "
+        "event loop under 64 or more streams; 1 sends every token as it comes",
     )
     server.add_argument(
         "--shell-mode",

@@ -220,7 +220,7 @@ class ServerConfig:
     max_queued_requests: int | None = None
     shell_mode: bool = False
     silent_output: bool = False
-    stream_interval: int = 1
+    stream_interval: int | None = None  # None: auto (aserve/scheduler/request.py, StreamPace)
     generation_config: str = "auto"
     default_sampling: tuple[tuple[str, float], ...] = ()
 

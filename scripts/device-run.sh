@@ -103,18 +103,26 @@ for step in "$@"; do
                 pkill -INT -f "python3 -m aserve --model"; pkill -f "python3 -m minisgl --model"; sleep 4; pkill -9 -f "minisgl --model"
                 # its spawned workers' command lines do not name it, and they held the GPU's memory after
                 pkill -9 -f "from multiprocessing.spawn"; sleep 2; done ;;
-    interval-ab)  # issue 21: one 256-chat burst on each fresh server (step timing in 0.5 s windows), default against --stream-interval 2, alternating
+    interval-ab)  # issue 21: one 256-chat burst on each fresh server (step timing in 0.5 s windows), each of INTERVALS (1, then 2 and auto) alternating; then auto's 16 and 1 streams
               python3 -c "from pathlib import Path; from bench.minisgl_peer import tokenizer_folder as t; t(Path('bench/models/qwen3-0.6b'), Path('/tmp/q06'))"
               timeout 200 python3 bench/offline.py --model /tmp/q06 $W --no-record 2>&1 | grep "tok/s" | tail -1
-              for run in ${AB_REPEAT:-1 2 3}; do for opts in "" "--stream-interval 2"; do
+              for run in ${AB_REPEAT:-1 2 3}; do for interval in ${INTERVALS:-1 2 auto}; do opts="--stream-interval $interval"
                 ASERVE_STEP_TIMING=0.5 python3 -m aserve --model /tmp/q06 --dummy-weight --port 1919 --max-seq-len-override 4096 --max-prefill-length 16384 \
                   --page-size 256 --cuda-graph-max-bs 256 $opts > $OUT/server-interval.log 2>&1 & spid=$!
                 for i in $(seq 240); do curl -sf localhost:1919/health > /dev/null && break; sleep 1; done
                 timeout 150 python3 bench/serving.py --api chat --tokenizer /tmp/q06 --temperature 0.6 --num-prompts 256 --input-len 100 1024 --output-len 100 1024 \
-                  --client-processes 4 --no-record 2>&1 | grep "Output token\|Median TTFT\|Median ITL\|P99 ITL" | tr -s ' ' | tr '\n' ' ' | sed "s/^/${opts:-default}: /"; echo
+                  --client-processes 4 --no-record 2>&1 | grep "Output token\|Median TTFT\|Median ITL\|P99 ITL" | tr -s ' ' | tr '\n' ' ' | sed "s/^/$opts: /"; echo
                 # the first decode windows at 256 streams: steps, GPU busy, the loop's plan+launch and results a step
                 grep "step timing" $OUT/server-interval.log | sed -n 3,5p | grep -o "[0-9]* steps\|GPU busy [0-9.]*\|plan+launch [0-9.]* ms\|results [0-9.]*" | paste -sd " "
-                kill -INT $spid; sleep 4; done; done ;;
+                kill -INT $spid; sleep 4; done; done
+              python3 -m aserve --model /tmp/q06 --dummy-weight --port 1919 --max-seq-len-override 4096 --max-prefill-length 16384 \
+                --page-size 256 --cuda-graph-max-bs 256 > $OUT/server-interval.log 2>&1 & spid=$!
+              for i in $(seq 240); do curl -sf localhost:1919/health > /dev/null && break; sleep 1; done
+              for run in "--num-prompts 64 --input-len 100 1024 --output-len 100 1024 --max-concurrency 16 --client-processes 4" \
+                         "--num-prompts 16 --max-concurrency 1 --random-input-len 512 --random-output-len 256 --random-range-ratio 1"; do
+                timeout 150 python3 bench/serving.py --api chat --tokenizer /tmp/q06 --temperature 0.6 $run --no-record 2>&1 \
+                  | grep "Output token\|Median TTFT\|Median ITL\|P99 ITL" | tr -s ' ' | tr '\n' ' ' | sed "s/^/auto, ${run:14:30}: /"; echo; done
+              kill -INT $spid; sleep 4 ;;
     cores)  # how fast one core runs a pure-Python loop, core by core (taskset), PASSES times: the loop of a one-process server follows it
               printf 'import time\nt = time.perf_counter(); s = 0\nfor i in range(3_000_000): s += i * i\nprint(f"{(time.perf_counter() - t) * 1000:.0f}", end=" ")\n' > /tmp/spin.py
               for pass in ${PASSES:-1 2}; do echo -n "ms by core 0..$(( $(nproc) - 1 )): "; for c in $(seq 0 $(( $(nproc) - 1 ))); do taskset -c $c python3 /tmp/spin.py; done; echo; done ;;

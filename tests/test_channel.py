@@ -5,7 +5,13 @@ from __future__ import annotations
 import asyncio
 
 from aserve.sampling_params import TokenLogprob
-from aserve.scheduler.request import FinishReason, OutputChannel, ReqOutput
+from aserve.scheduler.request import (
+    AUTO_MIN_STREAMS,
+    FinishReason,
+    OutputChannel,
+    ReqOutput,
+    StreamPace,
+)
 
 
 def test_a_reader_that_fell_behind_gets_everything_pending_as_one_output() -> None:
@@ -58,7 +64,7 @@ def test_a_listener_takes_outputs_in_the_putters_call_until_cleared() -> None:
 
 def test_a_listener_told_to_gather_gets_the_first_output_then_every_n_tokens_and_the_last() -> None:
     channel, taken = OutputChannel(), []
-    channel.listen(taken.append, gather=3)
+    channel.listen(taken.append, StreamPace(3))
     for token in range(1, 8):
         channel.put_nowait(ReqOutput((token,), ()))
     channel.put_nowait(ReqOutput((8,), (), FinishReason.LENGTH))
@@ -70,10 +76,58 @@ def test_a_listener_told_to_gather_gets_the_first_output_then_every_n_tokens_and
     ]
     # Stopped listening (a client that fell behind): what was gathered waits for the reader.
     channel, taken = OutputChannel(), []
-    channel.listen(taken.append, gather=2)
+    channel.listen(taken.append, StreamPace(2))
     channel.put_nowait(ReqOutput((1,), ()))
     channel.put_nowait(ReqOutput((2,), ()))
     channel.unlisten()
     channel.put_nowait(ReqOutput((3,), ()))
     assert taken == [ReqOutput((1,), ())]
     assert channel.get_nowait() == ReqOutput((2, 3), ())
+
+
+def test_auto_pace_gathers_two_tokens_only_while_many_streams_keep_the_gpu_waiting() -> None:
+    pace = StreamPace(None)
+    pace.on_decode_step(1, gpu_wait_share=1.0)  # one stream: its own launch is the wait
+    pace.on_decode_step(AUTO_MIN_STREAMS - 1, gpu_wait_share=1.0)
+    assert pace.gather == 1
+    pace.on_decode_step(256, gpu_wait_share=0.4)
+    assert pace.gather == 1
+    pace.on_decode_step(256, gpu_wait_share=0.6)
+    assert pace.gather == 2
+    pace.on_decode_step(129, gpu_wait_share=0.0)  # kept until the batch has halved
+    assert pace.gather == 2
+    pace.on_decode_step(127, gpu_wait_share=0.0)
+    assert pace.gather == 1
+    fixed = StreamPace(3)
+    fixed.on_decode_step(1, gpu_wait_share=0.0)
+    fixed.on_decode_step(256, gpu_wait_share=1.0)
+    assert fixed.gather == 3
+
+
+def test_a_pace_that_drops_back_to_one_sends_what_was_held_with_the_next_token() -> None:
+    pace, channel, taken = StreamPace(2), OutputChannel(), []
+    channel.listen(taken.append, pace)
+    channel.put_nowait(ReqOutput((1,), ()))
+    channel.put_nowait(ReqOutput((2,), ()))  # held: one token of two
+    pace.gather = 1
+    channel.put_nowait(ReqOutput((3,), ()))
+    channel.put_nowait(ReqOutput((4,), ()))
+    assert taken == [ReqOutput((1,), ()), ReqOutput((2, 3), ()), ReqOutput((4,), ())]
+
+
+def test_the_gpu_wait_share_follows_the_last_decode_launches() -> None:
+    from types import SimpleNamespace
+
+    from aserve.cli import parse_config
+    from aserve.scheduler.scheduler import Scheduler
+
+    scheduler = SimpleNamespace(gpu_wait_share=0.0)
+    for _ in range(16):
+        Scheduler.note_decode_launch(scheduler, True)  # type: ignore[arg-type]
+    assert scheduler.gpu_wait_share > 0.8
+    for _ in range(16):
+        Scheduler.note_decode_launch(scheduler, False)  # type: ignore[arg-type]
+    assert scheduler.gpu_wait_share < 0.2
+    assert parse_config([])[0].stream_interval is None  # auto
+    assert parse_config(["--stream-interval", "2"])[0].stream_interval == 2
+    assert parse_config(["--stream-interval", "auto"])[0].stream_interval is None

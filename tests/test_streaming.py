@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from aserve.sampling_params import SamplingParams
-from aserve.scheduler.request import FinishReason, Req, ReqOutput
+from aserve.scheduler.request import FinishReason, Req, ReqOutput, StreamPace
 from aserve.server import openai
 from aserve.server.generation import Choice, Delta
 from aserve.server.http import sse
@@ -86,7 +86,8 @@ def make_stream(tokenizer: Tokenizer, writer: RecordingWriter, gather: int = 1) 
         choices.append(choice)
     runtime = SimpleNamespace(tokenizer=tokenizer)
     shaper = ResponseShaper(parsed, ResponseHead("chatcmpl-x", "m"), runtime, choices)  # type: ignore[arg-type]
-    return ChoiceStream(shaper, choices, lambda choice, delta: None, writer, gather)  # type: ignore[arg-type]
+    pace = StreamPace(gather)
+    return ChoiceStream(shaper, choices, lambda choice, delta: None, writer, pace)  # type: ignore[arg-type]
 
 
 def hand_out(stream: ChoiceStream, step: int, finish: FinishReason = FinishReason.LENGTH) -> None:

@@ -32,6 +32,40 @@ class ReqOutput(NamedTuple):
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
+AUTO_MIN_STREAMS = 64
+"""`--stream-interval auto` gathers tokens only in decode batches of at least this many
+requests: below it a stream's events cost the loop little, and a step's own launch is what a
+waiting GPU waits for (a single stream's steps of ~1 ms on an H200)."""
+
+
+class StreamPace:
+    """How many tokens a streamed event gathers (`--stream-interval`), shared by the streams.
+
+    A number fixes it. `auto` (None) sends each token while the loop keeps up with the GPU and
+    two a event from when the GPU waits on the loop under many streams (the scheduler's
+    `gpu_wait_share` past a half, in a batch of `AUTO_MIN_STREAMS` or more) until that batch
+    has halved. At 256 streams on a host core that ran Python at half speed the loop, not the
+    GPU, set the pace: 20.6-22.7k tok/s against offline's 26.9k; two tokens an event halve
+    what it writes and detokenizes a step (23.1-25.2k, bench/NOTES.md, issue 21)."""
+
+    def __init__(self, interval: int | None = 1) -> None:
+        self.auto = interval is None
+        self.gather = interval or 1
+        self._switched_at = 0
+
+    def on_decode_step(self, batch_size: int, gpu_wait_share: float) -> None:
+        if not self.auto:
+            return
+        if self.gather == 1:
+            if batch_size >= AUTO_MIN_STREAMS and gpu_wait_share > 0.5:
+                self.gather, self._switched_at = 2, batch_size
+        elif 2 * batch_size < self._switched_at:
+            self.gather = 1
+
+
+EVERY_TOKEN = StreamPace(1)
+
+
 class OutputChannel:
     """A request's outputs on their way from the scheduler to its reader.
 
@@ -43,16 +77,16 @@ class OutputChannel:
 
     A listener (`listen`) takes each output as it is put, in the putter's call, instead of
     the reader (a streamed response writes its events there; server/streaming.py); outputs
-    put after `unlisten` wait for `get` as before. It must not raise. Told to `gather` n
-    tokens (`--stream-interval`), it gets the first output at once, then outputs joined as
-    `get` joins them once n tokens are held, and the last one with what is held.
+    put after `unlisten` wait for `get` as before. It must not raise. With a pace that
+    gathers n tokens (`--stream-interval`), it gets the first output at once, then outputs
+    joined as `get` joins them once n tokens are held, and the last one with what is held.
     """
 
     def __init__(self) -> None:
         self._pending: list[ReqOutput] = []
         self._waiter: asyncio.Future[None] | None = None
         self._listener: Callable[[ReqOutput], None] | None = None
-        self._gather = 1
+        self._pace = EVERY_TOKEN
         self._held: list[ReqOutput] = []
         self._held_tokens = 0
         self._heard = False  # an output has gone to the listener or a reader
@@ -61,10 +95,10 @@ class OutputChannel:
     def listener(self) -> Callable[[ReqOutput], None] | None:
         return self._listener
 
-    def listen(self, listener: Callable[[ReqOutput], None], gather: int = 1) -> None:
+    def listen(self, listener: Callable[[ReqOutput], None], pace: StreamPace = EVERY_TOKEN) -> None:
         """Hand outputs to `listener` from now on (call `get_nowait` first: outputs already
-        pending keep waiting for a reader)."""
-        self._listener, self._gather = listener, gather
+        pending keep waiting for a reader), gathered as `pace` says at each put."""
+        self._listener, self._pace = listener, pace
 
     def unlisten(self) -> None:
         """Stop calling the listener; outputs it was gathering wait for `get`, first."""
@@ -77,10 +111,11 @@ class OutputChannel:
     def put_nowait(self, out: ReqOutput) -> None:
         listener = self._listener
         if listener is not None and not self._pending:
-            if self._gather > 1 and self._heard:
+            gather = self._pace.gather
+            if (gather > 1 or self._held) and self._heard:
                 self._held.append(out)
                 self._held_tokens += len(out.token_ids)
-                if self._held_tokens < self._gather and out.finish_reason is None:
+                if self._held_tokens < gather and out.finish_reason is None:
                     return
                 out = _joined(self._held)
                 self._held, self._held_tokens = [], 0

@@ -32,7 +32,7 @@ from aserve.engine.engine import Engine, StepLogits
 from aserve.engine.followers import Followers
 from aserve.engine.sampler import SampleOutput
 from aserve.engine.step import forward_batch
-from aserve.forward import ForwardBatch
+from aserve.forward import ForwardBatch, ForwardMode
 from aserve.kvcache.base import PrefixCache
 from aserve.kvcache.naive import NaiveCache
 from aserve.kvcache.pages import PageAllocator
@@ -111,6 +111,14 @@ class Scheduler:
         self.overlap = engine.device.type == "cuda" and not os.environ.get("ASERVE_DISABLE_OVERLAP")
         window = step_timing_window(engine.device)
         self.timer = None if window is None else StepTimer(window)
+        self.gpu_wait_share = 0.0
+
+    def note_decode_launch(self, gpu_idle: bool) -> None:
+        """Average, over the last ~8 decode launches, of whether the GPU had already finished
+        the step in flight when the next one was launched: with overlap it then sat waiting
+        for the loop, which is the bound (streams, handlers, planning). Streams read it to
+        gather tokens into fewer events (`StreamPace`)."""
+        self.gpu_wait_share += (float(gpu_idle) - self.gpu_wait_share) / 8
 
     def make_request(self, prompt_ids: list[int], params: SamplingParams) -> Req:
         self._next_rid += 1
@@ -229,6 +237,9 @@ class Scheduler:
                     continue
                 if self.timer is not None:
                     self.timer.resume(plan_started)
+                in_flight = pending.done if pending is not None else None
+                if planned.mode is ForwardMode.DECODE and in_flight is not None:
+                    self.note_decode_launch(in_flight.query())
                 try:
                     if pending is not None and self._needs_last_tokens(planned):
                         forwarded = self._launch_forward(planned)

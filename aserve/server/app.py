@@ -77,6 +77,10 @@ class Server:
         snapshot = self.state.snapshot()
         self.metrics.update_scheduler(snapshot)
         if planned.mode is ForwardMode.DECODE:
+            if self.runtime is not None:
+                self.state.pace.on_decode_step(
+                    len(planned.reqs), self.runtime.scheduler.gpu_wait_share
+                )
             graphs = self.runtime.engine.graphs if self.runtime is not None else None
             replayed = graphs is not None and len(planned.reqs) <= graphs.max_batch_size
             self.stats.on_step("decode", snapshot, seconds, len(planned.reqs), cuda_graph=replayed)

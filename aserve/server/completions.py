@@ -243,7 +243,7 @@ class Completions:
         await response.write(b"".join(sse(chunk) for chunk in shaper.opening_chunks()))
         observe = partial(self._observe, started=started)
         writer = EventWriter(request, response)
-        stream = ChoiceStream(shaper, choices, observe, writer, self.state.config.stream_interval)
+        stream = ChoiceStream(shaper, choices, observe, writer, self.state.pace)
         failure = await stream.run()
         if failure is not None:
             logger.error("streamed choice failed: %s", failure[1])

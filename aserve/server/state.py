@@ -4,11 +4,12 @@ the edge needs to accept or refuse a request."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aserve.config import ServerConfig
 from aserve.metrics import Metrics, SchedulerSnapshot
 from aserve.runtime import Runtime
+from aserve.scheduler.request import StreamPace
 from aserve.server.admission import Admission
 from aserve.server.limits import InputLimits
 from aserve.server.openai import APIError
@@ -26,6 +27,7 @@ class ServerState:
     admission: Admission
     runtime: Runtime | None = None
     limits: InputLimits | None = None
+    pace: StreamPace = field(default_factory=StreamPace)  # --stream-interval, shared
     leaving: bool = False  # told to stop: /health is 503, requests still taken (--drain-delay)
     draining: bool = False  # requests refused, the running ones finishing
 
@@ -34,7 +36,8 @@ class ServerState:
         name = config.served_model_name or config.engine.model_path or DEFAULT_NAME
         queued = config.max_queued_requests
         capacity = None if queued is None else config.scheduler.max_running_requests + queued
-        return cls(config, name, Metrics(name), Admission(capacity))
+        pace = StreamPace(config.stream_interval)
+        return cls(config, name, Metrics(name), Admission(capacity), pace=pace)
 
     def loaded(self, runtime: Runtime) -> None:
         tokenizer = runtime.tokenizer

@@ -19,7 +19,7 @@ from functools import partial
 
 from aiohttp import hdrs, web
 
-from aserve.scheduler.request import ReqOutput
+from aserve.scheduler.request import EVERY_TOKEN, ReqOutput, StreamPace
 from aserve.server.generation import Choice, Delta
 from aserve.server.responses import ResponseShaper
 
@@ -64,13 +64,13 @@ class ChoiceStream:
         choices: list[Choice],
         observe: Callable[[Choice, Delta], None],
         writer: EventWriter,
-        gather: int = 1,
+        pace: StreamPace = EVERY_TOKEN,
     ) -> None:
         self.shaper = shaper
         self.choices = choices
         self.observe = observe
         self.writer = writer
-        self.gather = gather  # tokens an event waits for (--stream-interval)
+        self.pace = pace  # tokens an event gathers (--stream-interval)
         self.failure: tuple[int, Exception] | None = None
         self._gone: ConnectionResetError | None = None
         self._paused: asyncio.Future[None] | None = None
@@ -110,7 +110,7 @@ class ChoiceStream:
         if pending is not None:
             self._on_output(index, pending)
         if not self._ended() and not self._paused_yet():
-            choice.req.channel.listen(partial(self._on_output, index), self.gather)
+            choice.req.channel.listen(partial(self._on_output, index), self.pace)
 
     def _on_output(self, index: int, out: ReqOutput) -> None:
         """The listener: called in the scheduler's hand-off, so it never raises."""
