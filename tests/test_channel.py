@@ -7,6 +7,7 @@ import asyncio
 from aserve.sampling_params import TokenLogprob
 from aserve.scheduler.request import (
     AUTO_MIN_STREAMS,
+    AUTO_RETRY_STEPS,
     FinishReason,
     OutputChannel,
     ReqOutput,
@@ -97,6 +98,16 @@ def test_auto_pace_gathers_two_tokens_only_while_many_streams_keep_the_gpu_waiti
     pace.on_decode_step(129, gpu_wait_share=0.0)  # kept until the batch has halved
     assert pace.gather == 2
     pace.on_decode_step(127, gpu_wait_share=0.0)
+    assert pace.gather == 1
+    # A batch that stays large: one token an event again once the GPU has not waited a while.
+    pace.on_decode_step(256, gpu_wait_share=0.9)
+    for _ in range(AUTO_RETRY_STEPS - 2):
+        pace.on_decode_step(256, gpu_wait_share=0.0)
+    pace.on_decode_step(256, gpu_wait_share=0.2)  # a wait resets the count
+    for _ in range(AUTO_RETRY_STEPS - 1):
+        pace.on_decode_step(256, gpu_wait_share=0.0)
+    assert pace.gather == 2
+    pace.on_decode_step(256, gpu_wait_share=0.0)
     assert pace.gather == 1
     fixed = StreamPace(3)
     fixed.on_decode_step(1, gpu_wait_share=0.0)

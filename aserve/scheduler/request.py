@@ -37,29 +37,38 @@ AUTO_MIN_STREAMS = 64
 requests: below it a stream's events cost the loop little, and a step's own launch is what a
 waiting GPU waits for (a single stream's steps of ~1 ms on an H200)."""
 
+AUTO_RETRY_STEPS = 256
+"""Decode steps in a row without the GPU waiting (`gpu_wait_share` under 5%) after which
+`auto` tries one token an event again, for a server whose batch stays large: if the loop is
+still the bound, a few steps bring the share back past a half."""
+
 
 class StreamPace:
     """How many tokens a streamed event gathers (`--stream-interval`), shared by the streams.
 
     A number fixes it. `auto` (None) sends each token while the loop keeps up with the GPU and
-    two a event from when the GPU waits on the loop under many streams (the scheduler's
+    two an event from when the GPU waits on the loop under many streams (the scheduler's
     `gpu_wait_share` past a half, in a batch of `AUTO_MIN_STREAMS` or more) until that batch
-    has halved. At 256 streams on a host core that ran Python at half speed the loop, not the
-    GPU, set the pace: 20.6-22.7k tok/s against offline's 26.9k; two tokens an event halve
-    what it writes and detokenizes a step (23.1-25.2k, bench/NOTES.md, issue 21)."""
+    has halved, or until the GPU has not waited for `AUTO_RETRY_STEPS` steps. At 256 streams
+    on a host core that ran Python at half speed the loop, not the GPU, set the pace:
+    20.6-22.7k tok/s against offline's 26.9k; two tokens an event halve what it writes and
+    detokenizes a step (23.1-25.2k, bench/NOTES.md, issue 21)."""
 
     def __init__(self, interval: int | None = 1) -> None:
         self.auto = interval is None
         self.gather = interval or 1
         self._switched_at = 0
+        self._calm_steps = 0
 
     def on_decode_step(self, batch_size: int, gpu_wait_share: float) -> None:
         if not self.auto:
             return
         if self.gather == 1:
             if batch_size >= AUTO_MIN_STREAMS and gpu_wait_share > 0.5:
-                self.gather, self._switched_at = 2, batch_size
-        elif 2 * batch_size < self._switched_at:
+                self.gather, self._switched_at, self._calm_steps = 2, batch_size, 0
+            return
+        self._calm_steps = self._calm_steps + 1 if gpu_wait_share < 0.05 else 0
+        if 2 * batch_size < self._switched_at or self._calm_steps >= AUTO_RETRY_STEPS:
             self.gather = 1
 
 
