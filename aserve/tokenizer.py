@@ -117,6 +117,16 @@ def backend_decode(hf: Any) -> Callable[..., str] | None:
     return hf.backend_tokenizer.decode if plain else None
 
 
+def byte_level_decoder(hf: Any) -> bool:
+    """Whether the backend decodes byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM): token strings
+    joined and mapped back to bytes, so ids that split where a character ends decode to the
+    two texts joined. SentencePiece (Metaspace) and word-level decoders do not: they drop or
+    add spaces at the start of a piece."""
+    from tokenizers import decoders
+
+    return isinstance(hf.backend_tokenizer.decoder, decoders.ByteLevel)
+
+
 def light_model_config(model_dir: Path) -> Any | None:
     """A stand-in for the model config that AutoTokenizer consults, where tokenizer_config.json
     names the tokenizer class (then the config only lends its model type). Left to itself
@@ -170,6 +180,7 @@ class Tokenizer:
             False: [],
         }
         self._backend_decode = backend_decode(self.hf)
+        self.concatenative = self._backend_decode is not None and byte_level_decoder(self.hf)
         self.special_ids = self._ids_dropped_when_skipping_special()
         self.max_chars_per_token = chars_per_token_bound(self.hf)
 
@@ -323,7 +334,7 @@ class IncrementalDetokenizer:
             boundary, text = self._complete_boundary(text)
         out = text[self._prefix :]
         if boundary > self._read:
-            self._move_read_offset(boundary)
+            self._move_read_offset(boundary, out)
         return out
 
     def flush(self) -> str:
@@ -347,12 +358,18 @@ class IncrementalDetokenizer:
                 return end - 1, head
         return self._read, text[: self._prefix]
 
-    def _move_read_offset(self, boundary: int) -> None:
-        """Read up to `boundary`; the tokens read until now become the only context."""
+    def _move_read_offset(self, boundary: int, read_text: str) -> None:
+        """Read up to `boundary`; the tokens read until now become the only context.
+        `read_text` is what the window decoded to from the old read offset to `boundary`: with
+        a byte-level decoder it is those tokens' own decode (both offsets end characters),
+        which saves a decode a push; other decoders decode them again."""
         start = self._read
         self._ids = self._ids[start:]
         self._read = boundary - start
-        self._prefix = len(self._decode(self._ids[: self._read]))
+        if self._tokenizer.concatenative:
+            self._prefix = len(read_text)
+        else:
+            self._prefix = len(self._decode(self._ids[: self._read]))
         self._unsettled = 0
 
     def _prompt_context(self, prompt_ids: list[int]) -> list[int]:

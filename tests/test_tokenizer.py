@@ -386,6 +386,22 @@ def test_each_push_decodes_a_few_tokens(
     assert len(ids) > 1000 and max(sizes) <= 8 and sum(sizes) <= 8 * len(ids)
 
 
+def test_a_byte_level_decoder_decodes_once_a_push_and_sentencepiece_twice(
+    tokenizer: Tokenizer, sentencepiece: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where decoding joins (byte-level BPE), the text a push read is its tokens' own decode,
+    so the next push's context costs no second decode; SentencePiece keeps decoding it."""
+    assert tokenizer.concatenative and not sentencepiece.concatenative
+    for tok in (tokenizer, sentencepiece):
+        ids, prompt = tok.encode(" ".join(TEXTS) * 5), tok.encode("A prompt.")
+        whole = tok.hf.decode(prompt + ids)[len(tok.hf.decode(prompt)) :]
+        detokenizer = IncrementalDetokenizer(tok, prompt)
+        sizes = spy_on_decode(tok, monkeypatch)
+        assert "".join(detokenize(detokenizer, [[i] for i in ids])) == whole
+        calls_a_push = len(sizes) / len(ids)
+        assert calls_a_push < 1.2 if tok is tokenizer else calls_a_push > 1.8
+
+
 def test_stray_bytes_do_not_grow_the_window(
     tokenizer: Tokenizer, stray_bytes: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
