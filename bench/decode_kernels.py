@@ -50,8 +50,7 @@ def time_kernel(
     if kernel.startswith("triton"):
         from aserve.attention.triton_decode import TritonDecodeWrapper
 
-        page_ids = torch.zeros(num_pages, dtype=torch.int32, device="cuda")
-        wrapper: Any = TritonDecodeWrapper(torch.device("cuda"), batch, page_ids)
+        wrapper: Any = TritonDecodeWrapper(torch.device("cuda"), batch, num_pages)
         k, v = paged_cache("engine", num_pages, page_size, kv_heads)
         cache: Any = (k.to(kv_dtype), v.to(kv_dtype))
     else:
@@ -143,9 +142,7 @@ def time_fp8_setting(
         triton_decode.WHOLE_MIN_PROGRAMS = 1 << 30
         triton_decode.FP8_SPLIT_PROGRAMS = splits * batch * kv_heads
         triton_decode.FP8_SPLIT_SETTING = setting
-    wrapper = TritonDecodeWrapper(
-        torch.device("cuda"), batch, torch.zeros(num_pages, dtype=torch.int32, device="cuda")
-    )
+    wrapper = TritonDecodeWrapper(torch.device("cuda"), batch, num_pages)
     order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(0))
     plan(wrapper, batch, q_heads, kv_heads, context, page_size, order, torch.float8_e4m3fn)
     assert wrapper.num_splits == splits

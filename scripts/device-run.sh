@@ -152,12 +152,14 @@ for step in "$@"; do
     burst-ab)  # issue 21: one 256-chat burst on a fresh server (no prefix cached), BEFORE's tree (.scratch/old) against this one, alternating
               python3 -c "from pathlib import Path; from bench.minisgl_peer import tokenizer_folder as t; t(Path('bench/models/qwen3-0.6b'), Path('/tmp/q06'))"
               root=$PWD; for run in ${AB_REPEAT:-1 2}; do for side in before after; do tree=$([ $side = before ] && echo .scratch/old || echo .)
-                (cd $tree && PYTHONPATH=/tmp/site:$PWD python3 -m aserve --model /tmp/q06 --dummy-weight --port 1919 --max-seq-len-override 4096 \
+                (cd $tree && ASERVE_STEP_TIMING=0.5 PYTHONPATH=/tmp/site:$PWD python3 -m aserve --model /tmp/q06 --dummy-weight --port 1919 --max-seq-len-override 4096 \
                   --max-prefill-length 16384 --page-size 256 --cuda-graph-max-bs 256 > $OUT/server-burst.log 2>&1 &)
                 for i in $(seq 240); do curl -sf localhost:1919/health > /dev/null && break; sleep 1; done
                 timeout 150 python3 bench/serving.py --api chat --tokenizer /tmp/q06 --temperature 0.6 --num-prompts 256 --input-len 100 1024 \
                   --output-len 100 1024 --client-processes 4 $([ $side = before ] && echo --no-record) --label "issue 21: one 256-chat burst on a fresh server, alternating with ${BEFORE:-?}" 2>&1 \
                   | grep "Output token\|Median TTFT\|P99 ITL\|Failed" | tr '\n' ' ' | sed "s/^/$side: /"; echo
+                # the first decode windows at 256 streams: steps, GPU busy, the loop's plan+launch and results a step
+                grep "step timing" $OUT/server-burst.log | sed -n 3,6p | grep -o "[0-9]* steps\|GPU busy [0-9.]*\|plan+launch [0-9.]* ms\|results [0-9.]*" | paste -sd " "
                 pkill -INT -f "python3 -m aserve --model"; sleep 4; done; done ;;
     stream-ab)  # issue 21: one stream at a time (512 in / 256 out, 16 requests), BEFORE's tree (.scratch/old) against this one, alternating
               python3 -c "from pathlib import Path; from bench.minisgl_peer import tokenizer_folder as t; t(Path('bench/models/qwen3-0.6b'), Path('/tmp/q06'))"

@@ -213,7 +213,7 @@ def test_triton_decode_reads_an_fp8_cache(
     wrapper = TritonDecodeWrapper(CUDA)
     wrapper.plan(
         indptr,
-        page_ids,
+        page_ids.cpu(),
         last,
         num_qo_heads=q_heads,
         num_kv_heads=kv_heads,

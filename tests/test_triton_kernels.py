@@ -20,6 +20,7 @@ from aserve.layers.rotary import RotaryEmbedding
 from aserve.sampling_params import SamplingParams
 
 pytest.importorskip("triton", reason="Triton is not installed (it comes with xgrammar)")
+from aserve.engine import race_triton  # noqa: E402
 from aserve.engine.race_triton import race  # noqa: E402
 from aserve.layers.cuda_ops import CudaKernels  # noqa: E402
 
@@ -88,14 +89,15 @@ def torch_race(probs: torch.Tensor, seeds: list[int], steps: list[int]) -> torch
     return row_argmax(probs / seeded_exponential_noise(keys, probs.shape[-1]))
 
 
-@pytest.mark.parametrize("rows", [1, 5])
-def test_race_picks_the_torch_race_winner(rows: int) -> None:
+@pytest.mark.parametrize("rows", [1, 5, 8])
+def test_race_picks_the_torch_race_winner(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Over probabilities (filtered) the same bits as the torch path; over logits at a
-    temperature the same winner (rounding differs only at ties). One row splits its 5,000
-    tokens over several programs."""
+    temperature the same winner (rounding differs only at ties). On a GPU of 8 SMs, 1 and 5
+    rows split their 5,000 tokens over several programs; 8 rows take one program a row."""
+    monkeypatch.setattr(race_triton, "_sm_count", lambda device: 8)
     vocab = 5000
     logits = (torch.randn(rows, vocab, generator=gen(8)) * 3).to(DEVICE)
-    temperature = torch.tensor([0.5, 0.7, 1.0, 1.3, 2.0][:rows], device=DEVICE)
+    temperature = torch.linspace(0.5, 2.0, rows, device=DEVICE)
     seeds, steps = [11 + 7 * i for i in range(rows)], [i * 3 for i in range(rows)]
     seed_keys, step_t = _seed_keys(seeds).to(DEVICE), torch.tensor(steps, device=DEVICE)
     probs = torch.softmax(logits / temperature[:, None], dim=-1)

@@ -128,8 +128,14 @@ class FlashInferBackend:
         batch.attn_metadata = self.prefill_wrapper
 
     def plan_decode(self, wrapper: Any, batch: ForwardBatch) -> None:
-        """Plan a decode batch into `wrapper` (ours, or a CUDA-graph one with static buffers)."""
-        indptr, last, indices = self._page_layout(batch)
+        """Plan a decode batch into `wrapper` (ours, or a CUDA-graph one with static buffers).
+        Triton's wrapper takes the page ids on the host, with the rest in one copy."""
+        if self.triton_decode is not None and isinstance(
+            wrapper, self.triton_decode.TritonDecodeWrapper
+        ):
+            indptr, last, indices = self.page_table.page_layout(batch.row_ids, batch.seq_lens)
+        else:
+            indptr, last, indices = self._page_layout(batch)
         wrapper.plan(
             indptr,
             indices,
@@ -145,12 +151,13 @@ class FlashInferBackend:
 
     def graph_decode_wrapper(self, batch_size: int, page_ids: torch.Tensor) -> Any:
         """A decode wrapper whose metadata lives in static buffers, for one captured size;
-        `page_ids` (int32) is the page-id buffer that the sizes share."""
+        `page_ids` (int32) is the page-id buffer that FlashInfer's wrappers of every size
+        share (Triton's keeps its own of that size, beside the rest of its plan)."""
         import flashinfer
 
         device = self.workspace.device
         if self.uses_triton(batch_size):
-            return self.triton_decode.TritonDecodeWrapper(device, batch_size, page_ids)
+            return self.triton_decode.TritonDecodeWrapper(device, batch_size, len(page_ids))
         return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace,
             "NHD",

@@ -17,6 +17,8 @@ machine; this one compiles in about a second.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -98,12 +100,14 @@ def race(
     rows, vocab = scores.shape
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
     blocks = triton.cdiv(vocab, BLOCK)
-    programs = PROGRAMS_PER_SM * _sm_count(scores.device)
-    splits = max(1, min(blocks, triton.cdiv(programs, rows)))
+    sms = _sm_count(scores.device)
+    # From a row per SM up, one program a row: the winner is the kernel's own output, where
+    # splits would add three small kernels (argmax, gather, cast) to the step's launch.
+    splits = 1 if rows >= sms else max(1, min(blocks, triton.cdiv(PROGRAMS_PER_SM * sms, rows)))
     chunk = triton.cdiv(blocks, splits) * BLOCK
     splits = triton.cdiv(vocab, chunk)
     values = torch.empty(rows, splits, dtype=torch.float32, device=scores.device)
-    ids = torch.empty(rows, splits, dtype=torch.int32, device=scores.device)
+    ids = torch.empty(rows, splits, dtype=torch.int64, device=scores.device)
     log_space = temperature is not None
     _race_kernel[(rows, splits)](
         scores,
@@ -120,10 +124,11 @@ def race(
         BLOCK=BLOCK,
     )
     if splits == 1:
-        return ids[:, 0].long()
-    return ids.gather(1, values.argmax(dim=1, keepdim=True)).squeeze(1).long()
+        return ids.view(rows)
+    return ids.gather(1, values.argmax(dim=1, keepdim=True)).squeeze(1)
 
 
+@functools.cache
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
