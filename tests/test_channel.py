@@ -65,7 +65,7 @@ def test_a_listener_takes_outputs_in_the_putters_call_until_cleared() -> None:
 
 def test_a_listener_told_to_gather_gets_the_first_output_then_every_n_tokens_and_the_last() -> None:
     channel, taken = OutputChannel(), []
-    channel.listen(taken.append, StreamPace(3))
+    channel.listen(taken.append, StreamPace(3), phase=2)  # due when tokens put + 2 is 3k
     for token in range(1, 8):
         channel.put_nowait(ReqOutput((token,), ()))
     channel.put_nowait(ReqOutput((8,), (), FinishReason.LENGTH))
@@ -77,13 +77,36 @@ def test_a_listener_told_to_gather_gets_the_first_output_then_every_n_tokens_and
     ]
     # Stopped listening (a client that fell behind): what was gathered waits for the reader.
     channel, taken = OutputChannel(), []
-    channel.listen(taken.append, StreamPace(2))
+    channel.listen(taken.append, StreamPace(2), phase=1)
     channel.put_nowait(ReqOutput((1,), ()))
     channel.put_nowait(ReqOutput((2,), ()))
     channel.unlisten()
     channel.put_nowait(ReqOutput((3,), ()))
     assert taken == [ReqOutput((1,), ())]
     assert channel.get_nowait() == ReqOutput((2, 3), ())
+
+
+def test_gathering_streams_of_other_phases_send_in_other_steps() -> None:
+    """Eight streams switched to two tokens an event at the same step: from then on each
+    step hands events to half of them (a token each step to every stream), not to all of
+    them every other step."""
+    pace = StreamPace(1)
+    channels, taken = [OutputChannel() for _ in range(8)], [[] for _ in range(8)]
+    for phase, (channel, out) in enumerate(zip(channels, taken)):
+        channel.listen(out.append, pace, phase=phase)
+        channel.put_nowait(ReqOutput((0,), ()))
+    pace.gather = 2
+    sent_each_step = []
+    for step in range(1, 8):
+        before = sum(map(len, taken))
+        finish = FinishReason.LENGTH if step == 7 else None
+        for channel in channels:
+            channel.put_nowait(ReqOutput((step,), (), finish))
+        sent_each_step.append(sum(map(len, taken)) - before)
+    assert sent_each_step == [4] * 6 + [8]  # the finish goes to every stream
+    for out in taken:  # every token arrives once, in order, at most two an event
+        assert [t for o in out for t in o.token_ids] == list(range(8))
+        assert max(len(o.token_ids) for o in out) <= 2
 
 
 def test_auto_pace_gathers_two_tokens_only_while_many_streams_keep_the_gpu_waiting() -> None:
@@ -117,7 +140,7 @@ def test_auto_pace_gathers_two_tokens_only_while_many_streams_keep_the_gpu_waiti
 
 def test_a_pace_that_drops_back_to_one_sends_what_was_held_with_the_next_token() -> None:
     pace, channel, taken = StreamPace(2), OutputChannel(), []
-    channel.listen(taken.append, pace)
+    channel.listen(taken.append, pace, phase=1)
     channel.put_nowait(ReqOutput((1,), ()))
     channel.put_nowait(ReqOutput((2,), ()))  # held: one token of two
     pace.gather = 1

@@ -29,9 +29,11 @@ class StandInScheduler:
 
     def __init__(self) -> None:
         self.aborted: list[Req] = []
+        self.requests = 0
 
     def make_request(self, prompt_ids: list[int], params: SamplingParams) -> Req:
-        return Req(0, prompt_ids, params, seed=0)
+        self.requests += 1
+        return Req(self.requests, prompt_ids, params, seed=0)
 
     def check_request(self, req: Req) -> None:
         return None
@@ -159,8 +161,9 @@ def test_a_stream_interval_sends_fewer_events_with_the_same_text(tokenizer: Toke
     gathered = RecordingWriter()
     assert run(make_stream(tokenizer, gathered, gather=2), len(REPLIES[0])) is None
     assert texts(gathered.events) == texts(every.events)
-    # Five tokens a choice: the first at once, then two and two (the last with the finish).
-    assert (len(every.events), len(gathered.events)) == (10, 6)
+    # Five tokens a choice, the first at once. Request 1 (odd phase): then two and two, the
+    # last with the finish. Request 2 sends in the other steps: one, two, then the last.
+    assert (len(every.events), len(gathered.events)) == (10, 7)
 
 
 def test_an_error_finish_ends_the_stream_with_its_choice(tokenizer: Tokenizer) -> None:

@@ -88,7 +88,11 @@ class OutputChannel:
     the reader (a streamed response writes its events there; server/streaming.py); outputs
     put after `unlisten` wait for `get` as before. It must not raise. With a pace that
     gathers n tokens (`--stream-interval`), it gets the first output at once, then outputs
-    joined as `get` joins them once n tokens are held, and the last one with what is held.
+    joined as `get` joins them each time the count of tokens put plus the listener's `phase`
+    is a multiple of n, and the last one with what is held. Streams of different phases send
+    in different steps: when all 256 of a burst switched to two tokens at once, every other
+    step wrote all of them and the next none, and the GPU, one step ahead of the loop at
+    most, waited through each heavy step.
     """
 
     def __init__(self) -> None:
@@ -99,15 +103,20 @@ class OutputChannel:
         self._held: list[ReqOutput] = []
         self._held_tokens = 0
         self._heard = False  # an output has gone to the listener or a reader
+        self._tokens_put = 0
+        self._phase = 0
 
     @property
     def listener(self) -> Callable[[ReqOutput], None] | None:
         return self._listener
 
-    def listen(self, listener: Callable[[ReqOutput], None], pace: StreamPace = EVERY_TOKEN) -> None:
+    def listen(
+        self, listener: Callable[[ReqOutput], None], pace: StreamPace = EVERY_TOKEN, phase: int = 0
+    ) -> None:
         """Hand outputs to `listener` from now on (call `get_nowait` first: outputs already
-        pending keep waiting for a reader), gathered as `pace` says at each put."""
-        self._listener, self._pace = listener, pace
+        pending keep waiting for a reader), gathered as `pace` says at each put, in the
+        steps that `phase` (any integer, e.g. the request's id) picks."""
+        self._listener, self._pace, self._phase = listener, pace, phase
 
     def unlisten(self) -> None:
         """Stop calling the listener; outputs it was gathering wait for `get`, first."""
@@ -118,13 +127,15 @@ class OutputChannel:
             self._wake()
 
     def put_nowait(self, out: ReqOutput) -> None:
+        self._tokens_put += len(out.token_ids)
         listener = self._listener
         if listener is not None and not self._pending:
             gather = self._pace.gather
             if (gather > 1 or self._held) and self._heard:
                 self._held.append(out)
                 self._held_tokens += len(out.token_ids)
-                if self._held_tokens < gather and out.finish_reason is None:
+                due = (self._tokens_put + self._phase) % gather == 0
+                if not due and self._held_tokens < gather and out.finish_reason is None:
                     return
                 out = _joined(self._held)
                 self._held, self._held_tokens = [], 0

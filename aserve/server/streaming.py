@@ -110,7 +110,7 @@ class ChoiceStream:
         if pending is not None:
             self._on_output(index, pending)
         if not self._ended() and not self._paused_yet():
-            choice.req.channel.listen(partial(self._on_output, index), self.pace)
+            choice.req.channel.listen(partial(self._on_output, index), self.pace, choice.req.rid)
 
     def _on_output(self, index: int, out: ReqOutput) -> None:
         """The listener: called in the scheduler's hand-off, so it never raises."""
