@@ -23,9 +23,9 @@ lengths a long one left for last would run alone at the end of the launch. On th
 over those 15 cases, 13% faster than FlashInfer.
 
 `TritonDecodeWrapper` takes the paged layout FlashInfer's decode wrappers take (page index
-pointers, page ids, last-page lengths) through the same `plan` / `run` calls, so the
-FlashInfer backend hands it the batches `takes_batch` names, in CUDA graphs too (static
-buffers, a grid fixed at capture). Imported only on CUDA (it imports Triton).
+pointers, page ids, last-page lengths; all three on the host) through the same `plan` / `run`
+calls, so the FlashInfer backend hands it the batches `takes_batch` names, in CUDA graphs
+too (static buffers, a grid fixed at capture). Imported only on CUDA (it imports Triton).
 """
 
 from __future__ import annotations
