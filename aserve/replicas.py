@@ -35,7 +35,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
@@ -125,10 +125,16 @@ def visible_gpus(device: str) -> list[str]:
     return named[:count] if named else [str(i) for i in range(count)]
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+def free_port(host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
+    """A port nothing listens on now, other than those in `avoid`: ports handed out for
+    processes not yet started (the router's own, the replicas') are free until they bind,
+    and the system may hand the same one out again (a router once failed to start so)."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in avoid:
+            return port
 
 
 def http_status(url: str, timeout_s: float = 2.0) -> int:
@@ -309,7 +315,7 @@ class Launcher:
             placements = place_on_cpus(dp, usable_cpus())
         waves: list[list[Child]] = [[] for _ in range(max(p.wave for p in placements) + 1)]
         for index, placement in enumerate(placements):
-            port = free_port()
+            port = free_port(avoid={self.config.port, *(r.port for r in self.replicas)})
             command = [
                 *(sys.executable, "-m", "aserve", *self.argv),
                 *("--dp", "1", "--host", "127.0.0.1", "--port", str(port)),
@@ -333,6 +339,9 @@ class Launcher:
     def replica_url(self, replica: Child) -> str:
         return f"http://127.0.0.1:{replica.port}"
 
+    def _metrics_port(self) -> int:
+        return free_port(avoid={self.config.port, *(r.port for r in self.replicas)})
+
     def router_command(self) -> list[str]:
         urls = [self.replica_url(r) for r in self.replicas]
         return [
@@ -343,7 +352,7 @@ class Launcher:
             *("--health-failure-threshold", str(HEALTH_FAILURES)),
             *("--health-success-threshold", "1"),
             *("--health-check-timeout-secs", str(HEALTH_TIMEOUT_S)),
-            *("--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())),
+            *("--prometheus-host", "127.0.0.1", "--prometheus-port", str(self._metrics_port())),
             *("--shutdown-grace-period-secs", "10", "--log-level", "warn"),
             *shlex.split(self.args.router_args),
         ]

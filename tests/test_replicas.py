@@ -25,6 +25,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from aserve import replicas
 from aserve.replicas import free_port, http_status, place_on_cpus, place_on_gpus
 
 KEY = "fleet-key"
@@ -59,6 +60,30 @@ def test_replicas_split_the_cpu_cores() -> None:
     crowded = place_on_cpus(3, [0, 1])
     assert [p.cpus for p in crowded] == [(0, 1)] * 3
     assert {p.env["OMP_NUM_THREADS"] for p in crowded} == {"1"}
+
+
+def test_free_port_skips_ports_handed_out_to_processes_not_yet_listening(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The system may give a port out again until someone binds it: the router's port and
+    the replicas' must not come back as another's."""
+    handed = iter([4001, 4002, 4003])
+
+    class OneBind:
+        def __enter__(self) -> OneBind:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+        def bind(self, address: tuple[str, int]) -> None:
+            self.port = next(handed)
+
+        def getsockname(self) -> tuple[str, int]:
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(replicas.socket, "socket", OneBind)
+    assert free_port(avoid={4001, 4002}) == 4003
 
 
 def test_replica_and_router_commands_follow_the_options() -> None:
