@@ -315,7 +315,7 @@ class Launcher:
             placements = place_on_cpus(dp, usable_cpus())
         waves: list[list[Child]] = [[] for _ in range(max(p.wave for p in placements) + 1)]
         for index, placement in enumerate(placements):
-            port = free_port(avoid={self.config.port, *(r.port for r in self.replicas)})
+            port = self._unused_port()
             command = [
                 *(sys.executable, "-m", "aserve", *self.argv),
                 *("--dp", "1", "--host", "127.0.0.1", "--port", str(port)),
@@ -339,7 +339,8 @@ class Launcher:
     def replica_url(self, replica: Child) -> str:
         return f"http://127.0.0.1:{replica.port}"
 
-    def _metrics_port(self) -> int:
+    def _unused_port(self) -> int:
+        """A free port that is neither the router's nor a replica's already."""
         return free_port(avoid={self.config.port, *(r.port for r in self.replicas)})
 
     def router_command(self) -> list[str]:
@@ -352,7 +353,7 @@ class Launcher:
             *("--health-failure-threshold", str(HEALTH_FAILURES)),
             *("--health-success-threshold", "1"),
             *("--health-check-timeout-secs", str(HEALTH_TIMEOUT_S)),
-            *("--prometheus-host", "127.0.0.1", "--prometheus-port", str(self._metrics_port())),
+            *("--prometheus-host", "127.0.0.1", "--prometheus-port", str(self._unused_port())),
             *("--shutdown-grace-period-secs", "10", "--log-level", "warn"),
             *shlex.split(self.args.router_args),
         ]
