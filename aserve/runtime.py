@@ -65,10 +65,10 @@ def chosen_quantization(engine: EngineConfig, model: ModelConfig) -> str | None:
         )
     else:
         chosen = requested
-    if chosen is not None and model.num_experts and (chosen != "fp8" or stored is not None):
+    if chosen is not None and model.num_experts and chosen != "fp8":
         raise ConfigError(
-            "MoE experts are quantized only by --quantization fp8 of a float checkpoint: pass "
-            "that, or --quantization none to run this model in --dtype"
+            "MoE experts run quantized only in FP8 (an FP8 checkpoint, or --quantization fp8 "
+            "of a float one): pass that, or --quantization none to run this model in --dtype"
         )
     return chosen
 

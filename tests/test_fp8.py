@@ -215,19 +215,24 @@ def write_fp8_checkpoint(
         (folder / "config.json").write_text(json.dumps(config))
 
 
-@pytest.mark.parametrize("block", [(32, 32), None], ids=["block-scales", "tensor-scale"])
+@pytest.mark.parametrize(
+    ("family", "block"),
+    [("llama", (32, 32)), ("llama", None), ("qwen3_moe", (32, 32)), ("qwen3_moe", None)],
+    ids=["block-scales", "tensor-scale", "moe-block-scales", "moe-tensor-scale"],
+)
 def test_fp8_checkpoint_loads_as_published(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     make_llm: Callable[..., LLM],
+    family: str,
     block: tuple[int, int] | None,
 ) -> None:
-    """An FP8 checkpoint in the published layout runs in FP8 (first greedy tokens as its
-    de-quantized float twin on most prompts); with `--quantization none` it loads
-    de-quantized and generates exactly the twin's tokens; a weight without its scale is a
-    clear error."""
+    """An FP8 checkpoint in the published layout runs in FP8, MoE experts included (first
+    greedy tokens as its de-quantized float twin on most prompts); with `--quantization
+    none` it loads de-quantized and generates exactly the twin's tokens; a weight without
+    its scale is a clear error."""
     fp8_on_cpu(monkeypatch)
-    float_folder = make_tiny_model("llama", tmp_path / "float")
+    float_folder = make_tiny_model(family, tmp_path / "float")
     fp8_folder, twin_folder = tmp_path / "fp8", tmp_path / "twin"
     write_fp8_checkpoint(float_folder, fp8_folder, twin_folder, block)
     fp8 = make_llm(fp8_folder, num_pages=256)
@@ -235,6 +240,14 @@ def test_fp8_checkpoint_loads_as_published(
     assert fp8.runtime.model_config.quantization == "fp8"
     (product,) = fp8.runtime.engine.model.model.layers[1].self_attn.o_proj.quantized.products
     assert isinstance(product, Fp8Weight)
+    if family == "qwen3_moe":
+        experts = fp8.runtime.engine.model.model.layers[0].mlp.experts
+        assert experts.w13.dtype == experts.w2.dtype == FP8
+        twin_experts = twin.runtime.engine.model.model.layers[0].mlp.experts
+        dequantized = experts.w13.float() * experts.w13_scale[..., None]
+        error = (dequantized - twin_experts.w13).abs().max()
+        # exact for a tensor's scale; block scales are applied, then each row re-quantized
+        assert error <= 0.07 * twin_experts.w13.abs().max()
     agree, pairs = first_tokens_agreeing(fp8, twin, max_tokens=8)
     assert agree >= 4, pairs
 
@@ -247,7 +260,7 @@ def test_fp8_checkpoint_loads_as_published(
 
     tensors = load_file(str(fp8_folder / "model.safetensors"))
     scale = "weight_scale_inv" if block else "weight_scale"
-    del tensors[f"model.layers.0.mlp.down_proj.{scale}"]
+    del tensors[f"model.layers.1.mlp.down_proj.{scale}"]
     save_file(tensors, str(fp8_folder / "model.safetensors"))
     with pytest.raises(ValueError, match="down_proj.weight has no scale"):
         LLM(str(fp8_folder), num_pages=256)

@@ -28,6 +28,7 @@ from aserve.layers.moe import (
 )
 from aserve.models.registry import build_model
 from aserve.models.weights import fill_dummy_weights, iter_weights, load_hf_config
+from aserve.quant.fp8 import quantize_rows
 from tests.test_models import PROMPTS, assert_logits_match, hf_model, our_logits
 from tests.tiny_models import hf_greedy_tokens, make_tiny_model
 
@@ -115,12 +116,26 @@ def test_torch_backend_equals_naive_reference(
 
 
 def fp8_experts(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """`ExpertWeights.quantize_fp8` of these weights: (w13, w13_scale, w2, w2_scale)."""
-    experts = ExpertWeights(w13.shape[0], w13.shape[2], w13.shape[1] // 2, TPGroup())
-    experts.w13.data, experts.w2.data = w13, w2
-    experts.quantize_fp8()
+    """These weights loaded expert by expert into FP8 experts: (w13, w13_scale, w2, w2_scale).
+    Each part is quantized as it loads, to exactly the rows and scales of quantizing the
+    stacked float weights after the load (the FP8 kernels' layout)."""
+    inter = w13.shape[1] // 2
+    experts = ExpertWeights(w13.shape[0], w13.shape[2], inter, TPGroup(), fp8=True)
+    for e in range(w13.shape[0]):
+        experts.load_tensor(f"{e}.gate_proj.weight", w13[e, :inter])
+        experts.load_tensor(f"{e}.up_proj.weight", w13[e, inter:])
+        experts.load_tensor(f"{e}.down_proj.weight", w2[e])
     assert experts.w13.dtype == experts.w2.dtype == torch.float8_e4m3fn
     assert experts.w13_scale is not None and experts.w2_scale is not None
+    for weight, scales, full in (
+        (experts.w13, experts.w13_scale, w13),
+        (experts.w2, experts.w2_scale, w2),
+    ):
+        rows = quantize_rows(full.reshape(-1, full.shape[-1]))
+        assert torch.equal(
+            weight.data.view(torch.uint8).flatten(), rows.values.view(torch.uint8).flatten()
+        )
+        assert torch.equal(scales.flatten(), rows.scales)
     return experts.w13.data, experts.w13_scale, experts.w2.data, experts.w2_scale
 
 
@@ -135,18 +150,23 @@ def test_fp8_experts_in_the_torch_backend_equal_their_dequantized_weights() -> N
     torch.testing.assert_close(torch_experts(x, q13, q2, weights, ids, s13, s2), expected)
 
 
-def test_only_fp8_of_a_float_checkpoint_reaches_moe_experts() -> None:
+def test_moe_experts_run_quantized_only_in_fp8() -> None:
+    """`--quantization fp8` of a float checkpoint and an FP8 checkpoint as it is reach the
+    experts; other quantizations are refused in one line."""
     from aserve.config import EngineConfig
     from aserve.runtime import chosen_quantization
 
     moe = ModelConfig.from_hf(load_hf_config(BENCH_MOE)[0])
     assert moe.num_experts and moe.quantization is None
     assert chosen_quantization(EngineConfig(quantization="fp8"), moe) == "fp8"
-    with pytest.raises(ConfigError, match="--quantization fp8 of a float checkpoint"):
+    with pytest.raises(ConfigError, match="MoE experts run quantized only in FP8"):
         chosen_quantization(EngineConfig(quantization="int4"), moe)
     stored = dataclasses.replace(moe, quantization="fp8")
-    with pytest.raises(ConfigError, match="--quantization fp8 of a float checkpoint"):
-        chosen_quantization(EngineConfig(quantization="auto"), stored)
+    assert chosen_quantization(EngineConfig(quantization="auto"), stored) == "fp8"
+    assert chosen_quantization(EngineConfig(quantization="none"), stored) is None
+    gguf = dataclasses.replace(moe, quantization="gguf")
+    with pytest.raises(ConfigError, match="MoE experts run quantized only in FP8"):
+        chosen_quantization(EngineConfig(quantization="auto"), gguf)
 
 
 def test_group_by_expert_keeps_token_order_and_counts_empty_experts() -> None:
@@ -266,6 +286,16 @@ def test_dummy_weights_run_from_the_bench_config(
     llm = make_llm(tmp_path, dummy_weight=True, num_pages=256)
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5, ignore_eos=True))[0]
     assert len(out.token_ids) == 5
+    # FP8 experts (--quantization fp8) are filled one expert at a time, quantized as they go
+    fp8_config = dataclasses.replace(ModelConfig.from_hf(config), quantization="fp8")
+    fp8_model = build_model(fp8_config, 64, TPGroup())
+    fill_dummy_weights(fp8_model)
+    experts = fp8_model.model.layers[0].mlp.experts
+    assert experts.w13.dtype == experts.w2.dtype == torch.float8_e4m3fn
+    for weight, scales in ((experts.w13, experts.w13_scale), (experts.w2, experts.w2_scale)):
+        assert scales is not None
+        values = weight.float() * scales[..., None]
+        assert torch.isfinite(values).all() and 0.01 < values.std().item() < 0.03
 
 
 @pytest.mark.gpu
@@ -308,23 +338,36 @@ def test_fused_fp8_experts_match_torch_backend(tokens: int, experts: int, top_k:
 
 @pytest.mark.gpu
 @requires_cuda
-def test_fp8_moe_model_in_cuda_graphs(make_llm: Callable[..., LLM], tmp_path: Path) -> None:
-    """`--quantization fp8` reaches the experts; under graphs and eagerly the fused FP8 path
-    gives the same tokens, and its first greedy tokens mostly agree with bf16."""
+@pytest.mark.parametrize("stored", [False, True], ids=["quantized-at-load", "fp8-checkpoint"])
+def test_fp8_moe_model_in_cuda_graphs(
+    make_llm: Callable[..., LLM], tmp_path: Path, stored: bool
+) -> None:
+    """FP8 experts from `--quantization fp8` of a float checkpoint, or from a published FP8
+    checkpoint (block scales): under graphs and eagerly the fused FP8 path gives the same
+    tokens, and its first greedy tokens mostly agree with the float model's (for the FP8
+    checkpoint, its de-quantized twin's)."""
     pytest.importorskip("flashinfer")
+    from tests.test_fp8 import write_fp8_checkpoint
     from tests.test_quant import first_tokens_agreeing
 
-    folder = make_tiny_model("qwen3_moe", tmp_path, overrides=GPU_SHAPES)
+    folder = make_tiny_model("qwen3_moe", tmp_path / "float", overrides=GPU_SHAPES)
+    quantization = "fp8"
+    if stored:
+        write_fp8_checkpoint(folder, tmp_path / "fp8", tmp_path / "twin", (32, 32))
+        folder, reference_folder, quantization = tmp_path / "fp8", tmp_path / "twin", "auto"
+    else:
+        reference_folder = folder
     options = {"device": "cuda", "dtype": "bfloat16", "page_size": 16, "num_pages": 1024}
-    fp8 = make_llm(folder, quantization="fp8", moe_backend="fused", **options)
+    fp8 = make_llm(folder, quantization=quantization, moe_backend="fused", **options)
     experts = next(m for m in fp8.runtime.engine.model.modules() if isinstance(m, ExpertWeights))
     assert experts.w13.dtype == torch.float8_e4m3fn and fp8.runtime.engine.graphs is not None
-    eager = make_llm(folder, quantization="fp8", cuda_graph_max_bs=0, **options)
+    eager = make_llm(folder, quantization=quantization, cuda_graph_max_bs=0, **options)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     assert [o.token_ids for o in fp8.generate(GPU_PROMPTS, params)] == [
         o.token_ids for o in eager.generate(GPU_PROMPTS, params)
     ]
-    agree, pairs = first_tokens_agreeing(fp8, make_llm(folder, **options), max_tokens=8)
+    reference = make_llm(reference_folder, **options)
+    agree, pairs = first_tokens_agreeing(fp8, reference, max_tokens=8)
     assert agree >= 4, pairs
 
 

@@ -25,7 +25,7 @@ from torch import nn
 from aserve.config import ConfigError
 from aserve.distributed.group import TPGroup
 from aserve.layers.weight import WeightSource
-from aserve.quant.fp8 import quantize_rows
+from aserve.quant.fp8 import FP8, Fp8Tensor, quantize_rows
 
 ExpertsFn = Callable[..., torch.Tensor]
 
@@ -190,57 +190,91 @@ class ExpertWeights(nn.Module):
     Checkpoints name experts one by one (`E.gate_proj.weight`, ...), as transformers saves
     them, or stacked (`gate_up_proj` `[E, 2I, H]`, `down_proj` `[E, H, I]`), as its modules
     hold them. `load_tensor` returns the per-expert parts a tensor filled, so the model can
-    tell a checkpoint that misses one expert."""
+    tell a checkpoint that misses one expert.
+
+    With `fp8` each expert row is kept in FP8 with a float32 scale of its own (`w13_scale`
+    `[E, 2 * I / tp]`, `w2_scale` `[E, H]`), quantized as its part arrives: a float
+    checkpoint's (`--quantization fp8`, on the weights' device) or a published FP8
+    checkpoint's (block scales applied, then the rows quantized again, as linear layers do).
+    The float experts are never held whole, so loading needs no more memory than the model."""
 
     PARTS = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
 
-    def __init__(self, num_experts: int, hidden_size: int, inter_size: int, tp: TPGroup) -> None:
+    def __init__(
+        self, num_experts: int, hidden_size: int, inter_size: int, tp: TPGroup, fp8: bool = False
+    ) -> None:
         super().__init__()
         self.num_experts = num_experts
         start, end = tp.shard(inter_size)
         self.inter_start, self.local_inter = start, end - start
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.local_inter, hidden_size), False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.local_inter), False)
+        dtype = FP8 if fp8 else None
+        w13 = torch.empty(num_experts, 2 * self.local_inter, hidden_size, dtype=dtype)
+        w2 = torch.empty(num_experts, hidden_size, self.local_inter, dtype=dtype)
+        self.w13, self.w2 = nn.Parameter(w13, False), nn.Parameter(w2, False)
+        self.fp8 = fp8
         self.w13_scale: torch.Tensor | None = None
         self.w2_scale: torch.Tensor | None = None
-
-    def quantize_fp8(self) -> None:
-        """Every expert row in FP8 with a float32 scale of its own, as `--quantization fp8`
-        does to linear layers (quantized after loading: the float experts are held once,
-        layer by layer, before this)."""
-        for name in ("w13", "w2"):
-            weight = getattr(self, name).data
-            rows = quantize_rows(weight.reshape(-1, weight.shape[-1]))
-            setattr(self, name, nn.Parameter(rows.values.view(weight.shape), False))
-            setattr(self, f"{name}_scale", rows.scales.float().view(weight.shape[:2]))
+        if fp8:
+            self.w13_scale = torch.zeros(w13.shape[:2], dtype=torch.float32, device=w13.device)
+            self.w2_scale = torch.zeros(w2.shape[:2], dtype=torch.float32, device=w2.device)
 
     def parts(self) -> list[str]:
         return [f"{e}.{part}" for e in range(self.num_experts) for part in self.PARTS]
 
-    def load_tensor(self, name: str, tensor: WeightSource) -> list[str]:
+    def load_tensor(self, name: str, tensor: WeightSource | Fp8Tensor) -> list[str]:
         """Per-expert tensors read only this rank's slice of the intermediate dimension;
         the stacked gate_up layout interleaves gate and up, so it is read whole."""
         local = self.local_inter
         shard = slice(self.inter_start, self.inter_start + local)
+        w13, w2, s13, s2 = self.w13.data, self.w2.data, self.w13_scale, self.w2_scale
+        if name in ("gate_up_proj", "down_proj") and isinstance(tensor, Fp8Tensor):
+            raise ValueError(f"stacked FP8 experts ({name}) are not supported")
         if name == "gate_up_proj":
             gate, up = tensor[:].chunk(2, dim=1)
-            self.w13.data[:, :local].copy_(gate[:, shard])
-            self.w13.data[:, local:].copy_(up[:, shard])
+            self._fill(w13[:, :local], None if s13 is None else s13[:, :local], gate[:, shard])
+            self._fill(w13[:, local:], None if s13 is None else s13[:, local:], up[:, shard])
             return [p for p in self.parts() if not p.endswith("down_proj.weight")]
         if name == "down_proj":
-            self.w2.data.copy_(tensor[:, :, shard])
+            self._fill(w2, s2, tensor[:, :, shard])
             return [p for p in self.parts() if p.endswith("down_proj.weight")]
         expert, _, part = name.partition(".")
         if not expert.isdigit() or part not in self.PARTS or int(expert) >= self.num_experts:
             raise ValueError(f"unknown expert tensor {name!r}")
         index = int(expert)
         if part == "gate_proj.weight":
-            self.w13.data[index, :local].copy_(tensor[shard])
+            rows = slice(0, local)
         elif part == "up_proj.weight":
-            self.w13.data[index, local:].copy_(tensor[shard])
+            rows = slice(local, 2 * local)
         else:
-            self.w2.data[index].copy_(tensor[:, shard])
+            self._fill(w2[index], None if s2 is None else s2[index], tensor[:, shard])
+            return [name]
+        self._fill(w13[index, rows], None if s13 is None else s13[index, rows], tensor[shard])
         return [name]
+
+    def fill_random(self, std: float, generator: torch.Generator) -> None:
+        """Random experts (dummy weights) from normal floats, quantized one at a time."""
+        for index in range(self.num_experts):
+            for weight, scales in ((self.w13, self.w13_scale), (self.w2, self.w2_scale)):
+                part = torch.empty(weight.shape[1:], device=weight.device)
+                part.normal_(0.0, std, generator=generator)
+                self._fill(weight.data[index], None if scales is None else scales[index], part)
+
+    @staticmethod
+    def _fill(
+        target: torch.Tensor, scales: torch.Tensor | None, value: torch.Tensor | Fp8Tensor
+    ) -> None:
+        """Copy `value` (rows of one expert, or of all) into `target`; into FP8 rows and
+        their `scales` where the experts are FP8."""
+        if scales is None:
+            target.copy_(value)
+            return
+        if isinstance(value, Fp8Tensor):
+            rows = value.rows()
+        else:
+            value = value.to(target.device)
+            rows = quantize_rows(value.reshape(-1, value.shape[-1]))
+        target.copy_(rows.values.view(target.shape))
+        scales.copy_(rows.scales.view(scales.shape))
 
 
 class SparseMoE(nn.Module):
@@ -257,13 +291,14 @@ class SparseMoE(nn.Module):
         renormalize: bool,
         tp: TPGroup,
         backend: MoEBackend,
+        fp8: bool = False,
     ) -> None:
         super().__init__()
         self.top_k = top_k
         self.renormalize = renormalize
         self.backend = backend
         self.gate = Router(num_experts, hidden_size)
-        self.experts = ExpertWeights(num_experts, hidden_size, inter_size, tp)
+        self.experts = ExpertWeights(num_experts, hidden_size, inter_size, tp, fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)

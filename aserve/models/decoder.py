@@ -23,7 +23,6 @@ from aserve.layers.cpu_ops import CpuKernels
 from aserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from aserve.layers.fused import FusedOps
 from aserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from aserve.layers.moe import ExpertWeights
 from aserve.layers.norm import RMSNorm
 from aserve.layers.rotary import RotaryEmbedding
 from aserve.layers.weight import WeightSource
@@ -329,12 +328,6 @@ class DecoderForCausalLM(nn.Module):
         them in `dtype`, as vLLM does)."""
         if self.config.quantization is None:
             return
-        if self.config.quantization == "fp8":
-            for module in self.modules():
-                if isinstance(module, ExpertWeights):
-                    module.quantize_fp8()
-            if device.type == "cuda":  # the float experts' memory, back for the KV cache
-                torch.cuda.empty_cache()
         scratch = Scratch()
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.quantized:

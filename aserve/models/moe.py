@@ -40,6 +40,7 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
                 config.norm_topk_prob,
                 tp,
                 backend,
+                fp8=config.quantization == "fp8",
             )
 
         super().__init__(config, max_positions, tp, ops, make_mlp)

@@ -18,9 +18,11 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from aserve.config import ConfigError
+from aserve.layers.moe import ExpertWeights
 from aserve.layers.weight import WeightSource
 from aserve.models.gguf_weights import GGUF_POINTER, iter_gguf
 from aserve.models.source import ModelSourceError
+from aserve.quant.fp8 import FP8
 from aserve.quant.gguf import QuantizedTensor
 from aserve.quant.method import QuantizedLinearWeight
 
@@ -141,7 +143,7 @@ def fill_dummy_weights(module: torch.nn.Module, seed: int = 0) -> None:
 
     Filled in place on each parameter's device, so an 8B model on GPU takes no host memory
     or copies. The same seed gives the same weights on the same device. Layers quantized at
-    load get their random float matrices one shard at a time.
+    load get their random float matrices one shard (FP8 experts: one expert) at a time.
     """
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in module.named_parameters():
@@ -149,7 +151,7 @@ def fill_dummy_weights(module: torch.nn.Module, seed: int = 0) -> None:
             param.zero_()
         elif is_norm_weight(name, param):
             param.fill_(1.0)
-        elif param.is_floating_point():
+        elif param.is_floating_point() and param.dtype != FP8:
             if param.device not in generators:
                 generators[param.device] = torch.Generator(param.device).manual_seed(seed)
             param.normal_(0.0, 0.02, generator=generators[param.device])
@@ -161,6 +163,8 @@ def fill_dummy_weights(module: torch.nn.Module, seed: int = 0) -> None:
             for shard, rows in enumerate(quantized.shard_rows):
                 weight = torch.empty(rows, quantized.cols, device=device)
                 quantized.load(shard, weight.normal_(0.0, 0.02, generator=generator))
+        if isinstance(layer, ExpertWeights) and layer.fp8:
+            layer.fill_random(0.02, generator)
 
 
 def torch_dtype(name: str, device: torch.device, config_dtype: str | None) -> torch.dtype:
