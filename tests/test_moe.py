@@ -225,6 +225,53 @@ def test_expert_slices_of_tensor_parallel_ranks_sum_to_the_whole() -> None:
     torch.testing.assert_close(total, torch_experts(x, w13, w2, weights, ids))
 
 
+def test_fp8_checkpoint_experts_split_over_tensor_parallel_ranks() -> None:
+    """A published FP8 checkpoint's experts (32x32 block scales) on two ranks: each rank
+    takes whole blocks of its slice; its gate and up rows are exactly those of one rank
+    holding everything, and the ranks' partial sums add up to the float product within FP8's
+    rounding (twice: the file's blocks, then each row). A slice that starts inside a block
+    is refused in one line."""
+    from aserve.quant.fp8 import FP8, FP8_MAX, Fp8Tensor
+
+    x, w13, w2, weights, ids = random_experts(6, 4, 2, hidden=64, inter=64)
+    inter = w13.shape[1] // 2
+
+    def published(weight: torch.Tensor) -> Fp8Tensor:
+        blocks = weight.unflatten(0, (-1, 32)).unflatten(2, (-1, 32))
+        scale = blocks.abs().amax(dim=(1, 3)) / FP8_MAX
+        full = scale.repeat_interleave(32, 0).repeat_interleave(32, 1)
+        return Fp8Tensor((weight / full).to(FP8), scale, (32, 32))
+
+    checkpoint = {}
+    for e in range(4):
+        checkpoint[f"{e}.gate_proj.weight"] = published(w13[e, :inter])
+        checkpoint[f"{e}.up_proj.weight"] = published(w13[e, inter:])
+        checkpoint[f"{e}.down_proj.weight"] = published(w2[e])
+
+    def loaded(rank: int, ranks: int) -> ExpertWeights:
+        experts = ExpertWeights(4, 64, inter, TPGroup(rank, ranks), fp8=True)
+        for name, tensor in checkpoint.items():
+            experts.load_tensor(name, tensor)
+        return experts
+
+    whole, total = loaded(0, 1), torch.zeros_like(x)
+    for rank in range(2):
+        experts = loaded(rank, 2)
+        assert experts.w2.shape == (4, 64, inter // 2) and experts.w2.dtype == FP8
+        half = slice(rank * inter // 2, (rank + 1) * inter // 2)
+        gate_rows = whole.w13.view(torch.uint8)[:, :inter][:, half]
+        assert torch.equal(experts.w13.view(torch.uint8)[:, : inter // 2], gate_rows)
+        total += torch_experts(
+            x, experts.w13, experts.w2, weights, ids, experts.w13_scale, experts.w2_scale
+        )
+    expected = torch_experts(x, w13, w2, weights, ids)
+    assert (total - expected).norm() <= 0.1 * expected.norm()
+    odd = ExpertWeights(4, 64, 48, TPGroup(1, 2), fp8=True)  # rank 1 starts at column 24
+    down = Fp8Tensor(w2[0, :, :48].to(FP8), torch.ones(2, 2), (32, 32))
+    with pytest.raises(ValueError, match="inside a 32x32 scale block"):
+        odd.load_tensor("0.down_proj.weight", down)
+
+
 def build_tiny(folder: Path) -> torch.nn.Module:
     config = ModelConfig.from_hf(*load_hf_config(folder))
     return build_model(config, 64, TPGroup())
