@@ -229,8 +229,8 @@ def test_fp8_checkpoint_experts_split_over_tensor_parallel_ranks() -> None:
     """A published FP8 checkpoint's experts (32x32 block scales) on two ranks: each rank
     takes whole blocks of its slice; its gate and up rows are exactly those of one rank
     holding everything, and the ranks' partial sums add up to the float product within FP8's
-    rounding (twice: the file's blocks, then each row). A slice that starts inside a block
-    is refused in one line."""
+    rounding (twice: the file's blocks, then each row). FP8 values without a scale, and a
+    slice that starts inside a block, are refused in one line."""
     from aserve.quant.fp8 import FP8, FP8_MAX, Fp8Tensor
 
     x, w13, w2, weights, ids = random_experts(6, 4, 2, hidden=64, inter=64)
@@ -266,6 +266,9 @@ def test_fp8_checkpoint_experts_split_over_tensor_parallel_ranks() -> None:
         )
     expected = torch_experts(x, w13, w2, weights, ids)
     assert (total - expected).norm() <= 0.1 * expected.norm()
+    stacked = torch.zeros(4, 2 * inter, 64, dtype=FP8)  # FP8 values with no scale paired
+    with pytest.raises(ValueError, match="FP8 expert tensor without its scale"):
+        whole.load_tensor("gate_up_proj", stacked)
     odd = ExpertWeights(4, 64, 48, TPGroup(1, 2), fp8=True)  # rank 1 starts at column 24
     down = Fp8Tensor(w2[0, :, :48].to(FP8), torch.ones(2, 2), (32, 32))
     with pytest.raises(ValueError, match="inside a 32x32 scale block"):

@@ -270,6 +270,8 @@ class ExpertWeights(nn.Module):
             return
         if isinstance(value, Fp8Tensor):
             rows = value.rows()
+        elif value.dtype == FP8:  # FP8 values whose scale the checkpoint does not name
+            raise ValueError("an FP8 expert tensor without its scale is not supported")
         else:
             value = value.to(target.device)
             rows = quantize_rows(value.reshape(-1, value.shape[-1]))
