@@ -226,45 +226,45 @@ class ExpertWeights(nn.Module):
         the stacked gate_up layout interleaves gate and up, so it is read whole."""
         local = self.local_inter
         shard = slice(self.inter_start, self.inter_start + local)
-        w13, w2, s13, s2 = self.w13.data, self.w2.data, self.w13_scale, self.w2_scale
+        every, gate_rows, up_rows = slice(None), slice(0, local), slice(local, 2 * local)
         if name in ("gate_up_proj", "down_proj") and isinstance(tensor, Fp8Tensor):
             raise ValueError(f"stacked FP8 experts ({name}) are not supported")
         if name == "gate_up_proj":
             gate, up = tensor[:].chunk(2, dim=1)
-            self._fill(w13[:, :local], None if s13 is None else s13[:, :local], gate[:, shard])
-            self._fill(w13[:, local:], None if s13 is None else s13[:, local:], up[:, shard])
+            self._fill("w13", (every, gate_rows), gate[:, shard])
+            self._fill("w13", (every, up_rows), up[:, shard])
             return [p for p in self.parts() if not p.endswith("down_proj.weight")]
         if name == "down_proj":
-            self._fill(w2, s2, tensor[:, :, shard])
+            self._fill("w2", (every,), tensor[:, :, shard])
             return [p for p in self.parts() if p.endswith("down_proj.weight")]
         expert, _, part = name.partition(".")
         if not expert.isdigit() or part not in self.PARTS or int(expert) >= self.num_experts:
             raise ValueError(f"unknown expert tensor {name!r}")
         index = int(expert)
         if part == "gate_proj.weight":
-            rows = slice(0, local)
+            self._fill("w13", (index, gate_rows), tensor[shard])
         elif part == "up_proj.weight":
-            rows = slice(local, 2 * local)
+            self._fill("w13", (index, up_rows), tensor[shard])
         else:
-            self._fill(w2[index], None if s2 is None else s2[index], tensor[:, shard])
-            return [name]
-        self._fill(w13[index, rows], None if s13 is None else s13[index, rows], tensor[shard])
+            self._fill("w2", (index,), tensor[:, shard])
         return [name]
 
     def fill_random(self, std: float, generator: torch.Generator) -> None:
         """Random experts (dummy weights) from normal floats, quantized one at a time."""
         for index in range(self.num_experts):
-            for weight, scales in ((self.w13, self.w13_scale), (self.w2, self.w2_scale)):
+            for name in ("w13", "w2"):
+                weight = getattr(self, name)
                 part = torch.empty(weight.shape[1:], device=weight.device)
-                part.normal_(0.0, std, generator=generator)
-                self._fill(weight.data[index], None if scales is None else scales[index], part)
+                self._fill(name, (index,), part.normal_(0.0, std, generator=generator))
 
-    @staticmethod
     def _fill(
-        target: torch.Tensor, scales: torch.Tensor | None, value: torch.Tensor | Fp8Tensor
+        self, name: str, where: tuple[int | slice, ...], value: torch.Tensor | Fp8Tensor
     ) -> None:
-        """Copy `value` (rows of one expert, or of all) into `target`; into FP8 rows and
-        their `scales` where the experts are FP8."""
+        """Copy `value` into `where` of weight `name` ("w13" or "w2": rows of one expert, or
+        of all); into FP8 rows and their scales (the same `where` of `{name}_scale`) where
+        the experts are FP8."""
+        target = getattr(self, name).data[where]
+        scales = getattr(self, f"{name}_scale")
         if scales is None:
             target.copy_(value)
             return
@@ -276,7 +276,7 @@ class ExpertWeights(nn.Module):
             value = value.to(target.device)
             rows = quantize_rows(value.reshape(-1, value.shape[-1]))
         target.copy_(rows.values.view(target.shape))
-        scales.copy_(rows.scales.view(scales.shape))
+        scales[where].copy_(rows.scales.view(scales[where].shape))
 
 
 class SparseMoE(nn.Module):
