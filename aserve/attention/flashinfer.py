@@ -252,6 +252,15 @@ def build_kernels(
         import flashinfer
 
         started = time.perf_counter()
+        stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(stream):
+            plan_one_token(flashinfer, kind)
+        # This stream only: the engine thread may be capturing decode graphs meanwhile, and
+        # a device-wide synchronize invalidates a capture under way.
+        stream.synchronize()
+        logger.info("FlashInfer %s kernels ready in %.1f s", kind, time.perf_counter() - started)
+
+    def plan_one_token(flashinfer: Any, kind: str) -> None:
         workspace = torch.empty(BUILD_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         one = torch.tensor([0, 1], dtype=torch.int32)
         page = torch.zeros(1, dtype=torch.int32, device=device)
@@ -272,8 +281,6 @@ def build_kernels(
                 one, page, last, num_heads, num_kv_heads, head_dim, page_size,
                 q_data_type=dtype, kv_data_type=kv_dtype,
             )  # fmt: skip
-        torch.cuda.synchronize(device)
-        logger.info("FlashInfer %s kernels ready in %.1f s", kind, time.perf_counter() - started)
 
     def guarded(kind: str) -> None:
         try:
