@@ -60,9 +60,14 @@ logger = logging.getLogger(__name__)
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 
+def default_device() -> torch.device:
+    """What `--device auto` runs on: the GPU when torch sees one."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return default_device()
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda asked for, but torch sees no CUDA device")

@@ -21,6 +21,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -79,7 +80,7 @@ class Followers:
                 size=size,
                 port=self._store.port,
                 timeout_s=timeout_s,
-                config=config,
+                config=replace(config, device=device.type),  # where rank 0 runs
                 model_config=model_config,
                 model_dir=model_dir,
                 log_level=logging.getLogger("aserve").getEffectiveLevel(),
