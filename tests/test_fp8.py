@@ -109,7 +109,7 @@ def test_fp8_refused_without_fp8_hardware(tmp_path: Path) -> None:
     for option, value in (("--kv-cache-dtype", "fp8_e4m3"), ("--quantization", "fp8")):
         assert_refused_in_one_line(
             folder,
-            [option, value],
+            ["--device", "cpu", option, value],
             f"{option} {value} needs a GPU with FP8",
             tmp_path / "cache",
         )
