@@ -18,6 +18,11 @@ the 2^120 back), for 4 rows x 64 words a warp: gate_up 28672x4096 31.3 against 3
 the best setting of the first kernel (3.75 TB/s of FP8; H200, weights not in L2). A kernel
 that skipped the widening read no faster, so memory, not instructions, bounds both now.
 
+Both read the weight with L2's evict-first policy, since a step streams it once: a single
+8B FP8 step of the engine's kernels in a CUDA graph took 2.682 ms with it against 2.751
+without (H200, bench/NOTES.md; why it helps was not measured, `.cg` loads and evict-last
+did not).
+
 Imported only on CUDA (it imports Triton).
 """
 
@@ -55,12 +60,17 @@ def _gemv_kernel(
         cols = start + tl.arange(0, BLOCK_K)
         tile = weight + rows[:, None] * weight_stride + cols[None, :]
         if EVEN:
-            w = tl.load(tile)
+            w = tl.load(tile, eviction_policy="evict_first")
             v = tl.load(x + cols).to(tl.float32)
             if GATED:
                 up = tl.load(x + k + cols).to(tl.float32)
         else:
-            w = tl.load(tile, mask=(rows[:, None] < n) & (cols[None, :] < k), other=0.0)
+            w = tl.load(
+                tile,
+                mask=(rows[:, None] < n) & (cols[None, :] < k),
+                other=0.0,
+                eviction_policy="evict_first",
+            )
             v = tl.load(x + cols, mask=cols < k, other=0.0).to(tl.float32)
             if GATED:
                 up = tl.load(x + k + cols, mask=cols < k, other=0.0).to(tl.float32)
@@ -102,7 +112,8 @@ def _fp8_words_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
     for start in range(0, word_count, BLOCK_W):
         cols = start + tl.arange(0, BLOCK_W)
-        w = tl.load(words + rows[:, None] * word_stride + cols[None, :]).to(tl.uint32, bitcast=True)
+        at = words + rows[:, None] * word_stride + cols[None, :]
+        w = tl.load(at, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
         # bf16 bits of bytes 1 and 3 (high byte of each half) and of bytes 0 and 2: sign to
         # the half's top bit, exponent and mantissa shifted under the bf16 exponent's.
         odd = (w & 0x80008000) | ((w >> 4) & 0x07F007F0)
