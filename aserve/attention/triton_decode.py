@@ -179,15 +179,16 @@ def _attend_kernel(
     UNMASKED_BLOCKS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    wait_for_previous(PDL)
     # KV heads vary fastest over the launch, so programs running side by side read
     # neighbouring heads of the same tokens (one slot's K or V row is all heads together).
     kv_head, split = tl.program_id(0), tl.program_id(2)
-    # Longest first; a split batch (1-2 requests) skips that extra dependent load.
+    # Longest first; a split batch (1-2 requests) skips that extra dependent load. The
+    # layout comes from the plan's copy, which no kernel writes: read before the wait.
     request = tl.load(order + tl.program_id(1)) if DIRECT else tl.program_id(1)
     first_page = tl.load(indptr + request)
     pages = tl.load(indptr + request + 1) - first_page
     seq_len = (pages - 1) * PAGE_SIZE + tl.load(last_page_len + request)  # a decode row has >= 1
+    wait_for_previous(PDL)
     chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_T) * BLOCK_T  # blocks start aligned
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)

@@ -5,7 +5,9 @@ lets a kernel drain before it launches the next, about a microsecond of ramp and
 each link. Launched with PDL, a kernel starts while the one before it still runs and waits
 (`griddepcontrol.wait`) until that one has finished and its writes are visible, so its
 launch and start overlap the other's tail. Such a kernel must call `wait_for_previous` before
-it reads or writes any memory that another kernel touches (weights excepted). A kernel
+it reads or writes any memory that another kernel touches. What only the host writes (the
+weights; a step's positions, slots and attention page layout, copied in before its kernels)
+it may read first, off the chain of dependent loads. A kernel
 launched without PDL (cuBLAS's, FlashInfer's, PyTorch's) waits for the one before it as
 usual, so the two kinds mix safely in a stream and in a CUDA graph.
 

@@ -94,13 +94,19 @@ def _norm_rope_store_kernel(
     FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    wait_for_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     HALF: tl.constexpr = HEAD_DIM // 2
     row = qkv + token * row_stride
+    # Slots, positions and the cos/sin table come from the host, not from a kernel before
+    # this one: read before the wait, they are not on the chain of dependent loads.
     slot = tl.load(slots + token)
     cache_row = cache + slot * (2 * NUM_KV * HEAD_DIM)
+    position = tl.load(positions + token)
+    half = tl.arange(0, HALF)[None, :]
+    cos = tl.load(cos_sin + position * HEAD_DIM + half)
+    sin = tl.load(cos_sin + position * HEAD_DIM + HALF + half)
+    wait_for_previous(PDL)
     if part == 2:
         kv_heads = tl.arange(0, BLOCK_KV)[:, None]
         offsets = kv_heads * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
@@ -110,10 +116,6 @@ def _norm_rope_store_kernel(
             v = _to_fp8(v, v_scale)
         tl.store(cache_row + NUM_KV * HEAD_DIM + offsets, v, mask=v_mask)
     else:
-        position = tl.load(positions + token)
-        half = tl.arange(0, HALF)[None, :]
-        cos = tl.load(cos_sin + position * HEAD_DIM + half)
-        sin = tl.load(cos_sin + position * HEAD_DIM + HALF + half)
         if part == 0:
             _norm_rope_heads(
                 row, NUM_Q, BLOCK_Q, HALF, NORM, q_weight, eps, cos, sin, row, 1.0, False
