@@ -211,12 +211,16 @@ class ExpertWeights(nn.Module):
         w13 = torch.empty(num_experts, 2 * self.local_inter, hidden_size, dtype=dtype)
         w2 = torch.empty(num_experts, hidden_size, self.local_inter, dtype=dtype)
         self.w13, self.w2 = nn.Parameter(w13, False), nn.Parameter(w2, False)
-        self.fp8 = fp8
         self.w13_scale: torch.Tensor | None = None
         self.w2_scale: torch.Tensor | None = None
         if fp8:
             self.w13_scale = torch.zeros(w13.shape[:2], dtype=torch.float32, device=w13.device)
             self.w2_scale = torch.zeros(w2.shape[:2], dtype=torch.float32, device=w2.device)
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the experts are held in FP8, with their row scales."""
+        return self.w13_scale is not None
 
     def parts(self) -> list[str]:
         return [f"{e}.{part}" for e in range(self.num_experts) for part in self.PARTS]
