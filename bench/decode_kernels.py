@@ -100,7 +100,7 @@ FP8_WHOLE_SWEEP = (
     (64, 4, 4),
     (16, 1, 8),
 )
-FP8_SPLIT_SWEEP = ((32, 4, 3), (64, 2, 6), (32, 1, 4), (64, 1, 4))
+FP8_SPLIT_SWEEP = ((32, 4, 3), (64, 2, 6), (32, 1, 4), (64, 1, 4), (64, 4, 2))
 
 
 def time_fp8_setting(
@@ -141,7 +141,7 @@ def time_fp8_setting(
     else:
         triton_decode.WHOLE_MIN_PROGRAMS = 1 << 30
         triton_decode.FP8_SPLIT_PROGRAMS = splits * batch * kv_heads
-        triton_decode.FP8_SPLIT_SETTING = setting
+        triton_decode.FP8_SPLIT_SETTINGS = ((0, *setting),)
     wrapper = TritonDecodeWrapper(torch.device("cuda"), batch, num_pages)
     order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(0))
     plan(wrapper, batch, q_heads, kv_heads, context, page_size, order, torch.float8_e4m3fn)

@@ -115,7 +115,7 @@ def main() -> None:
     ms = statistics.median(per_token)
     ttft = statistics.median(ttfts)
     ratio = f" = {ms / bound:.2f}x the bound of {bound:.2f} ms" if bound else ""
-    print(f"decode {ms:.2f} ms/token (runs: {', '.join(f'{t:.2f}' for t in per_token)}){ratio}")
+    print(f"decode {ms:.3f} ms/token (runs: {', '.join(f'{t:.3f}' for t in per_token)}){ratio}")
     print(f"time to first token {ttft:.1f} ms for a {args.input_len}-token prompt")
     if not args.no_record:
         model = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"

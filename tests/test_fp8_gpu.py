@@ -181,7 +181,7 @@ def test_fused_kv_write_stores_the_bytes_the_pool_stores(qk_norm: bool) -> None:
     assert pools[1].kv[0][slots].float().abs().amax() == 448.0  # some saturated
 
 
-@pytest.mark.parametrize("kernel", ["split", "whole", "whole-large-batch"])
+@pytest.mark.parametrize("kernel", ["split", "split-large-batch", "whole", "whole-large-batch"])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_triton_decode_reads_an_fp8_cache(
     kernel: str,
@@ -190,7 +190,8 @@ def test_triton_decode_reads_an_fp8_cache(
 ) -> None:
     """The Triton decode kernels over an FP8 pool with K and V scales: softmax attention in
     float32 over the de-quantized cache, for contexts of 1 to 4,097 tokens; the whole-context
-    kernel in both of its settings (the one for large batches forced on this small one)."""
+    and the split kernels in both of their settings (those for large batches forced on this
+    small one)."""
     from aserve.attention import triton_decode
     from aserve.attention.triton_decode import TritonDecodeWrapper
 
@@ -199,6 +200,9 @@ def test_triton_decode_reads_an_fp8_cache(
     if kernel == "whole-large-batch":
         large = triton_decode.FP8_WHOLE_SETTINGS[0]
         monkeypatch.setattr(triton_decode, "FP8_WHOLE_SETTINGS", ((0, *large[1:]),))
+    if kernel == "split-large-batch":
+        large = triton_decode.FP8_SPLIT_SETTINGS[0]
+        monkeypatch.setattr(triton_decode, "FP8_SPLIT_SETTINGS", ((0, *large[1:]),))
     torch.manual_seed(0)
     q_heads, kv_heads, head_dim = 32, 8, 128
     lengths = [1, 7, 300, 1000, 4097, 33]

@@ -68,21 +68,28 @@ WHOLE_WARPS = 4
 
 FP8_DOT_F16 = True
 FP8_WHOLE_SETTINGS = ((1024, 16, 1, 8), (0, 32, 1, 8))
-FP8_SPLIT_SETTING = (64, 2, 6)
+FP8_SPLIT_SETTINGS = ((13, 64, 2, 6), (0, 64, 4, 2))
 FP8_SPLIT_PROGRAMS = 512
 """Over an FP8 cache: products in float16 (FP8 widens to it in one instruction per two values;
 to bfloat16 it takes more; FP8 tensor-core products, queries and softmax weights rounded to
 FP8, were no faster: 173 / 184 us at 256 requests against 170). Whole contexts take
-(pairs from, block tokens, warps, stages), splits (block tokens, warps, stages) and enough
-splits for `FP8_SPLIT_PROGRAMS` programs: one warp with deep pipelines of small blocks keeps
-the most bytes moving. On the H200 (bench/decode_kernels.py --fp8-settings, 8B shape,
-contexts of 1,000, us a layer), batch 8 / 16 / 32 / 48 / 64 / 96 / 128 / 256: 10.5 / 15.7 /
-26.3 / 39.4 / 40.9 / 64.3 / 76.7 / 153.4 with these, against 12 / 20 / 36.4 / 39.4 / 42.1 /
-69.0 / 87.9 / 164.2 with the settings before (splits for 264 programs in blocks of 32 with 4
-warps and 3 stages; whole contexts in blocks of 64 with 2 warps and 6 stages, then 1 warp
-and 4 stages from 1,024 pairs); with whole blocks read without masks, 32 / 64 / 96 / 128 /
-256: 27.4 / 38.6 / 60.1 / 65.7 / 127.7 (4.1 TB/s of FP8 at 256, where the bf16 kernel reads
-4.3). Rescaling the running sums only when a row's max rose by more than 8 (a branch in the
+(pairs from, block tokens, warps, stages), splits (requests from, block tokens, warps,
+stages) and enough splits for `FP8_SPLIT_PROGRAMS` programs: one warp with deep pipelines of
+small blocks keeps the most bytes moving, except over a few requests, where a program reads
+one or two blocks and four warps finish them sooner.
+
+On the H200 (bench/decode_kernels.py --fp8-settings, 8B shape, contexts of 1,000, us a
+layer), batch 8 / 16 / 32 / 48 / 64 / 96 / 128 / 256: 10.5 / 15.7 / 26.3 / 39.4 / 40.9 /
+64.3 / 76.7 / 153.4 with these settings for 13 requests and more, against 12 / 20 / 36.4 /
+39.4 / 42.1 / 69.0 / 87.9 / 164.2 with the settings before (splits for 264 programs in blocks
+of 32 with 4 warps and 3 stages; whole contexts in blocks of 64 with 2 warps and 6 stages,
+then 1 warp and 4 stages from 1,024 pairs); with whole blocks read without masks, 32 / 64 /
+96 / 128 / 256: 27.4 / 38.6 / 60.1 / 65.7 / 127.7 (4.1 TB/s of FP8 at 256, where the bf16
+kernel reads 4.3). The split kernel alone in a CUDA graph, 1 / 2 / 4 / 6 / 8 / 12 / 16 / 32
+requests: 5.6 / 6.5 / 9.5 / 9.8 / 13.3 / 15.2 / 21.7 / 40.0 with four warps and two stages,
+8.3 / 9.5 / 12.5 / 14.5 / 14.5 / 15.4 / 18.9 / 26.1 with two warps and six (blocks of 64);
+the single 8B FP8 stream 2.74 -> 2.67 ms/token in the same command (bench/latency.py).
+Rescaling the running sums only when a row's max rose by more than 8 (a branch in the
 loop) was 3-15% slower."""
 
 
@@ -374,8 +381,10 @@ class TritonDecodeWrapper:
         fp8 = k_cache.dtype == torch.float8_e4m3fn
         out = torch.empty((batch, heads, head_dim), dtype=q.dtype, device=q.device)
         partial_out, partial_lse = (out, out) if direct else self.partial
-        if not direct:
-            block_tokens, warps, stages = FP8_SPLIT_SETTING if fp8 else (SPLIT_BLOCK_TOKENS, 4, 3)
+        if not direct and fp8:
+            _, block_tokens, warps, stages = next(s for s in FP8_SPLIT_SETTINGS if batch >= s[0])
+        elif not direct:
+            block_tokens, warps, stages = SPLIT_BLOCK_TOKENS, 4, 3
         elif fp8:
             pairs = batch * self.num_kv_heads
             _, block_tokens, warps, stages = next(s for s in FP8_WHOLE_SETTINGS if pairs >= s[0])
