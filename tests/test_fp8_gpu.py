@@ -93,6 +93,59 @@ def test_fp8_gated_equals_the_activation_then_the_product(n: int, k: int) -> Non
     assert torch.equal(fused, weight.linear(CudaKernels().silu_and_mul(many), None))
 
 
+@pytest.mark.parametrize(("inter", "hidden"), [(14336, 4096), (8192, 256), (1024, 512)])
+def test_one_row_gate_up_with_silu_equals_the_gated_down_projection(
+    inter: int, hidden: int
+) -> None:
+    """One row through an FP8 gate|up weight with SiLU(gate) * up in the same kernel
+    (`Fp8Weight.silu`), then the plain down projection: the same bits as gate|up, then the
+    down projection's gated kernel; a weight too narrow for that kernel, or more than one
+    row, have no such path."""
+    from aserve.layers.gemv import FP8_WORDS_MIN_ROWS
+
+    generator = torch.Generator().manual_seed(0)
+    gate_up = Fp8Weight(
+        quantize_rows(torch.randn(2 * inter, hidden, generator=generator) * 0.05), CUDA
+    )
+    down = Fp8Weight(quantize_rows(torch.randn(hidden, inter, generator=generator) * 0.05), CUDA)
+    x = torch.randn(1, hidden, generator=generator).to(CUDA, torch.bfloat16)
+    activation = gate_up.silu(x)
+    assert gate_up.silu(x.expand(2, -1).contiguous()) is None
+    if 2 * inter < FP8_WORDS_MIN_ROWS:  # the kernel that widens FP8 with bit operations
+        assert activation is None
+        return
+    assert activation is not None and activation.shape == (1, inter)
+    apart = down.gated(gate_up.linear(x, None))
+    assert apart is not None
+    assert torch.equal(down.linear(activation, None), apart)
+
+
+def test_one_row_mlp_takes_the_activation_from_gate_up(
+    tmp_path: Path, make_llm: Callable[..., LLM], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tiny FP8 Llama whose gate|up rows take the one-kernel SiLU path at batch 1 (CUDA
+    graphs on) generates the tokens it generates with that path switched off."""
+    shapes = {**SHAPES, "hidden_size": 256, "intermediate_size": 8192}
+    folder = make_tiny_model("llama", tmp_path / "llama", overrides=shapes)
+    prompts = [[1, 5, 9, 200, 17], [3, 3, 40]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    calls: list[bool] = []
+    original = Fp8Weight.silu
+
+    def counting(self: Fp8Weight, x: torch.Tensor) -> torch.Tensor | None:
+        out = original(self, x)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(Fp8Weight, "silu", counting)  # before the graphs are captured
+    fused = make_llm(folder, num_pages=256, dtype="bfloat16", quantization="fp8")
+    one_by_one = [fused.generate([p], greedy)[0].token_ids for p in prompts]
+    assert any(calls), "the fused path never ran"
+    monkeypatch.setattr(Fp8Weight, "silu", lambda self, x: None)
+    apart = make_llm(folder, num_pages=256, dtype="bfloat16", quantization="fp8")
+    assert one_by_one == [apart.generate([p], greedy)[0].token_ids for p in prompts]
+
+
 @pytest.mark.parametrize(("n", "k"), [(768, 4096), (770, 1000)])
 @pytest.mark.parametrize("rows", [1, 5, 16])
 @pytest.mark.parametrize("split", [1, 3])

@@ -27,6 +27,7 @@ from aserve.layers.norm import RMSNorm
 from aserve.layers.rotary import RotaryEmbedding
 from aserve.layers.weight import WeightSource
 from aserve.models.weights import map_checkpoint_tensor
+from aserve.quant.fp8 import Fp8Activations
 from aserve.quant.native import Scratch
 
 
@@ -151,7 +152,15 @@ class DecoderMLP(nn.Module):
             inter, config.hidden_size, False, tp, reduce_results=False, quantization=quantization
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor:
+        """One row of an FP8 model on CUDA takes the activation from the gate|up kernel, the
+        down projection then reads it plainly; otherwise the down projection's kernels
+        take the activation over (`forward_gated`)."""
+        gate_up = self.gate_up_proj.quantized
+        if gate_up is not None and isinstance(x, torch.Tensor):
+            activation = gate_up.silu(x)
+            if activation is not None:
+                return self.down_proj(activation)
         return self.down_proj.forward_gated(self.gate_up_proj(x), self.ops)
 
 

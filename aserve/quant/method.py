@@ -106,6 +106,12 @@ class QuantizedLinearWeight:
         product = self._only_fp8()
         return product if product is not None and product.aligned else None
 
+    def silu(self, x: torch.Tensor) -> torch.Tensor | None:
+        """SiLU(gate) * up of a fused gate|up weight's product with `x` in one kernel
+        (`Fp8Weight.silu`), or None (the caller multiplies, then activates)."""
+        product = self._only_fp8()
+        return None if product is None else product.silu(x)
+
     def gated(self, gate_up: torch.Tensor) -> torch.Tensor | None:
         """SiLU(gate) * up of fused gate|up rows times this weight with a kernel fewer
         (`Fp8Weight.gated`), where the weight is one FP8 product on CUDA; else None (the
