@@ -142,9 +142,7 @@ def test_norm_rope_store_kernel_equals_the_separate_steps(
 @pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 14336), (1000, 576), (49152, 576)])
 def test_one_row_gemv_equals_linear(n: int, k: int, bias: bool) -> None:
     """The Triton GEMV against `F.linear` in float32 on the same bf16 inputs, on shapes that
-    fill its blocks and shapes that do not; gated, against SiLU-and-mul then the product;
-    ending with SiLU(gate) * up of its own output, against that activation of the plain
-    product's."""
+    fill its blocks and shapes that do not; gated, against SiLU-and-mul then the product."""
     import torch.nn.functional as F
 
     from aserve.layers.gemv import gemv
@@ -156,11 +154,7 @@ def test_one_row_gemv_equals_linear(n: int, k: int, bias: bool) -> None:
     x = torch.randn(1, k, device=device, dtype=dtype)
     expected = F.linear(x.float(), weight.float(), None if b is None else b.float())
     tolerance = {"atol": 2e-2, "rtol": 2e-2}  # bf16 output rounding
-    product = gemv(x, weight, b)
-    torch.testing.assert_close(product.float(), expected, **tolerance)
-    gate, up = product.float().chunk(2, dim=-1)
-    activation = (gate * torch.sigmoid(gate) * up).to(dtype)
-    torch.testing.assert_close(gemv(x, weight, b, silu=True), activation, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(gemv(x, weight, b).float(), expected, **tolerance)
 
     gate_up = torch.randn(1, 2 * k, device=device, dtype=dtype)
     gate, up = gate_up.float().chunk(2, dim=-1)

@@ -17,11 +17,11 @@ into a bfloat16's bits is its value times 2^-120, denormals included; the row sc
 the 2^120 back), for 4 rows x 64 words a warp: gate_up 28672x4096 31.3 against 34.4 us for
 the best setting of the first kernel (3.75 TB/s of FP8; H200, weights not in L2). A kernel
 that skipped the widening read no faster, so memory, not instructions, bounds both now. For a
-fused gate|up weight either kernel can end with SiLU(gate) * up (`silu`): a program then
-reads gate and up rows in turn and writes their activations, the same bits as the gated down
-projection computes, which then reads them plainly. In one 8B FP8 step the gated GEMV had
-recomputed the whole activation row in each of its 512 programs: 2.67 -> 2.60 ms/token
-(H200, alternating in one command).
+fused gate|up weight it can also end with SiLU(gate) * up (`fp8_silu_gemv`): a program
+then reads gate and up rows in turn and writes their activations, the same bits as the
+gated down projection computes, which then reads them plainly. In one 8B FP8 step the gated
+GEMV had recomputed the whole activation row in each of its 512 programs: 2.67 -> 2.60
+ms/token (H200, alternating in one command).
 
 Both read the weight with L2's evict-first policy, since a step streams it once: a single
 8B FP8 step of the engine's kernels in a CUDA graph took 2.682 ms with it against 2.751
@@ -51,7 +51,6 @@ def _gemv_kernel(
     k,
     weight_stride,
     GATED: tl.constexpr,
-    SILU: tl.constexpr,
     SCALED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN: tl.constexpr,
@@ -60,14 +59,7 @@ def _gemv_kernel(
     PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
-    if SILU:  # gate and up rows in turn: gate row i, then row i of the up half
-        pairs = tl.arange(0, BLOCK_N)
-        outputs = tl.program_id(0) * (BLOCK_N // 2) + pairs // 2
-        rows = outputs + (pairs % 2) * (n // 2)
-        row_ok = outputs < n // 2
-    else:
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < n
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for start in range(0, k, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
@@ -80,7 +72,7 @@ def _gemv_kernel(
         else:
             w = tl.load(
                 tile,
-                mask=row_ok[:, None] & (cols[None, :] < k),
+                mask=(rows[:, None] < n) & (cols[None, :] < k),
                 other=0.0,
                 eviction_policy="evict_first",
             )
@@ -92,24 +84,10 @@ def _gemv_kernel(
         acc += w.to(tl.float32) * v[None, :]
     y = tl.sum(acc, axis=1)
     if SCALED:
-        y *= tl.load(scales + rows, mask=row_ok, other=0.0)
+        y *= tl.load(scales + rows, mask=rows < n, other=0.0)
     if HAS_BIAS:
-        y += tl.load(bias + rows, mask=row_ok, other=0.0).to(tl.float32)
-    if SILU:
-        _store_silu(y, out, tl.program_id(0) * (BLOCK_N // 2), n // 2, BLOCK_N)
-    else:
-        tl.store(out + rows, y.to(out.dtype.element_ty), mask=row_ok)
-
-
-@triton.jit
-def _store_silu(y, out, first, count, BLOCK_N: tl.constexpr):
-    """Store SiLU(gate) * up of `y`'s gate/up pairs at `out + first`: rounded as the gate|up
-    output would be stored, then multiplied as the gated GEMV does from there (the same bits
-    as the two kernels)."""
-    rounded = y.to(out.dtype.element_ty).to(tl.float32)
-    gate, up = tl.split(tl.reshape(rounded, [BLOCK_N // 2, 2]))
-    at = first + tl.arange(0, BLOCK_N // 2)
-    tl.store(out + at, (gate * tl.sigmoid(gate) * up).to(out.dtype.element_ty), mask=at < count)
+        y += tl.load(bias + rows, mask=rows < n, other=0.0).to(tl.float32)
+    tl.store(out + rows, y.to(out.dtype.element_ty), mask=rows < n)
 
 
 @triton.jit
@@ -164,7 +142,12 @@ def _fp8_words_kernel(
     if HAS_BIAS:
         y += tl.load(bias + rows).to(tl.float32)
     if SILU:
-        _store_silu(y, out, tl.program_id(0) * (BLOCK_N // 2), half_rows, BLOCK_N)
+        # Rounded as the gate|up output would be stored, then SiLU(gate) * up as the gated
+        # GEMV computes it from there: the same bits as the two kernels.
+        rounded = y.to(out.dtype.element_ty).to(tl.float32)
+        gate, up = tl.split(tl.reshape(rounded, [BLOCK_N // 2, 2]))
+        at = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(out + at, (gate * tl.sigmoid(gate) * up).to(out.dtype.element_ty))
     else:
         tl.store(out + rows, y.to(out.dtype.element_ty))
 
@@ -217,6 +200,17 @@ def _fp8_words(
     return out
 
 
+def fp8_silu_gemv(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor
+) -> torch.Tensor | None:
+    """SiLU(gate) * up for one row `x` `[1, K]` and an FP8 gate|up weight (gate rows, then up
+    rows, one scale a row), in one kernel, or None where `_fp8_words_kernel` does not apply.
+    Where it does, the MLP's down projection then reads the activation plainly: at one row
+    the gated GEMV recomputed it in each of its programs."""
+    assert x.shape == (1, weight.shape[1]) and scales.numel() == weight.shape[0]
+    return _fp8_words(x.contiguous(), weight, None, scales, silu=True)
+
+
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -224,25 +218,21 @@ def gemv(
     gated: bool = False,
     scales: torch.Tensor | None = None,
     config: tuple[int, int, int, int] | None = None,
-    silu: bool = False,
 ) -> torch.Tensor:
     """`x W^T + bias` for one row `x` `[1, K]`; with `gated`, `x` is `[1, 2K]` (gate | up)
-    and the row multiplied is SiLU(gate) * up; with `silu`, `weight` is a fused gate|up
-    weight (gate rows, then as many up rows) and the result `[1, N / 2]` is SiLU(gate) * up of
-    the product. With `scales` (an FP8 `weight`, one float32 scale per row: quant/fp8.py)
-    each output is scaled by its row's. `config` (rows and columns a program reads at a
-    time, warps, stages) overrides the measured choice, for bench/quant_kernels.py's
-    sweep."""
+    and the row multiplied is SiLU(gate) * up. With `scales` (an FP8 `weight`, one float32
+    scale per row: quant/fp8.py) each output is scaled by its row's. `config` (rows and
+    columns a program reads at a time, warps, stages) overrides the measured choice, for
+    bench/quant_kernels.py's sweep."""
     n, k = weight.shape
     assert x.shape == (1, 2 * k if gated else k) and weight.stride(1) == 1
     assert scales is None or scales.numel() == n
-    assert not (silu and (gated or n % 2))
     x = x.contiguous()
     if scales is not None and config is None and not gated:
-        words_out = _fp8_words(x, weight, bias, scales, silu)
+        words_out = _fp8_words(x, weight, bias, scales)
         if words_out is not None:
             return words_out
-    out = torch.empty((1, n // 2 if silu else n), dtype=x.dtype, device=x.device)
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     # Rows and columns a program reads at a time, warps and pipeline stages, measured on an
     # H200 (whole 8B steps: 2 x 2,048 took 4.37 ms where 8 x 1,024 took 4.41; narrow inputs,
     # Qwen3-0.6B's 1,024, do best with 2 x 512). `gated` keeps 8 rows: each program computes
@@ -275,11 +265,9 @@ def gemv(
         k,
         weight.stride(0),
         GATED=gated,
-        SILU=silu,
         SCALED=scales is not None,
         HAS_BIAS=bias is not None,
-        EVEN=(n // 2 if silu else n) % (block_n // 2 if silu else block_n) == 0
-        and k % block_k == 0,
+        EVEN=n % block_n == 0 and k % block_k == 0,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=warps,

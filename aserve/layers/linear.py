@@ -28,7 +28,7 @@ from aserve.quant.fp8 import Fp8Activations
 from aserve.quant.method import QuantizedLinearWeight
 
 OneRowProduct = Callable[..., torch.Tensor]
-"""`(x, weight, bias, gated=False, silu=False) -> x W^T + bias` for one row (layers/gemv.py)."""
+"""`(x, weight, bias, gated=False) -> x W^T + bias` for one row (layers/gemv.py)."""
 
 
 class ColumnParallelLinear(nn.Module):
@@ -76,15 +76,6 @@ class ColumnParallelLinear(nn.Module):
         if self.one_row is not None and x.shape[0] == 1:
             return self.one_row(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
-
-    def silu(self, x: torch.Tensor) -> torch.Tensor | None:
-        """For a fused gate|up layer: SiLU(gate) * up of its output for one row on CUDA,
-        from the product's own kernel; else None (the caller activates the output)."""
-        if self.quantized is not None:
-            return self.quantized.silu(x)
-        if self.one_row is not None and x.shape[0] == 1:
-            return self.one_row(x, self.weight, self.bias, silu=True)
-        return None
 
     def _rank_rows(self, tensor: WeightSource, shard: int) -> torch.Tensor:
         size = self.local_sizes[shard]

@@ -153,11 +153,12 @@ class DecoderMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor:
-        """One row on CUDA takes the activation from the gate|up product's kernel and the
-        down projection reads it plainly; otherwise the down projection's kernels take the
-        activation over where they can (`forward_gated`)."""
-        if isinstance(x, torch.Tensor) and x.shape[0] == 1:
-            activation = self.gate_up_proj.silu(x)
+        """One row of an FP8 model on CUDA takes the activation from the gate|up kernel, the
+        down projection then reads it plainly; otherwise the down projection's kernels
+        take the activation over (`forward_gated`)."""
+        gate_up = self.gate_up_proj.quantized
+        if gate_up is not None and isinstance(x, torch.Tensor):
+            activation = gate_up.silu(x)
             if activation is not None:
                 return self.down_proj(activation)
         return self.down_proj.forward_gated(self.gate_up_proj(x), self.ops)

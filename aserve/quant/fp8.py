@@ -200,17 +200,19 @@ class Fp8Weight:
         self.aligned = self.shape[0] % ALIGN == 0 and self.shape[1] % ALIGN == 0
         self._quantize_tokens = quantize_tokens
         self._one_row: Callable[..., torch.Tensor] | None = None
+        self._silu_one_row: Callable[..., torch.Tensor | None] | None = None
         self._few_rows: Callable[..., torch.Tensor] | None = None
         self._token_scaled: Callable[..., torch.Tensor] | None = None
         self._silu_fp8: Callable[[torch.Tensor], Fp8Activations] | None = None
         self._silu_fp8_min_rows = 0
         self._choose: Callable[[int, int, int], tuple | None] | None = None
         if device.type == "cuda":
-            from aserve.layers.gemv import gemv
+            from aserve.layers.gemv import fp8_silu_gemv, gemv
             from aserve.quant import fp8_cuda
 
             self._quantize_tokens = fp8_cuda.quantize_tokens
             self._one_row = gemv
+            self._silu_one_row = fp8_silu_gemv
             self._few_rows = fp8_cuda.few_rows
             self._token_scaled = fp8_cuda.token_scaled
             if self.aligned and self.shape[1] <= 16384:
@@ -230,9 +232,9 @@ class Fp8Weight:
     def silu(self, x: torch.Tensor) -> torch.Tensor | None:
         """SiLU(gate) * up of this gate|up weight's product with one row `x`, in one kernel,
         or None where there is none (the caller multiplies, then activates)."""
-        if self._one_row is None or x.shape[0] != 1:
+        if self._silu_one_row is None or x.shape[0] != 1:
             return None
-        return self._one_row(x, self.values, None, scales=self.scales, silu=True)
+        return self._silu_one_row(x, self.values, self.scales)
 
     def gated(self, gate_up: torch.Tensor) -> torch.Tensor | None:
         """The product of SiLU(gate) * up for fused gate|up rows with one kernel fewer, or
