@@ -20,8 +20,9 @@ that skipped the widening read no faster, so memory, not instructions, bounds bo
 fused gate|up weight it can also end with SiLU(gate) * up (`fp8_silu_gemv`): a program
 then reads gate and up rows in turn and writes their activations, the same bits as the
 gated down projection computes, which then reads them plainly. In one 8B FP8 step the gated
-GEMV had recomputed the whole activation row in each of its 512 programs: 2.67 -> 2.60
-ms/token (H200, alternating in one command).
+GEMV had recomputed the whole activation row in each of its 512 programs: 2.69 -> 2.62
+ms/token (H200, alternating in one command). The same ending in `_gemv_kernel`, for bf16
+weights, made the bf16 8B step slower (4.05 -> 4.09 ms), so it is not there.
 
 Both read the weight with L2's evict-first policy, since a step streams it once: a single
 8B FP8 step of the engine's kernels in a CUDA graph took 2.682 ms with it against 2.751
