@@ -157,7 +157,7 @@ class DecoderMLP(nn.Module):
         down projection then reads it plainly; otherwise the down projection's kernels
         take the activation over (`forward_gated`)."""
         gate_up = self.gate_up_proj.quantized
-        if gate_up is not None and isinstance(x, torch.Tensor):
+        if gate_up is not None and isinstance(x, torch.Tensor) and x.shape[0] == 1:
             activation = gate_up.silu(x)
             if activation is not None:
                 return self.down_proj(activation)
