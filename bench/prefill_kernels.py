@@ -1,11 +1,13 @@
 """FlashInfer's paged prefill over a bf16 and an FP8 KV cache, per chunk shape.
 
-    python bench/prefill_kernels.py
+    python bench/prefill_kernels.py [--long]
 
-The FP8 cache (`--kv-cache-dtype fp8_e4m3`) is read by the same FA2 prefill kernels compiled
-for FP8 pages; this times one layer of a prefill chunk of `requests` prompts of `length`
-tokens each (causal, the whole prompt new) for the Llama-3.1-8B and Qwen3-0.6B shapes, in
-microseconds, inside a CUDA graph-free loop between two events.
+Times one layer of a prefill chunk of `requests` prompts of `length` tokens each (causal,
+the whole prompt new) for the Llama-3.1-8B and Qwen3-0.6B shapes, in microseconds, inside a
+CUDA graph-free loop between two events: over a bf16 pool, over an FP8 pool read by the FA2
+kernels compiled for FP8 pages, and over the FP8 pool widened to bf16 first and read by the
+bf16 kernels (what the engine does, attention/flashinfer.py's `WidenedPrefill`, the copy
+included in the time). `--long` adds single prompts of 16k and 32k tokens.
 """
 
 from __future__ import annotations
@@ -15,13 +17,17 @@ import argparse
 import torch
 
 SHAPES = {"qwen3-0.6b": (16, 8), "llama-3.1-8b": (32, 8)}
-CASES = [(1, 1024), (8, 1024), (16, 512), (64, 256)]
+CASES = [(1, 1024), (8, 1024), (16, 512), (64, 256), (16, 1024)]
+LONG_CASES = [(1, 16384), (1, 32768)]
 
 
-def time_prefill(
-    q_heads: int, kv_heads: int, requests: int, length: int, kv_dtype: torch.dtype
-) -> float:
+def time_prefill(q_heads: int, kv_heads: int, requests: int, length: int, mode: str) -> float:
+    """us a layer; `mode` is "bf16", "fp8" or "widened"."""
     import flashinfer
+
+    from aserve.attention.flashinfer import WidenedPrefill
+
+    kv_dtype = torch.bfloat16 if mode == "bf16" else torch.float8_e4m3fn
 
     device, page_size = torch.device("cuda"), 256
     pages_per_seq = -(-length // page_size)
@@ -44,30 +50,42 @@ def time_prefill(
         page_size=page_size,
         causal=True,
         q_data_type=torch.bfloat16,
-        kv_data_type=kv_dtype,
+        kv_data_type=torch.bfloat16 if mode == "widened" else kv_dtype,
     )
     q = torch.randn(requests * length, q_heads, 128, device=device, dtype=torch.bfloat16)
+    # The widened pages in reverse order: a gather, as the engine's pages are scattered.
+    widened = WidenedPrefill(wrapper, torch.arange(num_pages - 1, -1, -1, device=device))
+
+    def run() -> None:
+        if mode == "widened":
+            wrapper.run(q, widened.widen(pool, page_size, torch.bfloat16))
+        else:
+            wrapper.run(q, cache)
+
     for _ in range(3):
-        wrapper.run(q, cache)
+        run()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(20):
-        wrapper.run(q, cache)
+        run()
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1000 / 20
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
-    print(f"{'shape':<14} {'requests x length':>18} {'bf16 us':>9} {'fp8 us':>9}")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--long", action="store_true", help="add prompts of 16k and 32k tokens")
+    args = parser.parse_args()
+    print(f"{'shape':<14} {'requests x length':>18} {'bf16 us':>9} {'fp8 us':>9} {'widened':>9}")
     for name, (q_heads, kv_heads) in SHAPES.items():
-        for requests, length in CASES:
+        for requests, length in CASES + (LONG_CASES if args.long else []):
             times = [
-                time_prefill(q_heads, kv_heads, requests, length, dtype)
-                for dtype in (torch.bfloat16, torch.float8_e4m3fn)
+                time_prefill(q_heads, kv_heads, requests, length, mode)
+                for mode in ("bf16", "fp8", "widened")
             ]
-            print(f"{name:<14} {f'{requests} x {length}':>18} {times[0]:>9.1f} {times[1]:>9.1f}")
+            cells = "".join(f"{t:>10.1f}" for t in times)
+            print(f"{name:<14} {f'{requests} x {length}':>18}{cells}", flush=True)
 
 
 if __name__ == "__main__":

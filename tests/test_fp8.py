@@ -58,6 +58,26 @@ def test_fp8_pool_rounds_saturates_and_scales() -> None:
     assert per_token == [512, 128]
 
 
+def test_widened_prefill_copies_the_steps_pages_exactly() -> None:
+    """FlashInfer's prefill over an FP8 pool reads a copy of the step's pages in bf16 (the
+    kernel itself is test_fp8_gpu.py's): the pages in the plan's order, K and V apart, each
+    FP8 byte's value exactly (e4m3 values are bfloat16 values), the pool untouched."""
+    from aserve.attention.flashinfer import WidenedPrefill
+
+    pool = KVPool(1, 6, 4, 2, 8, torch.bfloat16, CPU, FP8)
+    every_slot = torch.arange(24)
+    pool.store(0, every_slot, torch.randn(24, 2, 2, 8, generator=torch.Generator().manual_seed(1)))
+    before = pool.kv[0].clone()
+    order = torch.tensor([4, 0, 5], dtype=torch.int32)
+    k, v = WidenedPrefill(None, order).widen(pool.kv[0], 4, torch.bfloat16)
+    assert k.shape == v.shape == (3, 4, 2, 8) and k.dtype == torch.bfloat16
+    for position, page in enumerate(order.tolist()):
+        slots = pool.kv[0][page * 4 : (page + 1) * 4].float()
+        assert torch.equal(k[position].float(), slots[:, 0])
+        assert torch.equal(v[position].float(), slots[:, 1])
+    assert torch.equal(pool.kv[0].view(torch.uint8), before.view(torch.uint8))
+
+
 def fp8_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """Lift the FP8-hardware guard: the CPU then runs the torch reference path."""
     monkeypatch.setattr(engine_module, "require_fp8_gpu", lambda device, option: None)

@@ -309,6 +309,50 @@ def test_fp8_prefix_hit_equals_recomputing(make_llm: Callable[..., LLM], tmp_pat
     assert hits == [o.token_ids for o in fresh.generate(prompts, greedy)]
 
 
+def test_fp8_prefill_widened_equals_reading_fp8(
+    make_llm: Callable[..., LLM], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prefill over an FP8 pool reads the step's pages widened to bf16 by FlashInfer's 16-bit
+    kernel, or over more pages than `WIDEN_SLOTS_PER_PREFILL_TOKEN` allows the FP8 pages by
+    its FP8 kernel: the same tokens either way, in chunks and after a cached prefix (every
+    step widened, then none)."""
+    from aserve.attention import flashinfer as backend
+
+    folder = make_tiny_model("llama", tmp_path, overrides={**KERNEL_SHAPES, "head_dim": 64})
+    options = {
+        "device": "cuda",
+        "dtype": "bfloat16",
+        "page_size": 16,
+        "num_pages": 1024,
+        "kv_cache_dtype": "fp8_e4m3",
+        "max_prefill_length": 128,
+    }
+    widened: list[int] = []
+    widen = backend.WidenedPrefill.widen
+
+    def counted(self: backend.WidenedPrefill, *args: object) -> object:
+        widened.append(1)
+        return widen(self, *args)
+
+    monkeypatch.setattr(backend.WidenedPrefill, "widen", counted)
+    shared = list(range(11, 11 + 150))
+    prompts = [shared + [3 + i, 9 + i] for i in range(4)] + [list(range(5, 305))]
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+    def tokens() -> list[list[int]]:
+        llm = make_llm(folder, **options)
+        llm.generate([shared], greedy)  # the shared prefix is now cached
+        return [o.token_ids for o in llm.generate(prompts, greedy)]
+
+    monkeypatch.setattr(backend, "WIDEN_SLOTS_PER_PREFILL_TOKEN", 1 << 20)
+    through_bf16 = tokens()
+    assert widened, "the prefill steps read widened pages"
+    monkeypatch.setattr(backend, "WIDEN_SLOTS_PER_PREFILL_TOKEN", 0)
+    widened.clear()
+    assert tokens() == through_bf16
+    assert not widened
+
+
 @pytest.mark.parametrize("option", ["weights", "kv"])
 def test_fp8_tiny_model_on_cuda(tmp_path: Path, make_llm: Callable[..., LLM], option: str) -> None:
     """A tiny bf16 Llama with FP8 weights or an FP8 KV cache (default attention backends):

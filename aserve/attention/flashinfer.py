@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -25,6 +26,10 @@ from aserve.kvcache.pool import KVPool
 WORKSPACE_BYTES = 256 * 1024 * 1024
 BUILD_WORKSPACE_BYTES = 16 * 1024 * 1024
 
+WIDEN_SLOTS_PER_PREFILL_TOKEN = 2
+"""A prefill step over an FP8 pool widens its pages to 16 bits when they hold at most this
+many slots per token of the largest prefill chunk (see `WidenedPrefill`)."""
+
 logger = logging.getLogger("aserve.engine")
 
 
@@ -35,9 +40,11 @@ class FlashInferBackend:
     FlashInfer's decode kernels for the rest, with or without tensor cores as
     `use_tensor_cores` says for the batch.
 
-    With an FP8 pool (`--kv-cache-dtype fp8_e4m3`) prefill plans FlashInfer's kernels for
-    16-bit queries over FP8 pages, with the layer's K scale folded into the softmax scale and
-    the V scale applied to the output, and every decode batch takes the Triton kernels,
+    With an FP8 pool (`--kv-cache-dtype fp8_e4m3`) prefill widens the step's pages to 16 bits
+    and runs the 16-bit kernels (`WidenedPrefill`), or over more pages than that allows plans
+    FlashInfer's kernels for 16-bit queries over FP8 pages; either way the layer's K scale is
+    folded into the softmax scale and the V scale applied to the output. Every decode batch
+    takes the Triton kernels,
     which read FP8 the same way: it spares a start-up compile of FlashInfer's FP8 decode
     variants, and at 3-39 requests, where FlashInfer's own were faster in 16 bits, FP8 halves
     the bytes both read anyway."""
@@ -51,6 +58,7 @@ class FlashInferBackend:
         head_dim: int,
         dtype: torch.dtype,
         prefill_backend: str = "fa2",
+        max_prefill_length: int = 0,
     ) -> None:
         try:
             import flashinfer
@@ -66,6 +74,7 @@ class FlashInferBackend:
         self.dtype = dtype
         self.kv_dtype = pool.storage_dtype
         self.page_size = pool.page_size
+        self.widen_max_slots = WIDEN_SLOTS_PER_PREFILL_TOKEN * max_prefill_length
         device = pool.k[0].device
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
@@ -112,10 +121,14 @@ class FlashInferBackend:
         indptr, last, indices = self._page_layout(batch)
         qo_indptr = torch.zeros(batch.batch_size + 1, dtype=torch.int32)
         torch.cumsum(torch.tensor(batch.extend_lens, dtype=torch.int32), 0, out=qo_indptr[1:])
+        widen = self.pool.quantized and len(indices) * self.page_size <= self.widen_max_slots
+        kv_data_type = self.dtype if widen else self.kv_dtype
         self.prefill_wrapper.plan(
             qo_indptr,
             indptr,
-            indices,
+            torch.arange(len(indices), dtype=torch.int32, device=indices.device)
+            if widen
+            else indices,
             last,
             num_qo_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
@@ -123,9 +136,11 @@ class FlashInferBackend:
             page_size=self.page_size,
             causal=True,
             q_data_type=self.dtype,
-            kv_data_type=self.kv_dtype,
+            kv_data_type=kv_data_type,
         )
-        batch.attn_metadata = self.prefill_wrapper
+        batch.attn_metadata = (
+            WidenedPrefill(self.prefill_wrapper, indices) if widen else self.prefill_wrapper
+        )
 
     def plan_decode(self, wrapper: Any, batch: ForwardBatch) -> None:
         """Plan a decode batch into `wrapper` (ours, or a CUDA-graph one with static buffers).
@@ -183,10 +198,43 @@ class FlashInferBackend:
         k_scale, v_scale = self.pool.scale_pairs[layer]
         if batch.is_decode:
             out = batch.attn_metadata.run(q, cache, k_scale=k_scale, v_scale=v_scale)
-        else:
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            batch.attn_metadata.run(q, cache, out=out, k_scale=k_scale, v_scale=v_scale)
+            return out.reshape(-1, self.num_heads * self.head_dim)
+        metadata = batch.attn_metadata
+        if isinstance(metadata, WidenedPrefill):
+            cache = metadata.widen(self.pool.kv[layer], self.page_size, self.dtype)
+            metadata = metadata.wrapper
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        metadata.run(q, cache, out=out, k_scale=k_scale, v_scale=v_scale)
         return out.reshape(-1, self.num_heads * self.head_dim)
+
+
+@dataclass
+class WidenedPrefill:
+    """A prefill step over an FP8 pool, planned for 16-bit pages: each layer copies the
+    step's pages out of the pool widened to the model dtype (exact: every e4m3 value is a
+    bfloat16 and a float16 value) and FlashInfer's 16-bit kernel reads the copy. Its FP8
+    kernel read the same values at about half the speed (bench/prefill_kernels.py --widened
+    on the H200, 8B shape, us a layer: 16 prompts of 1,024 tokens 1,007 against 618 with the
+    copy, one of 32,768 47,488 against 24,085) and gave the same bits in every case measured.
+
+    The copy lives while the layer's attention runs, when the MLP's activations, which the
+    prefill's working memory counts (engine/memory.py), do not; `WIDEN_SLOTS_PER_PREFILL_TOKEN`
+    keeps it a small share of them (4 KiB of bf16 K and V a slot for the 8B shape, ~130 KiB
+    of activations a token). A step over more pages (long cached prefixes) reads FP8."""
+
+    wrapper: Any
+    page_ids: torch.Tensor
+    """The step's pages in the pool (int32, on the device), in the plan's order."""
+
+    def widen(
+        self, kv: torch.Tensor, page_size: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V pages `[pages, page_size, kv_heads, head_dim]` of one layer's pool `kv`
+        `[slots, 2, kv_heads, head_dim]`, widened to `dtype`, in the plan's page order."""
+        pages = kv.view(torch.uint8).unflatten(0, (-1, page_size))  # index_select takes bytes
+        picked = pages.index_select(0, self.page_ids).view(kv.dtype)
+        wide = picked.to(dtype)
+        return wide[:, :, 0], wide[:, :, 1]
 
 
 def _triton_decode(head_dim: int) -> ModuleType | None:
@@ -240,7 +288,7 @@ def build_kernels(
     modules that batches of up to `max_batch` requests use (tensor-core, CUDA-core: by
     `use_tensor_cores`, where the Triton kernels do not take the batch), each in a thread of
     its own, and return the threads. An FP8 pool decodes with the Triton kernels only, so it
-    needs no decode module.
+    needs no decode module, and prefills with both the 16-bit and the FP8 prefill modules.
 
     FlashInfer compiles a module when a wrapper first plans for it, one module after
     another and each in minutes' share of the first start. Planning a one-token batch here
@@ -265,13 +313,14 @@ def build_kernels(
         one = torch.tensor([0, 1], dtype=torch.int32)
         page = torch.zeros(1, dtype=torch.int32, device=device)
         last = torch.ones(1, dtype=torch.int32)
-        if kind == "prefill":
+        if kind in ("prefill", "widened prefill"):
             wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
                 workspace, "NHD", backend=prefill_backend
             )
             wrapper.plan(
                 one, one, page, last, num_heads, num_kv_heads, head_dim, page_size,
-                causal=True, q_data_type=dtype, kv_data_type=kv_dtype,
+                causal=True, q_data_type=dtype,
+                kv_data_type=dtype if kind == "widened prefill" else kv_dtype,
             )  # fmt: skip
         else:
             decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(  # "CUDA-core decode" or not
@@ -291,6 +340,8 @@ def build_kernels(
     kinds = ["prefill"]
     if kv_dtype == dtype:
         kinds += decode_modules(num_heads, num_kv_heads, head_dim, max_batch)
+    else:  # most prefill steps read the FP8 pool widened (`WidenedPrefill`)
+        kinds.append("widened prefill")
     threads = [
         threading.Thread(target=guarded, args=(kind,), name=f"flashinfer-{kind}", daemon=True)
         for kind in kinds

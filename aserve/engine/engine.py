@@ -303,6 +303,7 @@ class Engine:
                 head_dim,
                 self.dtype,
                 FLASHINFER_KERNELS[name],
+                self.config.max_prefill_length,
             )
         raise ConfigError(
             f"attention backend {name!r} is not available on {self.device.type}; "
