@@ -345,6 +345,7 @@ def test_fp8_prefill_widened_equals_reading_fp8(
         return [o.token_ids for o in llm.generate(prompts, greedy)]
 
     monkeypatch.setattr(backend, "WIDEN_SLOTS_PER_PREFILL_TOKEN", 1 << 20)
+    monkeypatch.setattr(backend, "WIDEN_MIN_HEAD_SLOTS", 0)
     through_bf16 = tokens()
     assert widened, "the prefill steps read widened pages"
     monkeypatch.setattr(backend, "WIDEN_SLOTS_PER_PREFILL_TOKEN", 0)

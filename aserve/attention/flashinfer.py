@@ -28,7 +28,14 @@ BUILD_WORKSPACE_BYTES = 16 * 1024 * 1024
 
 WIDEN_SLOTS_PER_PREFILL_TOKEN = 2
 """A prefill step over an FP8 pool widens its pages to 16 bits when they hold at most this
-many slots per token of the largest prefill chunk (see `WidenedPrefill`)."""
+many slots per token of the largest prefill chunk (see `WidenedPrefill`)..."""
+
+WIDEN_MIN_HEAD_SLOTS = 8192
+"""...and when query heads times the slots of a request, on average, come to at least this
+much: the copy costs a pass over the pages, the kernel's saving grows with the queries that
+read each page (bench/prefill_kernels.py on the H200, us a layer, FP8 against widened: 16
+heads, 64 prompts of 256 tokens 216 against 240, 16 of 512 175 against 156; 32 heads, 64 of
+256 396 against 346)."""
 
 logger = logging.getLogger("aserve.engine")
 
@@ -121,7 +128,12 @@ class FlashInferBackend:
         indptr, last, indices = self._page_layout(batch)
         qo_indptr = torch.zeros(batch.batch_size + 1, dtype=torch.int32)
         torch.cumsum(torch.tensor(batch.extend_lens, dtype=torch.int32), 0, out=qo_indptr[1:])
-        widen = self.pool.quantized and len(indices) * self.page_size <= self.widen_max_slots
+        slots = len(indices) * self.page_size
+        widen = (
+            self.pool.quantized
+            and slots <= self.widen_max_slots
+            and self.num_heads * slots >= WIDEN_MIN_HEAD_SLOTS * batch.batch_size
+        )
         kv_data_type = self.dtype if widen else self.kv_dtype
         self.prefill_wrapper.plan(
             qo_indptr,
@@ -220,7 +232,8 @@ class WidenedPrefill:
     The copy lives while the layer's attention runs, when the MLP's activations, which the
     prefill's working memory counts (engine/memory.py), do not; `WIDEN_SLOTS_PER_PREFILL_TOKEN`
     keeps it a small share of them (4 KiB of bf16 K and V a slot for the 8B shape, ~130 KiB
-    of activations a token). A step over more pages (long cached prefixes) reads FP8."""
+    of activations a token). A step over more pages (long cached prefixes), or of many short
+    prompts (`WIDEN_MIN_HEAD_SLOTS`), reads FP8."""
 
     wrapper: Any
     page_ids: torch.Tensor
