@@ -31,6 +31,14 @@ pytestmark = [
 SHAPES = {"hidden_size": 512, "intermediate_size": 1024, "head_dim": 128, "num_attention_heads": 4}
 FP8 = torch.float8_e4m3fn
 CUDA = torch.device("cuda")
+FP8_CACHE_LLM = {
+    "device": "cuda",
+    "dtype": "bfloat16",
+    "page_size": 16,
+    "num_pages": 1024,
+    "kv_cache_dtype": "fp8_e4m3",
+}
+"""A tiny model's LLM options over an FP8 cache of small pages."""
 
 
 @pytest.mark.parametrize("rows", [1, 37, 512])
@@ -290,14 +298,7 @@ def test_fp8_prefix_hit_equals_recomputing(make_llm: Callable[..., LLM], tmp_pat
     and graphs against eager, over an FP8 cache, are test_gpu.py's KV_CACHE_DTYPES cases."""
 
     folder = make_tiny_model("llama", tmp_path, overrides={**KERNEL_SHAPES, "head_dim": 64})
-    options = {
-        "device": "cuda",
-        "dtype": "bfloat16",
-        "page_size": 16,
-        "num_pages": 1024,
-        "kv_cache_dtype": "fp8_e4m3",
-        "cuda_graph_max_bs": 32,
-    }
+    options = {**FP8_CACHE_LLM, "cuda_graph_max_bs": 32}
     cached = make_llm(folder, **options)
     assert cached.runtime.engine.graphs is not None
     shared = list(range(11, 11 + 150))
@@ -319,14 +320,7 @@ def test_fp8_prefill_widened_equals_reading_fp8(
     from aserve.attention import flashinfer as backend
 
     folder = make_tiny_model("llama", tmp_path, overrides={**KERNEL_SHAPES, "head_dim": 64})
-    options = {
-        "device": "cuda",
-        "dtype": "bfloat16",
-        "page_size": 16,
-        "num_pages": 1024,
-        "kv_cache_dtype": "fp8_e4m3",
-        "max_prefill_length": 128,
-    }
+    options = {**FP8_CACHE_LLM, "max_prefill_length": 128}
     widened: list[int] = []
     widen = backend.WidenedPrefill.widen
 

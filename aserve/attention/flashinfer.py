@@ -51,10 +51,9 @@ class FlashInferBackend:
     and runs the 16-bit kernels (`WidenedPrefill`), or over more pages than that allows plans
     FlashInfer's kernels for 16-bit queries over FP8 pages; either way the layer's K scale is
     folded into the softmax scale and the V scale applied to the output. Every decode batch
-    takes the Triton kernels,
-    which read FP8 the same way: it spares a start-up compile of FlashInfer's FP8 decode
-    variants, and at 3-39 requests, where FlashInfer's own were faster in 16 bits, FP8 halves
-    the bytes both read anyway."""
+    takes the Triton kernels, which read FP8 the same way: it spares a start-up compile of
+    FlashInfer's FP8 decode variants, and at 3-39 requests, where FlashInfer's own were
+    faster in 16 bits, FP8 halves the bytes both read anyway."""
 
     def __init__(
         self,
@@ -225,15 +224,15 @@ class WidenedPrefill:
     """A prefill step over an FP8 pool, planned for 16-bit pages: each layer copies the
     step's pages out of the pool widened to the model dtype (exact: every e4m3 value is a
     bfloat16 and a float16 value) and FlashInfer's 16-bit kernel reads the copy. Its FP8
-    kernel read the same values at about half the speed (bench/prefill_kernels.py --widened
-    on the H200, 8B shape, us a layer: 16 prompts of 1,024 tokens 1,007 against 618 with the
-    copy, one of 32,768 47,488 against 24,085) and gave the same bits in every case measured.
+    kernel read the same values at about half the speed (bench/prefill_kernels.py --long on
+    the H200, 8B shape, us a layer: 16 prompts of 1,024 tokens 997 against 629 with the
+    copy, one of 32,768 47,482 against 24,013) and gave the same bits in every case measured.
 
     The copy lives while the layer's attention runs, when the MLP's activations, which the
     prefill's working memory counts (engine/memory.py), do not; `WIDEN_SLOTS_PER_PREFILL_TOKEN`
-    keeps it a small share of them (4 KiB of bf16 K and V a slot for the 8B shape, ~130 KiB
-    of activations a token). A step over more pages (long cached prefixes), or of many short
-    prompts (`WIDEN_MIN_HEAD_SLOTS`), reads FP8."""
+    keeps it a small share of them (6 KiB a slot for the 8B shape, the gathered FP8 bytes and
+    their bf16 copy, against ~130 KiB of activations a token). A step over more pages (long
+    cached prefixes), or of many short prompts (`WIDEN_MIN_HEAD_SLOTS`), reads FP8."""
 
     wrapper: Any
     page_ids: torch.Tensor
