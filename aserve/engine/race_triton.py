@@ -11,10 +11,11 @@ temperature T, so the kernel reads the logits themselves.
 Rows split the vocabulary over several programs (each finds its part's winner; the first
 maximum of the parts wins, as in one pass) until the launch has `PROGRAMS_PER_SM` programs an
 SM: the race is bound by its arithmetic (two hashes and two logarithms a token), which wants
-many warps. On the H200, 128,256-token rows in a CUDA graph, us at 1 / 8 / 32 / 96 / 160 /
+many warps. On H200s, 128,256-token rows in a CUDA graph, us at 1 / 8 / 32 / 96 / 160 /
 256 rows: 6.9 / 10.8 / 28.4 / 72.9 / 173.4 / 182.2 with blocks of 1,024 and splits up to 2
-programs an SM (one program a row from a row an SM), 9.9 / 20.5 / 48.6 / 78.9 / 119.9 from 8
-rows with these settings (the winner's argmax and gather kernels included), the same tokens.
+programs an SM (one program a row from a row an SM); 7.6 / 9.8 / 20.3 / 48.1 / 79.9 / 119.5
+with these settings on the next machine (the winner's argmax and gather kernels included),
+the same tokens; the single 8B stream 2.617 -> 2.616 ms/token in one command.
 
 Replaced FlashInfer's sampling kernels, whose module took 80-100 s to compile on a fresh
 machine; this one compiles in about a second.
