@@ -66,7 +66,75 @@ def _moe_settings(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _as_block(value: Any) -> tuple[int, int] | None:
+    if isinstance(value, str):  # early compressed-tensors wrote "128x128"
+        value = value.lower().split("x")
     return None if not value else (int(value[0]), int(value[1]))
+
+
+# The `format` values under which compressed-tensors stores FP8 weights as float8_e4m3fn
+# tensors beside their scales (no packing).
+FP8_TENSOR_FORMATS = ("float-quantized", "naive-quantized")
+
+
+def _quantization_settings(quantization: dict[str, Any]) -> dict[str, Any]:
+    """`quantization`, `fp8_checkpoint` and `fp8_block` of a checkpoint's
+    `quantization_config`. Three publishers' FP8 layouts are one to aserve: FP8 weights with
+    a scale per tensor, per row or per block, read by `quant/fp8.py`'s `pair_scales`:
+    "fp8" (transformers' own: Qwen's and DeepSeek's `*-FP8`, `weight_block_size`), "fbgemm_fp8"
+    (Meta's: a scale per row) and "compressed-tensors" (llm-compressor's, as RedHat's
+    `*-FP8` and `*-FP8-dynamic` checkpoints: a scale per tensor, row, block or column group).
+    A compressed-tensors file that carries only a `kv_cache_scheme` has float weights. Other
+    methods stay named as they are, for the runtime to refuse."""
+    method = quantization.get("quant_method")
+    if method == "fp8":
+        return {
+            "quantization": "fp8",
+            "fp8_checkpoint": True,
+            "fp8_block": _as_block(quantization.get("weight_block_size")),
+        }
+    if method == "fbgemm_fp8":
+        return {"quantization": "fp8", "fp8_checkpoint": True}
+    if method != "compressed-tensors":
+        return {"quantization": method}
+    blocks = {_compressed_fp8_block(g) for g in (quantization.get("config_groups") or {}).values()}
+    if not blocks:
+        return {"quantization": None}
+    if quantization.get("format") not in FP8_TENSOR_FORMATS:
+        raise ConfigError(
+            f"this compressed-tensors checkpoint's format is {quantization.get('format')!r}: "
+            "aserve reads its FP8 weights (float-quantized), not packed or integer ones"
+        )
+    if len(blocks) > 1:
+        raise ConfigError(
+            "this compressed-tensors checkpoint scales its FP8 groups differently "
+            f"({sorted(map(str, blocks))}): aserve reads one scale layout a checkpoint"
+        )
+    return {"quantization": "fp8", "fp8_checkpoint": True, "fp8_block": blocks.pop()}
+
+
+def _compressed_fp8_block(group: dict[str, Any]) -> tuple[int, int] | None:
+    """The scale block of one compressed-tensors config group's FP8 weights: None for a
+    scale per tensor or per row (`pair_scales` tells them apart by the scale's shape), a
+    block's rows and columns, or one row by `group_size` columns."""
+    weights = group.get("weights") or {}
+    kind = f"{weights.get('type')} {weights.get('num_bits')}-bit"
+    if kind != "float 8-bit" or weights.get("symmetric") is False:
+        raise ConfigError(
+            f"this compressed-tensors checkpoint's weights are {kind}"
+            f"{'' if weights.get('symmetric', True) else ' asymmetric'}: aserve runs its FP8 "
+            "ones (float, 8 bits, symmetric); GGUF files run 4- to 8-bit integer weights"
+        )
+    strategy = weights.get("strategy")
+    if strategy in ("tensor", "channel"):
+        return None
+    if strategy == "block" and weights.get("block_structure"):
+        return _as_block(weights["block_structure"])
+    if strategy == "group" and weights.get("group_size"):
+        return (1, int(weights["group_size"]))
+    raise ConfigError(
+        f"this compressed-tensors checkpoint scales its FP8 weights by {strategy!r}: aserve "
+        "reads scales per tensor, channel, block or group"
+    )
 
 
 @dataclass(frozen=True)
@@ -76,9 +144,10 @@ class ModelConfig:
     Mistral's sliding window is honoured by capping the context at the window: within it,
     sliding-window attention and full attention are the same computation. The MoE fields
     keep their defaults (no experts) for dense models. `quantization` is the checkpoint's
-    `quantization_config.quant_method` ("gguf" for a quantized GGUF file), or None, until
-    the runtime replaces it with what the weights run as; `fp8_checkpoint` and `fp8_block`
-    (its `weight_block_size`) stay: they say how the file is to be read.
+    format: its `quantization_config.quant_method`, "fp8" for every FP8 layout
+    (`_quantization_settings`), "gguf" for a quantized GGUF file, or None, until the runtime
+    replaces it with what the weights run as; `fp8_checkpoint` and `fp8_block` (the scales'
+    block) stay: they say how the file is to be read.
     """
 
     architecture: str
@@ -164,9 +233,7 @@ class ModelConfig:
             eos_token_ids=tuple(sorted(eos)),
             bos_token_id=config.get("bos_token_id"),
             torch_dtype=config.get("torch_dtype") or config.get("dtype"),
-            quantization=quantization.get("quant_method"),
-            fp8_checkpoint=quantization.get("quant_method") == "fp8",
-            fp8_block=_as_block(quantization.get("weight_block_size")),
+            **_quantization_settings(quantization),
             **_moe_settings(config) if family == "qwen3_moe" else {},
         )
 

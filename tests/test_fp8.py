@@ -187,18 +187,33 @@ def test_fp8_weights_run_a_model(
 
 
 LINEAR = ("_proj.weight",)
+LAYOUTS: dict[str, tuple[str, str, str]] = {
+    "fp8-block": ("fp8", "block", "weight_scale_inv"),
+    "fp8-tensor": ("fp8", "tensor", "weight_scale"),
+    "fbgemm-channel": ("fbgemm_fp8", "channel", "weight_scale"),
+    "compressed-channel": ("compressed-tensors", "channel", "weight_scale"),
+    "compressed-tensor": ("compressed-tensors", "tensor", "weight_scale"),
+    "compressed-block": ("compressed-tensors", "block", "weight_scale"),
+    "compressed-group": ("compressed-tensors", "group", "weight_scale"),
+}
+"""Published FP8 layouts: (quant_method, what one scale covers, the scale's tensor name)."""
 
 
 def write_fp8_checkpoint(
-    float_folder: Path, fp8_folder: Path, twin_folder: Path, block: tuple[int, int] | None
+    float_folder: Path, fp8_folder: Path, twin_folder: Path, layout: str = "fp8-block"
 ) -> None:
-    """The float checkpoint's linear weights as a published FP8 checkpoint: float8_e4m3fn
-    values with `weight_scale_inv` per `block` (Qwen3-FP8's layout) or one `weight_scale` per
-    tensor, `quantization_config` naming fp8; a static `input_scale` too, which aserve drops.
-    `twin_folder` gets the float checkpoint whose weights are exactly the FP8 ones
-    de-quantized."""
+    """The float checkpoint's linear weights as a published FP8 checkpoint in `layout`
+    (`LAYOUTS`): float8_e4m3fn values with a scale per 32x32 block (Qwen3-FP8's
+    `weight_scale_inv`, or compressed-tensors' block strategy), per tensor (a scalar for
+    "fp8", one element for compressed-tensors), per row (`[rows, 1]`: Meta's fbgemm_fp8,
+    compressed-tensors' channel strategy, the latter in bfloat16 as llm-compressor stores
+    them) or per 32 columns of a row (compressed-tensors' group strategy), and the
+    config's `quantization_config` as each publisher writes it; a static `input_scale` too,
+    which aserve drops. `twin_folder` gets the float checkpoint whose weights are exactly
+    the FP8 ones de-quantized."""
     from safetensors.torch import load_file, save_file
 
+    method, covers, scale_name = LAYOUTS[layout]
     tensors = load_file(str(float_folder / "model.safetensors"))
     fp8_tensors: dict[str, torch.Tensor] = {}
     twin: dict[str, torch.Tensor] = {}
@@ -206,55 +221,98 @@ def write_fp8_checkpoint(
         if not name.endswith(LINEAR):
             fp8_tensors[name] = twin[name] = tensor
             continue
+        rows, cols = tensor.shape
+        b0, b1 = {"block": (32, 32), "group": (1, 32), "channel": (1, cols)}.get(
+            covers, (rows, cols)
+        )
+        blocks = tensor.unflatten(0, (-1, b0)).unflatten(2, (-1, b1))
+        scale = blocks.abs().amax(dim=(1, 3)) / FP8_MAX
+        if layout == "compressed-channel":
+            scale = scale.bfloat16()
+        full = scale.float().repeat_interleave(b0, 0).repeat_interleave(b1, 1)
+        values = (tensor / full).to(FP8)
         base = name.removesuffix(".weight")
-        if block is None:
-            scale = tensor.abs().amax() / FP8_MAX
-            values = (tensor / scale).to(FP8)
-            fp8_tensors[f"{base}.weight_scale"] = scale
-            twin[name] = values.float() * scale
-        else:
-            b0, b1 = block
-            blocks = tensor.unflatten(0, (-1, b0)).unflatten(2, (-1, b1))
-            scale = blocks.abs().amax(dim=(1, 3)) / FP8_MAX
-            full = scale.repeat_interleave(b0, 0).repeat_interleave(b1, 1)
-            values = (tensor / full).to(FP8)
-            fp8_tensors[f"{base}.weight_scale_inv"] = scale
-            twin[name] = values.float() * full
         fp8_tensors[name] = values
+        fp8_tensors[f"{base}.{scale_name}"] = (
+            scale.reshape(())
+            if layout == "fp8-tensor"
+            else (scale.reshape(1) if covers == "tensor" else scale)
+        )
         fp8_tensors[f"{base}.input_scale"] = torch.tensor(1.0)
+        twin[name] = values.float() * full
     for folder, contents in ((fp8_folder, fp8_tensors), (twin_folder, twin)):
         folder.mkdir()
         save_file(contents, str(folder / "model.safetensors"))
         config = json.loads((float_folder / "config.json").read_text())
         if folder == fp8_folder:
-            config["quantization_config"] = {
-                "quant_method": "fp8",
-                "activation_scheme": "dynamic",
-                **({"weight_block_size": list(block)} if block else {}),
-            }
+            config["quantization_config"] = published_quantization_config(method, covers)
         (folder / "config.json").write_text(json.dumps(config))
 
 
+def published_quantization_config(method: str, covers: str) -> dict[str, object]:
+    """`quantization_config` as the publishers of `LAYOUTS` write it."""
+    if method == "fp8":
+        block = {"weight_block_size": [32, 32]} if covers == "block" else {}
+        return {"quant_method": "fp8", "activation_scheme": "dynamic", **block}
+    if method == "fbgemm_fp8":
+        return {
+            "quant_method": "fbgemm_fp8",
+            "activation_scale_ub": 1200.0,
+            "modules_to_not_convert": ["lm_head"],
+        }
+    weights = {
+        "num_bits": 8,
+        "type": "float",
+        "symmetric": True,
+        "dynamic": False,
+        "strategy": covers,
+        "block_structure": [32, 32] if covers == "block" else None,
+        "group_size": 32 if covers == "group" else None,
+    }
+    activations = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": weights,
+                "input_activations": activations,
+                "output_activations": None,
+            }
+        },
+        "ignore": ["lm_head"],
+        "kv_cache_scheme": None,
+    }
+
+
 @pytest.mark.parametrize(
-    ("family", "block"),
-    [("llama", (32, 32)), ("llama", None), ("qwen3_moe", (32, 32)), ("qwen3_moe", None)],
-    ids=["block-scales", "tensor-scale", "moe-block-scales", "moe-tensor-scale"],
+    ("family", "layout"),
+    [("llama", layout) for layout in LAYOUTS]
+    + [
+        ("qwen3_moe", "fp8-block"),
+        ("qwen3_moe", "fp8-tensor"),
+        ("qwen3_moe", "compressed-channel"),
+    ],
 )
 def test_fp8_checkpoint_loads_as_published(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     make_llm: Callable[..., LLM],
     family: str,
-    block: tuple[int, int] | None,
+    layout: str,
 ) -> None:
-    """An FP8 checkpoint in the published layout runs in FP8, MoE experts included (first
+    """An FP8 checkpoint in each published layout runs in FP8, MoE experts included (first
     greedy tokens as its de-quantized float twin on most prompts); with `--quantization
     none` it loads de-quantized and generates exactly the twin's tokens; a weight without
     its scale is a clear error."""
+    from safetensors.torch import load_file, save_file
+
     fp8_on_cpu(monkeypatch)
     float_folder = make_tiny_model(family, tmp_path / "float")
     fp8_folder, twin_folder = tmp_path / "fp8", tmp_path / "twin"
-    write_fp8_checkpoint(float_folder, fp8_folder, twin_folder, block)
+    write_fp8_checkpoint(float_folder, fp8_folder, twin_folder, layout)
     fp8 = make_llm(fp8_folder, num_pages=256)
     twin = make_llm(twin_folder, num_pages=256)
     assert fp8.runtime.model_config.quantization == "fp8"
@@ -266,21 +324,28 @@ def test_fp8_checkpoint_loads_as_published(
         twin_experts = twin.runtime.engine.model.model.layers[0].mlp.experts
         dequantized = experts.w13.float() * experts.w13_scale[..., None]
         error = (dequantized - twin_experts.w13).abs().max()
-        # exact for a tensor's scale; block scales are applied, then each row re-quantized
+        # exact for a tensor's or a row's scale; block scales are applied, then each row
+        # re-quantized
         assert error <= 0.07 * twin_experts.w13.abs().max()
+    else:
+        twin_file = load_file(str(twin_folder / "model.safetensors"))
+        twin_weight = twin_file["model.layers.1.self_attn.o_proj.weight"]
+        dequantized = product.values.float() * product.scales.reshape(-1, 1)
+        error = (dequantized - twin_weight).abs().max()
+        if LAYOUTS[layout][1] in ("tensor", "channel"):  # the file's values and scales
+            assert error == 0
+        else:  # block scales are applied, then each row re-quantized
+            assert error <= 0.07 * twin_weight.abs().max()
     agree, pairs = first_tokens_agreeing(fp8, twin, max_tokens=8)
     assert agree >= 4, pairs
 
-    dequantized = make_llm(fp8_folder, num_pages=256, quantization="none")
+    as_float = make_llm(fp8_folder, num_pages=256, quantization="none")
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    ours = [o.token_ids for o in dequantized.generate(TINY_PROMPTS, greedy)]
+    ours = [o.token_ids for o in as_float.generate(TINY_PROMPTS, greedy)]
     assert ours == [o.token_ids for o in twin.generate(TINY_PROMPTS, greedy)]
 
-    from safetensors.torch import load_file, save_file
-
     tensors = load_file(str(fp8_folder / "model.safetensors"))
-    scale = "weight_scale_inv" if block else "weight_scale"
-    del tensors[f"model.layers.1.mlp.down_proj.{scale}"]
+    del tensors[f"model.layers.1.mlp.down_proj.{LAYOUTS[layout][2]}"]
     save_file(tensors, str(fp8_folder / "model.safetensors"))
     with pytest.raises(ValueError, match="down_proj.weight has no scale"):
         LLM(str(fp8_folder), num_pages=256)
@@ -302,3 +367,168 @@ def test_fp8_tensor_slices_whole_blocks() -> None:
         weight[16:48]
     per_row = Fp8Tensor(values, scale.new_ones(96, 1) * 2, None)
     assert torch.equal(per_row[40:50].rows().dequantize(), values[40:50].float() * 2)
+
+
+@pytest.mark.parametrize(
+    "quantization_config",
+    [
+        {"type": "int", "num_bits": 8, "format": "int-quantized", "says": "weights are int 8-bit"},
+        {"type": "int", "num_bits": 4, "format": "pack-quantized", "says": "weights are int 4-bit"},
+        {"type": "float", "num_bits": 4, "format": "nvfp4-pack-quantized", "says": "float 4-bit"},
+        {"type": "float", "num_bits": 8, "format": "float-quantized", "strategy": "token",
+         "says": "scales its FP8 weights by 'token'"},
+        {"type": "float", "num_bits": 8, "format": "marlin-24", "says": "format is 'marlin-24'"},
+    ],
+    ids=["w8a8-int", "w4a16", "nvfp4", "unknown-strategy", "packed-fp8"],
+)  # fmt: skip
+def test_compressed_tensors_other_than_fp8_refused_in_one_line(
+    tmp_path: Path, quantization_config: dict[str, object]
+) -> None:
+    """Compressed-tensors checkpoints whose weights are not FP8 tensors (integer, 4-bit or
+    packed ones) are refused at start in one line that says what the file holds."""
+    folder = make_tiny_model("llama", tmp_path / "llama")
+    config = json.loads((folder / "config.json").read_text())
+    setting = published_quantization_config("compressed-tensors", "channel")
+    weights = setting["config_groups"]["group_0"]["weights"]  # type: ignore[index]
+    weights.update(type=quantization_config["type"], num_bits=quantization_config["num_bits"])
+    weights["strategy"] = quantization_config.get("strategy", "channel")
+    setting["format"] = quantization_config["format"]
+    config["quantization_config"] = setting
+    (folder / "config.json").write_text(json.dumps(config))
+    says = str(quantization_config["says"])
+    assert_refused_in_one_line(folder, ["--device", "cpu"], says, tmp_path / "cache")
+
+
+def test_kv_scales_of_every_publisher_are_read() -> None:
+    """Each publisher's spelling of a layer's K and V cache scales lands on that layer (one
+    `kv_scale` on both), per-head scales take their largest, scales of FP8 queries and
+    probabilities are dropped, every other tensor passes, and a scale that is no scale is an
+    error that names it."""
+    from aserve.kvcache.scales import KVScales
+
+    weights = [
+        ("model.layers.0.self_attn.k_scale", torch.tensor(2.0)),
+        ("model.layers.0.self_attn.v_scale", torch.tensor([3.0])),
+        ("model.layers.1.self_attn.kv_scale", torch.tensor(4.0)),
+        ("model.layers.2.self_attn.k_proj.k_scale", torch.tensor(5.0)),
+        ("model.layers.2.self_attn.v_proj.v_scale", torch.tensor([6.0, 6.5])),
+        ("model.layers.3.self_attn.k_proj.output_scale", torch.tensor([7.0])),
+        ("model.layers.3.self_attn.v_proj.output_scale", torch.tensor(8.0)),
+        ("model.layers.3.self_attn.attn.k_scale", torch.tensor(9.0)),
+        ("model.layers.3.self_attn.q_scale", torch.tensor(10.0)),
+        ("model.layers.3.self_attn.prob_scale", torch.tensor(11.0)),
+        ("model.layers.3.self_attn.k_proj.weight", torch.ones(2, 2)),
+        ("model.layers.3.self_attn.k_proj.weight_scale", torch.tensor(12.0)),
+    ]
+    scales = KVScales()
+    passed = [name for name, _ in scales.take(weights)]
+    assert passed == [
+        "model.layers.3.self_attn.k_proj.weight",
+        "model.layers.3.self_attn.k_proj.weight_scale",
+    ]
+    assert scales.k == {0: 2.0, 1: 4.0, 2: 5.0, 3: 9.0}
+    assert scales.v == {0: 3.0, 1: 4.0, 2: 6.5, 3: 8.0}
+    assert scales.per_head
+    for bad in (torch.tensor(0.0), torch.tensor(float("nan")), torch.tensor([1.0, -1.0])):
+        with pytest.raises(ValueError, match="layers.5.self_attn.k_scale is no KV-cache scale"):
+            list(KVScales().take([("model.layers.5.self_attn.k_scale", bad)]))
+
+
+KV_SCALE_SPELLINGS = {
+    "compressed-tensors": ("self_attn.k_scale", "self_attn.v_scale"),
+    "autofp8": ("self_attn.kv_scale",),
+    "quark": ("self_attn.k_proj.output_scale", "self_attn.v_proj.output_scale"),
+}
+
+
+def write_large_kv_checkpoint(original: Path, folder: Path, spelling: str | None) -> Path:
+    """`original` (a float checkpoint) with K and V 10^4 times larger and Q and the
+    attention output 10^4 times smaller (the same model), and with `spelling`, KV-cache
+    scales of 100 in that publisher's names (`KV_SCALE_SPELLINGS`) for every layer."""
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((original / "config.json").read_text())
+    tensors = load_file(str(original / "model.safetensors"))
+    for layer in range(config["num_hidden_layers"]):
+        attention = f"model.layers.{layer}.self_attn"
+        for proj, factor in (("q", 1e-4), ("k", 1e4), ("v", 1e4), ("o", 1e-4)):
+            tensors[f"{attention}.{proj}_proj.weight"] *= factor
+        for name in KV_SCALE_SPELLINGS[spelling] if spelling else ():
+            tensors[f"model.layers.{layer}.{name}"] = torch.tensor(100.0)
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
+@pytest.mark.parametrize("spelling", KV_SCALE_SPELLINGS)
+def test_checkpoint_kv_scales_keep_large_keys_and_values_in_fp8(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    make_llm: Callable[..., LLM],
+    capsys: pytest.CaptureFixture[str],
+    spelling: str,
+) -> None:
+    """A tiny Llama whose K and V are 10^4 times larger (q and o divided to match: the same
+    model) with calibrated KV-cache scales of 100 in its file: the FP8 cache stores K / 100
+    and V / 100 and generates like the original model's float cache (as the unscaled FP8
+    test above); with the scales taken out of the file K and V saturate at 448 and every
+    prompt's tokens part within three. A float cache loads the same file and leaves the
+    scales unused."""
+    fp8_on_cpu(monkeypatch)
+    original = make_tiny_model("llama", tmp_path / "llama")
+    large = write_large_kv_checkpoint(original, tmp_path / "large", spelling)
+    unscaled = write_large_kv_checkpoint(original, tmp_path / "unscaled", None)
+
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def tokens(folder: Path, **options: object) -> list[list[int]]:
+        llm = make_llm(folder, num_pages=512, attention_backend="torch", **options)
+        return [o.token_ids for o in llm.generate(TINY_PROMPTS, greedy)]
+
+    reference = tokens(original)
+    fp8 = make_llm(large, num_pages=512, kv_cache_dtype="fp8_e4m3", attention_backend="torch")
+    assert fp8.runtime.engine.pool.scale_pairs == [(100.0, 100.0)] * 2
+    scaled = first_differences(
+        [o.token_ids for o in fp8.generate(TINY_PROMPTS, greedy)], reference, 12
+    )
+    saturated = first_differences(tokens(unscaled, kv_cache_dtype="fp8_e4m3"), reference, 12)
+    with capsys.disabled():
+        print(
+            f"\nFP8 KV of 10^4 x K and V, first differing token: scaled {scaled}, not {saturated}"
+        )
+    assert sum(p >= 4 for p in scaled) >= 4, scaled
+    assert max(saturated) <= 2, saturated
+    assert tokens(large) == reference
+
+
+def test_quantization_configs_read_as_their_scale_layouts() -> None:
+    """What each publisher's `quantization_config` tells the loader: FP8 or not, and the
+    scales' block; a compressed-tensors file with only a `kv_cache_scheme` has float
+    weights, and early ones spell a block "128x128"."""
+    from aserve.config import _quantization_settings
+
+    compressed = published_quantization_config("compressed-tensors", "block")
+    early = json.loads(json.dumps(compressed))
+    early["config_groups"]["group_0"]["weights"]["block_structure"] = "128x128"
+    kv_only = {**compressed, "config_groups": {}, "kv_cache_scheme": {"num_bits": 8}}
+    cases = [
+        (published_quantization_config("fp8", "block"), ("fp8", True, (32, 32))),
+        (published_quantization_config("fp8", "tensor"), ("fp8", True, None)),
+        (published_quantization_config("fbgemm_fp8", "channel"), ("fp8", True, None)),
+        (compressed, ("fp8", True, (32, 32))),
+        (early, ("fp8", True, (128, 128))),
+        (published_quantization_config("compressed-tensors", "group"), ("fp8", True, (1, 32))),
+        (published_quantization_config("compressed-tensors", "tensor"), ("fp8", True, None)),
+        (kv_only, (None, False, None)),
+        ({"quant_method": "awq"}, ("awq", False, None)),
+        ({}, (None, False, None)),
+    ]
+    for config, expected in cases:
+        settings = _quantization_settings(config)
+        read = (
+            settings["quantization"],
+            settings.get("fp8_checkpoint", False),
+            settings.get("fp8_block"),
+        )
+        assert read == expected, config

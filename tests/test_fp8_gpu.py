@@ -348,6 +348,52 @@ def test_fp8_prefill_widened_equals_reading_fp8(
     assert not widened
 
 
+@pytest.mark.parametrize("widen", [True, False], ids=["widened-prefill", "fp8-prefill"])
+def test_checkpoint_kv_scales_on_every_fp8_cache_path(
+    make_llm: Callable[..., LLM],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    widen: bool,
+) -> None:
+    """A checkpoint whose K and V are 10^4 times larger, with KV-cache scales of 100 in the
+    file (test_fp8.py's): the fused KV write, FlashInfer's prefill over widened pages or over
+    the FP8 pages, and Triton's decode read K and V through the scales, giving the logits of
+    the torch backend over the same cache in chunked prefill and decode; CUDA graphs (which
+    hold the scales as kernel arguments) change no token."""
+    from aserve.attention import flashinfer as backend
+    from tests.test_fp8 import write_large_kv_checkpoint
+    from tests.test_models import our_logits
+
+    original = make_tiny_model("llama", tmp_path, overrides={**KERNEL_SHAPES, "head_dim": 64})
+    folder = write_large_kv_checkpoint(original, tmp_path / "large", "compressed-tensors")
+    monkeypatch.setattr(backend, "WIDEN_SLOTS_PER_PREFILL_TOKEN", 1 << 20 if widen else 0)
+    monkeypatch.setattr(backend, "WIDEN_MIN_HEAD_SLOTS", 0)
+    widened: list[int] = []
+    widen_pages = backend.WidenedPrefill.widen
+
+    def counted(self: backend.WidenedPrefill, *args: object) -> object:
+        widened.append(1)
+        return widen_pages(self, *args)
+
+    monkeypatch.setattr(backend.WidenedPrefill, "widen", counted)
+    options = {**FP8_CACHE_LLM, "max_prefill_length": 40}
+    reference = make_llm(folder, attention_backend="torch", **options)
+    kernels = make_llm(folder, **options)
+    for llm in (reference, kernels):
+        assert llm.runtime.engine.pool.scale_pairs == [(100.0, 100.0)] * 2
+    prompt, continuation = list(range(3, 100)), [7, 123, 45, 2, 99, 5]
+    expected = our_logits(reference, prompt, continuation)
+    torch.testing.assert_close(
+        our_logits(kernels, prompt, continuation), expected, atol=0.06, rtol=0.03
+    )
+    assert bool(widened) == widen
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    eager = make_llm(folder, cuda_graph_max_bs=0, **options)
+    assert kernels.runtime.engine.graphs is not None
+    tokens = [o.token_ids for o in kernels.generate(TINY_PROMPTS, greedy)]
+    assert tokens == [o.token_ids for o in eager.generate(TINY_PROMPTS, greedy)]
+
+
 @pytest.mark.parametrize("option", ["weights", "kv"])
 def test_fp8_tiny_model_on_cuda(tmp_path: Path, make_llm: Callable[..., LLM], option: str) -> None:
     """A tiny bf16 Llama with FP8 weights or an FP8 KV cache (default attention backends):

@@ -404,7 +404,7 @@ def test_fp8_moe_model_in_cuda_graphs(
     folder = make_tiny_model("qwen3_moe", tmp_path / "float", overrides=GPU_SHAPES)
     quantization = "fp8"
     if stored:
-        write_fp8_checkpoint(folder, tmp_path / "fp8", tmp_path / "twin", (32, 32))
+        write_fp8_checkpoint(folder, tmp_path / "fp8", tmp_path / "twin", "fp8-block")
         folder, quantization = tmp_path / "fp8", "auto"
     options = {"device": "cuda", "dtype": "bfloat16", "page_size": 16, "num_pages": 1024}
     fp8 = make_llm(folder, quantization=quantization, moe_backend="fused", **options)

@@ -43,6 +43,7 @@ from aserve.engine.step import StepSpec, forward_batch
 from aserve.forward import ForwardBatch, ForwardMode
 from aserve.kvcache.pages import PageTable
 from aserve.kvcache.pool import KVPool, kv_storage_dtype
+from aserve.kvcache.scales import KVScales
 from aserve.layers.cpu_gemm import return_freed_memory
 from aserve.layers.fused import fused_ops
 from aserve.layers.linear import pack_linear_weights, use_one_row_kernel
@@ -156,12 +157,14 @@ class Engine:
             self.model = build_model(
                 model_config, self.max_seq_len, self.tp, ops, config.moe_backend, self.device
             )
+        self.kv_scales = KVScales()
         if config.dummy_weight:
             fill_dummy_weights(self.model, config.seed)
         else:
             assert model_dir is not None
             dequantize = model_config.quantization != "gguf"
             weights = iter_weights(model_dir, self.tp.rank == 0, lazy=True, dequantize=dequantize)
+            weights = self.kv_scales.take(weights)
             if model_config.fp8_checkpoint:
                 float_weights = model_config.quantization != "fp8"
                 weights = pair_scales(weights, model_config.fp8_block, float_weights)
@@ -225,6 +228,7 @@ class Engine:
             self.device,
             self.kv_dtype,
         )
+        self.kv_scales.apply(self.pool)
         self.kv_cache_bytes = (
             self.num_pages
             * config.page_size

@@ -39,9 +39,9 @@ class KVPool:
     saturated at +-448, and reads multiply back: `scales[layer]` holds (k_scale, v_scale) in
     float32 on the device, `scale_pairs[layer]` the same as host floats for the kernels that
     take them as arguments (FlashInfer's, the Triton ones). They are 1.0 (vLLM's default
-    where no calibrated scales are given; a checkpoint's own are not read yet) unless
-    `set_scales` says otherwise. `dtype` is what backends compute in; `gather` gives them a
-    context in it.
+    where no calibrated scales are given) unless `set_scales` says otherwise: the engine
+    sets a checkpoint's own (kvcache/scales.py). `dtype` is what backends compute in;
+    `gather` gives them a context in it.
     """
 
     def __init__(

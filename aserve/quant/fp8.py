@@ -139,7 +139,7 @@ class Fp8Tensor:
 
 
 SCALE_NAMES = (".weight_scale_inv", ".weight_scale")
-DROPPED = (".input_scale", ".k_scale", ".v_scale", ".kv_scale")
+DROPPED = (".input_scale",)
 
 
 def pair_scales(
@@ -150,8 +150,8 @@ def pair_scales(
     `block` is the config's `weight_block_size` (scales per block), else None (a scale per
     tensor or per row).
     Static activation scales (`input_scale`) are dropped: activations get a scale per token
-    at every product, which is finer. So are calibrated KV-cache scales (`k_scale`,
-    `v_scale`, `kv_scale`): the FP8 cache uses 1.0 so far."""
+    at every product, which is finer. KV-cache scales never reach here (kvcache/scales.py
+    takes them out of the stream first)."""
     values: dict[str, Any] = {}
     scales: dict[str, torch.Tensor] = {}
 
