@@ -170,14 +170,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: run the checkpoint's own (a GGUF or FP8 checkpoint stays quantized); none: "
         "de-quantize its weights to --dtype at load; int8, int4: quantize a float "
         "checkpoint's linear layers at load (groups of 32, as Q8_0 and Q4_1); fp8: into "
-        "FP8 with per-channel scales, activations per token (GPUs of compute capability 8.9+)",
+        "FP8 with per-channel scales, activations per token (GPUs of compute capability 8.9+; "
+        "an FP8 checkpoint runs as it is)",
     )
     model.add_argument(
         "--kv-cache-dtype",
         default="auto",
         choices=KV_CACHE_DTYPES,
-        help="auto: the KV cache in --dtype; fp8_e4m3: in FP8, half the bytes a token "
-        "(GPUs of compute capability 8.9 or newer)",
+        help="auto: the KV cache in --dtype; fp8_e4m3 (or fp8): in FP8, half the bytes a "
+        "token, with the checkpoint's KV scales if it has them (compute capability 8.9+)",
     )
 
     server = p.add_argument_group("server")

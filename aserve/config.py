@@ -28,7 +28,8 @@ MOE_BACKENDS = ("auto", "torch", "fused")
 # auto: the checkpoint's own (a quantized GGUF stays quantized); none: de-quantize to --dtype;
 # int8 / int4: quantize a float checkpoint's linear layers at load.
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+# fp8: what vLLM and SGLang also accept for fp8_e4m3 (their FP8 cache on NVIDIA GPUs).
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8")
 
 
 class ConfigError(ValueError):

@@ -43,8 +43,9 @@ def import_before_threads() -> None:
 
 
 def chosen_quantization(engine: EngineConfig, model: ModelConfig) -> str | None:
-    """What the weights run as: the checkpoint's own format (`auto`; dummy weights are
-    float), float (`none`), or a float checkpoint quantized at load (`int8`, `int4`, `fp8`)."""
+    """What the weights run as: the checkpoint's own format (`auto`, and `fp8` for an FP8
+    checkpoint; dummy weights are float), float (`none`), or a float checkpoint quantized at
+    load (`int8`, `int4`, `fp8`)."""
     stored = model.quantization
     if stored not in (None, "gguf", "fp8"):
         raise ConfigError(
@@ -55,7 +56,7 @@ def chosen_quantization(engine: EngineConfig, model: ModelConfig) -> str | None:
     requested = engine.quantization
     if requested == "none" or (requested == "auto" and engine.dummy_weight):
         return None
-    if requested == "auto":
+    if requested == "auto" or requested == stored == "fp8":  # vLLM users pass fp8 for both
         chosen = stored
     elif stored is not None:
         kind = "GGUF" if stored == "gguf" else "FP8"

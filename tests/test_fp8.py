@@ -118,7 +118,8 @@ def test_fp8_kv_cache_generates_like_the_float_cache(
 
     longer = [prompt + tokens[:6] for prompt, tokens in zip(TINY_PROMPTS, ours)]
     again = [o.token_ids for o in fp8.generate(longer, greedy)]
-    fresh = make_llm(folder, num_pages=512, kv_cache_dtype="fp8_e4m3", attention_backend="torch")
+    # vLLM's name for the same cache
+    fresh = make_llm(folder, num_pages=512, kv_cache_dtype="fp8", attention_backend="torch")
     uncached = [o.token_ids for o in fresh.generate(longer, greedy)]
     assert again == uncached
 
@@ -126,7 +127,11 @@ def test_fp8_kv_cache_generates_like_the_float_cache(
 def test_fp8_refused_without_fp8_hardware(tmp_path: Path) -> None:
     """On a CPU (and on GPUs older than compute capability 8.9) either option is one line."""
     folder = make_tiny_model("llama", tmp_path / "llama")
-    for option, value in (("--kv-cache-dtype", "fp8_e4m3"), ("--quantization", "fp8")):
+    for option, value in (
+        ("--kv-cache-dtype", "fp8_e4m3"),
+        ("--kv-cache-dtype", "fp8"),
+        ("--quantization", "fp8"),
+    ):
         assert_refused_in_one_line(
             folder,
             ["--device", "cpu", option, value],

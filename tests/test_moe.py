@@ -151,8 +151,9 @@ def test_fp8_experts_in_the_torch_backend_equal_their_dequantized_weights() -> N
 
 
 def test_moe_experts_run_quantized_only_in_fp8() -> None:
-    """`--quantization fp8` of a float checkpoint and an FP8 checkpoint as it is reach the
-    experts; other quantizations are refused in one line."""
+    """`--quantization fp8` of a float checkpoint and an FP8 checkpoint as it is (`auto`, or
+    `fp8` as vLLM users pass it) reach the experts; other quantizations are refused in one
+    line."""
     from aserve.config import EngineConfig
     from aserve.runtime import chosen_quantization
 
@@ -163,7 +164,10 @@ def test_moe_experts_run_quantized_only_in_fp8() -> None:
         chosen_quantization(EngineConfig(quantization="int4"), moe)
     stored = dataclasses.replace(moe, quantization="fp8")
     assert chosen_quantization(EngineConfig(quantization="auto"), stored) == "fp8"
+    assert chosen_quantization(EngineConfig(quantization="fp8"), stored) == "fp8"  # as vLLM
     assert chosen_quantization(EngineConfig(quantization="none"), stored) is None
+    with pytest.raises(ConfigError, match="already quantized \\(FP8\\)"):
+        chosen_quantization(EngineConfig(quantization="int8"), stored)
     gguf = dataclasses.replace(moe, quantization="gguf")
     with pytest.raises(ConfigError, match="MoE experts run quantized only in FP8"):
         chosen_quantization(EngineConfig(quantization="auto"), gguf)

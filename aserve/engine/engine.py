@@ -134,11 +134,11 @@ class Engine:
             )
         self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.dtype)
         if self.kv_dtype != self.dtype:
-            require_fp8_gpu(self.device, "--kv-cache-dtype fp8_e4m3")
+            require_fp8_gpu(self.device, f"--kv-cache-dtype {config.kv_cache_dtype}")
             if "fa" in config.attention_backend.split(","):
                 raise ConfigError(
-                    "--kv-cache-dtype fp8_e4m3 takes --attention-backend fi or torch: FA3 "
-                    "prefill reads an FP8 cache only with FP8 queries"
+                    f"--kv-cache-dtype {config.kv_cache_dtype} takes --attention-backend fi or "
+                    "torch: FA3 prefill reads an FP8 cache only with FP8 queries"
                 )
         if model_config.quantization == "fp8":
             require_fp8_gpu(self.device, "--quantization fp8")

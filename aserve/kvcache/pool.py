@@ -8,7 +8,7 @@ import mmap
 
 import torch
 
-KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}
+KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8": torch.float8_e4m3fn}
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
