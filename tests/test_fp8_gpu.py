@@ -164,7 +164,7 @@ def test_few_rows_kernel_equals_its_float64_model(n: int, k: int, rows: int, spl
     and Hopper's FP8 tensor cores add up their products in less than float32), whole or
     split over K, with a bias, for sizes its blocks divide and sizes they do not; and within
     5% of the unrounded product (the rounding alone is up to 3.5% of it on these rows)."""
-    from aserve.quant.fp8_cuda import few_rows
+    from aserve.quant.fp8_cuda import few_rows, split_tickets
 
     generator = torch.Generator().manual_seed(0)
     weight = quantize_rows(torch.randn(n, k, generator=generator) * 0.03)
@@ -172,9 +172,10 @@ def test_few_rows_kernel_equals_its_float64_model(n: int, k: int, rows: int, spl
     x = x.to(torch.bfloat16)
     bias = torch.randn(n, generator=generator).to(torch.bfloat16)
     on_gpu = Fp8Weight(weight, CUDA)
-    out = few_rows(
-        x.cuda(), on_gpu.values, on_gpu.scales.reshape(-1), bias.cuda(), (64, 128, split, 4, 4)
-    )
+    operands = (x.cuda(), on_gpu.values, on_gpu.scales.reshape(-1), bias.cuda())
+    out = few_rows(*operands, (64, 128, split, 4, 4))
+    assert not split_tickets(CUDA).any()  # the splits' last programs set them back
+    assert torch.equal(few_rows(*operands, (64, 128, split, 4, 4)), out)
     padded = torch.nn.functional.pad(x.float(), (0, -k % 128)).unflatten(1, (-1, 128))
     scales = padded.abs().amax(dim=2, keepdim=True).clamp(min=1e-12) / 448.0
     rounded = ((padded / scales).clamp(-448, 448).to(FP8).float() * scales).flatten(1)[:, :k]

@@ -16,6 +16,7 @@ from aserve.quant.fp8_cuda import (  # noqa: E402
     norm_fp8,
     quantize_tokens,
     silu_fp8,
+    split_tickets,
     token_scaled,
     token_scaled_config,
 )
@@ -81,21 +82,19 @@ def test_token_scaled_equals_the_float64_product(
     to the float64 product of the de-quantized operands within 1e-3 of a row's largest
     output (float32 accumulation gives 1e-7; Hopper's FP8 tensor cores add up in fewer bits,
     2e-4 here with the weight as the first operand: a twentieth of bf16's rounding), with
-    tokens and outputs that the tiles do not divide, whole or split over K, the weight or
-    the activations as the tensor cores' first operand."""
+    tokens and outputs that the tiles do not divide, whole or split over K (the splits
+    added up in the kernel, the same sum launch after launch), the weight or the
+    activations as the tensor cores' first operand."""
     generator = torch.Generator().manual_seed(4)
     weight = quantize_rows(torch.randn(200, 512, generator=generator) * 0.03)
     values, scales = quantize_tokens(rows_of_many_magnitudes(tokens, 512, 5))
     bias = torch.randn(200, generator=generator).to(DEVICE, DTYPE)
-    out = token_scaled(
-        values,
-        scales,
-        weight.values.to(DEVICE),
-        weight.scales.to(DEVICE),
-        bias,
-        torch.float32,
-        config,
-    )
+    operands = (values, scales, weight.values.to(DEVICE), weight.scales.to(DEVICE), bias)
+    out = token_scaled(*operands, torch.float32, config)
+    # the last program of each tile added the splits up and left the tickets at zero: a
+    # second launch adds them up alike
+    assert not split_tickets(DEVICE).any()
+    assert torch.equal(token_scaled(*operands, torch.float32, config), out)
     exact = (values.double() * scales.double()) @ weight.dequantize(torch.float64).to(DEVICE).T
     exact += bias.double()
     assert out.shape == (tokens, 200)

@@ -210,6 +210,7 @@ def _few_rows_kernel(
     out,
     out_stride,
     partial,
+    tickets,
     m,
     n,
     k,
@@ -224,7 +225,9 @@ def _few_rows_kernel(
     """`BLOCK_N` outputs for every row: the weight tile is the product's first operand
     ("swap AB": its outputs fill the tensor cores' 64-row side, the few rows the narrow one).
     Each `BLOCK_K` columns of the activations are quantized with their own scale (the block's
-    largest magnitude to 448) as they are read, so no kernel runs before this one."""
+    largest magnitude to 448) as they are read, so no kernel runs before this one. Split
+    over K, the last program of a tile adds up the splits' partial sums
+    (`_last_of_splits`)."""
     wait_for_previous(PDL)
     outputs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     tokens = tl.arange(0, BLOCK_M)
@@ -246,10 +249,14 @@ def _few_rows_kernel(
         )
         acc += tl.dot(w_tile, tl.trans(x_fp8)) * x_scale[None, :]
     ok = (outputs[:, None] < n) & (tokens[None, :] < m)
-    if SPLIT > 1:  # partial sums, added up by `_sum_splits_kernel`
-        at = (tl.program_id(1) * BLOCK_M + tokens[None, :]) * n + outputs[:, None]
-        tl.store(partial + at, acc, mask=ok)
-    else:
+    last = True
+    if SPLIT > 1:
+        at = tokens[None, :] * n + outputs[:, None]
+        tl.store(partial + tl.program_id(1) * BLOCK_M * n + at, acc, mask=ok)
+        last = _last_of_splits(tickets, tl.program_id(0), SPLIT)
+        if last:
+            acc = _sum_of_splits(partial + at, BLOCK_M * n, ok, tickets, tl.program_id(0), SPLIT)
+    if last:
         y = acc * tl.load(weight_scales + outputs, mask=outputs < n, other=0.0)[:, None]
         if HAS_BIAS:
             y += tl.load(bias + outputs, mask=outputs < n, other=0.0).to(tl.float32)[:, None]
@@ -257,64 +264,43 @@ def _few_rows_kernel(
         tl.store(at, y.to(out.dtype.element_ty), mask=ok)
 
 
-@triton.jit(do_not_specialize=["rows"])
-def _sum_splits_kernel(
-    partial,
-    token_scales,
-    weight_scales,
-    bias,
-    out,
-    out_stride,
-    rows,
-    n,
-    HAS_BIAS: tl.constexpr,
-    HAS_TOKEN_SCALES: tl.constexpr,
-    SPLIT: tl.constexpr,
-    BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """A split-K product's float32 partial sums `[SPLIT, rows, n]` added up and scaled per
-    output (and per token, for `token_scaled`): one token's outputs a program row."""
-    wait_for_previous(PDL)
-    token = tl.program_id(1)
-    outputs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = outputs < n
-    y = tl.zeros([BLOCK], dtype=tl.float32)
-    for split in range(SPLIT):
-        y += tl.load(partial + (split * rows + token) * n + outputs, mask=ok, other=0.0)
-    y *= tl.load(weight_scales + outputs, mask=ok, other=0.0)
-    if HAS_TOKEN_SCALES:
-        y *= tl.load(token_scales + token)
-    if HAS_BIAS:
-        y += tl.load(bias + outputs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out + token * out_stride + outputs, y.to(out.dtype.element_ty), mask=ok)
+@triton.jit
+def _last_of_splits(tickets, tile, SPLIT: tl.constexpr):
+    """Called by each of a tile's `SPLIT` programs once its partial sums are stored: whether
+    this program is the last of them to get here, which then adds them all up (and sets the
+    tile's ticket back to 0 for the next launch). A split product so needs no second kernel
+    to add its splits up: at 2-16 rows the 8B shape's qkv, o and down projections split K
+    in 4, three kernels a layer fewer."""
+    tl.debug_barrier()  # every thread's partial sums stored before the ticket is taken
+    return tl.atomic_add(tickets + tile, 1, sem="acq_rel") == SPLIT - 1
 
 
-def _sum_splits(
-    partial: torch.Tensor,
-    token_scales: torch.Tensor | None,
-    weight_scales: torch.Tensor,
-    bias: torch.Tensor | None,
-    out: torch.Tensor,
-) -> None:
-    """`_sum_splits_kernel` into `out` `[m, n]` from `partial` `[splits, rows >= m, n]` (an
-    absent scale or bias passes another tensor as its unread pointer)."""
-    m, n = out.shape
-    _sum_splits_kernel[(triton.cdiv(n, 1024), m)](
-        partial,
-        weight_scales if token_scales is None else token_scales,
-        weight_scales,
-        weight_scales if bias is None else bias,
-        out,
-        out.stride(0),
-        partial.shape[1],
-        n,
-        HAS_BIAS=bias is not None,
-        HAS_TOKEN_SCALES=token_scales is not None,
-        SPLIT=partial.shape[0],
-        BLOCK=1024,
-        **pdl_options(out.device, m),
-    )
+@triton.jit
+def _sum_of_splits(at, split_stride, ok, tickets, tile, SPLIT: tl.constexpr):
+    """The tile's partial sums at `at` (split s at `at + s * split_stride`) added in split
+    order (the same sum whichever program is last), read from L2 (`.cg`: other SMs wrote
+    them); the tile's ticket is reset for the next launch."""
+    tl.store(tickets + tile, 0)
+    total = tl.load(at, mask=ok, other=0.0, cache_modifier=".cg")
+    for split in tl.static_range(1, SPLIT):
+        total += tl.load(at + split * split_stride, mask=ok, other=0.0, cache_modifier=".cg")
+    return total
+
+
+TICKET_SLOTS = 1 << 16
+_tickets: dict[torch.device, torch.Tensor] = {}
+
+
+def split_tickets(device: torch.device, tiles: int = 0) -> torch.Tensor:
+    """The device's tickets of split products (`_last_of_splits`), one int32 per output
+    tile, zero between launches. Made once per device where FP8 weights are loaded, so that
+    no CUDA graph capture allocates them."""
+    assert tiles <= TICKET_SLOTS, f"a split product of {tiles} tiles"
+    if device.type == "cuda" and device.index is None:  # "cuda" and a tensor's "cuda:0" alike
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _tickets:
+        _tickets[device] = torch.zeros(TICKET_SLOTS, dtype=torch.int32, device=device)
+    return _tickets[device]
 
 
 def few_rows(
@@ -356,6 +342,7 @@ def few_rows(
         out,
         out.stride(0),
         partial,
+        split_tickets(x.device, triton.cdiv(n, block_n)),
         m,
         n,
         k,
@@ -369,8 +356,6 @@ def few_rows(
         num_stages=stages,
         **pdl_options(x.device, m),
     )
-    if split > 1:
-        _sum_splits(partial, None, weight_scales, bias, out)
     return out
 
 
@@ -383,6 +368,7 @@ def _token_scaled_kernel(
     bias,
     out,
     partial,
+    tickets,
     m,
     n,
     k,
@@ -398,7 +384,8 @@ def _token_scaled_kernel(
     """`x W^T` for activations already in FP8 with a scale per token: one tile of `BLOCK_M`
     tokens by `BLOCK_N` outputs, scaled once at the end (the product is exact in FP8 blocks,
     so there is no per-block rescaling as in `_few_rows_kernel`). With `SWAP` the weight tile
-    is the first operand, so that a few tokens take the tensor cores' narrow side."""
+    is the first operand, so that a few tokens take the tensor cores' narrow side. Split over
+    K, the last program of a tile adds up the splits' partial sums (`_last_of_splits`)."""
     wait_for_previous(PDL)
     tokens = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     outputs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -422,10 +409,15 @@ def _token_scaled_kernel(
     if SWAP:
         acc = tl.trans(acc)
     ok = token_ok[:, None] & output_ok[None, :]
-    if SPLIT > 1:  # partial sums, added up and scaled by `_sum_splits_kernel`
-        at = (tl.program_id(2) * m + tokens[:, None]) * n + outputs[None, :]
-        tl.store(partial + at, acc, mask=ok)
-    else:
+    last = True
+    if SPLIT > 1:
+        at = tokens[:, None] * n + outputs[None, :]
+        tl.store(partial + tl.program_id(2) * m * n + at, acc, mask=ok)
+        tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        last = _last_of_splits(tickets, tile, SPLIT)
+        if last:
+            acc = _sum_of_splits(partial + at, m * n, ok, tickets, tile, SPLIT)
+    if last:
         y = acc * tl.load(x_scales + tokens, mask=token_ok, other=0.0)[:, None]
         y *= tl.load(weight_scales + outputs, mask=output_ok, other=0.0)[None, :]
         if HAS_BIAS:
@@ -469,6 +461,7 @@ def token_scaled(
         bias_or_any,
         out,
         partial,
+        split_tickets(values.device, grid[0] * grid[1]),
         m,
         n,
         k,
@@ -483,8 +476,6 @@ def token_scaled(
         num_stages=stages,
         **pdl_options(values.device, m),
     )
-    if split > 1:
-        _sum_splits(partial, scales, weight_scales, bias, out)
     return out
 
 
