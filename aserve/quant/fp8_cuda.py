@@ -260,8 +260,8 @@ def _few_rows_kernel(
         y = acc * tl.load(weight_scales + outputs, mask=outputs < n, other=0.0)[:, None]
         if HAS_BIAS:
             y += tl.load(bias + outputs, mask=outputs < n, other=0.0).to(tl.float32)[:, None]
-        at = out + tokens[None, :] * out_stride + outputs[:, None]
-        tl.store(at, y.to(out.dtype.element_ty), mask=ok)
+        dest = out + tokens[None, :] * out_stride + outputs[:, None]
+        tl.store(dest, y.to(out.dtype.element_ty), mask=ok)
 
 
 @triton.jit
