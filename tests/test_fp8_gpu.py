@@ -128,30 +128,36 @@ def test_one_row_gate_up_with_silu_equals_the_gated_down_projection(
     assert torch.equal(down.linear(activation, None), apart)
 
 
-def test_one_row_mlp_takes_the_activation_from_gate_up(
+def test_mlp_takes_the_activation_from_gate_up(
     tmp_path: Path, make_llm: Callable[..., LLM], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A tiny FP8 Llama whose gate|up rows take the one-kernel SiLU path at batch 1 (CUDA
-    graphs on) generates the tokens it generates with that path switched off."""
+    """A tiny FP8 Llama whose gate|up product writes SiLU(gate) * up itself at batch 1 (the
+    one-row kernel) and at 2 to 16 rows (`token_scaled` on FP8 activations), CUDA graphs on,
+    generates the tokens it generates with that path switched off, one prompt at a time and
+    eight together."""
     shapes = {**SHAPES, "hidden_size": 256, "intermediate_size": 8192}
     folder = make_tiny_model("llama", tmp_path / "llama", overrides=shapes)
-    prompts = [[1, 5, 9, 200, 17], [3, 3, 40]]
+    prompts = [[1, 5, 9, 200, 17], [3, 3, 40]] + [[7 * i + 2, 11, i + 1] for i in range(6)]
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    calls: list[bool] = []
+    fused_rows: set[int] = set()
     original = Fp8Weight.silu
 
-    def counting(self: Fp8Weight, x: torch.Tensor) -> torch.Tensor | None:
+    def counting(self: Fp8Weight, x: object) -> torch.Tensor | None:
         out = original(self, x)
-        calls.append(out is not None)
+        if out is not None:
+            fused_rows.add(out.shape[0])
         return out
 
+    def generate(llm: LLM) -> list[list[int]]:
+        alone = [llm.generate([p], greedy)[0].token_ids for p in prompts[:2]]
+        return alone + [o.token_ids for o in llm.generate(prompts, greedy)]
+
     monkeypatch.setattr(Fp8Weight, "silu", counting)  # before the graphs are captured
-    fused = make_llm(folder, num_pages=256, dtype="bfloat16", quantization="fp8")
-    one_by_one = [fused.generate([p], greedy)[0].token_ids for p in prompts]
-    assert any(calls), "the fused path never ran"
+    fused = generate(make_llm(folder, num_pages=256, dtype="bfloat16", quantization="fp8"))
+    assert {1, 8} <= fused_rows, fused_rows
     monkeypatch.setattr(Fp8Weight, "silu", lambda self, x: None)
     apart = make_llm(folder, num_pages=256, dtype="bfloat16", quantization="fp8")
-    assert one_by_one == [apart.generate([p], greedy)[0].token_ids for p in prompts]
+    assert fused == generate(apart)
 
 
 @pytest.mark.parametrize(("n", "k"), [(768, 4096), (770, 1000)])

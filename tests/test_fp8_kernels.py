@@ -120,3 +120,21 @@ def test_token_scaled_settings_fit_their_products(n: int, k: int) -> None:
         assert (config is None) == (token_scaled_config(m, n, k) is None)
         if config is not None:
             assert config[5] * (config[0] + config[1]) * config[2] <= 99 * 1024
+
+
+@pytest.mark.parametrize("swap", [True, False])
+@pytest.mark.parametrize("tokens", [2, 13])
+def test_token_scaled_silu_writes_what_the_activation_kernel_writes(
+    swap: bool, tokens: int
+) -> None:
+    """A fused gate|up product (100 gate rows, then 100 up rows: tiles of pairs that do not
+    divide them) that ends with SiLU(gate) * up: the same bits as the product followed by
+    `silu_and_mul`."""
+    generator = torch.Generator().manual_seed(6)
+    weight = quantize_rows(torch.randn(200, 512, generator=generator) * 0.03)
+    values, scales = quantize_tokens(rows_of_many_magnitudes(tokens, 512, 7))
+    operands = (values, scales, weight.values.to(DEVICE), weight.scales.to(DEVICE), None, DTYPE)
+    config = (16, 64, 128, 1, 4, 4, swap)
+    activation = token_scaled(*operands, config, silu=True)
+    assert activation.shape == (tokens, 100)
+    assert torch.equal(activation, ops.silu_and_mul(token_scaled(*operands, config)))

@@ -11,6 +11,12 @@ it may read first, off the chain of dependent loads. A kernel
 launched without PDL (cuBLAS's, FlashInfer's, PyTorch's) waits for the one before it as
 usual, so the two kinds mix safely in a stream and in a CUDA graph.
 
+A kernel that calls `wait_only` and `launch_next` in place of `wait_for_previous` lets the
+next one launch only once each of its programs reaches `launch_next`. That matters after a
+large product followed by another: the next kernel's programs, launched early, take the room
+each SM has left beside the running ones, and an uneven share of them makes the second
+product's tail long (the FP8 gate|up product that ends with SiLU, quant/fp8_cuda.py).
+
 Only launches over a few rows take it (`PDL_MAX_ROWS`). On the H200 a single 8B FP8 stream
 decoded in 2.85 ms/token with every kernel launched so, against 2.97 without; but the
 offline workload of Qwen3-0.6B with an FP8 cache, whose steps are mostly large batches' decode
@@ -51,4 +57,19 @@ def wait_for_previous(PDL: tl.constexpr):
     """With PDL, wait for the kernel before this one, then let the next one launch."""
     if PDL:
         gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
+def wait_only(PDL: tl.constexpr):
+    """With PDL, wait for the kernel before this one; the next one launches when this
+    kernel calls `launch_next` (or ends)."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def launch_next(PDL: tl.constexpr):
+    """With PDL, let the next kernel launch (after `wait_only`)."""
+    if PDL:
         gdc_launch_dependents()

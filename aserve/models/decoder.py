@@ -153,11 +153,11 @@ class DecoderMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor:
-        """One row of an FP8 model on CUDA takes the activation from the gate|up kernel, the
-        down projection then reads it plainly; otherwise the down projection's kernels
-        take the activation over (`forward_gated`)."""
+        """Up to 16 rows of an FP8 model on CUDA take the activation from the gate|up
+        kernel, the down projection then reads it plainly; otherwise the down projection's
+        kernels take the activation over (`forward_gated`)."""
         gate_up = self.gate_up_proj.quantized
-        if gate_up is not None and isinstance(x, torch.Tensor) and x.shape[0] == 1:
+        if gate_up is not None:
             activation = gate_up.silu(x)
             if activation is not None:
                 return self.down_proj(activation)

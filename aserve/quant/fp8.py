@@ -230,9 +230,22 @@ class Fp8Weight:
     def nbytes(self) -> int:
         return self.values.nbytes + self.scales.nbytes
 
-    def silu(self, x: torch.Tensor) -> torch.Tensor | None:
-        """SiLU(gate) * up of this gate|up weight's product with one row `x`, in one kernel,
-        or None where there is none (the caller multiplies, then activates)."""
+    def silu(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor | None:
+        """SiLU(gate) * up of this gate|up weight's product with `x` in one kernel, or None
+        where there is none (the caller multiplies, then activates): one row `x` in the
+        one-row kernel; FP8 activations of 2 to `FEW_ROWS_MAX` rows in `token_scaled`,
+        whose activation the down projection's `few_rows` then takes as it takes the
+        activation kernel's (from 17 rows that kernel writes FP8, `silu_fp8`)."""
+        if isinstance(x, Fp8Activations):
+            rows = x.values.shape[0]
+            if self._token_scaled is None or self._choose is None or rows > FEW_ROWS_MAX:
+                return None
+            config = self._choose(rows, *self.shape)
+            if config is None or config[3] != 1:  # split over K
+                return None
+            return self._token_scaled(
+                x.values, x.scales, self.values, self._row_scales, None, x.dtype, config, True
+            )
         if self._silu_one_row is None or x.shape[0] != 1:
             return None
         return self._silu_one_row(x, self.values, self.scales)

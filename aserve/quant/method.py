@@ -106,7 +106,7 @@ class QuantizedLinearWeight:
         product = self._only_fp8()
         return product if product is not None and product.aligned else None
 
-    def silu(self, x: torch.Tensor) -> torch.Tensor | None:
+    def silu(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor | None:
         """SiLU(gate) * up of a fused gate|up weight's product with `x` in one kernel
         (`Fp8Weight.silu`), or None (the caller multiplies, then activates)."""
         product = self._only_fp8()
