@@ -14,8 +14,9 @@ usual, so the two kinds mix safely in a stream and in a CUDA graph.
 A kernel that calls `wait_only` and `launch_next` in place of `wait_for_previous` lets the
 next one launch only once each of its programs reaches `launch_next`. That matters after a
 large product followed by another: the next kernel's programs, launched early, take the room
-each SM has left beside the running ones, and an uneven share of them makes the second
-product's tail long (the FP8 gate|up product that ends with SiLU, quant/fp8_cuda.py).
+each SM has left beside the running ones, and (as far as measured) an uneven share of them
+makes the second product's tail long (the FP8 gate|up product that ends with SiLU,
+quant/fp8_cuda.py).
 
 Only launches over a few rows take it (`PDL_MAX_ROWS`). On the H200 a single 8B FP8 stream
 decoded in 2.85 ms/token with every kernel launched so, against 2.97 without; but the
