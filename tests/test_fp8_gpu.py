@@ -317,6 +317,21 @@ def test_fp8_prefix_hit_equals_recomputing(make_llm: Callable[..., LLM], tmp_pat
     assert hits == [o.token_ids for o in fresh.generate(prompts, greedy)]
 
 
+def count_widened_steps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that gets an entry each time a prefill layer reads widened pages."""
+    from aserve.attention.flashinfer import WidenedPrefill
+
+    widened: list[int] = []
+    widen = WidenedPrefill.widen
+
+    def counted(self: WidenedPrefill, *args: object) -> object:
+        widened.append(1)
+        return widen(self, *args)
+
+    monkeypatch.setattr(WidenedPrefill, "widen", counted)
+    return widened
+
+
 def test_fp8_prefill_widened_equals_reading_fp8(
     make_llm: Callable[..., LLM], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -328,14 +343,7 @@ def test_fp8_prefill_widened_equals_reading_fp8(
 
     folder = make_tiny_model("llama", tmp_path, overrides={**KERNEL_SHAPES, "head_dim": 64})
     options = {**FP8_CACHE_LLM, "max_prefill_length": 128}
-    widened: list[int] = []
-    widen = backend.WidenedPrefill.widen
-
-    def counted(self: backend.WidenedPrefill, *args: object) -> object:
-        widened.append(1)
-        return widen(self, *args)
-
-    monkeypatch.setattr(backend.WidenedPrefill, "widen", counted)
+    widened = count_widened_steps(monkeypatch)
     shared = list(range(11, 11 + 150))
     prompts = [shared + [3 + i, 9 + i] for i in range(4)] + [list(range(5, 305))]
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -375,14 +383,7 @@ def test_checkpoint_kv_scales_on_every_fp8_cache_path(
     folder = write_large_kv_checkpoint(original, tmp_path / "large", "compressed-tensors")
     monkeypatch.setattr(backend, "WIDEN_SLOTS_PER_PREFILL_TOKEN", 1 << 20 if widen else 0)
     monkeypatch.setattr(backend, "WIDEN_MIN_HEAD_SLOTS", 0)
-    widened: list[int] = []
-    widen_pages = backend.WidenedPrefill.widen
-
-    def counted(self: backend.WidenedPrefill, *args: object) -> object:
-        widened.append(1)
-        return widen_pages(self, *args)
-
-    monkeypatch.setattr(backend.WidenedPrefill, "widen", counted)
+    widened = count_widened_steps(monkeypatch)
     options = {**FP8_CACHE_LLM, "max_prefill_length": 40}
     reference = make_llm(folder, attention_backend="torch", **options)
     kernels = make_llm(folder, **options)
