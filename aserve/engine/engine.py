@@ -157,14 +157,14 @@ class Engine:
             self.model = build_model(
                 model_config, self.max_seq_len, self.tp, ops, config.moe_backend, self.device
             )
-        self.kv_scales = KVScales()
+        kv_scales = KVScales()
         if config.dummy_weight:
             fill_dummy_weights(self.model, config.seed)
         else:
             assert model_dir is not None
             dequantize = model_config.quantization != "gguf"
             weights = iter_weights(model_dir, self.tp.rank == 0, lazy=True, dequantize=dequantize)
-            weights = self.kv_scales.take(weights)
+            weights = kv_scales.take(weights)
             if model_config.fp8_checkpoint:
                 float_weights = model_config.quantization != "fp8"
                 weights = pair_scales(weights, model_config.fp8_block, float_weights)
@@ -228,7 +228,7 @@ class Engine:
             self.device,
             self.kv_dtype,
         )
-        self.kv_scales.apply(self.pool)
+        kv_scales.apply(self.pool)
         self.kv_cache_bytes = (
             self.num_pages
             * config.page_size

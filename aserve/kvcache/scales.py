@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from aserve.kvcache.pool import KVPool
+from aserve.layers.weight import read_whole
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class KVScales:
                 self.v[int(layer)] = scale
 
     def _value(self, name: str, tensor: Any) -> float:
-        values = (tensor if isinstance(tensor, torch.Tensor) else tensor[:]).float().reshape(-1)
+        values = read_whole(tensor).float().reshape(-1)
         if values.numel() == 0 or not bool(torch.isfinite(values).all() and (values > 0).all()):
             raise ValueError(f"checkpoint tensor {name} is no KV-cache scale: {values.tolist()}")
         # A scale per KV head: the largest serves them all (nothing saturates; the other

@@ -12,3 +12,9 @@ class WeightSource(Protocol):
     (`t[a:b]`, `t[:, a:b]`, `t[:]`), so a tensor-parallel rank reads just its shard."""
 
     def __getitem__(self, index: Any) -> torch.Tensor: ...
+
+
+def read_whole(tensor: WeightSource) -> torch.Tensor:
+    """A tensor, or a lazy safetensors slice read now (`t[:]`, which a 0-dim torch tensor
+    does not take)."""
+    return tensor if isinstance(tensor, torch.Tensor) else tensor[:]

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from aserve.engine.gpu import gpu_capability, shared_memory_limit
+from aserve.layers.weight import read_whole
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -119,7 +120,7 @@ class Fp8Tensor:
     def rows(self) -> Fp8Rows:
         """Per-row scales: exact for a tensor's or a row's scale; block scales are applied and
         the rows quantized again (one scale a row is what the FP8 GEMM here takes)."""
-        values = _read(self.values)
+        values = read_whole(self.values)
         rows = values.shape[0]
         if self.block is None:
             scales = self.scale.reshape(-1).expand(rows) if self.scale.numel() == 1 else self.scale
@@ -128,7 +129,7 @@ class Fp8Tensor:
 
     def dequantize(self, values: torch.Tensor | None = None) -> torch.Tensor:
         """The weight in float32."""
-        values = _read(self.values) if values is None else values
+        values = read_whole(self.values) if values is None else values
         rows, cols = values.shape
         if self.block is None:
             scale = self.scale.reshape(-1, 1) if self.scale.numel() > 1 else self.scale
@@ -163,12 +164,13 @@ def pair_scales(
         scale_suffix = next((s for s in SCALE_NAMES if name.endswith(s)), None)
         if scale_suffix is not None:
             base = name[: -len(scale_suffix)]
-            scales[base] = _read(tensor)
+            scales[base] = read_whole(tensor)
         elif name.endswith(DROPPED):
             continue
         elif name.endswith(".weight") and _is_fp8(tensor):
             base = name.removesuffix(".weight")
-            values[base] = tensor if base in scales else _read(tensor)
+            # read now if it waits for its scale: it may outlive its file's handle
+            values[base] = tensor if base in scales else read_whole(tensor)
         else:
             yield name, tensor
             continue
@@ -182,12 +184,6 @@ def _is_fp8(tensor: Any) -> bool:
     if isinstance(tensor, torch.Tensor):
         return tensor.dtype == FP8
     return tensor.get_dtype() == "F8_E4M3"
-
-
-def _read(tensor: Any) -> torch.Tensor:
-    """A tensor, or a lazy safetensors slice read now (a weight that waits for its scale may
-    outlive its file's handle)."""
-    return tensor if isinstance(tensor, torch.Tensor) else tensor[:]
 
 
 class Fp8Weight:
