@@ -269,8 +269,9 @@ def _last_of_splits(tickets, tile, SPLIT: tl.constexpr):
     """Called by each of a tile's `SPLIT` programs once its partial sums are stored: whether
     this program is the last of them to get here, which then adds them all up (and sets the
     tile's ticket back to 0 for the next launch). A split product so needs no second kernel
-    to add its splits up: at 2-16 rows the 8B shape's qkv, o and down projections split K
-    in 4, three kernels a layer fewer. On the H200, 8 requests of the 8B shape (FP8 weights
+    to add its splits up: at 2-16 rows the 8B shape's o and down projections (`few_rows`,
+    bf16 inputs; qkv takes FP8 ones from the norm, unsplit) split K in 4, two kernels a layer
+    fewer. On the H200, 8 requests of the 8B shape (FP8 weights
     and cache, 1,000-token prompts, 512 new tokens each) ran at 2,189 tok/s against 2,132-
     2,144 with the sum kernel; 32 requests (the down projection split in 4) and the offline
     workload did not move (bench/NOTES.md)."""
