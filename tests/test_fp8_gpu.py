@@ -108,7 +108,7 @@ def test_one_row_gate_up_with_silu_equals_the_gated_down_projection(
     """One row through an FP8 gate|up weight with SiLU(gate) * up in the same kernel
     (`Fp8Weight.silu`), then the plain down projection: the same bits as gate|up, then the
     down projection's gated kernel; a weight too narrow for that kernel, or more than one
-    row, have no such path."""
+    bf16 row, have no such path (2-16 rows take one in FP8: the next test)."""
     from aserve.layers.gemv import FP8_WORDS_MIN_ROWS
 
     generator = torch.Generator().manual_seed(0)
