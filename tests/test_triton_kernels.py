@@ -163,6 +163,45 @@ def test_fp8_gemv_widens_every_byte_with_bit_operations() -> None:
     assert (error <= exact.abs() * 2**-7 + 1e-3).all(), error.max()
 
 
+@pytest.mark.parametrize(
+    ("n", "k", "gated", "fp8"),
+    [
+        (64, 4096, False, True),
+        (32, 14336, False, True),
+        (64, 4096, False, False),
+        (16, 9216, True, False),
+    ],
+)
+def test_gemv_tiles_loaded_before_the_wait_change_no_bit(
+    monkeypatch: pytest.MonkeyPatch, n: int, k: int, gated: bool, fp8: bool
+) -> None:
+    """The one-row GEMV's first tiles, loaded before its PDL wait (one, or two over a long
+    row), are added in the order the loop would add them: the same bits as with none,
+    plain, FP8 and gated."""
+    from aserve.layers import gemv as module
+
+    weight = torch.randn(n, k, generator=gen(30)) / k**0.5
+    scales = torch.rand(n, generator=gen(31)) + 0.5 if fp8 else None
+    if fp8:
+        weight = weight.to(torch.float8_e4m3fn)
+    x = torch.randn(1, 2 * k if gated else k, generator=gen(32)).bfloat16()
+
+    def run() -> torch.Tensor:
+        return module.gemv(
+            x.to(DEVICE),
+            weight.to(DEVICE, weight.dtype if fp8 else torch.bfloat16),
+            None,
+            gated=gated,
+            scales=None if scales is None else scales.to(DEVICE),
+        )
+
+    block_k = 1024 if gated or fp8 else 2048
+    assert module._preload_tiles(k, block_k, True) == (2 if k > 8192 else 1)
+    preloaded = run()
+    monkeypatch.setattr(module, "_preload_tiles", lambda k, block_k, even: 0)
+    assert torch.equal(preloaded, run())
+
+
 def test_flashinfer_builds_the_decode_modules_its_batches_plan() -> None:
     """A start builds FlashInfer's decode modules that some batch will plan, and no other."""
     from aserve.attention.flashinfer import decode_modules

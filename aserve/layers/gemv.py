@@ -24,6 +24,11 @@ GEMV had recomputed the whole activation row in each of its 512 programs: 2.69 -
 ms/token (H200, alternating in one command). The same ending in `_gemv_kernel`, for bf16
 weights, made the bf16 8B step slower (4.05 -> 4.09 ms), so it is not there.
 
+Both load the first tiles of their rows before the PDL wait (layers/pdl.py): the weight is
+the host's alone, and those bytes arrive while the kernel before still runs (its tail, or
+small kernels such as the attention merge and the norms that read little memory). A single
+8B FP8 step: 2.620 -> 2.559 ms/token (H200; `_preload_tiles` has the settings tried).
+
 Both read the weight with L2's evict-first policy, since a step streams it once: a single
 8B FP8 step of the engine's kernels in a CUDA graph took 2.682 ms with it against 2.751
 without (H200, bench/NOTES.md; why it helps was not measured, `.cg` loads and evict-last
@@ -42,6 +47,23 @@ from aserve.layers.pdl import pdl_options, wait_for_previous
 
 
 @triton.jit
+def _inputs(x, k, cols, EVEN: tl.constexpr, GATED: tl.constexpr, dtype: tl.constexpr):
+    """The input row's values at `cols` in float32; with GATED, SiLU(gate) * up rounded to
+    `dtype` as the separate activation kernel would store it."""
+    if EVEN:
+        v = tl.load(x + cols).to(tl.float32)
+        if GATED:
+            up = tl.load(x + k + cols).to(tl.float32)
+    else:
+        v = tl.load(x + cols, mask=cols < k, other=0.0).to(tl.float32)
+        if GATED:
+            up = tl.load(x + k + cols, mask=cols < k, other=0.0).to(tl.float32)
+    if GATED:
+        v = (v * tl.sigmoid(v) * up).to(dtype).to(tl.float32)
+    return v
+
+
+@triton.jit
 def _gemv_kernel(
     x,
     weight,
@@ -57,19 +79,31 @@ def _gemv_kernel(
     EVEN: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PRELOAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    wait_for_previous(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    first_cols = tl.arange(0, BLOCK_K)
+    tile = weight + rows[:, None] * weight_stride + first_cols[None, :]
+    # The weight is the host's alone: its first PRELOAD tiles (EVEN only) load before the
+    # wait, while the kernel before this one still runs.
+    if PRELOAD >= 1:
+        first = tl.load(tile, eviction_policy="evict_first")
+    if PRELOAD >= 2:
+        second = tl.load(tile + BLOCK_K, eviction_policy="evict_first")
+    wait_for_previous(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for start in range(0, k, BLOCK_K):
-        cols = start + tl.arange(0, BLOCK_K)
+    dtype = out.dtype.element_ty
+    if PRELOAD >= 1:
+        acc += first.to(tl.float32) * _inputs(x, k, first_cols, EVEN, GATED, dtype)[None, :]
+    if PRELOAD >= 2:
+        v = _inputs(x, k, BLOCK_K + first_cols, EVEN, GATED, dtype)
+        acc += second.to(tl.float32) * v[None, :]
+    for start in range(PRELOAD * BLOCK_K, k, BLOCK_K):
+        cols = start + first_cols
         tile = weight + rows[:, None] * weight_stride + cols[None, :]
         if EVEN:
             w = tl.load(tile, eviction_policy="evict_first")
-            v = tl.load(x + cols).to(tl.float32)
-            if GATED:
-                up = tl.load(x + k + cols).to(tl.float32)
         else:
             w = tl.load(
                 tile,
@@ -77,12 +111,7 @@ def _gemv_kernel(
                 other=0.0,
                 eviction_policy="evict_first",
             )
-            v = tl.load(x + cols, mask=cols < k, other=0.0).to(tl.float32)
-            if GATED:
-                up = tl.load(x + k + cols, mask=cols < k, other=0.0).to(tl.float32)
-        if GATED:
-            v = (v * tl.sigmoid(v) * up).to(out.dtype.element_ty).to(tl.float32)
-        acc += w.to(tl.float32) * v[None, :]
+        acc += w.to(tl.float32) * _inputs(x, k, cols, EVEN, GATED, dtype)[None, :]
     y = tl.sum(acc, axis=1)
     if SCALED:
         y *= tl.load(scales + rows, mask=rows < n, other=0.0)
@@ -97,6 +126,27 @@ def _bf16_halves(words):
     return (words << 16).to(tl.float32, bitcast=True), (words & 0xFFFF0000).to(
         tl.float32, bitcast=True
     )
+
+
+@triton.jit
+def _words_product(acc, w, x_words, cols):
+    """`acc` plus the FP8 bytes of the 32-bit words `w` (as bf16 bits: times 2^-120) times
+    the activations of their columns."""
+    # bf16 bits of bytes 1 and 3 (high byte of each half) and of bytes 0 and 2: sign to
+    # the half's top bit, exponent and mantissa shifted under the bf16 exponent's.
+    w = w.to(tl.uint32, bitcast=True)
+    odd = (w & 0x80008000) | ((w >> 4) & 0x07F007F0)
+    even = ((w << 8) & 0x80008000) | ((w << 4) & 0x07F007F0)
+    # Four activations: two bf16 pairs, a bf16 the top half of a float32.
+    x0, x1 = _bf16_halves(tl.load(x_words + 2 * cols).to(tl.uint32, bitcast=True))
+    x2, x3 = _bf16_halves(tl.load(x_words + 2 * cols + 1).to(tl.uint32, bitcast=True))
+    even_low, even_high = _bf16_halves(even)
+    odd_low, odd_high = _bf16_halves(odd)
+    acc += even_low * x0[None, :]
+    acc += odd_low * x1[None, :]
+    acc += even_high * x2[None, :]
+    acc += odd_high * x3[None, :]
+    return acc
 
 
 @triton.jit
@@ -115,30 +165,20 @@ def _fp8_words_kernel(
     BLOCK_W: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    wait_for_previous(PDL)
     if SILU:  # gate and up rows in turn: gate row i, then row i of the up half
         pairs = tl.arange(0, BLOCK_N)
         rows = tl.program_id(0) * (BLOCK_N // 2) + pairs // 2 + (pairs % 2) * half_rows
     else:
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
-    for start in range(0, word_count, BLOCK_W):
-        cols = start + tl.arange(0, BLOCK_W)
+    first_cols = tl.arange(0, BLOCK_W)
+    tile = words + rows[:, None] * word_stride + first_cols[None, :]
+    first = tl.load(tile, eviction_policy="evict_first")  # before the wait: `_gemv_kernel`
+    wait_for_previous(PDL)
+    acc = _words_product(tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32), first, x_words, first_cols)
+    for start in range(BLOCK_W, word_count, BLOCK_W):
+        cols = start + first_cols
         at = words + rows[:, None] * word_stride + cols[None, :]
-        w = tl.load(at, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
-        # bf16 bits of bytes 1 and 3 (high byte of each half) and of bytes 0 and 2: sign to
-        # the half's top bit, exponent and mantissa shifted under the bf16 exponent's.
-        odd = (w & 0x80008000) | ((w >> 4) & 0x07F007F0)
-        even = ((w << 8) & 0x80008000) | ((w << 4) & 0x07F007F0)
-        # Four activations: two bf16 pairs, a bf16 the top half of a float32.
-        x0, x1 = _bf16_halves(tl.load(x_words + 2 * cols).to(tl.uint32, bitcast=True))
-        x2, x3 = _bf16_halves(tl.load(x_words + 2 * cols + 1).to(tl.uint32, bitcast=True))
-        even_low, even_high = _bf16_halves(even)
-        odd_low, odd_high = _bf16_halves(odd)
-        acc += even_low * x0[None, :]
-        acc += odd_low * x1[None, :]
-        acc += even_high * x2[None, :]
-        acc += odd_high * x3[None, :]
+        acc = _words_product(acc, tl.load(at, eviction_policy="evict_first"), x_words, cols)
     y = tl.sum(acc, axis=1) * (tl.load(scales + rows) * 1.329227995784916e36)  # 2^120
     if HAS_BIAS:
         y += tl.load(bias + rows).to(tl.float32)
@@ -151,6 +191,18 @@ def _fp8_words_kernel(
         tl.store(out + at, (gate * tl.sigmoid(gate) * up).to(out.dtype.element_ty))
     else:
         tl.store(out + rows, y.to(out.dtype.element_ty))
+
+
+def _preload_tiles(k: int, block_k: int, even: bool) -> int:
+    """Tiles of each program's rows that the one-row kernels load before their PDL wait:
+    one, and two over a long input row (a down projection's), where blocks fill the weight.
+    On an H200, a single 8B FP8 stream (bench/latency.py, one command): 2.620 ms/token with
+    none, 2.577 with one everywhere, 2.559 with two for down; two for gate|up or the others,
+    or three or four for down, made it 2.58-2.79 (why the deeper ones lose was not
+    measured)."""
+    if not even:
+        return 0
+    return min(k // block_k, 2 if k > 8192 else 1)
 
 
 FP8_WORDS_SETTING = (32, 64, 4)
@@ -256,6 +308,7 @@ def gemv(
         block_n, block_k, warps, stages = 2, 2048, 8, 2
     else:
         block_n, block_k, warps, stages = 2, 1024, 4, 2
+    even = n % block_n == 0 and k % block_k == 0
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
         weight,
@@ -268,9 +321,10 @@ def gemv(
         GATED=gated,
         SCALED=scales is not None,
         HAS_BIAS=bias is not None,
-        EVEN=n % block_n == 0 and k % block_k == 0,
+        EVEN=even,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        PRELOAD=_preload_tiles(k, block_k, even),
         num_warps=warps,
         num_stages=stages,
         **pdl_options(x.device, 1),
