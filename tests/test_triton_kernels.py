@@ -1,5 +1,5 @@
-"""aserve's Triton kernels (layers/cuda_ops.py, engine/race_triton.py) against the torch
-formulas they replace: compiled on a GPU, and on CPU under Triton's interpreter (the same
+"""aserve's Triton kernels (layers/cuda_ops.py, layers/gemv.py, engine/race_triton.py,
+attention/triton_decode.py) against the torch formulas they replace: compiled on a GPU, and on CPU under Triton's interpreter (the same
 kernel code run by NumPy; tests/conftest.py turns it on when there is no GPU). float16,
 because the interpreter truncates to bfloat16 where the GPU rounds."""
 
@@ -25,6 +25,8 @@ from aserve.engine.race_triton import race  # noqa: E402
 from aserve.layers.cuda_ops import CudaKernels  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPE = torch.float16
+FP8 = torch.float8_e4m3fn
 ops = CudaKernels()
 
 
@@ -200,6 +202,62 @@ def test_gemv_tiles_loaded_before_the_wait_change_no_bit(
     preloaded = run()
     monkeypatch.setattr(module, "_preload_tiles", lambda k, block_k, even: 0)
     assert torch.equal(preloaded, run())
+
+
+@pytest.mark.parametrize("kernel", ["split", "whole"])
+@pytest.mark.parametrize(("page_size", "fp8"), [(16, False), (256, True)])
+def test_triton_decode_kernels_equal_plain_attention(
+    monkeypatch: pytest.MonkeyPatch, kernel: str, page_size: int, fp8: bool
+) -> None:
+    """The Triton decode attention (attention/triton_decode.py) against softmax attention
+    written out in float32 over the K and V the pool reads back, for contexts of 1 token to
+    more than a page, on pages in scattered order, over a 16-bit and an FP8 cache (scaled);
+    the split kernels with their merge, or (`kernel`) the whole-context one. tests/test_gpu.py
+    has more shapes on the GPU."""
+    from aserve.attention import triton_decode
+    from aserve.kvcache.pool import KVPool
+
+    monkeypatch.setattr(triton_decode, "WHOLE_MIN_PROGRAMS", 1 if kernel == "whole" else 1 << 30)
+    q_heads, kv_heads, head_dim = 8, 2, 64
+    lengths = [1, 7, 300, 64, 129]
+    pages_per_row = [-(-n // page_size) for n in lengths]
+    num_pages = sum(pages_per_row) + 3
+    pool = KVPool(1, num_pages, page_size, kv_heads, head_dim, DTYPE, DEVICE, FP8 if fp8 else None)
+    if fp8:
+        pool.set_scales(0, 0.5, 2.0)
+    slots = torch.arange(num_pages * page_size, device=DEVICE)
+    pool.store(
+        0,
+        slots,
+        torch.randn(len(slots), 2, kv_heads, head_dim, generator=gen(40)).to(DEVICE, DTYPE),
+    )
+    page_ids = (torch.randperm(num_pages - 1, generator=gen(41)) + 1)[: sum(pages_per_row)].int()
+    indptr = torch.tensor([0, *torch.tensor(pages_per_row).cumsum(0).tolist()], dtype=torch.int32)
+    last = [n - (p - 1) * page_size for n, p in zip(lengths, pages_per_row, strict=True)]
+    q = torch.randn(len(lengths), q_heads, head_dim, generator=gen(42)).to(DEVICE, DTYPE)
+    expected = []
+    for row, n in enumerate(lengths):
+        pages = page_ids[indptr[row] : indptr[row + 1]].long().to(DEVICE)
+        kv = pool.gather(0, (pages[:, None] * page_size + slots[:page_size]).flatten()[:n]).float()
+        k, v = (kv[:, i].repeat_interleave(q_heads // kv_heads, dim=1) for i in (0, 1))
+        scores = torch.einsum("hd,nhd->hn", q[row].float(), k) * head_dim**-0.5
+        expected.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), v))
+    wrapper = triton_decode.TritonDecodeWrapper(DEVICE)
+    wrapper.plan(
+        indptr,
+        page_ids,
+        torch.tensor(last, dtype=torch.int32),
+        num_qo_heads=q_heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        q_data_type=DTYPE,
+        kv_data_type=pool.storage_dtype,
+    )
+    assert (wrapper.num_splits == 1) == (kernel == "whole")
+    shape = (-1, page_size, kv_heads, head_dim)
+    out = wrapper.run(q, (pool.k[0].view(shape), pool.v[0].view(shape)), *pool.scale_pairs[0])
+    torch.testing.assert_close(out.float(), torch.stack(expected), atol=1e-2, rtol=1e-2)
 
 
 def test_flashinfer_builds_the_decode_modules_its_batches_plan() -> None:
