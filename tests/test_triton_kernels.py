@@ -1,7 +1,8 @@
 """aserve's Triton kernels (layers/cuda_ops.py, layers/gemv.py, engine/race_triton.py,
-attention/triton_decode.py) against the torch formulas they replace: compiled on a GPU, and on CPU under Triton's interpreter (the same
-kernel code run by NumPy; tests/conftest.py turns it on when there is no GPU). float16,
-because the interpreter truncates to bfloat16 where the GPU rounds."""
+attention/triton_decode.py) against the torch formulas they replace: compiled on a GPU, and
+on CPU under Triton's interpreter (the same kernel code run by NumPy; tests/conftest.py turns
+it on when there is no GPU). float16, because the interpreter truncates to bfloat16 where
+the GPU rounds."""
 
 from __future__ import annotations
 
