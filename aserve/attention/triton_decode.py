@@ -268,9 +268,10 @@ def _merge_kernel(
     num_splits,
     MAX_SPLITS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    EARLY: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    wait_for_previous(PDL)
+    wait_for_previous(PDL, EARLY)
     request, head = tl.program_id(0), tl.program_id(1)
     row = request * tl.num_programs(1) + head
     splits = tl.arange(0, MAX_SPLITS)
@@ -429,6 +430,7 @@ class TritonDecodeWrapper:
             self.num_splits,
             MAX_SPLITS=triton.next_power_of_2(self.num_splits),
             HEAD_DIM=head_dim,
+            EARLY=batch == 1,  # (layers/pdl.py)
             num_warps=4,
             **pdl_options(out.device, batch),
         )

@@ -31,10 +31,11 @@ def _rmsnorm_kernel(
     out_head_stride,
     size,
     BLOCK: tl.constexpr,
+    EARLY: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One program per row; a row is one head of one token (`heads` per token)."""
-    wait_for_previous(PDL)
+    wait_for_previous(PDL, EARLY)
     row = tl.program_id(0)
     token, head = row // heads, row % heads
     cols = tl.arange(0, BLOCK)
@@ -58,10 +59,11 @@ def _add_rmsnorm_kernel(
     residual_stride,
     size,
     BLOCK: tl.constexpr,
+    EARLY: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """`residual += x` (rounded), then `x = norm(residual) * weight`, one program a row."""
-    wait_for_previous(PDL)
+    wait_for_previous(PDL, EARLY)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     inside = cols < size
@@ -168,6 +170,7 @@ class CudaKernels:
             out3.stride(1),
             size,
             BLOCK=block,
+            EARLY=tokens * heads == 1,  # (pdl.py)
             num_warps=row_warps(block),
             **pdl_options(x.device, tokens),
         )
@@ -189,6 +192,7 @@ class CudaKernels:
             residual.stride(0),
             size,
             BLOCK=block,
+            EARLY=rows == 1,  # (pdl.py)
             num_warps=row_warps(block),
             **pdl_options(x.device, rows),
         )

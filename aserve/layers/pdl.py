@@ -54,11 +54,20 @@ def pdl_options(device: torch.device, rows: int) -> dict[str, bool]:
 
 
 @triton.jit
-def wait_for_previous(PDL: tl.constexpr):
-    """With PDL, wait for the kernel before this one, then let the next one launch."""
+def wait_for_previous(PDL: tl.constexpr, EARLY: tl.constexpr = False):
+    """With PDL, wait for the kernel before this one, then let the next one launch; with
+    `EARLY`, let it launch first. A one-row norm or attention merge, which reads little
+    memory, so launches the GEMV after it (which loads weights before its own wait) while
+    the kernel before the norm or merge still runs: a single 8B FP8 stream 2.536 -> 2.523
+    ms/token (H200, alternating; bf16 4.001 -> 3.998). The next kernel's wait still waits
+    for this one to end, and this one for the one before."""
     if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+        if EARLY:
+            gdc_launch_dependents()
+            gdc_wait()
+        else:
+            gdc_wait()
+            gdc_launch_dependents()
 
 
 @triton.jit
