@@ -155,7 +155,7 @@ def test_fp8_gemv_widens_every_byte_with_bit_operations() -> None:
     codes[(codes & 0x7F) == 0x7F] = 0x3C  # the two NaN codes become 1.5
     codes[0, :256] = torch.arange(256, dtype=torch.int32)
     codes[0, 0x7F] = codes[0, 0xFF] = 0
-    values = codes.to(torch.uint8).view(torch.float8_e4m3fn)
+    values = codes.to(torch.uint8).view(FP8)
     scales = torch.rand(n, generator=gen(21)) + 0.5
     x = torch.randn(1, k, generator=gen(22)).bfloat16()
     bias = torch.randn(n, generator=gen(23)).bfloat16()
@@ -186,7 +186,7 @@ def test_gemv_tiles_loaded_before_the_wait_change_no_bit(
     weight = torch.randn(n, k, generator=gen(30)) / k**0.5
     scales = torch.rand(n, generator=gen(31)) + 0.5 if fp8 else None
     if fp8:
-        weight = weight.to(torch.float8_e4m3fn)
+        weight = weight.to(FP8)
     x = torch.randn(1, 2 * k if gated else k, generator=gen(32)).bfloat16()
 
     def run() -> torch.Tensor:
