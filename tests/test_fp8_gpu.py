@@ -249,7 +249,7 @@ def test_fused_kv_write_stores_the_bytes_the_pool_stores(qk_norm: bool) -> None:
     assert pools[1].kv[0][slots].float().abs().amax() == 448.0  # some saturated
 
 
-@pytest.mark.parametrize("kernel", ["split", "split-large-batch", "whole", "whole-large-batch"])
+@pytest.mark.parametrize("kernel", ["split", "split-large-batch", "whole", "whole-16-token-blocks"])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_triton_decode_reads_an_fp8_cache(
     kernel: str,
@@ -257,17 +257,17 @@ def test_triton_decode_reads_an_fp8_cache(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The Triton decode kernels over an FP8 pool with K and V scales: softmax attention in
-    float32 over the de-quantized cache, for contexts of 1 to 4,097 tokens; the whole-context
-    and the split kernels in both of their settings (those for large batches forced on this
-    small one)."""
+    float32 over the de-quantized cache, for contexts of 1 to 4,097 tokens; the split kernel
+    in both of its settings (those for large batches forced on this small one), the
+    whole-context kernel in its setting and in blocks of 16 tokens (a second block size, as
+    bench/decode_kernels.py's sweep runs it)."""
     from aserve.attention import triton_decode
     from aserve.attention.triton_decode import TritonDecodeWrapper
 
     whole = kernel.startswith("whole")
     monkeypatch.setattr(triton_decode, "WHOLE_MIN_PROGRAMS", 1 if whole else 1 << 30)
-    if kernel == "whole-large-batch":
-        large = triton_decode.FP8_WHOLE_SETTINGS[0]
-        monkeypatch.setattr(triton_decode, "FP8_WHOLE_SETTINGS", ((0, *large[1:]),))
+    if kernel == "whole-16-token-blocks":
+        monkeypatch.setattr(triton_decode, "FP8_WHOLE_SETTINGS", ((0, 16, 1, 8),))
     if kernel == "split-large-batch":
         large = triton_decode.FP8_SPLIT_SETTINGS[0]
         monkeypatch.setattr(triton_decode, "FP8_SPLIT_SETTINGS", ((0, *large[1:]),))

@@ -67,7 +67,7 @@ WHOLE_WARPS = 4
 
 
 FP8_DOT_F16 = True
-FP8_WHOLE_SETTINGS = ((1024, 16, 1, 8), (0, 32, 1, 8))
+FP8_WHOLE_SETTINGS = ((0, 32, 1, 6),)
 FP8_SPLIT_SETTINGS = ((13, 64, 2, 6), (0, 64, 4, 2))
 FP8_SPLIT_PROGRAMS = 512
 """Over an FP8 cache: products in float16 (FP8 widens to it in one instruction per two values;
@@ -85,12 +85,21 @@ layer), batch 8 / 16 / 32 / 48 / 64 / 96 / 128 / 256: 10.5 / 15.7 / 26.3 / 39.4 
 of 32 with 4 warps and 3 stages; whole contexts in blocks of 64 with 2 warps and 6 stages,
 then 1 warp and 4 stages from 1,024 pairs); with whole blocks read without masks, 32 / 64 /
 96 / 128 / 256: 27.4 / 38.6 / 60.1 / 65.7 / 127.7 (4.1 TB/s of FP8 at 256, where the bf16
-kernel reads 4.3). The split kernel alone in a CUDA graph, 1 / 2 / 4 / 6 / 8 / 12 / 16 / 32
-requests: 5.6 / 6.5 / 9.5 / 9.8 / 13.3 / 15.2 / 21.7 / 40.0 with four warps and two stages,
-8.3 / 9.5 / 12.5 / 14.5 / 14.5 / 15.4 / 18.9 / 26.1 with two warps and six (blocks of 64);
-the single 8B FP8 stream 2.74 -> 2.67 ms/token in the same command (bench/latency.py).
-Rescaling the running sums only when a row's max rose by more than 8 (a branch in the
-loop) was 3-15% slower."""
+kernel reads 4.3). A whole-context program of one warp takes 255 registers a thread
+(ptxas for sm_90a: 16 padded query rows), so 8 fit an SM and a launch of more than ~1,056
+programs runs in two waves: with 16-token blocks the kernel took 68 us at 128 requests and
+113-129 us at every batch from 144 to 224. Blocks of 32 tokens in 6 stages (5 alike; 7 or 8
+lose from 96 requests) take 35 / 39 / 56 / 71 / 118 / 119 / 135 us at 40 / 64 / 96 / 128 /
+160 / 192 / 256 requests, against 35 / 39 / 61 / 68 / 125 / 126 / 133 with the two settings
+before (16 tokens in 8 stages from 1,024 pairs, 32 in 8 below; one command, 2026-11-25).
+Over mini-SGLang's offline workload, whose contexts are mixed, the one setting beat the two:
+8B FP8 + FP8 KV 15,039 / 15,037 -> 15,272 / 15,305 tok/s, Qwen3-0.6B FP8 KV 34,721 ->
+35,565 (alternating in one command). The split kernel alone in a CUDA graph, 1 / 2 / 4 / 6 /
+8 / 12 / 16 / 32 requests: 5.6 / 6.5 / 9.5 / 9.8 / 13.3 / 15.2 / 21.7 / 40.0 with four
+warps and two stages, 8.3 / 9.5 / 12.5 / 14.5 / 14.5 / 15.4 / 18.9 / 26.1 with two warps and
+six (blocks of 64); the single 8B FP8 stream 2.74 -> 2.67 ms/token in the same command
+(bench/latency.py). Rescaling the running sums only when a row's max rose by more than 8 (a
+branch in the loop) was 3-15% slower."""
 
 
 def takes_batch(batch_size: int, num_kv_heads: int) -> bool:
