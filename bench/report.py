@@ -123,8 +123,9 @@ LATENCY_HEADER = """
 ## Single-stream decode
 
 From `python bench/latency.py`: one request, greedy, ms per new token over the decode steps
-(the prefill is the time to first token), beside the weight-bandwidth bound (weight bytes of
-one rank over the GPU's data-sheet HBM bandwidth).
+(the prefill is the time to first token), beside the weight-bandwidth bound (the weight bytes
+one rank reads a step over the GPU's data-sheet HBM bandwidth; rows before 2026-11-25 also
+counted an input embedding that the LM head does not share, of which a step reads one row).
 
 | date | model | device | commit | tp | prompt | new tokens | ms/token | bound ms | x bound \
 | TTFT ms | note |
