@@ -414,6 +414,8 @@ def test_race_kernel_picks_the_torch_race_winner(top_p: float) -> None:
     alone = make_batch(params[3:4], 32000, steps=[3], device=cuda)
     assert sampler.sample(logits[3:4], alone).next_ids[0] == expected[3]
     assert torch.equal(expected[7::8], logits.argmax(dim=-1)[7::8])
+    greedy = make_batch([SamplingParams(temperature=0.0)] * 48, 32000, device=cuda)
+    assert torch.equal(sampler.sample(logits, greedy).next_ids, logits.argmax(dim=-1))
 
 
 def test_per_row_parameters_are_contiguous_arrays() -> None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from aserve.engine.sampler import (
+    Sampler,
     SamplingBatch,
     _seed_keys,
     filter_top_k_top_p_min_p,
@@ -109,6 +110,40 @@ def test_race_picks_the_torch_race_winner(rows: int, monkeypatch: pytest.MonkeyP
     assert torch.equal(race(logits, seed_keys, step_t, temperature), want)
     top_k = probs.masked_fill(probs < probs.topk(20, dim=-1).values[:, -1:], 0.0)
     assert torch.equal(race(top_k, seed_keys, step_t, None), torch_race(top_k, seeds, steps))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 70])
+def test_race_without_noise_is_torch_argmax(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy rows: the first maximum, over several programs a row (8 SMs: 1 and 3 rows
+    split their 9,000 tokens) or one (70 rows), with ties across programs, a NaN (the largest,
+    as in torch) and a row of -inf (index 0, as in torch)."""
+    monkeypatch.setattr(race_triton, "_sm_count", lambda device: 8)
+    scores = torch.randn(rows, 9000, generator=gen(10)).half().to(DEVICE)
+    top = scores[0].max()
+    scores[0, 8500] = top + 1  # the maximum twice, in different programs' parts
+    scores[0, 4100] = top + 1
+    if rows > 1:
+        scores[1, 6000] = float("nan")
+        scores[2] = -float("inf")
+    want = scores.argmax(dim=-1)
+    assert want[0] == 4100
+    assert torch.equal(race(scores, None, None, None), want)
+
+
+def test_sampler_takes_greedy_rows_from_the_kernel() -> None:
+    """With the kernel, greedy rows (a whole greedy batch, or beside sampled rows) get what
+    the torch sampler gives them, the first maximum of their logits."""
+    logits = torch.randn(6, 5000, generator=gen(11)).half().to(DEVICE)
+    logits[2, 4500] = logits[2, 300] = logits[2].max() + 1
+    for temperatures in ([0.0] * 6, [0.0, 0.7, 0.0, 1.0, 0.0, 0.0]):
+        params = [SamplingParams(temperature=t, seed=5) for t in temperatures]
+        batch = SamplingBatch.build(params, [5] * 6, [0] * 6, [[]] * 6, [[]] * 6, 5000, DEVICE)
+        want = Sampler().sample(logits, batch).next_ids
+        got = Sampler(race).sample(logits, batch).next_ids
+        assert torch.equal(got, want)
+        greedy = torch.tensor([t == 0.0 for t in temperatures], device=DEVICE)
+        assert torch.equal(got[greedy], logits.argmax(dim=-1)[greedy])
+    assert got[2] == 300
 
 
 def test_race_over_many_steps_follows_the_distribution() -> None:

@@ -328,8 +328,10 @@ class Engine:
         if self._triton_hash is not None:
             self._triton_hash.join()
         logits = self._dummy_forward(ForwardMode.DECODE)
-        # Both races: over the logits (temperature only) and over filtered probabilities.
+        # The three races: greedy (no noise), over the logits (temperature only) and over
+        # filtered probabilities.
         for params in (
+            SamplingParams(temperature=0.0),
             SamplingParams(temperature=1.0),
             SamplingParams(temperature=1.0, top_k=2, top_p=0.9, min_p=0.01),
         ):

@@ -293,7 +293,9 @@ def filter_top_k_top_p_min_p(probs: torch.Tensor, batch: SamplingBatch) -> torch
     return probs
 
 
-Race = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+Race = Callable[
+    [torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None], torch.Tensor
+]
 
 
 def race_kernel(device: torch.device) -> Race | None:
@@ -326,11 +328,11 @@ class Sampler:
             apply_token_masks(logits, token_masks)
         scores = apply_penalties(logits.float(), batch) if batch.any_penalties else logits
         if batch.all_greedy:
-            next_ids = row_argmax(scores)
+            next_ids = self._argmax(scores)
         else:
             next_ids = self._draw(scores, batch)
             if batch.any_greedy:
-                next_ids = torch.where(batch.greedy, row_argmax(scores), next_ids)
+                next_ids = torch.where(batch.greedy, self._argmax(scores), next_ids)
         if not batch.want_logprobs:
             return SampleOutput(next_ids, None, None, None)
         logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
@@ -339,6 +341,12 @@ class Sampler:
             return SampleOutput(next_ids, chosen, None, None)
         top = logprobs.topk(batch.max_top_logprobs, dim=-1)
         return SampleOutput(next_ids, chosen, top.indices, top.values)
+
+    def _argmax(self, scores: torch.Tensor) -> torch.Tensor:
+        """Greedy rows' tokens: the race without noise where there is the kernel."""
+        if self.race is not None:
+            return self.race(scores, None, None, None)
+        return row_argmax(scores)
 
     def _draw(self, scores: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Top-k, then top-p on what top-k kept, then min-p, then the race. Without those
