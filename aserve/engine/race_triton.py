@@ -17,9 +17,10 @@ programs an SM (one program a row from a row an SM); 7.6 / 9.8 / 20.3 / 48.1 / 7
 with these settings on the next machine (the winner's argmax and gather kernels included),
 the same tokens; the single 8B stream 2.617 -> 2.616 ms/token in one command.
 
-Greedy rows run the same kernel without the noise (their argmax): torch's argmax took 30 us
-of a single 8B stream's step for one 128,256-token row, this one and its winner's kernel ~4;
-2.541 -> 2.522 ms/token (H200, alternating in one command).
+Greedy rows run the same kernel without the noise (their argmax). 128,256-token bf16 rows on
+an H200, us at 1 / 8 / 64 / 256 rows: torch's argmax 26.4 / 26.6 / 27.1 / 45.7, this kernel
+and its winner's 3.3 / 4.1 / 10.6 / 35.3; a single 8B FP8 stream 2.544 / 2.547 -> 2.518 /
+2.519 ms/token (alternating in one command).
 
 Replaced FlashInfer's sampling kernels, whose module took 80-100 s to compile on a fresh
 machine; this one compiles in about a second.
