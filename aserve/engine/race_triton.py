@@ -49,6 +49,16 @@ def _mix32(x):
     return x
 
 
+@triton.jit
+def _keep_first_max(value, offset, best_value, best_id):
+    """The running (maximum, its index) after the block `value` of columns from `offset`:
+    a later block wins only with a larger value, so ties keep the first."""
+    block_best = tl.max(value, axis=0)
+    better = block_best > best_value
+    best_id = tl.where(better, offset + tl.argmax(value, axis=0), best_id)
+    return tl.where(better, block_best, best_value), best_id
+
+
 # The row count sets `splits` and the alignment of the sampling batch's packed columns
 # (`temperature`, `seed_keys`, `steps` are slices of one tensor): specialized on them, the
 # kernel compiled again for new batches inside a server's first requests (twice in the
@@ -96,11 +106,7 @@ def _race_kernel(
         else:  # greedy: the first maximum, a NaN taken as the largest (torch's argmax)
             value = tl.where(s != s, float("inf"), s)
         value = tl.where(inside, value, -float("inf"))
-        block_best = tl.max(value, axis=0)
-        block_id = offset + tl.argmax(value, axis=0)
-        better = block_best > best_value
-        best_id = tl.where(better, block_id, best_id)
-        best_value = tl.where(better, block_best, best_value)
+        best_value, best_id = _keep_first_max(value, offset, best_value, best_id)
     tl.store(best_values + row * splits + split, best_value)
     tl.store(best_ids + row * splits + split, best_id)
 
@@ -117,10 +123,7 @@ def _winner_kernel(values, ids, out, splits, BLOCK: tl.constexpr):
         at = start + tl.arange(0, BLOCK)
         value = tl.load(values + row * splits + at, mask=at < splits, other=-float("inf"))
         value = tl.where(value != value, float("inf"), value)
-        block_best = tl.max(value, axis=0)
-        better = block_best > best_value
-        best_split = tl.where(better, start + tl.argmax(value, axis=0), best_split)
-        best_value = tl.where(better, block_best, best_value)
+        best_value, best_split = _keep_first_max(value, start, best_value, best_split)
     tl.store(out + row, tl.load(ids + row * splits + best_split))
 
 
