@@ -76,7 +76,6 @@ def chosen_quantization(engine: EngineConfig, model: ModelConfig) -> str | None:
 
 class Runtime:
     def __init__(self, config: ServerConfig) -> None:
-        started = time.perf_counter()
         self.config = config
         self.model_dir = resolve_model(config.engine.model_path, tokenizer=False)
         hf_config, generation_config = load_hf_config(self.model_dir)
@@ -127,7 +126,6 @@ class Runtime:
         self.scheduler = Scheduler(self.engine, config.scheduler, self.followers, grammars)
         if self.followers is not None:
             self.followers.on_failure = self.scheduler.fail
-        self.startup_seconds = time.perf_counter() - started
         freeze_startup_objects()
         logger.info("model ready: %s (%s)", self.model_dir, self.engine.describe())
         logger.info(self.capacity_line())

@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from aserve import LLM, SamplingParams
+from aserve.engine.step import forward_batch
 from aserve.layers.cpu_gemm import can_pack
-from aserve.scheduler.batch import build_forward_batch
+from aserve.scheduler.batch import step_spec
 from aserve.scheduler.request import FinishReason
 from tests.tiny_models import FAMILIES, hf_greedy_tokens, make_tiny_model
 
@@ -40,7 +41,9 @@ def our_logits(llm: LLM, prompt: list[int], continuation: list[int]) -> torch.Te
     for token in [*continuation, None]:
         planned = scheduler.planner.schedule()
         assert planned is not None and planned.reqs == [req]
-        batch = build_forward_batch(planned, engine.page_table, engine.device)
+        batch = forward_batch(
+            step_spec(planned, engine.page_table), engine.page_table, engine.device
+        )
         engine.attn.prepare(batch)
         rows.append(engine.model(batch, engine.attn)[0])
         if token is None:
@@ -95,7 +98,9 @@ def test_a_batch_halfway_event_is_recorded_after_half_the_layers(tiny: Path) -> 
         scheduler.planner.add(req)
         planned = scheduler.planner.schedule()
         assert planned is not None
-        batch = build_forward_batch(planned, engine.page_table, engine.device)
+        batch = forward_batch(
+            step_spec(planned, engine.page_table), engine.page_table, engine.device
+        )
         batch.halfway = Marker()  # type: ignore[assignment]
         engine.forward(batch)
         for hook in hooks:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 
 from aserve.config import SchedulerConfig
+from aserve.engine.step import forward_batch
 from aserve.forward import ForwardMode
 from aserve.kvcache.pages import PageAllocator, PageTable
 from aserve.kvcache.radix import RadixCache
-from aserve.scheduler.batch import SamplingBatches, build_forward_batch
+from aserve.scheduler.batch import SamplingBatches, step_spec
 from aserve.scheduler.plan import Planner, ScheduledBatch
 from aserve.scheduler.request import FinishReason, Req, ReqStatus, SamplingParams
 from aserve.server.app import newly_admitted
@@ -143,7 +144,7 @@ def test_forward_batch_takes_slots_from_the_host_mirror_and_ids_from_the_token_t
     for mode in (ForwardMode.PREFILL, ForwardMode.DECODE):
         planned = planner.schedule()
         assert planned is not None and planned.mode is mode
-        batch = build_forward_batch(planned, table, torch.device("cpu"))
+        batch = forward_batch(step_spec(planned, table), table, torch.device("cpu"))
         rows = torch.tensor([r.slot for r in reqs]).repeat_interleave(
             torch.tensor(planned.extend_lens)
         )

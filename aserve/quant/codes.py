@@ -33,24 +33,6 @@ class Codes(NamedTuple):
         weight = grouped * self.scales[..., None] + self.offsets[..., None]
         return weight.view(rows, cols).to(dtype)
 
-    def select_rows(self, index: torch.Tensor | slice) -> Codes:
-        return Codes(
-            self.codes[index], self.scales[index], self.offsets[index], self.group, self.bits
-        )
-
-    def select_cols(self, start: int, end: int) -> Codes:
-        """Inputs [start, end): both ends must fall on group boundaries."""
-        if start % self.group or end % self.group:
-            raise ValueError(f"columns {start}:{end} split a group of {self.group}")
-        groups = slice(start // self.group, end // self.group)
-        return Codes(
-            self.codes[:, start:end],
-            self.scales[:, groups],
-            self.offsets[:, groups],
-            self.group,
-            self.bits,
-        )
-
     def pad_rows(self, rows: int) -> Codes:
         """Zero rows (weights of 0) appended up to `rows`."""
         missing = rows - self.shape[0]

@@ -32,10 +32,6 @@ class QuantizedProduct(Protocol):
 Shard = Codes | Fp8Rows | torch.Tensor
 
 
-def is_quantized(tensor: object) -> bool:
-    return isinstance(tensor, QuantizedTensor)
-
-
 # `--quantization` methods that quantize a float checkpoint at load into codes, and their
 # widths; "fp8" quantizes it at load into FP8 rows (quant/fp8.py).
 LOAD_TIME_BITS = {"int8": 8, "int4": 4}

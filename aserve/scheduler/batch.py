@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from aserve.engine.sampler import PromptScoring, SamplingBatch
-from aserve.engine.step import StepSpec, forward_batch
-from aserve.forward import ForwardBatch, ForwardMode
+from aserve.engine.step import StepSpec
+from aserve.forward import ForwardMode
 from aserve.kvcache.pages import PageTable
 from aserve.scheduler.plan import ScheduledBatch
 
@@ -48,12 +48,6 @@ def prompt_scoring(planned: ScheduledBatch, device: torch.device) -> PromptScori
         targets.extend(prompt[p + 1] if p + 1 < len(prompt) else 0 for p in range(start, start + n))
         top = max(top, req.params.prompt_logprobs or 0)
     return PromptScoring(torch.tensor(targets).to(device, non_blocking=True), top)
-
-
-def build_forward_batch(
-    planned: ScheduledBatch, page_table: PageTable, device: torch.device
-) -> ForwardBatch:
-    return forward_batch(step_spec(planned, page_table), page_table, device)
 
 
 class SamplingBatches:
