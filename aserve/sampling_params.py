@@ -7,6 +7,8 @@ all read them.
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, NamedTuple
@@ -56,7 +58,10 @@ BOUNDS: dict[str, Bound] = {
     "repetition_penalty": Bound(gt=0, le=10),
     "top_logprobs": Bound(ge=0, le=20),
     "seed": Bound(ge=0, le=MAX_SEED),
+    "min_tokens": Bound(ge=0),
 }
+LOGIT_BIAS = Bound(ge=-100, le=100)
+"""The range of one `logit_bias` value (OpenAI's)."""
 
 GRAMMAR_FIELDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
 """SamplingParams' output constraints, of which a request takes at most one."""
@@ -88,6 +93,13 @@ class SamplingParams:
     alternatives. Such a prompt is computed whole, not taken from the prefix cache, whose
     tokens have no logits.
 
+    `logit_bias` (OpenAI's): token id -> a number in [-100, 100] added to that token's
+    logit before sampling (a dict or (id, bias) pairs; kept as pairs sorted by id).
+    `min_tokens` (vLLM's): until this many tokens are out, the tokens that would end the
+    request (its stop_token_ids, and the model's end-of-sequence tokens unless ignore_eos)
+    cannot be sampled and stop strings do not end it. Log-probabilities are the model's own,
+    before penalties and biases, as vLLM reports them.
+
     At most one of `json_schema` (a JSON Schema, as a dict or its JSON text), `json_object`
     (any JSON object), `regex`, `choice` (one of these strings), `grammar` (EBNF, as
     xgrammar reads it) and `structural_tag` (xgrammar's, as JSON text: how forced tool calls
@@ -109,6 +121,8 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     prompt_logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
     json_schema: str | dict[str, Any] | None = None
     json_object: bool = False
     regex: str | None = None
@@ -118,6 +132,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if isinstance(self.json_schema, dict):  # as text, the compile cache's key (in its own
             # key order: properties come out in the order the schema lists them)
             object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
@@ -133,6 +148,20 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not bound.admits(value):
                 raise SamplingError(f"{name} must be {bound.describe()}, got {value}")
+        if self.min_tokens and given:  # the grammar decides where the output ends
+            raise SamplingError(f"min_tokens and {given[0]} cannot be combined: choose one")
+        if self.min_tokens > self.max_tokens:
+            raise SamplingError(
+                f"min_tokens must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+
+    def banned_tokens(self, eos_token_ids: frozenset[int]) -> tuple[int, ...]:
+        """What `min_tokens` rules out while it holds: every token that would end the
+        request."""
+        ending = set(self.stop_token_ids)
+        if not self.ignore_eos:
+            ending |= eos_token_ids
+        return tuple(sorted(ending))
 
     @property
     def constraint(self) -> tuple[str, str] | None:
@@ -177,6 +206,23 @@ class SamplingParams:
             self.logprobs or self.top_logprobs > 0,
             self.top_logprobs,
         )
+
+
+def _bias_pairs(bias: Mapping[int, float] | Any) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` as (token id, bias) pairs sorted by id, each checked."""
+    pairs = bias.items() if isinstance(bias, Mapping) else bias
+    checked: dict[int, float] = {}
+    for token, value in pairs:
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise SamplingError(f"logit_bias keys must be token ids, got {token!r}")
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise SamplingError(f"logit_bias values must be numbers, got {value!r} for {token}")
+        if not math.isfinite(value) or not LOGIT_BIAS.admits(value):
+            raise SamplingError(
+                f"logit_bias values must be {LOGIT_BIAS.describe()}, got {value} for {token}"
+            )
+        checked[token] = float(value)
+    return tuple(sorted(checked.items()))
 
 
 SAMPLER_COLUMNS = (

@@ -11,6 +11,7 @@ complete shorter one.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -24,7 +25,8 @@ class StopStringMatcher:
     An Aho-Corasick automaton over the stop strings follows the text; its state is the longest
     tail of the text that begins some stop string, which is exactly what must be held back. A
     complete stop string ends the reply once no possible one that starts earlier is pending.
-    Empty stop strings are ignored; with none left the text passes through.
+    Empty stop strings are ignored; with none left the text passes through. Stop strings that
+    end at or before `floor` (a position in the text; `open_from` sets it) do not count.
     """
 
     def __init__(self, stops: Sequence[str]) -> None:
@@ -39,6 +41,16 @@ class StopStringMatcher:
         self._position = 0
         self._held = ""
         self._best: tuple[int, str] | None = None
+        self._floor = 0.0
+
+    def open_from(self, floor: float) -> None:
+        """Count only stop strings that end after text position `floor` (inf: none yet)."""
+        self._floor = floor
+
+    @property
+    def position(self) -> int:
+        """How much text has been pushed."""
+        return self._position
 
     @property
     def stopped(self) -> bool:
@@ -60,7 +72,11 @@ class StopStringMatcher:
                 state = fail[state]
             state = goto[state].get(char, 0)
             found = match[state]
-            if found is not None and (best is None or end - len(found) < best[0]):
+            if (
+                found is not None
+                and end > self._floor
+                and (best is None or end - len(found) < best[0])
+            ):
                 best = (end - len(found), found)
             if best is not None and best[0] <= end - depth[state]:
                 self.matched = best[1]
@@ -117,7 +133,9 @@ class TextDelta(NamedTuple):
 
 
 class TextStream:
-    """Token ids in, reply text out: incremental detokenizing, then stop strings."""
+    """Token ids in, reply text out: incremental detokenizing, then stop strings, which count
+    only once `min_tokens` tokens are out (vLLM's rule: a stop string must end in the text of
+    a later token)."""
 
     def __init__(
         self,
@@ -125,9 +143,13 @@ class TextStream:
         prompt_ids: Sequence[int] = (),
         stops: Sequence[str] = (),
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
     ) -> None:
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
         self._stops = StopStringMatcher(stops)
+        self._short_by = min_tokens
+        if min_tokens:
+            self._stops.open_from(math.inf)
 
     @property
     def stopped(self) -> bool:
@@ -142,7 +164,16 @@ class TextStream:
         """New text for these tokens; `stopped` tells the caller to end the request."""
         if self._stops.stopped:
             return TextDelta("", True)
-        return TextDelta(*self._stops.push(self._detokenizer.push(token_ids)))
+        if not self._short_by:
+            return TextDelta(*self._stops.push(self._detokenizer.push(token_ids)))
+        early, late = token_ids[: self._short_by], token_ids[self._short_by :]
+        self._short_by -= len(early)
+        text, _ = self._stops.push(self._detokenizer.push(early))  # cannot stop yet
+        if self._short_by:
+            return TextDelta(text, False)
+        self._stops.open_from(self._stops.position)
+        more, stopped = self._stops.push(self._detokenizer.push(late))
+        return TextDelta(text + more, stopped)
 
     def finish(self) -> str:
         """The rest of the text once generation ended without a stop string; may still end at

@@ -172,9 +172,11 @@ def decode_batch(reqs: list[Req]) -> ScheduledBatch:
 
 def test_sampling_batch_is_reused_only_while_nothing_in_it_changes() -> None:
     """The same requests in the same order keep their packed parameters and get only new
-    steps (the hash keys follow each request's output length); another order or a row with
-    penalties (counts that change each step) packs afresh."""
-    batches = SamplingBatches(vocab_size=100, device=torch.device("cpu"))
+    steps (the hash keys follow each request's output length); another order, a row with
+    penalties (counts that change each step) or one short of its min_tokens packs afresh."""
+    batches = SamplingBatches(
+        vocab_size=100, device=torch.device("cpu"), eos_token_ids=frozenset({2})
+    )
     plain = [make_req(i, 4) for i in range(3)]
     first = batches.build(decode_batch(plain))
     for r in plain:
@@ -191,6 +193,22 @@ def test_sampling_batch_is_reused_only_while_nothing_in_it_changes() -> None:
     reqs = [*plain, penalised]
     step = batches.build(decode_batch(reqs))
     assert batches.build(decode_batch(reqs)).temperature is not step.temperature
+    held = make_req(7, 4)
+    held.params = SamplingParams(max_tokens=50, min_tokens=2, logit_bias={5: 1.5})
+    reqs = [*plain, held]
+    for _ in range(2):  # the end-of-sequence token stays ruled out: a new batch a step
+        step = batches.build(decode_batch(reqs))
+        assert step.bias is not None and step.any_min_tokens
+        assert sorted(zip(step.bias.ids.tolist(), step.bias.values.tolist())) == [
+            (2, float("-inf")),
+            (5, 1.5),
+        ]
+        assert batches.build(decode_batch(reqs)).temperature is not step.temperature
+        held.output_ids.append(7)
+    step = batches.build(decode_batch(reqs))  # reached: the bias alone, kept while it holds
+    assert step.bias is not None and not step.any_min_tokens
+    assert step.bias.ids.tolist() == [5] and step.bias.rows.tolist() == [3]
+    assert batches.build(decode_batch(reqs)).temperature is step.temperature
 
 
 def test_prefill_stats_count_each_admission_once_under_overlap() -> None:

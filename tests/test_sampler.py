@@ -13,7 +13,7 @@ from aserve.engine.sampler import (
     row_argmax,
     seeded_exponential_noise,
 )
-from aserve.sampling_params import SamplingParams, TokenLogprob
+from aserve.sampling_params import SamplingError, SamplingParams, TokenLogprob
 
 CPU = torch.device("cpu")
 CHI2_3DOF_P999 = 16.27
@@ -27,6 +27,7 @@ def make_batch(
     prompts: list[list[int]] | None = None,
     outputs: list[list[int]] | None = None,
     device: torch.device = CPU,
+    eos_token_ids: frozenset[int] = frozenset(),
 ) -> SamplingBatch:
     """A batch whose seeds default to the params' seeds and whose histories default to empty."""
     n = len(params)
@@ -38,6 +39,7 @@ def make_batch(
         outputs if outputs is not None else [[] for _ in range(n)],
         vocab_size,
         device,
+        eos_token_ids,
     )
 
 
@@ -233,6 +235,77 @@ def test_penalties_change_greedy_choice() -> None:
     assert sample(logits, params, prompts=[[0]]).next_ids.tolist() == [0]
 
 
+def test_logit_bias_moves_greedy_and_sampled_rows_but_not_logprobs() -> None:
+    """+100 makes a token all but certain, -100 all but impossible, in greedy and sampled
+    rows alike (at any temperature and under top-p); other rows and the logprobs stay the
+    model's."""
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(8))
+    best = logits.argmax(dim=-1)
+    second = logits.topk(2, dim=-1).indices[:, 1]
+    params = [
+        SamplingParams(temperature=0.0, logit_bias={7: 100}, logprobs=True),
+        SamplingParams(temperature=1.0, logit_bias={7: 100}),
+        SamplingParams(temperature=0.7, top_p=0.9, logit_bias={7: 100, 8: -3}),
+        SamplingParams(temperature=0.0, logit_bias={int(best[3]): -100}),
+        SamplingParams(temperature=0.0, logprobs=True),
+    ]
+    for step in range(10):
+        out = sample(logits, params, seeds=[1, 2, 3, 4, 5], steps=[step] * 5)
+        assert out.next_ids[:3].tolist() == [7, 7, 7]
+        assert out.next_ids[3] == second[3] and out.next_ids[4] == best[4]
+        assert out.logprobs is not None
+        raw = torch.log_softmax(logits, dim=-1)
+        torch.testing.assert_close(out.logprobs[0], raw[0, 7])
+    assert torch.equal(logits, torch.randn(5, 50, generator=torch.Generator().manual_seed(8)))
+
+
+def test_min_tokens_rules_out_every_ending_token_until_reached() -> None:
+    """Before min_tokens the end-of-sequence tokens and the request's stop tokens cannot be
+    drawn (the end-of-sequence ones still can under ignore_eos, where they end nothing);
+    from then on they can."""
+    logits = torch.tensor([[0.0, 1.0, 9.0, 0.5, 8.0, 7.0]])  # eos 2, stop token 4
+    eos = frozenset({2, 3})
+    held = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=(4,), max_tokens=9)
+    loose = SamplingParams(temperature=0.0, min_tokens=3, ignore_eos=True, max_tokens=9)
+    picks = [
+        sample_with(logits.expand(2, -1), [held, loose], steps=[step, step], eos=eos)
+        for step in range(5)
+    ]
+    assert picks == [[5, 2], [5, 2], [5, 2], [2, 2], [2, 2]]
+    assert held.banned_tokens(eos) == (2, 3, 4) and loose.banned_tokens(eos) == ()
+
+
+def sample_with(
+    logits: torch.Tensor, params: list[SamplingParams], steps: list[int], eos: frozenset[int]
+) -> list[int]:
+    batch = make_batch(params, logits.shape[-1], steps=steps, eos_token_ids=eos)
+    return Sampler().sample(logits, batch).next_ids.tolist()
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"logit_bias": {5: 101}}, "logit_bias values must be in \\[-100, 100\\], got 101"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias values"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias keys must be token ids"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias keys must be token ids"),
+        ({"logit_bias": {5: "1"}}, "logit_bias values must be numbers"),
+        ({"min_tokens": -1}, "min_tokens must be 0 or more"),
+        ({"min_tokens": 17}, "min_tokens must be at most max_tokens \\(16\\)"),
+        ({"min_tokens": 2, "regex": "a+"}, "min_tokens and regex cannot be combined"),
+    ],
+)
+def test_bias_and_min_tokens_are_checked(fields: dict, message: str) -> None:
+    with pytest.raises(SamplingError, match=message):
+        SamplingParams(**fields)
+
+
+def test_logit_bias_is_kept_as_sorted_pairs() -> None:
+    params = SamplingParams(logit_bias={9: -1, 3: 2.5})
+    assert params.logit_bias == ((3, 2.5), (9, -1.0))
+    assert SamplingParams(logit_bias=[(9, -1), (3, 2.5)]) == params
+
+
 def test_logprobs_are_raw_log_softmax_with_sorted_top() -> None:
     logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(4))
     params = [
@@ -317,6 +390,9 @@ def test_noise_follows_the_pinned_hash() -> None:
     torch.testing.assert_close(noise, torch.tensor(expected), rtol=1e-6, atol=0.0)
 
 
+EOS = frozenset({2, 3})
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_matches_cpu_without_host_sync() -> None:
@@ -332,6 +408,9 @@ def test_cuda_matches_cpu_without_host_sync() -> None:
             repetition_penalty=1.2,
             top_logprobs=3 * (i % 2),
             logprobs=bool(i % 2),
+            logit_bias={i % 7: 2.0, 100 + i: 5.0} if i % 3 else {},
+            min_tokens=4 * (i % 2),
+            stop_token_ids=(int(logits[i].argmax()),),
         )
         for i in range(rows)
     ]
@@ -339,9 +418,10 @@ def test_cuda_matches_cpu_without_host_sync() -> None:
     steps = [i % 6 for i in range(rows)]
     prompts = [[i, i + 1] for i in range(rows)]
     outputs = [[i, 2 * i, 2 * i] for i in range(rows)]
-    cpu = sample(logits, params, seeds, steps, prompts, outputs)
+    batch = make_batch(params, vocab, seeds, steps, prompts, outputs, eos_token_ids=EOS)
+    cpu = Sampler().sample(logits, batch)
     cuda = torch.device("cuda")
-    batch = make_batch(params, vocab, seeds, steps, prompts, outputs, cuda)
+    batch = make_batch(params, vocab, seeds, steps, prompts, outputs, cuda, EOS)
     logits_gpu = logits.to(cuda)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -350,6 +430,8 @@ def test_cuda_matches_cpu_without_host_sync() -> None:
         kernel = race_sampler().sample(logits_gpu, batch)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    held = [i for i in range(rows) if params[i].min_tokens > steps[i]]
+    assert held and all(int(cpu.next_ids[i]) not in params[i].banned_tokens(EOS) for i in held)
     assert torch.equal(gpu.next_ids.cpu(), cpu.next_ids)
     assert torch.equal(kernel.next_ids.cpu(), cpu.next_ids)
     assert gpu.logprobs is not None and cpu.logprobs is not None

@@ -294,6 +294,21 @@ def test_echo_with_logprobs_scores_the_prompt(server: ServerProcess) -> None:
         ("/v1/completions", {"prompt": "hi", "max_tokens": 9000}, "max_tokens", "9000"),
         ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages", "content"),
         ("/v1/chat/completions", {"messages": [{"role": "assistant"}]}, "messages", "tool_calls"),
+        (
+            "/v1/chat/completions",
+            {"messages": HELLO, "logit_bias": {"abc": 1}},
+            "logit_bias",
+            "token ids",
+        ),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias", "100"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999": 1}}, "logit_bias", "vocab"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, "min_tokens", "3"),
+        (
+            "/v1/chat/completions",
+            {"messages": HELLO, "min_tokens": 2, "response_format": {"type": "json_object"}},
+            "min_tokens",
+            "cannot be combined",
+        ),
         ("/tokenize", {"prompt": "a", "messages": HELLO}, None, "exactly one of"),
         ("/detokenize", {"tokens": [10**7]}, "tokens", "vocabulary"),
     ],
@@ -374,6 +389,35 @@ def test_replies_match_the_description(server: ServerProcess) -> None:
     status, reply = run(post(server.base_url + "/v1/completions", {"prompt": 1}))
     assert status == 400
     protocol.ErrorResponse.model_validate(reply)
+
+
+def test_logit_bias_and_min_tokens(server: ServerProcess) -> None:
+    """OpenAI's logit_bias steers the tokens (keys are token ids as strings); vLLM's
+    min_tokens (SGLang's min_new_tokens on /generate) keeps a stop token from ending the
+    output early, even one the bias pushes to the top."""
+    _, tokens = run(post(server.base_url + "/tokenize", {"prompt": " Paris"}))
+    (paris,) = tokens["tokens"]
+    url = server.base_url + "/v1/completions"
+    base = {"model": MODEL, "prompt": "Hello", "temperature": 0, "max_tokens": 4}
+    _, forced = run(post(url, {**base, "logit_bias": {str(paris): 100}}))
+    assert forced["choices"][0]["text"] == " Paris" * 4
+    _, free = run(post(url, base))
+    _, pushed_away = run(post(url, {**base, "logit_bias": {str(paris): -100}}))
+    assert pushed_away["choices"][0]["text"] == free["choices"][0]["text"] != " Paris" * 4
+    ending = {**base, "max_tokens": 8, "logit_bias": {str(paris): 100}, "stop_token_ids": [paris]}
+    _, at_once = run(post(url, {**ending, "return_token_ids": True}))
+    choice = at_once["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["token_ids"] == [paris]
+    _, held = run(post(url, {**ending, "min_tokens": 3, "return_token_ids": True}))
+    choice = held["choices"][0]
+    assert choice["finish_reason"] == "stop" and len(choice["token_ids"]) == 4
+    assert choice["token_ids"][-1] == paris and paris not in choice["token_ids"][:3]
+    sampling = {"max_new_tokens": 8, "temperature": 0, "stop_token_ids": [paris]}
+    sampling |= {"logit_bias": {str(paris): 100}, "min_new_tokens": 3}
+    _, generated = run(
+        post(server.base_url + "/generate", {"text": "Hello", "sampling_params": sampling})
+    )
+    assert generated["output_ids"] == choice["token_ids"]
 
 
 def test_unknown_fields_are_tolerated(server: ServerProcess) -> None:

@@ -544,6 +544,27 @@ def test_text_stream_without_a_stop_is_the_full_decode(tokenizer: Tokenizer) -> 
     assert "".join(run_stream(raw, [ids])[0]) == "Hi<|im_end|>"
 
 
+def test_stop_strings_count_only_once_min_tokens_are_out(tokenizer: Tokenizer) -> None:
+    """A stop string that ends within the first min_tokens tokens' text is text like any
+    other; one that ends later (even if it began earlier) stops the reply, however the
+    tokens arrive."""
+    ids = tokenizer.encode("one. two. three. four.")
+    count = len(tokenizer.encode("one. two."))
+    full = tokenizer.hf.decode(ids)
+    for pieces in ([ids], [[t] for t in ids], [ids[:2], ids[2:]]):
+        early = TextStream(tokenizer, (), ["."], min_tokens=count)
+        text, stopped = run_stream(early, pieces)
+        assert stopped and "".join(text) == "one. two. three"
+        anywhere = TextStream(tokenizer, (), ["."], min_tokens=0)
+        assert "".join(run_stream(anywhere, pieces)[0]) == "one"
+    straddling = TextStream(tokenizer, (), ["two. three"], min_tokens=count)
+    text, stopped = run_stream(straddling, [[t] for t in ids])
+    assert stopped and "".join(text) == "one. "
+    never = TextStream(tokenizer, (), ["."], min_tokens=len(ids) + 1)
+    text, stopped = run_stream(never, [[t] for t in ids])
+    assert not stopped and "".join(text) == full
+
+
 def test_stop_that_only_the_end_of_generation_settles(tokenizer: Tokenizer) -> None:
     """A stop string found while a longer one that starts earlier may still complete waits for
     the end of generation to settle it."""

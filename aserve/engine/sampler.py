@@ -15,6 +15,7 @@ themselves when no top-k / top-p / min-p asks for the probabilities.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from itertools import chain
@@ -100,12 +101,42 @@ def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) 
     return counts.view(len(rows), vocab_size)
 
 
+class TokenBias(NamedTuple):
+    """Numbers added to a few (row, token) logits: requests' `logit_bias`, and -inf on the
+    tokens that would end a request still short of its `min_tokens`. Sparse, because a dense
+    [B, V] table would cost more to fill and copy than the whole draw."""
+
+    rows: torch.Tensor
+    ids: torch.Tensor
+    values: torch.Tensor
+
+    @classmethod
+    def build(
+        cls, entries: list[list[tuple[int, float]]], device: torch.device
+    ) -> TokenBias | None:
+        """From each row's (token id, value) pairs; None when no row has any."""
+        lengths = [len(row) for row in entries]
+        if not any(lengths):
+            return None
+        pairs = np.array([pair for row in entries for pair in row], dtype=np.float64)
+        rows = np.repeat(np.arange(len(entries)), lengths)
+        packed = torch.from_numpy(np.stack((rows, pairs[:, 0])).astype(np.int64))
+        packed = packed.to(device, non_blocking=True)
+        values = torch.from_numpy(pairs[:, 1].astype(np.float32)).to(device, non_blocking=True)
+        return cls(packed[0], packed[1], values)
+
+    def added_to(self, scores: torch.Tensor) -> torch.Tensor:
+        """A float32 copy of `scores` with the biases added (equal entries add up)."""
+        return scores.float().index_put((self.rows, self.ids), self.values, accumulate=True)
+
+
 @dataclass(frozen=True)
 class SamplingBatch:
     """Per-row sampling parameters as tensors, plus host flags that keep cheap paths cheap.
 
     Greedy rows carry temperature 1 so that no row divides by zero; top_k 0 means no cut.
-    The token-count tensors exist only when some row has a penalty.
+    The token-count tensors exist only when some row has a penalty, `bias` only when some row
+    has a logit bias or a `min_tokens` still to reach (`any_min_tokens`: it changes by step).
     """
 
     temperature: torch.Tensor
@@ -120,12 +151,14 @@ class SamplingBatch:
     greedy: torch.Tensor
     seen: torch.Tensor | None
     output_counts: torch.Tensor | None
+    bias: TokenBias | None
     all_greedy: bool
     any_greedy: bool
     max_top_k: int
     any_top_p: bool
     any_min_p: bool
     any_penalties: bool
+    any_min_tokens: bool
     want_logprobs: bool
     max_top_logprobs: int
 
@@ -139,11 +172,14 @@ class SamplingBatch:
         output_ids: list[list[int]],
         vocab_size: int,
         device: torch.device,
+        eos_token_ids: frozenset[int] = frozenset(),
     ) -> SamplingBatch:
         """Pack the rows' parameters into tensors with two host-to-device copies (plus the
-        token ids of rows with penalties). The copies are asynchronous: a blocking copy would
-        wait for the step in flight and undo overlap scheduling. Each parameter is one
-        contiguous row, as the race kernel reads them. A greedy batch has no seed keys."""
+        token ids of rows with penalties, and the biases). The copies are asynchronous: a
+        blocking copy would wait for the step in flight and undo overlap scheduling. Each
+        parameter is one contiguous row, as the race kernel reads them. A greedy batch has
+        no seed keys. `steps` are the rows' tokens so far, which `min_tokens` compares
+        against; `eos_token_ids` are what it rules out besides stop_token_ids."""
         table = np.array([p.sampler_row for p in params], dtype=np.float64)
         table = table.reshape(-1, len(SAMPLER_COLUMNS))
         (temperature, top_p, min_p, rep, freq, pres, top_k, greedy, penalties,
@@ -164,6 +200,11 @@ class SamplingBatch:
             generated = [out if p.has_penalties else [] for p, _, out in rows]
             seen = _token_counts(repeated, vocab_size, device).bool()
             output_counts = _token_counts(generated, vocab_size, device)
+        short = [p.min_tokens > step for p, step in zip(params, steps, strict=True)]
+        entries = [
+            [*p.logit_bias, *((t, -math.inf) for t in p.banned_tokens(eos_token_ids) if held)]
+            for p, held in zip(params, short, strict=True)
+        ]
         temperature_t, top_p_t, min_p_t, rep_t, freq_t, pres_t = floats.unbind(0)
         return cls(
             temperature=temperature_t,
@@ -178,12 +219,14 @@ class SamplingBatch:
             greedy=packed[1].bool(),
             seen=seen,
             output_counts=output_counts,
+            bias=TokenBias.build(entries, device),
             all_greedy=bool(greedy.all()),
             any_greedy=bool(greedy.any()),
             max_top_k=int(top_k.max(initial=0)),
             any_top_p=bool((top_p < 1.0).any()),
             any_min_p=bool((min_p > 0.0).any()),
             any_penalties=any_penalties,
+            any_min_tokens=any(short),
             want_logprobs=bool(logprobs.any()),
             max_top_logprobs=int(top_logprobs.max(initial=0)),
         )
@@ -323,10 +366,13 @@ class Sampler:
     ) -> SampleOutput:
         """Pick one token per row of `logits` [B, V] as `batch` says, without host syncs.
         `token_masks` (the constrained rows' bitmasks) first rule out what constrained rows'
-        grammars forbid: in place, so logprobs see it too."""
+        grammars forbid: in place, so logprobs see it too. Penalties and biases then apply
+        to a copy: logprobs are the model's own."""
         if token_masks is not None:
             apply_token_masks(logits, token_masks)
         scores = apply_penalties(logits.float(), batch) if batch.any_penalties else logits
+        if batch.bias is not None:
+            scores = batch.bias.added_to(scores)
         if batch.all_greedy:
             next_ids = self._argmax(scores)
         else:

@@ -52,13 +52,16 @@ def prompt_scoring(planned: ScheduledBatch, device: torch.device) -> PromptScori
 
 class SamplingBatches:
     """Builds each step's SamplingBatch. A step that runs the same requests in the same order
-    as the last one, none with penalties (they count the tokens so far), reuses its packed
-    parameters and copies only the rows' steps, which the hash keys follow. Steady decode is
-    such a step."""
+    as the last one, none with penalties (they count the tokens so far) or short of its
+    min_tokens, reuses its packed parameters and copies only the rows' steps, which the hash
+    keys follow. Steady decode is such a step."""
 
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
+    def __init__(
+        self, vocab_size: int, device: torch.device, eos_token_ids: frozenset[int]
+    ) -> None:
         self.vocab_size = vocab_size
         self.device = device
+        self.eos_token_ids = eos_token_ids
         self._last_rids: tuple[int, ...] = ()
         self._last: SamplingBatch | None = None
 
@@ -76,7 +79,8 @@ class SamplingBatches:
             output_ids=[r.output_ids for r in reqs],
             vocab_size=self.vocab_size,
             device=self.device,
+            eos_token_ids=self.eos_token_ids,
         )
-        reusable = not batch.any_penalties
+        reusable = not batch.any_penalties and not batch.any_min_tokens
         self._last, self._last_rids = (batch, rids) if reusable else (None, ())
         return batch

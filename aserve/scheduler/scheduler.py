@@ -107,7 +107,7 @@ class Scheduler:
         self._running = False
         self._fatal: Exception | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.sampling_batches = SamplingBatches(self.vocab_size, engine.device)
+        self.sampling_batches = SamplingBatches(self.vocab_size, engine.device, self.eos_ids)
         self.overlap = engine.device.type == "cuda" and not os.environ.get("ASERVE_DISABLE_OVERLAP")
         window = step_timing_window(engine.device)
         self.timer = None if window is None else StepTimer(window)
@@ -146,6 +146,12 @@ class Scheduler:
         if min(ids) < 0 or max(ids) >= self.vocab_size:  # builtins: a burst checks 100k ids
             bad = next(t for t in ids if not 0 <= t < self.vocab_size)
             return f"token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+        biased = req.params.logit_bias
+        if biased and biased[-1][0] >= self.vocab_size:  # pairs sorted by id
+            return (
+                f"logit_bias names token {biased[-1][0]}, outside the vocabulary "
+                f"[0, {self.vocab_size})"
+            )
         if req.params.constraint is not None and self.grammars is None:
             return "constrained output needs the model's tokenizer, and this model has none"
         return None

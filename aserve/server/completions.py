@@ -16,7 +16,7 @@ from aiohttp import web
 
 from aserve.constrained.grammar import GrammarError
 from aserve.runtime import Runtime
-from aserve.sampling_params import MAX_SEED
+from aserve.sampling_params import MAX_SEED, SamplingError
 from aserve.server import openai
 from aserve.server.generation import Choice, Delta
 from aserve.server.http import json_response, sse
@@ -157,11 +157,14 @@ class Completions:
                 )
             for i in range(parsed.n):
                 seed = parsed.params.seed
-                params = dataclasses.replace(
-                    parsed.params,
-                    max_tokens=max_tokens,
-                    seed=None if seed is None else (seed + i) % (MAX_SEED + 1),
-                )
+                try:
+                    params = dataclasses.replace(
+                        parsed.params,
+                        max_tokens=max_tokens,
+                        seed=None if seed is None else (seed + i) % (MAX_SEED + 1),
+                    )
+                except SamplingError as error:  # min_tokens past the room the prompt left
+                    raise APIError(str(error), param="min_tokens") from None
                 choice = Choice(
                     runtime.scheduler,
                     runtime.tokenizer,
@@ -172,7 +175,8 @@ class Completions:
                 )
                 problem = choice.prepare()
                 if problem is not None:
-                    raise APIError(problem, param="prompt")
+                    biased = problem.startswith("logit_bias")
+                    raise APIError(problem, param="logit_bias" if biased else "prompt")
                 choices.append(choice)
         return choices
 

@@ -59,7 +59,9 @@ class Choice:
         if self.started:
             return
         if self.tokenizer is not None:
-            self._stream = TextStream(self.tokenizer, self.prompt_ids, self.stop)
+            self._stream = TextStream(
+                self.tokenizer, self.prompt_ids, self.stop, min_tokens=self.params.min_tokens
+            )
         self.scheduler.submit(self.req)
         self.started = True
 

@@ -159,11 +159,17 @@ def _sampling_params(
         value = getattr(fields, name)
         if value is not None:
             chosen[name] = value
+    min_tokens = fields.min_tokens
+    if isinstance(fields, protocol.GenerateSampling) and fields.min_new_tokens is not None:
+        min_tokens = fields.min_new_tokens
     try:
         return SamplingParams(
-            max_tokens=max_tokens if max_tokens is not None else 1,
+            # unset: the rest of the context, known once the prompt is (_make_choices)
+            max_tokens=max_tokens if max_tokens is not None else max(1, min_tokens or 0),
             stop_token_ids=tuple(fields.stop_token_ids or ()),
             ignore_eos=bool(fields.ignore_eos),
+            logit_bias=_logit_bias(fields.logit_bias),
+            min_tokens=min_tokens or 0,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             prompt_logprobs=prompt_logprobs,
@@ -171,6 +177,16 @@ def _sampling_params(
         )
     except SamplingError as error:
         raise APIError(str(error), param=str(error).split()[0]) from None
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias keys are token ids written as JSON strings."""
+    ids: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        if not (key.isascii() and key.isdigit()):
+            raise APIError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        ids[int(key)] = value
+    return ids
 
 
 CONSTRAINT_FIELDS = {  # request field: SamplingParams field

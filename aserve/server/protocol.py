@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from aserve.sampling_params import BOUNDS, MAX_TOKEN_ID
+from aserve.sampling_params import BOUNDS, LOGIT_BIAS, MAX_TOKEN_ID
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16
@@ -63,6 +63,8 @@ Seed = Annotated[int, Field(**limits("seed")), INTEGRAL]
 TopLogprobs = Annotated[int, Field(**limits("top_logprobs")), INTEGRAL]
 N = Annotated[int, Field(ge=1, le=MAX_N), INTEGRAL]
 LogprobCount = Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS), INTEGRAL]
+MinTokens = Annotated[int, Field(**limits("min_tokens")), INTEGRAL]
+Bias = Annotated[float, Field(ge=LOGIT_BIAS.ge, le=LOGIT_BIAS.le)]
 NonEmptyText = Annotated[str, Field(min_length=1)]
 
 
@@ -165,6 +167,12 @@ class SamplingFields(Strict):
     stop: Stop | None = Field(None, description="strings that end the text, never shown")
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool | None = None
+    logit_bias: dict[str, Bias] | None = Field(
+        None, description="token id (a decimal string) -> a number added to its logit"
+    )
+    min_tokens: MinTokens | None = Field(
+        None, description="vLLM's: no stop token or stop string ends the output before this"
+    )
     # Output constraints under vLLM's names and SGLang's (at most one per request)
     guided_json: dict[str, Any] | str | None = Field(None, description="vLLM's: a JSON schema")
     guided_regex: str | None = Field(None, description="vLLM's: a regular expression")
@@ -270,6 +278,7 @@ class CompletionRequest(GenerationFields):
 
 class GenerateSampling(SamplingFields):
     max_new_tokens: MaxTokens | None = Field(None, description="default 128")
+    min_new_tokens: MinTokens | None = Field(None, description="SGLang's name for min_tokens")
 
 
 def exactly_one_of(*names: str) -> ConfigDict:
