@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, NamedTuple
 
+import numpy as np
+
 
 class SamplingError(ValueError):
     """A sampling parameter outside its range; the message names the field."""
@@ -188,6 +190,13 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+    @cached_property
+    def bias_columns(self) -> tuple[np.ndarray, np.ndarray]:
+        """`logit_bias` as token ids (int64) and biases (float32), made once: the sampler
+        packs the rows' biases every step."""
+        ids = np.array([t for t, _ in self.logit_bias], dtype=np.int64)
+        return ids, np.array([b for _, b in self.logit_bias], dtype=np.float32)
 
     @cached_property
     def sampler_row(self) -> tuple[float, ...]:

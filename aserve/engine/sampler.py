@@ -15,7 +15,6 @@ themselves when no top-k / top-p / min-p asks for the probabilities.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from itertools import chain
@@ -112,18 +111,34 @@ class TokenBias(NamedTuple):
 
     @classmethod
     def build(
-        cls, entries: list[list[tuple[int, float]]], device: torch.device
+        cls,
+        params: list[SamplingParams],
+        held: list[bool],
+        eos_token_ids: frozenset[int],
+        device: torch.device,
     ) -> TokenBias | None:
-        """From each row's (token id, value) pairs; None when no row has any."""
-        lengths = [len(row) for row in entries]
-        if not any(lengths):
+        """Each row's logit_bias (as arrays made once a request) and, where `held`, -inf on
+        its ending tokens; None when no row has either."""
+        if not any(held) and not any(p.logit_bias for p in params):
             return None
-        pairs = np.array([pair for row in entries for pair in row], dtype=np.float64)
-        rows = np.repeat(np.arange(len(entries)), lengths)
-        packed = torch.from_numpy(np.stack((rows, pairs[:, 0])).astype(np.int64))
+        ids: list[np.ndarray] = []
+        values: list[np.ndarray] = []
+        for p, hold in zip(params, held, strict=True):
+            row_ids, row_values = p.bias_columns
+            if hold:
+                banned = np.array(p.banned_tokens(eos_token_ids), dtype=np.int64)
+                row_ids = np.concatenate((row_ids, banned))
+                row_values = np.concatenate((row_values, np.full(len(banned), -np.inf, np.float32)))
+            ids.append(row_ids)
+            values.append(row_values)
+        counts = [len(row) for row in ids]
+        if not any(counts):
+            return None
+        rows = np.repeat(np.arange(len(params), dtype=np.int64), counts)
+        packed = torch.from_numpy(np.stack((rows, np.concatenate(ids))))
         packed = packed.to(device, non_blocking=True)
-        values = torch.from_numpy(pairs[:, 1].astype(np.float32)).to(device, non_blocking=True)
-        return cls(packed[0], packed[1], values)
+        biases = torch.from_numpy(np.concatenate(values)).to(device, non_blocking=True)
+        return cls(packed[0], packed[1], biases)
 
     def added_to(self, scores: torch.Tensor) -> torch.Tensor:
         """A float32 copy of `scores` with the biases added (equal entries add up)."""
@@ -201,10 +216,6 @@ class SamplingBatch:
             seen = _token_counts(repeated, vocab_size, device).bool()
             output_counts = _token_counts(generated, vocab_size, device)
         short = [p.min_tokens > step for p, step in zip(params, steps, strict=True)]
-        entries = [
-            [*p.logit_bias, *((t, -math.inf) for t in p.banned_tokens(eos_token_ids) if held)]
-            for p, held in zip(params, short, strict=True)
-        ]
         temperature_t, top_p_t, min_p_t, rep_t, freq_t, pres_t = floats.unbind(0)
         return cls(
             temperature=temperature_t,
@@ -219,7 +230,7 @@ class SamplingBatch:
             greedy=packed[1].bool(),
             seen=seen,
             output_counts=output_counts,
-            bias=TokenBias.build(entries, device),
+            bias=TokenBias.build(params, short, eos_token_ids, device),
             all_greedy=bool(greedy.all()),
             any_greedy=bool(greedy.any()),
             max_top_k=int(top_k.max(initial=0)),
