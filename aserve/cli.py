@@ -8,7 +8,14 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from aserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, ConfigError, ServerConfig, build_config
+from aserve.config import (
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    REASONING_PARSERS,
+    ConfigError,
+    ServerConfig,
+    build_config,
+)
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 # Options of the process around the server (its signals, its replicas), not of the server.
@@ -214,6 +221,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="JSON object of sampling defaults over --generation-config's, e.g. "
         '\'{"temperature": 0.7, "top_p": 0.9}\'',
+    )
+    server.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=REASONING_PARSERS,
+        help="reasoning models (Qwen3, QwQ, DeepSeek-R1): chat replies carry the <think> block "
+        "as reasoning_content and the answer alone as content",
+    )
+    server.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template, as a file or the text itself, in place of the model's",
     )
     server.add_argument(
         "--log-level",

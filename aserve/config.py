@@ -30,6 +30,9 @@ MOE_BACKENDS = ("auto", "torch", "fused")
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
 # fp8: what vLLM and SGLang also accept for fp8_e4m3 (their FP8 cache on NVIDIA GPUs).
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8")
+REASONING_PARSERS = ("qwen3", "qwen3-thinking", "deepseek-r1", "deepseek_r1", "qwq")
+"""SGLang's and vLLM's names for parsers of `<think>` blocks (aserve/server/reasoning.py);
+all read the same tags."""
 
 
 class ConfigError(ValueError):
@@ -291,9 +294,21 @@ class ServerConfig:
     stream_interval: int | None = None  # None: auto (aserve/scheduler/request.py, StreamPace)
     generation_config: str = "auto"
     default_sampling: tuple[tuple[str, float], ...] = ()
+    reasoning_parser: str | None = None  # split <think> blocks into reasoning_content
+    chat_template: str | None = None  # a Jinja template (text) in place of the model's
 
 
 _SHARED_KEYS = {"max_running_requests", "max_prefill_length", "page_size"}
+
+
+def chat_template_text(value: str) -> str:
+    """`--chat-template`: a file's text, or the template itself (as vLLM reads the option)."""
+    if "{" in value:
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"--chat-template: no file {value!r} (nor a template: it has no '{{')")
+    return path.read_text(encoding="utf-8")
 
 
 def build_config(**options: Any) -> ServerConfig:
@@ -316,6 +331,8 @@ def build_config(**options: Any) -> ServerConfig:
             raise ConfigError(f"unknown option {key!r}")
         if key == "default_sampling":
             value = sampling_overrides(value)
+        if key == "chat_template" and value is not None:
+            value = chat_template_text(value)
         for part in targets:
             parts[part][key] = value
     config = ServerConfig(
@@ -389,6 +406,10 @@ def validate(config: ServerConfig) -> None:
         (
             config.max_queued_requests is None or config.max_queued_requests >= 0,
             "--max-queued-requests must be at least 0",
+        ),
+        (
+            config.reasoning_parser in (None, *REASONING_PARSERS),
+            f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}",
         ),
     ]
     for ok, message in checks:

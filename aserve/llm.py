@@ -87,12 +87,17 @@ class LLM:
         self,
         conversations: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[GenerationOutput]:
-        """Apply the model's chat template to each conversation and generate the reply."""
+        """Apply the model's chat template to each conversation and generate the reply;
+        `chat_template_kwargs` are more variables for the template (vLLM's)."""
         tokenizer = self._require_tokenizer()
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
-        ids = [tokenizer.apply_chat_template(c) for c in conversations]  # type: ignore[arg-type]
+        ids = [
+            tokenizer.apply_chat_template(c, template_kwargs=chat_template_kwargs)  # type: ignore[arg-type]
+            for c in conversations
+        ]
         return self._run(
             ids, _per_prompt(sampling_params, len(ids), self.default_sampling_params())
         )

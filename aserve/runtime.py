@@ -143,6 +143,8 @@ class Runtime:
         if not has_tokenizer(self.model_dir):
             return None
         tokenizer = Tokenizer(self.model_dir, num_threads)
+        if self.config.chat_template is not None:  # --chat-template
+            tokenizer.hf.chat_template = self.config.chat_template
         logger.info("tokenizer: loaded in %.1f s", time.perf_counter() - started)
         return tokenizer
 

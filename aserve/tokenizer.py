@@ -188,20 +188,31 @@ class Tokenizer:
         return list(self.hf.encode(text))
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """The model's chat template with the assistant turn opened, as token ids; `tools`
-        (OpenAI's shape) are rendered as the template renders them."""
-        return self.encode_chat(self.render_chat(messages, tools))
+        (OpenAI's shape) are rendered as the template renders them; `template_kwargs` are
+        more variables for it (`enable_thinking`, ...)."""
+        return self.encode_chat(self.render_chat(messages, tools, template_kwargs))
 
     def render_chat(
-        self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The chat template's text (Python's Jinja: bound to the GIL wherever it runs)."""
         if not self.hf.chat_template:
             raise ValueError("this model's tokenizer has no chat template")
         return self.hf.apply_chat_template(
-            list(messages), tools=tools, tokenize=False, add_generation_prompt=True
+            list(messages),
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=True,
+            **(template_kwargs or {}),
         )
 
     def encode_chat(self, text: str) -> list[int]:
@@ -233,9 +244,12 @@ class Tokenizer:
         return await self._encode_batched(text, add_special_tokens=True)
 
     async def apply_chat_template_async(
-        self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        text = self.render_chat(messages, tools)
+        text = self.render_chat(messages, tools, template_kwargs)
         if len(text) <= INLINE_CHARS:
             return self.encode_chat(text)
         return await self._encode_batched(text, add_special_tokens=False)

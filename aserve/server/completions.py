@@ -13,6 +13,7 @@ from functools import partial
 from typing import Any
 
 from aiohttp import web
+from jinja2 import TemplateError
 
 from aserve.constrained.grammar import GrammarError
 from aserve.runtime import Runtime
@@ -22,6 +23,7 @@ from aserve.server.generation import Choice, Delta
 from aserve.server.http import json_response, sse
 from aserve.server.limits import InputLimits
 from aserve.server.openai import APIError, GenerationRequest, ResponseHead
+from aserve.server.reasoning import opens_thinking
 from aserve.server.responses import ResponseShaper
 from aserve.server.state import ServerState, require_tokenizer
 from aserve.server.streaming import ChoiceStream, EventWriter
@@ -29,6 +31,7 @@ from aserve.server.tools import forcing_tag, tool_format
 from aserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("aserve.server")
+THINK_TAIL_TOKENS = 4  # enough of a prompt's end to see whether it opens <think>
 
 
 class Completions:
@@ -49,11 +52,18 @@ class Completions:
             limits.check_text(chars, parsed.max_tokens, "messages")
             tokenizer = require_tokenizer(runtime)
             try:
-                prompt = await tokenizer.apply_chat_template_async(parsed.messages, parsed.tools)
+                prompt = await tokenizer.apply_chat_template_async(
+                    parsed.messages, parsed.tools, parsed.chat_template_kwargs
+                )
             except ValueError as error:
                 raise APIError(str(error), param="messages") from None
+            except TemplateError as error:  # the template's own raise_exception, say
+                raise APIError(f"the chat template failed: {error}", param="messages") from None
             if parsed.tools:
                 parsed = await self._with_tools(tokenizer, parsed)
+            if self.state.config.reasoning_parser is not None:
+                tail = tokenizer.decode(prompt[-THINK_TAIL_TOKENS:], skip_special_tokens=False)
+                parsed = dataclasses.replace(parsed, thinking_opened=opens_thinking(tail))
             return await self._generate(request, runtime, parsed, [prompt])
 
     @staticmethod

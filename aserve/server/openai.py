@@ -75,6 +75,8 @@ class GenerationRequest:
     tool_choice: str | dict[str, Any] = "none"  # none, auto, required or a named function
     parallel_tool_calls: bool = True
     tool_syntax: str | None = None  # how the reply writes tool calls, when they are parsed
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    thinking_opened: bool | None = None  # with a reasoning parser: the reply starts thinking
 
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -275,6 +277,12 @@ def message_dict(message: protocol.ChatMessage) -> dict[str, Any]:
     return entry
 
 
+RESERVED_TEMPLATE_NAMES = frozenset(
+    ("messages", "tools", "add_generation_prompt", "tokenize", "conversation", "documents")
+)
+"""What the server itself hands the chat template."""
+
+
 def parse_chat(raw: bytes, defaults: SamplingDefaults) -> GenerationRequest:
     request = parse_body(protocol.ChatCompletionRequest, raw)
     if request.top_logprobs and not request.logprobs:
@@ -295,10 +303,18 @@ def parse_chat(raw: bytes, defaults: SamplingDefaults) -> GenerationRequest:
         request.top_logprobs or 0,
         constraint=constraint,
     )
+    template_kwargs = request.chat_template_kwargs or {}
+    reserved = sorted(RESERVED_TEMPLATE_NAMES.intersection(template_kwargs))
+    if reserved:
+        raise APIError(
+            f"chat_template_kwargs cannot set {reserved[0]!r}: the request's own fields do",
+            param="chat_template_kwargs",
+        )
     return GenerationRequest(
         **_common(request, "chat", max_tokens),
         params=params,
         messages=[message_dict(m) for m in request.messages],
+        chat_template_kwargs=template_kwargs,
         constraint_field=constraint_field or ("tool_choice" if tool_choice != "auto" else None),
         tools=tools,
         tool_choice=tool_choice,

@@ -244,6 +244,9 @@ class ChatCompletionRequest(GenerationFields):
     max_completion_tokens: MaxTokens | None = Field(None, description="OpenAI's newer max_tokens")
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = Field(None, description="needs logprobs: true")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description='more variables for the chat template, e.g. {"enable_thinking": false}'
+    )
 
 
 PromptIds = Annotated[list[TokenId], Field(min_length=1)]
@@ -383,6 +386,9 @@ class ReplyToolCall(BaseModel):
 class ReplyMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None
+    reasoning_content: str | None = Field(
+        None, description="with --reasoning-parser: the thinking before the answer"
+    )
     tool_calls: list[ReplyToolCall] | None = None
 
 
@@ -410,6 +416,7 @@ class DeltaToolCall(ReplyToolCall):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -16,6 +16,7 @@ from aserve.server import openai
 from aserve.server.generation import Choice, Delta
 from aserve.server.http import sse
 from aserve.server.openai import GenerationRequest, ResponseHead
+from aserve.server.reasoning import ReasoningStream, split_reasoning
 from aserve.server.tools import ToolTextStream, openai_calls, parse_tool_calls
 
 
@@ -37,10 +38,12 @@ class ResponseShaper:
         self._prompt_sent = [False] * len(choices)
         syntax = parsed.tool_syntax
         self._tool_streams = None if syntax is None else [ToolTextStream(syntax) for _ in choices]
+        opened = parsed.thinking_opened
+        self._thinking = None if opened is None else [ReasoningStream(opened) for _ in choices]
         plain = not (parsed.params.logprobs or parsed.return_token_ids or self._scores_prompt)
         self._text_templates = (
             [self._text_template(i) for i in range(len(choices))]
-            if parsed.stream and plain and syntax is None
+            if parsed.stream and plain and syntax is None and opened is None
             else None
         )
 
@@ -133,16 +136,24 @@ class ResponseShaper:
         logprobs = self._logprobs(index, delta.logprobs)
         token_ids = self.parsed.return_token_ids and bool(delta.token_ids)
         if self.is_chat:
-            text, calls = delta.text, []
+            reasoning, text, calls = "", delta.text, []
+            if self._thinking is not None:  # the <think> block goes out apart from the answer
+                thinking = self._thinking[index]
+                reasoning, text = thinking.push(text)
+                if delta.finish_reason is not None:
+                    more_reasoning, more_text = thinking.finish()
+                    reasoning, text = reasoning + more_reasoning, text + more_text
             if self._tool_streams is not None:  # a call's syntax never goes out as content
                 stream = self._tool_streams[index]
-                text = stream.push(delta.text)
+                text = stream.push(text)
                 if delta.finish_reason is not None:
                     rest, calls = stream.finish()
                     text += rest
             chunks = []
-            if text or logprobs or token_ids:
-                message = {"content": text}
+            if reasoning or text or logprobs or token_ids:
+                message = {"reasoning_content": reasoning} if reasoning else {}
+                if text or not reasoning:
+                    message["content"] = text
                 chunks.append(openai.chat_chunk(self.head, index, message, None, logprobs))
             if calls:
                 streamed = [{"index": i, **c} for i, c in enumerate(openai_calls(calls))]
@@ -180,6 +191,9 @@ class ResponseShaper:
             logprobs = self._logprobs(index, [lp for d in deltas for lp in d.logprobs])
             if self.is_chat:
                 message: dict[str, Any] = {"role": "assistant", "content": text}
+                if self.parsed.thinking_opened is not None:
+                    reasoning, text = split_reasoning(text, self.parsed.thinking_opened)
+                    message.update(content=text, reasoning_content=reasoning)
                 if self.parsed.tool_syntax is not None:
                     content, calls = parse_tool_calls(text, self.parsed.tool_syntax)
                     if calls:

@@ -1,0 +1,197 @@
+"""`--reasoning-parser`: a reply's <think> block split from its answer, whole or streamed."""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from aserve import LLM, SamplingParams
+from aserve.config import ConfigError, build_config
+from aserve.server.reasoning import ReasoningStream, opens_thinking, split_reasoning
+from tests.server_utils import ServerProcess, serving
+from tests.test_server import post, run, stream
+
+CASES = [
+    # (reply, the prompt opened the block, reasoning, content)
+    ("<think>\nLet me see.\n</think>\n\nParis.", False, "\nLet me see.\n", "Paris."),
+    ("  <think>a < b</think>b", False, "a < b", "b"),
+    ("Paris.", False, None, "Paris."),
+    ("<b>bold</b> claim", False, None, "<b>bold</b> claim"),
+    ("  <thi", False, None, "  <thi"),
+    ("Let me see.\n</think>\n\nParis.", True, "Let me see.\n", "Paris."),
+    ("still thinking </thi", True, "still thinking </thi", ""),
+    ("<think>cut off", False, "cut off", ""),
+    ("<think>\n\n</think>\n\n", False, "\n\n", ""),
+    ("</think>answer </think> again", True, "", "answer </think> again"),
+]
+
+
+@pytest.mark.parametrize(("reply", "opened", "reasoning", "content"), CASES)
+def test_whole_replies_split(reply: str, opened: bool, reasoning: str | None, content: str) -> None:
+    assert split_reasoning(reply, opened) == (reasoning, content)
+
+
+@pytest.mark.parametrize(("reply", "opened", "reasoning", "content"), CASES)
+def test_any_cut_into_pieces_streams_the_same(
+    reply: str, opened: bool, reasoning: str | None, content: str
+) -> None:
+    """Streamed in pieces of every size (one character, at random), the parts add up to the
+    whole split, and no piece of a tag ever goes out as text before it is settled."""
+    rng = random.Random(len(reply))
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(reply)), min(len(reply) - 1, rng.randint(0, 6))))
+        pieces = [reply[a:b] for a, b in zip([0, *cuts], [*cuts, len(reply)], strict=True)]
+        stream = ReasoningStream(opened)
+        thought, answered = "", ""
+        for piece in pieces:
+            part = stream.push(piece)
+            thought, answered = thought + part.reasoning, answered + part.content
+            assert "</think>" not in thought and "<think>" not in thought
+        last = stream.finish()
+        assert (thought + last.reasoning, answered + last.content) == (reasoning or "", content)
+        assert stream.thought == (reasoning is not None)
+
+
+def test_prompt_tail_says_whether_the_reply_starts_thinking() -> None:
+    assert opens_thinking("<|im_start|>assistant\n<think>\n")
+    assert not opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not opens_thinking("<|im_start|>assistant\n")
+
+
+# ---- over HTTP: the embedded model under a Qwen3-like template, its replies steered by a
+# regular expression into the shapes a reasoning model writes -----------------------------
+
+MODEL = "smol"
+TEMPLATE = (
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor -%}"
+    "{%- if fail is defined %}{{ raise_exception('asked to fail') }}{% endif -%}"
+    "<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{%- elif think_in_prompt is defined and think_in_prompt %}<think>\n{% endif -%}"
+)
+ASK = [{"role": "user", "content": "What is the capital of France?"}]
+THINK_THEN_ANSWER = "<think>[a-z ]{3,24}</think>\n\n(Paris|Rome)"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    template = tmp_path_factory.mktemp("template") / "qwen3-like.jinja"
+    template.write_text(TEMPLATE)
+    args = ["--model", str(smollm2_dir), "--served-model-name", MODEL]
+    args += ["--reasoning-parser", "qwen3", "--chat-template", str(template)]
+    yield from serving(ServerProcess(args))
+
+
+def chat(server: ServerProcess, **fields: Any) -> dict[str, Any]:
+    body = {"model": MODEL, "messages": ASK, "temperature": 0, "max_tokens": 60, **fields}
+    status, reply = run(post(server.base_url + "/v1/chat/completions", body))
+    assert status == 200, reply
+    return reply
+
+
+def streamed(server: ServerProcess, **fields: Any) -> tuple[str, str]:
+    body = {"model": MODEL, "messages": ASK, "temperature": 0, "max_tokens": 60, **fields}
+    chunks, _ = run(stream(server.base_url + "/v1/chat/completions", body))
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    return (
+        "".join(d.get("reasoning_content") or "" for d in deltas),
+        "".join(d.get("content") or "" for d in deltas),
+    )
+
+
+def test_thinking_goes_to_reasoning_content(server: ServerProcess) -> None:
+    """A reply that opens <think> itself (Qwen3's hybrid models), whole and streamed."""
+    message = chat(server, guided_regex=THINK_THEN_ANSWER)["choices"][0]["message"]
+    assert re.fullmatch("[a-z ]{3,24}", message["reasoning_content"])
+    assert message["content"] in ("Paris", "Rome")
+    assert streamed(server, guided_regex=THINK_THEN_ANSWER) == (
+        message["reasoning_content"],
+        message["content"],
+    )
+
+
+def test_a_prompt_that_opens_thinking(server: ServerProcess) -> None:
+    """DeepSeek-R1's and the Qwen3 thinking models' templates end the prompt with <think>:
+    the reply starts inside the block (chat_template_kwargs reach the template)."""
+    fields = {"chat_template_kwargs": {"think_in_prompt": True}}
+    fields["guided_regex"] = "[a-z ]{3,24}</think>\n\n(Paris|Rome)"
+    reply = chat(server, **fields)
+    message = reply["choices"][0]["message"]
+    assert re.fullmatch("[a-z ]{3,24}", message["reasoning_content"])
+    assert message["content"] in ("Paris", "Rome")
+    assert streamed(server, **fields) == (message["reasoning_content"], message["content"])
+    plain = chat(server, guided_regex="Paris")
+    assert reply["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]
+    assert plain["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": "Paris",
+        "reasoning_content": None,
+    }
+
+
+def test_thinking_switched_off_in_the_template(server: ServerProcess) -> None:
+    off = chat(server, chat_template_kwargs={"enable_thinking": False}, max_tokens=8)
+    on = chat(server, max_tokens=8)
+    assert off["usage"]["prompt_tokens"] > on["usage"]["prompt_tokens"]
+    assert off["choices"][0]["message"]["reasoning_content"] is None
+
+
+def test_tool_calls_after_thinking(server: ServerProcess) -> None:
+    """The answer after the thinking is where tool calls are looked for."""
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    pattern = "<think>[a-z ]{3,24}</think>\n\n" + re.escape(call)
+    reply = chat(server, tools=[WEATHER], guided_regex=pattern, max_tokens=80)
+    choice = reply["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] is None and choice["message"]["reasoning_content"]
+    (made,) = choice["message"]["tool_calls"]
+    assert made["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [({"messages": []}, "cannot set 'messages'"), ({"fail": True}, "asked to fail")],
+)
+def test_template_kwargs_errors_are_400(
+    server: ServerProcess, kwargs: dict[str, Any], fragment: str
+) -> None:
+    body = {"model": MODEL, "messages": ASK, "chat_template_kwargs": kwargs}
+    status, reply = run(post(server.base_url + "/v1/chat/completions", body))
+    assert status == 400 and fragment in reply["error"]["message"], reply
+
+
+def test_chat_template_option_reads_a_file_or_the_text(tmp_path: Path) -> None:
+    path = tmp_path / "t.jinja"
+    path.write_text(TEMPLATE)
+    assert build_config(chat_template=str(path)).chat_template == TEMPLATE
+    assert build_config(chat_template=TEMPLATE).chat_template == TEMPLATE
+    with pytest.raises(ConfigError, match="no file"):
+        build_config(chat_template=str(tmp_path / "missing.jinja"))
+
+
+def test_offline_chat_takes_template_kwargs(
+    smollm2_dir: Path, make_llm: Callable[..., LLM]
+) -> None:
+    """LLM.chat(..., chat_template_kwargs=...) (vLLM's) renders the template with them."""
+    llm = make_llm(smollm2_dir)
+    assert llm.tokenizer is not None
+    llm.tokenizer.hf.chat_template = TEMPLATE
+    params = SamplingParams(temperature=0, max_tokens=1)
+    on, off = (
+        llm.chat(ASK, params, chat_template_kwargs=kwargs)[0]
+        for kwargs in (None, {"enable_thinking": False})
+    )
+    added = llm.tokenizer.decode(off.prompt_token_ids[len(on.prompt_token_ids) :], False)
+    assert added == "<think>\n\n</think>"  # the template's whitespace control ate the rest
