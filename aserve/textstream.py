@@ -135,7 +135,8 @@ class TextDelta(NamedTuple):
 class TextStream:
     """Token ids in, reply text out: incremental detokenizing, then stop strings, which count
     only once `min_tokens` tokens are out (vLLM's rule: a stop string must end in the text of
-    a later token)."""
+    a later token). With `include_stop` (vLLM's include_stop_str_in_output) the text ends
+    with the stop string that ended it instead of before it."""
 
     def __init__(
         self,
@@ -144,9 +145,11 @@ class TextStream:
         stops: Sequence[str] = (),
         skip_special_tokens: bool = True,
         min_tokens: int = 0,
+        include_stop: bool = False,
     ) -> None:
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
         self._stops = StopStringMatcher(stops)
+        self._include_stop = include_stop
         self._short_by = min_tokens
         if min_tokens:
             self._stops.open_from(math.inf)
@@ -165,7 +168,7 @@ class TextStream:
         if self._stops.stopped:
             return TextDelta("", True)
         if not self._short_by:
-            return TextDelta(*self._stops.push(self._detokenizer.push(token_ids)))
+            return self._ending(*self._stops.push(self._detokenizer.push(token_ids)))
         early, late = token_ids[: self._short_by], token_ids[self._short_by :]
         self._short_by -= len(early)
         text, _ = self._stops.push(self._detokenizer.push(early))  # cannot stop yet
@@ -173,7 +176,7 @@ class TextStream:
             return TextDelta(text, False)
         self._stops.open_from(self._stops.position)
         more, stopped = self._stops.push(self._detokenizer.push(late))
-        return TextDelta(text + more, stopped)
+        return self._ending(text + more, stopped)
 
     def finish(self) -> str:
         """The rest of the text once generation ended without a stop string; may still end at
@@ -181,4 +184,12 @@ class TextStream:
         if self._stops.stopped:
             return ""
         text, stopped = self._stops.push(self._detokenizer.flush())
-        return text if stopped else text + self._stops.flush()
+        if not stopped:
+            text += self._stops.flush()
+        return self._ending(text, self._stops.stopped).text
+
+    def _ending(self, text: str, stopped: bool) -> TextDelta:
+        """The text with the stop string that ended it, when it is to be shown."""
+        if stopped and self._include_stop and self._stops.matched is not None:
+            text += self._stops.matched
+        return TextDelta(text, stopped)

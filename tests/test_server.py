@@ -206,6 +206,28 @@ def test_stop_strings_never_appear(server: ServerProcess) -> None:
     assert stopped["choices"][0]["finish_reason"] == "stop"
     chunks, _ = run(stream(url, {**base, "stop": stop}))
     assert "".join(c["choices"][0]["text"] for c in chunks) == expected
+    shown = {**base, "stop": stop, "include_stop_str_in_output": True}
+    _, kept = run(post(url, shown))
+    assert kept["choices"][0]["text"] == expected + stop
+    chunks, _ = run(stream(url, shown))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == expected + stop
+    sampling = {"max_new_tokens": 60, "temperature": 0, "ignore_eos": True, "stop": stop}
+    body = {"text": base["prompt"], "sampling_params": {**sampling, "no_stop_trim": True}}
+    _, generated = run(post(server.base_url + "/generate", body))
+    assert generated["text"] == expected + stop
+
+
+def test_special_tokens_shown_on_request(server: ServerProcess) -> None:
+    """skip_special_tokens false with include_stop_str_in_output (vLLM's): the end-of-turn
+    token that ended the reply is in its text; by default neither is."""
+    url = server.base_url + "/v1/chat/completions"
+    base = {"model": MODEL, "messages": HELLO, "temperature": 0, "guided_regex": "Paris"}
+    _, plain = run(post(url, base))
+    assert plain["choices"][0]["message"]["content"] == "Paris"
+    raw = {**base, "skip_special_tokens": False, "include_stop_str_in_output": True}
+    _, shown = run(post(url, raw))
+    content = shown["choices"][0]["message"]["content"]
+    assert content in ("Paris<|im_end|>", "Paris<|endoftext|>"), content
 
 
 def test_logprobs(server: ServerProcess) -> None:

@@ -572,6 +572,19 @@ def test_stop_that_only_the_end_of_generation_settles(tokenizer: Tokenizer) -> N
     ids = tokenizer.encode("x B1B2")
     assert stream.push(ids) == ("x ", False)
     assert stream.finish() == "B1" and stream.stopped and stream.matched == "B2"
+    shown = TextStream(tokenizer, (), ["B1B2B3", "B2"], include_stop=True)
+    assert shown.push(ids) == ("x ", False)
+    assert shown.finish() == "B1B2" and shown.matched == "B2"
+
+
+def test_include_stop_keeps_the_stop_string(tokenizer: Tokenizer) -> None:
+    """vLLM's include_stop_str_in_output: the text runs to the end of the stop string that
+    ended it, however the tokens arrive."""
+    ids = tokenizer.encode("one. two. three.")
+    for pieces in ([ids], [[t] for t in ids]):
+        stream = TextStream(tokenizer, (), [". t", "never"], include_stop=True)
+        text, stopped = run_stream(stream, pieces)
+        assert stopped and "".join(text) == "one. t"
 
 
 def test_text_length_bound_is_a_true_bound(tokenizer: Tokenizer, stray_bytes: list[int]) -> None:

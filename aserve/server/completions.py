@@ -181,6 +181,8 @@ class Completions:
                     prompt,
                     params,
                     parsed.stop,
+                    parsed.skip_special_tokens,
+                    parsed.include_stop,
                     grammar=grammar,
                 )
                 problem = choice.prepare()

@@ -37,6 +37,8 @@ class Choice:
     prompt_ids: list[int]
     params: SamplingParams
     stop: list[str]
+    skip_special_tokens: bool = True
+    include_stop: bool = False  # the text keeps the stop string or token that ended it
     req: Req | None = None
     grammar: Any = None
     completion_tokens: int = 0
@@ -60,7 +62,12 @@ class Choice:
             return
         if self.tokenizer is not None:
             self._stream = TextStream(
-                self.tokenizer, self.prompt_ids, self.stop, min_tokens=self.params.min_tokens
+                self.tokenizer,
+                self.prompt_ids,
+                self.stop,
+                self.skip_special_tokens,
+                self.params.min_tokens,
+                self.include_stop,
             )
         self.scheduler.submit(self.req)
         self.started = True
@@ -92,7 +99,8 @@ class Choice:
         self.completion_tokens += len(out.token_ids)
         ids = list(out.token_ids)
         prompt = list(out.prompt_logprobs)
-        text_ids = ids[:-1] if out.finish_reason is FinishReason.STOP else ids
+        stopped_by_token = out.finish_reason is FinishReason.STOP and not self.include_stop
+        text_ids = ids[:-1] if stopped_by_token else ids
         text, stopped = self._text(text_ids)
         if out.finish_reason is FinishReason.ERROR:
             self.done = True

@@ -75,6 +75,8 @@ class GenerationRequest:
     tool_choice: str | dict[str, Any] = "none"  # none, auto, required or a named function
     parallel_tool_calls: bool = True
     tool_syntax: str | None = None  # how the reply writes tool calls, when they are parsed
+    skip_special_tokens: bool = True
+    include_stop: bool = False  # the text keeps the stop string or token that ended it
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     thinking_opened: bool | None = None  # with a reasoning parser: the reply starts thinking
 
@@ -257,6 +259,8 @@ def _common(
         "stop": _stop_strings(request.stop),
         "return_token_ids": bool(request.return_token_ids),
         "max_tokens": max_tokens,
+        "skip_special_tokens": request.skip_special_tokens is not False,
+        "include_stop": bool(request.include_stop_str_in_output),
     }
 
 
@@ -394,6 +398,8 @@ def parse_generate(raw: bytes, defaults: SamplingDefaults) -> GenerationRequest:
         max_tokens=max_tokens,
         constraint_field=constraint_field,
         stop=_stop_strings(sampling.stop),
+        skip_special_tokens=sampling.skip_special_tokens is not False,
+        include_stop=bool(sampling.no_stop_trim),
         texts=[request.text] if request.text is not None else [],
         token_ids=[list(request.input_ids)] if request.input_ids is not None else [],
     )

@@ -173,6 +173,9 @@ class SamplingFields(Strict):
     min_tokens: MinTokens | None = Field(
         None, description="vLLM's: no stop token or stop string ends the output before this"
     )
+    skip_special_tokens: bool | None = Field(
+        None, description="default true: special tokens' text left out of the reply"
+    )
     # Output constraints under vLLM's names and SGLang's (at most one per request)
     guided_json: dict[str, Any] | str | None = Field(None, description="vLLM's: a JSON schema")
     guided_regex: str | None = Field(None, description="vLLM's: a regular expression")
@@ -210,6 +213,9 @@ class GenerationFields(SamplingFields):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = Field(None, description="vLLM's: token ids in each choice")
+    include_stop_str_in_output: bool | None = Field(
+        None, description="vLLM's: the text ends with the stop string (or token) that ended it"
+    )
     response_format: ResponseFormat | None = None
 
 
@@ -282,6 +288,7 @@ class CompletionRequest(GenerationFields):
 class GenerateSampling(SamplingFields):
     max_new_tokens: MaxTokens | None = Field(None, description="default 128")
     min_new_tokens: MinTokens | None = Field(None, description="SGLang's name for min_tokens")
+    no_stop_trim: bool | None = Field(None, description="SGLang's include_stop_str_in_output")
 
 
 def exactly_one_of(*names: str) -> ConfigDict:
