@@ -286,6 +286,22 @@ def test_echo_with_logprobs_scores_the_prompt(server: ServerProcess) -> None:
     streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
     for key in lp:
         assert [v for part in streamed for v in part[key]] == lp[key]
+    # max_tokens 0, OpenAI's legacy way to score a text: the prompt alone, nothing generated
+    scoring = {**request, "max_tokens": 0}
+    _, scored = run(post(server.base_url + "/v1/completions", scoring))
+    choice = scored["choices"][0]
+    assert choice["text"] == prompt and choice["finish_reason"] == "length"
+    assert scored["usage"]["completion_tokens"] == 0
+    assert choice["logprobs"]["tokens"] == lp["tokens"][:count]
+    scored_values = choice["logprobs"]["token_logprobs"]
+    assert scored_values[0] is None
+    assert scored_values[1:] == pytest.approx(lp["token_logprobs"][1:count], abs=1e-4)
+    chunks, _ = run(stream(server.base_url + "/v1/completions", scoring))
+    streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    assert [v for part in streamed for v in part["tokens"]] == lp["tokens"][:count]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == prompt
+    _, bare = run(post(server.base_url + "/v1/completions", {"prompt": prompt, "max_tokens": 0}))
+    assert bare["choices"][0]["text"] == "" and bare["usage"]["completion_tokens"] == 0
 
 
 @pytest.mark.parametrize(

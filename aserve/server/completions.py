@@ -183,6 +183,7 @@ class Completions:
                     parsed.stop,
                     parsed.skip_special_tokens,
                     parsed.include_stop,
+                    parsed.prompt_only,
                     grammar=grammar,
                 )
                 problem = choice.prepare()

@@ -39,6 +39,7 @@ class Choice:
     stop: list[str]
     skip_special_tokens: bool = True
     include_stop: bool = False  # the text keeps the stop string or token that ended it
+    prompt_only: bool = False  # max_tokens 0: the one token drawn is dropped
     req: Req | None = None
     grammar: Any = None
     completion_tokens: int = 0
@@ -96,6 +97,8 @@ class Choice:
         the last one sets `done`. Plain code, so that a stream can run it where the
         scheduler hands the output over (server/streaming.py). Raises on an error finish."""
         assert self.req is not None
+        if self.prompt_only and out.finish_reason is not FinishReason.ERROR:
+            out = out._replace(token_ids=(), logprobs=(), finish_reason=FinishReason.LENGTH)
         self.completion_tokens += len(out.token_ids)
         ids = list(out.token_ids)
         prompt = list(out.prompt_logprobs)

@@ -66,6 +66,7 @@ class GenerationRequest:
     include_usage: bool = False
     stop: list[str] = field(default_factory=list)
     echo: bool = False
+    prompt_only: bool = False  # max_tokens 0: the reply holds no generated token
     return_token_ids: bool = False
     messages: list[dict[str, Any]] | None = None
     texts: list[str] = field(default_factory=list)
@@ -362,6 +363,9 @@ def parse_completion(raw: bytes, defaults: SamplingDefaults) -> GenerationReques
     else:
         token_ids = [list(p) for p in prompt]  # type: ignore[union-attr]
     max_tokens = request.max_tokens or defaults.get("max_tokens") or COMPLETION_DEFAULT_MAX_TOKENS
+    prompt_only = request.max_tokens == 0  # one token is drawn to end it, then dropped
+    if prompt_only:
+        max_tokens = 1
     logprobs = request.logprobs
     constraint_field, constraint = _constraint(request, request.response_format)
     return GenerationRequest(
@@ -377,6 +381,7 @@ def parse_completion(raw: bytes, defaults: SamplingDefaults) -> GenerationReques
             constraint,
         ),
         echo=bool(request.echo),
+        prompt_only=prompt_only,
         texts=texts,
         token_ids=token_ids,
         constraint_field=constraint_field,

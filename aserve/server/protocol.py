@@ -283,6 +283,9 @@ class CompletionRequest(GenerationFields):
     prompt: Prompt
     echo: bool | None = None
     logprobs: LogprobCount | None = None
+    max_tokens: Annotated[int, Field(ge=0), INTEGRAL] | None = Field(
+        None, description="0: nothing generated (with echo and logprobs: the prompt scored)"
+    )
 
 
 class GenerateSampling(SamplingFields):

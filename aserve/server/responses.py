@@ -125,7 +125,9 @@ class ResponseShaper:
     def delta_chunks(self, index: int, delta: Delta) -> list[dict[str, Any]]:
         """A choice's first delta brings its prompt's logprobs, when asked for: they go out
         in a chunk of their own, after the echoed prompt and before the first token."""
-        if not self._scores_prompt or self._prompt_sent[index] or not delta.token_ids:
+        # (max_tokens 0: the one delta has no token but ends the choice)
+        first = delta.token_ids or (self.parsed.prompt_only and delta.finish_reason is not None)
+        if not self._scores_prompt or self._prompt_sent[index] or not first:
             return self._delta_chunks(index, delta)
         self._prompt_sent[index] = True
         prompt = self._prompt_logprobs(index, delta.prompt_logprobs)
