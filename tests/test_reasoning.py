@@ -123,18 +123,22 @@ def test_thinking_goes_to_reasoning_content(server: ServerProcess) -> None:
 
 
 def test_a_prompt_that_opens_thinking(server: ServerProcess) -> None:
-    """DeepSeek-R1's and the Qwen3 thinking models' templates end the prompt with <think>:
-    the reply starts inside the block (chat_template_kwargs reach the template)."""
-    fields = {"chat_template_kwargs": {"think_in_prompt": True}}
-    fields["guided_regex"] = "[a-z ]{3,24}</think>\n\n(Paris|Rome)"
-    reply = chat(server, **fields)
-    message = reply["choices"][0]["message"]
-    assert re.fullmatch("[a-z ]{3,24}", message["reasoning_content"])
-    assert message["content"] in ("Paris", "Rome")
-    assert streamed(server, **fields) == (message["reasoning_content"], message["content"])
-    plain = chat(server, guided_regex="Paris")
+    """DeepSeek-R1's and the Qwen3 thinking models' templates end the prompt with <think>
+    (chat_template_kwargs reach the template here): the reply starts inside the block, so
+    one cut off before </think> is all reasoning. Under a grammar the reply is the grammar's
+    from its first token: an answer, no reasoning."""
+    fields = {"chat_template_kwargs": {"think_in_prompt": True}, "max_tokens": 6}
+    reply = chat(server, **fields, return_token_ids=True)
+    choice = reply["choices"][0]
+    _, raw = run(post(server.base_url + "/detokenize", {"tokens": choice["token_ids"]}))
+    assert choice["finish_reason"] == "length" and raw["prompt"].strip()
+    assert choice["message"]["reasoning_content"] == raw["prompt"]
+    assert choice["message"]["content"] == ""
+    assert streamed(server, **fields) == (raw["prompt"], "")
+    plain = chat(server, max_tokens=6)
     assert reply["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]
-    assert plain["choices"][0]["message"] == {
+    constrained = chat(server, **fields, guided_regex="Paris")
+    assert constrained["choices"][0]["message"] == {
         "role": "assistant",
         "content": "Paris",
         "reasoning_content": None,

@@ -62,8 +62,11 @@ class Completions:
             if parsed.tools:
                 parsed = await self._with_tools(tokenizer, parsed)
             if self.state.config.reasoning_parser is not None:
+                # A grammar (a schema, forced tool calls) writes the reply from its first
+                # token, so it starts outside any block the prompt opened.
                 tail = tokenizer.decode(prompt[-THINK_TAIL_TOKENS:], skip_special_tokens=False)
-                parsed = dataclasses.replace(parsed, thinking_opened=opens_thinking(tail))
+                opened = opens_thinking(tail) and parsed.params.constraint is None
+                parsed = dataclasses.replace(parsed, thinking_opened=opened)
             return await self._generate(request, runtime, parsed, [prompt])
 
     @staticmethod

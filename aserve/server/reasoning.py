@@ -9,6 +9,9 @@ models' templates end the prompt with `<think>`, so the reply starts inside it; 
 hybrid models write `<think>` themselves, or (with `chat_template_kwargs`
 `{"enable_thinking": false}`) get an empty block in the prompt and answer at once. A reply
 that stops before `</think>` is all thinking; one that never opens a block is all answer.
+A grammar (a JSON schema, forced tool calls) writes the reply from its first token, so a
+constrained reply starts outside any block the prompt opened (vLLM and SGLang instead hold
+the grammar back until the thinking ends; not done here).
 """
 
 from __future__ import annotations
