@@ -215,6 +215,12 @@ class Tokenizer:
             **(template_kwargs or {}),
         )
 
+    def single_token(self, text: str) -> int | None:
+        """The id of the one token that is exactly `text`, or None (a tag such as
+        `</think>` that the vocabulary spells in pieces)."""
+        ids = self.hf.encode(text, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 and self.decode(ids, False) == text else None
+
     def encode_chat(self, text: str) -> list[int]:
         """A rendered chat: its special tokens are already in the text."""
         return list(self.hf.encode(text, add_special_tokens=False))

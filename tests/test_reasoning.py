@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import random
 import re
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -85,13 +87,45 @@ WEATHER = {
 }
 
 
-@pytest.fixture(scope="module")
-def server(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    template = tmp_path_factory.mktemp("template") / "qwen3-like.jinja"
+def with_think_tokens(model: Path, folder: Path) -> Path:
+    """The embedded model whose tokenizer spells <think> and </think> as one token each, as
+    Qwen3's does: two of its code-data special tokens renamed (ids 6 and 5), kept as text."""
+    for item in model.iterdir():
+        if item.is_file():
+            shutil.copy(item, folder / item.name)
+    spec = json.loads((model / "tokenizer.json").read_text())
+    renamed = {"<file_sep>": "</think>", "<filename>": "<think>"}
+    for token in spec["added_tokens"]:
+        if token["content"] in renamed:
+            token["content"], token["special"] = renamed[token["content"]], False
+    vocab = spec["model"]["vocab"]
+    for old, new in renamed.items():
+        vocab[new] = vocab.pop(old)
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    return folder
+
+
+def reasoning_server(model: Path, template_folder: Path) -> Iterator[ServerProcess]:
+    template = template_folder / "qwen3-like.jinja"
     template.write_text(TEMPLATE)
-    args = ["--model", str(smollm2_dir), "--served-model-name", MODEL]
+    args = ["--model", str(model), "--served-model-name", MODEL]
     args += ["--reasoning-parser", "qwen3", "--chat-template", str(template)]
     yield from serving(ServerProcess(args))
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The embedded model spells </think> in pieces: a grammar writes a constrained reply
+    from its first token, which lets a regular expression write a whole <think> block."""
+    yield from reasoning_server(smollm2_dir, tmp_path_factory.mktemp("template"))
+
+
+@pytest.fixture(scope="module")
+def thinking_server(
+    smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    model = with_think_tokens(smollm2_dir, tmp_path_factory.mktemp("thinking-smol"))
+    yield from reasoning_server(model, tmp_path_factory.mktemp("template"))
 
 
 def chat(server: ServerProcess, **fields: Any) -> dict[str, Any]:
@@ -137,12 +171,24 @@ def test_a_prompt_that_opens_thinking(server: ServerProcess) -> None:
     assert streamed(server, **fields) == (raw["prompt"], "")
     plain = chat(server, max_tokens=6)
     assert reply["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]
-    constrained = chat(server, **fields, guided_regex="Paris")
-    assert constrained["choices"][0]["message"] == {
-        "role": "assistant",
-        "content": "Paris",
-        "reasoning_content": None,
-    }
+
+
+def test_a_grammar_starts_after_the_thinking(thinking_server: ServerProcess) -> None:
+    """A constrained reply thinks freely and its grammar starts after </think> (here the
+    bias makes </think> the first token; the grammar then rules it out); with the block
+    closed in the prompt the grammar writes the reply from its first token."""
+    _, tokens = run(post(thinking_server.base_url + "/tokenize", {"prompt": "</think>"}))
+    (end,) = tokens["tokens"]
+    fields = {"guided_regex": "Paris", "logit_bias": {str(end): 100}, "return_token_ids": True}
+    opened = chat(thinking_server, chat_template_kwargs={"think_in_prompt": True}, **fields)
+    choice = opened["choices"][0]
+    assert choice["token_ids"][0] == end and end not in choice["token_ids"][1:]
+    assert choice["message"]["reasoning_content"] == ""
+    assert choice["message"]["content"] == "Paris" and choice["finish_reason"] == "stop"
+    closed = chat(thinking_server, chat_template_kwargs={"enable_thinking": False}, **fields)
+    choice = closed["choices"][0]
+    assert end not in choice["token_ids"]
+    assert choice["message"] == {"role": "assistant", "content": "Paris", "reasoning_content": None}
 
 
 def test_thinking_switched_off_in_the_template(server: ServerProcess) -> None:

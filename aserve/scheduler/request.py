@@ -205,7 +205,9 @@ class Req:
     does not score its prompt again).
 
     A constrained request carries its compiled `grammar` (aserve/constrained/); the scheduler
-    gives it a `matcher` at submission and feeds it every sampled token.
+    gives it a `matcher` at submission and feeds it every sampled token, or with
+    `grammar_after` (a reasoning model's `</think>` id) every token after that one: until
+    it is sampled the request thinks freely.
     """
 
     rid: int
@@ -229,6 +231,7 @@ class Req:
     scored_len: int = 0
     grammar: Any = None
     matcher: Any = None
+    grammar_after: int | None = None
 
     @property
     def scoring(self) -> bool:

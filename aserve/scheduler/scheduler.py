@@ -311,7 +311,9 @@ class Scheduler:
         sampling = self.sampling_batches.build(planned)
         scoring = prompt_scoring(planned, self.engine.device)
         matchers = [
-            r.matcher if keep and r.status is not ReqStatus.FINISHED else None
+            r.matcher
+            if keep and r.status is not ReqStatus.FINISHED and r.grammar_after is None
+            else None
             for r, keep in zip(planned.reqs, planned.samples)
         ]
         masks = self.token_masks.build(matchers)
@@ -401,7 +403,10 @@ class Scheduler:
             prompt = self._prompt_logprobs(req) if slot == 0 else ()
             reason = self._finish_reason(req, token, slot + 1)
             if req.matcher is not None and reason is None:
-                reason = self._advance_matcher(req, token)
+                if req.grammar_after is None:
+                    reason = self._advance_matcher(req, token)
+                elif token == req.grammar_after:  # the thinking has ended: the grammar starts
+                    req.grammar_after = None
             if reason is None:
                 req.channel.put_nowait(ReqOutput((token,), logprobs, prompt_logprobs=prompt))
                 continue

@@ -23,7 +23,7 @@ from aserve.server.generation import Choice, Delta
 from aserve.server.http import json_response, sse
 from aserve.server.limits import InputLimits
 from aserve.server.openai import APIError, GenerationRequest, ResponseHead
-from aserve.server.reasoning import opens_thinking
+from aserve.server.reasoning import THINK_END, closes_thinking, opens_thinking
 from aserve.server.responses import ResponseShaper
 from aserve.server.state import ServerState, require_tokenizer
 from aserve.server.streaming import ChoiceStream, EventWriter
@@ -62,11 +62,7 @@ class Completions:
             if parsed.tools:
                 parsed = await self._with_tools(tokenizer, parsed)
             if self.state.config.reasoning_parser is not None:
-                # A grammar (a schema, forced tool calls) writes the reply from its first
-                # token, so it starts outside any block the prompt opened.
-                tail = tokenizer.decode(prompt[-THINK_TAIL_TOKENS:], skip_special_tokens=False)
-                opened = opens_thinking(tail) and parsed.params.constraint is None
-                parsed = dataclasses.replace(parsed, thinking_opened=opened)
+                parsed = self._with_thinking(tokenizer, parsed, prompt)
             return await self._generate(request, runtime, parsed, [prompt])
 
     @staticmethod
@@ -83,6 +79,23 @@ class Completions:
         return dataclasses.replace(
             parsed, params=dataclasses.replace(parsed.params, structural_tag=tag)
         )
+
+    @staticmethod
+    def _with_thinking(
+        tokenizer: Tokenizer, parsed: GenerationRequest, prompt: list[int]
+    ) -> GenerationRequest:
+        """Where the reply's thinking starts, from the prompt's end; a constrained reply
+        thinks freely and its grammar starts after `</think>` (as vLLM and SGLang do),
+        unless the prompt closed the block already or the tag is no single token, where the
+        grammar writes the reply from its first token."""
+        tail = tokenizer.decode(prompt[-THINK_TAIL_TOKENS:], skip_special_tokens=False)
+        opened = opens_thinking(tail)
+        if parsed.params.constraint is None:
+            return dataclasses.replace(parsed, thinking_opened=opened)
+        end = tokenizer.single_token(THINK_END)
+        if end is None or closes_thinking(tail):
+            return dataclasses.replace(parsed, thinking_opened=False)
+        return dataclasses.replace(parsed, thinking_opened=opened, grammar_after=end)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         runtime, limits = self.state.ready()
@@ -187,6 +200,7 @@ class Completions:
                     parsed.skip_special_tokens,
                     parsed.include_stop,
                     parsed.prompt_only,
+                    parsed.grammar_after,
                     grammar=grammar,
                 )
                 problem = choice.prepare()

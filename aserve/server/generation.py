@@ -40,6 +40,7 @@ class Choice:
     skip_special_tokens: bool = True
     include_stop: bool = False  # the text keeps the stop string or token that ended it
     prompt_only: bool = False  # max_tokens 0: the one token drawn is dropped
+    grammar_after: int | None = None  # Req.grammar_after: a reasoning model's </think>
     req: Req | None = None
     grammar: Any = None
     completion_tokens: int = 0
@@ -53,6 +54,7 @@ class Choice:
         """Create the request; returns why it can never run (the caller answers 400)."""
         self.req = self.scheduler.make_request(self.prompt_ids, self.params)
         self.req.grammar = self.grammar
+        self.req.grammar_after = self.grammar_after
         return self.scheduler.check_request(self.req)
 
     def start(self) -> None:

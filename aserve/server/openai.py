@@ -80,6 +80,7 @@ class GenerationRequest:
     include_stop: bool = False  # the text keeps the stop string or token that ended it
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     thinking_opened: bool | None = None  # with a reasoning parser: the reply starts thinking
+    grammar_after: int | None = None  # a constrained reply's grammar starts after this token
 
 
 ModelT = TypeVar("ModelT", bound=BaseModel)

@@ -9,9 +9,9 @@ models' templates end the prompt with `<think>`, so the reply starts inside it; 
 hybrid models write `<think>` themselves, or (with `chat_template_kwargs`
 `{"enable_thinking": false}`) get an empty block in the prompt and answer at once. A reply
 that stops before `</think>` is all thinking; one that never opens a block is all answer.
-A grammar (a JSON schema, forced tool calls) writes the reply from its first token, so a
-constrained reply starts outside any block the prompt opened (vLLM and SGLang instead hold
-the grammar back until the thinking ends; not done here).
+A constrained reply (a JSON schema, forced tool calls) thinks freely and its grammar starts
+after `</think>`, as in vLLM and SGLang (aserve/server/completions.py); where the tag is no
+single token of the vocabulary, the grammar writes the reply from its first token.
 """
 
 from __future__ import annotations
@@ -25,6 +25,11 @@ THINK_END = "</think>"
 def opens_thinking(prompt_tail: str) -> bool:
     """Whether a prompt that ends with this text leaves the reply inside a thinking block."""
     return prompt_tail.rstrip().endswith(THINK_START)
+
+
+def closes_thinking(prompt_tail: str) -> bool:
+    """Whether it ends with a block closed already (Qwen3 with thinking switched off)."""
+    return prompt_tail.rstrip().endswith(THINK_END)
 
 
 class Split(NamedTuple):
