@@ -204,16 +204,13 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
     ) -> str:
-        """The chat template's text (Python's Jinja: bound to the GIL wherever it runs)."""
+        """The chat template's text (Python's Jinja: bound to the GIL wherever it runs);
+        `template_kwargs` may also switch the assistant turn's opening off or continue the
+        last message instead (`add_generation_prompt`, `continue_final_message`)."""
         if not self.hf.chat_template:
             raise ValueError("this model's tokenizer has no chat template")
-        return self.hf.apply_chat_template(
-            list(messages),
-            tools=tools,
-            tokenize=False,
-            add_generation_prompt=True,
-            **(template_kwargs or {}),
-        )
+        options = {"add_generation_prompt": True, **(template_kwargs or {})}
+        return self.hf.apply_chat_template(list(messages), tools=tools, tokenize=False, **options)
 
     def single_token(self, text: str) -> int | None:
         """The id of the one token that is exactly `text`, or None (a tag such as

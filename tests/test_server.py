@@ -347,6 +347,18 @@ def test_echo_with_logprobs_scores_the_prompt(server: ServerProcess) -> None:
             "min_tokens",
             "cannot be combined",
         ),
+        (
+            "/v1/chat/completions",
+            {"messages": HELLO, "continue_final_message": True},
+            "continue_final_message",
+            "assistant message last",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": HELLO, "continue_final_message": True, "add_generation_prompt": True},
+            "continue_final_message",
+            "cannot both be true",
+        ),
         ("/tokenize", {"prompt": "a", "messages": HELLO}, None, "exactly one of"),
         ("/detokenize", {"tokens": [10**7]}, "tokens", "vocabulary"),
     ],
@@ -456,6 +468,26 @@ def test_logit_bias_and_min_tokens(server: ServerProcess) -> None:
         post(server.base_url + "/generate", {"text": "Hello", "sampling_params": sampling})
     )
     assert generated["output_ids"] == choice["token_ids"]
+
+
+def test_continue_final_message(server: ServerProcess) -> None:
+    """vLLM's continue_final_message: the reply carries on the last assistant message (the
+    template leaves its turn open and adds no new one); add_generation_prompt false alone
+    leaves the new turn out."""
+    url = server.base_url + "/v1/chat/completions"
+    started = [*HELLO, {"role": "assistant", "content": "The capital of France is"}]
+    base = {"model": MODEL, "temperature": 0, "max_tokens": 3}
+    _, continued = run(post(url, {**base, "messages": started, "continue_final_message": True}))
+    assert "Paris" in continued["choices"][0]["message"]["content"]
+    _, fresh = run(post(url, {**base, "messages": started}))
+    _, closing = run(
+        post(server.base_url + "/tokenize", {"prompt": "<|im_end|>\n<|im_start|>assistant\n"})
+    )
+    assert fresh["usage"]["prompt_tokens"] - continued["usage"]["prompt_tokens"] == closing["count"]
+    _, bare = run(post(url, {**base, "messages": HELLO, "add_generation_prompt": False}))
+    _, opened = run(post(url, {**base, "messages": HELLO}))
+    _, turn = run(post(server.base_url + "/tokenize", {"prompt": "<|im_start|>assistant\n"}))
+    assert opened["usage"]["prompt_tokens"] - bare["usage"]["prompt_tokens"] == turn["count"]
 
 
 def test_unknown_fields_are_tolerated(server: ServerProcess) -> None:

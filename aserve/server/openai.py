@@ -284,7 +284,15 @@ def message_dict(message: protocol.ChatMessage) -> dict[str, Any]:
 
 
 RESERVED_TEMPLATE_NAMES = frozenset(
-    ("messages", "tools", "add_generation_prompt", "tokenize", "conversation", "documents")
+    (
+        "messages",
+        "tools",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "conversation",
+        "documents",
+    )
 )
 """What the server itself hands the chat template."""
 
@@ -316,6 +324,23 @@ def parse_chat(raw: bytes, defaults: SamplingDefaults) -> GenerationRequest:
             f"chat_template_kwargs cannot set {reserved[0]!r}: the request's own fields do",
             param="chat_template_kwargs",
         )
+    continuing = bool(request.continue_final_message)
+    opening = request.add_generation_prompt
+    if continuing and opening:
+        raise APIError(
+            "continue_final_message and add_generation_prompt cannot both be true",
+            param="continue_final_message",
+        )
+    if continuing and request.messages[-1].role != "assistant":
+        raise APIError(
+            "continue_final_message needs an assistant message last",
+            param="continue_final_message",
+        )
+    template_kwargs = {
+        **template_kwargs,
+        "add_generation_prompt": opening is not False and not continuing,
+        "continue_final_message": continuing,
+    }
     return GenerationRequest(
         **_common(request, "chat", max_tokens),
         params=params,

@@ -253,6 +253,12 @@ class ChatCompletionRequest(GenerationFields):
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description='more variables for the chat template, e.g. {"enable_thinking": false}'
     )
+    add_generation_prompt: bool | None = Field(
+        None, description="vLLM's, default true: the template opens the assistant's turn"
+    )
+    continue_final_message: bool | None = Field(
+        None, description="vLLM's: the reply continues the last (assistant) message"
+    )
 
 
 PromptIds = Annotated[list[TokenId], Field(min_length=1)]
