@@ -164,7 +164,7 @@ class SamplingFields(Strict):
     frequency_penalty: float | None = bounded("frequency_penalty", "OpenAI's frequency penalty")
     repetition_penalty: float | None = bounded("repetition_penalty", "1 is none (vLLM's)")
     seed: Seed | None = Field(None, description="the same seed gives the same tokens")
-    stop: Stop | None = Field(None, description="strings that end the text, never shown")
+    stop: Stop | None = Field(None, description="strings that end the text, left out of it")
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool | None = None
     logit_bias: dict[str, Bias] | None = Field(
