@@ -19,6 +19,15 @@ from typing import NamedTuple
 from aserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
+def partial_marker_length(text: str, marker: str) -> int:
+    """How many characters at the end of `text` could be the beginning of `marker`: what a
+    stream holds back until later text settles whether the marker is coming."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
+
+
 class StopStringMatcher:
     """Finds stop strings in text that arrives in pieces, in O(len(piece) + longest stop) a push.
 

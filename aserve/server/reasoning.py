@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from aserve.textstream import partial_marker_length
+
 THINK_START = "<think>"
 THINK_END = "</think>"
 
@@ -35,14 +37,6 @@ def closes_thinking(prompt_tail: str) -> bool:
 class Split(NamedTuple):
     reasoning: str
     content: str
-
-
-def _held_back(text: str, marker: str) -> int:
-    """How many characters at the end of `text` could be the beginning of `marker`."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0
 
 
 class ReasoningStream:
@@ -78,7 +72,7 @@ class ReasoningStream:
                     reasoning += pending[:end]
                     self._state, self._pending = "after", pending[end + len(THINK_END) :]
                     continue
-                keep = _held_back(pending, THINK_END)
+                keep = partial_marker_length(pending, THINK_END)
                 reasoning += pending[: len(pending) - keep]
                 self._pending = pending[len(pending) - keep :]
                 return Split(reasoning, content)

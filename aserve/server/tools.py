@@ -18,6 +18,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from aserve.textstream import partial_marker_length
+
 HERMES = "qwen_3"
 LLAMA = "llama"
 HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -146,11 +148,7 @@ class ToolTextStream:
             self.held = True
             out, self.sent = self.text[self.sent : found], found
             return out
-        safe = len(self.text)  # keep back a tail that could be the marker's beginning
-        for size in range(min(len(HERMES_START) - 1, len(self.text)), 0, -1):
-            if HERMES_START.startswith(self.text[-size:]):
-                safe = len(self.text) - size
-                break
+        safe = len(self.text) - partial_marker_length(self.text, HERMES_START)
         out, self.sent = self.text[self.sent : safe], max(self.sent, safe)
         return out
 
