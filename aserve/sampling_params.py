@@ -91,9 +91,10 @@ class SamplingParams:
     faster batch-wide kernels (see aserve/engine/sampler.py).
 
     `prompt_logprobs` (vLLM's field; OpenAI completions' `echo` with `logprobs`): the
-    log-probability of every prompt token after the first under the model, with that many
-    alternatives. Such a prompt is computed whole, not taken from the prefix cache, whose
-    tokens have no logits.
+    log-probability of every prompt token from `prompt_logprobs_from` on (by default every
+    token after the first; SGLang's `logprob_start_len`) under the model, with that many
+    alternatives. The positions that score them are computed, not taken from the prefix
+    cache, whose tokens have no logits; the prompt before them may come from the cache.
 
     `logit_bias` (OpenAI's): token id -> a number in [-100, 100] added to that token's
     logit before sampling (a dict or (id, bias) pairs; kept as pairs sorted by id).
@@ -123,6 +124,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     prompt_logprobs: int | None = None
+    prompt_logprobs_from: int = 1
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     json_schema: str | dict[str, Any] | None = None
@@ -150,6 +152,10 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not bound.admits(value):
                 raise SamplingError(f"{name} must be {bound.describe()}, got {value}")
+        if self.prompt_logprobs_from < 1:
+            raise SamplingError(
+                f"prompt_logprobs_from must be at least 1, got {self.prompt_logprobs_from}"
+            )
         if self.min_tokens and given:  # the grammar decides where the output ends
             raise SamplingError(f"min_tokens and {given[0]} cannot be combined: choose one")
         if self.min_tokens > self.max_tokens:

@@ -5,6 +5,7 @@ requests that do not ask for them."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from aserve import LLM, SamplingParams
+from aserve.sampling_params import SamplingError
 from aserve.scheduler import plan
 from tests.test_models import hf_model
 from tests.tiny_models import make_tiny_model
@@ -93,9 +95,34 @@ def test_prompt_logprobs_ignore_the_prefix_cache_and_share_a_batch(
     llm.scheduler.check_integrity()
 
 
-def test_prompt_logprobs_out_of_range_are_refused() -> None:
-    from aserve.sampling_params import SamplingError
+@pytest.mark.parametrize("prefill", [4096, 8], ids=["whole", "chunked"])
+def test_prompt_logprobs_from_a_token_take_the_prefix_before_it_from_the_cache(
+    tiny: Path, make_llm: Callable[..., LLM], prefill: int
+) -> None:
+    """`prompt_logprobs_from` (SGLang's logprob_start_len): the tokens from there on get the
+    values the whole prompt's scoring gives them; the prompt before the first scored
+    position comes from the prefix cache when it is there, the scored positions never do."""
+    llm = make_llm(tiny, page_size=4, max_prefill_length=prefill)
+    expected = expected_logprobs(tiny, PROMPT)
+    planner = llm.scheduler.planner
+    for start in (23, len(PROMPT) - 1):
+        tail = dataclasses.replace(SCORED, prompt_logprobs_from=start)
+        for _ in range(2):  # cold, then with PROMPT's pages cached by the run before
+            cached_before = planner.prompt_tokens_cached
+            out = llm.generate([PROMPT], tail)[0]
+            assert out.prompt_logprobs is not None
+            assert_scores(out.prompt_logprobs, PROMPT[start - 1 :], expected[start - 1 :])
+        assert planner.prompt_tokens_cached - cached_before == (start - 1) // 4 * 4
+    llm.scheduler.check_integrity()
+    whole = llm.generate([PROMPT], SCORED)[0]  # a whole scoring after all that: nothing cached
+    assert_scores(whole.prompt_logprobs, PROMPT, expected)
+    past = llm.generate([PROMPT], dataclasses.replace(SCORED, prompt_logprobs_from=len(PROMPT)))
+    assert past[0].error is not None and "prompt logprobs from token 41" in past[0].error
+    with pytest.raises(SamplingError, match="prompt_logprobs_from"):
+        SamplingParams(prompt_logprobs=1, prompt_logprobs_from=0)
 
+
+def test_prompt_logprobs_out_of_range_are_refused() -> None:
     for bad in (-1, 21):
         with pytest.raises(SamplingError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)

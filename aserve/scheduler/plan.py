@@ -105,7 +105,7 @@ class Planner:
         for req in self.running:
             if req.decoding or budget == 0:
                 continue
-            n = min(req.extend_len, budget, scored_budget if req.scoring else budget)
+            n = min(req.chunk_limit, budget, scored_budget if req.scoring else budget)
             if n == 0:
                 continue
             if not self._grow(req, req.cached_len + n):
@@ -116,15 +116,14 @@ class Planner:
             scored_budget -= n if req.scoring else 0
         while self.waiting and budget > 0 and self._can_admit():
             req = self.waiting[0]
-            scoring = req.scoring
-            n = self._admit(req, min(budget, scored_budget) if scoring else budget)
+            n = self._admit(req, budget, scored_budget)
             if n == 0:
                 break
             self.waiting.popleft()
             reqs.append(req)
             extends.append(n)
             budget -= n
-            scored_budget -= n if scoring else 0
+            scored_budget -= n if req.scoring else 0
         if not reqs:
             return None
         samples = [r.cached_len + n == r.total_len for r, n in zip(reqs, extends)]
@@ -142,19 +141,25 @@ class Planner:
             len(self.running) < self.config.max_running_requests and self.page_table.free_rows > 0
         )
 
-    def _admit(self, req: Req, budget: int) -> int:
+    def _admit(self, req: Req, budget: int, scored_budget: int) -> int:
         """Match the cached prefix, take a row and pages; returns the tokens to prefill now
         (0 when the budget is 0 or the pool cannot hold even the first chunk, leaving `req`
-        waiting). A request scoring its prompt matches nothing: it needs every position's
-        logits."""
+        waiting). A request scoring its prompt matches only what comes before the positions
+        it scores: those need their logits."""
         if budget == 0:
             return 0
-        match = self.cache.match([] if req.scoring else req.all_ids[: req.total_len - 1])
+        match = self.cache.match(req.all_ids[: req.reusable_len])
         self.cache.lock(match.handle)
-        n = min(req.total_len - match.length, budget)
+        req.cached_len = match.length  # what `chunk_limit` and `scoring` count from
+        n = min(req.chunk_limit, budget, scored_budget if req.scoring else budget)
+        if n == 0:
+            self.cache.unlock(match.handle)
+            req.cached_len = 0
+            return 0
         need = pages_needed(match.length + n, self.page_size) - len(match.pages)
         if not self._reserve(need):
             self.cache.unlock(match.handle)
+            req.cached_len = 0
             return 0
         new_pages = self.allocator.alloc(need)
         assert new_pages is not None

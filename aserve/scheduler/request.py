@@ -200,9 +200,10 @@ class Req:
     been prefilled: from then on each step feeds the last sampled token.
 
     With `params.prompt_logprobs`, `prompt_logprobs[p]` is prompt token p + 1's, filled as
-    the steps computing position p come back; `scored_len` prompt positions have had their
-    logits launched (a retracted request keeps both: results in flight still land, and it
-    does not score its prompt again).
+    the steps computing position p come back, from position `score_from` on (the positions
+    before it may come from the prefix cache and are prefilled in chunks of their own);
+    `scored_len` prompt positions have had their logits launched (a retracted request keeps
+    both: results in flight still land, and it does not score its prompt again).
 
     A constrained request carries its compiled `grammar` (aserve/constrained/); the scheduler
     gives it a `matcher` at submission and feeds it every sampled token, or with
@@ -234,11 +235,38 @@ class Req:
     grammar_after: int | None = None
 
     @property
-    def scoring(self) -> bool:
-        """Its next prefill chunk must give logits at every position (prompt logprobs)."""
+    def score_from(self) -> int:
+        """The first prompt position whose logits prompt logprobs need."""
+        return self.params.prompt_logprobs_from - 1
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Prompt positions are still to be scored (prompt logprobs)."""
+        last = len(self.prompt_ids) - 1  # the last position's logits sample, scoring none
         return (
-            self.params.prompt_logprobs is not None and self.scored_len < len(self.prompt_ids) - 1
+            self.params.prompt_logprobs is not None and max(self.scored_len, self.score_from) < last
         )
+
+    @property
+    def scoring(self) -> bool:
+        """Its next prefill chunk must give logits at every position."""
+        return self.scores_prompt and self.cached_len >= self.score_from
+
+    @property
+    def reusable_len(self) -> int:
+        """How much of the sequence the prefix cache may supply: all but the last token
+        (whose logits sample), and none of the positions still to be scored."""
+        if self.scores_prompt:
+            return min(self.total_len - 1, self.score_from)
+        return self.total_len - 1
+
+    @property
+    def chunk_limit(self) -> int:
+        """The most tokens its next prefill chunk may take: up to the first position to
+        score, so that a chunk is scored whole or not at all."""
+        if self.scores_prompt and self.cached_len < self.score_from:
+            return self.score_from - self.cached_len
+        return self.extend_len
 
     @property
     def all_ids(self) -> list[int]:

@@ -154,6 +154,12 @@ class Scheduler:
             )
         if req.params.constraint is not None and self.grammars is None:
             return "constrained output needs the model's tokenizer, and this model has none"
+        first_scored = req.params.prompt_logprobs_from
+        if req.params.prompt_logprobs is not None and first_scored > max(n - 1, 1):
+            return (
+                f"prompt logprobs from token {first_scored} asked of a prompt of {n} tokens "
+                "(the last one's is the latest there is)"
+            )
         return None
 
     def submit(self, req: Req) -> None:
@@ -438,16 +444,16 @@ class Scheduler:
 
     @staticmethod
     def _prompt_logprobs(req: Req) -> tuple[TokenLogprob, ...]:
-        """What goes out with the first token: every prompt position's logprob, all filled
-        by then (the steps that computed them came back earlier or with this one)."""
+        """What goes out with the first token: the logprob of every prompt position it
+        scores, all filled by then (the steps that computed them came back earlier or with
+        this one)."""
         if req.params.prompt_logprobs is None:
             return ()
-        filled = tuple(lp for lp in req.prompt_logprobs if lp is not None)
-        if len(filled) != len(req.prompt_logprobs):
+        wanted = req.prompt_logprobs[req.score_from :]
+        filled = tuple(lp for lp in wanted if lp is not None)
+        if len(filled) != len(wanted):
             logger.error(
-                "request %d: %d prompt logprobs missing",
-                req.rid,
-                len(req.prompt_logprobs) - len(filled),
+                "request %d: %d prompt logprobs missing", req.rid, len(wanted) - len(filled)
             )
         return filled
 
