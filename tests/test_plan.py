@@ -165,9 +165,7 @@ def test_forward_batch_takes_slots_from_the_host_mirror_and_ids_from_the_token_t
 def decode_batch(reqs: list[Req]) -> ScheduledBatch:
     size = len(reqs)
     starts = [r.cached_len for r in reqs]
-    return ScheduledBatch(
-        ForwardMode.DECODE, reqs, [1] * size, [True] * size, starts, [False] * size
-    )
+    return ScheduledBatch(ForwardMode.DECODE, reqs, [1] * size, [True] * size, starts, [0] * size)
 
 
 def test_sampling_batch_is_reused_only_while_nothing_in_it_changes() -> None:

@@ -95,13 +95,22 @@ def test_prompt_logprobs_ignore_the_prefix_cache_and_share_a_batch(
     llm.scheduler.check_integrity()
 
 
-@pytest.mark.parametrize("prefill", [4096, 8], ids=["whole", "chunked"])
+@pytest.mark.parametrize(
+    ("prefill", "scored_rows"),
+    [(4096, 1024), (8, 1024), (4096, 5)],
+    ids=["whole", "chunked", "cut"],
+)
 def test_prompt_logprobs_from_a_token_take_the_prefix_before_it_from_the_cache(
-    tiny: Path, make_llm: Callable[..., LLM], prefill: int
+    tiny: Path,
+    make_llm: Callable[..., LLM],
+    monkeypatch: pytest.MonkeyPatch,
+    prefill: int,
+    scored_rows: int,
 ) -> None:
     """`prompt_logprobs_from` (SGLang's logprob_start_len): the tokens from there on get the
     values the whole prompt's scoring gives them; the prompt before the first scored
     position comes from the prefix cache when it is there, the scored positions never do."""
+    monkeypatch.setattr(plan, "SCORED_ROWS_PER_STEP", scored_rows)
     llm = make_llm(tiny, page_size=4, max_prefill_length=prefill)
     expected = expected_logprobs(tiny, PROMPT)
     planner = llm.scheduler.planner

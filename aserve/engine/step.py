@@ -24,9 +24,10 @@ _MODES = (ForwardMode.PREFILL, ForwardMode.DECODE)
 
 @dataclass(frozen=True)
 class StepSpec:
-    """`input_ids` is empty in decode; `scored[i]` is 1 where request i wants logits at every
-    position of its chunk. `page_writes` are what rank 0's planner wrote into its page table
-    since the previous step; followers replay them before building the batch."""
+    """`input_ids` is empty in decode; request i wants logits at the last `scored[i]`
+    positions of its chunk (prompt logprobs), at its last alone where that is 0.
+    `page_writes` are what rank 0's planner wrote into its page table since the previous
+    step; followers replay them before building the batch."""
 
     mode: ForwardMode
     rows: list[int]
@@ -74,7 +75,7 @@ def forward_batch(spec: StepSpec, page_table: PageTable, device: torch.device) -
     mirror), so the batch's integers travel in one host-to-device copy. Decode input ids are
     the previous step's sampled ids, which only the device knows while that step is in
     flight: one gather from the token table fetches them. Logits are taken at each request's
-    last token, and at every token of a scored chunk; `sample_rows` then picks the last ones.
+    last token, and at the scored tokens of a chunk; `sample_rows` then picks the last ones.
     """
     prefix_lens, extend_lens = spec.prefix_lens, spec.extend_lens
     seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
@@ -95,7 +96,8 @@ def forward_batch(spec: StepSpec, page_table: PageTable, device: torch.device) -
         input_ids = np.asarray(spec.input_ids, dtype=np.int64)
         logit_indices = ends - 1
         if any(spec.scored):
-            wanted = np.repeat(np.asarray(spec.scored, dtype=bool), extends)
+            scored = np.asarray(spec.scored, dtype=np.int64)
+            wanted = offsets >= np.repeat(extends - scored, extends)
             wanted[ends - 1] = True
             logit_indices = np.flatnonzero(wanted).astype(np.int64)
             sample_rows = np.searchsorted(logit_indices, ends - 1).astype(np.int64)

@@ -24,16 +24,16 @@ def step_spec(planned: ScheduledBatch, page_table: PageTable) -> StepSpec:
         rows=[r.slot for r in reqs],
         prefix_lens=prefix_lens,
         extend_lens=list(planned.extend_lens),
-        scored=[int(s) for s in planned.scored],
+        scored=list(planned.scored),
         input_ids=input_ids,
         page_writes=page_table.take_writes(),
     )
 
 
 def prompt_scoring(planned: ScheduledBatch, device: torch.device) -> PromptScoring | None:
-    """The targets of a step's logits rows, laid out as `forward_batch` takes them (every
-    position of a scored chunk, else the last): the prompt token after each scored position.
-    None for a step without scored chunks."""
+    """The targets of a step's logits rows, laid out as `forward_batch` takes them (the
+    scored positions at a chunk's end, else its last): the prompt token after each scored
+    position. None for a step without scored chunks."""
     if not any(planned.scored):
         return None
     targets: list[int] = []
@@ -45,7 +45,10 @@ def prompt_scoring(planned: ScheduledBatch, device: torch.device) -> PromptScori
             targets.append(0)
             continue
         prompt = req.prompt_ids
-        targets.extend(prompt[p + 1] if p + 1 < len(prompt) else 0 for p in range(start, start + n))
+        end = start + n
+        targets.extend(
+            prompt[p + 1] if p + 1 < len(prompt) else 0 for p in range(end - scored, end)
+        )
         top = max(top, req.params.prompt_logprobs or 0)
     return PromptScoring(torch.tensor(targets).to(device, non_blocking=True), top)
 

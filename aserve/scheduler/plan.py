@@ -31,7 +31,8 @@ to this budget, shared by the step's scoring requests."""
 class ScheduledBatch:
     """Requests of one step with the tokens each computes from position `starts[i]` on;
     `samples[i]` is False for a chunk that does not yet reach the end of its request's
-    sequence; `scored[i]` asks for logits at every position of the chunk (prompt logprobs).
+    sequence; `scored[i]` asks for logits at that many positions at the end of the chunk
+    (prompt logprobs).
     `output_slots[i]` is where request i's sampled token goes in its `output_ids` (set at
     launch)."""
 
@@ -40,7 +41,7 @@ class ScheduledBatch:
     extend_lens: list[int]
     samples: list[bool]
     starts: list[int]
-    scored: list[bool]
+    scored: list[int]
     output_slots: list[int] = field(default_factory=list)
 
 
@@ -102,18 +103,20 @@ class Planner:
         scored_budget = SCORED_ROWS_PER_STEP
         reqs: list[Req] = []
         extends: list[int] = []
+        scored: list[int] = []
         for req in self.running:
             if req.decoding or budget == 0:
                 continue
-            n = min(req.chunk_limit, budget, scored_budget if req.scoring else budget)
+            n = min(req.extend_len, budget, req.unscored_ahead + scored_budget)
             if n == 0:
                 continue
             if not self._grow(req, req.cached_len + n):
                 break
             reqs.append(req)
             extends.append(n)
+            scored.append(req.scored_rows(n))
             budget -= n
-            scored_budget -= n if req.scoring else 0
+            scored_budget -= scored[-1]
         while self.waiting and budget > 0 and self._can_admit():
             req = self.waiting[0]
             n = self._admit(req, budget, scored_budget)
@@ -122,18 +125,14 @@ class Planner:
             self.waiting.popleft()
             reqs.append(req)
             extends.append(n)
+            scored.append(req.scored_rows(n))
             budget -= n
-            scored_budget -= n if req.scoring else 0
+            scored_budget -= scored[-1]
         if not reqs:
             return None
         samples = [r.cached_len + n == r.total_len for r, n in zip(reqs, extends)]
         return ScheduledBatch(
-            ForwardMode.PREFILL,
-            reqs,
-            extends,
-            samples,
-            [r.cached_len for r in reqs],
-            [r.scoring for r in reqs],
+            ForwardMode.PREFILL, reqs, extends, samples, [r.cached_len for r in reqs], scored
         )
 
     def _can_admit(self) -> bool:
@@ -150,8 +149,8 @@ class Planner:
             return 0
         match = self.cache.match(req.all_ids[: req.reusable_len])
         self.cache.lock(match.handle)
-        req.cached_len = match.length  # what `chunk_limit` and `scoring` count from
-        n = min(req.chunk_limit, budget, scored_budget if req.scoring else budget)
+        req.cached_len = match.length  # what `unscored_ahead` counts from
+        n = min(req.extend_len, budget, req.unscored_ahead + scored_budget)
         if n == 0:
             self.cache.unlock(match.handle)
             req.cached_len = 0
@@ -192,7 +191,7 @@ class Planner:
         size = len(reqs)
         starts = [r.cached_len for r in reqs]
         return ScheduledBatch(
-            ForwardMode.DECODE, reqs, [1] * size, [True] * size, starts, [False] * size
+            ForwardMode.DECODE, reqs, [1] * size, [True] * size, starts, [0] * size
         )
 
     @staticmethod

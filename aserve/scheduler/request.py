@@ -201,7 +201,7 @@ class Req:
 
     With `params.prompt_logprobs`, `prompt_logprobs[p]` is prompt token p + 1's, filled as
     the steps computing position p come back, from position `score_from` on (the positions
-    before it may come from the prefix cache and are prefilled in chunks of their own);
+    before it may come from the prefix cache, and need no logits);
     `scored_len` prompt positions have had their logits launched (a retracted request keeps
     both: results in flight still land, and it does not score its prompt again).
 
@@ -248,11 +248,6 @@ class Req:
         )
 
     @property
-    def scoring(self) -> bool:
-        """Its next prefill chunk must give logits at every position."""
-        return self.scores_prompt and self.cached_len >= self.score_from
-
-    @property
     def reusable_len(self) -> int:
         """How much of the sequence the prefix cache may supply: all but the last token
         (whose logits sample), and none of the positions still to be scored."""
@@ -261,12 +256,18 @@ class Req:
         return self.total_len - 1
 
     @property
-    def chunk_limit(self) -> int:
-        """The most tokens its next prefill chunk may take: up to the first position to
-        score, so that a chunk is scored whole or not at all."""
-        if self.scores_prompt and self.cached_len < self.score_from:
-            return self.score_from - self.cached_len
+    def unscored_ahead(self) -> int:
+        """Positions its next prefill chunk can take before the first one it must score."""
+        if self.scores_prompt:
+            return max(0, self.score_from - self.cached_len)
         return self.extend_len
+
+    def scored_rows(self, n: int) -> int:
+        """How many of the next chunk's `n` positions, counted back from its end, need their
+        logits for prompt logprobs."""
+        if not self.scores_prompt:
+            return 0
+        return max(0, n - self.unscored_ahead)
 
     @property
     def all_ids(self) -> list[int]:

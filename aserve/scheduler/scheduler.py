@@ -435,7 +435,7 @@ class Scheduler:
                 row += 1
                 continue
             k = req.params.prompt_logprobs or 0
-            for position in range(start, start + n):
+            for position in range(start + n - scored, start + n):
                 if position < len(req.prompt_logprobs):
                     top = tuple(zip(top_ids[row][:k], top_values[row][:k])) if k else ()
                     token = req.prompt_ids[position + 1]
