@@ -70,13 +70,22 @@ def test_overlap_keeps_penalised_outputs(make_llm: Callable[..., LLM], tiny: Pat
     assert results(overlapped, params) == results(plain, params)
 
 
-def test_overlap_abort_spares_the_others(make_llm: Callable[..., LLM], tiny: Path) -> None:
+@pytest.mark.parametrize("penalty", [0.0, 1.5], ids=["free", "penalised"])
+def test_overlap_abort_spares_the_others(
+    make_llm: Callable[..., LLM], tiny: Path, penalty: float
+) -> None:
+    """An abort that lands while the loop waits on the step in flight: with penalties the
+    next step's sampling is launched right after (it counts the tokens so far), and the
+    aborted request's token of the step in flight must be among them, not a placeholder."""
     plain, overlapped = both(make_llm, tiny)
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0, max_tokens=30, ignore_eos=True, frequency_penalty=penalty
+    )
     expected = plain.generate([PROMPTS[1]], params)[0].token_ids
     overlapped.generate([[1, 2]], SamplingParams(max_tokens=1))
     reason, produced = abort_one_of_two(overlapped, PROMPTS[0], PROMPTS[1], params, 3)
     assert reason is FinishReason.ABORT and produced == expected
+    overlapped.scheduler.check_integrity()
 
 
 def test_overlap_keeps_constrained_and_penalised_outputs(

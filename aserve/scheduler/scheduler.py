@@ -399,10 +399,14 @@ class Scheduler:
     ) -> None:
         for i in rows:
             req, slot = planned.reqs[i], planned.output_slots[i]
-            if slot < 0 or req.status is ReqStatus.FINISHED or req.aborted:
+            if slot < 0 or req.status is ReqStatus.FINISHED:
                 continue
             token = next_ids[i]
+            # An aborted request keeps its token too: it ends at the next loop turn, and a
+            # step launched before then may read its tokens (penalties count them).
             req.output_ids[slot] = token
+            if req.aborted:
+                continue
             logprobs = (
                 (out.to_token_logprobs(i, req.params.top_logprobs),) if req.params.logprobs else ()
             )
