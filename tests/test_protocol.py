@@ -102,7 +102,7 @@ def test_chat_refusals_name_the_field(
         (openai.parse_generate, {"text": "a", "input_ids": [1]}, None, "exactly one of"),
         (
             openai.parse_generate,
-            {"text": "a", "sampling_params": {"max_new_tokens": 0}},
+            {"text": "a", "sampling_params": {"max_new_tokens": -1}},
             "sampling_params",
             "'sampling_params.max_new_tokens'",
         ),
@@ -157,7 +157,7 @@ def test_defaults_fill_only_what_a_request_leaves_unset() -> None:
     assert chat({"messages": USER}).params == SamplingParams(max_tokens=1)
     completion = openai.parse_completion(b'{"prompt": "x"}', defaults)
     assert completion.max_tokens == 100 and completion.params.temperature == 0.2
-    generate = openai.parse_generate(b'{"text": "x"}', {"temperature": 0.5})
+    generate = openai.parse_generate(b'{"text": "x"}', {"temperature": 0.5}).prompts[0]
     assert generate.max_tokens == 128 and generate.params.temperature == 0.5
 
 

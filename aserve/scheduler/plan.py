@@ -165,6 +165,8 @@ class Planner:
         req.slot = self.page_table.alloc_row()
         req.pages = match.pages + new_pages
         req.prefix_len = req.cached_len = match.length
+        if not req.output_ids:
+            req.cached_tokens = match.length
         req.cache_handle = match.handle
         req.status = ReqStatus.RUNNING
         self.prompt_tokens_admitted += req.total_len

@@ -222,6 +222,7 @@ class Req:
     pages: list[int] = field(default_factory=list)
     cached_len: int = 0
     prefix_len: int = 0
+    cached_tokens: int = 0  # prompt tokens the prefix cache supplied before the first token
     decoding: bool = False
     cache_handle: object | None = None
     finish_reason: FinishReason | None = None

@@ -205,6 +205,16 @@ class Server:
             text = await require_tokenizer(runtime).decode_async(body.tokens)
         return json_response({"prompt": text})
 
+    async def abort_request(self, request: web.Request) -> web.Response:
+        """SGLang's: end a /generate request by its rid (or every one); its reply ends with
+        finish reason abort. An unknown rid is no error (it may just have finished)."""
+        _, limits = self.state.ready()
+        body = openai.parse_body(protocol.AbortRequest, await limits.read_body(request))
+        if body.rid is None and not body.abort_all:
+            raise APIError("send 'rid', or 'abort_all': true", param="rid")
+        aborted = self.state.native_rids.abort(None if body.abort_all else body.rid)
+        return json_response({"aborted": aborted})
+
     async def openapi(self, request: web.Request) -> web.Response:
         return json_response(self._spec)
 
@@ -218,6 +228,7 @@ class Server:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_endpoint)
         app.router.add_post("/generate", completions.generate)
+        app.router.add_post("/abort_request", self.abort_request)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/openapi.json", self.openapi)

@@ -22,11 +22,12 @@ from aserve.server import openai
 from aserve.server.generation import Choice, Delta
 from aserve.server.http import json_response, sse
 from aserve.server.limits import InputLimits
+from aserve.server.native import NativeShaper
 from aserve.server.openai import APIError, GenerationRequest, ResponseHead
 from aserve.server.reasoning import THINK_END, closes_thinking, opens_thinking
 from aserve.server.responses import ResponseShaper
 from aserve.server.state import ServerState, require_tokenizer
-from aserve.server.streaming import ChoiceStream, EventWriter
+from aserve.server.streaming import ChoiceStream, EventWriter, Shaper
 from aserve.server.tools import forcing_tag, tool_format
 from aserve.tokenizer import Tokenizer
 
@@ -108,28 +109,47 @@ class Completions:
             return await self._generate(request, runtime, parsed, prompts)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        """SGLang's native route: text or input_ids in, text and output_ids out."""
+        """SGLang's native route: a prompt or a batch, text or token ids, whole or streamed
+        (server/native.py shapes the reply)."""
         runtime, limits = self.state.ready()
-        with self.state.admission.reserve():
-            parsed = openai.parse_generate(
+        with self.state.admission.reserve() as places:
+            native = openai.parse_generate(
                 await limits.read_body(request), runtime.sampling_defaults
             )
-            prompts = await self._tokenized(runtime, limits, parsed)
-            grammar = await self._grammar(runtime, parsed)
-            choice = self._make_choices(runtime, parsed, prompts, grammar)[0]
-            deltas = await self._collect(choice, time.monotonic())
-        output_ids = [t for d in deltas for t in d.token_ids]
-        return json_response(
-            {
-                "text": "".join(d.text for d in deltas),
-                "output_ids": output_ids,
-                "meta_info": {
-                    "prompt_tokens": len(prompts[0]),
-                    "completion_tokens": len(output_ids),
-                    "finish_reason": {"type": deltas[-1].finish_reason if deltas else "abort"},
-                },
-            }
-        )
+            places.resize(native.size)
+            prompts = await asyncio.gather(
+                *(self._tokenized(runtime, limits, parsed) for parsed in native.prompts)
+            )
+            choices: list[Choice] = []
+            rids: list[str] = []
+            for parsed, (prompt,), rid in zip(native.prompts, prompts, native.rids):
+                parsed = self._scored_from(native, parsed, prompt)
+                grammar = await self._grammar(runtime, parsed)
+                made = self._make_choices(runtime, parsed, [prompt], grammar)
+                choices += made
+                base = rid or openai.new_id("gen")
+                rids += [base] if len(made) == 1 else [f"{base}-{i}" for i in range(len(made))]
+            with self.state.native_rids.hold(rids, choices):
+                shaper = NativeShaper(native, runtime.tokenizer, choices, rids, time.monotonic())
+                return await self._respond(request, shaper, choices, native.stream)
+
+    @staticmethod
+    def _scored_from(
+        native: openai.NativeRequest, parsed: GenerationRequest, prompt: list[int]
+    ) -> GenerationRequest:
+        """With return_logprob, the prompt is scored from logprob_start_len (-1: its last
+        token alone); the first token has no logprob, so a start of 0 scores from token 1."""
+        if not native.return_logprob:
+            return parsed
+        start = native.logprob_start_len
+        if start >= len(prompt):
+            raise APIError(
+                f"logprob_start_len is {start}, but the prompt has {len(prompt)} tokens",
+                param="logprob_start_len",
+            )
+        first = max(1, len(prompt) - 1 if start < 0 else start)
+        params = dataclasses.replace(parsed.params, prompt_logprobs_from=first)
+        return dataclasses.replace(parsed, params=params)
 
     async def _tokenized(
         self, runtime: Runtime, limits: InputLimits, parsed: GenerationRequest
@@ -206,7 +226,7 @@ class Completions:
                 problem = choice.prepare()
                 if problem is not None:
                     biased = problem.startswith("logit_bias")
-                    raise APIError(problem, param="logit_bias" if biased else "prompt")
+                    raise APIError(problem, param="logit_bias" if biased else parsed.prompt_field)
                 choices.append(choice)
         return choices
 
@@ -222,8 +242,14 @@ class Completions:
         prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
         head = ResponseHead(openai.new_id(prefix), self.state.model_name)
         shaper = ResponseShaper(parsed, head, runtime, choices)
+        return await self._respond(request, shaper, choices, parsed.stream)
+
+    async def _respond(
+        self, request: web.Request, shaper: Shaper, choices: list[Choice], stream: bool
+    ) -> web.StreamResponse:
+        """Run the choices to their end: one JSON body, or their SSE events as they come."""
         started = time.monotonic()
-        if parsed.stream:
+        if stream:
             # Submit, then let the loop turn before preparing the response: the handlers of a
             # burst resume together once their prompts are encoded, and this way the scheduler
             # plans its first prefill after all of them have submitted, not after all have
@@ -265,7 +291,7 @@ class Completions:
     async def _stream(
         self,
         request: web.Request,
-        shaper: ResponseShaper,
+        shaper: Shaper,
         choices: list[Choice],
         started: float,
     ) -> web.StreamResponse:

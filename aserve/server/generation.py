@@ -48,6 +48,7 @@ class Choice:
     last_token_at: float = 0.0
     started: bool = False
     done: bool = False
+    matched: str | int | None = None  # what stopped it: a stop string, or the token's id
     _stream: TextStream | None = field(default=None, repr=False)
 
     def prepare(self) -> str | None:
@@ -78,6 +79,12 @@ class Choice:
     def cancel(self) -> None:
         """End the request unless it has ended."""
         if self.started and self.req is not None and self.req.finish_reason is None:
+            self.scheduler.abort(self.req)
+
+    def abort(self) -> None:
+        """End the request, started or not (SGLang's /abort_request): one not yet handed
+        to the scheduler ends as soon as it is."""
+        if self.req is not None and self.req.finish_reason is None:
             self.scheduler.abort(self.req)
 
     async def run(self) -> AsyncIterator[Delta]:
@@ -112,14 +119,18 @@ class Choice:
             raise RuntimeError(out.error or "generation failed")
         if stopped:
             self.done = True
+            self.matched = self._stream.matched if self._stream is not None else None
             self.scheduler.abort(self.req)
             return Delta(text, ids, list(out.logprobs), "stop", prompt)
         if out.finish_reason is not None:
             self.done = True
             reason = out.finish_reason.value
+            if reason == "stop" and ids:
+                self.matched = ids[-1]
             if self._stream is not None:
                 text += self._stream.finish()
-                reason = "stop" if self._stream.stopped else reason
+                if self._stream.stopped:
+                    reason, self.matched = "stop", self._stream.matched
             return Delta(text, ids, list(out.logprobs), reason, prompt)
         if text or ids:
             return Delta(text, ids, list(out.logprobs), None, prompt)

@@ -81,6 +81,7 @@ class GenerationRequest:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     thinking_opened: bool | None = None  # with a reasoning parser: the reply starts thinking
     grammar_after: int | None = None  # a constrained reply's grammar starts after this token
+    prompt_field: str = "prompt"  # the field that held the prompt, for errors
 
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -121,6 +122,8 @@ def validation_message(error: ValidationError) -> tuple[str, str | None]:
             continue
         if index and isinstance(loc[index - 1], int) and part in protocol.MESSAGE_ROLES:
             continue  # the tag of a message's role, not a field
+        if part[:1].isupper() or "[" in part:
+            continue  # the branch of a union (`GenerateSampling`, `list[...]`), not a field
         path += f".{part}" if path else part
         if part in UNION_HINTS:
             union = part
@@ -414,25 +417,108 @@ def parse_completion(raw: bytes, defaults: SamplingDefaults) -> GenerationReques
     )
 
 
-def parse_generate(raw: bytes, defaults: SamplingDefaults) -> GenerationRequest:
-    """SGLang's /generate as a one-prompt completion."""
+@dataclass
+class NativeRequest:
+    """SGLang's /generate: a GenerationRequest per prompt (its sampling_params and `n`), the
+    rid each was given, and how the reply reports logprobs."""
+
+    prompts: list[GenerationRequest]
+    rids: list[str | None]
+    batched: bool  # the reply is a list: a list of prompts, or n > 1
+    stream: bool
+    return_logprob: bool
+    logprob_start_len: int  # -1: the last prompt token's logprob alone
+    return_text_in_logprobs: bool
+
+    @property
+    def size(self) -> int:
+        return sum(p.n for p in self.prompts)
+
+
+def parse_generate(raw: bytes, defaults: SamplingDefaults) -> NativeRequest:
+    """SGLang's /generate: each prompt a completion of its own."""
     request = parse_body(protocol.GenerateRequest, raw)
-    sampling = request.sampling_params or protocol.GenerateSampling()
-    max_tokens = int(
-        sampling.max_new_tokens or defaults.get("max_tokens") or GENERATE_DEFAULT_MAX_TOKENS
+    texts: list[str] = []
+    token_ids: list[list[int]] = []
+    if isinstance(request.text, str):
+        texts = [request.text]
+    elif request.text is not None:
+        texts = list(request.text)
+    elif request.input_ids and isinstance(request.input_ids[0], int):
+        token_ids = [list(request.input_ids)]  # type: ignore[arg-type]
+    else:
+        token_ids = [list(p) for p in request.input_ids or []]  # type: ignore[union-attr]
+    listed = isinstance(request.text, list) or (
+        request.input_ids is not None and isinstance(request.input_ids[0], list)
     )
+    count = len(texts) or len(token_ids)
+    sampling = request.sampling_params or protocol.GenerateSampling()
+    samplings = sampling if isinstance(sampling, list) else [sampling] * count
+    rids = [request.rid] if isinstance(request.rid, str) else request.rid or [None] * count
+    for name, values in (("sampling_params", samplings), ("rid", rids)):
+        if len(values) != count:
+            raise APIError(
+                f"'{name}' lists {len(values)} entries for {count} prompt(s): give one each",
+                param=name,
+            )
+    if len(set(rids)) != count and None not in rids:
+        raise APIError("each prompt needs its own rid", param="rid")
+    logprobs = bool(request.return_logprob)
+    top = (request.top_logprobs_num or 0) if logprobs else 0
+    prompts = [
+        _native_prompt(fields, defaults, logprobs, top, texts[i : i + 1], token_ids[i : i + 1])
+        for i, fields in enumerate(samplings)
+    ]
+    start = -1 if request.logprob_start_len is None else request.logprob_start_len
+    return NativeRequest(
+        prompts=prompts,
+        rids=list(rids),
+        batched=listed or any(p.n > 1 for p in prompts),
+        stream=bool(request.stream),
+        return_logprob=logprobs,
+        logprob_start_len=start,
+        return_text_in_logprobs=bool(request.return_text_in_logprobs),
+    )
+
+
+def _native_prompt(
+    sampling: protocol.GenerateSampling,
+    defaults: SamplingDefaults,
+    logprobs: bool,
+    top: int,
+    texts: list[str],
+    token_ids: list[list[int]],
+) -> GenerationRequest:
+    """One prompt of /generate; with return_logprob its prompt is scored too (from where
+    logprob_start_len says, once its length is known)."""
+    max_tokens = sampling.max_new_tokens
+    if max_tokens is None:
+        max_tokens = int(defaults.get("max_tokens") or GENERATE_DEFAULT_MAX_TOKENS)
+    prompt_only = max_tokens == 0  # one token is drawn to end it, then dropped
     constraint_field, constraint = _constraint(sampling)
+    params = _sampling_params(
+        sampling,
+        defaults,
+        1 if prompt_only else max_tokens,
+        logprobs,
+        top,
+        top if logprobs else None,
+        constraint,
+    )
     return GenerationRequest(
         kind="completion",
         model="",
-        params=_sampling_params(sampling, defaults, max_tokens, False, 0, None, constraint),
-        max_tokens=max_tokens,
+        params=params,
+        max_tokens=1 if prompt_only else max_tokens,
+        n=sampling.n or 1,
+        prompt_only=prompt_only,
         constraint_field=constraint_field,
         stop=_stop_strings(sampling.stop),
         skip_special_tokens=sampling.skip_special_tokens is not False,
         include_stop=bool(sampling.no_stop_trim),
-        texts=[request.text] if request.text is not None else [],
-        token_ids=[list(request.input_ids)] if request.input_ids is not None else [],
+        texts=texts,
+        token_ids=token_ids,
+        prompt_field="text" if texts else "input_ids",
     )
 
 

@@ -70,9 +70,18 @@ OPERATIONS = (
     Operation(
         "post",
         "/generate",
-        "SGLang's native generation route",
+        "SGLang's native generation route; with stream: true, SSE events that each carry "
+        "an item's output so far, ending with data: [DONE]",
         protocol.GenerateRequest,
+        protocol.GenerateReply,
         protocol.GenerateResponse,
+    ),
+    Operation(
+        "post",
+        "/abort_request",
+        "SGLang's: end a /generate request by its rid, or every one with abort_all",
+        protocol.AbortRequest,
+        protocol.Aborted,
     ),
     Operation(
         "post",

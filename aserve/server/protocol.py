@@ -295,9 +295,19 @@ class CompletionRequest(GenerationFields):
 
 
 class GenerateSampling(SamplingFields):
-    max_new_tokens: MaxTokens | None = Field(None, description="default 128")
+    max_new_tokens: Annotated[int, Field(ge=0), INTEGRAL] | None = Field(
+        None, description="default 128; 0 scores the prompt (with return_logprob)"
+    )
     min_new_tokens: MinTokens | None = Field(None, description="SGLang's name for min_tokens")
     no_stop_trim: bool | None = Field(None, description="SGLang's include_stop_str_in_output")
+    n: N | None = Field(None, description="outputs per prompt, each an item of the reply list")
+
+
+GenerateIds = Annotated[
+    Annotated[PromptIds, Tag("ids")]
+    | Annotated[list[PromptIds], Field(min_length=1), Tag("batch")],
+    Discriminator(_prompt_kind),
+]
 
 
 def exactly_one_of(*names: str) -> ConfigDict:
@@ -309,19 +319,38 @@ def exactly_one_of(*names: str) -> ConfigDict:
 
 
 class GenerateRequest(Strict):
-    """SGLang's native route: `text` or `input_ids`, not both."""
+    """SGLang's native route: `text` or `input_ids` (one prompt or a batch), not both."""
 
     model_config = exactly_one_of("text", "input_ids")
 
-    text: str | None = None
-    input_ids: PromptIds | None = None
-    sampling_params: GenerateSampling | None = None
+    text: str | Annotated[list[str], Field(min_length=1)] | None = None
+    input_ids: GenerateIds | None = None
+    sampling_params: (
+        GenerateSampling | Annotated[list[GenerateSampling], Field(min_length=1)] | None
+    ) = Field(None, description="for every prompt, or a list with one per prompt")
+    rid: str | Annotated[list[str], Field(min_length=1)] | None = Field(
+        None, description="request id (one per prompt): meta_info.id and /abort_request's key"
+    )
+    stream: bool | None = Field(None, description="SSE events, each the output so far")
+    return_logprob: bool | None = None
+    logprob_start_len: Annotated[int, Field(ge=-1), INTEGRAL] | None = Field(
+        None, description="the first prompt token given a logprob; -1 (default): the last"
+    )
+    top_logprobs_num: TopLogprobs | None = None
+    return_text_in_logprobs: bool | None = None
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("send exactly one of 'text' and 'input_ids'")
         return self
+
+
+class AbortRequest(Strict):
+    """SGLang's /abort_request: one request by its rid, or every one."""
+
+    rid: str | None = None
+    abort_all: bool | None = None
 
 
 class TokenizeRequest(Strict):
@@ -544,17 +573,40 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+LogprobEntry = tuple[float | None, int, str | None]
+"""SGLang's logprob of a token: (logprob, token id, its text with return_text_in_logprobs)."""
+
+
 class GenerateFinish(BaseModel):
     type: FinishReason
+    matched: int | str | None = Field(None, description="stop: the stop token or string")
+    length: int | None = Field(None, description="length: max_new_tokens")
+    message: str | None = Field(None, description="abort: why")
 
 
 class GenerateMeta(BaseModel):
+    id: str
+    finish_reason: GenerateFinish | None = Field(description="null until the last event")
     prompt_tokens: int
     completion_tokens: int
-    finish_reason: GenerateFinish
+    cached_tokens: int = Field(description="prompt tokens taken from the prefix cache")
+    e2e_latency: float | None = Field(None, description="seconds, on the last event")
+    input_token_logprobs: list[LogprobEntry] | None = None
+    output_token_logprobs: list[LogprobEntry] | None = None
+    input_top_logprobs: list[list[LogprobEntry] | None] | None = None
+    output_top_logprobs: list[list[LogprobEntry]] | None = None
 
 
 class GenerateResponse(BaseModel):
     text: str
     output_ids: list[int]
     meta_info: GenerateMeta
+    index: int | None = Field(None, description="a batch's events: the item they belong to")
+
+
+class GenerateReply(RootModel[GenerateResponse | list[GenerateResponse]]):
+    """One item for one prompt, a list for a batch (a prompt list or n > 1)."""
+
+
+class Aborted(BaseModel):
+    aborted: int = Field(description="requests ended")

@@ -12,6 +12,7 @@ from aserve.runtime import Runtime
 from aserve.scheduler.request import StreamPace
 from aserve.server.admission import Admission
 from aserve.server.limits import InputLimits
+from aserve.server.native import RunningRids
 from aserve.server.openai import APIError
 from aserve.tokenizer import Tokenizer
 
@@ -28,6 +29,7 @@ class ServerState:
     runtime: Runtime | None = None
     limits: InputLimits | None = None
     pace: StreamPace = field(default_factory=StreamPace)  # --stream-interval, shared
+    native_rids: RunningRids = field(default_factory=RunningRids)  # /generate's, by rid
     leaving: bool = False  # told to stop: /health is 503, requests still taken (--drain-delay)
     draining: bool = False  # requests refused, the running ones finishing
 

@@ -16,12 +16,26 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from functools import partial
+from typing import Any, Protocol
 
 from aiohttp import hdrs, web
 
 from aserve.scheduler.request import EVERY_TOKEN, ReqOutput, StreamPace
 from aserve.server.generation import Choice, Delta
-from aserve.server.responses import ResponseShaper
+
+
+class Shaper(Protocol):
+    """What a route's replies are built by: OpenAI's (server/responses.py) or SGLang's
+    (server/native.py)."""
+
+    def opening_chunks(self) -> list[dict[str, Any]]: ...
+
+    def delta_events(self, index: int, delta: Delta) -> bytes: ...
+
+    def usage_chunk(self) -> dict[str, Any] | None: ...
+
+    def full_body(self, results: list[list[Delta]]) -> Any: ...
+
 
 WRITE_BUFFER_LIMIT = 1 << 16
 """Bytes a connection may hold unsent before its stream waits for the client (aiohttp's own
@@ -60,7 +74,7 @@ class ChoiceStream:
 
     def __init__(
         self,
-        shaper: ResponseShaper,
+        shaper: Shaper,
         choices: list[Choice],
         observe: Callable[[Choice, Delta], None],
         writer: EventWriter,
