@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,8 @@ import torch
 
 from aserve import LLM, GenerationOutput, SamplingParams
 from aserve.kvcache.pool import KVPool
+from aserve.scheduler.request import FinishReason
+from tests.scenarios import abort_one_of_two
 from tests.test_models import our_logits
 from tests.tiny_models import FAMILIES, make_tiny_model
 
@@ -619,26 +622,56 @@ def test_constrained_greedy_on_gpu_equals_cpu(
 
 
 def test_prompt_logprobs_on_gpu_equal_cpu(make_llm: Callable[..., LLM], tmp_path: Path) -> None:
-    """Prompt scoring on CUDA (scored chunks of a chunked prefill, beside a free request)
-    gives the CPU's values in float32 and values close to them in bf16 (FlashInfer)."""
+    """Prompt scoring on CUDA (scored chunks of a chunked prefill, beside a free request;
+    one prompt scored from its 23rd token, its logits rows at its chunks' ends) gives the
+    CPU's values in float32 and values close to them in bf16 (FlashInfer)."""
     folder = make_tiny_model("llama", tmp_path, overrides={**KERNEL_SHAPES, "head_dim": 64})
     prompt = [(11 * i + 5) % 300 + 3 for i in range(41)]
     scored = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=2)
+    tail = dataclasses.replace(scored, prompt_logprobs_from=23)
     free = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    batch = [[9, 8, 7, 6, 5], prompt]
+    batch = [[9, 8, 7, 6, 5], prompt, prompt[:-1]]
 
     def scores(llm: LLM) -> torch.Tensor:
-        outputs = llm.generate(batch, [free, scored])
+        outputs = llm.generate(batch, [free, scored, tail])
         assert outputs[0].prompt_logprobs is None
         entries = outputs[1].prompt_logprobs
         assert entries is not None and [lp.token_id for lp in entries] == prompt[1:]
-        return torch.tensor([[lp.logprob, *(v for _, v in lp.top)] for lp in entries])
+        late = outputs[2].prompt_logprobs
+        assert late is not None and [lp.token_id for lp in late] == prompt[23:-1]
+        rows = [[lp.logprob, *(v for _, v in lp.top)] for lp in entries]
+        torch.testing.assert_close(
+            torch.tensor([[lp.logprob, *(v for _, v in lp.top)] for lp in late]),
+            torch.tensor(rows[22:-1]),
+            atol=0.05,
+            rtol=0.02,
+        )
+        return torch.tensor(rows)
 
     reference = scores(make_llm(folder, device="cpu", page_size=4, max_prefill_length=16))
     on_gpu = make_llm(folder, device="cuda", dtype="float32", page_size=4, max_prefill_length=16)
     torch.testing.assert_close(scores(on_gpu), reference, atol=1e-4, rtol=1e-4)
     bf16 = make_llm(folder, device="cuda", dtype="bfloat16", page_size=16, max_prefill_length=16)
     torch.testing.assert_close(scores(bf16), reference, atol=0.05, rtol=0.02)
+
+
+def test_an_aborted_penalised_request_spares_its_batch_on_gpu(
+    make_llm: Callable[..., LLM], tmp_path: Path
+) -> None:
+    """Aborts landing at several points of overlapped steps: the penalised sampling launched
+    right after the step in flight counts the aborted request's tokens, which must all be
+    real ids (a placeholder there was a device-side assert that took the process down)."""
+    folder = make_tiny_model("llama", tmp_path, overrides={**KERNEL_SHAPES, "head_dim": 64})
+    llm = make_llm(folder, device="cuda", dtype="bfloat16")
+    assert llm.scheduler.overlap
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, frequency_penalty=1.5)
+    expected = llm.generate([PROMPTS[1]], params)[0].token_ids
+    for outputs_before_abort in (1, 2, 3, 5, 8):
+        reason, produced = abort_one_of_two(
+            llm, PROMPTS[0], PROMPTS[1], params, outputs_before_abort
+        )
+        assert reason is FinishReason.ABORT and produced == expected
+    llm.scheduler.check_integrity()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
