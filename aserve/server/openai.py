@@ -526,11 +526,14 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(12)}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage, with the prompt tokens the prefix cache supplied as its
+    `prompt_tokens_details.cached_tokens`."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 

@@ -388,10 +388,15 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="prompt tokens taken from the prefix cache")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class TopLogprob(BaseModel):

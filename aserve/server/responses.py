@@ -173,11 +173,14 @@ class ResponseShaper:
             chunks[0]["choices"][0]["token_ids"] = delta.token_ids
         return chunks
 
-    def _usage(self) -> dict[str, int]:
-        prompt_tokens = sum(
-            len(c.prompt_ids) for i, c in enumerate(self.choices) if i % self.parsed.n == 0
+    def _usage(self) -> dict[str, Any]:
+        """A prompt counts once however many choices (`n`) share it."""
+        firsts = [c for i, c in enumerate(self.choices) if i % self.parsed.n == 0]
+        return openai.usage(
+            sum(len(c.prompt_ids) for c in firsts),
+            sum(c.completion_tokens for c in self.choices),
+            sum(c.req.cached_tokens for c in firsts if c.req is not None),
         )
-        return openai.usage(prompt_tokens, sum(c.completion_tokens for c in self.choices))
 
     def usage_chunk(self) -> dict[str, Any] | None:
         if not self.parsed.include_usage:
