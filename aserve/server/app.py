@@ -224,6 +224,7 @@ class Server:
         completions = Completions(self.state)
         app.router.add_post("/v1/chat/completions", completions.chat_completions)
         app.router.add_post("/v1/completions", completions.completions)
+        app.router.add_post("/v1/responses", completions.responses)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_endpoint)

@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -26,6 +27,7 @@ from aserve.server.native import NativeShaper
 from aserve.server.openai import APIError, GenerationRequest, ResponseHead
 from aserve.server.reasoning import THINK_END, closes_thinking, opens_thinking
 from aserve.server.responses import ResponseShaper
+from aserve.server.responses_api import ResponsesShaper, item_id
 from aserve.server.state import ServerState, require_tokenizer
 from aserve.server.streaming import ChoiceStream, EventWriter, Shaper
 from aserve.server.tools import forcing_tag, tool_format
@@ -43,9 +45,18 @@ class Completions:
         self.state = state
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._chat(request, openai.parse_chat)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's Responses API: a chat request in another shape (server/responses_api.py)."""
+        return await self._chat(request, openai.parse_responses)
+
+    async def _chat(
+        self, request: web.Request, parse: Callable[[bytes, Any], GenerationRequest]
+    ) -> web.StreamResponse:
         runtime, limits = self.state.ready()
         with self.state.admission.reserve() as places:
-            parsed = openai.parse_chat(await limits.read_body(request), runtime.sampling_defaults)
+            parsed = parse(await limits.read_body(request), runtime.sampling_defaults)
             self.state.check_model(parsed.model)
             places.resize(parsed.n)
             assert parsed.messages is not None
@@ -239,9 +250,13 @@ class Completions:
     ) -> web.StreamResponse:
         grammar = await self._grammar(runtime, parsed)
         choices = self._make_choices(runtime, parsed, prompts, grammar)
-        prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
-        head = ResponseHead(openai.new_id(prefix), self.state.model_name)
-        shaper = ResponseShaper(parsed, head, runtime, choices)
+        if parsed.responses_api is not None:
+            head = ResponseHead(item_id("resp"), self.state.model_name)
+            shaper: Shaper = ResponsesShaper(parsed, head, runtime, choices[0])
+        else:
+            prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
+            head = ResponseHead(openai.new_id(prefix), self.state.model_name)
+            shaper = ResponseShaper(parsed, head, runtime, choices)
         return await self._respond(request, shaper, choices, parsed.stream)
 
     async def _respond(
@@ -300,7 +315,7 @@ class Completions:
         )
         await response.prepare(request)
         # aiohttp sends the headers with the first write; the events after go straight out
-        await response.write(b"".join(sse(chunk) for chunk in shaper.opening_chunks()))
+        await response.write(shaper.opening_events())
         observe = partial(self._observe, started=started)
         writer = EventWriter(request, response)
         stream = ChoiceStream(shaper, choices, observe, writer, self.state.pace)
@@ -309,9 +324,7 @@ class Completions:
             logger.error("streamed choice failed: %s", failure[1])
             await response.write(sse(APIError(str(failure[1]), 500).body()))
         else:
-            usage_chunk = shaper.usage_chunk()
-            if usage_chunk is not None:
-                await response.write(sse(usage_chunk))
-        await response.write(b"data: [DONE]\n\n")
+            await response.write(shaper.closing_events())
+        await response.write(shaper.DONE)
         await response.write_eof()
         return response

@@ -61,11 +61,13 @@ class NativeShaper:
         self.started = started
         self._texts: dict[int, str | None] = {}
 
-    def opening_chunks(self) -> list[dict[str, Any]]:
-        return []
+    DONE = b"data: [DONE]\n\n"
 
-    def usage_chunk(self) -> dict[str, Any] | None:
-        return None
+    def opening_events(self) -> bytes:
+        return b""
+
+    def closing_events(self) -> bytes:
+        return b""
 
     def delta_events(self, index: int, delta: Delta) -> bytes:
         self.items[index].add(delta)

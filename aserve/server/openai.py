@@ -7,6 +7,7 @@ error object, so nothing invalid reaches the scheduler.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 import time
@@ -80,6 +81,7 @@ class GenerationRequest:
     include_stop: bool = False  # the text keeps the stop string or token that ended it
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     thinking_opened: bool | None = None  # with a reasoning parser: the reply starts thinking
+    responses_api: dict[str, Any] | None = None  # /v1/responses: what its reply echoes
     grammar_after: int | None = None  # a constrained reply's grammar starts after this token
     prompt_field: str = "prompt"  # the field that held the prompt, for errors
 
@@ -301,7 +303,12 @@ RESERVED_TEMPLATE_NAMES = frozenset(
 
 
 def parse_chat(raw: bytes, defaults: SamplingDefaults) -> GenerationRequest:
-    request = parse_body(protocol.ChatCompletionRequest, raw)
+    return chat_request(parse_body(protocol.ChatCompletionRequest, raw), defaults)
+
+
+def chat_request(
+    request: protocol.ChatCompletionRequest, defaults: SamplingDefaults
+) -> GenerationRequest:
     if request.top_logprobs and not request.logprobs:
         raise APIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     max_tokens = request.max_completion_tokens or request.max_tokens or defaults.get("max_tokens")
@@ -354,6 +361,95 @@ def parse_chat(raw: bytes, defaults: SamplingDefaults) -> GenerationRequest:
         tool_choice=tool_choice,
         parallel_tool_calls=request.parallel_tool_calls is not False,
     )
+
+
+def parse_responses(raw: bytes, defaults: SamplingDefaults) -> GenerationRequest:
+    """OpenAI's Responses API as the chat request it amounts to: the input items as
+    messages (a run of function calls as one assistant turn, their outputs as tool
+    messages), `instructions` as a system message first, the flat tools as chat's."""
+    request = parse_body(protocol.ResponsesRequest, raw)
+    if request.previous_response_id is not None:
+        raise APIError(
+            "aserve stores no responses: send the whole conversation in 'input'",
+            param="previous_response_id",
+        )
+    messages: list[dict[str, Any]] = []
+    if request.instructions:
+        messages.append({"role": "system", "content": request.instructions})
+    items = (
+        [protocol.InputMessage(role="user", content=request.input)]
+        if isinstance(request.input, str)
+        else request.input
+    )
+    for item in items:
+        if isinstance(item, protocol.InputMessage):
+            content = item.content
+            if not isinstance(content, str):
+                content = "".join(part.text for part in content)
+            messages.append({"role": item.role, "content": content})
+        elif isinstance(item, protocol.FunctionCallInput):
+            call = {"id": item.call_id, "type": "function"}
+            call["function"] = {"name": item.name, "arguments": item.arguments}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif isinstance(item, protocol.FunctionCallOutput):
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+    if not messages:
+        raise APIError("'input' holds no message", param="input")
+    chat: dict[str, Any] = request.model_dump(
+        include=set(protocol.SamplingFields.model_fields), exclude_none=True
+    )
+    chat.update(
+        model=request.model,
+        messages=messages,
+        stream=request.stream,
+        max_tokens=request.max_output_tokens,
+        parallel_tool_calls=request.parallel_tool_calls,
+    )
+    if request.tools:
+        chat["tools"] = [
+            {"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
+            for tool in request.tools
+        ]
+    choice = request.tool_choice
+    if isinstance(choice, protocol.ResponsesToolChoice):
+        choice = {"type": "function", "function": {"name": choice.name}}
+    chat["tool_choice"] = choice
+    text_format = request.text.format if request.text is not None else None
+    if text_format is not None and text_format.type != "text":
+        response_format: dict[str, Any] = {"type": text_format.type}
+        if text_format.type == "json_schema":
+            schema = {"name": text_format.name or "output", "schema": text_format.schema_}
+            response_format["json_schema"] = schema
+        chat["response_format"] = response_format
+    try:
+        chat_body = protocol.ChatCompletionRequest.model_validate(chat)
+    except ValidationError as error:
+        message, param = validation_message(error)
+        raise APIError(message, param=param) from None
+    parsed = chat_request(chat_body, defaults)
+    echoed = {
+        "instructions": request.instructions,
+        "metadata": request.metadata or {},
+        "tools": [tool.model_dump(exclude_none=True) for tool in request.tools or []],
+        "tool_choice": request.tool_choice or ("auto" if request.tools else "none"),
+        "parallel_tool_calls": request.parallel_tool_calls is not False,
+        "max_output_tokens": request.max_output_tokens,
+        "temperature": parsed.params.temperature,
+        "top_p": parsed.params.top_p,
+        "text": {
+            "format": (text_format or protocol.ResponsesTextFormat(type="text")).model_dump(
+                by_alias=True, exclude_none=True
+            )
+        },
+        "store": False,
+    }
+    if isinstance(echoed["tool_choice"], protocol.ResponsesToolChoice):
+        echoed["tool_choice"] = echoed["tool_choice"].model_dump()
+    return dataclasses.replace(parsed, responses_api=echoed)
 
 
 def _tools(

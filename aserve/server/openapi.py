@@ -66,6 +66,15 @@ OPERATIONS = (
         protocol.Completion,
         protocol.Completion,
     ),
+    Operation(
+        "post",
+        "/v1/responses",
+        "OpenAI's Responses API, stateless (the conversation in input); with stream: true, "
+        "typed events (response.created, ..., response.completed)",
+        protocol.ResponsesRequest,
+        protocol.ResponseObject,
+        protocol.ResponseEvent,
+    ),
     Operation("get", "/v1/models", "The served model", reply=protocol.ModelList, errors=(401, 503)),
     Operation(
         "post",

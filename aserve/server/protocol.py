@@ -261,6 +261,167 @@ class ChatCompletionRequest(GenerationFields):
     )
 
 
+# ---- OpenAI's Responses API (/v1/responses) --------------------------------------------
+
+
+class InputText(Strict):
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class InputMessage(Strict):
+    """A turn of the conversation (`type` may be left out)."""
+
+    type: Literal["message"] | None = None
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[InputText]
+
+
+class FunctionCallInput(Strict):
+    """A call the model made earlier, sent back with the conversation."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutput(Strict):
+    """What a call returned."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+
+
+class ReasoningInput(Strict):
+    """An earlier reply's reasoning, sent back: not shown to the model again."""
+
+    type: Literal["reasoning"]
+
+
+def _input_kind(value: Any) -> str:
+    if isinstance(value, dict) and value.get("type") not in (None, "message"):
+        return str(value.get("type"))
+    return "message"
+
+
+InputItem = Annotated[
+    Annotated[InputMessage, Tag("message")]
+    | Annotated[FunctionCallInput, Tag("function_call")]
+    | Annotated[FunctionCallOutput, Tag("function_call_output")]
+    | Annotated[ReasoningInput, Tag("reasoning")],
+    Discriminator(_input_kind),
+]
+
+
+class ResponsesTool(Strict):
+    """A function the model may call (the Responses API's flat shape)."""
+
+    type: Literal["function"]
+    name: NonEmptyText
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesToolChoice(Strict):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesTextFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponsesText(Strict):
+    format: ResponsesTextFormat | None = None
+
+
+class ResponsesRequest(SamplingFields):
+    """OpenAI's Responses API, stateless: the whole conversation comes in `input` (aserve
+    keeps no responses, so `previous_response_id` is refused)."""
+
+    model: str | None = None
+    input: str | Annotated[list[InputItem], Field(min_length=1)]
+    instructions: str | None = Field(None, description="a system message before the input")
+    tools: list[ResponsesTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: MaxTokens | None = None
+    text: ResponsesText | None = None
+    stream: bool | None = None
+    store: bool | None = Field(None, description="accepted; nothing is stored")
+    previous_response_id: str | None = Field(None, description="refused: nothing is stored")
+    metadata: dict[str, str] | None = Field(None, description="returned as given")
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+
+
+class MessageItem(BaseModel):
+    type: Literal["message"]
+    id: str
+    status: Literal["completed", "incomplete", "in_progress"]
+    role: Literal["assistant"]
+    content: list[OutputText]
+
+
+class FunctionCallItem(BaseModel):
+    type: Literal["function_call"]
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["completed", "in_progress"]
+
+
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    type: Literal["reasoning"]
+    id: str
+    summary: list[Any]
+    content: list[ReasoningText]
+
+
+class ResponsesUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens: int
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+
+
+class ResponseObject(BaseModel):
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress"]
+    incomplete_details: dict[str, str] | None
+    model: str
+    output: list[MessageItem | FunctionCallItem | ReasoningItem]
+    usage: ResponsesUsage | None
+
+
+class ResponseEvent(BaseModel):
+    """One event of a streamed response (`type` says which: response.created, ...,
+    response.output_text.delta, ..., response.completed)."""
+
+    type: str
+    sequence_number: int
+
+
 PromptIds = Annotated[list[TokenId], Field(min_length=1)]
 
 

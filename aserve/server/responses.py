@@ -17,7 +17,7 @@ from aserve.server.generation import Choice, Delta
 from aserve.server.http import sse
 from aserve.server.openai import GenerationRequest, ResponseHead
 from aserve.server.reasoning import ReasoningStream, split_reasoning
-from aserve.server.tools import ToolTextStream, openai_calls, parse_tool_calls
+from aserve.server.tools import ParsedCall, ToolTextStream, openai_calls, parse_tool_calls
 
 
 class ResponseShaper:
@@ -36,10 +36,8 @@ class ResponseShaper:
         self._text_offsets = [0] * len(choices)
         self._scores_prompt = parsed.params.prompt_logprobs is not None
         self._prompt_sent = [False] * len(choices)
-        syntax = parsed.tool_syntax
-        self._tool_streams = None if syntax is None else [ToolTextStream(syntax) for _ in choices]
-        opened = parsed.thinking_opened
-        self._thinking = None if opened is None else [ReasoningStream(opened) for _ in choices]
+        syntax, opened = parsed.tool_syntax, parsed.thinking_opened
+        self._splitters = [ReplySplitter(syntax, opened) for _ in choices]
         plain = not (parsed.params.logprobs or parsed.return_token_ids or self._scores_prompt)
         self._text_templates = (
             [self._text_template(i) for i in range(len(choices))]
@@ -99,6 +97,16 @@ class ResponseShaper:
         self._text_offsets[index] += sum(len(text) for text, _, _ in entries)
         return body
 
+    DONE = b"data: [DONE]\n\n"
+
+    def opening_events(self) -> bytes:
+        return b"".join(sse(chunk) for chunk in self.opening_chunks())
+
+    def closing_events(self) -> bytes:
+        """The usage chunk, when asked for."""
+        chunk = self.usage_chunk()
+        return b"" if chunk is None else sse(chunk)
+
     def opening_chunks(self) -> list[dict[str, Any]]:
         """Chat streams open each choice with the assistant role; echo sends the prompt."""
         chunks = []
@@ -138,19 +146,7 @@ class ResponseShaper:
         logprobs = self._logprobs(index, delta.logprobs)
         token_ids = self.parsed.return_token_ids and bool(delta.token_ids)
         if self.is_chat:
-            reasoning, text, calls = "", delta.text, []
-            if self._thinking is not None:  # the <think> block goes out apart from the answer
-                thinking = self._thinking[index]
-                reasoning, text = thinking.push(text)
-                if delta.finish_reason is not None:
-                    more_reasoning, more_text = thinking.finish()
-                    reasoning, text = reasoning + more_reasoning, text + more_text
-            if self._tool_streams is not None:  # a call's syntax never goes out as content
-                stream = self._tool_streams[index]
-                text = stream.push(text)
-                if delta.finish_reason is not None:
-                    rest, calls = stream.finish()
-                    text += rest
+            reasoning, text, calls = self._splitters[index].push(delta)
             chunks = []
             if reasoning or text or logprobs or token_ids:
                 message = {"reasoning_content": reasoning} if reasoning else {}
@@ -231,6 +227,31 @@ class ResponseShaper:
             if self.parsed.return_token_ids:
                 choices[-1]["token_ids"] = token_ids
         return openai.full_body(self.head, self.parsed.kind, choices, self._usage())
+
+
+class ReplySplitter:
+    """A chat reply's deltas as the reasoning (with a reasoning parser), the content, and at
+    the end the tool calls (where they are parsed): a call's syntax never goes out as
+    content, nor the <think> block."""
+
+    def __init__(self, tool_syntax: str | None, thinking_opened: bool | None) -> None:
+        self._tools = None if tool_syntax is None else ToolTextStream(tool_syntax)
+        self._thinking = None if thinking_opened is None else ReasoningStream(thinking_opened)
+
+    def push(self, delta: Delta) -> tuple[str, str, list[ParsedCall]]:
+        reasoning, text, calls = "", delta.text, []
+        final = delta.finish_reason is not None
+        if self._thinking is not None:
+            reasoning, text = self._thinking.push(text)
+            if final:
+                more_reasoning, more_text = self._thinking.finish()
+                reasoning, text = reasoning + more_reasoning, text + more_text
+        if self._tools is not None:
+            text = self._tools.push(text)
+            if final:
+                rest, calls = self._tools.finish()
+                text += rest
+        return reasoning, text, calls
 
 
 def _finish_with_calls(reason: str, called: bool) -> str:

@@ -1,0 +1,271 @@
+"""OpenAI's Responses API replies: a chat reply's reasoning, text and tool calls as output
+items (reasoning, message, function_call), whole or as the API's typed stream events.
+
+The request runs as the chat request it amounts to (openai.parse_responses), so templates,
+tool syntax, reasoning parsers and constraints behave as on /v1/chat/completions; only the
+shape of what goes back differs.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import orjson
+
+from aserve.runtime import Runtime
+from aserve.server.generation import Choice, Delta
+from aserve.server.openai import GenerationRequest, ResponseHead
+from aserve.server.responses import ReplySplitter
+from aserve.server.tools import ParsedCall, call_id
+
+
+def item_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
+class ResponsesShaper:
+    """The reply of one /v1/responses request (its one choice). Streamed, each output item
+    opens with `response.output_item.added` when its first text is ready and closes with
+    `response.output_item.done`; tool calls, parsed once the reply is complete, follow the
+    message; `response.completed` carries the whole response."""
+
+    DONE = b""  # the Responses stream ends with response.completed, no [DONE]
+
+    def __init__(
+        self, parsed: GenerationRequest, head: ResponseHead, runtime: Runtime, choice: Choice
+    ) -> None:
+        assert parsed.responses_api is not None
+        self.parsed = parsed
+        self.head = head
+        self.choice = choice
+        self.echoed = parsed.responses_api
+        self._splitter = ReplySplitter(parsed.tool_syntax, parsed.thinking_opened)
+        self._sequence = 0
+        self._reasoning: list[str] | None = None  # the open reasoning item's text
+        self._reasoning_id = ""
+        self._message: list[str] | None = None  # the open message's text
+        self._message_id = ""
+        self._output: list[dict[str, Any]] = []  # the items closed so far
+
+    # ---- whole replies -----------------------------------------------------------------
+
+    def full_body(self, results: list[list[Delta]]) -> dict[str, Any]:
+        deltas = results[0]
+        reasoning, text, calls = "", "", []
+        for delta in deltas:
+            more_reasoning, more_text, calls = self._splitter.push(delta)
+            reasoning, text = reasoning + more_reasoning, text + more_text
+        finish = deltas[-1].finish_reason if deltas else "abort"
+        output = []
+        if reasoning:
+            output.append(_reasoning_item(item_id("rs"), reasoning))
+        if text or not calls:
+            output.append(_message_item(item_id("msg"), text, _item_status(finish)))
+        output += [_call_item(call) for call in calls]
+        return self._response(output, finish)
+
+    def _response(self, output: list[dict[str, Any]], finish: str | None) -> dict[str, Any]:
+        status = "in_progress" if finish is None else "completed"
+        details = None
+        if finish == "length":
+            status, details = "incomplete", {"reason": "max_output_tokens"}
+        elif finish == "abort":
+            status, details = "incomplete", {"reason": "aborted"}
+        return {
+            "id": self.head.id,
+            "object": "response",
+            "created_at": self.head.created,
+            "status": status,
+            "incomplete_details": details,
+            "error": None,
+            "model": self.head.model,
+            "output": output,
+            **self.echoed,
+            "usage": None if finish is None else self._usage(),
+        }
+
+    def _usage(self) -> dict[str, Any]:
+        choice = self.choice
+        prompt, completion = len(choice.prompt_ids), choice.completion_tokens
+        cached = choice.req.cached_tokens if choice.req is not None else 0
+        return {
+            "input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": completion,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + completion,
+        }
+
+    # ---- streams -------------------------------------------------------------------------
+
+    def opening_events(self) -> bytes:
+        response = self._response([], None)
+        created = self._event("response.created", response=response)
+        return _frame(created) + _frame(self._event("response.in_progress", response=response))
+
+    def closing_events(self) -> bytes:
+        return b""  # response.completed went out with the last delta
+
+    def delta_events(self, index: int, delta: Delta) -> bytes:
+        reasoning, text, calls = self._splitter.push(delta)
+        events = []
+        if reasoning:
+            events += self._reasoning_delta(reasoning)
+        if text:
+            events += self._close_reasoning()
+            events += self._message_delta(text)
+        if delta.finish_reason is not None:
+            events += self._close_reasoning()
+            if self._message is None and not calls:
+                events += self._message_delta("")  # a reply with no text has an empty message
+            events += self._close_message(_item_status(delta.finish_reason))
+            for call in calls:
+                events += self._call_events(call)
+            final = self._response(self._output, delta.finish_reason)
+            kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
+            events.append(self._event(kind, response=final))
+        return b"".join(_frame(event) for event in events)
+
+    def _reasoning_delta(self, text: str) -> list[dict[str, Any]]:
+        events = []
+        if self._reasoning is None:
+            self._reasoning, self._reasoning_id = [], item_id("rs")
+            added = {"type": "reasoning", "id": self._reasoning_id, "summary": [], "content": []}
+            events.append(self._item_event("response.output_item.added", added))
+        self._reasoning.append(text)
+        events.append(
+            self._event(
+                "response.reasoning_text.delta",
+                item_id=self._reasoning_id,
+                output_index=len(self._output),
+                content_index=0,
+                delta=text,
+            )
+        )
+        return events
+
+    def _close_reasoning(self) -> list[dict[str, Any]]:
+        if self._reasoning is None:
+            return []
+        text, self._reasoning = "".join(self._reasoning), None
+        index = len(self._output)
+        done = self._event(
+            "response.reasoning_text.done",
+            item_id=self._reasoning_id,
+            output_index=index,
+            content_index=0,
+            text=text,
+        )
+        item = _reasoning_item(self._reasoning_id, text)
+        return [done, self._item_done(item)]
+
+    def _message_delta(self, text: str) -> list[dict[str, Any]]:
+        events = []
+        if self._message is None:
+            self._message, self._message_id = [], item_id("msg")
+            opened = _message_item(self._message_id, "", "in_progress")
+            opened["content"] = []
+            events.append(self._item_event("response.output_item.added", opened))
+            events.append(self._part_event("response.content_part.added", ""))
+        if text:
+            self._message.append(text)
+            events.append(self._text_event("response.output_text.delta", delta=text))
+        return events
+
+    def _close_message(self, status: str) -> list[dict[str, Any]]:
+        if self._message is None:
+            return []
+        text, self._message = "".join(self._message), None
+        return [
+            self._text_event("response.output_text.done", text=text),
+            self._part_event("response.content_part.done", text),
+            self._item_done(_message_item(self._message_id, text, status)),
+        ]
+
+    def _call_events(self, call: ParsedCall) -> list[dict[str, Any]]:
+        item = _call_item(call)
+        opened = {**item, "arguments": "", "status": "in_progress"}
+        index = len(self._output)
+        where = {"item_id": item["id"], "output_index": index}
+        return [
+            self._item_event("response.output_item.added", opened),
+            self._event("response.function_call_arguments.delta", **where, delta=call.arguments),
+            self._event("response.function_call_arguments.done", **where, arguments=call.arguments),
+            self._item_done(item),
+        ]
+
+    def _item_event(self, kind: str, item: dict[str, Any]) -> dict[str, Any]:
+        return self._event(kind, output_index=len(self._output), item=item)
+
+    def _item_done(self, item: dict[str, Any]) -> dict[str, Any]:
+        event = self._item_event("response.output_item.done", item)
+        self._output.append(item)
+        return event
+
+    def _part_event(self, kind: str, text: str) -> dict[str, Any]:
+        return self._event(
+            kind,
+            item_id=self._message_id,
+            output_index=len(self._output),
+            content_index=0,
+            part=_text_part(text),
+        )
+
+    def _text_event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        return self._event(
+            kind,
+            item_id=self._message_id,
+            output_index=len(self._output),
+            content_index=0,
+            logprobs=[],
+            **fields,
+        )
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        self._sequence += 1
+        return {"type": kind, "sequence_number": self._sequence - 1, **fields}
+
+
+def _frame(event: dict[str, Any]) -> bytes:
+    """An SSE frame as OpenAI sends it: the event's type, then its JSON."""
+    return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+
+
+def _item_status(finish: str | None) -> str:
+    """A message cut short (max_output_tokens, an abort) is incomplete, as OpenAI marks it."""
+    return "completed" if finish == "stop" else "incomplete"
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _message_item(identifier: str, text: str, status: str) -> dict[str, Any]:
+    return {
+        "type": "message",
+        "id": identifier,
+        "status": status,
+        "role": "assistant",
+        "content": [_text_part(text)],
+    }
+
+
+def _reasoning_item(identifier: str, text: str) -> dict[str, Any]:
+    return {
+        "type": "reasoning",
+        "id": identifier,
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+    }
+
+
+def _call_item(call: ParsedCall) -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": item_id("fc"),
+        "call_id": call_id(),
+        "name": call.name,
+        "arguments": call.arguments,
+        "status": "completed",
+    }
