@@ -16,7 +16,7 @@ from aserve import LLM, SamplingParams
 from aserve.config import ConfigError, build_config
 from aserve.server.reasoning import ReasoningStream, opens_thinking, split_reasoning
 from tests.server_utils import ServerProcess, serving
-from tests.test_server import post, run, stream
+from tests.test_server import post, run, stream, typed_events
 
 CASES = [
     # (reply, the prompt opened the block, reasoning, content)
@@ -245,3 +245,30 @@ def test_offline_chat_takes_template_kwargs(
     )
     added = llm.tokenizer.decode(off.prompt_token_ids[len(on.prompt_token_ids) :], False)
     assert added == "<think>\n\n</think>"  # the template's whitespace control ate the rest
+
+
+def test_responses_api_gives_thinking_its_own_item(server: ServerProcess) -> None:
+    """/v1/responses: the <think> block as a reasoning item before the message, whole and
+    as reasoning_text events, the same split as chat's."""
+    message = chat(server, guided_regex=THINK_THEN_ANSWER)["choices"][0]["message"]
+    body = {
+        "model": MODEL,
+        "input": ASK,
+        "temperature": 0,
+        "max_output_tokens": 60,
+        "guided_regex": THINK_THEN_ANSWER,
+    }
+    status, reply = run(post(server.base_url + "/v1/responses", body))
+    assert status == 200, reply
+    reasoning, answer = reply["output"]
+    assert reasoning["type"] == "reasoning" and answer["type"] == "message"
+    assert reasoning["content"][0]["text"] == message["reasoning_content"]
+    assert answer["content"][0]["text"] == message["content"]
+    events = run(typed_events(server.base_url + "/v1/responses", body))
+
+    def joined(kind: str) -> str:
+        return "".join(e["delta"] for e in events if e["type"] == kind)
+
+    assert joined("response.reasoning_text.delta") == message["reasoning_content"]
+    assert joined("response.output_text.delta") == message["content"]
+    assert events[-1]["response"]["output"][0]["type"] == "reasoning"

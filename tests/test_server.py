@@ -65,6 +65,22 @@ async def stream(url: str, body: dict[str, Any]) -> tuple[list[dict[str, Any]], 
     return [orjson.loads(f[6:]) for f in frames[:-1]], frames
 
 
+async def typed_events(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The events of a streamed /v1/responses request: `event: TYPE` then `data: JSON`
+    each, and no [DONE]."""
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url, json={**body, "stream": True}) as response:
+            assert response.status == 200
+            raw = await response.read()
+    events = []
+    for frame in raw.decode().split("\n\n")[:-1]:
+        kind, data = frame.split("\n")
+        event = orjson.loads(data.removeprefix("data: "))
+        assert kind == "event: " + event["type"]
+        events.append(event)
+    return events
+
+
 def chat_text(chunks: list[dict[str, Any]], index: int = 0) -> str:
     return "".join(
         c["choices"][0]["delta"].get("content", "")
