@@ -422,6 +422,8 @@ def parse_responses(raw: bytes, defaults: SamplingDefaults) -> GenerationRequest
     if text_format is not None and text_format.type != "text":
         response_format: dict[str, Any] = {"type": text_format.type}
         if text_format.type == "json_schema":
+            if text_format.schema_ is None:
+                raise APIError("text.format of type json_schema needs 'schema'", param="text")
             schema = {"name": text_format.name or "output", "schema": text_format.schema_}
             response_format["json_schema"] = schema
         chat["response_format"] = response_format

@@ -148,6 +148,13 @@ def _event(chunk: type[BaseModel]) -> dict[str, Any]:
         "contentMediaType": "application/json",
         "contentSchema": _ref(chunk),
     }
+    if chunk is protocol.ResponseEvent:  # the Responses API's stream: typed, no [DONE]
+        return {
+            "type": "object",
+            "required": ["event", "data"],
+            "properties": {"event": {"type": "string"}, "data": json_chunk},
+            "description": "`event: TYPE` and `data: {ResponseEvent}` frames",
+        }
     return {
         "type": "object",
         "required": ["data"],
