@@ -50,22 +50,24 @@ def assert_scores(scores: list, prompt: list[int], expected: torch.Tensor) -> No
         assert lp.top[0][0] == int(top.indices[0])
 
 
-@pytest.mark.parametrize(
-    ("prefill", "scored_rows"),
-    [(4096, 1024), (8, 1024), (4096, 5)],
-    ids=["whole", "chunked", "cut"],
-)
-def test_prompt_logprobs_match_transformers(
+@pytest.fixture(params=[(4096, 1024), (8, 1024), (4096, 5)], ids=["whole", "chunked", "cut"])
+def budgeted_llm(
+    request: pytest.FixtureRequest,
     tiny: Path,
     make_llm: Callable[..., LLM],
     monkeypatch: pytest.MonkeyPatch,
-    prefill: int,
-    scored_rows: int,
-) -> None:
-    """Whole, chunked by the prefill budget, or cut by the scoring budget: the same values,
-    and the generated tokens are those of a request that did not ask."""
+) -> LLM:
+    """A prompt prefilled whole, chunked by the prefill budget, or cut by the scoring
+    budget."""
+    prefill, scored_rows = request.param
     monkeypatch.setattr(plan, "SCORED_ROWS_PER_STEP", scored_rows)
-    llm = make_llm(tiny, page_size=4, max_prefill_length=prefill)
+    return make_llm(tiny, page_size=4, max_prefill_length=prefill)
+
+
+def test_prompt_logprobs_match_transformers(tiny: Path, budgeted_llm: LLM) -> None:
+    """Under every budget the same values, and the generated tokens are those of a
+    request that did not ask."""
+    llm = budgeted_llm
     out = llm.generate([PROMPT], SCORED)[0]
     assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(PROMPT) - 1
     assert_scores(out.prompt_logprobs, PROMPT, expected_logprobs(tiny, PROMPT))
@@ -95,23 +97,13 @@ def test_prompt_logprobs_ignore_the_prefix_cache_and_share_a_batch(
     llm.scheduler.check_integrity()
 
 
-@pytest.mark.parametrize(
-    ("prefill", "scored_rows"),
-    [(4096, 1024), (8, 1024), (4096, 5)],
-    ids=["whole", "chunked", "cut"],
-)
 def test_prompt_logprobs_from_a_token_take_the_prefix_before_it_from_the_cache(
-    tiny: Path,
-    make_llm: Callable[..., LLM],
-    monkeypatch: pytest.MonkeyPatch,
-    prefill: int,
-    scored_rows: int,
+    tiny: Path, budgeted_llm: LLM
 ) -> None:
     """`prompt_logprobs_from` (SGLang's logprob_start_len): the tokens from there on get the
     values the whole prompt's scoring gives them; the prompt before the first scored
     position comes from the prefix cache when it is there, the scored positions never do."""
-    monkeypatch.setattr(plan, "SCORED_ROWS_PER_STEP", scored_rows)
-    llm = make_llm(tiny, page_size=4, max_prefill_length=prefill)
+    llm = budgeted_llm
     expected = expected_logprobs(tiny, PROMPT)
     planner = llm.scheduler.planner
     for start in (23, len(PROMPT) - 1):
