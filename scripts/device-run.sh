@@ -183,6 +183,13 @@ for step in "$@"; do
           --random-output-len 256 --random-range-ratio 1 --label "one stream at a time" 2>&1 | head -14
         pkill -INT -f "python3 -m aserve"; sleep 5
       done ;;
+    http-check)  # the server's routes over HTTP on the GPU (pydantic, pydantic-core, annotated-types,
+              # typing-inspection, prometheus-client cp312 wheels in .whl-peers), aborts under penalties
+              python3 -c "from pathlib import Path; from bench.minisgl_peer import tokenizer_folder as t; t(Path('bench/models/qwen3-0.6b'), Path('/tmp/q06'))"
+              (python3 -m aserve --model /tmp/q06 --dummy-weight --port 1919 > $OUT/server-http.log 2>&1 &)
+              for i in $(seq 300); do curl -sf localhost:1919/health > /dev/null && break; sleep 1; done
+              timeout 240 python3 scripts/gpu_http_check.py; grep -E "ERROR|assert" $OUT/server-http.log | head -5
+              pkill -INT -f "python3 -m aserve"; sleep 3 ;;
     quant-tests) timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_quant_gpu.py 2>&1 | grep -v "^  /\|^    " | tail -30 ;;
     quant-kernels) timeout 300 python3 bench/quant_kernels.py --device cuda --shapes 6144x4096 4096x4096 28672x4096 4096x14336 \
               --rows 1 16 64 256 1024 4096 2>&1 | tail -12 ;;
