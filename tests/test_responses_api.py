@@ -198,6 +198,8 @@ def test_json_schema_output(client: OpenAI) -> None:
         ({"input": "hi", "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
         ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": "hi", "text": {"format": {"type": "json_schema"}}}, "text"),
+        ({"input": [{"type": "web_search_call"}]}, "input"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),
     ],
 )
 def test_refusals_name_the_field(server: ServerProcess, body: dict[str, Any], param: str) -> None:

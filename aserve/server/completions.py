@@ -252,7 +252,7 @@ class Completions:
         choices = self._make_choices(runtime, parsed, prompts, grammar)
         if parsed.responses_api is not None:
             head = ResponseHead(item_id("resp"), self.state.model_name)
-            shaper: Shaper = ResponsesShaper(parsed, head, runtime, choices[0])
+            shaper: Shaper = ResponsesShaper(parsed, head, choices[0])
         else:
             prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
             head = ResponseHead(openai.new_id(prefix), self.state.model_name)

@@ -93,8 +93,8 @@ ModelT = TypeVar("ModelT", bound=BaseModel)
 UNION_HINTS = {
     "prompt": "a string, a list of strings, a list of token ids or a list of such lists",
     "stop": f"a non-empty string or a list of at most {protocol.MAX_STOP_STRINGS} of them",
-    "content": "a string or a list of text parts ({'type': 'text', 'text': ...}); images, "
-    "audio and files are not supported",
+    "content": "a string or a list of text parts ({'type': 'text', 'text': ...}; the Responses "
+    "API's 'input_text' and 'output_text'); images, audio and files are not supported",
 }
 
 
@@ -135,6 +135,9 @@ def validation_message(error: ValidationError) -> tuple[str, str | None]:
         return f"'{path}' must be {UNION_HINTS[union]}", param
     if kind == "missing":
         return f"'{path}' is required", param
+    if kind in ("union_tag_not_found", "union_tag_invalid") and loc[0] == "input":
+        kinds = ", ".join(protocol.INPUT_ITEM_TYPES)
+        return f"'{path}.type' must be one of {kinds}", param
     if kind in ("union_tag_not_found", "union_tag_invalid"):
         roles = ", ".join(sorted(protocol.MESSAGE_ROLES))
         return f"'{path}.role' must be one of {roles}", param

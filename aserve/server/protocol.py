@@ -300,18 +300,36 @@ class ReasoningInput(Strict):
     type: Literal["reasoning"]
 
 
-def _input_kind(value: Any) -> str:
-    if isinstance(value, dict) and value.get("type") not in (None, "message"):
-        return str(value.get("type"))
-    return "message"
+INPUT_ITEM_TYPES = {
+    "message": "Message",
+    "function_call": "FunctionCall",
+    "function_call_output": "FunctionCallOutput",
+    "reasoning": "Reasoning",
+}
+"""An input item's `type` -> its branch's tag (capitalized: errors leave tags out of paths)."""
+
+
+def _input_kind(value: Any) -> str | None:
+    kind = value.get("type") or "message" if isinstance(value, dict) else "message"
+    return INPUT_ITEM_TYPES.get(kind)
 
 
 InputItem = Annotated[
-    Annotated[InputMessage, Tag("message")]
-    | Annotated[FunctionCallInput, Tag("function_call")]
-    | Annotated[FunctionCallOutput, Tag("function_call_output")]
-    | Annotated[ReasoningInput, Tag("reasoning")],
+    Annotated[InputMessage, Tag("Message")]
+    | Annotated[FunctionCallInput, Tag("FunctionCall")]
+    | Annotated[FunctionCallOutput, Tag("FunctionCallOutput")]
+    | Annotated[ReasoningInput, Tag("Reasoning")],
     Discriminator(_input_kind),
+]
+
+
+def _text_or_items(value: Any) -> str:
+    return "Text" if isinstance(value, str) else "Items"
+
+
+ResponsesInput = Annotated[
+    Annotated[str, Tag("Text")] | Annotated[list[InputItem], Field(min_length=1), Tag("Items")],
+    Discriminator(_text_or_items),
 ]
 
 
@@ -347,7 +365,7 @@ class ResponsesRequest(SamplingFields):
     keeps no responses, so `previous_response_id` is refused)."""
 
     model: str | None = None
-    input: str | Annotated[list[InputItem], Field(min_length=1)]
+    input: ResponsesInput
     instructions: str | None = Field(None, description="a system message before the input")
     tools: list[ResponsesTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ResponsesToolChoice | None = None

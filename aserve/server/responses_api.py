@@ -13,7 +13,6 @@ from typing import Any
 
 import orjson
 
-from aserve.runtime import Runtime
 from aserve.server.generation import Choice, Delta
 from aserve.server.openai import GenerationRequest, ResponseHead
 from aserve.server.responses import ReplySplitter
@@ -32,9 +31,7 @@ class ResponsesShaper:
 
     DONE = b""  # the Responses stream ends with response.completed, no [DONE]
 
-    def __init__(
-        self, parsed: GenerationRequest, head: ResponseHead, runtime: Runtime, choice: Choice
-    ) -> None:
+    def __init__(self, parsed: GenerationRequest, head: ResponseHead, choice: Choice) -> None:
         assert parsed.responses_api is not None
         self.parsed = parsed
         self.head = head
