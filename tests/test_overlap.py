@@ -4,6 +4,7 @@ the GPU runs, so these tests switch overlap on explicitly."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
@@ -123,3 +124,55 @@ def test_overlap_keeps_constrained_and_penalised_outputs(
     ours = [(o.token_ids, o.finish_reason) for o in overlapped.generate(prompts, params)]
     assert ours == expected
     assert any(deferred) and not all(deferred)  # the free tail ran overlapped as before
+
+
+def test_random_aborts_spare_every_other_request(make_llm: Callable[..., LLM], tiny: Path) -> None:
+    """Rounds of requests with penalties, logprobs, biases, min_tokens and stop tokens under
+    overlap, some aborted after a random number of outputs: each survivor gets the tokens it
+    gets alone, no request ends in error, and every page comes back."""
+    import random
+
+    plain, overlapped = both(make_llm, tiny)
+    kinds = [
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, frequency_penalty=0.7),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=True),
+        SamplingParams(temperature=0, max_tokens=22, logit_bias={7: 5.0}, min_tokens=6),
+        SamplingParams(temperature=0.9, seed=11, max_tokens=18, presence_penalty=0.5),
+        SamplingParams(temperature=0, max_tokens=26, ignore_eos=True, stop_token_ids=[40]),
+    ]
+    prompts = [PROMPTS[i % len(PROMPTS)][: 4 + i] for i in range(len(kinds))]
+    alone = [plain.generate([p], k)[0].token_ids for p, k in zip(prompts, kinds)]
+    overlapped.generate([[1, 2]], SamplingParams(max_tokens=1))
+    scheduler = overlapped.scheduler
+    rng = random.Random(0)
+
+    async def round_of_aborts() -> list[tuple[bool, FinishReason | None, list[int]]]:
+        reqs = [scheduler.make_request(p, k) for p, k in zip(prompts, kinds)]
+        doomed = {i: rng.randint(1, 6) for i in rng.sample(range(len(reqs)), 3)}
+        for req in reqs:
+            scheduler.submit(req)
+
+        async def follow(i: int) -> tuple[bool, FinishReason | None, list[int]]:
+            tokens: list[int] = []
+            seen = 0
+            while True:
+                out = await reqs[i].channel.get()
+                tokens += out.token_ids
+                seen += 1
+                if i in doomed and seen == doomed[i]:
+                    scheduler.abort(reqs[i])
+                if out.finish_reason is not None:
+                    return i in doomed, out.finish_reason, tokens
+
+        return list(await asyncio.gather(*(follow(i) for i in range(len(reqs)))))
+
+    for _ in range(4):
+        results = overlapped._loop.run_until_complete(round_of_aborts())
+        for (aborted, reason, tokens), expected in zip(results, alone):
+            assert reason is not FinishReason.ERROR
+            if not aborted:
+                assert tokens == expected
+            else:
+                assert tokens == expected[: len(tokens)]
+    scheduler.check_integrity()
