@@ -126,13 +126,19 @@ def test_overlap_keeps_constrained_and_penalised_outputs(
     assert any(deferred) and not all(deferred)  # the free tail ran overlapped as before
 
 
-def test_random_aborts_spare_every_other_request(make_llm: Callable[..., LLM], tiny: Path) -> None:
+@pytest.mark.parametrize(
+    "pool", [{}, {"num_pages": 60, "page_size": 1}], ids=["roomy", "retracting"]
+)
+def test_random_aborts_spare_every_other_request(
+    make_llm: Callable[..., LLM], tiny: Path, pool: dict[str, int]
+) -> None:
     """Rounds of requests with penalties, logprobs, biases, min_tokens and stop tokens under
-    overlap, some aborted after a random number of outputs: each survivor gets the tokens it
-    gets alone, no request ends in error, and every page comes back."""
+    overlap, some aborted after a random number of outputs (in a pool small enough to retract,
+    too): each survivor gets the tokens it gets alone, no request ends in error, and every
+    page comes back."""
     import random
 
-    plain, overlapped = both(make_llm, tiny)
+    plain, overlapped = both(make_llm, tiny, **pool)
     kinds = [
         SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3),
         SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, frequency_penalty=0.7),
@@ -176,3 +182,4 @@ def test_random_aborts_spare_every_other_request(make_llm: Callable[..., LLM], t
             else:
                 assert tokens == expected[: len(tokens)]
     scheduler.check_integrity()
+    assert (scheduler.planner.num_retractions > 0) == bool(pool)
