@@ -271,4 +271,10 @@ def test_responses_api_gives_thinking_its_own_item(server: ServerProcess) -> Non
 
     assert joined("response.reasoning_text.delta") == message["reasoning_content"]
     assert joined("response.output_text.delta") == message["content"]
-    assert events[-1]["response"]["output"][0]["type"] == "reasoning"
+    final = events[-1]["response"]
+    assert final["output"][0]["type"] == "reasoning"
+    # after the block only "\n\n", the word and the end token: at most five tokens
+    usage = final["usage"]
+    thinking = usage["output_tokens_details"]["reasoning_tokens"]
+    assert usage["output_tokens"] - 5 <= thinking < usage["output_tokens"]
+    assert thinking >= len(message["reasoning_content"].split())

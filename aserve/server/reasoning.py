@@ -87,6 +87,16 @@ class ReasoningStream:
             self._pending = ""
             return Split(reasoning, content)
 
+    @property
+    def thinking(self) -> bool:
+        """Inside the <think> block (its end not yet seen)."""
+        return self._state == "thinking"
+
+    @property
+    def undecided(self) -> bool:
+        """Nothing but whitespace or the beginning of <think> so far."""
+        return self._state == "start"
+
     def finish(self) -> Split:
         """The held-back rest once the reply has ended: a tag's unfinished beginning is
         text after all."""

@@ -237,12 +237,16 @@ class ReplySplitter:
     def __init__(self, tool_syntax: str | None, thinking_opened: bool | None) -> None:
         self._tools = None if tool_syntax is None else ToolTextStream(tool_syntax)
         self._thinking = None if thinking_opened is None else ReasoningStream(thinking_opened)
+        # The tokens of the deltas inside <think>, its tags included: exact where each delta
+        # is one token (a stream), else a delta across the block's end counts whole.
+        self.reasoning_tokens = 0
+        self._undecided_tokens = 0  # before the reply shows whether it thinks
 
     def push(self, delta: Delta) -> tuple[str, str, list[ParsedCall]]:
         reasoning, text, calls = "", delta.text, []
         final = delta.finish_reason is not None
         if self._thinking is not None:
-            reasoning, text = self._thinking.push(text)
+            reasoning, text = self._push_thinking(delta, self._thinking)
             if final:
                 more_reasoning, more_text = self._thinking.finish()
                 reasoning, text = reasoning + more_reasoning, text + more_text
@@ -252,6 +256,20 @@ class ReplySplitter:
                 rest, calls = self._tools.finish()
                 text += rest
         return reasoning, text, calls
+
+    def _push_thinking(self, delta: Delta, thinking: ReasoningStream) -> tuple[str, str]:
+        """Push the delta's text, counting its tokens as reasoning where they are inside
+        the block (with those before it that began its opening tag)."""
+        was_thinking, was_undecided = thinking.thinking, thinking.undecided
+        split = thinking.push(delta.text)
+        tokens = len(delta.token_ids)
+        if thinking.undecided:
+            self._undecided_tokens += tokens
+            return split
+        if was_thinking or thinking.thinking or (was_undecided and thinking.thought):
+            self.reasoning_tokens += tokens + (self._undecided_tokens if was_undecided else 0)
+        self._undecided_tokens = 0
+        return split
 
 
 def _finish_with_calls(reason: str, called: bool) -> str:

@@ -90,7 +90,7 @@ class ResponsesShaper:
             "input_tokens": prompt,
             "input_tokens_details": {"cached_tokens": cached},
             "output_tokens": completion,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": self._splitter.reasoning_tokens},
             "total_tokens": prompt + completion,
         }
 
