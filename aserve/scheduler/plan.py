@@ -151,12 +151,8 @@ class Planner:
         self.cache.lock(match.handle)
         req.cached_len = match.length  # what `unscored_ahead` counts from
         n = min(req.extend_len, budget, req.unscored_ahead + scored_budget)
-        if n == 0:
-            self.cache.unlock(match.handle)
-            req.cached_len = 0
-            return 0
         need = pages_needed(match.length + n, self.page_size) - len(match.pages)
-        if not self._reserve(need):
+        if n == 0 or not self._reserve(need):
             self.cache.unlock(match.handle)
             req.cached_len = 0
             return 0

@@ -77,13 +77,8 @@ class Choice:
         self.started = True
 
     def cancel(self) -> None:
-        """End the request unless it has ended."""
-        if self.started and self.req is not None and self.req.finish_reason is None:
-            self.scheduler.abort(self.req)
-
-    def abort(self) -> None:
-        """End the request, started or not (SGLang's /abort_request): one not yet handed
-        to the scheduler ends as soon as it is."""
+        """End the request unless it has ended; one not yet handed to the scheduler ends as
+        soon as it is."""
         if self.req is not None and self.req.finish_reason is None:
             self.scheduler.abort(self.req)
 

@@ -23,5 +23,9 @@ def error_response(error: APIError) -> web.Response:
     return json_response(error.body(), error.status, headers)
 
 
+SSE_DONE = b"data: [DONE]\n\n"
+"""What ends an OpenAI (and SGLang) stream."""
+
+
 def sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"

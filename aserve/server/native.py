@@ -16,7 +16,7 @@ from typing import Any
 
 from aserve.sampling_params import TokenLogprob
 from aserve.server.generation import Choice, Delta
-from aserve.server.http import sse
+from aserve.server.http import SSE_DONE, sse
 from aserve.server.openai import APIError, NativeRequest
 from aserve.tokenizer import Tokenizer
 
@@ -61,7 +61,7 @@ class NativeShaper:
         self.started = started
         self._texts: dict[int, str | None] = {}
 
-    DONE = b"data: [DONE]\n\n"
+    DONE = SSE_DONE
 
     def opening_events(self) -> bytes:
         return b""
@@ -168,5 +168,5 @@ class RunningRids:
         doomed = list(self.choices.values()) if rid is None else [self.choices.get(rid)]
         ended = [choice for choice in doomed if choice is not None]
         for choice in ended:
-            choice.abort()
+            choice.cancel()
         return len(ended)

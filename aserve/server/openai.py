@@ -98,9 +98,12 @@ UNION_HINTS = {
 }
 
 
-def parse_body(model: type[ModelT], raw: bytes) -> ModelT:
-    """The body validated by `model`, or a 400 that names the field and what is wrong."""
+def parse_body(model: type[ModelT], raw: bytes | dict[str, Any]) -> ModelT:
+    """The body (JSON, or a dict another route's body was turned into) validated by
+    `model`, or a 400 that names the field and what is wrong."""
     try:
+        if isinstance(raw, dict):
+            return model.model_validate(raw)
         return model.model_validate_json(raw)
     except ValidationError as error:
         message, param = validation_message(error)
@@ -430,12 +433,7 @@ def parse_responses(raw: bytes, defaults: SamplingDefaults) -> GenerationRequest
             schema = {"name": text_format.name or "output", "schema": text_format.schema_}
             response_format["json_schema"] = schema
         chat["response_format"] = response_format
-    try:
-        chat_body = protocol.ChatCompletionRequest.model_validate(chat)
-    except ValidationError as error:
-        message, param = validation_message(error)
-        raise APIError(message, param=param) from None
-    parsed = chat_request(chat_body, defaults)
+    parsed = chat_request(parse_body(protocol.ChatCompletionRequest, chat), defaults)
     echoed = {
         "instructions": request.instructions,
         "metadata": request.metadata or {},

@@ -14,7 +14,7 @@ from aserve.runtime import Runtime
 from aserve.sampling_params import TokenLogprob
 from aserve.server import openai
 from aserve.server.generation import Choice, Delta
-from aserve.server.http import sse
+from aserve.server.http import SSE_DONE, sse
 from aserve.server.openai import GenerationRequest, ResponseHead
 from aserve.server.reasoning import ReasoningStream, split_reasoning
 from aserve.server.tools import ParsedCall, ToolTextStream, openai_calls, parse_tool_calls
@@ -97,7 +97,7 @@ class ResponseShaper:
         self._text_offsets[index] += sum(len(text) for text, _, _ in entries)
         return body
 
-    DONE = b"data: [DONE]\n\n"
+    DONE = SSE_DONE
 
     def opening_events(self) -> bytes:
         return b"".join(sse(chunk) for chunk in self.opening_chunks())
