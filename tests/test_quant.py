@@ -32,6 +32,8 @@ HALVES = {
     QType.Q5_0: (0,),
     QType.Q5_1: (0, 2),
     QType.Q8_0: (0,),
+    QType.Q2_K: (80, 82),
+    QType.Q3_K: (108,),
     QType.Q4_K: (0, 2),
     QType.Q5_K: (0, 2),
     QType.Q6_K: (208,),
@@ -112,6 +114,19 @@ def test_products_match_the_dequantized_weight(
     torch.testing.assert_close(native.linear(x, None).double(), exact, rtol=0, atol=tolerance)
     ids = torch.tensor([5, 0, 99, 5])
     torch.testing.assert_close(native.rows(ids), weight[ids], rtol=1e-6, atol=1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", [QType.Q2_K, QType.Q3_K], ids=lambda q: q.name)
+def test_codes_of_two_and_three_bits_pack_into_nibbles(qtype: QType) -> None:
+    """Q2_K and Q3_K (groups of 16) keep half a byte a code on CPU, as Q4_K does, not an int8
+    each: 100 rows pad to 104, a float32 scale and offset a group of 16."""
+    codes = decode(torch.from_numpy(random_blocks(qtype, 100, 512)), qtype, 512)
+    assert (codes.group, codes.bits) == (16, 2 if qtype == QType.Q2_K else 3)
+    native = NativeWeight(codes)
+    assert native.four_bit
+    assert native.words.nbytes == 104 * 512 // 2
+    assert native.nbytes == 104 * 512 // 2 + 2 * 4 * 104 * 512 // 16
 
 
 def write_tiny_llama(path: Path, qtype: QType, seed: int = 0) -> None:
@@ -255,15 +270,15 @@ def test_bad_gguf_files_are_one_line(tmp_path: Path) -> None:
     writer.add_feed_forward_length(512)
     writer.add_head_count(4)
     writer.add_context_length(64)
-    raw = np.zeros((8, 84), np.uint8)  # one Q2_K super-block a row
-    writer.add_tensor("token_embd.weight", raw, raw_dtype=QType.Q2_K)
+    raw = np.zeros((8, 66), np.uint8)  # one IQ2_XXS super-block a row
+    writer.add_tensor("token_embd.weight", raw, raw_dtype=QType.IQ2_XXS)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     for path, message in (
         (truncated, "is not a whole GGUF file (truncated or damaged"),
-        (unsupported, "token_embd.weight is Q2_K, which aserve cannot run"),
+        (unsupported, "token_embd.weight is IQ2_XXS, which aserve cannot run"),
     ):
         assert_refused_in_one_line(path, [], message, tmp_path / "cache")
 

@@ -84,7 +84,7 @@ def quantized_gemm(
         for j in tl.static_range(GROUPS_PER_STEP):
             start = step + j * GROUP
             group = start // GROUP
-            if FOUR_BIT:
+            if FOUR_BIT and GROUP == 32:
                 # each byte loaded once: its low nibbles meet the even inputs, its high ones
                 # the odd inputs, in two dots of half a group
                 pairs = start // 2 + tl.arange(0, GROUP // 2)
@@ -97,6 +97,7 @@ def quantized_gemm(
                 part = tl.dot(x_even, (packed & 15).to(x_even.dtype), input_precision=PRECISION)
                 part = tl.dot(x_odd, (packed >> 4).to(x_odd.dtype), part, input_precision=PRECISION)
             else:
+                # (a 4-bit group of 16 would make dots of 8 inputs, under tl.dot's 16)
                 k = start + tl.arange(0, GROUP)
                 x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=row_ok[:, None], other=0.0)
                 code = group_codes(codes_ptr, k, cols, N, K, FOUR_BIT)
@@ -154,8 +155,8 @@ def _split_k(tiles: int, steps: int) -> int:
 
 
 class CudaWeight:
-    """A `[rows, cols]` weight on CUDA in groups of 16 or 32 inputs: 4-bit codes two to a
-    byte, or codes of up to 8 bits as int8 (the offset takes the shift by 128)."""
+    """A `[rows, cols]` weight on CUDA in groups of 16 or 32 inputs: codes of up to 4 bits two
+    to a byte, wider ones (up to 8 bits) as int8 (the offset takes the shift by 128)."""
 
     def __init__(self, codes: Codes, device: torch.device, dtype: torch.dtype) -> None:
         codes = groups_of_at_most_32(codes)
@@ -163,7 +164,7 @@ class CudaWeight:
             raise ValueError(f"CUDA products take groups of {GROUPS} and up to 8 bits")
         self.shape = codes.shape
         self.group = codes.group
-        self.four_bit = codes.bits <= 4 and codes.group == 32
+        self.four_bit = codes.bits <= 4
         if self.four_bit:
             values, offsets = codes.codes.to(device), codes.offsets
             packed = values[:, 0::2] | (values[:, 1::2] << 4)

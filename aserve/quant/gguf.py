@@ -24,6 +24,8 @@ BLOCKS: dict[QType, tuple[int, int]] = {
     QType.Q5_0: (32, 22),
     QType.Q5_1: (32, 24),
     QType.Q8_0: (32, 34),
+    QType.Q2_K: (256, 84),
+    QType.Q3_K: (256, 110),
     QType.Q4_K: (256, 144),
     QType.Q5_K: (256, 176),
     QType.Q6_K: (256, 210),
@@ -141,6 +143,41 @@ def _q8_0(blocks: torch.Tensor) -> Decoded:
     return codes, d, -128 * d, 32, 8
 
 
+def _two_bit_runs(qs: torch.Tensor) -> torch.Tensor:
+    """64 bytes of a Q2_K / Q3_K super-block as 16 groups of 16: each half of the block is
+    32 bytes read four times, two bits further up each time."""
+    runs = qs.reshape(*qs.shape[:-1], 2, 1, 32)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
+    return ((runs >> shifts) & 3).reshape(*qs.shape[:-1], 16, 16)
+
+
+def _q2_k(blocks: torch.Tensor) -> Decoded:
+    packed = blocks[..., 0:16]  # a group's 4-bit scale low, its 4-bit min high
+    d, dmin = _half(blocks, 80), _half(blocks, 82)
+    scales = d[..., None] * (packed & 15).float()
+    return (
+        _two_bit_runs(blocks[..., 16:80]),
+        scales,
+        -dmin[..., None] * (packed >> 4).float(),
+        16,
+        2,
+    )
+
+
+def _q3_k(blocks: torch.Tensor) -> Decoded:
+    """Codes 0..7 are the stored value plus 4 (the high bit set means no minus 4), and the
+    16 signed 6-bit scales keep their low nibbles in bytes 96-103 and two high bits in 104-107."""
+    lead = blocks.shape[:-1]
+    hmask, packed = blocks[..., 0:32], blocks[..., 96:108]
+    high = (hmask[..., None, :] >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1
+    codes = _two_bit_runs(blocks[..., 32:96]) | high.reshape(*lead, 16, 16) << 2
+    nibbles = (packed[..., None, 0:8] >> torch.tensor([0, 4], dtype=torch.uint8)[:, None]) & 15
+    tops = (packed[..., None, 8:12] >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]) & 3
+    signed = (nibbles.reshape(*lead, 16) | tops.reshape(*lead, 16) << 4).float() - 32
+    step = _half(blocks, 108)[..., None] * signed
+    return codes, step, -4 * step, 16, 3
+
+
 def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The eight 6-bit scales and mins of a Q4_K / Q5_K super-block, from its 12 bytes."""
     low, mid, high = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
@@ -192,6 +229,8 @@ DECODERS: dict[QType, Callable[[torch.Tensor], Decoded]] = {
     QType.Q5_0: _q5_0,
     QType.Q5_1: _q5_1,
     QType.Q8_0: _q8_0,
+    QType.Q2_K: _q2_k,
+    QType.Q3_K: _q3_k,
     QType.Q4_K: _q4_k,
     QType.Q5_K: _q5_k,
     QType.Q6_K: _q6_k,

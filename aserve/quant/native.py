@@ -40,7 +40,6 @@ from aserve.quant.codes import Codes, groups_of_at_most_32
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
-GROUP = 32
 LANES = 8  # output features per panel: one AVX2 register of float32
 BLAS_ROWS = 128  # from this many rows, de-quantize slices and multiply them with BLAS
 BLAS_SLICE_BYTES = 2 << 20
@@ -110,15 +109,15 @@ def _cpu_features() -> str:
 
 
 class NativeWeight:
-    """A weight in the kernels' panel layout (csrc/cpu_kernels.cpp): 4-bit codes in groups
-    of 32, or codes of up to 8 bits, signed, in groups of 16 or 32."""
+    """A weight in the kernels' panel layout (csrc/cpu_kernels.cpp), in groups of 16 or 32:
+    codes of up to 4 bits eight to a word, wider ones (up to 8 bits) signed, four to a word."""
 
     def __init__(self, codes: Codes, scratch: Scratch | None = None) -> None:
         self.scratch = scratch or Scratch()
         self.shape = codes.shape
         codes = groups_of_at_most_32(codes)
         self.group = codes.group
-        self.four_bit = codes.bits <= 4 and codes.group == GROUP
+        self.four_bit = codes.bits <= 4
         rows, cols = codes.shape
         padded = -(-rows // LANES) * LANES
         codes = codes.pad_rows(padded)

@@ -311,7 +311,6 @@ Weight weight_of(const at::Tensor& words, const at::Tensor& scales, const at::Te
                   offsets.is_contiguous(),
               "offsets: as scales");
   TORCH_CHECK(group == 16 || group == 32, "groups are 16 or 32 inputs, got ", group);
-  TORCH_CHECK(!four_bit || group == 32, "4-bit codes come in groups of 32");
   const int64_t panels = scales.size(0), groups = scales.size(1);
   Weight w{reinterpret_cast<const uint32_t*>(words.data_ptr<int32_t>()),
            scales.data_ptr<float>(),
