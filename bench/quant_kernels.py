@@ -4,6 +4,7 @@ against MKL float32, on CUDA against cuBLAS bfloat16.
 
     python bench/quant_kernels.py                      # SmolLM2-135M's shapes
     python bench/quant_kernels.py --shapes 4096x4096 --rows 1 16 512
+    python bench/quant_kernels.py --bits 4 --group 16 --levels   # Q3_K-like, IQ4-like rows
     python bench/quant_kernels.py --device cuda --shapes 6144x4096 4096x4096 28672x4096 \
         4096x14336 --rows 1 16 64 256 1024 4096
     python bench/quant_kernels.py --fp8 --shapes 6144x4096 28672x4096 4096x14336 --rows 1 4 16
@@ -28,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aserve.layers.cpu_gemm import PackedWeight  # noqa: E402
 from aserve.quant.codes import Codes  # noqa: E402
+from aserve.quant.gguf import IQ4_LEVELS  # noqa: E402
 from aserve.quant.native import NativeWeight, native_kernels  # noqa: E402
 
 SMOLLM2 = ["960x576", "576x576", "3072x576", "576x1536", "49152x576"]
@@ -321,6 +323,10 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=SMOLLM2, help="OUTxIN weight shapes")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 128, 2048])
     p.add_argument("--bits", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--group", type=int, default=32, help="inputs a scale (16: the K-quants')")
+    p.add_argument(
+        "--levels", action="store_true", help="also 4-bit codes standing for IQ4's 16 levels"
+    )
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--fp8", action="store_true", help="FP8 products of --rows rows (CUDA)")
     p.add_argument(
@@ -352,13 +358,17 @@ def main() -> None:
     print("shape        bits " + "".join(f"{m:>18}" for m in args.rows))
     for shape in args.shapes:
         out, cols = (int(v) for v in shape.split("x"))
-        for bits in args.bits:
+        kinds = [(bits, None) for bits in args.bits]
+        if args.levels:
+            kinds.append((4, IQ4_LEVELS))
+        for bits, levels in kinds:
             codes = Codes(
                 torch.randint(0, 2**bits, (out, cols), dtype=torch.uint8),
-                torch.rand(out, cols // 32),
-                torch.rand(out, cols // 32),
-                32,
+                torch.rand(out, cols // args.group),
+                torch.rand(out, cols // args.group),
+                args.group,
                 bits,
+                levels,
             )
             ours, reference, activations = products(codes, args.device)
             cells = []
@@ -367,7 +377,8 @@ def main() -> None:
                 a = timed(lambda x=x, f=ours: f(x, None))
                 b = timed(lambda x=x, f=reference: f(x, None))
                 cells.append(f"{a:>8.0f} / {b:<7.0f}")
-            print(f"{shape:<12} {bits:>4} " + "".join(f"{c:>18}" for c in cells), flush=True)
+            name = f"{bits}L" if levels is not None else str(bits)
+            print(f"{shape:<12} {name:>4} " + "".join(f"{c:>18}" for c in cells), flush=True)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,8 @@ HALVES = {
     QType.Q4_K: (0, 2),
     QType.Q5_K: (0, 2),
     QType.Q6_K: (208,),
+    QType.IQ4_NL: (0,),
+    QType.IQ4_XS: (0,),
 }
 FORMATS = list(BLOCKS)
 

@@ -1,5 +1,6 @@
 """Group-quantized weights in one common form: integer codes with a scale and an offset per
-group of consecutive inputs, `w = code * scale + offset`.
+group of consecutive inputs, `w = code * scale + offset` (or `table[code] * scale + offset`
+for formats whose levels are not evenly spaced).
 
 Every GGUF block format that aserve runs decodes into this form exactly (aserve/quant/gguf.py),
 and every matmul backend packs from it (aserve/quant/cpu.py), so formats and kernels meet in
@@ -15,13 +16,16 @@ import torch
 
 class Codes(NamedTuple):
     """A `[rows, cols]` weight: `codes` uint8 `[rows, cols]` (each below 2**bits), and
-    float32 `scales` / `offsets` `[rows, cols // group]`."""
+    float32 `scales` / `offsets` `[rows, cols // group]`. With a `table` (float32, 2**bits
+    levels) a code stands for its level instead of itself: IQ4_NL and IQ4_XS keep 16 levels
+    that are denser near zero, which no scale and offset can map codes onto."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     offsets: torch.Tensor
     group: int
     bits: int
+    table: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -29,7 +33,7 @@ class Codes(NamedTuple):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         rows, cols = self.shape
-        grouped = self.codes.view(rows, cols // self.group, self.group).to(torch.float32)
+        grouped = self.levels().view(rows, cols // self.group, self.group)
         weight = grouped * self.scales[..., None] + self.offsets[..., None]
         return weight.view(rows, cols).to(dtype)
 
@@ -44,8 +48,23 @@ class Codes(NamedTuple):
             self.offsets.new_zeros(missing, self.offsets.shape[1]),
             self.group,
             self.bits,
+            self.table,
         )
         return Codes.concat_rows([self, zeros])
+
+    def levels(self) -> torch.Tensor:
+        """What each code stands for, as float32: the code itself, or its level in the table."""
+        if self.table is None:
+            return self.codes.to(torch.float32)
+        return self.table[self.codes.long()]
+
+    def packs_with(self, other: Codes) -> bool:
+        """Whether the two stack into one weight: same groups, width and levels."""
+        if (self.group, self.bits) != (other.group, other.bits):
+            return False
+        if self.table is None or other.table is None:
+            return self.table is other.table
+        return torch.equal(self.table, other.table)
 
     def signed(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The codes as int8 and the offsets that keep `w`: 8-bit codes 0..255 become
@@ -59,14 +78,15 @@ class Codes(NamedTuple):
     def concat_rows(parts: list[Codes]) -> Codes:
         """Stack weights of one format (a fused projection's shards) into one."""
         first = parts[0]
-        if any((p.group, p.bits) != (first.group, first.bits) for p in parts):
-            raise ValueError("only weights of one group size and width stack")
+        if not all(first.packs_with(p) for p in parts):
+            raise ValueError("only weights of one group size, width and levels stack")
         return Codes(
             torch.cat([p.codes for p in parts]),
             torch.cat([p.scales for p in parts]),
             torch.cat([p.offsets for p in parts]),
             first.group,
             first.bits,
+            first.table,
         )
 
 
@@ -107,4 +127,5 @@ def groups_of_at_most_32(codes: Codes) -> Codes:
         codes.offsets.repeat_interleave(repeat, 1),
         32,
         codes.bits,
+        codes.table,
     )

@@ -31,9 +31,10 @@ BUSY_PROGRAMS = 2 * 132  # programs that keep an H100/H200's SMs reading weights
 
 
 @triton.jit
-def group_codes(codes_ptr, k, cols, N, K, FOUR_BIT: tl.constexpr):
+def group_codes(codes_ptr, levels_ptr, k, cols, N, K, FOUR_BIT: tl.constexpr, LEVELS: tl.constexpr):
     """One group's codes [k, cols] as stored, input-major ([K (/ 2), N]), so that a tile loads
-    along N, coalesced (the two inputs of a byte load it twice, from cache)."""
+    along N, coalesced (the two inputs of a byte load it twice, from cache); with LEVELS, the
+    levels they stand for."""
     ok = (k[:, None] < K) & (cols[None, :] < N)
     if FOUR_BIT:
         # byte (j, n) holds input 2j of output n in its low nibble and 2j + 1 in its high one
@@ -41,6 +42,15 @@ def group_codes(codes_ptr, k, cols, N, K, FOUR_BIT: tl.constexpr):
         code = (packed >> ((k[:, None] % 2) * 4)) & 15
     else:
         code = tl.load(codes_ptr + k[:, None] * N + cols[None, :], mask=ok, other=0)
+    return level_of(levels_ptr, code, LEVELS)
+
+
+@triton.jit
+def level_of(levels_ptr, code, LEVELS: tl.constexpr):
+    """The level a 4-bit code stands for (IQ4_NL / IQ4_XS; 16 values read from cache), or the
+    code itself."""
+    if LEVELS:
+        return tl.load(levels_ptr + code.to(tl.int32))
     return code
 
 
@@ -51,6 +61,7 @@ def quantized_gemm(
     x_ptr,
     x_sums_ptr,
     codes_ptr,
+    levels_ptr,
     scales_ptr,
     offsets_ptr,
     y_ptr,
@@ -58,6 +69,7 @@ def quantized_gemm(
     N,
     K,
     FOUR_BIT: tl.constexpr,
+    LEVELS: tl.constexpr,
     GROUP: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -94,13 +106,15 @@ def quantized_gemm(
                 even = x_ptr + rows[:, None] * K + (start + 2 * tl.arange(0, GROUP // 2))[None, :]
                 x_even = tl.load(even, mask=row_ok[:, None], other=0.0)
                 x_odd = tl.load(even + 1, mask=row_ok[:, None], other=0.0)
-                part = tl.dot(x_even, (packed & 15).to(x_even.dtype), input_precision=PRECISION)
-                part = tl.dot(x_odd, (packed >> 4).to(x_odd.dtype), part, input_precision=PRECISION)
+                even_codes = level_of(levels_ptr, packed & 15, LEVELS).to(x_even.dtype)
+                odd_codes = level_of(levels_ptr, packed >> 4, LEVELS).to(x_odd.dtype)
+                part = tl.dot(x_even, even_codes, input_precision=PRECISION)
+                part = tl.dot(x_odd, odd_codes, part, input_precision=PRECISION)
             else:
                 # (a 4-bit group of 16 would make dots of 8 inputs, under tl.dot's 16)
                 k = start + tl.arange(0, GROUP)
                 x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=row_ok[:, None], other=0.0)
-                code = group_codes(codes_ptr, k, cols, N, K, FOUR_BIT)
+                code = group_codes(codes_ptr, levels_ptr, k, cols, N, K, FOUR_BIT, LEVELS)
                 part = tl.dot(x, code.to(x.dtype), input_precision=PRECISION)
             scale = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
             offset = tl.load(offsets_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -116,6 +130,7 @@ def quantized_gemm(
 @triton.jit
 def dequantize_kernel(
     codes_ptr,
+    levels_ptr,
     scales_ptr,
     offsets_ptr,
     w_ptr,
@@ -124,6 +139,7 @@ def dequantize_kernel(
     FIRST,
     WIDTH,
     FOUR_BIT: tl.constexpr,
+    LEVELS: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -133,7 +149,7 @@ def dequantize_kernel(
     k = start + tl.arange(0, GROUP)
     cols = FIRST + tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < FIRST + WIDTH
-    code = group_codes(codes_ptr, k, cols, N, K, FOUR_BIT).to(tl.float32)
+    code = group_codes(codes_ptr, levels_ptr, k, cols, N, K, FOUR_BIT, LEVELS).to(tl.float32)
     where = (start // GROUP) * N + cols
     scale = tl.load(scales_ptr + where, mask=col_ok, other=0.0).to(tl.float32)
     offset = tl.load(offsets_ptr + where, mask=col_ok, other=0.0).to(tl.float32)
@@ -172,6 +188,8 @@ class CudaWeight:
             signed, offsets = codes.signed()
             packed = signed.to(device)
         scale_dtype = torch.float32 if dtype == torch.float32 else torch.float16
+        # levels (IQ4's are integers of up to 8 significant bits) exact in 16-bit types
+        self.levels = None if codes.table is None else codes.table.to(device, dtype)
         # input-major, [K (/ 2), N] and [groups, N]: see `expand`
         self.codes = packed.t().contiguous()
         self.scales = codes.scales.to(device, scale_dtype).t().contiguous()
@@ -225,6 +243,7 @@ class CudaWeight:
             rows,
             x_sums,
             self.codes,
+            self.levels,
             self.scales,
             self.offsets,
             y,
@@ -232,6 +251,7 @@ class CudaWeight:
             n,
             k,
             FOUR_BIT=self.four_bit,
+            LEVELS=self.levels is not None,
             GROUP=self.group,
             PRECISION="ieee" if rows.dtype == torch.float32 else "tf32",
             BLOCK_M=block_m,
@@ -250,6 +270,7 @@ class CudaWeight:
         block_n = 128
         dequantize_kernel[(k // self.group, -(-(last - first) // block_n))](
             self.codes,
+            self.levels,
             self.scales,
             self.offsets,
             w,
@@ -258,6 +279,7 @@ class CudaWeight:
             first,
             last - first,
             FOUR_BIT=self.four_bit,
+            LEVELS=self.levels is not None,
             GROUP=self.group,
             BLOCK_N=block_n,
         )
@@ -267,7 +289,8 @@ class CudaWeight:
         """Rows `ids` de-quantized, in float32 (embedding lookups)."""
         codes = self.codes[:, ids].t().contiguous()
         if self.four_bit:
-            values = torch.stack([codes & 15, codes >> 4], -1).flatten(-2).float()
+            values = torch.stack([codes & 15, codes >> 4], -1).flatten(-2)
+            values = values.float() if self.levels is None else self.levels[values.long()].float()
         else:
             values = codes.float()
         grouped = values.view(len(ids), -1, self.group)

@@ -29,7 +29,13 @@ BLOCKS: dict[QType, tuple[int, int]] = {
     QType.Q4_K: (256, 144),
     QType.Q5_K: (256, 176),
     QType.Q6_K: (256, 210),
+    QType.IQ4_NL: (32, 18),
+    QType.IQ4_XS: (256, 136),
 }
+IQ4_LEVELS = torch.tensor(
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.float32
+)
+"""The 16 levels of IQ4_NL and IQ4_XS codes (llama.cpp's `kvalues_iq4nl`), denser near 0."""
 
 
 class UnsupportedFormat(ValueError):
@@ -93,6 +99,7 @@ def decode(raw: torch.Tensor, qtype: QType, cols: int) -> Codes:
         offsets.reshape(rows, cols // group).contiguous(),
         group,
         bits,
+        IQ4_LEVELS if qtype in (QType.IQ4_NL, QType.IQ4_XS) else None,
     )
 
 
@@ -223,6 +230,23 @@ def _q6_k(blocks: torch.Tensor) -> Decoded:
     return low | high << 4, step, -32 * step, 16, 6
 
 
+def _iq4_nl(blocks: torch.Tensor) -> Decoded:
+    d = _half(blocks, 0)
+    return _nibbles(blocks[..., 2:18]), d, torch.zeros_like(d), 32, 4
+
+
+def _iq4_xs(blocks: torch.Tensor) -> Decoded:
+    """Eight groups of 32 a super-block, each with a signed 6-bit scale: its low four bits in
+    bytes 4-7 (two a byte), its top two in the 16-bit field at bytes 2-3."""
+    lead = blocks.shape[:-1]
+    nibbles = (blocks[..., 4:8, None] >> torch.tensor([0, 4], dtype=torch.uint8)) & 15
+    tops = (blocks[..., 2:4, None] >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)) & 3
+    signed = (nibbles.reshape(*lead, 8) | tops.reshape(*lead, 8) << 4).float() - 32
+    scales = _half(blocks, 0)[..., None] * signed
+    codes = _nibbles(blocks[..., 8:136].reshape(*lead, 8, 16))
+    return codes, scales, torch.zeros_like(scales), 32, 4
+
+
 DECODERS: dict[QType, Callable[[torch.Tensor], Decoded]] = {
     QType.Q4_0: _q4_0,
     QType.Q4_1: _q4_1,
@@ -234,4 +258,6 @@ DECODERS: dict[QType, Callable[[torch.Tensor], Decoded]] = {
     QType.Q4_K: _q4_k,
     QType.Q5_K: _q5_k,
     QType.Q6_K: _q6_k,
+    QType.IQ4_NL: _iq4_nl,
+    QType.IQ4_XS: _iq4_xs,
 }

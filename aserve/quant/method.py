@@ -128,7 +128,7 @@ class QuantizedLinearWeight:
 
 def _same_format(a: Shard, b: Shard) -> bool:
     if isinstance(a, Codes) and isinstance(b, Codes):
-        return (a.group, a.bits) == (b.group, b.bits)
+        return a.packs_with(b)
     return type(a) is type(b) and not isinstance(a, Codes)
 
 

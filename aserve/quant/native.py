@@ -108,9 +108,17 @@ def _cpu_features() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:8]
 
 
+def level_bytes(table: torch.Tensor) -> torch.Tensor:
+    """A code table as the kernels keep it: 16 integer levels in [-128, 127], as level + 128."""
+    if table.numel() != 16 or not torch.equal(table, table.round().clamp(-128, 127)):
+        raise ValueError("the CPU kernels take 16 integer levels in [-128, 127]")
+    return (table.to(torch.int16) + 128).to(torch.uint8)
+
+
 class NativeWeight:
     """A weight in the kernels' panel layout (csrc/cpu_kernels.cpp), in groups of 16 or 32:
-    codes of up to 4 bits eight to a word, wider ones (up to 8 bits) signed, four to a word."""
+    codes of up to 4 bits eight to a word (with their 16 levels where they stand for levels),
+    wider ones (up to 8 bits) signed, four to a word."""
 
     def __init__(self, codes: Codes, scratch: Scratch | None = None) -> None:
         self.scratch = scratch or Scratch()
@@ -118,6 +126,7 @@ class NativeWeight:
         codes = groups_of_at_most_32(codes)
         self.group = codes.group
         self.four_bit = codes.bits <= 4
+        self.levels = None if codes.table is None else level_bytes(codes.table)
         rows, cols = codes.shape
         padded = -(-rows // LANES) * LANES
         codes = codes.pad_rows(padded)
@@ -144,7 +153,7 @@ class NativeWeight:
             out = self._blas_linear(rows)
         else:
             out = torch.ops.aserve_cpu.linear(
-                rows, self.words, self.scales, self.offsets, self.group, self.four_bit
+                rows, self.words, self.scales, self.offsets, self.group, self.four_bit, self.levels
             )
         if out.shape[1] != self.shape[0]:
             out = out[:, : self.shape[0]]
@@ -169,12 +178,19 @@ class NativeWeight:
         cols, width = self.shape[1], (last - first) * LANES
         out = self.scratch.take(cols * width).view(cols, width)
         torch.ops.aserve_cpu.dequantize(
-            self.words, self.scales, self.offsets, self.group, self.four_bit, first, out
+            self.words,
+            self.scales,
+            self.offsets,
+            self.group,
+            self.four_bit,
+            self.levels,
+            first,
+            out,
         )
         return out
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` de-quantized (embedding lookups): the same values the products use."""
         return torch.ops.aserve_cpu.rows(
-            self.words, self.scales, self.offsets, self.group, self.four_bit, ids
+            self.words, self.scales, self.offsets, self.group, self.four_bit, self.levels, ids
         )

@@ -6,6 +6,8 @@
 // panel, group by group, every 32-bit word holds one feature's codes for consecutive inputs:
 //   4-bit codes (0..15): eight inputs a word, input i of the word in bits 4i..4i+3;
 //   8-bit codes (-128..127): four inputs a word, input i in bits 8i..8i+7.
+// With levels (IQ4_NL / IQ4_XS: 16 integer levels, denser near zero) a 4-bit code c stands
+// for levels[c] instead of c; they are kept as bytes, levels[c] + 128.
 // Scales and offsets are stored [panel, group, 8].
 //
 // Every output y[m, n] is computed by one fixed sequence of float operations:
@@ -48,6 +50,7 @@ struct Weight {
   const float* offsets;   // [panels, groups, 8]
   int64_t panels, groups, group, cols;
   bool four_bit;
+  const uint8_t* levels;  // 16 levels + 128 for 4-bit codes that stand for them, else null
 
   int64_t inputs_per_word() const { return four_bit ? 8 : 4; }
   int64_t words_per_group() const { return group / inputs_per_word(); }
@@ -63,21 +66,57 @@ struct Rows {
 };
 
 #ifdef ASERVE_AVX2
-// The code of input i (of its word) in each lane, as a float.
-template <bool FourBit>
-inline __m256 code_of(__m256i words, int i) {
+// How a word's codes become floats.
+enum class Kind { kNibbles, kBytes, kLevels };
+
+inline Kind kind_of(const Weight& w) {
+  return w.levels != nullptr ? Kind::kLevels : w.four_bit ? Kind::kNibbles : Kind::kBytes;
+}
+
+// The 16 level bytes in both 128-bit halves of a register (byte shuffles stay in a half),
+// loaded once per tile.
+inline __m256i levels_of(const Weight& w) {
+  if (w.levels == nullptr) return _mm256_setzero_si256();
+  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.levels)));
+}
+
+// A word of each lane ready to be read input by input: for levels, its eight codes looked
+// up at once by two byte shuffles, the even inputs' level bytes in `even` and the odd ones'
+// in `odd` (input i in byte i / 2); otherwise the word itself.
+struct Unpacked {
+  __m256i even, odd;
+};
+
+template <Kind K>
+inline Unpacked unpack(__m256i word, __m256i levels) {
+  if (K != Kind::kLevels) return {word, word};
+  const __m256i nibbles = _mm256_set1_epi8(15);
+  return {_mm256_shuffle_epi8(levels, _mm256_and_si256(word, nibbles)),
+          _mm256_shuffle_epi8(levels, _mm256_and_si256(_mm256_srli_epi32(word, 4), nibbles))};
+}
+
+// The code (or level) of input i in each lane, as a float.
+template <Kind K>
+inline __m256 code_of(const Unpacked& word, int i) {
   // A code c below 2^23 put in the mantissa of 2^23 is the float 2^23 + c; subtracting 2^23
   // leaves c exactly. Cheaper than an int-to-float conversion, which some CPUs run on one
-  // port only. 8-bit codes are stored with their sign flipped (c + 128) for this.
+  // port only. 8-bit codes are stored with their sign flipped (c + 128) for this, and levels
+  // are kept as bytes of level + 128.
   const __m256i magic = _mm256_set1_epi32(0x4B000000);
-  if (FourBit) {
-    const __m256i code = _mm256_and_si256(_mm256_srli_epi32(words, 4 * i), _mm256_set1_epi32(15));
+  if (K == Kind::kNibbles) {
+    const __m256i code =
+        _mm256_and_si256(_mm256_srli_epi32(word.even, 4 * i), _mm256_set1_epi32(15));
     return _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(code, magic)),
                          _mm256_set1_ps(8388608.0f));
   }
-  const __m256i code =
-      _mm256_and_si256(_mm256_srli_epi32(_mm256_xor_si256(words, _mm256_set1_epi32(0x80808080)), 8 * i),
-                       _mm256_set1_epi32(255));
+  __m256i code;
+  if (K == Kind::kLevels) {
+    const __m256i bytes = i % 2 ? word.odd : word.even;
+    code = _mm256_and_si256(_mm256_srli_epi32(bytes, 8 * (i / 2)), _mm256_set1_epi32(255));
+  } else {
+    const __m256i flipped = _mm256_xor_si256(word.even, _mm256_set1_epi32(0x80808080));
+    code = _mm256_and_si256(_mm256_srli_epi32(flipped, 8 * i), _mm256_set1_epi32(255));
+  }
   return _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(code, magic)), _mm256_set1_ps(8388736.0f));
 }
 
@@ -98,9 +137,10 @@ inline void set_zero(__m256 (&sums)[R][P]) {
 }
 
 // R rows against P panels, codes expanded in registers.
-template <int R, int P, bool FourBit>
+template <int R, int P, Kind K>
 void tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_panel) {
-  constexpr int per_word = FourBit ? 8 : 4;
+  constexpr int per_word = K == Kind::kBytes ? 4 : 8;
+  const __m256i levels = levels_of(w);
   const int64_t words = w.words_per_group();
   __m256 total[R][P];
   set_zero(total);
@@ -109,18 +149,18 @@ void tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_panel
     set_zero(part);
     for (int64_t v = 0; v < words; ++v) {
       const int64_t k0 = g * w.group + v * per_word;
-      __m256i word[P];
+      Unpacked word[P];
 #pragma GCC unroll 8
       for (int p = 0; p < P; ++p) {
         const uint32_t* src =
             w.words + (first_panel + p) * w.panel_words() + (g * words + v) * kLanes;
-        word[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+        word[p] = unpack<K>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)), levels);
       }
 #pragma GCC unroll 8
       for (int i = 0; i < per_word; ++i) {
 #pragma GCC unroll 8
         for (int p = 0; p < P; ++p) {
-          const __m256 code = code_of<FourBit>(word[p], i);
+          const __m256 code = code_of<K>(word[p], i);
 #pragma GCC unroll 8
           for (int r = 0; r < R; ++r) {
             const __m256 xk = _mm256_broadcast_ss(a.x + (first_row + r) * a.cols + k0 + i);
@@ -144,18 +184,20 @@ void tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_panel
 
 // Panels [first, first + P) as float codes in `buffer`, [panel][input][lane]: the codes that
 // many rows share are expanded once instead of once per tile of rows.
-template <int P, bool FourBit>
+template <int P, Kind K>
 void expand_panels(const Weight& w, int64_t first, float* buffer) {
-  constexpr int per_word = FourBit ? 8 : 4;
+  constexpr int per_word = K == Kind::kBytes ? 4 : 8;
+  const __m256i levels = levels_of(w);
   const int64_t words = w.words_per_group();
   for (int p = 0; p < P; ++p) {
     float* out = buffer + p * w.cols * kLanes;
     const uint32_t* src = w.words + (first + p) * w.panel_words();
     for (int64_t word = 0; word < w.groups * words; ++word) {
-      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + word * kLanes));
+      const Unpacked bits =
+          unpack<K>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + word * kLanes)), levels);
 #pragma GCC unroll 8
       for (int i = 0; i < per_word; ++i) {
-        _mm256_storeu_ps(out + (word * per_word + i) * kLanes, code_of<FourBit>(bits, i));
+        _mm256_storeu_ps(out + (word * per_word + i) * kLanes, code_of<K>(bits, i));
       }
     }
   }
@@ -219,61 +261,73 @@ void rows_from_buffer(const Weight& w, const Rows& a, const float* buffer, int64
   }
 }
 
-template <bool FourBit>
+template <Kind K>
 void many_rows(const Weight& w, const Rows& a, int64_t first, int64_t last, int64_t first_panel,
                int64_t last_panel, float* buffer) {
   int64_t p = first_panel;
   for (; p + 2 <= last_panel; p += 2) {
-    expand_panels<2, FourBit>(w, p, buffer);
+    expand_panels<2, K>(w, p, buffer);
     rows_from_buffer<2>(w, a, buffer, first, last, p);
   }
   if (p < last_panel) {
-    expand_panels<1, FourBit>(w, p, buffer);
+    expand_panels<1, K>(w, p, buffer);
     rows_from_buffer<1>(w, a, buffer, first, last, p);
   }
 }
 
-template <int R, int P, bool FourBit>
+template <int R, int P, Kind K>
 void panels_at(const Weight& w, const Rows& a, int64_t row, int64_t first_panel,
                int64_t last_panel) {
   int64_t p = first_panel;
-  for (; p + P <= last_panel; p += P) tile<R, P, FourBit>(w, a, row, p);
-  for (; p < last_panel; ++p) tile<R, 1, FourBit>(w, a, row, p);
+  for (; p + P <= last_panel; p += P) tile<R, P, K>(w, a, row, p);
+  for (; p < last_panel; ++p) tile<R, 1, K>(w, a, row, p);
 }
 
-template <bool FourBit>
+template <Kind K>
 void few_rows(const Weight& w, const Rows& a, int64_t first, int64_t last, int64_t first_panel,
               int64_t last_panel) {
   int64_t row = first;
-  for (; row + 4 <= last; row += 4) panels_at<4, 1, FourBit>(w, a, row, first_panel, last_panel);
+  for (; row + 4 <= last; row += 4) panels_at<4, 1, K>(w, a, row, first_panel, last_panel);
   if (row + 2 <= last) {
-    panels_at<2, 2, FourBit>(w, a, row, first_panel, last_panel);
+    panels_at<2, 2, K>(w, a, row, first_panel, last_panel);
     row += 2;
   }
-  if (row < last) panels_at<1, 4, FourBit>(w, a, row, first_panel, last_panel);
+  if (row < last) panels_at<1, 4, K>(w, a, row, first_panel, last_panel);
+}
+
+template <Kind K>
+void rows_against_panels_of(const Weight& w, const Rows& a, int64_t first, int64_t last,
+                            int64_t first_panel, int64_t last_panel, std::vector<float>& buffer) {
+  if (last - first >= kManyRows) {
+    buffer.resize(2 * w.cols * kLanes);
+    many_rows<K>(w, a, first, last, first_panel, last_panel, buffer.data());
+  } else {
+    few_rows<K>(w, a, first, last, first_panel, last_panel);
+  }
 }
 
 void rows_against_panels(const Weight& w, const Rows& a, int64_t first, int64_t last,
                          int64_t first_panel, int64_t last_panel, std::vector<float>& buffer) {
-  if (last - first >= kManyRows) {
-    buffer.resize(2 * w.cols * kLanes);
-    if (w.four_bit) {
-      many_rows<true>(w, a, first, last, first_panel, last_panel, buffer.data());
-    } else {
-      many_rows<false>(w, a, first, last, first_panel, last_panel, buffer.data());
-    }
-  } else if (w.four_bit) {
-    few_rows<true>(w, a, first, last, first_panel, last_panel);
-  } else {
-    few_rows<false>(w, a, first, last, first_panel, last_panel);
+  switch (kind_of(w)) {
+    case Kind::kNibbles:
+      return rows_against_panels_of<Kind::kNibbles>(w, a, first, last, first_panel, last_panel, buffer);
+    case Kind::kBytes:
+      return rows_against_panels_of<Kind::kBytes>(w, a, first, last, first_panel, last_panel, buffer);
+    case Kind::kLevels:
+      return rows_against_panels_of<Kind::kLevels>(w, a, first, last, first_panel, last_panel, buffer);
   }
 }
-#else
-inline float code_of(uint32_t word, int i, bool four_bit) {
-  if (four_bit) return static_cast<float>((word >> (4 * i)) & 15);
-  return static_cast<float>(static_cast<int8_t>((word >> (8 * i)) & 255));
+#endif
+
+// The code of input i of one lane's word, as a float (paths that are not hot, and CPUs
+// without AVX2).
+inline float code_of(const Weight& w, uint32_t word, int i) {
+  if (!w.four_bit) return static_cast<float>(static_cast<int8_t>((word >> (8 * i)) & 255));
+  const uint32_t code = (word >> (4 * i)) & 15;
+  return w.levels != nullptr ? static_cast<float>(w.levels[code]) - 128.0f : static_cast<float>(code);
 }
 
+#ifndef ASERVE_AVX2
 // The same operations, one output at a time.
 void rows_against_panels(const Weight& w, const Rows& a, int64_t first, int64_t last,
                          int64_t first_panel, int64_t last_panel, std::vector<float>&) {
@@ -288,7 +342,7 @@ void rows_against_panels(const Weight& w, const Rows& a, int64_t first, int64_t 
             const uint32_t word = w.words[p * w.panel_words() + (g * words + v) * kLanes + lane];
             const int64_t k0 = g * w.group + v * per_word;
             for (int64_t i = 0; i < per_word; ++i) {
-              part = std::fma(code_of(word, i, w.four_bit), a.x[m * a.cols + k0 + i], part);
+              part = std::fma(code_of(w, word, static_cast<int>(i)), a.x[m * a.cols + k0 + i], part);
             }
           }
           total = std::fma(w.scales[w.at(p, g) + lane], part, total);
@@ -302,7 +356,7 @@ void rows_against_panels(const Weight& w, const Rows& a, int64_t first, int64_t 
 #endif
 
 Weight weight_of(const at::Tensor& words, const at::Tensor& scales, const at::Tensor& offsets,
-                 int64_t group, bool four_bit) {
+                 int64_t group, bool four_bit, const std::optional<at::Tensor>& levels) {
   TORCH_CHECK(words.scalar_type() == at::kInt && words.is_contiguous(), "words: int32");
   TORCH_CHECK(scales.dim() == 3 && scales.size(2) == kLanes && scales.scalar_type() == at::kFloat &&
                   scales.is_contiguous(),
@@ -311,6 +365,11 @@ Weight weight_of(const at::Tensor& words, const at::Tensor& scales, const at::Te
                   offsets.is_contiguous(),
               "offsets: as scales");
   TORCH_CHECK(group == 16 || group == 32, "groups are 16 or 32 inputs, got ", group);
+  if (levels.has_value()) {
+    TORCH_CHECK(four_bit && levels->scalar_type() == at::kByte && levels->is_contiguous() &&
+                    levels->numel() == 16,
+                "levels: 16 bytes (level + 128), for 4-bit codes");
+  }
   const int64_t panels = scales.size(0), groups = scales.size(1);
   Weight w{reinterpret_cast<const uint32_t*>(words.data_ptr<int32_t>()),
            scales.data_ptr<float>(),
@@ -319,14 +378,16 @@ Weight weight_of(const at::Tensor& words, const at::Tensor& scales, const at::Te
            groups,
            group,
            groups * group,
-           four_bit};
+           four_bit,
+           levels.has_value() ? levels->data_ptr<uint8_t>() : nullptr};
   TORCH_CHECK(words.numel() == panels * w.panel_words(), "words do not match the scales");
   return w;
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& words, const at::Tensor& scales,
-                  const at::Tensor& offsets, int64_t group, bool four_bit) {
-  const Weight w = weight_of(words, scales, offsets, group, four_bit);
+                  const at::Tensor& offsets, int64_t group, bool four_bit,
+                  const std::optional<at::Tensor>& levels) {
+  const Weight w = weight_of(words, scales, offsets, group, four_bit, levels);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 matrix");
   TORCH_CHECK(x.size(1) == w.cols, "x has ", x.size(1), " columns, the weight ", w.cols);
@@ -359,8 +420,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& words, const at::Tensor
 
 // Rows `ids` of the weight de-quantized (embedding lookups), w = code * scale + offset.
 at::Tensor rows(const at::Tensor& words, const at::Tensor& scales, const at::Tensor& offsets,
-                int64_t group, bool four_bit, const at::Tensor& ids) {
-  const Weight w = weight_of(words, scales, offsets, group, four_bit);
+                int64_t group, bool four_bit, const std::optional<at::Tensor>& levels,
+                const at::Tensor& ids) {
+  const Weight w = weight_of(words, scales, offsets, group, four_bit, levels);
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids: int64 vector");
   const at::Tensor ids_here = ids.contiguous();
   const int64_t* idp = ids_here.data_ptr<int64_t>();
@@ -379,9 +441,7 @@ at::Tensor rows(const at::Tensor& words, const at::Tensor& scales, const at::Ten
         const uint32_t word =
             w.words[panel * w.panel_words() + (g * words_in_group + v) * kLanes + lane];
         for (int64_t j = 0; j < per_word; ++j) {
-          const uint32_t code = four_bit ? (word >> (4 * j)) & 15 : (word >> (8 * j)) & 255;
-          const float value = four_bit ? static_cast<float>(code)
-                                       : static_cast<float>(static_cast<int8_t>(code));
+          const float value = code_of(w, word, static_cast<int>(j));
           op[i * w.cols + g * w.group + v * per_word + j] = std::fma(value, scale, offset);
         }
       }
@@ -396,8 +456,9 @@ at::Tensor rows(const at::Tensor& words, const at::Tensor& scales, const at::Ten
 // shared by enough rows. `out` is the caller's reused buffer: a fresh one of a few MiB cost
 // as much in page faults as the expansion itself.
 void dequantize(const at::Tensor& words, const at::Tensor& scales, const at::Tensor& offsets,
-                int64_t group, bool four_bit, int64_t first, at::Tensor out) {
-  const Weight w = weight_of(words, scales, offsets, group, four_bit);
+                int64_t group, bool four_bit, const std::optional<at::Tensor>& levels,
+                int64_t first, at::Tensor out) {
+  const Weight w = weight_of(words, scales, offsets, group, four_bit, levels);
   TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.is_contiguous() &&
                   out.size(0) == w.cols && out.size(1) % kLanes == 0,
               "out: contiguous float32 [cols, 8 * panels]");
@@ -405,6 +466,10 @@ void dequantize(const at::Tensor& words, const at::Tensor& scales, const at::Ten
   TORCH_CHECK(0 <= first && first < last && last <= w.panels, "panels out of range");
   float* op = out.data_ptr<float>();
   const int64_t per_word = w.inputs_per_word(), words_in_group = w.words_per_group();
+#ifdef ASERVE_AVX2
+  const Kind kind = kind_of(w);
+  const __m256i levels_bytes = levels_of(w);
+#endif
   // Group-major, so each thread writes its rows of `out` front to back (one sequential
   // stream per input of the group) instead of a strip of 8 floats per row.
   at::parallel_for(0, w.groups, 1, [&](int64_t begin, int64_t end) {
@@ -417,16 +482,20 @@ void dequantize(const at::Tensor& words, const at::Tensor& scales, const at::Ten
 #ifdef ASERVE_AVX2
           const __m256 scale = _mm256_loadu_ps(w.scales + w.at(p, g));
           const __m256 offset = _mm256_loadu_ps(w.offsets + w.at(p, g));
-          const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+          const __m256i loaded = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+          const Unpacked bits = unpack<Kind::kLevels>(loaded, levels_bytes);
+          const Unpacked word = {loaded, loaded};
           for (int i = 0; i < per_word; ++i) {
-            const __m256 code = four_bit ? code_of<true>(bits, i) : code_of<false>(bits, i);
+            const __m256 code = kind == Kind::kLevels    ? code_of<Kind::kLevels>(bits, i)
+                                : kind == Kind::kNibbles ? code_of<Kind::kNibbles>(word, i)
+                                                         : code_of<Kind::kBytes>(word, i);
             _mm256_storeu_ps(column + (k0 + i) * width, _mm256_fmadd_ps(code, scale, offset));
           }
 #else
           for (int64_t lane = 0; lane < kLanes; ++lane) {
             for (int64_t i = 0; i < per_word; ++i) {
               column[(k0 + i) * width + lane] =
-                  std::fma(code_of(src[lane], i, four_bit), w.scales[w.at(p, g) + lane],
+                  std::fma(code_of(w, src[lane], static_cast<int>(i)), w.scales[w.at(p, g) + lane],
                            w.offsets[w.at(p, g) + lane]);
             }
           }
@@ -517,8 +586,8 @@ void rope(const at::Tensor& positions, at::Tensor query, at::Tensor key, int64_t
 
 TORCH_LIBRARY(aserve_cpu, m) {
   m.def(
-      "linear(Tensor x, Tensor words, Tensor scales, Tensor offsets, int group, bool four_bit) "
-      "-> Tensor",
+      "linear(Tensor x, Tensor words, Tensor scales, Tensor offsets, int group, bool four_bit, "
+      "Tensor? levels) -> Tensor",
       linear);
   m.def("rmsnorm(Tensor x, Tensor weight, float eps) -> Tensor", rmsnorm);
   m.def("fused_add_rmsnorm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()",
@@ -526,11 +595,11 @@ TORCH_LIBRARY(aserve_cpu, m) {
   m.def("rope(Tensor positions, Tensor(a!) query, Tensor(b!) key, int head_size, Tensor cos_sin) -> ()",
         rope);
   m.def(
-      "rows(Tensor words, Tensor scales, Tensor offsets, int group, bool four_bit, Tensor ids) "
-      "-> Tensor",
+      "rows(Tensor words, Tensor scales, Tensor offsets, int group, bool four_bit, Tensor? levels, "
+      "Tensor ids) -> Tensor",
       rows);
   m.def(
       "dequantize(Tensor words, Tensor scales, Tensor offsets, int group, bool four_bit, "
-      "int first, Tensor(a!) out) -> ()",
+      "Tensor? levels, int first, Tensor(a!) out) -> ()",
       dequantize);
 }
