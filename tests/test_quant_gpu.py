@@ -131,10 +131,10 @@ def forget_variants(kernel: Any) -> None:
 def test_one_compile_serves_every_row_count() -> None:
     """The products' kernels are not specialized on their row count (Triton would compile
     one variant for 1 row, one for multiples of 16 and one for the rest): each captured
-    batch size of a start-up would otherwise add compiles. One setting over 1-16 rows and
-    one over 17-48 for a GGUF product; one FP8 setting, split over K (which it adds up
-    itself), over 3-16 tokens and one more over 17-48 where the GPU launches up to 16 rows with PDL
-    (a compile-time switch of the kernels: layers/pdl.py)."""
+    batch size of a start-up would otherwise add compiles. For a GGUF product the one-row
+    GEMV, one setting over 2-16 rows and one over 17-48; one FP8 setting, split over K
+    (which it adds up itself), over 3-16 tokens and one more over 17-48 where the GPU
+    launches up to 16 rows with PDL (a compile-time switch of the kernels: layers/pdl.py)."""
     from aserve.layers.pdl import pdl
     from aserve.quant import cuda as cuda_module
     from aserve.quant import fp8_cuda
@@ -145,8 +145,12 @@ def test_one_compile_serves_every_row_count() -> None:
     codes: Codes = decode(torch.from_numpy(random_blocks(qtype, 100, 512, seed=2)), qtype, 512)
     weight = CudaWeight(codes, torch.device("cuda"), torch.bfloat16)
     forget_variants(cuda_module.quantized_gemm)
+    forget_variants(cuda_module.gemv)
     before = compiled_variants(cuda_module.quantized_gemm)
-    for rows in (1, 3, 16):
+    weight.linear(torch.randn(1, 512, device="cuda", dtype=torch.bfloat16), None)
+    assert compiled_variants(cuda_module.gemv) == 1, "one row takes the GEMV"
+    assert compiled_variants(cuda_module.quantized_gemm) == before
+    for rows in (2, 3, 16):
         weight.linear(torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16), None)
     assert compiled_variants(cuda_module.quantized_gemm) - before == 1
     for rows in (17, 32, 48):

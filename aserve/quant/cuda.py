@@ -9,7 +9,11 @@ and codes (small integers, exact in 16 bits) scaled and offset once per group in
 (Expanding `code * scale + offset` per weight before a wider dot was slower: the expanded
 scales filled shared memory.) Few rows split the groups over several programs, so that a
 matrix of few output tiles still keeps every SM reading weights; their float32 partial sums
-are added in a fixed order (no atomics: the same batch gives the same bits). From 64 rows
+are added in a fixed order (no atomics: the same batch gives the same bits). One row (a
+single stream's decode) takes `gemv` instead, on the CUDA cores: on an H200 it took the 8B
+shape's products 1.7-2.9x faster than the tiled kernel (4-bit gate_up 28672x4096 52 against
+91 us, about bf16 cuBLAS's 55), though at 0.7-2.1 TB/s of codes it is bound by the
+instructions that widen them, not by memory. From 64 rows
 (large decode batches, prefill chunks) slices of the weight are de-quantized to the
 activations' dtype and cuBLAS multiplies them: on an H200 that beat the fused kernel from
 about 64 rows (`bench/quant_kernels.py --device cuda`). Imported only on CUDA (it imports
@@ -25,9 +29,13 @@ import triton.language as tl
 from aserve.quant.codes import Codes, groups_of_at_most_32
 
 GROUPS = (16, 32)
+GEMV_ROWS = 1  # one row (a single stream's decode) takes `gemv`
 DEQUANTIZE_ROWS = 64  # from this many rows, de-quantize and multiply with cuBLAS
 DEQUANTIZE_SLICE_BYTES = 64 << 20
 BUSY_PROGRAMS = 2 * 132  # programs that keep an H100/H200's SMs reading weights
+# Outputs a program, warps, pipeline stages and programs to fill: the best of 36 settings
+# on the 8B shape's four products (weights past L2) for 4-, 8- and 3-bit codes alike.
+GEMV_BLOCK_N, GEMV_WARPS, GEMV_STAGES, GEMV_PROGRAMS = 64, 4, 3, 4 * 132
 
 
 @triton.jit
@@ -49,8 +57,8 @@ def group_codes(codes_ptr, levels_ptr, k, cols, N, K, FOUR_BIT: tl.constexpr, LE
 def level_of(levels_ptr, code, LEVELS: tl.constexpr):
     """The level a 4-bit code stands for (IQ4_NL / IQ4_XS; 16 values read from cache), or the
     code itself."""
-    if LEVELS:
-        return tl.load(levels_ptr + code.to(tl.int32))
+    if LEVELS:  # (one return: Triton wants a function's returns of one type)
+        code = tl.load(levels_ptr + code.to(tl.int32))
     return code
 
 
@@ -128,6 +136,64 @@ def quantized_gemm(
 
 
 @triton.jit
+def gemv(
+    x_ptr,
+    codes_ptr,
+    levels_ptr,
+    scales_ptr,
+    offsets_ptr,
+    y_ptr,
+    N,
+    K,
+    FOUR_BIT: tl.constexpr,
+    LEVELS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    """y[pid_k] = this program's share of x @ w.T for one row x (groups pid_k, pid_k +
+    SPLIT_K, ...) on the CUDA cores: each weight de-quantized in registers (`code * scale +
+    offset`) and multiplied into a float32 accumulator of [inputs of a group, outputs], summed
+    over the inputs once at the end. (`quantized_gemm` pads the row to a tensor-core tile of
+    16 and read about 1 TB/s of codes on an H200.)"""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    width: tl.constexpr = GROUP // 2 if FOUR_BIT else GROUP  # code rows of a group
+    lines = tl.arange(0, width)
+    acc = tl.zeros((width, BLOCK_N), dtype=tl.float32)
+    for group in range(pid_k, K // GROUP, SPLIT_K):
+        at = group * width + lines
+        stored = tl.load(codes_ptr + at[:, None] * N + cols[None, :], mask=col_ok[None, :], other=0)
+        scale = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
+        offset = tl.load(offsets_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if FOUR_BIT:
+            # byte j of the group: input 2j in its low nibble, 2j + 1 in its high one
+            x_even = tl.load(x_ptr + group * GROUP + 2 * lines).to(tl.float32)
+            x_odd = tl.load(x_ptr + group * GROUP + 2 * lines + 1).to(tl.float32)
+            low = level_of(levels_ptr, stored & 15, LEVELS).to(tl.float32)
+            high = level_of(levels_ptr, stored >> 4, LEVELS).to(tl.float32)
+            acc += x_even[:, None] * (low * scale[None, :] + offset[None, :])
+            acc += x_odd[:, None] * (high * scale[None, :] + offset[None, :])
+        else:
+            x = tl.load(x_ptr + group * GROUP + lines).to(tl.float32)
+            acc += x[:, None] * (stored.to(tl.float32) * scale[None, :] + offset[None, :])
+    tl.store(y_ptr + pid_k * N + cols, tl.sum(acc, axis=0).to(y_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def sum_splits(parts_ptr, y_ptr, SIZE, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """y = the sum of SPLITS float32 partial products, in a fixed order, in y's dtype."""
+    at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = at < SIZE
+    total = tl.load(parts_ptr + at, mask=ok, other=0.0)
+    for split in tl.static_range(1, SPLITS):
+        total += tl.load(parts_ptr + split * SIZE + at, mask=ok, other=0.0)
+    tl.store(y_ptr + at, total.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def dequantize_kernel(
     codes_ptr,
     levels_ptr,
@@ -161,11 +227,11 @@ def dequantize_kernel(
     )
 
 
-def _split_k(tiles: int, steps: int) -> int:
-    """How many programs share each output tile's steps along K: enough to keep the GPU busy,
-    and at least four steps each."""
+def _split_k(tiles: int, steps: int, programs: int = BUSY_PROGRAMS, least: int = 4) -> int:
+    """How many programs share each output tile's steps along K: enough for `programs` in
+    all, and at least `least` steps each."""
     split = 1
-    while tiles * split < BUSY_PROGRAMS and steps // (2 * split) >= 4:
+    while tiles * split < programs and steps // (2 * split) >= least:
         split *= 2
     return split
 
@@ -202,11 +268,12 @@ class CudaWeight:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         n = self.shape[0]
-        y = (
-            self._dequantized_product(rows)
-            if rows.shape[0] >= DEQUANTIZE_ROWS
-            else self._fused(rows)
-        )
+        if rows.shape[0] <= GEMV_ROWS:
+            y = self._gemv(rows)
+        elif rows.shape[0] >= DEQUANTIZE_ROWS:
+            y = self._dequantized_product(rows)
+        else:
+            y = self._fused(rows)
         if bias is not None:
             y += bias
         return y.reshape(*x.shape[:-1], n)
@@ -222,6 +289,37 @@ class CudaWeight:
         for first in range(0, n, width):
             last = min(n, first + width)
             y[:, first:last] = rows @ self.dequantize(rows.dtype, first, last)
+        return y
+
+    def _gemv(self, rows: torch.Tensor) -> torch.Tensor:
+        k = rows.shape[1]
+        n = self.shape[0]
+        tiles = -(-n // GEMV_BLOCK_N)
+        split = _split_k(tiles, k // self.group, GEMV_PROGRAMS, least=2)
+        dtype = torch.float32 if split > 1 else rows.dtype
+        parts = torch.empty(split, n, dtype=dtype, device=rows.device)
+        gemv[(tiles, split)](
+            rows,
+            self.codes,
+            self.levels,
+            self.scales,
+            self.offsets,
+            parts,
+            n,
+            k,
+            FOUR_BIT=self.four_bit,
+            LEVELS=self.levels is not None,
+            GROUP=self.group,
+            BLOCK_N=GEMV_BLOCK_N,
+            SPLIT_K=split,
+            num_warps=GEMV_WARPS,
+            num_stages=GEMV_STAGES,
+        )
+        if split == 1:
+            return parts
+        y = torch.empty(1, n, dtype=rows.dtype, device=rows.device)
+        block = 1024
+        sum_splits[(-(-n // block),)](parts, y, n, SPLITS=split, BLOCK=block)
         return y
 
     def _fused(self, rows: torch.Tensor) -> torch.Tensor:
