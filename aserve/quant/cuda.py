@@ -10,10 +10,13 @@ and codes (small integers, exact in 16 bits) scaled and offset once per group in
 scales filled shared memory.) Few rows split the groups over several programs, so that a
 matrix of few output tiles still keeps every SM reading weights; their float32 partial sums
 are added in a fixed order (no atomics: the same batch gives the same bits). One row (a
-single stream's decode) takes `gemv` instead, on the CUDA cores: on an H200 it took the 8B
-shape's products 1.7-2.9x faster than the tiled kernel (4-bit gate_up 28672x4096 52 against
-91 us, about bf16 cuBLAS's 55), though at 0.7-2.1 TB/s of codes it is bound by the
-instructions that widen them, not by memory. From 64 rows
+single stream's decode) takes `gemv` instead, on the CUDA cores, codes widened by integer
+operations: on an H200, us for the 8B shape's products with 4-bit codes against the tiled
+kernel and bf16 cuBLAS, qkv 15.7 / 32.0 / 14.3, o 14.6 / 23.8 / 10.4, gate_up 42-45 / 90.9
+/ 56.7, down 27.5 / 51.1 / 32.0 (8-bit codes 1.6-1.8x the tiled kernel, 3-bit 2.1-3.8x,
+IQ4's levels, read from a table, 1.0-1.3x). At 0.7-2.8 TB/s of codes it is bound by
+instructions, not memory: one row of a 4-bit 8B model still decodes at about bf16's speed
+here. From 64 rows
 (large decode batches, prefill chunks) slices of the weight are de-quantized to the
 activations' dtype and cuBLAS multiplies them: on an H200 that beat the fused kernel from
 about 64 rows (`bench/quant_kernels.py --device cuda`). Imported only on CUDA (it imports
@@ -33,9 +36,10 @@ GEMV_ROWS = 1  # one row (a single stream's decode) takes `gemv`
 DEQUANTIZE_ROWS = 64  # from this many rows, de-quantize and multiply with cuBLAS
 DEQUANTIZE_SLICE_BYTES = 64 << 20
 BUSY_PROGRAMS = 2 * 132  # programs that keep an H100/H200's SMs reading weights
-# Outputs a program, warps, pipeline stages and programs to fill: the best of 36 settings
-# on the 8B shape's four products (weights past L2) for 4-, 8- and 3-bit codes alike.
-GEMV_BLOCK_N, GEMV_WARPS, GEMV_STAGES, GEMV_PROGRAMS = 64, 4, 3, 4 * 132
+# Words (four outputs each) a program, warps, pipeline stages and programs to fill: of 36
+# settings on the 8B shape's four products (H200, weights past L2), the one best or within
+# 10% of the best for 4-, 8- and 3-bit codes on most of them.
+GEMV_BLOCK_W, GEMV_WARPS, GEMV_STAGES, GEMV_PROGRAMS = 32, 1, 3, 8 * 132
 
 
 @triton.jit
@@ -136,9 +140,50 @@ def quantized_gemm(
 
 
 @triton.jit
+def _one_plus(words, AT: tl.constexpr, WIDTH: tl.constexpr):
+    """The WIDTH-bit fields at bit AT of `words` as floats 1 + field / 2**WIDTH: the field
+    moved to the top of a float32 mantissa under the exponent of 1.0, integer operations in
+    place of conversions (which an H200 runs at a quarter of the rate, and which bounded a
+    first version of `gemv` at 0.7-1.4 TB/s)."""
+    top: tl.constexpr = 23 - WIDTH
+    if AT <= top:
+        moved = words << (top - AT)
+    else:
+        moved = words >> (AT - top)
+    field: tl.constexpr = ((1 << WIDTH) - 1) << top
+    return ((moved & field) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _byte_dot(words, BYTE: tl.constexpr, x_even, x_odd, x_sum, levels_ptr, FOUR_BIT, LEVELS):
+    """Sum over a group's code lines of x * code for the outputs in byte BYTE of `words`."""
+    at: tl.constexpr = 8 * BYTE
+    if LEVELS:
+        low = tl.load(levels_ptr + ((words >> at) & 15)).to(tl.float32)
+        high = tl.load(levels_ptr + ((words >> (at + 4)) & 15)).to(tl.float32)
+        dot = tl.sum(x_even[:, None] * low + x_odd[:, None] * high, axis=0)
+    elif FOUR_BIT:
+        low = _one_plus(words, at, 4)
+        high = _one_plus(words, at + 4, 4)
+        # each term is x * (1 + code / 16): their sum less x_sum is the dot over 16
+        dot = 16 * (tl.sum(x_even[:, None] * low + x_odd[:, None] * high, axis=0) - x_sum)
+    else:
+        dot = 256 * (tl.sum(x_even[:, None] * _one_plus(words, at, 8), axis=0) - x_sum)
+    return dot
+
+
+@triton.jit
+def _closed(acc, dot, x_sum, scales_ptr, offsets_ptr, at, ok):
+    """`acc` plus a group's part, `scale * dot + offset * x_sum`, for the outputs `at`."""
+    scale = tl.load(scales_ptr + at, mask=ok, other=0.0).to(tl.float32)
+    offset = tl.load(offsets_ptr + at, mask=ok, other=0.0).to(tl.float32)
+    return acc + scale * dot + offset * x_sum
+
+
+@triton.jit
 def gemv(
     x_ptr,
-    codes_ptr,
+    words_ptr,
     levels_ptr,
     scales_ptr,
     offsets_ptr,
@@ -148,38 +193,53 @@ def gemv(
     FOUR_BIT: tl.constexpr,
     LEVELS: tl.constexpr,
     GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_W: tl.constexpr,
     SPLIT_K: tl.constexpr,
 ):
     """y[pid_k] = this program's share of x @ w.T for one row x (groups pid_k, pid_k +
-    SPLIT_K, ...) on the CUDA cores: each weight de-quantized in registers (`code * scale +
-    offset`) and multiplied into a float32 accumulator of [inputs of a group, outputs], summed
-    over the inputs once at the end. (`quantized_gemm` pads the row to a tensor-core tile of
-    16 and read about 1 TB/s of codes on an H200.)"""
-    pid_n = tl.program_id(0)
+    SPLIT_K, ...) on the CUDA cores, reading the codes as 32-bit words (four outputs each,
+    `[code lines, N / 4]`). A thread holds every code line of a group for its words, so a
+    group's dot per output is summed in the thread and scaled once. (`quantized_gemm` pads
+    the row to a tensor-core tile of 16 and read about 1 TB/s of codes on an H200.)"""
+    pid_w = tl.program_id(0)
     pid_k = tl.program_id(1)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    width: tl.constexpr = GROUP // 2 if FOUR_BIT else GROUP  # code rows of a group
+    words_n = N // 4
+    cols = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)  # word columns
+    ok = cols < words_n
+    width: tl.constexpr = GROUP // 2 if FOUR_BIT else GROUP  # code lines of a group
     lines = tl.arange(0, width)
-    acc = tl.zeros((width, BLOCK_N), dtype=tl.float32)
+    acc0 = tl.zeros((BLOCK_W,), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_W,), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_W,), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_W,), dtype=tl.float32)
     for group in range(pid_k, K // GROUP, SPLIT_K):
         at = group * width + lines
-        stored = tl.load(codes_ptr + at[:, None] * N + cols[None, :], mask=col_ok[None, :], other=0)
-        scale = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
-        offset = tl.load(offsets_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
+        words = tl.load(
+            words_ptr + at[:, None] * words_n + cols[None, :], mask=ok[None, :], other=0
+        )
         if FOUR_BIT:
-            # byte j of the group: input 2j in its low nibble, 2j + 1 in its high one
+            # line j of the group: input 2j in each byte's low nibble, 2j + 1 in its high one
             x_even = tl.load(x_ptr + group * GROUP + 2 * lines).to(tl.float32)
             x_odd = tl.load(x_ptr + group * GROUP + 2 * lines + 1).to(tl.float32)
-            low = level_of(levels_ptr, stored & 15, LEVELS).to(tl.float32)
-            high = level_of(levels_ptr, stored >> 4, LEVELS).to(tl.float32)
-            acc += x_even[:, None] * (low * scale[None, :] + offset[None, :])
-            acc += x_odd[:, None] * (high * scale[None, :] + offset[None, :])
+            x_sum = tl.sum(x_even, axis=0) + tl.sum(x_odd, axis=0)
         else:
-            x = tl.load(x_ptr + group * GROUP + lines).to(tl.float32)
-            acc += x[:, None] * (stored.to(tl.float32) * scale[None, :] + offset[None, :])
-    tl.store(y_ptr + pid_k * N + cols, tl.sum(acc, axis=0).to(y_ptr.dtype.element_ty), mask=col_ok)
+            x_even = tl.load(x_ptr + group * GROUP + lines).to(tl.float32)
+            x_odd = x_even
+            x_sum = tl.sum(x_even, axis=0)
+        outputs = group * N + 4 * cols
+        dot = _byte_dot(words, 0, x_even, x_odd, x_sum, levels_ptr, FOUR_BIT, LEVELS)
+        acc0 = _closed(acc0, dot, x_sum, scales_ptr, offsets_ptr, outputs, ok)
+        dot = _byte_dot(words, 1, x_even, x_odd, x_sum, levels_ptr, FOUR_BIT, LEVELS)
+        acc1 = _closed(acc1, dot, x_sum, scales_ptr, offsets_ptr, outputs + 1, ok)
+        dot = _byte_dot(words, 2, x_even, x_odd, x_sum, levels_ptr, FOUR_BIT, LEVELS)
+        acc2 = _closed(acc2, dot, x_sum, scales_ptr, offsets_ptr, outputs + 2, ok)
+        dot = _byte_dot(words, 3, x_even, x_odd, x_sum, levels_ptr, FOUR_BIT, LEVELS)
+        acc3 = _closed(acc3, dot, x_sum, scales_ptr, offsets_ptr, outputs + 3, ok)
+    y = y_ptr + pid_k * N + 4 * cols
+    tl.store(y, acc0.to(y_ptr.dtype.element_ty), mask=ok)
+    tl.store(y + 1, acc1.to(y_ptr.dtype.element_ty), mask=ok)
+    tl.store(y + 2, acc2.to(y_ptr.dtype.element_ty), mask=ok)
+    tl.store(y + 3, acc3.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -238,7 +298,7 @@ def _split_k(tiles: int, steps: int, programs: int = BUSY_PROGRAMS, least: int =
 
 class CudaWeight:
     """A `[rows, cols]` weight on CUDA in groups of 16 or 32 inputs: codes of up to 4 bits two
-    to a byte, wider ones (up to 8 bits) as int8 (the offset takes the shift by 128)."""
+    to a byte, wider ones (up to 8 bits) a byte each."""
 
     def __init__(self, codes: Codes, device: torch.device, dtype: torch.dtype) -> None:
         codes = groups_of_at_most_32(codes)
@@ -247,19 +307,15 @@ class CudaWeight:
         self.shape = codes.shape
         self.group = codes.group
         self.four_bit = codes.bits <= 4
-        if self.four_bit:
-            values, offsets = codes.codes.to(device), codes.offsets
-            packed = values[:, 0::2] | (values[:, 1::2] << 4)
-        else:
-            signed, offsets = codes.signed()
-            packed = signed.to(device)
+        values = codes.codes.to(device)
+        packed = values[:, 0::2] | (values[:, 1::2] << 4) if self.four_bit else values
         scale_dtype = torch.float32 if dtype == torch.float32 else torch.float16
         # levels (IQ4's are integers of up to 8 significant bits) exact in 16-bit types
         self.levels = None if codes.table is None else codes.table.to(device, dtype)
         # input-major, [K (/ 2), N] and [groups, N]: see `expand`
         self.codes = packed.t().contiguous()
         self.scales = codes.scales.to(device, scale_dtype).t().contiguous()
-        self.offsets = offsets.to(device, scale_dtype).t().contiguous()
+        self.offsets = codes.offsets.to(device, scale_dtype).t().contiguous()
 
     @property
     def nbytes(self) -> int:
@@ -268,7 +324,7 @@ class CudaWeight:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         n = self.shape[0]
-        if rows.shape[0] <= GEMV_ROWS:
+        if rows.shape[0] <= GEMV_ROWS and n % 4 == 0:
             y = self._gemv(rows)
         elif rows.shape[0] >= DEQUANTIZE_ROWS:
             y = self._dequantized_product(rows)
@@ -294,13 +350,13 @@ class CudaWeight:
     def _gemv(self, rows: torch.Tensor) -> torch.Tensor:
         k = rows.shape[1]
         n = self.shape[0]
-        tiles = -(-n // GEMV_BLOCK_N)
+        tiles = -(-n // (4 * GEMV_BLOCK_W))
         split = _split_k(tiles, k // self.group, GEMV_PROGRAMS, least=2)
         dtype = torch.float32 if split > 1 else rows.dtype
         parts = torch.empty(split, n, dtype=dtype, device=rows.device)
         gemv[(tiles, split)](
             rows,
-            self.codes,
+            self.codes.view(torch.int32),
             self.levels,
             self.scales,
             self.offsets,
@@ -310,7 +366,7 @@ class CudaWeight:
             FOUR_BIT=self.four_bit,
             LEVELS=self.levels is not None,
             GROUP=self.group,
-            BLOCK_N=GEMV_BLOCK_N,
+            BLOCK_W=GEMV_BLOCK_W,
             SPLIT_K=split,
             num_warps=GEMV_WARPS,
             num_stages=GEMV_STAGES,
