@@ -146,7 +146,7 @@ def _one_plus(words, AT: tl.constexpr, WIDTH: tl.constexpr):
     place of conversions (which an H200 runs at a quarter of the rate, and which bounded a
     first version of `gemv` at 0.7-1.4 TB/s)."""
     top: tl.constexpr = 23 - WIDTH
-    if AT <= top:  # noqa: SIM108 (a compile-time branch: each side a shift by a constant)
+    if top >= AT:  # noqa: SIM108 (a compile-time branch: each side a shift by a constant)
         moved = words << (top - AT)
     else:
         moved = words >> (AT - top)
