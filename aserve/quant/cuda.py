@@ -11,12 +11,12 @@ scales filled shared memory.) Few rows split the groups over several programs, s
 matrix of few output tiles still keeps every SM reading weights; their float32 partial sums
 are added in a fixed order (no atomics: the same batch gives the same bits). One row (a
 single stream's decode) takes `gemv` instead, on the CUDA cores, codes widened by integer
-operations: on an H200, us for the 8B shape's products with 4-bit codes against the tiled
-kernel and bf16 cuBLAS, qkv 15.7 / 32.0 / 14.3, o 14.6 / 23.8 / 10.4, gate_up 42-45 / 90.9
-/ 56.7, down 27.5 / 51.1 / 32.0 (8-bit codes 1.6-1.8x the tiled kernel, 3-bit 2.1-3.8x,
-IQ4's levels, read from a table, 1.0-1.3x). At 0.7-2.8 TB/s of codes it is bound by
-instructions, not memory: one row of a 4-bit 8B model still decodes at about bf16's speed
-here. From 64 rows
+operations: on an H200, us for the 8B shape's products with 4-bit codes (best setting a
+shape) against the tiled kernel and bf16 cuBLAS, qkv 15.7 / 32.0 / 14.3, o 14.3 / 23.8 /
+10.4, gate_up 41.2 / 90.9 / 56.7, down 27.5 / 51.1 / 32.0 (8-bit codes 1.6-1.8x the tiled
+kernel, 3-bit 1.8-3.9x, IQ4's levels, read from a table, 1.0-1.3x). At 0.7-2.8 TB/s of codes
+it is bound by instructions, not memory: a single stream of a 4-bit 8B model decodes at
+about bf16's speed here (bench/NOTES.md). From 64 rows
 (large decode batches, prefill chunks) slices of the weight are de-quantized to the
 activations' dtype and cuBLAS multiplies them: on an H200 that beat the fused kernel from
 about 64 rows (`bench/quant_kernels.py --device cuda`). Imported only on CUDA (it imports
