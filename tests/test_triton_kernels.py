@@ -201,6 +201,36 @@ def test_fp8_gemv_widens_every_byte_with_bit_operations() -> None:
     assert (error <= exact.abs() * 2**-7 + 1e-3).all(), error.max()
 
 
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "IQ4_XS"])
+def test_gguf_products_on_each_path_match_float64(qtype: str) -> None:
+    """quant/cuda.py's three paths for a GGUF weight against float64 on its exact de-quantized
+    values, float32 activations: one row (`gemv`: codes read as 32-bit words, widened by
+    shifts and masks under the exponent of 1.0, each group's sum of x taken back out), a few
+    rows (the tiled product) and past DEQUANTIZE_ROWS (de-quantized slices); and the lookup
+    of rows. 4-, 8- and 3-bit codes, groups of 32 and 16, offsets and none, IQ4's levels;
+    the widening's cancellation costs a few float32 steps, well under the tolerance."""
+    from gguf import GGMLQuantizationType
+
+    from aserve.quant.cuda import DEQUANTIZE_ROWS, CudaWeight
+    from aserve.quant.gguf import decode
+    from tests.test_quant import random_blocks
+
+    kind = GGMLQuantizationType[qtype]
+    codes = decode(torch.from_numpy(random_blocks(kind, 100, 512, seed=4)), kind, 512)
+    weight = CudaWeight(codes, DEVICE, torch.float32)
+    exact_weight = codes.dequantize().double()
+    for rows in (1, 5, DEQUANTIZE_ROWS + 2):
+        x = torch.randn(rows, 512, generator=gen(40 + rows))
+        exact = x.double() @ exact_weight.T
+        out = weight.linear(x.to(DEVICE), None).cpu()
+        assert out.shape == (rows, 100)
+        tolerance = 1e-5 * float(exact.abs().max())
+        torch.testing.assert_close(out.double(), exact, rtol=0, atol=tolerance)
+    ids = torch.tensor([7, 0, 99])
+    looked_up = weight.rows(ids.to(DEVICE)).cpu().double()
+    torch.testing.assert_close(looked_up, exact_weight[ids], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(
     ("n", "k", "gated", "fp8"),
     [
