@@ -357,3 +357,27 @@ def test_each_torch_installation_builds_its_own_cpu_kernels(
     monkeypatch.setattr(torch, "__file__", str(tmp_path / "venv" / "torch" / "__init__.py"))
     there = build_kind()
     assert there != here and there.rsplit("-", 1)[0] == here.rsplit("-", 1)[0]
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q8_0, QType.IQ4_XS], ids=lambda q: q.name)
+def test_products_are_the_same_bits_on_one_thread_and_two(qtype: QType) -> None:
+    """The kernels split outputs between threads (built with OpenMP where torch runs on it:
+    without, `at::parallel_for` ran every product on one core); an output's operations do
+    not depend on the thread that runs it, so the bits do not either."""
+    from aserve.quant.native import openmp_flags
+
+    if sys.platform.startswith("linux") and torch._C.has_openmp:
+        assert openmp_flags() == ["-fopenmp"]
+    codes = decode(torch.from_numpy(random_blocks(qtype, 200, 512, seed=5)), qtype, 512)
+    native = NativeWeight(codes)
+    x = torch.randn(BLAS_ROWS - 1, 512, generator=torch.Generator().manual_seed(6))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = [native.linear(x[:rows], None) for rows in (1, 5, BLAS_ROWS - 1)]
+        torch.set_num_threads(1)
+        one = [native.linear(x[:rows], None) for rows in (1, 5, BLAS_ROWS - 1)]
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))

@@ -70,23 +70,39 @@ def native_kernels() -> bool:
     folder = cache_root() / "kernels" / build_kind()
     folder.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    try:
-        cpp_extension.load(
-            name="aserve_cpu",
-            sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native"],
-            build_directory=str(folder),
-            is_python_module=False,
-        )
-    except Exception as error:
-        logger.warning(
-            "aserve's CPU kernels did not build (%s): quantized weights are de-quantized to "
-            "float32 instead; install a C++ compiler and ninja to keep them quantized",
-            str(error).splitlines()[0] if str(error) else type(error).__name__,
-        )
-        return False
+    threading = openmp_flags()
+    for flags in [threading, []] if threading else [[]]:
+        try:
+            cpp_extension.load(
+                name="aserve_cpu",
+                sources=[str(SOURCE)],
+                extra_cflags=["-O3", "-march=native", *flags],
+                extra_ldflags=flags,
+                build_directory=str(folder),
+                is_python_module=False,
+            )
+            break
+        except Exception as error:
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            if flags:
+                logger.warning("CPU kernels with OpenMP did not build (%s); one thread", reason)
+                continue
+            logger.warning(
+                "aserve's CPU kernels did not build (%s): quantized weights are de-quantized "
+                "to float32 instead; install a C++ compiler and ninja to keep them quantized",
+                reason,
+            )
+            return False
     logger.info("CPU kernels ready in %.1f s (%s)", time.perf_counter() - started, folder)
     return True
+
+
+def openmp_flags() -> list[str]:
+    """`-fopenmp` where torch runs its parallel loops on OpenMP (Linux, GCC's runtime, which
+    torch loads): compiled without it, `at::parallel_for` in the kernels is a plain loop on
+    the calling thread, and every product ran on one core (two threads took the time of one,
+    bench/NOTES.md)."""
+    return ["-fopenmp"] if torch._C.has_openmp and sys.platform.startswith("linux") else []
 
 
 def build_kind() -> str:
