@@ -35,6 +35,9 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define ASERVE_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define ASERVE_AVX512 1
+#endif
 #endif
 
 namespace {
@@ -283,6 +286,135 @@ void panels_at(const Weight& w, const Rows& a, int64_t row, int64_t first_panel,
   for (; p < last_panel; ++p) tile<R, 1, K>(w, a, row, p);
 }
 
+#ifdef ASERVE_AVX512
+// With AVX-512 `tile`'s work two panels at a time, one panel in each half of a 512-bit
+// register: per lane the same operations in the same order, so the same bits.
+inline __m512i join(__m256i low, __m256i high) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+}
+
+inline __m512 join(const float* low, const float* high) {
+  const __m512d joined = _mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(low))),
+                                            _mm256_castps_pd(_mm256_loadu_ps(high)), 1);
+  return _mm512_castpd_ps(joined);
+}
+
+struct Unpacked2 {
+  __m512i even, odd;
+};
+
+template <Kind K>
+inline Unpacked2 unpack2(__m512i word, __m512i levels) {
+  if (K != Kind::kLevels) return {word, word};
+  const __m512i nibbles = _mm512_set1_epi8(15);
+  return {_mm512_shuffle_epi8(levels, _mm512_and_si512(word, nibbles)),
+          _mm512_shuffle_epi8(levels, _mm512_and_si512(_mm512_srli_epi32(word, 4), nibbles))};
+}
+
+// `code_of` over 16 lanes.
+template <Kind K>
+inline __m512 code_of2(const Unpacked2& word, int i) {
+  const __m512i magic = _mm512_set1_epi32(0x4B000000);
+  if (K == Kind::kNibbles) {
+    const __m512i code = _mm512_and_si512(_mm512_srli_epi32(word.even, 4 * i), _mm512_set1_epi32(15));
+    return _mm512_sub_ps(_mm512_castsi512_ps(_mm512_or_si512(code, magic)), _mm512_set1_ps(8388608.0f));
+  }
+  __m512i code;
+  if (K == Kind::kLevels) {
+    const __m512i bytes = i % 2 ? word.odd : word.even;
+    code = _mm512_and_si512(_mm512_srli_epi32(bytes, 8 * (i / 2)), _mm512_set1_epi32(255));
+  } else {
+    const __m512i flipped = _mm512_xor_si512(word.even, _mm512_set1_epi32(0x80808080));
+    code = _mm512_and_si512(_mm512_srli_epi32(flipped, 8 * i), _mm512_set1_epi32(255));
+  }
+  return _mm512_sub_ps(_mm512_castsi512_ps(_mm512_or_si512(code, magic)), _mm512_set1_ps(8388736.0f));
+}
+
+// R rows against panels [first_panel, first_panel + 2 * Q).
+template <int R, int Q, Kind K>
+void tile2(const Weight& w, const Rows& a, int64_t first_row, int64_t first_panel) {
+  constexpr int per_word = K == Kind::kBytes ? 4 : 8;
+  const __m512i levels = _mm512_broadcast_i32x4(
+      w.levels == nullptr ? _mm_setzero_si128() : _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.levels)));
+  const int64_t words = w.words_per_group(), stride = w.panel_words();
+  __m512 total[R][Q];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int q = 0; q < Q; ++q) total[r][q] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < w.groups; ++g) {
+    __m512 part[R][Q];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int q = 0; q < Q; ++q) part[r][q] = _mm512_setzero_ps();
+    for (int64_t v = 0; v < words; ++v) {
+      const int64_t k0 = g * w.group + v * per_word;
+      Unpacked2 word[Q];
+#pragma GCC unroll 8
+      for (int q = 0; q < Q; ++q) {
+        const uint32_t* low = w.words + (first_panel + 2 * q) * stride + (g * words + v) * kLanes;
+        const __m256i* pair[2] = {reinterpret_cast<const __m256i*>(low),
+                                  reinterpret_cast<const __m256i*>(low + stride)};
+        word[q] = unpack2<K>(join(_mm256_loadu_si256(pair[0]), _mm256_loadu_si256(pair[1])), levels);
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < per_word; ++i) {
+#pragma GCC unroll 8
+        for (int q = 0; q < Q; ++q) {
+          const __m512 code = code_of2<K>(word[q], i);
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            const __m512 xk = _mm512_set1_ps(a.x[(first_row + r) * a.cols + k0 + i]);
+            part[r][q] = _mm512_fmadd_ps(code, xk, part[r][q]);
+          }
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int q = 0; q < Q; ++q) {
+        const int64_t p = first_panel + 2 * q;
+        const __m512 scale = join(w.scales + w.at(p, g), w.scales + w.at(p + 1, g));
+        const __m512 offset = join(w.offsets + w.at(p, g), w.offsets + w.at(p + 1, g));
+        total[r][q] = _mm512_fmadd_ps(scale, part[r][q], total[r][q]);
+        total[r][q] = _mm512_fmadd_ps(offset, _mm512_set1_ps(a.xsum[(first_row + r) * a.groups + g]),
+                                      total[r][q]);
+      }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int q = 0; q < Q; ++q) {
+      float* y = a.y + (first_row + r) * a.out + (first_panel + 2 * q) * kLanes;
+      _mm256_storeu_ps(y, _mm512_castps512_ps256(total[r][q]));
+      _mm256_storeu_ps(y + kLanes,
+                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(total[r][q]), 1)));
+    }
+}
+
+template <int R, int Q, Kind K>
+void panels_at2(const Weight& w, const Rows& a, int64_t row, int64_t first_panel,
+                int64_t last_panel) {
+  int64_t p = first_panel;
+  for (; p + 2 * Q <= last_panel; p += 2 * Q) tile2<R, Q, K>(w, a, row, p);
+  for (; p + 2 <= last_panel; p += 2) tile2<R, 1, K>(w, a, row, p);
+  for (; p < last_panel; ++p) tile<R, 1, K>(w, a, row, p);
+}
+
+template <Kind K>
+void few_rows(const Weight& w, const Rows& a, int64_t first, int64_t last, int64_t first_panel,
+              int64_t last_panel) {
+  int64_t row = first;
+  for (; row + 4 <= last; row += 4) panels_at2<4, 1, K>(w, a, row, first_panel, last_panel);
+  if (row + 2 <= last) {
+    panels_at2<2, 1, K>(w, a, row, first_panel, last_panel);
+    row += 2;
+  }
+  if (row < last) panels_at2<1, 2, K>(w, a, row, first_panel, last_panel);
+}
+#else
 template <Kind K>
 void few_rows(const Weight& w, const Rows& a, int64_t first, int64_t last, int64_t first_panel,
               int64_t last_panel) {
@@ -294,6 +426,7 @@ void few_rows(const Weight& w, const Rows& a, int64_t first, int64_t last, int64
   }
   if (row < last) panels_at<1, 4, K>(w, a, row, first_panel, last_panel);
 }
+#endif
 
 template <Kind K>
 void rows_against_panels_of(const Weight& w, const Rows& a, int64_t first, int64_t last,
