@@ -334,8 +334,7 @@ inline __m512 code_of2(const Unpacked2& word, int i) {
 template <int R, int Q, Kind K>
 void tile2(const Weight& w, const Rows& a, int64_t first_row, int64_t first_panel) {
   constexpr int per_word = K == Kind::kBytes ? 4 : 8;
-  const __m512i levels = _mm512_broadcast_i32x4(
-      w.levels == nullptr ? _mm_setzero_si128() : _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.levels)));
+  const __m512i levels = _mm512_broadcast_i64x4(levels_of(w));
   const int64_t words = w.words_per_group(), stride = w.panel_words();
   __m512 total[R][Q];
 #pragma GCC unroll 8
@@ -583,6 +582,19 @@ at::Tensor rows(const at::Tensor& words, const at::Tensor& scales, const at::Ten
   return out;
 }
 
+#ifdef ASERVE_AVX2
+// One word of each lane de-quantized, `code * scale + offset`, input i to out[i * stride].
+template <Kind K>
+inline void dequantize_word(const uint32_t* src, __m256 scale, __m256 offset, __m256i levels,
+                            float* out, int64_t stride) {
+  constexpr int per_word = K == Kind::kBytes ? 4 : 8;
+  const Unpacked word = unpack<K>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)), levels);
+  for (int i = 0; i < per_word; ++i) {
+    _mm256_storeu_ps(out + i * stride, _mm256_fmadd_ps(code_of<K>(word, i), scale, offset));
+  }
+}
+#endif
+
 // Panels [first, first + out.size(1) / 8) de-quantized, w = fma(code, scale, offset), into
 // `out` as a [cols, 8 * panels] matrix (input-major, the layout the panels already have): many
 // rows multiply it with BLAS, whose tuned product beats any loop here once the expansion is
@@ -601,7 +613,7 @@ void dequantize(const at::Tensor& words, const at::Tensor& scales, const at::Ten
   const int64_t per_word = w.inputs_per_word(), words_in_group = w.words_per_group();
 #ifdef ASERVE_AVX2
   const Kind kind = kind_of(w);
-  const __m256i levels_bytes = levels_of(w);
+  const __m256i table = levels_of(w);
 #endif
   // Group-major, so each thread writes its rows of `out` front to back (one sequential
   // stream per input of the group) instead of a strip of 8 floats per row.
@@ -615,14 +627,17 @@ void dequantize(const at::Tensor& words, const at::Tensor& scales, const at::Ten
 #ifdef ASERVE_AVX2
           const __m256 scale = _mm256_loadu_ps(w.scales + w.at(p, g));
           const __m256 offset = _mm256_loadu_ps(w.offsets + w.at(p, g));
-          const __m256i loaded = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-          const Unpacked bits = unpack<Kind::kLevels>(loaded, levels_bytes);
-          const Unpacked word = {loaded, loaded};
-          for (int i = 0; i < per_word; ++i) {
-            const __m256 code = kind == Kind::kLevels    ? code_of<Kind::kLevels>(bits, i)
-                                : kind == Kind::kNibbles ? code_of<Kind::kNibbles>(word, i)
-                                                         : code_of<Kind::kBytes>(word, i);
-            _mm256_storeu_ps(column + (k0 + i) * width, _mm256_fmadd_ps(code, scale, offset));
+          float* at = column + k0 * width;
+          switch (kind) {
+            case Kind::kNibbles:
+              dequantize_word<Kind::kNibbles>(src, scale, offset, table, at, width);
+              break;
+            case Kind::kBytes:
+              dequantize_word<Kind::kBytes>(src, scale, offset, table, at, width);
+              break;
+            case Kind::kLevels:
+              dequantize_word<Kind::kLevels>(src, scale, offset, table, at, width);
+              break;
           }
 #else
           for (int64_t lane = 0; lane < kLanes; ++lane) {
