@@ -49,3 +49,85 @@ def test_rope_matches_the_plain_formula() -> None:
     plain(positions, expected[:, : 6 * 32], 4 * 32)
     fused(positions, qkv[:, : 6 * 32], 4 * 32)
     torch.testing.assert_close(qkv, expected, **CLOSE)
+
+
+def reference_attention(
+    q: torch.Tensor, pool: torch.Tensor, table: torch.Tensor, rows: list[int], lens: list[int]
+) -> torch.Tensor:
+    """Softmax attention in float64 over each request's slots, K/V heads shared by groups."""
+    heads, kv_heads, head_dim = q.shape[1], pool.shape[2], q.shape[2]
+    outputs = []
+    for i, (row, length) in enumerate(zip(rows, lens)):
+        slots = table[row, :length].long()
+        k = pool[slots, 0].double().repeat_interleave(heads // kv_heads, dim=1)
+        v = pool[slots, 1].double().repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("hd,thd->ht", q[i].double(), k) / head_dim**0.5
+        outputs.append(torch.einsum("ht,thd->hd", scores.softmax(-1), v))
+    return torch.stack(outputs).float()
+
+
+@pytest.mark.parametrize("head_dim", [64, 40], ids=["vectors", "scalar-head"])
+def test_decode_attention_matches_float64_softmax(head_dim: int) -> None:
+    """Contexts on both sides of the kernel's 256-position blocks and its 8-row score
+    groups, scattered slots, a strided query (as Q sits in the fused QKV output), and this
+    step's K/V written to the pool before it is read."""
+    generator = torch.Generator().manual_seed(2)
+    heads, kv_heads, slots = 6, 2, 2048
+    pool = torch.randn(slots, 2, kv_heads, head_dim, generator=generator)
+    lens = [1, 7, 8, 9, 255, 256, 257, 700]
+    table = torch.zeros(len(lens) + 2, 800, dtype=torch.int32)
+    order = torch.randperm(slots, generator=generator).to(torch.int32)
+    rows = [3, 0, 9, 1, 5, 2, 8, 4]
+    first = 0
+    for row, length in zip(rows, lens):
+        table[row, :length] = order[first : first + length]
+        first += length
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_dim, generator=generator) * 3
+    q = qkv[:, : heads * head_dim].view(len(lens), heads, head_dim)
+    new_kv = qkv[:, heads * head_dim :].view(len(lens), 2, kv_heads, head_dim)
+    out_slots = torch.tensor([int(table[r, n - 1]) for r, n in zip(rows, lens)])
+    out = torch.ops.aserve_cpu.decode_attention(
+        q, new_kv, out_slots, pool, table, torch.tensor(rows), torch.tensor(lens), head_dim**-0.5
+    )
+    torch.testing.assert_close(pool[out_slots], new_kv)
+    expected = reference_attention(q, pool, table, rows, lens)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-6)
+
+
+def test_decode_attention_of_a_request_does_not_depend_on_its_batch() -> None:
+    """Each request's output bit for bit the same alone, in a batch, and at another position
+    in the batch: one fixed order of operations per (request, head)."""
+    generator = torch.Generator().manual_seed(3)
+    heads, kv_heads, head_dim = 9, 3, 64
+    pool = torch.randn(4096, 2, kv_heads, head_dim, generator=generator)
+    lens = [300, 40, 1, 129]
+    table = torch.arange(4 * 1024, dtype=torch.int32).view(4, 1024)
+    q = torch.randn(4, heads, head_dim, generator=generator)
+    scale, unused = head_dim**-0.5, torch.zeros(0, dtype=torch.long)
+
+    def attend(picked: list[int]) -> torch.Tensor:
+        return torch.ops.aserve_cpu.decode_attention(
+            q[picked], None, unused, pool, table, torch.tensor(picked),
+            torch.tensor([lens[i] for i in picked]), scale,
+        )  # fmt: skip
+
+    together = attend([0, 1, 2, 3])
+    reversed_batch = attend([3, 2, 1, 0])
+    for i in range(4):
+        alone = attend([i])[0]
+        assert torch.equal(together[i], alone)
+        assert torch.equal(reversed_batch[3 - i], alone)
+
+
+def test_decode_attention_refuses_what_it_cannot_read() -> None:
+    pool = torch.zeros(16, 2, 1, 8)
+    q = torch.zeros(1, 2, 8)
+    table = torch.zeros(1, 4, dtype=torch.int32)
+    unused = torch.zeros(0, dtype=torch.long)
+    op = torch.ops.aserve_cpu.decode_attention
+    with pytest.raises(RuntimeError, match="outside the page table"):
+        op(q, None, unused, pool, table, torch.tensor([0]), torch.tensor([5]), 1.0)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        op(q, pool[:1], torch.tensor([16]), pool, table, torch.tensor([0]), torch.tensor([1]), 1.0)
+    with pytest.raises(RuntimeError, match="float32"):
+        op(q, None, unused, pool.half(), table, torch.tensor([0]), torch.tensor([1]), 1.0)

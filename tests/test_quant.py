@@ -243,6 +243,31 @@ def test_tiny_gguf_of_each_format_runs_quantized(
 
 
 @needs_kernels
+def test_embedded_model_decodes_alike_batched_alone_and_through_sdpa(
+    make_llm: Callable[..., LLM], smollm2_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Quantized on CPU, decode attention is aserve's kernel reading the pool. Each request's
+    operations do not depend on its batch (products below BLAS_ROWS rows, and the attention),
+    so the 8 prompts generate the same tokens together and one at a time; against the staged
+    SDPA path only float sums' order differs (where they part is printed)."""
+    from tests.test_generation import TEXTS
+
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    together = make_llm(smollm2_dir)
+    assert together.runtime.engine.attn.native_decode
+    tokens = [o.token_ids for o in together.generate(TEXTS, greedy)]
+    alone = make_llm(smollm2_dir, max_running_requests=1)
+    assert [o.token_ids for o in alone.generate(TEXTS, greedy)] == tokens
+    attn = together.runtime.engine.attn
+    attn.native_decode, attn.use_stage = False, True
+    staged = [o.token_ids for o in together.generate(TEXTS, greedy)]
+    parted = first_differences(tokens, staged, 24)
+    with capsys.disabled():
+        print(f"\nembedded Q4_1, decode kernel against SDPA, first differing token: {parted}")
+    assert min(parted) >= 8
+
+
+@needs_kernels
 def test_embedded_model_quantized_against_its_float32_path(
     make_llm: Callable[..., LLM], smollm2_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

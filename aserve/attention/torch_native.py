@@ -27,6 +27,13 @@ class _PrefillMetadata:
 
 
 @dataclass
+class _NativeDecodeMetadata:
+    """The requests' context lengths, for the CPU kernel that reads the pool directly."""
+
+    seq_lens: torch.Tensor
+
+
+@dataclass
 class _DecodeMetadata:
     """`mask` hides the padding of shorter contexts; None when all lengths are equal. With a
     `stage`, K/V are read from it: gathered into it this step when `append_at` is None, else
@@ -93,20 +100,33 @@ class _DecodeStage:
 class TorchNativeBackend:
     """Prefill runs one SDPA call per request (a cached prefix makes the mask bottom-right
     aligned); decode pads the batch to its longest context and runs one masked SDPA call.
-    On CPU, decode reads K/V from a `_DecodeStage` when it fits `STAGE_MAX_BYTES`."""
+    On CPU, decode reads K/V from a `_DecodeStage` when it fits `STAGE_MAX_BYTES`, or, with
+    `native_decode` (where aserve's CPU kernels run the model: quantized weights in float32),
+    through `aserve_cpu.decode_attention`, straight from the pool."""
 
     STAGE_MAX_BYTES = 256 << 20
 
-    def __init__(self, pool: KVPool, page_table: PageTable, num_heads: int, head_dim: int) -> None:
+    def __init__(
+        self,
+        pool: KVPool,
+        page_table: PageTable,
+        num_heads: int,
+        head_dim: int,
+        native_decode: bool = False,
+    ) -> None:
         self.pool = pool
         self.page_table = page_table
         self.num_heads = num_heads
         self.head_dim = head_dim
-        self.use_stage = pool.kv[0].device.type == "cpu"
+        on_cpu = pool.kv[0].device.type == "cpu"
+        self.native_decode = native_decode and on_cpu and pool.storage_dtype == torch.float32
+        self.use_stage = on_cpu and not self.native_decode
         self._stage: _DecodeStage | None = None
 
     def prepare(self, batch: ForwardBatch) -> None:
-        if batch.is_decode:
+        if batch.is_decode and self.native_decode:
+            batch.attn_metadata = _NativeDecodeMetadata(torch.tensor(batch.seq_lens))
+        elif batch.is_decode:
             batch.attn_metadata = self._prepare_decode(batch)
         else:
             batch.attn_metadata = self._prepare_prefill(batch)
@@ -168,9 +188,21 @@ class TorchNativeBackend:
     def forward(
         self, q: torch.Tensor, kv: torch.Tensor | None, layer: int, batch: ForwardBatch
     ) -> torch.Tensor:
+        q = q.view(-1, self.num_heads, self.head_dim)
+        if batch.is_decode and self.native_decode:
+            out = torch.ops.aserve_cpu.decode_attention(
+                q,
+                kv,
+                batch.out_slots,
+                self.pool.kv[layer],
+                batch.page_table,
+                batch.rows,
+                batch.attn_metadata.seq_lens,
+                self.head_dim**-0.5,
+            )
+            return out.view(q.shape[0], self.num_heads * self.head_dim)
         if kv is not None:
             self.pool.store(layer, batch.out_slots, kv)
-        q = q.view(-1, self.num_heads, self.head_dim)
         if batch.is_decode:
             out = self._decode(q, kv, layer, batch)
         else:

@@ -153,6 +153,7 @@ class Engine:
         self._kernel_builds = self._start_kernel_builds()
         started = time.perf_counter()
         ops = fused_ops(self.device, self.dtype, model_config.quantization is not None)
+        self.cpu_kernels = ops is not None and self.device.type == "cpu"
         with _construct_on(self.device, self.dtype):
             self.model = build_model(
                 model_config, self.max_seq_len, self.tp, ops, config.moe_backend, self.device
@@ -295,7 +296,9 @@ class Engine:
         if name == "torch":
             from aserve.attention.torch_native import TorchNativeBackend
 
-            return TorchNativeBackend(self.pool, self.page_table, self.local_heads, head_dim)
+            return TorchNativeBackend(
+                self.pool, self.page_table, self.local_heads, head_dim, self.cpu_kernels
+            )
         if name in FLASHINFER_KERNELS and self.device.type == "cuda":
             from aserve.attention.flashinfer import FlashInferBackend
 

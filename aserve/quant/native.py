@@ -39,7 +39,9 @@ from aserve.quant.codes import Codes, groups_of_at_most_32
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+SOURCES = [
+    Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.cpp", "cpu_attention.cpp")
+]
 LANES = 8  # output features per panel: one AVX2 register of float32
 BLAS_ROWS = 128  # from this many rows, de-quantize slices and multiply them with BLAS
 BLAS_SLICE_BYTES = 2 << 20
@@ -63,7 +65,7 @@ class Scratch:
 def native_kernels() -> bool:
     """Whether `torch.ops.aserve_cpu` is loaded, building it once if it must. Cached for
     the process: the answer cannot change while it runs."""
-    if hasattr(torch.ops, "aserve_cpu") and hasattr(torch.ops.aserve_cpu, "linear"):
+    if hasattr(torch.ops, "aserve_cpu") and hasattr(torch.ops.aserve_cpu, "decode_attention"):
         return True
     from torch.utils import cpp_extension
 
@@ -75,7 +77,7 @@ def native_kernels() -> bool:
         try:
             cpp_extension.load(
                 name="aserve_cpu",
-                sources=[str(SOURCE)],
+                sources=[str(source) for source in SOURCES],
                 extra_cflags=["-O3", "-march=native", *flags],
                 extra_ldflags=flags,
                 build_directory=str(folder),

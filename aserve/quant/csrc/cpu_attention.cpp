@@ -1,0 +1,282 @@
+// Decode attention on CPU: one query token a request against its context, read from the KV
+// pool through the page table (aserve/attention/torch_native.py says when it is used).
+//
+// SDPA took ~60 us a layer for one 128-token context of the embedded model on a 2-core box,
+// most of it set-up around a few microseconds of arithmetic, plus a dense copy of every
+// context kept beside the pool for it. Here each (request, query head) is one unit of work
+// with a fixed order of operations, so a request's output does not depend on its batch:
+//   s[t] = scale * dot(q, k[t])        (16 partial sums over the head, added in order)
+//   p[t] = exp(s[t] - max(s)),  l = sum of p[t] in order
+//   out  = (sum over t in order of p[t] * v[t]) / l
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define ASERVE_AVX2 1
+#endif
+
+namespace {
+
+#ifdef ASERVE_AVX2
+inline float sum_lanes(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+// Lane j of the result is the sum of the lanes of v[j].
+inline __m256 sum_lanes_of_eight(const __m256 (&v)[8]) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// e^x for x <= 0 to about one float ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor
+// series to r^7 / 7! (error below 2^-24 there), times 2^n put into the exponent bits.
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));  // below this e^x is no longer a normal float
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts: n times
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);     // the first is exact
+  __m256 p = _mm256_set1_ps(1.0f / 5040);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i power =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
+}
+
+// scores[t] = scale * dot(q, k[t]) for the rows `keys + slots[t] * stride`, eight rows at a
+// time (n, the head size, a multiple of 8): each row's products gather in one register, and
+// the eight registers are summed across at once. A short last group repeats its first row,
+// so every score is added up the same way.
+void scores8(const float* q, const float* keys, const int32_t* slots, int64_t rows,
+             int64_t stride, int64_t n, float scale, float* scores) {
+  const __m256 scaling = _mm256_set1_ps(scale);
+  for (int64_t first = 0; first < rows; first += 8) {
+    const float* k[8];
+    for (int j = 0; j < 8; ++j) k[j] = keys + slots[first + j < rows ? first + j : first] * stride;
+    __m256 sums[8];
+    for (int j = 0; j < 8; ++j) sums[j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < n; d += 8) {
+      const __m256 qd = _mm256_loadu_ps(q + d);
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) sums[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k[j] + d), sums[j]);
+    }
+    const __m256 block = _mm256_mul_ps(scaling, sum_lanes_of_eight(sums));
+    if (first + 8 <= rows) {
+      _mm256_storeu_ps(scores + first, block);
+    } else {
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, block);
+      std::copy(lanes, lanes + (rows - first), scores + first);
+    }
+  }
+}
+
+// out += sum over the rows t of p[t] * v[t] (n a multiple of 8), 64 values of a row at a time
+// held in registers across the rows.
+void add_weighted_rows8(const float* p, const float* values, const int32_t* slots, int64_t rows,
+                        int64_t stride, int64_t n, float* out) {
+  for (int64_t first = 0; first < n; first += 64) {
+    const int64_t chunks = std::min<int64_t>(8, (n - first) / 8);
+    __m256 sums[8];
+    for (int j = 0; j < 8; ++j)
+      sums[j] = j < chunks ? _mm256_loadu_ps(out + first + 8 * j) : _mm256_setzero_ps();
+    for (int64_t t = 0; t < rows; ++t) {
+      const __m256 weight = _mm256_set1_ps(p[t]);
+      const float* v = values + slots[t] * stride + first;
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j)
+        if (j < chunks) sums[j] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(v + 8 * j), sums[j]);
+    }
+    for (int j = 0; j < chunks; ++j) _mm256_storeu_ps(out + first + 8 * j, sums[j]);
+  }
+}
+#endif
+
+// Without AVX2 (or for a head size not a multiple of 8): the same steps one value at a time.
+void scores_of(const float* q, const float* keys, const int32_t* slots, int64_t rows,
+               int64_t stride, int64_t n, float scale, float* scores) {
+#ifdef ASERVE_AVX2
+  if (n % 8 == 0) return scores8(q, keys, slots, rows, stride, n, scale, scores);
+#endif
+  for (int64_t t = 0; t < rows; ++t) {
+    const float* k = keys + slots[t] * stride;
+    float sum = 0;
+    for (int64_t d = 0; d < n; ++d) sum += q[d] * k[d];
+    scores[t] = scale * sum;
+  }
+}
+
+void add_weighted_rows(const float* p, const float* values, const int32_t* slots, int64_t rows,
+                       int64_t stride, int64_t n, float* out) {
+#ifdef ASERVE_AVX2
+  if (n % 8 == 0) return add_weighted_rows8(p, values, slots, rows, stride, n, out);
+#endif
+  for (int64_t t = 0; t < rows; ++t) {
+    const float* v = values + slots[t] * stride;
+    for (int64_t d = 0; d < n; ++d) out[d] += p[t] * v[d];
+  }
+}
+
+// The largest of `top` and s[0..n).
+float largest(const float* s, int64_t n, float top) {
+  int64_t t = 0;
+#ifdef ASERVE_AVX2
+  __m256 tops = _mm256_set1_ps(top);
+  for (; t + 8 <= n; t += 8) tops = _mm256_max_ps(tops, _mm256_loadu_ps(s + t));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, tops);
+  for (float lane : lanes) top = std::max(top, lane);
+#endif
+  for (; t < n; ++t) top = std::max(top, s[t]);
+  return top;
+}
+
+// p[t] = e^(s[t] - top) in place; returns their sum (eight running sums, then a fixed tree).
+float exponentiate(float* s, int64_t n, float top) {
+  int64_t t = 0;
+  float sum = 0;
+#ifdef ASERVE_AVX2
+  const __m256 shift = _mm256_set1_ps(top);
+  __m256 sums = _mm256_setzero_ps();
+  for (; t + 8 <= n; t += 8) {
+    const __m256 p = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + t), shift));
+    _mm256_storeu_ps(s + t, p);
+    sums = _mm256_add_ps(sums, p);
+  }
+  sum = sum_lanes(sums);
+#endif
+  for (; t < n; ++t) {
+    s[t] = std::exp(s[t] - top);
+    sum += s[t];
+  }
+  return sum;
+}
+
+constexpr int64_t kBlock = 256;  // context positions whose K and V stay in cache between passes
+
+// The query heads [head, head + group) of one request, all reading KV head `kv_head` of the
+// pool's layer `kv` ([slots, 2, kv_heads, head_dim]), block by block with a running softmax
+// (each head's max, sum and weighted values rescaled when its max rises), so that a block's
+// K and V come from memory once for the group.
+void attend(const float* q, const float* kv, const int32_t* slots, int64_t length,
+            int64_t kv_head, int64_t kv_heads, int64_t group, int64_t head_dim, float scale,
+            float* out, std::vector<float>& scratch) {
+  scratch.resize(group * (kBlock + 2));
+  float* scores = scratch.data();
+  float* top = scores + group * kBlock;
+  float* total = top + group;
+  const int64_t stride = 2 * kv_heads * head_dim;
+  const float* keys = kv + kv_head * head_dim;
+  const float* values = keys + kv_heads * head_dim;
+  std::fill(top, top + group, -INFINITY);
+  std::fill(total, total + group, 0.0f);
+  std::fill(out, out + group * head_dim, 0.0f);
+  for (int64_t first = 0; first < length; first += kBlock) {
+    const int64_t rows = std::min(kBlock, length - first);
+    const int32_t* block = slots + first;
+    for (int64_t g = 0; g < group; ++g) {
+      float* s = scores + g * kBlock;
+      float* o = out + g * head_dim;
+      scores_of(q + g * head_dim, keys, block, rows, stride, head_dim, scale, s);
+      const float block_top = largest(s, rows, top[g]);
+      if (block_top > top[g]) {
+        const float rescale = std::exp(top[g] - block_top);  // 0 for the first block
+        total[g] *= rescale;
+        for (int64_t d = 0; d < head_dim; ++d) o[d] *= rescale;
+        top[g] = block_top;
+      }
+      total[g] += exponentiate(s, rows, top[g]);
+      add_weighted_rows(s, values, block, rows, stride, head_dim, o);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] /= total[g];
+}
+
+// q: [batch, heads, head_dim]. `new_kv` [batch, 2, kv_heads, head_dim] (this step's K/V, if
+// given) is first written to the pool at `out_slots`. Request i attends to the first
+// seq_lens[i] slots of page-table row rows[i].
+at::Tensor decode_attention(const at::Tensor& q, const std::optional<at::Tensor>& new_kv,
+                            const at::Tensor& out_slots, at::Tensor kv, const at::Tensor& table,
+                            const at::Tensor& rows, const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 &&
+                  q.stride(1) == q.size(2),
+              "q: float32 [batch, heads, head_dim], each request's heads contiguous");
+  TORCH_CHECK(kv.dim() == 4 && kv.size(1) == 2 && kv.scalar_type() == at::kFloat && kv.is_contiguous(),
+              "kv: the pool's contiguous float32 layer [slots, 2, kv_heads, head_dim]");
+  TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kInt && table.stride(1) == 1,
+              "table: int32 page table with contiguous rows");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+                  out_slots.scalar_type() == at::kLong && rows.is_contiguous() &&
+                  seq_lens.is_contiguous() && out_slots.is_contiguous(),
+              "rows, seq_lens and out_slots: contiguous int64");
+  const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
+  const int64_t kv_heads = kv.size(2), slot_size = 2 * kv_heads * head_dim;
+  TORCH_CHECK(kv.size(3) == head_dim && heads % kv_heads == 0, "q and kv heads do not match");
+  TORCH_CHECK(rows.numel() == batch && seq_lens.numel() == batch, "one row and length a request");
+  float* pool = kv.data_ptr<float>();
+  const int64_t* row = rows.data_ptr<int64_t>();
+  const int64_t* length = seq_lens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < batch; ++i)
+    TORCH_CHECK(length[i] >= 1 && length[i] <= table.size(1) && row[i] >= 0 && row[i] < table.size(0),
+                "a request's row or length is outside the page table");
+  if (new_kv.has_value()) {
+    TORCH_CHECK(new_kv->scalar_type() == at::kFloat && new_kv->dim() == 4 &&
+                    new_kv->size(0) == out_slots.numel() && new_kv->size(1) == 2 &&
+                    new_kv->size(2) == kv_heads && new_kv->size(3) == head_dim &&
+                    new_kv->stride(1) == kv_heads * head_dim && new_kv->stride(2) == head_dim &&
+                    new_kv->stride(3) == 1,
+                "new_kv: float32 [tokens, 2, kv_heads, head_dim], each token's K/V contiguous");
+    const float* source = new_kv->data_ptr<float>();
+    const int64_t* slot = out_slots.data_ptr<int64_t>();
+    for (int64_t i = 0; i < out_slots.numel(); ++i) {
+      TORCH_CHECK(slot[i] >= 0 && slot[i] < kv.size(0), "a slot is outside the pool");
+      std::memcpy(pool + slot[i] * slot_size, source + i * new_kv->stride(0),
+                  slot_size * sizeof(float));
+    }
+  }
+  at::Tensor out = at::empty({batch, heads, head_dim}, q.options());
+  const float* queries = q.data_ptr<float>();
+  float* outputs = out.data_ptr<float>();
+  const int32_t* slots = table.data_ptr<int32_t>();
+  const int64_t group = heads / kv_heads, width = table.stride(0), q_stride = q.stride(0);
+  const float softmax_scale = static_cast<float>(scale);
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t i = unit / kv_heads, kv_head = unit % kv_heads;
+      const int64_t head = kv_head * group;
+      attend(queries + i * q_stride + head * head_dim, pool, slots + row[i] * width, length[i],
+             kv_head, kv_heads, group, head_dim, softmax_scale,
+             outputs + (i * heads + head) * head_dim, scratch);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(aserve_cpu, m) {
+  m.def(
+      "decode_attention(Tensor q, Tensor? new_kv, Tensor out_slots, Tensor(a!) kv, Tensor table, "
+      "Tensor rows, Tensor seq_lens, float scale) -> Tensor",
+      decode_attention);
+}
