@@ -119,6 +119,37 @@ def test_products_match_the_dequantized_weight(
 
 
 @needs_kernels
+@pytest.mark.parametrize(
+    ("qtype", "dtype", "offsets"),
+    [
+        (QType.Q4_1, torch.float16, True),
+        (QType.Q8_0, torch.float16, False),
+        (QType.Q4_K, torch.float32, True),
+    ],
+    ids=["Q4_1", "Q8_0", "Q4_K"],
+)
+def test_scales_take_the_fewest_bytes_that_keep_them(
+    qtype: QType, dtype: torch.dtype, offsets: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GGUF's float16 scales stay float16 and Q8_0's zero offsets are not stored; K-quants'
+    scales (a float16 times a 6-bit integer) stay float32. Products of every path and
+    lookups are bit for bit those of the weight kept in float32."""
+    codes = decode(torch.from_numpy(random_blocks(qtype, 64, 512, seed=7)), qtype, 512)
+    compact = NativeWeight(codes)
+    assert compact.scales.dtype == dtype
+    assert (compact.offsets.numel() > 0) == offsets
+    monkeypatch.setattr(native_module, "compact_scales", lambda scales, offsets: (scales, offsets))
+    wide = NativeWeight(codes)
+    assert wide.scales.dtype == torch.float32 and wide.offsets.numel() > 0
+    assert compact.nbytes < wide.nbytes or dtype == torch.float32
+    x = torch.randn(BLAS_ROWS + 3, 512, generator=torch.Generator().manual_seed(8))
+    for rows in (1, 2, 5, 20, BLAS_ROWS + 3):
+        assert torch.equal(compact.linear(x[:rows], None), wide.linear(x[:rows], None)), rows
+    ids = torch.tensor([0, 63, 17])
+    assert torch.equal(compact.rows(ids), wide.rows(ids))
+
+
+@needs_kernels
 @pytest.mark.parametrize("qtype", [QType.Q2_K, QType.Q3_K], ids=lambda q: q.name)
 def test_codes_of_two_and_three_bits_pack_into_nibbles(qtype: QType) -> None:
     """Q2_K and Q3_K (groups of 16) keep half a byte a code on CPU, as Q4_K does, not an int8

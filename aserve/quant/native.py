@@ -133,10 +133,27 @@ def level_bytes(table: torch.Tensor) -> torch.Tensor:
     return (table.to(torch.int16) + 128).to(torch.uint8)
 
 
+def compact_scales(
+    scales: torch.Tensor, offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales and offsets in the fewest bytes that keep every value exactly, so the products
+    give the same bits: float16 where all survive the round trip (GGUF stores them in float16
+    for Q4_0, Q4_1, Q5_x, Q8_0 and IQ4), else float32 (K-quants' scales are a float16 times
+    a 6-bit integer), and no offsets where all are zero (symmetric formats). At one row the
+    products are bound by reading the weight: Q4_1 takes 20 bytes a group of 32, not 24."""
+    half_scales, half_offsets = scales.half(), offsets.half()
+    if torch.equal(half_scales.float(), scales) and torch.equal(half_offsets.float(), offsets):
+        scales, offsets = half_scales, half_offsets
+    if not offsets.any():
+        offsets = offsets.new_empty(0)
+    return scales, offsets
+
+
 class NativeWeight:
     """A weight in the kernels' panel layout (csrc/cpu_kernels.cpp), in groups of 16 or 32:
     codes of up to 4 bits eight to a word (with their 16 levels where they stand for levels),
-    wider ones (up to 8 bits) signed, four to a word."""
+    wider ones (up to 8 bits) signed, four to a word; scales and offsets as `compact_scales`
+    keeps them."""
 
     def __init__(self, codes: Codes, scratch: Scratch | None = None) -> None:
         self.scratch = scratch or Scratch()
@@ -158,8 +175,10 @@ class NativeWeight:
         if self.four_bit:
             lanes = lanes[..., 0::2] | lanes[..., 1::2] << 4
         self.words = lanes.contiguous().view(torch.int32).squeeze(-1)
-        self.scales = scales.view(panels, LANES, groups).transpose(1, 2).contiguous()
-        self.offsets = offsets.view(panels, LANES, groups).transpose(1, 2).contiguous()
+        self.scales, self.offsets = compact_scales(
+            scales.view(panels, LANES, groups).transpose(1, 2).contiguous(),
+            offsets.view(panels, LANES, groups).transpose(1, 2).contiguous(),
+        )
 
     @property
     def nbytes(self) -> int:

@@ -8,7 +8,9 @@
 //   8-bit codes (-128..127): four inputs a word, input i in bits 8i..8i+7.
 // With levels (IQ4_NL / IQ4_XS: 16 integer levels, denser near zero) a 4-bit code c stands
 // for levels[c] instead of c; they are kept as bytes, levels[c] + 128.
-// Scales and offsets are stored [panel, group, 8].
+// Scales and offsets are stored [panel, group, 8], in float32 or, where every one of them
+// survives the round trip, float16 (GGUF's own are float16 in most formats); offsets that
+// are all zero (symmetric formats) are not stored, and their terms below are left out.
 //
 // Every output y[m, n] is computed by one fixed sequence of float operations:
 //   total = 0
@@ -26,13 +28,14 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define ASERVE_AVX2 1
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -49,8 +52,9 @@ constexpr int64_t kManyRows = 16;   // from this many rows the codes are expande
 
 struct Weight {
   const uint32_t* words;  // [panels, groups, words_per_group, 8]
-  const float* scales;    // [panels, groups, 8]
-  const float* offsets;   // [panels, groups, 8]
+  const void* scales;     // [panels, groups, 8], float32 or float16 (`half`)
+  const void* offsets;    // as scales, or null where every offset is zero
+  bool half;
   int64_t panels, groups, group, cols;
   bool four_bit;
   const uint8_t* levels;  // 16 levels + 128 for 4-bit codes that stand for them, else null
@@ -59,6 +63,27 @@ struct Weight {
   int64_t words_per_group() const { return group / inputs_per_word(); }
   int64_t panel_words() const { return groups * words_per_group() * kLanes; }
   int64_t at(int64_t panel, int64_t g) const { return (panel * groups + g) * kLanes; }
+  int64_t scale_bytes() const { return half ? 2 : 4; }
+
+  static float value(const void* values, bool half, int64_t i) {
+    return half ? static_cast<float>(static_cast<const c10::Half*>(values)[i])
+                : static_cast<const float*>(values)[i];
+  }
+  float scale(int64_t i) const { return value(scales, half, i); }
+  float offset(int64_t i) const { return offsets == nullptr ? 0.0f : value(offsets, half, i); }
+
+#ifdef ASERVE_AVX2
+  // The 8 lanes' scales (offsets) of a panel's group.
+  static __m256 lanes(const void* values, bool half, int64_t i) {
+    if (!half) return _mm256_loadu_ps(static_cast<const float*>(values) + i);
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+        static_cast<const c10::Half*>(values) + i)));
+  }
+  __m256 scales8(int64_t panel, int64_t g) const { return lanes(scales, half, at(panel, g)); }
+  __m256 offsets8(int64_t panel, int64_t g) const {
+    return offsets == nullptr ? _mm256_setzero_ps() : lanes(offsets, half, at(panel, g));
+  }
+#endif
 };
 
 struct Rows {
@@ -126,9 +151,10 @@ inline __m256 code_of(const Unpacked& word, int i) {
 // One group's part folded into the totals: total = fma(scale, part, total), then the offset.
 inline __m256 close_group(const Weight& w, const Rows& a, int64_t row, int64_t panel, int64_t g,
                           __m256 part, __m256 total) {
-  total = _mm256_fmadd_ps(_mm256_loadu_ps(w.scales + w.at(panel, g)), part, total);
-  return _mm256_fmadd_ps(_mm256_loadu_ps(w.offsets + w.at(panel, g)),
-                         _mm256_broadcast_ss(a.xsum + row * a.groups + g), total);
+  total = _mm256_fmadd_ps(w.scales8(panel, g), part, total);
+  if (w.offsets == nullptr) return total;
+  return _mm256_fmadd_ps(w.offsets8(panel, g), _mm256_broadcast_ss(a.xsum + row * a.groups + g),
+                         total);
 }
 
 template <int R, int P>
@@ -153,8 +179,10 @@ inline void prefetch_slice(const Weight& w, int64_t next, int64_t count, int64_t
     for (int64_t b = lo; b < hi; b += 64) asm volatile("prefetcht0 %0" : : "m"(base[b]));
   };
   lines(w.words + next * w.panel_words(), count * w.panel_words() * 4);
-  lines(w.scales + w.at(next, 0), count * w.groups * kLanes * 4);
-  lines(w.offsets + w.at(next, 0), count * w.groups * kLanes * 4);
+  const int64_t scale_bytes = count * w.groups * kLanes * w.scale_bytes();
+  lines(static_cast<const char*>(w.scales) + w.at(next, 0) * w.scale_bytes(), scale_bytes);
+  if (w.offsets != nullptr)
+    lines(static_cast<const char*>(w.offsets) + w.at(next, 0) * w.scale_bytes(), scale_bytes);
 }
 
 // R rows against P panels, codes expanded in registers.
@@ -313,9 +341,9 @@ inline __m512i join(__m256i low, __m256i high) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
 }
 
-inline __m512 join(const float* low, const float* high) {
-  const __m512d joined = _mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(low))),
-                                            _mm256_castps_pd(_mm256_loadu_ps(high)), 1);
+inline __m512 join(__m256 low, __m256 high) {
+  const __m512d joined = _mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(low)),
+                                            _mm256_castps_pd(high), 1);
   return _mm512_castpd_ps(joined);
 }
 
@@ -396,10 +424,11 @@ void tile2(const Weight& w, const Rows& a, int64_t first_row, int64_t first_pane
 #pragma GCC unroll 8
       for (int q = 0; q < Q; ++q) {
         const int64_t p = first_panel + 2 * q;
-        const __m512 scale = join(w.scales + w.at(p, g), w.scales + w.at(p + 1, g));
-        const __m512 offset = join(w.offsets + w.at(p, g), w.offsets + w.at(p + 1, g));
-        total[r][q] = _mm512_fmadd_ps(scale, part[r][q], total[r][q]);
-        total[r][q] = _mm512_fmadd_ps(offset, _mm512_set1_ps(a.xsum[(first_row + r) * a.groups + g]),
+        total[r][q] = _mm512_fmadd_ps(join(w.scales8(p, g), w.scales8(p + 1, g)), part[r][q],
+                                      total[r][q]);
+        if (w.offsets == nullptr) continue;
+        total[r][q] = _mm512_fmadd_ps(join(w.offsets8(p, g), w.offsets8(p + 1, g)),
+                                      _mm512_set1_ps(a.xsum[(first_row + r) * a.groups + g]),
                                       total[r][q]);
       }
   }
@@ -498,8 +527,9 @@ void rows_against_panels(const Weight& w, const Rows& a, int64_t first, int64_t 
               part = std::fma(code_of(w, word, static_cast<int>(i)), a.x[m * a.cols + k0 + i], part);
             }
           }
-          total = std::fma(w.scales[w.at(p, g) + lane], part, total);
-          total = std::fma(w.offsets[w.at(p, g) + lane], a.xsum[m * a.groups + g], total);
+          total = std::fma(w.scale(w.at(p, g) + lane), part, total);
+          if (w.offsets != nullptr)
+            total = std::fma(w.offset(w.at(p, g) + lane), a.xsum[m * a.groups + g], total);
         }
         a.y[m * a.out + p * kLanes + lane] = total;
       }
@@ -511,12 +541,14 @@ void rows_against_panels(const Weight& w, const Rows& a, int64_t first, int64_t 
 Weight weight_of(const at::Tensor& words, const at::Tensor& scales, const at::Tensor& offsets,
                  int64_t group, bool four_bit, const std::optional<at::Tensor>& levels) {
   TORCH_CHECK(words.scalar_type() == at::kInt && words.is_contiguous(), "words: int32");
-  TORCH_CHECK(scales.dim() == 3 && scales.size(2) == kLanes && scales.scalar_type() == at::kFloat &&
-                  scales.is_contiguous(),
-              "scales: float32 [panels, groups, 8]");
-  TORCH_CHECK(offsets.sizes() == scales.sizes() && offsets.scalar_type() == at::kFloat &&
-                  offsets.is_contiguous(),
-              "offsets: as scales");
+  const bool half = scales.scalar_type() == at::kHalf;
+  TORCH_CHECK(scales.dim() == 3 && scales.size(2) == kLanes &&
+                  (half || scales.scalar_type() == at::kFloat) && scales.is_contiguous(),
+              "scales: float32 or float16 [panels, groups, 8]");
+  const bool has_offsets = offsets.numel() > 0;
+  TORCH_CHECK(!has_offsets || (offsets.sizes() == scales.sizes() &&
+                               offsets.scalar_type() == scales.scalar_type() && offsets.is_contiguous()),
+              "offsets: as scales, or empty where all are zero");
   TORCH_CHECK(group == 16 || group == 32, "groups are 16 or 32 inputs, got ", group);
   if (levels.has_value()) {
     TORCH_CHECK(four_bit && levels->scalar_type() == at::kByte && levels->is_contiguous() &&
@@ -525,8 +557,9 @@ Weight weight_of(const at::Tensor& words, const at::Tensor& scales, const at::Te
   }
   const int64_t panels = scales.size(0), groups = scales.size(1);
   Weight w{reinterpret_cast<const uint32_t*>(words.data_ptr<int32_t>()),
-           scales.data_ptr<float>(),
-           offsets.data_ptr<float>(),
+           scales.data_ptr(),
+           has_offsets ? offsets.data_ptr() : nullptr,
+           half,
            panels,
            groups,
            group,
@@ -580,7 +613,7 @@ at::Tensor rows(const at::Tensor& words, const at::Tensor& scales, const at::Ten
   const at::Tensor ids_here = ids.contiguous();
   const int64_t* idp = ids_here.data_ptr<int64_t>();
   const int64_t count = ids.size(0);
-  at::Tensor out = at::empty({count, w.cols}, scales.options());
+  at::Tensor out = at::empty({count, w.cols}, scales.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
   const int64_t per_word = w.inputs_per_word(), words_in_group = w.words_per_group();
   for (int64_t i = 0; i < count; ++i) {
@@ -588,8 +621,8 @@ at::Tensor rows(const at::Tensor& words, const at::Tensor& scales, const at::Ten
     TORCH_CHECK(n >= 0 && n < w.panels * kLanes, "row ", n, " is outside the weight");
     const int64_t panel = n / kLanes, lane = n % kLanes;
     for (int64_t g = 0; g < w.groups; ++g) {
-      const float scale = w.scales[(panel * w.groups + g) * kLanes + lane];
-      const float offset = w.offsets[(panel * w.groups + g) * kLanes + lane];
+      const float scale = w.scale(w.at(panel, g) + lane);
+      const float offset = w.offset(w.at(panel, g) + lane);
       for (int64_t v = 0; v < words_in_group; ++v) {
         const uint32_t word =
             w.words[panel * w.panel_words() + (g * words_in_group + v) * kLanes + lane];
@@ -646,8 +679,8 @@ void dequantize(const at::Tensor& words, const at::Tensor& scales, const at::Ten
           const uint32_t* src = w.words + p * w.panel_words() + (g * words_in_group + v) * kLanes;
           const int64_t k0 = g * w.group + v * per_word;
 #ifdef ASERVE_AVX2
-          const __m256 scale = _mm256_loadu_ps(w.scales + w.at(p, g));
-          const __m256 offset = _mm256_loadu_ps(w.offsets + w.at(p, g));
+          const __m256 scale = w.scales8(p, g);
+          const __m256 offset = w.offsets8(p, g);
           float* at = column + k0 * width;
           switch (kind) {
             case Kind::kNibbles:
@@ -664,8 +697,8 @@ void dequantize(const at::Tensor& words, const at::Tensor& scales, const at::Ten
           for (int64_t lane = 0; lane < kLanes; ++lane) {
             for (int64_t i = 0; i < per_word; ++i) {
               column[(k0 + i) * width + lane] =
-                  std::fma(code_of(w, src[lane], static_cast<int>(i)), w.scales[w.at(p, g) + lane],
-                           w.offsets[w.at(p, g) + lane]);
+                  std::fma(code_of(w, src[lane], static_cast<int>(i)), w.scale(w.at(p, g) + lane),
+                           w.offset(w.at(p, g) + lane));
             }
           }
 #endif
