@@ -28,9 +28,11 @@ class _PrefillMetadata:
 
 @dataclass
 class _NativeDecodeMetadata:
-    """The requests' context lengths, for the CPU kernel that reads the pool directly."""
+    """For the CPU kernel that reads the pool directly: the requests' context lengths, and
+    the slots of their new tokens (taken out of the batch once a step, not once a layer)."""
 
     seq_lens: torch.Tensor
+    out_slots: torch.Tensor
 
 
 @dataclass
@@ -125,7 +127,9 @@ class TorchNativeBackend:
 
     def prepare(self, batch: ForwardBatch) -> None:
         if batch.is_decode and self.native_decode:
-            batch.attn_metadata = _NativeDecodeMetadata(torch.tensor(batch.seq_lens))
+            batch.attn_metadata = _NativeDecodeMetadata(
+                torch.tensor(batch.seq_lens), batch.out_slots
+            )
         elif batch.is_decode:
             batch.attn_metadata = self._prepare_decode(batch)
         else:
@@ -190,14 +194,15 @@ class TorchNativeBackend:
     ) -> torch.Tensor:
         q = q.view(-1, self.num_heads, self.head_dim)
         if batch.is_decode and self.native_decode:
+            meta: _NativeDecodeMetadata = batch.attn_metadata
             out = torch.ops.aserve_cpu.decode_attention(
                 q,
                 kv,
-                batch.out_slots,
+                meta.out_slots,
                 self.pool.kv[layer],
                 batch.page_table,
                 batch.rows,
-                batch.attn_metadata.seq_lens,
+                meta.seq_lens,
                 self.head_dim**-0.5,
             )
             return out.view(q.shape[0], self.num_heads * self.head_dim)
