@@ -6,6 +6,7 @@ refused in one line; float checkpoints quantized at load (`--quantization int8|i
 from __future__ import annotations
 
 import json
+import platform
 import subprocess
 import sys
 from collections.abc import Callable
@@ -437,3 +438,67 @@ def test_products_are_the_same_bits_on_one_thread_and_two(qtype: QType) -> None:
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
+
+
+OTHER_BUILD_CHECK = """
+import sys
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as QType
+from torch.utils import cpp_extension
+
+from aserve.quant import native
+from aserve.quant.gguf import decode
+
+flags = native.openmp_flags()
+cpp_extension.load(
+    name="aserve_cpu", sources=[str(s) for s in native.SOURCES], build_directory=sys.argv[1],
+    extra_cflags=["-O3", "-march=native", *sys.argv[2:], *flags], extra_ldflags=flags,
+    is_python_module=False,
+)
+# only now: these find the kernels loaded (as built above) instead of building their own
+from tests.test_cpu_ops import reference_attention
+from tests.test_quant import random_blocks
+x = torch.randn(70, 512, generator=torch.Generator().manual_seed(9))
+for qtype in (QType.Q4_1, QType.Q8_0, QType.Q4_K, QType.IQ4_XS):
+    codes = decode(torch.from_numpy(random_blocks(qtype, 100, 512, seed=3)), qtype, 512)
+    weight = native.NativeWeight(codes)
+    exact = F.linear(x.double(), codes.dequantize().double())
+    together = weight.linear(x, None)
+    error = float((together.double() - exact).abs().max() / exact.abs().max())
+    assert error < 1e-5, (qtype, error)
+    for rows in (1, 3, 5, 20):
+        assert torch.equal(weight.linear(x[7 : 7 + rows], None), together[7 : 7 + rows]), rows
+pool = torch.randn(1024, 2, 2, 64, generator=torch.Generator().manual_seed(10))
+table = torch.randperm(1024, generator=torch.Generator().manual_seed(11)).to(torch.int32)
+table, lens, q = table.view(2, 512), [300, 9], torch.randn(2, 4, 64)
+out = torch.ops.aserve_cpu.decode_attention(
+    q, None, torch.zeros(0, dtype=torch.long), pool, table, torch.tensor([0, 1]),
+    torch.tensor(lens), 0.125,
+)
+torch.testing.assert_close(out, reference_attention(q, pool, table, [0, 1], lens))
+print("checked")
+"""
+
+
+@needs_kernels
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
+@pytest.mark.parametrize(
+    "flags", [["-mno-avx512f"], ["-mno-avx2"]], ids=["without-avx512", "without-avx2"]
+)
+def test_kernels_built_for_older_cpus_give_the_same_products(
+    tmp_path: Path, flags: list[str]
+) -> None:
+    """The kernels pick their code paths when they compile (-march=native): a CPU without
+    AVX-512 runs the 8-lane tiles and, from 16 rows, the expanded-codes buffer; one without
+    AVX2 the scalar loops. Built here with those instruction sets turned off (in a process of
+    their own, the op names being global), every path against float64, a row's bits the same
+    alone and batched, and the decode attention against its float64 softmax."""
+    result = subprocess.run(
+        [sys.executable, "-c", OTHER_BUILD_CHECK, str(tmp_path), *flags],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=Path(__file__).parent.parent,
+    )
+    assert result.returncode == 0 and "checked" in result.stdout, result.stderr[-3000:]

@@ -23,8 +23,8 @@
 // de-quantizes slices with `dequantize` and multiplies them with BLAS instead.)
 // Activations stay float32: rounding them to int8 (llama.cpp's way) turned attention's last-bit
 // differences into visible ones. Few rows (decode) expand codes in registers, with R * P = 4
-// outputs' sums under way so that the adds' latency is hidden; many rows (prefill) expand two
-// panels of codes once into a buffer and run 6-row tiles over it.
+// outputs' sums under way so that the adds' latency is hidden; without AVX-512, from 16 rows
+// two panels of codes are expanded once into a buffer and 6-row tiles run over it.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -48,7 +48,13 @@ namespace {
 constexpr int64_t kLanes = 8;       // output features per panel
 constexpr int64_t kRowBlock = 64;   // rows of x that stay in cache while every panel passes
 constexpr int64_t kPanelBlock = 8;  // panels per unit of parallel work
-constexpr int64_t kManyRows = 16;   // from this many rows the codes are expanded to a buffer
+#ifdef ASERVE_AVX512
+// Never: the two-panel tiles beat the buffer at every row count of a block (gate_up 3072x576,
+// us at 16 / 32 / 64 rows: 369 / 696 / 1,414 against 536 / 976 / 1,913; bench/NOTES.md).
+constexpr int64_t kManyRows = kRowBlock + 1;
+#else
+constexpr int64_t kManyRows = 16;  // from this many rows the codes are expanded to a buffer
+#endif
 
 struct Weight {
   const uint32_t* words;  // [panels, groups, words_per_group, 8]
