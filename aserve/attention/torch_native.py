@@ -1,4 +1,5 @@
-"""Attention in plain PyTorch (SDPA): the CPU backend and the GPU reference."""
+"""Attention in plain PyTorch (SDPA; decode of quantized models on CPU through aserve's kernel):
+the CPU backend and the GPU reference."""
 
 from __future__ import annotations
 
