@@ -3,19 +3,21 @@
 //
 // SDPA took ~60 us a layer for one 128-token context of the embedded model on a 2-core box,
 // most of it set-up around a few microseconds of arithmetic, plus a dense copy of every
-// context kept beside the pool for it. Here each (request, query head) is one unit of work
-// with a fixed order of operations, so a request's output does not depend on its batch:
-//   s[t] = scale * dot(q, k[t])        (16 partial sums over the head, added in order)
-//   p[t] = exp(s[t] - max(s)),  l = sum of p[t] in order
-//   out  = (sum over t in order of p[t] * v[t]) / l
+// context kept beside the pool for it. Here one unit of work is a request's KV head with its
+// group of query heads, over blocks of 256 positions with a running softmax:
+//   s[t] = scale * dot(q, k[t])     (8 lanes of products, then a fixed tree across them)
+//   m = max(m, max of the block's s);  rescale the running sum l and output by e^(m_old - m)
+//   l += sum of e^(s[t] - m);  out += sum over t in order of e^(s[t] - m) * v[t]
+// and out / l at the end. The order of operations is fixed per request, so its output does
+// not depend on its batch.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <algorithm>
 #include <cstring>
 #include <vector>
 
