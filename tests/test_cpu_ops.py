@@ -68,16 +68,17 @@ def reference_attention(
 
 @pytest.mark.parametrize("head_dim", [64, 40], ids=["vectors", "scalar-head"])
 def test_decode_attention_matches_float64_softmax(head_dim: int) -> None:
-    """Contexts on both sides of the kernel's 256-position blocks and its 8-row score
-    groups, scattered slots, a strided query (as Q sits in the fused QKV output), and this
-    step's K/V written to the pool before it is read."""
+    """Contexts on both sides of the kernel's 256-position blocks, its 8-row score groups and
+    its 512-position pieces (700 and 1,100 are cut in two and three, joined after), scattered
+    slots, a strided query (as Q sits in the fused QKV output), and this step's K/V written
+    to the pool before it is read."""
     generator = torch.Generator().manual_seed(2)
-    heads, kv_heads, slots = 6, 2, 2048
+    heads, kv_heads, slots = 6, 2, 4096
     pool = torch.randn(slots, 2, kv_heads, head_dim, generator=generator)
-    lens = [1, 7, 8, 9, 255, 256, 257, 700]
-    table = torch.zeros(len(lens) + 2, 800, dtype=torch.int32)
+    lens = [1, 7, 8, 9, 255, 256, 257, 700, 1100]
+    table = torch.zeros(len(lens) + 2, 1200, dtype=torch.int32)
     order = torch.randperm(slots, generator=generator).to(torch.int32)
-    rows = [3, 0, 9, 1, 5, 2, 8, 4]
+    rows = [3, 0, 9, 1, 5, 2, 8, 4, 10]
     first = 0
     for row, length in zip(rows, lens):
         table[row, :length] = order[first : first + length]
@@ -100,7 +101,7 @@ def test_decode_attention_of_a_request_does_not_depend_on_its_batch() -> None:
     generator = torch.Generator().manual_seed(3)
     heads, kv_heads, head_dim = 9, 3, 64
     pool = torch.randn(4096, 2, kv_heads, head_dim, generator=generator)
-    lens = [300, 40, 1, 129]
+    lens = [300, 40, 1, 1000]  # the last in two pieces
     table = torch.arange(4 * 1024, dtype=torch.int32).view(4, 1024)
     q = torch.randn(4, heads, head_dim, generator=generator)
     scale, unused = head_dim**-0.5, torch.zeros(0, dtype=torch.long)

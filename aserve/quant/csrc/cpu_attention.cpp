@@ -4,7 +4,8 @@
 // SDPA took ~60 us a layer for one 128-token context of the embedded model on a 2-core box,
 // most of it set-up around a few microseconds of arithmetic, plus a dense copy of every
 // context kept beside the pool for it. Here one unit of work is a request's KV head with its
-// group of query heads, over blocks of 256 positions with a running softmax:
+// group of query heads over a piece of the context (up to 512 positions; longer contexts
+// are cut into equal pieces, joined after), in blocks of 256 positions with a running softmax:
 //   s[t] = scale * dot(q, k[t])     (8 lanes of products, then a fixed tree across them)
 //   m = max(m, max of the block's s);  rescale the running sum l and output by e^(m_old - m)
 //   l += sum of e^(s[t] - m);  out += sum over t in order of e^(s[t] - m) * v[t]
@@ -178,13 +179,13 @@ constexpr int64_t kBlock = 256;  // context positions whose K and V stay in cach
 // pool's layer `kv` ([slots, 2, kv_heads, head_dim]), block by block with a running softmax
 // (each head's max, sum and weighted values rescaled when its max rises), so that a block's
 // K and V come from memory once for the group.
+// Leaves each head's weighted values unnormalised in `out`, its running max in `top` and its
+// sum of weights in `total`.
 void attend(const float* q, const float* kv, const int32_t* slots, int64_t length,
             int64_t kv_head, int64_t kv_heads, int64_t group, int64_t head_dim, float scale,
-            float* out, std::vector<float>& scratch) {
-  scratch.resize(group * (kBlock + 2));
+            float* out, float* top, float* total, std::vector<float>& scratch) {
+  scratch.resize(group * kBlock);
   float* scores = scratch.data();
-  float* top = scores + group * kBlock;
-  float* total = top + group;
   const int64_t stride = 2 * kv_heads * head_dim;
   const float* keys = kv + kv_head * head_dim;
   const float* values = keys + kv_heads * head_dim;
@@ -209,9 +210,16 @@ void attend(const float* q, const float* kv, const int32_t* slots, int64_t lengt
       add_weighted_rows(s, values, block, rows, stride, head_dim, o);
     }
   }
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] /= total[g];
 }
+
+// A context is cut into pieces of at most this many positions, of equal length, each its
+// own unit of work, so that one long request keeps every core busy; where the cuts fall
+// depends on the context's length alone.
+constexpr int64_t kPiece = 512;
+
+struct Piece {
+  int64_t request, first, length;
+};
 
 // q: [batch, heads, head_dim]. `new_kv` [batch, 2, kv_heads, head_dim] (this step's K/V, if
 // given) is first written to the pool at `out_slots`. Request i attends to the first
@@ -261,14 +269,49 @@ at::Tensor decode_attention(const at::Tensor& q, const std::optional<at::Tensor>
   const int32_t* slots = table.data_ptr<int32_t>();
   const int64_t group = heads / kv_heads, width = table.stride(0), q_stride = q.stride(0);
   const float softmax_scale = static_cast<float>(scale);
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  std::vector<Piece> pieces;
+  std::vector<int64_t> first_piece(batch + 1);
+  for (int64_t i = 0; i < batch; ++i) {
+    first_piece[i] = static_cast<int64_t>(pieces.size());
+    const int64_t count = (length[i] + kPiece - 1) / kPiece, each = (length[i] + count - 1) / count;
+    for (int64_t first = 0; first < length[i]; first += each)
+      pieces.push_back({i, first, std::min(each, length[i] - first)});
+  }
+  first_piece[batch] = static_cast<int64_t>(pieces.size());
+  // Per (piece, KV head): the group's unnormalised outputs, then their maxima and sums.
+  const int64_t part_size = group * (head_dim + 2);
+  std::vector<float> parts(pieces.size() * kv_heads * part_size);
+  at::parallel_for(0, static_cast<int64_t>(pieces.size()) * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
     for (int64_t unit = begin; unit < end; ++unit) {
+      const Piece& piece = pieces[unit / kv_heads];
+      const int64_t kv_head = unit % kv_heads, head = kv_head * group;
+      float* part = parts.data() + unit * part_size;
+      float* top = part + group * head_dim;
+      attend(queries + piece.request * q_stride + head * head_dim, pool,
+             slots + row[piece.request] * width + piece.first, piece.length, kv_head, kv_heads,
+             group, head_dim, softmax_scale, part, top, top + group, scratch);
+    }
+  });
+  // Each head's pieces joined in order, each rescaled to the largest max.
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t i = unit / kv_heads, kv_head = unit % kv_heads;
-      const int64_t head = kv_head * group;
-      attend(queries + i * q_stride + head * head_dim, pool, slots + row[i] * width, length[i],
-             kv_head, kv_heads, group, head_dim, softmax_scale,
-             outputs + (i * heads + head) * head_dim, scratch);
+      for (int64_t g = 0; g < group; ++g) {
+        float* o = outputs + (i * heads + kv_head * group + g) * head_dim;
+        auto part_of = [&](int64_t p) { return parts.data() + (p * kv_heads + kv_head) * part_size; };
+        float top = -INFINITY, total = 0;
+        for (int64_t p = first_piece[i]; p < first_piece[i + 1]; ++p)
+          top = std::max(top, part_of(p)[group * head_dim + g]);
+        std::fill(o, o + head_dim, 0.0f);
+        for (int64_t p = first_piece[i]; p < first_piece[i + 1]; ++p) {
+          const float* part = part_of(p);
+          const float weight = std::exp(part[group * head_dim + g] - top);
+          total += weight * part[group * head_dim + group + g];
+          for (int64_t d = 0; d < head_dim; ++d) o[d] += weight * part[g * head_dim + d];
+        }
+        for (int64_t d = 0; d < head_dim; ++d) o[d] /= total;
+      }
     }
   });
   return out;
