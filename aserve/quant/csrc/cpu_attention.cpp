@@ -293,8 +293,9 @@ at::Tensor decode_attention(const at::Tensor& q, const std::optional<at::Tensor>
              group, head_dim, softmax_scale, part, top, top + group, scratch);
     }
   });
-  // Each head's pieces joined in order, each rescaled to the largest max.
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // Each head's pieces joined in order, each rescaled to the largest max (little work: on the
+  // calling thread up to 64 heads, without waking the others).
+  at::parallel_for(0, batch * kv_heads, 64, [&](int64_t begin, int64_t end) {
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t i = unit / kv_heads, kv_head = unit % kv_heads;
       for (int64_t g = 0; g < group; ++g) {
