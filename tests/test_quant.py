@@ -442,20 +442,16 @@ def test_products_are_the_same_bits_on_one_thread_and_two(qtype: QType) -> None:
 
 OTHER_BUILD_CHECK = """
 import sys
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QType
-from torch.utils import cpp_extension
 
 from aserve.quant import native
 from aserve.quant.gguf import decode
 
-flags = native.openmp_flags()
-cpp_extension.load(
-    name="aserve_cpu", sources=[str(s) for s in native.SOURCES], build_directory=sys.argv[1],
-    extra_cflags=["-O3", "-march=native", *sys.argv[2:], *flags], extra_ldflags=flags,
-    is_python_module=False,
-)
+native.load_kernels(Path(sys.argv[1]), [*sys.argv[2:], *native.openmp_flags()])
 # only now: these find the kernels loaded (as built above) instead of building their own
 from tests.test_cpu_ops import reference_attention
 from tests.test_quant import random_blocks
