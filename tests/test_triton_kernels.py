@@ -6,6 +6,8 @@ the GPU rounds."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -278,14 +280,15 @@ def test_triton_decode_kernels_equal_plain_attention(
     """The Triton decode attention (attention/triton_decode.py) against softmax attention
     written out in float32 over the K and V the pool reads back, for contexts of 1 token to
     more than a page, on pages in scattered order, over a 16-bit and an FP8 cache (scaled);
-    the split kernels with their merge, or (`kernel`) the whole-context one. tests/test_gpu.py
-    has more shapes on the GPU."""
+    the split kernels with their merge (over more splits than it reads at a time, run twice:
+    its tickets are back at 0 after each run), or (`kernel`) the whole-context one.
+    tests/test_gpu.py has more shapes on the GPU."""
     from aserve.attention import triton_decode
     from aserve.kvcache.pool import KVPool
 
     monkeypatch.setattr(triton_decode, "WHOLE_MIN_PROGRAMS", 1 if kernel == "whole" else 1 << 30)
     q_heads, kv_heads, head_dim = 8, 2, 64
-    lengths = [1, 7, 300, 64, 129]
+    lengths = [1, 7, 300, 64, 129, 1100]
     pages_per_row = [-(-n // page_size) for n in lengths]
     num_pages = sum(pages_per_row) + 3
     pool = KVPool(1, num_pages, page_size, kv_heads, head_dim, DTYPE, DEVICE, FP8 if fp8 else None)
@@ -322,8 +325,14 @@ def test_triton_decode_kernels_equal_plain_attention(
     )
     assert (wrapper.num_splits == 1) == (kernel == "whole")
     shape = (-1, page_size, kv_heads, head_dim)
-    out = wrapper.run(q, (pool.k[0].view(shape), pool.v[0].view(shape)), *pool.scale_pairs[0])
-    torch.testing.assert_close(out.float(), torch.stack(expected), atol=1e-2, rtol=1e-2)
+    for _ in range(2):
+        out = wrapper.run(q, (pool.k[0].view(shape), pool.v[0].view(shape)), *pool.scale_pairs[0])
+        torch.testing.assert_close(out.float(), torch.stack(expected), atol=1e-2, rtol=1e-2)
+        assert not wrapper.tickets.any()
+    if kernel == "split":  # the longest context's merge reads its splits in two goes
+        block = triton_decode.FP8_SPLIT_SETTINGS[-1][1] if fp8 else triton_decode.SPLIT_BLOCK_TOKENS
+        chunk = math.ceil(math.ceil(1100 / wrapper.num_splits) / block) * block
+        assert math.ceil(1100 / chunk) > triton_decode.MERGE_SPLITS.value
 
 
 def test_flashinfer_builds_the_decode_modules_its_batches_plan() -> None:

@@ -7,10 +7,11 @@ with KV heads varying fastest over the launch so neighbouring programs read neig
 heads of the same slots. Two regimes:
 
 - Small batches (1-2 requests): each pair's context is cut into a fixed number of splits,
-  enough programs to fill the GPU, and a second kernel merges the splits by their
-  log-sum-exp. At batch 1 FlashInfer's decode took 13 us a layer on the H200 for
-  Llama-3.1-8B's shape at a context of 1,000 (its tensor-core kernel and the merge of its
-  splits), where reading that layer's K and V takes about 1 us; these take 6.5 us.
+  enough programs to fill the GPU, and the last program of a pair to finish merges the
+  splits by their log-sum-exp (layers/tickets.py: no second kernel). At batch 1
+  FlashInfer's decode took 13 us a layer on the H200 for Llama-3.1-8B's shape at a context
+  of 1,000 (its tensor-core kernel and the merge of its splits), where reading that layer's
+  K and V takes about 1 us; these took 6.5 us with a merge kernel.
 - Large batches (at least `WHOLE_MIN_PROGRAMS` pairs): one program a pair walks the whole
   context and writes the output itself. Blocks of 128 tokens that lie in one page need one
   page-id lookup each, and two pipeline stages keep the loads streaming; on the H200 this
@@ -38,6 +39,7 @@ import triton
 import triton.language as tl
 
 from aserve.layers.pdl import pdl_options, wait_for_previous
+from aserve.layers.tickets import TICKET_SLOTS, last_of_splits, split_tickets
 
 SPLIT_MAX_BATCH = 2
 """Batches up to this size take the split kernels. bench/decode_kernels.py on the H200 (us a
@@ -144,10 +146,14 @@ def _attend_block(
         page = tl.load(request_pages + tokens // PAGE_SIZE)
         token_at = page.to(tl.int64) * page_stride + (tokens % PAGE_SIZE) * token_stride
     offsets = token_at[:, None] + head_at + dims[None, :]
+    # V is asked for with K, not after the scores: a split of one block then waits for
+    # memory once.
     if MASKED:
         keys = tl.load(k_cache + offsets, mask=token_ok[:, None], other=0.0)
+        values = tl.load(v_cache + offsets, mask=token_ok[:, None], other=0.0)
     else:
         keys = tl.load(k_cache + offsets)
+        values = tl.load(v_cache + offsets)
     scores = tl.dot(query, tl.trans(keys.to(query.dtype))) * scale
     if MASKED:
         scores = tl.where(token_ok[None, :], scores, float("-inf"))
@@ -155,10 +161,6 @@ def _attend_block(
     weights = tl.exp2(scores - new_best[:, None])
     rescale = tl.exp2(best - new_best)
     total = total * rescale + tl.sum(weights, axis=1)
-    if MASKED:
-        values = tl.load(v_cache + offsets, mask=token_ok[:, None], other=0.0)
-    else:
-        values = tl.load(v_cache + offsets)
     acc = acc * rescale[:, None] + tl.dot(weights.to(query.dtype), values.to(query.dtype))
     return new_best, total, acc
 
@@ -182,12 +184,14 @@ def _attend_kernel(
     out_stride,
     partial_out,
     partial_lse,
+    tickets,
     sm_scale,
     v_scale,
     num_splits,
     PAGE_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
+    MERGE_ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr,
     DIRECT: tl.constexpr,
@@ -204,99 +208,128 @@ def _attend_kernel(
     first_page = tl.load(indptr + request)
     pages = tl.load(indptr + request + 1) - first_page
     seq_len = (pages - 1) * PAGE_SIZE + tl.load(last_page_len + request)  # a decode row has >= 1
-    wait_for_previous(PDL)
     chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_T) * BLOCK_T  # blocks start aligned
     start = split * chunk
-    end = tl.minimum(start + chunk, seq_len)
+    # Splits past a short context have nothing to read: they end here, and the context's
+    # `used` splits are the ones that merge.
+    if start < seq_len:
+        wait_for_previous(PDL)
+        end = tl.minimum(start + chunk, seq_len)
+        rows = tl.arange(0, GROUP_PAD)
+        dims = tl.arange(0, HEAD_DIM)
+        heads = kv_head * GROUP + rows
+        row_ok = rows < GROUP
+        query_at = q + request * q_stride + heads[:, None] * HEAD_DIM + dims[None, :]
+        query = tl.load(query_at, mask=row_ok[:, None], other=0.0)
+        scale = sm_scale * 1.4426950408889634  # exp2 of scores in log2 units
+        # An FP8 cache is widened as it is read, to the queries' dtype or (F16) to float16,
+        # the queries then scaled first so that they cannot overflow it; its K scale is
+        # folded into `sm_scale`, its V scale multiplies the result.
+        if F16:
+            query = (query.to(tl.float32) * scale).to(tl.float16)
+            scale = 1.0
 
-    rows = tl.arange(0, GROUP_PAD)
-    dims = tl.arange(0, HEAD_DIM)
-    heads = kv_head * GROUP + rows
-    row_ok = rows < GROUP
-    query_at = q + request * q_stride + heads[:, None] * HEAD_DIM + dims[None, :]
-    query = tl.load(query_at, mask=row_ok[:, None], other=0.0)
-    scale = sm_scale * 1.4426950408889634  # exp2 of scores in log2 units
-    # An FP8 cache is widened as it is read, to the queries' dtype or (F16) to float16, the
-    # queries then scaled first so that they cannot overflow it; its K scale is folded into
-    # `sm_scale`, its V scale multiplies the result.
-    if F16:
-        query = (query.to(tl.float32) * scale).to(tl.float16)
-        scale = 1.0
+        best = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        total = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        pages_of_request = page_ids + first_page
+        head_at = kv_head * head_stride
+        if UNMASKED_BLOCKS:
+            # Whole blocks without masks, then the last, partial block with them: over an
+            # FP8 cache at 256 requests the masks cost 17% (bench/decode_kernels.py: 153.4
+            # -> 127.7 us a layer). Not for the splits' few blocks (2-5% slower at 1-32
+            # requests) nor the bf16 kernel (4% slower at 128-256 requests, 17% at 48).
+            full_end = start + (end - start) // BLOCK_T * BLOCK_T
+            for block in range(start, full_end, BLOCK_T):
+                best, total, acc = _attend_block(
+                    query, best, total, acc, scale, block, end, k_cache, v_cache,
+                    pages_of_request, page_stride, token_stride, head_at, PAGE_SIZE, HEAD_DIM,
+                    BLOCK_T, False,
+                )  # fmt: skip
+            if full_end < end:
+                best, total, acc = _attend_block(
+                    query, best, total, acc, scale, full_end, end, k_cache, v_cache,
+                    pages_of_request, page_stride, token_stride, head_at, PAGE_SIZE, HEAD_DIM,
+                    BLOCK_T, True,
+                )  # fmt: skip
+        else:
+            for block in range(start, end, BLOCK_T):
+                best, total, acc = _attend_block(
+                    query, best, total, acc, scale, block, end, k_cache, v_cache,
+                    pages_of_request, page_stride, token_stride, head_at, PAGE_SIZE, HEAD_DIM,
+                    BLOCK_T, True,
+                )  # fmt: skip
 
-    best = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    total = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    pages_of_request = page_ids + first_page
-    head_at = kv_head * head_stride
-    if UNMASKED_BLOCKS:
-        # Whole blocks without masks, then the last, partial block with them: over an FP8
-        # cache at 256 requests the masks cost 17% (bench/decode_kernels.py: 153.4 -> 127.7
-        # us a layer). Not for the splits' few blocks (2-5% slower at 1-32 requests) nor the
-        # bf16 kernel (4% slower at 128-256 requests, 17% at 48).
-        full_end = start + tl.maximum(end - start, 0) // BLOCK_T * BLOCK_T
-        for block in range(start, full_end, BLOCK_T):
-            best, total, acc = _attend_block(
-                query, best, total, acc, scale, block, end, k_cache, v_cache, pages_of_request,
-                page_stride, token_stride, head_at, PAGE_SIZE, HEAD_DIM, BLOCK_T, False,
-            )  # fmt: skip
-        if full_end < end:
-            best, total, acc = _attend_block(
-                query, best, total, acc, scale, full_end, end, k_cache, v_cache,
-                pages_of_request, page_stride, token_stride, head_at, PAGE_SIZE, HEAD_DIM,
-                BLOCK_T, True,
-            )  # fmt: skip
-    else:
-        for block in range(start, end, BLOCK_T):
-            best, total, acc = _attend_block(
-                query, best, total, acc, scale, block, end, k_cache, v_cache, pages_of_request,
-                page_stride, token_stride, head_at, PAGE_SIZE, HEAD_DIM, BLOCK_T, True,
-            )  # fmt: skip
+        acc = acc * v_scale
+        if DIRECT:  # one split: the whole context, finished here
+            result = acc / total[:, None]
+            out_at = out + request * out_stride + heads[:, None] * HEAD_DIM + dims[None, :]
+            tl.store(out_at, result.to(out.dtype.element_ty), mask=row_ok[:, None])
+        else:
+            # A used split has at least one token: its sum of weights is not 0.
+            lse = best + tl.log2(total)
+            slot = (request * tl.num_programs(0) * GROUP + heads) * num_splits + split
+            part_at = partial_out + slot[:, None] * HEAD_DIM + dims[None, :]
+            tl.store(part_at, acc / total[:, None], mask=row_ok[:, None])
+            tl.store(partial_lse + slot, lse, mask=row_ok)
+            pair = request * tl.num_programs(0) + kv_head
+            used = tl.cdiv(seq_len, chunk)
+            if last_of_splits(tickets, pair, used):
+                tl.store(tickets + pair, 0)
+                _merge_splits(
+                    partial_out, partial_lse, out + request * out_stride, pair * GROUP,
+                    kv_head * GROUP, num_splits, used, GROUP, MERGE_ROWS, HEAD_DIM,
+                )  # fmt: skip
 
-    acc = acc * v_scale
-    if DIRECT:  # one split: the whole context, finished here
-        result = acc / total[:, None]
-        out_at = out + request * out_stride + heads[:, None] * HEAD_DIM + dims[None, :]
-        tl.store(out_at, result.to(out.dtype.element_ty), mask=row_ok[:, None])
-    else:
-        empty = total == 0.0
-        result = acc / tl.where(empty, 1.0, total)[:, None]
-        lse = tl.where(empty, float("-inf"), best + tl.log2(tl.where(empty, 1.0, total)))
-        slot = (request * tl.num_programs(0) * GROUP + heads) * num_splits + split
-        tl.store(
-            partial_out + slot[:, None] * HEAD_DIM + dims[None, :], result, mask=row_ok[:, None]
-        )
-        tl.store(partial_lse + slot, lse, mask=row_ok)
+
+MERGE_SPLITS = tl.constexpr(16)
+"""Splits the merging program reads at a time."""
 
 
 @triton.jit
-def _merge_kernel(
+def _merge_splits(
     partial_out,
     partial_lse,
-    out,
-    out_stride,
+    out_row,
+    first_row,
+    first_head,
     num_splits,
-    MAX_SPLITS: tl.constexpr,
+    used,
+    GROUP: tl.constexpr,
+    ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    EARLY: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    wait_for_previous(PDL, EARLY)
-    request, head = tl.program_id(0), tl.program_id(1)
-    row = request * tl.num_programs(1) + head
-    splits = tl.arange(0, MAX_SPLITS)
-    split_ok = splits < num_splits
-    lse = tl.load(partial_lse + row * num_splits + splits, mask=split_ok, other=float("-inf"))
-    best = tl.max(lse, axis=0)
-    weights = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - best))
+    """A KV head's query heads merged over their `used` splits by log-sum-exp, in split order
+    whichever program runs it, `MERGE_SPLITS` at a time under a running maximum; the parts are
+    read from L2 (`.cg`: other SMs wrote them)."""
+    rows = tl.arange(0, ROWS)
+    row_ok = rows < GROUP
     dims = tl.arange(0, HEAD_DIM)
-    parts = tl.load(
-        partial_out + (row * num_splits + splits[:, None]) * HEAD_DIM + dims[None, :],
-        mask=split_ok[:, None],
-        other=0.0,
-    )
-    total = tl.sum(weights, axis=0)
-    merged = tl.sum(parts * weights[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(out + request * out_stride + head * HEAD_DIM + dims, merged.to(out.dtype.element_ty))
+    best = tl.full([ROWS], float("-inf"), tl.float32)
+    total = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    for first in range(0, used, MERGE_SPLITS):
+        splits = first + tl.arange(0, MERGE_SPLITS)
+        ok = row_ok[:, None] & (splits < used)[None, :]
+        slot = (first_row + rows)[:, None] * num_splits + splits[None, :]
+        lse = tl.load(partial_lse + slot, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        parts = tl.load(
+            partial_out + slot[:, :, None] * HEAD_DIM + dims[None, None, :],
+            mask=ok[:, :, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        # Padding rows (ROWS > GROUP) see only -inf and give NaN, never stored.
+        new_best = tl.maximum(best, tl.max(lse, axis=1))
+        weights = tl.exp2(lse - new_best[:, None])
+        rescale = tl.exp2(best - new_best)
+        total = total * rescale + tl.sum(weights, axis=1)
+        acc = acc * rescale[:, None] + tl.sum(parts * weights[:, :, None], axis=1)
+        best = new_best
+    heads = first_head + rows
+    merged = acc / total[:, None]
+    out_at = out_row + heads[:, None] * HEAD_DIM + dims[None, :]
+    tl.store(out_at, merged.to(out_row.dtype.element_ty), mask=row_ok[:, None])
 
 
 class TritonDecodeWrapper:
@@ -320,6 +353,7 @@ class TritonDecodeWrapper:
             )
             self._view_meta(static_batch)
         self.partial: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.tickets = split_tickets(device)
 
     def _view_meta(self, batch: int) -> None:
         sizes = [batch + 1, batch, batch, len(self.meta) - 3 * batch - 1]
@@ -366,6 +400,7 @@ class TritonDecodeWrapper:
         self.num_splits = 1 if whole else min(64, max(1, math.ceil(programs / pairs)))
         if self.num_splits == 1:
             return
+        assert pairs <= TICKET_SLOTS, f"{pairs} (request, KV head) pairs to merge"
         shape = (batch * num_qo_heads * self.num_splits,)
         if self.partial is None or self.partial[1].shape != shape:
             self.partial = (
@@ -414,12 +449,14 @@ class TritonDecodeWrapper:
             out.stride(0),
             partial_out,
             partial_lse,
+            self.tickets,
             head_dim**-0.5 * k_scale,
             v_scale,
             self.num_splits,
             PAGE_SIZE=self.page_size,
             GROUP=self.group,
             GROUP_PAD=max(16, triton.next_power_of_2(self.group)),
+            MERGE_ROWS=triton.next_power_of_2(self.group),
             HEAD_DIM=head_dim,
             BLOCK_T=block_tokens,
             DIRECT=direct,
@@ -428,19 +465,5 @@ class TritonDecodeWrapper:
             num_warps=warps,
             num_stages=stages,
             **pdl_options(q.device, batch),
-        )
-        if direct:
-            return out
-        _merge_kernel[(batch, heads)](
-            partial_out,
-            partial_lse,
-            out,
-            out.stride(0),
-            self.num_splits,
-            MAX_SPLITS=triton.next_power_of_2(self.num_splits),
-            HEAD_DIM=head_dim,
-            EARLY=batch == 1,  # (layers/pdl.py)
-            num_warps=4,
-            **pdl_options(out.device, batch),
         )
         return out

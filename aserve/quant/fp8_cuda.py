@@ -13,6 +13,7 @@ import triton.language as tl
 
 from aserve.layers.cuda_ops import row_warps, silu_mul
 from aserve.layers.pdl import launch_next, pdl_options, wait_for_previous, wait_only
+from aserve.layers.tickets import last_of_splits, split_tickets
 from aserve.quant.fp8 import Fp8Activations
 
 FP8_MAX = tl.constexpr(448.0)
@@ -226,8 +227,12 @@ def _few_rows_kernel(
     ("swap AB": its outputs fill the tensor cores' 64-row side, the few rows the narrow one).
     Each `BLOCK_K` columns of the activations are quantized with their own scale (the block's
     largest magnitude to 448) as they are read, so no kernel runs before this one. Split
-    over K, the last program of a tile adds up the splits' partial sums
-    (`_last_of_splits`)."""
+    over K, the last program of a tile adds up the splits' partial sums (layers/tickets.py):
+    at 2-16 rows the 8B shape's o and down projections (bf16 inputs; qkv takes FP8 ones from
+    the norm, unsplit) split K in 4, two kernels a layer fewer than with a sum kernel. On the
+    H200, 8 requests of the 8B shape (FP8 weights and cache, 1,000-token prompts, 512 new
+    tokens each) ran at 2,189 tok/s against 2,132-2,144 with the sum kernel; 32 requests (the
+    down projection split in 4) and the offline workload did not move (bench/NOTES.md)."""
     wait_for_previous(PDL)
     outputs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     tokens = tl.arange(0, BLOCK_M)
@@ -253,7 +258,7 @@ def _few_rows_kernel(
     if SPLIT > 1:
         at = tokens[None, :] * n + outputs[:, None]
         tl.store(partial + tl.program_id(1) * BLOCK_M * n + at, acc, mask=ok)
-        last = _last_of_splits(tickets, tl.program_id(0), SPLIT)
+        last = last_of_splits(tickets, tl.program_id(0), SPLIT)
         if last:
             acc = _sum_of_splits(partial + at, BLOCK_M * n, ok, tickets, tl.program_id(0), SPLIT)
     if last:
@@ -262,21 +267,6 @@ def _few_rows_kernel(
             y += tl.load(bias + outputs, mask=outputs < n, other=0.0).to(tl.float32)[:, None]
         dest = out + tokens[None, :] * out_stride + outputs[:, None]
         tl.store(dest, y.to(out.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _last_of_splits(tickets, tile, SPLIT: tl.constexpr):
-    """Called by each of a tile's `SPLIT` programs once its partial sums are stored: whether
-    this program is the last of them to get here, which then adds them all up (and sets the
-    tile's ticket back to 0 for the next launch). A split product so needs no second kernel
-    to add its splits up: at 2-16 rows the 8B shape's o and down projections (`few_rows`,
-    bf16 inputs; qkv takes FP8 ones from the norm, unsplit) split K in 4, two kernels a layer
-    fewer. On the H200, 8 requests of the 8B shape (FP8 weights
-    and cache, 1,000-token prompts, 512 new tokens each) ran at 2,189 tok/s against 2,132-
-    2,144 with the sum kernel; 32 requests (the down projection split in 4) and the offline
-    workload did not move (bench/NOTES.md)."""
-    tl.debug_barrier()  # every thread's partial sums stored before the ticket is taken
-    return tl.atomic_add(tickets + tile, 1, sem="acq_rel") == SPLIT - 1
 
 
 @triton.jit
@@ -289,22 +279,6 @@ def _sum_of_splits(at, split_stride, ok, tickets, tile, SPLIT: tl.constexpr):
     for split in tl.static_range(1, SPLIT):
         total += tl.load(at + split * split_stride, mask=ok, other=0.0, cache_modifier=".cg")
     return total
-
-
-TICKET_SLOTS = 1 << 16
-_tickets: dict[torch.device, torch.Tensor] = {}
-
-
-def split_tickets(device: torch.device, tiles: int = 0) -> torch.Tensor:
-    """The device's tickets of split products (`_last_of_splits`), one int32 per output
-    tile, zero between launches. Made once per device where FP8 weights are loaded, so that
-    no CUDA graph capture allocates them."""
-    assert tiles <= TICKET_SLOTS, f"a split product of {tiles} tiles"
-    if device.type == "cuda" and device.index is None:  # "cuda" and a tensor's "cuda:0" alike
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device not in _tickets:
-        _tickets[device] = torch.zeros(TICKET_SLOTS, dtype=torch.int32, device=device)
-    return _tickets[device]
 
 
 def few_rows(
@@ -390,7 +364,7 @@ def _token_scaled_kernel(
     tokens by `BLOCK_N` outputs, scaled once at the end (the product is exact in FP8 blocks,
     so there is no per-block rescaling as in `_few_rows_kernel`). With `SWAP` the weight tile
     is the first operand, so that a few tokens take the tensor cores' narrow side. Split over
-    K, the last program of a tile adds up the splits' partial sums (`_last_of_splits`). With
+    K, the last program of a tile adds up the splits' partial sums (layers/tickets.py). With
     `SILU` the weight is a fused gate|up one (gate rows, then as many up rows): a program
     takes gate row i and up row i in turn and writes SiLU(gate) * up, `[m, n / 2]`, and the
     next kernel (the down projection) may launch only once each program has stored its
@@ -435,7 +409,7 @@ def _token_scaled_kernel(
         at = tokens[:, None] * n + outputs[None, :]
         tl.store(partial + tl.program_id(2) * m * n + at, acc, mask=ok)
         tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-        last = _last_of_splits(tickets, tile, SPLIT)
+        last = last_of_splits(tickets, tile, SPLIT)
         if last:
             acc = _sum_of_splits(partial + at, m * n, ok, tickets, tile, SPLIT)
     if last:
