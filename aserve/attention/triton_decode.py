@@ -56,10 +56,13 @@ pairs) it was faster in 52 of 56 cases and at most 4% slower (64 and 128 request
 2,000 tokens); at 24-32 requests it lost 3-15% in 7 of 16 cases, so those stay with
 FlashInfer."""
 
-SPLIT_BLOCK_TOKENS = 32
+SPLIT_BLOCK_TOKENS = 64
 PROGRAMS = 264
 """Programs a batch's splits aim at: the H100/H200's 132 SMs twice. Blocks of 16 to 64
-tokens and 132 to 528 programs all gave the 8B single-stream step 4.33-4.36 ms."""
+tokens and 132 to 528 programs all gave the 8B single-stream step 4.33-4.36 ms with a merge
+kernel after the splits. Merged by their last program, splits of 32 tokens made 32 parts to
+read at a context of 1,000 (two goes of `MERGE_SPLITS`): 5.8 -> 7.3 us a layer at batch 1
+(bench/decode_kernels.py, H200); 64 tokens make 16."""
 
 WHOLE_BLOCK_TOKENS = 128
 WHOLE_STAGES = 2
