@@ -170,7 +170,8 @@ def test_few_rows_kernel_equals_its_float64_model(n: int, k: int, rows: int, spl
     and Hopper's FP8 tensor cores add up their products in less than float32), whole or
     split over K, with a bias, for sizes its blocks divide and sizes they do not; and within
     5% of the unrounded product (the rounding alone is up to 3.5% of it on these rows)."""
-    from aserve.quant.fp8_cuda import few_rows, split_tickets
+    from aserve.layers.tickets import split_tickets
+    from aserve.quant.fp8_cuda import few_rows
 
     generator = torch.Generator().manual_seed(0)
     weight = quantize_rows(torch.randn(n, k, generator=generator) * 0.03)

@@ -204,6 +204,7 @@ class Fp8Weight:
         self._choose: Callable[[int, int, int], tuple | None] | None = None
         if device.type == "cuda":
             from aserve.layers.gemv import fp8_silu_gemv, gemv
+            from aserve.layers.tickets import split_tickets
             from aserve.quant import fp8_cuda
 
             self._quantize_tokens = fp8_cuda.quantize_tokens
@@ -211,7 +212,7 @@ class Fp8Weight:
             self._silu_one_row = fp8_silu_gemv
             self._few_rows = fp8_cuda.few_rows
             self._token_scaled = fp8_cuda.token_scaled
-            fp8_cuda.split_tickets(device)  # now, not inside a CUDA graph's capture
+            split_tickets(device)  # now, not inside a CUDA graph's capture
             if self.aligned and self.shape[1] <= 16384:
                 self._silu_fp8 = fp8_cuda.silu_fp8
                 self._silu_fp8_min_rows = fp8_cuda.SILU_FP8_MIN_ROWS
