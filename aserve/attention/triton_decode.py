@@ -278,7 +278,6 @@ def _attend_kernel(
             pair = request * tl.num_programs(0) + kv_head
             used = tl.cdiv(seq_len, chunk)
             if last_of_splits(tickets, pair, used):
-                tl.store(tickets + pair, 0)
                 _merge_splits(
                     partial_out, partial_lse, out + request * out_stride, pair * GROUP,
                     kv_head * GROUP, num_splits, used, GROUP, MERGE_ROWS, HEAD_DIM,

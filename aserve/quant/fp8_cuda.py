@@ -260,7 +260,7 @@ def _few_rows_kernel(
         tl.store(partial + tl.program_id(1) * BLOCK_M * n + at, acc, mask=ok)
         last = last_of_splits(tickets, tl.program_id(0), SPLIT)
         if last:
-            acc = _sum_of_splits(partial + at, BLOCK_M * n, ok, tickets, tl.program_id(0), SPLIT)
+            acc = _sum_of_splits(partial + at, BLOCK_M * n, ok, SPLIT)
     if last:
         y = acc * tl.load(weight_scales + outputs, mask=outputs < n, other=0.0)[:, None]
         if HAS_BIAS:
@@ -270,11 +270,10 @@ def _few_rows_kernel(
 
 
 @triton.jit
-def _sum_of_splits(at, split_stride, ok, tickets, tile, SPLIT: tl.constexpr):
+def _sum_of_splits(at, split_stride, ok, SPLIT: tl.constexpr):
     """The tile's partial sums at `at` (split s at `at + s * split_stride`) added in split
     order (the same sum whichever program is last), read from L2 (`.cg`: other SMs wrote
-    them); the tile's ticket is reset for the next launch."""
-    tl.store(tickets + tile, 0)
+    them)."""
     total = tl.load(at, mask=ok, other=0.0, cache_modifier=".cg")
     for split in tl.static_range(1, SPLIT):
         total += tl.load(at + split * split_stride, mask=ok, other=0.0, cache_modifier=".cg")
@@ -411,7 +410,7 @@ def _token_scaled_kernel(
         tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
         last = last_of_splits(tickets, tile, SPLIT)
         if last:
-            acc = _sum_of_splits(partial + at, m * n, ok, tickets, tile, SPLIT)
+            acc = _sum_of_splits(partial + at, m * n, ok, SPLIT)
     if last:
         y = acc * tl.load(x_scales + tokens, mask=token_ok, other=0.0)[:, None]
         y *= tl.load(weight_scales + outputs, mask=output_ok, other=0.0)[None, :]
