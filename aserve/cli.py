@@ -184,8 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-cache-dtype",
         default="auto",
         choices=KV_CACHE_DTYPES,
-        help="auto: the KV cache in --dtype; fp8_e4m3 (or fp8): in FP8, half the bytes a "
-        "token, with the checkpoint's KV scales if it has them (compute capability 8.9+)",
+        help="auto: the KV cache in --dtype (quantized models on CPU: float16, as llama.cpp); "
+        "fp8_e4m3 (or fp8): in FP8, half the bytes a token, with the checkpoint's KV scales "
+        "if it has them (compute capability 8.9+); float16 / float32: a float32 model's cache "
+        "on CPU in half the bytes, or in full",
     )
 
     server = p.add_argument_group("server")

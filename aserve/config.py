@@ -29,7 +29,9 @@ MOE_BACKENDS = ("auto", "torch", "fused")
 # int8 / int4: quantize a float checkpoint's linear layers at load.
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
 # fp8: what vLLM and SGLang also accept for fp8_e4m3 (their FP8 cache on NVIDIA GPUs).
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8")
+# float16 / float32: a float32 model's cache on CPU in half the bytes, as llama.cpp keeps it
+# (what auto picks for quantized models there), or in full.
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8", "float16", "float32")
 REASONING_PARSERS = ("qwen3", "qwen3-thinking", "deepseek-r1", "deepseek_r1", "qwq")
 """SGLang's and vLLM's names for parsers of `<think>` blocks (aserve/server/reasoning.py);
 all read the same tags."""

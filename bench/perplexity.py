@@ -2,13 +2,14 @@
 fixed passage of plain English under the embedded model, one line per setting.
 
     python bench/perplexity.py                       # bf16, FP8 weights, FP8 KV (FP8 GPU)
-    python bench/perplexity.py --settings float32    # what a CPU runs
+    python bench/perplexity.py --settings float32 float16-kv   # what a CPU runs
 
 The passage is scored through the server's own path (`SamplingParams.prompt_logprobs`: every
 token after the first, given the ones before it). The embedded model is a Q4_1 GGUF file;
 its weights are de-quantized once into a bf16 safetensors folder so that every setting
 starts from the same float weights: `bf16` runs them as they are, `fp8-weights` quantizes
-them at load (`--quantization fp8`), `fp8-kv` keeps them and stores the KV cache in FP8.
+them at load (`--quantization fp8`), `fp8-kv` keeps them and stores the KV cache in FP8;
+`float16-kv` runs them in float32 with the cache in float16 (`--kv-cache-dtype float16`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ PASSAGE = (
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "float32": {"dtype": "float32"},
+    "float16-kv": {"dtype": "float32", "kv_cache_dtype": "float16"},
     "bf16": {"dtype": "bfloat16"},
     "fp8-weights": {"dtype": "bfloat16", "quantization": "fp8"},
     "fp8-kv": {"dtype": "bfloat16", "kv_cache_dtype": "fp8_e4m3"},

@@ -171,3 +171,20 @@ def test_page_layout_from_the_host_mirror_matches_the_device_table() -> None:
     assert last.tolist() == [1, 1, 1]
     expected = [int(table.slots[r, p]) // 8 for r, n in zip(rows, lens) for p in range(0, n, 8)]
     assert pages.tolist() == expected == [5, 9, 4, 3, 7, 1, 6, 0]
+
+
+def test_float16_pool_rounds_to_nearest_and_takes_half_the_bytes() -> None:
+    """`--kv-cache-dtype float16` for a float32 model: stored as torch casts to float16,
+    read back widened (exactly), half of float32's bytes a token."""
+    from aserve.kvcache.pool import KVPool
+
+    pool = KVPool(2, 8, 4, 2, 16, torch.float32, torch.device("cpu"), torch.float16)
+    assert pool.quantized and not pool.scaled and pool.kv[0].dtype == torch.float16
+    kv = torch.randn(5, 2, 2, 16, generator=torch.Generator().manual_seed(0)) * 30
+    slots = torch.tensor([3, 9, 17, 22, 30])
+    pool.store(1, slots, kv)
+    back = pool.gather(1, slots)
+    assert back.dtype == torch.float32 and torch.equal(back, kv.half().float())
+    assert torch.equal(pool.gather(0, slots), torch.zeros_like(kv)), "another layer untouched"
+    per_token = [KVPool.bytes_per_token(2, 2, 16, dt) for dt in (torch.float32, torch.float16)]
+    assert per_token == [512, 256]

@@ -82,7 +82,9 @@ def test_logprobs_from_logprob_start_len(server: ServerProcess) -> None:
     )["logprobs"]
     outputs = whole["output_token_logprobs"]
     assert [e[2] for e in outputs] == sampled["tokens"]
-    assert [e[0] for e in outputs] == pytest.approx(sampled["token_logprobs"], abs=1e-4)
+    # The second request prefills the prompt's last token again beside the cached rest: its
+    # K/V may differ in float32's last bit, which can round to the next float16 of the cache.
+    assert [e[0] for e in outputs] == pytest.approx(sampled["token_logprobs"], abs=2e-3)
     assert all(len(tops) == 2 for tops in whole["output_top_logprobs"])
     for start, count in ((-1, 1), (2, 3), (4, 1)):
         meta = generate(server, {**body, "logprob_start_len": start})["meta_info"]

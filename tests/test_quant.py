@@ -300,6 +300,57 @@ def test_embedded_model_decodes_alike_batched_alone_and_through_sdpa(
 
 
 @needs_kernels
+def test_float16_kv_cache_on_cpu(
+    make_llm: Callable[..., LLM],
+    smollm2_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A float16 KV cache, the default of quantized models on CPU: the embedded Q4_1 model
+    keeps K and V in half the bytes of `--kv-cache-dtype float32` (twice the tokens in the
+    same memory), its decode kernel reads them, batches still do not change a request's
+    tokens, and greedy tokens mostly follow the float32 cache's (where they part is
+    printed). A float model's staged decode path reads the same rounded values:
+    a radix hit then gives exactly what recomputing the prefix would."""
+    from tests.test_generation import TEXTS
+
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    half = make_llm(smollm2_dir, num_pages=2048)  # auto: float16 for quantized models on CPU
+    full = make_llm(smollm2_dir, kv_cache_dtype="float32", num_pages=2048)
+    engine = half.runtime.engine
+    assert engine.pool.kv[0].dtype == torch.float16 and engine.attn.native_decode
+    assert engine.kv_cache_bytes * 2 == full.runtime.engine.kv_cache_bytes
+    tokens = [o.token_ids for o in half.generate(TEXTS, greedy)]
+    alone = make_llm(smollm2_dir, kv_cache_dtype="float16", max_running_requests=1)
+    assert [o.token_ids for o in alone.generate(TEXTS, greedy)] == tokens
+    parted = first_differences(tokens, [o.token_ids for o in full.generate(TEXTS, greedy)], 24)
+    with capsys.disabled():
+        print(f"\nembedded Q4_1, float16 KV against float32 KV, first differing token: {parted}")
+    assert sum(p >= 12 for p in parted) >= 6, parted
+
+    folder = make_tiny_model("llama", tmp_path / "llama")
+    assert make_llm(folder, num_pages=64).runtime.engine.pool.kv[0].dtype == torch.float32
+    tiny = make_llm(folder, num_pages=512, kv_cache_dtype="float16")
+    assert not tiny.runtime.engine.attn.native_decode
+    ours = [o.token_ids for o in tiny.generate(TINY_PROMPTS, greedy)]
+    longer = [prompt + out[:6] for prompt, out in zip(TINY_PROMPTS, ours)]
+    again = [o.token_ids for o in tiny.generate(longer, greedy)]
+    fresh = make_llm(folder, num_pages=512, kv_cache_dtype="float16")
+    assert again == [o.token_ids for o in fresh.generate(longer, greedy)]
+
+
+def test_float_kv_cache_dtypes_refused_for_16_bit_models(tmp_path: Path) -> None:
+    folder = make_tiny_model("llama", tmp_path / "llama")
+    for kv_dtype in ("float16", "float32"):
+        assert_refused_in_one_line(
+            folder,
+            ["--device", "cpu", "--dtype", "bfloat16", "--kv-cache-dtype", kv_dtype],
+            f"--kv-cache-dtype {kv_dtype} is for a float32 model's cache on CPU",
+            tmp_path / "cache",
+        )
+
+
+@needs_kernels
 def test_embedded_model_quantized_against_its_float32_path(
     make_llm: Callable[..., LLM], smollm2_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

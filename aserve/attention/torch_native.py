@@ -122,7 +122,12 @@ class TorchNativeBackend:
         self.num_heads = num_heads
         self.head_dim = head_dim
         on_cpu = pool.kv[0].device.type == "cpu"
-        self.native_decode = native_decode and on_cpu and pool.storage_dtype == torch.float32
+        self.native_decode = (
+            native_decode
+            and on_cpu
+            and pool.dtype == torch.float32
+            and pool.storage_dtype in (torch.float32, torch.float16)
+        )
         self.use_stage = on_cpu and not self.native_decode
         self._stage: _DecodeStage | None = None
 

@@ -132,8 +132,19 @@ class Engine:
                 "quantized weights run on CPU and CUDA: pass --quantization none to run "
                 f"the model in --dtype on {self.device.type}"
             )
-        self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.dtype)
-        if self.kv_dtype != self.dtype:
+        self.kv_dtype = kv_storage_dtype(
+            config.kv_cache_dtype,
+            self.dtype,
+            model_config.quantization is not None and self.device.type == "cpu",
+        )
+        if self.kv_dtype in (torch.float16, torch.float32) and self.kv_dtype != self.dtype:
+            if self.device.type != "cpu" or self.dtype != torch.float32:
+                raise ConfigError(
+                    f"--kv-cache-dtype {config.kv_cache_dtype} is for a float32 model's cache "
+                    f"on CPU; for a {str(self.dtype).removeprefix('torch.')} model on "
+                    f"{self.device.type} take auto or fp8_e4m3"
+                )
+        elif self.kv_dtype != self.dtype:
             require_fp8_gpu(self.device, f"--kv-cache-dtype {config.kv_cache_dtype}")
             if "fa" in config.attention_backend.split(","):
                 raise ConfigError(

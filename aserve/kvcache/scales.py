@@ -67,12 +67,12 @@ class KVScales:
     def apply(self, pool: KVPool) -> None:
         """Set the scales on an FP8 `pool` (before anything is stored); say what was done."""
         layers = len(pool.kv)
-        if not pool.quantized:
+        if not pool.scaled:
             if self.k or self.v:
                 logger.info(
                     "the checkpoint's FP8 KV-cache scales are unused: the cache is in %s "
                     "(--kv-cache-dtype fp8_e4m3 takes them)",
-                    str(pool.dtype).removeprefix("torch."),
+                    str(pool.storage_dtype).removeprefix("torch."),
                 )
             return
         for layer in range(layers):

@@ -4,16 +4,18 @@
 // SDPA took ~60 us a layer for one 128-token context of the embedded model on a 2-core box,
 // most of it set-up around a few microseconds of arithmetic, plus a dense copy of every
 // context kept beside the pool for it. Here one unit of work is a request's KV head with its
-// group of query heads over a piece of the context (up to 512 positions; longer contexts
+// group of query heads over a piece of the context (up to 128 positions; longer contexts
 // are cut into equal pieces, joined after), in blocks of 256 positions with a running softmax:
 //   s[t] = scale * dot(q, k[t])     (8 lanes of products, then a fixed tree across them)
 //   m = max(m, max of the block's s);  rescale the running sum l and output by e^(m_old - m)
 //   l += sum of e^(s[t] - m);  out += sum over t in order of e^(s[t] - m) * v[t]
 // and out / l at the end. The order of operations is fixed per request, so its output does
-// not depend on its batch.
+// not depend on its batch. The pool holds float32 or float16 (`--kv-cache-dtype float16`, half
+// the bytes to read and keep); float16 values widen exactly, so the arithmetic is the same.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -22,12 +24,22 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define ASERVE_AVX2 1
 #endif
 
 namespace {
+
+using c10::Half;
+
+#ifdef ASERVE_AVX2
+// Eight pool values as float32.
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const Half* x) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+}
+#endif
 
 #ifdef ASERVE_AVX2
 inline float sum_lanes(__m256 v) {
@@ -68,18 +80,19 @@ inline __m256 exp_nonpositive(__m256 x) {
 // time (n, the head size, a multiple of 8): each row's products gather in one register, and
 // the eight registers are summed across at once. A short last group repeats its first row,
 // so every score is added up the same way.
-void scores8(const float* q, const float* keys, const int32_t* slots, int64_t rows,
-             int64_t stride, int64_t n, float scale, float* scores) {
+template <typename T>
+void scores8(const float* q, const T* keys, const int32_t* slots, int64_t rows, int64_t stride,
+             int64_t n, float scale, float* scores) {
   const __m256 scaling = _mm256_set1_ps(scale);
   for (int64_t first = 0; first < rows; first += 8) {
-    const float* k[8];
+    const T* k[8];
     for (int j = 0; j < 8; ++j) k[j] = keys + slots[first + j < rows ? first + j : first] * stride;
     __m256 sums[8];
     for (int j = 0; j < 8; ++j) sums[j] = _mm256_setzero_ps();
     for (int64_t d = 0; d < n; d += 8) {
       const __m256 qd = _mm256_loadu_ps(q + d);
 #pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) sums[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k[j] + d), sums[j]);
+      for (int j = 0; j < 8; ++j) sums[j] = _mm256_fmadd_ps(qd, load8(k[j] + d), sums[j]);
     }
     const __m256 block = _mm256_mul_ps(scaling, sum_lanes_of_eight(sums));
     if (first + 8 <= rows) {
@@ -94,7 +107,8 @@ void scores8(const float* q, const float* keys, const int32_t* slots, int64_t ro
 
 // out += sum over the rows t of p[t] * v[t] (n a multiple of 8), 64 values of a row at a time
 // held in registers across the rows.
-void add_weighted_rows8(const float* p, const float* values, const int32_t* slots, int64_t rows,
+template <typename T>
+void add_weighted_rows8(const float* p, const T* values, const int32_t* slots, int64_t rows,
                         int64_t stride, int64_t n, float* out) {
   for (int64_t first = 0; first < n; first += 64) {
     const int64_t chunks = std::min<int64_t>(8, (n - first) / 8);
@@ -103,10 +117,10 @@ void add_weighted_rows8(const float* p, const float* values, const int32_t* slot
       sums[j] = j < chunks ? _mm256_loadu_ps(out + first + 8 * j) : _mm256_setzero_ps();
     for (int64_t t = 0; t < rows; ++t) {
       const __m256 weight = _mm256_set1_ps(p[t]);
-      const float* v = values + slots[t] * stride + first;
+      const T* v = values + slots[t] * stride + first;
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j)
-        if (j < chunks) sums[j] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(v + 8 * j), sums[j]);
+        if (j < chunks) sums[j] = _mm256_fmadd_ps(weight, load8(v + 8 * j), sums[j]);
     }
     for (int j = 0; j < chunks; ++j) _mm256_storeu_ps(out + first + 8 * j, sums[j]);
   }
@@ -114,27 +128,29 @@ void add_weighted_rows8(const float* p, const float* values, const int32_t* slot
 #endif
 
 // Without AVX2 (or for a head size not a multiple of 8): the same steps one value at a time.
-void scores_of(const float* q, const float* keys, const int32_t* slots, int64_t rows,
-               int64_t stride, int64_t n, float scale, float* scores) {
+template <typename T>
+void scores_of(const float* q, const T* keys, const int32_t* slots, int64_t rows, int64_t stride,
+               int64_t n, float scale, float* scores) {
 #ifdef ASERVE_AVX2
   if (n % 8 == 0) return scores8(q, keys, slots, rows, stride, n, scale, scores);
 #endif
   for (int64_t t = 0; t < rows; ++t) {
-    const float* k = keys + slots[t] * stride;
+    const T* k = keys + slots[t] * stride;
     float sum = 0;
-    for (int64_t d = 0; d < n; ++d) sum += q[d] * k[d];
+    for (int64_t d = 0; d < n; ++d) sum += q[d] * static_cast<float>(k[d]);
     scores[t] = scale * sum;
   }
 }
 
-void add_weighted_rows(const float* p, const float* values, const int32_t* slots, int64_t rows,
+template <typename T>
+void add_weighted_rows(const float* p, const T* values, const int32_t* slots, int64_t rows,
                        int64_t stride, int64_t n, float* out) {
 #ifdef ASERVE_AVX2
   if (n % 8 == 0) return add_weighted_rows8(p, values, slots, rows, stride, n, out);
 #endif
   for (int64_t t = 0; t < rows; ++t) {
-    const float* v = values + slots[t] * stride;
-    for (int64_t d = 0; d < n; ++d) out[d] += p[t] * v[d];
+    const T* v = values + slots[t] * stride;
+    for (int64_t d = 0; d < n; ++d) out[d] += p[t] * static_cast<float>(v[d]);
   }
 }
 
@@ -181,14 +197,15 @@ constexpr int64_t kBlock = 256;  // context positions whose K and V stay in cach
 // K and V come from memory once for the group.
 // Leaves each head's weighted values unnormalised in `out`, its running max in `top` and its
 // sum of weights in `total`.
-void attend(const float* q, const float* kv, const int32_t* slots, int64_t length,
+template <typename T>
+void attend(const float* q, const T* kv, const int32_t* slots, int64_t length,
             int64_t kv_head, int64_t kv_heads, int64_t group, int64_t head_dim, float scale,
             float* out, float* top, float* total, std::vector<float>& scratch) {
   scratch.resize(group * kBlock);
   float* scores = scratch.data();
   const int64_t stride = 2 * kv_heads * head_dim;
-  const float* keys = kv + kv_head * head_dim;
-  const float* values = keys + kv_heads * head_dim;
+  const T* keys = kv + kv_head * head_dim;
+  const T* values = keys + kv_heads * head_dim;
   std::fill(top, top + group, -INFINITY);
   std::fill(total, total + group, 0.0f);
   std::fill(out, out + group * head_dim, 0.0f);
@@ -213,9 +230,10 @@ void attend(const float* q, const float* kv, const int32_t* slots, int64_t lengt
 }
 
 // A context is cut into pieces of at most this many positions, of equal length, each its
-// own unit of work, so that one long request keeps every core busy; where the cuts fall
-// depends on the context's length alone.
-constexpr int64_t kPiece = 512;
+// own unit of work, so that one long request keeps every core busy (with 512, a context of
+// 160 over three KV heads made three units for two cores); where the cuts fall depends on
+// the context's length alone.
+constexpr int64_t kPiece = 128;
 
 struct Piece {
   int64_t request, first, length;
@@ -230,8 +248,10 @@ at::Tensor decode_attention(const at::Tensor& q, const std::optional<at::Tensor>
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 &&
                   q.stride(1) == q.size(2),
               "q: float32 [batch, heads, head_dim], each request's heads contiguous");
-  TORCH_CHECK(kv.dim() == 4 && kv.size(1) == 2 && kv.scalar_type() == at::kFloat && kv.is_contiguous(),
-              "kv: the pool's contiguous float32 layer [slots, 2, kv_heads, head_dim]");
+  const bool half = kv.scalar_type() == at::kHalf;
+  TORCH_CHECK(kv.dim() == 4 && kv.size(1) == 2 && (half || kv.scalar_type() == at::kFloat) &&
+                  kv.is_contiguous(),
+              "kv: the pool's contiguous float32 or float16 layer [slots, 2, kv_heads, head_dim]");
   TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kInt && table.stride(1) == 1,
               "table: int32 page table with contiguous rows");
   TORCH_CHECK(rows.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
@@ -242,7 +262,6 @@ at::Tensor decode_attention(const at::Tensor& q, const std::optional<at::Tensor>
   const int64_t kv_heads = kv.size(2), slot_size = 2 * kv_heads * head_dim;
   TORCH_CHECK(kv.size(3) == head_dim && heads % kv_heads == 0, "q and kv heads do not match");
   TORCH_CHECK(rows.numel() == batch && seq_lens.numel() == batch, "one row and length a request");
-  float* pool = kv.data_ptr<float>();
   const int64_t* row = rows.data_ptr<int64_t>();
   const int64_t* length = seq_lens.data_ptr<int64_t>();
   for (int64_t i = 0; i < batch; ++i)
@@ -259,8 +278,13 @@ at::Tensor decode_attention(const at::Tensor& q, const std::optional<at::Tensor>
     const int64_t* slot = out_slots.data_ptr<int64_t>();
     for (int64_t i = 0; i < out_slots.numel(); ++i) {
       TORCH_CHECK(slot[i] >= 0 && slot[i] < kv.size(0), "a slot is outside the pool");
-      std::memcpy(pool + slot[i] * slot_size, source + i * new_kv->stride(0),
-                  slot_size * sizeof(float));
+      const float* token = source + i * new_kv->stride(0);
+      if (half) {  // rounded to nearest as torch's cast is, so both paths store the same bits
+        Half* to = static_cast<Half*>(kv.data_ptr()) + slot[i] * slot_size;
+        for (int64_t j = 0; j < slot_size; ++j) to[j] = Half(token[j]);
+      } else {
+        std::memcpy(kv.data_ptr<float>() + slot[i] * slot_size, token, slot_size * sizeof(float));
+      }
     }
   }
   at::Tensor out = at::empty({batch, heads, head_dim}, q.options());
@@ -288,9 +312,15 @@ at::Tensor decode_attention(const at::Tensor& q, const std::optional<at::Tensor>
       const int64_t kv_head = unit % kv_heads, head = kv_head * group;
       float* part = parts.data() + unit * part_size;
       float* top = part + group * head_dim;
-      attend(queries + piece.request * q_stride + head * head_dim, pool,
-             slots + row[piece.request] * width + piece.first, piece.length, kv_head, kv_heads,
-             group, head_dim, softmax_scale, part, top, top + group, scratch);
+      const float* query = queries + piece.request * q_stride + head * head_dim;
+      const int32_t* context = slots + row[piece.request] * width + piece.first;
+      if (half) {
+        attend(query, static_cast<const Half*>(kv.data_ptr()), context, piece.length, kv_head,
+               kv_heads, group, head_dim, softmax_scale, part, top, top + group, scratch);
+      } else {
+        attend(query, kv.data_ptr<float>(), context, piece.length, kv_head, kv_heads, group,
+               head_dim, softmax_scale, part, top, top + group, scratch);
+      }
     }
   });
   // Each head's pieces joined in order, each rescaled to the largest max (little work: on the
