@@ -98,6 +98,7 @@ def test_chat_refusals_name_the_field(
         (openai.parse_completion, {"prompt": [1, 2.0]}, "prompt", "'prompt' must be"),
         (openai.parse_completion, {"prompt": ["a", 1]}, "prompt", "'prompt' must be"),
         (openai.parse_completion, {"prompt": "x", "logprobs": 21}, "logprobs", "20"),
+        (openai.parse_completion, {"prompt": "x", "suffix": "y"}, "suffix", "fill-in-the-middle"),
         (openai.parse_generate, {}, None, "exactly one of 'text' and 'input_ids'"),
         (openai.parse_generate, {"text": "a", "input_ids": [1]}, None, "exactly one of"),
         (
@@ -244,3 +245,9 @@ def test_input_limits_follow_the_context() -> None:
     unknown = InputLimits.for_model(100, None)
     unknown.check_text(10**9, None, "prompt")
     assert unknown.max_body_bytes == 64 << 20
+
+
+def test_an_empty_suffix_is_no_suffix() -> None:
+    """Clients that always send `suffix` send it empty when there is nothing after the cursor."""
+    parsed = openai.parse_completion(b'{"prompt": "x", "suffix": ""}', {})
+    assert parsed.texts == ["x"]

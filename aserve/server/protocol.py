@@ -23,6 +23,7 @@ from pydantic import (
     Field,
     RootModel,
     Tag,
+    field_validator,
     model_validator,
 )
 
@@ -471,6 +472,25 @@ class CompletionRequest(GenerationFields):
     max_tokens: Annotated[int, Field(ge=0), INTEGRAL] | None = Field(
         None, description="0: nothing generated (with echo and logprobs: the prompt scored)"
     )
+    suffix: str | None = Field(
+        None,
+        description="refused unless empty: the model's own fill-in-the-middle tokens go "
+        "in the prompt",
+    )
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> str | None:
+        """Text after the insertion point (OpenAI's fill-in-the-middle) would need the
+        model's FIM tokens around the prompt; ignoring it, as unknown fields are, would give
+        an editor's completion request a wrong answer that looks right (vLLM refuses it
+        too)."""
+        if suffix:
+            raise ValueError(
+                "not supported: write the model's fill-in-the-middle tokens (for Qwen2.5-Coder "
+                "<|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>) into the prompt"
+            )
+        return suffix
 
 
 class GenerateSampling(SamplingFields):

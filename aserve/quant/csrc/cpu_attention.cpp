@@ -10,8 +10,9 @@
 //   m = max(m, max of the block's s);  rescale the running sum l and output by e^(m_old - m)
 //   l += sum of e^(s[t] - m);  out += sum over t in order of e^(s[t] - m) * v[t]
 // and out / l at the end. The order of operations is fixed per request, so its output does
-// not depend on its batch. The pool holds float32 or float16 (`--kv-cache-dtype float16`, half
-// the bytes to read and keep); float16 values widen exactly, so the arithmetic is the same.
+// not depend on its batch. The pool holds float16 (these models' default, as llama.cpp keeps
+// a GGUF model's cache: half the bytes to read and keep) or float32; float16 values widen
+// exactly, so the arithmetic is the same.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
