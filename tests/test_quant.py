@@ -345,7 +345,8 @@ def test_float_kv_cache_dtypes_refused_for_16_bit_models(tmp_path: Path) -> None
         assert_refused_in_one_line(
             folder,
             ["--device", "cpu", "--dtype", "bfloat16", "--kv-cache-dtype", kv_dtype],
-            f"--kv-cache-dtype {kv_dtype} is for a float32 model's cache on CPU",
+            f"--kv-cache-dtype {kv_dtype} is for a float32 model's cache on CPU; for a "
+            "bfloat16 model on cpu take auto",
             tmp_path / "cache",
         )
 

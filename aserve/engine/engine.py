@@ -139,10 +139,11 @@ class Engine:
         )
         if self.kv_dtype in (torch.float16, torch.float32) and self.kv_dtype != self.dtype:
             if self.device.type != "cpu" or self.dtype != torch.float32:
+                others = "auto" if self.device.type == "cpu" else "auto or fp8_e4m3"
                 raise ConfigError(
                     f"--kv-cache-dtype {config.kv_cache_dtype} is for a float32 model's cache "
                     f"on CPU; for a {str(self.dtype).removeprefix('torch.')} model on "
-                    f"{self.device.type} take auto or fp8_e4m3"
+                    f"{self.device.type} take {others}"
                 )
         elif self.kv_dtype != self.dtype:
             require_fp8_gpu(self.device, f"--kv-cache-dtype {config.kv_cache_dtype}")
