@@ -31,24 +31,49 @@ def test_norms_match_the_plain_formula() -> None:
     out, new_residual = fused.add_and_norm(x.contiguous(), residual.clone())
     torch.testing.assert_close(new_residual, expected_residual, **CLOSE)
     torch.testing.assert_close(out, expected_out, **CLOSE)
-    heads = torch.randn(5, 4 * 32, generator=generator)
-    small_plain, small_fused = RMSNorm(32, 1e-6), RMSNorm(32, 1e-6, CpuKernels())
-    expected = heads.clone()
-    small_plain.norm_heads(expected, 32)
-    small_fused.norm_heads(heads, 32)
-    torch.testing.assert_close(heads, expected, **CLOSE)
 
 
-def test_rope_matches_the_plain_formula() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3"])
+def test_norm_rope_store_matches_the_plain_steps(qk_norm: bool, dtype: torch.dtype) -> None:
+    """Q/K norm, RoPE and the KV write in one call against the layers' plain formulas: Q
+    rotated in place, K rotated and V as it is at each token's slot of the pool (rounded to
+    float16 as torch rounds, for such a pool), K in the QKV output and the other slots
+    untouched."""
     generator = torch.Generator().manual_seed(1)
-    plain = RotaryEmbedding(32, 128, 10000.0, None)
-    fused = RotaryEmbedding(32, 128, 10000.0, None, CpuKernels())
+    heads, kv_heads, head_dim = 4, 2, 32
+    rotary = RotaryEmbedding(head_dim, 128, 10000.0, None)
+    q_norm, k_norm = RMSNorm(head_dim, 1e-6), RMSNorm(head_dim, 1e-6)
+    q_norm.weight.data.copy_(torch.rand(head_dim, generator=generator) + 0.5)
+    k_norm.weight.data.copy_(torch.rand(head_dim, generator=generator) + 0.5)
     positions = torch.tensor([0, 5, 17, 127, 3])
-    qkv = torch.randn(5, (4 + 2 + 2) * 32, generator=generator)
+    wide = torch.randn(5, (heads + 2 * kv_heads) * head_dim + 8, generator=generator)
+    qkv = wide[:, : (heads + 2 * kv_heads) * head_dim]  # rows strided, as in the QKV output
+    q_size = heads * head_dim
     expected = qkv.clone()
-    plain(positions, expected[:, : 6 * 32], 4 * 32)
-    fused(positions, qkv[:, : 6 * 32], 4 * 32)
-    torch.testing.assert_close(qkv, expected, **CLOSE)
+    if qk_norm:
+        q_norm.norm_heads(expected[:, :q_size], head_dim)
+        k_norm.norm_heads(expected[:, q_size : q_size + kv_heads * head_dim], head_dim)
+    rotary(positions, expected[:, : q_size + kv_heads * head_dim], q_size)
+    kv_before = qkv[:, q_size:].clone()
+    cache = torch.zeros(64, 2, kv_heads, head_dim, dtype=dtype)
+    slots = torch.tensor([9, 3, 40, 63, 0])
+    q, kv = qkv.split([q_size, 2 * kv_heads * head_dim], -1)
+    CpuKernels().norm_rope_store(
+        q, kv, positions, rotary.cos_sin, q_norm.weight if qk_norm else None,
+        k_norm.weight if qk_norm else None, 1e-6, cache, slots, head_dim,
+    )  # fmt: skip
+    torch.testing.assert_close(q, expected[:, :q_size], **CLOSE)
+    assert torch.equal(qkv[:, q_size:], kv_before)
+    stored = expected[:, q_size:].view(5, 2, kv_heads, head_dim)
+    # K may differ from the plain steps' in float32's last bit, which can round to the next
+    # float16 (2^-11 relative)
+    near = CLOSE if dtype == torch.float32 else {"rtol": 2**-10, "atol": 1e-5}
+    torch.testing.assert_close(cache[slots].float(), stored.to(dtype).float(), **near)
+    assert torch.equal(cache[slots, 1], stored[:, 1].to(dtype))
+    others = torch.ones(64, dtype=torch.bool)
+    others[slots] = False
+    assert not cache[others].any()
 
 
 def reference_attention(

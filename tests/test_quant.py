@@ -413,15 +413,18 @@ def test_quantize_keeps_a_float_weight_within_its_step(bits: int, bound: float) 
 
 
 @needs_kernels
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize(
+    ("family", "method"), [("llama", "int8"), ("llama", "int4"), ("qwen3", "int8")]
+)
 def test_float_checkpoint_quantized_at_load(
-    tmp_path: Path, make_llm: Callable[..., LLM], method: str
+    tmp_path: Path, make_llm: Callable[..., LLM], family: str, method: str
 ) -> None:
     """`--quantization int8|int4` on a float checkpoint: the linear layers hold codes (about
     1 or 0.5 bytes a weight), greedy tokens mostly those of the float model (tiny random
     models are full of near-ties: int8 must agree on 5 of 6 first tokens, int4 on 3), and
-    dummy weights quantize too."""
-    folder = make_tiny_model("llama", tmp_path / "llama")
+    dummy weights quantize too. Qwen3's Q/K norms then run in the CPU kernels'
+    `norm_rope_store`, the float model's in PyTorch."""
+    folder = make_tiny_model(family, tmp_path / family)
     quantized = make_llm(folder, num_pages=256, quantization=method)
     reference = make_llm(folder, num_pages=256)
     assert quantized.runtime.model_config.quantization == method

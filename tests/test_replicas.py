@@ -186,6 +186,11 @@ class Fleet:
                 *(sys.executable, "-m", "aserve", "--dp", "2", "--model", str(model_dir)),
                 *("--port", str(self.port), "--api-key", KEY, "--num-pages", "8192"),
                 *("--served-model-name", MODEL),
+                # The replies are compared across batchings, which change a prompt's K/V in
+                # float32's last bits (a prefill step's rows past BLAS_ROWS go through BLAS):
+                # a float16 cache, the default, can round those to neighbouring values and
+                # part a near-tie (1 run in 3 did, at one of 64 replies).
+                *("--kv-cache-dtype", "float32"),
             ],
             stdout=self._log,
             stderr=subprocess.STDOUT,

@@ -1,7 +1,8 @@
-"""aserve's CPU kernels for a decoder's small steps (RMSNorm, the residual add, RoPE) behind
-the names of FlashInfer's functions, so that the layers call them as they call FlashInfer on
-CUDA (SiLU-and-mul stays ATen's, which was as fast). At batch 1 on the embedded 135M model
-the ATen ops these replace cost as much time as the quantized products. Used for quantized
+"""aserve's CPU kernels for a decoder's small steps (RMSNorm, the residual add; Q/K norm, RoPE
+and the KV write) behind the names of FlashInfer's functions (and of aserve's Triton kernel
+for the last), so that the layers call them as they call those on CUDA (SiLU-and-mul stays
+ATen's, which was as fast). At batch 1 on the embedded 135M model the ATen ops these replace
+cost as much time as the quantized products. Used for quantized
 models on CPU in float32; the float path keeps Hugging Face's op-for-op formulas (its tests
 compare bits).
 """
@@ -15,18 +16,15 @@ from aserve.quant.native import native_kernels
 
 
 class CpuKernels:
-    """The subset of FlashInfer's API that aserve's dense decoder calls."""
+    """The subset of FlashInfer's API that aserve's dense decoder calls, and
+    `norm_rope_store` (models/decoder.py takes it in place of the rope and per-head norm
+    calls)."""
 
     def rmsnorm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if x.dim() == 2 and out is None:
-            return torch.ops.aserve_cpu.rmsnorm(x, weight, eps)
-        # Qwen3's per-head Q/K norm on a strided view: the plain formula, written back.
-        normed = x * x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_() * weight
-        if out is None:
-            return normed
-        return out.copy_(normed)
+        assert x.dim() == 2 and out is None, "per-head norms run inside norm_rope_store"
+        return torch.ops.aserve_cpu.rmsnorm(x, weight, eps)
 
     def fused_add_rmsnorm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -39,17 +37,28 @@ class CpuKernels:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
 
-    def apply_rope_with_cos_sin_cache_inplace(
+    def norm_rope_store(
         self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
         positions: torch.Tensor,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        head_size: int,
-        cos_sin_cache: torch.Tensor,
-        is_neox: bool = True,
+        cos_sin: torch.Tensor,
+        q_weight: torch.Tensor | None,
+        k_weight: torch.Tensor | None,
+        eps: float,
+        cache: torch.Tensor,
+        slots: torch.Tensor,
+        head_dim: int,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> None:
-        assert is_neox, "aserve's models rotate the halves of each head (neox style)"
-        torch.ops.aserve_cpu.rope(positions, query, key, head_size, cos_sin_cache)
+        """layers/rope_store.py's `norm_rope_store` (the same arguments) in C++: Q/K norm,
+        RoPE and the KV write in one call, where the rope call, its slices and the pool's
+        write cost 7-15 us a layer of the embedded model's decode step. The CPU has no FP8
+        cache, so `kv_scales` are always 1."""
+        assert kv_scales == (1.0, 1.0), "an FP8 cache is for GPUs"
+        torch.ops.aserve_cpu.norm_rope_store(
+            q, kv, positions, cos_sin, q_weight, k_weight, eps, cache, slots, head_dim
+        )
 
 
 def cpu_kernels(device: torch.device, dtype: torch.dtype, quantized: bool) -> CpuKernels | None:

@@ -126,9 +126,12 @@ def use_fp8_activations(model: nn.Module) -> None:
 
 
 def _fused_norm_rope_store(ops: FusedOps | None, head_dim: int) -> Callable[..., None] | None:
-    """The one-kernel Q/K norm, RoPE and KV write (`layers/rope_store.py`) where the layers
-    use the Triton kernels of layers/cuda_ops.py (CUDA, half precision), else None."""
-    if ops is None or isinstance(ops, CpuKernels) or head_dim not in (64, 128, 256):
+    """The one-kernel Q/K norm, RoPE and KV write: `layers/rope_store.py` where the layers
+    use the Triton kernels of layers/cuda_ops.py (CUDA, half precision), its C++ twin where
+    they use the CPU kernels (quantized models on CPU), else None."""
+    if isinstance(ops, CpuKernels):
+        return ops.norm_rope_store
+    if ops is None or head_dim not in (64, 128, 256):
         return None
     from aserve.layers.rope_store import norm_rope_store
 

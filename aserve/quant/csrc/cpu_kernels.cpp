@@ -761,33 +761,96 @@ void fused_add_rmsnorm(at::Tensor x, at::Tensor residual, const at::Tensor& weig
   });
 }
 
-// Neox-style rotation of every head of Q and K in place; cos_sin[position] = (cos | sin).
-void rope(const at::Tensor& positions, at::Tensor query, at::Tensor key, int64_t head_size,
-          const at::Tensor& cos_sin) {
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), "positions: int64");
-  const Matrix q = rows_of(query), k = rows_of(key);
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  const float* table = cos_sin.data_ptr<float>();
-  const int64_t half = head_size / 2, width = cos_sin.size(1);
-  auto rotate = [&](const Matrix& m, int64_t t) {
-    const float* cos = table + pos[t] * width;
+// One layer's Q/K norm (Qwen3's, where weights are given), RoPE and KV write in one pass a
+// token, as layers/rope_store.py's kernel does on CUDA: Q normalised and rotated in place, K
+// normalised and rotated into the pool at the token's slot, V copied beside it (in float32,
+// or in float16 rounded to nearest as torch's cast rounds). K in the QKV output is left as it
+// was: attention reads the pool. Neox-style rotation, cos_sin[position] = (cos | sin).
+template <typename T>
+void norm_rope_store_as(const Matrix& q, const Matrix& kv, const int64_t* pos, const float* table,
+                        int64_t width, const float* q_weight, const float* k_weight, float eps,
+                        T* cache, const int64_t* slots, int64_t head_size) {
+  const int64_t half = head_size / 2, kv_heads = kv.cols / (2 * head_size);
+  auto norm_rotate = [&](const float* in, float* out, const float* weight, const float* cos) {
+    float inverse = 1.0f;
+    if (weight != nullptr) {
+      float squares = 0;
+      for (int64_t j = 0; j < head_size; ++j) squares += in[j] * in[j];
+      inverse = 1.0f / std::sqrt(squares / static_cast<float>(head_size) + eps);
+    }
     const float* sin = cos + half;
-    float* row = m.data + t * m.stride;
-    for (int64_t h = 0; h < m.cols; h += head_size) {
-      float* x = row + h;
-      for (int64_t j = 0; j < half; ++j) {
-        const float a = x[j], b = x[j + half];
-        x[j] = a * cos[j] - b * sin[j];
-        x[j + half] = b * cos[j] + a * sin[j];
+    for (int64_t j = 0; j < half; ++j) {
+      float a = in[j], b = in[j + half];
+      if (weight != nullptr) {
+        a = a * inverse * weight[j];
+        b = b * inverse * weight[j + half];
       }
+      out[j] = a * cos[j] - b * sin[j];
+      out[j + half] = b * cos[j] + a * sin[j];
     }
   };
   at::parallel_for(0, q.rows, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> rotated(head_size);
     for (int64_t t = begin; t < end; ++t) {
-      rotate(q, t);
-      rotate(k, t);
+      const float* cos = table + pos[t] * width;
+      float* q_row = q.data + t * q.stride;
+      for (int64_t h = 0; h < q.cols; h += head_size) norm_rotate(q_row + h, q_row + h, q_weight, cos);
+      const float* k_row = kv.data + t * kv.stride;
+      const float* v_row = k_row + kv_heads * head_size;
+      T* slot = cache + slots[t] * kv.cols;
+      for (int64_t h = 0; h < kv_heads * head_size; h += head_size) {
+        norm_rotate(k_row + h, rotated.data(), k_weight, cos);
+        for (int64_t j = 0; j < head_size; ++j) slot[h + j] = static_cast<T>(rotated[j]);
+      }
+      T* v_slot = slot + kv_heads * head_size;
+      for (int64_t j = 0; j < kv_heads * head_size; ++j) v_slot[j] = static_cast<T>(v_row[j]);
     }
   });
+}
+
+void norm_rope_store(at::Tensor query, const at::Tensor& kv, const at::Tensor& positions,
+                     const at::Tensor& cos_sin, const std::optional<at::Tensor>& q_weight,
+                     const std::optional<at::Tensor>& k_weight, double eps, at::Tensor cache,
+                     const at::Tensor& slots, int64_t head_size) {
+  const Matrix q = rows_of(query), k = rows_of(kv);
+  const int64_t tokens = q.rows;
+  TORCH_CHECK(k.rows == tokens && positions.numel() == tokens && slots.numel() == tokens,
+              "one position and slot a token");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
+                  slots.scalar_type() == at::kLong && slots.is_contiguous(),
+              "positions and slots: contiguous int64");
+  TORCH_CHECK(head_size % 2 == 0 && q.cols % head_size == 0 && k.cols % (2 * head_size) == 0,
+              "Q and KV rows are whole heads");
+  const bool half = cache.scalar_type() == at::kHalf;
+  TORCH_CHECK(cache.dim() == 4 && cache.size(1) == 2 && cache.size(3) == head_size &&
+                  2 * cache.size(2) * head_size == k.cols && cache.is_contiguous() &&
+                  (half || cache.scalar_type() == at::kFloat),
+              "cache: the pool's contiguous float32 or float16 layer [slots, 2, kv_heads, head_dim]");
+  TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous() &&
+                  cos_sin.dim() == 2 && cos_sin.size(1) == head_size,
+              "cos_sin: float32 [positions, head_dim]");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos_sin.size(0), "a position is past the rope table");
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < cache.size(0), "a slot is outside the pool");
+  }
+  auto norm_weight = [&](const std::optional<at::Tensor>& w) -> const float* {
+    if (!w.has_value()) return nullptr;
+    TORCH_CHECK(w->scalar_type() == at::kFloat && w->numel() == head_size && w->is_contiguous(),
+                "norm weights: float32 [head_dim]");
+    return w->data_ptr<float>();
+  };
+  const float* qw = norm_weight(q_weight);
+  const float* kw = norm_weight(k_weight);
+  const float* table = cos_sin.data_ptr<float>();
+  if (half) {
+    norm_rope_store_as(q, k, pos, table, cos_sin.size(1), qw, kw, static_cast<float>(eps),
+                       static_cast<c10::Half*>(cache.data_ptr()), slot, head_size);
+  } else {
+    norm_rope_store_as(q, k, pos, table, cos_sin.size(1), qw, kw, static_cast<float>(eps),
+                       cache.data_ptr<float>(), slot, head_size);
+  }
 }
 
 }  // namespace
@@ -800,8 +863,10 @@ TORCH_LIBRARY(aserve_cpu, m) {
   m.def("rmsnorm(Tensor x, Tensor weight, float eps) -> Tensor", rmsnorm);
   m.def("fused_add_rmsnorm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()",
         fused_add_rmsnorm);
-  m.def("rope(Tensor positions, Tensor(a!) query, Tensor(b!) key, int head_size, Tensor cos_sin) -> ()",
-        rope);
+  m.def(
+      "norm_rope_store(Tensor(a!) q, Tensor kv, Tensor positions, Tensor cos_sin, Tensor? q_weight, "
+      "Tensor? k_weight, float eps, Tensor(b!) cache, Tensor slots, int head_size) -> ()",
+      norm_rope_store);
   m.def(
       "rows(Tensor words, Tensor scales, Tensor offsets, int group, bool four_bit, Tensor? levels, "
       "Tensor ids) -> Tensor",
