@@ -1,6 +1,7 @@
 """Fused kernels for the layers' small steps: aserve's Triton ones (layers/cuda_ops.py) on
-CUDA in half precision, its CPU ones (layers/cpu_ops.py, the same function names) for
-quantized models on CPU.
+CUDA in half precision, its CPU ones (layers/cpu_ops.py, the same function names, except
+that RoPE comes with the Q/K norm and the K/V write in `norm_rope_store`, as the decoder
+takes the Triton kernel of that name on CUDA) for quantized models on CPU.
 
 The model is built with `ops` from `fused_ops(device, dtype, quantized)`: a `CudaKernels` or
 a `CpuKernels` where they apply, otherwise None, and the layers then use their plain PyTorch
