@@ -96,8 +96,8 @@ def reference_attention(
 def test_decode_attention_matches_float64_softmax(head_dim: int, dtype: torch.dtype) -> None:
     """Contexts on both sides of the kernel's 256-position blocks, its 8-row score groups and
     its 128-position pieces (255 to 1,100 are cut in two to nine, joined after), scattered
-    slots, a strided query (as Q sits in the fused QKV output), and this step's K/V written
-    to the pool before it is read: in a float16 pool rounded as torch rounds it."""
+    slots, a strided query (as Q sits in the fused QKV output), in a float32 and a float16
+    pool."""
     generator = torch.Generator().manual_seed(2)
     heads, kv_heads, slots = 6, 2, 4096
     pool = torch.randn(slots, 2, kv_heads, head_dim, generator=generator).to(dtype)
@@ -111,12 +111,9 @@ def test_decode_attention_matches_float64_softmax(head_dim: int, dtype: torch.dt
         first += length
     qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_dim, generator=generator) * 3
     q = qkv[:, : heads * head_dim].view(len(lens), heads, head_dim)
-    new_kv = qkv[:, heads * head_dim :].view(len(lens), 2, kv_heads, head_dim)
-    out_slots = torch.tensor([int(table[r, n - 1]) for r, n in zip(rows, lens)])
     out = torch.ops.aserve_cpu.decode_attention(
-        q, new_kv, out_slots, pool, table, torch.tensor(rows), torch.tensor(lens), head_dim**-0.5
+        q, pool, table, torch.tensor(rows), torch.tensor(lens), head_dim**-0.5
     )
-    assert torch.equal(pool[out_slots], new_kv.to(dtype))
     expected = reference_attention(q, pool, table, rows, lens)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-6)
 
@@ -131,12 +128,12 @@ def test_decode_attention_of_a_request_does_not_depend_on_its_batch(dtype: torch
     lens = [300, 40, 1, 1000]  # the first in three pieces, the last in eight
     table = torch.arange(4 * 1024, dtype=torch.int32).view(4, 1024)
     q = torch.randn(4, heads, head_dim, generator=generator)
-    scale, unused = head_dim**-0.5, torch.zeros(0, dtype=torch.long)
+    scale = head_dim**-0.5
 
     def attend(picked: list[int]) -> torch.Tensor:
         return torch.ops.aserve_cpu.decode_attention(
-            q[picked], None, unused, pool, table, torch.tensor(picked),
-            torch.tensor([lens[i] for i in picked]), scale,
+            q[picked], pool, table, torch.tensor(picked), torch.tensor([lens[i] for i in picked]),
+            scale,
         )  # fmt: skip
 
     together = attend([0, 1, 2, 3])
@@ -151,11 +148,25 @@ def test_decode_attention_refuses_what_it_cannot_read() -> None:
     pool = torch.zeros(16, 2, 1, 8)
     q = torch.zeros(1, 2, 8)
     table = torch.zeros(1, 4, dtype=torch.int32)
-    unused = torch.zeros(0, dtype=torch.long)
     op = torch.ops.aserve_cpu.decode_attention
     with pytest.raises(RuntimeError, match="outside the page table"):
-        op(q, None, unused, pool, table, torch.tensor([0]), torch.tensor([5]), 1.0)
-    with pytest.raises(RuntimeError, match="outside the pool"):
-        op(q, pool[:1], torch.tensor([16]), pool, table, torch.tensor([0]), torch.tensor([1]), 1.0)
+        op(q, pool, table, torch.tensor([0]), torch.tensor([5]), 1.0)
     with pytest.raises(RuntimeError, match="float32 or float16"):
-        op(q, None, unused, pool.bfloat16(), table, torch.tensor([0]), torch.tensor([1]), 1.0)
+        op(q, pool.bfloat16(), table, torch.tensor([0]), torch.tensor([1]), 1.0)
+
+
+def test_norm_rope_store_refuses_what_it_cannot_write() -> None:
+    """The K/V write's slot and the rope table's row are checked before anything is written."""
+    cache = torch.zeros(16, 2, 1, 8)
+    q, kv = torch.zeros(1, 16), torch.zeros(1, 16)
+    cos_sin = torch.zeros(32, 8)
+    ops = CpuKernels()
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        ops.norm_rope_store(
+            q, kv, torch.tensor([0]), cos_sin, None, None, 1e-6, cache, torch.tensor([16]), 8
+        )
+    with pytest.raises(RuntimeError, match="past the rope table"):
+        ops.norm_rope_store(
+            q, kv, torch.tensor([32]), cos_sin, None, None, 1e-6, cache, torch.tensor([3]), 8
+        )
+    assert not cache.any()

@@ -523,10 +523,8 @@ for qtype in (QType.Q4_1, QType.Q8_0, QType.Q4_K, QType.IQ4_XS):
 pool = torch.randn(1024, 2, 2, 64, generator=torch.Generator().manual_seed(10))
 table = torch.randperm(1024, generator=torch.Generator().manual_seed(11)).to(torch.int32)
 table, lens, q = table.view(2, 512), [300, 9], torch.randn(2, 4, 64)
-out = torch.ops.aserve_cpu.decode_attention(
-    q, None, torch.zeros(0, dtype=torch.long), pool, table, torch.tensor([0, 1]),
-    torch.tensor(lens), 0.125,
-)
+rows, lengths = torch.tensor([0, 1]), torch.tensor(lens)
+out = torch.ops.aserve_cpu.decode_attention(q, pool, table, rows, lengths, 0.125)
 torch.testing.assert_close(out, reference_attention(q, pool, table, [0, 1], lens))
 print("checked")
 """

@@ -29,11 +29,10 @@ class _PrefillMetadata:
 
 @dataclass
 class _NativeDecodeMetadata:
-    """For the CPU kernel that reads the pool directly: the requests' context lengths, and
-    the slots of their new tokens (taken out of the batch once a step, not once a layer)."""
+    """For the CPU kernel that reads the pool directly: the requests' context lengths (made
+    a tensor once a step, not once a layer)."""
 
     seq_lens: torch.Tensor
-    out_slots: torch.Tensor
 
 
 @dataclass
@@ -133,9 +132,7 @@ class TorchNativeBackend:
 
     def prepare(self, batch: ForwardBatch) -> None:
         if batch.is_decode and self.native_decode:
-            batch.attn_metadata = _NativeDecodeMetadata(
-                torch.tensor(batch.seq_lens), batch.out_slots
-            )
+            batch.attn_metadata = _NativeDecodeMetadata(torch.tensor(batch.seq_lens))
         elif batch.is_decode:
             batch.attn_metadata = self._prepare_decode(batch)
         else:
@@ -199,12 +196,12 @@ class TorchNativeBackend:
         self, q: torch.Tensor, kv: torch.Tensor | None, layer: int, batch: ForwardBatch
     ) -> torch.Tensor:
         q = q.view(-1, self.num_heads, self.head_dim)
+        if kv is not None:
+            self.pool.store(layer, batch.out_slots, kv)
         if batch.is_decode and self.native_decode:
             meta: _NativeDecodeMetadata = batch.attn_metadata
             out = torch.ops.aserve_cpu.decode_attention(
                 q,
-                kv,
-                meta.out_slots,
                 self.pool.kv[layer],
                 batch.page_table,
                 batch.rows,
@@ -212,8 +209,6 @@ class TorchNativeBackend:
                 self.head_dim**-0.5,
             )
             return out.view(q.shape[0], self.num_heads * self.head_dim)
-        if kv is not None:
-            self.pool.store(layer, batch.out_slots, kv)
         if batch.is_decode:
             out = self._decode(q, kv, layer, batch)
         else:

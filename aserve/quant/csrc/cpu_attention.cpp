@@ -22,7 +22,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -240,11 +239,10 @@ struct Piece {
   int64_t request, first, length;
 };
 
-// q: [batch, heads, head_dim]. `new_kv` [batch, 2, kv_heads, head_dim] (this step's K/V, if
-// given) is first written to the pool at `out_slots`. Request i attends to the first
-// seq_lens[i] slots of page-table row rows[i].
-at::Tensor decode_attention(const at::Tensor& q, const std::optional<at::Tensor>& new_kv,
-                            const at::Tensor& out_slots, at::Tensor kv, const at::Tensor& table,
+// q: [batch, heads, head_dim]; this step's K/V are already in the pool (the CPU kernels'
+// norm_rope_store writes them). Request i attends to the first seq_lens[i] slots of
+// page-table row rows[i].
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& table,
                             const at::Tensor& rows, const at::Tensor& seq_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 &&
                   q.stride(1) == q.size(2),
@@ -256,11 +254,10 @@ at::Tensor decode_attention(const at::Tensor& q, const std::optional<at::Tensor>
   TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kInt && table.stride(1) == 1,
               "table: int32 page table with contiguous rows");
   TORCH_CHECK(rows.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
-                  out_slots.scalar_type() == at::kLong && rows.is_contiguous() &&
-                  seq_lens.is_contiguous() && out_slots.is_contiguous(),
-              "rows, seq_lens and out_slots: contiguous int64");
+                  rows.is_contiguous() && seq_lens.is_contiguous(),
+              "rows and seq_lens: contiguous int64");
   const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
-  const int64_t kv_heads = kv.size(2), slot_size = 2 * kv_heads * head_dim;
+  const int64_t kv_heads = kv.size(2);
   TORCH_CHECK(kv.size(3) == head_dim && heads % kv_heads == 0, "q and kv heads do not match");
   TORCH_CHECK(rows.numel() == batch && seq_lens.numel() == batch, "one row and length a request");
   const int64_t* row = rows.data_ptr<int64_t>();
@@ -268,26 +265,6 @@ at::Tensor decode_attention(const at::Tensor& q, const std::optional<at::Tensor>
   for (int64_t i = 0; i < batch; ++i)
     TORCH_CHECK(length[i] >= 1 && length[i] <= table.size(1) && row[i] >= 0 && row[i] < table.size(0),
                 "a request's row or length is outside the page table");
-  if (new_kv.has_value()) {
-    TORCH_CHECK(new_kv->scalar_type() == at::kFloat && new_kv->dim() == 4 &&
-                    new_kv->size(0) == out_slots.numel() && new_kv->size(1) == 2 &&
-                    new_kv->size(2) == kv_heads && new_kv->size(3) == head_dim &&
-                    new_kv->stride(1) == kv_heads * head_dim && new_kv->stride(2) == head_dim &&
-                    new_kv->stride(3) == 1,
-                "new_kv: float32 [tokens, 2, kv_heads, head_dim], each token's K/V contiguous");
-    const float* source = new_kv->data_ptr<float>();
-    const int64_t* slot = out_slots.data_ptr<int64_t>();
-    for (int64_t i = 0; i < out_slots.numel(); ++i) {
-      TORCH_CHECK(slot[i] >= 0 && slot[i] < kv.size(0), "a slot is outside the pool");
-      const float* token = source + i * new_kv->stride(0);
-      if (half) {  // rounded to nearest as torch's cast is, so both paths store the same bits
-        Half* to = static_cast<Half*>(kv.data_ptr()) + slot[i] * slot_size;
-        for (int64_t j = 0; j < slot_size; ++j) to[j] = Half(token[j]);
-      } else {
-        std::memcpy(kv.data_ptr<float>() + slot[i] * slot_size, token, slot_size * sizeof(float));
-      }
-    }
-  }
   at::Tensor out = at::empty({batch, heads, head_dim}, q.options());
   const float* queries = q.data_ptr<float>();
   float* outputs = out.data_ptr<float>();
@@ -353,7 +330,7 @@ at::Tensor decode_attention(const at::Tensor& q, const std::optional<at::Tensor>
 
 TORCH_LIBRARY_FRAGMENT(aserve_cpu, m) {
   m.def(
-      "decode_attention(Tensor q, Tensor? new_kv, Tensor out_slots, Tensor(a!) kv, Tensor table, "
-      "Tensor rows, Tensor seq_lens, float scale) -> Tensor",
+      "decode_attention(Tensor q, Tensor kv, Tensor table, Tensor rows, Tensor seq_lens, "
+      "float scale) -> Tensor",
       decode_attention);
 }
