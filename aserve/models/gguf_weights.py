@@ -49,6 +49,10 @@ FLOAT_TYPES = (
     gguf.GGMLQuantizationType.BF16,
 )
 
+ROPE_FACTORS = "rope_freqs.weight"
+"""llama.cpp's rope frequency divisors (Llama 3.1-3.3): read into config.json at conversion
+(aserve/models/source.py), not a weight of any layer."""
+
 GGUFWeight = torch.Tensor | QuantizedTensor
 
 
@@ -60,11 +64,6 @@ def hf_tensor_name(name: str) -> str:
     stem, _, kind = name.rpartition(".")
     if stem in TOP_LEVEL_TENSORS:
         return f"{TOP_LEVEL_TENSORS[stem]}.{kind}"
-    if stem == "rope_freqs":
-        raise GGUFTensorError(
-            "GGUF rope_freqs (Llama 3.1-style rope scaling) cannot be loaded yet; "
-            "use the model's Hugging Face folder"
-        )
     prefix, layer, part = (stem.split(".") + ["", ""])[:3]
     if prefix == "blk" and layer.isdigit() and part in LAYER_TENSORS:
         return f"model.layers.{layer}.{LAYER_TENSORS[part]}.{kind}"
@@ -141,6 +140,8 @@ def iter_gguf(
     }
     permute = config["model_type"] == "llama"
     for tensor in tqdm(tensors, desc="Loading weights", unit="tensor", disable=not progress):
+        if tensor.name == ROPE_FACTORS:
+            continue
         name = hf_tensor_name(tensor.name)
         weight = _read(tensor, dequantize)
         module = ".".join(name.split(".")[-3:-1])

@@ -34,10 +34,11 @@ from typing import Any
 import gguf
 import numpy as np
 
-from aserve.config import ConfigError, cache_root
+from aserve.config import FREQ_FACTORS, ConfigError, cache_root
 from aserve.models.gguf_weights import (
     FLOAT_TYPES,
     GGUF_POINTER,
+    ROPE_FACTORS,
     GGUFTensorError,
     has_quantized_matrices,
     hf_tensor_name,
@@ -212,7 +213,8 @@ def check_tensor(tensor: gguf.ReaderTensor) -> None:
     """Refuse, with the tensor's name, what the loader could not take: unknown names and
     types, and data the file does not hold in full."""
     try:
-        hf_tensor_name(tensor.name)
+        if tensor.name != ROPE_FACTORS:
+            hf_tensor_name(tensor.name)
     except GGUFTensorError as error:
         raise ModelSourceError(str(error)) from None
     kind = tensor.tensor_type
@@ -264,7 +266,7 @@ def hf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         "head_dim": read(f"{arch}.attention.key_length", hidden // heads),
         "rms_norm_eps": float32_decimal(read(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float32_decimal(read(f"{arch}.rope.freq_base", 10000.0)),
-        "rope_scaling": rope_scaling(read, arch),
+        "rope_scaling": rope_scaling(read, arch, tensors.get(ROPE_FACTORS), heads, hidden),
         "max_position_embeddings": read(f"{arch}.context_length", required=True),
         "vocab_size": int(tensors["token_embd.weight"].shape[-1]),
         "bos_token_id": read("tokenizer.ggml.bos_token_id"),
@@ -280,8 +282,23 @@ def hf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     return {key: value for key, value in config.items() if value is not None}
 
 
-def rope_scaling(read: Metadata, arch: str) -> dict[str, Any] | None:
+def rope_scaling(
+    read: Metadata, arch: str, factors: gguf.ReaderTensor | None, heads: int, hidden: int
+) -> dict[str, Any] | None:
+    """The scaling the metadata states, or llama.cpp's `rope_freqs` tensor: Llama 3.1-3.3
+    files store their frequency scaling as one divisor a frequency, kept as they are."""
     kind = read(f"{arch}.rope.scaling.type")
+    if factors is not None:
+        if kind not in (None, "none"):
+            raise ModelSourceError(f"GGUF holds both {ROPE_FACTORS} and {kind} rope scaling")
+        half = read(f"{arch}.rope.dimension_count", hidden // heads) // 2
+        values = np.asarray(factors.data, np.float32).reshape(-1)
+        if factors.tensor_type != gguf.GGMLQuantizationType.F32 or values.size != half:
+            raise ModelSourceError(
+                f"GGUF {ROPE_FACTORS} should be {half} F32 values, one a rotary frequency; "
+                f"it is {values.size} {factors.tensor_type.name}"
+            )
+        return {"rope_type": FREQ_FACTORS, "factors": [float32_decimal(v) for v in values]}
     if kind in (None, "none"):
         return None
     scaling = {"rope_type": kind, "factor": float32_decimal(read(f"{arch}.rope.scaling.factor"))}

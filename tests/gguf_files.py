@@ -1,0 +1,120 @@
+"""Hugging Face checkpoints written as GGUF files the way llama.cpp's converter writes them.
+
+The names, the metadata keys, the Q/K row order of llama models and the `rope_freqs` of
+Llama-3 rope scaling are spelled out here from llama.cpp's conventions, not taken from
+aserve's loader, so that a test through these files checks the loader against them.
+Tensors stay float32 (GGUF's F32): the files are the float reference of their checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+from safetensors.torch import load_file
+
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+TOP_LEVEL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+IN_LAYER = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf does to llama's q_proj/k_proj rows."""
+    return (
+        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def llama3_rope_factors(config: dict[str, Any], head_dim: int) -> np.ndarray:
+    """Llama-3 scaling as llama.cpp stores it: the divisor of each rotary frequency (1 for
+    short wavelengths, `factor` for long ones, a blend between), worked out in Python floats."""
+    scaling = config["rope_scaling"]
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    divisors = []
+    for pair in range(head_dim // 2):
+        wavelength = 2 * math.pi * config["rope_theta"] ** (2 * pair / head_dim)
+        if wavelength < original / high:
+            divisors.append(1.0)
+        elif wavelength > original / low:
+            divisors.append(factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(divisors, np.float32)
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in TOP_LEVEL:
+        return TOP_LEVEL[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, _, kind = rest.rpartition(".")
+    return f"blk.{layer}.{IN_LAYER[module]}.{kind}"
+
+
+def write_hf_as_gguf(folder: Path, path: Path, rope_factors: bool = True) -> Path:
+    """`folder`'s checkpoint (config.json + model.safetensors) as a GGUF at `path`, without a
+    tokenizer. `rope_factors=False` leaves a Llama-3 scaling's `rope_freqs` out, as files
+    converted before llama.cpp wrote it are."""
+    config = json.loads((folder / "config.json").read_text())
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    config["rope_theta"] = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
+    config["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
+    arch = GGUF_ARCH[config["model_type"]]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_bos_token_id(config["bos_token_id"])
+    writer.add_eos_token_id(config["eos_token_id"])
+    scaling = config["rope_scaling"] or {}
+    if scaling.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(scaling["factor"])
+        writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+    elif scaling.get("rope_type") == "llama3" and rope_factors:
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config, head_dim))
+    state = load_file(folder / "model.safetensors")
+    for name, tensor in state.items():
+        array = tensor.float().numpy()
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            array = llama_cpp_permute(array, heads if "q_proj" in name else kv_heads)
+        writer.add_tensor(gguf_name(name), array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

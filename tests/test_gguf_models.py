@@ -1,0 +1,116 @@
+"""GGUF files of each family, written as llama.cpp writes them, against transformers on the
+Hugging Face weights they came from; and the rope scalings those files and configs carry."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from aserve import LLM, SamplingParams
+from aserve.config import ConfigError, ModelConfig
+from aserve.layers.rotary import RotaryEmbedding
+from aserve.models.source import ModelSourceError, resolve_model
+from aserve.models.weights import load_hf_config
+from tests.gguf_files import write_hf_as_gguf
+from tests.test_models import PROMPTS, assert_logits_match, hf_model, our_logits
+from tests.tiny_models import hf_greedy_tokens, make_tiny_model
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+
+
+@pytest.fixture(autouse=True)
+def conversions_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASERVE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_gguf_of_each_family_matches_transformers(family: str, tmp_path: Path) -> None:
+    """The tiny llama has Llama-3 scaling, which reaches the file as `rope_freqs` only."""
+    folder = make_tiny_model(family, tmp_path / family)
+    model = write_hf_as_gguf(folder, tmp_path / f"{family}.gguf")
+    hf = hf_model(folder)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    with LLM(str(model), page_size=4) as llm:
+        assert_logits_match(llm, hf)
+        outputs = llm.generate(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, outputs):
+        assert out.token_ids == hf_greedy_tokens(hf, prompt, 10)
+
+
+def test_llama3_rope_factors_take_effect(tmp_path: Path) -> None:
+    """Without `rope_freqs` the same weights miss transformers' logits: the factors are what
+    made the file above match, not a scaling too weak to show (a 50-token prompt, whose slow
+    rotary pairs turn far enough for it)."""
+    folder = make_tiny_model("llama", tmp_path / "llama")
+    prompt, continuation = list(range(3, 300, 6)), [7, 123, 45]
+    with torch.inference_mode():
+        theirs = hf_model(folder)(torch.tensor([prompt + continuation])).logits[0, 49:]
+    for factors in (True, False):
+        model = write_hf_as_gguf(folder, tmp_path / f"{factors}.gguf", rope_factors=factors)
+        with LLM(str(model), page_size=4) as llm:
+            ours = our_logits(llm, prompt, continuation)
+        if factors:
+            torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=1e-4)
+        else:
+            assert (ours - theirs).abs().max() > 2e-3
+    config = ModelConfig.from_hf(*load_hf_config(resolve_model(str(tmp_path / "True.gguf"))))
+    assert config.rope_scaling is not None and config.rope_scaling["rope_type"] == "freq_factors"
+    assert len(config.rope_scaling["factors"]) == config.head_dim // 2
+
+
+def test_rope_factors_of_the_wrong_size_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "bad.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    for key, value in (("block_count", 1), ("embedding_length", 64), ("feed_forward_length", 64)):
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_head_count(4)
+    writer.add_context_length(64)
+    writer.add_tensor("rope_freqs.weight", np.ones(5, np.float32))
+    writer.add_tensor("token_embd.weight", np.zeros((8, 64), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelSourceError, match="rope_freqs.weight should be 8 F32 values"):
+        resolve_model(str(path))
+
+
+def test_yarn_matches_transformers(tmp_path: Path) -> None:
+    """Qwen's long-context setting, from a config.json and from a GGUF's metadata."""
+    folder = make_tiny_model("qwen3", tmp_path / "qwen3", overrides={"rope_scaling": YARN})
+    hf = hf_model(folder)
+    model = write_hf_as_gguf(folder, tmp_path / "yarn.gguf")
+    for source in (folder, model):
+        with LLM(str(source), page_size=4) as llm:
+            scaling = llm.runtime.engine.model_config.rope_scaling
+            assert scaling is not None and scaling["rope_type"] == "yarn"
+            assert_logits_match(llm, hf)
+
+
+def test_yarn_scales_cos_and_sin_by_its_attention_factor() -> None:
+    plain = RotaryEmbedding(16, 8, 10000.0, None)
+    yarn = RotaryEmbedding(16, 8, 10000.0, {**YARN, "attention_factor": 1.5})
+    # The fastest pair is kept by YaRN: only the attention factor changes it.
+    torch.testing.assert_close(yarn.cos_sin[:, 0], 1.5 * plain.cos_sin[:, 0])
+    stated = RotaryEmbedding(16, 8, 10000.0, YARN)
+    assert stated.cos_sin[0, 0].item() == pytest.approx(0.1 * torch.log(torch.tensor(4.0)) + 1)
+
+
+@pytest.mark.parametrize(
+    ("scaling", "message"),
+    [
+        ({"rope_type": "longrope"}, "rope scaling 'longrope' is not supported; aserve runs"),
+        ({"rope_type": "yarn", "factor": 4.0}, "yarn rope scaling needs original_max_position"),
+    ],
+)
+def test_unsupported_rope_scaling_is_one_line(
+    scaling: dict[str, object], message: str, tmp_path: Path
+) -> None:
+    config, generation = load_hf_config(make_tiny_model("qwen3", tmp_path / "qwen3"))
+    config.pop("rope_parameters", None)
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf({**config, "rope_scaling": scaling}, generation)
