@@ -66,10 +66,16 @@ def chosen_quantization(engine: EngineConfig, model: ModelConfig) -> str | None:
         )
     else:
         chosen = requested
-    if chosen is not None and model.num_experts and chosen != "fp8":
+    if chosen is not None and model.num_experts and chosen not in ("fp8", "gguf"):
         raise ConfigError(
-            "MoE experts run quantized only in FP8 (an FP8 checkpoint, or --quantization fp8 "
-            "of a float one): pass that, or --quantization none to run this model in --dtype"
+            "MoE experts run quantized as a GGUF file stores them or in FP8 (an FP8 "
+            "checkpoint, or --quantization fp8 of a float one): pass that, or --quantization "
+            "none to run this model in --dtype"
+        )
+    if chosen == "gguf" and model.num_experts and engine.moe_backend == "fused":
+        raise ConfigError(
+            "--moe-backend fused runs float and FP8 experts; a GGUF file's experts run in "
+            "aserve's quantized products (--moe-backend auto or torch, or --quantization none)"
         )
     return chosen
 

@@ -17,7 +17,13 @@ import gguf
 import numpy as np
 from safetensors.torch import load_file
 
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCH = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3_moe": "qwen3moe",
+}
 TOP_LEVEL = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -35,6 +41,12 @@ IN_LAYER = {
     "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
+    "mlp.gate": "ffn_gate_inp",
+}
+EXPERT_PARTS = {
+    "gate_proj": "ffn_gate_exps",
+    "up_proj": "ffn_up_exps",
+    "down_proj": "ffn_down_exps",
 }
 
 
@@ -75,10 +87,17 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{IN_LAYER[module]}.{kind}"
 
 
-def write_hf_as_gguf(folder: Path, path: Path, rope_factors: bool = True) -> Path:
+def write_hf_as_gguf(
+    folder: Path,
+    path: Path,
+    rope_factors: bool = True,
+    qtype: gguf.GGMLQuantizationType | None = None,
+) -> Path:
     """`folder`'s checkpoint (config.json + model.safetensors) as a GGUF at `path`, without a
     tokenizer. `rope_factors=False` leaves a Llama-3 scaling's `rope_freqs` out, as files
-    converted before llama.cpp wrote it are."""
+    converted before llama.cpp wrote it are. `qtype` quantizes the matrices (experts too,
+    each a `[experts, rows, cols]` tensor a layer, as llama.cpp stacks them; the router and
+    the norms stay float32)."""
     config = json.loads((folder / "config.json").read_text())
     rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     config["rope_theta"] = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
@@ -107,12 +126,29 @@ def write_hf_as_gguf(folder: Path, path: Path, rope_factors: bool = True) -> Pat
         writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
     elif scaling.get("rope_type") == "llama3" and rope_factors:
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config, head_dim))
-    state = load_file(folder / "model.safetensors")
-    for name, tensor in state.items():
+    num_experts = config.get("num_experts") or config.get("num_local_experts")
+    if num_experts:
+        writer.add_expert_count(num_experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    tensors: dict[str, np.ndarray] = {}
+    experts: dict[str, dict[int, np.ndarray]] = {}
+    for name, tensor in load_file(folder / "model.safetensors").items():
         array = tensor.float().numpy()
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             array = llama_cpp_permute(array, heads if "q_proj" in name else kv_heads)
-        writer.add_tensor(gguf_name(name), array)
+        if ".mlp.experts." in name:
+            layer, expert, part = name.split(".")[2], name.split(".")[5], name.split(".")[6]
+            experts.setdefault(f"blk.{layer}.{EXPERT_PARTS[part]}.weight", {})[int(expert)] = array
+        else:
+            tensors[gguf_name(name)] = array
+    for name, by_index in experts.items():
+        tensors[name] = np.stack([by_index[e] for e in sorted(by_index)])
+    for name, array in tensors.items():
+        if qtype is not None and array.ndim >= 2 and "ffn_gate_inp" not in name:
+            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -12,11 +12,13 @@ import torch
 
 from aserve import LLM, SamplingParams
 from aserve.config import ConfigError, ModelConfig
+from aserve.layers.moe import QuantizedExperts
 from aserve.layers.rotary import RotaryEmbedding
 from aserve.models.source import ModelSourceError, resolve_model
 from aserve.models.weights import load_hf_config
 from tests.gguf_files import write_hf_as_gguf
 from tests.test_models import PROMPTS, assert_logits_match, hf_model, our_logits
+from tests.test_quant import needs_kernels
 from tests.tiny_models import hf_greedy_tokens, make_tiny_model
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
@@ -27,10 +29,16 @@ def conversions_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ASERVE_CACHE_DIR", str(tmp_path / "cache"))
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+MOE_LAYERS = {"mlp_only_layers": []}
+"""llama.cpp's qwen3moe has no dense layers among the sparse ones."""
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"])
 def test_gguf_of_each_family_matches_transformers(family: str, tmp_path: Path) -> None:
-    """The tiny llama has Llama-3 scaling, which reaches the file as `rope_freqs` only."""
-    folder = make_tiny_model(family, tmp_path / family)
+    """The tiny llama has Llama-3 scaling, which reaches the file as `rope_freqs` only; the
+    Qwen3-MoE file stacks each layer's experts into one tensor a part."""
+    overrides = MOE_LAYERS if family == "qwen3_moe" else None
+    folder = make_tiny_model(family, tmp_path / family, overrides=overrides)
     model = write_hf_as_gguf(folder, tmp_path / f"{family}.gguf")
     hf = hf_model(folder)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -114,3 +122,25 @@ def test_unsupported_rope_scaling_is_one_line(
     config.pop("rope_parameters", None)
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_hf({**config, "rope_scaling": scaling}, generation)
+
+
+@needs_kernels
+def test_quantized_moe_gguf_keeps_its_experts_in_blocks(tmp_path: Path) -> None:
+    """A Q8_0 Qwen3-MoE file runs its experts quantized (about a byte a weight, not float32's
+    four, in the grouped loop outside CUDA graphs), with the logits of its de-quantized
+    float32 twin (`--quantization none`) up to the order of float sums (both with a float32
+    KV cache: a quantized model's is float16 on CPU by default)."""
+    folder = make_tiny_model("qwen3_moe", tmp_path / "moe", overrides=MOE_LAYERS)
+    model = write_hf_as_gguf(folder, tmp_path / "moe.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
+    logits = []
+    for quantization in ("auto", "none"):
+        options = {"quantization": quantization, "kv_cache_dtype": "float32"}
+        with LLM(str(model), page_size=4, **options) as llm:
+            experts = llm.runtime.engine.model.model.layers[0].mlp.experts
+            assert isinstance(experts, QuantizedExperts) == (quantization == "auto")
+            if isinstance(experts, QuantizedExperts):
+                weights = 8 * 3 * 32 * 64  # 8 experts' gate, up and down, 32 x 64 each
+                assert weights < experts.nbytes < 1.5 * weights
+                assert not llm.runtime.engine.model.graph_capturable
+            logits.append(torch.cat([our_logits(llm, p, [7, 123, 45]) for p in PROMPTS]))
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)

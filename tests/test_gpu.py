@@ -13,6 +13,7 @@ import torch
 from aserve import LLM, GenerationOutput, SamplingParams
 from aserve.kvcache.pool import KVPool
 from aserve.scheduler.request import FinishReason
+from tests.gguf_files import write_hf_as_gguf
 from tests.scenarios import abort_one_of_two
 from tests.test_models import our_logits
 from tests.tiny_models import FAMILIES, make_tiny_model
@@ -51,6 +52,19 @@ def test_float32_greedy_on_gpu_equals_cpu(
     ]
 
 
+def assert_greedy_logprobs_close(llm: LLM, hf: torch.nn.Module) -> None:
+    """Each greedy token's bf16 logprob as transformers gives it on the same sequence."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=True)
+    for prompt in PROMPTS:
+        out = llm.generate([prompt], params)[0]
+        with torch.inference_mode():
+            logits = hf(torch.tensor([prompt + out.token_ids], device="cuda")).logits[0].float()
+        expected = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1]
+        ours = torch.tensor([lp.logprob for lp in out.logprobs], device="cuda")
+        theirs = expected.gather(1, torch.tensor(out.token_ids, device="cuda")[:, None])[:, 0]
+        torch.testing.assert_close(ours, theirs, atol=0.05, rtol=0.05)
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_bf16_logprobs_close_to_transformers(
     make_llm: Callable[..., LLM], tmp_path: Path, family: str
@@ -64,15 +78,34 @@ def test_bf16_logprobs_close_to_transformers(
     llm = make_llm(folder, device="cuda", dtype="bfloat16")
     assert type(llm.runtime.engine.attn).__name__ == "FlashInferBackend"
     assert llm.runtime.engine.graphs is not None
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=True)
-    for prompt in PROMPTS:
-        out = llm.generate([prompt], params)[0]
-        with torch.inference_mode():
-            logits = hf(torch.tensor([prompt + out.token_ids], device="cuda")).logits[0].float()
-        expected = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1]
-        ours = torch.tensor([lp.logprob for lp in out.logprobs], device="cuda")
-        theirs = expected.gather(1, torch.tensor(out.token_ids, device="cuda")[:, None])[:, 0]
-        torch.testing.assert_close(ours, theirs, atol=0.05, rtol=0.05)
+    assert_greedy_logprobs_close(llm, hf)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_scaled_rope_from_gguf_close_to_transformers(
+    make_llm: Callable[..., LLM],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    family: str,
+) -> None:
+    """A GGUF's Llama-3 `rope_freqs` and a YaRN scaling (cos and sin grown by its attention
+    factor) through the CUDA kernels that read the rotary table: bf16 logprobs as
+    transformers' on the checkpoint the file was written from."""
+    import transformers
+
+    monkeypatch.setenv("ASERVE_CACHE_DIR", str(tmp_path / "cache"))
+    shapes = {**KERNEL_SHAPES, "head_dim": 128 if family == "qwen3" else 64}
+    if family == "qwen3":
+        yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+        shapes["rope_scaling"] = yarn
+    folder = make_tiny_model(family, tmp_path / family, overrides=shapes)
+    model = write_hf_as_gguf(folder, tmp_path / f"{family}.gguf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    hf = hf.cuda().eval()
+    llm = make_llm(model, device="cuda", dtype="bfloat16")
+    kind = "freq_factors" if family == "llama" else "yarn"
+    assert llm.runtime.engine.model_config.rope_scaling["rope_type"] == kind
+    assert_greedy_logprobs_close(llm, hf)
 
 
 def test_qk_norm_in_place_on_strided_heads_equals_torch() -> None:

@@ -19,6 +19,7 @@ from aserve.config import ConfigError, ModelConfig
 from aserve.distributed.group import TPGroup
 from aserve.layers.moe import (
     ExpertWeights,
+    QuantizedExperts,
     SparseMoE,
     align_blocks,
     group_by_expert,
@@ -150,17 +151,17 @@ def test_fp8_experts_in_the_torch_backend_equal_their_dequantized_weights() -> N
     torch.testing.assert_close(torch_experts(x, q13, q2, weights, ids, s13, s2), expected)
 
 
-def test_moe_experts_run_quantized_only_in_fp8() -> None:
-    """`--quantization fp8` of a float checkpoint and an FP8 checkpoint as it is (`auto`, or
-    `fp8` as vLLM users pass it) reach the experts; other quantizations are refused in one
-    line."""
+def test_moe_experts_run_quantized_as_stored_or_in_fp8() -> None:
+    """`--quantization fp8` of a float checkpoint, an FP8 checkpoint as it is (`auto`, or
+    `fp8` as vLLM users pass it) and a GGUF file as it is reach the experts; other
+    quantizations, and the fused backend for GGUF experts, are refused in one line."""
     from aserve.config import EngineConfig
     from aserve.runtime import chosen_quantization
 
     moe = ModelConfig.from_hf(load_hf_config(BENCH_MOE)[0])
     assert moe.num_experts and moe.quantization is None
     assert chosen_quantization(EngineConfig(quantization="fp8"), moe) == "fp8"
-    with pytest.raises(ConfigError, match="MoE experts run quantized only in FP8"):
+    with pytest.raises(ConfigError, match="MoE experts run quantized as a GGUF file stores"):
         chosen_quantization(EngineConfig(quantization="int4"), moe)
     stored = dataclasses.replace(moe, quantization="fp8")
     assert chosen_quantization(EngineConfig(quantization="auto"), stored) == "fp8"
@@ -169,8 +170,10 @@ def test_moe_experts_run_quantized_only_in_fp8() -> None:
     with pytest.raises(ConfigError, match="already quantized \\(FP8\\)"):
         chosen_quantization(EngineConfig(quantization="int8"), stored)
     gguf = dataclasses.replace(moe, quantization="gguf")
-    with pytest.raises(ConfigError, match="MoE experts run quantized only in FP8"):
-        chosen_quantization(EngineConfig(quantization="auto"), gguf)
+    assert chosen_quantization(EngineConfig(quantization="auto"), gguf) == "gguf"
+    assert chosen_quantization(EngineConfig(quantization="none"), gguf) is None
+    with pytest.raises(ConfigError, match="--moe-backend fused runs float and FP8 experts"):
+        chosen_quantization(EngineConfig(quantization="auto", moe_backend="fused"), gguf)
 
 
 def test_group_by_expert_keeps_token_order_and_counts_empty_experts() -> None:
@@ -476,3 +479,29 @@ def test_fused_moe_runs_in_cuda_graphs(make_llm: Callable[..., LLM], tmp_path: P
         assert ours.token_ids == reference.token_ids
         for a, b in zip(ours.logprobs, reference.logprobs):
             assert a.logprob == pytest.approx(b.logprob, abs=0.02)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_quantized_gguf_experts_on_cuda_close_to_their_float_twin(
+    make_llm: Callable[..., LLM], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Q8_0 Qwen3-MoE GGUF keeps its experts in blocks on CUDA too (aserve's CUDA products,
+    graphs off), with bf16 logits near those of its de-quantized twin's torch experts."""
+    import gguf
+
+    from tests.gguf_files import write_hf_as_gguf
+
+    monkeypatch.setenv("ASERVE_CACHE_DIR", str(tmp_path / "cache"))
+    folder = make_tiny_model("qwen3_moe", tmp_path, overrides={**GPU_SHAPES, "mlp_only_layers": []})
+    model = write_hf_as_gguf(folder, tmp_path / "moe.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
+    options = {"device": "cuda", "dtype": "bfloat16", "max_prefill_length": 40}
+    quantized = make_llm(model, **options)
+    twin = make_llm(model, quantization="none", moe_backend="torch", **options)
+    experts = quantized.runtime.engine.model.model.layers[0].mlp.experts
+    assert isinstance(experts, QuantizedExperts) and quantized.runtime.engine.graphs is None
+    prompt, continuation = list(range(3, 100)), [7, 123, 45, 2, 99, 5]
+    expected = our_logits(twin, prompt, continuation)
+    torch.testing.assert_close(
+        our_logits(quantized, prompt, continuation), expected, atol=0.06, rtol=0.03
+    )

@@ -47,6 +47,7 @@ from aserve.kvcache.scales import KVScales
 from aserve.layers.cpu_gemm import return_freed_memory
 from aserve.layers.fused import fused_ops
 from aserve.layers.linear import pack_linear_weights, use_one_row_kernel
+from aserve.layers.moe import QuantizedExperts
 from aserve.models.decoder import use_fp8_activations
 from aserve.models.registry import build_model
 from aserve.models.weights import fill_dummy_weights, iter_weights, torch_dtype
@@ -461,4 +462,6 @@ def weight_bytes(model: torch.nn.Module) -> int:
         for held in (getattr(module, "quantized", None), getattr(module, "table", None)):
             if held is not None and not isinstance(held, bool):
                 extra += held.nbytes
+        if isinstance(module, QuantizedExperts):
+            extra += module.nbytes
     return sum(storages.values()) + extra

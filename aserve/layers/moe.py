@@ -26,6 +26,9 @@ from aserve.config import ConfigError
 from aserve.distributed.group import TPGroup
 from aserve.layers.weight import WeightSource
 from aserve.quant.fp8 import FP8, Fp8Tensor, quantize_rows
+from aserve.quant.gguf import QuantizedTensor
+from aserve.quant.method import QuantizedLinearWeight
+from aserve.quant.native import Scratch
 
 ExpertsFn = Callable[..., torch.Tensor]
 
@@ -94,6 +97,31 @@ def align_blocks(topk_ids: torch.Tensor, num_experts: int, block: int) -> BlockL
     return BlockLayout(sorted_pairs, block_expert)
 
 
+def grouped_experts(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    mlp: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Grouped dispatch: gather the pairs expert by expert, run `mlp(expert, rows)` once per
+    expert that has tokens, on its contiguous slice, then scatter-add the weighted rows back."""
+    top_k = topk_ids.shape[1]
+    order, counts = group_by_expert(topk_ids, num_experts)
+    tokens = order // top_k
+    gathered = x[tokens]
+    out = torch.empty_like(gathered)
+    start = 0
+    for expert, count in enumerate(counts.tolist()):
+        if count == 0:
+            continue
+        rows = slice(start, start + count)
+        out[rows] = mlp(expert, gathered[rows])
+        start += count
+    out *= topk_weights.flatten()[order, None].to(out.dtype)
+    return torch.zeros_like(x).index_add_(0, tokens, out)
+
+
 def torch_experts(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -103,25 +131,14 @@ def torch_experts(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Grouped dispatch: gather the pairs expert by expert, one gate_up and one down matmul per
-    expert with tokens on its contiguous slice, then scatter-add the weighted rows back.
-    FP8 experts are de-quantized one at a time, as they are used."""
-    top_k = topk_ids.shape[1]
-    order, counts = group_by_expert(topk_ids, w13.shape[0])
-    tokens = order // top_k
-    gathered = x[tokens]
-    out = torch.empty_like(gathered)
-    start = 0
-    for expert, count in enumerate(counts.tolist()):
-        if count == 0:
-            continue
-        rows = slice(start, start + count)
-        gate_up = _expert_weight(w13, w13_scale, expert, x.dtype)
-        gate, up = F.linear(gathered[rows], gate_up).chunk(2, dim=-1)
-        out[rows] = F.linear(F.silu(gate) * up, _expert_weight(w2, w2_scale, expert, x.dtype))
-        start += count
-    out *= topk_weights.flatten()[order, None].to(out.dtype)
-    return torch.zeros_like(x).index_add_(0, tokens, out)
+    """One gate_up and one down matmul per expert with tokens (`grouped_experts`). FP8
+    experts are de-quantized one at a time, as they are used."""
+
+    def mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(rows, _expert_weight(w13, w13_scale, expert, x.dtype)).chunk(2, -1)
+        return F.linear(F.silu(gate) * up, _expert_weight(w2, w2_scale, expert, x.dtype))
+
+    return grouped_experts(x, topk_weights, topk_ids, w13.shape[0], mlp)
 
 
 def _expert_weight(
@@ -179,8 +196,30 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
 
-    def load_weight(self, name: str, tensor: WeightSource, shard: int = 0) -> None:
-        self.weight.data.copy_(tensor[:])
+    def load_weight(
+        self, name: str, tensor: WeightSource | QuantizedTensor, shard: int = 0
+    ) -> None:
+        """GGUF files keep the router in float32; one that quantized it is widened here."""
+        if isinstance(tensor, QuantizedTensor):
+            self.weight.data.copy_(tensor.decode().dequantize(torch.float32))
+        else:
+            self.weight.data.copy_(tensor[:])
+
+
+EXPERT_PARTS = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+
+
+def expert_parts(num_experts: int) -> list[str]:
+    """The per-expert tensor names a checkpoint fills, as transformers saves them."""
+    return [f"{e}.{part}" for e in range(num_experts) for part in EXPERT_PARTS]
+
+
+def expert_part(name: str, num_experts: int) -> tuple[int, str]:
+    """`"{e}.gate_proj.weight"` -> (e, "gate_proj.weight"); anything else is refused."""
+    expert, _, part = name.partition(".")
+    if not expert.isdigit() or part not in EXPERT_PARTS or int(expert) >= num_experts:
+        raise ValueError(f"unknown expert tensor {name!r}")
+    return int(expert), part
 
 
 class ExpertWeights(nn.Module):
@@ -197,8 +236,6 @@ class ExpertWeights(nn.Module):
     checkpoint's (`--quantization fp8`, on the weights' device) or a published FP8
     checkpoint's (block scales applied, then the rows quantized again, as linear layers do).
     The float experts are never held whole, so loading needs no more memory than the model."""
-
-    PARTS = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
 
     def __init__(
         self, num_experts: int, hidden_size: int, inter_size: int, tp: TPGroup, fp8: bool = False
@@ -223,7 +260,7 @@ class ExpertWeights(nn.Module):
         return self.w13_scale is not None
 
     def parts(self) -> list[str]:
-        return [f"{e}.{part}" for e in range(self.num_experts) for part in self.PARTS]
+        return expert_parts(self.num_experts)
 
     def load_tensor(self, name: str, tensor: WeightSource | Fp8Tensor) -> list[str]:
         """Per-expert tensors read only this rank's slice of the intermediate dimension;
@@ -241,10 +278,7 @@ class ExpertWeights(nn.Module):
         if name == "down_proj":
             self._fill("w2", (every,), tensor[:, :, shard])
             return [p for p in self.parts() if p.endswith("down_proj.weight")]
-        expert, _, part = name.partition(".")
-        if not expert.isdigit() or part not in self.PARTS or int(expert) >= self.num_experts:
-            raise ValueError(f"unknown expert tensor {name!r}")
-        index = int(expert)
+        index, part = expert_part(name, self.num_experts)
         if part == "gate_proj.weight":
             self._fill("w13", (index, gate_rows), tensor[shard])
         elif part == "up_proj.weight":
@@ -283,6 +317,54 @@ class ExpertWeights(nn.Module):
         scales[where].copy_(rows.scales.view(scales[where].shape))
 
 
+class QuantizedExperts(nn.Module):
+    """The experts of a quantized GGUF file, each expert's gate|up and down kept in its
+    blocks (a `QuantizedLinearWeight` pair an expert) and multiplied by the quantized
+    products of its device, in `grouped_experts`' loop: a Qwen3-MoE GGUF takes about its
+    file's bytes, not float's. Names and tensor-parallel slices as `ExpertWeights`."""
+
+    def __init__(self, num_experts: int, hidden_size: int, inter_size: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        start, end = tp.shard(inter_size)
+        self.shard = slice(start, end)
+        local = end - start
+        self.gate_up = [
+            QuantizedLinearWeight([local, local], hidden_size, "gguf") for _ in range(num_experts)
+        ]
+        self.down = [
+            QuantizedLinearWeight([hidden_size], local, "gguf") for _ in range(num_experts)
+        ]
+
+    def parts(self) -> list[str]:
+        return expert_parts(self.num_experts)
+
+    def load_tensor(self, name: str, tensor: WeightSource | QuantizedTensor) -> list[str]:
+        index, part = expert_part(name, self.num_experts)
+        if part == "down_proj.weight":
+            self.down[index].load(0, tensor[:, self.shard])
+        else:
+            self.gate_up[index].load(int(part == "up_proj.weight"), tensor[self.shard])
+        return [name]
+
+    def finalize(self, device: torch.device, dtype: torch.dtype, scratch: Scratch) -> None:
+        for weight in (*self.gate_up, *self.down):
+            weight.finalize(device, dtype, scratch)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(weight.nbytes for weight in (*self.gate_up, *self.down))
+
+    def forward(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        def mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
+            gate, up = self.gate_up[expert].linear(rows, None).chunk(2, -1)
+            return self.down[expert].linear(F.silu(gate) * up, None)
+
+        return grouped_experts(x, topk_weights, topk_ids, self.num_experts, mlp)
+
+
 class SparseMoE(nn.Module):
     """Router plus experts, named as in Hugging Face checkpoints (`gate`, `experts`). Under
     tensor parallelism the output is this rank's partial sum, as the dense MLP's: the
@@ -298,17 +380,24 @@ class SparseMoE(nn.Module):
         tp: TPGroup,
         backend: MoEBackend,
         fp8: bool = False,
+        gguf: bool = False,
     ) -> None:
         super().__init__()
         self.top_k = top_k
         self.renormalize = renormalize
         self.backend = backend
         self.gate = Router(num_experts, hidden_size)
-        self.experts = ExpertWeights(num_experts, hidden_size, inter_size, tp, fp8)
+        self.experts: ExpertWeights | QuantizedExperts = (
+            QuantizedExperts(num_experts, hidden_size, inter_size, tp)
+            if gguf
+            else ExpertWeights(num_experts, hidden_size, inter_size, tp, fp8)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         experts = self.experts
+        if isinstance(experts, QuantizedExperts):
+            return experts(x, weights, ids)
         return self.backend.experts(
             x, experts.w13, experts.w2, weights, ids, experts.w13_scale, experts.w2_scale
         )

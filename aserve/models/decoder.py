@@ -23,6 +23,7 @@ from aserve.layers.cpu_ops import CpuKernels
 from aserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from aserve.layers.fused import FusedOps
 from aserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from aserve.layers.moe import QuantizedExperts
 from aserve.layers.norm import RMSNorm
 from aserve.layers.rotary import RotaryEmbedding
 from aserve.layers.weight import WeightSource
@@ -344,6 +345,8 @@ class DecoderForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.quantized:
                 module.quantized.finalize(device, dtype, scratch)
+            elif isinstance(module, QuantizedExperts):
+                module.finalize(device, dtype, scratch)
         embed, head = self.model.embed_tokens, self.lm_head
         if embed.quantized:
             embed.finalize_quantized(device, dtype, True, head is embed, scratch)

@@ -42,7 +42,15 @@ LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "ffn_gate_inp": "mlp.gate",
 }
+EXPERT_TENSORS = {
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
+}
+"""Every expert of a layer in one 3-D tensor `[experts, rows, cols]`, split into Hugging
+Face's per-expert names (`mlp.experts.{e}.gate_proj.weight`) as it is read."""
 FLOAT_TYPES = (
     gguf.GGMLQuantizationType.F32,
     gguf.GGMLQuantizationType.F16,
@@ -61,12 +69,16 @@ class GGUFTensorError(ConfigError):
 
 
 def hf_tensor_name(name: str) -> str:
+    """The Hugging Face name of a GGUF tensor; for a layer's stacked experts a pattern with
+    `{}` where the expert's index goes."""
     stem, _, kind = name.rpartition(".")
     if stem in TOP_LEVEL_TENSORS:
         return f"{TOP_LEVEL_TENSORS[stem]}.{kind}"
     prefix, layer, part = (stem.split(".") + ["", ""])[:3]
     if prefix == "blk" and layer.isdigit() and part in LAYER_TENSORS:
         return f"model.layers.{layer}.{LAYER_TENSORS[part]}.{kind}"
+    if prefix == "blk" and layer.isdigit() and part in EXPERT_TENSORS and kind == "weight":
+        return f"model.layers.{layer}.mlp.experts.{{}}.{EXPERT_TENSORS[part]}.weight"
     raise GGUFTensorError(f"GGUF tensor {name!r} has no Hugging Face name that aserve knows")
 
 
@@ -78,7 +90,7 @@ def rope_row_order(rows: int, heads: int) -> torch.Tensor:
 
 
 def has_quantized_matrices(reader: gguf.GGUFReader) -> bool:
-    return any(t.tensor_type not in FLOAT_TYPES and len(t.shape) == 2 for t in reader.tensors)
+    return any(t.tensor_type not in FLOAT_TYPES and len(t.shape) >= 2 for t in reader.tensors)
 
 
 @dataclass(frozen=True)
@@ -143,6 +155,10 @@ def iter_gguf(
         if tensor.name == ROPE_FACTORS:
             continue
         name = hf_tensor_name(tensor.name)
+        if "{}" in name:
+            for expert in range(tensor.data.shape[0]):
+                yield name.format(expert), _read(_expert(tensor, expert), dequantize)
+            continue
         weight = _read(tensor, dequantize)
         module = ".".join(name.split(".")[-3:-1])
         if permute and module in heads and weight.shape[0] % (2 * heads[module]) == 0:
@@ -151,6 +167,11 @@ def iter_gguf(
                 weight.permute_rows(order) if isinstance(weight, QuantizedTensor) else weight[order]
             )
         yield name, weight
+
+
+def _expert(tensor: StoredTensor, index: int) -> StoredTensor:
+    """Expert `index` of a layer's `[experts, rows, cols]` tensor, as a 2-D tensor of its own."""
+    return StoredTensor(tensor.name, tensor.tensor_type, tensor.shape[:2], tensor.data[index])
 
 
 def _read(tensor: StoredTensor, dequantize: bool) -> GGUFWeight:

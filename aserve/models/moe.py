@@ -3,7 +3,7 @@
 Attention, norms, embedding and LM head are the dense decoder's (Qwen3's per-head Q/K norm
 included). Layers that `ModelConfig.is_moe_layer` picks get a `SparseMoE` (router + experts,
 aserve/layers/moe.py); the others, e.g. those in `mlp_only_layers`, keep a dense MLP of
-`intermediate_size`.
+`intermediate_size`. A quantized GGUF file's experts stay in their blocks (`QuantizedExperts`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,13 @@ from torch import nn
 from aserve.config import ModelConfig
 from aserve.distributed.group import TPGroup
 from aserve.layers.fused import FusedOps
-from aserve.layers.moe import TORCH_BACKEND, ExpertWeights, MoEBackend, SparseMoE
+from aserve.layers.moe import (
+    TORCH_BACKEND,
+    ExpertWeights,
+    MoEBackend,
+    QuantizedExperts,
+    SparseMoE,
+)
 from aserve.layers.weight import WeightSource
 from aserve.models.decoder import DecoderForCausalLM, DecoderMLP
 
@@ -41,10 +47,12 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
                 tp,
                 backend,
                 fp8=config.quantization == "fp8",
+                gguf=config.quantization == "gguf",
             )
 
         super().__init__(config, max_positions, tp, ops, make_mlp)
-        self.graph_capturable = not backend.host_sync
+        # GGUF experts run grouped_experts' loop, which reads group sizes on the host.
+        self.graph_capturable = not backend.host_sync and config.quantization != "gguf"
 
     def load_tensor(
         self, modules: dict[str, nn.Module], name: str, tensor: WeightSource
@@ -55,7 +63,7 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
             return super().load_tensor(modules, name, tensor)
         prefix = layer + EXPERTS.rstrip(".")
         experts = modules.get(prefix)
-        if not isinstance(experts, ExpertWeights):
+        if not isinstance(experts, (ExpertWeights, QuantizedExperts)):
             raise ValueError(f"checkpoint tensor {name} has no place in {self.config.architecture}")
         return [f"{prefix}.{filled}" for filled in experts.load_tensor(part, tensor)]
 
@@ -63,7 +71,7 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
         """Every expert's gate, up and down in place of the stacked parameters they fill."""
         expected = super().expected_tensors()
         for name, module in self.named_modules():
-            if isinstance(module, ExpertWeights):
+            if isinstance(module, (ExpertWeights, QuantizedExperts)):
                 expected -= {f"{name}.w13", f"{name}.w2"}
                 expected |= {f"{name}.{part}" for part in module.parts()}
         return expected

@@ -56,6 +56,7 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
 # llama.cpp's recommended-sampling metadata -> generation_config.json's names.
 GGUF_SAMPLING_KEYS = {
@@ -255,11 +256,13 @@ def hf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     hidden = read(f"{arch}.embedding_length", required=True)
     heads = read(f"{arch}.attention.head_count", required=True)
+    experts = read(f"{arch}.expert_count", 0, required=arch == "qwen3moe")
+    expert_rows = read(f"{arch}.expert_feed_forward_length", required=experts > 0)
     config = {
         "architectures": [ARCHITECTURES[arch]],
-        "model_type": arch,
+        "model_type": "qwen3_moe" if arch == "qwen3moe" else arch,
         "hidden_size": hidden,
-        "intermediate_size": read(f"{arch}.feed_forward_length", required=True),
+        "intermediate_size": read(f"{arch}.feed_forward_length", expert_rows, required=not experts),
         "num_hidden_layers": read(f"{arch}.block_count", required=True),
         "num_attention_heads": heads,
         "num_key_value_heads": read(f"{arch}.attention.head_count_kv", heads),
@@ -277,6 +280,15 @@ def hf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         "hidden_act": "silu",
         "torch_dtype": "float32",
     }
+    if experts:  # Qwen3-MoE: every layer sparse, the chosen experts' weights renormalised
+        config |= {
+            "num_experts": experts,
+            "num_experts_per_tok": read(f"{arch}.expert_used_count", required=True),
+            "moe_intermediate_size": expert_rows,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        }
     if has_quantized_matrices(reader):
         config["quantization_config"] = {"quant_method": "gguf"}
     return {key: value for key, value in config.items() if value is not None}
