@@ -45,8 +45,11 @@ logger = logging.getLogger("aserve.replicas")
 
 # How the router watches the replicas: a dead one is out after about HEALTH_INTERVAL_S x
 # HEALTH_FAILURES (a refused connection fails at once), a restarted one is back after one
-# good answer. A replica told to stop keeps taking requests for DRAIN_DELAY_S, longer than
-# the router needs to see its 503.
+# good answer. The router's circuit breaker, which takes a replica out after 10 failed
+# requests (a killed replica's broken streams), lets requests try it again after the same
+# time instead of its 60 s default: with that, a restarted replica sat idle for a minute
+# while the router called it healthy. A replica told to stop keeps taking requests for
+# DRAIN_DELAY_S, longer than the router needs to see its 503.
 HEALTH_INTERVAL_S = 2
 HEALTH_FAILURES = 2
 HEALTH_TIMEOUT_S = 10  # a CPU replica's loop can be inside one long prefill step
@@ -353,6 +356,7 @@ class Launcher:
             *("--health-failure-threshold", str(HEALTH_FAILURES)),
             *("--health-success-threshold", "1"),
             *("--health-check-timeout-secs", str(HEALTH_TIMEOUT_S)),
+            *("--cb-timeout-duration-secs", str(HEALTH_INTERVAL_S * HEALTH_FAILURES)),
             *("--prometheus-host", "127.0.0.1", "--prometheus-port", str(self._unused_port())),
             *("--shutdown-grace-period-secs", "10", "--log-level", "warn"),
             *shlex.split(self.args.router_args),

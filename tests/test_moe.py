@@ -487,7 +487,8 @@ def test_quantized_gguf_experts_on_cuda_close_to_their_float_twin(
     make_llm: Callable[..., LLM], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A Q8_0 Qwen3-MoE GGUF keeps its experts in blocks on CUDA too (aserve's CUDA products,
-    graphs off), with bf16 logits near those of its de-quantized twin's torch experts."""
+    graphs off), with the float32 logits of its de-quantized twin's torch experts up to the
+    order of float sums (in bf16 the twin's weights are rounded and the two part further)."""
     import gguf
 
     from tests.gguf_files import write_hf_as_gguf
@@ -495,7 +496,7 @@ def test_quantized_gguf_experts_on_cuda_close_to_their_float_twin(
     monkeypatch.setenv("ASERVE_CACHE_DIR", str(tmp_path / "cache"))
     folder = make_tiny_model("qwen3_moe", tmp_path, overrides={**GPU_SHAPES, "mlp_only_layers": []})
     model = write_hf_as_gguf(folder, tmp_path / "moe.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
-    options = {"device": "cuda", "dtype": "bfloat16", "max_prefill_length": 40}
+    options = {"device": "cuda", "dtype": "float32", "attention_backend": "torch"}
     quantized = make_llm(model, **options)
     twin = make_llm(model, quantization="none", moe_backend="torch", **options)
     experts = quantized.runtime.engine.model.model.layers[0].mlp.experts
@@ -503,5 +504,5 @@ def test_quantized_gguf_experts_on_cuda_close_to_their_float_twin(
     prompt, continuation = list(range(3, 100)), [7, 123, 45, 2, 99, 5]
     expected = our_logits(twin, prompt, continuation)
     torch.testing.assert_close(
-        our_logits(quantized, prompt, continuation), expected, atol=0.06, rtol=0.03
+        our_logits(quantized, prompt, continuation), expected, atol=1e-3, rtol=1e-3
     )

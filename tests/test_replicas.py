@@ -112,6 +112,7 @@ def test_replica_and_router_commands_follow_the_options() -> None:
     workers = " ".join(urls)
     assert f"--host 0.0.0.0 --port 8080 --worker-urls {workers} --policy round_robin" in joined
     assert "--health-check-interval-secs 2 --health-failure-threshold 2" in joined
+    assert "--cb-timeout-duration-secs 4" in joined
     assert router[-2:] == ["--retry-max-retries", "3"]
 
 
