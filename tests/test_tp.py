@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as QType
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -29,7 +30,9 @@ from aserve.forward import ForwardMode
 from aserve.kvcache.pages import PageWrite
 from aserve.layers.embedding import VocabParallelEmbedding
 from aserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from aserve.layers.moe import QuantizedExperts
 from aserve.llm import GenerationOutput
+from tests.gguf_files import write_hf_as_gguf
 from tests.server_utils import ServerProcess
 from tests.tiny_models import make_tiny_model
 
@@ -90,17 +93,33 @@ def test_tp2_prefix_hit_and_chunked_prefill_equal_tp1(pair: tuple[LLM, LLM]) -> 
     two.scheduler.check_integrity()
 
 
-def test_tp2_moe_greedy_tokens_and_logprobs_equal_tp1(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stored", ["float", "gguf"])
+def test_tp2_moe_greedy_tokens_and_logprobs_equal_tp1(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stored: str
+) -> None:
     """Qwen3-MoE with every expert's intermediate dimension split over the ranks (and a
-    dense MLP layer beside the sparse ones)."""
-    folder = make_tiny_model("qwen3_moe", tmp_path)
+    dense MLP layer beside the sparse ones); from a Q8_0 GGUF, each rank keeps its slice of
+    every expert's blocks (a float32 KV cache, so that the ranks' sums in another order
+    cannot round apart in float16)."""
+    options = dict(OPTIONS)
+    if stored == "float":
+        model = make_tiny_model("qwen3_moe", tmp_path)
+    else:
+        monkeypatch.setenv("ASERVE_CACHE_DIR", str(tmp_path / "cache"))
+        overrides = {"mlp_only_layers": [], "moe_intermediate_size": 64}
+        folder = make_tiny_model("qwen3_moe", tmp_path / "hf", overrides=overrides)
+        model = write_hf_as_gguf(folder, tmp_path / "moe.gguf", qtype=QType.Q8_0)
+        options["kv_cache_dtype"] = "float32"
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=True)
     with (
-        LLM(str(folder), **OPTIONS) as one,
-        LLM(str(folder), tensor_parallel_size=2, **OPTIONS) as two,
+        LLM(str(model), **options) as one,
+        LLM(str(model), tensor_parallel_size=2, **options) as two,
     ):
         experts = two.runtime.engine.model.model.layers[0].mlp.experts
-        assert experts.w2.shape[-1] == 32 // 2
+        if stored == "float":
+            assert experts.w2.shape[-1] == 32 // 2
+        else:
+            assert isinstance(experts, QuantizedExperts) and experts.down[0].cols == 64 // 2
         assert_same_generations(two.generate(PROMPTS, params), one.generate(PROMPTS, params))
 
 
