@@ -127,7 +127,8 @@ def test_unsupported_rope_scaling_is_one_line(
 @needs_kernels
 def test_quantized_moe_gguf_keeps_its_experts_in_blocks(tmp_path: Path) -> None:
     """A Q8_0 Qwen3-MoE file runs its experts quantized (about a byte a weight, not float32's
-    four, in the grouped loop outside CUDA graphs), with the logits of its de-quantized
+    four; outside CUDA graphs; a step's chosen experts in one call of the CPU kernels for
+    gate|up and one for down), with the logits of its de-quantized
     float32 twin (`--quantization none`) up to the order of float sums (both with a float32
     KV cache: a quantized model's is float16 on CPU by default)."""
     folder = make_tiny_model("qwen3_moe", tmp_path / "moe", overrides=MOE_LAYERS)
@@ -141,6 +142,7 @@ def test_quantized_moe_gguf_keeps_its_experts_in_blocks(tmp_path: Path) -> None:
             if isinstance(experts, QuantizedExperts):
                 weights = 8 * 3 * 32 * 64  # 8 experts' gate, up and down, 32 x 64 each
                 assert weights < experts.nbytes < 1.5 * weights
+                assert experts.native is not None  # a token's experts in one kernel call
                 assert not llm.runtime.engine.model.graph_capturable
             logits.append(torch.cat([our_logits(llm, p, [7, 123, 45]) for p in PROMPTS]))
     torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)

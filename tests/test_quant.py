@@ -23,7 +23,14 @@ from aserve import LLM, SamplingParams
 from aserve.quant import native as native_module
 from aserve.quant.codes import quantize
 from aserve.quant.gguf import BLOCKS, QuantizedTensor, decode
-from aserve.quant.native import BLAS_ROWS, NativeWeight, build_kind, native_kernels
+from aserve.quant.native import (
+    BLAS_ROWS,
+    NativeWeight,
+    build_kind,
+    linear_group,
+    native_kernels,
+    one_format,
+)
 from tests.tiny_models import make_tiny_model
 
 # Byte offsets of each format's float16 fields: random bytes elsewhere are valid codes.
@@ -493,6 +500,36 @@ def test_products_are_the_same_bits_on_one_thread_and_two(qtype: QType) -> None:
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q8_0, QType.IQ4_NL])
+def test_one_call_for_a_group_of_weights_gives_each_products_bits(qtype: QType) -> None:
+    """`linear_group` (a token's chosen experts in one parallel region) against each weight's
+    own `linear`: bit for bit, whatever rows each weight has and its rows padded to a panel."""
+    weights = [
+        NativeWeight(decode(torch.from_numpy(random_blocks(qtype, rows, 256, seed)), qtype, 256))
+        for seed, rows in enumerate((64, 100, 8, 37))
+    ]
+    generator = torch.Generator().manual_seed(7)
+    xs = [torch.randn(rows, 256, generator=generator) for rows in (1, 3, 17, 1)]
+    assert one_format(weights)
+    together = linear_group(weights, xs)
+    for weight, x, out in zip(weights, xs, together, strict=True):
+        assert torch.equal(out, weight.linear(x, None))
+
+
+@needs_kernels
+def test_a_group_of_weights_shares_one_code_format() -> None:
+    """What `linear_group` takes in one call: codes kept alike (5 bits are kept as bytes,
+    as 8 are; IQ4 levels are another format than plain nibbles)."""
+    kept = {
+        qtype: NativeWeight(decode(torch.from_numpy(random_blocks(qtype, 8, 256)), qtype, 256))
+        for qtype in (QType.Q4_0, QType.Q8_0, QType.IQ4_NL, QType.Q5_0)
+    }
+    assert one_format([kept[QType.Q8_0], kept[QType.Q5_0]])
+    assert not one_format([kept[QType.Q4_0], kept[QType.Q8_0]])
+    assert not one_format([kept[QType.Q4_0], kept[QType.IQ4_NL]])
 
 
 OTHER_BUILD_CHECK = """

@@ -28,7 +28,7 @@ from aserve.layers.weight import WeightSource
 from aserve.quant.fp8 import FP8, Fp8Tensor, quantize_rows
 from aserve.quant.gguf import QuantizedTensor
 from aserve.quant.method import QuantizedLinearWeight
-from aserve.quant.native import Scratch
+from aserve.quant.native import BLAS_ROWS, NativeWeight, Scratch, linear_group, one_format
 
 ExpertsFn = Callable[..., torch.Tensor]
 
@@ -97,27 +97,26 @@ def align_blocks(topk_ids: torch.Tensor, num_experts: int, block: int) -> BlockL
     return BlockLayout(sorted_pairs, block_expert)
 
 
+ExpertMLP = Callable[[list[int], list[torch.Tensor]], list[torch.Tensor]]
+"""The experts' MLPs on their rows: (expert ids, each one's rows) -> each one's outputs."""
+
+
 def grouped_experts(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     num_experts: int,
-    mlp: Callable[[int, torch.Tensor], torch.Tensor],
+    mlp: ExpertMLP,
 ) -> torch.Tensor:
-    """Grouped dispatch: gather the pairs expert by expert, run `mlp(expert, rows)` once per
-    expert that has tokens, on its contiguous slice, then scatter-add the weighted rows back."""
+    """Grouped dispatch: gather the pairs expert by expert, run `mlp` on the experts that have
+    tokens, each on its contiguous slice, then scatter-add the weighted rows back."""
     top_k = topk_ids.shape[1]
     order, counts = group_by_expert(topk_ids, num_experts)
     tokens = order // top_k
-    gathered = x[tokens]
-    out = torch.empty_like(gathered)
-    start = 0
-    for expert, count in enumerate(counts.tolist()):
-        if count == 0:
-            continue
-        rows = slice(start, start + count)
-        out[rows] = mlp(expert, gathered[rows])
-        start += count
+    sizes = counts.tolist()
+    experts = [expert for expert, size in enumerate(sizes) if size]
+    parts = x[tokens].split([size for size in sizes if size])
+    out = torch.cat(mlp(experts, list(parts)))
     out *= topk_weights.flatten()[order, None].to(out.dtype)
     return torch.zeros_like(x).index_add_(0, tokens, out)
 
@@ -134,9 +133,14 @@ def torch_experts(
     """One gate_up and one down matmul per expert with tokens (`grouped_experts`). FP8
     experts are de-quantized one at a time, as they are used."""
 
-    def mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(rows, _expert_weight(w13, w13_scale, expert, x.dtype)).chunk(2, -1)
-        return F.linear(F.silu(gate) * up, _expert_weight(w2, w2_scale, expert, x.dtype))
+    def mlp(experts: list[int], parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        outs = []
+        for expert, rows in zip(experts, parts):
+            gate_up = _expert_weight(w13, w13_scale, expert, x.dtype)
+            gate, up = F.linear(rows, gate_up).chunk(2, -1)
+            down = _expert_weight(w2, w2_scale, expert, x.dtype)
+            outs.append(F.linear(F.silu(gate) * up, down))
+        return outs
 
     return grouped_experts(x, topk_weights, topk_ids, w13.shape[0], mlp)
 
@@ -335,6 +339,7 @@ class QuantizedExperts(nn.Module):
         self.down = [
             QuantizedLinearWeight([hidden_size], local, "gguf") for _ in range(num_experts)
         ]
+        self.native: tuple[list[NativeWeight], list[NativeWeight]] | None = None
 
     def parts(self) -> list[str]:
         return expert_parts(self.num_experts)
@@ -350,6 +355,19 @@ class QuantizedExperts(nn.Module):
     def finalize(self, device: torch.device, dtype: torch.dtype, scratch: Scratch) -> None:
         for weight in (*self.gate_up, *self.down):
             weight.finalize(device, dtype, scratch)
+        self.native = self._native_products()
+
+    def _native_products(self) -> tuple[list[NativeWeight], list[NativeWeight]] | None:
+        """Every expert's gate|up and down as one product of aserve's CPU kernels each, all
+        gate|ups of one format and all downs of one (what `linear_group` takes), or None."""
+        parts = ([w.products for w in self.gate_up], [w.products for w in self.down])
+        native = tuple(
+            [p[0] for p in products if len(p) == 1 and isinstance(p[0], NativeWeight)]
+            for products in parts
+        )
+        if any(len(weights) < self.num_experts or not one_format(weights) for weights in native):
+            return None
+        return native[0], native[1]
 
     @property
     def nbytes(self) -> int:
@@ -358,11 +376,25 @@ class QuantizedExperts(nn.Module):
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        def mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
-            gate, up = self.gate_up[expert].linear(rows, None).chunk(2, -1)
-            return self.down[expert].linear(F.silu(gate) * up, None)
+        return grouped_experts(x, topk_weights, topk_ids, self.num_experts, self._mlp)
 
-        return grouped_experts(x, topk_weights, topk_ids, self.num_experts, mlp)
+    def _mlp(self, experts: list[int], parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """With aserve's CPU kernels and few rows an expert (decode), all the chosen experts'
+        gate|up in one call of the kernels and their downs in another; else one expert at a
+        time. The same outputs either way."""
+        few = max(p.shape[0] for p in parts) < BLAS_ROWS and parts[0].dtype == torch.float32
+        if self.native is not None and few:
+            gate_up, down = self.native
+            rows = [p.contiguous() for p in parts]
+            joined = torch.cat(linear_group([gate_up[e] for e in experts], rows))
+            gate, up = joined.chunk(2, -1)
+            acts = (F.silu(gate) * up).split([p.shape[0] for p in parts])
+            return linear_group([down[e] for e in experts], list(acts))
+        outs = []
+        for expert, rows in zip(experts, parts):
+            gate, up = self.gate_up[expert].linear(rows, None).chunk(2, -1)
+            outs.append(self.down[expert].linear(F.silu(gate) * up, None))
+        return outs
 
 
 class SparseMoE(nn.Module):

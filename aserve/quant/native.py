@@ -242,3 +242,35 @@ class NativeWeight:
         return torch.ops.aserve_cpu.rows(
             self.words, self.scales, self.offsets, self.group, self.four_bit, self.levels, ids
         )
+
+
+def one_format(weights: list[NativeWeight]) -> bool:
+    """Whether `linear_group` can take these weights in one call: the same code format."""
+    first = weights[0]
+    return all(
+        w.group == first.group
+        and w.four_bit == first.four_bit
+        and (w.levels is None) == (first.levels is None)
+        and (w.levels is None or torch.equal(w.levels, first.levels))
+        for w in weights
+    )
+
+
+def linear_group(weights: list[NativeWeight], xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`weights[i].linear(xs[i], None)` for every i in one call of the kernels, one parallel
+    region for all (the same outputs, bit for bit): weights of `one_format`, each x float32,
+    contiguous and of fewer than BLAS_ROWS rows."""
+    first = weights[0]
+    outs = torch.ops.aserve_cpu.linear_group(
+        xs,
+        [w.words for w in weights],
+        [w.scales for w in weights],
+        [w.offsets for w in weights],
+        first.group,
+        first.four_bit,
+        first.levels,
+    )
+    return [
+        out if w.padded == w.shape[0] else out[:, : w.shape[0]]
+        for w, out in zip(weights, outs, strict=True)
+    ]

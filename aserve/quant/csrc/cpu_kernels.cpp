@@ -576,38 +576,86 @@ Weight weight_of(const at::Tensor& words, const at::Tensor& scales, const at::Te
   return w;
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& words, const at::Tensor& scales,
-                  const at::Tensor& offsets, int64_t group, bool four_bit,
-                  const std::optional<at::Tensor>& levels) {
-  const Weight w = weight_of(words, scales, offsets, group, four_bit, levels);
+// One product under way: x against w, into y.
+struct Product {
+  Weight w;
+  at::Tensor y, xsum;
+  Rows a;
+};
+
+Product product_of(const at::Tensor& x, const Weight& w) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 matrix");
   TORCH_CHECK(x.size(1) == w.cols, "x has ", x.size(1), " columns, the weight ", w.cols);
   const int64_t rows = x.size(0), out = w.panels * kLanes;
-  at::Tensor y = at::empty({rows, out}, x.options());
-  at::Tensor xsum = at::empty({rows, w.groups}, x.options());
+  Product p{w, at::empty({rows, out}, x.options()), at::empty({rows, w.groups}, x.options()), {}};
   const float* xp = x.data_ptr<float>();
-  float* sp = xsum.data_ptr<float>();
+  float* sp = p.xsum.data_ptr<float>();
   for (int64_t i = 0; i < rows * w.groups; ++i) {
     float sum = 0;
     for (int64_t k = 0; k < w.group; ++k) sum += xp[i * w.group + k];
     sp[i] = sum;
   }
-  const Rows a{xp, sp, y.data_ptr<float>(), w.cols, w.groups, out};
-  const int64_t row_blocks = (rows + kRowBlock - 1) / kRowBlock;
-  const int64_t panel_blocks = (w.panels + kPanelBlock - 1) / kPanelBlock;
-  // Work units in row-block-major order: a thread's units mostly share one block of x.
-  at::parallel_for(0, row_blocks * panel_blocks, 1, [&](int64_t begin, int64_t end) {
+  p.a = Rows{xp, sp, p.y.data_ptr<float>(), w.cols, w.groups, out};
+  return p;
+}
+
+// Every product's (row block, panel block) units in one parallel region, row-block-major
+// within a product: a thread's units mostly share one block of x.
+void run(const std::vector<Product>& products) {
+  struct Unit {
+    const Product* product;
+    int64_t first, last, first_panel, last_panel;
+  };
+  std::vector<Unit> units;
+  for (const Product& p : products) {
+    const int64_t rows = p.y.size(0);
+    for (int64_t first = 0; first < rows; first += kRowBlock) {
+      for (int64_t panel = 0; panel < p.w.panels; panel += kPanelBlock) {
+        units.push_back({&p, first, std::min(rows, first + kRowBlock), panel,
+                         std::min(p.w.panels, panel + kPanelBlock)});
+      }
+    }
+  }
+  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buffer;
-    for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t rb = unit / panel_blocks, pb = unit % panel_blocks;
-      const int64_t first = rb * kRowBlock, last = std::min(rows, first + kRowBlock);
-      const int64_t first_panel = pb * kPanelBlock;
-      const int64_t last_panel = std::min(w.panels, first_panel + kPanelBlock);
-      rows_against_panels(w, a, first, last, first_panel, last_panel, buffer);
+    for (int64_t i = begin; i < end; ++i) {
+      const Unit& u = units[i];
+      rows_against_panels(u.product->w, u.product->a, u.first, u.last, u.first_panel,
+                          u.last_panel, buffer);
     }
   });
-  return y;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& words, const at::Tensor& scales,
+                  const at::Tensor& offsets, int64_t group, bool four_bit,
+                  const std::optional<at::Tensor>& levels) {
+  std::vector<Product> products{
+      product_of(x, weight_of(words, scales, offsets, group, four_bit, levels))};
+  run(products);
+  return products[0].y;
+}
+
+// xs[i] against weight i (words[i], scales[i], offsets[i]; one format for all), in one
+// parallel region: a token's chosen experts are products too small each to keep the cores
+// busy in a region of their own. Every output is computed as `linear` computes it.
+std::vector<at::Tensor> linear_group(at::TensorList xs, at::TensorList words,
+                                     at::TensorList scales, at::TensorList offsets,
+                                     int64_t group, bool four_bit,
+                                     const std::optional<at::Tensor>& levels) {
+  TORCH_CHECK(words.size() == xs.size() && scales.size() == xs.size() &&
+                  offsets.size() == xs.size(),
+              "one weight for each x");
+  std::vector<Product> products;
+  products.reserve(xs.size());
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const Weight w = weight_of(words[i], scales[i], offsets[i], group, four_bit, levels);
+    products.push_back(product_of(xs[i], w));
+  }
+  run(products);
+  std::vector<at::Tensor> ys;
+  for (const Product& p : products) ys.push_back(p.y);
+  return ys;
 }
 
 // Rows `ids` of the weight de-quantized (embedding lookups), w = code * scale + offset.
@@ -860,6 +908,10 @@ TORCH_LIBRARY(aserve_cpu, m) {
       "linear(Tensor x, Tensor words, Tensor scales, Tensor offsets, int group, bool four_bit, "
       "Tensor? levels) -> Tensor",
       linear);
+  m.def(
+      "linear_group(Tensor[] xs, Tensor[] words, Tensor[] scales, Tensor[] offsets, int group, "
+      "bool four_bit, Tensor? levels) -> Tensor[]",
+      linear_group);
   m.def("rmsnorm(Tensor x, Tensor weight, float eps) -> Tensor", rmsnorm);
   m.def("fused_add_rmsnorm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()",
         fused_add_rmsnorm);
