@@ -23,9 +23,11 @@ from aserve import LLM, SamplingParams
 from aserve.quant import native as native_module
 from aserve.quant.codes import quantize
 from aserve.quant.gguf import BLOCKS, QuantizedTensor, decode
+from aserve.quant.method import QuantizedLinearWeight, linear_each, one_call
 from aserve.quant.native import (
     BLAS_ROWS,
     NativeWeight,
+    Scratch,
     build_kind,
     linear_group,
     native_kernels,
@@ -530,6 +532,30 @@ def test_a_group_of_weights_shares_one_code_format() -> None:
     assert one_format([kept[QType.Q8_0], kept[QType.Q5_0]])
     assert not one_format([kept[QType.Q4_0], kept[QType.Q8_0]])
     assert not one_format([kept[QType.Q4_0], kept[QType.IQ4_NL]])
+
+
+@needs_kernels
+def test_linear_each_calls_the_kernels_once_only_for_what_they_take_together() -> None:
+    """A step's chosen experts: one call of the kernels for decode rows, one product at a time
+    from BLAS_ROWS rows (BLAS's path) or for mixed formats; the same outputs every way."""
+
+    def weight(qtype: QType, seed: int) -> QuantizedLinearWeight:
+        held = QuantizedLinearWeight([40], 256, "gguf")
+        held.load(
+            0, QuantizedTensor(torch.from_numpy(random_blocks(qtype, 40, 256, seed)), qtype, 256)
+        )
+        held.finalize(torch.device("cpu"), torch.float32, Scratch())
+        return held
+
+    weights = [weight(QType.Q4_K, seed) for seed in range(3)]
+    generator = torch.Generator().manual_seed(3)
+    for rows in (1, 5, BLAS_ROWS):
+        xs = [torch.randn(rows, 256, generator=generator) for _ in weights]
+        assert (one_call(weights, xs) is not None) == (rows < BLAS_ROWS)
+        alone = [w.linear(x, None) for w, x in zip(weights, xs)]
+        assert all(map(torch.equal, linear_each(weights, xs), alone))
+    mixed = [weights[0], weight(QType.Q8_0, 4)]
+    assert one_call(mixed, [torch.randn(1, 256)] * 2) is None
 
 
 OTHER_BUILD_CHECK = """

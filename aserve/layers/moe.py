@@ -27,8 +27,8 @@ from aserve.distributed.group import TPGroup
 from aserve.layers.weight import WeightSource
 from aserve.quant.fp8 import FP8, Fp8Tensor, quantize_rows
 from aserve.quant.gguf import QuantizedTensor
-from aserve.quant.method import QuantizedLinearWeight
-from aserve.quant.native import BLAS_ROWS, NativeWeight, Scratch, linear_group, one_format
+from aserve.quant.method import QuantizedLinearWeight, linear_each
+from aserve.quant.native import Scratch
 
 ExpertsFn = Callable[..., torch.Tensor]
 
@@ -324,8 +324,8 @@ class ExpertWeights(nn.Module):
 class QuantizedExperts(nn.Module):
     """The experts of a quantized GGUF file, each expert's gate|up and down kept in its
     blocks (a `QuantizedLinearWeight` pair an expert) and multiplied by the quantized
-    products of its device, in `grouped_experts`' loop: a Qwen3-MoE GGUF takes about its
-    file's bytes, not float's. Names and tensor-parallel slices as `ExpertWeights`."""
+    products of its device (`grouped_experts`): a Qwen3-MoE GGUF takes about its file's
+    bytes, not float's. Names and tensor-parallel slices as `ExpertWeights`."""
 
     def __init__(self, num_experts: int, hidden_size: int, inter_size: int, tp: TPGroup) -> None:
         super().__init__()
@@ -339,7 +339,6 @@ class QuantizedExperts(nn.Module):
         self.down = [
             QuantizedLinearWeight([hidden_size], local, "gguf") for _ in range(num_experts)
         ]
-        self.native: tuple[list[NativeWeight], list[NativeWeight]] | None = None
 
     def parts(self) -> list[str]:
         return expert_parts(self.num_experts)
@@ -355,19 +354,6 @@ class QuantizedExperts(nn.Module):
     def finalize(self, device: torch.device, dtype: torch.dtype, scratch: Scratch) -> None:
         for weight in (*self.gate_up, *self.down):
             weight.finalize(device, dtype, scratch)
-        self.native = self._native_products()
-
-    def _native_products(self) -> tuple[list[NativeWeight], list[NativeWeight]] | None:
-        """Every expert's gate|up and down as one product of aserve's CPU kernels each, all
-        gate|ups of one format and all downs of one (what `linear_group` takes), or None."""
-        parts = ([w.products for w in self.gate_up], [w.products for w in self.down])
-        native = tuple(
-            [p[0] for p in products if len(p) == 1 and isinstance(p[0], NativeWeight)]
-            for products in parts
-        )
-        if any(len(weights) < self.num_experts or not one_format(weights) for weights in native):
-            return None
-        return native[0], native[1]
 
     @property
     def nbytes(self) -> int:
@@ -379,22 +365,12 @@ class QuantizedExperts(nn.Module):
         return grouped_experts(x, topk_weights, topk_ids, self.num_experts, self._mlp)
 
     def _mlp(self, experts: list[int], parts: list[torch.Tensor]) -> list[torch.Tensor]:
-        """With aserve's CPU kernels and few rows an expert (decode), all the chosen experts'
-        gate|up in one call of the kernels and their downs in another; else one expert at a
-        time. The same outputs either way."""
-        few = max(p.shape[0] for p in parts) < BLAS_ROWS and parts[0].dtype == torch.float32
-        if self.native is not None and few:
-            gate_up, down = self.native
-            rows = [p.contiguous() for p in parts]
-            joined = torch.cat(linear_group([gate_up[e] for e in experts], rows))
-            gate, up = joined.chunk(2, -1)
-            acts = (F.silu(gate) * up).split([p.shape[0] for p in parts])
-            return linear_group([down[e] for e in experts], list(acts))
-        outs = []
-        for expert, rows in zip(experts, parts):
-            gate, up = self.gate_up[expert].linear(rows, None).chunk(2, -1)
-            outs.append(self.down[expert].linear(F.silu(gate) * up, None))
-        return outs
+        """The chosen experts' gate|up products together, then their downs (`linear_each`:
+        on CPU in decode one call of the kernels each)."""
+        gate_up = linear_each([self.gate_up[e] for e in experts], parts)
+        gate, up = torch.cat(gate_up).chunk(2, -1)
+        acts = (F.silu(gate) * up).split([p.shape[0] for p in parts])
+        return linear_each([self.down[e] for e in experts], list(acts))
 
 
 class SparseMoE(nn.Module):

@@ -17,7 +17,7 @@ from aserve.quant.codes import Codes, quantize
 from aserve.quant.cpu import DenseWeight, cpu_weight
 from aserve.quant.fp8 import Fp8Activations, Fp8Rows, Fp8Tensor, Fp8Weight, quantize_rows
 from aserve.quant.gguf import QuantizedTensor
-from aserve.quant.native import Scratch
+from aserve.quant.native import BLAS_ROWS, NativeWeight, Scratch, linear_group, one_format
 
 
 class QuantizedProduct(Protocol):
@@ -124,6 +124,29 @@ class QuantizedLinearWeight:
             return self.products[0].linear(x, bias)
         out = torch.cat([p.linear(x, None) for p in self.products], -1)
         return out if bias is None else out + bias
+
+
+def linear_each(weights: list[QuantizedLinearWeight], xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`weights[i].linear(xs[i], None)` for every i (a step's chosen experts): in one call of
+    the CPU kernels where `one_call` takes them, else one by one. The same outputs either way."""
+    native = one_call(weights, xs)
+    if native is not None:
+        return linear_group(native, [x.contiguous() for x in xs])
+    return [weight.linear(x, None) for weight, x in zip(weights, xs, strict=True)]
+
+
+def one_call(
+    weights: list[QuantizedLinearWeight], xs: list[torch.Tensor]
+) -> list[NativeWeight] | None:
+    """The weights' products, if `linear_group` can run them together: each weight one product
+    of aserve's CPU kernels, all of one code format, each x float32 of fewer than BLAS_ROWS
+    rows (more go through BLAS, one weight at a time)."""
+    products = [w.products[0] for w in weights if len(w.products) == 1]
+    native = [p for p in products if isinstance(p, NativeWeight)]
+    few = all(x.dtype == torch.float32 and x.shape[0] < BLAS_ROWS for x in xs)
+    if len(native) < len(weights) or not few or not one_format(native):
+        return None
+    return native
 
 
 def _same_format(a: Shard, b: Shard) -> bool:
