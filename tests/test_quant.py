@@ -23,7 +23,7 @@ from aserve import LLM, SamplingParams
 from aserve.quant import native as native_module
 from aserve.quant.codes import quantize
 from aserve.quant.gguf import BLOCKS, QuantizedTensor, decode
-from aserve.quant.method import QuantizedLinearWeight, linear_each, one_call
+from aserve.quant.method import ProductGroup
 from aserve.quant.native import (
     BLAS_ROWS,
     NativeWeight,
@@ -535,27 +535,39 @@ def test_a_group_of_weights_shares_one_code_format() -> None:
 
 
 @needs_kernels
-def test_linear_each_calls_the_kernels_once_only_for_what_they_take_together() -> None:
+def test_a_product_group_calls_the_kernels_once_only_for_what_they_take_together() -> None:
     """A step's chosen experts: one call of the kernels for decode rows, one product at a time
-    from BLAS_ROWS rows (BLAS's path) or for mixed formats; the same outputs every way."""
+    from BLAS_ROWS rows (BLAS's path) or where the weights' formats differ; the same outputs
+    every way."""
 
-    def weight(qtype: QType, seed: int) -> QuantizedLinearWeight:
-        held = QuantizedLinearWeight([40], 256, "gguf")
-        held.load(
-            0, QuantizedTensor(torch.from_numpy(random_blocks(qtype, 40, 256, seed)), qtype, 256)
-        )
-        held.finalize(torch.device("cpu"), torch.float32, Scratch())
-        return held
+    def group(qtypes: list[QType]) -> ProductGroup:
+        made = ProductGroup(len(qtypes), [40], 256, "gguf")
+        for seed, (weight, qtype) in enumerate(zip(made.weights, qtypes)):
+            raw = torch.from_numpy(random_blocks(qtype, 40, 256, seed))
+            weight.load(0, QuantizedTensor(raw, qtype, 256))
+        made.finalize(torch.device("cpu"), torch.float32, Scratch())
+        return made
 
-    weights = [weight(QType.Q4_K, seed) for seed in range(3)]
+    alike = group([QType.Q4_K] * 3)
+    assert alike.native is not None and group([QType.Q4_K, QType.Q8_0]).native is None
     generator = torch.Generator().manual_seed(3)
+    calls = 0
+    kernel = torch.ops.aserve_cpu.linear_group
+
+    def counted(*args: object) -> list[torch.Tensor]:
+        nonlocal calls
+        calls += 1
+        return kernel(*args)
+
     for rows in (1, 5, BLAS_ROWS):
-        xs = [torch.randn(rows, 256, generator=generator) for _ in weights]
-        assert (one_call(weights, xs) is not None) == (rows < BLAS_ROWS)
-        alone = [w.linear(x, None) for w, x in zip(weights, xs)]
-        assert all(map(torch.equal, linear_each(weights, xs), alone))
-    mixed = [weights[0], weight(QType.Q8_0, 4)]
-    assert one_call(mixed, [torch.randn(1, 256)] * 2) is None
+        xs = [torch.randn(rows, 256, generator=generator) for _ in range(2)]
+        alone = [alike.weights[i].linear(x, None) for i, x in zip((2, 0), xs)]
+        before = calls
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch.ops.aserve_cpu, "linear_group", counted)
+            together = alike.linear([2, 0], xs)
+        assert calls - before == (rows < BLAS_ROWS)
+        assert all(map(torch.equal, together, alone))
 
 
 OTHER_BUILD_CHECK = """

@@ -119,7 +119,7 @@ def test_tp2_moe_greedy_tokens_and_logprobs_equal_tp1(
         if stored == "float":
             assert experts.w2.shape[-1] == 32 // 2
         else:
-            assert isinstance(experts, QuantizedExperts) and experts.down[0].cols == 64 // 2
+            assert isinstance(experts, QuantizedExperts) and experts.down.weights[0].cols == 64 // 2
         assert_same_generations(two.generate(PROMPTS, params), one.generate(PROMPTS, params))
 
 

@@ -27,7 +27,7 @@ from aserve.distributed.group import TPGroup
 from aserve.layers.weight import WeightSource
 from aserve.quant.fp8 import FP8, Fp8Tensor, quantize_rows
 from aserve.quant.gguf import QuantizedTensor
-from aserve.quant.method import QuantizedLinearWeight, linear_each
+from aserve.quant.method import ProductGroup
 from aserve.quant.native import Scratch
 
 ExpertsFn = Callable[..., torch.Tensor]
@@ -323,7 +323,7 @@ class ExpertWeights(nn.Module):
 
 class QuantizedExperts(nn.Module):
     """The experts of a quantized GGUF file, each expert's gate|up and down kept in its
-    blocks (a `QuantizedLinearWeight` pair an expert) and multiplied by the quantized
+    blocks (a `ProductGroup` of gate|ups and one of downs) and multiplied by the quantized
     products of its device (`grouped_experts`): a Qwen3-MoE GGUF takes about its file's
     bytes, not float's. Names and tensor-parallel slices as `ExpertWeights`."""
 
@@ -333,12 +333,8 @@ class QuantizedExperts(nn.Module):
         start, end = tp.shard(inter_size)
         self.shard = slice(start, end)
         local = end - start
-        self.gate_up = [
-            QuantizedLinearWeight([local, local], hidden_size, "gguf") for _ in range(num_experts)
-        ]
-        self.down = [
-            QuantizedLinearWeight([hidden_size], local, "gguf") for _ in range(num_experts)
-        ]
+        self.gate_up = ProductGroup(num_experts, [local, local], hidden_size, "gguf")
+        self.down = ProductGroup(num_experts, [hidden_size], local, "gguf")
 
     def parts(self) -> list[str]:
         return expert_parts(self.num_experts)
@@ -346,18 +342,19 @@ class QuantizedExperts(nn.Module):
     def load_tensor(self, name: str, tensor: WeightSource | QuantizedTensor) -> list[str]:
         index, part = expert_part(name, self.num_experts)
         if part == "down_proj.weight":
-            self.down[index].load(0, tensor[:, self.shard])
+            self.down.weights[index].load(0, tensor[:, self.shard])
         else:
-            self.gate_up[index].load(int(part == "up_proj.weight"), tensor[self.shard])
+            shard = int(part == "up_proj.weight")
+            self.gate_up.weights[index].load(shard, tensor[self.shard])
         return [name]
 
     def finalize(self, device: torch.device, dtype: torch.dtype, scratch: Scratch) -> None:
-        for weight in (*self.gate_up, *self.down):
-            weight.finalize(device, dtype, scratch)
+        self.gate_up.finalize(device, dtype, scratch)
+        self.down.finalize(device, dtype, scratch)
 
     @property
     def nbytes(self) -> int:
-        return sum(weight.nbytes for weight in (*self.gate_up, *self.down))
+        return self.gate_up.nbytes + self.down.nbytes
 
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
@@ -365,12 +362,11 @@ class QuantizedExperts(nn.Module):
         return grouped_experts(x, topk_weights, topk_ids, self.num_experts, self._mlp)
 
     def _mlp(self, experts: list[int], parts: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The chosen experts' gate|up products together, then their downs (`linear_each`:
+        """The chosen experts' gate|up products together, then their downs (`ProductGroup`:
         on CPU in decode one call of the kernels each)."""
-        gate_up = linear_each([self.gate_up[e] for e in experts], parts)
-        gate, up = torch.cat(gate_up).chunk(2, -1)
+        gate, up = torch.cat(self.gate_up.linear(experts, parts)).chunk(2, -1)
         acts = (F.silu(gate) * up).split([p.shape[0] for p in parts])
-        return linear_each([self.down[e] for e in experts], list(acts))
+        return self.down.linear(experts, list(acts))
 
 
 class SparseMoE(nn.Module):

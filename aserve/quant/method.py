@@ -126,27 +126,36 @@ class QuantizedLinearWeight:
         return out if bias is None else out + bias
 
 
-def linear_each(weights: list[QuantizedLinearWeight], xs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """`weights[i].linear(xs[i], None)` for every i (a step's chosen experts): in one call of
-    the CPU kernels where `one_call` takes them, else one by one. The same outputs either way."""
-    native = one_call(weights, xs)
-    if native is not None:
-        return linear_group(native, [x.contiguous() for x in xs])
-    return [weight.linear(x, None) for weight, x in zip(weights, xs, strict=True)]
+class ProductGroup:
+    """Weights of one shape whose products a step runs side by side, each on rows of its own
+    (a MoE layer's experts: each one's gate|up, or each one's down). Where every weight is
+    one product of aserve's CPU kernels in one code format (decided once, at `finalize`),
+    the chosen weights with fewer than BLAS_ROWS float32 rows each run in one call of the
+    kernels (`linear_group`: a decode step's experts are products too small each to keep
+    the cores busy alone); otherwise one by one. The same outputs either way."""
 
+    def __init__(self, count: int, shard_rows: list[int], cols: int, quantization: str) -> None:
+        self.weights = [QuantizedLinearWeight(shard_rows, cols, quantization) for _ in range(count)]
+        self.native: list[NativeWeight] | None = None
 
-def one_call(
-    weights: list[QuantizedLinearWeight], xs: list[torch.Tensor]
-) -> list[NativeWeight] | None:
-    """The weights' products, if `linear_group` can run them together: each weight one product
-    of aserve's CPU kernels, all of one code format, each x float32 of fewer than BLAS_ROWS
-    rows (more go through BLAS, one weight at a time)."""
-    products = [w.products[0] for w in weights if len(w.products) == 1]
-    native = [p for p in products if isinstance(p, NativeWeight)]
-    few = all(x.dtype == torch.float32 and x.shape[0] < BLAS_ROWS for x in xs)
-    if len(native) < len(weights) or not few or not one_format(native):
-        return None
-    return native
+    def finalize(self, device: torch.device, dtype: torch.dtype, scratch: Scratch) -> None:
+        for weight in self.weights:
+            weight.finalize(device, dtype, scratch)
+        products = [w.products[0] for w in self.weights if len(w.products) == 1]
+        native = [p for p in products if isinstance(p, NativeWeight)]
+        whole = len(native) == len(self.weights) and one_format(native)
+        self.native = native if whole else None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(weight.nbytes for weight in self.weights)
+
+    def linear(self, chosen: list[int], xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`weights[chosen[i]].linear(xs[i], None)` for every i."""
+        few = all(x.dtype == torch.float32 and x.shape[0] < BLAS_ROWS for x in xs)
+        if self.native is not None and few:
+            return linear_group([self.native[i] for i in chosen], [x.contiguous() for x in xs])
+        return [self.weights[i].linear(x, None) for i, x in zip(chosen, xs, strict=True)]
 
 
 def _same_format(a: Shard, b: Shard) -> bool:
