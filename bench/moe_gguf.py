@@ -23,7 +23,6 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from aserve.models.source import embedded_gguf  # noqa: E402
 
 TOKENIZER_FIELDS = ("model", "pre", "tokens", "token_type", "merges")
 
@@ -39,11 +38,20 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--experts", type=int, nargs=2, default=(128, 8), metavar=("ALL", "USED"))
     p.add_argument("--expert-rows", type=int, default=192, help="moe_intermediate_size")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--vocab",
+        type=int,
+        default=None,
+        help="write no tokenizer and this many tokens (for token-id benchmarks where the "
+        "embedded model is not installed, e.g. the GPU machine)",
+    )
     return p.parse_args()
 
 
 def copy_tokenizer(writer: gguf.GGUFWriter) -> int:
     """The embedded model's vocabulary into `writer`; its size."""
+    from aserve.models.source import embedded_gguf
+
     reader = gguf.GGUFReader(embedded_gguf())
     read = {
         name: reader.get_field(f"tokenizer.ggml.{name}").contents() for name in TOKENIZER_FIELDS
@@ -64,7 +72,7 @@ def main() -> None:
     heads, kv_heads = args.heads
     experts, used = args.experts
     writer = gguf.GGUFWriter(args.out, "qwen3moe")
-    vocab = copy_tokenizer(writer)
+    vocab = copy_tokenizer(writer) if args.vocab is None else args.vocab
     writer.add_block_count(args.layers)
     writer.add_context_length(4096)
     writer.add_embedding_length(args.hidden)
