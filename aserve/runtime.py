@@ -45,7 +45,9 @@ def import_before_threads() -> None:
 def chosen_quantization(engine: EngineConfig, model: ModelConfig) -> str | None:
     """What the weights run as: the checkpoint's own format (`auto`, and `fp8` for an FP8
     checkpoint; dummy weights are float), float (`none`), or a float checkpoint quantized at
-    load (`int8`, `int4`, `fp8`)."""
+    load (`int8`, `int4`, `fp8`). `fp8` also takes a GGUF file's weights, de-quantized, into
+    FP8: on a GPU its MoE experts then run in the fused FP8 kernels under CUDA graphs,
+    where GGUF experts run one at a time."""
     stored = model.quantization
     if stored not in (None, "gguf", "fp8"):
         raise ConfigError(
@@ -58,11 +60,14 @@ def chosen_quantization(engine: EngineConfig, model: ModelConfig) -> str | None:
         return None
     if requested == "auto" or requested == stored == "fp8":  # vLLM users pass fp8 for both
         chosen = stored
+    elif stored == "gguf" and requested == "fp8":
+        chosen = "fp8"
     elif stored is not None:
         kind = "GGUF" if stored == "gguf" else "FP8"
         raise ConfigError(
             f"--quantization {requested} quantizes a float checkpoint at load; this one is "
             f"already quantized ({kind}): pass --quantization auto or none"
+            + (" (or fp8, on a GPU)" if stored == "gguf" else "")
         )
     else:
         chosen = requested

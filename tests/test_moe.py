@@ -152,9 +152,10 @@ def test_fp8_experts_in_the_torch_backend_equal_their_dequantized_weights() -> N
 
 
 def test_moe_experts_run_quantized_as_stored_or_in_fp8() -> None:
-    """`--quantization fp8` of a float checkpoint, an FP8 checkpoint as it is (`auto`, or
-    `fp8` as vLLM users pass it) and a GGUF file as it is reach the experts; other
-    quantizations, and the fused backend for GGUF experts, are refused in one line."""
+    """`--quantization fp8` of a float checkpoint or of a GGUF file (de-quantized, then FP8),
+    an FP8 checkpoint as it is (`auto`, or `fp8` as vLLM users pass it) and a GGUF file as it
+    is reach the experts; other quantizations, and the fused backend for GGUF experts, are
+    refused in one line."""
     from aserve.config import EngineConfig
     from aserve.runtime import chosen_quantization
 
@@ -171,6 +172,7 @@ def test_moe_experts_run_quantized_as_stored_or_in_fp8() -> None:
         chosen_quantization(EngineConfig(quantization="int8"), stored)
     gguf = dataclasses.replace(moe, quantization="gguf")
     assert chosen_quantization(EngineConfig(quantization="auto"), gguf) == "gguf"
+    assert chosen_quantization(EngineConfig(quantization="fp8"), gguf) == "fp8"
     assert chosen_quantization(EngineConfig(quantization="none"), gguf) is None
     with pytest.raises(ConfigError, match="--moe-backend fused runs float and FP8 experts"):
         chosen_quantization(EngineConfig(quantization="auto", moe_backend="fused"), gguf)
@@ -506,3 +508,31 @@ def test_quantized_gguf_experts_on_cuda_close_to_their_float_twin(
     torch.testing.assert_close(
         our_logits(quantized, prompt, continuation), expected, atol=1e-3, rtol=1e-3
     )
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="FP8 needs compute capability 8.9 or newer",
+)
+def test_gguf_moe_in_fp8_runs_the_fused_kernels_in_graphs(
+    make_llm: Callable[..., LLM], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--quantization fp8` of a GGUF MoE: its de-quantized experts in FP8 rows through the
+    fused kernels, decode under CUDA graphs; first greedy tokens mostly as the bf16 twin's."""
+    import gguf
+
+    from tests.gguf_files import write_hf_as_gguf
+    from tests.test_quant import first_tokens_agreeing
+
+    monkeypatch.setenv("ASERVE_CACHE_DIR", str(tmp_path / "cache"))
+    folder = make_tiny_model("qwen3_moe", tmp_path, overrides={**GPU_SHAPES, "mlp_only_layers": []})
+    model = write_hf_as_gguf(folder, tmp_path / "moe.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
+    options = {"device": "cuda", "dtype": "bfloat16", "page_size": 16, "num_pages": 1024}
+    fp8 = make_llm(model, quantization="fp8", **options)
+    experts = fp8.runtime.engine.model.model.layers[0].mlp.experts
+    assert isinstance(experts, ExpertWeights) and experts.w13.dtype == torch.float8_e4m3fn
+    assert fp8.runtime.engine.graphs is not None
+    agree, pairs = first_tokens_agreeing(fp8, make_llm(model, quantization="none", **options))
+    assert agree >= 4, pairs

@@ -171,6 +171,14 @@ class Engine:
             self.model = build_model(
                 model_config, self.max_seq_len, self.tp, ops, config.moe_backend, self.device
             )
+        gguf_experts = model_config.quantization == "gguf" and model_config.num_experts
+        if self.device.type == "cuda" and gguf_experts:
+            logger.warning(
+                "this GGUF file's experts run on CUDA one expert at a time, without CUDA "
+                "graphs (a small MoE decoded 24x slower so than in the fused kernels); "
+                "--quantization fp8 (compute capability 8.9+) or none runs them in the fused "
+                "kernels, in about 1 or 2 bytes a weight"
+            )
         kv_scales = KVScales()
         if config.dummy_weight:
             fill_dummy_weights(self.model, config.seed)
