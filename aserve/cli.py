@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
         "de-quantize its weights to --dtype at load; int8, int4: quantize a float "
         "checkpoint's linear layers at load (groups of 32, as Q8_0 and Q4_1); fp8: into "
         "FP8 with per-channel scales, activations per token (GPUs of compute capability 8.9+; "
-        "an FP8 checkpoint runs as it is)",
+        "an FP8 checkpoint runs as it is, a GGUF file's weights are de-quantized first)",
     )
     model.add_argument(
         "--kv-cache-dtype",
