@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QType
 
 from aserve import LLM, SamplingParams
+from aserve.layers.moe import grouped_experts
 from aserve.quant import native as native_module
 from aserve.quant.codes import quantize
 from aserve.quant.gguf import BLOCKS, QuantizedTensor, decode
@@ -30,6 +31,7 @@ from aserve.quant.native import (
     Scratch,
     build_kind,
     linear_group,
+    moe_experts,
     native_kernels,
     one_format,
 )
@@ -568,6 +570,45 @@ def test_a_product_group_calls_the_kernels_once_only_for_what_they_take_together
             together = alike.linear([2, 0], xs)
         assert calls - before == (rows < BLAS_ROWS)
         assert all(map(torch.equal, together, alone))
+
+
+@needs_kernels
+def test_a_moe_layer_in_one_call_equals_the_grouped_products() -> None:
+    """`moe_experts` (decode's whole MoE layer in one call of the kernels) against the grouped
+    Python path around the same products, for 1 to 40 tokens; and a token's output does not
+    depend on the tokens beside it (bit for bit)."""
+    experts, hidden, inter, top_k = 6, 256, 64, 2
+
+    def group(qtype: QType, rows: int, cols: int, seed: int) -> ProductGroup:
+        made = ProductGroup(experts, [rows], cols, "gguf")
+        for index, weight in enumerate(made.weights):
+            raw = torch.from_numpy(random_blocks(qtype, rows, cols, seed * 10 + index))
+            weight.load(0, QuantizedTensor(raw, qtype, cols))
+        made.finalize(torch.device("cpu"), torch.float32, Scratch())
+        return made
+
+    gate_up = group(QType.Q4_K, 2 * inter, hidden, 1)
+    down = group(QType.Q8_0, hidden, inter, 2)
+    assert gate_up.native is not None and down.native is not None
+
+    def grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        def mlp(chosen: list[int], parts: list[torch.Tensor]) -> list[torch.Tensor]:
+            gate, up = torch.cat(gate_up.linear(chosen, parts)).chunk(2, -1)
+            return down.linear(chosen, list((F.silu(gate) * up).split([len(p) for p in parts])))
+
+        return grouped_experts(x, weights, ids, experts, mlp)
+
+    generator = torch.Generator().manual_seed(4)
+    for tokens in (1, 5, 40):
+        x = torch.randn(tokens, hidden, generator=generator)
+        ids = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in x])
+        weights = torch.rand(tokens, top_k, generator=generator)
+        together = moe_experts(x, ids, weights, gate_up.native, down.native)
+        expected = grouped(x, weights, ids)  # random codes: outputs of ~1,000
+        scale = float(expected.abs().max())
+        torch.testing.assert_close(together, expected, atol=1e-5 * scale, rtol=0)
+        alone = moe_experts(x[-1:], ids[-1:], weights[-1:], gate_up.native, down.native)
+        assert torch.equal(alone[0], together[-1])
 
 
 OTHER_BUILD_CHECK = """

@@ -28,7 +28,7 @@ from aserve.layers.weight import WeightSource
 from aserve.quant.fp8 import FP8, Fp8Tensor, quantize_rows
 from aserve.quant.gguf import QuantizedTensor
 from aserve.quant.method import ProductGroup
-from aserve.quant.native import Scratch
+from aserve.quant.native import BLAS_ROWS, Scratch, moe_experts
 
 ExpertsFn = Callable[..., torch.Tensor]
 
@@ -359,6 +359,12 @@ class QuantizedExperts(nn.Module):
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
+        """Decode on CPU: the whole layer's experts in one call of the kernels; else grouped
+        in Python around the products."""
+        gate_up, down = self.gate_up.native, self.down.native
+        few = x.dtype == torch.float32 and x.shape[0] < BLAS_ROWS
+        if gate_up is not None and down is not None and few:
+            return moe_experts(x.contiguous(), topk_ids.long(), topk_weights, gate_up, down)
         return grouped_experts(x, topk_weights, topk_ids, self.num_experts, self._mlp)
 
     def _mlp(self, experts: list[int], parts: list[torch.Tensor]) -> list[torch.Tensor]:

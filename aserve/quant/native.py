@@ -274,3 +274,41 @@ def linear_group(weights: list[NativeWeight], xs: list[torch.Tensor]) -> list[to
         out if w.padded == w.shape[0] else out[:, : w.shape[0]]
         for w, out in zip(weights, outs, strict=True)
     ]
+
+
+def moe_experts(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: list[NativeWeight],
+    down: list[NativeWeight],
+) -> torch.Tensor:
+    """A MoE layer's experts for `x`'s tokens in one call of the kernels (`moe_experts` in
+    csrc/cpu_kernels.cpp): `ids` / `weights` `[tokens, top_k]` the chosen experts and their
+    routing weights; expert e is `gate_up[e]` (gate rows, then up rows) and `down[e]`, each
+    list of `one_format`. For fewer than BLAS_ROWS tokens, so that no expert gets more rows."""
+
+    def held(weights: list[NativeWeight]) -> tuple[object, ...]:
+        first = weights[0]
+        return (
+            [w.words for w in weights],
+            [w.scales for w in weights],
+            [w.offsets for w in weights],
+            first.group,
+            first.four_bit,
+            first.levels,
+        )
+
+    # Only the chosen experts' weights cross into the op (passing every expert's three
+    # tensors took ~80 us a call of 128 experts), `ids` renumbered among them.
+    chosen, local = torch.unique(ids, sorted=True, return_inverse=True)
+    experts = chosen.tolist()
+    inter = gate_up[0].shape[0] // 2
+    return torch.ops.aserve_cpu.moe_experts(
+        x,
+        local.long().contiguous(),
+        weights.float().contiguous(),
+        *held([gate_up[e] for e in experts]),
+        *held([down[e] for e in experts]),
+        inter,
+    )

@@ -31,6 +31,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -583,12 +584,15 @@ struct Product {
   Rows a;
 };
 
-Product product_of(const at::Tensor& x, const Weight& w) {
+// `y`: where the outputs go, [rows, panels * 8] contiguous; allocated when undefined.
+Product product_of(const at::Tensor& x, const Weight& w, at::Tensor y = {}) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 matrix");
   TORCH_CHECK(x.size(1) == w.cols, "x has ", x.size(1), " columns, the weight ", w.cols);
   const int64_t rows = x.size(0), out = w.panels * kLanes;
-  Product p{w, at::empty({rows, out}, x.options()), at::empty({rows, w.groups}, x.options()), {}};
+  if (!y.defined()) y = at::empty({rows, out}, x.options());
+  TORCH_CHECK(y.size(0) == rows && y.size(1) == out && y.is_contiguous(), "y: [rows, outputs]");
+  Product p{w, y, at::empty({rows, w.groups}, x.options()), {}};
   const float* xp = x.data_ptr<float>();
   float* sp = p.xsum.data_ptr<float>();
   for (int64_t i = 0; i < rows * w.groups; ++i) {
@@ -656,6 +660,101 @@ std::vector<at::Tensor> linear_group(at::TensorList xs, at::TensorList words,
   std::vector<at::Tensor> ys;
   for (const Product& p : products) ys.push_back(p.y);
   return ys;
+}
+
+// A MoE layer's experts for a few tokens (decode) in one call. The (token, slot) pairs are
+// grouped by expert, stably, as grouped_experts (layers/moe.py) groups them; each chosen
+// expert's rows are gathered; every gate|up product runs in one parallel region, then
+// SiLU(gate) * up, then every down product in a second region; last each token's outputs are
+// weighted and added in expert order. A token's operations do not depend on the others in
+// its batch. gate|up weights hold 2 * inter rows (gate, then up); downs hold hidden rows.
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
+                       at::TensorList up_words, at::TensorList up_scales,
+                       at::TensorList up_offsets, int64_t up_group, bool up_four_bit,
+                       const std::optional<at::Tensor>& up_levels, at::TensorList down_words,
+                       at::TensorList down_scales, at::TensorList down_offsets,
+                       int64_t down_group, bool down_four_bit,
+                       const std::optional<at::Tensor>& down_levels, int64_t inter) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "x must be a contiguous float32 matrix");
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && ids.scalar_type() == at::kLong &&
+                  ids.is_contiguous(),
+              "ids: int64 [tokens, top_k]");
+  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == at::kFloat &&
+                  weights.is_contiguous(),
+              "weights: float32 as ids");
+  const int64_t experts = static_cast<int64_t>(up_words.size());
+  TORCH_CHECK(down_words.size() == up_words.size() && up_scales.size() == up_words.size() &&
+                  up_offsets.size() == up_words.size() &&
+                  down_scales.size() == down_words.size() &&
+                  down_offsets.size() == down_words.size(),
+              "one gate|up and one down weight an expert");
+  const int64_t top_k = ids.size(1), hidden = x.size(1);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> pairs(experts);
+  for (int64_t p = 0; p < ids.numel(); ++p) {
+    TORCH_CHECK(id[p] >= 0 && id[p] < experts, "expert id ", id[p], " out of range");
+    pairs[id[p]].push_back(p);
+  }
+  std::vector<int64_t> chosen, first{0};
+  for (int64_t e = 0; e < experts; ++e) {
+    if (pairs[e].empty()) continue;
+    chosen.push_back(e);
+    first.push_back(first.back() + static_cast<int64_t>(pairs[e].size()));
+  }
+  const int64_t total = first.back();
+  at::Tensor gathered = at::empty({total, hidden}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* gp = gathered.data_ptr<float>();
+  std::vector<Weight> up_weights, down_weights;
+  for (size_t c = 0; c < chosen.size(); ++c) {
+    const int64_t e = chosen[c];
+    for (size_t i = 0; i < pairs[e].size(); ++i) {
+      std::copy_n(xp + pairs[e][i] / top_k * hidden, hidden, gp + (first[c] + i) * hidden);
+    }
+    up_weights.push_back(weight_of(up_words[e], up_scales[e], up_offsets[e], up_group,
+                                   up_four_bit, up_levels));
+    down_weights.push_back(weight_of(down_words[e], down_scales[e], down_offsets[e],
+                                     down_group, down_four_bit, down_levels));
+  }
+  const int64_t width = up_weights.empty() ? 0 : up_weights[0].panels * kLanes;
+  const int64_t down_width = down_weights.empty() ? 0 : down_weights[0].panels * kLanes;
+  TORCH_CHECK(width >= 2 * inter && (chosen.empty() || down_width >= hidden),
+              "gate|up weights need 2 x ", inter, " outputs and downs ", hidden);
+  at::Tensor ys = at::empty({total, width}, x.options());
+  std::vector<Product> ups;
+  for (size_t c = 0; c < chosen.size(); ++c) {
+    TORCH_CHECK(up_weights[c].panels * kLanes == width, "gate|up weights of one shape");
+    ups.push_back(product_of(gathered.narrow(0, first[c], first[c + 1] - first[c]),
+                             up_weights[c], ys.narrow(0, first[c], first[c + 1] - first[c])));
+  }
+  run(ups);
+  // SiLU(gate) * up through ATen's vectorized kernels, once for every chosen expert's rows.
+  const at::Tensor acts =
+      (at::silu(ys.narrow(1, 0, inter)) * ys.narrow(1, inter, inter)).contiguous();
+  at::Tensor downs_y = at::empty({total, down_width}, x.options());
+  std::vector<Product> downs;
+  for (size_t c = 0; c < chosen.size(); ++c) {
+    TORCH_CHECK(down_weights[c].panels * kLanes == down_width, "down weights of one shape");
+    downs.push_back(product_of(acts.narrow(0, first[c], first[c + 1] - first[c]),
+                               down_weights[c],
+                               downs_y.narrow(0, first[c], first[c + 1] - first[c])));
+  }
+  run(downs);
+  at::Tensor out = at::zeros_like(x);
+  float* op = out.data_ptr<float>();
+  const float* wp = weights.data_ptr<float>();
+  const float* yp = downs_y.data_ptr<float>();
+  for (size_t c = 0; c < chosen.size(); ++c) {
+    const std::vector<int64_t>& mine = pairs[chosen[c]];
+    for (size_t i = 0; i < mine.size(); ++i) {
+      float* o = op + mine[i] / top_k * hidden;
+      const float* y = yp + (first[c] + i) * down_width;
+      const float w = wp[mine[i]];
+      for (int64_t h = 0; h < hidden; ++h) o[h] += y[h] * w;
+    }
+  }
+  return out;
 }
 
 // Rows `ids` of the weight de-quantized (embedding lookups), w = code * scale + offset.
@@ -912,6 +1011,12 @@ TORCH_LIBRARY(aserve_cpu, m) {
       "linear_group(Tensor[] xs, Tensor[] words, Tensor[] scales, Tensor[] offsets, int group, "
       "bool four_bit, Tensor? levels) -> Tensor[]",
       linear_group);
+  m.def(
+      "moe_experts(Tensor x, Tensor ids, Tensor weights, Tensor[] up_words, Tensor[] up_scales, "
+      "Tensor[] up_offsets, int up_group, bool up_four_bit, Tensor? up_levels, "
+      "Tensor[] down_words, Tensor[] down_scales, Tensor[] down_offsets, int down_group, "
+      "bool down_four_bit, Tensor? down_levels, int inter) -> Tensor",
+      moe_experts);
   m.def("rmsnorm(Tensor x, Tensor weight, float eps) -> Tensor", rmsnorm);
   m.def("fused_add_rmsnorm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()",
         fused_add_rmsnorm);
