@@ -256,13 +256,11 @@ def one_format(weights: list[NativeWeight]) -> bool:
     )
 
 
-def linear_group(weights: list[NativeWeight], xs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """`weights[i].linear(xs[i], None)` for every i in one call of the kernels, one parallel
-    region for all (the same outputs, bit for bit): weights of `one_format`, each x float32,
-    contiguous and of fewer than BLAS_ROWS rows."""
+def kernel_weights(weights: list[NativeWeight]) -> tuple[object, ...]:
+    """Weights of `one_format` as the kernels' list ops take them: their words, scales and
+    offsets, then the format they share."""
     first = weights[0]
-    outs = torch.ops.aserve_cpu.linear_group(
-        xs,
+    return (
         [w.words for w in weights],
         [w.scales for w in weights],
         [w.offsets for w in weights],
@@ -270,6 +268,13 @@ def linear_group(weights: list[NativeWeight], xs: list[torch.Tensor]) -> list[to
         first.four_bit,
         first.levels,
     )
+
+
+def linear_group(weights: list[NativeWeight], xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`weights[i].linear(xs[i], None)` for every i in one call of the kernels, one parallel
+    region for all (the same outputs, bit for bit): weights of `one_format`, each x float32,
+    contiguous and of fewer than BLAS_ROWS rows."""
+    outs = torch.ops.aserve_cpu.linear_group(xs, *kernel_weights(weights))
     return [
         out if w.padded == w.shape[0] else out[:, : w.shape[0]]
         for w, out in zip(weights, outs, strict=True)
@@ -288,17 +293,6 @@ def moe_experts(
     routing weights; expert e is `gate_up[e]` (gate rows, then up rows) and `down[e]`, each
     list of `one_format`. For fewer than BLAS_ROWS tokens, so that no expert gets more rows."""
 
-    def held(weights: list[NativeWeight]) -> tuple[object, ...]:
-        first = weights[0]
-        return (
-            [w.words for w in weights],
-            [w.scales for w in weights],
-            [w.offsets for w in weights],
-            first.group,
-            first.four_bit,
-            first.levels,
-        )
-
     # Only the chosen experts' weights cross into the op (passing every expert's three
     # tensors took ~80 us a call of 128 experts), `ids` renumbered among them.
     chosen, local = torch.unique(ids, sorted=True, return_inverse=True)
@@ -308,7 +302,7 @@ def moe_experts(
         x,
         local.long().contiguous(),
         weights.float().contiguous(),
-        *held([gate_up[e] for e in experts]),
-        *held([down[e] for e in experts]),
+        *kernel_weights([gate_up[e] for e in experts]),
+        *kernel_weights([down[e] for e in experts]),
         inter,
     )
