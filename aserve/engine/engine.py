@@ -175,7 +175,7 @@ class Engine:
         if self.device.type == "cuda" and gguf_experts:
             logger.warning(
                 "this GGUF file's experts run on CUDA one expert at a time, without CUDA "
-                "graphs (a small MoE decoded 24x slower so than in the fused kernels); "
+                "graphs (a small MoE decoded 24x slower than in the fused kernels); "
                 "--quantization fp8 (compute capability 8.9+) or none runs them in the fused "
                 "kernels, in about 1 or 2 bytes a weight"
             )

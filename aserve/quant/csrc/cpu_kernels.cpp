@@ -605,28 +605,26 @@ Product product_of(const at::Tensor& x, const Weight& w, at::Tensor y = {}) {
 }
 
 // Every product's (row block, panel block) units in one parallel region, row-block-major
-// within a product: a thread's units mostly share one block of x.
+// within a product: a thread's units mostly share one block of x. A unit is found from its
+// index (the products' first units are kept, not the units: `linear` runs for every
+// product of a model, and a list of an LM head's units is ~800 entries).
 void run(const std::vector<Product>& products) {
-  struct Unit {
-    const Product* product;
-    int64_t first, last, first_panel, last_panel;
-  };
-  std::vector<Unit> units;
+  auto panel_blocks = [](const Product& p) { return (p.w.panels + kPanelBlock - 1) / kPanelBlock; };
+  std::vector<int64_t> starts{0};
   for (const Product& p : products) {
-    const int64_t rows = p.y.size(0);
-    for (int64_t first = 0; first < rows; first += kRowBlock) {
-      for (int64_t panel = 0; panel < p.w.panels; panel += kPanelBlock) {
-        units.push_back({&p, first, std::min(rows, first + kRowBlock), panel,
-                         std::min(p.w.panels, panel + kPanelBlock)});
-      }
-    }
+    const int64_t row_blocks = (p.y.size(0) + kRowBlock - 1) / kRowBlock;
+    starts.push_back(starts.back() + row_blocks * panel_blocks(p));
   }
-  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, starts.back(), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buffer;
-    for (int64_t i = begin; i < end; ++i) {
-      const Unit& u = units[i];
-      rows_against_panels(u.product->w, u.product->a, u.first, u.last, u.first_panel,
-                          u.last_panel, buffer);
+    size_t k = 0;
+    for (int64_t unit = begin; unit < end; ++unit) {
+      while (unit >= starts[k + 1]) ++k;
+      const Product& p = products[k];
+      const int64_t blocks = panel_blocks(p), local = unit - starts[k];
+      const int64_t first = local / blocks * kRowBlock, first_panel = local % blocks * kPanelBlock;
+      rows_against_panels(p.w, p.a, first, std::min(p.y.size(0), first + kRowBlock), first_panel,
+                          std::min(p.w.panels, first_panel + kPanelBlock), buffer);
     }
   });
 }
