@@ -77,11 +77,6 @@ def chosen_quantization(engine: EngineConfig, model: ModelConfig) -> str | None:
             "checkpoint, or --quantization fp8 of a float one): pass that, or --quantization "
             "none to run this model in --dtype"
         )
-    if chosen == "gguf" and model.num_experts and engine.moe_backend == "fused":
-        raise ConfigError(
-            "--moe-backend fused runs float and FP8 experts; a GGUF file's experts run in "
-            "aserve's quantized products (--moe-backend auto or torch, or --quantization none)"
-        )
     return chosen
 
 

@@ -154,8 +154,8 @@ def test_fp8_experts_in_the_torch_backend_equal_their_dequantized_weights() -> N
 def test_moe_experts_run_quantized_as_stored_or_in_fp8() -> None:
     """`--quantization fp8` of a float checkpoint or of a GGUF file (de-quantized, then FP8),
     an FP8 checkpoint as it is (`auto`, or `fp8` as vLLM users pass it) and a GGUF file as it
-    is reach the experts; other quantizations, and the fused backend for GGUF experts, are
-    refused in one line."""
+    is reach the experts (with either MoE backend); other quantizations are refused in one
+    line."""
     from aserve.config import EngineConfig
     from aserve.runtime import chosen_quantization
 
@@ -174,8 +174,8 @@ def test_moe_experts_run_quantized_as_stored_or_in_fp8() -> None:
     assert chosen_quantization(EngineConfig(quantization="auto"), gguf) == "gguf"
     assert chosen_quantization(EngineConfig(quantization="fp8"), gguf) == "fp8"
     assert chosen_quantization(EngineConfig(quantization="none"), gguf) is None
-    with pytest.raises(ConfigError, match="--moe-backend fused runs float and FP8 experts"):
-        chosen_quantization(EngineConfig(quantization="auto", moe_backend="fused"), gguf)
+    fused = EngineConfig(quantization="auto", moe_backend="fused")
+    assert chosen_quantization(fused, gguf) == "gguf"  # the fused kernels over codes, on CUDA
 
 
 def test_group_by_expert_keeps_token_order_and_counts_empty_experts() -> None:
@@ -485,29 +485,68 @@ def test_fused_moe_runs_in_cuda_graphs(make_llm: Callable[..., LLM], tmp_path: P
 
 @pytest.mark.gpu
 @requires_cuda
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
 def test_quantized_gguf_experts_on_cuda_close_to_their_float_twin(
-    make_llm: Callable[..., LLM], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    make_llm: Callable[..., LLM], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, qtype: str
 ) -> None:
-    """A Q8_0 Qwen3-MoE GGUF keeps its experts in blocks on CUDA too (aserve's CUDA products,
-    graphs off), with the float32 logits of its de-quantized twin's torch experts up to the
-    order of float sums (in bf16 the twin's weights are rounded and the two part further)."""
+    """A Qwen3-MoE GGUF keeps its experts in blocks on CUDA too: stacked for the fused
+    kernels over codes (the default), or one expert at a time with `--moe-backend torch`
+    (graphs off). Both give the float32 logits of the de-quantized twin's torch experts up
+    to the order of float sums (in bf16 the twin's weights are rounded and the two part
+    further)."""
     import gguf
 
     from tests.gguf_files import write_hf_as_gguf
 
     monkeypatch.setenv("ASERVE_CACHE_DIR", str(tmp_path / "cache"))
     folder = make_tiny_model("qwen3_moe", tmp_path, overrides={**GPU_SHAPES, "mlp_only_layers": []})
-    model = write_hf_as_gguf(folder, tmp_path / "moe.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
+    kind = gguf.GGMLQuantizationType[qtype]
+    model = write_hf_as_gguf(folder, tmp_path / "moe.gguf", qtype=kind)
     options = {"device": "cuda", "dtype": "float32", "attention_backend": "torch"}
-    quantized = make_llm(model, **options)
     twin = make_llm(model, quantization="none", moe_backend="torch", **options)
-    experts = quantized.runtime.engine.model.model.layers[0].mlp.experts
-    assert isinstance(experts, QuantizedExperts) and quantized.runtime.engine.graphs is None
     prompt, continuation = list(range(3, 100)), [7, 123, 45, 2, 99, 5]
     expected = our_logits(twin, prompt, continuation)
-    torch.testing.assert_close(
-        our_logits(quantized, prompt, continuation), expected, atol=1e-3, rtol=1e-3
-    )
+    for backend in ("auto", "torch"):
+        quantized = make_llm(model, moe_backend=backend, **options)
+        experts = quantized.runtime.engine.model.model.layers[0].mlp.experts
+        assert isinstance(experts, QuantizedExperts)
+        assert (experts.stacked is not None) == (backend == "auto")
+        assert quantized.runtime.engine.model.graph_capturable == (backend == "auto")
+        torch.testing.assert_close(
+            our_logits(quantized, prompt, continuation), expected, atol=1e-3, rtol=1e-3
+        )
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gguf_experts_in_the_fused_kernels_run_in_cuda_graphs(
+    make_llm: Callable[..., LLM], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 with the experts in Q4_0 codes: decode under CUDA graphs gives the eager tokens
+    (and logprobs to bf16's noise), and the eager fused kernels mostly the torch backend's
+    first tokens (they round gate|up once, in float32, where it rounds to bf16 first)."""
+    pytest.importorskip("flashinfer")
+    import gguf
+
+    from tests.gguf_files import write_hf_as_gguf
+    from tests.test_quant import first_tokens_agreeing
+
+    monkeypatch.setenv("ASERVE_CACHE_DIR", str(tmp_path / "cache"))
+    folder = make_tiny_model("qwen3_moe", tmp_path, overrides={**GPU_SHAPES, "mlp_only_layers": []})
+    model = write_hf_as_gguf(folder, tmp_path / "moe.gguf", qtype=gguf.GGMLQuantizationType.Q4_0)
+    options = {"device": "cuda", "dtype": "bfloat16", "page_size": 16, "num_pages": 1024}
+    graphed = make_llm(model, cuda_graph_max_bs=8, **options)
+    eager = make_llm(model, cuda_graph_max_bs=0, **options)
+    assert graphed.runtime.engine.graphs is not None
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=True)
+    prompts = [list(range(7 + i, 12 + 3 * i)) for i in range(5)]
+    for ours, reference in zip(graphed.generate(prompts, params), eager.generate(prompts, params)):
+        assert ours.token_ids == reference.token_ids
+        for a, b in zip(ours.logprobs, reference.logprobs):
+            assert a.logprob == pytest.approx(b.logprob, abs=0.02)
+    torch_backend = make_llm(model, moe_backend="torch", cuda_graph_max_bs=0, **options)
+    agree, pairs = first_tokens_agreeing(eager, torch_backend)
+    assert agree >= 4, pairs
 
 
 @pytest.mark.gpu

@@ -171,14 +171,6 @@ class Engine:
             self.model = build_model(
                 model_config, self.max_seq_len, self.tp, ops, config.moe_backend, self.device
             )
-        gguf_experts = model_config.quantization == "gguf" and model_config.num_experts
-        if self.device.type == "cuda" and gguf_experts:
-            logger.warning(
-                "this GGUF file's experts run on CUDA one expert at a time, without CUDA "
-                "graphs (a small MoE decoded 24x slower than in the fused kernels); "
-                "--quantization fp8 (compute capability 8.9+) or none runs them in the fused "
-                "kernels, in about 1 or 2 bytes a weight"
-            )
         kv_scales = KVScales()
         if config.dummy_weight:
             fill_dummy_weights(self.model, config.seed)
@@ -192,6 +184,8 @@ class Engine:
                 weights = pair_scales(weights, model_config.fp8_block, float_weights)
             self.model.load_weights(weights)
         self.model.finalize_quantized(self.device, self.dtype)
+        if self.device.type == "cuda":
+            _warn_of_unfused_experts(self.model)
         self.model.eval()
         if ops is not None and self.device.type == "cuda":
             use_one_row_kernel(self.model)
@@ -451,6 +445,19 @@ class Engine:
 
     def record_tokens(self, batch: ForwardBatch, next_ids: torch.Tensor) -> None:
         self.page_table.tokens.view(-1).index_copy_(0, batch.record_index, next_ids)
+
+
+def _warn_of_unfused_experts(model: torch.nn.Module) -> None:
+    """GGUF experts that run on CUDA one expert at a time, without CUDA graphs: under
+    --moe-backend torch, or where a layer's experts differ in format."""
+    loose = [m for m in model.modules() if isinstance(m, QuantizedExperts) and m.stacked is None]
+    if loose:
+        logger.warning(
+            "%d layers of this GGUF file's experts run on CUDA one expert at a time, without "
+            "CUDA graphs (a small MoE decoded 24x slower than in the fused kernels): "
+            "--moe-backend torch, or experts of one layer in different formats",
+            len(loose),
+        )
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

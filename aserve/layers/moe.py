@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,9 @@ from aserve.quant.fp8 import FP8, Fp8Tensor, quantize_rows
 from aserve.quant.gguf import QuantizedTensor
 from aserve.quant.method import ProductGroup
 from aserve.quant.native import BLAS_ROWS, Scratch, moe_experts
+
+if TYPE_CHECKING:
+    from aserve.layers.moe_codes_triton import StackedCodes
 
 ExpertsFn = Callable[..., torch.Tensor]
 
@@ -323,18 +326,25 @@ class ExpertWeights(nn.Module):
 
 class QuantizedExperts(nn.Module):
     """The experts of a quantized GGUF file, each expert's gate|up and down kept in its
-    blocks (a `ProductGroup` of gate|ups and one of downs) and multiplied by the quantized
-    products of its device (`grouped_experts`): a Qwen3-MoE GGUF takes about its file's
-    bytes, not float's. Names and tensor-parallel slices as `ExpertWeights`."""
+    blocks (a `ProductGroup` of gate|ups and one of downs): a Qwen3-MoE GGUF takes about its
+    file's bytes, not float's. On CUDA with `fused` (the fused MoE backend) a layer whose
+    experts share one format per part is stacked at load and runs in two fused launches
+    (layers/moe_codes_triton.py, CUDA graphs allowed); otherwise the quantized products of
+    its device run grouped (`grouped_experts`). Names and tensor-parallel slices as
+    `ExpertWeights`."""
 
-    def __init__(self, num_experts: int, hidden_size: int, inter_size: int, tp: TPGroup) -> None:
+    def __init__(
+        self, num_experts: int, hidden_size: int, inter_size: int, tp: TPGroup, fused: bool
+    ) -> None:
         super().__init__()
         self.num_experts = num_experts
+        self.fused = fused
         start, end = tp.shard(inter_size)
         self.shard = slice(start, end)
         local = end - start
         self.gate_up = ProductGroup(num_experts, [local, local], hidden_size, "gguf")
         self.down = ProductGroup(num_experts, [hidden_size], local, "gguf")
+        self.stacked: tuple[StackedCodes, StackedCodes] | None = None
 
     def parts(self) -> list[str]:
         return expert_parts(self.num_experts)
@@ -351,6 +361,12 @@ class QuantizedExperts(nn.Module):
     def finalize(self, device: torch.device, dtype: torch.dtype, scratch: Scratch) -> None:
         self.gate_up.finalize(device, dtype, scratch)
         self.down.finalize(device, dtype, scratch)
+        if self.fused and device.type == "cuda":
+            from aserve.layers.moe_codes_triton import stack_group
+
+            gate_up, down = stack_group(self.gate_up), stack_group(self.down)
+            if gate_up is not None and down is not None:
+                self.stacked = (gate_up, down)
 
     @property
     def nbytes(self) -> int:
@@ -359,8 +375,12 @@ class QuantizedExperts(nn.Module):
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        """Decode on CPU: the whole layer's experts in one call of the kernels; else grouped
-        in Python around the products."""
+        """Stacked experts on CUDA: the fused launches. Decode on CPU: the whole layer's
+        experts in one call of the kernels. Else grouped in Python around the products."""
+        if self.stacked is not None:
+            from aserve.layers.moe_codes_triton import fused_code_experts
+
+            return fused_code_experts(x, *self.stacked, topk_weights, topk_ids)
         gate_up, down = self.gate_up.native, self.down.native
         few = x.dtype == torch.float32 and x.shape[0] < BLAS_ROWS
         if gate_up is not None and down is not None and few:
@@ -398,7 +418,7 @@ class SparseMoE(nn.Module):
         self.backend = backend
         self.gate = Router(num_experts, hidden_size)
         self.experts: ExpertWeights | QuantizedExperts = (
-            QuantizedExperts(num_experts, hidden_size, inter_size, tp)
+            QuantizedExperts(num_experts, hidden_size, inter_size, tp, backend.name == "fused")
             if gguf
             else ExpertWeights(num_experts, hidden_size, inter_size, tp, fp8)
         )

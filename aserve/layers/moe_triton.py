@@ -105,7 +105,7 @@ def _moe_gemm(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _block_m(num_pairs: int, num_experts: int) -> int:
+def block_rows(num_pairs: int, num_experts: int) -> int:
     """Rows per tile: small when experts get few rows each (decode), so padding stays small."""
     per_expert = num_pairs / num_experts
     return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
@@ -172,7 +172,7 @@ def fused_experts(
     tokens, top_k = topk_ids.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     num_pairs = tokens * top_k
-    block_m = _block_m(num_pairs, num_experts)
+    block_m = block_rows(num_pairs, num_experts)
     layout = align_blocks(topk_ids, num_experts, block_m)
     weights = topk_weights.reshape(-1).contiguous()
     x = x.contiguous()

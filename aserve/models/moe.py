@@ -51,8 +51,14 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
             )
 
         super().__init__(config, max_positions, tp, ops, make_mlp)
-        # GGUF experts run grouped_experts' loop, which reads group sizes on the host.
-        self.graph_capturable = not backend.host_sync and config.quantization != "gguf"
+        self.backend = backend
+
+    @property
+    def graph_capturable(self) -> bool:  # type: ignore[override]
+        """Decode captures where no expert reads the host: the fused backend, with GGUF
+        experts stacked for it (known once they are finalized)."""
+        quantized = [m for m in self.modules() if isinstance(m, QuantizedExperts)]
+        return not self.backend.host_sync and all(m.stacked is not None for m in quantized)
 
     def load_tensor(
         self, modules: dict[str, nn.Module], name: str, tensor: WeightSource

@@ -1,0 +1,277 @@
+"""GGUF experts on CUDA in two fused launches, read as the file stores them.
+
+A quantized GGUF MoE keeps each expert's gate|up and down in codes (quant/cuda.py's
+`CudaWeight`: codes input-major, a scale and an offset per group of 16 or 32 inputs). Run
+expert by expert, a decode step made a launch or more per chosen expert and read the group
+sizes on the host, so no CUDA graph could hold it: a small MoE decoded 24x slower than in the
+fused float kernels (bench/NOTES.md). Here a layer's experts, stacked once at load into one
+tensor per part, go through the block layout of `align_blocks` as the fused float kernels
+do (aserve/layers/moe_triton.py): every program multiplies a tile of one expert's rows by
+that expert's codes, a tensor-core dot per group scaled and offset once in float32, the gate
+and up tiles side by side so that `silu(gate) * up` is written directly, then the down pass
+scales each row by its routing weight. Nothing reads the host, so decode is captured.
+Imported only on CUDA and under Triton's interpreter (it imports Triton).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from aserve.layers.moe import align_blocks
+from aserve.layers.moe_triton import block_rows
+from aserve.quant.cuda import CudaWeight, level_of
+from aserve.quant.method import ProductGroup
+
+
+@dataclass(frozen=True)
+class StackedCodes:
+    """Every expert's weight of one part, in `CudaWeight`'s layout with the expert first:
+    `codes` uint8 `[E, K / 2 or K, N]`, `scales` and `offsets` `[E, K / group, N]`, and
+    IQ4's `levels` if the codes stand for them. `rows` is N (the gate|up part's gate rows
+    then up rows), `cols` K."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    levels: torch.Tensor | None
+    group: int
+    four_bit: bool
+
+    @property
+    def rows(self) -> int:
+        return int(self.codes.shape[2])
+
+    @property
+    def cols(self) -> int:
+        return int(self.scales.shape[1]) * self.group
+
+
+def stack_group(group: ProductGroup) -> StackedCodes | None:
+    """`stack_experts` of a MoE part whose every weight is one CUDA product, else None."""
+    products = [w.products[0] for w in group.weights if len(w.products) == 1]
+    cuda = [p for p in products if isinstance(p, CudaWeight)]
+    return stack_experts(cuda) if len(cuda) == len(group.weights) else None
+
+
+def stack_experts(weights: list[CudaWeight]) -> StackedCodes | None:
+    """The experts' weights as one `StackedCodes`, each `CudaWeight` then holding views of it
+    (so the products one at a time still work, and no byte is held twice); None where they
+    differ in shape or format (a file may quantize experts of one layer differently)."""
+    first = weights[0]
+    for weight in weights[1:]:
+        same = (weight.shape, weight.group, weight.four_bit) == (
+            first.shape,
+            first.group,
+            first.four_bit,
+        ) and weight.scales.dtype == first.scales.dtype
+        if not same or (weight.levels is None) != (first.levels is None):
+            return None
+        if weight.levels is not None and not torch.equal(weight.levels, first.levels):
+            return None
+    stacked = StackedCodes(
+        torch.stack([w.codes for w in weights]),
+        torch.stack([w.scales for w in weights]),
+        torch.stack([w.offsets for w in weights]),
+        first.levels,
+        first.group,
+        first.four_bit,
+    )
+    for index, weight in enumerate(weights):
+        weight.codes = stacked.codes[index]
+        weight.scales = stacked.scales[index]
+        weight.offsets = stacked.offsets[index]
+    return stacked
+
+
+@triton.jit
+def _group_dot(
+    acc,
+    a_rows,
+    x,
+    x_sum,
+    codes_ptr,
+    levels_ptr,
+    scales_ptr,
+    offsets_ptr,
+    start,
+    cols,
+    N,
+    FOUR_BIT: tl.constexpr,
+    LEVELS: tl.constexpr,
+    GROUP: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """`acc` plus one group's part for the outputs `cols`: the dot of the group's activations
+    with its codes (small integers or IQ4 levels, exact in 16 bits), `* scale + x_sum *
+    offset` in float32. A 4-bit group of 32 loads each byte once: low nibbles meet the even
+    inputs, high ones the odd inputs (`x` unused, the halves loaded here)."""
+    col_ok = cols < N
+    tile_ok = col_ok[None, :]
+    codes_ptr += cols[None, :]
+    if FOUR_BIT and GROUP == 32:
+        lines = start // 2 + tl.arange(0, GROUP // 2)
+        packed = tl.load(codes_ptr + lines[:, None] * N, mask=tile_ok, other=0)
+        inputs = start + 2 * tl.arange(0, GROUP // 2)
+        x_even = tl.load(a_rows[:, None] + inputs[None, :])
+        x_odd = tl.load(a_rows[:, None] + inputs[None, :] + 1)
+        even = level_of(levels_ptr, packed & 15, LEVELS).to(x_even.dtype)
+        odd = level_of(levels_ptr, packed >> 4, LEVELS).to(x_odd.dtype)
+        part = tl.dot(x_even, even, input_precision=PRECISION)
+        part = tl.dot(x_odd, odd, part, input_precision=PRECISION)
+    else:
+        k = start + tl.arange(0, GROUP)
+        if FOUR_BIT:
+            # byte (j, n) holds input 2j in its low nibble and 2j + 1 in its high one
+            packed = tl.load(codes_ptr + (k[:, None] // 2) * N, mask=tile_ok, other=0)
+            code = (packed >> ((k[:, None] % 2) * 4)) & 15
+        else:
+            code = tl.load(codes_ptr + k[:, None] * N, mask=tile_ok, other=0)
+        code = level_of(levels_ptr, code, LEVELS).to(x.dtype)
+        part = tl.dot(x, code, input_precision=PRECISION)
+    at = (start // GROUP) * N + cols
+    scale = tl.load(scales_ptr + at, mask=col_ok, other=0.0).to(tl.float32)
+    offset = tl.load(offsets_ptr + at, mask=col_ok, other=0.0).to(tl.float32)
+    return acc + part * scale[None, :] + x_sum[:, None] * offset[None, :]
+
+
+@triton.jit
+def _moe_codes_gemm(
+    a_ptr,
+    codes_ptr,
+    levels_ptr,
+    scales_ptr,
+    offsets_ptr,
+    c_ptr,
+    weight_ptr,
+    sorted_pairs_ptr,
+    block_expert_ptr,
+    num_pairs,
+    num_experts,
+    n_size,
+    N,
+    K,
+    stride_am,
+    stride_cm,
+    ROWS_PER_A: tl.constexpr,
+    GATED: tl.constexpr,
+    FOUR_BIT: tl.constexpr,
+    LEVELS: tl.constexpr,
+    GROUP: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One `[BLOCK_M, BLOCK_N]` tile of `C[pair] = A[pair // ROWS_PER_A] @ W[expert]^T` with
+    W in codes (N rows, K inputs). GATED (the gate|up pass): W's rows are gate `[0, n_size)`
+    then up `[n_size, N)`, and the tile is `silu(A @ gate^T) * (A @ up^T)`; otherwise each
+    row is scaled by its pair's routing weight. Padding rows (pair id `num_pairs`) read row
+    0 of A and store nothing."""
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    if expert >= num_experts:
+        return
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + offs_m).to(tl.int64)
+    row_ok = pairs < num_pairs
+    a_rows = a_ptr + tl.where(row_ok, pairs // ROWS_PER_A, 0) * stride_am
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    lines = K // 2 if FOUR_BIT else K
+    groups = K // GROUP
+    codes_ptr += expert * lines * N
+    scales_ptr += expert * groups * N
+    offsets_ptr += expert * groups * N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(0, K, GROUP):
+        x = tl.load(a_rows[:, None] + (start + tl.arange(0, GROUP))[None, :])
+        x_sum = tl.sum(x.to(tl.float32), axis=1)
+        acc = _group_dot(
+            acc, a_rows, x, x_sum, codes_ptr, levels_ptr, scales_ptr, offsets_ptr, start, cols, N,
+            FOUR_BIT, LEVELS, GROUP, PRECISION,
+        )  # fmt: skip
+        if GATED:
+            acc_up = _group_dot(
+                acc_up, a_rows, x, x_sum, codes_ptr, levels_ptr, scales_ptr, offsets_ptr, start,
+                cols + n_size, N, FOUR_BIT, LEVELS, GROUP, PRECISION,
+            )  # fmt: skip
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    else:
+        weight = tl.load(weight_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
+        acc = acc * weight[:, None]
+    c_ptrs = c_ptr + pairs[:, None] * stride_cm + cols[None, :]
+    ok = row_ok[:, None] & (cols < n_size)[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=ok)
+
+
+BLOCK_N = 64
+
+
+def _launch(
+    a: torch.Tensor,
+    w: StackedCodes,
+    c: torch.Tensor,
+    weights: torch.Tensor,
+    layout_pairs: torch.Tensor,
+    layout_experts: torch.Tensor,
+    rows_per_a: int,
+    gated: bool,
+    block_m: int,
+) -> None:
+    n_size = c.shape[1]
+    grid = (layout_experts.numel(), triton.cdiv(n_size, BLOCK_N))
+    _moe_codes_gemm[grid](
+        a,
+        w.codes,
+        w.levels,
+        w.scales,
+        w.offsets,
+        c,
+        weights,
+        layout_pairs,
+        layout_experts,
+        weights.numel(),
+        w.codes.shape[0],
+        n_size,
+        w.rows,
+        w.cols,
+        a.stride(0),
+        c.stride(0),
+        ROWS_PER_A=rows_per_a,
+        GATED=gated,
+        FOUR_BIT=w.four_bit,
+        LEVELS=w.levels is not None,
+        GROUP=w.group,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m,
+        BLOCK_N=BLOCK_N,
+        num_warps=4,
+        num_stages=3,
+    )
+
+
+def fused_code_experts(
+    x: torch.Tensor,
+    gate_up: StackedCodes,
+    down: StackedCodes,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Each token's routing-weighted sum over its experts, `[tokens, hidden]`: the
+    `MoEBackend.experts` contract (aserve/layers/moe.py) for experts in codes."""
+    tokens, top_k = topk_ids.shape
+    num_experts, inter = gate_up.codes.shape[0], gate_up.rows // 2
+    num_pairs = tokens * top_k
+    block_m = block_rows(num_pairs, num_experts)
+    layout = align_blocks(topk_ids, num_experts, block_m)
+    weights = topk_weights.reshape(-1).contiguous()
+    x = x.contiguous()
+    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    _launch(x, gate_up, act, weights, *layout, top_k, True, block_m)
+    out = torch.empty(num_pairs, x.shape[1], dtype=x.dtype, device=x.device)
+    _launch(act, down, out, weights, *layout, 1, False, block_m)
+    return out.view(tokens, top_k, -1).sum(dim=1)
