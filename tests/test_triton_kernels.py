@@ -236,16 +236,16 @@ def test_gguf_products_on_each_path_match_float64(qtype: str) -> None:
 @pytest.mark.parametrize(
     ("qtype", "inter"), [("Q4_0", 64), ("Q8_0", 96), ("Q3_K", 256), ("Q6_K", 256), ("IQ4_XS", 256)]
 )
-@pytest.mark.parametrize("tokens", [1, 7])
+@pytest.mark.parametrize("tokens", [1, 7, 40])
 # random blocks make gate values of up to ~1e7: the interpreter's float32 exp overflows to
 # inf in SiLU's sigmoid, which then is exactly 0 as on the GPU
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 def test_fused_gguf_experts_match_float64(qtype: str, inter: int, tokens: int) -> None:
     """layers/moe_codes_triton.py's two launches over experts stacked in codes against the
-    float64 definition on their exact de-quantized values: 4-bit groups of 32 (one load a
-    byte), 8-bit codes, 3-bit groups of 16, Q6_K's 6-bit bytes, IQ4's levels; one token
-    (decode) and several whose experts repeat; experts that get no token. Stacking leaves
-    each expert's own product (now views of the stack) giving its old outputs."""
+    float64 definition on their exact de-quantized values: 4-bit groups of 32, 8-bit codes,
+    3-bit groups of 16, Q6_K's 6-bit bytes, IQ4's levels; one token (decode), several whose
+    experts repeat, and enough for tiles of 32 rows; experts that get no token. Stacking
+    leaves each expert's own product (now views of the stack) giving its old outputs."""
     from gguf import GGMLQuantizationType
 
     from aserve.layers.moe import route, torch_experts

@@ -7,9 +7,10 @@ sizes on the host, so no CUDA graph could hold it: a small MoE decoded 24x slowe
 fused float kernels (bench/NOTES.md). Here a layer's experts, stacked once at load into one
 tensor per part, go through the block layout of `align_blocks` as the fused float kernels
 do (aserve/layers/moe_triton.py): every program multiplies a tile of one expert's rows by
-that expert's codes, a tensor-core dot per group scaled and offset once in float32, the gate
-and up tiles side by side so that `silu(gate) * up` is written directly, then the down pass
-scales each row by its routing weight. Nothing reads the host, so decode is captured.
+that expert's weights, expanded from the codes tile by tile in registers (`code * scale +
+offset`) for the tensor cores, the gate and up tiles side by side so that `silu(gate) * up`
+is written directly; then the down pass scales each row by its routing weight. Nothing reads
+the host, so decode is captured.
 Imported only on CUDA and under Triton's interpreter (it imports Triton).
 """
 
@@ -88,11 +89,9 @@ def stack_experts(weights: list[CudaWeight]) -> StackedCodes | None:
 
 
 @triton.jit
-def _group_dot(
+def _expanded_dot(
     acc,
-    a_rows,
     x,
-    x_sum,
     codes_ptr,
     levels_ptr,
     scales_ptr,
@@ -104,38 +103,32 @@ def _group_dot(
     LEVELS: tl.constexpr,
     GROUP: tl.constexpr,
     PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
-    """`acc` plus one group's part for the outputs `cols`: the dot of the group's activations
-    with its codes (small integers or IQ4 levels, exact in 16 bits), `* scale + x_sum *
-    offset` in float32. A 4-bit group of 32 loads each byte once: low nibbles meet the even
-    inputs, high ones the odd inputs (`x` unused, the halves loaded here)."""
+    """`acc` plus the dot of `x` (BLOCK_K inputs from `start`) with the weights expanded in
+    the tile, `code * scale + offset` rounded to x's dtype (as a de-quantized twin holds
+    them). A dot a group of 16 or 32 inputs, its float32 sum then scaled and offset (as
+    quant/cuda.py's `quantized_gemm` does), was 1.0-1.5x slower at 1-128 tokens and up to
+    5x at 8,192 (bench/NOTES.md)."""
     col_ok = cols < N
     tile_ok = col_ok[None, :]
-    codes_ptr += cols[None, :]
-    if FOUR_BIT and GROUP == 32:
-        lines = start // 2 + tl.arange(0, GROUP // 2)
-        packed = tl.load(codes_ptr + lines[:, None] * N, mask=tile_ok, other=0)
-        inputs = start + 2 * tl.arange(0, GROUP // 2)
-        x_even = tl.load(a_rows[:, None] + inputs[None, :])
-        x_odd = tl.load(a_rows[:, None] + inputs[None, :] + 1)
-        even = level_of(levels_ptr, packed & 15, LEVELS).to(x_even.dtype)
-        odd = level_of(levels_ptr, packed >> 4, LEVELS).to(x_odd.dtype)
-        part = tl.dot(x_even, even, input_precision=PRECISION)
-        part = tl.dot(x_odd, odd, part, input_precision=PRECISION)
+    k = start + tl.arange(0, BLOCK_K)
+    if FOUR_BIT:
+        packed = tl.load(codes_ptr + (k[:, None] // 2) * N + cols[None, :], mask=tile_ok, other=0)
+        code = (packed >> ((k[:, None] % 2) * 4)) & 15
     else:
-        k = start + tl.arange(0, GROUP)
-        if FOUR_BIT:
-            # byte (j, n) holds input 2j in its low nibble and 2j + 1 in its high one
-            packed = tl.load(codes_ptr + (k[:, None] // 2) * N, mask=tile_ok, other=0)
-            code = (packed >> ((k[:, None] % 2) * 4)) & 15
-        else:
-            code = tl.load(codes_ptr + k[:, None] * N, mask=tile_ok, other=0)
-        code = level_of(levels_ptr, code, LEVELS).to(x.dtype)
-        part = tl.dot(x, code, input_precision=PRECISION)
-    at = (start // GROUP) * N + cols
-    scale = tl.load(scales_ptr + at, mask=col_ok, other=0.0).to(tl.float32)
-    offset = tl.load(offsets_ptr + at, mask=col_ok, other=0.0).to(tl.float32)
-    return acc + part * scale[None, :] + x_sum[:, None] * offset[None, :]
+        code = tl.load(codes_ptr + k[:, None] * N + cols[None, :], mask=tile_ok, other=0)
+    # each group's scale and offset loaded once, then repeated over its GROUP inputs
+    groups: tl.constexpr = BLOCK_K // GROUP
+    at = (start // GROUP + tl.arange(0, groups))[:, None] * N + cols[None, :]
+    scale = tl.load(scales_ptr + at, mask=tile_ok, other=0.0).to(tl.float32)
+    offset = tl.load(offsets_ptr + at, mask=tile_ok, other=0.0).to(tl.float32)
+    shape: tl.constexpr = (groups, GROUP, BLOCK_N)
+    scale = tl.reshape(tl.broadcast_to(scale[:, None, :], shape), (BLOCK_K, BLOCK_N))
+    offset = tl.reshape(tl.broadcast_to(offset[:, None, :], shape), (BLOCK_K, BLOCK_N))
+    weight = level_of(levels_ptr, code, LEVELS).to(tl.float32) * scale + offset
+    return tl.dot(x, weight.to(x.dtype), acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -164,6 +157,7 @@ def _moe_codes_gemm(
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """One `[BLOCK_M, BLOCK_N]` tile of `C[pair] = A[pair // ROWS_PER_A] @ W[expert]^T` with
     W in codes (N rows, K inputs). GATED (the gate|up pass): W's rows are gate `[0, n_size)`
@@ -186,17 +180,16 @@ def _moe_codes_gemm(
     offsets_ptr += expert * groups * N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for start in range(0, K, GROUP):
-        x = tl.load(a_rows[:, None] + (start + tl.arange(0, GROUP))[None, :])
-        x_sum = tl.sum(x.to(tl.float32), axis=1)
-        acc = _group_dot(
-            acc, a_rows, x, x_sum, codes_ptr, levels_ptr, scales_ptr, offsets_ptr, start, cols, N,
-            FOUR_BIT, LEVELS, GROUP, PRECISION,
+    for start in range(0, K, BLOCK_K):
+        x = tl.load(a_rows[:, None] + (start + tl.arange(0, BLOCK_K))[None, :])
+        acc = _expanded_dot(
+            acc, x, codes_ptr, levels_ptr, scales_ptr, offsets_ptr, start, cols, N,
+            FOUR_BIT, LEVELS, GROUP, PRECISION, BLOCK_K, BLOCK_N,
         )  # fmt: skip
         if GATED:
-            acc_up = _group_dot(
-                acc_up, a_rows, x, x_sum, codes_ptr, levels_ptr, scales_ptr, offsets_ptr, start,
-                cols + n_size, N, FOUR_BIT, LEVELS, GROUP, PRECISION,
+            acc_up = _expanded_dot(
+                acc_up, x, codes_ptr, levels_ptr, scales_ptr, offsets_ptr, start, cols + n_size,
+                N, FOUR_BIT, LEVELS, GROUP, PRECISION, BLOCK_K, BLOCK_N,
             )  # fmt: skip
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up
@@ -208,7 +201,9 @@ def _moe_codes_gemm(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=ok)
 
 
-BLOCK_N = 64
+# Of the settings tried on an H100 (bench/NOTES.md), best at every batch from 1 to 8,192
+# tokens on Qwen3-30B-A3B's and a smaller expert shape (4-bit codes).
+BLOCK_N, BLOCK_K, WARPS, STAGES = 64, 128, 4, 3
 
 
 def _launch(
@@ -223,6 +218,7 @@ def _launch(
     block_m: int,
 ) -> None:
     n_size = c.shape[1]
+    block_k = next(b for b in (BLOCK_K, 64, 32, 16) if w.cols % b == 0 and b % w.group == 0)
     grid = (layout_experts.numel(), triton.cdiv(n_size, BLOCK_N))
     _moe_codes_gemm[grid](
         a,
@@ -249,8 +245,9 @@ def _launch(
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m,
         BLOCK_N=BLOCK_N,
-        num_warps=4,
-        num_stages=3,
+        BLOCK_K=block_k,
+        num_warps=WARPS,
+        num_stages=STAGES,
     )
 
 
