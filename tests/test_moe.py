@@ -463,6 +463,16 @@ def test_fused_backend_bf16_logits_close_to_torch_backend(
     )
 
 
+def assert_graphs_generate_as_eager(graphed: LLM, eager: LLM) -> None:
+    """Greedy tokens equal, logprobs to bf16's noise, over five short prompts."""
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=True)
+    prompts = [list(range(7 + i, 12 + 3 * i)) for i in range(5)]
+    for ours, reference in zip(graphed.generate(prompts, params), eager.generate(prompts, params)):
+        assert ours.token_ids == reference.token_ids
+        for a, b in zip(ours.logprobs, reference.logprobs):
+            assert a.logprob == pytest.approx(b.logprob, abs=0.02)
+
+
 @pytest.mark.gpu
 @requires_cuda
 def test_fused_moe_runs_in_cuda_graphs(make_llm: Callable[..., LLM], tmp_path: Path) -> None:
@@ -475,12 +485,7 @@ def test_fused_moe_runs_in_cuda_graphs(make_llm: Callable[..., LLM], tmp_path: P
     eager = make_llm(folder, moe_backend="fused", cuda_graph_max_bs=0, **options)
     assert graphed.runtime.engine.graphs is not None
     assert make_llm(folder, moe_backend="torch", **options).runtime.engine.graphs is None
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=True)
-    prompts = [list(range(7 + i, 12 + 3 * i)) for i in range(5)]
-    for ours, reference in zip(graphed.generate(prompts, params), eager.generate(prompts, params)):
-        assert ours.token_ids == reference.token_ids
-        for a, b in zip(ours.logprobs, reference.logprobs):
-            assert a.logprob == pytest.approx(b.logprob, abs=0.02)
+    assert_graphs_generate_as_eager(graphed, eager)
 
 
 @pytest.mark.gpu
@@ -538,12 +543,7 @@ def test_gguf_experts_in_the_fused_kernels_run_in_cuda_graphs(
     graphed = make_llm(model, cuda_graph_max_bs=8, **options)
     eager = make_llm(model, cuda_graph_max_bs=0, **options)
     assert graphed.runtime.engine.graphs is not None
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=True)
-    prompts = [list(range(7 + i, 12 + 3 * i)) for i in range(5)]
-    for ours, reference in zip(graphed.generate(prompts, params), eager.generate(prompts, params)):
-        assert ours.token_ids == reference.token_ids
-        for a, b in zip(ours.logprobs, reference.logprobs):
-            assert a.logprob == pytest.approx(b.logprob, abs=0.02)
+    assert_graphs_generate_as_eager(graphed, eager)
     torch_backend = make_llm(model, moe_backend="torch", cuda_graph_max_bs=0, **options)
     agree, pairs = first_tokens_agreeing(eager, torch_backend)
     assert agree >= 4, pairs

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from aserve.layers.moe import align_blocks
-from aserve.layers.moe_triton import block_rows
+from aserve.layers.moe_triton import block_pairs, block_rows
 from aserve.quant.cuda import CudaWeight, level_of
 from aserve.quant.method import ProductGroup
 
@@ -168,9 +168,7 @@ def _moe_codes_gemm(
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert >= num_experts:
         return
-    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_pairs_ptr + offs_m).to(tl.int64)
-    row_ok = pairs < num_pairs
+    pairs, row_ok = block_pairs(sorted_pairs_ptr, block, num_pairs, BLOCK_M)
     a_rows = a_ptr + tl.where(row_ok, pairs // ROWS_PER_A, 0) * stride_am
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     lines = K // 2 if FOUR_BIT else K

@@ -23,6 +23,13 @@ from aserve.layers.moe import align_blocks
 
 
 @triton.jit
+def block_pairs(sorted_pairs_ptr, block, num_pairs, BLOCK_M: tl.constexpr):
+    """The pair ids of layout block `block` and which are real (padding holds `num_pairs`)."""
+    pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    return pairs, pairs < num_pairs
+
+
+@triton.jit
 def _moe_gemm(
     a_ptr,
     b_ptr,
@@ -63,9 +70,7 @@ def _moe_gemm(
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert >= num_experts:
         return
-    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_pairs_ptr + offs_m).to(tl.int64)
-    row_ok = pairs < num_pairs
+    pairs, row_ok = block_pairs(sorted_pairs_ptr, block, num_pairs, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = offs_n < n_size
     offs_k = tl.arange(0, BLOCK_K)
