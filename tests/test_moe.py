@@ -21,12 +21,11 @@ from aserve.layers.moe import (
     ExpertWeights,
     QuantizedExperts,
     SparseMoE,
-    align_blocks,
-    group_by_expert,
     moe_backend,
     route,
     torch_experts,
 )
+from aserve.layers.moe_layout import align_blocks, group_by_expert
 from aserve.models.registry import build_model
 from aserve.models.weights import fill_dummy_weights, iter_weights, load_hf_config
 from aserve.quant.fp8 import quantize_rows

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from aserve.layers.moe import align_blocks
+from aserve.layers.moe_layout import align_blocks
 from aserve.layers.moe_triton import block_pairs, block_rows
 from aserve.quant.cuda import CudaWeight, level_of
 from aserve.quant.method import ProductGroup

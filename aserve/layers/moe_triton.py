@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from aserve.layers.moe import align_blocks
+from aserve.layers.moe_layout import align_blocks
 
 
 @triton.jit
