@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType as QType
 from aserve import LLM, SamplingParams
 from aserve.layers.moe import grouped_experts
 from aserve.quant import native as native_module
-from aserve.quant.codes import quantize
+from aserve.quant.codes import Codes, quantize
 from aserve.quant.gguf import BLOCKS, QuantizedTensor, decode
 from aserve.quant.method import ProductGroup
 from aserve.quant.native import (
@@ -667,3 +667,54 @@ def test_kernels_built_for_older_cpus_give_the_same_products(
         cwd=Path(__file__).parent.parent,
     )
     assert result.returncode == 0 and "checked" in result.stdout, result.stderr[-3000:]
+
+
+def test_a_moe_part_decoded_at_once_splits_and_joins_expert_by_expert() -> None:
+    """Every expert's gate (and up) decoded as one weight of all their rows: `split_rows`
+    gives each expert's rows, `interleave_blocks` each expert's gate rows then its up rows
+    (the fused kernels' gate|up); weights of different formats do not join."""
+    experts, rows = 3, 4
+
+    def part(kind: QType, seed: int) -> Codes:
+        raw = random_blocks(kind, experts * rows, 64, seed=seed)
+        return decode(torch.from_numpy(raw), kind, 64)
+
+    gate, up = part(QType.Q4_0, 1), part(QType.Q4_0, 2)
+    dense_gate, dense_up = gate.dequantize(), up.dequantize()
+    for expert, piece in enumerate(gate.split_rows(experts)):
+        assert torch.equal(piece.dequantize(), dense_gate[expert * rows : (expert + 1) * rows])
+    joined = gate.interleave_blocks(up, experts)
+    for expert, piece in enumerate(joined.split_rows(experts)):
+        mine = slice(expert * rows, (expert + 1) * rows)
+        assert torch.equal(piece.dequantize(), torch.cat([dense_gate[mine], dense_up[mine]]))
+    with pytest.raises(ValueError, match="only weights of one group size"):
+        gate.interleave_blocks(part(QType.Q8_0, 3), experts)
+
+
+def test_moe_experts_of_different_formats_decode_one_by_one() -> None:
+    """A layer whose experts are stored in two formats (GGUF keeps one a stacked tensor, but
+    a file may split them) loads each expert on its own and multiplies as its float twin."""
+    from aserve.distributed.group import TPGroup
+    from aserve.layers.moe import QuantizedExperts, route, torch_experts
+    from aserve.quant.native import Scratch
+
+    num_experts, hidden, inter = 2, 64, 32
+    experts = QuantizedExperts(num_experts, hidden, inter, TPGroup(), fused=False)
+    kinds = [QType.Q4_0, QType.Q8_0]
+    dense: dict[str, list[torch.Tensor]] = {"gate": [], "up": [], "down": []}
+    for expert, kind in enumerate(kinds):
+        for seed, (name, rows, cols) in enumerate(
+            [("gate", inter, hidden), ("up", inter, hidden), ("down", hidden, inter)]
+        ):
+            raw = torch.from_numpy(random_blocks(kind, rows, cols, seed=10 * expert + seed))
+            experts.load_tensor(f"{expert}.{name}_proj.weight", QuantizedTensor(raw, kind, cols))
+            dense[name].append(decode(raw, kind, cols).dequantize())
+    experts.finalize(torch.device("cpu"), torch.float32, Scratch())
+    assert experts.stacked is None
+    w13 = torch.cat([torch.stack(dense["gate"]), torch.stack(dense["up"])], 1)
+    w2 = torch.stack(dense["down"])
+    x = torch.randn(5, hidden, generator=torch.Generator().manual_seed(0)) / 8
+    weights, ids = route(torch.randn(5, num_experts), 1, renormalize=True)
+    expected = torch_experts(x.double(), w13.double(), w2.double(), weights.double(), ids)
+    out = experts(x, weights, ids).double()
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-4 * float(expected.abs().max()))

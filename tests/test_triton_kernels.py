@@ -21,6 +21,7 @@ from aserve.engine.sampler import (
     step_keys,
 )
 from aserve.layers.rotary import RotaryEmbedding
+from aserve.quant.codes import Codes
 from aserve.sampling_params import SamplingParams
 
 pytest.importorskip("triton", reason="Triton is not installed (it comes with xgrammar)")
@@ -31,6 +32,7 @@ from aserve.layers.cuda_ops import CudaKernels  # noqa: E402
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPE = torch.float16
 FP8 = torch.float8_e4m3fn
+F32 = torch.float32
 ops = CudaKernels()
 
 
@@ -244,62 +246,40 @@ def test_fused_gguf_experts_match_float64(qtype: str, inter: int, tokens: int) -
     """layers/moe_codes_triton.py's two launches over experts stacked in codes against the
     float64 definition on their exact de-quantized values: 4-bit groups of 32, 8-bit codes,
     3-bit groups of 16, Q6_K's 6-bit bytes, IQ4's levels; one token (decode), several whose
-    experts repeat, and enough for tiles of 32 rows; experts that get no token. Stacking
-    leaves each expert's own product (now views of the stack) giving its old outputs."""
+    experts repeat, and enough for tiles of 32 rows; experts that get no token."""
     from gguf import GGMLQuantizationType
 
     from aserve.layers.moe import route, torch_experts
     from aserve.layers.moe_codes_triton import fused_code_experts, stack_experts
-    from aserve.quant.cuda import CudaWeight
     from aserve.quant.gguf import decode
     from tests.test_quant import random_blocks
 
     kind = GGMLQuantizationType[qtype]
     num_experts, hidden = 6, 256
 
-    def expert_weights(rows: int, cols: int, seed: int) -> tuple[list[CudaWeight], torch.Tensor]:
-        codes = [
-            decode(torch.from_numpy(random_blocks(kind, rows, cols, seed=seed + e)), kind, cols)
-            for e in range(num_experts)
-        ]
-        weights = [CudaWeight(c, DEVICE, torch.float32) for c in codes]
-        return weights, torch.stack([c.dequantize() for c in codes]).double()
+    def part(rows: int, cols: int, seed: int) -> Codes:
+        """One part of every expert, decoded at once (`[E * rows, cols]`), as a file's."""
+        raw = random_blocks(kind, num_experts * rows, cols, seed=seed)
+        return decode(torch.from_numpy(raw), kind, cols)
 
-    gate_up, exact13 = expert_weights(2 * inter, hidden, 1)
-    down, exact2 = expert_weights(hidden, inter, 100)
-    probe = torch.randn(3, hidden, generator=gen(50)).to(DEVICE)
-    before = gate_up[2].linear(probe, None)
-    stacked13, stacked2 = stack_experts(gate_up), stack_experts(down)
+    def exact(codes: Codes, rows: int) -> torch.Tensor:
+        return codes.dequantize().double().view(num_experts, rows, -1)
+
+    gate, up, down = part(inter, hidden, 1), part(inter, hidden, 2), part(hidden, inter, 3)
+    stacked13 = stack_experts(gate.interleave_blocks(up, num_experts), num_experts, DEVICE, F32)
+    stacked2 = stack_experts(down, num_experts, DEVICE, F32)
     assert stacked13 is not None and stacked2 is not None
-    assert stacked13.codes.shape[0] == num_experts and stacked13.rows == 2 * inter
-    assert gate_up[2].codes.data_ptr() == stacked13.codes[2].data_ptr()
-    assert torch.equal(gate_up[2].linear(probe, None), before)
+    assert (stacked13.experts, stacked13.rows, stacked13.cols) == (num_experts, 2 * inter, hidden)
+    exact13 = torch.cat([exact(gate, inter), exact(up, inter)], 1)
 
     x = torch.randn(tokens, hidden, generator=gen(51)) / 8
     # experts 4 and 5 get no token
     weights, ids = route(torch.randn(tokens, 4, generator=gen(52)), 2, renormalize=True)
     out = fused_code_experts(x.to(DEVICE), stacked13, stacked2, weights.to(DEVICE), ids.to(DEVICE))
-    exact = torch_experts(x.double(), exact13, exact2, weights.double(), ids)
+    expected = torch_experts(x.double(), exact13, exact(down, hidden), weights.double(), ids)
     assert out.shape == (tokens, hidden)
-    tolerance = 1e-5 * float(exact.abs().max())
-    torch.testing.assert_close(out.cpu().double(), exact, rtol=0, atol=tolerance)
-
-
-def test_experts_of_different_formats_are_not_stacked() -> None:
-    from gguf import GGMLQuantizationType
-
-    from aserve.layers.moe_codes_triton import stack_experts
-    from aserve.quant.cuda import CudaWeight
-    from aserve.quant.gguf import decode
-    from tests.test_quant import random_blocks
-
-    def weight(name: str) -> CudaWeight:
-        kind = GGMLQuantizationType[name]
-        codes = decode(torch.from_numpy(random_blocks(kind, 64, 256)), kind, 256)
-        return CudaWeight(codes, DEVICE, torch.float32)
-
-    assert stack_experts([weight("Q4_0"), weight("Q8_0")]) is None
-    assert stack_experts([weight("Q4_0"), weight("Q4_1")]) is not None  # both 4-bit, groups of 32
+    tolerance = 1e-5 * float(expected.abs().max())
+    torch.testing.assert_close(out.cpu().double(), expected, rtol=0, atol=tolerance)
 
 
 @pytest.mark.parametrize(

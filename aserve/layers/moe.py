@@ -26,8 +26,9 @@ from aserve.config import ConfigError
 from aserve.distributed.group import TPGroup
 from aserve.layers.moe_layout import group_by_expert
 from aserve.layers.weight import WeightSource
+from aserve.quant.codes import Codes
 from aserve.quant.fp8 import FP8, Fp8Tensor, quantize_rows
-from aserve.quant.gguf import QuantizedTensor
+from aserve.quant.gguf import QuantizedTensor, decode
 from aserve.quant.method import ProductGroup
 from aserve.quant.native import BLAS_ROWS, Scratch, moe_experts
 
@@ -296,31 +297,47 @@ class QuantizedExperts(nn.Module):
         self.gate_up = ProductGroup(num_experts, [local, local], hidden_size, "gguf")
         self.down = ProductGroup(num_experts, [hidden_size], local, "gguf")
         self.stacked: tuple[StackedCodes, StackedCodes] | None = None
+        # each part's tensors as they arrive, decoded at `finalize` for every expert at once
+        self.arrived: dict[str, list[QuantizedTensor | torch.Tensor | None]] = {
+            part: [None] * num_experts for part in EXPERT_PARTS
+        }
 
     def parts(self) -> list[str]:
         return expert_parts(self.num_experts)
 
     def load_tensor(self, name: str, tensor: WeightSource | QuantizedTensor) -> list[str]:
         index, part = expert_part(name, self.num_experts)
-        if part == "down_proj.weight":
-            self.down.weights[index].load(0, tensor[:, self.shard])
-        else:
-            shard = int(part == "up_proj.weight")
-            self.gate_up.weights[index].load(shard, tensor[self.shard])
+        sliced = tensor[:, self.shard] if part == "down_proj.weight" else tensor[self.shard]
+        self.arrived[part][index] = sliced
         return [name]
 
     def finalize(self, device: torch.device, dtype: torch.dtype, scratch: Scratch) -> None:
-        self.gate_up.finalize(device, dtype, scratch)
-        self.down.finalize(device, dtype, scratch)
-        if self.fused and device.type == "cuda":
-            from aserve.layers.moe_codes_triton import stack_group
+        """Each part decoded for every expert at once; on CUDA with `fused`, packed whole
+        for the fused kernels (gate and up rows joined expert by expert), else into each
+        expert's products."""
+        gate, up, down = (_decode_experts(self.arrived[part]) for part in EXPERT_PARTS)
+        self.arrived = {}
+        joinable = isinstance(gate, Codes) and isinstance(up, Codes) and gate.packs_with(up)
+        if self.fused and device.type == "cuda" and joinable and isinstance(down, Codes):
+            from aserve.layers.moe_codes_triton import stack_experts
 
-            gate_up, down = stack_group(self.gate_up), stack_group(self.down)
-            if gate_up is not None and down is not None:
-                self.stacked = (gate_up, down)
+            count = self.num_experts
+            gate_up = stack_experts(gate.interleave_blocks(up, count), count, device, dtype)
+            stacked_down = stack_experts(down, count, device, dtype)
+            if gate_up is not None and stacked_down is not None:
+                self.stacked = (gate_up, stacked_down)
+                return
+        for group, parts in ((self.gate_up, (gate, up)), (self.down, (down,))):
+            for shard, part in enumerate(parts):
+                pieces = part.split_rows(self.num_experts) if isinstance(part, Codes) else part
+                for weight, piece in zip(group.weights, pieces, strict=True):
+                    weight.load(shard, piece)
+            group.finalize(device, dtype, scratch)
 
     @property
     def nbytes(self) -> int:
+        if self.stacked is not None:
+            return sum(part.nbytes for part in self.stacked)
         return self.gate_up.nbytes + self.down.nbytes
 
     def forward(
@@ -344,6 +361,23 @@ class QuantizedExperts(nn.Module):
         gate, up = torch.cat(self.gate_up.linear(experts, parts)).chunk(2, -1)
         acts = (F.silu(gate) * up).split([p.shape[0] for p in parts])
         return self.down.linear(experts, list(acts))
+
+
+def _decode_experts(
+    tensors: list[QuantizedTensor | torch.Tensor | None],
+) -> Codes | list[Codes | torch.Tensor]:
+    """One part of every expert: where all are blocks of one format and shape, decoded in
+    one go into one `Codes` of all their rows, expert after expert; else each on its own
+    (a float tensor stays float)."""
+    present = [t for t in tensors if t is not None]
+    if len(present) < len(tensors):
+        raise ValueError(f"{len(tensors) - len(present)} experts' tensors are missing")
+    first = present[0]
+    blocks = [t for t in present if isinstance(t, QuantizedTensor)]
+    alike = isinstance(first, QuantizedTensor) and len(blocks) == len(present)
+    if alike and all((t.qtype, t.raw.shape) == (first.qtype, first.raw.shape) for t in blocks):
+        return decode(torch.cat([t.raw for t in blocks]), first.qtype, first.cols)
+    return [t.decode() if isinstance(t, QuantizedTensor) else t for t in present]
 
 
 class SparseMoE(nn.Module):

@@ -24,68 +24,44 @@ import triton.language as tl
 
 from aserve.layers.moe_layout import align_blocks
 from aserve.layers.moe_triton import block_pairs, block_rows
+from aserve.quant.codes import Codes
 from aserve.quant.cuda import CudaWeight, level_of
-from aserve.quant.method import ProductGroup
 
 
 @dataclass(frozen=True)
 class StackedCodes:
-    """Every expert's weight of one part, in `CudaWeight`'s layout with the expert first:
-    `codes` uint8 `[E, K / 2 or K, N]`, `scales` and `offsets` `[E, K / group, N]`, and
-    IQ4's `levels` if the codes stand for them. `rows` is N (the gate|up part's gate rows
-    then up rows), `cols` K."""
+    """Every expert's weight of one part as one `CudaWeight` of all their rows, expert after
+    expert: its codes `[K / 2 or K, E * N]` hold expert e's weight (N rows, K inputs) in
+    columns `[e * N, (e + 1) * N)`, its scales and offsets `[K / group, E * N]` likewise."""
 
-    codes: torch.Tensor
-    scales: torch.Tensor
-    offsets: torch.Tensor
-    levels: torch.Tensor | None
-    group: int
-    four_bit: bool
+    weight: CudaWeight
+    experts: int
 
     @property
     def rows(self) -> int:
-        return int(self.codes.shape[2])
+        """N: the rows of one expert's weight (of gate|up, its gate rows then its up rows)."""
+        return self.weight.shape[0] // self.experts
 
     @property
     def cols(self) -> int:
-        return int(self.scales.shape[1]) * self.group
+        return self.weight.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
 
 
-def stack_group(group: ProductGroup) -> StackedCodes | None:
-    """`stack_experts` of a MoE part whose every weight is one CUDA product, else None."""
-    products = [w.products[0] for w in group.weights if len(w.products) == 1]
-    cuda = [p for p in products if isinstance(p, CudaWeight)]
-    return stack_experts(cuda) if len(cuda) == len(group.weights) else None
-
-
-def stack_experts(weights: list[CudaWeight]) -> StackedCodes | None:
-    """The experts' weights as one `StackedCodes`, each `CudaWeight` then holding views of it
-    (so the products one at a time still work, and no byte is held twice); None where they
-    differ in shape or format (a file may quantize experts of one layer differently)."""
-    first = weights[0]
-    for weight in weights[1:]:
-        same = (weight.shape, weight.group, weight.four_bit) == (
-            first.shape,
-            first.group,
-            first.four_bit,
-        ) and weight.scales.dtype == first.scales.dtype
-        if not same or (weight.levels is None) != (first.levels is None):
-            return None
-        if weight.levels is not None and not torch.equal(weight.levels, first.levels):
-            return None
-    stacked = StackedCodes(
-        torch.stack([w.codes for w in weights]),
-        torch.stack([w.scales for w in weights]),
-        torch.stack([w.offsets for w in weights]),
-        first.levels,
-        first.group,
-        first.four_bit,
-    )
-    for index, weight in enumerate(weights):
-        weight.codes = stacked.codes[index]
-        weight.scales = stacked.scales[index]
-        weight.offsets = stacked.offsets[index]
-    return stacked
+def stack_experts(
+    codes: Codes, experts: int, device: torch.device, dtype: torch.dtype
+) -> StackedCodes | None:
+    """A MoE part decoded for every expert at once (`[E * N, K]`, expert after expert) packed
+    for the fused kernels in one go (a product an expert made a start of a 30B-A3B shaped file
+    take minutes: each small op waited for the interpreter lock, held by the kernel builds
+    running beside the load); None for formats the CUDA products do not take."""
+    try:
+        return StackedCodes(CudaWeight(codes, device, dtype), experts)
+    except ValueError:
+        return None
 
 
 @triton.jit
@@ -99,6 +75,7 @@ def _expanded_dot(
     start,
     cols,
     N,
+    stride,
     FOUR_BIT: tl.constexpr,
     LEVELS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -115,13 +92,15 @@ def _expanded_dot(
     tile_ok = col_ok[None, :]
     k = start + tl.arange(0, BLOCK_K)
     if FOUR_BIT:
-        packed = tl.load(codes_ptr + (k[:, None] // 2) * N + cols[None, :], mask=tile_ok, other=0)
+        packed = tl.load(
+            codes_ptr + (k[:, None] // 2) * stride + cols[None, :], mask=tile_ok, other=0
+        )
         code = (packed >> ((k[:, None] % 2) * 4)) & 15
     else:
-        code = tl.load(codes_ptr + k[:, None] * N + cols[None, :], mask=tile_ok, other=0)
+        code = tl.load(codes_ptr + k[:, None] * stride + cols[None, :], mask=tile_ok, other=0)
     # each group's scale and offset loaded once, then repeated over its GROUP inputs
     groups: tl.constexpr = BLOCK_K // GROUP
-    at = (start // GROUP + tl.arange(0, groups))[:, None] * N + cols[None, :]
+    at = (start // GROUP + tl.arange(0, groups))[:, None] * stride + cols[None, :]
     scale = tl.load(scales_ptr + at, mask=tile_ok, other=0.0).to(tl.float32)
     offset = tl.load(offsets_ptr + at, mask=tile_ok, other=0.0).to(tl.float32)
     shape: tl.constexpr = (groups, GROUP, BLOCK_N)
@@ -171,23 +150,23 @@ def _moe_codes_gemm(
     pairs, row_ok = block_pairs(sorted_pairs_ptr, block, num_pairs, BLOCK_M)
     a_rows = a_ptr + tl.where(row_ok, pairs // ROWS_PER_A, 0) * stride_am
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    lines = K // 2 if FOUR_BIT else K
-    groups = K // GROUP
-    codes_ptr += expert * lines * N
-    scales_ptr += expert * groups * N
-    offsets_ptr += expert * groups * N
+    # expert e's weight: columns [e * N, (e + 1) * N) of rows `stride` wide
+    stride = num_experts * N
+    codes_ptr += expert * N
+    scales_ptr += expert * N
+    offsets_ptr += expert * N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
         x = tl.load(a_rows[:, None] + (start + tl.arange(0, BLOCK_K))[None, :])
         acc = _expanded_dot(
-            acc, x, codes_ptr, levels_ptr, scales_ptr, offsets_ptr, start, cols, N,
+            acc, x, codes_ptr, levels_ptr, scales_ptr, offsets_ptr, start, cols, N, stride,
             FOUR_BIT, LEVELS, GROUP, PRECISION, BLOCK_K, BLOCK_N,
         )  # fmt: skip
         if GATED:
             acc_up = _expanded_dot(
                 acc_up, x, codes_ptr, levels_ptr, scales_ptr, offsets_ptr, start, cols + n_size,
-                N, FOUR_BIT, LEVELS, GROUP, PRECISION, BLOCK_K, BLOCK_N,
+                N, stride, FOUR_BIT, LEVELS, GROUP, PRECISION, BLOCK_K, BLOCK_N,
             )  # fmt: skip
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up
@@ -216,20 +195,22 @@ def _launch(
     block_m: int,
 ) -> None:
     n_size = c.shape[1]
-    block_k = next(b for b in (BLOCK_K, 64, 32, 16) if w.cols % b == 0 and b % w.group == 0)
+    group = w.weight.group
+    block_k = next(b for b in (BLOCK_K, 64, 32, 16) if w.cols % b == 0 and b % group == 0)
     grid = (layout_experts.numel(), triton.cdiv(n_size, BLOCK_N))
+    weight = w.weight
     _moe_codes_gemm[grid](
         a,
-        w.codes,
-        w.levels,
-        w.scales,
-        w.offsets,
+        weight.codes,
+        weight.levels,
+        weight.scales,
+        weight.offsets,
         c,
         weights,
         layout_pairs,
         layout_experts,
         weights.numel(),
-        w.codes.shape[0],
+        w.experts,
         n_size,
         w.rows,
         w.cols,
@@ -237,9 +218,9 @@ def _launch(
         c.stride(0),
         ROWS_PER_A=rows_per_a,
         GATED=gated,
-        FOUR_BIT=w.four_bit,
-        LEVELS=w.levels is not None,
-        GROUP=w.group,
+        FOUR_BIT=weight.four_bit,
+        LEVELS=weight.levels is not None,
+        GROUP=weight.group,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m,
         BLOCK_N=BLOCK_N,
@@ -259,7 +240,7 @@ def fused_code_experts(
     """Each token's routing-weighted sum over its experts, `[tokens, hidden]`: the
     `MoEBackend.experts` contract (aserve/layers/moe.py) for experts in codes."""
     tokens, top_k = topk_ids.shape
-    num_experts, inter = gate_up.codes.shape[0], gate_up.rows // 2
+    num_experts, inter = gate_up.experts, gate_up.rows // 2
     num_pairs = tokens * top_k
     block_m = block_rows(num_pairs, num_experts)
     layout = align_blocks(topk_ids, num_experts, block_m)

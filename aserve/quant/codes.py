@@ -74,6 +74,41 @@ class Codes(NamedTuple):
         shifted = (self.codes.to(torch.int16) - 128).to(torch.int8)
         return shifted, self.offsets + 128 * self.scales
 
+    def split_rows(self, count: int) -> list[Codes]:
+        """`count` weights of equal rows (a MoE part decoded for every expert at once), as
+        views."""
+        rows = self.shape[0] // count
+        return [
+            Codes(
+                self.codes[i * rows : (i + 1) * rows],
+                self.scales[i * rows : (i + 1) * rows],
+                self.offsets[i * rows : (i + 1) * rows],
+                self.group,
+                self.bits,
+                self.table,
+            )
+            for i in range(count)
+        ]
+
+    def interleave_blocks(self, other: Codes, count: int) -> Codes:
+        """Both weights cut into `count` blocks of rows, joined block by block: a MoE's gate
+        rows and up rows of every expert into each expert's gate rows then up rows."""
+        if not self.packs_with(other):
+            raise ValueError("only weights of one group size, width and levels join")
+
+        def join(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            joined = torch.cat([a.view(count, -1, a.shape[1]), b.view(count, -1, b.shape[1])], 1)
+            return joined.view(-1, a.shape[1])
+
+        return Codes(
+            join(self.codes, other.codes),
+            join(self.scales, other.scales),
+            join(self.offsets, other.offsets),
+            self.group,
+            self.bits,
+            self.table,
+        )
+
     @staticmethod
     def concat_rows(parts: list[Codes]) -> Codes:
         """Stack weights of one format (a fused projection's shards) into one."""

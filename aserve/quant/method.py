@@ -50,11 +50,13 @@ class QuantizedLinearWeight:
         self.shards: list[Shard | None] = [None] * len(shard_rows)
         self.products: list[QuantizedProduct] = []
 
-    def load(self, shard: int, tensor: QuantizedTensor | Fp8Tensor | torch.Tensor) -> None:
+    def load(self, shard: int, tensor: Codes | QuantizedTensor | Fp8Tensor | torch.Tensor) -> None:
         """This rank's rows of shard `shard`: still quantized, or a float tensor (files may
         keep some matrices unquantized)."""
         piece: Shard
-        if isinstance(tensor, QuantizedTensor):
+        if isinstance(tensor, Codes):  # decoded already (a MoE part, for every expert at once)
+            piece = tensor
+        elif isinstance(tensor, QuantizedTensor):
             piece = tensor.decode()
         elif isinstance(tensor, Fp8Tensor):
             piece = tensor.rows()
