@@ -30,38 +30,60 @@ from aserve.quant.cuda import CudaWeight, level_of
 
 @dataclass(frozen=True)
 class StackedCodes:
-    """Every expert's weight of one part as one `CudaWeight` of all their rows, expert after
-    expert: its codes `[K / 2 or K, E * N]` hold expert e's weight (N rows, K inputs) in
-    columns `[e * N, (e + 1) * N)`, its scales and offsets `[K / group, E * N]` likewise."""
+    """Every expert's weight of one part in `CudaWeight`'s layout with the expert first:
+    `codes` uint8 `[E, K / 2 or K, N]`, `scales` and `offsets` `[E, K / group, N]`, and
+    IQ4's `levels` if the codes stand for them. `rows` is N (of gate|up, an expert's gate
+    rows then its up rows), `cols` K."""
 
-    weight: CudaWeight
-    experts: int
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    levels: torch.Tensor | None
+    group: int
+    four_bit: bool
+
+    @property
+    def experts(self) -> int:
+        return int(self.codes.shape[0])
 
     @property
     def rows(self) -> int:
-        """N: the rows of one expert's weight (of gate|up, its gate rows then its up rows)."""
-        return self.weight.shape[0] // self.experts
+        return int(self.codes.shape[2])
 
     @property
     def cols(self) -> int:
-        return self.weight.shape[1]
+        return int(self.scales.shape[1]) * self.group
 
     @property
     def nbytes(self) -> int:
-        return self.weight.nbytes
+        return self.codes.nbytes + self.scales.nbytes + self.offsets.nbytes
 
 
 def stack_experts(
     codes: Codes, experts: int, device: torch.device, dtype: torch.dtype
 ) -> StackedCodes | None:
     """A MoE part decoded for every expert at once (`[E * N, K]`, expert after expert) packed
-    for the fused kernels in one go (a product an expert made a start of a 30B-A3B shaped file
-    take minutes: each small op waited for the interpreter lock, held by the kernel builds
-    running beside the load); None for formats the CUDA products do not take."""
+    for the fused kernels in one go, then each expert's columns made contiguous (kept in the
+    columns of one matrix, a tile's rows lay E * N bytes apart and decode was 1.5x slower on
+    the 30B-A3B shape). A product an expert made the start of a 30B-A3B-shaped file take
+    minutes: each small op waited for the interpreter lock, held by the kernel builds that
+    run beside the load. None for formats the CUDA products do not take."""
     try:
-        return StackedCodes(CudaWeight(codes, device, dtype), experts)
+        whole = CudaWeight(codes, device, dtype)
     except ValueError:
         return None
+
+    def by_expert(matrix: torch.Tensor) -> torch.Tensor:
+        return matrix.view(matrix.shape[0], experts, -1).transpose(0, 1).contiguous()
+
+    return StackedCodes(
+        by_expert(whole.codes),
+        by_expert(whole.scales),
+        by_expert(whole.offsets),
+        whole.levels,
+        whole.group,
+        whole.four_bit,
+    )
 
 
 @triton.jit
@@ -150,11 +172,11 @@ def _moe_codes_gemm(
     pairs, row_ok = block_pairs(sorted_pairs_ptr, block, num_pairs, BLOCK_M)
     a_rows = a_ptr + tl.where(row_ok, pairs // ROWS_PER_A, 0) * stride_am
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    # expert e's weight: columns [e * N, (e + 1) * N) of rows `stride` wide
-    stride = num_experts * N
-    codes_ptr += expert * N
-    scales_ptr += expert * N
-    offsets_ptr += expert * N
+    stride = N  # of the codes', scales' and offsets' rows
+    lines = K // 2 if FOUR_BIT else K
+    codes_ptr += expert * lines * N
+    scales_ptr += expert * (K // GROUP) * N
+    offsets_ptr += expert * (K // GROUP) * N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
@@ -195,16 +217,14 @@ def _launch(
     block_m: int,
 ) -> None:
     n_size = c.shape[1]
-    group = w.weight.group
-    block_k = next(b for b in (BLOCK_K, 64, 32, 16) if w.cols % b == 0 and b % group == 0)
+    block_k = next(b for b in (BLOCK_K, 64, 32, 16) if w.cols % b == 0 and b % w.group == 0)
     grid = (layout_experts.numel(), triton.cdiv(n_size, BLOCK_N))
-    weight = w.weight
     _moe_codes_gemm[grid](
         a,
-        weight.codes,
-        weight.levels,
-        weight.scales,
-        weight.offsets,
+        w.codes,
+        w.levels,
+        w.scales,
+        w.offsets,
         c,
         weights,
         layout_pairs,
@@ -218,9 +238,9 @@ def _launch(
         c.stride(0),
         ROWS_PER_A=rows_per_a,
         GATED=gated,
-        FOUR_BIT=weight.four_bit,
-        LEVELS=weight.levels is not None,
-        GROUP=weight.group,
+        FOUR_BIT=w.four_bit,
+        LEVELS=w.levels is not None,
+        GROUP=w.group,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m,
         BLOCK_N=BLOCK_N,
