@@ -236,6 +236,28 @@ def test_gguf_products_on_each_path_match_float64(qtype: str) -> None:
 
 
 @pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "block", "used"),
+    [(1, 128, 8, 16, None), (3, 8, 2, 16, 3), (64, 128, 8, 32, None), (37, 60, 4, 16, 20)],
+)
+def test_one_program_block_layout_is_the_torch_layout(
+    tokens: int, experts: int, top_k: int, block: int, used: int | None
+) -> None:
+    """layers/moe_align_triton.py's one-program layout against `align_blocks`' torch ops,
+    equal slot for slot: one token, experts that get nothing, a count of experts that is no
+    power of two, and the largest batch it takes (512 pairs)."""
+    from aserve.layers.moe_align_triton import MAX_PAIRS, device_layout
+    from aserve.layers.moe_layout import align_blocks
+
+    scores = torch.randn(tokens, used or experts, generator=gen(60 + tokens))
+    ids = torch.topk(scores, top_k, dim=-1).indices
+    assert ids.numel() <= MAX_PAIRS
+    expected = align_blocks(ids, experts, block)
+    actual = device_layout(ids.to(DEVICE), experts, block)
+    assert torch.equal(actual.sorted_pairs.cpu(), expected.sorted_pairs)
+    assert torch.equal(actual.block_expert.cpu(), expected.block_expert)
+
+
+@pytest.mark.parametrize(
     ("qtype", "inter"), [("Q4_0", 64), ("Q8_0", 96), ("Q3_K", 256), ("Q6_K", 256), ("IQ4_XS", 256)]
 )
 @pytest.mark.parametrize("tokens", [1, 7, 40])

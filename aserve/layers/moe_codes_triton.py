@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from aserve.layers.moe_layout import align_blocks
+from aserve.layers.moe_align_triton import device_layout
 from aserve.layers.moe_triton import block_pairs, block_rows
 from aserve.quant.codes import Codes
 from aserve.quant.cuda import CudaWeight, level_of
@@ -263,7 +263,7 @@ def fused_code_experts(
     num_experts, inter = gate_up.experts, gate_up.rows // 2
     num_pairs = tokens * top_k
     block_m = block_rows(num_pairs, num_experts)
-    layout = align_blocks(topk_ids, num_experts, block_m)
+    layout = device_layout(topk_ids, num_experts, block_m)
     weights = topk_weights.reshape(-1).contiguous()
     x = x.contiguous()
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)

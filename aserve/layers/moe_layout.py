@@ -41,6 +41,12 @@ class BlockLayout(NamedTuple):
     block_expert: torch.Tensor
 
 
+def max_blocks(num_pairs: int, num_experts: int, block: int) -> int:
+    """Blocks enough for any routing: every pair, plus a partly filled block for each expert
+    that can get pairs."""
+    return -(-(num_pairs + min(num_pairs, num_experts) * (block - 1)) // block)
+
+
 def align_blocks(topk_ids: torch.Tensor, num_experts: int, block: int) -> BlockLayout:
     """Torch ops only (sort, scatter, cumsum, searchsorted): it runs on CPU for the tests and
     inside a captured CUDA graph on the GPU."""
@@ -48,14 +54,14 @@ def align_blocks(topk_ids: torch.Tensor, num_experts: int, block: int) -> BlockL
     groups = group_by_expert(topk_ids, num_experts)
     padded = (groups.counts + block - 1) // block * block
     ends = padded.cumsum(0)
-    max_blocks = -(-(num_pairs + min(num_pairs, num_experts) * (block - 1)) // block)
+    blocks = max_blocks(num_pairs, num_experts, block)
     device = topk_ids.device
     experts = topk_ids.flatten().long()[groups.order]
     first = groups.counts.cumsum(0) - groups.counts
     rank_in_group = torch.arange(num_pairs, device=device) - first[experts]
     dest = (ends - padded)[experts] + rank_in_group
-    sorted_pairs = torch.full((max_blocks * block,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pairs = torch.full((blocks * block,), num_pairs, dtype=torch.int32, device=device)
     sorted_pairs.scatter_(0, dest, groups.order.to(torch.int32))
-    starts = torch.arange(0, max_blocks * block, block, device=device)
+    starts = torch.arange(0, blocks * block, block, device=device)
     block_expert = torch.searchsorted(ends, starts, right=True).to(torch.int32)
     return BlockLayout(sorted_pairs, block_expert)

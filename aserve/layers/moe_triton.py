@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from aserve.layers.moe_layout import align_blocks
+from aserve.layers.moe_align_triton import device_layout
 
 
 @triton.jit
@@ -178,7 +178,7 @@ def fused_experts(
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     num_pairs = tokens * top_k
     block_m = block_rows(num_pairs, num_experts)
-    layout = align_blocks(topk_ids, num_experts, block_m)
+    layout = device_layout(topk_ids, num_experts, block_m)
     weights = topk_weights.reshape(-1).contiguous()
     x = x.contiguous()
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
