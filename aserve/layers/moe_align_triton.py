@@ -49,7 +49,7 @@ def _align_kernel(
     # place j of the sorted pairs goes to slot j + (padded start - unpadded start) of its expert
     tl.store(shift_ptr + expert, ends - padded - firsts)
     keys = tl.sort(tl.where(ok, ids * PAIRS + pair, num_experts * PAIRS + pair))
-    slots = BLOCKS * BLOCK
+    slots: tl.constexpr = BLOCKS * BLOCK
     for start in tl.static_range(0, slots, PAIRS):
         at = start + tl.arange(0, PAIRS)
         tl.store(sorted_pairs_ptr + at, num_pairs, mask=at < num_blocks * BLOCK)
