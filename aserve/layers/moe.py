@@ -4,8 +4,8 @@ MLP, and the token's output is their routing-weighted sum.
 The experts run behind `MoEBackend`. `torch` sorts the (token, expert) pairs by expert and runs
 one matmul pair per expert that has tokens; it reads the group sizes on the host, so it cannot
 be captured in a CUDA graph. `fused` (aserve/layers/moe_triton.py, CUDA) runs Triton
-grouped-GEMM kernels over the block layout of `align_blocks`, built on the device with no host
-sync.
+grouped-GEMM kernels over the block layout of `moe_layout.align_blocks`, built on the device
+with no host sync.
 
 Tensor parallelism splits every expert along its intermediate dimension: each rank holds the
 rows of gate and up and the columns of down that belong to it, computes a partial sum for
