@@ -235,6 +235,31 @@ def test_gguf_products_on_each_path_match_float64(qtype: str) -> None:
     torch.testing.assert_close(looked_up, exact_weight[ids], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(1, 128, 8), (5, 60, 6), (64, 8, 2)])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_one_kernel_routing_is_torchs(
+    tokens: int, experts: int, top_k: int, renormalize: bool, dtype: torch.dtype
+) -> None:
+    """layers/moe_route_triton.py against `moe.route`'s torch ops: experts of the same
+    probabilities in the same (descending) order, so the same experts where no two tie
+    (float32 logits); of tied float16 logits it takes the lower expert, where torch's choice
+    is its own. Weights to a float32 step (the exponentials' rounding) before the cast."""
+    from aserve.layers.moe import route
+    from aserve.layers.moe_route_triton import route_kernel
+
+    logits = (torch.randn(tokens, experts, generator=gen(70 + tokens)) * 3).to(dtype)
+    weights, ids = route_kernel(logits.to(DEVICE), top_k, renormalize)
+    expected_weights, expected_ids = route(logits, top_k, renormalize)
+    assert weights.dtype == dtype and ids.dtype == torch.int64
+    probs = torch.softmax(logits.float(), -1)
+    assert torch.equal(probs.gather(1, ids.cpu()), probs.gather(1, expected_ids))
+    if dtype == torch.float32:
+        assert torch.equal(ids.cpu(), expected_ids)
+    step = 1e-6 if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(weights.cpu(), expected_weights, rtol=step, atol=step)
+
+
 @pytest.mark.parametrize(
     ("tokens", "experts", "top_k", "block", "used"),
     [(1, 128, 8, 16, None), (3, 8, 2, 16, 3), (64, 128, 8, 32, None), (37, 60, 4, 16, 20)],

@@ -109,6 +109,8 @@ def _expert_weight(
 
 
 TORCH_BACKEND = MoEBackend("torch", torch_experts, host_sync=True)
+ROUTE_KERNEL_TOKENS = 64
+"""Batches of up to this many tokens route in one kernel on CUDA (decode)."""
 
 
 def moe_backend(name: str, device: torch.device) -> MoEBackend:
@@ -137,7 +139,15 @@ def moe_backend(name: str, device: torch.device) -> MoEBackend:
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k experts per token and their weights, as transformers computes them: softmax in
-    float32, optionally renormalised over the chosen k, weights cast back to the model dtype."""
+    float32, optionally renormalised over the chosen k, weights cast back to the model dtype.
+    A decode batch on CUDA takes one kernel for it (layers/moe_route_triton.py)."""
+    if logits.is_cuda and logits.shape[0] <= ROUTE_KERNEL_TOKENS:
+        try:
+            from aserve.layers.moe_route_triton import route_kernel
+        except ImportError:  # no Triton: the torch ops below
+            pass
+        else:
+            return route_kernel(logits, top_k, renormalize)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
