@@ -383,10 +383,11 @@ def _decode_experts(
     if len(present) < len(tensors):
         raise ValueError(f"{len(tensors) - len(present)} experts' tensors are missing")
     first = present[0]
-    blocks = [t for t in present if isinstance(t, QuantizedTensor)]
-    alike = isinstance(first, QuantizedTensor) and len(blocks) == len(present)
-    if alike and all((t.qtype, t.raw.shape) == (first.qtype, first.raw.shape) for t in blocks):
-        return decode(torch.cat([t.raw for t in blocks]), first.qtype, first.cols)
+    if isinstance(first, QuantizedTensor) and all(
+        isinstance(t, QuantizedTensor) and (t.qtype, t.raw.shape) == (first.qtype, first.raw.shape)
+        for t in present
+    ):
+        return decode(torch.cat([t.raw for t in present]), first.qtype, first.cols)
     return [t.decode() if isinstance(t, QuantizedTensor) else t for t in present]
 
 

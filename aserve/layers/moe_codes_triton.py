@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from aserve.layers.moe_align_triton import device_layout
-from aserve.layers.moe_triton import block_pairs, block_rows
+from aserve.layers.moe_layout import BlockLayout
+from aserve.layers.moe_triton import block_pairs, two_passes
 from aserve.quant.codes import Codes
 from aserve.quant.cuda import CudaWeight, level_of
 
@@ -97,7 +97,6 @@ def _expanded_dot(
     start,
     cols,
     N,
-    stride,
     FOUR_BIT: tl.constexpr,
     LEVELS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -114,15 +113,13 @@ def _expanded_dot(
     tile_ok = col_ok[None, :]
     k = start + tl.arange(0, BLOCK_K)
     if FOUR_BIT:
-        packed = tl.load(
-            codes_ptr + (k[:, None] // 2) * stride + cols[None, :], mask=tile_ok, other=0
-        )
+        packed = tl.load(codes_ptr + (k[:, None] // 2) * N + cols[None, :], mask=tile_ok, other=0)
         code = (packed >> ((k[:, None] % 2) * 4)) & 15
     else:
-        code = tl.load(codes_ptr + k[:, None] * stride + cols[None, :], mask=tile_ok, other=0)
+        code = tl.load(codes_ptr + k[:, None] * N + cols[None, :], mask=tile_ok, other=0)
     # each group's scale and offset loaded once, then repeated over its GROUP inputs
     groups: tl.constexpr = BLOCK_K // GROUP
-    at = (start // GROUP + tl.arange(0, groups))[:, None] * stride + cols[None, :]
+    at = (start // GROUP + tl.arange(0, groups))[:, None] * N + cols[None, :]
     scale = tl.load(scales_ptr + at, mask=tile_ok, other=0.0).to(tl.float32)
     offset = tl.load(offsets_ptr + at, mask=tile_ok, other=0.0).to(tl.float32)
     shape: tl.constexpr = (groups, GROUP, BLOCK_N)
@@ -172,7 +169,6 @@ def _moe_codes_gemm(
     pairs, row_ok = block_pairs(sorted_pairs_ptr, block, num_pairs, BLOCK_M)
     a_rows = a_ptr + tl.where(row_ok, pairs // ROWS_PER_A, 0) * stride_am
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    stride = N  # of the codes', scales' and offsets' rows
     lines = K // 2 if FOUR_BIT else K
     codes_ptr += expert * lines * N
     scales_ptr += expert * (K // GROUP) * N
@@ -182,13 +178,13 @@ def _moe_codes_gemm(
     for start in range(0, K, BLOCK_K):
         x = tl.load(a_rows[:, None] + (start + tl.arange(0, BLOCK_K))[None, :])
         acc = _expanded_dot(
-            acc, x, codes_ptr, levels_ptr, scales_ptr, offsets_ptr, start, cols, N, stride,
+            acc, x, codes_ptr, levels_ptr, scales_ptr, offsets_ptr, start, cols, N,
             FOUR_BIT, LEVELS, GROUP, PRECISION, BLOCK_K, BLOCK_N,
         )  # fmt: skip
         if GATED:
             acc_up = _expanded_dot(
                 acc_up, x, codes_ptr, levels_ptr, scales_ptr, offsets_ptr, start, cols + n_size,
-                N, stride, FOUR_BIT, LEVELS, GROUP, PRECISION, BLOCK_K, BLOCK_N,
+                N, FOUR_BIT, LEVELS, GROUP, PRECISION, BLOCK_K, BLOCK_N,
             )  # fmt: skip
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up
@@ -259,15 +255,16 @@ def fused_code_experts(
 ) -> torch.Tensor:
     """Each token's routing-weighted sum over its experts, `[tokens, hidden]`: the
     `MoEBackend.experts` contract (aserve/layers/moe.py) for experts in codes."""
-    tokens, top_k = topk_ids.shape
-    num_experts, inter = gate_up.experts, gate_up.rows // 2
-    num_pairs = tokens * top_k
-    block_m = block_rows(num_pairs, num_experts)
-    layout = device_layout(topk_ids, num_experts, block_m)
-    weights = topk_weights.reshape(-1).contiguous()
-    x = x.contiguous()
-    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    _launch(x, gate_up, act, weights, *layout, top_k, True, block_m)
-    out = torch.empty(num_pairs, x.shape[1], dtype=x.dtype, device=x.device)
-    _launch(act, down, out, weights, *layout, 1, False, block_m)
-    return out.view(tokens, top_k, -1).sum(dim=1)
+
+    def launch(
+        a: torch.Tensor,
+        c: torch.Tensor,
+        gated: bool,
+        weights: torch.Tensor,
+        layout: BlockLayout,
+        rows_per_a: int,
+        block_m: int,
+    ) -> None:
+        _launch(a, gate_up if gated else down, c, weights, *layout, rows_per_a, gated, block_m)
+
+    return two_passes(x, topk_weights, topk_ids, gate_up.experts, gate_up.rows // 2, launch)

@@ -15,11 +15,14 @@ torch backend.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
 
 from aserve.layers.moe_align_triton import device_layout
+from aserve.layers.moe_layout import BlockLayout
 
 
 @triton.jit
@@ -164,6 +167,34 @@ def _launch(
     )
 
 
+PassLaunch = Callable[[torch.Tensor, torch.Tensor, bool, torch.Tensor, BlockLayout, int, int], None]
+"""One pass's launch: (a, c, gated, routing weights, layout, pairs a row of a, block rows)."""
+
+
+def two_passes(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    inter: int,
+    launch: PassLaunch,
+) -> torch.Tensor:
+    """The frame of both fused backends (float and FP8 experts here, GGUF codes in
+    moe_codes_triton.py): the block layout, the gate|up pass into `silu(gate) * up`, the
+    down pass weighted by the routing weights, and each token's sum over its k rows."""
+    tokens, top_k = topk_ids.shape
+    num_pairs = tokens * top_k
+    block_m = block_rows(num_pairs, num_experts)
+    layout = device_layout(topk_ids, num_experts, block_m)
+    weights = topk_weights.reshape(-1).contiguous()
+    x = x.contiguous()
+    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    launch(x, act, True, weights, layout, top_k, block_m)
+    out = torch.empty(num_pairs, x.shape[1], dtype=x.dtype, device=x.device)
+    launch(act, out, False, weights, layout, 1, block_m)
+    return out.view(tokens, top_k, -1).sum(dim=1)
+
+
 def fused_experts(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -174,15 +205,17 @@ def fused_experts(
     w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The `MoEBackend.experts` contract (see aserve/layers/moe.py), on CUDA."""
-    tokens, top_k = topk_ids.shape
-    num_experts, inter = w13.shape[0], w13.shape[1] // 2
-    num_pairs = tokens * top_k
-    block_m = block_rows(num_pairs, num_experts)
-    layout = device_layout(topk_ids, num_experts, block_m)
-    weights = topk_weights.reshape(-1).contiguous()
-    x = x.contiguous()
-    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    _launch(x, w13, act, weights, *layout, top_k, True, block_m, w13_scale)
-    out = torch.empty(num_pairs, x.shape[1], dtype=x.dtype, device=x.device)
-    _launch(act, w2, out, weights, *layout, 1, False, block_m, w2_scale)
-    return out.view(tokens, top_k, -1).sum(dim=1)
+
+    def launch(
+        a: torch.Tensor,
+        c: torch.Tensor,
+        gated: bool,
+        weights: torch.Tensor,
+        layout: BlockLayout,
+        rows_per_a: int,
+        block_m: int,
+    ) -> None:
+        b, scale = (w13, w13_scale) if gated else (w2, w2_scale)
+        _launch(a, b, c, weights, *layout, rows_per_a, gated, block_m, scale)
+
+    return two_passes(x, topk_weights, topk_ids, w13.shape[0], w13.shape[1] // 2, launch)
