@@ -20,18 +20,19 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QType
 
 from aserve import LLM, SamplingParams
-from aserve.layers.moe import grouped_experts
+from aserve.layers.moe import grouped_experts, route
 from aserve.quant import native as native_module
 from aserve.quant.codes import Codes, quantize
 from aserve.quant.gguf import BLOCKS, QuantizedTensor, decode
 from aserve.quant.method import ProductGroup
 from aserve.quant.native import (
     BLAS_ROWS,
+    ExpertStack,
     NativeWeight,
     Scratch,
     build_kind,
     linear_group,
-    moe_experts,
+    moe_layer,
     native_kernels,
     one_format,
 )
@@ -573,10 +574,11 @@ def test_a_product_group_calls_the_kernels_once_only_for_what_they_take_together
 
 
 @needs_kernels
-def test_a_moe_layer_in_one_call_equals_the_grouped_products() -> None:
-    """`moe_experts` (decode's whole MoE layer in one call of the kernels) against the grouped
-    Python path around the same products, for 1 to 40 tokens; and a token's output does not
-    depend on the tokens beside it (bit for bit)."""
+@pytest.mark.parametrize("renormalize", [True, False], ids=["renormalized", "softmax-weights"])
+def test_a_moe_layer_in_one_call_equals_routing_and_grouped_products(renormalize: bool) -> None:
+    """`moe_layer` (decode's whole MoE layer, router included, in one call of the kernels)
+    against layers/moe.route and the grouped Python path around the same products, for 1 to
+    40 tokens; and a token's output does not depend on the tokens beside it (bit for bit)."""
     experts, hidden, inter, top_k = 6, 256, 64, 2
 
     def group(qtype: QType, rows: int, cols: int, seed: int) -> ProductGroup:
@@ -590,25 +592,54 @@ def test_a_moe_layer_in_one_call_equals_the_grouped_products() -> None:
     gate_up = group(QType.Q4_K, 2 * inter, hidden, 1)
     down = group(QType.Q8_0, hidden, inter, 2)
     assert gate_up.native is not None and down.native is not None
+    stacks = ExpertStack(gate_up.native), ExpertStack(down.native)
+    generator = torch.Generator().manual_seed(4)
+    router = torch.randn(experts, hidden, generator=generator) / 16
 
-    def grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def grouped(x: torch.Tensor) -> torch.Tensor:
         def mlp(chosen: list[int], parts: list[torch.Tensor]) -> list[torch.Tensor]:
             gate, up = torch.cat(gate_up.linear(chosen, parts)).chunk(2, -1)
             return down.linear(chosen, list((F.silu(gate) * up).split([len(p) for p in parts])))
 
+        weights, ids = route(F.linear(x, router), top_k, renormalize)
         return grouped_experts(x, weights, ids, experts, mlp)
 
-    generator = torch.Generator().manual_seed(4)
     for tokens in (1, 5, 40):
         x = torch.randn(tokens, hidden, generator=generator)
-        ids = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in x])
-        weights = torch.rand(tokens, top_k, generator=generator)
-        together = moe_experts(x, ids, weights, gate_up.native, down.native)
-        expected = grouped(x, weights, ids)  # random codes: outputs of ~1,000
+        together = moe_layer(x, router, top_k, renormalize, *stacks, inter)
+        expected = grouped(x)  # random codes: outputs of ~1,000
         scale = float(expected.abs().max())
         torch.testing.assert_close(together, expected, atol=1e-5 * scale, rtol=0)
-        alone = moe_experts(x[-1:], ids[-1:], weights[-1:], gate_up.native, down.native)
+        alone = moe_layer(x[-1:], router, top_k, renormalize, *stacks, inter)
         assert torch.equal(alone[0], together[-1])
+
+
+@needs_kernels
+def test_experts_of_mixed_scale_widths_and_offsets_stack_without_changing_a_product() -> None:
+    """`ExpertStack` of one expert with float32 scales and no offsets and one with float16
+    scales and offsets: stacked in float32 with zero offsets for the first, each expert's
+    products (now views of the stack) the same bits as before."""
+    generator = torch.Generator().manual_seed(5)
+    rows, cols, group = 24, 64, 32
+
+    def expert(half: bool, offsets: bool) -> NativeWeight:
+        scales = torch.rand(rows, cols // group, generator=generator) + 0.5
+        scales = scales.half().float() if half else scales + 1e-4
+        shifts = -8 * scales if offsets else torch.zeros_like(scales)
+        codes = torch.randint(0, 16, (rows, cols), generator=generator, dtype=torch.uint8)
+        return NativeWeight(Codes(codes, scales, shifts, group, 4))
+
+    weights = [expert(half=False, offsets=False), expert(half=True, offsets=True)]
+    assert [w.scales.dtype for w in weights] == [torch.float32, torch.float16]
+    assert [w.offsets.numel() > 0 for w in weights] == [False, True]
+    x = torch.randn(3, cols, generator=generator)
+    before = [w.linear(x, None) for w in weights]
+    stack = ExpertStack(weights)
+    assert stack.scales.dtype == torch.float32 and stack.offsets.shape == stack.scales.shape
+    assert not stack.offsets[0].any()
+    after = [w.linear(x, None) for w in weights]
+    assert all(map(torch.equal, before, after))
+    assert weights[1].words.data_ptr() == stack.words[1].data_ptr()
 
 
 OTHER_BUILD_CHECK = """

@@ -30,7 +30,7 @@ from aserve.quant.codes import Codes
 from aserve.quant.fp8 import FP8, Fp8Tensor, quantize_rows
 from aserve.quant.gguf import QuantizedTensor, decode
 from aserve.quant.method import ProductGroup
-from aserve.quant.native import BLAS_ROWS, Scratch, moe_experts
+from aserve.quant.native import BLAS_ROWS, ExpertStack, Scratch, moe_layer
 
 if TYPE_CHECKING:
     from aserve.layers.moe_codes_triton import StackedCodes
@@ -292,8 +292,9 @@ class QuantizedExperts(nn.Module):
     file's bytes, not float's. On CUDA with `fused` (the fused MoE backend) a layer whose
     experts share one format per part is stacked at load and runs in two fused launches
     (layers/moe_codes_triton.py, CUDA graphs allowed); otherwise the quantized products of
-    its device run grouped (`grouped_experts`). Names and tensor-parallel slices as
-    `ExpertWeights`."""
+    its device run grouped (`grouped_experts`); on CPU each part is also stacked
+    (`ExpertStack`), and a decode step runs the whole layer, router included, in one call of
+    the kernels (`whole_layer`). Names and tensor-parallel slices as `ExpertWeights`."""
 
     def __init__(
         self, num_experts: int, hidden_size: int, inter_size: int, tp: TPGroup, fused: bool
@@ -307,6 +308,7 @@ class QuantizedExperts(nn.Module):
         self.gate_up = ProductGroup(num_experts, [local, local], hidden_size, "gguf")
         self.down = ProductGroup(num_experts, [hidden_size], local, "gguf")
         self.stacked: tuple[StackedCodes, StackedCodes] | None = None
+        self.cpu_stacks: tuple[ExpertStack, ExpertStack] | None = None
         # each part's tensors as they arrive, decoded at `finalize` for every expert at once
         self.arrived: dict[str, list[QuantizedTensor | torch.Tensor | None]] = {
             part: [None] * num_experts for part in EXPERT_PARTS
@@ -343,6 +345,8 @@ class QuantizedExperts(nn.Module):
                 for weight, piece in zip(group.weights, pieces, strict=True):
                     weight.load(shard, piece)
             group.finalize(device, dtype, scratch)
+        if self.gate_up.native is not None and self.down.native is not None:
+            self.cpu_stacks = (ExpertStack(self.gate_up.native), ExpertStack(self.down.native))
 
     @property
     def nbytes(self) -> int:
@@ -350,19 +354,27 @@ class QuantizedExperts(nn.Module):
             return sum(part.nbytes for part in self.stacked)
         return self.gate_up.nbytes + self.down.nbytes
 
+    def takes_whole_layer(self, x: torch.Tensor) -> bool:
+        """Whether `whole_layer` runs these tokens: stacked CPU experts, float32 decode rows."""
+        return self.cpu_stacks is not None and x.dtype == torch.float32 and x.shape[0] < BLAS_ROWS
+
+    def whole_layer(
+        self, x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool
+    ) -> torch.Tensor:
+        """Routing and experts in one call of the CPU kernels (`takes_whole_layer`)."""
+        assert self.cpu_stacks is not None
+        inter = self.gate_up.weights[0].shard_rows[0]
+        return moe_layer(x.contiguous(), router, top_k, renormalize, *self.cpu_stacks, inter)
+
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        """Stacked experts on CUDA: the fused launches. Decode on CPU: the whole layer's
-        experts in one call of the kernels. Else grouped in Python around the products."""
+        """Stacked experts on CUDA: the fused launches. Else grouped in Python around the
+        products."""
         if self.stacked is not None:
             from aserve.layers.moe_codes_triton import fused_code_experts
 
             return fused_code_experts(x, *self.stacked, topk_weights, topk_ids)
-        gate_up, down = self.gate_up.native, self.down.native
-        few = x.dtype == torch.float32 and x.shape[0] < BLAS_ROWS
-        if gate_up is not None and down is not None and few:
-            return moe_experts(x.contiguous(), topk_ids.long(), topk_weights, gate_up, down)
         return grouped_experts(x, topk_weights, topk_ids, self.num_experts, self._mlp)
 
     def _mlp(self, experts: list[int], parts: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -420,8 +432,10 @@ class SparseMoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         experts = self.experts
+        if isinstance(experts, QuantizedExperts) and experts.takes_whole_layer(x):
+            return experts.whole_layer(x, self.gate.weight, self.top_k, self.renormalize)
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         if isinstance(experts, QuantizedExperts):
             return experts(x, weights, ids)
         return self.backend.experts(

@@ -281,28 +281,57 @@ def linear_group(weights: list[NativeWeight], xs: list[torch.Tensor]) -> list[to
     ]
 
 
-def moe_experts(
-    x: torch.Tensor,
-    ids: torch.Tensor,
-    weights: torch.Tensor,
-    gate_up: list[NativeWeight],
-    down: list[NativeWeight],
-) -> torch.Tensor:
-    """A MoE layer's experts for `x`'s tokens in one call of the kernels (`moe_experts` in
-    csrc/cpu_kernels.cpp): `ids` / `weights` `[tokens, top_k]` the chosen experts and their
-    routing weights; expert e is `gate_up[e]` (gate rows, then up rows) and `down[e]`, each
-    list of `one_format`. For fewer than BLAS_ROWS tokens, so that no expert gets more rows."""
+class ExpertStack:
+    """A MoE layer's experts of one part (every gate|up, or every down) as one tensor each of
+    words, scales and offsets, expert-major, so that a decode step hands the whole layer to the
+    kernels in three tensors (handing them 128 experts' tensors one by one cost ~80 us a
+    call). The experts' own `NativeWeight`s become views of the stack: the bytes are held
+    once. Scales of mixed widths are stacked in float32 and offsets that some experts leave
+    out as zeros: the same values, so the same products."""
 
-    # Only the chosen experts' weights cross into the op (passing every expert's three
-    # tensors took ~80 us a call of 128 experts), `ids` renumbered among them.
-    chosen, local = torch.unique(ids, sorted=True, return_inverse=True)
-    experts = chosen.tolist()
-    inter = gate_up[0].shape[0] // 2
-    return torch.ops.aserve_cpu.moe_experts(
-        x,
-        local.long().contiguous(),
-        weights.float().contiguous(),
-        *kernel_weights([gate_up[e] for e in experts]),
-        *kernel_weights([down[e] for e in experts]),
-        inter,
+    def __init__(self, weights: list[NativeWeight]) -> None:
+        assert one_format(weights), "one stack holds experts of one code format"
+        first = weights[0]
+        self.group, self.four_bit, self.levels = first.group, first.four_bit, first.levels
+        self.padded = first.padded
+        half = all(w.scales.dtype == torch.float16 for w in weights)
+        dtype = torch.float16 if half else torch.float32
+        self.words = torch.stack([w.words.reshape(-1) for w in weights])
+        self.scales = torch.stack([w.scales.to(dtype) for w in weights])
+        if any(w.offsets.numel() for w in weights):
+            self.offsets = torch.stack(
+                [
+                    w.offsets.to(dtype)
+                    if w.offsets.numel()
+                    else w.scales.new_zeros(w.scales.shape, dtype=dtype)
+                    for w in weights
+                ]
+            )
+        else:
+            self.offsets = self.scales.new_empty(0)
+        for e, weight in enumerate(weights):
+            weight.words = self.words[e].view(weight.words.shape)
+            weight.scales = self.scales[e]
+            weight.offsets = self.offsets[e] if self.offsets.numel() else self.offsets
+
+    def kernel_args(self) -> tuple[object, ...]:
+        return (self.words, self.scales, self.offsets, self.group, self.four_bit, self.levels)
+
+
+def moe_layer(
+    x: torch.Tensor,
+    router: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    gate_up: ExpertStack,
+    down: ExpertStack,
+    inter: int,
+) -> torch.Tensor:
+    """A MoE layer for `x`'s tokens in one call of the kernels (`moe_layer` in
+    csrc/cpu_kernels.cpp): float32 router logits, softmax, top-k and renormalisation as
+    layers/moe.route computes them, then every chosen expert's gate|up (gate rows, then up
+    rows; `inter` each), SiLU-and-mul and down, and the routing-weighted sum. For fewer than
+    BLAS_ROWS tokens, so that no expert gets more rows."""
+    return torch.ops.aserve_cpu.moe_layer(
+        x, router, top_k, renormalize, *gate_up.kernel_args(), *down.kernel_args(), inter
     )

@@ -538,13 +538,16 @@ void rows_against_panels(const Weight& w, const Rows& a, int64_t first, int64_t 
 }
 #endif
 
+// The weight in `words`, `scales` and `offsets`; or, where scales have a leading dimension
+// of E experts ([E, panels, groups, 8], words [E, n]), expert 0 of such a stack, all of one
+// format and shape (`expert_of` gives the others).
 Weight weight_of(const at::Tensor& words, const at::Tensor& scales, const at::Tensor& offsets,
                  int64_t group, bool four_bit, const std::optional<at::Tensor>& levels) {
   TORCH_CHECK(words.scalar_type() == at::kInt && words.is_contiguous(), "words: int32");
   const bool half = scales.scalar_type() == at::kHalf;
-  TORCH_CHECK(scales.dim() == 3 && scales.size(2) == kLanes &&
+  TORCH_CHECK((scales.dim() == 3 || scales.dim() == 4) && scales.size(-1) == kLanes &&
                   (half || scales.scalar_type() == at::kFloat) && scales.is_contiguous(),
-              "scales: float32 or float16 [panels, groups, 8]");
+              "scales: float32 or float16 [panels, groups, 8] (or [experts, panels, groups, 8])");
   const bool has_offsets = offsets.numel() > 0;
   TORCH_CHECK(!has_offsets || (offsets.sizes() == scales.sizes() &&
                                offsets.scalar_type() == scales.scalar_type() && offsets.is_contiguous()),
@@ -555,7 +558,8 @@ Weight weight_of(const at::Tensor& words, const at::Tensor& scales, const at::Te
                     levels->numel() == 16,
                 "levels: 16 bytes (level + 128), for 4-bit codes");
   }
-  const int64_t panels = scales.size(0), groups = scales.size(1);
+  const int64_t count = scales.dim() == 4 ? scales.size(0) : 1;
+  const int64_t panels = scales.size(-3), groups = scales.size(-2);
   Weight w{reinterpret_cast<const uint32_t*>(words.data_ptr<int32_t>()),
            scales.data_ptr(),
            has_offsets ? offsets.data_ptr() : nullptr,
@@ -566,35 +570,55 @@ Weight weight_of(const at::Tensor& words, const at::Tensor& scales, const at::Te
            groups * group,
            four_bit,
            levels.has_value() ? levels->data_ptr<uint8_t>() : nullptr};
-  TORCH_CHECK(words.numel() == panels * w.panel_words(), "words do not match the scales");
+  TORCH_CHECK(words.numel() == count * panels * w.panel_words(), "words do not match the scales");
   return w;
 }
 
-// One product under way: x against w, into y.
+// Expert e of a stack (`weight_of`), from expert 0.
+Weight expert_of(const Weight& first, int64_t e) {
+  Weight w = first;
+  const int64_t scale_bytes = e * w.panels * w.groups * kLanes * w.scale_bytes();
+  w.words += e * w.panels * w.panel_words();
+  w.scales = static_cast<const char*>(w.scales) + scale_bytes;
+  if (w.offsets != nullptr) w.offsets = static_cast<const char*>(w.offsets) + scale_bytes;
+  return w;
+}
+
+// One product under way: x [rows, w.cols] against w, into y [rows, w.panels * 8], both
+// contiguous float32; `xsum` each row's sum over each group (for the offsets).
 struct Product {
   Weight w;
-  at::Tensor y, xsum;
-  Rows a;
+  const float* x;
+  float* y;
+  int64_t rows;
+  std::vector<float> xsum;
+
+  Rows operands() const { return Rows{x, xsum.data(), y, w.cols, w.groups, w.panels * kLanes}; }
 };
 
-// `y`: where the outputs go, [rows, panels * 8] contiguous; allocated when undefined.
-Product product_of(const at::Tensor& x, const Weight& w, at::Tensor y = {}) {
+Product product_at(const float* x, int64_t rows, const Weight& w, float* y) {
+  Product p{w, x, y, rows, std::vector<float>(rows * w.groups)};
+  // Each group's sum in input order, eight groups' chains of adds under way at once (one
+  // chain at a time took ~1.6 us for a 1,024-input row).
+  constexpr int64_t kChains = 8;
+  const int64_t sums = rows * w.groups;
+  for (int64_t i = 0; i < sums; i += kChains) {
+    const int64_t count = std::min(kChains, sums - i);
+    float sum[kChains] = {};
+    for (int64_t k = 0; k < w.group; ++k)
+      for (int64_t j = 0; j < count; ++j) sum[j] += x[(i + j) * w.group + k];
+    std::copy_n(sum, count, p.xsum.data() + i);
+  }
+  return p;
+}
+
+// `x` against `w` into a new [rows, panels * 8] tensor, returned with its product.
+std::pair<Product, at::Tensor> product_of(const at::Tensor& x, const Weight& w) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 matrix");
   TORCH_CHECK(x.size(1) == w.cols, "x has ", x.size(1), " columns, the weight ", w.cols);
-  const int64_t rows = x.size(0), out = w.panels * kLanes;
-  if (!y.defined()) y = at::empty({rows, out}, x.options());
-  TORCH_CHECK(y.size(0) == rows && y.size(1) == out && y.is_contiguous(), "y: [rows, outputs]");
-  Product p{w, y, at::empty({rows, w.groups}, x.options()), {}};
-  const float* xp = x.data_ptr<float>();
-  float* sp = p.xsum.data_ptr<float>();
-  for (int64_t i = 0; i < rows * w.groups; ++i) {
-    float sum = 0;
-    for (int64_t k = 0; k < w.group; ++k) sum += xp[i * w.group + k];
-    sp[i] = sum;
-  }
-  p.a = Rows{xp, sp, p.y.data_ptr<float>(), w.cols, w.groups, out};
-  return p;
+  at::Tensor y = at::empty({x.size(0), w.panels * kLanes}, x.options());
+  return {product_at(x.data_ptr<float>(), x.size(0), w, y.data_ptr<float>()), y};
 }
 
 // Every product's (row block, panel block) units in one parallel region, row-block-major
@@ -605,7 +629,7 @@ void run(const std::vector<Product>& products) {
   auto panel_blocks = [](const Product& p) { return (p.w.panels + kPanelBlock - 1) / kPanelBlock; };
   std::vector<int64_t> starts{0};
   for (const Product& p : products) {
-    const int64_t row_blocks = (p.y.size(0) + kRowBlock - 1) / kRowBlock;
+    const int64_t row_blocks = (p.rows + kRowBlock - 1) / kRowBlock;
     starts.push_back(starts.back() + row_blocks * panel_blocks(p));
   }
   at::parallel_for(0, starts.back(), 1, [&](int64_t begin, int64_t end) {
@@ -616,7 +640,7 @@ void run(const std::vector<Product>& products) {
       const Product& p = products[k];
       const int64_t blocks = panel_blocks(p), local = unit - starts[k];
       const int64_t first = local / blocks * kRowBlock, first_panel = local % blocks * kPanelBlock;
-      rows_against_panels(p.w, p.a, first, std::min(p.y.size(0), first + kRowBlock), first_panel,
+      rows_against_panels(p.w, p.operands(), first, std::min(p.rows, first + kRowBlock), first_panel,
                           std::min(p.w.panels, first_panel + kPanelBlock), buffer);
     }
   });
@@ -625,10 +649,9 @@ void run(const std::vector<Product>& products) {
 at::Tensor linear(const at::Tensor& x, const at::Tensor& words, const at::Tensor& scales,
                   const at::Tensor& offsets, int64_t group, bool four_bit,
                   const std::optional<at::Tensor>& levels) {
-  std::vector<Product> products{
-      product_of(x, weight_of(words, scales, offsets, group, four_bit, levels))};
-  run(products);
-  return products[0].y;
+  auto [product, y] = product_of(x, weight_of(words, scales, offsets, group, four_bit, levels));
+  run({product});
+  return y;
 }
 
 // xs[i] against weight i (words[i], scales[i], offsets[i]; one format for all), in one
@@ -642,51 +665,109 @@ std::vector<at::Tensor> linear_group(at::TensorList xs, at::TensorList words,
                   offsets.size() == xs.size(),
               "one weight for each x");
   std::vector<Product> products;
-  products.reserve(xs.size());
+  std::vector<at::Tensor> ys;
   for (size_t i = 0; i < xs.size(); ++i) {
-    const Weight w = weight_of(words[i], scales[i], offsets[i], group, four_bit, levels);
-    products.push_back(product_of(xs[i], w));
+    auto [product, y] =
+        product_of(xs[i], weight_of(words[i], scales[i], offsets[i], group, four_bit, levels));
+    products.push_back(std::move(product));
+    ys.push_back(y);
   }
   run(products);
-  std::vector<at::Tensor> ys;
-  for (const Product& p : products) ys.push_back(p.y);
   return ys;
 }
 
-// A MoE layer's experts for a few tokens (decode) in one call. The (token, slot) pairs are
-// grouped by expert, stably, as grouped_experts (layers/moe.py) groups them; each chosen
-// expert's rows are gathered; every gate|up product runs in one parallel region, then
-// SiLU(gate) * up, then every down product in a second region; last each token's outputs are
-// weighted and added in expert order. A token's operations do not depend on the others in
-// its batch. gate|up weights hold 2 * inter rows (gate, then up); downs hold hidden rows.
-at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
-                       at::TensorList up_words, at::TensorList up_scales,
-                       at::TensorList up_offsets, int64_t up_group, bool up_four_bit,
-                       const std::optional<at::Tensor>& up_levels, at::TensorList down_words,
-                       at::TensorList down_scales, at::TensorList down_offsets,
-                       int64_t down_group, bool down_four_bit,
-                       const std::optional<at::Tensor>& down_levels, int64_t inter) {
+// Each token's top_k experts and their weights as layers/moe.route chooses them: router logits
+// in float32 (one fixed order of operations a logit, so a token's logits do not depend on its
+// batch), softmax, the k largest in descending order (ties to the lower expert), renormalised
+// over the k if asked.
+void route(const at::Tensor& x, const at::Tensor& router, int64_t top_k, bool renormalize,
+           std::vector<int64_t>& ids, std::vector<float>& chosen_weights) {
+  TORCH_CHECK(router.dim() == 2 && router.size(1) == x.size(1) &&
+                  router.scalar_type() == at::kFloat && router.is_contiguous(),
+              "router: float32 [experts, hidden]");
+  const int64_t tokens = x.size(0), hidden = x.size(1), experts = router.size(0);
+  TORCH_CHECK(top_k >= 1 && top_k <= experts, "top_k must be in [1, ", experts, "]");
+  std::vector<float> logits(tokens * experts);
+  const float* xp = x.data_ptr<float>();
+  const float* rp = router.data_ptr<float>();
+  constexpr int64_t kWidth = 16, kExpertsAtOnce = 4;  // four chains of FMAs under way
+  at::parallel_for(0, (experts + kExpertsAtOnce - 1) / kExpertsAtOnce, 4,
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t block = begin; block < end; ++block) {
+        const int64_t e0 = block * kExpertsAtOnce, count = std::min(kExpertsAtOnce, experts - e0);
+        float lanes[kExpertsAtOnce][kWidth] = {};
+        for (int64_t k = 0; k + kWidth <= hidden; k += kWidth)
+          for (int64_t j = 0; j < count; ++j)
+            for (int64_t i = 0; i < kWidth; ++i)
+              lanes[j][i] = std::fma(xp[t * hidden + k + i], rp[(e0 + j) * hidden + k + i], lanes[j][i]);
+        for (int64_t j = 0; j < count; ++j) {
+          float total = 0;
+          for (int64_t i = 0; i < kWidth; ++i) total += lanes[j][i];
+          for (int64_t k = hidden / kWidth * kWidth; k < hidden; ++k)
+            total = std::fma(xp[t * hidden + k], rp[(e0 + j) * hidden + k], total);
+          logits[t * experts + e0 + j] = total;
+        }
+      }
+    }
+  });
+  ids.resize(tokens * top_k);
+  chosen_weights.resize(tokens * top_k);
+  std::vector<int64_t> order(experts);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* row = logits.data() + t * experts;
+    const float top = *std::max_element(row, row + experts);
+    float sum = 0;
+    for (int64_t e = 0; e < experts; ++e) sum += std::exp(row[e] - top);
+    for (int64_t e = 0; e < experts; ++e) order[e] = e;
+    std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
+                      [&](int64_t a, int64_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); });
+    float kept = 0;
+    for (int64_t j = 0; j < top_k; ++j) {
+      const float p = std::exp(row[order[j]] - top) / sum;
+      ids[t * top_k + j] = order[j];
+      chosen_weights[t * top_k + j] = p;
+      kept += p;
+    }
+    if (renormalize)
+      for (int64_t j = 0; j < top_k; ++j) chosen_weights[t * top_k + j] /= kept;
+  }
+}
+
+// A MoE layer for a few tokens (decode) in one call: routing (`route`), then the (token,
+// slot) pairs grouped by expert, stably, as grouped_experts (layers/moe.py) groups them;
+// each chosen expert's rows gathered; every gate|up product in one parallel region, then
+// SiLU(gate) * up, then every down product in a second region; last each token's outputs
+// weighted and added in expert order. A token's operations do not depend on the others in its
+// batch. Experts come stacked (`first_expert`): gate|up weights hold 2 * inter rows (gate,
+// then up), downs hidden rows.
+at::Tensor moe_layer(
+    const at::Tensor& x, const at::Tensor& router, int64_t top_k, bool renormalize,
+    const at::Tensor& up_words, const at::Tensor& up_scales, const at::Tensor& up_offsets,
+    int64_t up_group, bool up_four_bit, const std::optional<at::Tensor>& up_levels,
+    const at::Tensor& down_words, const at::Tensor& down_scales, const at::Tensor& down_offsets,
+    int64_t down_group, bool down_four_bit, const std::optional<at::Tensor>& down_levels,
+    int64_t inter) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 matrix");
-  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && ids.scalar_type() == at::kLong &&
-                  ids.is_contiguous(),
-              "ids: int64 [tokens, top_k]");
-  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == at::kFloat &&
-                  weights.is_contiguous(),
-              "weights: float32 as ids");
-  const int64_t experts = static_cast<int64_t>(up_words.size());
-  TORCH_CHECK(down_words.size() == up_words.size() && up_scales.size() == up_words.size() &&
-                  up_offsets.size() == up_words.size() &&
-                  down_scales.size() == down_words.size() &&
-                  down_offsets.size() == down_words.size(),
-              "one gate|up and one down weight an expert");
-  const int64_t top_k = ids.size(1), hidden = x.size(1);
-  const int64_t* id = ids.data_ptr<int64_t>();
+  const int64_t experts = router.size(0), hidden = x.size(1);
+  TORCH_CHECK(up_scales.dim() == 4 && up_scales.size(0) == experts && down_scales.dim() == 4 &&
+                  down_scales.size(0) == experts,
+              "gate|up and down weights stacked for each of the router's ", experts, " experts");
+  const Weight up0 = weight_of(up_words, up_scales, up_offsets, up_group, up_four_bit, up_levels);
+  const Weight down0 =
+      weight_of(down_words, down_scales, down_offsets, down_group, down_four_bit, down_levels);
+  const int64_t width = up0.panels * kLanes, down_width = down0.panels * kLanes;
+  TORCH_CHECK(width >= 2 * inter && down_width >= hidden && up0.cols == hidden &&
+                  down0.cols == inter,
+              "gate|up weights need 2 x ", inter, " outputs of ", hidden, " inputs and downs ",
+              hidden, " of ", inter);
+  std::vector<int64_t> id;
+  std::vector<float> routing;
+  route(x, router, top_k, renormalize, id, routing);
+
   std::vector<std::vector<int64_t>> pairs(experts);
-  for (int64_t p = 0; p < ids.numel(); ++p) {
-    TORCH_CHECK(id[p] >= 0 && id[p] < experts, "expert id ", id[p], " out of range");
-    pairs[id[p]].push_back(p);
-  }
+  for (int64_t p = 0; p < static_cast<int64_t>(id.size()); ++p) pairs[id[p]].push_back(p);
   std::vector<int64_t> chosen, first{0};
   for (int64_t e = 0; e < experts; ++e) {
     if (pairs[e].empty()) continue;
@@ -694,54 +775,39 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
     first.push_back(first.back() + static_cast<int64_t>(pairs[e].size()));
   }
   const int64_t total = first.back();
-  at::Tensor gathered = at::empty({total, hidden}, x.options());
+  std::vector<float> gathered(total * hidden), ys(total * width), acts(total * inter),
+      downs_y(total * down_width);
   const float* xp = x.data_ptr<float>();
-  float* gp = gathered.data_ptr<float>();
-  std::vector<Weight> up_weights, down_weights;
   for (size_t c = 0; c < chosen.size(); ++c) {
-    const int64_t e = chosen[c];
-    for (size_t i = 0; i < pairs[e].size(); ++i) {
-      std::copy_n(xp + pairs[e][i] / top_k * hidden, hidden, gp + (first[c] + i) * hidden);
-    }
-    up_weights.push_back(weight_of(up_words[e], up_scales[e], up_offsets[e], up_group,
-                                   up_four_bit, up_levels));
-    down_weights.push_back(weight_of(down_words[e], down_scales[e], down_offsets[e],
-                                     down_group, down_four_bit, down_levels));
+    const std::vector<int64_t>& mine = pairs[chosen[c]];
+    for (size_t i = 0; i < mine.size(); ++i)
+      std::copy_n(xp + mine[i] / top_k * hidden, hidden, gathered.data() + (first[c] + i) * hidden);
   }
-  const int64_t width = up_weights.empty() ? 0 : up_weights[0].panels * kLanes;
-  const int64_t down_width = down_weights.empty() ? 0 : down_weights[0].panels * kLanes;
-  TORCH_CHECK(width >= 2 * inter && (chosen.empty() || down_width >= hidden),
-              "gate|up weights need 2 x ", inter, " outputs and downs ", hidden);
-  at::Tensor ys = at::empty({total, width}, x.options());
-  std::vector<Product> ups;
+  std::vector<Product> ups, downs;
   for (size_t c = 0; c < chosen.size(); ++c) {
-    TORCH_CHECK(up_weights[c].panels * kLanes == width, "gate|up weights of one shape");
-    ups.push_back(product_of(gathered.narrow(0, first[c], first[c + 1] - first[c]),
-                             up_weights[c], ys.narrow(0, first[c], first[c + 1] - first[c])));
+    const int64_t rows = first[c + 1] - first[c];
+    ups.push_back(product_at(gathered.data() + first[c] * hidden, rows,
+                             expert_of(up0, chosen[c]), ys.data() + first[c] * width));
   }
   run(ups);
   // SiLU(gate) * up through ATen's vectorized kernels, once for every chosen expert's rows.
-  const at::Tensor acts =
-      (at::silu(ys.narrow(1, 0, inter)) * ys.narrow(1, inter, inter)).contiguous();
-  at::Tensor downs_y = at::empty({total, down_width}, x.options());
-  std::vector<Product> downs;
+  const at::Tensor all_ys = at::from_blob(ys.data(), {total, width}, x.options());
+  at::Tensor acts_view = at::from_blob(acts.data(), {total, inter}, x.options());
+  at::mul_out(acts_view, at::silu(all_ys.narrow(1, 0, inter)), all_ys.narrow(1, inter, inter));
   for (size_t c = 0; c < chosen.size(); ++c) {
-    TORCH_CHECK(down_weights[c].panels * kLanes == down_width, "down weights of one shape");
-    downs.push_back(product_of(acts.narrow(0, first[c], first[c + 1] - first[c]),
-                               down_weights[c],
-                               downs_y.narrow(0, first[c], first[c + 1] - first[c])));
+    const int64_t rows = first[c + 1] - first[c];
+    downs.push_back(product_at(acts.data() + first[c] * inter, rows,
+                               expert_of(down0, chosen[c]), downs_y.data() + first[c] * down_width));
   }
   run(downs);
   at::Tensor out = at::zeros_like(x);
   float* op = out.data_ptr<float>();
-  const float* wp = weights.data_ptr<float>();
-  const float* yp = downs_y.data_ptr<float>();
   for (size_t c = 0; c < chosen.size(); ++c) {
     const std::vector<int64_t>& mine = pairs[chosen[c]];
     for (size_t i = 0; i < mine.size(); ++i) {
       float* o = op + mine[i] / top_k * hidden;
-      const float* y = yp + (first[c] + i) * down_width;
-      const float w = wp[mine[i]];
+      const float* y = downs_y.data() + (first[c] + i) * down_width;
+      const float w = routing[mine[i]];
       for (int64_t h = 0; h < hidden; ++h) o[h] += y[h] * w;
     }
   }
@@ -1003,11 +1069,11 @@ TORCH_LIBRARY(aserve_cpu, m) {
       "bool four_bit, Tensor? levels) -> Tensor[]",
       linear_group);
   m.def(
-      "moe_experts(Tensor x, Tensor ids, Tensor weights, Tensor[] up_words, Tensor[] up_scales, "
-      "Tensor[] up_offsets, int up_group, bool up_four_bit, Tensor? up_levels, "
-      "Tensor[] down_words, Tensor[] down_scales, Tensor[] down_offsets, int down_group, "
+      "moe_layer(Tensor x, Tensor router, int top_k, bool renormalize, Tensor up_words, "
+      "Tensor up_scales, Tensor up_offsets, int up_group, bool up_four_bit, Tensor? up_levels, "
+      "Tensor down_words, Tensor down_scales, Tensor down_offsets, int down_group, "
       "bool down_four_bit, Tensor? down_levels, int inter) -> Tensor",
-      moe_experts);
+      moe_layer);
   m.def("rmsnorm(Tensor x, Tensor weight, float eps) -> Tensor", rmsnorm);
   m.def("fused_add_rmsnorm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()",
         fused_add_rmsnorm);
