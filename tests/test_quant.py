@@ -673,6 +673,30 @@ table, lens, q = table.view(2, 512), [300, 9], torch.randn(2, 4, 64)
 rows, lengths = torch.tensor([0, 1]), torch.tensor(lens)
 out = torch.ops.aserve_cpu.decode_attention(q, pool, table, rows, lengths, 0.125)
 torch.testing.assert_close(out, reference_attention(q, pool, table, [0, 1], lens))
+# a MoE layer: the experts' products read their tokens' rows of x in place
+experts, hidden, inter = 4, 256, 64
+def random_part(qtype, rows, cols, seed):
+    return decode(torch.from_numpy(random_blocks(qtype, rows, cols, seed=seed)), qtype, cols)
+parts = [
+    [random_part(qtype, rows, cols, e) for e in range(experts)]
+    for qtype, rows, cols in ((QType.Q4_K, 2 * inter, hidden), (QType.Q8_0, hidden, inter))
+]
+stacks = [native.ExpertStack([native.NativeWeight(codes) for codes in part]) for part in parts]
+floats = [[codes.dequantize().double() for codes in part] for part in parts]
+router, x = torch.randn(experts, hidden) / 16, torch.randn(20, hidden)
+together = native.moe_layer(x, router, 2, True, *stacks, inter)
+weights, ids = torch.softmax(x @ router.T, -1).topk(2)
+weights = weights / weights.sum(-1, keepdim=True)
+expected = torch.zeros(20, hidden, dtype=torch.float64)
+for t in range(20):
+    for j in range(2):
+        e = int(ids[t, j])
+        gate_up = x[t].double() @ floats[0][e].T
+        act = F.silu(gate_up[:inter]) * gate_up[inter:]
+        expected[t] += float(weights[t, j]) * (act @ floats[1][e].T)
+error = float((together.double() - expected).abs().max() / expected.abs().max())
+assert error < 1e-4, error
+assert torch.equal(native.moe_layer(x[5:6], router, 2, True, *stacks, inter)[0], together[5])
 print("checked")
 """
 

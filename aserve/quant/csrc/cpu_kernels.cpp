@@ -95,10 +95,14 @@ struct Weight {
 };
 
 struct Rows {
-  const float* x;     // [rows, cols]
+  const float* x;         // row m at x + m * x_stride, or where picked, x + picked[m] * x_stride
+  const int64_t* picked;  // null, or the rows of x to multiply (a MoE expert's tokens)
+  int64_t x_stride;
   const float* xsum;  // [rows, groups]
   float* y;           // [rows, out]
   int64_t cols, groups, out;
+
+  const float* row(int64_t m) const { return x + (picked ? picked[m] : m) * x_stride; }
 };
 
 #ifdef ASERVE_AVX2
@@ -199,6 +203,9 @@ void tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_panel
   constexpr int per_word = K == Kind::kBytes ? 4 : 8;
   const __m256i levels = levels_of(w);
   const int64_t words = w.words_per_group();
+  const float* x[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) x[r] = a.row(first_row + r);
   __m256 total[R][P];
   set_zero(total);
   for (int64_t g = 0; g < w.groups; ++g) {
@@ -221,7 +228,7 @@ void tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_panel
           const __m256 code = code_of<K>(word[p], i);
 #pragma GCC unroll 8
           for (int r = 0; r < R; ++r) {
-            const __m256 xk = _mm256_broadcast_ss(a.x + (first_row + r) * a.cols + k0 + i);
+            const __m256 xk = _mm256_broadcast_ss(x[r] + k0 + i);
             part[r][p] = _mm256_fmadd_ps(code, xk, part[r][p]);
           }
         }
@@ -273,7 +280,7 @@ void tile_from_buffer(const Weight& w, const Rows& a, const float* buffer, int64
   for (int p = 0; p < P; ++p) codes[p] = buffer + p * a.cols * kLanes;
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    rows[r] = a.x + (first_row + r) * a.cols;
+    rows[r] = a.row(first_row + r);
     totals[r] = a.y + (first_row + r) * a.out + first_panel * kLanes;
 #pragma GCC unroll 8
     for (int p = 0; p < P; ++p) _mm256_storeu_ps(totals[r] + p * kLanes, _mm256_setzero_ps());
@@ -384,6 +391,9 @@ void tile2(const Weight& w, const Rows& a, int64_t first_row, int64_t first_pane
   constexpr int per_word = K == Kind::kBytes ? 4 : 8;
   const __m512 table = code_table<K>(w);
   const int64_t words = w.words_per_group(), stride = w.panel_words();
+  const float* x[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) x[r] = a.row(first_row + r);
   __m512 total[R][Q];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
@@ -413,7 +423,7 @@ void tile2(const Weight& w, const Rows& a, int64_t first_row, int64_t first_pane
           const __m512 code = code_of2<K>(word[q], i, table);
 #pragma GCC unroll 8
           for (int r = 0; r < R; ++r) {
-            const __m512 xk = _mm512_set1_ps(a.x[(first_row + r) * a.cols + k0 + i]);
+            const __m512 xk = _mm512_set1_ps(x[r][k0 + i]);
             part[r][q] = _mm512_fmadd_ps(code, xk, part[r][q]);
           }
         }
@@ -524,7 +534,7 @@ void rows_against_panels(const Weight& w, const Rows& a, int64_t first, int64_t 
             const uint32_t word = w.words[p * w.panel_words() + (g * words + v) * kLanes + lane];
             const int64_t k0 = g * w.group + v * per_word;
             for (int64_t i = 0; i < per_word; ++i) {
-              part = std::fma(code_of(w, word, static_cast<int>(i)), a.x[m * a.cols + k0 + i], part);
+              part = std::fma(code_of(w, word, static_cast<int>(i)), a.row(m)[k0 + i], part);
             }
           }
           total = std::fma(w.scale(w.at(p, g) + lane), part, total);
@@ -584,30 +594,40 @@ Weight expert_of(const Weight& first, int64_t e) {
   return w;
 }
 
-// One product under way: x [rows, w.cols] against w, into y [rows, w.panels * 8], both
-// contiguous float32; `xsum` each row's sum over each group (for the offsets).
+// One product under way: rows of x (`Rows`: every row of a contiguous [rows, w.cols] matrix,
+// or the `picked` rows of a wider one) against w, into y [rows, w.panels * 8] contiguous
+// float32; `xsum` each row's sum over each group (for the offsets).
 struct Product {
   Weight w;
   const float* x;
+  const int64_t* picked;
+  int64_t x_stride;
   float* y;
   int64_t rows;
   std::vector<float> xsum;
 
-  Rows operands() const { return Rows{x, xsum.data(), y, w.cols, w.groups, w.panels * kLanes}; }
+  Rows operands() const {
+    return Rows{x, picked, x_stride, xsum.data(), y, w.cols, w.groups, w.panels * kLanes};
+  }
 };
 
-Product product_at(const float* x, int64_t rows, const Weight& w, float* y) {
-  Product p{w, x, y, rows, std::vector<float>(rows * w.groups)};
+Product product_at(const float* x, int64_t rows, const Weight& w, float* y,
+                   const int64_t* picked = nullptr, int64_t x_stride = 0) {
+  Product p{w, x, picked, x_stride ? x_stride : w.cols, y, rows,
+            std::vector<float>(rows * w.groups)};
+  const Rows a = p.operands();
   // Each group's sum in input order, eight groups' chains of adds under way at once (one
   // chain at a time took ~1.6 us for a 1,024-input row).
   constexpr int64_t kChains = 8;
-  const int64_t sums = rows * w.groups;
-  for (int64_t i = 0; i < sums; i += kChains) {
-    const int64_t count = std::min(kChains, sums - i);
-    float sum[kChains] = {};
-    for (int64_t k = 0; k < w.group; ++k)
-      for (int64_t j = 0; j < count; ++j) sum[j] += x[(i + j) * w.group + k];
-    std::copy_n(sum, count, p.xsum.data() + i);
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* row = a.row(m);
+    for (int64_t g0 = 0; g0 < w.groups; g0 += kChains) {
+      const int64_t count = std::min(kChains, w.groups - g0);
+      float sum[kChains] = {};
+      for (int64_t k = 0; k < w.group; ++k)
+        for (int64_t j = 0; j < count; ++j) sum[j] += row[(g0 + j) * w.group + k];
+      std::copy_n(sum, count, p.xsum.data() + m * w.groups + g0);
+    }
   }
   return p;
 }
@@ -766,51 +786,60 @@ at::Tensor moe_layer(
   std::vector<float> routing;
   route(x, router, top_k, renormalize, id, routing);
 
-  std::vector<std::vector<int64_t>> pairs(experts);
-  for (int64_t p = 0; p < static_cast<int64_t>(id.size()); ++p) pairs[id[p]].push_back(p);
-  std::vector<int64_t> chosen, first{0};
+  // Each chosen expert's pairs, in pair order: the tokens its gate|up reads, the rows of the
+  // outputs that follow.
+  const int64_t tokens = x.size(0), pair_count = tokens * top_k;
+  std::vector<std::vector<int64_t>> tokens_of(experts);
+  for (int64_t p = 0; p < pair_count; ++p) tokens_of[id[p]].push_back(p / top_k);
+  std::vector<int64_t> chosen, first{0}, row_of_pair(pair_count);
+  std::vector<int64_t> seen(experts, 0);
   for (int64_t e = 0; e < experts; ++e) {
-    if (pairs[e].empty()) continue;
+    if (tokens_of[e].empty()) continue;
     chosen.push_back(e);
-    first.push_back(first.back() + static_cast<int64_t>(pairs[e].size()));
+    seen[e] = first.back();
+    first.push_back(first.back() + static_cast<int64_t>(tokens_of[e].size()));
   }
+  for (int64_t p = 0; p < pair_count; ++p) row_of_pair[p] = seen[id[p]]++;
   const int64_t total = first.back();
-  std::vector<float> gathered(total * hidden), ys(total * width), acts(total * inter),
-      downs_y(total * down_width);
-  const float* xp = x.data_ptr<float>();
-  for (size_t c = 0; c < chosen.size(); ++c) {
-    const std::vector<int64_t>& mine = pairs[chosen[c]];
-    for (size_t i = 0; i < mine.size(); ++i)
-      std::copy_n(xp + mine[i] / top_k * hidden, hidden, gathered.data() + (first[c] + i) * hidden);
-  }
+  // Outputs are written before they are read: no zeroing (at 2,048 tokens these are tens of MB).
+  at::Tensor ys = at::empty({total, width}, x.options());
+  at::Tensor downs_y = at::empty({total, down_width}, x.options());
+  float* yp = ys.data_ptr<float>();
+  float* dp = downs_y.data_ptr<float>();
   std::vector<Product> ups, downs;
   for (size_t c = 0; c < chosen.size(); ++c) {
     const int64_t rows = first[c + 1] - first[c];
-    ups.push_back(product_at(gathered.data() + first[c] * hidden, rows,
-                             expert_of(up0, chosen[c]), ys.data() + first[c] * width));
+    ups.push_back(product_at(x.data_ptr<float>(), rows, expert_of(up0, chosen[c]),
+                             yp + first[c] * width, tokens_of[chosen[c]].data(), hidden));
   }
   run(ups);
-  // SiLU(gate) * up through ATen's vectorized kernels, once for every chosen expert's rows.
-  const at::Tensor all_ys = at::from_blob(ys.data(), {total, width}, x.options());
-  at::Tensor acts_view = at::from_blob(acts.data(), {total, inter}, x.options());
-  at::mul_out(acts_view, at::silu(all_ys.narrow(1, 0, inter)), all_ys.narrow(1, inter, inter));
+  // SiLU(gate) * up through ATen's vectorized kernels, once for every chosen expert's rows,
+  // into the gate's columns, where the downs read it.
+  at::Tensor gate = ys.narrow(1, 0, inter);
+  at::mul_out(gate, at::silu(gate), ys.narrow(1, inter, inter));
   for (size_t c = 0; c < chosen.size(); ++c) {
     const int64_t rows = first[c + 1] - first[c];
-    downs.push_back(product_at(acts.data() + first[c] * inter, rows,
-                               expert_of(down0, chosen[c]), downs_y.data() + first[c] * down_width));
+    downs.push_back(product_at(yp + first[c] * width, rows, expert_of(down0, chosen[c]),
+                               dp + first[c] * down_width, nullptr, width));
   }
   run(downs);
-  at::Tensor out = at::zeros_like(x);
+  // Each token's outputs weighted and added in expert order.
+  at::Tensor out = at::empty_like(x);
   float* op = out.data_ptr<float>();
-  for (size_t c = 0; c < chosen.size(); ++c) {
-    const std::vector<int64_t>& mine = pairs[chosen[c]];
-    for (size_t i = 0; i < mine.size(); ++i) {
-      float* o = op + mine[i] / top_k * hidden;
-      const float* y = downs_y.data() + (first[c] + i) * down_width;
-      const float w = routing[mine[i]];
-      for (int64_t h = 0; h < hidden; ++h) o[h] += y[h] * w;
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> mine(top_k);
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t j = 0; j < top_k; ++j) mine[j] = t * top_k + j;
+      std::sort(mine.begin(), mine.end(), [&](int64_t a, int64_t b) { return id[a] < id[b]; });
+      float* o = op + t * hidden;
+      std::fill_n(o, hidden, 0.0f);
+      for (int64_t p : mine) {
+        const float* y = dp + row_of_pair[p] * down_width;
+        const float w = routing[p];
+        for (int64_t h = 0; h < hidden; ++h) o[h] += y[h] * w;
+      }
     }
-  }
+  });
   return out;
 }
 
