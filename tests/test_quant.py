@@ -101,10 +101,16 @@ needs_kernels = pytest.mark.skipif(
 )
 
 
+@pytest.fixture
+def blas_from_128(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Products of BLAS_ROWS rows and more through BLAS, whichever path this CPU chose."""
+    monkeypatch.setattr(native_module, "_blas_rows", BLAS_ROWS)
+
+
 @needs_kernels
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 def test_products_match_the_dequantized_weight(
-    qtype: QType, monkeypatch: pytest.MonkeyPatch
+    qtype: QType, monkeypatch: pytest.MonkeyPatch, blas_from_128: None
 ) -> None:
     """Against the float64 product of the de-quantized weight within float32 rounding, on the
     kernels (few rows) and on BLAS over de-quantized slices (many rows, also several slices);
@@ -142,7 +148,11 @@ def test_products_match_the_dequantized_weight(
     ids=["Q4_1", "Q8_0", "Q4_K"],
 )
 def test_scales_take_the_fewest_bytes_that_keep_them(
-    qtype: QType, dtype: torch.dtype, offsets: bool, monkeypatch: pytest.MonkeyPatch
+    qtype: QType,
+    dtype: torch.dtype,
+    offsets: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    blas_from_128: None,
 ) -> None:
     """GGUF's float16 scales stay float16 and Q8_0's zero offsets are not stored; K-quants'
     scales (a float16 times a 6-bit integer) stay float32. Products of every path and
@@ -538,7 +548,9 @@ def test_a_group_of_weights_shares_one_code_format() -> None:
 
 
 @needs_kernels
-def test_a_product_group_calls_the_kernels_once_only_for_what_they_take_together() -> None:
+def test_a_product_group_calls_the_kernels_once_only_for_what_they_take_together(
+    blas_from_128: None,
+) -> None:
     """A step's chosen experts: one call of the kernels for decode rows, one product at a time
     from BLAS_ROWS rows (BLAS's path) or where the weights' formats differ; the same outputs
     every way."""
@@ -604,7 +616,7 @@ def test_a_moe_layer_in_one_call_equals_routing_and_grouped_products(renormalize
         weights, ids = route(F.linear(x, router), top_k, renormalize)
         return grouped_experts(x, weights, ids, experts, mlp)
 
-    for tokens in (1, 5, 40):
+    for tokens in (1, 5, 40, 300):
         x = torch.randn(tokens, hidden, generator=generator)
         together = moe_layer(x, router, top_k, renormalize, *stacks, inter)
         expected = grouped(x)  # random codes: outputs of ~1,000
@@ -612,6 +624,47 @@ def test_a_moe_layer_in_one_call_equals_routing_and_grouped_products(renormalize
         torch.testing.assert_close(together, expected, atol=1e-5 * scale, rtol=0)
         alone = moe_layer(x[-1:], router, top_k, renormalize, *stacks, inter)
         assert torch.equal(alone[0], together[-1])
+
+
+def test_blas_or_kernels_for_many_rows_is_measured_once_and_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """BLAS from BLAS_ROWS rows where it multiplied faster than the kernels, else never; the
+    choice kept in the kernels' folder and read back instead of measuring again; a kept file
+    that cannot be read is measured over."""
+    timings = iter([(2.0, 1.0), (1.0, 2.0), (1.0, 2.0)])
+    monkeypatch.setattr(native_module, "time_products", lambda: next(timings))
+    blas_faster, kernels_faster = tmp_path / "a", tmp_path / "b"
+    blas_faster.mkdir(), kernels_faster.mkdir()
+    assert native_module.decide_blas_rows(blas_faster) == BLAS_ROWS
+    assert native_module.decide_blas_rows(kernels_faster) == native_module.NEVER
+    assert native_module.decide_blas_rows(blas_faster) == BLAS_ROWS  # kept: not measured
+    (blas_faster / "blas_rows.json").write_text("{")
+    assert native_module.decide_blas_rows(blas_faster) == native_module.NEVER  # measured anew
+    assert next(timings, None) is None
+
+
+@needs_kernels
+def test_timing_the_two_paths_gives_two_durations() -> None:
+    kernels_ms, blas_ms = native_module.time_products(rows=16)
+    assert kernels_ms > 0 and blas_ms > 0
+
+
+@needs_kernels
+def test_without_blas_every_row_count_keeps_a_rows_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the kernels take every product (a CPU where BLAS is the slower), a row's output
+    has the same bits alone and in a batch of 300, and matches float64."""
+    monkeypatch.setattr(native_module, "_blas_rows", native_module.NEVER)
+    codes = decode(torch.from_numpy(random_blocks(QType.Q4_K, 72, 512, seed=2)), QType.Q4_K, 512)
+    native = NativeWeight(codes)
+    x = torch.randn(300, 512, generator=torch.Generator().manual_seed(12))
+    together = native.linear(x, None)
+    exact = F.linear(x.double(), codes.dequantize().double())
+    torch.testing.assert_close(
+        together.double(), exact, rtol=0, atol=1e-5 * float(exact.abs().max())
+    )
+    for row in (0, 131, 299):
+        assert torch.equal(native.linear(x[row : row + 1], None)[0], together[row])
 
 
 @needs_kernels

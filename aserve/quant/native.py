@@ -10,11 +10,12 @@ shapes, us per product at 1 / 16 / 128 rows against float32 MKL-packed weights (
   GGUF's groups of 16 or 32 do not fit without changing the weights.
 The kernels here keep GGUF's groups exactly, expand the codes to float32 in registers and
 multiply float32 activations, with one order of operations per output whatever the batch
-below BLAS_ROWS rows (a first version rounded activations to int8 as llama.cpp does, and
-radix-cache hits changed greedy tokens). From BLAS_ROWS rows (prefill chunks, large decode
-batches) slices of the weight are de-quantized into a reused buffer and BLAS multiplies them:
-about 2x faster than the kernels at 512 to 2,048 rows here, and different from them only in
-the last bits of float32, like any two float32 products (the float path has the same between a
+(a first version rounded activations to int8 as llama.cpp does, and radix-cache hits changed
+greedy tokens). Where BLAS is the faster for many rows (`blas_rows`: measured once per CPU;
+about 2x at 512 to 2,048 rows on that box, slower than the kernels on AMD's AVX-512 cores),
+products from BLAS_ROWS rows (prefill chunks, large decode batches) de-quantize slices of the
+weight into a reused buffer and BLAS multiplies them, different from the kernels only in the
+last bits of float32, like any two float32 products (the float path has the same between a
 cached and an uncached prefix).
 
 They build with torch's C++ extension loader (a C++ compiler and ninja) into aserve's cache,
@@ -24,11 +25,14 @@ to float32 weights (aserve/quant/cpu.py) and says so once.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import logging
 import platform
 import sys
 import time
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -43,8 +47,13 @@ SOURCES = [
     Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.cpp", "cpu_attention.cpp")
 ]
 LANES = 8  # output features per panel: one AVX2 register of float32
-BLAS_ROWS = 128  # from this many rows, de-quantize slices and multiply them with BLAS
+BLAS_ROWS = 128
+"""Where BLAS multiplies faster than the kernels (`blas_rows`), products of this many rows
+and more de-quantize slices of their weight and hand them to it."""
+NEVER = sys.maxsize
 BLAS_SLICE_BYTES = 2 << 20
+_blas_rows: int | None = None
+"""This process's `blas_rows`, decided at its first call."""
 
 
 class Scratch:
@@ -67,7 +76,7 @@ def native_kernels() -> bool:
     the process: the answer cannot change while it runs."""
     if hasattr(torch.ops, "aserve_cpu") and hasattr(torch.ops.aserve_cpu, "decode_attention"):
         return True
-    folder = cache_root() / "kernels" / build_kind()
+    folder = kernels_folder()
     folder.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     threading = openmp_flags()
@@ -88,6 +97,68 @@ def native_kernels() -> bool:
             return False
     logger.info("CPU kernels ready in %.1f s (%s)", time.perf_counter() - started, folder)
     return True
+
+
+def kernels_folder() -> Path:
+    return cache_root() / "kernels" / build_kind()
+
+
+def blas_rows() -> int:
+    """From how many rows a product goes to BLAS (`BLAS_ROWS`) or never (`NEVER`) on this
+    CPU: whichever multiplied 512 rows faster when the kernels were first used here, measured
+    once and kept in their folder. It depends on the CPU's maker as much as on its
+    instruction sets: MKL runs its AVX2 code on AMD's AVX-512 cores, where the kernels were
+    1.4x faster than BLAS at 64 to 2,048 rows (Zen 5), while on a 2-core AVX2 box BLAS was
+    ~2x faster from 512. Without BLAS every output has the same bits whatever its batch."""
+    global _blas_rows
+    if _blas_rows is None:
+        _blas_rows = decide_blas_rows(kernels_folder())
+    return _blas_rows
+
+
+def decide_blas_rows(folder: Path) -> int:
+    """`blas_rows` as kept in `folder`, or measured now (`time_products`) and kept there."""
+    kept = folder / "blas_rows.json"
+    try:
+        return int(json.loads(kept.read_text())["blas_rows"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    kernels_ms, blas_ms = time_products()
+    rows = BLAS_ROWS if blas_ms < kernels_ms else NEVER
+    where = f"from {rows} rows" if rows == BLAS_ROWS else "never"
+    logger.info(
+        "512-row products: CPU kernels %.2f ms, BLAS %.2f ms; BLAS %s", kernels_ms, blas_ms, where
+    )
+    record = {"kernels_ms": kernels_ms, "blas_ms": blas_ms, "blas_rows": rows}
+    with contextlib.suppress(OSError):  # a read-only cache: measured again by the next process
+        kept.write_text(json.dumps(record))
+    return rows
+
+
+def time_products(rows: int = 512) -> tuple[float, float]:
+    """Milliseconds of one product of `rows` rows with a 1,024 x 1,024 weight of 4-bit codes
+    (groups of 32, scales and offsets) on the kernels and on BLAS, the best of three each."""
+    generator = torch.Generator().manual_seed(0)
+    codes = Codes(
+        torch.randint(0, 16, (1024, 1024), generator=generator, dtype=torch.uint8),
+        torch.rand(1024, 32, generator=generator),
+        torch.rand(1024, 32, generator=generator),
+        32,
+        4,
+    )
+    weight = NativeWeight(codes)
+    x = torch.randn(rows, 1024, generator=generator)
+
+    def best(product: Callable[[], torch.Tensor]) -> float:
+        product()
+        times = []
+        for _ in range(3):
+            started = time.perf_counter()
+            product()
+            times.append(time.perf_counter() - started)
+        return min(times) * 1e3
+
+    return best(lambda: weight.kernel_linear(x)), best(lambda: weight._blas_linear(x))
 
 
 def load_kernels(folder: Path, flags: list[str]) -> None:
@@ -193,12 +264,7 @@ class NativeWeight:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         plain = x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous()
         rows = x if plain else x.reshape(-1, x.shape[-1]).float().contiguous()
-        if rows.shape[0] >= BLAS_ROWS:
-            out = self._blas_linear(rows)
-        else:
-            out = torch.ops.aserve_cpu.linear(
-                rows, self.words, self.scales, self.offsets, self.group, self.four_bit, self.levels
-            )
+        out = self._blas_linear(rows) if rows.shape[0] >= blas_rows() else self.kernel_linear(rows)
         if plain and bias is None and self.padded == self.shape[0]:
             # a decoder's own case, as it is: the slicing, reshape and cast below cost ~2 us
             # a call, a quarter of a millisecond a step of the embedded model
@@ -208,6 +274,11 @@ class NativeWeight:
         if bias is not None:
             out = out + bias
         return out.reshape(*x.shape[:-1], self.shape[0]).to(x.dtype)
+
+    def kernel_linear(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aserve_cpu.linear(
+            rows, self.words, self.scales, self.offsets, self.group, self.four_bit, self.levels
+        )
 
     def _blas_linear(self, rows: torch.Tensor) -> torch.Tensor:
         """Many rows: de-quantize a slice of panels at a time into the scratch buffer (at most
@@ -273,7 +344,7 @@ def kernel_weights(weights: list[NativeWeight]) -> tuple[object, ...]:
 def linear_group(weights: list[NativeWeight], xs: list[torch.Tensor]) -> list[torch.Tensor]:
     """`weights[i].linear(xs[i], None)` for every i in one call of the kernels, one parallel
     region for all (the same outputs, bit for bit): weights of `one_format`, each x float32,
-    contiguous and of fewer than BLAS_ROWS rows."""
+    contiguous and of fewer than `blas_rows()` rows."""
     outs = torch.ops.aserve_cpu.linear_group(xs, *kernel_weights(weights))
     return [
         out if w.padded == w.shape[0] else out[:, : w.shape[0]]
@@ -331,7 +402,7 @@ def moe_layer(
     csrc/cpu_kernels.cpp): float32 router logits, softmax, top-k and renormalisation as
     layers/moe.route computes them, then every chosen expert's gate|up (gate rows, then up
     rows; `inter` each), SiLU-and-mul and down, and the routing-weighted sum. For fewer than
-    BLAS_ROWS tokens, so that no expert gets more rows."""
+    `blas_rows()` tokens, so that no expert gets more rows."""
     return torch.ops.aserve_cpu.moe_layer(
         x, router, top_k, renormalize, *gate_up.kernel_args(), *down.kernel_args(), inter
     )

@@ -19,8 +19,9 @@
 //                      total = fma(offset[n, g], xsum[m, g], total)
 // with xsum[m, g] the sum of x[m, k] over g, added in order. Whatever the number of rows, the
 // tile an output falls in or the thread, it gets exactly these operations, so a sequence's
-// logits do not depend on what it is batched with. (From native.py's BLAS_ROWS rows the caller
-// de-quantizes slices with `dequantize` and multiplies them with BLAS instead.)
+// logits do not depend on what it is batched with. (On CPUs where BLAS is the faster, from
+// native.py's BLAS_ROWS rows the caller de-quantizes slices with `dequantize` and multiplies
+// them with BLAS instead.)
 // Activations stay float32: rounding them to int8 (llama.cpp's way) turned attention's last-bit
 // differences into visible ones. Few rows (decode) expand codes in registers, with four
 // registers of sums under way (R rows x P panels, or x Q panel pairs with AVX-512) so that the
