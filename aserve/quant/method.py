@@ -154,8 +154,9 @@ class ProductGroup:
 
     def linear(self, chosen: list[int], xs: list[torch.Tensor]) -> list[torch.Tensor]:
         """`weights[chosen[i]].linear(xs[i], None)` for every i."""
-        few = all(x.dtype == torch.float32 and x.shape[0] < blas_rows() for x in xs)
-        if self.native is not None and few:
+        if self.native is not None and all(
+            x.dtype == torch.float32 and x.shape[0] < blas_rows() for x in xs
+        ):
             return linear_group([self.native[i] for i in chosen], [x.contiguous() for x in xs])
         return [self.weights[i].linear(x, None) for i, x in zip(chosen, xs, strict=True)]
 

@@ -96,6 +96,7 @@ def native_kernels() -> bool:
             )
             return False
     logger.info("CPU kernels ready in %.1f s (%s)", time.perf_counter() - started, folder)
+    blas_rows()  # decided now, at load, rather than inside the first request's step
     return True
 
 
