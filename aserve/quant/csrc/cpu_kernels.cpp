@@ -23,10 +23,10 @@
 // native.py's BLAS_ROWS rows the caller de-quantizes slices with `dequantize` and multiplies
 // them with BLAS instead.)
 // Activations stay float32: rounding them to int8 (llama.cpp's way) turned attention's last-bit
-// differences into visible ones. Few rows (decode) expand codes in registers, with four
-// registers of sums under way (R rows x P panels, or x Q panel pairs with AVX-512) so that the
-// FMAs' latency is hidden; without AVX-512, from 16 rows two panels of codes are expanded once
-// into a buffer and 6-row tiles run over it.
+// differences into visible ones. Few rows (decode) expand codes in registers, with four or
+// more registers of sums under way (R rows x P panels, or x Q panel pairs with AVX-512: 1 x 4,
+// 2 x 2, 4 x 2) so that the FMAs' latency is hidden; without AVX-512, from 16 rows two panels
+// of codes are expanded once into a buffer and 6-row tiles run over it.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -467,7 +467,7 @@ template <Kind K>
 void few_rows(const Weight& w, const Rows& a, int64_t first, int64_t last, int64_t first_panel,
               int64_t last_panel) {
   int64_t row = first;
-  for (; row + 4 <= last; row += 4) panels_at2<4, 1, K>(w, a, row, first_panel, last_panel);
+  for (; row + 4 <= last; row += 4) panels_at2<4, 2, K>(w, a, row, first_panel, last_panel);
   if (row + 2 <= last) {
     panels_at2<2, 2, K>(w, a, row, first_panel, last_panel);
     row += 2;
