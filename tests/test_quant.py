@@ -644,6 +644,21 @@ def test_blas_or_kernels_for_many_rows_is_measured_once_and_kept(
     assert next(timings, None) is None
 
 
+def test_the_first_process_to_keep_its_choice_decides_for_all(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two processes measuring at once (tensor-parallel ranks): the one that keeps its answer
+    first wins, and the other returns that answer, not its own measurement."""
+
+    def measured_while_another_kept_blas() -> tuple[float, float]:
+        (tmp_path / "blas_rows.json").write_text(json.dumps({"blas_rows": BLAS_ROWS}))
+        return 1.0, 2.0  # this process found the kernels faster
+
+    monkeypatch.setattr(native_module, "time_products", measured_while_another_kept_blas)
+    assert native_module.decide_blas_rows(tmp_path) == BLAS_ROWS
+    assert [p.name for p in tmp_path.iterdir()] == ["blas_rows.json"]
+
+
 @needs_kernels
 def test_timing_the_two_paths_gives_two_durations() -> None:
     kernels_ms, blas_ms = native_module.time_products(rows=16)

@@ -29,6 +29,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import platform
 import sys
 import time
@@ -118,12 +119,17 @@ def blas_rows() -> int:
 
 
 def decide_blas_rows(folder: Path) -> int:
-    """`blas_rows` as kept in `folder`, or measured now (`time_products`) and kept there."""
+    """`blas_rows` as kept in `folder`, or measured now (`time_products`) and kept there. The
+    first process to keep an answer wins and every later one reads it, so the ranks of a
+    tensor-parallel run that measure at once still take one path (a MoE layer's routing must
+    not differ between them)."""
     kept = folder / "blas_rows.json"
     try:
         return int(json.loads(kept.read_text())["blas_rows"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except FileNotFoundError:
         pass
+    except (OSError, ValueError, KeyError, TypeError):
+        kept.unlink(missing_ok=True)  # unreadable: measured over
     kernels_ms, blas_ms = time_products()
     rows = BLAS_ROWS if blas_ms < kernels_ms else NEVER
     where = f"from {rows} rows" if rows == BLAS_ROWS else "never"
@@ -131,9 +137,15 @@ def decide_blas_rows(folder: Path) -> int:
         "512-row products: CPU kernels %.2f ms, BLAS %.2f ms; BLAS %s", kernels_ms, blas_ms, where
     )
     record = {"kernels_ms": kernels_ms, "blas_ms": blas_ms, "blas_rows": rows}
-    with contextlib.suppress(OSError):  # a read-only cache: measured again by the next process
-        kept.write_text(json.dumps(record))
-    return rows
+    mine = folder / f"blas_rows.{os.getpid()}.json"
+    try:
+        mine.write_text(json.dumps(record))
+        with contextlib.suppress(FileExistsError):
+            os.link(mine, kept)
+        mine.unlink()
+        return int(json.loads(kept.read_text())["blas_rows"])
+    except (OSError, ValueError, KeyError, TypeError):  # a read-only cache: this answer, unkept
+        return rows
 
 
 def time_products(rows: int = 512) -> tuple[float, float]:
