@@ -779,7 +779,7 @@ def test_kernels_built_for_older_cpus_give_the_same_products(
 ) -> None:
     """The kernels pick their code paths when they compile (-march=native): a CPU without
     AVX-512 runs the 8-lane tiles and, from 16 rows, the expanded-codes buffer; one without
-    AVX2 the scalar loops. Built here with those instruction sets turned off (in a process of
+    AVX2 the portable tiles. Built here with those instruction sets turned off (in a process of
     their own, the op names being global), every path against float64, a row's bits the same
     alone and batched, and the decode attention against its float64 softmax."""
     result = subprocess.run(

@@ -106,13 +106,14 @@ struct Rows {
   const float* row(int64_t m) const { return x + (picked ? picked[m] : m) * x_stride; }
 };
 
-#ifdef ASERVE_AVX2
 // How a word's codes become floats.
 enum class Kind { kNibbles, kBytes, kLevels };
 
 inline Kind kind_of(const Weight& w) {
   return w.levels != nullptr ? Kind::kLevels : w.four_bit ? Kind::kNibbles : Kind::kBytes;
 }
+
+#ifdef ASERVE_AVX2
 
 // The 16 level bytes in both 128-bit halves of a register (byte shuffles stay in a half),
 // loaded once per tile.
@@ -512,8 +513,7 @@ void rows_against_panels(const Weight& w, const Rows& a, int64_t first, int64_t 
 }
 #endif
 
-// The code of input i of one lane's word, as a float (paths that are not hot, and CPUs
-// without AVX2).
+// The code of input i of one lane's word, as a float (lookups of rows, not a hot path).
 inline float code_of(const Weight& w, uint32_t word, int i) {
   if (!w.four_bit) return static_cast<float>(static_cast<int8_t>((word >> (8 * i)) & 255));
   const uint32_t code = (word >> (4 * i)) & 15;
@@ -521,30 +521,68 @@ inline float code_of(const Weight& w, uint32_t word, int i) {
 }
 
 #ifndef ASERVE_AVX2
-// The same operations, one output at a time.
+// The same operations without x86's vector instructions (ARM, older x86): R rows against one
+// panel, its 8 lanes kept in arrays whose loops the compiler vectorises (NEON, SSE), a word's
+// codes made floats once for all R rows.
+template <int R, Kind K>
+void portable_tile(const Weight& w, const Rows& a, int64_t first_row, int64_t panel) {
+  constexpr int per_word = K == Kind::kBytes ? 4 : 8;
+  const int64_t words = w.words_per_group();
+  const float* x[R];
+  for (int r = 0; r < R; ++r) x[r] = a.row(first_row + r);
+  float total[R][kLanes] = {};
+  for (int64_t g = 0; g < w.groups; ++g) {
+    float part[R][kLanes] = {};
+    for (int64_t v = 0; v < words; ++v) {
+      const uint32_t* word = w.words + panel * w.panel_words() + (g * words + v) * kLanes;
+      const int64_t k0 = g * w.group + v * per_word;
+      float codes[per_word][kLanes];
+      for (int i = 0; i < per_word; ++i) {
+        for (int lane = 0; lane < kLanes; ++lane) {
+          if (K == Kind::kBytes) {
+            codes[i][lane] = static_cast<float>(static_cast<int8_t>((word[lane] >> (8 * i)) & 255));
+          } else {
+            const uint32_t code = (word[lane] >> (4 * i)) & 15;
+            codes[i][lane] = K == Kind::kLevels ? static_cast<float>(w.levels[code]) - 128.0f
+                                                : static_cast<float>(code);
+          }
+        }
+      }
+      for (int i = 0; i < per_word; ++i)
+        for (int r = 0; r < R; ++r) {
+          const float xk = x[r][k0 + i];
+          for (int lane = 0; lane < kLanes; ++lane)
+            part[r][lane] = std::fma(codes[i][lane], xk, part[r][lane]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int lane = 0; lane < kLanes; ++lane) {
+        total[r][lane] = std::fma(w.scale(w.at(panel, g) + lane), part[r][lane], total[r][lane]);
+        if (w.offsets != nullptr)
+          total[r][lane] = std::fma(w.offset(w.at(panel, g) + lane),
+                                    a.xsum[(first_row + r) * a.groups + g], total[r][lane]);
+      }
+  }
+  for (int r = 0; r < R; ++r)
+    std::copy_n(total[r], kLanes, a.y + (first_row + r) * a.out + panel * kLanes);
+}
+
+template <Kind K>
+void portable_rows(const Weight& w, const Rows& a, int64_t first, int64_t last,
+                   int64_t first_panel, int64_t last_panel) {
+  for (int64_t p = first_panel; p < last_panel; ++p) {
+    int64_t row = first;
+    for (; row + 4 <= last; row += 4) portable_tile<4, K>(w, a, row, p);
+    for (; row < last; ++row) portable_tile<1, K>(w, a, row, p);
+  }
+}
+
 void rows_against_panels(const Weight& w, const Rows& a, int64_t first, int64_t last,
                          int64_t first_panel, int64_t last_panel, std::vector<float>&) {
-  const int64_t per_word = w.inputs_per_word(), words = w.words_per_group();
-  for (int64_t m = first; m < last; ++m) {
-    for (int64_t p = first_panel; p < last_panel; ++p) {
-      for (int64_t lane = 0; lane < kLanes; ++lane) {
-        float total = 0;
-        for (int64_t g = 0; g < w.groups; ++g) {
-          float part = 0;
-          for (int64_t v = 0; v < words; ++v) {
-            const uint32_t word = w.words[p * w.panel_words() + (g * words + v) * kLanes + lane];
-            const int64_t k0 = g * w.group + v * per_word;
-            for (int64_t i = 0; i < per_word; ++i) {
-              part = std::fma(code_of(w, word, static_cast<int>(i)), a.row(m)[k0 + i], part);
-            }
-          }
-          total = std::fma(w.scale(w.at(p, g) + lane), part, total);
-          if (w.offsets != nullptr)
-            total = std::fma(w.offset(w.at(p, g) + lane), a.xsum[m * a.groups + g], total);
-        }
-        a.y[m * a.out + p * kLanes + lane] = total;
-      }
-    }
+  switch (kind_of(w)) {
+    case Kind::kNibbles: return portable_rows<Kind::kNibbles>(w, a, first, last, first_panel, last_panel);
+    case Kind::kBytes: return portable_rows<Kind::kBytes>(w, a, first, last, first_panel, last_panel);
+    case Kind::kLevels: return portable_rows<Kind::kLevels>(w, a, first, last, first_panel, last_panel);
   }
 }
 #endif
