@@ -626,6 +626,47 @@ def test_a_moe_layer_in_one_call_equals_routing_and_grouped_products(renormalize
         assert torch.equal(alone[0], together[-1])
 
 
+def test_kernels_build_with_the_first_flags_a_compiler_takes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A compiler that refuses -march=native (some of Apple's) builds with -mcpu=native next,
+    with OpenMP before without; one that refuses every flag builds the portable tiles; none
+    at all gives False and one warning."""
+    monkeypatch.setattr(native_module, "openmp_flags", lambda: ["-fopenmp"])
+    tried: list[tuple[tuple[str, ...], list[str]]] = []
+
+    def compiler_refusing(refused: set[str]) -> Callable[..., None]:
+        def load(folder: Path, flags: list[str], arch: tuple[str, ...]) -> None:
+            tried.append((arch, flags))
+            if refused & {*arch, *flags}:
+                raise RuntimeError(f"error: unsupported option {sorted(refused)[0]}\nmore")
+
+        return load
+
+    monkeypatch.setattr(native_module, "load_kernels", compiler_refusing({"-march=native"}))
+    assert native_module.build_kernels(tmp_path)
+    assert tried == [
+        (("-march=native",), ["-fopenmp"]),
+        (("-march=native",), []),
+        (("-mcpu=native",), ["-fopenmp"]),
+    ]
+    assert "-mcpu=native -fopenmp after the first try failed" in caplog.text
+    tried.clear()
+    monkeypatch.setattr(
+        native_module, "load_kernels", compiler_refusing({"-march=native", "-mcpu=native"})
+    )
+    assert native_module.build_kernels(tmp_path)
+    assert tried[-1] == ((), ["-fopenmp"])
+
+    def no_compiler(folder: Path, flags: list[str], arch: tuple[str, ...]) -> None:
+        raise FileNotFoundError("c++: not found")
+
+    monkeypatch.setattr(native_module, "load_kernels", no_compiler)
+    caplog.clear()
+    assert not native_module.build_kernels(tmp_path)
+    assert caplog.text.count("did not build (c++: not found)") == 1
+
+
 def test_blas_or_kernels_for_many_rows_is_measured_once_and_kept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -80,25 +80,46 @@ def native_kernels() -> bool:
     folder = kernels_folder()
     folder.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    threading = openmp_flags()
-    for flags in [threading, []] if threading else [[]]:
-        try:
-            load_kernels(folder, flags)
-            break
-        except Exception as error:
-            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-            if flags:
-                logger.warning("CPU kernels with OpenMP did not build (%s); one thread", reason)
-                continue
-            logger.warning(
-                "aserve's CPU kernels did not build (%s): quantized weights are de-quantized "
-                "to float32 instead; install a C++ compiler and ninja to keep them quantized",
-                reason,
-            )
-            return False
+    if not build_kernels(folder):
+        return False
     logger.info("CPU kernels ready in %.1f s (%s)", time.perf_counter() - started, folder)
     blas_rows()  # decided now, at load, rather than inside the first request's step
     return True
+
+
+ARCH_FLAGS = (("-march=native",), ("-mcpu=native",), ())
+"""This CPU's instruction sets as GCC and clang name them on x86, as clang names them on ARM
+(some of Apple's compilers refuse -march=native), then none: the kernels' portable tiles."""
+
+
+def build_kernels(folder: Path) -> bool:
+    """Build and load the kernels with the first flags that work: this CPU's instruction sets
+    (`ARCH_FLAGS` in turn), with OpenMP threads where torch runs on OpenMP, else one thread.
+    False, with a warning, where none builds (no C++ compiler)."""
+    threading = openmp_flags()
+    thread_options = [threading, []] if threading else [[]]
+    attempts = [(arch, threads) for arch in ARCH_FLAGS for threads in thread_options]
+    first_error = ""
+    for arch, threads in attempts:
+        try:
+            load_kernels(folder, threads, arch)
+        except Exception as error:
+            if not first_error:
+                first_error = str(error).splitlines()[0] if str(error) else type(error).__name__
+            continue
+        if (arch, threads) != attempts[0]:
+            logger.warning(
+                "CPU kernels built with %s after the first try failed (%s)",
+                " ".join([*arch, *threads]) or "no CPU-specific flags",
+                first_error,
+            )
+        return True
+    logger.warning(
+        "aserve's CPU kernels did not build (%s): quantized weights are de-quantized to "
+        "float32 instead; install a C++ compiler and ninja to keep them quantized",
+        first_error,
+    )
+    return False
 
 
 def kernels_folder() -> Path:
@@ -174,15 +195,15 @@ def time_products(rows: int = 512) -> tuple[float, float]:
     return best(lambda: weight.kernel_linear(x)), best(lambda: weight._blas_linear(x))
 
 
-def load_kernels(folder: Path, flags: list[str]) -> None:
-    """Build `SOURCES` for this CPU (with `flags` added to the compile and link) into `folder`
-    if they are not built there yet, and load them as `torch.ops.aserve_cpu`."""
+def load_kernels(folder: Path, flags: list[str], arch: tuple[str, ...] = ARCH_FLAGS[0]) -> None:
+    """Build `SOURCES` for this CPU (`arch` flags, and `flags` added to the compile and link)
+    into `folder` if they are not built there yet, and load them as `torch.ops.aserve_cpu`."""
     from torch.utils import cpp_extension
 
     cpp_extension.load(
         name="aserve_cpu",
         sources=[str(source) for source in SOURCES],
-        extra_cflags=["-O3", "-march=native", *flags],
+        extra_cflags=["-O3", *arch, *flags],
         extra_ldflags=flags,
         build_directory=str(folder),
         is_python_module=False,
