@@ -294,6 +294,33 @@ def test_fused_gguf_experts_match_float64(qtype: str, inter: int, tokens: int) -
     float64 definition on their exact de-quantized values: 4-bit groups of 32, 8-bit codes,
     3-bit groups of 16, Q6_K's 6-bit bytes, IQ4's levels; one token (decode), several whose
     experts repeat, and enough for tiles of 32 rows; experts that get no token."""
+    check_fused_gguf_experts(qtype, inter, tokens)
+
+
+@pytest.mark.parametrize(("qtype", "inter", "tokens"), [("Q4_0", 64, 40), ("Q6_K", 256, 7)])
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+def test_fused_gguf_experts_in_wide_tiles_match_float64(
+    qtype: str, inter: int, tokens: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The 128 x 128 tiles of long prefill batches of wide experts, taken here at any size
+    (with float32 activations: two stages)."""
+    from aserve.layers import moe_codes_triton
+
+    monkeypatch.setattr(moe_codes_triton, "WIDE_PAIRS", 0)
+    monkeypatch.setattr(moe_codes_triton, "WIDE_INTER", 0)
+    monkeypatch.setattr(moe_codes_triton, "wide_tiles_fit", lambda device: True)
+    launch, blocks = moe_codes_triton._launch, []
+
+    def recorded(*args: object) -> None:
+        blocks.append(args[-1])
+        launch(*args)
+
+    monkeypatch.setattr(moe_codes_triton, "_launch", recorded)
+    check_fused_gguf_experts(qtype, inter, tokens)
+    assert blocks == [moe_codes_triton.WIDE_BLOCK_M] * 2
+
+
+def check_fused_gguf_experts(qtype: str, inter: int, tokens: int) -> None:
     from gguf import GGMLQuantizationType
 
     from aserve.layers.moe import route, torch_experts

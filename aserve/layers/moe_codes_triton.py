@@ -17,11 +17,13 @@ Imported only on CUDA and under Triton's interpreter (it imports Triton).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import triton
 import triton.language as tl
 
+from aserve.engine.gpu import HOPPER_SHARED_MEMORY, gpu_capability, shared_memory_limit
 from aserve.layers.moe_layout import BlockLayout
 from aserve.layers.moe_triton import block_pairs, two_passes
 from aserve.quant.codes import Codes
@@ -197,8 +199,26 @@ def _moe_codes_gemm(
 
 
 # Of the settings tried on an H100 (bench/NOTES.md), best at every batch from 1 to 8,192
-# tokens on Qwen3-30B-A3B's and a smaller expert shape (4-bit codes).
+# tokens on Qwen3-30B-A3B's and a smaller expert shape (4-bit codes) with the fused float
+# kernels' block rows (`block_rows`: at most 64).
 BLOCK_N, BLOCK_K, WARPS, STAGES = 64, 128, 4, 3
+# Long prefill batches of wide experts take 128 x 128 tiles on 8 warps instead: each expanded
+# weight tile serves twice the rows. H100, us a layer at 4,096 / 8,192 / 16,384 tokens:
+# 30B-A3B's shape (768 rows an expert) 2,111 / 3,949 / 7,630 -> 1,976 / 3,301 / 5,842, a
+# 235B-A22B-like one (1,536 rows) 7,790 / - / 28,708 -> 6,630 / - / 21,305; at 2,048 tokens
+# (128 pairs an expert) 1,277 -> 1,408, and experts of 192 rows lost 5-12% at every size.
+# Their stages fill Hopper's shared memory (3 with 16-bit activations, 2 with float32 ones),
+# so smaller GPUs keep the narrow tiles.
+WIDE_BLOCK_M, WIDE_BLOCK_N, WIDE_WARPS = 128, 128, 8
+WIDE_STAGES = {2: 3, 4: 2}  # by bytes an activation
+WIDE_PAIRS = 256  # pairs an expert on average
+WIDE_INTER = 512  # rows of an expert's gate (or up)
+
+
+@cache
+def wide_tiles_fit(device: torch.device) -> bool:
+    capability = gpu_capability(device)
+    return capability is not None and shared_memory_limit(capability) >= HOPPER_SHARED_MEMORY
 
 
 def _launch(
@@ -214,7 +234,10 @@ def _launch(
 ) -> None:
     n_size = c.shape[1]
     block_k = next(b for b in (BLOCK_K, 64, 32, 16) if w.cols % b == 0 and b % w.group == 0)
-    grid = (layout_experts.numel(), triton.cdiv(n_size, BLOCK_N))
+    wide = block_m == WIDE_BLOCK_M
+    block_n, warps = (WIDE_BLOCK_N, WIDE_WARPS) if wide else (BLOCK_N, WARPS)
+    stages = WIDE_STAGES[a.element_size()] if wide else STAGES
+    grid = (layout_experts.numel(), triton.cdiv(n_size, block_n))
     _moe_codes_gemm[grid](
         a,
         w.codes,
@@ -239,10 +262,10 @@ def _launch(
         GROUP=w.group,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N,
+        BLOCK_N=block_n,
         BLOCK_K=block_k,
-        num_warps=WARPS,
-        num_stages=STAGES,
+        num_warps=warps,
+        num_stages=stages,
     )
 
 
@@ -267,4 +290,9 @@ def fused_code_experts(
     ) -> None:
         _launch(a, gate_up if gated else down, c, weights, *layout, rows_per_a, gated, block_m)
 
-    return two_passes(x, topk_weights, topk_ids, gate_up.experts, gate_up.rows // 2, launch)
+    inter, pairs = gate_up.rows // 2, topk_ids.numel()
+    wide = (
+        inter >= WIDE_INTER and pairs >= WIDE_PAIRS * gate_up.experts and wide_tiles_fit(x.device)
+    )
+    block_m = WIDE_BLOCK_M if wide else None
+    return two_passes(x, topk_weights, topk_ids, gate_up.experts, inter, launch, block_m)

@@ -178,13 +178,15 @@ def two_passes(
     num_experts: int,
     inter: int,
     launch: PassLaunch,
+    block_m: int | None = None,
 ) -> torch.Tensor:
     """The frame of both fused backends (float and FP8 experts here, GGUF codes in
-    moe_codes_triton.py): the block layout, the gate|up pass into `silu(gate) * up`, the
-    down pass weighted by the routing weights, and each token's sum over its k rows."""
+    moe_codes_triton.py): the block layout (of `block_m` rows, by default `block_rows`'),
+    the gate|up pass into `silu(gate) * up`, the down pass weighted by the routing weights,
+    and each token's sum over its k rows."""
     tokens, top_k = topk_ids.shape
     num_pairs = tokens * top_k
-    block_m = block_rows(num_pairs, num_experts)
+    block_m = block_m or block_rows(num_pairs, num_experts)
     layout = device_layout(topk_ids, num_experts, block_m)
     weights = topk_weights.reshape(-1).contiguous()
     x = x.contiguous()
