@@ -396,6 +396,44 @@ def test_fused_fp8_experts_match_torch_backend(tokens: int, experts: int, top_k:
 
 @pytest.mark.gpu
 @requires_cuda
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "fp8"])
+def test_fused_experts_in_wide_tiles_match_torch_backend(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The 128 x 128 tiles of long prefill batches of wide experts, taken here at any size
+    (odd sizes: partial tiles), float and FP8 experts."""
+    from aserve.layers import moe_triton
+
+    monkeypatch.setattr(moe_triton, "WIDE_PAIRS", 0)
+    monkeypatch.setattr(moe_triton, "WIDE_INTER", 0)
+    monkeypatch.setattr(moe_triton, "wide_tiles_fit", lambda device: True)
+    launch, blocks = moe_triton._launch, []
+
+    def recorded(*args: object) -> None:
+        blocks.append(args[-2])
+        launch(*args)
+
+    monkeypatch.setattr(moe_triton, "_launch", recorded)
+    fused = moe_backend("fused", torch.device("cuda"))
+    x, w13, w2, weights, ids = random_experts(300, 16, 4, hidden=200, inter=96)
+    x, weights, ids = x.cuda(), weights.cuda(), ids.cuda()
+    if kind == "fp8":
+        q13, s13, q2, s2 = (t.cuda() for t in fp8_experts(w13, w2))
+        x, weights = x.bfloat16(), weights.bfloat16()
+        expected = torch_experts(x.float(), q13, q2, weights.float(), ids, s13, s2)
+        actual = fused.experts(x, q13, q2, weights, ids, s13, s2).float()
+    else:
+        dtype = getattr(torch, kind)
+        x, w13, w2, weights = (t.cuda().to(dtype) for t in (x, w13, w2, weights))
+        expected = torch_experts(x.float(), w13.float(), w2.float(), weights.float(), ids)
+        actual = fused.experts(x, w13, w2, weights, ids).float()
+    assert blocks == [moe_triton.WIDE_BLOCK_M] * 2
+    tolerance = 1e-4 if kind == "float32" else 3e-2
+    torch.testing.assert_close(actual, expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.gpu
+@requires_cuda
 @pytest.mark.parametrize("stored", [False, True], ids=["quantized-at-load", "fp8-checkpoint"])
 def test_fp8_moe_model_in_cuda_graphs(
     make_llm: Callable[..., LLM], tmp_path: Path, stored: bool

@@ -304,11 +304,11 @@ def test_fused_gguf_experts_in_wide_tiles_match_float64(
 ) -> None:
     """The 128 x 128 tiles of long prefill batches of wide experts, taken here at any size
     (with float32 activations: two stages)."""
-    from aserve.layers import moe_codes_triton
+    from aserve.layers import moe_codes_triton, moe_triton
 
-    monkeypatch.setattr(moe_codes_triton, "WIDE_PAIRS", 0)
-    monkeypatch.setattr(moe_codes_triton, "WIDE_INTER", 0)
-    monkeypatch.setattr(moe_codes_triton, "wide_tiles_fit", lambda device: True)
+    monkeypatch.setattr(moe_triton, "WIDE_PAIRS", 0)
+    monkeypatch.setattr(moe_triton, "WIDE_INTER", 0)
+    monkeypatch.setattr(moe_triton, "wide_tiles_fit", lambda device: True)
     launch, blocks = moe_codes_triton._launch, []
 
     def recorded(*args: object) -> None:
@@ -317,7 +317,7 @@ def test_fused_gguf_experts_in_wide_tiles_match_float64(
 
     monkeypatch.setattr(moe_codes_triton, "_launch", recorded)
     check_fused_gguf_experts(qtype, inter, tokens)
-    assert blocks == [moe_codes_triton.WIDE_BLOCK_M] * 2
+    assert blocks == [moe_triton.WIDE_BLOCK_M] * 2
 
 
 def check_fused_gguf_experts(qtype: str, inter: int, tokens: int) -> None:

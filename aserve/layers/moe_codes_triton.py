@@ -17,15 +17,19 @@ Imported only on CUDA and under Triton's interpreter (it imports Triton).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 import triton
 import triton.language as tl
 
-from aserve.engine.gpu import HOPPER_SHARED_MEMORY, gpu_capability, shared_memory_limit
 from aserve.layers.moe_layout import BlockLayout
-from aserve.layers.moe_triton import block_pairs, two_passes
+from aserve.layers.moe_triton import (
+    WIDE_BLOCK_M,
+    WIDE_BLOCK_N,
+    WIDE_WARPS,
+    block_pairs,
+    two_passes,
+)
 from aserve.quant.codes import Codes
 from aserve.quant.cuda import CudaWeight, level_of
 
@@ -202,23 +206,9 @@ def _moe_codes_gemm(
 # tokens on Qwen3-30B-A3B's and a smaller expert shape (4-bit codes) with the fused float
 # kernels' block rows (`block_rows`: at most 64).
 BLOCK_N, BLOCK_K, WARPS, STAGES = 64, 128, 4, 3
-# Long prefill batches of wide experts take 128 x 128 tiles on 8 warps instead: each expanded
-# weight tile serves twice the rows. H100, us a layer at 4,096 / 8,192 / 16,384 tokens:
-# 30B-A3B's shape (768 rows an expert) 2,111 / 3,949 / 7,630 -> 1,976 / 3,301 / 5,842, a
-# 235B-A22B-like one (1,536 rows) 7,790 / - / 28,708 -> 6,630 / - / 21,305; at 2,048 tokens
-# (128 pairs an expert) 1,277 -> 1,408, and experts of 192 rows lost 5-12% at every size.
-# Their stages fill Hopper's shared memory (3 with 16-bit activations, 2 with float32 ones),
-# so smaller GPUs keep the narrow tiles.
-WIDE_BLOCK_M, WIDE_BLOCK_N, WIDE_WARPS = 128, 128, 8
-WIDE_STAGES = {2: 3, 4: 2}  # by bytes an activation
-WIDE_PAIRS = 256  # pairs an expert on average
-WIDE_INTER = 512  # rows of an expert's gate (or up)
-
-
-@cache
-def wide_tiles_fit(device: torch.device) -> bool:
-    capability = gpu_capability(device)
-    return capability is not None and shared_memory_limit(capability) >= HOPPER_SHARED_MEMORY
+# With `takes_wide_tiles` (moe_triton.py) 128 x 128 tiles on 8 warps; their stages by bytes
+# an activation (3 overflowed Hopper's shared memory with float32 ones).
+WIDE_STAGES = {2: 3, 4: 2}
 
 
 def _launch(
@@ -290,9 +280,4 @@ def fused_code_experts(
     ) -> None:
         _launch(a, gate_up if gated else down, c, weights, *layout, rows_per_a, gated, block_m)
 
-    inter, pairs = gate_up.rows // 2, topk_ids.numel()
-    wide = (
-        inter >= WIDE_INTER and pairs >= WIDE_PAIRS * gate_up.experts and wide_tiles_fit(x.device)
-    )
-    block_m = WIDE_BLOCK_M if wide else None
-    return two_passes(x, topk_weights, topk_ids, gate_up.experts, inter, launch, block_m)
+    return two_passes(x, topk_weights, topk_ids, gate_up.experts, gate_up.rows // 2, launch)

@@ -16,11 +16,13 @@ torch backend.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cache
 
 import torch
 import triton
 import triton.language as tl
 
+from aserve.engine.gpu import HOPPER_SHARED_MEMORY, gpu_capability, shared_memory_limit
 from aserve.layers.moe_align_triton import device_layout
 from aserve.layers.moe_layout import BlockLayout
 
@@ -119,6 +121,28 @@ def block_rows(num_pairs: int, num_experts: int) -> int:
     return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
 
 
+# Long prefill batches of wide experts take 128 x 128 tiles on 8 warps in both fused backends
+# (the same bits: K is summed in the same order). H100, us a Qwen3-30B-A3B layer (768 rows
+# an expert) at 4,096 / 8,192 / 16,384 tokens, 64 x 64 tiles -> these: bf16 1,562 / 2,771 /
+# 5,165 -> 1,218 / 2,070 / 3,758; FP8 (128 inputs a step) 1,669 / 3,102 / 5,970 -> 1,574 /
+# 2,725 / 4,931; GGUF codes 2,111 / 3,949 / 7,630 -> 1,976 / 3,301 / 5,842. At 2,048 tokens
+# (128 pairs an expert) FP8 and codes lost, and codes experts of 192 rows lost at every size.
+# Their pipeline stages fill Hopper's shared memory, so smaller GPUs keep the narrow tiles.
+WIDE_BLOCK_M, WIDE_BLOCK_N, WIDE_WARPS = 128, 128, 8
+WIDE_PAIRS = 256  # pairs an expert on average
+WIDE_INTER = 512  # rows of an expert's gate (or up)
+
+
+@cache
+def wide_tiles_fit(device: torch.device) -> bool:
+    capability = gpu_capability(device)
+    return capability is not None and shared_memory_limit(capability) >= HOPPER_SHARED_MEMORY
+
+
+def takes_wide_tiles(num_pairs: int, num_experts: int, inter: int, device: torch.device) -> bool:
+    return inter >= WIDE_INTER and num_pairs >= WIDE_PAIRS * num_experts and wide_tiles_fit(device)
+
+
 def _launch(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -133,7 +157,10 @@ def _launch(
 ) -> None:
     n_size = c.shape[1]
     ieee = a.dtype == torch.float32
-    block_n, block_k = 64, 32 if ieee else 64
+    block_n, block_k, warps = 64, 32 if ieee else 64, 4
+    if block_m == WIDE_BLOCK_M:
+        block_n, warps = WIDE_BLOCK_N, WIDE_WARPS
+        block_k = 128 if scale is not None else block_k
     grid = (layout_experts.numel(), triton.cdiv(n_size, block_n))
     _moe_gemm[grid](
         a,
@@ -162,7 +189,7 @@ def _launch(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        num_warps=4,
+        num_warps=warps,
         num_stages=2 if ieee else 3,
     )
 
@@ -178,15 +205,15 @@ def two_passes(
     num_experts: int,
     inter: int,
     launch: PassLaunch,
-    block_m: int | None = None,
 ) -> torch.Tensor:
     """The frame of both fused backends (float and FP8 experts here, GGUF codes in
-    moe_codes_triton.py): the block layout (of `block_m` rows, by default `block_rows`'),
-    the gate|up pass into `silu(gate) * up`, the down pass weighted by the routing weights,
-    and each token's sum over its k rows."""
+    moe_codes_triton.py): the block layout (`block_rows`, or WIDE_BLOCK_M rows where
+    `takes_wide_tiles`), the gate|up pass into `silu(gate) * up`, the down pass weighted by
+    the routing weights, and each token's sum over its k rows."""
     tokens, top_k = topk_ids.shape
     num_pairs = tokens * top_k
-    block_m = block_m or block_rows(num_pairs, num_experts)
+    wide = takes_wide_tiles(num_pairs, num_experts, inter, x.device)
+    block_m = WIDE_BLOCK_M if wide else block_rows(num_pairs, num_experts)
     layout = device_layout(topk_ids, num_experts, block_m)
     weights = topk_weights.reshape(-1).contiguous()
     x = x.contiguous()
