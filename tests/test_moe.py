@@ -8,6 +8,7 @@ import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -394,6 +395,26 @@ def test_fused_fp8_experts_match_torch_backend(tokens: int, experts: int, top_k:
     torch.testing.assert_close(actual, expected, atol=3e-2, rtol=3e-2)
 
 
+def force_wide_tiles(
+    monkeypatch: pytest.MonkeyPatch, launcher: ModuleType, block_m_at: int
+) -> list[int]:
+    """The fused MoE kernels' wide tiles at any size; returns the block rows that each launch
+    of `launcher._launch` gets (its argument `block_m_at`), as it gets them."""
+    from aserve.layers import moe_triton
+
+    monkeypatch.setattr(moe_triton, "WIDE_PAIRS", 0)
+    monkeypatch.setattr(moe_triton, "WIDE_INTER", 0)
+    monkeypatch.setattr(moe_triton, "wide_tiles_fit", lambda device: True)
+    launch, blocks = launcher._launch, []
+
+    def recorded(*args: object) -> None:
+        blocks.append(args[block_m_at])
+        launch(*args)
+
+    monkeypatch.setattr(launcher, "_launch", recorded)
+    return blocks
+
+
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "fp8"])
@@ -404,16 +425,7 @@ def test_fused_experts_in_wide_tiles_match_torch_backend(
     (odd sizes: partial tiles), float and FP8 experts."""
     from aserve.layers import moe_triton
 
-    monkeypatch.setattr(moe_triton, "WIDE_PAIRS", 0)
-    monkeypatch.setattr(moe_triton, "WIDE_INTER", 0)
-    monkeypatch.setattr(moe_triton, "wide_tiles_fit", lambda device: True)
-    launch, blocks = moe_triton._launch, []
-
-    def recorded(*args: object) -> None:
-        blocks.append(args[-2])
-        launch(*args)
-
-    monkeypatch.setattr(moe_triton, "_launch", recorded)
+    blocks = force_wide_tiles(monkeypatch, moe_triton, block_m_at=-2)
     fused = moe_backend("fused", torch.device("cuda"))
     x, w13, w2, weights, ids = random_experts(300, 16, 4, hidden=200, inter=96)
     x, weights, ids = x.cuda(), weights.cuda(), ids.cuda()

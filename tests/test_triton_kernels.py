@@ -305,17 +305,9 @@ def test_fused_gguf_experts_in_wide_tiles_match_float64(
     """The 128 x 128 tiles of long prefill batches of wide experts, taken here at any size
     (with float32 activations: two stages)."""
     from aserve.layers import moe_codes_triton, moe_triton
+    from tests.test_moe import force_wide_tiles
 
-    monkeypatch.setattr(moe_triton, "WIDE_PAIRS", 0)
-    monkeypatch.setattr(moe_triton, "WIDE_INTER", 0)
-    monkeypatch.setattr(moe_triton, "wide_tiles_fit", lambda device: True)
-    launch, blocks = moe_codes_triton._launch, []
-
-    def recorded(*args: object) -> None:
-        blocks.append(args[-1])
-        launch(*args)
-
-    monkeypatch.setattr(moe_codes_triton, "_launch", recorded)
+    blocks = force_wide_tiles(monkeypatch, moe_codes_triton, block_m_at=-1)
     check_fused_gguf_experts(qtype, inter, tokens)
     assert blocks == [moe_triton.WIDE_BLOCK_M] * 2
 
