@@ -398,7 +398,6 @@ class ExpertStack:
         assert one_format(weights), "one stack holds experts of one code format"
         first = weights[0]
         self.group, self.four_bit, self.levels = first.group, first.four_bit, first.levels
-        self.padded = first.padded
         half = all(w.scales.dtype == torch.float16 for w in weights)
         dtype = torch.float16 if half else torch.float32
         self.words = torch.stack([w.words.reshape(-1) for w in weights])

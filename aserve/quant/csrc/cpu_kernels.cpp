@@ -793,13 +793,13 @@ void route(const at::Tensor& x, const at::Tensor& router, int64_t top_k, bool re
   }
 }
 
-// A MoE layer for a few tokens (decode) in one call: routing (`route`), then the (token,
-// slot) pairs grouped by expert, stably, as grouped_experts (layers/moe.py) groups them;
-// each chosen expert's rows gathered; every gate|up product in one parallel region, then
-// SiLU(gate) * up, then every down product in a second region; last each token's outputs
-// weighted and added in expert order. A token's operations do not depend on the others in its
-// batch. Experts come stacked (`first_expert`): gate|up weights hold 2 * inter rows (gate,
-// then up), downs hidden rows.
+// A MoE layer in one call (decode; every batch where BLAS is not used): routing (`route`),
+// then the (token, slot) pairs grouped by expert, stably, as grouped_experts (layers/moe.py)
+// groups them; every gate|up product, reading its tokens' rows of x in place, in one parallel
+// region, then SiLU(gate) * up, then every down product in a second region; last each
+// token's outputs weighted and added in expert order. A token's operations do not depend on
+// the others in its batch. Experts come stacked (`weight_of`, `expert_of`): gate|up weights
+// hold 2 * inter rows (gate, then up), downs hidden rows.
 at::Tensor moe_layer(
     const at::Tensor& x, const at::Tensor& router, int64_t top_k, bool renormalize,
     const at::Tensor& up_words, const at::Tensor& up_scales, const at::Tensor& up_offsets,
