@@ -176,13 +176,55 @@ def test_scales_take_the_fewest_bytes_that_keep_them(
 @pytest.mark.parametrize("qtype", [QType.Q2_K, QType.Q3_K], ids=lambda q: q.name)
 def test_codes_of_two_and_three_bits_pack_into_nibbles(qtype: QType) -> None:
     """Q2_K and Q3_K (groups of 16) keep half a byte a code on CPU, as Q4_K does, not an int8
-    each: 100 rows pad to 104, a float32 scale and offset a group of 16."""
+    each: 100 rows pad to 104, a float32 scale a group of 16, and Q2_K's offset (Q3_K's is
+    -4 times its scale: centred, none stored)."""
     codes = decode(torch.from_numpy(random_blocks(qtype, 100, 512)), qtype, 512)
     assert (codes.group, codes.bits) == (16, 2 if qtype == QType.Q2_K else 3)
     native = NativeWeight(codes)
     assert native.four_bit
     assert native.words.nbytes == 104 * 512 // 2
-    assert native.nbytes == 104 * 512 // 2 + 2 * 4 * 104 * 512 // 16
+    tensors = 2 if qtype == QType.Q2_K else 1
+    assert native.nbytes == 104 * 512 // 2 + tensors * 4 * 104 * 512 // 16
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    ("qtype", "code_bytes", "scale_bytes"),
+    [(QType.Q4_0, 0.5, 2), (QType.Q5_0, 1, 2), (QType.Q3_K, 0.5, 4), (QType.Q6_K, 1, 4)],
+    ids=lambda v: v.name if isinstance(v, QType) else str(v),
+)
+def test_codes_centred_on_zero_store_no_offsets(
+    qtype: QType, code_bytes: float, scale_bytes: int, blas_from_128: None
+) -> None:
+    """Formats whose offset is -2**(bits - 1) times the scale keep codes centred on zero
+    (a table of levels up to 4 bits, int8 above) and no offsets, the same weight exactly:
+    every row looked up equals the file's, products match float64 within float32 rounding
+    on every path, and a row keeps its bits alone and batched."""
+    codes = decode(torch.from_numpy(random_blocks(qtype, 64, 512, seed=3)), qtype, 512)
+    centred = codes.centered()
+    assert centred.table is not None and not centred.offsets.any()
+    weight = codes.dequantize()
+    assert torch.equal(centred.dequantize(), weight)
+    native = NativeWeight(codes)
+    assert native.offsets.numel() == 0
+    group = min(codes.group, 32)
+    assert native.nbytes == 64 * 512 * code_bytes + scale_bytes * 64 * 512 // group
+    assert torch.equal(native.rows(torch.arange(64)), weight)
+    x = torch.randn(BLAS_ROWS + 3, 512, generator=torch.Generator().manual_seed(4))
+    exact = F.linear(x.double(), weight.double())
+    tolerance = 1e-5 * float(exact.abs().max())
+    batched = native.linear(x[:20], None)
+    torch.testing.assert_close(batched.double(), exact[:20], rtol=0, atol=tolerance)
+    torch.testing.assert_close(native.linear(x, None).double(), exact, rtol=0, atol=tolerance)
+    for rows in (1, 2, 3, 5):
+        assert torch.equal(native.linear(x[7 : 7 + rows], None), batched[7 : 7 + rows]), rows
+
+
+def test_codes_with_their_own_offsets_are_not_centred() -> None:
+    """Q4_1 and Q4_K (a stored minimum) and IQ4_NL (a table already) stay as decoded."""
+    for qtype in (QType.Q4_1, QType.Q4_K, QType.IQ4_NL):
+        codes = decode(torch.from_numpy(random_blocks(qtype, 8, 256)), qtype, 256)
+        assert codes.centered() is codes, qtype.name
 
 
 def write_tiny_llama(path: Path, qtype: QType, seed: int = 0) -> None:
@@ -734,7 +776,7 @@ def test_experts_of_mixed_scale_widths_and_offsets_stack_without_changing_a_prod
     def expert(half: bool, offsets: bool) -> NativeWeight:
         scales = torch.rand(rows, cols // group, generator=generator) + 0.5
         scales = scales.half().float() if half else scales + 1e-4
-        shifts = -8 * scales if offsets else torch.zeros_like(scales)
+        shifts = -4 * scales if offsets else torch.zeros_like(scales)  # not centred (-8)
         codes = torch.randint(0, 16, (rows, cols), generator=generator, dtype=torch.uint8)
         return NativeWeight(Codes(codes, scales, shifts, group, 4))
 

@@ -269,10 +269,12 @@ class NativeWeight:
     def __init__(self, codes: Codes, scratch: Scratch | None = None) -> None:
         self.scratch = scratch or Scratch()
         self.shape = codes.shape
-        codes = groups_of_at_most_32(codes)
+        codes = groups_of_at_most_32(codes).centered()
         self.group = codes.group
         self.four_bit = codes.bits <= 4
-        self.levels = None if codes.table is None else level_bytes(codes.table)
+        self.levels = None
+        if self.four_bit and codes.table is not None:
+            self.levels = level_bytes(codes.table)
         rows, cols = codes.shape
         self.padded = padded = -(-rows // LANES) * LANES
         codes = codes.pad_rows(padded)
