@@ -93,13 +93,17 @@ def reference_attention(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
 @pytest.mark.parametrize("head_dim", [64, 40], ids=["vectors", "scalar-head"])
-def test_decode_attention_matches_float64_softmax(head_dim: int, dtype: torch.dtype) -> None:
-    """Contexts on both sides of the kernel's 256-position blocks, its 8-row score groups and
-    its 128-position pieces (255 to 1,100 are cut in two to nine, joined after), scattered
-    slots, a strided query (as Q sits in the fused QKV output), in a float32 and a float16
-    pool."""
+@pytest.mark.parametrize("group", [1, 2, 3, 8, 12], ids=lambda g: f"group{g}")
+def test_decode_attention_matches_float64_softmax(
+    head_dim: int, dtype: torch.dtype, group: int
+) -> None:
+    """Contexts on both sides of the kernel's 256-position blocks, its passes of 8 / group
+    rows and its 128-position pieces (255 to 1,100 are cut in two to nine, joined after),
+    scattered slots, a strided query (as Q sits in the fused QKV output), in a float32 and a
+    float16 pool; 1 to 12 query heads a KV head (more than 8 take two passes of heads)."""
     generator = torch.Generator().manual_seed(2)
-    heads, kv_heads, slots = 6, 2, 4096
+    kv_heads, slots = 2, 4096
+    heads = group * kv_heads
     pool = torch.randn(slots, 2, kv_heads, head_dim, generator=generator).to(dtype)
     lens = [1, 7, 8, 9, 255, 256, 257, 700, 1100]
     table = torch.zeros(len(lens) + 2, 1200, dtype=torch.int32)

@@ -9,8 +9,9 @@
 //   s[t] = scale * dot(q, k[t])     (8 lanes of products, then a fixed tree across them)
 //   m = max(m, max of the block's s);  rescale the running sum l and output by e^(m_old - m)
 //   l += sum of e^(s[t] - m);  out += sum over t in order of e^(s[t] - m) * v[t]
-// and out / l at the end. The order of operations is fixed per request, so its output does
-// not depend on its batch. The pool holds float16 (these models' default, as llama.cpp keeps
+// and out / l at the end, the group's query heads together so that each row of K and V is
+// read and widened once for all of them. The order of operations is fixed per request, so
+// its output does not depend on its batch. The pool holds float16 (these models' default, as llama.cpp keeps
 // a GGUF model's cache: half the bytes to read and keep) or float32; float16 values widen
 // exactly, so the arithmetic is the same.
 
@@ -32,6 +33,8 @@
 namespace {
 
 using c10::Half;
+
+constexpr int64_t kBlock = 256;  // context positions whose K and V stay in cache between passes
 
 #ifdef ASERVE_AVX2
 // Eight pool values as float32.
@@ -76,82 +79,145 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
 }
 
-// scores[t] = scale * dot(q, k[t]) for the rows `keys + slots[t] * stride`, eight rows at a
-// time (n, the head size, a multiple of 8): each row's products gather in one register, and
-// the eight registers are summed across at once. A short last group repeats its first row,
-// so every score is added up the same way.
-template <typename T>
+// The scores of C query heads (queries n apart) against 8 / C rows at a time, so that eight
+// sums are always under way: scores[j * kBlock + t] = scale * dot(q_j, k[t]) for the rows
+// `keys + slots[t] * stride` (n, the head size, a multiple of 8). A row of K is widened once
+// for the heads that share it (once a head, it took as long as the products); each sum
+// gathers in one register, and the eight registers are summed across at once. A short last
+// pass repeats its first row, so every score is added up the same way.
+template <int C, typename T>
 void scores8(const float* q, const T* keys, const int32_t* slots, int64_t rows, int64_t stride,
              int64_t n, float scale, float* scores) {
+  constexpr int R = 8 / C;
   const __m256 scaling = _mm256_set1_ps(scale);
-  for (int64_t first = 0; first < rows; first += 8) {
-    const T* k[8];
-    for (int j = 0; j < 8; ++j) k[j] = keys + slots[first + j < rows ? first + j : first] * stride;
-    __m256 sums[8];
-    for (int j = 0; j < 8; ++j) sums[j] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < n; d += 8) {
-      const __m256 qd = _mm256_loadu_ps(q + d);
+  for (int64_t first = 0; first < rows; first += R) {
+    const T* k[R];
 #pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) sums[j] = _mm256_fmadd_ps(qd, load8(k[j] + d), sums[j]);
+    for (int r = 0; r < R; ++r) k[r] = keys + slots[first + r < rows ? first + r : first] * stride;
+    __m256 sums[8];
+#pragma GCC unroll 8
+    for (int a = 0; a < 8; ++a) sums[a] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < n; d += 8) {
+      __m256 kd[R];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) kd[r] = load8(k[r] + d);
+#pragma GCC unroll 8
+      for (int j = 0; j < C; ++j) {
+        const __m256 qd = _mm256_loadu_ps(q + j * n + d);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) sums[r * C + j] = _mm256_fmadd_ps(qd, kd[r], sums[r * C + j]);
+      }
     }
-    const __m256 block = _mm256_mul_ps(scaling, sum_lanes_of_eight(sums));
-    if (first + 8 <= rows) {
-      _mm256_storeu_ps(scores + first, block);
-    } else {
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, block);
-      std::copy(lanes, lanes + (rows - first), scores + first);
-    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, _mm256_mul_ps(scaling, sum_lanes_of_eight(sums)));
+    const int64_t count = std::min<int64_t>(R, rows - first);
+    for (int64_t r = 0; r < count; ++r)
+      for (int j = 0; j < C; ++j) scores[j * kBlock + first + r] = lanes[r * C + j];
   }
 }
 
-// out += sum over the rows t of p[t] * v[t] (n a multiple of 8), 64 values of a row at a time
-// held in registers across the rows.
-template <typename T>
+// out_j += sum over the rows t of p_j[t] * v[t] for C heads j (p_j at p + j * kBlock, out_j at
+// out + j * n; n a multiple of 8), 8 / C groups of eight values of every head held in
+// registers across the rows (eight sums under way), a row of V widened once for all heads.
+template <int C, typename T>
 void add_weighted_rows8(const float* p, const T* values, const int32_t* slots, int64_t rows,
                         int64_t stride, int64_t n, float* out) {
-  for (int64_t first = 0; first < n; first += 64) {
-    const int64_t chunks = std::min<int64_t>(8, (n - first) / 8);
+  constexpr int D = 8 / C;
+  for (int64_t first = 0; first < n; first += 8 * D) {
+    const int64_t chunks = std::min<int64_t>(D, (n - first) / 8);
     __m256 sums[8];
-    for (int j = 0; j < 8; ++j)
-      sums[j] = j < chunks ? _mm256_loadu_ps(out + first + 8 * j) : _mm256_setzero_ps();
+#pragma GCC unroll 8
+    for (int c = 0; c < D; ++c)
+#pragma GCC unroll 8
+      for (int j = 0; j < C; ++j)
+        sums[c * C + j] = c < chunks ? _mm256_loadu_ps(out + j * n + first + 8 * c) : _mm256_setzero_ps();
     for (int64_t t = 0; t < rows; ++t) {
-      const __m256 weight = _mm256_set1_ps(p[t]);
       const T* v = values + slots[t] * stride + first;
 #pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j)
-        if (j < chunks) sums[j] = _mm256_fmadd_ps(weight, load8(v + 8 * j), sums[j]);
+      for (int c = 0; c < D; ++c) {
+        if (c >= chunks) break;
+        const __m256 vc = load8(v + 8 * c);
+#pragma GCC unroll 8
+        for (int j = 0; j < C; ++j)
+          sums[c * C + j] = _mm256_fmadd_ps(_mm256_set1_ps(p[j * kBlock + t]), vc, sums[c * C + j]);
+      }
     }
-    for (int j = 0; j < chunks; ++j) _mm256_storeu_ps(out + first + 8 * j, sums[j]);
+    for (int64_t c = 0; c < chunks; ++c)
+      for (int j = 0; j < C; ++j) _mm256_storeu_ps(out + j * n + first + 8 * c, sums[c * C + j]);
+  }
+}
+
+// `scores8` / `add_weighted_rows8` for `count` (1 to 8) heads.
+template <typename T>
+void group_scores8(const float* q, int64_t count, const T* keys, const int32_t* slots,
+                   int64_t rows, int64_t stride, int64_t n, float scale, float* scores) {
+  switch (count) {
+    case 1: return scores8<1>(q, keys, slots, rows, stride, n, scale, scores);
+    case 2: return scores8<2>(q, keys, slots, rows, stride, n, scale, scores);
+    case 3: return scores8<3>(q, keys, slots, rows, stride, n, scale, scores);
+    case 4: return scores8<4>(q, keys, slots, rows, stride, n, scale, scores);
+    case 5: return scores8<5>(q, keys, slots, rows, stride, n, scale, scores);
+    case 6: return scores8<6>(q, keys, slots, rows, stride, n, scale, scores);
+    case 7: return scores8<7>(q, keys, slots, rows, stride, n, scale, scores);
+    default: return scores8<8>(q, keys, slots, rows, stride, n, scale, scores);
+  }
+}
+
+template <typename T>
+void group_weighted_rows8(const float* p, int64_t count, const T* values, const int32_t* slots,
+                          int64_t rows, int64_t stride, int64_t n, float* out) {
+  switch (count) {
+    case 1: return add_weighted_rows8<1>(p, values, slots, rows, stride, n, out);
+    case 2: return add_weighted_rows8<2>(p, values, slots, rows, stride, n, out);
+    case 3: return add_weighted_rows8<3>(p, values, slots, rows, stride, n, out);
+    case 4: return add_weighted_rows8<4>(p, values, slots, rows, stride, n, out);
+    case 5: return add_weighted_rows8<5>(p, values, slots, rows, stride, n, out);
+    case 6: return add_weighted_rows8<6>(p, values, slots, rows, stride, n, out);
+    case 7: return add_weighted_rows8<7>(p, values, slots, rows, stride, n, out);
+    default: return add_weighted_rows8<8>(p, values, slots, rows, stride, n, out);
   }
 }
 #endif
 
-// Without AVX2 (or for a head size not a multiple of 8): the same steps one value at a time.
+// The heads [0, count) of a group at once (scores of head j at scores + j * kBlock, queries and
+// outputs n apart); without AVX2 (or for a head size not a multiple of 8) the same steps one
+// head and one value at a time.
 template <typename T>
-void scores_of(const float* q, const T* keys, const int32_t* slots, int64_t rows, int64_t stride,
-               int64_t n, float scale, float* scores) {
+void scores_of(const float* q, int64_t count, const T* keys, const int32_t* slots, int64_t rows,
+               int64_t stride, int64_t n, float scale, float* scores) {
 #ifdef ASERVE_AVX2
-  if (n % 8 == 0) return scores8(q, keys, slots, rows, stride, n, scale, scores);
-#endif
-  for (int64_t t = 0; t < rows; ++t) {
-    const T* k = keys + slots[t] * stride;
-    float sum = 0;
-    for (int64_t d = 0; d < n; ++d) sum += q[d] * static_cast<float>(k[d]);
-    scores[t] = scale * sum;
+  if (n % 8 == 0) {
+    for (int64_t j = 0; j < count; j += 8)
+      group_scores8(q + j * n, std::min<int64_t>(8, count - j), keys, slots, rows, stride, n,
+                    scale, scores + j * kBlock);
+    return;
   }
+#endif
+  for (int64_t j = 0; j < count; ++j)
+    for (int64_t t = 0; t < rows; ++t) {
+      const T* k = keys + slots[t] * stride;
+      float sum = 0;
+      for (int64_t d = 0; d < n; ++d) sum += q[j * n + d] * static_cast<float>(k[d]);
+      scores[j * kBlock + t] = scale * sum;
+    }
 }
 
 template <typename T>
-void add_weighted_rows(const float* p, const T* values, const int32_t* slots, int64_t rows,
-                       int64_t stride, int64_t n, float* out) {
+void add_weighted_rows(const float* p, int64_t count, const T* values, const int32_t* slots,
+                       int64_t rows, int64_t stride, int64_t n, float* out) {
 #ifdef ASERVE_AVX2
-  if (n % 8 == 0) return add_weighted_rows8(p, values, slots, rows, stride, n, out);
-#endif
-  for (int64_t t = 0; t < rows; ++t) {
-    const T* v = values + slots[t] * stride;
-    for (int64_t d = 0; d < n; ++d) out[d] += p[t] * static_cast<float>(v[d]);
+  if (n % 8 == 0) {
+    for (int64_t j = 0; j < count; j += 8)
+      group_weighted_rows8(p + j * kBlock, std::min<int64_t>(8, count - j), values, slots, rows,
+                           stride, n, out + j * n);
+    return;
   }
+#endif
+  for (int64_t j = 0; j < count; ++j)
+    for (int64_t t = 0; t < rows; ++t) {
+      const T* v = values + slots[t] * stride;
+      for (int64_t d = 0; d < n; ++d) out[j * n + d] += p[j * kBlock + t] * static_cast<float>(v[d]);
+    }
 }
 
 // The largest of `top` and s[0..n).
@@ -189,8 +255,6 @@ float exponentiate(float* s, int64_t n, float top) {
   return sum;
 }
 
-constexpr int64_t kBlock = 256;  // context positions whose K and V stay in cache between passes
-
 // The query heads [head, head + group) of one request, all reading KV head `kv_head` of the
 // pool's layer `kv` ([slots, 2, kv_heads, head_dim]), block by block with a running softmax
 // (each head's max, sum and weighted values rescaled when its max rises), so that a block's
@@ -212,10 +276,10 @@ void attend(const float* q, const T* kv, const int32_t* slots, int64_t length,
   for (int64_t first = 0; first < length; first += kBlock) {
     const int64_t rows = std::min(kBlock, length - first);
     const int32_t* block = slots + first;
+    scores_of(q, group, keys, block, rows, stride, head_dim, scale, scores);
     for (int64_t g = 0; g < group; ++g) {
       float* s = scores + g * kBlock;
       float* o = out + g * head_dim;
-      scores_of(q + g * head_dim, keys, block, rows, stride, head_dim, scale, s);
       const float block_top = largest(s, rows, top[g]);
       if (block_top > top[g]) {
         const float rescale = std::exp(top[g] - block_top);  // 0 for the first block
@@ -224,8 +288,8 @@ void attend(const float* q, const T* kv, const int32_t* slots, int64_t length,
         top[g] = block_top;
       }
       total[g] += exponentiate(s, rows, top[g]);
-      add_weighted_rows(s, values, block, rows, stride, head_dim, o);
     }
+    add_weighted_rows(scores, group, values, block, rows, stride, head_dim, out);
   }
 }
 
