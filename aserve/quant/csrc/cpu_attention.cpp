@@ -79,6 +79,21 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
 }
 
+// A row's K and V (n values each at `offset`) asked for ahead of use: a context's slots are
+// scattered over the pool, so the hardware's prefetchers do not follow them, and a decode
+// step's weights (tens of MB a layer) have pushed the rows out of cache since the step before.
+constexpr int64_t kAhead = 8;  // rows ahead
+template <typename T>
+inline void ask_for_row(int64_t offset, const T* keys, const T* values, int64_t n) {
+  const char* k = reinterpret_cast<const char*>(keys + offset);
+  const char* v = reinterpret_cast<const char*>(values + offset);
+  for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(T)); b += 64) {
+    // asm statements, as in cpu_kernels.cpp: GCC may drop the builtin's prefetches
+    asm volatile("prefetcht0 %0" : : "m"(k[b]));
+    asm volatile("prefetcht0 %0" : : "m"(v[b]));
+  }
+}
+
 // The scores of C query heads (queries n apart) against 8 / C rows at a time, so that eight
 // sums are always under way: scores[j * kBlock + t] = scale * dot(q_j, k[t]) for the rows
 // `keys + slots[t] * stride` (n, the head size, a multiple of 8). A row of K is widened once
@@ -86,11 +101,14 @@ inline __m256 exp_nonpositive(__m256 x) {
 // gathers in one register, and the eight registers are summed across at once. A short last
 // pass repeats its first row, so every score is added up the same way.
 template <int C, typename T>
-void scores8(const float* q, const T* keys, const int32_t* slots, int64_t rows, int64_t stride,
-             int64_t n, float scale, float* scores) {
+void scores8(const float* q, const T* keys, const T* values, const int32_t* slots, int64_t rows,
+             int64_t stride, int64_t n, float scale, float* scores) {
   constexpr int R = 8 / C;
   const __m256 scaling = _mm256_set1_ps(scale);
   for (int64_t first = 0; first < rows; first += R) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+      if (first + r + kAhead < rows) ask_for_row(slots[first + r + kAhead] * stride, keys, values, n);
     const T* k[R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) k[r] = keys + slots[first + r < rows ? first + r : first] * stride;
@@ -149,17 +167,19 @@ void add_weighted_rows8(const float* p, const T* values, const int32_t* slots, i
 
 // `scores8` / `add_weighted_rows8` for `count` (1 to 8) heads.
 template <typename T>
-void group_scores8(const float* q, int64_t count, const T* keys, const int32_t* slots,
-                   int64_t rows, int64_t stride, int64_t n, float scale, float* scores) {
+void group_scores8(const float* q, int64_t count, const T* keys, const T* values,
+                   const int32_t* slots, int64_t rows, int64_t stride, int64_t n, float scale,
+                   float* scores) {
+  for (int64_t t = 0; t < std::min(kAhead, rows); ++t) ask_for_row(slots[t] * stride, keys, values, n);
   switch (count) {
-    case 1: return scores8<1>(q, keys, slots, rows, stride, n, scale, scores);
-    case 2: return scores8<2>(q, keys, slots, rows, stride, n, scale, scores);
-    case 3: return scores8<3>(q, keys, slots, rows, stride, n, scale, scores);
-    case 4: return scores8<4>(q, keys, slots, rows, stride, n, scale, scores);
-    case 5: return scores8<5>(q, keys, slots, rows, stride, n, scale, scores);
-    case 6: return scores8<6>(q, keys, slots, rows, stride, n, scale, scores);
-    case 7: return scores8<7>(q, keys, slots, rows, stride, n, scale, scores);
-    default: return scores8<8>(q, keys, slots, rows, stride, n, scale, scores);
+    case 1: return scores8<1>(q, keys, values, slots, rows, stride, n, scale, scores);
+    case 2: return scores8<2>(q, keys, values, slots, rows, stride, n, scale, scores);
+    case 3: return scores8<3>(q, keys, values, slots, rows, stride, n, scale, scores);
+    case 4: return scores8<4>(q, keys, values, slots, rows, stride, n, scale, scores);
+    case 5: return scores8<5>(q, keys, values, slots, rows, stride, n, scale, scores);
+    case 6: return scores8<6>(q, keys, values, slots, rows, stride, n, scale, scores);
+    case 7: return scores8<7>(q, keys, values, slots, rows, stride, n, scale, scores);
+    default: return scores8<8>(q, keys, values, slots, rows, stride, n, scale, scores);
   }
 }
 
@@ -183,13 +203,14 @@ void group_weighted_rows8(const float* p, int64_t count, const T* values, const 
 // outputs n apart); without AVX2 (or for a head size not a multiple of 8) the same steps one
 // head and one value at a time.
 template <typename T>
-void scores_of(const float* q, int64_t count, const T* keys, const int32_t* slots, int64_t rows,
-               int64_t stride, int64_t n, float scale, float* scores) {
+void scores_of(const float* q, int64_t count, const T* keys, const T* values,
+               const int32_t* slots, int64_t rows, int64_t stride, int64_t n, float scale,
+               float* scores) {
 #ifdef ASERVE_AVX2
   if (n % 8 == 0) {
     for (int64_t j = 0; j < count; j += 8)
-      group_scores8(q + j * n, std::min<int64_t>(8, count - j), keys, slots, rows, stride, n,
-                    scale, scores + j * kBlock);
+      group_scores8(q + j * n, std::min<int64_t>(8, count - j), keys, values, slots, rows,
+                    stride, n, scale, scores + j * kBlock);
     return;
   }
 #endif
@@ -276,7 +297,7 @@ void attend(const float* q, const T* kv, const int32_t* slots, int64_t length,
   for (int64_t first = 0; first < length; first += kBlock) {
     const int64_t rows = std::min(kBlock, length - first);
     const int32_t* block = slots + first;
-    scores_of(q, group, keys, block, rows, stride, head_dim, scale, scores);
+    scores_of(q, group, keys, values, block, rows, stride, head_dim, scale, scores);
     for (int64_t g = 0; g < group; ++g) {
       float* s = scores + g * kBlock;
       float* o = out + g * head_dim;
