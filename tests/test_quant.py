@@ -143,9 +143,11 @@ def test_products_match_the_dequantized_weight(
     [
         (QType.Q4_1, torch.float16, True),
         (QType.Q8_0, torch.float16, False),
-        (QType.Q4_K, torch.float32, True),
+        (QType.Q4_K, torch.int8, True),
+        (QType.Q6_K, torch.int8, False),
+        (QType.IQ4_XS, torch.int8, False),
     ],
-    ids=["Q4_1", "Q8_0", "Q4_K"],
+    ids=["Q4_1", "Q8_0", "Q4_K", "Q6_K", "IQ4_XS"],
 )
 def test_scales_take_the_fewest_bytes_that_keep_them(
     qtype: QType,
@@ -155,16 +157,19 @@ def test_scales_take_the_fewest_bytes_that_keep_them(
     blas_from_128: None,
 ) -> None:
     """GGUF's float16 scales stay float16 and Q8_0's zero offsets are not stored; K-quants'
-    scales (a float16 times a 6-bit integer) stay float32. Products of every path and
-    lookups are bit for bit those of the weight kept in float32."""
+    and IQ4_XS's (a float16 times a small integer a group) are kept as int8 steps of a float32
+    base a block of 256 inputs. Products of every path and lookups are bit for bit those of
+    the weight kept in float32."""
     codes = decode(torch.from_numpy(random_blocks(qtype, 64, 512, seed=7)), qtype, 512)
     compact = NativeWeight(codes)
     assert compact.scales.dtype == dtype
     assert (compact.offsets.numel() > 0) == offsets
+    assert compact.bases.numel() == (0 if dtype == torch.float16 else 64 * 2 * 2)
     monkeypatch.setattr(native_module, "compact_scales", lambda scales, offsets: (scales, offsets))
+    monkeypatch.setattr(native_module, "scale_steps", lambda scales, offsets, group: None)
     wide = NativeWeight(codes)
     assert wide.scales.dtype == torch.float32 and wide.offsets.numel() > 0
-    assert compact.nbytes < wide.nbytes or dtype == torch.float32
+    assert compact.nbytes < wide.nbytes
     x = torch.randn(BLAS_ROWS + 3, 512, generator=torch.Generator().manual_seed(8))
     for rows in (1, 2, 5, 20, BLAS_ROWS + 3):
         assert torch.equal(compact.linear(x[:rows], None), wide.linear(x[:rows], None)), rows
@@ -172,25 +177,49 @@ def test_scales_take_the_fewest_bytes_that_keep_them(
     assert torch.equal(compact.rows(ids), wide.rows(ids))
 
 
-@needs_kernels
+def test_scale_steps_only_where_every_value_is_a_step_of_its_block() -> None:
+    """A float16 times integers up to 127 (either sign, zeros, a zero block) factor exactly;
+    steps past int8, or values with no common base (Q4_0's float16 per group), do not."""
+    generator = torch.Generator().manual_seed(9)
+    base = (torch.rand(4, 2, 1, 8, generator=generator) * 0.01).half().float()
+    ints = torch.randint(-128, 128, (4, 2, 8, 8), generator=generator).float()
+    ints[0, 0] = 0
+    ints[1, 1, 3] = 0
+    values = (base * ints).reshape(4, 16, 8)
+    stepped = native_module.scale_steps(values, values * 0.5, group=32)
+    assert stepped is not None
+    steps, offset_steps, bases = stepped
+    assert steps.dtype == offset_steps.dtype == torch.int8 and bases.shape == (4, 2, 2, 8)
+    rebuilt = steps.float().view(4, 2, 8, 8) * bases[:, :, 0, None]
+    assert torch.equal(rebuilt.view(4, 16, 8), values)
+    uniform = (base * 255).expand(4, 2, 8, 8).reshape(4, 16, 8)  # one value a block: steps of 1
+    assert native_module.scale_steps(uniform, values, 32) is not None
+    wide = (base * torch.randint(200, 255, (4, 2, 8, 8), generator=generator)).reshape(4, 16, 8)
+    assert native_module.scale_steps(wide, values, 32) is None
+    halves = (torch.rand(4, 16, 8, generator=generator) * 0.05).half().float()
+    assert native_module.scale_steps(halves, halves, 32) is None
+    assert native_module.scale_steps(values[:, :12], values[:, :12], 32) is None  # no whole block
+
+
 @pytest.mark.parametrize("qtype", [QType.Q2_K, QType.Q3_K], ids=lambda q: q.name)
 def test_codes_of_two_and_three_bits_pack_into_nibbles(qtype: QType) -> None:
     """Q2_K and Q3_K (groups of 16) keep half a byte a code on CPU, as Q4_K does, not an int8
-    each: 100 rows pad to 104, a float32 scale a group of 16, and Q2_K's offset (Q3_K's is
-    -4 times its scale: centred, none stored)."""
+    each: 100 rows pad to 104; an int8 step a group of 16 for the scale, and for Q2_K's offset
+    (Q3_K's is -4 times its scale: centred, none stored), with two float32 bases a block of
+    256 inputs and lane."""
     codes = decode(torch.from_numpy(random_blocks(qtype, 100, 512)), qtype, 512)
     assert (codes.group, codes.bits) == (16, 2 if qtype == QType.Q2_K else 3)
     native = NativeWeight(codes)
     assert native.four_bit
     assert native.words.nbytes == 104 * 512 // 2
-    tensors = 2 if qtype == QType.Q2_K else 1
-    assert native.nbytes == 104 * 512 // 2 + tensors * 4 * 104 * 512 // 16
+    steps = 2 if qtype == QType.Q2_K else 1
+    assert native.nbytes == 104 * 512 // 2 + steps * 104 * 512 // 16 + 104 * 2 * 2 * 4
 
 
 @needs_kernels
 @pytest.mark.parametrize(
     ("qtype", "code_bytes", "scale_bytes"),
-    [(QType.Q4_0, 0.5, 2), (QType.Q5_0, 1, 2), (QType.Q3_K, 0.5, 4), (QType.Q6_K, 1, 4)],
+    [(QType.Q4_0, 0.5, 2), (QType.Q5_0, 1, 2), (QType.Q3_K, 0.5, 1), (QType.Q6_K, 1, 1)],
     ids=lambda v: v.name if isinstance(v, QType) else str(v),
 )
 def test_codes_centred_on_zero_store_no_offsets(
@@ -207,8 +236,8 @@ def test_codes_centred_on_zero_store_no_offsets(
     assert torch.equal(centred.dequantize(), weight)
     native = NativeWeight(codes)
     assert native.offsets.numel() == 0
-    group = min(codes.group, 32)
-    assert native.nbytes == 64 * 512 * code_bytes + scale_bytes * 64 * 512 // group
+    assert native.words.nbytes == 64 * 512 * code_bytes
+    assert native.scales.element_size() == scale_bytes  # float16, or int8 steps (K-quants)
     assert torch.equal(native.rows(torch.arange(64)), weight)
     x = torch.randn(BLAS_ROWS + 3, 512, generator=torch.Generator().manual_seed(4))
     exact = F.linear(x.double(), weight.double())
@@ -791,6 +820,30 @@ def test_experts_of_mixed_scale_widths_and_offsets_stack_without_changing_a_prod
     after = [w.linear(x, None) for w in weights]
     assert all(map(torch.equal, before, after))
     assert weights[1].words.data_ptr() == stack.words[1].data_ptr()
+
+
+@needs_kernels
+def test_experts_in_scale_steps_stack_as_steps_or_widen_beside_others() -> None:
+    """Q4_K experts keep their int8 steps and bases in the stack; beside a Q4_1 expert
+    (float16 scales) every expert's scales are stacked as float32 values. Each expert's
+    products keep their bits either way."""
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(6))
+
+    def expert(qtype: QType, seed: int) -> NativeWeight:
+        return NativeWeight(
+            decode(torch.from_numpy(random_blocks(qtype, 24, 512, seed)), qtype, 512)
+        )
+
+    for qtypes, dtype in (
+        ((QType.Q4_K, QType.Q4_K), torch.int8),
+        ((QType.Q4_K, QType.Q4_1), torch.float32),
+    ):
+        weights = [expert(qtype, seed) for seed, qtype in enumerate(qtypes)]
+        before = [w.linear(x, None) for w in weights]
+        stack = ExpertStack(weights)
+        assert stack.scales.dtype == dtype
+        assert stack.bases.numel() == (0 if dtype == torch.float32 else 2 * 3 * 2 * 2 * 8)
+        assert all(torch.equal(w.linear(x, None), b) for w, b in zip(weights, before))
 
 
 OTHER_BUILD_CHECK = """

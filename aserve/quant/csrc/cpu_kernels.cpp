@@ -59,11 +59,20 @@ constexpr int64_t kManyRows = kRowBlock + 1;
 constexpr int64_t kManyRows = 16;  // from this many rows the codes are expanded to a buffer
 #endif
 
+// How a weight keeps its scales and offsets: float32, float16 (GGUF's own, where every value
+// survives the round trip), or int8 steps of a float32 base a block of groups (K-quants: a
+// scale is a float16 times a small integer, the integers per group and the float16 per block
+// of 256 inputs; steps times base is that same float32 exactly, in a byte a group instead of
+// four).
+enum class ScaleKind { kFloat, kHalf, kSteps };
+
 struct Weight {
   const uint32_t* words;  // [panels, groups, words_per_group, 8]
-  const void* scales;     // [panels, groups, 8], float32 or float16 (`half`)
+  const void* scales;     // [panels, groups, 8] of `scale_kind`
   const void* offsets;    // as scales, or null where every offset is zero
-  bool half;
+  ScaleKind scale_kind;
+  const float* bases;     // steps: [panels, blocks, 2, 8], a block's scale base, then offset base
+  int64_t block_shift;    // steps: log2 of the groups a block
   int64_t panels, groups, group, cols;
   bool four_bit;
   const uint8_t* levels;  // 16 levels + 128 for 4-bit codes that stand for them, else null
@@ -72,25 +81,50 @@ struct Weight {
   int64_t words_per_group() const { return group / inputs_per_word(); }
   int64_t panel_words() const { return groups * words_per_group() * kLanes; }
   int64_t at(int64_t panel, int64_t g) const { return (panel * groups + g) * kLanes; }
-  int64_t scale_bytes() const { return half ? 2 : 4; }
-
-  static float value(const void* values, bool half, int64_t i) {
-    return half ? static_cast<float>(static_cast<const c10::Half*>(values)[i])
-                : static_cast<const float*>(values)[i];
+  int64_t scale_bytes() const {
+    return scale_kind == ScaleKind::kFloat ? 4 : scale_kind == ScaleKind::kHalf ? 2 : 1;
   }
-  float scale(int64_t i) const { return value(scales, half, i); }
-  float offset(int64_t i) const { return offsets == nullptr ? 0.0f : value(offsets, half, i); }
+  int64_t base_floats() const {  // a panel's bases
+    return scale_kind == ScaleKind::kSteps ? (groups >> block_shift) * 2 * kLanes : 0;
+  }
+  // The 8 lanes' base of group g's block: `which` 0 for the scales, 1 for the offsets.
+  const float* base_of(int64_t panel, int64_t g, int which) const {
+    return bases + panel * base_floats() + ((g >> block_shift) * 2 + which) * kLanes;
+  }
+
+  float value(const void* values, int which, int64_t panel, int64_t g, int64_t lane) const {
+    const int64_t i = at(panel, g) + lane;
+    switch (scale_kind) {
+      case ScaleKind::kFloat: return static_cast<const float*>(values)[i];
+      case ScaleKind::kHalf: return static_cast<float>(static_cast<const c10::Half*>(values)[i]);
+      default: break;
+    }
+    return static_cast<float>(static_cast<const int8_t*>(values)[i]) * base_of(panel, g, which)[lane];
+  }
+  float scale(int64_t panel, int64_t g, int64_t lane) const { return value(scales, 0, panel, g, lane); }
+  float offset(int64_t panel, int64_t g, int64_t lane) const {
+    return offsets == nullptr ? 0.0f : value(offsets, 1, panel, g, lane);
+  }
 
 #ifdef ASERVE_AVX2
-  // The 8 lanes' scales (offsets) of a panel's group.
-  static __m256 lanes(const void* values, bool half, int64_t i) {
-    if (!half) return _mm256_loadu_ps(static_cast<const float*>(values) + i);
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
-        static_cast<const c10::Half*>(values) + i)));
+  // The 8 lanes' scales (offsets) of a panel's group, as `value` gives each.
+  __m256 lanes(const void* values, int which, int64_t panel, int64_t g) const {
+    const int64_t i = at(panel, g);
+    switch (scale_kind) {
+      case ScaleKind::kFloat: return _mm256_loadu_ps(static_cast<const float*>(values) + i);
+      case ScaleKind::kHalf:
+        return _mm256_cvtph_ps(_mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(static_cast<const c10::Half*>(values) + i)));
+      default: break;
+    }
+    const __m128i steps = _mm_loadl_epi64(
+        reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(values) + i));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(steps)),
+                         _mm256_loadu_ps(base_of(panel, g, which)));
   }
-  __m256 scales8(int64_t panel, int64_t g) const { return lanes(scales, half, at(panel, g)); }
+  __m256 scales8(int64_t panel, int64_t g) const { return lanes(scales, 0, panel, g); }
   __m256 offsets8(int64_t panel, int64_t g) const {
-    return offsets == nullptr ? _mm256_setzero_ps() : lanes(offsets, half, at(panel, g));
+    return offsets == nullptr ? _mm256_setzero_ps() : lanes(offsets, 1, panel, g);
   }
 #endif
 };
@@ -197,6 +231,7 @@ inline void prefetch_slice(const Weight& w, int64_t next, int64_t count, int64_t
   lines(static_cast<const char*>(w.scales) + w.at(next, 0) * w.scale_bytes(), scale_bytes);
   if (w.offsets != nullptr)
     lines(static_cast<const char*>(w.offsets) + w.at(next, 0) * w.scale_bytes(), scale_bytes);
+  if (w.bases != nullptr) lines(w.bases + next * w.base_floats(), count * w.base_floats() * 4);
 }
 
 // R rows against P panels, codes expanded in registers.
@@ -557,9 +592,9 @@ void portable_tile(const Weight& w, const Rows& a, int64_t first_row, int64_t pa
     }
     for (int r = 0; r < R; ++r)
       for (int lane = 0; lane < kLanes; ++lane) {
-        total[r][lane] = std::fma(w.scale(w.at(panel, g) + lane), part[r][lane], total[r][lane]);
+        total[r][lane] = std::fma(w.scale(panel, g, lane), part[r][lane], total[r][lane]);
         if (w.offsets != nullptr)
-          total[r][lane] = std::fma(w.offset(w.at(panel, g) + lane),
+          total[r][lane] = std::fma(w.offset(panel, g, lane),
                                     a.xsum[(first_row + r) * a.groups + g], total[r][lane]);
       }
   }
@@ -591,15 +626,20 @@ void rows_against_panels(const Weight& w, const Rows& a, int64_t first, int64_t 
 // of E experts ([E, panels, groups, 8], words [E, n]), expert 0 of such a stack, all of one
 // format and shape (`expert_of` gives the others).
 Weight weight_of(const at::Tensor& words, const at::Tensor& scales, const at::Tensor& offsets,
-                 int64_t group, bool four_bit, const std::optional<at::Tensor>& levels) {
+                 const at::Tensor& bases, int64_t group, bool four_bit,
+                 const std::optional<at::Tensor>& levels) {
   TORCH_CHECK(words.scalar_type() == at::kInt && words.is_contiguous(), "words: int32");
-  const bool half = scales.scalar_type() == at::kHalf;
+  const auto type = scales.scalar_type();
+  const ScaleKind kind = type == at::kHalf   ? ScaleKind::kHalf
+                         : type == at::kChar ? ScaleKind::kSteps
+                                             : ScaleKind::kFloat;
   TORCH_CHECK((scales.dim() == 3 || scales.dim() == 4) && scales.size(-1) == kLanes &&
-                  (half || scales.scalar_type() == at::kFloat) && scales.is_contiguous(),
-              "scales: float32 or float16 [panels, groups, 8] (or [experts, panels, groups, 8])");
+                  (kind != ScaleKind::kFloat || type == at::kFloat) && scales.is_contiguous(),
+              "scales: float32, float16 or int8 steps [panels, groups, 8] (or [experts, panels, "
+              "groups, 8])");
   const bool has_offsets = offsets.numel() > 0;
   TORCH_CHECK(!has_offsets || (offsets.sizes() == scales.sizes() &&
-                               offsets.scalar_type() == scales.scalar_type() && offsets.is_contiguous()),
+                               offsets.scalar_type() == type && offsets.is_contiguous()),
               "offsets: as scales, or empty where all are zero");
   TORCH_CHECK(group == 16 || group == 32, "groups are 16 or 32 inputs, got ", group);
   if (levels.has_value()) {
@@ -609,10 +649,24 @@ Weight weight_of(const at::Tensor& words, const at::Tensor& scales, const at::Te
   }
   const int64_t count = scales.dim() == 4 ? scales.size(0) : 1;
   const int64_t panels = scales.size(-3), groups = scales.size(-2);
+  int64_t block_shift = 0;
+  if (kind == ScaleKind::kSteps) {
+    TORCH_CHECK(bases.scalar_type() == at::kFloat && bases.is_contiguous() &&
+                    bases.dim() == scales.dim() + 1 && bases.size(-1) == kLanes &&
+                    bases.size(-2) == 2 && bases.size(-4) == panels &&
+                    (count == 1 || bases.size(0) == count),
+                "bases: float32 [panels, blocks, 2, 8] (or [experts, ...]) for int8 steps");
+    const int64_t blocks = bases.size(-3);
+    TORCH_CHECK(blocks > 0 && groups % blocks == 0, "groups do not split into the bases' blocks");
+    while ((blocks << block_shift) < groups) ++block_shift;
+    TORCH_CHECK((blocks << block_shift) == groups, "a power of two of groups a block");
+  }
   Weight w{reinterpret_cast<const uint32_t*>(words.data_ptr<int32_t>()),
            scales.data_ptr(),
            has_offsets ? offsets.data_ptr() : nullptr,
-           half,
+           kind,
+           kind == ScaleKind::kSteps ? bases.data_ptr<float>() : nullptr,
+           block_shift,
            panels,
            groups,
            group,
@@ -630,6 +684,7 @@ Weight expert_of(const Weight& first, int64_t e) {
   w.words += e * w.panels * w.panel_words();
   w.scales = static_cast<const char*>(w.scales) + scale_bytes;
   if (w.offsets != nullptr) w.offsets = static_cast<const char*>(w.offsets) + scale_bytes;
+  if (w.bases != nullptr) w.bases += e * w.panels * w.base_floats();
   return w;
 }
 
@@ -706,28 +761,30 @@ void run(const std::vector<Product>& products) {
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& words, const at::Tensor& scales,
-                  const at::Tensor& offsets, int64_t group, bool four_bit,
-                  const std::optional<at::Tensor>& levels) {
-  auto [product, y] = product_of(x, weight_of(words, scales, offsets, group, four_bit, levels));
+                  const at::Tensor& offsets, const at::Tensor& bases, int64_t group,
+                  bool four_bit, const std::optional<at::Tensor>& levels) {
+  auto [product, y] =
+      product_of(x, weight_of(words, scales, offsets, bases, group, four_bit, levels));
   run({product});
   return y;
 }
 
-// xs[i] against weight i (words[i], scales[i], offsets[i]; one format for all), in one
+// xs[i] against weight i (words[i], scales[i], offsets[i], bases[i]; one format for all), in one
 // parallel region: a token's chosen experts are products too small each to keep the cores
 // busy in a region of their own. Every output is computed as `linear` computes it.
 std::vector<at::Tensor> linear_group(at::TensorList xs, at::TensorList words,
                                      at::TensorList scales, at::TensorList offsets,
-                                     int64_t group, bool four_bit,
+                                     at::TensorList bases, int64_t group, bool four_bit,
                                      const std::optional<at::Tensor>& levels) {
   TORCH_CHECK(words.size() == xs.size() && scales.size() == xs.size() &&
-                  offsets.size() == xs.size(),
+                  offsets.size() == xs.size() && bases.size() == xs.size(),
               "one weight for each x");
   std::vector<Product> products;
   std::vector<at::Tensor> ys;
   for (size_t i = 0; i < xs.size(); ++i) {
     auto [product, y] =
-        product_of(xs[i], weight_of(words[i], scales[i], offsets[i], group, four_bit, levels));
+        product_of(xs[i], weight_of(words[i], scales[i], offsets[i], bases[i], group, four_bit,
+                                    levels));
     products.push_back(std::move(product));
     ys.push_back(y);
   }
@@ -803,8 +860,9 @@ void route(const at::Tensor& x, const at::Tensor& router, int64_t top_k, bool re
 at::Tensor moe_layer(
     const at::Tensor& x, const at::Tensor& router, int64_t top_k, bool renormalize,
     const at::Tensor& up_words, const at::Tensor& up_scales, const at::Tensor& up_offsets,
-    int64_t up_group, bool up_four_bit, const std::optional<at::Tensor>& up_levels,
-    const at::Tensor& down_words, const at::Tensor& down_scales, const at::Tensor& down_offsets,
+    const at::Tensor& up_bases, int64_t up_group, bool up_four_bit,
+    const std::optional<at::Tensor>& up_levels, const at::Tensor& down_words,
+    const at::Tensor& down_scales, const at::Tensor& down_offsets, const at::Tensor& down_bases,
     int64_t down_group, bool down_four_bit, const std::optional<at::Tensor>& down_levels,
     int64_t inter) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
@@ -813,9 +871,10 @@ at::Tensor moe_layer(
   TORCH_CHECK(up_scales.dim() == 4 && up_scales.size(0) == experts && down_scales.dim() == 4 &&
                   down_scales.size(0) == experts,
               "gate|up and down weights stacked for each of the router's ", experts, " experts");
-  const Weight up0 = weight_of(up_words, up_scales, up_offsets, up_group, up_four_bit, up_levels);
-  const Weight down0 =
-      weight_of(down_words, down_scales, down_offsets, down_group, down_four_bit, down_levels);
+  const Weight up0 =
+      weight_of(up_words, up_scales, up_offsets, up_bases, up_group, up_four_bit, up_levels);
+  const Weight down0 = weight_of(down_words, down_scales, down_offsets, down_bases, down_group,
+                                 down_four_bit, down_levels);
   const int64_t width = up0.panels * kLanes, down_width = down0.panels * kLanes;
   TORCH_CHECK(width >= 2 * inter && down_width >= hidden && up0.cols == hidden &&
                   down0.cols == inter,
@@ -884,9 +943,9 @@ at::Tensor moe_layer(
 
 // Rows `ids` of the weight de-quantized (embedding lookups), w = code * scale + offset.
 at::Tensor rows(const at::Tensor& words, const at::Tensor& scales, const at::Tensor& offsets,
-                int64_t group, bool four_bit, const std::optional<at::Tensor>& levels,
-                const at::Tensor& ids) {
-  const Weight w = weight_of(words, scales, offsets, group, four_bit, levels);
+                const at::Tensor& bases, int64_t group, bool four_bit,
+                const std::optional<at::Tensor>& levels, const at::Tensor& ids) {
+  const Weight w = weight_of(words, scales, offsets, bases, group, four_bit, levels);
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids: int64 vector");
   const at::Tensor ids_here = ids.contiguous();
   const int64_t* idp = ids_here.data_ptr<int64_t>();
@@ -899,8 +958,8 @@ at::Tensor rows(const at::Tensor& words, const at::Tensor& scales, const at::Ten
     TORCH_CHECK(n >= 0 && n < w.panels * kLanes, "row ", n, " is outside the weight");
     const int64_t panel = n / kLanes, lane = n % kLanes;
     for (int64_t g = 0; g < w.groups; ++g) {
-      const float scale = w.scale(w.at(panel, g) + lane);
-      const float offset = w.offset(w.at(panel, g) + lane);
+      const float scale = w.scale(panel, g, lane);
+      const float offset = w.offset(panel, g, lane);
       for (int64_t v = 0; v < words_in_group; ++v) {
         const uint32_t word =
             w.words[panel * w.panel_words() + (g * words_in_group + v) * kLanes + lane];
@@ -933,9 +992,9 @@ inline void dequantize_word(const uint32_t* src, __m256 scale, __m256 offset, __
 // shared by enough rows. `out` is the caller's reused buffer: a fresh one of a few MiB cost
 // as much in page faults as the expansion itself.
 void dequantize(const at::Tensor& words, const at::Tensor& scales, const at::Tensor& offsets,
-                int64_t group, bool four_bit, const std::optional<at::Tensor>& levels,
-                int64_t first, at::Tensor out) {
-  const Weight w = weight_of(words, scales, offsets, group, four_bit, levels);
+                const at::Tensor& bases, int64_t group, bool four_bit,
+                const std::optional<at::Tensor>& levels, int64_t first, at::Tensor out) {
+  const Weight w = weight_of(words, scales, offsets, bases, group, four_bit, levels);
   TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.is_contiguous() &&
                   out.size(0) == w.cols && out.size(1) % kLanes == 0,
               "out: contiguous float32 [cols, 8 * panels]");
@@ -975,8 +1034,8 @@ void dequantize(const at::Tensor& words, const at::Tensor& scales, const at::Ten
           for (int64_t lane = 0; lane < kLanes; ++lane) {
             for (int64_t i = 0; i < per_word; ++i) {
               column[(k0 + i) * width + lane] =
-                  std::fma(code_of(w, src[lane], static_cast<int>(i)), w.scale(w.at(p, g) + lane),
-                           w.offset(w.at(p, g) + lane));
+                  std::fma(code_of(w, src[lane], static_cast<int>(i)), w.scale(p, g, lane),
+                           w.offset(p, g, lane));
             }
           }
 #endif
@@ -1129,18 +1188,19 @@ void norm_rope_store(at::Tensor query, const at::Tensor& kv, const at::Tensor& p
 
 TORCH_LIBRARY(aserve_cpu, m) {
   m.def(
-      "linear(Tensor x, Tensor words, Tensor scales, Tensor offsets, int group, bool four_bit, "
-      "Tensor? levels) -> Tensor",
+      "linear(Tensor x, Tensor words, Tensor scales, Tensor offsets, Tensor bases, int group, "
+      "bool four_bit, Tensor? levels) -> Tensor",
       linear);
   m.def(
-      "linear_group(Tensor[] xs, Tensor[] words, Tensor[] scales, Tensor[] offsets, int group, "
-      "bool four_bit, Tensor? levels) -> Tensor[]",
+      "linear_group(Tensor[] xs, Tensor[] words, Tensor[] scales, Tensor[] offsets, "
+      "Tensor[] bases, int group, bool four_bit, Tensor? levels) -> Tensor[]",
       linear_group);
   m.def(
       "moe_layer(Tensor x, Tensor router, int top_k, bool renormalize, Tensor up_words, "
-      "Tensor up_scales, Tensor up_offsets, int up_group, bool up_four_bit, Tensor? up_levels, "
-      "Tensor down_words, Tensor down_scales, Tensor down_offsets, int down_group, "
-      "bool down_four_bit, Tensor? down_levels, int inter) -> Tensor",
+      "Tensor up_scales, Tensor up_offsets, Tensor up_bases, int up_group, bool up_four_bit, "
+      "Tensor? up_levels, Tensor down_words, Tensor down_scales, Tensor down_offsets, "
+      "Tensor down_bases, int down_group, bool down_four_bit, Tensor? down_levels, int inter) "
+      "-> Tensor",
       moe_layer);
   m.def("rmsnorm(Tensor x, Tensor weight, float eps) -> Tensor", rmsnorm);
   m.def("fused_add_rmsnorm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()",
@@ -1150,11 +1210,11 @@ TORCH_LIBRARY(aserve_cpu, m) {
       "Tensor? k_weight, float eps, Tensor(b!) cache, Tensor slots, int head_size) -> ()",
       norm_rope_store);
   m.def(
-      "rows(Tensor words, Tensor scales, Tensor offsets, int group, bool four_bit, Tensor? levels, "
-      "Tensor ids) -> Tensor",
+      "rows(Tensor words, Tensor scales, Tensor offsets, Tensor bases, int group, bool four_bit, "
+      "Tensor? levels, Tensor ids) -> Tensor",
       rows);
   m.def(
-      "dequantize(Tensor words, Tensor scales, Tensor offsets, int group, bool four_bit, "
-      "Tensor? levels, int first, Tensor(a!) out) -> ()",
+      "dequantize(Tensor words, Tensor scales, Tensor offsets, Tensor bases, int group, "
+      "bool four_bit, Tensor? levels, int first, Tensor(a!) out) -> ()",
       dequantize);
 }
