@@ -422,6 +422,21 @@ inline __m512 code_of2(__m512i word, int i, __m512 table) {
   return _mm512_sub_ps(_mm512_castsi512_ps(_mm512_or_si512(code, magic)), _mm512_set1_ps(8388736.0f));
 }
 
+// The scales (`which` 0) or offsets (1) of panels p and p + 1 in group g, 16 lanes: `lanes` of
+// each, with steps widened 16 at a time (two panels' steps are a panel's scales apart).
+inline __m512 pair_values(const Weight& w, int which, int64_t p, int64_t g) {
+  const void* values = which ? w.offsets : w.scales;
+  if (w.scale_kind != ScaleKind::kSteps)
+    return join(w.lanes(values, which, p, g), w.lanes(values, which, p + 1, g));
+  const int8_t* steps = static_cast<const int8_t*>(values) + w.at(p, g);
+  const __m128i both =
+      _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(steps)),
+                         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(steps + w.groups * kLanes)));
+  const float* base = w.base_of(p, g, which);
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(both)),
+                       join(_mm256_loadu_ps(base), _mm256_loadu_ps(base + w.base_floats())));
+}
+
 // R rows against panels [first_panel, first_panel + 2 * Q).
 template <int R, int Q, Kind K>
 void tile2(const Weight& w, const Rows& a, int64_t first_row, int64_t first_panel) {
@@ -471,10 +486,9 @@ void tile2(const Weight& w, const Rows& a, int64_t first_row, int64_t first_pane
 #pragma GCC unroll 8
       for (int q = 0; q < Q; ++q) {
         const int64_t p = first_panel + 2 * q;
-        total[r][q] = _mm512_fmadd_ps(join(w.scales8(p, g), w.scales8(p + 1, g)), part[r][q],
-                                      total[r][q]);
+        total[r][q] = _mm512_fmadd_ps(pair_values(w, 0, p, g), part[r][q], total[r][q]);
         if (w.offsets == nullptr) continue;
-        total[r][q] = _mm512_fmadd_ps(join(w.offsets8(p, g), w.offsets8(p + 1, g)),
+        total[r][q] = _mm512_fmadd_ps(pair_values(w, 1, p, g),
                                       _mm512_set1_ps(a.xsum[(first_row + r) * a.groups + g]),
                                       total[r][q]);
       }
