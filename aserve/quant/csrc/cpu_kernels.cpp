@@ -9,8 +9,9 @@
 // With levels (IQ4_NL / IQ4_XS: 16 integer levels, denser near zero) a 4-bit code c stands
 // for levels[c] instead of c; they are kept as bytes, levels[c] + 128.
 // Scales and offsets are stored [panel, group, 8], in float32 or, where every one of them
-// survives the round trip, float16 (GGUF's own are float16 in most formats); offsets that
-// are all zero (symmetric formats) are not stored, and their terms below are left out.
+// survives the round trip, float16 (GGUF's own are float16 in most formats), or as int8 steps
+// of a float32 base a block of groups (`ScaleKind`: K-quants); offsets that are all zero
+// (symmetric or centred formats) are not stored, and their terms below are left out.
 //
 // Every output y[m, n] is computed by one fixed sequence of float operations:
 //   total = 0
