@@ -198,12 +198,13 @@ inline __m256 code_of(const Unpacked& word, int i) {
 }
 
 // One group's part folded into the totals: total = fma(scale, part, total), then the offset.
-inline __m256 close_group(const Weight& w, const Rows& a, int64_t row, int64_t panel, int64_t g,
-                          __m256 part, __m256 total) {
-  total = _mm256_fmadd_ps(w.scales8(panel, g), part, total);
+// (`scale` and `offset` are the panel's `scales8` and `offsets8` of group g, read once for
+// all rows of a tile.)
+inline __m256 close_group(const Weight& w, const Rows& a, int64_t row, int64_t g, __m256 scale,
+                          __m256 offset, __m256 part, __m256 total) {
+  total = _mm256_fmadd_ps(scale, part, total);
   if (w.offsets == nullptr) return total;
-  return _mm256_fmadd_ps(w.offsets8(panel, g), _mm256_broadcast_ss(a.xsum + row * a.groups + g),
-                         total);
+  return _mm256_fmadd_ps(offset, _mm256_broadcast_ss(a.xsum + row * a.groups + g), total);
 }
 
 template <int R, int P>
@@ -273,10 +274,12 @@ void tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_panel
       }
     }
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) {
+      const __m256 scale = w.scales8(first_panel + p, g), offset = w.offsets8(first_panel + p, g);
 #pragma GCC unroll 8
-      for (int p = 0; p < P; ++p)
-        total[r][p] = close_group(w, a, first_row + r, first_panel + p, g, part[r][p], total[r][p]);
+      for (int r = 0; r < R; ++r)
+        total[r][p] = close_group(w, a, first_row + r, g, scale, offset, part[r][p], total[r][p]);
+    }
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
@@ -340,13 +343,15 @@ void tile_from_buffer(const Weight& w, const Rows& a, const float* buffer, int64
       }
     }
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) {
+      const __m256 scale = w.scales8(first_panel + p, g), offset = w.offsets8(first_panel + p, g);
 #pragma GCC unroll 8
-      for (int p = 0; p < P; ++p) {
+      for (int r = 0; r < R; ++r) {
         float* total = totals[r] + p * kLanes;
-        _mm256_storeu_ps(total, close_group(w, a, first_row + r, first_panel + p, g, part[r][p],
+        _mm256_storeu_ps(total, close_group(w, a, first_row + r, g, scale, offset, part[r][p],
                                             _mm256_loadu_ps(total)));
       }
+    }
   }
 }
 
@@ -483,16 +488,18 @@ void tile2(const Weight& w, const Rows& a, int64_t first_row, int64_t first_pane
       }
     }
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
+    for (int q = 0; q < Q; ++q) {  // each pair's scales (offsets) once, for all R rows
+      const int64_t p = first_panel + 2 * q;
+      const __m512 scale = pair_values(w, 0, p, g);
 #pragma GCC unroll 8
-      for (int q = 0; q < Q; ++q) {
-        const int64_t p = first_panel + 2 * q;
-        total[r][q] = _mm512_fmadd_ps(pair_values(w, 0, p, g), part[r][q], total[r][q]);
-        if (w.offsets == nullptr) continue;
-        total[r][q] = _mm512_fmadd_ps(pair_values(w, 1, p, g),
-                                      _mm512_set1_ps(a.xsum[(first_row + r) * a.groups + g]),
-                                      total[r][q]);
-      }
+      for (int r = 0; r < R; ++r) total[r][q] = _mm512_fmadd_ps(scale, part[r][q], total[r][q]);
+      if (w.offsets == nullptr) continue;
+      const __m512 offset = pair_values(w, 1, p, g);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+        total[r][q] = _mm512_fmadd_ps(
+            offset, _mm512_set1_ps(a.xsum[(first_row + r) * a.groups + g]), total[r][q]);
+    }
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
