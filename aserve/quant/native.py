@@ -327,7 +327,31 @@ def _steps_of(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     return steps, bases
 
 
-class NativeWeight:
+class KernelTensors:
+    """What the kernels' ops take of a weight (one, or a stack of experts): its words, scales,
+    offsets and bases, then its code format."""
+
+    words: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    bases: torch.Tensor
+    group: int
+    four_bit: bool
+    levels: torch.Tensor | None
+
+    def kernel_args(self) -> tuple[object, ...]:
+        return (
+            self.words,
+            self.scales,
+            self.offsets,
+            self.bases,
+            self.group,
+            self.four_bit,
+            self.levels,
+        )
+
+
+class NativeWeight(KernelTensors):
     """A weight in the kernels' panel layout (csrc/cpu_kernels.cpp), in groups of 16 or 32:
     codes of up to 4 bits eight to a word (with their 16 levels where they stand for levels),
     wider ones (up to 8 bits) signed, four to a word; scales and offsets as `compact_scales`
@@ -384,16 +408,7 @@ class NativeWeight:
         return out.reshape(*x.shape[:-1], self.shape[0]).to(x.dtype)
 
     def kernel_linear(self, rows: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aserve_cpu.linear(
-            rows,
-            self.words,
-            self.scales,
-            self.offsets,
-            self.bases,
-            self.group,
-            self.four_bit,
-            self.levels,
-        )
+        return torch.ops.aserve_cpu.linear(rows, *self.kernel_args())
 
     def _blas_linear(self, rows: torch.Tensor) -> torch.Tensor:
         """Many rows: de-quantize a slice of panels at a time into the scratch buffer (at most
@@ -411,17 +426,7 @@ class NativeWeight:
     def _dequantize(self, first: int, last: int) -> torch.Tensor:
         cols, width = self.shape[1], (last - first) * LANES
         out = self.scratch.take(cols * width).view(cols, width)
-        torch.ops.aserve_cpu.dequantize(
-            self.words,
-            self.scales,
-            self.offsets,
-            self.bases,
-            self.group,
-            self.four_bit,
-            self.levels,
-            first,
-            out,
-        )
+        torch.ops.aserve_cpu.dequantize(*self.kernel_args(), first, out)
         return out
 
     def plain_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -437,16 +442,7 @@ class NativeWeight:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` de-quantized (embedding lookups): the same values the products use."""
-        return torch.ops.aserve_cpu.rows(
-            self.words,
-            self.scales,
-            self.offsets,
-            self.bases,
-            self.group,
-            self.four_bit,
-            self.levels,
-            ids,
-        )
+        return torch.ops.aserve_cpu.rows(*self.kernel_args(), ids)
 
 
 def one_format(weights: list[NativeWeight]) -> bool:
@@ -487,7 +483,7 @@ def linear_group(weights: list[NativeWeight], xs: list[torch.Tensor]) -> list[to
     ]
 
 
-class ExpertStack:
+class ExpertStack(KernelTensors):
     """A MoE layer's experts of one part (every gate|up, or every down) as one tensor each of
     words, scales, offsets and bases, expert-major, so that a decode step hands the whole
     layer to the kernels in a few tensors (handing them 128 experts' tensors one by one cost
@@ -527,17 +523,6 @@ class ExpertStack:
             weight.scales = self.scales[e]
             weight.offsets = self.offsets[e] if self.offsets.numel() else self.offsets
             weight.bases = self.bases[e] if self.bases.numel() else self.bases
-
-    def kernel_args(self) -> tuple[object, ...]:
-        return (
-            self.words,
-            self.scales,
-            self.offsets,
-            self.bases,
-            self.group,
-            self.four_bit,
-            self.levels,
-        )
 
 
 def moe_layer(
