@@ -428,19 +428,20 @@ inline __m512 code_of2(__m512i word, int i, __m512 table) {
   return _mm512_sub_ps(_mm512_castsi512_ps(_mm512_or_si512(code, magic)), _mm512_set1_ps(8388736.0f));
 }
 
-// The scales (`which` 0) or offsets (1) of panels p and p + 1 in group g, 16 lanes: `lanes` of
-// each, with steps widened 16 at a time (two panels' steps are a panel's scales apart).
-inline __m512 pair_values(const Weight& w, int which, int64_t p, int64_t g) {
-  const void* values = which ? w.offsets : w.scales;
-  if (w.scale_kind != ScaleKind::kSteps)
-    return join(w.lanes(values, which, p, g), w.lanes(values, which, p + 1, g));
+// The int8 steps of panels p and p + 1 in group g as 16 floats (two panels' steps are a
+// panel's scales apart).
+inline __m512 pair_steps(const Weight& w, const void* values, int64_t p, int64_t g) {
   const int8_t* steps = static_cast<const int8_t*>(values) + w.at(p, g);
   const __m128i both =
       _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(steps)),
                          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(steps + w.groups * kLanes)));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(both));
+}
+
+// The bases (`which` 0 for the scales, 1 for the offsets) of panels p and p + 1 in g's block.
+inline __m512 pair_bases(const Weight& w, int which, int64_t p, int64_t g) {
   const float* base = w.base_of(p, g, which);
-  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(both)),
-                       join(_mm256_loadu_ps(base), _mm256_loadu_ps(base + w.base_floats())));
+  return join(_mm256_loadu_ps(base), _mm256_loadu_ps(base + w.base_floats()));
 }
 
 // R rows against panels [first_panel, first_panel + 2 * Q).
@@ -457,6 +458,7 @@ void tile2(const Weight& w, const Rows& a, int64_t first_row, int64_t first_pane
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
     for (int q = 0; q < Q; ++q) total[r][q] = _mm512_setzero_ps();
+  __m512 bases[Q][2];  // with steps: the current block's bases of each panel pair
   for (int64_t g = 0; g < w.groups; ++g) {
     prefetch_slice(w, first_panel + 2 * Q, 2 * Q, g);
     __m512 part[R][Q];
@@ -487,14 +489,24 @@ void tile2(const Weight& w, const Rows& a, int64_t first_row, int64_t first_pane
         }
       }
     }
+    const bool steps = w.scale_kind == ScaleKind::kSteps;
+    if (steps && (g & ((int64_t{1} << w.block_shift) - 1)) == 0) {  // a block's bases, once
+#pragma GCC unroll 8
+      for (int q = 0; q < Q; ++q) {
+        bases[q][0] = pair_bases(w, 0, first_panel + 2 * q, g);
+        if (w.offsets != nullptr) bases[q][1] = pair_bases(w, 1, first_panel + 2 * q, g);
+      }
+    }
 #pragma GCC unroll 8
     for (int q = 0; q < Q; ++q) {  // each pair's scales (offsets) once, for all R rows
       const int64_t p = first_panel + 2 * q;
-      const __m512 scale = pair_values(w, 0, p, g);
+      const __m512 scale = steps ? _mm512_mul_ps(pair_steps(w, w.scales, p, g), bases[q][0])
+                                 : join(w.scales8(p, g), w.scales8(p + 1, g));
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) total[r][q] = _mm512_fmadd_ps(scale, part[r][q], total[r][q]);
       if (w.offsets == nullptr) continue;
-      const __m512 offset = pair_values(w, 1, p, g);
+      const __m512 offset = steps ? _mm512_mul_ps(pair_steps(w, w.offsets, p, g), bases[q][1])
+                                  : join(w.offsets8(p, g), w.offsets8(p + 1, g));
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r)
         total[r][q] = _mm512_fmadd_ps(
