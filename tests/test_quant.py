@@ -166,7 +166,7 @@ def test_scales_take_the_fewest_bytes_that_keep_them(
     assert (compact.offsets.numel() > 0) == offsets
     assert compact.bases.numel() == (0 if dtype == torch.float16 else 64 * 2 * 2)
     monkeypatch.setattr(native_module, "compact_scales", lambda scales, offsets: (scales, offsets))
-    monkeypatch.setattr(native_module, "scale_steps", lambda scales, offsets, group: None)
+    monkeypatch.setattr(native_module, "panel_steps", lambda steps, offsets, panels: None)
     wide = NativeWeight(codes)
     assert wide.scales.dtype == torch.float32 and wide.offsets.numel() > 0
     assert compact.nbytes < wide.nbytes
@@ -177,28 +177,36 @@ def test_scales_take_the_fewest_bytes_that_keep_them(
     assert torch.equal(compact.rows(ids), wide.rows(ids))
 
 
-def test_scale_steps_only_where_every_value_is_a_step_of_its_block() -> None:
-    """A float16 times integers up to 127 (either sign, zeros, a zero block) factor exactly;
-    steps past int8, or values with no common base (Q4_0's float16 per group), do not."""
-    generator = torch.Generator().manual_seed(9)
-    base = (torch.rand(4, 2, 1, 8, generator=generator) * 0.01).half().float()
-    ints = torch.randint(-128, 128, (4, 2, 8, 8), generator=generator).float()
-    ints[0, 0] = 0
-    ints[1, 1, 3] = 0
-    values = (base * ints).reshape(4, 16, 8)
-    stepped = native_module.scale_steps(values, values * 0.5, group=32)
-    assert stepped is not None
-    steps, offset_steps, bases = stepped
-    assert steps.dtype == offset_steps.dtype == torch.int8 and bases.shape == (4, 2, 2, 8)
-    rebuilt = steps.float().view(4, 2, 8, 8) * bases[:, :, 0, None]
-    assert torch.equal(rebuilt.view(4, 16, 8), values)
-    uniform = (base * 255).expand(4, 2, 8, 8).reshape(4, 16, 8)  # one value a block: steps of 1
-    assert native_module.scale_steps(uniform, values, 32) is not None
-    wide = (base * torch.randint(200, 255, (4, 2, 8, 8), generator=generator)).reshape(4, 16, 8)
-    assert native_module.scale_steps(wide, values, 32) is None
-    halves = (torch.rand(4, 16, 8, generator=generator) * 0.05).half().float()
-    assert native_module.scale_steps(halves, halves, 32) is None
-    assert native_module.scale_steps(values[:, :12], values[:, :12], 32) is None  # no whole block
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_super_block_formats_decode_their_scales_as_steps_of_a_base(qtype: QType) -> None:
+    """K-quants and IQ4_XS give each group's scale (and offset, where stored as such) as an
+    int8 step of its 256-input block's float16 base: step times base is the scale exactly,
+    and the steps follow the rows through padding, splits and joins. Other formats give
+    none."""
+    codes = decode(torch.from_numpy(random_blocks(qtype, 12, 512, seed=5)), qtype, 512)
+    stepped = qtype in (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_XS)
+    assert (codes.steps is not None) == stepped
+    if codes.steps is None:
+        return
+
+    def rebuilt(steps: torch.Tensor, bases: torch.Tensor) -> torch.Tensor:
+        return steps.float() * bases.repeat_interleave(steps.shape[1] // bases.shape[1], 1)
+
+    def check(c: Codes) -> None:
+        assert c.steps is not None and c.steps.scale_steps.dtype == torch.int8
+        assert torch.equal(rebuilt(c.steps.scale_steps, c.steps.scale_bases), c.scales)
+        if c.steps.offset_steps is not None:
+            assert c.steps.offset_bases is not None
+            assert torch.equal(rebuilt(c.steps.offset_steps, c.steps.offset_bases), c.offsets)
+        else:  # stored as a multiple of the scale, or none at all
+            assert qtype in (QType.Q3_K, QType.Q6_K, QType.IQ4_XS)
+
+    check(codes)
+    for part in codes.split_rows(3):
+        check(part)
+    check(codes.pad_rows(16))
+    check(Codes.concat_rows(codes.split_rows(2)))
+    check(codes.interleave_blocks(codes, 2))
 
 
 @pytest.mark.parametrize("qtype", [QType.Q2_K, QType.Q3_K], ids=lambda q: q.name)

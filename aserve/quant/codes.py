@@ -9,9 +9,42 @@ one place instead of each pair needing its own code.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+
+
+class ScaleSteps(NamedTuple):
+    """Scales (and offsets) that GGUF stores as a float16 a block of groups times a small
+    integer a group (K-quants, IQ4_XS): `scales == scale_steps * scale_bases` exactly, each
+    base repeated over its block's groups (likewise the offsets, where stored this way). The
+    CPU kernels keep the int8 steps and the bases, not float32 scales: a one-row product is
+    bound by reading the weight, and float32 took 4 bytes a group for each."""
+
+    scale_steps: torch.Tensor  # int8 [rows, groups]
+    scale_bases: torch.Tensor  # float32 [rows, blocks]
+    offset_steps: torch.Tensor | None = None
+    offset_bases: torch.Tensor | None = None
+
+    def map_rows(self, change: Callable[[torch.Tensor], torch.Tensor]) -> ScaleSteps:
+        """Every tensor changed alike along its rows (a slice, a padding, a join)."""
+        return ScaleSteps(*(None if t is None else change(t) for t in self))
+
+    @staticmethod
+    def join(parts: list[ScaleSteps | None], cat: Callable[..., torch.Tensor]) -> ScaleSteps | None:
+        """The parts' tensors joined by `cat` (a list of tensors -> one), or None unless every
+        part has steps of one layout."""
+        first = parts[0]
+        if first is None or any(
+            p is None
+            or p.scale_bases.shape[1] != first.scale_bases.shape[1]
+            or (p.offset_steps is None) != (first.offset_steps is None)
+            for p in parts
+        ):
+            return None
+        fields = zip(*parts, strict=True)
+        return ScaleSteps(*(None if f[0] is None else cat(list(f)) for f in fields))
 
 
 class Codes(NamedTuple):
@@ -26,6 +59,7 @@ class Codes(NamedTuple):
     group: int
     bits: int
     table: torch.Tensor | None = None
+    steps: ScaleSteps | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -49,6 +83,9 @@ class Codes(NamedTuple):
             self.group,
             self.bits,
             self.table,
+            None
+            if self.steps is None
+            else self.steps.map_rows(lambda t: t.new_zeros(missing, t.shape[1])),
         )
         return Codes.concat_rows([self, zeros])
 
@@ -79,7 +116,12 @@ class Codes(NamedTuple):
             return self
         table = torch.arange(max(16, 1 << self.bits), dtype=torch.float32) - center
         zeros = torch.zeros_like(self.offsets)
-        return Codes(self.codes, self.scales, zeros, self.group, self.bits, table)
+        steps = (
+            None
+            if self.steps is None
+            else self.steps._replace(offset_steps=None, offset_bases=None)
+        )
+        return Codes(self.codes, self.scales, zeros, self.group, self.bits, table, steps)
 
     def signed(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The codes as int8 and the offsets that keep `w`: 8-bit codes 0..255 become
@@ -104,6 +146,9 @@ class Codes(NamedTuple):
                 self.group,
                 self.bits,
                 self.table,
+                None
+                if self.steps is None
+                else self.steps.map_rows(lambda t, i=i: t[i * rows : (i + 1) * rows]),
             )
             for i in range(count)
         ]
@@ -125,6 +170,7 @@ class Codes(NamedTuple):
             self.group,
             self.bits,
             self.table,
+            ScaleSteps.join([self.steps, other.steps], lambda pair: join(*pair)),
         )
 
     @staticmethod
@@ -140,6 +186,7 @@ class Codes(NamedTuple):
             first.group,
             first.bits,
             first.table,
+            ScaleSteps.join([p.steps for p in parts], torch.cat),
         )
 
 
@@ -170,7 +217,7 @@ def quantize(weight: torch.Tensor, bits: int, group: int = 32) -> Codes:
 
 def groups_of_at_most_32(codes: Codes) -> Codes:
     """Groups wider than 32 (no GGUF format has them) split into groups of 32 that repeat
-    the scale and offset."""
+    the scale and offset (as values: no scale steps)."""
     if codes.group <= 32:
         return codes
     repeat = codes.group // 32

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from aserve.quant.codes import Codes
+from aserve.quant.codes import Codes, ScaleSteps
 
 # Inputs per block and bytes per block.
 BLOCKS: dict[QType, tuple[int, int]] = {
@@ -92,18 +92,40 @@ def decode(raw: torch.Tensor, qtype: QType, cols: int) -> Codes:
     size, nbytes = BLOCKS[qtype]
     rows = raw.shape[0]
     blocks = raw.reshape(rows, cols // size, nbytes)
-    codes, scales, offsets, group, bits = DECODERS[qtype](blocks)
+    codes, scales, offsets, group, bits, *stepped = DECODERS[qtype](blocks)
+    groups = cols // group
+
+    def per_row(t: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+        return t.reshape(rows, width).to(dtype).contiguous()
+
+    steps = None
+    if stepped:  # (scale steps, scale bases, offset steps or None, offset bases or None)
+        scale_steps, scale_bases, offset_steps, offset_bases = stepped[0]
+        blocks_in_row = scale_bases.shape[-1]
+        steps = ScaleSteps(
+            per_row(scale_steps, groups, torch.int8),
+            per_row(scale_bases, blocks_in_row, torch.float32),
+            None if offset_steps is None else per_row(offset_steps, groups, torch.int8),
+            None if offset_bases is None else per_row(offset_bases, blocks_in_row, torch.float32),
+        )
     return Codes(
         codes.reshape(rows, cols).contiguous(),
-        scales.reshape(rows, cols // group).contiguous(),
-        offsets.reshape(rows, cols // group).contiguous(),
+        scales.reshape(rows, groups).contiguous(),
+        offsets.reshape(rows, groups).contiguous(),
         group,
         bits,
         IQ4_LEVELS if qtype in (QType.IQ4_NL, QType.IQ4_XS) else None,
+        steps,
     )
 
 
-Decoded = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]
+Steps = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+"""A super-block format's scales as integers a group and a float16 base a block (and its
+offsets likewise, or None): `ScaleSteps` before the reshape to rows."""
+Decoded = (
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]
+    | tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, Steps]
+)
 
 
 def _half(blocks: torch.Tensor, at: int) -> torch.Tensor:
@@ -161,13 +183,14 @@ def _two_bit_runs(qs: torch.Tensor) -> torch.Tensor:
 def _q2_k(blocks: torch.Tensor) -> Decoded:
     packed = blocks[..., 0:16]  # a group's 4-bit scale low, its 4-bit min high
     d, dmin = _half(blocks, 80), _half(blocks, 82)
-    scales = d[..., None] * (packed & 15).float()
+    steps, mins = (packed & 15).float(), (packed >> 4).float()
     return (
         _two_bit_runs(blocks[..., 16:80]),
-        scales,
-        -dmin[..., None] * (packed >> 4).float(),
+        d[..., None] * steps,
+        -dmin[..., None] * mins,
         16,
         2,
+        (steps, d, mins, -dmin),
     )
 
 
@@ -181,8 +204,9 @@ def _q3_k(blocks: torch.Tensor) -> Decoded:
     nibbles = (packed[..., None, 0:8] >> torch.tensor([0, 4], dtype=torch.uint8)[:, None]) & 15
     tops = (packed[..., None, 8:12] >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]) & 3
     signed = (nibbles.reshape(*lead, 16) | tops.reshape(*lead, 16) << 4).float() - 32
-    step = _half(blocks, 108)[..., None] * signed
-    return codes, step, -4 * step, 16, 3
+    d = _half(blocks, 108)
+    step = d[..., None] * signed
+    return codes, step, -4 * step, 16, 3, (signed, d, None, None)
 
 
 def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,7 +228,7 @@ def _q4_k(blocks: torch.Tensor) -> Decoded:
     d, dmin = _half(blocks, 0), _half(blocks, 2)
     scales, mins = _k_scales(blocks[..., 4:16])
     codes = _k_nibbles(blocks[..., 16:144])
-    return codes, d[..., None] * scales, -dmin[..., None] * mins, 32, 4
+    return codes, d[..., None] * scales, -dmin[..., None] * mins, 32, 4, (scales, d, mins, -dmin)
 
 
 def _q5_k(blocks: torch.Tensor) -> Decoded:
@@ -213,7 +237,7 @@ def _q5_k(blocks: torch.Tensor) -> Decoded:
     qh = blocks[..., 16:48]
     high = (qh[..., None, :] >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1
     codes = _k_nibbles(blocks[..., 48:176]) | high << 4
-    return codes, d[..., None] * scales, -dmin[..., None] * mins, 32, 5
+    return codes, d[..., None] * scales, -dmin[..., None] * mins, 32, 5, (scales, d, mins, -dmin)
 
 
 def _q6_k(blocks: torch.Tensor) -> Decoded:
@@ -227,7 +251,7 @@ def _q6_k(blocks: torch.Tensor) -> Decoded:
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
     high = ((high_runs >> shifts) & 3).reshape(*lead, 8, 32)
     step = d[..., None] * scales
-    return low | high << 4, step, -32 * step, 16, 6
+    return low | high << 4, step, -32 * step, 16, 6, (scales, d, None, None)
 
 
 def _iq4_nl(blocks: torch.Tensor) -> Decoded:
@@ -242,9 +266,10 @@ def _iq4_xs(blocks: torch.Tensor) -> Decoded:
     nibbles = (blocks[..., 4:8, None] >> torch.tensor([0, 4], dtype=torch.uint8)) & 15
     tops = (blocks[..., 2:4, None] >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)) & 3
     signed = (nibbles.reshape(*lead, 8) | tops.reshape(*lead, 8) << 4).float() - 32
-    scales = _half(blocks, 0)[..., None] * signed
+    d = _half(blocks, 0)
+    scales = d[..., None] * signed
     codes = _nibbles(blocks[..., 8:136].reshape(*lead, 8, 16))
-    return codes, scales, torch.zeros_like(scales), 32, 4
+    return codes, scales, torch.zeros_like(scales), 32, 4, (signed, d, None, None)
 
 
 DECODERS: dict[QType, Callable[[torch.Tensor], Decoded]] = {

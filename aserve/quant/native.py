@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from aserve.config import cache_root
-from aserve.quant.codes import Codes, groups_of_at_most_32
+from aserve.quant.codes import Codes, ScaleSteps, groups_of_at_most_32
 
 logger = logging.getLogger(__name__)
 
@@ -260,71 +260,29 @@ def compact_scales(
     return scales, offsets
 
 
-BLOCK_INPUTS = 256
-"""K-quants' super-block: every group's scale (and offset) in it is a float16 of the block
-times a small integer."""
-
-
-def scale_steps(
-    scales: torch.Tensor, offsets: torch.Tensor, group: int
+def panel_steps(
+    steps: ScaleSteps, offsets: torch.Tensor, panels: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """Scales and offsets (float32 `[panels, groups, 8]`; offsets may be empty) as int8 steps
-    of a float32 base a block of BLOCK_INPUTS inputs (`[panels, blocks, 2, 8]`: the scales'
-    base, then the offsets'), where every value is exactly a step times its block's base, else
-    None. K-quants' scales are a float16 times a 6-bit integer, which float16 does not hold and
-    float32 takes 4 bytes a group for: Q4_K's scale and offset took 8 bytes a group of 32
-    codes (16 bytes), here 2 and 8 a block of 8 groups, so a one-row product, bound by reading
-    the weight, reads 0.58 bytes a weight instead of 0.75 (the file's 0.56). The kernels
-    multiply step by base back into the same float32, so the products keep their bits."""
-    panels, groups, lanes = scales.shape
-    per_block = BLOCK_INPUTS // group
-    if groups % per_block:
+    """A format's `ScaleSteps` in the kernels' layout: int8 steps of the scales and offsets
+    `[panels, groups, 8]` (offsets empty where all are zero) and their float32 bases
+    `[panels, blocks, 2, 8]` (the scales' base, then the offsets'); None where offsets are
+    stored but not as steps. Step times base is the scale itself, so the products keep
+    their bits: Q4_K reads 0.59 bytes a weight instead of 0.75 with float32 scales (the
+    file's 0.56)."""
+    stored = bool(offsets.any())
+    if stored and steps.offset_steps is None:
         return None
-    shape = (panels, groups // per_block, per_block, lanes)
-    parts = [_steps_of(scales.view(shape))]
-    if offsets.numel():
-        parts.append(_steps_of(offsets.view(shape)))
-    if any(part is None for part in parts):
-        return None
-    steps = [part[0].view(panels, groups, lanes) for part in parts]  # type: ignore[index]
-    bases = [part[1] for part in parts]  # type: ignore[index]
-    if len(bases) == 1:
-        bases.append(torch.zeros_like(bases[0]))
-    no_offsets = torch.empty(0, dtype=torch.int8)
-    return steps[0], steps[1] if len(steps) > 1 else no_offsets, torch.stack(bases, 2)
 
+    def lanes(t: torch.Tensor) -> torch.Tensor:  # [rows, n] -> [panels, n, 8]
+        return t.view(panels, LANES, -1).transpose(1, 2).contiguous()
 
-def _steps_of(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`values` `[panels, blocks, per_block, 8]` as int8 steps times a float32 base of each
-    (panel, block, lane), exactly, or None: each value's significand (24 bits) and power of
-    two, the block's values as integers over its lowest power, their greatest common divisor
-    the base."""
-    mantissa, exponent = torch.frexp(values)
-    significand = (mantissa.double() * 2.0**24).to(torch.int64)
-    power = exponent.to(torch.int64) - 24
-    zero = significand == 0
-    lowest = torch.where(zero, torch.iinfo(torch.int64).max, power).amin(2, keepdim=True)
-    lowest = torch.where(lowest == torch.iinfo(torch.int64).max, 0, lowest)
-    shift = torch.where(zero, 0, power - lowest)
-    if int(shift.max()) > 36:  # the block's values spread too far for one base
-        return None
-    whole = significand << shift
-    common = whole[:, :, 0].abs()
-    for i in range(1, whole.shape[2]):
-        common = torch.gcd(common, whole[:, :, i])
-    common = torch.where(common == 0, 1, common)
-    steps = whole // common[:, :, None]
-    # a negative float16 times -128 (Q6_K) is +128 steps of a positive base: -128 of a negative
-    flip = steps.amax(2) == 128
-    steps = torch.where(flip[:, :, None], -steps, steps)
-    if int(steps.min()) < -128 or int(steps.max()) > 127:
-        return None
-    bases = (common.double() * torch.pow(2.0, lowest.squeeze(2).double())).float()
-    bases = torch.where(flip, -bases, bases)
-    steps = steps.to(torch.int8)
-    if not torch.equal(steps.float() * bases[:, :, None], values):
-        return None
-    return steps, bases
+    scale_bases = lanes(steps.scale_bases)
+    offset_bases = torch.zeros_like(scale_bases)
+    offset_steps = torch.empty(0, dtype=torch.int8)
+    if stored:
+        assert steps.offset_steps is not None and steps.offset_bases is not None
+        offset_steps, offset_bases = lanes(steps.offset_steps), lanes(steps.offset_bases)
+    return lanes(steps.scale_steps), offset_steps, torch.stack([scale_bases, offset_bases], 2)
 
 
 class KernelTensors:
@@ -384,8 +342,8 @@ class NativeWeight(KernelTensors):
             offsets.view(panels, LANES, groups).transpose(1, 2).contiguous(),
         )
         self.bases = torch.empty(0)
-        if self.scales.dtype == torch.float32:
-            stepped = scale_steps(self.scales, self.offsets, self.group)
+        if codes.steps is not None and self.scales.dtype == torch.float32:
+            stepped = panel_steps(codes.steps, offsets, panels)
             if stepped is not None:
                 self.scales, self.offsets, self.bases = stepped
 
