@@ -218,7 +218,7 @@ def test_codes_of_two_and_three_bits_pack_into_nibbles(qtype: QType) -> None:
     codes = decode(torch.from_numpy(random_blocks(qtype, 100, 512)), qtype, 512)
     assert (codes.group, codes.bits) == (16, 2 if qtype == QType.Q2_K else 3)
     native = NativeWeight(codes)
-    assert native.four_bit
+    assert native.code_bits == 4
     assert native.words.nbytes == 104 * 512 // 2
     steps = 2 if qtype == QType.Q2_K else 1
     assert native.nbytes == 104 * 512 // 2 + steps * 104 * 512 // 16 + 104 * 2 * 2 * 4
@@ -227,7 +227,7 @@ def test_codes_of_two_and_three_bits_pack_into_nibbles(qtype: QType) -> None:
 @needs_kernels
 @pytest.mark.parametrize(
     ("qtype", "code_bytes", "scale_bytes"),
-    [(QType.Q4_0, 0.5, 2), (QType.Q5_0, 1, 2), (QType.Q3_K, 0.5, 1), (QType.Q6_K, 1, 1)],
+    [(QType.Q4_0, 0.5, 2), (QType.Q5_0, 0.75, 2), (QType.Q3_K, 0.5, 1), (QType.Q6_K, 0.75, 1)],
     ids=lambda v: v.name if isinstance(v, QType) else str(v),
 )
 def test_codes_centred_on_zero_store_no_offsets(
@@ -615,14 +615,16 @@ def test_one_call_for_a_group_of_weights_gives_each_products_bits(qtype: QType) 
 
 @needs_kernels
 def test_a_group_of_weights_shares_one_code_format() -> None:
-    """What `linear_group` takes in one call: codes kept alike (5 bits are kept as bytes,
-    as 8 are; IQ4 levels are another format than plain nibbles)."""
+    """What `linear_group` takes in one call: codes kept alike (5 bits are kept as a nibble
+    and two bits, as 6 are, not as bytes; Q4_0's codes centred on zero and IQ4's levels are
+    two tables)."""
     kept = {
         qtype: NativeWeight(decode(torch.from_numpy(random_blocks(qtype, 8, 256)), qtype, 256))
-        for qtype in (QType.Q4_0, QType.Q8_0, QType.IQ4_NL, QType.Q5_0)
+        for qtype in (QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.IQ4_NL, QType.Q5_1, QType.Q5_K)
     }
-    assert one_format([kept[QType.Q8_0], kept[QType.Q5_0]])
-    assert not one_format([kept[QType.Q4_0], kept[QType.Q8_0]])
+    assert one_format([kept[QType.Q5_1], kept[QType.Q5_K]])
+    assert not one_format([kept[QType.Q8_0], kept[QType.Q5_1]])
+    assert not one_format([kept[QType.Q4_1], kept[QType.Q8_0]])
     assert not one_format([kept[QType.Q4_0], kept[QType.IQ4_NL]])
 
 

@@ -294,7 +294,7 @@ class KernelTensors:
     offsets: torch.Tensor
     bases: torch.Tensor
     group: int
-    four_bit: bool
+    code_bits: int
     levels: torch.Tensor | None
 
     def kernel_args(self) -> tuple[object, ...]:
@@ -304,7 +304,7 @@ class KernelTensors:
             self.offsets,
             self.bases,
             self.group,
-            self.four_bit,
+            self.code_bits,
             self.levels,
         )
 
@@ -320,23 +320,37 @@ class NativeWeight(KernelTensors):
         self.shape = codes.shape
         codes = groups_of_at_most_32(codes).centered()
         self.group = codes.group
-        self.four_bit = codes.bits <= 4
+        # 5- and 6-bit codes as a nibble and two bits (8-bit words: 1.06 bytes a Q6_K weight
+        # against the file's 0.82); wider ones a byte each
+        self.code_bits = 4 if codes.bits <= 4 else 6 if codes.bits <= 6 else 8
         self.levels = None
-        if self.four_bit and codes.table is not None:
-            self.levels = level_bytes(codes.table)
+        if self.code_bits < 8 and codes.table is not None:
+            self.levels = level_bytes(codes.table[:16])
         rows, cols = codes.shape
         self.padded = padded = -(-rows // LANES) * LANES
         codes = codes.pad_rows(padded)
         values, scales, offsets = codes.codes, codes.scales, codes.offsets
-        if not self.four_bit:
+        if self.code_bits == 8:
             values, offsets = codes.signed()
         panels, groups = padded // LANES, cols // self.group
-        per_word = 8 if self.four_bit else 4
-        lanes = values.view(panels, LANES, groups, self.group // per_word, per_word)
-        lanes = lanes.permute(0, 2, 3, 1, 4)  # [panel, group, word, lane, input]
-        if self.four_bit:
-            lanes = lanes[..., 0::2] | lanes[..., 1::2] << 4
-        self.words = lanes.contiguous().view(torch.int32).squeeze(-1)
+
+        def words_of(codes: torch.Tensor, per_word: int) -> torch.Tensor:
+            """Codes [rows, cols] (uint8 or int8, each under 2**(32 / per_word)) as int32
+            words [panel, group, word, lane], input i of a word at bits i * 32 / per_word."""
+            lanes = codes.view(panels, LANES, groups, self.group // per_word, per_word)
+            lanes = lanes.permute(0, 2, 3, 1, 4)  # [panel, group, word, lane, input]
+            width = 32 // per_word
+            while lanes.shape[-1] > 4:  # pairs of fields into one, until a byte each
+                lanes = lanes[..., 0::2] | lanes[..., 1::2] << width
+                width *= 2
+            return lanes.contiguous().view(torch.int32).squeeze(-1)
+
+        if self.code_bits == 8:
+            self.words = words_of(values, 4)
+        elif self.code_bits == 4:
+            self.words = words_of(values, 8)
+        else:  # a group's nibble words, then its words of high bits
+            self.words = torch.cat([words_of(values & 15, 8), words_of(values >> 4, 16)], 2)
         self.scales, self.offsets = compact_scales(
             scales.view(panels, LANES, groups).transpose(1, 2).contiguous(),
             offsets.view(panels, LANES, groups).transpose(1, 2).contiguous(),
@@ -408,7 +422,7 @@ def one_format(weights: list[NativeWeight]) -> bool:
     first = weights[0]
     return all(
         w.group == first.group
-        and w.four_bit == first.four_bit
+        and w.code_bits == first.code_bits
         and (w.levels is None) == (first.levels is None)
         and (w.levels is None or torch.equal(w.levels, first.levels))
         for w in weights
@@ -425,7 +439,7 @@ def kernel_weights(weights: list[NativeWeight]) -> tuple[object, ...]:
         [w.offsets for w in weights],
         [w.bases for w in weights],
         first.group,
-        first.four_bit,
+        first.code_bits,
         first.levels,
     )
 
@@ -453,7 +467,7 @@ class ExpertStack(KernelTensors):
     def __init__(self, weights: list[NativeWeight]) -> None:
         assert one_format(weights), "one stack holds experts of one code format"
         first = weights[0]
-        self.group, self.four_bit, self.levels = first.group, first.four_bit, first.levels
+        self.group, self.code_bits, self.levels = first.group, first.code_bits, first.levels
         self.words = torch.stack([w.words.reshape(-1) for w in weights])
         stepped = all(
             w.scales.dtype == torch.int8 and w.bases.shape == first.bases.shape for w in weights

@@ -5,6 +5,8 @@
 // w = code * scale + offset. Output features come in panels of 8, one per AVX2 lane; within a
 // panel, group by group, every 32-bit word holds one feature's codes for consecutive inputs:
 //   4-bit codes (0..15): eight inputs a word, input i of the word in bits 4i..4i+3;
+//   5- and 6-bit codes (`split`): the low four bits as 4-bit codes, and after a group's code
+//     words its high words, two bits an input, 16 inputs a word (input t in bits 2t, 2t+1);
 //   8-bit codes (-128..127): four inputs a word, input i in bits 8i..8i+7.
 // With levels (IQ4_NL / IQ4_XS: 16 integer levels, denser near zero) a 4-bit code c stands
 // for levels[c] instead of c; they are kept as bytes, levels[c] + 128.
@@ -76,10 +78,13 @@ struct Weight {
   int64_t block_shift;    // steps: log2 of the groups a block
   int64_t panels, groups, group, cols;
   bool four_bit;
-  const uint8_t* levels;  // 16 levels + 128 for 4-bit codes that stand for them, else null
+  bool split;             // 5- or 6-bit codes: a nibble word, then two bits an input apart
+  const uint8_t* levels;  // 16 levels + 128 for 4-bit codes that stand for them (split codes:
+                          // for their low four bits, the high bits adding 16 each), else null
 
-  int64_t inputs_per_word() const { return four_bit ? 8 : 4; }
-  int64_t words_per_group() const { return group / inputs_per_word(); }
+  int64_t inputs_per_word() const { return four_bit || split ? 8 : 4; }
+  int64_t code_words() const { return group / inputs_per_word(); }  // a group's, a lane
+  int64_t words_per_group() const { return code_words() + (split ? group / 16 : 0); }
   int64_t panel_words() const { return groups * words_per_group() * kLanes; }
   int64_t at(int64_t panel, int64_t g) const { return (panel * groups + g) * kLanes; }
   int64_t scale_bytes() const {
@@ -142,10 +147,23 @@ struct Rows {
 };
 
 // How a word's codes become floats.
-enum class Kind { kNibbles, kBytes, kLevels };
+enum class Kind { kNibbles, kBytes, kLevels, kSplit };
 
 inline Kind kind_of(const Weight& w) {
+  if (w.split) return Kind::kSplit;
   return w.levels != nullptr ? Kind::kLevels : w.four_bit ? Kind::kNibbles : Kind::kBytes;
+}
+
+// What a split code's low four bits stand for at 0 (minus the level of 0: codes centred on
+// zero, e.g. Q6_K's -32).
+inline int split_center(const Weight& w) {
+  return w.levels == nullptr ? 0 : 128 - static_cast<int>(w.levels[0]);
+}
+
+// Code word v of a panel's group (`words` its first word of the group, lane `lane`) and the
+// high bits of its inputs, input i of the word at bits 2i, 2i + 1 (split codes).
+inline uint32_t high_bits(const Weight& w, const uint32_t* words, int64_t v, int64_t lane) {
+  return words[(w.code_words() + v / 2) * kLanes + lane] >> (16 * (v % 2));
 }
 
 #ifdef ASERVE_AVX2
@@ -164,8 +182,10 @@ struct Unpacked {
   __m256i even, odd;
 };
 
+// A split code word with its inputs' high bits (`high`, input i at bits 2i, 2i + 1).
 template <Kind K>
-inline Unpacked unpack(__m256i word, __m256i levels) {
+inline Unpacked unpack(__m256i word, __m256i levels, __m256i high = _mm256_setzero_si256()) {
+  if (K == Kind::kSplit) return {word, high};
   if (K != Kind::kLevels) return {word, word};
   const __m256i nibbles = _mm256_set1_epi8(15);
   return {_mm256_shuffle_epi8(levels, _mm256_and_si256(word, nibbles)),
@@ -174,7 +194,7 @@ inline Unpacked unpack(__m256i word, __m256i levels) {
 
 // The code (or level) of input i in each lane, as a float.
 template <Kind K>
-inline __m256 code_of(const Unpacked& word, int i) {
+inline __m256 code_of(const Unpacked& word, int i, float center = 0.0f) {
   // A code c below 2^23 put in the mantissa of 2^23 is the float 2^23 + c; subtracting 2^23
   // leaves c exactly. Cheaper than an int-to-float conversion, which some CPUs run on one
   // port only. 8-bit codes are stored with their sign flipped (c + 128) for this, and levels
@@ -185,6 +205,14 @@ inline __m256 code_of(const Unpacked& word, int i) {
         _mm256_and_si256(_mm256_srli_epi32(word.even, 4 * i), _mm256_set1_epi32(15));
     return _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(code, magic)),
                          _mm256_set1_ps(8388608.0f));
+  }
+  if (K == Kind::kSplit) {  // low | high << 4, minus the center
+    const __m256i low = _mm256_and_si256(_mm256_srli_epi32(word.even, 4 * i), _mm256_set1_epi32(15));
+    const __m256i high =
+        _mm256_and_si256(_mm256_srli_epi32(word.odd, 2 * i), _mm256_set1_epi32(3));
+    const __m256i code = _mm256_or_si256(low, _mm256_slli_epi32(high, 4));
+    return _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(code, magic)),
+                         _mm256_set1_ps(8388608.0f + center));
   }
   __m256i code;
   if (K == Kind::kLevels) {
@@ -241,7 +269,8 @@ template <int R, int P, Kind K>
 void tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_panel) {
   constexpr int per_word = K == Kind::kBytes ? 4 : 8;
   const __m256i levels = levels_of(w);
-  const int64_t words = w.words_per_group();
+  const float center = static_cast<float>(split_center(w));
+  const int64_t words = w.words_per_group(), code_words = w.code_words();
   const float* x[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) x[r] = a.row(first_row + r);
@@ -251,20 +280,27 @@ void tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_panel
     prefetch_slice(w, first_panel + P, P, g);
     __m256 part[R][P];
     set_zero(part);
-    for (int64_t v = 0; v < words; ++v) {
+    for (int64_t v = 0; v < code_words; ++v) {
       const int64_t k0 = g * w.group + v * per_word;
       Unpacked word[P];
 #pragma GCC unroll 8
       for (int p = 0; p < P; ++p) {
-        const uint32_t* src =
-            w.words + (first_panel + p) * w.panel_words() + (g * words + v) * kLanes;
-        word[p] = unpack<K>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)), levels);
+        const uint32_t* group_words = w.words + (first_panel + p) * w.panel_words() + g * words * kLanes;
+        const __m256i high =
+            K == Kind::kSplit
+                ? _mm256_srli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                        group_words + (code_words + v / 2) * kLanes)),
+                                    16 * (v % 2))
+                : _mm256_setzero_si256();
+        word[p] = unpack<K>(_mm256_loadu_si256(
+                                reinterpret_cast<const __m256i*>(group_words + v * kLanes)),
+                            levels, high);
       }
 #pragma GCC unroll 8
       for (int i = 0; i < per_word; ++i) {
 #pragma GCC unroll 8
         for (int p = 0; p < P; ++p) {
-          const __m256 code = code_of<K>(word[p], i);
+          const __m256 code = code_of<K>(word[p], i, center);
 #pragma GCC unroll 8
           for (int r = 0; r < R; ++r) {
             const __m256 xk = _mm256_broadcast_ss(x[r] + k0 + i);
@@ -294,16 +330,26 @@ template <int P, Kind K>
 void expand_panels(const Weight& w, int64_t first, float* buffer) {
   constexpr int per_word = K == Kind::kBytes ? 4 : 8;
   const __m256i levels = levels_of(w);
-  const int64_t words = w.words_per_group();
+  const float center = static_cast<float>(split_center(w));
+  const int64_t words = w.words_per_group(), code_words = w.code_words();
   for (int p = 0; p < P; ++p) {
     float* out = buffer + p * w.cols * kLanes;
-    const uint32_t* src = w.words + (first + p) * w.panel_words();
-    for (int64_t word = 0; word < w.groups * words; ++word) {
-      const Unpacked bits =
-          unpack<K>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + word * kLanes)), levels);
+    for (int64_t g = 0; g < w.groups; ++g) {
+      const uint32_t* src = w.words + (first + p) * w.panel_words() + g * words * kLanes;
+      for (int64_t v = 0; v < code_words; ++v) {
+        const __m256i high =
+            K == Kind::kSplit
+                ? _mm256_srli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                        src + (code_words + v / 2) * kLanes)),
+                                    16 * (v % 2))
+                : _mm256_setzero_si256();
+        const Unpacked bits = unpack<K>(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + v * kLanes)), levels, high);
+        const int64_t k0 = g * w.group + v * per_word;
 #pragma GCC unroll 8
-      for (int i = 0; i < per_word; ++i) {
-        _mm256_storeu_ps(out + (word * per_word + i) * kLanes, code_of<K>(bits, i));
+        for (int i = 0; i < per_word; ++i) {
+          _mm256_storeu_ps(out + (k0 + i) * kLanes, code_of<K>(bits, i, center));
+        }
       }
     }
   }
@@ -411,16 +457,30 @@ inline __m512 join(__m256 low, __m256 high) {
 // conversion of `code_of`, in one instruction instead of four.
 template <Kind K>
 inline __m512 code_table(const Weight& w) {
-  if (K != Kind::kLevels)
+  if (K != Kind::kLevels && (K != Kind::kSplit || w.levels == nullptr))
     return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   alignas(64) float values[16];
   for (int c = 0; c < 16; ++c) values[c] = static_cast<float>(w.levels[c]) - 128.0f;
   return _mm512_load_ps(values);
 }
 
-// `code_of` over 16 lanes.
+// `code_of` over 16 lanes. Split codes (`high`, input i's two high bits at bits 2i, 2i + 1):
+// the low four bits and the two high ones side by side (one bit select), in the mantissa of
+// 2^23 (one mask and or), minus 2^23 and the center (`bias`); simple integer operations
+// where two table lookups had queued on the one port that permutes.
 template <Kind K>
-inline __m512 code_of2(__m512i word, int i, __m512 table) {
+inline __m512 code_of2(__m512i word, int i, __m512 table, __m512i high = _mm512_setzero_si512(),
+                       __m512 bias = _mm512_setzero_ps()) {
+  if (K == Kind::kSplit) {
+    const __m512i low = _mm512_srli_epi32(word, 4 * i);
+    const __m512i top = 2 * i <= 4 ? _mm512_slli_epi32(high, 4 - 2 * i) : _mm512_srli_epi32(high, 2 * i - 4);
+    // bits 0-3 from low, the rest from top (0xE4: c ? a : b, c the mask)
+    const __m512i code = _mm512_ternarylogic_epi32(low, top, _mm512_set1_epi32(15), 0xE4);
+    // (code & 63) | 2^23's bits (0xEA: (a & b) | c)
+    const __m512i mantissa = _mm512_ternarylogic_epi32(code, _mm512_set1_epi32(63),
+                                                       _mm512_set1_epi32(0x4B000000), 0xEA);
+    return _mm512_sub_ps(_mm512_castsi512_ps(mantissa), bias);
+  }
   if (K != Kind::kBytes) return _mm512_permutexvar_ps(_mm512_srli_epi32(word, 4 * i), table);
   const __m512i magic = _mm512_set1_epi32(0x4B000000);
   const __m512i flipped = _mm512_xor_si512(word, _mm512_set1_epi32(0x80808080));
@@ -449,7 +509,8 @@ template <int R, int Q, Kind K>
 void tile2(const Weight& w, const Rows& a, int64_t first_row, int64_t first_panel) {
   constexpr int per_word = K == Kind::kBytes ? 4 : 8;
   const __m512 table = code_table<K>(w);
-  const int64_t words = w.words_per_group(), stride = w.panel_words();
+  const __m512 bias = _mm512_set1_ps(8388608.0f + static_cast<float>(split_center(w)));
+  const int64_t words = w.words_per_group(), code_words = w.code_words(), stride = w.panel_words();
   const float* x[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) x[r] = a.row(first_row + r);
@@ -466,21 +527,25 @@ void tile2(const Weight& w, const Rows& a, int64_t first_row, int64_t first_pane
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
       for (int q = 0; q < Q; ++q) part[r][q] = _mm512_setzero_ps();
-    for (int64_t v = 0; v < words; ++v) {
+    for (int64_t v = 0; v < code_words; ++v) {
       const int64_t k0 = g * w.group + v * per_word;
-      __m512i word[Q];
+      __m512i word[Q], high[Q];
 #pragma GCC unroll 8
       for (int q = 0; q < Q; ++q) {
-        const uint32_t* low = w.words + (first_panel + 2 * q) * stride + (g * words + v) * kLanes;
-        const __m256i* pair[2] = {reinterpret_cast<const __m256i*>(low),
-                                  reinterpret_cast<const __m256i*>(low + stride)};
-        word[q] = join(_mm256_loadu_si256(pair[0]), _mm256_loadu_si256(pair[1]));
+        const uint32_t* low = w.words + (first_panel + 2 * q) * stride + g * words * kLanes;
+        auto pair_at = [&](int64_t at) {
+          return join(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(low + at * kLanes)),
+                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(low + stride + at * kLanes)));
+        };
+        word[q] = pair_at(v);
+        high[q] = K == Kind::kSplit ? _mm512_srli_epi32(pair_at(code_words + v / 2), 16 * (v % 2))
+                                    : _mm512_setzero_si512();
       }
 #pragma GCC unroll 8
       for (int i = 0; i < per_word; ++i) {
 #pragma GCC unroll 8
         for (int q = 0; q < Q; ++q) {
-          const __m512 code = code_of2<K>(word[q], i, table);
+          const __m512 code = code_of2<K>(word[q], i, table, high[q], bias);
 #pragma GCC unroll 8
           for (int r = 0; r < R; ++r) {
             const __m512 xk = _mm512_set1_ps(x[r][k0 + i]);
@@ -578,15 +643,20 @@ void rows_against_panels(const Weight& w, const Rows& a, int64_t first, int64_t 
       return rows_against_panels_of<Kind::kBytes>(w, a, first, last, first_panel, last_panel, buffer);
     case Kind::kLevels:
       return rows_against_panels_of<Kind::kLevels>(w, a, first, last, first_panel, last_panel, buffer);
+    case Kind::kSplit:
+      return rows_against_panels_of<Kind::kSplit>(w, a, first, last, first_panel, last_panel, buffer);
   }
 }
 #endif
 
-// The code of input i of one lane's word, as a float (lookups of rows, not a hot path).
-inline float code_of(const Weight& w, uint32_t word, int i) {
-  if (!w.four_bit) return static_cast<float>(static_cast<int8_t>((word >> (8 * i)) & 255));
+// The code of input i of one lane's word, as a float (lookups of rows, and CPUs without
+// AVX2); `high`, split codes' high bits of the word's inputs (`high_bits`).
+inline float code_of(const Weight& w, uint32_t word, int i, uint32_t high = 0) {
+  if (!w.four_bit && !w.split) return static_cast<float>(static_cast<int8_t>((word >> (8 * i)) & 255));
   const uint32_t code = (word >> (4 * i)) & 15;
-  return w.levels != nullptr ? static_cast<float>(w.levels[code]) - 128.0f : static_cast<float>(code);
+  const float level =
+      w.levels != nullptr ? static_cast<float>(w.levels[code]) - 128.0f : static_cast<float>(code);
+  return w.split ? level + static_cast<float>(16 * ((high >> (2 * i)) & 3)) : level;
 }
 
 #ifndef ASERVE_AVX2
@@ -596,19 +666,22 @@ inline float code_of(const Weight& w, uint32_t word, int i) {
 template <int R, Kind K>
 void portable_tile(const Weight& w, const Rows& a, int64_t first_row, int64_t panel) {
   constexpr int per_word = K == Kind::kBytes ? 4 : 8;
-  const int64_t words = w.words_per_group();
+  const int64_t words = w.words_per_group(), code_words = w.code_words();
   const float* x[R];
   for (int r = 0; r < R; ++r) x[r] = a.row(first_row + r);
   float total[R][kLanes] = {};
   for (int64_t g = 0; g < w.groups; ++g) {
     float part[R][kLanes] = {};
-    for (int64_t v = 0; v < words; ++v) {
-      const uint32_t* word = w.words + panel * w.panel_words() + (g * words + v) * kLanes;
+    for (int64_t v = 0; v < code_words; ++v) {
+      const uint32_t* group_words = w.words + panel * w.panel_words() + g * words * kLanes;
+      const uint32_t* word = group_words + v * kLanes;
       const int64_t k0 = g * w.group + v * per_word;
       float codes[per_word][kLanes];
       for (int i = 0; i < per_word; ++i) {
         for (int lane = 0; lane < kLanes; ++lane) {
-          if (K == Kind::kBytes) {
+          if (K == Kind::kSplit) {
+            codes[i][lane] = code_of(w, word[lane], i, high_bits(w, group_words, v, lane));
+          } else if (K == Kind::kBytes) {
             codes[i][lane] = static_cast<float>(static_cast<int8_t>((word[lane] >> (8 * i)) & 255));
           } else {
             const uint32_t code = (word[lane] >> (4 * i)) & 15;
@@ -652,6 +725,7 @@ void rows_against_panels(const Weight& w, const Rows& a, int64_t first, int64_t 
     case Kind::kNibbles: return portable_rows<Kind::kNibbles>(w, a, first, last, first_panel, last_panel);
     case Kind::kBytes: return portable_rows<Kind::kBytes>(w, a, first, last, first_panel, last_panel);
     case Kind::kLevels: return portable_rows<Kind::kLevels>(w, a, first, last, first_panel, last_panel);
+    case Kind::kSplit: return portable_rows<Kind::kSplit>(w, a, first, last, first_panel, last_panel);
   }
 }
 #endif
@@ -660,9 +734,12 @@ void rows_against_panels(const Weight& w, const Rows& a, int64_t first, int64_t 
 // of E experts ([E, panels, groups, 8], words [E, n]), expert 0 of such a stack, all of one
 // format and shape (`expert_of` gives the others).
 Weight weight_of(const at::Tensor& words, const at::Tensor& scales, const at::Tensor& offsets,
-                 const at::Tensor& bases, int64_t group, bool four_bit,
+                 const at::Tensor& bases, int64_t group, int64_t code_bits,
                  const std::optional<at::Tensor>& levels) {
   TORCH_CHECK(words.scalar_type() == at::kInt && words.is_contiguous(), "words: int32");
+  TORCH_CHECK(code_bits == 4 || code_bits == 6 || code_bits == 8,
+              "codes are kept in 4, 6 (a nibble and two bits) or 8 bits, not ", code_bits);
+  const bool four_bit = code_bits == 4, split = code_bits == 6;
   const auto type = scales.scalar_type();
   const ScaleKind kind = type == at::kHalf   ? ScaleKind::kHalf
                          : type == at::kChar ? ScaleKind::kSteps
@@ -677,9 +754,9 @@ Weight weight_of(const at::Tensor& words, const at::Tensor& scales, const at::Te
               "offsets: as scales, or empty where all are zero");
   TORCH_CHECK(group == 16 || group == 32, "groups are 16 or 32 inputs, got ", group);
   if (levels.has_value()) {
-    TORCH_CHECK(four_bit && levels->scalar_type() == at::kByte && levels->is_contiguous() &&
-                    levels->numel() == 16,
-                "levels: 16 bytes (level + 128), for 4-bit codes");
+    TORCH_CHECK((four_bit || split) && levels->scalar_type() == at::kByte &&
+                    levels->is_contiguous() && levels->numel() == 16,
+                "levels: 16 bytes (level + 128), for 4-bit codes or split codes' low bits");
   }
   const int64_t count = scales.dim() == 4 ? scales.size(0) : 1;
   const int64_t panels = scales.size(-3), groups = scales.size(-2);
@@ -706,6 +783,7 @@ Weight weight_of(const at::Tensor& words, const at::Tensor& scales, const at::Te
            group,
            groups * group,
            four_bit,
+           split,
            levels.has_value() ? levels->data_ptr<uint8_t>() : nullptr};
   TORCH_CHECK(words.numel() == count * panels * w.panel_words(), "words do not match the scales");
   return w;
@@ -796,9 +874,9 @@ void run(const std::vector<Product>& products) {
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& words, const at::Tensor& scales,
                   const at::Tensor& offsets, const at::Tensor& bases, int64_t group,
-                  bool four_bit, const std::optional<at::Tensor>& levels) {
+                  int64_t code_bits, const std::optional<at::Tensor>& levels) {
   auto [product, y] =
-      product_of(x, weight_of(words, scales, offsets, bases, group, four_bit, levels));
+      product_of(x, weight_of(words, scales, offsets, bases, group, code_bits, levels));
   run({product});
   return y;
 }
@@ -808,7 +886,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& words, const at::Tensor
 // busy in a region of their own. Every output is computed as `linear` computes it.
 std::vector<at::Tensor> linear_group(at::TensorList xs, at::TensorList words,
                                      at::TensorList scales, at::TensorList offsets,
-                                     at::TensorList bases, int64_t group, bool four_bit,
+                                     at::TensorList bases, int64_t group, int64_t code_bits,
                                      const std::optional<at::Tensor>& levels) {
   TORCH_CHECK(words.size() == xs.size() && scales.size() == xs.size() &&
                   offsets.size() == xs.size() && bases.size() == xs.size(),
@@ -817,7 +895,7 @@ std::vector<at::Tensor> linear_group(at::TensorList xs, at::TensorList words,
   std::vector<at::Tensor> ys;
   for (size_t i = 0; i < xs.size(); ++i) {
     auto [product, y] =
-        product_of(xs[i], weight_of(words[i], scales[i], offsets[i], bases[i], group, four_bit,
+        product_of(xs[i], weight_of(words[i], scales[i], offsets[i], bases[i], group, code_bits,
                                     levels));
     products.push_back(std::move(product));
     ys.push_back(y);
@@ -894,10 +972,10 @@ void route(const at::Tensor& x, const at::Tensor& router, int64_t top_k, bool re
 at::Tensor moe_layer(
     const at::Tensor& x, const at::Tensor& router, int64_t top_k, bool renormalize,
     const at::Tensor& up_words, const at::Tensor& up_scales, const at::Tensor& up_offsets,
-    const at::Tensor& up_bases, int64_t up_group, bool up_four_bit,
+    const at::Tensor& up_bases, int64_t up_group, int64_t up_code_bits,
     const std::optional<at::Tensor>& up_levels, const at::Tensor& down_words,
     const at::Tensor& down_scales, const at::Tensor& down_offsets, const at::Tensor& down_bases,
-    int64_t down_group, bool down_four_bit, const std::optional<at::Tensor>& down_levels,
+    int64_t down_group, int64_t down_code_bits, const std::optional<at::Tensor>& down_levels,
     int64_t inter) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 matrix");
@@ -906,9 +984,9 @@ at::Tensor moe_layer(
                   down_scales.size(0) == experts,
               "gate|up and down weights stacked for each of the router's ", experts, " experts");
   const Weight up0 =
-      weight_of(up_words, up_scales, up_offsets, up_bases, up_group, up_four_bit, up_levels);
+      weight_of(up_words, up_scales, up_offsets, up_bases, up_group, up_code_bits, up_levels);
   const Weight down0 = weight_of(down_words, down_scales, down_offsets, down_bases, down_group,
-                                 down_four_bit, down_levels);
+                                 down_code_bits, down_levels);
   const int64_t width = up0.panels * kLanes, down_width = down0.panels * kLanes;
   TORCH_CHECK(width >= 2 * inter && down_width >= hidden && up0.cols == hidden &&
                   down0.cols == inter,
@@ -977,9 +1055,9 @@ at::Tensor moe_layer(
 
 // Rows `ids` of the weight de-quantized (embedding lookups), w = code * scale + offset.
 at::Tensor rows(const at::Tensor& words, const at::Tensor& scales, const at::Tensor& offsets,
-                const at::Tensor& bases, int64_t group, bool four_bit,
+                const at::Tensor& bases, int64_t group, int64_t code_bits,
                 const std::optional<at::Tensor>& levels, const at::Tensor& ids) {
-  const Weight w = weight_of(words, scales, offsets, bases, group, four_bit, levels);
+  const Weight w = weight_of(words, scales, offsets, bases, group, code_bits, levels);
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids: int64 vector");
   const at::Tensor ids_here = ids.contiguous();
   const int64_t* idp = ids_here.data_ptr<int64_t>();
@@ -994,11 +1072,12 @@ at::Tensor rows(const at::Tensor& words, const at::Tensor& scales, const at::Ten
     for (int64_t g = 0; g < w.groups; ++g) {
       const float scale = w.scale(panel, g, lane);
       const float offset = w.offset(panel, g, lane);
-      for (int64_t v = 0; v < words_in_group; ++v) {
-        const uint32_t word =
-            w.words[panel * w.panel_words() + (g * words_in_group + v) * kLanes + lane];
+      const uint32_t* group_words = w.words + panel * w.panel_words() + g * words_in_group * kLanes;
+      for (int64_t v = 0; v < w.code_words(); ++v) {
+        const uint32_t word = group_words[v * kLanes + lane];
+        const uint32_t high = w.split ? high_bits(w, group_words, v, lane) : 0;
         for (int64_t j = 0; j < per_word; ++j) {
-          const float value = code_of(w, word, static_cast<int>(j));
+          const float value = code_of(w, word, static_cast<int>(j), high);
           op[i * w.cols + g * w.group + v * per_word + j] = std::fma(value, scale, offset);
         }
       }
@@ -1010,12 +1089,17 @@ at::Tensor rows(const at::Tensor& words, const at::Tensor& scales, const at::Ten
 #ifdef ASERVE_AVX2
 // One word of each lane de-quantized, `code * scale + offset`, input i to out[i * stride].
 template <Kind K>
-inline void dequantize_word(const uint32_t* src, __m256 scale, __m256 offset, __m256i levels,
-                            float* out, int64_t stride) {
+inline void dequantize_word(const uint32_t* src, const uint32_t* high, float center,
+                            __m256 scale, __m256 offset, __m256i levels, float* out,
+                            int64_t stride) {
   constexpr int per_word = K == Kind::kBytes ? 4 : 8;
-  const Unpacked word = unpack<K>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)), levels);
+  const __m256i highs = K == Kind::kSplit
+                            ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high))
+                            : _mm256_setzero_si256();
+  const Unpacked word =
+      unpack<K>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)), levels, highs);
   for (int i = 0; i < per_word; ++i) {
-    _mm256_storeu_ps(out + i * stride, _mm256_fmadd_ps(code_of<K>(word, i), scale, offset));
+    _mm256_storeu_ps(out + i * stride, _mm256_fmadd_ps(code_of<K>(word, i, center), scale, offset));
   }
 }
 #endif
@@ -1026,9 +1110,9 @@ inline void dequantize_word(const uint32_t* src, __m256 scale, __m256 offset, __
 // shared by enough rows. `out` is the caller's reused buffer: a fresh one of a few MiB cost
 // as much in page faults as the expansion itself.
 void dequantize(const at::Tensor& words, const at::Tensor& scales, const at::Tensor& offsets,
-                const at::Tensor& bases, int64_t group, bool four_bit,
+                const at::Tensor& bases, int64_t group, int64_t code_bits,
                 const std::optional<at::Tensor>& levels, int64_t first, at::Tensor out) {
-  const Weight w = weight_of(words, scales, offsets, bases, group, four_bit, levels);
+  const Weight w = weight_of(words, scales, offsets, bases, group, code_bits, levels);
   TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.is_contiguous() &&
                   out.size(0) == w.cols && out.size(1) % kLanes == 0,
               "out: contiguous float32 [cols, 8 * panels]");
@@ -1039,6 +1123,7 @@ void dequantize(const at::Tensor& words, const at::Tensor& scales, const at::Ten
 #ifdef ASERVE_AVX2
   const Kind kind = kind_of(w);
   const __m256i table = levels_of(w);
+  const float center = static_cast<float>(split_center(w));
 #endif
   // Group-major, so each thread writes its rows of `out` front to back (one sequential
   // stream per input of the group) instead of a strip of 8 floats per row.
@@ -1046,8 +1131,9 @@ void dequantize(const at::Tensor& words, const at::Tensor& scales, const at::Ten
     for (int64_t g = begin; g < end; ++g) {
       for (int64_t p = first; p < last; ++p) {
         float* column = op + (p - first) * kLanes;
-        for (int64_t v = 0; v < words_in_group; ++v) {
-          const uint32_t* src = w.words + p * w.panel_words() + (g * words_in_group + v) * kLanes;
+        const uint32_t* group_words = w.words + p * w.panel_words() + g * words_in_group * kLanes;
+        for (int64_t v = 0; v < w.code_words(); ++v) {
+          const uint32_t* src = group_words + v * kLanes;
           const int64_t k0 = g * w.group + v * per_word;
 #ifdef ASERVE_AVX2
           const __m256 scale = w.scales8(p, g);
@@ -1055,20 +1141,27 @@ void dequantize(const at::Tensor& words, const at::Tensor& scales, const at::Ten
           float* at = column + k0 * width;
           switch (kind) {
             case Kind::kNibbles:
-              dequantize_word<Kind::kNibbles>(src, scale, offset, table, at, width);
+              dequantize_word<Kind::kNibbles>(src, src, 0, scale, offset, table, at, width);
               break;
             case Kind::kBytes:
-              dequantize_word<Kind::kBytes>(src, scale, offset, table, at, width);
+              dequantize_word<Kind::kBytes>(src, src, 0, scale, offset, table, at, width);
               break;
             case Kind::kLevels:
-              dequantize_word<Kind::kLevels>(src, scale, offset, table, at, width);
+              dequantize_word<Kind::kLevels>(src, src, 0, scale, offset, table, at, width);
               break;
+            case Kind::kSplit: {
+              alignas(32) uint32_t high[kLanes];
+              for (int64_t lane = 0; lane < kLanes; ++lane) high[lane] = high_bits(w, group_words, v, lane);
+              dequantize_word<Kind::kSplit>(src, high, center, scale, offset, table, at, width);
+              break;
+            }
           }
 #else
           for (int64_t lane = 0; lane < kLanes; ++lane) {
+            const uint32_t high = w.split ? high_bits(w, group_words, v, lane) : 0;
             for (int64_t i = 0; i < per_word; ++i) {
               column[(k0 + i) * width + lane] =
-                  std::fma(code_of(w, src[lane], static_cast<int>(i)), w.scale(p, g, lane),
+                  std::fma(code_of(w, src[lane], static_cast<int>(i), high), w.scale(p, g, lane),
                            w.offset(p, g, lane));
             }
           }
@@ -1223,17 +1316,17 @@ void norm_rope_store(at::Tensor query, const at::Tensor& kv, const at::Tensor& p
 TORCH_LIBRARY(aserve_cpu, m) {
   m.def(
       "linear(Tensor x, Tensor words, Tensor scales, Tensor offsets, Tensor bases, int group, "
-      "bool four_bit, Tensor? levels) -> Tensor",
+      "int code_bits, Tensor? levels) -> Tensor",
       linear);
   m.def(
       "linear_group(Tensor[] xs, Tensor[] words, Tensor[] scales, Tensor[] offsets, "
-      "Tensor[] bases, int group, bool four_bit, Tensor? levels) -> Tensor[]",
+      "Tensor[] bases, int group, int code_bits, Tensor? levels) -> Tensor[]",
       linear_group);
   m.def(
       "moe_layer(Tensor x, Tensor router, int top_k, bool renormalize, Tensor up_words, "
-      "Tensor up_scales, Tensor up_offsets, Tensor up_bases, int up_group, bool up_four_bit, "
+      "Tensor up_scales, Tensor up_offsets, Tensor up_bases, int up_group, int up_code_bits, "
       "Tensor? up_levels, Tensor down_words, Tensor down_scales, Tensor down_offsets, "
-      "Tensor down_bases, int down_group, bool down_four_bit, Tensor? down_levels, int inter) "
+      "Tensor down_bases, int down_group, int down_code_bits, Tensor? down_levels, int inter) "
       "-> Tensor",
       moe_layer);
   m.def("rmsnorm(Tensor x, Tensor weight, float eps) -> Tensor", rmsnorm);
@@ -1244,11 +1337,11 @@ TORCH_LIBRARY(aserve_cpu, m) {
       "Tensor? k_weight, float eps, Tensor(b!) cache, Tensor slots, int head_size) -> ()",
       norm_rope_store);
   m.def(
-      "rows(Tensor words, Tensor scales, Tensor offsets, Tensor bases, int group, bool four_bit, "
+      "rows(Tensor words, Tensor scales, Tensor offsets, Tensor bases, int group, int code_bits, "
       "Tensor? levels, Tensor ids) -> Tensor",
       rows);
   m.def(
       "dequantize(Tensor words, Tensor scales, Tensor offsets, Tensor bases, int group, "
-      "bool four_bit, Tensor? levels, int first, Tensor(a!) out) -> ()",
+      "int code_bits, Tensor? levels, int first, Tensor(a!) out) -> ()",
       dequantize);
 }
