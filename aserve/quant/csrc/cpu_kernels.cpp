@@ -192,6 +192,20 @@ inline Unpacked unpack(__m256i word, __m256i levels, __m256i high = _mm256_setze
           _mm256_shuffle_epi8(levels, _mm256_and_si256(_mm256_srli_epi32(word, 4), nibbles))};
 }
 
+// Code word v of a panel's group (`group_words`, its first word) for all 8 lanes, with its
+// inputs' high bits for split codes.
+template <Kind K>
+inline Unpacked unpack_word(const Weight& w, const uint32_t* group_words, int64_t v,
+                            __m256i levels) {
+  const auto load = [&](int64_t at) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_words + at * kLanes));
+  };
+  const __m256i high = K == Kind::kSplit
+                           ? _mm256_srli_epi32(load(w.code_words() + v / 2), 16 * (v % 2))
+                           : _mm256_setzero_si256();
+  return unpack<K>(load(v), levels, high);
+}
+
 // The code (or level) of input i in each lane, as a float.
 template <Kind K>
 inline __m256 code_of(const Unpacked& word, int i, float center = 0.0f) {
@@ -284,18 +298,9 @@ void tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_panel
       const int64_t k0 = g * w.group + v * per_word;
       Unpacked word[P];
 #pragma GCC unroll 8
-      for (int p = 0; p < P; ++p) {
-        const uint32_t* group_words = w.words + (first_panel + p) * w.panel_words() + g * words * kLanes;
-        const __m256i high =
-            K == Kind::kSplit
-                ? _mm256_srli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                                        group_words + (code_words + v / 2) * kLanes)),
-                                    16 * (v % 2))
-                : _mm256_setzero_si256();
-        word[p] = unpack<K>(_mm256_loadu_si256(
-                                reinterpret_cast<const __m256i*>(group_words + v * kLanes)),
-                            levels, high);
-      }
+      for (int p = 0; p < P; ++p)
+        word[p] = unpack_word<K>(
+            w, w.words + (first_panel + p) * w.panel_words() + g * words * kLanes, v, levels);
 #pragma GCC unroll 8
       for (int i = 0; i < per_word; ++i) {
 #pragma GCC unroll 8
@@ -337,14 +342,7 @@ void expand_panels(const Weight& w, int64_t first, float* buffer) {
     for (int64_t g = 0; g < w.groups; ++g) {
       const uint32_t* src = w.words + (first + p) * w.panel_words() + g * words * kLanes;
       for (int64_t v = 0; v < code_words; ++v) {
-        const __m256i high =
-            K == Kind::kSplit
-                ? _mm256_srli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                                        src + (code_words + v / 2) * kLanes)),
-                                    16 * (v % 2))
-                : _mm256_setzero_si256();
-        const Unpacked bits = unpack<K>(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + v * kLanes)), levels, high);
+        const Unpacked bits = unpack_word<K>(w, src, v, levels);
         const int64_t k0 = g * w.group + v * per_word;
 #pragma GCC unroll 8
         for (int i = 0; i < per_word; ++i) {
@@ -1089,15 +1087,11 @@ at::Tensor rows(const at::Tensor& words, const at::Tensor& scales, const at::Ten
 #ifdef ASERVE_AVX2
 // One word of each lane de-quantized, `code * scale + offset`, input i to out[i * stride].
 template <Kind K>
-inline void dequantize_word(const uint32_t* src, const uint32_t* high, float center,
+inline void dequantize_word(const Weight& w, const uint32_t* group_words, int64_t v, float center,
                             __m256 scale, __m256 offset, __m256i levels, float* out,
                             int64_t stride) {
   constexpr int per_word = K == Kind::kBytes ? 4 : 8;
-  const __m256i highs = K == Kind::kSplit
-                            ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high))
-                            : _mm256_setzero_si256();
-  const Unpacked word =
-      unpack<K>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)), levels, highs);
+  const Unpacked word = unpack_word<K>(w, group_words, v, levels);
   for (int i = 0; i < per_word; ++i) {
     _mm256_storeu_ps(out + i * stride, _mm256_fmadd_ps(code_of<K>(word, i, center), scale, offset));
   }
@@ -1133,7 +1127,6 @@ void dequantize(const at::Tensor& words, const at::Tensor& scales, const at::Ten
         float* column = op + (p - first) * kLanes;
         const uint32_t* group_words = w.words + p * w.panel_words() + g * words_in_group * kLanes;
         for (int64_t v = 0; v < w.code_words(); ++v) {
-          const uint32_t* src = group_words + v * kLanes;
           const int64_t k0 = g * w.group + v * per_word;
 #ifdef ASERVE_AVX2
           const __m256 scale = w.scales8(p, g);
@@ -1141,28 +1134,26 @@ void dequantize(const at::Tensor& words, const at::Tensor& scales, const at::Ten
           float* at = column + k0 * width;
           switch (kind) {
             case Kind::kNibbles:
-              dequantize_word<Kind::kNibbles>(src, src, 0, scale, offset, table, at, width);
+              dequantize_word<Kind::kNibbles>(w, group_words, v, 0, scale, offset, table, at, width);
               break;
             case Kind::kBytes:
-              dequantize_word<Kind::kBytes>(src, src, 0, scale, offset, table, at, width);
+              dequantize_word<Kind::kBytes>(w, group_words, v, 0, scale, offset, table, at, width);
               break;
             case Kind::kLevels:
-              dequantize_word<Kind::kLevels>(src, src, 0, scale, offset, table, at, width);
+              dequantize_word<Kind::kLevels>(w, group_words, v, 0, scale, offset, table, at, width);
               break;
-            case Kind::kSplit: {
-              alignas(32) uint32_t high[kLanes];
-              for (int64_t lane = 0; lane < kLanes; ++lane) high[lane] = high_bits(w, group_words, v, lane);
-              dequantize_word<Kind::kSplit>(src, high, center, scale, offset, table, at, width);
+            case Kind::kSplit:
+              dequantize_word<Kind::kSplit>(w, group_words, v, center, scale, offset, table, at,
+                                            width);
               break;
-            }
           }
 #else
           for (int64_t lane = 0; lane < kLanes; ++lane) {
             const uint32_t high = w.split ? high_bits(w, group_words, v, lane) : 0;
             for (int64_t i = 0; i < per_word; ++i) {
               column[(k0 + i) * width + lane] =
-                  std::fma(code_of(w, src[lane], static_cast<int>(i), high), w.scale(p, g, lane),
-                           w.offset(p, g, lane));
+                  std::fma(code_of(w, group_words[v * kLanes + lane], static_cast<int>(i), high),
+                           w.scale(p, g, lane), w.offset(p, g, lane));
             }
           }
 #endif
