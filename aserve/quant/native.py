@@ -312,8 +312,9 @@ class KernelTensors:
 class NativeWeight(KernelTensors):
     """A weight in the kernels' panel layout (csrc/cpu_kernels.cpp), in groups of 16 or 32:
     codes of up to 4 bits eight to a word (with their 16 levels where they stand for levels),
-    wider ones (up to 8 bits) signed, four to a word; scales and offsets as `compact_scales`
-    keeps them."""
+    5 and 6 bits as such a nibble plus words of two bits an input (`code_bits` 6), wider ones
+    signed, four to a word; scales and offsets as `compact_scales` keeps them, or as int8
+    steps and float32 bases (`panel_steps`)."""
 
     def __init__(self, codes: Codes, scratch: Scratch | None = None) -> None:
         self.scratch = scratch or Scratch()
