@@ -856,6 +856,24 @@ def test_experts_in_scale_steps_stack_as_steps_or_widen_beside_others() -> None:
         assert all(torch.equal(w.linear(x, None), b) for w, b in zip(weights, before))
 
 
+@needs_kernels
+def test_gate_up_product_and_its_activation_in_one_call(blas_from_128: None) -> None:
+    """`NativeWeight.silu` (gate|up product, SiLU and multiply in one call of the kernels)
+    gives the bits of the product then ATen's SiLU and multiply, at every row count the
+    kernels take; for BLAS's rows it leaves the steps to the caller."""
+    inter = 44  # 88 rows: 11 panels, none padded
+    codes = decode(
+        torch.from_numpy(random_blocks(QType.Q4_K, 2 * inter, 512, seed=9)), QType.Q4_K, 512
+    )
+    native = NativeWeight(codes)
+    x = torch.randn(BLAS_ROWS, 512, generator=torch.Generator().manual_seed(10))
+    for rows in (1, 3, 20):
+        gate, up = native.linear(x[:rows], None).chunk(2, dim=-1)
+        together = native.silu(x[:rows])
+        assert together is not None and torch.equal(together, F.silu(gate).mul_(up)), rows
+    assert native.silu(x) is None
+
+
 OTHER_BUILD_CHECK = """
 import sys
 from pathlib import Path

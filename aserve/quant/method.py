@@ -106,9 +106,13 @@ class QuantizedLinearWeight:
 
     def silu(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor | None:
         """SiLU(gate) * up of a fused gate|up weight's product with `x` in one kernel
-        (`Fp8Weight.silu`), or None (the caller multiplies, then activates)."""
-        product = self._only_fp8()
-        return None if product is None else product.silu(x)
+        (`Fp8Weight.silu`, `NativeWeight.silu` on CPU), or None (the caller multiplies, then
+        activates)."""
+        product = self.products[0] if len(self.products) == 1 else None
+        if isinstance(product, NativeWeight) and isinstance(x, torch.Tensor):
+            return product.silu(x)
+        fp8 = self._only_fp8()
+        return None if fp8 is None else fp8.silu(x)
 
     def gated(self, gate_up: torch.Tensor) -> torch.Tensor | None:
         """SiLU(gate) * up of fused gate|up rows times this weight with a kernel fewer

@@ -383,6 +383,16 @@ class NativeWeight(KernelTensors):
     def kernel_linear(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.ops.aserve_cpu.linear(rows, *self.kernel_args())
 
+    def silu(self, x: torch.Tensor) -> torch.Tensor | None:
+        """SiLU(gate) * up of a fused gate|up weight (gate rows, then as many up rows) times
+        `x`, in one call of the kernels (`gated_linear`: the same bits as `linear` then
+        ATen's SiLU and multiply); None where the kernels do not take x whole (BLAS rows,
+        other layouts): the caller runs the steps."""
+        plain = x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous()
+        if not plain or x.shape[0] >= blas_rows() or self.shape[0] % 2:
+            return None
+        return torch.ops.aserve_cpu.gated_linear(x, *self.kernel_args(), self.shape[0] // 2)
+
     def _blas_linear(self, rows: torch.Tensor) -> torch.Tensor:
         """Many rows: de-quantize a slice of panels at a time into the scratch buffer (at most
         BLAS_SLICE_BYTES) and let BLAS multiply it."""
