@@ -125,10 +125,7 @@ class Codes(NamedTuple):
 
     def signed(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The codes as int8 and the offsets that keep `w`: 8-bit codes 0..255 become
-        -128..127 and the offset takes the difference; narrower codes fit as they are, or
-        as their levels where a table holds integer levels (`centered`)."""
-        if self.table is not None:
-            return self.table[self.codes.long()].to(torch.int8), self.offsets
+        -128..127 and the offset takes the difference; narrower codes fit as they are."""
         if self.bits < 8:
             return self.codes.to(torch.int8), self.offsets
         shifted = (self.codes.to(torch.int16) - 128).to(torch.int8)

@@ -471,7 +471,7 @@ class ExpertStack(KernelTensors):
     words, scales, offsets and bases, expert-major, so that a decode step hands the whole
     layer to the kernels in a few tensors (handing them 128 experts' tensors one by one cost
     ~80 us a call). The experts' own `NativeWeight`s become views of the stack: the bytes are
-    held once. Scales kept in steps (`scale_steps`) stay so where every expert's are; else
+    held once. Scales kept in steps (`panel_steps`) stay so where every expert's are; else
     scales of mixed kinds are stacked in float32, and offsets that some experts leave out as
     zeros: the same values, so the same products."""
 

@@ -11,9 +11,9 @@
 //   l += sum of e^(s[t] - m);  out += sum over t in order of e^(s[t] - m) * v[t]
 // and out / l at the end, the group's query heads together so that each row of K and V is
 // read and widened once for all of them. The order of operations is fixed per request, so
-// its output does not depend on its batch. The pool holds float16 (these models' default, as llama.cpp keeps
-// a GGUF model's cache: half the bytes to read and keep) or float32; float16 values widen
-// exactly, so the arithmetic is the same.
+// its output does not depend on its batch. The pool holds float16 (these models' default,
+// as llama.cpp keeps a GGUF model's cache: half the bytes to read and keep) or float32;
+// float16 values widen exactly, so the arithmetic is the same.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -79,8 +79,9 @@ struct Weight {
   int64_t panels, groups, group, cols;
   bool four_bit;
   bool split;             // 5- or 6-bit codes: a nibble word, then two bits an input apart
-  const uint8_t* levels;  // 16 levels + 128 for 4-bit codes that stand for them (split codes:
-                          // for their low four bits, the high bits adding 16 each), else null
+  const uint8_t* levels;  // 16 levels + 128 for 4-bit codes that stand for them, else null;
+                          // split codes: their low bits' levels, code - center (centred codes;
+                          // the vector tiles take only the center, `split_center`)
 
   int64_t inputs_per_word() const { return four_bit || split ? 8 : 4; }
   int64_t code_words() const { return group / inputs_per_word(); }  // a group's, a lane
@@ -455,7 +456,7 @@ inline __m512 join(__m256 low, __m256 high) {
 // conversion of `code_of`, in one instruction instead of four.
 template <Kind K>
 inline __m512 code_table(const Weight& w) {
-  if (K != Kind::kLevels && (K != Kind::kSplit || w.levels == nullptr))
+  if (K != Kind::kLevels)
     return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   alignas(64) float values[16];
   for (int c = 0; c < 16; ++c) values[c] = static_cast<float>(w.levels[c]) - 128.0f;
