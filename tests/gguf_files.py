@@ -92,12 +92,14 @@ def write_hf_as_gguf(
     path: Path,
     rope_factors: bool = True,
     qtype: gguf.GGMLQuantizationType | None = None,
+    qtype_of: dict[str, gguf.GGMLQuantizationType] | None = None,
 ) -> Path:
     """`folder`'s checkpoint (config.json + model.safetensors) as a GGUF at `path`, without a
     tokenizer. `rope_factors=False` leaves a Llama-3 scaling's `rope_freqs` out, as files
     converted before llama.cpp wrote it are. `qtype` quantizes the matrices (experts too,
     each a `[experts, rows, cols]` tensor a layer, as llama.cpp stacks them; the router and
-    the norms stay float32)."""
+    the norms stay float32). `qtype_of` gives tensors whose GGUF name holds a key that
+    key's type instead (a Q4_K_M file's Q6_K `attn_v` beside Q4_K queries)."""
     config = json.loads((folder / "config.json").read_text())
     rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     config["rope_theta"] = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
@@ -145,8 +147,9 @@ def write_hf_as_gguf(
     for name, by_index in experts.items():
         tensors[name] = np.stack([by_index[e] for e in sorted(by_index)])
     for name, array in tensors.items():
-        if qtype is not None and array.ndim >= 2 and "ffn_gate_inp" not in name:
-            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        kind = next((t for key, t in (qtype_of or {}).items() if key in name), qtype)
+        if kind is not None and array.ndim >= 2 and "ffn_gate_inp" not in name:
+            writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
         else:
             writer.add_tensor(name, array)
     writer.write_header_to_file()

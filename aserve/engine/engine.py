@@ -48,6 +48,7 @@ from aserve.layers.cpu_gemm import return_freed_memory
 from aserve.layers.fused import fused_ops
 from aserve.layers.linear import pack_linear_weights, use_one_row_kernel
 from aserve.layers.moe import QuantizedExperts
+from aserve.models.cpu_decode import use_decode_stacks
 from aserve.models.decoder import use_fp8_activations
 from aserve.models.registry import build_model
 from aserve.models.weights import fill_dummy_weights, iter_weights, torch_dtype
@@ -194,6 +195,8 @@ class Engine:
         if self.device.type == "cpu":
             pack_linear_weights(self.model)
             self.model.pack_lm_head(None if config.dummy_weight else model_dir)
+            if self.cpu_kernels:
+                use_decode_stacks(self.model)
             return_freed_memory()
         self.load_seconds = time.perf_counter() - started
         self.weight_bytes = weight_bytes(self.model)

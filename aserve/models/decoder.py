@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -30,6 +31,9 @@ from aserve.layers.weight import WeightSource
 from aserve.models.weights import map_checkpoint_tensor
 from aserve.quant.fp8 import Fp8Activations
 from aserve.quant.native import Scratch
+
+if TYPE_CHECKING:
+    from aserve.models.cpu_decode import DecodeStack
 
 
 class DecoderAttention(nn.Module):
@@ -227,16 +231,22 @@ class DecoderModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.tp = tp
+        # The layers in C++ for CPU decode steps (models/cpu_decode.py), set after loading.
+        self.decode_stack: DecodeStack | None = None
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         hidden = self.embed_tokens(batch.input_ids)
-        residual = None
-        positions = batch.positions  # one tensor for all layers: rope looks its tables up once
-        middle = len(self.layers) // 2
-        for i, layer in enumerate(self.layers):
-            if i == middle and batch.halfway is not None:
-                batch.halfway.record()
-            hidden, residual = layer(positions, hidden, residual, batch, attn)
+        residual: torch.Tensor | None = None
+        if self.decode_stack is not None and self.decode_stack.takes(batch, attn):
+            hidden, residual = self.decode_stack.run(hidden, batch, attn)
+        else:
+            positions = batch.positions  # one tensor for all layers: rope looks tables up once
+            middle = len(self.layers) // 2
+            for i, layer in enumerate(self.layers):
+                if i == middle and batch.halfway is not None:
+                    batch.halfway.record()
+                hidden, residual = layer(positions, hidden, residual, batch, attn)
+        assert residual is not None
         hidden, _ = self.norm.add_and_norm(hidden, residual, self.tp)
         return hidden
 

@@ -45,7 +45,8 @@ from aserve.quant.codes import Codes, ScaleSteps, groups_of_at_most_32
 logger = logging.getLogger(__name__)
 
 SOURCES = [
-    Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.cpp", "cpu_attention.cpp")
+    Path(__file__).parent / "csrc" / name
+    for name in ("cpu_kernels.cpp", "cpu_attention.cpp", "cpu_decode.cpp")
 ]
 LANES = 8  # output features per panel: one AVX2 register of float32
 BLAS_ROWS = 128

@@ -1,0 +1,110 @@
+"""The decode step's layers in C++ (models/cpu_decode.py) against the modules they replace:
+the same bits, for each family the stack takes, in batches, and not taken where a layer is
+not the kernels' whole."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import pytest
+
+from aserve import LLM, SamplingParams
+from aserve.models.cpu_decode import DecodeStack
+from tests.gguf_files import write_hf_as_gguf
+from tests.test_gguf_models import MOE_LAYERS
+from tests.test_quant import needs_kernels
+from tests.tiny_models import make_tiny_model
+
+pytestmark = needs_kernels
+
+Q8_0, Q4_0 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0
+
+PROMPTS = [[5, 17, 33, 9], list(range(3, 40, 2)), [250, 4, 4, 4, 61, 7, 300], [11]]
+"""Four requests of different lengths, decoded together: rows of different contexts."""
+
+NO_PREFIX_CACHE = {"page_size": 4, "cache_type": "naive"}
+"""The second pass would find its prompts cached, and a cached prefix's attention differs
+from an uncached one in last bits (prefill's SDPA): both passes prefill alike instead."""
+
+
+@pytest.fixture(autouse=True)
+def conversions_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASERVE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def decode_both_ways(llm: LLM) -> tuple[list, list, int]:
+    """Greedy tokens and logprobs of PROMPTS with the stack, then with the modules; and how
+    many steps the stack ran."""
+    decoder = llm.runtime.engine.model.model
+    stack = decoder.decode_stack
+    assert isinstance(stack, DecodeStack)
+    runs = 0
+    run = stack.run
+
+    def counted(*args: object) -> object:
+        nonlocal runs
+        runs += 1
+        return run(*args)
+
+    stack.run = counted  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=True)
+    results = []
+    for use_stack in (True, False):
+        decoder.decode_stack = stack if use_stack else None
+        outputs = llm.generate(PROMPTS, params)
+        results.append([(o.token_ids, [t.logprob for t in o.logprobs]) for o in outputs])
+    decoder.decode_stack = stack
+    return results[0], results[1], runs
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe"])
+def test_stack_gives_the_modules_bits(family: str, tmp_path: Path) -> None:
+    """Llama's Q4_0 value projection beside its Q8_0 queries and keys makes Q|K|V two
+    products joined; Qwen2 adds their bias, Qwen3 its Q/K norms, Qwen3-MoE its experts. The
+    float32 cache keeps a float16 rounding out of what is compared (both ways would share
+    it)."""
+    overrides = MOE_LAYERS if family == "qwen3_moe" else None
+    folder = make_tiny_model(family, tmp_path / family, overrides=overrides)
+    mixed = {"attn_v": Q4_0} if family == "llama" else None
+    model = write_hf_as_gguf(folder, tmp_path / f"{family}.gguf", qtype=Q8_0, qtype_of=mixed)
+    with LLM(str(model), kv_cache_dtype="float32", **NO_PREFIX_CACHE) as llm:
+        if family == "llama":
+            qkv = llm.runtime.engine.model.model.layers[0].self_attn.qkv_proj.quantized
+            assert len(qkv.products) == 2
+        stacked, modules, runs = decode_both_ways(llm)
+    assert runs == 11  # every decode step after the prefill
+    assert stacked == modules
+
+
+def test_stack_over_a_float16_cache(tmp_path: Path) -> None:
+    """A quantized model's default cache on CPU: float16 K/V written and read by the stack's
+    ops as by the modules'."""
+    folder = make_tiny_model("qwen3", tmp_path / "qwen3")
+    model = write_hf_as_gguf(folder, tmp_path / "qwen3.gguf", qtype=Q4_0)
+    with LLM(str(model), **NO_PREFIX_CACHE) as llm:
+        stacked, modules, runs = decode_both_ways(llm)
+    assert runs == 11
+    assert stacked == modules
+
+
+def test_load_time_quantization_takes_the_stack(tmp_path: Path) -> None:
+    """`--quantization int4` of a float checkpoint packs the same kernel weights."""
+    folder = make_tiny_model("llama", tmp_path / "llama")
+    with LLM(str(folder), quantization="int4", **NO_PREFIX_CACHE) as llm:
+        stacked, modules, runs = decode_both_ways(llm)
+    assert runs == 11
+    assert stacked == modules
+
+
+def test_no_stack_where_a_layer_is_not_the_kernels(tmp_path: Path) -> None:
+    """A float model runs its modules; so does a file whose projections stay float."""
+    folder = make_tiny_model("llama", tmp_path / "llama")
+    with LLM(str(folder), page_size=4) as llm:
+        assert llm.runtime.engine.model.model.decode_stack is None
+    model = write_hf_as_gguf(folder, tmp_path / "mixed.gguf", qtype=Q8_0, qtype_of={})
+    float_down = write_hf_as_gguf(folder, tmp_path / "f32.gguf")
+    with LLM(str(model), page_size=4) as llm:
+        assert llm.runtime.engine.model.model.decode_stack is not None
+    with LLM(str(float_down), page_size=4) as llm:
+        assert llm.runtime.engine.model.model.decode_stack is None
