@@ -6,10 +6,13 @@ import pytest
 import torch
 
 from aserve.engine.sampler import (
+    TOP_P_PREFIXES,
     SampleOutput,
     Sampler,
     SamplingBatch,
+    _top_p_among_largest,
     apply_penalties,
+    filter_top_k_top_p_min_p,
     row_argmax,
     seeded_exponential_noise,
 )
@@ -185,8 +188,10 @@ def test_top_p_applies_to_the_top_k_mass() -> None:
         SamplingParams(temperature=0.7, top_k=8, top_p=0.8, min_p=0.05),
     ],
 )
-def test_filters_never_pick_outside_the_allowed_set(params: SamplingParams) -> None:
-    rows, vocab = 400, 64
+@pytest.mark.parametrize("vocab", [64, 2048])
+def test_filters_never_pick_outside_the_allowed_set(params: SamplingParams, vocab: int) -> None:
+    """At 2,048 tokens top-p takes the CPU's path among the largest probabilities."""
+    rows = 400
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(3)) * 2
     probs = torch.softmax(logits / params.temperature, dim=-1)
     allowed = torch.ones_like(probs, dtype=torch.bool)
@@ -524,3 +529,42 @@ def test_row_argmax_is_argmax(vocab: int) -> None:
     ties[4, vocab // 2] = ties[4, -1] = float("nan")
     for scores in (spread, ties, ties[:, :-3]):
         assert torch.equal(row_argmax(scores), scores.argmax(dim=-1))
+
+
+def sorted_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-p by a full sort, the row's mass summed in vocabulary order as the CPU path sums it."""
+    ranked, order = probs.sort(dim=-1, descending=True)
+    before = ranked.cumsum(dim=-1) - ranked
+    inside = before < (top_p * probs.sum(dim=-1))[:, None]
+    return probs * torch.zeros_like(inside).scatter(1, order, inside)
+
+
+@pytest.mark.parametrize("temperature", [0.2, 0.7, 1.0])
+def test_top_p_among_the_largest_is_the_sorted_cut(temperature: float) -> None:
+    """The CPU path's cut, from the `TOP_P_PREFIXES` largest, is the full sort's; rows with
+    top_p 1 in the batch keep every token."""
+    rows, vocab = 48, 8192
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(5)) * 3
+    probs = torch.softmax(logits / temperature, dim=-1)
+    top_p = torch.tensor([[0.5, 0.9, 0.95, 1.0][i % 4] for i in range(rows)])
+    cut = _top_p_among_largest(probs, top_p)
+    assert cut is not None
+    sampled = top_p < 1.0
+    assert torch.equal(cut[sampled], sorted_top_p(probs, top_p)[sampled])
+    assert torch.equal(cut[~sampled], probs[~sampled])
+    assert (cut[sampled] == 0).sum(dim=-1).min() > 0  # the cut drops something in each row
+
+
+def test_top_p_sorts_a_row_whose_mass_is_spread() -> None:
+    """A near-uniform row holds 0.99 of its mass only past the largest prefix: the CPU path
+    gives up and the filter sorts, with the same cut."""
+    vocab = 2 * TOP_P_PREFIXES[-1]
+    probs = torch.softmax(
+        torch.randn(2, vocab, generator=torch.Generator().manual_seed(1)) * 0.01, -1
+    )
+    top_p = torch.tensor([0.99, 0.99])
+    assert _top_p_among_largest(probs, top_p) is None
+    batch = make_batch([SamplingParams(temperature=1.0, top_p=0.99)] * 2, vocab)
+    kept = filter_top_k_top_p_min_p(probs, batch)
+    dropped = (kept == 0).sum(dim=-1)
+    assert (dropped > 0).all() and (dropped < vocab // 10).all()

@@ -15,6 +15,7 @@ themselves when no top-k / top-p / min-p asks for the probabilities.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from itertools import chain
@@ -59,10 +60,17 @@ def step_keys(seed_keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     return _mix32(seed_keys ^ (steps & _MASK32))
 
 
+@functools.cache
+def _token_hashes(vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Each token id's own hash, the same at every step: kept, where recomputing it took 0.1
+    ms of a CPU draw over 49,152 tokens."""
+    return _mix32(torch.arange(vocab_size, device=device) ^ _TOKEN_SALT)
+
+
 def seeded_exponential_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Exp(1) noise [B, V] from the row keys: u is an odd 24-bit integer over 2**24, exact in
     float32 and strictly inside (0, 1), so the noise is finite and positive."""
-    tokens = _mix32(torch.arange(vocab_size, device=keys.device) ^ _TOKEN_SALT)
+    tokens = _token_hashes(vocab_size, keys.device)
     odd = (_mix32(keys[:, None] ^ tokens[None, :]) >> 8) | 1
     return torch.log(odd.float() * 2.0**-24).neg_()
 
@@ -150,8 +158,9 @@ class SamplingBatch:
     """Per-row sampling parameters as tensors, plus host flags that keep cheap paths cheap.
 
     Greedy rows carry temperature 1 so that no row divides by zero; top_k 0 means no cut.
-    The token-count tensors exist only when some row has a penalty, `bias` only when some row
-    has a logit bias or a `min_tokens` still to reach (`any_min_tokens`: it changes by step).
+    `seen` exists only when some row has a repetition penalty, `output_counts` only when one
+    has a frequency or presence penalty, `bias` only when some row has a logit bias or a
+    `min_tokens` still to reach (`any_min_tokens`: it changes by step).
     """
 
     temperature: torch.Tensor
@@ -209,11 +218,13 @@ class SamplingBatch:
         packed = torch.stack(ints).to(device, non_blocking=True)
         any_penalties = bool(penalties.any())
         seen = output_counts = None
-        if any_penalties:
-            rows = list(zip(params, prompt_ids, output_ids, strict=True))
+        if (rep != 1.0).any():
+            rows = zip(params, prompt_ids, output_ids, strict=True)
             repeated = [ids + out if p.repetition_penalty != 1.0 else [] for p, ids, out in rows]
-            generated = [out if p.has_penalties else [] for p, _, out in rows]
             seen = _token_counts(repeated, vocab_size, device).bool()
+        if (freq != 0.0).any() or (pres != 0.0).any():
+            counted = (p.frequency_penalty or p.presence_penalty for p in params)
+            generated = [out if count else [] for count, out in zip(counted, output_ids)]
             output_counts = _token_counts(generated, vocab_size, device)
         short = [p.min_tokens > step for p, step in zip(params, steps, strict=True)]
         temperature_t, top_p_t, min_p_t, rep_t, freq_t, pres_t = floats.unbind(0)
@@ -311,12 +322,15 @@ def score_prompt(logits: torch.Tensor, scoring: PromptScoring) -> dict[str, torc
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Repetition penalty as Hugging Face / vLLM (prompt and output tokens), then OpenAI's
-    frequency and presence penalties (output tokens only). Returns a new tensor."""
-    assert batch.seen is not None and batch.output_counts is not None
-    rep = batch.repetition_penalty[:, None]
-    penalised = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(batch.seen, penalised, logits)
+    frequency and presence penalties (output tokens only); each only where some row asks for
+    it (the others' terms leave a logit as it is). Returns a new tensor."""
+    if batch.seen is not None:
+        rep = batch.repetition_penalty[:, None]
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(batch.seen, penalised, logits)
     counts = batch.output_counts
+    if counts is None:
+        return logits
     return (
         logits
         - batch.frequency_penalty[:, None] * counts
@@ -335,16 +349,46 @@ def filter_top_k_top_p_min_p(probs: torch.Tensor, batch: SamplingBatch) -> torch
         threshold = torch.where(batch.top_k[:, None] > 0, kth.gather(1, index), 0.0)
         probs = probs.masked_fill(probs < threshold, 0.0)
     if batch.any_top_p:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        limit = (batch.top_p * sorted_probs.sum(dim=-1))[:, None]
-        keep_sorted = mass_before < limit
-        keep = torch.empty_like(keep_sorted).scatter_(1, order, keep_sorted)
-        probs = probs.masked_fill(~keep, 0.0)
+        cut = _top_p_among_largest(probs, batch.top_p) if probs.device.type == "cpu" else None
+        if cut is None:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            limit = (batch.top_p * sorted_probs.sum(dim=-1))[:, None]
+            keep_sorted = mass_before < limit
+            keep = torch.empty_like(keep_sorted).scatter_(1, order, keep_sorted)
+            cut = probs.masked_fill(~keep, 0.0)
+        probs = cut
     if batch.any_min_p:
         floor = batch.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
         probs = probs.masked_fill(probs < floor, 0.0)
     return probs
+
+
+TOP_P_PREFIXES = (256, 4096)
+"""How many of a row's largest probabilities top-p looks among on CPU before it sorts the
+row: a sort of 49,152 took 3.0 ms on a 2-core Zen 5, 3 ms of every sampled token of the
+embedded model, where the 256 largest took 0.07 (`topk`)."""
+
+
+def _top_p_among_largest(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
+    """Top-p from each row's `TOP_P_PREFIXES` largest probabilities, in descending order as
+    the sort would give them, once those hold every row's mass (`top_p` times the row's sum,
+    summed in vocabulary order: the sort's sum up to rounding); None where a row needs more
+    (a flat distribution): the caller sorts. Rows with top_p 1 keep every token (a batch's
+    other rows asked for top-p). CPU only: checking the mass reads it on the host."""
+    vocab = probs.shape[-1]
+    limit = (top_p * probs.sum(dim=-1))[:, None]
+    whole = (top_p >= 1.0)[:, None]
+    for count in TOP_P_PREFIXES:
+        if count >= vocab:
+            return None
+        largest, order = probs.topk(count, dim=-1)
+        mass = largest.cumsum(dim=-1)
+        if not bool(((mass[:, -1:] >= limit) | whole).all()):
+            continue
+        kept = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, order, mass - largest < limit)
+        return probs.masked_fill(~(kept | whole), 0.0)
+    return None
 
 
 Race = Callable[
