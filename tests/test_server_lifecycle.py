@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,6 +23,7 @@ import aiohttp
 import orjson
 import pytest
 
+from aserve.runtime import Runtime
 from tests.server_utils import ServerProcess
 from tests.test_server import get, post, run
 
@@ -336,6 +338,32 @@ async def in_process_server(model_dir: Path) -> AsyncIterator[tuple[Any, str]]:
     finally:
         await test_server.close()
         await server.drain(1.0)
+
+
+def test_the_model_loads_on_a_thread_that_ends_with_the_load(
+    smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A thread that ran torch's parallel loading keeps an OpenMP team; alive beside the
+    scheduler's, it made every CPU decode step wait on sleeping threads (Server.load)."""
+    import aserve.server.app as app
+
+    loaders: list[threading.Thread] = []
+
+    def recorded(config: Any) -> Any:
+        loaders.append(threading.current_thread())
+        return Runtime(config)
+
+    monkeypatch.setattr(app, "Runtime", recorded)
+
+    async def scenario() -> bool:
+        async with in_process_server(smollm2_dir) as (_, base):
+            status, _ = await post(base + "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+            assert status == 200
+            return loaders[0].is_alive()
+
+    alive_while_serving = run(scenario())
+    assert len(loaders) == 1 and loaders[0] is not threading.main_thread()
+    assert not alive_while_serving
 
 
 def test_internal_fault_fails_only_that_request(smollm2_dir: Path) -> None:
