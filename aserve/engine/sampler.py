@@ -2,7 +2,8 @@
 
 Sampling never syncs with the host: every per-row choice (greedy or not, top-k, top-p, min-p,
 penalties) is a tensor built once per batch, and the only Python branches test flags that
-`SamplingBatch.build` computed from the parameters, never tensor values.
+`SamplingBatch.build` computed from the parameters, never tensor values. (On CPU, where there
+is no device to wait for, top-p reads whether a prefix of the sorted row suffices.)
 
 Every draw is an exponential race, an exact sample of the filtered distribution: an integer
 hash of (request seed, step, token id) gives each candidate token a uniform number u, and the
@@ -224,7 +225,7 @@ class SamplingBatch:
             seen = _token_counts(repeated, vocab_size, device).bool()
         if (freq != 0.0).any() or (pres != 0.0).any():
             counted = (p.frequency_penalty or p.presence_penalty for p in params)
-            generated = [out if count else [] for count, out in zip(counted, output_ids)]
+            generated = [out if n else [] for n, out in zip(counted, output_ids, strict=True)]
             output_counts = _token_counts(generated, vocab_size, device)
         short = [p.min_tokens > step for p, step in zip(params, steps, strict=True)]
         temperature_t, top_p_t, min_p_t, rep_t, freq_t, pres_t = floats.unbind(0)
