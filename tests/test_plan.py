@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from aserve.config import SchedulerConfig
+from aserve.engine.sampler import SamplingBatch
 from aserve.engine.step import forward_batch
 from aserve.forward import ForwardMode
 from aserve.kvcache.pages import PageAllocator, PageTable
@@ -170,8 +171,8 @@ def decode_batch(reqs: list[Req]) -> ScheduledBatch:
 
 def test_sampling_batch_is_reused_only_while_nothing_in_it_changes() -> None:
     """The same requests in the same order keep their packed parameters and get only new
-    steps (the hash keys follow each request's output length); another order, a row with
-    penalties (counts that change each step) or one short of its min_tokens packs afresh."""
+    steps (the hash keys follow each request's output length), penalties' token counts
+    the tokens sampled since; another order or a row short of its min_tokens packs afresh."""
     batches = SamplingBatches(
         vocab_size=100, device=torch.device("cpu"), eos_token_ids=frozenset({2})
     )
@@ -188,9 +189,31 @@ def test_sampling_batch_is_reused_only_while_nothing_in_it_changes() -> None:
     assert reordered.temperature is not first.temperature
     penalised = make_req(6, 4)
     penalised.params = SamplingParams(max_tokens=50, presence_penalty=0.5)
-    reqs = [*plain, penalised]
+    repeated = make_req(8, 4)
+    repeated.params = SamplingParams(max_tokens=50, repetition_penalty=1.3)
+    reqs = [*plain, penalised, repeated]
     step = batches.build(decode_batch(reqs))
-    assert batches.build(decode_batch(reqs)).temperature is not step.temperature
+    for tokens in ([7, 9, 9, 11, 12], [7, 9, 13, 13, 13]):  # two steps' tokens, a row each
+        for r, token in zip(reqs, tokens):
+            r.output_ids.append(token)
+        again = batches.build(decode_batch(reqs))
+        assert again.temperature is step.temperature  # reused, the counts updated in place
+        fresh = SamplingBatch.build(
+            [r.params for r in reqs],
+            [r.seed for r in reqs],
+            [len(r.output_ids) for r in reqs],
+            [r.prompt_ids for r in reqs],
+            [r.output_ids for r in reqs],
+            100,
+            torch.device("cpu"),
+        )
+        assert again.seen is not None and fresh.seen is not None
+        assert again.output_counts is not None and fresh.output_counts is not None
+        assert torch.equal(again.seen, fresh.seen)
+        assert torch.equal(again.output_counts, fresh.output_counts)
+    assert again.output_counts[3, [11, 13]].tolist() == [1, 1]  # the presence-penalty row
+    assert again.output_counts[4].sum() == 0 and not again.seen[3].any()
+    assert again.seen[4, [12, 13]].all()  # the repetition-penalty row: prompt and outputs
     held = make_req(7, 4)
     held.params = SamplingParams(max_tokens=50, min_tokens=2, logit_bias={5: 1.5})
     reqs = [*plain, held]

@@ -600,7 +600,8 @@ def test_flush_cache_empties_the_prefix_cache_only_when_idle(server: ServerProce
     assert cached_tokens() == before  # gone: computed again
 
     async def flush_while_busy() -> tuple[int, Any]:
-        long = {"prompt": "Count:", "max_tokens": 300, "ignore_eos": True}
+        # still running at the flush: 1,000 tokens take ~4 s at ~4 ms a token
+        long = {"prompt": "Count:", "max_tokens": 1000, "ignore_eos": True}
         running = asyncio.create_task(post(url, long))
         await asyncio.sleep(0.5)
         refused = await post(server.base_url + "/flush_cache", b"")

@@ -144,7 +144,9 @@ def test_api_key_queue_limit_and_stream_interval(smollm2_dir: Path) -> None:
         assert per_event == [1, 3, 3, 3]
 
         async def overload() -> list[tuple[int, str | None]]:
-            long = {"messages": HELLO, "max_tokens": 60, "ignore_eos": True}
+            # long enough that the first still runs when the third arrives (at ~4 ms a token
+            # on a 2-core box, 60 tokens had ended by then)
+            long = {"messages": HELLO, "max_tokens": 300, "ignore_eos": True}
             async with aiohttp.ClientSession(headers=auth) as session:
 
                 async def one(delay: float) -> tuple[int, str | None]:
@@ -153,7 +155,7 @@ def test_api_key_queue_limit_and_stream_interval(smollm2_dir: Path) -> None:
                         await response.read()
                         return response.status, response.headers.get("Retry-After")
 
-                return list(await asyncio.gather(one(0), one(0.3), one(0.6)))
+                return list(await asyncio.gather(one(0), one(0.1), one(0.2)))
 
         results = run(overload())
         assert sorted(s for s, _ in results) == [200, 200, 503]

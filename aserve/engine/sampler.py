@@ -98,15 +98,25 @@ def row_argmax(scores: torch.Tensor) -> torch.Tensor:
     return start + scores.gather(1, columns).argmax(dim=-1)
 
 
-def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """Per-row occurrence counts [B, V] float32, scattered on the device from a flat index."""
+def _flat_ids(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Row i's ids as indices into a flattened [B, V] table, on the device."""
     lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
     row_of = torch.repeat_interleave(torch.arange(len(rows)), lengths)
     ids = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
-    flat = (row_of * vocab_size + torch.from_numpy(ids)).to(device, non_blocking=True)
-    counts = torch.zeros(len(rows) * vocab_size, dtype=torch.float32, device=device)
-    counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
-    return counts.view(len(rows), vocab_size)
+    return (row_of * vocab_size + torch.from_numpy(ids)).to(device, non_blocking=True)
+
+
+def _count_into(counts: torch.Tensor, rows: list[list[int]]) -> None:
+    """Add row i's ids to row i of the float32 counts [B, V], in place."""
+    flat = _flat_ids(rows, counts.shape[1], counts.device)
+    counts.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
+
+
+def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Per-row occurrence counts [B, V] float32, scattered on the device from a flat index."""
+    counts = torch.zeros(len(rows), vocab_size, dtype=torch.float32, device=device)
+    _count_into(counts, rows)
+    return counts
 
 
 class TokenBias(NamedTuple):
@@ -253,6 +263,26 @@ class SamplingBatch:
             want_logprobs=bool(logprobs.any()),
             max_top_logprobs=int(top_logprobs.max(initial=0)),
         )
+
+    def count_new_tokens(self, new_ids: list[list[int]], params: list[SamplingParams]) -> None:
+        """Each row's tokens sampled since the batch was built, added in place to `seen` (rows
+        with a repetition penalty) and `output_counts` (rows with a frequency or presence
+        penalty): the tables `build` would make from the longer histories, without reading
+        whole histories each step (256 requests of 1,200 tokens and a 151,936-token
+        vocabulary: 95 ms a step on CPU tensors)."""
+        if self.seen is not None:
+            repeated = [
+                ids if p.repetition_penalty != 1.0 else []
+                for p, ids in zip(params, new_ids, strict=True)
+            ]
+            flat = _flat_ids(repeated, self.seen.shape[1], self.seen.device)
+            self.seen.view(-1)[flat] = True
+        if self.output_counts is not None:
+            counted = (p.frequency_penalty or p.presence_penalty for p in params)
+            _count_into(
+                self.output_counts,
+                [ids if n else [] for n, ids in zip(counted, new_ids, strict=True)],
+            )
 
     def at_steps(self, steps: list[int]) -> SamplingBatch:
         """The same rows at other steps: what a steady decode step needs, one small copy."""

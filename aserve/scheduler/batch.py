@@ -55,9 +55,9 @@ def prompt_scoring(planned: ScheduledBatch, device: torch.device) -> PromptScori
 
 class SamplingBatches:
     """Builds each step's SamplingBatch. A step that runs the same requests in the same order
-    as the last one, none with penalties (they count the tokens so far) or short of its
-    min_tokens, reuses its packed parameters and copies only the rows' steps, which the hash
-    keys follow. Steady decode is such a step."""
+    as the last one, none short of its min_tokens, reuses its packed parameters and copies
+    only the rows' steps, which the hash keys follow; penalties' token counts take the
+    tokens sampled since, in place. Steady decode is such a step."""
 
     def __init__(
         self, vocab_size: int, device: torch.device, eos_token_ids: frozenset[int]
@@ -67,13 +67,21 @@ class SamplingBatches:
         self.eos_token_ids = eos_token_ids
         self._last_rids: tuple[int, ...] = ()
         self._last: SamplingBatch | None = None
+        self._last_steps: list[int] = []
 
     def build(self, planned: ScheduledBatch) -> SamplingBatch:
         reqs = planned.reqs
         rids = tuple(r.rid for r in reqs)
         steps = [len(r.output_ids) for r in reqs]
-        if self._last is not None and rids == self._last_rids:
-            return self._last.at_steps(steps)
+        last = self._last
+        if last is not None and rids == self._last_rids:
+            grown = all(n >= m for n, m in zip(steps, self._last_steps, strict=True))
+            if grown:
+                if last.any_penalties:
+                    new_ids = [r.output_ids[m:] for r, m in zip(reqs, self._last_steps)]
+                    last.count_new_tokens(new_ids, [r.params for r in reqs])
+                self._last_steps = steps
+                return last.at_steps(steps)
         batch = SamplingBatch.build(
             params=[r.params for r in reqs],
             seeds=[r.seed for r in reqs],
@@ -84,6 +92,7 @@ class SamplingBatches:
             device=self.device,
             eos_token_ids=self.eos_token_ids,
         )
-        reusable = not batch.any_penalties and not batch.any_min_tokens
+        reusable = not batch.any_min_tokens
         self._last, self._last_rids = (batch, rids) if reusable else (None, ())
+        self._last_steps = steps
         return batch
