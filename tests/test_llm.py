@@ -66,6 +66,37 @@ def test_presence_and_frequency_penalties_stop_repetition(
         assert repeats < sum(len(t) - len(set(t)) for t in plain), field
 
 
+def test_penalty_counts_kept_between_steps_sample_as_rebuilt_ones(
+    make_llm: Callable[..., LLM], tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sampling batches with penalties are reused, their counts updated in place
+    (scheduler/batch.py): the same tokens as packing every step afresh, with rows of
+    different lengths leaving the batch and the three penalties mixed across rows."""
+    from aserve.scheduler.batch import SamplingBatches
+
+    llm = make_llm(tiny)
+    params = [
+        SamplingParams(
+            temperature=0.9, seed=1, max_tokens=20, repetition_penalty=1.3, ignore_eos=True
+        ),
+        SamplingParams(
+            temperature=0.9, seed=2, max_tokens=12, frequency_penalty=0.7, ignore_eos=True
+        ),
+        SamplingParams(temperature=0.0, max_tokens=16, presence_penalty=0.5, ignore_eos=True),
+    ]
+    build = SamplingBatches.build
+
+    def afresh(self: SamplingBatches, planned: Any) -> Any:
+        self._last = None
+        return build(self, planned)
+
+    kept = [out.token_ids for out in llm.generate(PROMPTS, params)]
+    monkeypatch.setattr(SamplingBatches, "build", afresh)
+    rebuilt = [out.token_ids for out in llm.generate(PROMPTS, params)]
+    assert kept == rebuilt
+    assert [len(t) for t in kept] == [20, 12, 16]
+
+
 def test_repetition_penalty_avoids_prompt_tokens(make_llm: Callable[..., LLM], tiny: Path) -> None:
     llm = make_llm(tiny)
     base = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
