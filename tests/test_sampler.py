@@ -568,3 +568,30 @@ def test_top_p_sorts_a_row_whose_mass_is_spread() -> None:
     kept = filter_top_k_top_p_min_p(probs, batch)
     dropped = (kept == 0).sum(dim=-1)
     assert (dropped > 0).all() and (dropped < vocab // 10).all()
+
+
+def test_top_p_within_top_k_is_the_sorted_cut() -> None:
+    """Where every row with top-p has a top-k, the cut comes from `topk`'s sorted values
+    (no sort of the vocabulary, on CUDA too): the same probabilities as masking to the top-k
+    and sorting the row; rows without top-p keep their top-k."""
+    rows, vocab = 32, 4096
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(9)) * 2
+    params = [
+        SamplingParams(
+            temperature=0.8, top_k=[20, 5, 200, 64][i % 4], top_p=[0.8, 0.95, 1.0][i % 3]
+        )
+        for i in range(rows)
+    ]
+    batch = make_batch(params, vocab)
+    assert batch.top_p_within_top_k
+    probs = torch.softmax(logits / 0.8, dim=-1)
+    cut = filter_top_k_top_p_min_p(probs, batch)
+    k = torch.tensor([p.top_k for p in params])[:, None]
+    kth = probs.topk(200, dim=-1).values.gather(1, k - 1)
+    masked = probs.masked_fill(probs < kth, 0.0)
+    top_p = torch.tensor([p.top_p for p in params])
+    expected = torch.where(top_p[:, None] < 1.0, sorted_top_p(masked, top_p), masked)
+    assert torch.equal(cut, expected)
+    assert ((cut > 0).sum(dim=-1) <= k[:, 0]).all()
+    mixed = make_batch([SamplingParams(top_p=0.9), SamplingParams(top_k=5, top_p=0.9)], vocab)
+    assert not mixed.top_p_within_top_k  # a row with top-p and no top-k: the sort
