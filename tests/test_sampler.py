@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -595,3 +596,51 @@ def test_top_p_within_top_k_is_the_sorted_cut() -> None:
     assert ((cut > 0).sum(dim=-1) <= k[:, 0]).all()
     mixed = make_batch([SamplingParams(top_p=0.9), SamplingParams(top_k=5, top_p=0.9)], vocab)
     assert not mixed.top_p_within_top_k  # a row with top-p and no top-k: the sort
+
+
+def cards(rows: int) -> list[SamplingParams]:
+    """Rows that each carry a top-k, as model cards do, with top-p and min-p mixed in."""
+    return [
+        SamplingParams(
+            temperature=[0.3, 0.7, 1.0, 1.5][i % 4],
+            top_k=[20, 50, 5, 200][i % 4],
+            top_p=[0.8, 0.95, 1.0][i % 3],
+            min_p=[0.0, 0.05][i % 2],
+            seed=i,
+        )
+        for i in range(rows)
+    ]
+
+
+def test_race_among_the_top_k_picks_the_whole_rows_winner() -> None:
+    """Where every sampled row has a top-k, the race runs on each row's k largest scores:
+    the tokens of racing the whole row (here on every one of 512 rows)."""
+    rows, vocab = 512, 32000
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(3)) * 3
+    batch = make_batch(
+        cards(rows), vocab, seeds=list(range(rows)), steps=[i % 7 for i in range(rows)]
+    )
+    assert batch.sampled_within_top_k
+    among_top_k = Sampler().sample(logits, batch).next_ids
+    whole_rows = Sampler().sample(logits, replace(batch, sampled_within_top_k=False)).next_ids
+    assert torch.equal(among_top_k, whole_rows)
+    mixed = make_batch([SamplingParams(temperature=0.7), SamplingParams(top_k=5)], vocab)
+    assert not mixed.sampled_within_top_k  # a sampled row without a top-k races its whole row
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_race_among_the_top_k_on_cuda_matches_cpu() -> None:
+    rows, vocab = 256, 151936
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(4)) * 3
+    steps = [i % 5 for i in range(rows)]
+    cpu = Sampler().sample(logits, make_batch(cards(rows), vocab, steps=steps)).next_ids
+    cuda = torch.device("cuda")
+    batch = make_batch(cards(rows), vocab, steps=steps, device=cuda)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        gpu = race_sampler().sample(logits.to(cuda), batch).next_ids
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(gpu.cpu(), cpu)

@@ -68,11 +68,15 @@ def _token_hashes(vocab_size: int, device: torch.device) -> torch.Tensor:
     return _mix32(torch.arange(vocab_size, device=device) ^ _TOKEN_SALT)
 
 
-def seeded_exponential_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def seeded_exponential_noise(
+    keys: torch.Tensor, vocab_size: int, ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """Exp(1) noise [B, V] from the row keys: u is an odd 24-bit integer over 2**24, exact in
-    float32 and strictly inside (0, 1), so the noise is finite and positive."""
+    float32 and strictly inside (0, 1), so the noise is finite and positive. With `ids`
+    [B, N], the same noise at those tokens of each row only."""
     tokens = _token_hashes(vocab_size, keys.device)
-    odd = (_mix32(keys[:, None] ^ tokens[None, :]) >> 8) | 1
+    tokens = tokens[None, :] if ids is None else tokens[ids]
+    odd = (_mix32(keys[:, None] ^ tokens) >> 8) | 1
     return torch.log(odd.float() * 2.0**-24).neg_()
 
 
@@ -192,6 +196,7 @@ class SamplingBatch:
     max_top_k: int
     any_top_p: bool
     top_p_within_top_k: bool
+    sampled_within_top_k: bool
     any_min_p: bool
     any_penalties: bool
     any_min_tokens: bool
@@ -259,6 +264,7 @@ class SamplingBatch:
             max_top_k=int(top_k.max(initial=0)),
             any_top_p=bool((top_p < 1.0).any()),
             top_p_within_top_k=bool((top_k[top_p < 1.0] > 0).all()),
+            sampled_within_top_k=bool((top_k[greedy == 0] > 0).all()),
             any_min_p=bool((min_p > 0.0).any()),
             any_penalties=any_penalties,
             any_min_tokens=any(short),
@@ -417,6 +423,29 @@ def _top_p_within_top_k(
     return probs.masked_fill(~(kept | (batch.top_p >= 1.0)[:, None]), 0.0)
 
 
+def _race_among_top_k(scores: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The draw where every sampled row has a top-k (`sampled_within_top_k`, the usual model
+    card): only a row's k largest scores can win, so the softmax, the filters and the race
+    run on those k, as probabilities relative to the row's largest (the race does not mind
+    the scale), with the same noise at their token ids. The same winner as racing the whole
+    row, up to rounding; a softmax, a sort and the race's passes over the vocabulary fewer.
+    Greedy rows are drawn with the largest k too (the caller keeps their argmax)."""
+    assert batch.seed_keys is not None and batch.steps is not None
+    largest, ids = scores.topk(batch.max_top_k, dim=-1)
+    ranks = torch.arange(batch.max_top_k, device=scores.device)[None, :]
+    k = torch.where(batch.top_k > 0, batch.top_k, batch.max_top_k)[:, None]
+    logits = (largest.float() / batch.temperature[:, None]).masked_fill(ranks >= k, -torch.inf)
+    probs = torch.exp(logits - logits[:, :1])
+    if batch.any_top_p:
+        mass = probs.cumsum(dim=-1)
+        cut = mass - probs >= batch.top_p[:, None] * mass[:, -1:]
+        probs = probs.masked_fill(cut & (batch.top_p < 1.0)[:, None], 0.0)
+    if batch.any_min_p:
+        probs = probs.masked_fill(probs < batch.min_p[:, None], 0.0)
+    noise = seeded_exponential_noise(batch.keys, scores.shape[-1], ids)
+    return ids.gather(1, (probs / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
+
+
 TOP_P_PREFIXES = (256, 4096)
 """How many of a row's largest probabilities top-p looks among on CPU before it sorts the
 row: a sort of 49,152 took 3.0 ms on a 2-core Zen 5, 3 ms of every sampled token of the
@@ -507,6 +536,8 @@ class Sampler:
         filters the kernel races the logits at each row's temperature (the same winner as
         the probabilities, up to rounding), which spares the softmax's passes."""
         assert batch.seed_keys is not None and batch.steps is not None
+        if batch.sampled_within_top_k:
+            return _race_among_top_k(scores, batch)
         filtered = batch.max_top_k > 0 or batch.any_top_p or batch.any_min_p
         if self.race is not None and not filtered:
             return self.race(scores, batch.seed_keys, batch.steps, batch.temperature)
