@@ -637,10 +637,11 @@ def test_race_among_the_top_k_on_cuda_matches_cpu() -> None:
     cpu = Sampler().sample(logits, make_batch(cards(rows), vocab, steps=steps)).next_ids
     cuda = torch.device("cuda")
     batch = make_batch(cards(rows), vocab, steps=steps, device=cuda)
+    logits_gpu = logits.to(cuda)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        gpu = race_sampler().sample(logits.to(cuda), batch).next_ids
+        gpu = race_sampler().sample(logits_gpu, batch).next_ids
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(gpu.cpu(), cpu)
