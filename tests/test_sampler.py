@@ -645,3 +645,22 @@ def test_race_among_the_top_k_on_cuda_matches_cpu() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(gpu.cpu(), cpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_penalty_counts_follow_new_tokens_on_cuda_without_host_sync() -> None:
+    """The in-place update of a kept batch's counts (scheduler/batch.py) runs behind the step
+    in flight: a blocking copy there would wait for it and undo overlap scheduling."""
+    cuda = torch.device("cuda")
+    params = [SamplingParams(repetition_penalty=1.2), SamplingParams(frequency_penalty=0.5)]
+    batch = make_batch(params, 1000, prompts=[[1, 2], [3]], outputs=[[4], [5]], device=cuda)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        batch.count_new_tokens([[6, 7], [8, 8]], params)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert batch.seen is not None and batch.output_counts is not None
+    assert batch.seen[0, [1, 2, 4, 6, 7]].all() and not batch.seen[1].any()
+    assert batch.output_counts[1, [5, 8]].tolist() == [1.0, 2.0]

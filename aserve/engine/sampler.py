@@ -284,7 +284,9 @@ class SamplingBatch:
                 for p, ids in zip(params, new_ids, strict=True)
             ]
             flat = _flat_ids(repeated, self.seen.shape[1], self.seen.device)
-            self.seen.view(-1)[flat] = True
+            # index_fill_ takes the value as a number: `seen[flat] = True` copied it to the
+            # GPU as a tensor, a blocking copy that waited for the step in flight
+            self.seen.view(-1).index_fill_(0, flat, True)
         if self.output_counts is not None:
             counted = (p.frequency_penalty or p.presence_penalty for p in params)
             _count_into(
