@@ -87,7 +87,7 @@ def test_penalty_counts_kept_between_steps_sample_as_rebuilt_ones(
     build = SamplingBatches.build
 
     def afresh(self: SamplingBatches, planned: Any) -> Any:
-        self._last = None
+        self._last, self._counted = None, None  # nothing kept: every count from the histories
         return build(self, planned)
 
     kept = [out.token_ids for out in llm.generate(PROMPTS, params)]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+
+import pytest
 import torch
 
 from aserve.config import SchedulerConfig
@@ -247,3 +250,51 @@ def test_prefill_stats_count_each_admission_once_under_overlap() -> None:
     planner.launched(second)  # both launched before the first is reported, as with overlap
     assert newly_admitted(first) == [short, long]
     assert newly_admitted(second) == []
+
+
+def test_penalty_counts_follow_requests_across_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches whose requests change (joining, leaving, reordered) pack afresh, but a request
+    of the last step brings its rows of the counts along: every step's tables equal those
+    counted from whole histories."""
+    rng = random.Random(5)
+    batches = SamplingBatches(vocab_size=50, device=torch.device("cpu"), eos_token_ids=frozenset())
+    carried = 0
+    carry = SamplingBatch.carry_counts
+
+    def counting(self: SamplingBatch, previous: SamplingBatch, rows: list[int | None]) -> None:
+        nonlocal carried
+        carried += 1
+        carry(self, previous, rows)
+
+    monkeypatch.setattr(SamplingBatch, "carry_counts", counting)
+    kinds = [
+        {"repetition_penalty": 1.3},
+        {"frequency_penalty": 0.5},
+        {"presence_penalty": 0.2, "repetition_penalty": 1.1},
+        {},
+    ]
+    reqs = []
+    for i in range(6):
+        req = make_req(i, rng.randrange(2, 6), first_token=rng.randrange(40))
+        req.params = SamplingParams(max_tokens=50, **kinds[i % 4])
+        reqs.append(req)
+    chosen = reqs[:3]
+    for step in range(14):
+        if step % 3 == 2:  # a new composition: some leave, some join, the order shuffled
+            chosen = rng.sample(reqs, rng.randrange(2, 6))
+        batch = batches.build(decode_batch(chosen))
+        fresh = SamplingBatch.build(
+            [r.params for r in chosen],
+            [r.seed for r in chosen],
+            [len(r.output_ids) for r in chosen],
+            [r.prompt_ids for r in chosen],
+            [r.output_ids for r in chosen],
+            50,
+            torch.device("cpu"),
+        )
+        for mine, theirs in ((batch.seen, fresh.seen), (batch.output_counts, fresh.output_counts)):
+            assert (mine is None) == (theirs is None)
+            assert mine is None or torch.equal(mine, theirs), step
+        for r in chosen:
+            r.output_ids.append(rng.randrange(50))
+    assert carried >= 3

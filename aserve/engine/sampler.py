@@ -294,6 +294,21 @@ class SamplingBatch:
                 [ids if n else [] for n, ids in zip(counted, new_ids, strict=True)],
             )
 
+    def carry_counts(self, previous: SamplingBatch, rows: list[int | None]) -> None:
+        """Row i of the count tables takes row `rows[i]` of `previous`'s (where not None),
+        copied on the device: a request that stays in the batch keeps what was counted."""
+        mine = [i for i, j in enumerate(rows) if j is not None]
+        theirs = [j for j in rows if j is not None]
+        device = self.temperature.device
+        to = torch.tensor(mine).to(device, non_blocking=True)
+        source = torch.tensor(theirs).to(device, non_blocking=True)
+        for table, old in (
+            (self.seen, previous.seen),
+            (self.output_counts, previous.output_counts),
+        ):
+            if table is not None and old is not None:
+                table.index_copy_(0, to, old.index_select(0, source))
+
     def at_steps(self, steps: list[int]) -> SamplingBatch:
         """The same rows at other steps: what a steady decode step needs, one small copy."""
         if self.seed_keys is None:

@@ -57,7 +57,9 @@ class SamplingBatches:
     """Builds each step's SamplingBatch. A step that runs the same requests in the same order
     as the last one, none short of its min_tokens, reuses its packed parameters and copies
     only the rows' steps, which the hash keys follow; penalties' token counts take the
-    tokens sampled since, in place. Steady decode is such a step."""
+    tokens sampled since, in place. Steady decode is such a step. Any other step packs
+    afresh, but a request of the last step keeps its rows of the counts (copied on the
+    device) rather than counting its whole prompt and output again."""
 
     def __init__(
         self, vocab_size: int, device: torch.device, eos_token_ids: frozenset[int]
@@ -68,31 +70,50 @@ class SamplingBatches:
         self._last_rids: tuple[int, ...] = ()
         self._last: SamplingBatch | None = None
         self._last_steps: list[int] = []
+        # The last step's batch, whatever its kind: its count tables' rows by request id.
+        self._counted: SamplingBatch | None = None
+        self._counted_rows: dict[int, tuple[int, int]] = {}
 
     def build(self, planned: ScheduledBatch) -> SamplingBatch:
         reqs = planned.reqs
         rids = tuple(r.rid for r in reqs)
         steps = [len(r.output_ids) for r in reqs]
+        params = [r.params for r in reqs]
         last = self._last
         if last is not None and rids == self._last_rids:
             grown = all(n >= m for n, m in zip(steps, self._last_steps, strict=True))
             if grown:
                 if last.any_penalties:
                     new_ids = [r.output_ids[m:] for r, m in zip(reqs, self._last_steps)]
-                    last.count_new_tokens(new_ids, [r.params for r in reqs])
-                self._last_steps = steps
+                    last.count_new_tokens(new_ids, params)
+                self._keep(last, rids, steps)
                 return last.at_steps(steps)
+        # Each request's row in the last step's counts, where it has one and has only grown.
+        carried: list[tuple[int, int] | None] = [None] * len(reqs)
+        if self._counted is not None:
+            for i, (rid, n) in enumerate(zip(rids, steps)):
+                row = self._counted_rows.get(rid)
+                carried[i] = row if row is not None and n >= row[1] else None
         batch = SamplingBatch.build(
-            params=[r.params for r in reqs],
+            params=params,
             seeds=[r.seed for r in reqs],
             steps=steps,
-            prompt_ids=[r.prompt_ids for r in reqs],
-            output_ids=[r.output_ids for r in reqs],
+            prompt_ids=[[] if c else r.prompt_ids for r, c in zip(reqs, carried)],
+            output_ids=[[] if c else r.output_ids for r, c in zip(reqs, carried)],
             vocab_size=self.vocab_size,
             device=self.device,
             eos_token_ids=self.eos_token_ids,
         )
+        if self._counted is not None and batch.any_penalties and any(carried):
+            batch.carry_counts(self._counted, [c[0] if c else None for c in carried])
+            new_ids = [r.output_ids[c[1] :] if c else [] for r, c in zip(reqs, carried)]
+            batch.count_new_tokens(new_ids, params)
         reusable = not batch.any_min_tokens
         self._last, self._last_rids = (batch, rids) if reusable else (None, ())
-        self._last_steps = steps
+        self._keep(batch, rids, steps)
         return batch
+
+    def _keep(self, batch: SamplingBatch, rids: tuple[int, ...], steps: list[int]) -> None:
+        self._last_steps = steps
+        self._counted = batch if batch.any_penalties else None
+        self._counted_rows = {rid: (i, n) for i, (rid, n) in enumerate(zip(rids, steps))}
