@@ -664,3 +664,24 @@ def test_penalty_counts_follow_new_tokens_on_cuda_without_host_sync() -> None:
     assert batch.seen is not None and batch.output_counts is not None
     assert batch.seen[0, [1, 2, 4, 6, 7]].all() and not batch.seen[1].any()
     assert batch.output_counts[1, [5, 8]].tolist() == [1.0, 2.0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_penalty_counts_carried_on_cuda_without_host_sync() -> None:
+    """A request staying in a changed batch brings its rows of the counts, copied on the
+    device behind the step in flight (scheduler/batch.py)."""
+    cuda = torch.device("cuda")
+    params = [SamplingParams(repetition_penalty=1.2), SamplingParams(frequency_penalty=0.5)]
+    before = make_batch(params, 1000, prompts=[[1, 2], [3]], outputs=[[4], [5, 5]], device=cuda)
+    after = make_batch(params[::-1] + params[:1], 1000, prompts=[[], [], [9]], device=cuda)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        after.carry_counts(before, [1, 0, None])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert after.seen is not None and after.output_counts is not None
+    assert after.seen[1, [1, 2, 4]].all() and after.seen[1].sum() == 3
+    assert after.seen[2, 9] and after.seen[2].sum() == 1 and not after.seen[0].any()
+    assert after.output_counts[0, 5].item() == 2.0 and after.output_counts[0].sum() == 2.0
