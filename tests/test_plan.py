@@ -172,6 +172,19 @@ def decode_batch(reqs: list[Req]) -> ScheduledBatch:
     return ScheduledBatch(ForwardMode.DECODE, reqs, [1] * size, [True] * size, starts, [0] * size)
 
 
+def counted_afresh(reqs: list[Req], vocab_size: int) -> SamplingBatch:
+    """The requests' sampling batch packed from their whole histories, nothing kept."""
+    return SamplingBatch.build(
+        [r.params for r in reqs],
+        [r.seed for r in reqs],
+        [len(r.output_ids) for r in reqs],
+        [r.prompt_ids for r in reqs],
+        [r.output_ids for r in reqs],
+        vocab_size,
+        torch.device("cpu"),
+    )
+
+
 def test_sampling_batch_is_reused_only_while_nothing_in_it_changes() -> None:
     """The same requests in the same order keep their packed parameters and get only new
     steps (the hash keys follow each request's output length), penalties' token counts
@@ -201,15 +214,7 @@ def test_sampling_batch_is_reused_only_while_nothing_in_it_changes() -> None:
             r.output_ids.append(token)
         again = batches.build(decode_batch(reqs))
         assert again.temperature is step.temperature  # reused, the counts updated in place
-        fresh = SamplingBatch.build(
-            [r.params for r in reqs],
-            [r.seed for r in reqs],
-            [len(r.output_ids) for r in reqs],
-            [r.prompt_ids for r in reqs],
-            [r.output_ids for r in reqs],
-            100,
-            torch.device("cpu"),
-        )
+        fresh = counted_afresh(reqs, 100)
         assert again.seen is not None and fresh.seen is not None
         assert again.output_counts is not None and fresh.output_counts is not None
         assert torch.equal(again.seen, fresh.seen)
@@ -283,15 +288,7 @@ def test_penalty_counts_follow_requests_across_batches(monkeypatch: pytest.Monke
         if step % 3 == 2:  # a new composition: some leave, some join, the order shuffled
             chosen = rng.sample(reqs, rng.randrange(2, 6))
         batch = batches.build(decode_batch(chosen))
-        fresh = SamplingBatch.build(
-            [r.params for r in chosen],
-            [r.seed for r in chosen],
-            [len(r.output_ids) for r in chosen],
-            [r.prompt_ids for r in chosen],
-            [r.output_ids for r in chosen],
-            50,
-            torch.device("cpu"),
-        )
+        fresh = counted_afresh(chosen, 50)
         for mine, theirs in ((batch.seen, fresh.seen), (batch.output_counts, fresh.output_counts)):
             assert (mine is None) == (theirs is None)
             assert mine is None or torch.equal(mine, theirs), step

@@ -658,7 +658,7 @@ def test_penalty_counts_follow_new_tokens_on_cuda_without_host_sync() -> None:
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        batch.count_new_tokens([[6, 7], [8, 8]], params)
+        batch.count_tokens(params, [[], []], [[6, 7], [8, 8]])
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert batch.seen is not None and batch.output_counts is not None

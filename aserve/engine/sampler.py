@@ -17,7 +17,7 @@ themselves when no top-k / top-p / min-p asks for the probabilities.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from itertools import chain
 from typing import NamedTuple
@@ -114,13 +114,6 @@ def _count_into(counts: torch.Tensor, rows: list[list[int]]) -> None:
     """Add row i's ids to row i of the float32 counts [B, V], in place."""
     flat = _flat_ids(rows, counts.shape[1], counts.device)
     counts.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
-
-
-def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """Per-row occurrence counts [B, V] float32, scattered on the device from a flat index."""
-    counts = torch.zeros(len(rows), vocab_size, dtype=torch.float32, device=device)
-    _count_into(counts, rows)
-    return counts
 
 
 class TokenBias(NamedTuple):
@@ -236,16 +229,12 @@ class SamplingBatch:
         any_penalties = bool(penalties.any())
         seen = output_counts = None
         if (rep != 1.0).any():
-            rows = zip(params, prompt_ids, output_ids, strict=True)
-            repeated = [ids + out if p.repetition_penalty != 1.0 else [] for p, ids, out in rows]
-            seen = _token_counts(repeated, vocab_size, device).bool()
+            seen = torch.zeros(len(params), vocab_size, dtype=torch.bool, device=device)
         if (freq != 0.0).any() or (pres != 0.0).any():
-            counted = (p.frequency_penalty or p.presence_penalty for p in params)
-            generated = [out if n else [] for n, out in zip(counted, output_ids, strict=True)]
-            output_counts = _token_counts(generated, vocab_size, device)
+            output_counts = torch.zeros(len(params), vocab_size, device=device)
         short = [p.min_tokens > step for p, step in zip(params, steps, strict=True)]
         temperature_t, top_p_t, min_p_t, rep_t, freq_t, pres_t = floats.unbind(0)
-        return cls(
+        batch = cls(
             temperature=temperature_t,
             top_p=top_p_t,
             min_p=min_p_t,
@@ -271,28 +260,33 @@ class SamplingBatch:
             want_logprobs=bool(logprobs.any()),
             max_top_logprobs=int(top_logprobs.max(initial=0)),
         )
+        batch.count_tokens(params, prompt_ids, output_ids)
+        return batch
 
-    def count_new_tokens(self, new_ids: list[list[int]], params: list[SamplingParams]) -> None:
-        """Each row's tokens sampled since the batch was built, added in place to `seen` (rows
-        with a repetition penalty) and `output_counts` (rows with a frequency or presence
-        penalty): the tables `build` would make from the longer histories, without reading
-        whole histories each step (256 requests of 1,200 tokens and a 151,936-token
-        vocabulary: 95 ms a step on CPU tensors)."""
+    def count_tokens(
+        self,
+        params: list[SamplingParams],
+        prompt_ids: Sequence[list[int]],
+        output_ids: Sequence[list[int]],
+    ) -> None:
+        """Add each row's tokens to the count tables, in place: its prompt and outputs to
+        `seen` where it has a repetition penalty, its outputs to `output_counts` where it has
+        a frequency or presence penalty. `build` counts whole histories; a batch kept from
+        step to step counts only the tokens sampled since (with empty prompts), where
+        counting whole histories each step took 95 ms at 256 requests of 1,200 tokens and a
+        151,936-token vocabulary (CPU tensors)."""
+        rows = list(zip(params, prompt_ids, output_ids, strict=True))
         if self.seen is not None:
-            repeated = [
-                ids if p.repetition_penalty != 1.0 else []
-                for p, ids in zip(params, new_ids, strict=True)
-            ]
+            repeated = [ids + out if p.repetition_penalty != 1.0 else [] for p, ids, out in rows]
             flat = _flat_ids(repeated, self.seen.shape[1], self.seen.device)
             # index_fill_ takes the value as a number: `seen[flat] = True` copied it to the
             # GPU as a tensor, a blocking copy that waited for the step in flight
             self.seen.view(-1).index_fill_(0, flat, True)
         if self.output_counts is not None:
-            counted = (p.frequency_penalty or p.presence_penalty for p in params)
-            _count_into(
-                self.output_counts,
-                [ids if n else [] for n, ids in zip(counted, new_ids, strict=True)],
-            )
+            counted = [
+                out if p.frequency_penalty or p.presence_penalty else [] for p, _, out in rows
+            ]
+            _count_into(self.output_counts, counted)
 
     def carry_counts(self, previous: SamplingBatch, rows: list[int | None]) -> None:
         """Row i of the count tables takes row `rows[i]` of `previous`'s (where not None),
@@ -399,16 +393,15 @@ def filter_top_k_top_p_min_p(probs: torch.Tensor, batch: SamplingBatch) -> torch
 
     The result is not renormalised: the exponential race is invariant to scaling a row.
     """
-    top_p_done = False
+    largest = None
     if batch.max_top_k > 0:
         largest = probs.topk(batch.max_top_k, dim=-1)
         index = (batch.top_k.clamp(min=1) - 1)[:, None]
         threshold = torch.where(batch.top_k[:, None] > 0, largest.values.gather(1, index), 0.0)
         probs = probs.masked_fill(probs < threshold, 0.0)
-        if batch.any_top_p and batch.top_p_within_top_k:
-            probs = _top_p_within_top_k(probs, largest.values, largest.indices, batch)
-            top_p_done = True
-    if batch.any_top_p and not top_p_done:
+    if batch.any_top_p and largest is not None and batch.top_p_within_top_k:
+        probs = _top_p_within_top_k(probs, largest.values, largest.indices, batch)
+    elif batch.any_top_p:
         cut = _top_p_among_largest(probs, batch.top_p) if probs.device.type == "cpu" else None
         if cut is None:
             sorted_probs, order = probs.sort(dim=-1, descending=True)

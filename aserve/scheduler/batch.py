@@ -85,7 +85,7 @@ class SamplingBatches:
             if grown:
                 if last.any_penalties:
                     new_ids = [r.output_ids[m:] for r, m in zip(reqs, self._last_steps)]
-                    last.count_new_tokens(new_ids, params)
+                    last.count_tokens(params, [[]] * len(reqs), new_ids)
                 self._keep(last, rids, steps)
                 return last.at_steps(steps)
         # Each request's row in the last step's counts, where it has one and has only grown.
@@ -107,7 +107,7 @@ class SamplingBatches:
         if self._counted is not None and batch.any_penalties and any(carried):
             batch.carry_counts(self._counted, [c[0] if c else None for c in carried])
             new_ids = [r.output_ids[c[1] :] if c else [] for r, c in zip(reqs, carried)]
-            batch.count_new_tokens(new_ids, params)
+            batch.count_tokens(params, [[]] * len(reqs), new_ids)
         reusable = not batch.any_min_tokens
         self._last, self._last_rids = (batch, rids) if reusable else (None, ())
         self._keep(batch, rids, steps)
