@@ -129,8 +129,9 @@ def test_quantized_moe_gguf_keeps_its_experts_in_blocks(tmp_path: Path) -> None:
     """A Q8_0 Qwen3-MoE file runs its experts quantized (about a byte a weight, not float32's
     four; outside CUDA graphs; a step's chosen experts in one call of the CPU kernels for
     gate|up and one for down), with the logits of its de-quantized
-    float32 twin (`--quantization none`) up to the order of float sums (both with a float32
-    KV cache: a quantized model's is float16 on CPU by default)."""
+    float32 twin (`--quantization none`) up to the order of float sums and, on CPUs where the
+    kernels round activations to 16 bits, that rounding (~2e-4 here; both with a float32 KV
+    cache: a quantized model's is float16 on CPU by default)."""
     folder = make_tiny_model("qwen3_moe", tmp_path / "moe", overrides=MOE_LAYERS)
     model = write_hf_as_gguf(folder, tmp_path / "moe.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
     logits = []
@@ -146,4 +147,4 @@ def test_quantized_moe_gguf_keeps_its_experts_in_blocks(tmp_path: Path) -> None:
                 assert experts.gate_up.native is not None and experts.down.native is not None
                 assert not llm.runtime.engine.model.graph_capturable
             logits.append(torch.cat([our_logits(llm, p, [7, 123, 45]) for p in PROMPTS]))
-    torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-3, rtol=1e-3)

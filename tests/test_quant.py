@@ -107,16 +107,30 @@ def blas_from_128(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(native_module, "_blas_rows", BLAS_ROWS)
 
 
+def as_the_kernels_round(x: torch.Tensor, code_bits: int) -> torch.Tensor:
+    """`x` in float64 as the CPU kernels multiply it by codes kept in `code_bits`: where they
+    round activations (`rounds_activations`), each block of 32 inputs of a row to integer
+    steps of its largest magnitude / 32,639, in float32 as they compute it; else as it is."""
+    if not native_module.rounds_activations(code_bits):
+        return x.double()
+    rows, cols = x.shape
+    blocks = F.pad(x, (0, -cols % 32)).view(rows, -1, 32)
+    largest = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(largest > 0, 32639.0 / largest, torch.zeros_like(largest))
+    steps = torch.round(blocks * inverse)
+    return (steps.double() * (largest / 32639.0).double()).view(rows, -1)[:, :cols]
+
+
 @needs_kernels
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 def test_products_match_the_dequantized_weight(
     qtype: QType, monkeypatch: pytest.MonkeyPatch, blas_from_128: None
 ) -> None:
     """Against the float64 product of the de-quantized weight within float32 rounding, on the
-    kernels (few rows) and on BLAS over de-quantized slices (many rows, also several slices);
-    on the kernels a row's result bit-identical alone and in batches of every tile shape (rows
-    1 to 9 and past the 64-row block); lookups return the weight's own rows. 100 output
-    features: the last panel of 8 is padded."""
+    kernels (few rows; with the activations as they round them) and on BLAS over de-quantized
+    slices (many rows, also several slices); on the kernels a row's result bit-identical alone
+    and in batches of every tile shape (rows 1 to 9 and past the 64-row block); lookups return
+    the weight's own rows. 100 output features: the last panel of 8 is padded."""
     raw = torch.from_numpy(random_blocks(qtype, 100, 512, seed=1))
     codes = decode(raw, qtype, 512)
     weight = codes.dequantize()
@@ -127,7 +141,8 @@ def test_products_match_the_dequantized_weight(
     tolerance = 1e-5 * float(exact.abs().max())
     kernels = native.linear(x[:70], None)
     assert kernels.shape == (70, 100)
-    torch.testing.assert_close(kernels.double(), exact[:70], rtol=0, atol=tolerance)
+    rounded = F.linear(as_the_kernels_round(x[:70], native.code_bits), weight.double())
+    torch.testing.assert_close(kernels.double(), rounded, rtol=0, atol=tolerance)
     for rows in (1, 2, 3, 4, 5, 8, 9):
         assert torch.equal(native.linear(x[3 : 3 + rows], None), kernels[3 : 3 + rows]), rows
     torch.testing.assert_close(native.linear(x, None).double(), exact, rtol=0, atol=tolerance)
@@ -251,7 +266,8 @@ def test_codes_centred_on_zero_store_no_offsets(
     exact = F.linear(x.double(), weight.double())
     tolerance = 1e-5 * float(exact.abs().max())
     batched = native.linear(x[:20], None)
-    torch.testing.assert_close(batched.double(), exact[:20], rtol=0, atol=tolerance)
+    rounded = F.linear(as_the_kernels_round(x[:20], native.code_bits), weight.double())
+    torch.testing.assert_close(batched.double(), rounded, rtol=0, atol=tolerance)
     torch.testing.assert_close(native.linear(x, None).double(), exact, rtol=0, atol=tolerance)
     for rows in (1, 2, 3, 5):
         assert torch.equal(native.linear(x[7 : 7 + rows], None), batched[7 : 7 + rows]), rows
@@ -790,13 +806,14 @@ def test_timing_the_two_paths_gives_two_durations() -> None:
 @needs_kernels
 def test_without_blas_every_row_count_keeps_a_rows_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the kernels take every product (a CPU where BLAS is the slower), a row's output
-    has the same bits alone and in a batch of 300, and matches float64."""
+    has the same bits alone and in a batch of 300, and matches float64 (of the activations
+    as the kernels round them)."""
     monkeypatch.setattr(native_module, "_blas_rows", native_module.NEVER)
     codes = decode(torch.from_numpy(random_blocks(QType.Q4_K, 72, 512, seed=2)), QType.Q4_K, 512)
     native = NativeWeight(codes)
     x = torch.randn(300, 512, generator=torch.Generator().manual_seed(12))
     together = native.linear(x, None)
-    exact = F.linear(x.double(), codes.dequantize().double())
+    exact = F.linear(as_the_kernels_round(x, native.code_bits), codes.dequantize().double())
     torch.testing.assert_close(
         together.double(), exact, rtol=0, atol=1e-5 * float(exact.abs().max())
     )
@@ -1004,4 +1021,40 @@ def test_moe_experts_of_different_formats_decode_one_by_one() -> None:
     weights, ids = route(torch.randn(5, num_experts), 1, renormalize=True)
     expected = torch_experts(x.double(), w13.double(), w2.double(), weights.double(), ids)
     out = experts(x, weights, ids).double()
-    torch.testing.assert_close(out, expected, rtol=0, atol=1e-4 * float(expected.abs().max()))
+    # 16-bit activations (`rounds_activations`) move it by ~1.2e-4 of the largest output
+    torch.testing.assert_close(out, expected, rtol=0, atol=5e-4 * float(expected.abs().max()))
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_kernels_round_activations_to_16_bits_a_block_where_the_cpu_has_vnni(qtype: QType) -> None:
+    """On CPUs with AVX-512 VNNI the kernels multiply codes by activations rounded to 16-bit
+    integers a block of 32 inputs: within float32 rounding of the float64 product of exactly
+    those activations, at every tile shape (1, 3, 9 rows; 100 outputs, the last panel alone),
+    and measurably apart from the unrounded product; turned off, the float32 tiles match the
+    unrounded one. A row keeps its bits alone and batched."""
+    native = NativeWeight(
+        decode(torch.from_numpy(random_blocks(qtype, 100, 512, seed=5)), qtype, 512)
+    )
+    if not native_module.rounds_activations(native.code_bits):
+        pytest.skip(
+            "this CPU has no AVX-512 VNNI (or VBMI for 5- and 6-bit codes): the kernels "
+            "multiply float32 activations"
+        )
+    weight = native.rows(torch.arange(100)).double()
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(6))
+    x[2, 40] = 300.0  # one block's steps widened; the row's other blocks keep theirs
+    exact = F.linear(x.double(), weight)
+    rounded = F.linear(as_the_kernels_round(x, native.code_bits), weight)
+    tight = 2e-6 * float(exact.abs().max())
+    for rows in (1, 3, 9):
+        got = native.linear(x[:rows], None).double()
+        torch.testing.assert_close(got, rounded[:rows], rtol=0, atol=tight)
+        assert torch.equal(got[:1], native.linear(x[:1], None).double())
+    assert float((native.linear(x, None).double() - exact).abs().max()) > 4 * tight
+    try:
+        torch.ops.aserve_cpu.int_activations(False)
+        assert not native_module.rounds_activations(native.code_bits)
+        torch.testing.assert_close(native.linear(x, None).double(), exact, rtol=0, atol=tight)
+    finally:
+        torch.ops.aserve_cpu.int_activations(True)

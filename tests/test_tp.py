@@ -32,6 +32,7 @@ from aserve.layers.embedding import VocabParallelEmbedding
 from aserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from aserve.layers.moe import QuantizedExperts
 from aserve.llm import GenerationOutput
+from aserve.quant.native import rounds_activations
 from tests.gguf_files import write_hf_as_gguf
 from tests.server_utils import ServerProcess
 from tests.tiny_models import make_tiny_model
@@ -57,15 +58,17 @@ def pair(
     one.close()
 
 
-def assert_same_generations(got: list[GenerationOutput], expected: list[GenerationOutput]) -> None:
+def assert_same_generations(
+    got: list[GenerationOutput], expected: list[GenerationOutput], tolerance: float = 1e-5
+) -> None:
     """Same tokens; logprobs and top alternatives equal up to float32 summation order."""
     for ours, theirs in zip(got, expected, strict=True):
         assert ours.token_ids == theirs.token_ids
         assert ours.logprobs is not None and theirs.logprobs is not None
         for a, b in zip(ours.logprobs, theirs.logprobs):
-            assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+            assert a.logprob == pytest.approx(b.logprob, abs=tolerance)
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
-            assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-5)
+            assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=tolerance)
 
 
 def test_tp2_greedy_tokens_and_logprobs_equal_tp1(pair: tuple[LLM, LLM]) -> None:
@@ -100,7 +103,9 @@ def test_tp2_moe_greedy_tokens_and_logprobs_equal_tp1(
     """Qwen3-MoE with every expert's intermediate dimension split over the ranks (and a
     dense MLP layer beside the sparse ones); from a Q8_0 GGUF, each rank keeps its slice of
     every expert's blocks (a float32 KV cache, so that the ranks' sums in another order
-    cannot round apart in float16)."""
+    cannot round apart in float16). Where the CPU kernels round activations to 16 bits
+    (`rounds_activations`), the ranks' last-bit differences can move a value by a step:
+    logprobs then agree to 1e-4 (2.2e-5 apart measured)."""
     options = dict(OPTIONS)
     if stored == "float":
         model = make_tiny_model("qwen3_moe", tmp_path)
@@ -120,7 +125,10 @@ def test_tp2_moe_greedy_tokens_and_logprobs_equal_tp1(
             assert experts.w2.shape[-1] == 32 // 2
         else:
             assert isinstance(experts, QuantizedExperts) and experts.down.weights[0].cols == 64 // 2
-        assert_same_generations(two.generate(PROMPTS, params), one.generate(PROMPTS, params))
+        tolerance = 1e-5 if stored == "float" or not rounds_activations(8) else 1e-4
+        assert_same_generations(
+            two.generate(PROMPTS, params), one.generate(PROMPTS, params), tolerance
+        )
 
 
 def test_tp_that_does_not_split_the_model_is_refused(tmp_path: Path) -> None:

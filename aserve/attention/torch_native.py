@@ -30,9 +30,11 @@ class _PrefillMetadata:
 @dataclass
 class _NativeDecodeMetadata:
     """For the CPU kernel that reads the pool directly: the requests' context lengths (made
-    a tensor once a step, not once a layer)."""
+    a tensor once a step, not once a layer); for a prefill, one entry a new token, its
+    request's page-table row (`rows`) and its own context, up to and with itself."""
 
     seq_lens: torch.Tensor
+    rows: torch.Tensor | None = None
 
 
 @dataclass
@@ -104,7 +106,12 @@ class TorchNativeBackend:
     aligned); decode pads the batch to its longest context and runs one masked SDPA call.
     On CPU, decode reads K/V from a `_DecodeStage` when it fits `STAGE_MAX_BYTES`, or, with
     `native_decode` (where aserve's CPU kernels run the model: quantized weights in float32),
-    through `aserve_cpu.decode_attention`, straight from the pool."""
+    through `aserve_cpu.decode_attention`, straight from the pool. With `native_decode` a
+    prefill takes that kernel too, each new token as a request of its own length: every query
+    is then computed by one sequence of operations whatever its chunk, batch or cached
+    prefix, which the CPU kernels' 16-bit activations need (a last-bit difference between
+    SDPA over a whole prompt and over its last token, rounded to the next integer step, had
+    changed a greedy token on a cache hit; bench/NOTES.md)."""
 
     STAGE_MAX_BYTES = 256 << 20
 
@@ -133,6 +140,8 @@ class TorchNativeBackend:
     def prepare(self, batch: ForwardBatch) -> None:
         if batch.is_decode and self.native_decode:
             batch.attn_metadata = _NativeDecodeMetadata(torch.tensor(batch.seq_lens))
+        elif self.native_decode:
+            batch.attn_metadata = self._prepare_native_prefill(batch)
         elif batch.is_decode:
             batch.attn_metadata = self._prepare_decode(batch)
         else:
@@ -151,6 +160,17 @@ class TorchNativeBackend:
             seqs.append(_PrefillSeq(q_start, extend, slots, mask))
             q_start += extend
         return _PrefillMetadata(seqs)
+
+    @staticmethod
+    def _prepare_native_prefill(batch: ForwardBatch) -> _NativeDecodeMetadata:
+        rows = torch.tensor(batch.row_ids, dtype=torch.long)
+        extends = torch.tensor(batch.extend_lens, dtype=torch.long)
+        ends = torch.tensor(batch.seq_lens, dtype=torch.long)
+        # token t of a request's new ones sees prefix + t + 1 slots
+        first = torch.cumsum(extends, 0) - extends
+        within = torch.arange(int(extends.sum())) - torch.repeat_interleave(first, extends)
+        starts = torch.repeat_interleave(ends - extends, extends)
+        return _NativeDecodeMetadata(starts + within + 1, torch.repeat_interleave(rows, extends))
 
     def _prepare_decode(self, batch: ForwardBatch) -> _DecodeMetadata:
         longest = max(batch.seq_lens)
@@ -198,13 +218,13 @@ class TorchNativeBackend:
         q = q.view(-1, self.num_heads, self.head_dim)
         if kv is not None:
             self.pool.store(layer, batch.out_slots, kv)
-        if batch.is_decode and self.native_decode:
+        if self.native_decode:
             meta: _NativeDecodeMetadata = batch.attn_metadata
             out = torch.ops.aserve_cpu.decode_attention(
                 q,
                 self.pool.kv[layer],
                 batch.page_table,
-                batch.rows,
+                batch.rows if meta.rows is None else meta.rows,
                 meta.seq_lens,
                 self.head_dim**-0.5,
             )

@@ -1,5 +1,6 @@
-// Products of group-quantized weights with float32 activations, on CPU (aserve/quant/native.py
-// builds this file and says why it exists).
+// Products of group-quantized weights with float32 activations, or with activations rounded
+// to 16-bit integers where the CPU has AVX-512 VNNI (`IntActivations` below), on CPU
+// (aserve/quant/native.py builds this file and says why it exists).
 //
 // A weight keeps integer codes with a float32 scale and offset per group of 16 or 32 inputs,
 // w = code * scale + offset. Output features come in panels of 8, one per AVX2 lane; within a
@@ -25,8 +26,11 @@
 // logits do not depend on what it is batched with. (On CPUs where BLAS is the faster, from
 // native.py's BLAS_ROWS rows the caller de-quantizes slices with `dequantize` and multiplies
 // them with BLAS instead.)
-// Activations stay float32: rounding them to int8 (llama.cpp's way) turned attention's last-bit
-// differences into visible ones. Few rows (decode) expand codes in registers, with four or
+// Activations stay float32 on CPUs without VNNI; with it, they are rounded to 16-bit integers
+// per row and block of 32 inputs, which again depend on the row alone (`IntActivations`).
+// Rounding them to int8 (llama.cpp's way) had turned attention's last-bit differences between
+// a cached and an uncached prefix into visible ones; the CPU attention now computes a query
+// alike in both cases (attention/torch_native.py). Few rows (decode) expand codes in registers, with four or
 // more registers of sums under way (R rows x P panels, or x Q panel pairs with AVX-512: 1 x 4,
 // 2 x 2, 4 x 2) so that the FMAs' latency is hidden; without AVX-512, from 16 rows two panels
 // of codes are expanded once into a buffer and 6-row tiles run over it.
@@ -46,6 +50,9 @@
 #define ASERVE_AVX2 1
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define ASERVE_AVX512 1
+#if defined(__AVX512VNNI__)
+#define ASERVE_VNNI 1  // activations as 16-bit integers (`IntActivations`)
+#endif
 #endif
 #endif
 
@@ -143,6 +150,14 @@ struct Rows {
   const float* xsum;  // [rows, groups]
   float* y;           // [rows, out]
   int64_t cols, groups, out;
+  // Where the integer tiles take the product (`IntActivations`): each row's activations as
+  // 16-bit integers in two bytes (cols / 2 words a row), a float32 scale a block of 32 inputs
+  // and the integers' sum a run of 16; else null.
+  const int32_t* xq;
+  const float* xscale;
+  const int32_t* xisum;
+
+  int64_t blocks() const { return (cols + 31) / 32; }
 
   const float* row(int64_t m) const { return x + (picked ? picked[m] : m) * x_stride; }
 };
@@ -622,9 +637,258 @@ void few_rows(const Weight& w, const Rows& a, int64_t first, int64_t last, int64
 }
 #endif
 
+#ifdef ASERVE_VNNI
+// Activations as 16-bit integers (`IntActivations`). Each block of 32 inputs of a row gets a
+// scale s = max |x| / 32639 and x = s * (256 * hi + lo), hi and lo signed bytes, to within
+// s / 2: about 15 bits of the block's largest value, where rounding to int8 (llama.cpp's 7
+// bits) had turned attention's last-bit differences between a cached and an uncached prefix
+// into changed greedy tokens. `vpdpbusd` multiplies four unsigned code bytes by four signed
+// activation bytes and adds the four products to a 32-bit sum in one instruction; two of them
+// (hi, lo) give 64 16-bit products where the float tiles make 16 with an FMA after expanding
+// each code. Integer sums are exact, so the one fixed order of float operations per output
+// stays: per group, part = float(256 * sum_hi + sum_lo - bias * sum(x)) * s, then
+// total = fma(scale, part, total) and fma(offset, xsum, total) as the float tiles do, xsum
+// the group's sum of the rounded activations (the product is the weight's with exactly
+// those). A row's integers depend on that row alone, so its outputs still do not depend on
+// its batch. One row: 1.4x the float tiles' speed (Q4_K 46 -> 65 GB/s, Q6_K 40 -> 58 on a
+// 2-core Zen 5 VM); 128 rows 1.25x (bench/NOTES.md).
+//
+// A row's words follow the weight's: for 4-bit and split codes, each word of 8 inputs gives
+// four words, the hi bytes of inputs 0, 2, 4, 6, their lo bytes, then the odd inputs' (a code
+// word's nibbles split by one mask into even and odd inputs); for 8-bit codes each word of 4
+// inputs gives its hi bytes, then its lo bytes.
+constexpr float kIntLimit = 32639.0f;  // 127 * 256 + 127: hi and lo both within a signed byte
+
+// Inputs [0, n) of x (n = 16 or 32; the rest read as zero) into one block.
+inline void quantize_block(const float* x, int n, bool bytes, int32_t* words, float* scale,
+                           int32_t* sums) {
+  const __m512 first = _mm512_loadu_ps(x);
+  const __m512 second = n == 32 ? _mm512_loadu_ps(x + 16) : _mm512_setzero_ps();
+  const float largest =
+      _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(first), _mm512_abs_ps(second)));
+  const __m512 inverse = _mm512_set1_ps(largest > 0.0f ? kIntLimit / largest : 0.0f);
+  *scale = largest / kIntLimit;
+  const __m128i even_odd = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+  for (int half = 0; half < n / 16; ++half) {
+    const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(half ? second : first, inverse));
+    sums[half] = _mm512_reduce_add_epi32(v);
+    const __m512i lo = _mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24);
+    const __m512i hi = _mm512_srai_epi32(_mm512_sub_epi32(v, lo), 8);
+    __m128i h = _mm512_cvtepi32_epi8(hi), l = _mm512_cvtepi32_epi8(lo);
+    if (!bytes) {
+      h = _mm_shuffle_epi8(h, even_odd);
+      l = _mm_shuffle_epi8(l, even_odd);
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(words + 8 * half), _mm_unpacklo_epi32(h, l));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(words + 8 * half + 4), _mm_unpackhi_epi32(h, l));
+  }
+}
+
+// Rows [first, last) of `a` (picked or not) into xq [rows, cols / 2], xscale [rows, blocks],
+// xisum [rows, cols / 16]; cols is a multiple of 16.
+void quantize_rows(const Rows& a, bool bytes, int64_t first, int64_t last, int32_t* xq,
+                   float* xscale, int32_t* xisum) {
+  const int64_t blocks = a.blocks();
+  for (int64_t m = first; m < last; ++m) {
+    const float* row = a.row(m);
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int n = static_cast<int>(std::min<int64_t>(32, a.cols - 32 * b));
+      quantize_block(row + 32 * b, n, bytes, xq + m * a.cols / 2 + 16 * b, xscale + m * blocks + b,
+                     xisum + m * a.cols / 16 + 2 * b);
+    }
+  }
+}
+
+// What a code byte stands for above its value: codes are read as unsigned bytes, so 8-bit
+// codes (sign flipped) and levels (kept as level + 128) stand 128 above, split codes their
+// center above (Q6_K's 32), 4-bit codes none.
+template <Kind K>
+inline int code_bias(const Weight& w) {
+  return K == Kind::kNibbles ? 0 : K == Kind::kSplit ? split_center(w) : 128;
+}
+
+// Bytes 4 to 5 of a split code: `vpmultishiftqb` gives each byte the 8 bits of its 64-bit
+// lane from an offset, so these offsets put the high bits of inputs 0, 2, 4, 6 of a word
+// (bits 2i, 2i + 1 of `high`, one 32-bit lane's) at bits 4 and 5 of bytes 0 to 3; the odd
+// inputs' two bits later.
+inline __m512i split_offsets(int odd) {
+  const int8_t o = static_cast<int8_t>(2 * odd);
+  return _mm512_set1_epi64(static_cast<int64_t>(
+      (uint64_t{static_cast<uint8_t>((60 + o) % 64)}) | (uint64_t{static_cast<uint8_t>(0 + o)} << 8) |
+      (uint64_t{static_cast<uint8_t>(4 + o)} << 16) | (uint64_t{static_cast<uint8_t>(8 + o)} << 24) |
+      (uint64_t{static_cast<uint8_t>(28 + o)} << 32) | (uint64_t{static_cast<uint8_t>(32 + o)} << 40) |
+      (uint64_t{static_cast<uint8_t>(36 + o)} << 48) | (uint64_t{static_cast<uint8_t>(40 + o)} << 56)));
+}
+
+// A code word (`word`, two panels) as two registers of unsigned code bytes, the even inputs'
+// and the odd inputs' (for 8-bit codes, the word's four inputs in `even`).
+struct CodeBytes {
+  __m512i even, odd;
+};
+
+template <Kind K>
+inline CodeBytes code_bytes(__m512i word, __m512i high, __m512i table) {
+  const __m512i nibbles = _mm512_set1_epi8(15);
+  if (K == Kind::kBytes) {
+    const __m512i flipped = _mm512_xor_si512(word, _mm512_set1_epi8(static_cast<char>(0x80)));
+    return {flipped, flipped};
+  }
+  const __m512i even = _mm512_and_si512(word, nibbles);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(word, 4), nibbles);
+  if (K == Kind::kLevels) return {_mm512_shuffle_epi8(table, even), _mm512_shuffle_epi8(table, odd)};
+  if (K == Kind::kNibbles) return {even, odd};
+#ifdef __AVX512VBMI__
+  // low nibble from the code word, bits 4 and 5 from the high bits (0xE4: c ? a : b)
+  const __m512i six = _mm512_set1_epi8(63);
+  const __m512i top_even = _mm512_multishift_epi64_epi8(split_offsets(0), high);
+  const __m512i top_odd = _mm512_multishift_epi64_epi8(split_offsets(1), high);
+  return {_mm512_and_si512(_mm512_ternarylogic_epi32(even, top_even, nibbles, 0xE4), six),
+          _mm512_and_si512(_mm512_ternarylogic_epi32(odd, top_odd, nibbles, 0xE4), six)};
+#else
+  return {even, odd};  // not reached: `int_kind` leaves split codes to the float tiles
+#endif
+}
+
+// R rows against panels [first_panel, first_panel + 2 * Q), activations as integers.
+// The scales (`which` 0) or offsets (1) of panels p and p2 in group g, as 16 floats: a pair,
+// or one panel twice (p2 = p) for the odd panel at a weight's end.
+inline __m512 int_pair_values(const Weight& w, int which, int64_t p, int64_t p2, int64_t g) {
+  const void* values = which ? w.offsets : w.scales;
+  if (w.scale_kind != ScaleKind::kSteps)
+    return which ? join(w.offsets8(p, g), w.offsets8(p2, g)) : join(w.scales8(p, g), w.scales8(p2, g));
+  const int8_t* steps = static_cast<const int8_t*>(values);
+  const __m128i both = _mm_unpacklo_epi64(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(steps + w.at(p, g))),
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(steps + w.at(p2, g))));
+  const __m512 base = join(_mm256_loadu_ps(w.base_of(p, g, which)), _mm256_loadu_ps(w.base_of(p2, g, which)));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(both)), base);
+}
+
+// R rows against panels [first_panel, first_panel + 2 * Q), activations as integers; with
+// `single` (Q = 1) the one panel first_panel, computed as a pair of itself.
+template <int R, int Q, Kind K>
+void int_tile2(const Weight& w, const Rows& a, int64_t first_row, int64_t first_panel,
+               bool single = false) {
+  constexpr int per_word = K == Kind::kBytes ? 4 : 8;
+  const int64_t words = w.words_per_group(), code_words = w.code_words(), stride = w.panel_words();
+  const int bias = code_bias<K>(w);
+  const __m512i table =
+      K == Kind::kLevels
+          ? _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.levels)))
+          : _mm512_setzero_si512();
+  const int64_t row_words = a.cols / 2, row_sums = a.cols / 16, blocks = a.blocks();
+  const int64_t second = single ? 0 : stride;  // from a panel's words to its pair's
+  __m512 total[R][Q];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int q = 0; q < Q; ++q) total[r][q] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < w.groups; ++g) {
+    prefetch_slice(w, first_panel + 2 * Q, 2 * Q, g);
+    __m512i hi[R][Q], lo[R][Q];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int q = 0; q < Q; ++q) hi[r][q] = lo[r][q] = _mm512_setzero_si512();
+    for (int64_t v = 0; v < code_words; ++v) {
+      const int64_t at = (g * w.group + v * per_word) / 2;  // the row's first word for v
+      CodeBytes codes[Q];
+#pragma GCC unroll 8
+      for (int q = 0; q < Q; ++q) {
+        const uint32_t* low = w.words + (first_panel + 2 * q) * stride + g * words * kLanes;
+        auto pair_at = [&](int64_t word) {
+          return join(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(low + word * kLanes)),
+                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(low + second + word * kLanes)));
+        };
+        const __m512i high = K == Kind::kSplit
+                                 ? _mm512_srli_epi32(pair_at(code_words + v / 2), 16 * (v % 2))
+                                 : _mm512_setzero_si512();
+        codes[q] = code_bytes<K>(pair_at(v), high, table);
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int32_t* x = a.xq + (first_row + r) * row_words + at;
+#pragma GCC unroll 8
+        for (int q = 0; q < Q; ++q) {
+          hi[r][q] = _mm512_dpbusd_epi32(hi[r][q], codes[q].even, _mm512_set1_epi32(x[0]));
+          lo[r][q] = _mm512_dpbusd_epi32(lo[r][q], codes[q].even, _mm512_set1_epi32(x[1]));
+          if (K != Kind::kBytes) {
+            hi[r][q] = _mm512_dpbusd_epi32(hi[r][q], codes[q].odd, _mm512_set1_epi32(x[2]));
+            lo[r][q] = _mm512_dpbusd_epi32(lo[r][q], codes[q].odd, _mm512_set1_epi32(x[3]));
+          }
+        }
+      }
+    }
+    const int64_t first_sum = g * w.group / 16, block = g * w.group / 32;
+    __m512 part[R][Q];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = first_row + r;
+      const int32_t* sums = a.xisum + row * row_sums + first_sum;
+      const int32_t sum = w.group == 32 ? sums[0] + sums[1] : sums[0];
+      const __m512i shift = _mm512_set1_epi32(bias * sum);
+      const __m512 xs = _mm512_set1_ps(a.xscale[row * blocks + block]);
+#pragma GCC unroll 8
+      for (int q = 0; q < Q; ++q) {
+        const __m512i exact =
+            _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi[r][q], 8), lo[r][q]), shift);
+        part[r][q] = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), xs);
+      }
+    }
+#pragma GCC unroll 8
+    for (int q = 0; q < Q; ++q) {
+      const int64_t p = first_panel + 2 * q, p2 = single ? p : p + 1;
+      const __m512 scale = int_pair_values(w, 0, p, p2, g);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) total[r][q] = _mm512_fmadd_ps(scale, part[r][q], total[r][q]);
+      if (w.offsets == nullptr) continue;
+      const __m512 offset = int_pair_values(w, 1, p, p2, g);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+        total[r][q] = _mm512_fmadd_ps(
+            offset, _mm512_set1_ps(a.xsum[(first_row + r) * a.groups + g]), total[r][q]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int q = 0; q < Q; ++q) {
+      float* y = a.y + (first_row + r) * a.out + (first_panel + 2 * q) * kLanes;
+      _mm256_storeu_ps(y, _mm512_castps512_ps256(total[r][q]));
+      if (single) continue;
+      _mm256_storeu_ps(y + kLanes,
+                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(total[r][q]), 1)));
+    }
+}
+
+template <int R, int Q, Kind K>
+void int_panels(const Weight& w, const Rows& a, int64_t row, int64_t first_panel,
+                int64_t last_panel) {
+  int64_t p = first_panel;
+  for (; p + 2 * Q <= last_panel; p += 2 * Q) int_tile2<R, Q, K>(w, a, row, p);
+  for (; p + 2 <= last_panel; p += 2) int_tile2<R, 1, K>(w, a, row, p);
+  if (p < last_panel) int_tile2<R, 1, K>(w, a, row, p, true);
+}
+
+template <Kind K>
+void int_rows(const Weight& w, const Rows& a, int64_t first, int64_t last, int64_t first_panel,
+              int64_t last_panel) {
+  int64_t row = first;
+  for (; row + 4 <= last; row += 4) int_panels<4, 2, K>(w, a, row, first_panel, last_panel);
+  if (row + 2 <= last) {
+    int_panels<2, 2, K>(w, a, row, first_panel, last_panel);
+    row += 2;
+  }
+  if (row < last) int_panels<1, 4, K>(w, a, row, first_panel, last_panel);
+}
+#endif
+
 template <Kind K>
 void rows_against_panels_of(const Weight& w, const Rows& a, int64_t first, int64_t last,
                             int64_t first_panel, int64_t last_panel, std::vector<float>& buffer) {
+#ifdef ASERVE_VNNI
+  if (a.xq != nullptr) return int_rows<K>(w, a, first, last, first_panel, last_panel);
+#endif
   if (last - first >= kManyRows) {
     buffer.resize(2 * w.cols * kLanes);
     many_rows<K>(w, a, first, last, first_panel, last_panel, buffer.data());
@@ -810,17 +1074,67 @@ struct Product {
   float* y;
   int64_t rows;
   std::vector<float> xsum;
+  std::vector<int32_t> xq, xisum;  // `IntActivations`, where they take this product
+  std::vector<float> xscale;
 
   Rows operands() const {
-    return Rows{x, picked, x_stride, xsum.data(), y, w.cols, w.groups, w.panels * kLanes};
+    return Rows{x,       picked,  x_stride,
+                xsum.data(), y,   w.cols,
+                w.groups, w.panels * kLanes,
+                xq.empty() ? nullptr : xq.data(), xscale.data(), xisum.data()};
   }
 };
+
+// Whether products of codes kept in `code_bits` (4, 6: split, 8) multiply activations as
+// integers (`IntActivations`): on CPUs with AVX-512 VNNI (split codes also need VBMI's byte
+// gathers), unless turned off for this process (`enable` false: tests and benchmarks compare
+// the two).
+bool int_activations_on = true;
+
+bool int_activations(std::optional<bool> enable, int64_t code_bits) {
+  if (enable.has_value()) int_activations_on = *enable;
+#ifdef ASERVE_VNNI
+#ifndef __AVX512VBMI__
+  if (code_bits == 6) return false;
+#endif
+  return int_activations_on;
+#else
+  (void)code_bits;
+  return false;
+#endif
+}
+
+bool int_kind(const Weight& w) {
+  return int_activations(std::nullopt, w.split ? 6 : w.four_bit ? 4 : 8);
+}
 
 Product product_at(const float* x, int64_t rows, const Weight& w, float* y,
                    const int64_t* picked = nullptr, int64_t x_stride = 0) {
   Product p{w, x, picked, x_stride ? x_stride : w.cols, y, rows,
             std::vector<float>(rows * w.groups)};
   const Rows a = p.operands();
+#ifdef ASERVE_VNNI
+  if (int_kind(w)) {
+    p.xq.resize(rows * w.cols / 2);
+    p.xscale.resize(rows * a.blocks());
+    p.xisum.resize(rows * w.cols / 16);
+    // Rows in parallel from 16 (prefill chunks); fewer on the calling thread, as waking the
+    // team would cost more. The offsets' sums are of the rounded activations, so that the
+    // product is the weight's with exactly those.
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      quantize_rows(a, kind_of(w) == Kind::kBytes, begin, end, p.xq.data(), p.xscale.data(),
+                    p.xisum.data());
+      for (int64_t m = begin; m < end; ++m)
+        for (int64_t g = 0; g < w.groups; ++g) {
+          const int32_t* sums = p.xisum.data() + m * w.cols / 16 + g * w.group / 16;
+          const int32_t sum = w.group == 32 ? sums[0] + sums[1] : sums[0];
+          p.xsum[m * w.groups + g] =
+              static_cast<float>(sum) * p.xscale[m * a.blocks() + g * w.group / 32];
+        }
+    });
+    return p;
+  }
+#endif
   // Each group's sum in input order, eight groups' chains of adds under way at once (one
   // chain at a time took ~1.6 us for a 1,024-input row).
   constexpr int64_t kChains = 8;
@@ -1355,4 +1669,5 @@ TORCH_LIBRARY(aserve_cpu, m) {
       "dequantize(Tensor words, Tensor scales, Tensor offsets, Tensor bases, int group, "
       "int code_bits, Tensor? levels, int first, Tensor(a!) out) -> ()",
       dequantize);
+  m.def("int_activations(bool? enable=None, int code_bits=4) -> bool", int_activations);
 }
