@@ -148,6 +148,42 @@ def test_decode_attention_of_a_request_does_not_depend_on_its_batch(dtype: torch
         assert torch.equal(reversed_batch[3 - i], alone)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize(
+    ("group", "head_dim"), [(3, 64), (12, 64), (2, 40)], ids=["group3", "group12", "scalar-head"]
+)
+def test_a_prefills_tokens_attend_as_each_would_alone(
+    dtype: torch.dtype, group: int, head_dim: int
+) -> None:
+    """A prefill's new tokens as requests of their own lengths (one page-table row, lengths
+    rising by one), which the kernel takes in runs of up to 8 sharing the reads of K: every
+    token's output bit for bit its output alone (its decode), beside a lone request and
+    across runs cut anywhere, and within float32 rounding of float64 softmax."""
+    generator = torch.Generator().manual_seed(4)
+    kv_heads = 2
+    heads = group * kv_heads
+    pool = torch.randn(2048, 2, kv_heads, head_dim, generator=generator).to(dtype)
+    table = torch.randperm(2048, generator=generator).to(torch.int32).view(2, 1024).contiguous()
+    # a lone request of 90 on row 0, then tokens 250..269 and 600..612 of row 1
+    lens = [90, *range(251, 271), *range(601, 614)]
+    rows = [0] + [1] * (len(lens) - 1)
+    q = torch.randn(len(lens), heads, head_dim, generator=generator)
+    scale = head_dim**-0.5
+
+    def attend(picked: list[int]) -> torch.Tensor:
+        return torch.ops.aserve_cpu.decode_attention(
+            q[picked], pool, table, torch.tensor([rows[i] for i in picked]),
+            torch.tensor([lens[i] for i in picked]), scale,
+        )  # fmt: skip
+
+    together = attend(list(range(len(lens))))
+    for i in range(len(lens)):
+        assert torch.equal(attend([i])[0], together[i]), i
+    assert torch.equal(attend(list(range(5, 12)))[0], together[5])
+    expected = reference_attention(q, pool, table, rows, lens)
+    torch.testing.assert_close(together, expected, rtol=1e-5, atol=2e-6)
+
+
 def test_decode_attention_refuses_what_it_cannot_read() -> None:
     pool = torch.zeros(16, 2, 1, 8)
     q = torch.zeros(1, 2, 8)

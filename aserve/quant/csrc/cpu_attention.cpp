@@ -276,6 +276,29 @@ float exponentiate(float* s, int64_t n, float top) {
   return sum;
 }
 
+// One block's scores of the group's heads (head j's at scores + j * kBlock, `rows` of them)
+// folded into each head's running max (`top`), sum of weights (`total`) and unnormalised
+// weighted values (`out`): the max rises, the old sums are rescaled, the block's scores become
+// weights and their rows of V are added in order.
+template <typename T>
+void fold_block(float* scores, const T* values, const int32_t* block, int64_t rows,
+                int64_t stride, int64_t group, int64_t head_dim, float* out, float* top,
+                float* total) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * kBlock;
+    float* o = out + g * head_dim;
+    const float block_top = largest(s, rows, top[g]);
+    if (block_top > top[g]) {
+      const float rescale = std::exp(top[g] - block_top);  // 0 for the first block
+      total[g] *= rescale;
+      for (int64_t d = 0; d < head_dim; ++d) o[d] *= rescale;
+      top[g] = block_top;
+    }
+    total[g] += exponentiate(s, rows, top[g]);
+  }
+  add_weighted_rows(scores, group, values, block, rows, stride, head_dim, out);
+}
+
 // The query heads [head, head + group) of one request, all reading KV head `kv_head` of the
 // pool's layer `kv` ([slots, 2, kv_heads, head_dim]), block by block with a running softmax
 // (each head's max, sum and weighted values rescaled when its max rises), so that a block's
@@ -298,19 +321,7 @@ void attend(const float* q, const T* kv, const int32_t* slots, int64_t length,
     const int64_t rows = std::min(kBlock, length - first);
     const int32_t* block = slots + first;
     scores_of(q, group, keys, values, block, rows, stride, head_dim, scale, scores);
-    for (int64_t g = 0; g < group; ++g) {
-      float* s = scores + g * kBlock;
-      float* o = out + g * head_dim;
-      const float block_top = largest(s, rows, top[g]);
-      if (block_top > top[g]) {
-        const float rescale = std::exp(top[g] - block_top);  // 0 for the first block
-        total[g] *= rescale;
-        for (int64_t d = 0; d < head_dim; ++d) o[d] *= rescale;
-        top[g] = block_top;
-      }
-      total[g] += exponentiate(s, rows, top[g]);
-    }
-    add_weighted_rows(scores, group, values, block, rows, stride, head_dim, out);
+    fold_block(scores, values, block, rows, stride, group, head_dim, out, top, total);
   }
 }
 
@@ -323,6 +334,59 @@ constexpr int64_t kPiece = 128;
 struct Piece {
   int64_t request, first, length;
 };
+
+// A prefill's new tokens are requests of their own lengths to `decode_attention`: up to this
+// many consecutive tokens of one request are one unit of work, their scores computed together.
+constexpr int64_t kRunTokens = 8;
+
+// Entries [first, first + count) of a batch that are consecutive new tokens of one request
+// (lengths rising by one) against KV head `kv_head`, each token's pieces left in `parts` as
+// `attend` leaves them for the token alone: the same scores (each a fixed sum of its own
+// products, whatever else `scores8` computes beside it), the same folds. Only the reading is
+// shared: a row of K is widened once for up to 8 (token, head) pairs, where one token alone
+// read its whole context again. `part_of(i, k)` is entry i's piece k's part.
+template <typename T, typename PartOf>
+void attend_run(const float* queries, int64_t q_stride, const T* kv, const int32_t* context,
+                const int64_t* length, int64_t first, int64_t count, int64_t kv_head,
+                int64_t kv_heads, int64_t group, int64_t head_dim, float scale, PartOf part_of,
+                std::vector<float>& scratch) {
+  const int64_t pairs = count * group, longest = length[first + count - 1];
+  const int64_t stride = 2 * kv_heads * head_dim;
+  const T* keys = kv + kv_head * head_dim;
+  const T* values = keys + kv_heads * head_dim;
+  // [pairs, head_dim] queries, then [pairs, kBlock] a block's scores, then [pairs, longest]
+  scratch.resize(pairs * (head_dim + kBlock + longest));
+  float* packed = scratch.data();
+  float* block_scores = packed + pairs * head_dim;
+  float* scores = block_scores + pairs * kBlock;
+  for (int64_t e = 0; e < count; ++e)
+    std::copy_n(queries + (first + e) * q_stride + kv_head * group * head_dim, group * head_dim,
+                packed + e * group * head_dim);
+  for (int64_t base = 0; base < longest; base += kBlock) {
+    const int64_t rows = std::min(kBlock, longest - base);
+    scores_of(packed, pairs, keys, values, context + base, rows, stride, head_dim, scale,
+              block_scores);
+    for (int64_t j = 0; j < pairs; ++j)
+      std::copy_n(block_scores + j * kBlock, rows, scores + j * longest + base);
+  }
+  for (int64_t e = 0; e < count; ++e) {
+    const int64_t n = length[first + e];
+    const int64_t pieces = (n + kPiece - 1) / kPiece, each = (n + pieces - 1) / pieces;
+    for (int64_t k = 0; k * each < n; ++k) {
+      const int64_t start = k * each, rows = std::min(each, n - start);
+      for (int64_t g = 0; g < group; ++g)
+        std::copy_n(scores + (e * group + g) * longest + start, rows, block_scores + g * kBlock);
+      float* out = part_of(first + e, k);
+      float* top = out + group * head_dim;
+      float* total = top + group;
+      std::fill(top, top + group, -INFINITY);
+      std::fill(total, total + group, 0.0f);
+      std::fill(out, out + group * head_dim, 0.0f);
+      fold_block(block_scores, values, context + start, rows, stride, group, head_dim, out, top,
+                 total);
+    }
+  }
+}
 
 // q: [batch, heads, head_dim]; this step's K/V are already in the pool (the CPU kernels'
 // norm_rope_store writes them). Request i attends to the first seq_lens[i] slots of
@@ -368,12 +432,50 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
   // Per (piece, KV head): the group's unnormalised outputs, then their maxima and sums.
   const int64_t part_size = group * (head_dim + 2);
   std::vector<float> parts(pieces.size() * kv_heads * part_size);
-  at::parallel_for(0, static_cast<int64_t>(pieces.size()) * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // Units of work: each piece of a request alone (decode: one long context keeps every core
+  // busy), and runs of a prefill's new tokens (`attend_run`), a run and a KV head a unit.
+  std::vector<int64_t> lone;  // pieces of requests outside runs
+  std::vector<std::pair<int64_t, int64_t>> runs;  // (first entry, tokens)
+  for (int64_t i = 0; i < batch;) {
+    int64_t count = 1;
+    while (i + count < batch && count < kRunTokens && row[i + count] == row[i] &&
+           length[i + count] == length[i] + count)
+      ++count;
+    if (count == 1) {
+      for (int64_t p = first_piece[i]; p < first_piece[i + 1]; ++p) lone.push_back(p);
+    } else {
+      runs.emplace_back(i, count);
+    }
+    i += count;
+  }
+  const int64_t lone_units = static_cast<int64_t>(lone.size()) * kv_heads;
+  const int64_t run_count = static_cast<int64_t>(runs.size());
+  auto part_of = [&](int64_t i, int64_t k, int64_t kv_head) {
+    return parts.data() + ((first_piece[i] + k) * kv_heads + kv_head) * part_size;
+  };
+  at::parallel_for(0, lone_units + run_count * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
     for (int64_t unit = begin; unit < end; ++unit) {
-      const Piece& piece = pieces[unit / kv_heads];
+      if (unit >= lone_units) {
+        // runs alternate from both ends (later tokens read longer contexts), so that the
+        // threads' contiguous ranges of units carry about equal work
+        const int64_t at = (unit - lone_units) / kv_heads, kv_head = (unit - lone_units) % kv_heads;
+        const auto [first, count] = runs[at % 2 == 0 ? at / 2 : run_count - 1 - at / 2];
+        const int32_t* context = slots + row[first] * width;
+        auto part = [&](int64_t i, int64_t k) { return part_of(i, k, kv_head); };
+        if (half) {
+          attend_run(queries, q_stride, static_cast<const Half*>(kv.data_ptr()), context, length,
+                     first, count, kv_head, kv_heads, group, head_dim, softmax_scale, part, scratch);
+        } else {
+          attend_run(queries, q_stride, kv.data_ptr<float>(), context, length, first, count,
+                     kv_head, kv_heads, group, head_dim, softmax_scale, part, scratch);
+        }
+        continue;
+      }
+      const int64_t index = lone[unit / kv_heads];
+      const Piece& piece = pieces[index];
       const int64_t kv_head = unit % kv_heads, head = kv_head * group;
-      float* part = parts.data() + unit * part_size;
+      float* part = parts.data() + (index * kv_heads + kv_head) * part_size;
       float* top = part + group * head_dim;
       const float* query = queries + piece.request * q_stride + head * head_dim;
       const int32_t* context = slots + row[piece.request] * width + piece.first;
