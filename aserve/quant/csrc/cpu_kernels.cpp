@@ -651,7 +651,7 @@ void few_rows(const Weight& w, const Rows& a, int64_t first, int64_t last, int64
 // the group's sum of the rounded activations (the product is the weight's with exactly
 // those). A row's integers depend on that row alone, so its outputs still do not depend on
 // its batch. One row: 1.4x the float tiles' speed (Q4_K 46 -> 65 GB/s, Q6_K 40 -> 58 on a
-// 2-core Zen 5 VM); 128 rows 1.25x (bench/NOTES.md).
+// 2-core Zen 5 VM); 128 rows 1.4-1.5x (Q4_K 183 -> 280 GMAC/s; bench/NOTES.md).
 //
 // A row's words follow the weight's: for 4-bit and split codes, each word of 8 inputs gives
 // four words, the hi bytes of inputs 0, 2, 4, 6, their lo bytes, then the odd inputs' (a code
@@ -784,7 +784,9 @@ void int_tile2(const Weight& w, const Rows& a, int64_t first_row, int64_t first_
 #pragma GCC unroll 8
     for (int q = 0; q < Q; ++q) total[r][q] = _mm512_setzero_ps();
   for (int64_t g = 0; g < w.groups; ++g) {
-    prefetch_slice(w, first_panel + 2 * Q, 2 * Q, g);
+    // the next panels' bytes asked for by a row block's first tile only: the tiles after it
+    // read the same panels from cache, and their prefetches had cost 15% of a 128-row product
+    if (first_row % kRowBlock == 0) prefetch_slice(w, first_panel + 2 * Q, 2 * Q, g);
     __m512i hi[R][Q], lo[R][Q];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
