@@ -535,7 +535,8 @@ void tile2(const Weight& w, const Rows& a, int64_t first_row, int64_t first_pane
     for (int q = 0; q < Q; ++q) total[r][q] = _mm512_setzero_ps();
   __m512 bases[Q][2];  // with steps: the current block's bases of each panel pair
   for (int64_t g = 0; g < w.groups; ++g) {
-    prefetch_slice(w, first_panel + 2 * Q, 2 * Q, g);
+    // as in `int_tile2`: a row block's first tile asks for the next panels
+    if (first_row % kRowBlock == 0) prefetch_slice(w, first_panel + 2 * Q, 2 * Q, g);
     __m512 part[R][Q];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
