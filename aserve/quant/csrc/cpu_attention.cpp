@@ -95,14 +95,14 @@ inline void ask_for_row(int64_t offset, const T* keys, const T* values, int64_t 
 }
 
 // The scores of C query heads (queries n apart) against 8 / C rows at a time, so that eight
-// sums are always under way: scores[j * kBlock + t] = scale * dot(q_j, k[t]) for the rows
+// sums are always under way: scores[j * apart + t] = scale * dot(q_j, k[t]) for the rows
 // `keys + slots[t] * stride` (n, the head size, a multiple of 8). A row of K is widened once
 // for the heads that share it (once a head, it took as long as the products); each sum
 // gathers in one register, and the eight registers are summed across at once. A short last
 // pass repeats its first row, so every score is added up the same way.
 template <int C, typename T>
 void scores8(const float* q, const T* keys, const T* values, const int32_t* slots, int64_t rows,
-             int64_t stride, int64_t n, float scale, float* scores) {
+             int64_t stride, int64_t n, float scale, float* scores, int64_t apart) {
   constexpr int R = 8 / C;
   const __m256 scaling = _mm256_set1_ps(scale);
   for (int64_t first = 0; first < rows; first += R) {
@@ -130,16 +130,16 @@ void scores8(const float* q, const T* keys, const T* values, const int32_t* slot
     _mm256_store_ps(lanes, _mm256_mul_ps(scaling, sum_lanes_of_eight(sums)));
     const int64_t count = std::min<int64_t>(R, rows - first);
     for (int64_t r = 0; r < count; ++r)
-      for (int j = 0; j < C; ++j) scores[j * kBlock + first + r] = lanes[r * C + j];
+      for (int j = 0; j < C; ++j) scores[j * apart + first + r] = lanes[r * C + j];
   }
 }
 
-// out_j += sum over the rows t of p_j[t] * v[t] for C heads j (p_j at p + j * kBlock, out_j at
+// out_j += sum over the rows t of p_j[t] * v[t] for C heads j (p_j at p + j * apart, out_j at
 // out + j * n; n a multiple of 8), 8 / C groups of eight values of every head held in
 // registers across the rows (eight sums under way), a row of V widened once for all heads.
 template <int C, typename T>
 void add_weighted_rows8(const float* p, const T* values, const int32_t* slots, int64_t rows,
-                        int64_t stride, int64_t n, float* out) {
+                        int64_t stride, int64_t n, float* out, int64_t apart) {
   constexpr int D = 8 / C;
   for (int64_t first = 0; first < n; first += 8 * D) {
     const int64_t chunks = std::min<int64_t>(D, (n - first) / 8);
@@ -157,7 +157,7 @@ void add_weighted_rows8(const float* p, const T* values, const int32_t* slots, i
         const __m256 vc = load8(v + 8 * c);
 #pragma GCC unroll 8
         for (int j = 0; j < C; ++j)
-          sums[c * C + j] = _mm256_fmadd_ps(_mm256_set1_ps(p[j * kBlock + t]), vc, sums[c * C + j]);
+          sums[c * C + j] = _mm256_fmadd_ps(_mm256_set1_ps(p[j * apart + t]), vc, sums[c * C + j]);
       }
     }
     for (int64_t c = 0; c < chunks; ++c)
@@ -169,48 +169,48 @@ void add_weighted_rows8(const float* p, const T* values, const int32_t* slots, i
 template <typename T>
 void group_scores8(const float* q, int64_t count, const T* keys, const T* values,
                    const int32_t* slots, int64_t rows, int64_t stride, int64_t n, float scale,
-                   float* scores) {
+                   float* scores, int64_t apart) {
   for (int64_t t = 0; t < std::min(kAhead, rows); ++t) ask_for_row(slots[t] * stride, keys, values, n);
   switch (count) {
-    case 1: return scores8<1>(q, keys, values, slots, rows, stride, n, scale, scores);
-    case 2: return scores8<2>(q, keys, values, slots, rows, stride, n, scale, scores);
-    case 3: return scores8<3>(q, keys, values, slots, rows, stride, n, scale, scores);
-    case 4: return scores8<4>(q, keys, values, slots, rows, stride, n, scale, scores);
-    case 5: return scores8<5>(q, keys, values, slots, rows, stride, n, scale, scores);
-    case 6: return scores8<6>(q, keys, values, slots, rows, stride, n, scale, scores);
-    case 7: return scores8<7>(q, keys, values, slots, rows, stride, n, scale, scores);
-    default: return scores8<8>(q, keys, values, slots, rows, stride, n, scale, scores);
+    case 1: return scores8<1>(q, keys, values, slots, rows, stride, n, scale, scores, apart);
+    case 2: return scores8<2>(q, keys, values, slots, rows, stride, n, scale, scores, apart);
+    case 3: return scores8<3>(q, keys, values, slots, rows, stride, n, scale, scores, apart);
+    case 4: return scores8<4>(q, keys, values, slots, rows, stride, n, scale, scores, apart);
+    case 5: return scores8<5>(q, keys, values, slots, rows, stride, n, scale, scores, apart);
+    case 6: return scores8<6>(q, keys, values, slots, rows, stride, n, scale, scores, apart);
+    case 7: return scores8<7>(q, keys, values, slots, rows, stride, n, scale, scores, apart);
+    default: return scores8<8>(q, keys, values, slots, rows, stride, n, scale, scores, apart);
   }
 }
 
 template <typename T>
 void group_weighted_rows8(const float* p, int64_t count, const T* values, const int32_t* slots,
-                          int64_t rows, int64_t stride, int64_t n, float* out) {
+                          int64_t rows, int64_t stride, int64_t n, float* out, int64_t apart) {
   switch (count) {
-    case 1: return add_weighted_rows8<1>(p, values, slots, rows, stride, n, out);
-    case 2: return add_weighted_rows8<2>(p, values, slots, rows, stride, n, out);
-    case 3: return add_weighted_rows8<3>(p, values, slots, rows, stride, n, out);
-    case 4: return add_weighted_rows8<4>(p, values, slots, rows, stride, n, out);
-    case 5: return add_weighted_rows8<5>(p, values, slots, rows, stride, n, out);
-    case 6: return add_weighted_rows8<6>(p, values, slots, rows, stride, n, out);
-    case 7: return add_weighted_rows8<7>(p, values, slots, rows, stride, n, out);
-    default: return add_weighted_rows8<8>(p, values, slots, rows, stride, n, out);
+    case 1: return add_weighted_rows8<1>(p, values, slots, rows, stride, n, out, apart);
+    case 2: return add_weighted_rows8<2>(p, values, slots, rows, stride, n, out, apart);
+    case 3: return add_weighted_rows8<3>(p, values, slots, rows, stride, n, out, apart);
+    case 4: return add_weighted_rows8<4>(p, values, slots, rows, stride, n, out, apart);
+    case 5: return add_weighted_rows8<5>(p, values, slots, rows, stride, n, out, apart);
+    case 6: return add_weighted_rows8<6>(p, values, slots, rows, stride, n, out, apart);
+    case 7: return add_weighted_rows8<7>(p, values, slots, rows, stride, n, out, apart);
+    default: return add_weighted_rows8<8>(p, values, slots, rows, stride, n, out, apart);
   }
 }
 #endif
 
-// The heads [0, count) of a group at once (scores of head j at scores + j * kBlock, queries and
+// The heads [0, count) of a group at once (scores of head j at scores + j * apart, queries and
 // outputs n apart); without AVX2 (or for a head size not a multiple of 8) the same steps one
 // head and one value at a time.
 template <typename T>
 void scores_of(const float* q, int64_t count, const T* keys, const T* values,
                const int32_t* slots, int64_t rows, int64_t stride, int64_t n, float scale,
-               float* scores) {
+               float* scores, int64_t apart) {
 #ifdef ASERVE_AVX2
   if (n % 8 == 0) {
     for (int64_t j = 0; j < count; j += 8)
       group_scores8(q + j * n, std::min<int64_t>(8, count - j), keys, values, slots, rows,
-                    stride, n, scale, scores + j * kBlock);
+                    stride, n, scale, scores + j * apart, apart);
     return;
   }
 #endif
@@ -219,25 +219,25 @@ void scores_of(const float* q, int64_t count, const T* keys, const T* values,
       const T* k = keys + slots[t] * stride;
       float sum = 0;
       for (int64_t d = 0; d < n; ++d) sum += q[j * n + d] * static_cast<float>(k[d]);
-      scores[j * kBlock + t] = scale * sum;
+      scores[j * apart + t] = scale * sum;
     }
 }
 
 template <typename T>
 void add_weighted_rows(const float* p, int64_t count, const T* values, const int32_t* slots,
-                       int64_t rows, int64_t stride, int64_t n, float* out) {
+                       int64_t rows, int64_t stride, int64_t n, float* out, int64_t apart) {
 #ifdef ASERVE_AVX2
   if (n % 8 == 0) {
     for (int64_t j = 0; j < count; j += 8)
-      group_weighted_rows8(p + j * kBlock, std::min<int64_t>(8, count - j), values, slots, rows,
-                           stride, n, out + j * n);
+      group_weighted_rows8(p + j * apart, std::min<int64_t>(8, count - j), values, slots, rows,
+                           stride, n, out + j * n, apart);
     return;
   }
 #endif
   for (int64_t j = 0; j < count; ++j)
     for (int64_t t = 0; t < rows; ++t) {
       const T* v = values + slots[t] * stride;
-      for (int64_t d = 0; d < n; ++d) out[j * n + d] += p[j * kBlock + t] * static_cast<float>(v[d]);
+      for (int64_t d = 0; d < n; ++d) out[j * n + d] += p[j * apart + t] * static_cast<float>(v[d]);
     }
 }
 
@@ -276,16 +276,16 @@ float exponentiate(float* s, int64_t n, float top) {
   return sum;
 }
 
-// One block's scores of the group's heads (head j's at scores + j * kBlock, `rows` of them)
+// One block's scores of the group's heads (head j's at scores + j * apart, `rows` of them)
 // folded into each head's running max (`top`), sum of weights (`total`) and unnormalised
 // weighted values (`out`): the max rises, the old sums are rescaled, the block's scores become
 // weights and their rows of V are added in order.
 template <typename T>
-void fold_block(float* scores, const T* values, const int32_t* block, int64_t rows,
-                int64_t stride, int64_t group, int64_t head_dim, float* out, float* top,
-                float* total) {
+void fold_block(float* scores, int64_t apart, const T* values, const int32_t* block,
+                int64_t rows, int64_t stride, int64_t group, int64_t head_dim, float* out,
+                float* top, float* total) {
   for (int64_t g = 0; g < group; ++g) {
-    float* s = scores + g * kBlock;
+    float* s = scores + g * apart;
     float* o = out + g * head_dim;
     const float block_top = largest(s, rows, top[g]);
     if (block_top > top[g]) {
@@ -296,7 +296,7 @@ void fold_block(float* scores, const T* values, const int32_t* block, int64_t ro
     }
     total[g] += exponentiate(s, rows, top[g]);
   }
-  add_weighted_rows(scores, group, values, block, rows, stride, head_dim, out);
+  add_weighted_rows(scores, group, values, block, rows, stride, head_dim, out, apart);
 }
 
 // The query heads [head, head + group) of one request, all reading KV head `kv_head` of the
@@ -320,8 +320,8 @@ void attend(const float* q, const T* kv, const int32_t* slots, int64_t length,
   for (int64_t first = 0; first < length; first += kBlock) {
     const int64_t rows = std::min(kBlock, length - first);
     const int32_t* block = slots + first;
-    scores_of(q, group, keys, values, block, rows, stride, head_dim, scale, scores);
-    fold_block(scores, values, block, rows, stride, group, head_dim, out, top, total);
+    scores_of(q, group, keys, values, block, rows, stride, head_dim, scale, scores, kBlock);
+    fold_block(scores, kBlock, values, block, rows, stride, group, head_dim, out, top, total);
   }
 }
 
@@ -354,36 +354,40 @@ void attend_run(const float* queries, int64_t q_stride, const T* kv, const int32
   const int64_t stride = 2 * kv_heads * head_dim;
   const T* keys = kv + kv_head * head_dim;
   const T* values = keys + kv_heads * head_dim;
-  // [pairs, head_dim] queries, then [pairs, kBlock] a block's scores, then [pairs, longest]
-  scratch.resize(pairs * (head_dim + kBlock + longest));
+  // [pairs, head_dim] queries, then [pairs, longest] their scores, folded where they lie
+  scratch.resize(pairs * (head_dim + longest));
   float* packed = scratch.data();
-  float* block_scores = packed + pairs * head_dim;
-  float* scores = block_scores + pairs * kBlock;
+  float* scores = packed + pairs * head_dim;
   for (int64_t e = 0; e < count; ++e)
     std::copy_n(queries + (first + e) * q_stride + kv_head * group * head_dim, group * head_dim,
                 packed + e * group * head_dim);
   for (int64_t base = 0; base < longest; base += kBlock) {
     const int64_t rows = std::min(kBlock, longest - base);
+#ifdef ASERVE_AVX2
+    if (head_dim % 8 == 0) {  // four pairs a pass: two rows of K for four queries' loads
+      for (int64_t j = 0; j < pairs; j += 4)
+        group_scores8(packed + j * head_dim, std::min<int64_t>(4, pairs - j), keys, values,
+                      context + base, rows, stride, head_dim, scale,
+                      scores + j * longest + base, longest);
+      continue;
+    }
+#endif
     scores_of(packed, pairs, keys, values, context + base, rows, stride, head_dim, scale,
-              block_scores);
-    for (int64_t j = 0; j < pairs; ++j)
-      std::copy_n(block_scores + j * kBlock, rows, scores + j * longest + base);
+              scores + base, longest);
   }
   for (int64_t e = 0; e < count; ++e) {
     const int64_t n = length[first + e];
     const int64_t pieces = (n + kPiece - 1) / kPiece, each = (n + pieces - 1) / pieces;
     for (int64_t k = 0; k * each < n; ++k) {
       const int64_t start = k * each, rows = std::min(each, n - start);
-      for (int64_t g = 0; g < group; ++g)
-        std::copy_n(scores + (e * group + g) * longest + start, rows, block_scores + g * kBlock);
       float* out = part_of(first + e, k);
       float* top = out + group * head_dim;
       float* total = top + group;
       std::fill(top, top + group, -INFINITY);
       std::fill(total, total + group, 0.0f);
       std::fill(out, out + group * head_dim, 0.0f);
-      fold_block(block_scores, values, context + start, rows, stride, group, head_dim, out, top,
-                 total);
+      fold_block(scores + e * group * longest + start, longest, values, context + start, rows,
+                 stride, group, head_dim, out, top, total);
     }
   }
 }
