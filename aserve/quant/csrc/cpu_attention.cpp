@@ -28,6 +28,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define ASERVE_AVX2 1
+#if defined(__AVX512F__)
+#define ASERVE_AVX512 1
+#endif
 #endif
 
 namespace {
@@ -165,6 +168,60 @@ void add_weighted_rows8(const float* p, const T* values, const int32_t* slots, i
   }
 }
 
+#ifdef ASERVE_AVX512
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const Half* x) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+}
+
+// `add_weighted_rows8` in 16 lanes (n a multiple of 16): each output value is the same chain
+// of FMAs over the rows in order whatever the width, so the same bits, with K chunks of 16
+// values of the C heads in registers for each row of V read (up to 24 sums under way).
+template <int C, int K, typename T>
+void add_weighted_rows16(const float* p, const T* values, const int32_t* slots, int64_t rows,
+                         int64_t stride, int64_t n, float* out, int64_t apart) {
+  for (int64_t first = 0; first < n; first += 16 * K) {
+    const int64_t chunks = std::min<int64_t>(K, (n - first) / 16);
+    __m512 sums[K][C];
+#pragma GCC unroll 8
+    for (int c = 0; c < K; ++c)
+#pragma GCC unroll 8
+      for (int j = 0; j < C; ++j)
+        sums[c][j] = c < chunks ? _mm512_loadu_ps(out + j * n + first + 16 * c) : _mm512_setzero_ps();
+    for (int64_t t = 0; t < rows; ++t) {
+      const T* v = values + slots[t] * stride + first;
+      __m512 weight[C];
+#pragma GCC unroll 8
+      for (int j = 0; j < C; ++j) weight[j] = _mm512_set1_ps(p[j * apart + t]);
+#pragma GCC unroll 8
+      for (int c = 0; c < K; ++c) {
+        if (c >= chunks) break;
+        const __m512 vc = load16(v + 16 * c);
+#pragma GCC unroll 8
+        for (int j = 0; j < C; ++j) sums[c][j] = _mm512_fmadd_ps(weight[j], vc, sums[c][j]);
+      }
+    }
+    for (int64_t c = 0; c < chunks; ++c)
+      for (int j = 0; j < C; ++j) _mm512_storeu_ps(out + j * n + first + 16 * c, sums[c][j]);
+  }
+}
+
+template <typename T>
+void group_weighted_rows16(const float* p, int64_t count, const T* values, const int32_t* slots,
+                           int64_t rows, int64_t stride, int64_t n, float* out, int64_t apart) {
+  switch (count) {
+    case 1: return add_weighted_rows16<1, 4>(p, values, slots, rows, stride, n, out, apart);
+    case 2: return add_weighted_rows16<2, 4>(p, values, slots, rows, stride, n, out, apart);
+    case 3: return add_weighted_rows16<3, 4>(p, values, slots, rows, stride, n, out, apart);
+    case 4: return add_weighted_rows16<4, 4>(p, values, slots, rows, stride, n, out, apart);
+    case 5: return add_weighted_rows16<5, 4>(p, values, slots, rows, stride, n, out, apart);
+    case 6: return add_weighted_rows16<6, 4>(p, values, slots, rows, stride, n, out, apart);
+    case 7: return add_weighted_rows16<7, 3>(p, values, slots, rows, stride, n, out, apart);
+    default: return add_weighted_rows16<8, 3>(p, values, slots, rows, stride, n, out, apart);
+  }
+}
+#endif
+
 // `scores8` / `add_weighted_rows8` for `count` (1 to 8) heads.
 template <typename T>
 void group_scores8(const float* q, int64_t count, const T* keys, const T* values,
@@ -226,6 +283,14 @@ void scores_of(const float* q, int64_t count, const T* keys, const T* values,
 template <typename T>
 void add_weighted_rows(const float* p, int64_t count, const T* values, const int32_t* slots,
                        int64_t rows, int64_t stride, int64_t n, float* out, int64_t apart) {
+#ifdef ASERVE_AVX512
+  if (n % 16 == 0) {
+    for (int64_t j = 0; j < count; j += 8)
+      group_weighted_rows16(p + j * apart, std::min<int64_t>(8, count - j), values, slots, rows,
+                            stride, n, out + j * n, apart);
+    return;
+  }
+#endif
 #ifdef ASERVE_AVX2
   if (n % 8 == 0) {
     for (int64_t j = 0; j < count; j += 8)
