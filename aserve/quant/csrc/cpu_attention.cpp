@@ -404,25 +404,48 @@ struct Piece {
 // many consecutive tokens of one request are one unit of work, their scores computed together.
 constexpr int64_t kRunTokens = 8;
 
+// One request's pieces for a KV head (`count` parts as `attend` leaves them, `apart` floats
+// from one to the next) joined in order into its group's outputs (head g's at out + g *
+// head_dim), each rescaled to the largest max.
+void join_pieces(const float* parts, int64_t count, int64_t apart, int64_t group,
+                 int64_t head_dim, float* out) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* o = out + g * head_dim;
+    float top = -INFINITY, total = 0;
+    for (int64_t p = 0; p < count; ++p) top = std::max(top, parts[p * apart + group * head_dim + g]);
+    std::fill(o, o + head_dim, 0.0f);
+    for (int64_t p = 0; p < count; ++p) {
+      const float* part = parts + p * apart;
+      const float weight = std::exp(part[group * head_dim + g] - top);
+      total += weight * part[group * head_dim + group + g];
+      for (int64_t d = 0; d < head_dim; ++d) o[d] += weight * part[g * head_dim + d];
+    }
+    for (int64_t d = 0; d < head_dim; ++d) o[d] /= total;
+  }
+}
+
 // Entries [first, first + count) of a batch that are consecutive new tokens of one request
-// (lengths rising by one) against KV head `kv_head`, each token's pieces left in `parts` as
-// `attend` leaves them for the token alone: the same scores (each a fixed sum of its own
-// products, whatever else `scores8` computes beside it), the same folds. Only the reading is
-// shared: a row of K is widened once for up to 8 (token, head) pairs, where one token alone
-// read its whole context again. `part_of(i, k)` is entry i's piece k's part.
-template <typename T, typename PartOf>
+// (lengths rising by one) against KV head `kv_head`, into their outputs (`outputs`, [batch,
+// heads, head_dim]) as `decode_attention` computes each token alone: the same scores (each a
+// fixed sum of its own products, whatever else `scores8` computes beside it), the same folds
+// of the same pieces, joined the same way. Only the reading is shared: a row of K is widened
+// once for four (token, head) pairs, where one token alone read its whole context again.
+template <typename T>
 void attend_run(const float* queries, int64_t q_stride, const T* kv, const int32_t* context,
                 const int64_t* length, int64_t first, int64_t count, int64_t kv_head,
-                int64_t kv_heads, int64_t group, int64_t head_dim, float scale, PartOf part_of,
+                int64_t kv_heads, int64_t group, int64_t head_dim, float scale, float* outputs,
                 std::vector<float>& scratch) {
   const int64_t pairs = count * group, longest = length[first + count - 1];
   const int64_t stride = 2 * kv_heads * head_dim;
   const T* keys = kv + kv_head * head_dim;
   const T* values = keys + kv_heads * head_dim;
-  // [pairs, head_dim] queries, then [pairs, longest] their scores, folded where they lie
-  scratch.resize(pairs * (head_dim + longest));
+  // [pairs, head_dim] queries, [pairs, longest] their scores (folded where they lie), then a
+  // token's pieces' parts
+  const int64_t part_size = group * (head_dim + 2), most_pieces = (longest + kPiece - 1) / kPiece;
+  scratch.resize(pairs * (head_dim + longest) + most_pieces * part_size);
   float* packed = scratch.data();
   float* scores = packed + pairs * head_dim;
+  float* parts = scores + pairs * longest;
   for (int64_t e = 0; e < count; ++e)
     std::copy_n(queries + (first + e) * q_stride + kv_head * group * head_dim, group * head_dim,
                 packed + e * group * head_dim);
@@ -443,9 +466,9 @@ void attend_run(const float* queries, int64_t q_stride, const T* kv, const int32
   for (int64_t e = 0; e < count; ++e) {
     const int64_t n = length[first + e];
     const int64_t pieces = (n + kPiece - 1) / kPiece, each = (n + pieces - 1) / pieces;
-    for (int64_t k = 0; k * each < n; ++k) {
+    for (int64_t k = 0; k < pieces; ++k) {
       const int64_t start = k * each, rows = std::min(each, n - start);
-      float* out = part_of(first + e, k);
+      float* out = parts + k * part_size;
       float* top = out + group * head_dim;
       float* total = top + group;
       std::fill(top, top + group, -INFINITY);
@@ -454,6 +477,9 @@ void attend_run(const float* queries, int64_t q_stride, const T* kv, const int32
       fold_block(scores + e * group * longest + start, longest, values, context + start, rows,
                  stride, group, head_dim, out, top, total);
     }
+    const int64_t heads = kv_heads * group;
+    join_pieces(parts, pieces, part_size, group, head_dim,
+                outputs + ((first + e) * heads + kv_head * group) * head_dim);
   }
 }
 
@@ -489,39 +515,34 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
   const int32_t* slots = table.data_ptr<int32_t>();
   const int64_t group = heads / kv_heads, width = table.stride(0), q_stride = q.stride(0);
   const float softmax_scale = static_cast<float>(scale);
-  std::vector<Piece> pieces;
-  std::vector<int64_t> first_piece(batch + 1);
-  for (int64_t i = 0; i < batch; ++i) {
-    first_piece[i] = static_cast<int64_t>(pieces.size());
-    const int64_t count = (length[i] + kPiece - 1) / kPiece, each = (length[i] + count - 1) / count;
-    for (int64_t first = 0; first < length[i]; first += each)
-      pieces.push_back({i, first, std::min(each, length[i] - first)});
-  }
-  first_piece[batch] = static_cast<int64_t>(pieces.size());
-  // Per (piece, KV head): the group's unnormalised outputs, then their maxima and sums.
-  const int64_t part_size = group * (head_dim + 2);
-  std::vector<float> parts(pieces.size() * kv_heads * part_size);
-  // Units of work: each piece of a request alone (decode: one long context keeps every core
+  // Units of work: each piece of a lone request (decode: one long context keeps every core
   // busy), and runs of a prefill's new tokens (`attend_run`), a run and a KV head a unit.
-  std::vector<int64_t> lone;  // pieces of requests outside runs
+  std::vector<Piece> pieces;  // of the lone requests
+  std::vector<int64_t> first_piece(batch + 1);
   std::vector<std::pair<int64_t, int64_t>> runs;  // (first entry, tokens)
+  std::vector<bool> in_run(batch);
   for (int64_t i = 0; i < batch;) {
     int64_t count = 1;
     while (i + count < batch && count < kRunTokens && row[i + count] == row[i] &&
            length[i + count] == length[i] + count)
       ++count;
-    if (count == 1) {
-      for (int64_t p = first_piece[i]; p < first_piece[i + 1]; ++p) lone.push_back(p);
-    } else {
-      runs.emplace_back(i, count);
+    if (count > 1) runs.emplace_back(i, count);
+    for (int64_t e = i; e < i + count; ++e) {
+      first_piece[e] = static_cast<int64_t>(pieces.size());
+      in_run[e] = count > 1;
+      if (count > 1) continue;
+      const int64_t cuts = (length[e] + kPiece - 1) / kPiece, each = (length[e] + cuts - 1) / cuts;
+      for (int64_t start = 0; start < length[e]; start += each)
+        pieces.push_back({e, start, std::min(each, length[e] - start)});
     }
     i += count;
   }
-  const int64_t lone_units = static_cast<int64_t>(lone.size()) * kv_heads;
+  first_piece[batch] = static_cast<int64_t>(pieces.size());
+  // Per (piece, KV head): the group's unnormalised outputs, then their maxima and sums.
+  const int64_t part_size = group * (head_dim + 2);
+  std::vector<float> parts(pieces.size() * kv_heads * part_size);
+  const int64_t lone_units = static_cast<int64_t>(pieces.size()) * kv_heads;
   const int64_t run_count = static_cast<int64_t>(runs.size());
-  auto part_of = [&](int64_t i, int64_t k, int64_t kv_head) {
-    return parts.data() + ((first_piece[i] + k) * kv_heads + kv_head) * part_size;
-  };
   at::parallel_for(0, lone_units + run_count * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
     for (int64_t unit = begin; unit < end; ++unit) {
@@ -531,17 +552,17 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
         const int64_t at = (unit - lone_units) / kv_heads, kv_head = (unit - lone_units) % kv_heads;
         const auto [first, count] = runs[at % 2 == 0 ? at / 2 : run_count - 1 - at / 2];
         const int32_t* context = slots + row[first] * width;
-        auto part = [&](int64_t i, int64_t k) { return part_of(i, k, kv_head); };
         if (half) {
           attend_run(queries, q_stride, static_cast<const Half*>(kv.data_ptr()), context, length,
-                     first, count, kv_head, kv_heads, group, head_dim, softmax_scale, part, scratch);
+                     first, count, kv_head, kv_heads, group, head_dim, softmax_scale, outputs,
+                     scratch);
         } else {
           attend_run(queries, q_stride, kv.data_ptr<float>(), context, length, first, count,
-                     kv_head, kv_heads, group, head_dim, softmax_scale, part, scratch);
+                     kv_head, kv_heads, group, head_dim, softmax_scale, outputs, scratch);
         }
         continue;
       }
-      const int64_t index = lone[unit / kv_heads];
+      const int64_t index = unit / kv_heads;
       const Piece& piece = pieces[index];
       const int64_t kv_head = unit % kv_heads, head = kv_head * group;
       float* part = parts.data() + (index * kv_heads + kv_head) * part_size;
@@ -557,26 +578,15 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
       }
     }
   });
-  // Each head's pieces joined in order, each rescaled to the largest max (little work: on the
-  // calling thread up to 64 heads, without waking the others).
+  // A lone request's pieces joined (a run's units joined theirs; little work: on the calling
+  // thread up to 64 heads, without waking the others).
   at::parallel_for(0, batch * kv_heads, 64, [&](int64_t begin, int64_t end) {
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t i = unit / kv_heads, kv_head = unit % kv_heads;
-      for (int64_t g = 0; g < group; ++g) {
-        float* o = outputs + (i * heads + kv_head * group + g) * head_dim;
-        auto part_of = [&](int64_t p) { return parts.data() + (p * kv_heads + kv_head) * part_size; };
-        float top = -INFINITY, total = 0;
-        for (int64_t p = first_piece[i]; p < first_piece[i + 1]; ++p)
-          top = std::max(top, part_of(p)[group * head_dim + g]);
-        std::fill(o, o + head_dim, 0.0f);
-        for (int64_t p = first_piece[i]; p < first_piece[i + 1]; ++p) {
-          const float* part = part_of(p);
-          const float weight = std::exp(part[group * head_dim + g] - top);
-          total += weight * part[group * head_dim + group + g];
-          for (int64_t d = 0; d < head_dim; ++d) o[d] += weight * part[g * head_dim + d];
-        }
-        for (int64_t d = 0; d < head_dim; ++d) o[d] /= total;
-      }
+      if (in_run[i]) continue;
+      join_pieces(parts.data() + (first_piece[i] * kv_heads + kv_head) * part_size,
+                  first_piece[i + 1] - first_piece[i], kv_heads * part_size, group, head_dim,
+                  outputs + (i * heads + kv_head * group) * head_dim);
     }
   });
   return out;
