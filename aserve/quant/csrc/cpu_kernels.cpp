@@ -613,40 +613,6 @@ void tile2(const Weight& w, const Rows& a, int64_t first_row, int64_t first_pane
   store_pairs(a, first_row, first_panel, false, total);
 }
 
-template <int R, int Q, Kind K>
-void panels_at2(const Weight& w, const Rows& a, int64_t row, int64_t first_panel,
-                int64_t last_panel) {
-  int64_t p = first_panel;
-  for (; p + 2 * Q <= last_panel; p += 2 * Q) tile2<R, Q, K>(w, a, row, p);
-  for (; p + 2 <= last_panel; p += 2) tile2<R, 1, K>(w, a, row, p);
-  for (; p < last_panel; ++p) tile<R, 1, K>(w, a, row, p);
-}
-
-template <Kind K>
-void few_rows(const Weight& w, const Rows& a, int64_t first, int64_t last, int64_t first_panel,
-              int64_t last_panel) {
-  int64_t row = first;
-  for (; row + 4 <= last; row += 4) panels_at2<4, 2, K>(w, a, row, first_panel, last_panel);
-  if (row + 2 <= last) {
-    panels_at2<2, 2, K>(w, a, row, first_panel, last_panel);
-    row += 2;
-  }
-  if (row < last) panels_at2<1, 4, K>(w, a, row, first_panel, last_panel);
-}
-#else
-template <Kind K>
-void few_rows(const Weight& w, const Rows& a, int64_t first, int64_t last, int64_t first_panel,
-              int64_t last_panel) {
-  int64_t row = first;
-  for (; row + 4 <= last; row += 4) panels_at<4, 1, K>(w, a, row, first_panel, last_panel);
-  if (row + 2 <= last) {
-    panels_at<2, 2, K>(w, a, row, first_panel, last_panel);
-    row += 2;
-  }
-  if (row < last) panels_at<1, 4, K>(w, a, row, first_panel, last_panel);
-}
-#endif
-
 #ifdef ASERVE_VNNI
 // Activations as 16-bit integers (`IntActivations`). Each block of 32 inputs of a row gets a
 // scale s = max |x| / 32639 and x = s * (256 * hi + lo), hi and lo signed bytes, to within
@@ -837,34 +803,58 @@ void int_tile2(const Weight& w, const Rows& a, int64_t first_row, int64_t first_
   }
   store_pairs(a, first_row, first_panel, single, total);
 }
+#endif
 
-template <int R, int Q, Kind K>
-void int_panels(const Weight& w, const Rows& a, int64_t row, int64_t first_panel,
+// R rows against panels [first_panel, last_panel): Q pairs at a time, then single pairs, then
+// an odd panel alone; `kInt`: with activations as integers (`int_tile2`).
+template <int R, int Q, Kind K, bool kInt>
+void panels_at2(const Weight& w, const Rows& a, int64_t row, int64_t first_panel,
                 int64_t last_panel) {
   int64_t p = first_panel;
-  for (; p + 2 * Q <= last_panel; p += 2 * Q) int_tile2<R, Q, K>(w, a, row, p);
-  for (; p + 2 <= last_panel; p += 2) int_tile2<R, 1, K>(w, a, row, p);
-  if (p < last_panel) int_tile2<R, 1, K>(w, a, row, p, true);
+#ifdef ASERVE_VNNI
+  if constexpr (kInt) {
+    for (; p + 2 * Q <= last_panel; p += 2 * Q) int_tile2<R, Q, K>(w, a, row, p);
+    for (; p + 2 <= last_panel; p += 2) int_tile2<R, 1, K>(w, a, row, p);
+    if (p < last_panel) int_tile2<R, 1, K>(w, a, row, p, true);
+    return;
+  }
+#endif
+  for (; p + 2 * Q <= last_panel; p += 2 * Q) tile2<R, Q, K>(w, a, row, p);
+  for (; p + 2 <= last_panel; p += 2) tile2<R, 1, K>(w, a, row, p);
+  for (; p < last_panel; ++p) tile<R, 1, K>(w, a, row, p);
 }
 
-template <Kind K>
-void int_rows(const Weight& w, const Rows& a, int64_t first, int64_t last, int64_t first_panel,
+template <Kind K, bool kInt = false>
+void few_rows(const Weight& w, const Rows& a, int64_t first, int64_t last, int64_t first_panel,
               int64_t last_panel) {
   int64_t row = first;
-  for (; row + 4 <= last; row += 4) int_panels<4, 2, K>(w, a, row, first_panel, last_panel);
+  for (; row + 4 <= last; row += 4) panels_at2<4, 2, K, kInt>(w, a, row, first_panel, last_panel);
   if (row + 2 <= last) {
-    int_panels<2, 2, K>(w, a, row, first_panel, last_panel);
+    panels_at2<2, 2, K, kInt>(w, a, row, first_panel, last_panel);
     row += 2;
   }
-  if (row < last) int_panels<1, 4, K>(w, a, row, first_panel, last_panel);
+  if (row < last) panels_at2<1, 4, K, kInt>(w, a, row, first_panel, last_panel);
+}
+#else
+template <Kind K>
+void few_rows(const Weight& w, const Rows& a, int64_t first, int64_t last, int64_t first_panel,
+              int64_t last_panel) {
+  int64_t row = first;
+  for (; row + 4 <= last; row += 4) panels_at<4, 1, K>(w, a, row, first_panel, last_panel);
+  if (row + 2 <= last) {
+    panels_at<2, 2, K>(w, a, row, first_panel, last_panel);
+    row += 2;
+  }
+  if (row < last) panels_at<1, 4, K>(w, a, row, first_panel, last_panel);
 }
 #endif
+
 
 template <Kind K>
 void rows_against_panels_of(const Weight& w, const Rows& a, int64_t first, int64_t last,
                             int64_t first_panel, int64_t last_panel, std::vector<float>& buffer) {
 #ifdef ASERVE_VNNI
-  if (a.xq != nullptr) return int_rows<K>(w, a, first, last, first_panel, last_panel);
+  if (a.xq != nullptr) return few_rows<K, true>(w, a, first, last, first_panel, last_panel);
 #endif
   if (last - first >= kManyRows) {
     buffer.resize(2 * w.cols * kLanes);
