@@ -804,6 +804,23 @@ def test_timing_the_two_paths_gives_two_durations() -> None:
     assert kernels_ms > 0 and blas_ms > 0
 
 
+def test_kernels_that_round_activations_never_hand_rows_to_blas(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the kernels round activations to 16 bits, BLAS (float32 activations) takes no
+    product, without timing the two: a prompt's chunk and its last token again on a cache hit
+    would otherwise differ by a rounding step. Elsewhere the timing decides, as before."""
+
+    def timed(folder: Path) -> int:
+        return BLAS_ROWS
+
+    monkeypatch.setattr(native_module, "decide_blas_rows", timed)
+    for rounds, expected in ((True, native_module.NEVER), (False, BLAS_ROWS)):
+        monkeypatch.setattr(native_module, "_blas_rows", None)
+        monkeypatch.setattr(native_module, "rounds_activations", lambda bits, r=rounds: r)
+        assert native_module.blas_rows() == expected
+
+
 @needs_kernels
 def test_without_blas_every_row_count_keeps_a_rows_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the kernels take every product (a CPU where BLAS is the slower), a row's output

@@ -13,11 +13,12 @@ multiply float32 activations, with one order of operations per output whatever t
 (a first version rounded activations to int8 as llama.cpp does, and radix-cache hits changed
 greedy tokens). On CPUs with AVX-512 VNNI they round each row's activations to 16-bit
 integers a block of 32 inputs instead and multiply the codes as bytes (`vpdpbusd`: 1.4x
-faster at one row, 1.25x at 128 on a Zen 5 VM; `rounds_activations`); a row's integers
-depend on the row alone, and the CPU attention computes every query the same way whether
-its prefix was cached or not (attention/torch_native.py), so neither batches nor cache hits
-change a token's bits. Where BLAS is the faster for many rows (`blas_rows`: measured once per CPU;
-about 2x at 512 to 2,048 rows on that box, slower than the kernels on AMD's AVX-512 cores),
+faster at one row and at 128 on a Zen 5 VM; `rounds_activations`); a row's integers
+depend on the row alone, the CPU attention computes every query the same way whether its
+prefix was cached or not (attention/torch_native.py), and BLAS is not used there
+(`blas_rows`), so neither batches nor cache hits change a token's bits. Where BLAS is the
+faster for many rows (`blas_rows`: measured once per CPU; about 2x at 512 to 2,048 rows on
+that box, slower than the kernels on AMD's AVX-512 cores),
 products from BLAS_ROWS rows (prefill chunks, large decode batches) de-quantize slices of the
 weight into a reused buffer and BLAS multiplies them, different from the kernels only in the
 last bits of float32, like any two float32 products (the float path has the same between a
@@ -138,10 +139,13 @@ def blas_rows() -> int:
     once and kept in their folder. It depends on the CPU's maker as much as on its
     instruction sets: MKL runs its AVX2 code on AMD's AVX-512 cores, where the kernels were
     1.4x faster than BLAS at 64 to 2,048 rows (Zen 5), while on a 2-core AVX2 box BLAS was
-    ~2x faster from 512. Without BLAS every output has the same bits whatever its batch."""
+    ~2x faster from 512. Without BLAS every output has the same bits whatever its batch.
+    Where the kernels round activations to 16 bits (`rounds_activations`), never: a prompt's
+    chunk through BLAS (float32 activations) and its last token again on a cache hit through
+    the kernels would differ by a rounding step, not a last bit."""
     global _blas_rows
     if _blas_rows is None:
-        _blas_rows = decide_blas_rows(kernels_folder())
+        _blas_rows = NEVER if rounds_activations(4) else decide_blas_rows(kernels_folder())
     return _blas_rows
 
 
