@@ -83,6 +83,30 @@ def test_radix_hits_do_not_change_outputs(
     assert [o.token_ids for o in outputs] == [h[5:13] for h in hf_tokens]
 
 
+def test_quantized_model_on_cpu_keeps_its_bits_across_cache_hits_and_chunks(
+    make_llm: Callable[..., LLM], smollm2_dir: Path, prompt_ids: list[list[int]]
+) -> None:
+    """The embedded Q4_1 file on aserve's CPU kernels (16-bit activations where the CPU has
+    AVX-512 VNNI): every token's logprob the same float, not merely close, whether its prompt
+    was prefilled whole, again after a radix-cache hit, in chunks of 7 tokens, or with its
+    first 5 generated tokens appended (their K/V from the cache, the rest computed anew). The
+    prefill attention computes each token as its decode would."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=True)
+
+    def run(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+        outputs = llm.generate(prompts, params)
+        return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outputs]
+
+    llm = make_llm(smollm2_dir, page_size=4)
+    whole = run(llm, prompt_ids)
+    assert run(llm, prompt_ids) == whole  # the prompts now cached
+    chunked = make_llm(smollm2_dir, page_size=4, max_prefill_length=7)
+    assert run(chunked, prompt_ids) == whole
+    extended = run(llm, [p + t[:5] for p, (t, _) in zip(prompt_ids, whole)])
+    for (tokens, logprobs), (ours, our_logprobs) in zip(whole, extended):
+        assert ours[:7] == tokens[5:] and our_logprobs[:7] == logprobs[5:]
+
+
 @pytest.mark.parametrize(
     "options",
     [
