@@ -341,6 +341,14 @@ float exponentiate(float* s, int64_t n, float top) {
   return sum;
 }
 
+// A group's running max (`top`), sum of weights (`total`) and unnormalised weighted values
+// (`out`) before its first block.
+inline void clear_fold(float* out, float* top, float* total, int64_t group, int64_t head_dim) {
+  std::fill(top, top + group, -INFINITY);
+  std::fill(total, total + group, 0.0f);
+  std::fill(out, out + group * head_dim, 0.0f);
+}
+
 // One block's scores of the group's heads (head j's at scores + j * apart, `rows` of them)
 // folded into each head's running max (`top`), sum of weights (`total`) and unnormalised
 // weighted values (`out`): the max rises, the old sums are rescaled, the block's scores become
@@ -379,9 +387,7 @@ void attend(const float* q, const T* kv, const int32_t* slots, int64_t length,
   const int64_t stride = 2 * kv_heads * head_dim;
   const T* keys = kv + kv_head * head_dim;
   const T* values = keys + kv_heads * head_dim;
-  std::fill(top, top + group, -INFINITY);
-  std::fill(total, total + group, 0.0f);
-  std::fill(out, out + group * head_dim, 0.0f);
+  clear_fold(out, top, total, group, head_dim);
   for (int64_t first = 0; first < length; first += kBlock) {
     const int64_t rows = std::min(kBlock, length - first);
     const int32_t* block = slots + first;
@@ -395,6 +401,13 @@ void attend(const float* q, const T* kv, const int32_t* slots, int64_t length,
 // 160 over three KV heads made three units for two cores); where the cuts fall depends on
 // the context's length alone.
 constexpr int64_t kPiece = 128;
+
+// The length of each piece of an n-position context (the last may be shorter): one formula for
+// decode's lone requests and a prefill's runs, so a token is cut alike either way.
+inline int64_t piece_length(int64_t n) {
+  const int64_t pieces = (n + kPiece - 1) / kPiece;
+  return (n + pieces - 1) / pieces;
+}
 
 struct Piece {
   int64_t request, first, length;
@@ -464,16 +477,14 @@ void attend_run(const float* queries, int64_t q_stride, const T* kv, const int32
               scores + base, longest);
   }
   for (int64_t e = 0; e < count; ++e) {
-    const int64_t n = length[first + e];
-    const int64_t pieces = (n + kPiece - 1) / kPiece, each = (n + pieces - 1) / pieces;
-    for (int64_t k = 0; k < pieces; ++k) {
-      const int64_t start = k * each, rows = std::min(each, n - start);
-      float* out = parts + k * part_size;
+    const int64_t n = length[first + e], each = piece_length(n);
+    int64_t pieces = 0;
+    for (int64_t start = 0; start < n; start += each, ++pieces) {
+      const int64_t rows = std::min(each, n - start);
+      float* out = parts + pieces * part_size;
       float* top = out + group * head_dim;
       float* total = top + group;
-      std::fill(top, top + group, -INFINITY);
-      std::fill(total, total + group, 0.0f);
-      std::fill(out, out + group * head_dim, 0.0f);
+      clear_fold(out, top, total, group, head_dim);
       fold_block(scores + e * group * longest + start, longest, values, context + start, rows,
                  stride, group, head_dim, out, top, total);
     }
@@ -520,7 +531,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
   std::vector<Piece> pieces;  // of the lone requests
   std::vector<int64_t> first_piece(batch + 1);
   std::vector<std::pair<int64_t, int64_t>> runs;  // (first entry, tokens)
-  std::vector<bool> in_run(batch);
   for (int64_t i = 0; i < batch;) {
     int64_t count = 1;
     while (i + count < batch && count < kRunTokens && row[i + count] == row[i] &&
@@ -528,10 +538,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
       ++count;
     if (count > 1) runs.emplace_back(i, count);
     for (int64_t e = i; e < i + count; ++e) {
-      first_piece[e] = static_cast<int64_t>(pieces.size());
-      in_run[e] = count > 1;
+      first_piece[e] = static_cast<int64_t>(pieces.size());  // a run's tokens: no pieces here
       if (count > 1) continue;
-      const int64_t cuts = (length[e] + kPiece - 1) / kPiece, each = (length[e] + cuts - 1) / cuts;
+      const int64_t each = piece_length(length[e]);
       for (int64_t start = 0; start < length[e]; start += each)
         pieces.push_back({e, start, std::min(each, length[e] - start)});
     }
@@ -583,7 +592,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
   at::parallel_for(0, batch * kv_heads, 64, [&](int64_t begin, int64_t end) {
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t i = unit / kv_heads, kv_head = unit % kv_heads;
-      if (in_run[i]) continue;
+      if (first_piece[i] == first_piece[i + 1]) continue;  // a run's token
       join_pieces(parts.data() + (first_piece[i] * kv_heads + kv_head) * part_size,
                   first_piece[i + 1] - first_piece[i], kv_heads * part_size, group, head_dim,
                   outputs + (i * heads + kv_head * group) * head_dim);

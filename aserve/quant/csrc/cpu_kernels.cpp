@@ -30,10 +30,11 @@
 // per row and block of 32 inputs, which again depend on the row alone (`IntActivations`).
 // Rounding them to int8 (llama.cpp's way) had turned attention's last-bit differences between
 // a cached and an uncached prefix into visible ones; the CPU attention now computes a query
-// alike in both cases (attention/torch_native.py). Few rows (decode) expand codes in registers, with four or
-// more registers of sums under way (R rows x P panels, or x Q panel pairs with AVX-512: 1 x 4,
-// 2 x 2, 4 x 2) so that the FMAs' latency is hidden; without AVX-512, from 16 rows two panels
-// of codes are expanded once into a buffer and 6-row tiles run over it.
+// alike in both cases (attention/torch_native.py).
+// Few rows (decode) expand codes in registers, with four or more registers of sums under way
+// (R rows x P panels, or x Q panel pairs with AVX-512: 1 x 4, 2 x 2, 4 x 2) so that the FMAs'
+// latency is hidden; without AVX-512, from 16 rows two panels of codes are expanded once into
+// a buffer and 6-row tiles run over it.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -683,7 +684,7 @@ inline int code_bias(const Weight& w) {
   return K == Kind::kNibbles ? 0 : K == Kind::kSplit ? split_center(w) : 128;
 }
 
-// Bytes 4 to 5 of a split code: `vpmultishiftqb` gives each byte the 8 bits of its 64-bit
+// Bits 4 and 5 of a split code's bytes: `vpmultishiftqb` gives each byte the 8 bits of its 64-bit
 // lane from an offset, so these offsets put the high bits of inputs 0, 2, 4, 6 of a word
 // (bits 2i, 2i + 1 of `high`, one 32-bit lane's) at bits 4 and 5 of bytes 0 to 3; the odd
 // inputs' two bits later.
@@ -725,7 +726,6 @@ inline CodeBytes code_bytes(__m512i word, __m512i high, __m512i table) {
 #endif
 }
 
-// R rows against panels [first_panel, first_panel + 2 * Q), activations as integers.
 // R rows against panels [first_panel, first_panel + 2 * Q), activations as integers; with
 // `single` (Q = 1) the one panel first_panel, computed as a pair of itself.
 template <int R, int Q, Kind K>
@@ -848,7 +848,6 @@ void few_rows(const Weight& w, const Rows& a, int64_t first, int64_t last, int64
   if (row < last) panels_at<1, 4, K>(w, a, row, first_panel, last_panel);
 }
 #endif
-
 
 template <Kind K>
 void rows_against_panels_of(const Weight& w, const Rows& a, int64_t first, int64_t last,
