@@ -32,9 +32,9 @@
 // a cached and an uncached prefix into visible ones; the CPU attention now computes a query
 // alike in both cases (attention/torch_native.py).
 // Few rows (decode) expand codes in registers, with four or more registers of sums under way
-// (R rows x P panels, or x Q panel pairs with AVX-512: 1 x 4, 2 x 2, 4 x 2) so that the FMAs'
-// latency is hidden; without AVX-512, from 16 rows two panels of codes are expanded once into
-// a buffer and 6-row tiles run over it.
+// (R rows x P panels, or x Q panel pairs with AVX-512: 1 x 4, 2 x 2, 4 x 2, most integer tiles
+// 3 x 2) so that the FMAs' latency is hidden; without AVX-512, from 16 rows two panels of codes
+// are expanded once into a buffer and 6-row tiles run over it.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -824,11 +824,20 @@ void panels_at2(const Weight& w, const Rows& a, int64_t row, int64_t first_panel
   for (; p < last_panel; ++p) tile<R, 1, K>(w, a, row, p);
 }
 
+// Rows a tile of two panel pairs takes. The integer tiles take three: with four, their 16 sums,
+// the codes and the rows' broadcast bytes outgrew the 32 registers, and GCC spilled sums and
+// moved them between registers inside the inner loop (64 rows, one thread, GMAC/s: Q4_K 137 ->
+// 152, Q4_0 144 -> 160, Q8_0 130 -> 132); split codes, which keep more registers for their
+// high bits, lost 2% that way and keep four.
+template <Kind K, bool kInt>
+constexpr int kTileRows = kInt && K != Kind::kSplit ? 3 : 4;
+
 template <Kind K, bool kInt = false>
 void few_rows(const Weight& w, const Rows& a, int64_t first, int64_t last, int64_t first_panel,
               int64_t last_panel) {
+  constexpr int R = kTileRows<K, kInt>;
   int64_t row = first;
-  for (; row + 4 <= last; row += 4) panels_at2<4, 2, K, kInt>(w, a, row, first_panel, last_panel);
+  for (; row + R <= last; row += R) panels_at2<R, 2, K, kInt>(w, a, row, first_panel, last_panel);
   if (row + 2 <= last) {
     panels_at2<2, 2, K, kInt>(w, a, row, first_panel, last_panel);
     row += 2;
