@@ -1048,7 +1048,8 @@ def test_moe_experts_of_different_formats_decode_one_by_one() -> None:
 def test_kernels_round_activations_to_16_bits_a_block_where_the_cpu_has_vnni(qtype: QType) -> None:
     """On CPUs with AVX-512 VNNI the kernels multiply codes by activations rounded to 16-bit
     integers a block of 32 inputs: within float32 rounding of the float64 product of exactly
-    those activations, at every tile shape (1, 3, 9 rows; 100 outputs, the last panel alone),
+    those activations, at every tile shape (1, 3, 5, 9 rows: tiles of 3 or 4 rows, 2 and 1;
+    100 outputs, the last panel alone),
     and measurably apart from the unrounded product; turned off, the float32 tiles match the
     unrounded one. A row keeps its bits alone and batched."""
     native = NativeWeight(
@@ -1065,7 +1066,7 @@ def test_kernels_round_activations_to_16_bits_a_block_where_the_cpu_has_vnni(qty
     exact = F.linear(x.double(), weight)
     rounded = F.linear(as_the_kernels_round(x, native.code_bits), weight)
     tight = 2e-6 * float(exact.abs().max())
-    for rows in (1, 3, 9):
+    for rows in (1, 3, 5, 9):
         got = native.linear(x[:rows], None).double()
         torch.testing.assert_close(got, rounded[:rows], rtol=0, atol=tight)
         assert torch.equal(got[:1], native.linear(x[:1], None).double())
