@@ -87,10 +87,10 @@ def test_quantized_model_on_cpu_keeps_its_bits_across_cache_hits_and_chunks(
     make_llm: Callable[..., LLM], smollm2_dir: Path, prompt_ids: list[list[int]]
 ) -> None:
     """The embedded Q4_1 file on aserve's CPU kernels (16-bit activations where the CPU has
-    AVX-512 VNNI): every token's logprob the same float, not merely close, whether its prompt
-    was prefilled whole, again after a radix-cache hit, in chunks of 7 tokens, or with its
-    first 5 generated tokens appended (their K/V from the cache, the rest computed anew). The
-    prefill attention computes each token as its decode would."""
+    AVX-512 VNNI or AVX-VNNI): every token's logprob the same float, not merely close, whether
+    its prompt was prefilled whole, again after a radix-cache hit, in chunks of 7 tokens, or
+    with its first 5 generated tokens appended (their K/V from the cache, the rest computed
+    anew). The prefill attention computes each token as its decode would."""
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=True)
 
     def run(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:

@@ -473,7 +473,7 @@ def test_embedded_model_quantized_against_its_float32_path(
     make_llm: Callable[..., LLM], smollm2_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The embedded Q4_1 model on the kernels against the same weights de-quantized to
-    float32: only the order of float sums differs, and on CPUs with AVX-512 VNNI the kernels'
+    float32: only the order of float sums differs, and on CPUs with VNNI the kernels'
     16-bit activations (24 of 24 tokens agree for all 8 prompts here, either way); where they
     part is printed."""
     from tests.test_generation import TEXTS
@@ -909,6 +909,15 @@ def test_gate_up_product_and_its_activation_in_one_call(blas_from_128: None) -> 
     assert native.silu(x) is None
 
 
+OTHER_BUILD_FORMATS = (QType.Q4_1, QType.Q8_0, QType.Q4_K, QType.Q6_K, QType.IQ4_XS, QType.IQ4_NL)
+
+
+def other_build_operands(qtype: QType) -> tuple[Codes, torch.Tensor]:
+    """A weight and rows of x that `OTHER_BUILD_CHECK` multiplies in another build's process."""
+    codes = decode(torch.from_numpy(random_blocks(qtype, 100, 512, seed=3)), qtype, 512)
+    return codes, torch.randn(70, 512, generator=torch.Generator().manual_seed(9))
+
+
 OTHER_BUILD_CHECK = """
 import sys
 from pathlib import Path
@@ -923,17 +932,22 @@ from aserve.quant.gguf import decode
 native.load_kernels(Path(sys.argv[1]), [*sys.argv[2:], *native.openmp_flags()])
 # only now: these find the kernels loaded (as built above) instead of building their own
 from tests.test_cpu_ops import reference_attention
-from tests.test_quant import random_blocks
-x = torch.randn(70, 512, generator=torch.Generator().manual_seed(9))
-for qtype in (QType.Q4_1, QType.Q8_0, QType.Q4_K, QType.IQ4_XS):
-    codes = decode(torch.from_numpy(random_blocks(qtype, 100, 512, seed=3)), qtype, 512)
+from tests.test_quant import (
+    OTHER_BUILD_FORMATS, as_the_kernels_round, other_build_operands, random_blocks,
+)
+products = {}
+for qtype in OTHER_BUILD_FORMATS:
+    codes, x = other_build_operands(qtype)
     weight = native.NativeWeight(codes)
-    exact = F.linear(x.double(), codes.dequantize().double())
+    # the activations as this build multiplies them: rounded to 16 bits where it has AVX-VNNI
+    exact = F.linear(as_the_kernels_round(x, weight.code_bits), codes.dequantize().double())
     together = weight.linear(x, None)
     error = float((together.double() - exact).abs().max() / exact.abs().max())
-    assert error < 1e-5, (qtype, error)
+    assert error < 5e-6, (qtype, error)
     for rows in (1, 3, 5, 20):
         assert torch.equal(weight.linear(x[7 : 7 + rows], None), together[7 : 7 + rows]), rows
+    products[qtype.name] = (native.rounds_activations(weight.code_bits), together)
+torch.save(products, Path(sys.argv[1]) / "products.pt")
 pool = torch.randn(1024, 2, 2, 64, generator=torch.Generator().manual_seed(10))
 table = torch.randperm(1024, generator=torch.Generator().manual_seed(11)).to(torch.int32)
 table, lens, q = table.view(2, 512), [300, 9], torch.randn(2, 4, 64)
@@ -971,16 +985,20 @@ print("checked")
 @needs_kernels
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
 @pytest.mark.parametrize(
-    "flags", [["-mno-avx512f"], ["-mno-avx2"]], ids=["without-avx512", "without-avx2"]
+    "flags",
+    [["-mno-avx512f"], ["-mno-avx512f", "-mno-avxvnni"], ["-mno-avx2"]],
+    ids=["without-avx512", "without-avx512-or-avx-vnni", "without-avx2"],
 )
 def test_kernels_built_for_older_cpus_give_the_same_products(
     tmp_path: Path, flags: list[str]
 ) -> None:
     """The kernels pick their code paths when they compile (-march=native): a CPU without
-    AVX-512 runs the 8-lane tiles and, from 16 rows, the expanded-codes buffer; one without
+    AVX-512 runs the 8-lane tiles, with AVX-VNNI (Intel's since Alder Lake) the integer ones
+    (`int_tile`), else float ones and, from 16 rows, the expanded-codes buffer; one without
     AVX2 the portable tiles. Built here with those instruction sets turned off (in a process of
-    their own, the op names being global), every path against float64, a row's bits the same
-    alone and batched, and the decode attention against its float64 softmax."""
+    their own, the op names being global), every path against float64 of the activations as
+    that build rounds them, a row's bits the same alone and batched, and the decode attention
+    against its float64 softmax."""
     result = subprocess.run(
         [sys.executable, "-c", OTHER_BUILD_CHECK, str(tmp_path), *flags],
         capture_output=True,
@@ -989,6 +1007,23 @@ def test_kernels_built_for_older_cpus_give_the_same_products(
         cwd=Path(__file__).parent.parent,
     )
     assert result.returncode == 0 and "checked" in result.stdout, result.stderr[-3000:]
+    if "-mno-avx2" in flags:
+        return  # the portable tiles leave the order of a row's float sums to the compiler
+    # an x86 build without AVX-512 gives this build's bits wherever both round activations or
+    # neither does (here turned off to match): per output the same integers and the same
+    # float operations in one order
+    compared = 0
+    for qtype, (rounds, theirs) in torch.load(tmp_path / "products.pt").items():
+        codes, x = other_build_operands(QType[qtype])
+        weight = NativeWeight(codes)
+        try:
+            torch.ops.aserve_cpu.int_activations(rounds)
+            if rounds == native_module.rounds_activations(weight.code_bits):
+                assert torch.equal(weight.linear(x, None), theirs), qtype
+                compared += 1
+        finally:
+            torch.ops.aserve_cpu.int_activations(True)
+    assert compared == len(OTHER_BUILD_FORMATS)
 
 
 def test_a_moe_part_decoded_at_once_splits_and_joins_expert_by_expert() -> None:
@@ -1046,19 +1081,19 @@ def test_moe_experts_of_different_formats_decode_one_by_one() -> None:
 @needs_kernels
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 def test_kernels_round_activations_to_16_bits_a_block_where_the_cpu_has_vnni(qtype: QType) -> None:
-    """On CPUs with AVX-512 VNNI the kernels multiply codes by activations rounded to 16-bit
-    integers a block of 32 inputs: within float32 rounding of the float64 product of exactly
-    those activations, at every tile shape (1, 3, 5, 9 rows: tiles of 3 or 4 rows, 2 and 1;
-    100 outputs, the last panel alone),
-    and measurably apart from the unrounded product; turned off, the float32 tiles match the
-    unrounded one. A row keeps its bits alone and batched."""
+    """On CPUs with VNNI (AVX-512's or AVX-VNNI) the kernels multiply codes by activations
+    rounded to 16-bit integers a block of 32 inputs: within float32 rounding of the float64
+    product of exactly those activations, at every tile shape (1, 3, 5, 9 rows: tiles of 3 or
+    4 rows, 2 and 1; 100 outputs, the last panel alone), and measurably apart from the
+    unrounded product; turned off, the float32 tiles match the unrounded one. A row keeps its
+    bits alone and batched."""
     native = NativeWeight(
         decode(torch.from_numpy(random_blocks(qtype, 100, 512, seed=5)), qtype, 512)
     )
     if not native_module.rounds_activations(native.code_bits):
         pytest.skip(
-            "this CPU has no AVX-512 VNNI (or VBMI for 5- and 6-bit codes): the kernels "
-            "multiply float32 activations"
+            "this CPU has no AVX-512 VNNI or AVX-VNNI (or AVX-512 VBMI for 5- and 6-bit codes): "
+            "the kernels multiply float32 activations"
         )
     weight = native.rows(torch.arange(100)).double()
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(6))

@@ -11,9 +11,10 @@ shapes, us per product at 1 / 16 / 128 rows against float32 MKL-packed weights (
 The kernels here keep GGUF's groups exactly, expand the codes to float32 in registers and
 multiply float32 activations, with one order of operations per output whatever the batch
 (a first version rounded activations to int8 as llama.cpp does, and radix-cache hits changed
-greedy tokens). On CPUs with AVX-512 VNNI they round each row's activations to 16-bit
-integers a block of 32 inputs instead and multiply the codes as bytes (`vpdpbusd`: 1.4x
-faster at one row and at 128 on a Zen 5 VM; `rounds_activations`); a row's integers
+greedy tokens). On CPUs with AVX-512 VNNI or AVX-VNNI they round each row's activations to
+16-bit integers a block of 32 inputs instead and multiply the codes as bytes (`vpdpbusd`:
+with AVX-512 1.4x faster at one row and 1.5x at 128 on a Zen 5 VM, with AVX-VNNI's 256 bits
+1.6-2.0x at one row and 1.1-1.2x at 128; `rounds_activations`); a row's integers
 depend on the row alone, the CPU attention computes every query the same way whether its
 prefix was cached or not (attention/torch_native.py), and BLAS is not used there
 (`blas_rows`), so neither batches nor cache hits change a token's bits. Where BLAS is the

@@ -1,5 +1,5 @@
 // Products of group-quantized weights with float32 activations, or with activations rounded
-// to 16-bit integers where the CPU has AVX-512 VNNI (`IntActivations` below), on CPU
+// to 16-bit integers where the CPU has AVX-512 VNNI or AVX-VNNI (`IntActivations` below), on CPU
 // (aserve/quant/native.py builds this file and says why it exists).
 //
 // A weight keeps integer codes with a float32 scale and offset per group of 16 or 32 inputs,
@@ -26,7 +26,8 @@
 // logits do not depend on what it is batched with. (On CPUs where BLAS is the faster, from
 // native.py's BLAS_ROWS rows the caller de-quantizes slices with `dequantize` and multiplies
 // them with BLAS instead.)
-// Activations stay float32 on CPUs without VNNI; with it, they are rounded to 16-bit integers
+// Activations stay float32 on CPUs without VNNI; with it (AVX-512's, or the 256-bit AVX-VNNI of
+// Intel's cores since Alder Lake), they are rounded to 16-bit integers
 // per row and block of 32 inputs, which again depend on the row alone (`IntActivations`).
 // Rounding them to int8 (llama.cpp's way) had turned attention's last-bit differences between
 // a cached and an uncached prefix into visible ones; the CPU attention now computes a query
@@ -54,7 +55,12 @@
 #if defined(__AVX512VNNI__)
 #define ASERVE_VNNI 1  // activations as 16-bit integers (`IntActivations`)
 #endif
+#elif defined(__AVXVNNI__)
+#define ASERVE_AVX_VNNI 1  // the same integers in 256-bit registers (`int_tile`)
 #endif
+#endif
+#if defined(ASERVE_VNNI) || defined(ASERVE_AVX_VNNI)
+#define ASERVE_INT 1
 #endif
 
 namespace {
@@ -453,6 +459,37 @@ void panels_at(const Weight& w, const Rows& a, int64_t row, int64_t first_panel,
   for (; p < last_panel; ++p) tile<R, 1, K>(w, a, row, p);
 }
 
+#ifdef ASERVE_INT
+// Activations as 16-bit integers (`IntActivations`). Each block of 32 inputs of a row gets a
+// scale s = max |x| / 32639 and x = s * (256 * hi + lo), hi and lo signed bytes, to within
+// s / 2: about 15 bits of the block's largest value, where rounding to int8 (llama.cpp's 7
+// bits) had turned attention's last-bit differences between a cached and an uncached prefix
+// into changed greedy tokens. `vpdpbusd` multiplies four unsigned code bytes by four signed
+// activation bytes and adds the four products to a 32-bit sum in one instruction; two of them
+// (hi, lo) give 64 16-bit products where the float tiles make 16 with an FMA after expanding
+// each code. Integer sums are exact, so the one fixed order of float operations per output
+// stays: per group, part = float(256 * sum_hi + sum_lo - bias * sum(x)) * s, then
+// total = fma(scale, part, total) and fma(offset, xsum, total) as the float tiles do, xsum
+// the group's sum of the rounded activations (the product is the weight's with exactly
+// those). A row's integers depend on that row alone, so its outputs still do not depend on
+// its batch. One row: 1.4x the float tiles' speed (Q4_K 46 -> 65 GB/s, Q6_K 40 -> 58 on a
+// 2-core Zen 5 VM); 128 rows 1.4-1.5x (Q4_K 183 -> 280 GMAC/s; bench/NOTES.md).
+//
+// A row's words follow the weight's: for 4-bit and split codes, each word of 8 inputs gives
+// four words, the hi bytes of inputs 0, 2, 4, 6, their lo bytes, then the odd inputs' (a code
+// word's nibbles split by one mask into even and odd inputs); for 8-bit codes each word of 4
+// inputs gives its hi bytes, then its lo bytes.
+constexpr float kIntLimit = 32639.0f;  // 127 * 256 + 127: hi and lo both within a signed byte
+
+// What a code byte stands for above its value: codes are read as unsigned bytes, so 8-bit
+// codes (sign flipped) and levels (kept as level + 128) stand 128 above, split codes their
+// center above (Q6_K's 32), 4-bit codes none.
+template <Kind K>
+inline int code_bias(const Weight& w) {
+  return K == Kind::kNibbles ? 0 : K == Kind::kSplit ? split_center(w) : 128;
+}
+#endif
+
 #ifdef ASERVE_AVX512
 // With AVX-512 `tile`'s work two panels at a time, one panel in each half of a 512-bit
 // register: per lane the same operations in the same order, so the same bits.
@@ -615,27 +652,6 @@ void tile2(const Weight& w, const Rows& a, int64_t first_row, int64_t first_pane
 }
 
 #ifdef ASERVE_VNNI
-// Activations as 16-bit integers (`IntActivations`). Each block of 32 inputs of a row gets a
-// scale s = max |x| / 32639 and x = s * (256 * hi + lo), hi and lo signed bytes, to within
-// s / 2: about 15 bits of the block's largest value, where rounding to int8 (llama.cpp's 7
-// bits) had turned attention's last-bit differences between a cached and an uncached prefix
-// into changed greedy tokens. `vpdpbusd` multiplies four unsigned code bytes by four signed
-// activation bytes and adds the four products to a 32-bit sum in one instruction; two of them
-// (hi, lo) give 64 16-bit products where the float tiles make 16 with an FMA after expanding
-// each code. Integer sums are exact, so the one fixed order of float operations per output
-// stays: per group, part = float(256 * sum_hi + sum_lo - bias * sum(x)) * s, then
-// total = fma(scale, part, total) and fma(offset, xsum, total) as the float tiles do, xsum
-// the group's sum of the rounded activations (the product is the weight's with exactly
-// those). A row's integers depend on that row alone, so its outputs still do not depend on
-// its batch. One row: 1.4x the float tiles' speed (Q4_K 46 -> 65 GB/s, Q6_K 40 -> 58 on a
-// 2-core Zen 5 VM); 128 rows 1.4-1.5x (Q4_K 183 -> 280 GMAC/s; bench/NOTES.md).
-//
-// A row's words follow the weight's: for 4-bit and split codes, each word of 8 inputs gives
-// four words, the hi bytes of inputs 0, 2, 4, 6, their lo bytes, then the odd inputs' (a code
-// word's nibbles split by one mask into even and odd inputs); for 8-bit codes each word of 4
-// inputs gives its hi bytes, then its lo bytes.
-constexpr float kIntLimit = 32639.0f;  // 127 * 256 + 127: hi and lo both within a signed byte
-
 // Inputs [0, n) of x (n = 16 or 32; the rest read as zero) into one block.
 inline void quantize_block(const float* x, int n, bool bytes, int32_t* words, float* scale,
                            int32_t* sums) {
@@ -659,29 +675,6 @@ inline void quantize_block(const float* x, int n, bool bytes, int32_t* words, fl
     _mm_storeu_si128(reinterpret_cast<__m128i*>(words + 8 * half), _mm_unpacklo_epi32(h, l));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(words + 8 * half + 4), _mm_unpackhi_epi32(h, l));
   }
-}
-
-// Rows [first, last) of `a` (picked or not) into xq [rows, cols / 2], xscale [rows, blocks],
-// xisum [rows, cols / 16]; cols is a multiple of 16.
-void quantize_rows(const Rows& a, bool bytes, int64_t first, int64_t last, int32_t* xq,
-                   float* xscale, int32_t* xisum) {
-  const int64_t blocks = a.blocks();
-  for (int64_t m = first; m < last; ++m) {
-    const float* row = a.row(m);
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int n = static_cast<int>(std::min<int64_t>(32, a.cols - 32 * b));
-      quantize_block(row + 32 * b, n, bytes, xq + m * a.cols / 2 + 16 * b, xscale + m * blocks + b,
-                     xisum + m * a.cols / 16 + 2 * b);
-    }
-  }
-}
-
-// What a code byte stands for above its value: codes are read as unsigned bytes, so 8-bit
-// codes (sign flipped) and levels (kept as level + 128) stand 128 above, split codes their
-// center above (Q6_K's 32), 4-bit codes none.
-template <Kind K>
-inline int code_bias(const Weight& w) {
-  return K == Kind::kNibbles ? 0 : K == Kind::kSplit ? split_center(w) : 128;
 }
 
 // Bits 4 and 5 of a split code's bytes: `vpmultishiftqb` gives each byte the 8 bits of its 64-bit
@@ -874,6 +867,197 @@ void few_rows(const Weight& w, const Rows& a, int64_t first, int64_t last, int64
   }
   if (row < last) panels_at<1, 4, K>(w, a, row, first_panel, last_panel);
 }
+
+#ifdef ASERVE_AVX_VNNI
+// `IntActivations` on CPUs with AVX-VNNI but not AVX-512 (Intel's cores since Alder Lake): one
+// panel a 256-bit register, the same integers and per output the same float operations as
+// `int_tile2`, so the same bits. The float tiles expand each code to a float and multiply it
+// with an FMA, five instructions for 8 products; here four `vpdpbusd` take 64.
+
+// Inputs [0, n) of x (n = 16 or 32; the rest read as zero) into one block, as the AVX-512
+// `quantize_block` does: the same scale, integers and word layout.
+inline void quantize_block(const float* x, int n, bool bytes, int32_t* words, float* scale,
+                           int32_t* sums) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 values[4], largest8 = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    values[i] = 8 * i < n ? _mm256_loadu_ps(x + 8 * i) : _mm256_setzero_ps();
+    largest8 = _mm256_max_ps(largest8, _mm256_and_ps(values[i], magnitude));
+  }
+  __m128 largest4 = _mm_max_ps(_mm256_castps256_ps128(largest8), _mm256_extractf128_ps(largest8, 1));
+  largest4 = _mm_max_ps(largest4, _mm_movehl_ps(largest4, largest4));
+  const float largest = _mm_cvtss_f32(_mm_max_ss(largest4, _mm_movehdup_ps(largest4)));
+  const __m256 inverse = _mm256_set1_ps(largest > 0.0f ? kIntLimit / largest : 0.0f);
+  *scale = largest / kIntLimit;
+  alignas(32) int32_t steps[32];
+  for (int i = 0; i < n / 8; ++i)
+    _mm256_store_si256(reinterpret_cast<__m256i*>(steps + 8 * i),
+                       _mm256_cvtps_epi32(_mm256_mul_ps(values[i], inverse)));
+  for (int half = 0; half < n / 16; ++half) {
+    int32_t sum = 0;
+    for (int i = 0; i < 16; ++i) sum += steps[16 * half + i];
+    sums[half] = sum;
+    for (int eight = 0; eight < 2; ++eight) {
+      const int32_t* step = steps + 16 * half + 8 * eight;
+      int32_t* out = words + 8 * half + 4 * eight;
+      for (int odd = 0; odd < 2; ++odd) {  // the even inputs (8-bit codes: the first four)
+        uint32_t hi = 0, lo = 0;
+        for (int j = 0; j < 4; ++j) {
+          const int32_t value = step[bytes ? 4 * odd + j : 2 * j + odd];
+          const int32_t low = static_cast<int8_t>(value & 255);
+          hi |= static_cast<uint32_t>(static_cast<uint8_t>((value - low) >> 8)) << (8 * j);
+          lo |= static_cast<uint32_t>(static_cast<uint8_t>(low)) << (8 * j);
+        }
+        out[2 * odd] = static_cast<int32_t>(hi);
+        out[2 * odd + 1] = static_cast<int32_t>(lo);
+      }
+    }
+  }
+}
+
+// A panel's code word as unsigned code bytes, the even inputs' and the odd inputs' (8-bit
+// codes: the word's four inputs in `even`); split codes with bits 4 and 5 from `high`, the
+// word's inputs' high bits (input i at bits 2i, 2i + 1 of each lane's low 16 bits).
+struct CodeBytes8 {
+  __m256i even, odd;
+};
+
+template <Kind K>
+inline CodeBytes8 code_bytes8(__m256i word, __m256i high, __m256i levels) {
+  if (K == Kind::kBytes) {
+    const __m256i flipped = _mm256_xor_si256(word, _mm256_set1_epi8(static_cast<char>(0x80)));
+    return {flipped, flipped};
+  }
+  const __m256i nibbles = _mm256_set1_epi8(15);
+  const __m256i even = _mm256_and_si256(word, nibbles);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(word, 4), nibbles);
+  if (K == Kind::kLevels) return {_mm256_shuffle_epi8(levels, even), _mm256_shuffle_epi8(levels, odd)};
+  if (K != Kind::kSplit) return {even, odd};
+  // Code byte j of the even inputs (input 2j) takes bits 4j, 4j + 1 of `high`: those of its
+  // byte j / 2, at 0 and 1 (j even) or 4 and 5 (j odd); the odd inputs' bits 4j + 2, 4j + 3.
+  // Each lane's bytes 0, 0, 1, 1 side by side, then shifted in 16-bit halves to bits 4 and 5.
+  const __m256i twice = _mm256_shuffle_epi8(
+      high, _mm256_setr_epi8(0, 0, 1, 1, 4, 4, 5, 5, 8, 8, 9, 9, 12, 12, 13, 13, 0, 0, 1, 1, 4, 4,
+                             5, 5, 8, 8, 9, 9, 12, 12, 13, 13));
+  const __m256i at_even = _mm256_set1_epi32(0x00300030), at_odd = _mm256_set1_epi32(0x30003000);
+  const __m256i even_high = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(twice, 4), at_even),
+                                            _mm256_and_si256(twice, at_odd));
+  const __m256i odd_high =
+      _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(twice, 2), at_even),
+                      _mm256_and_si256(_mm256_srli_epi16(twice, 2), at_odd));
+  return {_mm256_or_si256(even, even_high), _mm256_or_si256(odd, odd_high)};
+}
+
+// R rows against panels [first_panel, first_panel + P), activations as integers.
+template <int R, int P, Kind K>
+void int_tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_panel) {
+  constexpr int per_word = K == Kind::kBytes ? 4 : 8;
+  const int64_t words = w.words_per_group(), code_words = w.code_words(), stride = w.panel_words();
+  const int bias = code_bias<K>(w);
+  const __m256i levels = levels_of(w);
+  const int64_t row_words = a.cols / 2, row_sums = a.cols / 16, blocks = a.blocks();
+  __m256 total[R][P];
+  set_zero(total);
+  for (int64_t g = 0; g < w.groups; ++g) {
+    if (first_row % kRowBlock == 0) prefetch_slice(w, first_panel + P, P, g);
+    __m256i hi[R][P], lo[R][P];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int p = 0; p < P; ++p) hi[r][p] = lo[r][p] = _mm256_setzero_si256();
+    for (int64_t v = 0; v < code_words; ++v) {
+      const int64_t at = (g * w.group + v * per_word) / 2;  // the row's first word for v
+      CodeBytes8 codes[P];
+#pragma GCC unroll 8
+      for (int p = 0; p < P; ++p) {
+        const uint32_t* group_words = w.words + (first_panel + p) * stride + g * words * kLanes;
+        const auto load = [&](int64_t at) {
+          return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_words + at * kLanes));
+        };
+        const __m256i high = K == Kind::kSplit
+                                 ? _mm256_srli_epi32(load(code_words + v / 2), 16 * (v % 2))
+                                 : _mm256_setzero_si256();
+        codes[p] = code_bytes8<K>(load(v), high, levels);
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int32_t* x = a.xq + (first_row + r) * row_words + at;
+#pragma GCC unroll 8
+        for (int p = 0; p < P; ++p) {
+          hi[r][p] = _mm256_dpbusd_avx_epi32(hi[r][p], codes[p].even, _mm256_set1_epi32(x[0]));
+          lo[r][p] = _mm256_dpbusd_avx_epi32(lo[r][p], codes[p].even, _mm256_set1_epi32(x[1]));
+          if (K != Kind::kBytes) {
+            hi[r][p] = _mm256_dpbusd_avx_epi32(hi[r][p], codes[p].odd, _mm256_set1_epi32(x[2]));
+            lo[r][p] = _mm256_dpbusd_avx_epi32(lo[r][p], codes[p].odd, _mm256_set1_epi32(x[3]));
+          }
+        }
+      }
+    }
+    const int64_t first_sum = g * w.group / 16, block = g * w.group / 32;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = first_row + r;
+      const int32_t* sums = a.xisum + row * row_sums + first_sum;
+      const int32_t sum = w.group == 32 ? sums[0] + sums[1] : sums[0];
+      const __m256i shift = _mm256_set1_epi32(bias * sum);
+      const __m256 xs = _mm256_set1_ps(a.xscale[row * blocks + block]);
+#pragma GCC unroll 8
+      for (int p = 0; p < P; ++p) {
+        const __m256i exact =
+            _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(hi[r][p], 8), lo[r][p]), shift);
+        const __m256 part = _mm256_mul_ps(_mm256_cvtepi32_ps(exact), xs);
+        total[r][p] = close_group(w, a, row, g, w.scales8(first_panel + p, g),
+                                  w.offsets8(first_panel + p, g), part, total[r][p]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p)
+      _mm256_storeu_ps(a.y + (first_row + r) * a.out + (first_panel + p) * kLanes, total[r][p]);
+}
+
+template <int R, int P, Kind K>
+void int_panels(const Weight& w, const Rows& a, int64_t row, int64_t first_panel,
+                int64_t last_panel) {
+  int64_t p = first_panel;
+  for (; p + P <= last_panel; p += P) int_tile<R, P, K>(w, a, row, p);
+  for (; p < last_panel; ++p) int_tile<R, 1, K>(w, a, row, p);
+}
+
+// Tiles of 2 rows x 2 panels, a last row 1 x 2 (AVX2 build on a Zen 5 VM, 2 threads, 5,120 x
+// 2,048, GMAC/s at 16 / 128 rows: Q4_K 103 / 107, Q8_0 116 / 122; 2 x 1 tiles 82 / 87 and 81 /
+// 85, 3 x 1 94 / 101 and 96 / 105, 3 x 2 as 2 x 2; the float tiles 77 / 96 and 86 / 111).
+// Split codes gain at one row (Q6_K 19 -> 30 GMAC/s) and lose from 16 (128 rows 91 -> 67: a
+// word's high bits take ~11 instructions for 2 rows), but a step of a Q4_K_M file still gains
+// (Llama-3.2-1B's shape: decode 29.2 -> 25.2 ms a step, a 128-token prefill 1.18 -> 1.25 s).
+template <Kind K>
+void int_rows(const Weight& w, const Rows& a, int64_t first, int64_t last, int64_t first_panel,
+              int64_t last_panel) {
+  int64_t row = first;
+  for (; row + 2 <= last; row += 2) int_panels<2, 2, K>(w, a, row, first_panel, last_panel);
+  if (row < last) int_panels<1, 2, K>(w, a, row, first_panel, last_panel);
+}
+#endif
+#endif
+
+#ifdef ASERVE_INT
+// Rows [first, last) of `a` (picked or not) into xq [rows, cols / 2], xscale [rows, blocks],
+// xisum [rows, cols / 16]; cols is a multiple of 16.
+void quantize_rows(const Rows& a, bool bytes, int64_t first, int64_t last, int32_t* xq,
+                   float* xscale, int32_t* xisum) {
+  const int64_t blocks = a.blocks();
+  for (int64_t m = first; m < last; ++m) {
+    const float* row = a.row(m);
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int n = static_cast<int>(std::min<int64_t>(32, a.cols - 32 * b));
+      quantize_block(row + 32 * b, n, bytes, xq + m * a.cols / 2 + 16 * b, xscale + m * blocks + b,
+                     xisum + m * a.cols / 16 + 2 * b);
+    }
+  }
+}
+
 #endif
 
 template <Kind K>
@@ -881,6 +1065,8 @@ void rows_against_panels_of(const Weight& w, const Rows& a, int64_t first, int64
                             int64_t first_panel, int64_t last_panel, std::vector<float>& buffer) {
 #ifdef ASERVE_VNNI
   if (a.xq != nullptr) return few_rows<K, true>(w, a, first, last, first_panel, last_panel);
+#elif defined(ASERVE_AVX_VNNI)
+  if (a.xq != nullptr) return int_rows<K>(w, a, first, last, first_panel, last_panel);
 #endif
   if (last - first >= kManyRows) {
     buffer.resize(2 * w.cols * kLanes);
@@ -1079,15 +1265,15 @@ struct Product {
 };
 
 // Whether products of codes kept in `code_bits` (4, 6: split, 8) multiply activations as
-// integers (`IntActivations`): on CPUs with AVX-512 VNNI (split codes also need VBMI's byte
-// gathers), unless turned off for this process (`enable` false: tests and benchmarks compare
-// the two).
+// integers (`IntActivations`): on CPUs with AVX-512 VNNI or AVX-VNNI (split codes with
+// AVX-512 also need VBMI's byte gathers), unless turned off for this process (`enable` false: tests and
+// benchmarks compare the two).
 bool int_activations_on = true;
 
 bool int_activations(std::optional<bool> enable, int64_t code_bits) {
   if (enable.has_value()) int_activations_on = *enable;
-#ifdef ASERVE_VNNI
-#ifndef __AVX512VBMI__
+#ifdef ASERVE_INT
+#if defined(ASERVE_VNNI) && !defined(__AVX512VBMI__)
   if (code_bits == 6) return false;
 #endif
   return int_activations_on;
@@ -1106,7 +1292,7 @@ Product product_at(const float* x, int64_t rows, const Weight& w, float* y,
   Product p{w, x, picked, x_stride ? x_stride : w.cols, y, rows,
             std::vector<float>(rows * w.groups)};
   const Rows a = p.operands();
-#ifdef ASERVE_VNNI
+#ifdef ASERVE_INT
   if (int_kind(w)) {
     p.xq.resize(rows * w.cols / 2);
     p.xscale.resize(rows * a.blocks());
