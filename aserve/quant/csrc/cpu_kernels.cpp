@@ -761,7 +761,10 @@ void int_tile2(const Weight& w, const Rows& a, int64_t first_row, int64_t first_
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
       for (int q = 0; q < Q; ++q) hi[r][q] = lo[r][q] = _mm512_setzero_si512();
-    for (int64_t v = 0; v < code_words; ++v) {
+    // a code word's products. Unrolled by four, GCC stopped copying the tiles' sums between
+    // registers at every word (one thread, 64 rows, GMAC/s: Q8_0 127 -> 171, Q4_0 154 -> 169);
+    // split codes lost that way (108 -> 88) and keep the loop rolled.
+    const auto add_word = [&](int64_t v) __attribute__((always_inline)) {
       const int64_t at = (g * w.group + v * per_word) / 2;  // the row's first word for v
       CodeBytes codes[Q];
 #pragma GCC unroll 8
@@ -793,6 +796,12 @@ void int_tile2(const Weight& w, const Rows& a, int64_t first_row, int64_t first_
           }
         }
       }
+    };
+    if constexpr (K == Kind::kSplit) {
+      for (int64_t v = 0; v < code_words; ++v) add_word(v);
+    } else {
+#pragma GCC unroll 4
+      for (int64_t v = 0; v < code_words; ++v) add_word(v);
     }
     const int64_t first_sum = g * w.group / 16, block = g * w.group / 32;
     __m512 part[R][Q];
