@@ -45,6 +45,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -488,6 +489,15 @@ template <Kind K>
 inline int code_bias(const Weight& w) {
   return K == Kind::kNibbles ? 0 : K == Kind::kSplit ? split_center(w) : 128;
 }
+
+// What closes row `row`'s integer sums of group g (of `group` inputs): the bias times the
+// group's sum of the row's rounded activations, taken off, and their scale in its block.
+inline std::pair<int32_t, float> group_shift_and_scale(const Rows& a, int64_t row, int64_t g,
+                                                       int64_t group, int bias) {
+  const int32_t* sums = a.xisum + row * (a.cols / 16) + g * group / 16;
+  const int32_t sum = group == 32 ? sums[0] + sums[1] : sums[0];
+  return {bias * sum, a.xscale[row * a.blocks() + g * group / 32]};
+}
 #endif
 
 #ifdef ASERVE_AVX512
@@ -745,7 +755,7 @@ void int_tile2(const Weight& w, const Rows& a, int64_t first_row, int64_t first_
       K == Kind::kLevels
           ? _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.levels)))
           : _mm512_setzero_si512();
-  const int64_t row_words = a.cols / 2, row_sums = a.cols / 16, blocks = a.blocks();
+  const int64_t row_words = a.cols / 2;
   const int64_t second = single ? 0 : stride;  // from a panel's words to its pair's
   __m512 total[R][Q];
 #pragma GCC unroll 8
@@ -803,15 +813,12 @@ void int_tile2(const Weight& w, const Rows& a, int64_t first_row, int64_t first_
 #pragma GCC unroll 4
       for (int64_t v = 0; v < code_words; ++v) add_word(v);
     }
-    const int64_t first_sum = g * w.group / 16, block = g * w.group / 32;
     __m512 part[R][Q];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const int64_t row = first_row + r;
-      const int32_t* sums = a.xisum + row * row_sums + first_sum;
-      const int32_t sum = w.group == 32 ? sums[0] + sums[1] : sums[0];
-      const __m512i shift = _mm512_set1_epi32(bias * sum);
-      const __m512 xs = _mm512_set1_ps(a.xscale[row * blocks + block]);
+      const auto [sum_shift, scale] = group_shift_and_scale(a, first_row + r, g, w.group, bias);
+      const __m512i shift = _mm512_set1_epi32(sum_shift);
+      const __m512 xs = _mm512_set1_ps(scale);
 #pragma GCC unroll 8
       for (int q = 0; q < Q; ++q) {
         const __m512i exact =
@@ -964,7 +971,7 @@ void int_tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_p
   const int64_t words = w.words_per_group(), code_words = w.code_words(), stride = w.panel_words();
   const int bias = code_bias<K>(w);
   const __m256i levels = levels_of(w);
-  const int64_t row_words = a.cols / 2, row_sums = a.cols / 16, blocks = a.blocks();
+  const int64_t row_words = a.cols / 2;
   __m256 total[R][P];
   set_zero(total);
   for (int64_t g = 0; g < w.groups; ++g) {
@@ -1002,14 +1009,12 @@ void int_tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_p
         }
       }
     }
-    const int64_t first_sum = g * w.group / 16, block = g * w.group / 32;
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const int64_t row = first_row + r;
-      const int32_t* sums = a.xisum + row * row_sums + first_sum;
-      const int32_t sum = w.group == 32 ? sums[0] + sums[1] : sums[0];
-      const __m256i shift = _mm256_set1_epi32(bias * sum);
-      const __m256 xs = _mm256_set1_ps(a.xscale[row * blocks + block]);
+      const auto [sum_shift, scale] = group_shift_and_scale(a, row, g, w.group, bias);
+      const __m256i shift = _mm256_set1_epi32(sum_shift);
+      const __m256 xs = _mm256_set1_ps(scale);
 #pragma GCC unroll 8
       for (int p = 0; p < P; ++p) {
         const __m256i exact =
