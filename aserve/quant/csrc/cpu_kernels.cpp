@@ -966,7 +966,8 @@ inline CodeBytes8 code_bytes8(__m256i word, __m256i high, __m256i levels) {
 
 // R rows against panels [first_panel, first_panel + P), activations as integers.
 template <int R, int P, Kind K>
-void int_tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_panel) {
+void int_tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_panel,
+              const CodeBytes8* expanded = nullptr) {
   constexpr int per_word = K == Kind::kBytes ? 4 : 8;
   const int64_t words = w.words_per_group(), code_words = w.code_words(), stride = w.panel_words();
   const int bias = code_bias<K>(w);
@@ -986,6 +987,10 @@ void int_tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_p
       CodeBytes8 codes[P];
 #pragma GCC unroll 8
       for (int p = 0; p < P; ++p) {
+        if (expanded != nullptr) {
+          codes[p] = expanded[(p * w.groups + g) * code_words + v];
+          continue;
+        }
         const uint32_t* group_words = w.words + (first_panel + p) * stride + g * words * kLanes;
         const auto load = [&](int64_t at) {
           return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_words + at * kLanes));
@@ -1032,6 +1037,22 @@ void int_tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_p
       _mm256_storeu_ps(a.y + (first_row + r) * a.out + (first_panel + p) * kLanes, total[r][p]);
 }
 
+// Panels [first, first + count) as their code bytes in `out`, [panel][group][word]: split
+// codes' bytes made once for all tiles of a unit's rows (`int_rows`).
+inline void expand_split(const Weight& w, int64_t first, int64_t count, CodeBytes8* out) {
+  const int64_t words = w.words_per_group(), code_words = w.code_words();
+  for (int64_t p = 0; p < count; ++p)
+    for (int64_t g = 0; g < w.groups; ++g) {
+      const uint32_t* group_words = w.words + (first + p) * w.panel_words() + g * words * kLanes;
+      const auto load = [&](int64_t at) {
+        return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_words + at * kLanes));
+      };
+      for (int64_t v = 0; v < code_words; ++v)
+        *out++ = code_bytes8<Kind::kSplit>(
+            load(v), _mm256_srli_epi32(load(code_words + v / 2), 16 * (v % 2)), _mm256_setzero_si256());
+    }
+}
+
 template <int R, int P, Kind K>
 void int_panels(const Weight& w, const Rows& a, int64_t row, int64_t first_panel,
                 int64_t last_panel) {
@@ -1043,12 +1064,33 @@ void int_panels(const Weight& w, const Rows& a, int64_t row, int64_t first_panel
 // Tiles of 2 rows x 2 panels, a last row 1 x 2 (AVX2 build on a Zen 5 VM, 2 threads, 5,120 x
 // 2,048, GMAC/s at 16 / 128 rows: Q4_K 103 / 107, Q8_0 116 / 122; 2 x 1 tiles 82 / 87 and 81 /
 // 85, 3 x 1 94 / 101 and 96 / 105, 3 x 2 as 2 x 2; the float tiles 77 / 96 and 86 / 111).
-// Split codes gain at one row (Q6_K 19 -> 30 GMAC/s) and lose from 16 (128 rows 91 -> 67: a
-// word's high bits take ~11 instructions for 2 rows), but a step of a Q4_K_M file still gains
-// (Llama-3.2-1B's shape: decode 29.2 -> 25.2 ms a step, a 128-token prefill 1.18 -> 1.25 s).
+// Split codes gain at one row (Q6_K 19 -> 30 GMAC/s) and lose from 16 (128 rows 91 -> 74, with
+// a pair of panels' code bytes made once for all rows, `expand_split`; 67 with each tile making
+// them), but a step of a Q4_K_M file still gains (Llama-3.2-1B's shape: decode 29.2 -> 25.2 ms
+// a step, a 128-token prefill 1.18 -> 1.25 s).
 template <Kind K>
 void int_rows(const Weight& w, const Rows& a, int64_t first, int64_t last, int64_t first_panel,
               int64_t last_panel) {
+  if (K == Kind::kSplit && last - first > 2) {
+    // a pair of panels' split codes made bytes once for every tile of the rows, not by each:
+    // a word's high bits take ~11 instructions, which 2 rows did not pay for
+    static thread_local std::vector<CodeBytes8> buffer;
+    buffer.resize(2 * w.groups * w.code_words());
+    for (int64_t p = first_panel; p < last_panel; p += 2) {
+      const int64_t count = std::min<int64_t>(2, last_panel - p);
+      expand_split(w, p, count, buffer.data());
+      int64_t row = first;
+      for (; row + 2 <= last; row += 2) {
+        if (count == 2) int_tile<2, 2, K>(w, a, row, p, buffer.data());
+        else int_tile<2, 1, K>(w, a, row, p, buffer.data());
+      }
+      if (row < last) {
+        if (count == 2) int_tile<1, 2, K>(w, a, row, p, buffer.data());
+        else int_tile<1, 1, K>(w, a, row, p, buffer.data());
+      }
+    }
+    return;
+  }
   int64_t row = first;
   for (; row + 2 <= last; row += 2) int_panels<2, 2, K>(w, a, row, first_panel, last_panel);
   if (row < last) int_panels<1, 2, K>(w, a, row, first_panel, last_panel);
