@@ -1092,8 +1092,8 @@ def test_kernels_round_activations_to_16_bits_a_block_where_the_cpu_has_vnni(qty
     )
     if not native_module.rounds_activations(native.code_bits):
         pytest.skip(
-            "this CPU has no AVX-512 VNNI or AVX-VNNI (or AVX-512 VBMI for 5- and 6-bit codes): "
-            "the kernels multiply float32 activations"
+            "this CPU has no AVX-512 VNNI or AVX-VNNI (with AVX-512, 5- and 6-bit codes also "
+            "need its VBMI): the kernels multiply float32 activations"
         )
     weight = native.rows(torch.arange(100)).double()
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(6))

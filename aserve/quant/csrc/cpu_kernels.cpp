@@ -550,8 +550,8 @@ inline __m512 code_of2(__m512i word, int i, __m512 table, __m512i high = _mm512_
   return _mm512_sub_ps(_mm512_castsi512_ps(_mm512_or_si512(code, magic)), _mm512_set1_ps(8388736.0f));
 }
 
-// The three below are inlined by force: as calls, the tiles' sums went through memory
-// (128-row products 6-9% slower).
+// The tiles' helpers marked so are inlined by force: as calls, the tiles' sums went through
+// memory (128-row products 6-9% slower).
 #define ASERVE_INLINE __attribute__((always_inline)) inline
 
 // The scales (`which` 0) or offsets (1) of panels p and p2 in group g, as 16 floats: a pair,
@@ -964,6 +964,19 @@ inline CodeBytes8 code_bytes8(__m256i word, __m256i high, __m256i levels) {
   return {_mm256_or_si256(even, even_high), _mm256_or_si256(odd, odd_high)};
 }
 
+// Code word v of a panel's group (`group_words`, its first word; `code_words` a group's) as
+// its code bytes (`code_bytes8`).
+template <Kind K>
+inline CodeBytes8 word_codes(const uint32_t* group_words, int64_t code_words, int64_t v,
+                             __m256i levels) {
+  const auto load = [&](int64_t at) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_words + at * kLanes));
+  };
+  const __m256i high = K == Kind::kSplit ? _mm256_srli_epi32(load(code_words + v / 2), 16 * (v % 2))
+                                         : _mm256_setzero_si256();
+  return code_bytes8<K>(load(v), high, levels);
+}
+
 // R rows against panels [first_panel, first_panel + P), activations as integers.
 template <int R, int P, Kind K>
 void int_tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_panel,
@@ -987,18 +1000,9 @@ void int_tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_p
       CodeBytes8 codes[P];
 #pragma GCC unroll 8
       for (int p = 0; p < P; ++p) {
-        if (expanded != nullptr) {
-          codes[p] = expanded[(p * w.groups + g) * code_words + v];
-          continue;
-        }
         const uint32_t* group_words = w.words + (first_panel + p) * stride + g * words * kLanes;
-        const auto load = [&](int64_t at) {
-          return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_words + at * kLanes));
-        };
-        const __m256i high = K == Kind::kSplit
-                                 ? _mm256_srli_epi32(load(code_words + v / 2), 16 * (v % 2))
-                                 : _mm256_setzero_si256();
-        codes[p] = code_bytes8<K>(load(v), high, levels);
+        codes[p] = expanded != nullptr ? expanded[(p * w.groups + g) * code_words + v]
+                                       : word_codes<K>(group_words, code_words, v, levels);
       }
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
@@ -1041,16 +1045,11 @@ void int_tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_p
 // codes' bytes made once for all tiles of a unit's rows (`int_rows`).
 inline void expand_split(const Weight& w, int64_t first, int64_t count, CodeBytes8* out) {
   const int64_t words = w.words_per_group(), code_words = w.code_words();
-  for (int64_t p = 0; p < count; ++p)
-    for (int64_t g = 0; g < w.groups; ++g) {
-      const uint32_t* group_words = w.words + (first + p) * w.panel_words() + g * words * kLanes;
-      const auto load = [&](int64_t at) {
-        return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_words + at * kLanes));
-      };
+  for (int64_t p = first; p < first + count; ++p)
+    for (int64_t g = 0; g < w.groups; ++g)
       for (int64_t v = 0; v < code_words; ++v)
-        *out++ = code_bytes8<Kind::kSplit>(
-            load(v), _mm256_srli_epi32(load(code_words + v / 2), 16 * (v % 2)), _mm256_setzero_si256());
-    }
+        *out++ = word_codes<Kind::kSplit>(w.words + p * w.panel_words() + g * words * kLanes,
+                                          code_words, v, _mm256_setzero_si256());
 }
 
 template <int R, int P, Kind K>
@@ -1113,7 +1112,6 @@ void quantize_rows(const Rows& a, bool bytes, int64_t first, int64_t last, int32
     }
   }
 }
-
 #endif
 
 template <Kind K>
@@ -1322,8 +1320,8 @@ struct Product {
 
 // Whether products of codes kept in `code_bits` (4, 6: split, 8) multiply activations as
 // integers (`IntActivations`): on CPUs with AVX-512 VNNI or AVX-VNNI (split codes with
-// AVX-512 also need VBMI's byte gathers), unless turned off for this process (`enable` false: tests and
-// benchmarks compare the two).
+// AVX-512 also need VBMI's byte gathers), unless turned off for this process (`enable` false:
+// tests and benchmarks compare the two).
 bool int_activations_on = true;
 
 bool int_activations(std::optional<bool> enable, int64_t code_bits) {
