@@ -281,26 +281,48 @@ inline void set_zero(__m256 (&sums)[R][P]) {
     for (int p = 0; p < P; ++p) sums[r][p] = _mm256_setzero_ps();
 }
 
-// Slice g of `groups` slices of panels [next, next + count)'s codes, scales and offsets
-// asked for ahead of use: a tile reading its own panels, group by group, brings the next
-// tile's bytes in meanwhile. (The hardware's prefetchers alone left the products about as
-// slow as reading the bytes and then computing: bench/NOTES.md.)
-inline void prefetch_slice(const Weight& w, int64_t next, int64_t count, int64_t g) {
-  next = std::min(next, w.panels);
-  count = std::min(count, w.panels - next);
-  auto lines = [&](const void* start, int64_t bytes) {
-    const char* base = static_cast<const char*>(start);
-    const int64_t lo = bytes * g / w.groups / 64 * 64, hi = bytes * (g + 1) / w.groups;
-    // as an asm statement: GCC 12 at -O3 dropped the builtin's prefetches from this loop
-    for (int64_t b = lo; b < hi; b += 64) asm volatile("prefetcht0 %0" : : "m"(base[b]));
+// Panels [next, next + count)'s codes, scales, offsets and bases asked for ahead of use, in
+// as many slices as the weight has groups: a tile reading its own panels, group by group,
+// brings the next tile's bytes in meanwhile. (The hardware's prefetchers alone left the
+// products about as slow as reading the bytes and then computing: bench/NOTES.md.) Each
+// stream's slices end at multiples of one step, by additions: computing every slice's ends by
+// division had taken 40% of a one-row product's time in the 256-bit builds.
+class NextPanels {
+ public:
+  NextPanels(const Weight& w, int64_t next, int64_t count, bool ask = true) {
+    next = std::min(next, w.panels);
+    count = ask ? std::min(count, w.panels - next) : 0;
+    if (count <= 0) return;
+    const int64_t groups = w.groups;
+    auto add = [&](const void* start, int64_t bytes) {
+      streams_[used_++] = {static_cast<const char*>(start), bytes, (bytes + groups - 1) / groups, 0};
+    };
+    add(w.words + next * w.panel_words(), count * w.panel_words() * 4);
+    const int64_t scale_bytes = count * w.groups * kLanes * w.scale_bytes();
+    add(static_cast<const char*>(w.scales) + w.at(next, 0) * w.scale_bytes(), scale_bytes);
+    if (w.offsets != nullptr)
+      add(static_cast<const char*>(w.offsets) + w.at(next, 0) * w.scale_bytes(), scale_bytes);
+    if (w.bases != nullptr) add(w.bases + next * w.base_floats(), count * w.base_floats() * 4);
+  }
+
+  // Slice g's lines (g = 0, 1, ... in turn).
+  void ask(int64_t g) {
+    for (int i = 0; i < used_; ++i) {
+      Stream& s = streams_[i];
+      const int64_t end = std::min(s.bytes, s.step * (g + 1));
+      // as an asm statement: GCC 12 at -O3 dropped the builtin's prefetches from this loop
+      for (; s.asked < end; s.asked += 64) asm volatile("prefetcht0 %0" : : "m"(s.base[s.asked]));
+    }
+  }
+
+ private:
+  struct Stream {
+    const char* base;
+    int64_t bytes, step, asked;  // `asked`: bytes from base whose lines were asked for
   };
-  lines(w.words + next * w.panel_words(), count * w.panel_words() * 4);
-  const int64_t scale_bytes = count * w.groups * kLanes * w.scale_bytes();
-  lines(static_cast<const char*>(w.scales) + w.at(next, 0) * w.scale_bytes(), scale_bytes);
-  if (w.offsets != nullptr)
-    lines(static_cast<const char*>(w.offsets) + w.at(next, 0) * w.scale_bytes(), scale_bytes);
-  if (w.bases != nullptr) lines(w.bases + next * w.base_floats(), count * w.base_floats() * 4);
-}
+  Stream streams_[4];
+  int used_ = 0;
+};
 
 // R rows against P panels, codes expanded in registers.
 template <int R, int P, Kind K>
@@ -314,8 +336,9 @@ void tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_panel
   for (int r = 0; r < R; ++r) x[r] = a.row(first_row + r);
   __m256 total[R][P];
   set_zero(total);
+  NextPanels next(w, first_panel + P, P);
   for (int64_t g = 0; g < w.groups; ++g) {
-    prefetch_slice(w, first_panel + P, P, g);
+    next.ask(g);
     __m256 part[R][P];
     set_zero(part);
     for (int64_t v = 0; v < code_words; ++v) {
@@ -394,8 +417,9 @@ void tile_from_buffer(const Weight& w, const Rows& a, const float* buffer, int64
 #pragma GCC unroll 8
     for (int p = 0; p < P; ++p) _mm256_storeu_ps(totals[r] + p * kLanes, _mm256_setzero_ps());
   }
+  NextPanels next(w, first_panel + P, P);  // the next panels to expand (again each tile)
   for (int64_t g = 0; g < w.groups; ++g) {
-    prefetch_slice(w, first_panel + P, P, g);  // the next panels to expand (again each tile)
+    next.ask(g);
     __m256 part[R][P];
     set_zero(part);
     const int64_t begin = g * w.group, end = begin + w.group;
@@ -621,9 +645,10 @@ void tile2(const Weight& w, const Rows& a, int64_t first_row, int64_t first_pane
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
     for (int q = 0; q < Q; ++q) total[r][q] = _mm512_setzero_ps();
+  // as in `int_tile2`: a row block's first tile asks for the next panels
+  NextPanels next(w, first_panel + 2 * Q, 2 * Q, first_row % kRowBlock == 0);
   for (int64_t g = 0; g < w.groups; ++g) {
-    // as in `int_tile2`: a row block's first tile asks for the next panels
-    if (first_row % kRowBlock == 0) prefetch_slice(w, first_panel + 2 * Q, 2 * Q, g);
+    next.ask(g);
     __m512 part[R][Q];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
@@ -762,10 +787,11 @@ void int_tile2(const Weight& w, const Rows& a, int64_t first_row, int64_t first_
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
     for (int q = 0; q < Q; ++q) total[r][q] = _mm512_setzero_ps();
+  // the next panels' bytes asked for by a row block's first tile only: the tiles after it
+  // read the same panels from cache, and their prefetches had cost 15% of a 128-row product
+  NextPanels next(w, first_panel + 2 * Q, 2 * Q, first_row % kRowBlock == 0);
   for (int64_t g = 0; g < w.groups; ++g) {
-    // the next panels' bytes asked for by a row block's first tile only: the tiles after it
-    // read the same panels from cache, and their prefetches had cost 15% of a 128-row product
-    if (first_row % kRowBlock == 0) prefetch_slice(w, first_panel + 2 * Q, 2 * Q, g);
+    next.ask(g);
     __m512i hi[R][Q], lo[R][Q];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
@@ -988,8 +1014,9 @@ void int_tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_p
   const int64_t row_words = a.cols / 2;
   __m256 total[R][P];
   set_zero(total);
+  NextPanels next(w, first_panel + P, P, first_row % kRowBlock == 0);
   for (int64_t g = 0; g < w.groups; ++g) {
-    if (first_row % kRowBlock == 0) prefetch_slice(w, first_panel + P, P, g);
+    next.ask(g);
     __m256i hi[R][P], lo[R][P];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
