@@ -107,11 +107,11 @@ def blas_from_128(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(native_module, "_blas_rows", BLAS_ROWS)
 
 
-def as_the_kernels_round(x: torch.Tensor, code_bits: int) -> torch.Tensor:
-    """`x` in float64 as the CPU kernels multiply it by codes kept in `code_bits`: where they
-    round activations (`rounds_activations`), each block of 32 inputs of a row to integer
-    steps of its largest magnitude / 32,639, in float32 as they compute it; else as it is."""
-    if not native_module.rounds_activations(code_bits):
+def as_the_kernels_round(x: torch.Tensor, weight: NativeWeight) -> torch.Tensor:
+    """`x` in float64 as the CPU kernels multiply it by `weight`'s codes: where they round
+    activations (`rounds_activations`), each block of 32 inputs of a row to integer steps of
+    its largest magnitude / 32,639, in float32 as they compute it; else as it is."""
+    if not weight.rounds_activations():
         return x.double()
     rows, cols = x.shape
     blocks = F.pad(x, (0, -cols % 32)).view(rows, -1, 32)
@@ -126,9 +126,9 @@ def as_the_kernels_round(x: torch.Tensor, code_bits: int) -> torch.Tensor:
 def test_products_match_the_dequantized_weight(
     qtype: QType, monkeypatch: pytest.MonkeyPatch, blas_from_128: None
 ) -> None:
-    """Against the float64 product of the de-quantized weight within float32 rounding, on the
-    kernels (few rows; with the activations as they round them) and on BLAS over de-quantized
-    slices (many rows, also several slices); on the kernels a row's result bit-identical alone
+    """Against the float64 product of the de-quantized weight within float32 rounding (with
+    the activations as the kernels round them), on the kernels (few rows) and on BLAS over
+    de-quantized slices (many rows, also several slices); on the kernels a row's result bit-identical alone
     and in batches of every tile shape (rows 1 to 9 and past the 64-row block); lookups return
     the weight's own rows. 100 output features: the last panel of 8 is padded."""
     raw = torch.from_numpy(random_blocks(qtype, 100, 512, seed=1))
@@ -141,13 +141,18 @@ def test_products_match_the_dequantized_weight(
     tolerance = 1e-5 * float(exact.abs().max())
     kernels = native.linear(x[:70], None)
     assert kernels.shape == (70, 100)
-    rounded = F.linear(as_the_kernels_round(x[:70], native.code_bits), weight.double())
+    rounded = F.linear(as_the_kernels_round(x[:70], native), weight.double())
     torch.testing.assert_close(kernels.double(), rounded, rtol=0, atol=tolerance)
     for rows in (1, 2, 3, 4, 5, 8, 9):
         assert torch.equal(native.linear(x[3 : 3 + rows], None), kernels[3 : 3 + rows]), rows
-    torch.testing.assert_close(native.linear(x, None).double(), exact, rtol=0, atol=tolerance)
+    as_blas_takes_them = F.linear(as_the_kernels_round(x, native), weight.double())
+    torch.testing.assert_close(
+        native.linear(x, None).double(), as_blas_takes_them, rtol=0, atol=tolerance
+    )
     monkeypatch.setattr(native_module, "BLAS_SLICE_BYTES", 3 * 8 * 4 * 512)
-    torch.testing.assert_close(native.linear(x, None).double(), exact, rtol=0, atol=tolerance)
+    torch.testing.assert_close(
+        native.linear(x, None).double(), as_blas_takes_them, rtol=0, atol=tolerance
+    )
     ids = torch.tensor([5, 0, 99, 5])
     torch.testing.assert_close(native.rows(ids), weight[ids], rtol=1e-6, atol=1e-6)
 
@@ -266,9 +271,9 @@ def test_codes_centred_on_zero_store_no_offsets(
     exact = F.linear(x.double(), weight.double())
     tolerance = 1e-5 * float(exact.abs().max())
     batched = native.linear(x[:20], None)
-    rounded = F.linear(as_the_kernels_round(x[:20], native.code_bits), weight.double())
-    torch.testing.assert_close(batched.double(), rounded, rtol=0, atol=tolerance)
-    torch.testing.assert_close(native.linear(x, None).double(), exact, rtol=0, atol=tolerance)
+    rounded = F.linear(as_the_kernels_round(x, native), weight.double())
+    torch.testing.assert_close(batched.double(), rounded[:20], rtol=0, atol=tolerance)
+    torch.testing.assert_close(native.linear(x, None).double(), rounded, rtol=0, atol=tolerance)
     for rows in (1, 2, 3, 5):
         assert torch.equal(native.linear(x[7 : 7 + rows], None), batched[7 : 7 + rows]), rows
 
@@ -804,21 +809,42 @@ def test_timing_the_two_paths_gives_two_durations() -> None:
     assert kernels_ms > 0 and blas_ms > 0
 
 
-def test_kernels_that_round_activations_never_hand_rows_to_blas(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Where the kernels round activations to 16 bits, BLAS (float32 activations) takes no
-    product, without timing the two: a prompt's chunk and its last token again on a cache hit
-    would otherwise differ by a rounding step. Elsewhere the timing decides, as before."""
+def test_cpus_with_vnni_never_hand_rows_to_blas(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the kernels round every code width's activations to 16 bits (VNNI), BLAS takes
+    no product, without timing the two: the kernels keep a token's bits exact across batches
+    and cache hits. Where they round only some (AVX2: 4-bit and split codes) or none, the
+    timing decides, as before."""
 
     def timed(folder: Path) -> int:
         return BLAS_ROWS
 
     monkeypatch.setattr(native_module, "decide_blas_rows", timed)
-    for rounds, expected in ((True, native_module.NEVER), (False, BLAS_ROWS)):
+    cpus = {
+        "vnni": (lambda bits, levels=False: True, native_module.NEVER),
+        "avx2": (lambda bits, levels=False: bits != 8 and not levels, BLAS_ROWS),
+        "float": (lambda bits, levels=False: False, BLAS_ROWS),
+    }
+    for cpu, (rounds, expected) in cpus.items():
         monkeypatch.setattr(native_module, "_blas_rows", None)
-        monkeypatch.setattr(native_module, "rounds_activations", lambda bits, r=rounds: r)
-        assert native_module.blas_rows() == expected
+        monkeypatch.setattr(native_module, "rounds_activations", rounds)
+        assert native_module.blas_rows() == expected, cpu
+
+
+@needs_kernels
+def test_blas_multiplies_the_activations_as_the_kernels_round(blas_from_128: None) -> None:
+    """A product handed to BLAS takes the activations the kernels would multiply (rounded to
+    16 bits where they round them), so that the two paths differ only in float32's last bits:
+    a block with one large input rounds the others by up to ~1.5% of a small one's size."""
+    codes = decode(torch.from_numpy(random_blocks(QType.Q4_K, 64, 256, seed=3)), QType.Q4_K, 256)
+    weight, native = codes.dequantize().double(), NativeWeight(codes)
+    x = torch.randn(BLAS_ROWS, 256, generator=torch.Generator().manual_seed(1))
+    x[:, ::32] *= 1000
+    blas = native.linear(x, None).double()
+    reference = F.linear(as_the_kernels_round(x, native), weight)
+    largest = float(reference.abs().max())
+    torch.testing.assert_close(blas, reference, rtol=0, atol=1e-6 * largest)
+    if native.rounds_activations():
+        assert float((blas - F.linear(x.double(), weight)).abs().max()) > 1e-5 * largest
 
 
 @needs_kernels
@@ -831,7 +857,7 @@ def test_without_blas_every_row_count_keeps_a_rows_bits(monkeypatch: pytest.Monk
     native = NativeWeight(codes)
     x = torch.randn(300, 512, generator=torch.Generator().manual_seed(12))
     together = native.linear(x, None)
-    exact = F.linear(as_the_kernels_round(x, native.code_bits), codes.dequantize().double())
+    exact = F.linear(as_the_kernels_round(x, native), codes.dequantize().double())
     torch.testing.assert_close(
         together.double(), exact, rtol=0, atol=1e-5 * float(exact.abs().max())
     )
@@ -940,13 +966,13 @@ for qtype in OTHER_BUILD_FORMATS:
     codes, x = other_build_operands(qtype)
     weight = native.NativeWeight(codes)
     # the activations as this build multiplies them: rounded to 16 bits where it has AVX-VNNI
-    exact = F.linear(as_the_kernels_round(x, weight.code_bits), codes.dequantize().double())
+    exact = F.linear(as_the_kernels_round(x, weight), codes.dequantize().double())
     together = weight.linear(x, None)
     error = float((together.double() - exact).abs().max() / exact.abs().max())
     assert error < 5e-6, (qtype, error)
     for rows in (1, 3, 5, 20):
         assert torch.equal(weight.linear(x[7 : 7 + rows], None), together[7 : 7 + rows]), rows
-    products[qtype.name] = (native.rounds_activations(weight.code_bits), together)
+    products[qtype.name] = (weight.rounds_activations(), together)
 torch.save(products, Path(sys.argv[1]) / "products.pt")
 pool = torch.randn(1024, 2, 2, 64, generator=torch.Generator().manual_seed(10))
 table = torch.randperm(1024, generator=torch.Generator().manual_seed(11)).to(torch.int32)
@@ -1018,7 +1044,7 @@ def test_kernels_built_for_older_cpus_give_the_same_products(
         weight = NativeWeight(codes)
         try:
             torch.ops.aserve_cpu.int_activations(rounds)
-            if rounds == native_module.rounds_activations(weight.code_bits):
+            if rounds == weight.rounds_activations():
                 assert torch.equal(weight.linear(x, None), theirs), qtype
                 compared += 1
         finally:
@@ -1090,7 +1116,7 @@ def test_kernels_round_activations_to_16_bits_a_block_where_the_cpu_has_vnni(qty
     native = NativeWeight(
         decode(torch.from_numpy(random_blocks(qtype, 100, 512, seed=5)), qtype, 512)
     )
-    if not native_module.rounds_activations(native.code_bits):
+    if not native.rounds_activations():
         pytest.skip(
             "this CPU has no AVX-512 VNNI or AVX-VNNI (with AVX-512, 5- and 6-bit codes also "
             "need its VBMI): the kernels multiply float32 activations"
@@ -1099,7 +1125,7 @@ def test_kernels_round_activations_to_16_bits_a_block_where_the_cpu_has_vnni(qty
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(6))
     x[2, 40] = 300.0  # one block's steps widened; the row's other blocks keep theirs
     exact = F.linear(x.double(), weight)
-    rounded = F.linear(as_the_kernels_round(x, native.code_bits), weight)
+    rounded = F.linear(as_the_kernels_round(x, native), weight)
     tight = 2e-6 * float(exact.abs().max())
     for rows in (1, 3, 5, 9):
         got = native.linear(x[:rows], None).double()
@@ -1108,7 +1134,7 @@ def test_kernels_round_activations_to_16_bits_a_block_where_the_cpu_has_vnni(qty
     assert float((native.linear(x, None).double() - exact).abs().max()) > 4 * tight
     try:
         torch.ops.aserve_cpu.int_activations(False)
-        assert not native_module.rounds_activations(native.code_bits)
+        assert not native.rounds_activations()
         torch.testing.assert_close(native.linear(x, None).double(), exact, rtol=0, atol=tight)
     finally:
         torch.ops.aserve_cpu.int_activations(True)

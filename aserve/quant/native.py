@@ -140,12 +140,15 @@ def blas_rows() -> int:
     instruction sets: MKL runs its AVX2 code on AMD's AVX-512 cores, where the kernels were
     1.4x faster than BLAS at 64 to 2,048 rows (Zen 5), while on a 2-core AVX2 box BLAS was
     ~2x faster from 512. Without BLAS every output has the same bits whatever its batch.
-    Where the kernels round activations to 16 bits (`rounds_activations`), never: a prompt's
-    chunk through BLAS (float32 activations) and its last token again on a cache hit through
-    the kernels would differ by a rounding step, not a last bit."""
+    On CPUs with VNNI (AVX-512's or AVX-VNNI: every code width's activations rounded to 16
+    bits, `rounds_activations(8)`), never: there the kernels are the faster and keep a
+    token's bits exact across batches and cache hits. Elsewhere BLAS takes the activations
+    as the kernels round them where they do (4-bit and split codes on AVX2,
+    `rounded_like_the_kernels`), so the two paths differ in float32's last bits, not by a
+    rounding step."""
     global _blas_rows
     if _blas_rows is None:
-        _blas_rows = NEVER if rounds_activations(4) else decide_blas_rows(kernels_folder())
+        _blas_rows = NEVER if rounds_activations(8) else decide_blas_rows(kernels_folder())
     return _blas_rows
 
 
@@ -247,11 +250,26 @@ def _cpu_features() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:8]
 
 
-def rounds_activations(code_bits: int) -> bool:
+def rounds_activations(code_bits: int, levels: bool = False) -> bool:
     """Whether products of codes kept in `code_bits` (4, 6 or 8, as `NativeWeight` keeps
-    them) round activations to 16-bit integers on this CPU (csrc/cpu_kernels.cpp,
-    `IntActivations`); False where the kernels do not build."""
-    return native_kernels() and bool(torch.ops.aserve_cpu.int_activations(None, code_bits))
+    them; `levels`: 4-bit codes that stand for levels) round activations to 16-bit integers
+    on this CPU (csrc/cpu_kernels.cpp, `IntActivations`); False where the kernels do not
+    build."""
+    return native_kernels() and bool(
+        torch.ops.aserve_cpu.int_activations(None, code_bits, levels)
+    )
+
+
+def rounded_like_the_kernels(rows: torch.Tensor) -> torch.Tensor:
+    """Float32 `rows` as the kernels round them where they multiply integers
+    (`rounds_activations`): each block of 32 inputs to whole steps of its largest magnitude
+    / 32,639 (csrc/cpu_kernels.cpp, `quantize_block`), for BLAS to multiply the same values."""
+    count, cols = rows.shape
+    blocks = torch.nn.functional.pad(rows, (0, -cols % 32)).view(count, -1, 32)
+    largest = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(largest > 0, 32639.0 / largest, torch.zeros_like(largest))
+    steps = torch.round(blocks * inverse)
+    return (steps * (largest / 32639.0)).view(count, -1)[:, :cols]
 
 
 def level_bytes(table: torch.Tensor) -> torch.Tensor:
@@ -313,6 +331,11 @@ class KernelTensors:
     group: int
     code_bits: int
     levels: torch.Tensor | None
+
+    def rounds_activations(self) -> bool:
+        """Whether the kernels multiply these codes by activations rounded to 16-bit
+        integers on this CPU (`rounds_activations`)."""
+        return rounds_activations(self.code_bits, self.levels is not None)
 
     def kernel_args(self) -> tuple[object, ...]:
         return (
@@ -412,7 +435,10 @@ class NativeWeight(KernelTensors):
 
     def _blas_linear(self, rows: torch.Tensor) -> torch.Tensor:
         """Many rows: de-quantize a slice of panels at a time into the scratch buffer (at most
-        BLAS_SLICE_BYTES) and let BLAS multiply it."""
+        BLAS_SLICE_BYTES) and let BLAS multiply it, with the activations as the kernels would
+        take them."""
+        if self.rounds_activations():
+            rows = rounded_like_the_kernels(rows)
         panels, cols = self.scales.shape[0], self.shape[1]
         step = min(panels, max(1, BLAS_SLICE_BYTES // (4 * LANES * cols)))
         if step == panels:

@@ -56,11 +56,13 @@
 #if defined(__AVX512VNNI__)
 #define ASERVE_VNNI 1  // activations as 16-bit integers (`IntActivations`)
 #endif
-#elif defined(__AVXVNNI__)
-#define ASERVE_AVX_VNNI 1  // the same integers in 256-bit registers (`int_tile`)
+#else
+// the same integers in 256-bit registers (`int_tile`): `vpdpbusd` with AVX-VNNI, else
+// `vpmaddubsw` (4-bit and split codes only)
+#define ASERVE_INT256 1
 #endif
 #endif
-#if defined(ASERVE_VNNI) || defined(ASERVE_AVX_VNNI)
+#if defined(ASERVE_VNNI) || defined(ASERVE_INT256)
 #define ASERVE_INT 1
 #endif
 
@@ -910,7 +912,7 @@ void few_rows(const Weight& w, const Rows& a, int64_t first, int64_t last, int64
   if (row < last) panels_at<1, 4, K>(w, a, row, first_panel, last_panel);
 }
 
-#ifdef ASERVE_AVX_VNNI
+#ifdef ASERVE_INT256
 // `IntActivations` on CPUs with AVX-VNNI but not AVX-512 (Intel's cores since Alder Lake): one
 // panel a 256-bit register, the same integers and per output the same float operations as
 // `int_tile2`, so the same bits. The float tiles expand each code to a float and multiply it
@@ -1003,6 +1005,55 @@ inline CodeBytes8 word_codes(const uint32_t* group_words, int64_t code_words, in
   return code_bytes8<K>(load(v), high, levels);
 }
 
+// One code word's products with a row's activation words `x` (hi and lo bytes of the even
+// inputs, then of the odd ones; 8-bit codes: hi, lo) added to the hi and lo sums: in each
+// 32-bit lane, four products of a code byte and an activation byte. AVX-VNNI's `vpdpbusd`
+// does that in one instruction. Without it, `vpmaddubsw` adds two products into 16 bits and
+// `vpmaddwd` two of those into 32: exact for codes up to 63 (4 x 63 x 128 < 2^15), so there
+// levels and 8-bit codes (read as bytes up to 255) stay on the float tiles
+// (`int_activations`); the even and odd inputs' 16-bit sums are added before widening.
+// Without AVX-VNNI 4-bit codes keep a group's sums in 16 bits and widen them once, at its close
+// (`group_sums`): a group's at most 32 inputs give at most 16 x 15 x 128 < 2^15 a lane.
+template <Kind K>
+constexpr bool kSumsIn16Bits =
+#ifdef __AVXVNNI__
+    false;
+#else
+    K == Kind::kNibbles;
+#endif
+
+template <Kind K>
+inline void add_word(__m256i& hi, __m256i& lo, const CodeBytes8& codes, const int32_t* x) {
+#ifdef __AVXVNNI__
+  hi = _mm256_dpbusd_avx_epi32(hi, codes.even, _mm256_set1_epi32(x[0]));
+  lo = _mm256_dpbusd_avx_epi32(lo, codes.even, _mm256_set1_epi32(x[1]));
+  if (K != Kind::kBytes) {
+    hi = _mm256_dpbusd_avx_epi32(hi, codes.odd, _mm256_set1_epi32(x[2]));
+    lo = _mm256_dpbusd_avx_epi32(lo, codes.odd, _mm256_set1_epi32(x[3]));
+  }
+#else
+  const auto pairs = [&](int even, int odd) {
+    __m256i sums = _mm256_maddubs_epi16(codes.even, _mm256_set1_epi32(x[even]));
+    if (K != Kind::kBytes)
+      sums = _mm256_add_epi16(sums, _mm256_maddubs_epi16(codes.odd, _mm256_set1_epi32(x[odd])));
+    return sums;
+  };
+  if (kSumsIn16Bits<K>) {
+    hi = _mm256_add_epi16(hi, pairs(0, 2));
+    lo = _mm256_add_epi16(lo, pairs(1, 3));
+  } else {
+    hi = _mm256_add_epi32(hi, _mm256_madd_epi16(pairs(0, 2), _mm256_set1_epi16(1)));
+    lo = _mm256_add_epi32(lo, _mm256_madd_epi16(pairs(1, 3), _mm256_set1_epi16(1)));
+  }
+#endif
+}
+
+// A group's hi or lo sums as `add_word` leaves them, in 32 bits.
+template <Kind K>
+inline __m256i group_sums(__m256i sums) {
+  return kSumsIn16Bits<K> ? _mm256_madd_epi16(sums, _mm256_set1_epi16(1)) : sums;
+}
+
 // R rows against panels [first_panel, first_panel + P), activations as integers.
 template <int R, int P, Kind K>
 void int_tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_panel,
@@ -1035,14 +1086,7 @@ void int_tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_p
       for (int r = 0; r < R; ++r) {
         const int32_t* x = a.xq + (first_row + r) * row_words + at;
 #pragma GCC unroll 8
-        for (int p = 0; p < P; ++p) {
-          hi[r][p] = _mm256_dpbusd_avx_epi32(hi[r][p], codes[p].even, _mm256_set1_epi32(x[0]));
-          lo[r][p] = _mm256_dpbusd_avx_epi32(lo[r][p], codes[p].even, _mm256_set1_epi32(x[1]));
-          if (K != Kind::kBytes) {
-            hi[r][p] = _mm256_dpbusd_avx_epi32(hi[r][p], codes[p].odd, _mm256_set1_epi32(x[2]));
-            lo[r][p] = _mm256_dpbusd_avx_epi32(lo[r][p], codes[p].odd, _mm256_set1_epi32(x[3]));
-          }
-        }
+        for (int p = 0; p < P; ++p) add_word<K>(hi[r][p], lo[r][p], codes[p], x);
       }
     }
 #pragma GCC unroll 8
@@ -1053,8 +1097,9 @@ void int_tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_p
       const __m256 xs = _mm256_set1_ps(scale);
 #pragma GCC unroll 8
       for (int p = 0; p < P; ++p) {
-        const __m256i exact =
-            _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(hi[r][p], 8), lo[r][p]), shift);
+        const __m256i exact = _mm256_sub_epi32(
+            _mm256_add_epi32(_mm256_slli_epi32(group_sums<K>(hi[r][p]), 8), group_sums<K>(lo[r][p])),
+            shift);
         const __m256 part = _mm256_mul_ps(_mm256_cvtepi32_ps(exact), xs);
         total[r][p] = close_group(w, a, row, g, w.scales8(first_panel + p, g),
                                   w.offsets8(first_panel + p, g), part, total[r][p]);
@@ -1146,7 +1191,7 @@ void rows_against_panels_of(const Weight& w, const Rows& a, int64_t first, int64
                             int64_t first_panel, int64_t last_panel, std::vector<float>& buffer) {
 #ifdef ASERVE_VNNI
   if (a.xq != nullptr) return few_rows<K, true>(w, a, first, last, first_panel, last_panel);
-#elif defined(ASERVE_AVX_VNNI)
+#elif defined(ASERVE_INT256)
   if (a.xq != nullptr) return int_rows<K>(w, a, first, last, first_panel, last_panel);
 #endif
   if (last - first >= kManyRows) {
@@ -1345,27 +1390,32 @@ struct Product {
   }
 };
 
-// Whether products of codes kept in `code_bits` (4, 6: split, 8) multiply activations as
-// integers (`IntActivations`): on CPUs with AVX-512 VNNI or AVX-VNNI (split codes with
-// AVX-512 also need VBMI's byte gathers), unless turned off for this process (`enable` false:
-// tests and benchmarks compare the two).
+// Whether products of codes kept in `code_bits` (4, 6: split, 8; `levels`: 4-bit codes that
+// stand for levels) multiply activations as integers (`IntActivations`): on CPUs with AVX-512
+// VNNI (split codes also need VBMI's byte gathers), and with AVX2 (AVX-VNNI, or without it
+// 4-bit codes and split codes: `add_word`), unless turned off for this process (`enable`
+// false: tests and benchmarks compare the two).
 bool int_activations_on = true;
 
-bool int_activations(std::optional<bool> enable, int64_t code_bits) {
+bool int_activations(std::optional<bool> enable, int64_t code_bits, bool levels) {
   if (enable.has_value()) int_activations_on = *enable;
 #ifdef ASERVE_INT
 #if defined(ASERVE_VNNI) && !defined(__AVX512VBMI__)
   if (code_bits == 6) return false;
 #endif
+#if defined(ASERVE_INT256) && !defined(__AVXVNNI__)
+  if (code_bits == 8 || (code_bits == 4 && levels)) return false;  // bytes over 63: `add_word`
+#endif
   return int_activations_on;
 #else
   (void)code_bits;
+  (void)levels;
   return false;
 #endif
 }
 
 bool int_kind(const Weight& w) {
-  return int_activations(std::nullopt, w.split ? 6 : w.four_bit ? 4 : 8);
+  return int_activations(std::nullopt, w.split ? 6 : w.four_bit ? 4 : 8, w.levels != nullptr);
 }
 
 Product product_at(const float* x, int64_t rows, const Weight& w, float* y,
@@ -1929,5 +1979,6 @@ TORCH_LIBRARY(aserve_cpu, m) {
       "dequantize(Tensor words, Tensor scales, Tensor offsets, Tensor bases, int group, "
       "int code_bits, Tensor? levels, int first, Tensor(a!) out) -> ()",
       dequantize);
-  m.def("int_activations(bool? enable=None, int code_bits=4) -> bool", int_activations);
+  m.def("int_activations(bool? enable=None, int code_bits=4, bool levels=False) -> bool",
+        int_activations);
 }
