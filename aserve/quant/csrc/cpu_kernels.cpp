@@ -68,6 +68,11 @@
 
 namespace {
 
+// The tiles' helpers marked so are inlined by force: as calls, the tiles' sums went through
+// memory (AVX-512, 128-row products 6-9% slower), and GCC left the scales' and prefetches'
+// helpers out of line in the 256-bit integer tiles (a fifth of a one-row product's time).
+#define ASERVE_INLINE __attribute__((always_inline)) inline
+
 constexpr int64_t kLanes = 8;       // output features per panel
 constexpr int64_t kRowBlock = 64;   // rows of x that stay in cache while every panel passes
 constexpr int64_t kPanelBlock = 8;  // panels per unit of parallel work
@@ -132,7 +137,7 @@ struct Weight {
 
 #ifdef ASERVE_AVX2
   // The 8 lanes' scales (offsets) of a panel's group, as `value` gives each.
-  __m256 lanes(const void* values, int which, int64_t panel, int64_t g) const {
+  ASERVE_INLINE __m256 lanes(const void* values, int which, int64_t panel, int64_t g) const {
     const int64_t i = at(panel, g);
     switch (scale_kind) {
       case ScaleKind::kFloat: return _mm256_loadu_ps(static_cast<const float*>(values) + i);
@@ -146,8 +151,8 @@ struct Weight {
     return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(steps)),
                          _mm256_loadu_ps(base_of(panel, g, which)));
   }
-  __m256 scales8(int64_t panel, int64_t g) const { return lanes(scales, 0, panel, g); }
-  __m256 offsets8(int64_t panel, int64_t g) const {
+  ASERVE_INLINE __m256 scales8(int64_t panel, int64_t g) const { return lanes(scales, 0, panel, g); }
+  ASERVE_INLINE __m256 offsets8(int64_t panel, int64_t g) const {
     return offsets == nullptr ? _mm256_setzero_ps() : lanes(offsets, 1, panel, g);
   }
 #endif
@@ -308,7 +313,7 @@ class NextPanels {
   }
 
   // Slice g's lines (g = 0, 1, ... in turn).
-  void ask(int64_t g) {
+  ASERVE_INLINE void ask(int64_t g) {
     for (int i = 0; i < used_; ++i) {
       Stream& s = streams_[i];
       const int64_t end = std::min(s.bytes, s.step * (g + 1));
@@ -518,7 +523,7 @@ inline int code_bias(const Weight& w) {
 
 // What closes row `row`'s integer sums of group g (of `group` inputs): the bias times the
 // group's sum of the row's rounded activations, taken off, and their scale in its block.
-inline std::pair<int32_t, float> group_shift_and_scale(const Rows& a, int64_t row, int64_t g,
+ASERVE_INLINE std::pair<int32_t, float> group_shift_and_scale(const Rows& a, int64_t row, int64_t g,
                                                        int64_t group, int bias) {
   const int32_t* sums = a.xisum + row * (a.cols / 16) + g * group / 16;
   const int32_t sum = group == 32 ? sums[0] + sums[1] : sums[0];
@@ -575,10 +580,6 @@ inline __m512 code_of2(__m512i word, int i, __m512 table, __m512i high = _mm512_
   const __m512i code = _mm512_and_si512(_mm512_srli_epi32(flipped, 8 * i), _mm512_set1_epi32(255));
   return _mm512_sub_ps(_mm512_castsi512_ps(_mm512_or_si512(code, magic)), _mm512_set1_ps(8388736.0f));
 }
-
-// The tiles' helpers marked so are inlined by force: as calls, the tiles' sums went through
-// memory (128-row products 6-9% slower).
-#define ASERVE_INLINE __attribute__((always_inline)) inline
 
 // The scales (`which` 0) or offsets (1) of panels p and p2 in group g, as 16 floats: a pair,
 // or one panel twice (p2 = p) for an odd panel at a weight's end. Int8 steps (K-quants) are
@@ -1023,7 +1024,7 @@ constexpr bool kSumsIn16Bits =
 #endif
 
 template <Kind K>
-inline void add_word(__m256i& hi, __m256i& lo, const CodeBytes8& codes, const int32_t* x) {
+ASERVE_INLINE void add_word(__m256i& hi, __m256i& lo, const CodeBytes8& codes, const int32_t* x) {
 #ifdef __AVXVNNI__
   hi = _mm256_dpbusd_avx_epi32(hi, codes.even, _mm256_set1_epi32(x[0]));
   lo = _mm256_dpbusd_avx_epi32(lo, codes.even, _mm256_set1_epi32(x[1]));
