@@ -128,9 +128,10 @@ def test_products_match_the_dequantized_weight(
 ) -> None:
     """Against the float64 product of the de-quantized weight within float32 rounding (with
     the activations as the kernels round them), on the kernels (few rows) and on BLAS over
-    de-quantized slices (many rows, also several slices); on the kernels a row's result bit-identical alone
-    and in batches of every tile shape (rows 1 to 9 and past the 64-row block); lookups return
-    the weight's own rows. 100 output features: the last panel of 8 is padded."""
+    de-quantized slices (many rows, also several slices); on the kernels a row's result
+    bit-identical alone and in batches of every tile shape (rows 1 to 9 and past the 64-row
+    block); lookups return the weight's own rows. 100 output features: the last panel of 8 is
+    padded."""
     raw = torch.from_numpy(random_blocks(qtype, 100, 512, seed=1))
     codes = decode(raw, qtype, 512)
     weight = codes.dequantize()

@@ -255,9 +255,7 @@ def rounds_activations(code_bits: int, levels: bool = False) -> bool:
     them; `levels`: 4-bit codes that stand for levels) round activations to 16-bit integers
     on this CPU (csrc/cpu_kernels.cpp, `IntActivations`); False where the kernels do not
     build."""
-    return native_kernels() and bool(
-        torch.ops.aserve_cpu.int_activations(None, code_bits, levels)
-    )
+    return native_kernels() and bool(torch.ops.aserve_cpu.int_activations(None, code_bits, levels))
 
 
 def rounded_like_the_kernels(rows: torch.Tensor) -> torch.Tensor:
