@@ -14,15 +14,17 @@ multiply float32 activations, with one order of operations per output whatever t
 greedy tokens). On CPUs with AVX-512 VNNI or AVX-VNNI they round each row's activations to
 16-bit integers a block of 32 inputs instead and multiply the codes as bytes (`vpdpbusd`:
 with AVX-512 1.4x faster at one row and 1.5x at 128 on a Zen 5 VM, with AVX-VNNI's 256 bits
-1.6-2.0x at one row and 1.1-1.2x at 128; `rounds_activations`); a row's integers depend
-on the row alone, the CPU attention computes every query the same way whether its prefix
-was cached or not (attention/torch_native.py), and BLAS is not used there (`blas_rows`), so
+1.6-2.0x at one row and 1.1-1.2x at 128; `rounds_activations`), as on other AVX2 CPUs for
+4-bit and split codes (`vpmaddubsw`; 1.8x at one row); a row's integers depend on the row
+alone, the CPU attention computes every query the same way whether its prefix was cached
+or not (attention/torch_native.py), and on VNNI CPUs BLAS is not used (`blas_rows`), so
 neither batches nor cache hits change a token's bits. Where BLAS is the faster for many rows
 (`blas_rows`: measured once per CPU; about 2x at 512 to 2,048 rows on that box, slower than
 the kernels on AMD's AVX-512 cores), products from BLAS_ROWS rows (prefill chunks, large
 decode batches) de-quantize slices of the weight into a reused buffer and BLAS multiplies
-them, different from the kernels only in the last bits of float32, like any two float32
-products (the float path has the same between a cached and an uncached prefix).
+them (with the activations as the kernels round them, where they do), different from the
+kernels only in the last bits of float32, like any two float32 products (the float path has
+the same between a cached and an uncached prefix).
 
 They build with torch's C++ extension loader (a C++ compiler and ninja) into aserve's cache,
 about 15 s the first time, then load in milliseconds. Where that fails the caller falls back

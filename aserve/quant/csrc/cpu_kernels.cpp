@@ -27,8 +27,9 @@
 // native.py's BLAS_ROWS rows the caller de-quantizes slices with `dequantize` and multiplies
 // them with BLAS instead.)
 // Activations stay float32 on CPUs without VNNI; with it (AVX-512's, or the 256-bit AVX-VNNI of
-// Intel's cores since Alder Lake), they are rounded to 16-bit integers
-// per row and block of 32 inputs, which again depend on the row alone (`IntActivations`).
+// Intel's cores since Alder Lake), they are rounded to 16-bit integers per row and block of 32
+// inputs, which again depend on the row alone (`IntActivations`), as they are on other AVX2
+// CPUs for 4-bit and split codes (`add_word`).
 // Rounding them to int8 (llama.cpp's way) had turned attention's last-bit differences between
 // a cached and an uncached prefix into visible ones; the CPU attention now computes a query
 // alike in both cases (attention/torch_native.py).
