@@ -152,7 +152,9 @@ struct Weight {
     return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(steps)),
                          _mm256_loadu_ps(base_of(panel, g, which)));
   }
-  ASERVE_INLINE __m256 scales8(int64_t panel, int64_t g) const { return lanes(scales, 0, panel, g); }
+  ASERVE_INLINE __m256 scales8(int64_t panel, int64_t g) const {
+    return lanes(scales, 0, panel, g);
+  }
   ASERVE_INLINE __m256 offsets8(int64_t panel, int64_t g) const {
     return offsets == nullptr ? _mm256_setzero_ps() : lanes(offsets, 1, panel, g);
   }
@@ -316,8 +318,8 @@ inline void set_zero(__m256 (&sums)[R][P]) {
 // as many slices as the weight has groups: a tile reading its own panels, group by group,
 // brings the next tile's bytes in meanwhile. (The hardware's prefetchers alone left the
 // products about as slow as reading the bytes and then computing: bench/NOTES.md.) Each
-// stream's slices end at multiples of one step, by additions: computing every slice's ends by
-// division had taken 40% of a one-row product's time in the 256-bit builds.
+// stream's slices end at multiples of one step worked out once a tile: computing every
+// slice's ends by division had taken 40% of a one-row product's time in the 256-bit builds.
 class NextPanels {
  public:
   NextPanels(const Weight& w, int64_t next, int64_t count, bool ask = true) {
@@ -326,7 +328,8 @@ class NextPanels {
     if (count <= 0) return;
     const int64_t groups = w.groups;
     auto add = [&](const void* start, int64_t bytes) {
-      streams_[used_++] = {static_cast<const char*>(start), bytes, (bytes + groups - 1) / groups, 0};
+      const int64_t step = (bytes + groups - 1) / groups;
+      streams_[used_++] = {static_cast<const char*>(start), bytes, step, 0};
     };
     add(w.words + next * w.panel_words(), count * w.panel_words() * 4);
     const int64_t scale_bytes = count * w.groups * kLanes * w.scale_bytes();
@@ -541,8 +544,8 @@ inline int code_bias(const Weight& w) {
 
 // What closes row `row`'s integer sums of group g (of `group` inputs): the bias times the
 // group's sum of the row's rounded activations, taken off, and their scale in its block.
-ASERVE_INLINE std::pair<int32_t, float> group_shift_and_scale(const Rows& a, int64_t row, int64_t g,
-                                                       int64_t group, int bias) {
+ASERVE_INLINE std::pair<int32_t, float> group_shift_and_scale(const Rows& a, int64_t row,
+                                                              int64_t g, int64_t group, int bias) {
   const int32_t* sums = a.xisum + row * (a.cols / 16) + g * group / 16;
   const int32_t sum = group == 32 ? sums[0] + sums[1] : sums[0];
   return {bias * sum, a.xscale[row * a.blocks() + g * group / 32]};
@@ -1238,9 +1241,9 @@ void int_tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_p
       const __m256 xs = _mm256_set1_ps(scale);
 #pragma GCC unroll 8
       for (int p = 0; p < P; ++p) {
-        const __m256i exact = _mm256_sub_epi32(
-            _mm256_add_epi32(_mm256_slli_epi32(group_sums<K>(hi[r][p]), 8), group_sums<K>(lo[r][p])),
-            shift);
+        const __m256i high = _mm256_slli_epi32(group_sums<K>(hi[r][p]), 8);
+        const __m256i exact =
+            _mm256_sub_epi32(_mm256_add_epi32(high, group_sums<K>(lo[r][p])), shift);
         part[r][p] = _mm256_mul_ps(_mm256_cvtepi32_ps(exact), xs);
       }
     }
