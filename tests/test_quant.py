@@ -776,8 +776,8 @@ def test_blas_or_kernels_for_many_rows_is_measured_once_and_kept(
 ) -> None:
     """BLAS from BLAS_ROWS rows where it multiplied faster than the kernels, else never; the
     choice kept in the kernels' folder and read back instead of measuring again; a kept file
-    that cannot be read is measured over."""
-    timings = iter([(2.0, 1.0), (1.0, 2.0), (1.0, 2.0)])
+    that cannot be read, or that other kernels' sources measured, is measured over."""
+    timings = iter([(2.0, 1.0), (1.0, 2.0), (1.0, 2.0), (2.0, 1.0)])
     monkeypatch.setattr(native_module, "time_products", lambda: next(timings))
     blas_faster, kernels_faster = tmp_path / "a", tmp_path / "b"
     blas_faster.mkdir(), kernels_faster.mkdir()
@@ -786,6 +786,10 @@ def test_blas_or_kernels_for_many_rows_is_measured_once_and_kept(
     assert native_module.decide_blas_rows(blas_faster) == BLAS_ROWS  # kept: not measured
     (blas_faster / "blas_rows.json").write_text("{")
     assert native_module.decide_blas_rows(blas_faster) == native_module.NEVER  # measured anew
+    older = json.loads((blas_faster / "blas_rows.json").read_text()) | {"kernels": "older"}
+    (blas_faster / "blas_rows.json").write_text(json.dumps(older))
+    assert native_module.decide_blas_rows(blas_faster) == BLAS_ROWS  # measured anew
+    assert native_module.decide_blas_rows(blas_faster) == BLAS_ROWS  # kept: not measured
     assert next(timings, None) is None
 
 

@@ -154,14 +154,27 @@ def blas_rows() -> int:
     return _blas_rows
 
 
+@cache
+def kernels_version() -> str:
+    """A short hash of the kernels' sources: a choice measured with other kernels (an older
+    aserve in the same folder) is measured again."""
+    digest = hashlib.sha1()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def decide_blas_rows(folder: Path) -> int:
-    """`blas_rows` as kept in `folder`, or measured now (`time_products`) and kept there. The
-    first process to keep an answer wins and every later one reads it, so the ranks of a
-    tensor-parallel run that measure at once still take one path (a MoE layer's routing must
-    not differ between them)."""
+    """`blas_rows` as kept in `folder` by these kernels, or measured now (`time_products`)
+    and kept there. The first process to keep an answer wins and every later one reads it,
+    so the ranks of a tensor-parallel run that measure at once still take one path (a MoE
+    layer's routing must not differ between them)."""
     kept = folder / "blas_rows.json"
     try:
-        return int(json.loads(kept.read_text())["blas_rows"])
+        record = json.loads(kept.read_text())
+        if record["kernels"] == kernels_version():
+            return int(record["blas_rows"])
+        kept.unlink(missing_ok=True)  # measured with other kernels: measured over
     except FileNotFoundError:
         pass
     except (OSError, ValueError, KeyError, TypeError):
@@ -172,7 +185,12 @@ def decide_blas_rows(folder: Path) -> int:
     logger.info(
         "512-row products: CPU kernels %.2f ms, BLAS %.2f ms; BLAS %s", kernels_ms, blas_ms, where
     )
-    record = {"kernels_ms": kernels_ms, "blas_ms": blas_ms, "blas_rows": rows}
+    record = {
+        "kernels_ms": kernels_ms,
+        "blas_ms": blas_ms,
+        "blas_rows": rows,
+        "kernels": kernels_version(),
+    }
     mine = folder / f"blas_rows.{os.getpid()}.json"
     try:
         mine.write_text(json.dumps(record))
