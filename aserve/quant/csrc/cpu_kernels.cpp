@@ -989,7 +989,7 @@ struct CodeBytes8 {
 };
 
 template <Kind K>
-inline CodeBytes8 code_bytes8(__m256i word, __m256i high, __m256i levels) {
+inline CodeBytes8 code_bytes8(__m256i word, __m256i high, int half, __m256i levels) {
   if (K == Kind::kBytes) {
     const __m256i flipped = _mm256_xor_si256(word, _mm256_set1_epi8(static_cast<char>(0x80)));
     return {flipped, flipped};
@@ -999,18 +999,27 @@ inline CodeBytes8 code_bytes8(__m256i word, __m256i high, __m256i levels) {
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(word, 4), nibbles);
   if (K == Kind::kLevels) return {_mm256_shuffle_epi8(levels, even), _mm256_shuffle_epi8(levels, odd)};
   if (K != Kind::kSplit) return {even, odd};
-  // Code byte j of the even inputs (input 2j) takes bits 4j, 4j + 1 of `high`: those of its
-  // byte j / 2, at 0 and 1 (j even) or 4 and 5 (j odd); the odd inputs' bits 4j + 2, 4j + 3.
-  // Each lane's bytes 0, 0, 1, 1 side by side, then shifted in 16-bit halves to bits 4 and 5.
+  // Code byte j of the even inputs (input 2j) takes bits 4j, 4j + 1 of `high`, the odd
+  // inputs' bits 4j + 2, 4j + 3: nibble j of `high`'s 16 bits, low two bits for the even
+  // input, high two for the odd. Nibble j to byte j (bytes 0, 0, 1, 1 of the lane's half side
+  // by side, then the odd bytes' high nibbles), then two table lookups put each input's two
+  // bits at 4 and 5.
   const __m256i twice = _mm256_shuffle_epi8(
-      high, _mm256_setr_epi8(0, 0, 1, 1, 4, 4, 5, 5, 8, 8, 9, 9, 12, 12, 13, 13, 0, 0, 1, 1, 4, 4,
-                             5, 5, 8, 8, 9, 9, 12, 12, 13, 13));
-  const __m256i at_even = _mm256_set1_epi32(0x00300030), at_odd = _mm256_set1_epi32(0x30003000);
-  const __m256i even_high = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(twice, 4), at_even),
-                                            _mm256_and_si256(twice, at_odd));
-  const __m256i odd_high =
-      _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(twice, 2), at_even),
-                      _mm256_and_si256(_mm256_srli_epi16(twice, 2), at_odd));
+      high, half == 0 ? _mm256_setr_epi8(0, 0, 1, 1, 4, 4, 5, 5, 8, 8, 9, 9, 12, 12, 13, 13, 0, 0,
+                                         1, 1, 4, 4, 5, 5, 8, 8, 9, 9, 12, 12, 13, 13)
+                      : _mm256_setr_epi8(2, 2, 3, 3, 6, 6, 7, 7, 10, 10, 11, 11, 14, 14, 15, 15, 2,
+                                         2, 3, 3, 6, 6, 7, 7, 10, 10, 11, 11, 14, 14, 15, 15));
+  const __m256i nibble =
+      _mm256_or_si256(_mm256_and_si256(twice, _mm256_set1_epi32(0x000f000f)),
+                      _mm256_and_si256(_mm256_srli_epi16(twice, 4), _mm256_set1_epi32(0x0f000f00)));
+  const __m256i low_pair = _mm256_setr_epi8(0, 16, 32, 48, 0, 16, 32, 48, 0, 16, 32, 48, 0, 16, 32,
+                                            48, 0, 16, 32, 48, 0, 16, 32, 48, 0, 16, 32, 48, 0, 16,
+                                            32, 48);
+  const __m256i high_pair = _mm256_setr_epi8(0, 0, 0, 0, 16, 16, 16, 16, 32, 32, 32, 32, 48, 48, 48,
+                                             48, 0, 0, 0, 0, 16, 16, 16, 16, 32, 32, 32, 32, 48, 48,
+                                             48, 48);
+  const __m256i even_high = _mm256_shuffle_epi8(low_pair, nibble);
+  const __m256i odd_high = _mm256_shuffle_epi8(high_pair, nibble);
   return {_mm256_or_si256(even, even_high), _mm256_or_si256(odd, odd_high)};
 }
 
@@ -1022,9 +1031,8 @@ inline CodeBytes8 word_codes(const uint32_t* group_words, int64_t code_words, in
   const auto load = [&](int64_t at) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_words + at * kLanes));
   };
-  const __m256i high = K == Kind::kSplit ? _mm256_srli_epi32(load(code_words + v / 2), 16 * (v % 2))
-                                         : _mm256_setzero_si256();
-  return code_bytes8<K>(load(v), high, levels);
+  const __m256i high = K == Kind::kSplit ? load(code_words + v / 2) : _mm256_setzero_si256();
+  return code_bytes8<K>(load(v), high, static_cast<int>(v % 2), levels);
 }
 
 // One code word's products with a row's activation words `x` (hi and lo bytes of the even
