@@ -322,9 +322,9 @@ inline void set_zero(__m256 (&sums)[R][P]) {
 // slice's ends by division had taken 40% of a one-row product's time in the 256-bit builds.
 class NextPanels {
  public:
-  NextPanels(const Weight& w, int64_t next, int64_t count, bool ask = true) {
+  NextPanels(const Weight& w, int64_t next, int64_t count, bool enabled = true) {
     next = std::min(next, w.panels);
-    count = ask ? std::min(count, w.panels - next) : 0;
+    count = enabled ? std::min(count, w.panels - next) : 0;
     if (count <= 0) return;
     const int64_t groups = w.groups;
     auto add = [&](const void* start, int64_t bytes) {
@@ -1235,10 +1235,10 @@ void int_tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_p
         const int32_t* x = a.xq + (first_row + r) * row_words + at;
         if constexpr (P == 2 && kPairInAsm<K>) {
           add_word_pair<K>(hi[r][0], lo[r][0], hi[r][1], lo[r][1], codes[0], codes[1], x);
-          continue;
-        }
+        } else {
 #pragma GCC unroll 8
-        for (int p = 0; p < P; ++p) add_word<K>(hi[r][p], lo[r][p], codes[p], x);
+          for (int p = 0; p < P; ++p) add_word<K>(hi[r][p], lo[r][p], codes[p], x);
+        }
       }
     }
     __m256 part[R][P];
