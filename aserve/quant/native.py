@@ -15,10 +15,13 @@ greedy tokens). On CPUs with AVX-512 VNNI or AVX-VNNI they round each row's acti
 16-bit integers a block of 32 inputs instead and multiply the codes as bytes (`vpdpbusd`:
 with AVX-512 1.4x faster at one row and 1.5x at 128 on a Zen 5 VM, with AVX-VNNI's 256 bits
 1.6-2.0x at one row and 1.1-1.2x at 128; `rounds_activations`), as on other AVX2 CPUs for
-4-bit and split codes (`vpmaddubsw`; 1.8x at one row); a row's integers depend on the row
-alone, the CPU attention computes every query the same way whether its prefix was cached
-or not (attention/torch_native.py), and on VNNI CPUs BLAS is not used (`blas_rows`), so
-neither batches nor cache hits change a token's bits. Where BLAS is the faster for many rows
+4-bit and split codes (`vpmaddubsw`; 1.8x at one row) and on 64-bit ARM CPUs with the
+dot-product instructions for every code width (`sdot`: Apple's M cores, Graviton 2 and newer,
+Cortex-A76 and newer; checked for bits under QEMU, not timed on an ARM CPU); a row's integers
+depend on the row alone, the CPU attention computes every query the same way whether its
+prefix was cached or not (attention/torch_native.py), and where every code width's
+activations are rounded (VNNI, ARM's `sdot`) BLAS is not used (`blas_rows`), so neither
+batches nor cache hits change a token's bits. Where BLAS is the faster for many rows
 (`blas_rows`: measured once per CPU; about 2x at 512 to 2,048 rows on that box, slower than
 the kernels on AMD's AVX-512 cores), products from BLAS_ROWS rows (prefill chunks, large
 decode batches) de-quantize slices of the weight into a reused buffer and BLAS multiplies
@@ -142,10 +145,11 @@ def blas_rows() -> int:
     instruction sets: MKL runs its AVX2 code on AMD's AVX-512 cores, where the kernels were
     1.4x faster than BLAS at 64 to 2,048 rows (Zen 5), while on a 2-core AVX2 box BLAS was
     ~2x faster from 512. Without BLAS every output has the same bits whatever its batch.
-    On CPUs with VNNI (AVX-512's or AVX-VNNI: every code width's activations rounded to 16
-    bits, `rounds_activations(8)`), never: there the kernels are the faster and keep a
-    token's bits exact across batches and cache hits. Elsewhere BLAS takes the activations
-    as the kernels round them where they do (4-bit and split codes on AVX2,
+    On CPUs with VNNI (AVX-512's or AVX-VNNI) or ARM's `sdot` (every code width's
+    activations rounded to 16 bits, `rounds_activations(8)`), never: with VNNI the kernels
+    were the faster, and they keep a token's bits exact across batches and cache hits (on
+    ARM that choice is made for the bits; BLAS was not timed there). Elsewhere BLAS takes
+    the activations as the kernels round them where they do (4-bit and split codes on AVX2,
     `rounded_like_the_kernels`), so the two paths differ in float32's last bits, not by a
     rounding step."""
     global _blas_rows

@@ -1,6 +1,7 @@
 // Products of group-quantized weights with float32 activations, or with activations rounded
-// to 16-bit integers where the CPU has AVX-512 VNNI or AVX-VNNI (`IntActivations` below), on CPU
-// (aserve/quant/native.py builds this file and says why it exists).
+// to 16-bit integers where the CPU has AVX-512 VNNI or AVX-VNNI, or is an ARM one with the
+// dot-product instructions (`IntActivations` below), on CPU (aserve/quant/native.py builds this
+// file and says why it exists).
 //
 // A weight keeps integer codes with a float32 scale and offset per group of 16 or 32 inputs,
 // w = code * scale + offset. Output features come in panels of 8, one per AVX2 lane; within a
@@ -29,7 +30,7 @@
 // Activations stay float32 on CPUs without VNNI; with it (AVX-512's, or the 256-bit AVX-VNNI of
 // Intel's cores since Alder Lake), they are rounded to 16-bit integers per row and block of 32
 // inputs, which again depend on the row alone (`IntActivations`), as they are on other AVX2
-// CPUs for 4-bit and split codes (`add_word`).
+// CPUs for 4-bit and split codes (`add_word`) and on ARM CPUs with `sdot` for all codes.
 // Rounding them to int8 (llama.cpp's way) had turned attention's last-bit differences between
 // a cached and an uncached prefix into visible ones; the CPU attention now computes a query
 // alike in both cases (attention/torch_native.py).
@@ -63,7 +64,11 @@
 #define ASERVE_INT256 1
 #endif
 #endif
-#if defined(ASERVE_VNNI) || defined(ASERVE_INT256)
+#if defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+#include <arm_neon.h>
+#define ASERVE_NEON 1  // `IntActivations` through `sdot`
+#endif
+#if defined(ASERVE_VNNI) || defined(ASERVE_INT256) || defined(ASERVE_NEON)
 #define ASERVE_INT 1
 #endif
 
@@ -200,6 +205,104 @@ inline uint32_t high_bits(const Weight& w, const uint32_t* words, int64_t v, int
   return words[(w.code_words() + v / 2) * kLanes + lane] >> (16 * (v % 2));
 }
 
+// A cache line asked for, as an asm statement: GCC 12 at -O3 dropped `__builtin_prefetch`'s
+// prefetches from `NextPanels`' loop.
+ASERVE_INLINE void prefetch_line(const char* line) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht0 %0" : : "m"(*line));
+#elif defined(__aarch64__)
+  asm volatile("prfm pldl1keep, %0" : : "Q"(*line));
+#else
+  __builtin_prefetch(line);
+#endif
+}
+
+// Panels [next, next + count)'s codes, scales, offsets and bases asked for ahead of use, in
+// as many slices as the weight has groups: a tile reading its own panels, group by group,
+// brings the next tile's bytes in meanwhile. (The hardware's prefetchers alone left the
+// products about as slow as reading the bytes and then computing: bench/NOTES.md.) Each
+// stream's slices end at multiples of one step worked out once a tile: computing every
+// slice's ends by division had taken 40% of a one-row product's time in the 256-bit builds.
+class NextPanels {
+ public:
+  NextPanels(const Weight& w, int64_t next, int64_t count, bool enabled = true) {
+    next = std::min(next, w.panels);
+    count = enabled ? std::min(count, w.panels - next) : 0;
+    if (count <= 0) return;
+    const int64_t groups = w.groups;
+    auto add = [&](const void* start, int64_t bytes) {
+      const int64_t step = (bytes + groups - 1) / groups;
+      streams_[used_++] = {static_cast<const char*>(start), bytes, step, 0};
+    };
+    add(w.words + next * w.panel_words(), count * w.panel_words() * 4);
+    const int64_t scale_bytes = count * w.groups * kLanes * w.scale_bytes();
+    add(static_cast<const char*>(w.scales) + w.at(next, 0) * w.scale_bytes(), scale_bytes);
+    if (w.offsets != nullptr)
+      add(static_cast<const char*>(w.offsets) + w.at(next, 0) * w.scale_bytes(), scale_bytes);
+    if (w.bases != nullptr) add(w.bases + next * w.base_floats(), count * w.base_floats() * 4);
+  }
+
+  // Slice g's lines (g = 0, 1, ... in turn).
+  ASERVE_INLINE void ask(int64_t g) {
+    for (int i = 0; i < used_; ++i) {
+      Stream& s = streams_[i];
+      const int64_t end = std::min(s.bytes, s.step * (g + 1));
+      for (; s.asked < end; s.asked += 64) prefetch_line(s.base + s.asked);
+    }
+  }
+
+ private:
+  struct Stream {
+    const char* base;
+    int64_t bytes, step, asked;  // `asked`: bytes from base whose lines were asked for
+  };
+  Stream streams_[4];
+  int used_ = 0;
+};
+
+#ifdef ASERVE_INT
+// Activations as 16-bit integers (`IntActivations`). Each block of 32 inputs of a row gets a
+// scale s = max |x| / 32639 and x = s * (256 * hi + lo), hi and lo signed bytes, to within
+// s / 2: about 15 bits of the block's largest value, where rounding to int8 (llama.cpp's 7
+// bits) had turned attention's last-bit differences between a cached and an uncached prefix
+// into changed greedy tokens. `vpdpbusd` multiplies four unsigned code bytes by four signed
+// activation bytes and adds the four products to a 32-bit sum in one instruction; two of them
+// (hi, lo) give 64 16-bit products where the float tiles make 16 with an FMA after expanding
+// each code. Integer sums are exact, so the one fixed order of float operations per output
+// stays: per group, part = float(256 * sum_hi + sum_lo - bias * sum(x)) * s, then
+// total = fma(scale, part, total) and fma(offset, xsum, total) as the float tiles do, xsum
+// the group's sum of the rounded activations (the product is the weight's with exactly
+// those). A row's integers depend on that row alone, so its outputs still do not depend on
+// its batch. One row: 1.4x the float tiles' speed (Q4_K 46 -> 65 GB/s, Q6_K 40 -> 58 on a
+// 2-core Zen 5 VM); 128 rows 1.4-1.5x (Q4_K 183 -> 280 GMAC/s; bench/NOTES.md).
+//
+// A row's words follow the weight's: for 4-bit and split codes, each word of 8 inputs gives
+// four words, the hi bytes of inputs 0, 2, 4, 6, their lo bytes, then the odd inputs' (a code
+// word's nibbles split by one mask into even and odd inputs); for 8-bit codes each word of 4
+// inputs gives its hi bytes, then its lo bytes.
+constexpr float kIntLimit = 32639.0f;  // 127 * 256 + 127: hi and lo both within a signed byte
+
+// What a code byte stands for above its value: codes are read as unsigned bytes, so 8-bit
+// codes (sign flipped) and levels (kept as level + 128) stand 128 above, split codes their
+// center above (Q6_K's 32), 4-bit codes none.
+template <Kind K>
+inline int code_bias(const Weight& w) {
+#ifdef ASERVE_NEON
+  if (K == Kind::kBytes || K == Kind::kLevels) return 0;  // `sdot` reads them as signed bytes
+#endif
+  return K == Kind::kNibbles ? 0 : K == Kind::kSplit ? split_center(w) : 128;
+}
+
+// What closes row `row`'s integer sums of group g (of `group` inputs): the bias times the
+// group's sum of the row's rounded activations, taken off, and their scale in its block.
+ASERVE_INLINE std::pair<int32_t, float> group_shift_and_scale(const Rows& a, int64_t row,
+                                                              int64_t g, int64_t group, int bias) {
+  const int32_t* sums = a.xisum + row * (a.cols / 16) + g * group / 16;
+  const int32_t sum = group == 32 ? sums[0] + sums[1] : sums[0];
+  return {bias * sum, a.xscale[row * a.blocks() + g * group / 32]};
+}
+#endif
+
 #ifdef ASERVE_AVX2
 
 // The 16 level bytes in both 128-bit halves of a register (byte shuffles stay in a half),
@@ -313,50 +416,6 @@ inline void set_zero(__m256 (&sums)[R][P]) {
 #pragma GCC unroll 8
     for (int p = 0; p < P; ++p) sums[r][p] = _mm256_setzero_ps();
 }
-
-// Panels [next, next + count)'s codes, scales, offsets and bases asked for ahead of use, in
-// as many slices as the weight has groups: a tile reading its own panels, group by group,
-// brings the next tile's bytes in meanwhile. (The hardware's prefetchers alone left the
-// products about as slow as reading the bytes and then computing: bench/NOTES.md.) Each
-// stream's slices end at multiples of one step worked out once a tile: computing every
-// slice's ends by division had taken 40% of a one-row product's time in the 256-bit builds.
-class NextPanels {
- public:
-  NextPanels(const Weight& w, int64_t next, int64_t count, bool enabled = true) {
-    next = std::min(next, w.panels);
-    count = enabled ? std::min(count, w.panels - next) : 0;
-    if (count <= 0) return;
-    const int64_t groups = w.groups;
-    auto add = [&](const void* start, int64_t bytes) {
-      const int64_t step = (bytes + groups - 1) / groups;
-      streams_[used_++] = {static_cast<const char*>(start), bytes, step, 0};
-    };
-    add(w.words + next * w.panel_words(), count * w.panel_words() * 4);
-    const int64_t scale_bytes = count * w.groups * kLanes * w.scale_bytes();
-    add(static_cast<const char*>(w.scales) + w.at(next, 0) * w.scale_bytes(), scale_bytes);
-    if (w.offsets != nullptr)
-      add(static_cast<const char*>(w.offsets) + w.at(next, 0) * w.scale_bytes(), scale_bytes);
-    if (w.bases != nullptr) add(w.bases + next * w.base_floats(), count * w.base_floats() * 4);
-  }
-
-  // Slice g's lines (g = 0, 1, ... in turn).
-  ASERVE_INLINE void ask(int64_t g) {
-    for (int i = 0; i < used_; ++i) {
-      Stream& s = streams_[i];
-      const int64_t end = std::min(s.bytes, s.step * (g + 1));
-      // as an asm statement: GCC 12 at -O3 dropped the builtin's prefetches from this loop
-      for (; s.asked < end; s.asked += 64) asm volatile("prefetcht0 %0" : : "m"(s.base[s.asked]));
-    }
-  }
-
- private:
-  struct Stream {
-    const char* base;
-    int64_t bytes, step, asked;  // `asked`: bytes from base whose lines were asked for
-  };
-  Stream streams_[4];
-  int used_ = 0;
-};
 
 // R rows against P panels, codes expanded in registers.
 template <int R, int P, Kind K>
@@ -512,45 +571,6 @@ void panels_at(const Weight& w, const Rows& a, int64_t row, int64_t first_panel,
   for (; p < last_panel; ++p) tile<R, 1, K>(w, a, row, p);
 }
 
-#ifdef ASERVE_INT
-// Activations as 16-bit integers (`IntActivations`). Each block of 32 inputs of a row gets a
-// scale s = max |x| / 32639 and x = s * (256 * hi + lo), hi and lo signed bytes, to within
-// s / 2: about 15 bits of the block's largest value, where rounding to int8 (llama.cpp's 7
-// bits) had turned attention's last-bit differences between a cached and an uncached prefix
-// into changed greedy tokens. `vpdpbusd` multiplies four unsigned code bytes by four signed
-// activation bytes and adds the four products to a 32-bit sum in one instruction; two of them
-// (hi, lo) give 64 16-bit products where the float tiles make 16 with an FMA after expanding
-// each code. Integer sums are exact, so the one fixed order of float operations per output
-// stays: per group, part = float(256 * sum_hi + sum_lo - bias * sum(x)) * s, then
-// total = fma(scale, part, total) and fma(offset, xsum, total) as the float tiles do, xsum
-// the group's sum of the rounded activations (the product is the weight's with exactly
-// those). A row's integers depend on that row alone, so its outputs still do not depend on
-// its batch. One row: 1.4x the float tiles' speed (Q4_K 46 -> 65 GB/s, Q6_K 40 -> 58 on a
-// 2-core Zen 5 VM); 128 rows 1.4-1.5x (Q4_K 183 -> 280 GMAC/s; bench/NOTES.md).
-//
-// A row's words follow the weight's: for 4-bit and split codes, each word of 8 inputs gives
-// four words, the hi bytes of inputs 0, 2, 4, 6, their lo bytes, then the odd inputs' (a code
-// word's nibbles split by one mask into even and odd inputs); for 8-bit codes each word of 4
-// inputs gives its hi bytes, then its lo bytes.
-constexpr float kIntLimit = 32639.0f;  // 127 * 256 + 127: hi and lo both within a signed byte
-
-// What a code byte stands for above its value: codes are read as unsigned bytes, so 8-bit
-// codes (sign flipped) and levels (kept as level + 128) stand 128 above, split codes their
-// center above (Q6_K's 32), 4-bit codes none.
-template <Kind K>
-inline int code_bias(const Weight& w) {
-  return K == Kind::kNibbles ? 0 : K == Kind::kSplit ? split_center(w) : 128;
-}
-
-// What closes row `row`'s integer sums of group g (of `group` inputs): the bias times the
-// group's sum of the row's rounded activations, taken off, and their scale in its block.
-ASERVE_INLINE std::pair<int32_t, float> group_shift_and_scale(const Rows& a, int64_t row,
-                                                              int64_t g, int64_t group, int bias) {
-  const int32_t* sums = a.xisum + row * (a.cols / 16) + g * group / 16;
-  const int32_t sum = group == 32 ? sums[0] + sums[1] : sums[0];
-  return {bias * sum, a.xscale[row * a.blocks() + g * group / 32]};
-}
-#endif
 
 #ifdef ASERVE_AVX512
 // With AVX-512 `tile`'s work two panels at a time, one panel in each half of a 512-bit
@@ -1264,15 +1284,241 @@ void int_tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_p
       _mm256_storeu_ps(a.y + (first_row + r) * a.out + (first_panel + p) * kLanes, total[r][p]);
 }
 
+#endif
+#endif
+#endif
+
+#ifdef ASERVE_NEON
+// `IntActivations` on ARM CPUs with the dot-product instructions (Armv8.2's DotProd: Apple's
+// M cores, Graviton 2 and newer, Cortex-A76 and newer, e.g. a Raspberry Pi 5). `sdot` adds
+// four products of signed code bytes and signed activation bytes to each 32-bit lane, 16
+// products an instruction where the portable tiles' float FMAs make 4, after widening each
+// code to a float. A panel's 8 lanes take two 128-bit registers (lanes 0-3, 4-7). Codes are
+// multiplied as signed bytes, so 8-bit codes and levels need no bias; otherwise the same
+// integers as the x86 tiles and per output the same float operations as `int_tile` there.
+
+// Inputs [0, n) of x (n = 16 or 32; the rest read as zero) into one block: the x86 tiles'
+// scale, integers (rounded to nearest even) and word layout.
+inline void quantize_block(const float* x, int n, bool bytes, int32_t* words, float* scale,
+                           int32_t* sums) {
+  float32x4_t values[8], largest4 = vdupq_n_f32(0.0f);
+  for (int i = 0; i < 8; ++i) {
+    values[i] = 4 * i < n ? vld1q_f32(x + 4 * i) : vdupq_n_f32(0.0f);
+    largest4 = vmaxq_f32(largest4, vabsq_f32(values[i]));
+  }
+  const float largest = vmaxvq_f32(largest4);
+  const float32x4_t inverse = vdupq_n_f32(largest > 0.0f ? kIntLimit / largest : 0.0f);
+  *scale = largest / kIntLimit;
+  const uint8x16_t even_odd = {0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15};
+  for (int half = 0; half < n / 16; ++half) {
+    int16x8_t hi16[2], lo16[2];
+    int32x4_t sum = vdupq_n_s32(0);
+    for (int j = 0; j < 2; ++j) {
+      int16x4_t his[2], los[2];
+      for (int k = 0; k < 2; ++k) {
+        const int32x4_t v = vcvtnq_s32_f32(vmulq_f32(values[4 * half + 2 * j + k], inverse));
+        const int32x4_t lo = vshrq_n_s32(vshlq_n_s32(v, 24), 24);
+        sum = vaddq_s32(sum, v);
+        los[k] = vmovn_s32(lo);
+        his[k] = vmovn_s32(vshrq_n_s32(vsubq_s32(v, lo), 8));
+      }
+      hi16[j] = vcombine_s16(his[0], his[1]);
+      lo16[j] = vcombine_s16(los[0], los[1]);
+    }
+    sums[half] = vaddvq_s32(sum);
+    int8x16_t hi = vcombine_s8(vmovn_s16(hi16[0]), vmovn_s16(hi16[1]));
+    int8x16_t lo = vcombine_s8(vmovn_s16(lo16[0]), vmovn_s16(lo16[1]));
+    if (!bytes) {  // a word's even inputs, then its odd ones
+      hi = vqtbl1q_s8(hi, even_odd);
+      lo = vqtbl1q_s8(lo, even_odd);
+    }
+    const int32x4_t hi_words = vreinterpretq_s32_s8(hi), lo_words = vreinterpretq_s32_s8(lo);
+    vst1q_s32(words + 8 * half, vzip1q_s32(hi_words, lo_words));
+    vst1q_s32(words + 8 * half + 4, vzip2q_s32(hi_words, lo_words));
+  }
+}
+
+// A panel's code word as signed code bytes, lanes 0-3 and 4-7: the even inputs' and the odd
+// inputs' (8-bit codes: the word's four inputs in `even`).
+struct CodeBytes8 {
+  int8x16_t even[2], odd[2];
+};
+
+// The 16 levels as signed bytes (they are kept as level + 128), loaded once per tile.
+inline int8x16_t levels_of(const Weight& w) {
+  if (w.levels == nullptr) return vdupq_n_s8(0);
+  return vreinterpretq_s8_u8(veorq_u8(vld1q_u8(w.levels), vdupq_n_u8(0x80)));
+}
+
+// One register of a code word (4 lanes) as code bytes; split codes take bits 4 and 5 from
+// `high`, the lanes' high-bit words, input i of the word at bits 2i, 2i + 1 of half `half`.
+template <Kind K>
+ASERVE_INLINE void code_bytes(uint8x16_t word, uint8x16_t high, int half, int8x16_t levels,
+                              int8x16_t& even, int8x16_t& odd) {
+  if (K == Kind::kBytes) {
+    even = odd = vreinterpretq_s8_u8(word);
+    return;
+  }
+  const uint8x16_t low = vandq_u8(word, vdupq_n_u8(15)), upper = vshrq_n_u8(word, 4);
+  if (K == Kind::kLevels) {
+    even = vqtbl1q_s8(levels, low);
+    odd = vqtbl1q_s8(levels, upper);
+    return;
+  }
+  if (K != Kind::kSplit) {
+    even = vreinterpretq_s8_u8(low);
+    odd = vreinterpretq_s8_u8(upper);
+    return;
+  }
+  // Nibble j of the half's 16 bits to byte j (bytes 0, 0, 1, 1 of the half side by side, the
+  // odd ones shifted right by 4): its low two bits are input 2j's, its high two input 2j + 1's.
+  const uint8x16_t first = {0, 0, 1, 1, 4, 4, 5, 5, 8, 8, 9, 9, 12, 12, 13, 13};
+  const uint8x16_t second = {2, 2, 3, 3, 6, 6, 7, 7, 10, 10, 11, 11, 14, 14, 15, 15};
+  const int8x16_t shifts = {0, -4, 0, -4, 0, -4, 0, -4, 0, -4, 0, -4, 0, -4, 0, -4};
+  const uint8x16_t nibble = vandq_u8(
+      vshlq_u8(vqtbl1q_u8(high, half == 0 ? first : second), shifts), vdupq_n_u8(15));
+  even = vreinterpretq_s8_u8(vsliq_n_u8(low, vandq_u8(nibble, vdupq_n_u8(3)), 4));
+  odd = vreinterpretq_s8_u8(vsliq_n_u8(upper, vshrq_n_u8(nibble, 2), 4));
+}
+
+// Code word v of a panel's group (`group_words`, its first word; `code_words` a group's).
+template <Kind K>
+ASERVE_INLINE CodeBytes8 word_codes(const uint32_t* group_words, int64_t code_words, int64_t v,
+                                     int8x16_t levels) {
+  const auto load = [&](int64_t at, int h) {
+    return vld1q_u8(reinterpret_cast<const uint8_t*>(group_words + at * kLanes + 4 * h));
+  };
+  CodeBytes8 codes;
+  for (int h = 0; h < 2; ++h) {
+    const uint8x16_t high = K == Kind::kSplit ? load(code_words + v / 2, h) : vdupq_n_u8(0);
+    code_bytes<K>(load(v, h), high, static_cast<int>(v % 2), levels, codes.even[h], codes.odd[h]);
+  }
+  return codes;
+}
+
+// A group's scales or offsets of a panel, lanes 0-3 and 4-7, as `Weight::value` gives each.
+struct Lanes8 {
+  float32x4_t half[2];
+};
+
+ASERVE_INLINE Lanes8 lanes8(const Weight& w, const void* values, int which, int64_t panel,
+                            int64_t g) {
+  const int64_t i = w.at(panel, g);
+  switch (w.scale_kind) {
+    case ScaleKind::kFloat: {
+      const float* f = static_cast<const float*>(values) + i;
+      return {{vld1q_f32(f), vld1q_f32(f + 4)}};
+    }
+    case ScaleKind::kHalf: {
+      const float16x8_t h = vreinterpretq_f16_u16(
+          vld1q_u16(reinterpret_cast<const uint16_t*>(static_cast<const c10::Half*>(values) + i)));
+      return {{vcvt_f32_f16(vget_low_f16(h)), vcvt_high_f32_f16(h)}};
+    }
+    default: break;
+  }
+  const int16x8_t steps = vmovl_s8(vld1_s8(static_cast<const int8_t*>(values) + i));
+  const float* base = w.base_of(panel, g, which);
+  return {{vmulq_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(steps))), vld1q_f32(base)),
+           vmulq_f32(vcvtq_f32_s32(vmovl_high_s16(steps)), vld1q_f32(base + 4))}};
+}
+
+// R rows against panels [first_panel, first_panel + P): the 256-bit `int_tile`'s integers and
+// float operations, in pairs of 128-bit registers.
+template <int R, int P, Kind K>
+void int_tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_panel,
+              const CodeBytes8* expanded = nullptr) {
+  constexpr int per_word = K == Kind::kBytes ? 4 : 8;
+  const int64_t words = w.words_per_group(), code_words = w.code_words(), stride = w.panel_words();
+  const int bias = code_bias<K>(w);
+  const int8x16_t levels = levels_of(w);
+  const int64_t row_words = a.cols / 2;
+  float32x4_t total[R][P][2];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) total[r][p][0] = total[r][p][1] = vdupq_n_f32(0.0f);
+  NextPanels next(w, first_panel + P, P, first_row % kRowBlock == 0);
+  for (int64_t g = 0; g < w.groups; ++g) {
+    next.ask(g);
+    int32x4_t hi[R][P][2], lo[R][P][2];
+    for (int r = 0; r < R; ++r)
+      for (int p = 0; p < P; ++p)
+        for (int h = 0; h < 2; ++h) hi[r][p][h] = lo[r][p][h] = vdupq_n_s32(0);
+    for (int64_t v = 0; v < code_words; ++v) {
+      const int64_t at = (g * w.group + v * per_word) / 2;  // the row's first word for v
+      CodeBytes8 codes[P];
+      for (int p = 0; p < P; ++p) {
+        const uint32_t* group_words = w.words + (first_panel + p) * stride + g * words * kLanes;
+        codes[p] = expanded != nullptr ? expanded[(p * w.groups + g) * code_words + v]
+                                       : word_codes<K>(group_words, code_words, v, levels);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = reinterpret_cast<const int8_t*>(a.xq + (first_row + r) * row_words + at);
+        if constexpr (K == Kind::kBytes) {  // hi and lo bytes of the word's four inputs
+          const int8x8_t xv = vld1_s8(x);
+          for (int p = 0; p < P; ++p)
+            for (int h = 0; h < 2; ++h) {
+              hi[r][p][h] = vdotq_lane_s32(hi[r][p][h], codes[p].even[h], xv, 0);
+              lo[r][p][h] = vdotq_lane_s32(lo[r][p][h], codes[p].even[h], xv, 1);
+            }
+        } else {  // hi and lo bytes of the even inputs, then of the odd ones
+          const int8x16_t xv = vld1q_s8(x);
+          for (int p = 0; p < P; ++p)
+            for (int h = 0; h < 2; ++h) {
+              hi[r][p][h] = vdotq_laneq_s32(hi[r][p][h], codes[p].even[h], xv, 0);
+              lo[r][p][h] = vdotq_laneq_s32(lo[r][p][h], codes[p].even[h], xv, 1);
+              hi[r][p][h] = vdotq_laneq_s32(hi[r][p][h], codes[p].odd[h], xv, 2);
+              lo[r][p][h] = vdotq_laneq_s32(lo[r][p][h], codes[p].odd[h], xv, 3);
+            }
+        }
+      }
+    }
+    float32x4_t part[R][P][2];
+    for (int r = 0; r < R; ++r) {
+      const auto [sum_shift, scale] = group_shift_and_scale(a, first_row + r, g, w.group, bias);
+      const int32x4_t shift = vdupq_n_s32(sum_shift);
+      const float32x4_t xs = vdupq_n_f32(scale);
+      for (int p = 0; p < P; ++p)
+        for (int h = 0; h < 2; ++h) {
+          const int32x4_t exact =
+              vsubq_s32(vaddq_s32(vshlq_n_s32(hi[r][p][h], 8), lo[r][p][h]), shift);
+          part[r][p][h] = vmulq_f32(vcvtq_f32_s32(exact), xs);
+        }
+    }
+    for (int p = 0; p < P; ++p) {  // as `close_panels`: total = fma(scale, part, total), ...
+      const Lanes8 scale = lanes8(w, w.scales, 0, first_panel + p, g);
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < 2; ++h)
+          total[r][p][h] = vfmaq_f32(total[r][p][h], scale.half[h], part[r][p][h]);
+      if (w.offsets == nullptr) continue;
+      const Lanes8 offset = lanes8(w, w.offsets, 1, first_panel + p, g);
+      for (int r = 0; r < R; ++r) {  // ... then fma(offset, xsum, total)
+        const float32x4_t xsum = vdupq_n_f32(a.xsum[(first_row + r) * a.groups + g]);
+        for (int h = 0; h < 2; ++h)
+          total[r][p][h] = vfmaq_f32(total[r][p][h], offset.half[h], xsum);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p)
+      for (int h = 0; h < 2; ++h)
+        vst1q_f32(a.y + (first_row + r) * a.out + (first_panel + p) * kLanes + 4 * h,
+                  total[r][p][h]);
+}
+#endif
+
+#if defined(ASERVE_INT256) || defined(ASERVE_NEON)
+// The 256-bit and the NEON integer tiles (`int_tile`, `word_codes`: one panel's 8 lanes in a
+// 256-bit register or two 128-bit ones) take rows alike.
+
 // Panels [first, first + count) as their code bytes in `out`, [panel][group][word]: split
 // codes' bytes made once for all tiles of a unit's rows (`int_rows`).
 inline void expand_split(const Weight& w, int64_t first, int64_t count, CodeBytes8* out) {
   const int64_t words = w.words_per_group(), code_words = w.code_words();
+  const auto levels = levels_of(w);  // unread by split codes' bytes
   for (int64_t p = first; p < first + count; ++p)
     for (int64_t g = 0; g < w.groups; ++g)
       for (int64_t v = 0; v < code_words; ++v)
         *out++ = word_codes<Kind::kSplit>(w.words + p * w.panel_words() + g * words * kLanes,
-                                          code_words, v, _mm256_setzero_si256());
+                                          code_words, v, levels);
 }
 
 template <int R, int P, Kind K>
@@ -1289,7 +1535,7 @@ void int_panels(const Weight& w, const Rows& a, int64_t row, int64_t first_panel
 // Split codes gain at one row (Q6_K 19 -> 30 GMAC/s) and lose from 16 (128 rows 91 -> 74, with
 // a pair of panels' code bytes made once for all rows, `expand_split`; 67 with each tile making
 // them), but a step of a Q4_K_M file still gains (Llama-3.2-1B's shape: decode 29.2 -> 25.2 ms
-// a step, a 128-token prefill 1.18 -> 1.25 s).
+// a step, a 128-token prefill 1.18 -> 1.25 s). Not timed on an ARM CPU.
 template <Kind K>
 void int_rows(const Weight& w, const Rows& a, int64_t first, int64_t last, int64_t first_panel,
               int64_t last_panel) {
@@ -1318,7 +1564,6 @@ void int_rows(const Weight& w, const Rows& a, int64_t first, int64_t last, int64
   if (row < last) int_panels<1, 2, K>(w, a, row, first_panel, last_panel);
 }
 #endif
-#endif
 
 #ifdef ASERVE_INT
 // Rows [first, last) of `a` (picked or not) into xq [rows, cols / 2], xscale [rows, blocks],
@@ -1337,6 +1582,7 @@ void quantize_rows(const Rows& a, bool bytes, int64_t first, int64_t last, int32
 }
 #endif
 
+#ifdef ASERVE_AVX2
 template <Kind K>
 void rows_against_panels_of(const Weight& w, const Rows& a, int64_t first, int64_t last,
                             int64_t first_panel, int64_t last_panel, std::vector<float>& buffer) {
@@ -1431,6 +1677,9 @@ void portable_tile(const Weight& w, const Rows& a, int64_t first_row, int64_t pa
 template <Kind K>
 void portable_rows(const Weight& w, const Rows& a, int64_t first, int64_t last,
                    int64_t first_panel, int64_t last_panel) {
+#ifdef ASERVE_NEON
+  if (a.xq != nullptr) return int_rows<K>(w, a, first, last, first_panel, last_panel);
+#endif
   for (int64_t p = first_panel; p < last_panel; ++p) {
     int64_t row = first;
     for (; row + 4 <= last; row += 4) portable_tile<4, K>(w, a, row, p);
