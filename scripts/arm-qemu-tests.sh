@@ -2,7 +2,8 @@
 # The CPU kernels' tests on a 64-bit ARM CPU emulated by QEMU, from an x86 Debian machine with
 # no ARM hardware: an arm64 Python from Debian's packages, aarch64 wheels from PyPI, and the
 # kernels built by the cross compiler (which takes no -march=native: $ARM_MARCH stands for it,
-# by default a core with the dot-product instructions, which the NEON integer tiles need).
+# by default a core with the dot-product instructions, which the NEON integer tiles need;
+# ARM_CXX="clang++ --target=aarch64-linux-gnu" builds them with clang, as on a Mac).
 # It checks bits, never speed (emulated instructions take no real CPU's time).
 #   bash scripts/arm-qemu-tests.sh [pytest arguments, default: the kernels' tests]
 # Needs root for apt. Three tests fail only under emulation: they start `python` in a
@@ -52,12 +53,12 @@ for a in "$@"; do
     *) args+=("$a") ;;
   esac
 done
-exec aarch64-linux-gnu-g++ "${args[@]}"
+exec ${ARM_CXX:-aarch64-linux-gnu-g++} "${args[@]}"
 EOF
 chmod +x /tmp/arm64-bin/aarch64-native-g++
 export PYTHONPATH="$SITE" CXX=/tmp/arm64-bin/aarch64-native-g++ CC=aarch64-linux-gnu-gcc
 export CPLUS_INCLUDE_PATH="$ROOT/usr/include/python3.11:$ROOT/usr/include"
-export QEMU_LD_PREFIX="$ROOT" ASERVE_CACHE_DIR=${ASERVE_CACHE_DIR:-/tmp/arm64-cache-${ARM_MARCH:-dotprod}}
+export QEMU_LD_PREFIX="$ROOT" ASERVE_CACHE_DIR=${ASERVE_CACHE_DIR:-/tmp/arm64-cache-${ARM_MARCH:-dotprod}${ARM_CXX:+-${ARM_CXX%% *}}}
 arm_python() { qemu-aarch64 -L "$ROOT" "$ROOT/usr/bin/python3.11" "$@"; }
 # The ARM build's products beside this machine's own build: the same bits wherever both round
 # the activations. The rows of x are made here, as torch's random numbers differ in their last
