@@ -61,25 +61,31 @@ export PYTHONPATH="$SITE" CXX=/tmp/arm64-bin/aarch64-native-g++ CC=aarch64-linux
 export CPLUS_INCLUDE_PATH="$ROOT/usr/include/python3.11:$ROOT/usr/include"
 export QEMU_LD_PREFIX="$ROOT" ASERVE_CACHE_DIR=${ASERVE_CACHE_DIR:-/tmp/arm64-cache-${ARM_MARCH:-dotprod}${ARM_CXX:+-${ARM_CXX%% *}}}
 arm_python() { qemu-aarch64 -L "$ROOT" "$ROOT/usr/bin/python3.11" "$@"; }
-# The ARM build's products beside this machine's own build: the same bits wherever both round
-# the activations. The rows of x are made here, as torch's random numbers differ in their last
-# bits between builds of torch; the weights are made from numpy's on both sides.
+# The ARM build's products and decode attention beside this machine's own build: the same bits
+# (products wherever both round the activations). The rows of x and the attention's operands are
+# made here, as torch's random numbers differ in their last bits between builds of torch; the
+# weights are made from numpy's on both sides.
 BUILD=$(mktemp -d)
 OPERANDS="from gguf import GGMLQuantizationType as QType
+from tests.test_cpu_ops import other_build_attention_operands
 from tests.test_quant import OTHER_BUILD_FORMATS, other_build_operands
 import sys, torch
 from aserve.quant.native import NativeWeight
-folder = sys.argv[1]"
+folder = sys.argv[1]
+attend = lambda case: torch.ops.aserve_cpu.decode_attention(*case)"
 host_python() { env -u PYTHONPATH -u CXX -u CC -u CPLUS_INCLUDE_PATH -u ASERVE_CACHE_DIR python "$@"; }
 host_python -c "$OPERANDS
-torch.save(other_build_operands(QType.Q4_1)[1], folder + '/x.pt')" "$BUILD"
+torch.save(other_build_operands(QType.Q4_1)[1], folder + '/x.pt')
+torch.save(other_build_attention_operands(), folder + '/attention.pt')" "$BUILD"
 arm_python -c "$OPERANDS
 x = torch.load(folder + '/x.pt')
 products = {}
 for qtype in OTHER_BUILD_FORMATS:
     weight = NativeWeight(other_build_operands(qtype)[0])
     products[qtype.name] = (weight.rounds_activations(), weight.linear(x, None))
-torch.save(products, folder + '/products.pt')" "$BUILD"
+torch.save(products, folder + '/products.pt')
+torch.save([attend(case) for case in torch.load(folder + '/attention.pt')], folder + '/attended.pt')
+" "$BUILD"
 host_python -c "$OPERANDS
 x, compared = torch.load(folder + '/x.pt'), []
 for name, (rounds, theirs) in torch.load(folder + '/products.pt').items():
@@ -88,6 +94,10 @@ for name, (rounds, theirs) in torch.load(folder + '/products.pt').items():
         assert torch.equal(weight.linear(x, None), theirs), name + ': other bits than here'
         compared.append(name)
 print('the ARM build multiplies with the same bits as this one:', ', '.join(compared) or 'none')
+cases = torch.load(folder + '/attention.pt')
+for i, (case, theirs) in enumerate(zip(cases, torch.load(folder + '/attended.pt'), strict=True)):
+    assert torch.equal(attend(case), theirs), f'attention case {i}: other bits than here'
+print('and attends with the same bits:', len(cases), 'cases')
 " "$BUILD"
 [ $# -gt 0 ] || set -- tests/test_quant.py tests/test_cpu_ops.py tests/test_cpu_decode.py \
   -k "not refused and not bad_gguf"

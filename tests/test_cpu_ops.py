@@ -184,6 +184,25 @@ def test_a_prefills_tokens_attend_as_each_would_alone(
     torch.testing.assert_close(together, expected, rtol=1e-5, atol=2e-6)
 
 
+def other_build_attention_operands() -> list[tuple]:
+    """Operands of `decode_attention` that another build of the kernels (an x86 one without
+    AVX-512, an ARM one under QEMU) attends over to compare bits with this one: float32 and
+    float16 pools, 1 to 12 query heads a KV head, heads of 64 and 128 values, contexts in one
+    to nine pieces, and a prefill's run of tokens beside lone requests."""
+    generator = torch.Generator().manual_seed(12)
+    operands = []
+    kinds = ((torch.float32, 4, 64), (torch.float16, 3, 128), (torch.float16, 12, 64))
+    for dtype, group, head_dim in kinds:
+        kv_heads = 2
+        pool = torch.randn(2048, 2, kv_heads, head_dim, generator=generator).to(dtype)
+        table = torch.randperm(2048, generator=generator).to(torch.int32).view(2, 1024).contiguous()
+        lens = [300, 9, 1, 1000, *range(251, 261)]
+        rows = [0, 0, 0, 0] + [1] * 10
+        q = torch.randn(len(lens), group * kv_heads, head_dim, generator=generator)
+        operands.append((q, pool, table, torch.tensor(rows), torch.tensor(lens), head_dim**-0.5))
+    return operands
+
+
 def test_decode_attention_refuses_what_it_cannot_read() -> None:
     pool = torch.zeros(16, 2, 1, 8)
     q = torch.zeros(1, 2, 8)

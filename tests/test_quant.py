@@ -962,7 +962,7 @@ from aserve.quant.gguf import decode
 
 native.load_kernels(Path(sys.argv[1]), [*sys.argv[2:], *native.openmp_flags()])
 # only now: these find the kernels loaded (as built above) instead of building their own
-from tests.test_cpu_ops import reference_attention
+from tests.test_cpu_ops import other_build_attention_operands, reference_attention
 from tests.test_quant import (
     OTHER_BUILD_FORMATS, as_the_kernels_round, other_build_operands, random_blocks,
 )
@@ -985,6 +985,8 @@ table, lens, q = table.view(2, 512), [300, 9], torch.randn(2, 4, 64)
 rows, lengths = torch.tensor([0, 1]), torch.tensor(lens)
 out = torch.ops.aserve_cpu.decode_attention(q, pool, table, rows, lengths, 0.125)
 torch.testing.assert_close(out, reference_attention(q, pool, table, [0, 1], lens))
+attended = [torch.ops.aserve_cpu.decode_attention(*c) for c in other_build_attention_operands()]
+torch.save(attended, Path(sys.argv[1]) / "attention.pt")
 # a MoE layer: the experts' products read their tokens' rows of x in place
 experts, hidden, inter = 4, 256, 64
 def random_part(qtype, rows, cols, seed):
@@ -1029,7 +1031,7 @@ def test_kernels_built_for_older_cpus_give_the_same_products(
     AVX2 the portable tiles. Built here with those instruction sets turned off (in a process of
     their own, the op names being global), every path against float64 of the activations as
     that build rounds them, a row's bits the same alone and batched, and the decode attention
-    against its float64 softmax."""
+    against its float64 softmax and, with AVX2, bit for bit this build's."""
     result = subprocess.run(
         [sys.executable, "-c", OTHER_BUILD_CHECK, str(tmp_path), *flags],
         capture_output=True,
@@ -1040,6 +1042,13 @@ def test_kernels_built_for_older_cpus_give_the_same_products(
     assert result.returncode == 0 and "checked" in result.stdout, result.stderr[-3000:]
     if "-mno-avx2" in flags:
         return  # the portable tiles leave the order of a row's float sums to the compiler
+    # the decode attention: the same operations on eight lanes in one order, with or without
+    # AVX-512 (whose 16-lane weighted sums add each output in the same order)
+    from tests.test_cpu_ops import other_build_attention_operands
+
+    theirs = torch.load(tmp_path / "attention.pt")
+    for case, their_out in zip(other_build_attention_operands(), theirs, strict=True):
+        assert torch.equal(torch.ops.aserve_cpu.decode_attention(*case), their_out)
     # an x86 build without AVX-512 gives this build's bits wherever both round activations or
     # neither does (here turned off to match): per output the same integers and the same
     # float operations in one order

@@ -31,6 +31,12 @@
 #if defined(__AVX512F__)
 #define ASERVE_AVX512 1
 #endif
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+#define ASERVE_NEON 1
+#endif
+#if defined(ASERVE_AVX2) || defined(ASERVE_NEON)
+#define ASERVE_LANES8 1  // `Floats8` below
 #endif
 
 namespace {
@@ -39,47 +45,126 @@ using c10::Half;
 
 constexpr int64_t kBlock = 256;  // context positions whose K and V stay in cache between passes
 
+// Eight float32 lanes: one AVX2 register, or two NEON ones. The loops below are written once
+// on these; each operation is the same IEEE operation on both (fused multiply-adds, the same
+// tree of sums across lanes, the same rounding to integers), so an ARM CPU attends with the
+// same bits as an x86 one (scripts/arm-qemu-tests.sh compares them).
 #ifdef ASERVE_AVX2
-// Eight pool values as float32.
-inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
-inline __m256 load8(const Half* x) {
+using Floats8 = __m256;
+inline Floats8 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline Floats8 load8(const Half* x) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
 }
-#endif
+inline void store8(float* x, Floats8 v) { _mm256_storeu_ps(x, v); }
+inline Floats8 splat8(float x) { return _mm256_set1_ps(x); }
+inline Floats8 add8(Floats8 a, Floats8 b) { return _mm256_add_ps(a, b); }
+inline Floats8 sub8(Floats8 a, Floats8 b) { return _mm256_sub_ps(a, b); }
+inline Floats8 mul8(Floats8 a, Floats8 b) { return _mm256_mul_ps(a, b); }
+inline Floats8 max8(Floats8 a, Floats8 b) { return _mm256_max_ps(a, b); }
+inline Floats8 fma8(Floats8 a, Floats8 b, Floats8 c) { return _mm256_fmadd_ps(a, b, c); }
+inline Floats8 fnma8(Floats8 a, Floats8 b, Floats8 c) { return _mm256_fnmadd_ps(a, b, c); }
+inline Floats8 round8(Floats8 x) {  // to the nearest integer, ties to even
+  return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+// 2^n for integral n in [-126, 127], put into the exponent bits.
+inline Floats8 power_of_two8(Floats8 n) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
 
-#ifdef ASERVE_AVX2
-inline float sum_lanes(__m256 v) {
+inline float sum_lanes(Floats8 v) {
   __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   x = _mm_add_ps(x, _mm_movehl_ps(x, x));
   return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 
 // Lane j of the result is the sum of the lanes of v[j].
-inline __m256 sum_lanes_of_eight(const __m256 (&v)[8]) {
+inline Floats8 sum_lanes_of_eight(const Floats8 (&v)[8]) {
   const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
   const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
+inline void prefetch_line(const char* line) {
+  // an asm statement, as in cpu_kernels.cpp: GCC may drop the builtin's prefetches
+  asm volatile("prefetcht0 %0" : : "m"(*line));
+}
+#elif defined(ASERVE_NEON)
+struct Floats8 {
+  float32x4_t low, high;  // lanes 0-3 and 4-7
+};
+inline Floats8 load8(const float* x) { return {vld1q_f32(x), vld1q_f32(x + 4)}; }
+inline Floats8 load8(const Half* x) {
+  const float16x8_t h = vld1q_f16(reinterpret_cast<const float16_t*>(x));
+  return {vcvt_f32_f16(vget_low_f16(h)), vcvt_high_f32_f16(h)};
+}
+inline void store8(float* x, Floats8 v) {
+  vst1q_f32(x, v.low);
+  vst1q_f32(x + 4, v.high);
+}
+inline Floats8 splat8(float x) { return {vdupq_n_f32(x), vdupq_n_f32(x)}; }
+inline Floats8 add8(Floats8 a, Floats8 b) {
+  return {vaddq_f32(a.low, b.low), vaddq_f32(a.high, b.high)};
+}
+inline Floats8 sub8(Floats8 a, Floats8 b) {
+  return {vsubq_f32(a.low, b.low), vsubq_f32(a.high, b.high)};
+}
+inline Floats8 mul8(Floats8 a, Floats8 b) {
+  return {vmulq_f32(a.low, b.low), vmulq_f32(a.high, b.high)};
+}
+inline Floats8 max8(Floats8 a, Floats8 b) {
+  return {vmaxq_f32(a.low, b.low), vmaxq_f32(a.high, b.high)};
+}
+inline Floats8 fma8(Floats8 a, Floats8 b, Floats8 c) {  // a * b + c, one rounding
+  return {vfmaq_f32(c.low, a.low, b.low), vfmaq_f32(c.high, a.high, b.high)};
+}
+inline Floats8 fnma8(Floats8 a, Floats8 b, Floats8 c) {  // c - a * b, one rounding
+  return {vfmsq_f32(c.low, a.low, b.low), vfmsq_f32(c.high, a.high, b.high)};
+}
+inline Floats8 round8(Floats8 x) { return {vrndnq_f32(x.low), vrndnq_f32(x.high)}; }
+inline Floats8 power_of_two8(Floats8 n) {
+  const int32x4_t bias = vdupq_n_s32(127);
+  return {vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n.low), bias), 23)),
+          vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n.high), bias), 23))};
+}
+
+// (lanes 0+4 + lanes 2+6) + (lanes 1+5 + lanes 3+7), the AVX2 version's order
+inline float sum_lanes(Floats8 v) {
+  const float32x4_t x = vaddq_f32(v.low, v.high);
+  const float32x2_t y = vadd_f32(vget_low_f32(x), vget_high_f32(x));
+  return vget_lane_f32(y, 0) + vget_lane_f32(y, 1);
+}
+
+// Lane j is ((v_j0 + v_j1) + (v_j2 + v_j3)) + ((v_j4 + v_j5) + (v_j6 + v_j7)), as the AVX2
+// version's horizontal adds give it.
+inline Floats8 sum_lanes_of_eight(const Floats8 (&v)[8]) {
+  const auto quads = [&](int first, bool high) {
+    const auto half = [&](int i) { return high ? v[first + i].high : v[first + i].low; };
+    return vpaddq_f32(vpaddq_f32(half(0), half(1)), vpaddq_f32(half(2), half(3)));
+  };
+  return {vaddq_f32(quads(0, false), quads(0, true)), vaddq_f32(quads(4, false), quads(4, true))};
+}
+
+inline void prefetch_line(const char* line) { asm volatile("prfm pldl1keep, %0" : : "Q"(*line)); }
+#endif
+
+#ifdef ASERVE_LANES8
 // e^x for x <= 0 to about one float ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor
 // series to r^7 / 7! (error below 2^-24 there), times 2^n put into the exponent bits.
-inline __m256 exp_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));  // below this e^x is no longer a normal float
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts: n times
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);     // the first is exact
-  __m256 p = _mm256_set1_ps(1.0f / 5040);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i power =
-      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
+inline Floats8 exp_nonpositive(Floats8 x) {
+  x = max8(x, splat8(-87.0f));  // below this e^x is no longer a normal float
+  const Floats8 n = round8(mul8(x, splat8(1.44269504f)));
+  Floats8 r = fnma8(n, splat8(0.693359375f), x);  // ln2 in two parts: n times
+  r = fnma8(n, splat8(-2.12194440e-4f), r);       // the first is exact
+  Floats8 p = splat8(1.0f / 5040);
+  p = fma8(p, r, splat8(1.0f / 720));
+  p = fma8(p, r, splat8(1.0f / 120));
+  p = fma8(p, r, splat8(1.0f / 24));
+  p = fma8(p, r, splat8(1.0f / 6));
+  p = fma8(p, r, splat8(0.5f));
+  p = fma8(p, r, splat8(1.0f));
+  p = fma8(p, r, splat8(1.0f));
+  return mul8(p, power_of_two8(n));
 }
 
 // A row's K and V (n values each at `offset`) asked for ahead of use: a context's slots are
@@ -91,9 +176,8 @@ inline void ask_for_row(int64_t offset, const T* keys, const T* values, int64_t 
   const char* k = reinterpret_cast<const char*>(keys + offset);
   const char* v = reinterpret_cast<const char*>(values + offset);
   for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(T)); b += 64) {
-    // asm statements, as in cpu_kernels.cpp: GCC may drop the builtin's prefetches
-    asm volatile("prefetcht0 %0" : : "m"(k[b]));
-    asm volatile("prefetcht0 %0" : : "m"(v[b]));
+    prefetch_line(k + b);
+    prefetch_line(v + b);
   }
 }
 
@@ -101,13 +185,13 @@ inline void ask_for_row(int64_t offset, const T* keys, const T* values, int64_t 
 // sums are always under way: scores[j * apart + t] = scale * dot(q_j, k[t]) for the rows
 // `keys + slots[t] * stride` (n, the head size, a multiple of 8). A row of K is widened once
 // for the heads that share it (once a head, it took as long as the products); each sum
-// gathers in one register, and the eight registers are summed across at once. A short last
+// gathers in one `Floats8`, and the eight of them are summed across at once. A short last
 // pass repeats its first row, so every score is added up the same way.
 template <int C, typename T>
 void scores8(const float* q, const T* keys, const T* values, const int32_t* slots, int64_t rows,
              int64_t stride, int64_t n, float scale, float* scores, int64_t apart) {
   constexpr int R = 8 / C;
-  const __m256 scaling = _mm256_set1_ps(scale);
+  const Floats8 scaling = splat8(scale);
   for (int64_t first = 0; first < rows; first += R) {
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
@@ -115,22 +199,22 @@ void scores8(const float* q, const T* keys, const T* values, const int32_t* slot
     const T* k[R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) k[r] = keys + slots[first + r < rows ? first + r : first] * stride;
-    __m256 sums[8];
+    Floats8 sums[8];
 #pragma GCC unroll 8
-    for (int a = 0; a < 8; ++a) sums[a] = _mm256_setzero_ps();
+    for (int a = 0; a < 8; ++a) sums[a] = splat8(0.0f);
     for (int64_t d = 0; d < n; d += 8) {
-      __m256 kd[R];
+      Floats8 kd[R];
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) kd[r] = load8(k[r] + d);
 #pragma GCC unroll 8
       for (int j = 0; j < C; ++j) {
-        const __m256 qd = _mm256_loadu_ps(q + j * n + d);
+        const Floats8 qd = load8(q + j * n + d);
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) sums[r * C + j] = _mm256_fmadd_ps(qd, kd[r], sums[r * C + j]);
+        for (int r = 0; r < R; ++r) sums[r * C + j] = fma8(qd, kd[r], sums[r * C + j]);
       }
     }
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, _mm256_mul_ps(scaling, sum_lanes_of_eight(sums)));
+    float lanes[8];
+    store8(lanes, mul8(scaling, sum_lanes_of_eight(sums)));
     const int64_t count = std::min<int64_t>(R, rows - first);
     for (int64_t r = 0; r < count; ++r)
       for (int j = 0; j < C; ++j) scores[j * apart + first + r] = lanes[r * C + j];
@@ -146,25 +230,25 @@ void add_weighted_rows8(const float* p, const T* values, const int32_t* slots, i
   constexpr int D = 8 / C;
   for (int64_t first = 0; first < n; first += 8 * D) {
     const int64_t chunks = std::min<int64_t>(D, (n - first) / 8);
-    __m256 sums[8];
+    Floats8 sums[8];
 #pragma GCC unroll 8
     for (int c = 0; c < D; ++c)
 #pragma GCC unroll 8
       for (int j = 0; j < C; ++j)
-        sums[c * C + j] = c < chunks ? _mm256_loadu_ps(out + j * n + first + 8 * c) : _mm256_setzero_ps();
+        sums[c * C + j] = c < chunks ? load8(out + j * n + first + 8 * c) : splat8(0.0f);
     for (int64_t t = 0; t < rows; ++t) {
       const T* v = values + slots[t] * stride + first;
 #pragma GCC unroll 8
       for (int c = 0; c < D; ++c) {
         if (c >= chunks) break;
-        const __m256 vc = load8(v + 8 * c);
+        const Floats8 vc = load8(v + 8 * c);
 #pragma GCC unroll 8
         for (int j = 0; j < C; ++j)
-          sums[c * C + j] = _mm256_fmadd_ps(_mm256_set1_ps(p[j * apart + t]), vc, sums[c * C + j]);
+          sums[c * C + j] = fma8(splat8(p[j * apart + t]), vc, sums[c * C + j]);
       }
     }
     for (int64_t c = 0; c < chunks; ++c)
-      for (int j = 0; j < C; ++j) _mm256_storeu_ps(out + j * n + first + 8 * c, sums[c * C + j]);
+      for (int j = 0; j < C; ++j) store8(out + j * n + first + 8 * c, sums[c * C + j]);
   }
 }
 
@@ -257,13 +341,13 @@ void group_weighted_rows8(const float* p, int64_t count, const T* values, const 
 #endif
 
 // The heads [0, count) of a group at once (scores of head j at scores + j * apart, queries and
-// outputs n apart); without AVX2 (or for a head size not a multiple of 8) the same steps one
-// head and one value at a time.
+// outputs n apart); without AVX2 or NEON (or for a head size not a multiple of 8) the same
+// steps one head and one value at a time.
 template <typename T>
 void scores_of(const float* q, int64_t count, const T* keys, const T* values,
                const int32_t* slots, int64_t rows, int64_t stride, int64_t n, float scale,
                float* scores, int64_t apart) {
-#ifdef ASERVE_AVX2
+#ifdef ASERVE_LANES8
   if (n % 8 == 0) {
     for (int64_t j = 0; j < count; j += 8)
       group_scores8(q + j * n, std::min<int64_t>(8, count - j), keys, values, slots, rows,
@@ -291,7 +375,7 @@ void add_weighted_rows(const float* p, int64_t count, const T* values, const int
     return;
   }
 #endif
-#ifdef ASERVE_AVX2
+#ifdef ASERVE_LANES8
   if (n % 8 == 0) {
     for (int64_t j = 0; j < count; j += 8)
       group_weighted_rows8(p + j * apart, std::min<int64_t>(8, count - j), values, slots, rows,
@@ -306,14 +390,37 @@ void add_weighted_rows(const float* p, int64_t count, const T* values, const int
     }
 }
 
+// e^x for one x <= 0 (or -inf). With eight lanes, the vectors' polynomial: the C library's
+// expf gave other last bits on ARM than on x86 (in the joins of a context's pieces), and every
+// build with them attends with the same bits.
+inline float exp_one(float x) {
+#ifdef ASERVE_LANES8
+  float lanes[8];
+  store8(lanes, exp_nonpositive(splat8(x)));
+  return x == -INFINITY ? 0.0f : lanes[0];
+#else
+  return std::exp(x);
+#endif
+}
+
+// a * b + c, rounded once where the build has eight lanes (their FMA instructions): left to the
+// compiler, such a sum in the joins was fused on ARM and not on x86.
+inline float multiply_add(float a, float b, float c) {
+#ifdef ASERVE_LANES8
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
 // The largest of `top` and s[0..n).
 float largest(const float* s, int64_t n, float top) {
   int64_t t = 0;
-#ifdef ASERVE_AVX2
-  __m256 tops = _mm256_set1_ps(top);
-  for (; t + 8 <= n; t += 8) tops = _mm256_max_ps(tops, _mm256_loadu_ps(s + t));
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, tops);
+#ifdef ASERVE_LANES8
+  Floats8 tops = splat8(top);
+  for (; t + 8 <= n; t += 8) tops = max8(tops, load8(s + t));
+  float lanes[8];
+  store8(lanes, tops);
   for (float lane : lanes) top = std::max(top, lane);
 #endif
   for (; t < n; ++t) top = std::max(top, s[t]);
@@ -324,18 +431,18 @@ float largest(const float* s, int64_t n, float top) {
 float exponentiate(float* s, int64_t n, float top) {
   int64_t t = 0;
   float sum = 0;
-#ifdef ASERVE_AVX2
-  const __m256 shift = _mm256_set1_ps(top);
-  __m256 sums = _mm256_setzero_ps();
+#ifdef ASERVE_LANES8
+  const Floats8 shift = splat8(top);
+  Floats8 sums = splat8(0.0f);
   for (; t + 8 <= n; t += 8) {
-    const __m256 p = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + t), shift));
-    _mm256_storeu_ps(s + t, p);
-    sums = _mm256_add_ps(sums, p);
+    const Floats8 p = exp_nonpositive(sub8(load8(s + t), shift));
+    store8(s + t, p);
+    sums = add8(sums, p);
   }
   sum = sum_lanes(sums);
 #endif
   for (; t < n; ++t) {
-    s[t] = std::exp(s[t] - top);
+    s[t] = exp_one(s[t] - top);
     sum += s[t];
   }
   return sum;
@@ -362,7 +469,7 @@ void fold_block(float* scores, int64_t apart, const T* values, const int32_t* bl
     float* o = out + g * head_dim;
     const float block_top = largest(s, rows, top[g]);
     if (block_top > top[g]) {
-      const float rescale = std::exp(top[g] - block_top);  // 0 for the first block
+      const float rescale = exp_one(top[g] - block_top);  // 0 for the first block
       total[g] *= rescale;
       for (int64_t d = 0; d < head_dim; ++d) o[d] *= rescale;
       top[g] = block_top;
@@ -429,9 +536,10 @@ void join_pieces(const float* parts, int64_t count, int64_t apart, int64_t group
     std::fill(o, o + head_dim, 0.0f);
     for (int64_t p = 0; p < count; ++p) {
       const float* part = parts + p * apart;
-      const float weight = std::exp(part[group * head_dim + g] - top);
-      total += weight * part[group * head_dim + group + g];
-      for (int64_t d = 0; d < head_dim; ++d) o[d] += weight * part[g * head_dim + d];
+      const float weight = exp_one(part[group * head_dim + g] - top);
+      total = multiply_add(weight, part[group * head_dim + group + g], total);
+      for (int64_t d = 0; d < head_dim; ++d)
+        o[d] = multiply_add(weight, part[g * head_dim + d], o[d]);
     }
     for (int64_t d = 0; d < head_dim; ++d) o[d] /= total;
   }
@@ -464,7 +572,7 @@ void attend_run(const float* queries, int64_t q_stride, const T* kv, const int32
                 packed + e * group * head_dim);
   for (int64_t base = 0; base < longest; base += kBlock) {
     const int64_t rows = std::min(kBlock, longest - base);
-#ifdef ASERVE_AVX2
+#ifdef ASERVE_LANES8
     if (head_dim % 8 == 0) {  // four pairs a pass: two rows of K for four queries' loads
       for (int64_t j = 0; j < pairs; j += 4)
         group_scores8(packed + j * head_dim, std::min<int64_t>(4, pairs - j), keys, values,
