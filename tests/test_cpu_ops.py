@@ -187,8 +187,8 @@ def test_a_prefills_tokens_attend_as_each_would_alone(
 def other_build_attention_operands() -> list[tuple]:
     """Operands of `decode_attention` that another build of the kernels (an x86 one without
     AVX-512, an ARM one under QEMU) attends over to compare bits with this one: float32 and
-    float16 pools, 1 to 12 query heads a KV head, heads of 64 and 128 values, contexts in one
-    to nine pieces, and a prefill's run of tokens beside lone requests."""
+    float16 pools, 3, 4 and 12 query heads a KV head, heads of 64 and 128 values, contexts in
+    one to eight pieces, and a prefill's run of ten tokens beside lone requests."""
     generator = torch.Generator().manual_seed(12)
     operands = []
     kinds = ((torch.float32, 4, 64), (torch.float16, 3, 128), (torch.float16, 12, 64))

@@ -36,6 +36,7 @@ from aserve.quant.native import (
     native_kernels,
     one_format,
 )
+from tests.test_cpu_ops import other_build_attention_operands
 from tests.tiny_models import make_tiny_model
 
 # Byte offsets of each format's float16 fields: random bytes elsewhere are valid codes.
@@ -1044,8 +1045,6 @@ def test_kernels_built_for_older_cpus_give_the_same_products(
         return  # the portable tiles leave the order of a row's float sums to the compiler
     # the decode attention: the same operations on eight lanes in one order, with or without
     # AVX-512 (whose 16-lane weighted sums add each output in the same order)
-    from tests.test_cpu_ops import other_build_attention_operands
-
     theirs = torch.load(tmp_path / "attention.pt")
     for case, their_out in zip(other_build_attention_operands(), theirs, strict=True):
         assert torch.equal(torch.ops.aserve_cpu.decode_attention(*case), their_out)
