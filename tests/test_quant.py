@@ -232,28 +232,74 @@ def test_super_block_formats_decode_their_scales_as_steps_of_a_base(qtype: QType
 
 
 @pytest.mark.parametrize("qtype", [QType.Q2_K, QType.Q3_K], ids=lambda q: q.name)
-def test_codes_of_two_and_three_bits_pack_into_nibbles(qtype: QType) -> None:
-    """Q2_K and Q3_K (groups of 16) keep half a byte a code on CPU, as Q4_K does, not an int8
-    each: 100 rows pad to 104; an int8 step a group of 16 for the scale, and for Q2_K's offset
-    (Q3_K's is -4 times its scale: centred, none stored), with two float32 bases a block of
-    256 inputs and lane."""
+@pytest.mark.parametrize("in_registers", [True, False], ids=["three-bits", "nibbles"])
+def test_codes_of_two_and_three_bits_keep_three_bits_where_widened_in_registers(
+    qtype: QType, in_registers: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Q2_K and Q3_K (groups of 16) keep three bits a code on CPU where the kernels widen them
+    in registers, else a nibble: 100 rows pad to 104; an int8 step a group of 16 for the
+    scale, and for Q2_K's offset (Q3_K's is -4 times its scale: centred, none stored), with
+    two float32 bases a block of 256 inputs and lane."""
+    monkeypatch.setattr(native_module, "keeps_three_bits", lambda: in_registers)
     codes = decode(torch.from_numpy(random_blocks(qtype, 100, 512)), qtype, 512)
     assert (codes.group, codes.bits) == (16, 2 if qtype == QType.Q2_K else 3)
     native = NativeWeight(codes)
-    assert native.code_bits == 4
-    assert native.words.nbytes == 104 * 512 // 2
+    assert native.code_bits == (3 if in_registers else 4)
+    code_bytes = 104 * 512 * native.code_bits // 8
+    assert native.words.nbytes == code_bytes
     steps = 2 if qtype == QType.Q2_K else 1
-    assert native.nbytes == 104 * 512 // 2 + steps * 104 * 512 // 16 + 104 * 2 * 2 * 4
+    assert native.nbytes == code_bytes + steps * 104 * 512 // 16 + 104 * 2 * 2 * 4
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", [QType.Q2_K, QType.Q3_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("integers", [True, False], ids=["int-activations", "float"])
+def test_three_bit_codes_multiply_as_the_same_codes_in_nibbles(
+    qtype: QType, integers: bool, blas_from_128: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Codes kept in three bits (here on every build), widened in registers by the VNNI tiles
+    and into a buffer a few panels at a time elsewhere: every product (one row to BLAS's
+    slices, with and without integer activations), row lookup and MoE layer gives the bits
+    of the same codes kept in nibbles."""
+    monkeypatch.setattr(native_module, "keeps_three_bits", lambda: True)
+    codes = decode(torch.from_numpy(random_blocks(qtype, 100, 512, seed=5)), qtype, 512)
+    three, nibbles = NativeWeight(codes), NativeWeight(codes.centered()._replace(bits=4))
+    assert (three.code_bits, nibbles.code_bits) == (3, 4)
+    x = torch.randn(BLAS_ROWS + 3, 512, generator=torch.Generator().manual_seed(6))
+    try:
+        torch.ops.aserve_cpu.int_activations(integers)
+        for rows in (1, 2, 3, 5, 16, 70, BLAS_ROWS + 3):
+            three_out, nibbles_out = three.linear(x[:rows], None), nibbles.linear(x[:rows], None)
+            assert torch.equal(three_out, nibbles_out), rows
+    finally:
+        torch.ops.aserve_cpu.int_activations(True)
+    ids = torch.tensor([0, 7, 8, 99])
+    assert torch.equal(three.rows(ids), codes.dequantize()[ids])
+    # a MoE layer of such experts: gate|up 512 x 256, down 256 x 256
+    hidden, inter, experts = 256, 256, 4
+    parts = [
+        [decode(torch.from_numpy(random_blocks(qtype, rows, cols, seed=e)), qtype, cols)
+         for e in range(experts)]
+        for rows, cols in ((2 * inter, hidden), (hidden, inter))
+    ]  # fmt: skip
+    router = torch.randn(experts, hidden, generator=torch.Generator().manual_seed(7)) / 16
+    tokens = torch.randn(20, hidden, generator=torch.Generator().manual_seed(8))
+    layers = []
+    for keep in (lambda c: c, lambda c: c.centered()._replace(bits=4)):
+        stacks = [ExpertStack([NativeWeight(keep(c)) for c in part]) for part in parts]
+        assert {s.code_bits for s in stacks} == ({3} if len(layers) == 0 else {4})
+        layers.append(moe_layer(tokens, router, 2, True, *stacks, inter))
+    assert torch.equal(layers[0], layers[1])
 
 
 @needs_kernels
 @pytest.mark.parametrize(
     ("qtype", "code_bytes", "scale_bytes"),
-    [(QType.Q4_0, 0.5, 2), (QType.Q5_0, 0.75, 2), (QType.Q3_K, 0.5, 1), (QType.Q6_K, 0.75, 1)],
+    [(QType.Q4_0, 0.5, 2), (QType.Q5_0, 0.75, 2), (QType.Q3_K, None, 1), (QType.Q6_K, 0.75, 1)],
     ids=lambda v: v.name if isinstance(v, QType) else str(v),
 )
 def test_codes_centred_on_zero_store_no_offsets(
-    qtype: QType, code_bytes: float, scale_bytes: int, blas_from_128: None
+    qtype: QType, code_bytes: float | None, scale_bytes: int, blas_from_128: None
 ) -> None:
     """Formats whose offset is -2**(bits - 1) times the scale keep codes centred on zero
     (a table of levels up to 4 bits, int8 above) and no offsets, the same weight exactly:
@@ -266,6 +312,8 @@ def test_codes_centred_on_zero_store_no_offsets(
     assert torch.equal(centred.dequantize(), weight)
     native = NativeWeight(codes)
     assert native.offsets.numel() == 0
+    if code_bytes is None:  # 3-bit codes: nibbles unless the kernels widen them in registers
+        code_bytes = 0.375 if native_module.keeps_three_bits() else 0.5
     assert native.words.nbytes == 64 * 512 * code_bytes
     assert native.scales.element_size() == scale_bytes  # float16, or int8 steps (K-quants)
     assert torch.equal(native.rows(torch.arange(64)), weight)
@@ -941,7 +989,16 @@ def test_gate_up_product_and_its_activation_in_one_call(blas_from_128: None) -> 
     assert native.silu(x) is None
 
 
-OTHER_BUILD_FORMATS = (QType.Q4_1, QType.Q8_0, QType.Q4_K, QType.Q6_K, QType.IQ4_XS, QType.IQ4_NL)
+OTHER_BUILD_FORMATS = (
+    QType.Q4_1,
+    QType.Q8_0,
+    QType.Q4_K,
+    QType.Q6_K,
+    QType.IQ4_XS,
+    QType.IQ4_NL,
+    QType.Q3_K,
+    QType.Q2_K,
+)
 
 
 def other_build_operands(qtype: QType) -> tuple[Codes, torch.Tensor]:

@@ -275,11 +275,18 @@ def _cpu_features() -> str:
 
 
 def rounds_activations(code_bits: int, levels: bool = False) -> bool:
-    """Whether products of codes kept in `code_bits` (4, 6 or 8, as `NativeWeight` keeps
+    """Whether products of codes kept in `code_bits` (3, 4, 6 or 8, as `NativeWeight` keeps
     them; `levels`: 4-bit codes that stand for levels) round activations to 16-bit integers
     on this CPU (csrc/cpu_kernels.cpp, `IntActivations`); False where the kernels do not
     build."""
     return native_kernels() and bool(torch.ops.aserve_cpu.int_activations(None, code_bits, levels))
+
+
+def keeps_three_bits() -> bool:
+    """Whether `NativeWeight` keeps 2- and 3-bit codes in three bits here: where the kernels
+    widen them in registers as they multiply (AVX-512 VNNI, csrc/cpu_kernels.cpp). Elsewhere
+    they would widen a few panels into a buffer first, slower than nibbles, so nibbles."""
+    return native_kernels() and bool(torch.ops.aserve_cpu.three_bit_in_registers())
 
 
 def rounded_like_the_kernels(rows: torch.Tensor) -> torch.Tensor:
@@ -375,8 +382,11 @@ class NativeWeight(KernelTensors):
     """A weight in the kernels' panel layout (csrc/cpu_kernels.cpp), in groups of 16 or 32:
     codes of up to 4 bits eight to a word (with their 16 levels where they stand for levels),
     5 and 6 bits as such a nibble plus words of two bits an input (`code_bits` 6), wider ones
-    signed, four to a word; scales and offsets as `compact_scales` keeps them, or as int8
-    steps and float32 bases (`panel_steps`)."""
+    signed, four to a word; codes of 2 and 3 bits (Q2_K, Q3_K), where `keeps_three_bits`, in
+    three bits, a pair of groups' low two bits 16 to a word then their high bits 32 to a word
+    (`code_bits` 3, `three_bit_words`), which the kernels widen to nibbles as they multiply;
+    scales and offsets as
+    `compact_scales` keeps them, or as int8 steps and float32 bases (`panel_steps`)."""
 
     def __init__(self, codes: Codes, scratch: Scratch | None = None) -> None:
         self.scratch = scratch or Scratch()
@@ -384,12 +394,15 @@ class NativeWeight(KernelTensors):
         codes = groups_of_at_most_32(codes).centered()
         self.group = codes.group
         # 5- and 6-bit codes as a nibble and two bits (8-bit words: 1.06 bytes a Q6_K weight
-        # against the file's 0.82); wider ones a byte each
-        self.code_bits = 4 if codes.bits <= 4 else 6 if codes.bits <= 6 else 8
+        # against the file's 0.82); wider ones a byte each; 2- and 3-bit codes in 3 bits where
+        # groups pair up and the kernels widen them in registers (a Q3_K weight 0.47 bytes
+        # with its scales, not 0.59 as nibbles)
+        rows, cols = codes.shape
+        three = codes.bits <= 3 and (cols // codes.group) % 2 == 0 and keeps_three_bits()
+        self.code_bits = 3 if three else 4 if codes.bits <= 4 else 6 if codes.bits <= 6 else 8
         self.levels = None
         if self.code_bits < 8 and codes.table is not None:
             self.levels = level_bytes(codes.table[:16])
-        rows, cols = codes.shape
         self.padded = padded = -(-rows // LANES) * LANES
         codes = codes.pad_rows(padded)
         values, scales, offsets = codes.codes, codes.scales, codes.offsets
@@ -397,19 +410,38 @@ class NativeWeight(KernelTensors):
             values, offsets = codes.signed()
         panels, groups = padded // LANES, cols // self.group
 
-        def words_of(codes: torch.Tensor, per_word: int) -> torch.Tensor:
-            """Codes [rows, cols] (uint8 or int8, each under 2**(32 / per_word)) as int32
-            words [panel, group, word, lane], input i of a word at bits i * 32 / per_word."""
-            lanes = codes.view(panels, LANES, groups, self.group // per_word, per_word)
-            lanes = lanes.permute(0, 2, 3, 1, 4)  # [panel, group, word, lane, input]
-            width = 32 // per_word
-            while lanes.shape[-1] > 4:  # pairs of fields into one, until a byte each
-                lanes = lanes[..., 0::2] | lanes[..., 1::2] << width
+        def packed(fields: torch.Tensor) -> torch.Tensor:
+            """Fields [panel, lane, unit, word, field] (uint8 or int8, each under 2**(32 /
+            fields a word)) as int32 words [panel, unit, word, lane], field i of a word at bits
+            i * 32 / (fields a word)."""
+            fields = fields.permute(0, 2, 3, 1, 4)  # [panel, unit, word, lane, field]
+            width = 32 // fields.shape[-1]
+            while fields.shape[-1] > 4:  # pairs of fields into one, until a byte each
+                fields = fields[..., 0::2] | fields[..., 1::2] << width
                 width *= 2
-            return lanes.contiguous().view(torch.int32).squeeze(-1)
+            return fields.contiguous().view(torch.int32).squeeze(-1)
+
+        def words_of(codes: torch.Tensor, per_word: int) -> torch.Tensor:
+            """Codes [rows, cols] as int32 words [panel, group, word, lane], per_word a word."""
+            return packed(codes.view(panels, LANES, groups, self.group // per_word, per_word))
+
+        def three_bit_words(codes: torch.Tensor) -> torch.Tensor:
+            """Codes under 8 as int32 words [panel, pair of groups, word, lane]: the pair's low
+            two bits, 16 inputs a word with inputs k and k + 8 of them in nibble k, then its
+            high bits, 32 inputs a word with input 8j + k at bit 4k + j. A nibble word of the
+            4-bit layout is then two shifts, two masks and an or away (`widen_three`)."""
+            pairs, pair = groups // 2, 2 * self.group
+            low = (codes & 3).view(panels, LANES, pairs, pair // 16, 2, 8)
+            high = (codes >> 2).view(panels, LANES, pairs, pair // 32, 4, 8)
+            low_nibbles = low[..., 0, :] | low[..., 1, :] << 2
+            high_nibbles = high[..., 0, :] | high[..., 1, :] << 1
+            high_nibbles |= high[..., 2, :] << 2 | high[..., 3, :] << 3
+            return packed(torch.cat([low_nibbles, high_nibbles], 3))
 
         if self.code_bits == 8:
             self.words = words_of(values, 4)
+        elif self.code_bits == 3:
+            self.words = three_bit_words(values)
         elif self.code_bits == 4:
             self.words = words_of(values, 8)
         else:  # a group's nibble words, then its words of high bits

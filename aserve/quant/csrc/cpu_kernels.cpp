@@ -9,7 +9,11 @@
 //   4-bit codes (0..15): eight inputs a word, input i of the word in bits 4i..4i+3;
 //   5- and 6-bit codes (`split`): the low four bits as 4-bit codes, and after a group's code
 //     words its high words, two bits an input, 16 inputs a word (input t in bits 2t, 2t+1);
-//   8-bit codes (-128..127): four inputs a word, input i in bits 8i..8i+7.
+//   8-bit codes (-128..127): four inputs a word, input i in bits 8i..8i+7;
+//   2- and 3-bit codes (`three_bit`, Q2_K and Q3_K): for each pair of groups, their low two
+//     bits 16 inputs a word, then their high bits 32 inputs a word, laid out so that they
+//     widen to 4-bit codes' words by shifts and masks, a few panels at a time as they are
+//     multiplied (`widen_three`).
 // With levels (IQ4_NL / IQ4_XS: 16 integer levels, denser near zero) a 4-bit code c stands
 // for levels[c] instead of c; they are kept as bytes, levels[c] + 128.
 // Scales and offsets are stored [panel, group, 8], in float32 or, where every one of them
@@ -47,6 +51,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -82,6 +87,8 @@ namespace {
 constexpr int64_t kLanes = 8;       // output features per panel
 constexpr int64_t kRowBlock = 64;   // rows of x that stay in cache while every panel passes
 constexpr int64_t kPanelBlock = 8;  // panels per unit of parallel work
+constexpr int64_t kWidenPanels = 4;  // 3-bit codes' panels widened to nibbles at a time
+constexpr int64_t kWidenInRegistersRows = 4;  // up to this many rows, in the tiles (VNNI)
 #ifdef ASERVE_AVX512
 // Never: the two-panel tiles beat the buffer at every row count of a block (gate_up 3072x576,
 // us at 16 / 32 / 64 rows: 369 / 696 / 1,414 against 536 / 976 / 1,913; bench/NOTES.md).
@@ -110,11 +117,15 @@ struct Weight {
   const uint8_t* levels;  // 16 levels + 128 for 4-bit codes that stand for them, else null;
                           // split codes: their low bits' levels, code - center (centred codes;
                           // the vector tiles take only the center, `split_center`)
+  bool three_bit = false;  // 2- or 3-bit codes in three bits (`four_bit` too: they multiply as
+                           // 4-bit codes once widened, which every use of `words` does first)
 
   int64_t inputs_per_word() const { return four_bit || split ? 8 : 4; }
   int64_t code_words() const { return group / inputs_per_word(); }  // a group's, a lane
   int64_t words_per_group() const { return code_words() + (split ? group / 16 : 0); }
-  int64_t panel_words() const { return groups * words_per_group() * kLanes; }
+  int64_t panel_words() const {
+    return three_bit ? groups / 2 * (3 * group / 16) * kLanes : groups * words_per_group() * kLanes;
+  }
   int64_t at(int64_t panel, int64_t g) const { return (panel * groups + g) * kLanes; }
   int64_t scale_bytes() const {
     return scale_kind == ScaleKind::kFloat ? 4 : scale_kind == ScaleKind::kHalf ? 2 : 1;
@@ -813,12 +824,15 @@ ASERVE_INLINE void dot_bytes4(__m512i& hi, __m512i& lo, const CodeBytes& codes, 
 }
 
 // R rows against panels [first_panel, first_panel + 2 * Q), activations as integers; with
-// `single` (Q = 1) the one panel first_panel, computed as a pair of itself.
-template <int R, int Q, Kind K>
+// `single` (Q = 1) the one panel first_panel, computed as a pair of itself. `kThree`: a
+// `three_bit` weight's codes, each nibble word made in registers from the pair of groups'
+// low and high words (`widen_three` says how).
+template <int R, int Q, Kind K, bool kThree = false>
 void int_tile2(const Weight& w, const Rows& a, int64_t first_row, int64_t first_panel,
                bool single = false) {
   constexpr int per_word = K == Kind::kBytes ? 4 : 8;
   const int64_t words = w.words_per_group(), code_words = w.code_words(), stride = w.panel_words();
+  const int64_t low_words = w.group / 16;  // kThree: a group's low words
   const int bias = code_bias<K>(w);
   const __m512i table =
       K == Kind::kLevels
@@ -849,7 +863,8 @@ void int_tile2(const Weight& w, const Rows& a, int64_t first_row, int64_t first_
       CodeBytes codes[Q];
 #pragma GCC unroll 8
       for (int q = 0; q < Q; ++q) {
-        const uint32_t* low = w.words + (first_panel + 2 * q) * stride + g * words * kLanes;
+        const int64_t group_at = kThree ? g / 2 * 3 * low_words : g * words;
+        const uint32_t* low = w.words + (first_panel + 2 * q) * stride + group_at * kLanes;
         auto pair_at = [&](int64_t word) {
           return join(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(low + word * kLanes)),
                       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(low + second + word * kLanes)));
@@ -857,7 +872,22 @@ void int_tile2(const Weight& w, const Rows& a, int64_t first_row, int64_t first_
         const __m512i high = K == Kind::kSplit
                                  ? _mm512_srli_epi32(pair_at(code_words + v / 2), 16 * (v % 2))
                                  : _mm512_setzero_si512();
-        codes[q] = code_bytes<K>(pair_at(v), high, table);
+        if constexpr (kThree) {
+          // nibble word n of the pair: low word n / 2 shifted by 2 (n % 2), high word n / 4
+          // with bit n % 4 of each nibble moved to bit 2
+          const int64_t n = g % 2 * code_words + v;
+          const int top = static_cast<int>(n % 4);
+          const __m512i bits = pair_at(2 * low_words + n / 4);
+          const __m512i moved =
+              top <= 2 ? _mm512_slli_epi32(bits, 2 - top) : _mm512_srli_epi32(bits, top - 2);
+          const __m512i word = _mm512_or_si512(
+              _mm512_and_si512(_mm512_srli_epi32(pair_at(n / 2), static_cast<int>(2 * (n % 2))),
+                               _mm512_set1_epi32(0x33333333)),
+              _mm512_and_si512(moved, _mm512_set1_epi32(0x44444444)));
+          codes[q] = code_bytes<K>(word, high, table);
+        } else {
+          codes[q] = code_bytes<K>(pair_at(v), high, table);
+        }
       }
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
@@ -904,15 +934,15 @@ void int_tile2(const Weight& w, const Rows& a, int64_t first_row, int64_t first_
 
 // R rows against panels [first_panel, last_panel): Q pairs at a time, then single pairs, then
 // an odd panel alone; `kInt`: with activations as integers (`int_tile2`).
-template <int R, int Q, Kind K, bool kInt>
+template <int R, int Q, Kind K, bool kInt, bool kThree = false>
 void panels_at2(const Weight& w, const Rows& a, int64_t row, int64_t first_panel,
                 int64_t last_panel) {
   int64_t p = first_panel;
 #ifdef ASERVE_VNNI
   if constexpr (kInt) {
-    for (; p + 2 * Q <= last_panel; p += 2 * Q) int_tile2<R, Q, K>(w, a, row, p);
-    for (; p + 2 <= last_panel; p += 2) int_tile2<R, 1, K>(w, a, row, p);
-    if (p < last_panel) int_tile2<R, 1, K>(w, a, row, p, true);
+    for (; p + 2 * Q <= last_panel; p += 2 * Q) int_tile2<R, Q, K, kThree>(w, a, row, p);
+    for (; p + 2 <= last_panel; p += 2) int_tile2<R, 1, K, kThree>(w, a, row, p);
+    if (p < last_panel) int_tile2<R, 1, K, kThree>(w, a, row, p, true);
     return;
   }
 #endif
@@ -929,17 +959,18 @@ void panels_at2(const Weight& w, const Rows& a, int64_t row, int64_t first_panel
 template <Kind K, bool kInt>
 constexpr int kTileRows = kInt && K != Kind::kSplit ? 3 : 4;
 
-template <Kind K, bool kInt = false>
+template <Kind K, bool kInt = false, bool kThree = false>
 void few_rows(const Weight& w, const Rows& a, int64_t first, int64_t last, int64_t first_panel,
               int64_t last_panel) {
   constexpr int R = kTileRows<K, kInt>;
   int64_t row = first;
-  for (; row + R <= last; row += R) panels_at2<R, 2, K, kInt>(w, a, row, first_panel, last_panel);
+  for (; row + R <= last; row += R)
+    panels_at2<R, 2, K, kInt, kThree>(w, a, row, first_panel, last_panel);
   if (row + 2 <= last) {
-    panels_at2<2, 2, K, kInt>(w, a, row, first_panel, last_panel);
+    panels_at2<2, 2, K, kInt, kThree>(w, a, row, first_panel, last_panel);
     row += 2;
   }
-  if (row < last) panels_at2<1, 4, K, kInt>(w, a, row, first_panel, last_panel);
+  if (row < last) panels_at2<1, 4, K, kInt, kThree>(w, a, row, first_panel, last_panel);
 }
 #else
 template <Kind K>
@@ -1589,6 +1620,10 @@ template <Kind K>
 void rows_against_panels_of(const Weight& w, const Rows& a, int64_t first, int64_t last,
                             int64_t first_panel, int64_t last_panel, std::vector<float>& buffer) {
 #ifdef ASERVE_VNNI
+  if constexpr (K == Kind::kNibbles || K == Kind::kLevels) {
+    if (a.xq != nullptr && w.three_bit)
+      return few_rows<K, true, true>(w, a, first, last, first_panel, last_panel);
+  }
   if (a.xq != nullptr) return few_rows<K, true>(w, a, first, last, first_panel, last_panel);
 #elif defined(ASERVE_INT256)
   if (a.xq != nullptr) return int_rows<K>(w, a, first, last, first_panel, last_panel);
@@ -1707,9 +1742,10 @@ Weight weight_of(const at::Tensor& words, const at::Tensor& scales, const at::Te
                  const at::Tensor& bases, int64_t group, int64_t code_bits,
                  const std::optional<at::Tensor>& levels) {
   TORCH_CHECK(words.scalar_type() == at::kInt && words.is_contiguous(), "words: int32");
-  TORCH_CHECK(code_bits == 4 || code_bits == 6 || code_bits == 8,
-              "codes are kept in 4, 6 (a nibble and two bits) or 8 bits, not ", code_bits);
-  const bool four_bit = code_bits == 4, split = code_bits == 6;
+  TORCH_CHECK(code_bits == 3 || code_bits == 4 || code_bits == 6 || code_bits == 8,
+              "codes are kept in 3 (two bits and one), 4, 6 (a nibble and two bits) or 8 bits, ",
+              "not ", code_bits);
+  const bool four_bit = code_bits == 3 || code_bits == 4, split = code_bits == 6;
   const auto type = scales.scalar_type();
   const ScaleKind kind = type == at::kHalf   ? ScaleKind::kHalf
                          : type == at::kChar ? ScaleKind::kSteps
@@ -1754,19 +1790,77 @@ Weight weight_of(const at::Tensor& words, const at::Tensor& scales, const at::Te
            groups * group,
            four_bit,
            split,
-           levels.has_value() ? levels->data_ptr<uint8_t>() : nullptr};
+           levels.has_value() ? levels->data_ptr<uint8_t>() : nullptr,
+           code_bits == 3};
+  TORCH_CHECK(!w.three_bit || groups % 2 == 0, "3-bit codes come in pairs of groups");
   TORCH_CHECK(words.numel() == count * panels * w.panel_words(), "words do not match the scales");
   return w;
 }
 
+// The panels of w from `first` on, as a weight of its own (an expert of a stack, a slice of
+// panels): words, scales, offsets and bases moved on by `first` panels.
+Weight panels_from(const Weight& w, int64_t first) {
+  Weight v = w;
+  const int64_t scale_bytes = first * w.groups * kLanes * w.scale_bytes();
+  v.words += first * w.panel_words();
+  v.scales = static_cast<const char*>(w.scales) + scale_bytes;
+  if (w.offsets != nullptr) v.offsets = static_cast<const char*>(w.offsets) + scale_bytes;
+  if (w.bases != nullptr) v.bases += first * w.base_floats();
+  v.panels -= first;
+  return v;
+}
+
+// The 8 lanes' words in the compiler's vectors (GCC's and clang's vector extension: one AVX2
+// register, two NEON ones); written as a loop over lanes, GCC left the widening scalar.
+typedef uint32_t Words8 __attribute__((vector_size(32)));
+
+// One nibble word of each lane (`widen_three`).
+ASERVE_INLINE void widen_word(const uint32_t* low, const uint32_t* high, int low_shift,
+                              int high_shift, uint32_t* out) {
+  Words8 l, h;
+  std::memcpy(&l, low, sizeof l);
+  std::memcpy(&h, high, sizeof h);
+  const Words8 word = (l >> low_shift & 0x33333333u) | (h >> high_shift & 0x11111111u) << 2;
+  std::memcpy(out, &word, sizeof word);
+}
+
+// Panels [first, first + count) of a `three_bit` weight as the nibble words of a 4-bit one
+// into `out` (count * groups * group / 8 * 8 words), and that weight, whose panel 0 is w's
+// `first`: its products are w's, since both hold the same codes. A pair of groups' words a
+// lane are its low bits (inputs k and k + 8 of each 16 in nibble k, bits 4k and 4k + 2),
+// then its high bits (input 8j + k of the pair at bit 4k + j): each nibble word is two
+// shifts, two masks and an or of them, eight lanes at a time. Where this build's tiles take
+// the codes in registers (`three_bit_in_registers`) they make the same words themselves.
+Weight widen_three(const Weight& w, int64_t first, int64_t count, std::vector<uint32_t>& out) {
+  const int64_t low_words = w.group / 16, unit_words = 3 * low_words;
+  const int64_t nibble_words = w.group / 4;  // a pair of groups' nibble words, a lane
+  out.resize(count * w.groups / 2 * nibble_words * kLanes);
+  uint32_t* at = out.data();
+  for (int64_t p = first; p < first + count; ++p)
+    for (int64_t u = 0; u < w.groups / 2; ++u) {
+      const uint32_t* unit = w.words + p * w.panel_words() + u * unit_words * kLanes;
+      // nibble word n of the pair: low word n / 2 shifted by 2 (n % 2), high word n / 4
+      // shifted by n % 4
+      for (int64_t n = 0; n < nibble_words; n += 4, at += 4 * kLanes) {
+        const uint32_t* low = unit + n / 2 * kLanes;
+        const uint32_t* high = unit + (2 * low_words + n / 4) * kLanes;
+        widen_word(low, high, 0, 0, at);
+        widen_word(low, high, 2, 1, at + kLanes);
+        widen_word(low + kLanes, high, 0, 2, at + 2 * kLanes);
+        widen_word(low + kLanes, high, 2, 3, at + 3 * kLanes);
+      }
+    }
+  Weight v = panels_from(w, first);
+  v.words = out.data();
+  v.panels = count;
+  v.three_bit = false;
+  return v;
+}
+
 // Expert e of a stack (`weight_of`), from expert 0.
 Weight expert_of(const Weight& first, int64_t e) {
-  Weight w = first;
-  const int64_t scale_bytes = e * w.panels * w.groups * kLanes * w.scale_bytes();
-  w.words += e * w.panels * w.panel_words();
-  w.scales = static_cast<const char*>(w.scales) + scale_bytes;
-  if (w.offsets != nullptr) w.offsets = static_cast<const char*>(w.offsets) + scale_bytes;
-  if (w.bases != nullptr) w.bases += e * w.panels * w.base_floats();
+  Weight w = panels_from(first, e * first.panels);
+  w.panels = first.panels;
   return w;
 }
 
@@ -1792,8 +1886,9 @@ struct Product {
   }
 };
 
-// Whether products of codes kept in `code_bits` (4, 6: split, 8; `levels`: 4-bit codes that
-// stand for levels) multiply activations as integers (`IntActivations`): on CPUs with AVX-512
+// Whether products of codes kept in `code_bits` (3 and 4: nibbles as multiplied, 6: split, 8;
+// `levels`: 4-bit codes that stand for levels) multiply activations as integers
+// (`IntActivations`): on CPUs with AVX-512
 // VNNI (split codes also need VBMI's byte gathers), and with AVX2 (AVX-VNNI, or without it
 // 4-bit codes and split codes: `add_word`), unless turned off for this process (`enable`
 // false: tests and benchmarks compare the two).
@@ -1801,6 +1896,7 @@ bool int_activations_on = true;
 
 bool int_activations(std::optional<bool> enable, int64_t code_bits, bool levels) {
   if (enable.has_value()) int_activations_on = *enable;
+  if (code_bits == 3) code_bits = 4;  // multiplied as nibbles once widened
 #ifdef ASERVE_INT
 #if defined(ASERVE_VNNI) && !defined(__AVX512VBMI__)
   if (code_bits == 6) return false;
@@ -1812,6 +1908,18 @@ bool int_activations(std::optional<bool> enable, int64_t code_bits, bool levels)
 #else
   (void)code_bits;
   (void)levels;
+  return false;
+#endif
+}
+
+// Whether this build's tiles widen 3-bit codes in registers as they multiply (the AVX-512
+// VNNI integer tiles): elsewhere `run` widens a few panels into a buffer first, which took a
+// 1B Q3_K_M step ~1.4x the time of the same codes kept in nibbles (AVX-512 build, integer
+// activations off), so `NativeWeight` keeps them in nibbles there.
+bool three_bit_in_registers() {
+#ifdef ASERVE_VNNI
+  return int_activations_on;
+#else
   return false;
 #endif
 }
@@ -1885,14 +1993,34 @@ void run(const std::vector<Product>& products) {
   }
   at::parallel_for(0, starts.back(), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buffer;
+    std::vector<uint32_t> widened;
     size_t k = 0;
     for (int64_t unit = begin; unit < end; ++unit) {
       while (unit >= starts[k + 1]) ++k;
       const Product& p = products[k];
       const int64_t blocks = panel_blocks(p), local = unit - starts[k];
       const int64_t first = local / blocks * kRowBlock, first_panel = local % blocks * kPanelBlock;
-      rows_against_panels(p.w, p.operands(), first, std::min(p.rows, first + kRowBlock), first_panel,
-                          std::min(p.w.panels, first_panel + kPanelBlock), buffer);
+      const int64_t last = std::min(p.rows, first + kRowBlock);
+      const int64_t last_panel = std::min(p.w.panels, first_panel + kPanelBlock);
+#ifdef ASERVE_VNNI
+      // the VNNI tiles widen 3-bit codes themselves, each tile its own: for a few rows (decode)
+      // that costs less than widening into a buffer, from more rows (a prefill chunk) more
+      const bool in_registers = !p.xq.empty() && last - first <= kWidenInRegistersRows;
+#else
+      const bool in_registers = false;
+#endif
+      if (!p.w.three_bit || in_registers) {
+        rows_against_panels(p.w, p.operands(), first, last, first_panel, last_panel, buffer);
+        continue;
+      }
+      // a few panels widened at a time, their nibbles still in cache as the tiles read them
+      for (int64_t q = first_panel; q < last_panel; q += kWidenPanels) {
+        const int64_t count = std::min(kWidenPanels, last_panel - q);
+        const Weight nibbles = widen_three(p.w, q, count, widened);
+        Rows a = p.operands();
+        a.y += q * kLanes;
+        rows_against_panels(nibbles, a, first, last, 0, count, buffer);
+      }
     }
   });
 }
@@ -2105,19 +2233,24 @@ at::Tensor rows(const at::Tensor& words, const at::Tensor& scales, const at::Ten
   at::Tensor out = at::empty({count, w.cols}, scales.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
   const int64_t per_word = w.inputs_per_word(), words_in_group = w.words_per_group();
+  std::vector<uint32_t> widened;
   for (int64_t i = 0; i < count; ++i) {
     const int64_t n = idp[i];
     TORCH_CHECK(n >= 0 && n < w.panels * kLanes, "row ", n, " is outside the weight");
-    const int64_t panel = n / kLanes, lane = n % kLanes;
+    const int64_t lane = n % kLanes;
+    int64_t panel = n / kLanes;
+    const Weight weight = w.three_bit ? widen_three(w, panel, 1, widened) : w;
+    if (w.three_bit) panel = 0;
     for (int64_t g = 0; g < w.groups; ++g) {
-      const float scale = w.scale(panel, g, lane);
-      const float offset = w.offset(panel, g, lane);
-      const uint32_t* group_words = w.words + panel * w.panel_words() + g * words_in_group * kLanes;
-      for (int64_t v = 0; v < w.code_words(); ++v) {
+      const float scale = weight.scale(panel, g, lane);
+      const float offset = weight.offset(panel, g, lane);
+      const uint32_t* group_words =
+          weight.words + panel * weight.panel_words() + g * words_in_group * kLanes;
+      for (int64_t v = 0; v < weight.code_words(); ++v) {
         const uint32_t word = group_words[v * kLanes + lane];
-        const uint32_t high = w.split ? high_bits(w, group_words, v, lane) : 0;
+        const uint32_t high = weight.split ? high_bits(weight, group_words, v, lane) : 0;
         for (int64_t j = 0; j < per_word; ++j) {
-          const float value = code_of(w, word, static_cast<int>(j), high);
+          const float value = code_of(weight, word, static_cast<int>(j), high);
           op[i * w.cols + g * w.group + v * per_word + j] = std::fma(value, scale, offset);
         }
       }
@@ -2148,12 +2281,19 @@ inline void dequantize_word(const Weight& w, const uint32_t* group_words, int64_
 void dequantize(const at::Tensor& words, const at::Tensor& scales, const at::Tensor& offsets,
                 const at::Tensor& bases, int64_t group, int64_t code_bits,
                 const std::optional<at::Tensor>& levels, int64_t first, at::Tensor out) {
-  const Weight w = weight_of(words, scales, offsets, bases, group, code_bits, levels);
+  const Weight stored = weight_of(words, scales, offsets, bases, group, code_bits, levels);
   TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.is_contiguous() &&
-                  out.size(0) == w.cols && out.size(1) % kLanes == 0,
+                  out.size(0) == stored.cols && out.size(1) % kLanes == 0,
               "out: contiguous float32 [cols, 8 * panels]");
-  const int64_t width = out.size(1), last = first + width / kLanes;
-  TORCH_CHECK(0 <= first && first < last && last <= w.panels, "panels out of range");
+  const int64_t width = out.size(1);
+  int64_t last = first + width / kLanes;
+  TORCH_CHECK(0 <= first && first < last && last <= stored.panels, "panels out of range");
+  std::vector<uint32_t> widened;  // 3-bit codes: the slice's panels as nibbles, from panel 0
+  const Weight w = stored.three_bit ? widen_three(stored, first, last - first, widened) : stored;
+  if (stored.three_bit) {
+    last -= first;
+    first = 0;
+  }
   float* op = out.data_ptr<float>();
   const int64_t per_word = w.inputs_per_word(), words_in_group = w.words_per_group();
 #ifdef ASERVE_AVX2
@@ -2383,4 +2523,5 @@ TORCH_LIBRARY(aserve_cpu, m) {
       dequantize);
   m.def("int_activations(bool? enable=None, int code_bits=4, bool levels=False) -> bool",
         int_activations);
+  m.def("three_bit_in_registers() -> bool", three_bit_in_registers);
 }
