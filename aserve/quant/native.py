@@ -385,8 +385,8 @@ class NativeWeight(KernelTensors):
     signed, four to a word; codes of 2 and 3 bits (Q2_K, Q3_K), where `keeps_three_bits`, in
     three bits, a pair of groups' low two bits 16 to a word then their high bits 32 to a word
     (`code_bits` 3, `three_bit_words`), which the kernels widen to nibbles as they multiply;
-    scales and offsets as
-    `compact_scales` keeps them, or as int8 steps and float32 bases (`panel_steps`)."""
+    scales and offsets as `compact_scales` keeps them, or as int8 steps and float32 bases
+    (`panel_steps`)."""
 
     def __init__(self, codes: Codes, scratch: Scratch | None = None) -> None:
         self.scratch = scratch or Scratch()
@@ -427,9 +427,9 @@ class NativeWeight(KernelTensors):
 
         def three_bit_words(codes: torch.Tensor) -> torch.Tensor:
             """Codes under 8 as int32 words [panel, pair of groups, word, lane]: the pair's low
-            two bits, 16 inputs a word with inputs k and k + 8 of them in nibble k, then its
-            high bits, 32 inputs a word with input 8j + k at bit 4k + j. A nibble word of the
-            4-bit layout is then two shifts, two masks and an or away (`widen_three`)."""
+            two bits, 16 inputs a word with inputs k and k + 8 of the 16 in nibble k, then its
+            high bits, 32 inputs a word with input 8j + k of the 32 at bit 4k + j. A nibble word
+            of the 4-bit layout is then two shifts, two masks and an or away (`widen_three`)."""
             pairs, pair = groups // 2, 2 * self.group
             low = (codes & 3).view(panels, LANES, pairs, pair // 16, 2, 8)
             high = (codes >> 2).view(panels, LANES, pairs, pair // 32, 4, 8)
