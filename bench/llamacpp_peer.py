@@ -23,6 +23,7 @@ Workload = list[tuple[list[int], int]]
 
 @dataclass
 class Sequence:
+    order: int  # its place in the workload
     slot: int
     prompt: list[int]
     wanted: int
@@ -69,12 +70,18 @@ class LlamaCppPeer:
 
     def run(self, workload: Workload) -> tuple[int, float]:
         """Greedy decode of every (prompt, length) pair; returns (tokens made, seconds)."""
+        outputs, seconds = self.generate(workload)
+        return sum(map(len, outputs)), seconds
+
+    def generate(self, workload: Workload) -> tuple[list[list[int]], float]:
+        """Greedy decode of every (prompt, length) pair; returns each pair's new tokens, in
+        the workload's order, and the seconds it took."""
         lib = self.lib
         waiting = list(workload)
         waiting.reverse()
         free_slots = list(range(self.max_running))
         running: list[Sequence] = []
-        tokens = 0
+        finished: list[Sequence] = []
         started = time.perf_counter()
         while waiting or running:
             self._clear_batch()
@@ -86,7 +93,9 @@ class LlamaCppPeer:
                 if self.batch.n_tokens + len(prompt) > self.batch_tokens:
                     break
                 waiting.pop()
-                seq = Sequence(free_slots.pop(), prompt, wanted)
+                seq = Sequence(
+                    len(finished) + len(running) + len(joined), free_slots.pop(), prompt, wanted
+                )
                 for position, token in enumerate(prompt):
                     self._add(token, position, seq.slot, position == len(prompt) - 1)
                 joined.append(seq)
@@ -98,13 +107,14 @@ class LlamaCppPeer:
             )
             for seq, token in zip(running, logits.argmax(axis=1).tolist()):
                 seq.produced.append(token)
-            tokens += len(running)
             done = [s for s in running if len(s.produced) == s.wanted]
             for seq in done:
                 lib.llama_memory_seq_rm(self.memory, seq.slot, -1, -1)
                 free_slots.append(seq.slot)
+            finished.extend(done)
             running = [s for s in running if len(s.produced) < s.wanted]
-        return tokens, time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        return [s.produced for s in sorted(finished, key=lambda s: s.order)], seconds
 
     def _clear_batch(self) -> None:
         self.batch.n_tokens = 0

@@ -53,6 +53,13 @@ HALVES = {
     QType.Q6_K: (208,),
     QType.IQ4_NL: (0,),
     QType.IQ4_XS: (0,),
+    QType.IQ1_S: (0,),
+    QType.IQ1_M: (),  # its float16 is four nibbles atop its scales: see `random_blocks`
+    QType.IQ2_XXS: (0,),
+    QType.IQ2_XS: (0,),
+    QType.IQ2_S: (0,),
+    QType.IQ3_XXS: (0,),
+    QType.IQ3_S: (0,),
 }
 FORMATS = list(BLOCKS)
 
@@ -65,6 +72,11 @@ def random_blocks(qtype: QType, rows: int, cols: int, seed: int = 0) -> np.ndarr
     for at in HALVES[qtype]:
         halves = rng.uniform(-0.05, 0.05, (rows, cols // size)).astype(np.float16)
         raw[..., at : at + 2] = halves[..., None].view(np.uint8)
+    if qtype == QType.IQ1_M:  # the float16's nibbles, low first, atop four 16-bit fields
+        half = rng.uniform(-0.05, 0.05, (rows, cols // size, 1)).astype(np.float16)
+        nibbles = (half.view(np.uint16) >> np.array([0, 4, 8, 12], np.uint16)) & 15
+        fields = raw[..., 48:56].copy().view(np.uint16) & 0x0FFF | nibbles << 12
+        raw[..., 48:56] = fields.view(np.uint8)
     return raw.reshape(rows, -1)
 
 
@@ -201,13 +213,12 @@ def test_scales_take_the_fewest_bytes_that_keep_them(
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 def test_super_block_formats_decode_their_scales_as_steps_of_a_base(qtype: QType) -> None:
-    """K-quants and IQ4_XS give each group's scale (and offset, where stored as such) as an
-    int8 step of its 256-input block's float16 base: step times base is the scale exactly,
-    and the steps follow the rows through padding, splits and joins. Other formats give
-    none."""
+    """Formats of 256-input blocks (K-quants, IQ4_XS, the codebook formats) give each group's
+    scale (and offset, where stored as such) as an int8 step of its block's float16 base:
+    step times base is the scale exactly, and the steps follow the rows through padding,
+    splits and joins. Other formats give none."""
     codes = decode(torch.from_numpy(random_blocks(qtype, 12, 512, seed=5)), qtype, 512)
-    stepped = qtype in (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_XS)
-    assert (codes.steps is not None) == stepped
+    assert (codes.steps is not None) == (BLOCKS[qtype][0] == 256)
     if codes.steps is None:
         return
 
@@ -220,8 +231,8 @@ def test_super_block_formats_decode_their_scales_as_steps_of_a_base(qtype: QType
         if c.steps.offset_steps is not None:
             assert c.steps.offset_bases is not None
             assert torch.equal(rebuilt(c.steps.offset_steps, c.steps.offset_bases), c.offsets)
-        else:  # stored as a multiple of the scale, or none at all
-            assert qtype in (QType.Q3_K, QType.Q6_K, QType.IQ4_XS)
+        else:  # none at all, or stored as a multiple of the scale
+            assert qtype in (QType.Q3_K, QType.Q6_K) or not c.offsets.any()
 
     check(codes)
     for part in codes.split_rows(3):
@@ -252,7 +263,11 @@ def test_codes_of_two_and_three_bits_keep_three_bits_where_widened_in_registers(
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", [QType.Q2_K, QType.Q3_K], ids=lambda q: q.name)
+@pytest.mark.parametrize(
+    "qtype",
+    [QType.Q2_K, QType.Q3_K, QType.IQ2_XXS, QType.IQ1_M],  # IQ: levels, groups of 32 and 16
+    ids=lambda q: q.name,
+)
 @pytest.mark.parametrize("integers", [True, False], ids=["int-activations", "float"])
 def test_three_bit_codes_multiply_as_the_same_codes_in_nibbles(
     qtype: QType, integers: bool, blas_from_128: None, monkeypatch: pytest.MonkeyPatch
@@ -554,15 +569,15 @@ def test_bad_gguf_files_are_one_line(tmp_path: Path) -> None:
     writer.add_feed_forward_length(512)
     writer.add_head_count(4)
     writer.add_context_length(64)
-    raw = np.zeros((8, 66), np.uint8)  # one IQ2_XXS super-block a row
-    writer.add_tensor("token_embd.weight", raw, raw_dtype=QType.IQ2_XXS)
+    raw = np.zeros((8, 54), np.uint8)  # one TQ1_0 (ternary) super-block a row
+    writer.add_tensor("token_embd.weight", raw, raw_dtype=QType.TQ1_0)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     for path, message in (
         (truncated, "is not a whole GGUF file (truncated or damaged"),
-        (unsupported, "token_embd.weight is IQ2_XXS, which aserve cannot run"),
+        (unsupported, "token_embd.weight is TQ1_0, which aserve cannot run"),
     ):
         assert_refused_in_one_line(path, [], message, tmp_path / "cache")
 
@@ -998,6 +1013,8 @@ OTHER_BUILD_FORMATS = (
     QType.IQ4_NL,
     QType.Q3_K,
     QType.Q2_K,
+    QType.IQ2_XS,
+    QType.IQ1_S,
 )
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
+from aserve.quant import iquants
 from aserve.quant.codes import Codes, ScaleSteps
 
 # Inputs per block and bytes per block.
@@ -31,6 +32,13 @@ BLOCKS: dict[QType, tuple[int, int]] = {
     QType.Q6_K: (256, 210),
     QType.IQ4_NL: (32, 18),
     QType.IQ4_XS: (256, 136),
+    QType.IQ1_S: (256, 50),
+    QType.IQ1_M: (256, 56),
+    QType.IQ2_XXS: (256, 66),
+    QType.IQ2_XS: (256, 74),
+    QType.IQ2_S: (256, 82),
+    QType.IQ3_XXS: (256, 98),
+    QType.IQ3_S: (256, 110),
 }
 IQ4_LEVELS = torch.tensor(
     [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.float32
@@ -114,7 +122,7 @@ def decode(raw: torch.Tensor, qtype: QType, cols: int) -> Codes:
         offsets.reshape(rows, groups).contiguous(),
         group,
         bits,
-        IQ4_LEVELS if qtype in (QType.IQ4_NL, QType.IQ4_XS) else None,
+        level_table(qtype),
         steps,
     )
 
@@ -285,4 +293,20 @@ DECODERS: dict[QType, Callable[[torch.Tensor], Decoded]] = {
     QType.Q6_K: _q6_k,
     QType.IQ4_NL: _iq4_nl,
     QType.IQ4_XS: _iq4_xs,
+    QType.IQ1_S: iquants.iq1_s,
+    QType.IQ1_M: iquants.iq1_m,
+    QType.IQ2_XXS: iquants.iq2_xxs,
+    QType.IQ2_XS: iquants.iq2_xs,
+    QType.IQ2_S: iquants.iq2_s,
+    QType.IQ3_XXS: iquants.iq3_xxs,
+    QType.IQ3_S: iquants.iq3_s,
 }
+
+
+def level_table(qtype: QType) -> torch.Tensor | None:
+    """The levels that a format's codes stand for, or None where a code is its own value."""
+    if qtype in (QType.IQ4_NL, QType.IQ4_XS):
+        return IQ4_LEVELS
+    if qtype.name.startswith("IQ"):
+        return iquants.levels(qtype.name)
+    return None

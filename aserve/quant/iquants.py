@@ -1,0 +1,222 @@
+"""GGUF's codebook formats (llama.cpp's i-quants IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS
+and IQ3_S), decoded into `Codes` without loss.
+
+These formats store, for each run of 8 inputs (4 for IQ3), an index into a fixed grid of
+patterns, plus signs and a small integer scale a group. The patterns take few distinct
+magnitudes (3 in IQ2's grids, 8 in IQ3's, -1 / 0 / 1 in IQ1's, which move each by an eighth),
+so every weight is one of at most 16 signed levels times its group's scale: the form
+of IQ4's levels, which every product already reads (CPU tiles, CUDA kernels, MoE paths).
+The price is memory: codes take 3 or 4 bits an input where the file spends 1.56 to 3.44
+bits a weight; products that widen grid indices themselves are not written.
+
+The grids are the `gguf` package's (its de-quantizers' tables, so the two cannot disagree);
+tests/test_quant.py checks every format against its de-quantization bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+from gguf import quants
+
+LEVEL_COUNT = 16  # the kernels' table size
+
+
+class Grid(NamedTuple):
+    """A format's grid: each entry's inputs as indices (uint8 `[entries, inputs an entry]`)
+    into `values`, the grid's distinct values ascending (magnitudes; IQ1's are -1, 0, 1)."""
+
+    indices: torch.Tensor
+    values: torch.Tensor
+
+
+@functools.cache
+def grid(quant: type) -> Grid:
+    """`quant` (a class of gguf.quants) as a `Grid`, built once."""
+    quant.init_grid()
+    entries = torch.tensor(quant.grid.reshape(quant.grid_shape))
+    values = torch.tensor(quant.grid_map, dtype=torch.float32)
+    return Grid(torch.searchsorted(values, entries).to(torch.uint8), values)
+
+
+def signed_table(magnitudes: torch.Tensor) -> torch.Tensor:
+    """Levels -m[-1] .. -m[0], m[0] .. m[-1] padded with zeros to the kernels' 16."""
+    levels = torch.cat([-magnitudes.flip(0), magnitudes])
+    return torch.nn.functional.pad(levels, (0, LEVEL_COUNT - levels.numel()))
+
+
+def padded_table(levels: tuple[float, ...]) -> torch.Tensor:
+    table = torch.tensor(levels, dtype=torch.float32)
+    return torch.nn.functional.pad(table, (0, LEVEL_COUNT - table.numel()))
+
+
+def signed_codes(magnitude: torch.Tensor, negative: torch.Tensor, count: int) -> torch.Tensor:
+    """Codes into `signed_table` of `count` magnitudes."""
+    positive = count + magnitude.long()
+    return torch.where(negative, 2 * count - 1 - positive, positive).to(torch.uint8)
+
+
+def bits_of(fields: torch.Tensor, count: int = 8) -> torch.Tensor:
+    """Bit i of each field for i < count, least significant first: bool `[..., count]`."""
+    return (fields.long()[..., None] >> torch.arange(count)) & 1 == 1
+
+
+def little_endian(fields: torch.Tensor) -> torch.Tensor:
+    """Bytes `[..., n]` as the unsigned integers they store (n <= 4), int64 `[...]`."""
+    shifts = 8 * torch.arange(fields.shape[-1])
+    return (fields.long() << shifts).sum(-1)
+
+
+def parity_signs(index: torch.Tensor) -> torch.Tensor:
+    """IQ2_XXS / IQ2_XS / IQ3_XXS signs of 8 inputs: a 7-bit index gives the first seven and
+    the eighth makes the count of minus signs even."""
+    first = bits_of(index, 7)
+    last = first.sum(-1, keepdim=True) % 2 == 1
+    return torch.cat([first, last], -1)
+
+
+def base(blocks: torch.Tensor) -> torch.Tensor:
+    """The float16 scale that every block of these formats but IQ1_M starts with, as float32."""
+    return blocks[..., 0:2].contiguous().view(torch.float16)[..., 0].float()
+
+
+def nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """4-bit fields two to a byte, low nibble first, as int64 `[..., 2 * bytes]`."""
+    fields = (packed.long()[..., None] >> torch.tensor([0, 4])) & 15
+    return fields.reshape(*packed.shape[:-1], -1)
+
+
+Decoded = tuple[
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    int,
+    int,
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+]
+
+
+def odd_steps(
+    codes: torch.Tensor, steps: torch.Tensor, block_scale: torch.Tensor, group: int, bits: int
+) -> Decoded:
+    """Codes with a scale `steps * block_scale` a group (steps odd integers) and no offsets,
+    in gguf.py's decoded form."""
+    scales = steps.float() * block_scale[..., None]
+    lead = codes.shape[:-2]
+    return (
+        codes.reshape(*lead, -1, group),
+        scales,
+        torch.zeros_like(scales),
+        group,
+        bits,
+        (steps.float(), block_scale, None, None),
+    )
+
+
+def iq2_xxs(blocks: torch.Tensor) -> Decoded:
+    """Eight groups of 32, each four grid bytes then a 32-bit word of four 7-bit sign
+    indices (bits 0, 7, 14, 21) and a 4-bit scale s (bits 28-31): d * (s + 1/2) / 4."""
+    lead = blocks.shape[:-1]
+    fields = blocks[..., 2:66].reshape(*lead, 8, 2, 4)
+    word = little_endian(fields[..., 1, :])
+    negative = parity_signs((word[..., None] >> torch.tensor([0, 7, 14, 21])) & 127)
+    magnitude = grid(quants.IQ2_XXS).indices[fields[..., 0, :].long()]
+    codes = signed_codes(magnitude, negative, 3)
+    return odd_steps(codes, 2 * (word >> 28) + 1, base(blocks) / 8, 32, 3)
+
+
+def iq2_xs(blocks: torch.Tensor) -> Decoded:
+    """32 16-bit fields, each a 9-bit grid index and a 7-bit sign index, then a 4-bit scale
+    for each 16 inputs: d * (s + 1/2) / 4."""
+    lead = blocks.shape[:-1]
+    fields = little_endian(blocks[..., 2:66].reshape(*lead, 32, 2))
+    negative = parity_signs(fields >> 9)
+    magnitude = grid(quants.IQ2_XS).indices[fields & 511]
+    codes = signed_codes(magnitude, negative, 3)
+    steps = 2 * nibbles(blocks[..., 66:74]) + 1
+    return odd_steps(codes, steps, base(blocks) / 8, 16, 3)
+
+
+def iq2_s(blocks: torch.Tensor) -> Decoded:
+    """32 grid indices of 10 bits (low bytes, then their high two bits four to a byte), a
+    sign bit an input, and a 4-bit scale for each 16 inputs: d * (s + 1/2) / 4."""
+    lead = blocks.shape[:-1]
+    high = (blocks[..., 66:74, None].long() >> torch.tensor([0, 2, 4, 6])) & 3
+    indices = blocks[..., 2:34].long() | high.reshape(*lead, 32) << 8
+    magnitude = grid(quants.IQ2_S).indices[indices]
+    codes = signed_codes(magnitude, bits_of(blocks[..., 34:66]), 3)
+    steps = 2 * nibbles(blocks[..., 74:82]) + 1
+    return odd_steps(codes, steps, base(blocks) / 8, 16, 3)
+
+
+def iq3_xxs(blocks: torch.Tensor) -> Decoded:
+    """64 grid bytes of four inputs each, then a 32-bit word a group of 32 as in IQ2_XXS
+    (four sign indices of 8 inputs and a scale): d * (s + 1/2) / 2."""
+    lead = blocks.shape[:-1]
+    word = little_endian(blocks[..., 66:98].reshape(*lead, 8, 4))
+    negative = parity_signs((word[..., None] >> torch.tensor([0, 7, 14, 21])) & 127)
+    magnitude = grid(quants.IQ3_XXS).indices[blocks[..., 2:66].long()]
+    codes = signed_codes(magnitude.reshape(*lead, 8, 4, 8), negative, 8)
+    return odd_steps(codes, 2 * (word >> 28) + 1, base(blocks) / 4, 32, 4)
+
+
+def iq3_s(blocks: torch.Tensor) -> Decoded:
+    """64 grid indices of 9 bits (low bytes, then a high bit each), a sign bit an input and a
+    4-bit scale a group of 32: d * (2s + 1)."""
+    lead = blocks.shape[:-1]
+    high = bits_of(blocks[..., 66:74]).reshape(*lead, 64).long()
+    magnitude = grid(quants.IQ3_S).indices[blocks[..., 2:66].long() | high << 8]
+    negative = bits_of(blocks[..., 74:106]).reshape(*lead, 64, 4)
+    codes = signed_codes(magnitude, negative, 8)
+    steps = 2 * nibbles(blocks[..., 106:110]) + 1
+    return odd_steps(codes, steps, base(blocks), 32, 4)
+
+
+ONE_BIT_LEVELS = (-9.0, -7.0, -1.0, 1.0, 7.0, 9.0)
+"""IQ1's weights over an eighth of their scale: grid values -1, 0, 1 each plus or minus 1/8."""
+
+
+def one_bit_codes(values: torch.Tensor, minus: torch.Tensor) -> torch.Tensor:
+    """Codes into ONE_BIT_LEVELS of grid value codes 0, 1, 2 (for -1, 0, 1) whose eighth is
+    taken off (`minus`) or added."""
+    return (2 * values.long() + (~minus).long()).to(torch.uint8)
+
+
+def iq1_s(blocks: torch.Tensor) -> Decoded:
+    """32 grid indices of 11 bits (low bytes, then a 16-bit field a group of 32 holding four
+    high parts of 3 bits, a 3-bit scale s and the sign of an eighth that every weight of the
+    group is moved by): d * (2s + 1) * (v +- 1/8) for grid values v of -1, 0, 1."""
+    lead = blocks.shape[:-1]
+    word = little_endian(blocks[..., 34:50].reshape(*lead, 8, 2))
+    high = (word[..., None] >> torch.tensor([0, 3, 6, 9])) & 7
+    indices = blocks[..., 2:34].long().reshape(*lead, 8, 4) | high << 8
+    values = grid(quants.IQ1_S).indices[indices].reshape(*lead, 8, 32)
+    codes = one_bit_codes(values, (word >> 15 == 1)[..., None])
+    steps = 2 * ((word >> 12) & 7) + 1
+    return odd_steps(codes, steps, base(blocks) / 8, 32, 3)
+
+
+def iq1_m(blocks: torch.Tensor) -> Decoded:
+    """32 grid indices of 11 bits (low bytes, then a nibble each: 3 high bits and the sign of
+    its 8 inputs' eighth), a 3-bit scale s for each 16 inputs in four 16-bit fields whose top
+    nibbles hold the block's float16 d: d * (2s + 1) * (v +- 1/8)."""
+    lead = blocks.shape[:-1]
+    high = nibbles(blocks[..., 32:48])
+    indices = blocks[..., 0:32].long() | (high & 7) << 8
+    values = grid(quants.IQ1_M).indices[indices]
+    codes = one_bit_codes(values, (high >> 3 == 1)[..., None])
+    fields = little_endian(blocks[..., 48:56].reshape(*lead, 4, 2))
+    d_bits = ((fields >> 12) << torch.tensor([0, 4, 8, 12])).sum(-1)
+    d = d_bits.to(torch.int16).view(torch.float16).float()  # the cast keeps the low 16 bits
+    steps = 2 * ((fields[..., None] >> torch.tensor([0, 3, 6, 9])) & 7).reshape(*lead, 16) + 1
+    return odd_steps(codes, steps, d / 8, 16, 3)
+
+
+@functools.cache
+def levels(name: str) -> torch.Tensor:
+    """The 16 levels that the codes of format `name` (e.g. "IQ2_XS") stand for."""
+    if name.startswith("IQ1"):
+        return padded_table(ONE_BIT_LEVELS)
+    return signed_table(grid(getattr(quants, name)).values)

@@ -1,0 +1,122 @@
+"""A random dense Llama GGUF of a chosen shape and block format, for CPU benchmarks beside
+llama.cpp on the same file:
+
+    python bench/dense_gguf.py /tmp/dense1b-iq2xxs.gguf --qtype IQ2_XXS
+    python bench/offline.py --model /tmp/dense1b-iq2xxs.gguf --peer llamacpp --num-seqs 1 \\
+        --input-len 128 128 --output-len 64 64 --temperature 0
+
+The default shape is Llama-3.2-1B's (16 layers, 2,048 wide, 8,192 in the MLP, 32 query and 8
+KV heads) with the embedded SmolLM2's vocabulary and tokenizer (bench/moe_gguf.py). The
+layers' matrices take `--qtype`; the embedding and the LM head are Q8_0, as llama.cpp keeps
+them wider than the layers in its low-bit files. Formats the `gguf` package quantizes
+(Q4_0, Q8_0, ...) quantize normal weights; for llama.cpp's codebook formats (IQ1_S to IQ3_S),
+which need its importance matrix to quantize, the blocks are random bytes with each block's
+float16 scale set so that the weights' root mean square is that of the normal ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.moe_gguf import copy_tokenizer  # noqa: E402
+
+RANDOM_BLOCK_FORMATS = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S")
+"""Codebook formats, written as random blocks."""
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="write a random dense Llama GGUF")
+    p.add_argument("out", type=Path)
+    p.add_argument("--qtype", default="Q4_0", help="GGUF type of the layers' matrices")
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--intermediate", type=int, default=8192)
+    p.add_argument("--heads", type=int, nargs=2, default=(32, 8), metavar=("Q", "KV"))
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+def random_blocks(
+    qtype: gguf.GGMLQuantizationType, rows: int, cols: int, rms: float, rng: np.random.Generator
+) -> np.ndarray:
+    """`[rows, bytes]` of random blocks of a codebook format whose weights have about `rms`."""
+    size, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // size, nbytes), dtype=np.uint8)
+    set_block_scales(raw, qtype, np.ones((rows, cols // size, 1), np.float16))
+    sample = gguf.quants.dequantize(raw[: min(rows, 64)].reshape(-1, nbytes), qtype)
+    scale = rms / float(np.sqrt(np.mean(np.square(sample))))
+    signs = rng.choice(np.array([-1.0, 1.0], np.float32), (rows, cols // size, 1))
+    set_block_scales(raw, qtype, (signs * scale).astype(np.float16))
+    return raw.reshape(rows, -1)
+
+
+def set_block_scales(raw: np.ndarray, qtype: gguf.GGMLQuantizationType, d: np.ndarray) -> None:
+    """Every block's float16 scale `d` `[rows, blocks, 1]` into `raw` `[rows, blocks, bytes]`:
+    its first two bytes, or in IQ1_M four nibbles atop the 16-bit scale fields at 48-55."""
+    if qtype.name != "IQ1_M":
+        raw[..., 0:2] = d.view(np.uint8)
+        return
+    nibbles = (d.view(np.uint16) >> np.array([0, 4, 8, 12], np.uint16)) & 15
+    fields = raw[..., 48:56].copy().view(np.uint16) & 0x0FFF | nibbles << 12
+    raw[..., 48:56] = fields.view(np.uint8)
+
+
+def main() -> None:
+    args = parse_args()
+    qtype = gguf.GGMLQuantizationType[args.qtype]
+    heads, kv_heads = args.heads
+    head_dim = args.hidden // heads
+    writer = gguf.GGUFWriter(args.out, "llama")
+    vocab = copy_tokenizer(writer)
+    writer.add_block_count(args.layers)
+    writer.add_context_length(4096)
+    writer.add_embedding_length(args.hidden)
+    writer.add_feed_forward_length(args.intermediate)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(5e5)
+    writer.add_layer_norm_rms_eps(1e-5)
+    rng = np.random.default_rng(args.seed)
+
+    def matrix(rows: int, cols: int, kind: gguf.GGMLQuantizationType = qtype) -> np.ndarray:
+        if kind.name in RANDOM_BLOCK_FORMATS:
+            return random_blocks(kind, rows, cols, 1 / np.sqrt(cols), rng)
+        weight = rng.standard_normal((rows, cols), dtype=np.float32) / np.sqrt(cols)
+        return gguf.quants.quantize(weight, kind)
+
+    def add(name: str, array: np.ndarray, kind: gguf.GGMLQuantizationType | None) -> None:
+        writer.add_tensor(name, array, raw_dtype=kind)
+
+    wide = gguf.GGMLQuantizationType.Q8_0
+    add("token_embd.weight", matrix(vocab, args.hidden, wide), wide)
+    add("output.weight", matrix(vocab, args.hidden, wide), wide)
+    add("output_norm.weight", np.ones(args.hidden, np.float32), None)
+    q_rows, kv_rows = args.hidden, kv_heads * head_dim
+    for layer in range(args.layers):
+        blk = f"blk.{layer}"
+        add(f"{blk}.attn_q.weight", matrix(q_rows, args.hidden), qtype)
+        add(f"{blk}.attn_k.weight", matrix(kv_rows, args.hidden), qtype)
+        add(f"{blk}.attn_v.weight", matrix(kv_rows, args.hidden), qtype)
+        add(f"{blk}.attn_output.weight", matrix(args.hidden, q_rows), qtype)
+        add(f"{blk}.ffn_gate.weight", matrix(args.intermediate, args.hidden), qtype)
+        add(f"{blk}.ffn_up.weight", matrix(args.intermediate, args.hidden), qtype)
+        add(f"{blk}.ffn_down.weight", matrix(args.hidden, args.intermediate), qtype)
+        for norm in ("attn_norm", "ffn_norm"):
+            add(f"{blk}.{norm}.weight", np.ones(args.hidden, np.float32), None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    print(f"wrote {args.out} ({args.out.stat().st_size / 2**20:.0f} MiB)")
+
+
+if __name__ == "__main__":
+    main()
