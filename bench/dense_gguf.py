@@ -40,6 +40,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--intermediate", type=int, default=8192)
     p.add_argument("--heads", type=int, nargs=2, default=(32, 8), metavar=("Q", "KV"))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--vocab",
+        type=int,
+        default=None,
+        help="write no tokenizer and this many tokens (where the embedded model is not "
+        "installed, e.g. the GPU machine)",
+    )
     return p.parse_args()
 
 
@@ -74,7 +81,7 @@ def main() -> None:
     heads, kv_heads = args.heads
     head_dim = args.hidden // heads
     writer = gguf.GGUFWriter(args.out, "llama")
-    vocab = copy_tokenizer(writer)
+    vocab = copy_tokenizer(writer) if args.vocab is None else args.vocab
     writer.add_block_count(args.layers)
     writer.add_context_length(4096)
     writer.add_embedding_length(args.hidden)

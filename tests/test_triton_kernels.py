@@ -205,13 +205,16 @@ def test_fp8_gemv_widens_every_byte_with_bit_operations() -> None:
     assert (error <= exact.abs() * 2**-7 + 1e-3).all(), error.max()
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "IQ4_XS"])
+@pytest.mark.parametrize(
+    "qtype", ["Q4_1", "Q8_0", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ2_XXS", "IQ1_M"]
+)
 def test_gguf_products_on_each_path_match_float64(qtype: str) -> None:
     """quant/cuda.py's three paths for a GGUF weight against float64 on its exact de-quantized
     values, float32 activations: one row (`gemv`: codes read as 32-bit words, widened by
     shifts and masks under the exponent of 1.0, each group's sum of x taken back out), a few
     rows (the tiled product) and past DEQUANTIZE_ROWS (de-quantized slices); and the lookup
-    of rows. 4-, 8- and 3-bit codes, groups of 32 and 16, offsets and none, IQ4's levels;
+    of rows. 4-, 8- and 3-bit codes, groups of 32 and 16, offsets and none, IQ4's levels and
+    the codebook formats' (IQ2_XXS, IQ1_M);
     the widening's cancellation costs a few float32 steps, well under the tolerance."""
     from gguf import GGMLQuantizationType
 
@@ -283,7 +286,8 @@ def test_one_program_block_layout_is_the_torch_layout(
 
 
 @pytest.mark.parametrize(
-    ("qtype", "inter"), [("Q4_0", 64), ("Q8_0", 96), ("Q3_K", 256), ("Q6_K", 256), ("IQ4_XS", 256)]
+    ("qtype", "inter"),
+    [("Q4_0", 64), ("Q8_0", 96), ("Q3_K", 256), ("Q6_K", 256), ("IQ4_XS", 256), ("IQ2_XS", 256)],
 )
 @pytest.mark.parametrize("tokens", [1, 7, 40])
 # random blocks make gate values of up to ~1e7: the interpreter's float32 exp overflows to
@@ -292,8 +296,9 @@ def test_one_program_block_layout_is_the_torch_layout(
 def test_fused_gguf_experts_match_float64(qtype: str, inter: int, tokens: int) -> None:
     """layers/moe_codes_triton.py's two launches over experts stacked in codes against the
     float64 definition on their exact de-quantized values: 4-bit groups of 32, 8-bit codes,
-    3-bit groups of 16, Q6_K's 6-bit bytes, IQ4's levels; one token (decode), several whose
-    experts repeat, and enough for tiles of 32 rows; experts that get no token."""
+    3-bit groups of 16, Q6_K's 6-bit bytes, IQ4's and IQ2_XS's levels; one token (decode),
+    several whose experts repeat, and enough for tiles of 32 rows; experts that get no
+    token."""
     check_fused_gguf_experts(qtype, inter, tokens)
 
 
