@@ -160,7 +160,7 @@ def _one_plus(words, AT: tl.constexpr, WIDTH: tl.constexpr):
 # sign replication, masked off): once among levels 0-7, once among 8-15, then per byte by
 # the code's top bit. Twice for a word's eight codes, then its low nibbles' levels gathered
 # into one word and its high nibbles' into another.
-_NIBBLE_LEVELS_ASM = """
+_NIBBLE_LEVELS_ASM = tl.constexpr("""
 {
 .reg .b32 sel, pick, lo, hi, first, second;
 and.b32 sel, $2, 0x7777;
@@ -181,7 +181,7 @@ prmt.b32 second, lo, hi, pick;
 prmt.b32 $0, first, second, 0x6420;
 prmt.b32 $1, first, second, 0x7531;
 }
-"""
+""")
 
 
 @triton.jit
