@@ -280,14 +280,12 @@ def gemv(
     acc1 = tl.zeros((BLOCK_W,), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_W,), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_W,), dtype=tl.float32)
-    lookup = (0, 0, 0, 0)
+    levels0_3, levels4_7, levels8_11, levels12_15 = 0, 0, 0, 0
     if LEVELS and PERMUTE:
-        lookup = (
-            tl.load(lookup_ptr),
-            tl.load(lookup_ptr + 1),
-            tl.load(lookup_ptr + 2),
-            tl.load(lookup_ptr + 3),
-        )
+        levels0_3 = tl.load(lookup_ptr)
+        levels4_7 = tl.load(lookup_ptr + 1)
+        levels8_11 = tl.load(lookup_ptr + 2)
+        levels12_15 = tl.load(lookup_ptr + 3)
     for group in range(pid_k, K // GROUP, SPLIT_K):
         at = group * width + lines
         words = tl.load(
@@ -303,17 +301,25 @@ def gemv(
             x_odd = x_even
             x_sum = tl.sum(x_even, axis=0)
         outputs = group * N + 4 * cols
-        lows, highs = words, words
+        lows = words
+        highs = words
         if LEVELS and PERMUTE:
-            lows, highs = _nibble_levels(words, *lookup)
-        flags = (levels_ptr, FOUR_BIT, LEVELS, PERMUTE)
-        dot = _byte_dot(words, lows, highs, 0, x_even, x_odd, x_sum, *flags)
+            lows, highs = _nibble_levels(words, levels0_3, levels4_7, levels8_11, levels12_15)
+        dot = _byte_dot(
+            words, lows, highs, 0, x_even, x_odd, x_sum, levels_ptr, FOUR_BIT, LEVELS, PERMUTE
+        )
         acc0 = _closed(acc0, dot, x_sum, scales_ptr, offsets_ptr, outputs, ok)
-        dot = _byte_dot(words, lows, highs, 1, x_even, x_odd, x_sum, *flags)
+        dot = _byte_dot(
+            words, lows, highs, 1, x_even, x_odd, x_sum, levels_ptr, FOUR_BIT, LEVELS, PERMUTE
+        )
         acc1 = _closed(acc1, dot, x_sum, scales_ptr, offsets_ptr, outputs + 1, ok)
-        dot = _byte_dot(words, lows, highs, 2, x_even, x_odd, x_sum, *flags)
+        dot = _byte_dot(
+            words, lows, highs, 2, x_even, x_odd, x_sum, levels_ptr, FOUR_BIT, LEVELS, PERMUTE
+        )
         acc2 = _closed(acc2, dot, x_sum, scales_ptr, offsets_ptr, outputs + 2, ok)
-        dot = _byte_dot(words, lows, highs, 3, x_even, x_odd, x_sum, *flags)
+        dot = _byte_dot(
+            words, lows, highs, 3, x_even, x_odd, x_sum, levels_ptr, FOUR_BIT, LEVELS, PERMUTE
+        )
         acc3 = _closed(acc3, dot, x_sum, scales_ptr, offsets_ptr, outputs + 3, ok)
     launch_next(PDL)
     y = y_ptr + pid_k * N + 4 * cols
