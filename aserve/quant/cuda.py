@@ -14,7 +14,8 @@ single stream's decode) takes `gemv` instead, on the CUDA cores, codes widened b
 operations: on an H200, us for the 8B shape's products with 4-bit codes (best setting a
 shape) against the tiled kernel and bf16 cuBLAS, qkv 15.7 / 32.0 / 14.3, o 14.3 / 23.8 /
 10.4, gate_up 41.2 / 90.9 / 56.7, down 27.5 / 51.1 / 32.0 (8-bit codes 1.6-1.8x the tiled
-kernel, 3-bit 1.8-3.9x, IQ4's levels, read from a table, 1.0-1.3x). At 0.7-2.8 TB/s of codes
+kernel, 3-bit 1.8-3.9x; codes that stand for levels, the IQ formats', 1.03-1.25x the plain
+4-bit `gemv`, their levels picked by byte permutes). At 0.7-2.8 TB/s of codes
 it is bound by instructions, not memory: a single stream of a 4-bit 8B model decodes a
 little faster than bf16's here (3.82 against 3.99 ms/token, bench/NOTES.md). From 64 rows
 (large decode batches, prefill chunks) slices of the weight are de-quantized to the
