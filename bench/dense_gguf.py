@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.moe_gguf import copy_tokenizer  # noqa: E402
+from bench.moe_gguf import copy_tokenizer, write_out  # noqa: E402
 
 RANDOM_BLOCK_FORMATS = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S")
 """Codebook formats, written as random blocks."""
@@ -118,11 +118,7 @@ def main() -> None:
         add(f"{blk}.ffn_down.weight", matrix(args.hidden, args.intermediate), qtype)
         for norm in ("attn_norm", "ffn_norm"):
             add(f"{blk}.{norm}.weight", np.ones(args.hidden, np.float32), None)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    print(f"wrote {args.out} ({args.out.stat().st_size / 2**20:.0f} MiB)")
+    write_out(writer, args.out)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,15 @@ def copy_tokenizer(writer: gguf.GGUFWriter) -> int:
     return len(read["tokens"])
 
 
+def write_out(writer: gguf.GGUFWriter, out: Path) -> None:
+    """The header, metadata and tensors into the file, and its size printed."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.0f} MiB)")
+
+
 def main() -> None:
     args = parse_args()
     qtype = gguf.GGMLQuantizationType[args.qtype]
@@ -114,11 +123,7 @@ def main() -> None:
             add(f"{blk}.{norm}.weight", np.ones(size, np.float32), quantized=False)
         for norm in ("attn_q_norm", "attn_k_norm"):
             add(f"{blk}.{norm}.weight", np.ones(args.head_dim, np.float32), quantized=False)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    print(f"wrote {args.out} ({args.out.stat().st_size / 2**20:.0f} MiB)")
+    write_out(writer, args.out)
 
 
 if __name__ == "__main__":

@@ -45,18 +45,26 @@ GEMV_BLOCK_W, GEMV_WARPS, GEMV_STAGES, GEMV_PROGRAMS = 32, 1, 3, 8 * 132
 
 
 @triton.jit
-def group_codes(codes_ptr, levels_ptr, k, cols, N, K, FOUR_BIT: tl.constexpr, LEVELS: tl.constexpr):
+def group_codes(
+    codes_ptr, levels_ptr, k, cols, N, K, FOUR_BIT: tl.constexpr, LEVELS: tl.constexpr,
+    PERMUTE: tl.constexpr, LEVEL_ASM: tl.constexpr,
+):  # fmt: skip
     """One group's codes [k, cols] as stored, input-major ([K (/ 2), N]), so that a tile loads
     along N, coalesced (the two inputs of a byte load it twice, from cache); with LEVELS, the
-    levels they stand for."""
+    levels they stand for (with PERMUTE by byte permutes, `_byte_levels`)."""
     ok = (k[:, None] < K) & (cols[None, :] < N)
     if FOUR_BIT:
         # byte (j, n) holds input 2j of output n in its low nibble and 2j + 1 in its high one
         packed = tl.load(codes_ptr + (k[:, None] // 2) * N + cols[None, :], mask=ok, other=0)
-        code = (packed >> ((k[:, None] % 2) * 4)) & 15
+        if LEVELS and PERMUTE:
+            low, high = _byte_levels(packed, LEVEL_ASM)
+            code = tl.where(k[:, None] % 2 == 0, low, high)
+        else:
+            code = level_of(levels_ptr, (packed >> ((k[:, None] % 2) * 4)) & 15, LEVELS)
     else:
         code = tl.load(codes_ptr + k[:, None] * N + cols[None, :], mask=ok, other=0)
-    return level_of(levels_ptr, code, LEVELS)
+        code = level_of(levels_ptr, code, LEVELS)
+    return code
 
 
 @triton.jit
@@ -84,6 +92,8 @@ def quantized_gemm(
     K,
     FOUR_BIT: tl.constexpr,
     LEVELS: tl.constexpr,
+    PERMUTE: tl.constexpr,
+    LEVEL_ASM: tl.constexpr,
     GROUP: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -120,15 +130,22 @@ def quantized_gemm(
                 even = x_ptr + rows[:, None] * K + (start + 2 * tl.arange(0, GROUP // 2))[None, :]
                 x_even = tl.load(even, mask=row_ok[:, None], other=0.0)
                 x_odd = tl.load(even + 1, mask=row_ok[:, None], other=0.0)
-                even_codes = level_of(levels_ptr, packed & 15, LEVELS).to(x_even.dtype)
-                odd_codes = level_of(levels_ptr, packed >> 4, LEVELS).to(x_odd.dtype)
+                if LEVELS and PERMUTE:
+                    even_levels, odd_levels = _byte_levels(packed, LEVEL_ASM)
+                    even_codes = even_levels.to(x_even.dtype)
+                    odd_codes = odd_levels.to(x_odd.dtype)
+                else:
+                    even_codes = level_of(levels_ptr, packed & 15, LEVELS).to(x_even.dtype)
+                    odd_codes = level_of(levels_ptr, packed >> 4, LEVELS).to(x_odd.dtype)
                 part = tl.dot(x_even, even_codes, input_precision=PRECISION)
                 part = tl.dot(x_odd, odd_codes, part, input_precision=PRECISION)
             else:
                 # (a 4-bit group of 16 would make dots of 8 inputs, under tl.dot's 16)
                 k = start + tl.arange(0, GROUP)
                 x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=row_ok[:, None], other=0.0)
-                code = group_codes(codes_ptr, levels_ptr, k, cols, N, K, FOUR_BIT, LEVELS)
+                code = group_codes(
+                    codes_ptr, levels_ptr, k, cols, N, K, FOUR_BIT, LEVELS, PERMUTE, LEVEL_ASM
+                )
                 part = tl.dot(x, code.to(x.dtype), input_precision=PRECISION)
             scale = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
             offset = tl.load(offsets_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -156,50 +173,64 @@ def _one_plus(words, AT: tl.constexpr, WIDTH: tl.constexpr):
     return ((moved & field) | 0x3F800000).to(tl.float32, bitcast=True)
 
 
-# Four codes' levels by byte permutes: of the 16 levels (biased by 128, a byte each) in four
-# registers, `prmt` picks bytes by the low three bits of each selector nibble (its top bit,
-# sign replication, masked off): once among levels 0-7, once among 8-15, then per byte by
-# the code's top bit. Twice for a word's eight codes, then its low nibbles' levels gathered
-# into one word and its high nibbles' into another.
-_NIBBLE_LEVELS_ASM = tl.constexpr("""
-{
+# Levels by byte permutes, for each byte of a 32-bit register its two 4-bit codes' levels
+# (biased by 128): of the 16 levels (four words of immediates, a byte each), `prmt` picks
+# bytes by the low three bits of each selector nibble (its top bit, sign replication, masked
+# off): once among levels 0-7, once among 8-15, then per byte by the code's top bit. Twice
+# for the register's eight codes, then the low nibbles' levels gathered into one register
+# and the high nibbles' into another. Reading the levels from cache a code instead made
+# one-row products about 3x slower than plain 4-bit codes (an H200, the 8B shape's).
+_LEVEL_PERMUTES = """
+{{
 .reg .b32 sel, pick, lo, hi, first, second;
 and.b32 sel, $2, 0x7777;
 and.b32 pick, $2, 0x8888;
 shr.b32 pick, pick, 1;
 or.b32 pick, pick, 0x3210;
-prmt.b32 lo, $3, $4, sel;
-prmt.b32 hi, $5, $6, sel;
+prmt.b32 lo, {0}, {1}, sel;
+prmt.b32 hi, {2}, {3}, sel;
 prmt.b32 first, lo, hi, pick;
 shr.b32 sel, $2, 16;
 and.b32 pick, sel, 0x8888;
 and.b32 sel, sel, 0x7777;
 shr.b32 pick, pick, 1;
 or.b32 pick, pick, 0x3210;
-prmt.b32 lo, $3, $4, sel;
-prmt.b32 hi, $5, $6, sel;
+prmt.b32 lo, {0}, {1}, sel;
+prmt.b32 hi, {2}, {3}, sel;
 prmt.b32 second, lo, hi, pick;
 prmt.b32 $0, first, second, 0x6420;
 prmt.b32 $1, first, second, 0x7531;
-}
-""")
+}}
+"""
+
+
+def level_permutes(table: torch.Tensor) -> str:
+    """`_LEVEL_PERMUTES` for a table of 16 integer levels in [-128, 127]: the PTX that
+    `_word_levels` and `_byte_levels` run (a constexpr, so each table is one compile)."""
+    table = table[:16]
+    if table.numel() != 16 or not torch.equal(table, table.round().clamp(-128, 127)):
+        raise ValueError("CUDA products take 16 integer levels in [-128, 127]")
+    biased = (table.to(torch.int16) + 128).to(torch.uint8).view(torch.int32)
+    return _LEVEL_PERMUTES.format(*(f"0x{w & 0xFFFFFFFF:08x}" for w in biased.tolist()))
 
 
 @triton.jit
-def _nibble_levels(words, levels0_3, levels4_7, levels8_11, levels12_15):
-    """The levels of each byte's two codes, biased by 128: (the low nibbles' levels, the high
-    nibbles'), each a word of four bytes in the byte order of `words`; the 16 levels come in
-    four words, a byte each. Three byte permutes a byte of codes; reading the levels from
-    cache a code instead made one-row products about 3x slower than plain 4-bit codes (an
-    H200, the 8B shape's products)."""
+def _word_levels(words, LEVEL_ASM: tl.constexpr):
+    """Each byte's two codes of int32 `words` as their levels biased by 128: (the low
+    nibbles' levels, the high nibbles'), words of four bytes in the byte order of `words`."""
     return tl.inline_asm_elementwise(
-        _NIBBLE_LEVELS_ASM,
-        "=r,=r,r,r,r,r,r",
-        [words, levels0_3, levels4_7, levels8_11, levels12_15],
-        dtype=(tl.int32, tl.int32),
-        is_pure=True,
-        pack=1,
+        LEVEL_ASM, "=r,=r,r", [words], dtype=(tl.int32, tl.int32), is_pure=True, pack=1
     )
+
+
+@triton.jit
+def _byte_levels(packed, LEVEL_ASM: tl.constexpr):
+    """The same for a uint8 tile, four bytes a register: (the low nibbles' levels, the high
+    nibbles'), each as float32 levels."""
+    low, high = tl.inline_asm_elementwise(
+        LEVEL_ASM, "=r,=r,r", [packed], dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4
+    )
+    return low.to(tl.float32) - 128, high.to(tl.float32) - 128
 
 
 @triton.jit
@@ -243,7 +274,6 @@ def gemv(
     x_ptr,
     words_ptr,
     levels_ptr,
-    lookup_ptr,
     scales_ptr,
     offsets_ptr,
     y_ptr,
@@ -252,6 +282,7 @@ def gemv(
     FOUR_BIT: tl.constexpr,
     LEVELS: tl.constexpr,
     PERMUTE: tl.constexpr,
+    LEVEL_ASM: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_W: tl.constexpr,
     SPLIT_K: tl.constexpr,
@@ -281,12 +312,6 @@ def gemv(
     acc1 = tl.zeros((BLOCK_W,), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_W,), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_W,), dtype=tl.float32)
-    levels0_3, levels4_7, levels8_11, levels12_15 = 0, 0, 0, 0
-    if LEVELS and PERMUTE:
-        levels0_3 = tl.load(lookup_ptr)
-        levels4_7 = tl.load(lookup_ptr + 1)
-        levels8_11 = tl.load(lookup_ptr + 2)
-        levels12_15 = tl.load(lookup_ptr + 3)
     for group in range(pid_k, K // GROUP, SPLIT_K):
         at = group * width + lines
         words = tl.load(
@@ -305,7 +330,7 @@ def gemv(
         lows = words
         highs = words
         if LEVELS and PERMUTE:
-            lows, highs = _nibble_levels(words, levels0_3, levels4_7, levels8_11, levels12_15)
+            lows, highs = _word_levels(words, LEVEL_ASM)
         dot = _byte_dot(
             words, lows, highs, 0, x_even, x_odd, x_sum, levels_ptr, FOUR_BIT, LEVELS, PERMUTE
         )
@@ -366,7 +391,8 @@ def dequantize_kernel(
     k = start + tl.arange(0, GROUP)
     cols = FIRST + tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < FIRST + WIDTH
-    code = group_codes(codes_ptr, levels_ptr, k, cols, N, K, FOUR_BIT, LEVELS).to(tl.float32)
+    code = group_codes(codes_ptr, levels_ptr, k, cols, N, K, FOUR_BIT, LEVELS, False, "")
+    code = code.to(tl.float32)
     where = (start // GROUP) * N + cols
     scale = tl.load(scales_ptr + where, mask=col_ok, other=0.0).to(tl.float32)
     offset = tl.load(offsets_ptr + where, mask=col_ok, other=0.0).to(tl.float32)
@@ -404,13 +430,9 @@ class CudaWeight:
         # levels (IQ4's are integers of up to 8 significant bits) exact in 16-bit types
         self.levels = None if codes.table is None else codes.table.to(device, dtype)
         # and as `gemv` permutes them: 16 integer levels + 128, a byte each, in four words
-        self.level_words = None
+        self.level_asm = ""
         if codes.table is not None and self.four_bit:
-            table = codes.table[:16]
-            if not torch.equal(table, table.round().clamp(-128, 127)):
-                raise ValueError("CUDA products take 16 integer levels in [-128, 127]")
-            biased = (table.to(torch.int16) + 128).to(torch.uint8)
-            self.level_words = biased.view(torch.int32).to(device)
+            self.level_asm = level_permutes(codes.table)
         # input-major, [K (/ 2), N] and [groups, N]: see `expand`
         self.codes = packed.t().contiguous()
         self.scales = codes.scales.to(device, scale_dtype).t().contiguous()
@@ -457,7 +479,6 @@ class CudaWeight:
             rows,
             self.codes.view(torch.int32),
             self.levels,
-            self.level_words,
             self.scales,
             self.offsets,
             parts,
@@ -466,6 +487,7 @@ class CudaWeight:
             FOUR_BIT=self.four_bit,
             LEVELS=self.levels is not None,
             PERMUTE=rows.is_cuda,  # Triton's interpreter (tests on CPU) runs no PTX
+            LEVEL_ASM=self.level_asm,
             GROUP=self.group,
             BLOCK_W=GEMV_BLOCK_W,
             SPLIT_K=split,
@@ -510,6 +532,8 @@ class CudaWeight:
             k,
             FOUR_BIT=self.four_bit,
             LEVELS=self.levels is not None,
+            PERMUTE=rows.is_cuda,
+            LEVEL_ASM=self.level_asm,
             GROUP=self.group,
             PRECISION="ieee" if rows.dtype == torch.float32 else "tf32",
             BLOCK_M=block_m,
