@@ -251,7 +251,7 @@ def test_codes_of_two_and_three_bits_keep_three_bits_where_widened_in_registers(
     in registers, else a nibble: 100 rows pad to 104; an int8 step a group of 16 for the
     scale, and for Q2_K's offset (Q3_K's is -4 times its scale: centred, none stored), with
     two float32 bases a block of 256 inputs and lane."""
-    monkeypatch.setattr(native_module, "keeps_three_bits", lambda: in_registers)
+    monkeypatch.setattr(native_module, "keeps_three_bits", lambda levels: in_registers)
     codes = decode(torch.from_numpy(random_blocks(qtype, 100, 512)), qtype, 512)
     assert (codes.group, codes.bits) == (16, 2 if qtype == QType.Q2_K else 3)
     native = NativeWeight(codes)
@@ -272,11 +272,11 @@ def test_codes_of_two_and_three_bits_keep_three_bits_where_widened_in_registers(
 def test_three_bit_codes_multiply_as_the_same_codes_in_nibbles(
     qtype: QType, integers: bool, blas_from_128: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Codes kept in three bits (here on every build), widened in registers by the VNNI tiles
-    and into a buffer a few panels at a time elsewhere: every product (one row to BLAS's
-    slices, with and without integer activations), row lookup and MoE layer gives the bits
-    of the same codes kept in nibbles."""
-    monkeypatch.setattr(native_module, "keeps_three_bits", lambda: True)
+    """Codes kept in three bits (here on every build), widened in registers by the x86
+    integer tiles and into a buffer a few panels at a time elsewhere: every product (one row
+    to BLAS's slices, with and without integer activations), row lookup and MoE layer gives
+    the bits of the same codes kept in nibbles."""
+    monkeypatch.setattr(native_module, "keeps_three_bits", lambda levels: True)
     codes = decode(torch.from_numpy(random_blocks(qtype, 100, 512, seed=5)), qtype, 512)
     three, nibbles = NativeWeight(codes), NativeWeight(codes.centered()._replace(bits=4))
     assert (three.code_bits, nibbles.code_bits) == (3, 4)
@@ -328,7 +328,7 @@ def test_codes_centred_on_zero_store_no_offsets(
     native = NativeWeight(codes)
     assert native.offsets.numel() == 0
     if code_bytes is None:  # 3-bit codes: nibbles unless the kernels widen them in registers
-        code_bytes = 0.375 if native_module.keeps_three_bits() else 0.5
+        code_bytes = 0.375 if native_module.keeps_three_bits(levels=True) else 0.5
     assert native.words.nbytes == 64 * 512 * code_bytes
     assert native.scales.element_size() == scale_bytes  # float16, or int8 steps (K-quants)
     assert torch.equal(native.rows(torch.arange(64)), weight)
@@ -1052,8 +1052,9 @@ for qtype in OTHER_BUILD_FORMATS:
     assert error < 5e-6, (qtype, error)
     for rows in (1, 3, 5, 20):
         assert torch.equal(weight.linear(x[7 : 7 + rows], None), together[7 : 7 + rows]), rows
-    products[qtype.name] = (weight.rounds_activations(), together)
-torch.save(products, Path(sys.argv[1]) / "products.pt")
+    products[qtype.name] = (weight.rounds_activations(), together, weight.code_bits)
+in_registers = {levels: native.keeps_three_bits(levels) for levels in (False, True)}
+torch.save((products, in_registers), Path(sys.argv[1]) / "products.pt")
 pool = torch.randn(1024, 2, 2, 64, generator=torch.Generator().manual_seed(10))
 table = torch.randperm(1024, generator=torch.Generator().manual_seed(11)).to(torch.int32)
 table, lens, q = table.view(2, 512), [300, 9], torch.randn(2, 4, 64)
@@ -1126,7 +1127,15 @@ def test_kernels_built_for_older_cpus_give_the_same_products(
     # neither does (here turned off to match): per output the same integers and the same
     # float operations in one order
     compared = 0
-    for qtype, (rounds, theirs) in torch.load(tmp_path / "products.pt").items():
+    kept, in_registers = torch.load(tmp_path / "products.pt")
+    # 2- and 3-bit codes keep three bits where that build widens them in registers (with
+    # AVX-VNNI), with levels (Q3_K, IQ2_XS, IQ1_S) or without (Q2_K)
+    three_bits = {q for q, (_, _, bits) in kept.items() if bits == 3}
+    with_levels = {"Q3_K", "IQ2_XS", "IQ1_S"} if in_registers[True] else set()
+    assert three_bits == ({"Q2_K"} if in_registers[False] else set()) | with_levels
+    if "-mno-avxvnni" in flags:
+        assert not three_bits
+    for qtype, (rounds, theirs, _) in kept.items():
         codes, x = other_build_operands(QType[qtype])
         weight = NativeWeight(codes)
         try:

@@ -282,11 +282,12 @@ def rounds_activations(code_bits: int, levels: bool = False) -> bool:
     return native_kernels() and bool(torch.ops.aserve_cpu.int_activations(None, code_bits, levels))
 
 
-def keeps_three_bits() -> bool:
-    """Whether `NativeWeight` keeps 2- and 3-bit codes in three bits here: where the kernels
-    widen them in registers as they multiply (AVX-512 VNNI, csrc/cpu_kernels.cpp). Elsewhere
-    they would widen a few panels into a buffer first, slower than nibbles, so nibbles."""
-    return native_kernels() and bool(torch.ops.aserve_cpu.three_bit_in_registers())
+def keeps_three_bits(levels: bool) -> bool:
+    """Whether `NativeWeight` keeps 2- and 3-bit codes (standing for `levels`, or not) in
+    three bits here: where the kernels widen them in registers as they multiply, about as
+    fast as nibbles (the integer tiles with AVX-512 VNNI or AVX-VNNI, csrc/cpu_kernels.cpp).
+    Elsewhere slower than nibbles, so nibbles."""
+    return native_kernels() and bool(torch.ops.aserve_cpu.three_bit_in_registers(levels))
 
 
 def rounded_like_the_kernels(rows: torch.Tensor) -> torch.Tensor:
@@ -398,7 +399,11 @@ class NativeWeight(KernelTensors):
         # groups pair up and the kernels widen them in registers (a Q3_K weight 0.47 bytes
         # with its scales, not 0.59 as nibbles)
         rows, cols = codes.shape
-        three = codes.bits <= 3 and (cols // codes.group) % 2 == 0 and keeps_three_bits()
+        three = (
+            codes.bits <= 3
+            and (cols // codes.group) % 2 == 0
+            and keeps_three_bits(codes.table is not None)
+        )
         self.code_bits = 3 if three else 4 if codes.bits <= 4 else 6 if codes.bits <= 6 else 8
         self.levels = None
         if self.code_bits < 8 and codes.table is not None:

@@ -88,7 +88,7 @@ constexpr int64_t kLanes = 8;       // output features per panel
 constexpr int64_t kRowBlock = 64;   // rows of x that stay in cache while every panel passes
 constexpr int64_t kPanelBlock = 8;  // panels per unit of parallel work
 constexpr int64_t kWidenPanels = 4;  // 3-bit codes' panels widened to nibbles at a time
-constexpr int64_t kWidenInRegistersRows = 4;  // up to this many rows, in the tiles (VNNI)
+constexpr int64_t kWidenInRegistersRows = 4;  // up to this many rows, in the x86 int tiles
 #ifdef ASERVE_AVX512
 // Never: the two-panel tiles beat the buffer at every row count of a block (gate_up 3072x576,
 // us at 16 / 32 / 64 rows: 369 / 696 / 1,414 against 536 / 976 / 1,913; bench/NOTES.md).
@@ -1253,12 +1253,26 @@ constexpr bool kPairInAsm =
     K == Kind::kNibbles || K == Kind::kSplit;
 #endif
 
-// R rows against panels [first_panel, first_panel + P), activations as integers.
-template <int R, int P, Kind K>
+// Nibble word n of a pair of groups of a `three_bit` weight, from the pair's words of one
+// panel (`pair`; `widen_three` says how, and `int_tile2` makes the same words in 512 bits).
+ASERVE_INLINE __m256i three_bit_word(const uint32_t* pair, int64_t low_words, int64_t n) {
+  const auto load = [&](int64_t at) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + at * kLanes));
+  };
+  const __m256i low = _mm256_srli_epi32(load(n / 2), static_cast<int>(2 * (n % 2)));
+  const __m256i high = _mm256_srli_epi32(load(2 * low_words + n / 4), static_cast<int>(n % 4));
+  return _mm256_or_si256(_mm256_and_si256(low, _mm256_set1_epi32(0x33333333)),
+                         _mm256_slli_epi32(_mm256_and_si256(high, _mm256_set1_epi32(0x11111111)), 2));
+}
+
+// R rows against panels [first_panel, first_panel + P), activations as integers. `kThree`:
+// a `three_bit` weight's codes, each nibble word made in registers (`three_bit_word`).
+template <int R, int P, Kind K, bool kThree = false>
 void int_tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_panel,
               const CodeBytes8* expanded = nullptr) {
   constexpr int per_word = K == Kind::kBytes ? 4 : 8;
   const int64_t words = w.words_per_group(), code_words = w.code_words(), stride = w.panel_words();
+  const int64_t low_words = w.group / 16;  // kThree: a group's low words
   const int bias = code_bias<K>(w);
   const __m256i levels = levels_of(w);
   const int64_t row_words = a.cols / 2;
@@ -1277,9 +1291,16 @@ void int_tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_p
       CodeBytes8 codes[P];
 #pragma GCC unroll 8
       for (int p = 0; p < P; ++p) {
-        const uint32_t* group_words = w.words + (first_panel + p) * stride + g * words * kLanes;
-        codes[p] = expanded != nullptr ? expanded[(p * w.groups + g) * code_words + v]
-                                       : word_codes<K>(group_words, code_words, v, levels);
+        const uint32_t* panel = w.words + (first_panel + p) * stride;
+        if constexpr (kThree) {
+          const __m256i word =
+              three_bit_word(panel + g / 2 * 3 * low_words * kLanes, low_words, g % 2 * code_words + v);
+          codes[p] = code_bytes8<K>(word, _mm256_setzero_si256(), 0, levels);
+        } else {
+          codes[p] = expanded != nullptr
+                         ? expanded[(p * w.groups + g) * code_words + v]
+                         : word_codes<K>(panel + g * words * kLanes, code_words, v, levels);
+        }
       }
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
@@ -1456,10 +1477,11 @@ ASERVE_INLINE Lanes8 lanes8(const Weight& w, const void* values, int which, int6
 }
 
 // R rows against panels [first_panel, first_panel + P): the 256-bit `int_tile`'s integers and
-// float operations, in pairs of 128-bit registers.
-template <int R, int P, Kind K>
+// float operations, in pairs of 128-bit registers (3-bit codes come widened: `kThree` unused).
+template <int R, int P, Kind K, bool kThree = false>
 void int_tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_panel,
               const CodeBytes8* expanded = nullptr) {
+  static_assert(!kThree, "the NEON tiles take 3-bit codes widened into a buffer");
   constexpr int per_word = K == Kind::kBytes ? 4 : 8;
   const int64_t words = w.words_per_group(), code_words = w.code_words(), stride = w.panel_words();
   const int bias = code_bias<K>(w);
@@ -1554,12 +1576,12 @@ inline void expand_split(const Weight& w, int64_t first, int64_t count, CodeByte
                                           code_words, v, levels);
 }
 
-template <int R, int P, Kind K>
+template <int R, int P, Kind K, bool kThree>
 void int_panels(const Weight& w, const Rows& a, int64_t row, int64_t first_panel,
                 int64_t last_panel) {
   int64_t p = first_panel;
-  for (; p + P <= last_panel; p += P) int_tile<R, P, K>(w, a, row, p);
-  for (; p < last_panel; ++p) int_tile<R, 1, K>(w, a, row, p);
+  for (; p + P <= last_panel; p += P) int_tile<R, P, K, kThree>(w, a, row, p);
+  for (; p < last_panel; ++p) int_tile<R, 1, K, kThree>(w, a, row, p);
 }
 
 // Tiles of 2 rows x 2 panels, a last row 1 x 2 (AVX2 build on a Zen 5 VM, 2 threads, 5,120 x
@@ -1569,7 +1591,7 @@ void int_panels(const Weight& w, const Rows& a, int64_t row, int64_t first_panel
 // a pair of panels' code bytes made once for all rows, `expand_split`; 67 with each tile making
 // them), but a step of a Q4_K_M file still gains (Llama-3.2-1B's shape: decode 29.2 -> 25.2 ms
 // a step, a 128-token prefill 1.18 -> 1.25 s). Not timed on an ARM CPU.
-template <Kind K>
+template <Kind K, bool kThree = false>
 void int_rows(const Weight& w, const Rows& a, int64_t first, int64_t last, int64_t first_panel,
               int64_t last_panel) {
   if (K == Kind::kSplit && last - first > 2) {
@@ -1593,8 +1615,8 @@ void int_rows(const Weight& w, const Rows& a, int64_t first, int64_t last, int64
     return;
   }
   int64_t row = first;
-  for (; row + 2 <= last; row += 2) int_panels<2, 2, K>(w, a, row, first_panel, last_panel);
-  if (row < last) int_panels<1, 2, K>(w, a, row, first_panel, last_panel);
+  for (; row + 2 <= last; row += 2) int_panels<2, 2, K, kThree>(w, a, row, first_panel, last_panel);
+  if (row < last) int_panels<1, 2, K, kThree>(w, a, row, first_panel, last_panel);
 }
 #endif
 
@@ -1626,6 +1648,10 @@ void rows_against_panels_of(const Weight& w, const Rows& a, int64_t first, int64
   }
   if (a.xq != nullptr) return few_rows<K, true>(w, a, first, last, first_panel, last_panel);
 #elif defined(ASERVE_INT256)
+  if constexpr (K == Kind::kNibbles || K == Kind::kLevels) {
+    if (a.xq != nullptr && w.three_bit)
+      return int_rows<K, true>(w, a, first, last, first_panel, last_panel);
+  }
   if (a.xq != nullptr) return int_rows<K>(w, a, first, last, first_panel, last_panel);
 #endif
   if (last - first >= kManyRows) {
@@ -1912,14 +1938,18 @@ bool int_activations(std::optional<bool> enable, int64_t code_bits, bool levels)
 #endif
 }
 
-// Whether this build's tiles widen 3-bit codes in registers as they multiply (the AVX-512
-// VNNI integer tiles): elsewhere `run` widens a few panels into a buffer first, which took a
-// 1B Q3_K_M step ~1.4x the time of the same codes kept in nibbles (AVX-512 build, integer
-// activations off), so `NativeWeight` keeps them in nibbles there.
-bool three_bit_in_registers() {
-#ifdef ASERVE_VNNI
-  return int_activations_on;
+// Whether this build's tiles widen 3-bit codes (standing for `levels`, or not) in registers
+// as they multiply: the integer tiles with AVX-512 VNNI or AVX-VNNI (a 1B decode step 2% and
+// 4% slower than with nibbles for Q3_K_M and IQ2_XXS files, 12% and 16% less memory, an
+// AVX-VNNI build; prefill alike). Plain AVX2's tiles widen them too but lost 8% a step for
+// 12% (Q2_K), and elsewhere `run` widens a few panels into a buffer first, which took a 1B
+// Q3_K_M step ~1.4x the time of nibbles (AVX-512 build, integer activations off): there
+// `NativeWeight` keeps nibbles.
+bool three_bit_in_registers(bool levels) {
+#if defined(ASERVE_VNNI) || (defined(ASERVE_INT256) && defined(__AVXVNNI__))
+  return int_activations(std::nullopt, 3, levels);
 #else
+  (void)levels;
   return false;
 #endif
 }
@@ -2002,9 +2032,10 @@ void run(const std::vector<Product>& products) {
       const int64_t first = local / blocks * kRowBlock, first_panel = local % blocks * kPanelBlock;
       const int64_t last = std::min(p.rows, first + kRowBlock);
       const int64_t last_panel = std::min(p.w.panels, first_panel + kPanelBlock);
-#ifdef ASERVE_VNNI
-      // the VNNI tiles widen 3-bit codes themselves, each tile its own: for a few rows (decode)
-      // that costs less than widening into a buffer, from more rows (a prefill chunk) more
+#if defined(ASERVE_VNNI) || defined(ASERVE_INT256)
+      // the x86 integer tiles widen 3-bit codes themselves, each tile its own: for a few rows
+      // (decode) that costs less than widening into a buffer, from more rows (a prefill
+      // chunk) more
       const bool in_registers = !p.xq.empty() && last - first <= kWidenInRegistersRows;
 #else
       const bool in_registers = false;
@@ -2523,5 +2554,5 @@ TORCH_LIBRARY(aserve_cpu, m) {
       dequantize);
   m.def("int_activations(bool? enable=None, int code_bits=4, bool levels=False) -> bool",
         int_activations);
-  m.def("three_bit_in_registers() -> bool", three_bit_in_registers);
+  m.def("three_bit_in_registers(bool levels) -> bool", three_bit_in_registers);
 }
