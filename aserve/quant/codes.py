@@ -212,6 +212,14 @@ def quantize(weight: torch.Tensor, bits: int, group: int = 32) -> Codes:
     raise ValueError(f"weights quantize to 4 or 8 bits, not {bits}")
 
 
+def level_bytes(table: torch.Tensor) -> torch.Tensor:
+    """A code table as the CPU and CUDA kernels keep it: 16 integer levels in [-128, 127],
+    each as level + 128 in a byte."""
+    if table.numel() != 16 or not torch.equal(table, table.round().clamp(-128, 127)):
+        raise ValueError("the kernels take 16 integer levels in [-128, 127]")
+    return (table.to(torch.int16) + 128).to(torch.uint8)
+
+
 def groups_of_at_most_32(codes: Codes) -> Codes:
     """Groups wider than 32 (no GGUF format has them) split into groups of 32 that repeat
     the scale and offset (as values: no scale steps)."""

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from aserve.layers.pdl import launch_next, pdl_options, wait_for_previous, wait_only
-from aserve.quant.codes import Codes, groups_of_at_most_32
+from aserve.quant.codes import Codes, groups_of_at_most_32, level_bytes
 
 GROUPS = (16, 32)
 GEMV_ROWS = 1  # one row (a single stream's decode) takes `gemv`
@@ -205,12 +205,10 @@ prmt.b32 $1, first, second, 0x7531;
 
 
 def level_permutes(table: torch.Tensor) -> str:
-    """`_LEVEL_PERMUTES` for a table of 16 integer levels in [-128, 127]: the PTX that
-    `_word_levels` and `_byte_levels` run (a constexpr, so each table is one compile)."""
-    table = table[:16]
-    if table.numel() != 16 or not torch.equal(table, table.round().clamp(-128, 127)):
-        raise ValueError("CUDA products take 16 integer levels in [-128, 127]")
-    biased = (table.to(torch.int16) + 128).to(torch.uint8).view(torch.int32)
+    """`_LEVEL_PERMUTES` for a table of 16 integer levels in [-128, 127] (`level_bytes`): the
+    PTX that `_word_levels` and `_byte_levels` run (a constexpr, so each table is one
+    compile)."""
+    biased = level_bytes(table[:16]).view(torch.int32)
     return _LEVEL_PERMUTES.format(*(f"0x{w & 0xFFFFFFFF:08x}" for w in biased.tolist()))
 
 

@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 from aserve.config import cache_root
-from aserve.quant.codes import Codes, ScaleSteps, groups_of_at_most_32
+from aserve.quant.codes import Codes, ScaleSteps, groups_of_at_most_32, level_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -300,13 +300,6 @@ def rounded_like_the_kernels(rows: torch.Tensor) -> torch.Tensor:
     inverse = torch.where(largest > 0, 32639.0 / largest, torch.zeros_like(largest))
     steps = torch.round(blocks * inverse)
     return (steps * (largest / 32639.0)).view(count, -1)[:, :cols]
-
-
-def level_bytes(table: torch.Tensor) -> torch.Tensor:
-    """A code table as the kernels keep it: 16 integer levels in [-128, 127], as level + 128."""
-    if table.numel() != 16 or not torch.equal(table, table.round().clamp(-128, 127)):
-        raise ValueError("the CPU kernels take 16 integer levels in [-128, 127]")
-    return (table.to(torch.int16) + 128).to(torch.uint8)
 
 
 def compact_scales(
