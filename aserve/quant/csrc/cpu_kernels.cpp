@@ -104,6 +104,21 @@ constexpr int64_t kManyRows = 16;  // from this many rows the codes are expanded
 // four).
 enum class ScaleKind { kFloat, kHalf, kSteps };
 
+// The 8 lanes' words in the compiler's vectors (GCC's and clang's vector extension: one AVX2
+// register, two NEON ones); written as a loop over lanes, GCC left the widening scalar.
+typedef uint32_t Words8 __attribute__((vector_size(32)));
+
+// A `three_bit` weight's nibble word of each lane, from a pair of groups' low word (`low`,
+// shifted by `low_shift`) and high word (`high`, shifted by `high_shift`): `widen_three`
+// says which words and shifts make which nibble word.
+ASERVE_INLINE Words8 nibble_word(const uint32_t* low, const uint32_t* high, int low_shift,
+                                 int high_shift) {
+  Words8 l, h;
+  std::memcpy(&l, low, sizeof l);
+  std::memcpy(&h, high, sizeof h);
+  return (l >> low_shift & 0x33333333u) | (h >> high_shift & 0x11111111u) << 2;
+}
+
 struct Weight {
   const uint32_t* words;  // [panels, groups, words_per_group, 8]
   const void* scales;     // [panels, groups, 8] of `scale_kind`
@@ -1254,15 +1269,11 @@ constexpr bool kPairInAsm =
 #endif
 
 // Nibble word n of a pair of groups of a `three_bit` weight, from the pair's words of one
-// panel (`pair`; `widen_three` says how, and `int_tile2` makes the same words in 512 bits).
+// panel (`pair`; `int_tile2` makes the same words in 512 bits).
 ASERVE_INLINE __m256i three_bit_word(const uint32_t* pair, int64_t low_words, int64_t n) {
-  const auto load = [&](int64_t at) {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + at * kLanes));
-  };
-  const __m256i low = _mm256_srli_epi32(load(n / 2), static_cast<int>(2 * (n % 2)));
-  const __m256i high = _mm256_srli_epi32(load(2 * low_words + n / 4), static_cast<int>(n % 4));
-  return _mm256_or_si256(_mm256_and_si256(low, _mm256_set1_epi32(0x33333333)),
-                         _mm256_slli_epi32(_mm256_and_si256(high, _mm256_set1_epi32(0x11111111)), 2));
+  const Words8 word = nibble_word(pair + n / 2 * kLanes, pair + (2 * low_words + n / 4) * kLanes,
+                                  static_cast<int>(2 * (n % 2)), static_cast<int>(n % 4));
+  return reinterpret_cast<const __m256i&>(word);
 }
 
 // R rows against panels [first_panel, first_panel + P), activations as integers. `kThree`:
@@ -1836,17 +1847,10 @@ Weight panels_from(const Weight& w, int64_t first) {
   return v;
 }
 
-// The 8 lanes' words in the compiler's vectors (GCC's and clang's vector extension: one AVX2
-// register, two NEON ones); written as a loop over lanes, GCC left the widening scalar.
-typedef uint32_t Words8 __attribute__((vector_size(32)));
-
 // One nibble word of each lane (`widen_three`).
 ASERVE_INLINE void widen_word(const uint32_t* low, const uint32_t* high, int low_shift,
                               int high_shift, uint32_t* out) {
-  Words8 l, h;
-  std::memcpy(&l, low, sizeof l);
-  std::memcpy(&h, high, sizeof h);
-  const Words8 word = (l >> low_shift & 0x33333333u) | (h >> high_shift & 0x11111111u) << 2;
+  const Words8 word = nibble_word(low, high, low_shift, high_shift);
   std::memcpy(out, &word, sizeof word);
 }
 
