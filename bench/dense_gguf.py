@@ -25,10 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.moe_gguf import copy_tokenizer, write_out  # noqa: E402
-
-RANDOM_BLOCK_FORMATS = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S")
-"""Codebook formats, written as random blocks."""
+from bench.gguf_files import copy_tokenizer, random_matrix, write_out  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -50,31 +47,6 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def random_blocks(
-    qtype: gguf.GGMLQuantizationType, rows: int, cols: int, rms: float, rng: np.random.Generator
-) -> np.ndarray:
-    """`[rows, bytes]` of random blocks of a codebook format whose weights have about `rms`."""
-    size, nbytes = gguf.GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, (rows, cols // size, nbytes), dtype=np.uint8)
-    set_block_scales(raw, qtype, np.ones((rows, cols // size, 1), np.float16))
-    sample = gguf.quants.dequantize(raw[: min(rows, 64)].reshape(-1, nbytes), qtype)
-    scale = rms / float(np.sqrt(np.mean(np.square(sample))))
-    signs = rng.choice(np.array([-1.0, 1.0], np.float32), (rows, cols // size, 1))
-    set_block_scales(raw, qtype, (signs * scale).astype(np.float16))
-    return raw.reshape(rows, -1)
-
-
-def set_block_scales(raw: np.ndarray, qtype: gguf.GGMLQuantizationType, d: np.ndarray) -> None:
-    """Every block's float16 scale `d` `[rows, blocks, 1]` into `raw` `[rows, blocks, bytes]`:
-    its first two bytes, or in IQ1_M four nibbles atop the 16-bit scale fields at 48-55."""
-    if qtype.name != "IQ1_M":
-        raw[..., 0:2] = d.view(np.uint8)
-        return
-    nibbles = (d.view(np.uint16) >> np.array([0, 4, 8, 12], np.uint16)) & 15
-    fields = raw[..., 48:56].copy().view(np.uint16) & 0x0FFF | nibbles << 12
-    raw[..., 48:56] = fields.view(np.uint8)
-
-
 def main() -> None:
     args = parse_args()
     qtype = gguf.GGMLQuantizationType[args.qtype]
@@ -94,10 +66,7 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
 
     def matrix(rows: int, cols: int, kind: gguf.GGMLQuantizationType = qtype) -> np.ndarray:
-        if kind.name in RANDOM_BLOCK_FORMATS:
-            return random_blocks(kind, rows, cols, 1 / np.sqrt(cols), rng)
-        weight = rng.standard_normal((rows, cols), dtype=np.float32) / np.sqrt(cols)
-        return gguf.quants.quantize(weight, kind)
+        return random_matrix((rows, cols), kind, rng)
 
     def add(name: str, array: np.ndarray, kind: gguf.GGMLQuantizationType | None) -> None:
         writer.add_tensor(name, array, raw_dtype=kind)

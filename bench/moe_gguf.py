@@ -23,14 +23,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-
-TOKENIZER_FIELDS = ("model", "pre", "tokens", "token_type", "merges")
+from bench.gguf_files import copy_tokenizer, random_matrix, write_out  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description="write a random Qwen3-MoE GGUF")
     p.add_argument("out", type=Path)
-    p.add_argument("--qtype", default="Q4_0", help="GGUF type of the matrices: Q4_0 or Q8_0")
+    p.add_argument("--qtype", default="Q4_0", help="GGUF type of the matrices: Q4_0, IQ4_XS, ...")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--heads", type=int, nargs=2, default=(16, 4), metavar=("Q", "KV"))
@@ -46,33 +45,6 @@ def parse_args() -> argparse.Namespace:
         "embedded model is not installed, e.g. the GPU machine)",
     )
     return p.parse_args()
-
-
-def copy_tokenizer(writer: gguf.GGUFWriter) -> int:
-    """The embedded model's vocabulary into `writer`; its size."""
-    from aserve.models.source import embedded_gguf
-
-    reader = gguf.GGUFReader(embedded_gguf())
-    read = {
-        name: reader.get_field(f"tokenizer.ggml.{name}").contents() for name in TOKENIZER_FIELDS
-    }
-    writer.add_tokenizer_model(read["model"])
-    writer.add_tokenizer_pre(read["pre"])
-    writer.add_token_list(read["tokens"])
-    writer.add_token_types(read["token_type"])
-    writer.add_token_merges(read["merges"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    return len(read["tokens"])
-
-
-def write_out(writer: gguf.GGUFWriter, out: Path) -> None:
-    """The header, metadata and tensors into the file, and its size printed."""
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    print(f"wrote {out} ({out.stat().st_size / 2**20:.0f} MiB)")
 
 
 def main() -> None:
@@ -98,8 +70,7 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
 
     def matrix(*shape: int) -> np.ndarray:
-        weight = rng.standard_normal(shape, dtype=np.float32) / np.sqrt(shape[-1])
-        return gguf.quants.quantize(weight, qtype)
+        return random_matrix(shape, qtype, rng)
 
     def add(name: str, array: np.ndarray, quantized: bool = True) -> None:
         writer.add_tensor(name, array, raw_dtype=qtype if quantized else None)

@@ -498,6 +498,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from aserve.layers import moe_codes_triton
 from aserve.quant import cuda
 from aserve.quant.gguf import IQ4_LEVELS
 
@@ -505,6 +506,11 @@ POINTERS = {"levels_ptr": "*bf16", "scales_ptr": "*fp16", "offsets_ptr": "*fp16"
 GEMV = {"x_ptr": "*bf16", "words_ptr": "*i32", **POINTERS, "N": "i32", "K": "i32"}
 GEMM = {"x_ptr": "*bf16", "x_sums_ptr": "*fp32", "codes_ptr": "*u8", **POINTERS,
         "M": "i32", "N": "i32", "K": "i32"}
+MOE = {"a_ptr": "*bf16", "codes_ptr": "*u8", "levels_ptr": "*bf16", "scales_ptr": "*fp16",
+       "offsets_ptr": "*fp16", "c_ptr": "*bf16", "weight_ptr": "*fp32",
+       "sorted_pairs_ptr": "*i32", "block_expert_ptr": "*i32", "num_pairs": "i32",
+       "num_experts": "i32", "n_size": "i32", "N": "i32", "K": "i32", "stride_am": "i32",
+       "stride_cm": "i32"}
 permutes = cuda.level_permutes(IQ4_LEVELS)
 compiled = 0
 for four_bit, levels in ((True, True), (True, False), (False, False)):
@@ -518,9 +524,13 @@ for four_bit, levels in ((True, True), (True, False), (False, False)):
         (cuda.quantized_gemm, GEMM, {"GROUP": 16 if levels else 32, "PRECISION": "tf32",
          "BLOCK_M": 16, "BLOCK_N": 64, "GROUPS_PER_STEP": 2, "SPLIT_K": 1},
          {"num_warps": 4, "num_stages": 4}),
+        (moe_codes_triton._moe_codes_gemm, MOE, {"ROWS_PER_A": 1, "GATED": True,
+         "GROUP": 32, "PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128},
+         {"num_warps": 4, "num_stages": 3}),
     ):
         constants = {**flags, **rest}
-        names = {**signature, **{name: "constexpr" for name in constants}}
+        # in the kernel's order of parameters, which the constexprs' indices follow
+        names = {p: "constexpr" if p in constants else signature[p] for p in fn.arg_names}
         source = ASTSource(
             fn=fn,
             signature=names,
@@ -542,9 +552,10 @@ def test_quantized_products_compile_for_hopper_without_a_gpu(tmp_path: Path) -> 
     """Triton's interpreter, which runs the kernels on CPU here, neither compiles them nor runs
     PTX, so a front-end error or bad inline PTX showed only on the GPU machine (two device
     runs lost, bench/NOTES.md). Here quant/cuda.py's one-row and tiled products are compiled
-    for sm_90 to PTX and by ptxas, in a process without the interpreter: codes of levels
-    (their byte permutes in the PTX), plain 4-bit and 8-bit codes, with the None table that
-    launches pass for weights without levels."""
+    for sm_90 to PTX and by ptxas, in a process without the interpreter, with the fused MoE
+    kernel of layers/moe_codes_triton.py: codes of levels (their byte permutes in the PTX),
+    plain 4-bit and 8-bit codes, with the None table that launches pass for weights without
+    levels."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     result = subprocess.run(
@@ -557,4 +568,4 @@ def test_quantized_products_compile_for_hopper_without_a_gpu(tmp_path: Path) -> 
     )
     if result.stdout.startswith("no ptxas"):
         pytest.skip(f"this Triton has no ptxas to compile with: {result.stdout.strip()}")
-    assert result.returncode == 0 and "compiled 6" in result.stdout, result.stderr[-3000:]
+    assert result.returncode == 0 and "compiled 9" in result.stdout, result.stderr[-3000:]

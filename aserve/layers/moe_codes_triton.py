@@ -31,20 +31,21 @@ from aserve.layers.moe_triton import (
     two_passes,
 )
 from aserve.quant.codes import Codes
-from aserve.quant.cuda import CudaWeight, level_of
+from aserve.quant.cuda import CudaWeight, group_codes
 
 
 @dataclass(frozen=True)
 class StackedCodes:
     """Every expert's weight of one part in `CudaWeight`'s layout with the expert first:
     `codes` uint8 `[E, K / 2 or K, N]`, `scales` and `offsets` `[E, K / group, N]`, and
-    IQ4's `levels` if the codes stand for them. `rows` is N (of gate|up, an expert's gate
-    rows then its up rows), `cols` K."""
+    the `levels` the codes stand for, if they do (`level_asm`: their byte permutes). `rows`
+    is N (of gate|up, an expert's gate rows then its up rows), `cols` K."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     offsets: torch.Tensor
     levels: torch.Tensor | None
+    level_asm: str
     group: int
     four_bit: bool
 
@@ -87,6 +88,7 @@ def stack_experts(
         by_expert(whole.scales),
         by_expert(whole.offsets),
         whole.levels,
+        whole.level_asm,
         whole.group,
         whole.four_bit,
     )
@@ -103,8 +105,11 @@ def _expanded_dot(
     start,
     cols,
     N,
+    K,
     FOUR_BIT: tl.constexpr,
     LEVELS: tl.constexpr,
+    PERMUTE: tl.constexpr,
+    LEVEL_ASM: tl.constexpr,
     GROUP: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -114,15 +119,11 @@ def _expanded_dot(
     the tile, `code * scale + offset` rounded to x's dtype (as a de-quantized twin holds
     them). A dot a group of 16 or 32 inputs, its float32 sum then scaled and offset (as
     quant/cuda.py's `quantized_gemm` does), was 1.0-1.5x slower at 1-128 tokens and up to
-    5x at 8,192 (bench/NOTES.md)."""
-    col_ok = cols < N
-    tile_ok = col_ok[None, :]
+    5x at 8,192 (bench/NOTES.md). Codes that stand for levels take them by byte permutes
+    where PERMUTE (quant/cuda.py's `group_codes`), as the dense products do."""
+    tile_ok = (cols < N)[None, :]
     k = start + tl.arange(0, BLOCK_K)
-    if FOUR_BIT:
-        packed = tl.load(codes_ptr + (k[:, None] // 2) * N + cols[None, :], mask=tile_ok, other=0)
-        code = (packed >> ((k[:, None] % 2) * 4)) & 15
-    else:
-        code = tl.load(codes_ptr + k[:, None] * N + cols[None, :], mask=tile_ok, other=0)
+    code = group_codes(codes_ptr, levels_ptr, k, cols, N, K, FOUR_BIT, LEVELS, PERMUTE, LEVEL_ASM)
     # each group's scale and offset loaded once, then repeated over its GROUP inputs
     groups: tl.constexpr = BLOCK_K // GROUP
     at = (start // GROUP + tl.arange(0, groups))[:, None] * N + cols[None, :]
@@ -131,7 +132,7 @@ def _expanded_dot(
     shape: tl.constexpr = (groups, GROUP, BLOCK_N)
     scale = tl.reshape(tl.broadcast_to(scale[:, None, :], shape), (BLOCK_K, BLOCK_N))
     offset = tl.reshape(tl.broadcast_to(offset[:, None, :], shape), (BLOCK_K, BLOCK_N))
-    weight = level_of(levels_ptr, code, LEVELS).to(tl.float32) * scale + offset
+    weight = code.to(tl.float32) * scale + offset
     return tl.dot(x, weight.to(x.dtype), acc, input_precision=PRECISION)
 
 
@@ -157,6 +158,8 @@ def _moe_codes_gemm(
     GATED: tl.constexpr,
     FOUR_BIT: tl.constexpr,
     LEVELS: tl.constexpr,
+    PERMUTE: tl.constexpr,
+    LEVEL_ASM: tl.constexpr,
     GROUP: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -184,13 +187,13 @@ def _moe_codes_gemm(
     for start in range(0, K, BLOCK_K):
         x = tl.load(a_rows[:, None] + (start + tl.arange(0, BLOCK_K))[None, :])
         acc = _expanded_dot(
-            acc, x, codes_ptr, levels_ptr, scales_ptr, offsets_ptr, start, cols, N,
-            FOUR_BIT, LEVELS, GROUP, PRECISION, BLOCK_K, BLOCK_N,
+            acc, x, codes_ptr, levels_ptr, scales_ptr, offsets_ptr, start, cols, N, K,
+            FOUR_BIT, LEVELS, PERMUTE, LEVEL_ASM, GROUP, PRECISION, BLOCK_K, BLOCK_N,
         )  # fmt: skip
         if GATED:
             acc_up = _expanded_dot(
                 acc_up, x, codes_ptr, levels_ptr, scales_ptr, offsets_ptr, start, cols + n_size,
-                N, FOUR_BIT, LEVELS, GROUP, PRECISION, BLOCK_K, BLOCK_N,
+                N, K, FOUR_BIT, LEVELS, PERMUTE, LEVEL_ASM, GROUP, PRECISION, BLOCK_K, BLOCK_N,
             )  # fmt: skip
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up
@@ -249,6 +252,8 @@ def _launch(
         GATED=gated,
         FOUR_BIT=w.four_bit,
         LEVELS=w.levels is not None,
+        PERMUTE=a.is_cuda,  # Triton's interpreter (tests on CPU) runs no PTX
+        LEVEL_ASM=w.level_asm,
         GROUP=w.group,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m,
