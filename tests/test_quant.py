@@ -21,6 +21,7 @@ from gguf import GGMLQuantizationType as QType
 
 from aserve import LLM, SamplingParams
 from aserve.layers.moe import grouped_experts, route
+from aserve.quant import iquants
 from aserve.quant import native as native_module
 from aserve.quant.codes import Codes, quantize
 from aserve.quant.gguf import BLOCKS, QuantizedTensor, decode
@@ -275,21 +276,52 @@ def test_three_bit_codes_multiply_as_the_same_codes_in_nibbles(
     """Codes kept in three bits (here on every build), widened in registers by the x86
     integer tiles and into a buffer a few panels at a time elsewhere: every product (one row
     to BLAS's slices, with and without integer activations), row lookup and MoE layer gives
-    the bits of the same codes kept in nibbles."""
+    the bits of the same codes kept in nibbles. (The IQ formats here without their book
+    entries, `Runs`, which take precedence.)"""
     monkeypatch.setattr(native_module, "keeps_three_bits", lambda levels: True)
+    check_same_bits_as_nibbles(qtype, lambda c: c._replace(runs=None), 3, integers)
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "qtype",
+    [QType.IQ2_XXS, QType.IQ2_XS, QType.IQ1_S, QType.IQ1_M],  # groups of 32, 16, 32, 16
+    ids=lambda q: q.name,
+)
+@pytest.mark.parametrize("integers", [True, False], ids=["int-activations", "float"])
+def test_book_entries_multiply_as_the_same_codes_in_nibbles(
+    qtype: QType, integers: bool, blas_from_128: None
+) -> None:
+    """IQ1 and IQ2_XXS / IQ2_XS weights keep a 16-bit entry of their format's book a run of 8
+    inputs (two bits an input: 100 rows of 512 pad to 104 and take 104 * 128 bytes), which
+    the kernels look up a few panels at a time: every product, row lookup and MoE layer gives
+    the bits of the same codes kept in nibbles."""
+    native = check_same_bits_as_nibbles(qtype, lambda c: c, 2, integers)
+    assert native.words.nbytes == 104 * 512 // 4
+
+
+def check_same_bits_as_nibbles(
+    qtype: QType, keep: Callable[[Codes], Codes], code_bits: int, integers: bool
+) -> NativeWeight:
+    """`keep(codes)` of `qtype` packed as `code_bits` gives the bits of its codes in nibbles on
+    every path; returns the packed weight."""
+
+    def nibbles_of(codes: Codes) -> Codes:
+        return codes._replace(runs=None).centered()._replace(bits=4)
+
     codes = decode(torch.from_numpy(random_blocks(qtype, 100, 512, seed=5)), qtype, 512)
-    three, nibbles = NativeWeight(codes), NativeWeight(codes.centered()._replace(bits=4))
-    assert (three.code_bits, nibbles.code_bits) == (3, 4)
+    packed, nibbles = NativeWeight(keep(codes)), NativeWeight(nibbles_of(codes))
+    assert (packed.code_bits, nibbles.code_bits) == (code_bits, 4)
     x = torch.randn(BLAS_ROWS + 3, 512, generator=torch.Generator().manual_seed(6))
     try:
         torch.ops.aserve_cpu.int_activations(integers)
         for rows in (1, 2, 3, 5, 16, 70, BLAS_ROWS + 3):
-            three_out, nibbles_out = three.linear(x[:rows], None), nibbles.linear(x[:rows], None)
-            assert torch.equal(three_out, nibbles_out), rows
+            packed_out, nibbles_out = packed.linear(x[:rows], None), nibbles.linear(x[:rows], None)
+            assert torch.equal(packed_out, nibbles_out), rows
     finally:
         torch.ops.aserve_cpu.int_activations(True)
     ids = torch.tensor([0, 7, 8, 99])
-    assert torch.equal(three.rows(ids), codes.dequantize()[ids])
+    assert torch.equal(packed.rows(ids), codes.dequantize()[ids])
     # a MoE layer of such experts: gate|up 512 x 256, down 256 x 256
     hidden, inter, experts = 256, 256, 4
     parts = [
@@ -300,11 +332,36 @@ def test_three_bit_codes_multiply_as_the_same_codes_in_nibbles(
     router = torch.randn(experts, hidden, generator=torch.Generator().manual_seed(7)) / 16
     tokens = torch.randn(20, hidden, generator=torch.Generator().manual_seed(8))
     layers = []
-    for keep in (lambda c: c, lambda c: c.centered()._replace(bits=4)):
-        stacks = [ExpertStack([NativeWeight(keep(c)) for c in part]) for part in parts]
-        assert {s.code_bits for s in stacks} == ({3} if len(layers) == 0 else {4})
+    for form, bits in ((keep, code_bits), (nibbles_of, 4)):
+        stacks = [ExpertStack([NativeWeight(form(c)) for c in part]) for part in parts]
+        assert {s.code_bits for s in stacks} == {bits}
         layers.append(moe_layer(tokens, router, 2, True, *stacks, inter))
     assert torch.equal(layers[0], layers[1])
+    return packed
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_book_entries_stand_for_the_codes(qtype: QType) -> None:
+    """The formats whose runs of 8 inputs are entries of a book (IQ1, IQ2_XXS, IQ2_XS) give
+    them with the codes, `book[entries]` equal to the codes through padding, splits and
+    joins, each entry under 2**16 and the format's one book shared; no other format does."""
+    codes = decode(torch.from_numpy(random_blocks(qtype, 12, 512, seed=5)), qtype, 512)
+    assert (codes.runs is not None) == (qtype.name in iquants.RUN_FORMATS)
+    if codes.runs is None:
+        return
+    book = codes.runs.book
+
+    def check(c: Codes) -> None:
+        assert c.runs is not None and c.runs.book is book
+        assert int(c.runs.entries.max()) < min(len(book), 1 << 16)
+        assert torch.equal(book[c.runs.entries.long()].view(c.shape), c.codes)
+
+    check(codes)
+    for part in codes.split_rows(3):
+        check(part)
+    check(codes.pad_rows(16))
+    check(Codes.concat_rows(codes.split_rows(2)))
+    check(codes.interleave_blocks(codes, 2))
 
 
 @needs_kernels
@@ -1129,10 +1186,12 @@ def test_kernels_built_for_older_cpus_give_the_same_products(
     compared = 0
     kept, in_registers = torch.load(tmp_path / "products.pt")
     # 2- and 3-bit codes keep three bits where that build widens them in registers (with
-    # AVX-VNNI), with levels (Q3_K, IQ2_XS, IQ1_S) or without (Q2_K)
+    # AVX-VNNI), with levels (Q3_K) or without (Q2_K); IQ1 and IQ2_XS keep entries of their
+    # book on every build
     three_bits = {q for q, (_, _, bits) in kept.items() if bits == 3}
-    with_levels = {"Q3_K", "IQ2_XS", "IQ1_S"} if in_registers[True] else set()
+    with_levels = {"Q3_K"} if in_registers[True] else set()
     assert three_bits == ({"Q2_K"} if in_registers[False] else set()) | with_levels
+    assert {q for q, (_, _, bits) in kept.items() if bits == 2} == {"IQ2_XS", "IQ1_S"}
     if "-mno-avxvnni" in flags:
         assert not three_bits
     for qtype, (rounds, theirs, _) in kept.items():

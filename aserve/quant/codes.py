@@ -47,6 +47,31 @@ class ScaleSteps(NamedTuple):
         return ScaleSteps(*(None if f[0] is None else cat(list(f)) for f in fields))
 
 
+class Runs(NamedTuple):
+    """The codes of a format that picks each run of 8 inputs from a fixed book of patterns
+    (llama.cpp's IQ1 and IQ2 formats: a grid index and signs a run), as the book keeps them:
+    `entries` int32 `[rows, cols // 8]`, each below 2**16, and `book` uint8 `[entries a
+    format, 8]`, so that `codes[r, 8j : 8j + 8] == book[entries[r, j]]`. The CPU kernels keep
+    an entry in 16 bits where codes would take 24 or 32 (csrc/cpu_kernels.cpp, `widen_book`).
+    `kernel_book` is the book as they read it: the format's 16 level bytes (`level_bytes`),
+    then each pattern as one word of 8 nibbles, input i in bits 4i..4i+3."""
+
+    entries: torch.Tensor
+    book: torch.Tensor
+    kernel_book: torch.Tensor
+
+    def map_rows(self, change: Callable[[torch.Tensor], torch.Tensor]) -> Runs:
+        return self._replace(entries=change(self.entries))
+
+    @staticmethod
+    def join(parts: list[Runs | None], cat: Callable[..., torch.Tensor]) -> Runs | None:
+        """The parts' entries joined by `cat`, or None unless all share one book."""
+        first = parts[0]
+        if first is None or any(p is None or p.book is not first.book for p in parts):
+            return None
+        return first._replace(entries=cat([p.entries for p in parts if p is not None]))
+
+
 class Codes(NamedTuple):
     """A `[rows, cols]` weight: `codes` uint8 `[rows, cols]` (each below 2**bits), and
     float32 `scales` / `offsets` `[rows, cols // group]`. With a `table` (float32, 2**bits
@@ -60,6 +85,7 @@ class Codes(NamedTuple):
     bits: int
     table: torch.Tensor | None = None
     steps: ScaleSteps | None = None
+    runs: Runs | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -76,8 +102,11 @@ class Codes(NamedTuple):
         missing = rows - self.shape[0]
         if missing <= 0:
             return self
+        codes = self.codes.new_zeros(missing, self.shape[1])
+        if self.runs is not None:  # entry 0's pattern (under scales of zero)
+            codes = self.runs.book[0].repeat(missing, self.shape[1] // 8)
         zeros = Codes(
-            self.codes.new_zeros(missing, self.shape[1]),
+            codes,
             self.scales.new_zeros(missing, self.scales.shape[1]),
             self.offsets.new_zeros(missing, self.offsets.shape[1]),
             self.group,
@@ -86,6 +115,9 @@ class Codes(NamedTuple):
             None
             if self.steps is None
             else self.steps.map_rows(lambda t: t.new_zeros(missing, t.shape[1])),
+            None
+            if self.runs is None
+            else self.runs.map_rows(lambda t: t.new_zeros(missing, t.shape[1])),
         )
         return Codes.concat_rows([self, zeros])
 
@@ -146,6 +178,9 @@ class Codes(NamedTuple):
                 None
                 if self.steps is None
                 else self.steps.map_rows(lambda t, i=i: t[i * rows : (i + 1) * rows]),
+                None
+                if self.runs is None
+                else self.runs.map_rows(lambda t, i=i: t[i * rows : (i + 1) * rows]),
             )
             for i in range(count)
         ]
@@ -168,6 +203,7 @@ class Codes(NamedTuple):
             self.bits,
             self.table,
             ScaleSteps.join([self.steps, other.steps], lambda pair: join(*pair)),
+            Runs.join([self.runs, other.runs], lambda pair: join(*pair)),
         )
 
     @staticmethod
@@ -184,6 +220,7 @@ class Codes(NamedTuple):
             first.bits,
             first.table,
             ScaleSteps.join([p.steps for p in parts], torch.cat),
+            Runs.join([p.runs for p in parts], torch.cat),
         )
 
 

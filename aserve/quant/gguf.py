@@ -102,6 +102,9 @@ def decode(raw: torch.Tensor, qtype: QType, cols: int) -> Codes:
     blocks = raw.reshape(rows, cols // size, nbytes)
     codes, scales, offsets, group, bits, *stepped = DECODERS[qtype](blocks)
     groups = cols // group
+    runs = None
+    if qtype.name in iquants.RUN_FORMATS:
+        runs = iquants.runs(qtype.name, stepped[1], rows)
 
     def per_row(t: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
         return t.reshape(rows, width).to(dtype).contiguous()
@@ -124,6 +127,7 @@ def decode(raw: torch.Tensor, qtype: QType, cols: int) -> Codes:
         bits,
         level_table(qtype),
         steps,
+        runs,
     )
 
 
@@ -133,7 +137,10 @@ offsets likewise, or None): `ScaleSteps` before the reshape to rows."""
 Decoded = (
     tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]
     | tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, Steps]
+    | tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, Steps, torch.Tensor]
 )
+"""Codes, scales, offsets, group and bits, then scale steps where the format has them, then
+`Runs` entries where it has those (iquants.RUN_FORMATS)."""
 
 
 def _half(blocks: torch.Tensor, at: int) -> torch.Tensor:

@@ -6,8 +6,10 @@ patterns, plus signs and a small integer scale a group. The patterns take few di
 magnitudes (3 in IQ2's grids, 8 in IQ3's, -1 / 0 / 1 in IQ1's, which move each by an eighth),
 so every weight is one of at most 16 signed levels times its group's scale: the form
 of IQ4's levels, which every product already reads (CPU tiles, CUDA kernels, MoE paths).
-The price is memory: codes take 3 or 4 bits an input where the file spends 1.56 to 3.44
-bits a weight; products that widen grid indices themselves are not written.
+In IQ1 and IQ2_XXS / IQ2_XS a run's grid index and signs fit 16 bits, an entry of a book of
+every pattern they can make (`Runs`): the CPU kernels keep those entries and look the
+codes up as they multiply, two bits an input. Elsewhere codes take 3 or 4 bits an input
+where the file spends 2.56 to 3.44 bits a weight.
 
 The grids are the `gguf` package's (its de-quantizers' tables, so the two cannot disagree);
 tests/test_quant.py checks every format against its de-quantization bit for bit.
@@ -20,6 +22,8 @@ from typing import NamedTuple
 
 import torch
 from gguf import quants
+
+from aserve.quant.codes import Runs, level_bytes
 
 LEVEL_COUNT = 16  # the kernels' table size
 
@@ -88,24 +92,27 @@ def nibbles(packed: torch.Tensor) -> torch.Tensor:
     return fields.reshape(*packed.shape[:-1], -1)
 
 
-Decoded = tuple[
-    torch.Tensor,
-    torch.Tensor,
-    torch.Tensor,
-    int,
-    int,
-    tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None],
-]
+Steps = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+Decoded = (
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, Steps]
+    | tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, Steps, torch.Tensor]
+)
+"""gguf.py's decoded form: with scale steps, and `Runs` entries in RUN_FORMATS."""
 
 
 def odd_steps(
-    codes: torch.Tensor, steps: torch.Tensor, block_scale: torch.Tensor, group: int, bits: int
+    codes: torch.Tensor,
+    steps: torch.Tensor,
+    block_scale: torch.Tensor,
+    group: int,
+    bits: int,
+    entries: torch.Tensor | None = None,
 ) -> Decoded:
     """Codes with a scale `steps * block_scale` a group (steps odd integers) and no offsets,
-    in gguf.py's decoded form."""
+    in gguf.py's decoded form (with their `Runs` entries, where the format has them)."""
     scales = steps.float() * block_scale[..., None]
     lead = codes.shape[:-2]
-    return (
+    decoded = (
         codes.reshape(*lead, -1, group),
         scales,
         torch.zeros_like(scales),
@@ -113,6 +120,47 @@ def odd_steps(
         bits,
         (steps.float(), block_scale, None, None),
     )
+    return decoded if entries is None else (*decoded, entries)
+
+
+def iq2_book(quant: type, index_bits: int) -> torch.Tensor:
+    """Every IQ2_XXS / IQ2_XS entry's codes: a grid index, then a 7-bit sign index."""
+    entries = torch.arange(1 << (index_bits + 7))
+    magnitude = grid(quant).indices[entries & ((1 << index_bits) - 1)]
+    return signed_codes(magnitude, parity_signs(entries >> index_bits), 3)
+
+
+def iq1_book(quant: type) -> torch.Tensor:
+    """Every IQ1 entry's codes: an 11-bit grid index, then the sign of the run's eighth."""
+    entries = torch.arange(1 << 12)
+    values = grid(quant).indices[entries & 2047]
+    return one_bit_codes(values, (entries >> 11 == 1)[:, None])
+
+
+@functools.cache
+def runs_book(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Format `name`'s book of patterns (`Runs.book`) and the kernels' form of it
+    (`Runs.kernel_book`), built once and shared by every weight of the format."""
+    if name == "IQ2_XXS":
+        book = iq2_book(quants.IQ2_XXS, 8)
+    elif name == "IQ2_XS":
+        book = iq2_book(quants.IQ2_XS, 9)
+    else:
+        book = iq1_book(getattr(quants, name))
+    words = (book.long() << (4 * torch.arange(8))).sum(-1)
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    kernel_book = torch.cat([level_bytes(levels(name)), words.view(torch.uint8)])
+    return book, kernel_book
+
+
+RUN_FORMATS = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS")
+"""Formats whose runs of 8 inputs are entries of a book (`runs`)."""
+
+
+def runs(name: str, entries: torch.Tensor, rows: int) -> Runs:
+    """A weight's `Runs` from its decoder's entries (`rows` of them, in input order)."""
+    book, kernel_book = runs_book(name)
+    return Runs(entries.reshape(rows, -1).to(torch.int32).contiguous(), book, kernel_book)
 
 
 def iq2_xxs(blocks: torch.Tensor) -> Decoded:
@@ -121,22 +169,20 @@ def iq2_xxs(blocks: torch.Tensor) -> Decoded:
     lead = blocks.shape[:-1]
     fields = blocks[..., 2:66].reshape(*lead, 8, 2, 4)
     word = little_endian(fields[..., 1, :])
-    negative = parity_signs((word[..., None] >> torch.tensor([0, 7, 14, 21])) & 127)
-    magnitude = grid(quants.IQ2_XXS).indices[fields[..., 0, :].long()]
-    codes = signed_codes(magnitude, negative, 3)
-    return odd_steps(codes, 2 * (word >> 28) + 1, base(blocks) / 8, 32, 3)
+    signs = (word[..., None] >> torch.tensor([0, 7, 14, 21])) & 127
+    entries = fields[..., 0, :].long() | signs << 8
+    codes = runs_book("IQ2_XXS")[0][entries]
+    return odd_steps(codes, 2 * (word >> 28) + 1, base(blocks) / 8, 32, 3, entries)
 
 
 def iq2_xs(blocks: torch.Tensor) -> Decoded:
     """32 16-bit fields, each a 9-bit grid index and a 7-bit sign index, then a 4-bit scale
     for each 16 inputs: d * (s + 1/2) / 4."""
     lead = blocks.shape[:-1]
-    fields = little_endian(blocks[..., 2:66].reshape(*lead, 32, 2))
-    negative = parity_signs(fields >> 9)
-    magnitude = grid(quants.IQ2_XS).indices[fields & 511]
-    codes = signed_codes(magnitude, negative, 3)
+    entries = little_endian(blocks[..., 2:66].reshape(*lead, 32, 2))
+    codes = runs_book("IQ2_XS")[0][entries]
     steps = 2 * nibbles(blocks[..., 66:74]) + 1
-    return odd_steps(codes, steps, base(blocks) / 8, 16, 3)
+    return odd_steps(codes, steps, base(blocks) / 8, 16, 3, entries)
 
 
 def iq2_s(blocks: torch.Tensor) -> Decoded:
@@ -192,10 +238,10 @@ def iq1_s(blocks: torch.Tensor) -> Decoded:
     word = little_endian(blocks[..., 34:50].reshape(*lead, 8, 2))
     high = (word[..., None] >> torch.tensor([0, 3, 6, 9])) & 7
     indices = blocks[..., 2:34].long().reshape(*lead, 8, 4) | high << 8
-    values = grid(quants.IQ1_S).indices[indices].reshape(*lead, 8, 32)
-    codes = one_bit_codes(values, (word >> 15 == 1)[..., None])
+    entries = indices | (word >> 15)[..., None] << 11
+    codes = runs_book("IQ1_S")[0][entries]
     steps = 2 * ((word >> 12) & 7) + 1
-    return odd_steps(codes, steps, base(blocks) / 8, 32, 3)
+    return odd_steps(codes, steps, base(blocks) / 8, 32, 3, entries)
 
 
 def iq1_m(blocks: torch.Tensor) -> Decoded:
@@ -204,14 +250,13 @@ def iq1_m(blocks: torch.Tensor) -> Decoded:
     nibbles hold the block's float16 d: d * (2s + 1) * (v +- 1/8)."""
     lead = blocks.shape[:-1]
     high = nibbles(blocks[..., 32:48])
-    indices = blocks[..., 0:32].long() | (high & 7) << 8
-    values = grid(quants.IQ1_M).indices[indices]
-    codes = one_bit_codes(values, (high >> 3 == 1)[..., None])
+    entries = blocks[..., 0:32].long() | high << 8  # (the nibble's top bit: the eighth's sign)
+    codes = runs_book("IQ1_M")[0][entries]
     fields = little_endian(blocks[..., 48:56].reshape(*lead, 4, 2))
     d_bits = ((fields >> 12) << torch.tensor([0, 4, 8, 12])).sum(-1)
     d = d_bits.to(torch.int16).view(torch.float16).float()  # the cast keeps the low 16 bits
     steps = 2 * ((fields[..., None] >> torch.tensor([0, 3, 6, 9])) & 7).reshape(*lead, 16) + 1
-    return odd_steps(codes, steps, d / 8, 16, 3)
+    return odd_steps(codes, steps, d / 8, 16, 3, entries)
 
 
 @functools.cache

@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 from aserve.config import cache_root
-from aserve.quant.codes import Codes, ScaleSteps, groups_of_at_most_32, level_bytes
+from aserve.quant.codes import Codes, Runs, ScaleSteps, groups_of_at_most_32, level_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -379,8 +379,10 @@ class NativeWeight(KernelTensors):
     signed, four to a word; codes of 2 and 3 bits (Q2_K, Q3_K, IQ1's and IQ2's levels),
     where `keeps_three_bits`, in three bits, a pair of groups' low two bits 16 to a word then
     their high bits 32 to a word (`code_bits` 3, `three_bit_words`), which the kernels widen
-    to nibbles as they multiply; scales and offsets as `compact_scales` keeps them, or as
-    int8 steps and float32 bases (`panel_steps`)."""
+    to nibbles as they multiply; runs of 8 inputs that are entries of their format's book
+    (IQ1, IQ2_XXS, IQ2_XS: `Runs`) as those 16-bit entries, two to a word (`code_bits` 2),
+    which the kernels look up as they multiply; scales and offsets as `compact_scales` keeps
+    them, or as int8 steps and float32 bases (`panel_steps`)."""
 
     def __init__(self, codes: Codes, scratch: Scratch | None = None) -> None:
         self.scratch = scratch or Scratch()
@@ -390,7 +392,8 @@ class NativeWeight(KernelTensors):
         # 5- and 6-bit codes as a nibble and two bits (8-bit words: 1.06 bytes a Q6_K weight
         # against the file's 0.82); wider ones a byte each; 2- and 3-bit codes in 3 bits where
         # groups pair up and the kernels widen them in registers (a Q3_K weight 0.47 bytes
-        # with its scales, not 0.59 as nibbles)
+        # with its scales, not 0.59 as nibbles); book entries in 2 (an IQ2_XXS weight 0.31 bytes
+        # with its scales, not 0.44 in 3 bits; the file's 0.26)
         rows, cols = codes.shape
         three = (
             codes.bits <= 3
@@ -398,6 +401,8 @@ class NativeWeight(KernelTensors):
             and keeps_three_bits(codes.table is not None)
         )
         self.code_bits = 3 if three else 4 if codes.bits <= 4 else 6 if codes.bits <= 6 else 8
+        if codes.runs is not None:
+            self.code_bits = 2
         self.levels = None
         if self.code_bits < 8 and codes.table is not None:
             self.levels = level_bytes(codes.table[:16])
@@ -436,7 +441,18 @@ class NativeWeight(KernelTensors):
             high_nibbles |= high[..., 2, :] << 2 | high[..., 3, :] << 3
             return packed(torch.cat([low_nibbles, high_nibbles], 3))
 
-        if self.code_bits == 8:
+        def entry_words(runs: Runs) -> torch.Tensor:
+            """16-bit entries [rows, cols / 8] as int32 words [panel, group, run, lane / 2],
+            two lanes' entries a word, the first in the low half."""
+            entries = runs.entries.view(panels, LANES, groups, self.group // 8)
+            entries = entries.permute(0, 2, 3, 1).contiguous()
+            halves = torch.where(entries >= 1 << 15, entries - (1 << 16), entries)
+            return halves.to(torch.int16).view(torch.int32)
+
+        if codes.runs is not None:
+            self.words = entry_words(codes.runs)
+            self.levels = codes.runs.kernel_book
+        elif self.code_bits == 8:
             self.words = words_of(values, 4)
         elif self.code_bits == 3:
             self.words = three_bit_words(values)

@@ -13,7 +13,11 @@
 //   2- and 3-bit codes (`three_bit`, Q2_K and Q3_K): for each pair of groups, their low two
 //     bits 16 inputs a word, then their high bits 32 inputs a word, laid out so that they
 //     widen to 4-bit codes' words by shifts and masks, a few panels at a time as they are
-//     multiplied (`widen_three`).
+//     multiplied (`widen_three`);
+//   entries of a book (`book`, IQ1 and IQ2_XXS / IQ2_XS, whose grid index and signs of a
+//     run of 8 inputs fit 16 bits): 16-bit entries [run of the group, lane], two a word,
+//     each standing for the book's word of 8 nibble codes, looked up a few panels at a time
+//     as they are multiplied (`widen_book`).
 // With levels (IQ4_NL / IQ4_XS: 16 integer levels, denser near zero) a 4-bit code c stands
 // for levels[c] instead of c; they are kept as bytes, levels[c] + 128.
 // Scales and offsets are stored [panel, group, 8], in float32 or, where every one of them
@@ -134,11 +138,16 @@ struct Weight {
                           // the vector tiles take only the center, `split_center`)
   bool three_bit = false;  // 2- or 3-bit codes in three bits (`four_bit` too: they multiply as
                            // 4-bit codes once widened, which every use of `words` does first)
+  const uint32_t* book = nullptr;  // entries of a book: its words of 8 nibble codes (`four_bit`
+                                   // too, likewise)
+
+  bool widens() const { return three_bit || book != nullptr; }
 
   int64_t inputs_per_word() const { return four_bit || split ? 8 : 4; }
   int64_t code_words() const { return group / inputs_per_word(); }  // a group's, a lane
   int64_t words_per_group() const { return code_words() + (split ? group / 16 : 0); }
   int64_t panel_words() const {
+    if (book != nullptr) return groups * group / 16 * kLanes;  // a 16-bit entry a run of 8
     return three_bit ? groups / 2 * (3 * group / 16) * kLanes : groups * words_per_group() * kLanes;
   }
   int64_t at(int64_t panel, int64_t g) const { return (panel * groups + g) * kLanes; }
@@ -1779,10 +1788,10 @@ Weight weight_of(const at::Tensor& words, const at::Tensor& scales, const at::Te
                  const at::Tensor& bases, int64_t group, int64_t code_bits,
                  const std::optional<at::Tensor>& levels) {
   TORCH_CHECK(words.scalar_type() == at::kInt && words.is_contiguous(), "words: int32");
-  TORCH_CHECK(code_bits == 3 || code_bits == 4 || code_bits == 6 || code_bits == 8,
-              "codes are kept in 3 (two bits and one), 4, 6 (a nibble and two bits) or 8 bits, ",
-              "not ", code_bits);
-  const bool four_bit = code_bits == 3 || code_bits == 4, split = code_bits == 6;
+  TORCH_CHECK(code_bits == 2 || code_bits == 3 || code_bits == 4 || code_bits == 6 || code_bits == 8,
+              "codes are kept in 2 (entries of a book), 3 (two bits and one), 4, 6 (a nibble and ",
+              "two bits) or 8 bits, not ", code_bits);
+  const bool four_bit = code_bits <= 4, split = code_bits == 6;
   const auto type = scales.scalar_type();
   const ScaleKind kind = type == at::kHalf   ? ScaleKind::kHalf
                          : type == at::kChar ? ScaleKind::kSteps
@@ -1798,9 +1807,13 @@ Weight weight_of(const at::Tensor& words, const at::Tensor& scales, const at::Te
   TORCH_CHECK(group == 16 || group == 32, "groups are 16 or 32 inputs, got ", group);
   if (levels.has_value()) {
     TORCH_CHECK((four_bit || split) && levels->scalar_type() == at::kByte &&
-                    levels->is_contiguous() && levels->numel() == 16,
-                "levels: 16 bytes (level + 128), for 4-bit codes or split codes' low bits");
+                    levels->is_contiguous() &&
+                    (code_bits == 2 ? levels->numel() >= 20 && levels->numel() % 4 == 0
+                                    : levels->numel() == 16),
+                "levels: 16 bytes (level + 128), for 4-bit codes or split codes' low bits; for "
+                "entries of a book, then the book's words");
   }
+  TORCH_CHECK(code_bits != 2 || levels.has_value(), "entries of a book need the book");
   const int64_t count = scales.dim() == 4 ? scales.size(0) : 1;
   const int64_t panels = scales.size(-3), groups = scales.size(-2);
   int64_t block_shift = 0;
@@ -1829,6 +1842,7 @@ Weight weight_of(const at::Tensor& words, const at::Tensor& scales, const at::Te
            split,
            levels.has_value() ? levels->data_ptr<uint8_t>() : nullptr,
            code_bits == 3};
+  if (code_bits == 2) w.book = reinterpret_cast<const uint32_t*>(w.levels + 16);
   TORCH_CHECK(!w.three_bit || groups % 2 == 0, "3-bit codes come in pairs of groups");
   TORCH_CHECK(words.numel() == count * panels * w.panel_words(), "words do not match the scales");
   return w;
@@ -1887,6 +1901,29 @@ Weight widen_three(const Weight& w, int64_t first, int64_t count, std::vector<ui
   return v;
 }
 
+// Panels [first, first + count) of a `book` weight as the nibble words of a 4-bit one into
+// `out`, and that weight (as `widen_three`'s): each 16-bit entry is the book's word, and the
+// entries lie in the order of the words they stand for. A load a word, from a book of up to
+// 256 KiB: a 1B IQ2_XXS decode step takes ~1.45x the time of three-bit codes widened in
+// registers (AVX-512 VNNI; AVX-512's gathers were no faster than this loop), for 2.5 bits a
+// weight instead of 3.5.
+Weight widen_book(const Weight& w, int64_t first, int64_t count, std::vector<uint32_t>& out) {
+  const int64_t words = count * w.panel_words() * 2;
+  out.resize(words);
+  const uint16_t* entries = reinterpret_cast<const uint16_t*>(w.words + first * w.panel_words());
+  for (int64_t i = 0; i < words; ++i) out[i] = w.book[entries[i]];
+  Weight v = panels_from(w, first);
+  v.words = out.data();
+  v.panels = count;
+  v.book = nullptr;
+  return v;
+}
+
+// Panels [first, first + count) of a weight that `widens` as the nibble words of a 4-bit one.
+Weight widen(const Weight& w, int64_t first, int64_t count, std::vector<uint32_t>& out) {
+  return w.book != nullptr ? widen_book(w, first, count, out) : widen_three(w, first, count, out);
+}
+
 // Expert e of a stack (`weight_of`), from expert 0.
 Weight expert_of(const Weight& first, int64_t e) {
   Weight w = panels_from(first, e * first.panels);
@@ -1926,7 +1963,7 @@ bool int_activations_on = true;
 
 bool int_activations(std::optional<bool> enable, int64_t code_bits, bool levels) {
   if (enable.has_value()) int_activations_on = *enable;
-  if (code_bits == 3) code_bits = 4;  // multiplied as nibbles once widened
+  if (code_bits <= 3) code_bits = 4;  // multiplied as nibbles once widened
 #ifdef ASERVE_INT
 #if defined(ASERVE_VNNI) && !defined(__AVX512VBMI__)
   if (code_bits == 6) return false;
@@ -2044,14 +2081,17 @@ void run(const std::vector<Product>& products) {
 #else
       const bool in_registers = false;
 #endif
-      if (!p.w.three_bit || in_registers) {
+      if (!p.w.widens() || (p.w.three_bit && in_registers)) {
         rows_against_panels(p.w, p.operands(), first, last, first_panel, last_panel, buffer);
         continue;
       }
       // a few panels widened at a time, their nibbles still in cache as the tiles read them
-      for (int64_t q = first_panel; q < last_panel; q += kWidenPanels) {
-        const int64_t count = std::min(kWidenPanels, last_panel - q);
-        const Weight nibbles = widen_three(p.w, q, count, widened);
+      // (entries all the unit's panels at once: four at a time left the one-row tiles half
+      // their panels, and a 1B IQ2_XXS decode step took 59 ms against 54)
+      const int64_t at_once = p.w.book != nullptr ? kPanelBlock : kWidenPanels;
+      for (int64_t q = first_panel; q < last_panel; q += at_once) {
+        const int64_t count = std::min(at_once, last_panel - q);
+        const Weight nibbles = widen(p.w, q, count, widened);
         Rows a = p.operands();
         a.y += q * kLanes;
         rows_against_panels(nibbles, a, first, last, 0, count, buffer);
@@ -2274,8 +2314,8 @@ at::Tensor rows(const at::Tensor& words, const at::Tensor& scales, const at::Ten
     TORCH_CHECK(n >= 0 && n < w.panels * kLanes, "row ", n, " is outside the weight");
     const int64_t lane = n % kLanes;
     int64_t panel = n / kLanes;
-    const Weight weight = w.three_bit ? widen_three(w, panel, 1, widened) : w;
-    if (w.three_bit) panel = 0;
+    const Weight weight = w.widens() ? widen(w, panel, 1, widened) : w;
+    if (w.widens()) panel = 0;
     for (int64_t g = 0; g < w.groups; ++g) {
       const float scale = weight.scale(panel, g, lane);
       const float offset = weight.offset(panel, g, lane);
@@ -2323,9 +2363,9 @@ void dequantize(const at::Tensor& words, const at::Tensor& scales, const at::Ten
   const int64_t width = out.size(1);
   int64_t last = first + width / kLanes;
   TORCH_CHECK(0 <= first && first < last && last <= stored.panels, "panels out of range");
-  std::vector<uint32_t> widened;  // 3-bit codes: the slice's panels as nibbles, from panel 0
-  const Weight w = stored.three_bit ? widen_three(stored, first, last - first, widened) : stored;
-  if (stored.three_bit) {
+  std::vector<uint32_t> widened;  // 3-bit codes, entries: the slice's panels as nibbles, from 0
+  const Weight w = stored.widens() ? widen(stored, first, last - first, widened) : stored;
+  if (stored.widens()) {
     last -= first;
     first = 0;
   }
