@@ -376,7 +376,7 @@ class NativeWeight(KernelTensors):
     """A weight in the kernels' panel layout (csrc/cpu_kernels.cpp), in groups of 16 or 32:
     codes of up to 4 bits eight to a word (with their 16 levels where they stand for levels),
     5 and 6 bits as such a nibble plus words of two bits an input (`code_bits` 6), wider ones
-    signed, four to a word; codes of 2 and 3 bits (Q2_K, Q3_K, IQ1's and IQ2's levels),
+    signed, four to a word; codes of 2 and 3 bits (Q2_K, Q3_K, IQ2_S's levels),
     where `keeps_three_bits`, in three bits, a pair of groups' low two bits 16 to a word then
     their high bits 32 to a word (`code_bits` 3, `three_bit_words`), which the kernels widen
     to nibbles as they multiply; runs of 8 inputs that are entries of their format's book
