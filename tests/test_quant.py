@@ -284,20 +284,21 @@ def test_three_bit_codes_multiply_as_the_same_codes_in_nibbles(
 
 @needs_kernels
 @pytest.mark.parametrize(
-    "qtype",
-    [QType.IQ2_XXS, QType.IQ2_XS, QType.IQ1_S, QType.IQ1_M],  # groups of 32, 16, 32, 16
-    ids=lambda q: q.name,
+    ("qtype", "entry_bytes"),
+    # groups of 32, 16, 32, 16; IQ3_XXS's entries of two halves and signs
+    [(QType.IQ2_XXS, 2), (QType.IQ2_XS, 2), (QType.IQ1_S, 2), (QType.IQ1_M, 2), (QType.IQ3_XXS, 3)],
+    ids=lambda v: v.name if isinstance(v, QType) else str(v),
 )
 @pytest.mark.parametrize("integers", [True, False], ids=["int-activations", "float"])
 def test_book_entries_multiply_as_the_same_codes_in_nibbles(
-    qtype: QType, integers: bool, blas_from_128: None
+    qtype: QType, entry_bytes: int, integers: bool, blas_from_128: None
 ) -> None:
-    """IQ1 and IQ2_XXS / IQ2_XS weights keep a 16-bit entry of their format's book a run of 8
-    inputs (two bits an input: 100 rows of 512 pad to 104 and take 104 * 128 bytes), which
-    the kernels look up a few panels at a time: every product, row lookup and MoE layer gives
-    the bits of the same codes kept in nibbles."""
+    """IQ1, IQ2_XXS / IQ2_XS and IQ3_XXS weights keep an entry of their format's book a run
+    of 8 inputs (16 or 24 bits: 100 rows of 512 pad to 104 and take 104 * 64 entries), which
+    the kernels look up a unit's panels at a time: every product, row lookup and MoE layer
+    gives the bits of the same codes kept in nibbles."""
     native = check_same_bits_as_nibbles(qtype, lambda c: c, 2, integers)
-    assert native.words.nbytes == 104 * 512 // 4
+    assert native.words.nbytes == 104 * 64 * entry_bytes
 
 
 def check_same_bits_as_nibbles(
@@ -342,19 +343,20 @@ def check_same_bits_as_nibbles(
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 def test_book_entries_stand_for_the_codes(qtype: QType) -> None:
-    """The formats whose runs of 8 inputs are entries of a book (IQ1, IQ2_XXS, IQ2_XS) give
-    them with the codes, `book[entries]` equal to the codes through padding, splits and
-    joins, each entry under 2**16 and the format's one book shared; no other format does."""
+    """The formats whose runs of 8 inputs are entries of a book (IQ1, IQ2_XXS, IQ2_XS,
+    IQ3_XXS) give them with the codes, the entries' codes equal to the codes through
+    padding, splits and joins, each entry under 2**entry_bits and the format's one book
+    shared; no other format does."""
     codes = decode(torch.from_numpy(random_blocks(qtype, 12, 512, seed=5)), qtype, 512)
     assert (codes.runs is not None) == (qtype.name in iquants.RUN_FORMATS)
     if codes.runs is None:
         return
-    book = codes.runs.book
+    book = codes.runs.kernel_book
 
     def check(c: Codes) -> None:
-        assert c.runs is not None and c.runs.book is book
-        assert int(c.runs.entries.max()) < min(len(book), 1 << 16)
-        assert torch.equal(book[c.runs.entries.long()].view(c.shape), c.codes)
+        assert c.runs is not None and c.runs.kernel_book is book
+        assert int(c.runs.entries.max()) < 1 << c.runs.entry_bits
+        assert torch.equal(c.runs.codes_of(c.runs.entries).view(c.shape), c.codes)
 
     check(codes)
     for part in codes.split_rows(3):

@@ -49,16 +49,20 @@ class ScaleSteps(NamedTuple):
 
 class Runs(NamedTuple):
     """The codes of a format that picks each run of 8 inputs from a fixed book of patterns
-    (llama.cpp's IQ1 and IQ2 formats: a grid index and signs a run), as the book keeps them:
-    `entries` int32 `[rows, cols // 8]`, each below 2**16, and `book` uint8 `[entries a
-    format, 8]`, so that `codes[r, 8j : 8j + 8] == book[entries[r, j]]`. The CPU kernels keep
-    an entry in 16 bits where codes would take 24 or 32 (csrc/cpu_kernels.cpp, `widen_book`).
-    `kernel_book` is the book as they read it: the format's 16 level bytes (`level_bytes`),
-    then each pattern as one word of 8 nibbles, input i in bits 4i..4i+3."""
+    (llama.cpp's IQ1, IQ2_XXS, IQ2_XS and IQ3_XXS: grid indices and signs a run), as the file
+    keeps them: `entries` int32 `[rows, cols // 8]`, each below 2**entry_bits, with
+    `codes_of(entries)` (`[...]` -> uint8 `[..., 8]`) the codes they stand for. The CPU kernels
+    keep an entry in 16 or 24 bits where codes would take 24 or 32 (csrc/cpu_kernels.cpp,
+    `widen_book`), and read the book as `kernel_book`: the format's 16 level bytes, an int32
+    `entry_bits`, then for 16-bit entries each pattern as one word of 8 nibble codes (input i
+    in bits 4i..4i+3), for 24-bit ones (two 8-bit indices of 4 inputs' magnitudes, then a
+    7-bit sign index) the 65,536 words of the two indices' positive codes and 128 words of
+    the nibbles to flip."""
 
     entries: torch.Tensor
-    book: torch.Tensor
+    codes_of: Callable[[torch.Tensor], torch.Tensor]
     kernel_book: torch.Tensor
+    entry_bits: int
 
     def map_rows(self, change: Callable[[torch.Tensor], torch.Tensor]) -> Runs:
         return self._replace(entries=change(self.entries))
@@ -67,7 +71,7 @@ class Runs(NamedTuple):
     def join(parts: list[Runs | None], cat: Callable[..., torch.Tensor]) -> Runs | None:
         """The parts' entries joined by `cat`, or None unless all share one book."""
         first = parts[0]
-        if first is None or any(p is None or p.book is not first.book for p in parts):
+        if first is None or any(p is None or p.kernel_book is not first.kernel_book for p in parts):
             return None
         return first._replace(entries=cat([p.entries for p in parts if p is not None]))
 
@@ -104,7 +108,8 @@ class Codes(NamedTuple):
             return self
         codes = self.codes.new_zeros(missing, self.shape[1])
         if self.runs is not None:  # entry 0's pattern (under scales of zero)
-            codes = self.runs.book[0].repeat(missing, self.shape[1] // 8)
+            codes = self.runs.codes_of(torch.zeros(missing, self.shape[1] // 8, dtype=torch.long))
+            codes = codes.view(missing, self.shape[1])
         zeros = Codes(
             codes,
             self.scales.new_zeros(missing, self.scales.shape[1]),

@@ -18,6 +18,7 @@ tests/test_quant.py checks every format against its de-quantization bit for bit.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -137,30 +138,69 @@ def iq1_book(quant: type) -> torch.Tensor:
     return one_bit_codes(values, (entries >> 11 == 1)[:, None])
 
 
+def nibble_words(codes: torch.Tensor) -> torch.Tensor:
+    """Codes `[n, k]` (k <= 8, each under 16) as int32 words, code i in bits 4i..4i+3."""
+    words = (codes.long() << (4 * torch.arange(codes.shape[1]))).sum(-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+class RunsBook(NamedTuple):
+    """A format's book: what `Runs` takes besides the entries."""
+
+    codes_of: Callable[[torch.Tensor], torch.Tensor]
+    kernel_book: torch.Tensor
+    entry_bits: int
+
+
+def whole_book(name: str, book: torch.Tensor) -> RunsBook:
+    """A book of every pattern, `book[entry]`, for entries of 16 bits."""
+    header = torch.tensor([16], dtype=torch.int32).view(torch.uint8)
+    kernel_book = torch.cat(
+        [level_bytes(levels(name)), header, nibble_words(book).view(torch.uint8)]
+    )
+    return RunsBook(lambda entries: book[entries.long()], kernel_book, 16)
+
+
+def iq3_xxs_book() -> RunsBook:
+    """IQ3_XXS's 24-bit entries: two grid bytes (4 inputs' magnitudes each), then a 7-bit sign
+    index. Its levels are symmetric, level(15 - c) = -level(c), so a sign flips a code's
+    four bits: the kernels look up the two grid bytes' positive codes as one of 65,536 words
+    and flip the negative inputs' (a 256 KiB book, not 32 MiB with the signs in it)."""
+    positive = 8 + grid(quants.IQ3_XXS).indices.long()  # signed_table's codes of +magnitude
+
+    def codes_of(entries: torch.Tensor) -> torch.Tensor:
+        entries = entries.long()
+        both = torch.cat([positive[entries & 255], positive[(entries >> 8) & 255]], -1)
+        return torch.where(parity_signs((entries >> 16) & 127), 15 - both, both).to(torch.uint8)
+
+    flips = parity_signs(torch.arange(128)).long() * 15
+    pairs = torch.arange(1 << 16)
+    both = torch.cat([positive[pairs & 255], positive[pairs >> 8]], -1)
+    parts = [torch.tensor([24], dtype=torch.int32), nibble_words(both), nibble_words(flips)]
+    kernel_book = torch.cat([level_bytes(levels("IQ3_XXS")), *(t.view(torch.uint8) for t in parts)])
+    return RunsBook(codes_of, kernel_book, 24)
+
+
 @functools.cache
-def runs_book(name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Format `name`'s book of patterns (`Runs.book`) and the kernels' form of it
-    (`Runs.kernel_book`), built once and shared by every weight of the format."""
+def runs_book(name: str) -> RunsBook:
+    """Format `name`'s book, built once and shared by every weight of the format."""
     if name == "IQ2_XXS":
-        book = iq2_book(quants.IQ2_XXS, 8)
-    elif name == "IQ2_XS":
-        book = iq2_book(quants.IQ2_XS, 9)
-    else:
-        book = iq1_book(getattr(quants, name))
-    words = (book.long() << (4 * torch.arange(8))).sum(-1)
-    words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
-    kernel_book = torch.cat([level_bytes(levels(name)), words.view(torch.uint8)])
-    return book, kernel_book
+        return whole_book(name, iq2_book(quants.IQ2_XXS, 8))
+    if name == "IQ2_XS":
+        return whole_book(name, iq2_book(quants.IQ2_XS, 9))
+    if name == "IQ3_XXS":
+        return iq3_xxs_book()
+    return whole_book(name, iq1_book(getattr(quants, name)))
 
 
-RUN_FORMATS = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS")
+RUN_FORMATS = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ3_XXS")
 """Formats whose runs of 8 inputs are entries of a book (`runs`)."""
 
 
 def runs(name: str, entries: torch.Tensor, rows: int) -> Runs:
     """A weight's `Runs` from its decoder's entries (`rows` of them, in input order)."""
-    book, kernel_book = runs_book(name)
-    return Runs(entries.reshape(rows, -1).to(torch.int32).contiguous(), book, kernel_book)
+    book = runs_book(name)
+    return Runs(entries.reshape(rows, -1).to(torch.int32).contiguous(), *book)
 
 
 def iq2_xxs(blocks: torch.Tensor) -> Decoded:
@@ -171,7 +211,7 @@ def iq2_xxs(blocks: torch.Tensor) -> Decoded:
     word = little_endian(fields[..., 1, :])
     signs = (word[..., None] >> torch.tensor([0, 7, 14, 21])) & 127
     entries = fields[..., 0, :].long() | signs << 8
-    codes = runs_book("IQ2_XXS")[0][entries]
+    codes = runs_book("IQ2_XXS").codes_of(entries)
     return odd_steps(codes, 2 * (word >> 28) + 1, base(blocks) / 8, 32, 3, entries)
 
 
@@ -180,7 +220,7 @@ def iq2_xs(blocks: torch.Tensor) -> Decoded:
     for each 16 inputs: d * (s + 1/2) / 4."""
     lead = blocks.shape[:-1]
     entries = little_endian(blocks[..., 2:66].reshape(*lead, 32, 2))
-    codes = runs_book("IQ2_XS")[0][entries]
+    codes = runs_book("IQ2_XS").codes_of(entries)
     steps = 2 * nibbles(blocks[..., 66:74]) + 1
     return odd_steps(codes, steps, base(blocks) / 8, 16, 3, entries)
 
@@ -202,10 +242,10 @@ def iq3_xxs(blocks: torch.Tensor) -> Decoded:
     (four sign indices of 8 inputs and a scale): d * (s + 1/2) / 2."""
     lead = blocks.shape[:-1]
     word = little_endian(blocks[..., 66:98].reshape(*lead, 8, 4))
-    negative = parity_signs((word[..., None] >> torch.tensor([0, 7, 14, 21])) & 127)
-    magnitude = grid(quants.IQ3_XXS).indices[blocks[..., 2:66].long()]
-    codes = signed_codes(magnitude.reshape(*lead, 8, 4, 8), negative, 8)
-    return odd_steps(codes, 2 * (word >> 28) + 1, base(blocks) / 4, 32, 4)
+    signs = ((word[..., None] >> torch.tensor([0, 7, 14, 21])) & 127).reshape(*lead, 32)
+    entries = little_endian(blocks[..., 2:66].reshape(*lead, 32, 2)) | signs << 16
+    codes = runs_book("IQ3_XXS").codes_of(entries)
+    return odd_steps(codes, 2 * (word >> 28) + 1, base(blocks) / 4, 32, 4, entries)
 
 
 def iq3_s(blocks: torch.Tensor) -> Decoded:
@@ -239,7 +279,7 @@ def iq1_s(blocks: torch.Tensor) -> Decoded:
     high = (word[..., None] >> torch.tensor([0, 3, 6, 9])) & 7
     indices = blocks[..., 2:34].long().reshape(*lead, 8, 4) | high << 8
     entries = indices | (word >> 15)[..., None] << 11
-    codes = runs_book("IQ1_S")[0][entries]
+    codes = runs_book("IQ1_S").codes_of(entries)
     steps = 2 * ((word >> 12) & 7) + 1
     return odd_steps(codes, steps, base(blocks) / 8, 32, 3, entries)
 
@@ -251,7 +291,7 @@ def iq1_m(blocks: torch.Tensor) -> Decoded:
     lead = blocks.shape[:-1]
     high = nibbles(blocks[..., 32:48])
     entries = blocks[..., 0:32].long() | high << 8  # (the nibble's top bit: the eighth's sign)
-    codes = runs_book("IQ1_M")[0][entries]
+    codes = runs_book("IQ1_M").codes_of(entries)
     fields = little_endian(blocks[..., 48:56].reshape(*lead, 4, 2))
     d_bits = ((fields >> 12) << torch.tensor([0, 4, 8, 12])).sum(-1)
     d = d_bits.to(torch.int16).view(torch.float16).float()  # the cast keeps the low 16 bits

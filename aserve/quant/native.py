@@ -380,7 +380,7 @@ class NativeWeight(KernelTensors):
     where `keeps_three_bits`, in three bits, a pair of groups' low two bits 16 to a word then
     their high bits 32 to a word (`code_bits` 3, `three_bit_words`), which the kernels widen
     to nibbles as they multiply; runs of 8 inputs that are entries of their format's book
-    (IQ1, IQ2_XXS, IQ2_XS: `Runs`) as those 16-bit entries, two to a word (`code_bits` 2),
+    (IQ1, IQ2_XXS, IQ2_XS, IQ3_XXS: `Runs`) as those 16- or 24-bit entries (`code_bits` 2),
     which the kernels look up as they multiply; scales and offsets as `compact_scales` keeps
     them, or as int8 steps and float32 bases (`panel_steps`)."""
 
@@ -442,12 +442,13 @@ class NativeWeight(KernelTensors):
             return packed(torch.cat([low_nibbles, high_nibbles], 3))
 
         def entry_words(runs: Runs) -> torch.Tensor:
-            """16-bit entries [rows, cols / 8] as int32 words [panel, group, run, lane / 2],
-            two lanes' entries a word, the first in the low half."""
+            """Entries [rows, cols / 8] as int32 words [panel, group, bytes], ordered [run,
+            lane] in each group, each in its 2 or 3 bytes, least significant first."""
             entries = runs.entries.view(panels, LANES, groups, self.group // 8)
-            entries = entries.permute(0, 2, 3, 1).contiguous()
-            halves = torch.where(entries >= 1 << 15, entries - (1 << 16), entries)
-            return halves.to(torch.int16).view(torch.int32)
+            entries = entries.permute(0, 2, 3, 1).long()[..., None]
+            size = runs.entry_bits // 8
+            fields = (entries >> (8 * torch.arange(size))) & 255
+            return fields.to(torch.uint8).reshape(panels, groups, -1).view(torch.int32)
 
         if codes.runs is not None:
             self.words = entry_words(codes.runs)

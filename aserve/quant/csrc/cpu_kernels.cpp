@@ -14,10 +14,10 @@
 //     bits 16 inputs a word, then their high bits 32 inputs a word, laid out so that they
 //     widen to 4-bit codes' words by shifts and masks, a few panels at a time as they are
 //     multiplied (`widen_three`);
-//   entries of a book (`book`, IQ1 and IQ2_XXS / IQ2_XS, whose grid index and signs of a
-//     run of 8 inputs fit 16 bits): 16-bit entries [run of the group, lane], two a word,
-//     each standing for the book's word of 8 nibble codes, looked up a few panels at a time
-//     as they are multiplied (`widen_book`).
+//   entries of a book (`book`: IQ1, IQ2_XXS and IQ2_XS, whose grid index and signs of a
+//     run of 8 inputs fit 16 bits, and IQ3_XXS's two grid indices and signs in 24): entries
+//     [run of the group, lane] of 2 or 3 bytes, each standing for a word of 8 nibble codes
+//     of the book, looked up a unit's panels at a time as they are multiplied (`widen_book`).
 // With levels (IQ4_NL / IQ4_XS: 16 integer levels, denser near zero) a 4-bit code c stands
 // for levels[c] instead of c; they are kept as bytes, levels[c] + 128.
 // Scales and offsets are stored [panel, group, 8], in float32 or, where every one of them
@@ -138,8 +138,11 @@ struct Weight {
                           // the vector tiles take only the center, `split_center`)
   bool three_bit = false;  // 2- or 3-bit codes in three bits (`four_bit` too: they multiply as
                            // 4-bit codes once widened, which every use of `words` does first)
-  const uint32_t* book = nullptr;  // entries of a book: its words of 8 nibble codes (`four_bit`
-                                   // too, likewise)
+  const uint32_t* book = nullptr;  // entries of a book: its words (`four_bit` too, likewise):
+                                   // 16-bit entries' patterns, or for 24-bit ones their low
+                                   // 16 bits' patterns, then 128 words of nibbles to flip
+                                   // by the top 8 (`Runs`)
+  int64_t entry_bytes = 0;         // 2 or 3
 
   bool widens() const { return three_bit || book != nullptr; }
 
@@ -147,7 +150,7 @@ struct Weight {
   int64_t code_words() const { return group / inputs_per_word(); }  // a group's, a lane
   int64_t words_per_group() const { return code_words() + (split ? group / 16 : 0); }
   int64_t panel_words() const {
-    if (book != nullptr) return groups * group / 16 * kLanes;  // a 16-bit entry a run of 8
+    if (book != nullptr) return groups * group / 8 * entry_bytes * kLanes / 4;  // a run's entry
     return three_bit ? groups / 2 * (3 * group / 16) * kLanes : groups * words_per_group() * kLanes;
   }
   int64_t at(int64_t panel, int64_t g) const { return (panel * groups + g) * kLanes; }
@@ -1808,7 +1811,7 @@ Weight weight_of(const at::Tensor& words, const at::Tensor& scales, const at::Te
   if (levels.has_value()) {
     TORCH_CHECK((four_bit || split) && levels->scalar_type() == at::kByte &&
                     levels->is_contiguous() &&
-                    (code_bits == 2 ? levels->numel() >= 20 && levels->numel() % 4 == 0
+                    (code_bits == 2 ? levels->numel() >= 24 && levels->numel() % 4 == 0
                                     : levels->numel() == 16),
                 "levels: 16 bytes (level + 128), for 4-bit codes or split codes' low bits; for "
                 "entries of a book, then the book's words");
@@ -1842,7 +1845,13 @@ Weight weight_of(const at::Tensor& words, const at::Tensor& scales, const at::Te
            split,
            levels.has_value() ? levels->data_ptr<uint8_t>() : nullptr,
            code_bits == 3};
-  if (code_bits == 2) w.book = reinterpret_cast<const uint32_t*>(w.levels + 16);
+  if (code_bits == 2) {
+    const uint32_t* header = reinterpret_cast<const uint32_t*>(w.levels + 16);
+    TORCH_CHECK(header[0] == 16 || (header[0] == 24 && levels->numel() == 20 + 4 * (65536 + 128)),
+                "a book's entries are 16 bits, or 24 with 65,536 patterns and 128 flips");
+    w.entry_bytes = header[0] / 8;
+    w.book = header + 1;
+  }
   TORCH_CHECK(!w.three_bit || groups % 2 == 0, "3-bit codes come in pairs of groups");
   TORCH_CHECK(words.numel() == count * panels * w.panel_words(), "words do not match the scales");
   return w;
@@ -1902,16 +1911,32 @@ Weight widen_three(const Weight& w, int64_t first, int64_t count, std::vector<ui
 }
 
 // Panels [first, first + count) of a `book` weight as the nibble words of a 4-bit one into
-// `out`, and that weight (as `widen_three`'s): each 16-bit entry is the book's word, and the
-// entries lie in the order of the words they stand for. A load a word, from a book of up to
+// `out`, and that weight (as `widen_three`'s): a 16-bit entry is the book's word, a 24-bit
+// one its low 16 bits' word flipped by its signs, and the entries lie in the order of the
+// words they stand for. A load a word, from a book of up to
 // 256 KiB: a 1B IQ2_XXS decode step takes ~1.45x the time of three-bit codes widened in
 // registers (AVX-512 VNNI; AVX-512's gathers were no faster than this loop), for 2.5 bits a
 // weight instead of 3.5.
 Weight widen_book(const Weight& w, int64_t first, int64_t count, std::vector<uint32_t>& out) {
-  const int64_t words = count * w.panel_words() * 2;
+  const int64_t words = count * w.panel_words() * 4 / w.entry_bytes;
   out.resize(words);
-  const uint16_t* entries = reinterpret_cast<const uint16_t*>(w.words + first * w.panel_words());
-  for (int64_t i = 0; i < words; ++i) out[i] = w.book[entries[i]];
+  const void* at = w.words + first * w.panel_words();
+  if (w.entry_bytes == 2) {
+    const uint16_t* entries = static_cast<const uint16_t*>(at);
+    for (int64_t i = 0; i < words; ++i) out[i] = w.book[entries[i]];
+  } else {  // the low 16 bits' pattern, its negative inputs' codes flipped by the top 8
+    const uint8_t* entries = static_cast<const uint8_t*>(at);
+    const uint32_t* flips = w.book + 65536;
+    auto word = [&](uint32_t e) { return w.book[e & 0xFFFF] ^ flips[(e >> 16) & 0xFF]; };
+    // four bytes a load, but the last entry's three alone: its fourth lies past the weight
+    for (int64_t i = 0; i + 1 < words; ++i) {
+      uint32_t e;
+      std::memcpy(&e, entries + 3 * i, 4);
+      out[i] = word(e);
+    }
+    const uint8_t* last = entries + 3 * (words - 1);
+    out[words - 1] = word(last[0] | last[1] << 8 | last[2] << 16);
+  }
   Weight v = panels_from(w, first);
   v.words = out.data();
   v.panels = count;
