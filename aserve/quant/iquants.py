@@ -166,12 +166,12 @@ def iq3_xxs_book() -> RunsBook:
     index. Its levels are symmetric, level(15 - c) = -level(c), so a sign flips a code's
     four bits: the kernels look up the two grid bytes' positive codes as one of 65,536 words
     and flip the negative inputs' (a 256 KiB book, not 32 MiB with the signs in it)."""
-    positive = 8 + grid(quants.IQ3_XXS).indices.long()  # signed_table's codes of +magnitude
+    positive = 8 + grid(quants.IQ3_XXS).indices  # signed_table's codes of +magnitude, uint8
 
     def codes_of(entries: torch.Tensor) -> torch.Tensor:
         entries = entries.long()
         both = torch.cat([positive[entries & 255], positive[(entries >> 8) & 255]], -1)
-        return torch.where(parity_signs((entries >> 16) & 127), 15 - both, both).to(torch.uint8)
+        return torch.where(parity_signs((entries >> 16) & 127), 15 - both, both)
 
     flips = parity_signs(torch.arange(128)).long() * 15
     pairs = torch.arange(1 << 16)

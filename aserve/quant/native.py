@@ -445,9 +445,9 @@ class NativeWeight(KernelTensors):
             """Entries [rows, cols / 8] as int32 words [panel, group, bytes], ordered [run,
             lane] in each group, each in its 2 or 3 bytes, least significant first."""
             entries = runs.entries.view(panels, LANES, groups, self.group // 8)
-            entries = entries.permute(0, 2, 3, 1).long()[..., None]
+            entries = entries.permute(0, 2, 3, 1)[..., None]
             size = runs.entry_bits // 8
-            fields = (entries >> (8 * torch.arange(size))) & 255
+            fields = (entries >> (8 * torch.arange(size, dtype=torch.int32))) & 255
             return fields.to(torch.uint8).reshape(panels, groups, -1).view(torch.int32)
 
         if codes.runs is not None:
