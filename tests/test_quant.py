@@ -299,6 +299,12 @@ def test_book_entries_multiply_as_the_same_codes_in_nibbles(
     gives the bits of the same codes kept in nibbles."""
     native = check_same_bits_as_nibbles(qtype, lambda c: c, 2, integers)
     assert native.words.nbytes == 104 * 64 * entry_bytes
+    # the kernels read the book unchecked: an entry past it is refused at load
+    codes = decode(torch.from_numpy(random_blocks(qtype, 8, 256)), qtype, 256)
+    assert codes.runs is not None
+    codes.runs.entries[3, 5] = codes.runs.entry_limit
+    with pytest.raises(ValueError, match="past the end of their book"):
+        NativeWeight(codes)
 
 
 def check_same_bits_as_nibbles(

@@ -67,6 +67,11 @@ class Runs(NamedTuple):
     def map_rows(self, change: Callable[[torch.Tensor], torch.Tensor]) -> Runs:
         return self._replace(entries=change(self.entries))
 
+    @property
+    def entry_limit(self) -> int:
+        """One past the largest entry the kernels' book takes (they read it unchecked)."""
+        return (self.kernel_book.numel() - 20) // 4 if self.entry_bits == 16 else 1 << 23
+
     @staticmethod
     def join(parts: list[Runs | None], cat: Callable[..., torch.Tensor]) -> Runs | None:
         """The parts' entries joined by `cat`, or None unless all share one book."""

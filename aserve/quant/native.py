@@ -451,8 +451,11 @@ class NativeWeight(KernelTensors):
             return fields.to(torch.uint8).reshape(panels, groups, -1).view(torch.int32)
 
         if codes.runs is not None:
-            self.words = entry_words(codes.runs)
-            self.levels = codes.runs.kernel_book
+            runs = codes.runs
+            if runs.entries.numel() and int(runs.entries.max()) >= runs.entry_limit:
+                raise ValueError("book entries past the end of their book")
+            self.words = entry_words(runs)
+            self.levels = runs.kernel_book
         elif self.code_bits == 8:
             self.words = words_of(values, 4)
         elif self.code_bits == 3:
