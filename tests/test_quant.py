@@ -285,18 +285,27 @@ def test_three_bit_codes_multiply_as_the_same_codes_in_nibbles(
 @needs_kernels
 @pytest.mark.parametrize(
     ("qtype", "entry_bytes"),
-    # groups of 32, 16, 32, 16; IQ3_XXS's entries of two halves and signs
-    [(QType.IQ2_XXS, 2), (QType.IQ2_XS, 2), (QType.IQ1_S, 2), (QType.IQ1_M, 2), (QType.IQ3_XXS, 3)],
+    # groups of 32, 16, 32, 16; 24-bit entries: a pattern and signs (IQ2_S's of 16 inputs)
+    [
+        *((QType.IQ2_XXS, 2), (QType.IQ2_XS, 2), (QType.IQ1_S, 2), (QType.IQ1_M, 2)),
+        *((QType.IQ3_XXS, 3), (QType.IQ2_S, 3)),
+    ],
     ids=lambda v: v.name if isinstance(v, QType) else str(v),
 )
 @pytest.mark.parametrize("integers", [True, False], ids=["int-activations", "float"])
 def test_book_entries_multiply_as_the_same_codes_in_nibbles(
-    qtype: QType, entry_bytes: int, integers: bool, blas_from_128: None
+    qtype: QType,
+    entry_bytes: int,
+    integers: bool,
+    blas_from_128: None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """IQ1, IQ2_XXS / IQ2_XS and IQ3_XXS weights keep an entry of their format's book a run
-    of 8 inputs (16 or 24 bits: 100 rows of 512 pad to 104 and take 104 * 64 entries), which
-    the kernels look up a unit's panels at a time: every product, row lookup and MoE layer
-    gives the bits of the same codes kept in nibbles."""
+    """IQ1, IQ2 and IQ3_XXS weights keep an entry of their format's book a run of 8 inputs (16
+    or 24 bits: 100 rows of 512 pad to 104 and take 104 * 64 entries) where that is smaller
+    than their codes (here in nibbles), which the kernels look up a unit's panels at a
+    time: every product, row lookup and MoE layer gives the bits of the same codes kept in
+    nibbles."""
+    monkeypatch.setattr(native_module, "keeps_three_bits", lambda levels: False)
     native = check_same_bits_as_nibbles(qtype, lambda c: c, 2, integers)
     assert native.words.nbytes == 104 * 64 * entry_bytes
     # the kernels read the book unchecked: an entry past it is refused at load
@@ -347,10 +356,22 @@ def check_same_bits_as_nibbles(
     return packed
 
 
+def test_book_entries_no_smaller_than_three_bit_codes_give_way(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """IQ2_S's 24-bit entries take as many bits as its codes in three bits, which multiply
+    faster: it keeps those where they are kept, and its entries elsewhere."""
+    codes = decode(torch.from_numpy(random_blocks(QType.IQ2_S, 16, 256)), QType.IQ2_S, 256)
+    assert codes.runs is not None and codes.runs.entry_bits == 24
+    for three, code_bits in ((True, 3), (False, 2)):
+        monkeypatch.setattr(native_module, "keeps_three_bits", lambda levels, t=three: t)
+        assert NativeWeight(codes).code_bits == code_bits
+
+
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 def test_book_entries_stand_for_the_codes(qtype: QType) -> None:
-    """The formats whose runs of 8 inputs are entries of a book (IQ1, IQ2_XXS, IQ2_XS,
-    IQ3_XXS) give them with the codes, the entries' codes equal to the codes through
+    """The formats whose runs of 8 inputs are entries of a book (IQ1, IQ2, IQ3_XXS) give them
+    with the codes, the entries' codes equal to the codes through
     padding, splits and joins, each entry under 2**entry_bits and the format's one book
     shared; no other format does."""
     codes = decode(torch.from_numpy(random_blocks(qtype, 12, 512, seed=5)), qtype, 512)

@@ -49,15 +49,14 @@ class ScaleSteps(NamedTuple):
 
 class Runs(NamedTuple):
     """The codes of a format that picks each run of 8 inputs from a fixed book of patterns
-    (llama.cpp's IQ1, IQ2_XXS, IQ2_XS and IQ3_XXS: grid indices and signs a run), as the file
+    (llama.cpp's IQ1, IQ2 and IQ3_XXS formats: grid indices and signs a run), as the file
     keeps them: `entries` int32 `[rows, cols // 8]`, each below 2**entry_bits, with
     `codes_of(entries)` (`[...]` -> uint8 `[..., 8]`) the codes they stand for. The CPU kernels
     keep an entry in 16 or 24 bits where codes would take 24 or 32 (csrc/cpu_kernels.cpp,
     `widen_book`), and read the book as `kernel_book`: the format's 16 level bytes, an int32
     `entry_bits`, then for 16-bit entries each pattern as one word of 8 nibble codes (input i
-    in bits 4i..4i+3), for 24-bit ones (two 8-bit indices of 4 inputs' magnitudes, then a
-    7-bit sign index) the 65,536 words of the two indices' positive codes and 128 words of
-    the nibbles to flip."""
+    in bits 4i..4i+3), for 24-bit ones (16 bits of a positive pattern, then 8 of signs) the
+    65,536 patterns' words and 256 words of the nibbles to flip."""
 
     entries: torch.Tensor
     codes_of: Callable[[torch.Tensor], torch.Tensor]
@@ -70,7 +69,7 @@ class Runs(NamedTuple):
     @property
     def entry_limit(self) -> int:
         """One past the largest entry the kernels' book takes (they read it unchecked)."""
-        return (self.kernel_book.numel() - 20) // 4 if self.entry_bits == 16 else 1 << 23
+        return (self.kernel_book.numel() - 20) // 4 if self.entry_bits == 16 else 1 << 24
 
     @staticmethod
     def join(parts: list[Runs | None], cat: Callable[..., torch.Tensor]) -> Runs | None:

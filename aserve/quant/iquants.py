@@ -46,10 +46,19 @@ def grid(quant: type) -> Grid:
     return Grid(torch.searchsorted(values, entries).to(torch.uint8), values)
 
 
+def signed_center(count: int) -> int:
+    """The code of the smallest positive level of `count` magnitudes: 4 for up to 4, else 8,
+    so that the code of -level is the code of level with its low 3 (or 4) bits flipped."""
+    return 4 if count <= 4 else 8
+
+
 def signed_table(magnitudes: torch.Tensor) -> torch.Tensor:
-    """Levels -m[-1] .. -m[0], m[0] .. m[-1] padded with zeros to the kernels' 16."""
+    """Levels -m[-1] .. -m[0], m[0] .. m[-1] around `signed_center`, zeros elsewhere, in the
+    kernels' 16."""
+    count = magnitudes.numel()
     levels = torch.cat([-magnitudes.flip(0), magnitudes])
-    return torch.nn.functional.pad(levels, (0, LEVEL_COUNT - levels.numel()))
+    before = signed_center(count) - count
+    return torch.nn.functional.pad(levels, (before, LEVEL_COUNT - levels.numel() - before))
 
 
 def padded_table(levels: tuple[float, ...]) -> torch.Tensor:
@@ -59,8 +68,9 @@ def padded_table(levels: tuple[float, ...]) -> torch.Tensor:
 
 def signed_codes(magnitude: torch.Tensor, negative: torch.Tensor, count: int) -> torch.Tensor:
     """Codes into `signed_table` of `count` magnitudes."""
-    positive = count + magnitude.long()
-    return torch.where(negative, 2 * count - 1 - positive, positive).to(torch.uint8)
+    center = signed_center(count)
+    positive = center + magnitude.long()
+    return torch.where(negative, 2 * center - 1 - positive, positive).to(torch.uint8)
 
 
 def bits_of(fields: torch.Tensor, count: int = 8) -> torch.Tensor:
@@ -161,24 +171,40 @@ def whole_book(name: str, book: torch.Tensor) -> RunsBook:
     return RunsBook(lambda entries: book[entries.long()], kernel_book, 16)
 
 
-def iq3_xxs_book() -> RunsBook:
-    """IQ3_XXS's 24-bit entries: two grid bytes (4 inputs' magnitudes each), then a 7-bit sign
-    index. Its levels are symmetric, level(15 - c) = -level(c), so a sign flips a code's
-    four bits: the kernels look up the two grid bytes' positive codes as one of 65,536 words
-    and flip the negative inputs' (a 256 KiB book, not 32 MiB with the signs in it)."""
-    positive = 8 + grid(quants.IQ3_XXS).indices  # signed_table's codes of +magnitude, uint8
+def signed_book(name: str, patterns: torch.Tensor, negative: torch.Tensor) -> RunsBook:
+    """24-bit entries: 16 bits of a pattern of 8 inputs' positive codes (`patterns`, uint8
+    `[up to 65536, 8]`), then 8 bits that index `negative` (bool `[256, 8]`), the inputs whose
+    levels are negated. Signed levels are symmetric around the middle of the codes
+    (`signed_codes`), so negating a level flips its code's low bits: the kernels look the
+    pattern up in a book of 65,536 words (256 KiB, where the signs in it would take 32 MiB
+    for IQ3_XXS) and flip the negative inputs' codes with a word of 256."""
+    flip = 2 * signed_center(len(grid(getattr(quants, name)).values)) - 1
+    patterns = torch.nn.functional.pad(patterns, (0, 0, 0, (1 << 16) - len(patterns)))
 
     def codes_of(entries: torch.Tensor) -> torch.Tensor:
         entries = entries.long()
-        both = torch.cat([positive[entries & 255], positive[(entries >> 8) & 255]], -1)
-        return torch.where(parity_signs((entries >> 16) & 127), 15 - both, both)
+        pattern = patterns[entries & 0xFFFF]
+        return torch.where(negative[(entries >> 16) & 255], flip - pattern, pattern)
 
-    flips = parity_signs(torch.arange(128)).long() * 15
-    pairs = torch.arange(1 << 16)
-    both = torch.cat([positive[pairs & 255], positive[pairs >> 8]], -1)
-    parts = [torch.tensor([24], dtype=torch.int32), nibble_words(both), nibble_words(flips)]
-    kernel_book = torch.cat([level_bytes(levels("IQ3_XXS")), *(t.view(torch.uint8) for t in parts)])
+    header = torch.tensor([24], dtype=torch.int32)
+    parts = [header, nibble_words(patterns), nibble_words(negative.long() * flip)]
+    kernel_book = torch.cat([level_bytes(levels(name)), *(t.view(torch.uint8) for t in parts)])
     return RunsBook(codes_of, kernel_book, 24)
+
+
+def iq3_xxs_book() -> RunsBook:
+    """IQ3_XXS's entries: two grid bytes (4 inputs' magnitudes each), then a 7-bit sign index
+    (the eighth bit of the 8 unused)."""
+    positive = signed_center(8) + grid(quants.IQ3_XXS).indices  # uint8 [256, 4]
+    pairs = torch.arange(1 << 16)
+    patterns = torch.cat([positive[pairs & 255], positive[pairs >> 8]], -1)
+    return signed_book("IQ3_XXS", patterns, parity_signs(torch.arange(256) & 127))
+
+
+def iq2_s_book() -> RunsBook:
+    """IQ2_S's entries: a 10-bit grid index, then a sign bit an input."""
+    positive = signed_center(3) + grid(quants.IQ2_S).indices  # uint8 [1024, 8]
+    return signed_book("IQ2_S", positive, bits_of(torch.arange(256)))
 
 
 @functools.cache
@@ -190,10 +216,12 @@ def runs_book(name: str) -> RunsBook:
         return whole_book(name, iq2_book(quants.IQ2_XS, 9))
     if name == "IQ3_XXS":
         return iq3_xxs_book()
+    if name == "IQ2_S":
+        return iq2_s_book()
     return whole_book(name, iq1_book(getattr(quants, name)))
 
 
-RUN_FORMATS = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ3_XXS")
+RUN_FORMATS = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS")
 """Formats whose runs of 8 inputs are entries of a book (`runs`)."""
 
 
@@ -231,10 +259,10 @@ def iq2_s(blocks: torch.Tensor) -> Decoded:
     lead = blocks.shape[:-1]
     high = (blocks[..., 66:74, None].long() >> torch.tensor([0, 2, 4, 6])) & 3
     indices = blocks[..., 2:34].long() | high.reshape(*lead, 32) << 8
-    magnitude = grid(quants.IQ2_S).indices[indices]
-    codes = signed_codes(magnitude, bits_of(blocks[..., 34:66]), 3)
+    entries = indices | blocks[..., 34:66].long() << 16
+    codes = runs_book("IQ2_S").codes_of(entries)
     steps = 2 * nibbles(blocks[..., 74:82]) + 1
-    return odd_steps(codes, steps, base(blocks) / 8, 16, 3)
+    return odd_steps(codes, steps, base(blocks) / 8, 16, 3, entries)
 
 
 def iq3_xxs(blocks: torch.Tensor) -> Decoded:

@@ -376,13 +376,13 @@ class NativeWeight(KernelTensors):
     """A weight in the kernels' panel layout (csrc/cpu_kernels.cpp), in groups of 16 or 32:
     codes of up to 4 bits eight to a word (with their 16 levels where they stand for levels),
     5 and 6 bits as such a nibble plus words of two bits an input (`code_bits` 6), wider ones
-    signed, four to a word; codes of 2 and 3 bits (Q2_K, Q3_K, IQ2_S's levels),
-    where `keeps_three_bits`, in three bits, a pair of groups' low two bits 16 to a word then
-    their high bits 32 to a word (`code_bits` 3, `three_bit_words`), which the kernels widen
-    to nibbles as they multiply; runs of 8 inputs that are entries of their format's book
-    (IQ1, IQ2_XXS, IQ2_XS, IQ3_XXS: `Runs`) as those 16- or 24-bit entries (`code_bits` 2),
-    which the kernels look up as they multiply; scales and offsets as `compact_scales` keeps
-    them, or as int8 steps and float32 bases (`panel_steps`)."""
+    signed, four to a word; codes of 2 and 3 bits (Q2_K, Q3_K), where `keeps_three_bits`, in
+    three bits, a pair of groups' low two bits 16 to a word then their high bits 32 to a
+    word (`code_bits` 3, `three_bit_words`), which the kernels widen to nibbles as they
+    multiply; runs of 8 inputs that are entries of their format's book (IQ1, IQ2, IQ3_XXS:
+    `Runs`) as those 16- or 24-bit entries (`code_bits` 2) where they are smaller than the
+    codes, which the kernels look up as they multiply; scales and offsets as
+    `compact_scales` keeps them, or as int8 steps and float32 bases (`panel_steps`)."""
 
     def __init__(self, codes: Codes, scratch: Scratch | None = None) -> None:
         self.scratch = scratch or Scratch()
@@ -401,13 +401,19 @@ class NativeWeight(KernelTensors):
             and keeps_three_bits(codes.table is not None)
         )
         self.code_bits = 3 if three else 4 if codes.bits <= 4 else 6 if codes.bits <= 6 else 8
-        if codes.runs is not None:
+        # book entries where they take fewer bits than the codes (IQ2_S's 24 bits a run of 8
+        # match three-bit codes, which multiply faster)
+        runs = codes.runs
+        if runs is not None and runs.entry_bits // 8 >= self.code_bits:
+            runs = None
+        if runs is not None:
             self.code_bits = 2
         self.levels = None
         if self.code_bits < 8 and codes.table is not None:
             self.levels = level_bytes(codes.table[:16])
         self.padded = padded = -(-rows // LANES) * LANES
         codes = codes.pad_rows(padded)
+        runs = codes.runs if runs is not None else None
         values, scales, offsets = codes.codes, codes.scales, codes.offsets
         if self.code_bits == 8:
             values, offsets = codes.signed()
@@ -450,8 +456,7 @@ class NativeWeight(KernelTensors):
             fields = (entries >> (8 * torch.arange(size, dtype=torch.int32))) & 255
             return fields.to(torch.uint8).reshape(panels, groups, -1).view(torch.int32)
 
-        if codes.runs is not None:
-            runs = codes.runs
+        if runs is not None:
             if runs.entries.numel() and int(runs.entries.max()) >= runs.entry_limit:
                 raise ValueError("book entries past the end of their book")
             self.words = entry_words(runs)

@@ -15,9 +15,9 @@
 //     widen to 4-bit codes' words by shifts and masks, a few panels at a time as they are
 //     multiplied (`widen_three`);
 //   entries of a book (`book`: IQ1, IQ2_XXS and IQ2_XS, whose grid index and signs of a
-//     run of 8 inputs fit 16 bits, and IQ3_XXS's two grid indices and signs in 24): entries
-//     [run of the group, lane] of 2 or 3 bytes, each standing for a word of 8 nibble codes
-//     of the book, looked up a unit's panels at a time as they are multiplied (`widen_book`).
+//     run of 8 inputs fit 16 bits, and IQ2_S's and IQ3_XXS's grid indices and signs in 24):
+//     entries [run of the group, lane] of 2 or 3 bytes, each standing for a word of 8
+//     nibble codes, looked up a unit's panels at a time as they are multiplied (`widen_book`).
 // With levels (IQ4_NL / IQ4_XS: 16 integer levels, denser near zero) a 4-bit code c stands
 // for levels[c] instead of c; they are kept as bytes, levels[c] + 128.
 // Scales and offsets are stored [panel, group, 8], in float32 or, where every one of them
@@ -140,7 +140,7 @@ struct Weight {
                            // 4-bit codes once widened, which every use of `words` does first)
   const uint32_t* book = nullptr;  // entries of a book: its words (`four_bit` too, likewise):
                                    // 16-bit entries' patterns, or for 24-bit ones their low
-                                   // 16 bits' patterns, then 128 words of nibbles to flip
+                                   // 16 bits' patterns, then 256 words of nibbles to flip
                                    // by the top 8 (`Runs`)
   int64_t entry_bytes = 0;         // 2 or 3
 
@@ -1847,8 +1847,8 @@ Weight weight_of(const at::Tensor& words, const at::Tensor& scales, const at::Te
            code_bits == 3};
   if (code_bits == 2) {
     const uint32_t* header = reinterpret_cast<const uint32_t*>(w.levels + 16);
-    TORCH_CHECK(header[0] == 16 || (header[0] == 24 && levels->numel() == 20 + 4 * (65536 + 128)),
-                "a book's entries are 16 bits, or 24 with 65,536 patterns and 128 flips");
+    TORCH_CHECK(header[0] == 16 || (header[0] == 24 && levels->numel() == 20 + 4 * (65536 + 256)),
+                "a book's entries are 16 bits, or 24 with 65,536 patterns and 256 flips");
     w.entry_bytes = header[0] / 8;
     w.book = header + 1;
   }
