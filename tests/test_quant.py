@@ -212,6 +212,16 @@ def test_scales_take_the_fewest_bytes_that_keep_them(
     assert torch.equal(compact.rows(ids), wide.rows(ids))
 
 
+def check_through_row_changes(codes: Codes, check: Callable[[Codes], None]) -> None:
+    """`check` of the codes, of each part of a split, padded, and after both joins."""
+    check(codes)
+    for part in codes.split_rows(3):
+        check(part)
+    check(codes.pad_rows(16))
+    check(Codes.concat_rows(codes.split_rows(2)))
+    check(codes.interleave_blocks(codes, 2))
+
+
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 def test_super_block_formats_decode_their_scales_as_steps_of_a_base(qtype: QType) -> None:
     """Formats of 256-input blocks (K-quants, IQ4_XS, the codebook formats) give each group's
@@ -235,12 +245,7 @@ def test_super_block_formats_decode_their_scales_as_steps_of_a_base(qtype: QType
         else:  # none at all, or stored as a multiple of the scale
             assert qtype in (QType.Q3_K, QType.Q6_K) or not c.offsets.any()
 
-    check(codes)
-    for part in codes.split_rows(3):
-        check(part)
-    check(codes.pad_rows(16))
-    check(Codes.concat_rows(codes.split_rows(2)))
-    check(codes.interleave_blocks(codes, 2))
+    check_through_row_changes(codes, check)
 
 
 @pytest.mark.parametrize("qtype", [QType.Q2_K, QType.Q3_K], ids=lambda q: q.name)
@@ -385,12 +390,7 @@ def test_book_entries_stand_for_the_codes(qtype: QType) -> None:
         assert int(c.runs.entries.max()) < 1 << c.runs.entry_bits
         assert torch.equal(c.runs.codes_of(c.runs.entries).view(c.shape), c.codes)
 
-    check(codes)
-    for part in codes.split_rows(3):
-        check(part)
-    check(codes.pad_rows(16))
-    check(Codes.concat_rows(codes.split_rows(2)))
-    check(codes.interleave_blocks(codes, 2))
+    check_through_row_changes(codes, check)
 
 
 @needs_kernels

@@ -1877,6 +1877,17 @@ ASERVE_INLINE void widen_word(const uint32_t* low, const uint32_t* high, int low
   std::memcpy(out, &word, sizeof word);
 }
 
+// Panels [first, first + count) of w as the 4-bit weight whose words `widen_three` or
+// `widen_book` made into `out`.
+Weight nibbles_of(const Weight& w, int64_t first, int64_t count, const std::vector<uint32_t>& out) {
+  Weight v = panels_from(w, first);
+  v.words = out.data();
+  v.panels = count;
+  v.three_bit = false;
+  v.book = nullptr;
+  return v;
+}
+
 // Panels [first, first + count) of a `three_bit` weight as the nibble words of a 4-bit one
 // into `out` (count * groups * group / 8 * 8 words), and that weight, whose panel 0 is w's
 // `first`: its products are w's, since both hold the same codes. A pair of groups' words a
@@ -1903,11 +1914,7 @@ Weight widen_three(const Weight& w, int64_t first, int64_t count, std::vector<ui
         widen_word(low + kLanes, high, 2, 3, at + 3 * kLanes);
       }
     }
-  Weight v = panels_from(w, first);
-  v.words = out.data();
-  v.panels = count;
-  v.three_bit = false;
-  return v;
+  return nibbles_of(w, first, count, out);
 }
 
 // Panels [first, first + count) of a `book` weight as the nibble words of a 4-bit one into
@@ -1937,11 +1944,7 @@ Weight widen_book(const Weight& w, int64_t first, int64_t count, std::vector<uin
     const uint8_t* last = entries + 3 * (words - 1);
     out[words - 1] = word(last[0] | last[1] << 8 | last[2] << 16);
   }
-  Weight v = panels_from(w, first);
-  v.words = out.data();
-  v.panels = count;
-  v.book = nullptr;
-  return v;
+  return nibbles_of(w, first, count, out);
 }
 
 // Panels [first, first + count) of a weight that `widens` as the nibble words of a 4-bit one.
