@@ -6,10 +6,10 @@ patterns, plus signs and a small integer scale a group. The patterns take few di
 magnitudes (3 in IQ2's grids, 8 in IQ3's, -1 / 0 / 1 in IQ1's, which move each by an eighth),
 so every weight is one of at most 16 signed levels times its group's scale: the form
 of IQ4's levels, which every product already reads (CPU tiles, CUDA kernels, MoE paths).
-In IQ1 and IQ2_XXS / IQ2_XS a run's grid index and signs fit 16 bits, an entry of a book of
-every pattern they can make (`Runs`): the CPU kernels keep those entries and look the
-codes up as they multiply, two bits an input. Elsewhere codes take 3 or 4 bits an input
-where the file spends 2.56 to 3.44 bits a weight.
+In IQ1, IQ2 and IQ3_XXS a run of 8 inputs (grid indices and signs) is an entry of 16 or 24
+bits into a book of the patterns they make (`Runs`): the CPU kernels keep those entries
+and look the codes up as they multiply, two or three bits an input. IQ3_S's (26 bits) and
+every format's on CUDA are codes of 4 bits an input, where the file spends 3.44.
 
 The grids are the `gguf` package's (its de-quantizers' tables, so the two cannot disagree);
 tests/test_quant.py checks every format against its de-quantization bit for bit.
