@@ -31,7 +31,7 @@ from aserve.layers.moe_triton import (
     two_passes,
 )
 from aserve.quant.codes import Codes
-from aserve.quant.cuda import CudaWeight, byte_levels, level_of
+from aserve.quant.cuda import CudaWeight, group_codes
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,7 @@ def _expanded_dot(
     start,
     cols,
     N,
+    K,
     FOUR_BIT: tl.constexpr,
     LEVELS: tl.constexpr,
     PERMUTE: tl.constexpr,
@@ -119,19 +120,10 @@ def _expanded_dot(
     them). A dot a group of 16 or 32 inputs, its float32 sum then scaled and offset (as
     quant/cuda.py's `quantized_gemm` does), was 1.0-1.5x slower at 1-128 tokens and up to
     5x at 8,192 (bench/NOTES.md). Codes that stand for levels take them by byte permutes
-    where PERMUTE (quant/cuda.py's `byte_levels`), as the dense products do."""
+    where PERMUTE, through the tiled dense product's loader (quant/cuda.py's `group_codes`)."""
     tile_ok = (cols < N)[None, :]
     k = start + tl.arange(0, BLOCK_K)
-    if FOUR_BIT:
-        packed = tl.load(codes_ptr + (k[:, None] // 2) * N + cols[None, :], mask=tile_ok, other=0)
-        if LEVELS and PERMUTE:
-            low, high = byte_levels(packed, LEVEL_ASM)
-            code = tl.where(k[:, None] % 2 == 0, low, high)
-        else:
-            code = level_of(levels_ptr, (packed >> ((k[:, None] % 2) * 4)) & 15, LEVELS)
-    else:
-        code = tl.load(codes_ptr + k[:, None] * N + cols[None, :], mask=tile_ok, other=0)
-        code = level_of(levels_ptr, code, LEVELS)
+    code = group_codes(codes_ptr, levels_ptr, k, cols, N, K, FOUR_BIT, LEVELS, PERMUTE, LEVEL_ASM)
     # each group's scale and offset loaded once, then repeated over its GROUP inputs
     groups: tl.constexpr = BLOCK_K // GROUP
     at = (start // GROUP + tl.arange(0, groups))[:, None] * N + cols[None, :]
@@ -195,13 +187,13 @@ def _moe_codes_gemm(
     for start in range(0, K, BLOCK_K):
         x = tl.load(a_rows[:, None] + (start + tl.arange(0, BLOCK_K))[None, :])
         acc = _expanded_dot(
-            acc, x, codes_ptr, levels_ptr, scales_ptr, offsets_ptr, start, cols, N,
+            acc, x, codes_ptr, levels_ptr, scales_ptr, offsets_ptr, start, cols, N, K,
             FOUR_BIT, LEVELS, PERMUTE, LEVEL_ASM, GROUP, PRECISION, BLOCK_K, BLOCK_N,
         )  # fmt: skip
         if GATED:
             acc_up = _expanded_dot(
                 acc_up, x, codes_ptr, levels_ptr, scales_ptr, offsets_ptr, start, cols + n_size,
-                N, FOUR_BIT, LEVELS, PERMUTE, LEVEL_ASM, GROUP, PRECISION, BLOCK_K, BLOCK_N,
+                N, K, FOUR_BIT, LEVELS, PERMUTE, LEVEL_ASM, GROUP, PRECISION, BLOCK_K, BLOCK_N,
             )  # fmt: skip
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up

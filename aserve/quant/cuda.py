@@ -51,13 +51,13 @@ def group_codes(
 ):  # fmt: skip
     """One group's codes [k, cols] as stored, input-major ([K (/ 2), N]), so that a tile loads
     along N, coalesced (the two inputs of a byte load it twice, from cache); with LEVELS, the
-    levels they stand for (with PERMUTE by byte permutes, `byte_levels`)."""
+    levels they stand for (with PERMUTE by byte permutes, `_byte_levels`)."""
     ok = (k[:, None] < K) & (cols[None, :] < N)
     if FOUR_BIT:
         # byte (j, n) holds input 2j of output n in its low nibble and 2j + 1 in its high one
         packed = tl.load(codes_ptr + (k[:, None] // 2) * N + cols[None, :], mask=ok, other=0)
         if LEVELS and PERMUTE:
-            low, high = byte_levels(packed, LEVEL_ASM)
+            low, high = _byte_levels(packed, LEVEL_ASM)
             code = tl.where(k[:, None] % 2 == 0, low, high)
         else:
             code = level_of(levels_ptr, (packed >> ((k[:, None] % 2) * 4)) & 15, LEVELS)
@@ -131,7 +131,7 @@ def quantized_gemm(
                 x_even = tl.load(even, mask=row_ok[:, None], other=0.0)
                 x_odd = tl.load(even + 1, mask=row_ok[:, None], other=0.0)
                 if LEVELS and PERMUTE:
-                    even_levels, odd_levels = byte_levels(packed, LEVEL_ASM)
+                    even_levels, odd_levels = _byte_levels(packed, LEVEL_ASM)
                     even_codes = even_levels.to(x_even.dtype)
                     odd_codes = odd_levels.to(x_odd.dtype)
                 else:
@@ -206,7 +206,7 @@ prmt.b32 $1, first, second, 0x7531;
 
 def level_permutes(table: torch.Tensor) -> str:
     """`_LEVEL_PERMUTES` for a table of 16 integer levels in [-128, 127] (`level_bytes`): the
-    PTX that `_word_levels` and `byte_levels` run (a constexpr, so each table is one
+    PTX that `_word_levels` and `_byte_levels` run (a constexpr, so each table is one
     compile)."""
     biased = level_bytes(table[:16]).view(torch.int32)
     return _LEVEL_PERMUTES.format(*(f"0x{w & 0xFFFFFFFF:08x}" for w in biased.tolist()))
@@ -222,7 +222,7 @@ def _word_levels(words, LEVEL_ASM: tl.constexpr):
 
 
 @triton.jit
-def byte_levels(packed, LEVEL_ASM: tl.constexpr):
+def _byte_levels(packed, LEVEL_ASM: tl.constexpr):
     """The same for a uint8 tile, four bytes a register: (the low nibbles' levels, the high
     nibbles'), each as float32 levels."""
     low, high = tl.inline_asm_elementwise(

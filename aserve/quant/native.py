@@ -275,7 +275,7 @@ def _cpu_features() -> str:
 
 
 def rounds_activations(code_bits: int, levels: bool = False) -> bool:
-    """Whether products of codes kept in `code_bits` (3, 4, 6 or 8, as `NativeWeight` keeps
+    """Whether products of codes kept in `code_bits` (2, 3, 4, 6 or 8, as `NativeWeight` keeps
     them; `levels`: 4-bit codes that stand for levels) round activations to 16-bit integers
     on this CPU (csrc/cpu_kernels.cpp, `IntActivations`); False where the kernels do not
     build."""
