@@ -409,7 +409,9 @@ class NativeWeight(KernelTensors):
         if runs is not None:
             self.code_bits = 2
         self.levels = None
-        if self.code_bits < 8 and codes.table is not None:
+        if runs is not None:
+            self.levels = runs.kernel_book
+        elif self.code_bits < 8 and codes.table is not None:
             self.levels = level_bytes(codes.table[:16])
         self.padded = padded = -(-rows // LANES) * LANES
         codes = codes.pad_rows(padded)
@@ -460,7 +462,6 @@ class NativeWeight(KernelTensors):
             if runs.entries.numel() and int(runs.entries.max()) >= runs.entry_limit:
                 raise ValueError("book entries past the end of their book")
             self.words = entry_words(runs)
-            self.levels = runs.kernel_book
         elif self.code_bits == 8:
             self.words = words_of(values, 4)
         elif self.code_bits == 3:
