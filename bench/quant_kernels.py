@@ -9,6 +9,10 @@ against MKL float32, on CUDA against cuBLAS bfloat16.
         4096x14336 --rows 1 16 64 256 1024 4096
     python bench/quant_kernels.py --fp8 --shapes 6144x4096 28672x4096 4096x14336 --rows 1 4 16
 
+`--qtypes IQ2_XXS IQ3_XXS ...` (CUDA) times random weights of llama.cpp's formats: the
+engine's form (book entries for the formats of runs), the same weight in 4-bit codes, and
+cuBLAS bfloat16 on it de-quantized, the weights rotating past L2 (`Rotating`).
+
 `--fp8` times products of a few rows with FP8 weights (CUDA): the engine's choice, a sweep
 of the one-row GEMV's and `fp8_cuda.few_rows`'s settings, `torch._scaled_mm` with the rows
 quantized, and the bfloat16 GEMV and cuBLAS on the same weight.
@@ -318,6 +322,52 @@ def fp8_product(shape: str, rows: int) -> str:
     )
 
 
+def gguf_products(qtypes: list[str], shapes: list[str], row_counts: list[int]) -> None:
+    """`--qtypes`: each format's product against its 4-bit codes and cuBLAS (CUDA)."""
+    import gguf
+    import numpy as np
+
+    from aserve.quant.cuda import CudaWeight
+    from aserve.quant.gguf import decode
+    from bench.gguf_files import random_blocks
+
+    print(f"{torch.cuda.get_device_name()}; us a product: engine (bits a weight) / 4-bit codes")
+    print("/ cuBLAS bfloat16, weights rotating past L2")
+    print("shape        qtype   " + "".join(f"{m:>24}" for m in row_counts))
+    device, rng = torch.device("cuda"), np.random.default_rng(0)
+    for shape in shapes:
+        out, cols = (int(v) for v in shape.split("x"))
+        for name in qtypes:
+            kind = gguf.GGMLQuantizationType[name]
+            raw = random_blocks(kind, out, cols, 0.02, rng)
+            codes = decode(torch.from_numpy(raw), kind, cols)
+            ours = CudaWeight(codes, device, torch.bfloat16)
+            plain = CudaWeight(codes._replace(runs=None), device, torch.bfloat16)
+            dense = codes.dequantize().to(device, torch.bfloat16)
+            copies = max(2, 2**28 // ours.nbytes)
+            engine = [ours] + [CudaWeight(codes, device, torch.bfloat16) for _ in range(copies)]
+            nibbles = [plain] + [
+                CudaWeight(codes._replace(runs=None), device, torch.bfloat16)
+                for _ in range(max(2, 2**28 // plain.nbytes))
+            ]
+            floats = [dense] + [dense.clone() for _ in range(max(2, 2**28 // dense.nbytes))]
+            cells = []
+            for rows in row_counts:
+                x = torch.randn(rows, cols, device=device, dtype=torch.bfloat16)
+                times = [
+                    us_per_cuda_call(Rotating(ws, lambda w, x=x: w.linear(x, None)))
+                    for ws in (engine, nibbles)
+                ]
+                times.append(
+                    us_per_cuda_call(Rotating(floats, partial(torch.nn.functional.linear, x)))
+                )
+                cells.append(" / ".join(f"{t:.1f}" for t in times))
+            bits = 8 * ours.nbytes / (out * cols)
+            print(f"{shape:<12} {name:<7} ({bits:.2f})" + "".join(f"{c:>24}" for c in cells))
+            del engine, nibbles, floats
+            torch.cuda.empty_cache()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--shapes", nargs="+", default=SMOLLM2, help="OUTxIN weight shapes")
@@ -329,6 +379,7 @@ def main() -> None:
     )
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--fp8", action="store_true", help="FP8 products of --rows rows (CUDA)")
+    p.add_argument("--qtypes", nargs="+", help="random weights of these GGUF formats (CUDA)")
     p.add_argument(
         "--fp8-gemm", action="store_true", help="FP8 x FP8 products: Triton settings (CUDA)"
     )
@@ -339,6 +390,9 @@ def main() -> None:
         "--fp8-feeds", action="store_true", help="FP8 norm/activation/quantization (CUDA)"
     )
     args = p.parse_args()
+    if args.qtypes:
+        gguf_products(args.qtypes, args.shapes, args.rows)
+        return
     if args.fp8_feeds:
         fp8_feeds(args.rows)
         return

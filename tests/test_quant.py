@@ -393,6 +393,34 @@ def test_book_entries_stand_for_the_codes(qtype: QType) -> None:
     check_through_row_changes(codes, check)
 
 
+@pytest.mark.parametrize("name", iquants.RUN_FORMATS)
+def test_a_books_split_tables_give_every_entrys_codes(name: str) -> None:
+    """`split_book`'s small tables (CUDA's form of a book) XOR to the codes of every 16-bit
+    entry, and of every 24-bit one's pattern under each of its 256 sign bytes (patterns
+    sampled), in at most 2,050 words (8 KiB) of tables where the book takes up to 65,792."""
+    from aserve.quant.codes import split_book
+
+    book = iquants.runs_book(name)
+    tables, low_bits, signs_at = split_book(book.kernel_book)
+    assert len(tables) <= 2050 and (signs_at > 0) == (book.entry_bits == 24)
+    if book.entry_bits == 16:
+        entries = torch.arange((book.kernel_book.numel() - 20) // 4)
+    else:
+        seeded = torch.Generator().manual_seed(9)
+        high = 256 if name == "IQ3_XXS" else 4  # IQ2_S's grid indices are of 10 bits
+        patterns = torch.randint(0, high, (64,), generator=seeded) << 8
+        patterns |= torch.randint(0, 256, (64,), generator=seeded)
+        entries = (patterns[:, None] | torch.arange(256) << 16).flatten()
+    pattern = entries & 0xFFFF
+    words = (
+        tables[pattern & ((1 << low_bits) - 1)] ^ tables[(1 << low_bits) + (pattern >> low_bits)]
+    )
+    if signs_at:
+        words ^= tables[signs_at + (entries >> 16)]
+    codes = (words[:, None] >> (4 * torch.arange(8))) & 15
+    assert torch.equal(codes, book.codes_of(entries).long())
+
+
 @needs_kernels
 @pytest.mark.parametrize(
     ("qtype", "code_bytes", "scale_bytes"),

@@ -210,16 +210,19 @@ def test_fp8_gemv_widens_every_byte_with_bit_operations() -> None:
 
 
 @pytest.mark.parametrize(
-    "qtype", ["Q4_1", "Q8_0", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ2_XXS", "IQ1_M"]
-)
+    "qtype",
+    ["Q4_1", "Q8_0", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ2_XXS", "IQ1_M", "IQ2_S",
+     "IQ3_XXS"],
+)  # fmt: skip
 def test_gguf_products_on_each_path_match_float64(qtype: str) -> None:
     """quant/cuda.py's three paths for a GGUF weight against float64 on its exact de-quantized
     values, float32 activations: one row (`gemv`: codes read as 32-bit words, widened by
     shifts and masks under the exponent of 1.0, each group's sum of x taken back out), a few
     rows (the tiled product) and past DEQUANTIZE_ROWS (de-quantized slices); and the lookup
     of rows. 4-, 8- and 3-bit codes, groups of 32 and 16, offsets and none, IQ4's levels and
-    the codebook formats' (IQ2_XXS, IQ1_M);
-    the widening's cancellation costs a few float32 steps, well under the tolerance."""
+    the codebook formats' entries, kept in 2 bytes a run of 8 inputs (IQ2_XXS, IQ1_M) or 3
+    (IQ2_S, IQ3_XXS); the widening's cancellation costs a few float32 steps, well under the
+    tolerance."""
     from gguf import GGMLQuantizationType
 
     from aserve.quant.cuda import DEQUANTIZE_ROWS, CudaWeight
@@ -229,6 +232,9 @@ def test_gguf_products_on_each_path_match_float64(qtype: str) -> None:
     kind = GGMLQuantizationType[qtype]
     codes = decode(torch.from_numpy(random_blocks(kind, 100, 512, seed=4)), kind, 512)
     weight = CudaWeight(codes, DEVICE, torch.float32)
+    if codes.runs is not None:
+        assert weight.codes.nbytes == 100 * 512 // 8 * codes.runs.entry_bits // 8
+    assert (weight.offsets is None) == (not codes.offsets.any())
     exact_weight = codes.dequantize().double()
     for rows in (1, 5, DEQUANTIZE_ROWS + 2):
         x = torch.randn(rows, 512, generator=gen(40 + rows))
@@ -240,6 +246,23 @@ def test_gguf_products_on_each_path_match_float64(qtype: str) -> None:
     ids = torch.tensor([7, 0, 99])
     looked_up = weight.rows(ids.to(DEVICE)).cpu().double()
     torch.testing.assert_close(looked_up, exact_weight[ids], rtol=0, atol=0)
+
+
+def test_book_entries_past_their_book_are_refused_at_load() -> None:
+    """The CUDA kernels read the book unchecked, so an entry past it is refused at load."""
+    from gguf import GGMLQuantizationType
+
+    from aserve.quant.cuda import CudaWeight
+    from aserve.quant.gguf import decode
+    from tests.test_quant import random_blocks
+
+    kind = GGMLQuantizationType.IQ2_XXS
+    codes = decode(torch.from_numpy(random_blocks(kind, 8, 256, seed=4)), kind, 256)
+    assert codes.runs is not None
+    entries = codes.runs.entries.clone()
+    entries[3, 1] = codes.runs.entry_limit
+    with pytest.raises(ValueError, match="past the end of their book"):
+        CudaWeight(codes._replace(runs=codes.runs._replace(entries=entries)), DEVICE, F32)
 
 
 @pytest.mark.parametrize(("tokens", "experts", "top_k"), [(1, 128, 8), (5, 60, 6), (64, 8, 2)])
@@ -291,7 +314,15 @@ def test_one_program_block_layout_is_the_torch_layout(
 
 @pytest.mark.parametrize(
     ("qtype", "inter"),
-    [("Q4_0", 64), ("Q8_0", 96), ("Q3_K", 256), ("Q6_K", 256), ("IQ4_XS", 256), ("IQ2_XS", 256)],
+    [
+        ("Q4_0", 64),
+        ("Q8_0", 96),
+        ("Q3_K", 256),
+        ("Q6_K", 256),
+        ("IQ4_XS", 256),
+        ("IQ2_XS", 256),
+        ("IQ3_XXS", 256),
+    ],
 )
 @pytest.mark.parametrize("tokens", [1, 7, 40])
 # random blocks make gate values of up to ~1e7: the interpreter's float32 exp overflows to
@@ -300,7 +331,8 @@ def test_one_program_block_layout_is_the_torch_layout(
 def test_fused_gguf_experts_match_float64(qtype: str, inter: int, tokens: int) -> None:
     """layers/moe_codes_triton.py's two launches over experts stacked in codes against the
     float64 definition on their exact de-quantized values: 4-bit groups of 32, 8-bit codes,
-    3-bit groups of 16, Q6_K's 6-bit bytes, IQ4's and IQ2_XS's levels; one token (decode),
+    3-bit groups of 16, Q6_K's 6-bit bytes, IQ4's levels, and IQ2_XS's and IQ3_XXS's book
+    entries (16 and 24 bits); one token (decode),
     several whose experts repeat, and enough for tiles of 32 rows; experts that get no
     token."""
     check_fused_gguf_experts(qtype, inter, tokens)
@@ -502,25 +534,40 @@ from aserve.layers import moe_codes_triton
 from aserve.quant import cuda
 from aserve.quant.gguf import IQ4_LEVELS
 
-POINTERS = {"levels_ptr": "*bf16", "scales_ptr": "*fp16", "offsets_ptr": "*fp16", "y_ptr": "*fp32"}
+POINTERS = {"levels_ptr": "*bf16", "book_ptr": "*i32", "scales_ptr": "*fp16",
+            "offsets_ptr": "*fp16", "y_ptr": "*fp32"}
 GEMV = {"x_ptr": "*bf16", "words_ptr": "*i32", **POINTERS, "N": "i32", "K": "i32"}
+BOOK_GEMV = {"x_ptr": "*bf16", "entries_ptr": "*u8", **POINTERS, "N": "i32", "K": "i32"}
 GEMM = {"x_ptr": "*bf16", "x_sums_ptr": "*fp32", "codes_ptr": "*u8", **POINTERS,
         "M": "i32", "N": "i32", "K": "i32"}
-MOE = {"a_ptr": "*bf16", "codes_ptr": "*u8", "levels_ptr": "*bf16", "scales_ptr": "*fp16",
-       "offsets_ptr": "*fp16", "c_ptr": "*bf16", "weight_ptr": "*fp32",
+MOE = {"a_ptr": "*bf16", "codes_ptr": "*u8", "levels_ptr": "*bf16", "book_ptr": "*i32",
+       "scales_ptr": "*fp16", "offsets_ptr": "*fp16", "c_ptr": "*bf16", "weight_ptr": "*fp32",
        "sorted_pairs_ptr": "*i32", "block_expert_ptr": "*i32", "num_pairs": "i32",
        "num_experts": "i32", "n_size": "i32", "N": "i32", "K": "i32", "stride_am": "i32",
        "stride_cm": "i32"}
 permutes = cuda.level_permutes(IQ4_LEVELS)
 compiled = 0
-for four_bit, levels in ((True, True), (True, False), (False, False)):
+# (four-bit, levels, book entries' low bits and signs): 4-bit codes of levels, plain 4- and
+# 8-bit codes, and 16- and 24-bit book entries
+for four_bit, levels, low_bits, signs_at in (
+    (True, True, 0, 0), (True, False, 0, 0), (False, False, 0, 0), (True, True, 8, 0),
+    (True, True, 8, 512),
+):
     flags = {"FOUR_BIT": four_bit, "LEVELS": levels, "PERMUTE": True,
-             "LEVEL_ASM": permutes if levels else ""}
+             "LEVEL_ASM": permutes if levels else "", "LOW_BITS": low_bits,
+             "SIGNS_AT": signs_at, "OFFSETS": not levels}
     if not levels:
         flags["levels_ptr"] = None  # as the launches pass a weight without levels
+    if not low_bits:
+        flags["book_ptr"] = None
+    if levels:
+        flags["offsets_ptr"] = None
+    gemv = (cuda.book_gemv, BOOK_GEMV, {"GROUP": 32, "BLOCK_N": 128, "SPLIT_K": 2, "PDL": True},
+            {"num_warps": 1, "num_stages": 3}) if low_bits else (
+            cuda.gemv, GEMV, {"GROUP": 32, "BLOCK_W": 32, "SPLIT_K": 2, "PDL": True},
+            {"num_warps": 1, "num_stages": 3})
     for fn, signature, rest, options in (
-        (cuda.gemv, GEMV, {"GROUP": 32, "BLOCK_W": 32, "SPLIT_K": 2, "PDL": True},
-         {"num_warps": 1, "num_stages": 3}),
+        gemv,
         (cuda.quantized_gemm, GEMM, {"GROUP": 16 if levels else 32, "PRECISION": "tf32",
          "BLOCK_M": 16, "BLOCK_N": 64, "GROUPS_PER_STEP": 2, "SPLIT_K": 1},
          {"num_warps": 4, "num_stages": 4}),
@@ -528,7 +575,7 @@ for four_bit, levels in ((True, True), (True, False), (False, False)):
          "GROUP": 32, "PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128},
          {"num_warps": 4, "num_stages": 3}),
     ):
-        constants = {**flags, **rest}
+        constants = {k: v for k, v in {**flags, **rest}.items() if k in fn.arg_names}
         # in the kernel's order of parameters, which the constexprs' indices follow
         names = {p: "constexpr" if p in constants else signature[p] for p in fn.arg_names}
         source = ASTSource(
@@ -568,4 +615,4 @@ def test_quantized_products_compile_for_hopper_without_a_gpu(tmp_path: Path) -> 
     )
     if result.stdout.startswith("no ptxas"):
         pytest.skip(f"this Triton has no ptxas to compile with: {result.stdout.strip()}")
-    assert result.returncode == 0 and "compiled 9" in result.stdout, result.stderr[-3000:]
+    assert result.returncode == 0 and "compiled 15" in result.stdout, result.stderr[-3000:]

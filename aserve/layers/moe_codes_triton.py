@@ -37,17 +37,22 @@ from aserve.quant.cuda import CudaWeight, group_codes
 @dataclass(frozen=True)
 class StackedCodes:
     """Every expert's weight of one part in `CudaWeight`'s layout with the expert first:
-    `codes` uint8 `[E, K / 2 or K, N]`, `scales` and `offsets` `[E, K / group, N]`, and
-    the `levels` the codes stand for, if they do (`level_asm`: their byte permutes). `rows`
-    is N (of gate|up, an expert's gate rows then its up rows), `cols` K."""
+    `codes` uint8 `[E, K / 2 or K, N]` (or book entries' planes, `[E, K / 8 * planes, N]`,
+    with the `book` and its `low_bits` and `signs_at`), `scales` and `offsets` (None where
+    all zero) `[E, K / group, N]`, and the `levels` the codes stand for, if they do
+    (`level_asm`: their byte permutes). `rows` is N (of gate|up, an expert's gate rows then
+    its up rows), `cols` K."""
 
     codes: torch.Tensor
     scales: torch.Tensor
-    offsets: torch.Tensor
+    offsets: torch.Tensor | None
     levels: torch.Tensor | None
     level_asm: str
     group: int
     four_bit: bool
+    book: torch.Tensor | None
+    low_bits: int
+    signs_at: int
 
     @property
     def experts(self) -> int:
@@ -63,7 +68,8 @@ class StackedCodes:
 
     @property
     def nbytes(self) -> int:
-        return self.codes.nbytes + self.scales.nbytes + self.offsets.nbytes
+        tensors = (self.codes, self.scales, self.offsets)
+        return sum(t.nbytes for t in tensors if t is not None)
 
 
 def stack_experts(
@@ -86,11 +92,14 @@ def stack_experts(
     return StackedCodes(
         by_expert(whole.codes),
         by_expert(whole.scales),
-        by_expert(whole.offsets),
+        None if whole.offsets is None else by_expert(whole.offsets),
         whole.levels,
         whole.level_asm,
         whole.group,
         whole.four_bit,
+        whole.book,
+        whole.low_bits,
+        whole.signs_at,
     )
 
 
@@ -100,6 +109,7 @@ def _expanded_dot(
     x,
     codes_ptr,
     levels_ptr,
+    book_ptr,
     scales_ptr,
     offsets_ptr,
     start,
@@ -110,6 +120,9 @@ def _expanded_dot(
     LEVELS: tl.constexpr,
     PERMUTE: tl.constexpr,
     LEVEL_ASM: tl.constexpr,
+    LOW_BITS: tl.constexpr,
+    SIGNS_AT: tl.constexpr,
+    OFFSETS: tl.constexpr,
     GROUP: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -122,17 +135,20 @@ def _expanded_dot(
     5x at 8,192 (bench/NOTES.md). Codes that stand for levels take them by byte permutes
     where PERMUTE, through the tiled dense product's loader (quant/cuda.py's `group_codes`)."""
     tile_ok = (cols < N)[None, :]
-    k = start + tl.arange(0, BLOCK_K)
-    code = group_codes(codes_ptr, levels_ptr, k, cols, N, K, FOUR_BIT, LEVELS, PERMUTE, LEVEL_ASM)
+    code = group_codes(
+        codes_ptr, levels_ptr, book_ptr, start, cols, N, K, BLOCK_K, BLOCK_N, FOUR_BIT, LEVELS,
+        PERMUTE, LEVEL_ASM, LOW_BITS, SIGNS_AT,
+    )  # fmt: skip
     # each group's scale and offset loaded once, then repeated over its GROUP inputs
     groups: tl.constexpr = BLOCK_K // GROUP
     at = (start // GROUP + tl.arange(0, groups))[:, None] * N + cols[None, :]
-    scale = tl.load(scales_ptr + at, mask=tile_ok, other=0.0).to(tl.float32)
-    offset = tl.load(offsets_ptr + at, mask=tile_ok, other=0.0).to(tl.float32)
     shape: tl.constexpr = (groups, GROUP, BLOCK_N)
+    scale = tl.load(scales_ptr + at, mask=tile_ok, other=0.0).to(tl.float32)
     scale = tl.reshape(tl.broadcast_to(scale[:, None, :], shape), (BLOCK_K, BLOCK_N))
-    offset = tl.reshape(tl.broadcast_to(offset[:, None, :], shape), (BLOCK_K, BLOCK_N))
-    weight = code.to(tl.float32) * scale + offset
+    weight = code.to(tl.float32) * scale
+    if OFFSETS:
+        offset = tl.load(offsets_ptr + at, mask=tile_ok, other=0.0).to(tl.float32)
+        weight += tl.reshape(tl.broadcast_to(offset[:, None, :], shape), (BLOCK_K, BLOCK_N))
     return tl.dot(x, weight.to(x.dtype), acc, input_precision=PRECISION)
 
 
@@ -141,6 +157,7 @@ def _moe_codes_gemm(
     a_ptr,
     codes_ptr,
     levels_ptr,
+    book_ptr,
     scales_ptr,
     offsets_ptr,
     c_ptr,
@@ -160,6 +177,9 @@ def _moe_codes_gemm(
     LEVELS: tl.constexpr,
     PERMUTE: tl.constexpr,
     LEVEL_ASM: tl.constexpr,
+    LOW_BITS: tl.constexpr,
+    SIGNS_AT: tl.constexpr,
+    OFFSETS: tl.constexpr,
     GROUP: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -178,22 +198,26 @@ def _moe_codes_gemm(
     pairs, row_ok = block_pairs(sorted_pairs_ptr, block, num_pairs, BLOCK_M)
     a_rows = a_ptr + tl.where(row_ok, pairs // ROWS_PER_A, 0) * stride_am
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    lines = K // 2 if FOUR_BIT else K
+    # (book entries: a run's 2 or 3 planes of bytes)
+    lines = K // 8 * (3 if SIGNS_AT else 2) if LOW_BITS else (K // 2 if FOUR_BIT else K)
     codes_ptr += expert * lines * N
     scales_ptr += expert * (K // GROUP) * N
-    offsets_ptr += expert * (K // GROUP) * N
+    if OFFSETS:
+        offsets_ptr += expert * (K // GROUP) * N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
         x = tl.load(a_rows[:, None] + (start + tl.arange(0, BLOCK_K))[None, :])
         acc = _expanded_dot(
-            acc, x, codes_ptr, levels_ptr, scales_ptr, offsets_ptr, start, cols, N, K,
-            FOUR_BIT, LEVELS, PERMUTE, LEVEL_ASM, GROUP, PRECISION, BLOCK_K, BLOCK_N,
+            acc, x, codes_ptr, levels_ptr, book_ptr, scales_ptr, offsets_ptr, start, cols, N, K,
+            FOUR_BIT, LEVELS, PERMUTE, LEVEL_ASM, LOW_BITS, SIGNS_AT, OFFSETS, GROUP, PRECISION,
+            BLOCK_K, BLOCK_N,
         )  # fmt: skip
         if GATED:
             acc_up = _expanded_dot(
-                acc_up, x, codes_ptr, levels_ptr, scales_ptr, offsets_ptr, start, cols + n_size,
-                N, K, FOUR_BIT, LEVELS, PERMUTE, LEVEL_ASM, GROUP, PRECISION, BLOCK_K, BLOCK_N,
+                acc_up, x, codes_ptr, levels_ptr, book_ptr, scales_ptr, offsets_ptr, start,
+                cols + n_size, N, K, FOUR_BIT, LEVELS, PERMUTE, LEVEL_ASM, LOW_BITS, SIGNS_AT,
+                OFFSETS, GROUP, PRECISION, BLOCK_K, BLOCK_N,
             )  # fmt: skip
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up
@@ -235,6 +259,7 @@ def _launch(
         a,
         w.codes,
         w.levels,
+        w.book,
         w.scales,
         w.offsets,
         c,
@@ -254,6 +279,9 @@ def _launch(
         LEVELS=w.levels is not None,
         PERMUTE=a.is_cuda,  # Triton's interpreter (tests on CPU) runs no PTX
         LEVEL_ASM=w.level_asm,
+        LOW_BITS=w.low_bits,
+        SIGNS_AT=w.signs_at,
+        OFFSETS=w.offsets is not None,
         GROUP=w.group,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m,

@@ -9,6 +9,7 @@ one place instead of each pair needing its own code.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -256,6 +257,40 @@ def quantize(weight: torch.Tensor, bits: int, group: int = 32) -> Codes:
         codes = steps.round().clamp(0, 15).to(torch.uint8)
         return Codes(codes.view(rows, cols), scales, low, group, 4)
     raise ValueError(f"weights quantize to 4 or 8 bits, not {bits}")
+
+
+@functools.cache
+def split_book(kernel_book: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """A `Runs.kernel_book` as two or three small tables whose words XOR to an entry's word
+    of 8 nibble codes, for CUDA (quant/cuda.py): `(tables, low_bits, signs_at)`. The word of
+    entry e is `tables[p & (2**low_bits - 1)] ^ tables[2**low_bits + (p >> low_bits)]`, p its
+    low 16 bits, and for 24-bit entries also `^ tables[signs_at + (e >> 16)]` (signs_at is 0
+    for 16-bit ones). Every format's book splits so (a grid index and a sign index, or two
+    grid bytes): a few KiB that stay in the SMs' caches, where the whole book's 256 KiB
+    would be gathered from L2. The split taken is the smallest that holds for every
+    pattern, checked here. Once per book (books are shared: `iquants.runs_book`)."""
+    entry_bits = int(kernel_book[16:20].view(torch.int32))
+    words = kernel_book[20:].view(torch.int32)
+    patterns = words
+    if entry_bits == 24:  # patterns padded to 65,536 with words of 0, which none has (its
+        # codes are of positive levels, 4 and up), then 256 words of signs
+        used = int(words[: 1 << 16].nonzero().max()) + 1
+        patterns = words[: 1 << (used - 1).bit_length()]
+    span = max(1, (len(patterns) - 1).bit_length())
+    index = torch.arange(len(patterns))
+    best: tuple[int, torch.Tensor] | None = None
+    for low_bits in range(1, span + 1):
+        low = patterns[: 1 << low_bits]
+        starts = (torch.arange(1 << (span - low_bits)) << low_bits).clamp(max=len(patterns) - 1)
+        high = patterns[starts] ^ patterns[0]
+        rebuilt = low[index & ((1 << low_bits) - 1)] ^ high[index >> low_bits]
+        if torch.equal(rebuilt, patterns) and (best is None or len(low) + len(high) < len(best[1])):
+            best = (low_bits, torch.cat([low, high]))
+    assert best is not None  # one table of every pattern always splits
+    low_bits, tables = best
+    if entry_bits == 16:
+        return tables, low_bits, 0
+    return torch.cat([tables, words[1 << 16 :]]), low_bits, len(tables)
 
 
 def level_bytes(table: torch.Tensor) -> torch.Tensor:

@@ -26,12 +26,14 @@ Triton).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from aserve.layers.pdl import launch_next, pdl_options, wait_for_previous, wait_only
-from aserve.quant.codes import Codes, groups_of_at_most_32, level_bytes
+from aserve.quant.codes import Codes, Runs, groups_of_at_most_32, level_bytes, split_book
 
 GROUPS = (16, 32)
 GEMV_ROWS = 1  # one row (a single stream's decode) takes `gemv`
@@ -46,16 +48,28 @@ GEMV_BLOCK_W, GEMV_WARPS, GEMV_STAGES, GEMV_PROGRAMS = 32, 1, 3, 8 * 132
 
 @triton.jit
 def group_codes(
-    codes_ptr, levels_ptr, k, cols, N, K, FOUR_BIT: tl.constexpr, LEVELS: tl.constexpr,
-    PERMUTE: tl.constexpr, LEVEL_ASM: tl.constexpr,
+    codes_ptr, levels_ptr, book_ptr, start, cols, N, K, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, FOUR_BIT: tl.constexpr, LEVELS: tl.constexpr, PERMUTE: tl.constexpr,
+    LEVEL_ASM: tl.constexpr, LOW_BITS: tl.constexpr, SIGNS_AT: tl.constexpr,
 ):  # fmt: skip
-    """One group's codes [k, cols] as stored, input-major ([K (/ 2), N]), so that a tile loads
-    along N, coalesced (the two inputs of a byte load it twice, from cache); with LEVELS, the
-    levels they stand for (with PERMUTE by byte permutes, `_byte_levels`)."""
+    """The codes of inputs [start, start + BLOCK_K) for outputs `cols`, `[BLOCK_K, BLOCK_N]`,
+    from codes stored input-major (`[K (/ 2), N]`), so that a tile loads along N, coalesced
+    (the two inputs of a byte load it twice, from cache), or from book entries (LOW_BITS,
+    `book_words`); with LEVELS, the levels they stand for (with PERMUTE by byte permutes,
+    `_byte_levels`)."""
+    k = start + tl.arange(0, BLOCK_K)
     ok = (k[:, None] < K) & (cols[None, :] < N)
-    if FOUR_BIT:
+    if FOUR_BIT or LOW_BITS:
         # byte (j, n) holds input 2j of output n in its low nibble and 2j + 1 in its high one
-        packed = tl.load(codes_ptr + (k[:, None] // 2) * N + cols[None, :], mask=ok, other=0)
+        if LOW_BITS:
+            runs = start // 8 + tl.arange(0, BLOCK_K // 8)
+            words = book_words(codes_ptr, book_ptr, runs, cols, N, K, LOW_BITS, SIGNS_AT)
+            shifts = 8 * (tl.arange(0, 8) // 2)
+            packed = (words[:, None, :] >> shifts[None, :, None]) & 255
+            packed = tl.reshape(packed, (BLOCK_K, BLOCK_N)).to(tl.uint8)
+        else:
+            at = codes_ptr + (k[:, None] // 2) * N + cols[None, :]
+            packed = tl.load(at, mask=ok, other=0)
         if LEVELS and PERMUTE:
             low, high = _byte_levels(packed, LEVEL_ASM)
             code = tl.where(k[:, None] % 2 == 0, low, high)
@@ -65,6 +79,30 @@ def group_codes(
         code = tl.load(codes_ptr + k[:, None] * N + cols[None, :], mask=ok, other=0)
         code = level_of(levels_ptr, code, LEVELS)
     return code
+
+
+@triton.jit
+def book_words(
+    entries_ptr, book_ptr, runs, cols, N, K, LOW_BITS: tl.constexpr, SIGNS_AT: tl.constexpr
+):
+    """The words of 8 nibble codes (input i in bits 4i..4i+3) that the book entries of runs
+    `runs` (8 inputs each) stand for, `[len(runs), len(cols)]`. Entries are stored as byte
+    planes, `[K / 8 * planes, N]`: a run's low bytes, then its high bytes, then for 24-bit
+    entries its sign bytes; the book as `Runs.split_book` splits it (quant/codes.py), a few
+    KiB read from the SMs' caches."""
+    planes: tl.constexpr = 3 if SIGNS_AT else 2
+    ok = (runs[:, None] < K // 8) & (cols[None, :] < N)
+    at = entries_ptr + runs[:, None] * (planes * N) + cols[None, :]
+    pattern = tl.load(at, mask=ok, other=0).to(tl.int32)
+    pattern |= tl.load(at + N, mask=ok, other=0).to(tl.int32) << 8
+    low_mask: tl.constexpr = (1 << LOW_BITS) - 1
+    high_at: tl.constexpr = 1 << LOW_BITS
+    word = tl.load(book_ptr + (pattern & low_mask))
+    word ^= tl.load(book_ptr + high_at + (pattern >> LOW_BITS))
+    if SIGNS_AT:
+        signs = tl.load(at + 2 * N, mask=ok, other=0).to(tl.int32)
+        word ^= tl.load(book_ptr + SIGNS_AT + signs)
+    return word
 
 
 @triton.jit
@@ -84,6 +122,7 @@ def quantized_gemm(
     x_sums_ptr,
     codes_ptr,
     levels_ptr,
+    book_ptr,
     scales_ptr,
     offsets_ptr,
     y_ptr,
@@ -94,6 +133,9 @@ def quantized_gemm(
     LEVELS: tl.constexpr,
     PERMUTE: tl.constexpr,
     LEVEL_ASM: tl.constexpr,
+    LOW_BITS: tl.constexpr,
+    SIGNS_AT: tl.constexpr,
+    OFFSETS: tl.constexpr,
     GROUP: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -105,7 +147,7 @@ def quantized_gemm(
     GROUPS_PER_STEP groups, a divisor of the groups): per group a tensor-core dot of the
     activations with the codes (small integers, exact in 16 bits), then
     `acc += part * scale + x_sum * offset` in float32, x_sum being the group's sum of x
-    (x_sums, computed once per product)."""
+    (x_sums, computed once per product); without OFFSETS (all zero) only the first term."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -120,7 +162,7 @@ def quantized_gemm(
         for j in tl.static_range(GROUPS_PER_STEP):
             start = step + j * GROUP
             group = start // GROUP
-            if FOUR_BIT and GROUP == 32:
+            if FOUR_BIT and GROUP == 32 and not LOW_BITS:
                 # each byte loaded once: its low nibbles meet the even inputs, its high ones
                 # the odd inputs, in two dots of half a group
                 pairs = start // 2 + tl.arange(0, GROUP // 2)
@@ -144,13 +186,17 @@ def quantized_gemm(
                 k = start + tl.arange(0, GROUP)
                 x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=row_ok[:, None], other=0.0)
                 code = group_codes(
-                    codes_ptr, levels_ptr, k, cols, N, K, FOUR_BIT, LEVELS, PERMUTE, LEVEL_ASM
-                )
+                    codes_ptr, levels_ptr, book_ptr, start, cols, N, K, GROUP, BLOCK_N, FOUR_BIT,
+                    LEVELS, PERMUTE, LEVEL_ASM, LOW_BITS, SIGNS_AT,
+                )  # fmt: skip
                 part = tl.dot(x, code.to(x.dtype), input_precision=PRECISION)
             scale = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
-            offset = tl.load(offsets_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
-            x_sum = tl.load(x_sums_ptr + rows * groups + group, mask=row_ok, other=0.0)
-            acc += part * scale[None, :] + x_sum[:, None] * offset[None, :]
+            acc += part * scale[None, :]
+            if OFFSETS:
+                at = group * N + cols
+                offset = tl.load(offsets_ptr + at, mask=col_ok, other=0.0).to(tl.float32)
+                x_sum = tl.load(x_sums_ptr + rows * groups + group, mask=row_ok, other=0.0)
+                acc += x_sum[:, None] * offset[None, :]
     tl.store(
         y_ptr + pid_k * M * N + rows[:, None] * N + cols[None, :],
         acc.to(y_ptr.dtype.element_ty),
@@ -260,11 +306,14 @@ def _byte_dot(
 
 
 @triton.jit
-def _closed(acc, dot, x_sum, scales_ptr, offsets_ptr, at, ok):
-    """`acc` plus a group's part, `scale * dot + offset * x_sum`, for the outputs `at`."""
+def _closed(acc, dot, x_sum, scales_ptr, offsets_ptr, at, ok, OFFSETS: tl.constexpr):
+    """`acc` plus a group's part, `scale * dot + offset * x_sum`, for the outputs `at`
+    (without OFFSETS, all zero, `scale * dot`)."""
     scale = tl.load(scales_ptr + at, mask=ok, other=0.0).to(tl.float32)
-    offset = tl.load(offsets_ptr + at, mask=ok, other=0.0).to(tl.float32)
-    return acc + scale * dot + offset * x_sum
+    acc += scale * dot
+    if OFFSETS:
+        acc += tl.load(offsets_ptr + at, mask=ok, other=0.0).to(tl.float32) * x_sum
+    return acc
 
 
 @triton.jit
@@ -281,6 +330,7 @@ def gemv(
     LEVELS: tl.constexpr,
     PERMUTE: tl.constexpr,
     LEVEL_ASM: tl.constexpr,
+    OFFSETS: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_W: tl.constexpr,
     SPLIT_K: tl.constexpr,
@@ -332,25 +382,85 @@ def gemv(
         dot = _byte_dot(
             words, lows, highs, 0, x_even, x_odd, x_sum, levels_ptr, FOUR_BIT, LEVELS, PERMUTE
         )
-        acc0 = _closed(acc0, dot, x_sum, scales_ptr, offsets_ptr, outputs, ok)
+        acc0 = _closed(acc0, dot, x_sum, scales_ptr, offsets_ptr, outputs, ok, OFFSETS)
         dot = _byte_dot(
             words, lows, highs, 1, x_even, x_odd, x_sum, levels_ptr, FOUR_BIT, LEVELS, PERMUTE
         )
-        acc1 = _closed(acc1, dot, x_sum, scales_ptr, offsets_ptr, outputs + 1, ok)
+        acc1 = _closed(acc1, dot, x_sum, scales_ptr, offsets_ptr, outputs + 1, ok, OFFSETS)
         dot = _byte_dot(
             words, lows, highs, 2, x_even, x_odd, x_sum, levels_ptr, FOUR_BIT, LEVELS, PERMUTE
         )
-        acc2 = _closed(acc2, dot, x_sum, scales_ptr, offsets_ptr, outputs + 2, ok)
+        acc2 = _closed(acc2, dot, x_sum, scales_ptr, offsets_ptr, outputs + 2, ok, OFFSETS)
         dot = _byte_dot(
             words, lows, highs, 3, x_even, x_odd, x_sum, levels_ptr, FOUR_BIT, LEVELS, PERMUTE
         )
-        acc3 = _closed(acc3, dot, x_sum, scales_ptr, offsets_ptr, outputs + 3, ok)
+        acc3 = _closed(acc3, dot, x_sum, scales_ptr, offsets_ptr, outputs + 3, ok, OFFSETS)
     launch_next(PDL)
     y = y_ptr + pid_k * N + 4 * cols
     tl.store(y, acc0.to(y_ptr.dtype.element_ty), mask=ok)
     tl.store(y + 1, acc1.to(y_ptr.dtype.element_ty), mask=ok)
     tl.store(y + 2, acc2.to(y_ptr.dtype.element_ty), mask=ok)
     tl.store(y + 3, acc3.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def book_gemv(
+    x_ptr,
+    entries_ptr,
+    book_ptr,
+    levels_ptr,
+    scales_ptr,
+    offsets_ptr,
+    y_ptr,
+    N,
+    K,
+    PERMUTE: tl.constexpr,
+    LEVEL_ASM: tl.constexpr,
+    LOW_BITS: tl.constexpr,
+    SIGNS_AT: tl.constexpr,
+    OFFSETS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """`gemv` for weights in book entries (`book_words`): a thread looks up each run's word
+    of 8 nibble codes for its outputs, permutes the nibbles into their levels (as `gemv`
+    does codes of levels) and sums the group's products in float32 before its scale."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    wait_only(PDL)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = cols < N
+    run_count: tl.constexpr = GROUP // 8
+    run = tl.arange(0, run_count)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for group in range(pid_k, K // GROUP, SPLIT_K):
+        words = book_words(
+            entries_ptr, book_ptr, group * run_count + run, cols, N, K, LOW_BITS, SIGNS_AT
+        )
+        x_at = x_ptr + group * GROUP + 8 * run  # each run's first input
+        x_sum = tl.sum(tl.load(x_ptr + group * GROUP + tl.arange(0, GROUP)).to(tl.float32))
+        if PERMUTE:
+            # byte b of `lows` is input 2b's level + 128, of `highs` input 2b + 1's; each
+            # term is x * (1 + (level + 128) / 256), as in `_byte_dot`
+            lows, highs = _word_levels(words, LEVEL_ASM)
+            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for b in tl.static_range(4):
+                x_even = tl.load(x_at + 2 * b).to(tl.float32)
+                x_odd = tl.load(x_at + 2 * b + 1).to(tl.float32)
+                terms = x_even[:, None] * _one_plus(lows, 8 * b, 8)
+                terms += x_odd[:, None] * _one_plus(highs, 8 * b, 8)
+                total += tl.sum(terms, axis=0)
+            dot = 256 * (total - x_sum) - 128 * x_sum
+        else:
+            dot = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for i in tl.static_range(8):
+                level = tl.load(levels_ptr + ((words >> (4 * i)) & 15)).to(tl.float32)
+                dot += tl.sum(tl.load(x_at + i).to(tl.float32)[:, None] * level, axis=0)
+        acc = _closed(acc, dot, x_sum, scales_ptr, offsets_ptr, group * N + cols, ok, OFFSETS)
+    launch_next(PDL)
+    tl.store(y_ptr + pid_k * N + cols, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -371,6 +481,7 @@ def sum_splits(
 def dequantize_kernel(
     codes_ptr,
     levels_ptr,
+    book_ptr,
     scales_ptr,
     offsets_ptr,
     w_ptr,
@@ -380,6 +491,9 @@ def dequantize_kernel(
     WIDTH,
     FOUR_BIT: tl.constexpr,
     LEVELS: tl.constexpr,
+    LOW_BITS: tl.constexpr,
+    SIGNS_AT: tl.constexpr,
+    OFFSETS: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -389,17 +503,27 @@ def dequantize_kernel(
     k = start + tl.arange(0, GROUP)
     cols = FIRST + tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < FIRST + WIDTH
-    code = group_codes(codes_ptr, levels_ptr, k, cols, N, K, FOUR_BIT, LEVELS, False, "")
+    code = group_codes(
+        codes_ptr, levels_ptr, book_ptr, start, cols, N, K, GROUP, BLOCK_N, FOUR_BIT, LEVELS,
+        False, "", LOW_BITS, SIGNS_AT,
+    )  # fmt: skip
     code = code.to(tl.float32)
     where = (start // GROUP) * N + cols
     scale = tl.load(scales_ptr + where, mask=col_ok, other=0.0).to(tl.float32)
-    offset = tl.load(offsets_ptr + where, mask=col_ok, other=0.0).to(tl.float32)
-    w = code * scale[None, :] + offset[None, :]
+    w = code * scale[None, :]
+    if OFFSETS:
+        w += tl.load(offsets_ptr + where, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(
         w_ptr + k[:, None] * WIDTH + (cols - FIRST)[None, :],
         w.to(w_ptr.dtype.element_ty),
         mask=col_ok[None, :],
     )
+
+
+@functools.cache
+def _on_device(tables: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A book's tables on `device`, one copy for the format's weights."""
+    return tables.to(device)
 
 
 def _split_k(tiles: int, steps: int, programs: int = BUSY_PROGRAMS, least: int = 4) -> int:
@@ -413,7 +537,9 @@ def _split_k(tiles: int, steps: int, programs: int = BUSY_PROGRAMS, least: int =
 
 class CudaWeight:
     """A `[rows, cols]` weight on CUDA in groups of 16 or 32 inputs: codes of up to 4 bits two
-    to a byte, wider ones (up to 8 bits) a byte each."""
+    to a byte, wider ones (up to 8 bits) a byte each, or the book entries of formats that
+    pick runs of 8 inputs from a book (IQ1, IQ2, IQ3_XXS: 16 or 24 bits a run where 4-bit
+    codes take 32). Offsets that are all zero (most formats of levels) are not kept."""
 
     def __init__(self, codes: Codes, device: torch.device, dtype: torch.dtype) -> None:
         codes = groups_of_at_most_32(codes)
@@ -422,8 +548,6 @@ class CudaWeight:
         self.shape = codes.shape
         self.group = codes.group
         self.four_bit = codes.bits <= 4
-        values = codes.codes.to(device)
-        packed = values[:, 0::2] | (values[:, 1::2] << 4) if self.four_bit else values
         scale_dtype = torch.float32 if dtype == torch.float32 else torch.float16
         # levels (IQ4's are integers of up to 8 significant bits) exact in 16-bit types
         self.levels = None if codes.table is None else codes.table.to(device, dtype)
@@ -431,19 +555,50 @@ class CudaWeight:
         self.level_asm = ""
         if codes.table is not None and self.four_bit:
             self.level_asm = level_permutes(codes.table)
-        # input-major, [K (/ 2), N] and [groups, N]: see `expand`
-        self.codes = packed.t().contiguous()
+        # input-major, [K (/ 2), N] and [groups, N]: see `group_codes`
+        self.book: torch.Tensor | None = None
+        self.low_bits = self.signs_at = 0
+        if codes.runs is not None and self.level_asm:
+            self.codes = self._entry_planes(codes.runs, device)
+        else:
+            values = codes.codes.to(device)
+            packed = values[:, 0::2] | (values[:, 1::2] << 4) if self.four_bit else values
+            self.codes = packed.t().contiguous()
         self.scales = codes.scales.to(device, scale_dtype).t().contiguous()
-        self.offsets = codes.offsets.to(device, scale_dtype).t().contiguous()
+        self.offsets: torch.Tensor | None = None
+        if bool(codes.offsets.any()):
+            self.offsets = codes.offsets.to(device, scale_dtype).t().contiguous()
+
+    def _entry_planes(self, runs: Runs, device: torch.device) -> torch.Tensor:
+        """The entries as `book_words` reads them, `[K / 8 * planes, N]` bytes; the book's
+        split tables on `device` (shared by the format's weights)."""
+        if runs.entries.numel() and int(runs.entries.max()) >= runs.entry_limit:
+            raise ValueError("book entries past the end of their book")
+        tables, self.low_bits, self.signs_at = split_book(runs.kernel_book)
+        self.book = _on_device(tables, device)
+        planes = runs.entry_bits // 8
+        entries = runs.entries.t().to(device)  # [K / 8, N]
+        shifts = 8 * torch.arange(planes, dtype=torch.int32, device=device)
+        fields = (entries[:, None, :] >> shifts[:, None]) & 255
+        return fields.to(torch.uint8).reshape(-1, entries.shape[1]).contiguous()
 
     @property
     def nbytes(self) -> int:
-        return self.codes.nbytes + self.scales.nbytes + self.offsets.nbytes
+        tensors = (self.codes, self.scales, self.offsets)
+        return sum(t.nbytes for t in tensors if t is not None)
+
+    def _book_args(self) -> dict[str, object]:
+        """What every launch passes of the entries' book and the offsets."""
+        return {
+            "LOW_BITS": self.low_bits,
+            "SIGNS_AT": self.signs_at,
+            "OFFSETS": self.offsets is not None,
+        }
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         n = self.shape[0]
-        if rows.shape[0] <= GEMV_ROWS and n % 4 == 0:
+        if rows.shape[0] <= GEMV_ROWS and (n % 4 == 0 or self.book is not None):
             y = self._gemv(rows)
         elif rows.shape[0] >= DEQUANTIZE_ROWS:
             y = self._dequantized_product(rows)
@@ -473,26 +628,47 @@ class CudaWeight:
         split = _split_k(tiles, k // self.group, GEMV_PROGRAMS, least=2)
         dtype = torch.float32 if split > 1 else rows.dtype
         parts = torch.empty(split, n, dtype=dtype, device=rows.device)
-        gemv[(tiles, split)](
-            rows,
-            self.codes.view(torch.int32),
-            self.levels,
-            self.scales,
-            self.offsets,
-            parts,
-            n,
-            k,
-            FOUR_BIT=self.four_bit,
-            LEVELS=self.levels is not None,
-            PERMUTE=rows.is_cuda,  # Triton's interpreter (tests on CPU) runs no PTX
-            LEVEL_ASM=self.level_asm,
-            GROUP=self.group,
-            BLOCK_W=GEMV_BLOCK_W,
-            SPLIT_K=split,
-            num_warps=GEMV_WARPS,
-            num_stages=GEMV_STAGES,
+        levels = {"PERMUTE": rows.is_cuda, "LEVEL_ASM": self.level_asm, "GROUP": self.group}
+        # (PERMUTE: Triton's interpreter, which runs the tests on CPU, runs no PTX)
+        launch = {
+            "SPLIT_K": split,
+            "num_warps": GEMV_WARPS,
+            "num_stages": GEMV_STAGES,
             **pdl_options(rows.device, 1),
-        )
+        }
+        if self.book is not None:
+            book_gemv[(tiles, split)](
+                rows,
+                self.codes,
+                self.book,
+                self.levels,
+                self.scales,
+                self.offsets,
+                parts,
+                n,
+                k,
+                **levels,
+                **self._book_args(),
+                BLOCK_N=4 * GEMV_BLOCK_W,
+                **launch,
+            )
+        else:
+            gemv[(tiles, split)](
+                rows,
+                self.codes.view(torch.int32),
+                self.levels,
+                self.scales,
+                self.offsets,
+                parts,
+                n,
+                k,
+                FOUR_BIT=self.four_bit,
+                LEVELS=self.levels is not None,
+                **levels,
+                OFFSETS=self.offsets is not None,
+                BLOCK_W=GEMV_BLOCK_W,
+                **launch,
+            )
         if split == 1:
             return parts
         y = torch.empty(1, n, dtype=rows.dtype, device=rows.device)
@@ -516,12 +692,15 @@ class CudaWeight:
         split = _split_k(tiles_m * tiles_n, groups // per_step)
         out_dtype = rows.dtype if split == 1 else torch.float32
         y = torch.empty(split, m, n, dtype=out_dtype, device=rows.device)
-        x_sums = rows.float().view(m, groups, self.group).sum(-1)
+        x_sums = None
+        if self.offsets is not None:
+            x_sums = rows.float().view(m, groups, self.group).sum(-1)
         quantized_gemm[(tiles_m, tiles_n, split)](
             rows,
             x_sums,
             self.codes,
             self.levels,
+            self.book,
             self.scales,
             self.offsets,
             y,
@@ -532,6 +711,7 @@ class CudaWeight:
             LEVELS=self.levels is not None,
             PERMUTE=rows.is_cuda,
             LEVEL_ASM=self.level_asm,
+            **self._book_args(),
             GROUP=self.group,
             PRECISION="ieee" if rows.dtype == torch.float32 else "tf32",
             BLOCK_M=block_m,
@@ -551,6 +731,7 @@ class CudaWeight:
         dequantize_kernel[(k // self.group, -(-(last - first) // block_n))](
             self.codes,
             self.levels,
+            self.book,
             self.scales,
             self.offsets,
             w,
@@ -560,6 +741,7 @@ class CudaWeight:
             last - first,
             FOUR_BIT=self.four_bit,
             LEVELS=self.levels is not None,
+            **self._book_args(),
             GROUP=self.group,
             BLOCK_N=block_n,
         )
@@ -568,12 +750,29 @@ class CudaWeight:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` de-quantized, in float32 (embedding lookups)."""
         codes = self.codes[:, ids].t().contiguous()
-        if self.four_bit:
+        if self.book is not None:
+            values = self._book_codes(codes)
+        elif self.four_bit:
             values = torch.stack([codes & 15, codes >> 4], -1).flatten(-2)
-            values = values.float() if self.levels is None else self.levels[values.long()].float()
         else:
-            values = codes.float()
+            values = codes
+        values = values.float() if self.levels is None else self.levels[values.long()].float()
         grouped = values.view(len(ids), -1, self.group)
-        scales, offsets = self.scales[:, ids].t().float(), self.offsets[:, ids].t().float()
-        out = grouped * scales[..., None] + offsets[..., None]
+        out = grouped * self.scales[:, ids].t().float()[..., None]
+        if self.offsets is not None:
+            out += self.offsets[:, ids].t().float()[..., None]
         return out.reshape(len(ids), -1).contiguous()
+
+    def _book_codes(self, planes: torch.Tensor) -> torch.Tensor:
+        """The codes of entry planes `[rows, K / 8 * planes]` (`_entry_planes`, transposed), as
+        `book_words` finds them: `[rows, K]`."""
+        assert self.book is not None
+        count = 3 if self.signs_at else 2
+        fields = planes.view(planes.shape[0], -1, count).long()
+        pattern = fields[..., 0] | fields[..., 1] << 8
+        words = self.book[pattern & ((1 << self.low_bits) - 1)]
+        words ^= self.book[(1 << self.low_bits) + (pattern >> self.low_bits)]
+        if self.signs_at:
+            words ^= self.book[self.signs_at + fields[..., 2]]
+        shifts = 4 * torch.arange(8, device=words.device, dtype=torch.int32)
+        return ((words[..., None] >> shifts) & 15).flatten(-2)
