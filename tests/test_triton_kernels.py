@@ -562,8 +562,8 @@ for four_bit, levels, low_bits, signs_at in (
         flags["book_ptr"] = None
     if levels:
         flags["offsets_ptr"] = None
-    gemv = (cuda.book_gemv, BOOK_GEMV, {"GROUP": 32, "BLOCK_N": 128, "SPLIT_K": 2, "PDL": True},
-            {"num_warps": 1, "num_stages": 3}) if low_bits else (
+    gemv = (cuda.book_gemv, BOOK_GEMV, {"GROUP": 32, "BLOCK_N": 512, "SPLIT_K": 2, "PDL": True},
+            {"num_warps": 4, "num_stages": 3}) if low_bits else (
             cuda.gemv, GEMV, {"GROUP": 32, "BLOCK_W": 32, "SPLIT_K": 2, "PDL": True},
             {"num_warps": 1, "num_stages": 3})
     for fn, signature, rest, options in (

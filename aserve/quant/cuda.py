@@ -44,6 +44,9 @@ BUSY_PROGRAMS = 2 * 132  # programs that keep an H100/H200's SMs reading weights
 # settings on the 8B shape's four products (H200, weights past L2), the one best or within
 # 10% of the best for 4-, 8- and 3-bit codes on most of them.
 GEMV_BLOCK_W, GEMV_WARPS, GEMV_STAGES, GEMV_PROGRAMS = 32, 1, 3, 8 * 132
+# `book_gemv`'s outputs a program and warps: of 4 settings on the 8B shape's products in
+# IQ2_XXS (H200), best or within 4% of it on each (bench/NOTES.md)
+BOOK_BLOCK_N, BOOK_WARPS, BOOK_PROGRAMS = 512, 4, 8 * 132
 
 
 @triton.jit
@@ -63,7 +66,10 @@ def group_codes(
         # byte (j, n) holds input 2j of output n in its low nibble and 2j + 1 in its high one
         if LOW_BITS:
             runs = start // 8 + tl.arange(0, BLOCK_K // 8)
-            words = book_words(codes_ptr, book_ptr, runs, cols, N, K, LOW_BITS, SIGNS_AT)
+            planes: tl.constexpr = 3 if SIGNS_AT else 2
+            at = runs[:, None] * (planes * N) + cols[None, :]
+            run_ok = (runs[:, None] < K // 8) & (cols[None, :] < N)
+            words = book_words(codes_ptr, book_ptr, at, run_ok, N, LOW_BITS, SIGNS_AT)
             shifts = 8 * (tl.arange(0, 8) // 2)
             packed = (words[:, None, :] >> shifts[None, :, None]) & 255
             packed = tl.reshape(packed, (BLOCK_K, BLOCK_N)).to(tl.uint8)
@@ -82,17 +88,13 @@ def group_codes(
 
 
 @triton.jit
-def book_words(
-    entries_ptr, book_ptr, runs, cols, N, K, LOW_BITS: tl.constexpr, SIGNS_AT: tl.constexpr
-):
-    """The words of 8 nibble codes (input i in bits 4i..4i+3) that the book entries of runs
-    `runs` (8 inputs each) stand for, `[len(runs), len(cols)]`. Entries are stored as byte
-    planes, `[K / 8 * planes, N]`: a run's low bytes, then its high bytes, then for 24-bit
-    entries its sign bytes; the book as `Runs.split_book` splits it (quant/codes.py), a few
-    KiB read from the SMs' caches."""
-    planes: tl.constexpr = 3 if SIGNS_AT else 2
-    ok = (runs[:, None] < K // 8) & (cols[None, :] < N)
-    at = entries_ptr + runs[:, None] * (planes * N) + cols[None, :]
+def book_words(entries_ptr, book_ptr, at, ok, N, LOW_BITS: tl.constexpr, SIGNS_AT: tl.constexpr):
+    """The words of 8 nibble codes (input i in bits 4i..4i+3) that book entries stand for,
+    the entry of run r and output n at `at = r * planes * N + n`: entries are stored as byte
+    planes, `[K / 8 * planes, N]`, a run's low bytes, then its high bytes, then for 24-bit
+    entries its sign bytes. The book as `split_book` splits it (quant/codes.py), a few KiB
+    read from the SMs' caches."""
+    at = entries_ptr + at
     pattern = tl.load(at, mask=ok, other=0).to(tl.int32)
     pattern |= tl.load(at + N, mask=ok, other=0).to(tl.int32) << 8
     low_mask: tl.constexpr = (1 << LOW_BITS) - 1
@@ -426,38 +428,42 @@ def book_gemv(
 ):
     """`gemv` for weights in book entries (`book_words`): a thread looks up each run's word
     of 8 nibble codes for its outputs, permutes the nibbles into their levels (as `gemv`
-    does codes of levels) and sums the group's products in float32 before its scale."""
+    does codes of levels) and sums the group's products in float32 before its scale. Each
+    run is a vector over the outputs: as a `[runs, outputs]` tile Triton spread the runs
+    over threads, and the sums across them took shuffles and shared memory (an H200, the
+    8B shape's gate_up in IQ2_XXS: 101 us against 51 so)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     wait_only(PDL)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = cols < N
     run_count: tl.constexpr = GROUP // 8
-    run = tl.arange(0, run_count)
+    planes: tl.constexpr = 3 if SIGNS_AT else 2
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for group in range(pid_k, K // GROUP, SPLIT_K):
-        words = book_words(
-            entries_ptr, book_ptr, group * run_count + run, cols, N, K, LOW_BITS, SIGNS_AT
-        )
-        x_at = x_ptr + group * GROUP + 8 * run  # each run's first input
-        x_sum = tl.sum(tl.load(x_ptr + group * GROUP + tl.arange(0, GROUP)).to(tl.float32))
+        x_sum = 0.0
+        dot = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for r in tl.static_range(run_count):
+            at = (group * run_count + r) * (planes * N) + cols
+            words = book_words(entries_ptr, book_ptr, at, ok, N, LOW_BITS, SIGNS_AT)
+            x_at = x_ptr + group * GROUP + 8 * r
+            if PERMUTE:
+                # byte b of `lows` is input 2b's level + 128, of `highs` input 2b + 1's; each
+                # term is x * (1 + (level + 128) / 256), as in `_byte_dot`
+                lows, highs = _word_levels(words, LEVEL_ASM)
+                for b in tl.static_range(4):
+                    x_even = tl.load(x_at + 2 * b).to(tl.float32)
+                    x_odd = tl.load(x_at + 2 * b + 1).to(tl.float32)
+                    x_sum += x_even + x_odd
+                    dot += x_even * _one_plus(lows, 8 * b, 8) + x_odd * _one_plus(highs, 8 * b, 8)
+            else:
+                for i in tl.static_range(8):
+                    level = tl.load(levels_ptr + ((words >> (4 * i)) & 15)).to(tl.float32)
+                    x = tl.load(x_at + i).to(tl.float32)
+                    x_sum += x
+                    dot += x * level
         if PERMUTE:
-            # byte b of `lows` is input 2b's level + 128, of `highs` input 2b + 1's; each
-            # term is x * (1 + (level + 128) / 256), as in `_byte_dot`
-            lows, highs = _word_levels(words, LEVEL_ASM)
-            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for b in tl.static_range(4):
-                x_even = tl.load(x_at + 2 * b).to(tl.float32)
-                x_odd = tl.load(x_at + 2 * b + 1).to(tl.float32)
-                terms = x_even[:, None] * _one_plus(lows, 8 * b, 8)
-                terms += x_odd[:, None] * _one_plus(highs, 8 * b, 8)
-                total += tl.sum(terms, axis=0)
-            dot = 256 * (total - x_sum) - 128 * x_sum
-        else:
-            dot = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for i in tl.static_range(8):
-                level = tl.load(levels_ptr + ((words >> (4 * i)) & 15)).to(tl.float32)
-                dot += tl.sum(tl.load(x_at + i).to(tl.float32)[:, None] * level, axis=0)
+            dot = 256 * (dot - x_sum) - 128 * x_sum
         acc = _closed(acc, dot, x_sum, scales_ptr, offsets_ptr, group * N + cols, ok, OFFSETS)
     launch_next(PDL)
     tl.store(y_ptr + pid_k * N + cols, acc.to(y_ptr.dtype.element_ty), mask=ok)
@@ -624,15 +630,20 @@ class CudaWeight:
     def _gemv(self, rows: torch.Tensor) -> torch.Tensor:
         k = rows.shape[1]
         n = self.shape[0]
-        tiles = -(-n // (4 * GEMV_BLOCK_W))
-        split = _split_k(tiles, k // self.group, GEMV_PROGRAMS, least=2)
+        block, warps, programs = 4 * GEMV_BLOCK_W, GEMV_WARPS, GEMV_PROGRAMS
+        if self.book is not None:
+            block, warps, programs = BOOK_BLOCK_N, BOOK_WARPS, BOOK_PROGRAMS
+        tiles = -(-n // block)
+        split = _split_k(tiles, k // self.group, programs, least=2)
         dtype = torch.float32 if split > 1 else rows.dtype
         parts = torch.empty(split, n, dtype=dtype, device=rows.device)
-        levels = {"PERMUTE": rows.is_cuda, "LEVEL_ASM": self.level_asm, "GROUP": self.group}
-        # (PERMUTE: Triton's interpreter, which runs the tests on CPU, runs no PTX)
-        launch = {
+        shared = {
+            "PERMUTE": rows.is_cuda,  # Triton's interpreter (tests on CPU) runs no PTX
+            "LEVEL_ASM": self.level_asm,
+            "OFFSETS": self.offsets is not None,
+            "GROUP": self.group,
             "SPLIT_K": split,
-            "num_warps": GEMV_WARPS,
+            "num_warps": warps,
             "num_stages": GEMV_STAGES,
             **pdl_options(rows.device, 1),
         }
@@ -647,10 +658,10 @@ class CudaWeight:
                 parts,
                 n,
                 k,
-                **levels,
-                **self._book_args(),
-                BLOCK_N=4 * GEMV_BLOCK_W,
-                **launch,
+                LOW_BITS=self.low_bits,
+                SIGNS_AT=self.signs_at,
+                BLOCK_N=block,
+                **shared,
             )
         else:
             gemv[(tiles, split)](
@@ -664,10 +675,8 @@ class CudaWeight:
                 k,
                 FOUR_BIT=self.four_bit,
                 LEVELS=self.levels is not None,
-                **levels,
-                OFFSETS=self.offsets is not None,
                 BLOCK_W=GEMV_BLOCK_W,
-                **launch,
+                **shared,
             )
         if split == 1:
             return parts
