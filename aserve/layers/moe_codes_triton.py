@@ -31,7 +31,7 @@ from aserve.layers.moe_triton import (
     two_passes,
 )
 from aserve.quant.codes import Codes
-from aserve.quant.cuda import CudaWeight, group_codes
+from aserve.quant.cuda import CudaWeight, book_dots, group_codes
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,6 @@ def _expanded_dot(
     x,
     codes_ptr,
     levels_ptr,
-    book_ptr,
     scales_ptr,
     offsets_ptr,
     start,
@@ -120,8 +119,6 @@ def _expanded_dot(
     LEVELS: tl.constexpr,
     PERMUTE: tl.constexpr,
     LEVEL_ASM: tl.constexpr,
-    LOW_BITS: tl.constexpr,
-    SIGNS_AT: tl.constexpr,
     OFFSETS: tl.constexpr,
     GROUP: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -136,8 +133,8 @@ def _expanded_dot(
     where PERMUTE, through the tiled dense product's loader (quant/cuda.py's `group_codes`)."""
     tile_ok = (cols < N)[None, :]
     code = group_codes(
-        codes_ptr, levels_ptr, book_ptr, start, cols, N, K, BLOCK_K, BLOCK_N, FOUR_BIT, LEVELS,
-        PERMUTE, LEVEL_ASM, LOW_BITS, SIGNS_AT,
+        codes_ptr, levels_ptr, None, start, cols, N, K, BLOCK_K, BLOCK_N, FOUR_BIT, LEVELS,
+        PERMUTE, LEVEL_ASM, 0, 0,
     )  # fmt: skip
     # each group's scale and offset loaded once, then repeated over its GROUP inputs
     groups: tl.constexpr = BLOCK_K // GROUP
@@ -207,18 +204,30 @@ def _moe_codes_gemm(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
-        x = tl.load(a_rows[:, None] + (start + tl.arange(0, BLOCK_K))[None, :])
-        acc = _expanded_dot(
-            acc, x, codes_ptr, levels_ptr, book_ptr, scales_ptr, offsets_ptr, start, cols, N, K,
-            FOUR_BIT, LEVELS, PERMUTE, LEVEL_ASM, LOW_BITS, SIGNS_AT, OFFSETS, GROUP, PRECISION,
-            BLOCK_K, BLOCK_N,
-        )  # fmt: skip
-        if GATED:
-            acc_up = _expanded_dot(
-                acc_up, x, codes_ptr, levels_ptr, book_ptr, scales_ptr, offsets_ptr, start,
-                cols + n_size, N, K, FOUR_BIT, LEVELS, PERMUTE, LEVEL_ASM, LOW_BITS, SIGNS_AT,
-                OFFSETS, GROUP, PRECISION, BLOCK_K, BLOCK_N,
+        if LOW_BITS:  # book entries: runs of 8 inputs (BLOCK_K is 128)
+            acc = book_dots(
+                acc, a_rows, row_ok, codes_ptr, book_ptr, levels_ptr, scales_ptr, offsets_ptr,
+                start, cols, N, K, a_ptr.dtype.element_ty, PERMUTE, LEVEL_ASM, LOW_BITS,
+                SIGNS_AT, OFFSETS, GROUP, PRECISION, BLOCK_K, BLOCK_N,
             )  # fmt: skip
+            if GATED:
+                acc_up = book_dots(
+                    acc_up, a_rows, row_ok, codes_ptr, book_ptr, levels_ptr, scales_ptr,
+                    offsets_ptr, start, cols + n_size, N, K, a_ptr.dtype.element_ty, PERMUTE,
+                    LEVEL_ASM, LOW_BITS, SIGNS_AT, OFFSETS, GROUP, PRECISION, BLOCK_K, BLOCK_N,
+                )  # fmt: skip
+        else:
+            x = tl.load(a_rows[:, None] + (start + tl.arange(0, BLOCK_K))[None, :])
+            acc = _expanded_dot(
+                acc, x, codes_ptr, levels_ptr, scales_ptr, offsets_ptr, start, cols, N, K,
+                FOUR_BIT, LEVELS, PERMUTE, LEVEL_ASM, OFFSETS, GROUP, PRECISION, BLOCK_K, BLOCK_N,
+            )  # fmt: skip
+            if GATED:
+                acc_up = _expanded_dot(
+                    acc_up, x, codes_ptr, levels_ptr, scales_ptr, offsets_ptr, start,
+                    cols + n_size, N, K, FOUR_BIT, LEVELS, PERMUTE, LEVEL_ASM, OFFSETS, GROUP,
+                    PRECISION, BLOCK_K, BLOCK_N,
+                )  # fmt: skip
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up
     else:
@@ -251,6 +260,7 @@ def _launch(
 ) -> None:
     n_size = c.shape[1]
     block_k = next(b for b in (BLOCK_K, 64, 32, 16) if w.cols % b == 0 and b % w.group == 0)
+    assert w.book is None or block_k == 128, "book entries take steps of 128 inputs"
     wide = block_m == WIDE_BLOCK_M
     block_n, warps = (WIDE_BLOCK_N, WIDE_WARPS) if wide else (BLOCK_N, WARPS)
     stages = WIDE_STAGES[a.element_size()] if wide else STAGES
