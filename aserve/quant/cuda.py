@@ -20,8 +20,11 @@ it is bound by instructions, not memory: a single stream of a 4-bit 8B model dec
 little faster than bf16's here (3.82 against 3.99 ms/token, bench/NOTES.md). From 64 rows
 (large decode batches, prefill chunks) slices of the weight are de-quantized to the
 activations' dtype and cuBLAS multiplies them: on an H200 that beat the fused kernel from
-about 64 rows (`bench/quant_kernels.py --device cuda`). Imported only on CUDA (it imports
-Triton).
+about 64 rows (`bench/quant_kernels.py --device cuda`). The formats that pick each run of 8
+inputs from a book (IQ1, IQ2, IQ3_XXS) keep the file's entries instead of codes, 2.5-4 bits
+a weight where 4-bit codes took 5-6: `book_gemv` for one row, `book_dots` for tiles of up to
+16 rows, and wider tiles and slices spread them into codes in registers (`group_codes`).
+Imported only on CUDA (it imports Triton).
 """
 
 from __future__ import annotations
