@@ -391,6 +391,8 @@ def main() -> None:
     )
     args = p.parse_args()
     if args.qtypes:
+        if not torch.cuda.is_available():
+            raise SystemExit("--qtypes times CUDA products: this machine has no CUDA device")
         gguf_products(args.qtypes, args.shapes, args.rows)
         return
     if args.fp8_feeds:
