@@ -9,8 +9,9 @@ tensor per part, go through the block layout of `align_blocks` as the fused floa
 do (aserve/layers/moe_triton.py): every program multiplies a tile of one expert's rows by
 that expert's weights, expanded from the codes tile by tile in registers (`code * scale +
 offset`) for the tensor cores, the gate and up tiles side by side so that `silu(gate) * up`
-is written directly; then the down pass scales each row by its routing weight. Nothing reads
-the host, so decode is captured.
+is written directly; then the down pass scales each row by its routing weight. Experts in
+book entries (IQ1, IQ2, IQ3_XXS) are multiplied by quant/cuda.py's `book_dots` instead, a
+dot per position of a run's 8 inputs. Nothing reads the host, so decode is captured.
 Imported only on CUDA and under Triton's interpreter (it imports Triton).
 """
 
