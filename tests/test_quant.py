@@ -398,7 +398,7 @@ def test_a_books_split_tables_give_every_entrys_codes(name: str) -> None:
     """`split_book`'s small tables (CUDA's form of a book) XOR to the codes of every 16-bit
     entry, and of every 24-bit one's pattern under each of its 256 sign bytes (patterns
     sampled), in at most 2,050 words (8 KiB) of tables where the book takes up to 65,792."""
-    from aserve.quant.codes import split_book
+    from aserve.quant.codes import split_book, split_book_codes
 
     book = iquants.runs_book(name)
     tables, low_bits, signs_at = split_book(book.kernel_book)
@@ -411,14 +411,8 @@ def test_a_books_split_tables_give_every_entrys_codes(name: str) -> None:
         patterns = torch.randint(0, high, (64,), generator=seeded) << 8
         patterns |= torch.randint(0, 256, (64,), generator=seeded)
         entries = (patterns[:, None] | torch.arange(256) << 16).flatten()
-    pattern = entries & 0xFFFF
-    words = (
-        tables[pattern & ((1 << low_bits) - 1)] ^ tables[(1 << low_bits) + (pattern >> low_bits)]
-    )
-    if signs_at:
-        words ^= tables[signs_at + (entries >> 16)]
-    codes = (words[:, None] >> (4 * torch.arange(8))) & 15
-    assert torch.equal(codes, book.codes_of(entries).long())
+    codes = split_book_codes((tables, low_bits, signs_at), entries)
+    assert torch.equal(codes.long(), book.codes_of(entries).long())
 
 
 @needs_kernels

@@ -293,6 +293,20 @@ def split_book(kernel_book: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     return torch.cat([tables, words[1 << 16 :]]), low_bits, len(tables)
 
 
+def split_book_codes(split: tuple[torch.Tensor, int, int], entries: torch.Tensor) -> torch.Tensor:
+    """The 8 codes `[..., 8]` of each of `entries` (int64) through `split_book`'s tables, as
+    the CUDA kernels look them up (quant/cuda.py's `book_words`)."""
+    tables, low_bits, signs_at = split
+    pattern = entries & 0xFFFF
+    words = (
+        tables[pattern & ((1 << low_bits) - 1)] ^ tables[(1 << low_bits) + (pattern >> low_bits)]
+    )
+    if signs_at:
+        words = words ^ tables[signs_at + (entries >> 16)]
+    shifts = 4 * torch.arange(8, device=words.device, dtype=torch.int32)
+    return (words[..., None] >> shifts) & 15
+
+
 def level_bytes(table: torch.Tensor) -> torch.Tensor:
     """A code table as the CPU and CUDA kernels keep it: 16 integer levels in [-128, 127],
     each as level + 128 in a byte."""

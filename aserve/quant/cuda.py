@@ -36,7 +36,14 @@ import triton
 import triton.language as tl
 
 from aserve.layers.pdl import launch_next, pdl_options, wait_for_previous, wait_only
-from aserve.quant.codes import Codes, Runs, groups_of_at_most_32, level_bytes, split_book
+from aserve.quant.codes import (
+    Codes,
+    Runs,
+    groups_of_at_most_32,
+    level_bytes,
+    split_book,
+    split_book_codes,
+)
 
 GROUPS = (16, 32)
 GEMV_ROWS = 1  # one row (a single stream's decode) takes `gemv`
@@ -68,11 +75,11 @@ def group_codes(
     if FOUR_BIT or LOW_BITS:
         # byte (j, n) holds input 2j of output n in its low nibble and 2j + 1 in its high one
         if LOW_BITS:
-            runs = start // 8 + tl.arange(0, BLOCK_K // 8)
-            planes: tl.constexpr = 3 if SIGNS_AT else 2
-            at = runs[:, None] * (planes * N) + cols[None, :]
-            run_ok = (runs[:, None] < K // 8) & (cols[None, :] < N)
-            words = book_words(codes_ptr, book_ptr, at, run_ok, N, LOW_BITS, SIGNS_AT)
+            runs = (start // 8 + tl.arange(0, BLOCK_K // 8))[:, None]
+            run_ok = (runs < K // 8) & (cols[None, :] < N)
+            words = book_words(
+                codes_ptr, book_ptr, runs, cols[None, :], run_ok, N, LOW_BITS, SIGNS_AT
+            )
             shifts = 8 * (tl.arange(0, 8) // 2)
             packed = (words[:, None, :] >> shifts[None, :, None]) & 255
             packed = tl.reshape(packed, (BLOCK_K, BLOCK_N)).to(tl.uint8)
@@ -91,13 +98,17 @@ def group_codes(
 
 
 @triton.jit
-def book_words(entries_ptr, book_ptr, at, ok, N, LOW_BITS: tl.constexpr, SIGNS_AT: tl.constexpr):
-    """The words of 8 nibble codes (input i in bits 4i..4i+3) that book entries stand for,
-    the entry of run r and output n at `at = r * planes * N + n`: entries are stored as byte
-    planes, `[K / 8 * planes, N]`, a run's low bytes, then its high bytes, then for 24-bit
-    entries its sign bytes. The book as `split_book` splits it (quant/codes.py), a few KiB
-    read from the SMs' caches."""
-    at = entries_ptr + at
+def book_words(
+    entries_ptr, book_ptr, runs, cols, ok, N, LOW_BITS: tl.constexpr, SIGNS_AT: tl.constexpr
+):  # fmt: skip
+    """The words of 8 nibble codes (input i in bits 4i..4i+3) that the book entries of runs
+    `runs` (8 inputs each) and outputs `cols` stand for, shaped as `runs * cols` broadcasts:
+    entries are stored as byte planes, `[K / 8 * planes, N]`, a run's low bytes, then its
+    high bytes, then for 24-bit entries its sign bytes. The book as `split_book` splits it
+    (quant/codes.py, `split_book_codes` its torch twin), a few KiB read from the SMs'
+    caches."""
+    planes: tl.constexpr = 3 if SIGNS_AT else 2
+    at = entries_ptr + runs * (planes * N) + cols
     pattern = tl.load(at, mask=ok, other=0).to(tl.int32)
     pattern |= tl.load(at + N, mask=ok, other=0).to(tl.int32) << 8
     low_mask: tl.constexpr = (1 << LOW_BITS) - 1
@@ -125,13 +136,11 @@ def book_dots(
     a `[runs, outputs]` tile: spread into `[inputs, outputs]` they were 2-3x slower than
     4-bit codes (an H200, the 30B-A3B shape's experts)."""
     run_count: tl.constexpr = BLOCK_K // 8
-    planes: tl.constexpr = 3 if SIGNS_AT else 2
     runs = start // 8 + tl.arange(0, run_count)
     tile_ok = (runs[:, None] < K // 8) & (cols[None, :] < N)
     words = book_words(
-        entries_ptr, book_ptr, runs[:, None] * (planes * N) + cols[None, :], tile_ok, N,
-        LOW_BITS, SIGNS_AT,
-    )  # fmt: skip
+        entries_ptr, book_ptr, runs[:, None], cols[None, :], tile_ok, N, LOW_BITS, SIGNS_AT
+    )
     groups = (runs * 8) // GROUP  # each run's group
     at = groups[:, None] * N + cols[None, :]
     scale = tl.load(scales_ptr + at, mask=tile_ok, other=0.0).to(tl.float32)
@@ -500,14 +509,13 @@ def book_gemv(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = cols < N
     run_count: tl.constexpr = GROUP // 8
-    planes: tl.constexpr = 3 if SIGNS_AT else 2
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for group in range(pid_k, K // GROUP, SPLIT_K):
         x_sum = 0.0
         dot = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for r in tl.static_range(run_count):
-            at = (group * run_count + r) * (planes * N) + cols
-            words = book_words(entries_ptr, book_ptr, at, ok, N, LOW_BITS, SIGNS_AT)
+            run = group * run_count + r
+            words = book_words(entries_ptr, book_ptr, run, cols, ok, N, LOW_BITS, SIGNS_AT)
             x_at = x_ptr + group * GROUP + 8 * r
             if PERMUTE:
                 # byte b of `lows` is input 2b's level + 128, of `highs` input 2b + 1's; each
@@ -842,10 +850,5 @@ class CudaWeight:
         assert self.book is not None
         count = 3 if self.signs_at else 2
         fields = planes.view(planes.shape[0], -1, count).long()
-        pattern = fields[..., 0] | fields[..., 1] << 8
-        words = self.book[pattern & ((1 << self.low_bits) - 1)]
-        words ^= self.book[(1 << self.low_bits) + (pattern >> self.low_bits)]
-        if self.signs_at:
-            words ^= self.book[self.signs_at + fields[..., 2]]
-        shifts = 4 * torch.arange(8, device=words.device, dtype=torch.int32)
-        return ((words[..., None] >> shifts) & 15).flatten(-2)
+        entries = (fields << (8 * torch.arange(count, device=fields.device))).sum(-1)
+        return split_book_codes((self.book, self.low_bits, self.signs_at), entries).flatten(-2)
