@@ -257,7 +257,7 @@ def test_codes_of_two_and_three_bits_keep_three_bits_where_widened_in_registers(
     in registers, else a nibble: 100 rows pad to 104; an int8 step a group of 16 for the
     scale, and for Q2_K's offset (Q3_K's is -4 times its scale: centred, none stored), with
     two float32 bases a block of 256 inputs and lane."""
-    monkeypatch.setattr(native_module, "keeps_three_bits", lambda levels: in_registers)
+    monkeypatch.setattr(native_module, "keeps_three_bits", lambda: in_registers)
     codes = decode(torch.from_numpy(random_blocks(qtype, 100, 512)), qtype, 512)
     assert (codes.group, codes.bits) == (16, 2 if qtype == QType.Q2_K else 3)
     native = NativeWeight(codes)
@@ -283,7 +283,7 @@ def test_three_bit_codes_multiply_as_the_same_codes_in_nibbles(
     to BLAS's slices, with and without integer activations), row lookup and MoE layer gives
     the bits of the same codes kept in nibbles. (The IQ formats here without their book
     entries, `Runs`, which take precedence.)"""
-    monkeypatch.setattr(native_module, "keeps_three_bits", lambda levels: True)
+    monkeypatch.setattr(native_module, "keeps_three_bits", lambda: True)
     check_same_bits_as_nibbles(qtype, lambda c: c._replace(runs=None), 3, integers)
 
 
@@ -310,7 +310,7 @@ def test_book_entries_multiply_as_the_same_codes_in_nibbles(
     than their codes (here in nibbles), which the kernels look up a unit's panels at a
     time: every product, row lookup and MoE layer gives the bits of the same codes kept in
     nibbles."""
-    monkeypatch.setattr(native_module, "keeps_three_bits", lambda levels: False)
+    monkeypatch.setattr(native_module, "keeps_three_bits", lambda: False)
     native = check_same_bits_as_nibbles(qtype, lambda c: c, 2, integers)
     assert native.words.nbytes == 104 * 64 * entry_bytes
     # the kernels read the book unchecked: an entry past it is refused at load
@@ -369,7 +369,7 @@ def test_book_entries_no_smaller_than_three_bit_codes_give_way(
     codes = decode(torch.from_numpy(random_blocks(QType.IQ2_S, 16, 256)), QType.IQ2_S, 256)
     assert codes.runs is not None and codes.runs.entry_bits == 24
     for three, code_bits in ((True, 3), (False, 2)):
-        monkeypatch.setattr(native_module, "keeps_three_bits", lambda levels, t=three: t)
+        monkeypatch.setattr(native_module, "keeps_three_bits", lambda t=three: t)
         assert NativeWeight(codes).code_bits == code_bits
 
 
@@ -436,7 +436,7 @@ def test_codes_centred_on_zero_store_no_offsets(
     native = NativeWeight(codes)
     assert native.offsets.numel() == 0
     if code_bytes is None:  # 3-bit codes: nibbles unless the kernels widen them in registers
-        code_bytes = 0.375 if native_module.keeps_three_bits(levels=True) else 0.5
+        code_bytes = 0.375 if native_module.keeps_three_bits() else 0.5
     assert native.words.nbytes == 64 * 512 * code_bytes
     assert native.scales.element_size() == scale_bytes  # float16, or int8 steps (K-quants)
     assert torch.equal(native.rows(torch.arange(64)), weight)
@@ -987,24 +987,22 @@ def test_timing_the_two_paths_gives_two_durations() -> None:
 
 
 def test_cpus_with_vnni_never_hand_rows_to_blas(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where the kernels round every code width's activations to 16 bits (VNNI), BLAS takes
+    """Where the kernels multiply with integer dot products (VNNI, ARM's `sdot`), BLAS takes
     no product, without timing the two: the kernels keep a token's bits exact across batches
-    and cache hits. Where they round only some (AVX2: 4-bit and split codes) or none, the
-    timing decides, as before."""
+    and cache hits. Elsewhere (AVX2 without VNNI, which rounds every code width too, or no
+    integer tiles) the timing decides, as before."""
+    timed: list[Path] = []
 
-    def timed(folder: Path) -> int:
+    def decide(folder: Path) -> int:
+        timed.append(folder)
         return BLAS_ROWS
 
-    monkeypatch.setattr(native_module, "decide_blas_rows", timed)
-    cpus = {
-        "vnni": (lambda bits, levels=False: True, native_module.NEVER),
-        "avx2": (lambda bits, levels=False: bits != 8 and not levels, BLAS_ROWS),
-        "float": (lambda bits, levels=False: False, BLAS_ROWS),
-    }
-    for cpu, (rounds, expected) in cpus.items():
+    monkeypatch.setattr(native_module, "decide_blas_rows", decide)
+    for dot_products, expected in ((True, native_module.NEVER), (False, BLAS_ROWS)):
         monkeypatch.setattr(native_module, "_blas_rows", None)
-        monkeypatch.setattr(native_module, "rounds_activations", rounds)
-        assert native_module.blas_rows() == expected, cpu
+        monkeypatch.setattr(native_module, "dot_products", lambda d=dot_products: d)
+        assert native_module.blas_rows() == expected, dot_products
+    assert len(timed) == 1
 
 
 @needs_kernels
@@ -1161,7 +1159,7 @@ for qtype in OTHER_BUILD_FORMATS:
     for rows in (1, 3, 5, 20):
         assert torch.equal(weight.linear(x[7 : 7 + rows], None), together[7 : 7 + rows]), rows
     products[qtype.name] = (weight.rounds_activations(), together, weight.code_bits)
-in_registers = {levels: native.keeps_three_bits(levels) for levels in (False, True)}
+in_registers = native.keeps_three_bits()
 torch.save((products, in_registers), Path(sys.argv[1]) / "products.pt")
 pool = torch.randn(1024, 2, 2, 64, generator=torch.Generator().manual_seed(10))
 table = torch.randperm(1024, generator=torch.Generator().manual_seed(11)).to(torch.int32)
@@ -1240,8 +1238,7 @@ def test_kernels_built_for_older_cpus_give_the_same_products(
     # AVX-VNNI), with levels (Q3_K) or without (Q2_K); IQ1 and IQ2_XS keep entries of their
     # book on every build
     three_bits = {q for q, (_, _, bits) in kept.items() if bits == 3}
-    with_levels = {"Q3_K"} if in_registers[True] else set()
-    assert three_bits == ({"Q2_K"} if in_registers[False] else set()) | with_levels
+    assert three_bits == ({"Q2_K", "Q3_K"} if in_registers else set())
     assert {q for q, (_, _, bits) in kept.items() if bits == 2} == {"IQ2_XS", "IQ1_S"}
     if "-mno-avxvnni" in flags:
         assert not three_bits

@@ -14,13 +14,14 @@ multiply float32 activations, with one order of operations per output whatever t
 greedy tokens). On CPUs with AVX-512 VNNI or AVX-VNNI they round each row's activations to
 16-bit integers a block of 32 inputs instead and multiply the codes as bytes (`vpdpbusd`:
 with AVX-512 1.4x faster at one row and 1.5x at 128 on a Zen 5 VM, with AVX-VNNI's 256 bits
-1.6-2.0x at one row and 1.1-1.2x at 128; `rounds_activations`), as on other AVX2 CPUs for
-4-bit and split codes (`vpmaddubsw`; 1.8x at one row) and on 64-bit ARM CPUs with the
+1.6-2.0x at one row and 1.1-1.2x at 128; `rounds_activations`), as on other AVX2 CPUs (4-bit
+and split codes by `vpmaddubsw`, 1.8x at one row; levels and 8-bit codes as 16-bit integers by
+`vpmaddwd`, 1.9-2.3x at one row, 1.1-1.4x at 127) and on 64-bit ARM CPUs with the
 dot-product instructions for every code width (`sdot`: Apple's M cores, Graviton 2 and newer,
 Cortex-A76 and newer; checked for bits under QEMU, not timed on an ARM CPU); a row's integers
 depend on the row alone, the CPU attention computes every query the same way whether its
-prefix was cached or not (attention/torch_native.py), and where every code width's
-activations are rounded (VNNI, ARM's `sdot`) BLAS is not used (`blas_rows`), so neither
+prefix was cached or not (attention/torch_native.py), and where the kernels multiply with
+dot-product instructions (VNNI, ARM's `sdot`) BLAS is not used (`blas_rows`), so neither
 batches nor cache hits change a token's bits. Where BLAS is the faster for many rows
 (`blas_rows`: measured once per CPU; about 2x at 512 to 2,048 rows on that box, slower than
 the kernels on AMD's AVX-512 cores), products from BLAS_ROWS rows (prefill chunks, large
@@ -145,16 +146,15 @@ def blas_rows() -> int:
     instruction sets: MKL runs its AVX2 code on AMD's AVX-512 cores, where the kernels were
     1.4x faster than BLAS at 64 to 2,048 rows (Zen 5), while on a 2-core AVX2 box BLAS was
     ~2x faster from 512. Without BLAS every output has the same bits whatever its batch.
-    On CPUs with VNNI (AVX-512's or AVX-VNNI) or ARM's `sdot` (every code width's
-    activations rounded to 16 bits, `rounds_activations(8)`), never: with VNNI the kernels
-    were the faster, and they keep a token's bits exact across batches and cache hits (on
-    ARM that choice is made for the bits; BLAS was not timed there). Elsewhere BLAS takes
-    the activations as the kernels round them where they do (4-bit and split codes on AVX2,
-    `rounded_like_the_kernels`), so the two paths differ in float32's last bits, not by a
-    rounding step."""
+    On CPUs with integer dot products (AVX-512 VNNI, AVX-VNNI or ARM's `sdot`:
+    `dot_products`), never: with VNNI the kernels were the faster, and they keep a token's
+    bits exact across batches and cache hits (on ARM that choice is made for the bits; BLAS
+    was not timed there). Elsewhere BLAS takes the activations as the kernels round them
+    where they do (every code width on AVX2, `rounded_like_the_kernels`), so the two paths
+    differ in float32's last bits, not by a rounding step."""
     global _blas_rows
     if _blas_rows is None:
-        _blas_rows = NEVER if rounds_activations(8) else decide_blas_rows(kernels_folder())
+        _blas_rows = NEVER if dot_products() else decide_blas_rows(kernels_folder())
     return _blas_rows
 
 
@@ -274,20 +274,25 @@ def _cpu_features() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:8]
 
 
-def rounds_activations(code_bits: int, levels: bool = False) -> bool:
+def rounds_activations(code_bits: int) -> bool:
     """Whether products of codes kept in `code_bits` (2, 3, 4, 6 or 8, as `NativeWeight` keeps
-    them; `levels`: 4-bit codes that stand for levels) round activations to 16-bit integers
-    on this CPU (csrc/cpu_kernels.cpp, `IntActivations`); False where the kernels do not
-    build."""
-    return native_kernels() and bool(torch.ops.aserve_cpu.int_activations(None, code_bits, levels))
+    them) round activations to 16-bit integers on this CPU (csrc/cpu_kernels.cpp,
+    `IntActivations`); False where the kernels do not build."""
+    return native_kernels() and bool(torch.ops.aserve_cpu.int_activations(None, code_bits))
 
 
-def keeps_three_bits(levels: bool) -> bool:
-    """Whether `NativeWeight` keeps 2- and 3-bit codes (standing for `levels`, or not) in
+def dot_products() -> bool:
+    """Whether the kernels multiply with integer dot-product instructions here (AVX-512 VNNI,
+    AVX-VNNI, ARM's `sdot`)."""
+    return native_kernels() and bool(torch.ops.aserve_cpu.dot_products())
+
+
+def keeps_three_bits() -> bool:
+    """Whether `NativeWeight` keeps 2- and 3-bit codes (standing for levels, or not) in
     three bits here: where the kernels widen them in registers as they multiply, about as
     fast as nibbles (the integer tiles with AVX-512 VNNI or AVX-VNNI, csrc/cpu_kernels.cpp).
     Elsewhere slower than nibbles, so nibbles."""
-    return native_kernels() and bool(torch.ops.aserve_cpu.three_bit_in_registers(levels))
+    return native_kernels() and bool(torch.ops.aserve_cpu.three_bit_in_registers())
 
 
 def rounded_like_the_kernels(rows: torch.Tensor) -> torch.Tensor:
@@ -358,7 +363,7 @@ class KernelTensors:
     def rounds_activations(self) -> bool:
         """Whether the kernels multiply these codes by activations rounded to 16-bit
         integers on this CPU (`rounds_activations`)."""
-        return rounds_activations(self.code_bits, self.levels is not None)
+        return rounds_activations(self.code_bits)
 
     def kernel_args(self) -> tuple[object, ...]:
         return (
@@ -398,7 +403,7 @@ class NativeWeight(KernelTensors):
         three = (
             codes.bits <= 3
             and (cols // codes.group) % 2 == 0
-            and keeps_three_bits(codes.table is not None)
+            and keeps_three_bits()
         )
         self.code_bits = 3 if three else 4 if codes.bits <= 4 else 6 if codes.bits <= 6 else 8
         # book entries where they take fewer bits than the codes (IQ2_S's 24 bits a run of 8

@@ -1,5 +1,5 @@
 // Products of group-quantized weights with float32 activations, or with activations rounded
-// to 16-bit integers where the CPU has AVX-512 VNNI or AVX-VNNI, or is an ARM one with the
+// to 16-bit integers where the CPU has AVX-512 VNNI or AVX2, or is an ARM one with the
 // dot-product instructions (`IntActivations` below), on CPU (aserve/quant/native.py builds this
 // file and says why it exists).
 //
@@ -35,10 +35,11 @@
 // logits do not depend on what it is batched with. (On CPUs where BLAS is the faster, from
 // native.py's BLAS_ROWS rows the caller de-quantizes slices with `dequantize` and multiplies
 // them with BLAS instead.)
-// Activations stay float32 on CPUs without VNNI; with it (AVX-512's, or the 256-bit AVX-VNNI of
-// Intel's cores since Alder Lake), they are rounded to 16-bit integers per row and block of 32
-// inputs, which again depend on the row alone (`IntActivations`), as they are on other AVX2
-// CPUs for 4-bit and split codes (`add_word`) and on ARM CPUs with `sdot` for all codes.
+// Activations are rounded to 16-bit integers per row and block of 32 inputs, which again depend
+// on the row alone (`IntActivations`), on CPUs with VNNI (AVX-512's, or the 256-bit AVX-VNNI of
+// Intel's cores since Alder Lake), on other AVX2 CPUs (`add_word`: `vpmaddubsw` for 4-bit and
+// split codes, `vpmaddwd` for levels and 8-bit ones) and on ARM CPUs with `sdot`; elsewhere
+// (AVX-512 without VNNI, older x86, ARM without dot products) they stay float32.
 // Rounding them to int8 (llama.cpp's way) had turned attention's last-bit differences between
 // a cached and an uncached prefix into visible ones; the CPU attention now computes a query
 // alike in both cases (attention/torch_native.py).
@@ -69,7 +70,7 @@
 #endif
 #else
 // the same integers in 256-bit registers (`int_tile`): `vpdpbusd` with AVX-VNNI, else
-// `vpmaddubsw` (4-bit and split codes only)
+// `vpmaddubsw` (4-bit and split codes) and `vpmaddwd` (levels, 8-bit codes: `kPairs`)
 #define ASERVE_INT256 1
 #endif
 #endif
@@ -320,6 +321,18 @@ class NextPanels {
 // inputs gives its hi bytes, then its lo bytes.
 constexpr float kIntLimit = 32639.0f;  // 127 * 256 + 127: hi and lo both within a signed byte
 
+// Whether the 256-bit tiles multiply codes of kind K as 16-bit integers, two inputs a 32-bit
+// lane by `vpmaddwd`, the activations' 16-bit steps whole (`CodePairs`): levels and 8-bit codes
+// where there is no AVX-VNNI. Their bytes go up to 255, past what `vpmaddubsw` adds without
+// saturating (`add_word`).
+template <Kind K>
+constexpr bool kPairs =
+#if defined(ASERVE_INT256) && !defined(__AVXVNNI__)
+    K == Kind::kLevels || K == Kind::kBytes;
+#else
+    false;
+#endif
+
 // What a code byte stands for above its value: codes are read as unsigned bytes, so 8-bit
 // codes (sign flipped) and levels (kept as level + 128) stand 128 above, split codes their
 // center above (Q6_K's 32), 4-bit codes none.
@@ -328,6 +341,7 @@ inline int code_bias(const Weight& w) {
 #ifdef ASERVE_NEON
   if (K == Kind::kBytes || K == Kind::kLevels) return 0;  // `sdot` reads them as signed bytes
 #endif
+  if (kPairs<K>) return 0;  // signed 16-bit codes
   return K == Kind::kNibbles ? 0 : K == Kind::kSplit ? split_center(w) : 128;
 }
 
@@ -1019,9 +1033,10 @@ void few_rows(const Weight& w, const Rows& a, int64_t first, int64_t last, int64
 // with an FMA, five instructions for 8 products; here four `vpdpbusd` take 64.
 
 // Inputs [0, n) of x (n = 16 or 32; the rest read as zero) into one block, as the AVX-512
-// `quantize_block` does: the same scale, integers and word layout.
-inline void quantize_block(const float* x, int n, bool bytes, int32_t* words, float* scale,
-                           int32_t* sums) {
+// `quantize_block` does: the same scale, integers and word layout, or with `pairs` (`kPairs`)
+// each integer whole in 16 bits, two a word in the order of `code_pairs`' halves.
+inline void quantize_block(const float* x, int n, bool bytes, bool pairs, int32_t* words,
+                           float* scale, int32_t* sums) {
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 values[4], largest8 = _mm256_setzero_ps();
   for (int i = 0; i < 4; ++i) {
@@ -1044,6 +1059,17 @@ inline void quantize_block(const float* x, int n, bool bytes, int32_t* words, fl
     for (int eight = 0; eight < 2; ++eight) {
       const int32_t* step = steps + 16 * half + 8 * eight;
       int32_t* out = words + 8 * half + 4 * eight;
+      if (pairs) {
+        // 8-bit codes: inputs 0 and 2, then 1 and 3, of each 4; levels: 0 and 4, 2 and 6,
+        // 1 and 5, 3 and 7 of the 8
+        static constexpr int kBytePairs[4][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}};
+        static constexpr int kLevelPairs[4][2] = {{0, 4}, {2, 6}, {1, 5}, {3, 7}};
+        const auto& order = bytes ? kBytePairs : kLevelPairs;
+        for (int j = 0; j < 4; ++j)
+          out[j] = static_cast<int32_t>(static_cast<uint16_t>(step[order[j][0]]) |
+                                        static_cast<uint32_t>(static_cast<uint16_t>(step[order[j][1]])) << 16);
+        continue;
+      }
       for (int odd = 0; odd < 2; ++odd) {  // the even inputs (8-bit codes: the first four)
         uint32_t hi = 0, lo = 0;
         for (int j = 0; j < 4; ++j) {
@@ -1101,16 +1127,59 @@ inline CodeBytes8 code_bytes8(__m256i word, __m256i high, int half, __m256i leve
   return {_mm256_or_si256(even, even_high), _mm256_or_si256(odd, odd_high)};
 }
 
-// Code word v of a panel's group (`group_words`, its first word; `code_words` a group's) as
-// its code bytes (`code_bytes8`).
+// A panel's code word as 16-bit codes (`kPairs`), each 32-bit lane two inputs' in the order
+// that `quantize_block` pairs the activations: 8-bit codes' inputs 0 and 2, 1 and 3; levels'
+// 0 and 4, 2 and 6, 1 and 5, 3 and 7 (the even and odd inputs' level bytes, each 16 bits
+// split into its low and high byte by shifts, sign-extended). `levels`: the signed levels.
+struct CodePairs {
+  __m256i pair[4];  // 8-bit codes: the first two
+};
+
 template <Kind K>
-inline CodeBytes8 word_codes(const uint32_t* group_words, int64_t code_words, int64_t v,
-                             __m256i levels) {
+ASERVE_INLINE CodePairs code_pairs(__m256i word, __m256i levels) {
+  const auto low = [](__m256i b) { return _mm256_srai_epi16(_mm256_slli_epi16(b, 8), 8); };
+  const auto high = [](__m256i b) { return _mm256_srai_epi16(b, 8); };
+  if (K == Kind::kBytes) return {low(word), high(word), word, word};  // stored as signed bytes
+  const __m256i nibbles = _mm256_set1_epi8(15);
+  const __m256i even = _mm256_shuffle_epi8(levels, _mm256_and_si256(word, nibbles));
+  const __m256i odd =
+      _mm256_shuffle_epi8(levels, _mm256_and_si256(_mm256_srli_epi32(word, 4), nibbles));
+  return {low(even), high(even), low(odd), high(odd)};
+}
+
+// What the tiles multiply a code word of kind K as.
+template <Kind K>
+using TileCodes = std::conditional_t<kPairs<K>, CodePairs, CodeBytes8>;
+
+// The level bytes as the tiles of kind K read them (`word_codes`): signed for `kPairs`, else
+// kept as level + 128.
+template <Kind K>
+inline __m256i tile_levels(const Weight& w) {
+  const __m256i levels = levels_of(w);
+  return kPairs<K> ? _mm256_xor_si256(levels, _mm256_set1_epi8(static_cast<char>(0x80))) : levels;
+}
+
+// A nibble word (of 4-bit codes or levels) as the tiles multiply it.
+template <Kind K>
+ASERVE_INLINE TileCodes<K> nibble_codes(__m256i word, __m256i levels) {
+  if constexpr (kPairs<K>) return code_pairs<K>(word, levels);
+  else return code_bytes8<K>(word, _mm256_setzero_si256(), 0, levels);
+}
+
+// Code word v of a panel's group (`group_words`, its first word; `code_words` a group's) as
+// the tiles multiply it: its code bytes (`code_bytes8`) or 16-bit codes (`code_pairs`).
+template <Kind K>
+inline TileCodes<K> word_codes(const uint32_t* group_words, int64_t code_words, int64_t v,
+                               __m256i levels) {
   const auto load = [&](int64_t at) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_words + at * kLanes));
   };
-  const __m256i high = K == Kind::kSplit ? load(code_words + v / 2) : _mm256_setzero_si256();
-  return code_bytes8<K>(load(v), high, static_cast<int>(v % 2), levels);
+  if constexpr (kPairs<K>) {
+    return code_pairs<K>(load(v), levels);
+  } else {
+    const __m256i high = K == Kind::kSplit ? load(code_words + v / 2) : _mm256_setzero_si256();
+    return code_bytes8<K>(load(v), high, static_cast<int>(v % 2), levels);
+  }
 }
 
 // One code word's products with a row's activation words `x` (hi and lo bytes of the even
@@ -1154,6 +1223,20 @@ ASERVE_INLINE void add_word(__m256i& hi, __m256i& lo, const CodeBytes8& codes, c
     lo = _mm256_add_epi32(lo, _mm256_madd_epi16(pairs(1, 3), _mm256_set1_epi16(1)));
   }
 #endif
+}
+
+// `add_word` for `CodePairs`: each `vpmaddwd` adds two exact products of a 16-bit code and a
+// 16-bit activation to a 32-bit lane (a group's at most 32 inputs: 32 x 128 x 32639 < 2^31),
+// all into one sum (`int_tile` closes it unshifted). One chain of adds a tile's row and panel
+// was as fast as two at one row and let 4-row tiles fit the registers.
+template <Kind K>
+ASERVE_INLINE void add_word(__m256i& sum, const CodePairs& codes, const int32_t* x) {
+  sum = _mm256_add_epi32(sum, _mm256_madd_epi16(codes.pair[0], _mm256_set1_epi32(x[0])));
+  sum = _mm256_add_epi32(sum, _mm256_madd_epi16(codes.pair[1], _mm256_set1_epi32(x[1])));
+  if (K != Kind::kBytes) {
+    sum = _mm256_add_epi32(sum, _mm256_madd_epi16(codes.pair[2], _mm256_set1_epi32(x[2])));
+    sum = _mm256_add_epi32(sum, _mm256_madd_epi16(codes.pair[3], _mm256_set1_epi32(x[3])));
+  }
 }
 
 // A group's hi or lo sums as `add_word` leaves them, in 32 bits.
@@ -1297,7 +1380,7 @@ void int_tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_p
   const int64_t words = w.words_per_group(), code_words = w.code_words(), stride = w.panel_words();
   const int64_t low_words = w.group / 16;  // kThree: a group's low words
   const int bias = code_bias<K>(w);
-  const __m256i levels = levels_of(w);
+  const __m256i levels = tile_levels<K>(w);
   const int64_t row_words = a.cols / 2;
   __m256 total[R][P];
   set_zero(total);
@@ -1311,14 +1394,16 @@ void int_tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_p
       for (int p = 0; p < P; ++p) hi[r][p] = lo[r][p] = _mm256_setzero_si256();
     for (int64_t v = 0; v < code_words; ++v) {
       const int64_t at = (g * w.group + v * per_word) / 2;  // the row's first word for v
-      CodeBytes8 codes[P];
+      TileCodes<K> codes[P];
 #pragma GCC unroll 8
       for (int p = 0; p < P; ++p) {
         const uint32_t* panel = w.words + (first_panel + p) * stride;
         if constexpr (kThree) {
-          const __m256i word =
-              three_bit_word(panel + g / 2 * 3 * low_words * kLanes, low_words, g % 2 * code_words + v);
-          codes[p] = code_bytes8<K>(word, _mm256_setzero_si256(), 0, levels);
+          codes[p] = nibble_codes<K>(
+              three_bit_word(panel + g / 2 * 3 * low_words * kLanes, low_words, g % 2 * code_words + v),
+              levels);
+        } else if constexpr (kPairs<K>) {
+          codes[p] = word_codes<K>(panel + g * words * kLanes, code_words, v, levels);
         } else {
           codes[p] = expanded != nullptr
                          ? expanded[(p * w.groups + g) * code_words + v]
@@ -1332,7 +1417,10 @@ void int_tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_p
           add_word_pair<K>(hi[r][0], lo[r][0], hi[r][1], lo[r][1], codes[0], codes[1], x);
         } else {
 #pragma GCC unroll 8
-          for (int p = 0; p < P; ++p) add_word<K>(hi[r][p], lo[r][p], codes[p], x);
+          for (int p = 0; p < P; ++p) {
+            if constexpr (kPairs<K>) add_word<K>(hi[r][p], codes[p], x);
+            else add_word<K>(hi[r][p], lo[r][p], codes[p], x);
+          }
         }
       }
     }
@@ -1344,9 +1432,11 @@ void int_tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_p
       const __m256 xs = _mm256_set1_ps(scale);
 #pragma GCC unroll 8
       for (int p = 0; p < P; ++p) {
-        const __m256i high = _mm256_slli_epi32(group_sums<K>(hi[r][p]), 8);
-        const __m256i exact =
-            _mm256_sub_epi32(_mm256_add_epi32(high, group_sums<K>(lo[r][p])), shift);
+        const __m256i sums =
+            kPairs<K> ? hi[r][p]
+                      : _mm256_add_epi32(_mm256_slli_epi32(group_sums<K>(hi[r][p]), 8),
+                                         group_sums<K>(lo[r][p]));
+        const __m256i exact = _mm256_sub_epi32(sums, shift);
         part[r][p] = _mm256_mul_ps(_mm256_cvtepi32_ps(exact), xs);
       }
     }
@@ -1614,6 +1704,12 @@ void int_panels(const Weight& w, const Rows& a, int64_t row, int64_t first_panel
 // a pair of panels' code bytes made once for all rows, `expand_split`; 67 with each tile making
 // them), but a step of a Q4_K_M file still gains (Llama-3.2-1B's shape: decode 29.2 -> 25.2 ms
 // a step, a 128-token prefill 1.18 -> 1.25 s). Not timed on an ARM CPU.
+// Levels and 8-bit codes without AVX-VNNI (`kPairs`) take tiles of 4 rows (then 3, 2, 1), one
+// sum a row and panel: on an AVX2-only AMD EPYC VM, one thread, 4,096 x 2,048, GMAC/s at 1 / 4
+// / 16 / 127 rows, IQ4_XS 12.1 / 24.3 / 25.2 / 32.7 against the float tiles' 6.5 / 13.6 / 18.3
+// / 30.0, Q8_0 19.9 / 37.1 / 40.8 / 42.1 against 8.7 / 18.6 / 22.0 / 29.1. With 2-row tiles
+// they had lost to the float tiles from 16 rows, and with codes made once for all tiles (as
+// split codes are) at 4.
 template <Kind K, bool kThree = false>
 void int_rows(const Weight& w, const Rows& a, int64_t first, int64_t last, int64_t first_panel,
               int64_t last_panel) {
@@ -1638,6 +1734,13 @@ void int_rows(const Weight& w, const Rows& a, int64_t first, int64_t last, int64
     return;
   }
   int64_t row = first;
+  if constexpr (kPairs<K>) {
+    for (; row + 4 <= last; row += 4) int_panels<4, 2, K, kThree>(w, a, row, first_panel, last_panel);
+    if (row + 3 <= last) {
+      int_panels<3, 2, K, kThree>(w, a, row, first_panel, last_panel);
+      row += 3;
+    }
+  }
   for (; row + 2 <= last; row += 2) int_panels<2, 2, K, kThree>(w, a, row, first_panel, last_panel);
   if (row < last) int_panels<1, 2, K, kThree>(w, a, row, first_panel, last_panel);
 }
@@ -1645,16 +1748,25 @@ void int_rows(const Weight& w, const Rows& a, int64_t first, int64_t last, int64
 
 #ifdef ASERVE_INT
 // Rows [first, last) of `a` (picked or not) into xq [rows, cols / 2], xscale [rows, blocks],
-// xisum [rows, cols / 16]; cols is a multiple of 16.
-void quantize_rows(const Rows& a, bool bytes, int64_t first, int64_t last, int32_t* xq,
+// xisum [rows, cols / 16], laid out for the tiles of codes of kind `kind`; cols is a multiple
+// of 16.
+void quantize_rows(const Rows& a, Kind kind, int64_t first, int64_t last, int32_t* xq,
                    float* xscale, int32_t* xisum) {
   const int64_t blocks = a.blocks();
+  const bool bytes = kind == Kind::kBytes;
   for (int64_t m = first; m < last; ++m) {
     const float* row = a.row(m);
     for (int64_t b = 0; b < blocks; ++b) {
       const int n = static_cast<int>(std::min<int64_t>(32, a.cols - 32 * b));
-      quantize_block(row + 32 * b, n, bytes, xq + m * a.cols / 2 + 16 * b, xscale + m * blocks + b,
-                     xisum + m * a.cols / 16 + 2 * b);
+      int32_t* words = xq + m * a.cols / 2 + 16 * b;
+      float* scale = xscale + m * blocks + b;
+      int32_t* sums = xisum + m * a.cols / 16 + 2 * b;
+#ifdef ASERVE_INT256
+      const bool pairs = kind == Kind::kLevels ? kPairs<Kind::kLevels> : bytes && kPairs<Kind::kBytes>;
+      quantize_block(row + 32 * b, n, bytes, pairs, words, scale, sums);
+#else
+      quantize_block(row + 32 * b, n, bytes, words, scale, sums);
+#endif
     }
   }
 }
@@ -1981,50 +2093,55 @@ struct Product {
   }
 };
 
-// Whether products of codes kept in `code_bits` (3 and 4: nibbles as multiplied, 6: split, 8;
-// `levels`: 4-bit codes that stand for levels) multiply activations as integers
+// Whether products of codes kept in `code_bits` (3 and 4: nibbles as multiplied, 6: split, 8)
+// multiply activations as integers
 // (`IntActivations`): on CPUs with AVX-512
 // VNNI (split codes also need VBMI's byte gathers), and with AVX2 (AVX-VNNI, or without it
-// 4-bit codes and split codes: `add_word`), unless turned off for this process (`enable`
-// false: tests and benchmarks compare the two).
+// `vpmaddubsw` for 4-bit and split codes, `vpmaddwd` for levels and 8-bit ones: `kPairs`),
+// unless turned off for this process (`enable` false: tests and benchmarks compare the two).
 bool int_activations_on = true;
 
-bool int_activations(std::optional<bool> enable, int64_t code_bits, bool levels) {
+bool int_activations(std::optional<bool> enable, int64_t code_bits) {
   if (enable.has_value()) int_activations_on = *enable;
   if (code_bits <= 3) code_bits = 4;  // multiplied as nibbles once widened
 #ifdef ASERVE_INT
 #if defined(ASERVE_VNNI) && !defined(__AVX512VBMI__)
   if (code_bits == 6) return false;
 #endif
-#if defined(ASERVE_INT256) && !defined(__AVXVNNI__)
-  if (code_bits == 8 || (code_bits == 4 && levels)) return false;  // bytes over 63: `add_word`
-#endif
   return int_activations_on;
 #else
   (void)code_bits;
-  (void)levels;
   return false;
 #endif
 }
 
-// Whether this build's tiles widen 3-bit codes (standing for `levels`, or not) in registers
+// Whether this build's tiles widen 3-bit codes (standing for levels, or not) in registers
 // as they multiply: the integer tiles with AVX-512 VNNI or AVX-VNNI (a 1B decode step 2% and
 // 4% slower than with nibbles for Q3_K_M and IQ2_XXS files, 12% and 16% less memory, an
 // AVX-VNNI build; prefill alike). Plain AVX2's tiles widen them too but lost 8% a step for
 // 12% (Q2_K), and elsewhere `run` widens a few panels into a buffer first, which took a 1B
 // Q3_K_M step ~1.4x the time of nibbles (AVX-512 build, integer activations off): there
 // `NativeWeight` keeps nibbles.
-bool three_bit_in_registers(bool levels) {
+bool three_bit_in_registers() {
 #if defined(ASERVE_VNNI) || (defined(ASERVE_INT256) && defined(__AVXVNNI__))
-  return int_activations(std::nullopt, 3, levels);
+  return int_activations(std::nullopt, 3);
 #else
-  (void)levels;
+  return false;
+#endif
+}
+
+// Whether this build multiplies with integer dot-product instructions (AVX-512 VNNI, AVX-VNNI,
+// ARM's `sdot`), which add four byte products to a 32-bit sum in one.
+bool dot_products() {
+#if defined(ASERVE_VNNI) || (defined(ASERVE_INT256) && defined(__AVXVNNI__)) || defined(ASERVE_NEON)
+  return true;
+#else
   return false;
 #endif
 }
 
 bool int_kind(const Weight& w) {
-  return int_activations(std::nullopt, w.split ? 6 : w.four_bit ? 4 : 8, w.levels != nullptr);
+  return int_activations(std::nullopt, w.split ? 6 : w.four_bit ? 4 : 8);
 }
 
 Product product_at(const float* x, int64_t rows, const Weight& w, float* y,
@@ -2041,7 +2158,7 @@ Product product_at(const float* x, int64_t rows, const Weight& w, float* y,
     // team would cost more. The offsets' sums are of the rounded activations, so that the
     // product is the weight's with exactly those.
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-      quantize_rows(a, kind_of(w) == Kind::kBytes, begin, end, p.xq.data(), p.xscale.data(),
+      quantize_rows(a, kind_of(w), begin, end, p.xq.data(), p.xscale.data(),
                     p.xisum.data());
       for (int64_t m = begin; m < end; ++m)
         for (int64_t g = 0; g < w.groups; ++g) {
@@ -2624,7 +2741,7 @@ TORCH_LIBRARY(aserve_cpu, m) {
       "dequantize(Tensor words, Tensor scales, Tensor offsets, Tensor bases, int group, "
       "int code_bits, Tensor? levels, int first, Tensor(a!) out) -> ()",
       dequantize);
-  m.def("int_activations(bool? enable=None, int code_bits=4, bool levels=False) -> bool",
-        int_activations);
-  m.def("three_bit_in_registers(bool levels) -> bool", three_bit_in_registers);
+  m.def("int_activations(bool? enable=None, int code_bits=4) -> bool", int_activations);
+  m.def("three_bit_in_registers() -> bool", three_bit_in_registers);
+  m.def("dot_products() -> bool", dot_products);
 }
