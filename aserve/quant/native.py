@@ -400,11 +400,7 @@ class NativeWeight(KernelTensors):
         # with its scales, not 0.59 as nibbles); book entries in 2 (an IQ2_XXS weight 0.31 bytes
         # with its scales, not 0.44 in 3 bits; the file's 0.26)
         rows, cols = codes.shape
-        three = (
-            codes.bits <= 3
-            and (cols // codes.group) % 2 == 0
-            and keeps_three_bits()
-        )
+        three = codes.bits <= 3 and (cols // codes.group) % 2 == 0 and keeps_three_bits()
         self.code_bits = 3 if three else 4 if codes.bits <= 4 else 6 if codes.bits <= 6 else 8
         # book entries where they take fewer bits than the codes (IQ2_S's 24 bits a run of 8
         # match three-bit codes, which multiply faster)
