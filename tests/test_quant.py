@@ -1209,11 +1209,13 @@ def test_kernels_built_for_older_cpus_give_the_same_products(
 ) -> None:
     """The kernels pick their code paths when they compile (-march=native): a CPU without
     AVX-512 runs the 8-lane tiles, with AVX-VNNI (Intel's since Alder Lake) the integer ones
-    (`int_tile`), else float ones and, from 16 rows, the expanded-codes buffer; one without
-    AVX2 the portable tiles. Built here with those instruction sets turned off (in a process of
-    their own, the op names being global), every path against float64 of the activations as
-    that build rounds them, a row's bits the same alone and batched, and the decode attention
-    against its float64 softmax and, with AVX2, bit for bit this build's."""
+    (`int_tile`), else integer ones too (`vpmaddubsw`, and `vpmaddwd` for levels and 8-bit
+    codes) or, with integers turned off, float ones and, from 16 rows, the expanded-codes
+    buffer; one without AVX2 the portable tiles. Built here with those instruction sets
+    turned off (in a process of their own, the op names being global), every path against
+    float64 of the activations as that build rounds them, a row's bits the same alone and
+    batched, and the decode attention against its float64 softmax and, with AVX2, bit for bit
+    this build's."""
     result = subprocess.run(
         [sys.executable, "-c", OTHER_BUILD_CHECK, str(tmp_path), *flags],
         capture_output=True,

@@ -213,8 +213,8 @@ struct Rows {
   float* y;           // [rows, out]
   int64_t cols, groups, out;
   // Where the integer tiles take the product (`IntActivations`): each row's activations as
-  // 16-bit integers in two bytes (cols / 2 words a row), a float32 scale a block of 32 inputs
-  // and the integers' sum a run of 16; else null.
+  // 16-bit integers (cols / 2 words a row: in two bytes, or whole for `kPairs`), a float32
+  // scale a block of 32 inputs and the integers' sum a run of 16; else null.
   const int32_t* xq;
   const float* xscale;
   const int32_t* xisum;
@@ -318,7 +318,8 @@ class NextPanels {
 // A row's words follow the weight's: for 4-bit and split codes, each word of 8 inputs gives
 // four words, the hi bytes of inputs 0, 2, 4, 6, their lo bytes, then the odd inputs' (a code
 // word's nibbles split by one mask into even and odd inputs); for 8-bit codes each word of 4
-// inputs gives its hi bytes, then its lo bytes.
+// inputs gives its hi bytes, then its lo bytes; where the 256-bit tiles multiply 16-bit codes
+// (`kPairs`), the same words hold the integers whole, two a word (`quantize_block`).
 constexpr float kIntLimit = 32639.0f;  // 127 * 256 + 127: hi and lo both within a signed byte
 
 // Whether the 256-bit tiles multiply codes of kind K as 16-bit integers, two inputs a 32-bit
