@@ -1312,8 +1312,9 @@ def test_moe_experts_of_different_formats_decode_one_by_one() -> None:
 @needs_kernels
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 def test_kernels_round_activations_to_16_bits_a_block_where_the_cpu_has_vnni(qtype: QType) -> None:
-    """On CPUs with VNNI (AVX-512's or AVX-VNNI) or ARM's dot products (`sdot`, checked under
-    QEMU by scripts/arm-qemu-tests.sh) the kernels multiply codes by activations rounded to
+    """On CPUs with VNNI (AVX-512's or AVX-VNNI), on other AVX2 CPUs (`vpmaddubsw`,
+    `vpmaddwd`) or with ARM's dot products (`sdot`, checked under QEMU by
+    scripts/arm-qemu-tests.sh) the kernels multiply codes by activations rounded to
     16-bit integers a block of 32 inputs: within float32 rounding of the float64 product of
     exactly those activations, at every tile shape (1, 3, 5, 9 rows: tiles of 3 or 4 rows, 2
     and 1; 100 outputs, the last panel alone), and measurably apart from the unrounded
@@ -1324,8 +1325,8 @@ def test_kernels_round_activations_to_16_bits_a_block_where_the_cpu_has_vnni(qty
     )
     if not native.rounds_activations():
         pytest.skip(
-            "this CPU has no AVX-512 VNNI, AVX-VNNI or ARM dot products (with AVX-512, 5- and "
-            "6-bit codes also need its VBMI): the kernels multiply float32 activations"
+            "this CPU has no AVX2 integer tiles, AVX-512 VNNI or ARM dot products (with AVX-512, "
+            "5- and 6-bit codes also need its VBMI): the kernels multiply float32 activations"
         )
     weight = native.rows(torch.arange(100)).double()
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(6))
