@@ -1755,6 +1755,10 @@ void quantize_rows(const Rows& a, Kind kind, int64_t first, int64_t last, int32_
                    float* xscale, int32_t* xisum) {
   const int64_t blocks = a.blocks();
   const bool bytes = kind == Kind::kBytes;
+#ifdef ASERVE_INT256
+  // levels and 8-bit codes are `kPairs` alike
+  const bool pairs = kPairs<Kind::kLevels> && (kind == Kind::kLevels || bytes);
+#endif
   for (int64_t m = first; m < last; ++m) {
     const float* row = a.row(m);
     for (int64_t b = 0; b < blocks; ++b) {
@@ -1763,7 +1767,6 @@ void quantize_rows(const Rows& a, Kind kind, int64_t first, int64_t last, int32_
       float* scale = xscale + m * blocks + b;
       int32_t* sums = xisum + m * a.cols / 16 + 2 * b;
 #ifdef ASERVE_INT256
-      const bool pairs = kind == Kind::kLevels ? kPairs<Kind::kLevels> : bytes && kPairs<Kind::kBytes>;
       quantize_block(row + 32 * b, n, bytes, pairs, words, scale, sums);
 #else
       quantize_block(row + 32 * b, n, bytes, words, scale, sums);
@@ -2116,6 +2119,16 @@ bool int_activations(std::optional<bool> enable, int64_t code_bits) {
 #endif
 }
 
+// Whether this build multiplies with integer dot-product instructions (AVX-512 VNNI, AVX-VNNI,
+// ARM's `sdot`), which add four byte products to a 32-bit sum in one.
+bool dot_products() {
+#if defined(ASERVE_VNNI) || (defined(ASERVE_INT256) && defined(__AVXVNNI__)) || defined(ASERVE_NEON)
+  return true;
+#else
+  return false;
+#endif
+}
+
 // Whether this build's tiles widen 3-bit codes (standing for levels, or not) in registers
 // as they multiply: the integer tiles with AVX-512 VNNI or AVX-VNNI (a 1B decode step 2% and
 // 4% slower than with nibbles for Q3_K_M and IQ2_XXS files, 12% and 16% less memory, an
@@ -2124,20 +2137,10 @@ bool int_activations(std::optional<bool> enable, int64_t code_bits) {
 // Q3_K_M step ~1.4x the time of nibbles (AVX-512 build, integer activations off): there
 // `NativeWeight` keeps nibbles.
 bool three_bit_in_registers() {
-#if defined(ASERVE_VNNI) || (defined(ASERVE_INT256) && defined(__AVXVNNI__))
-  return int_activations(std::nullopt, 3);
+#ifdef ASERVE_NEON
+  return false;  // the NEON tiles take 3-bit codes widened into a buffer
 #else
-  return false;
-#endif
-}
-
-// Whether this build multiplies with integer dot-product instructions (AVX-512 VNNI, AVX-VNNI,
-// ARM's `sdot`), which add four byte products to a 32-bit sum in one.
-bool dot_products() {
-#if defined(ASERVE_VNNI) || (defined(ASERVE_INT256) && defined(__AVXVNNI__)) || defined(ASERVE_NEON)
-  return true;
-#else
-  return false;
+  return dot_products() && int_activations(std::nullopt, 3);
 #endif
 }
 
