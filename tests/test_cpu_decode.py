@@ -8,9 +8,11 @@ from pathlib import Path
 
 import gguf
 import pytest
+import torch
 
 from aserve import LLM, SamplingParams
 from aserve.models.cpu_decode import DecodeStack
+from aserve.quant import native as native_module
 from tests.gguf_files import write_hf_as_gguf
 from tests.test_gguf_models import MOE_LAYERS
 from tests.test_quant import needs_kernels
@@ -95,6 +97,35 @@ def test_load_time_quantization_takes_the_stack(tmp_path: Path) -> None:
         stacked, modules, runs = decode_both_ways(llm)
     assert runs == 11
     assert stacked == modules
+
+
+def test_a_format_sent_to_blas_sooner_keeps_larger_batches_off_the_stack(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stack runs only batches that every one of its weights multiplies on the kernels:
+    with Q4_0's products going to BLAS from 3 rows (`blas_rows`, by code format) and Q8_0's
+    never, steps of four requests run the modules and steps of two the stack."""
+    monkeypatch.setattr(
+        native_module, "blas_rows", lambda weight: 3 if weight.code_bits == 4 else 10**6
+    )
+    folder = make_tiny_model("llama", tmp_path / "llama")
+    model = write_hf_as_gguf(folder, tmp_path / "m.gguf", qtype=Q8_0, qtype_of={"attn_v": Q4_0})
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with LLM(str(model), **NO_PREFIX_CACHE) as llm:
+        stack = llm.runtime.engine.model.model.decode_stack
+        assert isinstance(stack, DecodeStack)
+        runs: list[int] = []
+        run = stack.run
+
+        def counted(hidden: torch.Tensor, *args: object) -> object:
+            runs.append(hidden.shape[0])
+            return run(hidden, *args)
+
+        stack.run = counted  # type: ignore[method-assign]
+        llm.generate(PROMPTS, params)
+        assert runs == []
+        llm.generate(PROMPTS[:2], params)
+        assert runs == [2] * 11
 
 
 def test_no_stack_where_a_layer_is_not_the_kernels(tmp_path: Path) -> None:

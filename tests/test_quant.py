@@ -28,6 +28,7 @@ from aserve.quant.gguf import BLOCKS, QuantizedTensor, decode
 from aserve.quant.method import ProductGroup
 from aserve.quant.native import (
     BLAS_ROWS,
+    NEVER,
     ExpertStack,
     NativeWeight,
     Scratch,
@@ -115,10 +116,15 @@ needs_kernels = pytest.mark.skipif(
 )
 
 
+BLAS_FROM = min(BLAS_ROWS)
+"""The fewest rows any CPU and format sends to BLAS (`native.blas_rows`)."""
+
+
 @pytest.fixture
 def blas_from_128(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Products of BLAS_ROWS rows and more through BLAS, whichever path this CPU chose."""
-    monkeypatch.setattr(native_module, "_blas_rows", BLAS_ROWS)
+    """Products of BLAS_FROM rows and more, of weights made after it, through BLAS, whichever
+    path this CPU chose for their format."""
+    monkeypatch.setattr(native_module, "blas_rows", lambda weight: BLAS_FROM)
 
 
 def as_the_kernels_round(x: torch.Tensor, weight: NativeWeight) -> torch.Tensor:
@@ -151,7 +157,7 @@ def test_products_match_the_dequantized_weight(
     weight = codes.dequantize()
     native = NativeWeight(codes)
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(BLAS_ROWS + 20, 512, generator=generator)
+    x = torch.randn(BLAS_FROM + 20, 512, generator=generator)
     exact = F.linear(x.double(), weight.double())
     tolerance = 1e-5 * float(exact.abs().max())
     kernels = native.linear(x[:70], None)
@@ -205,8 +211,8 @@ def test_scales_take_the_fewest_bytes_that_keep_them(
     wide = NativeWeight(codes)
     assert wide.scales.dtype == torch.float32 and wide.offsets.numel() > 0
     assert compact.nbytes < wide.nbytes
-    x = torch.randn(BLAS_ROWS + 3, 512, generator=torch.Generator().manual_seed(8))
-    for rows in (1, 2, 5, 20, BLAS_ROWS + 3):
+    x = torch.randn(BLAS_FROM + 3, 512, generator=torch.Generator().manual_seed(8))
+    for rows in (1, 2, 5, 20, BLAS_FROM + 3):
         assert torch.equal(compact.linear(x[:rows], None), wide.linear(x[:rows], None)), rows
     ids = torch.tensor([0, 63, 17])
     assert torch.equal(compact.rows(ids), wide.rows(ids))
@@ -333,10 +339,10 @@ def check_same_bits_as_nibbles(
     codes = decode(torch.from_numpy(random_blocks(qtype, 100, 512, seed=5)), qtype, 512)
     packed, nibbles = NativeWeight(keep(codes)), NativeWeight(nibbles_of(codes))
     assert (packed.code_bits, nibbles.code_bits) == (code_bits, 4)
-    x = torch.randn(BLAS_ROWS + 3, 512, generator=torch.Generator().manual_seed(6))
+    x = torch.randn(BLAS_FROM + 3, 512, generator=torch.Generator().manual_seed(6))
     try:
         torch.ops.aserve_cpu.int_activations(integers)
-        for rows in (1, 2, 3, 5, 16, 70, BLAS_ROWS + 3):
+        for rows in (1, 2, 3, 5, 16, 70, BLAS_FROM + 3):
             packed_out, nibbles_out = packed.linear(x[:rows], None), nibbles.linear(x[:rows], None)
             assert torch.equal(packed_out, nibbles_out), rows
     finally:
@@ -440,7 +446,7 @@ def test_codes_centred_on_zero_store_no_offsets(
     assert native.words.nbytes == 64 * 512 * code_bytes
     assert native.scales.element_size() == scale_bytes  # float16, or int8 steps (K-quants)
     assert torch.equal(native.rows(torch.arange(64)), weight)
-    x = torch.randn(BLAS_ROWS + 3, 512, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(BLAS_FROM + 3, 512, generator=torch.Generator().manual_seed(4))
     exact = F.linear(x.double(), weight.double())
     tolerance = 1e-5 * float(exact.abs().max())
     batched = native.linear(x[:20], None)
@@ -574,7 +580,7 @@ def test_embedded_model_decodes_alike_batched_alone_and_through_sdpa(
     make_llm: Callable[..., LLM], smollm2_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Quantized on CPU, decode attention is aserve's kernel reading the pool. Each request's
-    operations do not depend on its batch (products below BLAS_ROWS rows, and the attention),
+    operations do not depend on its batch (products below BLAS_FROM rows, and the attention),
     so the 8 prompts generate the same tokens together and one at a time; against the staged
     SDPA path only float sums' order differs (where they part is printed)."""
     from tests.test_generation import TEXTS
@@ -779,13 +785,13 @@ def test_products_are_the_same_bits_on_one_thread_and_two(qtype: QType) -> None:
         assert openmp_flags() == ["-fopenmp"]
     codes = decode(torch.from_numpy(random_blocks(qtype, 200, 512, seed=5)), qtype, 512)
     native = NativeWeight(codes)
-    x = torch.randn(BLAS_ROWS - 1, 512, generator=torch.Generator().manual_seed(6))
+    x = torch.randn(BLAS_FROM - 1, 512, generator=torch.Generator().manual_seed(6))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        two = [native.linear(x[:rows], None) for rows in (1, 5, BLAS_ROWS - 1)]
+        two = [native.linear(x[:rows], None) for rows in (1, 5, BLAS_FROM - 1)]
         torch.set_num_threads(1)
-        one = [native.linear(x[:rows], None) for rows in (1, 5, BLAS_ROWS - 1)]
+        one = [native.linear(x[:rows], None) for rows in (1, 5, BLAS_FROM - 1)]
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
@@ -828,7 +834,7 @@ def test_a_product_group_calls_the_kernels_once_only_for_what_they_take_together
     blas_from_128: None,
 ) -> None:
     """A step's chosen experts: one call of the kernels for decode rows, one product at a time
-    from BLAS_ROWS rows (BLAS's path) or where the weights' formats differ; the same outputs
+    from BLAS_FROM rows (BLAS's path) or where the weights' formats differ; the same outputs
     every way."""
 
     def group(qtypes: list[QType]) -> ProductGroup:
@@ -850,14 +856,14 @@ def test_a_product_group_calls_the_kernels_once_only_for_what_they_take_together
         calls += 1
         return kernel(*args)
 
-    for rows in (1, 5, BLAS_ROWS):
+    for rows in (1, 5, BLAS_FROM):
         xs = [torch.randn(rows, 256, generator=generator) for _ in range(2)]
         alone = [alike.weights[i].linear(x, None) for i, x in zip((2, 0), xs)]
         before = calls
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(torch.ops.aserve_cpu, "linear_group", counted)
             together = alike.linear([2, 0], xs)
-        assert calls - before == (rows < BLAS_ROWS)
+        assert calls - before == (rows < BLAS_FROM)
         assert all(map(torch.equal, together, alone))
 
 
@@ -943,66 +949,105 @@ def test_kernels_build_with_the_first_flags_a_compiler_takes(
     assert caplog.text.count("did not build (c++: not found)") == 1
 
 
-def test_blas_or_kernels_for_many_rows_is_measured_once_and_kept(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """BLAS from BLAS_ROWS rows where it multiplied faster than the kernels, else never; the
+def test_blas_or_kernels_for_many_rows_is_measured_once_and_kept(tmp_path: Path) -> None:
+    """BLAS from the fewest of BLAS_ROWS rows where it multiplied faster than the kernels
+    (asked from the most rows down, until the kernels win), else never; each product kind's
     choice kept in the kernels' folder and read back instead of measuring again; a kept file
     that cannot be read, or that other kernels' sources measured, is measured over."""
-    timings = iter([(2.0, 1.0), (1.0, 2.0), (1.0, 2.0), (2.0, 1.0)])
-    monkeypatch.setattr(native_module, "time_products", lambda: next(timings))
-    blas_faster, kernels_faster = tmp_path / "a", tmp_path / "b"
-    blas_faster.mkdir(), kernels_faster.mkdir()
-    assert native_module.decide_blas_rows(blas_faster) == BLAS_ROWS
-    assert native_module.decide_blas_rows(kernels_faster) == native_module.NEVER
-    assert native_module.decide_blas_rows(blas_faster) == BLAS_ROWS  # kept: not measured
-    (blas_faster / "blas_rows.json").write_text("{")
-    assert native_module.decide_blas_rows(blas_faster) == native_module.NEVER  # measured anew
-    older = json.loads((blas_faster / "blas_rows.json").read_text()) | {"kernels": "older"}
-    (blas_faster / "blas_rows.json").write_text(json.dumps(older))
-    assert native_module.decide_blas_rows(blas_faster) == BLAS_ROWS  # measured anew
-    assert native_module.decide_blas_rows(blas_faster) == BLAS_ROWS  # kept: not measured
-    assert next(timings, None) is None
+    asked: list[int] = []
+
+    def timer(blas_wins_from: int) -> Callable[[int], tuple[float, float]]:
+        def time(rows: int) -> tuple[float, float]:
+            asked.append(rows)
+            return (2.0, 1.0) if rows >= blas_wins_from else (1.0, 2.0)
+
+        return time
+
+    decide = native_module.decide_blas_rows
+    for wins_from, expected, times in (
+        (1, 128, [512, 256, 128]),
+        (200, 256, [512, 256, 128]),
+        (512, 512, [512, 256]),
+        (1000, NEVER, [512]),
+    ):
+        asked.clear()
+        assert decide(tmp_path, f"codes{wins_from}", timer(wins_from)) == expected, wins_from
+        assert asked == times, wins_from
+    asked.clear()
+    assert decide(tmp_path, "codes200", timer(1)) == 256  # kept: not measured
+    assert decide(tmp_path, "levels4", timer(1)) == 128  # another kind: measured
+    assert asked == [512, 256, 128]
+    kept = tmp_path / "blas_rows.codes200.json"
+    kept.write_text("{")
+    assert decide(tmp_path, "codes200", timer(1000)) == NEVER  # measured anew
+    kept.write_text(json.dumps(json.loads(kept.read_text()) | {"kernels": "older"}))
+    assert decide(tmp_path, "codes200", timer(1)) == 128  # measured anew
+    asked.clear()
+    assert decide(tmp_path, "codes200", timer(1000)) == 128  # kept: not measured
+    assert asked == []
 
 
-def test_the_first_process_to_keep_its_choice_decides_for_all(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_first_process_to_keep_its_choice_decides_for_all(tmp_path: Path) -> None:
     """Two processes measuring at once (tensor-parallel ranks): the one that keeps its answer
     first wins, and the other returns that answer, not its own measurement."""
 
-    def measured_while_another_kept_blas() -> tuple[float, float]:
-        (tmp_path / "blas_rows.json").write_text(json.dumps({"blas_rows": BLAS_ROWS}))
+    def measured_while_another_kept_blas(rows: int) -> tuple[float, float]:
+        kept = {"blas_rows": 256, "kernels": native_module.kernels_version()}
+        (tmp_path / "blas_rows.codes4.json").write_text(json.dumps(kept))
         return 1.0, 2.0  # this process found the kernels faster
 
-    monkeypatch.setattr(native_module, "time_products", measured_while_another_kept_blas)
-    assert native_module.decide_blas_rows(tmp_path) == BLAS_ROWS
-    assert [p.name for p in tmp_path.iterdir()] == ["blas_rows.json"]
+    decided = native_module.decide_blas_rows(tmp_path, "codes4", measured_while_another_kept_blas)
+    assert decided == 256
+    assert [p.name for p in tmp_path.iterdir()] == ["blas_rows.codes4.json"]
 
 
 @needs_kernels
-def test_timing_the_two_paths_gives_two_durations() -> None:
-    kernels_ms, blas_ms = native_module.time_products(rows=16)
+def test_timing_a_format_multiplies_its_panels_and_groups_repeated() -> None:
+    """`time_products` times a weight of `SAMPLE_SHAPE` made of a weight's own panels and
+    groups (repeated, or the first ones kept), on both paths: those products are the
+    weight's, its outputs repeated and each the sum of the weight's over the repeated
+    inputs."""
+    codes = decode(torch.from_numpy(random_blocks(QType.Q4_K, 100, 256, seed=4)), QType.Q4_K, 256)
+    native = NativeWeight(codes)
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(2))
+    halves = [half.contiguous() for half in x.chunk(2, dim=1)]
+    first = native.kernel_linear(halves[0])  # 104 outputs: 13 panels, the last padded
+    both = first + native.kernel_linear(halves[1])
+    expected = both.repeat(1, 3)[:, :240]
+    sample = native.resized(30, 512)
+    tolerance = 1e-5 * float(expected.abs().max())
+    torch.testing.assert_close(sample.kernel_linear(x), expected, rtol=0, atol=tolerance)
+    torch.testing.assert_close(sample._blas_linear(x), expected, rtol=0, atol=tolerance)
+    assert torch.equal(native.resized(4, 256).kernel_linear(halves[0]), first[:, :32])
+    kernels_ms, blas_ms = native_module.time_products(native, rows=16)
     assert kernels_ms > 0 and blas_ms > 0
 
 
-def test_cpus_with_vnni_never_hand_rows_to_blas(monkeypatch: pytest.MonkeyPatch) -> None:
+@needs_kernels
+def test_each_product_kind_is_decided_once_and_never_with_dot_products(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Where the kernels multiply with integer dot products (VNNI, ARM's `sdot`), BLAS takes
     no product, without timing the two: the kernels keep a token's bits exact across batches
     and cache hits. Elsewhere (AVX2 without VNNI, which rounds every code width too, or no
-    integer tiles) the timing decides, as before."""
-    timed: list[Path] = []
+    integer tiles) the timing decides, once for each product kind: weights of one format
+    share the first one's choice, and another format is timed on its own."""
+    decided: list[str] = []
 
-    def decide(folder: Path) -> int:
-        timed.append(folder)
-        return BLAS_ROWS
+    def decide(folder: Path, kind: str, timer: Callable[[int], tuple[float, float]]) -> int:
+        decided.append(kind)
+        return 256
+
+    def weight(qtype: QType) -> NativeWeight:
+        return NativeWeight(decode(torch.from_numpy(random_blocks(qtype, 8, 256)), qtype, 256))
 
     monkeypatch.setattr(native_module, "decide_blas_rows", decide)
-    for dot_products, expected in ((True, native_module.NEVER), (False, BLAS_ROWS)):
-        monkeypatch.setattr(native_module, "_blas_rows", None)
+    for dot_products, expected in ((True, NEVER), (False, 256)):
+        monkeypatch.setattr(native_module, "_blas_rows", {})
         monkeypatch.setattr(native_module, "dot_products", lambda d=dot_products: d)
-        assert native_module.blas_rows() == expected, dot_products
-    assert len(timed) == 1
+        made = [weight(q) for q in (QType.Q4_1, QType.Q4_K, QType.Q8_0)]
+        assert [w.blas_from for w in made] == [expected] * 3, dot_products
+    assert decided == ["codes4", "codes8"]
 
 
 @needs_kernels
@@ -1012,7 +1057,7 @@ def test_blas_multiplies_the_activations_as_the_kernels_round(blas_from_128: Non
     a block with one large input rounds the others by up to ~1.5% of a small one's size."""
     codes = decode(torch.from_numpy(random_blocks(QType.Q4_K, 64, 256, seed=3)), QType.Q4_K, 256)
     weight, native = codes.dequantize().double(), NativeWeight(codes)
-    x = torch.randn(BLAS_ROWS, 256, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(BLAS_FROM, 256, generator=torch.Generator().manual_seed(1))
     x[:, ::32] *= 1000
     blas = native.linear(x, None).double()
     reference = F.linear(as_the_kernels_round(x, native), weight)
@@ -1027,7 +1072,7 @@ def test_without_blas_every_row_count_keeps_a_rows_bits(monkeypatch: pytest.Monk
     """Where the kernels take every product (a CPU where BLAS is the slower), a row's output
     has the same bits alone and in a batch of 300, and matches float64 (of the activations
     as the kernels round them)."""
-    monkeypatch.setattr(native_module, "_blas_rows", native_module.NEVER)
+    monkeypatch.setattr(native_module, "blas_rows", lambda weight: NEVER)
     codes = decode(torch.from_numpy(random_blocks(QType.Q4_K, 72, 512, seed=2)), QType.Q4_K, 512)
     native = NativeWeight(codes)
     x = torch.randn(300, 512, generator=torch.Generator().manual_seed(12))
@@ -1102,7 +1147,7 @@ def test_gate_up_product_and_its_activation_in_one_call(blas_from_128: None) -> 
         torch.from_numpy(random_blocks(QType.Q4_K, 2 * inter, 512, seed=9)), QType.Q4_K, 512
     )
     native = NativeWeight(codes)
-    x = torch.randn(BLAS_ROWS, 512, generator=torch.Generator().manual_seed(10))
+    x = torch.randn(BLAS_FROM, 512, generator=torch.Generator().manual_seed(10))
     for rows in (1, 3, 20):
         gate, up = native.linear(x[:rows], None).chunk(2, dim=-1)
         together = native.silu(x[:rows])

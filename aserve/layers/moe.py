@@ -30,7 +30,7 @@ from aserve.quant.codes import Codes
 from aserve.quant.fp8 import FP8, Fp8Tensor, quantize_rows
 from aserve.quant.gguf import QuantizedTensor, decode
 from aserve.quant.method import ProductGroup
-from aserve.quant.native import ExpertStack, Scratch, blas_rows, moe_layer
+from aserve.quant.native import ExpertStack, Scratch, moe_layer
 
 if TYPE_CHECKING:
     from aserve.layers.moe_codes_triton import StackedCodes
@@ -357,7 +357,12 @@ class QuantizedExperts(nn.Module):
     def takes_whole_layer(self, x: torch.Tensor) -> bool:
         """Whether `whole_layer` runs these tokens: stacked CPU experts, float32 rows, fewer
         than go to BLAS (decode; on CPUs where BLAS is the slower, every batch)."""
-        return self.cpu_stacks is not None and x.dtype == torch.float32 and x.shape[0] < blas_rows()
+        stacks = self.cpu_stacks
+        return (
+            stacks is not None
+            and x.dtype == torch.float32
+            and x.shape[0] < min(stack.blas_from for stack in stacks)
+        )
 
     def whole_layer(
         self, x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool

@@ -21,15 +21,17 @@ from aserve.layers.cpu_ops import CpuKernels
 from aserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from aserve.layers.moe import QuantizedExperts, SparseMoE
 from aserve.models.decoder import DecoderLayer, DecoderMLP, DecoderModel
-from aserve.quant.native import KernelTensors, NativeWeight, blas_rows
+from aserve.quant.native import KernelTensors, NativeWeight
 
 
 class DecodeStack:
-    """The C++ stack of a model's layers, and when it may run them."""
+    """The C++ stack of a model's layers, and when it may run them: batches of fewer rows
+    than any of its weights sends to BLAS (`blas_from`)."""
 
-    def __init__(self, stack: torch.ScriptObject, cos_sin: torch.Tensor) -> None:
+    def __init__(self, stack: torch.ScriptObject, cos_sin: torch.Tensor, blas_from: int) -> None:
         self.stack = stack
         self.cos_sin = cos_sin
+        self.blas_from = blas_from
 
     def takes(self, batch: ForwardBatch, attn: AttentionBackend) -> bool:
         """Decode batches that the modules too would run on the kernels whole: attention
@@ -38,7 +40,7 @@ class DecodeStack:
             batch.is_decode
             and isinstance(attn, TorchNativeBackend)
             and attn.native_decode
-            and batch.batch_size < blas_rows()
+            and batch.batch_size < self.blas_from
         )
 
     def run(
@@ -74,13 +76,21 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
         attention.eps,
         attention.head_dim**-0.5,
     )
+    blas_from: list[int] = []
     for layer in layers:
-        if not _add_layer(stack, layer):
+        if not _add_layer(stack, layer, blas_from):
             return None
-    return DecodeStack(stack, attention.rotary.cos_sin)
+    return DecodeStack(stack, attention.rotary.cos_sin, min(blas_from))
 
 
-def _add_layer(stack: torch.ScriptObject, layer: DecoderLayer) -> bool:
+def _add_layer(stack: torch.ScriptObject, layer: DecoderLayer, blas_from: list[int]) -> bool:
+    """Add `layer`'s weights and its own parts to `stack`, and each weight's `blas_from` to
+    `blas_from`; False where a part is not the kernels' whole."""
+
+    def add(weight: KernelTensors) -> int:
+        blas_from.append(weight.blas_from)
+        return stack.add_weight(*weight.kernel_args())
+
     attention, mlp = layer.self_attn, layer.mlp
     qkv = _products(attention.qkv_proj)
     o = _products(attention.o_proj)
@@ -93,13 +103,13 @@ def _add_layer(stack: torch.ScriptObject, layer: DecoderLayer) -> bool:
         inter = gate_up[0].shape[0] // 2
         if 2 * inter != gate_up[0].shape[0]:
             return False
-        up_id, down_id = _add_weight(stack, gate_up[0]), _add_weight(stack, down[0])
+        up_id, down_id = add(gate_up[0]), add(down[0])
         router, top_k, renormalize = None, 0, False
     elif isinstance(mlp, SparseMoE) and isinstance(mlp.experts, QuantizedExperts):
         stacks = mlp.experts.cpu_stacks
         if stacks is None:
             return False
-        up_id, down_id = _add_weight(stack, stacks[0]), _add_weight(stack, stacks[1])
+        up_id, down_id = add(stacks[0]), add(stacks[1])
         inter = mlp.experts.gate_up.weights[0].shard_rows[0]
         router, top_k, renormalize = mlp.gate.weight, mlp.top_k, mlp.renormalize
     else:
@@ -107,11 +117,11 @@ def _add_layer(stack: torch.ScriptObject, layer: DecoderLayer) -> bool:
     stack.add_layer(
         layer.input_layernorm.weight,
         layer.post_attention_layernorm.weight,
-        [_add_weight(stack, part) for part in qkv],
+        [add(part) for part in qkv],
         attention.qkv_proj.bias,
         None if attention.q_norm is None else attention.q_norm.weight,
         None if attention.k_norm is None else attention.k_norm.weight,
-        _add_weight(stack, o[0]),
+        add(o[0]),
         up_id,
         down_id,
         inter,
@@ -134,10 +144,6 @@ def _products(
     if not all(isinstance(p, NativeWeight) and p.padded == p.shape[0] for p in products):
         return None
     return products  # type: ignore[return-value]
-
-
-def _add_weight(stack: torch.ScriptObject, weight: KernelTensors) -> int:
-    return stack.add_weight(*weight.kernel_args())
 
 
 def use_decode_stacks(model: nn.Module) -> None:

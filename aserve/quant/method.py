@@ -17,7 +17,7 @@ from aserve.quant.codes import Codes, quantize
 from aserve.quant.cpu import DenseWeight, cpu_weight
 from aserve.quant.fp8 import Fp8Activations, Fp8Rows, Fp8Tensor, Fp8Weight, quantize_rows
 from aserve.quant.gguf import QuantizedTensor
-from aserve.quant.native import NativeWeight, Scratch, blas_rows, linear_group, one_format
+from aserve.quant.native import NativeWeight, Scratch, linear_group, one_format
 
 
 class QuantizedProduct(Protocol):
@@ -136,7 +136,7 @@ class ProductGroup:
     """Weights of one shape whose products a step runs side by side, each on rows of its own
     (a MoE layer's experts: each one's gate|up, or each one's down). Where every weight is
     one product of aserve's CPU kernels in one code format (decided once, at `finalize`),
-    the chosen weights with fewer than `blas_rows()` float32 rows each run in one call of the
+    the chosen weights with fewer than their `blas_from` float32 rows each run in one call of the
     kernels (`linear_group`: a decode step's experts are products too small each to keep
     the cores busy alone); otherwise one by one. The same outputs either way."""
 
@@ -159,7 +159,7 @@ class ProductGroup:
     def linear(self, chosen: list[int], xs: list[torch.Tensor]) -> list[torch.Tensor]:
         """`weights[chosen[i]].linear(xs[i], None)` for every i."""
         if self.native is not None and all(
-            x.dtype == torch.float32 and x.shape[0] < blas_rows() for x in xs
+            x.dtype == torch.float32 and x.shape[0] < self.native[0].blas_from for x in xs
         ):
             return linear_group([self.native[i] for i in chosen], [x.contiguous() for x in xs])
         return [self.weights[i].linear(x, None) for i, x in zip(chosen, xs, strict=True)]

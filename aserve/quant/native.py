@@ -23,12 +23,13 @@ depend on the row alone, the CPU attention computes every query the same way whe
 prefix was cached or not (attention/torch_native.py), and where the kernels multiply with
 dot-product instructions (VNNI, ARM's `sdot`) BLAS is not used (`blas_rows`), so neither
 batches nor cache hits change a token's bits. Where BLAS is the faster for many rows
-(`blas_rows`: measured once per CPU; about 2x at 512 to 2,048 rows on that box, slower than
-the kernels on AMD's AVX-512 cores), products from BLAS_ROWS rows (prefill chunks, large
-decode batches) de-quantize slices of the weight into a reused buffer and BLAS multiplies
-them (with the activations as the kernels round them, where they do), different from the
-kernels only in the last bits of float32, like any two float32 products (the float path has
-the same between a cached and an uncached prefix).
+(`blas_rows`: measured once per CPU and code format; about 2x at 512 to 2,048 rows on that
+box for 4-bit codes, slower than the kernels on AMD's AVX-512 cores, and on levels and 8-bit
+codes on an AVX2-only AMD EPYC), products from that many rows (prefill chunks, large decode batches)
+de-quantize slices of the weight into a reused buffer and BLAS multiplies them (with the
+activations as the kernels round them, where they do), different from the kernels only in
+the last bits of float32, like any two float32 products (the float path has the same between
+a cached and an uncached prefix).
 
 They build with torch's C++ extension loader (a C++ compiler and ninja) into aserve's cache,
 about 15 s the first time, then load in milliseconds. Where that fails the caller falls back
@@ -38,6 +39,7 @@ to float32 weights (aserve/quant/cpu.py) and says so once.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import logging
@@ -61,13 +63,18 @@ SOURCES = [
     for name in ("cpu_kernels.cpp", "cpu_attention.cpp", "cpu_decode.cpp")
 ]
 LANES = 8  # output features per panel: one AVX2 register of float32
-BLAS_ROWS = 128
-"""Where BLAS multiplies faster than the kernels (`blas_rows`), products of this many rows
-and more de-quantize slices of their weight and hand them to it."""
+BLAS_ROWS = (128, 256, 512)
+"""The row counts from which a code format's products may go to BLAS (`blas_rows`): BLAS
+pays for de-quantizing the weight once a call, so its lead over the kernels grows with the
+rows, and the least of these where it leads is where it takes over."""
 NEVER = sys.maxsize
 BLAS_SLICE_BYTES = 2 << 20
-_blas_rows: int | None = None
-"""This process's `blas_rows`, decided at its first call."""
+SAMPLE_SHAPE = (1024, 2048)
+"""The weight that `time_products` times a format on, outputs by inputs: large enough that
+BLAS's de-quantization weighs as in a model's products (over 256 inputs the kernels lost to
+BLAS at 512 rows on levels where over 2,048 they won), small enough to time in a second."""
+_blas_rows: dict[str, int] = {}
+"""This process's `blas_rows` a `product_kind`, decided when a weight of it is first made."""
 
 
 class Scratch:
@@ -96,7 +103,6 @@ def native_kernels() -> bool:
     if not build_kernels(folder):
         return False
     logger.info("CPU kernels ready in %.1f s (%s)", time.perf_counter() - started, folder)
-    blas_rows()  # decided now, at load, rather than inside the first request's step
     return True
 
 
@@ -139,23 +145,35 @@ def kernels_folder() -> Path:
     return cache_root() / "kernels" / build_kind()
 
 
-def blas_rows() -> int:
-    """From how many rows a product goes to BLAS (`BLAS_ROWS`) or never (`NEVER`) on this
-    CPU: whichever multiplied 512 rows faster when the kernels were first used here, measured
-    once and kept in their folder. It depends on the CPU's maker as much as on its
-    instruction sets: MKL runs its AVX2 code on AMD's AVX-512 cores, where the kernels were
-    1.4x faster than BLAS at 64 to 2,048 rows (Zen 5), while on a 2-core AVX2 box BLAS was
-    ~2x faster from 512. Without BLAS every output has the same bits whatever its batch.
-    On CPUs with integer dot products (AVX-512 VNNI, AVX-VNNI or ARM's `sdot`:
-    `dot_products`), never: with VNNI the kernels were the faster, and they keep a token's
-    bits exact across batches and cache hits (on ARM that choice is made for the bits; BLAS
-    was not timed there). Elsewhere BLAS takes the activations as the kernels round them
-    where they do (every code width on AVX2, `rounded_like_the_kernels`), so the two paths
-    differ in float32's last bits, not by a rounding step."""
-    global _blas_rows
-    if _blas_rows is None:
-        _blas_rows = NEVER if dot_products() else decide_blas_rows(kernels_folder())
-    return _blas_rows
+def product_kind(weight: KernelTensors) -> str:
+    """The kernels' family of tiles for `weight`'s products: its code width as kept, and
+    whether codes stand for levels (book entries count as 2-bit levels)."""
+    return f"{'levels' if weight.levels is not None else 'codes'}{weight.code_bits}"
+
+
+def blas_rows(weight: NativeWeight) -> int:
+    """From how many rows products of `weight`'s format (`product_kind`) go to BLAS, or never
+    (`NEVER`), on this CPU: measured when a weight of the format is first made here
+    (`decide_blas_rows`) and kept in the kernels' folder. It depends on the format and on
+    the CPU's maker as much as on its instruction sets: on a 2-core AVX2 box BLAS was ~2x
+    faster for 4-bit codes from 512 rows, on an AVX2-only AMD EPYC it lost to the kernels
+    on levels (IQ4_XS) and 8-bit codes at 128 to 1,024 rows and won on split codes (Q6_K)
+    from 64, and MKL runs its AVX2 code on AMD's AVX-512 cores, where the kernels were 1.4x
+    faster than BLAS at 64 to 2,048 rows (Zen 5). Without BLAS every output has the same bits
+    whatever its batch. On CPUs with integer dot products (AVX-512 VNNI, AVX-VNNI or ARM's
+    `sdot`: `dot_products`), never: with VNNI the kernels were the faster, and they keep a
+    token's bits exact across batches and cache hits (on ARM that choice is made for the
+    bits; BLAS was not timed there). Elsewhere BLAS takes the activations as the kernels
+    round them where they do (every code width on AVX2, `rounded_like_the_kernels`), so the
+    two paths differ in float32's last bits, not by a rounding step."""
+    kind = product_kind(weight)
+    if kind not in _blas_rows:
+        _blas_rows[kind] = (
+            NEVER
+            if dot_products()
+            else decide_blas_rows(kernels_folder(), kind, lambda rows: time_products(weight, rows))
+        )
+    return _blas_rows[kind]
 
 
 @cache
@@ -168,12 +186,14 @@ def kernels_version() -> str:
     return digest.hexdigest()[:12]
 
 
-def decide_blas_rows(folder: Path) -> int:
-    """`blas_rows` as kept in `folder` by these kernels, or measured now (`time_products`)
-    and kept there. The first process to keep an answer wins and every later one reads it,
-    so the ranks of a tensor-parallel run that measure at once still take one path (a MoE
+def decide_blas_rows(folder: Path, kind: str, timer: Callable[[int], tuple[float, float]]) -> int:
+    """`blas_rows` of a product kind as kept in `folder` by these kernels, or measured now
+    and kept there: `timer(rows)` gives the kernels' and BLAS's milliseconds for a product of
+    `rows` rows, asked for each of `BLAS_ROWS` from the largest down until the kernels are
+    the faster. The first process to keep an answer wins and every later one reads it, so
+    the ranks of a tensor-parallel run that measure at once still take one path (a MoE
     layer's routing must not differ between them)."""
-    kept = folder / "blas_rows.json"
+    kept = folder / f"blas_rows.{kind}.json"
     try:
         record = json.loads(kept.read_text())
         if record["kernels"] == kernels_version():
@@ -183,20 +203,23 @@ def decide_blas_rows(folder: Path) -> int:
         pass
     except (OSError, ValueError, KeyError, TypeError):
         kept.unlink(missing_ok=True)  # unreadable: measured over
-    kernels_ms, blas_ms = time_products()
-    rows = BLAS_ROWS if blas_ms < kernels_ms else NEVER
-    where = f"from {rows} rows" if rows == BLAS_ROWS else "never"
+    rows, timings = NEVER, {}
+    for candidate in sorted(BLAS_ROWS, reverse=True):
+        kernels_ms, blas_ms = timer(candidate)
+        timings[candidate] = [kernels_ms, blas_ms]
+        if blas_ms >= kernels_ms:
+            break
+        rows = candidate
     logger.info(
-        "512-row products: CPU kernels %.2f ms, BLAS %.2f ms; BLAS %s", kernels_ms, blas_ms, where
+        "%s products, CPU kernels / BLAS ms by rows: %s; BLAS %s",
+        kind,
+        ", ".join(f"{r}: {k:.2f} / {b:.2f}" for r, (k, b) in timings.items()),
+        "never" if rows == NEVER else f"from {rows} rows",
     )
-    record = {
-        "kernels_ms": kernels_ms,
-        "blas_ms": blas_ms,
-        "blas_rows": rows,
-        "kernels": kernels_version(),
-    }
-    mine = folder / f"blas_rows.{os.getpid()}.json"
+    record = {"kind": kind, "blas_rows": rows, "ms": timings, "kernels": kernels_version()}
+    mine = folder / f"blas_rows.{kind}.{os.getpid()}.json"
     try:
+        folder.mkdir(parents=True, exist_ok=True)
         mine.write_text(json.dumps(record))
         with contextlib.suppress(FileExistsError):
             os.link(mine, kept)
@@ -206,19 +229,13 @@ def decide_blas_rows(folder: Path) -> int:
         return rows
 
 
-def time_products(rows: int = 512) -> tuple[float, float]:
-    """Milliseconds of one product of `rows` rows with a 1,024 x 1,024 weight of 4-bit codes
-    (groups of 32, scales and offsets) on the kernels and on BLAS, the best of three each."""
-    generator = torch.Generator().manual_seed(0)
-    codes = Codes(
-        torch.randint(0, 16, (1024, 1024), generator=generator, dtype=torch.uint8),
-        torch.rand(1024, 32, generator=generator),
-        torch.rand(1024, 32, generator=generator),
-        32,
-        4,
-    )
-    weight = NativeWeight(codes)
-    x = torch.randn(rows, 1024, generator=generator)
+def time_products(weight: NativeWeight, rows: int) -> tuple[float, float]:
+    """Milliseconds of one product of `rows` rows on the kernels and on BLAS, the best of
+    three each, on `weight`'s panels and groups repeated or cut to `SAMPLE_SHAPE`: the
+    first weight of a format that a model makes may be a small one."""
+    outputs, cols = SAMPLE_SHAPE
+    sample = weight.resized(outputs // LANES, cols)
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(0))
 
     def best(product: Callable[[], torch.Tensor]) -> float:
         product()
@@ -229,7 +246,7 @@ def time_products(rows: int = 512) -> tuple[float, float]:
             times.append(time.perf_counter() - started)
         return min(times) * 1e3
 
-    return best(lambda: weight.kernel_linear(x)), best(lambda: weight._blas_linear(x))
+    return best(lambda: sample.kernel_linear(x)), best(lambda: sample._blas_linear(x))
 
 
 def load_kernels(folder: Path, flags: list[str], arch: tuple[str, ...] = ARCH_FLAGS[0]) -> None:
@@ -359,6 +376,8 @@ class KernelTensors:
     group: int
     code_bits: int
     levels: torch.Tensor | None
+    blas_from: int
+    """Products of this many rows and more go to BLAS (`blas_rows`)."""
 
     def rounds_activations(self) -> bool:
         """Whether the kernels multiply these codes by activations rounded to 16-bit
@@ -480,6 +499,7 @@ class NativeWeight(KernelTensors):
             stepped = panel_steps(codes.steps, offsets, panels)
             if stepped is not None:
                 self.scales, self.offsets, self.bases = stepped
+        self.blas_from = blas_rows(self)
 
     @property
     def nbytes(self) -> int:
@@ -488,7 +508,8 @@ class NativeWeight(KernelTensors):
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         plain = x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous()
         rows = x if plain else x.reshape(-1, x.shape[-1]).float().contiguous()
-        out = self._blas_linear(rows) if rows.shape[0] >= blas_rows() else self.kernel_linear(rows)
+        blas = rows.shape[0] >= self.blas_from
+        out = self._blas_linear(rows) if blas else self.kernel_linear(rows)
         if plain and bias is None and self.padded == self.shape[0]:
             # a decoder's own case, as it is: the slicing, reshape and cast below cost ~2 us
             # a call, a quarter of a millisecond a step of the embedded model
@@ -508,7 +529,7 @@ class NativeWeight(KernelTensors):
         ATen's SiLU and multiply); None where the kernels do not take x whole (BLAS rows,
         other layouts): the caller runs the steps."""
         plain = x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous()
-        if not plain or x.shape[0] >= blas_rows() or self.shape[0] % 2:
+        if not plain or x.shape[0] >= self.blas_from or self.shape[0] % 2:
             return None
         return torch.ops.aserve_cpu.gated_linear(x, *self.kernel_args(), self.shape[0] // 2)
 
@@ -527,6 +548,28 @@ class NativeWeight(KernelTensors):
             last = min(panels, first + step)
             out[:, first * LANES : last * LANES] = rows @ self._dequantize(first, last)
         return out
+
+    def resized(self, panels: int, cols: int) -> NativeWeight:
+        """A weight of this format with `panels` panels of `cols` inputs (a multiple of its
+        super-blocks': 256 does for every GGUF format): this one's panels and groups, repeated
+        or cut (to time its format, `time_products`)."""
+        groups = self.shape[1] // self.group
+
+        def resized(t: torch.Tensor) -> torch.Tensor:
+            """[panels, units, ...] with units (groups, pairs of groups, super-blocks) in
+            step with the groups."""
+            if not t.numel():
+                return t
+            units = cols // self.group * t.shape[1] // groups
+            t = t.repeat(-(-panels // t.shape[0]), -(-units // t.shape[1]), *[1] * (t.dim() - 2))
+            return t[:panels, :units].contiguous()
+
+        sample = copy.copy(self)
+        sample.words, sample.scales = resized(self.words), resized(self.scales)
+        sample.offsets, sample.bases = resized(self.offsets), resized(self.bases)
+        sample.shape = torch.Size([panels * LANES, cols])
+        sample.padded, sample.scratch = panels * LANES, Scratch()
+        return sample
 
     def _dequantize(self, first: int, last: int) -> torch.Tensor:
         cols, width = self.shape[1], (last - first) * LANES
@@ -580,7 +623,7 @@ def kernel_weights(weights: list[NativeWeight]) -> tuple[object, ...]:
 def linear_group(weights: list[NativeWeight], xs: list[torch.Tensor]) -> list[torch.Tensor]:
     """`weights[i].linear(xs[i], None)` for every i in one call of the kernels, one parallel
     region for all (the same outputs, bit for bit): weights of `one_format`, each x float32,
-    contiguous and of fewer than `blas_rows()` rows."""
+    contiguous and of fewer than their `blas_from` rows."""
     outs = torch.ops.aserve_cpu.linear_group(xs, *kernel_weights(weights))
     return [
         out if w.padded == w.shape[0] else out[:, : w.shape[0]]
@@ -601,6 +644,7 @@ class ExpertStack(KernelTensors):
         assert one_format(weights), "one stack holds experts of one code format"
         first = weights[0]
         self.group, self.code_bits, self.levels = first.group, first.code_bits, first.levels
+        self.blas_from = first.blas_from
         self.words = torch.stack([w.words.reshape(-1) for w in weights])
         stepped = all(
             w.scales.dtype == torch.int8 and w.bases.shape == first.bases.shape for w in weights
@@ -643,7 +687,7 @@ def moe_layer(
     csrc/cpu_kernels.cpp): float32 router logits, softmax, top-k and renormalisation as
     layers/moe.route computes them, then every chosen expert's gate|up (gate rows, then up
     rows; `inter` each), SiLU-and-mul and down, and the routing-weighted sum. For fewer than
-    `blas_rows()` tokens, so that no expert gets more rows."""
+    the stacks' `blas_from` tokens, so that no expert gets more rows."""
     return torch.ops.aserve_cpu.moe_layer(
         x, router, top_k, renormalize, *gate_up.kernel_args(), *down.kernel_args(), inter
     )
