@@ -136,9 +136,9 @@ class ProductGroup:
     """Weights of one shape whose products a step runs side by side, each on rows of its own
     (a MoE layer's experts: each one's gate|up, or each one's down). Where every weight is
     one product of aserve's CPU kernels in one code format (decided once, at `finalize`),
-    the chosen weights with fewer than their `blas_from` float32 rows each run in one call of the
-    kernels (`linear_group`: a decode step's experts are products too small each to keep
-    the cores busy alone); otherwise one by one. The same outputs either way."""
+    the chosen weights with fewer than their `blas_from` float32 rows each run in one call
+    of the kernels (`linear_group`: a decode step's experts are products too small each to
+    keep the cores busy alone); otherwise one by one. The same outputs either way."""
 
     def __init__(self, count: int, shard_rows: list[int], cols: int, quantization: str) -> None:
         self.weights = [QuantizedLinearWeight(shard_rows, cols, quantization) for _ in range(count)]

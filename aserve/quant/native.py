@@ -25,11 +25,11 @@ dot-product instructions (VNNI, ARM's `sdot`) BLAS is not used (`blas_rows`), so
 batches nor cache hits change a token's bits. Where BLAS is the faster for many rows
 (`blas_rows`: measured once per CPU and code format; about 2x at 512 to 2,048 rows on that
 box for 4-bit codes, slower than the kernels on AMD's AVX-512 cores, and on levels and 8-bit
-codes on an AVX2-only AMD EPYC), products from that many rows (prefill chunks, large decode batches)
-de-quantize slices of the weight into a reused buffer and BLAS multiplies them (with the
-activations as the kernels round them, where they do), different from the kernels only in
-the last bits of float32, like any two float32 products (the float path has the same between
-a cached and an uncached prefix).
+codes on an AVX2-only AMD EPYC), products from that many rows (prefill chunks, large decode
+batches) de-quantize slices of the weight into a reused buffer and BLAS multiplies them (with
+the activations as the kernels round them, where they do), different from the kernels only
+in the last bits of float32, like any two float32 products (the float path has the same
+between a cached and an uncached prefix).
 
 They build with torch's C++ extension loader (a C++ compiler and ninja) into aserve's cache,
 about 15 s the first time, then load in milliseconds. Where that fails the caller falls back
