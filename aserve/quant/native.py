@@ -231,22 +231,22 @@ def decide_blas_rows(folder: Path, kind: str, timer: Callable[[int], tuple[float
 
 def time_products(weight: NativeWeight, rows: int) -> tuple[float, float]:
     """Milliseconds of one product of `rows` rows on the kernels and on BLAS, the best of
-    three each, on `weight`'s panels and groups repeated or cut to `SAMPLE_SHAPE`: the
-    first weight of a format that a model makes may be a small one."""
+    four each, taken in turn (a shared VM's speed moves by up to 2x within seconds: three of
+    one path, then three of the other, had kept opposite choices for one format in two
+    builds), on `weight`'s panels and groups repeated or cut to `SAMPLE_SHAPE`: the first
+    weight of a format that a model makes may be a small one."""
     outputs, cols = SAMPLE_SHAPE
     sample = weight.resized(outputs // LANES, cols)
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(0))
-
-    def best(product: Callable[[], torch.Tensor]) -> float:
-        product()
-        times = []
-        for _ in range(3):
+    paths = (lambda: sample.kernel_linear(x), lambda: sample._blas_linear(x))
+    best = [float("inf"), float("inf")]
+    for turn in range(5):  # the first turn warms both up
+        for i, product in enumerate(paths):
             started = time.perf_counter()
             product()
-            times.append(time.perf_counter() - started)
-        return min(times) * 1e3
-
-    return best(lambda: sample.kernel_linear(x)), best(lambda: sample._blas_linear(x))
+            if turn:
+                best[i] = min(best[i], (time.perf_counter() - started) * 1e3)
+    return best[0], best[1]
 
 
 def load_kernels(folder: Path, flags: list[str], arch: tuple[str, ...] = ARCH_FLAGS[0]) -> None:
