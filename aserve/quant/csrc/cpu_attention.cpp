@@ -15,8 +15,9 @@
 // as llama.cpp keeps a GGUF model's cache: half the bytes to read and keep) or float32;
 // float16 values widen exactly, so the arithmetic is the same.
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 

@@ -8,7 +8,8 @@
 // `moe_layer`, the norms, `norm_rope_store`, `decode_attention`) in the same order with the
 // same inputs, so a step gives the same bits either way.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -123,7 +124,7 @@ class DecodeStack : public torch::CustomClassHolder {
     std::vector<Tensor> outputs;
     for (int64_t part : parts) outputs.push_back(linear(x, weights_[part]));
     Tensor y = outputs.size() == 1 ? outputs[0] : at::cat(outputs, -1);
-    return bias.has_value() ? y + *bias : y;
+    return bias.has_value() ? y.add(*bias) : y;
   }
 
   static Tensor linear(const Tensor& x, const Weight& w) {

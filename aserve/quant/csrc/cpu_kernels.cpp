@@ -48,8 +48,12 @@
 // 3 x 2) so that the FMAs' latency is hidden; without AVX-512, from 16 rows two panels of codes
 // are expanded once into a buffer and 6-row tiles run over it.
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/silu.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
