@@ -9,8 +9,8 @@
 // same inputs, so a step gives the same bits either way.
 
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/cat.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/cat.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
