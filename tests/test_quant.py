@@ -909,6 +909,35 @@ def test_a_moe_layer_in_one_call_equals_routing_and_grouped_products(renormalize
         assert torch.equal(alone[0], together[-1])
 
 
+def test_openmp_flags_give_the_kernels_torchs_runtime(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Linux builds with -fopenmp. macOS, whose compilers take no -fopenmp, with the libomp
+    and omp.h that torch's wheel ships, found beside torch (without them, none: the kernels
+    then run on one thread, as before). A torch without OpenMP, or another platform: none."""
+    from aserve.quant.native import openmp_flags
+
+    monkeypatch.setattr(torch._C, "has_openmp", True)
+    assert openmp_flags("linux", tmp_path) == ["-fopenmp"]
+    assert openmp_flags("darwin", tmp_path) == []
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libomp.dylib").touch()
+    assert openmp_flags("darwin", tmp_path) == []  # no omp.h to compile against
+    (tmp_path / "include").mkdir()
+    (tmp_path / "include" / "omp.h").touch()
+    lib = tmp_path / "lib"
+    assert openmp_flags("darwin", tmp_path) == [
+        "-Xpreprocessor",
+        "-fopenmp",
+        f"-L{lib}",
+        "-lomp",
+        f"-Wl,-rpath,{lib}",
+    ]
+    assert openmp_flags("win32", tmp_path) == []
+    monkeypatch.setattr(torch._C, "has_openmp", False)
+    assert openmp_flags("linux", tmp_path) == openmp_flags("darwin", tmp_path) == []
+
+
 def test_kernels_build_with_the_first_flags_a_compiler_takes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -264,12 +264,27 @@ def load_kernels(folder: Path, flags: list[str], arch: tuple[str, ...] = ARCH_FL
     )
 
 
-def openmp_flags() -> list[str]:
-    """`-fopenmp` where torch runs its parallel loops on OpenMP (Linux, GCC's runtime, which
-    torch loads): compiled without it, `at::parallel_for` in the kernels is a plain loop on
-    the calling thread, and every product ran on one core (two threads took the time of one,
-    bench/NOTES.md)."""
-    return ["-fopenmp"] if torch._C.has_openmp and sys.platform.startswith("linux") else []
+def openmp_flags(platform: str = sys.platform, torch_folder: Path | None = None) -> list[str]:
+    """Compile and link flags that give the kernels torch's OpenMP runtime where torch runs
+    its parallel loops on it: compiled without, `at::parallel_for` in the kernels is a plain
+    loop on the calling thread, and every product ran on one core (two threads took the time
+    of one, bench/NOTES.md). On Linux `-fopenmp` (GCC's runtime, which torch loads). Apple's
+    compilers take no `-fopenmp`, and torch's macOS wheels are built on OpenMP too, so there
+    the preprocessor is asked for it and the kernels link the `libomp` that torch ships and
+    loads (with its `omp.h`): one runtime, torch's threads. Elsewhere none."""
+    if not torch._C.has_openmp:
+        return []
+    if platform.startswith("linux"):
+        return ["-fopenmp"]
+    folder = torch_folder or Path(torch.__file__).parent
+    lib = folder / "lib"
+    if (
+        platform == "darwin"
+        and (lib / "libomp.dylib").exists()
+        and (folder / "include" / "omp.h").exists()
+    ):
+        return ["-Xpreprocessor", "-fopenmp", f"-L{lib}", "-lomp", f"-Wl,-rpath,{lib}"]
+    return []
 
 
 def build_kind() -> str:
