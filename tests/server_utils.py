@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from aserve.config import cache_root
+from aserve.quant.native import kernels_folder
 from aserve.replicas import free_port, http_status
 
 
@@ -73,7 +73,7 @@ def cache_sharing_kernels(folder: Path) -> Path:
     """`folder` as an empty aserve cache whose CPU kernels are this machine's usual ones (a
     link): a process started on a cache of its own otherwise compiles them again, ~40 s of a
     2-core CI run each time. Call it before pointing $ASERVE_CACHE_DIR at `folder`."""
-    kernels = cache_root() / "kernels"
+    kernels = kernels_folder().parent  # this machine's builds, one folder per kind
     kernels.mkdir(parents=True, exist_ok=True)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "kernels").symlink_to(kernels, target_is_directory=True)
