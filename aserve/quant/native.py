@@ -32,8 +32,8 @@ in the last bits of float32, like any two float32 products (the float path has t
 between a cached and an uncached prefix).
 
 They build with torch's C++ extension loader (a C++ compiler and ninja) into aserve's cache,
-about 15 s the first time, then load in milliseconds. Where that fails the caller falls back
-to float32 weights (aserve/quant/cpu.py) and says so once.
+15-50 s the first time on two cores, then load in milliseconds. Where that fails the caller
+falls back to float32 weights (aserve/quant/cpu.py) and says so once.
 """
 
 from __future__ import annotations
