@@ -9,6 +9,7 @@ or queues: the scheduler plans, the engine computes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -52,6 +53,7 @@ from aserve.models.cpu_decode import use_decode_stacks
 from aserve.models.decoder import use_fp8_activations
 from aserve.models.registry import build_model
 from aserve.models.weights import fill_dummy_weights, iter_weights, torch_dtype
+from aserve.quant.cpu import keeps_16_bit_weights
 from aserve.quant.fp8 import pair_scales
 from aserve.sampling_params import SamplingParams
 
@@ -118,13 +120,15 @@ class Engine:
         tp: TPGroup | None = None,
     ) -> None:
         self.config = config
-        self.model_config = model_config
         self.tp = tp or TPGroup()
         # This rank's query and KV heads (a KV head is replicated when there are fewer than ranks).
         self.local_heads = model_config.num_heads // self.tp.size
         self.local_kv_heads = max(1, model_config.num_kv_heads // self.tp.size)
         self.device = resolve_device(config.device)
         self.dtype = torch_dtype(config.dtype, self.device, model_config.torch_dtype)
+        if keeps_16_bit_weights(config, model_config, self.device, self.dtype):
+            model_config = dataclasses.replace(model_config, quantization="half")
+        self.model_config = model_config
         self.max_seq_len = model_config.max_position_embeddings
         if config.max_seq_len_override is not None:
             self.max_seq_len = config.max_seq_len_override
@@ -137,7 +141,7 @@ class Engine:
         self.kv_dtype = kv_storage_dtype(
             config.kv_cache_dtype,
             self.dtype,
-            model_config.quantization is not None and self.device.type == "cpu",
+            model_config.quantization not in (None, "half") and self.device.type == "cpu",
         )
         if self.kv_dtype in (torch.float16, torch.float32) and self.kv_dtype != self.dtype:
             if self.device.type != "cpu" or self.dtype != torch.float32:

@@ -221,7 +221,7 @@ class DecoderModel(nn.Module):
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, tp, config.quantization == "gguf"
+            config.vocab_size, config.hidden_size, tp, config.quantization in ("gguf", "half")
         )
         rotary = RotaryEmbedding(
             config.head_dim, max_positions, config.rope_theta, config.rope_scaling, ops
@@ -283,7 +283,7 @@ class DecoderForCausalLM(nn.Module):
             self.model.embed_tokens
             if config.tie_word_embeddings
             else ParallelLMHead(
-                config.vocab_size, config.hidden_size, tp, config.quantization == "gguf"
+                config.vocab_size, config.hidden_size, tp, config.quantization in ("gguf", "half")
             )
         )
 

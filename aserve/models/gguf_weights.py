@@ -93,6 +93,15 @@ def has_quantized_matrices(reader: gguf.GGUFReader) -> bool:
     return any(t.tensor_type not in FLOAT_TYPES and len(t.shape) >= 2 for t in reader.tensors)
 
 
+def matrix_dtype(reader: gguf.GGUFReader) -> str:
+    """The torch dtype a float file's matrices share ("float16" or "bfloat16"), else "float32"
+    (the config's `torch_dtype`: a 16-bit file keeps its matrices in 16 bits on CPU)."""
+    kinds = {t.tensor_type for t in reader.tensors if len(t.shape) >= 2}
+    if kinds == {gguf.GGMLQuantizationType.F16}:
+        return "float16"
+    return "bfloat16" if kinds == {gguf.GGMLQuantizationType.BF16} else "float32"
+
+
 @dataclass(frozen=True)
 class StoredTensor:
     """A tensor's place in a GGUF file, as gguf's reader gives it (`data` a view of the
@@ -177,6 +186,11 @@ def _expert(tensor: StoredTensor, index: int) -> StoredTensor:
 def _read(tensor: StoredTensor, dequantize: bool) -> GGUFWeight:
     shape = [int(size) for size in reversed(tensor.shape)]
     kind = tensor.tensor_type
+    if kind == gguf.GGMLQuantizationType.F16:  # kept in 16 bits: CPU products take them so
+        return torch.from_numpy(np.array(tensor.data, dtype=np.float16).reshape(shape))
+    if kind == gguf.GGMLQuantizationType.BF16:
+        bits = np.array(tensor.data, copy=True).view(np.int16).reshape(shape)
+        return torch.from_numpy(bits).view(torch.bfloat16)
     if kind in FLOAT_TYPES:
         values = gguf.quants.dequantize(tensor.data, kind).astype(np.float32, copy=False)
         return torch.from_numpy(np.array(values, copy=True).reshape(shape))

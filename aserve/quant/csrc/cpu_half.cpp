@@ -1,0 +1,296 @@
+// Products of 16-bit float weights (bfloat16 or float16) with float32 activations on CPU,
+// the weights kept in their checkpoint's two bytes and widened to float32 in registers as
+// they are read (aserve/quant/half.py says why). Widening is exact, so every product is the
+// float32 weight's; only the order of the adds differs from BLAS's.
+//
+// A weight is [panels, cols, 8]: output features in panels of 8 (one AVX2 register of
+// float32, two NEON ones), and within a panel, input by input, its 8 features' values side
+// by side. Every output y[m, n] is one chain of fused multiply-adds over the inputs in order,
+// starting from zero, whatever the tile, thread or number of rows, so a sequence's outputs do
+// not depend on what it is batched with (as the quantized kernels' in cpu_kernels.cpp).
+//
+// cpu_kernels.cpp's ops (`linear`, `gated_linear`, `rows`, `dequantize`) hand a weight whose
+// words are 16-bit floats to the functions here.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define HALF_AVX2 1
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+#define HALF_NEON 1
+#endif
+
+namespace aserve_half {
+namespace {
+
+constexpr int64_t kLanes = 8;
+constexpr int64_t kRowBlock = 64;   // rows of x that stay in cache while a unit's panels pass
+constexpr int64_t kPanelBlock = 4;  // panels a unit of parallel work
+
+enum class Format { kHalf, kBFloat16 };
+
+struct Operands {
+  const uint16_t* w;  // [panels, cols, 8]
+  const float* x;     // [rows, cols]
+  float* y;           // [rows, panels * 8]
+  int64_t rows, cols, panels;
+};
+
+template <Format F>
+inline float widen(uint16_t bits) {
+  if constexpr (F == Format::kBFloat16) {
+    const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+    float value;
+    std::memcpy(&value, &wide, sizeof value);
+    return value;
+  } else {
+    return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+  }
+}
+
+#if defined(HALF_AVX2)
+template <Format F>
+inline __m256 widen8(const uint16_t* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (F == Format::kBFloat16) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+  } else {
+    return _mm256_cvtph_ps(bits);
+  }
+}
+
+// Rows [m, m + R) against panels [p, p + P): R x P registers of sums, each one output's
+// chain of FMAs over the inputs in order.
+template <Format F, int R, int P>
+void tile(const Operands& a, int64_t m, int64_t p) {
+  __m256 sums[R][P];
+  #pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+    #pragma GCC unroll 8
+    for (int q = 0; q < P; ++q) sums[r][q] = _mm256_setzero_ps();
+  const uint16_t* panel[P];
+  #pragma GCC unroll 8
+  for (int q = 0; q < P; ++q) panel[q] = a.w + (p + q) * a.cols * kLanes;
+  const float* row[R];
+  #pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) row[r] = a.x + (m + r) * a.cols;
+  for (int64_t k = 0; k < a.cols; ++k) {
+    __m256 w[P];
+    #pragma GCC unroll 8
+    for (int q = 0; q < P; ++q) w[q] = widen8<F>(panel[q] + k * kLanes);
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 x = _mm256_broadcast_ss(row[r] + k);
+      #pragma GCC unroll 8
+      for (int q = 0; q < P; ++q) sums[r][q] = _mm256_fmadd_ps(w[q], x, sums[r][q]);
+    }
+  }
+  #pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+    #pragma GCC unroll 8
+    for (int q = 0; q < P; ++q)
+      _mm256_storeu_ps(a.y + (m + r) * a.panels * kLanes + (p + q) * kLanes, sums[r][q]);
+}
+#elif defined(HALF_NEON)
+template <Format F>
+inline float32x4_t widen4(const uint16_t* p) {
+  const uint16x4_t bits = vld1_u16(p);
+  if constexpr (F == Format::kBFloat16) {
+    return vreinterpretq_f32_u32(vshll_n_u16(bits, 16));
+  } else {
+    return vcvt_f32_f16(vreinterpret_f16_u16(bits));
+  }
+}
+
+template <Format F, int R, int P>
+void tile(const Operands& a, int64_t m, int64_t p) {
+  float32x4_t sums[R][P][2];
+  #pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+    #pragma GCC unroll 8
+    for (int q = 0; q < P; ++q) sums[r][q][0] = sums[r][q][1] = vdupq_n_f32(0.0f);
+  const uint16_t* panel[P];
+  #pragma GCC unroll 8
+  for (int q = 0; q < P; ++q) panel[q] = a.w + (p + q) * a.cols * kLanes;
+  const float* row[R];
+  #pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) row[r] = a.x + (m + r) * a.cols;
+  for (int64_t k = 0; k < a.cols; ++k) {
+    float32x4_t w[P][2];
+    #pragma GCC unroll 8
+    for (int q = 0; q < P; ++q) {
+      w[q][0] = widen4<F>(panel[q] + k * kLanes);
+      w[q][1] = widen4<F>(panel[q] + k * kLanes + 4);
+    }
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float32x4_t x = vdupq_n_f32(row[r][k]);
+      #pragma GCC unroll 8
+      for (int q = 0; q < P; ++q) {
+        sums[r][q][0] = vfmaq_f32(sums[r][q][0], w[q][0], x);
+        sums[r][q][1] = vfmaq_f32(sums[r][q][1], w[q][1], x);
+      }
+    }
+  }
+  #pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+    #pragma GCC unroll 8
+    for (int q = 0; q < P; ++q) {
+      float* out = a.y + (m + r) * a.panels * kLanes + (p + q) * kLanes;
+      vst1q_f32(out, sums[r][q][0]);
+      vst1q_f32(out + 4, sums[r][q][1]);
+    }
+}
+#else
+template <Format F, int R, int P>
+void tile(const Operands& a, int64_t m, int64_t p) {
+  #pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+    #pragma GCC unroll 8
+    for (int q = 0; q < P; ++q) {
+      const uint16_t* panel = a.w + (p + q) * a.cols * kLanes;
+      const float* row = a.x + (m + r) * a.cols;
+      float* out = a.y + (m + r) * a.panels * kLanes + (p + q) * kLanes;
+      for (int64_t lane = 0; lane < kLanes; ++lane) {
+        float sum = 0.0f;
+        for (int64_t k = 0; k < a.cols; ++k)
+          sum = std::fma(widen<F>(panel[k * kLanes + lane]), row[k], sum);
+        out[lane] = sum;
+      }
+    }
+}
+#endif
+
+// Panels [first, last) of rows [m, end): tiles of up to 4 rows by as many panels as keep 8 or
+// more chains of FMAs under way (one row: 4 panels; 2 rows: 4; 3 and 4 rows: 2).
+template <Format F, int R>
+void rows_against(const Operands& a, int64_t m, int64_t first, int64_t last) {
+  constexpr int P = R <= 2 ? 4 : 3;
+  int64_t p = first;
+  for (; p + P <= last; p += P) tile<F, R, P>(a, m, p);
+  for (; p < last; ++p) tile<F, R, 1>(a, m, p);
+}
+
+template <Format F>
+void unit(const Operands& a, int64_t first_row, int64_t last_row, int64_t first, int64_t last) {
+  int64_t m = first_row;
+  for (; m + 4 <= last_row; m += 4) rows_against<F, 4>(a, m, first, last);
+  switch (last_row - m) {
+    case 3: rows_against<F, 3>(a, m, first, last); break;
+    case 2: rows_against<F, 2>(a, m, first, last); break;
+    case 1: rows_against<F, 1>(a, m, first, last); break;
+    default: break;
+  }
+}
+
+Format format_of(const at::Tensor& words) {
+  return words.scalar_type() == at::kBFloat16 ? Format::kBFloat16 : Format::kHalf;
+}
+
+const uint16_t* bits_of(const at::Tensor& words) {
+  TORCH_CHECK(words.dim() == 3 && words.size(2) == kLanes && words.is_contiguous(),
+              "16-bit weights: contiguous [panels, cols, 8]");
+  return static_cast<const uint16_t*>(words.data_ptr());
+}
+
+}  // namespace
+
+bool holds(const at::Tensor& words) {
+  return words.scalar_type() == at::kHalf || words.scalar_type() == at::kBFloat16;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& words) {
+  const uint16_t* w = bits_of(words);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "x must be a contiguous float32 matrix");
+  TORCH_CHECK(x.size(1) == words.size(1), "x has ", x.size(1), " columns, the weight ",
+              words.size(1));
+  const int64_t rows = x.size(0), panels = words.size(0);
+  at::Tensor y = at::empty({rows, panels * kLanes}, x.options());
+  const Operands a{w, x.data_ptr<float>(), y.data_ptr<float>(), rows, x.size(1), panels};
+  const int64_t row_blocks = (rows + kRowBlock - 1) / kRowBlock;
+  const int64_t panel_blocks = (panels + kPanelBlock - 1) / kPanelBlock;
+  const Format format = format_of(words);
+  // units row-block-major: a thread's units mostly share one block of x
+  at::parallel_for(0, row_blocks * panel_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t first_row = u / panel_blocks * kRowBlock;
+      const int64_t first = u % panel_blocks * kPanelBlock;
+      const int64_t last_row = std::min(rows, first_row + kRowBlock);
+      const int64_t last = std::min(panels, first + kPanelBlock);
+      if (format == Format::kBFloat16)
+        unit<Format::kBFloat16>(a, first_row, last_row, first, last);
+      else
+        unit<Format::kHalf>(a, first_row, last_row, first, last);
+    }
+  });
+  return y;
+}
+
+namespace {
+template <Format F>
+void copy_widened(const uint16_t* from, float* to, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) to[i] = widen<F>(from[i]);
+}
+}  // namespace
+
+// Rows `ids` of the weight as float32 (embedding lookups).
+at::Tensor rows(const at::Tensor& words, const at::Tensor& ids) {
+  const uint16_t* w = bits_of(words);
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids: int64 vector");
+  const at::Tensor ids_here = ids.contiguous();
+  const int64_t* idp = ids_here.data_ptr<int64_t>();
+  const int64_t count = ids.size(0), panels = words.size(0), cols = words.size(1);
+  at::Tensor out = at::empty({count, cols}, words.options().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  const Format format = format_of(words);
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t n = idp[i];
+    TORCH_CHECK(n >= 0 && n < panels * kLanes, "row ", n, " is outside the weight");
+    const uint16_t* panel = w + n / kLanes * cols * kLanes + n % kLanes;
+    for (int64_t k = 0; k < cols; ++k) {
+      op[i * cols + k] = format == Format::kBFloat16
+                             ? widen<Format::kBFloat16>(panel[k * kLanes])
+                             : widen<Format::kHalf>(panel[k * kLanes]);
+    }
+  }
+  return out;
+}
+
+// Panels [first, first + out.size(1) / 8) widened into `out` as a [cols, 8 * panels] float32
+// matrix (input-major), for BLAS to multiply many rows by.
+void dequantize(const at::Tensor& words, int64_t first, at::Tensor out) {
+  const uint16_t* w = bits_of(words);
+  const int64_t cols = words.size(1);
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.is_contiguous() &&
+                  out.size(0) == cols && out.size(1) % kLanes == 0,
+              "out: contiguous float32 [cols, 8 * panels]");
+  const int64_t width = out.size(1), count = width / kLanes;
+  TORCH_CHECK(0 <= first && first + count <= words.size(0), "panels out of range");
+  float* op = out.data_ptr<float>();
+  const Format format = format_of(words);
+  at::parallel_for(0, cols, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k)
+      for (int64_t p = 0; p < count; ++p) {
+        const uint16_t* from = w + ((first + p) * cols + k) * kLanes;
+        float* to = op + k * width + p * kLanes;
+        if (format == Format::kBFloat16)
+          copy_widened<Format::kBFloat16>(from, to, kLanes);
+        else
+          copy_widened<Format::kHalf>(from, to, kLanes);
+      }
+  });
+}
+
+}  // namespace aserve_half

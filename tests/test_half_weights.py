@@ -1,0 +1,136 @@
+"""16-bit float weights kept in their two bytes on CPU (aserve/quant/native.py, `HalfWeight`;
+csrc/cpu_half.cpp): the products against float64, exact widening, a row's outputs whatever
+its batch, and bfloat16 / float16 checkpoints (safetensors and GGUF) generating
+transformers' greedy tokens with every linear layer in 16 bits."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+
+from aserve import LLM, SamplingParams
+from aserve.quant.native import HalfWeight, native_kernels
+from tests.gguf_files import write_hf_as_gguf
+from tests.tiny_models import hf_greedy_tokens, make_tiny_model
+
+pytestmark = pytest.mark.skipif(not native_kernels(), reason="the CPU kernels do not build here")
+
+PROMPTS = [[5, 17, 99, 3, 42, 7, 250, 11], [1, 2, 3], [300, 301, 5, 9, 12, 44]]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(13, 64), (40, 96), (256, 200)])
+def test_products_against_float64_and_alone_equal_batched(
+    dtype: torch.dtype, shape: tuple[int, int]
+) -> None:
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(*shape, generator=generator).to(dtype)
+    half = HalfWeight(weight)
+    assert half.words.dtype == dtype and half.nbytes == half.padded * shape[1] * 2
+    x = torch.randn(7, shape[1], generator=generator)
+    reference = x.double() @ weight.double().t()
+    for rows in (1, 2, 3, 4, 5, 7):
+        out = half.kernel_linear(x[:rows].contiguous())[:, : shape[0]]
+        assert (out.double() - reference[:rows]).abs().max() < 1e-4 * shape[1] ** 0.5
+        # each output is one chain of FMAs over the inputs in order, whatever its tile
+        for m in range(rows):
+            alone = half.kernel_linear(x[m : m + 1].contiguous())[:, : shape[0]]
+            assert torch.equal(alone[0], out[m])
+    through_blas = half._blas_linear(x)[:, : shape[0]]
+    assert (through_blas.double() - reference).abs().max() < 1e-4 * shape[1] ** 0.5
+    ids = torch.tensor([0, shape[0] - 1, 5])
+    assert torch.equal(half.rows(ids), weight[ids].float())
+
+
+def test_gated_product_is_the_product_then_silu_and_mul() -> None:
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(2 * 24, 64, generator=generator).to(torch.bfloat16)
+    half = HalfWeight(weight)
+    x = torch.randn(3, 64, generator=generator)
+    gated = half.silu(x)
+    assert gated is not None
+    y = half.kernel_linear(x)
+    assert torch.equal(gated, torch.nn.functional.silu(y[:, :24]) * y[:, 24:48])
+
+
+def half_checkpoint(folder: Path, family: str, dtype: torch.dtype, tied: bool) -> Path:
+    """A tiny random model saved in `dtype` (config.json says so, as published ones do)."""
+    import transformers
+
+    make_tiny_model(family, folder / "float", overrides={"tie_word_embeddings": tied})
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder / "float")
+    model.to(dtype).save_pretrained(folder / "half")
+    assert json.loads((folder / "half" / "config.json").read_text()).get("dtype", "") in (
+        str(dtype).removeprefix("torch."),
+        "",
+    )
+    return folder / "half"
+
+
+def linear_products(llm: LLM) -> list[object]:
+    model = llm.runtime.engine.model
+    return [
+        product
+        for module in model.modules()
+        if getattr(module, "quantized", None) is not None and hasattr(module.quantized, "products")
+        for product in module.quantized.products
+    ]
+
+
+@pytest.mark.parametrize(
+    ("family", "dtype", "tied"),
+    [("llama", torch.bfloat16, False), ("qwen3", torch.float16, True)],
+)
+def test_half_checkpoint_keeps_16_bits_and_generates_transformers_tokens(
+    tmp_path: Path,
+    make_llm: Callable[..., LLM],
+    family: str,
+    dtype: torch.dtype,
+    tied: bool,
+) -> None:
+    import transformers
+
+    folder = half_checkpoint(tmp_path, family, dtype, tied)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    expected = [hf_greedy_tokens(hf, prompt, 12) for prompt in PROMPTS]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    llm = make_llm(folder, num_pages=256)
+    products = linear_products(llm)
+    assert products and all(isinstance(p, HalfWeight) for p in products)
+    assert all(p.words.dtype == dtype for p in products)
+    engine = llm.runtime.engine
+    embed = engine.model.model.embed_tokens
+    assert embed.table is not None and isinstance(embed.table.lookups, HalfWeight)
+    batched = [o.token_ids for o in llm.generate(PROMPTS, greedy)]
+    assert batched == expected
+    # one at a time (other batches, the prefix cache warm) gives the same tokens
+    assert [llm.generate([p], greedy)[0].token_ids for p in PROMPTS] == expected
+
+    float32 = make_llm(folder, num_pages=256, quantization="none")
+    assert not any(isinstance(p, HalfWeight) for p in linear_products(float32))
+    assert float32.runtime.engine.weight_bytes > 1.8 * engine.weight_bytes
+    assert [o.token_ids for o in float32.generate(PROMPTS, greedy)] == expected
+
+
+def test_float16_gguf_keeps_16_bits(tmp_path: Path, make_llm: Callable[..., LLM]) -> None:
+    """A GGUF whose matrices are all F16 (llama.cpp's `--outtype f16`) runs them in 16 bits on
+    CPU, with the tokens of the same weights in float32."""
+    folder = make_tiny_model("llama", tmp_path / "model")
+    path = write_hf_as_gguf(folder, tmp_path / "f16.gguf", qtype=gguf.GGMLQuantizationType.F16)
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    llm = make_llm(path, num_pages=256)
+    products = linear_products(llm)
+    assert products and all(
+        isinstance(p, HalfWeight) and p.words.dtype == torch.float16 for p in products
+    )
+    float32 = make_llm(path, num_pages=256, quantization="none")
+    assert not linear_products(float32)
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == [
+        o.token_ids for o in float32.generate(PROMPTS, greedy)
+    ]
