@@ -31,6 +31,7 @@ from aserve.quant.native import (
     BLAS_ROWS,
     NEVER,
     ExpertStack,
+    HalfWeight,
     NativeWeight,
     Scratch,
     build_kind,
@@ -1220,7 +1221,7 @@ native.load_kernels(Path(sys.argv[1]), [*sys.argv[2:], *native.openmp_flags()])
 # only now: these find the kernels loaded (as built above) instead of building their own
 from tests.test_cpu_ops import other_build_attention_operands, reference_attention
 from tests.test_quant import (
-    OTHER_BUILD_FORMATS, as_the_kernels_round, other_build_operands, random_blocks,
+    OTHER_BUILD_FORMATS, as_the_kernels_round, half_operands, other_build_operands, random_blocks,
 )
 products = {}
 for qtype in OTHER_BUILD_FORMATS:
@@ -1236,6 +1237,17 @@ for qtype in OTHER_BUILD_FORMATS:
     products[qtype.name] = (weight.rounds_activations(), together, weight.code_bits)
 in_registers = native.keeps_three_bits()
 torch.save((products, in_registers), Path(sys.argv[1]) / "products.pt")
+# 16-bit float weights: one chain of FMAs an output in input order, on every build
+halves = []
+for dtype, (x, weight) in zip((torch.bfloat16, torch.float16), half_operands(), strict=True):
+    half = native.HalfWeight(weight.to(dtype))
+    together = half.kernel_linear(x)
+    exact = x.double() @ weight.to(dtype).double().T
+    assert float((together[:, : weight.shape[0]].double() - exact).abs().max()) < 1e-3, dtype
+    for rows in (1, 3, 5):
+        assert torch.equal(half.kernel_linear(x[7 : 7 + rows].contiguous()), together[7 : 7 + rows])
+    halves.append(together)
+torch.save(halves, Path(sys.argv[1]) / "halves.pt")
 pool = torch.randn(1024, 2, 2, 64, generator=torch.Generator().manual_seed(10))
 table = torch.randperm(1024, generator=torch.Generator().manual_seed(11)).to(torch.int32)
 table, lens, q = table.view(2, 512), [300, 9], torch.randn(2, 4, 64)
@@ -1270,6 +1282,16 @@ assert error < 1e-4, error
 assert torch.equal(native.moe_layer(x[5:6], router, 2, True, *stacks, inter)[0], together[5])
 print("checked")
 """
+
+
+def half_operands() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Activations and a float32 weight (rounded to bfloat16, then float16) for the 16-bit
+    weights' products in two builds."""
+    generator = torch.Generator().manual_seed(3)
+    return [
+        (torch.randn(20, 256, generator=generator), torch.randn(200, 256, generator=generator))
+        for _ in range(2)
+    ]
 
 
 def changes_the_build(flags: list[str]) -> bool:
@@ -1317,6 +1339,15 @@ def test_kernels_built_for_older_cpus_give_the_same_products(
         cwd=Path(__file__).parent.parent,
     )
     assert result.returncode == 0 and "checked" in result.stdout, result.stderr[-3000:]
+    # 16-bit float weights: every build's tiles (the portable ones too) run one fused
+    # multiply-add chain an output in input order, so the bits are this build's
+    for (x, weight), dtype, theirs in zip(
+        half_operands(),
+        (torch.bfloat16, torch.float16),
+        torch.load(tmp_path / "halves.pt"),
+        strict=True,
+    ):
+        assert torch.equal(HalfWeight(weight.to(dtype)).kernel_linear(x), theirs), dtype
     if "-mno-avx2" in flags:
         return  # the portable tiles leave the order of a row's float sums to the compiler
     # the decode attention: the same operations on eight lanes in one order, with or without
