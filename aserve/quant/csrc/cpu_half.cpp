@@ -36,7 +36,7 @@ namespace {
 
 constexpr int64_t kLanes = 8;
 constexpr int64_t kRowBlock = 64;   // rows of x that stay in cache while a unit's panels pass
-constexpr int64_t kPanelBlock = 4;  // panels a unit of parallel work
+constexpr int64_t kPanelBlock = 12;  // panels a unit of parallel work: whole tiles of 3 or 4
 
 enum class Format { kHalf, kBFloat16 };
 
