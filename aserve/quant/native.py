@@ -169,9 +169,10 @@ def blas_rows(weight: NativeWeight) -> int:
     `sdot`: `dot_products`), never: with VNNI the kernels were the faster, and they keep a
     token's bits exact across batches and cache hits (on ARM that choice is made for the
     bits; BLAS was not timed there); 16-bit float weights (`HalfWeight`), which those
-    instructions do not multiply, are timed there too. Elsewhere BLAS takes the activations as the kernels
-    round them where they do (every code width on AVX2, `rounded_like_the_kernels`), so the
-    two paths differ in float32's last bits, not by a rounding step."""
+    instructions do not multiply, are timed there too. Elsewhere BLAS takes the activations
+    as the kernels round them where they do (every code width on AVX2,
+    `rounded_like_the_kernels`), so the two paths differ in float32's last bits, not by a
+    rounding step."""
     kind = product_kind(weight)
     if kind not in _blas_rows:
         _blas_rows[kind] = (

@@ -155,9 +155,7 @@ void tile(const Operands& a, int64_t m, int64_t p) {
 #else
 template <Format F, int R, int P>
 void tile(const Operands& a, int64_t m, int64_t p) {
-  #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
-    #pragma GCC unroll 8
     for (int q = 0; q < P; ++q) {
       const uint16_t* panel = a.w + (p + q) * a.cols * kLanes;
       const float* row = a.x + (m + r) * a.cols;
@@ -172,8 +170,8 @@ void tile(const Operands& a, int64_t m, int64_t p) {
 }
 #endif
 
-// Panels [first, last) of rows [m, end): tiles of up to 4 rows by as many panels as keep 8 or
-// more chains of FMAs under way (one row: 4 panels; 2 rows: 4; 3 and 4 rows: 2).
+// Panels [first, last) of rows [m, m + R): tiles of as many panels as keep enough chains of
+// FMAs under way (1 and 2 rows: 4 panels; 3 and 4 rows: 3).
 template <Format F, int R>
 void rows_against(const Operands& a, int64_t m, int64_t first, int64_t last) {
   constexpr int P = R <= 2 ? 4 : 3;
