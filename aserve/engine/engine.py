@@ -128,6 +128,11 @@ class Engine:
         self.dtype = torch_dtype(config.dtype, self.device, model_config.torch_dtype)
         if keeps_16_bit_weights(config, model_config, self.device, self.dtype):
             model_config = dataclasses.replace(model_config, quantization="half")
+            logger.info(
+                "%s weights stay in 16 bits on CPU, multiplied in float32 (--quantization "
+                "none widens them at load)",
+                model_config.torch_dtype,
+            )
         self.model_config = model_config
         self.max_seq_len = model_config.max_position_embeddings
         if config.max_seq_len_override is not None:
