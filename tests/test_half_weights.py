@@ -118,17 +118,27 @@ def test_half_checkpoint_keeps_16_bits_and_generates_transformers_tokens(
     assert [o.token_ids for o in float32.generate(PROMPTS, greedy)] == expected
 
 
-def test_float16_gguf_keeps_16_bits(tmp_path: Path, make_llm: Callable[..., LLM]) -> None:
-    """A GGUF whose matrices are all F16 (llama.cpp's `--outtype f16`) runs them in 16 bits on
-    CPU, with the tokens of the same weights in float32."""
+@pytest.mark.parametrize(
+    ("qtype", "dtype"),
+    [
+        (gguf.GGMLQuantizationType.F16, torch.float16),
+        (gguf.GGMLQuantizationType.BF16, torch.bfloat16),
+    ],
+)
+def test_16_bit_gguf_keeps_16_bits(
+    tmp_path: Path,
+    make_llm: Callable[..., LLM],
+    qtype: gguf.GGMLQuantizationType,
+    dtype: torch.dtype,
+) -> None:
+    """A GGUF whose matrices are all F16 or BF16 (llama.cpp's `--outtype f16` / `bf16`) runs
+    them in 16 bits on CPU, with the tokens of the same weights in float32."""
     folder = make_tiny_model("llama", tmp_path / "model")
-    path = write_hf_as_gguf(folder, tmp_path / "f16.gguf", qtype=gguf.GGMLQuantizationType.F16)
+    path = write_hf_as_gguf(folder, tmp_path / "half.gguf", qtype=qtype)
     greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     llm = make_llm(path, num_pages=256)
     products = linear_products(llm)
-    assert products and all(
-        isinstance(p, HalfWeight) and p.words.dtype == torch.float16 for p in products
-    )
+    assert products and all(isinstance(p, HalfWeight) and p.words.dtype == dtype for p in products)
     float32 = make_llm(path, num_pages=256, quantization="none")
     assert not linear_products(float32)
     assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == [
