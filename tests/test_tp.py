@@ -32,7 +32,7 @@ from aserve.layers.embedding import VocabParallelEmbedding
 from aserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from aserve.layers.moe import QuantizedExperts
 from aserve.llm import GenerationOutput
-from aserve.quant.native import rounds_activations
+from aserve.quant.native import HalfWeight, rounds_activations
 from tests.gguf_files import write_hf_as_gguf
 from tests.server_utils import ServerProcess, cache_sharing_kernels
 from tests.tiny_models import make_tiny_model
@@ -130,6 +130,28 @@ def test_tp2_moe_greedy_tokens_and_logprobs_equal_tp1(
         assert_same_generations(
             two.generate(PROMPTS, params), one.generate(PROMPTS, params), tolerance
         )
+
+
+def test_tp2_of_a_bfloat16_checkpoint_keeps_16_bit_shards(tmp_path: Path) -> None:
+    """Each rank keeps its shards of a bfloat16 checkpoint in 16 bits (`HalfWeight`: a
+    column-parallel layer's rows, a row-parallel one's columns, its slice of the vocabulary),
+    with TP=1's greedy tokens and logprobs."""
+    import transformers
+
+    make_tiny_model("llama", tmp_path / "float")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "float")
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=True)
+    with (
+        LLM(str(tmp_path / "bf16"), **OPTIONS) as one,
+        LLM(str(tmp_path / "bf16"), tensor_parallel_size=2, **OPTIONS) as two,
+    ):
+        layer = two.runtime.engine.model.model.layers[0]
+        for linear in (layer.self_attn.qkv_proj, layer.mlp.down_proj):
+            assert linear.quantized is not None
+            assert [type(p) for p in linear.quantized.products] == [HalfWeight]
+        assert layer.mlp.down_proj.quantized.products[0].shape[1] == 128 // 2
+        assert_same_generations(two.generate(PROMPTS, params), one.generate(PROMPTS, params))
 
 
 def test_tp_that_does_not_split_the_model_is_refused(tmp_path: Path) -> None:
