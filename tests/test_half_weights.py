@@ -65,10 +65,8 @@ def half_checkpoint(folder: Path, family: str, dtype: torch.dtype, tied: bool) -
     make_tiny_model(family, folder / "float", overrides={"tie_word_embeddings": tied})
     model = transformers.AutoModelForCausalLM.from_pretrained(folder / "float")
     model.to(dtype).save_pretrained(folder / "half")
-    assert json.loads((folder / "half" / "config.json").read_text()).get("dtype", "") in (
-        str(dtype).removeprefix("torch."),
-        "",
-    )
+    config = json.loads((folder / "half" / "config.json").read_text())
+    assert (config.get("dtype") or config.get("torch_dtype")) == str(dtype).removeprefix("torch.")
     return folder / "half"
 
 
