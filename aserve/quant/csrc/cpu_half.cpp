@@ -45,6 +45,10 @@ struct Operands {
   const float* x;     // [rows, cols]
   float* y;           // [rows, panels * 8]
   int64_t rows, cols, panels;
+
+  const uint16_t* panel(int64_t p) const { return w + p * cols * kLanes; }
+  const float* row(int64_t m) const { return x + m * cols; }
+  float* out(int64_t m, int64_t p) const { return y + (m * panels + p) * kLanes; }
 };
 
 template <Format F>
@@ -81,10 +85,10 @@ void tile(const Operands& a, int64_t m, int64_t p) {
     for (int q = 0; q < P; ++q) sums[r][q] = _mm256_setzero_ps();
   const uint16_t* panel[P];
   #pragma GCC unroll 8
-  for (int q = 0; q < P; ++q) panel[q] = a.w + (p + q) * a.cols * kLanes;
+  for (int q = 0; q < P; ++q) panel[q] = a.panel(p + q);
   const float* row[R];
   #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) row[r] = a.x + (m + r) * a.cols;
+  for (int r = 0; r < R; ++r) row[r] = a.row(m + r);
   for (int64_t k = 0; k < a.cols; ++k) {
     __m256 w[P];
     #pragma GCC unroll 8
@@ -100,7 +104,7 @@ void tile(const Operands& a, int64_t m, int64_t p) {
   for (int r = 0; r < R; ++r)
     #pragma GCC unroll 8
     for (int q = 0; q < P; ++q)
-      _mm256_storeu_ps(a.y + (m + r) * a.panels * kLanes + (p + q) * kLanes, sums[r][q]);
+      _mm256_storeu_ps(a.out(m + r, p + q), sums[r][q]);
 }
 #elif defined(HALF_NEON)
 template <Format F>
@@ -122,10 +126,10 @@ void tile(const Operands& a, int64_t m, int64_t p) {
     for (int q = 0; q < P; ++q) sums[r][q][0] = sums[r][q][1] = vdupq_n_f32(0.0f);
   const uint16_t* panel[P];
   #pragma GCC unroll 8
-  for (int q = 0; q < P; ++q) panel[q] = a.w + (p + q) * a.cols * kLanes;
+  for (int q = 0; q < P; ++q) panel[q] = a.panel(p + q);
   const float* row[R];
   #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) row[r] = a.x + (m + r) * a.cols;
+  for (int r = 0; r < R; ++r) row[r] = a.row(m + r);
   for (int64_t k = 0; k < a.cols; ++k) {
     float32x4_t w[P][2];
     #pragma GCC unroll 8
@@ -147,7 +151,7 @@ void tile(const Operands& a, int64_t m, int64_t p) {
   for (int r = 0; r < R; ++r)
     #pragma GCC unroll 8
     for (int q = 0; q < P; ++q) {
-      float* out = a.y + (m + r) * a.panels * kLanes + (p + q) * kLanes;
+      float* out = a.out(m + r, p + q);
       vst1q_f32(out, sums[r][q][0]);
       vst1q_f32(out + 4, sums[r][q][1]);
     }
@@ -157,9 +161,9 @@ template <Format F, int R, int P>
 void tile(const Operands& a, int64_t m, int64_t p) {
   for (int r = 0; r < R; ++r)
     for (int q = 0; q < P; ++q) {
-      const uint16_t* panel = a.w + (p + q) * a.cols * kLanes;
-      const float* row = a.x + (m + r) * a.cols;
-      float* out = a.y + (m + r) * a.panels * kLanes + (p + q) * kLanes;
+      const uint16_t* panel = a.panel(p + q);
+      const float* row = a.row(m + r);
+      float* out = a.out(m + r, p + q);
       for (int64_t lane = 0; lane < kLanes; ++lane) {
         float sum = 0.0f;
         for (int64_t k = 0; k < a.cols; ++k)
