@@ -70,9 +70,9 @@ OPERANDS="from gguf import GGMLQuantizationType as QType
 from tests.test_cpu_ops import other_build_attention_operands
 from tests.test_quant import OTHER_BUILD_FORMATS, other_build_operands
 import sys, torch
-from aserve.quant.native import HalfWeight, NativeWeight
+from aserve.quant.native import FloatWeight, NativeWeight
 folder = sys.argv[1]
-halves = lambda: [HalfWeight(w).kernel_linear(x) for x, w in torch.load(folder + '/half.pt')]
+floats = lambda: [FloatWeight(w).kernel_linear(x) for x, w in torch.load(folder + '/floats.in.pt')]
 attend = lambda case: torch.ops.aserve_cpu.decode_attention(*case)"
 host_python() { env -u PYTHONPATH -u CXX -u CC -u CPLUS_INCLUDE_PATH -u ASERVE_CACHE_DIR python "$@"; }
 host_python -c "$OPERANDS
@@ -80,7 +80,7 @@ torch.save(other_build_operands(QType.Q4_1)[1], folder + '/x.pt')
 torch.save(other_build_attention_operands(), folder + '/attention.pt')
 g = torch.Generator().manual_seed(3)
 torch.save([(torch.randn(20, 256, generator=g), torch.randn(200, 256, generator=g).to(t))
-            for t in (torch.bfloat16, torch.float16)], folder + '/half.pt')" "$BUILD"
+            for t in (torch.bfloat16, torch.float16, torch.float32)], folder + '/floats.in.pt')" "$BUILD"
 arm_python -c "$OPERANDS
 x = torch.load(folder + '/x.pt')
 products = {}
@@ -89,7 +89,7 @@ for qtype in OTHER_BUILD_FORMATS:
     products[qtype.name] = (weight.rounds_activations(), weight.linear(x, None))
 torch.save(products, folder + '/products.pt')
 torch.save([attend(case) for case in torch.load(folder + '/attention.pt')], folder + '/attended.pt')
-torch.save(halves(), folder + '/halves.pt')
+torch.save(floats(), folder + '/floats.pt')
 " "$BUILD"
 host_python -c "$OPERANDS
 x, compared = torch.load(folder + '/x.pt'), []
@@ -103,11 +103,11 @@ cases = torch.load(folder + '/attention.pt')
 for i, (case, theirs) in enumerate(zip(cases, torch.load(folder + '/attended.pt'), strict=True)):
     assert torch.equal(attend(case), theirs), f'attention case {i}: other bits than here'
 print('and attends with the same bits:', len(cases), 'cases')
-for mine, theirs in zip(halves(), torch.load(folder + '/halves.pt'), strict=True):
-    assert torch.equal(mine, theirs), '16-bit weights: other bits than here'
-print('and multiplies bfloat16 and float16 weights with the same bits')
+for mine, theirs in zip(floats(), torch.load(folder + '/floats.pt'), strict=True):
+    assert torch.equal(mine, theirs), 'float weights: other bits than here'
+print('and multiplies bfloat16, float16 and float32 weights with the same bits')
 " "$BUILD"
 [ $# -gt 0 ] || set -- tests/test_quant.py tests/test_cpu_ops.py tests/test_cpu_decode.py \
-  tests/test_half_weights.py \
+  tests/test_float_weights.py \
   -k "not refused and not bad_gguf"
 arm_python -m pytest -q -p no:cacheprovider "$@"

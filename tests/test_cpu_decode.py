@@ -129,13 +129,14 @@ def test_a_format_sent_to_blas_sooner_keeps_larger_batches_off_the_stack(
 
 
 def test_no_stack_where_a_layer_is_not_the_kernels(tmp_path: Path) -> None:
-    """A float model runs its modules; so does a file whose projections stay float."""
+    """Float weights run on the kernels too, so a float32 checkpoint and an F32 file decode
+    through the stack as a quantized file does; dummy weights stay on torch's float path and
+    run their modules."""
     folder = make_tiny_model("llama", tmp_path / "llama")
-    with LLM(str(folder), page_size=4) as llm:
-        assert llm.runtime.engine.model.model.decode_stack is None
-    model = write_hf_as_gguf(folder, tmp_path / "mixed.gguf", qtype=Q8_0, qtype_of={})
-    float_down = write_hf_as_gguf(folder, tmp_path / "f32.gguf")
-    with LLM(str(model), page_size=4) as llm:
-        assert llm.runtime.engine.model.model.decode_stack is not None
-    with LLM(str(float_down), page_size=4) as llm:
+    quantized = write_hf_as_gguf(folder, tmp_path / "q8.gguf", qtype=Q8_0, qtype_of={})
+    float32 = write_hf_as_gguf(folder, tmp_path / "f32.gguf")
+    for model in (folder, quantized, float32):
+        with LLM(str(model), page_size=4) as llm:
+            assert llm.runtime.engine.model.model.decode_stack is not None, model.name
+    with LLM(str(folder), page_size=4, dummy_weight=True) as llm:
         assert llm.runtime.engine.model.model.decode_stack is None

@@ -1,9 +1,9 @@
 """Greedy generation of the embedded SmolLM2: equal to transformers, and unchanged by every
 scheduling feature (radix hits, chunked prefill, page sizes, naive cache, retraction).
 
-These run the GGUF's weights de-quantized to float32 (`quantization="none"`), the same
-numbers transformers computes with, so tokens must match exactly; the quantized products
-have their own tests (tests/test_quant.py)."""
+These run the GGUF's weights de-quantized to float32 (`quantization="none"`, multiplied by
+aserve's float32 kernels), the same weights transformers computes with, so tokens must match
+exactly; the quantized products have their own tests (tests/test_quant.py)."""
 
 from __future__ import annotations
 
@@ -149,8 +149,13 @@ def test_decode_stage_follows_rows_that_change_hands(
     longer than the one before and 4 tokens generated, so each request's first decode length
     is its predecessor's last plus one: only the row's generation tells them apart. Then
     requests of mixed lengths on 3 rows, rows changing hands while others keep decoding.
-    Both give the tokens of the path that gathers K/V from the pool every step."""
+    Both give the tokens of the path that gathers K/V from the pool every step. The stage
+    serves torch's float path (MoE and dummy weights, or where aserve's CPU kernels do not
+    build; float weights otherwise run on the kernels and their decode stack), taken here."""
     from aserve.attention import torch_native
+    from aserve.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "float_weights_on_kernels", lambda *args: None)
 
     flat = [t for ids in prompt_ids for t in ids]
     chained = [flat[i : i + 10 + 3 * i] for i in range(5)]

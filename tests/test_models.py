@@ -9,8 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from aserve import LLM, SamplingParams
+from aserve.engine import engine as engine_module
 from aserve.engine.step import forward_batch
 from aserve.layers.cpu_gemm import can_pack
+from aserve.quant.native import FloatWeight, native_kernels
 from aserve.scheduler.batch import step_spec
 from aserve.scheduler.request import FinishReason
 from tests.tiny_models import FAMILIES, hf_greedy_tokens, make_tiny_model
@@ -65,13 +67,28 @@ def assert_logits_match(llm: LLM, hf: torch.nn.Module) -> None:
     llm.scheduler.check_integrity()
 
 
-def test_logits_match_transformers(tiny: Path) -> None:
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernels", "torch"])
+def test_logits_match_transformers(
+    tiny: Path, kernels: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CPU float weights run on aserve's kernels (`FloatWeight`) where they build, and
+    otherwise (or for dummy and MoE weights) on torch's path, MKL-packed: both match."""
+    if not kernels:
+        monkeypatch.setattr(engine_module, "float_weights_on_kernels", lambda *args: None)
+    elif not native_kernels():
+        pytest.skip("the CPU kernels do not build here")
     hf = hf_model(tiny)
     with LLM(str(tiny), page_size=4) as llm:
         assert_logits_match(llm, hf)
-        head = llm.runtime.engine.model.lm_head
-        if can_pack(torch.empty(1)):  # so the match above covers the packed LM head
-            tied = head is llm.runtime.engine.model.model.embed_tokens
+        engine = llm.runtime.engine
+        on_kernels = engine.model_config.quantization == "float32"
+        assert on_kernels == (kernels and not engine.model_config.num_experts)
+        head = engine.model.lm_head
+        tied = head is engine.model.model.embed_tokens
+        if on_kernels:  # one float32 copy serves the head's product and the lookups
+            assert head.table is not None and isinstance(head.table.head, FloatWeight)
+            assert (head.table.lookups is head.table.head) == tied
+        elif can_pack(torch.empty(1)):  # so the match above covers the packed LM head
             assert head.packed is not None and not hasattr(head, "weight")
             assert (head.lookup_table is not None) == tied
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QType
 
 from aserve import LLM, SamplingParams
+from aserve.engine import engine as engine_module
 from aserve.layers.moe import grouped_experts, route
 from aserve.quant import iquants
 from aserve.quant import native as native_module
@@ -31,7 +32,7 @@ from aserve.quant.native import (
     BLAS_ROWS,
     NEVER,
     ExpertStack,
-    HalfWeight,
+    FloatWeight,
     NativeWeight,
     Scratch,
     build_kind,
@@ -608,6 +609,7 @@ def test_float16_kv_cache_on_cpu(
     smollm2_dir: Path,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A float16 KV cache, the default of quantized models on CPU: the embedded Q4_1 model
     keeps K and V in half the bytes of `--kv-cache-dtype float32` (twice the tokens in the
@@ -633,13 +635,18 @@ def test_float16_kv_cache_on_cpu(
 
     folder = make_tiny_model("llama", tmp_path / "llama")
     assert make_llm(folder, num_pages=64).runtime.engine.pool.kv[0].dtype == torch.float32
-    tiny = make_llm(folder, num_pages=512, kv_cache_dtype="float16")
-    assert not tiny.runtime.engine.attn.native_decode
-    ours = [o.token_ids for o in tiny.generate(TINY_PROMPTS, greedy)]
-    longer = [prompt + out[:6] for prompt, out in zip(TINY_PROMPTS, ours)]
-    again = [o.token_ids for o in tiny.generate(longer, greedy)]
-    fresh = make_llm(folder, num_pages=512, kv_cache_dtype="float16")
-    assert again == [o.token_ids for o in fresh.generate(longer, greedy)]
+    # float weights on the kernels read the cache in their decode attention; on torch's
+    # float path (dummy or MoE weights, or no kernels) the staged decode reads it
+    for kernels in (True, False):
+        if not kernels:
+            monkeypatch.setattr(engine_module, "float_weights_on_kernels", lambda *args: None)
+        tiny = make_llm(folder, num_pages=512, kv_cache_dtype="float16")
+        assert tiny.runtime.engine.attn.native_decode == kernels
+        ours = [o.token_ids for o in tiny.generate(TINY_PROMPTS, greedy)]
+        longer = [prompt + out[:6] for prompt, out in zip(TINY_PROMPTS, ours)]
+        again = [o.token_ids for o in tiny.generate(longer, greedy)]
+        fresh = make_llm(folder, num_pages=512, kv_cache_dtype="float16")
+        assert again == [o.token_ids for o in fresh.generate(longer, greedy)]
 
 
 def test_float_kv_cache_dtypes_refused_for_16_bit_models(tmp_path: Path) -> None:
@@ -1221,7 +1228,8 @@ native.load_kernels(Path(sys.argv[1]), [*sys.argv[2:], *native.openmp_flags()])
 # only now: these find the kernels loaded (as built above) instead of building their own
 from tests.test_cpu_ops import other_build_attention_operands, reference_attention
 from tests.test_quant import (
-    OTHER_BUILD_FORMATS, as_the_kernels_round, half_operands, other_build_operands, random_blocks,
+    FLOAT_DTYPES, OTHER_BUILD_FORMATS, as_the_kernels_round, float_operands, other_build_operands,
+    random_blocks,
 )
 products = {}
 for qtype in OTHER_BUILD_FORMATS:
@@ -1237,17 +1245,17 @@ for qtype in OTHER_BUILD_FORMATS:
     products[qtype.name] = (weight.rounds_activations(), together, weight.code_bits)
 in_registers = native.keeps_three_bits()
 torch.save((products, in_registers), Path(sys.argv[1]) / "products.pt")
-# 16-bit float weights: one chain of FMAs an output in input order, on every build
-halves = []
-for dtype, (x, weight) in zip((torch.bfloat16, torch.float16), half_operands(), strict=True):
-    half = native.HalfWeight(weight.to(dtype))
-    together = half.kernel_linear(x)
+# float weights: one chain of FMAs an output in input order, on every build
+floats = []
+for dtype, (x, weight) in zip(FLOAT_DTYPES, float_operands(), strict=True):
+    kept = native.FloatWeight(weight.to(dtype))
+    together = kept.kernel_linear(x)
     exact = x.double() @ weight.to(dtype).double().T
     assert float((together[:, : weight.shape[0]].double() - exact).abs().max()) < 1e-3, dtype
     for rows in (1, 3, 5):
-        assert torch.equal(half.kernel_linear(x[7 : 7 + rows].contiguous()), together[7 : 7 + rows])
-    halves.append(together)
-torch.save(halves, Path(sys.argv[1]) / "halves.pt")
+        assert torch.equal(kept.kernel_linear(x[7 : 7 + rows].contiguous()), together[7 : 7 + rows])
+    floats.append(together)
+torch.save(floats, Path(sys.argv[1]) / "floats.pt")
 pool = torch.randn(1024, 2, 2, 64, generator=torch.Generator().manual_seed(10))
 table = torch.randperm(1024, generator=torch.Generator().manual_seed(11)).to(torch.int32)
 table, lens, q = table.view(2, 512), [300, 9], torch.randn(2, 4, 64)
@@ -1284,13 +1292,16 @@ print("checked")
 """
 
 
-def half_operands() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Activations and a float32 weight (rounded to bfloat16, then float16) for the 16-bit
-    weights' products in two builds."""
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def float_operands() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Activations and a float32 weight (rounded to each of `FLOAT_DTYPES` in turn) for the
+    float weights' products in two builds."""
     generator = torch.Generator().manual_seed(3)
     return [
         (torch.randn(20, 256, generator=generator), torch.randn(200, 256, generator=generator))
-        for _ in range(2)
+        for _ in FLOAT_DTYPES
     ]
 
 
@@ -1339,15 +1350,12 @@ def test_kernels_built_for_older_cpus_give_the_same_products(
         cwd=Path(__file__).parent.parent,
     )
     assert result.returncode == 0 and "checked" in result.stdout, result.stderr[-3000:]
-    # 16-bit float weights: every build's tiles (the portable ones too) run one fused
-    # multiply-add chain an output in input order, so the bits are this build's
+    # float weights: every build's tiles (the portable ones too) run one fused multiply-add
+    # chain an output in input order, so the bits are this build's
     for (x, weight), dtype, theirs in zip(
-        half_operands(),
-        (torch.bfloat16, torch.float16),
-        torch.load(tmp_path / "halves.pt"),
-        strict=True,
+        float_operands(), FLOAT_DTYPES, torch.load(tmp_path / "floats.pt"), strict=True
     ):
-        assert torch.equal(HalfWeight(weight.to(dtype)).kernel_linear(x), theirs), dtype
+        assert torch.equal(FloatWeight(weight.to(dtype)).kernel_linear(x), theirs), dtype
     if "-mno-avx2" in flags:
         return  # the portable tiles leave the order of a row's float sums to the compiler
     # the decode attention: the same operations on eight lanes in one order, with or without

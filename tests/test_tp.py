@@ -32,7 +32,7 @@ from aserve.layers.embedding import VocabParallelEmbedding
 from aserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from aserve.layers.moe import QuantizedExperts
 from aserve.llm import GenerationOutput
-from aserve.quant.native import HalfWeight, rounds_activations
+from aserve.quant.native import FloatWeight, rounds_activations
 from tests.gguf_files import write_hf_as_gguf
 from tests.server_utils import ServerProcess, cache_sharing_kernels
 from tests.tiny_models import make_tiny_model
@@ -133,7 +133,7 @@ def test_tp2_moe_greedy_tokens_and_logprobs_equal_tp1(
 
 
 def test_tp2_of_a_bfloat16_checkpoint_keeps_16_bit_shards(tmp_path: Path) -> None:
-    """Each rank keeps its shards of a bfloat16 checkpoint in 16 bits (`HalfWeight`: a
+    """Each rank keeps its shards of a bfloat16 checkpoint in 16 bits (`FloatWeight`: a
     column-parallel layer's rows, a row-parallel one's columns, its slice of the vocabulary),
     with TP=1's greedy tokens and logprobs."""
     import transformers
@@ -149,7 +149,7 @@ def test_tp2_of_a_bfloat16_checkpoint_keeps_16_bit_shards(tmp_path: Path) -> Non
         layer = two.runtime.engine.model.model.layers[0]
         for linear in (layer.self_attn.qkv_proj, layer.mlp.down_proj):
             assert linear.quantized is not None
-            assert [type(p) for p in linear.quantized.products] == [HalfWeight]
+            assert [type(p) for p in linear.quantized.products] == [FloatWeight]
         assert layer.mlp.down_proj.quantized.products[0].shape[1] == 128 // 2
         assert_same_generations(two.generate(PROMPTS, params), one.generate(PROMPTS, params))
 

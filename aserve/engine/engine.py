@@ -53,7 +53,7 @@ from aserve.models.cpu_decode import use_decode_stacks
 from aserve.models.decoder import use_fp8_activations
 from aserve.models.registry import build_model
 from aserve.models.weights import fill_dummy_weights, iter_weights, torch_dtype
-from aserve.quant.cpu import keeps_16_bit_weights
+from aserve.quant.cpu import FLOAT_ON_KERNELS, float_weights_on_kernels
 from aserve.quant.fp8 import pair_scales
 from aserve.sampling_params import SamplingParams
 
@@ -126,13 +126,15 @@ class Engine:
         self.local_kv_heads = max(1, model_config.num_kv_heads // self.tp.size)
         self.device = resolve_device(config.device)
         self.dtype = torch_dtype(config.dtype, self.device, model_config.torch_dtype)
-        if keeps_16_bit_weights(config, model_config, self.device, self.dtype):
-            model_config = dataclasses.replace(model_config, quantization="half")
-            logger.info(
-                "%s weights stay in 16 bits on CPU, multiplied in float32 (--quantization "
-                "none widens them at load)",
-                model_config.torch_dtype,
-            )
+        on_kernels = float_weights_on_kernels(config, model_config, self.device, self.dtype)
+        if on_kernels is not None:
+            model_config = dataclasses.replace(model_config, quantization=on_kernels)
+            if on_kernels == "half":
+                logger.info(
+                    "%s weights stay in 16 bits on CPU, multiplied in float32 (--quantization "
+                    "none widens them at load)",
+                    model_config.torch_dtype,
+                )
         self.model_config = model_config
         self.max_seq_len = model_config.max_position_embeddings
         if config.max_seq_len_override is not None:
@@ -143,11 +145,9 @@ class Engine:
                 "quantized weights run on CPU and CUDA: pass --quantization none to run "
                 f"the model in --dtype on {self.device.type}"
             )
-        self.kv_dtype = kv_storage_dtype(
-            config.kv_cache_dtype,
-            self.dtype,
-            model_config.quantization not in (None, "half") and self.device.type == "cpu",
-        )
+        float_weights = model_config.quantization in (None, *FLOAT_ON_KERNELS)
+        quantized_on_cpu = self.device.type == "cpu" and not float_weights
+        self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.dtype, quantized_on_cpu)
         if self.kv_dtype in (torch.float16, torch.float32) and self.kv_dtype != self.dtype:
             if self.device.type != "cpu" or self.dtype != torch.float32:
                 others = "auto" if self.device.type == "cpu" else "auto or fp8_e4m3"

@@ -11,7 +11,7 @@ from torch import nn
 from aserve.distributed.group import TPGroup
 from aserve.layers.cpu_gemm import PackedWeight
 from aserve.layers.weight import WeightSource
-from aserve.quant.method import QuantizedTable, Shard, load_table_rows
+from aserve.quant.method import TABLE_QUANTIZATIONS, QuantizedTable, Shard, load_table_rows
 from aserve.quant.native import Scratch
 
 
@@ -19,9 +19,12 @@ class VocabParallelEmbedding(nn.Module):
     """Ranks look up the ids in their slice, zero the rest, and all-reduce the rows."""
 
     def __init__(
-        self, vocab_size: int, hidden_size: int, tp: TPGroup, quantized: bool = False
+        self, vocab_size: int, hidden_size: int, tp: TPGroup, quantization: str | None = None
     ) -> None:
+        """`quantization`: the model's; under a `TABLE_QUANTIZATIONS` one the table loads in
+        its own form (`load_table_rows`), else in the model's dtype."""
         super().__init__()
+        quantized = quantization in TABLE_QUANTIZATIONS
         self.tp = tp
         self.vocab_size = vocab_size
         self.local_vocab = -(-vocab_size // tp.size)
@@ -31,6 +34,7 @@ class VocabParallelEmbedding(nn.Module):
         else:
             self.weight = nn.Parameter(torch.empty(self.local_vocab, hidden_size), False)
         self.quantized = quantized
+        self.quantization = quantization
         self.loaded: Shard | None = None
         self.table: QuantizedTable | None = None
         self.packed: PackedWeight | None = None
@@ -55,7 +59,8 @@ class VocabParallelEmbedding(nn.Module):
     def load_weight(self, name: str, tensor: WeightSource, shard: int = 0) -> None:
         rows = tensor[self.vocab_start : self.vocab_start + self.local_vocab]
         if self.quantized:
-            self.loaded = load_table_rows(rows, self.local_vocab)
+            assert self.quantization is not None
+            self.loaded = load_table_rows(rows, self.local_vocab, self.quantization)
             return
         self.weight.data[: rows.shape[0]].copy_(rows)
         self.weight.data[rows.shape[0] :].zero_()

@@ -221,7 +221,7 @@ class DecoderModel(nn.Module):
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, tp, config.quantization in ("gguf", "half")
+            config.vocab_size, config.hidden_size, tp, config.quantization
         )
         rotary = RotaryEmbedding(
             config.head_dim, max_positions, config.rope_theta, config.rope_scaling, ops
@@ -282,9 +282,7 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = (
             self.model.embed_tokens
             if config.tie_word_embeddings
-            else ParallelLMHead(
-                config.vocab_size, config.hidden_size, tp, config.quantization in ("gguf", "half")
-            )
+            else ParallelLMHead(config.vocab_size, config.hidden_size, tp, config.quantization)
         )
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Where a quantized weight runs on CPU: aserve's kernels (aserve/quant/native.py) when they
-build, else float32 de-quantized once at load, MKL-packed where that is available. A 16-bit
-float weight stays in its two bytes there too (`HalfWeight`)."""
+build, else float32 de-quantized once at load, MKL-packed where that is available. Float
+weights run on the kernels too (`FloatWeight`), 16-bit ones kept in their two bytes."""
 
 from __future__ import annotations
 
@@ -9,30 +9,38 @@ import torch
 from aserve.config import EngineConfig, ModelConfig
 from aserve.layers.cpu_gemm import PackedWeight, can_pack
 from aserve.quant.codes import Codes
-from aserve.quant.native import HalfWeight, NativeWeight, Scratch, native_kernels
+from aserve.quant.native import FLOAT_WORDS, FloatWeight, NativeWeight, Scratch, native_kernels
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+FLOAT_ON_KERNELS = ("half", "float32")
+"""The quantizations `float_weights_on_kernels` picks: float weights, whose model keeps a
+float32 KV cache (quantized ones keep float16)."""
 
 
-def keeps_16_bit_weights(
+def float_weights_on_kernels(
     config: EngineConfig, model: ModelConfig, device: torch.device, dtype: torch.dtype
-) -> bool:
-    """Whether a checkpoint of bfloat16 or float16 weights keeps them in their two bytes on
-    CPU (the `half` quantization: `HalfWeight`), where the model runs in float32: the same
-    products from half the bytes, which a decode step is bound by (float32 copies had
-    doubled the memory and, on AMD CPUs, run on MKL at a third of the memory's speed:
-    bench/NOTES.md). Not for MoE experts (they run quantized or in --dtype), dummy weights
-    or `--quantization none`, nor where the kernels do not build."""
-    return (
+) -> str | None:
+    """The quantization under which a float checkpoint's linear layers, embedding and LM head
+    run on aserve's kernels on CPU (`FloatWeight`), where the model runs in float32: "half"
+    keeps bfloat16 / float16 weights in their two bytes (the same products from half the
+    bytes, which a decode step is bound by), "float32" widens every weight to float32 at
+    load (a float32 checkpoint, or `--quantization none`). On an AMD EPYC, MKL's products of
+    a few float32 rows read the weights at 3-11 GB/s where the kernels read 17-25
+    (bench/NOTES.md). None (torch's float path, MKL-packed) for MoE experts, dummy weights,
+    other dtypes, or where the kernels do not build."""
+    if not (
         device.type == "cpu"
         and dtype == torch.float32
-        and config.quantization == "auto"
         and model.quantization is None
         and not config.dummy_weight
         and not model.num_experts
-        and (model.torch_dtype or "").removeprefix("torch.") in ("float16", "bfloat16")
         and native_kernels()
-    )
+    ):
+        return None
+    stored = (model.torch_dtype or "").removeprefix("torch.")
+    if config.quantization == "auto" and stored in ("float16", "bfloat16"):
+        return "half"
+    return "float32"
 
 
 class DenseWeight:
@@ -58,11 +66,10 @@ class DenseWeight:
 
 def dense_cpu_weight(
     weight: torch.Tensor, dtype: torch.dtype, scratch: Scratch
-) -> HalfWeight | DenseWeight:
-    """A float weight: in its two bytes where it has two and the kernels build, else in
-    `dtype`."""
-    if weight.dtype in HALF_DTYPES and native_kernels():
-        return HalfWeight(weight.contiguous(), scratch)
+) -> FloatWeight | DenseWeight:
+    """A float weight: on the kernels as it is where they build, else in `dtype`."""
+    if weight.dtype in FLOAT_WORDS and native_kernels():
+        return FloatWeight(weight.contiguous(), scratch)
     return DenseWeight(weight.to(dtype))
 
 

@@ -36,18 +36,25 @@ Shard = Codes | Fp8Rows | torch.Tensor
 # widths; "fp8" quantizes it at load into FP8 rows (quant/fp8.py).
 LOAD_TIME_BITS = {"int8": 8, "int4": 4}
 
+TABLE_QUANTIZATIONS = ("gguf", "half", "float32")
+"""Quantizations whose embedding and LM head load in their own form (`load_table_rows`): a
+GGUF file's codes, or floats for CPU's kernels. The others keep those two in the model's
+dtype, as vLLM does."""
+
 
 class QuantizedLinearWeight:
     """The weight of a linear layer whose rows come in `len(shard_rows)` shards, under
     `quantization`: "gguf" (shards arrive quantized), a `LOAD_TIME_BITS` method, "fp8"
-    (float shards are quantized as they arrive) or "half" (16-bit float shards kept as they
-    are, on CPU: aserve/quant/cpu.py, `keeps_16_bit_weights`)."""
+    (float shards are quantized as they arrive), or on CPU "half" (16-bit float shards kept
+    as they are) or "float32" (float shards widened to it): aserve/quant/cpu.py,
+    `float_weights_on_kernels`."""
 
     def __init__(self, shard_rows: list[int], cols: int, quantization: str) -> None:
         self.shard_rows = shard_rows
         self.cols = cols
         self.bits = LOAD_TIME_BITS.get(quantization)
         self.fp8 = quantization == "fp8"
+        self.widen = quantization == "float32"
         self.shards: list[Shard | None] = [None] * len(shard_rows)
         self.products: list[QuantizedProduct] = []
 
@@ -66,7 +73,7 @@ class QuantizedLinearWeight:
         elif self.fp8:
             piece = quantize_rows(tensor)
         else:  # 16-bit floats as they are (`_product` widens them where they do not stay)
-            piece = tensor if tensor.dtype in HALF_DTYPES else tensor.float()
+            piece = tensor if tensor.dtype in HALF_DTYPES and not self.widen else tensor.float()
         if tuple(piece.shape) != (self.shard_rows[shard], self.cols):
             raise ValueError(
                 f"shard {shard} is {tuple(piece.shape)}, expected "
@@ -235,13 +242,16 @@ class QuantizedTable:
         return self.head.linear(hidden, None)
 
 
-def load_table_rows(tensor: QuantizedTensor | torch.Tensor, rows: int) -> Shard:
+def load_table_rows(tensor: QuantizedTensor | torch.Tensor, rows: int, quantization: str) -> Shard:
     """A rank's slice of a vocabulary table, zero rows appended up to `rows` (the last rank
-    of a vocabulary that does not split evenly)."""
+    of a vocabulary that does not split evenly); 16-bit floats as they are, but under
+    "float32"."""
     if isinstance(tensor, QuantizedTensor):
         piece: Shard = tensor.decode()
+    elif tensor.dtype in HALF_DTYPES and quantization != "float32":
+        piece = tensor
     else:
-        piece = tensor if tensor.dtype in HALF_DTYPES else tensor.float()
+        piece = tensor.float()
     if isinstance(piece, Codes):
         return piece.pad_rows(rows)
     missing = rows - piece.shape[0]

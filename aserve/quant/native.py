@@ -60,11 +60,11 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("cpu_kernels.cpp", "cpu_half.cpp", "cpu_attention.cpp", "cpu_decode.cpp")
+    for name in ("cpu_kernels.cpp", "cpu_float.cpp", "cpu_attention.cpp", "cpu_decode.cpp")
 ]
 LANES = 8  # output features per panel: one AVX2 register of float32
-HALF_BITS = 16
-"""`code_bits` of a `HalfWeight`: 16-bit floats, not codes."""
+FLOAT_WORDS = (torch.bfloat16, torch.float16, torch.float32)
+"""Weights that `FloatWeight` keeps as they are for the kernels."""
 BLAS_ROWS = (128, 256, 512)
 """The row counts from which a code format's products may go to BLAS (`blas_rows`): BLAS
 pays for de-quantizing the weight once a call, so its lead over the kernels grows with the
@@ -149,9 +149,9 @@ def kernels_folder() -> Path:
 
 def product_kind(weight: KernelTensors) -> str:
     """The kernels' family of tiles for `weight`'s products: its code width as kept, and
-    whether codes stand for levels (book entries count as 2-bit levels); 16-bit float
-    weights by their format."""
-    if weight.code_bits == HALF_BITS:
+    whether codes stand for levels (book entries count as 2-bit levels); float weights by
+    their format."""
+    if weight.words.is_floating_point():
         return str(weight.words.dtype).removeprefix("torch.")
     return f"{'levels' if weight.levels is not None else 'codes'}{weight.code_bits}"
 
@@ -168,7 +168,7 @@ def blas_rows(weight: NativeWeight) -> int:
     whatever its batch. On CPUs with integer dot products (AVX-512 VNNI, AVX-VNNI or ARM's
     `sdot`: `dot_products`), never: with VNNI the kernels were the faster, and they keep a
     token's bits exact across batches and cache hits (on ARM that choice is made for the
-    bits; BLAS was not timed there); 16-bit float weights (`HalfWeight`), which those
+    bits; BLAS was not timed there); float weights (`FloatWeight`), which those
     instructions do not multiply, are timed there too. Elsewhere BLAS takes the activations
     as the kernels round them where they do (every code width on AVX2,
     `rounded_like_the_kernels`), so the two paths differ in float32's last bits, not by a
@@ -177,7 +177,7 @@ def blas_rows(weight: NativeWeight) -> int:
     if kind not in _blas_rows:
         _blas_rows[kind] = (
             NEVER
-            if dot_products() and weight.code_bits != HALF_BITS
+            if dot_products() and not weight.words.is_floating_point()
             else decide_blas_rows(kernels_folder(), kind, lambda rows: time_products(weight, rows))
         )
     return _blas_rows[kind]
@@ -615,16 +615,18 @@ class NativeWeight(KernelTensors):
         return torch.ops.aserve_cpu.rows(*self.kernel_args(), ids)
 
 
-class HalfWeight(NativeWeight):
-    """A bfloat16 or float16 weight kept in its two bytes a value (csrc/cpu_half.cpp), which
-    the kernels widen to float32 as they multiply float32 activations: the float32 weight's
-    products (widening is exact) from half its bytes, which a one-row product is bound by.
-    `words` is `[panels, cols, 8]`, each panel's 8 outputs side by side input by input; no
-    scales. Every op of the quantized weights takes it (`linear`, `silu`, `rows`, BLAS for
-    many rows through `_dequantize`, the C++ decode stack), except the expert groups."""
+class FloatWeight(NativeWeight):
+    """A float weight for the kernels (csrc/cpu_float.cpp) to multiply float32 activations by:
+    bfloat16 or float16 kept in its two bytes a value and widened in registers (the float32
+    weight's products, widening being exact, from half its bytes, which a one-row product is
+    bound by), or float32 as it is (MKL's few-row products read it at a third of the
+    memory's speed on AMD CPUs). `words` is `[panels, cols, 8]`, each panel's 8 outputs side
+    by side input by input; no scales. Every op of the quantized weights takes it (`linear`,
+    `silu`, `rows`, BLAS for many rows through `_dequantize`, the C++ decode stack), except
+    the expert groups."""
 
     def __init__(self, weight: torch.Tensor, scratch: Scratch | None = None) -> None:
-        assert weight.dtype in (torch.float16, torch.bfloat16) and weight.dim() == 2
+        assert weight.dtype in FLOAT_WORDS and weight.dim() == 2
         self.scratch = scratch or Scratch()
         rows, cols = weight.shape
         self.shape = torch.Size([rows, cols])
@@ -632,13 +634,13 @@ class HalfWeight(NativeWeight):
         padded = torch.nn.functional.pad(weight, (0, 0, 0, self.padded - rows))
         self.words = padded.view(-1, LANES, cols).transpose(1, 2).contiguous()
         self.scales = self.offsets = self.bases = torch.empty(0)
-        self.group, self.code_bits, self.levels = cols, HALF_BITS, None
+        self.group, self.code_bits, self.levels = cols, 8 * weight.element_size(), None
         self.blas_from = blas_rows(self)
 
     def rounds_activations(self) -> bool:
         return False
 
-    def resized(self, panels: int, cols: int) -> HalfWeight:
+    def resized(self, panels: int, cols: int) -> FloatWeight:
         """A weight of this format of `panels` panels by `cols` inputs, this one's values
         repeated or cut (`time_products`)."""
         words = self.words.repeat(-(-panels // self.words.shape[0]), -(-cols // self.shape[1]), 1)
@@ -651,9 +653,9 @@ class HalfWeight(NativeWeight):
 
 def one_format(weights: list[NativeWeight]) -> bool:
     """Whether `linear_group` can take these weights in one call: the same code format (not
-    16-bit floats, which it does not take)."""
+    floats, which it does not take)."""
     first = weights[0]
-    return first.code_bits != HALF_BITS and all(
+    return not first.words.is_floating_point() and all(
         w.group == first.group
         and w.code_bits == first.code_bits
         and (w.levels is None) == (first.levels is None)

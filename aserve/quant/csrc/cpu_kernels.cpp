@@ -86,13 +86,13 @@
 #define ASERVE_INT 1
 #endif
 
-// 16-bit float weights (csrc/cpu_half.cpp): the ops below hand them over whole.
-namespace aserve_half {
+// Float weights (csrc/cpu_float.cpp): the ops below hand them over whole.
+namespace aserve_float {
 bool holds(const at::Tensor& words);
 at::Tensor linear(const at::Tensor& x, const at::Tensor& words);
 at::Tensor rows(const at::Tensor& words, const at::Tensor& ids);
 void dequantize(const at::Tensor& words, int64_t first, at::Tensor out);
-}  // namespace aserve_half
+}  // namespace aserve_float
 
 namespace {
 
@@ -2264,7 +2264,7 @@ void run(const std::vector<Product>& products) {
 at::Tensor linear(const at::Tensor& x, const at::Tensor& words, const at::Tensor& scales,
                   const at::Tensor& offsets, const at::Tensor& bases, int64_t group,
                   int64_t code_bits, const std::optional<at::Tensor>& levels) {
-  if (aserve_half::holds(words)) return aserve_half::linear(x, words);
+  if (aserve_float::holds(words)) return aserve_float::linear(x, words);
   auto [product, y] =
       product_of(x, weight_of(words, scales, offsets, bases, group, code_bits, levels));
   run({product});
@@ -2280,8 +2280,8 @@ at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& words, const at::
                         int64_t code_bits, const std::optional<at::Tensor>& levels,
                         int64_t inter) {
   at::Tensor y;
-  if (aserve_half::holds(words)) {
-    y = aserve_half::linear(x, words);
+  if (aserve_float::holds(words)) {
+    y = aserve_float::linear(x, words);
   } else {
     auto [product, out] =
         product_of(x, weight_of(words, scales, offsets, bases, group, code_bits, levels));
@@ -2468,7 +2468,7 @@ at::Tensor moe_layer(
 at::Tensor rows(const at::Tensor& words, const at::Tensor& scales, const at::Tensor& offsets,
                 const at::Tensor& bases, int64_t group, int64_t code_bits,
                 const std::optional<at::Tensor>& levels, const at::Tensor& ids) {
-  if (aserve_half::holds(words)) return aserve_half::rows(words, ids);
+  if (aserve_float::holds(words)) return aserve_float::rows(words, ids);
   const Weight w = weight_of(words, scales, offsets, bases, group, code_bits, levels);
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids: int64 vector");
   const at::Tensor ids_here = ids.contiguous();
@@ -2525,7 +2525,7 @@ inline void dequantize_word(const Weight& w, const uint32_t* group_words, int64_
 void dequantize(const at::Tensor& words, const at::Tensor& scales, const at::Tensor& offsets,
                 const at::Tensor& bases, int64_t group, int64_t code_bits,
                 const std::optional<at::Tensor>& levels, int64_t first, at::Tensor out) {
-  if (aserve_half::holds(words)) return aserve_half::dequantize(words, first, out);
+  if (aserve_float::holds(words)) return aserve_float::dequantize(words, first, out);
   const Weight stored = weight_of(words, scales, offsets, bases, group, code_bits, levels);
   TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.is_contiguous() &&
                   out.size(0) == stored.cols && out.size(1) % kLanes == 0,

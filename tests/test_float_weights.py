@@ -1,7 +1,8 @@
-"""16-bit float weights kept in their two bytes on CPU (aserve/quant/native.py, `HalfWeight`;
-csrc/cpu_half.cpp): the products against float64, exact widening, a row's outputs whatever
-its batch, and bfloat16 / float16 checkpoints (safetensors and GGUF) generating
-transformers' greedy tokens with every linear layer in 16 bits."""
+"""Float weights on aserve's CPU kernels (aserve/quant/native.py, `FloatWeight`;
+csrc/cpu_float.cpp), 16-bit ones kept in their two bytes: the products against float64,
+exact widening, a row's outputs whatever its batch; bfloat16 / float16 checkpoints
+(safetensors and GGUF) generating transformers' greedy tokens with every linear layer in 16
+bits, and float32 checkpoints and `--quantization none` with them in float32."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from aserve import LLM, SamplingParams
-from aserve.quant.native import HalfWeight, native_kernels
+from aserve.quant.native import FloatWeight, native_kernels
 from tests.gguf_files import write_hf_as_gguf
 from tests.tiny_models import hf_greedy_tokens, make_tiny_model
 
@@ -23,15 +24,16 @@ pytestmark = pytest.mark.skipif(not native_kernels(), reason="the CPU kernels do
 PROMPTS = [[5, 17, 99, 3, 42, 7, 250, 11], [1, 2, 3], [300, 301, 5, 9, 12, 44]]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(13, 64), (40, 96), (256, 200)])
 def test_products_against_float64_and_alone_equal_batched(
     dtype: torch.dtype, shape: tuple[int, int]
 ) -> None:
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(*shape, generator=generator).to(dtype)
-    half = HalfWeight(weight)
-    assert half.words.dtype == dtype and half.nbytes == half.padded * shape[1] * 2
+    half = FloatWeight(weight)
+    size = weight.element_size()
+    assert half.words.dtype == dtype and half.nbytes == half.padded * shape[1] * size
     x = torch.randn(7, shape[1], generator=generator)
     reference = x.double() @ weight.double().t()
     for rows in (1, 2, 3, 4, 5, 7):
@@ -50,7 +52,7 @@ def test_products_against_float64_and_alone_equal_batched(
 def test_gated_product_is_the_product_then_silu_and_mul() -> None:
     generator = torch.Generator().manual_seed(1)
     weight = torch.randn(2 * 24, 64, generator=generator).to(torch.bfloat16)
-    half = HalfWeight(weight)
+    half = FloatWeight(weight)
     x = torch.randn(3, 64, generator=generator)
     gated = half.silu(x)
     assert gated is not None
@@ -100,18 +102,20 @@ def test_half_checkpoint_keeps_16_bits_and_generates_transformers_tokens(
 
     llm = make_llm(folder, num_pages=256)
     products = linear_products(llm)
-    assert products and all(isinstance(p, HalfWeight) for p in products)
+    assert products and all(isinstance(p, FloatWeight) for p in products)
     assert all(p.words.dtype == dtype for p in products)
     engine = llm.runtime.engine
     embed = engine.model.model.embed_tokens
-    assert embed.table is not None and isinstance(embed.table.lookups, HalfWeight)
+    assert embed.table is not None and isinstance(embed.table.lookups, FloatWeight)
     batched = [o.token_ids for o in llm.generate(PROMPTS, greedy)]
     assert batched == expected
     # one at a time (other batches, the prefix cache warm) gives the same tokens
     assert [llm.generate([p], greedy)[0].token_ids for p in PROMPTS] == expected
 
+    # --quantization none widens them to float32 at load, for the same kernels
     float32 = make_llm(folder, num_pages=256, quantization="none")
-    assert not any(isinstance(p, HalfWeight) for p in linear_products(float32))
+    products = linear_products(float32)
+    assert products and all(p.words.dtype == torch.float32 for p in products)
     assert float32.runtime.engine.weight_bytes > 1.8 * engine.weight_bytes
     assert [o.token_ids for o in float32.generate(PROMPTS, greedy)] == expected
 
@@ -136,9 +140,38 @@ def test_16_bit_gguf_keeps_16_bits(
     greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     llm = make_llm(path, num_pages=256)
     products = linear_products(llm)
-    assert products and all(isinstance(p, HalfWeight) and p.words.dtype == dtype for p in products)
+    assert products and all(isinstance(p, FloatWeight) and p.words.dtype == dtype for p in products)
     float32 = make_llm(path, num_pages=256, quantization="none")
-    assert not linear_products(float32)
+    assert all(p.words.dtype == torch.float32 for p in linear_products(float32))
     assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == [
         o.token_ids for o in float32.generate(PROMPTS, greedy)
     ]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_float32_checkpoint_runs_on_the_kernels_with_transformers_tokens(
+    tmp_path: Path, make_llm: Callable[..., LLM], family: str
+) -> None:
+    """A float32 checkpoint: every linear layer, the embedding and the LM head in float32 on
+    the kernels (not MKL, whose few-row products read a third as fast on AMD CPUs), giving
+    transformers' greedy tokens batched and alone. Dummy weights keep torch's float path."""
+    import transformers
+
+    folder = make_tiny_model(family, tmp_path / "model", overrides={"tie_word_embeddings": False})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    expected = [hf_greedy_tokens(hf, prompt, 12) for prompt in PROMPTS]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    llm = make_llm(folder, num_pages=256)
+    products = linear_products(llm)
+    assert products and all(
+        isinstance(p, FloatWeight) and p.words.dtype == torch.float32 for p in products
+    )
+    model = llm.runtime.engine.model
+    for table in (model.model.embed_tokens.table, model.lm_head.table):
+        assert table is not None
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == expected
+    assert [llm.generate([p], greedy)[0].token_ids for p in PROMPTS] == expected
+
+    dummy = make_llm(folder, num_pages=256, dummy_weight=True)
+    assert not linear_products(dummy)
