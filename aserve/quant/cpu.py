@@ -67,8 +67,9 @@ class DenseWeight:
 def dense_cpu_weight(
     weight: torch.Tensor, dtype: torch.dtype, scratch: Scratch
 ) -> FloatWeight | DenseWeight:
-    """A float weight: on the kernels as it is where they build, else in `dtype`."""
-    if weight.dtype in FLOAT_WORDS and native_kernels():
+    """A float weight: on the kernels as it is where they build and multiply `dtype`
+    (float32), else in `dtype`."""
+    if weight.dtype in FLOAT_WORDS and dtype == torch.float32 and native_kernels():
         return FloatWeight(weight.contiguous(), scratch)
     return DenseWeight(weight.to(dtype))
 
