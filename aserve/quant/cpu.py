@@ -27,13 +27,15 @@ def float_weights_on_kernels(
     load (a float32 checkpoint, or `--quantization none`). On an AMD EPYC, MKL's products of
     a few float32 rows read the weights at 3-11 GB/s where the kernels read 17-25
     (bench/NOTES.md). None (torch's float path, MKL-packed) for MoE experts, dummy weights,
-    other dtypes, or where the kernels do not build."""
+    other dtypes, an FP8 KV cache (which the kernels' decode does not read; refused on CPU
+    before any kernel builds), or where the kernels do not build."""
     if not (
         device.type == "cpu"
         and dtype == torch.float32
         and model.quantization is None
         and not config.dummy_weight
         and not model.num_experts
+        and config.kv_cache_dtype in ("auto", "float16", "float32")
         and native_kernels()
     ):
         return None

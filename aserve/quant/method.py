@@ -72,7 +72,7 @@ class QuantizedLinearWeight:
             piece = quantize(tensor, self.bits)
         elif self.fp8:
             piece = quantize_rows(tensor)
-        else:  # 16-bit floats as they are (`_product` widens them where they do not stay)
+        else:  # 16-bit floats kept, but under "float32" (`_product` widens what cannot stay)
             piece = tensor if tensor.dtype in HALF_DTYPES and not self.widen else tensor.float()
         if tuple(piece.shape) != (self.shard_rows[shard], self.cols):
             raise ValueError(
