@@ -149,7 +149,8 @@ def test_tp2_of_a_bfloat16_checkpoint_keeps_16_bit_shards(tmp_path: Path) -> Non
         layer = two.runtime.engine.model.model.layers[0]
         for linear in (layer.self_attn.qkv_proj, layer.mlp.down_proj):
             assert linear.quantized is not None
-            assert [type(p) for p in linear.quantized.products] == [FloatWeight]
+            (product,) = linear.quantized.products
+            assert isinstance(product, FloatWeight) and product.words.dtype == torch.bfloat16
         assert layer.mlp.down_proj.quantized.products[0].shape[1] == 128 // 2
         assert_same_generations(two.generate(PROMPTS, params), one.generate(PROMPTS, params))
 
