@@ -14,7 +14,13 @@ from typing import Protocol
 import torch
 
 from aserve.quant.codes import Codes, quantize
-from aserve.quant.cpu import HALF_DTYPES, DenseWeight, cpu_weight, dense_cpu_weight
+from aserve.quant.cpu import (
+    FLOAT_ON_KERNELS,
+    HALF_DTYPES,
+    DenseWeight,
+    cpu_weight,
+    dense_cpu_weight,
+)
 from aserve.quant.fp8 import Fp8Activations, Fp8Rows, Fp8Tensor, Fp8Weight, quantize_rows
 from aserve.quant.gguf import QuantizedTensor
 from aserve.quant.native import NativeWeight, Scratch, linear_group, one_format
@@ -36,7 +42,7 @@ Shard = Codes | Fp8Rows | torch.Tensor
 # widths; "fp8" quantizes it at load into FP8 rows (quant/fp8.py).
 LOAD_TIME_BITS = {"int8": 8, "int4": 4}
 
-TABLE_QUANTIZATIONS = ("gguf", "half", "float32")
+TABLE_QUANTIZATIONS = ("gguf", *FLOAT_ON_KERNELS)
 """Quantizations whose embedding and LM head load in their own form (`load_table_rows`): a
 GGUF file's codes, or floats for CPU's kernels. The others keep those two in the model's
 dtype, as vLLM does."""
@@ -54,7 +60,7 @@ class QuantizedLinearWeight:
         self.cols = cols
         self.bits = LOAD_TIME_BITS.get(quantization)
         self.fp8 = quantization == "fp8"
-        self.widen = quantization == "float32"
+        self.quantization = quantization
         self.shards: list[Shard | None] = [None] * len(shard_rows)
         self.products: list[QuantizedProduct] = []
 
@@ -72,8 +78,8 @@ class QuantizedLinearWeight:
             piece = quantize(tensor, self.bits)
         elif self.fp8:
             piece = quantize_rows(tensor)
-        else:  # 16-bit floats kept, but under "float32" (`_product` widens what cannot stay)
-            piece = tensor if tensor.dtype in HALF_DTYPES and not self.widen else tensor.float()
+        else:
+            piece = float_shard(tensor, self.quantization)
         if tuple(piece.shape) != (self.shard_rows[shard], self.cols):
             raise ValueError(
                 f"shard {shard} is {tuple(piece.shape)}, expected "
@@ -242,16 +248,20 @@ class QuantizedTable:
         return self.head.linear(hidden, None)
 
 
+def float_shard(tensor: torch.Tensor, quantization: str) -> torch.Tensor:
+    """A float shard as it is loaded: 16-bit floats as they are (`_product` widens them where
+    they cannot stay), but under "float32", which widens every float weight at load."""
+    return tensor if tensor.dtype in HALF_DTYPES and quantization != "float32" else tensor.float()
+
+
 def load_table_rows(tensor: QuantizedTensor | torch.Tensor, rows: int, quantization: str) -> Shard:
     """A rank's slice of a vocabulary table, zero rows appended up to `rows` (the last rank
     of a vocabulary that does not split evenly); 16-bit floats as they are, but under
     "float32"."""
     if isinstance(tensor, QuantizedTensor):
         piece: Shard = tensor.decode()
-    elif tensor.dtype in HALF_DTYPES and quantization != "float32":
-        piece = tensor
     else:
-        piece = tensor.float()
+        piece = float_shard(tensor, quantization)
     if isinstance(piece, Codes):
         return piece.pad_rows(rows)
     missing = rows - piece.shape[0]
