@@ -13,12 +13,11 @@ TOKENIZER_FIELDS = ("model", "pre", "tokens", "token_type", "merges")
 
 def copy_tokenizer(writer: gguf.GGUFWriter) -> int:
     """The embedded model's vocabulary into `writer`; its size."""
+    from aserve.models.gguf_header import read_header
     from aserve.models.source import embedded_gguf
 
-    reader = gguf.GGUFReader(embedded_gguf())
-    read = {
-        name: reader.get_field(f"tokenizer.ggml.{name}").contents() for name in TOKENIZER_FIELDS
-    }
+    metadata = read_header(embedded_gguf()).metadata
+    read = {name: metadata[f"tokenizer.ggml.{name}"] for name in TOKENIZER_FIELDS}
     writer.add_tokenizer_model(read["model"])
     writer.add_tokenizer_pre(read["pre"])
     writer.add_token_list(read["tokens"])

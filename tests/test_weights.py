@@ -20,7 +20,8 @@ from safetensors.torch import save_file
 from aserve import runtime
 from aserve.config import ConfigError
 from aserve.models import source
-from aserve.models.gguf_weights import hf_tensor_name, iter_gguf, tensor_table
+from aserve.models.gguf_header import read_header
+from aserve.models.gguf_weights import hf_tensor_name, iter_gguf, stored_tensors
 from aserve.models.source import (
     ModelSourceError,
     cache_folder_for,
@@ -109,7 +110,7 @@ def test_second_resolve_reuses_cache(smollm2_dir: Path, monkeypatch: pytest.Monk
     def no_reading(*args: object, **kwargs: object) -> None:
         raise AssertionError("a cached GGUF was read again")
 
-    monkeypatch.setattr(gguf, "GGUFReader", no_reading)
+    monkeypatch.setattr(source, "read_header", no_reading)
     assert resolve_model(None, cache_dir=cache_dir) == smollm2_dir
     assert resolve_model(str(source.embedded_gguf()), cache_dir=cache_dir) == smollm2_dir
     assert {path: path.stat().st_mtime_ns for path in smollm2_dir.iterdir()} == before
@@ -130,7 +131,7 @@ def test_interrupted_conversion_leaves_no_cache(
     def fail(*args: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(source, "tensor_table", fail)
+    monkeypatch.setattr(source, "stored_tensors", fail)
     with pytest.raises(KeyboardInterrupt):
         resolve_model(None, cache_dir=tmp_path)
     assert list((tmp_path / "gguf").iterdir()) == []
@@ -206,17 +207,17 @@ def test_tiny_gguf_config_and_rope_rows(tmp_path: Path, arch: str) -> None:
     write_tiny_gguf(
         tmp_path / "tiny.gguf", arch, {n: a.astype(np.float32) for n, a in tensors.items()}
     )
-    reader = gguf.GGUFReader(tmp_path / "tiny.gguf")
+    header = read_header(tmp_path / "tiny.gguf")
 
-    config = source.hf_config(reader)
-    table = tensor_table(reader)
+    config = source.hf_config(header.metadata, stored_tensors(tmp_path / "tiny.gguf", header.table))
+    table = header.table
     read = iter_gguf(tmp_path / "tiny.gguf", table, config, progress=False)
     arrays = {n: t.numpy() for n, t in read}
 
     assert config["model_type"] == arch and config["head_dim"] == 4
     assert config["num_key_value_heads"] == 2 and config["vocab_size"] == 32
     assert config["rms_norm_eps"] == 1e-6 and config["tie_word_embeddings"]
-    generation = source.generation_config(reader)
+    generation = source.generation_config(header.metadata)
     assert generation["eos_token_id"] == [5, 6]
     assert (generation["temperature"], generation["top_k"]) == (0.6, 20)
     assert "top_p" not in generation

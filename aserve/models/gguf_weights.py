@@ -89,14 +89,14 @@ def rope_row_order(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).reshape(heads, half, 2).transpose(1, 2).reshape(rows)
 
 
-def has_quantized_matrices(reader: gguf.GGUFReader) -> bool:
-    return any(t.tensor_type not in FLOAT_TYPES and len(t.shape) >= 2 for t in reader.tensors)
+def has_quantized_matrices(tensors: list[StoredTensor]) -> bool:
+    return any(t.tensor_type not in FLOAT_TYPES and len(t.shape) >= 2 for t in tensors)
 
 
-def matrix_dtype(reader: gguf.GGUFReader) -> str:
+def matrix_dtype(tensors: list[StoredTensor]) -> str:
     """The torch dtype a float file's matrices share ("float16" or "bfloat16"), else "float32"
     (the config's `torch_dtype`: a 16-bit file keeps its matrices in 16 bits on CPU)."""
-    kinds = {t.tensor_type for t in reader.tensors if len(t.shape) >= 2}
+    kinds = {t.tensor_type for t in tensors if len(t.shape) >= 2}
     if kinds == {gguf.GGMLQuantizationType.F16}:
         return "float16"
     return "bfloat16" if kinds == {gguf.GGMLQuantizationType.BF16} else "float32"
@@ -104,8 +104,8 @@ def matrix_dtype(reader: gguf.GGUFReader) -> str:
 
 @dataclass(frozen=True)
 class StoredTensor:
-    """A tensor's place in a GGUF file, as gguf's reader gives it (`data` a view of the
-    file: float values, or a quantized matrix's rows of block bytes)."""
+    """A tensor of a GGUF file (`data` a view of the file: float values, or a quantized
+    matrix's rows of block bytes)."""
 
     name: str
     tensor_type: gguf.GGMLQuantizationType
@@ -113,25 +113,10 @@ class StoredTensor:
     data: np.ndarray
 
 
-def tensor_table(reader: gguf.GGUFReader) -> list[dict[str, Any]]:
-    """Where each tensor lies in the file, kept in a converted folder's gguf.json: later
-    starts read the tensors there without parsing the metadata again, which gguf's reader
-    does value by value (3.4 s for the embedded model's 49,152-token vocabulary)."""
-    return [
-        {
-            "name": tensor.name,
-            "type": int(tensor.tensor_type),
-            "shape": [int(size) for size in tensor.shape],
-            "offset": int(tensor.data_offset),
-            "dtype": tensor.data.dtype.str,
-            "dims": [int(size) for size in tensor.data.shape],
-        }
-        for tensor in reader.tensors
-    ]
-
-
 def stored_tensors(path: Path, table: list[dict[str, Any]]) -> list[StoredTensor]:
-    """The tensors of `tensor_table`, as views of the memory-mapped file."""
+    """The tensors of a table (aserve/models/gguf_header.py reads it from the file's header
+    at the conversion; gguf.json keeps it), as views of the memory-mapped file: later starts
+    read the tensors without parsing the metadata again."""
     mapped = np.memmap(path, dtype=np.uint8, mode="r")
     return [
         StoredTensor(
@@ -151,7 +136,7 @@ def iter_gguf(
     dequantize: bool = False,
     progress: bool = True,
 ) -> Iterator[tuple[str, GGUFWeight]]:
-    """(Hugging Face name, tensor) for every tensor of the file, found by its `tensor_table`;
+    """(Hugging Face name, tensor) for every tensor of the file, found by its tensor table;
     `config` is the config.json built from the same file (head counts for the llama row
     order)."""
     tensors = stored_tensors(path, table)

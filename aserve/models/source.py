@@ -35,15 +35,17 @@ import gguf
 import numpy as np
 
 from aserve.config import FREQ_FACTORS, ConfigError, cache_root
+from aserve.models.gguf_header import read_header
 from aserve.models.gguf_weights import (
     FLOAT_TYPES,
     GGUF_POINTER,
     ROPE_FACTORS,
     GGUFTensorError,
+    StoredTensor,
     has_quantized_matrices,
     hf_tensor_name,
     matrix_dtype,
-    tensor_table,
+    stored_tensors,
 )
 from aserve.quant.gguf import BLOCKS
 from aserve.tokenizer import TOKENIZER_FILES, has_tokenizer
@@ -159,17 +161,18 @@ def convert_gguf(gguf_file: Path, out: Path) -> None:
     and `gguf.json`, which points the weight loader at the file itself and its tensors'
     places (aserve/models/gguf_weights.py reads them, quantized ones staying quantized)."""
     try:
-        reader = gguf.GGUFReader(gguf_file)
-    except (ValueError, IndexError, OSError) as error:
+        header = read_header(gguf_file)
+    except (ValueError, OSError) as error:
         raise ModelSourceError(
             f"{gguf_file} is not a whole GGUF file (truncated or damaged: {error})"
         ) from None
-    config = hf_config(reader)
-    for tensor in reader.tensors:
+    tensors = stored_tensors(gguf_file, header.table)
+    for tensor in tensors:
         check_tensor(tensor)
+    config = hf_config(header.metadata, tensors)
     write_json(out / "config.json", config)
-    write_json(out / "generation_config.json", generation_config(reader))
-    has_vocabulary = reader.get_field("tokenizer.ggml.model") is not None
+    write_json(out / "generation_config.json", generation_config(header.metadata))
+    has_vocabulary = "tokenizer.ggml.model" in header.metadata
     if not has_vocabulary:
         logger.warning("%s holds no tokenizer: send token ids, not text", gguf_file)
     write_json(
@@ -177,7 +180,7 @@ def convert_gguf(gguf_file: Path, out: Path) -> None:
         {
             "file": str(gguf_file.resolve()),
             "tokenizer": has_vocabulary,
-            "tensors": tensor_table(reader),
+            "tensors": header.table,
         },
     )
 
@@ -211,9 +214,9 @@ def complete_tokenizer(folder: Path, apart: bool = False) -> bool:
     return True
 
 
-def check_tensor(tensor: gguf.ReaderTensor) -> None:
+def check_tensor(tensor: StoredTensor) -> None:
     """Refuse, with the tensor's name, what the loader could not take: unknown names and
-    types, and data the file does not hold in full."""
+    types (`read_header` has refused data that the file does not hold in full)."""
     try:
         if tensor.name != ROPE_FACTORS:
             hf_tensor_name(tensor.name)
@@ -225,18 +228,13 @@ def check_tensor(tensor: gguf.ReaderTensor) -> None:
             f"GGUF tensor {tensor.name} is {kind.name}, which aserve cannot run; it runs "
             f"F32, F16, BF16 and {', '.join(q.name for q in BLOCKS)}"
         )
-    expected = int(np.prod([int(s) for s in tensor.shape]))
-    size, nbytes = BLOCKS.get(kind, (1, np.dtype(tensor.data.dtype).itemsize))
-    if tensor.data.size * tensor.data.dtype.itemsize < expected // size * nbytes:
-        raise ModelSourceError(f"GGUF tensor {tensor.name}: the file ends inside its data")
 
 
-def metadata_reader(reader: gguf.GGUFReader) -> Metadata:
+def metadata_reader(metadata: dict[str, Any]) -> Metadata:
     def read(key: str, default: Any = None, required: bool = False) -> Any:
-        field = reader.get_field(key)
-        if field is None and required:
+        if key not in metadata and required:
             raise ModelSourceError(f"GGUF metadata lacks {key!r}; cannot build a config.json")
-        return default if field is None else field.contents()
+        return metadata.get(key, default)
 
     return read
 
@@ -246,15 +244,15 @@ def float32_decimal(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def hf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
-    read = metadata_reader(reader)
+def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str, Any]:
+    read = metadata_reader(metadata)
     arch = read("general.architecture", required=True)
     if arch not in ARCHITECTURES:
         raise ModelSourceError(
             f"GGUF architecture {arch!r} is not supported; "
             f"aserve converts {', '.join(ARCHITECTURES)}"
         )
-    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    tensors = {tensor.name: tensor for tensor in stored}
     hidden = read(f"{arch}.embedding_length", required=True)
     heads = read(f"{arch}.attention.head_count", required=True)
     experts = read(f"{arch}.expert_count", 0, required=arch == "qwen3moe")
@@ -279,7 +277,7 @@ def hf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in tensors,
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         "hidden_act": "silu",
-        "torch_dtype": matrix_dtype(reader),
+        "torch_dtype": matrix_dtype(stored),
     }
     if experts:  # Qwen3-MoE: every layer sparse, the chosen experts' weights renormalised
         config |= {
@@ -290,13 +288,13 @@ def hf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
         }
-    if has_quantized_matrices(reader):
+    if has_quantized_matrices(stored):
         config["quantization_config"] = {"quant_method": "gguf"}
     return {key: value for key, value in config.items() if value is not None}
 
 
 def rope_scaling(
-    read: Metadata, arch: str, factors: gguf.ReaderTensor | None, heads: int, hidden: int
+    read: Metadata, arch: str, factors: StoredTensor | None, heads: int, hidden: int
 ) -> dict[str, Any] | None:
     """The scaling the metadata states, or llama.cpp's `rope_freqs` tensor: Llama 3.1-3.3
     files store their frequency scaling as one divisor a frequency, kept as they are."""
@@ -321,11 +319,11 @@ def rope_scaling(
     return scaling
 
 
-def generation_config(reader: gguf.GGUFReader) -> dict[str, Any]:
+def generation_config(metadata: dict[str, Any]) -> dict[str, Any]:
     """Chat models end turns on eot/eom as well as eos; generation stops on any of them. The
     sampling that the file's author recommends (`general.sampling.*`) becomes the server's
     default for requests that leave those fields unset."""
-    read = metadata_reader(reader)
+    read = metadata_reader(metadata)
     ids = [read(f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom")]
     eos = list(dict.fromkeys(i for i in ids if i is not None))
     config = {
