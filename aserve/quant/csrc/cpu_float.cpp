@@ -74,6 +74,20 @@ inline float widen(Element<F> value) {
   }
 }
 
+// Where a tile's panels and rows start, found once before its loop over the inputs.
+template <Format F, int R, int P>
+struct TileStarts {
+  const Element<F>* panel[P];
+  const float* row[R];
+
+  TileStarts(const Operands& a, int64_t m, int64_t p) {
+    #pragma GCC unroll 8
+    for (int q = 0; q < P; ++q) panel[q] = a.panel<F>(p + q);
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) row[r] = a.row(m + r);
+  }
+};
+
 #if defined(FLOAT_AVX2)
 template <Format F>
 inline __m256 widen8(const Element<F>* p) {
@@ -98,19 +112,14 @@ void tile(const Operands& a, int64_t m, int64_t p) {
   for (int r = 0; r < R; ++r)
     #pragma GCC unroll 8
     for (int q = 0; q < P; ++q) sums[r][q] = _mm256_setzero_ps();
-  const Element<F>* panel[P];
-  #pragma GCC unroll 8
-  for (int q = 0; q < P; ++q) panel[q] = a.panel<F>(p + q);
-  const float* row[R];
-  #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) row[r] = a.row(m + r);
+  const TileStarts<F, R, P> at(a, m, p);
   for (int64_t k = 0; k < a.cols; ++k) {
     __m256 w[P];
     #pragma GCC unroll 8
-    for (int q = 0; q < P; ++q) w[q] = widen8<F>(panel[q] + k * kLanes);
+    for (int q = 0; q < P; ++q) w[q] = widen8<F>(at.panel[q] + k * kLanes);
     #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m256 x = _mm256_broadcast_ss(row[r] + k);
+      const __m256 x = _mm256_broadcast_ss(at.row[r] + k);
       #pragma GCC unroll 8
       for (int q = 0; q < P; ++q) sums[r][q] = _mm256_fmadd_ps(w[q], x, sums[r][q]);
     }
@@ -143,22 +152,17 @@ void tile(const Operands& a, int64_t m, int64_t p) {
   for (int r = 0; r < R; ++r)
     #pragma GCC unroll 8
     for (int q = 0; q < P; ++q) sums[r][q][0] = sums[r][q][1] = vdupq_n_f32(0.0f);
-  const Element<F>* panel[P];
-  #pragma GCC unroll 8
-  for (int q = 0; q < P; ++q) panel[q] = a.panel<F>(p + q);
-  const float* row[R];
-  #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) row[r] = a.row(m + r);
+  const TileStarts<F, R, P> at(a, m, p);
   for (int64_t k = 0; k < a.cols; ++k) {
     float32x4_t w[P][2];
     #pragma GCC unroll 8
     for (int q = 0; q < P; ++q) {
-      w[q][0] = widen4<F>(panel[q] + k * kLanes);
-      w[q][1] = widen4<F>(panel[q] + k * kLanes + 4);
+      w[q][0] = widen4<F>(at.panel[q] + k * kLanes);
+      w[q][1] = widen4<F>(at.panel[q] + k * kLanes + 4);
     }
     #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const float32x4_t x = vdupq_n_f32(row[r][k]);
+      const float32x4_t x = vdupq_n_f32(at.row[r][k]);
       #pragma GCC unroll 8
       for (int q = 0; q < P; ++q) {
         sums[r][q][0] = vfmaq_f32(sums[r][q][0], w[q][0], x);
