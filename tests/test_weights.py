@@ -15,6 +15,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import transformers
 from safetensors.torch import save_file
 
 from aserve import runtime
@@ -167,6 +168,54 @@ def test_the_tokenizer_is_written_after_the_rest_and_never_half(
     assert not complete_tokenizer(folder)  # written once
     for name in ("tokenizer.json", "tokenizer_config.json"):  # as one conversion writes them
         assert (folder / name).read_text() == (smollm2_dir / name).read_text()
+
+
+@needs_smollm
+@pytest.mark.skipif(
+    int(transformers.__version__.split(".")[0]) < 5,
+    reason="transformers 4.x builds a GGUF's tokenizer through AutoTokenizer itself",
+)
+def test_a_gguf_tokenizer_is_autotokenizers_without_its_second_reading(tmp_path: Path) -> None:
+    """transformers 5's generic class builds the tokenizer.json that AutoTokenizer builds,
+    also where AutoTokenizer names a model family's class (qwen3): the same files but the
+    class's name (and that class's unset option), the same ids and the same chat prompt."""
+    from bench.gguf_files import copy_tokenizer
+
+    path = tmp_path / "qwen3.gguf"
+    writer = gguf.GGUFWriter(path, "qwen3")
+    words = copy_tokenizer(writer)
+    writer.add_chat_template(
+        read_header(source.embedded_gguf()).metadata["tokenizer.chat_template"]
+    )
+    writer.add_tensor("token_embd.weight", np.zeros((words, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ours, auto = tmp_path / "ours", tmp_path / "auto"
+    source.write_tokenizer(path, {"max_position_embeddings": 64}, ours)
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    assert type(reference).__name__ == "Qwen2Tokenizer"
+    reference.pad_token = reference.pad_token or reference.eos_token
+    reference.model_max_length = 64
+    reference.save_pretrained(auto)
+    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in auto.iterdir())
+    for name in ("tokenizer.json", "chat_template.jinja"):
+        assert (ours / name).read_bytes() == (auto / name).read_bytes()
+    settings = [
+        json.loads((folder / "tokenizer_config.json").read_text()) for folder in (ours, auto)
+    ]
+    assert settings[0].pop("tokenizer_class") == "TokenizersBackend"
+    assert settings[1].pop("tokenizer_class") == "Qwen2Tokenizer"
+    assert settings[1].pop("add_prefix_space") is None  # the family class's unset option
+    assert settings[0] == settings[1]
+    loaded = transformers.AutoTokenizer.from_pretrained(ours)
+    messages = [{"role": "user", "content": "Say hi in 中文 🤖\n\n  twice"}]
+    for text in ("Hello world!", "  spaces\n\tand tabs", "émoji 🤖 中文", "<|im_start|>user"):
+        assert loaded(text)["input_ids"] == reference(text)["input_ids"]
+    assert loaded.apply_chat_template(messages, add_generation_prompt=True) == (
+        reference.apply_chat_template(messages, add_generation_prompt=True)
+    )
 
 
 def write_tiny_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray]) -> None:

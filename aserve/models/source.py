@@ -11,7 +11,7 @@ aserve never downloads anything.
 
 The conversion has two parts. What the engine needs (configs, `gguf.json`) is written into
 a temporary folder renamed at the end, so an interrupted run never leaves it half-written.
-The tokenizer (transformers' import and its GGUF reading: 5-8 s of a first start) comes
+The tokenizer (transformers' import and its building: ~6 s of a first start) comes
 after, into the finished folder (`complete_tokenizer`), the files its presence is judged
 by moved in last; the server's tokenizer thread has a process of its own write it while the
 engine starts.
@@ -355,16 +355,27 @@ def _write_tokenizer_apart(gguf_file: Path, config: dict[str, Any], out: Path) -
 def write_tokenizer(gguf_file: Path, config: dict[str, Any], out: Path) -> None:
     """transformers builds the tokenizer and keeps the chat template; imported here because
     importing it is slow and a cached start never needs it."""
-    from transformers import AutoTokenizer
-
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+        loader = gguf_tokenizer_class()
+        tokenizer = loader.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
     except Exception as error:
         raise ModelSourceError(f"cannot build a tokenizer from {gguf_file}: {error}") from error
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.model_max_length = config["max_position_embeddings"]
     tokenizer.save_pretrained(out)
+
+
+def gguf_tokenizer_class() -> Any:
+    """The class that builds a GGUF's tokenizer. transformers 5 builds the same tokenizer.json
+    whichever class loads the file, and its AutoTokenizer parses the whole file once more
+    with gguf's reader (5 s of the embedded model's first start) only to choose which class
+    to name in tokenizer_config.json; its generic class does not. In 4.x the model families'
+    classes add rules of their own (BOS, EOS, pad), so AutoTokenizer chooses there."""
+    import transformers
+
+    major = int(transformers.__version__.split(".")[0])
+    return transformers.PreTrainedTokenizerFast if major >= 5 else transformers.AutoTokenizer
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
