@@ -256,14 +256,19 @@ def time_products(weight: NativeWeight, rows: int) -> tuple[float, float]:
     return best[0], best[1]
 
 
-def load_kernels(folder: Path, flags: list[str], arch: tuple[str, ...] = ARCH_FLAGS[0]) -> None:
-    """Build `SOURCES` for this CPU (`arch` flags, and `flags` added to the compile and link)
+def load_kernels(
+    folder: Path,
+    flags: list[str],
+    arch: tuple[str, ...] = ARCH_FLAGS[0],
+    sources: list[Path] = SOURCES,
+) -> None:
+    """Build `sources` for this CPU (`arch` flags, and `flags` added to the compile and link)
     into `folder` if they are not built there yet, and load them as `torch.ops.aserve_cpu`."""
     from torch.utils import cpp_extension
 
     cpp_extension.load(
         name="aserve_cpu",
-        sources=[str(source) for source in SOURCES],
+        sources=[str(source) for source in sources],
         extra_cflags=["-O3", *arch, *flags],
         extra_ldflags=flags,
         build_directory=str(folder),
