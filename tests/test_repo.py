@@ -30,3 +30,22 @@ def test_ruff_lint_and_format_are_clean() -> None:
 def test_import_aserve_loads_no_gpu_kernels() -> None:
     code = "import sys, aserve; assert 'flashinfer' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_the_command_line_answers_before_torch_loads() -> None:
+    """`import aserve` and the command's option parsing import no torch (~4 s), so --help
+    and a bad option answer at once; the offline API still loads on first use."""
+    code = (
+        "import sys, aserve, aserve.cli\n"
+        "assert 'torch' not in sys.modules\n"
+        "try:\n"
+        "    aserve.cli.main(['--page-size', '0'])\n"
+        "except SystemExit as stop:\n"
+        "    assert stop.code == 2\n"
+        "assert 'torch' not in sys.modules\n"
+        "from aserve import LLM, SamplingParams\n"
+        "assert LLM.__module__ == 'aserve.llm' and 'torch' in sys.modules"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "must be at least 1, got 0" in done.stderr
