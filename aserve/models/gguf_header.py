@@ -104,14 +104,13 @@ def read_header(path: Path) -> GGUFHeader:
     Raises GGUFHeaderError for what is no whole GGUF file: another format or version, a
     header cut short, an unknown tensor type, or tensor data past the file's end."""
     with path.open("rb") as file:
-        size = path.stat().st_size
-        if size < len(MAGIC):
+        if path.stat().st_size < len(MAGIC):  # mmap refuses an empty file
             raise GGUFHeaderError("the file is shorter than a GGUF's magic number")
         with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
-            return _parse(buffer, size)
+            return _parse(buffer)
 
 
-def _parse(buffer: mmap.mmap, size: int) -> GGUFHeader:
+def _parse(buffer: mmap.mmap) -> GGUFHeader:
     cursor = _Cursor(buffer)
     if buffer[: len(MAGIC)] != MAGIC:
         raise GGUFHeaderError("it does not start with GGUF's magic number")
@@ -137,7 +136,7 @@ def _parse(buffer: mmap.mmap, size: int) -> GGUFHeader:
             raise GGUFHeaderError(f"tensor {name} appears twice")
         names.add(name)
         entry, nbytes = _table_entry(name, shape, kind, data_start + offset)
-        if entry["offset"] + nbytes > size:
+        if entry["offset"] + nbytes > len(buffer):
             raise GGUFHeaderError(f"tensor {name}: the file ends inside its data")
         table.append(entry)
     return GGUFHeader(metadata, table)
