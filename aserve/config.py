@@ -437,6 +437,16 @@ def validate(config: ServerConfig) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    if engine.model_path is not None and not Path(engine.model_path).expanduser().exists():
+        # Checked here too, so that the command refuses it before torch loads (~4 s).
+        raise ConfigError(missing_model_message(Path(engine.model_path).expanduser()))
+
+
+def missing_model_message(path: Path) -> str:
+    return (
+        f"model path does not exist: {path} (aserve loads local folders and GGUF files; "
+        "it never downloads)"
+    )
 
 
 def cache_root(cache_dir: Path | None = None) -> Path:

@@ -33,15 +33,19 @@ def test_import_aserve_loads_no_gpu_kernels() -> None:
 
 
 def test_the_command_line_answers_before_torch_loads() -> None:
-    """`import aserve` and the command's option parsing import no torch (~4 s), so --help
-    and a bad option answer at once; the offline API still loads on first use."""
+    """`import aserve` and the command's option parsing import no torch (~4 s), so --help,
+    a bad option and a missing model answer at once; the offline API still loads on first
+    use."""
     code = (
         "import sys, aserve, aserve.cli\n"
         "assert 'torch' not in sys.modules\n"
-        "try:\n"
-        "    aserve.cli.main(['--page-size', '0'])\n"
-        "except SystemExit as stop:\n"
-        "    assert stop.code == 2\n"
+        "for argv in (['--page-size', '0'], ['--model', '/no/such/model.gguf']):\n"
+        "    try:\n"
+        "        aserve.cli.main(argv)\n"
+        "    except SystemExit as stop:\n"
+        "        assert stop.code == 2\n"
+        "    else:\n"
+        "        raise AssertionError(argv)\n"
         "assert 'torch' not in sys.modules\n"
         "from aserve import LLM, SamplingParams\n"
         "assert LLM.__module__ == 'aserve.llm' and 'torch' in sys.modules"
@@ -49,3 +53,4 @@ def test_the_command_line_answers_before_torch_loads() -> None:
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "must be at least 1, got 0" in done.stderr
+    assert "model path does not exist: /no/such/model.gguf" in done.stderr

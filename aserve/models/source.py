@@ -34,7 +34,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from aserve.config import FREQ_FACTORS, ConfigError, cache_root
+from aserve.config import FREQ_FACTORS, ConfigError, cache_root, missing_model_message
 from aserve.models.gguf_header import read_header
 from aserve.models.gguf_weights import (
     FLOAT_TYPES,
@@ -92,10 +92,7 @@ def _resolve_folder(model: str | None, cache_dir: Path | None) -> Path:
         return cached_conversion(embedded_gguf(), cache_dir)
     path = Path(model).expanduser()
     if not path.exists():
-        raise ModelSourceError(
-            f"model path does not exist: {path} (aserve loads local folders and GGUF files; "
-            "it never downloads)"
-        )
+        raise ModelSourceError(missing_model_message(path))
     if path.is_dir():
         if (path / "config.json").is_file():
             return path
