@@ -143,7 +143,8 @@ def test_dp_without_the_router_is_one_line() -> None:
 
 @needs_router
 def test_a_replica_that_cannot_start_stops_the_launch_in_one_line(tmp_path: Path) -> None:
-    done = python("-m", "aserve", "--dp", "2", "--model", str(tmp_path / "missing"), timeout_s=300)
+    # A folder with neither config.json nor a GGUF: the options pass, the replicas' loads fail.
+    done = python("-m", "aserve", "--dp", "2", "--model", str(tmp_path), timeout_s=300)
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]
     assert re.fullmatch(r"aserve: error: replica\d exited with code 2 before it was ready.*", last)
