@@ -62,6 +62,9 @@ class LLM:
     def __init__(self, model: str | None = None, **options: Any) -> None:
         self.config = build_config(model=model, **options)
         self.runtime = Runtime(self.config)
+        # A server is ready before FlashInfer's modules on a first start; offline batches
+        # would run their first steps without them, so the offline API waits for them.
+        self.runtime.engine.finish_kernel_builds()
         self.scheduler = self.runtime.scheduler
         self.tokenizer = self.runtime.tokenizer
         self._loop = asyncio.new_event_loop()

@@ -309,6 +309,20 @@ for step in "$@"; do
               for side in before after; do tree=$([ $side = before ] && echo .scratch/old || echo .); rm -rf /tmp/fi-cold ~/.cache/aserve ~/.triton/cache
                 for phase in cold warm; do (cd $tree && PYTHONPATH=/tmp/site-noaot:/tmp/site:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-cold \
                   ready_in | sed "s/^/$side $phase: /"); done; done ;;
+    first-reply-smol)  # the embedded model's cold start (every cache emptied, no kernel pack): ready, a first reply, then one a
+                       # second until FlashInfer has taken over (its log line), and a last reply; after noaot-site, smol-a, smol-b
+              rm -rf /tmp/fi-cold ~/.cache/aserve ~/.triton/cache; t0=$(date +%s.%N)
+              since() { python3 -c "import time; print(round(time.time() - $t0, 1))"; }
+              ask() { curl -s localhost:1919/v1/chat/completions -H 'Content-Type: application/json' \
+                -d '{"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 24, "temperature": 0}' \
+                | python3 -c "import json, sys; print(repr(json.load(sys.stdin)['choices'][0]['message']['content']))"; }
+              PYTHONPATH=/tmp/site-noaot:/tmp/site:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-cold python3 -m aserve --port 1919 > $OUT/first-reply.log 2>&1 &
+              for i in $(seq 1500); do curl -sf localhost:1919/health > /dev/null && break; sleep 0.2; done; echo "ready at $(since) s"
+              ask; echo "first reply at $(since) s"
+              for i in $(seq 120); do grep -q "FlashInfer's kernels built" $OUT/first-reply.log && break; ask > /dev/null; sleep 1; done
+              echo "FlashInfer taken by $(since) s"; ask; echo "last reply at $(since) s"
+              grep -h "kernels\|captured\|weights:\|tokenizer" $OUT/first-reply.log | sed "s/sizes \[[^]]*\]/sizes [..]/" | cut -c 27-170
+              pkill -INT -f "python3 -m aserve"; sleep 4 ;;
     startup-smol) rm -rf /tmp/fi-cold ~/.cache/aserve ~/.triton/cache; for phase in first second; do   # GGUF conversion and kernels, cold then cached
                PYTHONPATH=/tmp/site-noaot:/tmp/site:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-cold ready_in; done ;;
     spy) python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/spy .tools/py_spy-*.whl

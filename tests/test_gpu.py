@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from aserve import LLM, GenerationOutput, SamplingParams
+from aserve.forward import ForwardBatch
 from aserve.kvcache.pool import KVPool
 from aserve.scheduler.request import FinishReason
 from tests.gguf_files import write_hf_as_gguf
@@ -420,6 +422,78 @@ def test_graphs_captured_in_two_parts_after_compiling_ahead(
     prompts = [list(range(7 + i, 12 + 2 * i)) for i in range(5)]
     ours = llm.generate(prompts, params)
     assert [o.token_ids for o in ours] == [o.token_ids for o in without.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
+def test_a_first_start_serves_before_flashinfer_is_built_then_takes_it(
+    make_llm: Callable[..., LLM],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    kv_cache_dtype: str,
+) -> None:
+    """FlashInfer's builds held back (a first start's nvcc): the engine is ready with only
+    the Triton sizes' graphs; prefills, and decode batches no captured graph takes, run
+    through torch's SDPA; the first step after the builds end takes FlashInfer and captures
+    the other sizes, whose tokens then equal an engine's that waited for them."""
+    from aserve.engine.engine import Engine
+
+    folder = make_tiny_model("llama", tmp_path, overrides={**KERNEL_SHAPES, "head_dim": 64})
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=True)
+    options = {
+        "device": "cuda",
+        "dtype": "bfloat16",
+        "page_size": 16,
+        "num_pages": 1024,
+        "cuda_graph_max_bs": 64,
+        "kv_cache_dtype": kv_cache_dtype,
+    }
+    waited = make_llm(folder, **options)
+    gate = threading.Event()
+    held: list[threading.Thread] = []
+    start_builds = Engine._start_kernel_builds
+
+    def held_builds(engine: Engine) -> list[threading.Thread]:
+        held.append(threading.Thread(target=gate.wait, daemon=True))
+        held[-1].start()
+        return [*start_builds(engine), held[-1]]
+
+    monkeypatch.setattr(Engine, "_start_kernel_builds", held_builds)
+    monkeypatch.setattr(Engine, "finish_kernel_builds", lambda engine: None)  # LLM's wait
+    early = make_llm(folder, **options)
+    monkeypatch.undo()
+    engine = early.runtime.engine
+    graphs = engine.graphs
+    assert engine._stand_in is not None
+    assert sorted(graphs.graphs) == graphs.sizes_without_flashinfer() != graphs.sizes
+    stand_in_steps: list[bool] = []
+    prepare = engine._stand_in.prepare
+
+    def counted_prepare(batch: ForwardBatch) -> None:
+        stand_in_steps.append(batch.is_decode)
+        prepare(batch)
+
+    engine._stand_in.prepare = counted_prepare
+
+    def prompts(count: int, first: int) -> list[list[int]]:
+        return [list(range(first + i, first + 2 * i + 9)) for i in range(count)]
+
+    # A size left to FlashInfer (it pads to a captured one, or runs eagerly), and past the
+    # graphs' largest size.
+    uncaptured = min(set(graphs.sizes) - graphs.graphs.keys())
+    for count in (1, uncaptured, 70):
+        ours = early.generate(prompts(count, 3), params)
+        reference = waited.generate(prompts(count, 3), params)
+        for a, b in zip(ours, reference):  # other attention kernels: close, not the same bits
+            assert a.logprobs[0].logprob == pytest.approx(b.logprobs[0].logprob, abs=0.05)
+    assert False in stand_in_steps and True in stand_in_steps  # prefills, eager decodes
+    assert engine._stand_in is not None
+    gate.set()
+    held[0].join()
+    for count in (1, uncaptured, 70):
+        ours = early.generate(prompts(count, 300), params)
+        reference = waited.generate(prompts(count, 300), params)
+        assert [o.token_ids for o in ours] == [o.token_ids for o in reference]
+    assert engine._stand_in is None and sorted(graphs.graphs) == graphs.sizes
 
 
 def test_graph_captures_survive_flashinfer_builds_in_threads() -> None:

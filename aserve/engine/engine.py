@@ -275,9 +275,11 @@ class Engine:
         self.attn = self._create_attention_backend(config.attention_backend)
         self.sampler = Sampler(race_kernel(self.device))
         self.graphs = self._make_graphs()
+        # Attention for what FlashInfer's modules would run while they still build: set by
+        # the warm-up of a first start, cleared by `finish_kernel_builds`.
+        self._stand_in: AttentionBackend | None = None
+        self._stand_in_since = 0.0
         self._warm_up()
-        if self.graphs is not None:
-            self.graphs.capture()
 
     def _create_attention_backend(self, name: str) -> AttentionBackend:
         names = name.split(",")
@@ -357,7 +359,7 @@ class Engine:
         started = time.perf_counter()
         if self._triton_hash is not None:
             self._triton_hash.join()
-        logits = self._dummy_forward(ForwardMode.DECODE)
+        logits = self._dummy_forward(ForwardMode.DECODE, self.attn)
         # The three races: greedy (no noise), over the logits (temperature only) and over
         # filtered probabilities.
         for params in (
@@ -371,24 +373,82 @@ class Engine:
             self.sampler.sample(logits, sampling)
         if self.graphs is not None and self._kernel_builds:
             self.graphs.capture(self.graphs.sizes_without_flashinfer())
-            # A first start: the builds go on. Not under TP, where every rank must run the
-            # same forwards (their all-reduces pair up) and each rank's builds end apart.
-            building = any(thread.is_alive() for thread in self._kernel_builds)
-            if building and self.tp.size == 1:
+        # A first start: the builds go on. Not under TP, where every rank must run the same
+        # forwards (their all-reduces pair up) and each rank's builds end apart.
+        if self._still_building() and self.tp.size == 1:
+            if self.graphs is not None:
                 self.graphs.compile_ahead()
-        for thread in self._kernel_builds:
-            thread.join()
-        self._dummy_forward(ForwardMode.PREFILL)
-        torch.cuda.synchronize(self.device)
+            if self._still_building():
+                self._serve_before_flashinfer(started)
+                return
+        self._take_flashinfer()
         logger.info("GPU kernels ready in %.1f s", time.perf_counter() - started)
 
-    def _dummy_forward(self, mode: ForwardMode) -> torch.Tensor:
+    def _still_building(self) -> bool:
+        return any(thread.is_alive() for thread in self._kernel_builds)
+
+    def _serve_before_flashinfer(self, warm_up_started: float) -> None:
+        """Be ready now rather than when FlashInfer's modules are (their nvcc builds bound a
+        first start: ~35 s of the embedded model's 43 on an H200). Until they are, prefills
+        and the decode batches that no captured graph takes run through torch's SDPA; the
+        first step after the builds end takes FlashInfer (`finish_kernel_builds`)."""
+        from aserve.attention.torch_native import TorchNativeBackend
+
+        self._stand_in = TorchNativeBackend(
+            self.pool, self.page_table, self.local_heads, self.model_config.head_dim
+        )
+        self._dummy_forward(ForwardMode.PREFILL, self._stand_in)
+        torch.cuda.synchronize(self.device)
+        self._stand_in_since = time.perf_counter()
+        logger.info(
+            "GPU kernels ready in %.1f s but FlashInfer's, which build on: until they are, "
+            "prefills run through torch's SDPA",
+            self._stand_in_since - warm_up_started,
+        )
+
+    @property
+    def awaits_kernels(self) -> bool:
+        """True while the engine serves without FlashInfer's modules, which still build."""
+        return self._stand_in is not None
+
+    def take_built_kernels(self) -> None:
+        """Take FlashInfer's modules if their builds have ended (the scheduler asks while
+        idle; a step asks first thing)."""
+        if self._stand_in is not None and not self._still_building():
+            self.finish_kernel_builds()
+
+    def finish_kernel_builds(self) -> None:
+        """Wait for FlashInfer's modules if the engine was made ready before them, and take
+        them: the offline `LLM` calls this so that its batches run at full speed."""
+        if self._stand_in is None:
+            return
+        started = time.perf_counter()
+        torch.cuda.synchronize(self.device)  # steps in flight read the stand-in's metadata
+        self._take_flashinfer()
+        self._stand_in = None
+        logger.info(
+            "FlashInfer's kernels built %.1f s after the engine was ready; taken in %.1f s",
+            started - self._stand_in_since,
+            time.perf_counter() - started,
+        )
+
+    def _take_flashinfer(self) -> None:
+        """Join FlashInfer's builds, load the prefill module by a one-token prefill and
+        capture the decode graphs not captured yet."""
+        for thread in self._kernel_builds:
+            thread.join()
+        self._dummy_forward(ForwardMode.PREFILL, self.attn)
+        torch.cuda.synchronize(self.device)
+        if self.graphs is not None:
+            self.graphs.capture()
+
+    def _dummy_forward(self, mode: ForwardMode, attn: AttentionBackend) -> torch.Tensor:
         """One token of one request on the dummy page."""
         prefill_ids = [0] if mode is ForwardMode.PREFILL else []
         spec = StepSpec(mode, [self.page_table.dummy_row], [0], [1], [0], prefill_ids, [])
         batch = forward_batch(spec, self.page_table, self.device)
-        self.attn.prepare(batch)
-        return self.model(batch, self.attn)
+        attn.prepare(batch)
+        return self.model(batch, attn)
 
     def _make_graphs(self) -> DecodeGraphs | None:
         """Decode graphs on CUDA when the decode backend is FlashInfer (the torch backend
@@ -450,10 +510,14 @@ class Engine:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits of `batch`; decode batches that fit a captured graph replay it."""
-        if batch.is_decode and self.graphs and batch.batch_size <= self.graphs.max_batch_size:
-            return self.graphs.run(batch)
-        self.attn.prepare(batch)
-        return self.model(batch, self.attn)
+        self.take_built_kernels()
+        if batch.is_decode and self.graphs is not None:
+            size = self.graphs.size_for(batch.batch_size)
+            if size is not None:
+                return self.graphs.run(batch, size)
+        attn = self.attn if self._stand_in is None else self._stand_in
+        attn.prepare(batch)
+        return self.model(batch, attn)
 
     def record_tokens(self, batch: ForwardBatch, next_ids: torch.Tensor) -> None:
         self.page_table.tokens.view(-1).index_copy_(0, batch.record_index, next_ids)

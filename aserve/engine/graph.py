@@ -146,11 +146,15 @@ class DecodeGraphs:
             used / (1 << 30),
         )
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits of a decode batch of at most `max_batch_size` requests, by graph replay."""
+    def size_for(self, count: int) -> int | None:
+        """The captured size that a decode batch of `count` requests replays, padded: the
+        next size up once every size is captured; before (FlashInfer's modules still
+        building), the next one captured."""
+        return next((s for s in self.sizes if s >= count and s in self.graphs), None)
+
+    def run(self, batch: ForwardBatch, size: int) -> torch.Tensor:
+        """Logits of a decode batch by replay of the graph of `size` (`size_for`)."""
         count = batch.batch_size
-        size = next(s for s in self.sizes if s >= count)
-        assert size in self.graphs, "decode graphs run once every size is captured"
         self.token_inputs[:, :count].copy_(batch.token_inputs)
         if size > count:
             self.token_inputs[:, count:size].zero_()

@@ -52,6 +52,7 @@ from aserve.scheduler.timing import StepTimer, step_timing_window
 logger = logging.getLogger(__name__)
 
 StepObserver = Callable[[ScheduledBatch, float], None]
+IDLE_KERNEL_POLL_S = 0.5  # how often an idle loop looks for FlashInfer's builds to end
 
 
 class Forwarded(NamedTuple):
@@ -245,7 +246,7 @@ class Scheduler:
                     if self.timer is not None:
                         self.timer.idle()
                     self._wake.clear()
-                    await self._wake.wait()
+                    await self._idle()
                     continue
                 if self.timer is not None:
                     self.timer.resume(plan_started)
@@ -280,6 +281,18 @@ class Scheduler:
             raise
         finally:
             self._abort_everything()
+
+    async def _idle(self) -> None:
+        """Wait for work. While FlashInfer's modules still build (a server made ready before
+        them), look for their end every half second and take them here, idle, rather than
+        in the next request's step (capturing the other decode graphs takes ~1 s)."""
+        while self.engine.awaits_kernels:
+            try:
+                await asyncio.wait_for(self._wake.wait(), IDLE_KERNEL_POLL_S)
+                return
+            except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
+                self.engine.take_built_kernels()
+        await self._wake.wait()
 
     def _check_fatal(self) -> None:
         if self._fatal is not None:
