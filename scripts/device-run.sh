@@ -22,7 +22,7 @@ serve() {  # serve MODEL [options]: start the server in the background and wait 
   for i in $(seq 120); do curl -sf localhost:1919/health > /dev/null && return 0; sleep 1; done; tail -5 $OUT/server-$1.log; return 1
 }
 ready_in() {  # ready_in MODEL-ARGS...: seconds from starting the server to a ready /health
-  local t0=$(date +%s.%N); python3 -m aserve "$@" --port 1919 > $OUT/start.log 2>&1 & local pid=$!
+  local t0=$(date +%s.%N); $PIN python3 -m aserve "$@" --port 1919 > $OUT/start.log 2>&1 & local pid=$!  # PIN: e.g. "taskset -c 0-3"
   for i in $(seq 1500); do curl -sf localhost:1919/health > /dev/null && break; kill -0 $pid 2> /dev/null || { tail -3 $OUT/start.log; return 1; }; sleep 0.2; done
   echo "ready in $(python3 -c "import time; print(round(time.time() - $t0, 1))") s: $*"; grep -h "kernels ready\|captured\|weights:\|KV cache:\|tokenizer:" $OUT/start.log | sed "s/sizes \[[^]]*\]/sizes [..]/" | cut -c 27-150
   pkill -INT -f "python3 -m aserve"; sleep 4
@@ -307,8 +307,8 @@ for step in "$@"; do
     startup-smol-ab)  # issue 23: the embedded model's cold (every cache emptied, no kernel pack) then warm start,
                       # BEFORE's tree (.scratch/old) then this one; after noaot-site, smol-a, smol-b
               for side in before after; do tree=$([ $side = before ] && echo .scratch/old || echo .); rm -rf /tmp/fi-cold ~/.cache/aserve ~/.triton/cache
-                for phase in cold warm; do (cd $tree && PYTHONPATH=/tmp/site-noaot:/tmp/site:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-cold \
-                  ready_in | sed "s/^/$side $phase: /"); done; done ;;
+                for phase in ${PHASES:-cold warm}; do (cd $tree && PYTHONPATH=/tmp/site-noaot:/tmp/site:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-cold \
+                  ready_in | sed "s/^/$side $phase: /"); done; pkill -f "ninja|nvcc|cicc"; sleep 2; done ;;
     first-reply-smol)  # the embedded model's cold start (every cache emptied, no kernel pack): ready, a first reply, then one a
                        # second until FlashInfer has taken over (its log line), and a last reply; after noaot-site, smol-a, smol-b
               rm -rf /tmp/fi-cold ~/.cache/aserve ~/.triton/cache; t0=$(date +%s.%N)
