@@ -464,7 +464,9 @@ def test_a_first_start_serves_before_flashinfer_is_built_then_takes_it(
     engine = early.runtime.engine
     graphs = engine.graphs
     assert engine._stand_in is not None
-    assert sorted(graphs.graphs) == graphs.sizes_without_flashinfer() != graphs.sizes
+    assert sorted(graphs.graphs) == graphs.sizes_without_flashinfer()
+    # An FP8 pool decodes through the Triton kernels at every size: only prefills wait.
+    assert (sorted(graphs.graphs) == graphs.sizes) == (kv_cache_dtype == "fp8_e4m3")
     stand_in_steps: list[bool] = []
     prepare = engine._stand_in.prepare
 
@@ -479,7 +481,7 @@ def test_a_first_start_serves_before_flashinfer_is_built_then_takes_it(
 
     # A size left to FlashInfer (it pads to a captured one, or runs eagerly), and past the
     # graphs' largest size.
-    uncaptured = min(set(graphs.sizes) - graphs.graphs.keys())
+    uncaptured = min(set(graphs.sizes) - graphs.graphs.keys(), default=3)
     for count in (1, uncaptured, 70):
         ours = early.generate(prompts(count, 3), params)
         reference = waited.generate(prompts(count, 3), params)
