@@ -10,7 +10,9 @@ page ids come from the batch's host-side lists and the page table's host mirror
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -25,6 +27,7 @@ from aserve.kvcache.pool import KVPool
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
 BUILD_WORKSPACE_BYTES = 16 * 1024 * 1024
+BUILD_NICENESS = 10  # of the threads (and so the nvcc processes) that build FlashInfer's modules
 
 WIDEN_SLOTS_PER_PREFILL_TOKEN = 2
 """A prefill step over an FP8 pool widens its pages to 16 bits when they hold at most this
@@ -344,6 +347,12 @@ def build_kernels(
             )  # fmt: skip
 
     def guarded(kind: str) -> None:
+        # Linux keeps a niceness per thread, and the nvcc processes this thread starts
+        # inherit it: at 10 they leave the cores to what readiness waits for (the weights'
+        # loading, Triton's compiles, the tokenizer's process); the engine serves before
+        # these builds end.
+        with contextlib.suppress(AttributeError, OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BUILD_NICENESS)
         try:
             plan(kind)
         except Exception as error:  # the warm-up's own prefill then raises it in full
