@@ -388,10 +388,11 @@ class Engine:
         return any(thread.is_alive() for thread in self._kernel_builds)
 
     def _serve_before_flashinfer(self, warm_up_started: float) -> None:
-        """Be ready now rather than when FlashInfer's modules are (their nvcc builds bound a
-        first start: ~35 s of the embedded model's 43 on an H200). Until they are, prefills
-        and the decode batches that no captured graph takes run through torch's SDPA; the
-        first step after the builds end takes FlashInfer (`finish_kernel_builds`)."""
+        """Be ready now rather than when FlashInfer's modules are (their nvcc builds had
+        bound a first start: 34-37 s of the embedded model's 43 on an H200). Until they are,
+        prefills and the decode batches that no captured graph takes run through torch's
+        SDPA; the idle scheduler, or the first step after the builds end, takes FlashInfer
+        (`take_built_kernels`)."""
         from aserve.attention.torch_native import TorchNativeBackend
 
         self._stand_in = TorchNativeBackend(
@@ -417,6 +418,7 @@ class Engine:
         if self._stand_in is not None and not self._still_building():
             self.finish_kernel_builds()
 
+    @torch.inference_mode()
     def finish_kernel_builds(self) -> None:
         """Wait for FlashInfer's modules if the engine was made ready before them, and take
         them: the offline `LLM` calls this so that its batches run at full speed."""
