@@ -42,6 +42,11 @@ KV_CACHE_DTYPES = [
 the fused kernel's FP8 write against the torch backend's `KVPool.store`)."""
 
 
+def small_gpu_engine(**options: Any) -> dict[str, Any]:
+    """Options of a bfloat16 engine on the GPU with a small pool of 16-token pages."""
+    return {"device": "cuda", "dtype": "bfloat16", "page_size": 16, "num_pages": 1024, **options}
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_float32_greedy_on_gpu_equals_cpu(
     make_llm: Callable[..., LLM], tmp_path: Path, family: str
@@ -377,13 +382,7 @@ def test_cuda_graphs_do_not_change_outputs(
     """Batches of 3, 5 and 20 pad to captured sizes 4, 8 and 32; 40 runs eagerly at first."""
     folder = make_tiny_model("llama", tmp_path, overrides={**KERNEL_SHAPES, "head_dim": 64})
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=True)
-    options = {
-        "device": "cuda",
-        "dtype": "bfloat16",
-        "page_size": 16,
-        "num_pages": 1024,
-        "kv_cache_dtype": kv_cache_dtype,
-    }
+    options = small_gpu_engine(kv_cache_dtype=kv_cache_dtype)
     with_graphs = make_llm(folder, cuda_graph_max_bs=32, **options)
     without = make_llm(folder, cuda_graph_max_bs=0, **options)
     graphs = with_graphs.runtime.engine.graphs
@@ -407,7 +406,7 @@ def test_graphs_captured_in_two_parts_after_compiling_ahead(
     build, then captured with FlashInfer's: the same tokens as without graphs."""
     folder = make_tiny_model("llama", tmp_path, overrides={**KERNEL_SHAPES, "head_dim": 64})
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    options = {"device": "cuda", "dtype": "bfloat16", "page_size": 16, "num_pages": 1024}
+    options = small_gpu_engine()
     llm = make_llm(folder, cuda_graph_max_bs=64, **options)
     graphs = llm.runtime.engine.graphs
     first = graphs.sizes_without_flashinfer()
@@ -439,14 +438,7 @@ def test_a_first_start_serves_before_flashinfer_is_built_then_takes_it(
 
     folder = make_tiny_model("llama", tmp_path, overrides={**KERNEL_SHAPES, "head_dim": 64})
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=True)
-    options = {
-        "device": "cuda",
-        "dtype": "bfloat16",
-        "page_size": 16,
-        "num_pages": 1024,
-        "cuda_graph_max_bs": 64,
-        "kv_cache_dtype": kv_cache_dtype,
-    }
+    options = small_gpu_engine(cuda_graph_max_bs=64, kv_cache_dtype=kv_cache_dtype)
     waited = make_llm(folder, **options)
     gate = threading.Event()
     held: list[threading.Thread] = []
