@@ -323,6 +323,25 @@ for step in "$@"; do
               echo "FlashInfer taken by $(since) s"; ask; echo "last reply at $(since) s"
               grep -h "kernels\|captured\|weights:\|tokenizer" $OUT/first-reply.log | sed "s/sizes \[[^]]*\]/sizes [..]/" | cut -c 27-170
               pkill -INT -f "python3 -m aserve"; sleep 4 ;;
+    triton-census)  # the embedded model's cold start (after noaot-site, smol-a, smol-b), then every Triton kernel it
+                    # compiled, by the time its cubin was written (seconds from the launch) and name
+              rm -rf /tmp/fi-cold ~/.cache/aserve ~/.triton/cache; t0=$(date +%s.%N)
+              PYTHONPATH=/tmp/site-noaot:/tmp/site:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-cold python3 -m aserve --port 1919 > $OUT/census.log 2>&1 & pid=$!
+              for i in $(seq 600); do curl -sf localhost:1919/health > /dev/null && break; kill -0 $pid || break; sleep 0.2; done
+              echo "ready at $(python3 -c "import time; print(round(time.time() - $t0, 1))") s"; sleep 20; pkill -INT -f "python3 -m aserve"; sleep 3
+              python3 - $t0 <<'PY'
+import glob, json, os, sys
+rows = []
+for meta in glob.glob(os.path.expanduser("~/.triton/cache/*/*.json")):
+    info = json.load(open(meta))
+    if "name" in info:
+        made = glob.glob(os.path.join(os.path.dirname(meta), "*.cubin")) or [meta]
+        rows.append((os.path.getmtime(made[0]) - float(sys.argv[1]), info["name"]))
+print(len(rows), "kernels")
+for seconds, name in sorted(rows):
+    print(f"{seconds:6.1f} {name}")
+PY
+              ;;
     startup-smol) rm -rf /tmp/fi-cold ~/.cache/aserve ~/.triton/cache; for phase in first second; do   # GGUF conversion and kernels, cold then cached
                PYTHONPATH=/tmp/site-noaot:/tmp/site:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-cold ready_in; done ;;
     spy) python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/spy .tools/py_spy-*.whl
