@@ -24,7 +24,7 @@ serve() {  # serve MODEL [options]: start the server in the background and wait 
 ready_in() {  # ready_in MODEL-ARGS...: seconds from starting the server to a ready /health
   local t0=$(date +%s.%N); $PIN python3 -m aserve "$@" --port 1919 > $OUT/start.log 2>&1 & local pid=$!  # PIN: e.g. "taskset -c 0-3"
   for i in $(seq 1500); do curl -sf localhost:1919/health > /dev/null && break; kill -0 $pid 2> /dev/null || { tail -3 $OUT/start.log; return 1; }; sleep 0.2; done
-  echo "ready in $(python3 -c "import time; print(round(time.time() - $t0, 1))") s: $*"; grep -h "kernels ready\|captured\|weights:\|KV cache:\|tokenizer:" $OUT/start.log | sed "s/sizes \[[^]]*\]/sizes [..]/" | cut -c 27-150
+  echo "ready in $(python3 -c "import time; print(round(time.time() - $t0, 1))") s: $*"; grep -h "kernels ready\|Triton kernels\|captured\|weights:\|KV cache:\|tokenizer:" $OUT/start.log | sed "s/sizes \[[^]]*\]/sizes [..]/" | cut -c 27-150
   pkill -INT -f "python3 -m aserve"; sleep 4
 }
 cold_smol() {  # cold_smol LOG: the embedded model's server with every cache emptied (no kernel pack), in the background;

@@ -398,12 +398,10 @@ def test_cuda_graphs_do_not_change_outputs(
                 assert x.logprob == pytest.approx(y.logprob, abs=0.02)
 
 
-def test_graphs_captured_in_two_parts_after_compiling_ahead(
-    make_llm: Callable[..., LLM], tmp_path: Path
-) -> None:
-    """A first start's order: the sizes with Triton attention captured first, the others
-    run eagerly with Triton attention (`compile_ahead`) while FlashInfer's modules would
-    build, then captured with FlashInfer's: the same tokens as without graphs."""
+def test_graphs_captured_in_two_parts(make_llm: Callable[..., LLM], tmp_path: Path) -> None:
+    """A first start's order: the sizes with Triton attention captured first, while
+    FlashInfer's modules would build, the others after with FlashInfer's: the same tokens
+    as without graphs."""
     folder = make_tiny_model("llama", tmp_path, overrides={**KERNEL_SHAPES, "head_dim": 64})
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     options = small_gpu_engine()
@@ -413,7 +411,6 @@ def test_graphs_captured_in_two_parts_after_compiling_ahead(
     assert first and set(first) < set(graphs.sizes)
     for size in set(graphs.sizes) - set(first):
         del graphs.graphs[size], graphs.outputs[size]
-    graphs.compile_ahead()
     assert graphs.graphs.keys() == set(first)
     graphs.capture()
     assert sorted(graphs.graphs) == graphs.sizes
@@ -421,6 +418,87 @@ def test_graphs_captured_in_two_parts_after_compiling_ahead(
     prompts = [list(range(7 + i, 12 + 2 * i)) for i in range(5)]
     ours = llm.generate(prompts, params)
     assert [o.token_ids for o in ours] == [o.token_ids for o in without.generate(prompts, params)]
+
+
+def test_a_kernel_census_notes_launches_then_compiles_them_in_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under a census a Triton launch that would compile is noted, once a signature, and
+    does not run; `compile_all` compiles what was noted, and the launches after find it."""
+    import triton
+    import triton.language as tl
+    from triton import knobs
+
+    from aserve.engine.kernel_census import KernelCensus
+
+    @triton.jit
+    def add_one(x, n, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        offsets = tl.arange(0, BLOCK)
+        mask = offsets < n
+        tl.store(x + offsets, tl.load(x + offsets, mask=mask) + 1, mask=mask)
+
+    floats = torch.zeros(100, device="cuda")
+    halves = torch.zeros(100, device="cuda", dtype=torch.float16)
+    with KernelCensus() as census:
+        for x in (floats, floats, halves):
+            add_one[(1,)](x, 100, BLOCK=128)
+        torch.cuda.synchronize()
+    assert len(census.noted) == 2
+    assert not floats.any() and not halves.any()
+    assert knobs.runtime.jit_cache_hook is None
+    census.compile_all(floats.device, threads=2)
+    compiled_at_launch: list[str] = []
+    monkeypatch.setattr(
+        knobs.runtime, "jit_cache_hook", lambda **info: compiled_at_launch.append(info["repr"])
+    )
+    for x in (floats, halves):
+        add_one[(1,)](x, 100, BLOCK=128)
+    torch.cuda.synchronize()
+    assert compiled_at_launch == []
+    assert (floats == 1).all() and (halves == 1).all()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
+def test_the_warm_up_compiles_its_kernels_in_threads_before_it_runs_them(
+    make_llm: Callable[..., LLM],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    kv_cache_dtype: str,
+) -> None:
+    """aserve's compiled Triton kernels forgotten, an engine's warm-up notes its kernels in a
+    census and compiles them in threads; its forwards and graph captures after then compile
+    none of the decode's at their launches, and the tokens are an engine's without graphs."""
+    from triton import knobs
+
+    from aserve.engine.kernel_census import KernelCensus
+
+    folder = make_tiny_model("llama", tmp_path, overrides={**KERNEL_SHAPES, "head_dim": 64})
+    options = small_gpu_engine(kv_cache_dtype=kv_cache_dtype)
+    noted: list[str] = []
+    compile_all = KernelCensus.compile_all
+
+    def noting(census: KernelCensus, device: torch.device, threads: int | None = None) -> None:
+        noted.extend(kernel.fn.__name__ for kernel, _ in census.noted)
+        compile_all(census, device, threads)
+
+    compiled_at_launch: list[str] = []
+
+    def record(*, fn: Any, is_manual_warmup: bool, **_: Any) -> None:
+        if not is_manual_warmup:
+            compiled_at_launch.append(fn.name)
+
+    forget_compiled_triton_kernels()
+    monkeypatch.setattr(KernelCensus, "compile_all", noting)
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", record)
+    llm = make_llm(folder, cuda_graph_max_bs=64, **options)
+    print("noted", sorted(noted), "compiled at launch", compiled_at_launch)
+    assert len(noted) > 5
+    assert compiled_at_launch == []
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    without = make_llm(folder, cuda_graph_max_bs=0, **options)
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == [
+        o.token_ids for o in without.generate(PROMPTS, params)
+    ]
 
 
 @pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)

@@ -93,10 +93,11 @@ class DecodeGraphs:
         )
 
     @torch.inference_mode()
-    def compile_ahead(self) -> None:
+    def forward_each_size(self) -> None:
         """One eager forward at each size not captured yet, attention through aserve's
-        Triton kernels: what else those sizes run (products, norms) compiles now, while
-        FlashInfer's modules build (a first start), rather than in their capture after."""
+        Triton kernels: under the warm-up's kernel census (engine/kernel_census.py) it notes
+        the kernels every size runs (products and norms by row count), so that they compile
+        in parallel, before any capture and while FlashInfer's modules build."""
         wrapper = self.attn.triton_wrapper
         if wrapper is None:
             return
