@@ -424,7 +424,8 @@ def test_a_kernel_census_notes_launches_then_compiles_them_in_threads(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Under a census a Triton launch that would compile is noted, once a signature, and
-    does not run; `compile_all` compiles what was noted, and the launches after find it."""
+    does not run; after it launches run again, and `compile_all` has compiled what was
+    noted: the launches find it."""
     import triton
     import triton.language as tl
     from triton import knobs
@@ -439,14 +440,18 @@ def test_a_kernel_census_notes_launches_then_compiles_them_in_threads(
 
     floats = torch.zeros(100, device="cuda")
     halves = torch.zeros(100, device="cuda", dtype=torch.float16)
+    ints = torch.zeros(100, device="cuda", dtype=torch.int32)
     with KernelCensus() as census:
-        for x in (floats, floats, halves):
+        for x in (floats, floats, halves, ints):
             add_one[(1,)](x, 100, BLOCK=128)
         torch.cuda.synchronize()
-    assert len(census.noted) == 2
-    assert not floats.any() and not halves.any()
+    assert len(census.noted) == 3
+    assert not floats.any() and not halves.any() and not ints.any()
     assert knobs.runtime.jit_cache_hook is None
-    census.compile_all(floats.device, threads=2)
+    # Nothing of the census is left in the kernel's cache: a launch after it runs.
+    add_one[(1,)](ints, 100, BLOCK=128)
+    assert (ints == 1).all()
+    census.compile_all(threads=2)
     compiled_at_launch: list[str] = []
     monkeypatch.setattr(
         knobs.runtime, "jit_cache_hook", lambda **info: compiled_at_launch.append(info["repr"])
@@ -477,9 +482,9 @@ def test_the_warm_up_compiles_its_kernels_in_threads_before_it_runs_them(
     noted: list[str] = []
     compile_all = KernelCensus.compile_all
 
-    def noting(census: KernelCensus, device: torch.device, threads: int | None = None) -> None:
+    def noting(census: KernelCensus, threads: int | None = None) -> None:
         noted.extend(kernel.fn.__name__ for kernel, _ in census.noted)
-        compile_all(census, device, threads)
+        compile_all(census, threads)
 
     compiled_at_launch: list[str] = []
 

@@ -391,8 +391,10 @@ class Engine:
         kernel's signature and launches none: the decode, the sampler's races, an eager
         decode at each graph size with Triton attention, and a prefill through torch's
         SDPA. Only where that is safe (a forward graphs can capture reads nothing back to
-        the host) and on one GPU (ranks' forwards run in step)."""
-        if self.tp.size > 1 or not self.model.graph_capturable:
+        the host; a dense one's kernels read addresses only the host gives) and on one GPU
+        (ranks' forwards run in step)."""
+        model = self.model
+        if self.tp.size > 1 or not (model.graph_capturable and model.addresses_from_host):
             return
         from aserve.attention.torch_native import TorchNativeBackend
         from aserve.engine.kernel_census import KernelCensus
@@ -405,7 +407,7 @@ class Engine:
             if self.graphs is not None:
                 self.graphs.forward_each_size()
             self._dummy_forward(ForwardMode.PREFILL, stand_in)
-        census.compile_all(self.device)
+        census.compile_all()
 
     def _still_building(self) -> bool:
         return any(thread.is_alive() for thread in self._kernel_builds)

@@ -266,6 +266,11 @@ class DecoderForCausalLM(nn.Module):
 
     graph_capturable = True
     """Whether a decode step may be captured in a CUDA graph (no host syncs inside)."""
+    addresses_from_host = True
+    """Whether every address a forward's kernels read comes from the host (pages, slots,
+    token ids) rather than from another kernel: then the warm-up's kernel census
+    (engine/kernel_census.py), which skips some kernels and runs those compiled before on
+    the garbage they leave, reads no garbage address."""
 
     def __init__(
         self,

@@ -53,6 +53,8 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
         super().__init__(config, max_positions, tp, ops, make_mlp)
         self.backend = backend
 
+    addresses_from_host = False  # the fused experts read the block layout a kernel computes
+
     @property
     def graph_capturable(self) -> bool:  # type: ignore[override]
         """Decode captures where no expert reads the host: the fused backend, with GGUF
