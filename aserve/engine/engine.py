@@ -396,8 +396,11 @@ class Engine:
         model = self.model
         if self.tp.size > 1 or not (model.graph_capturable and model.addresses_from_host):
             return
+        try:
+            from aserve.engine.kernel_census import KernelCensus
+        except ImportError:  # a Triton before 3.4 has no `knobs`: kernels compile as met
+            return
         from aserve.attention.torch_native import TorchNativeBackend
-        from aserve.engine.kernel_census import KernelCensus
 
         stand_in = TorchNativeBackend(
             self.pool, self.page_table, self.local_heads, self.model_config.head_dim
