@@ -400,11 +400,7 @@ class Engine:
             from aserve.engine.kernel_census import KernelCensus
         except ImportError:  # a Triton before 3.4 has no `knobs`: kernels compile as met
             return
-        from aserve.attention.torch_native import TorchNativeBackend
-
-        stand_in = TorchNativeBackend(
-            self.pool, self.page_table, self.local_heads, self.model_config.head_dim
-        )
+        stand_in = self._single_backend("torch")
         with KernelCensus() as census:
             self._sample_each_way(self._dummy_forward(ForwardMode.DECODE, self.attn))
             if self.graphs is not None:
@@ -421,11 +417,7 @@ class Engine:
         prefills and the decode batches that no captured graph takes run through torch's
         SDPA; the idle scheduler, or the first step after the builds end, takes FlashInfer
         (`take_built_kernels`)."""
-        from aserve.attention.torch_native import TorchNativeBackend
-
-        self._stand_in = TorchNativeBackend(
-            self.pool, self.page_table, self.local_heads, self.model_config.head_dim
-        )
+        self._stand_in = self._single_backend("torch")
         self._dummy_forward(ForwardMode.PREFILL, self._stand_in)
         torch.cuda.synchronize(self.device)
         self._stand_in_since = time.perf_counter()
