@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from aserve.distributed.group import TPGroup, create_store, join_group
 from aserve.engine.engine import Engine, resolve_device
 from aserve.engine.step import StepSpec
 from aserve.engine.worker import READY, WorkerArgs, run_worker
+from aserve.replicas import usable_cpus
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +67,7 @@ class Followers:
         timeout = timedelta(seconds=timeout_s)
         self._store = create_store(size, timeout)
         self._threads_before = torch.get_num_threads()
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        threads = 1 if device.type == "cuda" else max(1, (cores or 1) // size)
+        threads = 1 if device.type == "cuda" else max(1, len(usable_cpus()) // size)
         if device.type != "cuda":
             torch.set_num_threads(threads)
         context = torch.multiprocessing.get_context("spawn")

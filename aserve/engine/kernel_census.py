@@ -24,7 +24,6 @@ token ids) or torch's own (top-k), valid whatever the values; a fused MoE layer'
 from __future__ import annotations
 
 import logging
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -32,6 +31,8 @@ from typing import Any
 import torch
 from triton import knobs
 from triton.runtime.jit import JITFunction
+
+from aserve.replicas import usable_cpus
 
 logger = logging.getLogger(__name__)
 
@@ -83,10 +84,7 @@ class KernelCensus:
         if not self.noted:
             return
         started = time.perf_counter()
-        if threads is None:
-            has_affinity = hasattr(os, "sched_getaffinity")
-            threads = len(os.sched_getaffinity(0)) if has_affinity else os.cpu_count() or 1
-        workers = min(threads, len(self.noted))
+        workers = min(threads or len(usable_cpus()), len(self.noted))
         with ThreadPoolExecutor(workers, "triton-compile") as pool:
             jobs = [
                 pool.submit(_compile_on, device, kernel, signature)
