@@ -577,13 +577,17 @@ def test_gguf_experts_in_the_fused_kernels_run_in_cuda_graphs(
     make_llm: Callable[..., LLM], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """bf16 with the experts in Q4_0 codes: decode under CUDA graphs gives the eager tokens
-    (and logprobs to bf16's noise), and the eager fused kernels mostly the torch backend's
-    first tokens (they round gate|up once, in float32, where it rounds to bf16 first)."""
+    (and logprobs to bf16's noise), and the eager fused kernels, like the torch backend,
+    pick the float32 twin's first token wherever its lead is beyond bf16's noise. (Where
+    the random model's top two are closer, ~0.01-0.03 apart, either bf16 path flips some,
+    whichever way it rounds: the fused kernels round gate|up once, in float32, the torch
+    backend to bf16 first. Seen on an H200: both bf16 paths within 0.05 of the float32
+    logits on five prompts, 0.36-0.43 off on one, leads above 0.19 kept by both.)"""
     pytest.importorskip("flashinfer")
     import gguf
 
     from tests.gguf_files import write_hf_as_gguf
-    from tests.test_quant import first_tokens_agreeing
+    from tests.test_quant import TINY_PROMPTS
 
     monkeypatch.setenv("ASERVE_CACHE_DIR", str(tmp_path / "cache"))
     folder = make_tiny_model("qwen3_moe", tmp_path, overrides={**GPU_SHAPES, "mlp_only_layers": []})
@@ -594,8 +598,20 @@ def test_gguf_experts_in_the_fused_kernels_run_in_cuda_graphs(
     assert graphed.runtime.engine.graphs is not None
     assert_graphs_generate_as_eager(graphed, eager)
     torch_backend = make_llm(model, moe_backend="torch", cuda_graph_max_bs=0, **options)
-    agree, pairs = first_tokens_agreeing(eager, torch_backend)
-    assert agree >= 4, pairs
+    twin = make_llm(
+        model, quantization="none", moe_backend="torch", device="cuda", dtype="float32",
+        attention_backend="torch",
+    )  # fmt: skip
+    decisive = 0
+    for prompt in TINY_PROMPTS:
+        expected = our_logits(twin, prompt, [])[-1]
+        lead = expected.topk(2).values
+        if lead[0] - lead[1] < 0.1:  # a near-tie, left to rounding
+            continue
+        decisive += 1
+        for llm in (eager, torch_backend):
+            assert int(our_logits(llm, prompt, [])[-1].argmax()) == int(expected.argmax()), prompt
+    assert decisive >= 3  # the model and prompts are fixed: this check cannot go empty
 
 
 @pytest.mark.gpu
