@@ -12,7 +12,8 @@ import torch
 pytest.importorskip("triton", reason="Triton is not installed (it comes with xgrammar)")
 from aserve.layers.cuda_ops import CudaKernels  # noqa: E402
 from aserve.layers.tickets import split_tickets  # noqa: E402
-from aserve.quant.fp8 import Fp8Activations, quantize_rows  # noqa: E402
+from aserve.quant.fp8 import quantize_rows  # noqa: E402
+from aserve.quant.fp8_activations import Fp8Activations  # noqa: E402
 from aserve.quant.fp8_cuda import (  # noqa: E402
     norm_fp8,
     quantize_tokens,

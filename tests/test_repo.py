@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ast
+import graphlib
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -54,3 +57,42 @@ def test_the_command_line_answers_before_torch_loads() -> None:
     assert done.returncode == 0, done.stderr
     assert "must be at least 1, got 0" in done.stderr
     assert "model path does not exist: /no/such/model.gguf" in done.stderr
+
+
+def aserve_imports() -> dict[str, set[str]]:
+    """Each aserve module's aserve imports, those inside functions included (they still run,
+    only later) and those under `if TYPE_CHECKING:` left out (they never run)."""
+    package = ROOT / "aserve"
+    names = {
+        ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): path
+        for path in package.rglob("*.py")
+    }
+
+    def targets(node: ast.AST) -> Iterator[str]:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            yield from (t for child in node.orelse for t in targets(child))
+            return
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:  # `from package import module` imports that module
+                submodule = f"{node.module}.{alias.name}"
+                yield submodule if submodule in names else node.module
+        for child in ast.iter_child_nodes(node):
+            yield from targets(child)
+
+    return {
+        name: {t for t in targets(ast.parse(path.read_text())) if t in names and t != name}
+        for name, path in names.items()
+    }
+
+
+def test_aserve_modules_import_without_circles() -> None:
+    """DESIGN's rule: imports point down, no circles. A circle, even through an import inside
+    a function, ties two modules into one that cannot be read or tested apart."""
+    graph = aserve_imports()
+    assert len(graph) > 50 and graph["aserve.quant.fp8"]  # the walk found modules and imports
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as error:
+        pytest.fail(f"import circle: {' -> '.join(error.args[1])}")

@@ -73,7 +73,7 @@ def apply_token_masks(logits: torch.Tensor, masks: StepMasks) -> None:
         from aserve.constrained.masks_cuda import apply_masks_cuda
 
         buffer = masks.buffer.to(logits.device, non_blocking=True)
-        apply_masks_cuda(logits, StepMasks(buffer, masks.count, masks.words))
+        apply_masks_cuda(logits, buffer, masks.count, masks.words)
         return
     rows = masks.rows.long()
     bits = torch.arange(32, dtype=torch.int32)

@@ -12,8 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-from aserve.constrained.masks import StepMasks
-
 BLOCK = 2048
 
 
@@ -28,11 +26,10 @@ def _mask_kernel(logits, row_stride, buffer, rows_at, words, vocab, BLOCK: tl.co
     tl.store(logits + batch_row * row_stride + tokens, float("-inf"), mask=inside & forbidden)
 
 
-def apply_masks_cuda(logits: torch.Tensor, masks: StepMasks) -> None:
-    """`masks` already on the logits' device; `logits` [batch, vocab] with unit column stride."""
+def apply_masks_cuda(logits: torch.Tensor, buffer: torch.Tensor, count: int, words: int) -> None:
+    """`buffer` (masks.py's `StepMasks`: `count` bitmask rows of `words` words, then their batch
+    rows) already on the logits' device; `logits` [batch, vocab] with unit column stride."""
     assert logits.stride(-1) == 1
     vocab = logits.shape[-1]
-    grid = (masks.count, triton.cdiv(vocab, BLOCK))
-    _mask_kernel[grid](
-        logits, logits.stride(0), masks.buffer, masks.count * masks.words, masks.words, vocab, BLOCK
-    )
+    grid = (count, triton.cdiv(vocab, BLOCK))
+    _mask_kernel[grid](logits, logits.stride(0), buffer, count * words, words, vocab, BLOCK)

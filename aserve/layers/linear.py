@@ -24,7 +24,7 @@ from aserve.layers.cpu_gemm import PackedWeight, can_pack
 from aserve.layers.embedding import VocabParallelEmbedding
 from aserve.layers.fused import FusedOps
 from aserve.layers.weight import WeightSource
-from aserve.quant.fp8 import Fp8Activations
+from aserve.quant.fp8_activations import Fp8Activations
 from aserve.quant.method import QuantizedLinearWeight
 
 OneRowProduct = Callable[..., torch.Tensor]

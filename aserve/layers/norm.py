@@ -10,7 +10,7 @@ from torch import nn
 from aserve.distributed.group import TPGroup
 from aserve.layers.fused import FusedOps
 from aserve.layers.weight import WeightSource
-from aserve.quant.fp8 import Fp8Activations
+from aserve.quant.fp8_activations import Fp8Activations
 
 Fp8Norm = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, float], Fp8Activations]
 """quant/fp8_cuda.py's `norm_fp8(x, residual, weight, eps)`."""

@@ -29,7 +29,7 @@ from aserve.layers.norm import RMSNorm
 from aserve.layers.rotary import RotaryEmbedding
 from aserve.layers.weight import WeightSource
 from aserve.models.weights import map_checkpoint_tensor
-from aserve.quant.fp8 import Fp8Activations
+from aserve.quant.fp8_activations import Fp8Activations
 from aserve.quant.native import Scratch
 
 if TYPE_CHECKING:

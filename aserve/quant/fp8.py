@@ -34,6 +34,7 @@ import torch
 
 from aserve.engine.gpu import gpu_capability, shared_memory_limit
 from aserve.layers.weight import read_whole
+from aserve.quant.fp8_activations import Fp8Activations
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -58,17 +59,6 @@ class Fp8Rows:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.values.float() * self.scales[:, None]).to(dtype)
-
-
-@dataclass
-class Fp8Activations:
-    """Activations already in FP8 with one scale per token: what a norm hands an FP8 product
-    on CUDA (quant/fp8_cuda.py), so that no quantization kernel runs between the two (two of
-    an FP8 layer's four products take them)."""
-
-    values: torch.Tensor  # [tokens, cols] float8_e4m3fn
-    scales: torch.Tensor  # [tokens, 1] float32
-    dtype: torch.dtype  # the model's activations', which the product returns
 
 
 def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

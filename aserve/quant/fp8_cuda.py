@@ -14,7 +14,7 @@ import triton.language as tl
 from aserve.layers.cuda_ops import row_warps, silu_mul
 from aserve.layers.pdl import launch_next, pdl_options, wait_for_previous, wait_only
 from aserve.layers.tickets import last_of_splits, split_tickets
-from aserve.quant.fp8 import Fp8Activations
+from aserve.quant.fp8_activations import Fp8Activations
 
 FP8_MAX = tl.constexpr(448.0)
 

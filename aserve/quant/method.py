@@ -21,7 +21,8 @@ from aserve.quant.cpu import (
     cpu_weight,
     dense_cpu_weight,
 )
-from aserve.quant.fp8 import Fp8Activations, Fp8Rows, Fp8Tensor, Fp8Weight, quantize_rows
+from aserve.quant.fp8 import Fp8Rows, Fp8Tensor, Fp8Weight, quantize_rows
+from aserve.quant.fp8_activations import Fp8Activations
 from aserve.quant.gguf import QuantizedTensor
 from aserve.quant.native import NativeWeight, Scratch, linear_group, one_format
 
