@@ -50,6 +50,7 @@ import time
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -77,6 +78,11 @@ BLAS's de-quantization weighs as in a model's products (over 256 inputs the kern
 BLAS at 512 rows on levels where over 2,048 they won), small enough to time in a second."""
 _blas_rows: dict[str, int] = {}
 """This process's `blas_rows` a `product_kind`, decided when a weight of it is first made."""
+STREAM_SHAPE = (32768, 4096)
+"""The weight that `time_prefetch` streams, outputs by inputs: 80-140 MB in the kernels' code
+formats, past a CPU's last-level cache as a model's weights are at each decode step."""
+_panel_prefetch: dict[str, bool] = {}
+"""This process's `panel_prefetch` (under "on"), decided when its first weight is made."""
 
 
 class Scratch:
@@ -193,47 +199,105 @@ def kernels_version() -> str:
     return digest.hexdigest()[:12]
 
 
-def decide_blas_rows(folder: Path, kind: str, timer: Callable[[int], tuple[float, float]]) -> int:
-    """`blas_rows` of a product kind as kept in `folder` by these kernels, or measured now
-    and kept there: `timer(rows)` gives the kernels' and BLAS's milliseconds for a product of
-    `rows` rows, asked for each of `BLAS_ROWS` from the largest down until the kernels are
-    the faster. The first process to keep an answer wins and every later one reads it, so
-    the ranks of a tensor-parallel run that measure at once still take one path (a MoE
-    layer's routing must not differ between them)."""
-    kept = folder / f"blas_rows.{kind}.json"
+def kept_answer(kept: Path, key: str, measure: Callable[[], dict[str, Any]]) -> Any:
+    """`key` of a measured answer that these kernels keep at `kept`, or of `measure()`'s
+    answer, kept there now. The first process to keep an answer wins and every later one reads
+    it, so the ranks of a tensor-parallel run that measure at once still take one path (a MoE
+    layer's routing must not differ between them). An answer measured with other kernels (an
+    older aserve in the same folder), or unreadable, is measured again."""
     try:
         record = json.loads(kept.read_text())
         if record["kernels"] == kernels_version():
-            return int(record["blas_rows"])
-        kept.unlink(missing_ok=True)  # measured with other kernels: measured over
+            return record[key]
+        kept.unlink(missing_ok=True)
     except FileNotFoundError:
         pass
     except (OSError, ValueError, KeyError, TypeError):
-        kept.unlink(missing_ok=True)  # unreadable: measured over
-    rows, timings = NEVER, {}
-    for candidate in sorted(BLAS_ROWS, reverse=True):
-        kernels_ms, blas_ms = timer(candidate)
-        timings[candidate] = [kernels_ms, blas_ms]
-        if blas_ms >= kernels_ms:
-            break
-        rows = candidate
-    logger.info(
-        "%s products, CPU kernels / BLAS ms by rows: %s; BLAS %s",
-        kind,
-        ", ".join(f"{r}: {k:.2f} / {b:.2f}" for r, (k, b) in timings.items()),
-        "never" if rows == NEVER else f"from {rows} rows",
-    )
-    record = {"kind": kind, "blas_rows": rows, "ms": timings, "kernels": kernels_version()}
-    mine = folder / f"blas_rows.{kind}.{os.getpid()}.json"
+        kept.unlink(missing_ok=True)
+    record = {**measure(), "kernels": kernels_version()}
+    mine = kept.with_name(f"{kept.stem}.{os.getpid()}.json")
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        kept.parent.mkdir(parents=True, exist_ok=True)
         mine.write_text(json.dumps(record))
         with contextlib.suppress(FileExistsError):
             os.link(mine, kept)
         mine.unlink()
-        return int(json.loads(kept.read_text())["blas_rows"])
+        return json.loads(kept.read_text())[key]
     except (OSError, ValueError, KeyError, TypeError):  # a read-only cache: this answer, unkept
-        return rows
+        return record[key]
+
+
+def decide_blas_rows(folder: Path, kind: str, timer: Callable[[int], tuple[float, float]]) -> int:
+    """`blas_rows` of a product kind as kept in `folder` by these kernels, or measured now
+    and kept there (`kept_answer`): `timer(rows)` gives the kernels' and BLAS's milliseconds
+    for a product of `rows` rows, asked for each of `BLAS_ROWS` from the largest down until
+    the kernels are the faster."""
+
+    def measure() -> dict[str, Any]:
+        rows, timings = NEVER, {}
+        for candidate in sorted(BLAS_ROWS, reverse=True):
+            kernels_ms, blas_ms = timer(candidate)
+            timings[candidate] = [kernels_ms, blas_ms]
+            if blas_ms >= kernels_ms:
+                break
+            rows = candidate
+        logger.info(
+            "%s products, CPU kernels / BLAS ms by rows: %s; BLAS %s",
+            kind,
+            ", ".join(f"{r}: {k:.2f} / {b:.2f}" for r, (k, b) in timings.items()),
+            "never" if rows == NEVER else f"from {rows} rows",
+        )
+        return {"kind": kind, "blas_rows": rows, "ms": timings}
+
+    return int(kept_answer(folder / f"blas_rows.{kind}.json", "blas_rows", measure))
+
+
+def settle_panel_prefetch(weight: NativeWeight) -> None:
+    """Whether this CPU's products ask for their next panels ahead (`panel_prefetch` in
+    cpu_kernels.cpp), set once a process: as kept in the kernels' folder, else decided by
+    `decide_panel_prefetch` on `weight`'s format (the first a process makes). The requests
+    cost nothing to the bits, only time, and which way is the faster depends on the CPU: on
+    a Xeon they had won ~14% of a decode step, on an AMD EPYC with AVX-512 they cost ~20%."""
+    if "on" not in _panel_prefetch:
+        on = decide_panel_prefetch(kernels_folder(), lambda: time_prefetch(weight))
+        _panel_prefetch["on"] = torch.ops.aserve_cpu.panel_prefetch(on)
+
+
+def decide_panel_prefetch(folder: Path, timer: Callable[[], tuple[float, float]]) -> bool:
+    """Panels asked ahead unless `timer()`'s one-row products without (its second figure,
+    milliseconds) beat those with them (its first), as kept in `folder` (`kept_answer`)."""
+
+    def measure() -> dict[str, Any]:
+        ahead_ms, plain_ms = timer()
+        on = ahead_ms <= plain_ms
+        logger.info(
+            "one-row CPU products %.2f ms with panels asked ahead, %.2f ms without: %s",
+            ahead_ms,
+            plain_ms,
+            "asking ahead" if on else "leaving it to the CPU's prefetchers",
+        )
+        return {"panel_prefetch": on, "ms": [ahead_ms, plain_ms]}
+
+    return bool(kept_answer(folder / "panel_prefetch.json", "panel_prefetch", measure))
+
+
+def time_prefetch(weight: NativeWeight) -> tuple[float, float]:
+    """Milliseconds of a one-row product of `weight`'s format streamed from memory
+    (`STREAM_SHAPE`: its panels and groups repeated), with the next panels asked ahead and
+    without, the best of four each, taken in turn (`time_products` says why). The setting it
+    leaves is `settle_panel_prefetch`'s to make."""
+    outputs, cols = STREAM_SHAPE
+    sample = weight.resized(outputs // LANES, cols)
+    x = torch.randn(1, cols, generator=torch.Generator().manual_seed(0))
+    best = [float("inf"), float("inf")]
+    for turn in range(5):  # the first turn warms both up
+        for i, ahead in enumerate((True, False)):
+            torch.ops.aserve_cpu.panel_prefetch(ahead)
+            started = time.perf_counter()
+            sample.kernel_linear(x)
+            if turn:
+                best[i] = min(best[i], (time.perf_counter() - started) * 1e3)
+    return best[0], best[1]
 
 
 def time_products(weight: NativeWeight, rows: int) -> tuple[float, float]:
@@ -527,6 +591,7 @@ class NativeWeight(KernelTensors):
             if stepped is not None:
                 self.scales, self.offsets, self.bases = stepped
         self.blas_from = blas_rows(self)
+        settle_panel_prefetch(self)
 
     @property
     def nbytes(self) -> int:

@@ -268,17 +268,27 @@ ASERVE_INLINE void prefetch_line(const char* line) {
 #endif
 }
 
+// Whether tiles ask for their next panels ahead (`NextPanels`), set per CPU by native.py,
+// which times one-row products both ways: on a Xeon the requests won ~14% of a decode step,
+// on an AMD EPYC with AVX-512 they cost a Q4_K_M decode step ~20% (bench/NOTES.md).
+bool panels_asked_ahead = true;
+
+bool panel_prefetch(std::optional<bool> enable) {
+  if (enable.has_value()) panels_asked_ahead = *enable;
+  return panels_asked_ahead;
+}
+
 // Panels [next, next + count)'s codes, scales, offsets and bases asked for ahead of use, in
 // as many slices as the weight has groups: a tile reading its own panels, group by group,
 // brings the next tile's bytes in meanwhile. (The hardware's prefetchers alone left the
-// products about as slow as reading the bytes and then computing: bench/NOTES.md.) Each
-// stream's slices end at multiples of one step worked out once a tile: computing every
+// products about as slow as reading the bytes and then computing, on a Xeon: bench/NOTES.md.)
+// Each stream's slices end at multiples of one step worked out once a tile: computing every
 // slice's ends by division had taken 40% of a one-row product's time in the 256-bit builds.
 class NextPanels {
  public:
   NextPanels(const Weight& w, int64_t next, int64_t count, bool enabled = true) {
     next = std::min(next, w.panels);
-    count = enabled ? std::min(count, w.panels - next) : 0;
+    count = enabled && panels_asked_ahead ? std::min(count, w.panels - next) : 0;
     if (count <= 0) return;
     const int64_t groups = w.groups;
     auto add = [&](const void* start, int64_t bytes) {
@@ -2767,6 +2777,7 @@ TORCH_LIBRARY(aserve_cpu, m) {
       "int code_bits, Tensor? levels, int first, Tensor(a!) out) -> ()",
       dequantize);
   m.def("int_activations(bool? enable=None, int code_bits=4) -> bool", int_activations);
+  m.def("panel_prefetch(bool? enable=None) -> bool", panel_prefetch);
   m.def("three_bit_in_registers() -> bool", three_bit_in_registers);
   m.def("dot_products() -> bool", dot_products);
 }
