@@ -1039,8 +1039,8 @@ def test_the_first_process_to_keep_its_choice_decides_for_all(tmp_path: Path) ->
     assert [p.name for p in tmp_path.iterdir()] == ["blas_rows.codes4.json"]
 
 
-def test_panel_prefetch_follows_the_faster_way_and_is_kept(tmp_path: Path) -> None:
-    """Panels asked ahead unless the one-row products without them were faster, measured once
+def test_one_row_prefetch_follows_the_faster_way_and_is_kept(tmp_path: Path) -> None:
+    """One-row products ask for panels ahead unless they were faster without, measured once
     and kept for the kernels that measured it, like the BLAS choice."""
     asked: list[int] = []
 
@@ -1051,39 +1051,39 @@ def test_panel_prefetch_follows_the_faster_way_and_is_kept(tmp_path: Path) -> No
 
         return time
 
-    decide = native_module.decide_panel_prefetch
+    decide = native_module.decide_one_row_prefetch
     assert decide(tmp_path, timer(3.0, 4.0)) is True
     assert decide(tmp_path, timer(4.0, 3.0)) is True  # kept: not measured
     assert len(asked) == 1
-    kept = tmp_path / "panel_prefetch.json"
+    kept = tmp_path / "one_row_prefetch.json"
     kept.write_text(json.dumps(json.loads(kept.read_text()) | {"kernels": "older"}))
     assert decide(tmp_path, timer(4.0, 3.0)) is False  # other kernels' answer: measured anew
     assert decide(tmp_path, timer(3.0, 4.0)) is False and len(asked) == 2
-    assert [p.name for p in tmp_path.iterdir()] == ["panel_prefetch.json"]
+    assert [p.name for p in tmp_path.iterdir()] == ["one_row_prefetch.json"]
 
 
 @needs_kernels
 @pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_K, QType.Q6_K, QType.Q8_0], ids=str)
 def test_panels_asked_ahead_or_not_give_the_same_bits(qtype: QType) -> None:
     """Asking for the next panels ahead moves bytes earlier, never a float operation: every
-    row count's products are bit for bit the same both ways."""
+    row count's products are bit for bit the same with one-row tiles asking or not."""
     codes = decode(torch.from_numpy(random_blocks(qtype, 96, 512, seed=5)), qtype, 512)
     native = NativeWeight(codes)
-    settled = torch.ops.aserve_cpu.panel_prefetch(None)
+    settled = torch.ops.aserve_cpu.one_row_prefetch(None)
     try:
         for rows in (1, 3, 16, 40):
             x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
             both = []
             for ahead in (True, False):
-                torch.ops.aserve_cpu.panel_prefetch(ahead)
+                torch.ops.aserve_cpu.one_row_prefetch(ahead)
                 both.append(native.kernel_linear(x))
             assert torch.equal(*both), rows
     finally:
-        torch.ops.aserve_cpu.panel_prefetch(settled)
+        torch.ops.aserve_cpu.one_row_prefetch(settled)
 
 
 @needs_kernels
-def test_a_process_settles_panel_prefetch_once_at_its_first_weight(
+def test_a_process_settles_one_row_prefetch_once_at_its_first_weight(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The first weight a process makes decides (or reads) the setting and sets it in the
@@ -1099,21 +1099,21 @@ def test_a_process_settles_panel_prefetch_once_at_its_first_weight(
         blocks = random_blocks(QType.Q4_K, 16, 256)
         return NativeWeight(decode(torch.from_numpy(blocks), QType.Q4_K, 256))
 
-    settled = torch.ops.aserve_cpu.panel_prefetch(None)
-    monkeypatch.setattr(native_module, "decide_panel_prefetch", decide)
-    monkeypatch.setattr(native_module, "_panel_prefetch", {})
+    settled = torch.ops.aserve_cpu.one_row_prefetch(None)
+    monkeypatch.setattr(native_module, "decide_one_row_prefetch", decide)
+    monkeypatch.setattr(native_module, "_one_row_prefetch", {})
     try:
-        torch.ops.aserve_cpu.panel_prefetch(True)
+        torch.ops.aserve_cpu.one_row_prefetch(True)
         made = weight()
-        assert torch.ops.aserve_cpu.panel_prefetch(None) is False
-        torch.ops.aserve_cpu.panel_prefetch(True)
+        assert torch.ops.aserve_cpu.one_row_prefetch(None) is False
+        torch.ops.aserve_cpu.one_row_prefetch(True)
         weight()
-        assert torch.ops.aserve_cpu.panel_prefetch(None) is True and len(decided) == 1
+        assert torch.ops.aserve_cpu.one_row_prefetch(None) is True and len(decided) == 1
         monkeypatch.setattr(native_module, "STREAM_SHAPE", (1024, 512))
         ahead_ms, plain_ms = native_module.time_prefetch(made)
         assert ahead_ms > 0 and plain_ms > 0
     finally:
-        torch.ops.aserve_cpu.panel_prefetch(settled)
+        torch.ops.aserve_cpu.one_row_prefetch(settled)
 
 
 @needs_kernels

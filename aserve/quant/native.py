@@ -81,8 +81,8 @@ _blas_rows: dict[str, int] = {}
 STREAM_SHAPE = (32768, 4096)
 """The weight that `time_prefetch` streams, outputs by inputs: 80-140 MB in the kernels' code
 formats, past a CPU's last-level cache as a model's weights are at each decode step."""
-_panel_prefetch: dict[str, bool] = {}
-"""This process's `panel_prefetch` (under "on"), decided when its first weight is made."""
+_one_row_prefetch: dict[str, bool] = {}
+"""This process's `one_row_prefetch` (under "on"), decided when its first weight is made."""
 
 
 class Scratch:
@@ -252,18 +252,19 @@ def decide_blas_rows(folder: Path, kind: str, timer: Callable[[int], tuple[float
     return int(kept_answer(folder / f"blas_rows.{kind}.json", "blas_rows", measure))
 
 
-def settle_panel_prefetch(weight: NativeWeight) -> None:
-    """Whether this CPU's products ask for their next panels ahead (`panel_prefetch` in
-    cpu_kernels.cpp), set once a process: as kept in the kernels' folder, else decided by
-    `decide_panel_prefetch` on `weight`'s format (the first a process makes). The requests
-    cost nothing to the bits, only time, and which way is the faster depends on the CPU: on
-    a Xeon they had won ~14% of a decode step, on an AMD EPYC with AVX-512 they cost ~20%."""
-    if "on" not in _panel_prefetch:
-        on = decide_panel_prefetch(kernels_folder(), lambda: time_prefetch(weight))
-        _panel_prefetch["on"] = torch.ops.aserve_cpu.panel_prefetch(on)
+def settle_one_row_prefetch(weight: NativeWeight) -> None:
+    """Whether this CPU's one-row products ask for their next panels ahead (`one_row_prefetch`
+    in cpu_kernels.cpp; tiles of more rows always ask), set once a process: as kept in the
+    kernels' folder, else decided by `decide_one_row_prefetch` on `weight`'s format (the first
+    a process makes). The requests change no bits, only time, and which way is the faster
+    depends on the CPU: on a Xeon they had won ~14% of a decode step, on an AMD EPYC with
+    AVX-512 they cost ~13%."""
+    if "on" not in _one_row_prefetch:
+        on = decide_one_row_prefetch(kernels_folder(), lambda: time_prefetch(weight))
+        _one_row_prefetch["on"] = torch.ops.aserve_cpu.one_row_prefetch(on)
 
 
-def decide_panel_prefetch(folder: Path, timer: Callable[[], tuple[float, float]]) -> bool:
+def decide_one_row_prefetch(folder: Path, timer: Callable[[], tuple[float, float]]) -> bool:
     """Panels asked ahead unless `timer()`'s one-row products without (its second figure,
     milliseconds) beat those with them (its first), as kept in `folder` (`kept_answer`)."""
 
@@ -276,23 +277,23 @@ def decide_panel_prefetch(folder: Path, timer: Callable[[], tuple[float, float]]
             plain_ms,
             "asking ahead" if on else "leaving it to the CPU's prefetchers",
         )
-        return {"panel_prefetch": on, "ms": [ahead_ms, plain_ms]}
+        return {"one_row_prefetch": on, "ms": [ahead_ms, plain_ms]}
 
-    return bool(kept_answer(folder / "panel_prefetch.json", "panel_prefetch", measure))
+    return bool(kept_answer(folder / "one_row_prefetch.json", "one_row_prefetch", measure))
 
 
 def time_prefetch(weight: NativeWeight) -> tuple[float, float]:
     """Milliseconds of a one-row product of `weight`'s format streamed from memory
     (`STREAM_SHAPE`: its panels and groups repeated), with the next panels asked ahead and
     without, the best of four each, taken in turn (`time_products` says why). The setting it
-    leaves is `settle_panel_prefetch`'s to make."""
+    leaves is `settle_one_row_prefetch`'s to make."""
     outputs, cols = STREAM_SHAPE
     sample = weight.resized(outputs // LANES, cols)
     x = torch.randn(1, cols, generator=torch.Generator().manual_seed(0))
     best = [float("inf"), float("inf")]
     for turn in range(5):  # the first turn warms both up
         for i, ahead in enumerate((True, False)):
-            torch.ops.aserve_cpu.panel_prefetch(ahead)
+            torch.ops.aserve_cpu.one_row_prefetch(ahead)
             started = time.perf_counter()
             sample.kernel_linear(x)
             if turn:
@@ -591,7 +592,7 @@ class NativeWeight(KernelTensors):
             if stepped is not None:
                 self.scales, self.offsets, self.bases = stepped
         self.blas_from = blas_rows(self)
-        settle_panel_prefetch(self)
+        settle_one_row_prefetch(self)
 
     @property
     def nbytes(self) -> int:

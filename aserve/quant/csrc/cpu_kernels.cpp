@@ -268,14 +268,23 @@ ASERVE_INLINE void prefetch_line(const char* line) {
 #endif
 }
 
-// Whether tiles ask for their next panels ahead (`NextPanels`), set per CPU by native.py,
-// which times one-row products both ways: on a Xeon the requests won ~14% of a decode step,
-// on an AMD EPYC with AVX-512 they cost a Q4_K_M decode step ~20% (bench/NOTES.md).
-bool panels_asked_ahead = true;
+// Whether one-row tiles ask for their next panels ahead (`NextPanels`), set per CPU by
+// native.py, which times one-row products both ways: on a Xeon the requests won ~14% of a
+// decode step, on an AMD EPYC with AVX-512 they cost a Q4_K_M decode step ~13%, where tiles of
+// 16 rows gained 2-5% by them and longer ones neither (bench/NOTES.md). Tiles of more rows
+// always ask.
+bool one_row_tiles_ask_ahead = true;
 
-bool panel_prefetch(std::optional<bool> enable) {
-  if (enable.has_value()) panels_asked_ahead = *enable;
-  return panels_asked_ahead;
+bool one_row_prefetch(std::optional<bool> enable) {
+  if (enable.has_value()) one_row_tiles_ask_ahead = *enable;
+  return one_row_tiles_ask_ahead;
+}
+
+// Whether a tile of R rows asks for its next panels ahead, `first` (the first of its row
+// block) or not.
+template <int R>
+inline bool asks_ahead(bool first = true) {
+  return first && (R > 1 || one_row_tiles_ask_ahead);
 }
 
 // Panels [next, next + count)'s codes, scales, offsets and bases asked for ahead of use, in
@@ -288,7 +297,7 @@ class NextPanels {
  public:
   NextPanels(const Weight& w, int64_t next, int64_t count, bool enabled = true) {
     next = std::min(next, w.panels);
-    count = enabled && panels_asked_ahead ? std::min(count, w.panels - next) : 0;
+    count = enabled ? std::min(count, w.panels - next) : 0;
     if (count <= 0) return;
     const int64_t groups = w.groups;
     auto add = [&](const void* start, int64_t bytes) {
@@ -504,7 +513,7 @@ void tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_panel
   for (int r = 0; r < R; ++r) x[r] = a.row(first_row + r);
   __m256 total[R][P];
   set_zero(total);
-  NextPanels next(w, first_panel + P, P);
+  NextPanels next(w, first_panel + P, P, asks_ahead<R>());
   for (int64_t g = 0; g < w.groups; ++g) {
     next.ask(g);
     __m256 part[R][P];
@@ -765,7 +774,7 @@ void tile2(const Weight& w, const Rows& a, int64_t first_row, int64_t first_pane
 #pragma GCC unroll 8
     for (int q = 0; q < Q; ++q) total[r][q] = _mm512_setzero_ps();
   // as in `int_tile2`: a row block's first tile asks for the next panels
-  NextPanels next(w, first_panel + 2 * Q, 2 * Q, first_row % kRowBlock == 0);
+  NextPanels next(w, first_panel + 2 * Q, 2 * Q, asks_ahead<R>(first_row % kRowBlock == 0));
   for (int64_t g = 0; g < w.groups; ++g) {
     next.ask(g);
     __m512 part[R][Q];
@@ -911,7 +920,7 @@ void int_tile2(const Weight& w, const Rows& a, int64_t first_row, int64_t first_
     for (int q = 0; q < Q; ++q) total[r][q] = _mm512_setzero_ps();
   // the next panels' bytes asked for by a row block's first tile only: the tiles after it
   // read the same panels from cache, and their prefetches had cost 15% of a 128-row product
-  NextPanels next(w, first_panel + 2 * Q, 2 * Q, first_row % kRowBlock == 0);
+  NextPanels next(w, first_panel + 2 * Q, 2 * Q, asks_ahead<R>(first_row % kRowBlock == 0));
   for (int64_t g = 0; g < w.groups; ++g) {
     next.ask(g);
     __m512i hi[R][Q], lo[R][Q];
@@ -1407,7 +1416,7 @@ void int_tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_p
   const int64_t row_words = a.cols / 2;
   __m256 total[R][P];
   set_zero(total);
-  NextPanels next(w, first_panel + P, P, first_row % kRowBlock == 0);
+  NextPanels next(w, first_panel + P, P, asks_ahead<R>(first_row % kRowBlock == 0));
   for (int64_t g = 0; g < w.groups; ++g) {
     next.ask(g);
     __m256i hi[R][P], lo[R][P];
@@ -1626,7 +1635,7 @@ void int_tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_p
   float32x4_t total[R][P][2];
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p) total[r][p][0] = total[r][p][1] = vdupq_n_f32(0.0f);
-  NextPanels next(w, first_panel + P, P, first_row % kRowBlock == 0);
+  NextPanels next(w, first_panel + P, P, asks_ahead<R>(first_row % kRowBlock == 0));
   for (int64_t g = 0; g < w.groups; ++g) {
     next.ask(g);
     int32x4_t hi[R][P][2], lo[R][P][2];
@@ -2777,7 +2786,7 @@ TORCH_LIBRARY(aserve_cpu, m) {
       "int code_bits, Tensor? levels, int first, Tensor(a!) out) -> ()",
       dequantize);
   m.def("int_activations(bool? enable=None, int code_bits=4) -> bool", int_activations);
-  m.def("panel_prefetch(bool? enable=None) -> bool", panel_prefetch);
+  m.def("one_row_prefetch(bool? enable=None) -> bool", one_row_prefetch);
   m.def("three_bit_in_registers() -> bool", three_bit_in_registers);
   m.def("dot_products() -> bool", dot_products);
 }
