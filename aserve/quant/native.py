@@ -290,15 +290,12 @@ def time_prefetch(weight: NativeWeight) -> tuple[float, float]:
     outputs, cols = STREAM_SHAPE
     sample = weight.resized(outputs // LANES, cols)
     x = torch.randn(1, cols, generator=torch.Generator().manual_seed(0))
-    best = [float("inf"), float("inf")]
-    for turn in range(5):  # the first turn warms both up
-        for i, ahead in enumerate((True, False)):
-            torch.ops.aserve_cpu.one_row_prefetch(ahead)
-            started = time.perf_counter()
-            sample.kernel_linear(x)
-            if turn:
-                best[i] = min(best[i], (time.perf_counter() - started) * 1e3)
-    return best[0], best[1]
+
+    def product(ahead: bool) -> None:
+        torch.ops.aserve_cpu.one_row_prefetch(ahead)  # microseconds against milliseconds
+        sample.kernel_linear(x)
+
+    return best_in_turns(lambda: product(True), lambda: product(False))
 
 
 def time_products(weight: NativeWeight, rows: int) -> tuple[float, float]:
@@ -310,12 +307,18 @@ def time_products(weight: NativeWeight, rows: int) -> tuple[float, float]:
     outputs, cols = SAMPLE_SHAPE
     sample = weight.resized(outputs // LANES, cols)
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(0))
-    paths = (lambda: sample.kernel_linear(x), lambda: sample._blas_linear(x))
+    return best_in_turns(lambda: sample.kernel_linear(x), lambda: sample._blas_linear(x))
+
+
+def best_in_turns(first: Callable[[], object], second: Callable[[], object]) -> tuple[float, float]:
+    """The best milliseconds of four calls each of `first` and `second`, taken in turn after
+    one call each to warm them up (`time_products` says why in turn)."""
+    paths = (first, second)
     best = [float("inf"), float("inf")]
-    for turn in range(5):  # the first turn warms both up
-        for i, product in enumerate(paths):
+    for turn in range(5):
+        for i, path in enumerate(paths):
             started = time.perf_counter()
-            product()
+            path()
             if turn:
                 best[i] = min(best[i], (time.perf_counter() - started) * 1e3)
     return best[0], best[1]
