@@ -30,16 +30,19 @@ from aserve.quant.gguf import BLOCKS, QuantizedTensor, decode
 from aserve.quant.method import ProductGroup
 from aserve.quant.native import (
     BLAS_ROWS,
+    LANES,
     NEVER,
     ExpertStack,
     FloatWeight,
     NativeWeight,
     Scratch,
     build_kind,
+    in_blocks,
     linear_group,
     moe_layer,
     native_kernels,
     one_format,
+    out_of_blocks,
 )
 from tests.test_cpu_ops import other_build_attention_operands
 from tests.tiny_models import make_tiny_model
@@ -1114,6 +1117,25 @@ def test_a_process_settles_one_row_prefetch_once_at_its_first_weight(
         assert ahead_ms > 0 and plain_ms > 0
     finally:
         torch.ops.aserve_cpu.one_row_prefetch(settled)
+
+
+@pytest.mark.parametrize("panels", [1, 5, 8, 13, 24])
+def test_scales_lie_in_blocks_of_panels_as_the_kernels_read_them(panels: int) -> None:
+    """`in_blocks` puts a panel's values of a unit where `Weight::at` (scales, offsets) and
+    `Weight::base_of` (bases) look for them: each run of eight panels unit-major, the last
+    run holding the panels left; `out_of_blocks` gives the panel order back."""
+    for rest in [(LANES,), (2, LANES)]:
+        values = torch.randn(panels, 6, *rest, generator=torch.Generator().manual_seed(panels))
+        kept = in_blocks(values)
+        assert kept.shape == values.shape
+        assert torch.equal(out_of_blocks(kept), values)
+        flat, width = kept.reshape(-1), int(torch.Size(rest).numel())
+        for panel in range(panels):
+            first = panel - panel % 8
+            count = min(8, panels - first)
+            for unit in range(6):
+                at = (first * 6 + unit * count + panel % 8) * width
+                assert torch.equal(flat[at : at + width].view(rest), values[panel, unit])
 
 
 @needs_kernels

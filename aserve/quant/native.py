@@ -64,6 +64,8 @@ SOURCES = [
     for name in ("cpu_kernels.cpp", "cpu_float.cpp", "cpu_attention.cpp", "cpu_decode.cpp")
 ]
 LANES = 8  # output features per panel: one AVX2 register of float32
+SCALE_BLOCK = 8
+"""Panels whose scales, offsets and bases the kernels keep interleaved (`in_blocks`)."""
 FLOAT_WORDS = (torch.bfloat16, torch.float16, torch.float32)
 """Weights that `FloatWeight` keeps as they are for the kernels."""
 BLAS_ROWS = (128, 256, 512)
@@ -460,6 +462,35 @@ def panel_steps(
     return lanes(steps.scale_steps), offset_steps, torch.stack([scale_bases, offset_bases], 2)
 
 
+def in_blocks(values: torch.Tensor) -> torch.Tensor:
+    """Per-panel values `[panels, units, ...]` (scales, offsets: units are groups; bases:
+    blocks of groups) in the kernels' order, the same shape: each run of `SCALE_BLOCK`
+    panels unit-major, `[units, panels of the run, ...]`, the last run holding what panels
+    are left (`Weight::at` in csrc/cpu_kernels.cpp). A one-row product then reads a tile's
+    scales as one stream, where each panel's apart made 24 streams that the CPU's
+    prefetchers did not keep up with."""
+    if not values.numel():
+        return values
+    panels, rest = values.shape[0], values.shape[2:]
+    whole = panels - panels % SCALE_BLOCK
+    runs = values[:whole].reshape(whole // SCALE_BLOCK, SCALE_BLOCK, values.shape[1], *rest)
+    parts = [runs.transpose(1, 2).reshape(-1), values[whole:].transpose(0, 1).reshape(-1)]
+    return torch.cat(parts).view(values.shape)
+
+
+def out_of_blocks(values: torch.Tensor) -> torch.Tensor:
+    """`in_blocks` undone: per-panel values `[panels, units, ...]` in panel order."""
+    if not values.numel():
+        return values
+    panels, units, rest = values.shape[0], values.shape[1], values.shape[2:]
+    whole = panels - panels % SCALE_BLOCK
+    flat = values.reshape(-1)
+    split = whole * units * int(torch.Size(rest).numel())
+    runs = flat[:split].view(whole // SCALE_BLOCK, units, SCALE_BLOCK, *rest).transpose(1, 2)
+    left = flat[split:].view(units, panels - whole, *rest).transpose(0, 1)
+    return torch.cat([runs.reshape(whole, units, *rest), left]).contiguous()
+
+
 class KernelTensors:
     """What the kernels' ops take of a weight (one, or a stack of experts): its words, scales,
     offsets and bases, then its code format."""
@@ -594,6 +625,8 @@ class NativeWeight(KernelTensors):
             stepped = panel_steps(codes.steps, offsets, panels)
             if stepped is not None:
                 self.scales, self.offsets, self.bases = stepped
+        self.scales, self.offsets = in_blocks(self.scales), in_blocks(self.offsets)
+        self.bases = in_blocks(self.bases)
         self.blas_from = blas_rows(self)
         settle_one_row_prefetch(self)
 
@@ -660,9 +693,12 @@ class NativeWeight(KernelTensors):
             t = t.repeat(-(-panels // t.shape[0]), -(-units // t.shape[1]), *[1] * (t.dim() - 2))
             return t[:panels, :units].contiguous()
 
+        def resized_values(t: torch.Tensor) -> torch.Tensor:
+            return in_blocks(resized(out_of_blocks(t)))
+
         sample = copy.copy(self)
-        sample.words, sample.scales = resized(self.words), resized(self.scales)
-        sample.offsets, sample.bases = resized(self.offsets), resized(self.bases)
+        sample.words, sample.scales = resized(self.words), resized_values(self.scales)
+        sample.offsets, sample.bases = resized_values(self.offsets), resized_values(self.bases)
         sample.shape = torch.Size([panels * LANES, cols])
         sample.padded, sample.scratch = panels * LANES, Scratch()
         return sample
@@ -674,14 +710,16 @@ class NativeWeight(KernelTensors):
         return out
 
     def plain_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scales and offsets as values: kept ones as they are, steps times their bases."""
+        """Scales and offsets as values: kept ones as they are, steps times their bases (in
+        the kernels' order, `in_blocks`, as kept)."""
         if self.scales.dtype != torch.int8:
             return self.scales, self.offsets
-        panels, groups, lanes = self.scales.shape
-        blocks = self.bases.shape[1]
-        bases = self.bases.repeat_interleave(groups // blocks, 1)  # [panels, groups, 2, 8]
-        scales = self.scales.float() * bases[:, :, 0]
-        offsets = self.offsets.float() * bases[:, :, 1] if self.offsets.numel() else self.offsets
+        groups, blocks = self.scales.shape[1], self.bases.shape[1]
+        bases = out_of_blocks(self.bases).repeat_interleave(groups // blocks, 1)
+        scales = in_blocks(out_of_blocks(self.scales).float() * bases[:, :, 0])
+        offsets = self.offsets
+        if offsets.numel():
+            offsets = in_blocks(out_of_blocks(offsets).float() * bases[:, :, 1])
         return scales, offsets.float()
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:

@@ -104,6 +104,11 @@ namespace {
 constexpr int64_t kLanes = 8;       // output features per panel
 constexpr int64_t kRowBlock = 64;   // rows of x that stay in cache while every panel passes
 constexpr int64_t kPanelBlock = 8;  // panels per unit of parallel work
+// Panels whose scales, offsets and bases lie interleaved (`Weight::at`): a one-row tile of
+// eight panels then reads them as one stream beside its eight streams of codes, not 24. With
+// each panel's kept apart, a 2-core AMD EPYC streamed a Q4_K weight's bytes in that order at
+// 19.6 GB/s (loads alone, 2 threads), against 25.5 interleaved (bench/NOTES.md).
+constexpr int64_t kScaleBlock = 8;
 constexpr int64_t kWidenPanels = 4;  // 3-bit codes' panels widened to nibbles at a time
 constexpr int64_t kWidenInRegistersRows = 4;  // up to this many rows, in the x86 int tiles
 #ifdef ASERVE_AVX512
@@ -138,12 +143,15 @@ ASERVE_INLINE Words8 nibble_word(const uint32_t* low, const uint32_t* high, int 
 
 struct Weight {
   const uint32_t* words;  // [panels, groups, words_per_group, 8]
-  const void* scales;     // [panels, groups, 8] of `scale_kind`
+  const void* scales;     // [panels, groups, 8] of `scale_kind`, in blocks of panels (`at`)
   const void* offsets;    // as scales, or null where every offset is zero
   ScaleKind scale_kind;
-  const float* bases;     // steps: [panels, blocks, 2, 8], a block's scale base, then offset base
+  const float* bases;     // steps: [panels, blocks, 2, 8], a block's scale base, then offset
+                          // base, in blocks of panels as the scales (`base_of`)
   int64_t block_shift;    // steps: log2 of the groups a block
   int64_t panels, groups, group, cols;
+  int64_t scale_panels;     // panels of the layout that scales, offsets and bases lie in
+  int64_t panel_shift = 0;  // where panel 0 lies in it (a slice of panels: `panels_from`)
   bool four_bit;
   bool split;             // 5- or 6-bit codes: a nibble word, then two bits an input apart
   const uint8_t* levels;  // 16 levels + 128 for 4-bit codes that stand for them, else null;
@@ -166,16 +174,33 @@ struct Weight {
     if (book != nullptr) return groups * group / 8 * entry_bytes * kLanes / 4;  // a run's entry
     return three_bit ? groups / 2 * (3 * group / 16) * kLanes : groups * words_per_group() * kLanes;
   }
-  int64_t at(int64_t panel, int64_t g) const { return (panel * groups + g) * kLanes; }
+  // Where the 8 lanes' scales (offsets) of a panel's group g lie: each block of
+  // `kScaleBlock` panels group-major, [groups, panels of the block, 8], the last block
+  // holding what panels are left.
+  int64_t at(int64_t panel, int64_t g) const {
+    const int64_t p = panel + panel_shift, first = p - p % kScaleBlock;
+    const int64_t count = std::min(kScaleBlock, scale_panels - first);
+    return (first * groups + g * count + p % kScaleBlock) * kLanes;
+  }
   int64_t scale_bytes() const {
     return scale_kind == ScaleKind::kFloat ? 4 : scale_kind == ScaleKind::kHalf ? 2 : 1;
+  }
+  // The layout's panels [first, last) whose blocks hold panels [panel, panel + count).
+  std::pair<int64_t, int64_t> scale_blocks(int64_t panel, int64_t count) const {
+    const int64_t first = panel + panel_shift, last = first + count - 1;
+    return {first - first % kScaleBlock,
+            std::min(scale_panels, last - last % kScaleBlock + kScaleBlock)};
   }
   int64_t base_floats() const {  // a panel's bases
     return scale_kind == ScaleKind::kSteps ? (groups >> block_shift) * 2 * kLanes : 0;
   }
   // The 8 lanes' base of group g's block: `which` 0 for the scales, 1 for the offsets.
+  // Blocks of panels as the scales' (`at`): [blocks, panels of the block, 2, 8] each.
   const float* base_of(int64_t panel, int64_t g, int which) const {
-    return bases + panel * base_floats() + ((g >> block_shift) * 2 + which) * kLanes;
+    const int64_t p = panel + panel_shift, first = p - p % kScaleBlock;
+    const int64_t count = std::min(kScaleBlock, scale_panels - first);
+    return bases + first * base_floats() +
+           (((g >> block_shift) * count + p % kScaleBlock) * 2 + which) * kLanes;
   }
 
   float value(const void* values, int which, int64_t panel, int64_t g, int64_t lane) const {
@@ -305,11 +330,14 @@ class NextPanels {
       streams_[used_++] = {static_cast<const char*>(start), bytes, step, 0};
     };
     add(w.words + next * w.panel_words(), count * w.panel_words() * 4);
-    const int64_t scale_bytes = count * w.groups * kLanes * w.scale_bytes();
-    add(static_cast<const char*>(w.scales) + w.at(next, 0) * w.scale_bytes(), scale_bytes);
+    // the blocks of scales, offsets and bases that hold those panels' (`Weight::at`)
+    const auto [first, last] = w.scale_blocks(next, count);
+    const int64_t scale_bytes = w.groups * kLanes * w.scale_bytes();
+    add(static_cast<const char*>(w.scales) + first * scale_bytes, (last - first) * scale_bytes);
     if (w.offsets != nullptr)
-      add(static_cast<const char*>(w.offsets) + w.at(next, 0) * w.scale_bytes(), scale_bytes);
-    if (w.bases != nullptr) add(w.bases + next * w.base_floats(), count * w.base_floats() * 4);
+      add(static_cast<const char*>(w.offsets) + first * scale_bytes, (last - first) * scale_bytes);
+    if (w.bases != nullptr)
+      add(w.bases + first * w.base_floats(), (last - first) * w.base_floats() * 4);
   }
 
   // Slice g's lines (g = 0, 1, ... in turn).
@@ -1988,6 +2016,8 @@ Weight weight_of(const at::Tensor& words, const at::Tensor& scales, const at::Te
            groups,
            group,
            groups * group,
+           panels,
+           0,
            four_bit,
            split,
            levels.has_value() ? levels->data_ptr<uint8_t>() : nullptr,
@@ -2004,15 +2034,13 @@ Weight weight_of(const at::Tensor& words, const at::Tensor& scales, const at::Te
   return w;
 }
 
-// The panels of w from `first` on, as a weight of its own (an expert of a stack, a slice of
-// panels): words, scales, offsets and bases moved on by `first` panels.
+// The panels of w from `first` on, as a weight of its own (a slice of panels): words moved
+// on by `first` panels, and its scales', offsets' and bases' panels found `first` further on
+// in their blocks.
 Weight panels_from(const Weight& w, int64_t first) {
   Weight v = w;
-  const int64_t scale_bytes = first * w.groups * kLanes * w.scale_bytes();
   v.words += first * w.panel_words();
-  v.scales = static_cast<const char*>(w.scales) + scale_bytes;
-  if (w.offsets != nullptr) v.offsets = static_cast<const char*>(w.offsets) + scale_bytes;
-  if (w.bases != nullptr) v.bases += first * w.base_floats();
+  v.panel_shift += first;
   v.panels -= first;
   return v;
 }
@@ -2101,8 +2129,13 @@ Weight widen(const Weight& w, int64_t first, int64_t count, std::vector<uint32_t
 
 // Expert e of a stack (`weight_of`), from expert 0.
 Weight expert_of(const Weight& first, int64_t e) {
-  Weight w = panels_from(first, e * first.panels);
-  w.panels = first.panels;
+  Weight w = first;
+  const int64_t panels = e * first.panels;  // each expert's scales in blocks of its own
+  const int64_t scale_bytes = panels * first.groups * kLanes * first.scale_bytes();
+  w.words += panels * first.panel_words();
+  w.scales = static_cast<const char*>(first.scales) + scale_bytes;
+  if (first.offsets != nullptr) w.offsets = static_cast<const char*>(first.offsets) + scale_bytes;
+  if (first.bases != nullptr) w.bases += panels * first.base_floats();
   return w;
 }
 
