@@ -2264,10 +2264,19 @@ std::pair<Product, at::Tensor> product_of(const at::Tensor& x, const Weight& w) 
   return {product_at(x.data_ptr<float>(), x.size(0), w, y.data_ptr<float>()), y};
 }
 
+// Runs of units a thread takes from `run`'s counter: a thread's share in about this many
+// runs, so that one slowed down (by another process, or by serial work before the region)
+// leaves its last units to the others.
+constexpr int64_t kRunsAThread = 8;
+
 // Every product's (row block, panel block) units in one parallel region, row-block-major
-// within a product: a thread's units mostly share one block of x. A unit is found from its
-// index (the products' first units are kept, not the units: `linear` runs for every
-// product of a model, and a list of an LM head's units is ~800 entries).
+// within a product: a run of units mostly shares one block of x. Threads take runs of units
+// from a counter as they finish their last, not equal shares up front: with equal shares a
+// 2-core EPYC's second thread waited for the first ~15% of a one-row decode step (perf: the
+// calling thread also quantizes the activations and runs the serial steps). A unit is found
+// from its index (the products' first units are kept, not the units: `linear` runs for
+// every product of a model, and a list of an LM head's units is ~800 entries). Each unit
+// writes its own outputs, so the bits do not depend on which thread takes it.
 void run(const std::vector<Product>& products) {
   auto panel_blocks = [](const Product& p) { return (p.w.panels + kPanelBlock - 1) / kPanelBlock; };
   std::vector<int64_t> starts{0};
@@ -2275,11 +2284,21 @@ void run(const std::vector<Product>& products) {
     const int64_t row_blocks = (p.rows + kRowBlock - 1) / kRowBlock;
     starts.push_back(starts.back() + row_blocks * panel_blocks(p));
   }
-  at::parallel_for(0, starts.back(), 1, [&](int64_t begin, int64_t end) {
+  const int64_t units = starts.back();
+  const int64_t team = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units));
+  const int64_t run_units = std::max<int64_t>(1, units / (team * kRunsAThread));
+  std::atomic<int64_t> next_run{0};
+  at::parallel_for(0, team, 1, [&](int64_t, int64_t) {
     std::vector<float> buffer;
     std::vector<uint32_t> widened;
     size_t k = 0;
-    for (int64_t unit = begin; unit < end; ++unit) {
+    int64_t end = 0;
+    for (int64_t unit = 0;; ++unit) {
+      if (unit == end) {  // the next run not yet taken
+        unit = next_run.fetch_add(run_units, std::memory_order_relaxed);
+        if (unit >= units) break;
+        end = std::min(units, unit + run_units);
+      }
       while (unit >= starts[k + 1]) ++k;
       const Product& p = products[k];
       const int64_t blocks = panel_blocks(p), local = unit - starts[k];
