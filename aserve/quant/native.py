@@ -532,7 +532,8 @@ class NativeWeight(KernelTensors):
     multiply; runs of 8 inputs that are entries of their format's book (IQ1, IQ2, IQ3_XXS:
     `Runs`) as those 16- or 24-bit entries (`code_bits` 2) where they are smaller than the
     codes, which the kernels look up as they multiply; scales and offsets as
-    `compact_scales` keeps them, or as int8 steps and float32 bases (`panel_steps`)."""
+    `compact_scales` keeps them, or as int8 steps and float32 bases (`panel_steps`), each
+    in blocks of panels (`in_blocks`)."""
 
     def __init__(self, codes: Codes, scratch: Scratch | None = None) -> None:
         self.scratch = scratch or Scratch()
