@@ -1121,9 +1121,9 @@ def test_a_process_settles_one_row_prefetch_once_at_its_first_weight(
 
 @pytest.mark.parametrize("panels", [1, 5, 8, 13, 24])
 def test_scales_lie_in_blocks_of_panels_as_the_kernels_read_them(panels: int) -> None:
-    """`in_blocks` puts a panel's values of a unit where `Weight::at` (scales, offsets) and
-    `Weight::base_of` (bases) look for them: each run of eight panels unit-major, the last
-    run holding the panels left; `out_of_blocks` gives the panel order back."""
+    """`in_blocks` puts a panel's values of a unit where `Weight::spot` finds them (scales,
+    offsets and bases): each run of eight panels unit-major, the last run holding the
+    panels left; `out_of_blocks` gives the panel order back."""
     for rest in [(LANES,), (2, LANES)]:
         values = torch.randn(panels, 6, *rest, generator=torch.Generator().manual_seed(panels))
         kept = in_blocks(values)

@@ -466,7 +466,7 @@ def in_blocks(values: torch.Tensor) -> torch.Tensor:
     """Per-panel values `[panels, units, ...]` (scales, offsets: units are groups; bases:
     blocks of groups) in the kernels' order, the same shape: each run of `SCALE_BLOCK`
     panels unit-major, `[units, panels of the run, ...]`, the last run holding what panels
-    are left (`Weight::at` in csrc/cpu_kernels.cpp). A one-row product then reads a tile's
+    are left (`Weight::spot` in csrc/cpu_kernels.cpp). A one-row product then reads a tile's
     scales as one stream, where each panel's apart made 24 streams that the CPU's
     prefetchers did not keep up with."""
     if not values.numel():

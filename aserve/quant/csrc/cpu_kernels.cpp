@@ -104,7 +104,7 @@ namespace {
 constexpr int64_t kLanes = 8;       // output features per panel
 constexpr int64_t kRowBlock = 64;   // rows of x that stay in cache while every panel passes
 constexpr int64_t kPanelBlock = 8;  // panels per unit of parallel work
-// Panels whose scales, offsets and bases lie interleaved (`Weight::at`): a one-row tile of
+// Panels whose scales, offsets and bases lie interleaved (`Weight::spot`): a one-row tile of
 // eight panels then reads them as one stream beside its eight streams of codes, not 24. With
 // each panel's kept apart, a 2-core AMD EPYC streamed a Q4_K weight's bytes in that order at
 // 19.6 GB/s (loads alone, 2 threads), against 25.5 interleaved (bench/NOTES.md).
@@ -143,11 +143,11 @@ ASERVE_INLINE Words8 nibble_word(const uint32_t* low, const uint32_t* high, int 
 
 struct Weight {
   const uint32_t* words;  // [panels, groups, words_per_group, 8]
-  const void* scales;     // [panels, groups, 8] of `scale_kind`, in blocks of panels (`at`)
+  const void* scales;     // [panels, groups, 8] of `scale_kind`, in blocks of panels (`spot`)
   const void* offsets;    // as scales, or null where every offset is zero
   ScaleKind scale_kind;
   const float* bases;     // steps: [panels, blocks, 2, 8], a block's scale base, then offset
-                          // base, in blocks of panels as the scales (`base_of`)
+                          // base, in blocks of panels as the scales (`spot`)
   int64_t block_shift;    // steps: log2 of the groups a block
   int64_t panels, groups, group, cols;
   int64_t scale_panels;     // panels of the layout that scales, offsets and bases lie in
@@ -174,13 +174,25 @@ struct Weight {
     if (book != nullptr) return groups * group / 8 * entry_bytes * kLanes / 4;  // a run's entry
     return three_bit ? groups / 2 * (3 * group / 16) * kLanes : groups * words_per_group() * kLanes;
   }
-  // Where the 8 lanes' scales (offsets) of a panel's group g lie: each block of
-  // `kScaleBlock` panels group-major, [groups, panels of the block, 8], the last block
-  // holding what panels are left.
-  int64_t at(int64_t panel, int64_t g) const {
-    const int64_t p = panel + panel_shift, first = p - p % kScaleBlock;
-    const int64_t count = std::min(kScaleBlock, scale_panels - first);
-    return (first * groups + g * count + p % kScaleBlock) * kLanes;
+  // Where a panel's group g finds its 8 lanes' scales and offsets (`at`, the same place in
+  // both) and, for steps, its block's bases (`base`: the scales' 8, then the offsets'). Each
+  // block of `kScaleBlock` panels lies group-major, [groups, panels of the block, 8], and its
+  // bases [blocks of groups, panels of the block, 2, 8]; the last block holds what panels are
+  // left. Worked out once for a panel's scales and offsets: three times as many of these sums
+  // a group had made the tiles of 16-64 rows 13-18% slower.
+  struct Spot {
+    int64_t at;
+    const float* base;  // null unless steps
+  };
+  ASERVE_INLINE Spot spot(int64_t panel, int64_t g) const {
+    const int64_t p = panel + panel_shift, in_block = p & (kScaleBlock - 1), first = p - in_block;
+    const int64_t count =
+        first + kScaleBlock <= scale_panels ? kScaleBlock : scale_panels - first;
+    const float* base =
+        bases == nullptr
+            ? nullptr
+            : bases + first * base_floats() + ((g >> block_shift) * count + in_block) * 2 * kLanes;
+    return {(first * groups + g * count + in_block) * kLanes, base};
   }
   int64_t scale_bytes() const {
     return scale_kind == ScaleKind::kFloat ? 4 : scale_kind == ScaleKind::kHalf ? 2 : 1;
@@ -194,23 +206,17 @@ struct Weight {
   int64_t base_floats() const {  // a panel's bases
     return scale_kind == ScaleKind::kSteps ? (groups >> block_shift) * 2 * kLanes : 0;
   }
-  // The 8 lanes' base of group g's block: `which` 0 for the scales, 1 for the offsets.
-  // Blocks of panels as the scales' (`at`): [blocks, panels of the block, 2, 8] each.
-  const float* base_of(int64_t panel, int64_t g, int which) const {
-    const int64_t p = panel + panel_shift, first = p - p % kScaleBlock;
-    const int64_t count = std::min(kScaleBlock, scale_panels - first);
-    return bases + first * base_floats() +
-           (((g >> block_shift) * count + p % kScaleBlock) * 2 + which) * kLanes;
-  }
 
   float value(const void* values, int which, int64_t panel, int64_t g, int64_t lane) const {
-    const int64_t i = at(panel, g) + lane;
+    const Spot s = spot(panel, g);
+    const int64_t i = s.at + lane;
     switch (scale_kind) {
       case ScaleKind::kFloat: return static_cast<const float*>(values)[i];
       case ScaleKind::kHalf: return static_cast<float>(static_cast<const c10::Half*>(values)[i]);
       default: break;
     }
-    return static_cast<float>(static_cast<const int8_t*>(values)[i]) * base_of(panel, g, which)[lane];
+    const float step = static_cast<float>(static_cast<const int8_t*>(values)[i]);
+    return step * s.base[which * kLanes + lane];
   }
   float scale(int64_t panel, int64_t g, int64_t lane) const { return value(scales, 0, panel, g, lane); }
   float offset(int64_t panel, int64_t g, int64_t lane) const {
@@ -218,9 +224,9 @@ struct Weight {
   }
 
 #ifdef ASERVE_AVX2
-  // The 8 lanes' scales (offsets) of a panel's group, as `value` gives each.
-  ASERVE_INLINE __m256 lanes(const void* values, int which, int64_t panel, int64_t g) const {
-    const int64_t i = at(panel, g);
+  // The 8 lanes' scales (`which` 0) or offsets (1) at spot `s`, as `value` gives each.
+  ASERVE_INLINE __m256 lanes(const void* values, int which, const Spot& s) const {
+    const int64_t i = s.at;
     switch (scale_kind) {
       case ScaleKind::kFloat: return _mm256_loadu_ps(static_cast<const float*>(values) + i);
       case ScaleKind::kHalf:
@@ -231,13 +237,14 @@ struct Weight {
     const __m128i steps = _mm_loadl_epi64(
         reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(values) + i));
     return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(steps)),
-                         _mm256_loadu_ps(base_of(panel, g, which)));
+                         _mm256_loadu_ps(s.base + which * kLanes));
   }
-  ASERVE_INLINE __m256 scales8(int64_t panel, int64_t g) const {
-    return lanes(scales, 0, panel, g);
-  }
-  ASERVE_INLINE __m256 offsets8(int64_t panel, int64_t g) const {
-    return offsets == nullptr ? _mm256_setzero_ps() : lanes(offsets, 1, panel, g);
+  // A panel's group's scales and offsets (zeros where there are none), its spot found once.
+  ASERVE_INLINE void scales_and_offsets8(int64_t panel, int64_t g, __m256& scale,
+                                         __m256& offset) const {
+    const Spot s = spot(panel, g);
+    scale = lanes(scales, 0, s);
+    offset = offsets == nullptr ? _mm256_setzero_ps() : lanes(offsets, 1, s);
   }
 #endif
 };
@@ -330,7 +337,7 @@ class NextPanels {
       streams_[used_++] = {static_cast<const char*>(start), bytes, step, 0};
     };
     add(w.words + next * w.panel_words(), count * w.panel_words() * 4);
-    // the blocks of scales, offsets and bases that hold those panels' (`Weight::at`)
+    // the blocks of scales, offsets and bases that hold those panels' (`Weight::spot`)
     const auto [first, last] = w.scale_blocks(next, count);
     const int64_t scale_bytes = w.groups * kLanes * w.scale_bytes();
     add(static_cast<const char*>(w.scales) + first * scale_bytes, (last - first) * scale_bytes);
@@ -489,8 +496,8 @@ inline __m256 code_of(const Unpacked& word, int i, float center = 0.0f) {
 }
 
 // One group's part folded into the totals: total = fma(scale, part, total), then the offset.
-// (`scale` and `offset` are the panel's `scales8` and `offsets8` of group g, read once for
-// all rows of a tile.)
+// (`scale` and `offset` are the panel's of group g, `scales_and_offsets8`, read once for all
+// rows of a tile.)
 inline __m256 close_group(const Weight& w, const Rows& a, int64_t row, int64_t g, __m256 scale,
                           __m256 offset, __m256 part, __m256 total) {
   total = _mm256_fmadd_ps(scale, part, total);
@@ -509,11 +516,11 @@ ASERVE_INLINE void close_panels(const Weight& w, const Rows& a, int64_t first_ro
                                 __m256 (&total)[R][P]) {
 #pragma GCC unroll 8
   for (int p = 0; p < P; ++p) {
-    const __m256 scale = w.scales8(first_panel + p, g);
+    __m256 scale, offset;
+    w.scales_and_offsets8(first_panel + p, g, scale, offset);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) total[r][p] = _mm256_fmadd_ps(scale, part[r][p], total[r][p]);
     if (w.offsets == nullptr) continue;
-    const __m256 offset = w.offsets8(first_panel + p, g);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
       total[r][p] = _mm256_fmadd_ps(
@@ -635,7 +642,8 @@ void tile_from_buffer(const Weight& w, const Rows& a, const float* buffer, int64
     }
 #pragma GCC unroll 8
     for (int p = 0; p < P; ++p) {
-      const __m256 scale = w.scales8(first_panel + p, g), offset = w.offsets8(first_panel + p, g);
+      __m256 scale, offset;
+      w.scales_and_offsets8(first_panel + p, g, scale, offset);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         float* total = totals[r] + p * kLanes;
@@ -734,17 +742,20 @@ inline __m512 code_of2(__m512i word, int i, __m512 table, __m512i high = _mm512_
   return _mm512_sub_ps(_mm512_castsi512_ps(_mm512_or_si512(code, magic)), _mm512_set1_ps(8388736.0f));
 }
 
-// The scales (`which` 0) or offsets (1) of panels p and p2 in group g, as 16 floats: a pair,
-// or one panel twice (p2 = p) for an odd panel at a weight's end. Int8 steps (K-quants) are
-// multiplied by their block's base, the float32 `value` gives.
-ASERVE_INLINE __m512 pair_values(const Weight& w, int which, int64_t p, int64_t p2, int64_t g) {
+// The scales (`which` 0) or offsets (1) of two panels' group at spots s and s2, as 16 floats:
+// a pair, or one panel twice (s2 = s) for an odd panel at a weight's end. Int8 steps
+// (K-quants) are multiplied by their block's base, the float32 `value` gives.
+ASERVE_INLINE __m512 pair_values(const Weight& w, int which, const Weight::Spot& s,
+                                 const Weight::Spot& s2) {
+  const void* values = which ? w.offsets : w.scales;
   if (w.scale_kind != ScaleKind::kSteps)
-    return which ? join(w.offsets8(p, g), w.offsets8(p2, g)) : join(w.scales8(p, g), w.scales8(p2, g));
-  const int8_t* steps = static_cast<const int8_t*>(which ? w.offsets : w.scales);
-  const __m128i both = _mm_unpacklo_epi64(
-      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(steps + w.at(p, g))),
-      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(steps + w.at(p2, g))));
-  const __m512 base = join(_mm256_loadu_ps(w.base_of(p, g, which)), _mm256_loadu_ps(w.base_of(p2, g, which)));
+    return join(w.lanes(values, which, s), w.lanes(values, which, s2));
+  const int8_t* steps = static_cast<const int8_t*>(values);
+  const __m128i both =
+      _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(steps + s.at)),
+                         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(steps + s2.at)));
+  const __m512 base = join(_mm256_loadu_ps(s.base + which * kLanes),
+                           _mm256_loadu_ps(s2.base + which * kLanes));
   return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(both)), base);
 }
 
@@ -757,12 +768,13 @@ ASERVE_INLINE void close_pairs(const Weight& w, const Rows& a, int64_t first_row
                                const __m512 (&part)[R][Q], __m512 (&total)[R][Q]) {
 #pragma GCC unroll 8
   for (int q = 0; q < Q; ++q) {
-    const int64_t p = first_panel + 2 * q, p2 = single ? p : p + 1;
-    const __m512 scale = pair_values(w, 0, p, p2, g);
+    const int64_t p = first_panel + 2 * q;
+    const Weight::Spot s = w.spot(p, g), s2 = single ? s : w.spot(p + 1, g);
+    const __m512 scale = pair_values(w, 0, s, s2);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) total[r][q] = _mm512_fmadd_ps(scale, part[r][q], total[r][q]);
     if (w.offsets == nullptr) continue;
-    const __m512 offset = pair_values(w, 1, p, p2, g);
+    const __m512 offset = pair_values(w, 1, s, s2);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
       total[r][q] = _mm512_fmadd_ps(
@@ -1628,9 +1640,9 @@ struct Lanes8 {
   float32x4_t half[2];
 };
 
-ASERVE_INLINE Lanes8 lanes8(const Weight& w, const void* values, int which, int64_t panel,
-                            int64_t g) {
-  const int64_t i = w.at(panel, g);
+ASERVE_INLINE Lanes8 lanes8(const Weight& w, const void* values, int which,
+                            const Weight::Spot& s) {
+  const int64_t i = s.at;
   switch (w.scale_kind) {
     case ScaleKind::kFloat: {
       const float* f = static_cast<const float*>(values) + i;
@@ -1644,7 +1656,7 @@ ASERVE_INLINE Lanes8 lanes8(const Weight& w, const void* values, int which, int6
     default: break;
   }
   const int16x8_t steps = vmovl_s8(vld1_s8(static_cast<const int8_t*>(values) + i));
-  const float* base = w.base_of(panel, g, which);
+  const float* base = s.base + which * kLanes;
   return {{vmulq_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(steps))), vld1q_f32(base)),
            vmulq_f32(vcvtq_f32_s32(vmovl_high_s16(steps)), vld1q_f32(base + 4))}};
 }
@@ -1712,12 +1724,13 @@ void int_tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_p
         }
     }
     for (int p = 0; p < P; ++p) {  // as `close_panels`: total = fma(scale, part, total), ...
-      const Lanes8 scale = lanes8(w, w.scales, 0, first_panel + p, g);
+      const Weight::Spot s = w.spot(first_panel + p, g);
+      const Lanes8 scale = lanes8(w, w.scales, 0, s);
       for (int r = 0; r < R; ++r)
         for (int h = 0; h < 2; ++h)
           total[r][p][h] = vfmaq_f32(total[r][p][h], scale.half[h], part[r][p][h]);
       if (w.offsets == nullptr) continue;
-      const Lanes8 offset = lanes8(w, w.offsets, 1, first_panel + p, g);
+      const Lanes8 offset = lanes8(w, w.offsets, 1, s);
       for (int r = 0; r < R; ++r) {  // ... then fma(offset, xsum, total)
         const float32x4_t xsum = vdupq_n_f32(a.xsum[(first_row + r) * a.groups + g]);
         for (int h = 0; h < 2; ++h)
@@ -2627,8 +2640,8 @@ void dequantize(const at::Tensor& words, const at::Tensor& scales, const at::Ten
         for (int64_t v = 0; v < w.code_words(); ++v) {
           const int64_t k0 = g * w.group + v * per_word;
 #ifdef ASERVE_AVX2
-          const __m256 scale = w.scales8(p, g);
-          const __m256 offset = w.offsets8(p, g);
+          __m256 scale, offset;
+          w.scales_and_offsets8(p, g, scale, offset);
           float* at = column + k0 * width;
           switch (kind) {
             case Kind::kNibbles:
