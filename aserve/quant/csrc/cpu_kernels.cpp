@@ -194,6 +194,12 @@ struct Weight {
             : bases + first * base_floats() + ((g >> block_shift) * count + in_block) * 2 * kLanes;
     return {(first * groups + g * count + in_block) * kLanes, base};
   }
+  // The spot of `panel` + 1 from `panel`'s (`s`): next to it in their block, unless `panel`
+  // ends one. (The tiles' pairs start at even panels, so theirs never do: half the sums.)
+  ASERVE_INLINE Spot next_spot(const Spot& s, int64_t panel, int64_t g) const {
+    if (((panel + panel_shift) & (kScaleBlock - 1)) == kScaleBlock - 1) return spot(panel + 1, g);
+    return {s.at + kLanes, s.base == nullptr ? nullptr : s.base + 2 * kLanes};
+  }
   int64_t scale_bytes() const {
     return scale_kind == ScaleKind::kFloat ? 4 : scale_kind == ScaleKind::kHalf ? 2 : 1;
   }
@@ -239,10 +245,8 @@ struct Weight {
     return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(steps)),
                          _mm256_loadu_ps(s.base + which * kLanes));
   }
-  // A panel's group's scales and offsets (zeros where there are none), its spot found once.
-  ASERVE_INLINE void scales_and_offsets8(int64_t panel, int64_t g, __m256& scale,
-                                         __m256& offset) const {
-    const Spot s = spot(panel, g);
+  // A panel's group's scales and offsets at spot `s` (zeros where there are none).
+  ASERVE_INLINE void scales_and_offsets8(const Spot& s, __m256& scale, __m256& offset) const {
     scale = lanes(scales, 0, s);
     offset = offsets == nullptr ? _mm256_setzero_ps() : lanes(offsets, 1, s);
   }
@@ -514,10 +518,12 @@ template <int R, int P>
 ASERVE_INLINE void close_panels(const Weight& w, const Rows& a, int64_t first_row,
                                 int64_t first_panel, int64_t g, const __m256 (&part)[R][P],
                                 __m256 (&total)[R][P]) {
+  Weight::Spot s = w.spot(first_panel, g);
 #pragma GCC unroll 8
   for (int p = 0; p < P; ++p) {
+    if (p > 0) s = w.next_spot(s, first_panel + p - 1, g);
     __m256 scale, offset;
-    w.scales_and_offsets8(first_panel + p, g, scale, offset);
+    w.scales_and_offsets8(s, scale, offset);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) total[r][p] = _mm256_fmadd_ps(scale, part[r][p], total[r][p]);
     if (w.offsets == nullptr) continue;
@@ -640,10 +646,12 @@ void tile_from_buffer(const Weight& w, const Rows& a, const float* buffer, int64
         for (int p = 0; p < P; ++p) part[r][p] = _mm256_fmadd_ps(code[p], xk, part[r][p]);
       }
     }
+    Weight::Spot s = w.spot(first_panel, g);
 #pragma GCC unroll 8
     for (int p = 0; p < P; ++p) {
+      if (p > 0) s = w.next_spot(s, first_panel + p - 1, g);
       __m256 scale, offset;
-      w.scales_and_offsets8(first_panel + p, g, scale, offset);
+      w.scales_and_offsets8(s, scale, offset);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         float* total = totals[r] + p * kLanes;
@@ -769,7 +777,7 @@ ASERVE_INLINE void close_pairs(const Weight& w, const Rows& a, int64_t first_row
 #pragma GCC unroll 8
   for (int q = 0; q < Q; ++q) {
     const int64_t p = first_panel + 2 * q;
-    const Weight::Spot s = w.spot(p, g), s2 = single ? s : w.spot(p + 1, g);
+    const Weight::Spot s = w.spot(p, g), s2 = single ? s : w.next_spot(s, p, g);
     const __m512 scale = pair_values(w, 0, s, s2);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) total[r][q] = _mm512_fmadd_ps(scale, part[r][q], total[r][q]);
@@ -1723,8 +1731,9 @@ void int_tile(const Weight& w, const Rows& a, int64_t first_row, int64_t first_p
           part[r][p][h] = vmulq_f32(vcvtq_f32_s32(exact), xs);
         }
     }
+    Weight::Spot s = w.spot(first_panel, g);
     for (int p = 0; p < P; ++p) {  // as `close_panels`: total = fma(scale, part, total), ...
-      const Weight::Spot s = w.spot(first_panel + p, g);
+      if (p > 0) s = w.next_spot(s, first_panel + p - 1, g);
       const Lanes8 scale = lanes8(w, w.scales, 0, s);
       for (int r = 0; r < R; ++r)
         for (int h = 0; h < 2; ++h)
@@ -2641,7 +2650,7 @@ void dequantize(const at::Tensor& words, const at::Tensor& scales, const at::Ten
           const int64_t k0 = g * w.group + v * per_word;
 #ifdef ASERVE_AVX2
           __m256 scale, offset;
-          w.scales_and_offsets8(p, g, scale, offset);
+          w.scales_and_offsets8(w.spot(p, g), scale, offset);
           float* at = column + k0 * width;
           switch (kind) {
             case Kind::kNibbles:
