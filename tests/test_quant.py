@@ -204,14 +204,19 @@ def test_scales_take_the_fewest_bytes_that_keep_them(
     blas_from_128: None,
 ) -> None:
     """GGUF's float16 scales stay float16 and Q8_0's zero offsets are not stored; K-quants'
-    and IQ4_XS's (a float16 times a small integer a group) are kept as int8 steps of a float32
-    base a block of 256 inputs. Products of every path and lookups are bit for bit those of
-    the weight kept in float32."""
+    and IQ4_XS's (a float16 times a small integer a group) are kept as int8 steps of the
+    file's float16 base a block of 256 inputs (steps whose bases are not float16 are not
+    taken). Products of every path and lookups are bit for bit those of the weight kept in
+    float32."""
     codes = decode(torch.from_numpy(random_blocks(qtype, 64, 512, seed=7)), qtype, 512)
     compact = NativeWeight(codes)
     assert compact.scales.dtype == dtype
     assert (compact.offsets.numel() > 0) == offsets
     assert compact.bases.numel() == (0 if dtype == torch.float16 else 64 * 2 * 2)
+    if codes.steps is not None:
+        assert compact.bases.dtype == torch.float16
+        off_half = codes.steps._replace(scale_bases=codes.steps.scale_bases * (1 + 2**-20))
+        assert native_module.panel_steps(off_half, codes.offsets, 64 // native_module.LANES) is None
     monkeypatch.setattr(native_module, "compact_scales", lambda scales, offsets: (scales, offsets))
     monkeypatch.setattr(native_module, "panel_steps", lambda steps, offsets, panels: None)
     wide = NativeWeight(codes)
@@ -268,7 +273,7 @@ def test_codes_of_two_and_three_bits_keep_three_bits_where_widened_in_registers(
     """Q2_K and Q3_K (groups of 16) keep three bits a code on CPU where the kernels widen them
     in registers, else a nibble: 100 rows pad to 104; an int8 step a group of 16 for the
     scale, and for Q2_K's offset (Q3_K's is -4 times its scale: centred, none stored), with
-    two float32 bases a block of 256 inputs and lane."""
+    two float16 bases a block of 256 inputs and lane."""
     monkeypatch.setattr(native_module, "keeps_three_bits", lambda: in_registers)
     codes = decode(torch.from_numpy(random_blocks(qtype, 100, 512)), qtype, 512)
     assert (codes.group, codes.bits) == (16, 2 if qtype == QType.Q2_K else 3)
@@ -277,7 +282,7 @@ def test_codes_of_two_and_three_bits_keep_three_bits_where_widened_in_registers(
     code_bytes = 104 * 512 * native.code_bits // 8
     assert native.words.nbytes == code_bytes
     steps = 2 if qtype == QType.Q2_K else 1
-    assert native.nbytes == code_bytes + steps * 104 * 512 // 16 + 104 * 2 * 2 * 4
+    assert native.nbytes == code_bytes + steps * 104 * 512 // 16 + 104 * 2 * 2 * 2
 
 
 @needs_kernels

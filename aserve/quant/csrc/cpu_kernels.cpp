@@ -22,7 +22,7 @@
 // for levels[c] instead of c; they are kept as bytes, levels[c] + 128.
 // Scales and offsets are stored [panel, group, 8], in float32 or, where every one of them
 // survives the round trip, float16 (GGUF's own are float16 in most formats), or as int8 steps
-// of a float32 base a block of groups (`ScaleKind`: K-quants); offsets that are all zero
+// of a float16 base a block of groups (`ScaleKind`: K-quants); offsets that are all zero
 // (symmetric or centred formats) are not stored, and their terms below are left out.
 //
 // Every output y[m, n] is computed by one fixed sequence of float operations:
@@ -120,10 +120,10 @@ constexpr int64_t kManyRows = 16;  // from this many rows the codes are expanded
 #endif
 
 // How a weight keeps its scales and offsets: float32, float16 (GGUF's own, where every value
-// survives the round trip), or int8 steps of a float32 base a block of groups (K-quants: a
+// survives the round trip), or int8 steps of a float16 base a block of groups (K-quants: a
 // scale is a float16 times a small integer, the integers per group and the float16 per block
-// of 256 inputs; steps times base is that same float32 exactly, in a byte a group instead of
-// four).
+// of 256 inputs, kept as the file has it; steps times base is that same float32 exactly, in a
+// byte a group instead of four).
 enum class ScaleKind { kFloat, kHalf, kSteps };
 
 // The 8 lanes' words in the compiler's vectors (GCC's and clang's vector extension: one AVX2
@@ -146,8 +146,8 @@ struct Weight {
   const void* scales;     // [panels, groups, 8] of `scale_kind`, in blocks of panels (`spot`)
   const void* offsets;    // as scales, or null where every offset is zero
   ScaleKind scale_kind;
-  const float* bases;     // steps: [panels, blocks, 2, 8], a block's scale base, then offset
-                          // base, in blocks of panels as the scales (`spot`)
+  const c10::Half* bases;  // steps: [panels, blocks, 2, 8], a block's scale base, then offset
+                           // base, in blocks of panels as the scales (`spot`)
   int64_t block_shift;    // steps: log2 of the groups a block
   int64_t panels, groups, group, cols;
   int64_t scale_panels;     // panels of the layout that scales, offsets and bases lie in
@@ -182,16 +182,16 @@ struct Weight {
   // a group had made the tiles of 16-64 rows 13-18% slower.
   struct Spot {
     int64_t at;
-    const float* base;  // null unless steps
+    const c10::Half* base;  // null unless steps
   };
   ASERVE_INLINE Spot spot(int64_t panel, int64_t g) const {
     const int64_t p = panel + panel_shift, in_block = p & (kScaleBlock - 1), first = p - in_block;
     const int64_t count =
         first + kScaleBlock <= scale_panels ? kScaleBlock : scale_panels - first;
-    const float* base =
+    const c10::Half* base =
         bases == nullptr
             ? nullptr
-            : bases + first * base_floats() + ((g >> block_shift) * count + in_block) * 2 * kLanes;
+            : bases + first * base_values() + ((g >> block_shift) * count + in_block) * 2 * kLanes;
     return {(first * groups + g * count + in_block) * kLanes, base};
   }
   // The spot of `panel` + 1 from `panel`'s (`s`): next to it in their block, unless `panel`
@@ -209,7 +209,7 @@ struct Weight {
     return {first - first % kScaleBlock,
             std::min(scale_panels, last - last % kScaleBlock + kScaleBlock)};
   }
-  int64_t base_floats() const {  // a panel's bases
+  int64_t base_values() const {  // a panel's bases
     return scale_kind == ScaleKind::kSteps ? (groups >> block_shift) * 2 * kLanes : 0;
   }
 
@@ -222,7 +222,7 @@ struct Weight {
       default: break;
     }
     const float step = static_cast<float>(static_cast<const int8_t*>(values)[i]);
-    return step * s.base[which * kLanes + lane];
+    return step * static_cast<float>(s.base[which * kLanes + lane]);
   }
   float scale(int64_t panel, int64_t g, int64_t lane) const { return value(scales, 0, panel, g, lane); }
   float offset(int64_t panel, int64_t g, int64_t lane) const {
@@ -243,7 +243,11 @@ struct Weight {
     const __m128i steps = _mm_loadl_epi64(
         reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(values) + i));
     return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(steps)),
-                         _mm256_loadu_ps(s.base + which * kLanes));
+                         bases8(s.base + which * kLanes));
+  }
+  // 8 lanes' bases as floats
+  ASERVE_INLINE static __m256 bases8(const c10::Half* at) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
   }
   // A panel's group's scales and offsets at spot `s` (zeros where there are none).
   ASERVE_INLINE void scales_and_offsets8(const Spot& s, __m256& scale, __m256& offset) const {
@@ -348,7 +352,7 @@ class NextPanels {
     if (w.offsets != nullptr)
       add(static_cast<const char*>(w.offsets) + first * scale_bytes, (last - first) * scale_bytes);
     if (w.bases != nullptr)
-      add(w.bases + first * w.base_floats(), (last - first) * w.base_floats() * 4);
+      add(w.bases + first * w.base_values(), (last - first) * w.base_values() * sizeof(c10::Half));
   }
 
   // Slice g's lines (g = 0, 1, ... in turn).
@@ -752,7 +756,7 @@ inline __m512 code_of2(__m512i word, int i, __m512 table, __m512i high = _mm512_
 
 // The scales (`which` 0) or offsets (1) of two panels' group at spots s and s2, as 16 floats:
 // a pair, or one panel twice (s2 = s) for an odd panel at a weight's end. Int8 steps
-// (K-quants) are multiplied by their block's base, the float32 `value` gives.
+// (K-quants) are multiplied by their block's base, as `value` does.
 ASERVE_INLINE __m512 pair_values(const Weight& w, int which, const Weight::Spot& s,
                                  const Weight::Spot& s2) {
   const void* values = which ? w.offsets : w.scales;
@@ -762,8 +766,8 @@ ASERVE_INLINE __m512 pair_values(const Weight& w, int which, const Weight::Spot&
   const __m128i both =
       _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(steps + s.at)),
                          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(steps + s2.at)));
-  const __m512 base = join(_mm256_loadu_ps(s.base + which * kLanes),
-                           _mm256_loadu_ps(s2.base + which * kLanes));
+  const __m512 base =
+      join(Weight::bases8(s.base + which * kLanes), Weight::bases8(s2.base + which * kLanes));
   return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(both)), base);
 }
 
@@ -1664,9 +1668,10 @@ ASERVE_INLINE Lanes8 lanes8(const Weight& w, const void* values, int which,
     default: break;
   }
   const int16x8_t steps = vmovl_s8(vld1_s8(static_cast<const int8_t*>(values) + i));
-  const float* base = s.base + which * kLanes;
-  return {{vmulq_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(steps))), vld1q_f32(base)),
-           vmulq_f32(vcvtq_f32_s32(vmovl_high_s16(steps)), vld1q_f32(base + 4))}};
+  const float16x8_t base = vreinterpretq_f16_u16(
+      vld1q_u16(reinterpret_cast<const uint16_t*>(s.base + which * kLanes)));
+  return {{vmulq_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(steps))), vcvt_f32_f16(vget_low_f16(base))),
+           vmulq_f32(vcvtq_f32_s32(vmovl_high_s16(steps)), vcvt_high_f32_f16(base))}};
 }
 
 // R rows against panels [first_panel, first_panel + P): the 256-bit `int_tile`'s integers and
@@ -2018,11 +2023,11 @@ Weight weight_of(const at::Tensor& words, const at::Tensor& scales, const at::Te
   const int64_t panels = scales.size(-3), groups = scales.size(-2);
   int64_t block_shift = 0;
   if (kind == ScaleKind::kSteps) {
-    TORCH_CHECK(bases.scalar_type() == at::kFloat && bases.is_contiguous() &&
+    TORCH_CHECK(bases.scalar_type() == at::kHalf && bases.is_contiguous() &&
                     bases.dim() == scales.dim() + 1 && bases.size(-1) == kLanes &&
                     bases.size(-2) == 2 && bases.size(-4) == panels &&
                     (count == 1 || bases.size(0) == count),
-                "bases: float32 [panels, blocks, 2, 8] (or [experts, ...]) for int8 steps");
+                "bases: float16 [panels, blocks, 2, 8] (or [experts, ...]) for int8 steps");
     const int64_t blocks = bases.size(-3);
     TORCH_CHECK(blocks > 0 && groups % blocks == 0, "groups do not split into the bases' blocks");
     while ((blocks << block_shift) < groups) ++block_shift;
@@ -2032,7 +2037,7 @@ Weight weight_of(const at::Tensor& words, const at::Tensor& scales, const at::Te
            scales.data_ptr(),
            has_offsets ? offsets.data_ptr() : nullptr,
            kind,
-           kind == ScaleKind::kSteps ? bases.data_ptr<float>() : nullptr,
+           kind == ScaleKind::kSteps ? bases.data_ptr<at::Half>() : nullptr,
            block_shift,
            panels,
            groups,
@@ -2157,7 +2162,7 @@ Weight expert_of(const Weight& first, int64_t e) {
   w.words += panels * first.panel_words();
   w.scales = static_cast<const char*>(first.scales) + scale_bytes;
   if (first.offsets != nullptr) w.offsets = static_cast<const char*>(first.offsets) + scale_bytes;
-  if (first.bases != nullptr) w.bases += panels * first.base_floats();
+  if (first.bases != nullptr) w.bases += panels * first.base_values();
   return w;
 }
 
