@@ -68,7 +68,9 @@ def _call(body: dict[str, Any], argument_key: str) -> ParsedCall | None:
 
 def parse_tool_calls(text: str, syntax: str) -> tuple[str | None, list[ParsedCall]]:
     """The reply's text outside tool calls (None if nothing is left) and its calls. Text that
-    only looks like a call (bad JSON, no name) stays text."""
+    only looks like a call (bad JSON, no name) stays text; so does a lone call cut short, but
+    after whole calls one left open at the end is a call that max_tokens cut (a forced
+    "required" reply keeps adding calls), not text for the client to show."""
     if syntax == HERMES:
         calls: list[ParsedCall] = []
         kept: list[str] = []
@@ -83,7 +85,10 @@ def parse_tool_calls(text: str, syntax: str) -> tuple[str | None, list[ParsedCal
             calls.append(call)
             kept.append(text[last : match.start()])
             last = match.end()
-        kept.append(text[last:])
+        tail = text[last:]
+        if calls and HERMES_START in tail:
+            tail = tail[: tail.index(HERMES_START)]
+        kept.append(tail)
         rest = "".join(kept).strip()
         return (rest or None) if calls else (text or None), calls
     decoder = json.JSONDecoder()
