@@ -30,11 +30,13 @@ def test_hermes_blocks_with_text_around() -> None:
 
 
 def test_hermes_call_cut_after_whole_ones_is_dropped() -> None:
-    """A forced reply that max_tokens cut inside its second call: the first call, and no
-    content (the open block is neither a call nor text to show)."""
+    """A forced reply that max_tokens cut inside its second call, or inside the marker that
+    opens it: the first call, and no content (neither is a call nor text to show)."""
     text = f"<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n" + '{"n'
     content, calls = parse_tool_calls(text, HERMES)
     assert content is None and [c.name for c in calls] == ["get_weather"]
+    content, calls = parse_tool_calls(f"<tool_call>\n{WEATHER}\n</tool_call>\n<tool", HERMES)
+    assert content is None and len(calls) == 1
     content, calls = parse_tool_calls(
         f"Sure.\n<tool_call>\n{WEATHER}\n</tool_call> ok <tool_call>", HERMES
     )

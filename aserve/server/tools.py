@@ -69,8 +69,8 @@ def _call(body: dict[str, Any], argument_key: str) -> ParsedCall | None:
 def parse_tool_calls(text: str, syntax: str) -> tuple[str | None, list[ParsedCall]]:
     """The reply's text outside tool calls (None if nothing is left) and its calls. Text that
     only looks like a call (bad JSON, no name) stays text; so does a lone call cut short, but
-    after whole calls one left open at the end is a call that max_tokens cut (a forced
-    "required" reply keeps adding calls), not text for the client to show."""
+    after whole calls one left open at the end, or its marker begun, is a call that max_tokens
+    cut (a forced "required" reply keeps adding calls), not text for the client to show."""
     if syntax == HERMES:
         calls: list[ParsedCall] = []
         kept: list[str] = []
@@ -86,8 +86,13 @@ def parse_tool_calls(text: str, syntax: str) -> tuple[str | None, list[ParsedCal
             kept.append(text[last : match.start()])
             last = match.end()
         tail = text[last:]
-        if calls and HERMES_START in tail:
-            tail = tail[: tail.index(HERMES_START)]
+        if calls:  # a call left open, or cut inside its marker
+            opened = tail.find(HERMES_START)
+            tail = (
+                tail[:opened]
+                if opened >= 0
+                else tail[: len(tail) - partial_marker_length(tail, HERMES_START)]
+            )
         kept.append(tail)
         rest = "".join(kept).strip()
         return (rest or None) if calls else (text or None), calls
