@@ -30,7 +30,8 @@ from aserve.layers.rotary import RotaryEmbedding
 from aserve.layers.weight import WeightSource
 from aserve.models.weights import map_checkpoint_tensor
 from aserve.quant.fp8_activations import Fp8Activations
-from aserve.quant.native import Scratch
+from aserve.quant.huge_pages import WeightBlocks
+from aserve.quant.native import KernelTensors, Scratch
 
 if TYPE_CHECKING:
     from aserve.models.cpu_decode import DecodeStack
@@ -365,3 +366,24 @@ class DecoderForCausalLM(nn.Module):
             embed.finalize_quantized(device, dtype, True, head is embed, scratch)
         if head is not embed and head.quantized:
             head.finalize_quantized(device, dtype, False, True, scratch)
+        if device.type == "cpu":
+            blocks = WeightBlocks()
+            for weight in cpu_kernel_weights(self):
+                weight.move_to(blocks)
+
+
+def cpu_kernel_weights(model: nn.Module) -> list[KernelTensors]:
+    """Every weight of `model` that aserve's CPU kernels multiply, once each (a tied table
+    is the embedding's and the head's): linear layers' products, quantized tables' and MoE
+    layers' expert stacks."""
+    found: dict[int, KernelTensors] = {}
+    for module in model.modules():
+        held: list[object] = []
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.quantized:
+            held = list(module.quantized.products)
+        elif isinstance(module, VocabParallelEmbedding) and module.table is not None:
+            held = [module.table.head, module.table.lookups]
+        elif isinstance(module, QuantizedExperts) and module.cpu_stacks is not None:
+            held = list(module.cpu_stacks)
+        found.update((id(weight), weight) for weight in held if isinstance(weight, KernelTensors))
+    return list(found.values())

@@ -56,6 +56,7 @@ import torch
 
 from aserve.config import cache_root
 from aserve.quant.codes import Codes, Runs, ScaleSteps, groups_of_at_most_32, level_bytes
+from aserve.quant.huge_pages import WeightBlocks
 
 logger = logging.getLogger(__name__)
 
@@ -529,6 +530,11 @@ class KernelTensors:
             self.levels,
         )
 
+    def move_to(self, blocks: WeightBlocks) -> None:
+        """Keep the tensors in `blocks` (on huge pages) from now on: the same values."""
+        self.words, self.scales = blocks.place(self.words), blocks.place(self.scales)
+        self.offsets, self.bases = blocks.place(self.offsets), blocks.place(self.bases)
+
 
 class NativeWeight(KernelTensors):
     """A weight in the kernels' panel layout (csrc/cpu_kernels.cpp), in groups of 16 or 32:
@@ -847,11 +853,20 @@ class ExpertStack(KernelTensors):
             )
         else:
             self.offsets = self.scales.new_empty(0)
-        for e, weight in enumerate(weights):
+        self.experts = weights
+        self._lend_to_experts()
+
+    def _lend_to_experts(self) -> None:
+        """Each expert's tensors as views of the stack's."""
+        for e, weight in enumerate(self.experts):
             weight.words = self.words[e].view(weight.words.shape)
             weight.scales = self.scales[e]
             weight.offsets = self.offsets[e] if self.offsets.numel() else self.offsets
             weight.bases = self.bases[e] if self.bases.numel() else self.bases
+
+    def move_to(self, blocks: WeightBlocks) -> None:
+        super().move_to(blocks)
+        self._lend_to_experts()
 
 
 def moe_layer(
