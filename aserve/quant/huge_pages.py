@@ -6,7 +6,7 @@ TLB cannot hide. On 2 MB pages it needs ~340. Linux gives a process huge pages f
 advises (`MADV_HUGEPAGE`) where transparent huge pages are "madvise" (the common default) or
 "always", at the memory's first touch. So the weights are copied, once at load, into large
 fresh blocks advised before anything is written to them: the one-row products of that 1B
-file's weights took 0.92x the time on a 2-core AMD EPYC (bench/NOTES.md). Where the system
+file's weights took 0.91-0.92x the time on a 2-core AMD EPYC (bench/NOTES.md). Where the system
 gives no huge pages (THP "never", another OS) the blocks are plain memory and nothing else
 changes.
 """

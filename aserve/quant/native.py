@@ -447,7 +447,7 @@ def panel_steps(
     stored but not as steps, or a base is not a float16 (GGUF's are). Step times base is the
     scale itself, so the products keep their bits: Q4_K reads 0.58 bytes a weight instead of
     0.75 with float32 scales (the file's 0.56; 0.59 with float32 bases, which cost a 1B
-    Q4_K_M decode step 2.6% more bytes)."""
+    Q4_K_M file's products 2.5% more bytes)."""
     stored = bool(offsets.any())
     if stored and steps.offset_steps is None:
         return None
