@@ -23,8 +23,11 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Gemma3ForCausalLM": "gemma3",
 }
 MOE_BACKENDS = ("auto", "torch", "fused")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+"""The gated MLPs' activations: SiLU (Llama, Qwen, Mistral) and GELU's tanh form (Gemma)."""
 # auto: the checkpoint's own (a quantized GGUF stays quantized); none: de-quantize to --dtype;
 # int8 / int4: quantize a float checkpoint's linear layers at load.
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
@@ -76,6 +79,48 @@ def _rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None
     if missing:
         raise ConfigError(f"{kind} rope scaling needs {' and '.join(missing)} in the config")
     return theta, params
+
+
+def _gemma3_settings(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Gemma 3's quirks: a window on five layers of six (`layer_types`, or the pattern that
+    transformers 4 wrote), a rope of their own on those (`rope_parameters` keyed by layer type
+    in transformers 5, `rope_local_base_freq` before), the scores scaled by
+    `query_pre_attn_scalar`, norms around attention and the MLP that weigh by 1 + w, and
+    embeddings scaled by the square root of the width. Soft-capped scores (Gemma 2) are
+    refused: no attention path here caps them."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if config.get(key) is not None:
+            raise ConfigError(f"{key} is not supported: aserve's attention does not cap scores")
+    window = int(config.get("sliding_window") or 0)
+    types = config.get("layer_types")
+    if types is None:
+        pattern = int(
+            config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or 6
+        )
+        types = [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(num_layers)
+        ]
+    windows = tuple(window if kind == "sliding_attention" else 0 for kind in types)
+    by_type = config.get("rope_parameters") or {}
+    if "full_attention" in by_type:
+        full, local = by_type["full_attention"], by_type.get("sliding_attention") or {}
+        theta, scaling = _rope_settings({"rope_parameters": full})
+        local_theta = float(local.get("rope_theta", 10000.0))
+    else:
+        theta, scaling = _rope_settings(config)
+        local_theta = float(config.get("rope_local_base_freq", 10000.0))
+    head_dim = int(config.get("head_dim") or 256)
+    return {
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "local_rope_theta": local_theta,
+        "layer_windows": windows if any(windows) else (),
+        "attention_scale": float(config.get("query_pre_attn_scalar") or head_dim) ** -0.5,
+        "embedding_scale": float(config["hidden_size"]) ** 0.5,
+        "gemma_norms": True,
+        "hidden_act": str(config.get("hidden_activation") or config.get("hidden_act")),
+    }
 
 
 def _moe_settings(config: dict[str, Any]) -> dict[str, Any]:
@@ -168,7 +213,10 @@ class ModelConfig:
     """The shape and quirks of one decoder, read from a Hugging Face config.json.
 
     Mistral's sliding window is honoured by capping the context at the window: within it,
-    sliding-window attention and full attention are the same computation. The MoE fields
+    sliding-window attention and full attention are the same computation. Gemma 3's layers
+    alternate: `layer_windows` gives each layer's window (0: the whole context), and its
+    windowed layers rotate with `local_rope_theta` unscaled. `gemma_norms`: the layer also
+    normalises attention's and the MLP's outputs, and every norm weighs by 1 + w. The MoE fields
     keep their defaults (no experts) for dense models. `quantization` is the checkpoint's
     format: its `quantization_config.quant_method`, "fp8" for every FP8 layout
     (`_quantization_settings`), "gguf" for a quantized GGUF file, or None, until the runtime
@@ -205,6 +253,11 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    layer_windows: tuple[int, ...] = ()
+    local_rope_theta: float | None = None
+    attention_scale: float | None = None  # None: 1 / sqrt(head_dim)
+    embedding_scale: float | None = None
+    gemma_norms: bool = False
 
     def is_moe_layer(self, layer: int) -> bool:
         """Transformers' rule: every `decoder_sparse_step`-th layer is sparse unless listed
@@ -236,31 +289,40 @@ class ModelConfig:
         max_positions = int(config.get("max_position_embeddings", 4096))
         if family == "mistral" and config.get("sliding_window"):
             max_positions = min(max_positions, int(config["sliding_window"]))
-        rope_theta, rope_scaling = _rope_settings(config)
         quantization = config.get("quantization_config") or {}
+        num_layers = int(config["num_hidden_layers"])
+        family_settings = (
+            _gemma3_settings(config, num_layers)
+            if family == "gemma3"
+            else dict(zip(("rope_theta", "rope_scaling"), _rope_settings(config)))
+        )
+        settings = {"hidden_act": str(config.get("hidden_act", "silu")), **family_settings}
+        if settings["hidden_act"] not in ACTIVATIONS:
+            raise ConfigError(
+                f"activation {settings['hidden_act']!r} is not supported; aserve runs "
+                f"{', '.join(ACTIVATIONS)}"
+            )
         return cls(
             architecture=arch,
             model_type=family,
             vocab_size=int(config["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(config["intermediate_size"]),
-            num_layers=int(config["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=bool(config.get("attention_bias", family == "qwen2")),
-            qk_norm=family in ("qwen3", "qwen3_moe"),
-            hidden_act=str(config.get("hidden_act", "silu")),
-            rope_scaling=rope_scaling,
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
             eos_token_ids=tuple(sorted(eos)),
             bos_token_id=config.get("bos_token_id"),
             torch_dtype=config.get("torch_dtype") or config.get("dtype"),
             **_quantization_settings(quantization),
             **_moe_settings(config) if family == "qwen3_moe" else {},
+            **settings,
         )
 
 

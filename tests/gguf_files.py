@@ -1,7 +1,8 @@
 """Hugging Face checkpoints written as GGUF files the way llama.cpp's converter writes them.
 
-The names, the metadata keys, the Q/K row order of llama models and the `rope_freqs` of
-Llama-3 rope scaling are spelled out here from llama.cpp's conventions, not taken from
+The names, the metadata keys, the Q/K row order of llama models, the `rope_freqs` of
+Llama-3 rope scaling and Gemma 3's norms stored as 1 + w are spelled out here from
+llama.cpp's conventions, not taken from
 aserve's loader, so that a test through these files checks the loader against them.
 Tensors stay float32 (GGUF's F32): the files are the float reference of their checkpoint.
 """
@@ -23,6 +24,7 @@ GGUF_ARCH = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3moe",
+    "gemma3_text": "gemma3",
 }
 TOP_LEVEL = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -43,6 +45,13 @@ IN_LAYER = {
     "post_attention_layernorm": "ffn_norm",
     "mlp.gate": "ffn_gate_inp",
 }
+GEMMA3_IN_LAYER = IN_LAYER | {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+"""gguf-py's names for Gemma 3's four layer norms (MODEL_TENSOR.ATTN_POST_NORM, FFN_PRE_NORM,
+FFN_POST_NORM)."""
 EXPERT_PARTS = {
     "gate_proj": "ffn_gate_exps",
     "up_proj": "ffn_up_exps",
@@ -79,12 +88,12 @@ def llama3_rope_factors(config: dict[str, Any], head_dim: int) -> np.ndarray:
     return np.array(divisors, np.float32)
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, in_layer: dict[str, str] = IN_LAYER) -> str:
     if hf_name in TOP_LEVEL:
         return TOP_LEVEL[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
     module, _, kind = rest.rpartition(".")
-    return f"blk.{layer}.{IN_LAYER[module]}.{kind}"
+    return f"blk.{layer}.{in_layer[module]}.{kind}"
 
 
 def write_hf_as_gguf(
@@ -101,6 +110,9 @@ def write_hf_as_gguf(
     the norms stay float32). `qtype_of` gives tensors whose GGUF name holds a key that
     key's type instead (a Q4_K_M file's Q6_K `attn_v` beside Q4_K queries)."""
     config = json.loads((folder / "config.json").read_text())
+    gemma3 = config["model_type"] == "gemma3_text"
+    if gemma3:  # the whole layers' rope is the file's; llama.cpp fixes the windowed layers'
+        config["rope_parameters"] = config["rope_parameters"]["full_attention"]
     rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     config["rope_theta"] = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
     config["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
@@ -126,8 +138,13 @@ def write_hf_as_gguf(
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(scaling["factor"])
         writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+    elif scaling.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(scaling["factor"])
     elif scaling.get("rope_type") == "llama3" and rope_factors:
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config, head_dim))
+    if gemma3:
+        writer.add_sliding_window(config["sliding_window"])
     num_experts = config.get("num_experts") or config.get("num_local_experts")
     if num_experts:
         writer.add_expert_count(num_experts)
@@ -139,11 +156,13 @@ def write_hf_as_gguf(
         array = tensor.float().numpy()
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             array = llama_cpp_permute(array, heads if "q_proj" in name else kv_heads)
+        if gemma3 and name.endswith("norm.weight"):  # Gemma3RMSNorm weighs by 1 + w
+            array = array + 1
         if ".mlp.experts." in name:
             layer, expert, part = name.split(".")[2], name.split(".")[5], name.split(".")[6]
             experts.setdefault(f"blk.{layer}.{EXPERT_PARTS[part]}.weight", {})[int(expert)] = array
         else:
-            tensors[gguf_name(name)] = array
+            tensors[gguf_name(name, GEMMA3_IN_LAYER if gemma3 else IN_LAYER)] = array
     for name, by_index in experts.items():
         tensors[name] = np.stack([by_index[e] for e in sorted(by_index)])
     for name, array in tensors.items():

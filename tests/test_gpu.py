@@ -83,8 +83,11 @@ def test_bf16_logprobs_close_to_transformers(
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
     hf = hf.cuda().eval()
     llm = make_llm(folder, device="cuda", dtype="bfloat16")
-    assert type(llm.runtime.engine.attn).__name__ == "FlashInferBackend"
-    assert llm.runtime.engine.graphs is not None
+    # Gemma 3's windows and score scale run on the torch backend only, so far: no graphs
+    windowed = family == "gemma3"
+    backend = "TorchNativeBackend" if windowed else "FlashInferBackend"
+    assert type(llm.runtime.engine.attn).__name__ == backend
+    assert (llm.runtime.engine.graphs is None) == windowed
     assert_greedy_logprobs_close(llm, hf)
 
 

@@ -132,6 +132,20 @@ def test_tp2_moe_greedy_tokens_and_logprobs_equal_tp1(
         )
 
 
+def test_tp2_gemma3_greedy_tokens_and_logprobs_equal_tp1(tmp_path: Path) -> None:
+    """Gemma 3's norms after attention and the MLP reduce the ranks' partial sums before
+    they normalise; its layer output is then whole, and the next norm must not sum it again.
+    Its windowed layer reads the last 4 positions of the longer prompts."""
+    model = make_tiny_model("gemma3", tmp_path)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=True)
+    with (
+        LLM(str(model), max_prefill_length=16, **OPTIONS) as one,
+        LLM(str(model), max_prefill_length=16, tensor_parallel_size=2, **OPTIONS) as two,
+    ):
+        assert two.runtime.engine.tp.size == 2
+        assert_same_generations(two.generate(PROMPTS, params), one.generate(PROMPTS, params))
+
+
 def test_tp2_of_a_bfloat16_checkpoint_keeps_16_bit_shards(tmp_path: Path) -> None:
     """Each rank keeps its shards of a bfloat16 checkpoint in 16 bits (`FloatWeight`: a
     column-parallel layer's rows, a row-parallel one's columns, its slice of the vocabulary),

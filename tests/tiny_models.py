@@ -2,8 +2,9 @@
 
 Shapes are small enough for a 2-core CPU but keep what distinguishes the families: grouped
 query attention, Qwen2's QKV bias, Qwen3's per-head Q/K norm and explicit head_dim, Llama-3
-rope scaling, tied or untied embeddings, and Qwen3-MoE's routed experts next to a dense MLP
-layer (`mlp_only_layers`).
+rope scaling, tied or untied embeddings, Qwen3-MoE's routed experts next to a dense MLP
+layer (`mlp_only_layers`), and Gemma 3's windowed and whole layers with their own ropes,
+scaled scores, sandwich norms and GELU.
 """
 
 from __future__ import annotations
@@ -41,6 +42,18 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "qwen2": {"rope_theta": 1000000.0, "tie_word_embeddings": True},
     "qwen3": {"rope_theta": 1000000.0, "tie_word_embeddings": True, "head_dim": 32},
     "mistral": {"rope_theta": 10000.0, "tie_word_embeddings": False, "sliding_window": None},
+    "gemma3": {
+        # one windowed layer, one whole; prompts of tests run past the window of 4
+        "head_dim": 32,
+        "sliding_window": 4,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "query_pre_attn_scalar": 24,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        "tie_word_embeddings": True,
+    },
     "qwen3_moe": {
         "rope_theta": 1000000.0,
         "tie_word_embeddings": False,
@@ -68,6 +81,7 @@ def make_tiny_model(
         "qwen3": transformers.Qwen3Config,
         "mistral": transformers.MistralConfig,
         "qwen3_moe": transformers.Qwen3MoeConfig,
+        "gemma3": transformers.Gemma3TextConfig,
     }[family]
     config = config_cls(**{**COMMON, **FAMILIES[family], **(overrides or {})})
     torch.manual_seed(seed)

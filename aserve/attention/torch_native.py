@@ -16,10 +16,13 @@ from aserve.kvcache.pool import KVPool, zeros_on
 
 @dataclass
 class _PrefillSeq:
+    """`masks`: by window (0: none), the boolean mask of this request's queries, or None
+    where plain causal attention is the same."""
+
     q_start: int
     q_len: int
     kv_slots: torch.Tensor
-    mask: torch.Tensor | None
+    masks: dict[int, torch.Tensor | None]
 
 
 @dataclass
@@ -39,12 +42,13 @@ class _NativeDecodeMetadata:
 
 @dataclass
 class _DecodeMetadata:
-    """`mask` hides the padding of shorter contexts; None when all lengths are equal. With a
-    `stage`, K/V are read from it: gathered into it this step when `append_at` is None, else
-    only the new tokens are written, at these (request, position) indices."""
+    """`masks`, by window (0: none), hide the padding of shorter contexts and the positions
+    before a window; None when nothing is hidden. With a `stage`, K/V are read from it:
+    gathered into it this step when `append_at` is None, else only the new tokens are
+    written, at these (request, position) indices."""
 
     kv_slots: torch.Tensor
-    mask: torch.Tensor | None
+    masks: dict[int, torch.Tensor | None]
     stage: _DecodeStage | None
     append_at: tuple[torch.Tensor, torch.Tensor] | None
 
@@ -111,7 +115,11 @@ class TorchNativeBackend:
     is then computed by one sequence of operations whatever its chunk, batch or cached
     prefix, which the CPU kernels' 16-bit activations need (a last-bit difference between
     SDPA over a whole prompt and over its last token, rounded to the next integer step, had
-    changed a greedy token on a cache hit; bench/NOTES.md)."""
+    changed a greedy token on a cache hit; bench/NOTES.md).
+
+    `windows`: each layer's sliding window (0 or none given: the whole context), the last
+    that many positions a query reads, its own included; `scale` multiplies the scores
+    (default 1 / sqrt(head_dim))."""
 
     STAGE_MAX_BYTES = 256 << 20
 
@@ -122,11 +130,15 @@ class TorchNativeBackend:
         num_heads: int,
         head_dim: int,
         native_decode: bool = False,
+        windows: tuple[int, ...] = (),
+        scale: float | None = None,
     ) -> None:
         self.pool = pool
         self.page_table = page_table
         self.num_heads = num_heads
         self.head_dim = head_dim
+        self.windows = windows or (0,) * len(pool.kv)
+        self.scale = head_dim**-0.5 if scale is None else scale
         on_cpu = pool.kv[0].device.type == "cpu"
         self.native_decode = (
             native_decode
@@ -153,11 +165,8 @@ class TorchNativeBackend:
             batch.row_ids, batch.prefix_lens, batch.extend_lens, batch.seq_lens
         ):
             slots = batch.page_table[row, :total].long()
-            mask = None
-            if prefix > 0:
-                q_pos = torch.arange(prefix, total, device=slots.device)[:, None]
-                mask = torch.arange(total, device=slots.device)[None, :] <= q_pos
-            seqs.append(_PrefillSeq(q_start, extend, slots, mask))
+            masks = {w: _prefill_mask(prefix, total, w, slots.device) for w in set(self.windows)}
+            seqs.append(_PrefillSeq(q_start, extend, slots, masks))
             q_start += extend
         return _PrefillMetadata(seqs)
 
@@ -176,18 +185,29 @@ class TorchNativeBackend:
         longest = max(batch.seq_lens)
         device = batch.page_table.device
         slots = batch.page_table[batch.rows, :longest].long()
-        mask = None
-        if min(batch.seq_lens) < longest:
-            lens = torch.tensor(batch.seq_lens, device=device)
-            padding = torch.arange(longest, device=device)[None, :] >= lens[:, None]
-            # Additive, built once a step: SDPA would turn a boolean mask into this per layer.
-            mask = torch.zeros(padding.shape, dtype=self.pool.dtype, device=device)
-            mask = mask.masked_fill_(padding, float("-inf"))[:, None, None]
+        masks = {w: self._decode_mask(batch.seq_lens, w, device) for w in set(self.windows)}
         stage, append = self._pick_stage(batch, longest)
         append_at = None
         if append:
             append_at = (torch.arange(batch.batch_size), torch.tensor(batch.seq_lens) - 1)
-        return _DecodeMetadata(slots, mask, stage, append_at)
+        return _DecodeMetadata(slots, masks, stage, append_at)
+
+    def _decode_mask(
+        self, seq_lens: list[int], window: int, device: torch.device
+    ) -> torch.Tensor | None:
+        """Additive, built once a step (SDPA would turn a boolean mask into this per layer):
+        the padding past each shorter context, and the positions before a window."""
+        longest = max(seq_lens)
+        windowed = 0 < window < longest
+        if min(seq_lens) == longest and not windowed:
+            return None
+        lens = torch.tensor(seq_lens, device=device)[:, None]
+        positions = torch.arange(longest, device=device)[None, :]
+        hidden = positions >= lens
+        if windowed:
+            hidden |= positions < lens - window
+        mask = torch.zeros(hidden.shape, dtype=self.pool.dtype, device=device)
+        return mask.masked_fill_(hidden, float("-inf"))[:, None, None]
 
     def _pick_stage(self, batch: ForwardBatch, longest: int) -> tuple[_DecodeStage | None, bool]:
         """The stage to read this step, and whether it only needs the new tokens appended."""
@@ -226,7 +246,8 @@ class TorchNativeBackend:
                 batch.page_table,
                 batch.rows if meta.rows is None else meta.rows,
                 meta.seq_lens,
-                self.head_dim**-0.5,
+                self.scale,
+                self.windows[layer],
             )
             return out.view(q.shape[0], self.num_heads * self.head_dim)
         if batch.is_decode:
@@ -241,12 +262,14 @@ class TorchNativeBackend:
         for seq in meta.seqs:
             q_seq = q[seq.q_start : seq.q_start + seq.q_len].transpose(0, 1)
             kv_seq = self.pool.gather(layer, seq.kv_slots)
+            mask = seq.masks[self.windows[layer]]
             o = F.scaled_dot_product_attention(
                 q_seq[None],
                 kv_seq[None, :, 0].transpose(1, 2),
                 kv_seq[None, :, 1].transpose(1, 2),
-                attn_mask=seq.mask,
-                is_causal=seq.mask is None,
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=self.scale,
                 enable_gqa=True,
             )
             out[seq.q_start : seq.q_start + seq.q_len] = o[0].transpose(0, 1)
@@ -277,6 +300,25 @@ class TorchNativeBackend:
         # A KV head's group of query heads as its queries: K/V are read once per KV head.
         kv_heads = kv.shape[2]
         o = F.scaled_dot_product_attention(
-            q.view(batch_size, kv_heads, -1, self.head_dim), kv[:, 0], kv[:, 1], attn_mask=meta.mask
+            q.view(batch_size, kv_heads, -1, self.head_dim),
+            kv[:, 0],
+            kv[:, 1],
+            attn_mask=meta.masks[self.windows[layer]],
+            scale=self.scale,
         )
         return o.reshape(batch_size, self.num_heads, self.head_dim)
+
+
+def _prefill_mask(
+    prefix: int, total: int, window: int, device: torch.device
+) -> torch.Tensor | None:
+    """Which of a request's `total` positions each of its new queries (the last `total -
+    prefix`) reads: up to itself (bottom-right aligned after a cached prefix) and, with a
+    window, only its last `window`. None where SDPA's own causal mask is the same."""
+    windowed = 0 < window < total
+    if prefix == 0 and not windowed:
+        return None
+    q_pos = torch.arange(prefix, total, device=device)[:, None]
+    k_pos = torch.arange(total, device=device)[None, :]
+    mask = k_pos <= q_pos
+    return mask & (k_pos > q_pos - window) if windowed else mask

@@ -176,6 +176,8 @@ class Engine:
         self._kernel_builds = self._start_kernel_builds()
         started = time.perf_counter()
         ops = fused_ops(self.device, self.dtype, model_config.quantization is not None)
+        if model_config.gemma_norms and self.device.type == "cuda":
+            ops = None  # the CUDA kernels weigh norms in the model's dtype, Gemma's in float32
         self.cpu_kernels = ops is not None and self.device.type == "cpu"
         with _construct_on(self.device, self.dtype):
             self.model = build_model(
@@ -297,8 +299,15 @@ class Engine:
         if name != "auto":
             return name
         half = self.dtype in (torch.float16, torch.bfloat16)
-        supported = self.model_config.head_dim in FLASHINFER_HEAD_DIMS
+        supported = self.model_config.head_dim in FLASHINFER_HEAD_DIMS and not self._gemma_attention
         return "fi" if self.device.type == "cuda" and half and supported else "torch"
+
+    @property
+    def _gemma_attention(self) -> bool:
+        """Sliding windows or scores scaled otherwise than by 1 / sqrt(head_dim) (Gemma 3):
+        only the torch backend attends so for now."""
+        config = self.model_config
+        return bool(config.layer_windows) or config.attention_scale is not None
 
     def _start_kernel_builds(self) -> list[threading.Thread]:
         """FlashInfer's modules compile (or load) in threads while the weights load."""
@@ -326,7 +335,18 @@ class Engine:
             from aserve.attention.torch_native import TorchNativeBackend
 
             return TorchNativeBackend(
-                self.pool, self.page_table, self.local_heads, head_dim, self.cpu_kernels
+                self.pool,
+                self.page_table,
+                self.local_heads,
+                head_dim,
+                self.cpu_kernels,
+                self.model_config.layer_windows,
+                self.model_config.attention_scale,
+            )
+        if self._gemma_attention:
+            raise ConfigError(
+                f"{self.model_config.architecture}'s sliding windows and score scale run on "
+                "--attention-backend torch only, for now"
             )
         if name in FLASHINFER_KERNELS and self.device.type == "cuda":
             from aserve.attention.flashinfer import FlashInferBackend

@@ -78,3 +78,24 @@ class RMSNorm(nn.Module):
 
     def load_weight(self, name: str, tensor: WeightSource, shard: int = 0) -> None:
         self.weight.data.copy_(tensor[:])
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's norm weighs by 1 + w, in float32, before rounding to the input's dtype. The
+    weight is kept as 1 + w in float32 (the sum transformers forms at every call), so the CPU
+    kernels, whose models run in float32, take it as any norm's weight. CUDA's fused kernels
+    take the model's dtype and are not given to it (`ops` None there)."""
+
+    def __init__(self, size: int, eps: float, ops: FusedOps | None = None) -> None:
+        super().__init__(size, eps, ops)
+        self.weight = nn.Parameter(torch.ones(size, dtype=torch.float32), False)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        inv_rms = x32.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+        if x.dtype == torch.float32:
+            return (x * inv_rms).mul_(self.weight)
+        return (x32 * inv_rms).mul_(self.weight).to(x.dtype)
+
+    def load_weight(self, name: str, tensor: WeightSource, shard: int = 0) -> None:
+        self.weight.data.copy_(tensor[:].float() + 1)

@@ -62,9 +62,10 @@ class DecodeStack:
 def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
     """The stack of `model`'s layers, or None where a layer is not the kernels' whole:
     tensor parallelism, float or padded weights, a fused projection of mixed formats, a
-    float32 model that does not run the CPU kernels."""
+    float32 model that does not run the CPU kernels, Gemma's layers (their extra norms, GELU,
+    sliding windows and scaled scores are the modules' alone)."""
     layers = list(model.layers)
-    if not layers or model.tp.size != 1:
+    if not layers or model.tp.size != 1 or layers[0].sandwich:
         return None
     attention = layers[0].self_attn
     if not isinstance(layers[0].input_layernorm.ops, CpuKernels):

@@ -1,9 +1,12 @@
-"""One dense decoder for Llama, Mistral, Qwen2/2.5 and Qwen3.
+"""One dense decoder for Llama, Mistral, Qwen2/2.5, Qwen3 and Gemma 3.
 
 The families differ only in flags read from the config: Qwen2 adds a bias to the Q/K/V
 projections, Qwen3 normalises each head of Q and K, Llama-3 scales its rope frequencies, and
-small models tie the LM head to the embedding. Checkpoint names are Hugging Face's; the
-fused projections (qkv_proj, gate_up_proj) load their parts by shard.
+small models tie the LM head to the embedding. Gemma 3 also normalises attention's and the
+MLP's outputs ("sandwich" norms, weighing by 1 + w), gates with GELU, scales the
+embeddings, and gives five layers of six a sliding window and a rope of their own.
+Checkpoint names are Hugging Face's; the fused projections (qkv_proj, gate_up_proj) load
+their parts by shard.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from aserve.attention.base import AttentionBackend
@@ -25,7 +29,7 @@ from aserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from aserve.layers.fused import FusedOps
 from aserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from aserve.layers.moe import QuantizedExperts
-from aserve.layers.norm import RMSNorm
+from aserve.layers.norm import GemmaRMSNorm, RMSNorm
 from aserve.layers.rotary import RotaryEmbedding
 from aserve.layers.weight import WeightSource
 from aserve.models.weights import map_checkpoint_tensor
@@ -69,8 +73,9 @@ class DecoderAttention(nn.Module):
             quantization=config.quantization,
         )
         eps = self.eps = config.rms_norm_eps
-        self.q_norm = RMSNorm(config.head_dim, eps, ops) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, eps, ops) if config.qk_norm else None
+        norm = GemmaRMSNorm if config.gemma_norms else RMSNorm
+        self.q_norm = norm(config.head_dim, eps, ops) if config.qk_norm else None
+        self.k_norm = norm(config.head_dim, eps, ops) if config.qk_norm else None
         self.norm_rope_store = _fused_norm_rope_store(ops, config.head_dim)
 
     def forward(
@@ -122,7 +127,8 @@ def use_fp8_activations(model: nn.Module) -> None:
         return layer.quantized is not None and layer.quantized.fp8_product() is not None
 
     for module in model.modules():
-        if not isinstance(module, DecoderLayer):
+        # Gemma's norms weigh in float32; the FP8 norm kernel takes the model dtype's weight
+        if not isinstance(module, DecoderLayer) or module.sandwich:
             continue
         if takes_fp8(module.self_attn.qkv_proj):
             module.input_layernorm.fp8_norm = fp8_cuda.norm_fp8
@@ -160,11 +166,17 @@ class DecoderMLP(nn.Module):
         self.down_proj = RowParallelLinear(
             inter, config.hidden_size, False, tp, reduce_results=False, quantization=quantization
         )
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor:
         """Up to 16 rows of an FP8 model on CUDA take the activation from the gate|up
         kernel, the down projection then reads it plainly; otherwise the down projection's
-        kernels take the activation over (`forward_gated`)."""
+        kernels take the activation over (`forward_gated`). Those kernels gate with SiLU:
+        GELU (Gemma) is computed here, as transformers does."""
+        if self.gelu:
+            assert isinstance(x, torch.Tensor)
+            gate, up = self.gate_up_proj(x).chunk(2, -1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         gate_up = self.gate_up_proj.quantized
         if gate_up is not None:
             activation = gate_up.silu(x)
@@ -186,8 +198,14 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = DecoderAttention(config, layer, rotary, tp, ops)
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.sandwich = config.gemma_norms
+        norm = GemmaRMSNorm if self.sandwich else RMSNorm
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = norm(size, eps, ops)
+        self.post_attention_layernorm = norm(size, eps, ops)
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm(size, eps, ops)
+            self.post_feedforward_layernorm = norm(size, eps, ops)
         self.tp = tp
 
     def forward(
@@ -200,15 +218,25 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention and the MLP return partial sums over tensor-parallel ranks; each norm
         after them reduces (`add_and_norm` with the group). The layer's output is partial
-        too: the next layer's input norm, or the model's final one, reduces it."""
+        too: the next layer's input norm, or the model's final one, reduces it. With
+        sandwich norms (Gemma) the norms right after attention and the MLP reduce, and the
+        layer's output is whole."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
-            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual, self.tp)
+            group = None if self.sandwich else self.tp
+            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual, group)
         hidden = self.self_attn(positions, hidden, batch, attn)
-        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual, self.tp)
-        return self.mlp(hidden), residual
+        if not self.sandwich:
+            hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual, self.tp)
+            return self.mlp(hidden), residual
+        hidden = self.post_attention_layernorm(self._whole(hidden))
+        hidden, residual = self.pre_feedforward_layernorm.add_and_norm(hidden, residual)
+        return self.post_feedforward_layernorm(self._whole(self.mlp(hidden))), residual
+
+    def _whole(self, partial: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(partial) if self.tp.size > 1 else partial
 
 
 class DecoderModel(nn.Module):
@@ -224,19 +252,32 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, tp, config.quantization
         )
+        self.embedding_scale = config.embedding_scale
         rotary = RotaryEmbedding(
             config.head_dim, max_positions, config.rope_theta, config.rope_scaling, ops
         )
+        local_rotary = rotary
+        if config.local_rope_theta is not None:
+            local_rotary = RotaryEmbedding(
+                config.head_dim, max_positions, config.local_rope_theta, None, ops
+            )
+        windows = config.layer_windows or (0,) * config.num_layers
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, rotary, tp, ops, make_mlp(i)) for i in range(config.num_layers)
+            DecoderLayer(config, i, local_rotary if windows[i] else rotary, tp, ops, make_mlp(i))
+            for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        norm = GemmaRMSNorm if config.gemma_norms else RMSNorm
+        self.norm = norm(config.hidden_size, config.rms_norm_eps, ops)
         self.tp = tp
+        # what the last layer's output needs before the final norm: partial sums reduced
+        self.final_group = None if config.gemma_norms else tp
         # The layers in C++ for CPU decode steps (models/cpu_decode.py), set after loading.
         self.decode_stack: DecodeStack | None = None
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         hidden = self.embed_tokens(batch.input_ids)
+        if self.embedding_scale is not None:  # in the embeddings' dtype, as transformers does
+            hidden = hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype)
         residual: torch.Tensor | None = None
         if self.decode_stack is not None and self.decode_stack.takes(batch, attn):
             hidden, residual = self.decode_stack.run(hidden, batch, attn)
@@ -248,7 +289,7 @@ class DecoderModel(nn.Module):
                     batch.halfway.record()
                 hidden, residual = layer(positions, hidden, residual, batch, attn)
         assert residual is not None
-        hidden, _ = self.norm.add_and_norm(hidden, residual, self.tp)
+        hidden, _ = self.norm.add_and_norm(hidden, residual, self.final_group)
         return hidden
 
 

@@ -44,6 +44,15 @@ LAYER_TENSORS = {
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate_inp": "mlp.gate",
 }
+SANDWICH_TENSORS = LAYER_TENSORS | {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+"""Gemma 3's layer norms: `ffn_norm` is the norm before its MLP, with a norm after each part.
+llama.cpp's converter stores each of its norms' weights plus one (the 1 + w they weigh by);
+`iter_gguf` takes the one back off, so the loader sees Hugging Face's values."""
+SANDWICH_FAMILIES = ("gemma3_text",)
 EXPERT_TENSORS = {
     "ffn_gate_exps": "gate_proj",
     "ffn_up_exps": "up_proj",
@@ -68,15 +77,16 @@ class GGUFTensorError(ConfigError):
     """A tensor aserve cannot load: the message names it, its type or its problem."""
 
 
-def hf_tensor_name(name: str) -> str:
+def hf_tensor_name(name: str, sandwich: bool = False) -> str:
     """The Hugging Face name of a GGUF tensor; for a layer's stacked experts a pattern with
-    `{}` where the expert's index goes."""
+    `{}` where the expert's index goes. `sandwich`: a Gemma 3 file (`SANDWICH_TENSORS`)."""
     stem, _, kind = name.rpartition(".")
     if stem in TOP_LEVEL_TENSORS:
         return f"{TOP_LEVEL_TENSORS[stem]}.{kind}"
     prefix, layer, part = (stem.split(".") + ["", ""])[:3]
-    if prefix == "blk" and layer.isdigit() and part in LAYER_TENSORS:
-        return f"model.layers.{layer}.{LAYER_TENSORS[part]}.{kind}"
+    in_layer = SANDWICH_TENSORS if sandwich else LAYER_TENSORS
+    if prefix == "blk" and layer.isdigit() and part in in_layer:
+        return f"model.layers.{layer}.{in_layer[part]}.{kind}"
     if prefix == "blk" and layer.isdigit() and part in EXPERT_TENSORS and kind == "weight":
         return f"model.layers.{layer}.mlp.experts.{{}}.{EXPERT_TENSORS[part]}.weight"
     raise GGUFTensorError(f"GGUF tensor {name!r} has no Hugging Face name that aserve knows")
@@ -145,15 +155,19 @@ def iter_gguf(
         "self_attn.k_proj": config["num_key_value_heads"],
     }
     permute = config["model_type"] == "llama"
+    sandwich = config["model_type"] in SANDWICH_FAMILIES
     for tensor in tqdm(tensors, desc="Loading weights", unit="tensor", disable=not progress):
         if tensor.name == ROPE_FACTORS:
             continue
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, sandwich)
         if "{}" in name:
             for expert in range(tensor.data.shape[0]):
                 yield name.format(expert), _read(_expert(tensor, expert), dequantize)
             continue
         weight = _read(tensor, dequantize)
+        if sandwich and name.endswith("norm.weight"):
+            assert isinstance(weight, torch.Tensor)  # norms are float in every file
+            weight = weight.float() - 1
         module = ".".join(name.split(".")[-3:-1])
         if permute and module in heads and weight.shape[0] % (2 * heads[module]) == 0:
             order = rope_row_order(weight.shape[0], heads[module])

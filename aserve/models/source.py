@@ -60,6 +60,7 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # llama.cpp's recommended-sampling metadata -> generation_config.json's names.
 GGUF_SAMPLING_KEYS = {
@@ -164,8 +165,9 @@ def convert_gguf(gguf_file: Path, out: Path) -> None:
             f"{gguf_file} is not a whole GGUF file (truncated or damaged: {error})"
         ) from None
     tensors = stored_tensors(gguf_file, header.table)
+    sandwich = header.metadata.get("general.architecture") == "gemma3"
     for tensor in tensors:
-        check_tensor(tensor)
+        check_tensor(tensor, sandwich)
     config = hf_config(header.metadata, tensors)
     write_json(out / "config.json", config)
     write_json(out / "generation_config.json", generation_config(header.metadata))
@@ -211,12 +213,13 @@ def complete_tokenizer(folder: Path, apart: bool = False) -> bool:
     return True
 
 
-def check_tensor(tensor: StoredTensor) -> None:
+def check_tensor(tensor: StoredTensor, sandwich: bool = False) -> None:
     """Refuse, with the tensor's name, what the loader could not take: unknown names and
-    types (`read_header` has refused data that the file does not hold in full)."""
+    types (`read_header` has refused data that the file does not hold in full). `sandwich`:
+    a Gemma 3 file, whose layers have norms of their own names."""
     try:
         if tensor.name != ROPE_FACTORS:
-            hf_tensor_name(tensor.name)
+            hf_tensor_name(tensor.name, sandwich)
     except GGUFTensorError as error:
         raise ModelSourceError(str(error)) from None
     kind = tensor.tensor_type
@@ -256,7 +259,7 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
     expert_rows = read(f"{arch}.expert_feed_forward_length", required=experts > 0)
     config = {
         "architectures": [ARCHITECTURES[arch]],
-        "model_type": "qwen3_moe" if arch == "qwen3moe" else arch,
+        "model_type": {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}.get(arch, arch),
         "hidden_size": hidden,
         "intermediate_size": read(f"{arch}.feed_forward_length", expert_rows, required=not experts),
         "num_hidden_layers": read(f"{arch}.block_count", required=True),
@@ -285,9 +288,37 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
         }
+    if arch == "gemma3":
+        config |= gemma3_config(read, config)
     if has_quantized_matrices(stored):
         config["quantization_config"] = {"quant_method": "gguf"}
     return {key: value for key, value in config.items() if value is not None}
+
+
+GEMMA3_WINDOW_PATTERN = 6
+"""Five windowed layers, then a whole one: fixed for Gemma 3 in llama.cpp, not in its files."""
+
+
+def gemma3_config(read: Metadata, config: dict[str, Any]) -> dict[str, Any]:
+    """What a Gemma 3 file leaves to llama.cpp's code, in transformers 4's keys: the layers'
+    windows (five of six, the file's `sliding_window`), the windowed layers' rope (base 10,000,
+    unscaled), GELU, and the scores' scale (1 / sqrt(head_dim), but by the width a head for
+    the 27B model, the one of 62 layers)."""
+    layers = config["num_hidden_layers"]
+    pattern = GEMMA3_WINDOW_PATTERN
+    types = [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)
+    ]
+    width_a_head = config["hidden_size"] // config["num_attention_heads"]
+    return {
+        "sliding_window": read("gemma3.attention.sliding_window", required=True),
+        "layer_types": types,
+        "rope_local_base_freq": 10000.0,
+        "query_pre_attn_scalar": width_a_head if layers == 62 else config["head_dim"],
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "final_logit_softcapping": read("gemma3.final_logit_softcapping"),
+    }
 
 
 def rope_scaling(

@@ -510,6 +510,12 @@ void attend(const float* q, const T* kv, const int32_t* slots, int64_t length,
 // the context's length alone.
 constexpr int64_t kPiece = 128;
 
+// The first position a query of an n-position context reads: with a sliding window of
+// `window` positions (0: none), the last `window` of them, its own included.
+inline int64_t window_start(int64_t n, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, n - window) : 0;
+}
+
 // The length of each piece of an n-position context (the last may be shorter): one formula for
 // decode's lone requests and a prefill's runs, so a token is cut alike either way.
 inline int64_t piece_length(int64_t n) {
@@ -555,8 +561,8 @@ void join_pieces(const float* parts, int64_t count, int64_t apart, int64_t group
 template <typename T>
 void attend_run(const float* queries, int64_t q_stride, const T* kv, const int32_t* context,
                 const int64_t* length, int64_t first, int64_t count, int64_t kv_head,
-                int64_t kv_heads, int64_t group, int64_t head_dim, float scale, float* outputs,
-                std::vector<float>& scratch) {
+                int64_t kv_heads, int64_t group, int64_t head_dim, float scale, int64_t window,
+                float* outputs, std::vector<float>& scratch) {
   const int64_t pairs = count * group, longest = length[first + count - 1];
   const int64_t stride = 2 * kv_heads * head_dim;
   const T* keys = kv + kv_head * head_dim;
@@ -571,7 +577,8 @@ void attend_run(const float* queries, int64_t q_stride, const T* kv, const int32
   for (int64_t e = 0; e < count; ++e)
     std::copy_n(queries + (first + e) * q_stride + kv_head * group * head_dim, group * head_dim,
                 packed + e * group * head_dim);
-  for (int64_t base = 0; base < longest; base += kBlock) {
+  // positions before the first token's window are read by none (lengths rise along a run)
+  for (int64_t base = window_start(length[first], window); base < longest; base += kBlock) {
     const int64_t rows = std::min(kBlock, longest - base);
 #ifdef ASERVE_LANES8
     if (head_dim % 8 == 0) {  // four pairs a pass: two rows of K for four queries' loads
@@ -586,10 +593,11 @@ void attend_run(const float* queries, int64_t q_stride, const T* kv, const int32
               scores + base, longest);
   }
   for (int64_t e = 0; e < count; ++e) {
-    const int64_t n = length[first + e], each = piece_length(n);
+    const int64_t begin = window_start(length[first + e], window);
+    const int64_t n = length[first + e] - begin, each = piece_length(n);
     int64_t pieces = 0;
-    for (int64_t start = 0; start < n; start += each, ++pieces) {
-      const int64_t rows = std::min(each, n - start);
+    for (int64_t offset = 0; offset < n; offset += each, ++pieces) {
+      const int64_t start = begin + offset, rows = std::min(each, n - offset);
       float* out = parts + pieces * part_size;
       float* top = out + group * head_dim;
       float* total = top + group;
@@ -605,9 +613,10 @@ void attend_run(const float* queries, int64_t q_stride, const T* kv, const int32
 
 // q: [batch, heads, head_dim]; this step's K/V are already in the pool (the CPU kernels'
 // norm_rope_store writes them). Request i attends to the first seq_lens[i] slots of
-// page-table row rows[i].
+// page-table row rows[i], or to the last `window` of them where `window` is not 0.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& table,
-                            const at::Tensor& rows, const at::Tensor& seq_lens, double scale) {
+                            const at::Tensor& rows, const at::Tensor& seq_lens, double scale,
+                            int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 &&
                   q.stride(1) == q.size(2),
               "q: float32 [batch, heads, head_dim], each request's heads contiguous");
@@ -649,9 +658,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
     for (int64_t e = i; e < i + count; ++e) {
       first_piece[e] = static_cast<int64_t>(pieces.size());  // a run's tokens: no pieces here
       if (count > 1) continue;
-      const int64_t each = piece_length(length[e]);
-      for (int64_t start = 0; start < length[e]; start += each)
-        pieces.push_back({e, start, std::min(each, length[e] - start)});
+      const int64_t begin = window_start(length[e], window), n = length[e] - begin;
+      const int64_t each = piece_length(n);
+      for (int64_t offset = 0; offset < n; offset += each)
+        pieces.push_back({e, begin + offset, std::min(each, n - offset)});
     }
     i += count;
   }
@@ -672,11 +682,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
         const int32_t* context = slots + row[first] * width;
         if (half) {
           attend_run(queries, q_stride, static_cast<const Half*>(kv.data_ptr()), context, length,
-                     first, count, kv_head, kv_heads, group, head_dim, softmax_scale, outputs,
-                     scratch);
+                     first, count, kv_head, kv_heads, group, head_dim, softmax_scale, window,
+                     outputs, scratch);
         } else {
           attend_run(queries, q_stride, kv.data_ptr<float>(), context, length, first, count,
-                     kv_head, kv_heads, group, head_dim, softmax_scale, outputs, scratch);
+                     kv_head, kv_heads, group, head_dim, softmax_scale, window, outputs, scratch);
         }
         continue;
       }
@@ -715,6 +725,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
 TORCH_LIBRARY_FRAGMENT(aserve_cpu, m) {
   m.def(
       "decode_attention(Tensor q, Tensor kv, Tensor table, Tensor rows, Tensor seq_lens, "
-      "float scale) -> Tensor",
+      "float scale, int window=0) -> Tensor",
       decode_attention);
 }

@@ -95,7 +95,7 @@ class DecodeStack : public torch::CustomClassHolder {
             "aserve_cpu::norm_rope_store");
     static auto attention =
         op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                  double)>("aserve_cpu::decode_attention");
+                  double, int64_t)>("aserve_cpu::decode_attention");
     TORCH_CHECK(!layers_.empty() && caches.size() == layers_.size(), "one cache a layer");
     const int64_t tokens = hidden.size(0);
     Tensor residual = hidden;
@@ -108,7 +108,7 @@ class DecodeStack : public torch::CustomClassHolder {
       norm_rope_store.call(q, qkv.narrow(1, q_size_, 2 * kv_size_), positions, cos_sin,
                            layer.q_norm, layer.k_norm, eps_, caches[i], slots, head_dim_);
       const Tensor attended = attention.call(q.view({tokens, -1, head_dim_}), caches[i], table,
-                                             rows, seq_lens, scale_);
+                                             rows, seq_lens, scale_, 0);
       hidden = project(attended.view({tokens, -1}), {layer.o}, std::nullopt);
       add_rmsnorm.call(hidden, residual, layer.post_norm, eps_);
       hidden = layer.router.has_value() ? experts(hidden, layer) : mlp(hidden, layer);

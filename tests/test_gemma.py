@@ -1,0 +1,132 @@
+"""Gemma 3: sliding windows through chunked prefill, prefix hits and batches, against
+transformers; its configs in both transformers' spellings; GGUF files quantized; refusals.
+
+tests/test_models.py and tests/test_gguf_models.py hold the logits of the tiny Gemma 3
+against transformers (prefill and decode, with and without aserve's CPU kernels, and from a
+GGUF file); here the prompts run well past the window of 4."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+
+from aserve import LLM, SamplingParams
+from aserve.config import ConfigError, ModelConfig
+from aserve.engine import engine as engine_module
+from aserve.layers.norm import GemmaRMSNorm
+from aserve.quant.native import NativeWeight, native_kernels
+from tests.gguf_files import write_hf_as_gguf
+from tests.test_gguf_models import GEMMA3_AS_LLAMA_CPP
+from tests.test_models import hf_model
+from tests.tiny_models import hf_greedy_tokens, make_tiny_model
+
+LONG_PROMPTS = [list(range(7, 67, 2)), [300, 4, 4, 61, *range(100, 121)], [9, 250, 31]]
+"""30, 25 and 3 tokens: the windowed layer (4 positions) reads a small part of the longer."""
+
+
+@pytest.fixture(autouse=True)
+def conversions_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASERVE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model("gemma3", tmp_path_factory.mktemp("gemma3"))
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernels", "torch"])
+def test_windows_hold_through_chunks_prefix_hits_and_batches(
+    gemma: Path, kernels: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompts prefilled in chunks of 8 tokens, decoded together, then again with their
+    prefixes cached and one at a time: transformers' greedy tokens every time."""
+    if not kernels:
+        monkeypatch.setattr(engine_module, "float_weights_on_kernels", lambda *args: None)
+    elif not native_kernels():
+        pytest.skip("the CPU kernels do not build here")
+    hf = hf_model(gemma)
+    expected = [hf_greedy_tokens(hf, prompt, 16) for prompt in LONG_PROMPTS]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    with LLM(str(gemma), page_size=4, max_prefill_length=8) as llm:
+        engine = llm.runtime.engine
+        assert engine.attn.windows == (4, 0)
+        assert (engine.model_config.quantization == "float32") == kernels
+        assert engine.model.model.decode_stack is None  # Gemma's layers are the modules'
+        assert [o.token_ids for o in llm.generate(LONG_PROMPTS, greedy)] == expected
+        planner = llm.scheduler.planner
+        cached_before = planner.prompt_tokens_cached
+        assert [o.token_ids for o in llm.generate(LONG_PROMPTS, greedy)] == expected
+        assert planner.prompt_tokens_cached - cached_before >= 48  # 12 pages of 4
+        alone = [llm.generate([prompt], greedy)[0].token_ids for prompt in LONG_PROMPTS]
+        assert alone == expected
+        llm.scheduler.check_integrity()
+
+
+def test_transformers_4_config_reads_as_5(gemma: Path) -> None:
+    """transformers 4 wrote `rope_local_base_freq`, `rope_theta`, `rope_scaling` and a window
+    pattern where 5 writes `rope_parameters` by layer type and `layer_types`."""
+    new = json.loads((gemma / "config.json").read_text())
+    old = {k: v for k, v in new.items() if k not in ("rope_parameters", "layer_types")}
+    old |= {
+        "rope_theta": 1000000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "rope_local_base_freq": 10000.0,
+        "sliding_window_pattern": 2,
+    }
+    assert ModelConfig.from_hf(old) == ModelConfig.from_hf(new)
+    config = ModelConfig.from_hf(new)
+    assert config.layer_windows == (4, 0) and config.local_rope_theta == 10000.0
+    assert config.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert config.attention_scale == pytest.approx(24**-0.5)
+    assert config.embedding_scale == pytest.approx(8.0) and config.gemma_norms
+
+
+def test_norms_hold_one_plus_the_checkpoint_weight(gemma: Path) -> None:
+    """The float32 weight is 1 + w, which a norm after a bf16 input weighs in float32 before
+    rounding (transformers' Gemma3RMSNorm), not after as Llama's does."""
+    norm = GemmaRMSNorm(8, 1e-6)
+    weight = torch.linspace(-0.5, 0.5, 8, dtype=torch.bfloat16)
+    norm.load_weight("weight", weight)
+    assert norm.weight.dtype == torch.float32
+    assert torch.equal(norm.weight, weight.float() + 1)
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    x32 = x.float()
+    expected = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + weight.float())
+    assert torch.equal(norm(x), expected.to(torch.bfloat16))
+
+
+@pytest.mark.skipif(not native_kernels(), reason="the CPU kernels do not build here")
+def test_quantized_gguf_runs_on_the_kernels(tmp_path: Path) -> None:
+    """A Q8_0 Gemma 3 file (llama.cpp's layout: norms as 1 + w, five windowed layers of six)
+    runs its products on the kernels with a float16 cache, within Q8_0's rounding of the
+    same file de-quantized to float32."""
+    folder = make_tiny_model("gemma3", tmp_path / "gemma3", overrides=GEMMA3_AS_LLAMA_CPP)
+    path = write_hf_as_gguf(folder, tmp_path / "q8.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=True)
+    with LLM(str(path), page_size=4) as quantized:
+        engine = quantized.runtime.engine
+        products = engine.model.model.layers[0].self_attn.qkv_proj.quantized.products
+        assert all(isinstance(p, NativeWeight) for p in products)
+        assert engine.pool.storage_dtype == torch.float16
+        assert engine.attn.windows == (4, 4, 4, 4, 4, 0)
+        ours = quantized.generate(LONG_PROMPTS, params)
+    with LLM(str(path), page_size=4, quantization="none") as float32:
+        reference = float32.generate(LONG_PROMPTS, params)
+    for got, want in zip(ours, reference):
+        first = [t.logprob for t in got.logprobs][0]
+        assert first == pytest.approx([t.logprob for t in want.logprobs][0], abs=0.05)
+        assert got.token_ids[:4] == want.token_ids[:4]
+
+
+def test_softcapped_scores_and_flashinfer_are_refused(gemma: Path) -> None:
+    config = json.loads((gemma / "config.json").read_text())
+    with pytest.raises(ConfigError, match="final_logit_softcapping"):
+        ModelConfig.from_hf({**config, "final_logit_softcapping": 30.0})
+    with pytest.raises(ConfigError, match="activation 'relu'"):
+        ModelConfig.from_hf({**config, "hidden_activation": "relu"})
+    with pytest.raises(ConfigError, match="--attention-backend torch"):
+        LLM(str(gemma), attention_backend="fi")
