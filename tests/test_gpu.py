@@ -83,12 +83,46 @@ def test_bf16_logprobs_close_to_transformers(
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
     hf = hf.cuda().eval()
     llm = make_llm(folder, device="cuda", dtype="bfloat16")
-    # Gemma 3's windows and score scale run on the torch backend only, so far: no graphs
-    windowed = family == "gemma3"
-    backend = "TorchNativeBackend" if windowed else "FlashInferBackend"
-    assert type(llm.runtime.engine.attn).__name__ == backend
-    assert (llm.runtime.engine.graphs is None) == windowed
+    assert type(llm.runtime.engine.attn).__name__ == "FlashInferBackend"
+    assert llm.runtime.engine.graphs is not None
     assert_greedy_logprobs_close(llm, hf)
+
+
+def test_gemma3_windows_on_flashinfer(make_llm: Callable[..., LLM], tmp_path: Path) -> None:
+    """Gemma 3 plans each batch twice (its windowed layers' plan and the rest's): in CUDA
+    graphs as eagerly, the same greedy tokens, batched and alone; its logprobs as the torch
+    backend's masks give them on the same weights. FA3 prefill and an FP8 cache, which have
+    no windowed path here, are refused in one line."""
+    from aserve.attention.flashinfer import ByWindow
+    from aserve.config import ConfigError
+
+    folder = make_tiny_model("gemma3", tmp_path, overrides={**KERNEL_SHAPES, "head_dim": 64})
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=True)
+    graphs = make_llm(folder, **small_gpu_engine())
+    engine = graphs.runtime.engine
+    assert engine.graphs is not None and engine.attn.window == 4
+    batched = graphs.generate(PROMPTS, params)
+    assert isinstance(engine.attn.prefill_wrapper, ByWindow)
+    eager = make_llm(folder, **small_gpu_engine(cuda_graph_max_bs=0))
+    assert eager.runtime.engine.graphs is None
+    expected = [o.token_ids for o in eager.generate(PROMPTS, params)]
+    assert [o.token_ids for o in batched] == expected
+    assert [graphs.generate([p], params)[0].token_ids for p in PROMPTS] == expected
+    masks = make_llm(folder, **small_gpu_engine(attention_backend="torch"))
+    for ours, theirs in zip(batched, masks.generate(PROMPTS, params)):
+        agree = 0
+        while agree < len(ours.token_ids) and ours.token_ids[agree] == theirs.token_ids[agree]:
+            agree += 1
+        assert agree >= 4  # bf16 kernels apart: near ties may part later
+        torch.testing.assert_close(
+            [t.logprob for t in ours.logprobs[:agree]],
+            [t.logprob for t in theirs.logprobs[:agree]],
+            atol=0.05,
+            rtol=0.05,
+        )
+    for refused in ({"attention_backend": "fa"}, {"kv_cache_dtype": "fp8_e4m3"}):
+        with pytest.raises(ConfigError, match="16-bit KV cache"):
+            LLM(str(folder), **small_gpu_engine(**refused))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

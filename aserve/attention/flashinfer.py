@@ -56,7 +56,12 @@ class FlashInferBackend:
     folded into the softmax scale and the V scale applied to the output. Every decode batch
     takes the Triton kernels, which read FP8 the same way: it spares a start-up compile of
     FlashInfer's FP8 decode variants, and at 3-39 requests, where FlashInfer's own were
-    faster in 16 bits, FP8 halves the bytes both read anyway."""
+    faster in 16 bits, FP8 halves the bytes both read anyway.
+
+    `windows` (Gemma 3: a sliding window on some layers) and `scale` (the scores' scale,
+    default 1 / sqrt(head_dim)): FlashInfer fixes a plan's window, so such a model plans
+    each batch twice, for its whole-context layers and its windowed ones (`ByWindow`), and
+    decodes with FlashInfer's kernels only (the Triton ones take neither)."""
 
     def __init__(
         self,
@@ -68,6 +73,8 @@ class FlashInferBackend:
         dtype: torch.dtype,
         prefill_backend: str = "fa2",
         max_prefill_length: int = 0,
+        windows: tuple[int, ...] = (),
+        scale: float | None = None,
     ) -> None:
         try:
             import flashinfer
@@ -84,18 +91,30 @@ class FlashInferBackend:
         self.kv_dtype = pool.storage_dtype
         self.page_size = pool.page_size
         self.widen_max_slots = WIDEN_SLOTS_PER_PREFILL_TOKEN * max_prefill_length
+        self.layer_windows = windows or (0,) * len(pool.kv)
+        self.window = window_of(self.layer_windows)
+        self.scale = scale
         device = pool.k[0].device
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, "NHD", backend=prefill_backend
-        )
-        self.decode_wrappers = {
-            tensor_cores: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+
+        def prefill() -> Any:
+            return flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                self.workspace, "NHD", backend=prefill_backend
+            )
+
+        def decode(tensor_cores: bool) -> Any:
+            return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_tensor_cores=tensor_cores
             )
+
+        self.prefill_wrapper = ByWindow(prefill(), prefill()) if self.window else prefill()
+        self.decode_wrappers = {
+            tensor_cores: ByWindow(decode(tensor_cores), decode(tensor_cores))
+            if self.window
+            else decode(tensor_cores)
             for tensor_cores in (False, True)
         }
-        self.triton_decode = _triton_decode(head_dim)
+        self.triton_decode = None if self.window or scale is not None else _triton_decode(head_dim)
         self.triton_wrapper = (
             None if self.triton_decode is None else self.triton_decode.TritonDecodeWrapper(device)
         )
@@ -137,24 +156,34 @@ class FlashInferBackend:
             and self.num_heads * slots >= WIDEN_MIN_HEAD_SLOTS * batch.batch_size
         )
         kv_data_type = self.dtype if widen else self.kv_dtype
-        self.prefill_wrapper.plan(
-            qo_indptr,
-            indptr,
-            torch.arange(len(indices), dtype=torch.int32, device=indices.device)
-            if widen
-            else indices,
-            last,
-            num_qo_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim_qk=self.head_dim,
-            page_size=self.page_size,
-            causal=True,
-            q_data_type=self.dtype,
-            kv_data_type=kv_data_type,
-        )
+        for wrapper, window_left in self._by_window(self.prefill_wrapper):
+            wrapper.plan(
+                qo_indptr,
+                indptr,
+                torch.arange(len(indices), dtype=torch.int32, device=indices.device)
+                if widen
+                else indices,
+                last,
+                num_qo_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads,
+                head_dim_qk=self.head_dim,
+                page_size=self.page_size,
+                causal=True,
+                q_data_type=self.dtype,
+                kv_data_type=kv_data_type,
+                window_left=window_left,
+                sm_scale=self.scale,
+            )
         batch.attn_metadata = (
             WidenedPrefill(self.prefill_wrapper, indices) if widen else self.prefill_wrapper
         )
+
+    def _by_window(self, wrapper: Any) -> list[tuple[Any, int]]:
+        """A plan's wrappers with the `window_left` each is planned for: FlashInfer reads the
+        last window_left + 1 positions, or all of them at -1."""
+        if isinstance(wrapper, ByWindow):
+            return [(wrapper.whole, -1), (wrapper.windowed, self.window - 1)]
+        return [(wrapper, -1)]
 
     def plan_decode(self, wrapper: Any, batch: ForwardBatch) -> None:
         """Plan a decode batch into `wrapper` (ours, or a CUDA-graph one with static buffers).
@@ -163,19 +192,33 @@ class FlashInferBackend:
             wrapper, self.triton_decode.TritonDecodeWrapper
         ):
             indptr, last, indices = self.page_table.page_layout(batch.row_ids, batch.seq_lens)
+            wrapper.plan(
+                indptr,
+                indices,
+                last,
+                num_qo_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim,
+                page_size=self.page_size,
+                q_data_type=self.dtype,
+                kv_data_type=self.kv_dtype,
+            )
         else:
             indptr, last, indices = self._page_layout(batch)
-        wrapper.plan(
-            indptr,
-            indices,
-            last,
-            num_qo_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            page_size=self.page_size,
-            q_data_type=self.dtype,
-            kv_data_type=self.kv_dtype,
-        )
+            for part, window_left in self._by_window(wrapper):
+                part.plan(
+                    indptr,
+                    indices,
+                    last,
+                    num_qo_heads=self.num_heads,
+                    num_kv_heads=self.num_kv_heads,
+                    head_dim=self.head_dim,
+                    page_size=self.page_size,
+                    q_data_type=self.dtype,
+                    kv_data_type=self.kv_dtype,
+                    window_left=window_left,
+                    sm_scale=self.scale,
+                )
         batch.attn_metadata = wrapper
 
     def graph_decode_wrapper(self, batch_size: int, page_ids: torch.Tensor) -> Any:
@@ -187,15 +230,23 @@ class FlashInferBackend:
         device = self.workspace.device
         if self.uses_triton(batch_size):
             return self.triton_decode.TritonDecodeWrapper(device, batch_size, len(page_ids))
-        return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace,
-            "NHD",
-            use_cuda_graph=True,
-            use_tensor_cores=self.use_tensor_cores(batch_size),
-            paged_kv_indptr_buffer=torch.zeros(batch_size + 1, dtype=torch.int32, device=device),
-            paged_kv_indices_buffer=page_ids,
-            paged_kv_last_page_len_buffer=torch.zeros(batch_size, dtype=torch.int32, device=device),
-        )
+
+        def captured() -> Any:
+            return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=self.use_tensor_cores(batch_size),
+                paged_kv_indptr_buffer=torch.zeros(
+                    batch_size + 1, dtype=torch.int32, device=device
+                ),
+                paged_kv_indices_buffer=page_ids,
+                paged_kv_last_page_len_buffer=torch.zeros(
+                    batch_size, dtype=torch.int32, device=device
+                ),
+            )
+
+        return ByWindow(captured(), captured()) if self.window else captured()
 
     def forward(
         self, q: torch.Tensor, kv: torch.Tensor | None, layer: int, batch: ForwardBatch
@@ -210,16 +261,35 @@ class FlashInferBackend:
         cache = (self.pool.k[layer].view(shape), self.pool.v[layer].view(shape))
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k_scale, v_scale = self.pool.scale_pairs[layer]
-        if batch.is_decode:
-            out = batch.attn_metadata.run(q, cache, k_scale=k_scale, v_scale=v_scale)
-            return out.reshape(-1, self.num_heads * self.head_dim)
         metadata = batch.attn_metadata
+        if isinstance(metadata, ByWindow):
+            metadata = metadata.windowed if self.layer_windows[layer] else metadata.whole
+        if batch.is_decode:
+            out = metadata.run(q, cache, k_scale=k_scale, v_scale=v_scale)
+            return out.reshape(-1, self.num_heads * self.head_dim)
         if isinstance(metadata, WidenedPrefill):
             cache = metadata.widen(self.pool.kv[layer], self.page_size, self.dtype)
             metadata = metadata.wrapper
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         metadata.run(q, cache, out=out, k_scale=k_scale, v_scale=v_scale)
         return out.reshape(-1, self.num_heads * self.head_dim)
+
+
+@dataclass
+class ByWindow:
+    """A batch's two FlashInfer plans where some layers have a sliding window (Gemma 3):
+    one for the layers that read the whole context, one for the windowed ones."""
+
+    whole: Any
+    windowed: Any
+
+
+def window_of(windows: tuple[int, ...]) -> int:
+    """The one window of a model's windowed layers (0: none); FlashInfer plans take one."""
+    sizes = set(windows) - {0}
+    if len(sizes) > 1:
+        raise ValueError(f"layers with windows of {sorted(sizes)}: FlashInfer plans take one")
+    return sizes.pop() if sizes else 0
 
 
 @dataclass
@@ -275,11 +345,13 @@ def use_tensor_cores(num_heads: int, num_kv_heads: int, batch_size: int) -> bool
     return num_heads // num_kv_heads >= 4 or batch_size <= 64
 
 
-def decode_modules(num_heads: int, num_kv_heads: int, head_dim: int, max_batch: int) -> list[str]:
+def decode_modules(
+    num_heads: int, num_kv_heads: int, head_dim: int, max_batch: int, triton_decode: bool = True
+) -> list[str]:
     """FlashInfer's decode modules ("decode" on tensor cores, "CUDA-core decode") that
     batches of 1 to `max_batch` requests of a 16-bit pool plan: those the Triton kernels do
-    not take, by `use_tensor_cores`."""
-    triton = _triton_decode(head_dim)
+    not take (all where `triton_decode` is False), by `use_tensor_cores`."""
+    triton = _triton_decode(head_dim) if triton_decode else None
     tensor_cores = {
         use_tensor_cores(num_heads, num_kv_heads, batch)
         for batch in range(1, max_batch + 1)
@@ -298,6 +370,7 @@ def build_kernels(
     page_size: int,
     prefill_backend: str,
     max_batch: int,
+    windowed: bool = False,
 ) -> list[threading.Thread]:
     """Start compiling (first start) or loading FlashInfer's prefill module and the decode
     modules that batches of up to `max_batch` requests use (tensor-core, CUDA-core: by
@@ -309,7 +382,8 @@ def build_kernels(
     another and each in minutes' share of the first start. Planning a one-token batch here
     while the weights load and the Triton kernels compile overlaps all of it (the builds
     are nvcc processes, so the threads hold no lock). The warm-up joins them before its
-    first prefill."""
+    first prefill. A `windowed` model (sliding-window layers, decoded by FlashInfer alone)
+    also needs each module's sliding-window variant."""
 
     def plan(kind: str) -> None:
         import flashinfer
@@ -317,13 +391,13 @@ def build_kernels(
         started = time.perf_counter()
         stream = torch.cuda.Stream(device)
         with torch.cuda.stream(stream):
-            plan_one_token(flashinfer, kind)
+            plan_one_token(flashinfer, kind.removeprefix("windowed "), window_left(kind))
         # This stream only: the engine thread may be capturing decode graphs meanwhile, and
         # a device-wide synchronize invalidates a capture under way.
         stream.synchronize()
         logger.info("FlashInfer %s kernels ready in %.1f s", kind, time.perf_counter() - started)
 
-    def plan_one_token(flashinfer: Any, kind: str) -> None:
+    def plan_one_token(flashinfer: Any, kind: str, window_left: int) -> None:
         workspace = torch.empty(BUILD_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         one = torch.tensor([0, 1], dtype=torch.int32)
         page = torch.zeros(1, dtype=torch.int32, device=device)
@@ -336,6 +410,7 @@ def build_kernels(
                 one, one, page, last, num_heads, num_kv_heads, head_dim, page_size,
                 causal=True, q_data_type=dtype,
                 kv_data_type=dtype if kind == "widened prefill" else kv_dtype,
+                window_left=window_left,
             )  # fmt: skip
         else:
             decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(  # "CUDA-core decode" or not
@@ -343,8 +418,11 @@ def build_kernels(
             )
             decode.plan(
                 one, page, last, num_heads, num_kv_heads, head_dim, page_size,
-                q_data_type=dtype, kv_data_type=kv_dtype,
+                q_data_type=dtype, kv_data_type=kv_dtype, window_left=window_left,
             )  # fmt: skip
+
+    def window_left(kind: str) -> int:
+        return 1 if kind.startswith("windowed ") else -1  # any window selects the variant
 
     def guarded(kind: str) -> None:
         # Linux keeps a niceness per thread, and the nvcc processes this thread starts
@@ -360,9 +438,11 @@ def build_kernels(
 
     kinds = ["prefill"]
     if kv_dtype == dtype:
-        kinds += decode_modules(num_heads, num_kv_heads, head_dim, max_batch)
+        kinds += decode_modules(num_heads, num_kv_heads, head_dim, max_batch, not windowed)
     else:  # most prefill steps read the FP8 pool widened (`WidenedPrefill`)
         kinds.append("widened prefill")
+    if windowed:
+        kinds += [f"windowed {kind}" for kind in kinds]
     threads = [
         threading.Thread(target=guarded, args=(kind,), name=f"flashinfer-{kind}", daemon=True)
         for kind in kinds

@@ -299,15 +299,8 @@ class Engine:
         if name != "auto":
             return name
         half = self.dtype in (torch.float16, torch.bfloat16)
-        supported = self.model_config.head_dim in FLASHINFER_HEAD_DIMS and not self._gemma_attention
+        supported = self.model_config.head_dim in FLASHINFER_HEAD_DIMS
         return "fi" if self.device.type == "cuda" and half and supported else "torch"
-
-    @property
-    def _gemma_attention(self) -> bool:
-        """Sliding windows or scores scaled otherwise than by 1 / sqrt(head_dim) (Gemma 3):
-        only the torch backend attends so for now."""
-        config = self.model_config
-        return bool(config.layer_windows) or config.attention_scale is not None
 
     def _start_kernel_builds(self) -> list[threading.Thread]:
         """FlashInfer's modules compile (or load) in threads while the weights load."""
@@ -326,6 +319,7 @@ class Engine:
             self.config.page_size,
             FLASHINFER_KERNELS[prefill],
             self.config.max_running_requests,
+            windowed=bool(self.model_config.layer_windows),
         )
 
     def _single_backend(self, name: str) -> AttentionBackend:
@@ -343,24 +337,30 @@ class Engine:
                 self.model_config.layer_windows,
                 self.model_config.attention_scale,
             )
-        if self._gemma_attention:
-            raise ConfigError(
-                f"{self.model_config.architecture}'s sliding windows and score scale run on "
-                "--attention-backend torch only, for now"
-            )
         if name in FLASHINFER_KERNELS and self.device.type == "cuda":
             from aserve.attention.flashinfer import FlashInferBackend
 
-            return FlashInferBackend(
-                self.pool,
-                self.page_table,
-                self.local_heads,
-                self.local_kv_heads,
-                head_dim,
-                self.dtype,
-                FLASHINFER_KERNELS[name],
-                self.config.max_prefill_length,
-            )
+            windows = self.model_config.layer_windows
+            if windows and (name != "fi" or self.pool.quantized):
+                raise ConfigError(
+                    f"{self.model_config.architecture}'s sliding windows run on "
+                    "--attention-backend fi or torch, with a 16-bit KV cache"
+                )
+            try:
+                return FlashInferBackend(
+                    self.pool,
+                    self.page_table,
+                    self.local_heads,
+                    self.local_kv_heads,
+                    head_dim,
+                    self.dtype,
+                    FLASHINFER_KERNELS[name],
+                    self.config.max_prefill_length,
+                    windows,
+                    self.model_config.attention_scale,
+                )
+            except ValueError as error:  # windows of more than one size
+                raise ConfigError(str(error)) from None
         raise ConfigError(
             f"attention backend {name!r} is not available on {self.device.type}; "
             "choose torch, or fi / fa on CUDA"
