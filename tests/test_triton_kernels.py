@@ -73,6 +73,27 @@ def test_fused_add_rmsnorm_rounds_the_sum_first() -> None:
     torch.testing.assert_close(x, hf_rmsnorm(total, weight, 1e-6))
 
 
+def test_gemma_norms_weigh_the_float32_row() -> None:
+    """A float32 weight (Gemma's 1 + w) multiplies the normalised row before it is rounded,
+    as transformers' Gemma3RMSNorm does: the kernels against `GemmaRMSNorm`'s torch path."""
+    from aserve.layers.norm import GemmaRMSNorm
+
+    plain, fused = GemmaRMSNorm(200, 1e-6), GemmaRMSNorm(200, 1e-6, ops)
+    w = torch.randn(200, generator=gen(20)).half()
+    for norm in (plain, fused):
+        norm.load_weight("weight", w)
+        norm.to(DEVICE)
+    x = torch.randn(6, 200, generator=gen(21)).half().to(DEVICE)
+    residual = torch.randn(6, 200, generator=gen(22)).half().to(DEVICE)
+    want = plain(x)
+    llama_order = hf_rmsnorm(x, plain.weight.half(), 1e-6)
+    assert (fused(x) != want).sum() < (llama_order != want).sum() // 4
+    want_normed, want_sum = plain.add_and_norm(x.clone(), residual.clone())
+    got_normed, got_sum = fused.add_and_norm(x.clone(), residual.clone())
+    assert torch.equal(got_sum, want_sum)
+    torch.testing.assert_close(got_normed, want_normed)
+
+
 def test_silu_and_mul() -> None:
     gate_up = torch.randn(4, 2 * 1500, generator=gen(6)).half().to(DEVICE)  # two column blocks
     gate, up = gate_up.chunk(2, dim=-1)

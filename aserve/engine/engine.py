@@ -176,8 +176,6 @@ class Engine:
         self._kernel_builds = self._start_kernel_builds()
         started = time.perf_counter()
         ops = fused_ops(self.device, self.dtype, model_config.quantization is not None)
-        if model_config.gemma_norms and self.device.type == "cuda":
-            ops = None  # the CUDA kernels weigh norms in the model's dtype, Gemma's in float32
         self.cpu_kernels = ops is not None and self.device.type == "cpu"
         with _construct_on(self.device, self.dtype):
             self.model = build_model(

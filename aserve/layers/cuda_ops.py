@@ -5,8 +5,9 @@ compile on a fresh machine, these take about a second each, and all are bound by
 bandwidth, which Triton reaches as well.
 
 The rounding follows Hugging Face's formulas: the residual sum is rounded to the model's
-dtype before it is normalised, the normalised row before it is weighted, SiLU's output
-before the product. Imported only on CUDA (it imports Triton).
+dtype before it is normalised, the normalised row before it is weighted (Llama's order; a
+float32 weight, Gemma's 1 + w, weighs the float32 row and rounds once, Gemma's order),
+SiLU's output before the product. Imported only on CUDA (it imports Triton).
 """
 
 from __future__ import annotations
@@ -16,6 +17,15 @@ import triton
 import triton.language as tl
 
 from aserve.layers.pdl import pdl_options, wait_for_previous
+
+
+@triton.jit
+def _weighed_as_stored(normed, dtype: tl.constexpr, weight_dtype: tl.constexpr):
+    """The normalised float32 row as the weight will multiply it: rounded to the row's dtype
+    first under a weight of that dtype (Llama), kept in float32 under a float32 weight."""
+    if weight_dtype == dtype:
+        return normed.to(dtype).to(tl.float32)
+    return normed
 
 
 @triton.jit
@@ -43,7 +53,7 @@ def _rmsnorm_kernel(
     source = x + token * token_stride + head * head_stride
     values = tl.load(source + cols, mask=inside, other=0.0).to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(values * values, axis=0) / size + eps)
-    normed = (values * inv_rms).to(x.dtype.element_ty).to(tl.float32)
+    normed = _weighed_as_stored(values * inv_rms, x.dtype.element_ty, weight.dtype.element_ty)
     w = tl.load(weight + cols, mask=inside, other=0.0).to(tl.float32)
     target = out + token * out_token_stride + head * out_head_stride
     tl.store(target + cols, (normed * w).to(out.dtype.element_ty), mask=inside)
@@ -75,7 +85,7 @@ def _add_rmsnorm_kernel(
     tl.store(residual_row + cols, rounded, mask=inside)
     values = rounded.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(values * values, axis=0) / size + eps)
-    normed = (values * inv_rms).to(x.dtype.element_ty).to(tl.float32)
+    normed = _weighed_as_stored(values * inv_rms, x.dtype.element_ty, weight.dtype.element_ty)
     w = tl.load(weight + cols, mask=inside, other=0.0).to(tl.float32)
     tl.store(x_row + cols, (normed * w).to(x.dtype.element_ty), mask=inside)
 

@@ -82,9 +82,9 @@ class RMSNorm(nn.Module):
 
 class GemmaRMSNorm(RMSNorm):
     """Gemma's norm weighs by 1 + w, in float32, before rounding to the input's dtype. The
-    weight is kept as 1 + w in float32 (the sum transformers forms at every call), so the CPU
-    kernels, whose models run in float32, take it as any norm's weight. CUDA's fused kernels
-    take the model's dtype and are not given to it (`ops` None there)."""
+    weight is kept as 1 + w in float32 (the sum transformers forms at every call): the CPU
+    kernels, whose models run in float32, take it as any norm's weight, and CUDA's weigh a
+    half-precision row by a float32 weight before rounding (layers/cuda_ops.py)."""
 
     def __init__(self, size: int, eps: float, ops: FusedOps | None = None) -> None:
         super().__init__(size, eps, ops)
