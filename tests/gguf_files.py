@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -102,13 +103,15 @@ def write_hf_as_gguf(
     rope_factors: bool = True,
     qtype: gguf.GGMLQuantizationType | None = None,
     qtype_of: dict[str, gguf.GGMLQuantizationType] | None = None,
+    vocabulary: Callable[[gguf.GGUFWriter], None] | None = None,
 ) -> Path:
     """`folder`'s checkpoint (config.json + model.safetensors) as a GGUF at `path`, without a
     tokenizer. `rope_factors=False` leaves a Llama-3 scaling's `rope_freqs` out, as files
     converted before llama.cpp wrote it are. `qtype` quantizes the matrices (experts too,
     each a `[experts, rows, cols]` tensor a layer, as llama.cpp stacks them; the router and
     the norms stay float32). `qtype_of` gives tensors whose GGUF name holds a key that
-    key's type instead (a Q4_K_M file's Q6_K `attn_v` beside Q4_K queries)."""
+    key's type instead (a Q4_K_M file's Q6_K `attn_v` beside Q4_K queries). `vocabulary`
+    writes a tokenizer's metadata (all but the BOS and EOS ids, which come from the config)."""
     config = json.loads((folder / "config.json").read_text())
     gemma3 = config["model_type"] == "gemma3_text"
     if gemma3:  # the whole layers' rope is the file's; llama.cpp fixes the windowed layers'
@@ -120,6 +123,8 @@ def write_hf_as_gguf(
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     writer = gguf.GGUFWriter(path, arch)
+    if vocabulary is not None:
+        vocabulary(writer)
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])

@@ -129,3 +129,48 @@ def test_softcapped_scores_and_other_activations_are_refused(gemma: Path) -> Non
         ModelConfig.from_hf({**config, "final_logit_softcapping": 30.0})
     with pytest.raises(ConfigError, match="activation 'relu'"):
         ModelConfig.from_hf({**config, "hidden_activation": "relu"})
+
+
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
+    "{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+"""Gemma's turn markers, its generation prompt written by an expression (as its own template
+does: Jinja drops a template's last newline)."""
+
+
+def sentencepiece_vocabulary(writer: gguf.GGUFWriter) -> None:
+    """A 320-token SentencePiece vocabulary as llama.cpp writes Gemma's: specials, the 256
+    byte tokens, then pieces with scores; no merges (transformers rebuilds them)."""
+    specials = ["<pad>", "<bos>", "<eos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    pieces = ["\u2581", *"abcdefghijklmnopqrstuvwxyz", "he", "ll", "or", "ld", "wor"]
+    pieces += ["\u2581w", "\u2581wor", "\u2581world"]  # the merges' path to "\u2581world"
+    tokens = specials + [f"<0x{byte:02X}>" for byte in range(256)] + pieces
+    tokens += [f"\u2581x{i}" for i in range(320 - len(tokens))]
+    control, byte, normal = 3, 6, 1  # llama.cpp's token types
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([-float(i) for i in range(len(tokens))])
+    writer.add_token_types([control] * 6 + [byte] * 256 + [normal] * (len(tokens) - 262))
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(GEMMA_TEMPLATE)
+
+
+def test_gguf_with_gemmas_vocabulary_chats(tmp_path: Path) -> None:
+    """A Gemma 3 file's SentencePiece vocabulary and chat template become the server's
+    tokenizer at conversion: the rendered turn, pieces, byte fallbacks (the newline) and
+    specials as Gemma's tokenizer gives them."""
+    folder = make_tiny_model("gemma3", tmp_path / "gemma3", overrides=GEMMA3_AS_LLAMA_CPP)
+    path = write_hf_as_gguf(folder, tmp_path / "g.gguf", vocabulary=sentencepiece_vocabulary)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    with LLM(str(path), page_size=4) as llm:
+        out = llm.chat([{"role": "user", "content": "hello world"}], params)[0]
+    newline, u, s, e, r, m, o, d, ell = 16, 283, 281, 267, 280, 275, 277, 266, 274
+    he, ll, world = 289, 290, 296
+    assert out.prompt_token_ids == [
+        *(1, 4, u, s, e, r, newline),  # <bos><start_of_turn>user\n
+        *(he, ll, o, world, 5, newline),  # hello world<end_of_turn>\n
+        *(4, m, o, d, e, ell, newline),  # <start_of_turn>model\n
+    ]
+    assert len(out.token_ids) == 4
