@@ -102,6 +102,14 @@ def test_silu_and_mul() -> None:
     )
 
 
+def test_gelu_tanh_and_mul() -> None:
+    """Gemma's gate: transformers' `gelu_pytorch_tanh`, then the product."""
+    gate_up = torch.randn(4, 2 * 1500, generator=gen(23)).half().to(DEVICE)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = torch.nn.functional.gelu(gate.float(), approximate="tanh").half() * up
+    torch.testing.assert_close(ops.gelu_tanh_and_mul(gate_up), want, rtol=2e-3, atol=2e-3)
+
+
 @pytest.mark.parametrize("head_dim", [64, 80])
 def test_rope_matches_the_torch_rotation(head_dim: int) -> None:
     plain = RotaryEmbedding(head_dim, 64, 10000.0, None).to(DEVICE)
@@ -450,17 +458,20 @@ def test_gemv_tiles_loaded_before_the_wait_change_no_bit(
     assert torch.equal(preloaded, run())
 
 
+@pytest.mark.parametrize("window", [0, 100])
 @pytest.mark.parametrize("kernel", ["split", "whole"])
 @pytest.mark.parametrize(("page_size", "fp8"), [(16, False), (256, True)])
 def test_triton_decode_kernels_equal_plain_attention(
-    monkeypatch: pytest.MonkeyPatch, kernel: str, page_size: int, fp8: bool
+    monkeypatch: pytest.MonkeyPatch, kernel: str, page_size: int, fp8: bool, window: int
 ) -> None:
     """The Triton decode attention (attention/triton_decode.py) against softmax attention
     written out in float32 over the K and V the pool reads back, for contexts of 1 token to
     more than a page, on pages in scattered order, over a 16-bit and an FP8 cache (scaled);
     the split kernels with their merge (over more splits than it reads at a time, run twice:
-    its tickets are back at 0 after each run), or (`kernel`) the whole-context one.
-    tests/test_gpu.py has more shapes on the GPU."""
+    its tickets are back at 0 after each run), or (`kernel`) the whole-context one. With a
+    `window` (Gemma 3's sliding layers) a query reads the last 100 positions, its scores
+    scaled by 1 / sqrt(24) (`query_pre_attn_scalar`). tests/test_gpu.py has more shapes on
+    the GPU."""
     from aserve.attention import triton_decode
     from aserve.kvcache.pool import KVPool
 
@@ -482,12 +493,14 @@ def test_triton_decode_kernels_equal_plain_attention(
     indptr = torch.tensor([0, *torch.tensor(pages_per_row).cumsum(0).tolist()], dtype=torch.int32)
     last = [n - (p - 1) * page_size for n, p in zip(lengths, pages_per_row, strict=True)]
     q = torch.randn(len(lengths), q_heads, head_dim, generator=gen(42)).to(DEVICE, DTYPE)
+    sm_scale = 24**-0.5 if window else head_dim**-0.5
     expected = []
     for row, n in enumerate(lengths):
         pages = page_ids[indptr[row] : indptr[row + 1]].long().to(DEVICE)
         kv = pool.gather(0, (pages[:, None] * page_size + slots[:page_size]).flatten()[:n]).float()
+        kv = kv[-window:] if window else kv
         k, v = (kv[:, i].repeat_interleave(q_heads // kv_heads, dim=1) for i in (0, 1))
-        scores = torch.einsum("hd,nhd->hn", q[row].float(), k) * head_dim**-0.5
+        scores = torch.einsum("hd,nhd->hn", q[row].float(), k) * sm_scale
         expected.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), v))
     wrapper = triton_decode.TritonDecodeWrapper(DEVICE)
     wrapper.plan(
@@ -504,10 +517,12 @@ def test_triton_decode_kernels_equal_plain_attention(
     assert (wrapper.num_splits == 1) == (kernel == "whole")
     shape = (-1, page_size, kv_heads, head_dim)
     for _ in range(2):
-        out = wrapper.run(q, (pool.k[0].view(shape), pool.v[0].view(shape)), *pool.scale_pairs[0])
+        cache = (pool.k[0].view(shape), pool.v[0].view(shape))
+        scaled = {"window": window, "sm_scale": sm_scale} if window else {}
+        out = wrapper.run(q, cache, *pool.scale_pairs[0], **scaled)
         torch.testing.assert_close(out.float(), torch.stack(expected), atol=1e-2, rtol=1e-2)
         assert not wrapper.tickets.any()
-    if kernel == "split":  # the longest context's merge reads its splits in two goes
+    if kernel == "split" and not window:  # the longest context's merge reads in two goes
         block = triton_decode.FP8_SPLIT_SETTINGS[-1][1] if fp8 else triton_decode.SPLIT_BLOCK_TOKENS
         chunk = math.ceil(math.ceil(1100 / wrapper.num_splits) / block) * block
         assert math.ceil(1100 / chunk) > triton_decode.MERGE_SPLITS.value

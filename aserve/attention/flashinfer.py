@@ -60,8 +60,8 @@ class FlashInferBackend:
 
     `windows` (Gemma 3: a sliding window on some layers) and `scale` (the scores' scale,
     default 1 / sqrt(head_dim)): FlashInfer fixes a plan's window, so such a model plans
-    each batch twice, for its whole-context layers and its windowed ones (`ByWindow`), and
-    decodes with FlashInfer's kernels only (the Triton ones take neither)."""
+    each batch twice for FlashInfer's kernels, for its whole-context layers and its windowed
+    ones (`ByWindow`); the Triton kernels take the window and the scale at each layer's run."""
 
     def __init__(
         self,
@@ -114,7 +114,7 @@ class FlashInferBackend:
             else decode(tensor_cores)
             for tensor_cores in (False, True)
         }
-        self.triton_decode = None if self.window or scale is not None else _triton_decode(head_dim)
+        self.triton_decode = _triton_decode(head_dim)
         self.triton_wrapper = (
             None if self.triton_decode is None else self.triton_decode.TritonDecodeWrapper(device)
         )
@@ -262,10 +262,16 @@ class FlashInferBackend:
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k_scale, v_scale = self.pool.scale_pairs[layer]
         metadata = batch.attn_metadata
+        window = self.layer_windows[layer]
         if isinstance(metadata, ByWindow):
-            metadata = metadata.windowed if self.layer_windows[layer] else metadata.whole
+            metadata = metadata.windowed if window else metadata.whole
         if batch.is_decode:
-            out = metadata.run(q, cache, k_scale=k_scale, v_scale=v_scale)
+            if self.triton_decode is not None and isinstance(
+                metadata, self.triton_decode.TritonDecodeWrapper
+            ):
+                out = metadata.run(q, cache, k_scale, v_scale, window, self.scale)
+            else:
+                out = metadata.run(q, cache, k_scale=k_scale, v_scale=v_scale)
             return out.reshape(-1, self.num_heads * self.head_dim)
         if isinstance(metadata, WidenedPrefill):
             cache = metadata.widen(self.pool.kv[layer], self.page_size, self.dtype)
@@ -345,13 +351,11 @@ def use_tensor_cores(num_heads: int, num_kv_heads: int, batch_size: int) -> bool
     return num_heads // num_kv_heads >= 4 or batch_size <= 64
 
 
-def decode_modules(
-    num_heads: int, num_kv_heads: int, head_dim: int, max_batch: int, triton_decode: bool = True
-) -> list[str]:
+def decode_modules(num_heads: int, num_kv_heads: int, head_dim: int, max_batch: int) -> list[str]:
     """FlashInfer's decode modules ("decode" on tensor cores, "CUDA-core decode") that
     batches of 1 to `max_batch` requests of a 16-bit pool plan: those the Triton kernels do
-    not take (all where `triton_decode` is False), by `use_tensor_cores`."""
-    triton = _triton_decode(head_dim) if triton_decode else None
+    not take, by `use_tensor_cores`."""
+    triton = _triton_decode(head_dim)
     tensor_cores = {
         use_tensor_cores(num_heads, num_kv_heads, batch)
         for batch in range(1, max_batch + 1)
@@ -382,8 +386,8 @@ def build_kernels(
     another and each in minutes' share of the first start. Planning a one-token batch here
     while the weights load and the Triton kernels compile overlaps all of it (the builds
     are nvcc processes, so the threads hold no lock). The warm-up joins them before its
-    first prefill. A `windowed` model (sliding-window layers, decoded by FlashInfer alone)
-    also needs each module's sliding-window variant."""
+    first prefill. A `windowed` model (sliding-window layers) also needs each module's
+    sliding-window variant."""
 
     def plan(kind: str) -> None:
         import flashinfer
@@ -438,7 +442,7 @@ def build_kernels(
 
     kinds = ["prefill"]
     if kv_dtype == dtype:
-        kinds += decode_modules(num_heads, num_kv_heads, head_dim, max_batch, not windowed)
+        kinds += decode_modules(num_heads, num_kv_heads, head_dim, max_batch)
     else:  # most prefill steps read the FP8 pool widened (`WidenedPrefill`)
         kinds.append("widened prefill")
     if windowed:

@@ -121,6 +121,7 @@ def _attend_block(
     scale,
     block,
     end,
+    lo,
     k_cache,
     v_cache,
     request_pages,
@@ -131,12 +132,15 @@ def _attend_block(
     HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr,
     MASKED: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     """One block of tokens into the running softmax (`best` the rows' max score in log2
     units, `total` their weights' sum, `acc` the weighted values); `MASKED` for a block that
-    runs past `end`."""
+    runs past `end` or (`WINDOWED`) starts before `lo`, the window's first position."""
     tokens = block + tl.arange(0, BLOCK_T)
     token_ok = tokens < end
+    if WINDOWED:
+        token_ok = token_ok & (tokens >= lo)
     dims = tl.arange(0, HEAD_DIM)
     if PAGE_SIZE % BLOCK_T == 0:  # the block lies in one page: one page id to look up
         page = tl.load(request_pages + block // PAGE_SIZE)
@@ -170,7 +174,7 @@ def _attend_block(
 
 # One compile for every split count: each captured batch size would otherwise
 # add variants (Triton specializes integers equal to 1 and multiples of 16).
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "window"])
 def _attend_kernel(
     q,
     q_stride,
@@ -191,6 +195,7 @@ def _attend_kernel(
     sm_scale,
     v_scale,
     num_splits,
+    window,
     PAGE_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -200,6 +205,7 @@ def _attend_kernel(
     DIRECT: tl.constexpr,
     F16: tl.constexpr,
     UNMASKED_BLOCKS: tl.constexpr,
+    WINDOWED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # KV heads vary fastest over the launch, so programs running side by side read
@@ -211,8 +217,12 @@ def _attend_kernel(
     first_page = tl.load(indptr + request)
     pages = tl.load(indptr + request + 1) - first_page
     seq_len = (pages - 1) * PAGE_SIZE + tl.load(last_page_len + request)  # a decode row has >= 1
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_T) * BLOCK_T  # blocks start aligned
-    start = split * chunk
+    # With a sliding window (Gemma 3) the splits share the last `window` positions, from the
+    # block that holds the first of them.
+    lo = tl.maximum(seq_len - window, 0) if WINDOWED else 0
+    base = lo // BLOCK_T * BLOCK_T
+    chunk = tl.cdiv(tl.cdiv(seq_len - base, num_splits), BLOCK_T) * BLOCK_T  # blocks aligned
+    start = base + split * chunk
     # Splits past a short context have nothing to read: they end here, and the context's
     # `used` splits are the ones that merge.
     if start < seq_len:
@@ -245,22 +255,22 @@ def _attend_kernel(
             full_end = start + (end - start) // BLOCK_T * BLOCK_T
             for block in range(start, full_end, BLOCK_T):
                 best, total, acc = _attend_block(
-                    query, best, total, acc, scale, block, end, k_cache, v_cache,
+                    query, best, total, acc, scale, block, end, lo, k_cache, v_cache,
                     pages_of_request, page_stride, token_stride, head_at, PAGE_SIZE, HEAD_DIM,
-                    BLOCK_T, False,
+                    BLOCK_T, False, False,
                 )  # fmt: skip
             if full_end < end:
                 best, total, acc = _attend_block(
-                    query, best, total, acc, scale, full_end, end, k_cache, v_cache,
+                    query, best, total, acc, scale, full_end, end, lo, k_cache, v_cache,
                     pages_of_request, page_stride, token_stride, head_at, PAGE_SIZE, HEAD_DIM,
-                    BLOCK_T, True,
+                    BLOCK_T, True, False,
                 )  # fmt: skip
         else:
             for block in range(start, end, BLOCK_T):
                 best, total, acc = _attend_block(
-                    query, best, total, acc, scale, block, end, k_cache, v_cache,
+                    query, best, total, acc, scale, block, end, lo, k_cache, v_cache,
                     pages_of_request, page_stride, token_stride, head_at, PAGE_SIZE, HEAD_DIM,
-                    BLOCK_T, True,
+                    BLOCK_T, True, WINDOWED,
                 )  # fmt: skip
 
         acc = acc * v_scale
@@ -276,7 +286,7 @@ def _attend_kernel(
             tl.store(part_at, acc / total[:, None], mask=row_ok[:, None])
             tl.store(partial_lse + slot, lse, mask=row_ok)
             pair = request * tl.num_programs(0) + kv_head
-            used = tl.cdiv(seq_len, chunk)
+            used = tl.cdiv(seq_len - base, chunk)
             if last_of_splits(tickets, pair, used):
                 _merge_splits(
                     partial_out, partial_lse, out + request * out_stride, pair * GROUP,
@@ -416,10 +426,13 @@ class TritonDecodeWrapper:
         cache: tuple[torch.Tensor, torch.Tensor],
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        window: int = 0,
+        sm_scale: float | None = None,
     ) -> torch.Tensor:
         """`q` `[batch, heads, head_dim]` (rows may be strided); `cache` the K and V views
         `[pages, page_size, kv_heads, head_dim]` of one layer's pool, in `q`'s dtype or in
-        FP8 with the layer's scales."""
+        FP8 with the layer's scales. `window`: the layer's sliding window (0: none);
+        `sm_scale` the scores' scale (default 1 / sqrt(head_dim))."""
         k_cache, v_cache = cache
         batch, heads, head_dim = q.shape
         assert q.stride(2) == 1 and q.stride(1) == head_dim and k_cache.stride(3) == 1
@@ -452,9 +465,10 @@ class TritonDecodeWrapper:
             partial_out,
             partial_lse,
             self.tickets,
-            head_dim**-0.5 * k_scale,
+            (head_dim**-0.5 if sm_scale is None else sm_scale) * k_scale,
             v_scale,
             self.num_splits,
+            window,
             PAGE_SIZE=self.page_size,
             GROUP=self.group,
             GROUP_PAD=max(16, triton.next_power_of_2(self.group)),
@@ -463,7 +477,8 @@ class TritonDecodeWrapper:
             BLOCK_T=block_tokens,
             DIRECT=direct,
             F16=fp8 and FP8_DOT_F16,
-            UNMASKED_BLOCKS=fp8 and direct,
+            UNMASKED_BLOCKS=fp8 and direct and not window,
+            WINDOWED=window > 0,
             num_warps=warps,
             num_stages=stages,
             **pdl_options(q.device, batch),

@@ -37,6 +37,11 @@ class CpuKernels:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
 
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """Gemma's gate, ATen's too (transformers' `gelu_pytorch_tanh`)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh").mul_(up)
+
     def norm_rope_store(
         self,
         q: torch.Tensor,

@@ -1,8 +1,8 @@
 """aserve's Triton kernels for a decoder's small steps on CUDA (RMSNorm, the residual add,
-SiLU-and-mul, RoPE) behind the names of FlashInfer's functions, as layers/cpu_ops.py does on
-CPU. They used to be FlashInfer's own; its norm and activation modules took 20-30 s to
-compile on a fresh machine, these take about a second each, and all are bound by memory
-bandwidth, which Triton reaches as well.
+SiLU- or GELU-and-mul, RoPE) behind the names of FlashInfer's functions, as
+layers/cpu_ops.py does on CPU. They used to be FlashInfer's own; its norm and activation
+modules took 20-30 s to compile on a fresh machine, these take about a second each, and all
+are bound by memory bandwidth, which Triton reaches as well.
 
 The rounding follows Hugging Face's formulas: the residual sum is rounded to the model's
 dtype before it is normalised, the normalised row before it is weighted (Llama's order; a
@@ -99,8 +99,20 @@ def silu_mul(gate, up, dtype: tl.constexpr):
 
 
 @triton.jit
-def _silu_and_mul_kernel(gate_up, out, in_stride, size, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """Grid (rows, column blocks): `silu(gate) * up` for the halves of each row."""
+def gelu_tanh_mul(gate, up, dtype: tl.constexpr):
+    """`gelu(gate, approximate="tanh") * up` in `dtype` from float32 halves, GELU's output
+    rounded to `dtype` first; tanh(y) as 2 sigmoid(2y) - 1."""
+    inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+    activated = (0.5 * gate * (2.0 * tl.sigmoid(2.0 * inner))).to(dtype).to(tl.float32)
+    return (activated * up).to(dtype)
+
+
+@triton.jit
+def _gate_and_mul_kernel(
+    gate_up, out, in_stride, size, BLOCK: tl.constexpr, GELU: tl.constexpr, PDL: tl.constexpr
+):
+    """Grid (rows, column blocks): `silu(gate) * up`, or with `GELU` Gemma's
+    `gelu_tanh(gate) * up`, for the halves of each row."""
     wait_for_previous(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -108,7 +120,11 @@ def _silu_and_mul_kernel(gate_up, out, in_stride, size, BLOCK: tl.constexpr, PDL
     source = gate_up + row * in_stride
     gate = tl.load(source + cols, mask=inside, other=0.0).to(tl.float32)
     up = tl.load(source + size + cols, mask=inside, other=0.0).to(tl.float32)
-    tl.store(out + row * size + cols, silu_mul(gate, up, out.dtype.element_ty), mask=inside)
+    if GELU:
+        gated = gelu_tanh_mul(gate, up, out.dtype.element_ty)
+    else:
+        gated = silu_mul(gate, up, out.dtype.element_ty)
+    tl.store(out + row * size + cols, gated, mask=inside)
 
 
 @triton.jit
@@ -208,18 +224,25 @@ class CudaKernels:
         )
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._gate_and_mul(gate_up, gelu=False)
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._gate_and_mul(gate_up, gelu=True)
+
+    def _gate_and_mul(self, gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
         rows, size = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(rows, size, dtype=gate_up.dtype, device=gate_up.device)
         if rows == 0:
             return out
         block = min(1024, triton.next_power_of_2(size))
         grid = (rows, triton.cdiv(size, block))
-        _silu_and_mul_kernel[grid](
+        _gate_and_mul_kernel[grid](
             gate_up,
             out,
             gate_up.stride(0),
             size,
             BLOCK=block,
+            GELU=gelu,
             num_warps=4,
             **pdl_options(gate_up.device, rows),
         )

@@ -30,6 +30,8 @@ class FusedOps(Protocol):
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
     def apply_rope_with_cos_sin_cache_inplace(
         self,
         positions: torch.Tensor,

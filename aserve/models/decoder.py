@@ -171,11 +171,14 @@ class DecoderMLP(nn.Module):
     def forward(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor:
         """Up to 16 rows of an FP8 model on CUDA take the activation from the gate|up
         kernel, the down projection then reads it plainly; otherwise the down projection's
-        kernels take the activation over (`forward_gated`). Those kernels gate with SiLU:
-        GELU (Gemma) is computed here, as transformers does."""
+        kernels take the activation over (`forward_gated`). Those gate with SiLU: Gemma's
+        GELU is its own kernel before the down projection."""
         if self.gelu:
             assert isinstance(x, torch.Tensor)
-            gate, up = self.gate_up_proj(x).chunk(2, -1)
+            gate_up = self.gate_up_proj(x)
+            if self.ops is not None:
+                return self.down_proj(self.ops.gelu_tanh_and_mul(gate_up))
+            gate, up = gate_up.chunk(2, -1)
             return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         gate_up = self.gate_up_proj.quantized
         if gate_up is not None:
