@@ -26,7 +26,8 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3",
 }
 MOE_BACKENDS = ("auto", "torch", "fused")
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+GELU_TANH = "gelu_pytorch_tanh"
+ACTIVATIONS = ("silu", GELU_TANH)
 """The gated MLPs' activations: SiLU (Llama, Qwen, Mistral) and GELU's tanh form (Gemma)."""
 # auto: the checkpoint's own (a quantized GGUF stays quantized); none: de-quantize to --dtype;
 # int8 / int4: quantize a float checkpoint's linear layers at load.
@@ -119,7 +120,7 @@ def _gemma3_settings(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
         "attention_scale": float(config.get("query_pre_attn_scalar") or head_dim) ** -0.5,
         "embedding_scale": float(config["hidden_size"]) ** 0.5,
         "gemma_norms": True,
-        "hidden_act": str(config.get("hidden_activation") or config.get("hidden_act")),
+        "hidden_act": config.get("hidden_activation") or config.get("hidden_act") or GELU_TANH,
     }
 
 

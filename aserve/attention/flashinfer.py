@@ -188,11 +188,20 @@ class FlashInferBackend:
     def plan_decode(self, wrapper: Any, batch: ForwardBatch) -> None:
         """Plan a decode batch into `wrapper` (ours, or a CUDA-graph one with static buffers).
         Triton's wrapper takes the page ids on the host, with the rest in one copy."""
+        parts: list[tuple[Any, dict[str, Any]]]
         if self.triton_decode is not None and isinstance(
             wrapper, self.triton_decode.TritonDecodeWrapper
-        ):
+        ):  # the window and scale come at each layer's run
             indptr, last, indices = self.page_table.page_layout(batch.row_ids, batch.seq_lens)
-            wrapper.plan(
+            parts = [(wrapper, {})]
+        else:
+            indptr, last, indices = self._page_layout(batch)
+            parts = [
+                (part, {"window_left": window_left, "sm_scale": self.scale})
+                for part, window_left in self._by_window(wrapper)
+            ]
+        for part, options in parts:
+            part.plan(
                 indptr,
                 indices,
                 last,
@@ -202,23 +211,8 @@ class FlashInferBackend:
                 page_size=self.page_size,
                 q_data_type=self.dtype,
                 kv_data_type=self.kv_dtype,
+                **options,
             )
-        else:
-            indptr, last, indices = self._page_layout(batch)
-            for part, window_left in self._by_window(wrapper):
-                part.plan(
-                    indptr,
-                    indices,
-                    last,
-                    num_qo_heads=self.num_heads,
-                    num_kv_heads=self.num_kv_heads,
-                    head_dim=self.head_dim,
-                    page_size=self.page_size,
-                    q_data_type=self.dtype,
-                    kv_data_type=self.kv_dtype,
-                    window_left=window_left,
-                    sm_scale=self.scale,
-                )
         batch.attn_metadata = wrapper
 
     def graph_decode_wrapper(self, batch_size: int, page_ids: torch.Tensor) -> Any:

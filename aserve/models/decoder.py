@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aserve.attention.base import AttentionBackend
-from aserve.config import ModelConfig
+from aserve.config import GELU_TANH, ModelConfig
 from aserve.distributed.group import TPGroup
 from aserve.forward import ForwardBatch
 from aserve.layers.cpu_gemm import can_pack
@@ -166,7 +166,7 @@ class DecoderMLP(nn.Module):
         self.down_proj = RowParallelLinear(
             inter, config.hidden_size, False, tp, reduce_results=False, quantization=quantization
         )
-        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
+        self.gelu = config.hidden_act == GELU_TANH
 
     def forward(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor:
         """Up to 16 rows of an FP8 model on CUDA take the activation from the gate|up

@@ -34,7 +34,13 @@ from typing import Any
 import gguf
 import numpy as np
 
-from aserve.config import FREQ_FACTORS, ConfigError, cache_root, missing_model_message
+from aserve.config import (
+    FREQ_FACTORS,
+    GELU_TANH,
+    ConfigError,
+    cache_root,
+    missing_model_message,
+)
 from aserve.models.gguf_header import read_header
 from aserve.models.gguf_weights import (
     FLOAT_TYPES,
@@ -315,8 +321,8 @@ def gemma3_config(read: Metadata, config: dict[str, Any]) -> dict[str, Any]:
         "layer_types": types,
         "rope_local_base_freq": 10000.0,
         "query_pre_attn_scalar": width_a_head if layers == 62 else config["head_dim"],
-        "hidden_act": "gelu_pytorch_tanh",
-        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_act": GELU_TANH,
+        "hidden_activation": GELU_TANH,
         "final_logit_softcapping": read("gemma3.final_logit_softcapping"),
     }
 
