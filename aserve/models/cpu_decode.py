@@ -12,15 +12,15 @@ batches the kernels take (`DecodeStack.takes`); anything else runs the modules.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from aserve.attention.base import AttentionBackend
 from aserve.attention.torch_native import TorchNativeBackend
+from aserve.config import ModelConfig
 from aserve.forward import ForwardBatch
 from aserve.layers.cpu_ops import CpuKernels
 from aserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from aserve.layers.moe import QuantizedExperts, SparseMoE
-from aserve.models.decoder import DecoderLayer, DecoderMLP, DecoderModel
+from aserve.models.decoder import DecoderForCausalLM, DecoderLayer, DecoderMLP, DecoderModel
 from aserve.quant.native import KernelTensors, NativeWeight
 
 
@@ -28,9 +28,8 @@ class DecodeStack:
     """The C++ stack of a model's layers, and when it may run them: batches of fewer rows
     than any of its weights sends to BLAS (`blas_from`)."""
 
-    def __init__(self, stack: torch.ScriptObject, cos_sin: torch.Tensor, blas_from: int) -> None:
+    def __init__(self, stack: torch.ScriptObject, blas_from: int) -> None:
         self.stack = stack
-        self.cos_sin = cos_sin
         self.blas_from = blas_from
 
     def takes(self, batch: ForwardBatch, attn: AttentionBackend) -> bool:
@@ -52,39 +51,42 @@ class DecodeStack:
             batch.positions,
             batch.out_slots,
             attn.pool.kv,
-            self.cos_sin,
             batch.page_table,
             batch.rows,
             batch.attn_metadata.seq_lens,
         )
 
 
-def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
+def build_decode_stack(model: DecoderModel, config: ModelConfig) -> DecodeStack | None:
     """The stack of `model`'s layers, or None where a layer is not the kernels' whole:
     tensor parallelism, float or padded weights, a fused projection of mixed formats, a
-    float32 model that does not run the CPU kernels, Gemma's layers (their extra norms, GELU,
-    sliding windows and scaled scores are the modules' alone)."""
+    float32 model that does not run the CPU kernels. Gemma's layers come with their windows
+    (`config.layer_windows`) and their scores' scale."""
     layers = list(model.layers)
-    if not layers or model.tp.size != 1 or layers[0].sandwich:
+    if not layers or model.tp.size != 1:
         return None
     attention = layers[0].self_attn
     if not isinstance(layers[0].input_layernorm.ops, CpuKernels):
         return None
+    scale = config.attention_scale
     stack = torch.classes.aserve_cpu.DecodeStack(
         attention.q_size,
         attention.kv_size,
         attention.head_dim,
         attention.eps,
-        attention.head_dim**-0.5,
+        attention.head_dim**-0.5 if scale is None else scale,
     )
+    windows = config.layer_windows or (0,) * len(layers)
     blas_from: list[int] = []
-    for layer in layers:
-        if not _add_layer(stack, layer, blas_from):
+    for layer, window in zip(layers, windows, strict=True):
+        if not _add_layer(stack, layer, window, blas_from):
             return None
-    return DecodeStack(stack, attention.rotary.cos_sin, min(blas_from))
+    return DecodeStack(stack, min(blas_from))
 
 
-def _add_layer(stack: torch.ScriptObject, layer: DecoderLayer, blas_from: list[int]) -> bool:
+def _add_layer(
+    stack: torch.ScriptObject, layer: DecoderLayer, window: int, blas_from: list[int]
+) -> bool:
     """Add `layer`'s weights and its own parts to `stack`, and each weight's `blas_from` to
     `blas_from`; False where a part is not the kernels' whole."""
 
@@ -115,9 +117,10 @@ def _add_layer(stack: torch.ScriptObject, layer: DecoderLayer, blas_from: list[i
         router, top_k, renormalize = mlp.gate.weight, mlp.top_k, mlp.renormalize
     else:
         return False
+    sandwich = layer.sandwich  # Gemma: the norm before the MLP is another, with two after
     stack.add_layer(
         layer.input_layernorm.weight,
-        layer.post_attention_layernorm.weight,
+        (layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm).weight,
         [add(part) for part in qkv],
         attention.qkv_proj.bias,
         None if attention.q_norm is None else attention.q_norm.weight,
@@ -129,6 +132,11 @@ def _add_layer(stack: torch.ScriptObject, layer: DecoderLayer, blas_from: list[i
         router,
         top_k,
         renormalize,
+        layer.post_attention_layernorm.weight if sandwich else None,
+        layer.post_feedforward_layernorm.weight if sandwich else None,
+        attention.rotary.cos_sin,
+        window,
+        isinstance(mlp, DecoderMLP) and mlp.gelu,
     )
     return True
 
@@ -147,8 +155,8 @@ def _products(
     return products  # type: ignore[return-value]
 
 
-def use_decode_stacks(model: nn.Module) -> None:
+def use_decode_stacks(model: DecoderForCausalLM) -> None:
     """Give `model`'s decoder its stack where it can have one (CPU kernels, after packing)."""
-    decoder = getattr(model, "model", None)
+    decoder = model.model
     if isinstance(decoder, DecoderModel):
-        decoder.decode_stack = build_decode_stack(decoder)
+        decoder.decode_stack = build_decode_stack(decoder, model.config)

@@ -11,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/gelu.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -32,7 +33,9 @@ struct Weight {
 };
 
 // One decoder layer: attention's weights and either a dense MLP (a fused gate|up weight and
-// down) or a MoE layer (its router and its experts' gate|up and down stacks).
+// down) or a MoE layer (its router and its experts' gate|up and down stacks). `post_norm` is
+// the norm before the MLP; Gemma's layers also normalise attention's output
+// (`attention_out_norm`) and the MLP's (`mlp_out_norm`), gate with GELU, and read a window.
 struct Layer {
   Tensor input_norm, post_norm;
   std::vector<int64_t> qkv;  // weights whose outputs are joined into Q|K|V
@@ -42,6 +45,10 @@ struct Layer {
   MaybeTensor router;
   int64_t top_k;
   bool renormalize;
+  MaybeTensor attention_out_norm, mlp_out_norm;
+  Tensor cos_sin;  // the layer's rotary table
+  int64_t window;  // 0: the whole context
+  bool gelu;
 };
 
 template <typename Signature>
@@ -69,7 +76,8 @@ class DecodeStack : public torch::CustomClassHolder {
   void add_layer(Tensor input_norm, Tensor post_norm, std::vector<int64_t> qkv,
                  MaybeTensor qkv_bias, MaybeTensor q_norm, MaybeTensor k_norm, int64_t o,
                  int64_t gate_up, int64_t down, int64_t inter, MaybeTensor router, int64_t top_k,
-                 bool renormalize) {
+                 bool renormalize, MaybeTensor attention_out_norm, MaybeTensor mlp_out_norm,
+                 Tensor cos_sin, int64_t window, bool gelu) {
     const int64_t count = static_cast<int64_t>(weights_.size());
     for (int64_t w : qkv) TORCH_CHECK(w >= 0 && w < count, "no weight ", w);
     TORCH_CHECK(!qkv.empty() && o >= 0 && o < count && gate_up >= 0 && gate_up < count &&
@@ -77,15 +85,17 @@ class DecodeStack : public torch::CustomClassHolder {
                 "a layer names a weight not added");
     layers_.push_back({std::move(input_norm), std::move(post_norm), std::move(qkv),
                        std::move(qkv_bias), std::move(q_norm), std::move(k_norm), o, gate_up,
-                       down, inter, std::move(router), top_k, renormalize});
+                       down, inter, std::move(router), top_k, renormalize,
+                       std::move(attention_out_norm), std::move(mlp_out_norm),
+                       std::move(cos_sin), window, gelu});
   }
 
   // Every layer over the step's tokens `hidden` (their embeddings); returns the last layer's
   // output and the residual stream, which the model's final norm adds. `caches`: the pool's
   // layers, `table`, `rows` and `seq_lens` as decode_attention takes them.
   std::tuple<Tensor, Tensor> run(Tensor hidden, Tensor positions, Tensor slots,
-                                 std::vector<Tensor> caches, Tensor cos_sin, Tensor table,
-                                 Tensor rows, Tensor seq_lens) {
+                                 std::vector<Tensor> caches, Tensor table, Tensor rows,
+                                 Tensor seq_lens) {
     static auto rmsnorm = op<Tensor(const Tensor&, const Tensor&, double)>("aserve_cpu::rmsnorm");
     static auto add_rmsnorm =
         op<void(Tensor, Tensor, const Tensor&, double)>("aserve_cpu::fused_add_rmsnorm");
@@ -105,13 +115,16 @@ class DecodeStack : public torch::CustomClassHolder {
       if (i > 0) add_rmsnorm.call(hidden, residual, layer.input_norm, eps_);
       const Tensor qkv = project(hidden, layer.qkv, layer.qkv_bias);
       const Tensor q = qkv.narrow(1, 0, q_size_);
-      norm_rope_store.call(q, qkv.narrow(1, q_size_, 2 * kv_size_), positions, cos_sin,
+      norm_rope_store.call(q, qkv.narrow(1, q_size_, 2 * kv_size_), positions, layer.cos_sin,
                            layer.q_norm, layer.k_norm, eps_, caches[i], slots, head_dim_);
       const Tensor attended = attention.call(q.view({tokens, -1, head_dim_}), caches[i], table,
-                                             rows, seq_lens, scale_, 0);
+                                             rows, seq_lens, scale_, layer.window);
       hidden = project(attended.view({tokens, -1}), {layer.o}, std::nullopt);
+      if (layer.attention_out_norm.has_value())
+        hidden = rmsnorm.call(hidden, *layer.attention_out_norm, eps_);
       add_rmsnorm.call(hidden, residual, layer.post_norm, eps_);
       hidden = layer.router.has_value() ? experts(hidden, layer) : mlp(hidden, layer);
+      if (layer.mlp_out_norm.has_value()) hidden = rmsnorm.call(hidden, *layer.mlp_out_norm, eps_);
     }
     return {hidden, residual};
   }
@@ -133,7 +146,13 @@ class DecodeStack : public torch::CustomClassHolder {
                         w.levels);
   }
 
+  // SiLU-gated: the activation in the gate|up product's own kernel; GELU (Gemma): the
+  // product, then ATen's tanh GELU times up, as layers/cpu_ops.py's `gelu_tanh_and_mul`.
   Tensor mlp(const Tensor& x, const Layer& layer) {
+    if (layer.gelu) {
+      const std::vector<Tensor> halves = linear(x, weights_[layer.gate_up]).chunk(2, -1);
+      return linear(at::gelu(halves[0], "tanh").mul_(halves[1]), weights_[layer.down]);
+    }
     static auto gated = op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                   const Tensor&, int64_t, int64_t, const MaybeTensor&, int64_t)>(
         "aserve_cpu::gated_linear");
