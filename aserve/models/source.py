@@ -311,14 +311,10 @@ def gemma3_config(read: Metadata, config: dict[str, Any]) -> dict[str, Any]:
     unscaled), GELU, and the scores' scale (1 / sqrt(head_dim), but by the width a head for
     the 27B model, the one of 62 layers)."""
     layers = config["num_hidden_layers"]
-    pattern = GEMMA3_WINDOW_PATTERN
-    types = [
-        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)
-    ]
     width_a_head = config["hidden_size"] // config["num_attention_heads"]
     return {
         "sliding_window": read("gemma3.attention.sliding_window", required=True),
-        "layer_types": types,
+        "sliding_window_pattern": GEMMA3_WINDOW_PATTERN,
         "rope_local_base_freq": 10000.0,
         "query_pre_attn_scalar": width_a_head if layers == 62 else config["head_dim"],
         "hidden_act": GELU_TANH,
