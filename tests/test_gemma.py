@@ -174,3 +174,13 @@ def test_gguf_with_gemmas_vocabulary_chats(tmp_path: Path) -> None:
         *(4, m, o, d, e, ell, newline),  # <start_of_turn>model\n
     ]
     assert len(out.token_ids) == 4
+
+
+def test_flashinfer_takes_one_window_size() -> None:
+    """FlashInfer fixes a plan's window: layers' windows of one size (0: none) plan one
+    windowed wrapper; two sizes are refused in one line."""
+    from aserve.attention.flashinfer import window_of
+
+    assert window_of((4, 4, 0, 4)) == 4 and window_of((0, 0)) == 0 and window_of(()) == 0
+    with pytest.raises(ConfigError, match=r"windows of \[4, 8\]"):
+        window_of((4, 8, 0))

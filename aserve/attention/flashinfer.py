@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from aserve.config import ConfigError
 from aserve.forward import ForwardBatch
 from aserve.kvcache.pages import PageTable
 from aserve.kvcache.pool import KVPool
@@ -185,13 +186,16 @@ class FlashInferBackend:
             return [(wrapper.whole, -1), (wrapper.windowed, self.window - 1)]
         return [(wrapper, -1)]
 
+    def _is_triton(self, wrapper: Any) -> bool:
+        """Whether `wrapper` is attention/triton_decode.py's, not FlashInfer's."""
+        kernels = self.triton_decode
+        return kernels is not None and isinstance(wrapper, kernels.TritonDecodeWrapper)
+
     def plan_decode(self, wrapper: Any, batch: ForwardBatch) -> None:
         """Plan a decode batch into `wrapper` (ours, or a CUDA-graph one with static buffers).
         Triton's wrapper takes the page ids on the host, with the rest in one copy."""
         parts: list[tuple[Any, dict[str, Any]]]
-        if self.triton_decode is not None and isinstance(
-            wrapper, self.triton_decode.TritonDecodeWrapper
-        ):  # the window and scale come at each layer's run
+        if self._is_triton(wrapper):  # the window and scale come at each layer's run
             indptr, last, indices = self.page_table.page_layout(batch.row_ids, batch.seq_lens)
             parts = [(wrapper, {})]
         else:
@@ -260,9 +264,7 @@ class FlashInferBackend:
         if isinstance(metadata, ByWindow):
             metadata = metadata.windowed if window else metadata.whole
         if batch.is_decode:
-            if self.triton_decode is not None and isinstance(
-                metadata, self.triton_decode.TritonDecodeWrapper
-            ):
+            if self._is_triton(metadata):
                 out = metadata.run(q, cache, k_scale, v_scale, window, self.scale)
             else:
                 out = metadata.run(q, cache, k_scale=k_scale, v_scale=v_scale)
@@ -288,7 +290,7 @@ def window_of(windows: tuple[int, ...]) -> int:
     """The one window of a model's windowed layers (0: none); FlashInfer plans take one."""
     sizes = set(windows) - {0}
     if len(sizes) > 1:
-        raise ValueError(f"layers with windows of {sorted(sizes)}: FlashInfer plans take one")
+        raise ConfigError(f"layers with windows of {sorted(sizes)}: FlashInfer plans take one")
     return sizes.pop() if sizes else 0
 
 

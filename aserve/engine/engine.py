@@ -344,21 +344,18 @@ class Engine:
                     f"{self.model_config.architecture}'s sliding windows run on "
                     "--attention-backend fi or torch, with a 16-bit KV cache"
                 )
-            try:
-                return FlashInferBackend(
-                    self.pool,
-                    self.page_table,
-                    self.local_heads,
-                    self.local_kv_heads,
-                    head_dim,
-                    self.dtype,
-                    FLASHINFER_KERNELS[name],
-                    self.config.max_prefill_length,
-                    windows,
-                    self.model_config.attention_scale,
-                )
-            except ValueError as error:  # windows of more than one size
-                raise ConfigError(str(error)) from None
+            return FlashInferBackend(
+                self.pool,
+                self.page_table,
+                self.local_heads,
+                self.local_kv_heads,
+                head_dim,
+                self.dtype,
+                FLASHINFER_KERNELS[name],
+                self.config.max_prefill_length,
+                windows,
+                self.model_config.attention_scale,
+            )
         raise ConfigError(
             f"attention backend {name!r} is not available on {self.device.type}; "
             "choose torch, or fi / fa on CUDA"
