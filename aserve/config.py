@@ -260,6 +260,10 @@ class ModelConfig:
     embedding_scale: float | None = None
     gemma_norms: bool = False
 
+    def layer_window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window, 0 where it reads the whole context."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
     def is_moe_layer(self, layer: int) -> bool:
         """Transformers' rule: every `decoder_sparse_step`-th layer is sparse unless listed
         in `mlp_only_layers`, which keep a dense MLP of `intermediate_size`."""

@@ -76,10 +76,9 @@ def build_decode_stack(model: DecoderModel, config: ModelConfig) -> DecodeStack 
         attention.eps,
         attention.head_dim**-0.5 if scale is None else scale,
     )
-    windows = config.layer_windows or (0,) * len(layers)
     blas_from: list[int] = []
-    for layer, window in zip(layers, windows, strict=True):
-        if not _add_layer(stack, layer, window, blas_from):
+    for i, layer in enumerate(layers):
+        if not _add_layer(stack, layer, config.layer_window(i), blas_from):
             return None
     return DecodeStack(stack, min(blas_from))
 

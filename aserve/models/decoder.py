@@ -264,9 +264,10 @@ class DecoderModel(nn.Module):
             local_rotary = RotaryEmbedding(
                 config.head_dim, max_positions, config.local_rope_theta, None, ops
             )
-        windows = config.layer_windows or (0,) * config.num_layers
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, local_rotary if windows[i] else rotary, tp, ops, make_mlp(i))
+            DecoderLayer(
+                config, i, local_rotary if config.layer_window(i) else rotary, tp, ops, make_mlp(i)
+            )
             for i in range(config.num_layers)
         )
         norm = GemmaRMSNorm if config.gemma_norms else RMSNorm
