@@ -68,6 +68,7 @@ HALVES = {
     QType.IQ2_S: (0,),
     QType.IQ3_XXS: (0,),
     QType.IQ3_S: (0,),
+    QType.MXFP4: (),  # an exponent byte: see `random_blocks`
 }
 FORMATS = list(BLOCKS)
 
@@ -80,6 +81,8 @@ def random_blocks(qtype: QType, rows: int, cols: int, seed: int = 0) -> np.ndarr
     for at in HALVES[qtype]:
         halves = rng.uniform(-0.05, 0.05, (rows, cols // size)).astype(np.float16)
         raw[..., at : at + 2] = halves[..., None].view(np.uint8)
+    if qtype == QType.MXFP4:  # scales 2^-10 to 2^1
+        raw[..., 0] = rng.integers(117, 129, (rows, cols // size), dtype=np.uint8)
     if qtype == QType.IQ1_M:  # the float16's nibbles, low first, atop four 16-bit fields
         half = rng.uniform(-0.05, 0.05, (rows, cols // size, 1)).astype(np.float16)
         nibbles = (half.view(np.uint16) >> np.array([0, 4, 8, 12], np.uint16)) & 15

@@ -32,6 +32,7 @@ BLOCKS: dict[QType, tuple[int, int]] = {
     QType.Q6_K: (256, 210),
     QType.IQ4_NL: (32, 18),
     QType.IQ4_XS: (256, 136),
+    QType.MXFP4: (32, 17),
     QType.IQ1_S: (256, 50),
     QType.IQ1_M: (256, 56),
     QType.IQ2_XXS: (256, 66),
@@ -44,6 +45,11 @@ IQ4_LEVELS = torch.tensor(
     [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.float32
 )
 """The 16 levels of IQ4_NL and IQ4_XS codes (llama.cpp's `kvalues_iq4nl`), denser near 0."""
+MXFP4_LEVELS = torch.tensor(
+    [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.float32
+)
+"""MXFP4's codes (an FP4 E2M1 value each: sign, two exponent bits, one mantissa bit) as
+twice their values, integers; a block's power-of-two scale is halved to match."""
 
 
 class UnsupportedFormat(ValueError):
@@ -287,6 +293,15 @@ def _iq4_xs(blocks: torch.Tensor) -> Decoded:
     return codes, scales, torch.zeros_like(scales), 32, 4, (signed, d, None, None)
 
 
+def _mxfp4(blocks: torch.Tensor) -> Decoded:
+    """OCP's MXFP4 as llama.cpp stores it (gpt-oss's experts): an E8M0 exponent byte e (the
+    scale 2^(e - 127)), then 16 bytes of FP4 codes, nibbles ordered as IQ4_NL's. With the
+    levels doubled (`MXFP4_LEVELS`) the scale is 2^(e - 128), exact in float32."""
+    exponents = blocks[..., 0].to(torch.int32) - 128
+    d = torch.ldexp(torch.ones(exponents.shape), exponents)
+    return _nibbles(blocks[..., 1:17]), d, torch.zeros_like(d), 32, 4
+
+
 DECODERS: dict[QType, Callable[[torch.Tensor], Decoded]] = {
     QType.Q4_0: _q4_0,
     QType.Q4_1: _q4_1,
@@ -300,6 +315,7 @@ DECODERS: dict[QType, Callable[[torch.Tensor], Decoded]] = {
     QType.Q6_K: _q6_k,
     QType.IQ4_NL: _iq4_nl,
     QType.IQ4_XS: _iq4_xs,
+    QType.MXFP4: _mxfp4,
     QType.IQ1_S: iquants.iq1_s,
     QType.IQ1_M: iquants.iq1_m,
     QType.IQ2_XXS: iquants.iq2_xxs,
@@ -314,6 +330,8 @@ def level_table(qtype: QType) -> torch.Tensor | None:
     """The levels that a format's codes stand for, or None where a code is its own value."""
     if qtype in (QType.IQ4_NL, QType.IQ4_XS):
         return IQ4_LEVELS
+    if qtype == QType.MXFP4:
+        return MXFP4_LEVELS
     if qtype.name.startswith("IQ"):
         return iquants.levels(qtype.name)
     return None
