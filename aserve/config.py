@@ -24,6 +24,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma3ForCausalLM": "gemma3",
+    "GptOssForCausalLM": "gpt_oss",
 }
 MOE_BACKENDS = ("auto", "torch", "fused")
 GELU_TANH = "gelu_pytorch_tanh"
@@ -56,6 +57,18 @@ class ConfigError(ValueError):
     """An option or a model config that aserve cannot run with; the message says why."""
 
 
+@dataclass(frozen=True)
+class ExpertStyle:
+    """How an MoE layer's experts differ from Qwen3-MoE's (no biases, SiLU(gate) * up).
+    gpt-oss adds a bias to the router's scores and to every expert product (`biases`), and
+    with a `swiglu_limit` gates by a clamped SwiGLU: gate clamped above and up on both sides
+    at the limit, then (up + 1) * gate * sigmoid(swiglu_alpha * gate)."""
+
+    biases: bool = False
+    swiglu_alpha: float = 1.0
+    swiglu_limit: float | None = None
+
+
 def _as_int_tuple(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
@@ -82,6 +95,19 @@ def _rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None
     return theta, params
 
 
+def _layer_windows(config: dict[str, Any], num_layers: int, pattern: int) -> tuple[int, ...]:
+    """Each layer's sliding window (0: the whole context) from `layer_types`, or, where a
+    config predates them, from a pattern: every `pattern`-th layer reads the whole context,
+    the others `sliding_window` positions. Empty where no layer has a window."""
+    window = int(config.get("sliding_window") or 0)
+    types = config.get("layer_types") or [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+        for i in range(num_layers)
+    ]
+    windows = tuple(window if kind == "sliding_attention" else 0 for kind in types)
+    return windows if any(windows) else ()
+
+
 def _gemma3_settings(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """Gemma 3's quirks: a window on five layers of six (`layer_types`, or the pattern that
     transformers 4 wrote), a rope of their own on those (`rope_parameters` keyed by layer type
@@ -92,17 +118,10 @@ def _gemma3_settings(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if config.get(key) is not None:
             raise ConfigError(f"{key} is not supported: aserve's attention does not cap scores")
-    window = int(config.get("sliding_window") or 0)
-    types = config.get("layer_types")
-    if types is None:
-        pattern = int(
-            config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or 6
-        )
-        types = [
-            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-            for i in range(num_layers)
-        ]
-    windows = tuple(window if kind == "sliding_attention" else 0 for kind in types)
+    pattern = int(
+        config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or 6
+    )
+    windows = _layer_windows(config, num_layers, pattern)
     by_type = config.get("rope_parameters") or {}
     if "full_attention" in by_type:
         full, local = by_type["full_attention"], by_type.get("sliding_attention") or {}
@@ -116,11 +135,38 @@ def _gemma3_settings(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
         "rope_theta": theta,
         "rope_scaling": scaling,
         "local_rope_theta": local_theta,
-        "layer_windows": windows if any(windows) else (),
+        "layer_windows": windows,
         "attention_scale": float(config.get("query_pre_attn_scalar") or head_dim) ** -0.5,
         "embedding_scale": float(config["hidden_size"]) ** 0.5,
         "gemma_norms": True,
         "hidden_act": config.get("hidden_activation") or config.get("hidden_act") or GELU_TANH,
+    }
+
+
+def _gpt_oss_settings(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """gpt-oss: every layer's MLP is 32 or 128 experts of `intermediate_size`, routed by
+    a softmax over the top four scores (the softmax over all of them renormalised over the
+    chosen: the same weights), each with biases and the clamped SwiGLU of
+    `ExpertStyle`; the router and every projection have biases; each head has a learned
+    sink logit in its softmax; even layers read a window of 128 positions."""
+    theta, scaling = _rope_settings(config)
+    return {
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "layer_windows": _layer_windows(config, num_layers, 2),
+        "num_experts": int(config.get("num_local_experts") or config.get("num_experts") or 0),
+        "num_experts_per_tok": int(
+            config.get("num_experts_per_tok") or config.get("experts_per_token") or 4
+        ),
+        "moe_intermediate_size": int(config["intermediate_size"]),
+        "norm_topk_prob": True,
+        "expert_style": ExpertStyle(
+            biases=True,
+            swiglu_alpha=float(config.get("swiglu_alpha") or 1.702),
+            swiglu_limit=float(config.get("swiglu_limit") or 7.0),
+        ),
+        "attention_sinks": True,
+        "norms_in_float32": True,
     }
 
 
@@ -217,12 +263,16 @@ class ModelConfig:
     sliding-window attention and full attention are the same computation. Gemma 3's layers
     alternate: `layer_windows` gives each layer's window (0: the whole context), and its
     windowed layers rotate with `local_rope_theta` unscaled. `gemma_norms`: the layer also
-    normalises attention's and the MLP's outputs, and every norm weighs by 1 + w. The MoE fields
-    keep their defaults (no experts) for dense models. `quantization` is the checkpoint's
-    format: its `quantization_config.quant_method`, "fp8" for every FP8 layout
-    (`_quantization_settings`), "gguf" for a quantized GGUF file, or None, until the runtime
-    replaces it with what the weights run as; `fp8_checkpoint` and `fp8_block` (the scales'
-    block) stay: they say how the file is to be read.
+    normalises attention's and the MLP's outputs, and every norm weighs by 1 + w.
+    `norms_in_float32`: norms weigh the float32 row before rounding (gpt-oss; Gemma's too).
+    `o_bias`: the output projection has a bias (`attention_bias`, except Qwen2's, which
+    biases Q, K and V only). `attention_sinks`: each head's softmax also sums a learned
+    logit of its own that weighs no value (gpt-oss). The MoE fields keep their defaults (no
+    experts) for dense models; `expert_style` says how gpt-oss's experts differ.
+    `quantization` is the checkpoint's format: its `quantization_config.quant_method`, "fp8"
+    for every FP8 layout (`_quantization_settings`), "gguf" for a quantized GGUF file, or
+    None, until the runtime replaces it with what the weights run as; `fp8_checkpoint` and
+    `fp8_block` (the scales' block) stay: they say how the file is to be read.
     """
 
     architecture: str
@@ -259,6 +309,10 @@ class ModelConfig:
     attention_scale: float | None = None  # None: 1 / sqrt(head_dim)
     embedding_scale: float | None = None
     gemma_norms: bool = False
+    norms_in_float32: bool = False
+    o_bias: bool = False
+    attention_sinks: bool = False
+    expert_style: ExpertStyle = ExpertStyle()
 
     def layer_window(self, layer: int) -> int:
         """Layer `layer`'s sliding window, 0 where it reads the whole context."""
@@ -296,11 +350,12 @@ class ModelConfig:
             max_positions = min(max_positions, int(config["sliding_window"]))
         quantization = config.get("quantization_config") or {}
         num_layers = int(config["num_hidden_layers"])
-        family_settings = (
-            _gemma3_settings(config, num_layers)
-            if family == "gemma3"
-            else dict(zip(("rope_theta", "rope_scaling"), _rope_settings(config)))
-        )
+        if family == "gemma3":
+            family_settings = _gemma3_settings(config, num_layers)
+        elif family == "gpt_oss":
+            family_settings = _gpt_oss_settings(config, num_layers)
+        else:
+            family_settings = dict(zip(("rope_theta", "rope_scaling"), _rope_settings(config)))
         settings = {"hidden_act": str(config.get("hidden_act", "silu")), **family_settings}
         if settings["hidden_act"] not in ACTIVATIONS:
             raise ConfigError(
@@ -321,6 +376,7 @@ class ModelConfig:
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=bool(config.get("attention_bias", family == "qwen2")),
+            o_bias=bool(config.get("attention_bias", False)) and family != "qwen2",
             qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
             eos_token_ids=tuple(sorted(eos)),
             bos_token_id=config.get("bos_token_id"),

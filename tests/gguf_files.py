@@ -1,9 +1,9 @@
 """Hugging Face checkpoints written as GGUF files the way llama.cpp's converter writes them.
 
 The names, the metadata keys, the Q/K row order of llama models, the `rope_freqs` of
-Llama-3 rope scaling and Gemma 3's norms stored as 1 + w are spelled out here from
-llama.cpp's conventions, not taken from
-aserve's loader, so that a test through these files checks the loader against them.
+Llama-3 rope scaling, Gemma 3's norms stored as 1 + w and gpt-oss's experts split into gate,
+up and down (with their biases) are spelled out here from llama.cpp's conventions, not taken
+from aserve's loader, so that a test through these files checks the loader against them.
 Tensors stay float32 (GGUF's F32): the files are the float reference of their checkpoint.
 """
 
@@ -26,6 +26,7 @@ GGUF_ARCH = {
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3moe",
     "gemma3_text": "gemma3",
+    "gpt_oss": "gpt-oss",
 }
 TOP_LEVEL = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -53,6 +54,13 @@ GEMMA3_IN_LAYER = IN_LAYER | {
 }
 """gguf-py's names for Gemma 3's four layer norms (MODEL_TENSOR.ATTN_POST_NORM, FFN_PRE_NORM,
 FFN_POST_NORM)."""
+GPT_OSS_IN_LAYER = IN_LAYER | {
+    "post_attention_layernorm": "post_attention_norm",
+    "mlp.router": "ffn_gate_inp",
+    "self_attn.sinks": "attn_sinks",
+}
+"""gpt-oss's names in llama.cpp's converter: the norm before the experts is ATTN_POST_NORM,
+the router FFN_GATE_INP, the sinks ATTN_SINKS (given a `.weight`)."""
 EXPERT_PARTS = {
     "gate_proj": "ffn_gate_exps",
     "up_proj": "ffn_up_exps",
@@ -93,8 +101,28 @@ def gguf_name(hf_name: str, in_layer: dict[str, str] = IN_LAYER) -> str:
     if hf_name in TOP_LEVEL:
         return TOP_LEVEL[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
+    if rest in in_layer:  # a parameter of its own (gpt-oss's sinks)
+        return f"blk.{layer}.{in_layer[rest]}.weight"
     module, _, kind = rest.rpartition(".")
     return f"blk.{layer}.{in_layer[module]}.{kind}"
+
+
+def gpt_oss_experts(name: str, array: np.ndarray) -> dict[str, np.ndarray]:
+    """A layer's stacked gpt-oss experts tensor (transformers' layout: products transposed,
+    gate and up interleaved column by column) as llama.cpp's converter splits it."""
+    layer, part = name.split(".")[2], name.split(".")[-1]
+    prefix = f"blk.{layer}."
+    if part == "gate_up_proj":
+        gate, up = array[..., 0::2].swapaxes(1, 2), array[..., 1::2].swapaxes(1, 2)
+        return {prefix + "ffn_gate_exps.weight": gate, prefix + "ffn_up_exps.weight": up}
+    if part == "gate_up_proj_bias":
+        return {
+            prefix + "ffn_gate_exps.bias": array[:, 0::2],
+            prefix + "ffn_up_exps.bias": array[:, 1::2],
+        }
+    if part == "down_proj":
+        return {prefix + "ffn_down_exps.weight": array.swapaxes(1, 2)}
+    return {prefix + "ffn_down_exps.bias": array}
 
 
 def write_hf_as_gguf(
@@ -114,6 +142,7 @@ def write_hf_as_gguf(
     writes a tokenizer's metadata (all but the BOS and EOS ids, which come from the config)."""
     config = json.loads((folder / "config.json").read_text())
     gemma3 = config["model_type"] == "gemma3_text"
+    gpt_oss = config["model_type"] == "gpt_oss"
     if gemma3:  # the whole layers' rope is the file's; llama.cpp fixes the windowed layers'
         config["rope_parameters"] = config["rope_parameters"]["full_attention"]
     rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
@@ -143,18 +172,23 @@ def write_hf_as_gguf(
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(scaling["factor"])
         writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+        if gpt_oss:
+            writer.add_rope_scaling_yarn_beta_fast(scaling["beta_fast"])
+            writer.add_rope_scaling_yarn_beta_slow(scaling["beta_slow"])
     elif scaling.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(scaling["factor"])
     elif scaling.get("rope_type") == "llama3" and rope_factors:
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config, head_dim))
-    if gemma3:
+    if gemma3 or gpt_oss:
         writer.add_sliding_window(config["sliding_window"])
     num_experts = config.get("num_experts") or config.get("num_local_experts")
     if num_experts:
         writer.add_expert_count(num_experts)
         writer.add_expert_used_count(config["num_experts_per_tok"])
-        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        expert_rows = config["intermediate_size" if gpt_oss else "moe_intermediate_size"]
+        writer.add_expert_feed_forward_length(expert_rows)
+    in_layer = GEMMA3_IN_LAYER if gemma3 else GPT_OSS_IN_LAYER if gpt_oss else IN_LAYER
     tensors: dict[str, np.ndarray] = {}
     experts: dict[str, dict[int, np.ndarray]] = {}
     for name, tensor in load_file(folder / "model.safetensors").items():
@@ -163,19 +197,23 @@ def write_hf_as_gguf(
             array = llama_cpp_permute(array, heads if "q_proj" in name else kv_heads)
         if gemma3 and name.endswith("norm.weight"):  # Gemma3RMSNorm weighs by 1 + w
             array = array + 1
-        if ".mlp.experts." in name:
+        if gpt_oss and ".mlp.experts." in name:
+            tensors |= gpt_oss_experts(name, array)
+        elif ".mlp.experts." in name:
             layer, expert, part = name.split(".")[2], name.split(".")[5], name.split(".")[6]
             experts.setdefault(f"blk.{layer}.{EXPERT_PARTS[part]}.weight", {})[int(expert)] = array
         else:
-            tensors[gguf_name(name, GEMMA3_IN_LAYER if gemma3 else IN_LAYER)] = array
+            tensors[gguf_name(name, in_layer)] = array
     for name, by_index in experts.items():
         tensors[name] = np.stack([by_index[e] for e in sorted(by_index)])
     for name, array in tensors.items():
         kind = next((t for key, t in (qtype_of or {}).items() if key in name), qtype)
-        if kind is not None and array.ndim >= 2 and "ffn_gate_inp" not in name:
-            writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
+        quantizable = name.endswith(".weight") and "ffn_gate_inp" not in name
+        if kind is not None and array.ndim >= 2 and quantizable:
+            quantized = gguf.quants.quantize(np.ascontiguousarray(array), kind)
+            writer.add_tensor(name, quantized, raw_dtype=kind)
         else:
-            writer.add_tensor(name, array)
+            writer.add_tensor(name, np.ascontiguousarray(array))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -77,9 +77,15 @@ def test_norm_rope_store_matches_the_plain_steps(qk_norm: bool, dtype: torch.dty
 
 
 def reference_attention(
-    q: torch.Tensor, pool: torch.Tensor, table: torch.Tensor, rows: list[int], lens: list[int]
+    q: torch.Tensor,
+    pool: torch.Tensor,
+    table: torch.Tensor,
+    rows: list[int],
+    lens: list[int],
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Softmax attention in float64 over each request's slots, K/V heads shared by groups."""
+    """Softmax attention in float64 over each request's slots, K/V heads shared by groups;
+    with `sinks`, each head's softmax also over its sink logit, which weighs no value."""
     heads, kv_heads, head_dim = q.shape[1], pool.shape[2], q.shape[2]
     outputs = []
     for i, (row, length) in enumerate(zip(rows, lens)):
@@ -87,7 +93,10 @@ def reference_attention(
         k = pool[slots, 0].double().repeat_interleave(heads // kv_heads, dim=1)
         v = pool[slots, 1].double().repeat_interleave(heads // kv_heads, dim=1)
         scores = torch.einsum("hd,thd->ht", q[i].double(), k) / head_dim**0.5
-        outputs.append(torch.einsum("ht,thd->hd", scores.softmax(-1), v))
+        if sinks is not None:
+            scores = torch.cat((scores, sinks.double()[:, None]), -1)
+        weights = scores.softmax(-1)[:, :length]
+        outputs.append(torch.einsum("ht,thd->hd", weights, v))
     return torch.stack(outputs).float()
 
 
@@ -182,6 +191,32 @@ def test_a_prefills_tokens_attend_as_each_would_alone(
     assert torch.equal(attend(list(range(5, 12)))[0], together[5])
     expected = reference_attention(q, pool, table, rows, lens)
     torch.testing.assert_close(together, expected, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+def test_sinks_join_each_heads_softmax(dtype: torch.dtype) -> None:
+    """gpt-oss's sinks: each head's softmax also sums e^sink (sinks from far below to far
+    above the scores), for lone requests cut into pieces and for a prefill's runs of tokens,
+    within float32 rounding of float64; none given is the plain softmax."""
+    generator = torch.Generator().manual_seed(5)
+    kv_heads, group, head_dim = 2, 4, 64
+    heads = kv_heads * group
+    pool = torch.randn(2048, 2, kv_heads, head_dim, generator=generator).to(dtype)
+    table = torch.randperm(2048, generator=generator).to(torch.int32).view(2, 1024).contiguous()
+    lens = [1, 300, *range(41, 53)]  # two lone requests of row 0, then a run of row 1
+    rows = [0, 0] + [1] * (len(lens) - 2)
+    q = torch.randn(len(lens), heads, head_dim, generator=generator)
+    sinks = torch.tensor([-30.0, -2.0, 0.0, 0.5, 1.0, 2.0, 4.0, 30.0])
+    args = (q, pool, table, torch.tensor(rows), torch.tensor(lens), head_dim**-0.5, 0)
+    out = torch.ops.aserve_cpu.decode_attention(*args, sinks)
+    expected = reference_attention(q, pool, table, rows, lens, sinks)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-6)
+    assert out[:, -1].abs().max() < 1e-6  # a sink far above the scores takes all the weight
+    plain = torch.ops.aserve_cpu.decode_attention(*args)
+    assert torch.equal(plain, torch.ops.aserve_cpu.decode_attention(*args, None))
+    torch.testing.assert_close(plain, reference_attention(q, pool, table, rows, lens))
+    with pytest.raises(RuntimeError, match="one a head"):
+        torch.ops.aserve_cpu.decode_attention(*args, sinks[:4])
 
 
 def other_build_attention_operands() -> list[tuple]:

@@ -146,6 +146,38 @@ def test_tp2_gemma3_greedy_tokens_and_logprobs_equal_tp1(tmp_path: Path) -> None
         assert_same_generations(two.generate(PROMPTS, params), one.generate(PROMPTS, params))
 
 
+@pytest.mark.parametrize("stored", ["float", "mxfp4"])
+def test_tp2_gpt_oss_greedy_tokens_and_logprobs_equal_tp1(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stored: str
+) -> None:
+    """gpt-oss's biases are added once over the ranks' partial sums (the output projection's
+    and the experts' down biases on rank 0), each rank holds its heads' sinks and its slice
+    of every expert's gate and up biases; from a float checkpoint and from a GGUF of MXFP4
+    experts (a float32 cache, as for Qwen3-MoE's GGUF above)."""
+    options = dict(OPTIONS)
+    if stored == "float":
+        model = make_tiny_model("gpt_oss", tmp_path)
+    else:
+        monkeypatch.setenv("ASERVE_CACHE_DIR", str(cache_sharing_kernels(tmp_path / "cache")))
+        overrides = {"swiglu_limit": 7.0, "intermediate_size": 64}  # whole blocks a rank
+        folder = make_tiny_model("gpt_oss", tmp_path / "hf", overrides=overrides)
+        model = write_hf_as_gguf(
+            folder, tmp_path / "oss.gguf", qtype=QType.Q8_0, qtype_of={"_exps": QType.MXFP4}
+        )
+        options["kv_cache_dtype"] = "float32"
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=True)
+    with (
+        LLM(str(model), max_prefill_length=16, **options) as one,
+        LLM(str(model), max_prefill_length=16, tensor_parallel_size=2, **options) as two,
+    ):
+        attention = two.runtime.engine.model.model.layers[0].self_attn
+        assert attention.sinks is not None and attention.sinks.shape == (4 // 2,)
+        tolerance = 1e-5 if stored == "float" or not rounds_activations(8) else 1e-4
+        assert_same_generations(
+            two.generate(PROMPTS, params), one.generate(PROMPTS, params), tolerance
+        )
+
+
 def test_tp2_of_a_bfloat16_checkpoint_keeps_16_bit_shards(tmp_path: Path) -> None:
     """Each rank keeps its shards of a bfloat16 checkpoint in 16 bits (`FloatWeight`: a
     column-parallel layer's rows, a row-parallel one's columns, its slice of the vocabulary),

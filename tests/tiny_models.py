@@ -3,8 +3,9 @@
 Shapes are small enough for a 2-core CPU but keep what distinguishes the families: grouped
 query attention, Qwen2's QKV bias, Qwen3's per-head Q/K norm and explicit head_dim, Llama-3
 rope scaling, tied or untied embeddings, Qwen3-MoE's routed experts next to a dense MLP
-layer (`mlp_only_layers`), and Gemma 3's windowed and whole layers with their own ropes,
-scaled scores, sandwich norms and GELU.
+layer (`mlp_only_layers`), Gemma 3's windowed and whole layers with their own ropes,
+scaled scores, sandwich norms and GELU, and gpt-oss's attention sinks, biases, YaRN rope,
+windows and experts with biases and a clamped SwiGLU.
 """
 
 from __future__ import annotations
@@ -54,6 +55,26 @@ FAMILIES: dict[str, dict[str, Any]] = {
         },
         "tie_word_embeddings": True,
     },
+    "gpt_oss": {
+        # a windowed layer, a whole one; a clamp low enough that gate and up values reach it
+        "head_dim": 16,
+        "sliding_window": 4,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 32,
+        "swiglu_limit": 1.5,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 8.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 64,
+        },
+        "tie_word_embeddings": False,
+    },
     "qwen3_moe": {
         "rope_theta": 1000000.0,
         "tie_word_embeddings": False,
@@ -82,6 +103,7 @@ def make_tiny_model(
         "mistral": transformers.MistralConfig,
         "qwen3_moe": transformers.Qwen3MoeConfig,
         "gemma3": transformers.Gemma3TextConfig,
+        "gpt_oss": transformers.GptOssConfig,
     }[family]
     config = config_cls(**{**COMMON, **FAMILIES[family], **(overrides or {})})
     torch.manual_seed(seed)
@@ -92,7 +114,7 @@ def make_tiny_model(
                 param.normal_(1.0, 0.1)
             elif name.endswith("bias"):
                 param.normal_(0.0, 0.1)
-            elif ".mlp.gate." in name:
+            elif ".mlp.gate." in name or ".mlp.router." in name or name.endswith("sinks"):
                 param.normal_(0.0, 0.5)
             elif ".mlp.experts." in name:
                 param.normal_(0.0, 0.2)

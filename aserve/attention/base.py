@@ -19,6 +19,8 @@ class AttentionBackend(Protocol):
     `[tokens, 2, kv_heads, head_dim]`. It writes K/V into the pool at `batch.out_slots` and
     returns the attention output `[tokens, num_heads * head_dim]`. K/V None means the
     caller has written them into the pool already (the fused RoPE kernel on CUDA does).
+    `sinks` (float32 `[num_heads]`, gpt-oss): each head's softmax also sums e^sink, a
+    weight on no value.
     """
 
     pool: KVPool
@@ -26,7 +28,12 @@ class AttentionBackend(Protocol):
     def prepare(self, batch: ForwardBatch) -> None: ...
 
     def forward(
-        self, q: torch.Tensor, kv: torch.Tensor | None, layer: int, batch: ForwardBatch
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor | None,
+        layer: int,
+        batch: ForwardBatch,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -45,6 +52,11 @@ class SplitBackend:
         self._pick(batch).prepare(batch)
 
     def forward(
-        self, q: torch.Tensor, kv: torch.Tensor | None, layer: int, batch: ForwardBatch
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor | None,
+        layer: int,
+        batch: ForwardBatch,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self._pick(batch).forward(q, kv, layer, batch)
+        return self._pick(batch).forward(q, kv, layer, batch, sinks)

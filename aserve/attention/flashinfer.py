@@ -247,12 +247,19 @@ class FlashInferBackend:
         return ByWindow(captured(), captured()) if self.window else captured()
 
     def forward(
-        self, q: torch.Tensor, kv: torch.Tensor | None, layer: int, batch: ForwardBatch
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor | None,
+        layer: int,
+        batch: ForwardBatch,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The kernels read Q with its strides (Q is a slice of the fused QKV output), which
         saves a copy a layer (176 us of a 16k-token prefill's layer of the 8B shape on the
         H200), and write into an output left unfilled (FlashInfer's prefill zeroes its own
-        first, and every row is written)."""
+        first, and every row is written). Attention sinks are not taken here (the engine
+        refuses them with this backend)."""
+        assert sinks is None, "attention sinks run on the torch backend"
         if kv is not None:
             self.pool.store(layer, batch.out_slots, kv)
         shape = (-1, self.page_size, self.num_kv_heads, self.head_dim)

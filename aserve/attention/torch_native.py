@@ -233,7 +233,12 @@ class TorchNativeBackend:
         return self._stage, False
 
     def forward(
-        self, q: torch.Tensor, kv: torch.Tensor | None, layer: int, batch: ForwardBatch
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor | None,
+        layer: int,
+        batch: ForwardBatch,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         q = q.view(-1, self.num_heads, self.head_dim)
         if kv is not None:
@@ -248,35 +253,50 @@ class TorchNativeBackend:
                 meta.seq_lens,
                 self.scale,
                 self.windows[layer],
+                sinks,
             )
             return out.view(q.shape[0], self.num_heads * self.head_dim)
         if batch.is_decode:
-            out = self._decode(q, kv, layer, batch)
+            out = self._decode(q, kv, layer, batch, sinks)
         else:
-            out = self._prefill(q, layer, batch.attn_metadata)
+            out = self._prefill(q, layer, batch.attn_metadata, sinks)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
-    def _prefill(self, q: torch.Tensor, layer: int, meta: _PrefillMetadata) -> torch.Tensor:
+    def _prefill(
+        self, q: torch.Tensor, layer: int, meta: _PrefillMetadata, sinks: torch.Tensor | None
+    ) -> torch.Tensor:
         """Inputs get a batch dimension: with three, SDPA on CPU takes its slow math path."""
         out = torch.empty_like(q)
         for seq in meta.seqs:
             q_seq = q[seq.q_start : seq.q_start + seq.q_len].transpose(0, 1)
             kv_seq = self.pool.gather(layer, seq.kv_slots)
             mask = seq.masks[self.windows[layer]]
-            o = F.scaled_dot_product_attention(
-                q_seq[None],
-                kv_seq[None, :, 0].transpose(1, 2),
-                kv_seq[None, :, 1].transpose(1, 2),
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=self.scale,
-                enable_gqa=True,
-            )
+            keys, values = kv_seq[None, :, 0].transpose(1, 2), kv_seq[None, :, 1].transpose(1, 2)
+            if sinks is not None:
+                if mask is None:  # SDPA's causal mask: a whole prompt, nothing cached
+                    mask = torch.ones(seq.q_len, seq.q_len, dtype=torch.bool, device=q.device)
+                    mask = mask.tril_()
+                o = _attend_with_sinks(q_seq[None], keys, values, mask, self.scale, sinks)
+            else:
+                o = F.scaled_dot_product_attention(
+                    q_seq[None],
+                    keys,
+                    values,
+                    attn_mask=mask,
+                    is_causal=mask is None,
+                    scale=self.scale,
+                    enable_gqa=True,
+                )
             out[seq.q_start : seq.q_start + seq.q_len] = o[0].transpose(0, 1)
         return out
 
     def _decode(
-        self, q: torch.Tensor, new_kv: torch.Tensor | None, layer: int, batch: ForwardBatch
+        self,
+        q: torch.Tensor,
+        new_kv: torch.Tensor | None,
+        layer: int,
+        batch: ForwardBatch,
+        sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         """`new_kv`: this step's K/V, already in the pool (None: only there)."""
         meta: _DecodeMetadata = batch.attn_metadata
@@ -297,13 +317,18 @@ class TorchNativeBackend:
                 gathered = self.pool.gather(layer, meta.kv_slots.flatten())
                 token_major[:, :longest] = gathered.view(batch_size, longest, *slot_shape)
             kv = stage[:, :, :, :longest]
+        mask = meta.masks[self.windows[layer]]
+        if sinks is not None:
+            q_heads = q.view(batch_size, self.num_heads, 1, self.head_dim)
+            o = _attend_with_sinks(q_heads, kv[:, 0], kv[:, 1], mask, self.scale, sinks)
+            return o.reshape(batch_size, self.num_heads, self.head_dim)
         # A KV head's group of query heads as its queries: K/V are read once per KV head.
         kv_heads = kv.shape[2]
         o = F.scaled_dot_product_attention(
             q.view(batch_size, kv_heads, -1, self.head_dim),
             kv[:, 0],
             kv[:, 1],
-            attn_mask=meta.masks[self.windows[layer]],
+            attn_mask=mask,
             scale=self.scale,
         )
         return o.reshape(batch_size, self.num_heads, self.head_dim)
@@ -322,3 +347,41 @@ def _prefill_mask(
     k_pos = torch.arange(total, device=device)[None, :]
     mask = k_pos <= q_pos
     return mask & (k_pos > q_pos - window) if windowed else mask
+
+
+SINK_SCORES_BYTES = 64 << 20
+"""Float32 scores that `_attend_with_sinks` holds at once: it takes queries in blocks."""
+
+
+def _attend_with_sinks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """Attention whose softmax also sums each head's e^sink (gpt-oss), which SDPA cannot
+    take: scores in float32, as the sinks are, a block of queries at a time. `q` `[batch,
+    heads, queries, dim]`, `k`/`v` `[batch, kv_heads, keys, dim]`, `mask` boolean (True:
+    read) or additive, broadcast over `[batch, heads, queries, keys]`, or None."""
+    batch, heads, queries, _ = q.shape
+    group = heads // k.shape[1]
+    keys = k.float().repeat_interleave(group, 1).transpose(-1, -2)
+    values = v.float().repeat_interleave(group, 1)
+    block = max(1, SINK_SCORES_BYTES // (4 * batch * heads * k.shape[2]))
+    sink_column = sinks.float().view(1, heads, 1, 1)
+    out = torch.empty(q.shape, dtype=v.dtype, device=q.device)
+    for start in range(0, queries, block):
+        rows = slice(start, start + block)
+        scores = (q[:, :, rows].float() @ keys) * scale
+        if mask is not None:
+            part = mask[..., rows, :] if mask.shape[-2] > 1 else mask
+            if part.dtype == torch.bool:
+                scores.masked_fill_(~part, float("-inf"))
+            else:
+                scores += part
+        sink = sink_column.expand(batch, heads, scores.shape[2], 1)
+        weights = torch.cat((scores, sink), -1).softmax(-1)[..., :-1]
+        out[:, :, rows] = (weights @ values).to(v.dtype)
+    return out

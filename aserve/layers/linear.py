@@ -131,8 +131,6 @@ class RowParallelLinear(nn.Module):
         quantization: str | None = None,
     ) -> None:
         super().__init__()
-        if bias and not reduce_results:
-            raise ValueError("a bias is added after the all-reduce: keep reduce_results")
         self.tp = tp
         self.reduce_results = reduce_results
         start, end = tp.shard(input_size)
@@ -151,32 +149,41 @@ class RowParallelLinear(nn.Module):
         self.one_row: OneRowProduct | None = None
 
     def forward(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor:
+        bias = self._product_bias()
         if self.quantized is not None:
-            partial = self.quantized.linear(x, None)
+            partial = self.quantized.linear(x, bias)
         else:
             assert isinstance(x, torch.Tensor)
             if self.packed is not None:
-                partial = self.packed.linear(x, None)
+                partial = self.packed.linear(x, bias)
             elif self.one_row is not None and x.shape[0] == 1:
-                partial = self.one_row(x, self.weight, None)
+                partial = self.one_row(x, self.weight, bias)
             else:
-                partial = F.linear(x, self.weight)
+                partial = F.linear(x, self.weight, bias)
         return self._reduce(partial)
 
     def forward_gated(self, gate_up: torch.Tensor, ops: FusedOps | None) -> torch.Tensor:
         """The layer applied to SiLU(gate) * up of a fused gate|up output: at one row on CUDA
         one kernel does both (float or FP8 weights); FP8 weights take many rows' activation
         in FP8 from one kernel (`Fp8Weight.gated`)."""
+        bias = self._product_bias()
         if self.one_row is not None and self.weight is not None and gate_up.shape[0] == 1:
-            return self._reduce(self.one_row(gate_up, self.weight, None, gated=True))
-        if self.quantized is not None:
+            return self._reduce(self.one_row(gate_up, self.weight, bias, gated=True))
+        if self.quantized is not None and bias is None:
             product = self.quantized.gated(gate_up)
             if product is not None:
                 return self._reduce(product)
         return self(silu_and_mul(gate_up, ops))
 
+    def _product_bias(self) -> torch.Tensor | None:
+        """The bias where the product adds it: with one rank, or to rank 0's partial sum
+        where the layer after reduces the sums; else `_reduce` adds it after the all-reduce."""
+        if self.tp.size == 1 or (not self.reduce_results and self.tp.rank == 0):
+            return self.bias
+        return None
+
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        if not self.reduce_results:
+        if not self.reduce_results or self.tp.size == 1:
             return partial
         y = self.tp.all_reduce(partial)
         return y if self.bias is None else y + self.bias

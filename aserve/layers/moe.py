@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aserve.config import ConfigError
+from aserve.config import ConfigError, ExpertStyle
 from aserve.distributed.group import TPGroup
 from aserve.layers.moe_layout import group_by_expert
-from aserve.layers.weight import WeightSource
+from aserve.layers.weight import WeightSource, read_whole
 from aserve.quant.codes import Codes
 from aserve.quant.fp8 import FP8, Fp8Tensor, quantize_rows
 from aserve.quant.gguf import QuantizedTensor, decode
@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from aserve.layers.moe_codes_triton import StackedCodes
 
 ExpertsFn = Callable[..., torch.Tensor]
+STACKED_PARTS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+"""Names of every expert's tensors in one, as transformers' modules hold them."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,21 @@ def grouped_experts(
     return torch.zeros_like(x).index_add_(0, tokens, out)
 
 
+PLAIN = ExpertStyle()
+"""Qwen3-MoE's experts: no biases, SiLU(gate) * up."""
+
+
+def activate(gate_up: torch.Tensor, style: ExpertStyle) -> torch.Tensor:
+    """An expert's gated activation from its gate | up outputs (`ExpertStyle`), in their
+    dtype, op for op as transformers computes it."""
+    gate, up = gate_up.chunk(2, -1)
+    limit = style.swiglu_limit
+    if limit is None:
+        return F.silu(gate) * up
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * style.swiglu_alpha))
+
+
 def torch_experts(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -84,6 +101,8 @@ def torch_experts(
     topk_ids: torch.Tensor,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    biases: ExpertBiases | None = None,
+    style: ExpertStyle = PLAIN,
 ) -> torch.Tensor:
     """One gate_up and one down matmul per expert with tokens (`grouped_experts`). FP8
     experts are de-quantized one at a time, as they are used."""
@@ -92,9 +111,10 @@ def torch_experts(
         outs = []
         for expert, rows in zip(experts, parts):
             gate_up = _expert_weight(w13, w13_scale, expert, x.dtype)
-            gate, up = F.linear(rows, gate_up).chunk(2, -1)
             down = _expert_weight(w2, w2_scale, expert, x.dtype)
-            outs.append(F.linear(F.silu(gate) * up, down))
+            gate_up_bias, down_bias = (None, None) if biases is None else biases.of(expert)
+            activation = activate(F.linear(rows, gate_up, gate_up_bias), style)
+            outs.append(F.linear(activation, down, down_bias))
         return outs
 
     return grouped_experts(x, topk_weights, topk_ids, w13.shape[0], mlp)
@@ -156,39 +176,76 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 
 
 class Router(nn.Module):
-    """The gate: one score per expert. Replicated on every rank, so all ranks route alike."""
+    """The gate: one score per expert (plus a bias of its own with gpt-oss). Replicated on
+    every rank, so all ranks route alike."""
 
-    def __init__(self, num_experts: int, hidden_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), False)
+        self.bias = nn.Parameter(torch.zeros(num_experts), False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
     def load_weight(
         self, name: str, tensor: WeightSource | QuantizedTensor, shard: int = 0
     ) -> None:
         """GGUF files keep the router in float32; one that quantized it is widened here."""
+        param = self.bias if name == "bias" else self.weight
+        if param is None:
+            raise ValueError("checkpoint tensor mlp.gate.bias has no place in this model")
         if isinstance(tensor, QuantizedTensor):
-            self.weight.data.copy_(tensor.decode().dequantize(torch.float32))
+            param.data.copy_(tensor.decode().dequantize(torch.float32))
         else:
-            self.weight.data.copy_(tensor[:])
+            param.data.copy_(tensor[:])
 
 
 EXPERT_PARTS = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+BIAS_PARTS = ("gate_proj.bias", "up_proj.bias", "down_proj.bias")
 
 
-def expert_parts(num_experts: int) -> list[str]:
-    """The per-expert tensor names a checkpoint fills, as transformers saves them."""
-    return [f"{e}.{part}" for e in range(num_experts) for part in EXPERT_PARTS]
+def expert_parts(num_experts: int, biases: bool = False) -> list[str]:
+    """The per-expert tensor names a checkpoint fills, as transformers saves them (and,
+    where the experts have biases, as GGUF files split gpt-oss's)."""
+    parts = EXPERT_PARTS + BIAS_PARTS if biases else EXPERT_PARTS
+    return [f"{e}.{part}" for e in range(num_experts) for part in parts]
 
 
-def expert_part(name: str, num_experts: int) -> tuple[int, str]:
+def expert_part(name: str, num_experts: int, biases: bool = False) -> tuple[int, str]:
     """`"{e}.gate_proj.weight"` -> (e, "gate_proj.weight"); anything else is refused."""
     expert, _, part = name.partition(".")
-    if not expert.isdigit() or part not in EXPERT_PARTS or int(expert) >= num_experts:
+    known = EXPERT_PARTS + BIAS_PARTS if biases else EXPERT_PARTS
+    if not expert.isdigit() or part not in known or int(expert) >= num_experts:
         raise ValueError(f"unknown expert tensor {name!r}")
     return int(expert), part
+
+
+class ExpertBiases(nn.Module):
+    """gpt-oss's expert biases, this rank's: `w13` `[E, 2 * I / tp]` (gate's, then up's,
+    on this rank's slice of the intermediate dimension) and `w2` `[E, H]`, which only rank 0
+    adds: each rank's down output is a partial sum that the all-reduce adds up."""
+
+    def __init__(self, num_experts: int, hidden_size: int, shard: slice, tp: TPGroup) -> None:
+        super().__init__()
+        self.shard = shard
+        self.local = shard.stop - shard.start
+        self.w13 = nn.Parameter(torch.zeros(num_experts, 2 * self.local), False)
+        self.w2 = nn.Parameter(torch.zeros(num_experts, hidden_size), False)
+        self.adds_down = tp.rank == 0
+
+    def of(self, expert: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Expert `expert`'s gate|up bias and down bias (None on ranks that leave it out)."""
+        return self.w13[expert], self.w2[expert] if self.adds_down else None
+
+    def load(self, where: int | slice, part: str, tensor: torch.Tensor) -> None:
+        """Part `part` (of `BIAS_PARTS`) of the experts at `where`, the whole rows of it."""
+        local = self.local
+        if part == "gate_proj.bias":
+            self.w13.data[where, :local] = tensor[..., self.shard]
+        elif part == "up_proj.bias":
+            self.w13.data[where, local:] = tensor[..., self.shard]
+        else:
+            self.w2.data[where] = tensor
 
 
 class ExpertWeights(nn.Module):
@@ -207,12 +264,21 @@ class ExpertWeights(nn.Module):
     The float experts are never held whole, so loading needs no more memory than the model."""
 
     def __init__(
-        self, num_experts: int, hidden_size: int, inter_size: int, tp: TPGroup, fp8: bool = False
+        self,
+        num_experts: int,
+        hidden_size: int,
+        inter_size: int,
+        tp: TPGroup,
+        fp8: bool = False,
+        biases: bool = False,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
         start, end = tp.shard(inter_size)
         self.inter_start, self.local_inter = start, end - start
+        self.biases = (
+            ExpertBiases(num_experts, hidden_size, slice(start, end), tp) if biases else None
+        )
         dtype = FP8 if fp8 else None
         w13 = torch.empty(num_experts, 2 * self.local_inter, hidden_size, dtype=dtype)
         w2 = torch.empty(num_experts, hidden_size, self.local_inter, dtype=dtype)
@@ -229,16 +295,18 @@ class ExpertWeights(nn.Module):
         return self.w13_scale is not None
 
     def parts(self) -> list[str]:
-        return expert_parts(self.num_experts)
+        return expert_parts(self.num_experts, self.biases is not None)
 
     def load_tensor(self, name: str, tensor: WeightSource | Fp8Tensor) -> list[str]:
         """Per-expert tensors read only this rank's slice of the intermediate dimension;
-        the stacked gate_up layout interleaves gate and up, so it is read whole."""
+        the stacked gate_up layout joins gate and up, so it is read whole."""
         local = self.local_inter
         shard = slice(self.inter_start, self.inter_start + local)
         every, gate_rows, up_rows = slice(None), slice(0, local), slice(local, 2 * local)
-        if name in ("gate_up_proj", "down_proj") and isinstance(tensor, Fp8Tensor):
+        if name in STACKED_PARTS and isinstance(tensor, Fp8Tensor):
             raise ValueError(f"stacked FP8 experts ({name}) are not supported")
+        if self.biases is not None and name in STACKED_PARTS:
+            return self._load_gpt_oss(name, read_whole(tensor))
         if name == "gate_up_proj":
             gate, up = tensor[:].chunk(2, dim=1)
             self._fill("w13", (every, gate_rows), gate[:, shard])
@@ -247,14 +315,42 @@ class ExpertWeights(nn.Module):
         if name == "down_proj":
             self._fill("w2", (every,), tensor[:, :, shard])
             return [p for p in self.parts() if p.endswith("down_proj.weight")]
-        index, part = expert_part(name, self.num_experts)
-        if part == "gate_proj.weight":
+        index, part = expert_part(name, self.num_experts, self.biases is not None)
+        if part in BIAS_PARTS:
+            assert self.biases is not None
+            self.biases.load(index, part, read_whole(tensor))
+        elif part == "gate_proj.weight":
             self._fill("w13", (index, gate_rows), tensor[shard])
         elif part == "up_proj.weight":
             self._fill("w13", (index, up_rows), tensor[shard])
         else:
             self._fill("w2", (index,), tensor[:, shard])
         return [name]
+
+    def _load_gpt_oss(self, name: str, tensor: torch.Tensor) -> list[str]:
+        """gpt-oss's stacked experts as transformers holds them: each expert's products
+        transposed (`gate_up_proj` `[E, H, 2I]`, `down_proj` `[E, I, H]`), gate and up
+        interleaved column by column, biases `[E, 2I]` (interleaved too) and `[E, H]`."""
+        local = self.local_inter
+        shard = slice(self.inter_start, self.inter_start + local)
+        every = slice(None)
+        assert self.biases is not None
+        if name == "gate_up_proj":
+            gate, up = tensor[..., 0::2].transpose(1, 2), tensor[..., 1::2].transpose(1, 2)
+            self._fill("w13", (every, slice(0, local)), gate[:, shard])
+            self._fill("w13", (every, slice(local, 2 * local)), up[:, shard])
+            parts = EXPERT_PARTS[:2]
+        elif name == "gate_up_proj_bias":
+            self.biases.load(every, "gate_proj.bias", tensor[:, 0::2])
+            self.biases.load(every, "up_proj.bias", tensor[:, 1::2])
+            parts = BIAS_PARTS[:2]
+        elif name == "down_proj":
+            self._fill("w2", (every,), tensor.transpose(1, 2)[:, :, shard])
+            parts = EXPERT_PARTS[2:]
+        else:
+            self.biases.load(every, "down_proj.bias", tensor)
+            parts = BIAS_PARTS[2:]
+        return [f"{e}.{part}" for e in range(self.num_experts) for part in parts]
 
     def fill_random(self, std: float, generator: torch.Generator) -> None:
         """Random experts (dummy weights) from normal floats, quantized one at a time."""
@@ -297,13 +393,23 @@ class QuantizedExperts(nn.Module):
     the kernels (`whole_layer`). Names and tensor-parallel slices as `ExpertWeights`."""
 
     def __init__(
-        self, num_experts: int, hidden_size: int, inter_size: int, tp: TPGroup, fused: bool
+        self,
+        num_experts: int,
+        hidden_size: int,
+        inter_size: int,
+        tp: TPGroup,
+        fused: bool,
+        style: ExpertStyle = PLAIN,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.fused = fused
+        self.style = style
         start, end = tp.shard(inter_size)
         self.shard = slice(start, end)
+        self.biases = (
+            ExpertBiases(num_experts, hidden_size, self.shard, tp) if style.biases else None
+        )
         local = end - start
         self.gate_up = ProductGroup(num_experts, [local, local], hidden_size, "gguf")
         self.down = ProductGroup(num_experts, [hidden_size], local, "gguf")
@@ -315,10 +421,14 @@ class QuantizedExperts(nn.Module):
         }
 
     def parts(self) -> list[str]:
-        return expert_parts(self.num_experts)
+        return expert_parts(self.num_experts, self.biases is not None)
 
     def load_tensor(self, name: str, tensor: WeightSource | QuantizedTensor) -> list[str]:
-        index, part = expert_part(name, self.num_experts)
+        index, part = expert_part(name, self.num_experts, self.biases is not None)
+        if part in BIAS_PARTS:
+            assert self.biases is not None and not isinstance(tensor, QuantizedTensor)
+            self.biases.load(index, part, read_whole(tensor).float())
+            return [name]
         sliced = tensor[:, self.shard] if part == "down_proj.weight" else tensor[self.shard]
         self.arrived[part][index] = sliced
         return [name]
@@ -329,6 +439,8 @@ class QuantizedExperts(nn.Module):
         expert's products."""
         gate, up, down = (_decode_experts(self.arrived[part]) for part in EXPERT_PARTS)
         self.arrived = {}
+        if self.biases is not None:
+            self.biases.to(device=device, dtype=dtype)
         joinable = isinstance(gate, Codes) and isinstance(up, Codes) and gate.packs_with(up)
         if self.fused and device.type == "cuda" and joinable and isinstance(down, Codes):
             from aserve.layers.moe_codes_triton import stack_experts
@@ -360,6 +472,7 @@ class QuantizedExperts(nn.Module):
         stacks = self.cpu_stacks
         return (
             stacks is not None
+            and self.style == PLAIN
             and x.dtype == torch.float32
             and x.shape[0] < min(stack.blas_from for stack in stacks)
         )
@@ -386,9 +499,15 @@ class QuantizedExperts(nn.Module):
     def _mlp(self, experts: list[int], parts: list[torch.Tensor]) -> list[torch.Tensor]:
         """The chosen experts' gate|up products together, then their downs (`ProductGroup`:
         on CPU in decode one call of the kernels each)."""
-        gate, up = torch.cat(self.gate_up.linear(experts, parts)).chunk(2, -1)
-        acts = (F.silu(gate) * up).split([p.shape[0] for p in parts])
-        return self.down.linear(experts, list(acts))
+        gate_up = self.gate_up.linear(experts, parts)
+        biases = self.biases
+        if biases is not None:
+            gate_up = [out + biases.of(expert)[0] for expert, out in zip(experts, gate_up)]
+        acts = activate(torch.cat(gate_up), self.style).split([p.shape[0] for p in parts])
+        outs = self.down.linear(experts, list(acts))
+        if biases is None or not biases.adds_down:
+            return outs
+        return [out + biases.w2[expert] for expert, out in zip(experts, outs)]
 
 
 def _decode_experts(
@@ -425,16 +544,24 @@ class SparseMoE(nn.Module):
         backend: MoEBackend,
         fp8: bool = False,
         gguf: bool = False,
+        style: ExpertStyle = PLAIN,
     ) -> None:
         super().__init__()
+        if style != PLAIN and backend.name != TORCH_BACKEND.name:
+            raise ConfigError(
+                "experts with biases or a clamped SwiGLU (gpt-oss) run on --moe-backend torch"
+            )
         self.top_k = top_k
         self.renormalize = renormalize
         self.backend = backend
-        self.gate = Router(num_experts, hidden_size)
+        self.style = style
+        self.gate = Router(num_experts, hidden_size, style.biases)
         self.experts: ExpertWeights | QuantizedExperts = (
-            QuantizedExperts(num_experts, hidden_size, inter_size, tp, backend.name == "fused")
+            QuantizedExperts(
+                num_experts, hidden_size, inter_size, tp, backend.name == "fused", style
+            )
             if gguf
-            else ExpertWeights(num_experts, hidden_size, inter_size, tp, fp8)
+            else ExpertWeights(num_experts, hidden_size, inter_size, tp, fp8, style.biases)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -444,6 +571,18 @@ class SparseMoE(nn.Module):
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         if isinstance(experts, QuantizedExperts):
             return experts(x, weights, ids)
+        if self.style != PLAIN:
+            return torch_experts(
+                x,
+                experts.w13,
+                experts.w2,
+                weights,
+                ids,
+                experts.w13_scale,
+                experts.w2_scale,
+                experts.biases,
+                self.style,
+            )
         return self.backend.experts(
             x, experts.w13, experts.w2, weights, ids, experts.w13_scale, experts.w2_scale
         )

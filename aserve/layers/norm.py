@@ -80,11 +80,11 @@ class RMSNorm(nn.Module):
         self.weight.data.copy_(tensor[:])
 
 
-class GemmaRMSNorm(RMSNorm):
-    """Gemma's norm weighs by 1 + w, in float32, before rounding to the input's dtype. The
-    weight is kept as 1 + w in float32 (the sum transformers forms at every call): the CPU
-    kernels, whose models run in float32, take it as any norm's weight, and CUDA's weigh a
-    half-precision row by a float32 weight before rounding (layers/cuda_ops.py)."""
+class Float32RMSNorm(RMSNorm):
+    """Weighs the float32 row before rounding to the input's dtype, as gpt-oss's and Gemma's
+    norms do, by a float32 weight: the CPU kernels, whose models run in float32, take it as
+    any norm's weight, and CUDA's weigh a half-precision row by a float32 weight before
+    rounding (layers/cuda_ops.py)."""
 
     def __init__(self, size: int, eps: float, ops: FusedOps | None = None) -> None:
         super().__init__(size, eps, ops)
@@ -96,6 +96,14 @@ class GemmaRMSNorm(RMSNorm):
         if x.dtype == torch.float32:
             return (x * inv_rms).mul_(self.weight)
         return (x32 * inv_rms).mul_(self.weight).to(x.dtype)
+
+    def load_weight(self, name: str, tensor: WeightSource, shard: int = 0) -> None:
+        self.weight.data.copy_(tensor[:].float())
+
+
+class GemmaRMSNorm(Float32RMSNorm):
+    """Gemma's norm weighs by 1 + w: the weight is kept as that sum (which transformers
+    forms at every call)."""
 
     def load_weight(self, name: str, tensor: WeightSource, shard: int = 0) -> None:
         self.weight.data.copy_(tensor[:].float() + 1)

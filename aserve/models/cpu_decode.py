@@ -19,7 +19,7 @@ from aserve.config import ModelConfig
 from aserve.forward import ForwardBatch
 from aserve.layers.cpu_ops import CpuKernels
 from aserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from aserve.layers.moe import QuantizedExperts, SparseMoE
+from aserve.layers.moe import PLAIN, QuantizedExperts, SparseMoE
 from aserve.models.decoder import DecoderForCausalLM, DecoderLayer, DecoderMLP, DecoderModel
 from aserve.quant.native import KernelTensors, NativeWeight
 
@@ -60,8 +60,9 @@ class DecodeStack:
 def build_decode_stack(model: DecoderModel, config: ModelConfig) -> DecodeStack | None:
     """The stack of `model`'s layers, or None where a layer is not the kernels' whole:
     tensor parallelism, float or padded weights, a fused projection of mixed formats, a
-    float32 model that does not run the CPU kernels. Gemma's layers come with their windows
-    (`config.layer_windows`) and their scores' scale."""
+    float32 model that does not run the CPU kernels, gpt-oss's sinks, biases and experts.
+    Gemma's layers come with their windows (`config.layer_windows`) and their scores'
+    scale."""
     layers = list(model.layers)
     if not layers or model.tp.size != 1:
         return None
@@ -94,6 +95,8 @@ def _add_layer(
         return stack.add_weight(*weight.kernel_args())
 
     attention, mlp = layer.self_attn, layer.mlp
+    if attention.sinks is not None or attention.o_proj.bias is not None:
+        return False  # gpt-oss: its layers run through the modules
     qkv = _products(attention.qkv_proj)
     o = _products(attention.o_proj)
     if qkv is None or o is None or len(o) != 1:
@@ -107,7 +110,11 @@ def _add_layer(
             return False
         up_id, down_id = add(gate_up[0]), add(down[0])
         router, top_k, renormalize = None, 0, False
-    elif isinstance(mlp, SparseMoE) and isinstance(mlp.experts, QuantizedExperts):
+    elif (
+        isinstance(mlp, SparseMoE)
+        and isinstance(mlp.experts, QuantizedExperts)
+        and mlp.style == PLAIN
+    ):
         stacks = mlp.experts.cpu_stacks
         if stacks is None:
             return False

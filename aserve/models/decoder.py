@@ -29,7 +29,7 @@ from aserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from aserve.layers.fused import FusedOps
 from aserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from aserve.layers.moe import QuantizedExperts
-from aserve.layers.norm import GemmaRMSNorm, RMSNorm
+from aserve.layers.norm import Float32RMSNorm, GemmaRMSNorm, RMSNorm
 from aserve.layers.rotary import RotaryEmbedding
 from aserve.layers.weight import WeightSource
 from aserve.models.weights import map_checkpoint_tensor
@@ -67,16 +67,27 @@ class DecoderAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             config.num_heads * config.head_dim,
             config.hidden_size,
-            False,
+            config.o_bias,
             tp,
             reduce_results=False,
             quantization=config.quantization,
         )
         eps = self.eps = config.rms_norm_eps
-        norm = GemmaRMSNorm if config.gemma_norms else RMSNorm
+        norm = _norm_class(config)
         self.q_norm = norm(config.head_dim, eps, ops) if config.qk_norm else None
         self.k_norm = norm(config.head_dim, eps, ops) if config.qk_norm else None
         self.norm_rope_store = _fused_norm_rope_store(ops, config.head_dim)
+        self.heads = tp.shard(config.num_heads)
+        self.sinks: nn.Parameter | None = None
+        if config.attention_sinks:  # this rank's heads'
+            local_heads = self.heads[1] - self.heads[0]
+            self.sinks = nn.Parameter(torch.zeros(local_heads, dtype=torch.float32), False)
+
+    def load_weight(self, name: str, tensor: WeightSource, shard: int = 0) -> None:
+        """gpt-oss's `self_attn.sinks`, one logit a head."""
+        if name != "sinks" or self.sinks is None:
+            raise ValueError(f"checkpoint tensor self_attn.{name} has no place in this model")
+        self.sinks.data.copy_(tensor[self.heads[0] : self.heads[1]].float())
 
     def forward(
         self,
@@ -112,8 +123,14 @@ class DecoderAttention(nn.Module):
                 self.k_norm.norm_heads(k, self.head_dim)
             self.rotary(positions, qkv[:, : self.q_size + self.kv_size], self.q_size)
             new_kv = kv.view(tokens, 2, -1, self.head_dim)
-        out = attn.forward(q.view(tokens, -1, self.head_dim), new_kv, self.layer, batch)
+        out = attn.forward(q.view(tokens, -1, self.head_dim), new_kv, self.layer, batch, self.sinks)
         return self.o_proj(out)
+
+
+def _norm_class(config: ModelConfig) -> type[RMSNorm]:
+    if config.gemma_norms:
+        return GemmaRMSNorm
+    return Float32RMSNorm if config.norms_in_float32 else RMSNorm
 
 
 def use_fp8_activations(model: nn.Module) -> None:
@@ -127,8 +144,11 @@ def use_fp8_activations(model: nn.Module) -> None:
         return layer.quantized is not None and layer.quantized.fp8_product() is not None
 
     for module in model.modules():
-        # Gemma's norms weigh in float32; the FP8 norm kernel takes the model dtype's weight
-        if not isinstance(module, DecoderLayer) or module.sandwich:
+        # the FP8 norm kernel takes the model dtype's weight, not a float32 one (Gemma's,
+        # gpt-oss's)
+        if not isinstance(module, DecoderLayer) or isinstance(
+            module.input_layernorm, Float32RMSNorm
+        ):
             continue
         if takes_fp8(module.self_attn.qkv_proj):
             module.input_layernorm.fp8_norm = fp8_cuda.norm_fp8
@@ -202,7 +222,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = DecoderAttention(config, layer, rotary, tp, ops)
         self.mlp = mlp
         self.sandwich = config.gemma_norms
-        norm = GemmaRMSNorm if self.sandwich else RMSNorm
+        norm = _norm_class(config)
         size, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = norm(size, eps, ops)
         self.post_attention_layernorm = norm(size, eps, ops)
@@ -270,7 +290,7 @@ class DecoderModel(nn.Module):
             )
             for i in range(config.num_layers)
         )
-        norm = GemmaRMSNorm if config.gemma_norms else RMSNorm
+        norm = _norm_class(config)
         self.norm = norm(config.hidden_size, config.rms_norm_eps, ops)
         self.tp = tp
         # what the last layer's output needs before the final norm: partial sums reduced

@@ -53,13 +53,23 @@ SANDWICH_TENSORS = LAYER_TENSORS | {
 llama.cpp's converter stores each of its norms' weights plus one (the 1 + w they weigh by);
 `iter_gguf` takes the one back off, so the loader sees Hugging Face's values."""
 SANDWICH_FAMILIES = ("gemma3_text",)
+GPT_OSS_TENSORS = LAYER_TENSORS | {
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_sinks": "self_attn.sinks",
+}
+"""gpt-oss's norm before its experts is llama.cpp's `post_attention_norm`; `attn_sinks` holds
+each head's sink logit (Hugging Face's `self_attn.sinks`, a parameter, not a `.weight`)."""
+FAMILY_TENSORS = {"gemma3_text": SANDWICH_TENSORS, "gpt_oss": GPT_OSS_TENSORS}
+"""The layer tensor names of the families (config.json's `model_type`) that differ from
+LAYER_TENSORS."""
 EXPERT_TENSORS = {
     "ffn_gate_exps": "gate_proj",
     "ffn_up_exps": "up_proj",
     "ffn_down_exps": "down_proj",
 }
-"""Every expert of a layer in one 3-D tensor `[experts, rows, cols]`, split into Hugging
-Face's per-expert names (`mlp.experts.{e}.gate_proj.weight`) as it is read."""
+"""Every expert of a layer in one 3-D tensor `[experts, rows, cols]` (and gpt-oss's biases
+in a 2-D `[experts, rows]`), split into Hugging Face's per-expert names
+(`mlp.experts.{e}.gate_proj.weight`, `.bias`) as it is read."""
 FLOAT_TYPES = (
     gguf.GGMLQuantizationType.F32,
     gguf.GGMLQuantizationType.F16,
@@ -77,18 +87,21 @@ class GGUFTensorError(ConfigError):
     """A tensor aserve cannot load: the message names it, its type or its problem."""
 
 
-def hf_tensor_name(name: str, sandwich: bool = False) -> str:
-    """The Hugging Face name of a GGUF tensor; for a layer's stacked experts a pattern with
-    `{}` where the expert's index goes. `sandwich`: a Gemma 3 file (`SANDWICH_TENSORS`)."""
+def hf_tensor_name(name: str, model_type: str = "llama") -> str:
+    """The Hugging Face name of a GGUF tensor of a `model_type` file; for a layer's stacked
+    experts a pattern with `{}` where the expert's index goes."""
     stem, _, kind = name.rpartition(".")
     if stem in TOP_LEVEL_TENSORS:
         return f"{TOP_LEVEL_TENSORS[stem]}.{kind}"
     prefix, layer, part = (stem.split(".") + ["", ""])[:3]
-    in_layer = SANDWICH_TENSORS if sandwich else LAYER_TENSORS
+    in_layer = FAMILY_TENSORS.get(model_type, LAYER_TENSORS)
+    if prefix == "blk" and layer.isdigit() and part == "attn_sinks" and part in in_layer:
+        return f"model.layers.{layer}.{in_layer[part]}"
     if prefix == "blk" and layer.isdigit() and part in in_layer:
         return f"model.layers.{layer}.{in_layer[part]}.{kind}"
-    if prefix == "blk" and layer.isdigit() and part in EXPERT_TENSORS and kind == "weight":
-        return f"model.layers.{layer}.mlp.experts.{{}}.{EXPERT_TENSORS[part]}.weight"
+    experts_of = prefix == "blk" and layer.isdigit() and part in EXPERT_TENSORS
+    if experts_of and kind in ("weight", "bias"):
+        return f"model.layers.{layer}.mlp.experts.{{}}.{EXPERT_TENSORS[part]}.{kind}"
     raise GGUFTensorError(f"GGUF tensor {name!r} has no Hugging Face name that aserve knows")
 
 
@@ -154,12 +167,13 @@ def iter_gguf(
         "self_attn.q_proj": config["num_attention_heads"],
         "self_attn.k_proj": config["num_key_value_heads"],
     }
-    permute = config["model_type"] == "llama"
-    sandwich = config["model_type"] in SANDWICH_FAMILIES
+    model_type = config["model_type"]
+    permute = model_type == "llama"
+    sandwich = model_type in SANDWICH_FAMILIES
     for tensor in tqdm(tensors, desc="Loading weights", unit="tensor", disable=not progress):
         if tensor.name == ROPE_FACTORS:
             continue
-        name = hf_tensor_name(tensor.name, sandwich)
+        name = hf_tensor_name(tensor.name, model_type)
         if "{}" in name:
             for expert in range(tensor.data.shape[0]):
                 yield name.format(expert), _read(_expert(tensor, expert), dequantize)
@@ -178,8 +192,9 @@ def iter_gguf(
 
 
 def _expert(tensor: StoredTensor, index: int) -> StoredTensor:
-    """Expert `index` of a layer's `[experts, rows, cols]` tensor, as a 2-D tensor of its own."""
-    return StoredTensor(tensor.name, tensor.tensor_type, tensor.shape[:2], tensor.data[index])
+    """Expert `index` of a layer's `[experts, rows, cols]` tensor (or `[experts, rows]`
+    biases), as a tensor of its own (GGUF's shape lists the experts last)."""
+    return StoredTensor(tensor.name, tensor.tensor_type, tensor.shape[:-1], tensor.data[index])
 
 
 def _read(tensor: StoredTensor, dequantize: bool) -> GGUFWeight:

@@ -1,9 +1,11 @@
-"""Qwen3-MoE: the dense decoder of models/decoder.py with sparse expert MLPs.
+"""Qwen3-MoE and gpt-oss: the dense decoder of models/decoder.py with sparse expert MLPs.
 
-Attention, norms, embedding and LM head are the dense decoder's (Qwen3's per-head Q/K norm
-included). Layers that `ModelConfig.is_moe_layer` picks get a `SparseMoE` (router + experts,
-aserve/layers/moe.py); the others, e.g. those in `mlp_only_layers`, keep a dense MLP of
-`intermediate_size`. A quantized GGUF file's experts stay in their blocks (`QuantizedExperts`).
+Attention, norms, embedding and LM head are the dense decoder's (Qwen3's per-head Q/K norm,
+gpt-oss's biases, sinks and windows included). Layers that `ModelConfig.is_moe_layer` picks
+get a `SparseMoE` (router + experts, aserve/layers/moe.py); the others, e.g. those in
+`mlp_only_layers`, keep a dense MLP of `intermediate_size`. A quantized GGUF file's experts
+stay in their blocks (`QuantizedExperts`). gpt-oss names its router `mlp.router`, read here as
+`mlp.gate`.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
                 backend,
                 fp8=config.quantization == "fp8",
                 gguf=config.quantization == "gguf",
+                style=config.expert_style,
             )
 
         super().__init__(config, max_positions, tp, ops, make_mlp)
@@ -66,6 +69,7 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
         self, modules: dict[str, nn.Module], name: str, tensor: WeightSource
     ) -> list[str]:
         """Expert tensors go into their layer's stacked weights; the rest as in the dense model."""
+        name = name.replace(".mlp.router.", ".mlp.gate.")
         layer, found, part = name.partition(EXPERTS)
         if not found:
             return super().load_tensor(modules, name, tensor)
@@ -80,6 +84,6 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
         expected = super().expected_tensors()
         for name, module in self.named_modules():
             if isinstance(module, (ExpertWeights, QuantizedExperts)):
-                expected -= {f"{name}.w13", f"{name}.w2"}
+                expected -= {f"{name}.{p}" for p in ("w13", "w2", "biases.w13", "biases.w2")}
                 expected |= {f"{name}.{part}" for part in module.parts()}
         return expected

@@ -67,7 +67,10 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
+MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text", "gpt-oss": "gpt_oss"}
+"""config.json's `model_type` of the GGUF architectures whose names differ."""
 # llama.cpp's recommended-sampling metadata -> generation_config.json's names.
 GGUF_SAMPLING_KEYS = {
     "temp": "temperature",
@@ -171,9 +174,9 @@ def convert_gguf(gguf_file: Path, out: Path) -> None:
             f"{gguf_file} is not a whole GGUF file (truncated or damaged: {error})"
         ) from None
     tensors = stored_tensors(gguf_file, header.table)
-    sandwich = header.metadata.get("general.architecture") == "gemma3"
+    arch = str(header.metadata.get("general.architecture"))
     for tensor in tensors:
-        check_tensor(tensor, sandwich)
+        check_tensor(tensor, MODEL_TYPES.get(arch, arch))
     config = hf_config(header.metadata, tensors)
     write_json(out / "config.json", config)
     write_json(out / "generation_config.json", generation_config(header.metadata))
@@ -219,13 +222,13 @@ def complete_tokenizer(folder: Path, apart: bool = False) -> bool:
     return True
 
 
-def check_tensor(tensor: StoredTensor, sandwich: bool = False) -> None:
+def check_tensor(tensor: StoredTensor, model_type: str = "llama") -> None:
     """Refuse, with the tensor's name, what the loader could not take: unknown names and
-    types (`read_header` has refused data that the file does not hold in full). `sandwich`:
-    a Gemma 3 file, whose layers have norms of their own names."""
+    types (`read_header` has refused data that the file does not hold in full). `model_type`:
+    the file's family, some of which name their tensors otherwise."""
     try:
         if tensor.name != ROPE_FACTORS:
-            hf_tensor_name(tensor.name, sandwich)
+            hf_tensor_name(tensor.name, model_type)
     except GGUFTensorError as error:
         raise ModelSourceError(str(error)) from None
     kind = tensor.tensor_type
@@ -261,11 +264,11 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
     tensors = {tensor.name: tensor for tensor in stored}
     hidden = read(f"{arch}.embedding_length", required=True)
     heads = read(f"{arch}.attention.head_count", required=True)
-    experts = read(f"{arch}.expert_count", 0, required=arch == "qwen3moe")
+    experts = read(f"{arch}.expert_count", 0, required=arch in ("qwen3moe", "gpt-oss"))
     expert_rows = read(f"{arch}.expert_feed_forward_length", required=experts > 0)
     config = {
         "architectures": [ARCHITECTURES[arch]],
-        "model_type": {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}.get(arch, arch),
+        "model_type": MODEL_TYPES.get(arch, arch),
         "hidden_size": hidden,
         "intermediate_size": read(f"{arch}.feed_forward_length", expert_rows, required=not experts),
         "num_hidden_layers": read(f"{arch}.block_count", required=True),
@@ -296,6 +299,8 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
         }
     if arch == "gemma3":
         config |= gemma3_config(read, config)
+    if arch == "gpt-oss":
+        config |= gpt_oss_config(read, config)
     if has_quantized_matrices(stored):
         config["quantization_config"] = {"quant_method": "gguf"}
     return {key: value for key, value in config.items() if value is not None}
@@ -320,6 +325,26 @@ def gemma3_config(read: Metadata, config: dict[str, Any]) -> dict[str, Any]:
         "hidden_act": GELU_TANH,
         "hidden_activation": GELU_TANH,
         "final_logit_softcapping": read("gemma3.final_logit_softcapping"),
+    }
+
+
+def gpt_oss_config(read: Metadata, config: dict[str, Any]) -> dict[str, Any]:
+    """What a gpt-oss file leaves to llama.cpp's code: every other layer windowed, from the
+    first (config.py derives the layers' types from the window), the experts' clamped
+    SwiGLU, and YaRN's settings as the model's own config.json states them. llama.cpp rounds
+    YaRN's band of blended frequencies out to whole pairs; transformers and OpenAI's code
+    do not (`truncate`), and neither does aserve."""
+    scaling = config.get("rope_scaling")
+    if scaling is not None and scaling["rope_type"] == "yarn":
+        scaling |= {
+            "beta_fast": float32_decimal(read("gpt-oss.rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float32_decimal(read("gpt-oss.rope.scaling.yarn_beta_slow", 1.0)),
+            "truncate": False,
+        }
+    return {
+        "sliding_window": read("gpt-oss.attention.sliding_window", required=True),
+        "swiglu_limit": 7.0,
+        "rope_scaling": scaling,
     }
 
 

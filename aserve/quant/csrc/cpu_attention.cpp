@@ -533,12 +533,13 @@ constexpr int64_t kRunTokens = 8;
 
 // One request's pieces for a KV head (`count` parts as `attend` leaves them, `apart` floats
 // from one to the next) joined in order into its group's outputs (head g's at out + g *
-// head_dim), each rescaled to the largest max.
+// head_dim), each rescaled to the largest max. With `sinks` (the group's, or null) each
+// head's softmax also sums e^sink, a weight that adds no value (gpt-oss's attention sinks).
 void join_pieces(const float* parts, int64_t count, int64_t apart, int64_t group,
-                 int64_t head_dim, float* out) {
+                 int64_t head_dim, const float* sinks, float* out) {
   for (int64_t g = 0; g < group; ++g) {
     float* o = out + g * head_dim;
-    float top = -INFINITY, total = 0;
+    float top = sinks != nullptr ? sinks[g] : -INFINITY, total = 0;
     for (int64_t p = 0; p < count; ++p) top = std::max(top, parts[p * apart + group * head_dim + g]);
     std::fill(o, o + head_dim, 0.0f);
     for (int64_t p = 0; p < count; ++p) {
@@ -548,6 +549,7 @@ void join_pieces(const float* parts, int64_t count, int64_t apart, int64_t group
       for (int64_t d = 0; d < head_dim; ++d)
         o[d] = multiply_add(weight, part[g * head_dim + d], o[d]);
     }
+    if (sinks != nullptr) total += exp_one(sinks[g] - top);
     for (int64_t d = 0; d < head_dim; ++d) o[d] /= total;
   }
 }
@@ -562,7 +564,7 @@ template <typename T>
 void attend_run(const float* queries, int64_t q_stride, const T* kv, const int32_t* context,
                 const int64_t* length, int64_t first, int64_t count, int64_t kv_head,
                 int64_t kv_heads, int64_t group, int64_t head_dim, float scale, int64_t window,
-                float* outputs, std::vector<float>& scratch) {
+                const float* sinks, float* outputs, std::vector<float>& scratch) {
   const int64_t pairs = count * group, longest = length[first + count - 1];
   const int64_t stride = 2 * kv_heads * head_dim;
   const T* keys = kv + kv_head * head_dim;
@@ -607,16 +609,18 @@ void attend_run(const float* queries, int64_t q_stride, const T* kv, const int32
     }
     const int64_t heads = kv_heads * group;
     join_pieces(parts, pieces, part_size, group, head_dim,
+                sinks == nullptr ? nullptr : sinks + kv_head * group,
                 outputs + ((first + e) * heads + kv_head * group) * head_dim);
   }
 }
 
 // q: [batch, heads, head_dim]; this step's K/V are already in the pool (the CPU kernels'
 // norm_rope_store writes them). Request i attends to the first seq_lens[i] slots of
-// page-table row rows[i], or to the last `window` of them where `window` is not 0.
+// page-table row rows[i], or to the last `window` of them where `window` is not 0. `sinks`:
+// float32 [heads], each head's sink logit (its softmax's extra term), or none.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& table,
                             const at::Tensor& rows, const at::Tensor& seq_lens, double scale,
-                            int64_t window) {
+                            int64_t window, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 &&
                   q.stride(1) == q.size(2),
               "q: float32 [batch, heads, head_dim], each request's heads contiguous");
@@ -633,6 +637,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
   const int64_t kv_heads = kv.size(2);
   TORCH_CHECK(kv.size(3) == head_dim && heads % kv_heads == 0, "q and kv heads do not match");
   TORCH_CHECK(rows.numel() == batch && seq_lens.numel() == batch, "one row and length a request");
+  TORCH_CHECK(!sinks || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                         sinks->numel() == heads),
+              "sinks: contiguous float32, one a head");
+  const float* sink_logits = sinks ? sinks->data_ptr<float>() : nullptr;
   const int64_t* row = rows.data_ptr<int64_t>();
   const int64_t* length = seq_lens.data_ptr<int64_t>();
   for (int64_t i = 0; i < batch; ++i)
@@ -683,10 +691,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
         if (half) {
           attend_run(queries, q_stride, static_cast<const Half*>(kv.data_ptr()), context, length,
                      first, count, kv_head, kv_heads, group, head_dim, softmax_scale, window,
-                     outputs, scratch);
+                     sink_logits, outputs, scratch);
         } else {
           attend_run(queries, q_stride, kv.data_ptr<float>(), context, length, first, count,
-                     kv_head, kv_heads, group, head_dim, softmax_scale, window, outputs, scratch);
+                     kv_head, kv_heads, group, head_dim, softmax_scale, window, sink_logits,
+                     outputs, scratch);
         }
         continue;
       }
@@ -714,6 +723,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
       if (first_piece[i] == first_piece[i + 1]) continue;  // a run's token
       join_pieces(parts.data() + (first_piece[i] * kv_heads + kv_head) * part_size,
                   first_piece[i + 1] - first_piece[i], kv_heads * part_size, group, head_dim,
+                  sink_logits == nullptr ? nullptr : sink_logits + kv_head * group,
                   outputs + (i * heads + kv_head * group) * head_dim);
     }
   });
@@ -725,6 +735,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
 TORCH_LIBRARY_FRAGMENT(aserve_cpu, m) {
   m.def(
       "decode_attention(Tensor q, Tensor kv, Tensor table, Tensor rows, Tensor seq_lens, "
-      "float scale, int window=0) -> Tensor",
+      "float scale, int window=0, Tensor? sinks=None) -> Tensor",
       decode_attention);
 }

@@ -105,7 +105,7 @@ class DecodeStack : public torch::CustomClassHolder {
             "aserve_cpu::norm_rope_store");
     static auto attention =
         op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                  double, int64_t)>("aserve_cpu::decode_attention");
+                  double, int64_t, const std::optional<Tensor>&)>("aserve_cpu::decode_attention");
     TORCH_CHECK(!layers_.empty() && caches.size() == layers_.size(), "one cache a layer");
     const int64_t tokens = hidden.size(0);
     Tensor residual = hidden;
@@ -118,7 +118,7 @@ class DecodeStack : public torch::CustomClassHolder {
       norm_rope_store.call(q, qkv.narrow(1, q_size_, 2 * kv_size_), positions, layer.cos_sin,
                            layer.q_norm, layer.k_norm, eps_, caches[i], slots, head_dim_);
       const Tensor attended = attention.call(q.view({tokens, -1, head_dim_}), caches[i], table,
-                                             rows, seq_lens, scale_, layer.window);
+                                             rows, seq_lens, scale_, layer.window, std::nullopt);
       hidden = project(attended.view({tokens, -1}), {layer.o}, std::nullopt);
       if (layer.attention_out_norm.has_value())
         hidden = rmsnorm.call(hidden, *layer.attention_out_norm, eps_);
