@@ -69,6 +69,10 @@ class ExpertStyle:
     swiglu_limit: float | None = None
 
 
+PLAIN_EXPERTS = ExpertStyle()
+"""Qwen3-MoE's experts: no biases, SiLU(gate) * up."""
+
+
 def _as_int_tuple(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
@@ -312,7 +316,7 @@ class ModelConfig:
     norms_in_float32: bool = False
     o_bias: bool = False
     attention_sinks: bool = False
-    expert_style: ExpertStyle = ExpertStyle()
+    expert_style: ExpertStyle = PLAIN_EXPERTS
 
     def layer_window(self, layer: int) -> int:
         """Layer `layer`'s sliding window, 0 where it reads the whole context."""

@@ -1,6 +1,6 @@
 """gpt-oss: attention sinks and sliding windows through chunked prefill, prefix hits and
 batches, against transformers; its configs in both transformers' spellings; GGUF files as
-llama.cpp writes them, float and with MXFP4 experts on aserve's CPU kernels; refusals.
+llama.cpp writes them, float and with MXFP4 experts on aserve's CPU kernels.
 
 tests/test_models.py holds the logits of the tiny gpt-oss against transformers (prefill and
 decode); tests/test_cpu_ops.py the sinks in the CPU kernels' attention; tests/test_tp.py
@@ -16,9 +16,8 @@ import pytest
 import torch
 
 from aserve import LLM, SamplingParams
-from aserve.config import ConfigError, ExpertStyle, ModelConfig
-from aserve.distributed.group import TPGroup
-from aserve.layers.moe import MoEBackend, QuantizedExperts, SparseMoE, activate
+from aserve.config import ExpertStyle, ModelConfig
+from aserve.layers.moe import QuantizedExperts, activate
 from aserve.quant.native import native_kernels
 from tests.gguf_files import write_hf_as_gguf
 from tests.test_gemma import LONG_PROMPTS
@@ -137,12 +136,3 @@ def test_mxfp4_experts_run_on_the_kernels(tmp_path: Path) -> None:
         assert got.token_ids == want.token_ids
         for mine, theirs in zip(got.logprobs, want.logprobs):
             assert mine.logprob == pytest.approx(theirs.logprob, abs=0.02)
-
-
-def test_fused_experts_are_refused_for_gpt_oss_style() -> None:
-    """The fused MoE kernels have neither biases nor the clamped SwiGLU: asked for, they are
-    refused in one line (auto picks the torch backend)."""
-    fused = MoEBackend("fused", lambda *args: torch.empty(0), host_sync=False)
-    style = ExpertStyle(biases=True, swiglu_alpha=1.702, swiglu_limit=7.0)
-    with pytest.raises(ConfigError, match="run on --moe-backend torch"):
-        SparseMoE(64, 32, 8, 2, True, TPGroup(), fused, style=style)

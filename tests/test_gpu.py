@@ -129,6 +129,45 @@ def test_gemma3_windows_on_flashinfer(make_llm: Callable[..., LLM], tmp_path: Pa
             LLM(str(folder), **small_gpu_engine(**refused))
 
 
+@pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
+def test_gpt_oss_sinks_on_flashinfer(
+    make_llm: Callable[..., LLM],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    kv_cache_dtype: str,
+) -> None:
+    """gpt-oss's sinks in FlashInfer's prefill (rescaled by its log-sum-exp) and in both
+    Triton decode kernels (a split context merged with the sink, a whole one started at it),
+    its windows of 4 on every other layer and its experts (biases, clamped SwiGLU) in the
+    fused kernels: the torch backend's logits over a chunked prefill with a cached prefix
+    and decode steps, with a bf16 and an FP8 cache; in CUDA graphs the same greedy tokens as
+    eagerly."""
+    from aserve.attention import triton_decode
+
+    folder = make_tiny_model("gpt_oss", tmp_path, overrides={**KERNEL_SHAPES, "head_dim": 64})
+    options = small_gpu_engine(max_prefill_length=40, kv_cache_dtype=kv_cache_dtype)
+    reference = make_llm(folder, attention_backend="torch", **options)
+    flashinfer = make_llm(folder, **options)
+    engine = flashinfer.runtime.engine
+    assert type(engine.attn).__name__ == "FlashInferBackend" and engine.attn.sinks
+    assert engine.model.model.layers[0].mlp.backend.name == "fused"
+    prompt, continuation = list(range(3, 100)), [7, 123, 45, 2, 99, 5]
+    expected = our_logits(reference, prompt, continuation)
+    torch.testing.assert_close(
+        our_logits(flashinfer, prompt, continuation), expected, atol=0.06, rtol=0.03
+    )
+    monkeypatch.setattr(triton_decode, "WHOLE_MIN_PROGRAMS", 1)  # the whole-context kernel
+    torch.testing.assert_close(
+        our_logits(flashinfer, prompt, continuation), expected, atol=0.06, rtol=0.03
+    )
+    monkeypatch.undo()
+    assert engine.graphs is not None
+    eager = make_llm(folder, **small_gpu_engine(cuda_graph_max_bs=0, kv_cache_dtype=kv_cache_dtype))
+    assert [o.token_ids for o in flashinfer.generate(PROMPTS, GREEDY)] == [
+        o.token_ids for o in eager.generate(PROMPTS, GREEDY)
+    ]
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_scaled_rope_from_gguf_close_to_transformers(
     make_llm: Callable[..., LLM],

@@ -368,6 +368,40 @@ def test_fused_gguf_experts_match_float64(qtype: str, inter: int, tokens: int) -
     check_fused_gguf_experts(qtype, inter, tokens)
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["float", "fp8"])
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_fused_experts_with_biases_and_clamped_swiglu(tokens: int, fp8: bool) -> None:
+    """gpt-oss's experts in the fused kernels (layers/moe_triton.py): each expert's gate|up
+    bias before the clamped SwiGLU, its down bias before the routing weight, float32 or FP8
+    weights (scaled rows), gate and up values on both sides of the clamp; against the torch
+    backend on the same weights. Without a down bias (tensor-parallel ranks after the
+    first) the kernels leave it out as the torch backend does."""
+    from aserve.config import ExpertStyle
+    from aserve.layers.moe import torch_experts
+    from aserve.layers.moe_triton import fused_experts
+    from aserve.quant.fp8 import quantize_rows
+    from tests.test_moe import random_experts
+
+    x, w13, w2, weights, ids = random_experts(tokens, 8, 2, hidden=64, inter=48)
+    w13, w2 = w13 * 4, w2 * 2  # gate and up values of a few units, past the clamp of 1.5
+    b13 = torch.randn(8, 96, generator=gen(50))
+    b2 = torch.randn(8, 64, generator=gen(51))
+    style = ExpertStyle(biases=True, swiglu_alpha=1.702, swiglu_limit=1.5)
+    s13 = s2 = None
+    if fp8:
+        q13, q2 = quantize_rows(w13.flatten(0, 1)), quantize_rows(w2.flatten(0, 1))
+        w13, s13 = q13.values.view(w13.shape), q13.scales.view(w13.shape[:2])
+        w2, s2 = q2.values.view(w2.shape), q2.scales.view(w2.shape[:2])
+    on = [t if t is None else t.to(DEVICE) for t in (x, w13, w2, weights, ids, s13, s2, b13, b2)]
+    for down_bias in (on[8], None):
+        args = (*on[:8], down_bias, style)
+        expected = torch_experts(*args)
+        actual = fused_experts(*args)
+        torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+    if not fp8:  # the clamp is reached
+        assert (x @ w13[0].T).abs().max() > 3 * style.swiglu_limit
+
+
 @pytest.mark.parametrize(("qtype", "inter", "tokens"), [("Q4_0", 64, 40), ("Q6_K", 256, 7)])
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 def test_fused_gguf_experts_in_wide_tiles_match_float64(
@@ -458,11 +492,17 @@ def test_gemv_tiles_loaded_before_the_wait_change_no_bit(
     assert torch.equal(preloaded, run())
 
 
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
 @pytest.mark.parametrize("window", [0, 100])
 @pytest.mark.parametrize("kernel", ["split", "whole"])
 @pytest.mark.parametrize(("page_size", "fp8"), [(16, False), (256, True)])
 def test_triton_decode_kernels_equal_plain_attention(
-    monkeypatch: pytest.MonkeyPatch, kernel: str, page_size: int, fp8: bool, window: int
+    monkeypatch: pytest.MonkeyPatch,
+    kernel: str,
+    page_size: int,
+    fp8: bool,
+    window: int,
+    sinks: bool,
 ) -> None:
     """The Triton decode attention (attention/triton_decode.py) against softmax attention
     written out in float32 over the K and V the pool reads back, for contexts of 1 token to
@@ -470,8 +510,9 @@ def test_triton_decode_kernels_equal_plain_attention(
     the split kernels with their merge (over more splits than it reads at a time, run twice:
     its tickets are back at 0 after each run), or (`kernel`) the whole-context one. With a
     `window` (Gemma 3's sliding layers) a query reads the last 100 positions, its scores
-    scaled by 1 / sqrt(24) (`query_pre_attn_scalar`). tests/test_gpu.py has more shapes on
-    the GPU."""
+    scaled by 1 / sqrt(24) (`query_pre_attn_scalar`). With `sinks` (gpt-oss) each head's
+    softmax also sums e^sink, sinks from far below to far above the scores.
+    tests/test_gpu.py has more shapes on the GPU."""
     from aserve.attention import triton_decode
     from aserve.kvcache.pool import KVPool
 
@@ -494,6 +535,7 @@ def test_triton_decode_kernels_equal_plain_attention(
     last = [n - (p - 1) * page_size for n, p in zip(lengths, pages_per_row, strict=True)]
     q = torch.randn(len(lengths), q_heads, head_dim, generator=gen(42)).to(DEVICE, DTYPE)
     sm_scale = 24**-0.5 if window else head_dim**-0.5
+    sink_logits = torch.tensor([-20.0, -1.0, 0.0, 0.5, 1.0, 2.0, 3.0, 20.0])
     expected = []
     for row, n in enumerate(lengths):
         pages = page_ids[indptr[row] : indptr[row + 1]].long().to(DEVICE)
@@ -501,7 +543,10 @@ def test_triton_decode_kernels_equal_plain_attention(
         kv = kv[-window:] if window else kv
         k, v = (kv[:, i].repeat_interleave(q_heads // kv_heads, dim=1) for i in (0, 1))
         scores = torch.einsum("hd,nhd->hn", q[row].float(), k) * sm_scale
-        expected.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), v))
+        if sinks:
+            scores = torch.cat((scores, sink_logits.to(DEVICE)[:, None]), -1)
+        weights = scores.softmax(-1)[:, : k.shape[0]]
+        expected.append(torch.einsum("hn,nhd->hd", weights, v))
     wrapper = triton_decode.TritonDecodeWrapper(DEVICE)
     wrapper.plan(
         indptr,
@@ -519,6 +564,8 @@ def test_triton_decode_kernels_equal_plain_attention(
     for _ in range(2):
         cache = (pool.k[0].view(shape), pool.v[0].view(shape))
         scaled = {"window": window, "sm_scale": sm_scale} if window else {}
+        if sinks:
+            scaled["sinks"] = sink_logits.to(DEVICE)
         out = wrapper.run(q, cache, *pool.scale_pairs[0], **scaled)
         torch.testing.assert_close(out.float(), torch.stack(expected), atol=1e-2, rtol=1e-2)
         assert not wrapper.tickets.any()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import threading
 import time
@@ -62,7 +63,12 @@ class FlashInferBackend:
     `windows` (Gemma 3: a sliding window on some layers) and `scale` (the scores' scale,
     default 1 / sqrt(head_dim)): FlashInfer fixes a plan's window, so such a model plans
     each batch twice for FlashInfer's kernels, for its whole-context layers and its windowed
-    ones (`ByWindow`); the Triton kernels take the window and the scale at each layer's run."""
+    ones (`ByWindow`); the Triton kernels take the window and the scale at each layer's run.
+
+    `sinks` (gpt-oss: each head's softmax also sums e^sink, a weight on no value): every
+    decode batch takes the Triton kernels, which start each head's running softmax at its
+    sink; a prefill's output is scaled by Z / (Z + e^sink) from the log-sum-exp of the scores
+    that FlashInfer's kernels return beside it (`_weigh_sinks`)."""
 
     def __init__(
         self,
@@ -76,6 +82,7 @@ class FlashInferBackend:
         max_prefill_length: int = 0,
         windows: tuple[int, ...] = (),
         scale: float | None = None,
+        sinks: bool = False,
     ) -> None:
         try:
             import flashinfer
@@ -95,6 +102,7 @@ class FlashInferBackend:
         self.layer_windows = windows or (0,) * len(pool.kv)
         self.window = window_of(self.layer_windows)
         self.scale = scale
+        self.sinks = sinks
         device = pool.k[0].device
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
 
@@ -137,7 +145,9 @@ class FlashInferBackend:
         kernels = self.triton_decode
         if kernels is None:
             return False
-        return self.pool.quantized or kernels.takes_batch(batch_size, self.num_kv_heads)
+        return (
+            self.pool.quantized or self.sinks or kernels.takes_batch(batch_size, self.num_kv_heads)
+        )
 
     def prepare(self, batch: ForwardBatch) -> None:
         if batch.is_decode:
@@ -257,9 +267,7 @@ class FlashInferBackend:
         """The kernels read Q with its strides (Q is a slice of the fused QKV output), which
         saves a copy a layer (176 us of a 16k-token prefill's layer of the 8B shape on the
         H200), and write into an output left unfilled (FlashInfer's prefill zeroes its own
-        first, and every row is written). Attention sinks are not taken here (the engine
-        refuses them with this backend)."""
-        assert sinks is None, "attention sinks run on the torch backend"
+        first, and every row is written)."""
         if kv is not None:
             self.pool.store(layer, batch.out_slots, kv)
         shape = (-1, self.page_size, self.num_kv_heads, self.head_dim)
@@ -272,7 +280,7 @@ class FlashInferBackend:
             metadata = metadata.windowed if window else metadata.whole
         if batch.is_decode:
             if self._is_triton(metadata):
-                out = metadata.run(q, cache, k_scale, v_scale, window, self.scale)
+                out = metadata.run(q, cache, k_scale, v_scale, window, self.scale, sinks)
             else:
                 out = metadata.run(q, cache, k_scale=k_scale, v_scale=v_scale)
             return out.reshape(-1, self.num_heads * self.head_dim)
@@ -280,8 +288,26 @@ class FlashInferBackend:
             cache = metadata.widen(self.pool.kv[layer], self.page_size, self.dtype)
             metadata = metadata.wrapper
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        metadata.run(q, cache, out=out, k_scale=k_scale, v_scale=v_scale)
+        if sinks is None:
+            metadata.run(q, cache, out=out, k_scale=k_scale, v_scale=v_scale)
+        else:
+            _, lse = metadata.run(
+                q, cache, out=out, k_scale=k_scale, v_scale=v_scale, return_lse=True
+            )
+            _weigh_sinks(out, lse, sinks)
         return out.reshape(-1, self.num_heads * self.head_dim)
+
+
+LN2 = math.log(2.0)
+
+
+def _weigh_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
+    """Attention output `[tokens, heads, dim]` normalised over the scores alone, rescaled in
+    place as if each head's softmax had also summed e^sink: by Z / (Z + e^sink) =
+    sigmoid(ln Z - sink), with ln Z from FlashInfer's log-sum-exp `[tokens, heads]`, which
+    its kernels keep in base 2."""
+    weights = torch.sigmoid(lse * LN2 - sinks)
+    out.mul_(weights.unsqueeze(-1).to(out.dtype))
 
 
 @dataclass

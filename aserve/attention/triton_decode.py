@@ -192,6 +192,7 @@ def _attend_kernel(
     partial_out,
     partial_lse,
     tickets,
+    sinks,
     sm_scale,
     v_scale,
     num_splits,
@@ -206,6 +207,7 @@ def _attend_kernel(
     F16: tl.constexpr,
     UNMASKED_BLOCKS: tl.constexpr,
     WINDOWED: tl.constexpr,
+    SINKS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # KV heads vary fastest over the launch, so programs running side by side read
@@ -244,6 +246,8 @@ def _attend_kernel(
 
         best = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         total = tl.zeros([GROUP_PAD], tl.float32)
+        if SINKS and DIRECT:  # each head's sink: a first score of weight one on no value
+            best, total = _sink_start(sinks, heads, row_ok)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
         pages_of_request = page_ids + first_page
         head_at = kv_head * head_stride
@@ -290,12 +294,21 @@ def _attend_kernel(
             if last_of_splits(tickets, pair, used):
                 _merge_splits(
                     partial_out, partial_lse, out + request * out_stride, pair * GROUP,
-                    kv_head * GROUP, num_splits, used, GROUP, MERGE_ROWS, HEAD_DIM,
+                    kv_head * GROUP, num_splits, used, sinks, GROUP, MERGE_ROWS, HEAD_DIM,
+                    SINKS,
                 )  # fmt: skip
 
 
 MERGE_SPLITS = tl.constexpr(16)
 """Splits the merging program reads at a time."""
+
+
+@triton.jit
+def _sink_start(sinks, heads, row_ok):
+    """A running softmax's start with attention sinks (gpt-oss): each head's sink logit as
+    its maximum (in log2 units, as the scores) and a sum of weights of one, e^0."""
+    sink = tl.load(sinks + heads, mask=row_ok, other=0.0) * 1.4426950408889634
+    return sink, tl.full(sink.shape, 1.0, tl.float32)
 
 
 @triton.jit
@@ -307,18 +320,23 @@ def _merge_splits(
     first_head,
     num_splits,
     used,
+    sinks,
     GROUP: tl.constexpr,
     ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     """A KV head's query heads merged over their `used` splits by log-sum-exp, in split order
     whichever program runs it, `MERGE_SPLITS` at a time under a running maximum; the parts are
-    read from L2 (`.cg`: other SMs wrote them)."""
+    read from L2 (`.cg`: other SMs wrote them). With SINKS each head's sink joins first, as
+    a split of weight e^sink and no value."""
     rows = tl.arange(0, ROWS)
     row_ok = rows < GROUP
     dims = tl.arange(0, HEAD_DIM)
     best = tl.full([ROWS], float("-inf"), tl.float32)
     total = tl.zeros([ROWS], tl.float32)
+    if SINKS:
+        best, total = _sink_start(sinks, first_head + rows, row_ok)
     acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
     for first in range(0, used, MERGE_SPLITS):
         splits = first + tl.arange(0, MERGE_SPLITS)
@@ -428,11 +446,13 @@ class TritonDecodeWrapper:
         v_scale: float = 1.0,
         window: int = 0,
         sm_scale: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`q` `[batch, heads, head_dim]` (rows may be strided); `cache` the K and V views
         `[pages, page_size, kv_heads, head_dim]` of one layer's pool, in `q`'s dtype or in
         FP8 with the layer's scales. `window`: the layer's sliding window (0: none);
-        `sm_scale` the scores' scale (default 1 / sqrt(head_dim))."""
+        `sm_scale` the scores' scale (default 1 / sqrt(head_dim)); `sinks` float32
+        `[heads]`, each head's sink logit (gpt-oss), or None."""
         k_cache, v_cache = cache
         batch, heads, head_dim = q.shape
         assert q.stride(2) == 1 and q.stride(1) == head_dim and k_cache.stride(3) == 1
@@ -465,6 +485,7 @@ class TritonDecodeWrapper:
             partial_out,
             partial_lse,
             self.tickets,
+            self.tickets if sinks is None else sinks,
             (head_dim**-0.5 if sm_scale is None else sm_scale) * k_scale,
             v_scale,
             self.num_splits,
@@ -479,6 +500,7 @@ class TritonDecodeWrapper:
             F16=fp8 and FP8_DOT_F16,
             UNMASKED_BLOCKS=fp8 and direct and not window,
             WINDOWED=window > 0,
+            SINKS=sinks is not None,
             num_warps=warps,
             num_stages=stages,
             **pdl_options(q.device, batch),

@@ -291,16 +291,13 @@ class Engine:
 
     def _resolved_backend(self, name: str) -> str:
         """`auto` is FlashInfer on CUDA in half precision with a head size its kernels
-        support (they have no float32) and no attention sinks, plain torch otherwise. FA3
-        prefill (`fa`) was measured no faster than FlashInfer's own on the H200
-        (bench/NOTES.md), so auto uses `fi` for both phases."""
+        support (they have no float32), plain torch otherwise. FA3 prefill (`fa`) was
+        measured no faster than FlashInfer's own on the H200 (bench/NOTES.md), so auto uses
+        `fi` for both phases."""
         if name != "auto":
             return name
         half = self.dtype in (torch.float16, torch.bfloat16)
-        supported = (
-            self.model_config.head_dim in FLASHINFER_HEAD_DIMS
-            and not self.model_config.attention_sinks
-        )
+        supported = self.model_config.head_dim in FLASHINFER_HEAD_DIMS
         return "fi" if self.device.type == "cuda" and half and supported else "torch"
 
     def _start_kernel_builds(self) -> list[threading.Thread]:
@@ -341,10 +338,10 @@ class Engine:
         if name in FLASHINFER_KERNELS and self.device.type == "cuda":
             from aserve.attention.flashinfer import FlashInferBackend
 
-            if self.model_config.attention_sinks:
+            if self.model_config.attention_sinks and name != "fi":
                 raise ConfigError(
                     f"{self.model_config.architecture}'s attention sinks run on "
-                    "--attention-backend torch (auto picks it)"
+                    "--attention-backend fi or torch"
                 )
             windows = self.model_config.layer_windows
             if windows and (name != "fi" or self.pool.quantized):
@@ -363,6 +360,7 @@ class Engine:
                 self.config.max_prefill_length,
                 windows,
                 self.model_config.attention_scale,
+                self.model_config.attention_sinks,
             )
         raise ConfigError(
             f"attention backend {name!r} is not available on {self.device.type}; "

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aserve.config import ConfigError, ExpertStyle
+from aserve.config import PLAIN_EXPERTS, ConfigError, ExpertStyle
 from aserve.distributed.group import TPGroup
 from aserve.layers.moe_layout import group_by_expert
 from aserve.layers.weight import WeightSource, read_whole
@@ -42,12 +42,14 @@ STACKED_PARTS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bi
 
 @dataclass(frozen=True)
 class MoEBackend:
-    """`experts(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None)` returns
-    `[tokens, hidden]`: each token's routing-weighted sum over its experts (this rank's
-    partial sum under tensor parallelism). `w13` is `[experts, 2 * inter, hidden]` (gate
-    rows, then up rows), `w2` is `[experts, hidden, inter]`; FP8 weights come with one
-    float32 scale per expert row (`[experts, rows]`). `host_sync` backends cannot run inside
-    a CUDA graph."""
+    """`experts(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None,
+    w13_bias=None, w2_bias=None, style=PLAIN_EXPERTS)` returns `[tokens, hidden]`: each
+    token's routing-weighted sum over its experts (this rank's partial sum under tensor
+    parallelism). `w13` is `[experts, 2 * inter, hidden]` (gate rows, then up rows), `w2` is
+    `[experts, hidden, inter]`; FP8 weights come with one float32 scale per expert row
+    (`[experts, rows]`); biases (gpt-oss) are `[experts, rows]` too, added before the
+    activation or the routing weight, and `style` says how the experts gate. `host_sync`
+    backends cannot run inside a CUDA graph."""
 
     name: str
     experts: ExpertsFn
@@ -78,10 +80,6 @@ def grouped_experts(
     return torch.zeros_like(x).index_add_(0, tokens, out)
 
 
-PLAIN = ExpertStyle()
-"""Qwen3-MoE's experts: no biases, SiLU(gate) * up."""
-
-
 def activate(gate_up: torch.Tensor, style: ExpertStyle) -> torch.Tensor:
     """An expert's gated activation from its gate | up outputs (`ExpertStyle`), in their
     dtype, op for op as transformers computes it."""
@@ -101,8 +99,9 @@ def torch_experts(
     topk_ids: torch.Tensor,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
-    biases: ExpertBiases | None = None,
-    style: ExpertStyle = PLAIN,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    style: ExpertStyle = PLAIN_EXPERTS,
 ) -> torch.Tensor:
     """One gate_up and one down matmul per expert with tokens (`grouped_experts`). FP8
     experts are de-quantized one at a time, as they are used."""
@@ -112,9 +111,9 @@ def torch_experts(
         for expert, rows in zip(experts, parts):
             gate_up = _expert_weight(w13, w13_scale, expert, x.dtype)
             down = _expert_weight(w2, w2_scale, expert, x.dtype)
-            gate_up_bias, down_bias = (None, None) if biases is None else biases.of(expert)
+            gate_up_bias = None if w13_bias is None else w13_bias[expert]
             activation = activate(F.linear(rows, gate_up, gate_up_bias), style)
-            outs.append(F.linear(activation, down, down_bias))
+            outs.append(F.linear(activation, down, None if w2_bias is None else w2_bias[expert]))
         return outs
 
     return grouped_experts(x, topk_weights, topk_ids, w13.shape[0], mlp)
@@ -233,9 +232,10 @@ class ExpertBiases(nn.Module):
         self.w2 = nn.Parameter(torch.zeros(num_experts, hidden_size), False)
         self.adds_down = tp.rank == 0
 
-    def of(self, expert: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Expert `expert`'s gate|up bias and down bias (None on ranks that leave it out)."""
-        return self.w13[expert], self.w2[expert] if self.adds_down else None
+    @property
+    def down(self) -> torch.Tensor | None:
+        """The down biases where this rank adds them (rank 0), else None."""
+        return self.w2 if self.adds_down else None
 
     def load(self, where: int | slice, part: str, tensor: torch.Tensor) -> None:
         """Part `part` (of `BIAS_PARTS`) of the experts at `where`, the whole rows of it."""
@@ -399,7 +399,7 @@ class QuantizedExperts(nn.Module):
         inter_size: int,
         tp: TPGroup,
         fused: bool,
-        style: ExpertStyle = PLAIN,
+        style: ExpertStyle = PLAIN_EXPERTS,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
@@ -472,7 +472,7 @@ class QuantizedExperts(nn.Module):
         stacks = self.cpu_stacks
         return (
             stacks is not None
-            and self.style == PLAIN
+            and self.style == PLAIN_EXPERTS
             and x.dtype == torch.float32
             and x.shape[0] < min(stack.blas_from for stack in stacks)
         )
@@ -502,12 +502,12 @@ class QuantizedExperts(nn.Module):
         gate_up = self.gate_up.linear(experts, parts)
         biases = self.biases
         if biases is not None:
-            gate_up = [out + biases.of(expert)[0] for expert, out in zip(experts, gate_up)]
+            gate_up = [out + biases.w13[expert] for expert, out in zip(experts, gate_up)]
         acts = activate(torch.cat(gate_up), self.style).split([p.shape[0] for p in parts])
         outs = self.down.linear(experts, list(acts))
-        if biases is None or not biases.adds_down:
+        if biases is None or biases.down is None:
             return outs
-        return [out + biases.w2[expert] for expert, out in zip(experts, outs)]
+        return [out + biases.down[expert] for expert, out in zip(experts, outs)]
 
 
 def _decode_experts(
@@ -544,22 +544,19 @@ class SparseMoE(nn.Module):
         backend: MoEBackend,
         fp8: bool = False,
         gguf: bool = False,
-        style: ExpertStyle = PLAIN,
+        style: ExpertStyle = PLAIN_EXPERTS,
     ) -> None:
         super().__init__()
-        if style != PLAIN and backend.name != TORCH_BACKEND.name:
-            raise ConfigError(
-                "experts with biases or a clamped SwiGLU (gpt-oss) run on --moe-backend torch"
-            )
         self.top_k = top_k
         self.renormalize = renormalize
         self.backend = backend
         self.style = style
         self.gate = Router(num_experts, hidden_size, style.biases)
+        # The fused GGUF kernels have neither biases nor the clamped SwiGLU: gpt-oss's
+        # quantized experts run grouped (`QuantizedExperts._mlp`)
+        fused = backend.name == "fused" and style == PLAIN_EXPERTS
         self.experts: ExpertWeights | QuantizedExperts = (
-            QuantizedExperts(
-                num_experts, hidden_size, inter_size, tp, backend.name == "fused", style
-            )
+            QuantizedExperts(num_experts, hidden_size, inter_size, tp, fused, style)
             if gguf
             else ExpertWeights(num_experts, hidden_size, inter_size, tp, fp8, style.biases)
         )
@@ -571,18 +568,20 @@ class SparseMoE(nn.Module):
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         if isinstance(experts, QuantizedExperts):
             return experts(x, weights, ids)
-        if self.style != PLAIN:
-            return torch_experts(
-                x,
-                experts.w13,
-                experts.w2,
-                weights,
-                ids,
-                experts.w13_scale,
-                experts.w2_scale,
-                experts.biases,
-                self.style,
+        biases = experts.biases
+        if biases is None:
+            return self.backend.experts(
+                x, experts.w13, experts.w2, weights, ids, experts.w13_scale, experts.w2_scale
             )
         return self.backend.experts(
-            x, experts.w13, experts.w2, weights, ids, experts.w13_scale, experts.w2_scale
+            x,
+            experts.w13,
+            experts.w2,
+            weights,
+            ids,
+            experts.w13_scale,
+            experts.w2_scale,
+            biases.w13,
+            biases.down,
+            self.style,
         )

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from aserve.config import PLAIN_EXPERTS, ExpertStyle
 from aserve.engine.gpu import HOPPER_SHARED_MEMORY, gpu_capability, shared_memory_limit
 from aserve.layers.moe_align_triton import device_layout
 from aserve.layers.moe_layout import BlockLayout
@@ -41,6 +42,7 @@ def _moe_gemm(
     c_ptr,
     weight_ptr,
     scale_ptr,
+    bias_ptr,
     sorted_pairs_ptr,
     block_expert_ptr,
     num_pairs,
@@ -55,9 +57,14 @@ def _moe_gemm(
     stride_cm,
     stride_cn,
     stride_se,
+    stride_bias,
+    swiglu_alpha,
+    swiglu_limit,
     ROWS_PER_A: tl.constexpr,
     GATED: tl.constexpr,
     FP8: tl.constexpr,
+    BIAS: tl.constexpr,
+    CLAMPED: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -68,7 +75,10 @@ def _moe_gemm(
     GATED (the gate_up pass): B holds gate rows `[0, n_size)` then up rows `[n_size, 2 n_size)`
     and the tile is `silu(A @ gate^T) * (A @ up^T)`. Otherwise (the down pass) each row is
     scaled by its pair's routing weight. FP8 (B in float8_e4m3fn): B's values are widened to
-    A's dtype for the dot and each output column is scaled by its expert row's scale.
+    A's dtype for the dot and each output column is scaled by its expert row's scale. BIAS
+    adds the expert's bias row (gate's then up's in the gated pass) before the activation or
+    the routing weight; CLAMPED (gpt-oss) gates by `(up + 1) * gate * sigmoid(alpha * gate)`
+    with gate clamped above and up on both sides at the limit.
     Padding rows (pair id `num_pairs`) load zeros and store nothing. PRECISION applies to
     float32 inputs only: "ieee" keeps full products there."""
     block = tl.program_id(0)
@@ -106,7 +116,16 @@ def _moe_gemm(
         acc = acc * tl.load(scales, mask=col_ok, other=0.0)[None, :]
         if GATED:
             acc_up = acc_up * tl.load(scales + n_size, mask=col_ok, other=0.0)[None, :]
-    if GATED:
+    if BIAS:
+        biases = bias_ptr + expert * stride_bias + offs_n
+        acc += tl.load(biases, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(biases + n_size, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if GATED and CLAMPED:
+        gate = tl.minimum(acc, swiglu_limit)
+        up = tl.minimum(tl.maximum(acc_up, -swiglu_limit), swiglu_limit)
+        acc = (up + 1.0) * (gate * tl.sigmoid(gate * swiglu_alpha))
+    elif GATED:
         acc = acc * tl.sigmoid(acc) * acc_up
     else:
         weight = tl.load(weight_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
@@ -154,6 +173,8 @@ def _launch(
     gated: bool,
     block_m: int,
     scale: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
+    style: ExpertStyle = PLAIN_EXPERTS,
 ) -> None:
     n_size = c.shape[1]
     ieee = a.dtype == torch.float32
@@ -168,6 +189,7 @@ def _launch(
         c,
         weights,
         weights if scale is None else scale,
+        weights if bias is None else bias,
         layout_pairs,
         layout_experts,
         weights.numel(),
@@ -182,9 +204,14 @@ def _launch(
         c.stride(0),
         c.stride(1),
         0 if scale is None else scale.stride(0),
+        0 if bias is None else bias.stride(0),
+        style.swiglu_alpha,
+        style.swiglu_limit or 0.0,
         ROWS_PER_A=rows_per_a,
         GATED=gated,
         FP8=scale is not None,
+        BIAS=bias is not None,
+        CLAMPED=style.swiglu_limit is not None,
         PRECISION="ieee" if ieee else "tf32",
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -232,6 +259,9 @@ def fused_experts(
     topk_ids: torch.Tensor,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    style: ExpertStyle = PLAIN_EXPERTS,
 ) -> torch.Tensor:
     """The `MoEBackend.experts` contract (see aserve/layers/moe.py), on CUDA."""
 
@@ -245,6 +275,7 @@ def fused_experts(
         block_m: int,
     ) -> None:
         b, scale = (w13, w13_scale) if gated else (w2, w2_scale)
-        _launch(a, b, c, weights, *layout, rows_per_a, gated, block_m, scale)
+        bias = w13_bias if gated else w2_bias
+        _launch(a, b, c, weights, *layout, rows_per_a, gated, block_m, scale, bias, style)
 
     return two_passes(x, topk_weights, topk_ids, w13.shape[0], w13.shape[1] // 2, launch)

@@ -15,11 +15,11 @@ import torch
 
 from aserve.attention.base import AttentionBackend
 from aserve.attention.torch_native import TorchNativeBackend
-from aserve.config import ModelConfig
+from aserve.config import PLAIN_EXPERTS, ModelConfig
 from aserve.forward import ForwardBatch
 from aserve.layers.cpu_ops import CpuKernels
 from aserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from aserve.layers.moe import PLAIN, QuantizedExperts, SparseMoE
+from aserve.layers.moe import QuantizedExperts, SparseMoE
 from aserve.models.decoder import DecoderForCausalLM, DecoderLayer, DecoderMLP, DecoderModel
 from aserve.quant.native import KernelTensors, NativeWeight
 
@@ -113,7 +113,7 @@ def _add_layer(
     elif (
         isinstance(mlp, SparseMoE)
         and isinstance(mlp.experts, QuantizedExperts)
-        and mlp.style == PLAIN
+        and mlp.style == PLAIN_EXPERTS
     ):
         stacks = mlp.experts.cpu_stacks
         if stacks is None:

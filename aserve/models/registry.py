@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from aserve.config import ExpertStyle, ModelConfig
+from aserve.config import ModelConfig
 from aserve.distributed.group import TPGroup
 from aserve.layers.fused import FusedOps
 from aserve.layers.moe import moe_backend as select_moe_backend
@@ -24,8 +24,6 @@ def build_model(
     `ops` selects FlashInfer's fused kernels (see aserve/layers/fused.py); `moe_backend`
     (--moe-backend) the expert kernels of MoE families for `device` (default: CPU)."""
     if config.num_experts:
-        if config.expert_style != ExpertStyle() and moe_backend == "auto":
-            moe_backend = "torch"  # the fused kernels have no biases nor clamped SwiGLU
         backend = select_moe_backend(moe_backend, device or torch.device("cpu"))
         return Qwen3MoeForCausalLM(config, max_positions, tp, ops, backend)
     return DecoderForCausalLM(config, max_positions, tp, ops)
