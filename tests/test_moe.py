@@ -425,7 +425,7 @@ def test_fused_experts_in_wide_tiles_match_torch_backend(
     (odd sizes: partial tiles), float and FP8 experts."""
     from aserve.layers import moe_triton
 
-    blocks = force_wide_tiles(monkeypatch, moe_triton, block_m_at=-2)
+    blocks = force_wide_tiles(monkeypatch, moe_triton, block_m_at=8)
     fused = moe_backend("fused", torch.device("cuda"))
     x, w13, w2, weights, ids = random_experts(300, 16, 4, hidden=200, inter=96)
     x, weights, ids = x.cuda(), weights.cuda(), ids.cuda()
