@@ -216,6 +216,8 @@ def _quantization_settings(quantization: dict[str, Any]) -> dict[str, Any]:
         }
     if method == "fbgemm_fp8":
         return {"quantization": "fp8", "fp8_checkpoint": True}
+    if method == "mxfp4":  # gpt-oss: its experts become GGUF's MXFP4 blocks (quant/mxfp4.py)
+        return {"quantization": "gguf", "mxfp4_checkpoint": True}
     if method != "compressed-tensors":
         return {"quantization": method}
     blocks = {_compressed_fp8_block(g) for g in (quantization.get("config_groups") or {}).values()}
@@ -274,9 +276,11 @@ class ModelConfig:
     logit of its own that weighs no value (gpt-oss). The MoE fields keep their defaults (no
     experts) for dense models; `expert_style` says how gpt-oss's experts differ.
     `quantization` is the checkpoint's format: its `quantization_config.quant_method`, "fp8"
-    for every FP8 layout (`_quantization_settings`), "gguf" for a quantized GGUF file, or
-    None, until the runtime replaces it with what the weights run as; `fp8_checkpoint` and
-    `fp8_block` (the scales' block) stay: they say how the file is to be read.
+    for every FP8 layout (`_quantization_settings`), "gguf" for a quantized GGUF file (and
+    for gpt-oss's MXFP4 checkpoints, whose experts are read as GGUF's MXFP4 blocks), or None,
+    until the runtime replaces it with what the weights run as; `fp8_checkpoint`,
+    `fp8_block` (the scales' block) and `mxfp4_checkpoint` stay: they say how the file is to
+    be read.
     """
 
     architecture: str
@@ -302,6 +306,7 @@ class ModelConfig:
     quantization: str | None = None
     fp8_checkpoint: bool = False
     fp8_block: tuple[int, int] | None = None
+    mxfp4_checkpoint: bool = False
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0

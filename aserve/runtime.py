@@ -63,7 +63,7 @@ def chosen_quantization(engine: EngineConfig, model: ModelConfig) -> str | None:
     elif stored == "gguf" and requested == "fp8":
         chosen = "fp8"
     elif stored is not None:
-        kind = "GGUF" if stored == "gguf" else "FP8"
+        kind = "FP8" if stored == "fp8" else "MXFP4" if model.mxfp4_checkpoint else "GGUF"
         raise ConfigError(
             f"--quantization {requested} quantizes a float checkpoint at load; this one is "
             f"already quantized ({kind}): pass --quantization auto or none"

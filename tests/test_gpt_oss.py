@@ -1,6 +1,7 @@
 """gpt-oss: attention sinks and sliding windows through chunked prefill, prefix hits and
 batches, against transformers; its configs in both transformers' spellings; GGUF files as
-llama.cpp writes them, float and with MXFP4 experts on aserve's CPU kernels.
+llama.cpp writes them, float and with MXFP4 experts on aserve's CPU kernels; checkpoints
+with MXFP4 experts as OpenAI publishes them.
 
 tests/test_models.py holds the logits of the tiny gpt-oss against transformers (prefill and
 decode); tests/test_cpu_ops.py the sinks in the CPU kernels' attention; tests/test_tp.py
@@ -16,8 +17,10 @@ import pytest
 import torch
 
 from aserve import LLM, SamplingParams
-from aserve.config import ExpertStyle, ModelConfig
+from aserve.config import ConfigError, ExpertStyle, ModelConfig
 from aserve.layers.moe import QuantizedExperts, activate
+from aserve.quant.gguf import QuantizedTensor
+from aserve.quant.mxfp4 import ggml_blocks
 from aserve.quant.native import native_kernels
 from tests.gguf_files import write_hf_as_gguf
 from tests.test_gemma import LONG_PROMPTS
@@ -136,3 +139,71 @@ def test_mxfp4_experts_run_on_the_kernels(tmp_path: Path) -> None:
         assert got.token_ids == want.token_ids
         for mine, theirs in zip(got.logprobs, want.logprobs):
             assert mine.logprob == pytest.approx(theirs.logprob, abs=0.02)
+
+
+def test_mxfp4_blocks_read_as_transformers_reads_them() -> None:
+    """Random code bytes and exponents in transformers' layout, as llama.cpp's MXFP4 blocks:
+    the values transformers' own de-quantization gives, bit for bit."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    generator = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 10, 4, 16), dtype=torch.uint8, generator=generator)
+    scales = torch.randint(110, 140, (3, 10, 4), dtype=torch.uint8, generator=generator)
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
+    for expert in range(3):
+        raw = ggml_blocks(blocks[expert], scales[expert])
+        ours = QuantizedTensor(raw, Q.MXFP4, 128).decode().dequantize()
+        assert torch.equal(ours, theirs[expert].T)
+
+
+def write_mxfp4_checkpoint(folder: Path, out: Path) -> Path:
+    """`folder`'s float gpt-oss with its experts in MXFP4 as the published checkpoints store
+    them (gguf's quantizer rounds each row; its blocks turned into transformers' layout)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        rows = tensors.pop(name).transpose(1, 2).contiguous()  # [E, out, in]
+        experts, count, cols = rows.shape
+        raw = gguf.quants.quantize(rows.reshape(-1, cols).numpy(), Q.MXFP4)
+        ggml = torch.from_numpy(raw).view(experts, count, cols // 32, 17)
+        codes = torch.cat((ggml[..., 1:] & 15, ggml[..., 1:] >> 4), -1)  # inputs in order
+        tensors[f"{name}_blocks"] = (codes[..., 0::2] | codes[..., 1::2] << 4).contiguous()
+        tensors[f"{name}_scales"] = ggml[..., 0].contiguous()
+    out.mkdir()
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.skipif(not native_kernels(), reason="the CPU kernels do not build here")
+def test_published_mxfp4_checkpoint_runs_its_experts_in_blocks(tmp_path: Path) -> None:
+    """A checkpoint laid out as openai/gpt-oss-20b is (MXFP4 experts, float rest) keeps its
+    experts in their blocks and gives the logits of the same weights written as a GGUF with
+    MXFP4 experts (the same rounding of every row); `--quantization none` reads them as
+    float32, within the 16-bit activations' rounding of the blocks."""
+    folder = make_tiny_model("gpt_oss", tmp_path / "hf", overrides=LLAMA_CPP_CLAMP)
+    checkpoint = write_mxfp4_checkpoint(folder, tmp_path / "mxfp4")
+    twin = write_hf_as_gguf(folder, tmp_path / "twin.gguf", qtype_of={"_exps": Q.MXFP4})
+    prompt, continuation = LONG_PROMPTS[1], [7, 123, 45, 2, 99]
+    logits = {}
+    for name, model, options in [
+        ("blocks", checkpoint, {}),
+        ("gguf", twin, {}),
+        ("float", checkpoint, {"quantization": "none"}),
+    ]:
+        with LLM(str(model), page_size=4, **options) as llm:
+            experts = llm.runtime.engine.model.model.layers[0].mlp.experts
+            assert isinstance(experts, QuantizedExperts) == (name != "float")
+            logits[name] = our_logits(llm, prompt, continuation)
+    torch.testing.assert_close(logits["blocks"], logits["gguf"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits["blocks"], logits["float"], atol=0.05, rtol=0.01)
+
+
+def test_mxfp4_checkpoint_refuses_int8_in_one_line(tmp_path: Path) -> None:
+    folder = make_tiny_model("gpt_oss", tmp_path / "hf", overrides=LLAMA_CPP_CLAMP)
+    checkpoint = write_mxfp4_checkpoint(folder, tmp_path / "mxfp4")
+    with pytest.raises(ConfigError, match=r"already quantized \(MXFP4\)"):
+        LLM(str(checkpoint), quantization="int8")

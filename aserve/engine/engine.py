@@ -55,6 +55,7 @@ from aserve.models.registry import build_model
 from aserve.models.weights import fill_dummy_weights, iter_weights, torch_dtype
 from aserve.quant.cpu import FLOAT_ON_KERNELS, float_weights_on_kernels
 from aserve.quant.fp8 import pair_scales
+from aserve.quant.mxfp4 import mxfp4_experts
 from aserve.sampling_params import SamplingParams
 
 # Attention backends that are FlashInfer's, and the prefill kernels each asks it for.
@@ -192,6 +193,8 @@ class Engine:
             if model_config.fp8_checkpoint:
                 float_weights = model_config.quantization != "fp8"
                 weights = pair_scales(weights, model_config.fp8_block, float_weights)
+            if model_config.mxfp4_checkpoint:
+                weights = mxfp4_experts(weights, dequantize)
             self.model.load_weights(weights)
         self.model.finalize_quantized(self.device, self.dtype)
         if self.device.type == "cuda":
