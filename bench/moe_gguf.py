@@ -1,7 +1,9 @@
-"""A random Qwen3-MoE GGUF (llama.cpp's `qwen3moe`) of a chosen shape, for CPU benchmarks
-of quantized experts beside llama.cpp on the same file:
+"""A random Qwen3-MoE GGUF (llama.cpp's `qwen3moe`) or gpt-oss GGUF (`gpt-oss`) of a chosen
+shape, for CPU benchmarks of quantized experts beside llama.cpp on the same file:
 
     python bench/moe_gguf.py /tmp/moe.gguf --qtype Q4_0
+    python bench/moe_gguf.py /tmp/oss.gguf --arch gpt-oss --qtype Q8_0 --expert-qtype MXFP4 \
+        --layers 4 --hidden 2880 --heads 64 8 --experts 32 4 --expert-rows 2880
     python bench/offline.py --model /tmp/moe.gguf --peer llamacpp --num-seqs 16 \\
         --max-running-requests 16 --input-len 128 128 --output-len 64 64 --temperature 0
 
@@ -9,7 +11,10 @@ No model hub here, so the weights are random (normal, scaled so that activations
 finite); the tokenizer is the embedded SmolLM2's, copied from its GGUF, since llama.cpp
 loads no model without a vocabulary. The default shape keeps the 30B-A3B's proportions
 (128 experts, 8 a token, Qwen3's per-head Q/K norm) at a size a 2-core CPU runs: about
-0.7 B parameters, 60 M of them active a token besides the embedding and LM head.
+0.7 B parameters, 60 M of them active a token besides the embedding and LM head. gpt-oss's
+layers add biases to every projection, the router and the experts, a sink logit a head, a
+window of 128 on every other layer, and YaRN; its published files keep the experts in MXFP4
+(`--expert-qtype`).
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ from bench.gguf_files import copy_tokenizer, random_matrix, write_out  # noqa: E
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description="write a random Qwen3-MoE GGUF")
     p.add_argument("out", type=Path)
+    p.add_argument("--arch", default="qwen3moe", choices=["qwen3moe", "gpt-oss"])
     p.add_argument("--qtype", default="Q4_0", help="GGUF type of the matrices: Q4_0, IQ4_XS, ...")
+    p.add_argument("--expert-qtype", default=None, help="the experts' type (default: --qtype)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--heads", type=int, nargs=2, default=(16, 4), metavar=("Q", "KV"))
@@ -50,9 +57,11 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     qtype = gguf.GGMLQuantizationType[args.qtype]
+    expert_qtype = gguf.GGMLQuantizationType[args.expert_qtype or args.qtype]
+    oss = args.arch == "gpt-oss"
     heads, kv_heads = args.heads
     experts, used = args.experts
-    writer = gguf.GGUFWriter(args.out, "qwen3moe")
+    writer = gguf.GGUFWriter(args.out, args.arch)
     vocab = copy_tokenizer(writer) if args.vocab is None else args.vocab
     writer.add_block_count(args.layers)
     writer.add_context_length(4096)
@@ -67,13 +76,25 @@ def main() -> None:
     writer.add_expert_count(experts)
     writer.add_expert_used_count(used)
     writer.add_expert_feed_forward_length(args.expert_rows)
+    if oss:
+        writer.add_sliding_window(128)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(32.0)
+        writer.add_rope_scaling_orig_ctx_len(4096)
     rng = np.random.default_rng(args.seed)
 
     def matrix(*shape: int) -> np.ndarray:
         return random_matrix(shape, qtype, rng)
 
+    def experts_of(*shape: int) -> np.ndarray:
+        return random_matrix(shape, expert_qtype, rng)
+
     def add(name: str, array: np.ndarray, quantized: bool = True) -> None:
-        writer.add_tensor(name, array, raw_dtype=qtype if quantized else None)
+        kind = (expert_qtype if "_exps" in name else qtype) if quantized else None
+        writer.add_tensor(name, array, raw_dtype=kind)
+
+    def small(*shape: int) -> np.ndarray:  # biases and sinks
+        return rng.standard_normal(shape, dtype=np.float32) / 8
 
     add("token_embd.weight", matrix(vocab, args.hidden))
     add("output.weight", matrix(vocab, args.hidden))
@@ -85,15 +106,26 @@ def main() -> None:
         add(f"{blk}.attn_k.weight", matrix(kv_rows, args.hidden))
         add(f"{blk}.attn_v.weight", matrix(kv_rows, args.hidden))
         add(f"{blk}.attn_output.weight", matrix(args.hidden, q_rows))
-        add(f"{blk}.ffn_gate_exps.weight", matrix(experts, args.expert_rows, args.hidden))
-        add(f"{blk}.ffn_up_exps.weight", matrix(experts, args.expert_rows, args.hidden))
-        add(f"{blk}.ffn_down_exps.weight", matrix(experts, args.hidden, args.expert_rows))
+        add(f"{blk}.ffn_gate_exps.weight", experts_of(experts, args.expert_rows, args.hidden))
+        add(f"{blk}.ffn_up_exps.weight", experts_of(experts, args.expert_rows, args.hidden))
+        add(f"{blk}.ffn_down_exps.weight", experts_of(experts, args.hidden, args.expert_rows))
         router = rng.standard_normal((experts, args.hidden), dtype=np.float32) / 32
         add(f"{blk}.ffn_gate_inp.weight", router, quantized=False)
-        for norm, size in (("attn_norm", args.hidden), ("ffn_norm", args.hidden)):
+        pre_mlp_norm = "post_attention_norm" if oss else "ffn_norm"
+        for norm, size in (("attn_norm", args.hidden), (pre_mlp_norm, args.hidden)):
             add(f"{blk}.{norm}.weight", np.ones(size, np.float32), quantized=False)
-        for norm in ("attn_q_norm", "attn_k_norm"):
-            add(f"{blk}.{norm}.weight", np.ones(args.head_dim, np.float32), quantized=False)
+        if not oss:
+            for norm in ("attn_q_norm", "attn_k_norm"):
+                add(f"{blk}.{norm}.weight", np.ones(args.head_dim, np.float32), quantized=False)
+            continue
+        for name, rows in (("attn_q", q_rows), ("attn_k", kv_rows), ("attn_v", kv_rows)):
+            add(f"{blk}.{name}.bias", small(rows), quantized=False)
+        add(f"{blk}.attn_output.bias", small(args.hidden), quantized=False)
+        add(f"{blk}.attn_sinks.weight", small(heads), quantized=False)
+        add(f"{blk}.ffn_gate_inp.bias", small(experts), quantized=False)
+        for part, rows in (("gate", args.expert_rows), ("up", args.expert_rows)):
+            add(f"{blk}.ffn_{part}_exps.bias", small(experts, rows), quantized=False)
+        add(f"{blk}.ffn_down_exps.bias", small(experts, args.hidden), quantized=False)
     write_out(writer, args.out)
 
 
