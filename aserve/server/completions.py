@@ -21,6 +21,7 @@ from aserve.runtime import Runtime
 from aserve.sampling_params import MAX_SEED, SamplingError
 from aserve.server import openai
 from aserve.server.generation import Choice, Delta
+from aserve.server.harmony import is_harmony
 from aserve.server.http import json_response, sse
 from aserve.server.limits import InputLimits
 from aserve.server.native import NativeShaper
@@ -71,11 +72,27 @@ class Completions:
                 raise APIError(str(error), param="messages") from None
             except TemplateError as error:  # the template's own raise_exception, say
                 raise APIError(f"the chat template failed: {error}", param="messages") from None
-            if parsed.tools:
-                parsed = await self._with_tools(tokenizer, parsed)
-            if self.state.config.reasoning_parser is not None:
-                parsed = self._with_thinking(tokenizer, parsed, prompt)
+            if is_harmony(tokenizer.hf.chat_template):
+                parsed = self._with_harmony(parsed)
+            else:
+                if parsed.tools:
+                    parsed = await self._with_tools(tokenizer, parsed)
+                if self.state.config.reasoning_parser is not None:
+                    parsed = self._with_thinking(tokenizer, parsed, prompt)
             return await self._generate(request, runtime, parsed, [prompt])
+
+    @staticmethod
+    def _with_harmony(parsed: GenerationRequest) -> GenerationRequest:
+        """gpt-oss replies in harmony: decoded with its markers (special tokens), split into
+        reasoning, content and tool calls by their channels, with or without a reasoning
+        parser. A grammar cannot force its calls here: tool_choice takes auto or none."""
+        if parsed.tools and parsed.tool_choice != "auto":
+            raise APIError(
+                "tool_choice takes 'auto' or 'none' for this model (harmony replies): its "
+                "calls are not forced by a grammar",
+                param="tool_choice",
+            )
+        return dataclasses.replace(parsed, harmony=True, skip_special_tokens=False)
 
     @staticmethod
     async def _with_tools(tokenizer: Tokenizer, parsed: GenerationRequest) -> GenerationRequest:

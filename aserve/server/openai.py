@@ -81,6 +81,7 @@ class GenerationRequest:
     include_stop: bool = False  # the text keeps the stop string or token that ended it
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     thinking_opened: bool | None = None  # with a reasoning parser: the reply starts thinking
+    harmony: bool = False  # a harmony reply (gpt-oss): split by server/harmony.py
     responses_api: dict[str, Any] | None = None  # /v1/responses: what its reply echoes
     grammar_after: int | None = None  # a constrained reply's grammar starts after this token
     prompt_field: str = "prompt"  # the field that held the prompt, for errors

@@ -14,6 +14,7 @@ from aserve.runtime import Runtime
 from aserve.sampling_params import TokenLogprob
 from aserve.server import openai
 from aserve.server.generation import Choice, Delta
+from aserve.server.harmony import HarmonyStream, split_harmony
 from aserve.server.http import SSE_DONE, sse
 from aserve.server.openai import GenerationRequest, ResponseHead
 from aserve.server.reasoning import ReasoningStream, split_reasoning
@@ -36,12 +37,12 @@ class ResponseShaper:
         self._text_offsets = [0] * len(choices)
         self._scores_prompt = parsed.params.prompt_logprobs is not None
         self._prompt_sent = [False] * len(choices)
-        syntax, opened = parsed.tool_syntax, parsed.thinking_opened
-        self._splitters = [ReplySplitter(syntax, opened) for _ in choices]
+        syntax, opened, harmony = parsed.tool_syntax, parsed.thinking_opened, parsed.harmony
+        self._splitters = [ReplySplitter(syntax, opened, harmony) for _ in choices]
         plain = not (parsed.params.logprobs or parsed.return_token_ids or self._scores_prompt)
         self._text_templates = (
             [self._text_template(i) for i in range(len(choices))]
-            if parsed.stream and plain and syntax is None and opened is None
+            if parsed.stream and plain and syntax is None and opened is None and not harmony
             else None
         )
 
@@ -192,6 +193,12 @@ class ResponseShaper:
             logprobs = self._logprobs(index, [lp for d in deltas for lp in d.logprobs])
             if self.is_chat:
                 message: dict[str, Any] = {"role": "assistant", "content": text}
+                if self.parsed.harmony:
+                    reasoning, text, calls = split_harmony(text)
+                    message.update(content=text, reasoning_content=reasoning)
+                    if calls:
+                        message.update(content=text or None, tool_calls=openai_calls(calls))
+                        finish = _finish_with_calls(finish, True)
                 if self.parsed.thinking_opened is not None:
                     reasoning, text = split_reasoning(text, self.parsed.thinking_opened)
                     message.update(content=text, reasoning_content=reasoning)
@@ -232,11 +239,14 @@ class ResponseShaper:
 class ReplySplitter:
     """A chat reply's deltas as the reasoning (with a reasoning parser), the content, and at
     the end the tool calls (where they are parsed): a call's syntax never goes out as
-    content, nor the <think> block."""
+    content, nor the <think> block. A `harmony` reply (gpt-oss) is split by its channels."""
 
-    def __init__(self, tool_syntax: str | None, thinking_opened: bool | None) -> None:
+    def __init__(
+        self, tool_syntax: str | None, thinking_opened: bool | None, harmony: bool = False
+    ) -> None:
         self._tools = None if tool_syntax is None else ToolTextStream(tool_syntax)
         self._thinking = None if thinking_opened is None else ReasoningStream(thinking_opened)
+        self._harmony = HarmonyStream() if harmony else None
         # The tokens of the deltas inside <think>, its tags included: exact where each delta
         # is one token (a stream), else a delta across the block's end counts whole.
         self.reasoning_tokens = 0
@@ -245,6 +255,8 @@ class ReplySplitter:
     def push(self, delta: Delta) -> tuple[str, str, list[ParsedCall]]:
         reasoning, text, calls = "", delta.text, []
         final = delta.finish_reason is not None
+        if self._harmony is not None:
+            return self._push_harmony(delta, self._harmony, final)
         if self._thinking is not None:
             reasoning, text = self._push_thinking(delta, self._thinking)
             if final:
@@ -256,6 +268,19 @@ class ReplySplitter:
                 rest, calls = self._tools.finish()
                 text += rest
         return reasoning, text, calls
+
+    def _push_harmony(
+        self, delta: Delta, harmony: HarmonyStream, final: bool
+    ) -> tuple[str, str, list[ParsedCall]]:
+        """A delta's tokens count as reasoning where they began or ended in `analysis`."""
+        was_reasoning = harmony.reasoning
+        reasoning, text = harmony.push(delta.text)
+        if was_reasoning or harmony.reasoning:
+            self.reasoning_tokens += len(delta.token_ids)
+        if not final:
+            return reasoning, text, []
+        last = harmony.finish()
+        return reasoning + last.reasoning, text + last.content, harmony.calls
 
     def _push_thinking(self, delta: Delta, thinking: ReasoningStream) -> tuple[str, str]:
         """Push the delta's text, counting its tokens as reasoning where they are inside

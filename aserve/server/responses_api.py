@@ -37,7 +37,7 @@ class ResponsesShaper:
         self.head = head
         self.choice = choice
         self.echoed = parsed.responses_api
-        self._splitter = ReplySplitter(parsed.tool_syntax, parsed.thinking_opened)
+        self._splitter = ReplySplitter(parsed.tool_syntax, parsed.thinking_opened, parsed.harmony)
         self._sequence = 0
         self._reasoning: list[str] | None = None  # the open reasoning item's text
         self._reasoning_id = ""

@@ -1,0 +1,163 @@
+"""gpt-oss's harmony replies split into reasoning, content and tool calls: whole, and
+streamed in every cut into two pieces and one character at a time; then over HTTP."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from aserve.server.harmony import HarmonyStream, is_harmony, split_harmony
+from tests.server_utils import ServerProcess, serving
+from tests.test_server import post, run, stream
+
+THINK_THEN_ANSWER = (
+    "<|channel|>analysis<|message|>The user asks for a capital.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>Paris.<|return|>"
+)
+CALL = (
+    "<|channel|>analysis<|message|>Need the weather.<|end|>"
+    "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+    '<|message|>{"city": "Paris", "days": 2}<|call|>'
+)
+WEATHER = [("get_weather", {"city": "Paris", "days": 2})]
+CASES = [
+    (THINK_THEN_ANSWER, "The user asks for a capital.", "Paris.", []),
+    # the stop token left out of the text
+    (THINK_THEN_ANSWER.removesuffix("<|return|>"), "The user asks for a capital.", "Paris.", []),
+    (CALL, "Need the weather.", "", WEATHER),
+    (CALL.removesuffix("<|call|>"), "Need the weather.", "", WEATHER),
+    # the recipient before the channel, a preamble to the user, two calls
+    (
+        "<|channel|>commentary<|message|>Checking both.<|end|>"
+        "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}<|call|>"
+        "<|start|>assistant<|channel|>commentary to=functions.get_weather"
+        '<|message|>{"city": "Oslo"}<|call|>',
+        None,
+        "Checking both.",
+        [("get_time", {}), ("get_weather", {"city": "Oslo"})],
+    ),
+    # cut by max_tokens inside a call's arguments: no call, and nothing shown of it
+    (CALL[:-12], "Need the weather.", "", []),
+    # cut inside a header
+    ("<|channel|>analysis<|message|>Hmm.<|end|><|start|>assist", "Hmm.", "", []),
+    # a reply that never speaks harmony is all content
+    ("Just text, with a <| in it.", None, "Just text, with a <| in it.", []),
+]
+
+
+@pytest.mark.parametrize(("reply", "reasoning", "content", "calls"), CASES)
+def test_whole_replies_split(
+    reply: str, reasoning: str | None, content: str, calls: list[tuple[str, dict]]
+) -> None:
+    got_reasoning, got_content, got_calls = split_harmony(reply)
+    assert (got_reasoning, got_content) == (reasoning, content)
+    assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls
+
+
+@pytest.mark.parametrize(("reply", "reasoning", "content", "calls"), CASES)
+def test_any_cut_streams_the_same(
+    reply: str, reasoning: str | None, content: str, calls: list[tuple[str, dict]]
+) -> None:
+    """Cut anywhere in two, or a character at a time: the same strings and calls, and no
+    marker ever goes out."""
+    cuts = [[reply[:at], reply[at:]] for at in range(len(reply) + 1)]
+    for pieces in [*cuts, list(reply)]:
+        stream = HarmonyStream()
+        out_reasoning, out_content = "", ""
+        for piece in pieces:
+            split = stream.push(piece)
+            out_reasoning += split.reasoning
+            out_content += split.content
+            assert "<|channel|>" not in out_reasoning + out_content
+        last = stream.finish()
+        assert (out_reasoning + last.reasoning) == (reasoning or "")
+        assert out_content + last.content == content
+        assert [c.name for c in stream.calls] == [name for name, _ in calls]
+
+
+def test_reasoning_is_known_while_inside_analysis() -> None:
+    stream = HarmonyStream()
+    stream.push("<|channel|>analysis<|message|>Thinking")
+    assert stream.reasoning
+    stream.push("<|end|><|start|>assistant<|channel|>final<|message|>Yes")
+    assert not stream.reasoning
+
+
+def test_harmony_templates_are_told_apart() -> None:
+    assert is_harmony("{{ '<|start|>assistant<|channel|>final<|message|>' }}")
+    assert not is_harmony("<|im_start|>assistant\n")
+    assert not is_harmony(None)
+
+
+# ---- over HTTP: the embedded model under a harmony template, its replies steered by a
+# regular expression into harmony's shapes (its vocabulary spells the markers in pieces) ---
+
+HARMONY_TEMPLATE = (
+    "{%- for m in messages %}<|start|>{{ m.role }}"
+    "{%- if m.role == 'assistant' %}<|channel|>final{% endif %}<|message|>{{ m.content }}<|end|>"
+    "{% endfor -%}<|start|>assistant"
+)
+ASK = [{"role": "user", "content": "What is the capital of France?"}]
+THINK_THEN_ANSWER_PATTERN = (
+    re.escape("<|channel|>analysis<|message|>")
+    + "[a-z ]{3,24}"
+    + re.escape("<|end|><|start|>assistant<|channel|>final<|message|>")
+    + "(Paris|Rome)"
+)
+CALL_PATTERN = re.escape(
+    "<|channel|>analysis<|message|>weather<|end|><|start|>assistant<|channel|>commentary "
+    'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>'
+)
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    template = tmp_path_factory.mktemp("template") / "harmony.jinja"
+    template.write_text(HARMONY_TEMPLATE)
+    args = ["--model", str(smollm2_dir), "--served-model-name", "smol"]
+    yield from serving(ServerProcess([*args, "--chat-template", str(template)]))
+
+
+def chat_body(**fields: Any) -> dict[str, Any]:
+    return {"model": "smol", "messages": ASK, "temperature": 0, "max_tokens": 90, **fields}
+
+
+def test_reply_channels_become_reasoning_and_content(server: ServerProcess) -> None:
+    """No --reasoning-parser needed: a harmony template's replies are split whole and
+    streamed alike, without a marker left in either part."""
+    url = server.base_url + "/v1/chat/completions"
+    status, reply = run(post(url, chat_body(guided_regex=THINK_THEN_ANSWER_PATTERN)))
+    assert status == 200, reply
+    message = reply["choices"][0]["message"]
+    assert message["content"] in ("Paris", "Rome")
+    assert re.fullmatch("[a-z ]{3,24}", message["reasoning_content"])
+    chunks, _ = run(stream(url, chat_body(guided_regex=THINK_THEN_ANSWER_PATTERN)))
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == message["reasoning_content"]
+    assert "".join(d.get("content") or "" for d in deltas) == message["content"]
+
+
+def test_a_commentary_to_a_function_is_a_tool_call(server: ServerProcess) -> None:
+    url = server.base_url + "/v1/chat/completions"
+    body = chat_body(tools=[WEATHER_TOOL], guided_regex=CALL_PATTERN, max_tokens=250)
+    status, reply = run(post(url, body))
+    assert status == 200, reply
+    choice = reply["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["reasoning_content"] == "weather"
+    (made,) = choice["message"]["tool_calls"]
+    assert made["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    status, reply = run(post(url, chat_body(tools=[WEATHER_TOOL], tool_choice="required")))
+    assert status == 400 and reply["error"]["param"] == "tool_choice", reply
