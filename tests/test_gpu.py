@@ -179,6 +179,32 @@ def test_gpt_oss_sinks_on_flashinfer(
     ]
 
 
+def test_gpt_oss_mxfp4_experts_in_the_fused_kernels(
+    make_llm: Callable[..., LLM], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gpt-oss GGUF with MXFP4 experts (as published) on CUDA: its experts stacked for the
+    fused code kernels with their biases and clamped SwiGLU, decode in CUDA graphs; the
+    greedy tokens and logprobs of the same file's experts run grouped (torch backend)."""
+    from gguf import GGMLQuantizationType as QType
+
+    monkeypatch.setenv("ASERVE_CACHE_DIR", str(tmp_path / "cache"))
+    shapes = {**KERNEL_SHAPES, "head_dim": 64, **EVERY_EXPERT, "intermediate_size": 64}
+    folder = make_tiny_model("gpt_oss", tmp_path / "hf", overrides=shapes | {"swiglu_limit": 7.0})
+    model = write_hf_as_gguf(
+        folder, tmp_path / "oss.gguf", qtype=QType.Q8_0, qtype_of={"_exps": QType.MXFP4}
+    )
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=True)
+    fused = make_llm(model, **small_gpu_engine())
+    assert fused.runtime.engine.model.model.layers[0].mlp.experts.stacked is not None
+    assert fused.runtime.engine.graphs is not None
+    grouped = make_llm(model, **small_gpu_engine(moe_backend="torch"))
+    assert grouped.runtime.engine.model.model.layers[0].mlp.experts.stacked is None
+    for ours, theirs in zip(fused.generate(PROMPTS, params), grouped.generate(PROMPTS, params)):
+        assert ours.token_ids == theirs.token_ids
+        for a, b in zip(ours.logprobs, theirs.logprobs):
+            assert a.logprob == pytest.approx(b.logprob, abs=0.05)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_scaled_rope_from_gguf_close_to_transformers(
     make_llm: Callable[..., LLM],

@@ -412,12 +412,20 @@ def test_fused_gguf_experts_in_wide_tiles_match_float64(
     from aserve.layers import moe_codes_triton, moe_triton
     from tests.test_moe import force_wide_tiles
 
-    blocks = force_wide_tiles(monkeypatch, moe_codes_triton, block_m_at=-1)
+    blocks = force_wide_tiles(monkeypatch, moe_codes_triton, block_m_at=8)
     check_fused_gguf_experts(qtype, inter, tokens)
     assert blocks == [moe_triton.WIDE_BLOCK_M] * 2
 
 
-def check_fused_gguf_experts(qtype: str, inter: int, tokens: int) -> None:
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_fused_mxfp4_experts_with_biases_and_clamped_swiglu(tokens: int) -> None:
+    """gpt-oss's experts as its files hold them (MXFP4 blocks) in the fused code kernels,
+    with their biases and clamped SwiGLU, against the float64 definition on the exact
+    de-quantized values, with and without the down biases (a rank after the first)."""
+    check_fused_gguf_experts("MXFP4", 64, tokens, gpt_oss=True)
+
+
+def check_fused_gguf_experts(qtype: str, inter: int, tokens: int, gpt_oss: bool = False) -> None:
     from gguf import GGMLQuantizationType
 
     from aserve.layers.moe import route, torch_experts
@@ -446,11 +454,29 @@ def check_fused_gguf_experts(qtype: str, inter: int, tokens: int) -> None:
     x = torch.randn(tokens, hidden, generator=gen(51)) / 8
     # experts 4 and 5 get no token
     weights, ids = route(torch.randn(tokens, 4, generator=gen(52)), 2, renormalize=True)
-    out = fused_code_experts(x.to(DEVICE), stacked13, stacked2, weights.to(DEVICE), ids.to(DEVICE))
-    expected = torch_experts(x.double(), exact13, exact(down, hidden), weights.double(), ids)
-    assert out.shape == (tokens, hidden)
-    tolerance = 1e-5 * float(expected.abs().max())
-    torch.testing.assert_close(out.cpu().double(), expected, rtol=0, atol=tolerance)
+    on = (x.to(DEVICE), stacked13, stacked2, weights.to(DEVICE), ids.to(DEVICE))
+    if not gpt_oss:
+        out = fused_code_experts(*on)
+        expected = torch_experts(x.double(), exact13, exact(down, hidden), weights.double(), ids)
+        assert out.shape == (tokens, hidden)
+        tolerance = 1e-5 * float(expected.abs().max())
+        torch.testing.assert_close(out.cpu().double(), expected, rtol=0, atol=tolerance)
+        return
+    from aserve.config import ExpertStyle
+
+    x = x * 16  # gate and up values past the clamp of 1.5
+    on = (x.to(DEVICE), *on[1:])
+    style = ExpertStyle(biases=True, swiglu_alpha=1.702, swiglu_limit=1.5)
+    b13 = torch.randn(num_experts, 2 * inter, generator=gen(53))
+    b2 = torch.randn(num_experts, hidden, generator=gen(54))
+    for down_bias in (b2, None):
+        out = fused_code_experts(*on, b13.to(DEVICE), down_bias, style)
+        expected = torch_experts(
+            x.double(), exact13, exact(down, hidden), weights.double(), ids, None, None,
+            b13.double(), None if down_bias is None else down_bias.double(), style,
+        )  # fmt: skip
+        tolerance = 1e-5 * float(expected.abs().max())
+        torch.testing.assert_close(out.cpu().double(), expected, rtol=0, atol=tolerance)
 
 
 @pytest.mark.parametrize(

@@ -493,7 +493,12 @@ class QuantizedExperts(nn.Module):
         if self.stacked is not None:
             from aserve.layers.moe_codes_triton import fused_code_experts
 
-            return fused_code_experts(x, *self.stacked, topk_weights, topk_ids)
+            biases = self.biases
+            if biases is None:
+                return fused_code_experts(x, *self.stacked, topk_weights, topk_ids)
+            return fused_code_experts(
+                x, *self.stacked, topk_weights, topk_ids, biases.w13, biases.down, self.style
+            )
         return grouped_experts(x, topk_weights, topk_ids, self.num_experts, self._mlp)
 
     def _mlp(self, experts: list[int], parts: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -552,9 +557,7 @@ class SparseMoE(nn.Module):
         self.backend = backend
         self.style = style
         self.gate = Router(num_experts, hidden_size, style.biases)
-        # The fused GGUF kernels have neither biases nor the clamped SwiGLU: gpt-oss's
-        # quantized experts run grouped (`QuantizedExperts._mlp`)
-        fused = backend.name == "fused" and style == PLAIN_EXPERTS
+        fused = backend.name == "fused"
         self.experts: ExpertWeights | QuantizedExperts = (
             QuantizedExperts(num_experts, hidden_size, inter_size, tp, fused, style)
             if gguf

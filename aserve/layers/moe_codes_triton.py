@@ -23,12 +23,14 @@ import torch
 import triton
 import triton.language as tl
 
+from aserve.config import PLAIN_EXPERTS, ExpertStyle
 from aserve.layers.moe_layout import BlockLayout
 from aserve.layers.moe_triton import (
     WIDE_BLOCK_M,
     WIDE_BLOCK_N,
     WIDE_WARPS,
     block_pairs,
+    expert_epilogue,
     two_passes,
 )
 from aserve.quant.codes import Codes
@@ -160,6 +162,7 @@ def _moe_codes_gemm(
     offsets_ptr,
     c_ptr,
     weight_ptr,
+    bias_ptr,
     sorted_pairs_ptr,
     block_expert_ptr,
     num_pairs,
@@ -169,8 +172,13 @@ def _moe_codes_gemm(
     K,
     stride_am,
     stride_cm,
+    stride_bias,
+    swiglu_alpha,
+    swiglu_limit,
     ROWS_PER_A: tl.constexpr,
     GATED: tl.constexpr,
+    BIAS: tl.constexpr,
+    CLAMPED: tl.constexpr,
     FOUR_BIT: tl.constexpr,
     LEVELS: tl.constexpr,
     PERMUTE: tl.constexpr,
@@ -187,8 +195,9 @@ def _moe_codes_gemm(
     """One `[BLOCK_M, BLOCK_N]` tile of `C[pair] = A[pair // ROWS_PER_A] @ W[expert]^T` with
     W in codes (N rows, K inputs). GATED (the gate|up pass): W's rows are gate `[0, n_size)`
     then up `[n_size, N)`, and the tile is `silu(A @ gate^T) * (A @ up^T)`; otherwise each
-    row is scaled by its pair's routing weight. Padding rows (pair id `num_pairs`) read row
-    0 of A and store nothing."""
+    row is scaled by its pair's routing weight (biases and gpt-oss's clamped SwiGLU:
+    `expert_epilogue`). Padding rows (pair id `num_pairs`) read row 0 of A and store
+    nothing."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert >= num_experts:
@@ -229,13 +238,13 @@ def _moe_codes_gemm(
                     cols + n_size, N, K, FOUR_BIT, LEVELS, PERMUTE, LEVEL_ASM, OFFSETS, GROUP,
                     PRECISION, BLOCK_K, BLOCK_N,
                 )  # fmt: skip
-    if GATED:
-        acc = acc * tl.sigmoid(acc) * acc_up
-    else:
-        weight = tl.load(weight_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
-        acc = acc * weight[:, None]
+    col_ok = cols < n_size
+    acc = expert_epilogue(
+        acc, acc_up, expert, pairs, row_ok, cols, col_ok, n_size, weight_ptr, bias_ptr,
+        stride_bias, swiglu_alpha, swiglu_limit, GATED, BIAS, CLAMPED,
+    )  # fmt: skip
     c_ptrs = c_ptr + pairs[:, None] * stride_cm + cols[None, :]
-    ok = row_ok[:, None] & (cols < n_size)[None, :]
+    ok = row_ok[:, None] & col_ok[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=ok)
 
 
@@ -258,6 +267,8 @@ def _launch(
     rows_per_a: int,
     gated: bool,
     block_m: int,
+    bias: torch.Tensor | None = None,
+    style: ExpertStyle = PLAIN_EXPERTS,
 ) -> None:
     n_size = c.shape[1]
     block_k = next(b for b in (BLOCK_K, 64, 32, 16) if w.cols % b == 0 and b % w.group == 0)
@@ -275,6 +286,7 @@ def _launch(
         w.offsets,
         c,
         weights,
+        weights if bias is None else bias,
         layout_pairs,
         layout_experts,
         weights.numel(),
@@ -284,8 +296,13 @@ def _launch(
         w.cols,
         a.stride(0),
         c.stride(0),
+        0 if bias is None else bias.stride(0),
+        style.swiglu_alpha,
+        style.swiglu_limit or 0.0,
         ROWS_PER_A=rows_per_a,
         GATED=gated,
+        BIAS=bias is not None,
+        CLAMPED=style.swiglu_limit is not None,
         FOUR_BIT=w.four_bit,
         LEVELS=w.levels is not None,
         PERMUTE=a.is_cuda,  # Triton's interpreter (tests on CPU) runs no PTX
@@ -309,6 +326,9 @@ def fused_code_experts(
     down: StackedCodes,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    style: ExpertStyle = PLAIN_EXPERTS,
 ) -> torch.Tensor:
     """Each token's routing-weighted sum over its experts, `[tokens, hidden]`: the
     `MoEBackend.experts` contract (aserve/layers/moe.py) for experts in codes."""
@@ -322,6 +342,8 @@ def fused_code_experts(
         rows_per_a: int,
         block_m: int,
     ) -> None:
-        _launch(a, gate_up if gated else down, c, weights, *layout, rows_per_a, gated, block_m)
+        bias = w13_bias if gated else w2_bias
+        codes = gate_up if gated else down
+        _launch(a, codes, c, weights, *layout, rows_per_a, gated, block_m, bias, style)
 
     return two_passes(x, topk_weights, topk_ids, gate_up.experts, gate_up.rows // 2, launch)

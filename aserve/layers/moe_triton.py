@@ -36,6 +36,44 @@ def block_pairs(sorted_pairs_ptr, block, num_pairs, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def expert_epilogue(
+    acc,
+    acc_up,
+    expert,
+    pairs,
+    row_ok,
+    cols,
+    col_ok,
+    n_size,
+    weight_ptr,
+    bias_ptr,
+    stride_bias,
+    swiglu_alpha,
+    swiglu_limit,
+    GATED: tl.constexpr,
+    BIAS: tl.constexpr,
+    CLAMPED: tl.constexpr,
+):
+    """A tile's end in both fused backends: the expert's bias row (gate's then up's in the
+    gated pass), then the gated activation (SiLU, or with CLAMPED gpt-oss's
+    `(up + 1) * gate * sigmoid(alpha * gate)`, gate clamped above and up on both sides at
+    the limit), or in the down pass each row scaled by its pair's routing weight."""
+    if BIAS:
+        biases = bias_ptr + expert * stride_bias + cols
+        acc += tl.load(biases, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(biases + n_size, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if GATED and CLAMPED:
+        gate = tl.minimum(acc, swiglu_limit)
+        up = tl.minimum(tl.maximum(acc_up, -swiglu_limit), swiglu_limit)
+        return (up + 1.0) * (gate * tl.sigmoid(gate * swiglu_alpha))
+    if GATED:
+        return acc * tl.sigmoid(acc) * acc_up
+    weight = tl.load(weight_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
+    return acc * weight[:, None]
+
+
+@triton.jit
 def _moe_gemm(
     a_ptr,
     b_ptr,
@@ -76,9 +114,7 @@ def _moe_gemm(
     and the tile is `silu(A @ gate^T) * (A @ up^T)`. Otherwise (the down pass) each row is
     scaled by its pair's routing weight. FP8 (B in float8_e4m3fn): B's values are widened to
     A's dtype for the dot and each output column is scaled by its expert row's scale. BIAS
-    adds the expert's bias row (gate's then up's in the gated pass) before the activation or
-    the routing weight; CLAMPED (gpt-oss) gates by `(up + 1) * gate * sigmoid(alpha * gate)`
-    with gate clamped above and up on both sides at the limit.
+    and CLAMPED (gpt-oss): `expert_epilogue`.
     Padding rows (pair id `num_pairs`) load zeros and store nothing. PRECISION applies to
     float32 inputs only: "ieee" keeps full products there."""
     block = tl.program_id(0)
@@ -116,20 +152,10 @@ def _moe_gemm(
         acc = acc * tl.load(scales, mask=col_ok, other=0.0)[None, :]
         if GATED:
             acc_up = acc_up * tl.load(scales + n_size, mask=col_ok, other=0.0)[None, :]
-    if BIAS:
-        biases = bias_ptr + expert * stride_bias + offs_n
-        acc += tl.load(biases, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            acc_up += tl.load(biases + n_size, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if GATED and CLAMPED:
-        gate = tl.minimum(acc, swiglu_limit)
-        up = tl.minimum(tl.maximum(acc_up, -swiglu_limit), swiglu_limit)
-        acc = (up + 1.0) * (gate * tl.sigmoid(gate * swiglu_alpha))
-    elif GATED:
-        acc = acc * tl.sigmoid(acc) * acc_up
-    else:
-        weight = tl.load(weight_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
-        acc = acc * weight[:, None]
+    acc = expert_epilogue(
+        acc, acc_up, expert, pairs, row_ok, offs_n, col_ok, n_size, weight_ptr, bias_ptr,
+        stride_bias, swiglu_alpha, swiglu_limit, GATED, BIAS, CLAMPED,
+    )  # fmt: skip
     c_ptrs = c_ptr + pairs[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
