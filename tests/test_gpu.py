@@ -184,7 +184,9 @@ def test_gpt_oss_mxfp4_experts_in_the_fused_kernels(
 ) -> None:
     """A gpt-oss GGUF with MXFP4 experts (as published) on CUDA: its experts stacked for the
     fused code kernels with their biases and clamped SwiGLU, decode in CUDA graphs; the
-    greedy tokens and logprobs of the same file's experts run grouped (torch backend)."""
+    logits of the same file's experts run grouped (torch backend: products rounded to bf16
+    before the bias and the gate, where the fused kernels keep float32 to the gate's end;
+    greedy tokens of the two parted at the third token of one prompt)."""
     from gguf import GGMLQuantizationType as QType
 
     monkeypatch.setenv("ASERVE_CACHE_DIR", str(tmp_path / "cache"))
@@ -193,16 +195,18 @@ def test_gpt_oss_mxfp4_experts_in_the_fused_kernels(
     model = write_hf_as_gguf(
         folder, tmp_path / "oss.gguf", qtype=QType.Q8_0, qtype_of={"_exps": QType.MXFP4}
     )
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=True)
     fused = make_llm(model, **small_gpu_engine())
     assert fused.runtime.engine.model.model.layers[0].mlp.experts.stacked is not None
     assert fused.runtime.engine.graphs is not None
     grouped = make_llm(model, **small_gpu_engine(moe_backend="torch"))
     assert grouped.runtime.engine.model.model.layers[0].mlp.experts.stacked is None
-    for ours, theirs in zip(fused.generate(PROMPTS, params), grouped.generate(PROMPTS, params)):
-        assert ours.token_ids == theirs.token_ids
-        for a, b in zip(ours.logprobs, theirs.logprobs):
-            assert a.logprob == pytest.approx(b.logprob, abs=0.05)
+    prompt, continuation = list(range(3, 60)), [7, 123, 45, 2, 99, 5]
+    torch.testing.assert_close(
+        our_logits(fused, prompt, continuation),
+        our_logits(grouped, prompt, continuation),
+        atol=0.06,
+        rtol=0.03,
+    )
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

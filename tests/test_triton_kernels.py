@@ -470,7 +470,8 @@ def check_fused_gguf_experts(qtype: str, inter: int, tokens: int, gpt_oss: bool 
     b13 = torch.randn(num_experts, 2 * inter, generator=gen(53))
     b2 = torch.randn(num_experts, hidden, generator=gen(54))
     for down_bias in (b2, None):
-        out = fused_code_experts(*on, b13.to(DEVICE), down_bias, style)
+        on_device = None if down_bias is None else down_bias.to(DEVICE)
+        out = fused_code_experts(*on, b13.to(DEVICE), on_device, style)
         expected = torch_experts(
             x.double(), exact13, exact(down, hidden), weights.double(), ids, None, None,
             b13.double(), None if down_bias is None else down_bias.double(), style,
