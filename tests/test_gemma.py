@@ -48,22 +48,28 @@ def test_windows_hold_through_chunks_prefix_hits_and_batches(
         monkeypatch.setattr(engine_module, "float_weights_on_kernels", lambda *args: None)
     elif not native_kernels():
         pytest.skip("the CPU kernels do not build here")
-    hf = hf_model(gemma)
-    expected = [hf_greedy_tokens(hf, prompt, 16) for prompt in LONG_PROMPTS]
-    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     with LLM(str(gemma), page_size=4, max_prefill_length=8) as llm:
         engine = llm.runtime.engine
         assert engine.attn.windows == (4, 0)
         assert (engine.model_config.quantization == "float32") == kernels
         assert (engine.model.model.decode_stack is not None) == kernels  # the C++ layers
-        assert [o.token_ids for o in llm.generate(LONG_PROMPTS, greedy)] == expected
-        planner = llm.scheduler.planner
-        cached_before = planner.prompt_tokens_cached
-        assert [o.token_ids for o in llm.generate(LONG_PROMPTS, greedy)] == expected
-        assert planner.prompt_tokens_cached - cached_before >= 48  # 12 pages of 4
-        alone = [llm.generate([prompt], greedy)[0].token_ids for prompt in LONG_PROMPTS]
-        assert alone == expected
-        llm.scheduler.check_integrity()
+        assert_long_prompts_generate_as_transformers(llm, gemma)
+
+
+def assert_long_prompts_generate_as_transformers(llm: LLM, folder: Path) -> None:
+    """LONG_PROMPTS decoded together (prefilled in chunks where `llm` cuts them), then again
+    with their prefixes cached, then one at a time: transformers' greedy tokens every time."""
+    hf = hf_model(folder)
+    expected = [hf_greedy_tokens(hf, prompt, 16) for prompt in LONG_PROMPTS]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(LONG_PROMPTS, greedy)] == expected
+    planner = llm.scheduler.planner
+    cached_before = planner.prompt_tokens_cached
+    assert [o.token_ids for o in llm.generate(LONG_PROMPTS, greedy)] == expected
+    assert planner.prompt_tokens_cached - cached_before >= 48  # 12 pages of 4
+    alone = [llm.generate([prompt], greedy)[0].token_ids for prompt in LONG_PROMPTS]
+    assert alone == expected
+    llm.scheduler.check_integrity()
 
 
 def test_transformers_4_config_reads_as_5(gemma: Path) -> None:

@@ -23,9 +23,9 @@ from aserve.quant.gguf import QuantizedTensor
 from aserve.quant.mxfp4 import ggml_blocks
 from aserve.quant.native import native_kernels
 from tests.gguf_files import write_hf_as_gguf
-from tests.test_gemma import LONG_PROMPTS
+from tests.test_gemma import LONG_PROMPTS, assert_long_prompts_generate_as_transformers
 from tests.test_models import hf_model, our_logits
-from tests.tiny_models import hf_greedy_tokens, make_tiny_model
+from tests.tiny_models import make_tiny_model
 
 LLAMA_CPP_CLAMP = {"swiglu_limit": 7.0}
 """llama.cpp's gpt-oss graph clamps at 7 whatever the checkpoint says (its files do not
@@ -46,22 +46,12 @@ def gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_sinks_and_windows_hold_through_chunks_prefix_hits_and_batches(gpt_oss: Path) -> None:
     """Prompts prefilled in chunks of 8 tokens, decoded together, then again with their
     prefixes cached and one at a time: transformers' greedy tokens every time."""
-    hf = hf_model(gpt_oss)
-    expected = [hf_greedy_tokens(hf, prompt, 16) for prompt in LONG_PROMPTS]
-    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     with LLM(str(gpt_oss), page_size=4, max_prefill_length=8) as llm:
         engine = llm.runtime.engine
         assert engine.attn.windows == (4, 0)
         attention = engine.model.model.layers[0].self_attn
         assert attention.sinks is not None and attention.o_proj.bias is not None
-        assert [o.token_ids for o in llm.generate(LONG_PROMPTS, greedy)] == expected
-        planner = llm.scheduler.planner
-        cached_before = planner.prompt_tokens_cached
-        assert [o.token_ids for o in llm.generate(LONG_PROMPTS, greedy)] == expected
-        assert planner.prompt_tokens_cached - cached_before >= 48  # 12 pages of 4
-        alone = [llm.generate([prompt], greedy)[0].token_ids for prompt in LONG_PROMPTS]
-        assert alone == expected
-        llm.scheduler.check_integrity()
+        assert_long_prompts_generate_as_transformers(llm, gpt_oss)
 
 
 def test_transformers_4_config_reads_as_5(gpt_oss: Path) -> None:
