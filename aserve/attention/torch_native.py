@@ -119,7 +119,8 @@ class TorchNativeBackend:
 
     `windows`: each layer's sliding window (0 or none given: the whole context), the last
     that many positions a query reads, its own included; `scale` multiplies the scores
-    (default 1 / sqrt(head_dim))."""
+    (default 1 / sqrt(head_dim)). A layer's `sinks` (gpt-oss) take float32 scores with a
+    sink column in place of SDPA (`_attend_with_sinks`), or the CPU kernel's own."""
 
     STAGE_MAX_BYTES = 256 << 20
 
