@@ -654,9 +654,10 @@ GEMM = {"x_ptr": "*bf16", "x_sums_ptr": "*fp32", "codes_ptr": "*u8", **POINTERS,
         "M": "i32", "N": "i32", "K": "i32"}
 MOE = {"a_ptr": "*bf16", "codes_ptr": "*u8", "levels_ptr": "*bf16", "book_ptr": "*i32",
        "scales_ptr": "*fp16", "offsets_ptr": "*fp16", "c_ptr": "*bf16", "weight_ptr": "*fp32",
-       "sorted_pairs_ptr": "*i32", "block_expert_ptr": "*i32", "num_pairs": "i32",
-       "num_experts": "i32", "n_size": "i32", "N": "i32", "K": "i32", "stride_am": "i32",
-       "stride_cm": "i32"}
+       "bias_ptr": "*bf16", "sorted_pairs_ptr": "*i32", "block_expert_ptr": "*i32",
+       "num_pairs": "i32", "num_experts": "i32", "n_size": "i32", "N": "i32", "K": "i32",
+       "stride_am": "i32", "stride_cm": "i32", "stride_bias": "i32", "swiglu_alpha": "fp32",
+       "swiglu_limit": "fp32"}
 permutes = cuda.level_permutes(IQ4_LEVELS)
 compiled = 0
 jobs = []
@@ -688,9 +689,10 @@ for four_bit, levels, low_bits, signs_at in (
          "BLOCK_M": 16, "BLOCK_N": 64, "GROUPS_PER_STEP": 8 if low_bits else 2, "SPLIT_K": 1},
          {"num_warps": 4, "num_stages": 4}),
         *([wide] if low_bits else []),
+        # codes of levels with gpt-oss's biases and clamp (MXFP4's), the others without
         (moe_codes_triton._moe_codes_gemm, MOE, {"ROWS_PER_A": 1, "GATED": True,
-         "GROUP": 32, "PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128},
-         {"num_warps": 4, "num_stages": 3}),
+         "BIAS": levels, "CLAMPED": levels, "GROUP": 32, "PRECISION": "tf32", "BLOCK_M": 16,
+         "BLOCK_N": 64, "BLOCK_K": 128}, {"num_warps": 4, "num_stages": 3}),
     ):
         constants = {k: v for k, v in {**flags, **rest}.items() if k in fn.arg_names}
         # in the kernel's order of parameters, which the constexprs' indices follow
@@ -727,9 +729,9 @@ def test_quantized_products_compile_for_hopper_without_a_gpu(tmp_path: Path) -> 
     PTX, so a front-end error or bad inline PTX showed only on the GPU machine (two device
     runs lost, bench/NOTES.md). Here quant/cuda.py's one-row and tiled products are compiled
     for sm_90 to PTX and by ptxas, in a process without the interpreter, with the fused MoE
-    kernel of layers/moe_codes_triton.py: codes of levels (their byte permutes in the PTX),
-    plain 4-bit and 8-bit codes, with the None table that launches pass for weights without
-    levels."""
+    kernel of layers/moe_codes_triton.py: codes of levels (their byte permutes in the PTX;
+    with gpt-oss's biases and clamped SwiGLU), plain 4-bit and 8-bit codes, with the None
+    table that launches pass for weights without levels."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     result = subprocess.run(
