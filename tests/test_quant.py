@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QType
 
 from aserve import LLM, SamplingParams
+from aserve.config import PLAIN_EXPERTS, ExpertStyle
 from aserve.engine import engine as engine_module
-from aserve.layers.moe import grouped_experts, route
+from aserve.layers.moe import activate, grouped_experts, route
 from aserve.quant import iquants
 from aserve.quant import native as native_module
 from aserve.quant.codes import Codes, quantize
@@ -888,11 +889,19 @@ def test_a_product_group_calls_the_kernels_once_only_for_what_they_take_together
 
 
 @needs_kernels
-@pytest.mark.parametrize("renormalize", [True, False], ids=["renormalized", "softmax-weights"])
-def test_a_moe_layer_in_one_call_equals_routing_and_grouped_products(renormalize: bool) -> None:
+@pytest.mark.parametrize(
+    ("renormalize", "gpt_oss"),
+    [(True, False), (False, False), (True, True)],
+    ids=["renormalized", "softmax-weights", "gpt-oss"],
+)
+def test_a_moe_layer_in_one_call_equals_routing_and_grouped_products(
+    renormalize: bool, gpt_oss: bool
+) -> None:
     """`moe_layer` (decode's whole MoE layer, router included, in one call of the kernels)
     against layers/moe.route and the grouped Python path around the same products, for 1 to
-    40 tokens; and a token's output does not depend on the tokens beside it (bit for bit)."""
+    40 tokens; and a token's output does not depend on the tokens beside it (bit for bit).
+    gpt-oss's experts: the router's bias, the experts' biases and the clamped SwiGLU (the
+    grouped path's `activate`), with and without the down biases."""
     experts, hidden, inter, top_k = 6, 256, 64, 2
 
     def group(qtype: QType, rows: int, cols: int, seed: int) -> ProductGroup:
@@ -909,23 +918,37 @@ def test_a_moe_layer_in_one_call_equals_routing_and_grouped_products(renormalize
     stacks = ExpertStack(gate_up.native), ExpertStack(down.native)
     generator = torch.Generator().manual_seed(4)
     router = torch.randn(experts, hidden, generator=generator) / 16
+    style, router_bias, b13, b2 = PLAIN_EXPERTS, None, None, None
+    if gpt_oss:
+        style = ExpertStyle(biases=True, swiglu_alpha=1.702, swiglu_limit=500.0)
+        router_bias = torch.randn(experts, generator=generator)
+        b13 = torch.randn(experts, 2 * inter, generator=generator) * 100
+        b2 = torch.randn(experts, hidden, generator=generator) * 100
 
-    def grouped(x: torch.Tensor) -> torch.Tensor:
+    def grouped(x: torch.Tensor, down_bias: torch.Tensor | None) -> torch.Tensor:
         def mlp(chosen: list[int], parts: list[torch.Tensor]) -> list[torch.Tensor]:
-            gate, up = torch.cat(gate_up.linear(chosen, parts)).chunk(2, -1)
-            return down.linear(chosen, list((F.silu(gate) * up).split([len(p) for p in parts])))
+            products = gate_up.linear(chosen, parts)
+            if b13 is not None:
+                products = [p + b13[e] for e, p in zip(chosen, products)]
+            acts = activate(torch.cat(products), style).split([len(p) for p in parts])
+            outs = down.linear(chosen, list(acts))
+            if down_bias is not None:
+                outs = [o + down_bias[e] for e, o in zip(chosen, outs)]
+            return outs
 
-        weights, ids = route(F.linear(x, router), top_k, renormalize)
+        weights, ids = route(F.linear(x, router, router_bias), top_k, renormalize)
         return grouped_experts(x, weights, ids, experts, mlp)
 
-    for tokens in (1, 5, 40, 300):
-        x = torch.randn(tokens, hidden, generator=generator)
-        together = moe_layer(x, router, top_k, renormalize, *stacks, inter)
-        expected = grouped(x)  # random codes: outputs of ~1,000
-        scale = float(expected.abs().max())
-        torch.testing.assert_close(together, expected, atol=1e-5 * scale, rtol=0)
-        alone = moe_layer(x[-1:], router, top_k, renormalize, *stacks, inter)
-        assert torch.equal(alone[0], together[-1])
+    for down_bias in (b2, None) if gpt_oss else (None,):
+        extra = (router_bias, None if b13 is None else (b13, down_bias), style)
+        for tokens in (1, 5, 40, 300):
+            x = torch.randn(tokens, hidden, generator=generator)
+            together = moe_layer(x, router, top_k, renormalize, *stacks, inter, *extra)
+            expected = grouped(x, down_bias)  # random codes: outputs of ~1,000
+            scale = float(expected.abs().max())
+            torch.testing.assert_close(together, expected, atol=1e-5 * scale, rtol=0)
+            alone = moe_layer(x[-1:], router, top_k, renormalize, *stacks, inter, *extra)
+            assert torch.equal(alone[0], together[-1])
 
 
 def test_openmp_flags_give_the_kernels_torchs_runtime(

@@ -472,18 +472,28 @@ class QuantizedExperts(nn.Module):
         stacks = self.cpu_stacks
         return (
             stacks is not None
-            and self.style == PLAIN_EXPERTS
             and x.dtype == torch.float32
             and x.shape[0] < min(stack.blas_from for stack in stacks)
         )
 
     def whole_layer(
-        self, x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool
+        self, x: torch.Tensor, router: Router, top_k: int, renormalize: bool
     ) -> torch.Tensor:
         """Routing and experts in one call of the CPU kernels (`takes_whole_layer`)."""
         assert self.cpu_stacks is not None
         inter = self.gate_up.weights[0].shard_rows[0]
-        return moe_layer(x.contiguous(), router, top_k, renormalize, *self.cpu_stacks, inter)
+        biases = None if self.biases is None else (self.biases.w13, self.biases.down)
+        return moe_layer(
+            x.contiguous(),
+            router.weight,
+            top_k,
+            renormalize,
+            *self.cpu_stacks,
+            inter,
+            router.bias,
+            biases,
+            self.style,
+        )
 
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
@@ -567,7 +577,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts = self.experts
         if isinstance(experts, QuantizedExperts) and experts.takes_whole_layer(x):
-            return experts.whole_layer(x, self.gate.weight, self.top_k, self.renormalize)
+            return experts.whole_layer(x, self.gate, self.top_k, self.renormalize)
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         if isinstance(experts, QuantizedExperts):
             return experts(x, weights, ids)

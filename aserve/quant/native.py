@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from aserve.config import cache_root
+from aserve.config import PLAIN_EXPERTS, ExpertStyle, cache_root
 from aserve.quant.codes import Codes, Runs, ScaleSteps, groups_of_at_most_32, level_bytes
 from aserve.quant.huge_pages import WeightBlocks
 
@@ -877,12 +877,29 @@ def moe_layer(
     gate_up: ExpertStack,
     down: ExpertStack,
     inter: int,
+    router_bias: torch.Tensor | None = None,
+    biases: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    style: ExpertStyle = PLAIN_EXPERTS,
 ) -> torch.Tensor:
     """A MoE layer for `x`'s tokens in one call of the kernels (`moe_layer` in
     csrc/cpu_kernels.cpp): float32 router logits, softmax, top-k and renormalisation as
     layers/moe.route computes them, then every chosen expert's gate|up (gate rows, then up
-    rows; `inter` each), SiLU-and-mul and down, and the routing-weighted sum. For fewer than
-    the stacks' `blas_from` tokens, so that no expert gets more rows."""
+    rows; `inter` each), its gate and down, and the routing-weighted sum. For fewer than
+    the stacks' `blas_from` tokens, so that no expert gets more rows. gpt-oss's experts add
+    the router's bias, each expert's gate|up and down `biases` (float32; no down biases on
+    tensor-parallel ranks after the first) and gate by `style`'s clamped SwiGLU."""
+    up_bias, down_bias = biases if biases is not None else (None, None)
     return torch.ops.aserve_cpu.moe_layer(
-        x, router, top_k, renormalize, *gate_up.kernel_args(), *down.kernel_args(), inter
+        x,
+        router,
+        top_k,
+        renormalize,
+        *gate_up.kernel_args(),
+        *down.kernel_args(),
+        inter,
+        router_bias,
+        up_bias,
+        down_bias,
+        style.swiglu_alpha,
+        style.swiglu_limit or 0.0,
     )

@@ -166,14 +166,16 @@ class DecodeStack : public torch::CustomClassHolder {
     static auto moe = op<Tensor(const Tensor&, const Tensor&, int64_t, bool, const Tensor&,
                                 const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t,
                                 const MaybeTensor&, const Tensor&, const Tensor&, const Tensor&,
-                                const Tensor&, int64_t, int64_t, const MaybeTensor&, int64_t)>(
-        "aserve_cpu::moe_layer");
+                                const Tensor&, int64_t, int64_t, const MaybeTensor&, int64_t,
+                                const MaybeTensor&, const MaybeTensor&, const MaybeTensor&,
+                                double, double)>("aserve_cpu::moe_layer");
     const Weight& up = weights_[layer.gate_up];
     const Weight& down = weights_[layer.down];
     return moe.call(x.contiguous(), *layer.router, layer.top_k, layer.renormalize, up.words,
                     up.scales, up.offsets, up.bases, up.group, up.code_bits, up.levels,
                     down.words, down.scales, down.offsets, down.bases, down.group,
-                    down.code_bits, down.levels, layer.inter);
+                    down.code_bits, down.levels, layer.inter, std::nullopt, std::nullopt,
+                    std::nullopt, 1.0, 0.0);
   }
 
   int64_t q_size_, kv_size_, head_dim_;

@@ -53,6 +53,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/mul.h>
+#include <ATen/ops/sigmoid.h>
 #include <ATen/ops/silu.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -2417,8 +2418,8 @@ std::vector<at::Tensor> linear_group(at::TensorList xs, at::TensorList words,
 // in float32 (one fixed order of operations a logit, so a token's logits do not depend on its
 // batch), softmax, the k largest in descending order (ties to the lower expert), renormalised
 // over the k if asked.
-void route(const at::Tensor& x, const at::Tensor& router, int64_t top_k, bool renormalize,
-           std::vector<int64_t>& ids, std::vector<float>& chosen_weights) {
+void route(const at::Tensor& x, const at::Tensor& router, const float* bias, int64_t top_k,
+           bool renormalize, std::vector<int64_t>& ids, std::vector<float>& chosen_weights) {
   TORCH_CHECK(router.dim() == 2 && router.size(1) == x.size(1) &&
                   router.scalar_type() == at::kFloat && router.is_contiguous(),
               "router: float32 [experts, hidden]");
@@ -2443,7 +2444,7 @@ void route(const at::Tensor& x, const at::Tensor& router, int64_t top_k, bool re
           for (int64_t i = 0; i < kWidth; ++i) total += lanes[j][i];
           for (int64_t k = hidden / kWidth * kWidth; k < hidden; ++k)
             total = std::fma(xp[t * hidden + k], rp[(e0 + j) * hidden + k], total);
-          logits[t * experts + e0 + j] = total;
+          logits[t * experts + e0 + j] = bias == nullptr ? total : total + bias[e0 + j];
         }
       }
     }
@@ -2477,7 +2478,10 @@ void route(const at::Tensor& x, const at::Tensor& router, int64_t top_k, bool re
 // region, then SiLU(gate) * up, then every down product in a second region; last each
 // token's outputs weighted and added in expert order. A token's operations do not depend on
 // the others in its batch. Experts come stacked (`weight_of`, `expert_of`): gate|up weights
-// hold 2 * inter rows (gate, then up), downs hidden rows.
+// hold 2 * inter rows (gate, then up), downs hidden rows. gpt-oss's experts add biases (the
+// router's to its scores, each expert's gate|up and down rows to its products) and gate by
+// the clamped SwiGLU (`swiglu_limit` > 0): (up + 1) * gate * sigmoid(alpha * gate), gate
+// clamped above and up on both sides, in ATen's ops as layers/moe.activate writes them.
 at::Tensor moe_layer(
     const at::Tensor& x, const at::Tensor& router, int64_t top_k, bool renormalize,
     const at::Tensor& up_words, const at::Tensor& up_scales, const at::Tensor& up_offsets,
@@ -2485,9 +2489,14 @@ at::Tensor moe_layer(
     const std::optional<at::Tensor>& up_levels, const at::Tensor& down_words,
     const at::Tensor& down_scales, const at::Tensor& down_offsets, const at::Tensor& down_bases,
     int64_t down_group, int64_t down_code_bits, const std::optional<at::Tensor>& down_levels,
-    int64_t inter) {
+    int64_t inter, const std::optional<at::Tensor>& router_bias,
+    const std::optional<at::Tensor>& up_bias, const std::optional<at::Tensor>& down_bias,
+    double swiglu_alpha, double swiglu_limit) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 matrix");
+  for (const auto* bias : {&router_bias, &up_bias, &down_bias})
+    TORCH_CHECK(!*bias || ((*bias)->scalar_type() == at::kFloat && (*bias)->is_contiguous()),
+                "biases: contiguous float32");
   const int64_t experts = router.size(0), hidden = x.size(1);
   TORCH_CHECK(up_scales.dim() == 4 && up_scales.size(0) == experts && down_scales.dim() == 4 &&
                   down_scales.size(0) == experts,
@@ -2501,9 +2510,17 @@ at::Tensor moe_layer(
                   down0.cols == inter,
               "gate|up weights need 2 x ", inter, " outputs of ", hidden, " inputs and downs ",
               hidden, " of ", inter);
+  TORCH_CHECK(!router_bias || router_bias->numel() == experts, "one router bias an expert");
+  TORCH_CHECK(!up_bias || (up_bias->dim() == 2 && up_bias->size(0) == experts &&
+                           up_bias->size(1) == 2 * inter),
+              "gate|up biases: [experts, 2 x inter]");
+  TORCH_CHECK(!down_bias || (down_bias->dim() == 2 && down_bias->size(0) == experts &&
+                             down_bias->size(1) == hidden),
+              "down biases: [experts, hidden]");
   std::vector<int64_t> id;
   std::vector<float> routing;
-  route(x, router, top_k, renormalize, id, routing);
+  route(x, router, router_bias ? router_bias->data_ptr<float>() : nullptr, top_k, renormalize,
+        id, routing);
 
   // Each chosen expert's pairs, in pair order: the tokens its gate|up reads, the rows of the
   // outputs that follow.
@@ -2532,16 +2549,32 @@ at::Tensor moe_layer(
                              yp + first[c] * width, tokens_of[chosen[c]].data(), hidden));
   }
   run(ups);
-  // SiLU(gate) * up through ATen's vectorized kernels, once for every chosen expert's rows,
-  // into the gate's columns, where the downs read it.
+  if (up_bias)
+    for (size_t c = 0; c < chosen.size(); ++c)
+      ys.narrow(0, first[c], first[c + 1] - first[c])
+          .narrow(1, 0, 2 * inter)
+          .add_((*up_bias)[chosen[c]]);
+  // The gate through ATen's vectorized kernels, once for every chosen expert's rows, into the
+  // gate's columns, where the downs read it.
   at::Tensor gate = ys.narrow(1, 0, inter);
-  at::mul_out(gate, at::silu(gate), ys.narrow(1, inter, inter));
+  if (swiglu_limit > 0) {
+    const at::Tensor clamped = gate.clamp_max(swiglu_limit);
+    const at::Tensor up = ys.narrow(1, inter, inter).clamp(-swiglu_limit, swiglu_limit);
+    at::mul_out(gate, up.add(1), clamped.mul(at::sigmoid(clamped.mul(swiglu_alpha))));
+  } else {
+    at::mul_out(gate, at::silu(gate), ys.narrow(1, inter, inter));
+  }
   for (size_t c = 0; c < chosen.size(); ++c) {
     const int64_t rows = first[c + 1] - first[c];
     downs.push_back(product_at(yp + first[c] * width, rows, expert_of(down0, chosen[c]),
                                dp + first[c] * down_width, nullptr, width));
   }
   run(downs);
+  if (down_bias)
+    for (size_t c = 0; c < chosen.size(); ++c)
+      downs_y.narrow(0, first[c], first[c + 1] - first[c])
+          .narrow(1, 0, hidden)
+          .add_((*down_bias)[chosen[c]]);
   // Each token's outputs weighted and added in expert order.
   at::Tensor out = at::empty_like(x);
   float* op = out.data_ptr<float>();
@@ -2846,8 +2879,9 @@ TORCH_LIBRARY(aserve_cpu, m) {
       "moe_layer(Tensor x, Tensor router, int top_k, bool renormalize, Tensor up_words, "
       "Tensor up_scales, Tensor up_offsets, Tensor up_bases, int up_group, int up_code_bits, "
       "Tensor? up_levels, Tensor down_words, Tensor down_scales, Tensor down_offsets, "
-      "Tensor down_bases, int down_group, int down_code_bits, Tensor? down_levels, int inter) "
-      "-> Tensor",
+      "Tensor down_bases, int down_group, int down_code_bits, Tensor? down_levels, int inter, "
+      "Tensor? router_bias=None, Tensor? up_bias=None, Tensor? down_bias=None, "
+      "float swiglu_alpha=1.0, float swiglu_limit=0.0) -> Tensor",
       moe_layer);
   m.def("rmsnorm(Tensor x, Tensor weight, float eps) -> Tensor", rmsnorm);
   m.def("fused_add_rmsnorm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()",
