@@ -940,7 +940,7 @@ def test_a_moe_layer_in_one_call_equals_routing_and_grouped_products(
         return grouped_experts(x, weights, ids, experts, mlp)
 
     for down_bias in (b2, None) if gpt_oss else (None,):
-        extra = (router_bias, None if b13 is None else (b13, down_bias), style)
+        extra = (router_bias, b13, down_bias, style)
         for tokens in (1, 5, 40, 300):
             x = torch.randn(tokens, hidden, generator=generator)
             together = moe_layer(x, router, top_k, renormalize, *stacks, inter, *extra)

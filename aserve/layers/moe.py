@@ -248,6 +248,12 @@ class ExpertBiases(nn.Module):
             self.w2.data[where] = tensor
 
 
+def bias_rows(biases: ExpertBiases | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The gate|up and down bias rows the expert kernels take (None where there are none, or
+    for the down biases on ranks after the first)."""
+    return (None, None) if biases is None else (biases.w13, biases.down)
+
+
 class ExpertWeights(nn.Module):
     """Every expert's weights stacked: `w13` `[E, 2 * I / tp, H]` (gate rows, then up rows)
     and `w2` `[E, H, I / tp]`, this rank's slice of the intermediate dimension `I`.
@@ -482,7 +488,6 @@ class QuantizedExperts(nn.Module):
         """Routing and experts in one call of the CPU kernels (`takes_whole_layer`)."""
         assert self.cpu_stacks is not None
         inter = self.gate_up.weights[0].shard_rows[0]
-        biases = None if self.biases is None else (self.biases.w13, self.biases.down)
         return moe_layer(
             x.contiguous(),
             router.weight,
@@ -491,7 +496,7 @@ class QuantizedExperts(nn.Module):
             *self.cpu_stacks,
             inter,
             router.bias,
-            biases,
+            *bias_rows(self.biases),
             self.style,
         )
 
@@ -503,11 +508,8 @@ class QuantizedExperts(nn.Module):
         if self.stacked is not None:
             from aserve.layers.moe_codes_triton import fused_code_experts
 
-            biases = self.biases
-            if biases is None:
-                return fused_code_experts(x, *self.stacked, topk_weights, topk_ids)
             return fused_code_experts(
-                x, *self.stacked, topk_weights, topk_ids, biases.w13, biases.down, self.style
+                x, *self.stacked, topk_weights, topk_ids, *bias_rows(self.biases), self.style
             )
         return grouped_experts(x, topk_weights, topk_ids, self.num_experts, self._mlp)
 
@@ -515,14 +517,14 @@ class QuantizedExperts(nn.Module):
         """The chosen experts' gate|up products together, then their downs (`ProductGroup`:
         on CPU in decode one call of the kernels each)."""
         gate_up = self.gate_up.linear(experts, parts)
-        biases = self.biases
-        if biases is not None:
-            gate_up = [out + biases.w13[expert] for expert, out in zip(experts, gate_up)]
+        up_bias, down_bias = bias_rows(self.biases)
+        if up_bias is not None:
+            gate_up = [out + up_bias[expert] for expert, out in zip(experts, gate_up)]
         acts = activate(torch.cat(gate_up), self.style).split([p.shape[0] for p in parts])
         outs = self.down.linear(experts, list(acts))
-        if biases is None or biases.down is None:
+        if down_bias is None:
             return outs
-        return [out + biases.down[expert] for expert, out in zip(experts, outs)]
+        return [out + down_bias[expert] for expert, out in zip(experts, outs)]
 
 
 def _decode_experts(
@@ -581,11 +583,6 @@ class SparseMoE(nn.Module):
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         if isinstance(experts, QuantizedExperts):
             return experts(x, weights, ids)
-        biases = experts.biases
-        if biases is None:
-            return self.backend.experts(
-                x, experts.w13, experts.w2, weights, ids, experts.w13_scale, experts.w2_scale
-            )
         return self.backend.experts(
             x,
             experts.w13,
@@ -594,7 +591,6 @@ class SparseMoE(nn.Module):
             ids,
             experts.w13_scale,
             experts.w2_scale,
-            biases.w13,
-            biases.down,
+            *bias_rows(experts.biases),
             self.style,
         )

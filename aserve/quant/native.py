@@ -878,7 +878,8 @@ def moe_layer(
     down: ExpertStack,
     inter: int,
     router_bias: torch.Tensor | None = None,
-    biases: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
     style: ExpertStyle = PLAIN_EXPERTS,
 ) -> torch.Tensor:
     """A MoE layer for `x`'s tokens in one call of the kernels (`moe_layer` in
@@ -886,9 +887,8 @@ def moe_layer(
     layers/moe.route computes them, then every chosen expert's gate|up (gate rows, then up
     rows; `inter` each), its gate and down, and the routing-weighted sum. For fewer than
     the stacks' `blas_from` tokens, so that no expert gets more rows. gpt-oss's experts add
-    the router's bias, each expert's gate|up and down `biases` (float32; no down biases on
+    the router's bias, each expert's gate|up and down biases (float32; no down biases on
     tensor-parallel ranks after the first) and gate by `style`'s clamped SwiGLU."""
-    up_bias, down_bias = biases if biases is not None else (None, None)
     return torch.ops.aserve_cpu.moe_layer(
         x,
         router,
