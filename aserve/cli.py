@@ -134,6 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="KV cache pages (overrides the memory-based size)",
     )
+    memory.add_argument(
+        "--swa-full-tokens-ratio",
+        type=float,
+        default=0.8,
+        help="models with sliding-window layers (Gemma 3, gpt-oss): tokens of those layers' "
+        "KV pool per token of the others' (they drop what their window has passed)",
+    )
     memory.add_argument("--page-size", type=_positive_int, default=1, help="tokens per KV page")
     memory.add_argument(
         "--max-prefill-length",

@@ -411,6 +411,7 @@ class EngineConfig:
     max_seq_len_override: int | None = None
     memory_ratio: float = 0.9
     num_pages: int | None = None
+    swa_full_tokens_ratio: float = 0.8
     page_size: int = 1
     attention_backend: str = "auto"
     cuda_graph_max_bs: int | None = None
@@ -542,6 +543,10 @@ def validate(config: ServerConfig) -> None:
         (sched.cache_type in ("radix", "naive"), "--cache-type must be radix or naive"),
         (0.0 < engine.memory_ratio <= 1.0, "--memory-ratio must be in (0, 1]"),
         (engine.num_pages is None or engine.num_pages >= 2, "--num-pages must be at least 2"),
+        (
+            0.0 < engine.swa_full_tokens_ratio <= 1.0,
+            "--swa-full-tokens-ratio must be in (0, 1]",
+        ),
         (engine.tensor_parallel_size >= 1, "--tp must be at least 1"),
         (
             engine.max_seq_len_override is None or engine.max_seq_len_override >= 2,

@@ -26,8 +26,10 @@ class ForwardBatch:
     `extend_lens[i]` more (1 in decode), so its KV length becomes `seq_lens[i]`. Host-side
     lengths and `row_ids` (the page-table rows, `rows` on the device) are plain lists, so
     backends can plan without reading device memory. The per-token inputs are the rows of
-    one `[3, T]` tensor, so a CUDA graph takes them with one copy; `record_index` is where
-    each request's sampled token goes in the token table (flattened). Logits are computed at
+    one `[3, T]` tensor (`[4, T]` where sliding-window layers keep their own pages: their
+    slots, beside `window_page_table`), so a CUDA graph takes them with one copy;
+    `record_index` is where each request's sampled token goes in the token table
+    (flattened). Logits are computed at
     `logit_indices`; where that holds more than each request's last token (prompt logprobs),
     `sample_rows` are the rows of those last tokens among them. `halfway`, where set, is
     recorded on the stream once half of the layers are queued (see Scheduler.run).
@@ -44,6 +46,7 @@ class ForwardBatch:
     record_index: torch.Tensor
     page_table: torch.Tensor
     sample_rows: torch.Tensor | None = None
+    window_page_table: torch.Tensor | None = None
     attn_metadata: Any = None
     halfway: torch.cuda.Event | None = None
 
@@ -59,6 +62,17 @@ class ForwardBatch:
     @property
     def positions(self) -> torch.Tensor:
         return self.token_inputs[2]
+
+    def slots_of(self, windowed: bool) -> torch.Tensor:
+        """`out_slots` of a layer, in the sliding-window pages where `windowed`."""
+        return self.token_inputs[3] if windowed else self.token_inputs[1]
+
+    def table_of(self, windowed: bool) -> torch.Tensor:
+        """`page_table` of a layer, the sliding-window pages' where `windowed`."""
+        if not windowed:
+            return self.page_table
+        assert self.window_page_table is not None
+        return self.window_page_table
 
     @property
     def batch_size(self) -> int:

@@ -57,6 +57,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--num-pages", type=int, default=None)
     p.add_argument("--memory-ratio", type=float, default=0.9, help="as the server's option")
+    p.add_argument(
+        "--swa-full-tokens-ratio", type=float, default=0.8, help="as the server's option"
+    )
     p.add_argument("--cuda-graph-max-bs", type=int, default=None)
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--moe-backend", default="auto", help="MoE models: auto, torch or fused")
@@ -135,6 +138,7 @@ def build_llm(args: argparse.Namespace) -> LLM:
         page_size=args.page_size,
         num_pages=args.num_pages,
         memory_ratio=args.memory_ratio,
+        swa_full_tokens_ratio=args.swa_full_tokens_ratio,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         attention_backend=args.attention_backend,
         moe_backend=args.moe_backend,
@@ -143,7 +147,15 @@ def build_llm(args: argparse.Namespace) -> LLM:
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
     )
-    print(f"weights {llm.runtime.engine.weight_bytes / 2**30:.2f} GiB", flush=True)
+    engine = llm.runtime.engine
+    print(f"weights {engine.weight_bytes / 2**30:.2f} GiB", flush=True)
+    windowed = (engine.window_pages - 1) * args.page_size
+    window = f", {windowed} in the windowed layers" if engine.window_pages else ""
+    print(
+        f"KV cache {engine.kv_cache_bytes / 2**30:.2f} GiB: "
+        f"{(engine.num_pages - 1) * args.page_size} tokens{window}",
+        flush=True,
+    )
     llm.generate([list(range(1, 17))], SamplingParams(max_tokens=4, ignore_eos=True))
     if args.constrained:  # once per server: xgrammar's import, its vocabulary tables, a compile
         started = time.perf_counter()
@@ -259,6 +271,8 @@ def main() -> None:
             "max_prefill_length",
             "max_running_requests",
             "page_size",
+            "num_pages",
+            "swa_full_tokens_ratio",
             "cuda_graph_max_bs",
             "attention_backend",
             "moe_backend",

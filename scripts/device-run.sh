@@ -380,6 +380,11 @@ PY
     tp-tests) for t in tp2_greedy tp2_bf16; do  # one process each: the one-shot all-reduce opens once per process
                 timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k $t 2>&1 | grep -v "^  /\|^    " | tail -20; done ;;
     tp-bench) for tp in ${TPS:-1 2}; do timeout 250 python3 bench/offline.py --model bench/models/llama-3.1-8b --tp $tp $W 2>&1 | tail -2; timeout 200 python3 bench/latency.py --model bench/models/llama-3.1-8b --dummy-weight --tp $tp 2>&1 | tail -2; done ;;
+    swa)  # sliding-window layers' own KV pool: the gemma3-1b shape, long contexts, the same KV bytes at three ratios
+          for r in "1.0 2049" "0.8 2466" "0.15 7295"; do read ratio pages <<< "$r"
+            timeout 250 python3 bench/offline.py --model bench/models/gemma3-1b --dummy-weight --num-seqs 64 --input-len 2048 4096 \
+              --output-len 512 1024 --temperature 0.6 --max-seq-len 5120 --max-prefill-length 8192 --page-size 16 \
+              --max-running-requests 64 --cuda-graph-max-bs 64 --num-pages $pages --swa-full-tokens-ratio $ratio 2>&1 | grep -v Warn | tail -3; done ;;
     aot) mkdir -p /tmp/pack && cp -r /tmp/site/flashinfer/data/aot/. /tmp/fi-jit/.cache/flashinfer/0.6.8/90a/cached_ops/. /tmp/pack/ 2> /dev/null
          (cd /tmp/pack && tar czf $OUT/fi-aot-0.6.8-sm90a.tgz */*.so && ls && du -sh $OUT/fi-aot-0.6.8-sm90a.tgz) ;;
   esac

@@ -179,6 +179,56 @@ def test_gpt_oss_sinks_on_flashinfer(
     ]
 
 
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss"])
+def test_short_window_pool_on_flashinfer(
+    make_llm: Callable[..., LLM], tmp_path: Path, family: str
+) -> None:
+    """The windowed layers' own pool at its least (5 pages of 16 for a window of 4 and
+    chunks of 40) drops pages through a chunked prefill and decode: FlashInfer's windowed
+    plans and the Triton kernels read those layers' pages from the first one a query reads.
+    Logits as the torch backend's with a roomy pool; with 8 pages, three prompts at once in
+    CUDA graphs as eagerly, and a conversation's next turn (a prefix hit whose window was
+    kept) as the torch backend's."""
+    shapes = {**KERNEL_SHAPES, "head_dim": 64}
+    if family == "gpt_oss":
+        shapes |= EVERY_EXPERT
+    folder = make_tiny_model(family, tmp_path, overrides=shapes)
+    options = small_gpu_engine(max_prefill_length=40, num_pages=64)
+    reference = make_llm(folder, attention_backend="torch", **options)
+    assert reference.runtime.engine.window_pages > 40
+    short = make_llm(folder, swa_full_tokens_ratio=0.01, **options)
+    engine = short.runtime.engine
+    assert engine.window_pages == 5 and type(engine.attn).__name__ == "FlashInferBackend"
+    prompt, continuation = list(range(3, 100)), [7, 123, 45, 2, 99, 5] * 4
+    torch.testing.assert_close(
+        our_logits(short, prompt, continuation),
+        our_logits(reference, prompt, continuation),
+        atol=0.06,
+        rtol=0.03,
+    )
+    assert short.scheduler.planner.window_pages_dropped > 0
+    tight = make_llm(folder, swa_full_tokens_ratio=0.12, **options)
+    eager = make_llm(folder, swa_full_tokens_ratio=0.12, **{**options, "cuda_graph_max_bs": 0})
+    assert tight.runtime.engine.window_pages == 8
+    assert tight.runtime.engine.graphs is not None and eager.runtime.engine.graphs is None
+    outputs = tight.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in eager.generate(PROMPTS, GREEDY)]
+    planner = tight.scheduler.planner
+    assert planner.window_pages_dropped > 0
+    tight.scheduler.check_integrity()
+    # the next turn of a conversation run alone (no pool pressure: its last window kept)
+    alone = tight.generate([PROMPTS[0]], GREEDY)[0]
+    turn = PROMPTS[0] + alone.token_ids[:-1] + [5, 6, 7]
+    cached_before = planner.prompt_tokens_cached
+    torch.testing.assert_close(
+        our_logits(tight, turn, continuation[:6]),
+        our_logits(reference, turn, continuation[:6]),
+        atol=0.06,
+        rtol=0.03,
+    )
+    assert planner.prompt_tokens_cached - cached_before >= 32
+
+
 def test_gpt_oss_mxfp4_experts_in_the_fused_kernels(
     make_llm: Callable[..., LLM], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

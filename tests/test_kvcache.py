@@ -63,7 +63,7 @@ def test_radix_match_is_page_aligned_and_returns_inserted_pages(page_size: int) 
     tokens = list(range(100, 112))
     pages = allocator.alloc(len(tokens) // page_size)
     assert pages is not None
-    cache.insert(tokens, pages)
+    cache.insert(tokens, pages, [])
     match = cache.match(tokens[:7] + [999, 998])
     aligned = 7 // page_size * page_size
     assert match.length == aligned
@@ -77,17 +77,17 @@ def test_radix_insert_frees_duplicate_pages_and_keeps_shared_ones() -> None:
     cache = RadixCache(allocator)
     first = allocator.alloc(3)
     assert first is not None
-    cache.insert([1, 2, 3, 4, 5, 6], first)
+    cache.insert([1, 2, 3, 4, 5, 6], first, [])
     match = cache.match([1, 2, 3, 4, 9, 9])
     cache.lock(match.handle)
     own = allocator.alloc(1)
     assert own is not None
-    cache.insert([1, 2, 3, 4, 9, 9], match.pages + own)
+    cache.insert([1, 2, 3, 4, 9, 9], match.pages + own, [])
     cache.unlock(match.handle)
     assert cache.cached_pages == 4
     duplicate = allocator.alloc(3)
     assert duplicate is not None
-    cache.insert([1, 2, 3, 4, 5, 6], duplicate)
+    cache.insert([1, 2, 3, 4, 5, 6], duplicate, [])
     assert cache.cached_pages == 4
     assert all_pages_accounted(allocator, cache)
     assert cache.match([1, 2, 3, 4, 5, 6]).pages == first
@@ -99,7 +99,7 @@ def test_radix_locked_prefix_survives_eviction() -> None:
     for tokens in ([1, 2, 3], [1, 2, 7], [5, 6]):
         pages = allocator.alloc(len(tokens))
         assert pages is not None
-        cache.insert(tokens, pages)
+        cache.insert(tokens, pages, [])
     match = cache.match([1, 2, 3])
     cache.lock(match.handle)
     assert cache.evictable_pages == cache.cached_pages - 3
@@ -120,7 +120,7 @@ def test_radix_evicts_least_recently_used_first() -> None:
     for tokens in ([1, 1], [2, 2], [3, 3]):
         pages = allocator.alloc(2)
         assert pages is not None
-        cache.insert(tokens, pages)
+        cache.insert(tokens, pages, [])
     cache.match([1, 1])
     assert cache.evict(2) == 2
     assert cache.match([2, 2]).length == 0
@@ -133,7 +133,7 @@ def test_radix_split_node_keeps_lock_counts() -> None:
     cache = RadixCache(allocator)
     pages = allocator.alloc(6)
     assert pages is not None
-    cache.insert([1, 2, 3, 4, 5, 6], pages)
+    cache.insert([1, 2, 3, 4, 5, 6], pages, [])
     whole = cache.match([1, 2, 3, 4, 5, 6])
     cache.lock(whole.handle)
     part = cache.match([1, 2, 3, 9])
@@ -150,7 +150,7 @@ def test_naive_cache_frees_everything_it_is_given() -> None:
     cache = NaiveCache(allocator)
     pages = allocator.alloc(3)
     assert pages is not None
-    cache.insert([1, 2, 3], pages)
+    cache.insert([1, 2, 3], pages, [])
     assert allocator.free_pages == allocator.usable_pages
     assert cache.match([1, 2, 3]).length == 0
 

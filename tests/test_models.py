@@ -35,19 +35,26 @@ def hf_model(folder: Path) -> torch.nn.Module:
 @torch.inference_mode()
 def our_logits(llm: LLM, prompt: list[int], continuation: list[int]) -> torch.Tensor:
     """Logits after the prompt and after each teacher-forced continuation token, computed
-    through the planner, the page table and the attention backend as a real run would."""
+    through the planner, the page table and the attention backend as a real run would
+    (the prompt in chunks where `llm` cuts it: only the last one gives a row)."""
     scheduler, engine = llm.scheduler, llm.runtime.engine
     req = scheduler.make_request(prompt, SamplingParams(max_tokens=len(continuation) + 1))
     scheduler.planner.add(req)
     rows = []
-    for token in [*continuation, None]:
+    tokens = iter([*continuation, None])
+    while True:
         planned = scheduler.planner.schedule()
         assert planned is not None and planned.reqs == [req]
         batch = forward_batch(
             step_spec(planned, engine.page_table), engine.page_table, engine.device
         )
         engine.attn.prepare(batch)
-        rows.append(engine.model(batch, engine.attn)[0])
+        logits = engine.model(batch, engine.attn)[0]
+        if not planned.samples[0]:  # a chunk short of the prompt's end
+            scheduler.planner.complete(planned, [0])
+            continue
+        rows.append(logits)
+        token = next(tokens)
         if token is None:
             break
         engine.page_table.tokens[req.slot, batch.seq_lens[0]] = token

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import torch
 
 from aserve.config import ConfigError
@@ -64,6 +65,9 @@ class FlashInferBackend:
     default 1 / sqrt(head_dim)): FlashInfer fixes a plan's window, so such a model plans
     each batch twice for FlashInfer's kernels, for its whole-context layers and its windowed
     ones (`ByWindow`); the Triton kernels take the window and the scale at each layer's run.
+    Where the windowed layers keep their own pages (`pool.windowed`), their plans list those
+    pages, from the first one the batch's queries read (kvcache/pages.py: `SlidingWindow`),
+    and the Triton kernels too are planned twice.
 
     `sinks` (gpt-oss: each head's softmax also sums e^sink, a weight on no value): every
     decode batch takes the Triton kernels, which start each head's running softmax at its
@@ -123,19 +127,38 @@ class FlashInferBackend:
             else decode(tensor_cores)
             for tensor_cores in (False, True)
         }
+        self.split_pool = any(pool.windowed)
         self.triton_decode = _triton_decode(head_dim)
-        self.triton_wrapper = (
-            None if self.triton_decode is None else self.triton_decode.TritonDecodeWrapper(device)
-        )
+        self.triton_wrapper: Any = None
+        if self.triton_decode is not None:
+            triton_wrapper = self.triton_decode.TritonDecodeWrapper
+            self.triton_wrapper = (
+                ByWindow(triton_wrapper(device), triton_wrapper(device))
+                if self.split_pool
+                else triton_wrapper(device)
+            )
 
     def use_tensor_cores(self, batch_size: int) -> bool:
         return use_tensor_cores(self.num_heads, self.num_kv_heads, batch_size)
 
-    def _page_layout(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _host_layout(
+        self, batch: ForwardBatch, windowed: bool
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The batch's paged layout on the host, over the sliding-window layers' own pages
+        from the first one its queries read where `windowed` (and the pool has them)."""
+        if not (windowed and self.split_pool):
+            return self.page_table.page_layout(batch.row_ids, batch.seq_lens)
+        first_query = np.asarray(batch.prefix_lens, dtype=np.int64)
+        first_pages = np.maximum(first_query - self.window + 1, 0) // self.page_size
+        return self.page_table.page_layout(batch.row_ids, batch.seq_lens, True, first_pages)
+
+    def _page_layout(
+        self, batch: ForwardBatch, windowed: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """kv index pointers and last-page lengths (host) and page ids (copied to the device
         behind the queued work), from the page table's host mirror: no device work to queue
         and nothing that waits for the device."""
-        indptr, last, pages = self.page_table.page_layout(batch.row_ids, batch.seq_lens)
+        indptr, last, pages = self._host_layout(batch, windowed)
         device = self.workspace.device
         indices = torch.from_numpy(pages).to(device, non_blocking=True)
         return torch.from_numpy(indptr), torch.from_numpy(last), indices
@@ -168,6 +191,8 @@ class FlashInferBackend:
         )
         kv_data_type = self.dtype if widen else self.kv_dtype
         for wrapper, window_left in self._by_window(self.prefill_wrapper):
+            if window_left >= 0 and self.split_pool:  # FP8 pools (`widen`) take no windows
+                indptr, last, indices = self._page_layout(batch, windowed=True)
             wrapper.plan(
                 qo_indptr,
                 indptr,
@@ -197,24 +222,26 @@ class FlashInferBackend:
         return [(wrapper, -1)]
 
     def _is_triton(self, wrapper: Any) -> bool:
-        """Whether `wrapper` is attention/triton_decode.py's, not FlashInfer's."""
+        """Whether `wrapper` (or each part of a `ByWindow`) is attention/triton_decode.py's,
+        not FlashInfer's."""
+        if isinstance(wrapper, ByWindow):
+            wrapper = wrapper.whole
         kernels = self.triton_decode
         return kernels is not None and isinstance(wrapper, kernels.TritonDecodeWrapper)
 
     def plan_decode(self, wrapper: Any, batch: ForwardBatch) -> None:
         """Plan a decode batch into `wrapper` (ours, or a CUDA-graph one with static buffers).
-        Triton's wrapper takes the page ids on the host, with the rest in one copy."""
-        parts: list[tuple[Any, dict[str, Any]]]
-        if self._is_triton(wrapper):  # the window and scale come at each layer's run
-            indptr, last, indices = self.page_table.page_layout(batch.row_ids, batch.seq_lens)
-            parts = [(wrapper, {})]
-        else:
-            indptr, last, indices = self._page_layout(batch)
-            parts = [
-                (part, {"window_left": window_left, "sm_scale": self.scale})
-                for part, window_left in self._by_window(wrapper)
-            ]
-        for part, options in parts:
+        Triton's wrapper takes the page ids on the host, with the rest in one copy; it takes
+        the window and scale at each layer's run."""
+        triton = self._is_triton(wrapper)
+        for part, window_left in self._by_window(wrapper):
+            windowed = window_left >= 0
+            if triton:
+                indptr, last, indices = self._host_layout(batch, windowed)
+                options: dict[str, Any] = {}
+            else:
+                indptr, last, indices = self._page_layout(batch, windowed)
+                options = {"window_left": window_left, "sm_scale": self.scale}
             part.plan(
                 indptr,
                 indices,
@@ -229,17 +256,25 @@ class FlashInferBackend:
             )
         batch.attn_metadata = wrapper
 
-    def graph_decode_wrapper(self, batch_size: int, page_ids: torch.Tensor) -> Any:
+    def graph_decode_wrapper(
+        self, batch_size: int, page_ids: torch.Tensor, window_page_ids: torch.Tensor
+    ) -> Any:
         """A decode wrapper whose metadata lives in static buffers, for one captured size;
         `page_ids` (int32) is the page-id buffer that FlashInfer's wrappers of every size
-        share (Triton's keeps its own of that size, beside the rest of its plan)."""
+        share, `window_page_ids` the windowed plans' where those layers keep their own pages
+        (Triton's keeps its own of that size, beside the rest of its plan)."""
         import flashinfer
 
         device = self.workspace.device
         if self.uses_triton(batch_size):
-            return self.triton_decode.TritonDecodeWrapper(device, batch_size, len(page_ids))
+            assert self.triton_decode is not None
 
-        def captured() -> Any:
+            def triton() -> Any:
+                return self.triton_decode.TritonDecodeWrapper(device, batch_size, len(page_ids))
+
+            return ByWindow(triton(), triton()) if self.split_pool else triton()
+
+        def captured(page_ids: torch.Tensor) -> Any:
             return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace,
                 "NHD",
@@ -254,7 +289,11 @@ class FlashInferBackend:
                 ),
             )
 
-        return ByWindow(captured(), captured()) if self.window else captured()
+        if not self.window:
+            return captured(page_ids)
+        return ByWindow(
+            captured(page_ids), captured(window_page_ids if self.split_pool else page_ids)
+        )
 
     def forward(
         self,
@@ -269,7 +308,7 @@ class FlashInferBackend:
         H200), and write into an output left unfilled (FlashInfer's prefill zeroes its own
         first, and every row is written)."""
         if kv is not None:
-            self.pool.store(layer, batch.out_slots, kv)
+            self.pool.store(layer, batch.slots_of(self.pool.windowed[layer]), kv)
         shape = (-1, self.page_size, self.num_kv_heads, self.head_dim)
         cache = (self.pool.k[layer].view(shape), self.pool.v[layer].view(shape))
         q = q.reshape(-1, self.num_heads, self.head_dim)

@@ -16,12 +16,13 @@ from aserve.kvcache.pool import KVPool, zeros_on
 
 @dataclass
 class _PrefillSeq:
-    """`masks`: by window (0: none), the boolean mask of this request's queries, or None
-    where plain causal attention is the same."""
+    """`kv_slots`: the context's slots, by whether a layer keeps its KV in the
+    sliding-window pages; `masks`: by window (0: none), the boolean mask of this request's
+    queries, or None where plain causal attention is the same."""
 
     q_start: int
     q_len: int
-    kv_slots: torch.Tensor
+    kv_slots: dict[bool, torch.Tensor]
     masks: dict[int, torch.Tensor | None]
 
 
@@ -42,12 +43,13 @@ class _NativeDecodeMetadata:
 
 @dataclass
 class _DecodeMetadata:
-    """`masks`, by window (0: none), hide the padding of shorter contexts and the positions
-    before a window; None when nothing is hidden. With a `stage`, K/V are read from it:
-    gathered into it this step when `append_at` is None, else only the new tokens are
-    written, at these (request, position) indices."""
+    """`kv_slots` as `_PrefillSeq`'s, `[batch, longest]`. `masks`, by window (0: none),
+    hide the padding of shorter contexts and the positions before a window; None when
+    nothing is hidden. With a `stage`, K/V are read from it: gathered into it this step when
+    `append_at` is None, else only the new tokens are written, at these (request, position)
+    indices."""
 
-    kv_slots: torch.Tensor
+    kv_slots: dict[bool, torch.Tensor]
     masks: dict[int, torch.Tensor | None]
     stage: _DecodeStage | None
     append_at: tuple[torch.Tensor, torch.Tensor] | None
@@ -165,8 +167,9 @@ class TorchNativeBackend:
         for row, prefix, extend, total in zip(
             batch.row_ids, batch.prefix_lens, batch.extend_lens, batch.seq_lens
         ):
-            slots = batch.page_table[row, :total].long()
-            masks = {w: _prefill_mask(prefix, total, w, slots.device) for w in set(self.windows)}
+            slots = {w: batch.table_of(w)[row, :total].long() for w in set(self.pool.windowed)}
+            device = batch.page_table.device
+            masks = {w: _prefill_mask(prefix, total, w, device) for w in set(self.windows)}
             seqs.append(_PrefillSeq(q_start, extend, slots, masks))
             q_start += extend
         return _PrefillMetadata(seqs)
@@ -185,7 +188,7 @@ class TorchNativeBackend:
     def _prepare_decode(self, batch: ForwardBatch) -> _DecodeMetadata:
         longest = max(batch.seq_lens)
         device = batch.page_table.device
-        slots = batch.page_table[batch.rows, :longest].long()
+        slots = {w: batch.table_of(w)[batch.rows, :longest].long() for w in set(self.pool.windowed)}
         masks = {w: self._decode_mask(batch.seq_lens, w, device) for w in set(self.windows)}
         stage, append = self._pick_stage(batch, longest)
         append_at = None
@@ -242,14 +245,15 @@ class TorchNativeBackend:
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         q = q.view(-1, self.num_heads, self.head_dim)
+        windowed = self.pool.windowed[layer]
         if kv is not None:
-            self.pool.store(layer, batch.out_slots, kv)
+            self.pool.store(layer, batch.slots_of(windowed), kv)
         if self.native_decode:
             meta: _NativeDecodeMetadata = batch.attn_metadata
             out = torch.ops.aserve_cpu.decode_attention(
                 q,
                 self.pool.kv[layer],
-                batch.page_table,
+                batch.table_of(windowed),
                 batch.rows if meta.rows is None else meta.rows,
                 meta.seq_lens,
                 self.scale,
@@ -270,7 +274,7 @@ class TorchNativeBackend:
         out = torch.empty_like(q)
         for seq in meta.seqs:
             q_seq = q[seq.q_start : seq.q_start + seq.q_len].transpose(0, 1)
-            kv_seq = self.pool.gather(layer, seq.kv_slots)
+            kv_seq = self.pool.gather(layer, seq.kv_slots[self.pool.windowed[layer]])
             mask = seq.masks[self.windows[layer]]
             keys, values = kv_seq[None, :, 0].transpose(1, 2), kv_seq[None, :, 1].transpose(1, 2)
             if sinks is not None:
@@ -301,10 +305,12 @@ class TorchNativeBackend:
     ) -> torch.Tensor:
         """`new_kv`: this step's K/V, already in the pool (None: only there)."""
         meta: _DecodeMetadata = batch.attn_metadata
-        batch_size, longest = meta.kv_slots.shape
+        windowed = self.pool.windowed[layer]
+        kv_slots = meta.kv_slots[windowed]
+        batch_size, longest = kv_slots.shape
         slot_shape = self.pool.kv[layer].shape[1:]
         if meta.stage is None:
-            kv = self.pool.gather(layer, meta.kv_slots.flatten())
+            kv = self.pool.gather(layer, kv_slots.flatten())
             # [batch, 2, kv_heads, longest, head_dim], strided
             kv = kv.view(batch_size, longest, *slot_shape).permute(0, 2, 3, 1, 4)
         else:
@@ -312,10 +318,10 @@ class TorchNativeBackend:
             token_major = stage.permute(0, 3, 1, 2, 4)  # [batch, capacity, 2, kv_heads, dim]
             if meta.append_at is not None:
                 if new_kv is None or self.pool.quantized:  # the stage holds what the pool reads
-                    new_kv = self.pool.gather(layer, batch.out_slots)
+                    new_kv = self.pool.gather(layer, batch.slots_of(windowed))
                 token_major.index_put_(meta.append_at, new_kv)
             else:
-                gathered = self.pool.gather(layer, meta.kv_slots.flatten())
+                gathered = self.pool.gather(layer, kv_slots.flatten())
                 token_major[:, :longest] = gathered.view(batch_size, longest, *slot_shape)
             kv = stage[:, :, :, :longest]
         mask = meta.masks[self.windows[layer]]

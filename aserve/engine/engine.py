@@ -29,8 +29,9 @@ from aserve.engine.memory import (
     GiB,
     fit_step_to_memory,
     free_device_memory,
-    kv_bytes_per_token,
     plan_num_pages,
+    plan_window_pages,
+    sliding_window_pool,
 )
 from aserve.engine.sampler import (
     PromptScoring,
@@ -238,6 +239,16 @@ class Engine:
             self.max_seq_len,
             self.kv_dtype,
         )
+        self.kv_window = sliding_window_pool(model_config, self.max_seq_len)
+        self.window_pages = 0
+        if self.kv_window:
+            self.window_pages = plan_window_pages(
+                self.num_pages,
+                config.swa_full_tokens_ratio,
+                self.kv_window,
+                self.max_seq_len,
+                config,
+            )
         pool_tokens = (self.num_pages - 1) * config.page_size
         if pool_tokens < self.max_seq_len:
             logger.warning(
@@ -258,19 +269,28 @@ class Engine:
             self.dtype,
             self.device,
             self.kv_dtype,
+            tuple(window > 0 for window in model_config.layer_windows),
+            self.window_pages,
         )
         kv_scales.apply(self.pool)
-        self.kv_cache_bytes = (
-            self.num_pages
-            * config.page_size
-            * kv_bytes_per_token(model_config, self.tp, self.kv_dtype)
-        )
+        self.kv_cache_bytes = sum(layer.nbytes for layer in self.pool.kv)
         self.page_table = PageTable(
-            config.max_running_requests, self.max_seq_len, config.page_size, self.device
+            config.max_running_requests,
+            self.max_seq_len,
+            config.page_size,
+            self.device,
+            windowed=self.window_pages > 0,
         )
+        window_tokens = ""
+        if self.window_pages:
+            window_tokens = (
+                f" ({(self.window_pages - 1) * config.page_size} in the sliding-window "
+                f"layers, which keep the last {self.kv_window} positions)"
+            )
         logger.info(
-            "KV cache: %d tokens, %.2f GiB of %s, allocated in %.1f s",
+            "KV cache: %d tokens%s, %.2f GiB of %s, allocated in %.1f s",
             pool_tokens,
+            window_tokens,
             self.kv_cache_bytes / GiB,
             str(self.kv_dtype).removeprefix("torch."),
             time.perf_counter() - pool_started,

@@ -61,14 +61,24 @@ class DecodeGraphs:
         self.max_batch_size = self.sizes[-1]
         device = page_table.slots.device
         n = self.max_batch_size
-        self.token_inputs = torch.zeros(3, n, dtype=torch.int64, device=device)
+        windowed = page_table.window_slots is not None
+        self.token_inputs = torch.zeros(3 + windowed, n, dtype=torch.int64, device=device)
         self.rows = torch.full((n,), page_table.dummy_row, dtype=torch.int64, device=device)
         self.logit_indices = torch.arange(n, device=device)
         # One page-id buffer for every size, as large as the largest batch at full context.
-        self.page_ids = torch.zeros(
-            graph_page_ids(n, max_seq_len, attn.page_size), dtype=torch.int32, device=device
+        # The sliding-window layers' plans list their own pages where they have them.
+        self.page_ids, self.window_page_ids = (
+            torch.zeros(
+                graph_page_ids(n, max_seq_len, attn.page_size) if own else 0,
+                dtype=torch.int32,
+                device=device,
+            )
+            for own in (True, windowed)
         )
-        self.wrappers = {bs: attn.graph_decode_wrapper(bs, self.page_ids) for bs in self.sizes}
+        self.wrappers = {
+            bs: attn.graph_decode_wrapper(bs, self.page_ids, self.window_page_ids)
+            for bs in self.sizes
+        }
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self._pool = torch.cuda.graph_pool_handle()
@@ -90,6 +100,7 @@ class DecodeGraphs:
             logit_indices=self.logit_indices[:size],
             record_index=self.logit_indices[:size],  # unused: tokens are recorded outside
             page_table=self.page_table.slots,
+            window_page_table=self.page_table.window_slots,
         )
 
     @torch.inference_mode()

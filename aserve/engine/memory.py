@@ -40,9 +40,41 @@ def free_device_memory(device: torch.device) -> int:
     return available_host_memory()
 
 
-def kv_bytes_per_token(model: ModelConfig, tp: TPGroup, dtype: torch.dtype) -> int:
+def sliding_window_pool(model: ModelConfig, max_seq_len: int) -> int:
+    """The window after which the sliding-window layers drop their KV, where they keep it in
+    pages of their own (0: they do not): the widest of their windows, where it is shorter
+    than the context (else they would hold as much as the other layers)."""
+    window = max(model.layer_windows, default=0)
+    return window if 0 < window < max_seq_len else 0
+
+
+def kv_bytes_per_token(
+    model: ModelConfig, tp: TPGroup, dtype: torch.dtype, window_share: float = 1.0
+) -> int:
+    """Bytes of K/V a token of the pool takes over all layers; with `window_share` < 1
+    (sliding-window layers in their own pages, that many of theirs a token of the others'),
+    those layers count that share."""
     local_kv_heads = max(1, model.num_kv_heads // tp.size)
-    return KVPool.bytes_per_token(model.num_layers, local_kv_heads, model.head_dim, dtype)
+    per_layer = KVPool.bytes_per_token(1, local_kv_heads, model.head_dim, dtype)
+    windowed = sum(1 for window in model.layer_windows if window) if window_share < 1 else 0
+    return int(per_layer * (model.num_layers - windowed + window_share * windowed))
+
+
+def plan_window_pages(
+    num_pages: int, ratio: float, window: int, max_seq_len: int, config: EngineConfig
+) -> int:
+    """Pages of the sliding-window layers' pool (dummy page included): `ratio` of the
+    others' (SGLang's `--swa-full-tokens-ratio`), and at least what one request needs at
+    once, its window and a whole prefill chunk, so that one always fits."""
+    one_request = min(max_seq_len + 1, window + config.max_prefill_length + config.page_size)
+    least = -(-one_request // config.page_size) + 1
+    return min(num_pages, max(least, int(ratio * (num_pages - 1)) + 1))
+
+
+def window_share(config: EngineConfig, model: ModelConfig, max_seq_len: int) -> float:
+    """What a token of the sliding-window layers' pool counts for in sizing (1: they keep
+    no pool of their own)."""
+    return config.swa_full_tokens_ratio if sliding_window_pool(model, max_seq_len) else 1.0
 
 
 def working_memory_bytes(
@@ -71,8 +103,10 @@ def step_bytes(
     """What the KV pool must leave on CUDA: a step's working memory, the page table and
     the decode graphs' page ids (int32)."""
     rows = config.max_running_requests + 1
-    table = rows * PageTable.bytes_per_row(max_seq_len, config.page_size)
+    windowed = sliding_window_pool(model, max_seq_len) > 0
+    table = rows * PageTable.bytes_per_row(max_seq_len, config.page_size, windowed)
     graph_pages = graph_page_ids(graph_batch_limit(config), max_seq_len, config.page_size) * 4
+    graph_pages *= 1 + windowed  # the windowed layers' plans have their own buffer
     return working_memory_bytes(config, model, tp, dtype) + table + graph_pages
 
 
@@ -101,7 +135,8 @@ def fit_step_to_memory(
     if device.type != "cuda" or config.num_pages is not None:
         return config
     available = within_ratio_bytes(config, device)
-    wanted_kv = max_seq_len * kv_bytes_per_token(model, tp, kv_dtype)
+    share = window_share(config, model, max_seq_len)
+    wanted_kv = max_seq_len * kv_bytes_per_token(model, tp, kv_dtype, share)
     fitted = config
 
     def working(c: EngineConfig) -> int:
@@ -166,10 +201,13 @@ def plan_num_pages(
     RAM and 2 GiB.
     Never more than every running request at full context could use. Tensor-parallel
     ranks take the smallest count of them all, so every rank's pool has the same pages.
+    Sliding-window layers with a pool of their own count `--swa-full-tokens-ratio` of a
+    token each (`plan_window_pages` sizes that pool).
     """
     if config.num_pages is not None:
         return config.num_pages
-    per_token = kv_bytes_per_token(model, tp, kv_dtype)
+    share = window_share(config, model, max_seq_len)
+    per_token = kv_bytes_per_token(model, tp, kv_dtype, share)
     if device.type == "cuda":
         budget = within_ratio_bytes(config, device) - step_bytes(
             config, model, tp, dtype, max_seq_len

@@ -39,12 +39,12 @@ class StepSpec:
 
     def pack(self) -> bytes:
         """[mode, B, T, W, rows, prefix_lens, extend_lens, scored, input_ids, W x (row,
-        first, count), pages...] as int64 bytes."""
+        first, count, window), pages...] as int64 bytes."""
         writes = self.page_writes
         header = [_MODES.index(self.mode), len(self.rows), len(self.input_ids), len(writes)]
         fields = [header, self.rows, self.prefix_lens, self.extend_lens, self.scored]
         fields.append(self.input_ids)
-        fields += [[w.row, w.first_page_index, len(w.pages)] for w in writes]
+        fields += [[w.row, w.first_page_index, len(w.pages), int(w.window)] for w in writes]
         fields += [w.pages for w in writes]
         return np.fromiter(
             (v for part in fields for v in part), dtype=np.int64, count=sum(map(len, fields))
@@ -56,14 +56,14 @@ class StepSpec:
         mode, size, num_ids, num_writes = values[:4]
         at = 4
         parts = []
-        for length in (size, size, size, size, num_ids, 3 * num_writes):
+        for length in (size, size, size, size, num_ids, 4 * num_writes):
             parts.append(values[at : at + length])
             at += length
         rows, prefix_lens, extend_lens, scored, input_ids, write_heads = parts
         writes = []
         for i in range(num_writes):
-            row, first, count = write_heads[3 * i : 3 * i + 3]
-            writes.append(PageWrite(row, first, values[at : at + count]))
+            row, first, count, window = write_heads[4 * i : 4 * i + 4]
+            writes.append(PageWrite(row, first, values[at : at + count], bool(window)))
             at += count
         return cls(_MODES[mode], rows, prefix_lens, extend_lens, scored, input_ids, writes)
 
@@ -101,18 +101,22 @@ def forward_batch(spec: StepSpec, page_table: PageTable, device: torch.device) -
             wanted[ends - 1] = True
             logit_indices = np.flatnonzero(wanted).astype(np.int64)
             sample_rows = np.searchsorted(logit_indices, ends - 1).astype(np.int64)
-    out_slots = page_table.slot_ids(token_rows, positions)
+    slots = [page_table.slot_ids(token_rows, positions)]
+    if page_table.window_slots is not None:
+        slots.append(page_table.slot_ids(token_rows, positions, window=True))
     record_index = rows * page_table.width + np.asarray(seq_lens, dtype=np.int64)
     per_request = [rows, record_index]
     if spec.mode is ForwardMode.DECODE:
         per_request.append(rows * page_table.width + positions)
-    parts = [input_ids, out_slots, positions, *per_request, logit_indices, sample_rows]
+    per_token = [input_ids, slots[0], positions, *slots[1:]]
+    parts = [*per_token, *per_request, logit_indices, sample_rows]
     packed = torch.from_numpy(np.concatenate(parts)).to(device, non_blocking=True)
     tokens = len(positions)
-    token_inputs = packed[: 3 * tokens].view(3, tokens)
+    token_end = len(per_token) * tokens
+    token_inputs = packed[:token_end].view(len(per_token), tokens)
     # rows, record index and, in decode, where each input id is in the table
-    request_end = 3 * tokens + len(per_request) * size
-    per_request_view = packed[3 * tokens : request_end].view(-1, size)
+    request_end = token_end + len(per_request) * size
+    per_request_view = packed[token_end:request_end].view(-1, size)
     logits_end = request_end + len(logit_indices)
     if spec.mode is ForwardMode.DECODE:
         torch.index_select(page_table.tokens.view(-1), 0, per_request_view[2], out=token_inputs[0])
@@ -128,4 +132,5 @@ def forward_batch(spec: StepSpec, page_table: PageTable, device: torch.device) -
         record_index=per_request_view[1],
         page_table=page_table.slots,
         sample_rows=packed[logits_end:] if len(sample_rows) else None,
+        window_page_table=page_table.window_slots,
     )

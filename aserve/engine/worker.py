@@ -93,7 +93,7 @@ def follow(engine: Engine, conn: Connection) -> None:
     while message := conn.recv_bytes():
         spec = StepSpec.unpack(message)
         for write in spec.page_writes:
-            engine.page_table.write_pages(write.row, write.first_page_index, write.pages)
+            engine.page_table.write_pages(*write)
         batch = forward_batch(spec, engine.page_table, engine.device)
         engine.forward(batch)
         next_ids = torch.empty(batch.batch_size, dtype=torch.int64, device=engine.device)

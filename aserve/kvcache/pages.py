@@ -3,6 +3,11 @@
 A page holds `page_size` consecutive token slots of the KV pool. Page 0 is never handed out:
 padded batch rows (CUDA-graph padding) write their K/V there. The page table maps
 (request slot, position) to a KV slot index, `page * page_size + position % page_size`.
+
+A model with sliding-window layers (Gemma 3, gpt-oss) keeps those layers' K/V in pages of
+their own (`SlidingWindow`): a request drops the ones its window has passed, so a long
+context holds its windowed layers' KV for the window alone. The page table then maps each
+position twice, to the whole-context layers' slot and to the windowed layers' one.
 """
 
 from __future__ import annotations
@@ -58,12 +63,26 @@ class PageAllocator:
         return list(self._free)
 
 
+class SlidingWindow(NamedTuple):
+    """The windowed layers' pages: their allocator and the window (positions a query reads,
+    itself included). A query at position q reads keys from q - size + 1 on, so a request's
+    page whose last position is before that for its next query is dropped."""
+
+    allocator: PageAllocator
+    size: int
+
+    def first_kept_page(self, next_position: int) -> int:
+        """The first page a query at `next_position` (or later) still reads."""
+        return max(0, next_position - self.size + 1) // self.allocator.page_size
+
+
 class PageWrite(NamedTuple):
     """One `PageTable.write_pages` call, as recorded for tensor-parallel followers."""
 
     row: int
     first_page_index: int
     pages: list[int]
+    window: bool = False
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
@@ -78,11 +97,18 @@ class PageTable:
     `max_running_requests` is the dummy row that padded batch entries use. One column more
     than the context: a step that fills the context still writes its sampled token somewhere.
     `pages` mirrors the rows' page ids on the host, from which `slot_ids` and `page_layout`
-    describe a batch without device work.
+    describe a batch without device work. With `windowed`, `window_slots` and
+    `window_pages` map the same positions to the windowed layers' pages (page 0 where a
+    request has dropped or never held one: nothing reads those positions).
     """
 
     def __init__(
-        self, max_running_requests: int, max_seq_len: int, page_size: int, device: torch.device
+        self,
+        max_running_requests: int,
+        max_seq_len: int,
+        page_size: int,
+        device: torch.device,
+        windowed: bool = False,
     ) -> None:
         width = self.row_width(max_seq_len, page_size)
         rows = max_running_requests + 1
@@ -93,6 +119,8 @@ class PageTable:
         self.slots = zeros_on((rows, width), torch.int32, device)
         self.tokens = zeros_on((rows, width), torch.int64, device)
         self.pages = np.zeros((rows, width // page_size), dtype=np.int32)
+        self.window_slots = zeros_on((rows, width), torch.int32, device) if windowed else None
+        self.window_pages = np.zeros_like(self.pages) if windowed else None
         self._free_rows = list(range(max_running_requests - 1, -1, -1))
         # Bumped whenever a row is mapped from its first page (a request admitted or
         # re-admitted), so state kept per row across decode steps can tell its owner changed.
@@ -122,19 +150,29 @@ class PageTable:
         writes, self._journal = self._journal, []
         return writes
 
-    def write_pages(self, row: int, first_page_index: int, pages: list[int]) -> None:
-        """Map the positions covered by `pages` (page `first_page_index` of the row onwards)."""
+    def write_pages(
+        self, row: int, first_page_index: int, pages: list[int], window: bool = False
+    ) -> None:
+        """Map the positions covered by `pages` (page `first_page_index` of the row onwards),
+        for the windowed layers with `window`."""
         if not pages:
             return
         if self._journal is not None:
-            self._journal.append(PageWrite(row, first_page_index, list(pages)))
-        if first_page_index == 0:
+            self._journal.append(PageWrite(row, first_page_index, list(pages), window))
+        if first_page_index == 0 and not window:
             self.row_generations[row] += 1
-        self.pages[row, first_page_index : first_page_index + len(pages)] = pages
+        host, device = self._tables(window)
+        host[row, first_page_index : first_page_index + len(pages)] = pages
         size = self.page_size
         slots = torch.tensor(pages, dtype=torch.int32)[:, None] * size + self._page_offsets
         start = first_page_index * size
-        self.slots[row, start : start + len(pages) * size].copy_(slots.flatten(), non_blocking=True)
+        device[row, start : start + len(pages) * size].copy_(slots.flatten(), non_blocking=True)
+
+    def _tables(self, window: bool) -> tuple[np.ndarray, torch.Tensor]:
+        if not window:
+            return self.pages, self.slots
+        assert self.window_pages is not None and self.window_slots is not None
+        return self.window_pages, self.window_slots
 
     @staticmethod
     def row_width(max_seq_len: int, page_size: int) -> int:
@@ -142,26 +180,36 @@ class PageTable:
         return pages_needed(max_seq_len + 1, page_size) * page_size
 
     @classmethod
-    def bytes_per_row(cls, max_seq_len: int, page_size: int) -> int:
-        """Device memory of one row: its slot (int32) and token (int64) columns."""
-        return cls.row_width(max_seq_len, page_size) * (4 + 8)
+    def bytes_per_row(cls, max_seq_len: int, page_size: int, windowed: bool = False) -> int:
+        """Device memory of one row: its slot (int32, twice when `windowed`) and token
+        (int64) columns."""
+        return cls.row_width(max_seq_len, page_size) * (4 * (1 + windowed) + 8)
 
-    def slot_ids(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    def slot_ids(self, rows: np.ndarray, positions: np.ndarray, window: bool = False) -> np.ndarray:
         """The KV slot of each (row, position), from the host mirror (int64)."""
         size = self.page_size
-        pages = self.pages[rows, positions // size].astype(np.int64)
+        pages = self._tables(window)[0][rows, positions // size].astype(np.int64)
         return pages * size + positions % size
 
     def page_layout(
-        self, row_ids: list[int], seq_lens: list[int]
+        self,
+        row_ids: list[int],
+        seq_lens: list[int],
+        window: bool = False,
+        first_pages: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The rows' KV as FlashInfer's paged layout, on the host: page index pointers
-        `[B + 1]`, tokens in each row's last page `[B]`, and the page ids, row after row."""
+        `[B + 1]`, tokens in each row's last page `[B]`, and the page ids, row after row.
+        `first_pages` leaves each row's pages before it out (the windowed layers' dropped
+        ones): attention masks by the distance between a query and a key, which leaving
+        whole pages off the front does not change."""
         lens = np.asarray(seq_lens, dtype=np.int32)
         counts = -(-lens // self.page_size)
+        skip = np.zeros_like(counts) if first_pages is None else first_pages.astype(np.int32)
         indptr = np.zeros(len(lens) + 1, dtype=np.int32)
-        np.cumsum(counts, out=indptr[1:])
+        np.cumsum(counts - skip, out=indptr[1:])
         last = lens - (counts - 1) * self.page_size
         widest = int(counts.max(initial=0))
-        grid = self.pages[np.asarray(row_ids, dtype=np.int64), :widest]
-        return indptr, last, grid[np.arange(widest) < counts[:, None]]
+        grid = self._tables(window)[0][np.asarray(row_ids, dtype=np.int64), :widest]
+        columns = np.arange(widest)
+        return indptr, last, grid[(columns < counts[:, None]) & (columns >= skip[:, None])]

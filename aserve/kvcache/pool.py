@@ -57,6 +57,10 @@ class KVPool:
     Triton ones). They are 1.0 (vLLM's default where no calibrated scales are given) unless
     `set_scales` says otherwise: the engine sets a checkpoint's own (kvcache/scales.py).
     `dtype` is what backends compute in; `gather` gives them a context in it.
+
+    With `window_pages`, the layers `windowed[layer]` says (Gemma 3's and gpt-oss's
+    sliding-window ones) hold that many pages of their own, indexed by the page table's
+    window slots (kvcache/pages.py: `SlidingWindow`).
     """
 
     def __init__(
@@ -69,15 +73,23 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device,
         storage_dtype: torch.dtype | None = None,
+        windowed: tuple[bool, ...] = (),
+        window_pages: int = 0,
     ) -> None:
-        shape = (num_pages * page_size, 2, num_kv_heads, head_dim)
         self.num_pages = num_pages
+        self.window_pages = window_pages
         self.page_size = page_size
         self.dtype = dtype
         self.storage_dtype = storage_dtype or dtype
         self.quantized = self.storage_dtype != dtype
         self.scaled = self.storage_dtype == torch.float8_e4m3fn
-        self.kv = [zeros_on(shape, self.storage_dtype, device) for _ in range(num_layers)]
+        self.windowed = windowed if window_pages else (False,) * num_layers
+
+        def layer_tensor(windowed: bool) -> torch.Tensor:
+            slots = (window_pages if windowed else num_pages) * page_size
+            return zeros_on((slots, 2, num_kv_heads, head_dim), self.storage_dtype, device)
+
+        self.kv = [layer_tensor(windowed) for windowed in self.windowed]
         self.k = [layer[:, 0] for layer in self.kv]
         self.v = [layer[:, 1] for layer in self.kv]
         self.scales = torch.ones(num_layers, 2, dtype=torch.float32, device=device)

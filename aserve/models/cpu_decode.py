@@ -46,12 +46,15 @@ class DecodeStack:
         self, hidden: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer over the step's embeddings: (last layer's output, residual)."""
+        windowed = any(attn.pool.windowed)
         return self.stack.run(
             hidden,
             batch.positions,
             batch.out_slots,
+            batch.slots_of(windowed),
             attn.pool.kv,
             batch.page_table,
+            batch.table_of(windowed),
             batch.rows,
             batch.attn_metadata.seq_lens,
         )

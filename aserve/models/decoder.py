@@ -112,7 +112,7 @@ class DecoderAttention(nn.Module):
                 None if self.k_norm is None else self.k_norm.weight,
                 self.eps,
                 attn.pool.kv[self.layer],
-                batch.out_slots,
+                batch.slots_of(attn.pool.windowed[self.layer]),
                 self.head_dim,
                 attn.pool.scale_pairs[self.layer],
             )

@@ -7,6 +7,12 @@ if its prompt does not fit the budget; otherwise every decoding request advances
 When the pool runs dry, cached prefixes are evicted first and then the newest requests are
 retracted to the front of the queue (their output so far is kept). The oldest request alone
 always fits: submission refuses requests that could not fit an empty pool.
+
+With sliding-window layers (`SlidingWindow`) every page a request takes comes with a page of
+the windowed layers' pool. While that pool has room, requests keep all of theirs, so what
+they leave in the prefix cache serves any later prefix; when it runs short, running requests
+first drop the windowed pages of their own that their next query's window has passed (a
+long context then holds those layers' KV for the window alone), then cached prefixes go.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from dataclasses import dataclass, field
 from aserve.config import SchedulerConfig
 from aserve.forward import ForwardMode
 from aserve.kvcache.base import PrefixCache
-from aserve.kvcache.pages import PageAllocator, PageTable, pages_needed
+from aserve.kvcache.pages import PageAllocator, PageTable, SlidingWindow, pages_needed
 from aserve.scheduler.request import FinishReason, Req, ReqStatus
 
 PENDING_TOKEN = -1
@@ -52,15 +58,18 @@ class Planner:
         allocator: PageAllocator,
         cache: PrefixCache,
         page_table: PageTable,
+        window: SlidingWindow | None = None,
     ) -> None:
         self.config = config
         self.allocator = allocator
         self.cache = cache
         self.page_table = page_table
+        self.window = window
         self.page_size = allocator.page_size
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.num_retractions = 0
+        self.window_pages_dropped = 0
         self.prompt_tokens_admitted = 0
         self.prompt_tokens_cached = 0
 
@@ -79,11 +88,33 @@ class Planner:
         return any(not r.decoding or self._wants_decode(r) for r in self.running)
 
     def _reserve(self, num_pages: int) -> bool:
-        """Make `num_pages` free, evicting unlocked cached prefixes if needed."""
+        """Make `num_pages` free (in both pools with a sliding window), evicting unlocked
+        cached prefixes if needed."""
         short = num_pages - self.allocator.free_pages
-        if short > 0:
-            self.cache.evict(short)
+        window_allocator = self.window.allocator if self.window else None
+        short_window = num_pages - window_allocator.free_pages if window_allocator else 0
+        if short_window > 0:
+            for req in self.running:
+                self._drop_behind_window(req)
+            assert window_allocator is not None
+            short_window = num_pages - window_allocator.free_pages
+        if short > 0 or short_window > 0:
+            self.cache.evict(short, short_window)
+        if window_allocator and window_allocator.free_pages < num_pages:
+            return False
         return self.allocator.free_pages >= num_pages
+
+    def _alloc(self, req: Req, num_pages: int) -> None:
+        """Append `num_pages` reserved pages (and window pages) to `req`, mapped in its row."""
+        new_pages = self.allocator.alloc(num_pages)
+        assert new_pages is not None
+        self.page_table.write_pages(req.slot, len(req.pages), new_pages)
+        if self.window is not None:
+            window_pages = self.window.allocator.alloc(num_pages)
+            assert window_pages is not None
+            self.page_table.write_pages(req.slot, len(req.window_pages), window_pages, True)
+            req.window_pages.extend(window_pages)
+        req.pages.extend(new_pages)
 
     def _grow(self, req: Req, num_tokens: int) -> bool:
         """Give `req` KV pages for positions up to `num_tokens`; False if the pool is full."""
@@ -92,11 +123,23 @@ class Planner:
             return True
         if not self._reserve(need):
             return False
-        new_pages = self.allocator.alloc(need)
-        assert new_pages is not None
-        self.page_table.write_pages(req.slot, len(req.pages), new_pages)
-        req.pages.extend(new_pages)
+        self._alloc(req, need)
         return True
+
+    def _drop_behind_window(self, req: Req) -> None:
+        """Free the request's own window pages that no query from `cached_len` on reads.
+        Nothing reads their page-table entries again, so those stay as they are."""
+        if self.window is None:
+            return
+        first = max(req.window_kept_from, req.prefix_len // self.page_size)
+        end = min(self.window.first_kept_page(req.cached_len), len(req.window_pages))
+        if end <= first:
+            return
+        dropped = [p for p in req.window_pages[first:end] if p]
+        self.window.allocator.free(dropped)
+        self.window_pages_dropped += len(dropped)
+        req.window_pages[first:end] = [0] * (end - first)
+        req.window_kept_from = end
 
     def _plan_prefill(self) -> ScheduledBatch | None:
         budget = self.config.max_prefill_length
@@ -156,10 +199,16 @@ class Planner:
             self.cache.unlock(match.handle)
             req.cached_len = 0
             return 0
-        new_pages = self.allocator.alloc(need)
-        assert new_pages is not None
         req.slot = self.page_table.alloc_row()
-        req.pages = match.pages + new_pages
+        req.pages, req.window_pages = [], []
+        if match.pages:
+            self.page_table.write_pages(req.slot, 0, match.pages)
+            req.pages = list(match.pages)
+        if self.window is not None and match.window_pages:
+            self.page_table.write_pages(req.slot, 0, match.window_pages, True)
+            req.window_pages = list(match.window_pages)
+        self._alloc(req, need)
+        req.window_kept_from = 0
         req.prefix_len = req.cached_len = match.length
         if not req.output_ids:
             req.cached_tokens = match.length
@@ -167,7 +216,6 @@ class Planner:
         req.status = ReqStatus.RUNNING
         self.prompt_tokens_admitted += req.total_len
         self.prompt_tokens_cached += match.length
-        self.page_table.write_pages(req.slot, 0, req.pages)
         self.running.append(req)
         return n
 
@@ -228,11 +276,14 @@ class Planner:
     def _release(self, req: Req) -> None:
         """Hand the request's computed whole pages to the prefix cache, free the rest."""
         whole = req.cached_len // self.page_size
-        self.cache.insert(req.all_ids[: whole * self.page_size], req.pages[:whole])
+        tokens = req.all_ids[: whole * self.page_size]
+        self.cache.insert(tokens, req.pages[:whole], req.window_pages[:whole])
         self.allocator.free(req.pages[whole:])
+        if self.window is not None:
+            self.window.allocator.free(p for p in req.window_pages[whole:] if p)
         self.cache.unlock(req.cache_handle)
         self.page_table.free_row(req.slot)
-        req.pages, req.slot, req.cache_handle = [], -1, None
+        req.pages, req.window_pages, req.slot, req.cache_handle = [], [], -1, None
         req.cached_len = req.prefix_len = 0
         req.decoding = False
         self.running.remove(req)
@@ -260,18 +311,40 @@ class Planner:
             pages.extend(req.pages[req.prefix_len // self.page_size :])
         return pages
 
+    def owned_window_pages(self) -> list[int]:
+        """Window pages held by running requests beyond their cached prefix."""
+        pages: list[int] = []
+        for req in self.running:
+            pages.extend(p for p in req.window_pages[req.prefix_len // self.page_size :] if p)
+        return pages
+
     def check_integrity(self) -> None:
-        """Every usable page is exactly one of: free, in the prefix cache, owned by a request."""
-        free = self.allocator.free_page_ids()
-        cached = list(self.cache.owned_pages())
-        owned = self.owned_pages()
-        everything = free + cached + owned
-        expected = set(range(1, self.allocator.num_pages))
-        if len(everything) != len(set(everything)) or set(everything) != expected:
-            seen: set[int] = set()
-            doubles = {p for p in everything if p in seen or seen.add(p)}
-            raise AssertionError(
-                f"KV page accounting broken: {len(free)} free, {len(cached)} cached, "
-                f"{len(owned)} owned of {len(expected)}; doubly owned {sorted(doubles)[:8]}, "
-                f"leaked {sorted(expected - set(everything))[:8]}"
+        """Every usable page is exactly one of: free, in the prefix cache, owned by a request
+        (in each pool, with a sliding window)."""
+        _check_pages(
+            "KV",
+            self.allocator,
+            list(self.cache.owned_pages()),
+            self.owned_pages(),
+        )
+        if self.window is not None:
+            _check_pages(
+                "sliding-window KV",
+                self.window.allocator,
+                list(self.cache.owned_window_pages()),
+                self.owned_window_pages(),
             )
+
+
+def _check_pages(what: str, allocator: PageAllocator, cached: list[int], owned: list[int]) -> None:
+    free = allocator.free_page_ids()
+    everything = free + cached + owned
+    expected = set(range(1, allocator.num_pages))
+    if len(everything) != len(set(everything)) or set(everything) != expected:
+        seen: set[int] = set()
+        doubles = {p for p in everything if p in seen or seen.add(p)}
+        raise AssertionError(
+            f"{what} page accounting broken: {len(free)} free, {len(cached)} cached, "
+            f"{len(owned)} owned of {len(expected)}; doubly owned {sorted(doubles)[:8]}, "
+            f"leaked {sorted(expected - set(everything))[:8]}"
+        )

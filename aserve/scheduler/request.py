@@ -196,8 +196,10 @@ class Req:
     KV bookkeeping: positions [0, cached_len) of this request have KV in the pool. `pages`
     cover positions [0, len(pages) * page_size) and are mapped in page-table row `slot`; the
     first `prefix_len` positions came from the prefix cache (locked through `cache_handle`),
-    the other pages are the request's own. `decoding` turns true once the whole sequence has
-    been prefilled: from then on each step feeds the last sampled token.
+    the other pages are the request's own. With a sliding window, `window_pages[i]` is the
+    windowed layers' page beside `pages[i]`, 0 once its own such page has been dropped (its
+    positions are behind every later query's window). `decoding` turns true once the whole
+    sequence has been prefilled: from then on each step feeds the last sampled token.
 
     With `params.prompt_logprobs`, `prompt_logprobs[p]` is prompt token p + 1's, filled as
     the steps computing position p come back, from position `score_from` on (the positions
@@ -220,6 +222,8 @@ class Req:
     status: ReqStatus = ReqStatus.WAITING
     slot: int = -1
     pages: list[int] = field(default_factory=list)
+    window_pages: list[int] = field(default_factory=list)
+    window_kept_from: int = 0  # every own window page before this page index is dropped
     cached_len: int = 0
     prefix_len: int = 0
     cached_tokens: int = 0  # prompt tokens the prefix cache supplied before the first token

@@ -35,7 +35,7 @@ from aserve.engine.step import forward_batch
 from aserve.forward import ForwardBatch, ForwardMode
 from aserve.kvcache.base import PrefixCache
 from aserve.kvcache.naive import NaiveCache
-from aserve.kvcache.pages import PageAllocator
+from aserve.kvcache.pages import PageAllocator, SlidingWindow
 from aserve.kvcache.radix import RadixCache
 from aserve.scheduler.batch import SamplingBatches, prompt_scoring, step_spec
 from aserve.scheduler.plan import Planner, ScheduledBatch
@@ -78,8 +78,10 @@ class InFlight(NamedTuple):
     halfway: torch.cuda.Event | None = None  # an eager forward's middle layer (ForwardBatch)
 
 
-def make_prefix_cache(kind: str, allocator: PageAllocator) -> PrefixCache:
-    return RadixCache(allocator) if kind == "radix" else NaiveCache(allocator)
+def make_prefix_cache(
+    kind: str, allocator: PageAllocator, window: SlidingWindow | None = None
+) -> PrefixCache:
+    return RadixCache(allocator, window) if kind == "radix" else NaiveCache(allocator, window)
 
 
 class Scheduler:
@@ -97,8 +99,12 @@ class Scheduler:
         self.config = config
         self.followers = followers
         self.allocator = PageAllocator(engine.num_pages, config.page_size)
-        self.cache = make_prefix_cache(config.cache_type, self.allocator)
-        self.planner = Planner(config, self.allocator, self.cache, engine.page_table)
+        self.window = None
+        if engine.window_pages:
+            window_allocator = PageAllocator(engine.window_pages, config.page_size)
+            self.window = SlidingWindow(window_allocator, engine.kv_window)
+        self.cache = make_prefix_cache(config.cache_type, self.allocator, self.window)
+        self.planner = Planner(config, self.allocator, self.cache, engine.page_table, self.window)
         self.eos_ids = frozenset(engine.model_config.eos_token_ids)
         self.vocab_size = engine.model_config.vocab_size
         self.max_seq_len = engine.max_seq_len

@@ -92,10 +92,12 @@ class DecodeStack : public torch::CustomClassHolder {
 
   // Every layer over the step's tokens `hidden` (their embeddings); returns the last layer's
   // output and the residual stream, which the model's final norm adds. `caches`: the pool's
-  // layers, `table`, `rows` and `seq_lens` as decode_attention takes them.
+  // layers, `table`, `rows` and `seq_lens` as decode_attention takes them. Layers with a
+  // window write at `window_slots` and read through `window_table` (the sliding-window
+  // layers' own pages; the same tensors as `slots` and `table` where they have none).
   std::tuple<Tensor, Tensor> run(Tensor hidden, Tensor positions, Tensor slots,
-                                 std::vector<Tensor> caches, Tensor table, Tensor rows,
-                                 Tensor seq_lens) {
+                                 Tensor window_slots, std::vector<Tensor> caches, Tensor table,
+                                 Tensor window_table, Tensor rows, Tensor seq_lens) {
     static auto rmsnorm = op<Tensor(const Tensor&, const Tensor&, double)>("aserve_cpu::rmsnorm");
     static auto add_rmsnorm =
         op<void(Tensor, Tensor, const Tensor&, double)>("aserve_cpu::fused_add_rmsnorm");
@@ -115,10 +117,14 @@ class DecodeStack : public torch::CustomClassHolder {
       if (i > 0) add_rmsnorm.call(hidden, residual, layer.input_norm, eps_);
       const Tensor qkv = project(hidden, layer.qkv, layer.qkv_bias);
       const Tensor q = qkv.narrow(1, 0, q_size_);
+      const bool windowed = layer.window > 0;
       norm_rope_store.call(q, qkv.narrow(1, q_size_, 2 * kv_size_), positions, layer.cos_sin,
-                           layer.q_norm, layer.k_norm, eps_, caches[i], slots, head_dim_);
-      const Tensor attended = attention.call(q.view({tokens, -1, head_dim_}), caches[i], table,
-                                             rows, seq_lens, scale_, layer.window, std::nullopt);
+                           layer.q_norm, layer.k_norm, eps_, caches[i],
+                           windowed ? window_slots : slots, head_dim_);
+      const Tensor attended =
+          attention.call(q.view({tokens, -1, head_dim_}), caches[i],
+                         windowed ? window_table : table, rows, seq_lens, scale_, layer.window,
+                         std::nullopt);
       hidden = project(attended.view({tokens, -1}), {layer.o}, std::nullopt);
       if (layer.attention_out_norm.has_value())
         hidden = rmsnorm.call(hidden, *layer.attention_out_norm, eps_);
