@@ -106,8 +106,8 @@ def test_gemma3_windows_on_flashinfer(make_llm: Callable[..., LLM], tmp_path: Pa
     windowed layers' plan and the rest's), for three requests, and the Triton kernels, given
     the window at each layer's run, for one. Each gives the same greedy tokens in CUDA
     graphs as eagerly, and the two agree with each other up to near ties (one request's
-    logprobs against transformers': test_bf16_logprobs_close_to_transformers). FA3 prefill
-    and an FP8 cache, which have no windowed path here, are refused in one line."""
+    logprobs against transformers': test_bf16_logprobs_close_to_transformers). FA3 prefill,
+    which has no windowed path here, is refused in one line."""
     from aserve.attention.flashinfer import ByWindow
     from aserve.config import ConfigError
 
@@ -137,9 +137,8 @@ def test_gemma3_windows_on_flashinfer(make_llm: Callable[..., LLM], tmp_path: Pa
             atol=0.05,
             rtol=0.05,
         )
-    for refused in ({"attention_backend": "fa"}, {"kv_cache_dtype": "fp8_e4m3"}):
-        with pytest.raises(ConfigError, match="16-bit KV cache"):
-            LLM(str(folder), **small_gpu_engine(**refused))
+    with pytest.raises(ConfigError, match="sliding windows run on --attention-backend fi"):
+        LLM(str(folder), **small_gpu_engine(attention_backend="fa"))
 
 
 def test_gpt_oss_sinks_on_flashinfer(
@@ -149,8 +148,8 @@ def test_gpt_oss_sinks_on_flashinfer(
     Triton decode kernels (a split context merged with the sink, a whole one started at it),
     its windows of 4 on every other layer and its experts (biases, clamped SwiGLU) in the
     fused kernels: the torch backend's logits over a chunked prefill with a cached prefix
-    and decode steps; in CUDA graphs the same greedy tokens as eagerly. (An FP8 cache is
-    refused with windows, as for Gemma 3.)"""
+    and decode steps; in CUDA graphs the same greedy tokens as eagerly (an FP8 cache:
+    test_fp8_cache_with_windows)."""
     from aserve.attention import triton_decode
 
     shapes = {**KERNEL_SHAPES, "head_dim": 64, **EVERY_EXPERT}
@@ -227,6 +226,52 @@ def test_short_window_pool_on_flashinfer(
         rtol=0.03,
     )
     assert planner.prompt_tokens_cached - cached_before >= 32
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="an FP8 cache needs compute capability 8.9 or newer",
+)
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss"])
+def test_fp8_cache_with_windows(
+    make_llm: Callable[..., LLM], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str
+) -> None:
+    """An FP8 cache under sliding windows, the windowed layers in their own short pool:
+    FlashInfer's prefill over the FP8 pages, then over each pool's pages widened to bf16
+    (`WidenedPrefill`), and Triton's FP8 decode with the window give the torch backend's
+    logits on the same FP8 pool; CUDA graphs the same greedy tokens as eagerly."""
+    from aserve.attention import flashinfer as backend
+    from tests.test_fp8_gpu import count_widened_steps
+
+    shapes = {**KERNEL_SHAPES, "head_dim": 64}
+    if family == "gpt_oss":
+        shapes |= EVERY_EXPERT
+    folder = make_tiny_model(family, tmp_path, overrides=shapes)
+    options = small_gpu_engine(max_prefill_length=40, num_pages=64, kv_cache_dtype="fp8_e4m3")
+    reference = make_llm(folder, attention_backend="torch", **options)
+    short = make_llm(folder, swa_full_tokens_ratio=0.01, **options)
+    engine = short.runtime.engine
+    assert engine.pool.scaled and engine.window_pages == 5
+    prompt, continuation = list(range(3, 100)), [7, 123, 45, 2, 99, 5] * 4
+    expected = our_logits(reference, prompt, continuation)
+    widened = count_widened_steps(monkeypatch)
+    torch.testing.assert_close(
+        our_logits(short, prompt, continuation), expected, atol=0.06, rtol=0.03
+    )
+    assert not widened  # 4 heads over ~100 slots: FlashInfer's FP8 kernel
+    engine.attn.widen_max_slots = 1 << 20
+    monkeypatch.setattr(backend, "WIDEN_MIN_HEAD_SLOTS", 0)
+    torch.testing.assert_close(
+        our_logits(short, prompt, continuation), expected, atol=0.06, rtol=0.03
+    )
+    assert widened
+    monkeypatch.undo()
+    assert short.scheduler.planner.window_pages_dropped > 0
+    eager = make_llm(folder, swa_full_tokens_ratio=0.01, **{**options, "cuda_graph_max_bs": 0})
+    assert engine.graphs is not None and eager.runtime.engine.graphs is None
+    assert [o.token_ids for o in short.generate(PROMPTS, GREEDY)] == [
+        o.token_ids for o in eager.generate(PROMPTS, GREEDY)
+    ]
 
 
 def test_gpt_oss_mxfp4_experts_in_the_fused_kernels(

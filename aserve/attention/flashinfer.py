@@ -180,10 +180,13 @@ class FlashInferBackend:
                 wrapper = self.decode_wrappers[self.use_tensor_cores(batch.batch_size)]
             self.plan_decode(wrapper, batch)
             return
-        indptr, last, indices = self._page_layout(batch)
         qo_indptr = torch.zeros(batch.batch_size + 1, dtype=torch.int32)
         torch.cumsum(torch.tensor(batch.extend_lens, dtype=torch.int32), 0, out=qo_indptr[1:])
-        slots = len(indices) * self.page_size
+        # by whether a plan reads the sliding-window layers' own pages
+        layouts = {False: self._page_layout(batch)}
+        if self.split_pool:
+            layouts[True] = self._page_layout(batch, windowed=True)
+        slots = len(layouts[False][2]) * self.page_size
         widen = (
             self.pool.quantized
             and slots <= self.widen_max_slots
@@ -191,8 +194,7 @@ class FlashInferBackend:
         )
         kv_data_type = self.dtype if widen else self.kv_dtype
         for wrapper, window_left in self._by_window(self.prefill_wrapper):
-            if window_left >= 0 and self.split_pool:  # FP8 pools (`widen`) take no windows
-                indptr, last, indices = self._page_layout(batch, windowed=True)
+            indptr, last, indices = layouts[window_left >= 0 and self.split_pool]
             wrapper.plan(
                 qo_indptr,
                 indptr,
@@ -210,9 +212,11 @@ class FlashInferBackend:
                 window_left=window_left,
                 sm_scale=self.scale,
             )
-        batch.attn_metadata = (
-            WidenedPrefill(self.prefill_wrapper, indices) if widen else self.prefill_wrapper
-        )
+        batch.attn_metadata = self.prefill_wrapper
+        if widen:
+            window_ids = layouts[True][2] if self.split_pool else None
+            widened = WidenedPrefill(self.prefill_wrapper, layouts[False][2], window_ids)
+            batch.attn_metadata = widened
 
     def _by_window(self, wrapper: Any) -> list[tuple[Any, int]]:
         """A plan's wrappers with the `window_left` each is planned for: FlashInfer reads the
@@ -315,6 +319,10 @@ class FlashInferBackend:
         k_scale, v_scale = self.pool.scale_pairs[layer]
         metadata = batch.attn_metadata
         window = self.layer_windows[layer]
+        if isinstance(metadata, WidenedPrefill):
+            windowed = self.pool.windowed[layer]
+            cache = metadata.widen(self.pool.kv[layer], self.page_size, self.dtype, windowed)
+            metadata = metadata.wrapper
         if isinstance(metadata, ByWindow):
             metadata = metadata.windowed if window else metadata.whole
         if batch.is_decode:
@@ -323,9 +331,6 @@ class FlashInferBackend:
             else:
                 out = metadata.run(q, cache, k_scale=k_scale, v_scale=v_scale)
             return out.reshape(-1, self.num_heads * self.head_dim)
-        if isinstance(metadata, WidenedPrefill):
-            cache = metadata.widen(self.pool.kv[layer], self.page_size, self.dtype)
-            metadata = metadata.wrapper
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if sinks is None:
             metadata.run(q, cache, out=out, k_scale=k_scale, v_scale=v_scale)
@@ -384,14 +389,21 @@ class WidenedPrefill:
     wrapper: Any
     page_ids: torch.Tensor
     """The step's pages in the pool (int32, on the device), in the plan's order."""
+    window_page_ids: torch.Tensor | None = None
+    """The same in the sliding-window layers' own pages, where they have them."""
 
     def widen(
-        self, kv: torch.Tensor, page_size: int, dtype: torch.dtype
+        self, kv: torch.Tensor, page_size: int, dtype: torch.dtype, windowed: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V pages `[pages, page_size, kv_heads, head_dim]` of one layer's pool `kv`
-        `[slots, 2, kv_heads, head_dim]`, widened to `dtype`, in the plan's page order."""
+        `[slots, 2, kv_heads, head_dim]` (the sliding-window layers' own where `windowed`),
+        widened to `dtype`, in the plan's page order."""
+        page_ids = self.page_ids
+        if windowed:
+            assert self.window_page_ids is not None
+            page_ids = self.window_page_ids
         pages = kv.view(torch.uint8).unflatten(0, (-1, page_size))  # index_select takes bytes
-        picked = pages.index_select(0, self.page_ids).view(kv.dtype)
+        picked = pages.index_select(0, page_ids).view(kv.dtype)
         wide = picked.to(dtype)
         return wide[:, :, 0], wide[:, :, 1]
 

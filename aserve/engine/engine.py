@@ -367,10 +367,10 @@ class Engine:
                     "--attention-backend fi or torch"
                 )
             windows = self.model_config.layer_windows
-            if windows and (name != "fi" or self.pool.quantized):
+            if windows and name != "fi":
                 raise ConfigError(
                     f"{self.model_config.architecture}'s sliding windows run on "
-                    "--attention-backend fi or torch, with a 16-bit KV cache"
+                    "--attention-backend fi or torch"
                 )
             return FlashInferBackend(
                 self.pool,
