@@ -238,8 +238,11 @@ def test_fp8_cache_with_windows(
 ) -> None:
     """An FP8 cache under sliding windows, the windowed layers in their own short pool:
     FlashInfer's prefill over the FP8 pages, then over each pool's pages widened to bf16
-    (`WidenedPrefill`), and Triton's FP8 decode with the window give the torch backend's
-    logits on the same FP8 pool; CUDA graphs the same greedy tokens as eagerly."""
+    (`WidenedPrefill`), and Triton's FP8 decode with the window give the logits of a roomy
+    pool that drops nothing, and the torch backend's on the same FP8 pool within 0.15 (on
+    the H200 the tiny Gemma 3's FP8 kernels and the torch backend's de-quantized FP8 parted
+    by up to 0.12, a fifth of what FP8 moves its logits from a bf16 cache, 0.15-0.63;
+    gpt-oss's within 0.06); CUDA graphs give the same greedy tokens as eagerly."""
     from aserve.attention import flashinfer as backend
     from tests.test_fp8_gpu import count_widened_steps
 
@@ -249,20 +252,21 @@ def test_fp8_cache_with_windows(
     folder = make_tiny_model(family, tmp_path, overrides=shapes)
     options = small_gpu_engine(max_prefill_length=40, num_pages=64, kv_cache_dtype="fp8_e4m3")
     reference = make_llm(folder, attention_backend="torch", **options)
+    roomy = make_llm(folder, **options)
     short = make_llm(folder, swa_full_tokens_ratio=0.01, **options)
     engine = short.runtime.engine
     assert engine.pool.scaled and engine.window_pages == 5
     prompt, continuation = list(range(3, 100)), [7, 123, 45, 2, 99, 5] * 4
     expected = our_logits(reference, prompt, continuation)
     widened = count_widened_steps(monkeypatch)
-    torch.testing.assert_close(
-        our_logits(short, prompt, continuation), expected, atol=0.06, rtol=0.03
-    )
+    logits = our_logits(short, prompt, continuation)
     assert not widened  # 4 heads over ~100 slots: FlashInfer's FP8 kernel
+    torch.testing.assert_close(logits, our_logits(roomy, prompt, continuation))
+    torch.testing.assert_close(logits, expected, atol=0.15, rtol=0.03)
     engine.attn.widen_max_slots = 1 << 20
     monkeypatch.setattr(backend, "WIDEN_MIN_HEAD_SLOTS", 0)
     torch.testing.assert_close(
-        our_logits(short, prompt, continuation), expected, atol=0.06, rtol=0.03
+        our_logits(short, prompt, continuation), expected, atol=0.15, rtol=0.03
     )
     assert widened
     monkeypatch.undo()
