@@ -60,16 +60,19 @@ def decode_both_ways(llm: LLM) -> tuple[list, list, int]:
     return results[0], results[1], runs
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe", "gemma3", "gpt_oss"])
 def test_stack_gives_the_modules_bits(family: str, tmp_path: Path) -> None:
     """Llama's Q4_0 value projection beside its Q8_0 queries and keys makes Q|K|V two
     products joined; Qwen2 adds their bias, Qwen3 its Q/K norms, Qwen3-MoE its experts,
     Gemma 3 its norms after attention and the MLP, GELU, two ropes and windows of 4 over
-    prompts of up to 19 tokens. The float32 cache keeps a float16 rounding out of what is
-    compared (both ways would share it)."""
+    prompts of up to 19 tokens, gpt-oss its sinks, biases on every projection, the router
+    and the MXFP4 experts, and its clamped SwiGLU. The float32 cache keeps a float16
+    rounding out of what is compared (both ways would share it)."""
     overrides = {"qwen3_moe": MOE_LAYERS, "gemma3": GEMMA3_AS_LLAMA_CPP}.get(family)
     folder = make_tiny_model(family, tmp_path / family, overrides=overrides)
     mixed = {"attn_v": Q4_0} if family == "llama" else None
+    if family == "gpt_oss":
+        mixed = {"_exps": gguf.GGMLQuantizationType.MXFP4}
     model = write_hf_as_gguf(folder, tmp_path / f"{family}.gguf", qtype=Q8_0, qtype_of=mixed)
     with LLM(str(model), kv_cache_dtype="float32", **NO_PREFIX_CACHE) as llm:
         if family == "llama":

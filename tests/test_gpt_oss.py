@@ -107,8 +107,8 @@ def test_float_gguf_matches_transformers(tmp_path: Path) -> None:
 @pytest.mark.skipif(not native_kernels(), reason="the CPU kernels do not build here")
 def test_mxfp4_experts_run_on_the_kernels(tmp_path: Path) -> None:
     """A file of MXFP4 experts (as gpt-oss's are published) and Q8_0 matrices keeps both in
-    their blocks on the kernels, attends from the pool in C++ with its sinks, runs a decode
-    step's experts in one call with their biases and clamped SwiGLU, and generates
+    their blocks on the kernels, decodes its layers in C++ (the decode stack: sinks, biases,
+    experts in one call with their biases and clamped SwiGLU), and generates
     the tokens of the same file de-quantized to float32, logprobs within Q8_0's rounding of
     the activations."""
     folder = make_tiny_model("gpt_oss", tmp_path / "hf", overrides=LLAMA_CPP_CLAMP)
@@ -123,7 +123,7 @@ def test_mxfp4_experts_run_on_the_kernels(tmp_path: Path) -> None:
         native = experts.gate_up.native
         assert native is not None and all(w.levels is not None for w in native)
         assert experts.takes_whole_layer(torch.zeros(1, 64))  # decode: the one-call layer
-        assert engine.attn.native_decode and engine.model.model.decode_stack is None
+        assert engine.attn.native_decode and engine.model.model.decode_stack is not None
         ours = quantized.generate(LONG_PROMPTS, params)
     with LLM(str(path), page_size=4, quantization="none") as float32:
         reference = float32.generate(LONG_PROMPTS, params)

@@ -19,7 +19,7 @@ from aserve.config import PLAIN_EXPERTS, ModelConfig
 from aserve.forward import ForwardBatch
 from aserve.layers.cpu_ops import CpuKernels
 from aserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from aserve.layers.moe import QuantizedExperts, SparseMoE
+from aserve.layers.moe import QuantizedExperts, SparseMoE, bias_rows
 from aserve.models.decoder import DecoderForCausalLM, DecoderLayer, DecoderMLP, DecoderModel
 from aserve.quant.native import KernelTensors, NativeWeight
 
@@ -63,9 +63,9 @@ class DecodeStack:
 def build_decode_stack(model: DecoderModel, config: ModelConfig) -> DecodeStack | None:
     """The stack of `model`'s layers, or None where a layer is not the kernels' whole:
     tensor parallelism, float or padded weights, a fused projection of mixed formats, a
-    float32 model that does not run the CPU kernels, gpt-oss's sinks, biases and experts.
-    Gemma's layers come with their windows (`config.layer_windows`) and their scores'
-    scale."""
+    float32 model that does not run the CPU kernels. Gemma's layers come with their windows
+    (`config.layer_windows`) and their scores' scale, gpt-oss's with their sinks, biases and
+    clamped experts."""
     layers = list(model.layers)
     if not layers or model.tp.size != 1:
         return None
@@ -98,8 +98,6 @@ def _add_layer(
         return stack.add_weight(*weight.kernel_args())
 
     attention, mlp = layer.self_attn, layer.mlp
-    if attention.sinks is not None or attention.o_proj.bias is not None:
-        return False  # gpt-oss: its layers run through the modules
     qkv = _products(attention.qkv_proj)
     o = _products(attention.o_proj)
     if qkv is None or o is None or len(o) != 1:
@@ -113,17 +111,16 @@ def _add_layer(
             return False
         up_id, down_id = add(gate_up[0]), add(down[0])
         router, top_k, renormalize = None, 0, False
-    elif (
-        isinstance(mlp, SparseMoE)
-        and isinstance(mlp.experts, QuantizedExperts)
-        and mlp.style == PLAIN_EXPERTS
-    ):
+        router_bias, expert_biases, style = None, (None, None), PLAIN_EXPERTS
+    elif isinstance(mlp, SparseMoE) and isinstance(mlp.experts, QuantizedExperts):
         stacks = mlp.experts.cpu_stacks
         if stacks is None:
             return False
         up_id, down_id = add(stacks[0]), add(stacks[1])
         inter = mlp.experts.gate_up.weights[0].shard_rows[0]
         router, top_k, renormalize = mlp.gate.weight, mlp.top_k, mlp.renormalize
+        router_bias, expert_biases = mlp.gate.bias, bias_rows(mlp.experts.biases)
+        style = mlp.style
     else:
         return False
     sandwich = layer.sandwich  # Gemma: the norm before the MLP is another, with two after
@@ -146,6 +143,12 @@ def _add_layer(
         attention.rotary.cos_sin,
         window,
         isinstance(mlp, DecoderMLP) and mlp.gelu,
+        attention.sinks,
+        attention.o_proj.bias,
+        router_bias,
+        *expert_biases,
+        style.swiglu_alpha,
+        style.swiglu_limit or 0.0,
     )
     return True
 

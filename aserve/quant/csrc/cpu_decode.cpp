@@ -36,6 +36,9 @@ struct Weight {
 // down) or a MoE layer (its router and its experts' gate|up and down stacks). `post_norm` is
 // the norm before the MLP; Gemma's layers also normalise attention's output
 // (`attention_out_norm`) and the MLP's (`mlp_out_norm`), gate with GELU, and read a window.
+// gpt-oss's add each head's sink to attention's softmax, a bias to the output projection, the
+// router and the experts (`expert_biases`: gate|up rows, down rows), and gate the experts by
+// a clamped SwiGLU (`swiglu`: alpha, limit; a limit of 0 is SiLU-and-mul).
 struct Layer {
   Tensor input_norm, post_norm;
   std::vector<int64_t> qkv;  // weights whose outputs are joined into Q|K|V
@@ -49,6 +52,8 @@ struct Layer {
   Tensor cos_sin;  // the layer's rotary table
   int64_t window;  // 0: the whole context
   bool gelu;
+  MaybeTensor sinks, o_bias, router_bias, up_bias, down_bias;
+  double swiglu_alpha, swiglu_limit;
 };
 
 template <typename Signature>
@@ -77,7 +82,9 @@ class DecodeStack : public torch::CustomClassHolder {
                  MaybeTensor qkv_bias, MaybeTensor q_norm, MaybeTensor k_norm, int64_t o,
                  int64_t gate_up, int64_t down, int64_t inter, MaybeTensor router, int64_t top_k,
                  bool renormalize, MaybeTensor attention_out_norm, MaybeTensor mlp_out_norm,
-                 Tensor cos_sin, int64_t window, bool gelu) {
+                 Tensor cos_sin, int64_t window, bool gelu, MaybeTensor sinks,
+                 MaybeTensor o_bias, MaybeTensor router_bias, MaybeTensor up_bias,
+                 MaybeTensor down_bias, double swiglu_alpha, double swiglu_limit) {
     const int64_t count = static_cast<int64_t>(weights_.size());
     for (int64_t w : qkv) TORCH_CHECK(w >= 0 && w < count, "no weight ", w);
     TORCH_CHECK(!qkv.empty() && o >= 0 && o < count && gate_up >= 0 && gate_up < count &&
@@ -87,7 +94,9 @@ class DecodeStack : public torch::CustomClassHolder {
                        std::move(qkv_bias), std::move(q_norm), std::move(k_norm), o, gate_up,
                        down, inter, std::move(router), top_k, renormalize,
                        std::move(attention_out_norm), std::move(mlp_out_norm),
-                       std::move(cos_sin), window, gelu});
+                       std::move(cos_sin), window, gelu, std::move(sinks), std::move(o_bias),
+                       std::move(router_bias), std::move(up_bias), std::move(down_bias),
+                       swiglu_alpha, swiglu_limit});
   }
 
   // Every layer over the step's tokens `hidden` (their embeddings); returns the last layer's
@@ -124,8 +133,8 @@ class DecodeStack : public torch::CustomClassHolder {
       const Tensor attended =
           attention.call(q.view({tokens, -1, head_dim_}), caches[i],
                          windowed ? window_table : table, rows, seq_lens, scale_, layer.window,
-                         std::nullopt);
-      hidden = project(attended.view({tokens, -1}), {layer.o}, std::nullopt);
+                         layer.sinks);
+      hidden = project(attended.view({tokens, -1}), {layer.o}, layer.o_bias);
       if (layer.attention_out_norm.has_value())
         hidden = rmsnorm.call(hidden, *layer.attention_out_norm, eps_);
       add_rmsnorm.call(hidden, residual, layer.post_norm, eps_);
@@ -180,8 +189,8 @@ class DecodeStack : public torch::CustomClassHolder {
     return moe.call(x.contiguous(), *layer.router, layer.top_k, layer.renormalize, up.words,
                     up.scales, up.offsets, up.bases, up.group, up.code_bits, up.levels,
                     down.words, down.scales, down.offsets, down.bases, down.group,
-                    down.code_bits, down.levels, layer.inter, std::nullopt, std::nullopt,
-                    std::nullopt, 1.0, 0.0);
+                    down.code_bits, down.levels, layer.inter, layer.router_bias,
+                    layer.up_bias, layer.down_bias, layer.swiglu_alpha, layer.swiglu_limit);
   }
 
   int64_t q_size_, kv_size_, head_dim_;
