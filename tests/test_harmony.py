@@ -94,6 +94,47 @@ def test_harmony_templates_are_told_apart() -> None:
     assert not is_harmony(None)
 
 
+def test_the_forcing_tag_takes_analysis_then_one_call_of_a_listed_function() -> None:
+    """harmony.forcing_tag compiled over a vocabulary of single characters (a stop token
+    after them): analysis messages then a call of a listed function ends the reply; a reply
+    of analysis alone cannot end, nor one that calls another function than the named one,
+    nor arguments outside the schema; the header written the other way round is a call."""
+    import xgrammar
+
+    from aserve.server.harmony import forcing_tag
+
+    tools = [WEATHER_TOOL, STRICT_TOOL]
+    stop = 95
+    info = xgrammar.TokenizerInfo(
+        [chr(c) for c in range(32, 127)] + ["</s>"], stop_token_ids=[stop]
+    )
+    compiler = xgrammar.GrammarCompiler(info)
+
+    def ends(choice: Any, reply: str) -> bool:
+        matcher = xgrammar.GrammarMatcher(
+            compiler.compile_structural_tag(forcing_tag(tools, choice))
+        )
+        return matcher.accept_string(reply) and matcher.accept_token(stop)
+
+    think = "<|channel|>analysis<|message|>hm<|end|><|start|>assistant"
+    call_f = '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"n": 3}'
+    named_f = {"type": "function", "function": {"name": "f"}}
+    assert ends("required", think + call_f)
+    assert ends("required", call_f) and ends(named_f, call_f)
+    assert ends(
+        "required",
+        " to=functions.get_weather<|channel|>commentary <|constrain|>json"
+        '<|message|>{"city": "Paris"}',
+    )
+    assert not ends("required", "<|channel|>analysis<|message|>hm<|end|>")
+    assert not ends(
+        named_f,
+        "<|channel|>commentary to=functions.get_weather <|constrain|>json"
+        '<|message|>{"city": "Paris"}',
+    )
+    assert not ends("required", call_f.replace("3", '"three"'))
+
+
 # ---- over HTTP: the embedded model under a harmony template, its replies steered by a
 # regular expression into harmony's shapes (its vocabulary spells the markers in pieces) ---
 
@@ -113,6 +154,18 @@ CALL_PATTERN = re.escape(
     "<|channel|>analysis<|message|>weather<|end|><|start|>assistant<|channel|>commentary "
     'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>'
 )
+STRICT_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "f",
+        "parameters": {
+            "type": "object",
+            "properties": {"n": {"type": "integer"}},
+            "required": ["n"],
+            "additionalProperties": False,
+        },
+    },
+}
 WEATHER_TOOL = {
     "type": "function",
     "function": {
@@ -159,5 +212,35 @@ def test_a_commentary_to_a_function_is_a_tool_call(server: ServerProcess) -> Non
     assert choice["message"]["reasoning_content"] == "weather"
     (made,) = choice["message"]["tool_calls"]
     assert made["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
-    status, reply = run(post(url, chat_body(tools=[WEATHER_TOOL], tool_choice="required")))
-    assert status == 400 and reply["error"]["param"] == "tool_choice", reply
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}])
+def test_a_forced_call_follows_the_schema(server: ServerProcess, choice: Any) -> None:
+    """tool_choice "required" or a named function: the grammar (harmony.forcing_tag) lets
+    the model write analysis messages, then makes it call one of the tools, its arguments
+    in the tool's schema; whole and streamed alike."""
+    url = server.base_url + "/v1/chat/completions"
+    tools = [WEATHER_TOOL, STRICT_TOOL]
+    body = chat_body(tools=tools, tool_choice=choice, max_tokens=200)
+    status, reply = run(post(url, body))
+    assert status == 200, reply
+    choice_out = reply["choices"][0]
+    assert choice_out["finish_reason"] == "tool_calls"
+    (made,) = choice_out["message"]["tool_calls"]
+    names = ["get_weather", "f"] if choice == "required" else ["f"]
+    assert made["function"]["name"] in names
+    arguments = json.loads(made["function"]["arguments"])
+    if made["function"]["name"] == "f":
+        assert set(arguments) == {"n"} and isinstance(arguments["n"], int)
+    chunks, _ = run(stream(url, body))
+    streamed = [
+        call
+        for c in chunks
+        if c["choices"]
+        for call in c["choices"][0]["delta"].get("tool_calls") or []
+    ]
+    assert streamed[0]["function"]["name"] == made["function"]["name"]
+    assert (
+        "".join(c["function"].get("arguments", "") for c in streamed)
+        == made["function"]["arguments"]
+    )

@@ -21,6 +21,7 @@ from aserve.runtime import Runtime
 from aserve.sampling_params import MAX_SEED, SamplingError
 from aserve.server import openai
 from aserve.server.generation import Choice, Delta
+from aserve.server.harmony import forcing_tag as harmony_forcing_tag
 from aserve.server.harmony import is_harmony
 from aserve.server.http import json_response, sse
 from aserve.server.limits import InputLimits
@@ -73,7 +74,7 @@ class Completions:
             except TemplateError as error:  # the template's own raise_exception, say
                 raise APIError(f"the chat template failed: {error}", param="messages") from None
             if is_harmony(tokenizer.hf.chat_template):
-                parsed = self._with_harmony(parsed)
+                parsed = await self._with_harmony(tokenizer, parsed)
             else:
                 if parsed.tools:
                     parsed = await self._with_tools(tokenizer, parsed)
@@ -82,17 +83,18 @@ class Completions:
             return await self._generate(request, runtime, parsed, [prompt])
 
     @staticmethod
-    def _with_harmony(parsed: GenerationRequest) -> GenerationRequest:
+    async def _with_harmony(tokenizer: Tokenizer, parsed: GenerationRequest) -> GenerationRequest:
         """gpt-oss replies in harmony: decoded with its markers (special tokens), split into
         reasoning, content and tool calls by their channels, with or without a reasoning
-        parser. A grammar cannot force its calls here: tool_choice takes auto or none."""
-        if parsed.tools and parsed.tool_choice != "auto":
-            raise APIError(
-                "tool_choice takes 'auto' or 'none' for this model (harmony replies): its "
-                "calls are not forced by a grammar",
-                param="tool_choice",
-            )
-        return dataclasses.replace(parsed, harmony=True, skip_special_tokens=False)
+        parser; tool_choice "required" or a named function is a grammar that lets the model
+        think, then makes it call (harmony.forcing_tag)."""
+        parsed = dataclasses.replace(parsed, harmony=True, skip_special_tokens=False)
+        if not parsed.tools or parsed.tool_choice == "auto":
+            return parsed
+        tag = await tokenizer.run_in_pool(harmony_forcing_tag, parsed.tools, parsed.tool_choice)
+        return dataclasses.replace(
+            parsed, params=dataclasses.replace(parsed.params, structural_tag=tag)
+        )
 
     @staticmethod
     async def _with_tools(tokenizer: Tokenizer, parsed: GenerationRequest) -> GenerationRequest:

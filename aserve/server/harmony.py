@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 from aserve.server.reasoning import Split
 from aserve.server.tools import ParsedCall
@@ -121,14 +122,65 @@ class HarmonyStream:
 
     def _close(self) -> None:
         if self._kind == "call":
-            arguments = self._arguments.strip()
             try:
-                json.loads(arguments)
+                arguments = json.loads(self._arguments)
             except ValueError:
                 pass  # cut short, or not JSON: not a call to make
-            else:
-                self.calls.append(ParsedCall(self._name, arguments))
+            else:  # as OpenAI sends arguments, whatever spacing the model wrote
+                self.calls.append(ParsedCall(self._name, json.dumps(arguments, ensure_ascii=False)))
         self._kind = None
+
+
+def forcing_tag(tools: list[dict[str, Any]], tool_choice: Any) -> str:
+    """The structural tag (JSON text) that makes a harmony reply a call of one of `tools`
+    (of the named function where `tool_choice` names one), after as many analysis messages
+    as the model writes, none included. The call ends with no marker: its `<|call|>` is a
+    stop token, which the grammar allows once the arguments' JSON is whole (a stop token
+    never matches text in a grammar). One call a reply: the model stops at its first. Its
+    header takes the spellings xgrammar's harmony tag lists and the one OpenAI's renderer
+    writes (a space before `<|constrain|>`); xgrammar's own tag for "required" also takes a
+    reply of analysis alone."""
+    from xgrammar.structural_tag import (
+        AnyTextFormat,
+        ConstStringFormat,
+        JSONSchemaFormat,
+        OrFormat,
+        SequenceFormat,
+        StructuralTag,
+        TagFormat,
+        TagsWithSeparatorFormat,
+    )
+
+    named = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    calls = []
+    for tool in tools:
+        function = tool.get("function", {})
+        name = function.get("name")
+        if not name or (named is not None and name != named):
+            continue
+        arguments = JSONSchemaFormat(json_schema=function.get("parameters") or {"type": "object"})
+        to = f"to={FUNCTIONS}{name}"
+        for header in (
+            f"<|channel|>commentary {to} <|constrain|>json<|message|>",
+            f"<|channel|>commentary {to}<|constrain|>json<|message|>",
+            f" {to}<|channel|>commentary <|constrain|>json<|message|>",
+            f" {to}<|channel|>commentary json<|message|>",
+        ):
+            calls.append(TagFormat(begin=header, content=arguments, end=""))
+    if not calls:
+        raise ValueError(f"tool_choice names no function of the tools: {named!r}")
+    call = TagsWithSeparatorFormat(
+        tags=calls, separator="", at_least_one=True, stop_after_first=True
+    )
+    analysis = TagFormat(
+        begin="<|channel|>analysis<|message|>", content=AnyTextFormat(), end="<|end|>"
+    )
+    thinking = TagsWithSeparatorFormat(
+        tags=[analysis], separator="<|start|>assistant", at_least_one=True
+    )
+    start = ConstStringFormat(value="<|start|>assistant")
+    then_call = SequenceFormat(elements=[thinking, start, call])
+    return StructuralTag(format=OrFormat(elements=[call, then_call])).model_dump_json()
 
 
 def split_harmony(text: str) -> tuple[str | None, str, list[ParsedCall]]:
