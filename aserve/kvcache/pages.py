@@ -5,9 +5,10 @@ padded batch rows (CUDA-graph padding) write their K/V there. The page table map
 (request slot, position) to a KV slot index, `page * page_size + position % page_size`.
 
 A model with sliding-window layers (Gemma 3, gpt-oss) keeps those layers' K/V in pages of
-their own (`SlidingWindow`): a request drops the ones its window has passed, so a long
-context holds its windowed layers' KV for the window alone. The page table then maps each
-position twice, to the whole-context layers' slot and to the windowed layers' one.
+their own (`SlidingWindow`): when they run short, a request drops the ones its window has
+passed, so a long context holds its windowed layers' KV for the window alone. The page
+table then maps each position twice, to the whole-context layers' slot and to the windowed
+layers' one.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class PageAllocator:
 class SlidingWindow(NamedTuple):
     """The windowed layers' pages: their allocator and the window (positions a query reads,
     itself included). A query at position q reads keys from q - size + 1 on, so a request's
-    page whose last position is before that for its next query is dropped."""
+    page whose last position is before that for its next query may be dropped."""
 
     allocator: PageAllocator
     size: int

@@ -70,6 +70,7 @@ class Planner:
         self.running: list[Req] = []
         self.num_retractions = 0
         self.window_pages_dropped = 0
+        self._dropped_this_step = False
         self.prompt_tokens_admitted = 0
         self.prompt_tokens_cached = 0
 
@@ -77,6 +78,7 @@ class Planner:
         self.waiting.append(req)
 
     def schedule(self) -> ScheduledBatch | None:
+        self._dropped_this_step = False
         batch = self._plan_prefill() or self._plan_decode()
         while batch is None and len(self.running) > 1 and self._starved():
             self.retract(self.running[-1])
@@ -93,7 +95,10 @@ class Planner:
         short = num_pages - self.allocator.free_pages
         window_allocator = self.window.allocator if self.window else None
         short_window = num_pages - window_allocator.free_pages if window_allocator else 0
-        if short_window > 0:
+        if short_window > 0 and not self._dropped_this_step:
+            # Once a step: no request's next position moves while a step is planned, so a
+            # second pass would free nothing (and cost a pass over hundreds of requests).
+            self._dropped_this_step = True
             for req in self.running:
                 self._drop_behind_window(req)
             assert window_allocator is not None
