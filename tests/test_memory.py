@@ -249,3 +249,28 @@ def test_cpu_and_fixed_pages_are_left_alone(monkeypatch: pytest.MonkeyPatch) -> 
         )
         == config
     )
+
+
+def test_sliding_window_layers_count_their_share_and_their_pool_its_least() -> None:
+    """Six layers, five with a window of 64 (Gemma 3's pattern): a token of the pool counts
+    the whole-context layer and 0.5 of each windowed one; the windowed pool gets half the
+    other's pages, or what one request needs at once (its window and a prefill chunk) where
+    that is more, its extra bytes then taken from the other pool when memory sized it."""
+    import dataclasses
+
+    from aserve.engine.memory import plan_window_pages, sliding_window_pool
+
+    gemma = dataclasses.replace(model(), num_layers=6, layer_windows=(64,) * 5 + (0,))
+    per_layer = kv_bytes_per_token(model(), TPGroup(), torch.bfloat16) // 2
+    share = kv_bytes_per_token(gemma, TPGroup(), torch.bfloat16, 0.5)
+    assert share == per_layer * (1 + 0.5 * 5)
+    assert kv_bytes_per_token(gemma, TPGroup(), torch.bfloat16) == per_layer * 6
+    assert sliding_window_pool(gemma, 4096) == 64 and sliding_window_pool(gemma, 64) == 0
+    config = EngineConfig(swa_full_tokens_ratio=0.5, max_prefill_length=256, page_size=16)
+    assert plan_window_pages(1001, gemma, config, 64, 4096) == (1001, 501)
+    # one request: 64 + 256 + 16 positions, 21 pages, and the dummy one; the ratio gives 21,
+    # so 5 layers' page comes out of the one whole-context layer's pool
+    assert plan_window_pages(41, gemma, config, 64, 4096) == (36, 22)
+    asked = dataclasses.replace(config, num_pages=41)  # --num-pages: as asked
+    assert plan_window_pages(41, gemma, asked, 64, 4096) == (41, 22)
+    assert plan_window_pages(41, gemma, config, 64, 100) == (41, 21)  # the context is less

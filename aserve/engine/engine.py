@@ -242,12 +242,8 @@ class Engine:
         self.kv_window = sliding_window_pool(model_config, self.max_seq_len)
         self.window_pages = 0
         if self.kv_window:
-            self.window_pages = plan_window_pages(
-                self.num_pages,
-                config.swa_full_tokens_ratio,
-                self.kv_window,
-                self.max_seq_len,
-                config,
+            self.num_pages, self.window_pages = plan_window_pages(
+                self.num_pages, model_config, config, self.kv_window, self.max_seq_len
             )
         pool_tokens = (self.num_pages - 1) * config.page_size
         if pool_tokens < self.max_seq_len:

@@ -61,14 +61,23 @@ def kv_bytes_per_token(
 
 
 def plan_window_pages(
-    num_pages: int, ratio: float, window: int, max_seq_len: int, config: EngineConfig
-) -> int:
-    """Pages of the sliding-window layers' pool (dummy page included): `ratio` of the
-    others' (SGLang's `--swa-full-tokens-ratio`), and at least what one request needs at
-    once, its window and a whole prefill chunk, so that one always fits."""
+    num_pages: int, model: ModelConfig, config: EngineConfig, window: int, max_seq_len: int
+) -> tuple[int, int]:
+    """Pages of the other layers' pool and of the sliding-window layers' (dummy pages
+    included): the latter `--swa-full-tokens-ratio` of the former (SGLang's option), and at
+    least what one request needs at once, its window and a whole prefill chunk, so that one
+    always fits. Where that least is more than the ratio gives, a pool sized from memory
+    gives the other layers' pool up as many bytes."""
     one_request = min(max_seq_len + 1, window + config.max_prefill_length + config.page_size)
     least = -(-one_request // config.page_size) + 1
-    return min(num_pages, max(least, int(ratio * (num_pages - 1)) + 1))
+    planned = int(config.swa_full_tokens_ratio * (num_pages - 1)) + 1
+    window_pages = min(num_pages, max(least, planned))
+    if config.num_pages is None and window_pages > planned:
+        windowed = sum(1 for layer_window in model.layer_windows if layer_window)
+        whole = max(1, model.num_layers - windowed)
+        excess = (window_pages - planned) * windowed
+        num_pages = max(2, num_pages + (-excess // whole))
+    return num_pages, window_pages
 
 
 def window_share(config: EngineConfig, model: ModelConfig, max_seq_len: int) -> float:
