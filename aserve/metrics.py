@@ -53,9 +53,11 @@ class SchedulerSnapshot(NamedTuple):
     """The scheduler after a step, as metrics and stats lines read it.
 
     `used_kv_tokens` counts KV tokens held by requests; evictable cached prefixes count as
-    free, as in SGLang's token usage and vLLM's KV cache usage. The `*_total` fields are the
-    planner's monotonic counters passed as read (`prompt_tokens_admitted`,
-    `prompt_tokens_cached`, `num_retractions`), so the scheduler keeps no reporting state.
+    free, as in SGLang's token usage and vLLM's KV cache usage. The `*_window_tokens`
+    fields count the sliding-window layers' own pool alike (0 where there is none). The
+    `*_total` fields are the planner's monotonic counters passed as read
+    (`prompt_tokens_admitted`, `prompt_tokens_cached`, `num_retractions`), so the scheduler
+    keeps no reporting state.
     """
 
     running: int
@@ -65,10 +67,20 @@ class SchedulerSnapshot(NamedTuple):
     prompt_tokens_admitted_total: int
     prompt_tokens_cached_total: int
     retractions_total: int
+    used_window_tokens: int = 0
+    total_window_tokens: int = 0
 
     @property
     def kv_usage(self) -> float:
         return self.used_kv_tokens / self.total_kv_tokens if self.total_kv_tokens else 0.0
+
+    def usage_text(self) -> str:
+        """`token usage: U` for the stats lines, and the sliding-window pool's as SGLang
+        writes it where there is one."""
+        text = f"token usage: {self.kv_usage:.2f}"
+        if self.total_window_tokens:
+            text += f", swa token usage: {self.used_window_tokens / self.total_window_tokens:.2f}"
+        return text
 
 
 class TokenSeries:
@@ -298,11 +310,11 @@ class StatsLogger:
         if kind == "prefill":
             logger.info(
                 "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, "
-                "token usage: %.2f, #running-req: %d, #queue-req: %d",
+                "%s, #running-req: %d, #queue-req: %d",
                 new_seqs,
                 num_tokens,
                 cached_tokens,
-                snapshot.kv_usage,
+                snapshot.usage_text(),
                 snapshot.running,
                 snapshot.waiting,
             )
@@ -311,11 +323,11 @@ class StatsLogger:
         if now - self._window_start < self.interval_s:
             return
         logger.info(
-            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, cuda graph: %s, "
+            "Decode batch. #running-req: %d, #token: %d, %s, cuda graph: %s, "
             "gen throughput (token/s): %.2f, #queue-req: %d",
             snapshot.running,
             snapshot.used_kv_tokens,
-            snapshot.kv_usage,
+            snapshot.usage_text(),
             cuda_graph,
             self._tokens / self._busy_s if self._busy_s > 0 else 0.0,
             snapshot.waiting,

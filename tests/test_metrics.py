@@ -172,6 +172,19 @@ def test_every_prefill_batch_logs_an_sglang_line(caplog: pytest.LogCaptureFixtur
     ]
 
 
+def test_a_sliding_window_pool_adds_its_usage_as_sglang_writes_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="aserve.stats")
+    stats = StatsLogger(clock=FakeClock())
+    windowed = SNAPSHOT._replace(used_window_tokens=50, total_window_tokens=800)
+    stats.on_step("prefill", windowed, 0.1, 120, new_seqs=2, cached_tokens=64)
+    assert stats_lines(caplog) == [
+        "Prefill batch. #new-seq: 2, #new-token: 120, #cached-token: 64, token usage: 0.30, "
+        "swa token usage: 0.06, #running-req: 4, #queue-req: 2",
+    ]
+
+
 def test_decode_line_comes_once_per_interval_with_throughput_over_busy_time(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -15,6 +15,7 @@ from aserve.kvcache.pages import PageAllocator, PageTable, SlidingWindow
 from aserve.kvcache.radix import RadixCache
 from aserve.scheduler.plan import Planner
 from aserve.scheduler.request import Req
+from aserve.server.state import scheduler_snapshot
 from tests.test_gemma import LONG_PROMPTS
 from tests.test_models import hf_model
 from tests.tiny_models import hf_greedy_tokens, make_tiny_model
@@ -64,6 +65,36 @@ def test_a_match_with_no_whole_window_is_empty_and_pages_count() -> None:
     cache.insert(tokens, pages, [0, 0, 0, held[0]])
     assert cache.match(tokens + [9]).length == 0  # page 2 (positions 4-5) is not held
     assert cache.match(tokens).length == 0
+
+
+def held_in_unlocked_nodes(cache: RadixCache) -> int:
+    """The evictable window pages counted the slow way."""
+    return sum(
+        sum(1 for page in node.window_pages if page)
+        for node in cache._nodes()
+        if node.lock_ref == 0
+    )
+
+
+def test_evictable_window_pages_follow_locks_splits_hand_overs_and_evictions() -> None:
+    cache, allocator, sliding = window_cache(window=2)
+    tokens = [5, 6, 7, 8, 9]
+    pages, held = allocator.alloc(5), sliding.allocator.alloc(2)
+    assert pages is not None and held is not None
+    cache.insert(tokens, pages, [0, 0, 0, *held])
+    assert cache.evictable_window_pages == held_in_unlocked_nodes(cache) == 2
+    match = cache.match(tokens[:4] + [1])  # splits the node after 4 pages, and locks it
+    cache.lock(match.handle)
+    assert cache.evictable_window_pages == held_in_unlocked_nodes(cache) == 1
+    offered = sliding.allocator.alloc(3)
+    assert offered is not None
+    cache.insert(tokens[:3], allocator.alloc(3) or [], offered)  # hands over into a lock
+    assert cache.evictable_window_pages == held_in_unlocked_nodes(cache) == 1
+    cache.unlock(match.handle)
+    assert cache.evictable_window_pages == held_in_unlocked_nodes(cache) == 5
+    cache.evict(5, 5)
+    assert cache.evictable_window_pages == 0 and cache.cached_pages == 0
+    assert sliding.allocator.free_pages == sliding.allocator.usable_pages
 
 
 def test_insert_hands_over_window_pages_the_tree_lacks_and_frees_the_rest() -> None:
@@ -164,6 +195,12 @@ def test_a_short_window_pool_generates_as_transformers(tmp_path: Path, family: s
         assert [o.token_ids for o in outputs] == expected
         assert llm.scheduler.planner.window_pages_dropped > 0
         llm.scheduler.check_integrity()
+        # what the stats lines print: with nothing running, every page held is evictable
+        usage = scheduler_snapshot(llm.scheduler)
+        assert usage.total_window_tokens == 7 * 4 and usage.total_kv_tokens == 63 * 4
+        assert usage.used_window_tokens == usage.used_kv_tokens == 0
+        cache = llm.scheduler.cache
+        assert cache.evictable_window_pages == len(list(cache.owned_window_pages())) > 0
         # a conversation run alone (no pool pressure: its last window is kept), next turn
         first = llm.generate([LONG_PROMPTS[0]], greedy)[0].token_ids
         assert first == expected[0]

@@ -49,6 +49,9 @@ class PrefixCache(Protocol):
     @property
     def cached_pages(self) -> int: ...
 
+    @property
+    def evictable_window_pages(self) -> int: ...
+
     def owned_pages(self) -> Iterator[int]:
         """Every page the cache holds; for the integrity check."""
         ...

@@ -38,6 +38,10 @@ class NaiveCache:
     def cached_pages(self) -> int:
         return 0
 
+    @property
+    def evictable_window_pages(self) -> int:
+        return 0
+
     def owned_pages(self) -> Iterator[int]:
         return iter(())
 

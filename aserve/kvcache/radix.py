@@ -50,6 +50,7 @@ class RadixCache:
         self._clock = itertools.count(1)
         self._evictable_pages = 0
         self._cached_pages = 0
+        self._evictable_window_pages = 0
 
     @property
     def evictable_pages(self) -> int:
@@ -58,6 +59,15 @@ class RadixCache:
     @property
     def cached_pages(self) -> int:
         return self._cached_pages
+
+    @property
+    def evictable_window_pages(self) -> int:
+        return self._evictable_window_pages
+
+    @staticmethod
+    def _held(node: RadixNode) -> int:
+        """The node's window pages (those its requests had not dropped)."""
+        return sum(1 for page in node.window_pages if page)
 
     def _first_page(self, token_ids: tuple[int, ...] | list[int], start: int) -> tuple[int, ...]:
         return tuple(token_ids[start : start + self._page_size])
@@ -150,6 +160,7 @@ class RadixCache:
         while node is not None and node is not self._root:
             if node.lock_ref == 0:
                 self._evictable_pages -= len(node.pages)
+                self._evictable_window_pages -= self._held(node)
             node.lock_ref += 1
             node = node.parent
 
@@ -159,6 +170,7 @@ class RadixCache:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self._evictable_pages += len(node.pages)
+                self._evictable_window_pages += self._held(node)
             node = node.parent
 
     def insert(self, token_ids: list[int], pages: list[int], window_pages: list[int]) -> None:
@@ -180,6 +192,7 @@ class RadixCache:
                 node.children[leaf.key[:size]] = leaf
                 self._cached_pages += len(new_pages)
                 self._evictable_pages += len(new_pages)
+                self._evictable_window_pages += self._held(leaf)
                 return
             common = self._common_pages(child.key, token_ids, matched)
             if common * size < len(child.key):
@@ -199,6 +212,7 @@ class RadixCache:
         for i, (page, held) in enumerate(zip(offered, node.window_pages)):
             if page and not held:
                 node.window_pages[i] = page
+                self._evictable_window_pages += node.lock_ref == 0
             elif page and page != held:
                 duplicates.append(page)
         self._window.allocator.free(duplicates)
@@ -217,6 +231,7 @@ class RadixCache:
                 held = [p for p in leaf.window_pages if p]
                 self._window.allocator.free(held)
                 freed_window += len(held)
+                self._evictable_window_pages -= len(held)
             freed += len(leaf.pages)
             self._cached_pages -= len(leaf.pages)
             self._evictable_pages -= len(leaf.pages)

@@ -10,6 +10,7 @@ from aserve.config import ServerConfig
 from aserve.metrics import Metrics, SchedulerSnapshot
 from aserve.runtime import Runtime
 from aserve.scheduler.request import StreamPace
+from aserve.scheduler.scheduler import Scheduler
 from aserve.server.admission import Admission
 from aserve.server.limits import InputLimits
 from aserve.server.native import RunningRids
@@ -62,19 +63,7 @@ class ServerState:
     def snapshot(self) -> SchedulerSnapshot:
         """The scheduler as metrics, stats lines and /get_load read it (once loaded)."""
         assert self.runtime is not None
-        scheduler = self.runtime.scheduler
-        allocator, planner = scheduler.allocator, scheduler.planner
-        page_size = allocator.page_size
-        free = allocator.free_pages + scheduler.cache.evictable_pages
-        return SchedulerSnapshot(
-            running=len(planner.running),
-            waiting=len(planner.waiting),
-            used_kv_tokens=(allocator.usable_pages - free) * page_size,
-            total_kv_tokens=allocator.usable_pages * page_size,
-            prompt_tokens_admitted_total=planner.prompt_tokens_admitted,
-            prompt_tokens_cached_total=planner.prompt_tokens_cached,
-            retractions_total=planner.num_retractions,
-        )
+        return scheduler_snapshot(self.runtime.scheduler)
 
     def check_model(self, name: str) -> None:
         """A request may leave the model out; SGLang's router, which sends every request
@@ -92,3 +81,27 @@ def require_tokenizer(runtime: Runtime) -> Tokenizer:
     if runtime.tokenizer is None:
         raise APIError("this model has no tokenizer: send token ids to /v1/completions")
     return runtime.tokenizer
+
+
+def scheduler_snapshot(scheduler: Scheduler) -> SchedulerSnapshot:
+    """The scheduler's requests and KV pools as metrics and stats lines count them."""
+    allocator, planner = scheduler.allocator, scheduler.planner
+    page_size = allocator.page_size
+    free = allocator.free_pages + scheduler.cache.evictable_pages
+    used_window = total_window = 0
+    if scheduler.window is not None:
+        windowed = scheduler.window.allocator
+        window_free = windowed.free_pages + scheduler.cache.evictable_window_pages
+        used_window = (windowed.usable_pages - window_free) * page_size
+        total_window = windowed.usable_pages * page_size
+    return SchedulerSnapshot(
+        running=len(planner.running),
+        waiting=len(planner.waiting),
+        used_kv_tokens=(allocator.usable_pages - free) * page_size,
+        total_kv_tokens=allocator.usable_pages * page_size,
+        prompt_tokens_admitted_total=planner.prompt_tokens_admitted,
+        prompt_tokens_cached_total=planner.prompt_tokens_cached,
+        retractions_total=planner.num_retractions,
+        used_window_tokens=used_window,
+        total_window_tokens=total_window,
+    )
