@@ -25,6 +25,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma3ForCausalLM": "gemma3",
     "GptOssForCausalLM": "gpt_oss",
+    "SmolLM3ForCausalLM": "smollm3",
 }
 MOE_BACKENDS = ("auto", "torch", "fused")
 GELU_TANH = "gelu_pytorch_tanh"
@@ -174,6 +175,17 @@ def _gpt_oss_settings(config: dict[str, Any], num_layers: int) -> dict[str, Any]
     }
 
 
+def _rope_free_layers(config: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+    """SmolLM3's layers without rotary positions: `no_rope_layers` flags each layer (1: it
+    rotates), or, where a config leaves them out (llama.cpp's files), every
+    `no_rope_layer_interval`-th layer (4)."""
+    flags = config.get("no_rope_layers")
+    if flags:
+        return tuple(layer for layer, rotates in enumerate(flags) if not rotates)
+    interval = int(config.get("no_rope_layer_interval") or 4)
+    return tuple(layer for layer in range(num_layers) if (layer + 1) % interval == 0)
+
+
 def _moe_settings(config: dict[str, Any]) -> dict[str, Any]:
     """Transformers 5 writes `num_local_experts` where Qwen's own configs say `num_experts`;
     the defaults are Qwen3MoeConfig's."""
@@ -271,10 +283,12 @@ class ModelConfig:
     windowed layers rotate with `local_rope_theta` unscaled. `gemma_norms`: the layer also
     normalises attention's and the MLP's outputs, and every norm weighs by 1 + w.
     `norms_in_float32`: norms weigh the float32 row before rounding (gpt-oss; Gemma's too).
-    `o_bias`: the output projection has a bias (`attention_bias`, except Qwen2's, which
-    biases Q, K and V only). `attention_sinks`: each head's softmax also sums a learned
-    logit of its own that weighs no value (gpt-oss). The MoE fields keep their defaults (no
-    experts) for dense models; `expert_style` says how gpt-oss's experts differ.
+    `rope_free_layers`: layers whose queries and keys take no rotary position (SmolLM3's
+    every fourth). `o_bias`: the output projection has a bias (`attention_bias`, except
+    Qwen2's, which biases Q, K and V only). `attention_sinks`: each head's softmax also sums
+    a learned logit of its own that weighs no value (gpt-oss). The MoE fields keep their
+    defaults (no experts) for dense models; `expert_style` says how gpt-oss's experts
+    differ.
     `quantization` is the checkpoint's format: its `quantization_config.quant_method`, "fp8"
     for every FP8 layout (`_quantization_settings`), "gguf" for a quantized GGUF file (and
     for gpt-oss's MXFP4 checkpoints, whose experts are read as GGUF's MXFP4 blocks), or None,
@@ -322,6 +336,7 @@ class ModelConfig:
     o_bias: bool = False
     attention_sinks: bool = False
     expert_style: ExpertStyle = PLAIN_EXPERTS
+    rope_free_layers: tuple[int, ...] = ()
 
     def layer_window(self, layer: int) -> int:
         """Layer `layer`'s sliding window, 0 where it reads the whole context."""
@@ -365,6 +380,8 @@ class ModelConfig:
             family_settings = _gpt_oss_settings(config, num_layers)
         else:
             family_settings = dict(zip(("rope_theta", "rope_scaling"), _rope_settings(config)))
+        if family == "smollm3":
+            family_settings["rope_free_layers"] = _rope_free_layers(config, num_layers)
         settings = {"hidden_act": str(config.get("hidden_act", "silu")), **family_settings}
         if settings["hidden_act"] not in ACTIVATIONS:
             raise ConfigError(

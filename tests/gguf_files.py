@@ -27,6 +27,7 @@ GGUF_ARCH = {
     "qwen3_moe": "qwen3moe",
     "gemma3_text": "gemma3",
     "gpt_oss": "gpt-oss",
+    "smollm3": "smollm3",
 }
 TOP_LEVEL = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -193,7 +194,7 @@ def write_hf_as_gguf(
     experts: dict[str, dict[int, np.ndarray]] = {}
     for name, tensor in load_file(folder / "model.safetensors").items():
         array = tensor.float().numpy()
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch in ("llama", "smollm3") and name.endswith(("q_proj.weight", "k_proj.weight")):
             array = llama_cpp_permute(array, heads if "q_proj" in name else kv_heads)
         if gemma3 and name.endswith("norm.weight"):  # Gemma3RMSNorm weighs by 1 + w
             array = array + 1

@@ -4,8 +4,8 @@ Shapes are small enough for a 2-core CPU but keep what distinguishes the familie
 query attention, Qwen2's QKV bias, Qwen3's per-head Q/K norm and explicit head_dim, Llama-3
 rope scaling, tied or untied embeddings, Qwen3-MoE's routed experts next to a dense MLP
 layer (`mlp_only_layers`), Gemma 3's windowed and whole layers with their own ropes,
-scaled scores, sandwich norms and GELU, and gpt-oss's attention sinks, biases, YaRN rope,
-windows and experts with biases and a clamped SwiGLU.
+scaled scores, sandwich norms and GELU, gpt-oss's attention sinks, biases, YaRN rope,
+windows and experts with biases and a clamped SwiGLU, and SmolLM3's layers without rope.
 """
 
 from __future__ import annotations
@@ -75,6 +75,13 @@ FAMILIES: dict[str, dict[str, Any]] = {
         },
         "tie_word_embeddings": False,
     },
+    "smollm3": {
+        # the second layer takes no rotary position (SmolLM3's every fourth in its 36)
+        "rope_theta": 2000000.0,
+        "tie_word_embeddings": True,
+        "no_rope_layers": [1, 0],
+        "pad_token_id": 0,  # its default, 128004, is past the tiny vocabulary
+    },
     "qwen3_moe": {
         "rope_theta": 1000000.0,
         "tie_word_embeddings": False,
@@ -103,6 +110,7 @@ def make_tiny_model(
         "mistral": transformers.MistralConfig,
         "qwen3_moe": transformers.Qwen3MoeConfig,
         "gemma3": transformers.Gemma3TextConfig,
+        "smollm3": transformers.SmolLM3Config,
         "gpt_oss": transformers.GptOssConfig,
     }[family]
     config = config_cls(**{**COMMON, **FAMILIES[family], **(overrides or {})})

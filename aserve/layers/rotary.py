@@ -16,6 +16,10 @@ from torch import nn
 from aserve.config import FREQ_FACTORS
 from aserve.layers.fused import FusedOps
 
+NO_ROPE = "none"
+"""The scaling of a layer that takes no rotary position (SmolLM3's every fourth): its table
+of cos 1 and sin 0 goes through every RoPE kernel, which then leaves Q and K as they are."""
+
 
 def _base_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
@@ -80,6 +84,8 @@ def rope_frequencies(
     if scaling is None:
         return inv_freq, 1.0
     kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == NO_ROPE:  # every angle 0: cos 1 and sin 0 leave Q and K as they are
+        return torch.zeros_like(inv_freq), 1.0
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling), 1.0
     if kind == "linear":

@@ -30,7 +30,7 @@ from aserve.layers.fused import FusedOps
 from aserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from aserve.layers.moe import QuantizedExperts
 from aserve.layers.norm import Float32RMSNorm, GemmaRMSNorm, RMSNorm
-from aserve.layers.rotary import RotaryEmbedding
+from aserve.layers.rotary import NO_ROPE, RotaryEmbedding
 from aserve.layers.weight import WeightSource
 from aserve.models.weights import map_checkpoint_tensor
 from aserve.quant.fp8_activations import Fp8Activations
@@ -284,10 +284,17 @@ class DecoderModel(nn.Module):
             local_rotary = RotaryEmbedding(
                 config.head_dim, max_positions, config.local_rope_theta, None, ops
             )
+        unrotated = RotaryEmbedding(
+            config.head_dim, max_positions, config.rope_theta, {"rope_type": NO_ROPE}, ops
+        )
+
+        def layer_rotary(layer: int) -> RotaryEmbedding:
+            if layer in config.rope_free_layers:
+                return unrotated
+            return local_rotary if config.layer_window(layer) else rotary
+
         self.layers = nn.ModuleList(
-            DecoderLayer(
-                config, i, local_rotary if config.layer_window(i) else rotary, tp, ops, make_mlp(i)
-            )
+            DecoderLayer(config, i, layer_rotary(i), tp, ops, make_mlp(i))
             for i in range(config.num_layers)
         )
         norm = _norm_class(config)

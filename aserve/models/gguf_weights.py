@@ -168,7 +168,7 @@ def iter_gguf(
         "self_attn.k_proj": config["num_key_value_heads"],
     }
     model_type = config["model_type"]
-    permute = model_type == "llama"
+    permute = model_type in ("llama", "smollm3")  # llama.cpp's converter permutes both
     sandwich = model_type in SANDWICH_FAMILIES
     for tensor in tqdm(tensors, desc="Loading weights", unit="tensor", disable=not progress):
         if tensor.name == ROPE_FACTORS:

@@ -68,6 +68,7 @@ ARCHITECTURES = {
     "qwen3moe": "Qwen3MoeForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
 }
 MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text", "gpt-oss": "gpt_oss"}
 """config.json's `model_type` of the GGUF architectures whose names differ."""
