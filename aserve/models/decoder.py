@@ -284,9 +284,11 @@ class DecoderModel(nn.Module):
             local_rotary = RotaryEmbedding(
                 config.head_dim, max_positions, config.local_rope_theta, None, ops
             )
-        unrotated = RotaryEmbedding(
-            config.head_dim, max_positions, config.rope_theta, {"rope_type": NO_ROPE}, ops
-        )
+        unrotated = rotary
+        if config.rope_free_layers:  # SmolLM3
+            unrotated = RotaryEmbedding(
+                config.head_dim, max_positions, config.rope_theta, {"rope_type": NO_ROPE}, ops
+            )
 
         def layer_rotary(layer: int) -> RotaryEmbedding:
             if layer in config.rope_free_layers:
