@@ -25,7 +25,7 @@ import torch
 
 from aserve.config import ConfigError
 from aserve.forward import ForwardBatch
-from aserve.kvcache.pages import PageTable
+from aserve.kvcache.pages import PageTable, first_read_page
 from aserve.kvcache.pool import KVPool
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
@@ -149,7 +149,7 @@ class FlashInferBackend:
         if not (windowed and self.split_pool):
             return self.page_table.page_layout(batch.row_ids, batch.seq_lens)
         first_query = np.asarray(batch.prefix_lens, dtype=np.int64)
-        first_pages = np.maximum(first_query - self.window + 1, 0) // self.page_size
+        first_pages = first_read_page(first_query, self.window, self.page_size)
         return self.page_table.page_layout(batch.row_ids, batch.seq_lens, True, first_pages)
 
     def _page_layout(

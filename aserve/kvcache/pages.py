@@ -74,7 +74,13 @@ class SlidingWindow(NamedTuple):
 
     def first_kept_page(self, next_position: int) -> int:
         """The first page a query at `next_position` (or later) still reads."""
-        return max(0, next_position - self.size + 1) // self.allocator.page_size
+        return int(first_read_page(next_position, self.size, self.allocator.page_size))
+
+
+def first_read_page(positions: int | np.ndarray, window: int, page_size: int) -> int | np.ndarray:
+    """The first page a query at each of `positions` (an int or an array) reads under a
+    window of `window` positions, its own included."""
+    return np.maximum(positions - window + 1, 0) // page_size
 
 
 class PageWrite(NamedTuple):
