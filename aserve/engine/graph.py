@@ -66,15 +66,11 @@ class DecodeGraphs:
         self.rows = torch.full((n,), page_table.dummy_row, dtype=torch.int64, device=device)
         self.logit_indices = torch.arange(n, device=device)
         # One page-id buffer for every size, as large as the largest batch at full context.
+        entries = graph_page_ids(n, max_seq_len, attn.page_size)
+        self.page_ids = torch.zeros(entries, dtype=torch.int32, device=device)
         # The sliding-window layers' plans list their own pages where they have them.
-        self.page_ids, self.window_page_ids = (
-            torch.zeros(
-                graph_page_ids(n, max_seq_len, attn.page_size) if own else 0,
-                dtype=torch.int32,
-                device=device,
-            )
-            for own in (True, windowed)
-        )
+        window_entries = entries if windowed else 0
+        self.window_page_ids = torch.zeros(window_entries, dtype=torch.int32, device=device)
         self.wrappers = {
             bs: attn.graph_decode_wrapper(bs, self.page_ids, self.window_page_ids)
             for bs in self.sizes

@@ -77,7 +77,6 @@ class KVPool:
         window_pages: int = 0,
     ) -> None:
         self.num_pages = num_pages
-        self.window_pages = window_pages
         self.page_size = page_size
         self.dtype = dtype
         self.storage_dtype = storage_dtype or dtype
