@@ -23,6 +23,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "GptOssForCausalLM": "gpt_oss",
     "SmolLM3ForCausalLM": "smollm3",
@@ -113,22 +114,24 @@ def _layer_windows(config: dict[str, Any], num_layers: int, pattern: int) -> tup
     return windows if any(windows) else ()
 
 
-def _gemma3_settings(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
-    """Gemma 3's quirks: a window on five layers of six (`layer_types`, or the pattern that
-    transformers 4 wrote), a rope of their own on those (`rope_parameters` keyed by layer type
-    in transformers 5, `rope_local_base_freq` before), the scores scaled by
-    `query_pre_attn_scalar`, norms around attention and the MLP that weigh by 1 + w, and
-    embeddings scaled by the square root of the width. Soft-capped scores (Gemma 2) are
-    refused: no attention path here caps them."""
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if config.get(key) is not None:
-            raise ConfigError(f"{key} is not supported: aserve's attention does not cap scores")
+def _gemma_settings(config: dict[str, Any], num_layers: int, family: str) -> dict[str, Any]:
+    """Gemma 2's and 3's quirks: the scores scaled by `query_pre_attn_scalar`, norms around
+    attention and the MLP that weigh by 1 + w, embeddings scaled by the square root of the
+    width, GELU, and windowed layers. Gemma 2 windows every other layer, from the first, and
+    soft-caps its scores and its logits (cap * tanh(x / cap)); Gemma 3 windows five layers of
+    six (`layer_types`, or the pattern that transformers 4 wrote) and gives them a rope of
+    their own (`rope_parameters` keyed by layer type in transformers 5,
+    `rope_local_base_freq` before)."""
+    gemma2 = family == "gemma2"
     pattern = int(
         config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or 6
     )
-    windows = _layer_windows(config, num_layers, pattern)
+    windows = _layer_windows(config, num_layers, 2 if gemma2 else pattern)
     by_type = config.get("rope_parameters") or {}
-    if "full_attention" in by_type:
+    local_theta: float | None = None
+    if gemma2:
+        theta, scaling = _rope_settings(config)
+    elif "full_attention" in by_type:
         full, local = by_type["full_attention"], by_type.get("sliding_attention") or {}
         theta, scaling = _rope_settings({"rope_parameters": full})
         local_theta = float(local.get("rope_theta", 10000.0))
@@ -145,6 +148,8 @@ def _gemma3_settings(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
         "embedding_scale": float(config["hidden_size"]) ** 0.5,
         "gemma_norms": True,
         "hidden_act": config.get("hidden_activation") or config.get("hidden_act") or GELU_TANH,
+        "attention_softcap": float(config.get("attn_logit_softcapping") or 0.0),
+        "logit_softcap": float(config.get("final_logit_softcapping") or 0.0),
     }
 
 
@@ -278,15 +283,17 @@ class ModelConfig:
     """The shape and quirks of one decoder, read from a Hugging Face config.json.
 
     Mistral's sliding window is honoured by capping the context at the window: within it,
-    sliding-window attention and full attention are the same computation. Gemma 3's layers
-    alternate: `layer_windows` gives each layer's window (0: the whole context), and its
+    sliding-window attention and full attention are the same computation. Gemma's layers
+    alternate: `layer_windows` gives each layer's window (0: the whole context), and Gemma 3's
     windowed layers rotate with `local_rope_theta` unscaled. `gemma_norms`: the layer also
     normalises attention's and the MLP's outputs, and every norm weighs by 1 + w.
     `norms_in_float32`: norms weigh the float32 row before rounding (gpt-oss; Gemma's too).
     `rope_free_layers`: layers whose queries and keys take no rotary position (SmolLM3's
     every fourth). `o_bias`: the output projection has a bias (`attention_bias`, except
     Qwen2's, which biases Q, K and V only). `attention_sinks`: each head's softmax also sums
-    a learned logit of its own that weighs no value (gpt-oss). The MoE fields keep their
+    a learned logit of its own that weighs no value (gpt-oss). `attention_softcap` and
+    `logit_softcap` (Gemma 2; 0: none) bound the scaled scores and the logits to (-cap,
+    cap) by cap * tanh(x / cap). The MoE fields keep their
     defaults (no experts) for dense models; `expert_style` says how gpt-oss's experts
     differ.
     `quantization` is the checkpoint's format: its `quantization_config.quant_method`, "fp8"
@@ -335,6 +342,8 @@ class ModelConfig:
     norms_in_float32: bool = False
     o_bias: bool = False
     attention_sinks: bool = False
+    attention_softcap: float = 0.0
+    logit_softcap: float = 0.0
     expert_style: ExpertStyle = PLAIN_EXPERTS
     rope_free_layers: tuple[int, ...] = ()
 
@@ -374,8 +383,8 @@ class ModelConfig:
             max_positions = min(max_positions, int(config["sliding_window"]))
         quantization = config.get("quantization_config") or {}
         num_layers = int(config["num_hidden_layers"])
-        if family == "gemma3":
-            family_settings = _gemma3_settings(config, num_layers)
+        if family in ("gemma2", "gemma3"):
+            family_settings = _gemma_settings(config, num_layers, family)
         elif family == "gpt_oss":
             family_settings = _gpt_oss_settings(config, num_layers)
         else:

@@ -1,9 +1,10 @@
 """Hugging Face checkpoints written as GGUF files the way llama.cpp's converter writes them.
 
 The names, the metadata keys, the Q/K row order of llama models, the `rope_freqs` of
-Llama-3 rope scaling, Gemma 3's norms stored as 1 + w and gpt-oss's experts split into gate,
-up and down (with their biases) are spelled out here from llama.cpp's conventions, not taken
-from aserve's loader, so that a test through these files checks the loader against them.
+Llama-3 rope scaling, Gemma's norms stored as 1 + w, Gemma 2's soft caps and gpt-oss's
+experts split into gate, up and down (with their biases) are spelled out here from
+llama.cpp's conventions, not taken from aserve's loader, so that a test through these files
+checks the loader against them.
 Tensors stay float32 (GGUF's F32): the files are the float reference of their checkpoint.
 """
 
@@ -25,6 +26,7 @@ GGUF_ARCH = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3moe",
+    "gemma2": "gemma2",
     "gemma3_text": "gemma3",
     "gpt_oss": "gpt-oss",
     "smollm3": "smollm3",
@@ -48,13 +50,13 @@ IN_LAYER = {
     "post_attention_layernorm": "ffn_norm",
     "mlp.gate": "ffn_gate_inp",
 }
-GEMMA3_IN_LAYER = IN_LAYER | {
+GEMMA_IN_LAYER = IN_LAYER | {
     "post_attention_layernorm": "post_attention_norm",
     "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
 }
-"""gguf-py's names for Gemma 3's four layer norms (MODEL_TENSOR.ATTN_POST_NORM, FFN_PRE_NORM,
-FFN_POST_NORM)."""
+"""gguf-py's names for Gemma 2's and 3's four layer norms (MODEL_TENSOR.ATTN_POST_NORM,
+FFN_PRE_NORM, FFN_POST_NORM)."""
 GPT_OSS_IN_LAYER = IN_LAYER | {
     "post_attention_layernorm": "post_attention_norm",
     "mlp.router": "ffn_gate_inp",
@@ -143,6 +145,7 @@ def write_hf_as_gguf(
     writes a tokenizer's metadata (all but the BOS and EOS ids, which come from the config)."""
     config = json.loads((folder / "config.json").read_text())
     gemma3 = config["model_type"] == "gemma3_text"
+    gemma = gemma3 or config["model_type"] == "gemma2"
     gpt_oss = config["model_type"] == "gpt_oss"
     if gemma3:  # the whole layers' rope is the file's; llama.cpp fixes the windowed layers'
         config["rope_parameters"] = config["rope_parameters"]["full_attention"]
@@ -181,22 +184,25 @@ def write_hf_as_gguf(
         writer.add_rope_scaling_factor(scaling["factor"])
     elif scaling.get("rope_type") == "llama3" and rope_factors:
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config, head_dim))
-    if gemma3 or gpt_oss:
+    if gemma or gpt_oss:
         writer.add_sliding_window(config["sliding_window"])
+    if config["model_type"] == "gemma2":
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
     num_experts = config.get("num_experts") or config.get("num_local_experts")
     if num_experts:
         writer.add_expert_count(num_experts)
         writer.add_expert_used_count(config["num_experts_per_tok"])
         expert_rows = config["intermediate_size" if gpt_oss else "moe_intermediate_size"]
         writer.add_expert_feed_forward_length(expert_rows)
-    in_layer = GEMMA3_IN_LAYER if gemma3 else GPT_OSS_IN_LAYER if gpt_oss else IN_LAYER
+    in_layer = GEMMA_IN_LAYER if gemma else GPT_OSS_IN_LAYER if gpt_oss else IN_LAYER
     tensors: dict[str, np.ndarray] = {}
     experts: dict[str, dict[int, np.ndarray]] = {}
     for name, tensor in load_file(folder / "model.safetensors").items():
         array = tensor.float().numpy()
         if arch in ("llama", "smollm3") and name.endswith(("q_proj.weight", "k_proj.weight")):
             array = llama_cpp_permute(array, heads if "q_proj" in name else kv_heads)
-        if gemma3 and name.endswith("norm.weight"):  # Gemma3RMSNorm weighs by 1 + w
+        if gemma and name.endswith("norm.weight"):  # Gemma's RMSNorm weighs by 1 + w
             array = array + 1
         if gpt_oss and ".mlp.experts." in name:
             tensors |= gpt_oss_experts(name, array)

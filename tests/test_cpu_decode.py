@@ -14,7 +14,12 @@ from aserve import LLM, SamplingParams
 from aserve.models.cpu_decode import DecodeStack
 from aserve.quant import native as native_module
 from tests.gguf_files import write_hf_as_gguf
-from tests.test_gguf_models import GEMMA3_AS_LLAMA_CPP, MOE_LAYERS, SMOLLM3_AS_LLAMA_CPP
+from tests.test_gguf_models import (
+    GEMMA2_AS_LLAMA_CPP,
+    GEMMA3_AS_LLAMA_CPP,
+    MOE_LAYERS,
+    SMOLLM3_AS_LLAMA_CPP,
+)
 from tests.test_quant import needs_kernels
 from tests.tiny_models import make_tiny_model
 
@@ -61,18 +66,21 @@ def decode_both_ways(llm: LLM) -> tuple[list, list, int]:
 
 
 @pytest.mark.parametrize(
-    "family", ["llama", "qwen2", "qwen3", "qwen3_moe", "gemma3", "gpt_oss", "smollm3"]
+    "family",
+    ["llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "gpt_oss", "smollm3"],
 )
 def test_stack_gives_the_modules_bits(family: str, tmp_path: Path) -> None:
     """Llama's Q4_0 value projection beside its Q8_0 queries and keys makes Q|K|V two
     products joined; Qwen2 adds their bias, Qwen3 its Q/K norms, Qwen3-MoE its experts,
     Gemma 3 its norms after attention and the MLP, GELU, two ropes and windows of 4 over
-    prompts of up to 19 tokens, gpt-oss its sinks, biases on every projection, the router
-    and the MXFP4 experts, and its clamped SwiGLU, SmolLM3 a layer without rope. The
+    prompts of up to 19 tokens, Gemma 2 its soft-capped scores, gpt-oss its sinks, biases
+    on every projection, the router and the MXFP4 experts, and its clamped SwiGLU, SmolLM3
+    a layer without rope. The
     float32 cache keeps a float16 rounding out of what is compared (both ways would share
     it)."""
     overrides = {
         "qwen3_moe": MOE_LAYERS,
+        "gemma2": GEMMA2_AS_LLAMA_CPP,
         "gemma3": GEMMA3_AS_LLAMA_CPP,
         "smollm3": SMOLLM3_AS_LLAMA_CPP,
     }.get(family)

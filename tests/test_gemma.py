@@ -1,7 +1,8 @@
-"""Gemma 3: sliding windows through chunked prefill, prefix hits and batches, against
-transformers; its configs in both transformers' spellings; GGUF files quantized; refusals.
+"""Gemma 2 and 3: sliding windows (and Gemma 2's soft caps) through chunked prefill, prefix
+hits and batches, against transformers; Gemma 3's configs in both transformers' spellings;
+GGUF files quantized; refusals.
 
-tests/test_models.py and tests/test_gguf_models.py hold the logits of the tiny Gemma 3
+tests/test_models.py and tests/test_gguf_models.py hold the logits of the tiny Gemmas
 against transformers (prefill and decode, with and without aserve's CPU kernels, and from a
 GGUF file); here the prompts run well past the window of 4."""
 
@@ -38,22 +39,31 @@ def gemma(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model("gemma3", tmp_path_factory.mktemp("gemma3"))
 
 
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model("gemma2", tmp_path_factory.mktemp("gemma2"))
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
 @pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernels", "torch"])
 def test_windows_hold_through_chunks_prefix_hits_and_batches(
-    gemma: Path, kernels: bool, monkeypatch: pytest.MonkeyPatch
+    family: str, kernels: bool, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Prompts prefilled in chunks of 8 tokens, decoded together, then again with their
-    prefixes cached and one at a time: transformers' greedy tokens every time."""
+    prefixes cached and one at a time: transformers' greedy tokens every time. Gemma 2's
+    scores are soft-capped at 0.5 and its logits at 2 (tests/tiny_models.py)."""
+    folder: Path = request.getfixturevalue("gemma" if family == "gemma3" else family)
     if not kernels:
         monkeypatch.setattr(engine_module, "float_weights_on_kernels", lambda *args: None)
     elif not native_kernels():
         pytest.skip("the CPU kernels do not build here")
-    with LLM(str(gemma), page_size=4, max_prefill_length=8) as llm:
+    with LLM(str(folder), page_size=4, max_prefill_length=8) as llm:
         engine = llm.runtime.engine
         assert engine.attn.windows == (4, 0)
+        assert engine.attn.softcap == (0.5 if family == "gemma2" else 0.0)
         assert (engine.model_config.quantization == "float32") == kernels
         assert (engine.model.model.decode_stack is not None) == kernels  # the C++ layers
-        assert_long_prompts_generate_as_transformers(llm, gemma)
+        assert_long_prompts_generate_as_transformers(llm, folder)
 
 
 def assert_long_prompts_generate_as_transformers(llm: LLM, folder: Path) -> None:
@@ -128,13 +138,25 @@ def test_quantized_gguf_runs_on_the_kernels(tmp_path: Path) -> None:
         assert got.token_ids[:4] == want.token_ids[:4]
 
 
-def test_softcapped_scores_and_other_activations_are_refused(gemma: Path) -> None:
-    """Gemma 2's soft caps; the GPU refusals (FA3, an FP8 cache) are in tests/test_gpu.py."""
+def test_other_activations_are_refused(gemma: Path) -> None:
+    """The GPU refusals (FA3 with windows or soft caps) are in tests/test_gpu.py."""
     config = json.loads((gemma / "config.json").read_text())
-    with pytest.raises(ConfigError, match="final_logit_softcapping"):
-        ModelConfig.from_hf({**config, "final_logit_softcapping": 30.0})
     with pytest.raises(ConfigError, match="activation 'relu'"):
         ModelConfig.from_hf({**config, "hidden_activation": "relu"})
+
+
+def test_gemma2_config_reads_its_caps_and_windows(gemma2: Path) -> None:
+    """Gemma 2 windows every other layer from the first (transformers 4's configs hold no
+    `layer_types`), takes one rope for all layers, and reads both soft caps."""
+    config = json.loads((gemma2 / "config.json").read_text())
+    old = {k: v for k, v in config.items() if k not in ("rope_parameters", "layer_types")}
+    for spelling in (config, {**old, "rope_theta": 10000.0, "num_hidden_layers": 4}):
+        model = ModelConfig.from_hf(spelling)
+        assert model.layer_windows == (4, 0) * (model.num_layers // 2)
+        assert (model.attention_softcap, model.logit_softcap) == (0.5, 2.0)
+        assert model.local_rope_theta is None and model.rope_theta == 10000.0
+        assert model.attention_scale == 24**-0.5 and model.gemma_norms
+        assert not model.qk_norm
 
 
 GEMMA_TEMPLATE = (

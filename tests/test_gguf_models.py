@@ -38,23 +38,29 @@ GEMMA3_AS_LLAMA_CPP = {
 }
 """llama.cpp's gemma3 windows five layers of six and scales scores by 1 / sqrt(head_dim)
 (below 62 layers), whatever the checkpoint said: its files do not hold either."""
+GEMMA2_AS_LLAMA_CPP = {"query_pre_attn_scalar": 32}
+"""llama.cpp's gemma2 scales scores by 1 / sqrt(head_dim) below 46 layers (and windows every
+other layer from the first, as the tiny model does)."""
 SMOLLM3_AS_LLAMA_CPP = {"num_hidden_layers": 4, "no_rope_layers": [1, 1, 1, 0]}
 """llama.cpp's SmolLM3 takes rope from every fourth layer, whatever the checkpoint said."""
 OVERRIDES = {
     "qwen3_moe": MOE_LAYERS,
+    "gemma2": GEMMA2_AS_LLAMA_CPP,
     "gemma3": GEMMA3_AS_LLAMA_CPP,
     "smollm3": SMOLLM3_AS_LLAMA_CPP,
 }
 
 
 @pytest.mark.parametrize(
-    "family", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3", "smollm3"]
+    "family",
+    ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "smollm3"],
 )
 def test_gguf_of_each_family_matches_transformers(family: str, tmp_path: Path) -> None:
     """The tiny llama has Llama-3 scaling, which reaches the file as `rope_freqs` only; the
-    Qwen3-MoE file stacks each layer's experts into one tensor a part; the Gemma 3 file's
-    norms hold 1 + w; the SmolLM3 file's queries and keys are in llama.cpp's row order and
-    its fourth layer takes no rope, as llama.cpp fixes it."""
+    Qwen3-MoE file stacks each layer's experts into one tensor a part; the Gemma files'
+    norms hold 1 + w, and Gemma 2's soft caps are metadata; the SmolLM3 file's queries and
+    keys are in llama.cpp's row order and its fourth layer takes no rope, as llama.cpp fixes
+    it."""
     folder = make_tiny_model(family, tmp_path / family, overrides=OVERRIDES.get(family))
     model = write_hf_as_gguf(folder, tmp_path / f"{family}.gguf")
     hf = hf_model(folder)

@@ -178,7 +178,46 @@ def test_gpt_oss_sinks_on_flashinfer(
     ]
 
 
-@pytest.mark.parametrize("family", ["gemma3", "gpt_oss"])
+def test_gemma2_soft_caps_on_flashinfer(
+    make_llm: Callable[..., LLM], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gemma 2's soft-capped scores (0.5) in FlashInfer's prefill (its soft-cap variant,
+    windowed and whole) and in both Triton decode kernels (split and whole context): the
+    torch backend's logits over a chunked prefill and decode steps, which the same model
+    without the scores' cap misses by far more than the tolerance; in CUDA graphs the same
+    greedy tokens as eagerly. FA3 prefill, which has no soft cap here, is refused in one
+    line."""
+    from aserve.attention import triton_decode
+    from aserve.config import ConfigError
+
+    folder = make_tiny_model("gemma2", tmp_path, overrides={**KERNEL_SHAPES, "head_dim": 64})
+    options = small_gpu_engine(max_prefill_length=40)
+    reference = make_llm(folder, attention_backend="torch", **options)
+    flashinfer = make_llm(folder, cache_type="naive", **options)
+    engine = flashinfer.runtime.engine
+    assert type(engine.attn).__name__ == "FlashInferBackend" and engine.attn.softcap == 0.5
+    prompt, continuation = list(range(3, 100)), [7, 123, 45, 2, 99, 5]
+    expected = our_logits(reference, prompt, continuation)
+    torch.testing.assert_close(
+        our_logits(flashinfer, prompt, continuation), expected, atol=0.06, rtol=0.03
+    )
+    monkeypatch.setattr(triton_decode, "WHOLE_MIN_PROGRAMS", 1)  # the whole-context kernel
+    torch.testing.assert_close(
+        our_logits(flashinfer, prompt, continuation), expected, atol=0.06, rtol=0.03
+    )
+    monkeypatch.undo()
+    reference.runtime.engine.attn.softcap = 0.0
+    assert (our_logits(reference, prompt, continuation) - expected).abs().max() > 0.3
+    assert engine.graphs is not None
+    eager = make_llm(folder, **small_gpu_engine(cuda_graph_max_bs=0))
+    assert [o.token_ids for o in flashinfer.generate(PROMPTS, GREEDY)] == [
+        o.token_ids for o in eager.generate(PROMPTS, GREEDY)
+    ]
+    with pytest.raises(ConfigError, match="soft-capped scores run on --attention-backend fi"):
+        LLM(str(folder), **small_gpu_engine(attention_backend="fa"))
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "gpt_oss"])
 def test_short_window_pool_on_flashinfer(
     make_llm: Callable[..., LLM], tmp_path: Path, family: str
 ) -> None:
@@ -232,7 +271,7 @@ def test_short_window_pool_on_flashinfer(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
     reason="an FP8 cache needs compute capability 8.9 or newer",
 )
-@pytest.mark.parametrize("family", ["gemma3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "gpt_oss"])
 def test_fp8_cache_with_windows(
     make_llm: Callable[..., LLM], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str
 ) -> None:

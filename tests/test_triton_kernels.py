@@ -519,7 +519,7 @@ def test_gemv_tiles_loaded_before_the_wait_change_no_bit(
     assert torch.equal(preloaded, run())
 
 
-@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
+@pytest.mark.parametrize("scores", ["plain", "sinks", "softcap"])
 @pytest.mark.parametrize("window", [0, 100])
 @pytest.mark.parametrize("kernel", ["split", "whole"])
 @pytest.mark.parametrize(("page_size", "fp8"), [(16, False), (256, True)])
@@ -529,7 +529,7 @@ def test_triton_decode_kernels_equal_plain_attention(
     page_size: int,
     fp8: bool,
     window: int,
-    sinks: bool,
+    scores: str,
 ) -> None:
     """The Triton decode attention (attention/triton_decode.py) against softmax attention
     written out in float32 over the K and V the pool reads back, for contexts of 1 token to
@@ -538,7 +538,8 @@ def test_triton_decode_kernels_equal_plain_attention(
     its tickets are back at 0 after each run), or (`kernel`) the whole-context one. With a
     `window` (Gemma 3's sliding layers) a query reads the last 100 positions, its scores
     scaled by 1 / sqrt(24) (`query_pre_attn_scalar`). With `sinks` (gpt-oss) each head's
-    softmax also sums e^sink, sinks from far below to far above the scores.
+    softmax also sums e^sink, sinks from far below to far above the scores; with `softcap`
+    (Gemma 2) the scaled scores are capped at 1.5 (they spread over about +-4).
     tests/test_gpu.py has more shapes on the GPU."""
     from aserve.attention import triton_decode
     from aserve.kvcache.pool import KVPool
@@ -563,16 +564,19 @@ def test_triton_decode_kernels_equal_plain_attention(
     q = torch.randn(len(lengths), q_heads, head_dim, generator=gen(42)).to(DEVICE, DTYPE)
     sm_scale = 24**-0.5 if window else head_dim**-0.5
     sink_logits = torch.tensor([-20.0, -1.0, 0.0, 0.5, 1.0, 2.0, 3.0, 20.0])
+    softcap = 1.5
     expected = []
     for row, n in enumerate(lengths):
         pages = page_ids[indptr[row] : indptr[row + 1]].long().to(DEVICE)
         kv = pool.gather(0, (pages[:, None] * page_size + slots[:page_size]).flatten()[:n]).float()
         kv = kv[-window:] if window else kv
         k, v = (kv[:, i].repeat_interleave(q_heads // kv_heads, dim=1) for i in (0, 1))
-        scores = torch.einsum("hd,nhd->hn", q[row].float(), k) * sm_scale
-        if sinks:
-            scores = torch.cat((scores, sink_logits.to(DEVICE)[:, None]), -1)
-        weights = scores.softmax(-1)[:, : k.shape[0]]
+        logits = torch.einsum("hd,nhd->hn", q[row].float(), k) * sm_scale
+        if scores == "softcap":
+            logits = softcap * torch.tanh(logits / softcap)
+        if scores == "sinks":
+            logits = torch.cat((logits, sink_logits.to(DEVICE)[:, None]), -1)
+        weights = logits.softmax(-1)[:, : k.shape[0]]
         expected.append(torch.einsum("hn,nhd->hd", weights, v))
     wrapper = triton_decode.TritonDecodeWrapper(DEVICE)
     wrapper.plan(
@@ -591,8 +595,10 @@ def test_triton_decode_kernels_equal_plain_attention(
     for _ in range(2):
         cache = (pool.k[0].view(shape), pool.v[0].view(shape))
         scaled = {"window": window, "sm_scale": sm_scale} if window else {}
-        if sinks:
+        if scores == "sinks":
             scaled["sinks"] = sink_logits.to(DEVICE)
+        if scores == "softcap":
+            scaled["softcap"] = softcap
         out = wrapper.run(q, cache, *pool.scale_pairs[0], **scaled)
         torch.testing.assert_close(out.float(), torch.stack(expected), atol=1e-2, rtol=1e-2)
         assert not wrapper.tickets.any()

@@ -4,8 +4,9 @@ Shapes are small enough for a 2-core CPU but keep what distinguishes the familie
 query attention, Qwen2's QKV bias, Qwen3's per-head Q/K norm and explicit head_dim, Llama-3
 rope scaling, tied or untied embeddings, Qwen3-MoE's routed experts next to a dense MLP
 layer (`mlp_only_layers`), Gemma 3's windowed and whole layers with their own ropes,
-scaled scores, sandwich norms and GELU, gpt-oss's attention sinks, biases, YaRN rope,
-windows and experts with biases and a clamped SwiGLU, and SmolLM3's layers without rope.
+scaled scores, sandwich norms and GELU, Gemma 2's soft-capped scores and logits, gpt-oss's
+attention sinks, biases, YaRN rope, windows and experts with biases and a clamped SwiGLU, and
+SmolLM3's layers without rope.
 """
 
 from __future__ import annotations
@@ -53,6 +54,17 @@ FAMILIES: dict[str, dict[str, Any]] = {
             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         },
+        "tie_word_embeddings": True,
+    },
+    "gemma2": {
+        # a windowed layer, a whole one; caps low enough that the random scores and logits
+        # reach them (Gemma 2's own: 50 and 30)
+        "head_dim": 32,
+        "sliding_window": 4,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "query_pre_attn_scalar": 24,
+        "attn_logit_softcapping": 0.5,
+        "final_logit_softcapping": 2.0,
         "tie_word_embeddings": True,
     },
     "gpt_oss": {
@@ -109,6 +121,7 @@ def make_tiny_model(
         "qwen3": transformers.Qwen3Config,
         "mistral": transformers.MistralConfig,
         "qwen3_moe": transformers.Qwen3MoeConfig,
+        "gemma2": transformers.Gemma2Config,
         "gemma3": transformers.Gemma3TextConfig,
         "smollm3": transformers.SmolLM3Config,
         "gpt_oss": transformers.GptOssConfig,

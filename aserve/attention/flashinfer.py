@@ -72,7 +72,11 @@ class FlashInferBackend:
     `sinks` (gpt-oss: each head's softmax also sums e^sink, a weight on no value): every
     decode batch takes the Triton kernels, which start each head's running softmax at its
     sink; a prefill's output is scaled by Z / (Z + e^sink) from the log-sum-exp of the scores
-    that FlashInfer's kernels return beside it (`_weigh_sinks`)."""
+    that FlashInfer's kernels return beside it (`_weigh_sinks`).
+
+    `softcap` (Gemma 2: the scaled scores soft-capped, 0 for none): prefill plans take it
+    (FlashInfer's soft-cap variant), and every decode batch takes the Triton kernels, which
+    cap each block's scores."""
 
     def __init__(
         self,
@@ -87,6 +91,7 @@ class FlashInferBackend:
         windows: tuple[int, ...] = (),
         scale: float | None = None,
         sinks: bool = False,
+        softcap: float = 0.0,
     ) -> None:
         try:
             import flashinfer
@@ -107,6 +112,7 @@ class FlashInferBackend:
         self.window = window_of(self.layer_windows)
         self.scale = scale
         self.sinks = sinks
+        self.softcap = softcap
         device = pool.k[0].device
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
 
@@ -129,6 +135,11 @@ class FlashInferBackend:
         }
         self.split_pool = any(pool.windowed)
         self.triton_decode = _triton_decode(head_dim)
+        if softcap and self.triton_decode is None:
+            raise ConfigError(
+                f"soft-capped scores decode through Triton kernels, for head dims of 64, 128 "
+                f"or 256 (this model's: {head_dim})"
+            )
         self.triton_wrapper: Any = None
         if self.triton_decode is not None:
             triton_wrapper = self.triton_decode.TritonDecodeWrapper
@@ -169,7 +180,10 @@ class FlashInferBackend:
         if kernels is None:
             return False
         return (
-            self.pool.quantized or self.sinks or kernels.takes_batch(batch_size, self.num_kv_heads)
+            self.pool.quantized
+            or self.sinks
+            or self.softcap > 0
+            or kernels.takes_batch(batch_size, self.num_kv_heads)
         )
 
     def prepare(self, batch: ForwardBatch) -> None:
@@ -211,6 +225,7 @@ class FlashInferBackend:
                 kv_data_type=kv_data_type,
                 window_left=window_left,
                 sm_scale=self.scale,
+                logits_soft_cap=self.softcap,
             )
         batch.attn_metadata = self.prefill_wrapper
         if widen:
@@ -327,7 +342,9 @@ class FlashInferBackend:
             metadata = metadata.windowed if window else metadata.whole
         if batch.is_decode:
             if self._is_triton(metadata):
-                out = metadata.run(q, cache, k_scale, v_scale, window, self.scale, sinks)
+                out = metadata.run(
+                    q, cache, k_scale, v_scale, window, self.scale, sinks, self.softcap
+                )
             else:
                 out = metadata.run(q, cache, k_scale=k_scale, v_scale=v_scale)
             return out.reshape(-1, self.num_heads * self.head_dim)
@@ -455,6 +472,7 @@ def build_kernels(
     prefill_backend: str,
     max_batch: int,
     windowed: bool = False,
+    softcap: float = 0.0,
 ) -> list[threading.Thread]:
     """Start compiling (first start) or loading FlashInfer's prefill module and the decode
     modules that batches of up to `max_batch` requests use (tensor-core, CUDA-core: by
@@ -467,7 +485,8 @@ def build_kernels(
     while the weights load and the Triton kernels compile overlaps all of it (the builds
     are nvcc processes, so the threads hold no lock). The warm-up joins them before its
     first prefill. A `windowed` model (sliding-window layers) also needs each module's
-    sliding-window variant."""
+    sliding-window variant; soft-capped scores (`softcap`) the prefill's soft-cap variant,
+    and no decode module (the Triton kernels take every batch)."""
 
     def plan(kind: str) -> None:
         import flashinfer
@@ -494,7 +513,7 @@ def build_kernels(
                 one, one, page, last, num_heads, num_kv_heads, head_dim, page_size,
                 causal=True, q_data_type=dtype,
                 kv_data_type=dtype if kind == "widened prefill" else kv_dtype,
-                window_left=window_left,
+                window_left=window_left, logits_soft_cap=softcap,
             )  # fmt: skip
         else:
             decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(  # "CUDA-core decode" or not
@@ -521,7 +540,7 @@ def build_kernels(
             logger.debug("building FlashInfer's %s kernels ahead failed: %s", kind, error)
 
     kinds = ["prefill"]
-    if kv_dtype == dtype:
+    if kv_dtype == dtype and not softcap:
         kinds += decode_modules(num_heads, num_kv_heads, head_dim, max_batch)
     else:  # most prefill steps read the FP8 pool widened (`WidenedPrefill`)
         kinds.append("widened prefill")

@@ -121,8 +121,9 @@ class TorchNativeBackend:
 
     `windows`: each layer's sliding window (0 or none given: the whole context), the last
     that many positions a query reads, its own included; `scale` multiplies the scores
-    (default 1 / sqrt(head_dim)). A layer's `sinks` (gpt-oss) take float32 scores with a
-    sink column in place of SDPA (`_attend_with_sinks`), or the CPU kernel's own."""
+    (default 1 / sqrt(head_dim)); `softcap` (Gemma 2; 0: none) bounds the scaled scores by
+    softcap * tanh(score / softcap). A layer's `sinks` (gpt-oss) and a soft cap take float32
+    scores in place of SDPA (`_attend_in_float32`), or the CPU kernel's own."""
 
     STAGE_MAX_BYTES = 256 << 20
 
@@ -135,6 +136,7 @@ class TorchNativeBackend:
         native_decode: bool = False,
         windows: tuple[int, ...] = (),
         scale: float | None = None,
+        softcap: float = 0.0,
     ) -> None:
         self.pool = pool
         self.page_table = page_table
@@ -142,6 +144,7 @@ class TorchNativeBackend:
         self.head_dim = head_dim
         self.windows = windows or (0,) * len(pool.kv)
         self.scale = head_dim**-0.5 if scale is None else scale
+        self.softcap = softcap
         on_cpu = pool.kv[0].device.type == "cpu"
         self.native_decode = (
             native_decode
@@ -259,6 +262,7 @@ class TorchNativeBackend:
                 self.scale,
                 self.windows[layer],
                 sinks,
+                self.softcap,
             )
             return out.view(q.shape[0], self.num_heads * self.head_dim)
         if batch.is_decode:
@@ -277,11 +281,13 @@ class TorchNativeBackend:
             kv_seq = self.pool.gather(layer, seq.kv_slots[self.pool.windowed[layer]])
             mask = seq.masks[self.windows[layer]]
             keys, values = kv_seq[None, :, 0].transpose(1, 2), kv_seq[None, :, 1].transpose(1, 2)
-            if sinks is not None:
+            if sinks is not None or self.softcap:
                 if mask is None:  # SDPA's causal mask: a whole prompt, nothing cached
                     mask = torch.ones(seq.q_len, seq.q_len, dtype=torch.bool, device=q.device)
                     mask = mask.tril_()
-                o = _attend_with_sinks(q_seq[None], keys, values, mask, self.scale, sinks)
+                o = _attend_in_float32(
+                    q_seq[None], keys, values, mask, self.scale, sinks, self.softcap
+                )
             else:
                 o = F.scaled_dot_product_attention(
                     q_seq[None],
@@ -325,9 +331,11 @@ class TorchNativeBackend:
                 token_major[:, :longest] = gathered.view(batch_size, longest, *slot_shape)
             kv = stage[:, :, :, :longest]
         mask = meta.masks[self.windows[layer]]
-        if sinks is not None:
+        if sinks is not None or self.softcap:
             q_heads = q.view(batch_size, self.num_heads, 1, self.head_dim)
-            o = _attend_with_sinks(q_heads, kv[:, 0], kv[:, 1], mask, self.scale, sinks)
+            o = _attend_in_float32(
+                q_heads, kv[:, 0], kv[:, 1], mask, self.scale, sinks, self.softcap
+            )
             return o.reshape(batch_size, self.num_heads, self.head_dim)
         # A KV head's group of query heads as its queries: K/V are read once per KV head.
         kv_heads = kv.shape[2]
@@ -356,39 +364,45 @@ def _prefill_mask(
     return mask & (k_pos > q_pos - window) if windowed else mask
 
 
-SINK_SCORES_BYTES = 64 << 20
-"""Float32 scores that `_attend_with_sinks` holds at once: it takes queries in blocks."""
+SCORES_BYTES = 64 << 20
+"""Float32 scores that `_attend_in_float32` holds at once: it takes queries in blocks."""
 
 
-def _attend_with_sinks(
+def _attend_in_float32(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     mask: torch.Tensor | None,
     scale: float,
-    sinks: torch.Tensor,
+    sinks: torch.Tensor | None,
+    softcap: float,
 ) -> torch.Tensor:
-    """Attention whose softmax also sums each head's e^sink (gpt-oss), which SDPA cannot
-    take: scores in float32, as the sinks are, a block of queries at a time. `q` `[batch,
-    heads, queries, dim]`, `k`/`v` `[batch, kv_heads, keys, dim]`, `mask` boolean (True:
-    read) or additive, broadcast over `[batch, heads, queries, keys]`, or None."""
+    """Attention that SDPA cannot take: a softmax that also sums each head's e^sink
+    (gpt-oss), or scores soft-capped before it (Gemma 2). Scores in float32, as the sinks
+    are, a block of queries at a time. `q` `[batch, heads, queries, dim]`, `k`/`v` `[batch,
+    kv_heads, keys, dim]`, `mask` boolean (True: read) or additive, broadcast over `[batch,
+    heads, queries, keys]`, or None."""
     batch, heads, queries, _ = q.shape
     group = heads // k.shape[1]
     keys = k.float().repeat_interleave(group, 1).transpose(-1, -2)
     values = v.float().repeat_interleave(group, 1)
-    block = max(1, SINK_SCORES_BYTES // (4 * batch * heads * k.shape[2]))
-    sink_column = sinks.float().view(1, heads, 1, 1)
+    block = max(1, SCORES_BYTES // (4 * batch * heads * k.shape[2]))
     out = torch.empty(q.shape, dtype=v.dtype, device=q.device)
     for start in range(0, queries, block):
         rows = slice(start, start + block)
         scores = (q[:, :, rows].float() @ keys) * scale
+        if softcap:
+            scores = scores.div_(softcap).tanh_().mul_(softcap)
         if mask is not None:
             part = mask[..., rows, :] if mask.shape[-2] > 1 else mask
             if part.dtype == torch.bool:
                 scores.masked_fill_(~part, float("-inf"))
             else:
                 scores += part
-        sink = sink_column.expand(batch, heads, scores.shape[2], 1)
-        weights = torch.cat((scores, sink), -1).softmax(-1)[..., :-1]
+        if sinks is None:
+            weights = scores.softmax(-1)
+        else:
+            sink = sinks.float().view(1, heads, 1, 1).expand(batch, heads, scores.shape[2], 1)
+            weights = torch.cat((scores, sink), -1).softmax(-1)[..., :-1]
         out[:, :, rows] = (weights @ values).to(v.dtype)
     return out

@@ -128,15 +128,19 @@ def _attend_block(
     page_stride,
     token_stride,
     head_at,
+    softcap,
     PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr,
     MASKED: tl.constexpr,
     WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One block of tokens into the running softmax (`best` the rows' max score in log2
     units, `total` their weights' sum, `acc` the weighted values); `MASKED` for a block that
-    runs past `end` or (`WINDOWED`) starts before `lo`, the window's first position."""
+    runs past `end` or (`WINDOWED`) starts before `lo`, the window's first position. With
+    `SOFTCAP` (Gemma 2) the scores are capped by `softcap` (in log2 units too) * tanh(score /
+    softcap), tanh as 2 sigmoid(2x) - 1."""
     tokens = block + tl.arange(0, BLOCK_T)
     token_ok = tokens < end
     if WINDOWED:
@@ -162,6 +166,8 @@ def _attend_block(
         keys = tl.load(k_cache + offsets)
         values = tl.load(v_cache + offsets)
     scores = tl.dot(query, tl.trans(keys.to(query.dtype))) * scale
+    if SOFTCAP:
+        scores = softcap * (2.0 * tl.sigmoid(scores * (2.0 / softcap)) - 1.0)
     if MASKED:
         scores = tl.where(token_ok[None, :], scores, float("-inf"))
     new_best = tl.maximum(best, tl.max(scores, axis=1))
@@ -174,7 +180,7 @@ def _attend_block(
 
 # One compile for every split count: each captured batch size would otherwise
 # add variants (Triton specializes integers equal to 1 and multiples of 16).
-@triton.jit(do_not_specialize=["num_splits", "window"])
+@triton.jit(do_not_specialize=["num_splits", "window", "softcap"])
 def _attend_kernel(
     q,
     q_stride,
@@ -197,6 +203,7 @@ def _attend_kernel(
     v_scale,
     num_splits,
     window,
+    softcap,
     PAGE_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -208,6 +215,7 @@ def _attend_kernel(
     UNMASKED_BLOCKS: tl.constexpr,
     WINDOWED: tl.constexpr,
     SINKS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # KV heads vary fastest over the launch, so programs running side by side read
@@ -237,6 +245,7 @@ def _attend_kernel(
         query_at = q + request * q_stride + heads[:, None] * HEAD_DIM + dims[None, :]
         query = tl.load(query_at, mask=row_ok[:, None], other=0.0)
         scale = sm_scale * 1.4426950408889634  # exp2 of scores in log2 units
+        softcap = softcap * 1.4426950408889634
         # An FP8 cache is widened as it is read, to the queries' dtype or (F16) to float16,
         # the queries then scaled first so that they cannot overflow it; its K scale is
         # folded into `sm_scale`, its V scale multiplies the result.
@@ -260,21 +269,21 @@ def _attend_kernel(
             for block in range(start, full_end, BLOCK_T):
                 best, total, acc = _attend_block(
                     query, best, total, acc, scale, block, end, lo, k_cache, v_cache,
-                    pages_of_request, page_stride, token_stride, head_at, PAGE_SIZE, HEAD_DIM,
-                    BLOCK_T, False, False,
+                    pages_of_request, page_stride, token_stride, head_at, softcap, PAGE_SIZE,
+                    HEAD_DIM, BLOCK_T, False, False, SOFTCAP,
                 )  # fmt: skip
             if full_end < end:
                 best, total, acc = _attend_block(
                     query, best, total, acc, scale, full_end, end, lo, k_cache, v_cache,
-                    pages_of_request, page_stride, token_stride, head_at, PAGE_SIZE, HEAD_DIM,
-                    BLOCK_T, True, False,
+                    pages_of_request, page_stride, token_stride, head_at, softcap, PAGE_SIZE,
+                    HEAD_DIM, BLOCK_T, True, False, SOFTCAP,
                 )  # fmt: skip
         else:
             for block in range(start, end, BLOCK_T):
                 best, total, acc = _attend_block(
                     query, best, total, acc, scale, block, end, lo, k_cache, v_cache,
-                    pages_of_request, page_stride, token_stride, head_at, PAGE_SIZE, HEAD_DIM,
-                    BLOCK_T, True, WINDOWED,
+                    pages_of_request, page_stride, token_stride, head_at, softcap, PAGE_SIZE,
+                    HEAD_DIM, BLOCK_T, True, WINDOWED, SOFTCAP,
                 )  # fmt: skip
 
         acc = acc * v_scale
@@ -447,12 +456,14 @@ class TritonDecodeWrapper:
         window: int = 0,
         sm_scale: float | None = None,
         sinks: torch.Tensor | None = None,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """`q` `[batch, heads, head_dim]` (rows may be strided); `cache` the K and V views
         `[pages, page_size, kv_heads, head_dim]` of one layer's pool, in `q`'s dtype or in
         FP8 with the layer's scales. `window`: the layer's sliding window (0: none);
         `sm_scale` the scores' scale (default 1 / sqrt(head_dim)); `sinks` float32
-        `[heads]`, each head's sink logit (gpt-oss), or None."""
+        `[heads]`, each head's sink logit (gpt-oss), or None; `softcap` the scaled scores'
+        soft cap (Gemma 2; 0: none)."""
         k_cache, v_cache = cache
         batch, heads, head_dim = q.shape
         assert q.stride(2) == 1 and q.stride(1) == head_dim and k_cache.stride(3) == 1
@@ -490,6 +501,7 @@ class TritonDecodeWrapper:
             v_scale,
             self.num_splits,
             window,
+            softcap,
             PAGE_SIZE=self.page_size,
             GROUP=self.group,
             GROUP_PAD=max(16, triton.next_power_of_2(self.group)),
@@ -501,6 +513,7 @@ class TritonDecodeWrapper:
             UNMASKED_BLOCKS=fp8 and direct and not window,
             WINDOWED=window > 0,
             SINKS=sinks is not None,
+            SOFTCAP=softcap > 0,
             num_warps=warps,
             num_stages=stages,
             **pdl_options(q.device, batch),

@@ -337,6 +337,7 @@ class Engine:
             FLASHINFER_KERNELS[prefill],
             self.config.max_running_requests,
             windowed=bool(self.model_config.layer_windows),
+            softcap=self.model_config.attention_softcap,
         )
 
     def _single_backend(self, name: str) -> AttentionBackend:
@@ -353,6 +354,7 @@ class Engine:
                 self.cpu_kernels,
                 self.model_config.layer_windows,
                 self.model_config.attention_scale,
+                self.model_config.attention_softcap,
             )
         if name in FLASHINFER_KERNELS and self.device.type == "cuda":
             from aserve.attention.flashinfer import FlashInferBackend
@@ -360,6 +362,11 @@ class Engine:
             if self.model_config.attention_sinks and name != "fi":
                 raise ConfigError(
                     f"{self.model_config.architecture}'s attention sinks run on "
+                    "--attention-backend fi or torch"
+                )
+            if self.model_config.attention_softcap and name != "fi":
+                raise ConfigError(
+                    f"{self.model_config.architecture}'s soft-capped scores run on "
                     "--attention-backend fi or torch"
                 )
             windows = self.model_config.layer_windows
@@ -380,6 +387,7 @@ class Engine:
                 windows,
                 self.model_config.attention_scale,
                 self.model_config.attention_sinks,
+                self.model_config.attention_softcap,
             )
         raise ConfigError(
             f"attention backend {name!r} is not available on {self.device.type}; "

@@ -64,8 +64,8 @@ def build_decode_stack(model: DecoderModel, config: ModelConfig) -> DecodeStack 
     """The stack of `model`'s layers, or None where a layer is not the kernels' whole:
     tensor parallelism, float or padded weights, a fused projection of mixed formats, a
     float32 model that does not run the CPU kernels. Gemma's layers come with their windows
-    (`config.layer_windows`) and their scores' scale, gpt-oss's with their sinks, biases and
-    clamped experts."""
+    (`config.layer_windows`), their scores' scale and Gemma 2's soft cap, gpt-oss's with their
+    sinks, biases and clamped experts."""
     layers = list(model.layers)
     if not layers or model.tp.size != 1:
         return None
@@ -79,6 +79,7 @@ def build_decode_stack(model: DecoderModel, config: ModelConfig) -> DecodeStack 
         attention.head_dim,
         attention.eps,
         attention.head_dim**-0.5 if scale is None else scale,
+        config.attention_softcap,
     )
     blas_from: list[int] = []
     for i, layer in enumerate(layers):

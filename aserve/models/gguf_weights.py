@@ -49,17 +49,21 @@ SANDWICH_TENSORS = LAYER_TENSORS | {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-"""Gemma 3's layer norms: `ffn_norm` is the norm before its MLP, with a norm after each part.
-llama.cpp's converter stores each of its norms' weights plus one (the 1 + w they weigh by);
-`iter_gguf` takes the one back off, so the loader sees Hugging Face's values."""
-SANDWICH_FAMILIES = ("gemma3_text",)
+"""Gemma 2's and 3's layer norms: `ffn_norm` is the norm before its MLP, with a norm after
+each part. llama.cpp's converter stores each of its norms' weights plus one (the 1 + w they
+weigh by); `iter_gguf` takes the one back off, so the loader sees Hugging Face's values."""
+SANDWICH_FAMILIES = ("gemma2", "gemma3_text")
 GPT_OSS_TENSORS = LAYER_TENSORS | {
     "post_attention_norm": "post_attention_layernorm",
     "attn_sinks": "self_attn.sinks",
 }
 """gpt-oss's norm before its experts is llama.cpp's `post_attention_norm`; `attn_sinks` holds
 each head's sink logit (Hugging Face's `self_attn.sinks`, a parameter, not a `.weight`)."""
-FAMILY_TENSORS = {"gemma3_text": SANDWICH_TENSORS, "gpt_oss": GPT_OSS_TENSORS}
+FAMILY_TENSORS = {
+    "gemma2": SANDWICH_TENSORS,
+    "gemma3_text": SANDWICH_TENSORS,
+    "gpt_oss": GPT_OSS_TENSORS,
+}
 """The layer tensor names of the families (config.json's `model_type`) that differ from
 LAYER_TENSORS."""
 EXPERT_TENSORS = {

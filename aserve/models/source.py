@@ -66,6 +66,7 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
@@ -298,8 +299,8 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
         }
-    if arch == "gemma3":
-        config |= gemma3_config(read, config)
+    if arch in ("gemma2", "gemma3"):
+        config |= gemma_config(read, config, arch)
     if arch == "gpt-oss":
         config |= gpt_oss_config(read, config)
     if has_quantized_matrices(stored):
@@ -309,24 +310,32 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
 
 GEMMA3_WINDOW_PATTERN = 6
 """Five windowed layers, then a whole one: fixed for Gemma 3 in llama.cpp, not in its files."""
+GEMMA_WIDTH_SCALED_LAYERS = {"gemma2": 46, "gemma3": 62}
+"""The layer counts of the 27B models, whose scores llama.cpp scales by the width a head
+(hidden size / heads) rather than by head_dim."""
 
 
-def gemma3_config(read: Metadata, config: dict[str, Any]) -> dict[str, Any]:
-    """What a Gemma 3 file leaves to llama.cpp's code, in transformers 4's keys: the layers'
-    windows (five of six, the file's `sliding_window`), the windowed layers' rope (base 10,000,
-    unscaled), GELU, and the scores' scale (1 / sqrt(head_dim), but by the width a head for
-    the 27B model, the one of 62 layers)."""
-    layers = config["num_hidden_layers"]
+def gemma_config(read: Metadata, config: dict[str, Any], arch: str) -> dict[str, Any]:
+    """What a Gemma 2 or 3 file leaves to llama.cpp's code, in transformers 4's keys: the
+    layers' windows (Gemma 2: every other layer from the first; Gemma 3: five of six, with
+    their own rope of base 10,000, unscaled), GELU, the scores' scale (1 / sqrt(head_dim),
+    but by the width a head for the 27B models), and Gemma 2's soft caps."""
     width_a_head = config["hidden_size"] // config["num_attention_heads"]
-    return {
-        "sliding_window": read("gemma3.attention.sliding_window", required=True),
-        "sliding_window_pattern": GEMMA3_WINDOW_PATTERN,
-        "rope_local_base_freq": 10000.0,
-        "query_pre_attn_scalar": width_a_head if layers == 62 else config["head_dim"],
+    width_scaled = config["num_hidden_layers"] == GEMMA_WIDTH_SCALED_LAYERS[arch]
+    settings = {
+        "sliding_window": read(f"{arch}.attention.sliding_window", required=True),
+        "query_pre_attn_scalar": width_a_head if width_scaled else config["head_dim"],
         "hidden_act": GELU_TANH,
         "hidden_activation": GELU_TANH,
-        "final_logit_softcapping": read("gemma3.final_logit_softcapping"),
+        "attn_logit_softcapping": read(f"{arch}.attn_logit_softcapping"),
+        "final_logit_softcapping": read(f"{arch}.final_logit_softcapping"),
     }
+    if arch == "gemma3":
+        settings |= {
+            "sliding_window_pattern": GEMMA3_WINDOW_PATTERN,
+            "rope_local_base_freq": 10000.0,
+        }
+    return settings
 
 
 def gpt_oss_config(read: Metadata, config: dict[str, Any]) -> dict[str, Any]:

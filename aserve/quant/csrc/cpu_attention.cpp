@@ -459,15 +459,18 @@ inline void clear_fold(float* out, float* top, float* total, int64_t group, int6
 
 // One block's scores of the group's heads (head j's at scores + j * apart, `rows` of them)
 // folded into each head's running max (`top`), sum of weights (`total`) and unnormalised
-// weighted values (`out`): the max rises, the old sums are rescaled, the block's scores become
-// weights and their rows of V are added in order.
+// weighted values (`out`): the scores are soft-capped where `softcap` is not 0 (Gemma 2:
+// softcap * tanh(score / softcap)), the max rises, the old sums are rescaled, the block's
+// scores become weights and their rows of V are added in order.
 template <typename T>
 void fold_block(float* scores, int64_t apart, const T* values, const int32_t* block,
-                int64_t rows, int64_t stride, int64_t group, int64_t head_dim, float* out,
-                float* top, float* total) {
+                int64_t rows, int64_t stride, int64_t group, int64_t head_dim, float softcap,
+                float* out, float* top, float* total) {
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * apart;
     float* o = out + g * head_dim;
+    if (softcap != 0.0f)
+      for (int64_t t = 0; t < rows; ++t) s[t] = softcap * std::tanh(s[t] / softcap);
     const float block_top = largest(s, rows, top[g]);
     if (block_top > top[g]) {
       const float rescale = exp_one(top[g] - block_top);  // 0 for the first block
@@ -489,7 +492,7 @@ void fold_block(float* scores, int64_t apart, const T* values, const int32_t* bl
 template <typename T>
 void attend(const float* q, const T* kv, const int32_t* slots, int64_t length,
             int64_t kv_head, int64_t kv_heads, int64_t group, int64_t head_dim, float scale,
-            float* out, float* top, float* total, std::vector<float>& scratch) {
+            float softcap, float* out, float* top, float* total, std::vector<float>& scratch) {
   scratch.resize(group * kBlock);
   float* scores = scratch.data();
   const int64_t stride = 2 * kv_heads * head_dim;
@@ -500,7 +503,8 @@ void attend(const float* q, const T* kv, const int32_t* slots, int64_t length,
     const int64_t rows = std::min(kBlock, length - first);
     const int32_t* block = slots + first;
     scores_of(q, group, keys, values, block, rows, stride, head_dim, scale, scores, kBlock);
-    fold_block(scores, kBlock, values, block, rows, stride, group, head_dim, out, top, total);
+    fold_block(scores, kBlock, values, block, rows, stride, group, head_dim, softcap, out, top,
+               total);
   }
 }
 
@@ -564,7 +568,7 @@ template <typename T>
 void attend_run(const float* queries, int64_t q_stride, const T* kv, const int32_t* context,
                 const int64_t* length, int64_t first, int64_t count, int64_t kv_head,
                 int64_t kv_heads, int64_t group, int64_t head_dim, float scale, int64_t window,
-                const float* sinks, float* outputs, std::vector<float>& scratch) {
+                float softcap, const float* sinks, float* outputs, std::vector<float>& scratch) {
   const int64_t pairs = count * group, longest = length[first + count - 1];
   const int64_t stride = 2 * kv_heads * head_dim;
   const T* keys = kv + kv_head * head_dim;
@@ -605,7 +609,7 @@ void attend_run(const float* queries, int64_t q_stride, const T* kv, const int32
       float* total = top + group;
       clear_fold(out, top, total, group, head_dim);
       fold_block(scores + e * group * longest + start, longest, values, context + start, rows,
-                 stride, group, head_dim, out, top, total);
+                 stride, group, head_dim, softcap, out, top, total);
     }
     const int64_t heads = kv_heads * group;
     join_pieces(parts, pieces, part_size, group, head_dim,
@@ -617,10 +621,12 @@ void attend_run(const float* queries, int64_t q_stride, const T* kv, const int32
 // q: [batch, heads, head_dim]; this step's K/V are already in the pool (the CPU kernels'
 // norm_rope_store writes them). Request i attends to the first seq_lens[i] slots of
 // page-table row rows[i], or to the last `window` of them where `window` is not 0. `sinks`:
-// float32 [heads], each head's sink logit (its softmax's extra term), or none.
+// float32 [heads], each head's sink logit (its softmax's extra term), or none. `softcap`:
+// the scaled scores' soft cap (Gemma 2), 0 for none.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& table,
                             const at::Tensor& rows, const at::Tensor& seq_lens, double scale,
-                            int64_t window, const std::optional<at::Tensor>& sinks) {
+                            int64_t window, const std::optional<at::Tensor>& sinks,
+                            double softcap) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 &&
                   q.stride(1) == q.size(2),
               "q: float32 [batch, heads, head_dim], each request's heads contiguous");
@@ -651,7 +657,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
   float* outputs = out.data_ptr<float>();
   const int32_t* slots = table.data_ptr<int32_t>();
   const int64_t group = heads / kv_heads, width = table.stride(0), q_stride = q.stride(0);
-  const float softmax_scale = static_cast<float>(scale);
+  const float softmax_scale = static_cast<float>(scale), cap = static_cast<float>(softcap);
   // Units of work: each piece of a lone request (decode: one long context keeps every core
   // busy), and runs of a prefill's new tokens (`attend_run`), a run and a KV head a unit.
   std::vector<Piece> pieces;  // of the lone requests
@@ -691,11 +697,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
         if (half) {
           attend_run(queries, q_stride, static_cast<const Half*>(kv.data_ptr()), context, length,
                      first, count, kv_head, kv_heads, group, head_dim, softmax_scale, window,
-                     sink_logits, outputs, scratch);
+                     cap, sink_logits, outputs, scratch);
         } else {
           attend_run(queries, q_stride, kv.data_ptr<float>(), context, length, first, count,
-                     kv_head, kv_heads, group, head_dim, softmax_scale, window, sink_logits,
-                     outputs, scratch);
+                     kv_head, kv_heads, group, head_dim, softmax_scale, window, cap,
+                     sink_logits, outputs, scratch);
         }
         continue;
       }
@@ -708,10 +714,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
       const int32_t* context = slots + row[piece.request] * width + piece.first;
       if (half) {
         attend(query, static_cast<const Half*>(kv.data_ptr()), context, piece.length, kv_head,
-               kv_heads, group, head_dim, softmax_scale, part, top, top + group, scratch);
+               kv_heads, group, head_dim, softmax_scale, cap, part, top, top + group, scratch);
       } else {
         attend(query, kv.data_ptr<float>(), context, piece.length, kv_head, kv_heads, group,
-               head_dim, softmax_scale, part, top, top + group, scratch);
+               head_dim, softmax_scale, cap, part, top, top + group, scratch);
       }
     }
   });
@@ -735,6 +741,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
 TORCH_LIBRARY_FRAGMENT(aserve_cpu, m) {
   m.def(
       "decode_attention(Tensor q, Tensor kv, Tensor table, Tensor rows, Tensor seq_lens, "
-      "float scale, int window=0, Tensor? sinks=None) -> Tensor",
+      "float scale, int window=0, Tensor? sinks=None, float softcap=0.) -> Tensor",
       decode_attention);
 }

@@ -66,8 +66,15 @@ using WeightArgs = Tensor(const Tensor&, const Tensor&, const Tensor&, const Ten
 
 class DecodeStack : public torch::CustomClassHolder {
  public:
-  DecodeStack(int64_t q_size, int64_t kv_size, int64_t head_dim, double eps, double scale)
-      : q_size_(q_size), kv_size_(kv_size), head_dim_(head_dim), eps_(eps), scale_(scale) {}
+  // `softcap`: the scores' soft cap (Gemma 2), 0 for none.
+  DecodeStack(int64_t q_size, int64_t kv_size, int64_t head_dim, double eps, double scale,
+              double softcap)
+      : q_size_(q_size),
+        kv_size_(kv_size),
+        head_dim_(head_dim),
+        eps_(eps),
+        scale_(scale),
+        softcap_(softcap) {}
 
   // Keeps a weight; layers name it by the number returned.
   int64_t add_weight(Tensor words, Tensor scales, Tensor offsets, Tensor bases, int64_t group,
@@ -116,7 +123,8 @@ class DecodeStack : public torch::CustomClassHolder {
             "aserve_cpu::norm_rope_store");
     static auto attention =
         op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                  double, int64_t, const std::optional<Tensor>&)>("aserve_cpu::decode_attention");
+                  double, int64_t, const std::optional<Tensor>&, double)>(
+            "aserve_cpu::decode_attention");
     TORCH_CHECK(!layers_.empty() && caches.size() == layers_.size(), "one cache a layer");
     const int64_t tokens = hidden.size(0);
     Tensor residual = hidden;
@@ -133,7 +141,7 @@ class DecodeStack : public torch::CustomClassHolder {
       const Tensor attended =
           attention.call(q.view({tokens, -1, head_dim_}), caches[i],
                          windowed ? window_table : table, rows, seq_lens, scale_, layer.window,
-                         layer.sinks);
+                         layer.sinks, softcap_);
       hidden = project(attended.view({tokens, -1}), {layer.o}, layer.o_bias);
       if (layer.attention_out_norm.has_value())
         hidden = rmsnorm.call(hidden, *layer.attention_out_norm, eps_);
@@ -194,7 +202,7 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   int64_t q_size_, kv_size_, head_dim_;
-  double eps_, scale_;
+  double eps_, scale_, softcap_;
   std::vector<Weight> weights_;
   std::vector<Layer> layers_;
 };
@@ -203,7 +211,7 @@ class DecodeStack : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(aserve_cpu, m) {
   m.class_<DecodeStack>("DecodeStack")
-      .def(torch::init<int64_t, int64_t, int64_t, double, double>())
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, double>())
       .def("add_weight", &DecodeStack::add_weight)
       .def("add_layer", &DecodeStack::add_layer)
       .def("run", &DecodeStack::run);
