@@ -9,7 +9,10 @@ The default shape is Llama-3.2-1B's (16 layers, 2,048 wide, 8,192 in the MLP, 32
 KV heads) with the embedded SmolLM2's vocabulary and tokenizer (bench/moe_gguf.py).
 `--arch gemma3` writes Gemma 3's layout instead (its four norms a layer stored as 1 + w,
 Q/K norms, a sliding window, a tied head); Gemma 3 1B's shape is
-`--arch gemma3 --layers 26 --hidden 1152 --intermediate 6912 --heads 4 1 --head-dim 256`. The
+`--arch gemma3 --layers 26 --hidden 1152 --intermediate 6912 --heads 4 1 --head-dim 256`.
+`--arch gemma2` writes Gemma 2's (as Gemma 3's without Q/K norms, with its soft caps of 50 on
+the scores and 30 on the logits); Gemma 2 2B's shape is `--arch gemma2 --layers 26 --hidden
+2304 --intermediate 9216 --heads 8 4 --head-dim 256 --window 4096`. The
 layers' matrices take `--qtype`; the embedding and the LM head are Q8_0, as llama.cpp keeps
 them wider than the layers in its low-bit files. Formats the `gguf` package quantizes
 (Q4_0, Q8_0, ...) quantize normal weights; for llama.cpp's codebook formats (IQ1_S to IQ3_S),
@@ -40,8 +43,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--intermediate", type=int, default=8192)
     p.add_argument("--heads", type=int, nargs=2, default=(32, 8), metavar=("Q", "KV"))
     p.add_argument("--head-dim", type=int, default=None, help="default: hidden / Q heads")
-    p.add_argument("--arch", choices=("llama", "gemma3"), default="llama")
-    p.add_argument("--window", type=int, default=512, help="gemma3's sliding window")
+    p.add_argument("--arch", choices=("llama", "gemma2", "gemma3"), default="llama")
+    p.add_argument("--window", type=int, default=512, help="Gemma's sliding window")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--vocab",
@@ -59,6 +62,7 @@ def main() -> None:
     heads, kv_heads = args.heads
     head_dim = args.head_dim or args.hidden // heads
     gemma3 = args.arch == "gemma3"
+    gemma = gemma3 or args.arch == "gemma2"
     writer = gguf.GGUFWriter(args.out, args.arch)
     vocab = copy_tokenizer(writer) if args.vocab is None else args.vocab
     writer.add_block_count(args.layers)
@@ -70,10 +74,13 @@ def main() -> None:
     writer.add_rope_dimension_count(head_dim)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(1e6 if gemma3 else 5e5)
-    writer.add_layer_norm_rms_eps(1e-6 if gemma3 else 1e-5)
-    if gemma3:
+    writer.add_rope_freq_base(1e4 if args.arch == "gemma2" else 1e6 if gemma3 else 5e5)
+    writer.add_layer_norm_rms_eps(1e-6 if gemma else 1e-5)
+    if gemma:
         writer.add_sliding_window(args.window)
+    if args.arch == "gemma2":
+        writer.add_attn_logit_softcapping(50.0)
+        writer.add_final_logit_softcapping(30.0)
     rng = np.random.default_rng(args.seed)
 
     def matrix(rows: int, cols: int, kind: gguf.GGMLQuantizationType = qtype) -> np.ndarray:
@@ -84,7 +91,7 @@ def main() -> None:
 
     wide = gguf.GGMLQuantizationType.Q8_0
     add("token_embd.weight", matrix(vocab, args.hidden, wide), wide)
-    if not gemma3:  # Gemma ties its head to the embedding
+    if not gemma:  # Gemma ties its head to the embedding
         add("output.weight", matrix(vocab, args.hidden, wide), wide)
     add("output_norm.weight", np.ones(args.hidden, np.float32), None)
     q_rows, kv_rows = heads * head_dim, kv_heads * head_dim
@@ -98,10 +105,10 @@ def main() -> None:
         add(f"{blk}.ffn_up.weight", matrix(args.intermediate, args.hidden), qtype)
         add(f"{blk}.ffn_down.weight", matrix(args.hidden, args.intermediate), qtype)
         norms = ("attn_norm", "ffn_norm")
-        if gemma3:  # ones: 1 + w with w = 0, as llama.cpp's converter stores Gemma's norms
+        if gemma:  # ones: 1 + w with w = 0, as llama.cpp's converter stores Gemma's norms
             norms += ("post_attention_norm", "post_ffw_norm")
-            for qk_norm in ("attn_q_norm", "attn_k_norm"):
-                add(f"{blk}.{qk_norm}.weight", np.ones(head_dim, np.float32), None)
+        for qk_norm in ("attn_q_norm", "attn_k_norm") if gemma3 else ():
+            add(f"{blk}.{qk_norm}.weight", np.ones(head_dim, np.float32), None)
         for norm in norms:
             add(f"{blk}.{norm}.weight", np.ones(args.hidden, np.float32), None)
     write_out(writer, args.out)
