@@ -27,6 +27,7 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3",
     "GptOssForCausalLM": "gpt_oss",
     "SmolLM3ForCausalLM": "smollm3",
+    "Phi3ForCausalLM": "phi3",
 }
 MOE_BACKENDS = ("auto", "torch", "fused")
 GELU_TANH = "gelu_pytorch_tanh"
@@ -47,6 +48,7 @@ ROPE_SCALINGS = {
     "llama3": ("factor",),
     "yarn": ("factor", "original_max_position_embeddings"),
     "linear": ("factor",),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings", "factor"),
     FREQ_FACTORS: ("factors",),
 }
 """The rope scalings aserve runs (aserve/layers/rotary.py), each with the keys it needs."""
@@ -88,9 +90,16 @@ def _rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None
     older `rope_theta` / `rope_scaling` keys. Scaling of type "default" means none."""
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     theta = float(params.pop("rope_theta", config.get("rope_theta", 10000.0)))
+    params.pop("partial_rotary_factor", None)  # `_rotary_dim`'s
     kind = params.get("rope_type", params.get("type"))
     if kind in (None, "default"):
         return theta, None
+    if kind == "longrope":  # Phi-3: the original context may be the config's own key
+        original = params.get("original_max_position_embeddings")
+        original = original or config.get("original_max_position_embeddings")
+        params["original_max_position_embeddings"] = original
+        if params.get("factor") is None and original:
+            params["factor"] = int(config["max_position_embeddings"]) / int(original)
     if kind not in ROPE_SCALINGS:
         raise ConfigError(
             f"rope scaling {kind!r} is not supported; aserve runs {', '.join(ROPE_SCALINGS)}"
@@ -178,6 +187,17 @@ def _gpt_oss_settings(config: dict[str, Any], num_layers: int) -> dict[str, Any]
         "attention_sinks": True,
         "norms_in_float32": True,
     }
+
+
+def _rotary_dim(config: dict[str, Any], head_dim: int) -> int:
+    """How many of a head's dimensions rotate (Phi-4-mini's first three quarters, by
+    `partial_rotary_factor`, a config key or, in transformers 5, a rope parameter)."""
+    params = config.get("rope_parameters") or {}
+    factor = config.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0
+    rotary = int(head_dim * float(factor))
+    if rotary % 2 or rotary <= 0 or (head_dim - rotary) % 2:
+        raise ConfigError(f"a rotary part of {rotary} of {head_dim} dimensions is not supported")
+    return rotary
 
 
 def _rope_free_layers(config: dict[str, Any], num_layers: int) -> tuple[int, ...]:
@@ -282,14 +302,15 @@ def _compressed_fp8_block(group: dict[str, Any]) -> tuple[int, int] | None:
 class ModelConfig:
     """The shape and quirks of one decoder, read from a Hugging Face config.json.
 
-    Mistral's sliding window is honoured by capping the context at the window: within it,
-    sliding-window attention and full attention are the same computation. Gemma's layers
+    Mistral's (and Phi-3's) sliding window is honoured by capping the context at the window:
+    within it, sliding-window attention and full attention are the same computation. Gemma's layers
     alternate: `layer_windows` gives each layer's window (0: the whole context), and Gemma 3's
     windowed layers rotate with `local_rope_theta` unscaled. `gemma_norms`: the layer also
     normalises attention's and the MLP's outputs, and every norm weighs by 1 + w.
     `norms_in_float32`: norms weigh the float32 row before rounding (gpt-oss; Gemma's too).
     `rope_free_layers`: layers whose queries and keys take no rotary position (SmolLM3's
-    every fourth). `o_bias`: the output projection has a bias (`attention_bias`, except
+    every fourth). `rotary_dim`: how many of a head's dimensions rotate (0: all; Phi-4-mini
+    rotates three quarters). `o_bias`: the output projection has a bias (`attention_bias`, except
     Qwen2's, which biases Q, K and V only). `attention_sinks`: each head's softmax also sums
     a learned logit of its own that weighs no value (gpt-oss). `attention_softcap` and
     `logit_softcap` (Gemma 2; 0: none) bound the scaled scores and the logits to (-cap,
@@ -346,6 +367,7 @@ class ModelConfig:
     logit_softcap: float = 0.0
     expert_style: ExpertStyle = PLAIN_EXPERTS
     rope_free_layers: tuple[int, ...] = ()
+    rotary_dim: int = 0
 
     def layer_window(self, layer: int) -> int:
         """Layer `layer`'s sliding window, 0 where it reads the whole context."""
@@ -379,7 +401,7 @@ class ModelConfig:
         if generation_config:
             eos |= set(_as_int_tuple(generation_config.get("eos_token_id")))
         max_positions = int(config.get("max_position_embeddings", 4096))
-        if family == "mistral" and config.get("sliding_window"):
+        if family in ("mistral", "phi3") and config.get("sliding_window"):
             max_positions = min(max_positions, int(config["sliding_window"]))
         quantization = config.get("quantization_config") or {}
         num_layers = int(config["num_hidden_layers"])
@@ -391,6 +413,8 @@ class ModelConfig:
             family_settings = dict(zip(("rope_theta", "rope_scaling"), _rope_settings(config)))
         if family == "smollm3":
             family_settings["rope_free_layers"] = _rope_free_layers(config, num_layers)
+        if family == "phi3":
+            family_settings["rotary_dim"] = _rotary_dim(config, int(head_dim))
         settings = {"hidden_act": str(config.get("hidden_act", "silu")), **family_settings}
         if settings["hidden_act"] not in ACTIVATIONS:
             raise ConfigError(

@@ -30,6 +30,7 @@ GGUF_ARCH = {
     "gemma3_text": "gemma3",
     "gpt_oss": "gpt-oss",
     "smollm3": "smollm3",
+    "phi3": "phi3",
 }
 TOP_LEVEL = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -64,6 +65,8 @@ GPT_OSS_IN_LAYER = IN_LAYER | {
 }
 """gpt-oss's names in llama.cpp's converter: the norm before the experts is ATTN_POST_NORM,
 the router FFN_GATE_INP, the sinks ATTN_SINKS (given a `.weight`)."""
+PHI3_IN_LAYER = IN_LAYER | {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+"""Phi-3's fused projections keep their checkpoint layout under llama.cpp's names."""
 EXPERT_PARTS = {
     "gate_proj": "ffn_gate_exps",
     "up_proj": "ffn_up_exps",
@@ -147,6 +150,7 @@ def write_hf_as_gguf(
     gemma3 = config["model_type"] == "gemma3_text"
     gemma = gemma3 or config["model_type"] == "gemma2"
     gpt_oss = config["model_type"] == "gpt_oss"
+    phi3 = config["model_type"] == "phi3"
     if gemma3:  # the whole layers' rope is the file's; llama.cpp fixes the windowed layers'
         config["rope_parameters"] = config["rope_parameters"]["full_attention"]
     rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
@@ -166,7 +170,8 @@ def write_hf_as_gguf(
     writer.add_head_count_kv(kv_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    rotary = int(head_dim * (config.get("partial_rotary_factor") or 1.0))
+    writer.add_rope_dimension_count(rotary)
     writer.add_rope_freq_base(config["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_bos_token_id(config["bos_token_id"])
@@ -184,6 +189,15 @@ def write_hf_as_gguf(
         writer.add_rope_scaling_factor(scaling["factor"])
     elif scaling.get("rope_type") == "llama3" and rope_factors:
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config, head_dim))
+    elif scaling.get("rope_type") == "longrope":  # Phi-3: as llama.cpp's converter writes it
+        original = config["original_max_position_embeddings"]
+        scale = config["max_position_embeddings"] / original
+        attention = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_scaling_attn_factors(attention)
+        for kind in ("long", "short"):
+            factors = np.array(scaling[f"{kind}_factor"], np.float32)
+            writer.add_tensor(f"rope_factors_{kind}.weight", factors)
     if gemma or gpt_oss:
         writer.add_sliding_window(config["sliding_window"])
     if config["model_type"] == "gemma2":
@@ -196,6 +210,7 @@ def write_hf_as_gguf(
         expert_rows = config["intermediate_size" if gpt_oss else "moe_intermediate_size"]
         writer.add_expert_feed_forward_length(expert_rows)
     in_layer = GEMMA_IN_LAYER if gemma else GPT_OSS_IN_LAYER if gpt_oss else IN_LAYER
+    in_layer = PHI3_IN_LAYER if phi3 else in_layer
     tensors: dict[str, np.ndarray] = {}
     experts: dict[str, dict[int, np.ndarray]] = {}
     for name, tensor in load_file(folder / "model.safetensors").items():

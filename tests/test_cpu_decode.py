@@ -67,7 +67,7 @@ def decode_both_ways(llm: LLM) -> tuple[list, list, int]:
 
 @pytest.mark.parametrize(
     "family",
-    ["llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "gpt_oss", "smollm3"],
+    ["llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "gpt_oss", "smollm3", "phi3"],
 )
 def test_stack_gives_the_modules_bits(family: str, tmp_path: Path) -> None:
     """Llama's Q4_0 value projection beside its Q8_0 queries and keys makes Q|K|V two
@@ -75,7 +75,7 @@ def test_stack_gives_the_modules_bits(family: str, tmp_path: Path) -> None:
     Gemma 3 its norms after attention and the MLP, GELU, two ropes and windows of 4 over
     prompts of up to 19 tokens, Gemma 2 its soft-capped scores, gpt-oss its sinks, biases
     on every projection, the router and the MXFP4 experts, and its clamped SwiGLU, SmolLM3
-    a layer without rope. The
+    a layer without rope, Phi-3 its fused Q|K|V and gate|up and a partly rotating head. The
     float32 cache keeps a float16 rounding out of what is compared (both ways would share
     it)."""
     overrides = {

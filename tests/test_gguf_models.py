@@ -53,14 +53,14 @@ OVERRIDES = {
 
 @pytest.mark.parametrize(
     "family",
-    ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "smollm3"],
+    ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "smollm3", "phi3"],
 )
 def test_gguf_of_each_family_matches_transformers(family: str, tmp_path: Path) -> None:
     """The tiny llama has Llama-3 scaling, which reaches the file as `rope_freqs` only; the
     Qwen3-MoE file stacks each layer's experts into one tensor a part; the Gemma files'
     norms hold 1 + w, and Gemma 2's soft caps are metadata; the SmolLM3 file's queries and
     keys are in llama.cpp's row order and its fourth layer takes no rope, as llama.cpp fixes
-    it."""
+    it; the Phi-3 file keeps Q|K|V and gate|up fused, and its LongRoPE factors as tensors."""
     folder = make_tiny_model(family, tmp_path / family, overrides=OVERRIDES.get(family))
     model = write_hf_as_gguf(folder, tmp_path / f"{family}.gguf")
     hf = hf_model(folder)

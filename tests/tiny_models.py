@@ -5,8 +5,8 @@ query attention, Qwen2's QKV bias, Qwen3's per-head Q/K norm and explicit head_d
 rope scaling, tied or untied embeddings, Qwen3-MoE's routed experts next to a dense MLP
 layer (`mlp_only_layers`), Gemma 3's windowed and whole layers with their own ropes,
 scaled scores, sandwich norms and GELU, Gemma 2's soft-capped scores and logits, gpt-oss's
-attention sinks, biases, YaRN rope, windows and experts with biases and a clamped SwiGLU, and
-SmolLM3's layers without rope.
+attention sinks, biases, YaRN rope, windows and experts with biases and a clamped SwiGLU,
+SmolLM3's layers without rope, and Phi-3's fused projections, partial rotation and LongRoPE.
 """
 
 from __future__ import annotations
@@ -94,6 +94,20 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "no_rope_layers": [1, 0],
         "pad_token_id": 0,  # its default, 128004, is past the tiny vocabulary
     },
+    "phi3": {
+        # Phi-4-mini's quirks: fused projections, three quarters of a head rotating (heads of
+        # 16), LongRoPE; the context served is the original one, so its short factors are
+        # taken as by transformers (tests/test_phi3.py runs the long ones past 64 positions)
+        "partial_rotary_factor": 0.75,
+        "original_max_position_embeddings": 512,
+        "rope_scaling": {
+            "rope_type": "longrope",
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+            "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0],
+        },
+        "tie_word_embeddings": True,
+        "pad_token_id": 0,  # its default, 32000, is past the tiny vocabulary
+    },
     "qwen3_moe": {
         "rope_theta": 1000000.0,
         "tie_word_embeddings": False,
@@ -124,6 +138,7 @@ def make_tiny_model(
         "gemma2": transformers.Gemma2Config,
         "gemma3": transformers.Gemma3TextConfig,
         "smollm3": transformers.SmolLM3Config,
+        "phi3": transformers.Phi3Config,
         "gpt_oss": transformers.GptOssConfig,
     }[family]
     config = config_cls(**{**COMMON, **FAMILIES[family], **(overrides or {})})

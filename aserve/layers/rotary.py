@@ -2,7 +2,13 @@
 
 cos/sin are computed once for every position up to the engine's context length, in float32,
 and looked up per token. Scalings: Llama-3's (as Hugging Face configs state it, or as GGUF
-files store it: one divisor a frequency), YaRN and linear.
+files store it: one divisor a frequency), YaRN, linear and Phi-3's LongRoPE.
+
+Where only part of a head rotates (`rotary_dim`, Phi-4-mini's three quarters), the model
+loads each head's query and key rows reordered (`partial_rotary_order`) so that the pairs
+that rotate are the first rotary_dim / 2 of the whole head's rotate-half pairs; the other
+pairs take frequency 0 (cos 1, sin 0). Every RoPE path then rotates whole heads as it does
+for any model, and scores are unchanged: Q and K are reordered alike.
 """
 
 from __future__ import annotations
@@ -76,10 +82,28 @@ def _yarn(
     return inv_freq, float(attention)
 
 
-def rope_frequencies(
-    head_dim: int, theta: float, scaling: dict[str, Any] | None
+def _longrope(
+    inv_freq: torch.Tensor, scaling: dict[str, Any], context: int
 ) -> tuple[torch.Tensor, float]:
-    """The inverse frequency of each rotary pair, and the factor cos and sin are scaled by."""
+    """Phi-3's LongRoPE: each frequency divided by its own factor, the long ones where the
+    context runs past the original one, else the short ones (llama.cpp's rule, by the
+    context served; transformers switches by each forward's length, which gives the same
+    for prompts that stay on one side); cos and sin grow by sqrt(1 + ln(factor) /
+    ln(original)) unless the config states the attention factor."""
+    original = int(scaling["original_max_position_embeddings"])
+    factors = scaling["long_factor" if context > original else "short_factor"]
+    factor = float(scaling["factor"])
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    return inv_freq / torch.tensor(factors, dtype=torch.float32), float(attention)
+
+
+def rope_frequencies(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None, context: int = 0
+) -> tuple[torch.Tensor, float]:
+    """The inverse frequency of each rotary pair, and the factor cos and sin are scaled by.
+    `context`: the positions served (LongRoPE picks its factors by it)."""
     inv_freq = _base_inv_freq(head_dim, theta)
     if scaling is None:
         return inv_freq, 1.0
@@ -94,6 +118,8 @@ def rope_frequencies(
         return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32), 1.0
     if kind == "yarn":
         return _yarn(inv_freq, head_dim, theta, scaling)
+    if kind == "longrope":
+        return _longrope(inv_freq, scaling, context)
     raise ValueError(f"rope scaling {kind!r} is not supported")  # ModelConfig refuses it first
 
 
@@ -109,11 +135,17 @@ class RotaryEmbedding(nn.Module):
         theta: float,
         scaling: dict[str, Any] | None,
         ops: FusedOps | None = None,
+        rotary_dim: int = 0,
     ) -> None:
+        """`rotary_dim`: the dimensions of a head that rotate (0: all), in the first
+        rotary_dim / 2 pairs (`partial_rotary_order`); the others keep cos 1 and sin 0."""
         super().__init__()
-        inv_freq, attention = rope_frequencies(head_dim, theta, scaling)
+        rotary_dim = rotary_dim or head_dim
+        inv_freq, attention = rope_frequencies(rotary_dim, theta, scaling, max_positions)
         freqs = torch.outer(torch.arange(max_positions).float(), inv_freq)
         cos, sin = freqs.cos() * attention, freqs.sin() * attention
+        still = torch.zeros(max_positions, (head_dim - rotary_dim) // 2)
+        cos, sin = torch.cat((cos, still + 1), -1), torch.cat((sin, still), -1)
         self.register_buffer("cos_sin", torch.cat((cos, sin), -1), persistent=False)
         self.register_buffer("head_cos", torch.cat((cos, cos), -1), persistent=False)
         self.register_buffer("head_sin", torch.cat((-sin, sin), -1), persistent=False)
@@ -151,3 +183,20 @@ class RotaryEmbedding(nn.Module):
                 self.head_sin[positions][:, None, :].to(dtype),
             )
         return self._tables
+
+
+def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The order of a head's dimensions under which Hugging Face's partial rotation (pairs
+    (i, i + rotary_dim / 2) of the first rotary_dim dimensions) is the whole head's
+    rotate-half (pairs (j, j + head_dim / 2)) on its first rotary_dim / 2 pairs: the halves
+    of the rotating part go to the front of each half of the head, the others' halves
+    after them."""
+    half, rest = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    return torch.cat(
+        (
+            torch.arange(half),
+            torch.arange(rotary_dim, rotary_dim + rest),
+            torch.arange(half, rotary_dim),
+            torch.arange(rotary_dim + rest, head_dim),
+        )
+    )

@@ -32,10 +32,11 @@ from aserve.layers.fused import FusedOps
 from aserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from aserve.layers.moe import QuantizedExperts
 from aserve.layers.norm import Float32RMSNorm, GemmaRMSNorm, RMSNorm
-from aserve.layers.rotary import NO_ROPE, RotaryEmbedding
-from aserve.layers.weight import WeightSource
+from aserve.layers.rotary import NO_ROPE, RotaryEmbedding, partial_rotary_order
+from aserve.layers.weight import WeightSource, read_whole
 from aserve.models.weights import map_checkpoint_tensor
 from aserve.quant.fp8_activations import Fp8Activations
+from aserve.quant.gguf import QuantizedTensor
 from aserve.quant.huge_pages import WeightBlocks
 from aserve.quant.native import KernelTensors, Scratch
 
@@ -279,7 +280,12 @@ class DecoderModel(nn.Module):
         )
         self.embedding_scale = config.embedding_scale
         rotary = RotaryEmbedding(
-            config.head_dim, max_positions, config.rope_theta, config.rope_scaling, ops
+            config.head_dim,
+            max_positions,
+            config.rope_theta,
+            config.rope_scaling,
+            ops,
+            config.rotary_dim,
         )
         local_rotary = rotary
         if config.local_rope_theta is not None:
@@ -335,6 +341,11 @@ _FUSED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+_FUSED_IN_CHECKPOINT = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+"""Checkpoints that store a layer's projections fused (Phi-3's), split into Llama's names."""
 
 
 class DecoderForCausalLM(nn.Module):
@@ -359,6 +370,9 @@ class DecoderForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
+        self.rotary_order: torch.Tensor | None = None  # a head's rows, where part rotates
+        if config.rotary_dim and config.rotary_dim < config.head_dim:
+            self.rotary_order = partial_rotary_order(config.head_dim, config.rotary_dim)
         mlps = make_mlp or (lambda _: DecoderMLP(config, tp, ops))
         self.model = DecoderModel(config, max_positions, tp, ops, mlps)
         self.lm_head = (
@@ -414,6 +428,14 @@ class DecoderForCausalLM(nn.Module):
         `expected_tensors` must cover once every tensor is in."""
         module_name, _, param = name.rpartition(".")
         parent, _, leaf = module_name.rpartition(".")
+        if leaf in _FUSED_IN_CHECKPOINT and param in ("weight", "bias"):
+            loaded: list[str] = []
+            for part, rows in zip(_FUSED_IN_CHECKPOINT[leaf], self._fused_rows(leaf), strict=True):
+                part_name = f"{parent}.{part}.{param}"
+                loaded += self.load_tensor(modules, part_name, tensor[rows])
+            return loaded
+        if leaf in ("q_proj", "k_proj") and self.rotary_order is not None:
+            tensor = self._reorder_head_rows(tensor)
         target, shard = _FUSED.get(leaf, (leaf, 0))
         module_name = f"{parent}.{target}" if parent else target
         module = modules.get(module_name)
@@ -421,6 +443,23 @@ class DecoderForCausalLM(nn.Module):
             raise ValueError(f"checkpoint tensor {name} has no place in {self.config.architecture}")
         module.load_weight(param, tensor, shard)
         return [f"{module_name}.{param}"]
+
+    def _fused_rows(self, leaf: str) -> list[slice]:
+        """The row ranges of a fused checkpoint tensor's parts (Q, K, V or gate, up)."""
+        config = self.config
+        if leaf == "qkv_proj":
+            q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+            return [slice(0, q), slice(q, q + kv), slice(q + kv, q + 2 * kv)]
+        inter = config.intermediate_size
+        return [slice(0, inter), slice(inter, 2 * inter)]
+
+    def _reorder_head_rows(self, tensor: WeightSource) -> WeightSource:
+        """A query or key projection's rows (or bias) in `rotary_order` within each head."""
+        assert self.rotary_order is not None
+        whole = tensor if isinstance(tensor, QuantizedTensor) else read_whole(tensor)
+        starts = torch.arange(0, whole.shape[0], self.config.head_dim)
+        order = (starts[:, None] + self.rotary_order).flatten()
+        return whole.permute_rows(order) if isinstance(whole, QuantizedTensor) else whole[order]
 
     def expected_tensors(self) -> set[str]:
         quantized = {

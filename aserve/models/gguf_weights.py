@@ -59,7 +59,13 @@ GPT_OSS_TENSORS = LAYER_TENSORS | {
 }
 """gpt-oss's norm before its experts is llama.cpp's `post_attention_norm`; `attn_sinks` holds
 each head's sink logit (Hugging Face's `self_attn.sinks`, a parameter, not a `.weight`)."""
+PHI3_TENSORS = LAYER_TENSORS | {
+    "attn_qkv": "self_attn.qkv_proj",
+    "ffn_up": "mlp.gate_up_proj",
+}
+"""Phi-3's fused projections, as llama.cpp keeps them: Q|K|V, and gate|up under `ffn_up`."""
 FAMILY_TENSORS = {
+    "phi3": PHI3_TENSORS,
     "gemma2": SANDWICH_TENSORS,
     "gemma3_text": SANDWICH_TENSORS,
     "gpt_oss": GPT_OSS_TENSORS,
@@ -83,6 +89,12 @@ FLOAT_TYPES = (
 ROPE_FACTORS = "rope_freqs.weight"
 """llama.cpp's rope frequency divisors (Llama 3.1-3.3): read into config.json at conversion
 (aserve/models/source.py), not a weight of any layer."""
+LONGROPE_FACTORS = {
+    "long_factor": "rope_factors_long.weight",
+    "short_factor": "rope_factors_short.weight",
+}
+"""Phi-3's LongRoPE factors as llama.cpp stores them, read into config.json the same way."""
+ROPE_TENSORS = (ROPE_FACTORS, *LONGROPE_FACTORS.values())
 
 GGUFWeight = torch.Tensor | QuantizedTensor
 
@@ -175,7 +187,7 @@ def iter_gguf(
     permute = model_type in ("llama", "smollm3")  # llama.cpp's converter permutes both
     sandwich = model_type in SANDWICH_FAMILIES
     for tensor in tqdm(tensors, desc="Loading weights", unit="tensor", disable=not progress):
-        if tensor.name == ROPE_FACTORS:
+        if tensor.name in ROPE_TENSORS:
             continue
         name = hf_tensor_name(tensor.name, model_type)
         if "{}" in name:

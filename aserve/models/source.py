@@ -45,7 +45,9 @@ from aserve.models.gguf_header import read_header
 from aserve.models.gguf_weights import (
     FLOAT_TYPES,
     GGUF_POINTER,
+    LONGROPE_FACTORS,
     ROPE_FACTORS,
+    ROPE_TENSORS,
     GGUFTensorError,
     StoredTensor,
     has_quantized_matrices,
@@ -70,6 +72,7 @@ ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text", "gpt-oss": "gpt_oss"}
 """config.json's `model_type` of the GGUF architectures whose names differ."""
@@ -229,7 +232,7 @@ def check_tensor(tensor: StoredTensor, model_type: str = "llama") -> None:
     types (`read_header` has refused data that the file does not hold in full). `model_type`:
     the file's family, some of which name their tensors otherwise."""
     try:
-        if tensor.name != ROPE_FACTORS:
+        if tensor.name not in ROPE_TENSORS:
             hf_tensor_name(tensor.name, model_type)
     except GGUFTensorError as error:
         raise ModelSourceError(str(error)) from None
@@ -303,6 +306,8 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
         config |= gemma_config(read, config, arch)
     if arch == "gpt-oss":
         config |= gpt_oss_config(read, config)
+    if arch == "phi3":
+        config |= phi3_config(read, config, tensors)
     if has_quantized_matrices(stored):
         config["quantization_config"] = {"quant_method": "gguf"}
     return {key: value for key, value in config.items() if value is not None}
@@ -334,6 +339,38 @@ def gemma_config(read: Metadata, config: dict[str, Any], arch: str) -> dict[str,
         settings |= {
             "sliding_window_pattern": GEMMA3_WINDOW_PATTERN,
             "rope_local_base_freq": 10000.0,
+        }
+    return settings
+
+
+def phi3_config(
+    read: Metadata, config: dict[str, Any], tensors: dict[str, StoredTensor]
+) -> dict[str, Any]:
+    """What a Phi-3 file holds apart: the rotating part of a head (`rope.dimension_count`),
+    and LongRoPE's long and short factors as tensors, with the original context and the
+    attention factor in the metadata. Its `sliding_window` is left out: llama.cpp runs these
+    files without one (Phi-3-mini-4k's 2,047 is in its config.json)."""
+    head_dim = config["head_dim"]
+    rotary = read("phi3.rope.dimension_count", head_dim)
+    settings: dict[str, Any] = {"partial_rotary_factor": rotary / head_dim}
+    if all(name in tensors for name in LONGROPE_FACTORS.values()):
+        original = read("phi3.rope.scaling.original_context_length", required=True)
+        factors = {
+            key: [float(v) for v in np.asarray(tensors[name].data, np.float32)]
+            for key, name in LONGROPE_FACTORS.items()
+        }
+        for key, values in factors.items():
+            if len(values) != rotary // 2:
+                raise ModelSourceError(
+                    f"GGUF {LONGROPE_FACTORS[key]} should be {rotary // 2} F32 values, one a "
+                    f"rotating pair; it holds {len(values)}"
+                )
+        settings["original_max_position_embeddings"] = original
+        settings["rope_scaling"] = {
+            "rope_type": "longrope",
+            **factors,
+            "original_max_position_embeddings": original,
+            "attention_factor": float32_decimal(read("phi3.rope.scaling.attn_factor", 1.0)),
         }
     return settings
 
