@@ -200,6 +200,18 @@ def _rotary_dim(config: dict[str, Any], head_dim: int) -> int:
     return rotary
 
 
+def _check_longrope(scaling: dict[str, Any] | None, rotary_dim: int) -> None:
+    """LongRoPE's factors: one a rotating pair, in each set."""
+    if scaling is None or scaling.get("rope_type", scaling.get("type")) != "longrope":
+        return
+    for key in ("short_factor", "long_factor"):
+        if len(scaling[key]) != rotary_dim // 2:
+            raise ConfigError(
+                f"longrope {key} holds {len(scaling[key])} values; the {rotary_dim} rotating "
+                f"dimensions of a head need {rotary_dim // 2}"
+            )
+
+
 def _rope_free_layers(config: dict[str, Any], num_layers: int) -> tuple[int, ...]:
     """SmolLM3's layers without rotary positions: `no_rope_layers` flags each layer (1: it
     rotates), or, where a config leaves them out (llama.cpp's files), every
@@ -415,6 +427,7 @@ class ModelConfig:
             family_settings["rope_free_layers"] = _rope_free_layers(config, num_layers)
         if family == "phi3":
             family_settings["rotary_dim"] = _rotary_dim(config, int(head_dim))
+            _check_longrope(family_settings["rope_scaling"], family_settings["rotary_dim"])
         settings = {"hidden_act": str(config.get("hidden_act", "silu")), **family_settings}
         if settings["hidden_act"] not in ACTIVATIONS:
             raise ConfigError(

@@ -18,7 +18,7 @@ from aserve.scheduler.request import FinishReason
 from tests.gguf_files import write_hf_as_gguf
 from tests.scenarios import abort_one_of_two
 from tests.test_models import our_logits
-from tests.tiny_models import FAMILIES, make_tiny_model
+from tests.tiny_models import FAMILIES, make_tiny_model, phi3_rope
 
 pytestmark = [
     pytest.mark.gpu,
@@ -84,6 +84,8 @@ def test_bf16_logprobs_close_to_transformers(
     import transformers
 
     shapes = {**KERNEL_SHAPES, "head_dim": 128 if family == "qwen3" else 64}
+    if family == "phi3":  # its factors for heads of 64
+        shapes["rope_scaling"] = phi3_rope(64)
     if family == "gpt_oss":  # the published clamp: older transformers fix it at 7
         shapes |= EVERY_EXPERT | {"swiglu_limit": 7.0}
     folder = make_tiny_model(family, tmp_path, overrides=shapes)
@@ -99,6 +101,23 @@ def test_bf16_logprobs_close_to_transformers(
     assert type(llm.runtime.engine.attn).__name__ == "FlashInferBackend"
     assert llm.runtime.engine.graphs is not None
     assert_greedy_logprobs_close(llm, hf)
+
+
+def test_phi3_heads_of_96_on_the_torch_backend(
+    make_llm: Callable[..., LLM], tmp_path: Path
+) -> None:
+    """Phi-3/3.5-mini's heads of 96 (72 rotating), a size FlashInfer's kernels here do not
+    take: `auto` picks the torch backend on CUDA, with transformers' bf16 logprobs."""
+    import transformers
+
+    shapes = {"hidden_size": 384, "num_attention_heads": 4, "num_key_value_heads": 2}
+    folder = make_tiny_model("phi3", tmp_path, overrides={**shapes, "rope_scaling": phi3_rope(96)})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    llm = make_llm(folder, device="cuda", dtype="bfloat16")
+    engine = llm.runtime.engine
+    assert engine.model_config.head_dim == 96 and engine.model_config.rotary_dim == 72
+    assert type(engine.attn).__name__ == "TorchNativeBackend"
+    assert_greedy_logprobs_close(llm, hf.cuda().eval())
 
 
 def test_gemma3_windows_on_flashinfer(make_llm: Callable[..., LLM], tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from aserve import LLM, SamplingParams
-from aserve.config import ModelConfig
+from aserve.config import ConfigError, ModelConfig
 from aserve.engine import engine as engine_module
 from aserve.layers import rotary as rotary_module
 from aserve.layers.rotary import RotaryEmbedding, partial_rotary_order
@@ -142,6 +142,9 @@ def test_configs_read_their_rope(phi3: Path) -> None:
         assert model.rope_scaling["original_max_position_embeddings"] == 64
         assert model.rope_scaling["factor"] == 8.0
     assert ModelConfig.from_hf({**old, "sliding_window": 32}).max_position_embeddings == 32
+    short = {**old["rope_scaling"], "short_factor": [1.0] * 5}
+    with pytest.raises(ConfigError, match="short_factor holds 5 values; the 12 rotating"):
+        ModelConfig.from_hf({**old, "rope_scaling": short})
     _, attention = rotary_module.rope_frequencies(12, 10000.0, model.rope_scaling, 512)
     assert attention == pytest.approx(
         (1 + torch.log(torch.tensor(8.0)) / torch.log(torch.tensor(64.0))) ** 0.5

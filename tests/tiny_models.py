@@ -100,11 +100,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
         # taken as by transformers (tests/test_phi3.py runs the long ones past 64 positions)
         "partial_rotary_factor": 0.75,
         "original_max_position_embeddings": 512,
-        "rope_scaling": {
-            "rope_type": "longrope",
-            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
-            "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0],
-        },
+        "rope_scaling": None,  # phi3_rope(16), set below
         "tie_word_embeddings": True,
         "pad_token_id": 0,  # its default, 32000, is past the tiny vocabulary
     },
@@ -120,6 +116,20 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "mlp_only_layers": [1],
     },
 }
+
+
+def phi3_rope(head_dim: int) -> dict[str, Any]:
+    """LongRoPE factors for the tiny Phi-3's three quarters of a `head_dim` head, rising
+    from 1 over the rotating pairs (short) and further (long)."""
+    pairs = torch.linspace(0, 1, head_dim * 3 // 8)
+    return {
+        "rope_type": "longrope",
+        "short_factor": (1 + 1.5 * pairs).tolist(),
+        "long_factor": (1 + 8 * pairs).tolist(),
+    }
+
+
+FAMILIES["phi3"]["rope_scaling"] = phi3_rope(16)
 
 
 def make_tiny_model(
