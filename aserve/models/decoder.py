@@ -455,11 +455,15 @@ class DecoderForCausalLM(nn.Module):
 
     def _reorder_head_rows(self, tensor: WeightSource) -> WeightSource:
         """A query or key projection's rows (or bias) in `rotary_order` within each head."""
+        if isinstance(tensor, QuantizedTensor):
+            return tensor.permute_rows(self._head_order(tensor.shape[0], tensor.raw.device))
+        whole = read_whole(tensor)  # on the weights' device where they load onto a GPU
+        return whole[self._head_order(whole.shape[0], whole.device)]
+
+    def _head_order(self, rows: int, device: torch.device) -> torch.Tensor:
         assert self.rotary_order is not None
-        whole = tensor if isinstance(tensor, QuantizedTensor) else read_whole(tensor)
-        starts = torch.arange(0, whole.shape[0], self.config.head_dim)
-        order = (starts[:, None] + self.rotary_order).flatten()
-        return whole.permute_rows(order) if isinstance(whole, QuantizedTensor) else whole[order]
+        starts = torch.arange(0, rows, self.config.head_dim)
+        return (starts[:, None] + self.rotary_order).flatten().to(device)
 
     def expected_tensors(self) -> set[str]:
         quantized = {
