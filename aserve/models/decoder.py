@@ -462,8 +462,9 @@ class DecoderForCausalLM(nn.Module):
 
     def _head_order(self, rows: int, device: torch.device) -> torch.Tensor:
         assert self.rotary_order is not None
-        starts = torch.arange(0, rows, self.config.head_dim)
-        return (starts[:, None] + self.rotary_order).flatten().to(device)
+        # made on the host: the model may be built under a GPU default device, loaded apart
+        starts = torch.arange(0, rows, self.config.head_dim, device="cpu")
+        return (starts[:, None] + self.rotary_order.cpu()).flatten().to(device)
 
     def expected_tensors(self) -> set[str]:
         quantized = {
