@@ -134,7 +134,7 @@ def test_yarn_scales_cos_and_sin_by_its_attention_factor() -> None:
 @pytest.mark.parametrize(
     ("scaling", "message"),
     [
-        ({"rope_type": "longrope"}, "rope scaling 'longrope' is not supported; aserve runs"),
+        ({"rope_type": "dynamic"}, "rope scaling 'dynamic' is not supported; aserve runs"),
         ({"rope_type": "yarn", "factor": 4.0}, "yarn rope scaling needs original_max_position"),
     ],
 )
