@@ -28,6 +28,7 @@ SUPPORTED_ARCHITECTURES = {
     "GptOssForCausalLM": "gpt_oss",
     "SmolLM3ForCausalLM": "smollm3",
     "Phi3ForCausalLM": "phi3",
+    "GraniteForCausalLM": "granite",
 }
 MOE_BACKENDS = ("auto", "torch", "fused")
 GELU_TANH = "gelu_pytorch_tanh"
@@ -200,6 +201,18 @@ def _rotary_dim(config: dict[str, Any], head_dim: int) -> int:
     return rotary
 
 
+def _granite_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """IBM Granite 3's four multipliers on Llama: the embeddings, the scores (in place of
+    1 / sqrt(head_dim)), each block's output before it joins the residual stream, and the
+    logits (divided)."""
+    return {
+        "embedding_scale": float(config.get("embedding_multiplier") or 1.0),
+        "attention_scale": float(config.get("attention_multiplier") or 0.0) or None,
+        "residual_multiplier": float(config.get("residual_multiplier") or 1.0),
+        "logits_scaling": float(config.get("logits_scaling") or 1.0),
+    }
+
+
 def _check_longrope(scaling: dict[str, Any] | None, rotary_dim: int) -> None:
     """LongRoPE's factors: one a rotating pair, in each set."""
     if scaling is None or scaling.get("rope_type", scaling.get("type")) != "longrope":
@@ -326,7 +339,9 @@ class ModelConfig:
     Qwen2's, which biases Q, K and V only). `attention_sinks`: each head's softmax also sums
     a learned logit of its own that weighs no value (gpt-oss). `attention_softcap` and
     `logit_softcap` (Gemma 2; 0: none) bound the scaled scores and the logits to (-cap,
-    cap) by cap * tanh(x / cap). The MoE fields keep their
+    cap) by cap * tanh(x / cap). `residual_multiplier` scales each attention and MLP output
+    before it joins the residual stream, and the logits are divided by `logits_scaling`
+    (Granite). The MoE fields keep their
     defaults (no experts) for dense models; `expert_style` says how gpt-oss's experts
     differ.
     `quantization` is the checkpoint's format: its `quantization_config.quant_method`, "fp8"
@@ -380,6 +395,8 @@ class ModelConfig:
     expert_style: ExpertStyle = PLAIN_EXPERTS
     rope_free_layers: tuple[int, ...] = ()
     rotary_dim: int = 0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
 
     def layer_window(self, layer: int) -> int:
         """Layer `layer`'s sliding window, 0 where it reads the whole context."""
@@ -425,6 +442,8 @@ class ModelConfig:
             family_settings = dict(zip(("rope_theta", "rope_scaling"), _rope_settings(config)))
         if family == "smollm3":
             family_settings["rope_free_layers"] = _rope_free_layers(config, num_layers)
+        if family == "granite":
+            family_settings |= _granite_settings(config)
         if family == "phi3":
             family_settings["rotary_dim"] = _rotary_dim(config, int(head_dim))
             _check_longrope(family_settings["rope_scaling"], family_settings["rotary_dim"])

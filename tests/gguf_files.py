@@ -31,6 +31,7 @@ GGUF_ARCH = {
     "gpt_oss": "gpt-oss",
     "smollm3": "smollm3",
     "phi3": "phi3",
+    "granite": "granite",
 }
 TOP_LEVEL = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -200,6 +201,11 @@ def write_hf_as_gguf(
             writer.add_tensor(f"rope_factors_{kind}.weight", factors)
     if gemma or gpt_oss:
         writer.add_sliding_window(config["sliding_window"])
+    if config["model_type"] == "granite":
+        writer.add_embedding_scale(config["embedding_multiplier"])
+        writer.add_attention_scale(config["attention_multiplier"])
+        writer.add_residual_scale(config["residual_multiplier"])
+        writer.add_logit_scale(config["logits_scaling"])
     if config["model_type"] == "gemma2":
         writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
         writer.add_final_logit_softcapping(config["final_logit_softcapping"])
@@ -215,7 +221,8 @@ def write_hf_as_gguf(
     experts: dict[str, dict[int, np.ndarray]] = {}
     for name, tensor in load_file(folder / "model.safetensors").items():
         array = tensor.float().numpy()
-        if arch in ("llama", "smollm3") and name.endswith(("q_proj.weight", "k_proj.weight")):
+        permuted = arch in ("llama", "smollm3", "granite")  # as llama.cpp's LlamaModel does
+        if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             array = llama_cpp_permute(array, heads if "q_proj" in name else kv_heads)
         if gemma and name.endswith("norm.weight"):  # Gemma's RMSNorm weighs by 1 + w
             array = array + 1

@@ -67,7 +67,18 @@ def decode_both_ways(llm: LLM) -> tuple[list, list, int]:
 
 @pytest.mark.parametrize(
     "family",
-    ["llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "gpt_oss", "smollm3", "phi3"],
+    [
+        "llama",
+        "qwen2",
+        "qwen3",
+        "qwen3_moe",
+        "gemma2",
+        "gemma3",
+        "gpt_oss",
+        "smollm3",
+        "phi3",
+        "granite",
+    ],
 )
 def test_stack_gives_the_modules_bits(family: str, tmp_path: Path) -> None:
     """Llama's Q4_0 value projection beside its Q8_0 queries and keys makes Q|K|V two

@@ -53,7 +53,18 @@ OVERRIDES = {
 
 @pytest.mark.parametrize(
     "family",
-    ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "smollm3", "phi3"],
+    [
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "qwen3_moe",
+        "gemma2",
+        "gemma3",
+        "smollm3",
+        "phi3",
+        "granite",
+    ],
 )
 def test_gguf_of_each_family_matches_transformers(family: str, tmp_path: Path) -> None:
     """The tiny llama has Llama-3 scaling, which reaches the file as `rope_freqs` only; the

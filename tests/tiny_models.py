@@ -6,7 +6,8 @@ rope scaling, tied or untied embeddings, Qwen3-MoE's routed experts next to a de
 layer (`mlp_only_layers`), Gemma 3's windowed and whole layers with their own ropes,
 scaled scores, sandwich norms and GELU, Gemma 2's soft-capped scores and logits, gpt-oss's
 attention sinks, biases, YaRN rope, windows and experts with biases and a clamped SwiGLU,
-SmolLM3's layers without rope, and Phi-3's fused projections, partial rotation and LongRoPE.
+SmolLM3's layers without rope, Phi-3's fused projections, partial rotation and LongRoPE, and
+Granite's multipliers.
 """
 
 from __future__ import annotations
@@ -104,6 +105,15 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
         "pad_token_id": 0,  # its default, 32000, is past the tiny vocabulary
     },
+    "granite": {
+        # Granite 3's multipliers, away from 1 so that each shows
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "embedding_multiplier": 12.0,
+        "attention_multiplier": 0.1,
+        "residual_multiplier": 0.22,
+        "logits_scaling": 4.0,
+    },
     "qwen3_moe": {
         "rope_theta": 1000000.0,
         "tie_word_embeddings": False,
@@ -149,6 +159,7 @@ def make_tiny_model(
         "gemma3": transformers.Gemma3TextConfig,
         "smollm3": transformers.SmolLM3Config,
         "phi3": transformers.Phi3Config,
+        "granite": transformers.GraniteConfig,
         "gpt_oss": transformers.GptOssConfig,
     }[family]
     config = config_cls(**{**COMMON, **FAMILIES[family], **(overrides or {})})

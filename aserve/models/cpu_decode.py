@@ -80,6 +80,7 @@ def build_decode_stack(model: DecoderModel, config: ModelConfig) -> DecodeStack 
         attention.eps,
         attention.head_dim**-0.5 if scale is None else scale,
         config.attention_softcap,
+        config.residual_multiplier,
     )
     blas_from: list[int] = []
     for i, layer in enumerate(layers):

@@ -1,4 +1,5 @@
-"""One dense decoder for Llama, Mistral, Qwen2/2.5, Qwen3, SmolLM3 and Gemma 2 and 3.
+"""One dense decoder for Llama, Mistral, Qwen2/2.5, Qwen3, SmolLM3, Phi-3, Granite and
+Gemma 2 and 3.
 
 The families differ only in flags read from the config: Qwen2 adds a bias to the Q/K/V
 projections, Qwen3 normalises each head of Q and K, Llama-3 scales its rope frequencies, and
@@ -225,6 +226,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = DecoderAttention(config, layer, rotary, tp, ops)
         self.mlp = mlp
         self.sandwich = config.gemma_norms
+        self.residual_multiplier = config.residual_multiplier  # Granite's; 1 elsewhere
         norm = _norm_class(config)
         size, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = norm(size, eps, ops)
@@ -255,11 +257,19 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm.add_and_norm(hidden, residual, group)
         hidden = self.self_attn(positions, hidden, batch, attn)
         if not self.sandwich:
-            hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual, self.tp)
-            return self.mlp(hidden), residual
+            hidden, residual = self.post_attention_layernorm.add_and_norm(
+                self._scaled(hidden), residual, self.tp
+            )
+            return self._scaled(self.mlp(hidden)), residual
         hidden = self.post_attention_layernorm(self._whole(hidden))
         hidden, residual = self.pre_feedforward_layernorm.add_and_norm(hidden, residual)
         return self.post_feedforward_layernorm(self._whole(self.mlp(hidden))), residual
+
+    def _scaled(self, output: torch.Tensor) -> torch.Tensor:
+        """An attention or MLP output as it joins the residual stream (Granite scales it;
+        partial sums under TP scale alike)."""
+        multiplier = self.residual_multiplier
+        return output if multiplier == 1.0 else output.mul_(multiplier)
 
     def _whole(self, partial: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(partial) if self.tp.size > 1 else partial
@@ -388,6 +398,8 @@ class DecoderForCausalLM(nn.Module):
         Gemma 2's soft cap works in place in that dtype, as transformers caps them."""
         hidden = self.model(batch, attn)[batch.logit_indices]
         logits = self.lm_head.logits(hidden)
+        if self.config.logits_scaling != 1.0:  # Granite
+            logits.div_(self.config.logits_scaling)
         cap = self.config.logit_softcap
         return logits.div_(cap).tanh_().mul_(cap) if cap else logits
 

@@ -184,7 +184,8 @@ def iter_gguf(
         "self_attn.k_proj": config["num_key_value_heads"],
     }
     model_type = config["model_type"]
-    permute = model_type in ("llama", "smollm3")  # llama.cpp's converter permutes both
+    # llama.cpp's converter permutes these families' query and key rows as Llama's
+    permute = model_type in ("llama", "smollm3", "granite")
     sandwich = model_type in SANDWICH_FAMILIES
     for tensor in tqdm(tensors, desc="Loading weights", unit="tensor", disable=not progress):
         if tensor.name in ROPE_TENSORS:

@@ -73,6 +73,7 @@ ARCHITECTURES = {
     "gpt-oss": "GptOssForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "granite": "GraniteForCausalLM",
 }
 MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text", "gpt-oss": "gpt_oss"}
 """config.json's `model_type` of the GGUF architectures whose names differ."""
@@ -308,6 +309,13 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
         config |= gpt_oss_config(read, config)
     if arch == "phi3":
         config |= phi3_config(read, config, tensors)
+    if arch == "granite":  # its multipliers, under llama.cpp's names
+        config |= {
+            "embedding_multiplier": read("granite.embedding_scale"),
+            "attention_multiplier": read("granite.attention.scale"),
+            "residual_multiplier": read("granite.residual_scale"),
+            "logits_scaling": read("granite.logit_scale"),
+        }
     if has_quantized_matrices(stored):
         config["quantization_config"] = {"quant_method": "gguf"}
     return {key: value for key, value in config.items() if value is not None}

@@ -66,15 +66,17 @@ using WeightArgs = Tensor(const Tensor&, const Tensor&, const Tensor&, const Ten
 
 class DecodeStack : public torch::CustomClassHolder {
  public:
-  // `softcap`: the scores' soft cap (Gemma 2), 0 for none.
+  // `softcap`: the scores' soft cap (Gemma 2), 0 for none; `residual_scale`: what each
+  // attention and MLP output is multiplied by as it joins the residual stream (Granite's).
   DecodeStack(int64_t q_size, int64_t kv_size, int64_t head_dim, double eps, double scale,
-              double softcap)
+              double softcap, double residual_scale)
       : q_size_(q_size),
         kv_size_(kv_size),
         head_dim_(head_dim),
         eps_(eps),
         scale_(scale),
-        softcap_(softcap) {}
+        softcap_(softcap),
+        residual_scale_(residual_scale) {}
 
   // Keeps a weight; layers name it by the number returned.
   int64_t add_weight(Tensor words, Tensor scales, Tensor offsets, Tensor bases, int64_t group,
@@ -145,9 +147,11 @@ class DecodeStack : public torch::CustomClassHolder {
       hidden = project(attended.view({tokens, -1}), {layer.o}, layer.o_bias);
       if (layer.attention_out_norm.has_value())
         hidden = rmsnorm.call(hidden, *layer.attention_out_norm, eps_);
+      if (residual_scale_ != 1.0) hidden.mul_(residual_scale_);
       add_rmsnorm.call(hidden, residual, layer.post_norm, eps_);
       hidden = layer.router.has_value() ? experts(hidden, layer) : mlp(hidden, layer);
       if (layer.mlp_out_norm.has_value()) hidden = rmsnorm.call(hidden, *layer.mlp_out_norm, eps_);
+      if (residual_scale_ != 1.0) hidden.mul_(residual_scale_);
     }
     return {hidden, residual};
   }
@@ -202,7 +206,7 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   int64_t q_size_, kv_size_, head_dim_;
-  double eps_, scale_, softcap_;
+  double eps_, scale_, softcap_, residual_scale_;
   std::vector<Weight> weights_;
   std::vector<Layer> layers_;
 };
@@ -211,7 +215,7 @@ class DecodeStack : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(aserve_cpu, m) {
   m.class_<DecodeStack>("DecodeStack")
-      .def(torch::init<int64_t, int64_t, int64_t, double, double, double>())
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, double, double>())
       .def("add_weight", &DecodeStack::add_weight)
       .def("add_layer", &DecodeStack::add_layer)
       .def("run", &DecodeStack::run);
