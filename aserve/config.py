@@ -23,6 +23,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "GptOssForCausalLM": "gpt_oss",
@@ -236,14 +237,18 @@ def _rope_free_layers(config: dict[str, Any], num_layers: int) -> tuple[int, ...
     return tuple(layer for layer in range(num_layers) if (layer + 1) % interval == 0)
 
 
-def _moe_settings(config: dict[str, Any]) -> dict[str, Any]:
+def _moe_settings(config: dict[str, Any], family: str) -> dict[str, Any]:
     """Transformers 5 writes `num_local_experts` where Qwen's own configs say `num_experts`;
-    the defaults are Qwen3MoeConfig's."""
+    the defaults are Qwen3MoeConfig's. Mixtral's experts are `intermediate_size` wide, every
+    layer is sparse, and the chosen experts' softmax weights are renormalised (as Qwen3-MoE's
+    with `norm_topk_prob`)."""
+    mixtral = family == "mixtral"
+    width = config.get("moe_intermediate_size") or config["intermediate_size"]
     return {
         "num_experts": int(config.get("num_experts") or config.get("num_local_experts") or 0),
         "num_experts_per_tok": int(config.get("num_experts_per_tok", 8)),
-        "moe_intermediate_size": int(config["moe_intermediate_size"]),
-        "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+        "moe_intermediate_size": int(config["moe_intermediate_size"] if not mixtral else width),
+        "norm_topk_prob": mixtral or bool(config.get("norm_topk_prob", False)),
         "decoder_sparse_step": int(config.get("decoder_sparse_step") or 1),
         "mlp_only_layers": _as_int_tuple(config.get("mlp_only_layers")),
     }
@@ -430,7 +435,7 @@ class ModelConfig:
         if generation_config:
             eos |= set(_as_int_tuple(generation_config.get("eos_token_id")))
         max_positions = int(config.get("max_position_embeddings", 4096))
-        if family in ("mistral", "phi3") and config.get("sliding_window"):
+        if family in ("mistral", "mixtral", "phi3") and config.get("sliding_window"):
             max_positions = min(max_positions, int(config["sliding_window"]))
         quantization = config.get("quantization_config") or {}
         num_layers = int(config["num_hidden_layers"])
@@ -473,7 +478,7 @@ class ModelConfig:
             bos_token_id=config.get("bos_token_id"),
             torch_dtype=config.get("torch_dtype") or config.get("dtype"),
             **_quantization_settings(quantization),
-            **_moe_settings(config) if family == "qwen3_moe" else {},
+            **_moe_settings(config, family) if family in ("qwen3_moe", "mixtral") else {},
             **settings,
         )
 

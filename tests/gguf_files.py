@@ -32,6 +32,7 @@ GGUF_ARCH = {
     "smollm3": "smollm3",
     "phi3": "phi3",
     "granite": "granite",
+    "mixtral": "llama",
 }
 TOP_LEVEL = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -102,6 +103,15 @@ def llama3_rope_factors(config: dict[str, Any], head_dim: int) -> np.ndarray:
             smooth = (original / wavelength - low) / (high - low)
             divisors.append(1 / ((1 - smooth) / factor + smooth))
     return np.array(divisors, np.float32)
+
+
+def mixtral_as_qwen3_moe(name: str) -> str:
+    """Mixtral's checkpoint names (`block_sparse_moe`, experts' w1 / w2 / w3) in the MoE
+    names this writer maps: its router and experts become the same GGUF tensors."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    for mixtral, part in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj")):
+        name = name.replace(f".{mixtral}.weight", f".{part}.weight")
+    return name
 
 
 def gguf_name(hf_name: str, in_layer: dict[str, str] = IN_LAYER) -> str:
@@ -213,7 +223,8 @@ def write_hf_as_gguf(
     if num_experts:
         writer.add_expert_count(num_experts)
         writer.add_expert_used_count(config["num_experts_per_tok"])
-        expert_rows = config["intermediate_size" if gpt_oss else "moe_intermediate_size"]
+        wide = gpt_oss or config["model_type"] == "mixtral"  # experts of intermediate_size
+        expert_rows = config["intermediate_size" if wide else "moe_intermediate_size"]
         writer.add_expert_feed_forward_length(expert_rows)
     in_layer = GEMMA_IN_LAYER if gemma else GPT_OSS_IN_LAYER if gpt_oss else IN_LAYER
     in_layer = PHI3_IN_LAYER if phi3 else in_layer
@@ -221,6 +232,7 @@ def write_hf_as_gguf(
     experts: dict[str, dict[int, np.ndarray]] = {}
     for name, tensor in load_file(folder / "model.safetensors").items():
         array = tensor.float().numpy()
+        name = mixtral_as_qwen3_moe(name)
         permuted = arch in ("llama", "smollm3", "granite")  # as llama.cpp's LlamaModel does
         if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             array = llama_cpp_permute(array, heads if "q_proj" in name else kv_heads)

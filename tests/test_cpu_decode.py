@@ -78,6 +78,7 @@ def decode_both_ways(llm: LLM) -> tuple[list, list, int]:
         "smollm3",
         "phi3",
         "granite",
+        "mixtral",
     ],
 )
 def test_stack_gives_the_modules_bits(family: str, tmp_path: Path) -> None:

@@ -64,6 +64,7 @@ OVERRIDES = {
         "smollm3",
         "phi3",
         "granite",
+        "mixtral",
     ],
 )
 def test_gguf_of_each_family_matches_transformers(family: str, tmp_path: Path) -> None:

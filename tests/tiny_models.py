@@ -6,8 +6,8 @@ rope scaling, tied or untied embeddings, Qwen3-MoE's routed experts next to a de
 layer (`mlp_only_layers`), Gemma 3's windowed and whole layers with their own ropes,
 scaled scores, sandwich norms and GELU, Gemma 2's soft-capped scores and logits, gpt-oss's
 attention sinks, biases, YaRN rope, windows and experts with biases and a clamped SwiGLU,
-SmolLM3's layers without rope, Phi-3's fused projections, partial rotation and LongRoPE, and
-Granite's multipliers.
+SmolLM3's layers without rope, Phi-3's fused projections, partial rotation and LongRoPE, Granite's
+multipliers, and Mixtral's experts under their own names.
 """
 
 from __future__ import annotations
@@ -114,6 +114,15 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "residual_multiplier": 0.22,
         "logits_scaling": 4.0,
     },
+    "mixtral": {
+        # every layer sparse: 4 experts of intermediate_size, 2 a token
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "intermediate_size": 32,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": None,
+    },
     "qwen3_moe": {
         "rope_theta": 1000000.0,
         "tie_word_embeddings": False,
@@ -160,6 +169,7 @@ def make_tiny_model(
         "smollm3": transformers.SmolLM3Config,
         "phi3": transformers.Phi3Config,
         "granite": transformers.GraniteConfig,
+        "mixtral": transformers.MixtralConfig,
         "gpt_oss": transformers.GptOssConfig,
     }[family]
     config = config_cls(**{**COMMON, **FAMILIES[family], **(overrides or {})})

@@ -1,11 +1,13 @@
-"""Qwen3-MoE and gpt-oss: the dense decoder of models/decoder.py with sparse expert MLPs.
+"""Qwen3-MoE, Mixtral and gpt-oss: the dense decoder of models/decoder.py with sparse expert
+MLPs.
 
 Attention, norms, embedding and LM head are the dense decoder's (Qwen3's per-head Q/K norm,
 gpt-oss's biases, sinks and windows included). Layers that `ModelConfig.is_moe_layer` picks
 get a `SparseMoE` (router + experts, aserve/layers/moe.py); the others, e.g. those in
 `mlp_only_layers`, keep a dense MLP of `intermediate_size`. A quantized GGUF file's experts
 stay in their blocks (`QuantizedExperts`). gpt-oss names its router `mlp.router`, read here as
-`mlp.gate`.
+`mlp.gate`; Mixtral's checkpoints name the block `block_sparse_moe` and an expert's gate, down
+and up `w1`, `w2` and `w3` (`MIXTRAL_NAMES`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from aserve.layers.weight import WeightSource
 from aserve.models.decoder import DecoderForCausalLM, DecoderMLP
 
 EXPERTS = ".mlp.experts."
+MIXTRAL_NAMES = {"w1.": "gate_proj.", "w2.": "down_proj.", "w3.": "up_proj."}
 
 
 class Qwen3MoeForCausalLM(DecoderForCausalLM):
@@ -69,10 +72,14 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
         self, modules: dict[str, nn.Module], name: str, tensor: WeightSource
     ) -> list[str]:
         """Expert tensors go into their layer's stacked weights; the rest as in the dense model."""
-        name = name.replace(".mlp.router.", ".mlp.gate.")
+        name = name.replace(".mlp.router.", ".mlp.gate.").replace(".block_sparse_moe.", ".mlp.")
         layer, found, part = name.partition(EXPERTS)
         if not found:
             return super().load_tensor(modules, name, tensor)
+        expert, _, rest = part.partition(".")
+        for mixtral, ours in MIXTRAL_NAMES.items():
+            if rest.startswith(mixtral):
+                part = f"{expert}.{ours}{rest.removeprefix(mixtral)}"
         prefix = layer + EXPERTS.rstrip(".")
         experts = modules.get(prefix)
         if not isinstance(experts, (ExpertWeights, QuantizedExperts)):

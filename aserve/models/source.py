@@ -272,9 +272,10 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
     heads = read(f"{arch}.attention.head_count", required=True)
     experts = read(f"{arch}.expert_count", 0, required=arch in ("qwen3moe", "gpt-oss"))
     expert_rows = read(f"{arch}.expert_feed_forward_length", required=experts > 0)
+    mixtral = arch == "llama" and experts > 0  # llama.cpp keeps Mixtral under llama's name
     config = {
-        "architectures": [ARCHITECTURES[arch]],
-        "model_type": MODEL_TYPES.get(arch, arch),
+        "architectures": ["MixtralForCausalLM" if mixtral else ARCHITECTURES[arch]],
+        "model_type": "mixtral" if mixtral else MODEL_TYPES.get(arch, arch),
         "hidden_size": hidden,
         "intermediate_size": read(f"{arch}.feed_forward_length", expert_rows, required=not experts),
         "num_hidden_layers": read(f"{arch}.block_count", required=True),
