@@ -282,6 +282,9 @@ def test_tiny_gguf_config_and_rope_rows(tmp_path: Path, arch: str) -> None:
 def test_unknown_gguf_tensor_is_refused() -> None:
     with pytest.raises(ConfigError, match="'blk.0.ssm_conv1d.weight' has no Hugging Face"):
         hf_tensor_name("blk.0.ssm_conv1d.weight")
+    # llama.cpp's older Mixtral files: an expert a tensor, not a layer's part
+    with pytest.raises(ConfigError, match="'blk.0.ffn_gate.3.weight' has no Hugging Face"):
+        hf_tensor_name("blk.0.ffn_gate.3.weight")
 
 
 def test_changed_gguf_gets_a_new_cache_folder(tmp_path: Path) -> None:

@@ -109,7 +109,10 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str:
     stem, _, kind = name.rpartition(".")
     if stem in TOP_LEVEL_TENSORS:
         return f"{TOP_LEVEL_TENSORS[stem]}.{kind}"
-    prefix, layer, part = (stem.split(".") + ["", ""])[:3]
+    pieces = stem.split(".")
+    if len(pieces) != 3:  # e.g. an expert a tensor (llama.cpp's older Mixtral files)
+        raise GGUFTensorError(f"GGUF tensor {name!r} has no Hugging Face name that aserve knows")
+    prefix, layer, part = pieces
     in_layer = FAMILY_TENSORS.get(model_type, LAYER_TENSORS)
     if prefix == "blk" and layer.isdigit() and part == "attn_sinks" and part in in_layer:
         return f"model.layers.{layer}.{in_layer[part]}"
