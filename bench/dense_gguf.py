@@ -12,7 +12,10 @@ Q/K norms, a sliding window, a tied head); Gemma 3 1B's shape is
 `--arch gemma3 --layers 26 --hidden 1152 --intermediate 6912 --heads 4 1 --head-dim 256`.
 `--arch gemma2` writes Gemma 2's (as Gemma 3's without Q/K norms, with its soft caps of 50 on
 the scores and 30 on the logits); Gemma 2 2B's shape is `--arch gemma2 --layers 26 --hidden
-2304 --intermediate 9216 --heads 8 4 --head-dim 256 --window 4096`. The
+2304 --intermediate 9216 --heads 8 4 --head-dim 256 --window 4096`. `--arch phi3` writes
+Phi-3's (Q|K|V and gate|up fused, as llama.cpp keeps them; three quarters of a head rotating,
+as in Phi-4-mini, whose shape is `--arch phi3 --layers 32 --hidden 3072 --intermediate 8192
+--heads 24 8`; no LongRoPE factors). The
 layers' matrices take `--qtype`; the embedding and the LM head are Q8_0, as llama.cpp keeps
 them wider than the layers in its low-bit files. Formats the `gguf` package quantizes
 (Q4_0, Q8_0, ...) quantize normal weights; for llama.cpp's codebook formats (IQ1_S to IQ3_S),
@@ -43,7 +46,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--intermediate", type=int, default=8192)
     p.add_argument("--heads", type=int, nargs=2, default=(32, 8), metavar=("Q", "KV"))
     p.add_argument("--head-dim", type=int, default=None, help="default: hidden / Q heads")
-    p.add_argument("--arch", choices=("llama", "gemma2", "gemma3"), default="llama")
+    p.add_argument("--arch", choices=("llama", "gemma2", "gemma3", "phi3"), default="llama")
     p.add_argument("--window", type=int, default=512, help="Gemma's sliding window")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -71,10 +74,11 @@ def main() -> None:
     writer.add_feed_forward_length(args.intermediate)
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_rope_dimension_count(head_dim)
+    phi3 = args.arch == "phi3"
+    writer.add_rope_dimension_count(head_dim * 3 // 4 if phi3 else head_dim)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(1e4 if args.arch == "gemma2" else 1e6 if gemma3 else 5e5)
+    writer.add_rope_freq_base(1e4 if args.arch in ("gemma2", "phi3") else 1e6 if gemma3 else 5e5)
     writer.add_layer_norm_rms_eps(1e-6 if gemma else 1e-5)
     if gemma:
         writer.add_sliding_window(args.window)
@@ -91,18 +95,24 @@ def main() -> None:
 
     wide = gguf.GGMLQuantizationType.Q8_0
     add("token_embd.weight", matrix(vocab, args.hidden, wide), wide)
-    if not gemma:  # Gemma ties its head to the embedding
+    if not (gemma or phi3):  # Gemma and Phi-4-mini tie their head to the embedding
         add("output.weight", matrix(vocab, args.hidden, wide), wide)
     add("output_norm.weight", np.ones(args.hidden, np.float32), None)
     q_rows, kv_rows = heads * head_dim, kv_heads * head_dim
     for layer in range(args.layers):
         blk = f"blk.{layer}"
-        add(f"{blk}.attn_q.weight", matrix(q_rows, args.hidden), qtype)
-        add(f"{blk}.attn_k.weight", matrix(kv_rows, args.hidden), qtype)
-        add(f"{blk}.attn_v.weight", matrix(kv_rows, args.hidden), qtype)
+        if phi3:  # fused, as llama.cpp's converter keeps Phi-3's checkpoints
+            add(f"{blk}.attn_qkv.weight", matrix(q_rows + 2 * kv_rows, args.hidden), qtype)
+        else:
+            add(f"{blk}.attn_q.weight", matrix(q_rows, args.hidden), qtype)
+            add(f"{blk}.attn_k.weight", matrix(kv_rows, args.hidden), qtype)
+            add(f"{blk}.attn_v.weight", matrix(kv_rows, args.hidden), qtype)
         add(f"{blk}.attn_output.weight", matrix(args.hidden, q_rows), qtype)
-        add(f"{blk}.ffn_gate.weight", matrix(args.intermediate, args.hidden), qtype)
-        add(f"{blk}.ffn_up.weight", matrix(args.intermediate, args.hidden), qtype)
+        if phi3:
+            add(f"{blk}.ffn_up.weight", matrix(2 * args.intermediate, args.hidden), qtype)
+        else:
+            add(f"{blk}.ffn_gate.weight", matrix(args.intermediate, args.hidden), qtype)
+            add(f"{blk}.ffn_up.weight", matrix(args.intermediate, args.hidden), qtype)
         add(f"{blk}.ffn_down.weight", matrix(args.hidden, args.intermediate), qtype)
         norms = ("attn_norm", "ffn_norm")
         if gemma:  # ones: 1 + w with w = 0, as llama.cpp's converter stores Gemma's norms
