@@ -243,11 +243,11 @@ def _moe_settings(config: dict[str, Any], family: str) -> dict[str, Any]:
     layer is sparse, and the chosen experts' softmax weights are renormalised (as Qwen3-MoE's
     with `norm_topk_prob`)."""
     mixtral = family == "mixtral"
-    width = config.get("moe_intermediate_size") or config["intermediate_size"]
+    width = config.get("moe_intermediate_size") if mixtral else config["moe_intermediate_size"]
     return {
         "num_experts": int(config.get("num_experts") or config.get("num_local_experts") or 0),
         "num_experts_per_tok": int(config.get("num_experts_per_tok", 8)),
-        "moe_intermediate_size": int(config["moe_intermediate_size"] if not mixtral else width),
+        "moe_intermediate_size": int(width or config["intermediate_size"]),
         "norm_topk_prob": mixtral or bool(config.get("norm_topk_prob", False)),
         "decoder_sparse_step": int(config.get("decoder_sparse_step") or 1),
         "mlp_only_layers": _as_int_tuple(config.get("mlp_only_layers")),
@@ -332,11 +332,12 @@ def _compressed_fp8_block(group: dict[str, Any]) -> tuple[int, int] | None:
 class ModelConfig:
     """The shape and quirks of one decoder, read from a Hugging Face config.json.
 
-    Mistral's (and Phi-3's) sliding window is honoured by capping the context at the window:
-    within it, sliding-window attention and full attention are the same computation. Gemma's layers
-    alternate: `layer_windows` gives each layer's window (0: the whole context), and Gemma 3's
-    windowed layers rotate with `local_rope_theta` unscaled. `gemma_norms`: the layer also
-    normalises attention's and the MLP's outputs, and every norm weighs by 1 + w.
+    Mistral's (and Mixtral's and Phi-3's) sliding window is honoured by capping the context at
+    the window: within it, sliding-window attention and full attention are the same
+    computation. Gemma's layers alternate: `layer_windows` gives each layer's window (0: the
+    whole context), and Gemma 3's windowed layers rotate with `local_rope_theta` unscaled.
+    `gemma_norms`: the layer also normalises attention's and the MLP's outputs, and every
+    norm weighs by 1 + w.
     `norms_in_float32`: norms weigh the float32 row before rounding (gpt-oss; Gemma's too).
     `rope_free_layers`: layers whose queries and keys take no rotary position (SmolLM3's
     every fourth). `rotary_dim`: how many of a head's dimensions rotate (0: all; Phi-4-mini

@@ -540,10 +540,10 @@ def build_kernels(
             logger.debug("building FlashInfer's %s kernels ahead failed: %s", kind, error)
 
     kinds = ["prefill"]
-    if kv_dtype == dtype and not softcap:
-        kinds += decode_modules(num_heads, num_kv_heads, head_dim, max_batch)
-    else:  # most prefill steps read the FP8 pool widened (`WidenedPrefill`)
+    if kv_dtype != dtype:  # most prefill steps read the FP8 pool widened (`WidenedPrefill`)
         kinds.append("widened prefill")
+    elif not softcap:
+        kinds += decode_modules(num_heads, num_kv_heads, head_dim, max_batch)
     if windowed:
         kinds += [f"windowed {kind}" for kind in kinds]
     threads = [

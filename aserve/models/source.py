@@ -368,12 +368,6 @@ def phi3_config(
             key: [float(v) for v in np.asarray(tensors[name].data, np.float32)]
             for key, name in LONGROPE_FACTORS.items()
         }
-        for key, values in factors.items():
-            if len(values) != rotary // 2:
-                raise ModelSourceError(
-                    f"GGUF {LONGROPE_FACTORS[key]} should be {rotary // 2} F32 values, one a "
-                    f"rotating pair; it holds {len(values)}"
-                )
         settings["original_max_position_embeddings"] = original
         settings["rope_scaling"] = {
             "rope_type": "longrope",
