@@ -74,12 +74,18 @@ class SchedulerSnapshot(NamedTuple):
     def kv_usage(self) -> float:
         return self.used_kv_tokens / self.total_kv_tokens if self.total_kv_tokens else 0.0
 
+    @property
+    def window_usage(self) -> float:
+        """The sliding-window layers' own pool's usage (0 where there is none)."""
+        windowed = self.total_window_tokens
+        return self.used_window_tokens / windowed if windowed else 0.0
+
     def usage_text(self) -> str:
         """`token usage: U` for the stats lines, and the sliding-window pool's as SGLang
         writes it where there is one."""
         text = f"token usage: {self.kv_usage:.2f}"
         if self.total_window_tokens:
-            text += f", swa token usage: {self.used_window_tokens / self.total_window_tokens:.2f}"
+            text += f", swa token usage: {self.window_usage:.2f}"
         return text
 
 
@@ -138,6 +144,9 @@ class Metrics:
     num_requests_running              gauge      requests holding KV pages
     num_requests_waiting              gauge      requests queued for admission
     kv_cache_usage_perc               gauge      used / total KV tokens, 0..1
+    swa_kv_cache_usage_perc           gauge      the same for the sliding-window layers' own
+                                                 KV pool (SGLang's swa token usage; 0 where
+                                                 the model has none)
     prefix_cache_queries_total        counter    tokens looked up in the prefix cache
     prefix_cache_hits_total           counter    of those, tokens found cached
     prefix_cache_hit_rate             gauge      hits / queries since the planner started
@@ -168,6 +177,9 @@ class Metrics:
         self._running = self._make(Gauge, "num_requests_running", "Requests holding KV pages.")
         self._waiting = self._make(Gauge, "num_requests_waiting", "Requests in the queue.")
         self._kv_usage = self._make(Gauge, "kv_cache_usage_perc", "KV cache usage, 0..1.")
+        self._window_usage = self._make(
+            Gauge, "swa_kv_cache_usage_perc", "Sliding-window layers' KV pool usage, 0..1."
+        )
         self._prefix_queries = self._make(
             Counter, "prefix_cache_queries", "Tokens looked up in the prefix cache."
         )
@@ -252,6 +264,7 @@ class Metrics:
         self._running.set(snapshot.running)
         self._waiting.set(snapshot.waiting)
         self._kv_usage.set(snapshot.kv_usage)
+        self._window_usage.set(snapshot.window_usage)
         queries, hits = snapshot.prompt_tokens_admitted_total, snapshot.prompt_tokens_cached_total
         self._prefix_queries.inc(_increase(last.prompt_tokens_admitted_total, queries))
         self._prefix_hits.inc(_increase(last.prompt_tokens_cached_total, hits))

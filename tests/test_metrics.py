@@ -17,6 +17,7 @@ ZERO_AT_START = [
     "aserve:num_requests_running",
     "aserve:num_requests_waiting",
     "aserve:kv_cache_usage_perc",
+    "aserve:swa_kv_cache_usage_perc",
     "aserve:prefix_cache_queries_total",
     "aserve:prefix_cache_hits_total",
     "aserve:prefix_cache_hit_rate",
@@ -120,6 +121,14 @@ def test_scheduler_snapshots_set_gauges_and_turn_totals_into_counter_increments(
     assert samples["aserve:num_requests_running"] == 1
     assert samples["aserve:num_requests_waiting"] == 0
     assert samples["aserve:kv_cache_usage_perc"] == 0.5
+    assert samples["aserve:swa_kv_cache_usage_perc"] == 0  # no sliding-window pool
+    metrics.update_scheduler(
+        snapshot(150, 90, 1, running=1, used_kv_tokens=500, used_window_tokens=200)._replace(
+            total_window_tokens=800
+        )
+    )
+    samples = scrape(metrics)
+    assert samples["aserve:swa_kv_cache_usage_perc"] == 0.25
     assert samples["aserve:prefix_cache_queries_total"] == 150
     assert samples["aserve:prefix_cache_hits_total"] == 90
     assert samples["aserve:prefix_cache_hit_rate"] == pytest.approx(0.6)
