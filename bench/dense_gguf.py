@@ -15,7 +15,9 @@ the scores and 30 on the logits); Gemma 2 2B's shape is `--arch gemma2 --layers 
 2304 --intermediate 9216 --heads 8 4 --head-dim 256 --window 4096`. `--arch phi3` writes
 Phi-3's (Q|K|V and gate|up fused, as llama.cpp keeps them; three quarters of a head rotating,
 as in Phi-4-mini, whose shape is `--arch phi3 --layers 32 --hidden 3072 --intermediate 8192
---heads 24 8`; no LongRoPE factors). The
+--heads 24 8`; no LongRoPE factors). `--arch granite` writes Llama's layout with Granite 3's
+four multipliers in the metadata (12, 1/64, 0.22 and 8: values of the kind its configs state;
+a step's time does not depend on them) and a tied head. The
 layers' matrices take `--qtype`; the embedding and the LM head are Q8_0, as llama.cpp keeps
 them wider than the layers in its low-bit files. Formats the `gguf` package quantizes
 (Q4_0, Q8_0, ...) quantize normal weights; for llama.cpp's codebook formats (IQ1_S to IQ3_S),
@@ -46,7 +48,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--intermediate", type=int, default=8192)
     p.add_argument("--heads", type=int, nargs=2, default=(32, 8), metavar=("Q", "KV"))
     p.add_argument("--head-dim", type=int, default=None, help="default: hidden / Q heads")
-    p.add_argument("--arch", choices=("llama", "gemma2", "gemma3", "phi3"), default="llama")
+    p.add_argument(
+        "--arch", choices=("llama", "gemma2", "gemma3", "phi3", "granite"), default="llama"
+    )
     p.add_argument("--window", type=int, default=512, help="Gemma's sliding window")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -82,6 +86,11 @@ def main() -> None:
     writer.add_layer_norm_rms_eps(1e-6 if gemma else 1e-5)
     if gemma:
         writer.add_sliding_window(args.window)
+    if args.arch == "granite":
+        writer.add_embedding_scale(12.0)
+        writer.add_attention_scale(1 / 64)
+        writer.add_residual_scale(0.22)
+        writer.add_logit_scale(8.0)
     if args.arch == "gemma2":
         writer.add_attn_logit_softcapping(50.0)
         writer.add_final_logit_softcapping(30.0)
@@ -95,7 +104,7 @@ def main() -> None:
 
     wide = gguf.GGMLQuantizationType.Q8_0
     add("token_embd.weight", matrix(vocab, args.hidden, wide), wide)
-    if not (gemma or phi3):  # Gemma and Phi-4-mini tie their head to the embedding
+    if not (gemma or phi3 or args.arch == "granite"):  # these tie their head to the embedding
         add("output.weight", matrix(vocab, args.hidden, wide), wide)
     add("output_norm.weight", np.ones(args.hidden, np.float32), None)
     q_rows, kv_rows = heads * head_dim, kv_heads * head_dim
