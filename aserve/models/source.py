@@ -311,12 +311,15 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
     if arch == "phi3":
         config |= phi3_config(read, config, tensors)
     if arch == "granite":  # its multipliers, under llama.cpp's names
-        config |= {
-            "embedding_multiplier": read("granite.embedding_scale"),
-            "attention_multiplier": read("granite.attention.scale"),
-            "residual_multiplier": read("granite.residual_scale"),
-            "logits_scaling": read("granite.logit_scale"),
+        multipliers = {
+            "embedding_multiplier": "embedding_scale",
+            "attention_multiplier": "attention.scale",
+            "residual_multiplier": "residual_scale",
+            "logits_scaling": "logit_scale",
         }
+        for key, name in multipliers.items():
+            value = read(f"granite.{name}")
+            config[key] = None if value is None else float32_decimal(value)
     if has_quantized_matrices(stored):
         config["quantization_config"] = {"quant_method": "gguf"}
     return {key: value for key, value in config.items() if value is not None}
