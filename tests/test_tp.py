@@ -132,11 +132,15 @@ def test_tp2_moe_greedy_tokens_and_logprobs_equal_tp1(
         )
 
 
-def test_tp2_gemma3_greedy_tokens_and_logprobs_equal_tp1(tmp_path: Path) -> None:
-    """Gemma 3's norms after attention and the MLP reduce the ranks' partial sums before
+@pytest.mark.parametrize("family", ["gemma3", "gemma2", "phi3", "granite", "mixtral"])
+def test_tp2_family_greedy_tokens_and_logprobs_equal_tp1(tmp_path: Path, family: str) -> None:
+    """Gemma's norms after attention and the MLP reduce the ranks' partial sums before
     they normalise; its layer output is then whole, and the next norm must not sum it again.
-    Its windowed layer reads the last 4 positions of the longer prompts."""
-    model = make_tiny_model("gemma3", tmp_path)
+    Its windowed layer reads the last 4 positions of the longer prompts; Gemma 2 caps each
+    rank's heads' scores. Phi-3's fused projections are split, then sharded by whole heads
+    (their rows reordered within each head for the partial rotation); Granite scales the
+    ranks' partial sums before they are reduced; Mixtral splits every expert."""
+    model = make_tiny_model(family, tmp_path)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=True)
     with (
         LLM(str(model), max_prefill_length=16, **OPTIONS) as one,
