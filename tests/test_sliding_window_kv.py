@@ -173,11 +173,11 @@ def test_nothing_is_dropped_while_the_window_pool_has_room() -> None:
     assert 0 not in req.window_pages and len(req.window_pages) == len(req.pages)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "gpt_oss"])
 def test_a_short_window_pool_generates_as_transformers(tmp_path: Path, family: str) -> None:
-    """Gemma 3's and gpt-oss's tiny models (windows of 4) with a window pool of 9 pages of
-    4 beside 63: three long prompts prefilled in chunks of 8 and decoded together drop
-    window pages and still give transformers' greedy tokens; the next turn of a
+    """Gemma 2's, Gemma 3's and gpt-oss's tiny models (windows of 4) with a window pool of 9
+    pages of 4 beside 63: three long prompts prefilled in chunks of 8 and decoded together
+    drop window pages and still give transformers' greedy tokens; the next turn of a
     conversation run alone (its last window kept) hits the prefix cache."""
     folder = make_tiny_model(family, tmp_path / family)
     hf = hf_model(folder)
