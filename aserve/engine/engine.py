@@ -359,21 +359,17 @@ class Engine:
         if name in FLASHINFER_KERNELS and self.device.type == "cuda":
             from aserve.attention.flashinfer import FlashInferBackend
 
-            if self.model_config.attention_sinks and name != "fi":
+            model = self.model_config
+            windows = model.layer_windows
+            fi_only = {
+                "attention sinks": model.attention_sinks,
+                "soft-capped scores": bool(model.attention_softcap),
+                "sliding windows": bool(windows),
+            }
+            used = [feature for feature, present in fi_only.items() if present]
+            if used and name != "fi":
                 raise ConfigError(
-                    f"{self.model_config.architecture}'s attention sinks run on "
-                    "--attention-backend fi or torch"
-                )
-            if self.model_config.attention_softcap and name != "fi":
-                raise ConfigError(
-                    f"{self.model_config.architecture}'s soft-capped scores run on "
-                    "--attention-backend fi or torch"
-                )
-            windows = self.model_config.layer_windows
-            if windows and name != "fi":
-                raise ConfigError(
-                    f"{self.model_config.architecture}'s sliding windows run on "
-                    "--attention-backend fi or torch"
+                    f"{model.architecture}'s {used[0]} run on --attention-backend fi or torch"
                 )
             return FlashInferBackend(
                 self.pool,
