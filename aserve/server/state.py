@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from aserve.config import ServerConfig
+from aserve.kvcache.pages import PageAllocator
 from aserve.metrics import Metrics, SchedulerSnapshot
 from aserve.runtime import Runtime
 from aserve.scheduler.request import StreamPace
@@ -85,23 +86,27 @@ def require_tokenizer(runtime: Runtime) -> Tokenizer:
 
 def scheduler_snapshot(scheduler: Scheduler) -> SchedulerSnapshot:
     """The scheduler's requests and KV pools as metrics and stats lines count them."""
-    allocator, planner = scheduler.allocator, scheduler.planner
-    page_size = allocator.page_size
-    free = allocator.free_pages + scheduler.cache.evictable_pages
+    planner, cache = scheduler.planner, scheduler.cache
+    used, total = _pool_tokens(scheduler.allocator, cache.evictable_pages)
     used_window = total_window = 0
     if scheduler.window is not None:
         windowed = scheduler.window.allocator
-        window_free = windowed.free_pages + scheduler.cache.evictable_window_pages
-        used_window = (windowed.usable_pages - window_free) * page_size
-        total_window = windowed.usable_pages * page_size
+        used_window, total_window = _pool_tokens(windowed, cache.evictable_window_pages)
     return SchedulerSnapshot(
         running=len(planner.running),
         waiting=len(planner.waiting),
-        used_kv_tokens=(allocator.usable_pages - free) * page_size,
-        total_kv_tokens=allocator.usable_pages * page_size,
+        used_kv_tokens=used,
+        total_kv_tokens=total,
         prompt_tokens_admitted_total=planner.prompt_tokens_admitted,
         prompt_tokens_cached_total=planner.prompt_tokens_cached,
         retractions_total=planner.num_retractions,
         used_window_tokens=used_window,
         total_window_tokens=total_window,
     )
+
+
+def _pool_tokens(allocator: PageAllocator, evictable_pages: int) -> tuple[int, int]:
+    """A KV pool's tokens held by requests (cached prefixes that may be evicted count as
+    free) and its usable tokens."""
+    usable, free = allocator.usable_pages, allocator.free_pages + evictable_pages
+    return (usable - free) * allocator.page_size, usable * allocator.page_size
