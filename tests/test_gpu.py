@@ -160,6 +160,26 @@ def test_gemma3_windows_on_flashinfer(make_llm: Callable[..., LLM], tmp_path: Pa
         LLM(str(folder), **small_gpu_engine(attention_backend="fa"))
 
 
+def assert_both_decode_kernels_give(
+    llm: LLM,
+    prompt: list[int],
+    continuation: list[int],
+    expected: torch.Tensor,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`llm`'s logits over `prompt` and teacher-forced `continuation` within 0.06 of
+    `expected`, decoding through the split Triton kernel, then the whole-context one."""
+    from aserve.attention import triton_decode
+
+    for whole in (False, True):
+        if whole:  # every batch to the whole-context kernel
+            monkeypatch.setattr(triton_decode, "WHOLE_MIN_PROGRAMS", 1)
+        torch.testing.assert_close(
+            our_logits(llm, prompt, continuation), expected, atol=0.06, rtol=0.03
+        )
+    monkeypatch.undo()
+
+
 def test_gpt_oss_sinks_on_flashinfer(
     make_llm: Callable[..., LLM], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -169,8 +189,6 @@ def test_gpt_oss_sinks_on_flashinfer(
     fused kernels: the torch backend's logits over a chunked prefill with a cached prefix
     and decode steps; in CUDA graphs the same greedy tokens as eagerly (an FP8 cache:
     test_fp8_cache_with_windows)."""
-    from aserve.attention import triton_decode
-
     shapes = {**KERNEL_SHAPES, "head_dim": 64, **EVERY_EXPERT}
     folder = make_tiny_model("gpt_oss", tmp_path, overrides=shapes)
     options = small_gpu_engine(max_prefill_length=40)
@@ -182,14 +200,7 @@ def test_gpt_oss_sinks_on_flashinfer(
     assert engine.model.model.layers[0].mlp.backend.name == "fused"
     prompt, continuation = list(range(3, 100)), [7, 123, 45, 2, 99, 5]
     expected = our_logits(reference, prompt, continuation)
-    torch.testing.assert_close(
-        our_logits(flashinfer, prompt, continuation), expected, atol=0.06, rtol=0.03
-    )
-    monkeypatch.setattr(triton_decode, "WHOLE_MIN_PROGRAMS", 1)  # the whole-context kernel
-    torch.testing.assert_close(
-        our_logits(flashinfer, prompt, continuation), expected, atol=0.06, rtol=0.03
-    )
-    monkeypatch.undo()
+    assert_both_decode_kernels_give(flashinfer, prompt, continuation, expected, monkeypatch)
     assert engine.graphs is not None
     eager = make_llm(folder, **small_gpu_engine(cuda_graph_max_bs=0))
     assert [o.token_ids for o in flashinfer.generate(PROMPTS, GREEDY)] == [
@@ -206,7 +217,6 @@ def test_gemma2_soft_caps_on_flashinfer(
     without the scores' cap misses by far more than the tolerance; in CUDA graphs the same
     greedy tokens as eagerly. FA3 prefill, which has no soft cap here, is refused in one
     line."""
-    from aserve.attention import triton_decode
     from aserve.config import ConfigError
 
     folder = make_tiny_model("gemma2", tmp_path, overrides={**KERNEL_SHAPES, "head_dim": 64})
@@ -217,14 +227,7 @@ def test_gemma2_soft_caps_on_flashinfer(
     assert type(engine.attn).__name__ == "FlashInferBackend" and engine.attn.softcap == 0.5
     prompt, continuation = list(range(3, 100)), [7, 123, 45, 2, 99, 5]
     expected = our_logits(reference, prompt, continuation)
-    torch.testing.assert_close(
-        our_logits(flashinfer, prompt, continuation), expected, atol=0.06, rtol=0.03
-    )
-    monkeypatch.setattr(triton_decode, "WHOLE_MIN_PROGRAMS", 1)  # the whole-context kernel
-    torch.testing.assert_close(
-        our_logits(flashinfer, prompt, continuation), expected, atol=0.06, rtol=0.03
-    )
-    monkeypatch.undo()
+    assert_both_decode_kernels_give(flashinfer, prompt, continuation, expected, monkeypatch)
     reference.runtime.engine.attn.softcap = 0.0
     assert (our_logits(reference, prompt, continuation) - expected).abs().max() > 0.3
     assert engine.graphs is not None
