@@ -12,6 +12,7 @@ from aserve.config import (
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
     REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
     ConfigError,
     ServerConfig,
     build_config,
@@ -238,6 +239,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=REASONING_PARSERS,
         help="reasoning models (Qwen3, QwQ, DeepSeek-R1): chat replies carry the <think> block "
         "as reasoning_content and the answer alone as content",
+    )
+    server.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=TOOL_CALL_PARSERS,
+        help="how the model writes tool calls (vLLM's names; auto: read from the chat "
+        "template's markers, Hermes <tool_call> blocks where it has none)",
     )
     server.add_argument(
         "--chat-template",

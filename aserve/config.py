@@ -55,6 +55,19 @@ ROPE_SCALINGS = {
 }
 """The rope scalings aserve runs (aserve/layers/rotary.py), each with the keys it needs."""
 REASONING_PARSERS = ("qwen3", "qwen3-thinking", "deepseek-r1", "deepseek_r1", "qwq")
+# vLLM's names, and SGLang's where they differ (qwen25, llama3); auto reads the chat template.
+TOOL_CALL_PARSERS = (
+    "auto",
+    "hermes",
+    "qwen25",
+    "qwen3_coder",
+    "llama3_json",
+    "llama3",
+    "mistral",
+    "granite",
+    "phi4_mini_json",
+    "pythonic",
+)
 """SGLang's and vLLM's names for parsers of `<think>` blocks (aserve/server/reasoning.py);
 all read the same tags."""
 
@@ -538,6 +551,7 @@ class ServerConfig:
     generation_config: str = "auto"
     default_sampling: tuple[tuple[str, float], ...] = ()
     reasoning_parser: str | None = None  # split <think> blocks into reasoning_content
+    tool_call_parser: str = "auto"  # how replies write tool calls (server/tool_syntax.py)
     chat_template: str | None = None  # a Jinja template (text) in place of the model's
 
 
@@ -657,6 +671,10 @@ def validate(config: ServerConfig) -> None:
         (
             config.reasoning_parser in (None, *REASONING_PARSERS),
             f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}",
+        ),
+        (
+            config.tool_call_parser in TOOL_CALL_PARSERS,
+            f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}",
         ),
     ]
     for ok, message in checks:

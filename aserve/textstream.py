@@ -155,8 +155,11 @@ class TextStream:
         skip_special_tokens: bool = True,
         min_tokens: int = 0,
         include_stop: bool = False,
+        shown_special_ids: frozenset[int] = frozenset(),
     ) -> None:
-        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
+        self._detokenizer = IncrementalDetokenizer(
+            tokenizer, prompt_ids, skip_special_tokens, shown_special_ids
+        )
         self._stops = StopStringMatcher(stops)
         self._include_stop = include_stop
         self._short_by = min_tokens

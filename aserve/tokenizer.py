@@ -323,7 +323,8 @@ class IncrementalDetokenizer:
 
     With `prompt_ids`, the last prompt tokens are the first context, so the output reads as a
     continuation of the prompt (a SentencePiece reply keeps the space before its first word).
-    Ids that `skip_special_tokens` removes never enter the window.
+    Ids that `skip_special_tokens` removes never enter the window, but for `shown_special_ids`
+    (a tool-call syntax's markers that the vocabulary holds as special tokens).
     """
 
     def __init__(
@@ -331,10 +332,14 @@ class IncrementalDetokenizer:
         tokenizer: Tokenizer,
         prompt_ids: Sequence[int] = (),
         skip_special_tokens: bool = True,
+        shown_special_ids: frozenset[int] = frozenset(),
     ) -> None:
         self._tokenizer = tokenizer
-        self._skip = skip_special_tokens
-        self._dropped = tokenizer.special_ids if skip_special_tokens else frozenset()
+        # The dropped ids never reach a decode, so one without skipping shows the rest.
+        self._skip = skip_special_tokens and not shown_special_ids
+        self._dropped = (
+            tokenizer.special_ids - shown_special_ids if skip_special_tokens else frozenset()
+        )
         self._ids = self._prompt_context(self._kept_tail(prompt_ids))
         self._read = len(self._ids)
         self._prefix = len(self._decode(self._ids))

@@ -32,7 +32,7 @@ from aserve.server.responses import ResponseShaper
 from aserve.server.responses_api import ResponsesShaper, item_id
 from aserve.server.state import ServerState, require_tokenizer
 from aserve.server.streaming import ChoiceStream, EventWriter, Shaper
-from aserve.server.tools import forcing_tag, tool_format
+from aserve.server.tools import special_marker_ids, tool_syntax
 from aserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("aserve.server")
@@ -77,7 +77,9 @@ class Completions:
                 parsed = await self._with_harmony(tokenizer, parsed)
             else:
                 if parsed.tools:
-                    parsed = await self._with_tools(tokenizer, parsed)
+                    parsed = await self._with_tools(
+                        tokenizer, parsed, self.state.config.tool_call_parser
+                    )
                 if self.state.config.reasoning_parser is not None:
                     parsed = self._with_thinking(tokenizer, parsed, prompt)
             return await self._generate(request, runtime, parsed, [prompt])
@@ -97,15 +99,20 @@ class Completions:
         )
 
     @staticmethod
-    async def _with_tools(tokenizer: Tokenizer, parsed: GenerationRequest) -> GenerationRequest:
-        """Tool calls are parsed from the reply in the syntax the template teaches; with
-        tool_choice "required" or a named function a grammar writes them."""
-        syntax = tool_format(tokenizer.hf.chat_template)
-        parsed = dataclasses.replace(parsed, tool_syntax=syntax)
+    async def _with_tools(
+        tokenizer: Tokenizer, parsed: GenerationRequest, parser: str
+    ) -> GenerationRequest:
+        """Tool calls are parsed from the reply in the parser's syntax (by default the one
+        the template teaches), whose markers stay in the text where the vocabulary holds
+        them as special tokens (Mistral's [TOOL_CALLS]); with tool_choice "required" or a
+        named function a grammar writes them."""
+        syntax = tool_syntax(parser, tokenizer.hf.chat_template)
+        shown = special_marker_ids(syntax, tokenizer)
+        parsed = dataclasses.replace(parsed, tool_syntax=syntax, shown_special_ids=shown)
         if parsed.tool_choice == "auto":
             return parsed
         tag = await tokenizer.run_in_pool(
-            forcing_tag, syntax, parsed.tools, parsed.tool_choice, parsed.parallel_tool_calls
+            syntax.forcing_tag, parsed.tools, parsed.tool_choice, parsed.parallel_tool_calls
         )
         return dataclasses.replace(
             parsed, params=dataclasses.replace(parsed.params, structural_tag=tag)
@@ -252,6 +259,7 @@ class Completions:
                     parsed.prompt_only,
                     parsed.grammar_after,
                     grammar=grammar,
+                    shown_special_ids=parsed.shown_special_ids,
                 )
                 problem = choice.prepare()
                 if problem is not None:

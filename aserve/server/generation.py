@@ -41,6 +41,7 @@ class Choice:
     include_stop: bool = False  # the text keeps the stop string or token that ended it
     prompt_only: bool = False  # max_tokens 0: the one token drawn is dropped
     grammar_after: int | None = None  # Req.grammar_after: a reasoning model's </think>
+    shown_special_ids: frozenset[int] = frozenset()  # special tokens whose text is kept
     req: Req | None = None
     grammar: Any = None
     completion_tokens: int = 0
@@ -72,6 +73,7 @@ class Choice:
                 self.skip_special_tokens,
                 self.params.min_tokens,
                 self.include_stop,
+                self.shown_special_ids,
             )
         self.scheduler.submit(self.req)
         self.started = True

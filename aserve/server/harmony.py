@@ -18,7 +18,7 @@ import re
 from typing import Any
 
 from aserve.server.reasoning import Split
-from aserve.server.tools import ParsedCall
+from aserve.server.tool_syntax import ParsedCall
 from aserve.textstream import partial_marker_length
 
 CHANNEL = "<|channel|>"

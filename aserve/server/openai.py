@@ -19,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 from aserve.generation_defaults import SamplingDefaults
 from aserve.sampling_params import SamplingError, SamplingParams, TokenLogprob
 from aserve.server import protocol
+from aserve.server.tool_syntax import ToolSyntax
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 GENERATE_DEFAULT_MAX_TOKENS = 128
@@ -76,8 +77,9 @@ class GenerationRequest:
     tools: list[dict[str, Any]] | None = None  # offered to the model (not with tool_choice none)
     tool_choice: str | dict[str, Any] = "none"  # none, auto, required or a named function
     parallel_tool_calls: bool = True
-    tool_syntax: str | None = None  # how the reply writes tool calls, when they are parsed
+    tool_syntax: ToolSyntax | None = None  # how the reply writes tool calls, when parsed
     skip_special_tokens: bool = True
+    shown_special_ids: frozenset[int] = frozenset()  # kept in the text all the same
     include_stop: bool = False  # the text keeps the stop string or token that ended it
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     thinking_opened: bool | None = None  # with a reasoning parser: the reply starts thinking

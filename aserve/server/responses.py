@@ -18,7 +18,8 @@ from aserve.server.harmony import HarmonyStream, split_harmony
 from aserve.server.http import SSE_DONE, sse
 from aserve.server.openai import GenerationRequest, ResponseHead
 from aserve.server.reasoning import ReasoningStream, split_reasoning
-from aserve.server.tools import ParsedCall, ToolTextStream, openai_calls, parse_tool_calls
+from aserve.server.tool_syntax import ParsedCall
+from aserve.server.tools import ToolTextStream, openai_calls, parse_tool_calls
 
 
 class ResponseShaper:
@@ -37,9 +38,9 @@ class ResponseShaper:
         self._text_offsets = [0] * len(choices)
         self._scores_prompt = parsed.params.prompt_logprobs is not None
         self._prompt_sent = [False] * len(choices)
-        syntax, opened, harmony = parsed.tool_syntax, parsed.thinking_opened, parsed.harmony
-        self._splitters = [ReplySplitter(syntax, opened, harmony) for _ in choices]
+        self._splitters = [ReplySplitter(parsed) for _ in choices]
         plain = not (parsed.params.logprobs or parsed.return_token_ids or self._scores_prompt)
+        syntax, opened, harmony = parsed.tool_syntax, parsed.thinking_opened, parsed.harmony
         self._text_templates = (
             [self._text_template(i) for i in range(len(choices))]
             if parsed.stream and plain and syntax is None and opened is None and not harmony
@@ -203,7 +204,9 @@ class ResponseShaper:
                     reasoning, text = split_reasoning(text, self.parsed.thinking_opened)
                     message.update(content=text, reasoning_content=reasoning)
                 if self.parsed.tool_syntax is not None:
-                    content, calls = parse_tool_calls(text, self.parsed.tool_syntax)
+                    content, calls = parse_tool_calls(
+                        text, self.parsed.tool_syntax, self.parsed.tools or ()
+                    )
                     if calls:
                         message.update(content=content, tool_calls=openai_calls(calls))
                         finish = _finish_with_calls(finish, True)
@@ -241,12 +244,11 @@ class ReplySplitter:
     the end the tool calls (where they are parsed): a call's syntax never goes out as
     content, nor the <think> block. A `harmony` reply (gpt-oss) is split by its channels."""
 
-    def __init__(
-        self, tool_syntax: str | None, thinking_opened: bool | None, harmony: bool = False
-    ) -> None:
-        self._tools = None if tool_syntax is None else ToolTextStream(tool_syntax)
-        self._thinking = None if thinking_opened is None else ReasoningStream(thinking_opened)
-        self._harmony = HarmonyStream() if harmony else None
+    def __init__(self, parsed: GenerationRequest) -> None:
+        syntax, opened = parsed.tool_syntax, parsed.thinking_opened
+        self._tools = None if syntax is None else ToolTextStream(syntax, parsed.tools or ())
+        self._thinking = None if opened is None else ReasoningStream(opened)
+        self._harmony = HarmonyStream() if parsed.harmony else None
         # The tokens of the deltas inside <think>, its tags included: exact where each delta
         # is one token (a stream), else a delta across the block's end counts whole.
         self.reasoning_tokens = 0

@@ -16,7 +16,7 @@ import orjson
 from aserve.server.generation import Choice, Delta
 from aserve.server.openai import GenerationRequest, ResponseHead
 from aserve.server.responses import ReplySplitter
-from aserve.server.tools import ParsedCall, call_id
+from aserve.server.tool_syntax import ParsedCall
 
 
 def item_id(prefix: str) -> str:
@@ -37,7 +37,7 @@ class ResponsesShaper:
         self.head = head
         self.choice = choice
         self.echoed = parsed.responses_api
-        self._splitter = ReplySplitter(parsed.tool_syntax, parsed.thinking_opened, parsed.harmony)
+        self._splitter = ReplySplitter(parsed)
         self._sequence = 0
         self._reasoning: list[str] | None = None  # the open reasoning item's text
         self._reasoning_id = ""
@@ -261,7 +261,7 @@ def _call_item(call: ParsedCall) -> dict[str, Any]:
     return {
         "type": "function_call",
         "id": item_id("fc"),
-        "call_id": call_id(),
+        "call_id": call.id,
         "name": call.name,
         "arguments": call.arguments,
         "status": "completed",

@@ -1,132 +1,93 @@
-"""OpenAI tool calls: which syntax the model writes them in, the grammar that forces one
-(`tool_choice` "required" or a named function), and the parse of its text into `tool_calls`.
-
-Two syntaxes cover the common open models, chosen from the chat template:
-- Hermes / Qwen: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block a
-  call, text around them allowed (Qwen2.5, Qwen3, Hermes, and the default);
-- Llama 3: the reply is the call itself, `{"name": ..., "parameters": {...}}`, calls back to
-  back (templates that mention `<|python_tag|>` or the `ipython` role).
-The forcing grammars are xgrammar's structural tags for those syntaxes (`qwen_3`, `llama`):
-every call names a listed function and its arguments follow that function's schema.
+"""OpenAI tool calls on the server's side: which syntax a model writes them in
+(`--tool-call-parser`, or read from its chat template), their OpenAI shape, and the
+streaming hold-back that keeps a call's syntax out of the content. The syntaxes themselves,
+their parsers and forcing grammars, are tool_syntax.py's.
 """
 
 from __future__ import annotations
 
-import json
-import re
-import secrets
-from dataclasses import dataclass
 from typing import Any
 
+from aserve.server.tool_syntax import (
+    GRANITE,
+    GRANITE_CALLS,
+    HERMES,
+    HERMES_START,
+    LLAMA3_JSON,
+    MISTRAL,
+    MISTRAL_ARGS,
+    MISTRAL_CALLS,
+    MISTRAL_NAMED_ARGS,
+    PHI4_MINI_JSON,
+    PYTHONIC,
+    QWEN3_CODER,
+    ParsedCall,
+    Tools,
+    ToolSyntax,
+)
 from aserve.textstream import partial_marker_length
+from aserve.tokenizer import Tokenizer
 
-HERMES = "qwen_3"
-LLAMA = "llama"
-HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-HERMES_START = "<tool_call>"
+_BY_NAME = {
+    "hermes": HERMES,
+    "qwen25": HERMES,
+    "qwen3_coder": QWEN3_CODER,
+    "llama3_json": LLAMA3_JSON,
+    "llama3": LLAMA3_JSON,
+    "granite": GRANITE,
+    "phi4_mini_json": PHI4_MINI_JSON,
+    "pythonic": PYTHONIC,
+}
 
 
-@dataclass(frozen=True)
-class ParsedCall:
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-
-def tool_format(chat_template: str | None) -> str:
-    """The syntax this model's template teaches it (Hermes unless it is Llama 3's)."""
-    template = chat_template or ""
-    if HERMES_START not in template and ("<|python_tag|>" in template or "ipython" in template):
-        return LLAMA
+def _from_template(template: str) -> ToolSyntax:
+    """The syntax a chat template teaches, by the markers it writes (Hermes if none)."""
+    if "<function=" in template and "<parameter=" in template:
+        return QWEN3_CODER
+    if MISTRAL_CALLS in template:
+        return MISTRAL_NAMED_ARGS if MISTRAL_ARGS in template else MISTRAL
+    if "<|/tool|>" in template or "functools[" in template:
+        return PHI4_MINI_JSON
+    if GRANITE_CALLS in template:
+        return GRANITE
+    if HERMES_START in template:
+        return HERMES
+    if "[func_name1(" in template:
+        return PYTHONIC
+    if "<|python_tag|>" in template or "ipython" in template:
+        return LLAMA3_JSON
     return HERMES
 
 
-def forcing_tag(syntax: str, tools: list[dict[str, Any]], tool_choice: Any, parallel: bool) -> str:
-    """The structural tag (JSON text) that makes the output a call of the named function, or
-    ("required") calls of `tools` and nothing else: one, or several a line apart when
-    `parallel`. xgrammar's own "required" tag lets free text run between calls."""
-    import xgrammar
-    from xgrammar.structural_tag import StructuralTag, TagsWithSeparatorFormat
-
-    tag = xgrammar.get_model_structural_tag(
-        syntax, tools=tools, tool_choice=tool_choice, reasoning=False, parallel_tool_calls=parallel
-    )
-    if tool_choice == "required":
-        calls = TagsWithSeparatorFormat(
-            tags=tag.format.tags, separator="\n", at_least_one=True, stop_after_first=not parallel
-        )
-        tag = StructuralTag(format=calls)
-    return tag.model_dump_json()
+def tool_syntax(parser: str, chat_template: str | None) -> ToolSyntax:
+    """`--tool-call-parser`'s syntax; "auto" reads it from the template. Mistral's two forms
+    are told apart by the template either way (the newer one knows `[ARGS]`)."""
+    template = chat_template or ""
+    if parser == "auto":
+        return _from_template(template)
+    if parser == "mistral":
+        return MISTRAL_NAMED_ARGS if MISTRAL_ARGS in template else MISTRAL
+    return _BY_NAME[parser]
 
 
-def _call(body: dict[str, Any], argument_key: str) -> ParsedCall | None:
-    name = body.get("name")
-    arguments = body.get(argument_key, body.get("arguments", {}))
-    if not isinstance(name, str) or not isinstance(arguments, dict):
-        return None
-    return ParsedCall(name, json.dumps(arguments, ensure_ascii=False))
+def special_marker_ids(syntax: ToolSyntax, tokenizer: Tokenizer) -> frozenset[int]:
+    """The syntax's markers that this vocabulary holds as special tokens: a reply's text
+    must show them (skip_special_tokens would drop Mistral's `[TOOL_CALLS]`)."""
+    ids = (tokenizer.single_token(marker) for marker in syntax.kept_tokens)
+    return frozenset(i for i in ids if i is not None) & tokenizer.special_ids
 
 
-def parse_tool_calls(text: str, syntax: str) -> tuple[str | None, list[ParsedCall]]:
-    """The reply's text outside tool calls (None if nothing is left) and its calls. Text that
-    only looks like a call (bad JSON, no name) stays text; so does a lone call cut short, but
-    after whole calls one left open at the end, or its marker begun, is a call that max_tokens
-    cut (a forced "required" reply keeps adding calls), not text for the client to show."""
-    if syntax == HERMES:
-        calls: list[ParsedCall] = []
-        kept: list[str] = []
-        last = 0
-        for match in HERMES_BLOCK.finditer(text):
-            try:
-                call = _call(json.loads(match.group(1)), "arguments")
-            except json.JSONDecodeError:
-                call = None
-            if call is None:
-                continue
-            calls.append(call)
-            kept.append(text[last : match.start()])
-            last = match.end()
-        tail = text[last:]
-        if calls:  # a call left open, or cut inside its marker
-            opened = tail.find(HERMES_START)
-            tail = (
-                tail[:opened]
-                if opened >= 0
-                else tail[: len(tail) - partial_marker_length(tail, HERMES_START)]
-            )
-        kept.append(tail)
-        rest = "".join(kept).strip()
-        return (rest or None) if calls else (text or None), calls
-    decoder = json.JSONDecoder()
-    stripped, calls, at = text.strip(), [], 0
-    while at < len(stripped):
-        try:
-            body, end = decoder.raw_decode(stripped, at)
-        except json.JSONDecodeError:
-            break
-        call = _call(body, "parameters") if isinstance(body, dict) else None
-        if call is None:
-            break
-        calls.append(call)
-        at = end
-        while at < len(stripped) and stripped[at] in " \n;":
-            at += 1
-    if not calls or at < len(stripped):
-        return text or None, []
-    return None, calls
-
-
-def call_id() -> str:
-    return f"call_{secrets.token_hex(12)}"
+def parse_tool_calls(
+    text: str, syntax: ToolSyntax, tools: Tools = ()
+) -> tuple[str | None, list[ParsedCall]]:
+    """The reply's text outside tool calls (None if nothing is left) and its calls."""
+    return syntax.parse(text, tools)
 
 
 def openai_calls(calls: list[ParsedCall]) -> list[dict[str, Any]]:
     """`tool_calls` of an OpenAI message; streamed deltas add each one's `index`."""
     return [
-        {
-            "id": call_id(),
-            "type": "function",
-            "function": {"name": c.name, "arguments": c.arguments},
-        }
+        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
         for c in calls
     ]
 
@@ -135,8 +96,9 @@ class ToolTextStream:
     """Streams a reply's text until a tool call may be starting, then holds the rest back for
     `finish` to parse: a client never sees a call's syntax as content."""
 
-    def __init__(self, syntax: str) -> None:
+    def __init__(self, syntax: ToolSyntax, tools: Tools = ()) -> None:
         self.syntax = syntax
+        self.tools = tools
         self.text = ""
         self.sent = 0
         self.held = False
@@ -146,23 +108,28 @@ class ToolTextStream:
         self.text += delta
         if self.held:
             return ""
-        if self.syntax == LLAMA:
+        if self.syntax.whole_reply:  # calls are the reply: hold one that opens like them
             start = self.text.lstrip()
-            if start.startswith("{") or (not start and self.sent == 0):
-                self.held = bool(start)
+            if not start and self.sent == 0:
+                return ""
+            if self.sent == 0 and any(
+                start.startswith(m) or m.startswith(start) for m in self.syntax.markers
+            ):
+                self.held = any(start.startswith(m) for m in self.syntax.markers)
                 return ""
             out, self.sent = self.text[self.sent :], len(self.text)
             return out
-        found = self.text.find(HERMES_START, self.sent)
-        if found >= 0:
+        found = [at for m in self.syntax.markers if (at := self.text.find(m, self.sent)) >= 0]
+        if found:
             self.held = True
-            out, self.sent = self.text[self.sent : found], found
+            out, self.sent = self.text[self.sent : min(found)], min(found)
             return out
-        safe = len(self.text) - partial_marker_length(self.text, HERMES_START)
+        waiting = max(partial_marker_length(self.text, m) for m in self.syntax.markers)
+        safe = len(self.text) - waiting
         out, self.sent = self.text[self.sent : safe], max(self.sent, safe)
         return out
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
         """The content still to send and the calls, once the reply is complete."""
-        rest, calls = parse_tool_calls(self.text[self.sent :], self.syntax)
+        rest, calls = parse_tool_calls(self.text[self.sent :], self.syntax, self.tools)
         return rest or "", calls

@@ -1,0 +1,117 @@
+"""Each tool-call syntax over HTTP on the embedded model (`--tool-call-parser`, or a chat
+template that names the syntax): forced calls, written by the syntax's grammar, come back
+as valid `tool_calls`, streamed the same, with the ids the syntax asks for. The 135M model
+was never taught these syntaxes, so only forced replies are checked."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.server_utils import ServerProcess, serving
+from tests.test_structured import MODEL, TOOLS, WEATHER_QUESTION, client
+
+# The embedded model's own template, with a comment that shows Mistral's newer call form:
+# `auto` then reads that syntax from the template.
+MISTRAL_ARGS_NOTE = "{#- calls are written [TOOL_CALLS]NAME[ARGS]{...} -#}\n"
+OPTIONS = {
+    "mistral": ["--tool-call-parser", "mistral"],
+    "mistral-args-template": ["--chat-template", MISTRAL_ARGS_NOTE],
+    "granite": ["--tool-call-parser", "granite"],
+    "phi4_mini_json": ["--tool-call-parser", "phi4_mini_json"],
+    "qwen3_coder": ["--tool-call-parser", "qwen3_coder"],
+    "pythonic": ["--tool-call-parser", "pythonic"],
+}
+
+
+@pytest.fixture(scope="module", params=list(OPTIONS))
+def server(request: pytest.FixtureRequest, smollm2_dir: Path) -> Iterator[ServerProcess]:
+    options = OPTIONS[request.param]
+    if options[0] == "--chat-template":
+        template = (smollm2_dir / "chat_template.jinja").read_text()
+        options = ["--chat-template", options[1] + template]
+    args = ["--model", str(smollm2_dir), "--served-model-name", MODEL, *options]
+    process = ServerProcess(args)
+    process.syntax = request.param  # type: ignore[attr-defined]
+    yield from serving(process)
+
+
+def assert_valid_calls(server: ServerProcess, calls: Any, names: set[str]) -> None:
+    """Each call names an offered function, its arguments follow that function's schema,
+    and its id is OpenAI's shape, or Mistral's nine letters and digits. qwen3_coder's free
+    strings are any text up to `</parameter>` in xgrammar's grammar, which bounds no length:
+    their maxLength is left out of the check."""
+    import jsonschema
+
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    syntax = server.syntax  # type: ignore[attr-defined]
+    if syntax == "qwen3_coder":
+        schemas = json.loads(json.dumps(schemas).replace('"maxLength"', '"unbounded"'))
+    mistral = syntax.startswith("mistral")
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.function.name in names
+        assert re.fullmatch(r"[A-Za-z0-9]{9}" if mistral else r"call_[0-9a-f]{24}", call.id)
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def test_forced_calls_come_back_as_tool_calls(server: ServerProcess) -> None:
+    """`required` without parallel calls: one valid call and no content; a named function:
+    a call of it; sampled as well as greedy."""
+    sdk = client(server)
+    for options in ({"temperature": 0}, {"temperature": 1.0, "seed": 5}):
+        reply = sdk.chat.completions.create(
+            model=MODEL,
+            messages=WEATHER_QUESTION,
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=200,
+            **options,
+        )
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert len(choice.message.tool_calls) == 1
+        assert_valid_calls(server, choice.message.tool_calls, {"get_weather", "get_time"})
+    named = sdk.chat.completions.create(
+        model=MODEL,
+        messages=WEATHER_QUESTION,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        max_tokens=100,
+        temperature=0,
+    )
+    assert named.choices[0].finish_reason == "tool_calls"
+    assert_valid_calls(server, named.choices[0].message.tool_calls, {"get_time"})
+
+
+def test_streamed_calls_equal_the_reply(server: ServerProcess) -> None:
+    """Streamed, the calls arrive as tool_calls deltas, none of their syntax as content."""
+    sdk = client(server)
+    request = {
+        "model": MODEL,
+        "messages": WEATHER_QUESTION,
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "parallel_tool_calls": True,
+        "max_tokens": 120,
+        "temperature": 0,
+    }
+    reply = sdk.chat.completions.create(**request).choices[0]
+    content, calls, reasons = "", [], []
+    for chunk in sdk.chat.completions.create(**request, stream=True):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        calls += delta.tool_calls or []
+        reasons.append(chunk.choices[0].finish_reason)
+    assert (content or None) == reply.message.content and reasons[-1] == reply.finish_reason
+    expected = reply.message.tool_calls
+    assert_valid_calls(server, expected, {"get_weather", "get_time"})
+    assert [(c.index, c.function.name, c.function.arguments) for c in calls] == [
+        (i, c.function.name, c.function.arguments) for i, c in enumerate(expected)
+    ]
