@@ -42,6 +42,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--moe-backend", default="auto", help="MoE models: auto, torch or fused")
     p.add_argument("--quantization", default="auto", help="auto, none, int8, int4 or fp8")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8_e4m3")
+    p.add_argument("--attention-backend", default="auto", help="auto, fi, fa, torch or a,b")
     p.add_argument("--no-record", action="store_true")
     return p.parse_args()
 
@@ -100,6 +101,7 @@ def main() -> None:
         moe_backend=args.moe_backend,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        attention_backend=args.attention_backend,
     )
     clock = StepClock()
     llm.start_scheduler(on_step=clock)
@@ -126,7 +128,7 @@ def main() -> None:
     if not args.no_record:
         model = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
         keys = ("input_len", "output_len", "repeat", "tp", "moe_backend")
-        keys += ("quantization", "kv_cache_dtype")
+        keys += ("quantization", "kv_cache_dtype", "attention_backend")
         settings = {k: getattr(args, k) for k in keys}
         record(
             "latency",

@@ -103,21 +103,39 @@ def test_bf16_logprobs_close_to_transformers(
     assert_greedy_logprobs_close(llm, hf)
 
 
-def test_phi3_heads_of_96_on_the_torch_backend(
-    make_llm: Callable[..., LLM], tmp_path: Path
+def test_phi3_heads_of_96_prefill_on_torch_and_decode_on_triton(
+    make_llm: Callable[..., LLM], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Phi-3/3.5-mini's heads of 96 (72 rotating), a size FlashInfer's kernels here do not
-    take: `auto` picks the torch backend on CUDA, with transformers' bf16 logprobs."""
+    """Phi-3/3.5-mini's heads of 96 (72 rotating), a size FlashInfer's kernels do not take:
+    `auto` prefills through the torch backend and decodes through the Triton kernels, heads
+    padded to 128 as they are read, in CUDA graphs. transformers' bf16 logprobs with the
+    split kernels (one request) and with the whole-context kernel, in graphs; the graphs'
+    batched greedy tokens are an eager run's. FlashInfer's prefill is refused in
+    one line (0.6.8's faults on such heads)."""
     import transformers
+
+    from aserve.attention import triton_decode
+    from aserve.attention.base import SplitBackend
+    from aserve.config import ConfigError
 
     shapes = {"hidden_size": 384, "num_attention_heads": 4, "num_key_value_heads": 2}
     folder = make_tiny_model("phi3", tmp_path, overrides={**shapes, "rope_scaling": phi3_rope(96)})
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
-    llm = make_llm(folder, device="cuda", dtype="bfloat16")
+    hf = hf.cuda().eval()
+    llm = make_llm(folder, **small_gpu_engine())
     engine = llm.runtime.engine
     assert engine.model_config.head_dim == 96 and engine.model_config.rotary_dim == 72
-    assert type(engine.attn).__name__ == "TorchNativeBackend"
-    assert_greedy_logprobs_close(llm, hf.cuda().eval())
+    assert isinstance(engine.attn, SplitBackend) and engine.graphs is not None
+    assert type(engine.attn.prefill).__name__ == "TorchNativeBackend"
+    assert type(engine.attn.decode).__name__ == "FlashInferBackend"
+    assert_greedy_logprobs_close(llm, hf)
+    batched = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    eager = make_llm(folder, **small_gpu_engine(cuda_graph_max_bs=0))
+    assert [o.token_ids for o in eager.generate(PROMPTS, GREEDY)] == batched
+    monkeypatch.setattr(triton_decode, "WHOLE_MIN_PROGRAMS", 1)
+    assert_greedy_logprobs_close(make_llm(folder, **small_gpu_engine()), hf)
+    with pytest.raises(ConfigError, match="64, 128 or 256, not 96"):
+        LLM(str(folder), **small_gpu_engine(attention_backend="fi"))
 
 
 def test_gemma3_windows_on_flashinfer(make_llm: Callable[..., LLM], tmp_path: Path) -> None:

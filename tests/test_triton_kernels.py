@@ -519,7 +519,9 @@ def test_gemv_tiles_loaded_before_the_wait_change_no_bit(
     assert torch.equal(preloaded, run())
 
 
-@pytest.mark.parametrize("scores", ["plain", "sinks", "softcap"])
+@pytest.mark.parametrize(
+    ("scores", "head_dim"), [("plain", 64), ("sinks", 64), ("softcap", 64), ("plain", 96)]
+)
 @pytest.mark.parametrize("window", [0, 100])
 @pytest.mark.parametrize("kernel", ["split", "whole"])
 @pytest.mark.parametrize(("page_size", "fp8"), [(16, False), (256, True)])
@@ -530,6 +532,7 @@ def test_triton_decode_kernels_equal_plain_attention(
     fp8: bool,
     window: int,
     scores: str,
+    head_dim: int,
 ) -> None:
     """The Triton decode attention (attention/triton_decode.py) against softmax attention
     written out in float32 over the K and V the pool reads back, for contexts of 1 token to
@@ -539,13 +542,13 @@ def test_triton_decode_kernels_equal_plain_attention(
     `window` (Gemma 3's sliding layers) a query reads the last 100 positions, its scores
     scaled by 1 / sqrt(24) (`query_pre_attn_scalar`). With `sinks` (gpt-oss) each head's
     softmax also sums e^sink, sinks from far below to far above the scores; with `softcap`
-    (Gemma 2) the scaled scores are capped at 1.5 (they spread over about +-4).
-    tests/test_gpu.py has more shapes on the GPU."""
+    (Gemma 2) the scaled scores are capped at 1.5 (they spread over about +-4). Heads of 96
+    (Phi-3-mini) are read as padded to 128. tests/test_gpu.py has more shapes on the GPU."""
     from aserve.attention import triton_decode
     from aserve.kvcache.pool import KVPool
 
     monkeypatch.setattr(triton_decode, "WHOLE_MIN_PROGRAMS", 1 if kernel == "whole" else 1 << 30)
-    q_heads, kv_heads, head_dim = 8, 2, 64
+    q_heads, kv_heads = 8, 2
     lengths = [1, 7, 300, 64, 129, 1100]
     pages_per_row = [-(-n // page_size) for n in lengths]
     num_pages = sum(pages_per_row) + 3
@@ -619,8 +622,8 @@ def test_flashinfer_builds_the_decode_modules_its_batches_plan() -> None:
     # SmolLM2-135M (3 KV heads): FlashInfer up to 106 requests, on CUDA cores above 64
     assert decode_modules(9, 3, 64, 256) == ["decode", "CUDA-core decode"]
     assert decode_modules(9, 3, 64, 64) == ["decode"]
-    # a head size the Triton kernels do not take: FlashInfer at every batch
-    assert decode_modules(8, 4, 96, 256) == ["decode", "CUDA-core decode"]
+    # heads of 96 (Phi-3-mini), which FlashInfer's kernels do not take: Triton at every batch
+    assert decode_modules(8, 4, 96, 256) == []
     assert decode_modules(16, 8, 128, 2) == []  # Triton takes one and two requests
 
 

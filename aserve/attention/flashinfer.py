@@ -135,6 +135,10 @@ class FlashInferBackend:
         }
         self.split_pool = any(pool.windowed)
         self.triton_decode = _triton_decode(head_dim)
+        if head_dim not in FLASHINFER_HEAD_DIMS and self.triton_decode is None:
+            raise ConfigError(
+                f"heads of {head_dim} decode through the Triton kernels: pip install triton"
+            )
         if softcap and self.triton_decode is None:
             raise ConfigError(
                 f"soft-capped scores decode through Triton kernels, for head dims of 64, 128 "
@@ -183,6 +187,7 @@ class FlashInferBackend:
             self.pool.quantized
             or self.sinks
             or self.softcap > 0
+            or self.head_dim not in FLASHINFER_HEAD_DIMS
             or kernels.takes_batch(batch_size, self.num_kv_heads)
         )
 
@@ -425,10 +430,20 @@ class WidenedPrefill:
         return wide[:, :, 0], wide[:, :, 1]
 
 
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+"""Head sizes FlashInfer's kernels run (0.6.8's prefill faults on 96, Phi-3-mini's)."""
+
+
+def triton_decodes(head_dim: int) -> bool:
+    """Whether attention/triton_decode.py's kernels take this head size: any multiple of 16
+    up to 256, those that are no power of two padded to the next one as they are read."""
+    return head_dim % 16 == 0 and 32 <= head_dim <= 256
+
+
 def _triton_decode(head_dim: int) -> ModuleType | None:
     """attention/triton_decode.py where Triton is installed and the head size is one its
     kernels take, else None."""
-    if head_dim not in (64, 128, 256):
+    if not triton_decodes(head_dim):
         return None
     try:
         from aserve.attention import triton_decode
@@ -452,6 +467,8 @@ def decode_modules(num_heads: int, num_kv_heads: int, head_dim: int, max_batch: 
     """FlashInfer's decode modules ("decode" on tensor cores, "CUDA-core decode") that
     batches of 1 to `max_batch` requests of a 16-bit pool plan: those the Triton kernels do
     not take, by `use_tensor_cores`."""
+    if head_dim not in FLASHINFER_HEAD_DIMS:
+        return []
     triton = _triton_decode(head_dim)
     tensor_cores = {
         use_tensor_cores(num_heads, num_kv_heads, batch)

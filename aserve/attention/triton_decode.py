@@ -113,6 +113,16 @@ def takes_batch(batch_size: int, num_kv_heads: int) -> bool:
 
 
 @triton.jit
+def _head_mask(row_ok, dims, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """The rows-by-dims mask of a tile of heads whose size is padded to a power of two
+    (Phi-3's 96 to 128): the rows' alone where nothing is padded, as before."""
+    if HEAD_PAD == HEAD_DIM:
+        return row_ok[:, None]
+    else:
+        return row_ok[:, None] & (dims < HEAD_DIM)[None, :]
+
+
+@triton.jit
 def _attend_block(
     query,
     best,
@@ -131,6 +141,7 @@ def _attend_block(
     softcap,
     PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
     MASKED: tl.constexpr,
     WINDOWED: tl.constexpr,
@@ -145,7 +156,7 @@ def _attend_block(
     token_ok = tokens < end
     if WINDOWED:
         token_ok = token_ok & (tokens >= lo)
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, HEAD_PAD)
     if PAGE_SIZE % BLOCK_T == 0:  # the block lies in one page: one page id to look up
         page = tl.load(request_pages + block // PAGE_SIZE)
         token_at = page.to(tl.int64) * page_stride + (block % PAGE_SIZE) * token_stride
@@ -160,11 +171,15 @@ def _attend_block(
     # V is asked for with K, not after the scores: a split of one block then waits for
     # memory once.
     if MASKED:
-        keys = tl.load(k_cache + offsets, mask=token_ok[:, None], other=0.0)
-        values = tl.load(v_cache + offsets, mask=token_ok[:, None], other=0.0)
-    else:
+        kv_ok = _head_mask(token_ok, dims, HEAD_DIM, HEAD_PAD)
+        keys = tl.load(k_cache + offsets, mask=kv_ok, other=0.0)
+        values = tl.load(v_cache + offsets, mask=kv_ok, other=0.0)
+    elif HEAD_PAD == HEAD_DIM:
         keys = tl.load(k_cache + offsets)
         values = tl.load(v_cache + offsets)
+    else:
+        keys = tl.load(k_cache + offsets, mask=(dims < HEAD_DIM)[None, :], other=0.0)
+        values = tl.load(v_cache + offsets, mask=(dims < HEAD_DIM)[None, :], other=0.0)
     scores = tl.dot(query, tl.trans(keys.to(query.dtype))) * scale
     if SOFTCAP:
         scores = softcap * (2.0 * tl.sigmoid(scores * (2.0 / softcap)) - 1.0)
@@ -209,6 +224,7 @@ def _attend_kernel(
     GROUP_PAD: tl.constexpr,
     MERGE_ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
     DIRECT: tl.constexpr,
     F16: tl.constexpr,
@@ -239,11 +255,12 @@ def _attend_kernel(
         wait_for_previous(PDL)
         end = tl.minimum(start + chunk, seq_len)
         rows = tl.arange(0, GROUP_PAD)
-        dims = tl.arange(0, HEAD_DIM)
+        dims = tl.arange(0, HEAD_PAD)
         heads = kv_head * GROUP + rows
         row_ok = rows < GROUP
+        head_ok = _head_mask(row_ok, dims, HEAD_DIM, HEAD_PAD)
         query_at = q + request * q_stride + heads[:, None] * HEAD_DIM + dims[None, :]
-        query = tl.load(query_at, mask=row_ok[:, None], other=0.0)
+        query = tl.load(query_at, mask=head_ok, other=0.0)
         scale = sm_scale * 1.4426950408889634  # exp2 of scores in log2 units
         softcap = softcap * 1.4426950408889634
         # An FP8 cache is widened as it is read, to the queries' dtype or (F16) to float16,
@@ -257,7 +274,7 @@ def _attend_kernel(
         total = tl.zeros([GROUP_PAD], tl.float32)
         if SINKS and DIRECT:  # each head's sink: a first score of weight one on no value
             best, total = _sink_start(sinks, heads, row_ok)
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
         pages_of_request = page_ids + first_page
         head_at = kv_head * head_stride
         if UNMASKED_BLOCKS:
@@ -270,33 +287,33 @@ def _attend_kernel(
                 best, total, acc = _attend_block(
                     query, best, total, acc, scale, block, end, lo, k_cache, v_cache,
                     pages_of_request, page_stride, token_stride, head_at, softcap, PAGE_SIZE,
-                    HEAD_DIM, BLOCK_T, False, False, SOFTCAP,
+                    HEAD_DIM, HEAD_PAD, BLOCK_T, False, False, SOFTCAP,
                 )  # fmt: skip
             if full_end < end:
                 best, total, acc = _attend_block(
                     query, best, total, acc, scale, full_end, end, lo, k_cache, v_cache,
                     pages_of_request, page_stride, token_stride, head_at, softcap, PAGE_SIZE,
-                    HEAD_DIM, BLOCK_T, True, False, SOFTCAP,
+                    HEAD_DIM, HEAD_PAD, BLOCK_T, True, False, SOFTCAP,
                 )  # fmt: skip
         else:
             for block in range(start, end, BLOCK_T):
                 best, total, acc = _attend_block(
                     query, best, total, acc, scale, block, end, lo, k_cache, v_cache,
                     pages_of_request, page_stride, token_stride, head_at, softcap, PAGE_SIZE,
-                    HEAD_DIM, BLOCK_T, True, WINDOWED, SOFTCAP,
+                    HEAD_DIM, HEAD_PAD, BLOCK_T, True, WINDOWED, SOFTCAP,
                 )  # fmt: skip
 
         acc = acc * v_scale
         if DIRECT:  # one split: the whole context, finished here
             result = acc / total[:, None]
             out_at = out + request * out_stride + heads[:, None] * HEAD_DIM + dims[None, :]
-            tl.store(out_at, result.to(out.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(out_at, result.to(out.dtype.element_ty), mask=head_ok)
         else:
             # A used split has at least one token: its sum of weights is not 0.
             lse = best + tl.log2(total)
             slot = (request * tl.num_programs(0) * GROUP + heads) * num_splits + split
             part_at = partial_out + slot[:, None] * HEAD_DIM + dims[None, :]
-            tl.store(part_at, acc / total[:, None], mask=row_ok[:, None])
+            tl.store(part_at, acc / total[:, None], mask=head_ok)
             tl.store(partial_lse + slot, lse, mask=row_ok)
             pair = request * tl.num_programs(0) + kv_head
             used = tl.cdiv(seq_len - base, chunk)
@@ -304,7 +321,7 @@ def _attend_kernel(
                 _merge_splits(
                     partial_out, partial_lse, out + request * out_stride, pair * GROUP,
                     kv_head * GROUP, num_splits, used, sinks, GROUP, MERGE_ROWS, HEAD_DIM,
-                    SINKS,
+                    HEAD_PAD, SINKS,
                 )  # fmt: skip
 
 
@@ -333,6 +350,7 @@ def _merge_splits(
     GROUP: tl.constexpr,
     ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
     SINKS: tl.constexpr,
 ):
     """A KV head's query heads merged over their `used` splits by log-sum-exp, in split order
@@ -341,20 +359,24 @@ def _merge_splits(
     a split of weight e^sink and no value."""
     rows = tl.arange(0, ROWS)
     row_ok = rows < GROUP
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, HEAD_PAD)
     best = tl.full([ROWS], float("-inf"), tl.float32)
     total = tl.zeros([ROWS], tl.float32)
     if SINKS:
         best, total = _sink_start(sinks, first_head + rows, row_ok)
-    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_PAD], tl.float32)
     for first in range(0, used, MERGE_SPLITS):
         splits = first + tl.arange(0, MERGE_SPLITS)
         ok = row_ok[:, None] & (splits < used)[None, :]
         slot = (first_row + rows)[:, None] * num_splits + splits[None, :]
         lse = tl.load(partial_lse + slot, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        if HEAD_PAD == HEAD_DIM:
+            part_ok = ok[:, :, None]
+        else:
+            part_ok = ok[:, :, None] & (dims < HEAD_DIM)[None, None, :]
         parts = tl.load(
             partial_out + slot[:, :, None] * HEAD_DIM + dims[None, None, :],
-            mask=ok[:, :, None],
+            mask=part_ok,
             other=0.0,
             cache_modifier=".cg",
         )
@@ -368,7 +390,11 @@ def _merge_splits(
     heads = first_head + rows
     merged = acc / total[:, None]
     out_at = out_row + heads[:, None] * HEAD_DIM + dims[None, :]
-    tl.store(out_at, merged.to(out_row.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(
+        out_at,
+        merged.to(out_row.dtype.element_ty),
+        mask=_head_mask(row_ok, dims, HEAD_DIM, HEAD_PAD),
+    )
 
 
 class TritonDecodeWrapper:
@@ -507,6 +533,7 @@ class TritonDecodeWrapper:
             GROUP_PAD=max(16, triton.next_power_of_2(self.group)),
             MERGE_ROWS=triton.next_power_of_2(self.group),
             HEAD_DIM=head_dim,
+            HEAD_PAD=triton.next_power_of_2(head_dim),
             BLOCK_T=block_tokens,
             DIRECT=direct,
             F16=fp8 and FP8_DOT_F16,

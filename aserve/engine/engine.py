@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 
 from aserve.attention.base import AttentionBackend, SplitBackend
+from aserve.attention.flashinfer import FLASHINFER_HEAD_DIMS, triton_decodes
 from aserve.config import ConfigError, EngineConfig, ModelConfig
 from aserve.constrained.masks import StepMasks
 from aserve.distributed.group import TPGroup
@@ -63,8 +64,6 @@ from aserve.sampling_params import SamplingParams
 FLASHINFER_KERNELS = {"fi": "fa2", "fa": "fa3"}
 
 logger = logging.getLogger(__name__)
-
-FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 
 def default_device() -> torch.device:
@@ -301,12 +300,38 @@ class Engine:
         self._warm_up()
 
     def _create_attention_backend(self, name: str) -> AttentionBackend:
-        names = name.split(",")
+        names = self._backend_names(name)
         if len(names) == 2:
             return SplitBackend(self._single_backend(names[0]), self._single_backend(names[1]))
-        if len(names) != 1:
-            raise ConfigError("--attention-backend takes one backend or two as prefill,decode")
         return self._single_backend(names[0])
+
+    def _backend_names(self, name: str) -> list[str]:
+        """The backends of `--attention-backend`: one, or prefill's and decode's. FlashInfer's
+        kernels take heads of 64, 128 and 256 only; other sizes the Triton decode kernels
+        take (Phi-3-mini's 96) prefill through torch and decode through them, in CUDA
+        graphs (`auto` picks that split)."""
+        names = name.split(",")
+        if len(names) > 2:
+            raise ConfigError("--attention-backend takes one backend or two as prefill,decode")
+        head_dim = self.model_config.head_dim
+        if self.device.type != "cuda" or head_dim in FLASHINFER_HEAD_DIMS:
+            return names
+        if names == ["auto"]:
+            return ["torch", "fi"] if self._half_on_cuda and triton_decodes(head_dim) else names
+        prefill, decode = self._resolved_backend(names[0]), self._resolved_backend(names[-1])
+        if prefill in FLASHINFER_KERNELS or (
+            decode in FLASHINFER_KERNELS and not triton_decodes(head_dim)
+        ):
+            raise ConfigError(
+                f"FlashInfer's kernels take heads of 64, 128 or 256, not {head_dim}: "
+                "--attention-backend torch,fi prefills through torch and decodes through the "
+                "Triton kernels (what auto picks)"
+            )
+        return names
+
+    @property
+    def _half_on_cuda(self) -> bool:
+        return self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
 
     def _resolved_backend(self, name: str) -> str:
         """`auto` is FlashInfer on CUDA in half precision with a head size its kernels
@@ -315,9 +340,8 @@ class Engine:
         `fi` for both phases."""
         if name != "auto":
             return name
-        half = self.dtype in (torch.float16, torch.bfloat16)
         supported = self.model_config.head_dim in FLASHINFER_HEAD_DIMS
-        return "fi" if self.device.type == "cuda" and half and supported else "torch"
+        return "fi" if self._half_on_cuda and supported else "torch"
 
     def _start_kernel_builds(self) -> list[threading.Thread]:
         """FlashInfer's modules compile (or load) in threads while the weights load."""
