@@ -224,19 +224,38 @@ def test_syntax_follows_the_option_and_the_template(
 
 def test_stream_holds_back_a_call_and_a_split_marker() -> None:
     """Text before a call goes out as it comes; a piece that might begin the marker waits;
-    the call itself never goes out as content."""
+    the call itself never goes out as content, and goes out as a call with the piece that
+    closes it."""
     stream = ToolTextStream(HERMES)
     pieces = ["Sure, ", "checking <", "tool", "_call>\n", WEATHER, "\n</tool_call>"]
     sent = [stream.push(p) for p in pieces]
-    assert "".join(sent) == "Sure, checking "
-    assert sent[1] == "checking "  # "<" held until the next piece says what it is
-    rest, calls = stream.finish()
-    assert rest == "" and names(calls) == ["get_weather"]
+    assert "".join(text for text, _ in sent) == "Sure, checking "
+    assert sent[1] == ("checking ", [])  # "<" held until the next piece says what it is
+    assert [names(calls) for _, calls in sent] == [[], [], [], [], [], ["get_weather"]]
+    assert stream.finish() == ("", [])
 
     plain = ToolTextStream(HERMES)
     sent = [plain.push(p) for p in ["a < b", " and <tool", "s> too"]]
     rest, calls = plain.finish()
-    assert "".join(sent) + rest == "a < b and <tools> too" and calls == []
+    assert "".join(text for text, _ in sent) + rest == "a < b and <tools> too" and calls == []
+
+
+def test_parallel_calls_go_out_one_by_one_and_text_between_at_the_end() -> None:
+    """Each call goes out with the piece that closes it, in order; text between calls waits
+    for the end (the content after the first marker); a call left open when the reply ends
+    (max_tokens) never goes out."""
+    stream = ToolTextStream(HERMES)
+    pieces = [f"<tool_call>\n{WEATHER}\n</tool", "_call>", " then ", f"<tool_call>\n{TIME}"]
+    pieces += ["\n</tool_call>", '<tool_call>\n{"na']
+    sent = [stream.push(p) for p in pieces]
+    assert [text for text, _ in sent] == [""] * len(pieces)
+    assert [names(calls) for _, calls in sent] == [[], ["get_weather"], [], [], ["get_time"], []]
+    assert stream.finish() == ("then", [])
+
+    listed = ToolTextStream(MISTRAL)
+    sent = [listed.push(p) for p in ["[TOOL_CALLS][", WEATHER, ", ", TIME[:-1], "}", "]"]]
+    assert [names(calls) for _, calls in sent] == [[], ["get_weather"], [], [], ["get_time"], []]
+    assert listed.finish() == ("", [])
 
 
 @pytest.mark.parametrize(
@@ -251,9 +270,8 @@ def test_stream_holds_back_a_call_and_a_split_marker() -> None:
 def test_each_marker_is_held_back_when_split(syntax: ToolSyntax, pieces: list[str]) -> None:
     stream = ToolTextStream(syntax)
     sent = [stream.push(p) for p in pieces]
-    assert sent == ["Sure ", *[""] * (len(pieces) - 1)]
-    rest, calls = stream.finish()
-    assert rest == "" and names(calls) == ["get_time"]
+    assert [text for text, _ in sent] == ["Sure ", *[""] * (len(pieces) - 1)]
+    assert names(sent[-1][1]) == ["get_time"] and stream.finish() == ("", [])
 
 
 @pytest.mark.parametrize("syntax", [LLAMA3_JSON, PYTHONIC])
@@ -261,17 +279,17 @@ def test_a_whole_reply_syntax_holds_a_reply_that_opens_like_a_call(syntax: ToolS
     opening = "[get_time(" if syntax is PYTHONIC else '{"name": "get_time", '
     closing = ")]" if syntax is PYTHONIC else '"parameters": {}}'
     stream = ToolTextStream(syntax)
-    assert stream.push(" ") == "" and stream.push(opening) == "" and stream.push(closing) == ""
-    assert names(stream.finish()[1]) == ["get_time"]
+    assert [stream.push(p) for p in (" ", opening, closing)] == [("", [])] * 3
+    assert names(stream.finish()[1]) == ["get_time"]  # text after it would make it text
     words = ToolTextStream(syntax)
-    assert words.push("Hello") == "Hello" and words.push(" [x] {y}") == " [x] {y}"
+    assert words.push("Hello") == ("Hello", []) and words.push(" [x] {y}") == (" [x] {y}", [])
     assert words.finish() == ("", [])
     if syntax is PYTHONIC:  # Llama 4's tag may be split; text that only began like it goes
         tagged = ToolTextStream(syntax)
-        assert tagged.push("<|python") == "" and tagged.push("_start|>[f()]") == ""
+        assert tagged.push("<|python") == ("", []) and tagged.push("_start|>[f()]") == ("", [])
         assert names(tagged.finish()[1]) == ["f"]
         angle = ToolTextStream(syntax)
-        assert angle.push("<") == "" and angle.push("3 you") == "<3 you"
+        assert angle.push("<") == ("", []) and angle.push("3 you") == ("<3 you", [])
 
 
 # ---- the forcing grammars, compiled over a vocabulary of single characters -----------------

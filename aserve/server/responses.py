@@ -148,7 +148,9 @@ class ResponseShaper:
         logprobs = self._logprobs(index, delta.logprobs)
         token_ids = self.parsed.return_token_ids and bool(delta.token_ids)
         if self.is_chat:
-            reasoning, text, calls = self._splitters[index].push(delta)
+            splitter = self._splitters[index]
+            first_call = splitter.called
+            reasoning, text, calls = splitter.push(delta)
             chunks = []
             if reasoning or text or logprobs or token_ids:
                 message = {"reasoning_content": reasoning} if reasoning else {}
@@ -156,10 +158,11 @@ class ResponseShaper:
                     message["content"] = text
                 chunks.append(openai.chat_chunk(self.head, index, message, None, logprobs))
             if calls:
-                streamed = [{"index": i, **c} for i, c in enumerate(openai_calls(calls))]
+                numbered = enumerate(openai_calls(calls), first_call)
+                streamed = [{"index": i, **c} for i, c in numbered]
                 chunks.append(openai.chat_chunk(self.head, index, {"tool_calls": streamed}))
             if delta.finish_reason is not None:
-                reason = _finish_with_calls(delta.finish_reason, bool(calls))
+                reason = _finish_with_calls(delta.finish_reason, splitter.called > 0)
                 chunks.append(openai.chat_chunk(self.head, index, {}, reason))
         elif delta.text or logprobs is not None or token_ids or delta.finish_reason is not None:
             chunks = [
@@ -253,8 +256,16 @@ class ReplySplitter:
         # is one token (a stream), else a delta across the block's end counts whole.
         self.reasoning_tokens = 0
         self._undecided_tokens = 0  # before the reply shows whether it thinks
+        self.called = 0  # tool calls handed out so far
 
     def push(self, delta: Delta) -> tuple[str, str, list[ParsedCall]]:
+        """The delta's reasoning and content, and the tool calls it completed (a call goes
+        out once whole, before the reply ends where its syntax allows)."""
+        reasoning, text, calls = self._split(delta)
+        self.called += len(calls)
+        return reasoning, text, calls
+
+    def _split(self, delta: Delta) -> tuple[str, str, list[ParsedCall]]:
         reasoning, text, calls = "", delta.text, []
         final = delta.finish_reason is not None
         if self._harmony is not None:
@@ -265,10 +276,10 @@ class ReplySplitter:
                 more_reasoning, more_text = self._thinking.finish()
                 reasoning, text = reasoning + more_reasoning, text + more_text
         if self._tools is not None:
-            text = self._tools.push(text)
+            text, calls = self._tools.push(text)
             if final:
-                rest, calls = self._tools.finish()
-                text += rest
+                rest, more = self._tools.finish()
+                text, calls = text + rest, calls + more
         return reasoning, text, calls
 
     def _push_harmony(

@@ -26,8 +26,8 @@ def item_id(prefix: str) -> str:
 class ResponsesShaper:
     """The reply of one /v1/responses request (its one choice). Streamed, each output item
     opens with `response.output_item.added` when its first text is ready and closes with
-    `response.output_item.done`; tool calls, parsed once the reply is complete, follow the
-    message; `response.completed` carries the whole response."""
+    `response.output_item.done`; tool calls follow the message, once it closes at the
+    reply's end; `response.completed` carries the whole response."""
 
     DONE = b""  # the Responses stream ends with response.completed, no [DONE]
 
@@ -44,6 +44,7 @@ class ResponsesShaper:
         self._message: list[str] | None = None  # the open message's text
         self._message_id = ""
         self._output: list[dict[str, Any]] = []  # the items closed so far
+        self._calls: list[ParsedCall] = []  # the reply's tool calls so far
 
     # ---- whole replies -----------------------------------------------------------------
 
@@ -51,8 +52,9 @@ class ResponsesShaper:
         deltas = results[0]
         reasoning, text, calls = "", "", []
         for delta in deltas:
-            more_reasoning, more_text, calls = self._splitter.push(delta)
+            more_reasoning, more_text, more_calls = self._splitter.push(delta)
             reasoning, text = reasoning + more_reasoning, text + more_text
+            calls += more_calls
         finish = deltas[-1].finish_reason if deltas else "abort"
         output = []
         if reasoning:
@@ -106,6 +108,8 @@ class ResponsesShaper:
 
     def delta_events(self, index: int, delta: Delta) -> bytes:
         reasoning, text, calls = self._splitter.push(delta)
+        self._calls += calls  # items after the message's: they go out when it closes
+        calls = self._calls
         events = []
         if reasoning:
             events += self._reasoning_delta(reasoning)

@@ -93,8 +93,10 @@ def openai_calls(calls: list[ParsedCall]) -> list[dict[str, Any]]:
 
 
 class ToolTextStream:
-    """Streams a reply's text until a tool call may be starting, then holds the rest back for
-    `finish` to parse: a client never sees a call's syntax as content."""
+    """Streams a reply's text until a tool call may be starting, then holds the rest back: a
+    client never sees a call's syntax as content. Each call goes out once its syntax has
+    closed (in a syntax of markers nothing later can undo it); calls that are the whole
+    reply (llama3_json, pythonic) wait for its end, as does the text around calls."""
 
     def __init__(self, syntax: ToolSyntax, tools: Tools = ()) -> None:
         self.syntax = syntax
@@ -102,9 +104,18 @@ class ToolTextStream:
         self.text = ""
         self.sent = 0
         self.held = False
+        self.called = 0  # calls handed out before the reply ended
 
-    def push(self, delta: str) -> str:
-        """What of `delta` may go out as content now."""
+    def push(self, delta: str) -> tuple[str, list[ParsedCall]]:
+        """What of `delta` may go out as content now, and the calls it closed."""
+        content = self._content(delta)
+        if not self.held or self.syntax.whole_reply or not any(c in delta for c in "]}>"):
+            return content, []  # nothing can have closed a call
+        _, calls = self.syntax.parse(self.text[self.sent :], self.tools)
+        closed, self.called = calls[self.called :], len(calls)
+        return content, closed
+
+    def _content(self, delta: str) -> str:
         self.text += delta
         if self.held:
             return ""
@@ -130,6 +141,7 @@ class ToolTextStream:
         return out
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
-        """The content still to send and the calls, once the reply is complete."""
+        """The content still to send and the calls not handed out yet, once the reply is
+        complete."""
         rest, calls = parse_tool_calls(self.text[self.sent :], self.syntax, self.tools)
-        return rest or "", calls
+        return rest or "", calls[self.called :]
