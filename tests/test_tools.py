@@ -427,3 +427,41 @@ def test_special_markers_stay_in_the_reply_text(smollm2_dir: Path, tmp_path: Pat
     assert names(parse_tool_calls(text, MISTRAL)[1]) == ["get_time"]
     skipped = TextStream(tokenizer)
     assert skipped.push(reply).text + skipped.finish() == 'get_time{"zone": "UTC"}'
+
+
+# ---- any text at all --------------------------------------------------------------------
+
+FRAGMENTS = [
+    "<tool_call>", "</tool_call>", "<function=f>", "</function>", "<parameter=x>",
+    "</parameter>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|tool_call|>", "functools",
+    "<|python_start|>", "[", "]", "{", "}", '"name"', '"arguments"', '"parameters"', ":", ",",
+    '"f"', "1", "true", "null", "f(", ")", "x=", " ", "\n", "text", '"', "\\", "(", "=",
+]  # fmt: skip
+DEEP = ["[" * 100_000, '{"a":' * 50_000, "[f(x=" + "[" * 5_000 + "1" + "]" * 5_000 + ")]"]
+
+
+@pytest.mark.parametrize("syntax", list(SYNTAXES.values()), ids=list(SYNTAXES))
+def test_any_text_parses_and_streams_without_raising(syntax: ToolSyntax) -> None:
+    """Replies made of the syntaxes' pieces at random, and nesting deep enough to overflow
+    the JSON and Python readers after each marker: the parser and the stream never raise
+    (the reply's text then stays text), each call's arguments are a JSON object, and the
+    stream hands out the calls the parser finds, with the same content."""
+    import random
+
+    rng = random.Random(7)
+    texts = ["".join(rng.choices(FRAGMENTS, k=rng.randint(1, 30))) for _ in range(1500)]
+    markers = ["", "<tool_call>", "[TOOL_CALLS]", "[TOOL_CALLS]f[ARGS]", "<|tool_call|>"]
+    texts += [marker + deep for marker in markers + ["functools"] for deep in DEEP]
+    for text in texts:
+        content, calls = parse_tool_calls(text, syntax, CODER_TOOLS)
+        assert all(isinstance(json.loads(c.arguments), dict) for c in calls)
+        stream = ToolTextStream(syntax, CODER_TOOLS)
+        cut = rng.randint(0, len(text))
+        first, second = stream.push(text[:cut]), stream.push(text[cut:])
+        rest, last = stream.finish()
+        streamed = first[1] + second[1] + last
+        assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in calls]
+        if calls:
+            assert (first[0] + second[0] + rest).strip() == (content or "")
+        else:
+            assert first[0] + second[0] + rest == text

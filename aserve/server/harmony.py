@@ -124,7 +124,7 @@ class HarmonyStream:
         if self._kind == "call":
             try:
                 arguments = json.loads(self._arguments)
-            except ValueError:
+            except (ValueError, RecursionError):
                 pass  # cut short, or not JSON: not a call to make
             else:  # as OpenAI sends arguments, whatever spacing the model wrote
                 self.calls.append(ParsedCall(self._name, json.dumps(arguments, ensure_ascii=False)))

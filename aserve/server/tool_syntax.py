@@ -33,6 +33,7 @@ import json
 import re
 import secrets
 import string
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +55,10 @@ CODER_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.DO
 CODER_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
 FUNCTION_NAME = re.compile(r"[\w.\-]+")
 ID_CHARACTERS = string.ascii_letters + string.digits
+# What a model's text can raise when read as JSON or as a Python literal: deep nesting
+# overflows the readers' recursion too, and such text is text, not a failed request.
+NOT_JSON = (ValueError, RecursionError)
+NOT_PYTHON = (ValueError, TypeError, SyntaxError, RecursionError, MemoryError)
 
 
 def openai_call_id() -> str:
@@ -75,7 +80,7 @@ def _arguments(value: Any) -> dict[str, Any] | None:
     if isinstance(value, str):  # some models write the arguments as a JSON string
         try:
             value = json.loads(value)
-        except ValueError:
+        except NOT_JSON:
             return None
     return value if isinstance(value, dict) else None
 
@@ -110,7 +115,7 @@ def _json_list(text: str, at: int, key: str = "arguments") -> tuple[list[ParsedC
             return calls, at + 1
         try:
             body, at = decoder.raw_decode(text, at)
-        except json.JSONDecodeError:
+        except NOT_JSON:
             return calls, None
         call = _json_call(body, key)
         if call is None:
@@ -153,7 +158,7 @@ def _read_hermes(text: str, at: int) -> tuple[list[ParsedCall], int | None]:
         return [], None
     try:
         call = _json_call(json.loads(text[at:close]), "arguments")
-    except json.JSONDecodeError:
+    except NOT_JSON:
         call = None
     return [call] if call else [], close + len(HERMES_END)
 
@@ -171,11 +176,11 @@ def _coder_value(raw: str, schema: dict[str, Any]) -> Any:
     value = raw.strip()
     try:
         return json.loads(value)
-    except ValueError:
+    except NOT_JSON:
         pass
     try:  # Python literals: True, None, single quotes
         return ast.literal_eval(value)
-    except (ValueError, SyntaxError):
+    except NOT_PYTHON:
         return value
 
 
@@ -221,7 +226,7 @@ def _read_mistral(text: str, at: int) -> tuple[list[ParsedCall], int | None]:
         return [], None
     try:
         body, end = json.JSONDecoder().raw_decode(text, _skip_space(text, args + len(MISTRAL_ARGS)))
-    except json.JSONDecodeError:
+    except NOT_JSON:
         return [], None
     arguments = _arguments(body)
     if arguments is None:
@@ -236,7 +241,7 @@ def _parse_llama(text: str) -> Parsed:
     while at < len(stripped):
         try:
             body, end = decoder.raw_decode(stripped, at)
-        except json.JSONDecodeError:
+        except NOT_JSON:
             break
         call = _json_call(body, "parameters")
         if call is None:
@@ -268,8 +273,10 @@ def _parse_pythonic(text: str) -> Parsed:
     if body.startswith("{"):
         return _parse_llama(text)
     try:
-        tree = ast.parse(body, mode="eval").body
-    except SyntaxError:
+        with warnings.catch_warnings():  # a model's "\d" in a string is no warning to log
+            warnings.simplefilter("ignore")
+            tree = ast.parse(body, mode="eval").body
+    except NOT_PYTHON:
         return text or None, []
     if not isinstance(tree, ast.List) or not tree.elts:
         return text or None, []
@@ -279,7 +286,7 @@ def _parse_pythonic(text: str) -> Parsed:
             return text or None, []
         try:
             arguments = {kw.arg: _literal(kw.value) for kw in node.keywords if kw.arg}
-        except (ValueError, TypeError, SyntaxError):
+        except NOT_PYTHON:
             return text or None, []
         calls.append(ParsedCall(node.func.id, json.dumps(arguments, ensure_ascii=False)))
     return None, calls
