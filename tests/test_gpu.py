@@ -439,12 +439,15 @@ def test_qk_norm_in_place_on_strided_heads_equals_torch() -> None:
 
 
 @pytest.mark.parametrize("qk_norm", [True, False])
-@pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim"), [(16, 8, 128), (9, 3, 64)])
+@pytest.mark.parametrize(
+    ("q_heads", "kv_heads", "head_dim"), [(16, 8, 128), (9, 3, 64), (32, 32, 96)]
+)
 def test_norm_rope_store_kernel_equals_the_separate_steps(
     qk_norm: bool, q_heads: int, kv_heads: int, head_dim: int
 ) -> None:
     """The one-kernel Q/K norm + RoPE + KV write against the plain PyTorch layers doing the
-    three steps one after another, on a fused QKV output with random positions and slots."""
+    three steps one after another, on a fused QKV output with random positions and slots;
+    heads of 96 (Phi-3-mini) are read as padded to 128."""
     from aserve.layers.norm import RMSNorm
     from aserve.layers.rope_store import norm_rope_store
     from aserve.layers.rotary import RotaryEmbedding

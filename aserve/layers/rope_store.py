@@ -36,6 +36,7 @@ def _norm_rope_heads(
     num_heads,
     BLOCK_HEADS: tl.constexpr,
     HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
     NORM: tl.constexpr,
     weight,
     eps,
@@ -46,18 +47,25 @@ def _norm_rope_heads(
     TO_FP8: tl.constexpr,
 ):
     """Rotate `num_heads` heads at `src`, after an RMSNorm with NORM, into `dst` (in FP8
-    over `dst_scale` with TO_FP8)."""
+    over `dst_scale` with TO_FP8). A half head that is no power of two (48 of Phi-3-mini's
+    96) is read padded to HALF_PAD, the padding masked."""
     heads = tl.arange(0, BLOCK_HEADS)[:, None]
-    cols = tl.arange(0, HALF)[None, :]
+    cols = tl.arange(0, HALF_PAD)[None, :]
     mask = heads < num_heads
+    if HALF_PAD != HALF:
+        mask = mask & (cols < HALF)
     first = heads * (2 * HALF) + cols
     x1 = tl.load(src + first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + first + HALF, mask=mask, other=0.0).to(tl.float32)
     if NORM:
         mean_square = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
         scale = tl.rsqrt(mean_square + eps)[:, None]
-        w1 = tl.load(weight + cols).to(tl.float32)
-        w2 = tl.load(weight + HALF + cols).to(tl.float32)
+        if HALF_PAD == HALF:
+            w1 = tl.load(weight + cols).to(tl.float32)
+            w2 = tl.load(weight + HALF + cols).to(tl.float32)
+        else:
+            w1 = tl.load(weight + cols, mask=cols < HALF, other=0.0).to(tl.float32)
+            w2 = tl.load(weight + HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32)
         x1 = (x1 * scale * w1).to(src.dtype.element_ty).to(tl.float32)
         x2 = (x2 * scale * w2).to(src.dtype.element_ty).to(tl.float32)
     y1 = (x1 * cos - x2 * sin).to(src.dtype.element_ty)
@@ -90,6 +98,7 @@ def _norm_rope_store_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HALF_PAD: tl.constexpr,
     NORM: tl.constexpr,
     FP8: tl.constexpr,
     PDL: tl.constexpr,
@@ -103,14 +112,21 @@ def _norm_rope_store_kernel(
     slot = tl.load(slots + token)
     cache_row = cache + slot * (2 * NUM_KV * HEAD_DIM)
     position = tl.load(positions + token)
-    half = tl.arange(0, HALF)[None, :]
-    cos = tl.load(cos_sin + position * HEAD_DIM + half)
-    sin = tl.load(cos_sin + position * HEAD_DIM + HALF + half)
+    half = tl.arange(0, HALF_PAD)[None, :]
+    if HALF_PAD == HALF:
+        cos = tl.load(cos_sin + position * HEAD_DIM + half)
+        sin = tl.load(cos_sin + position * HEAD_DIM + HALF + half)
+    else:
+        cos = tl.load(cos_sin + position * HEAD_DIM + half, mask=half < HALF, other=0.0)
+        sin = tl.load(cos_sin + position * HEAD_DIM + HALF + half, mask=half < HALF, other=0.0)
     wait_for_previous(PDL)
     if part == 2:
         kv_heads = tl.arange(0, BLOCK_KV)[:, None]
-        offsets = kv_heads * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+        dims = tl.arange(0, 2 * HALF_PAD)[None, :]
+        offsets = kv_heads * HEAD_DIM + dims
         v_mask = kv_heads < NUM_KV
+        if HALF_PAD != HALF:
+            v_mask = v_mask & (dims < HEAD_DIM)
         v = tl.load(row + (NUM_Q + NUM_KV) * HEAD_DIM + offsets, mask=v_mask)
         if FP8:
             v = _to_fp8(v, v_scale)
@@ -118,12 +134,24 @@ def _norm_rope_store_kernel(
     else:
         if part == 0:
             _norm_rope_heads(
-                row, NUM_Q, BLOCK_Q, HALF, NORM, q_weight, eps, cos, sin, row, 1.0, False
+                row, NUM_Q, BLOCK_Q, HALF, HALF_PAD, NORM, q_weight, eps, cos, sin, row, 1.0, False
             )
         else:
             k = row + NUM_Q * HEAD_DIM
             _norm_rope_heads(
-                k, NUM_KV, BLOCK_KV, HALF, NORM, k_weight, eps, cos, sin, cache_row, k_scale, FP8
+                k,
+                NUM_KV,
+                BLOCK_KV,
+                HALF,
+                HALF_PAD,
+                NORM,
+                k_weight,
+                eps,
+                cos,
+                sin,
+                cache_row,
+                k_scale,
+                FP8,
             )
 
 
@@ -166,6 +194,7 @@ def norm_rope_store(
         BLOCK_Q=triton.next_power_of_2(num_q),
         BLOCK_KV=triton.next_power_of_2(num_kv),
         HEAD_DIM=head_dim,
+        HALF_PAD=triton.next_power_of_2(head_dim // 2),
         NORM=norm,
         FP8=cache.dtype == torch.float8_e4m3fn,
         **pdl_options(q.device, tokens),

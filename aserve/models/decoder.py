@@ -167,7 +167,7 @@ def _fused_norm_rope_store(ops: FusedOps | None, head_dim: int) -> Callable[...,
     they use the CPU kernels (quantized models on CPU), else None."""
     if isinstance(ops, CpuKernels):
         return ops.norm_rope_store
-    if ops is None or head_dim not in (64, 128, 256):
+    if ops is None or head_dim % 16 or not 32 <= head_dim <= 256:  # 96 is read padded
         return None
     from aserve.layers.rope_store import norm_rope_store
 
