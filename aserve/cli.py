@@ -1,4 +1,5 @@
-"""`aserve` on the command line: options with mini-SGLang's names and aliases -> ServerConfig."""
+"""`aserve` on the command line: options with mini-SGLang's names and aliases (SGLang's and
+vLLM's spellings of the same settings among them) -> ServerConfig."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 PROCESS_OPTIONS = frozenset(
     {"drain_timeout", "drain_delay", "dp_size", "router_policy", "router_args"}
 )
+# vLLM's flags that aserve's behaviour already has: taken, and nothing to set.
+COMPATIBILITY_FLAGS = frozenset({"enable_auto_tool_choice"})
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -92,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--seed", type=int, default=0, help="seed of the dummy weights")
     model.add_argument(
         "--max-seq-len-override",
+        "--context-length",
+        "--max-model-len",
+        dest="max_seq_len_override",
         type=_positive_int,
         default=None,
         help="context length to use instead of the model's",
@@ -117,12 +123,17 @@ def build_parser() -> argparse.ArgumentParser:
     memory = p.add_argument_group("memory and batching")
     memory.add_argument(
         "--max-running-requests",
+        "--max-num-seqs",
+        dest="max_running_requests",
         type=_positive_int,
         default=256,
         help="requests decoded together at most",
     )
     memory.add_argument(
         "--memory-ratio",
+        "--mem-fraction-static",
+        "--gpu-memory-utilization",
+        dest="memory_ratio",
         type=float,
         default=0.9,
         help="share of GPU memory that weights, KV cache and activations may use",
@@ -248,6 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
         "template's markers, Hermes <tool_call> blocks where it has none)",
     )
     server.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM's command lines: chat requests with tools always have their "
+        "replies' calls parsed",
+    )
+    server.add_argument(
         "--chat-template",
         default=None,
         help="a Jinja chat template, as a file or the text itself, in place of the model's",
@@ -321,7 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_config(argv: Sequence[str] | None = None) -> tuple[ServerConfig, argparse.Namespace]:
     parser = build_parser()
     args = parser.parse_args(argv)
-    options = {k: v for k, v in vars(args).items() if k not in PROCESS_OPTIONS}
+    ignored = PROCESS_OPTIONS | COMPATIBILITY_FLAGS
+    options = {k: v for k, v in vars(args).items() if k not in ignored}
     try:
         return build_config(**options), args
     except ConfigError as error:

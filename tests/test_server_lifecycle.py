@@ -30,6 +30,27 @@ from tests.test_server import get, post, run
 HELLO = [{"role": "user", "content": "Say hello."}]
 
 
+def test_sglang_and_vllm_spellings_reach_the_same_settings() -> None:
+    """A command line written for SGLang or vLLM sets what aserve's own names set;
+    `--enable-auto-tool-choice` is taken (aserve always parses tool calls)."""
+    from aserve.cli import parse_config
+
+    ours = parse_config(
+        ["--max-seq-len-override", "2048", "--memory-ratio", "0.5", "--max-running-requests", "8"]
+    )[0]
+    for argv in (
+        ["--context-length", "2048", "--mem-fraction-static", "0.5", "--max-running-requests", "8"],
+        ["--max-model-len", "2048", "--gpu-memory-utilization", "0.5", "--max-num-seqs", "8"],
+    ):
+        config = parse_config([*argv, "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])[
+            0
+        ]
+        assert config.engine.max_seq_len_override == ours.engine.max_seq_len_override == 2048
+        assert config.engine.memory_ratio == ours.engine.memory_ratio == 0.5
+        assert config.scheduler.max_running_requests == ours.scheduler.max_running_requests == 8
+        assert config.tool_call_parser == "hermes" and ours.tool_call_parser == "auto"
+
+
 def test_bad_option_is_one_line_and_exit_code_2() -> None:
     for args in (
         ["--page-size", "0"],
@@ -37,6 +58,7 @@ def test_bad_option_is_one_line_and_exit_code_2() -> None:
         ["--dtype", "float8"],
         ["--memory-ratio", "3"],
         ["--tp", "0"],
+        ["--tool-call-parser", "deepseek"],
     ):
         result = subprocess.run(
             [sys.executable, "-m", "aserve", *args], capture_output=True, text=True, timeout=60
