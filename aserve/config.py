@@ -30,6 +30,7 @@ SUPPORTED_ARCHITECTURES = {
     "SmolLM3ForCausalLM": "smollm3",
     "Phi3ForCausalLM": "phi3",
     "GraniteForCausalLM": "granite",
+    "Olmo2ForCausalLM": "olmo2",
 }
 MOE_BACKENDS = ("auto", "torch", "fused")
 GELU_TANH = "gelu_pytorch_tanh"
@@ -358,9 +359,11 @@ class ModelConfig:
     Qwen2's, which biases Q, K and V only). `attention_sinks`: each head's softmax also sums
     a learned logit of its own that weighs no value (gpt-oss). `attention_softcap` and
     `logit_softcap` (Gemma 2; 0: none) bound the scaled scores and the logits to (-cap,
-    cap) by cap * tanh(x / cap). `residual_multiplier` scales each attention and MLP output
-    before it joins the residual stream, and the logits are divided by `logits_scaling`
-    (Granite). The MoE fields keep their
+    cap) by cap * tanh(x / cap). `post_norms` (OLMo 2): no norm before attention or the MLP;
+    each one's output is normalised before it joins the residual stream, and its Q and K
+    norms (`qk_norm`) span all heads of the projection instead of one head.
+    `residual_multiplier` scales each attention and MLP output before it joins the residual
+    stream, and the logits are divided by `logits_scaling` (Granite). The MoE fields keep their
     defaults (no experts) for dense models; `expert_style` says how gpt-oss's experts
     differ.
     `quantization` is the checkpoint's format: its `quantization_config.quant_method`, "fp8"
@@ -416,6 +419,7 @@ class ModelConfig:
     rotary_dim: int = 0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    post_norms: bool = False
 
     def layer_window(self, layer: int) -> int:
         """Layer `layer`'s sliding window, 0 where it reads the whole context."""
@@ -463,6 +467,8 @@ class ModelConfig:
             family_settings["rope_free_layers"] = _rope_free_layers(config, num_layers)
         if family == "granite":
             family_settings |= _granite_settings(config)
+        if family == "olmo2":  # norms as gpt-oss's: the float32 row weighed, then rounded
+            family_settings |= {"post_norms": True, "norms_in_float32": True}
         if family == "phi3":
             family_settings["rotary_dim"] = _rotary_dim(config, int(head_dim))
             _check_longrope(family_settings["rope_scaling"], family_settings["rotary_dim"])
@@ -487,7 +493,7 @@ class ModelConfig:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=bool(config.get("attention_bias", family == "qwen2")),
             o_bias=bool(config.get("attention_bias", False)) and family != "qwen2",
-            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "olmo2"),
             eos_token_ids=tuple(sorted(eos)),
             bos_token_id=config.get("bos_token_id"),
             torch_dtype=config.get("torch_dtype") or config.get("dtype"),

@@ -33,6 +33,7 @@ GGUF_ARCH = {
     "phi3": "phi3",
     "granite": "granite",
     "mixtral": "llama",
+    "olmo2": "olmo2",
 }
 TOP_LEVEL = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -52,6 +53,10 @@ IN_LAYER = {
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
     "mlp.gate": "ffn_gate_inp",
+}
+OLMO2_IN_LAYER = IN_LAYER | {
+    "post_attention_layernorm": "post_attention_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
 }
 GEMMA_IN_LAYER = IN_LAYER | {
     "post_attention_layernorm": "post_attention_norm",
@@ -228,6 +233,7 @@ def write_hf_as_gguf(
         writer.add_expert_feed_forward_length(expert_rows)
     in_layer = GEMMA_IN_LAYER if gemma else GPT_OSS_IN_LAYER if gpt_oss else IN_LAYER
     in_layer = PHI3_IN_LAYER if phi3 else in_layer
+    in_layer = OLMO2_IN_LAYER if config["model_type"] == "olmo2" else in_layer
     tensors: dict[str, np.ndarray] = {}
     experts: dict[str, dict[int, np.ndarray]] = {}
     for name, tensor in load_file(folder / "model.safetensors").items():

@@ -65,6 +65,7 @@ OVERRIDES = {
         "phi3",
         "granite",
         "mixtral",
+        "olmo2",
     ],
 )
 def test_gguf_of_each_family_matches_transformers(family: str, tmp_path: Path) -> None:
@@ -72,7 +73,9 @@ def test_gguf_of_each_family_matches_transformers(family: str, tmp_path: Path) -
     Qwen3-MoE file stacks each layer's experts into one tensor a part; the Gemma files'
     norms hold 1 + w, and Gemma 2's soft caps are metadata; the SmolLM3 file's queries and
     keys are in llama.cpp's row order and its fourth layer takes no rope, as llama.cpp fixes
-    it; the Phi-3 file keeps Q|K|V and gate|up fused, and its LongRoPE factors as tensors."""
+    it; the Phi-3 file keeps Q|K|V and gate|up fused, and its LongRoPE factors as tensors;
+    the OLMo 2 file's norms after attention and the MLP are `post_attention_norm` and
+    `post_ffw_norm`."""
     folder = make_tiny_model(family, tmp_path / family, overrides=OVERRIDES.get(family))
     model = write_hf_as_gguf(folder, tmp_path / f"{family}.gguf")
     hf = hf_model(folder)

@@ -132,15 +132,21 @@ def test_tp2_moe_greedy_tokens_and_logprobs_equal_tp1(
         )
 
 
-@pytest.mark.parametrize("family", ["gemma3", "gemma2", "phi3", "granite", "mixtral"])
+@pytest.mark.parametrize(
+    "family", ["gemma3", "gemma2", "phi3", "granite", "mixtral", "olmo2", "olmo2-one-kv-head"]
+)
 def test_tp2_family_greedy_tokens_and_logprobs_equal_tp1(tmp_path: Path, family: str) -> None:
     """Gemma's norms after attention and the MLP reduce the ranks' partial sums before
     they normalise; its layer output is then whole, and the next norm must not sum it again.
     Its windowed layer reads the last 4 positions of the longer prompts; Gemma 2 caps each
     rank's heads' scores. Phi-3's fused projections are split, then sharded by whole heads
     (their rows reordered within each head for the partial rotation); Granite scales the
-    ranks' partial sums before they are reduced; Mixtral splits every expert."""
-    model = make_tiny_model(family, tmp_path)
+    ranks' partial sums before they are reduced; Mixtral splits every expert. OLMo 2's Q
+    and K norms span the heads of both ranks (their squares summed over ranks), also with
+    one KV head that both ranks hold (whose squares then count twice in that sum)."""
+    one_kv_head = family == "olmo2-one-kv-head"
+    overrides = {"num_key_value_heads": 1} if one_kv_head else None
+    model = make_tiny_model(family.removesuffix("-one-kv-head"), tmp_path, overrides=overrides)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=True)
     with (
         LLM(str(model), max_prefill_length=16, **OPTIONS) as one,

@@ -114,6 +114,11 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "residual_multiplier": 0.22,
         "logits_scaling": 4.0,
     },
+    "olmo2": {
+        # norms after attention and the MLP only; Q and K norms across all heads
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+    },
     "mixtral": {
         # every layer sparse: 4 experts of intermediate_size, 2 a token
         "rope_theta": 1000000.0,
@@ -170,6 +175,7 @@ def make_tiny_model(
         "phi3": transformers.Phi3Config,
         "granite": transformers.GraniteConfig,
         "mixtral": transformers.MixtralConfig,
+        "olmo2": transformers.Olmo2Config,
         "gpt_oss": transformers.GptOssConfig,
     }[family]
     config = config_cls(**{**COMMON, **FAMILIES[family], **(overrides or {})})

@@ -107,3 +107,29 @@ class GemmaRMSNorm(Float32RMSNorm):
 
     def load_weight(self, name: str, tensor: WeightSource, shard: int = 0) -> None:
         self.weight.data.copy_(tensor[:].float() + 1)
+
+
+class AcrossHeadsNorm(Float32RMSNorm):
+    """OLMo 2's Q and K norms: one RMSNorm over all heads of a projection, not one a head.
+    A tensor-parallel rank holds its heads' `rows` of the weight and sums the squares over
+    the ranks, where `replicas` ranks hold each head (K's heads, fewer than the ranks)."""
+
+    def __init__(
+        self, width: int, rows: tuple[int, int], eps: float, tp: TPGroup, replicas: int = 1
+    ) -> None:
+        super().__init__(rows[1] - rows[0], eps)
+        self.rows = rows
+        self.tp = tp
+        self.squares_over = width * replicas  # what the ranks' summed squares cover
+
+    def norm_in_place(self, x: torch.Tensor) -> None:
+        """Normalise `x` `[tokens, local width]`, a view inside the fused QKV output."""
+        x32 = x.float()
+        squares = x32.pow(2).sum(-1, keepdim=True)
+        if self.tp.size > 1:
+            squares = self.tp.all_reduce(squares)
+        inv_rms = squares.div_(self.squares_over).add_(self.eps).rsqrt_()
+        x.copy_((x32 * inv_rms).mul_(self.weight))
+
+    def load_weight(self, name: str, tensor: WeightSource, shard: int = 0) -> None:
+        self.weight.data.copy_(tensor[self.rows[0] : self.rows[1]].float())

@@ -65,9 +65,10 @@ def build_decode_stack(model: DecoderModel, config: ModelConfig) -> DecodeStack 
     tensor parallelism, float or padded weights, a fused projection of mixed formats, a
     float32 model that does not run the CPU kernels. Gemma's layers come with their windows
     (`config.layer_windows`), their scores' scale and Gemma 2's soft cap, gpt-oss's with their
-    sinks, biases and clamped experts."""
+    sinks, biases and clamped experts. OLMo 2's layers (norms after attention and the MLP
+    alone, Q/K norms across heads) are not the stack's."""
     layers = list(model.layers)
-    if not layers or model.tp.size != 1:
+    if not layers or model.tp.size != 1 or config.post_norms:
         return None
     attention = layers[0].self_attn
     if not isinstance(layers[0].input_layernorm.ops, CpuKernels):

@@ -32,7 +32,7 @@ from aserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from aserve.layers.fused import FusedOps
 from aserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from aserve.layers.moe import QuantizedExperts
-from aserve.layers.norm import Float32RMSNorm, GemmaRMSNorm, RMSNorm
+from aserve.layers.norm import AcrossHeadsNorm, Float32RMSNorm, GemmaRMSNorm, RMSNorm
 from aserve.layers.rotary import NO_ROPE, RotaryEmbedding, partial_rotary_order
 from aserve.layers.weight import WeightSource, read_whole
 from aserve.models.weights import map_checkpoint_tensor
@@ -78,10 +78,22 @@ class DecoderAttention(nn.Module):
         )
         eps = self.eps = config.rms_norm_eps
         norm = _norm_class(config)
-        self.q_norm = norm(config.head_dim, eps, ops) if config.qk_norm else None
-        self.k_norm = norm(config.head_dim, eps, ops) if config.qk_norm else None
-        self.norm_rope_store = _fused_norm_rope_store(ops, config.head_dim)
         self.heads = tp.shard(config.num_heads)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm and config.post_norms:  # OLMo 2's norms span all heads
+            q_rows = (self.heads[0] * self.head_dim, self.heads[1] * self.head_dim)
+            kv_index = tp.rank // self.qkv_proj.kv_replicas
+            k_rows = (kv_index * self.kv_size, (kv_index + 1) * self.kv_size)
+            q_width, k_width = config.num_heads * self.head_dim, config.num_kv_heads * self.head_dim
+            self.q_norm = AcrossHeadsNorm(q_width, q_rows, eps, tp)
+            self.k_norm = AcrossHeadsNorm(k_width, k_rows, eps, tp, self.qkv_proj.kv_replicas)
+        elif config.qk_norm:
+            self.q_norm, self.k_norm = (
+                norm(config.head_dim, eps, ops),
+                norm(config.head_dim, eps, ops),
+            )
+        self.norm_rope_store = _fused_norm_rope_store(ops, config.head_dim)
         self.sinks: nn.Parameter | None = None
         if config.attention_sinks:  # this rank's heads'
             local_heads = self.heads[1] - self.heads[0]
@@ -101,19 +113,25 @@ class DecoderAttention(nn.Module):
         attn: AttentionBackend,
     ) -> torch.Tensor:
         """Q/K norm and RoPE work in place on the fused QKV output, so K and V stay side by
-        side there and reach the KV pool in one write. On CUDA one kernel does all three."""
+        side there and reach the KV pool in one write. On CUDA one kernel does all three
+        (norms across heads, OLMo 2's, go first)."""
         qkv = self.qkv_proj(hidden)
         q, kv = qkv.split([self.q_size, 2 * self.kv_size], -1)
         tokens = q.shape[0]
         new_kv: torch.Tensor | None = None  # None: already in the pool
+        head_norms = self.q_norm, self.k_norm
+        if isinstance(self.q_norm, AcrossHeadsNorm) and isinstance(self.k_norm, AcrossHeadsNorm):
+            self.q_norm.norm_in_place(q)
+            self.k_norm.norm_in_place(kv[:, : self.kv_size])
+            head_norms = None, None
         if self.norm_rope_store is not None:
             self.norm_rope_store(
                 q,
                 kv,
                 positions,
                 self.rotary.cos_sin,
-                None if self.q_norm is None else self.q_norm.weight,
-                None if self.k_norm is None else self.k_norm.weight,
+                None if head_norms[0] is None else head_norms[0].weight,
+                None if head_norms[1] is None else head_norms[1].weight,
                 self.eps,
                 attn.pool.kv[self.layer],
                 batch.slots_of(attn.pool.windowed[self.layer]),
@@ -122,9 +140,9 @@ class DecoderAttention(nn.Module):
             )
         else:
             k = kv[:, : self.kv_size]
-            if self.q_norm is not None and self.k_norm is not None:
-                self.q_norm.norm_heads(q, self.head_dim)
-                self.k_norm.norm_heads(k, self.head_dim)
+            if head_norms[0] is not None and head_norms[1] is not None:
+                head_norms[0].norm_heads(q, self.head_dim)
+                head_norms[1].norm_heads(k, self.head_dim)
             self.rotary(positions, qkv[:, : self.q_size + self.kv_size], self.q_size)
             new_kv = kv.view(tokens, 2, -1, self.head_dim)
         out = attn.forward(q.view(tokens, -1, self.head_dim), new_kv, self.layer, batch, self.sinks)
@@ -150,9 +168,9 @@ def use_fp8_activations(model: nn.Module) -> None:
     for module in model.modules():
         # the FP8 norm kernel takes the model dtype's weight, not a float32 one (Gemma's,
         # gpt-oss's)
-        if not isinstance(module, DecoderLayer) or isinstance(
-            module.input_layernorm, Float32RMSNorm
-        ):
+        if not isinstance(module, DecoderLayer) or module.post_norms:
+            continue  # no norm before the products (OLMo 2)
+        if isinstance(module.input_layernorm, Float32RMSNorm):
             continue
         if takes_fp8(module.self_attn.qkv_proj):
             module.input_layernorm.fp8_norm = fp8_cuda.norm_fp8
@@ -226,13 +244,16 @@ class DecoderLayer(nn.Module):
         self.self_attn = DecoderAttention(config, layer, rotary, tp, ops)
         self.mlp = mlp
         self.sandwich = config.gemma_norms
+        self.post_norms = config.post_norms
         self.residual_multiplier = config.residual_multiplier  # Granite's; 1 elsewhere
         norm = _norm_class(config)
         size, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = norm(size, eps, ops)
+        if not self.post_norms:
+            self.input_layernorm = norm(size, eps, ops)
         self.post_attention_layernorm = norm(size, eps, ops)
         if self.sandwich:
             self.pre_feedforward_layernorm = norm(size, eps, ops)
+        if self.sandwich or self.post_norms:
             self.post_feedforward_layernorm = norm(size, eps, ops)
         self.tp = tp
 
@@ -248,7 +269,9 @@ class DecoderLayer(nn.Module):
         after them reduces (`add_and_norm` with the group). The layer's output is partial
         too: the next layer's input norm, or the model's final one, reduces it. With
         sandwich norms (Gemma) the norms right after attention and the MLP reduce, and the
-        layer's output is whole."""
+        layer's output is whole, as with post norms alone (OLMo 2)."""
+        if self.post_norms:
+            return self._post_normed(positions, hidden, residual, batch, attn)
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -264,6 +287,24 @@ class DecoderLayer(nn.Module):
         hidden = self.post_attention_layernorm(self._whole(hidden))
         hidden, residual = self.pre_feedforward_layernorm.add_and_norm(hidden, residual)
         return self.post_feedforward_layernorm(self._whole(self.mlp(hidden))), residual
+
+    def _post_normed(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        attn: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """OLMo 2: the stream itself goes into attention and the MLP, whose outputs are
+        normalised before each joins it. Returns (MLP output, stream before it), the pair the
+        next layer (or the final norm) adds."""
+        stream = hidden if residual is None else hidden.add_(residual)
+        attended = self.post_attention_layernorm(
+            self._whole(self.self_attn(positions, stream, batch, attn))
+        )
+        stream = attended.add_(stream)
+        return self.post_feedforward_layernorm(self._whole(self.mlp(stream))), stream
 
     def _scaled(self, output: torch.Tensor) -> torch.Tensor:
         """An attention or MLP output as it joins the residual stream (Granite scales it;
@@ -321,7 +362,7 @@ class DecoderModel(nn.Module):
         self.norm = norm(config.hidden_size, config.rms_norm_eps, ops)
         self.tp = tp
         # what the last layer's output needs before the final norm: partial sums reduced
-        self.final_group = None if config.gemma_norms else tp
+        self.final_group = None if config.gemma_norms or config.post_norms else tp
         # The layers in C++ for CPU decode steps (models/cpu_decode.py), set after loading.
         self.decode_stack: DecodeStack | None = None
 

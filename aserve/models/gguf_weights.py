@@ -59,6 +59,12 @@ GPT_OSS_TENSORS = LAYER_TENSORS | {
 }
 """gpt-oss's norm before its experts is llama.cpp's `post_attention_norm`; `attn_sinks` holds
 each head's sink logit (Hugging Face's `self_attn.sinks`, a parameter, not a `.weight`)."""
+OLMO2_TENSORS = LAYER_TENSORS | {
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+"""OLMo 2's layers have the norms after attention and the MLP alone (as plain RMSNorms: no
+one to take back off), and Q/K norms as wide as the projections."""
 PHI3_TENSORS = LAYER_TENSORS | {
     "attn_qkv": "self_attn.qkv_proj",
     "ffn_up": "mlp.gate_up_proj",
@@ -69,6 +75,7 @@ FAMILY_TENSORS = {
     "gemma2": SANDWICH_TENSORS,
     "gemma3_text": SANDWICH_TENSORS,
     "gpt_oss": GPT_OSS_TENSORS,
+    "olmo2": OLMO2_TENSORS,
 }
 """The layer tensor names of the families (config.json's `model_type`) that differ from
 LAYER_TENSORS."""
