@@ -17,7 +17,9 @@ Phi-3's (Q|K|V and gate|up fused, as llama.cpp keeps them; three quarters of a h
 as in Phi-4-mini, whose shape is `--arch phi3 --layers 32 --hidden 3072 --intermediate 8192
 --heads 24 8`; no LongRoPE factors). `--arch granite` writes Llama's layout with Granite 3's
 four multipliers in the metadata (12, 1/64, 0.22 and 8: values of the kind its configs state;
-a step's time does not depend on them) and a tied head. The
+a step's time does not depend on them) and a tied head. `--arch olmo2` writes OLMo 2's (norms
+after attention and the MLP alone, Q/K norms as wide as the projections; OLMo 2 1B's shape is
+`--arch olmo2 --layers 16 --hidden 2048 --intermediate 8192 --heads 16 16`). The
 layers' matrices take `--qtype`; the embedding and the LM head are Q8_0, as llama.cpp keeps
 them wider than the layers in its low-bit files. Formats the `gguf` package quantizes
 (Q4_0, Q8_0, ...) quantize normal weights; for llama.cpp's codebook formats (IQ1_S to IQ3_S),
@@ -49,7 +51,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--heads", type=int, nargs=2, default=(32, 8), metavar=("Q", "KV"))
     p.add_argument("--head-dim", type=int, default=None, help="default: hidden / Q heads")
     p.add_argument(
-        "--arch", choices=("llama", "gemma2", "gemma3", "phi3", "granite"), default="llama"
+        "--arch",
+        choices=("llama", "gemma2", "gemma3", "phi3", "granite", "olmo2"),
+        default="llama",
     )
     p.add_argument("--window", type=int, default=512, help="Gemma's sliding window")
     p.add_argument("--seed", type=int, default=0)
@@ -126,6 +130,10 @@ def main() -> None:
         norms = ("attn_norm", "ffn_norm")
         if gemma:  # ones: 1 + w with w = 0, as llama.cpp's converter stores Gemma's norms
             norms += ("post_attention_norm", "post_ffw_norm")
+        if args.arch == "olmo2":
+            norms = ("post_attention_norm", "post_ffw_norm")
+            add(f"{blk}.attn_q_norm.weight", np.ones(q_rows, np.float32), None)
+            add(f"{blk}.attn_k_norm.weight", np.ones(kv_rows, np.float32), None)
         for qk_norm in ("attn_q_norm", "attn_k_norm") if gemma3 else ():
             add(f"{blk}.{qk_norm}.weight", np.ones(head_dim, np.float32), None)
         for norm in norms:
