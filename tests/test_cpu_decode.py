@@ -79,6 +79,7 @@ def decode_both_ways(llm: LLM) -> tuple[list, list, int]:
         "phi3",
         "granite",
         "mixtral",
+        "olmo2",
     ],
 )
 def test_stack_gives_the_modules_bits(family: str, tmp_path: Path) -> None:
@@ -87,7 +88,8 @@ def test_stack_gives_the_modules_bits(family: str, tmp_path: Path) -> None:
     Gemma 3 its norms after attention and the MLP, GELU, two ropes and windows of 4 over
     prompts of up to 19 tokens, Gemma 2 its soft-capped scores, gpt-oss its sinks, biases
     on every projection, the router and the MXFP4 experts, and its clamped SwiGLU, SmolLM3
-    a layer without rope, Phi-3 its fused Q|K|V and gate|up and a partly rotating head. The
+    a layer without rope, Phi-3 its fused Q|K|V and gate|up and a partly rotating head,
+    OLMo 2 its norms after attention and the MLP alone and Q/K norms across heads. The
     float32 cache keeps a float16 rounding out of what is compared (both ways would share
     it)."""
     overrides = {

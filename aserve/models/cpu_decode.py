@@ -65,13 +65,13 @@ def build_decode_stack(model: DecoderModel, config: ModelConfig) -> DecodeStack 
     tensor parallelism, float or padded weights, a fused projection of mixed formats, a
     float32 model that does not run the CPU kernels. Gemma's layers come with their windows
     (`config.layer_windows`), their scores' scale and Gemma 2's soft cap, gpt-oss's with their
-    sinks, biases and clamped experts. OLMo 2's layers (norms after attention and the MLP
-    alone, Q/K norms across heads) are not the stack's."""
+    sinks, biases and clamped experts, OLMo 2's with norms after attention and the MLP alone
+    and Q/K norms across heads (`post_norms`)."""
     layers = list(model.layers)
-    if not layers or model.tp.size != 1 or config.post_norms:
+    if not layers or model.tp.size != 1:
         return None
     attention = layers[0].self_attn
-    if not isinstance(layers[0].input_layernorm.ops, CpuKernels):
+    if not isinstance(layers[0].post_attention_layernorm.ops, CpuKernels):
         return None
     scale = config.attention_scale
     stack = torch.classes.aserve_cpu.DecodeStack(
@@ -82,6 +82,7 @@ def build_decode_stack(model: DecoderModel, config: ModelConfig) -> DecodeStack 
         attention.head_dim**-0.5 if scale is None else scale,
         config.attention_softcap,
         config.residual_multiplier,
+        config.post_norms,
     )
     blas_from: list[int] = []
     for i, layer in enumerate(layers):
@@ -127,9 +128,15 @@ def _add_layer(
     else:
         return False
     sandwich = layer.sandwich  # Gemma: the norm before the MLP is another, with two after
+    after = sandwich or layer.post_norms  # norms of attention's and the MLP's outputs
+    unread = attention.rotary.cos_sin[:0]  # OLMo 2 has no norm before attention or the MLP
     stack.add_layer(
-        layer.input_layernorm.weight,
-        (layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm).weight,
+        unread if layer.post_norms else layer.input_layernorm.weight,
+        unread
+        if layer.post_norms
+        else (
+            layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
+        ).weight,
         [add(part) for part in qkv],
         attention.qkv_proj.bias,
         None if attention.q_norm is None else attention.q_norm.weight,
@@ -141,8 +148,8 @@ def _add_layer(
         router,
         top_k,
         renormalize,
-        layer.post_attention_layernorm.weight if sandwich else None,
-        layer.post_feedforward_layernorm.weight if sandwich else None,
+        layer.post_attention_layernorm.weight if after else None,
+        layer.post_feedforward_layernorm.weight if after else None,
         attention.rotary.cos_sin,
         window,
         isinstance(mlp, DecoderMLP) and mlp.gelu,

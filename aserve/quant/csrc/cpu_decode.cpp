@@ -68,15 +68,19 @@ class DecodeStack : public torch::CustomClassHolder {
  public:
   // `softcap`: the scores' soft cap (Gemma 2), 0 for none; `residual_scale`: what each
   // attention and MLP output is multiplied by as it joins the residual stream (Granite's).
+  // `post_norms` (OLMo 2): no norm before attention or the MLP, their outputs normalised
+  // (`attention_out_norm`, `mlp_out_norm`) before they join the stream, and Q/K norms that
+  // span all heads; its layers' `input_norm` and `post_norm` are not read.
   DecodeStack(int64_t q_size, int64_t kv_size, int64_t head_dim, double eps, double scale,
-              double softcap, double residual_scale)
+              double softcap, double residual_scale, bool post_norms)
       : q_size_(q_size),
         kv_size_(kv_size),
         head_dim_(head_dim),
         eps_(eps),
         scale_(scale),
         softcap_(softcap),
-        residual_scale_(residual_scale) {}
+        residual_scale_(residual_scale),
+        post_norms_(post_norms) {}
 
   // Keeps a weight; layers name it by the number returned.
   int64_t add_weight(Tensor words, Tensor scales, Tensor offsets, Tensor bases, int64_t group,
@@ -129,16 +133,27 @@ class DecodeStack : public torch::CustomClassHolder {
             "aserve_cpu::decode_attention");
     TORCH_CHECK(!layers_.empty() && caches.size() == layers_.size(), "one cache a layer");
     const int64_t tokens = hidden.size(0);
-    Tensor residual = hidden;
-    hidden = rmsnorm.call(hidden.contiguous(), layers_[0].input_norm, eps_);
+    Tensor residual = hidden;  // with post norms: the stream itself, which the layers read
+    if (!post_norms_) hidden = rmsnorm.call(hidden.contiguous(), layers_[0].input_norm, eps_);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
-      if (i > 0) add_rmsnorm.call(hidden, residual, layer.input_norm, eps_);
+      if (post_norms_) {
+        if (i > 0) residual = hidden.add_(residual);
+        hidden = residual;
+      } else if (i > 0) {
+        add_rmsnorm.call(hidden, residual, layer.input_norm, eps_);
+      }
       const Tensor qkv = project(hidden, layer.qkv, layer.qkv_bias);
       const Tensor q = qkv.narrow(1, 0, q_size_);
       const bool windowed = layer.window > 0;
+      const bool across_heads = post_norms_ && layer.q_norm.has_value();
+      if (across_heads) {
+        norm_across_heads(q, *layer.q_norm);
+        norm_across_heads(qkv.narrow(1, q_size_, kv_size_), *layer.k_norm);
+      }
       norm_rope_store.call(q, qkv.narrow(1, q_size_, 2 * kv_size_), positions, layer.cos_sin,
-                           layer.q_norm, layer.k_norm, eps_, caches[i],
+                           across_heads ? std::nullopt : layer.q_norm,
+                           across_heads ? std::nullopt : layer.k_norm, eps_, caches[i],
                            windowed ? window_slots : slots, head_dim_);
       const Tensor attended =
           attention.call(q.view({tokens, -1, head_dim_}), caches[i],
@@ -148,6 +163,12 @@ class DecodeStack : public torch::CustomClassHolder {
       if (layer.attention_out_norm.has_value())
         hidden = rmsnorm.call(hidden, *layer.attention_out_norm, eps_);
       if (residual_scale_ != 1.0) hidden.mul_(residual_scale_);
+      if (post_norms_) {
+        residual = hidden.add_(residual);
+        hidden = mlp(residual, layer);
+        hidden = rmsnorm.call(hidden, *layer.mlp_out_norm, eps_);
+        continue;
+      }
       add_rmsnorm.call(hidden, residual, layer.post_norm, eps_);
       hidden = layer.router.has_value() ? experts(hidden, layer) : mlp(hidden, layer);
       if (layer.mlp_out_norm.has_value()) hidden = rmsnorm.call(hidden, *layer.mlp_out_norm, eps_);
@@ -157,6 +178,14 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
  private:
+  // One RMSNorm over all heads of Q or K (`x`, a view in the QKV output), in place, with
+  // layers/norm.py's AcrossHeadsNorm's ops (the same bits).
+  void norm_across_heads(Tensor x, const Tensor& weight) const {
+    const Tensor x32 = x.to(at::kFloat);
+    const Tensor inv_rms = x32.pow(2).sum(-1, true).div_(x.size(1)).add_(eps_).rsqrt_();
+    x.copy_(x32.mul(inv_rms).mul_(weight));
+  }
+
   // x times each weight, outputs side by side, then the bias: as QuantizedLinearWeight and
   // NativeWeight.linear compute it for weights without padded rows (models/cpu_decode.py
   // takes no others).
@@ -207,6 +236,7 @@ class DecodeStack : public torch::CustomClassHolder {
 
   int64_t q_size_, kv_size_, head_dim_;
   double eps_, scale_, softcap_, residual_scale_;
+  bool post_norms_;
   std::vector<Weight> weights_;
   std::vector<Layer> layers_;
 };
@@ -215,7 +245,7 @@ class DecodeStack : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(aserve_cpu, m) {
   m.class_<DecodeStack>("DecodeStack")
-      .def(torch::init<int64_t, int64_t, int64_t, double, double, double, double>())
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, double, double, bool>())
       .def("add_weight", &DecodeStack::add_weight)
       .def("add_layer", &DecodeStack::add_layer)
       .def("run", &DecodeStack::run);
