@@ -438,27 +438,35 @@ def test_qk_norm_in_place_on_strided_heads_equals_torch() -> None:
     assert torch.equal(v, ev)
 
 
-@pytest.mark.parametrize("qk_norm", [True, False])
+@pytest.mark.parametrize("qk_norm", ["none", "per head", "across heads"])
 @pytest.mark.parametrize(
     ("q_heads", "kv_heads", "head_dim"), [(16, 8, 128), (9, 3, 64), (32, 32, 96)]
 )
 def test_norm_rope_store_kernel_equals_the_separate_steps(
-    qk_norm: bool, q_heads: int, kv_heads: int, head_dim: int
+    qk_norm: str, q_heads: int, kv_heads: int, head_dim: int
 ) -> None:
     """The one-kernel Q/K norm + RoPE + KV write against the plain PyTorch layers doing the
     three steps one after another, on a fused QKV output with random positions and slots;
-    heads of 96 (Phi-3-mini) are read as padded to 128."""
-    from aserve.layers.norm import RMSNorm
+    heads of 96 (Phi-3-mini) are read as padded to 128; norms one a head (Qwen3's) or one
+    over all heads (OLMo 2's)."""
+    from aserve.distributed.group import TPGroup
+    from aserve.layers.norm import AcrossHeadsNorm, RMSNorm
     from aserve.layers.rope_store import norm_rope_store
     from aserve.layers.rotary import RotaryEmbedding
 
     torch.manual_seed(0)
     device, dtype, tokens = torch.device("cuda"), torch.bfloat16, 37
     rotary = RotaryEmbedding(head_dim, 4096, 1e6, None).to(device)
-    norms = [RMSNorm(head_dim, 1e-6).to(device) for _ in range(2)]
-    for norm in norms:  # float32 weights that bf16 holds exactly
-        norm.weight.data = (torch.rand(head_dim, device=device) + 0.5).to(dtype).float()
     q_size, kv_size = q_heads * head_dim, kv_heads * head_dim
+    across = qk_norm == "across heads"
+    if across:
+        one = TPGroup()  # one rank
+        norms = [AcrossHeadsNorm(n, (0, n), 1e-6, one).to(device) for n in (q_size, kv_size)]
+    else:
+        norms = [RMSNorm(head_dim, 1e-6).to(device) for _ in range(2)]
+    for norm in norms:  # float32 weights that bf16 holds exactly
+        width = norm.weight.shape[0]
+        norm.weight.data = (torch.rand(width, device=device) + 0.5).to(dtype).float()
     qkv = torch.randn(tokens, q_size + 2 * kv_size, device=device, dtype=dtype)
     positions = torch.randint(0, 4096, (tokens,), device=device)
     slots = torch.randperm(64 * 16, device=device)[:tokens]
@@ -466,16 +474,28 @@ def test_norm_rope_store_kernel_equals_the_separate_steps(
 
     original, expected = qkv.clone(), qkv.float()
     q, kv = expected.split([q_size, 2 * kv_size], -1)
-    if qk_norm:
+    if across:
+        norms[0].norm_in_place(q)
+        norms[1].norm_in_place(kv[:, :kv_size])
+    elif qk_norm == "per head":
         norms[0].norm_heads(q, head_dim)
         norms[1].norm_heads(kv[:, :kv_size], head_dim)
     rotary(positions, expected[:, : q_size + kv_size], q_size)
     pools[0].store(0, slots, kv.reshape(tokens, 2, kv_heads, head_dim))
 
     q, kv = qkv.split([q_size, 2 * kv_size], -1)
-    weights = (norms[0].weight.to(dtype), norms[1].weight.to(dtype)) if qk_norm else (None, None)
+    weights = (norms[0].weight.to(dtype), norms[1].weight.to(dtype))
     norm_rope_store(
-        q, kv, positions, rotary.cos_sin, *weights, 1e-6, pools[1].kv[0], slots, head_dim
+        q,
+        kv,
+        positions,
+        rotary.cos_sin,
+        *(weights if qk_norm != "none" else (None, None)),
+        1e-6,
+        pools[1].kv[0],
+        slots,
+        head_dim,
+        across_heads=across,
     )
     tolerance = {"atol": 2e-2, "rtol": 2e-2}  # bf16 rounding against a float32 reference
     torch.testing.assert_close(q.float(), expected[:, :q_size], **tolerance)

@@ -38,6 +38,7 @@ def _norm_rope_heads(
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     NORM: tl.constexpr,
+    ACROSS: tl.constexpr,
     weight,
     eps,
     cos,
@@ -46,9 +47,10 @@ def _norm_rope_heads(
     dst_scale,
     TO_FP8: tl.constexpr,
 ):
-    """Rotate `num_heads` heads at `src`, after an RMSNorm with NORM, into `dst` (in FP8
-    over `dst_scale` with TO_FP8). A half head that is no power of two (48 of Phi-3-mini's
-    96) is read padded to HALF_PAD, the padding masked."""
+    """Rotate `num_heads` heads at `src`, after an RMSNorm with NORM (one a head, or with
+    ACROSS one over all of them, OLMo 2's, whose weight is as wide), into `dst` (in FP8 over
+    `dst_scale` with TO_FP8). A half head that is no power of two (48 of Phi-3-mini's 96) is
+    read padded to HALF_PAD, the padding masked."""
     heads = tl.arange(0, BLOCK_HEADS)[:, None]
     cols = tl.arange(0, HALF_PAD)[None, :]
     mask = heads < num_heads
@@ -57,7 +59,14 @@ def _norm_rope_heads(
     first = heads * (2 * HALF) + cols
     x1 = tl.load(src + first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + first + HALF, mask=mask, other=0.0).to(tl.float32)
-    if NORM:
+    if NORM and ACROSS:
+        squares = tl.sum(tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1), axis=0)
+        scale = tl.rsqrt(squares / (num_heads * 2 * HALF) + eps)
+        w1 = tl.load(weight + first, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(weight + first + HALF, mask=mask, other=0.0).to(tl.float32)
+        x1 = (x1 * scale * w1).to(src.dtype.element_ty).to(tl.float32)
+        x2 = (x2 * scale * w2).to(src.dtype.element_ty).to(tl.float32)
+    elif NORM:
         mean_square = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
         scale = tl.rsqrt(mean_square + eps)[:, None]
         if HALF_PAD == HALF:
@@ -100,6 +109,7 @@ def _norm_rope_store_kernel(
     HEAD_DIM: tl.constexpr,
     HALF_PAD: tl.constexpr,
     NORM: tl.constexpr,
+    ACROSS: tl.constexpr,
     FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -134,7 +144,20 @@ def _norm_rope_store_kernel(
     else:
         if part == 0:
             _norm_rope_heads(
-                row, NUM_Q, BLOCK_Q, HALF, HALF_PAD, NORM, q_weight, eps, cos, sin, row, 1.0, False
+                row,
+                NUM_Q,
+                BLOCK_Q,
+                HALF,
+                HALF_PAD,
+                NORM,
+                ACROSS,
+                q_weight,
+                eps,
+                cos,
+                sin,
+                row,
+                1.0,
+                False,
             )
         else:
             k = row + NUM_Q * HEAD_DIM
@@ -145,6 +168,7 @@ def _norm_rope_store_kernel(
                 HALF,
                 HALF_PAD,
                 NORM,
+                ACROSS,
                 k_weight,
                 eps,
                 cos,
@@ -167,12 +191,14 @@ def norm_rope_store(
     slots: torch.Tensor,
     head_dim: int,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    across_heads: bool = False,
 ) -> None:
     """Q `[T, heads * head_dim]` and KV `[T, 2 * kv_heads * head_dim]`, both views of one
     fused QKV output: norm (when weights are given) and rotate Q in place; norm and rotate
     K and write it with V into `cache` `[slots, 2, kv_heads, head_dim]` at `slots` (in the
     model dtype, or in FP8 over `kv_scales`). K in the QKV output is left as it was:
-    attention reads K from the pool."""
+    attention reads K from the pool. With `across_heads` each norm spans all of its heads,
+    its weight as wide (OLMo 2's, one rank's whole projection)."""
     tokens = q.shape[0]
     num_q, num_kv = q.shape[1] // head_dim, kv.shape[1] // (2 * head_dim)
     assert kv.data_ptr() == q.data_ptr() + q.shape[1] * q.element_size()
@@ -196,6 +222,7 @@ def norm_rope_store(
         HEAD_DIM=head_dim,
         HALF_PAD=triton.next_power_of_2(head_dim // 2),
         NORM=norm,
+        ACROSS=across_heads,
         FP8=cache.dtype == torch.float8_e4m3fn,
         **pdl_options(q.device, tokens),
     )

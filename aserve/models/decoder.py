@@ -94,6 +94,13 @@ class DecoderAttention(nn.Module):
                 norm(config.head_dim, eps, ops),
             )
         self.norm_rope_store = _fused_norm_rope_store(ops, config.head_dim)
+        # OLMo 2's norms in the CUDA kernel itself, where one rank holds every head
+        self.fused_across_heads = (
+            isinstance(self.q_norm, AcrossHeadsNorm)
+            and tp.size == 1
+            and self.norm_rope_store is not None
+            and not isinstance(ops, CpuKernels)
+        )
         self.sinks: nn.Parameter | None = None
         if config.attention_sinks:  # this rank's heads'
             local_heads = self.heads[1] - self.heads[0]
@@ -114,15 +121,21 @@ class DecoderAttention(nn.Module):
     ) -> torch.Tensor:
         """Q/K norm and RoPE work in place on the fused QKV output, so K and V stay side by
         side there and reach the KV pool in one write. On CUDA one kernel does all three
-        (norms across heads, OLMo 2's, go first)."""
+        (norms across heads, OLMo 2's, too, where one rank holds every head; else they go
+        first)."""
         qkv = self.qkv_proj(hidden)
         q, kv = qkv.split([self.q_size, 2 * self.kv_size], -1)
         tokens = q.shape[0]
         new_kv: torch.Tensor | None = None  # None: already in the pool
-        head_norms = self.q_norm, self.k_norm
-        if isinstance(self.q_norm, AcrossHeadsNorm) and isinstance(self.k_norm, AcrossHeadsNorm):
-            self.q_norm.norm_in_place(q)
-            self.k_norm.norm_in_place(kv[:, : self.kv_size])
+        head_norms = q_norm, k_norm = self.q_norm, self.k_norm
+        across = {"across_heads": True} if self.fused_across_heads else {}
+        if (
+            not across
+            and isinstance(q_norm, AcrossHeadsNorm)
+            and isinstance(k_norm, AcrossHeadsNorm)
+        ):
+            q_norm.norm_in_place(q)
+            k_norm.norm_in_place(kv[:, : self.kv_size])
             head_norms = None, None
         if self.norm_rope_store is not None:
             self.norm_rope_store(
@@ -137,6 +150,7 @@ class DecoderAttention(nn.Module):
                 batch.slots_of(attn.pool.windowed[self.layer]),
                 self.head_dim,
                 attn.pool.scale_pairs[self.layer],
+                **across,
             )
         else:
             k = kv[:, : self.kv_size]
