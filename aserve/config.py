@@ -31,6 +31,7 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "GraniteForCausalLM": "granite",
     "Olmo2ForCausalLM": "olmo2",
+    "Olmo3ForCausalLM": "olmo3",
 }
 MOE_BACKENDS = ("auto", "torch", "fused")
 GELU_TANH = "gelu_pytorch_tanh"
@@ -152,22 +153,13 @@ def _gemma_settings(config: dict[str, Any], num_layers: int, family: str) -> dic
         config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or 6
     )
     windows = _layer_windows(config, num_layers, 2 if gemma2 else pattern)
-    by_type = config.get("rope_parameters") or {}
-    local_theta: float | None = None
     if gemma2:
-        theta, scaling = _rope_settings(config)
-    elif "full_attention" in by_type:
-        full, local = by_type["full_attention"], by_type.get("sliding_attention") or {}
-        theta, scaling = _rope_settings({"rope_parameters": full})
-        local_theta = float(local.get("rope_theta", 10000.0))
+        rope = dict(zip(("rope_theta", "rope_scaling"), _rope_settings(config)))
     else:
-        theta, scaling = _rope_settings(config)
-        local_theta = float(config.get("rope_local_base_freq", 10000.0))
+        rope = _rope_by_layer_type(config, float(config.get("rope_local_base_freq", 10000.0)))
     head_dim = int(config.get("head_dim") or 256)
     return {
-        "rope_theta": theta,
-        "rope_scaling": scaling,
-        "local_rope_theta": local_theta,
+        **rope,
         "layer_windows": windows,
         "attention_scale": float(config.get("query_pre_attn_scalar") or head_dim) ** -0.5,
         "embedding_scale": float(config["hidden_size"]) ** 0.5,
@@ -176,6 +168,31 @@ def _gemma_settings(config: dict[str, Any], num_layers: int, family: str) -> dic
         "attention_softcap": float(config.get("attn_logit_softcapping") or 0.0),
         "logit_softcap": float(config.get("final_logit_softcapping") or 0.0),
     }
+
+
+def _rope_by_layer_type(config: dict[str, Any], local_theta: float) -> dict[str, Any]:
+    """The ropes of a model whose windowed layers rotate unscaled by a base of their own
+    (Gemma 3's, OLMo 3's): transformers 5 keys `rope_parameters` by layer type; before, the
+    config's rope was the whole layers' and `local_theta` the windowed ones' base."""
+    by_type = config.get("rope_parameters") or {}
+    if "full_attention" in by_type:
+        full, local = by_type["full_attention"], by_type.get("sliding_attention") or {}
+        theta, scaling = _rope_settings({"rope_parameters": full})
+        local_theta = float(local.get("rope_theta", local_theta))
+    else:
+        theta, scaling = _rope_settings(config)
+    return {"rope_theta": theta, "rope_scaling": scaling, "local_rope_theta": local_theta}
+
+
+def _olmo_settings(config: dict[str, Any], num_layers: int, family: str) -> dict[str, Any]:
+    """OLMo 2's norms (after attention and the MLP only, weighing the float32 row); OLMo 3
+    also windows three layers of four, which rotate unscaled by the same base."""
+    settings: dict[str, Any] = {"post_norms": True, "norms_in_float32": True}
+    if family == "olmo3":
+        settings["layer_windows"] = _layer_windows(config, num_layers, 4)
+        theta = float(config.get("rope_theta") or 500000.0)
+        settings |= _rope_by_layer_type(config, theta)
+    return settings
 
 
 def _gpt_oss_settings(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
@@ -467,8 +484,8 @@ class ModelConfig:
             family_settings["rope_free_layers"] = _rope_free_layers(config, num_layers)
         if family == "granite":
             family_settings |= _granite_settings(config)
-        if family == "olmo2":  # norms as gpt-oss's: the float32 row weighed, then rounded
-            family_settings |= {"post_norms": True, "norms_in_float32": True}
+        if family in ("olmo2", "olmo3"):
+            family_settings |= _olmo_settings(config, num_layers, family)
         if family == "phi3":
             family_settings["rotary_dim"] = _rotary_dim(config, int(head_dim))
             _check_longrope(family_settings["rope_scaling"], family_settings["rotary_dim"])
@@ -493,7 +510,7 @@ class ModelConfig:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=bool(config.get("attention_bias", family == "qwen2")),
             o_bias=bool(config.get("attention_bias", False)) and family != "qwen2",
-            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "olmo2"),
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3"),
             eos_token_ids=tuple(sorted(eos)),
             bos_token_id=config.get("bos_token_id"),
             torch_dtype=config.get("torch_dtype") or config.get("dtype"),

@@ -34,6 +34,7 @@ GGUF_ARCH = {
     "granite": "granite",
     "mixtral": "llama",
     "olmo2": "olmo2",
+    "olmo3": "olmo2",  # llama.cpp's olmo2, with a window: three layers of four, YaRN on the rest
 }
 TOP_LEVEL = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -167,7 +168,8 @@ def write_hf_as_gguf(
     gemma = gemma3 or config["model_type"] == "gemma2"
     gpt_oss = config["model_type"] == "gpt_oss"
     phi3 = config["model_type"] == "phi3"
-    if gemma3:  # the whole layers' rope is the file's; llama.cpp fixes the windowed layers'
+    olmo3 = config["model_type"] == "olmo3"
+    if gemma3 or olmo3:  # the whole layers' rope is the file's; llama.cpp fixes the windowed
         config["rope_parameters"] = config["rope_parameters"]["full_attention"]
     rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     config["rope_theta"] = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
@@ -214,7 +216,7 @@ def write_hf_as_gguf(
         for kind in ("long", "short"):
             factors = np.array(scaling[f"{kind}_factor"], np.float32)
             writer.add_tensor(f"rope_factors_{kind}.weight", factors)
-    if gemma or gpt_oss:
+    if gemma or gpt_oss or olmo3:
         writer.add_sliding_window(config["sliding_window"])
     if config["model_type"] == "granite":
         writer.add_embedding_scale(config["embedding_multiplier"])
@@ -233,7 +235,7 @@ def write_hf_as_gguf(
         writer.add_expert_feed_forward_length(expert_rows)
     in_layer = GEMMA_IN_LAYER if gemma else GPT_OSS_IN_LAYER if gpt_oss else IN_LAYER
     in_layer = PHI3_IN_LAYER if phi3 else in_layer
-    in_layer = OLMO2_IN_LAYER if config["model_type"] == "olmo2" else in_layer
+    in_layer = OLMO2_IN_LAYER if config["model_type"] in ("olmo2", "olmo3") else in_layer
     tensors: dict[str, np.ndarray] = {}
     experts: dict[str, dict[int, np.ndarray]] = {}
     for name, tensor in load_file(folder / "model.safetensors").items():

@@ -80,6 +80,7 @@ def decode_both_ways(llm: LLM) -> tuple[list, list, int]:
         "granite",
         "mixtral",
         "olmo2",
+        "olmo3",
     ],
 )
 def test_stack_gives_the_modules_bits(family: str, tmp_path: Path) -> None:

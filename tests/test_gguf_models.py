@@ -66,6 +66,7 @@ OVERRIDES = {
         "granite",
         "mixtral",
         "olmo2",
+        "olmo3",
     ],
 )
 def test_gguf_of_each_family_matches_transformers(family: str, tmp_path: Path) -> None:
@@ -75,7 +76,8 @@ def test_gguf_of_each_family_matches_transformers(family: str, tmp_path: Path) -
     keys are in llama.cpp's row order and its fourth layer takes no rope, as llama.cpp fixes
     it; the Phi-3 file keeps Q|K|V and gate|up fused, and its LongRoPE factors as tensors;
     the OLMo 2 file's norms after attention and the MLP are `post_attention_norm` and
-    `post_ffw_norm`."""
+    `post_ffw_norm`, and an OLMo 3 file is llama.cpp's olmo2 with a window (three layers of
+    four, unscaled rope there) and YaRN."""
     folder = make_tiny_model(family, tmp_path / family, overrides=OVERRIDES.get(family))
     model = write_hf_as_gguf(folder, tmp_path / f"{family}.gguf")
     hf = hf_model(folder)

@@ -119,6 +119,20 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "rope_theta": 500000.0,
         "tie_word_embeddings": False,
     },
+    "olmo3": {
+        # OLMo 2's layers, three of four reading the last 4 positions with a plain rope;
+        # YaRN on the whole one
+        "num_hidden_layers": 4,
+        "sliding_window": 4,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+        },
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": False,
+    },
     "mixtral": {
         # every layer sparse: 4 experts of intermediate_size, 2 a token
         "rope_theta": 1000000.0,
@@ -176,6 +190,7 @@ def make_tiny_model(
         "granite": transformers.GraniteConfig,
         "mixtral": transformers.MixtralConfig,
         "olmo2": transformers.Olmo2Config,
+        "olmo3": transformers.Olmo3Config,
         "gpt_oss": transformers.GptOssConfig,
     }[family]
     config = config_cls(**{**COMMON, **FAMILIES[family], **(overrides or {})})

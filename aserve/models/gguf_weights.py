@@ -76,6 +76,7 @@ FAMILY_TENSORS = {
     "gemma3_text": SANDWICH_TENSORS,
     "gpt_oss": GPT_OSS_TENSORS,
     "olmo2": OLMO2_TENSORS,
+    "olmo3": OLMO2_TENSORS,
 }
 """The layer tensor names of the families (config.json's `model_type`) that differ from
 LAYER_TENSORS."""

@@ -311,6 +311,8 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
         config |= gpt_oss_config(read, config)
     if arch == "phi3":
         config |= phi3_config(read, config, tensors)
+    if arch == "olmo2" and read("olmo2.attention.sliding_window"):
+        config |= olmo3_config(read, config)
     if arch == "granite":  # its multipliers, under llama.cpp's names
         multipliers = {
             "embedding_multiplier": "embedding_scale",
@@ -354,6 +356,37 @@ def gemma_config(read: Metadata, config: dict[str, Any], arch: str) -> dict[str,
             "rope_local_base_freq": 10000.0,
         }
     return settings
+
+
+OLMO3_WINDOW_PATTERN = 4
+"""Three windowed layers, then a whole one: llama.cpp's default for its olmo2 files with a
+window (OLMo 3), where the file lists no pattern."""
+
+
+def olmo3_config(read: Metadata, config: dict[str, Any]) -> dict[str, Any]:
+    """An olmo2 file with a sliding window is OLMo 3: the window on three layers of four
+    (llama.cpp's pattern, or the file's own as a list of flags), whose rope is unscaled with
+    the file's `rope.freq_base_swa` (default: the whole layers' base)."""
+    layers = config["num_hidden_layers"]
+    pattern = read("olmo2.attention.sliding_window_pattern")
+    if isinstance(pattern, list) and len(pattern) == layers:
+        windowed = [bool(flag) for flag in pattern]
+    else:
+        windowed = [(i + 1) % OLMO3_WINDOW_PATTERN != 0 for i in range(layers)]
+    base = float32_decimal(read("olmo2.rope.freq_base_swa", config["rope_theta"]))
+    return {
+        "architectures": ["Olmo3ForCausalLM"],
+        "model_type": "olmo3",
+        "sliding_window": read("olmo2.attention.sliding_window"),
+        "layer_types": ["sliding_attention" if w else "full_attention" for w in windowed],
+        "rope_parameters": {
+            "full_attention": {
+                "rope_theta": config["rope_theta"],
+                **(config["rope_scaling"] or {"rope_type": "default"}),
+            },
+            "sliding_attention": {"rope_theta": base, "rope_type": "default"},
+        },
+    }
 
 
 def phi3_config(
