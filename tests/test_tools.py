@@ -128,6 +128,8 @@ def test_qwen3_coder_values_are_read_by_their_schema_type() -> None:
     assert json.loads(calls[1].arguments) == {"x": 2.5, "y": "two lines\nof text"}
     cut = text[: text.index("<function=other>") + 12]
     assert parse_tool_calls(cut, QWEN3_CODER, CODER_TOOLS)[1] == calls[:1]
+    closing_cut = text[: text.index("</tool_call>") + 5]  # "...</function>\n</tool"
+    assert parse_tool_calls(closing_cut, QWEN3_CODER, CODER_TOOLS) == ("Setting it.", calls[:1])
     look_alike = "Use <tool_call> blocks, like <tool_call>\n{}\n</tool_call>."
     assert parse_tool_calls(look_alike, QWEN3_CODER, CODER_TOOLS) == (look_alike, [])
 

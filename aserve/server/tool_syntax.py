@@ -210,6 +210,8 @@ def _coder_reader(tools: Tools) -> CallReader:
         end = function.end()
         if text.startswith(HERMES_END, end):
             end = _skip_space(text, end + len(HERMES_END))
+        elif HERMES_END.startswith(text[end:]):  # the closing tag cut short (max_tokens)
+            end = len(text)
         return [ParsedCall(name, json.dumps(arguments, ensure_ascii=False))], end
 
     return read
@@ -330,54 +332,47 @@ def _xgrammar_tag(model: str, tools: Tools, tool_choice: Any, parallel: bool) ->
     return tag
 
 
-def _json_list_tag(opening: str, tools: Tools, tool_choice: Any, parallel: bool) -> Any:
-    """`opening` then a JSON list of calls `{"name": ..., "arguments": {...}}`."""
-    from xgrammar.structural_tag import (
-        ConstStringFormat,
-        JSONSchemaFormat,
-        SequenceFormat,
-        StructuralTag,
-        TagFormat,
-        TagsWithSeparatorFormat,
-    )
+def _calls(
+    tools: Tools,
+    tool_choice: Any,
+    parallel: bool,
+    begin: Callable[[str], str],
+    end: str,
+    separator: str,
+) -> Any:
+    """Calls of the offered functions, each `begin(name)`, arguments that follow its schema
+    and `end`: one, or (`parallel`) several `separator` apart."""
+    from xgrammar.structural_tag import JSONSchemaFormat, TagFormat, TagsWithSeparatorFormat
 
-    calls = [
-        TagFormat(
-            begin=f'{{"name": {json.dumps(name)}, "arguments": ',
-            content=JSONSchemaFormat(json_schema=schema),
-            end="}",
-        )
+    tags = [
+        TagFormat(begin=begin(name), content=JSONSchemaFormat(json_schema=schema), end=end)
         for name, schema in _offered(tools, tool_choice)
     ]
-    listed = TagsWithSeparatorFormat(
-        tags=calls, separator=", ", at_least_one=True, stop_after_first=not parallel
+    return TagsWithSeparatorFormat(
+        tags=tags, separator=separator, at_least_one=True, stop_after_first=not parallel
     )
+
+
+def _json_list_tag(opening: str, tools: Tools, tool_choice: Any, parallel: bool) -> Any:
+    """`opening` then a JSON list of calls `{"name": ..., "arguments": {...}}`."""
+    from xgrammar.structural_tag import ConstStringFormat, SequenceFormat, StructuralTag
+
+    def begin(name: str) -> str:
+        return f'{{"name": {json.dumps(name)}, "arguments": '
+
+    listed = _calls(tools, tool_choice, parallel, begin, "}", ", ")
     elements = [ConstStringFormat(value=opening + "["), listed, ConstStringFormat(value="]")]
     return StructuralTag(format=SequenceFormat(elements=elements))
 
 
 def _mistral_args_tag(tools: Tools, tool_choice: Any, parallel: bool) -> Any:
     """`[TOOL_CALLS]NAME[ARGS]{...}` a call, back to back."""
-    from xgrammar.structural_tag import (
-        JSONSchemaFormat,
-        StructuralTag,
-        TagFormat,
-        TagsWithSeparatorFormat,
-    )
+    from xgrammar.structural_tag import StructuralTag
 
-    calls = [
-        TagFormat(
-            begin=f"{MISTRAL_CALLS}{name}{MISTRAL_ARGS}",
-            content=JSONSchemaFormat(json_schema=schema),
-            end="",
-        )
-        for name, schema in _offered(tools, tool_choice)
-    ]
-    return StructuralTag(
-        format=TagsWithSeparatorFormat(
-            tags=calls, separator="", at_least_one=True, stop_after_first=not parallel
-        )
-    )
+    def begin(name: str) -> str:
+        return f"{MISTRAL_CALLS}{name}{MISTRAL_ARGS}"
+
+    return StructuralTag(format=_calls(tools, tool_choice, parallel, begin, "", ""))
 
 
 # ---- the syntaxes ----
