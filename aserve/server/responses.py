@@ -243,8 +243,8 @@ class ResponseShaper:
 
 
 class ReplySplitter:
-    """A chat reply's deltas as the reasoning (with a reasoning parser), the content, and at
-    the end the tool calls (where they are parsed): a call's syntax never goes out as
+    """A chat reply's deltas as the reasoning (with a reasoning parser), the content, and the
+    tool calls (where they are parsed), each once whole: a call's syntax never goes out as
     content, nor the <think> block. A `harmony` reply (gpt-oss) is split by its channels."""
 
     def __init__(self, parsed: GenerationRequest) -> None:
