@@ -407,9 +407,15 @@ def test_forcing_a_function_that_is_not_offered_is_an_error() -> None:
 def test_special_markers_stay_in_the_reply_text(smollm2_dir: Path, tmp_path: Path) -> None:
     """A vocabulary where `[TOOL_CALLS]` and `[ARGS]` are special tokens: skipping special
     tokens would drop them from the reply, and the call with them; the Mistral syntax's
-    markers are shown, every other special token is still dropped."""
+    markers are shown, every other special token is still dropped. A chat request with
+    tools under `--tool-call-parser mistral` carries those ids to its choices."""
+    import asyncio
+
     import transformers
 
+    from aserve.sampling_params import SamplingParams
+    from aserve.server.completions import Completions
+    from aserve.server.openai import GenerationRequest
     from aserve.textstream import TextStream
     from aserve.tokenizer import Tokenizer
 
@@ -420,6 +426,11 @@ def test_special_markers_stay_in_the_reply_text(smollm2_dir: Path, tmp_path: Pat
     calls, args, inst = hf.convert_tokens_to_ids(["[TOOL_CALLS]", "[ARGS]", "[INST]"])
     assert special_marker_ids(MISTRAL, tokenizer) == {calls, args}
     assert special_marker_ids(HERMES, tokenizer) == frozenset()  # SmolLM2 spells it in pieces
+    request = GenerationRequest(
+        "chat", "m", SamplingParams(), None, tools=[ALARM], tool_choice="auto"
+    )
+    parsed = asyncio.run(Completions._with_tools(tokenizer, request, "mistral"))
+    assert parsed.tool_syntax is MISTRAL and parsed.shown_special_ids == {calls, args}
 
     reply = [inst, calls, *hf.encode("get_time", add_special_tokens=False), args]
     reply += hf.encode('{"zone": "UTC"}', add_special_tokens=False)
