@@ -32,6 +32,7 @@ SUPPORTED_ARCHITECTURES = {
     "GraniteForCausalLM": "granite",
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo3",
+    "Exaone4ForCausalLM": "exaone4",
 }
 MOE_BACKENDS = ("auto", "torch", "fused")
 GELU_TANH = "gelu_pytorch_tanh"
@@ -185,13 +186,44 @@ def _rope_by_layer_type(config: dict[str, Any], local_theta: float) -> dict[str,
 
 
 def _olmo_settings(config: dict[str, Any], num_layers: int, family: str) -> dict[str, Any]:
-    """OLMo 2's norms (after attention and the MLP only, weighing the float32 row); OLMo 3
-    also windows three layers of four, which rotate unscaled by the same base."""
-    settings: dict[str, Any] = {"post_norms": True, "norms_in_float32": True}
+    """OLMo 2's norms (after attention and the MLP only, weighing the float32 row; Q/K norms
+    across heads); OLMo 3 also windows three layers of four, which rotate unscaled by the
+    same base."""
+    settings: dict[str, Any] = {
+        "post_norms": True,
+        "norms_in_float32": True,
+        "qk_norm_across_heads": True,
+    }
     if family == "olmo3":
         settings["layer_windows"] = _layer_windows(config, num_layers, 4)
         theta = float(config.get("rope_theta") or 500000.0)
         settings |= _rope_by_layer_type(config, theta)
+    return settings
+
+
+def _exaone4_settings(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """EXAONE 4: OLMo 2's norms after attention and the MLP (plain RMSNorms; Q/K norms a
+    head, as Qwen3's). With a window (the 32B) three layers of four read it
+    (`sliding_window_pattern` 4 or "LLLG", or `layer_types`), and, as transformers has it,
+    every layer that does not takes no rotary position."""
+    settings: dict[str, Any] = {"post_norms": True}
+    if not config.get("sliding_window"):
+        return settings
+    pattern = config.get("sliding_window_pattern") or 4
+    if isinstance(pattern, str):
+        config = {
+            **config,
+            "layer_types": [
+                "sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention"
+                for i in range(num_layers)
+            ],
+        }
+        pattern = len(pattern)
+    windows = _layer_windows(config, num_layers, int(pattern))
+    settings["layer_windows"] = windows
+    settings["rope_free_layers"] = tuple(
+        i for i in range(num_layers) if not windows or not windows[i]
+    )
     return settings
 
 
@@ -376,9 +408,10 @@ class ModelConfig:
     Qwen2's, which biases Q, K and V only). `attention_sinks`: each head's softmax also sums
     a learned logit of its own that weighs no value (gpt-oss). `attention_softcap` and
     `logit_softcap` (Gemma 2; 0: none) bound the scaled scores and the logits to (-cap,
-    cap) by cap * tanh(x / cap). `post_norms` (OLMo 2): no norm before attention or the MLP;
-    each one's output is normalised before it joins the residual stream, and its Q and K
-    norms (`qk_norm`) span all heads of the projection instead of one head.
+    cap) by cap * tanh(x / cap). `post_norms` (OLMo 2, EXAONE 4): no norm before attention or
+    the MLP; each one's output is normalised before it joins the residual stream.
+    `qk_norm_across_heads` (OLMo 2): the Q and K norms (`qk_norm`) span all heads of the
+    projection instead of one head.
     `residual_multiplier` scales each attention and MLP output before it joins the residual
     stream, and the logits are divided by `logits_scaling` (Granite). The MoE fields keep their
     defaults (no experts) for dense models; `expert_style` says how gpt-oss's experts
@@ -437,6 +470,7 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
     post_norms: bool = False
+    qk_norm_across_heads: bool = False
 
     def layer_window(self, layer: int) -> int:
         """Layer `layer`'s sliding window, 0 where it reads the whole context."""
@@ -486,6 +520,8 @@ class ModelConfig:
             family_settings |= _granite_settings(config)
         if family in ("olmo2", "olmo3"):
             family_settings |= _olmo_settings(config, num_layers, family)
+        if family == "exaone4":
+            family_settings |= _exaone4_settings(config, num_layers)
         if family == "phi3":
             family_settings["rotary_dim"] = _rotary_dim(config, int(head_dim))
             _check_longrope(family_settings["rope_scaling"], family_settings["rotary_dim"])
@@ -510,7 +546,7 @@ class ModelConfig:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=bool(config.get("attention_bias", family == "qwen2")),
             o_bias=bool(config.get("attention_bias", False)) and family != "qwen2",
-            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3"),
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "exaone4"),
             eos_token_ids=tuple(sorted(eos)),
             bos_token_id=config.get("bos_token_id"),
             torch_dtype=config.get("torch_dtype") or config.get("dtype"),

@@ -35,6 +35,7 @@ GGUF_ARCH = {
     "mixtral": "llama",
     "olmo2": "olmo2",
     "olmo3": "olmo2",  # llama.cpp's olmo2, with a window: three layers of four, YaRN on the rest
+    "exaone4": "exaone4",
 }
 TOP_LEVEL = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -218,6 +219,10 @@ def write_hf_as_gguf(
             writer.add_tensor(f"rope_factors_{kind}.weight", factors)
     if gemma or gpt_oss or olmo3:
         writer.add_sliding_window(config["sliding_window"])
+    if config["model_type"] == "exaone4" and config.get("sliding_window"):  # as its converter
+        writer.add_sliding_window(config["sliding_window"])
+        types = config["layer_types"]
+        writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in types])
     if config["model_type"] == "granite":
         writer.add_embedding_scale(config["embedding_multiplier"])
         writer.add_attention_scale(config["attention_multiplier"])
@@ -235,7 +240,8 @@ def write_hf_as_gguf(
         writer.add_expert_feed_forward_length(expert_rows)
     in_layer = GEMMA_IN_LAYER if gemma else GPT_OSS_IN_LAYER if gpt_oss else IN_LAYER
     in_layer = PHI3_IN_LAYER if phi3 else in_layer
-    in_layer = OLMO2_IN_LAYER if config["model_type"] in ("olmo2", "olmo3") else in_layer
+    post_norms = config["model_type"] in ("olmo2", "olmo3", "exaone4")
+    in_layer = OLMO2_IN_LAYER if post_norms else in_layer
     tensors: dict[str, np.ndarray] = {}
     experts: dict[str, dict[int, np.ndarray]] = {}
     for name, tensor in load_file(folder / "model.safetensors").items():

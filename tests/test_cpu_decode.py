@@ -81,6 +81,7 @@ def decode_both_ways(llm: LLM) -> tuple[list, list, int]:
         "mixtral",
         "olmo2",
         "olmo3",
+        "exaone4",
     ],
 )
 def test_stack_gives_the_modules_bits(family: str, tmp_path: Path) -> None:

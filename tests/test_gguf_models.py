@@ -67,6 +67,7 @@ OVERRIDES = {
         "mixtral",
         "olmo2",
         "olmo3",
+        "exaone4",
     ],
 )
 def test_gguf_of_each_family_matches_transformers(family: str, tmp_path: Path) -> None:

@@ -172,3 +172,34 @@ def test_packed_cpu_weight_equals_plain_linear(rows: int, bias: bool) -> None:
     packed = PackedWeight(weight)
     torch.testing.assert_close(packed.linear(x, b), F.linear(x, weight, b))
     torch.testing.assert_close(packed.linear(x[None], b)[0], F.linear(x, weight, b))
+
+
+@pytest.mark.parametrize(
+    ("keys", "windows", "unrotated"),
+    [
+        ({"sliding_window": None}, (), ()),  # EXAONE 4 1.2B: every layer whole and rotated
+        ({"sliding_window": 4096, "sliding_window_pattern": 4}, (4096,) * 3 + (0,), (3,)),
+        ({"sliding_window": 4096, "sliding_window_pattern": "LLGL"}, (4096, 4096, 0, 4096), (2,)),
+        ({"sliding_window": 4096, "layer_types": ["full_attention"] * 4}, (0,) * 4, (0, 1, 2, 3)),
+    ],
+)
+def test_exaone4_windows_and_unrotated_layers_follow_transformers(
+    keys: dict[str, object], windows: tuple[int, ...], unrotated: tuple[int, ...]
+) -> None:
+    """With a window in its config, EXAONE 4's layers that do not read it take no rotary
+    position (transformers' rule, whatever the pattern); without one, all rotate."""
+    from aserve.config import ModelConfig
+
+    config = {
+        "architectures": ["Exaone4ForCausalLM"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "vocab_size": 320,
+        **keys,
+    }
+    model = ModelConfig.from_hf(config)
+    assert model.post_norms and model.qk_norm and not model.qk_norm_across_heads
+    assert model.layer_windows == (windows if any(windows) else ())
+    assert model.rope_free_layers == unrotated

@@ -134,7 +134,17 @@ def test_tp2_moe_greedy_tokens_and_logprobs_equal_tp1(
 
 @pytest.mark.parametrize(
     "family",
-    ["gemma3", "gemma2", "phi3", "granite", "mixtral", "olmo2", "olmo2-one-kv-head", "olmo3"],
+    [
+        "gemma3",
+        "gemma2",
+        "phi3",
+        "granite",
+        "mixtral",
+        "olmo2",
+        "olmo2-one-kv-head",
+        "olmo3",
+        "exaone4",
+    ],
 )
 def test_tp2_family_greedy_tokens_and_logprobs_equal_tp1(tmp_path: Path, family: str) -> None:
     """Gemma's norms after attention and the MLP reduce the ranks' partial sums before

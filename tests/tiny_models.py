@@ -133,6 +133,15 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 512,
         "tie_word_embeddings": False,
     },
+    "exaone4": {
+        # OLMo 2's norms with Q/K norms a head; three layers of four read the last 4
+        # positions, the fourth takes no rotary position
+        "num_hidden_layers": 4,
+        "sliding_window": 4,
+        "sliding_window_pattern": 4,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+    },
     "mixtral": {
         # every layer sparse: 4 experts of intermediate_size, 2 a token
         "rope_theta": 1000000.0,
@@ -191,6 +200,7 @@ def make_tiny_model(
         "mixtral": transformers.MixtralConfig,
         "olmo2": transformers.Olmo2Config,
         "olmo3": transformers.Olmo3Config,
+        "exaone4": transformers.Exaone4Config,
         "gpt_oss": transformers.GptOssConfig,
     }[family]
     config = config_cls(**{**COMMON, **FAMILIES[family], **(overrides or {})})

@@ -65,8 +65,8 @@ def build_decode_stack(model: DecoderModel, config: ModelConfig) -> DecodeStack 
     tensor parallelism, float or padded weights, a fused projection of mixed formats, a
     float32 model that does not run the CPU kernels. Gemma's layers come with their windows
     (`config.layer_windows`), their scores' scale and Gemma 2's soft cap, gpt-oss's with their
-    sinks, biases and clamped experts, OLMo 2's with norms after attention and the MLP alone
-    and Q/K norms across heads (`post_norms`)."""
+    sinks, biases and clamped experts, OLMo 2's and EXAONE 4's with norms after attention and
+    the MLP alone (`post_norms`; OLMo 2's Q/K norms across heads)."""
     layers = list(model.layers)
     if not layers or model.tp.size != 1:
         return None
@@ -83,6 +83,7 @@ def build_decode_stack(model: DecoderModel, config: ModelConfig) -> DecodeStack 
         config.attention_softcap,
         config.residual_multiplier,
         config.post_norms,
+        config.qk_norm_across_heads,
     )
     blas_from: list[int] = []
     for i, layer in enumerate(layers):

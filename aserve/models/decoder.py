@@ -81,7 +81,7 @@ class DecoderAttention(nn.Module):
         self.heads = tp.shard(config.num_heads)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
-        if config.qk_norm and config.post_norms:  # OLMo 2's norms span all heads
+        if config.qk_norm and config.qk_norm_across_heads:  # OLMo 2's span all heads
             q_rows = (self.heads[0] * self.head_dim, self.heads[1] * self.head_dim)
             kv_index = tp.rank // self.qkv_proj.kv_replicas
             k_rows = (kv_index * self.kv_size, (kv_index + 1) * self.kv_size)

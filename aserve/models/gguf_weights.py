@@ -63,8 +63,8 @@ OLMO2_TENSORS = LAYER_TENSORS | {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-"""OLMo 2's layers have the norms after attention and the MLP alone (as plain RMSNorms: no
-one to take back off), and Q/K norms as wide as the projections."""
+"""OLMo 2's and EXAONE 4's layers have the norms after attention and the MLP alone (as
+plain RMSNorms: no one to take back off)."""
 PHI3_TENSORS = LAYER_TENSORS | {
     "attn_qkv": "self_attn.qkv_proj",
     "ffn_up": "mlp.gate_up_proj",
@@ -77,6 +77,7 @@ FAMILY_TENSORS = {
     "gpt_oss": GPT_OSS_TENSORS,
     "olmo2": OLMO2_TENSORS,
     "olmo3": OLMO2_TENSORS,
+    "exaone4": OLMO2_TENSORS,
 }
 """The layer tensor names of the families (config.json's `model_type`) that differ from
 LAYER_TENSORS."""

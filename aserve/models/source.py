@@ -75,6 +75,7 @@ ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "exaone4": "Exaone4ForCausalLM",
 }
 MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text", "gpt-oss": "gpt_oss"}
 """config.json's `model_type` of the GGUF architectures whose names differ."""
@@ -313,6 +314,8 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
         config |= phi3_config(read, config, tensors)
     if arch == "olmo2" and read("olmo2.attention.sliding_window"):
         config |= olmo3_config(read, config)
+    if arch == "exaone4":
+        config |= exaone4_config(read, config)
     if arch == "granite":  # its multipliers, under llama.cpp's names
         multipliers = {
             "embedding_multiplier": "embedding_scale",
@@ -358,27 +361,49 @@ def gemma_config(read: Metadata, config: dict[str, Any], arch: str) -> dict[str,
     return settings
 
 
-OLMO3_WINDOW_PATTERN = 4
+WINDOW_PATTERN = 4
 """Three windowed layers, then a whole one: llama.cpp's default for its olmo2 files with a
-window (OLMo 3), where the file lists no pattern."""
+window (OLMo 3) and its exaone4 ones (the 32B), where the file lists no pattern."""
+EXAONE4_WINDOWED_LAYERS = 64
+EXAONE4_WINDOW = 4096
+"""llama.cpp gives exaone4 files of 64 layers (the 32B) this window where they state none."""
+
+
+def windowed_layer_types(read: Metadata, arch: str, layers: int) -> list[str]:
+    """Each layer's type from the file's `sliding_window_pattern` flags, or llama.cpp's
+    pattern of four where it has none."""
+    pattern = read(f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list) and len(pattern) == layers:
+        windowed = [bool(flag) for flag in pattern]
+    else:
+        windowed = [(i + 1) % WINDOW_PATTERN != 0 for i in range(layers)]
+    return ["sliding_attention" if w else "full_attention" for w in windowed]
+
+
+def exaone4_config(read: Metadata, config: dict[str, Any]) -> dict[str, Any]:
+    """An exaone4 file's window (the 32B's: three layers of four; the others take no rotary
+    position), which llama.cpp fixes for 64 layers where the file states none; none for
+    the 1.2B. llama.cpp itself windows 64-layer files only; a window stated in another file
+    is honoured here, as transformers honours the config it came from."""
+    layers = config["num_hidden_layers"]
+    window = read("exaone4.attention.sliding_window")
+    if not window and layers == EXAONE4_WINDOWED_LAYERS:
+        window = EXAONE4_WINDOW
+    if not window:
+        return {"sliding_window": None}
+    return {"sliding_window": window, "layer_types": windowed_layer_types(read, "exaone4", layers)}
 
 
 def olmo3_config(read: Metadata, config: dict[str, Any]) -> dict[str, Any]:
     """An olmo2 file with a sliding window is OLMo 3: the window on three layers of four
     (llama.cpp's pattern, or the file's own as a list of flags), whose rope is unscaled with
     the file's `rope.freq_base_swa` (default: the whole layers' base)."""
-    layers = config["num_hidden_layers"]
-    pattern = read("olmo2.attention.sliding_window_pattern")
-    if isinstance(pattern, list) and len(pattern) == layers:
-        windowed = [bool(flag) for flag in pattern]
-    else:
-        windowed = [(i + 1) % OLMO3_WINDOW_PATTERN != 0 for i in range(layers)]
     base = float32_decimal(read("olmo2.rope.freq_base_swa", config["rope_theta"]))
     return {
         "architectures": ["Olmo3ForCausalLM"],
         "model_type": "olmo3",
         "sliding_window": read("olmo2.attention.sliding_window"),
-        "layer_types": ["sliding_attention" if w else "full_attention" for w in windowed],
+        "layer_types": windowed_layer_types(read, "olmo2", config["num_hidden_layers"]),
         "rope_parameters": {
             "full_attention": {
                 "rope_theta": config["rope_theta"],

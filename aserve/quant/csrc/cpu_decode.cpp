@@ -68,11 +68,12 @@ class DecodeStack : public torch::CustomClassHolder {
  public:
   // `softcap`: the scores' soft cap (Gemma 2), 0 for none; `residual_scale`: what each
   // attention and MLP output is multiplied by as it joins the residual stream (Granite's).
-  // `post_norms` (OLMo 2): no norm before attention or the MLP, their outputs normalised
-  // (`attention_out_norm`, `mlp_out_norm`) before they join the stream, and Q/K norms that
-  // span all heads; its layers' `input_norm` and `post_norm` are not read.
+  // `post_norms` (OLMo 2, EXAONE 4): no norm before attention or the MLP, their outputs
+  // normalised (`attention_out_norm`, `mlp_out_norm`) before they join the stream; its
+  // layers' `input_norm` and `post_norm` are not read. `norms_across_heads` (OLMo 2): the
+  // Q/K norms span all heads.
   DecodeStack(int64_t q_size, int64_t kv_size, int64_t head_dim, double eps, double scale,
-              double softcap, double residual_scale, bool post_norms)
+              double softcap, double residual_scale, bool post_norms, bool norms_across_heads)
       : q_size_(q_size),
         kv_size_(kv_size),
         head_dim_(head_dim),
@@ -80,7 +81,8 @@ class DecodeStack : public torch::CustomClassHolder {
         scale_(scale),
         softcap_(softcap),
         residual_scale_(residual_scale),
-        post_norms_(post_norms) {}
+        post_norms_(post_norms),
+        norms_across_heads_(norms_across_heads) {}
 
   // Keeps a weight; layers name it by the number returned.
   int64_t add_weight(Tensor words, Tensor scales, Tensor offsets, Tensor bases, int64_t group,
@@ -146,7 +148,7 @@ class DecodeStack : public torch::CustomClassHolder {
       const Tensor qkv = project(hidden, layer.qkv, layer.qkv_bias);
       const Tensor q = qkv.narrow(1, 0, q_size_);
       const bool windowed = layer.window > 0;
-      const bool across_heads = post_norms_ && layer.q_norm.has_value();
+      const bool across_heads = norms_across_heads_ && layer.q_norm.has_value();
       if (across_heads) {
         norm_across_heads(q, *layer.q_norm);
         norm_across_heads(qkv.narrow(1, q_size_, kv_size_), *layer.k_norm);
@@ -236,7 +238,7 @@ class DecodeStack : public torch::CustomClassHolder {
 
   int64_t q_size_, kv_size_, head_dim_;
   double eps_, scale_, softcap_, residual_scale_;
-  bool post_norms_;
+  bool post_norms_, norms_across_heads_;
   std::vector<Weight> weights_;
   std::vector<Layer> layers_;
 };
@@ -245,7 +247,7 @@ class DecodeStack : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(aserve_cpu, m) {
   m.class_<DecodeStack>("DecodeStack")
-      .def(torch::init<int64_t, int64_t, int64_t, double, double, double, double, bool>())
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, double, double, bool, bool>())
       .def("add_weight", &DecodeStack::add_weight)
       .def("add_layer", &DecodeStack::add_layer)
       .def("run", &DecodeStack::run);
