@@ -19,7 +19,9 @@ as in Phi-4-mini, whose shape is `--arch phi3 --layers 32 --hidden 3072 --interm
 four multipliers in the metadata (12, 1/64, 0.22 and 8: values of the kind its configs state;
 a step's time does not depend on them) and a tied head. `--arch olmo2` writes OLMo 2's (norms
 after attention and the MLP alone, Q/K norms as wide as the projections; OLMo 2 1B's shape is
-`--arch olmo2 --layers 16 --hidden 2048 --intermediate 8192 --heads 16 16`). The
+`--arch olmo2 --layers 16 --hidden 2048 --intermediate 8192 --heads 16 16`); `--arch exaone4`
+writes EXAONE 4's (OLMo 2's norms, Q/K norms a head; no window, as in its 1.2B, whose shape
+is about `--arch exaone4 --layers 30 --hidden 2048 --intermediate 4096 --heads 32 8`). The
 layers' matrices take `--qtype`; the embedding and the LM head are Q8_0, as llama.cpp keeps
 them wider than the layers in its low-bit files. Formats the `gguf` package quantizes
 (Q4_0, Q8_0, ...) quantize normal weights; for llama.cpp's codebook formats (IQ1_S to IQ3_S),
@@ -52,7 +54,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=None, help="default: hidden / Q heads")
     p.add_argument(
         "--arch",
-        choices=("llama", "gemma2", "gemma3", "phi3", "granite", "olmo2"),
+        choices=("llama", "gemma2", "gemma3", "phi3", "granite", "olmo2", "exaone4"),
         default="llama",
     )
     p.add_argument("--window", type=int, default=512, help="Gemma's sliding window")
@@ -134,7 +136,9 @@ def main() -> None:
             norms = ("post_attention_norm", "post_ffw_norm")
             add(f"{blk}.attn_q_norm.weight", np.ones(q_rows, np.float32), None)
             add(f"{blk}.attn_k_norm.weight", np.ones(kv_rows, np.float32), None)
-        for qk_norm in ("attn_q_norm", "attn_k_norm") if gemma3 else ():
+        if args.arch == "exaone4":
+            norms = ("post_attention_norm", "post_ffw_norm")
+        for qk_norm in ("attn_q_norm", "attn_k_norm") if gemma3 or args.arch == "exaone4" else ():
             add(f"{blk}.{qk_norm}.weight", np.ones(head_dim, np.float32), None)
         for norm in norms:
             add(f"{blk}.{norm}.weight", np.ones(args.hidden, np.float32), None)
