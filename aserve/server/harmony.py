@@ -18,7 +18,7 @@ import re
 from typing import Any
 
 from aserve.server.reasoning import Split
-from aserve.server.tool_syntax import ParsedCall
+from aserve.server.tool_syntax import ParsedCall, offered_functions
 from aserve.textstream import partial_marker_length
 
 CHANNEL = "<|channel|>"
@@ -151,14 +151,9 @@ def forcing_tag(tools: list[dict[str, Any]], tool_choice: Any) -> str:
         TagsWithSeparatorFormat,
     )
 
-    named = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
     calls = []
-    for tool in tools:
-        function = tool.get("function", {})
-        name = function.get("name")
-        if not name or (named is not None and name != named):
-            continue
-        arguments = JSONSchemaFormat(json_schema=function.get("parameters") or {"type": "object"})
+    for name, schema in offered_functions(tools, tool_choice):
+        arguments = JSONSchemaFormat(json_schema=schema)
         to = f"to={FUNCTIONS}{name}"
         for header in (
             f"<|channel|>commentary {to} <|constrain|>json<|message|>",
@@ -167,8 +162,6 @@ def forcing_tag(tools: list[dict[str, Any]], tool_choice: Any) -> str:
             f" {to}<|channel|>commentary json<|message|>",
         ):
             calls.append(TagFormat(begin=header, content=arguments, end=""))
-    if not calls:
-        raise ValueError(f"tool_choice names no function of the tools: {named!r}")
     call = TagsWithSeparatorFormat(
         tags=calls, separator="", at_least_one=True, stop_after_first=True
     )

@@ -297,7 +297,7 @@ def _parse_pythonic(text: str) -> Parsed:
 # ---- forcing grammars ----
 
 
-def _offered(tools: Tools, tool_choice: Any) -> list[tuple[str, dict[str, Any]]]:
+def offered_functions(tools: Tools, tool_choice: Any) -> list[tuple[str, dict[str, Any]]]:
     """(name, argument schema) of the functions a forced reply may call."""
     named = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
     offered = []
@@ -346,7 +346,7 @@ def _calls(
 
     tags = [
         TagFormat(begin=begin(name), content=JSONSchemaFormat(json_schema=schema), end=end)
-        for name, schema in _offered(tools, tool_choice)
+        for name, schema in offered_functions(tools, tool_choice)
     ]
     return TagsWithSeparatorFormat(
         tags=tags, separator=separator, at_least_one=True, stop_after_first=not parallel
