@@ -130,14 +130,15 @@ def _add_layer(
         return False
     sandwich = layer.sandwich  # Gemma: the norm before the MLP is another, with two after
     after = sandwich or layer.post_norms  # norms of attention's and the MLP's outputs
-    unread = attention.rotary.cos_sin[:0]  # OLMo 2 has no norm before attention or the MLP
+    if layer.post_norms:  # no norm before attention or the MLP: the stack reads none
+        input_norm = mlp_norm = attention.rotary.cos_sin[:0]
+    else:
+        input_norm = layer.input_layernorm.weight
+        before_mlp = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
+        mlp_norm = before_mlp.weight
     stack.add_layer(
-        unread if layer.post_norms else layer.input_layernorm.weight,
-        unread
-        if layer.post_norms
-        else (
-            layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
-        ).weight,
+        input_norm,
+        mlp_norm,
         [add(part) for part in qkv],
         attention.qkv_proj.bias,
         None if attention.q_norm is None else attention.q_norm.weight,
