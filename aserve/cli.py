@@ -193,8 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
         "-q",
         default="auto",
         choices=QUANTIZATIONS,
-        help="auto: run the checkpoint's own (a GGUF or FP8 checkpoint stays quantized; on "
-        "CPU bfloat16 / float16 weights stay in 16 bits); none: "
+        help="auto: run the checkpoint's own (a GGUF, FP8, AWQ, GPTQ or compressed-tensors "
+        "integer checkpoint stays quantized; on CPU bfloat16 / float16 weights stay in 16 "
+        "bits); awq, gptq, compressed-tensors (and vLLM's awq_marlin, gptq_marlin): as auto, "
+        "for a checkpoint of that method; none: "
         "de-quantize its weights to --dtype at load; int8, int4: quantize a float "
         "checkpoint's linear layers at load (groups of 32, as Q8_0 and Q4_1); fp8: into "
         "FP8 with per-channel scales, activations per token (GPUs of compute capability 8.9+; "

@@ -40,7 +40,16 @@ ACTIVATIONS = ("silu", GELU_TANH)
 """The gated MLPs' activations: SiLU (Llama, Qwen, Mistral) and GELU's tanh form (Gemma)."""
 # auto: the checkpoint's own (a quantized GGUF stays quantized); none: de-quantize to --dtype;
 # int8 / int4: quantize a float checkpoint's linear layers at load.
-QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
+CHECKPOINT_METHODS = {
+    "awq": "awq",
+    "awq_marlin": "awq",
+    "gptq": "gptq",
+    "gptq_marlin": "gptq",
+    "compressed-tensors": "compressed-tensors",
+}
+"""vLLM's `--quantization` names for an integer checkpoint's own method: taken where the
+checkpoint is of it, as `auto` (vLLM command lines carry them)."""
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8", *CHECKPOINT_METHODS)
 # fp8: what vLLM and SGLang also accept for fp8_e4m3 (their FP8 cache on NVIDIA GPUs).
 # float16 / float32: a float32 model's cache on CPU in half the bytes, as llama.cpp keeps it
 # (what auto picks for quantized models there), or in full.
@@ -92,6 +101,26 @@ class ExpertStyle:
 
 
 PLAIN_EXPERTS = ExpertStyle()
+
+
+@dataclass(frozen=True)
+class IntScheme:
+    """How an integer checkpoint stores its linear weights, `w = (code - zero) * scale` per
+    group of `group` inputs (0: one group a row), read by quant/int_checkpoints.py.
+    `method`: "awq" (AutoAWQ's GEMM layout), "gptq" (AutoGPTQ / GPTQModel) or
+    "compressed-tensors" (llm-compressor's integer formats). `symmetric`: no zero points
+    stored, the middle code stands for zero. `zeros_less_one`: GPTQ's first format stores
+    each zero point minus one. `packed`: codes packed into int32 words (every format but
+    compressed-tensors' int-quantized, which keeps int8 values)."""
+
+    method: str
+    bits: int
+    group: int
+    symmetric: bool = False
+    zeros_less_one: bool = False
+    packed: bool = True
+
+
 """Qwen3-MoE's experts: no biases, SiLU(gate) * up."""
 
 
@@ -338,6 +367,8 @@ def _quantization_settings(quantization: dict[str, Any]) -> dict[str, Any]:
     A compressed-tensors file that carries only a `kv_cache_scheme` has float weights. Other
     methods stay named as they are, for the runtime to refuse."""
     method = quantization.get("quant_method")
+    if method in ("awq", "gptq"):
+        return {"quantization": "gguf", "int_scheme": _awq_gptq_scheme(method, quantization)}
     if method == "fp8":
         return {
             "quantization": "fp8",
@@ -350,9 +381,12 @@ def _quantization_settings(quantization: dict[str, Any]) -> dict[str, Any]:
         return {"quantization": "gguf", "mxfp4_checkpoint": True}
     if method != "compressed-tensors":
         return {"quantization": method}
-    blocks = {_compressed_fp8_block(g) for g in (quantization.get("config_groups") or {}).values()}
-    if not blocks:
+    groups = list((quantization.get("config_groups") or {}).values())
+    if not groups:
         return {"quantization": None}
+    if all((g.get("weights") or {}).get("type") == "int" for g in groups):
+        return {"quantization": "gguf", "int_scheme": _compressed_int_scheme(quantization, groups)}
+    blocks = {_compressed_fp8_block(g) for g in groups}
     if quantization.get("format") not in FP8_TENSOR_FORMATS:
         raise ConfigError(
             f"this compressed-tensors checkpoint's format is {quantization.get('format')!r}: "
@@ -364,6 +398,82 @@ def _quantization_settings(quantization: dict[str, Any]) -> dict[str, Any]:
             f"({sorted(map(str, blocks))}): aserve reads one scale layout a checkpoint"
         )
     return {"quantization": "fp8", "fp8_checkpoint": True, "fp8_block": blocks.pop()}
+
+
+INT_BITS = (4, 8)
+"""Code widths of integer checkpoints that aserve's kernels run (GPTQ's 2- and 3-bit files
+are refused: few are published, and 3-bit codes straddle the int32 words)."""
+
+
+ACT_ORDER_REFUSED = (
+    "this checkpoint's groups gather inputs out of order (GPTQ's act-order: desc_act without "
+    "static_groups, or actorder 'group'): aserve reads groups of consecutive inputs"
+)
+
+
+def _awq_gptq_scheme(method: str, quantization: dict[str, Any]) -> IntScheme:
+    """AutoAWQ's and AutoGPTQ's `quantization_config`. AWQ's GEMM layout alone (its GEMV
+    and Marlin layouts interleave codes differently; few files use them). GPTQ's act-order
+    files (`desc_act`) gather scattered inputs into a group, which would need each product's
+    inputs permuted; they load only with `static_groups`, whose groups stay runs of inputs
+    (the weights' `g_idx` is checked at load)."""
+    bits = int(quantization.get("bits") or quantization.get("w_bit") or 0)
+    group = int(quantization.get("group_size") or quantization.get("q_group_size") or 0)
+    name = method.upper()
+    if bits not in INT_BITS or (method == "awq" and bits != 4):
+        raise ConfigError(f"this {name} checkpoint has {bits}-bit weights: aserve runs 4 or 8")
+    if method == "awq":
+        version = str(quantization.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise ConfigError(
+                f"this AWQ checkpoint is in the {version!r} layout: aserve reads AWQ's GEMM one"
+            )
+        if quantization.get("zero_point") is False:
+            raise ConfigError("this AWQ checkpoint has no zero points: aserve reads AWQ with them")
+        return IntScheme("awq", 4, max(group, 0))
+    if quantization.get("desc_act") and not quantization.get("static_groups"):
+        raise ConfigError(ACT_ORDER_REFUSED)
+    stored = str(quantization.get("checkpoint_format") or "gptq").lower()
+    if stored not in ("gptq", "gptq_v2"):
+        raise ConfigError(f"this GPTQ checkpoint is in the {stored!r} format: aserve reads gptq")
+    return IntScheme("gptq", bits, max(group, 0), zeros_less_one=stored == "gptq")
+
+
+def _compressed_int_scheme(quantization: dict[str, Any], groups: list[dict[str, Any]]) -> IntScheme:
+    """llm-compressor's integer weights: `pack-quantized` (4 or 8 bits in int32 words; its
+    W4A16 and W8A16 files) or `int-quantized` (int8 values; W8A8 files, whose activations
+    aserve leaves in 16 bits: a weight-only product of the same weights). One scheme for every
+    group, scales per row (`channel`) or per group of inputs."""
+    schemes = {json.dumps(g.get("weights"), sort_keys=True) for g in groups}
+    if len(schemes) > 1:
+        raise ConfigError(
+            "this compressed-tensors checkpoint quantizes its layers differently: aserve reads "
+            "one scheme a checkpoint"
+        )
+    weights = groups[0]["weights"]
+    bits = int(weights.get("num_bits") or 0)
+    layout = quantization.get("format")
+    if layout not in ("pack-quantized", "int-quantized", "naive-quantized"):
+        raise ConfigError(
+            f"this compressed-tensors checkpoint's format is {layout!r}: aserve reads integer "
+            "weights pack-quantized or int-quantized"
+        )
+    if bits not in INT_BITS:
+        raise ConfigError(
+            f"this compressed-tensors checkpoint's weights are int {bits}-bit: aserve runs 4 or 8"
+        )
+    strategy = weights.get("strategy")
+    if strategy not in ("channel", "group"):
+        raise ConfigError(
+            f"this compressed-tensors checkpoint scales its int weights by {strategy!r}: aserve "
+            "reads scales per channel or per group"
+        )
+    if weights.get("actorder") == "group":
+        raise ConfigError(ACT_ORDER_REFUSED)
+    group = int(weights.get("group_size") or 0) if strategy == "group" else 0
+    symmetric = weights.get("symmetric", True) is not False
+    packed = layout == "pack-quantized"
+    return IntScheme("compressed-tensors", bits, group, symmetric, packed=packed)
 
 
 def _compressed_fp8_block(group: dict[str, Any]) -> tuple[int, int] | None:
@@ -417,11 +527,12 @@ class ModelConfig:
     defaults (no experts) for dense models; `expert_style` says how gpt-oss's experts
     differ.
     `quantization` is the checkpoint's format: its `quantization_config.quant_method`, "fp8"
-    for every FP8 layout (`_quantization_settings`), "gguf" for a quantized GGUF file (and
-    for gpt-oss's MXFP4 checkpoints, whose experts are read as GGUF's MXFP4 blocks), or None,
-    until the runtime replaces it with what the weights run as; `fp8_checkpoint`,
-    `fp8_block` (the scales' block) and `mxfp4_checkpoint` stay: they say how the file is to
-    be read.
+    for every FP8 layout (`_quantization_settings`), "gguf" for weights that arrive as codes
+    (a quantized GGUF file; gpt-oss's MXFP4 checkpoints, whose experts are read as GGUF's
+    MXFP4 blocks; integer checkpoints, AWQ, GPTQ and compressed-tensors, whose `int_scheme`
+    says how they pack codes), or None, until the runtime replaces it with what the weights
+    run as; `fp8_checkpoint`, `fp8_block` (the scales' block), `mxfp4_checkpoint` and
+    `int_scheme` stay: they say how the file is to be read.
     """
 
     architecture: str
@@ -448,6 +559,7 @@ class ModelConfig:
     fp8_checkpoint: bool = False
     fp8_block: tuple[int, int] | None = None
     mxfp4_checkpoint: bool = False
+    int_scheme: IntScheme | None = None
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0

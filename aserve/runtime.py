@@ -9,7 +9,13 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from aserve.config import ConfigError, EngineConfig, ModelConfig, ServerConfig
+from aserve.config import (
+    CHECKPOINT_METHODS,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    ServerConfig,
+)
 from aserve.constrained.grammar import GrammarCompiler
 from aserve.engine.followers import start_engine
 from aserve.engine.memory import GiB, free_device_memory
@@ -51,11 +57,19 @@ def chosen_quantization(engine: EngineConfig, model: ModelConfig) -> str | None:
     stored = model.quantization
     if stored not in (None, "gguf", "fp8"):
         raise ConfigError(
-            f"{stored} checkpoints are not supported: aserve runs GGUF files and FP8 "
-            "checkpoints quantized, and float checkpoints (quantized at load with "
-            "--quantization int8, int4 or fp8)"
+            f"{stored} checkpoints are not supported: aserve runs GGUF files, FP8 checkpoints "
+            "and integer ones (AWQ, GPTQ, compressed-tensors) quantized, and float checkpoints "
+            "(quantized at load with --quantization int8, int4 or fp8)"
         )
     requested = engine.quantization
+    scheme = model.int_scheme
+    if requested in CHECKPOINT_METHODS:
+        if scheme is None or scheme.method != CHECKPOINT_METHODS[requested]:
+            raise ConfigError(
+                f"--quantization {requested} names the checkpoint's own method, and this "
+                f"checkpoint is not {CHECKPOINT_METHODS[requested]}: pass --quantization auto"
+            )
+        requested = "auto"
     if requested == "none" or (requested == "auto" and engine.dummy_weight):
         return None
     if requested == "auto" or requested == stored == "fp8":  # vLLM users pass fp8 for both
@@ -64,6 +78,8 @@ def chosen_quantization(engine: EngineConfig, model: ModelConfig) -> str | None:
         chosen = "fp8"
     elif stored is not None:
         kind = "FP8" if stored == "fp8" else "MXFP4" if model.mxfp4_checkpoint else "GGUF"
+        if scheme is not None:
+            kind = {"awq": "AWQ", "gptq": "GPTQ"}.get(scheme.method, scheme.method)
         raise ConfigError(
             f"--quantization {requested} quantizes a float checkpoint at load; this one is "
             f"already quantized ({kind}): pass --quantization auto or none"

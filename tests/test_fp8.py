@@ -377,20 +377,21 @@ def test_fp8_tensor_slices_whole_blocks() -> None:
 @pytest.mark.parametrize(
     "quantization_config",
     [
-        {"type": "int", "num_bits": 8, "format": "int-quantized", "says": "weights are int 8-bit"},
-        {"type": "int", "num_bits": 4, "format": "pack-quantized", "says": "weights are int 4-bit"},
+        {"type": "int", "num_bits": 2, "format": "pack-quantized", "says": "weights are int 2-bit"},
+        {"type": "int", "num_bits": 4, "format": "marlin-24", "says": "format is 'marlin-24'"},
         {"type": "float", "num_bits": 4, "format": "nvfp4-pack-quantized", "says": "float 4-bit"},
         {"type": "float", "num_bits": 8, "format": "float-quantized", "strategy": "token",
          "says": "scales its FP8 weights by 'token'"},
         {"type": "float", "num_bits": 8, "format": "marlin-24", "says": "format is 'marlin-24'"},
     ],
-    ids=["w8a8-int", "w4a16", "nvfp4", "unknown-strategy", "packed-fp8"],
+    ids=["w2a16", "int-marlin-24", "nvfp4", "unknown-strategy", "packed-fp8"],
 )  # fmt: skip
 def test_compressed_tensors_other_than_fp8_refused_in_one_line(
     tmp_path: Path, quantization_config: dict[str, object]
 ) -> None:
-    """Compressed-tensors checkpoints whose weights are not FP8 tensors (integer, 4-bit or
-    packed ones) are refused at start in one line that says what the file holds."""
+    """Compressed-tensors checkpoints that are neither FP8 tensors nor integers of 4 or 8 bits
+    in the layouts tests/test_int_checkpoints.py loads (FP4, 2-bit, Marlin-packed) are
+    refused at start in one line that says what the file holds."""
     folder = make_tiny_model("llama", tmp_path / "llama")
     config = json.loads((folder / "config.json").read_text())
     setting = published_quantization_config("compressed-tensors", "channel")
@@ -526,7 +527,7 @@ def test_quantization_configs_read_as_their_scale_layouts() -> None:
         (published_quantization_config("compressed-tensors", "group"), ("fp8", True, (1, 32))),
         (published_quantization_config("compressed-tensors", "tensor"), ("fp8", True, None)),
         (kv_only, (None, False, None)),
-        ({"quant_method": "awq"}, ("awq", False, None)),
+        ({"quant_method": "bitsandbytes"}, ("bitsandbytes", False, None)),
         ({}, (None, False, None)),
     ]
     for config, expected in cases:

@@ -770,13 +770,13 @@ def test_quantization_choices_refused_in_one_line(tmp_path: Path) -> None:
     """int4 on an already quantized GGUF, and a checkpoint in a format aserve does not run."""
     tiny = tmp_path / "tiny.gguf"
     write_tiny_llama(tiny, QType.Q4_0)
-    awq = make_tiny_model("llama", tmp_path / "awq")
-    config = json.loads((awq / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
-    (awq / "config.json").write_text(json.dumps(config))
+    nf4 = make_tiny_model("llama", tmp_path / "nf4")
+    config = json.loads((nf4 / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (nf4 / "config.json").write_text(json.dumps(config))
     for model, options, message in (
         (tiny, ["--quantization", "int4"], "this one is already quantized (GGUF)"),
-        (awq, [], "awq checkpoints are not supported"),
+        (nf4, [], "bitsandbytes checkpoints are not supported"),
     ):
         assert_refused_in_one_line(model, options, message, tmp_path / "cache")
 

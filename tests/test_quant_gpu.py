@@ -1,6 +1,7 @@
 """Quantized weights on CUDA (quant/cuda.py; run on the GPU machine, skipped without CUDA):
-the Triton product against float64, tiny GGUF models of each format and the embedded model
-against their de-quantized twins, in bfloat16."""
+the Triton product against float64, tiny GGUF models of each format, integer checkpoints
+(AWQ, GPTQ, compressed-tensors) and the embedded model against their de-quantized twins, in
+bfloat16."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from gguf import GGMLQuantizationType as QType
 
 from aserve import LLM, SamplingParams
 from aserve.quant.codes import Codes
+from tests.test_int_checkpoints import Layout, write_int_checkpoint
 from tests.test_quant import (
     FORMATS,
     decode,
@@ -22,6 +24,7 @@ from tests.test_quant import (
     random_blocks,
     write_tiny_llama,
 )
+from tests.tiny_models import make_tiny_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -177,3 +180,40 @@ def test_one_compile_serves_every_row_count() -> None:
         )
     expected = 2 if pdl(torch.device("cuda")) else 1
     assert [compiled_variants(k) - n for k, n in zip(kernels, before_fp8)] == [expected]
+
+
+@pytest.mark.parametrize(
+    ("family", "layout"),
+    [
+        ("llama", Layout("awq", group=128)),
+        ("llama", Layout("gptq", bits=8, symmetric=True, group=128)),
+        ("llama", Layout("compressed-tensors", symmetric=True, scale_dtype=torch.bfloat16)),
+        ("qwen3_moe", Layout("gptq", group=64)),
+    ],
+    ids=["awq-g128", "gptq-8bit", "ct-w4a16", "moe-gptq"],
+)
+def test_int_checkpoints_run_quantized_on_cuda(
+    tmp_path: Path, make_llm: Callable[..., LLM], family: str, layout: Layout
+) -> None:
+    """AWQ, GPTQ and compressed-tensors checkpoints (tests/test_int_checkpoints.py's
+    writers) on CUDA in bfloat16: their codes on the CUDA products (MoE experts on the fused
+    kernels), first greedy tokens as the de-quantized twin on most prompts, and CUDA graphs
+    generating what eager steps generate."""
+    overrides = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
+    if family == "qwen3_moe":
+        overrides |= {"moe_intermediate_size": 128, "mlp_only_layers": []}
+    float_folder = make_tiny_model(family, tmp_path / "float", overrides=overrides)
+    folder, twin_folder = tmp_path / "int", tmp_path / "twin"
+    write_int_checkpoint(float_folder, folder, twin_folder, layout)
+    quantized = make_llm(folder, num_pages=256)
+    twin = make_llm(twin_folder, num_pages=256)
+    engine = quantized.runtime.engine
+    assert engine.device.type == "cuda" and engine.weight_bytes < twin.runtime.engine.weight_bytes
+    if family == "qwen3_moe":
+        assert engine.model.model.layers[0].mlp.experts.stacked is not None
+    agree, pairs = first_tokens_agreeing(quantized, twin, max_tokens=8)
+    assert agree >= 4, pairs
+    eager = make_llm(folder, num_pages=256, cuda_graph_max_bs=0)
+    assert [a for a, _ in first_tokens_agreeing(eager, quantized, max_tokens=8)[1]] == [
+        a for a, _ in pairs
+    ]

@@ -132,6 +132,32 @@ def test_tp2_moe_greedy_tokens_and_logprobs_equal_tp1(
         )
 
 
+@pytest.mark.parametrize("layout", ["awq", "gptq-channel"])
+def test_tp2_integer_checkpoint_equals_tp1(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str
+) -> None:
+    """An AWQ checkpoint (groups of 32 inputs) and a GPTQ one with a scale a row, each rank
+    keeping its rows, or its columns at whole groups, of the packed codes: the same greedy
+    tokens and logprobs as one rank (to 1e-4 where the CPU kernels round activations)."""
+    from tests.test_int_checkpoints import LAYOUTS, write_int_checkpoint
+
+    monkeypatch.setenv("ASERVE_CACHE_DIR", str(cache_sharing_kernels(tmp_path / "cache")))
+    folder = make_tiny_model("llama", tmp_path / "float")
+    write_int_checkpoint(folder, tmp_path / "int", tmp_path / "twin", LAYOUTS[layout])
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=True)
+    options = {**OPTIONS, "kv_cache_dtype": "float32"}
+    with (
+        LLM(str(tmp_path / "int"), **options) as one,
+        LLM(str(tmp_path / "int"), tensor_parallel_size=2, **options) as two,
+    ):
+        down = two.runtime.engine.model.model.layers[0].mlp.down_proj.quantized
+        assert down is not None and down.cols == 128 // 2
+        tolerance = 1e-5 if not rounds_activations(4) else 1e-4
+        assert_same_generations(
+            two.generate(PROMPTS, params), one.generate(PROMPTS, params), tolerance
+        )
+
+
 @pytest.mark.parametrize(
     "family",
     [

@@ -57,6 +57,7 @@ from aserve.models.registry import build_model
 from aserve.models.weights import fill_dummy_weights, iter_weights, torch_dtype
 from aserve.quant.cpu import FLOAT_ON_KERNELS, float_weights_on_kernels
 from aserve.quant.fp8 import pair_scales
+from aserve.quant.int_checkpoints import pair_int_weights
 from aserve.quant.mxfp4 import mxfp4_experts
 from aserve.sampling_params import SamplingParams
 
@@ -195,6 +196,9 @@ class Engine:
                 weights = pair_scales(weights, model_config.fp8_block, float_weights)
             if model_config.mxfp4_checkpoint:
                 weights = mxfp4_experts(weights, dequantize)
+            if model_config.int_scheme is not None:
+                as_float = model_config.quantization != "gguf"  # none, or fp8 on a GPU
+                weights = pair_int_weights(weights, model_config.int_scheme, as_float)
             self.model.load_weights(weights)
         self.model.finalize_quantized(self.device, self.dtype)
         if self.device.type == "cuda":

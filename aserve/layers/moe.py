@@ -29,6 +29,7 @@ from aserve.layers.weight import WeightSource, read_whole
 from aserve.quant.codes import Codes
 from aserve.quant.fp8 import FP8, Fp8Tensor, quantize_rows
 from aserve.quant.gguf import QuantizedTensor, decode
+from aserve.quant.int_checkpoints import CodesTensor
 from aserve.quant.method import ProductGroup
 from aserve.quant.native import ExpertStack, Scratch, moe_layer
 
@@ -528,11 +529,12 @@ class QuantizedExperts(nn.Module):
 
 
 def _decode_experts(
-    tensors: list[QuantizedTensor | torch.Tensor | None],
+    tensors: list[QuantizedTensor | CodesTensor | torch.Tensor | None],
 ) -> Codes | list[Codes | torch.Tensor]:
     """One part of every expert: where all are blocks of one format and shape, decoded in
-    one go into one `Codes` of all their rows, expert after expert; else each on its own
-    (a float tensor stays float)."""
+    one go into one `Codes` of all their rows, expert after expert (an integer checkpoint's
+    codes of one format joined likewise); else each on its own (a float tensor stays
+    float)."""
     present = [t for t in tensors if t is not None]
     if len(present) < len(tensors):
         raise ValueError(f"{len(tensors) - len(present)} experts' tensors are missing")
@@ -542,7 +544,11 @@ def _decode_experts(
         for t in present
     ):
         return decode(torch.cat([t.raw for t in present]), first.qtype, first.cols)
-    return [t.decode() if isinstance(t, QuantizedTensor) else t for t in present]
+    pieces = [t.decode() if isinstance(t, (QuantizedTensor, CodesTensor)) else t for t in present]
+    codes = [p for p in pieces if isinstance(p, Codes)]
+    if len(codes) == len(pieces) and all(codes[0].packs_with(c) for c in codes):
+        return Codes.concat_rows(codes)
+    return pieces
 
 
 class SparseMoE(nn.Module):

@@ -39,6 +39,7 @@ from aserve.models.weights import map_checkpoint_tensor
 from aserve.quant.fp8_activations import Fp8Activations
 from aserve.quant.gguf import QuantizedTensor
 from aserve.quant.huge_pages import WeightBlocks
+from aserve.quant.int_checkpoints import CodesTensor
 from aserve.quant.native import KernelTensors, Scratch
 
 if TYPE_CHECKING:
@@ -524,6 +525,8 @@ class DecoderForCausalLM(nn.Module):
         """A query or key projection's rows (or bias) in `rotary_order` within each head."""
         if isinstance(tensor, QuantizedTensor):
             return tensor.permute_rows(self._head_order(tensor.shape[0], tensor.raw.device))
+        if isinstance(tensor, CodesTensor):
+            return tensor.permute_rows(self._head_order(tensor.shape[0], tensor.device))
         whole = read_whole(tensor)  # on the weights' device where they load onto a GPU
         return whole[self._head_order(whole.shape[0], whole.device)]
 

@@ -24,6 +24,7 @@ from aserve.quant.cpu import (
 from aserve.quant.fp8 import Fp8Rows, Fp8Tensor, Fp8Weight, quantize_rows
 from aserve.quant.fp8_activations import Fp8Activations
 from aserve.quant.gguf import QuantizedTensor
+from aserve.quant.int_checkpoints import CodesTensor
 from aserve.quant.native import NativeWeight, Scratch, linear_group, one_format
 
 
@@ -65,13 +66,15 @@ class QuantizedLinearWeight:
         self.shards: list[Shard | None] = [None] * len(shard_rows)
         self.products: list[QuantizedProduct] = []
 
-    def load(self, shard: int, tensor: Codes | QuantizedTensor | Fp8Tensor | torch.Tensor) -> None:
+    def load(
+        self, shard: int, tensor: Codes | QuantizedTensor | CodesTensor | Fp8Tensor | torch.Tensor
+    ) -> None:
         """This rank's rows of shard `shard`: still quantized, or a float tensor (files may
         keep some matrices unquantized)."""
         piece: Shard
         if isinstance(tensor, Codes):  # decoded already (a MoE part, for every expert at once)
             piece = tensor
-        elif isinstance(tensor, QuantizedTensor):
+        elif isinstance(tensor, (QuantizedTensor, CodesTensor)):
             piece = tensor.decode()
         elif isinstance(tensor, Fp8Tensor):
             piece = tensor.rows()
@@ -255,11 +258,13 @@ def float_shard(tensor: torch.Tensor, quantization: str) -> torch.Tensor:
     return tensor if tensor.dtype in HALF_DTYPES and quantization != "float32" else tensor.float()
 
 
-def load_table_rows(tensor: QuantizedTensor | torch.Tensor, rows: int, quantization: str) -> Shard:
+def load_table_rows(
+    tensor: QuantizedTensor | CodesTensor | torch.Tensor, rows: int, quantization: str
+) -> Shard:
     """A rank's slice of a vocabulary table, zero rows appended up to `rows` (the last rank
     of a vocabulary that does not split evenly); 16-bit floats as they are, but under
     "float32"."""
-    if isinstance(tensor, QuantizedTensor):
+    if isinstance(tensor, (QuantizedTensor, CodesTensor)):
         piece: Shard = tensor.decode()
     else:
         piece = float_shard(tensor, quantization)
