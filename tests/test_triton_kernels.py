@@ -278,6 +278,42 @@ def test_gguf_products_on_each_path_match_float64(qtype: str) -> None:
     torch.testing.assert_close(looked_up, exact_weight[ids], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
+def test_int_gemv_matches_float64(qtype: str) -> None:
+    """One float16 row times 4-bit codes through `int_gemv` (each group of 32 inputs rounded
+    to 16-bit integers on a step of its own, integer dot products, a group's sum scaled
+    once): within float16's rounding of the output of the float64 product on the exact
+    de-quantized weight, 100 outputs (not a multiple of a program's) with and without
+    offsets. On a GPU the PTX (`dp2a`) and the shifts-and-masks forms give the same bits."""
+    from gguf import GGMLQuantizationType
+
+    from aserve.quant.cuda import CudaWeight, int_gemv
+    from aserve.quant.gguf import decode
+    from tests.test_quant import random_blocks
+
+    kind = GGMLQuantizationType[qtype]
+    codes = decode(torch.from_numpy(random_blocks(kind, 100, 512, seed=5)), kind, 512)
+    weight = CudaWeight(codes, DEVICE, torch.float16)
+    x = torch.randn(1, 512, generator=gen(41)).half().to(DEVICE)
+    assert weight.takes_int_gemv(x) and not weight.takes_int_gemv(x.float())
+    exact = x.cpu().double() @ codes.dequantize().double().T
+    out = weight.linear(x, None).cpu()
+    assert out.dtype == torch.float16 and out.shape == (1, 100)
+    tolerance = 2e-3 * float(exact.abs().max())
+    torch.testing.assert_close(out.double(), exact, rtol=0, atol=tolerance)
+    if DEVICE.type == "cuda":
+        outputs = []
+        for ptx in (True, False):
+            y = torch.empty(1, 100, dtype=torch.float32, device=DEVICE)
+            int_gemv[(1, 1)](
+                x, weight.codes.view(torch.int32), weight.scales, weight.offsets, y, 100, 512,
+                PTX=ptx, OFFSETS=weight.offsets is not None, BLOCK_W=32, SPLIT_K=1, PDL=False,
+                num_warps=1,
+            )  # fmt: skip
+            outputs.append(y)
+        assert torch.equal(*outputs)
+
+
 def test_book_entries_past_their_book_are_refused_at_load() -> None:
     """The CUDA kernels read the book unchecked, so an entry past it is refused at load."""
     from gguf import GGMLQuantizationType

@@ -54,6 +54,8 @@ BUSY_PROGRAMS = 2 * 132  # programs that keep an H100/H200's SMs reading weights
 # settings on the 8B shape's four products (H200, weights past L2), the one best or within
 # 10% of the best for 4-, 8- and 3-bit codes on most of them.
 GEMV_BLOCK_W, GEMV_WARPS, GEMV_STAGES, GEMV_PROGRAMS = 32, 1, 3, 8 * 132
+# `int_gemv`'s words a program, warps and programs to fill
+INT_GEMV_BLOCK_W, INT_GEMV_WARPS, INT_GEMV_PROGRAMS = 128, 1, 8 * 132
 # `book_gemv`'s outputs a program and warps: of 4 settings on the 8B shape's products in
 # IQ2_XXS (H200), best or within 4% of it on each (bench/NOTES.md)
 BOOK_BLOCK_N, BOOK_WARPS, BOOK_PROGRAMS = 512, 4, 8 * 132
@@ -476,6 +478,130 @@ def gemv(
     tl.store(y + 3, acc3.to(y_ptr.dtype.element_ty), mask=ok)
 
 
+NIBBLE_DOTS = tl.constexpr(
+    """{
+    .reg .b32 lo, hi, even, odd;
+    and.b32 lo, $5, 0x0F0F0F0F;
+    shr.u32 hi, $5, 4;
+    and.b32 hi, hi, 0x0F0F0F0F;
+    prmt.b32 even, lo, hi, 0x5140;
+    prmt.b32 odd, lo, hi, 0x7362;
+    dp2a.lo.s32.u32 $0, $4, even, 0;
+    dp2a.hi.s32.u32 $1, $4, even, 0;
+    dp2a.lo.s32.u32 $2, $4, odd, 0;
+    dp2a.hi.s32.u32 $3, $4, odd, 0;
+}"""
+)
+"""Each byte's `x_even * low nibble + x_odd * high nibble` of a word of 4-bit codes, the pair
+of 16-bit inputs in $4 and the word in $5: the nibbles spread to bytes, a code pair of one
+output side by side (byte permutes), then one integer dot of two products an output."""
+
+
+@triton.jit
+def _nibble_dots(pairs, words, PTX: tl.constexpr):
+    """(byte 0's dots, byte 1's, byte 2's, byte 3's) of `words` (NIBBLE_DOTS); without PTX
+    (Triton's interpreter) the same integers by shifts and masks."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            NIBBLE_DOTS,
+            "=r,=r,=r,=r,r,r",
+            [pairs, words],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+            is_pure=True,
+            pack=1,
+        )
+    x_even = (pairs << 16) >> 16
+    x_odd = pairs >> 16
+    return (
+        x_even * (words & 15) + x_odd * ((words >> 4) & 15),
+        x_even * ((words >> 8) & 15) + x_odd * ((words >> 12) & 15),
+        x_even * ((words >> 16) & 15) + x_odd * ((words >> 20) & 15),
+        x_even * ((words >> 24) & 15) + x_odd * ((words >> 28) & 15),
+    )
+
+
+@triton.jit
+def _four_columns(ptr, at, ok, BLOCK_W: tl.constexpr):
+    """The four float32 values at `at`, `at` + 1, `at` + 2, `at` + 3 of each word column, read
+    together (the scales or offsets of a word's four outputs)."""
+    four = tl.load(ptr + at[:, None] + tl.arange(0, 4)[None, :], mask=ok[:, None], other=0.0)
+    first, second = tl.split(tl.reshape(four.to(tl.float32), (BLOCK_W, 2, 2)))
+    zero, two = tl.split(first)
+    one, three = tl.split(second)
+    return zero, one, two, three
+
+
+@triton.jit
+def int_gemv(
+    x_ptr,
+    words_ptr,
+    scales_ptr,
+    offsets_ptr,
+    y_ptr,
+    N,
+    K,
+    PTX: tl.constexpr,
+    OFFSETS: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """`gemv` for 4-bit codes without levels, by integer dot products: each group of 32
+    inputs of the row is rounded to 16-bit integers on a step of its own (its largest
+    magnitude over 32,767: about 15 bits of it, as aserve's CPU kernels round a block), and
+    each output's codes are multiplied with them two at a time (`dp2a`), summed exactly in
+    int32 and scaled once a group. `gemv` spent about six instructions a weight widening
+    codes to floats; this about two. Every program rounds the group for itself (all the
+    same integers), so nothing runs before it."""
+    pid_w = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    wait_only(PDL)
+    words_n = N // 4
+    cols = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)  # word columns
+    ok = cols < words_n
+    lines = tl.arange(0, 16)  # a group's code lines: inputs 2j and 2j + 1
+    inputs = tl.arange(0, 32)
+    acc0 = tl.zeros((BLOCK_W,), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_W,), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_W,), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_W,), dtype=tl.float32)
+    for group in range(pid_k, K // 32, SPLIT_K):
+        words = tl.load(
+            words_ptr + (group * 16 + lines)[:, None] * words_n + cols[None, :],
+            mask=ok[None, :],
+            other=0,
+        )
+        x = tl.load(x_ptr + group * 32 + inputs).to(tl.float32)
+        x_sum = tl.sum(x, axis=0)
+        top = tl.max(tl.abs(x), axis=0)
+        step = top / 32767
+        scaled = x * tl.where(top > 0, 32767 / top, 0.0)
+        rounded = tl.floor(scaled + 0.5).to(tl.int32)
+        even, odd = tl.split(tl.reshape(rounded, (16, 2)))
+        pairs = (even & 0xFFFF) | (odd << 16)
+        dots0, dots1, dots2, dots3 = _nibble_dots(
+            tl.broadcast_to(pairs[:, None], (16, BLOCK_W)), words, PTX
+        )
+        outputs = group * N + 4 * cols
+        scale0, scale1, scale2, scale3 = _four_columns(scales_ptr, outputs, ok, BLOCK_W)
+        acc0 += scale0 * (tl.sum(dots0, axis=0).to(tl.float32) * step)
+        acc1 += scale1 * (tl.sum(dots1, axis=0).to(tl.float32) * step)
+        acc2 += scale2 * (tl.sum(dots2, axis=0).to(tl.float32) * step)
+        acc3 += scale3 * (tl.sum(dots3, axis=0).to(tl.float32) * step)
+        if OFFSETS:
+            offset0, offset1, offset2, offset3 = _four_columns(offsets_ptr, outputs, ok, BLOCK_W)
+            acc0 += offset0 * x_sum
+            acc1 += offset1 * x_sum
+            acc2 += offset2 * x_sum
+            acc3 += offset3 * x_sum
+    launch_next(PDL)
+    y = y_ptr + pid_k * N + 4 * cols
+    tl.store(y, acc0.to(y_ptr.dtype.element_ty), mask=ok)
+    tl.store(y + 1, acc1.to(y_ptr.dtype.element_ty), mask=ok)
+    tl.store(y + 2, acc2.to(y_ptr.dtype.element_ty), mask=ok)
+    tl.store(y + 3, acc3.to(y_ptr.dtype.element_ty), mask=ok)
+
+
 @triton.jit
 def book_gemv(
     x_ptr,
@@ -703,10 +829,30 @@ class CudaWeight:
         block, warps, programs = 4 * GEMV_BLOCK_W, GEMV_WARPS, GEMV_PROGRAMS
         if self.book is not None:
             block, warps, programs = BOOK_BLOCK_N, BOOK_WARPS, BOOK_PROGRAMS
+        integer = self.takes_int_gemv(rows)
+        if integer:
+            block, warps, programs = 4 * INT_GEMV_BLOCK_W, INT_GEMV_WARPS, INT_GEMV_PROGRAMS
         tiles = -(-n // block)
         split = _split_k(tiles, k // self.group, programs, least=2)
         dtype = torch.float32 if split > 1 else rows.dtype
         parts = torch.empty(split, n, dtype=dtype, device=rows.device)
+        if integer:
+            int_gemv[(tiles, split)](
+                rows,
+                self.codes.view(torch.int32),
+                self.scales,
+                self.offsets,
+                parts,
+                n,
+                k,
+                PTX=rows.is_cuda,
+                OFFSETS=self.offsets is not None,
+                BLOCK_W=INT_GEMV_BLOCK_W,
+                SPLIT_K=split,
+                num_warps=warps,
+                **pdl_options(rows.device, 1),
+            )
+            return self._sum_splits(parts, rows)
         shared = {
             "PERMUTE": rows.is_cuda,  # Triton's interpreter (tests on CPU) runs no PTX
             "LEVEL_ASM": self.level_asm,
@@ -748,6 +894,23 @@ class CudaWeight:
                 BLOCK_W=GEMV_BLOCK_W,
                 **shared,
             )
+        return self._sum_splits(parts, rows)
+
+    def takes_int_gemv(self, rows: torch.Tensor) -> bool:
+        """Whether a row goes to `int_gemv`: 4-bit codes without levels in groups of 32, beside
+        16-bit activations (float32 ones keep `gemv`, whose products round nothing)."""
+        return (
+            self.four_bit
+            and self.levels is None
+            and self.book is None
+            and self.group == 32
+            and rows.dtype in (torch.float16, torch.bfloat16)
+        )
+
+    @staticmethod
+    def _sum_splits(parts: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The one row's product from its SPLIT_K partial products (`parts`, [split, n])."""
+        split, n = parts.shape
         if split == 1:
             return parts
         y = torch.empty(1, n, dtype=rows.dtype, device=rows.device)
