@@ -301,17 +301,18 @@ def test_int_gemv_matches_float64(qtype: str) -> None:
     assert out.dtype == torch.float16 and out.shape == (1, 100)
     tolerance = 2e-3 * float(exact.abs().max())
     torch.testing.assert_close(out.double(), exact, rtol=0, atol=tolerance)
-    if DEVICE.type == "cuda":
+    for per_step in (1, 2):  # groups read before multiplying
         outputs = []
-        for ptx in (True, False):
-            y = torch.empty(1, 100, dtype=torch.float32, device=DEVICE)
-            int_gemv[(1, 1)](
+        for ptx in (True, False) if DEVICE.type == "cuda" else (False,):
+            y = torch.empty(2, 100, dtype=torch.float32, device=DEVICE)  # two splits of K
+            int_gemv[(1, 2)](
                 x, weight.codes.view(torch.int32), weight.scales, weight.offsets, y, 100, 512,
-                PTX=ptx, OFFSETS=weight.offsets is not None, BLOCK_W=32, SPLIT_K=1, PDL=False,
-                num_warps=1,
+                PTX=ptx, OFFSETS=weight.offsets is not None, BLOCK_W=32, PER_STEP=per_step,
+                SPLIT_K=2, PDL=False, num_warps=1,
             )  # fmt: skip
-            outputs.append(y)
-        assert torch.equal(*outputs)
+            outputs.append(y.sum(0, keepdim=True))
+        torch.testing.assert_close(outputs[0].cpu().double(), exact, rtol=0, atol=tolerance)
+        assert all(torch.equal(outputs[0], other) for other in outputs[1:])
 
 
 def test_book_entries_past_their_book_are_refused_at_load() -> None:

@@ -54,8 +54,15 @@ BUSY_PROGRAMS = 2 * 132  # programs that keep an H100/H200's SMs reading weights
 # settings on the 8B shape's four products (H200, weights past L2), the one best or within
 # 10% of the best for 4-, 8- and 3-bit codes on most of them.
 GEMV_BLOCK_W, GEMV_WARPS, GEMV_STAGES, GEMV_PROGRAMS = 32, 1, 3, 8 * 132
-# `int_gemv`'s words a program, warps and programs to fill
-INT_GEMV_BLOCK_W, INT_GEMV_WARPS, INT_GEMV_PROGRAMS = 128, 1, 8 * 132
+
+
+def int_gemv_setting(n: int, k: int) -> tuple[int, int, int, int]:
+    """`int_gemv`'s words a program, warps, programs to fill and groups a step for an `n` x
+    `k` weight (H200, 8B shapes, weights past L2; bench/NOTES.md)."""
+    return INT_GEMV_SETTING
+
+
+INT_GEMV_SETTING = (64, 1, 8 * 132, 1)
 # `book_gemv`'s outputs a program and warps: of 4 settings on the 8B shape's products in
 # IQ2_XXS (H200), best or within 4% of it on each (bench/NOTES.md)
 BOOK_BLOCK_N, BOOK_WARPS, BOOK_PROGRAMS = 512, 4, 8 * 132
@@ -532,6 +539,37 @@ def _four_columns(ptr, at, ok, BLOCK_W: tl.constexpr):
 
 
 @triton.jit
+def _int_group(
+    acc0, acc1, acc2, acc3, words, group, x_ptr, scales_ptr, offsets_ptr, N, cols, ok,
+    PTX: tl.constexpr, OFFSETS: tl.constexpr, BLOCK_W: tl.constexpr,
+):  # fmt: skip
+    """The accumulators plus group `group`'s part: its 32 inputs rounded to 16-bit integers
+    in pairs, the integer dots with `words` (its 16 code lines) summed over the lines, scaled
+    once, and the offsets' part."""
+    x = tl.load(x_ptr + group * 32 + tl.arange(0, 32)).to(tl.float32)
+    x_sum = tl.sum(x, axis=0)
+    top = tl.max(tl.abs(x), axis=0)
+    step = top / 32767
+    rounded = tl.floor(x * tl.where(top > 0, 32767 / top, 0.0) + 0.5).to(tl.int32)
+    even, odd = tl.split(tl.reshape(rounded, (16, 2)))
+    pairs = tl.broadcast_to(((even & 0xFFFF) | (odd << 16))[:, None], (16, BLOCK_W))
+    dots0, dots1, dots2, dots3 = _nibble_dots(pairs, words, PTX)
+    outputs = group * N + 4 * cols
+    scale0, scale1, scale2, scale3 = _four_columns(scales_ptr, outputs, ok, BLOCK_W)
+    acc0 += scale0 * (tl.sum(dots0, axis=0).to(tl.float32) * step)
+    acc1 += scale1 * (tl.sum(dots1, axis=0).to(tl.float32) * step)
+    acc2 += scale2 * (tl.sum(dots2, axis=0).to(tl.float32) * step)
+    acc3 += scale3 * (tl.sum(dots3, axis=0).to(tl.float32) * step)
+    if OFFSETS:
+        offset0, offset1, offset2, offset3 = _four_columns(offsets_ptr, outputs, ok, BLOCK_W)
+        acc0 += offset0 * x_sum
+        acc1 += offset1 * x_sum
+        acc2 += offset2 * x_sum
+        acc3 += offset3 * x_sum
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
 def int_gemv(
     x_ptr,
     words_ptr,
@@ -543,6 +581,7 @@ def int_gemv(
     PTX: tl.constexpr,
     OFFSETS: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    PER_STEP: tl.constexpr,
     SPLIT_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -552,48 +591,33 @@ def int_gemv(
     each output's codes are multiplied with them two at a time (`dp2a`), summed exactly in
     int32 and scaled once a group. `gemv` spent about six instructions a weight widening
     codes to floats; this about two. Every program rounds the group for itself (all the
-    same integers), so nothing runs before it."""
+    same integers), so nothing runs before it. A step reads PER_STEP groups' codes (1 or
+    2) before it multiplies any, to keep more bytes in flight."""
     pid_w = tl.program_id(0)
     pid_k = tl.program_id(1)
     wait_only(PDL)
     words_n = N // 4
     cols = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)  # word columns
     ok = cols < words_n
-    lines = tl.arange(0, 16)  # a group's code lines: inputs 2j and 2j + 1
-    inputs = tl.arange(0, 32)
+    at = words_ptr + tl.arange(0, 16)[:, None] * words_n + cols[None, :]  # a group's lines
     acc0 = tl.zeros((BLOCK_W,), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_W,), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_W,), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_W,), dtype=tl.float32)
-    for group in range(pid_k, K // 32, SPLIT_K):
-        words = tl.load(
-            words_ptr + (group * 16 + lines)[:, None] * words_n + cols[None, :],
-            mask=ok[None, :],
-            other=0,
-        )
-        x = tl.load(x_ptr + group * 32 + inputs).to(tl.float32)
-        x_sum = tl.sum(x, axis=0)
-        top = tl.max(tl.abs(x), axis=0)
-        step = top / 32767
-        scaled = x * tl.where(top > 0, 32767 / top, 0.0)
-        rounded = tl.floor(scaled + 0.5).to(tl.int32)
-        even, odd = tl.split(tl.reshape(rounded, (16, 2)))
-        pairs = (even & 0xFFFF) | (odd << 16)
-        dots0, dots1, dots2, dots3 = _nibble_dots(
-            tl.broadcast_to(pairs[:, None], (16, BLOCK_W)), words, PTX
-        )
-        outputs = group * N + 4 * cols
-        scale0, scale1, scale2, scale3 = _four_columns(scales_ptr, outputs, ok, BLOCK_W)
-        acc0 += scale0 * (tl.sum(dots0, axis=0).to(tl.float32) * step)
-        acc1 += scale1 * (tl.sum(dots1, axis=0).to(tl.float32) * step)
-        acc2 += scale2 * (tl.sum(dots2, axis=0).to(tl.float32) * step)
-        acc3 += scale3 * (tl.sum(dots3, axis=0).to(tl.float32) * step)
-        if OFFSETS:
-            offset0, offset1, offset2, offset3 = _four_columns(offsets_ptr, outputs, ok, BLOCK_W)
-            acc0 += offset0 * x_sum
-            acc1 += offset1 * x_sum
-            acc2 += offset2 * x_sum
-            acc3 += offset3 * x_sum
+    for step in range(pid_k, K // (32 * PER_STEP), SPLIT_K):
+        group = step * PER_STEP
+        words = tl.load(at + group * 16 * words_n, mask=ok[None, :], other=0)
+        if PER_STEP == 2:
+            later = tl.load(at + (group + 1) * 16 * words_n, mask=ok[None, :], other=0)
+        acc0, acc1, acc2, acc3 = _int_group(
+            acc0, acc1, acc2, acc3, words, group, x_ptr, scales_ptr, offsets_ptr, N, cols, ok,
+            PTX, OFFSETS, BLOCK_W,
+        )  # fmt: skip
+        if PER_STEP == 2:
+            acc0, acc1, acc2, acc3 = _int_group(
+                acc0, acc1, acc2, acc3, later, group + 1, x_ptr, scales_ptr, offsets_ptr, N,
+                cols, ok, PTX, OFFSETS, BLOCK_W,
+            )  # fmt: skip
     launch_next(PDL)
     y = y_ptr + pid_k * N + 4 * cols
     tl.store(y, acc0.to(y_ptr.dtype.element_ty), mask=ok)
@@ -830,10 +854,12 @@ class CudaWeight:
         if self.book is not None:
             block, warps, programs = BOOK_BLOCK_N, BOOK_WARPS, BOOK_PROGRAMS
         integer = self.takes_int_gemv(rows)
+        per_step = 1
         if integer:
-            block, warps, programs = 4 * INT_GEMV_BLOCK_W, INT_GEMV_WARPS, INT_GEMV_PROGRAMS
+            words, warps, programs, per_step = int_gemv_setting(n, k)
+            block = 4 * words
         tiles = -(-n // block)
-        split = _split_k(tiles, k // self.group, programs, least=2)
+        split = _split_k(tiles, k // (self.group * per_step), programs, least=2)
         dtype = torch.float32 if split > 1 else rows.dtype
         parts = torch.empty(split, n, dtype=dtype, device=rows.device)
         if integer:
@@ -847,7 +873,8 @@ class CudaWeight:
                 k,
                 PTX=rows.is_cuda,
                 OFFSETS=self.offsets is not None,
-                BLOCK_W=INT_GEMV_BLOCK_W,
+                BLOCK_W=block // 4,
+                PER_STEP=per_step,
                 SPLIT_K=split,
                 num_warps=warps,
                 **pdl_options(rows.device, 1),
