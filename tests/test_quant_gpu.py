@@ -148,10 +148,10 @@ def test_one_compile_serves_every_row_count() -> None:
     codes: Codes = decode(torch.from_numpy(random_blocks(qtype, 100, 512, seed=2)), qtype, 512)
     weight = CudaWeight(codes, torch.device("cuda"), torch.bfloat16)
     forget_variants(cuda_module.quantized_gemm)
-    forget_variants(cuda_module.gemv)
+    forget_variants(cuda_module.int_gemv)
     before = compiled_variants(cuda_module.quantized_gemm)
     weight.linear(torch.randn(1, 512, device="cuda", dtype=torch.bfloat16), None)
-    assert compiled_variants(cuda_module.gemv) == 1, "one row takes the GEMV"
+    assert compiled_variants(cuda_module.int_gemv) == 1, "one row takes the GEMV"
     assert compiled_variants(cuda_module.quantized_gemm) == before
     for rows in (2, 3, 16):
         weight.linear(torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16), None)

@@ -16,8 +16,10 @@ shape) against the tiled kernel and bf16 cuBLAS, qkv 15.7 / 32.0 / 14.3, o 14.3 
 10.4, gate_up 41.2 / 90.9 / 56.7, down 27.5 / 51.1 / 32.0 (8-bit codes 1.6-1.8x the tiled
 kernel, 3-bit 1.8-3.9x; codes that stand for levels, the IQ formats', 1.03-1.25x the plain
 4-bit `gemv`, their levels picked by byte permutes). At 0.7-2.8 TB/s of codes
-it is bound by instructions, not memory: a single stream of a 4-bit 8B model decodes a
-little faster than bf16's here (3.82 against 3.99 ms/token, bench/NOTES.md). From 64 rows
+it is bound by instructions, not memory. Plain 4-bit codes beside 16-bit activations take
+`int_gemv`, whose integer dot products need a third of the instructions: qkv 13.0, o 12.6,
+gate_up 26.0, down 22.1 us, a single stream of a 4-bit 8B model 3.09 ms/token where `gemv`
+gave 3.82 and bf16 3.89 (bench/NOTES.md). From 64 rows
 (large decode batches, prefill chunks) slices of the weight are de-quantized to the
 activations' dtype and cuBLAS multiplies them: on an H200 that beat the fused kernel from
 about 64 rows (`bench/quant_kernels.py --device cuda`). The formats that pick each run of 8
@@ -55,14 +57,11 @@ BUSY_PROGRAMS = 2 * 132  # programs that keep an H100/H200's SMs reading weights
 # 10% of the best for 4-, 8- and 3-bit codes on most of them.
 GEMV_BLOCK_W, GEMV_WARPS, GEMV_STAGES, GEMV_PROGRAMS = 32, 1, 3, 8 * 132
 
-
-def int_gemv_setting(n: int, k: int) -> tuple[int, int, int, int]:
-    """`int_gemv`'s words a program, warps, programs to fill and groups a step for an `n` x
-    `k` weight (H200, 8B shapes, weights past L2; bench/NOTES.md)."""
-    return INT_GEMV_SETTING
-
-
-INT_GEMV_SETTING = (64, 1, 8 * 132, 1)
+# `int_gemv`'s words a program (one warp, GEMV_PROGRAMS programs to fill), and over rows
+# longer than 8,192 inputs: of 9 settings on the 8B shape's four products (H200, weights
+# past L2) the pair that decoded a single int4 stream fastest (3.09 ms/token; 64 words
+# everywhere 3.20; bench/NOTES.md).
+INT_GEMV_BLOCK_W, INT_GEMV_LONG_ROWS_W = 64, 32
 # `book_gemv`'s outputs a program and warps: of 4 settings on the 8B shape's products in
 # IQ2_XXS (H200), best or within 4% of it on each (bench/NOTES.md)
 BOOK_BLOCK_N, BOOK_WARPS, BOOK_PROGRAMS = 512, 4, 8 * 132
@@ -581,7 +580,6 @@ def int_gemv(
     PTX: tl.constexpr,
     OFFSETS: tl.constexpr,
     BLOCK_W: tl.constexpr,
-    PER_STEP: tl.constexpr,
     SPLIT_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -591,8 +589,9 @@ def int_gemv(
     each output's codes are multiplied with them two at a time (`dp2a`), summed exactly in
     int32 and scaled once a group. `gemv` spent about six instructions a weight widening
     codes to floats; this about two. Every program rounds the group for itself (all the
-    same integers), so nothing runs before it. A step reads PER_STEP groups' codes (1 or
-    2) before it multiplies any, to keep more bytes in flight."""
+    same integers), so nothing runs before it. (Reading two groups' codes before
+    multiplying either, for more bytes in flight, made a single 8B stream slower: 3.09 ->
+    3.31 ms/token on an H200.)"""
     pid_w = tl.program_id(0)
     pid_k = tl.program_id(1)
     wait_only(PDL)
@@ -604,20 +603,12 @@ def int_gemv(
     acc1 = tl.zeros((BLOCK_W,), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_W,), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_W,), dtype=tl.float32)
-    for step in range(pid_k, K // (32 * PER_STEP), SPLIT_K):
-        group = step * PER_STEP
+    for group in range(pid_k, K // 32, SPLIT_K):
         words = tl.load(at + group * 16 * words_n, mask=ok[None, :], other=0)
-        if PER_STEP == 2:
-            later = tl.load(at + (group + 1) * 16 * words_n, mask=ok[None, :], other=0)
         acc0, acc1, acc2, acc3 = _int_group(
             acc0, acc1, acc2, acc3, words, group, x_ptr, scales_ptr, offsets_ptr, N, cols, ok,
             PTX, OFFSETS, BLOCK_W,
         )  # fmt: skip
-        if PER_STEP == 2:
-            acc0, acc1, acc2, acc3 = _int_group(
-                acc0, acc1, acc2, acc3, later, group + 1, x_ptr, scales_ptr, offsets_ptr, N,
-                cols, ok, PTX, OFFSETS, BLOCK_W,
-            )  # fmt: skip
     launch_next(PDL)
     y = y_ptr + pid_k * N + 4 * cols
     tl.store(y, acc0.to(y_ptr.dtype.element_ty), mask=ok)
@@ -854,12 +845,11 @@ class CudaWeight:
         if self.book is not None:
             block, warps, programs = BOOK_BLOCK_N, BOOK_WARPS, BOOK_PROGRAMS
         integer = self.takes_int_gemv(rows)
-        per_step = 1
         if integer:
-            words, warps, programs, per_step = int_gemv_setting(n, k)
-            block = 4 * words
+            block = 4 * (INT_GEMV_LONG_ROWS_W if k > 8192 else INT_GEMV_BLOCK_W)
+            warps, programs = 1, GEMV_PROGRAMS
         tiles = -(-n // block)
-        split = _split_k(tiles, k // (self.group * per_step), programs, least=2)
+        split = _split_k(tiles, k // self.group, programs, least=2)
         dtype = torch.float32 if split > 1 else rows.dtype
         parts = torch.empty(split, n, dtype=dtype, device=rows.device)
         if integer:
@@ -874,7 +864,6 @@ class CudaWeight:
                 PTX=rows.is_cuda,
                 OFFSETS=self.offsets is not None,
                 BLOCK_W=block // 4,
-                PER_STEP=per_step,
                 SPLIT_K=split,
                 num_warps=warps,
                 **pdl_options(rows.device, 1),
