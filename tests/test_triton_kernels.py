@@ -278,13 +278,15 @@ def test_gguf_products_on_each_path_match_float64(qtype: str) -> None:
     torch.testing.assert_close(looked_up, exact_weight[ids], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q5_K", "Q6_K", "Q8_0"])
 def test_int_gemv_matches_float64(qtype: str) -> None:
-    """One float16 row times 4-bit codes through `int_gemv` (each group of 32 inputs rounded
-    to 16-bit integers on a step of its own, integer dot products, a group's sum scaled
-    once): within float16's rounding of the output of the float64 product on the exact
-    de-quantized weight, 100 outputs (not a multiple of a program's) with and without
-    offsets. On a GPU the PTX (`dp2a`) and the shifts-and-masks forms give the same bits."""
+    """One float16 row times codes without levels through `int_gemv` (each group of inputs
+    rounded to 16-bit integers on a step of its own, integer dot products, a group's sum
+    scaled once): within float16's rounding of the output of the float64 product on the
+    exact de-quantized weight, 100 outputs (not a multiple of a program's), codes of 3 and 4
+    bits (nibbles) and of 5, 6 and 8 (bytes), groups of 32 and 16 (the K-quants' Q3_K and
+    Q6_K), with and without offsets. On a GPU the PTX (`dp2a`) and the shifts-and-masks
+    forms give the same bits."""
     from gguf import GGMLQuantizationType
 
     from aserve.quant.cuda import CudaWeight, int_gemv
@@ -307,8 +309,8 @@ def test_int_gemv_matches_float64(qtype: str) -> None:
             y = torch.empty(2, 100, dtype=torch.float32, device=DEVICE)  # two splits of K
             int_gemv[(1, 2)](
                 x, weight.codes.view(torch.int32), weight.scales, weight.offsets, y, 100, 512,
-                PTX=ptx, OFFSETS=weight.offsets is not None, BLOCK_W=32, SPLIT_K=2, PDL=False,
-                num_warps=1,
+                PTX=ptx, OFFSETS=weight.offsets is not None, FOUR_BIT=weight.four_bit,
+                GROUP=weight.group, BLOCK_W=32, SPLIT_K=2, PDL=False, num_warps=1,
             )  # fmt: skip
             outputs.append(y)
         assert torch.equal(*outputs)
@@ -752,15 +754,17 @@ for four_bit, levels, low_bits, signs_at in (
 # byte permutes
 INT_GEMV = {"x_ptr": "*bf16", "words_ptr": "*i32", "scales_ptr": "*fp16",
             "offsets_ptr": "*fp16", "y_ptr": "*fp32", "N": "i32", "K": "i32", "PTX": "constexpr",
-            "OFFSETS": "constexpr", "BLOCK_W": "constexpr", "SPLIT_K": "constexpr",
-            "PDL": "constexpr"}
-int_constants = {"PTX": True, "OFFSETS": True, "BLOCK_W": 64, "SPLIT_K": 2, "PDL": True}
-source = ASTSource(
-    fn=cuda.int_gemv,
-    signature=INT_GEMV,
-    constexprs={(list(INT_GEMV).index(k),): v for k, v in int_constants.items()},
-)
-jobs.append((source, {"num_warps": 1}, ("int_gemv", True, True)))
+            "OFFSETS": "constexpr", "FOUR_BIT": "constexpr", "GROUP": "constexpr",
+            "BLOCK_W": "constexpr", "SPLIT_K": "constexpr", "PDL": "constexpr"}
+for four_bit, group in ((True, 32), (False, 16)):
+    int_constants = {"PTX": True, "OFFSETS": True, "FOUR_BIT": four_bit, "GROUP": group,
+                     "BLOCK_W": 64, "SPLIT_K": 2, "PDL": True}
+    source = ASTSource(
+        fn=cuda.int_gemv,
+        signature=INT_GEMV,
+        constexprs={(list(INT_GEMV).index(k),): v for k, v in int_constants.items()},
+    )
+    jobs.append((source, {"num_warps": 1}, ("int_gemv", four_bit, True)))
 
 
 def compile_for_hopper(job):
@@ -791,7 +795,7 @@ def test_quantized_products_compile_for_hopper_without_a_gpu(tmp_path: Path) -> 
     kernel of layers/moe_codes_triton.py: codes of levels (their byte permutes in the PTX;
     with gpt-oss's biases and clamped SwiGLU), plain 4-bit and 8-bit codes, with the None
     table that launches pass for weights without levels, and `int_gemv`'s integer dot
-    products."""
+    products of 4-bit and 8-bit codes."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     result = subprocess.run(
@@ -804,4 +808,4 @@ def test_quantized_products_compile_for_hopper_without_a_gpu(tmp_path: Path) -> 
     )
     if result.stdout.startswith("no ptxas"):
         pytest.skip(f"this Triton has no ptxas to compile with: {result.stdout.strip()}")
-    assert result.returncode == 0 and "compiled 18" in result.stdout, result.stderr[-3000:]
+    assert result.returncode == 0 and "compiled 19" in result.stdout, result.stderr[-3000:]

@@ -501,13 +501,29 @@ NIBBLE_DOTS = tl.constexpr(
 """Each byte's `x_even * low nibble + x_odd * high nibble` of a word of 4-bit codes, the pair
 of 16-bit inputs in $4 and the word in $5: the nibbles spread to bytes, a code pair of one
 output side by side (byte permutes), then one integer dot of two products an output."""
+BYTE_DOTS = tl.constexpr(
+    """{
+    .reg .b32 even, odd;
+    prmt.b32 even, $5, $6, 0x5140;
+    prmt.b32 odd, $5, $6, 0x7362;
+    dp2a.lo.s32.u32 $0, $4, even, 0;
+    dp2a.hi.s32.u32 $1, $4, even, 0;
+    dp2a.lo.s32.u32 $2, $4, odd, 0;
+    dp2a.hi.s32.u32 $3, $4, odd, 0;
+}"""
+)
+"""The same for codes a byte each: byte b of $5 (an even input's line) and of $6 (the odd
+input's) side by side, then one integer dot an output."""
 
 
 @triton.jit
-def _nibble_dots(pairs, words, PTX: tl.constexpr):
-    """(byte 0's dots, byte 1's, byte 2's, byte 3's) of `words` (NIBBLE_DOTS); without PTX
-    (Triton's interpreter) the same integers by shifts and masks."""
-    if PTX:
+def _code_dots(pairs, words, odd_words, FOUR_BIT: tl.constexpr, PTX: tl.constexpr):
+    """(byte 0's dots, byte 1's, byte 2's, byte 3's): each output's codes of a pair of inputs
+    times the pair (`pairs`, 16-bit integers, the even input in the low half): 4-bit codes
+    from the nibbles of `words` (NIBBLE_DOTS), 8-bit ones from the bytes of `words` and
+    `odd_words` (BYTE_DOTS). Without PTX (Triton's interpreter) the same integers by shifts
+    and masks."""
+    if PTX and FOUR_BIT:
         return tl.inline_asm_elementwise(
             NIBBLE_DOTS,
             "=r,=r,=r,=r,r,r",
@@ -516,13 +532,29 @@ def _nibble_dots(pairs, words, PTX: tl.constexpr):
             is_pure=True,
             pack=1,
         )
+    if PTX:
+        return tl.inline_asm_elementwise(
+            BYTE_DOTS,
+            "=r,=r,=r,=r,r,r,r",
+            [pairs, words, odd_words],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+            is_pure=True,
+            pack=1,
+        )
     x_even = (pairs << 16) >> 16
     x_odd = pairs >> 16
+    if FOUR_BIT:
+        return (
+            x_even * (words & 15) + x_odd * ((words >> 4) & 15),
+            x_even * ((words >> 8) & 15) + x_odd * ((words >> 12) & 15),
+            x_even * ((words >> 16) & 15) + x_odd * ((words >> 20) & 15),
+            x_even * ((words >> 24) & 15) + x_odd * ((words >> 28) & 15),
+        )
     return (
-        x_even * (words & 15) + x_odd * ((words >> 4) & 15),
-        x_even * ((words >> 8) & 15) + x_odd * ((words >> 12) & 15),
-        x_even * ((words >> 16) & 15) + x_odd * ((words >> 20) & 15),
-        x_even * ((words >> 24) & 15) + x_odd * ((words >> 28) & 15),
+        x_even * (words & 255) + x_odd * (odd_words & 255),
+        x_even * ((words >> 8) & 255) + x_odd * ((odd_words >> 8) & 255),
+        x_even * ((words >> 16) & 255) + x_odd * ((odd_words >> 16) & 255),
+        x_even * ((words >> 24) & 255) + x_odd * ((odd_words >> 24) & 255),
     )
 
 
@@ -539,20 +571,21 @@ def _four_columns(ptr, at, ok, BLOCK_W: tl.constexpr):
 
 @triton.jit
 def _int_group(
-    acc0, acc1, acc2, acc3, words, group, x_ptr, scales_ptr, offsets_ptr, N, cols, ok,
-    PTX: tl.constexpr, OFFSETS: tl.constexpr, BLOCK_W: tl.constexpr,
+    acc0, acc1, acc2, acc3, words, odd_words, group, x_ptr, scales_ptr, offsets_ptr, N, cols,
+    ok, PTX: tl.constexpr, OFFSETS: tl.constexpr, FOUR_BIT: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_W: tl.constexpr,
 ):  # fmt: skip
-    """The accumulators plus group `group`'s part: its 32 inputs rounded to 16-bit integers
-    in pairs, the integer dots with `words` (its 16 code lines) summed over the lines, scaled
-    once, and the offsets' part."""
-    x = tl.load(x_ptr + group * 32 + tl.arange(0, 32)).to(tl.float32)
+    """The accumulators plus group `group`'s part: its GROUP inputs rounded to 16-bit
+    integers in pairs, the integer dots with its codes (`_code_dots`) summed over the pairs,
+    scaled once, and the offsets' part."""
+    x = tl.load(x_ptr + group * GROUP + tl.arange(0, GROUP)).to(tl.float32)
     x_sum = tl.sum(x, axis=0)
     top = tl.max(tl.abs(x), axis=0)
     step = top / 32767
     rounded = tl.floor(x * tl.where(top > 0, 32767 / top, 0.0) + 0.5).to(tl.int32)
-    even, odd = tl.split(tl.reshape(rounded, (16, 2)))
-    pairs = tl.broadcast_to(((even & 0xFFFF) | (odd << 16))[:, None], (16, BLOCK_W))
-    dots0, dots1, dots2, dots3 = _nibble_dots(pairs, words, PTX)
+    even, odd = tl.split(tl.reshape(rounded, (GROUP // 2, 2)))
+    pairs = tl.broadcast_to(((even & 0xFFFF) | (odd << 16))[:, None], (GROUP // 2, BLOCK_W))
+    dots0, dots1, dots2, dots3 = _code_dots(pairs, words, odd_words, FOUR_BIT, PTX)
     outputs = group * N + 4 * cols
     scale0, scale1, scale2, scale3 = _four_columns(scales_ptr, outputs, ok, BLOCK_W)
     acc0 += scale0 * (tl.sum(dots0, axis=0).to(tl.float32) * step)
@@ -579,35 +612,43 @@ def int_gemv(
     K,
     PTX: tl.constexpr,
     OFFSETS: tl.constexpr,
+    FOUR_BIT: tl.constexpr,
+    GROUP: tl.constexpr,
     BLOCK_W: tl.constexpr,
     SPLIT_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """`gemv` for 4-bit codes without levels, by integer dot products: each group of 32
-    inputs of the row is rounded to 16-bit integers on a step of its own (its largest
-    magnitude over 32,767: about 15 bits of it, as aserve's CPU kernels round a block), and
-    each output's codes are multiplied with them two at a time (`dp2a`), summed exactly in
-    int32 and scaled once a group. `gemv` spent about six instructions a weight widening
-    codes to floats; this about two. Every program rounds the group for itself (all the
-    same integers), so nothing runs before it. (Reading two groups' codes before
-    multiplying either, for more bytes in flight, made a single 8B stream slower: 3.09 ->
-    3.31 ms/token on an H200.)"""
+    """`gemv` for codes without levels (4-bit two to a byte, or a byte each), by integer dot
+    products: each group of GROUP inputs of the row is rounded to 16-bit integers on a step
+    of its own (its largest magnitude over 32,767: about 15 bits of it, as aserve's CPU
+    kernels round a block), and each output's codes are multiplied with them two at a time
+    (`dp2a`), summed exactly in int32 and scaled once a group. `gemv` spent about six
+    instructions a weight widening 4-bit codes to floats; this about two. Every program
+    rounds the group for itself (all the same integers), so nothing runs before it.
+    (Reading two groups' codes before multiplying either, for more bytes in flight, made a
+    single 8B stream slower: 3.09 -> 3.31 ms/token on an H200.)"""
     pid_w = tl.program_id(0)
     pid_k = tl.program_id(1)
     wait_only(PDL)
     words_n = N // 4
     cols = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)  # word columns
     ok = cols < words_n
-    at = words_ptr + tl.arange(0, 16)[:, None] * words_n + cols[None, :]  # a group's lines
+    pairs = tl.arange(0, GROUP // 2)  # a group's input pairs
+    # 4-bit codes: line j holds both inputs of pair j; 8-bit: lines 2j and 2j + 1
+    at = words_ptr + (pairs if FOUR_BIT else 2 * pairs)[:, None] * words_n + cols[None, :]
+    lines: tl.constexpr = GROUP // 2 if FOUR_BIT else GROUP
     acc0 = tl.zeros((BLOCK_W,), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_W,), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_W,), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_W,), dtype=tl.float32)
-    for group in range(pid_k, K // 32, SPLIT_K):
-        words = tl.load(at + group * 16 * words_n, mask=ok[None, :], other=0)
+    for group in range(pid_k, K // GROUP, SPLIT_K):
+        words = tl.load(at + group * lines * words_n, mask=ok[None, :], other=0)
+        odd_words = words
+        if not FOUR_BIT:
+            odd_words = tl.load(at + (group * lines + 1) * words_n, mask=ok[None, :], other=0)
         acc0, acc1, acc2, acc3 = _int_group(
-            acc0, acc1, acc2, acc3, words, group, x_ptr, scales_ptr, offsets_ptr, N, cols, ok,
-            PTX, OFFSETS, BLOCK_W,
+            acc0, acc1, acc2, acc3, words, odd_words, group, x_ptr, scales_ptr, offsets_ptr,
+            N, cols, ok, PTX, OFFSETS, FOUR_BIT, GROUP, BLOCK_W,
         )  # fmt: skip
     launch_next(PDL)
     y = y_ptr + pid_k * N + 4 * cols
@@ -863,6 +904,8 @@ class CudaWeight:
                 k,
                 PTX=rows.is_cuda,
                 OFFSETS=self.offsets is not None,
+                FOUR_BIT=self.four_bit,
+                GROUP=self.group,
                 BLOCK_W=block // 4,
                 SPLIT_K=split,
                 num_warps=warps,
@@ -913,13 +956,11 @@ class CudaWeight:
         return self._sum_splits(parts, rows)
 
     def takes_int_gemv(self, rows: torch.Tensor) -> bool:
-        """Whether a row goes to `int_gemv`: 4-bit codes without levels in groups of 32, beside
-        16-bit activations (float32 ones keep `gemv`, whose products round nothing)."""
+        """Whether a row goes to `int_gemv`: codes without levels beside 16-bit activations
+        (float32 ones keep `gemv`, whose products round nothing)."""
         return (
-            self.four_bit
-            and self.levels is None
+            self.levels is None
             and self.book is None
-            and self.group == 32
             and rows.dtype in (torch.float16, torch.bfloat16)
         )
 
