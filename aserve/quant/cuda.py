@@ -890,7 +890,10 @@ class CudaWeight:
             block = 4 * (INT_GEMV_LONG_ROWS_W if k > 8192 else INT_GEMV_BLOCK_W)
             warps, programs = 1, GEMV_PROGRAMS
         tiles = -(-n // block)
-        split = _split_k(tiles, k // self.group, programs, least=2)
+        # `int_gemv` splits K in steps of 32 inputs whatever its groups: by groups of 16, o
+        # of the 8B shape took 128 splits and 20.6 us against 15.9 in `gemv`
+        steps = k // (max(self.group, 32) if integer else self.group)
+        split = _split_k(tiles, steps, programs, least=2)
         dtype = torch.float32 if split > 1 else rows.dtype
         parts = torch.empty(split, n, dtype=dtype, device=rows.device)
         if integer:
