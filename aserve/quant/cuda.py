@@ -16,10 +16,11 @@ shape) against the tiled kernel and bf16 cuBLAS, qkv 15.7 / 32.0 / 14.3, o 14.3 
 10.4, gate_up 41.2 / 90.9 / 56.7, down 27.5 / 51.1 / 32.0 (8-bit codes 1.6-1.8x the tiled
 kernel, 3-bit 1.8-3.9x; codes that stand for levels, the IQ formats', 1.03-1.25x the plain
 4-bit `gemv`, their levels picked by byte permutes). At 0.7-2.8 TB/s of codes
-it is bound by instructions, not memory. Plain 4-bit codes beside 16-bit activations take
-`int_gemv`, whose integer dot products need a third of the instructions: qkv 13.0, o 12.6,
-gate_up 26.0, down 22.1 us, a single stream of a 4-bit 8B model 3.09 ms/token where `gemv`
-gave 3.82 and bf16 3.89 (bench/NOTES.md). From 64 rows
+it is bound by instructions, not memory. Codes without levels beside 16-bit activations
+take `int_gemv`, whose integer dot products need a third of the instructions: 4-bit codes
+qkv 13.0, o 12.6, gate_up 26.0, down 22.1 us, a single stream of a 4-bit 8B model 3.09
+ms/token where `gemv` gave 3.82 and bf16 3.89, in 8-bit codes 3.67 where it gave 4.12
+(bench/NOTES.md). From 64 rows
 (large decode batches, prefill chunks) slices of the weight are de-quantized to the
 activations' dtype and cuBLAS multiplies them: on an H200 that beat the fused kernel from
 about 64 rows (`bench/quant_kernels.py --device cuda`). The formats that pick each run of 8
