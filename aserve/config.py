@@ -111,7 +111,9 @@ class IntScheme:
     "compressed-tensors" (llm-compressor's integer formats). `symmetric`: no zero points
     stored, the middle code stands for zero. `zeros_less_one`: GPTQ's first format stores
     each zero point minus one. `packed`: codes packed into int32 words (every format but
-    compressed-tensors' int-quantized, which keeps int8 values)."""
+    compressed-tensors' int-quantized, which keeps int8 values). `act_order`: a group
+    gathers inputs from anywhere in the row (GPTQ's `desc_act`), as each weight's group
+    index says."""
 
     method: str
     bits: int
@@ -119,6 +121,7 @@ class IntScheme:
     symmetric: bool = False
     zeros_less_one: bool = False
     packed: bool = True
+    act_order: bool = False
 
 
 """Qwen3-MoE's experts: no biases, SiLU(gate) * up."""
@@ -405,18 +408,11 @@ INT_BITS = (4, 8)
 are refused: few are published, and 3-bit codes straddle the int32 words)."""
 
 
-ACT_ORDER_REFUSED = (
-    "this checkpoint's groups gather inputs out of order (GPTQ's act-order: desc_act without "
-    "static_groups, or actorder 'group'): aserve reads groups of consecutive inputs"
-)
-
-
 def _awq_gptq_scheme(method: str, quantization: dict[str, Any]) -> IntScheme:
     """AutoAWQ's and AutoGPTQ's `quantization_config`. AWQ's GEMM layout alone (its GEMV
     and Marlin layouts interleave codes differently; few files use them). GPTQ's act-order
-    files (`desc_act`) gather scattered inputs into a group, which would need each product's
-    inputs permuted; they load only with `static_groups`, whose groups stay runs of inputs
-    (the weights' `g_idx` is checked at load)."""
+    files (`desc_act`) gather scattered inputs into a group, as each weight's `g_idx` says,
+    except with `static_groups`, whose groups stay runs of inputs."""
     bits = int(quantization.get("bits") or quantization.get("w_bit") or 0)
     group = int(quantization.get("group_size") or quantization.get("q_group_size") or 0)
     name = method.upper()
@@ -431,12 +427,13 @@ def _awq_gptq_scheme(method: str, quantization: dict[str, Any]) -> IntScheme:
         if quantization.get("zero_point") is False:
             raise ConfigError("this AWQ checkpoint has no zero points: aserve reads AWQ with them")
         return IntScheme("awq", 4, max(group, 0))
-    if quantization.get("desc_act") and not quantization.get("static_groups"):
-        raise ConfigError(ACT_ORDER_REFUSED)
+    act_order = bool(quantization.get("desc_act")) and not quantization.get("static_groups")
     stored = str(quantization.get("checkpoint_format") or "gptq").lower()
     if stored not in ("gptq", "gptq_v2"):
         raise ConfigError(f"this GPTQ checkpoint is in the {stored!r} format: aserve reads gptq")
-    return IntScheme("gptq", bits, max(group, 0), zeros_less_one=stored == "gptq")
+    return IntScheme(
+        "gptq", bits, max(group, 0), zeros_less_one=stored == "gptq", act_order=act_order
+    )
 
 
 def _compressed_int_scheme(quantization: dict[str, Any], groups: list[dict[str, Any]]) -> IntScheme:
@@ -468,12 +465,13 @@ def _compressed_int_scheme(quantization: dict[str, Any], groups: list[dict[str, 
             f"this compressed-tensors checkpoint scales its int weights by {strategy!r}: aserve "
             "reads scales per channel or per group"
         )
-    if weights.get("actorder") == "group":
-        raise ConfigError(ACT_ORDER_REFUSED)
     group = int(weights.get("group_size") or 0) if strategy == "group" else 0
     symmetric = weights.get("symmetric", True) is not False
     packed = layout == "pack-quantized"
-    return IntScheme("compressed-tensors", bits, group, symmetric, packed=packed)
+    act_order = weights.get("actorder") == "group"  # "weight" keeps groups of the row's order
+    return IntScheme(
+        "compressed-tensors", bits, group, symmetric, packed=packed, act_order=act_order
+    )
 
 
 def _compressed_fp8_block(group: dict[str, Any]) -> tuple[int, int] | None:

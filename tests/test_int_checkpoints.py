@@ -40,9 +40,11 @@ class Layout:
         gptq_format: str = "gptq",
         packed: bool = True,
         scale_dtype: torch.dtype = torch.float16,
+        act_order: bool = False,
     ) -> None:
         self.method, self.bits, self.group, self.symmetric = method, bits, group, symmetric
         self.gptq_format, self.packed, self.scale_dtype = gptq_format, packed, scale_dtype
+        self.act_order = act_order
 
 
 LAYOUTS = {
@@ -56,6 +58,8 @@ LAYOUTS = {
     "ct-w4a16-asym": Layout("compressed-tensors", scale_dtype=torch.bfloat16),
     "ct-w8a16-channel": Layout("compressed-tensors", bits=8, group=-1, symmetric=True),
     "ct-w8a8": Layout("compressed-tensors", bits=8, group=-1, symmetric=True, packed=False),
+    "gptq-act-order": Layout("gptq", act_order=True),
+    "ct-w4a16-act-order": Layout("compressed-tensors", symmetric=True, act_order=True),
 }
 
 
@@ -92,13 +96,22 @@ def checkpoint_tensors(
 ) -> tuple[dict, torch.Tensor]:
     """The tensors a publisher stores for linear weight `name`, and the float weight they
     stand for (zero points as the format's readers take them)."""
-    codes, zeros, scales = quantize(weight, layout)
     base = name.removesuffix(".weight")
     rows, cols = weight.shape
+    group = cols if layout.group == -1 else layout.group
+    # act-order: group g gathers the inputs `order[g * group : (g + 1) * group]`
+    order = torch.arange(cols)
+    if layout.act_order:
+        order = torch.randperm(cols, generator=torch.Generator().manual_seed(rows))
+    index = torch.empty(cols, dtype=torch.int32)
+    index[order] = (torch.arange(cols) // group).int()
+    grouped, zeros, scales = quantize(weight[:, order], layout)
     if layout.method == "gptq" and layout.gptq_format == "gptq":
         zeros = ((zeros - 1) & ((1 << layout.bits) - 1)) + 1  # stored minus one; a 0 reads 16
-    group = cols if layout.group == -1 else layout.group
-    twin = (codes - zeros.repeat_interleave(group, 1)) * scales.float().repeat_interleave(group, 1)
+    codes, twin = torch.empty_like(grouped), torch.empty_like(weight)
+    codes[:, order] = grouped
+    steps = grouped - zeros.repeat_interleave(group, 1)
+    twin[:, order] = steps * scales.float().repeat_interleave(group, 1)
     if layout.method == "awq":
         order = (torch.arange(rows) // 8 * 8).reshape(-1, 8) + torch.tensor(AWQ_NIBBLE_HOLDS)
         stored = {
@@ -112,7 +125,7 @@ def checkpoint_tensors(
             "qweight": pack(codes.t(), layout.bits, 0),
             "qzeros": pack(stored_zeros.t() & ((1 << layout.bits) - 1), layout.bits, 1),
             "scales": scales.t().contiguous(),
-            "g_idx": (torch.arange(cols) // group).int(),
+            "g_idx": index,
         }
     elif layout.packed:
         stored = {
@@ -122,6 +135,8 @@ def checkpoint_tensors(
         }
         if not layout.symmetric:
             stored["weight_zero_point"] = pack(zeros, layout.bits, 0)
+        if layout.act_order:
+            stored["weight_g_idx"] = index
     else:
         stored = {"weight": (codes - 128).to(torch.int8), "weight_scale": scales}
     return {f"{base}.{part}": tensor for part, tensor in stored.items()}, twin
@@ -133,7 +148,7 @@ def quantization_config(layout: Layout) -> dict[str, object]:
                 "zero_point": True, "version": "gemm"}  # fmt: skip
     if layout.method == "gptq":
         return {"quant_method": "gptq", "bits": layout.bits, "group_size": layout.group,
-                "desc_act": False, "sym": layout.symmetric, "static_groups": False,
+                "desc_act": layout.act_order, "sym": layout.symmetric, "static_groups": False,
                 "checkpoint_format": layout.gptq_format}  # fmt: skip
     weights = {
         "num_bits": layout.bits,
@@ -141,7 +156,7 @@ def quantization_config(layout: Layout) -> dict[str, object]:
         "symmetric": layout.symmetric,
         "strategy": "channel" if layout.group == -1 else "group",
         "group_size": None if layout.group == -1 else layout.group,
-        "actorder": None,
+        "actorder": "group" if layout.act_order else None,
         "dynamic": False,
     }
     activations = None
@@ -183,7 +198,8 @@ def write_int_checkpoint(
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_each_layout_unpacks_to_its_twin_exactly(tmp_path: Path, layout: str) -> None:
     """Every packed weight unpacks into codes whose weight is the twin's to the last bit
-    (zero points of every layout, AWQ's nibble order, GPTQ's zeros stored minus one)."""
+    (zero points of every layout, AWQ's nibble order, GPTQ's zeros stored minus one,
+    act-order groups gathered from across the row)."""
     from safetensors.torch import load_file
 
     float_folder = make_tiny_model("llama", tmp_path / "float")
@@ -196,10 +212,11 @@ def test_each_layout_unpacks_to_its_twin_exactly(tmp_path: Path, layout: str) ->
     assert set(weights) == set(twin)
     linear = [name for name in twin if name.endswith(LINEAR)]
     for name in linear:
-        assert isinstance(weights[name], CodesTensor)
-        codes = weights[name].decode()
-        assert codes.bits == LAYOUTS[layout].bits
-        assert torch.equal(codes.dequantize(), twin[name]), name
+        weight = weights[name]
+        assert isinstance(weight, CodesTensor)
+        assert weight.decode().bits == LAYOUTS[layout].bits
+        assert (weight.order is not None) == LAYOUTS[layout].act_order
+        assert torch.equal(weight.dequantize(), twin[name]), name
     as_float = dict(pair_int_weights(iter_weights(folder, False), config.int_scheme, True))
     assert all(torch.equal(as_float[name], twin[name]) for name in linear)
 
@@ -252,8 +269,9 @@ def test_vllm_method_names_are_taken_for_their_own_checkpoints(
 
 
 def test_act_order_group_index_is_refused_at_load(tmp_path: Path) -> None:
-    """A group index that gathers inputs out of order (act-order, though the config claims
-    static groups) stops the load with a message that says so; a missing part too."""
+    """A group index that gathers inputs out of order where the config says groups are runs
+    of inputs (desc_act false) stops the load with a message that says so; a missing part
+    too."""
     from safetensors.torch import load_file, save_file
 
     float_folder = make_tiny_model("llama", tmp_path / "float")
@@ -263,7 +281,7 @@ def test_act_order_group_index_is_refused_at_load(tmp_path: Path) -> None:
     name = "model.layers.0.mlp.down_proj.g_idx"
     tensors[name] = tensors[name].flip(0).contiguous()
     save_file(tensors, str(folder / "model.safetensors"))
-    with pytest.raises(ValueError, match="down_proj.g_idx: this checkpoint's groups gather"):
+    with pytest.raises(ValueError, match="down_proj.g_idx: this group index gathers inputs"):
         LLM(str(folder), num_pages=256)
     del tensors[name], tensors["model.layers.0.mlp.down_proj.qzeros"]
     save_file(tensors, str(folder / "model.safetensors"))
@@ -275,11 +293,10 @@ def test_act_order_group_index_is_refused_at_load(tmp_path: Path) -> None:
     ("change", "says"),
     [
         ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "has 3-bit weights"),
-        ({"quant_method": "gptq", "bits": 4, "desc_act": True}, "groups gather inputs"),
         ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "in the 'gemv' layout"),
         ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "'marlin' format"),
     ],
-    ids=["gptq-3bit", "act-order", "awq-gemv", "gptq-marlin"],
+    ids=["gptq-3bit", "awq-gemv", "gptq-marlin"],
 )
 def test_unsupported_integer_checkpoints_refused_in_one_line(
     tmp_path: Path, change: dict[str, object], says: str
@@ -292,8 +309,8 @@ def test_unsupported_integer_checkpoints_refused_in_one_line(
 
 
 def test_compressed_tensors_int_schemes() -> None:
-    """compressed-tensors' integer configs read as their schemes; tensor-wide int scales
-    and act-ordered groups are refused."""
+    """compressed-tensors' integer configs read as their schemes (act-ordered groups too);
+    tensor-wide int scales are refused."""
     weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
                "group_size": 128}  # fmt: skip
     group = {"targets": ["Linear"], "weights": weights}
@@ -304,11 +321,11 @@ def test_compressed_tensors_int_schemes() -> None:
             "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1}  # fmt: skip
     scheme = ModelConfig.from_hf({**base, "quantization_config": config}).int_scheme
     assert scheme == IntScheme("compressed-tensors", 4, 128, symmetric=True, packed=True)
+    weights["actorder"] = "group"
+    scheme = ModelConfig.from_hf({**base, "quantization_config": setting}).int_scheme
+    assert scheme is not None and scheme.act_order
     weights["strategy"] = "tensor"
     with pytest.raises(ConfigError, match="scales its int weights by 'tensor'"):
-        ModelConfig.from_hf({**base, "quantization_config": setting})
-    weights.update(strategy="group", actorder="group")
-    with pytest.raises(ConfigError, match="groups gather inputs out of order"):
         ModelConfig.from_hf({**base, "quantization_config": setting})
 
 
@@ -331,3 +348,18 @@ def test_codes_tensor_slices_whole_groups() -> None:
     )
     order = torch.arange(16).flip(0)
     assert torch.equal(weight.permute_rows(order).decode().dequantize(), full[order])
+    inputs = torch.randperm(128, generator=generator)
+    act_order = CodesTensor(Codes(codes, scales, offsets, 32, 4), inputs)
+    assert torch.equal(act_order[4:12].dequantize()[:, inputs], full[4:12])
+    with pytest.raises(ValueError, match="run this checkpoint with --tp 1"):
+        act_order[:, 0:64]
+
+
+def test_act_order_experts_are_refused(tmp_path: Path) -> None:
+    """Act-order MoE experts would each gather their inputs in another order: refused at
+    load in a message that says so (dense act-order layers run, above)."""
+    float_folder = make_tiny_model("qwen3_moe", tmp_path / "float")
+    folder, twin_folder = tmp_path / "int", tmp_path / "twin"
+    write_int_checkpoint(float_folder, folder, twin_folder, LAYOUTS["gptq-act-order"])
+    with pytest.raises(ValueError, match="act-order experts"):
+        LLM(str(folder), num_pages=256)

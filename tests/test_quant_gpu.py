@@ -189,16 +189,18 @@ def test_one_compile_serves_every_row_count() -> None:
         ("llama", Layout("gptq", bits=8, symmetric=True, group=128)),
         ("llama", Layout("compressed-tensors", symmetric=True, scale_dtype=torch.bfloat16)),
         ("qwen3_moe", Layout("gptq", group=64)),
+        ("llama", Layout("gptq", group=128, act_order=True)),
     ],
-    ids=["awq-g128", "gptq-8bit", "ct-w4a16", "moe-gptq"],
+    ids=["awq-g128", "gptq-8bit", "ct-w4a16", "moe-gptq", "gptq-act-order"],
 )
 def test_int_checkpoints_run_quantized_on_cuda(
     tmp_path: Path, make_llm: Callable[..., LLM], family: str, layout: Layout
 ) -> None:
     """AWQ, GPTQ and compressed-tensors checkpoints (tests/test_int_checkpoints.py's
     writers) on CUDA in bfloat16: their codes on the CUDA products (MoE experts on the fused
-    kernels), first greedy tokens as the de-quantized twin on most prompts, and CUDA graphs
-    generating what eager steps generate."""
+    kernels, act-order inputs gathered inside the graphs), first greedy tokens as the
+    de-quantized twin on most prompts, and CUDA graphs generating what eager steps
+    generate."""
     overrides = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
     if family == "qwen3_moe":
         overrides |= {"moe_intermediate_size": 128, "mlp_only_layers": []}

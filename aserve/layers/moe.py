@@ -538,6 +538,11 @@ def _decode_experts(
     present = [t for t in tensors if t is not None]
     if len(present) < len(tensors):
         raise ValueError(f"{len(tensors) - len(present)} experts' tensors are missing")
+    if any(isinstance(t, CodesTensor) and t.order is not None for t in present):
+        raise ValueError(
+            "act-order experts (desc_act) are not supported: their inputs would be gathered "
+            "in another order for each expert"
+        )
     first = present[0]
     if isinstance(first, QuantizedTensor) and all(
         isinstance(t, QuantizedTensor) and (t.qtype, t.raw.shape) == (first.qtype, first.raw.shape)

@@ -573,7 +573,7 @@ def cpu_kernel_weights(model: nn.Module) -> list[KernelTensors]:
     for module in model.modules():
         held: list[object] = []
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.quantized:
-            held = list(module.quantized.products)
+            held = [getattr(p, "product", p) for p in module.quantized.products]
         elif isinstance(module, VocabParallelEmbedding) and module.table is not None:
             held = [module.table.head, module.table.lookups]
         elif isinstance(module, QuantizedExperts) and module.cpu_stacks is not None:

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from aserve.config import ACT_ORDER_REFUSED, IntScheme
+from aserve.config import IntScheme
 from aserve.layers.weight import read_whole
 from aserve.quant.codes import Codes
 
@@ -43,7 +43,7 @@ PARTS = {
     "int-quantized": (".weight", ".weight_scale"),
 }
 """The tensors of one weight in each layout, its codes first (asymmetric compressed-tensors
-schemes add `.weight_zero_point`)."""
+schemes add `.weight_zero_point`, act-order ones the group index)."""
 GROUP_INDEX = (".g_idx", ".weight_g_idx")
 DROPPED = (".input_scale", ".input_zero_point")
 """Static activation scales of W8A8 files: aserve keeps activations in 16 bits."""
@@ -51,10 +51,13 @@ DROPPED = (".input_scale", ".input_zero_point")
 
 class CodesTensor:
     """A weight's codes that layers slice like a tensor: a rank's rows, or its columns at
-    whole groups (one group a row slices anywhere)."""
+    whole groups (one group a row slices anywhere). An act-order weight's columns are in
+    `order` (column j holds input order[j]), so that each group's are consecutive; its
+    product gathers its inputs into that order (quant/method.py, `PermutedInputs`)."""
 
-    def __init__(self, codes: Codes) -> None:
+    def __init__(self, codes: Codes, order: torch.Tensor | None = None) -> None:
         self.codes = codes
+        self.order = order
         self.shape = codes.shape
         self.device = codes.codes.device
 
@@ -62,6 +65,11 @@ class CodesTensor:
         rows, cols = index if isinstance(index, tuple) else (index, slice(None))
         c = self.codes
         start, stop, _ = cols.indices(self.shape[1])
+        if self.order is not None and (start, stop) != (0, self.shape[1]):
+            raise ValueError(
+                "an act-order weight's groups gather inputs from the whole row, so ranks "
+                "cannot split it by inputs: run this checkpoint with --tp 1"
+            )
         group = c.group
         if group == self.shape[1]:
             group, kept = stop - start, slice(None)
@@ -73,12 +81,22 @@ class CodesTensor:
         else:
             kept = slice(start // group, stop // group)
         codes = c.codes[rows, start:stop]
-        return CodesTensor(Codes(codes, c.scales[rows, kept], c.offsets[rows, kept], group, c.bits))
+        sliced = Codes(codes, c.scales[rows, kept], c.offsets[rows, kept], group, c.bits)
+        return CodesTensor(sliced, self.order)
 
     def permute_rows(self, order: torch.Tensor) -> CodesTensor:
         c = self.codes
         rows = c._replace(codes=c.codes[order], scales=c.scales[order], offsets=c.offsets[order])
-        return CodesTensor(rows)
+        return CodesTensor(rows, self.order)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight in float32, its columns in the row's own order."""
+        weight = self.codes.dequantize()
+        if self.order is None:
+            return weight
+        unpermuted = torch.empty_like(weight)
+        unpermuted[:, self.order] = weight
+        return unpermuted
 
     def decode(self) -> Codes:
         """The codes, in groups the kernels take: groups wider than 32 inputs must be whole
@@ -97,20 +115,22 @@ def pair_int_weights(
     """An integer checkpoint's tensors with each weight's parts joined, whichever order they
     come in: `CodesTensor`s named `{layer}.weight`, or float32 weights with `dequantize`
     (`--quantization none`). Every other tensor passes as it is (biases, norms, the
-    embedding and an unquantized LM head). A group index (`g_idx`) is checked to describe
-    groups of consecutive inputs, then dropped."""
+    embedding and an unquantized LM head). Outside act-order schemes a group index (`g_idx`)
+    is checked to describe groups of consecutive inputs, then dropped."""
     layout = scheme.method
     if layout == "compressed-tensors":
         layout = "pack-quantized" if scheme.packed else "int-quantized"
     suffixes = PARTS[layout]
     if layout.endswith("quantized") and not scheme.symmetric:
         suffixes = (*suffixes, ".weight_zero_point")
+    if scheme.act_order:
+        suffixes = (*suffixes, GROUP_INDEX[layout.endswith("quantized")])
     arrived: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         suffix = next((s for s in suffixes if name.endswith(s)), None)
         if suffix == ".weight" and _dtype(tensor) != "I8":
             suffix = None  # a float weight of a layer left unquantized
-        if name.endswith(GROUP_INDEX):
+        if name.endswith(GROUP_INDEX) and suffix is None:
             _check_group_index(name, read_whole(tensor), scheme.group)
             continue
         if name.endswith(DROPPED):
@@ -123,43 +143,63 @@ def pair_int_weights(
         parts[suffix] = read_whole(tensor)
         if len(parts) == len(suffixes):
             del arrived[base]
-            codes = unpack(scheme, [parts[s] for s in suffixes])
-            yield f"{base}.weight", codes.dequantize() if dequantize else CodesTensor(codes)
+            weight = unpack(scheme, [parts[s] for s in suffixes])
+            yield f"{base}.weight", weight.dequantize() if dequantize else weight
     if arrived:
         base, parts = next(iter(arrived.items()))
         missing = sorted(set(suffixes) - set(parts))
         raise ValueError(f"quantized weight {base} lacks {', '.join(missing)} in the checkpoint")
 
 
-def unpack(scheme: IntScheme, parts: list[torch.Tensor]) -> Codes:
-    """One weight's codes from its tensors, in `PARTS` order."""
+def unpack(scheme: IntScheme, parts: list[torch.Tensor]) -> CodesTensor:
+    """One weight's codes from its tensors, in `PARTS` order (an act-order weight's group
+    index last: `in_group_order`)."""
     bits = scheme.bits
+    if scheme.act_order:
+        *parts, index = parts
     if scheme.method == "awq":
         qweight, qzeros, scales = parts
         codes = _awq_order(unpack_words(qweight, 4, 1))
         zeros = _awq_order(unpack_words(qzeros, 4, 1)).t()
-        return _codes(codes.t(), zeros, scales.t(), bits, scheme.group)
-    if scheme.method == "gptq":
+        unpacked = _codes(codes.t(), zeros, scales.t(), bits, scheme.group)
+    elif scheme.method == "gptq":
         qweight, qzeros, scales = parts
         codes = unpack_words(qweight, bits, 0)
         zeros = unpack_words(qzeros, bits, 1).to(torch.int16)
         if scheme.zeros_less_one:
             zeros += 1
-        return _codes(codes.t(), zeros.t(), scales.t(), bits, scheme.group)
-    middle = 1 << (bits - 1)
-    if scheme.packed:
+        unpacked = _codes(codes.t(), zeros.t(), scales.t(), bits, scheme.group)
+    elif scheme.packed:
         packed, scales, shape, *zero_point = parts
         rows, cols = (int(n) for n in shape.reshape(-1))
         codes = unpack_words(packed, bits, 1)[:, :cols]
         if zero_point:
             zeros = unpack_words(zero_point[0], bits, 0)[:rows]
         else:
-            zeros = torch.full_like(scales, middle, dtype=torch.int16)
-        return _codes(codes, zeros, scales, bits, scheme.group)
-    values, scales, *zero_point = parts  # int8 values, codes offset by 128
-    codes = (values.to(torch.int16) + 128).to(torch.uint8)
-    zeros = zero_point[0].to(torch.int16) + 128 if zero_point else torch.full_like(scales, 128)
-    return _codes(codes, zeros.reshape(scales.shape), scales, 8, scheme.group)
+            zeros = torch.full_like(scales, 1 << (bits - 1), dtype=torch.int16)
+        unpacked = _codes(codes, zeros, scales, bits, scheme.group)
+    else:
+        values, scales, *zero_point = parts  # int8 values, codes offset by 128
+        codes = (values.to(torch.int16) + 128).to(torch.uint8)
+        zeros = zero_point[0].to(torch.int16) + 128 if zero_point else torch.full_like(scales, 128)
+        unpacked = _codes(codes, zeros.reshape(scales.shape), scales, 8, scheme.group)
+    if scheme.act_order:
+        return in_group_order(unpacked, index)
+    return CodesTensor(unpacked)
+
+
+def in_group_order(codes: Codes, index: torch.Tensor) -> CodesTensor:
+    """An act-order weight whose `index` (`g_idx`) gives each input's group: its columns
+    sorted by group (stable), so that each group's are consecutive, with that order; none
+    where the index keeps the row's order."""
+    index = index.reshape(-1).long()
+    order = torch.argsort(index, stable=True)
+    group = codes.group
+    if not torch.equal(index[order], torch.arange(index.numel()) // group):
+        raise ValueError(f"a group index that does not give each group {group} inputs")
+    if torch.equal(order, torch.arange(index.numel())):
+        return CodesTensor(codes)
+    return CodesTensor(codes._replace(codes=codes.codes[:, order].contiguous()), order)
 
 
 def unpack_words(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -199,13 +239,14 @@ def _codes(
 
 
 def _check_group_index(name: str, index: torch.Tensor, group: int) -> None:
-    """A group index must say what consecutive groups say: act-order files whose groups
-    gather scattered inputs would need each product's inputs permuted, which aserve does not
-    do."""
+    """Outside act-order schemes, a group index must say what consecutive groups say."""
     inputs = torch.arange(index.numel())
     expected = inputs // group if group else torch.zeros_like(inputs)
     if not torch.equal(index.reshape(-1).long(), expected):
-        raise ValueError(f"{name}: {ACT_ORDER_REFUSED}")
+        raise ValueError(
+            f"{name}: this group index gathers inputs out of order, but the checkpoint's "
+            "config says its groups are runs of inputs (desc_act false, or static_groups)"
+        )
 
 
 def _dtype(tensor: Any) -> str:

@@ -64,6 +64,7 @@ class QuantizedLinearWeight:
         self.fp8 = quantization == "fp8"
         self.quantization = quantization
         self.shards: list[Shard | None] = [None] * len(shard_rows)
+        self.orders: list[torch.Tensor | None] = [None] * len(shard_rows)
         self.products: list[QuantizedProduct] = []
 
     def load(
@@ -76,6 +77,8 @@ class QuantizedLinearWeight:
             piece = tensor
         elif isinstance(tensor, (QuantizedTensor, CodesTensor)):
             piece = tensor.decode()
+            if isinstance(tensor, CodesTensor):
+                self.orders[shard] = tensor.order
         elif isinstance(tensor, Fp8Tensor):
             piece = tensor.rows()
         elif self.bits is not None:
@@ -99,14 +102,21 @@ class QuantizedLinearWeight:
         """Pack the shards for products on `device`; runs of shards in one format join.
         `scratch`: the model's buffer for de-quantized slices (CPU)."""
         runs: list[list[Shard]] = []
-        for piece in self.shards:
+        run_orders: list[torch.Tensor | None] = []
+        for piece, order in zip(self.shards, self.orders, strict=True):
             assert piece is not None, "finalize before every shard is loaded"
-            if runs and _same_format(runs[-1][-1], piece):
+            if runs and _same_format(runs[-1][-1], piece) and _same_order(run_orders[-1], order):
                 runs[-1].append(piece)
             else:
                 runs.append([piece])
-        self.products = [_product(run, device, dtype, scratch) for run in runs]
-        self.shards = []
+                run_orders.append(order)
+        self.products = [
+            _product(run, device, dtype, scratch)
+            if order is None
+            else PermutedInputs(_product(run, device, dtype, scratch), order, device)
+            for run, order in zip(runs, run_orders, strict=True)
+        ]
+        self.shards, self.orders = [], []
 
     @property
     def nbytes(self) -> int:
@@ -181,6 +191,29 @@ class ProductGroup:
         ):
             return linear_group([self.native[i] for i in chosen], [x.contiguous() for x in xs])
         return [self.weights[i].linear(x, None) for i, x in zip(chosen, xs, strict=True)]
+
+
+class PermutedInputs:
+    """The product of an act-order weight, whose columns were sorted by group at load
+    (quant/int_checkpoints.py): each row's inputs are gathered into that order first."""
+
+    def __init__(self, product: QuantizedProduct, order: torch.Tensor, device: torch.device):
+        self.product = product
+        self.order = order.to(device)
+        self.shape = product.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.product.nbytes + self.order.nbytes
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.product.linear(x.index_select(-1, self.order), bias)
+
+
+def _same_order(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Whether two shards gather their inputs alike (fused projections of one input whose
+    act-order weights came out in one order, as GPTQ's of one input do)."""
+    return a is b or (a is not None and b is not None and torch.equal(a, b))
 
 
 def _same_format(a: Shard, b: Shard) -> bool:
@@ -264,6 +297,8 @@ def load_table_rows(
     """A rank's slice of a vocabulary table, zero rows appended up to `rows` (the last rank
     of a vocabulary that does not split evenly); 16-bit floats as they are, but under
     "float32"."""
+    if isinstance(tensor, CodesTensor) and tensor.order is not None:
+        raise ValueError("an act-order embedding or LM head is not supported")
     if isinstance(tensor, (QuantizedTensor, CodesTensor)):
         piece: Shard = tensor.decode()
     else:
