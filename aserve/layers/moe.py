@@ -539,7 +539,7 @@ def _decode_experts(
     if len(present) < len(tensors):
         raise ValueError(f"{len(tensors) - len(present)} experts' tensors are missing")
     if any(isinstance(t, CodesTensor) and t.order is not None for t in present):
-        raise ValueError(
+        raise ConfigError(
             "act-order experts (desc_act) are not supported: their inputs would be gathered "
             "in another order for each expert"
         )

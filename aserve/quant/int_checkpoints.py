@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from aserve.config import IntScheme
+from aserve.config import ConfigError, IntScheme
 from aserve.layers.weight import read_whole
 from aserve.quant.codes import Codes
 
@@ -66,7 +66,7 @@ class CodesTensor:
         c = self.codes
         start, stop, _ = cols.indices(self.shape[1])
         if self.order is not None and (start, stop) != (0, self.shape[1]):
-            raise ValueError(
+            raise ConfigError(
                 "an act-order weight's groups gather inputs from the whole row, so ranks "
                 "cannot split it by inputs: run this checkpoint with --tp 1"
             )
@@ -74,7 +74,7 @@ class CodesTensor:
         if group == self.shape[1]:
             group, kept = stop - start, slice(None)
         elif start % group or stop % group:
-            raise ValueError(
+            raise ConfigError(
                 f"columns {start}:{stop} split a group of {group} inputs: use a --tp that "
                 "splits the layers at whole groups"
             )
@@ -103,7 +103,7 @@ class CodesTensor:
         multiples of 32 (quant/codes.py's `groups_of_at_most_32`)."""
         c = self.codes
         if c.group > 32 and c.group % 32:
-            raise ValueError(
+            raise ConfigError(
                 f"groups of {c.group} inputs: aserve's kernels take groups of 32 or multiples"
             )
         return c
@@ -148,7 +148,7 @@ def pair_int_weights(
     if arrived:
         base, parts = next(iter(arrived.items()))
         missing = sorted(set(suffixes) - set(parts))
-        raise ValueError(f"quantized weight {base} lacks {', '.join(missing)} in the checkpoint")
+        raise ConfigError(f"quantized weight {base} lacks {', '.join(missing)} in the checkpoint")
 
 
 def unpack(scheme: IntScheme, parts: list[torch.Tensor]) -> CodesTensor:
@@ -196,7 +196,7 @@ def in_group_order(codes: Codes, index: torch.Tensor) -> CodesTensor:
     order = torch.argsort(index, stable=True)
     group = codes.group
     if not torch.equal(index[order], torch.arange(index.numel()) // group):
-        raise ValueError(f"a group index that does not give each group {group} inputs")
+        raise ConfigError(f"a group index that does not give each group {group} inputs")
     if torch.equal(order, torch.arange(index.numel())):
         return CodesTensor(codes)
     return CodesTensor(codes._replace(codes=codes.codes[:, order].contiguous()), order)
@@ -227,9 +227,9 @@ def _codes(
     rows, cols = codes.shape
     group = group or cols
     if cols % group:
-        raise ValueError(f"{cols} inputs do not split into groups of {group}")
+        raise ConfigError(f"{cols} inputs do not split into groups of {group}")
     if scales.shape != (rows, cols // group) or zeros.shape != scales.shape:
-        raise ValueError(
+        raise ConfigError(
             f"scales {tuple(scales.shape)} and zeros {tuple(zeros.shape)} do not fit "
             f"{rows} x {cols} weights in groups of {group}"
         )
@@ -243,7 +243,7 @@ def _check_group_index(name: str, index: torch.Tensor, group: int) -> None:
     inputs = torch.arange(index.numel())
     expected = inputs // group if group else torch.zeros_like(inputs)
     if not torch.equal(index.reshape(-1).long(), expected):
-        raise ValueError(
+        raise ConfigError(
             f"{name}: this group index gathers inputs out of order, but the checkpoint's "
             "config says its groups are runs of inputs (desc_act false, or static_groups)"
         )

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from aserve.config import ConfigError
 from aserve.quant.codes import Codes, quantize
 from aserve.quant.cpu import (
     FLOAT_ON_KERNELS,
@@ -298,7 +299,7 @@ def load_table_rows(
     of a vocabulary that does not split evenly); 16-bit floats as they are, but under
     "float32"."""
     if isinstance(tensor, CodesTensor) and tensor.order is not None:
-        raise ValueError("an act-order embedding or LM head is not supported")
+        raise ConfigError("an act-order embedding or LM head is not supported")
     if isinstance(tensor, (QuantizedTensor, CodesTensor)):
         piece: Shard = tensor.decode()
     else:
