@@ -399,6 +399,16 @@ def _closed(acc, dot, x_sum, scales_ptr, offsets_ptr, at, ok, OFFSETS: tl.conste
 
 
 @triton.jit
+def _store_words(y_ptr, cols, ok, acc0, acc1, acc2, acc3):
+    """Word column c's four outputs, 4c to 4c + 3, from the four accumulators."""
+    y = y_ptr + 4 * cols
+    tl.store(y, acc0.to(y_ptr.dtype.element_ty), mask=ok)
+    tl.store(y + 1, acc1.to(y_ptr.dtype.element_ty), mask=ok)
+    tl.store(y + 2, acc2.to(y_ptr.dtype.element_ty), mask=ok)
+    tl.store(y + 3, acc3.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def gemv(
     x_ptr,
     words_ptr,
@@ -478,11 +488,7 @@ def gemv(
         )
         acc3 = _closed(acc3, dot, x_sum, scales_ptr, offsets_ptr, outputs + 3, ok, OFFSETS)
     launch_next(PDL)
-    y = y_ptr + pid_k * N + 4 * cols
-    tl.store(y, acc0.to(y_ptr.dtype.element_ty), mask=ok)
-    tl.store(y + 1, acc1.to(y_ptr.dtype.element_ty), mask=ok)
-    tl.store(y + 2, acc2.to(y_ptr.dtype.element_ty), mask=ok)
-    tl.store(y + 3, acc3.to(y_ptr.dtype.element_ty), mask=ok)
+    _store_words(y_ptr + pid_k * N, cols, ok, acc0, acc1, acc2, acc3)
 
 
 NIBBLE_DOTS = tl.constexpr(
@@ -652,11 +658,7 @@ def int_gemv(
             N, cols, ok, PTX, OFFSETS, FOUR_BIT, GROUP, BLOCK_W,
         )  # fmt: skip
     launch_next(PDL)
-    y = y_ptr + pid_k * N + 4 * cols
-    tl.store(y, acc0.to(y_ptr.dtype.element_ty), mask=ok)
-    tl.store(y + 1, acc1.to(y_ptr.dtype.element_ty), mask=ok)
-    tl.store(y + 2, acc2.to(y_ptr.dtype.element_ty), mask=ok)
-    tl.store(y + 3, acc3.to(y_ptr.dtype.element_ty), mask=ok)
+    _store_words(y_ptr + pid_k * N, cols, ok, acc0, acc1, acc2, acc3)
 
 
 @triton.jit
