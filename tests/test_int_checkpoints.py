@@ -41,10 +41,11 @@ class Layout:
         packed: bool = True,
         scale_dtype: torch.dtype = torch.float16,
         act_order: bool = False,
+        head: bool = False,
     ) -> None:
         self.method, self.bits, self.group, self.symmetric = method, bits, group, symmetric
         self.gptq_format, self.packed, self.scale_dtype = gptq_format, packed, scale_dtype
-        self.act_order = act_order
+        self.act_order, self.head = act_order, head
 
 
 LAYOUTS = {
@@ -60,6 +61,7 @@ LAYOUTS = {
     "ct-w8a8": Layout("compressed-tensors", bits=8, group=-1, symmetric=True, packed=False),
     "gptq-act-order": Layout("gptq", act_order=True),
     "ct-w4a16-act-order": Layout("compressed-tensors", symmetric=True, act_order=True),
+    "gptq-head": Layout("gptq", head=True),  # GPTQModel's `lm_head: true`
 }
 
 
@@ -149,7 +151,7 @@ def quantization_config(layout: Layout) -> dict[str, object]:
     if layout.method == "gptq":
         return {"quant_method": "gptq", "bits": layout.bits, "group_size": layout.group,
                 "desc_act": layout.act_order, "sym": layout.symmetric, "static_groups": False,
-                "checkpoint_format": layout.gptq_format}  # fmt: skip
+                "checkpoint_format": layout.gptq_format, "lm_head": layout.head}  # fmt: skip
     weights = {
         "num_bits": layout.bits,
         "type": "int",
@@ -181,7 +183,7 @@ def write_int_checkpoint(
     quantized: dict[str, torch.Tensor] = {}
     twin: dict[str, torch.Tensor] = {}
     for name, tensor in load_file(str(float_folder / "model.safetensors")).items():
-        if name.endswith(LINEAR):
+        if name.endswith(LINEAR) or (layout.head and name == "lm_head.weight"):
             stored, twin[name] = checkpoint_tensors(name, tensor, layout)
             quantized.update(stored)
         else:
@@ -211,6 +213,8 @@ def test_each_layout_unpacks_to_its_twin_exactly(tmp_path: Path, layout: str) ->
     weights = dict(pair_int_weights(iter_weights(folder, False), config.int_scheme, False))
     assert set(weights) == set(twin)
     linear = [name for name in twin if name.endswith(LINEAR)]
+    if LAYOUTS[layout].head:
+        linear.append("lm_head.weight")
     for name in linear:
         weight = weights[name]
         assert isinstance(weight, CodesTensor)
@@ -230,7 +234,7 @@ def test_int_checkpoint_generates_as_its_twin(
     tmp_path: Path, make_llm: Callable[..., LLM], family: str, layout: str
 ) -> None:
     """Each layout runs quantized on the CPU kernels (Phi-3's fused projections and partial
-    rotation, Qwen3-MoE's experts too) with the twin's first greedy tokens on most prompts,
+    rotation, Qwen3-MoE's experts and a quantized LM head too) with the twin's first greedy tokens on most prompts,
     and de-quantized (`--quantization none`, vLLM's `--quantization <method>` alike) with
     exactly the twin's tokens."""
     float_folder = make_tiny_model(family, tmp_path / "float")
@@ -242,6 +246,8 @@ def test_int_checkpoint_generates_as_its_twin(
     attention = quantized.runtime.engine.model.model.layers[1].self_attn
     assert attention.o_proj.quantized is not None
     assert not isinstance(attention.o_proj.quantized.products[0], torch.Tensor)
+    if LAYOUTS[layout].head:  # the LM head's codes on the CPU kernels, 4 bits a weight
+        assert quantized.runtime.engine.model.lm_head.table.head.code_bits == 4
     agree, pairs = first_tokens_agreeing(quantized, twin, max_tokens=8)
     assert agree >= 5, pairs
 
