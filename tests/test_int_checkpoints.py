@@ -235,8 +235,8 @@ def test_int_checkpoint_generates_as_its_twin(
 ) -> None:
     """Each layout runs quantized on the CPU kernels (Phi-3's fused projections and partial
     rotation, Qwen3-MoE's experts and a quantized LM head too) with the twin's first greedy
-    tokens on most prompts, and de-quantized (`--quantization none`, vLLM's `--quantization
-    <method>` alike) with exactly the twin's tokens."""
+    tokens on most prompts, and de-quantized (`--quantization none`) with exactly the twin's
+    tokens."""
     float_folder = make_tiny_model(family, tmp_path / "float")
     folder, twin_folder = tmp_path / "int", tmp_path / "twin"
     write_int_checkpoint(float_folder, folder, twin_folder, LAYOUTS[layout])
