@@ -370,3 +370,45 @@ def test_act_order_experts_are_refused(tmp_path: Path) -> None:
     write_int_checkpoint(float_folder, folder, twin_folder, LAYOUTS["gptq-act-order"])
     with pytest.raises(ConfigError, match="act-order experts"):  # one line from the CLI
         LLM(str(folder), num_pages=256)
+
+
+@pytest.mark.parametrize(
+    ("layout", "separate"), [("gptq", "quantize_config.json"), ("awq", "quant_config.json")]
+)
+def test_older_checkpoints_settings_file_and_zero_biases(
+    tmp_path: Path, make_llm: Callable[..., LLM], layout: str, separate: str
+) -> None:
+    """Older AutoGPTQ and AutoAWQ checkpoints keep their settings in a file of their own
+    (`quantize_config.json`, `quant_config.json` with AutoAWQ's own keys), and GPTQ files may
+    hold a zero bias for every layer: such a checkpoint generates as the one with its
+    settings in config.json. A bias that is not zero, for a layer without one, is refused."""
+    from safetensors.torch import load_file, save_file
+
+    float_folder = make_tiny_model("llama", tmp_path / "float")
+    folder, twin_folder = tmp_path / "int", tmp_path / "twin"
+    write_int_checkpoint(float_folder, folder, twin_folder, LAYOUTS[layout])
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = [o.token_ids for o in make_llm(folder, num_pages=256).generate(TINY_PROMPTS, greedy)]
+    config = json.loads((folder / "config.json").read_text())
+    settings = config.pop("quantization_config")
+    del settings["quant_method"]
+    if layout == "awq":  # AutoAWQ's names
+        settings = {"w_bit": 4, "q_group_size": settings["group_size"], "zero_point": True,
+                    "version": "GEMM"}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / separate).write_text(json.dumps(settings))
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(64)
+    save_file(tensors, str(folder / "model.safetensors"))
+    older = make_llm(folder, num_pages=256)
+    assert (
+        older.runtime.model_config.int_scheme
+        == ModelConfig.from_hf(
+            {**config, "quantization_config": {"quant_method": layout, **settings}}
+        ).int_scheme
+    )
+    assert [o.token_ids for o in older.generate(TINY_PROMPTS, greedy)] == expected
+    tensors["model.layers.0.self_attn.o_proj.bias"] = torch.ones(64)
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(ConfigError, match="a bias for a layer that has none"):
+        LLM(str(folder), num_pages=256)

@@ -18,12 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from aserve.config import ConfigError
 from aserve.distributed.group import TPGroup
 from aserve.layers.activation import silu_and_mul
 from aserve.layers.cpu_gemm import PackedWeight, can_pack
 from aserve.layers.embedding import VocabParallelEmbedding
 from aserve.layers.fused import FusedOps
-from aserve.layers.weight import WeightSource
+from aserve.layers.weight import WeightSource, read_whole
 from aserve.quant.fp8_activations import Fp8Activations
 from aserve.quant.method import QuantizedLinearWeight
 
@@ -84,6 +85,9 @@ class ColumnParallelLinear(nn.Module):
     def load_weight(self, name: str, tensor: WeightSource, shard: int = 0) -> None:
         if name == "weight" and self.quantized is not None:
             self.quantized.load(shard, self._rank_rows(tensor, shard))
+            return
+        if name == "bias" and self.bias is None:
+            _zero_bias(tensor)
             return
         param = self.weight if name == "weight" else self.bias
         assert param is not None, f"checkpoint has a {name} this layer does not"
@@ -190,14 +194,23 @@ class RowParallelLinear(nn.Module):
 
     def load_weight(self, name: str, tensor: WeightSource, shard: int = 0) -> None:
         if name == "bias":
-            assert self.bias is not None
-            self.bias.data.copy_(tensor[:])
+            if self.bias is None:
+                _zero_bias(tensor)
+            else:
+                self.bias.data.copy_(tensor[:])
             return
         columns = tensor[:, self.input_start : self.input_start + self.local_input]
         if self.quantized is not None:
             self.quantized.load(0, columns)
         else:
             self.weight.data.copy_(columns)
+
+
+def _zero_bias(tensor: WeightSource) -> None:
+    """A bias that a layer without one is given: GPTQ files may hold zeros for every layer,
+    which change nothing and are passed over, as vLLM does; any other is refused."""
+    if read_whole(tensor).any():
+        raise ConfigError("the checkpoint has a bias for a layer that has none in this model")
 
 
 def pack_linear_weights(model: nn.Module) -> None:

@@ -30,14 +30,27 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
+SEPARATE_QUANTIZATION_CONFIGS = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
+"""Where older AutoGPTQ and AutoAWQ checkpoints keep their settings, config.json having no
+`quantization_config`, and the method each file's settings are for."""
+
+
 def load_hf_config(folder: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """config.json, and generation_config.json or None (it holds extra eos ids when present)."""
+    """config.json (with a separate quantization file's settings as its
+    `quantization_config`), and generation_config.json or None (it holds extra eos ids when
+    present)."""
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise ModelSourceError(f"{folder} has no config.json: not a Hugging Face model folder")
     generation_file = folder / "generation_config.json"
     generation = json.loads(generation_file.read_text()) if generation_file.is_file() else None
-    return json.loads(config_file.read_text()), generation
+    config = json.loads(config_file.read_text())
+    for name, method in SEPARATE_QUANTIZATION_CONFIGS.items():
+        separate = folder / name
+        if "quantization_config" not in config and separate.is_file():
+            settings = json.loads(separate.read_text())
+            config["quantization_config"] = {"quant_method": method, **settings}
+    return config, generation
 
 
 def safetensors_files(folder: Path) -> list[Path]:
