@@ -32,8 +32,11 @@ SUPPORTED_ARCHITECTURES = {
     "GraniteForCausalLM": "granite",
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo3",
+    "OlmoeForCausalLM": "olmoe",
     "Exaone4ForCausalLM": "exaone4",
 }
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe")
+"""Families whose experts `_moe_settings` reads (gpt-oss's are read with its own settings)."""
 MOE_BACKENDS = ("auto", "torch", "fused")
 GELU_TANH = "gelu_pytorch_tanh"
 ACTIVATIONS = ("silu", GELU_TANH)
@@ -233,6 +236,15 @@ def _olmo_settings(config: dict[str, Any], num_layers: int, family: str) -> dict
     return settings
 
 
+def _olmoe_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """OLMoE: Llama's layers (norms before attention and the MLP) with OLMo's Q/K norms
+    across all heads, and experts (`_moe_settings`). Its `clip_qkv` (None in the released
+    models) is not run."""
+    if config.get("clip_qkv") is not None:
+        raise ConfigError("this OLMoE clips Q, K and V (clip_qkv), which aserve does not do")
+    return {"qk_norm_across_heads": True}
+
+
 def _exaone4_settings(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """EXAONE 4: OLMo 2's norms after attention and the MLP (plain RMSNorms; Q/K norms a
     head, as Qwen3's). With a window (the 32B) three layers of four read it
@@ -334,11 +346,15 @@ def _rope_free_layers(config: dict[str, Any], num_layers: int) -> tuple[int, ...
 
 def _moe_settings(config: dict[str, Any], family: str) -> dict[str, Any]:
     """Transformers 5 writes `num_local_experts` where Qwen's own configs say `num_experts`;
-    the defaults are Qwen3MoeConfig's. Mixtral's experts are `intermediate_size` wide, every
-    layer is sparse, and the chosen experts' softmax weights are renormalised (as Qwen3-MoE's
-    with `norm_topk_prob`)."""
+    the defaults are Qwen3MoeConfig's. Mixtral's and OLMoE's experts are `intermediate_size`
+    wide and every layer is sparse; Mixtral's chosen experts' softmax weights are renormalised
+    (as Qwen3-MoE's and OLMoE's with `norm_topk_prob`)."""
     mixtral = family == "mixtral"
-    width = config.get("moe_intermediate_size") if mixtral else config["moe_intermediate_size"]
+    width = (
+        config.get("moe_intermediate_size")
+        if family in ("mixtral", "olmoe")
+        else config["moe_intermediate_size"]
+    )
     return {
         "num_experts": int(config.get("num_experts") or config.get("num_local_experts") or 0),
         "num_experts_per_tok": int(config.get("num_experts_per_tok", 8)),
@@ -632,6 +648,8 @@ class ModelConfig:
             family_settings |= _olmo_settings(config, num_layers, family)
         if family == "exaone4":
             family_settings |= _exaone4_settings(config, num_layers)
+        if family == "olmoe":
+            family_settings |= _olmoe_settings(config)
         if family == "phi3":
             family_settings["rotary_dim"] = _rotary_dim(config, int(head_dim))
             _check_longrope(family_settings["rope_scaling"], family_settings["rotary_dim"])
@@ -656,12 +674,13 @@ class ModelConfig:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=bool(config.get("attention_bias", family == "qwen2")),
             o_bias=bool(config.get("attention_bias", False)) and family != "qwen2",
-            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "exaone4"),
+            qk_norm=family
+            in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "olmoe", "exaone4"),
             eos_token_ids=tuple(sorted(eos)),
             bos_token_id=config.get("bos_token_id"),
             torch_dtype=config.get("torch_dtype") or config.get("dtype"),
             **_quantization_settings(quantization),
-            **_moe_settings(config, family) if family in ("qwen3_moe", "mixtral") else {},
+            **_moe_settings(config, family) if family in MOE_FAMILIES else {},
             **settings,
         )
 

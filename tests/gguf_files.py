@@ -35,6 +35,7 @@ GGUF_ARCH = {
     "mixtral": "llama",
     "olmo2": "olmo2",
     "olmo3": "olmo2",  # llama.cpp's olmo2, with a window: three layers of four, YaRN on the rest
+    "olmoe": "olmoe",
     "exaone4": "exaone4",
 }
 TOP_LEVEL = {
@@ -235,9 +236,10 @@ def write_hf_as_gguf(
     if num_experts:
         writer.add_expert_count(num_experts)
         writer.add_expert_used_count(config["num_experts_per_tok"])
-        wide = gpt_oss or config["model_type"] == "mixtral"  # experts of intermediate_size
+        wide = gpt_oss or config["model_type"] in ("mixtral", "olmoe")  # intermediate_size
         expert_rows = config["intermediate_size" if wide else "moe_intermediate_size"]
-        writer.add_expert_feed_forward_length(expert_rows)
+        if config["model_type"] != "olmoe":  # llama.cpp's olmoe files have feed_forward_length
+            writer.add_expert_feed_forward_length(expert_rows)
     in_layer = GEMMA_IN_LAYER if gemma else GPT_OSS_IN_LAYER if gpt_oss else IN_LAYER
     in_layer = PHI3_IN_LAYER if phi3 else in_layer
     post_norms = config["model_type"] in ("olmo2", "olmo3", "exaone4")

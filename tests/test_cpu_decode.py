@@ -81,6 +81,7 @@ def decode_both_ways(llm: LLM) -> tuple[list, list, int]:
         "mixtral",
         "olmo2",
         "olmo3",
+        "olmoe",
         "exaone4",
     ],
 )

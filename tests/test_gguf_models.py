@@ -67,6 +67,7 @@ OVERRIDES = {
         "mixtral",
         "olmo2",
         "olmo3",
+        "olmoe",
         "exaone4",
     ],
 )
@@ -78,7 +79,9 @@ def test_gguf_of_each_family_matches_transformers(family: str, tmp_path: Path) -
     it; the Phi-3 file keeps Q|K|V and gate|up fused, and its LongRoPE factors as tensors;
     the OLMo 2 file's norms after attention and the MLP are `post_attention_norm` and
     `post_ffw_norm`, and an OLMo 3 file is llama.cpp's olmo2 with a window (three layers of
-    four, unscaled rope there) and YaRN."""
+    four, unscaled rope there) and YaRN; the OLMoE file's experts are `feed_forward_length`
+    wide (llama.cpp writes no `expert_feed_forward_length` for it) and its chosen experts'
+    weights are not renormalised."""
     folder = make_tiny_model(family, tmp_path / family, overrides=OVERRIDES.get(family))
     model = write_hf_as_gguf(folder, tmp_path / f"{family}.gguf")
     hf = hf_model(folder)

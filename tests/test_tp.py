@@ -169,6 +169,7 @@ def test_tp2_integer_checkpoint_equals_tp1(
         "olmo2",
         "olmo2-one-kv-head",
         "olmo3",
+        "olmoe",
         "exaone4",
     ],
 )

@@ -114,6 +114,16 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "residual_multiplier": 0.22,
         "logits_scaling": 4.0,
     },
+    "olmoe": {
+        # Llama's layers with OLMo's Q/K norms across heads and experts as wide as
+        # `intermediate_size`, their softmax weights not renormalised
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "intermediate_size": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": False,
+    },
     "olmo2": {
         # norms after attention and the MLP only; Q and K norms across all heads
         "rope_theta": 500000.0,
@@ -199,6 +209,7 @@ def make_tiny_model(
         "granite": transformers.GraniteConfig,
         "mixtral": transformers.MixtralConfig,
         "olmo2": transformers.Olmo2Config,
+        "olmoe": transformers.OlmoeConfig,
         "olmo3": transformers.Olmo3Config,
         "exaone4": transformers.Exaone4Config,
         "gpt_oss": transformers.GptOssConfig,

@@ -75,6 +75,7 @@ ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
 }
 MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text", "gpt-oss": "gpt_oss"}
@@ -272,8 +273,11 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
     tensors = {tensor.name: tensor for tensor in stored}
     hidden = read(f"{arch}.embedding_length", required=True)
     heads = read(f"{arch}.attention.head_count", required=True)
-    experts = read(f"{arch}.expert_count", 0, required=arch in ("qwen3moe", "gpt-oss"))
-    expert_rows = read(f"{arch}.expert_feed_forward_length", required=experts > 0)
+    experts = read(f"{arch}.expert_count", 0, required=arch in ("qwen3moe", "gpt-oss", "olmoe"))
+    if arch == "olmoe":  # llama.cpp writes (and reads) `feed_forward_length` for its experts
+        expert_rows = read("olmoe.feed_forward_length", required=True)
+    else:
+        expert_rows = read(f"{arch}.expert_feed_forward_length", required=experts > 0)
     mixtral = arch == "llama" and experts > 0  # llama.cpp keeps Mixtral under llama's name
     config = {
         "architectures": ["MixtralForCausalLM" if mixtral else ARCHITECTURES[arch]],
@@ -297,12 +301,12 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
         "hidden_act": "silu",
         "torch_dtype": matrix_dtype(stored),
     }
-    if experts:  # Qwen3-MoE: every layer sparse, the chosen experts' weights renormalised
+    if experts:  # every layer sparse, the chosen experts' weights renormalised but in OLMoE
         config |= {
             "num_experts": experts,
             "num_experts_per_tok": read(f"{arch}.expert_used_count", required=True),
             "moe_intermediate_size": expert_rows,
-            "norm_topk_prob": True,
+            "norm_topk_prob": arch != "olmoe",
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
         }
