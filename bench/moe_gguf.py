@@ -14,7 +14,9 @@ loads no model without a vocabulary. The default shape keeps the 30B-A3B's propo
 0.7 B parameters, 60 M of them active a token besides the embedding and LM head. gpt-oss's
 layers add biases to every projection, the router and the experts, a sink logit a head, a
 window of 128 on every other layer, and YaRN; its published files keep the experts in MXFP4
-(`--expert-qtype`).
+(`--expert-qtype`). `--arch olmoe` writes OLMoE's (Q/K norms across all heads, experts'
+weights not renormalised); OLMoE-1B-7B's shape is `--arch olmoe --layers 16 --hidden 2048
+--heads 16 16 --head-dim 128 --experts 64 8 --expert-rows 1024`.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from bench.gguf_files import copy_tokenizer, random_matrix, write_out  # noqa: E
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description="write a random Qwen3-MoE GGUF")
     p.add_argument("out", type=Path)
-    p.add_argument("--arch", default="qwen3moe", choices=["qwen3moe", "gpt-oss"])
+    p.add_argument("--arch", default="qwen3moe", choices=["qwen3moe", "gpt-oss", "olmoe"])
     p.add_argument("--qtype", default="Q4_0", help="GGUF type of the matrices: Q4_0, IQ4_XS, ...")
     p.add_argument("--expert-qtype", default=None, help="the experts' type (default: --qtype)")
     p.add_argument("--layers", type=int, default=8)
@@ -75,7 +77,8 @@ def main() -> None:
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_expert_count(experts)
     writer.add_expert_used_count(used)
-    writer.add_expert_feed_forward_length(args.expert_rows)
+    if args.arch != "olmoe":  # llama.cpp's olmoe files take feed_forward_length
+        writer.add_expert_feed_forward_length(args.expert_rows)
     if oss:
         writer.add_sliding_window(128)
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
@@ -114,9 +117,10 @@ def main() -> None:
         pre_mlp_norm = "post_attention_norm" if oss else "ffn_norm"
         for norm, size in (("attn_norm", args.hidden), (pre_mlp_norm, args.hidden)):
             add(f"{blk}.{norm}.weight", np.ones(size, np.float32), quantized=False)
-        if not oss:
-            for norm in ("attn_q_norm", "attn_k_norm"):
-                add(f"{blk}.{norm}.weight", np.ones(args.head_dim, np.float32), quantized=False)
+        if not oss:  # Q/K norms a head, or OLMoE's across all heads of the projection
+            widths = (q_rows, kv_rows) if args.arch == "olmoe" else (args.head_dim, args.head_dim)
+            for norm, width in zip(("attn_q_norm", "attn_k_norm"), widths):
+                add(f"{blk}.{norm}.weight", np.ones(width, np.float32), quantized=False)
             continue
         for name, rows in (("attn_q", q_rows), ("attn_k", kv_rows), ("attn_v", kv_rows)):
             add(f"{blk}.{name}.bias", small(rows), quantized=False)
