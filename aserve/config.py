@@ -104,6 +104,7 @@ class ExpertStyle:
 
 
 PLAIN_EXPERTS = ExpertStyle()
+"""Qwen3-MoE's experts: no biases, SiLU(gate) * up."""
 
 
 @dataclass(frozen=True)
@@ -125,9 +126,6 @@ class IntScheme:
     zeros_less_one: bool = False
     packed: bool = True
     act_order: bool = False
-
-
-"""Qwen3-MoE's experts: no biases, SiLU(gate) * up."""
 
 
 def _as_int_tuple(value: Any) -> tuple[int, ...]:
