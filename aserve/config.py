@@ -34,6 +34,7 @@ SUPPORTED_ARCHITECTURES = {
     "Olmo3ForCausalLM": "olmo3",
     "OlmoeForCausalLM": "olmoe",
     "Exaone4ForCausalLM": "exaone4",
+    "Glm4ForCausalLM": "glm4",
 }
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe")
 """Families whose experts `_moe_settings` reads (gpt-oss's are read with its own settings)."""
@@ -198,6 +199,7 @@ def _gemma_settings(config: dict[str, Any], num_layers: int, family: str) -> dic
         "attention_scale": float(config.get("query_pre_attn_scalar") or head_dim) ** -0.5,
         "embedding_scale": float(config["hidden_size"]) ** 0.5,
         "gemma_norms": True,
+        "sandwich_norms": True,
         "hidden_act": config.get("hidden_activation") or config.get("hidden_act") or GELU_TANH,
         "attention_softcap": float(config.get("attn_logit_softcapping") or 0.0),
         "logit_softcap": float(config.get("final_logit_softcapping") or 0.0),
@@ -521,17 +523,19 @@ class ModelConfig:
     the window: within it, sliding-window attention and full attention are the same
     computation. Gemma's layers alternate: `layer_windows` gives each layer's window (0: the
     whole context), and Gemma 3's windowed layers rotate with `local_rope_theta` unscaled.
-    `gemma_norms`: the layer also normalises attention's and the MLP's outputs, and every
-    norm weighs by 1 + w.
+    `sandwich_norms` (Gemma, GLM-4): the layer also normalises attention's and the MLP's
+    outputs; `gemma_norms`: every norm weighs by 1 + w.
     `norms_in_float32`: norms weigh the float32 row before rounding (gpt-oss; Gemma's too).
     `rope_free_layers`: layers whose queries and keys take no rotary position (SmolLM3's
     every fourth). `rotary_dim`: how many of a head's dimensions rotate (0: all; Phi-4-mini
-    rotates three quarters). `o_bias`: the output projection has a bias (`attention_bias`, except
-    Qwen2's, which biases Q, K and V only). `attention_sinks`: each head's softmax also sums
-    a learned logit of its own that weighs no value (gpt-oss). `attention_softcap` and
-    `logit_softcap` (Gemma 2; 0: none) bound the scaled scores and the logits to (-cap,
-    cap) by cap * tanh(x / cap). `post_norms` (OLMo 2, EXAONE 4): no norm before attention or
-    the MLP; each one's output is normalised before it joins the residual stream.
+    rotates three quarters, GLM-4 half), `rotary_interleaved` (GLM-4): in pairs of neighbours
+    (2i, 2i + 1), not halves. `o_bias`: the output projection has a bias (`attention_bias`,
+    except Qwen2's and GLM-4's, which bias Q, K and V only). `attention_sinks`: each head's
+    softmax also sums a learned logit of its own that weighs no value (gpt-oss).
+    `attention_softcap` and `logit_softcap` (Gemma 2; 0: none) bound the scaled scores and the
+    logits to (-cap, cap) by cap * tanh(x / cap). `post_norms` (OLMo 2, EXAONE 4): no norm
+    before attention or the MLP; each one's output is normalised before it joins the residual
+    stream.
     `qk_norm_across_heads` (OLMo 2): the Q and K norms (`qk_norm`) span all heads of the
     projection instead of one head.
     `residual_multiplier` scales each attention and MLP output before it joins the residual
@@ -583,6 +587,7 @@ class ModelConfig:
     attention_scale: float | None = None  # None: 1 / sqrt(head_dim)
     embedding_scale: float | None = None
     gemma_norms: bool = False
+    sandwich_norms: bool = False
     norms_in_float32: bool = False
     o_bias: bool = False
     attention_sinks: bool = False
@@ -591,6 +596,7 @@ class ModelConfig:
     expert_style: ExpertStyle = PLAIN_EXPERTS
     rope_free_layers: tuple[int, ...] = ()
     rotary_dim: int = 0
+    rotary_interleaved: bool = False
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
     post_norms: bool = False
@@ -648,6 +654,12 @@ class ModelConfig:
             family_settings |= _exaone4_settings(config, num_layers)
         if family == "olmoe":
             family_settings |= _olmoe_settings(config)
+        if family == "glm4":
+            family_settings |= {
+                "sandwich_norms": True,
+                "rotary_dim": _rotary_dim(config, int(head_dim)),
+                "rotary_interleaved": True,
+            }
         if family == "phi3":
             family_settings["rotary_dim"] = _rotary_dim(config, int(head_dim))
             _check_longrope(family_settings["rope_scaling"], family_settings["rotary_dim"])
@@ -671,7 +683,7 @@ class ModelConfig:
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=bool(config.get("attention_bias", family == "qwen2")),
-            o_bias=bool(config.get("attention_bias", False)) and family != "qwen2",
+            o_bias=bool(config.get("attention_bias", False)) and family not in ("qwen2", "glm4"),
             qk_norm=family
             in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "olmoe", "exaone4"),
             eos_token_ids=tuple(sorted(eos)),

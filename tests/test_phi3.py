@@ -99,7 +99,7 @@ def test_rows_reordered_for_the_partial_rotation(
     hf = hf_model(phi3)
     with torch.inference_mode():
         theirs = hf(torch.tensor([PROMPT])).logits[0, -1:]
-    identity = lambda head_dim, rotary_dim: torch.arange(head_dim)  # noqa: E731
+    identity = lambda head_dim, rotary_dim, interleaved: torch.arange(head_dim)  # noqa: E731
     monkeypatch.setattr("aserve.models.decoder.partial_rotary_order", identity)
     with LLM(str(phi3), page_size=4) as llm:
         assert (our_logits(llm, PROMPT, []) - theirs).abs().max() > 2e-3  # 10x the tolerance

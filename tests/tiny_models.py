@@ -114,6 +114,16 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "residual_multiplier": 0.22,
         "logits_scaling": 4.0,
     },
+    "glm4": {
+        # GLM-4-0414's layers: norms before and after attention and the MLP (plain weights),
+        # half of a head rotating in neighbouring pairs, Q/K/V biases, fused gate|up
+        "head_dim": 16,
+        "partial_rotary_factor": 0.5,
+        "attention_bias": True,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "pad_token_id": 0,  # its default, 151329, is past the tiny vocabulary
+    },
     "olmoe": {
         # Llama's layers with OLMo's Q/K norms across heads and experts as wide as
         # `intermediate_size`, their softmax weights not renormalised
@@ -210,6 +220,7 @@ def make_tiny_model(
         "mixtral": transformers.MixtralConfig,
         "olmo2": transformers.Olmo2Config,
         "olmoe": transformers.OlmoeConfig,
+        "glm4": transformers.Glm4Config,
         "olmo3": transformers.Olmo3Config,
         "exaone4": transformers.Exaone4Config,
         "gpt_oss": transformers.GptOssConfig,

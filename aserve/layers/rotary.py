@@ -185,18 +185,21 @@ class RotaryEmbedding(nn.Module):
         return self._tables
 
 
-def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+def partial_rotary_order(head_dim: int, rotary_dim: int, interleaved: bool = False) -> torch.Tensor:
     """The order of a head's dimensions under which Hugging Face's partial rotation (pairs
-    (i, i + rotary_dim / 2) of the first rotary_dim dimensions) is the whole head's
-    rotate-half (pairs (j, j + head_dim / 2)) on its first rotary_dim / 2 pairs: the halves
-    of the rotating part go to the front of each half of the head, the others' halves
-    after them."""
+    (i, i + rotary_dim / 2) of the first rotary_dim dimensions; with `interleaved`, GLM-4's,
+    pairs (2i, 2i + 1)) is the whole head's rotate-half (pairs (j, j + head_dim / 2)) on its
+    first rotary_dim / 2 pairs: each pair's first member goes to the front of the head's
+    first half, its second to the front of the second half, the others' halves after
+    them."""
     half, rest = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    firsts = torch.arange(0, rotary_dim, 2) if interleaved else torch.arange(half)
+    seconds = torch.arange(1, rotary_dim, 2) if interleaved else torch.arange(half, rotary_dim)
     return torch.cat(
         (
-            torch.arange(half),
+            firsts,
             torch.arange(rotary_dim, rotary_dim + rest),
-            torch.arange(half, rotary_dim),
+            seconds,
             torch.arange(rotary_dim + rest, head_dim),
         )
     )

@@ -258,7 +258,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = DecoderAttention(config, layer, rotary, tp, ops)
         self.mlp = mlp
-        self.sandwich = config.gemma_norms
+        self.sandwich = config.sandwich_norms
         self.post_norms = config.post_norms
         self.residual_multiplier = config.residual_multiplier  # Granite's; 1 elsewhere
         norm = _norm_class(config)
@@ -377,7 +377,7 @@ class DecoderModel(nn.Module):
         self.norm = norm(config.hidden_size, config.rms_norm_eps, ops)
         self.tp = tp
         # what the last layer's output needs before the final norm: partial sums reduced
-        self.final_group = None if config.gemma_norms or config.post_norms else tp
+        self.final_group = None if config.sandwich_norms or config.post_norms else tp
         # The layers in C++ for CPU decode steps (models/cpu_decode.py), set after loading.
         self.decode_stack: DecodeStack | None = None
 
@@ -407,6 +407,15 @@ _FUSED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+NORM_NAMES = {
+    "glm4": {
+        "post_self_attn_layernorm": "post_attention_layernorm",
+        "post_attention_layernorm": "pre_feedforward_layernorm",
+        "post_mlp_layernorm": "post_feedforward_layernorm",
+    }
+}
+"""Families whose layers' norms are named otherwise than Gemma's four (before and after
+attention, before and after the MLP), in checkpoint name -> ours."""
 _FUSED_IN_CHECKPOINT = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
@@ -438,7 +447,9 @@ class DecoderForCausalLM(nn.Module):
         self.config = config
         self.rotary_order: torch.Tensor | None = None  # a head's rows, where part rotates
         if config.rotary_dim and config.rotary_dim < config.head_dim:
-            self.rotary_order = partial_rotary_order(config.head_dim, config.rotary_dim)
+            self.rotary_order = partial_rotary_order(
+                config.head_dim, config.rotary_dim, config.rotary_interleaved
+            )
         mlps = make_mlp or (lambda _: DecoderMLP(config, tp, ops))
         self.model = DecoderModel(config, max_positions, tp, ops, mlps)
         self.lm_head = (
@@ -479,11 +490,16 @@ class DecoderForCausalLM(nn.Module):
         """Copy Hugging Face-named tensors into this rank's (fused, sharded) parameters."""
         modules = dict(self.named_modules())
         loaded: set[str] = set()
+        renamed = NORM_NAMES.get(self.config.model_type, {})
         for name, tensor in weights:
             if "rotary_emb" in name or (
                 name == "lm_head.weight" and self.config.tie_word_embeddings
             ):
                 continue
+            module, _, param = name.rpartition(".")
+            parent, _, leaf = module.rpartition(".")
+            if leaf in renamed:
+                name = f"{parent}.{renamed[leaf]}.{param}"
             loaded.update(self.load_tensor(modules, name, tensor))
         missing = self.expected_tensors() - loaded
         if missing:
