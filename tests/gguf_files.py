@@ -37,6 +37,7 @@ GGUF_ARCH = {
     "olmo3": "olmo2",  # llama.cpp's olmo2, with a window: three layers of four, YaRN on the rest
     "olmoe": "olmoe",
     "exaone4": "exaone4",
+    "glm4": "glm4",
 }
 TOP_LEVEL = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -76,6 +77,11 @@ GPT_OSS_IN_LAYER = IN_LAYER | {
 """gpt-oss's names in llama.cpp's converter: the norm before the experts is ATTN_POST_NORM,
 the router FFN_GATE_INP, the sinks ATTN_SINKS (given a `.weight`)."""
 PHI3_IN_LAYER = IN_LAYER | {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+GLM4_IN_LAYER = IN_LAYER | {
+    "post_self_attn_layernorm": "post_attention_norm",
+    "post_mlp_layernorm": "post_ffw_norm",
+    "mlp.gate_up_proj": "ffn_up",
+}
 """Phi-3's fused projections keep their checkpoint layout under llama.cpp's names."""
 EXPERT_PARTS = {
     "gate_proj": "ffn_gate_exps",
@@ -175,6 +181,7 @@ def write_hf_as_gguf(
         config["rope_parameters"] = config["rope_parameters"]["full_attention"]
     rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     config["rope_theta"] = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
+    partial = config.get("partial_rotary_factor") or rope.pop("partial_rotary_factor", None)
     config["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
     arch = GGUF_ARCH[config["model_type"]]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
@@ -190,7 +197,7 @@ def write_hf_as_gguf(
     writer.add_head_count_kv(kv_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    rotary = int(head_dim * (config.get("partial_rotary_factor") or 1.0))
+    rotary = int(head_dim * (partial or 1.0))
     writer.add_rope_dimension_count(rotary)
     writer.add_rope_freq_base(config["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
@@ -242,6 +249,7 @@ def write_hf_as_gguf(
             writer.add_expert_feed_forward_length(expert_rows)
     in_layer = GEMMA_IN_LAYER if gemma else GPT_OSS_IN_LAYER if gpt_oss else IN_LAYER
     in_layer = PHI3_IN_LAYER if phi3 else in_layer
+    in_layer = GLM4_IN_LAYER if config["model_type"] == "glm4" else in_layer
     post_norms = config["model_type"] in ("olmo2", "olmo3", "exaone4")
     in_layer = OLMO2_IN_LAYER if post_norms else in_layer
     tensors: dict[str, np.ndarray] = {}

@@ -83,6 +83,7 @@ def decode_both_ways(llm: LLM) -> tuple[list, list, int]:
         "olmo3",
         "olmoe",
         "exaone4",
+        "glm4",
     ],
 )
 def test_stack_gives_the_modules_bits(family: str, tmp_path: Path) -> None:

@@ -69,6 +69,7 @@ OVERRIDES = {
         "olmo3",
         "olmoe",
         "exaone4",
+        "glm4",
     ],
 )
 def test_gguf_of_each_family_matches_transformers(family: str, tmp_path: Path) -> None:
@@ -81,7 +82,9 @@ def test_gguf_of_each_family_matches_transformers(family: str, tmp_path: Path) -
     `post_ffw_norm`, and an OLMo 3 file is llama.cpp's olmo2 with a window (three layers of
     four, unscaled rope there) and YaRN; the OLMoE file's experts are `feed_forward_length`
     wide (llama.cpp writes no `expert_feed_forward_length` for it) and its chosen experts'
-    weights are not renormalised."""
+    weights are not renormalised; the GLM-4 file's four norms a layer are Gemma 2's names
+    with plain weights, its gate|up fused, and half a head rotates in neighbouring pairs
+    (`rope.dimension_count`)."""
     folder = make_tiny_model(family, tmp_path / family, overrides=OVERRIDES.get(family))
     model = write_hf_as_gguf(folder, tmp_path / f"{family}.gguf")
     hf = hf_model(folder)

@@ -171,6 +171,7 @@ def test_tp2_integer_checkpoint_equals_tp1(
         "olmo3",
         "olmoe",
         "exaone4",
+        "glm4",
     ],
 )
 def test_tp2_family_greedy_tokens_and_logprobs_equal_tp1(tmp_path: Path, family: str) -> None:

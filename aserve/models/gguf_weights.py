@@ -70,6 +70,14 @@ PHI3_TENSORS = LAYER_TENSORS | {
     "ffn_up": "mlp.gate_up_proj",
 }
 """Phi-3's fused projections, as llama.cpp keeps them: Q|K|V, and gate|up under `ffn_up`."""
+GLM4_TENSORS = LAYER_TENSORS | {
+    "post_attention_norm": "post_self_attn_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_mlp_layernorm",
+    "ffn_up": "mlp.gate_up_proj",
+}
+"""GLM-4's four norms a layer under its own names (models/decoder.py's NORM_NAMES takes
+them on), and its fused gate|up under `ffn_up`, as Phi-3's."""
 FAMILY_TENSORS = {
     "phi3": PHI3_TENSORS,
     "gemma2": SANDWICH_TENSORS,
@@ -78,6 +86,7 @@ FAMILY_TENSORS = {
     "olmo2": OLMO2_TENSORS,
     "olmo3": OLMO2_TENSORS,
     "exaone4": OLMO2_TENSORS,
+    "glm4": GLM4_TENSORS,
 }
 """The layer tensor names of the families (config.json's `model_type`) that differ from
 LAYER_TENSORS."""

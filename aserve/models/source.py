@@ -77,6 +77,7 @@ ARCHITECTURES = {
     "olmo2": "Olmo2ForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
+    "glm4": "Glm4ForCausalLM",
 }
 MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text", "gpt-oss": "gpt_oss"}
 """config.json's `model_type` of the GGUF architectures whose names differ."""
@@ -320,6 +321,9 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
         config |= olmo3_config(read, config)
     if arch == "exaone4":
         config |= exaone4_config(read, config)
+    if arch == "glm4":  # half of a head rotating, in neighbouring pairs (the family's way)
+        rotary = read("glm4.rope.dimension_count", config["head_dim"])
+        config["partial_rotary_factor"] = rotary / config["head_dim"]
     if arch == "granite":  # its multipliers, under llama.cpp's names
         multipliers = {
             "embedding_multiplier": "embedding_scale",
