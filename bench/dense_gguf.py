@@ -21,7 +21,10 @@ a step's time does not depend on them) and a tied head. `--arch olmo2` writes OL
 after attention and the MLP alone, Q/K norms as wide as the projections; OLMo 2 1B's shape is
 `--arch olmo2 --layers 16 --hidden 2048 --intermediate 8192 --heads 16 16`); `--arch exaone4`
 writes EXAONE 4's (OLMo 2's norms, Q/K norms a head; no window, as in its 1.2B, whose shape
-is about `--arch exaone4 --layers 30 --hidden 2048 --intermediate 4096 --heads 32 8`). The
+is about `--arch exaone4 --layers 30 --hidden 2048 --intermediate 4096 --heads 32 8`);
+`--arch glm4` writes GLM-4's (Gemma's four norms a layer with plain weights, Q/K/V biases,
+gate|up fused, half of a head rotating; GLM-4-9B's shape is `--arch glm4 --layers 40
+--hidden 4096 --intermediate 13696 --heads 32 2 --head-dim 128`). The
 layers' matrices take `--qtype`; the embedding and the LM head are Q8_0, as llama.cpp keeps
 them wider than the layers in its low-bit files. Formats the `gguf` package quantizes
 (Q4_0, Q8_0, ...) quantize normal weights; for llama.cpp's codebook formats (IQ1_S to IQ3_S),
@@ -54,7 +57,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=None, help="default: hidden / Q heads")
     p.add_argument(
         "--arch",
-        choices=("llama", "gemma2", "gemma3", "phi3", "granite", "olmo2", "exaone4"),
+        choices=("llama", "gemma2", "gemma3", "phi3", "granite", "olmo2", "exaone4", "glm4"),
         default="llama",
     )
     p.add_argument("--window", type=int, default=512, help="Gemma's sliding window")
@@ -84,11 +87,14 @@ def main() -> None:
     writer.add_feed_forward_length(args.intermediate)
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    phi3 = args.arch == "phi3"
-    writer.add_rope_dimension_count(head_dim * 3 // 4 if phi3 else head_dim)
+    phi3, glm4 = args.arch == "phi3", args.arch == "glm4"
+    rotating = head_dim * 3 // 4 if phi3 else head_dim // 2 if glm4 else head_dim
+    writer.add_rope_dimension_count(rotating)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(1e4 if args.arch in ("gemma2", "phi3") else 1e6 if gemma3 else 5e5)
+    writer.add_rope_freq_base(
+        1e4 if args.arch in ("gemma2", "phi3", "glm4") else 1e6 if gemma3 else 5e5
+    )
     writer.add_layer_norm_rms_eps(1e-6 if gemma else 1e-5)
     if gemma:
         writer.add_sliding_window(args.window)
@@ -123,14 +129,17 @@ def main() -> None:
             add(f"{blk}.attn_k.weight", matrix(kv_rows, args.hidden), qtype)
             add(f"{blk}.attn_v.weight", matrix(kv_rows, args.hidden), qtype)
         add(f"{blk}.attn_output.weight", matrix(args.hidden, q_rows), qtype)
-        if phi3:
+        for name, rows in (("attn_q", q_rows), ("attn_k", kv_rows), ("attn_v", kv_rows)):
+            if glm4:  # its Q, K and V biases
+                add(f"{blk}.{name}.bias", rng.standard_normal(rows, dtype=np.float32) / 8, None)
+        if phi3 or glm4:
             add(f"{blk}.ffn_up.weight", matrix(2 * args.intermediate, args.hidden), qtype)
         else:
             add(f"{blk}.ffn_gate.weight", matrix(args.intermediate, args.hidden), qtype)
             add(f"{blk}.ffn_up.weight", matrix(args.intermediate, args.hidden), qtype)
         add(f"{blk}.ffn_down.weight", matrix(args.hidden, args.intermediate), qtype)
         norms = ("attn_norm", "ffn_norm")
-        if gemma:  # ones: 1 + w with w = 0, as llama.cpp's converter stores Gemma's norms
+        if gemma or glm4:  # Gemma's ones: 1 + w with w = 0, as llama.cpp's converter stores them
             norms += ("post_attention_norm", "post_ffw_norm")
         if args.arch == "olmo2":
             norms = ("post_attention_norm", "post_ffw_norm")
