@@ -19,6 +19,7 @@ from aserve.kvcache.pool import FP8_MAX, KVPool
 from aserve.quant.fp8 import Fp8Weight, quantize_rows
 from tests.test_quant import (
     TINY_PROMPTS,
+    assert_dequantized_generates_as,
     assert_refused_in_one_line,
     first_differences,
     first_tokens_agreeing,
@@ -343,11 +344,7 @@ def test_fp8_checkpoint_loads_as_published(
             assert error <= 0.07 * twin_weight.abs().max()
     agree, pairs = first_tokens_agreeing(fp8, twin, max_tokens=8)
     assert agree >= 4, pairs
-
-    as_float = make_llm(fp8_folder, num_pages=256, quantization="none")
-    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    ours = [o.token_ids for o in as_float.generate(TINY_PROMPTS, greedy)]
-    assert ours == [o.token_ids for o in twin.generate(TINY_PROMPTS, greedy)]
+    assert_dequantized_generates_as(make_llm, fp8_folder, twin)
 
     tensors = load_file(str(fp8_folder / "model.safetensors"))
     del tensors[f"model.layers.1.mlp.down_proj.{LAYOUTS[layout][2]}"]

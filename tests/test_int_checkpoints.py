@@ -19,7 +19,12 @@ from aserve.config import ConfigError, IntScheme, ModelConfig
 from aserve.models.weights import iter_weights
 from aserve.quant.codes import Codes
 from aserve.quant.int_checkpoints import CodesTensor, pair_int_weights
-from tests.test_quant import TINY_PROMPTS, assert_refused_in_one_line, first_tokens_agreeing
+from tests.test_quant import (
+    TINY_PROMPTS,
+    assert_dequantized_generates_as,
+    assert_refused_in_one_line,
+    first_tokens_agreeing,
+)
 from tests.tiny_models import make_tiny_model
 
 LINEAR = "_proj.weight"
@@ -250,11 +255,7 @@ def test_int_checkpoint_generates_as_its_twin(
         assert quantized.runtime.engine.model.lm_head.table.head.code_bits == 4
     agree, pairs = first_tokens_agreeing(quantized, twin, max_tokens=8)
     assert agree >= 5, pairs
-
-    as_float = make_llm(folder, num_pages=256, quantization="none")
-    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    ours = [o.token_ids for o in as_float.generate(TINY_PROMPTS, greedy)]
-    assert ours == [o.token_ids for o in twin.generate(TINY_PROMPTS, greedy)]
+    assert_dequantized_generates_as(make_llm, folder, twin)
 
 
 def test_vllm_method_names_are_taken_for_their_own_checkpoints(

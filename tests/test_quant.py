@@ -554,6 +554,17 @@ def first_tokens_agreeing(
     return sum(a[0] == b[0] for a, b in pairs), pairs
 
 
+def assert_dequantized_generates_as(
+    make_llm: Callable[..., LLM], folder: Path, twin: LLM, max_tokens: int = 8
+) -> None:
+    """With `--quantization none` a quantized checkpoint loads de-quantized to float32: its
+    float twin's greedy tokens exactly."""
+    as_float = make_llm(folder, num_pages=256, quantization="none")
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    ours = [o.token_ids for o in as_float.generate(TINY_PROMPTS, greedy)]
+    assert ours == [o.token_ids for o in twin.generate(TINY_PROMPTS, greedy)]
+
+
 def assert_refused_in_one_line(model: Path, options: list[str], message: str, cache: Path) -> None:
     """`aserve --model MODEL --shell OPTIONS` exits with one error line holding `message`."""
     result = subprocess.run(
