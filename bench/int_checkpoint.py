@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 LAYOUTS = ("awq", "gptq", "compressed-tensors")
 GROUP = 128
