@@ -283,8 +283,8 @@ class DecoderLayer(nn.Module):
         """Attention and the MLP return partial sums over tensor-parallel ranks; each norm
         after them reduces (`add_and_norm` with the group). The layer's output is partial
         too: the next layer's input norm, or the model's final one, reduces it. With
-        sandwich norms (Gemma) the norms right after attention and the MLP reduce, and the
-        layer's output is whole, as with post norms alone (OLMo 2)."""
+        sandwich norms (Gemma, GLM-4) the norms right after attention and the MLP reduce,
+        and the layer's output is whole, as with post norms alone (OLMo 2)."""
         if self.post_norms:
             return self._post_normed(positions, hidden, residual, batch, attn)
         if residual is None:
