@@ -135,7 +135,8 @@ def test_one_compile_serves_every_row_count() -> None:
     """The products' kernels are not specialized on their row count (Triton would compile
     one variant for 1 row, one for multiples of 16 and one for the rest): each captured
     batch size of a start-up would otherwise add compiles. For a GGUF product the one-row
-    GEMV, one setting over 2-16 rows and one over 17-48; one FP8 setting, split over K
+    GEMV, a few rows' integer dots one a power of two of rows, the tiles one setting over
+    9-16 rows and one over 17-48; one FP8 setting, split over K
     (which it adds up itself), over 3-16 tokens and one more over 17-48 where the GPU
     launches up to 16 rows with PDL (a compile-time switch of the kernels: layers/pdl.py)."""
     from aserve.layers.pdl import pdl
@@ -149,11 +150,15 @@ def test_one_compile_serves_every_row_count() -> None:
     weight = CudaWeight(codes, torch.device("cuda"), torch.bfloat16)
     forget_variants(cuda_module.quantized_gemm)
     forget_variants(cuda_module.int_gemv)
+    forget_variants(cuda_module.int_rows)
     before = compiled_variants(cuda_module.quantized_gemm)
     weight.linear(torch.randn(1, 512, device="cuda", dtype=torch.bfloat16), None)
     assert compiled_variants(cuda_module.int_gemv) == 1, "one row takes the GEMV"
     assert compiled_variants(cuda_module.quantized_gemm) == before
-    for rows in (2, 3, 16):
+    for rows in (3, 4, 5, 8):  # blocks of 4 and 8 rows
+        weight.linear(torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16), None)
+    assert compiled_variants(cuda_module.int_rows) == 2
+    for rows in (9, 16):
         weight.linear(torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16), None)
     assert compiled_variants(cuda_module.quantized_gemm) - before == 1
     for rows in (17, 32, 48):

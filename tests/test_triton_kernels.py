@@ -278,42 +278,83 @@ def test_gguf_products_on_each_path_match_float64(qtype: str) -> None:
     torch.testing.assert_close(looked_up, exact_weight[ids], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q5_K", "Q6_K", "Q8_0"])
-def test_int_gemv_matches_float64(qtype: str) -> None:
-    """One float16 row times codes without levels through `int_gemv` (each group of inputs
+@pytest.mark.parametrize(
+    ("qtype", "rows"),
+    [("Q4_0", 1), ("Q4_1", 1), ("Q4_K", 1), ("Q3_K", 1), ("Q5_K", 1), ("Q6_K", 1),
+     ("Q8_0", 1), ("Q4_1", 3), ("Q4_K", 8), ("Q3_K", 2), ("Q6_K", 4), ("Q8_0", 3)],
+)  # fmt: skip
+def test_integer_dot_products_match_float64(qtype: str, rows: int) -> None:
+    """float16 rows times codes without levels through `int_gemv` (one row) and `int_rows`
+    (a few: 3 of 4 in a power-of-two block, so a masked row too): each group of inputs
     rounded to 16-bit integers on a step of its own, integer dot products, a group's sum
-    scaled once): within float16's rounding of the output of the float64 product on the
+    scaled once. Within float16's rounding of the output of the float64 product on the
     exact de-quantized weight, 100 outputs (not a multiple of a program's), codes of 3 and 4
     bits (nibbles) and of 5, 6 and 8 (bytes), groups of 32 and 16 (the K-quants' Q3_K and
-    Q6_K), with and without offsets. On a GPU the PTX (`dp2a`) and the shifts-and-masks
-    forms give the same bits."""
+    Q6_K), with and without offsets. On a GPU the PTX (`dp2a`, byte permutes) and the
+    shifts-and-masks forms give the same bits."""
     from gguf import GGMLQuantizationType
 
-    from aserve.quant.cuda import CudaWeight, int_gemv
+    from aserve.quant.cuda import CudaWeight, int_gemv, int_rows
     from aserve.quant.gguf import decode
     from tests.test_quant import random_blocks
 
     kind = GGMLQuantizationType[qtype]
     codes = decode(torch.from_numpy(random_blocks(kind, 100, 512, seed=5)), kind, 512)
     weight = CudaWeight(codes, DEVICE, torch.float16)
-    x = torch.randn(1, 512, generator=gen(41)).half().to(DEVICE)
-    assert weight.takes_int_gemv(x) and not weight.takes_int_gemv(x.float())
+    x = torch.randn(rows, 512, generator=gen(41)).half().to(DEVICE)
+    assert weight.takes_integer_dots(x) and not weight.takes_integer_dots(x.float())
     exact = x.cpu().double() @ codes.dequantize().double().T
     out = weight.linear(x, None).cpu()
-    assert out.dtype == torch.float16 and out.shape == (1, 100)
+    assert out.dtype == torch.float16 and out.shape == (rows, 100)
     tolerance = 2e-3 * float(exact.abs().max())
     torch.testing.assert_close(out.double(), exact, rtol=0, atol=tolerance)
     if DEVICE.type == "cuda":
         outputs = []
         for ptx in (True, False):
-            y = torch.empty(2, 100, dtype=torch.float32, device=DEVICE)  # two splits of K
-            int_gemv[(1, 2)](
-                x, weight.codes.view(torch.int32), weight.scales, weight.offsets, y, 100, 512,
-                PTX=ptx, OFFSETS=weight.offsets is not None, FOUR_BIT=weight.four_bit,
-                GROUP=weight.group, BLOCK_W=32, SPLIT_K=2, PDL=False, num_warps=1,
-            )  # fmt: skip
+            y = torch.empty(2, rows, 100, dtype=torch.float32, device=DEVICE)  # 2 splits of K
+            shared = {
+                "PTX": ptx, "OFFSETS": weight.offsets is not None, "FOUR_BIT": weight.four_bit,
+                "GROUP": weight.group, "BLOCK_W": 32, "SPLIT_K": 2, "PDL": False,
+                "num_warps": 1,
+            }  # fmt: skip
+            words = weight.codes.view(torch.int32)
+            if rows == 1:
+                int_gemv[(1, 2)](x, words, weight.scales, weight.offsets, y, 100, 512, **shared)
+            else:
+                block = 1 << (rows - 1).bit_length()
+                int_rows[(1, 2)](
+                    x, words, weight.scales, weight.offsets, y, rows, 100, 512, ROWS=block,
+                    **shared,
+                )  # fmt: skip
             outputs.append(y)
         assert torch.equal(*outputs)
+
+
+def test_integer_dots_take_a_few_rows_and_leave_the_rest_to_the_tiles() -> None:
+    """Which rows take the integer dot products: 16-bit ones, up to INT_ROWS_FOUR_BIT beside
+    4-bit codes and fewer beside 8-bit ones (past them the tensor-core tiles were faster on
+    an H200); float32 rows and codes of levels never."""
+    from gguf import GGMLQuantizationType
+
+    from aserve.quant.cuda import INT_ROWS_BYTES, INT_ROWS_FOUR_BIT, CudaWeight
+    from aserve.quant.gguf import decode
+    from tests.test_quant import random_blocks
+
+    def weight(qtype: str) -> CudaWeight:
+        kind = GGMLQuantizationType[qtype]
+        blocks = torch.from_numpy(random_blocks(kind, 64, 256, seed=6))
+        return CudaWeight(decode(blocks, kind, 256), DEVICE, torch.float16)
+
+    def rows(count: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+        return torch.zeros(count, 256, dtype=dtype)
+
+    four_bit, eight_bit, levels = weight("Q4_K"), weight("Q8_0"), weight("IQ4_XS")
+    for codes, most in ((four_bit, INT_ROWS_FOUR_BIT), (eight_bit, INT_ROWS_BYTES)):
+        assert all(codes.takes_integer_dots(rows(count)) for count in range(1, most + 1))
+        assert not codes.takes_integer_dots(rows(most + 1))
+    assert INT_ROWS_BYTES < INT_ROWS_FOUR_BIT
+    assert not four_bit.takes_integer_dots(rows(2, torch.float32))
+    assert not levels.takes_integer_dots(rows(1))
 
 
 def test_book_entries_past_their_book_are_refused_at_load() -> None:
@@ -756,15 +797,22 @@ INT_GEMV = {"x_ptr": "*bf16", "words_ptr": "*i32", "scales_ptr": "*fp16",
             "offsets_ptr": "*fp16", "y_ptr": "*fp32", "N": "i32", "K": "i32", "PTX": "constexpr",
             "OFFSETS": "constexpr", "FOUR_BIT": "constexpr", "GROUP": "constexpr",
             "BLOCK_W": "constexpr", "SPLIT_K": "constexpr", "PDL": "constexpr"}
+# and of a few rows
+INT_ROWS = {**{k: v for k, v in INT_GEMV.items() if k != "K" and k != "N"}, "M": "i32",
+            "N": "i32", "K": "i32", "ROWS": "constexpr"}
 for four_bit, group in ((True, 32), (False, 16)):
     int_constants = {"PTX": True, "OFFSETS": True, "FOUR_BIT": four_bit, "GROUP": group,
                      "BLOCK_W": 64, "SPLIT_K": 2, "PDL": True}
-    source = ASTSource(
-        fn=cuda.int_gemv,
-        signature=INT_GEMV,
-        constexprs={(list(INT_GEMV).index(k),): v for k, v in int_constants.items()},
-    )
-    jobs.append((source, {"num_warps": 1}, ("int_gemv", four_bit, True)))
+    for fn, signature, extra in ((cuda.int_gemv, INT_GEMV, {}),
+                                 (cuda.int_rows, INT_ROWS, {"ROWS": 4})):
+        constants = {**int_constants, **extra}
+        names = {p: signature[p] for p in fn.arg_names}
+        source = ASTSource(
+            fn=fn,
+            signature=names,
+            constexprs={(list(names).index(k),): v for k, v in constants.items()},
+        )
+        jobs.append((source, {"num_warps": 1}, (fn.__name__, four_bit, True)))
 
 
 def compile_for_hopper(job):
@@ -780,7 +828,7 @@ except FileNotFoundError as error:  # no ptxas in this Triton
     sys.exit(0)
 for kernel, (_, _, (name, four_bit, permutes)) in zip(kernels, jobs):
     assert ("prmt" in kernel.asm["ptx"]) == permutes, (name, four_bit, permutes)
-    assert ("dp2a" in kernel.asm["ptx"]) == (name == "int_gemv"), name
+    assert ("dp2a" in kernel.asm["ptx"]) == (name in ("int_gemv", "int_rows")), name
     compiled += 1
 print("compiled", compiled)
 """
@@ -794,8 +842,8 @@ def test_quantized_products_compile_for_hopper_without_a_gpu(tmp_path: Path) -> 
     for sm_90 to PTX and by ptxas, in a process without the interpreter, with the fused MoE
     kernel of layers/moe_codes_triton.py: codes of levels (their byte permutes in the PTX;
     with gpt-oss's biases and clamped SwiGLU), plain 4-bit and 8-bit codes, with the None
-    table that launches pass for weights without levels, and `int_gemv`'s integer dot
-    products of 4-bit and 8-bit codes."""
+    table that launches pass for weights without levels, and the integer dot products of
+    4-bit and 8-bit codes, one row's (`int_gemv`) and a few rows' (`int_rows`)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     result = subprocess.run(
@@ -808,4 +856,4 @@ def test_quantized_products_compile_for_hopper_without_a_gpu(tmp_path: Path) -> 
     )
     if result.stdout.startswith("no ptxas"):
         pytest.skip(f"this Triton has no ptxas to compile with: {result.stdout.strip()}")
-    assert result.returncode == 0 and "compiled 19" in result.stdout, result.stderr[-3000:]
+    assert result.returncode == 0 and "compiled 21" in result.stdout, result.stderr[-3000:]

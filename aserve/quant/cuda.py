@@ -20,7 +20,9 @@ it is bound by instructions, not memory. Codes without levels beside 16-bit acti
 take `int_gemv`, whose integer dot products need a third of the instructions: 4-bit codes
 qkv 13.0, o 12.6, gate_up 26.0, down 22.1 us, a single stream of a 4-bit 8B model 3.09
 ms/token where `gemv` gave 3.82 and bf16 3.89, in 8-bit codes 3.67 where it gave 4.12
-(bench/NOTES.md). From 64 rows
+(bench/NOTES.md); `int_rows` does the same for 2-8 rows (2-4 of 8-bit codes), the codes
+read and spread once for all of them, where the tiled kernel below took as long for 2 rows
+as for 16 (an 8B int4 model decoding 4 sequences: 1.45x the tokens a second). From 64 rows
 (large decode batches, prefill chunks) slices of the weight are de-quantized to the
 activations' dtype and cuBLAS multiplies them: on an H200 that beat the fused kernel from
 about 64 rows (`bench/quant_kernels.py --device cuda`). The formats that pick each run of 8
@@ -63,6 +65,9 @@ GEMV_BLOCK_W, GEMV_WARPS, GEMV_STAGES, GEMV_PROGRAMS = 32, 1, 3, 8 * 132
 # past L2) the pair that decoded a single int4 stream fastest (3.09 ms/token; 64 words
 # everywhere 3.20; bench/NOTES.md).
 INT_GEMV_BLOCK_W, INT_GEMV_LONG_ROWS_W = 64, 32
+# Rows that `int_rows` takes, up to: 4-bit codes, 8-bit codes (a byte a code: past 4 rows
+# the tiles win)
+INT_ROWS_FOUR_BIT, INT_ROWS_BYTES = 8, 4
 # `book_gemv`'s outputs a program and warps: of 4 settings on the 8B shape's products in
 # IQ2_XXS (H200), best or within 4% of it on each (bench/NOTES.md)
 BOOK_BLOCK_N, BOOK_WARPS, BOOK_PROGRAMS = 512, 4, 8 * 132
@@ -491,77 +496,85 @@ def gemv(
     _store_words(y_ptr + pid_k * N, cols, ok, acc0, acc1, acc2, acc3)
 
 
-NIBBLE_DOTS = tl.constexpr(
+SPREAD_NIBBLES = tl.constexpr(
     """{
-    .reg .b32 lo, hi, even, odd;
-    and.b32 lo, $5, 0x0F0F0F0F;
-    shr.u32 hi, $5, 4;
+    .reg .b32 lo, hi;
+    and.b32 lo, $2, 0x0F0F0F0F;
+    shr.u32 hi, $2, 4;
     and.b32 hi, hi, 0x0F0F0F0F;
-    prmt.b32 even, lo, hi, 0x5140;
-    prmt.b32 odd, lo, hi, 0x7362;
-    dp2a.lo.s32.u32 $0, $4, even, 0;
-    dp2a.hi.s32.u32 $1, $4, even, 0;
-    dp2a.lo.s32.u32 $2, $4, odd, 0;
-    dp2a.hi.s32.u32 $3, $4, odd, 0;
+    prmt.b32 $0, lo, hi, 0x5140;
+    prmt.b32 $1, lo, hi, 0x7362;
 }"""
 )
-"""Each byte's `x_even * low nibble + x_odd * high nibble` of a word of 4-bit codes, the pair
-of 16-bit inputs in $4 and the word in $5: the nibbles spread to bytes, a code pair of one
-output side by side (byte permutes), then one integer dot of two products an output."""
-BYTE_DOTS = tl.constexpr(
+"""A word of 4-bit codes ($2: four outputs' bytes, each the codes of an even input (low
+nibble) and an odd one) spread to a byte a code, an output's pair side by side: outputs 0
+and 1 in $0, 2 and 3 in $1 (byte permutes)."""
+SPREAD_BYTES = tl.constexpr(
     """{
-    .reg .b32 even, odd;
-    prmt.b32 even, $5, $6, 0x5140;
-    prmt.b32 odd, $5, $6, 0x7362;
-    dp2a.lo.s32.u32 $0, $4, even, 0;
-    dp2a.hi.s32.u32 $1, $4, even, 0;
-    dp2a.lo.s32.u32 $2, $4, odd, 0;
-    dp2a.hi.s32.u32 $3, $4, odd, 0;
+    prmt.b32 $0, $2, $3, 0x5140;
+    prmt.b32 $1, $2, $3, 0x7362;
 }"""
 )
-"""The same for codes a byte each: byte b of $5 (an even input's line) and of $6 (the odd
-input's) side by side, then one integer dot an output."""
+"""The same for codes a byte each: byte b of $2 (an even input's line) and of $3 (the odd
+input's) side by side."""
+PAIR_DOTS = tl.constexpr(
+    """{
+    dp2a.lo.s32.u32 $0, $4, $5, 0;
+    dp2a.hi.s32.u32 $1, $4, $5, 0;
+    dp2a.lo.s32.u32 $2, $4, $6, 0;
+    dp2a.hi.s32.u32 $3, $4, $6, 0;
+}"""
+)
+"""Four outputs' `x_even * even code + x_odd * odd code`: the pair of 16-bit inputs in $4
+(the even input in the low half) and the spread codes in $5 (outputs 0 and 1) and $6 (2
+and 3), one integer dot each."""
 
 
 @triton.jit
-def _code_dots(pairs, words, odd_words, FOUR_BIT: tl.constexpr, PTX: tl.constexpr):
-    """(byte 0's dots, byte 1's, byte 2's, byte 3's): each output's codes of a pair of inputs
-    times the pair (`pairs`, 16-bit integers, the even input in the low half): 4-bit codes
-    from the nibbles of `words` (NIBBLE_DOTS), 8-bit ones from the bytes of `words` and
-    `odd_words` (BYTE_DOTS). Without PTX (Triton's interpreter) the same integers by shifts
-    and masks."""
+def _spread_codes(words, odd_words, FOUR_BIT: tl.constexpr, PTX: tl.constexpr):
+    """`SPREAD_NIBBLES` of `words` or `SPREAD_BYTES` of `words` and `odd_words`; without PTX
+    (Triton's interpreter) the same bits by shifts and masks."""
     if PTX and FOUR_BIT:
         return tl.inline_asm_elementwise(
-            NIBBLE_DOTS,
-            "=r,=r,=r,=r,r,r",
-            [pairs, words],
-            dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-            is_pure=True,
-            pack=1,
+            SPREAD_NIBBLES, "=r,=r,r", [words], (tl.int32, tl.int32), is_pure=True, pack=1
         )
     if PTX:
         return tl.inline_asm_elementwise(
-            BYTE_DOTS,
+            SPREAD_BYTES,
+            "=r,=r,r,r",
+            [words, odd_words],
+            (tl.int32, tl.int32),
+            is_pure=True,
+            pack=1,
+        )
+    low, high = words, odd_words
+    if FOUR_BIT:
+        low, high = words & 0x0F0F0F0F, (words >> 4) & 0x0F0F0F0F
+    even = (low & 255) | ((high & 255) << 8) | ((low & 0xFF00) << 8) | ((high & 0xFF00) << 16)
+    low, high = (low >> 16) & 0xFFFF, (high >> 16) & 0xFFFF
+    odd = (low & 255) | ((high & 255) << 8) | ((low & 0xFF00) << 8) | ((high & 0xFF00) << 16)
+    return even, odd
+
+
+@triton.jit
+def _pair_dots(pairs, even, odd, PTX: tl.constexpr):
+    """`PAIR_DOTS`, or the same integers by shifts and masks (Triton's interpreter)."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            PAIR_DOTS,
             "=r,=r,=r,=r,r,r,r",
-            [pairs, words, odd_words],
+            [pairs, even, odd],
             dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
             is_pure=True,
             pack=1,
         )
     x_even = (pairs << 16) >> 16
     x_odd = pairs >> 16
-    if FOUR_BIT:
-        return (
-            x_even * (words & 15) + x_odd * ((words >> 4) & 15),
-            x_even * ((words >> 8) & 15) + x_odd * ((words >> 12) & 15),
-            x_even * ((words >> 16) & 15) + x_odd * ((words >> 20) & 15),
-            x_even * ((words >> 24) & 15) + x_odd * ((words >> 28) & 15),
-        )
     return (
-        x_even * (words & 255) + x_odd * (odd_words & 255),
-        x_even * ((words >> 8) & 255) + x_odd * ((odd_words >> 8) & 255),
-        x_even * ((words >> 16) & 255) + x_odd * ((odd_words >> 16) & 255),
-        x_even * ((words >> 24) & 255) + x_odd * ((odd_words >> 24) & 255),
+        x_even * (even & 255) + x_odd * ((even >> 8) & 255),
+        x_even * ((even >> 16) & 255) + x_odd * ((even >> 24) & 255),
+        x_even * (odd & 255) + x_odd * ((odd >> 8) & 255),
+        x_even * ((odd >> 16) & 255) + x_odd * ((odd >> 24) & 255),
     )
 
 
@@ -583,7 +596,8 @@ def _int_group(
     BLOCK_W: tl.constexpr,
 ):  # fmt: skip
     """The accumulators plus group `group`'s part: its GROUP inputs rounded to 16-bit
-    integers in pairs, the integer dots with its codes (`_code_dots`) summed over the pairs,
+    integers in pairs, the integer dots with its codes (`_spread_codes`, `_pair_dots`) summed
+    over the pairs,
     scaled once, and the offsets' part."""
     x = tl.load(x_ptr + group * GROUP + tl.arange(0, GROUP)).to(tl.float32)
     x_sum = tl.sum(x, axis=0)
@@ -592,7 +606,8 @@ def _int_group(
     rounded = tl.floor(x * tl.where(top > 0, 32767 / top, 0.0) + 0.5).to(tl.int32)
     even, odd = tl.split(tl.reshape(rounded, (GROUP // 2, 2)))
     pairs = tl.broadcast_to(((even & 0xFFFF) | (odd << 16))[:, None], (GROUP // 2, BLOCK_W))
-    dots0, dots1, dots2, dots3 = _code_dots(pairs, words, odd_words, FOUR_BIT, PTX)
+    even, odd = _spread_codes(words, odd_words, FOUR_BIT, PTX)
+    dots0, dots1, dots2, dots3 = _pair_dots(pairs, even, odd, PTX)
     outputs = group * N + 4 * cols
     scale0, scale1, scale2, scale3 = _four_columns(scales_ptr, outputs, ok, BLOCK_W)
     acc0 += scale0 * (tl.sum(dots0, axis=0).to(tl.float32) * step)
@@ -659,6 +674,177 @@ def int_gemv(
         )  # fmt: skip
     launch_next(PDL)
     _store_words(y_ptr + pid_k * N, cols, ok, acc0, acc1, acc2, acc3)
+
+
+QUARTER_DOTS = tl.constexpr(
+    """{
+    dp2a.lo.s32.u32 $0, $4, $8, 0;
+    dp2a.lo.s32.u32 $0, $5, $10, $0;
+    dp2a.lo.s32.u32 $0, $6, $12, $0;
+    dp2a.lo.s32.u32 $0, $7, $14, $0;
+    dp2a.hi.s32.u32 $1, $4, $8, 0;
+    dp2a.hi.s32.u32 $1, $5, $10, $1;
+    dp2a.hi.s32.u32 $1, $6, $12, $1;
+    dp2a.hi.s32.u32 $1, $7, $14, $1;
+    dp2a.lo.s32.u32 $2, $4, $9, 0;
+    dp2a.lo.s32.u32 $2, $5, $11, $2;
+    dp2a.lo.s32.u32 $2, $6, $13, $2;
+    dp2a.lo.s32.u32 $2, $7, $15, $2;
+    dp2a.hi.s32.u32 $3, $4, $9, 0;
+    dp2a.hi.s32.u32 $3, $5, $11, $3;
+    dp2a.hi.s32.u32 $3, $6, $13, $3;
+    dp2a.hi.s32.u32 $3, $7, $15, $3;
+}"""
+)
+"""Four outputs' `x_even * even code + x_odd * odd code` over an input pair from each
+quarter of a group, added up in the dots themselves: the pairs of 16-bit inputs in $4 to $7
+(the even input in each low half) and each quarter's spread codes in $8 to $15 (even
+words, odd words by turns), one integer dot each."""
+
+
+@triton.jit
+def _quarter_dots(
+    p0, p1, p2, p3, e0, o0, e1, o1, e2, o2, e3, o3, PTX: tl.constexpr
+):  # fmt: skip
+    """`QUARTER_DOTS` of quarter q's pairs `pq` and spread codes `eq`, `oq`, or the same
+    integers by shifts and masks."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            QUARTER_DOTS,
+            "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r",
+            [p0, p1, p2, p3, e0, o0, e1, o1, e2, o2, e3, o3],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+            is_pure=True,
+            pack=1,
+        )
+    a0, a1, a2, a3 = _pair_dots(p0, e0, o0, False)
+    b0, b1, b2, b3 = _pair_dots(p1, e1, o1, False)
+    c0, c1, c2, c3 = _pair_dots(p2, e2, o2, False)
+    d0, d1, d2, d3 = _pair_dots(p3, e3, o3, False)
+    return a0 + b0 + c0 + d0, a1 + b1 + c1 + d1, a2 + b2 + c2 + d2, a3 + b3 + c3 + d3
+
+
+@triton.jit
+def _spread_quarter(
+    words_at, ok, words_n, QUARTER: tl.constexpr, ROWS: tl.constexpr, BLOCK_W: tl.constexpr,
+    FOUR_BIT: tl.constexpr, PTX: tl.constexpr,
+):  # fmt: skip
+    """The codes of a group's input pairs 4i + QUARTER (`words_at`: pair 4i's first line for
+    each i) spread (`_spread_codes`) once for every row, broadcast to `[ROWS, pairs / 4,
+    BLOCK_W]`: 4-bit codes hold a pair in a line, 8-bit ones in two."""
+    if FOUR_BIT:
+        words = tl.load(words_at + QUARTER * words_n, mask=ok[None, :], other=0)
+        odd_words = words
+    else:
+        words = tl.load(words_at + 2 * QUARTER * words_n, mask=ok[None, :], other=0)
+        odd_words = tl.load(words_at + (2 * QUARTER + 1) * words_n, mask=ok[None, :], other=0)
+    even, odd = _spread_codes(words, odd_words, FOUR_BIT, PTX)
+    shape: tl.constexpr = (ROWS, even.shape[0], BLOCK_W)
+    return tl.broadcast_to(even[None, :, :], shape), tl.broadcast_to(odd[None, :, :], shape)
+
+
+@triton.jit
+def _rows_group(
+    acc0, acc1, acc2, acc3, words_at, x_at, row_ok, scales_ptr, offsets_ptr, group, N,
+    words_n, cols, ok, PTX: tl.constexpr, OFFSETS: tl.constexpr, FOUR_BIT: tl.constexpr,
+    GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_W: tl.constexpr,
+):  # fmt: skip
+    """The accumulators (`[ROWS, BLOCK_W]`) plus group `group`'s part: each row's GROUP
+    inputs rounded to 16-bit integers on a step of the row's own (its largest magnitude over
+    32,767) and packed in pairs, the integer dots with the group's codes (each pair's four
+    outputs; four pairs added up in the dots themselves, `QUARTER_DOTS`) summed, scaled
+    once, and the offsets' part."""
+    x = tl.load(x_at + tl.arange(0, GROUP)[None, :], mask=row_ok[:, None], other=0.0)
+    x = x.to(tl.float32)
+    x_sum = tl.sum(x, axis=1)
+    top = tl.max(tl.abs(x), axis=1)
+    step = top / 32767
+    inverse = 32767 / tl.where(top > 0, top, 1.0)
+    rounded = tl.floor(x * inverse[:, None] + 0.5).to(tl.int32)
+    even_x, odd_x = tl.split(tl.reshape(rounded, (ROWS, GROUP // 2, 2)))
+    pairs = (even_x & 0xFFFF) | (odd_x << 16)
+    # pairs 4i + 2a + b
+    b0, b1 = tl.split(tl.reshape(pairs, (ROWS, GROUP // 8, 2, 2)))
+    p0, p2 = tl.split(b0)
+    p1, p3 = tl.split(b1)
+    shape: tl.constexpr = (ROWS, GROUP // 8, BLOCK_W)
+    p0 = tl.broadcast_to(p0[:, :, None], shape)
+    p1 = tl.broadcast_to(p1[:, :, None], shape)
+    p2 = tl.broadcast_to(p2[:, :, None], shape)
+    p3 = tl.broadcast_to(p3[:, :, None], shape)
+    e0, o0 = _spread_quarter(words_at, ok, words_n, 0, ROWS, BLOCK_W, FOUR_BIT, PTX)
+    e1, o1 = _spread_quarter(words_at, ok, words_n, 1, ROWS, BLOCK_W, FOUR_BIT, PTX)
+    e2, o2 = _spread_quarter(words_at, ok, words_n, 2, ROWS, BLOCK_W, FOUR_BIT, PTX)
+    e3, o3 = _spread_quarter(words_at, ok, words_n, 3, ROWS, BLOCK_W, FOUR_BIT, PTX)
+    dots0, dots1, dots2, dots3 = _quarter_dots(p0, p1, p2, p3, e0, o0, e1, o1, e2, o2, e3, o3, PTX)
+    outputs = group * N + 4 * cols
+    scale0, scale1, scale2, scale3 = _four_columns(scales_ptr, outputs, ok, BLOCK_W)
+    acc0 += scale0[None, :] * (tl.sum(dots0, axis=1).to(tl.float32) * step[:, None])
+    acc1 += scale1[None, :] * (tl.sum(dots1, axis=1).to(tl.float32) * step[:, None])
+    acc2 += scale2[None, :] * (tl.sum(dots2, axis=1).to(tl.float32) * step[:, None])
+    acc3 += scale3[None, :] * (tl.sum(dots3, axis=1).to(tl.float32) * step[:, None])
+    if OFFSETS:
+        offset0, offset1, offset2, offset3 = _four_columns(offsets_ptr, outputs, ok, BLOCK_W)
+        acc0 += offset0[None, :] * x_sum[:, None]
+        acc1 += offset1[None, :] * x_sum[:, None]
+        acc2 += offset2[None, :] * x_sum[:, None]
+        acc3 += offset3[None, :] * x_sum[:, None]
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit(do_not_specialize=["M"])
+def int_rows(
+    x_ptr,
+    words_ptr,
+    scales_ptr,
+    offsets_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    PTX: tl.constexpr,
+    OFFSETS: tl.constexpr,
+    FOUR_BIT: tl.constexpr,
+    GROUP: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """`int_gemv` for 2 to ROWS rows (M of them): each row's groups rounded on steps of
+    their own as there, the codes read and spread once for all the rows (their loads and
+    byte permutes are shared), each row's dots by `dp2a`, four input pairs added up in the
+    dots themselves (`QUARTER_DOTS`). Decode batches of a few sequences took the tiled
+    tensor-core product, which costs the same at 2 rows as at 16: on an H200, 4-bit codes
+    of the 8B shape at 4 rows, us, qkv 21.9 against 34.9, gate_up 75.3 against 106.2
+    (bench/NOTES.md). From about 8 rows (4 for 8-bit codes) the tiles win: each row's dots
+    are instructions of their own, where a tensor-core dot takes 16 rows at once."""
+    pid_w = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    wait_only(PDL)
+    words_n = N // 4
+    cols = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)  # word columns
+    ok = cols < words_n
+    rows = tl.arange(0, ROWS)
+    row_ok = rows < M
+    x_rows = x_ptr + rows[:, None] * K  # [ROWS, 1]
+    # the first line of each fourth input pair (4-bit codes: a line a pair; 8-bit: two)
+    lines: tl.constexpr = GROUP // 2 if FOUR_BIT else GROUP
+    every_fourth = tl.arange(0, GROUP // 8) * (4 if FOUR_BIT else 8)
+    at = words_ptr + every_fourth[:, None] * words_n + cols[None, :]
+    acc0 = tl.zeros((ROWS, BLOCK_W), dtype=tl.float32)
+    acc1 = tl.zeros((ROWS, BLOCK_W), dtype=tl.float32)
+    acc2 = tl.zeros((ROWS, BLOCK_W), dtype=tl.float32)
+    acc3 = tl.zeros((ROWS, BLOCK_W), dtype=tl.float32)
+    for group in range(pid_k, K // GROUP, SPLIT_K):
+        acc0, acc1, acc2, acc3 = _rows_group(
+            acc0, acc1, acc2, acc3, at + group * lines * words_n, x_rows + group * GROUP,
+            row_ok, scales_ptr, offsets_ptr, group, N, words_n, cols, ok, PTX, OFFSETS,
+            FOUR_BIT, GROUP, ROWS, BLOCK_W,
+        )  # fmt: skip
+    launch_next(PDL)
+    y_rows = y_ptr + pid_k * M * N + rows[:, None] * N
+    _store_words(y_rows, cols[None, :], row_ok[:, None] & ok[None, :], acc0, acc1, acc2, acc3)
 
 
 @triton.jit
@@ -781,6 +967,18 @@ def dequantize_kernel(
     )
 
 
+def int_rows_words(rows: int, n: int, k: int) -> int:
+    """`int_rows`' words a program for `rows` rows (2-8) of a weight of `n` outputs and `k`
+    inputs: H200 sweeps of 16-128 words over the 8B shape's products (bench/NOTES.md),
+    rows longer than 8,192 inputs (down), wider than 16,384 outputs (gate_up) or neither."""
+    at = 0 if rows <= 2 else 1 if rows <= 4 else 2
+    if k > 8192:
+        return (32, 64, 32)[at]
+    if n > 16384:
+        return (128, 64, 64)[at]
+    return (64, 32, 16)[at]
+
+
 @functools.cache
 def _on_device(tables: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A book's tables on `device`, one copy for the format's weights."""
@@ -859,7 +1057,9 @@ class CudaWeight:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         n = self.shape[0]
-        if rows.shape[0] <= GEMV_ROWS and (n % 4 == 0 or self.book is not None):
+        if self.takes_integer_dots(rows):
+            y = self._int_gemv(rows)
+        elif rows.shape[0] <= GEMV_ROWS and (n % 4 == 0 or self.book is not None):
             y = self._gemv(rows)
         elif rows.shape[0] >= DEQUANTIZE_ROWS:
             y = self._dequantized_product(rows)
@@ -882,42 +1082,60 @@ class CudaWeight:
             y[:, first:last] = rows @ self.dequantize(rows.dtype, first, last)
         return y
 
+    def _int_gemv(self, rows: torch.Tensor) -> torch.Tensor:
+        """`int_gemv` for one row, `int_rows` for a few."""
+        m, k = rows.shape
+        n = self.shape[0]
+        if m == 1:
+            words = INT_GEMV_LONG_ROWS_W if k > 8192 else INT_GEMV_BLOCK_W
+        else:
+            words = int_rows_words(m, n, k)
+        tiles = -(-n // (4 * words))
+        # split K in steps of 32 inputs whatever the groups: by groups of 16, o of the 8B
+        # shape took 128 splits and 20.6 us against 15.9 in `gemv`
+        split = _split_k(tiles, k // max(self.group, 32), GEMV_PROGRAMS, least=2)
+        dtype = torch.float32 if split > 1 else rows.dtype
+        parts = torch.empty(split, m, n, dtype=dtype, device=rows.device)
+        shared = {
+            "PTX": rows.is_cuda,  # Triton's interpreter (tests on CPU) runs no PTX
+            "OFFSETS": self.offsets is not None,
+            "FOUR_BIT": self.four_bit,
+            "GROUP": self.group,
+            "BLOCK_W": words,
+            "SPLIT_K": split,
+            "num_warps": 1,
+            **pdl_options(rows.device, m),
+        }
+        words_ptr = self.codes.view(torch.int32)
+        if m == 1:
+            int_gemv[(tiles, split)](
+                rows, words_ptr, self.scales, self.offsets, parts, n, k, **shared
+            )
+        else:
+            int_rows[(tiles, split)](
+                rows,
+                words_ptr,
+                self.scales,
+                self.offsets,
+                parts,
+                m,
+                n,
+                k,
+                ROWS=triton.next_power_of_2(m),
+                **shared,
+            )
+        return self._sum_splits(parts, rows)
+
     def _gemv(self, rows: torch.Tensor) -> torch.Tensor:
         k = rows.shape[1]
         n = self.shape[0]
         block, warps, programs = 4 * GEMV_BLOCK_W, GEMV_WARPS, GEMV_PROGRAMS
         if self.book is not None:
             block, warps, programs = BOOK_BLOCK_N, BOOK_WARPS, BOOK_PROGRAMS
-        integer = self.takes_int_gemv(rows)
-        if integer:
-            block = 4 * (INT_GEMV_LONG_ROWS_W if k > 8192 else INT_GEMV_BLOCK_W)
-            warps, programs = 1, GEMV_PROGRAMS
         tiles = -(-n // block)
-        # `int_gemv` splits K in steps of 32 inputs whatever its groups: by groups of 16, o
-        # of the 8B shape took 128 splits and 20.6 us against 15.9 in `gemv`
-        steps = k // (max(self.group, 32) if integer else self.group)
-        split = _split_k(tiles, steps, programs, least=2)
+        split = _split_k(tiles, k // self.group, programs, least=2)
         dtype = torch.float32 if split > 1 else rows.dtype
-        parts = torch.empty(split, n, dtype=dtype, device=rows.device)
-        if integer:
-            int_gemv[(tiles, split)](
-                rows,
-                self.codes.view(torch.int32),
-                self.scales,
-                self.offsets,
-                parts,
-                n,
-                k,
-                PTX=rows.is_cuda,
-                OFFSETS=self.offsets is not None,
-                FOUR_BIT=self.four_bit,
-                GROUP=self.group,
-                BLOCK_W=block // 4,
-                SPLIT_K=split,
-                num_warps=warps,
-                **pdl_options(rows.device, 1),
-            )
-            return self._sum_splits(parts, rows)
+        parts = torch.empty(split, 1, n, dtype=dtype, device=rows.device)
         shared = {
             "PERMUTE": rows.is_cuda,  # Triton's interpreter (tests on CPU) runs no PTX
             "LEVEL_ASM": self.level_asm,
@@ -961,25 +1179,28 @@ class CudaWeight:
             )
         return self._sum_splits(parts, rows)
 
-    def takes_int_gemv(self, rows: torch.Tensor) -> bool:
-        """Whether a row goes to `int_gemv`: codes without levels beside 16-bit activations
-        (float32 ones keep `gemv`, whose products round nothing)."""
+    def takes_integer_dots(self, rows: torch.Tensor) -> bool:
+        """Whether rows go to `int_gemv` or `int_rows`: a few of them (INT_ROWS_FOUR_BIT,
+        INT_ROWS_BYTES), 16-bit, beside codes without levels (float32 rows keep `gemv` and
+        the tiles, whose products round nothing)."""
         return (
             self.levels is None
             and self.book is None
+            and self.shape[0] % 4 == 0
+            and rows.shape[0] <= (INT_ROWS_FOUR_BIT if self.four_bit else INT_ROWS_BYTES)
             and rows.dtype in (torch.float16, torch.bfloat16)
         )
 
     @staticmethod
     def _sum_splits(parts: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """The one row's product from its SPLIT_K partial products (`parts`, [split, n])."""
-        split, n = parts.shape
+        """The rows' product from their SPLIT_K partial products (`parts`, [split, m, n])."""
+        split, m, n = parts.shape
         if split == 1:
-            return parts
-        y = torch.empty(1, n, dtype=rows.dtype, device=rows.device)
+            return parts[0]
+        y = torch.empty(m, n, dtype=rows.dtype, device=rows.device)
         block = 1024
-        sum_splits[(-(-n // block),)](
-            parts, y, n, SPLITS=split, BLOCK=block, **pdl_options(rows.device, 1)
+        sum_splits[(-(-(m * n) // block),)](
+            parts, y, m * n, SPLITS=split, BLOCK=block, **pdl_options(rows.device, m)
         )
         return y
 
