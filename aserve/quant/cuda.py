@@ -22,7 +22,8 @@ qkv 13.0, o 12.6, gate_up 26.0, down 22.1 us, a single stream of a 4-bit 8B mode
 ms/token where `gemv` gave 3.82 and bf16 3.89, in 8-bit codes 3.67 where it gave 4.12
 (bench/NOTES.md); `int_rows` does the same for 2-8 rows (2-4 of 8-bit codes), the codes
 read and spread once for all of them, where the tiled kernel below took as long for 2 rows
-as for 16 (an 8B int4 model decoding 4 sequences: 1.45x the tokens a second). From 64 rows
+as for 16 (an 8B int4 model decoding 2 / 4 / 8 sequences at once: 2.06x / 1.44x / 1.19x
+the tokens a second on an H200). From 64 rows
 (large decode batches, prefill chunks) slices of the weight are de-quantized to the
 activations' dtype and cuBLAS multiplies them: on an H200 that beat the fused kernel from
 about 64 rows (`bench/quant_kernels.py --device cuda`). The formats that pick each run of 8
