@@ -330,6 +330,30 @@ def test_integer_dot_products_match_float64(qtype: str, rows: int) -> None:
         assert torch.equal(*outputs)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_tiles_of_16_bit_rows_take_nibbles_as_floats_exactly(qtype: str) -> None:
+    """Past the integer dots' rows, 16-bit rows meet 4-bit codes widened by the exponent
+    trick (`_nibbles_as_floats`: each code in 2^10's mantissa of a float16, 2^10 taken
+    away): within float16's rounding of the float64 product on the exact de-quantized
+    weight, in the tiles of 16 rows and of 64, with offsets (Q4_1) and without."""
+    from gguf import GGMLQuantizationType
+
+    from aserve.quant.cuda import CudaWeight
+    from aserve.quant.gguf import decode
+    from tests.test_quant import random_blocks
+
+    kind = GGMLQuantizationType[qtype]
+    codes = decode(torch.from_numpy(random_blocks(kind, 100, 512, seed=7)), kind, 512)
+    weight = CudaWeight(codes, DEVICE, torch.float16)
+    for rows in (12, 40):
+        x = torch.randn(rows, 512, generator=gen(50 + rows)).half().to(DEVICE)
+        assert not weight.takes_integer_dots(x)
+        exact = x.cpu().double() @ codes.dequantize().double().T
+        out = weight.linear(x, None).cpu()
+        tolerance = 2e-3 * float(exact.abs().max())
+        torch.testing.assert_close(out.double(), exact, rtol=0, atol=tolerance)
+
+
 def test_integer_dots_take_a_few_rows_and_leave_the_rest_to_the_tiles() -> None:
     """Which rows take the integer dot products: 16-bit ones, up to INT_ROWS_FOUR_BIT beside
     4-bit codes and fewer beside 8-bit ones (past them the tensor-core tiles were faster on
