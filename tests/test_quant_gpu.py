@@ -37,7 +37,7 @@ def test_cuda_products_match_float64(qtype: QType, monkeypatch: pytest.MonkeyPat
     """Against the float64 product of the same activations and the exact de-quantized
     weight, in bfloat16 (float16 scales; from DEQUANTIZE_ROWS the weight is rounded to
     bfloat16 for cuBLAS, as a bf16 model's is) and in float32: one row, a few (groups split
-    over programs), more (wider tiles) and past DEQUANTIZE_ROWS, 100 outputs (not a multiple
+    over programs), a full tile of 16 and past DEQUANTIZE_ROWS, 100 outputs (not a multiple
     of the tile); then 300 outputs de-quantized in slices of 128."""
     from aserve.quant import cuda as cuda_module
     from aserve.quant.cuda import DEQUANTIZE_ROWS, CudaWeight
@@ -50,7 +50,7 @@ def test_cuda_products_match_float64(qtype: QType, monkeypatch: pytest.MonkeyPat
         assert cuda.scales.dtype == (torch.float16 if dtype == torch.bfloat16 else dtype)
         if dtype == torch.bfloat16:
             assert cuda.nbytes < 100 * 512 * 2, "smaller than the bfloat16 weight"
-        for rows in (1, 5, 40, DEQUANTIZE_ROWS + 3):
+        for rows in (1, 5, 16, DEQUANTIZE_ROWS + 3):
             x = torch.randn(rows, 512, generator=generator).to("cuda", dtype)
             exact = x.double() @ weight.T
             out = cuda.linear(x, None)
@@ -136,7 +136,7 @@ def test_one_compile_serves_every_row_count() -> None:
     one variant for 1 row, one for multiples of 16 and one for the rest): each captured
     batch size of a start-up would otherwise add compiles. For a GGUF product the one-row
     GEMV, a few rows' integer dots one a power of two of rows, the tiles one setting over
-    9-16 rows and one over 17-48; one FP8 setting, split over K
+    9-16 rows, and one de-quantizing kernel over 17-48; one FP8 setting, split over K
     (which it adds up itself), over 3-16 tokens and one more over 17-48 where the GPU
     launches up to 16 rows with PDL (a compile-time switch of the kernels: layers/pdl.py)."""
     from aserve.layers.pdl import pdl
@@ -161,9 +161,11 @@ def test_one_compile_serves_every_row_count() -> None:
     for rows in (9, 16):
         weight.linear(torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16), None)
     assert compiled_variants(cuda_module.quantized_gemm) - before == 1
-    for rows in (17, 32, 48):
+    forget_variants(cuda_module.dequantize_kernel)
+    for rows in (17, 32, 48):  # de-quantized slices
         weight.linear(torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16), None)
-    assert compiled_variants(cuda_module.quantized_gemm) - before == 2
+    assert compiled_variants(cuda_module.quantized_gemm) - before == 1
+    assert compiled_variants(cuda_module.dequantize_kernel) == 1
 
     fp8_weight = quantize_rows(torch.randn(200, 512) * 0.03)
     kernels = (fp8_cuda._token_scaled_kernel,)

@@ -247,12 +247,11 @@ def test_gguf_products_on_each_path_match_float64(qtype: str) -> None:
     """quant/cuda.py's three paths for a GGUF weight against float64 on its exact de-quantized
     values, float32 activations: one row (`gemv`: codes read as 32-bit words, widened by
     shifts and masks under the exponent of 1.0, each group's sum of x taken back out), a few
-    rows (the tiled product, tiles of 16 rows and of 64) and past DEQUANTIZE_ROWS
-    (de-quantized slices); and the lookup
-    of rows. 4-, 8- and 3-bit codes, groups of 32 and 16, offsets and none, IQ4's levels and
-    the codebook formats' entries, kept in 2 bytes a run of 8 inputs (IQ2_XXS, IQ1_M) or 3
-    (IQ2_S, IQ3_XXS); the widening's cancellation costs a few float32 steps, well under the
-    tolerance."""
+    rows (the tiled product, a tile of up to 16 rows) and past DEQUANTIZE_ROWS (de-quantized
+    slices); and the lookup of rows. 4-, 8- and 3-bit codes, groups of 32 and 16, offsets
+    and none, IQ4's levels and the codebook formats' entries, kept in 2 bytes a run of 8
+    inputs (IQ2_XXS, IQ1_M) or 3 (IQ2_S, IQ3_XXS); the widening's cancellation costs a few
+    float32 steps, well under the tolerance."""
     from gguf import GGMLQuantizationType
 
     from aserve.quant.cuda import DEQUANTIZE_ROWS, CudaWeight
@@ -266,7 +265,7 @@ def test_gguf_products_on_each_path_match_float64(qtype: str) -> None:
         assert weight.codes.nbytes == 100 * 512 // 8 * codes.runs.entry_bits // 8
     assert (weight.offsets is None) == (not codes.offsets.any())
     exact_weight = codes.dequantize().double()
-    for rows in (1, 5, 24, DEQUANTIZE_ROWS + 2):
+    for rows in (1, 5, 16, DEQUANTIZE_ROWS + 2):
         x = torch.randn(rows, 512, generator=gen(40 + rows))
         exact = x.double() @ exact_weight.T
         out = weight.linear(x.to(DEVICE), None).cpu()
@@ -792,15 +791,11 @@ for four_bit, levels, low_bits, signs_at in (
             {"num_warps": 4, "num_stages": 3}) if low_bits else (
             cuda.gemv, GEMV, {"GROUP": 32, "BLOCK_W": 32, "SPLIT_K": 2, "PDL": True},
             {"num_warps": 1, "num_stages": 3})
-    # (book entries take `book_dots` in tiles of 16 rows, their groups' codes in wider ones)
-    wide = (cuda.quantized_gemm, GEMM, {"GROUP": 32, "PRECISION": "tf32", "BLOCK_M": 64,
-            "BLOCK_N": 64, "GROUPS_PER_STEP": 2, "SPLIT_K": 1}, {"num_warps": 4, "num_stages": 3})
     for fn, signature, rest, options in (
         gemv,
         (cuda.quantized_gemm, GEMM, {"GROUP": 16 if levels else 32, "PRECISION": "tf32",
          "BLOCK_M": 16, "BLOCK_N": 64, "GROUPS_PER_STEP": 8 if low_bits else 2, "SPLIT_K": 1},
          {"num_warps": 4, "num_stages": 4}),
-        *([wide] if low_bits else []),
         # codes of levels with gpt-oss's biases and clamp (MXFP4's), the others without
         (moe_codes_triton._moe_codes_gemm, MOE, {"ROWS_PER_A": 1, "GATED": True,
          "BIAS": levels, "CLAMPED": levels, "GROUP": 32, "PRECISION": "tf32", "BLOCK_M": 16,
@@ -880,4 +875,4 @@ def test_quantized_products_compile_for_hopper_without_a_gpu(tmp_path: Path) -> 
     )
     if result.stdout.startswith("no ptxas"):
         pytest.skip(f"this Triton has no ptxas to compile with: {result.stdout.strip()}")
-    assert result.returncode == 0 and "compiled 21" in result.stdout, result.stderr[-3000:]
+    assert result.returncode == 0 and "compiled 19" in result.stdout, result.stderr[-3000:]

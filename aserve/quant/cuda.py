@@ -23,13 +23,13 @@ ms/token where `gemv` gave 3.82 and bf16 3.89, in 8-bit codes 3.67 where it gave
 (bench/NOTES.md); `int_rows` does the same for 2-8 rows (2-4 of 8-bit codes), the codes
 read and spread once for all of them, where the tiled kernel below took as long for 2 rows
 as for 16 (an 8B int4 model decoding 2 / 4 / 8 sequences at once: 2.06x / 1.44x / 1.19x
-the tokens a second on an H200). From 64 rows
-(large decode batches, prefill chunks) slices of the weight are de-quantized to the
-activations' dtype and cuBLAS multiplies them: on an H200 that beat the fused kernel from
-about 64 rows (`bench/quant_kernels.py --device cuda`). The formats that pick each run of 8
-inputs from a book (IQ1, IQ2, IQ3_XXS) keep the file's entries instead of codes, 2.5-4 bits
-a weight where 4-bit codes took 5-6: `book_gemv` for one row, `book_dots` for tiles of up to
-16 rows, and wider tiles and slices spread them into codes in registers (`group_codes`).
+the tokens a second on an H200). From 17 rows
+(decode batches, prefill chunks) slices of the weight are de-quantized to the activations'
+dtype and cuBLAS multiplies them: on an H200 that beat tiles of 64 rows 2-4x over 17-63 rows
+(DEQUANTIZE_ROWS). The formats that pick each run of 8 inputs from a book (IQ1, IQ2,
+IQ3_XXS) keep the file's entries instead of codes, 2.5-4 bits a weight where 4-bit codes
+took 5-6: `book_gemv` for one row, `book_dots` for the tiles, and de-quantized slices
+spread them into codes in registers (`group_codes`).
 Imported only on CUDA (it imports Triton).
 """
 
@@ -53,7 +53,10 @@ from aserve.quant.codes import (
 
 GROUPS = (16, 32)
 GEMV_ROWS = 1  # one row (a single stream's decode) takes `gemv`
-DEQUANTIZE_ROWS = 64  # from this many rows, de-quantize and multiply with cuBLAS
+# From this many rows, de-quantize and multiply with cuBLAS: on an H200 the tiles of 64 rows
+# took 2-4x its time over 17-63 rows of 4-bit codes (the 8B shape's gate_up at 32 rows
+# 753 against 187 us), and tiles of 16 rows still win below (175 against 185 at 16).
+DEQUANTIZE_ROWS = 17
 DEQUANTIZE_SLICE_BYTES = 64 << 20
 BUSY_PROGRAMS = 2 * 132  # programs that keep an H100/H200's SMs reading weights
 # Words (four outputs each) a program, warps, pipeline stages and programs to fill: of 36
@@ -236,8 +239,8 @@ def quantized_gemm(
     activations with the codes (small integers, exact in 16 bits), then
     `acc += part * scale + x_sum * offset` in float32, x_sum being the group's sum of x
     (x_sums, computed once per product); without OFFSETS (all zero) only the first term.
-    Book entries (LOW_BITS) in tiles of up to 16 rows take `book_dots` over a step of 128
-    inputs instead."""
+    Book entries (LOW_BITS) take `book_dots` over a step of 128 inputs instead. The engine
+    launches tiles of 16 rows (from DEQUANTIZE_ROWS slices are de-quantized instead)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -247,9 +250,7 @@ def quantized_gemm(
     col_ok = cols < N
     groups = K // GROUP
     step_size: tl.constexpr = GROUP * GROUPS_PER_STEP
-    # book entries in tiles of up to 16 rows take `book_dots`; in wider ones (H200: 2.3x
-    # faster at 32 rows) the groups' codes, as `group_codes` spreads them
-    dots: tl.constexpr = LOW_BITS > 0 and BLOCK_M <= 16
+    dots: tl.constexpr = LOW_BITS > 0  # book entries take `book_dots`
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(pid_k * step_size, K, step_size * SPLIT_K):
         if dots:
@@ -1222,12 +1223,9 @@ class CudaWeight:
     def _fused(self, rows: torch.Tensor) -> torch.Tensor:
         m, k = rows.shape
         n = self.shape[0]
-        if m <= 16:
-            block_m, block_n, per_step, warps, stages = 16, 64, 4, 4, 4
-        else:
-            block_m, block_n, per_step, warps, stages = 64, 64, 2, 4, 3
+        block_m, block_n, per_step, warps, stages = 16, 64, 4, 4, 4  # up to 16 rows
         groups = k // self.group
-        if self.book is not None and block_m <= 16:  # `book_dots`: steps of 128 inputs
+        if self.book is not None:  # `book_dots`: steps of 128 inputs
             per_step = 128 // self.group
         while groups % per_step:
             per_step //= 2
