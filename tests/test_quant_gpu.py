@@ -45,7 +45,11 @@ def test_cuda_products_match_float64(qtype: QType, monkeypatch: pytest.MonkeyPat
     codes: Codes = decode(torch.from_numpy(random_blocks(qtype, 100, 512, seed=2)), qtype, 512)
     weight = codes.dequantize().double().cuda()
     generator = torch.Generator().manual_seed(0)
-    for dtype, tolerance in ((torch.bfloat16, 1e-2), (torch.float32, 1e-5)):
+    # codes of levels take the one-row GEMV's `1 + (level + 128) / 256` widening: taking the
+    # ones back out scales a group's float32 rounding by 256 (MXFP4 missed 1e-5 by 1.35x on
+    # one draw of a row)
+    float32 = 3e-5 if codes.table is not None else 1e-5
+    for dtype, tolerance in ((torch.bfloat16, 1e-2), (torch.float32, float32)):
         cuda = CudaWeight(codes, torch.device("cuda"), dtype)
         assert cuda.scales.dtype == (torch.float16 if dtype == torch.bfloat16 else dtype)
         if dtype == torch.bfloat16:
