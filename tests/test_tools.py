@@ -56,6 +56,21 @@ def names(calls: list[Any]) -> list[str]:
     return [c.name for c in calls]
 
 
+def merged_deltas(deltas: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Chat `tool_calls` deltas merged by index as a client does: id and name from each
+    call's first, its arguments' pieces joined."""
+    merged: dict[int, dict[str, Any]] = {}
+    for delta in deltas:
+        if delta["index"] not in merged:
+            assert delta["type"] == "function" and delta["id"]
+            merged[delta["index"]] = {"id": delta["id"], "name": delta["function"]["name"]}
+            merged[delta["index"]]["arguments"] = ""
+        else:
+            assert "id" not in delta and "name" not in delta["function"]
+        merged[delta["index"]]["arguments"] += delta["function"]["arguments"]
+    return merged
+
+
 def test_hermes_blocks_with_text_around() -> None:
     text = f"Let me check.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n{TIME}\n</tool_call>"
     content, calls = parse_tool_calls(text, HERMES)
@@ -258,6 +273,76 @@ def test_parallel_calls_go_out_one_by_one_and_text_between_at_the_end() -> None:
     sent = [listed.push(p) for p in ["[TOOL_CALLS][", WEATHER, ", ", TIME[:-1], "}", "]"]]
     assert [names(calls) for _, calls in sent] == [[], ["get_weather"], [], [], ["get_time"], []]
     assert listed.finish() == ("", [])
+
+
+def test_arguments_stream_as_they_are_written() -> None:
+    """Hermes, piece by piece: the call's index, id and name go out once its arguments
+    begin, then each piece of them as it comes (the model's own text, up to the object's
+    end; braces inside strings and escaped quotes do not end it); the parser's call, closed
+    by `</tool_call>`, keeps the streamed id and goes out no second time. The next call
+    takes the next index; arguments that are not an object go out whole at the close."""
+    stream = ToolTextStream(HERMES)
+    pieces = ["Sure. <tool_call>\n", '{"name": "get_', 'weather", "arguments": ', '{"city": "P',
+              'a}r\\"is", ', '"days": 2}', "}\n</tool_call>", '<tool_call>{"name": "f", ',
+              '"arguments": "{}"}</tool_call>']  # fmt: skip
+    sent = []
+    for piece in pieces:
+        content, calls = stream.push(piece)
+        sent.append((content, names(calls), stream.take_deltas()))
+    assert [content for content, _, _ in sent] == ["Sure. "] + [""] * 8
+    assert [closed for _, closed, _ in sent] == [[]] * 6 + [["get_weather"], [], ["f"]]
+    opening = sent[3][2][0]
+    assert opening["index"] == 0 and opening["function"] == {"name": "get_weather", "arguments": ""}
+    arguments = [d["function"]["arguments"] for _, _, deltas in sent[3:6] for d in deltas[-1:]]
+    assert arguments == ['{"city": "P', 'a}r\\"is", ', '"days": 2}']
+    assert sent[6][2] == []  # closed: nothing more to send for it
+    whole = sent[8][2]
+    assert [(d["index"], d["function"]["name"], d["function"]["arguments"]) for d in whole] == [
+        (1, "f", "{}")
+    ]
+    merged = merged_deltas([d for _, _, deltas in sent for d in deltas])
+    assert json.loads(merged[0]["arguments"]) == {"city": 'Pa}r"is', "days": 2}
+    _, closed = stream.finish()
+    assert closed == [] and merged[0]["id"] == opening["id"]
+
+
+@pytest.mark.parametrize(
+    ("syntax", "text"),
+    [
+        (MISTRAL_NAMED_ARGS,
+         '[TOOL_CALLS]get_time[ARGS]{}[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}'),
+        (MISTRAL, f"[TOOL_CALLS][{TIME}, {WEATHER}]"),
+        (GRANITE, f"<|tool_call|>[{TIME}, {WEATHER}]"),
+        (PHI4_MINI_JSON, f"functools[{TIME}, {WEATHER}]"),
+    ],
+)  # fmt: skip
+def test_each_json_syntax_streams_its_calls_in_order(syntax: ToolSyntax, text: str) -> None:
+    """Mistral's two forms, Granite's and Phi-4-mini's lists, a character at a time: both
+    calls stream, in order, with the syntax's ids, and merge into the parser's calls."""
+    stream = ToolTextStream(syntax)
+    closed = [call for char in text for call in stream.push(char)[1]]
+    rest, last = stream.finish()
+    merged = merged_deltas(stream.take_deltas())
+    _, parsed = parse_tool_calls(text, syntax)
+    assert rest == "" and [c.name for c in closed + last] == names(parsed)
+    assert [call["name"] for call in merged.values()] == names(parsed)
+    assert names(parsed) == ["get_time", "get_weather"]
+    for call, expected in zip(merged.values(), parsed):
+        assert json.loads(call["arguments"]) == json.loads(expected.arguments)
+    assert [c.id for c in closed + last] == [call["id"] for call in merged.values()]
+    assert all(len(call["id"]) == 9 for call in merged.values()) == (syntax.name == "mistral")
+
+
+def test_arguments_cut_by_max_tokens_stay_as_sent() -> None:
+    """A call whose arguments were going out when the reply ended stays as sent (a client
+    sees finish_reason "length"); its syntax does not come back as content."""
+    stream = ToolTextStream(HERMES)
+    for piece in ["OK <tool_call>", '{"name": "get_weather", ', '"arguments": {"ci']:
+        stream.push(piece)
+    assert stream.finish() == ("", [])
+    merged = merged_deltas(stream.take_deltas())
+    assert merged[0]["name"] == "get_weather" and merged[0]["arguments"] == '{"ci'
+    assert stream.indices == 1
 
 
 @pytest.mark.parametrize(
@@ -474,7 +559,16 @@ def test_any_text_parses_and_streams_without_raising(syntax: ToolSyntax) -> None
         rest, last = stream.finish()
         streamed = first[1] + second[1] + last
         assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in calls]
+        sent = merged_deltas(stream.take_deltas())
         if calls:
             assert (first[0] + second[0] + rest).strip() == (content or "")
+            closed = {c.id: c for c in streamed}
+            for call in sent.values():  # each closed call went out with its arguments
+                if call["id"] in closed:
+                    expected = json.loads(closed[call["id"]].arguments)
+                    assert json.loads(call["arguments"]) == expected
+            assert set(closed) <= {call["id"] for call in sent.values()}
+        elif sent:  # calls went out as they were written: their text is no content
+            assert first[0] + second[0] + rest == text[: stream.sent]
         else:
             assert first[0] + second[0] + rest == text

@@ -149,18 +149,16 @@ class ResponseShaper:
         token_ids = self.parsed.return_token_ids and bool(delta.token_ids)
         if self.is_chat:
             splitter = self._splitters[index]
-            first_call = splitter.called
-            reasoning, text, calls = splitter.push(delta)
+            reasoning, text, _ = splitter.push(delta)
             chunks = []
             if reasoning or text or logprobs or token_ids:
                 message = {"reasoning_content": reasoning} if reasoning else {}
                 if text or not reasoning:
                     message["content"] = text
                 chunks.append(openai.chat_chunk(self.head, index, message, None, logprobs))
+            calls = splitter.take_call_deltas()
             if calls:
-                numbered = enumerate(openai_calls(calls), first_call)
-                streamed = [{"index": i, **c} for i, c in numbered]
-                chunks.append(openai.chat_chunk(self.head, index, {"tool_calls": streamed}))
+                chunks.append(openai.chat_chunk(self.head, index, {"tool_calls": calls}))
             if delta.finish_reason is not None:
                 reason = _finish_with_calls(delta.finish_reason, splitter.called > 0)
                 chunks.append(openai.chat_chunk(self.head, index, {}, reason))
@@ -256,14 +254,30 @@ class ReplySplitter:
         # is one token (a stream), else a delta across the block's end counts whole.
         self.reasoning_tokens = 0
         self._undecided_tokens = 0  # before the reply shows whether it thinks
-        self.called = 0  # tool calls handed out so far
+        self.called = 0  # tool calls handed out so far, whole or as they are written
+        self._whole_calls: list[dict[str, Any]] = []  # harmony's, as chat deltas
 
     def push(self, delta: Delta) -> tuple[str, str, list[ParsedCall]]:
-        """The delta's reasoning and content, and the tool calls it completed (a call goes
-        out once whole, before the reply ends where its syntax allows)."""
+        """The delta's reasoning and content, and the tool calls it closed (before the
+        reply ends where its syntax allows); `take_call_deltas` has the same calls as a
+        chat stream sends them."""
         reasoning, text, calls = self._split(delta)
-        self.called += len(calls)
+        if self._tools is not None:
+            self.called = self._tools.indices
+        elif calls:
+            numbered = enumerate(openai_calls(calls), self.called)
+            self._whole_calls += [{"index": i, **call} for i, call in numbered]
+            self.called += len(calls)
         return reasoning, text, calls
+
+    def take_call_deltas(self) -> list[dict[str, Any]]:
+        """The `tool_calls` entries of a chat chunk since the last call: calls as they are
+        written (their openings, then their arguments' text) where the syntax allows, else
+        whole."""
+        if self._tools is not None:
+            return self._tools.take_deltas()
+        deltas, self._whole_calls = self._whole_calls, []
+        return deltas
 
     def _split(self, delta: Delta) -> tuple[str, str, list[ParsedCall]]:
         reasoning, text, calls = "", delta.text, []

@@ -54,6 +54,12 @@ LLAMA4_PYTHON = ("<|python_start|>", "<|python_end|>")
 CODER_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.DOTALL)
 CODER_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
 FUNCTION_NAME = re.compile(r"[\w.\-]+")
+# A JSON call object up to its arguments: `{"name": "...", "arguments": ` (Llama's key is
+# "parameters"); `[TOOL_CALLS]NAME[ARGS]` (Mistral's newer form)
+JSON_CALL_HEAD = re.compile(
+    r'\{\s*"name"\s*:\s*(?P<name>"(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*'
+)
+MISTRAL_ARGS_HEAD = re.compile(r"\[TOOL_CALLS\](?P<name>[\w.\-]+)(?:\[CALL_ID\][\w]*)?\[ARGS\]\s*")
 ID_CHARACTERS = string.ascii_letters + string.digits
 # What a model's text can raise when read as JSON or as a Python literal: deep nesting
 # overflows the readers' recursion too, and such text is text, not a failed request.
@@ -391,6 +397,12 @@ class ToolSyntax:
     force: Callable[[Tools, Any, bool], Any]  # -> xgrammar StructuralTag
     whole_reply: bool = False
     kept_tokens: tuple[str, ...] = ()
+    # Where a call's arguments object begins once its name is known (group "name", JSON
+    # text where `quoted_name`): a streamed reply sends the arguments as they come. Syntaxes
+    # without one send each call whole once its syntax closes.
+    call_head: re.Pattern[str] | None = None
+    quoted_name: bool = True
+    new_call_id: Callable[[], str] = openai_call_id
 
     def forcing_tag(self, tools: Tools, tool_choice: Any, parallel: bool) -> str:
         """The structural tag (JSON text) that makes the reply a call of the named function,
@@ -398,13 +410,16 @@ class ToolSyntax:
         return self.force(tools, tool_choice, parallel).model_dump_json()
 
 
-def _mistral(force: Callable[[Tools, Any, bool], Any]) -> ToolSyntax:
+def _mistral(force: Callable[[Tools, Any, bool], Any], head: re.Pattern[str]) -> ToolSyntax:
     return ToolSyntax(
         "mistral",
         (MISTRAL_CALLS,),
         lambda text, tools: _after_markers(text, MISTRAL_CALLS, _read_mistral),
         force,
         kept_tokens=(MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID),
+        call_head=head,
+        quoted_name=head is JSON_CALL_HEAD,
+        new_call_id=mistral_call_id,
     )
 
 
@@ -414,6 +429,7 @@ HERMES = ToolSyntax(
     lambda text, tools: _after_markers(text, HERMES_START, _read_hermes),
     lambda tools, choice, parallel: _xgrammar_tag("qwen_3", tools, choice, parallel),
     kept_tokens=(HERMES_START, HERMES_END),
+    call_head=JSON_CALL_HEAD,
 )
 QWEN3_CODER = ToolSyntax(
     "qwen3_coder",
@@ -438,19 +454,22 @@ PYTHONIC = ToolSyntax(
     kept_tokens=LLAMA4_PYTHON,
 )
 MISTRAL = _mistral(
-    lambda tools, choice, parallel: _json_list_tag(MISTRAL_CALLS, tools, choice, parallel)
+    lambda tools, choice, parallel: _json_list_tag(MISTRAL_CALLS, tools, choice, parallel),
+    JSON_CALL_HEAD,
 )
-MISTRAL_NAMED_ARGS = _mistral(_mistral_args_tag)
+MISTRAL_NAMED_ARGS = _mistral(_mistral_args_tag, MISTRAL_ARGS_HEAD)
 GRANITE = ToolSyntax(
     "granite",
     (GRANITE_CALLS,),
     lambda text, tools: _after_markers(text, GRANITE_CALLS, _json_list),
     lambda tools, choice, parallel: _json_list_tag(GRANITE_CALLS, tools, choice, parallel),
     kept_tokens=(GRANITE_CALLS,),
+    call_head=JSON_CALL_HEAD,
 )
 PHI4_MINI_JSON = ToolSyntax(
     "phi4_mini_json",
     (PHI4_CALLS,),
     lambda text, tools: _after_markers(text, PHI4_CALLS, _json_list),
     lambda tools, choice, parallel: _json_list_tag(PHI4_CALLS, tools, choice, parallel),
+    call_head=JSON_CALL_HEAD,
 )

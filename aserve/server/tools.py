@@ -6,6 +6,7 @@ their parsers and forcing grammars, are tool_syntax.py's.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from aserve.server.tool_syntax import (
@@ -92,11 +93,66 @@ def openai_calls(calls: list[ParsedCall]) -> list[dict[str, Any]]:
     ]
 
 
+class _ObjectEnd:
+    """Where a JSON object that began at its first character ends, read piece by piece:
+    braces counted outside strings, escapes skipped."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+
+    def feed(self, text: str) -> int | None:
+        """How much of `text` the object takes: up to its end, or None if it goes on."""
+        for at, char in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+            elif char == '"':
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return at + 1
+        return None
+
+
+class _StreamedCall:
+    """A call whose arguments are going out as they come: its index, id, name and the
+    arguments' text sent so far."""
+
+    def __init__(self, index: int, call_id: str, name: str, start: int) -> None:
+        self.index, self.id, self.name = index, call_id, name
+        self.sent = start  # where the arguments' unsent text begins, in the reply's text
+        self.arguments = ""
+        self.end = _ObjectEnd()
+        self.whole = False
+
+    def same_as(self, call: ParsedCall) -> bool:
+        """Whether the parser's call is this one (its arguments are the same JSON)."""
+        try:
+            return call.name == self.name and json.loads(self.arguments) == json.loads(
+                call.arguments
+            )
+        except ValueError:
+            return False
+
+
 class ToolTextStream:
     """Streams a reply's text until a tool call may be starting, then holds the rest back: a
-    client never sees a call's syntax as content. Each call goes out once its syntax has
-    closed (in a syntax of markers nothing later can undo it); calls that are the whole
-    reply (llama3_json, pythonic) wait for its end, as does the text around calls."""
+    client never sees a call's syntax as content. Where the syntax has a `call_head`, each
+    call goes out as it is written, as OpenAI streams them: its index, id and name once the
+    name is complete, then its arguments' text as it comes (`take_deltas`); the others go
+    out whole once their syntax has closed (in a syntax of markers nothing later can undo
+    it); calls that are the whole reply (llama3_json, pythonic) wait for its end, as does
+    the text around calls. `push` and `finish` also return each call once it has closed, as
+    the parser reads it (the Responses API's items)."""
 
     def __init__(self, syntax: ToolSyntax, tools: Tools = ()) -> None:
         self.syntax = syntax
@@ -104,16 +160,83 @@ class ToolTextStream:
         self.text = ""
         self.sent = 0
         self.held = False
-        self.called = 0  # calls handed out before the reply ended
+        self.called = 0  # calls the parser closed before the reply ended
+        self.indices = 0  # calls given an index (streamed or sent whole)
+        self._deltas: list[dict[str, Any]] = []
+        self._streamed: list[_StreamedCall] = []  # not yet closed by the parser
+        self._scan_from = 0  # where the next call's head may begin
 
     def push(self, delta: str) -> tuple[str, list[ParsedCall]]:
         """What of `delta` may go out as content now, and the calls it closed."""
         content = self._content(delta)
-        if not self.held or self.syntax.whole_reply or not any(c in delta for c in "]}>"):
+        if not self.held or self.syntax.whole_reply:
+            return content, []
+        self._stream_arguments()
+        if not any(c in delta for c in "]}>"):
             return content, []  # nothing can have closed a call
         _, calls = self.syntax.parse(self.text[self.sent :], self.tools)
         closed, self.called = calls[self.called :], len(calls)
-        return content, closed
+        return content, self._closing(closed)
+
+    def take_deltas(self) -> list[dict[str, Any]]:
+        """The `tool_calls` entries of a chat chunk since the last call: streamed calls'
+        openings and arguments' text, and whole calls."""
+        deltas, self._deltas = self._deltas, []
+        return deltas
+
+    def _stream_arguments(self) -> None:
+        """Send what has come of the open call's arguments; open the calls whose heads have
+        come, while their arguments are an object."""
+        head = self.syntax.call_head
+        while head is not None:
+            call = self._streamed[-1] if self._streamed else None
+            if call is not None and not call.whole:
+                ended = call.end.feed(self.text[call.sent :])
+                upto = len(self.text) if ended is None else call.sent + ended
+                piece = self.text[call.sent : upto]
+                if piece:
+                    call.arguments += piece
+                    self._deltas.append({"index": call.index, "function": {"arguments": piece}})
+                call.sent = upto
+                if ended is None:
+                    return
+                call.whole, self._scan_from = True, upto
+            found = head.search(self.text, max(self._scan_from, self.sent))
+            if found is None or found.end() == len(self.text):
+                return  # no head yet, or its arguments not begun
+            self._scan_from = found.end()
+            if self.text[found.end()] != "{":
+                continue  # arguments of another shape: the call goes out whole
+            name = found.group("name")
+            if self.syntax.quoted_name:
+                name = json.loads(name)
+            opened = _StreamedCall(self.indices, self.syntax.new_call_id(), name, found.end())
+            self.indices += 1
+            self._streamed.append(opened)
+            self._deltas.append(
+                {
+                    "index": opened.index,
+                    "id": opened.id,
+                    "type": "function",
+                    "function": {"name": name, "arguments": ""},
+                }
+            )
+
+    def _closing(self, closed: list[ParsedCall]) -> list[ParsedCall]:
+        """The parser's newly closed calls: a streamed one keeps its id; the others go out
+        whole."""
+        calls = []
+        for call in closed:
+            streamed = next((s for s in self._streamed if s.whole and s.same_as(call)), None)
+            if streamed is not None:
+                self._streamed.remove(streamed)
+                calls.append(ParsedCall(call.name, call.arguments, streamed.id))
+                continue
+            calls.append(call)
+            entry = openai_calls([call])[0]
+            self._deltas.append({"index": self.indices, **entry})
+            self.indices += 1
+        return calls
 
     def _content(self, delta: str) -> str:
         self.text += delta
@@ -142,6 +265,9 @@ class ToolTextStream:
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
         """The content still to send and the calls not handed out yet, once the reply is
-        complete."""
+        complete. A call that went out as it was written stays out, whatever follows it
+        (arguments cut by max_tokens, a syntax broken after them)."""
         rest, calls = parse_tool_calls(self.text[self.sent :], self.syntax, self.tools)
-        return rest or "", calls[self.called :]
+        if not calls and self.indices:  # calls went out as written: their text is no content
+            rest = ""
+        return rest or "", self._closing(calls[self.called :])
