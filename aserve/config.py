@@ -30,13 +30,14 @@ SUPPORTED_ARCHITECTURES = {
     "SmolLM3ForCausalLM": "smollm3",
     "Phi3ForCausalLM": "phi3",
     "GraniteForCausalLM": "granite",
+    "GraniteMoeForCausalLM": "granitemoe",
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo3",
     "OlmoeForCausalLM": "olmoe",
     "Exaone4ForCausalLM": "exaone4",
     "Glm4ForCausalLM": "glm4",
 }
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "granitemoe")
 """Families whose experts `_moe_settings` reads (gpt-oss's are read with its own settings)."""
 MOE_BACKENDS = ("auto", "torch", "fused")
 GELU_TANH = "gelu_pytorch_tanh"
@@ -310,9 +311,9 @@ def _rotary_dim(config: dict[str, Any], head_dim: int) -> int:
 
 
 def _granite_settings(config: dict[str, Any]) -> dict[str, Any]:
-    """IBM Granite 3's four multipliers on Llama: the embeddings, the scores (in place of
-    1 / sqrt(head_dim)), each block's output before it joins the residual stream, and the
-    logits (divided)."""
+    """IBM Granite 3's four multipliers on Llama (and on Mixtral's experts, GraniteMoe): the
+    embeddings, the scores (in place of 1 / sqrt(head_dim)), each block's output before it
+    joins the residual stream, and the logits (divided)."""
     return {
         "embedding_scale": float(config.get("embedding_multiplier") or 1.0),
         "attention_scale": float(config.get("attention_multiplier") or 0.0) or None,
@@ -346,13 +347,14 @@ def _rope_free_layers(config: dict[str, Any], num_layers: int) -> tuple[int, ...
 
 def _moe_settings(config: dict[str, Any], family: str) -> dict[str, Any]:
     """Transformers 5 writes `num_local_experts` where Qwen's own configs say `num_experts`;
-    the defaults are Qwen3MoeConfig's. Mixtral's and OLMoE's experts are `intermediate_size`
-    wide and every layer is sparse; Mixtral's chosen experts' softmax weights are renormalised
-    (as Qwen3-MoE's and OLMoE's with `norm_topk_prob`)."""
-    mixtral = family == "mixtral"
+    the defaults are Qwen3MoeConfig's. Mixtral's, OLMoE's and Granite's experts are
+    `intermediate_size` wide and every layer is sparse; Mixtral's and Granite's chosen
+    experts' softmax weights are renormalised (Granite takes the softmax of the chosen
+    logits, the same weights; Qwen3-MoE and OLMoE renormalise with `norm_topk_prob`)."""
+    mixtral = family in ("mixtral", "granitemoe")
     width = (
         config.get("moe_intermediate_size")
-        if family in ("mixtral", "olmoe")
+        if family in ("mixtral", "olmoe", "granitemoe")
         else config["moe_intermediate_size"]
     )
     return {
@@ -646,7 +648,7 @@ class ModelConfig:
             family_settings = dict(zip(("rope_theta", "rope_scaling"), _rope_settings(config)))
         if family == "smollm3":
             family_settings["rope_free_layers"] = _rope_free_layers(config, num_layers)
-        if family == "granite":
+        if family in ("granite", "granitemoe"):
             family_settings |= _granite_settings(config)
         if family in ("olmo2", "olmo3"):
             family_settings |= _olmo_settings(config, num_layers, family)

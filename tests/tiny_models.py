@@ -7,7 +7,8 @@ layer (`mlp_only_layers`), Gemma 3's windowed and whole layers with their own ro
 scaled scores, sandwich norms and GELU, Gemma 2's soft-capped scores and logits, gpt-oss's
 attention sinks, biases, YaRN rope, windows and experts with biases and a clamped SwiGLU,
 SmolLM3's layers without rope, Phi-3's fused projections, partial rotation and LongRoPE, Granite's
-multipliers, and Mixtral's experts under their own names.
+multipliers (on experts too, GraniteMoe's, stacked in the checkpoint), and Mixtral's experts under
+their own names.
 """
 
 from __future__ import annotations
@@ -109,6 +110,19 @@ FAMILIES: dict[str, dict[str, Any]] = {
         # Granite 3's multipliers, away from 1 so that each shows
         "rope_theta": 10000.0,
         "tie_word_embeddings": True,
+        "embedding_multiplier": 12.0,
+        "attention_multiplier": 0.1,
+        "residual_multiplier": 0.22,
+        "logits_scaling": 4.0,
+    },
+    "granitemoe": {
+        # Granite's multipliers on Mixtral-like experts: 4 of intermediate_size, 2 a token,
+        # stacked in the checkpoint (input_linear, output_linear) under a `router.layer`
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "intermediate_size": 32,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
         "embedding_multiplier": 12.0,
         "attention_multiplier": 0.1,
         "residual_multiplier": 0.22,
@@ -217,6 +231,7 @@ def make_tiny_model(
         "smollm3": transformers.SmolLM3Config,
         "phi3": transformers.Phi3Config,
         "granite": transformers.GraniteConfig,
+        "granitemoe": transformers.GraniteMoeConfig,
         "mixtral": transformers.MixtralConfig,
         "olmo2": transformers.Olmo2Config,
         "olmoe": transformers.OlmoeConfig,
@@ -234,9 +249,9 @@ def make_tiny_model(
                 param.normal_(1.0, 0.1)
             elif name.endswith("bias"):
                 param.normal_(0.0, 0.1)
-            elif ".mlp.gate." in name or ".mlp.router." in name or name.endswith("sinks"):
+            elif ".mlp.gate." in name or ".router." in name or name.endswith("sinks"):
                 param.normal_(0.0, 0.5)
-            elif ".mlp.experts." in name:
+            elif ".mlp.experts." in name or ".block_sparse_moe.experts." in name:
                 param.normal_(0.0, 0.2)
     model.save_pretrained(folder)
     return folder

@@ -206,7 +206,7 @@ def iter_gguf(
     }
     model_type = config["model_type"]
     # llama.cpp's converter permutes these families' query and key rows as Llama's
-    permute = model_type in ("llama", "smollm3", "granite", "mixtral")
+    permute = model_type in ("llama", "smollm3", "granite", "granitemoe", "mixtral")
     sandwich = model_type in SANDWICH_FAMILIES
     for tensor in tqdm(tensors, desc="Loading weights", unit="tensor", disable=not progress):
         if tensor.name in ROPE_TENSORS:

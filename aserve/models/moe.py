@@ -1,5 +1,5 @@
-"""Qwen3-MoE, Mixtral and gpt-oss: the dense decoder of models/decoder.py with sparse expert
-MLPs.
+"""Qwen3-MoE, Mixtral, OLMoE, GraniteMoe and gpt-oss: the dense decoder of models/decoder.py
+with sparse expert MLPs.
 
 Attention, norms, embedding and LM head are the dense decoder's (Qwen3's per-head Q/K norm,
 gpt-oss's biases, sinks and windows included). Layers that `ModelConfig.is_moe_layer` picks
@@ -7,7 +7,8 @@ get a `SparseMoE` (router + experts, aserve/layers/moe.py); the others, e.g. tho
 `mlp_only_layers`, keep a dense MLP of `intermediate_size`. A quantized GGUF file's experts
 stay in their blocks (`QuantizedExperts`). gpt-oss names its router `mlp.router`, read here as
 `mlp.gate`; Mixtral's checkpoints name the block `block_sparse_moe` and an expert's gate, down
-and up `w1`, `w2` and `w3` (`MIXTRAL_NAMES`).
+and up `w1`, `w2` and `w3` (`MIXTRAL_NAMES`); GraniteMoe's name its router `router.layer` and
+hold its experts stacked, `input_linear` and `output_linear` (`GRANITE_NAMES`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ from aserve.models.decoder import DecoderForCausalLM, DecoderMLP
 
 EXPERTS = ".mlp.experts."
 MIXTRAL_NAMES = {"w1.": "gate_proj.", "w2.": "down_proj.", "w3.": "up_proj."}
+# GraniteMoe's checkpoints: its router, and its experts stacked (gate rows, then up rows)
+GRANITE_NAMES = {
+    ".mlp.router.layer.": ".mlp.gate.",
+    ".mlp.input_linear.weight": EXPERTS + "gate_up_proj",
+    ".mlp.output_linear.weight": EXPERTS + "down_proj",
+}
 
 
 class Qwen3MoeForCausalLM(DecoderForCausalLM):
@@ -72,7 +79,10 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
         self, modules: dict[str, nn.Module], name: str, tensor: WeightSource
     ) -> list[str]:
         """Expert tensors go into their layer's stacked weights; the rest as in the dense model."""
-        name = name.replace(".mlp.router.", ".mlp.gate.").replace(".block_sparse_moe.", ".mlp.")
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        for granite, ours in GRANITE_NAMES.items():
+            name = name.replace(granite, ours)
+        name = name.replace(".mlp.router.", ".mlp.gate.")
         layer, found, part = name.partition(EXPERTS)
         if not found:
             return super().load_tensor(modules, name, tensor)

@@ -74,6 +74,7 @@ ARCHITECTURES = {
     "smollm3": "SmolLM3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "granitemoe": "GraniteMoeForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
@@ -274,9 +275,11 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
     tensors = {tensor.name: tensor for tensor in stored}
     hidden = read(f"{arch}.embedding_length", required=True)
     heads = read(f"{arch}.attention.head_count", required=True)
-    experts = read(f"{arch}.expert_count", 0, required=arch in ("qwen3moe", "gpt-oss", "olmoe"))
-    if arch == "olmoe":  # llama.cpp writes (and reads) `feed_forward_length` for its experts
-        expert_rows = read("olmoe.feed_forward_length", required=True)
+    experts = read(
+        f"{arch}.expert_count", 0, required=arch in ("qwen3moe", "gpt-oss", "olmoe", "granitemoe")
+    )
+    if arch in ("olmoe", "granitemoe"):  # llama.cpp writes `feed_forward_length` for experts
+        expert_rows = read(f"{arch}.feed_forward_length", required=True)
     else:
         expert_rows = read(f"{arch}.expert_feed_forward_length", required=experts > 0)
     mixtral = arch == "llama" and experts > 0  # llama.cpp keeps Mixtral under llama's name
@@ -324,7 +327,7 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
     if arch == "glm4":  # half of a head rotating, in neighbouring pairs (the family's way)
         rotary = read("glm4.rope.dimension_count", config["head_dim"])
         config["partial_rotary_factor"] = rotary / config["head_dim"]
-    if arch == "granite":  # its multipliers, under llama.cpp's names
+    if arch in ("granite", "granitemoe"):  # its multipliers, under llama.cpp's names
         multipliers = {
             "embedding_multiplier": "embedding_scale",
             "attention_multiplier": "attention.scale",
@@ -332,7 +335,7 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
             "logits_scaling": "logit_scale",
         }
         for key, name in multipliers.items():
-            value = read(f"granite.{name}")
+            value = read(f"{arch}.{name}")
             config[key] = None if value is None else float32_decimal(value)
     if has_quantized_matrices(stored):
         config["quantization_config"] = {"quant_method": "gguf"}
