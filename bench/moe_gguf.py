@@ -1,4 +1,4 @@
-"""A random Qwen3-MoE GGUF (llama.cpp's `qwen3moe`) or gpt-oss GGUF (`gpt-oss`) of a chosen
+"""A random Qwen3-MoE GGUF (llama.cpp's `qwen3moe`), gpt-oss, OLMoE or GraniteMoe GGUF of a chosen
 shape, for CPU benchmarks of quantized experts beside llama.cpp on the same file:
 
     python bench/moe_gguf.py /tmp/moe.gguf --qtype Q4_0
@@ -16,7 +16,10 @@ layers add biases to every projection, the router and the experts, a sink logit 
 window of 128 on every other layer, and YaRN; its published files keep the experts in MXFP4
 (`--expert-qtype`). `--arch olmoe` writes OLMoE's (Q/K norms across all heads, experts'
 weights not renormalised); OLMoE-1B-7B's shape is `--arch olmoe --layers 16 --hidden 2048
---heads 16 16 --head-dim 128 --experts 64 8 --expert-rows 1024`.
+--heads 16 16 --head-dim 128 --experts 64 8 --expert-rows 1024`. `--arch granitemoe` writes
+Granite's (its four multipliers, no Q/K norms); granite-3.1-1b-a400m's shape is `--arch
+granitemoe --layers 24 --hidden 1024 --heads 16 8 --head-dim 64 --experts 32 8
+--expert-rows 512`.
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ from bench.gguf_files import copy_tokenizer, random_matrix, write_out  # noqa: E
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description="write a random Qwen3-MoE GGUF")
     p.add_argument("out", type=Path)
-    p.add_argument("--arch", default="qwen3moe", choices=["qwen3moe", "gpt-oss", "olmoe"])
+    p.add_argument(
+        "--arch", default="qwen3moe", choices=["qwen3moe", "gpt-oss", "olmoe", "granitemoe"]
+    )
     p.add_argument("--qtype", default="Q4_0", help="GGUF type of the matrices: Q4_0, IQ4_XS, ...")
     p.add_argument("--expert-qtype", default=None, help="the experts' type (default: --qtype)")
     p.add_argument("--layers", type=int, default=8)
@@ -77,8 +82,13 @@ def main() -> None:
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_expert_count(experts)
     writer.add_expert_used_count(used)
-    if args.arch != "olmoe":  # llama.cpp's olmoe files take feed_forward_length
+    if args.arch not in ("olmoe", "granitemoe"):  # these take feed_forward_length
         writer.add_expert_feed_forward_length(args.expert_rows)
+    if args.arch == "granitemoe":  # granite-3.1-1b-a400m's multipliers
+        writer.add_embedding_scale(12.0)
+        writer.add_attention_scale(0.015625)
+        writer.add_residual_scale(0.22)
+        writer.add_logit_scale(6.0)
     if oss:
         writer.add_sliding_window(128)
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
@@ -117,6 +127,8 @@ def main() -> None:
         pre_mlp_norm = "post_attention_norm" if oss else "ffn_norm"
         for norm, size in (("attn_norm", args.hidden), (pre_mlp_norm, args.hidden)):
             add(f"{blk}.{norm}.weight", np.ones(size, np.float32), quantized=False)
+        if args.arch == "granitemoe":  # no Q/K norms
+            continue
         if not oss:  # Q/K norms a head, or OLMoE's across all heads of the projection
             widths = (q_rows, kv_rows) if args.arch == "olmoe" else (args.head_dim, args.head_dim)
             for norm, width in zip(("attn_q_norm", "attn_k_norm"), widths):

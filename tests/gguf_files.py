@@ -32,6 +32,7 @@ GGUF_ARCH = {
     "smollm3": "smollm3",
     "phi3": "phi3",
     "granite": "granite",
+    "granitemoe": "granitemoe",
     "mixtral": "llama",
     "olmo2": "olmo2",
     "olmo3": "olmo2",  # llama.cpp's olmo2, with a window: three layers of four, YaRN on the rest
@@ -121,11 +122,23 @@ def llama3_rope_factors(config: dict[str, Any], head_dim: int) -> np.ndarray:
 
 def mixtral_as_qwen3_moe(name: str) -> str:
     """Mixtral's checkpoint names (`block_sparse_moe`, experts' w1 / w2 / w3) in the MoE
-    names this writer maps: its router and experts become the same GGUF tensors."""
-    name = name.replace(".block_sparse_moe.", ".mlp.")
+    names this writer maps: its router and experts become the same GGUF tensors (and
+    GraniteMoe's router, `router.layer`)."""
+    name = name.replace(".block_sparse_moe.", ".mlp.").replace(".mlp.router.layer.", ".mlp.gate.")
     for mixtral, part in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj")):
         name = name.replace(f".{mixtral}.weight", f".{part}.weight")
     return name
+
+
+def granite_experts(name: str, array: np.ndarray) -> dict[str, np.ndarray]:
+    """GraniteMoe's stacked experts as llama.cpp's converter splits them: `input_linear`
+    `[E, 2I, H]` into gate and up (the first I rows of each expert are its gate), and
+    `output_linear` `[E, H, I]` as the down projection."""
+    layer = name.split(".")[2]
+    if name.endswith("output_linear.weight"):
+        return {f"blk.{layer}.ffn_down_exps.weight": array}
+    gate, up = np.split(array, 2, axis=1)
+    return {f"blk.{layer}.ffn_gate_exps.weight": gate, f"blk.{layer}.ffn_up_exps.weight": up}
 
 
 def gguf_name(hf_name: str, in_layer: dict[str, str] = IN_LAYER) -> str:
@@ -231,7 +244,7 @@ def write_hf_as_gguf(
         writer.add_sliding_window(config["sliding_window"])
         types = config["layer_types"]
         writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in types])
-    if config["model_type"] == "granite":
+    if config["model_type"] in ("granite", "granitemoe"):
         writer.add_embedding_scale(config["embedding_multiplier"])
         writer.add_attention_scale(config["attention_multiplier"])
         writer.add_residual_scale(config["residual_multiplier"])
@@ -243,9 +256,10 @@ def write_hf_as_gguf(
     if num_experts:
         writer.add_expert_count(num_experts)
         writer.add_expert_used_count(config["num_experts_per_tok"])
-        wide = gpt_oss or config["model_type"] in ("mixtral", "olmoe")  # intermediate_size
+        wide = gpt_oss or config["model_type"] in ("mixtral", "olmoe", "granitemoe")
         expert_rows = config["intermediate_size" if wide else "moe_intermediate_size"]
-        if config["model_type"] != "olmoe":  # llama.cpp's olmoe files have feed_forward_length
+        # llama.cpp's olmoe and granitemoe files have only feed_forward_length
+        if config["model_type"] not in ("olmoe", "granitemoe"):
             writer.add_expert_feed_forward_length(expert_rows)
     in_layer = GEMMA_IN_LAYER if gemma else GPT_OSS_IN_LAYER if gpt_oss else IN_LAYER
     in_layer = PHI3_IN_LAYER if phi3 else in_layer
@@ -257,13 +271,15 @@ def write_hf_as_gguf(
     for name, tensor in load_file(folder / "model.safetensors").items():
         array = tensor.float().numpy()
         name = mixtral_as_qwen3_moe(name)
-        permuted = arch in ("llama", "smollm3", "granite")  # as llama.cpp's LlamaModel does
+        permuted = arch in ("llama", "smollm3", "granite", "granitemoe")  # as LlamaModel does
         if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             array = llama_cpp_permute(array, heads if "q_proj" in name else kv_heads)
         if gemma and name.endswith("norm.weight"):  # Gemma's RMSNorm weighs by 1 + w
             array = array + 1
         if gpt_oss and ".mlp.experts." in name:
             tensors |= gpt_oss_experts(name, array)
+        elif name.endswith((".mlp.input_linear.weight", ".mlp.output_linear.weight")):
+            tensors |= granite_experts(name, array)
         elif ".mlp.experts." in name:
             layer, expert, part = name.split(".")[2], name.split(".")[5], name.split(".")[6]
             experts.setdefault(f"blk.{layer}.{EXPERT_PARTS[part]}.weight", {})[int(expert)] = array

@@ -78,6 +78,7 @@ def decode_both_ways(llm: LLM) -> tuple[list, list, int]:
         "smollm3",
         "phi3",
         "granite",
+        "granitemoe",
         "mixtral",
         "olmo2",
         "olmo3",

@@ -64,6 +64,7 @@ OVERRIDES = {
         "smollm3",
         "phi3",
         "granite",
+        "granitemoe",
         "mixtral",
         "olmo2",
         "olmo3",

@@ -165,6 +165,7 @@ def test_tp2_integer_checkpoint_equals_tp1(
         "gemma2",
         "phi3",
         "granite",
+        "granitemoe",
         "mixtral",
         "olmo2",
         "olmo2-one-kv-head",
