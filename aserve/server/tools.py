@@ -93,6 +93,11 @@ def openai_calls(calls: list[ParsedCall]) -> list[dict[str, Any]]:
     ]
 
 
+HEAD_REACH = 512
+"""How far before a piece a call's head may begin and still be found: each piece is searched
+with this much before it, not the whole reply again (a longer head goes out whole)."""
+
+
 class _ObjectEnd:
     """Where a JSON object that began at its first character ends, read piece by piece:
     braces counted outside strings, escapes skipped."""
@@ -171,7 +176,7 @@ class ToolTextStream:
         content = self._content(delta)
         if not self.held or self.syntax.whole_reply:
             return content, []
-        self._stream_arguments()
+        self._stream_arguments(len(delta))
         if not any(c in delta for c in "]}>"):
             return content, []  # nothing can have closed a call
         _, calls = self.syntax.parse(self.text[self.sent :], self.tools)
@@ -184,9 +189,10 @@ class ToolTextStream:
         deltas, self._deltas = self._deltas, []
         return deltas
 
-    def _stream_arguments(self) -> None:
+    def _stream_arguments(self, new: int) -> None:
         """Send what has come of the open call's arguments; open the calls whose heads have
-        come, while their arguments are an object."""
+        come (ending in the `new` characters or HEAD_REACH before them), while their
+        arguments are an object."""
         head = self.syntax.call_head
         while head is not None:
             call = self._streamed[-1] if self._streamed else None
@@ -201,7 +207,8 @@ class ToolTextStream:
                 if ended is None:
                     return
                 call.whole, self._scan_from = True, upto
-            found = head.search(self.text, max(self._scan_from, self.sent))
+            reach = len(self.text) - new - HEAD_REACH
+            found = head.search(self.text, max(self._scan_from, self.sent, reach))
             if found is None or found.end() == len(self.text):
                 return  # no head yet, or its arguments not begun
             self._scan_from = found.end()
