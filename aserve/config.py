@@ -23,6 +23,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
     "MixtralForCausalLM": "mixtral",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
@@ -37,7 +38,7 @@ SUPPORTED_ARCHITECTURES = {
     "Exaone4ForCausalLM": "exaone4",
     "Glm4ForCausalLM": "glm4",
 }
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "granitemoe")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe")
 """Families whose experts `_moe_settings` reads (gpt-oss's are read with its own settings)."""
 MOE_BACKENDS = ("auto", "torch", "fused")
 GELU_TANH = "gelu_pytorch_tanh"
@@ -350,7 +351,8 @@ def _moe_settings(config: dict[str, Any], family: str) -> dict[str, Any]:
     the defaults are Qwen3MoeConfig's. Mixtral's, OLMoE's and Granite's experts are
     `intermediate_size` wide and every layer is sparse; Mixtral's and Granite's chosen
     experts' softmax weights are renormalised (Granite takes the softmax of the chosen
-    logits, the same weights; Qwen3-MoE and OLMoE renormalise with `norm_topk_prob`)."""
+    logits, the same weights; Qwen3-MoE and OLMoE renormalise with `norm_topk_prob`).
+    Qwen2-MoE adds a shared expert, `shared_expert_intermediate_size` wide, beside them."""
     mixtral = family in ("mixtral", "granitemoe")
     width = (
         config.get("moe_intermediate_size")
@@ -364,6 +366,7 @@ def _moe_settings(config: dict[str, Any], family: str) -> dict[str, Any]:
         "norm_topk_prob": mixtral or bool(config.get("norm_topk_prob", False)),
         "decoder_sparse_step": int(config.get("decoder_sparse_step") or 1),
         "mlp_only_layers": _as_int_tuple(config.get("mlp_only_layers")),
+        "shared_expert_intermediate_size": int(config.get("shared_expert_intermediate_size") or 0),
     }
 
 
@@ -582,6 +585,8 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    # Qwen2-MoE: a dense MLP every token takes beside its experts, weighed by a sigmoid gate
+    shared_expert_intermediate_size: int = 0
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     layer_windows: tuple[int, ...] = ()
@@ -684,7 +689,11 @@ class ModelConfig:
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=bool(config.get("attention_bias", family == "qwen2")),
+            qkv_bias=bool(
+                config.get("qkv_bias", True)
+                if family == "qwen2_moe"
+                else config.get("attention_bias", family == "qwen2")
+            ),
             o_bias=bool(config.get("attention_bias", False)) and family not in ("qwen2", "glm4"),
             qk_norm=family
             in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "olmoe", "exaone4"),

@@ -176,6 +176,20 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "rope_theta": 1000000.0,
         "tie_word_embeddings": False,
     },
+    "qwen2_moe": {
+        # Qwen2's QKV biases; experts in layers 2 and 3 (every second, not the third: mlp_only),
+        # each beside a shared expert weighed by its sigmoid gate; weights not renormalised
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "num_hidden_layers": 3,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [0],
+        "norm_topk_prob": False,
+    },
     "mixtral": {
         # every layer sparse: 4 experts of intermediate_size, 2 a token
         "rope_theta": 1000000.0,
@@ -226,6 +240,7 @@ def make_tiny_model(
         "qwen3": transformers.Qwen3Config,
         "mistral": transformers.MistralConfig,
         "qwen3_moe": transformers.Qwen3MoeConfig,
+        "qwen2_moe": transformers.Qwen2MoeConfig,
         "gemma2": transformers.Gemma2Config,
         "gemma3": transformers.Gemma3TextConfig,
         "smollm3": transformers.SmolLM3Config,
@@ -251,7 +266,7 @@ def make_tiny_model(
                 param.normal_(0.0, 0.1)
             elif ".mlp.gate." in name or ".router." in name or name.endswith("sinks"):
                 param.normal_(0.0, 0.5)
-            elif ".mlp.experts." in name or ".block_sparse_moe.experts." in name:
+            elif any(p in name for p in (".mlp.experts.", ".block_sparse_moe.experts.", "shared_")):
                 param.normal_(0.0, 0.2)
     model.save_pretrained(folder)
     return folder

@@ -557,9 +557,11 @@ def _decode_experts(
 
 
 class SparseMoE(nn.Module):
-    """Router plus experts, named as in Hugging Face checkpoints (`gate`, `experts`). Under
-    tensor parallelism the output is this rank's partial sum, as the dense MLP's: the
-    decoder's next norm reduces it."""
+    """Router plus experts, named as in Hugging Face checkpoints (`gate`, `experts`), and
+    Qwen2-MoE's `shared_expert`, a dense MLP every token takes, weighed by the sigmoid of
+    `shared_expert_gate`. Under tensor parallelism the output is this rank's partial sum, as
+    the dense MLP's (the shared expert's too: its gate is a replicated scale): the decoder's
+    next norm reduces it."""
 
     def __init__(
         self,
@@ -573,6 +575,7 @@ class SparseMoE(nn.Module):
         fp8: bool = False,
         gguf: bool = False,
         style: ExpertStyle = PLAIN_EXPERTS,
+        shared: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.top_k = top_k
@@ -580,6 +583,8 @@ class SparseMoE(nn.Module):
         self.backend = backend
         self.style = style
         self.gate = Router(num_experts, hidden_size, style.biases)
+        self.shared_expert = shared
+        self.shared_expert_gate = None if shared is None else Router(1, hidden_size)
         fused = backend.name == "fused"
         self.experts: ExpertWeights | QuantizedExperts = (
             QuantizedExperts(num_experts, hidden_size, inter_size, tp, fused, style)
@@ -588,6 +593,13 @@ class SparseMoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routed = self._routed(x)
+        if self.shared_expert is None or self.shared_expert_gate is None:
+            return routed
+        shared = self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))
+        return routed + shared
+
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
         experts = self.experts
         if isinstance(experts, QuantizedExperts) and experts.takes_whole_layer(x):
             return experts.whole_layer(x, self.gate, self.top_k, self.renormalize)

@@ -119,7 +119,7 @@ def _add_layer(
         router_bias, expert_biases, style = None, (None, None), PLAIN_EXPERTS
     elif isinstance(mlp, SparseMoE) and isinstance(mlp.experts, QuantizedExperts):
         stacks = mlp.experts.cpu_stacks
-        if stacks is None:
+        if stacks is None or mlp.shared_expert is not None:  # (the stack has no shared MLP)
             return False
         up_id, down_id = add(stacks[0]), add(stacks[1])
         inter = mlp.experts.gate_up.weights[0].shard_rows[0]

@@ -212,10 +212,13 @@ MLPFactory = Callable[[int], nn.Module]
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPGroup, ops: FusedOps | None) -> None:
+    def __init__(
+        self, config: ModelConfig, tp: TPGroup, ops: FusedOps | None, inter: int = 0
+    ) -> None:
+        """`inter`: the width, if not `intermediate_size` (Qwen2-MoE's shared expert)."""
         super().__init__()
         self.ops = ops
-        inter = config.intermediate_size
+        inter = inter or config.intermediate_size
         quantization = config.quantization
         self.gate_up_proj = ColumnParallelLinear(
             config.hidden_size, [inter, inter], False, tp, quantization

@@ -1,5 +1,5 @@
-"""Qwen3-MoE, Mixtral, OLMoE, GraniteMoe and gpt-oss: the dense decoder of models/decoder.py
-with sparse expert MLPs.
+"""Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GraniteMoe and gpt-oss: the dense decoder of
+models/decoder.py with sparse expert MLPs (Qwen2-MoE's with a shared expert beside them).
 
 Attention, norms, embedding and LM head are the dense decoder's (Qwen3's per-head Q/K norm,
 gpt-oss's biases, sinks and windows included). Layers that `ModelConfig.is_moe_layer` picks
@@ -47,6 +47,8 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
         ops: FusedOps | None = None,
         backend: MoEBackend = TORCH_BACKEND,
     ) -> None:
+        shared = config.shared_expert_intermediate_size  # Qwen2-MoE's shared expert
+
         def make_mlp(layer: int) -> nn.Module:
             if not config.is_moe_layer(layer):
                 return DecoderMLP(config, tp, ops)
@@ -61,6 +63,7 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
                 fp8=config.quantization == "fp8",
                 gguf=config.quantization == "gguf",
                 style=config.expert_style,
+                shared=DecoderMLP(config, tp, ops, shared) if shared else None,
             )
 
         super().__init__(config, max_positions, tp, ops, make_mlp)
