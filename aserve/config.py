@@ -694,7 +694,8 @@ class ModelConfig:
                 if family == "qwen2_moe"
                 else config.get("attention_bias", family == "qwen2")
             ),
-            o_bias=bool(config.get("attention_bias", False)) and family not in ("qwen2", "glm4"),
+            o_bias=bool(config.get("attention_bias", False))
+            and family not in ("qwen2", "qwen2_moe", "glm4"),
             qk_norm=family
             in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "olmoe", "exaone4"),
             eos_token_ids=tuple(sorted(eos)),

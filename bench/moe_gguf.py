@@ -19,7 +19,9 @@ weights not renormalised); OLMoE-1B-7B's shape is `--arch olmoe --layers 16 --hi
 --heads 16 16 --head-dim 128 --experts 64 8 --expert-rows 1024`. `--arch granitemoe` writes
 Granite's (its four multipliers, no Q/K norms); granite-3.1-1b-a400m's shape is `--arch
 granitemoe --layers 24 --hidden 1024 --heads 16 8 --head-dim 64 --experts 32 8
---expert-rows 512`.
+--expert-rows 512`. `--arch qwen2moe` writes Qwen2-MoE's (QKV biases, a shared expert of
+`--shared-rows` and its gate); Qwen1.5-MoE-A2.7B's layers are `--arch qwen2moe --hidden 2048
+--heads 16 16 --head-dim 128 --experts 60 4 --expert-rows 1408 --shared-rows 5632`.
 """
 
 from __future__ import annotations
@@ -40,8 +42,11 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description="write a random Qwen3-MoE GGUF")
     p.add_argument("out", type=Path)
     p.add_argument(
-        "--arch", default="qwen3moe", choices=["qwen3moe", "gpt-oss", "olmoe", "granitemoe"]
+        "--arch",
+        default="qwen3moe",
+        choices=["qwen3moe", "qwen2moe", "gpt-oss", "olmoe", "granitemoe"],
     )
+    p.add_argument("--shared-rows", type=int, default=5632, help="qwen2moe: the shared expert")
     p.add_argument("--qtype", default="Q4_0", help="GGUF type of the matrices: Q4_0, IQ4_XS, ...")
     p.add_argument("--expert-qtype", default=None, help="the experts' type (default: --qtype)")
     p.add_argument("--layers", type=int, default=8)
@@ -84,6 +89,8 @@ def main() -> None:
     writer.add_expert_used_count(used)
     if args.arch not in ("olmoe", "granitemoe"):  # these take feed_forward_length
         writer.add_expert_feed_forward_length(args.expert_rows)
+    if args.arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(args.shared_rows)
     if args.arch == "granitemoe":  # granite-3.1-1b-a400m's multipliers
         writer.add_embedding_scale(12.0)
         writer.add_attention_scale(0.015625)
@@ -127,7 +134,15 @@ def main() -> None:
         pre_mlp_norm = "post_attention_norm" if oss else "ffn_norm"
         for norm, size in (("attn_norm", args.hidden), (pre_mlp_norm, args.hidden)):
             add(f"{blk}.{norm}.weight", np.ones(size, np.float32), quantized=False)
-        if args.arch == "granitemoe":  # no Q/K norms
+        if args.arch == "qwen2moe":  # QKV biases, a shared expert and its gate
+            for name, rows in (("attn_q", q_rows), ("attn_k", kv_rows), ("attn_v", kv_rows)):
+                add(f"{blk}.{name}.bias", small(rows), quantized=False)
+            add(f"{blk}.ffn_gate_shexp.weight", matrix(args.shared_rows, args.hidden))
+            add(f"{blk}.ffn_up_shexp.weight", matrix(args.shared_rows, args.hidden))
+            add(f"{blk}.ffn_down_shexp.weight", matrix(args.hidden, args.shared_rows))
+            gate = rng.standard_normal(args.hidden, dtype=np.float32) / 32
+            add(f"{blk}.ffn_gate_inp_shexp.weight", gate, quantized=False)
+        if args.arch in ("granitemoe", "qwen2moe"):  # no Q/K norms
             continue
         if not oss:  # Q/K norms a head, or OLMoE's across all heads of the projection
             widths = (q_rows, kv_rows) if args.arch == "olmoe" else (args.head_dim, args.head_dim)

@@ -26,6 +26,7 @@ GGUF_ARCH = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3moe",
+    "qwen2_moe": "qwen2moe",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
     "gpt_oss": "gpt-oss",
@@ -58,6 +59,10 @@ IN_LAYER = {
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
     "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 OLMO2_IN_LAYER = IN_LAYER | {
     "post_attention_layernorm": "post_attention_norm",
@@ -261,6 +266,8 @@ def write_hf_as_gguf(
         # llama.cpp's olmoe and granitemoe files have only feed_forward_length
         if config["model_type"] not in ("olmoe", "granitemoe"):
             writer.add_expert_feed_forward_length(expert_rows)
+        if config.get("shared_expert_intermediate_size"):  # Qwen2-MoE's
+            writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     in_layer = GEMMA_IN_LAYER if gemma else GPT_OSS_IN_LAYER if gpt_oss else IN_LAYER
     in_layer = PHI3_IN_LAYER if phi3 else in_layer
     in_layer = GLM4_IN_LAYER if config["model_type"] == "glm4" else in_layer
@@ -283,6 +290,8 @@ def write_hf_as_gguf(
         elif ".mlp.experts." in name:
             layer, expert, part = name.split(".")[2], name.split(".")[5], name.split(".")[6]
             experts.setdefault(f"blk.{layer}.{EXPERT_PARTS[part]}.weight", {})[int(expert)] = array
+        elif name.endswith("shared_expert_gate.weight"):  # a [hidden] vector in the file
+            tensors[gguf_name(name, in_layer)] = array.reshape(-1)
         else:
             tensors[gguf_name(name, in_layer)] = array
     for name, by_index in experts.items():

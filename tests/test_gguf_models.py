@@ -45,6 +45,7 @@ SMOLLM3_AS_LLAMA_CPP = {"num_hidden_layers": 4, "no_rope_layers": [1, 1, 1, 0]}
 """llama.cpp's SmolLM3 takes rope from every fourth layer, whatever the checkpoint said."""
 OVERRIDES = {
     "qwen3_moe": MOE_LAYERS,
+    "qwen2_moe": MOE_LAYERS,
     "gemma2": GEMMA2_AS_LLAMA_CPP,
     "gemma3": GEMMA3_AS_LLAMA_CPP,
     "smollm3": SMOLLM3_AS_LLAMA_CPP,
@@ -59,6 +60,7 @@ OVERRIDES = {
         "qwen2",
         "qwen3",
         "qwen3_moe",
+        "qwen2_moe",
         "gemma2",
         "gemma3",
         "smollm3",

@@ -167,6 +167,7 @@ def test_tp2_integer_checkpoint_equals_tp1(
         "granite",
         "granitemoe",
         "mixtral",
+        "qwen2_moe",
         "olmo2",
         "olmo2-one-kv-head",
         "olmo3",

@@ -78,7 +78,15 @@ GLM4_TENSORS = LAYER_TENSORS | {
 }
 """GLM-4's four norms a layer under its own names (models/decoder.py's NORM_NAMES takes
 them on), and its fused gate|up under `ffn_up`, as Phi-3's."""
+QWEN2_MOE_TENSORS = LAYER_TENSORS | {
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+"""Qwen2-MoE's shared expert (`_shexp`) and its gate, a `[hidden]` vector in the file."""
 FAMILY_TENSORS = {
+    "qwen2_moe": QWEN2_MOE_TENSORS,
     "phi3": PHI3_TENSORS,
     "gemma2": SANDWICH_TENSORS,
     "gemma3_text": SANDWICH_TENSORS,

@@ -68,6 +68,7 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
@@ -80,7 +81,12 @@ ARCHITECTURES = {
     "exaone4": "Exaone4ForCausalLM",
     "glm4": "Glm4ForCausalLM",
 }
-MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text", "gpt-oss": "gpt_oss"}
+MODEL_TYPES = {
+    "qwen3moe": "qwen3_moe",
+    "qwen2moe": "qwen2_moe",
+    "gemma3": "gemma3_text",
+    "gpt-oss": "gpt_oss",
+}
 """config.json's `model_type` of the GGUF architectures whose names differ."""
 # llama.cpp's recommended-sampling metadata -> generation_config.json's names.
 GGUF_SAMPLING_KEYS = {
@@ -276,7 +282,9 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
     hidden = read(f"{arch}.embedding_length", required=True)
     heads = read(f"{arch}.attention.head_count", required=True)
     experts = read(
-        f"{arch}.expert_count", 0, required=arch in ("qwen3moe", "gpt-oss", "olmoe", "granitemoe")
+        f"{arch}.expert_count",
+        0,
+        required=arch in ("qwen3moe", "qwen2moe", "gpt-oss", "olmoe", "granitemoe"),
     )
     if arch in ("olmoe", "granitemoe"):  # llama.cpp writes `feed_forward_length` for experts
         expert_rows = read(f"{arch}.feed_forward_length", required=True)
@@ -305,15 +313,19 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
         "hidden_act": "silu",
         "torch_dtype": matrix_dtype(stored),
     }
-    if experts:  # every layer sparse, the chosen experts' weights renormalised but in OLMoE
+    if experts:  # every layer sparse; the chosen experts' weights renormalised (not in OLMoE's
+        # and Qwen2-MoE's)
         config |= {
             "num_experts": experts,
             "num_experts_per_tok": read(f"{arch}.expert_used_count", required=True),
             "moe_intermediate_size": expert_rows,
-            "norm_topk_prob": arch != "olmoe",
+            "norm_topk_prob": arch not in ("olmoe", "qwen2moe"),
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
         }
+    if arch == "qwen2moe":  # a shared expert beside the routed ones in every layer
+        shared = read("qwen2moe.expert_shared_feed_forward_length", required=True)
+        config["shared_expert_intermediate_size"] = shared
     if arch in ("gemma2", "gemma3"):
         config |= gemma_config(read, config, arch)
     if arch == "gpt-oss":
