@@ -72,6 +72,7 @@ def decode_both_ways(llm: LLM) -> tuple[list, list, int]:
         "qwen2",
         "qwen3",
         "qwen3_moe",
+        "qwen2_moe",
         "gemma2",
         "gemma3",
         "gpt_oss",
@@ -94,11 +95,13 @@ def test_stack_gives_the_modules_bits(family: str, tmp_path: Path) -> None:
     prompts of up to 19 tokens, Gemma 2 its soft-capped scores, gpt-oss its sinks, biases
     on every projection, the router and the MXFP4 experts, and its clamped SwiGLU, SmolLM3
     a layer without rope, Phi-3 its fused Q|K|V and gate|up and a partly rotating head,
-    OLMo 2 its norms after attention and the MLP alone and Q/K norms across heads. The
+    OLMo 2 its norms after attention and the MLP alone and Q/K norms across heads, Qwen2-MoE
+    a shared expert beside the routed ones, weighed by its sigmoid gate. The
     float32 cache keeps a float16 rounding out of what is compared (both ways would share
     it)."""
     overrides = {
         "qwen3_moe": MOE_LAYERS,
+        "qwen2_moe": MOE_LAYERS,
         "gemma2": GEMMA2_AS_LLAMA_CPP,
         "gemma3": GEMMA3_AS_LLAMA_CPP,
         "smollm3": SMOLLM3_AS_LLAMA_CPP,

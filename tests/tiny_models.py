@@ -185,7 +185,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "num_experts": 8,
         "num_experts_per_tok": 2,
         "moe_intermediate_size": 32,
-        "shared_expert_intermediate_size": 48,
+        "shared_expert_intermediate_size": 96,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [0],
         "norm_topk_prob": False,

@@ -103,6 +103,7 @@ def _add_layer(
         return stack.add_weight(*weight.kernel_args())
 
     attention, mlp = layer.self_attn, layer.mlp
+    shared: tuple[int, int, int, torch.Tensor | None] = (-1, -1, 0, None)  # no shared expert
     qkv = _products(attention.qkv_proj)
     o = _products(attention.o_proj)
     if qkv is None or o is None or len(o) != 1:
@@ -119,8 +120,22 @@ def _add_layer(
         router_bias, expert_biases, style = None, (None, None), PLAIN_EXPERTS
     elif isinstance(mlp, SparseMoE) and isinstance(mlp.experts, QuantizedExperts):
         stacks = mlp.experts.cpu_stacks
-        if stacks is None or mlp.shared_expert is not None:  # (the stack has no shared MLP)
+        if stacks is None:
             return False
+        if mlp.shared_expert is not None:  # Qwen2-MoE's, a dense MLP of its own
+            shared_up, shared_down = (
+                _products(mlp.shared_expert.gate_up_proj),
+                _products(mlp.shared_expert.down_proj),
+            )
+            if shared_up is None or shared_down is None or len(shared_up) + len(shared_down) != 2:
+                return False
+            assert mlp.shared_expert_gate is not None
+            shared = (
+                add(shared_up[0]),
+                add(shared_down[0]),
+                shared_up[0].shape[0] // 2,
+                mlp.shared_expert_gate.weight,
+            )
         up_id, down_id = add(stacks[0]), add(stacks[1])
         inter = mlp.experts.gate_up.weights[0].shard_rows[0]
         router, top_k, renormalize = mlp.gate.weight, mlp.top_k, mlp.renormalize
@@ -161,6 +176,7 @@ def _add_layer(
         *expert_biases,
         style.swiglu_alpha,
         style.swiglu_limit or 0.0,
+        *shared,
     )
     return True
 

@@ -12,6 +12,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/gelu.h>
+#include <ATen/ops/linear.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -38,7 +39,8 @@ struct Weight {
 // (`attention_out_norm`) and the MLP's (`mlp_out_norm`), gate with GELU, and read a window.
 // gpt-oss's add each head's sink to attention's softmax, a bias to the output projection, the
 // router and the experts (`expert_biases`: gate|up rows, down rows), and gate the experts by
-// a clamped SwiGLU (`swiglu`: alpha, limit; a limit of 0 is SiLU-and-mul).
+// a clamped SwiGLU (`swiglu`: alpha, limit; a limit of 0 is SiLU-and-mul). Qwen2-MoE's add a
+// shared expert to the routed ones.
 struct Layer {
   Tensor input_norm, post_norm;
   std::vector<int64_t> qkv;  // weights whose outputs are joined into Q|K|V
@@ -54,6 +56,10 @@ struct Layer {
   bool gelu;
   MaybeTensor sinks, o_bias, router_bias, up_bias, down_bias;
   double swiglu_alpha, swiglu_limit;
+  // Qwen2-MoE's shared expert beside the routed ones (a dense MLP, weighed by the sigmoid of
+  // `shared_gate`'s one score); without `shared_gate` the ids are -1
+  int64_t shared_gate_up, shared_down, shared_inter;
+  MaybeTensor shared_gate;
 };
 
 template <typename Signature>
@@ -99,19 +105,26 @@ class DecodeStack : public torch::CustomClassHolder {
                  bool renormalize, MaybeTensor attention_out_norm, MaybeTensor mlp_out_norm,
                  Tensor cos_sin, int64_t window, bool gelu, MaybeTensor sinks,
                  MaybeTensor o_bias, MaybeTensor router_bias, MaybeTensor up_bias,
-                 MaybeTensor down_bias, double swiglu_alpha, double swiglu_limit) {
+                 MaybeTensor down_bias, double swiglu_alpha, double swiglu_limit,
+                 int64_t shared_gate_up, int64_t shared_down, int64_t shared_inter,
+                 MaybeTensor shared_gate) {
     const int64_t count = static_cast<int64_t>(weights_.size());
     for (int64_t w : qkv) TORCH_CHECK(w >= 0 && w < count, "no weight ", w);
     TORCH_CHECK(!qkv.empty() && o >= 0 && o < count && gate_up >= 0 && gate_up < count &&
                     down >= 0 && down < count,
                 "a layer names a weight not added");
+    TORCH_CHECK(!shared_gate.has_value() || (router.has_value() && shared_gate_up >= 0 &&
+                                             shared_gate_up < count && shared_down >= 0 &&
+                                             shared_down < count),
+                "a shared expert names a weight not added, or has no routed experts");
     layers_.push_back({std::move(input_norm), std::move(post_norm), std::move(qkv),
                        std::move(qkv_bias), std::move(q_norm), std::move(k_norm), o, gate_up,
                        down, inter, std::move(router), top_k, renormalize,
                        std::move(attention_out_norm), std::move(mlp_out_norm),
                        std::move(cos_sin), window, gelu, std::move(sinks), std::move(o_bias),
                        std::move(router_bias), std::move(up_bias), std::move(down_bias),
-                       swiglu_alpha, swiglu_limit});
+                       swiglu_alpha, swiglu_limit, shared_gate_up, shared_down, shared_inter,
+                       std::move(shared_gate)});
   }
 
   // Every layer over the step's tokens `hidden` (their embeddings); returns the last layer's
@@ -211,13 +224,18 @@ class DecodeStack : public torch::CustomClassHolder {
       const std::vector<Tensor> halves = linear(x, weights_[layer.gate_up]).chunk(2, -1);
       return linear(at::gelu(halves[0], "tanh").mul_(halves[1]), weights_[layer.down]);
     }
+    return gated_mlp(x, layer.gate_up, layer.down, layer.inter);
+  }
+
+  // The SiLU-gated MLP of weights `gate_up` and `down`, `inter` rows each half.
+  Tensor gated_mlp(const Tensor& x, int64_t gate_up, int64_t down, int64_t inter) {
     static auto gated = op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                   const Tensor&, int64_t, int64_t, const MaybeTensor&, int64_t)>(
         "aserve_cpu::gated_linear");
-    const Weight& w = weights_[layer.gate_up];
+    const Weight& w = weights_[gate_up];
     const Tensor activation = gated.call(x, w.words, w.scales, w.offsets, w.bases, w.group,
-                                         w.code_bits, w.levels, layer.inter);
-    return linear(activation, weights_[layer.down]);
+                                         w.code_bits, w.levels, inter);
+    return linear(activation, weights_[down]);
   }
 
   Tensor experts(const Tensor& x, const Layer& layer) {
@@ -229,11 +247,18 @@ class DecodeStack : public torch::CustomClassHolder {
                                 double, double)>("aserve_cpu::moe_layer");
     const Weight& up = weights_[layer.gate_up];
     const Weight& down = weights_[layer.down];
-    return moe.call(x.contiguous(), *layer.router, layer.top_k, layer.renormalize, up.words,
-                    up.scales, up.offsets, up.bases, up.group, up.code_bits, up.levels,
-                    down.words, down.scales, down.offsets, down.bases, down.group,
-                    down.code_bits, down.levels, layer.inter, layer.router_bias,
-                    layer.up_bias, layer.down_bias, layer.swiglu_alpha, layer.swiglu_limit);
+    Tensor routed =
+        moe.call(x.contiguous(), *layer.router, layer.top_k, layer.renormalize, up.words,
+                 up.scales, up.offsets, up.bases, up.group, up.code_bits, up.levels, down.words,
+                 down.scales, down.offsets, down.bases, down.group, down.code_bits, down.levels,
+                 layer.inter, layer.router_bias, layer.up_bias, layer.down_bias,
+                 layer.swiglu_alpha, layer.swiglu_limit);
+    if (!layer.shared_gate.has_value()) return routed;
+    // as layers/moe.py's SparseMoE: shared_expert(x) * sigmoid(shared_expert_gate(x))
+    const Tensor shared = gated_mlp(x, layer.shared_gate_up, layer.shared_down,
+                                    layer.shared_inter)
+                              .mul_(at::linear(x, *layer.shared_gate).sigmoid_());
+    return routed.add_(shared);
   }
 
   int64_t q_size_, kv_size_, head_dim_;
