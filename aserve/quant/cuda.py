@@ -712,10 +712,10 @@ QUARTER_DOTS = tl.constexpr(
     dp2a.hi.s32.u32 $3, $7, $15, $3;
 }"""
 )
-"""Four outputs' `x_even * even code + x_odd * odd code` over an input pair from each
-quarter of a group, added up in the dots themselves: the pairs of 16-bit inputs in $4 to $7
-(the even input in each low half) and each quarter's spread codes in $8 to $15 (even
-words, odd words by turns), one integer dot each."""
+"""Four outputs' `x_even * even code + x_odd * odd code` over four input pairs of a group
+(4i + q, q = 0 to 3: one from each quarter of its pairs), added up in the dots themselves:
+the pairs of 16-bit inputs in $4 to $7 (the even input in each low half) and each one's
+spread codes in $8 to $15 (even words, odd words by turns), one integer dot each."""
 
 
 @triton.jit
