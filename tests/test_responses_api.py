@@ -167,6 +167,11 @@ def test_the_event_stream_builds_the_whole_reply(client: OpenAI) -> None:
     assert [item.type for item in done] == ["function_call"]
     arguments = [e for e in streamed if e.type == "response.function_call_arguments.done"]
     assert arguments[0].arguments == done[0].arguments  # type: ignore[union-attr]
+    # the arguments stream as the model writes them (Hermes blocks): in pieces that join up
+    pieces = [e.delta for e in streamed if e.type == "response.function_call_arguments.delta"]
+    assert len(pieces) > 2 and "".join(pieces) == done[0].arguments  # type: ignore[union-attr]
+    assert "city" in json.loads(done[0].arguments)  # type: ignore[union-attr]
+    assert [e.sequence_number for e in streamed] == list(range(len(streamed)))
     assert streamed[-1].type == "response.completed"
 
 

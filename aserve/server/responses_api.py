@@ -26,8 +26,11 @@ def item_id(prefix: str) -> str:
 class ResponsesShaper:
     """The reply of one /v1/responses request (its one choice). Streamed, each output item
     opens with `response.output_item.added` when its first text is ready and closes with
-    `response.output_item.done`; tool calls follow the message, once it closes at the
-    reply's end; `response.completed` carries the whole response."""
+    `response.output_item.done`; a tool call's item opens as the call does (closing the
+    message before it), its arguments stream as `function_call_arguments.delta` where the
+    syntax streams them (ReplySplitter) and it closes when the call does; text after calls
+    comes at the end in a message of its own; `response.completed` carries the whole
+    response."""
 
     DONE = b""  # the Responses stream ends with response.completed, no [DONE]
 
@@ -44,7 +47,11 @@ class ResponsesShaper:
         self._message: list[str] | None = None  # the open message's text
         self._message_id = ""
         self._output: list[dict[str, Any]] = []  # the items closed so far
-        self._calls: list[ParsedCall] = []  # the reply's tool calls so far
+        # function_call items open while their arguments stream, by call id, with the text
+        # sent; the call ids by chat delta index
+        self._open_calls: dict[str, tuple[dict[str, Any], list[str]]] = {}
+        self._call_ids: dict[int, str] = {}
+        self._called = False
 
     # ---- whole replies -----------------------------------------------------------------
 
@@ -107,25 +114,32 @@ class ResponsesShaper:
         return b""  # response.completed went out with the last delta
 
     def delta_events(self, index: int, delta: Delta) -> bytes:
-        reasoning, text, calls = self._splitter.push(delta)
-        self._calls += calls  # items after the message's: they go out when it closes
-        calls = self._calls
+        reasoning, text, closed = self._splitter.push(delta)
+        final = delta.finish_reason is not None
         events = []
         if reasoning:
             events += self._reasoning_delta(reasoning)
-        if text:
+        if text and not final:  # content before a call (the rest waits for the end)
             events += self._close_reasoning()
             events += self._message_delta(text)
-        if delta.finish_reason is not None:
+        for piece in self._splitter.take_call_deltas():
+            events += self._call_piece(piece)
+        for call in closed:
+            events += self._close_call(call.id, "completed")
+        if final:
             events += self._close_reasoning()
-            if self._message is None and not calls:
+            for call_id in list(self._open_calls):  # cut while its arguments streamed
+                events += self._close_call(call_id, "incomplete")
+            if text:
+                events += self._message_delta(text)
+            if self._message is None and not self._called:
                 events += self._message_delta("")  # a reply with no text has an empty message
             events += self._close_message(_item_status(delta.finish_reason))
-            for call in calls:
-                events += self._call_events(call)
-            final = self._response(self._output, delta.finish_reason)
-            kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
-            events.append(self._event(kind, response=final))
+            response = self._response(self._output, delta.finish_reason)
+            done = response["status"] == "completed"
+            events.append(
+                self._event(f"response.{'completed' if done else 'incomplete'}", response=response)
+            )
         return b"".join(_frame(event) for event in events)
 
     def _reasoning_delta(self, text: str) -> list[dict[str, Any]]:
@@ -184,16 +198,46 @@ class ResponsesShaper:
             self._item_done(_message_item(self._message_id, text, status)),
         ]
 
-    def _call_events(self, call: ParsedCall) -> list[dict[str, Any]]:
-        item = _call_item(call)
-        opened = {**item, "arguments": "", "status": "in_progress"}
-        index = len(self._output)
-        where = {"item_id": item["id"], "output_index": index}
+    def _call_piece(self, piece: dict[str, Any]) -> list[dict[str, Any]]:
+        """A chat `tool_calls` entry as the Responses API's events: a call's opening (or a
+        whole call) opens a function_call item, after the message so far; its arguments'
+        text goes out as `function_call_arguments.delta`."""
+        events = []
+        arguments = piece["function"]["arguments"]
+        if "id" in piece:
+            events += self._close_reasoning() + self._close_message("completed")
+            item = {
+                "type": "function_call",
+                "id": item_id("fc"),
+                "call_id": piece["id"],
+                "name": piece["function"]["name"],
+                "arguments": "",
+                "status": "in_progress",
+            }
+            self._open_calls[piece["id"]] = (item, [])
+            self._call_ids[piece["index"]] = piece["id"]
+            self._called = True
+            events.append(self._item_event("response.output_item.added", item))
+        item, sent = self._open_calls[self._call_ids[piece["index"]]]
+        if arguments:
+            sent.append(arguments)
+            where = {"item_id": item["id"], "output_index": len(self._output)}
+            events.append(
+                self._event("response.function_call_arguments.delta", **where, delta=arguments)
+            )
+        return events
+
+    def _close_call(self, call_id: str, status: str) -> list[dict[str, Any]]:
+        """A call's item done: its arguments the text sent as deltas."""
+        if call_id not in self._open_calls:
+            return []
+        item, sent = self._open_calls.pop(call_id)
+        done = {**item, "arguments": "".join(sent), "status": status}
+        where = {"item_id": item["id"], "output_index": len(self._output)}
+        arguments = done["arguments"]
         return [
-            self._item_event("response.output_item.added", opened),
-            self._event("response.function_call_arguments.delta", **where, delta=call.arguments),
-            self._event("response.function_call_arguments.done", **where, arguments=call.arguments),
-            self._item_done(item),
+            self._event("response.function_call_arguments.done", **where, arguments=arguments),
+            self._item_done(done),
         ]
 
     def _item_event(self, kind: str, item: dict[str, Any]) -> dict[str, Any]:
