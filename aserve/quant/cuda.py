@@ -612,9 +612,8 @@ def _int_group(
     BLOCK_W: tl.constexpr,
 ):  # fmt: skip
     """The accumulators plus group `group`'s part: its GROUP inputs rounded to 16-bit
-    integers in pairs, the integer dots with its codes (`_spread_codes`, `_pair_dots`) summed
-    over the pairs,
-    scaled once, and the offsets' part."""
+    integers in pairs, the integer dots with its codes (`_spread_codes`, `_pair_dots`)
+    summed over the pairs, scaled once, and the offsets' part."""
     x = tl.load(x_ptr + group * GROUP + tl.arange(0, GROUP)).to(tl.float32)
     x_sum = tl.sum(x, axis=0)
     top = tl.max(tl.abs(x), axis=0)

@@ -16,7 +16,6 @@ import orjson
 from aserve.server.generation import Choice, Delta
 from aserve.server.openai import GenerationRequest, ResponseHead
 from aserve.server.responses import ReplySplitter
-from aserve.server.tool_syntax import ParsedCall
 
 
 def item_id(prefix: str) -> str:
@@ -51,7 +50,6 @@ class ResponsesShaper:
         # sent; the call ids by chat delta index
         self._open_calls: dict[str, tuple[dict[str, Any], list[str]]] = {}
         self._call_ids: dict[int, str] = {}
-        self._called = False
 
     # ---- whole replies -----------------------------------------------------------------
 
@@ -68,7 +66,7 @@ class ResponsesShaper:
             output.append(_reasoning_item(item_id("rs"), reasoning))
         if text or not calls:
             output.append(_message_item(item_id("msg"), text, _item_status(finish)))
-        output += [_call_item(call) for call in calls]
+        output += [_call_item(call.id, call.name, call.arguments, "completed") for call in calls]
         return self._response(output, finish)
 
     def _response(self, output: list[dict[str, Any]], finish: str | None) -> dict[str, Any]:
@@ -132,7 +130,7 @@ class ResponsesShaper:
                 events += self._close_call(call_id, "incomplete")
             if text:
                 events += self._message_delta(text)
-            if self._message is None and not self._called:
+            if self._message is None and not self._splitter.called:
                 events += self._message_delta("")  # a reply with no text has an empty message
             events += self._close_message(_item_status(delta.finish_reason))
             response = self._response(self._output, delta.finish_reason)
@@ -206,17 +204,9 @@ class ResponsesShaper:
         arguments = piece["function"]["arguments"]
         if "id" in piece:
             events += self._close_reasoning() + self._close_message("completed")
-            item = {
-                "type": "function_call",
-                "id": item_id("fc"),
-                "call_id": piece["id"],
-                "name": piece["function"]["name"],
-                "arguments": "",
-                "status": "in_progress",
-            }
+            item = _call_item(piece["id"], piece["function"]["name"], "", "in_progress")
             self._open_calls[piece["id"]] = (item, [])
             self._call_ids[piece["index"]] = piece["id"]
-            self._called = True
             events.append(self._item_event("response.output_item.added", item))
         item, sent = self._open_calls[self._call_ids[piece["index"]]]
         if arguments:
@@ -305,12 +295,12 @@ def _reasoning_item(identifier: str, text: str) -> dict[str, Any]:
     }
 
 
-def _call_item(call: ParsedCall) -> dict[str, Any]:
+def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
     return {
         "type": "function_call",
         "id": item_id("fc"),
-        "call_id": call.id,
-        "name": call.name,
-        "arguments": call.arguments,
-        "status": "completed",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
     }
