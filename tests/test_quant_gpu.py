@@ -35,12 +35,13 @@ pytestmark = [
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 def test_cuda_products_match_float64(qtype: QType, monkeypatch: pytest.MonkeyPatch) -> None:
     """Against the float64 product of the same activations and the exact de-quantized
-    weight, in bfloat16 (float16 scales; from DEQUANTIZE_ROWS the weight is rounded to
-    bfloat16 for cuBLAS, as a bf16 model's is) and in float32: one row, a few (groups split
-    over programs), a full tile of 16 and past DEQUANTIZE_ROWS, 100 outputs (not a multiple
-    of the tile); then 300 outputs de-quantized in slices of 128."""
+    weight, in bfloat16 (float16 scales; in `dequantizing_gemm` and from DEQUANTIZE_ROWS
+    the weight is rounded to bfloat16, as a bf16 model's is) and in float32: one row, two,
+    a few (groups split over programs), a full tile of 16, past DEQUANTIZE_ROWS, and past
+    TILE_ROWS, 100 outputs (not a multiple of the tile); then 300 outputs de-quantized in
+    slices of 128."""
     from aserve.quant import cuda as cuda_module
-    from aserve.quant.cuda import DEQUANTIZE_ROWS, CudaWeight
+    from aserve.quant.cuda import DEQUANTIZE_ROWS, TILE_ROWS, CudaWeight
 
     codes: Codes = decode(torch.from_numpy(random_blocks(qtype, 100, 512, seed=2)), qtype, 512)
     weight = codes.dequantize().double().cuda()
@@ -54,7 +55,7 @@ def test_cuda_products_match_float64(qtype: QType, monkeypatch: pytest.MonkeyPat
         assert cuda.scales.dtype == (torch.float16 if dtype == torch.bfloat16 else dtype)
         if dtype == torch.bfloat16:
             assert cuda.nbytes < 100 * 512 * 2, "smaller than the bfloat16 weight"
-        for rows in (1, 5, 16, DEQUANTIZE_ROWS + 3):
+        for rows in (1, 2, 5, 16, DEQUANTIZE_ROWS + 3, TILE_ROWS + 1):
             x = torch.randn(rows, 512, generator=generator).to("cuda", dtype)
             exact = x.double() @ weight.T
             out = cuda.linear(x, None)
@@ -139,8 +140,8 @@ def test_one_compile_serves_every_row_count() -> None:
     """The products' kernels are not specialized on their row count (Triton would compile
     one variant for 1 row, one for multiples of 16 and one for the rest): each captured
     batch size of a start-up would otherwise add compiles. For a GGUF product the one-row
-    GEMV, a few rows' integer dots one a power of two of rows, the tiles one setting over
-    9-16 rows, and one de-quantizing kernel over 17-48; one FP8 setting, split over K
+    GEMV, two rows' integer dots, one variant of `dequantizing_gemm` a setting (3-16,
+    17-32, 33-64 rows) and one de-quantizing kernel past them; one FP8 setting, split over K
     (which it adds up itself), over 3-16 tokens and one more over 17-48 where the GPU
     launches up to 16 rows with PDL (a compile-time switch of the kernels: layers/pdl.py)."""
     from aserve.layers.pdl import pdl
@@ -152,24 +153,25 @@ def test_one_compile_serves_every_row_count() -> None:
     qtype = QType.Q4_1
     codes: Codes = decode(torch.from_numpy(random_blocks(qtype, 100, 512, seed=2)), qtype, 512)
     weight = CudaWeight(codes, torch.device("cuda"), torch.bfloat16)
-    forget_variants(cuda_module.quantized_gemm)
-    forget_variants(cuda_module.int_gemv)
-    forget_variants(cuda_module.int_rows)
+    kernels = (cuda_module.int_gemv, cuda_module.int_rows, cuda_module.dequantizing_gemm)
+    for kernel in (*kernels, cuda_module.dequantize_kernel):
+        forget_variants(kernel)
     before = compiled_variants(cuda_module.quantized_gemm)
-    weight.linear(torch.randn(1, 512, device="cuda", dtype=torch.bfloat16), None)
-    assert compiled_variants(cuda_module.int_gemv) == 1, "one row takes the GEMV"
-    assert compiled_variants(cuda_module.quantized_gemm) == before
-    for rows in (3, 4, 5, 8):  # blocks of 4 and 8 rows
-        weight.linear(torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16), None)
-    assert compiled_variants(cuda_module.int_rows) == 2
-    for rows in (9, 16):
-        weight.linear(torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16), None)
-    assert compiled_variants(cuda_module.quantized_gemm) - before == 1
+
+    def counts(*row_counts: int) -> list[int]:
+        for rows in row_counts:
+            weight.linear(torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16), None)
+        return [compiled_variants(kernel) for kernel in kernels]
+
+    assert counts(1) == [1, 0, 0], "one row takes the GEMV"
+    assert counts(2) == [1, 1, 0]
+    assert counts(3, 4, 9, 16) == [1, 1, 1]
+    assert counts(17, 32) == [1, 1, 2]
+    assert counts(33, 48, 64) == [1, 1, 3]
     forget_variants(cuda_module.dequantize_kernel)
-    for rows in (17, 32, 48):  # de-quantized slices
-        weight.linear(torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16), None)
-    assert compiled_variants(cuda_module.quantized_gemm) - before == 1
+    assert counts(65, 80) == [1, 1, 3]  # de-quantized slices
     assert compiled_variants(cuda_module.dequantize_kernel) == 1
+    assert compiled_variants(cuda_module.quantized_gemm) == before
 
     fp8_weight = quantize_rows(torch.randn(200, 512) * 0.03)
     kernels = (fp8_cuda._token_scaled_kernel,)

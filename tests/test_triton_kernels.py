@@ -280,17 +280,16 @@ def test_gguf_products_on_each_path_match_float64(qtype: str) -> None:
 @pytest.mark.parametrize(
     ("qtype", "rows"),
     [("Q4_0", 1), ("Q4_1", 1), ("Q4_K", 1), ("Q3_K", 1), ("Q5_K", 1), ("Q6_K", 1),
-     ("Q8_0", 1), ("Q4_1", 3), ("Q4_K", 8), ("Q3_K", 2), ("Q6_K", 4), ("Q8_0", 3)],
+     ("Q8_0", 1), ("Q4_1", 2), ("Q4_K", 2), ("Q3_K", 2), ("Q6_K", 2), ("Q8_0", 2)],
 )  # fmt: skip
 def test_integer_dot_products_match_float64(qtype: str, rows: int) -> None:
     """float16 rows times codes without levels through `int_gemv` (one row) and `int_rows`
-    (a few: 3 of 4 in a power-of-two block, so a masked row too): each group of inputs
-    rounded to 16-bit integers on a step of its own, integer dot products, a group's sum
-    scaled once. Within float16's rounding of the output of the float64 product on the
-    exact de-quantized weight, 100 outputs (not a multiple of a program's), codes of 3 and 4
-    bits (nibbles) and of 5, 6 and 8 (bytes), groups of 32 and 16 (the K-quants' Q3_K and
-    Q6_K), with and without offsets. On a GPU the PTX (`dp2a`, byte permutes) and the
-    shifts-and-masks forms give the same bits."""
+    (two): each group of inputs rounded to 16-bit integers on a step of its own, integer
+    dot products, a group's sum scaled once. Within float16's rounding of the output of the
+    float64 product on the exact de-quantized weight, 100 outputs (not a multiple of a
+    program's), codes of 3 and 4 bits (nibbles) and of 5, 6 and 8 (bytes), groups of 32
+    and 16 (the K-quants' Q3_K and Q6_K), with and without offsets. On a GPU the PTX
+    (`dp2a`, byte permutes) and the shifts-and-masks forms give the same bits."""
     from gguf import GGMLQuantizationType
 
     from aserve.quant.cuda import CudaWeight, int_gemv, int_rows
@@ -329,55 +328,79 @@ def test_integer_dot_products_match_float64(qtype: str, rows: int) -> None:
         assert torch.equal(*outputs)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
-def test_tiles_of_16_bit_rows_take_nibbles_as_floats_exactly(qtype: str) -> None:
-    """Past the integer dots' rows, 16-bit rows meet 4-bit codes widened by the exponent
-    trick (`_nibbles_as_floats`: each code in 2^10's mantissa of a float16, 2^10 taken
-    away): within float16's rounding of the float64 product on the exact de-quantized
-    weight, in the tiles of 16 rows and of 64, with offsets (Q4_1) and without."""
+@pytest.mark.parametrize(
+    ("qtype", "cols"),
+    [("Q4_0", 512), ("Q4_1", 352), ("Q4_K", 512), ("Q3_K", 512), ("Q5_K", 512), ("Q6_K", 512),
+     ("Q8_0", 352)],
+)  # fmt: skip
+def test_dequantizing_tiles_match_float64(
+    qtype: str, cols: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """16-bit rows past INT_ROWS times codes without levels through `dequantizing_gemm`
+    (codes widened in 128.0's or 256.0's mantissa, scaled in float32, rounded to the rows'
+    dtype, the weight tile the dot's first operand): within float16's rounding of the float64
+    product on the exact de-quantized weight, for each setting of `dequantizing_tiles` (the
+    128-row one where the weight counts as wide), 4- and 8-bit codes, groups of 32 and 16,
+    offsets and none, 100 outputs (not a multiple of a tile) and 352 inputs (11 groups: the
+    step of inputs halved to 32)."""
     from gguf import GGMLQuantizationType
 
-    from aserve.quant.cuda import CudaWeight
+    from aserve.quant import cuda
     from aserve.quant.gguf import decode
     from tests.test_quant import random_blocks
 
     kind = GGMLQuantizationType[qtype]
-    codes = decode(torch.from_numpy(random_blocks(kind, 100, 512, seed=7)), kind, 512)
-    weight = CudaWeight(codes, DEVICE, torch.float16)
-    for rows in (12, 40):
-        x = torch.randn(rows, 512, generator=gen(50 + rows)).half().to(DEVICE)
-        assert not weight.takes_integer_dots(x)
-        exact = x.cpu().double() @ codes.dequantize().double().T
+    codes = decode(torch.from_numpy(random_blocks(kind, 100, cols, seed=7)), kind, cols)
+    weight = cuda.CudaWeight(codes, DEVICE, torch.float16)
+    monkeypatch.setattr(cuda, "WIDE_TILE_CODES", 100 * cols)
+    exact_weight = codes.dequantize().double()
+    for rows in (3, 12, 40, 100):
+        x = torch.randn(rows, cols, generator=gen(50 + rows)).half().to(DEVICE)
+        assert weight.takes_dequantizing_tiles(x) and not weight.takes_integer_dots(x)
+        exact = x.cpu().double() @ exact_weight.T
         out = weight.linear(x, None).cpu()
+        assert out.dtype == torch.float16 and out.shape == (rows, 100)
         tolerance = 2e-3 * float(exact.abs().max())
         torch.testing.assert_close(out.double(), exact, rtol=0, atol=tolerance)
 
 
-def test_integer_dots_take_a_few_rows_and_leave_the_rest_to_the_tiles() -> None:
-    """Which rows take the integer dot products: 16-bit ones, up to INT_ROWS_FOUR_BIT beside
-    4-bit codes and fewer beside 8-bit ones (past them the tensor-core tiles were faster on
-    an H200); float32 rows and codes of levels never."""
+def test_few_rows_take_integer_dots_then_dequantizing_tiles() -> None:
+    """Which rows take which kernel: 16-bit rows beside codes without levels take the
+    integer dot products up to INT_ROWS, then `dequantizing_gemm` up to TILE_ROWS
+    (WIDE_TILE_ROWS for a weight of at least WIDE_TILE_CODES codes), then neither; float32
+    rows and codes of levels never."""
     from gguf import GGMLQuantizationType
 
-    from aserve.quant.cuda import INT_ROWS_BYTES, INT_ROWS_FOUR_BIT, CudaWeight
+    from aserve.quant.cuda import (
+        INT_ROWS,
+        TILE_ROWS,
+        WIDE_TILE_CODES,
+        WIDE_TILE_ROWS,
+        CudaWeight,
+    )
     from aserve.quant.gguf import decode
     from tests.test_quant import random_blocks
 
-    def weight(qtype: str) -> CudaWeight:
+    def weight(qtype: str, outputs: int = 64) -> CudaWeight:
         kind = GGMLQuantizationType[qtype]
-        blocks = torch.from_numpy(random_blocks(kind, 64, 256, seed=6))
+        blocks = torch.from_numpy(random_blocks(kind, outputs, 256, seed=6))
         return CudaWeight(decode(blocks, kind, 256), DEVICE, torch.float16)
 
     def rows(count: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
         return torch.zeros(count, 256, dtype=dtype)
 
-    four_bit, eight_bit, levels = weight("Q4_K"), weight("Q8_0"), weight("IQ4_XS")
-    for codes, most in ((four_bit, INT_ROWS_FOUR_BIT), (eight_bit, INT_ROWS_BYTES)):
-        assert all(codes.takes_integer_dots(rows(count)) for count in range(1, most + 1))
-        assert not codes.takes_integer_dots(rows(most + 1))
-    assert INT_ROWS_BYTES < INT_ROWS_FOUR_BIT
-    assert not four_bit.takes_integer_dots(rows(2, torch.float32))
+    assert 1 < INT_ROWS < TILE_ROWS < WIDE_TILE_ROWS
+    wide = weight("Q4_0", WIDE_TILE_CODES // 256)
+    for codes in (weight("Q4_K"), weight("Q8_0"), wide):
+        most = WIDE_TILE_ROWS if codes is wide else TILE_ROWS
+        for count in range(1, most + 2):
+            assert codes.takes_integer_dots(rows(count)) == (count <= INT_ROWS)
+            assert codes.takes_dequantizing_tiles(rows(count)) == (count <= most), count
+        assert not codes.takes_integer_dots(rows(2, torch.float32))
+        assert not codes.takes_dequantizing_tiles(rows(8, torch.float32))
+    levels = weight("IQ4_XS")
     assert not levels.takes_integer_dots(rows(1))
+    assert not levels.takes_dequantizing_tiles(rows(8))
 
 
 def test_book_entries_past_their_book_are_refused_at_load() -> None:
@@ -832,6 +855,22 @@ for four_bit, group in ((True, 32), (False, 16)):
             constexprs={(list(names).index(k),): v for k, v in constants.items()},
         )
         jobs.append((source, {"num_warps": 1}, (fn.__name__, four_bit, True)))
+# the tiles de-quantized in registers, 4-bit codes with offsets and 8-bit ones without
+DEQUANTIZING = {"x_ptr": "*bf16", "codes_ptr": "*u8", "scales_ptr": "*fp16",
+                "offsets_ptr": "*fp16", "y_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32"}
+for four_bit in (True, False):
+    constants = {"FOUR_BIT": four_bit, "OFFSETS": four_bit, "GROUP": 32, "BLOCK_M": 16,
+                 "BLOCK_N": 128, "BLOCK_K": 256, "SPLIT_K": 2, "PDL": True}
+    if not four_bit:
+        constants["offsets_ptr"] = None
+    fn = cuda.dequantizing_gemm
+    names = {p: "constexpr" if p in constants else DEQUANTIZING[p] for p in fn.arg_names}
+    source = ASTSource(
+        fn=fn,
+        signature=names,
+        constexprs={(list(names).index(k),): v for k, v in constants.items()},
+    )
+    jobs.append((source, {"num_warps": 4, "num_stages": 1}, (fn.__name__, four_bit, False)))
 
 
 def compile_for_hopper(job):
@@ -846,7 +885,10 @@ except FileNotFoundError as error:  # no ptxas in this Triton
     print("no ptxas:", error)
     sys.exit(0)
 for kernel, (_, _, (name, four_bit, permutes)) in zip(kernels, jobs):
-    assert ("prmt" in kernel.asm["ptx"]) == permutes, (name, four_bit, permutes)
+    if name == "dequantizing_gemm":  # Hopper's tensor cores, the weight tile from registers
+        assert "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16" in kernel.asm["ptx"]
+    else:
+        assert ("prmt" in kernel.asm["ptx"]) == permutes, (name, four_bit, permutes)
     assert ("dp2a" in kernel.asm["ptx"]) == (name in ("int_gemv", "int_rows")), name
     compiled += 1
 print("compiled", compiled)
@@ -862,7 +904,8 @@ def test_quantized_products_compile_for_hopper_without_a_gpu(tmp_path: Path) -> 
     kernel of layers/moe_codes_triton.py: codes of levels (their byte permutes in the PTX;
     with gpt-oss's biases and clamped SwiGLU), plain 4-bit and 8-bit codes, with the None
     table that launches pass for weights without levels, and the integer dot products of
-    4-bit and 8-bit codes, one row's (`int_gemv`) and a few rows' (`int_rows`)."""
+    4-bit and 8-bit codes, one row's (`int_gemv`) and a few rows' (`int_rows`), and the tiles
+    de-quantized in registers (`dequantizing_gemm`, on Hopper's wgmma)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     result = subprocess.run(
@@ -875,4 +918,4 @@ def test_quantized_products_compile_for_hopper_without_a_gpu(tmp_path: Path) -> 
     )
     if result.stdout.startswith("no ptxas"):
         pytest.skip(f"this Triton has no ptxas to compile with: {result.stdout.strip()}")
-    assert result.returncode == 0 and "compiled 19" in result.stdout, result.stderr[-3000:]
+    assert result.returncode == 0 and "compiled 21" in result.stdout, result.stderr[-3000:]

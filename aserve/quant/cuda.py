@@ -4,10 +4,11 @@ The weight keeps its integer codes (4-bit two to a byte, or 8-bit) with a scale 
 group of 16 or 32 inputs, as on CPU (quant/codes.py); the scales are float16 beside 16-bit
 activations (their rounding, 2^-11, is below that of the activations) and float32 beside
 float32 ones. Nothing is de-quantized in memory for decode: codes are stored input-major so
-that a tile loads along the outputs, and each group is one tensor-core dot of activations
-and codes (small integers, exact in 16 bits) scaled and offset once per group in float32.
-(Expanding `code * scale + offset` per weight before a wider dot was slower: the expanded
-scales filled shared memory.) Few rows split the groups over several programs, so that a
+that a tile loads along the outputs. In the first tiled kernel (`quantized_gemm`) each group
+is one tensor-core dot of activations and codes (small integers, exact in 16 bits) scaled
+and offset once per group in float32; in `dequantizing_gemm` each tile of codes becomes
+`code * scale + offset` in registers and is the dot's first operand. Few rows split the
+groups over several programs, so that a
 matrix of few output tiles still keeps every SM reading weights; their float32 partial sums
 are added in a fixed order (no atomics: the same batch gives the same bits). One row (a
 single stream's decode) takes `gemv` instead, on the CUDA cores, codes widened by integer
@@ -20,16 +21,19 @@ it is bound by instructions, not memory. Codes without levels beside 16-bit acti
 take `int_gemv`, whose integer dot products need a third of the instructions: 4-bit codes
 qkv 13.0, o 12.6, gate_up 26.0, down 22.1 us, a single stream of a 4-bit 8B model 3.09
 ms/token where `gemv` gave 3.82 and bf16 3.89, in 8-bit codes 3.67 where it gave 4.12
-(bench/NOTES.md); `int_rows` does the same for 2-8 rows (2-4 of 8-bit codes), the codes
-read and spread once for all of them, where the tiled kernel below took as long for 2 rows
-as for 16 (an 8B int4 model decoding 2 / 4 / 8 sequences at once: 2.06x / 1.44x / 1.19x
-the tokens a second on an H200). From 17 rows
-(decode batches, prefill chunks) slices of the weight are de-quantized to the activations'
-dtype and cuBLAS multiplies them: on an H200 that beat tiles of 64 rows 2-4x over 17-63 rows
-(DEQUANTIZE_ROWS). The formats that pick each run of 8 inputs from a book (IQ1, IQ2,
-IQ3_XXS) keep the file's entries instead of codes, 2.5-4 bits a weight where 4-bit codes
-took 5-6: `book_gemv` for one row, `book_dots` for the tiles, and de-quantized slices
-spread them into codes in registers (`group_codes`).
+(bench/NOTES.md); `int_rows` does the same for 2 rows, the codes read and spread once for
+both. From 3 rows to 64 (128 for large weights) 16-bit rows of those codes take
+`dequantizing_gemm`, whose dots chain over K with nothing done to their sums a group: on
+an H200 the 8B shape's gate_up in 4-bit codes at 16 / 64 rows took 76.8 / 100.9 us where
+`quantized_gemm` and the de-quantized slices below took 172.6 / 187.0 (bf16 cuBLAS 60.7 /
+62.5: it is bound by the instructions that widen and scale the codes, not by their bytes).
+`quantized_gemm` takes float32 rows and codes of levels or book entries up to 16 rows. From
+17 rows for those, and past `dequantizing_gemm`'s rows for all, slices of the weight are
+de-quantized to the activations' dtype and cuBLAS multiplies them: on an H200 that beat
+tiles of 64 rows 2-4x over 17-63 rows (DEQUANTIZE_ROWS). The formats that pick each run
+of 8 inputs from a book (IQ1, IQ2, IQ3_XXS) keep the file's entries instead of codes, 2.5-4
+bits a weight where 4-bit codes took 5-6: `book_gemv` for one row, `book_dots` for the
+tiles, and de-quantized slices spread them into codes in registers (`group_codes`).
 Imported only on CUDA (it imports Triton).
 """
 
@@ -69,9 +73,15 @@ GEMV_BLOCK_W, GEMV_WARPS, GEMV_STAGES, GEMV_PROGRAMS = 32, 1, 3, 8 * 132
 # past L2) the pair that decoded a single int4 stream fastest (3.09 ms/token; 64 words
 # everywhere 3.20; bench/NOTES.md).
 INT_GEMV_BLOCK_W, INT_GEMV_LONG_ROWS_W = 64, 32
-# Rows that `int_rows` takes, up to: 4-bit codes, 8-bit codes (a byte a code: past 4 rows
-# the tiles win)
-INT_ROWS_FOUR_BIT, INT_ROWS_BYTES = 8, 4
+# Rows that `int_rows` takes, up to: on an H200 the 8B shape's four products at 4 rows took
+# 146 us in `dequantizing_gemm` against 171 (4-bit codes; 165 against 184 for 8-bit ones),
+# at 2 rows 145 against 110.
+INT_ROWS = 2
+# Rows that `dequantizing_gemm` takes, up to: TILE_ROWS, or WIDE_TILE_ROWS for weights of at
+# least WIDE_TILE_CODES codes. At 128 rows of the 8B shape (4-bit codes, H200) its gate_up
+# and down took 154 and 81 us against 201 and 108 for de-quantized slices and cuBLAS, qkv and
+# o 47 and 33 against 40 and 29; at 256 rows the slices win on all four.
+TILE_ROWS, WIDE_TILE_ROWS, WIDE_TILE_CODES = 64, 128, 1 << 25
 # `book_gemv`'s outputs a program and warps: of 4 settings on the 8B shape's products in
 # IQ2_XXS (H200), best or within 4% of it on each (bench/NOTES.md)
 BOOK_BLOCK_N, BOOK_WARPS, BOOK_PROGRAMS = 512, 4, 8 * 132
@@ -186,17 +196,6 @@ def book_dots(
 
 
 @triton.jit
-def _nibbles_as_floats(codes, dtype: tl.constexpr):
-    """Codes of 0-15 as 16-bit floats without a conversion instruction: each put in the low
-    bits of 2^7's mantissa (bfloat16; 2^10's in float16), then 2^7 taken away, both exact.
-    The conversions (`I2F`, at a quarter of the FMA rate) were 64 of the ~900 instructions
-    of a 16 x 64 tile's step of 128 inputs (SASS for sm_90)."""
-    bits: tl.constexpr = 0x4300 if dtype == tl.bfloat16 else 0x6400
-    power: tl.constexpr = 128.0 if dtype == tl.bfloat16 else 1024.0
-    return (codes.to(tl.int16) | bits).to(dtype, bitcast=True) - power
-
-
-@triton.jit
 def level_of(levels_ptr, code, LEVELS: tl.constexpr):
     """The level a 4-bit code stands for (IQ4_NL / IQ4_XS; 16 values read from cache), or the
     code itself."""
@@ -240,7 +239,9 @@ def quantized_gemm(
     `acc += part * scale + x_sum * offset` in float32, x_sum being the group's sum of x
     (x_sums, computed once per product); without OFFSETS (all zero) only the first term.
     Book entries (LOW_BITS) take `book_dots` over a step of 128 inputs instead. The engine
-    launches tiles of 16 rows (from DEQUANTIZE_ROWS slices are de-quantized instead)."""
+    launches tiles of 16 rows (from DEQUANTIZE_ROWS slices are de-quantized instead) for
+    float32 rows and codes of levels or book entries; 16-bit rows of plain codes take
+    `dequantizing_gemm`."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -276,9 +277,6 @@ def quantized_gemm(
                     even_levels, odd_levels = _byte_levels(packed, LEVEL_ASM)
                     even_codes = even_levels.to(x_even.dtype)
                     odd_codes = odd_levels.to(x_odd.dtype)
-                elif not LEVELS and x_even.dtype != tl.float32:
-                    even_codes = _nibbles_as_floats(packed & 15, x_even.dtype)
-                    odd_codes = _nibbles_as_floats(packed >> 4, x_odd.dtype)
                 else:
                     even_codes = level_of(levels_ptr, packed & 15, LEVELS).to(x_even.dtype)
                     odd_codes = level_of(levels_ptr, packed >> 4, LEVELS).to(x_odd.dtype)
@@ -304,6 +302,108 @@ def quantized_gemm(
         y_ptr + pid_k * M * N + rows[:, None] * N + cols[None, :],
         acc.to(y_ptr.dtype.element_ty),
         mask=row_ok[:, None] & col_ok[None, :],
+    )
+
+
+@triton.jit
+def _codes_plus_power(packed, SHIFT: tl.constexpr, MASK: tl.constexpr):
+    """The codes `(packed >> SHIFT) & MASK` as float32 values `power + code`, without a
+    conversion instruction: each put in the mantissa of 128.0, where bit 16 stands for 1
+    (bytes in 256.0's, from bit 15)."""
+    at: tl.constexpr = 16 if MASK < 128 else 15
+    power: tl.constexpr = 0x43000000 if MASK < 128 else 0x43800000
+    bits = (packed.to(tl.int32) << (at - SHIFT)) & (MASK << at)  # (SHIFT is 0 or 4)
+    return (bits | power).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scaled_tile(
+    codes, scale, offset, GROUPS: tl.constexpr, LINES: tl.constexpr, DTYPE: tl.constexpr
+):
+    """`codes * scale + offset` (`[GROUPS * LINES, N]`; scale and offset `[GROUPS, N]`, the
+    offset less `power * scale` for the codes' `power`) in float32, rounded to DTYPE."""
+    n: tl.constexpr = codes.shape[1]
+    grouped = tl.reshape(codes, (GROUPS, LINES, n))
+    weights = grouped * scale[:, None, :] + offset[:, None, :]
+    return tl.reshape(weights, (GROUPS * LINES, n)).to(DTYPE)
+
+
+# One compile for every row count (see `quantized_gemm`).
+@triton.jit(do_not_specialize=["M"])
+def dequantizing_gemm(
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
+    offsets_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    FOUR_BIT: tl.constexpr,
+    OFFSETS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """y[pid_k] = this program's share of x @ w.T for 16-bit rows and codes without levels:
+    each tile of codes `code * scale + offset` in registers, rounded to the rows' dtype as a
+    de-quantized twin holds it, and the weight tile the tensor-core dot's first operand
+    (its outputs fill the 64-row side, the few rows the narrow one), so the dots chain over
+    K with nothing done to the sums a group. `quantized_gemm` scaled its float32 sums after
+    every group's dot instead, over tiles of 16 rows: on an H200, 4-bit codes of the 8B
+    shape's gate_up at 16 rows took 172.6 us there, 76.8 here (bf16 cuBLAS 60.7).
+    (Widening the codes by byte permutes and paired bf16 operations in PTX cut the loop's
+    instructions by a third but not its time: Triton's shuffles between the layouts of the
+    loads and the dot's operand are the rest; bench/NOTES.md.) Rows past BLOCK_M take
+    further programs (axis 2)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    wait_for_previous(PDL)
+    outputs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    output_ok = outputs < N
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    groups: tl.constexpr = BLOCK_K // GROUP
+    power: tl.constexpr = 128.0 if FOUR_BIT else 256.0
+    dtype = x_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for start in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
+        at = (start // GROUP + tl.arange(0, groups))[:, None] * N + outputs[None, :]
+        scale = tl.load(scales_ptr + at, mask=output_ok[None, :], other=0.0).to(tl.float32)
+        offset = -power * scale
+        if OFFSETS:
+            offset += tl.load(offsets_ptr + at, mask=output_ok[None, :], other=0.0).to(tl.float32)
+        x = tl.load(
+            x_ptr + rows[:, None] * K + (start + tl.arange(0, BLOCK_K))[None, :],
+            mask=row_ok[:, None],
+            other=0.0,
+        )
+        if FOUR_BIT:  # byte (j, n): input 2j of output n in its low nibble, 2j + 1 high
+            lines = start // 2 + tl.arange(0, BLOCK_K // 2)
+            packed = tl.load(
+                codes_ptr + lines[:, None] * N + outputs[None, :], mask=output_ok[None, :], other=0
+            )
+            even = _codes_plus_power(packed, 0, 15)
+            odd = _codes_plus_power(packed, 4, 15)
+            w_even = _scaled_tile(even, scale, offset, groups, GROUP // 2, dtype)
+            w_odd = _scaled_tile(odd, scale, offset, groups, GROUP // 2, dtype)
+            x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
+            acc = tl.dot(tl.trans(w_even), tl.trans(x_even), acc)
+            acc = tl.dot(tl.trans(w_odd), tl.trans(x_odd), acc)
+        else:
+            lines = start + tl.arange(0, BLOCK_K)
+            codes = tl.load(
+                codes_ptr + lines[:, None] * N + outputs[None, :], mask=output_ok[None, :], other=0
+            )
+            w = _scaled_tile(_codes_plus_power(codes, 0, 255), scale, offset, groups, GROUP, dtype)
+            acc = tl.dot(tl.trans(w), tl.trans(x), acc)
+    tl.store(
+        y_ptr + pid_k * M * N + rows[None, :] * N + outputs[:, None],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=output_ok[:, None] & row_ok[None, :],
     )
 
 
@@ -832,7 +932,7 @@ def int_rows(
     dots themselves (`QUARTER_DOTS`). Decode batches of a few sequences took the tiled
     tensor-core product, which costs the same at 2 rows as at 16: on an H200, 4-bit codes
     of the 8B shape at 4 rows, us, qkv 21.9 against 34.9, gate_up 75.3 against 106.2
-    (bench/NOTES.md). From about 8 rows (4 for 8-bit codes) the tiles win: each row's dots
+    (bench/NOTES.md). Past 2 rows (INT_ROWS) `dequantizing_gemm` wins: each row's dots
     are instructions of their own, where a tensor-core dot takes 16 rows at once."""
     pid_w = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -982,16 +1082,31 @@ def dequantize_kernel(
     )
 
 
-def int_rows_words(rows: int, n: int, k: int) -> int:
-    """`int_rows`' words a program for `rows` rows (2-8) of a weight of `n` outputs and `k`
+def int_rows_words(n: int, k: int) -> int:
+    """`int_rows`' words a program for INT_ROWS rows of a weight of `n` outputs and `k`
     inputs: H200 sweeps of 16-128 words over the 8B shape's products (bench/NOTES.md),
     rows longer than 8,192 inputs (down), wider than 16,384 outputs (gate_up) or neither."""
-    at = 0 if rows <= 2 else 1 if rows <= 4 else 2
     if k > 8192:
-        return (32, 64, 32)[at]
-    if n > 16384:
-        return (128, 64, 64)[at]
-    return (64, 32, 16)[at]
+        return 32
+    return 128 if n > 16384 else 64
+
+
+def dequantizing_tiles(rows: int, k: int, group: int) -> tuple[int, int, int, int, int]:
+    """`dequantizing_gemm`'s rows, outputs and inputs a program, warps and pipeline stages
+    for `rows` rows of `k` inputs in groups of `group`: of 8 settings timed on the 8B shape's
+    four products (H200, 4- and 8-bit codes, weights past L2), the best or within 10% of it
+    on most; the inputs a step halved until they divide `k`."""
+    if rows <= 16:
+        block_m, block_n, block_k, warps, stages = 16, 128, 256, 4, 1
+    elif rows <= 32:
+        block_m, block_n, block_k, warps, stages = 32, 64, 128, 4, 1
+    elif rows <= 64:
+        block_m, block_n, block_k, warps, stages = 64, 128, 256, 4, 1
+    else:
+        block_m, block_n, block_k, warps, stages = 128, 64, 128, 4, 3
+    while k % block_k and block_k > max(group, 32):
+        block_k //= 2
+    return block_m, block_n, block_k, warps, stages
 
 
 @functools.cache
@@ -1076,6 +1191,8 @@ class CudaWeight:
             y = self._int_gemv(rows)
         elif rows.shape[0] <= GEMV_ROWS and (n % 4 == 0 or self.book is not None):
             y = self._gemv(rows)
+        elif self.takes_dequantizing_tiles(rows):
+            y = self._dequantizing_tiles(rows)
         elif rows.shape[0] >= DEQUANTIZE_ROWS:
             y = self._dequantized_product(rows)
         else:
@@ -1104,7 +1221,7 @@ class CudaWeight:
         if m == 1:
             words = INT_GEMV_LONG_ROWS_W if k > 8192 else INT_GEMV_BLOCK_W
         else:
-            words = int_rows_words(m, n, k)
+            words = int_rows_words(n, k)
         tiles = -(-n // (4 * words))
         # split K in steps of 32 inputs whatever the groups: by groups of 16, o of the 8B
         # shape took 128 splits and 20.6 us against 15.9 in `gemv`
@@ -1195,16 +1312,59 @@ class CudaWeight:
         return self._sum_splits(parts, rows)
 
     def takes_integer_dots(self, rows: torch.Tensor) -> bool:
-        """Whether rows go to `int_gemv` or `int_rows`: a few of them (INT_ROWS_FOUR_BIT,
-        INT_ROWS_BYTES), 16-bit, beside codes without levels (float32 rows keep `gemv` and
-        the tiles, whose products round nothing)."""
+        """Whether rows go to `int_gemv` or `int_rows`: up to INT_ROWS of them, 16-bit,
+        beside codes without levels (float32 rows keep `gemv` and the tiles, whose products
+        round nothing)."""
         return (
             self.levels is None
             and self.book is None
             and self.shape[0] % 4 == 0
-            and rows.shape[0] <= (INT_ROWS_FOUR_BIT if self.four_bit else INT_ROWS_BYTES)
+            and rows.shape[0] <= INT_ROWS
             and rows.dtype in (torch.float16, torch.bfloat16)
         )
+
+    def takes_dequantizing_tiles(self, rows: torch.Tensor) -> bool:
+        """Whether rows go to `dequantizing_gemm`: past INT_ROWS up to TILE_ROWS (or
+        WIDE_TILE_ROWS for a large weight), 16-bit, beside codes without levels."""
+        n, k = self.shape
+        most = WIDE_TILE_ROWS if n * k >= WIDE_TILE_CODES else TILE_ROWS
+        return (
+            self.levels is None
+            and self.book is None
+            and rows.shape[0] <= most
+            and rows.dtype in (torch.float16, torch.bfloat16)
+        )
+
+    def _dequantizing_tiles(self, rows: torch.Tensor) -> torch.Tensor:
+        m, k = rows.shape
+        n = self.shape[0]
+        block_m, block_n, block_k, warps, stages = dequantizing_tiles(m, k, self.group)
+        tiles = -(-n // block_n) * -(-m // block_m)
+        split = _split_k(tiles, k // block_k, least=2)
+        dtype = torch.float32 if split > 1 else rows.dtype
+        parts = torch.empty(split, m, n, dtype=dtype, device=rows.device)
+        grid = (-(-n // block_n), split, -(-m // block_m))
+        dequantizing_gemm[grid](
+            rows,
+            self.codes,
+            self.scales,
+            self.offsets,
+            parts,
+            m,
+            n,
+            k,
+            FOUR_BIT=self.four_bit,
+            OFFSETS=self.offsets is not None,
+            GROUP=self.group,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            SPLIT_K=split,
+            num_warps=warps,
+            num_stages=stages,
+            **pdl_options(rows.device, m),
+        )
+        return self._sum_splits(parts, rows)
 
     @staticmethod
     def _sum_splits(parts: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
