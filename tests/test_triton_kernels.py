@@ -368,9 +368,10 @@ def test_few_rows_take_integer_dots_then_dequantizing_tiles() -> None:
     """Which rows take which kernel: 16-bit rows beside codes without levels take the
     integer dot products up to INT_ROWS, then `dequantizing_gemm` up to TILE_ROWS
     (WIDE_TILE_ROWS for a weight of at least WIDE_TILE_CODES codes), then neither; float32
-    rows and codes of levels never."""
+    rows, codes of levels and rows not in steps of 32 inputs never."""
     from gguf import GGMLQuantizationType
 
+    from aserve.quant.codes import quantize
     from aserve.quant.cuda import (
         INT_ROWS,
         TILE_ROWS,
@@ -401,6 +402,14 @@ def test_few_rows_take_integer_dots_then_dequantizing_tiles() -> None:
     levels = weight("IQ4_XS")
     assert not levels.takes_integer_dots(rows(1))
     assert not levels.takes_dequantizing_tiles(rows(8))
+    # rows of 48 inputs in groups of 16 (no format makes them) keep the 16-row tiles
+    odd = quantize(torch.randn(64, 48, generator=gen(8)), 4, group=16)
+    uneven = CudaWeight(odd, DEVICE, torch.float16)
+    x = torch.randn(8, 48, generator=gen(9)).half()
+    assert not uneven.takes_dequantizing_tiles(x)
+    exact = x.double() @ odd.dequantize().double().T
+    out = uneven.linear(x.to(DEVICE), None).cpu().double()
+    torch.testing.assert_close(out, exact, rtol=0, atol=2e-3 * float(exact.abs().max()))
 
 
 def test_book_entries_past_their_book_are_refused_at_load() -> None:

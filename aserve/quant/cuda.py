@@ -1325,12 +1325,14 @@ class CudaWeight:
 
     def takes_dequantizing_tiles(self, rows: torch.Tensor) -> bool:
         """Whether rows go to `dequantizing_gemm`: past INT_ROWS up to TILE_ROWS (or
-        WIDE_TILE_ROWS for a large weight), 16-bit, beside codes without levels."""
+        WIDE_TILE_ROWS for a large weight), 16-bit, beside codes without levels, in whole
+        steps of 32 inputs (every format's rows are)."""
         n, k = self.shape
         most = WIDE_TILE_ROWS if n * k >= WIDE_TILE_CODES else TILE_ROWS
         return (
             self.levels is None
             and self.book is None
+            and k % 32 == 0
             and rows.shape[0] <= most
             and rows.dtype in (torch.float16, torch.bfloat16)
         )
