@@ -8,9 +8,9 @@ that a tile loads along the outputs. In the first tiled kernel (`quantized_gemm`
 is one tensor-core dot of activations and codes (small integers, exact in 16 bits) scaled
 and offset once per group in float32; in `dequantizing_gemm` each tile of codes becomes
 `code * scale + offset` in registers and is the dot's first operand. Few rows split the
-groups over several programs, so that a
-matrix of few output tiles still keeps every SM reading weights; their float32 partial sums
-are added in a fixed order (no atomics: the same batch gives the same bits). One row (a
+groups over several programs, so that a matrix of few output tiles still keeps every SM
+reading weights; their float32 partial sums are added in a fixed order (no atomics: the
+same batch gives the same bits). One row (a
 single stream's decode) takes `gemv` instead, on the CUDA cores, codes widened by integer
 operations: on an H200, us for the 8B shape's products with 4-bit codes (best setting a
 shape) against the tiled kernel and bf16 cuBLAS, qkv 15.7 / 32.0 / 14.3, o 14.3 / 23.8 /
@@ -354,11 +354,11 @@ def dequantizing_gemm(
     (its outputs fill the 64-row side, the few rows the narrow one), so the dots chain over
     K with nothing done to the sums a group. `quantized_gemm` scaled its float32 sums after
     every group's dot instead, over tiles of 16 rows: on an H200, 4-bit codes of the 8B
-    shape's gate_up at 16 rows took 172.6 us there, 76.8 here (bf16 cuBLAS 60.7).
-    (Widening the codes by byte permutes and paired bf16 operations in PTX cut the loop's
-    instructions by a third but not its time: Triton's shuffles between the layouts of the
-    loads and the dot's operand are the rest; bench/NOTES.md.) Rows past BLOCK_M take
-    further programs (axis 2)."""
+    shape's gate_up at 16 rows took 172.6 us there, 76.8 here (bf16 cuBLAS 60.7): about ten
+    instructions a weight, byte loads in the operand's layout and Triton's shuffles among
+    them. (A probe widening a word of codes by byte permutes and paired bf16 FMAs in PTX
+    took 58-63 us there, 5-10% slower than this at 64 rows; not kept: bench/NOTES.md.)
+    Rows past BLOCK_M take further programs (axis 2)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     wait_for_previous(PDL)
