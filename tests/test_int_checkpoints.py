@@ -358,8 +358,21 @@ def test_codes_tensor_slices_whole_groups() -> None:
     inputs = torch.randperm(128, generator=generator)
     act_order = CodesTensor(Codes(codes, scales, offsets, 32, 4), inputs)
     assert torch.equal(act_order[4:12].dequantize()[:, inputs], full[4:12])
-    with pytest.raises(ValueError, match="run this checkpoint with --tp 1"):
-        act_order[:, 0:64]
+    # a rank's inputs of an act-order weight: each group's share padded to 32 columns, the
+    # pads gathering a zero appended past the rank's inputs
+    in_row_order = act_order.dequantize()
+    for start, stop in ((0, 64), (64, 128), (32, 48)):
+        part = act_order[2:10, start:stop]
+        assert part.shape == (8, stop - start) and part.inputs == stop - start
+        padded = part.decode()
+        assert padded.group == 32 and padded.shape[1] % 32 == 0
+        assert padded.shape[1] >= stop - start and padded.codes.shape[0] == 8
+        assert torch.equal(part.dequantize(), in_row_order[2:10, start:stop])
+        x = torch.randn(3, stop - start, generator=generator, dtype=torch.float64)
+        gathered = torch.nn.functional.pad(x, (0, 1))[:, part.order]
+        torch.testing.assert_close(
+            gathered @ padded.dequantize().double().T, x @ in_row_order[2:10, start:stop].double().T
+        )
 
 
 def test_act_order_experts_are_refused(tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ from aserve.layers.embedding import VocabParallelEmbedding
 from aserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from aserve.layers.moe import QuantizedExperts
 from aserve.llm import GenerationOutput
+from aserve.quant.method import PermutedInputs
 from aserve.quant.native import FloatWeight, rounds_activations
 from tests.gguf_files import write_hf_as_gguf
 from tests.server_utils import ServerProcess, cache_sharing_kernels
@@ -132,13 +133,15 @@ def test_tp2_moe_greedy_tokens_and_logprobs_equal_tp1(
         )
 
 
-@pytest.mark.parametrize("layout", ["awq", "gptq-channel"])
+@pytest.mark.parametrize("layout", ["awq", "gptq-channel", "gptq-act-order", "ct-w4a16-act-order"])
 def test_tp2_integer_checkpoint_equals_tp1(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str
 ) -> None:
-    """An AWQ checkpoint (groups of 32 inputs) and a GPTQ one with a scale a row, each rank
-    keeping its rows, or its columns at whole groups, of the packed codes: the same greedy
-    tokens and logprobs as one rank (to 1e-4 where the CPU kernels round activations)."""
+    """An AWQ checkpoint (groups of 32 inputs), a GPTQ one with a scale a row and act-order
+    ones (GPTQ's and compressed-tensors'), each rank keeping its rows, or its columns at
+    whole groups, of the packed codes (act-order: its inputs' share of each group, padded):
+    the same greedy tokens and logprobs as one rank (to 1e-4 where the CPU kernels round
+    activations)."""
     from tests.test_int_checkpoints import LAYOUTS, write_int_checkpoint
 
     monkeypatch.setenv("ASERVE_CACHE_DIR", str(cache_sharing_kernels(tmp_path / "cache")))
@@ -152,6 +155,10 @@ def test_tp2_integer_checkpoint_equals_tp1(
     ):
         down = two.runtime.engine.model.model.layers[0].mlp.down_proj.quantized
         assert down is not None and down.cols == 128 // 2
+        if LAYOUTS[layout].act_order:  # each rank's groups padded, a zero input gathered
+            product = down.products[0]
+            assert isinstance(product, PermutedInputs) and product.padded
+            assert product.shape[1] > 128 // 2
         tolerance = 1e-5 if not rounds_activations(4) else 1e-4
         assert_same_generations(
             two.generate(PROMPTS, params), one.generate(PROMPTS, params), tolerance

@@ -53,23 +53,32 @@ class CodesTensor:
     """A weight's codes that layers slice like a tensor: a rank's rows, or its columns at
     whole groups (one group a row slices anywhere). An act-order weight's columns are in
     `order` (column j holds input order[j]), so that each group's are consecutive; its
-    product gathers its inputs into that order (quant/method.py, `PermutedInputs`)."""
+    product gathers its inputs into that order (quant/method.py, `PermutedInputs`). A
+    rank's inputs of such a weight hold part of every group: `_act_order_inputs` pads each
+    group's share with zero columns, which `order` points at an input past the last
+    (`inputs`, a zero the product appends), so `shape` stays the layer's."""
 
-    def __init__(self, codes: Codes, order: torch.Tensor | None = None) -> None:
+    def __init__(self, codes: Codes, order: torch.Tensor | None = None, inputs: int = 0) -> None:
         self.codes = codes
         self.order = order
-        self.shape = codes.shape
+        self.inputs = inputs or codes.shape[1]
+        self.shape = (codes.shape[0], self.inputs)
         self.device = codes.codes.device
 
     def __getitem__(self, index: slice | tuple[slice, slice]) -> CodesTensor:
         rows, cols = index if isinstance(index, tuple) else (index, slice(None))
         c = self.codes
         start, stop, _ = cols.indices(self.shape[1])
-        if self.order is not None and (start, stop) != (0, self.shape[1]):
-            raise ConfigError(
-                "an act-order weight's groups gather inputs from the whole row, so ranks "
-                "cannot split it by inputs: run this checkpoint with --tp 1"
+        if self.order is not None:
+            whole = (
+                self if (start, stop) == (0, self.shape[1]) else self._act_order_inputs(start, stop)
             )
+            rows_only = whole.codes
+            kept = Codes(
+                rows_only.codes[rows], rows_only.scales[rows], rows_only.offsets[rows],
+                rows_only.group, rows_only.bits,
+            )  # fmt: skip
+            return CodesTensor(kept, whole.order, whole.inputs)
         group = c.group
         if group == self.shape[1]:
             group, kept = stop - start, slice(None)
@@ -84,19 +93,48 @@ class CodesTensor:
         sliced = Codes(codes, c.scales[rows, kept], c.offsets[rows, kept], group, c.bits)
         return CodesTensor(sliced, self.order)
 
+    def _act_order_inputs(self, start: int, stop: int) -> CodesTensor:
+        """This act-order weight's columns of inputs [start, stop), a rank's under tensor
+        parallelism: in group order, each group's share padded with columns of code 0 to a
+        whole number of kernel groups (32 inputs, or the groups of 16), the pads gathering
+        the zero input past the rank's last. Groups of 128 at two ranks grow by about a
+        quarter (a group's ~64 inputs a rank take 64 or 96 columns), groups of 32 double;
+        vLLM's Marlin reads such uneven groups as they are instead."""
+        c = self.codes
+        assert self.order is not None
+        unit = 32 if c.group % 32 == 0 else c.group
+        taken = ((self.order >= start) & (self.order < stop)).nonzero().flatten()
+        groups = taken // c.group
+        columns, order, group_of = [], [], []
+        pad = stop - start  # the appended zero input
+        for g in groups.unique().tolist():
+            mine = taken[groups == g]
+            width = -(-len(mine) // unit) * unit
+            columns.append(torch.cat([mine, mine.new_full((width - len(mine),), -1)]))
+            order.append(
+                torch.cat([self.order[mine] - start, mine.new_full((width - len(mine),), pad)])
+            )
+            group_of += [g] * (width // unit)
+        picked = torch.cat(columns).to(c.codes.device)
+        codes = torch.where(picked >= 0, c.codes[:, picked.clamp_min(0)], 0).to(c.codes.dtype)
+        per_group = torch.tensor(group_of, device=c.scales.device)
+        scales, offsets = c.scales[:, per_group], c.offsets[:, per_group]
+        padded = Codes(codes.contiguous(), scales.contiguous(), offsets.contiguous(), unit, c.bits)
+        return CodesTensor(padded, torch.cat(order), stop - start)
+
     def permute_rows(self, order: torch.Tensor) -> CodesTensor:
         c = self.codes
         rows = c._replace(codes=c.codes[order], scales=c.scales[order], offsets=c.offsets[order])
-        return CodesTensor(rows, self.order)
+        return CodesTensor(rows, self.order, self.inputs)
 
     def dequantize(self) -> torch.Tensor:
         """The weight in float32, its columns in the row's own order."""
         weight = self.codes.dequantize()
         if self.order is None:
             return weight
-        unpermuted = torch.empty_like(weight)
-        unpermuted[:, self.order] = weight
-        return unpermuted
+        unpermuted = torch.zeros(weight.shape[0], self.inputs + 1, dtype=weight.dtype)
+        unpermuted[:, self.order] = weight  # pads land on the extra column
+        return unpermuted[:, : self.inputs]
 
     def decode(self) -> Codes:
         """The codes, in groups the kernels take: groups wider than 32 inputs must be whole

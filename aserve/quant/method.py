@@ -74,12 +74,14 @@ class QuantizedLinearWeight:
         """This rank's rows of shard `shard`: still quantized, or a float tensor (files may
         keep some matrices unquantized)."""
         piece: Shard
+        shape = None  # the piece's, but for an act-order rank's padded inputs
         if isinstance(tensor, Codes):  # decoded already (a MoE part, for every expert at once)
             piece = tensor
         elif isinstance(tensor, (QuantizedTensor, CodesTensor)):
             piece = tensor.decode()
             if isinstance(tensor, CodesTensor):
                 self.orders[shard] = tensor.order
+                shape = tensor.shape
         elif isinstance(tensor, Fp8Tensor):
             piece = tensor.rows()
         elif self.bits is not None:
@@ -88,10 +90,10 @@ class QuantizedLinearWeight:
             piece = quantize_rows(tensor)
         else:
             piece = float_shard(tensor, self.quantization)
-        if tuple(piece.shape) != (self.shard_rows[shard], self.cols):
+        shape = tuple(shape or piece.shape)
+        if shape != (self.shard_rows[shard], self.cols):
             raise ValueError(
-                f"shard {shard} is {tuple(piece.shape)}, expected "
-                f"{(self.shard_rows[shard], self.cols)}"
+                f"shard {shard} is {shape}, expected {(self.shard_rows[shard], self.cols)}"
             )
         self.shards[shard] = piece
 
@@ -114,7 +116,7 @@ class QuantizedLinearWeight:
         self.products = [
             _product(run, device, dtype, scratch)
             if order is None
-            else PermutedInputs(_product(run, device, dtype, scratch), order, device)
+            else PermutedInputs(_product(run, device, dtype, scratch), order, self.cols, device)
             for run, order in zip(runs, run_orders, strict=True)
         ]
         self.shards, self.orders = [], []
@@ -196,11 +198,16 @@ class ProductGroup:
 
 class PermutedInputs:
     """The product of an act-order weight, whose columns were sorted by group at load
-    (quant/int_checkpoints.py): each row's inputs are gathered into that order first."""
+    (quant/int_checkpoints.py): each row's `inputs` inputs are gathered into that order
+    first, with a zero appended where a rank's columns hold padding (`order` points past
+    the last input)."""
 
-    def __init__(self, product: QuantizedProduct, order: torch.Tensor, device: torch.device):
+    def __init__(
+        self, product: QuantizedProduct, order: torch.Tensor, inputs: int, device: torch.device
+    ) -> None:
         self.product = product
         self.order = order.to(device)
+        self.padded = bool((order >= inputs).any())
         self.shape = product.shape
 
     @property
@@ -208,6 +215,8 @@ class PermutedInputs:
         return self.product.nbytes + self.order.nbytes
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.padded:
+            x = torch.nn.functional.pad(x, (0, 1))
         return self.product.linear(x.index_select(-1, self.order), bias)
 
 
