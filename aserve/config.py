@@ -425,8 +425,11 @@ def _quantization_settings(quantization: dict[str, Any]) -> dict[str, Any]:
 
 
 INT_BITS = (4, 8)
-"""Code widths of integer checkpoints that aserve's kernels run (GPTQ's 2- and 3-bit files
-are refused: few are published, and 3-bit codes straddle the int32 words)."""
+"""Code widths of compressed-tensors integer checkpoints that aserve reads (its 2- and 3-bit
+packing leaves bits of each word unused; few such files are published)."""
+GPTQ_BITS = (2, 3, 4, 8)
+"""GPTQ's code widths: its 3-bit codes run on across int32 words (quant/int_checkpoints.py);
+2- and 3-bit codes run on the kernels that run GGUF's Q2_K and Q3_K."""
 
 
 def _awq_gptq_scheme(method: str, quantization: dict[str, Any]) -> IntScheme:
@@ -437,8 +440,12 @@ def _awq_gptq_scheme(method: str, quantization: dict[str, Any]) -> IntScheme:
     bits = int(quantization.get("bits") or quantization.get("w_bit") or 0)
     group = int(quantization.get("group_size") or quantization.get("q_group_size") or 0)
     name = method.upper()
-    if bits not in INT_BITS or (method == "awq" and bits != 4):
-        raise ConfigError(f"this {name} checkpoint has {bits}-bit weights: aserve runs 4 or 8")
+    if method == "awq" and bits != 4:
+        raise ConfigError(f"this AWQ checkpoint has {bits}-bit weights: aserve runs AWQ's 4")
+    if bits not in GPTQ_BITS:
+        raise ConfigError(
+            f"this {name} checkpoint has {bits}-bit weights: aserve runs 2, 3, 4 or 8"
+        )
     if method == "awq":
         version = str(quantization.get("version", "gemm")).lower()
         if version != "gemm":

@@ -18,7 +18,7 @@ from aserve import LLM, SamplingParams
 from aserve.config import ConfigError, IntScheme, ModelConfig
 from aserve.models.weights import iter_weights
 from aserve.quant.codes import Codes
-from aserve.quant.int_checkpoints import CodesTensor, pair_int_weights
+from aserve.quant.int_checkpoints import CodesTensor, pair_int_weights, unpack_words
 from tests.test_quant import (
     TINY_PROMPTS,
     assert_dequantized_generates_as,
@@ -58,6 +58,8 @@ LAYOUTS = {
     "gptq": Layout("gptq"),
     "gptq-sym": Layout("gptq", symmetric=True),
     "gptq-8bit": Layout("gptq", bits=8, symmetric=True),
+    "gptq-3bit": Layout("gptq", bits=3),
+    "gptq-2bit": Layout("gptq", bits=2, symmetric=True),
     "gptq-v2": Layout("gptq", gptq_format="gptq_v2"),
     "gptq-channel": Layout("gptq", group=-1),
     "ct-w4a16": Layout("compressed-tensors", symmetric=True, scale_dtype=torch.bfloat16),
@@ -90,7 +92,16 @@ def quantize(weight: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, ...]:
 
 
 def pack(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """int32 words of `32 // bits` values each along `dim`, the first in the lowest bits."""
+    """int32 words of `32 // bits` values each along `dim`, the first in the lowest bits;
+    for 3 bits AutoGPTQ's layout: each value's bits run on into the next word (10 values and
+    2 bits of the 11th in the first word, its last bit and 10 more and 1 bit in the second)."""
+    if 32 % bits:
+        moved = values.long().movedim(dim, -1)  # [..., count]
+        stream = (moved[..., None] >> torch.arange(bits)) & 1  # each value's bits, lowest first
+        bits_of_words = stream.flatten(-2).unflatten(-1, (-1, 32))
+        words = (bits_of_words << torch.arange(32)).sum(-1)
+        words = words.movedim(-1, dim).contiguous()
+        return torch.from_numpy(words.numpy().astype(np.uint32).view(np.int32))
     per_word = 32 // bits
     grouped = values.long().unflatten(dim, (-1, per_word))
     shifts = torch.arange(per_word) * bits
@@ -299,11 +310,12 @@ def test_act_order_group_index_is_refused_at_load(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("change", "says"),
     [
-        ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "has 3-bit weights"),
+        ({"quant_method": "gptq", "bits": 6, "group_size": 128}, "has 6-bit weights"),
+        ({"quant_method": "awq", "bits": 8, "group_size": 128}, "runs AWQ's 4"),
         ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "in the 'gemv' layout"),
         ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "'marlin' format"),
     ],
-    ids=["gptq-3bit", "awq-gemv", "gptq-marlin"],
+    ids=["gptq-6bit", "awq-8bit", "awq-gemv", "gptq-marlin"],
 )
 def test_unsupported_integer_checkpoints_refused_in_one_line(
     tmp_path: Path, change: dict[str, object], says: str
@@ -426,3 +438,22 @@ def test_older_checkpoints_settings_file_and_zero_biases(
     save_file(tensors, str(folder / "model.safetensors"))
     with pytest.raises(ConfigError, match="a bias for a layer that has none"):
         LLM(str(folder), num_pages=256)
+
+
+def test_gptq_three_bit_codes_run_on_across_words() -> None:
+    """GPTQ's 3-bit `qweight`: 32 codes in 3 words, the first 10 in bits 0-29 of word 0, code
+    10 in its bits 30-31 and bit 0 of word 1, codes 11-20 in bits 1-30, code 21 in bit 31
+    and bits 0-1 of word 2, codes 22-31 in bits 2-31; the same along the outputs for
+    `qzeros`."""
+    codes = torch.tensor([(5 * i + 3) % 8 for i in range(64)], dtype=torch.uint8)
+    words = torch.zeros(6, dtype=torch.int64)
+    for block in range(2):
+        c = [int(v) for v in codes[32 * block : 32 * block + 32]]
+        w = [sum(c[j] << (3 * j) for j in range(10)) | (c[10] & 3) << 30]
+        w.append(c[10] >> 2 | sum(c[11 + j] << (3 * j + 1) for j in range(10)) | (c[21] & 1) << 31)
+        w.append(c[21] >> 1 | sum(c[22 + j] << (3 * j + 2) for j in range(10)))
+        words[3 * block : 3 * block + 3] = torch.tensor(w)
+    stored = torch.from_numpy(words.numpy().astype(np.uint32).view(np.int32))
+    assert torch.equal(unpack_words(stored[:, None], 3, 0)[:, 0], codes)
+    assert torch.equal(unpack_words(stored[None, :], 3, 1)[0], codes)
+    assert torch.equal(pack(codes[:, None], 3, 0)[:, 0], stored)

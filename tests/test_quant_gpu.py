@@ -203,8 +203,9 @@ def test_one_compile_serves_every_row_count() -> None:
         ("llama", Layout("compressed-tensors", symmetric=True, scale_dtype=torch.bfloat16)),
         ("qwen3_moe", Layout("gptq", group=64)),
         ("llama", Layout("gptq", group=128, act_order=True)),
+        ("llama", Layout("gptq", bits=3, group=128)),
     ],
-    ids=["awq-g128", "gptq-8bit", "ct-w4a16", "moe-gptq", "gptq-act-order"],
+    ids=["awq-g128", "gptq-8bit", "ct-w4a16", "moe-gptq", "gptq-act-order", "gptq-3bit"],
 )
 def test_int_checkpoints_run_quantized_on_cuda(
     tmp_path: Path, make_llm: Callable[..., LLM], family: str, layout: Layout

@@ -13,7 +13,8 @@ Each format packs differently (`IntScheme` in config.py says which a checkpoint 
   a word along the outputs in the order 0, 2, 4, 6, 1, 3, 5, 7; `qzeros` packed the same,
   `[groups, outputs / 8]`; `scales` `[groups, outputs]`.
 - GPTQ: `qweight` `[inputs * bits / 32, outputs]`, codes packed along the inputs from each
-  word's lowest bits; `qzeros` `[groups, outputs * bits / 32]` along the outputs, stored
+  word's lowest bits (2, 3, 4 or 8 bits; 3-bit codes run on across words, 32 in 3 words);
+  `qzeros` `[groups, outputs * bits / 32]` along the outputs, stored
   minus one in the first format (the kernels of every engine add it back, so a stored 15 is
   a zero of 16); `scales` `[groups, outputs]`; `g_idx` each input's group.
 - compressed-tensors: `weight_packed` `[outputs, inputs * bits / 32]` along the inputs,
@@ -24,6 +25,7 @@ Each format packs differently (`IntScheme` in config.py says which a checkpoint 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -242,14 +244,34 @@ def in_group_order(codes: Codes, index: torch.Tensor) -> CodesTensor:
 
 def unpack_words(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """The uint8 codes of int32 `words`, each word's `32 // bits` codes laid out along `dim`
-    in order from its lowest bits."""
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    in order from its lowest bits; widths that do not divide 32 (GPTQ's 3 bits) run on
+    across words, the words along `dim` one stream of bits from each one's lowest."""
     mask = (1 << bits) - 1
+    if 32 % bits:
+        return _unpack_stream(words, bits, dim)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
     if dim == 0:
         fields = (words[:, None, :] >> shifts[None, :, None]) & mask
         return fields.reshape(-1, words.shape[1]).to(torch.uint8)
     fields = (words[:, :, None] >> shifts) & mask
     return fields.reshape(words.shape[0], -1).to(torch.uint8)
+
+
+def _unpack_stream(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """`unpack_words` for a width that does not divide 32: blocks of `lcm(bits, 32)` bits
+    (3 words and 32 codes for 3 bits), code i of a block from bit `i * bits` on, in one word
+    or the low end of the next."""
+    block_bits = math.lcm(bits, 32)
+    unsigned = (words.long() & 0xFFFFFFFF).movedim(dim, 0)
+    blocks = unsigned.unflatten(0, (-1, block_bits // 32))
+    codes = []
+    for at in range(0, block_bits, bits):
+        word, shift = divmod(at, 32)
+        value = blocks[:, word] >> shift
+        if shift + bits > 32:
+            value |= blocks[:, word + 1] << (32 - shift)
+        codes.append((value & ((1 << bits) - 1)).to(torch.uint8))
+    return torch.stack(codes, 1).flatten(0, 1).movedim(0, dim)
 
 
 def _awq_order(unpacked: torch.Tensor) -> torch.Tensor:
