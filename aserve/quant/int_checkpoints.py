@@ -134,7 +134,7 @@ class CodesTensor:
         weight = self.codes.dequantize()
         if self.order is None:
             return weight
-        unpermuted = torch.zeros(weight.shape[0], self.inputs + 1, dtype=weight.dtype)
+        unpermuted = weight.new_zeros(weight.shape[0], self.inputs + 1)
         unpermuted[:, self.order] = weight  # pads land on the extra column
         return unpermuted[:, : self.inputs]
 
