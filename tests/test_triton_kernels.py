@@ -333,16 +333,18 @@ def test_integer_dot_products_match_float64(qtype: str, rows: int) -> None:
     [("Q4_0", 512), ("Q4_1", 352), ("Q4_K", 512), ("Q3_K", 512), ("Q5_K", 512), ("Q6_K", 512),
      ("Q8_0", 352)],
 )  # fmt: skip
+@pytest.mark.parametrize("hopper", [True, False], ids=["hopper", "older"])
 def test_dequantizing_tiles_match_float64(
-    qtype: str, cols: int, monkeypatch: pytest.MonkeyPatch
+    qtype: str, cols: int, hopper: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """16-bit rows past INT_ROWS times codes without levels through `dequantizing_gemm`
     (codes widened in 128.0's or 256.0's mantissa, scaled in float32, rounded to the rows'
     dtype, the weight tile the dot's first operand): within float16's rounding of the float64
-    product on the exact de-quantized weight, for each setting of `dequantizing_tiles` (the
-    128-row one where the weight counts as wide), 4- and 8-bit codes, groups of 32 and 16,
-    offsets and none, 100 outputs (not a multiple of a tile) and 352 inputs (11 groups: the
-    step of inputs halved to 32)."""
+    product on the exact de-quantized weight, for each setting of `dequantizing_tiles`,
+    Hopper's and older GPUs' (the wide one where the weight counts as wide: 128 rows a
+    program, or two programs of 64), 4- and 8-bit codes, groups of 32 and 16, offsets and
+    none, 100 outputs (not a multiple of a tile) and 352 inputs (11 groups: the step of
+    inputs halved to 32)."""
     from gguf import GGMLQuantizationType
 
     from aserve.quant import cuda
@@ -353,6 +355,7 @@ def test_dequantizing_tiles_match_float64(
     codes = decode(torch.from_numpy(random_blocks(kind, 100, cols, seed=7)), kind, cols)
     weight = cuda.CudaWeight(codes, DEVICE, torch.float16)
     monkeypatch.setattr(cuda, "WIDE_TILE_CODES", 100 * cols)
+    monkeypatch.setattr(cuda, "gpu_capability", lambda device: (9, 0) if hopper else (8, 9))
     exact_weight = codes.dequantize().double()
     for rows in (3, 12, 40, 100):
         x = torch.randn(rows, cols, generator=gen(50 + rows)).half().to(DEVICE)

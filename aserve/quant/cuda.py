@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from aserve.engine.gpu import gpu_capability
 from aserve.layers.pdl import launch_next, pdl_options, wait_for_previous, wait_only
 from aserve.quant.codes import (
     Codes,
@@ -1091,19 +1092,26 @@ def int_rows_words(n: int, k: int) -> int:
     return 128 if n > 16384 else 64
 
 
-def dequantizing_tiles(rows: int, k: int, group: int) -> tuple[int, int, int, int, int]:
-    """`dequantizing_gemm`'s rows, outputs and inputs a program, warps and pipeline stages
-    for `rows` rows of `k` inputs in groups of `group`: of 8 settings timed on the 8B shape's
-    four products (H200, 4- and 8-bit codes, weights past L2), the best or within 10% of it
-    on most; the inputs a step halved until they divide `k`."""
-    if rows <= 16:
-        block_m, block_n, block_k, warps, stages = 16, 128, 256, 4, 1
-    elif rows <= 32:
-        block_m, block_n, block_k, warps, stages = 32, 64, 128, 4, 1
-    elif rows <= 64:
-        block_m, block_n, block_k, warps, stages = 64, 128, 256, 4, 1
-    else:
-        block_m, block_n, block_k, warps, stages = 128, 64, 128, 4, 3
+# `dequantizing_gemm`'s settings by rows, up to: rows, outputs and inputs a program, warps and
+# pipeline stages. Hopper: of 8 settings timed on the 8B shape's four products (H200, 4- and
+# 8-bit codes, weights past L2), the best or within 10% of it on most. Older GPUs (not timed):
+# settings that ptxas (Triton 3.9's) compiles for sm_80 and sm_89 spilling at most 48 bytes a
+# thread, where the Hopper ones spill up to 9 KB at 64 rows; past 64 rows, programs of 64.
+HOPPER_TILES = ((16, (16, 128, 256, 4, 1)), (32, (32, 64, 128, 4, 1)), (64, (64, 128, 256, 4, 1)))
+HOPPER_WIDE_TILES = (128, 64, 128, 4, 3)
+OLDER_TILES = ((16, (16, 64, 128, 4, 1)), (32, (32, 64, 128, 4, 1)))
+OLDER_WIDE_TILES = (64, 128, 64, 8, 1)
+
+
+def dequantizing_tiles(
+    rows: int, k: int, group: int, hopper: bool
+) -> tuple[int, int, int, int, int]:
+    """`dequantizing_gemm`'s settings for `rows` rows of `k` inputs in groups of `group`,
+    the inputs a step halved until they divide `k`."""
+    table, wide = (HOPPER_TILES, HOPPER_WIDE_TILES) if hopper else (OLDER_TILES, OLDER_WIDE_TILES)
+    block_m, block_n, block_k, warps, stages = next(
+        (setting for most, setting in table if rows <= most), wide
+    )
     while k % block_k and block_k > max(group, 32):
         block_k //= 2
     return block_m, block_n, block_k, warps, stages
@@ -1340,7 +1348,8 @@ class CudaWeight:
     def _dequantizing_tiles(self, rows: torch.Tensor) -> torch.Tensor:
         m, k = rows.shape
         n = self.shape[0]
-        block_m, block_n, block_k, warps, stages = dequantizing_tiles(m, k, self.group)
+        hopper = (gpu_capability(rows.device) or (0, 0)) >= (9, 0)
+        block_m, block_n, block_k, warps, stages = dequantizing_tiles(m, k, self.group, hopper)
         tiles = -(-n // block_n) * -(-m // block_m)
         split = _split_k(tiles, k // block_k, least=2)
         dtype = torch.float32 if split > 1 else rows.dtype
