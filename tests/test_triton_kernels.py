@@ -353,9 +353,10 @@ def test_dequantizing_tiles_match_float64(
 
     kind = GGMLQuantizationType[qtype]
     codes = decode(torch.from_numpy(random_blocks(kind, 100, cols, seed=7)), kind, cols)
-    weight = cuda.CudaWeight(codes, DEVICE, torch.float16)
-    monkeypatch.setattr(cuda, "WIDE_TILE_CODES", 100 * cols)
     monkeypatch.setattr(cuda, "gpu_capability", lambda device: (9, 0) if hopper else (8, 9))
+    weight = cuda.CudaWeight(codes, DEVICE, torch.float16)
+    assert weight.hopper == hopper
+    monkeypatch.setattr(cuda, "WIDE_TILE_CODES", 100 * cols)
     exact_weight = codes.dequantize().double()
     for rows in (3, 12, 40, 100):
         x = torch.randn(rows, cols, generator=gen(50 + rows)).half().to(DEVICE)

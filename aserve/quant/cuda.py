@@ -1145,6 +1145,8 @@ class CudaWeight:
         self.shape = codes.shape
         self.group = codes.group
         self.four_bit = codes.bits <= 4
+        # `dequantizing_gemm`'s settings: Hopper's, or older GPUs' (`dequantizing_tiles`)
+        self.hopper = (gpu_capability(device) or (0, 0)) >= (9, 0)
         scale_dtype = torch.float32 if dtype == torch.float32 else torch.float16
         # levels (IQ4's are integers of up to 8 significant bits) exact in 16-bit types
         self.levels = None if codes.table is None else codes.table.to(device, dtype)
@@ -1319,42 +1321,42 @@ class CudaWeight:
             )
         return self._sum_splits(parts, rows)
 
-    def takes_integer_dots(self, rows: torch.Tensor) -> bool:
-        """Whether rows go to `int_gemv` or `int_rows`: up to INT_ROWS of them, 16-bit,
-        beside codes without levels (float32 rows keep `gemv` and the tiles, whose products
+    def _plain_codes_beside_16_bit(self, rows: torch.Tensor) -> bool:
+        """Codes without levels or book entries and 16-bit rows: what the integer dots and
+        `dequantizing_gemm` take (float32 rows keep `gemv` and the tiles, whose products
         round nothing)."""
         return (
             self.levels is None
             and self.book is None
+            and rows.dtype in (torch.float16, torch.bfloat16)
+        )
+
+    def takes_integer_dots(self, rows: torch.Tensor) -> bool:
+        """Whether rows go to `int_gemv` or `int_rows`: up to INT_ROWS of them, plain codes
+        of a multiple of 4 outputs beside 16-bit rows."""
+        return (
+            self._plain_codes_beside_16_bit(rows)
             and self.shape[0] % 4 == 0
             and rows.shape[0] <= INT_ROWS
-            and rows.dtype in (torch.float16, torch.bfloat16)
         )
 
     def takes_dequantizing_tiles(self, rows: torch.Tensor) -> bool:
         """Whether rows go to `dequantizing_gemm`: past INT_ROWS up to TILE_ROWS (or
-        WIDE_TILE_ROWS for a large weight), 16-bit, beside codes without levels, in whole
-        steps of 32 inputs (every format's rows are)."""
+        WIDE_TILE_ROWS for a large weight), plain codes beside 16-bit rows, in whole steps of
+        32 inputs (every format's rows are)."""
         n, k = self.shape
         most = WIDE_TILE_ROWS if n * k >= WIDE_TILE_CODES else TILE_ROWS
-        return (
-            self.levels is None
-            and self.book is None
-            and k % 32 == 0
-            and rows.shape[0] <= most
-            and rows.dtype in (torch.float16, torch.bfloat16)
-        )
+        return self._plain_codes_beside_16_bit(rows) and k % 32 == 0 and rows.shape[0] <= most
 
     def _dequantizing_tiles(self, rows: torch.Tensor) -> torch.Tensor:
         m, k = rows.shape
         n = self.shape[0]
-        hopper = (gpu_capability(rows.device) or (0, 0)) >= (9, 0)
-        block_m, block_n, block_k, warps, stages = dequantizing_tiles(m, k, self.group, hopper)
-        tiles = -(-n // block_n) * -(-m // block_m)
-        split = _split_k(tiles, k // block_k, least=2)
+        block_m, block_n, block_k, warps, stages = dequantizing_tiles(m, k, self.group, self.hopper)
+        tiles_n, tiles_m = -(-n // block_n), -(-m // block_m)
+        split = _split_k(tiles_n * tiles_m, k // block_k, least=2)
         dtype = torch.float32 if split > 1 else rows.dtype
         parts = torch.empty(split, m, n, dtype=dtype, device=rows.device)
-        grid = (-(-n // block_n), split, -(-m // block_m))
+        grid = (tiles_n, split, tiles_m)
         dequantizing_gemm[grid](
             rows,
             self.codes,
