@@ -38,6 +38,35 @@ SUPPORTED_ARCHITECTURES = {
     "Exaone4ForCausalLM": "exaone4",
     "Glm4ForCausalLM": "glm4",
 }
+VISION_LANGUAGE_ARCHITECTURES = (
+    "Gemma3ForConditionalGeneration",
+    "Mistral3ForConditionalGeneration",
+    "LlavaForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
+)
+"""Vision-language checkpoints whose language model aserve serves on its own, for text
+(`language_model_config`; models/multimodal.py reads its weights): Gemma 3 from 4B up, Mistral
+Small 3.1, LLaVA, Qwen2-VL, Qwen2.5-VL and Qwen3-VL publish their models only so."""
+LANGUAGE_MODEL_TYPES = {
+    "gemma3_text": "Gemma3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen2_vl": "Qwen2ForCausalLM",
+    "qwen2_vl_text": "Qwen2ForCausalLM",
+    "qwen2_5_vl": "Qwen2ForCausalLM",
+    "qwen2_5_vl_text": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_vl_text": "Qwen3ForCausalLM",
+}
+"""The language model's `model_type` in a vision-language config -> the text architecture
+that runs it. Qwen2-VL's and Qwen3-VL's rotary positions (M-RoPE) give each section of a
+head's frequencies its own position (time, height, width); a text token has the same
+position in all three, which makes them the plain rotary embedding of Qwen2 and Qwen3.
+(Older transformers keep Qwen2-VL's and Qwen2.5-VL's text settings at the top of the config,
+under the model's own type.)"""
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe")
 """Families whose experts `_moe_settings` reads (gpt-oss's are read with its own settings)."""
 MOE_BACKENDS = ("auto", "torch", "fused")
@@ -346,6 +375,36 @@ def _rope_free_layers(config: dict[str, Any], num_layers: int) -> tuple[int, ...
     return tuple(layer for layer in range(num_layers) if (layer + 1) % interval == 0)
 
 
+def language_model_config(config: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """A vision-language config's language model as a text model's config.json would hold
+    it. Transformers' own config class fills the defaults that published files leave out
+    (Gemma 3 4B's `text_config` names six settings); the top level lends what it keeps for
+    the whole model: end-of-sequence ids, dtype, quantization and tied embeddings."""
+    from transformers import AutoConfig
+
+    settings = {key: value for key, value in config.items() if key != "model_type"}
+    try:
+        whole = AutoConfig.for_model(str(config.get("model_type")), **settings)
+    except (KeyError, ValueError, TypeError) as error:
+        raise ConfigError(
+            f"{architecture}'s config does not load in this transformers: {error}"
+        ) from None
+    text = whole.get_text_config().to_dict()
+    kind = text.get("model_type")
+    if kind not in LANGUAGE_MODEL_TYPES:
+        raise ConfigError(
+            f"{architecture} with a {kind!r} language model is not supported; aserve runs "
+            f"the language models of types {', '.join(sorted(LANGUAGE_MODEL_TYPES))}"
+        )
+    text["architectures"] = [LANGUAGE_MODEL_TYPES[kind]]
+    for key in ("tie_word_embeddings", "torch_dtype", "dtype", "quantization_config"):
+        if config.get(key) is not None:
+            text[key] = config[key]
+    eos = _as_int_tuple(text.get("eos_token_id")) + _as_int_tuple(config.get("eos_token_id"))
+    text["eos_token_id"] = sorted(set(eos))
+    return text
+
+
 def _moe_settings(config: dict[str, Any], family: str) -> dict[str, Any]:
     """Transformers 5 writes `num_local_experts` where Qwen's own configs say `num_experts`;
     the defaults are Qwen3MoeConfig's. Mixtral's, OLMoE's and Granite's experts are
@@ -561,6 +620,8 @@ class ModelConfig:
     says how they pack codes), or None, until the runtime replaces it with what the weights
     run as; `fp8_checkpoint`, `fp8_block` (the scales' block), `mxfp4_checkpoint` and
     `int_scheme` stay: they say how the file is to be read.
+    `language_model_of`: the vision-language architecture (`VISION_LANGUAGE_ARCHITECTURES`)
+    whose language model this is, its vision encoder left unloaded; None for a text model.
     """
 
     architecture: str
@@ -615,6 +676,7 @@ class ModelConfig:
     logits_scaling: float = 1.0
     post_norms: bool = False
     qk_norm_across_heads: bool = False
+    language_model_of: str | None = None
 
     def layer_window(self, layer: int) -> int:
         """Layer `layer`'s sliding window, 0 where it reads the whole context."""
@@ -634,11 +696,18 @@ class ModelConfig:
         cls, config: dict[str, Any], generation_config: dict[str, Any] | None = None
     ) -> ModelConfig:
         architectures = config.get("architectures") or []
+        vision_language = next(
+            (a for a in architectures if a in VISION_LANGUAGE_ARCHITECTURES), None
+        )
+        if vision_language is not None:
+            text = cls.from_hf(language_model_config(config, vision_language), generation_config)
+            return dataclasses.replace(text, language_model_of=vision_language)
         arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ConfigError(
                 f"unsupported architecture {architectures or config.get('model_type')!r}; "
-                f"aserve runs {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+                f"aserve runs {', '.join(sorted(SUPPORTED_ARCHITECTURES))} and the language "
+                f"models of {', '.join(VISION_LANGUAGE_ARCHITECTURES)}"
             )
         family = SUPPORTED_ARCHITECTURES[arch]
         num_heads = int(config["num_attention_heads"])

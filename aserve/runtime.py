@@ -102,6 +102,13 @@ class Runtime:
         self.model_dir = resolve_model(config.engine.model_path, tokenizer=False)
         hf_config, generation_config = load_hf_config(self.model_dir)
         self.model_config = ModelConfig.from_hf(hf_config, generation_config)
+        if self.model_config.language_model_of is not None:
+            logger.info(
+                "serving the language model of %s (%s) without its vision encoder: requests "
+                "take text alone",
+                self.model_config.language_model_of,
+                self.model_config.architecture,
+            )
         quantization = chosen_quantization(config.engine, self.model_config)
         self.model_config = dataclasses.replace(self.model_config, quantization=quantization)
         self.sampling_defaults, origin = resolve_defaults(

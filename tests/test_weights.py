@@ -341,12 +341,12 @@ def test_sharded_safetensors_round_trip(tmp_path: Path) -> None:
     for name, tensor in tensors.items():
         assert loaded[name].dtype == tensor.dtype and loaded[name].device.type == "cpu"
         torch.testing.assert_close(loaded[name], tensor, atol=0, rtol=0)
-        mapped = map_checkpoint_tensor(tmp_path, name)
+        mapped = map_checkpoint_tensor(tmp_path, [name])
         assert mapped is not None
         torch.testing.assert_close(mapped, tensor, atol=0, rtol=0)
-    assert map_checkpoint_tensor(tmp_path, "lm_head.weight") is None
+    assert map_checkpoint_tensor(tmp_path, ["lm_head.weight"]) is None
     # Copy-on-write: writing through the mapping leaves the checkpoint as it was.
-    embed = map_checkpoint_tensor(tmp_path, "model.embed_tokens.weight")
+    embed = map_checkpoint_tensor(tmp_path, ["absent.weight", "model.embed_tokens.weight"])
     assert embed is not None
     embed.fill_(7.0)
     reread = dict(iter_weights(tmp_path, progress=False))[names[0]]

@@ -283,3 +283,83 @@ def hf_greedy_tokens(hf: torch.nn.Module, prompt: list[int], max_new_tokens: int
         pad_token_id=0,
     )
     return out[0, len(prompt) :].tolist()
+
+
+VISION = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2}
+"""A one-layer vision encoder's shared settings (its weights are never read: the server
+takes text alone)."""
+
+
+def vision_language_config(architecture: str) -> Any:
+    """Transformers' config of a tiny vision-language model whose language model is the
+    tiny text family it is built on (Qwen's with M-RoPE sections over its head)."""
+    import transformers
+
+    def text(family: str, model_type: str, **extra: Any) -> dict[str, Any]:
+        return {**COMMON, **FAMILIES.get(family, {}), "model_type": model_type, **extra}
+
+    encoder = {**VISION, "num_hidden_layers": 1, "image_size": 28, "patch_size": 14}
+    qwen_encoder = {"depth": 1, "num_heads": 2, "hidden_size": 32, "intermediate_size": 64}
+    special = {"image_token_id": 300, "video_token_id": 301, "vision_start_token_id": 302}
+    if architecture == "Gemma3ForConditionalGeneration":
+        return transformers.Gemma3Config(
+            text_config=text("gemma3", "gemma3_text"),
+            vision_config=encoder,
+            mm_tokens_per_image=1,
+            image_token_index=300,
+        )
+    if architecture == "Mistral3ForConditionalGeneration":
+        return transformers.Mistral3Config(
+            text_config=text("mistral", "mistral"),
+            vision_config={**encoder, "head_dim": 16},
+            image_token_index=300,
+        )
+    if architecture == "LlavaForConditionalGeneration":
+        return transformers.LlavaConfig(
+            text_config=text("llama", "llama"),
+            vision_config={**encoder, "model_type": "clip_vision_model", "projection_dim": 32},
+            image_token_index=300,
+        )
+    if architecture == "Qwen2VLForConditionalGeneration":
+        sections = {"type": "mrope", "mrope_section": [2, 3, 3]}  # heads of 16
+        return transformers.Qwen2VLConfig(
+            text_config=text("qwen2", "qwen2_vl_text", rope_scaling=sections),
+            vision_config={"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2},
+            **special,
+        )
+    if architecture == "Qwen2_5_VLForConditionalGeneration":
+        sections = {"type": "mrope", "mrope_section": [2, 3, 3]}
+        return transformers.Qwen2_5_VLConfig(
+            text_config=text("qwen2", "qwen2_5_vl_text", rope_scaling=sections),
+            vision_config={**qwen_encoder, "out_hidden_size": 64, "fullatt_block_indexes": [0]},
+            **special,
+        )
+    if architecture == "Qwen3VLForConditionalGeneration":
+        sections = {"rope_type": "default", "mrope_section": [4, 6, 6], "mrope_interleaved": True}
+        # (heads of 32: FAMILIES' Qwen3)
+        return transformers.Qwen3VLConfig(
+            text_config=text("qwen3", "qwen3_vl_text", rope_scaling=sections),
+            vision_config={**qwen_encoder, "out_hidden_size": 64, "deepstack_visual_indexes": []},
+            **special,
+        )
+    raise ValueError(f"no tiny {architecture}")
+
+
+def make_tiny_vision_language(architecture: str, folder: Path, seed: int = 0) -> torch.nn.Module:
+    """A tiny random vision-language checkpoint saved as transformers saves it (the names
+    its publishers use); returns the model, the reference for its language model. The
+    language model's matrices are drawn wider than transformers' default (std 0.02), whose
+    greedy tokens repeat one id."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(vision_language_config(architecture))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            vision = any(part in name for part in ("vision", "visual", "projector"))
+            if "norm" in name:
+                param.normal_(1.0, 0.1)
+            elif name.endswith("bias") or (param.dim() == 2 and not vision):
+                param.normal_(0.0, 0.1)
+    model.save_pretrained(folder)
+    return model.eval()

@@ -53,6 +53,7 @@ from aserve.layers.linear import pack_linear_weights, use_one_row_kernel
 from aserve.layers.moe import QuantizedExperts
 from aserve.models.cpu_decode import use_decode_stacks
 from aserve.models.decoder import use_fp8_activations
+from aserve.models.multimodal import language_model_weights
 from aserve.models.registry import build_model
 from aserve.models.weights import fill_dummy_weights, iter_weights, torch_dtype
 from aserve.quant.cpu import FLOAT_ON_KERNELS, float_weights_on_kernels
@@ -190,6 +191,8 @@ class Engine:
             assert model_dir is not None
             dequantize = model_config.quantization != "gguf"
             weights = iter_weights(model_dir, self.tp.rank == 0, lazy=True, dequantize=dequantize)
+            if model_config.language_model_of is not None:
+                weights = language_model_weights(weights)
             weights = kv_scales.take(weights)
             if model_config.fp8_checkpoint:
                 float_weights = model_config.quantization != "fp8"

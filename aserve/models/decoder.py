@@ -35,6 +35,7 @@ from aserve.layers.moe import QuantizedExperts
 from aserve.layers.norm import AcrossHeadsNorm, Float32RMSNorm, GemmaRMSNorm, RMSNorm
 from aserve.layers.rotary import NO_ROPE, RotaryEmbedding, partial_rotary_order
 from aserve.layers.weight import WeightSource, read_whole
+from aserve.models.multimodal import checkpoint_names
 from aserve.models.weights import map_checkpoint_tensor
 from aserve.quant.fp8_activations import Fp8Activations
 from aserve.quant.gguf import QuantizedTensor
@@ -485,7 +486,10 @@ class DecoderForCausalLM(nn.Module):
             return
         table = None
         if checkpoint is not None:
-            table = map_checkpoint_tensor(checkpoint, "model.embed_tokens.weight")
+            names = checkpoint_names(
+                "model.embed_tokens.weight", self.config.language_model_of is not None
+            )
+            table = map_checkpoint_tensor(checkpoint, names)
         if table is not None and table.shape == head.weight.shape:
             head.pack(table)
 

@@ -114,16 +114,17 @@ def iter_safetensors(
 SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 
 
-def map_checkpoint_tensor(folder: Path, name: str) -> torch.Tensor | None:
-    """Tensor `name` of the folder's safetensors, read through a memory map of its file:
-    the OS reads pages in when they are indexed and may drop them again under memory
-    pressure, so the tensor takes no memory of the process's own. None when no safetensors
-    file holds it in a float type. The mapping is copy-on-write: nothing can change the file
-    through it."""
+def map_checkpoint_tensor(folder: Path, names: list[str]) -> torch.Tensor | None:
+    """The first of `names` that the folder's safetensors hold, read through a memory map
+    of its file: the OS reads pages in when they are indexed and may drop them again under
+    memory pressure, so the tensor takes no memory of the process's own. None when no
+    safetensors file holds one in a float type. The mapping is copy-on-write: nothing can
+    change the file through it."""
     for file in safetensors_files(folder):
         with open(file, "rb") as handle:
             header_size = int.from_bytes(handle.read(8), "little")
-            entry = json.loads(handle.read(header_size)).get(name)
+            header = json.loads(handle.read(header_size))
+            entry = next((header[name] for name in names if name in header), None)
             if entry is None or entry["dtype"] not in SAFETENSORS_DTYPES:
                 continue
             mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
