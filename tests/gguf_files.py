@@ -25,6 +25,9 @@ GGUF_ARCH = {
     "mistral": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "qwen2_vl_text": "qwen2vl",
+    "qwen2_5_vl_text": "qwen2vl",
+    "qwen3_vl_text": "qwen3vl",
     "qwen3_moe": "qwen3moe",
     "qwen2_moe": "qwen2moe",
     "gemma2": "gemma2",
@@ -220,7 +223,8 @@ def write_hf_as_gguf(
     writer.add_rope_freq_base(config["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_bos_token_id(config["bos_token_id"])
-    writer.add_eos_token_id(config["eos_token_id"])
+    eos = config["eos_token_id"]  # one id in the file, the first of a config's list
+    writer.add_eos_token_id(eos[0] if isinstance(eos, list) else eos)
     scaling = config["rope_scaling"] or {}
     if scaling.get("rope_type") == "yarn":
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
@@ -243,6 +247,10 @@ def write_hf_as_gguf(
         for kind in ("long", "short"):
             factors = np.array(scaling[f"{kind}_factor"], np.float32)
             writer.add_tensor(f"rope_factors_{kind}.weight", factors)
+    if "mrope_section" in rope:  # Qwen-VL's M-RoPE sections, padded to four as llama.cpp's
+        writer.add_rope_dimension_sections([*rope["mrope_section"], 0][:4])
+    if arch == "qwen3vl":
+        writer.add_num_deepstack_layers(0)
     if gemma or gpt_oss or olmo3:
         writer.add_sliding_window(config["sliding_window"])
     if config["model_type"] == "exaone4" and config.get("sliding_window"):  # as its converter

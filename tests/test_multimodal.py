@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -27,6 +28,7 @@ from aserve.models.multimodal import (
     language_model_name,
     language_model_weights,
 )
+from tests.gguf_files import write_hf_as_gguf
 from tests.test_models import PROMPTS, assert_logits_match
 from tests.tiny_models import hf_greedy_tokens, make_tiny_vision_language
 
@@ -149,6 +151,43 @@ def test_published_gemma3_4b_config_takes_transformers_defaults() -> None:
     assert config.attention_scale == 256**-0.5
 
 
+QWEN2_5_VL_3B = {
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+    "model_type": "qwen2_5_vl",
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "intermediate_size": 11008,
+    "max_position_embeddings": 128000,
+    "num_attention_heads": 16,
+    "num_hidden_layers": 36,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 151936,
+    "vision_config": {"depth": 32, "hidden_size": 1280, "out_hidden_size": 2048},
+}
+"""Qwen/Qwen2.5-VL-3B-Instruct's config.json as published (abridged): the text settings at
+the top, no `text_config`."""
+
+
+def test_published_qwen2_5_vl_config_with_text_settings_at_the_top() -> None:
+    """Qwen2.5-VL's text settings at the top of its config: Qwen2's layers (Q/K/V biases),
+    M-RoPE's sections read as the plain rope they are for text."""
+    config = ModelConfig.from_hf(QWEN2_5_VL_3B)
+    assert config.language_model_of == "Qwen2_5_VLForConditionalGeneration"
+    assert (config.architecture, config.model_type) == ("Qwen2ForCausalLM", "qwen2")
+    assert (config.hidden_size, config.num_layers, config.num_heads) == (2048, 36, 16)
+    assert (config.num_kv_heads, config.head_dim, config.vocab_size) == (2, 128, 151936)
+    assert config.qkv_bias and not config.o_bias and config.tie_word_embeddings
+    assert config.rope_theta == 1000000.0 and config.rope_scaling is None
+    assert config.eos_token_ids == (151645,)
+
+
 def test_unsupported_language_models_are_refused() -> None:
     """A vision-language model over a language model aserve does not run: one line that
     names it."""
@@ -166,14 +205,9 @@ def test_unsupported_language_models_are_refused() -> None:
 def test_quantized_at_load_as_its_text_twin(tmp_path: Path) -> None:
     """`--quantization int8` on a vision-language checkpoint generates exactly what it does
     on a text checkpoint of the same language model (its config and renamed tensors)."""
-    folder, twin = tmp_path / "vision_language", tmp_path / "text"
+    folder = tmp_path / "vision_language"
     make_tiny_vision_language("Qwen3VLForConditionalGeneration", folder)
-    config = json.loads((folder / "config.json").read_text())
-    twin.mkdir()
-    text = language_model_config(config, config["architectures"][0])
-    (twin / "config.json").write_text(json.dumps(text))
-    tensors = load_file(str(folder / "model.safetensors"))
-    save_file(dict(language_model_weights(tensors.items())), str(twin / "model.safetensors"))
+    twin = text_twin(folder, tmp_path / "text")
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outputs = []
     for path in (folder, twin):
@@ -181,3 +215,34 @@ def test_quantized_at_load_as_its_text_twin(tmp_path: Path) -> None:
             assert llm.runtime.engine.model_config.quantization == "int8"
             outputs.append([out.token_ids for out in llm.generate(PROMPTS, greedy)])
     assert outputs[0] == outputs[1]
+
+
+def text_twin(folder: Path, twin: Path) -> Path:
+    """A text checkpoint of `folder`'s language model: its config as config.py reads it and
+    its tensors renamed."""
+    config = json.loads((folder / "config.json").read_text())
+    twin.mkdir()
+    text = language_model_config(config, config["architectures"][0])
+    (twin / "config.json").write_text(json.dumps(text))
+    tensors = load_file(str(folder / "model.safetensors"))
+    save_file(dict(language_model_weights(tensors.items())), str(twin / "model.safetensors"))
+    return twin
+
+
+@pytest.mark.parametrize(
+    "architecture", ["Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration"]
+)
+def test_qwen_vl_gguf_files(architecture: str, tmp_path: Path) -> None:
+    """llama.cpp's files of Qwen-VL language models (`qwen2vl`, `qwen3vl`: M-RoPE sections
+    in the metadata, Qwen3-VL's deepstack count) run as Qwen2 and Qwen3: transformers'
+    logits of the whole model, from the file's float32 tensors."""
+    hf = make_tiny_vision_language(architecture, tmp_path / "checkpoint")
+    twin = text_twin(tmp_path / "checkpoint", tmp_path / "text")
+    file = write_hf_as_gguf(twin, tmp_path / "model.gguf")
+    arch = "qwen3vl" if "Qwen3" in architecture else "qwen2vl"
+    assert gguf.GGUFReader(file).fields["general.architecture"].contents() == arch
+    with LLM(str(file), page_size=4) as llm:
+        assert llm.runtime.engine.model_config.architecture == (
+            "Qwen3ForCausalLM" if arch == "qwen3vl" else "Qwen2ForCausalLM"
+        )
+        assert_logits_match(llm, hf)

@@ -67,6 +67,8 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen2vl": "Qwen2ForCausalLM",
+    "qwen3vl": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
@@ -82,12 +84,18 @@ ARCHITECTURES = {
     "glm4": "Glm4ForCausalLM",
 }
 MODEL_TYPES = {
+    "qwen2vl": "qwen2",
+    "qwen3vl": "qwen3",
     "qwen3moe": "qwen3_moe",
     "qwen2moe": "qwen2_moe",
     "gemma3": "gemma3_text",
     "gpt-oss": "gpt_oss",
 }
-"""config.json's `model_type` of the GGUF architectures whose names differ."""
+"""config.json's `model_type` of the GGUF architectures whose names differ. llama.cpp files
+the language models of Qwen2-VL and Qwen2.5-VL as `qwen2vl` and Qwen3-VL's as `qwen3vl`:
+Qwen2's and Qwen3's tensors, with M-RoPE's sections (`rope.dimension_sections`), which a text
+token's one position makes plain rope (config.py's LANGUAGE_MODEL_TYPES), and Qwen3-VL's
+count of deepstack layers, which add image features alone."""
 # llama.cpp's recommended-sampling metadata -> generation_config.json's names.
 GGUF_SAMPLING_KEYS = {
     "temp": "temperature",
