@@ -94,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--device", default="auto", help="cpu, cuda or cuda:N; auto prefers CUDA")
     model.add_argument("--seed", type=int, default=0, help="seed of the dummy weights")
     model.add_argument(
+        "--is-embedding",
+        action="store_true",
+        help="serve /v1/embeddings (the last token's normalised hidden state, unit length: "
+        "Qwen3-Embedding, gte-Qwen2, e5-mistral) instead of generating text",
+    )
+    model.add_argument(
         "--max-seq-len-override",
         "--context-length",
         "--max-model-len",

@@ -806,6 +806,7 @@ class EngineConfig:
     quantization: str = "auto"
     kv_cache_dtype: str = "auto"
     seed: int = 0
+    is_embedding: bool = False  # serve embeddings (the last token's final hidden state)
 
 
 @dataclass(frozen=True)

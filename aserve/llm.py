@@ -35,6 +35,16 @@ class GenerationOutput:
     prompt_logprobs: list[TokenLogprob] | None = None
 
 
+@dataclass
+class EmbeddingOutput:
+    """One input's embedding (float32 values, unit length; `LLM(is_embedding=True)`), or
+    None with the `error` that refused it."""
+
+    prompt_token_ids: list[int]
+    embedding: list[float] | None
+    error: str | None = None
+
+
 def _is_single_prompt(prompts: Prompt | Sequence[Prompt]) -> bool:
     return isinstance(prompts, str) or (
         isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)
@@ -86,6 +96,36 @@ class LLM:
             ids, _per_prompt(sampling_params, len(ids), self.default_sampling_params())
         )
 
+    def embed(self, prompts: Prompt | Sequence[Prompt]) -> list[EmbeddingOutput]:
+        """Each prompt's embedding, as vLLM's `LLM.embed` (an LLM made with
+        `is_embedding=True`); text is encoded as the tokenizer's defaults say (Qwen3-Embedding's
+        appends its end-of-text token)."""
+        if not self.runtime.engine.pooling:
+            raise ValueError("this LLM generates text: make it with is_embedding=True to embed")
+        prompt_list = [prompts] if _is_single_prompt(prompts) else list(prompts)
+        ids = [self._encode(p) for p in prompt_list]
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        self._raise_if_dead()
+        if self._task is None:
+            self.start_scheduler()
+        reqs = [self.scheduler.make_request(p, params) for p in ids]
+        outputs = self._loop.run_until_complete(self._embeddings(reqs))
+        self._raise_if_dead()
+        return outputs
+
+    async def _embeddings(self, reqs: list[Req]) -> list[EmbeddingOutput]:
+        for req in reqs:
+            self.scheduler.submit(req)
+        finals = await asyncio.gather(*(req.channel.get() for req in reqs))
+        return [
+            EmbeddingOutput(
+                req.prompt_ids,
+                None if out.embedding is None else out.embedding.tolist(),
+                out.error,
+            )
+            for req, out in zip(reqs, finals, strict=True)
+        ]
+
     def chat(
         self,
         conversations: Conversation | Sequence[Conversation],
@@ -124,6 +164,8 @@ class LLM:
 
     def _run(self, ids: list[list[int]], params: list[SamplingParams]) -> list[GenerationOutput]:
         """Raises the error that ended the engine (a dead tensor-parallel rank), if one did."""
+        if self.runtime.engine.pooling:
+            raise ValueError("this LLM serves embeddings (is_embedding=True): call embed")
         self._raise_if_dead()
         if self._task is None:
             self.start_scheduler()

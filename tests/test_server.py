@@ -612,6 +612,13 @@ def test_flush_cache_empties_the_prefix_cache_only_when_idle(server: ServerProce
     assert status == 400 and refused["error"]["code"] == "server_busy"
 
 
+def test_embeddings_are_refused_by_a_generating_server(server: ServerProcess) -> None:
+    """/v1/embeddings needs --is-embedding (tests/test_embeddings.py serves it)."""
+    status, reply = run(post(server.base_url + "/v1/embeddings", {"input": "hi"}))
+    assert status == 400 and "--is-embedding" in reply["error"]["message"]
+    assert reply["error"]["code"] == "embeddings_not_served"
+
+
 def test_openai_sdk(server: ServerProcess) -> None:
     import openai
 

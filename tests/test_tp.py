@@ -537,3 +537,19 @@ def test_server_exits_with_one_line_when_a_worker_dies(tmp_path: Path) -> None:
         ]
     finally:
         server.stop()
+
+
+def test_tp2_embeddings_equal_tp1(tmp_path: Path) -> None:
+    """An embedding server over two ranks: the last token's hidden state is whole after the
+    final norm's all-reduce, and rank 1 follows steps that sample nothing."""
+    model = make_tiny_model("qwen3", tmp_path)
+    with (
+        LLM(str(model), max_prefill_length=16, is_embedding=True, **OPTIONS) as one,
+        LLM(
+            str(model), max_prefill_length=16, is_embedding=True, tensor_parallel_size=2, **OPTIONS
+        ) as two,
+    ):
+        assert two.runtime.engine.tp.size == 2
+        for ours, theirs in zip(two.embed(PROMPTS), one.embed(PROMPTS), strict=True):
+            assert ours.embedding is not None and theirs.embedding is not None
+            assert ours.embedding == pytest.approx(theirs.embedding, abs=1e-5)

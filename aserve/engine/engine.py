@@ -122,6 +122,13 @@ class Engine:
         model_dir: Path | None,
         tp: TPGroup | None = None,
     ) -> None:
+        if config.is_embedding:
+            # An embedding server pools the last layer's output (`DecoderForCausalLM.embed`)
+            # and never runs the LM head: tied to the embedding, an untied checkpoint's head
+            # is neither read nor held. Nothing decodes, so no decode graph is captured.
+            config = dataclasses.replace(config, cuda_graph_max_bs=0)
+            model_config = dataclasses.replace(model_config, tie_word_embeddings=True)
+        self.pooling = config.is_embedding
         self.config = config
         self.tp = tp or TPGroup()
         # This rank's query and KV heads (a KV head is replicated when there are fewer than ranks).
@@ -578,7 +585,8 @@ class Engine:
 
     @torch.inference_mode()
     def forward_logits(self, batch: ForwardBatch) -> StepLogits:
-        """The step's logits: each request's last row to sample, and every row computed."""
+        """The step's logits: each request's last row to sample, and every row computed (an
+        embedding server's: the embeddings, one a request)."""
         every_row = self.forward(batch)
         if batch.sample_rows is None:
             return StepLogits(every_row, every_row)
@@ -597,7 +605,13 @@ class Engine:
         after the request's context, where the next decode step reads it. Under tensor
         parallelism rank 0 samples and broadcasts the ids to the other ranks. With
         `scoring`, every logits row is scored too (prompt logprobs); with `token_masks`
-        constrained rows sample only the tokens allowed."""
+        constrained rows sample only the tokens allowed. An embedding server samples
+        nothing: each request's token is 0 (its one token, which ends it) and the step's
+        embeddings go out with them."""
+        if self.pooling:
+            next_ids = torch.zeros(logits.sampled.shape[0], dtype=torch.long, device=self.device)
+            self.record_tokens(batch, self.tp.broadcast(next_ids))
+            return SampleOutput(next_ids, None, None, None, embeddings=logits.sampled)
         out = self.sampler.sample(logits.sampled, sampling, token_masks)
         self.record_tokens(batch, self.tp.broadcast(out.next_ids))
         if scoring is not None:
@@ -606,7 +620,8 @@ class Engine:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits of `batch`; decode batches that fit a captured graph replay it."""
+        """Logits of `batch` (an embedding server's embeddings); decode batches that fit a
+        captured graph replay it."""
         self.take_built_kernels()
         if batch.is_decode and self.graphs is not None:
             size = self.graphs.size_for(batch.batch_size)
@@ -614,6 +629,8 @@ class Engine:
                 return self.graphs.run(batch, size)
         attn = self.attn if self._stand_in is None else self._stand_in
         attn.prepare(batch)
+        if self.pooling:
+            return self.model.embed(batch, attn)
         return self.model(batch, attn)
 
     def record_tokens(self, batch: ForwardBatch, next_ids: torch.Tensor) -> None:

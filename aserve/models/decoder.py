@@ -462,6 +462,13 @@ class DecoderForCausalLM(nn.Module):
             else ParallelLMHead(config.vocab_size, config.hidden_size, tp, config.quantization)
         )
 
+    def embed(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        """Embeddings `[batch, hidden]` in float32, unit length: the last layer's normalised
+        output at each request's `logit_indices` token (its last one in the prompt's last
+        chunk), as Qwen3-Embedding, gte-Qwen2 and e5-mistral pool it."""
+        hidden = self.model(batch, attn)[batch.logit_indices].float()
+        return F.normalize(hidden, dim=-1)
+
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Logits `[batch, vocab]` at each request's `logit_indices` token, in the model's
         dtype: the sampler's kernels and log-softmax widen them as they read them, where a

@@ -440,7 +440,8 @@ class Scheduler:
                 req.channel.put_nowait(ReqOutput((token,), logprobs, prompt_logprobs=prompt))
                 continue
             del req.output_ids[slot + 1 :]
-            self._finish(req, reason, tokens=(token,), logprobs=logprobs, prompt_logprobs=prompt)
+            embedding = out.embeddings[i] if out.embeddings is not None else None
+            self._finish(req, reason, None, (token,), logprobs, prompt, embedding)
 
     @staticmethod
     def _record_prompt_logprobs(planned: ScheduledBatch, out: SampleOutput) -> None:
@@ -514,9 +515,11 @@ class Scheduler:
         tokens: tuple[int, ...] = (),
         logprobs: tuple[TokenLogprob, ...] = (),
         prompt_logprobs: tuple[TokenLogprob, ...] = (),
+        embedding: torch.Tensor | None = None,
     ) -> None:
         self.planner.finish(req, reason, error)
-        req.channel.put_nowait(ReqOutput(tokens, logprobs, reason, error, prompt_logprobs))
+        out = ReqOutput(tokens, logprobs, reason, error, prompt_logprobs, embedding)
+        req.channel.put_nowait(out)
 
     def _apply_aborts(self) -> None:
         for req in [r for r in (*self.planner.running, *self.planner.waiting) if r.aborted]:

@@ -24,6 +24,7 @@ from aserve.scheduler.plan import ScheduledBatch
 from aserve.scheduler.request import Req
 from aserve.server import openai, protocol
 from aserve.server.completions import Completions
+from aserve.server.embeddings import Embeddings
 from aserve.server.fleet import FleetRoutes
 from aserve.server.http import error_response, json_response
 from aserve.server.limits import MAX_BODY_BYTES
@@ -234,6 +235,7 @@ class Server:
         app.router.add_post("/v1/chat/completions", completions.chat_completions)
         app.router.add_post("/v1/completions", completions.completions)
         app.router.add_post("/v1/responses", completions.responses)
+        app.router.add_post("/v1/embeddings", Embeddings(self.state).embeddings)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_endpoint)

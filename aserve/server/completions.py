@@ -56,7 +56,7 @@ class Completions:
     async def _chat(
         self, request: web.Request, parse: Callable[[bytes, Any], GenerationRequest]
     ) -> web.StreamResponse:
-        runtime, limits = self.state.ready()
+        runtime, limits = self.state.ready_to_generate()
         with self.state.admission.reserve() as places:
             parsed = parse(await limits.read_body(request), runtime.sampling_defaults)
             self.state.check_model(parsed.model)
@@ -136,7 +136,7 @@ class Completions:
         return dataclasses.replace(parsed, thinking_opened=opened, grammar_after=end)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        runtime, limits = self.state.ready()
+        runtime, limits = self.state.ready_to_generate()
         with self.state.admission.reserve() as places:
             raw = await limits.read_body(request)
             parsed = openai.parse_completion(raw, runtime.sampling_defaults)
@@ -148,7 +148,7 @@ class Completions:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         """SGLang's native route: a prompt or a batch, text or token ids, whole or streamed
         (server/native.py shapes the reply)."""
-        runtime, limits = self.state.ready()
+        runtime, limits = self.state.ready_to_generate()
         with self.state.admission.reserve() as places:
             native = openai.parse_generate(
                 await limits.read_body(request), runtime.sampling_defaults

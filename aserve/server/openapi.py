@@ -75,6 +75,14 @@ OPERATIONS = (
         protocol.ResponseObject,
         protocol.ResponseEvent,
     ),
+    Operation(
+        "post",
+        "/v1/embeddings",
+        "OpenAI embeddings, on a server started with --is-embedding (the generation routes "
+        "refuse there)",
+        protocol.EmbeddingRequest,
+        protocol.EmbeddingList,
+    ),
     Operation("get", "/v1/models", "The served model", reply=protocol.ModelList, errors=(401, 503)),
     Operation(
         "post",

@@ -493,6 +493,51 @@ class CompletionRequest(GenerationFields):
         return suffix
 
 
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's bound on one request's inputs
+
+
+class EmbeddingRequest(Strict):
+    """OpenAI's embeddings: `input` as a string, strings, token ids or lists of them."""
+
+    input: Annotated[
+        Annotated[NonEmptyText, Tag("text")]
+        | Annotated[
+            list[NonEmptyText], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS), Tag("texts")
+        ]
+        | Annotated[PromptIds, Tag("ids")]
+        | Annotated[
+            list[PromptIds], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS), Tag("batch")
+        ],
+        Discriminator(_prompt_kind),
+    ]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="base64: each embedding's float32 values, little-endian"
+    )
+    dimensions: Annotated[int, Field(ge=1), INTEGRAL] | None = Field(
+        None, description="keep the first this many values, made unit length again"
+    )
+    user: str | None = None
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(BaseModel):
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
 class GenerateSampling(SamplingFields):
     max_new_tokens: Annotated[int, Field(ge=0), INTEGRAL] | None = Field(
         None, description="default 128; 0 scores the prompt (with return_logprob)"

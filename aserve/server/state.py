@@ -61,6 +61,16 @@ class ServerState:
             )
         return self.runtime, self.limits
 
+    def ready_to_generate(self) -> tuple[Runtime, InputLimits]:
+        """As `ready`, and a 400 on an embedding server (`--is-embedding`)."""
+        runtime, limits = self.ready()
+        if runtime.engine.pooling:
+            raise APIError(
+                "this server serves embeddings (--is-embedding): send inputs to /v1/embeddings",
+                code="generation_not_served",
+            )
+        return runtime, limits
+
     def snapshot(self) -> SchedulerSnapshot:
         """The scheduler as metrics, stats lines and /get_load read it (once loaded)."""
         assert self.runtime is not None

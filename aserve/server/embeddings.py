@@ -1,0 +1,133 @@
+"""OpenAI's `/v1/embeddings`, on a server started with `--is-embedding`: each input runs as
+a prompt whose last token's normalised hidden state, unit length, is its embedding
+(`DecoderForCausalLM.embed`), batched with the other requests by the same scheduler.
+
+Text is encoded as the tokenizer's defaults say (Qwen3-Embedding's appends its end-of-text
+token, which it pools). `dimensions` keeps the leading values and makes them unit length
+again, as Matryoshka-trained models (Qwen3-Embedding) are read; `encoding_format: base64`
+(what the openai SDK asks for unless told otherwise) sends each embedding's float32 values,
+little-endian.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from aserve.runtime import Runtime
+from aserve.scheduler.request import FinishReason, Req, SamplingParams
+from aserve.server import protocol
+from aserve.server.http import json_response
+from aserve.server.limits import InputLimits
+from aserve.server.openai import APIError, parse_body
+from aserve.server.state import ServerState, require_tokenizer
+
+ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+"""An embedding request's one step: its prompt, whose output ends it."""
+
+
+class Embeddings:
+    """The embeddings route; it holds admission places for its inputs, as the generation
+    routes do for their choices."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        runtime, limits = self.state.ready()
+        if not runtime.engine.pooling:
+            raise APIError(
+                "this server generates text; start it with --is-embedding to serve embeddings",
+                code="embeddings_not_served",
+            )
+        with self.state.admission.reserve() as places:
+            parsed = parse_body(protocol.EmbeddingRequest, await limits.read_body(request))
+            self.state.check_model(parsed.model or "")
+            hidden = runtime.engine.model_config.hidden_size
+            if parsed.dimensions is not None and parsed.dimensions > hidden:
+                raise APIError(
+                    f"dimensions is {parsed.dimensions}, but this model's embeddings have {hidden}",
+                    param="dimensions",
+                )
+            given = parsed.input
+            places.resize(1 if isinstance(given, str) or isinstance(given[0], int) else len(given))
+            prompts = await self._prompts(runtime, limits, given)
+            reqs = [self._request(runtime, i, prompt) for i, prompt in enumerate(prompts)]
+            vectors = await self._run(runtime, reqs)
+        data = [
+            {"object": "embedding", "index": i, "embedding": encoded(v, parsed)}
+            for i, v in enumerate(vectors)
+        ]
+        tokens = sum(len(p) for p in prompts)
+        return json_response(
+            {
+                "object": "list",
+                "data": data,
+                "model": self.state.model_name,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            }
+        )
+
+    @staticmethod
+    async def _prompts(runtime: Runtime, limits: InputLimits, given: Any) -> list[list[int]]:
+        """The inputs as token ids: text encoded in the tokenizer's pool."""
+        if isinstance(given, str):
+            given = [given]
+        if not isinstance(given[0], str):
+            return [given] if isinstance(given[0], int) else [list(ids) for ids in given]
+        for text in given:
+            limits.check_text(len(text), None, "input")
+        tokenizer = require_tokenizer(runtime)
+        return list(await asyncio.gather(*(tokenizer.encode_async(t) for t in given)))
+
+    @staticmethod
+    def _request(runtime: Runtime, index: int, prompt: list[int]) -> Req:
+        """Input `index`'s request, or a 400 that says why it cannot run."""
+        scheduler = runtime.scheduler
+        room = scheduler.max_seq_len - 1  # the position after the prompt takes its one token
+        if len(prompt) > room:
+            raise APIError(
+                f"input {index} has {len(prompt)} tokens, but this model's context holds "
+                f"{room} for an input",
+                param="input",
+                code="context_length_exceeded",
+            )
+        req = scheduler.make_request(prompt, ONE_TOKEN)
+        problem = scheduler.check_request(req)
+        if problem is not None:
+            raise APIError(f"input {index}: {problem}", param="input")
+        return req
+
+    @staticmethod
+    async def _run(runtime: Runtime, reqs: list[Req]) -> list[torch.Tensor]:
+        """Every request's embedding; requests still running when the client goes (the
+        handler is cancelled) are aborted and free their pages."""
+        scheduler = runtime.scheduler
+        for req in reqs:
+            scheduler.submit(req)
+        try:
+            outs = await asyncio.gather(*(req.channel.get() for req in reqs))
+        finally:
+            for req in reqs:
+                if req.finish_reason is None:
+                    scheduler.abort(req)
+        vectors = []
+        for out in outs:
+            if out.finish_reason is FinishReason.ERROR or out.embedding is None:
+                raise APIError(out.error or "the embedding failed", 500, error_type="server_error")
+            vectors.append(out.embedding)
+        return vectors
+
+
+def encoded(vector: torch.Tensor, parsed: protocol.EmbeddingRequest) -> list[float] | str:
+    """One embedding as the request asks: cut to `dimensions` and made unit length again,
+    then a list of numbers or base64 of float32 values."""
+    if parsed.dimensions is not None and parsed.dimensions < vector.shape[0]:
+        vector = torch.nn.functional.normalize(vector[: parsed.dimensions], dim=0)
+    if parsed.encoding_format == "base64":
+        return base64.b64encode(vector.contiguous().numpy().astype("<f4").tobytes()).decode()
+    return vector.tolist()

@@ -1,0 +1,191 @@
+"""Embeddings (`--is-embedding`): the last token's normalised hidden state against
+transformers' base model, the same through chunked prefill, prefix hits and batches, an
+untied checkpoint without its LM head; the `/v1/embeddings` route of a real server (float and
+base64, `dimensions`, text and ids, the openai SDK, refusals both ways)."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from aserve import LLM
+from aserve.server import protocol
+from tests.server_utils import ServerProcess, serving
+from tests.test_server import post, run
+from tests.tiny_models import make_tiny_model
+
+PROMPTS = [[5, 17, 42, 9, 100, 3, 77, 12, 250, 31, 8, 19, 60, 2, 88], [300, 4, 4, 61], [9]]
+
+
+def reference(folder: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """transformers' base model (no LM head): the last token's final hidden state, made
+    unit length, as Qwen3-Embedding's model card pools it."""
+    import transformers
+
+    model = transformers.AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        rows = [model(torch.tensor([p])).last_hidden_state[0, -1] for p in prompts]
+    return [torch.nn.functional.normalize(row, dim=0) for row in rows]
+
+
+def embedded(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
+    outputs = llm.embed(prompts)
+    assert all(out.error is None and out.embedding is not None for out in outputs)
+    return [torch.tensor(out.embedding) for out in outputs]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3"])
+def test_embeddings_match_transformers(family: str, tmp_path: Path) -> None:
+    """Each prompt's embedding is transformers' pooled base model's; then the same again
+    through chunks of 4 tokens and prefix hits, and one prompt at a time."""
+    folder = make_tiny_model(family, tmp_path)
+    expected = reference(folder, PROMPTS)
+    with LLM(str(folder), is_embedding=True, page_size=4) as llm:
+        assert llm.runtime.engine.pooling
+        got = embedded(llm, PROMPTS)
+        for ours, theirs in zip(got, expected, strict=True):
+            assert ours.shape == (64,)
+            torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(ours.norm(), torch.tensor(1.0))
+        cached = llm.scheduler.planner.prompt_tokens_cached
+        again = embedded(llm, PROMPTS)
+        assert llm.scheduler.planner.prompt_tokens_cached - cached >= 12  # 3 pages of 4
+        alone = [embedded(llm, [p])[0] for p in PROMPTS]
+        for first, hit, single in zip(got, again, alone, strict=True):
+            torch.testing.assert_close(hit, first, atol=2e-6, rtol=0)
+            torch.testing.assert_close(single, first, atol=2e-6, rtol=0)
+    with LLM(str(folder), is_embedding=True, page_size=4, max_prefill_length=4) as llm:
+        for chunked, first in zip(embedded(llm, PROMPTS), got, strict=True):
+            torch.testing.assert_close(chunked, first, atol=2e-6, rtol=0)
+
+
+def test_untied_checkpoint_without_its_head(tmp_path: Path) -> None:
+    """An embedding model published without an LM head (untied config): the head is
+    neither read nor needed."""
+    folder = make_tiny_model("llama", tmp_path)  # untied: its own lm_head.weight
+    file = folder / "model.safetensors"
+    tensors = load_file(str(file))
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(file))
+    with pytest.raises(ValueError, match="lm_head"):
+        LLM(str(folder))
+    with LLM(str(folder), is_embedding=True) as llm:
+        torch.testing.assert_close(
+            torch.stack(embedded(llm, PROMPTS)),
+            torch.stack(reference(folder, PROMPTS)),
+            atol=2e-5,
+            rtol=1e-4,
+        )
+
+
+def test_offline_refusals(tmp_path: Path) -> None:
+    """generate on an embedding LLM and embed on a generating one raise; an input too long
+    for the context comes back with its error."""
+    folder = make_tiny_model("qwen3", tmp_path)
+    with LLM(str(folder), is_embedding=True, max_seq_len_override=16) as llm:
+        with pytest.raises(ValueError, match="call embed"):
+            llm.generate([PROMPTS[0]])
+        too_long = llm.embed([list(range(1, 40)), PROMPTS[1]])
+        assert too_long[0].embedding is None and "context" in (too_long[0].error or "")
+        assert too_long[1].embedding is not None
+    with LLM(str(folder)) as llm, pytest.raises(ValueError, match="is_embedding=True"):
+        llm.embed([PROMPTS[0]])
+
+
+MODEL = "smollm2-embed"
+
+
+@pytest.fixture(scope="module")
+def embedding_server(smollm2_dir: Path) -> Iterator[ServerProcess]:
+    yield from serving(
+        ServerProcess(["--model", str(smollm2_dir), "--served-model-name", MODEL, "--is-embedding"])
+    )
+
+
+def embeddings(server: ServerProcess, **body: Any) -> tuple[int, Any]:
+    return run(post(server.base_url + "/v1/embeddings", {"model": MODEL, **body}))
+
+
+def test_embeddings_route(embedding_server: ServerProcess, smollm2_dir: Path) -> None:
+    """Text and its token ids give one vector, the offline API's; base64 holds the same
+    float32 values; `dimensions` cuts and renormalises; usage counts the input tokens."""
+    texts = ["The capital of France is Paris.", "Embeddings map text to vectors."]
+    status, body = embeddings(embedding_server, input=texts)
+    assert status == 200, body
+    assert body["object"] == "list" and body["model"] == MODEL
+    protocol.EmbeddingList.model_validate(body)
+    vectors = [np.array(item["embedding"], np.float32) for item in body["data"]]
+    assert [item["index"] for item in body["data"]] == [0, 1]
+    assert all(v.shape == (576,) and abs(np.linalg.norm(v) - 1) < 1e-5 for v in vectors)
+    with LLM(str(smollm2_dir), is_embedding=True) as llm:
+        ids = [llm.tokenizer.encode(t) for t in texts]
+        offline = [np.array(out.embedding, np.float32) for out in llm.embed(texts)]
+    assert body["usage"] == {
+        "prompt_tokens": sum(map(len, ids)),
+        "total_tokens": sum(map(len, ids)),
+    }
+    for served, mine in zip(vectors, offline, strict=True):
+        np.testing.assert_allclose(served, mine, atol=1e-6)
+    status, by_ids = embeddings(embedding_server, input=ids)
+    assert status == 200
+    for item, vector in zip(by_ids["data"], vectors, strict=True):
+        np.testing.assert_allclose(np.array(item["embedding"], np.float32), vector, atol=1e-6)
+    status, packed = embeddings(embedding_server, input=texts[0], encoding_format="base64")
+    assert status == 200
+    decoded = np.frombuffer(base64.b64decode(packed["data"][0]["embedding"]), "<f4")
+    np.testing.assert_allclose(decoded, vectors[0], atol=1e-6)
+    status, cut = embeddings(embedding_server, input=texts[0], dimensions=64)
+    assert status == 200
+    short = np.array(cut["data"][0]["embedding"], np.float32)
+    np.testing.assert_allclose(short, vectors[0][:64] / np.linalg.norm(vectors[0][:64]), atol=1e-6)
+
+
+def test_openai_sdk_embeddings(embedding_server: ServerProcess) -> None:
+    """The SDK asks for base64 unless told otherwise, and decodes it."""
+    import openai
+
+    client = openai.OpenAI(base_url=embedding_server.base_url + "/v1", api_key="unused")
+    reply = client.embeddings.create(model=MODEL, input=["one", "two", "three"])
+    assert len(reply.data) == 3 and len(reply.data[0].embedding) == 576
+    floats = client.embeddings.create(model=MODEL, input="two", encoding_format="float")
+    np.testing.assert_allclose(reply.data[1].embedding, floats.data[0].embedding, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"input": ""}, "input"),
+        ({"input": []}, "input"),
+        ({"input": [[]]}, "input"),
+        ({"input": "hi", "dimensions": 577}, "dimensions is 577, but this model's embeddings"),
+        ({"input": "hi", "dimensions": 0}, "dimensions"),
+        ({"input": "hi", "encoding_format": "int8"}, "encoding_format"),
+        ({"input": [[1, 49152]]}, "outside the vocabulary"),
+        ({"input": [list(range(1, 9000))]}, "has 8999 tokens, but this model's context holds"),
+        ({"input": "hi", "model": "other"}, "does not exist"),
+    ],
+)
+def test_bad_embedding_requests(
+    embedding_server: ServerProcess, body: dict[str, Any], message: str
+) -> None:
+    status, reply = run(post(embedding_server.base_url + "/v1/embeddings", body))
+    assert status == 400, reply
+    assert message in reply["error"]["message"]
+
+
+def test_generation_routes_refuse_on_an_embedding_server(embedding_server: ServerProcess) -> None:
+    for path, body in (
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/generate", {"text": "hi"}),
+    ):
+        status, reply = run(post(embedding_server.base_url + path, body))
+        assert status == 400 and "/v1/embeddings" in reply["error"]["message"], (path, reply)
+        assert reply["error"]["code"] == "generation_not_served"
