@@ -290,13 +290,15 @@ VISION = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2}
 takes text alone)."""
 
 
-def vision_language_config(architecture: str) -> Any:
+def vision_language_config(architecture: str, overrides: dict[str, Any] | None = None) -> Any:
     """Transformers' config of a tiny vision-language model whose language model is the
-    tiny text family it is built on (Qwen's with M-RoPE sections over its head)."""
+    tiny text family it is built on (Qwen's with M-RoPE sections over its head); `overrides`
+    change the language model's settings."""
     import transformers
 
     def text(family: str, model_type: str, **extra: Any) -> dict[str, Any]:
-        return {**COMMON, **FAMILIES.get(family, {}), "model_type": model_type, **extra}
+        base = {**COMMON, **FAMILIES.get(family, {}), "model_type": model_type, **extra}
+        return {**base, **(overrides or {})}
 
     encoder = {**VISION, "num_hidden_layers": 1, "image_size": 28, "patch_size": 14}
     qwen_encoder = {"depth": 1, "num_heads": 2, "hidden_size": 32, "intermediate_size": 64}
@@ -345,7 +347,9 @@ def vision_language_config(architecture: str) -> Any:
     raise ValueError(f"no tiny {architecture}")
 
 
-def make_tiny_vision_language(architecture: str, folder: Path, seed: int = 0) -> torch.nn.Module:
+def make_tiny_vision_language(
+    architecture: str, folder: Path, seed: int = 0, overrides: dict[str, Any] | None = None
+) -> torch.nn.Module:
     """A tiny random vision-language checkpoint saved as transformers saves it (the names
     its publishers use); returns the model, the reference for its language model. The
     language model's matrices are drawn wider than transformers' default (std 0.02), whose
@@ -353,7 +357,7 @@ def make_tiny_vision_language(architecture: str, folder: Path, seed: int = 0) ->
     import transformers
 
     torch.manual_seed(seed)
-    model = getattr(transformers, architecture)(vision_language_config(architecture))
+    model = getattr(transformers, architecture)(vision_language_config(architecture, overrides))
     with torch.no_grad():
         for name, param in model.named_parameters():
             vision = any(part in name for part in ("vision", "visual", "projector"))
