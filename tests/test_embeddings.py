@@ -17,28 +17,10 @@ from safetensors.torch import load_file, save_file
 
 from aserve import LLM
 from aserve.server import protocol
+from tests.embedding_refs import PROMPTS, embedded, reference
 from tests.server_utils import ServerProcess, serving
 from tests.test_server import post, run
 from tests.tiny_models import make_tiny_model
-
-PROMPTS = [[5, 17, 42, 9, 100, 3, 77, 12, 250, 31, 8, 19, 60, 2, 88], [300, 4, 4, 61], [9]]
-
-
-def reference(folder: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
-    """transformers' base model (no LM head): the last token's final hidden state, made
-    unit length, as Qwen3-Embedding's model card pools it."""
-    import transformers
-
-    model = transformers.AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        rows = [model(torch.tensor([p])).last_hidden_state[0, -1] for p in prompts]
-    return [torch.nn.functional.normalize(row, dim=0) for row in rows]
-
-
-def embedded(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
-    outputs = llm.embed(prompts)
-    assert all(out.error is None and out.embedding is not None for out in outputs)
-    return [torch.tensor(out.embedding) for out in outputs]
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3"])

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from aserve import LLM
-from tests.test_embeddings import PROMPTS, embedded, reference
+from tests.embedding_refs import PROMPTS, embedded, reference
 from tests.test_gpu import KERNEL_SHAPES
 from tests.tiny_models import make_tiny_model
 
