@@ -3,7 +3,9 @@
 left, the last token pooled and made unit length, as Qwen3-Embedding's model card runs it),
 in one process, engines alternating; prints a table and appends each engine's median run to
 bench/results.jsonl. Input tokens a second are the figure; both engines count the inputs'
-own tokens (not the peer's padding), so equal totals show identical work.
+own tokens (not the peer's padding), so equal totals show identical work. Each repeat draws
+new inputs (the same for both engines), and a draw of its own warms both up: inputs seen
+before would come from aserve's prefix cache.
 
     python bench/embed.py --model bench/models/qwen3-0.6b --dummy-weight --peer transformers
 """
@@ -41,8 +43,8 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def draw(args: argparse.Namespace) -> Inputs:
-    rng = random.Random(args.seed)
+def draw(args: argparse.Namespace, seed: int) -> Inputs:
+    rng = random.Random(seed)
     return [
         [rng.randint(0, 10000) for _ in range(rng.randint(*args.input_len))]
         for _ in range(args.num_inputs)
@@ -102,14 +104,15 @@ def transformers_runner(args: argparse.Namespace) -> Callable[[Inputs], float]:
 
 def main() -> None:
     args = parse_args()
-    inputs = draw(args)
-    tokens = sum(map(len, inputs))
     engines = {"aserve": aserve_runner(args)}
     if args.peer == "transformers":
         engines["transformers"] = transformers_runner(args)
-        engines["transformers"](inputs[: args.peer_batch])  # warm-up
+    for run in engines.values():
+        run(draw(args, args.seed + args.repeat))
+    draws = [draw(args, args.seed + r) for r in range(args.repeat)]
+    counts = [sum(map(len, inputs)) for inputs in draws]
     runs: dict[str, list[float]] = {name: [] for name in engines}
-    for _ in range(args.repeat):
+    for inputs in draws:
         for name, run in engines.items():
             runs[name].append(run(inputs))
     run_id = new_run_id()
@@ -120,21 +123,25 @@ def main() -> None:
         "peer_batch": args.peer_batch,
         "dummy_weight": args.dummy_weight,
     }
-    print(f"{len(inputs)} inputs, {tokens} tokens; input tokens a second, median of {args.repeat}")
-    print(f"{'engine':14s} {'seconds':>9s} {'tok/s':>10s}  runs")
+    print(
+        f"{args.num_inputs} inputs a draw, {'/'.join(map(str, counts))} tokens; input tokens a "
+        f"second, the median draw of {args.repeat}"
+    )
+    print(f"{'engine':14s} {'tokens':>8s} {'seconds':>9s} {'tok/s':>10s}  draws")
     for name, seconds in runs.items():
-        median = sorted(seconds)[len(seconds) // 2]
-        shown = " ".join(f"{tokens / s:,.0f}" for s in seconds)
-        print(f"{name:14s} {median:9.3f} {tokens / median:10,.0f}  {shown}")
+        rates = [n / s for n, s in zip(counts, seconds, strict=True)]
+        middle = sorted(range(len(rates)), key=rates.__getitem__)[len(rates) // 2]
+        shown = " ".join(f"{rate:,.0f}" for rate in rates)
+        print(f"{name:14s} {counts[middle]:8d} {seconds[middle]:9.3f} {rates[middle]:10,.0f}  {shown}")
         record(
             "embed",
             name,
             Path(args.model).name,
             settings,
-            tokens,
-            median,
+            counts[middle],
+            seconds[middle],
             run_id,
-            runs_tok_s=[round(tokens / s, 1) for s in seconds],
+            runs_tok_s=[round(rate, 1) for rate in rates],
             note=args.note,
         )
 
