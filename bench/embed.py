@@ -132,7 +132,8 @@ def main() -> None:
         rates = [n / s for n, s in zip(counts, seconds, strict=True)]
         middle = sorted(range(len(rates)), key=rates.__getitem__)[len(rates) // 2]
         shown = " ".join(f"{rate:,.0f}" for rate in rates)
-        print(f"{name:14s} {counts[middle]:8d} {seconds[middle]:9.3f} {rates[middle]:10,.0f}  {shown}")
+        figures = f"{counts[middle]:8d} {seconds[middle]:9.3f} {rates[middle]:10,.0f}"
+        print(f"{name:14s} {figures}  {shown}")
         record(
             "embed",
             name,
