@@ -8,6 +8,8 @@ new inputs (the same for both engines), and a draw of its own warms both up: inp
 before would come from aserve's prefix cache.
 
     python bench/embed.py --model bench/models/qwen3-0.6b --dummy-weight --peer transformers
+
+(Leave the peer room on the GPU: `--memory-ratio 0.5` beside an 8B model.)
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--peer", choices=["transformers"])
     parser.add_argument("--peer-batch", type=int, default=32, help="the peer's batch size")
+    parser.add_argument(
+        "--memory-ratio", type=float, default=0.9, help="aserve's share of GPU memory"
+    )
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--note", default="")
@@ -58,6 +63,7 @@ def aserve_runner(args: argparse.Namespace) -> Callable[[Inputs], float]:
         is_embedding=True,
         dtype=args.dtype,
         max_prefill_length=16384,
+        memory_ratio=args.memory_ratio,
     )
     llm.embed([[1, 2, 3]])
 
