@@ -20,6 +20,7 @@ from aserve.constrained.grammar import GrammarCompiler
 from aserve.engine.followers import start_engine
 from aserve.engine.memory import GiB, free_device_memory
 from aserve.generation_defaults import describe, resolve_defaults
+from aserve.models.pooling import check_pooling
 from aserve.models.source import complete_tokenizer, resolve_model
 from aserve.models.weights import load_hf_config
 from aserve.scheduler.scheduler import Scheduler
@@ -109,6 +110,8 @@ class Runtime:
                 self.model_config.language_model_of,
                 self.model_config.architecture,
             )
+        if config.engine.is_embedding:
+            check_pooling(self.model_dir)
         quantization = chosen_quantization(config.engine, self.model_config)
         self.model_config = dataclasses.replace(self.model_config, quantization=quantization)
         self.sampling_defaults, origin = resolve_defaults(

@@ -6,6 +6,7 @@ base64, `dimensions`, text and ids, the openai SDK, refusals both ways)."""
 from __future__ import annotations
 
 import base64
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from aserve import LLM
+from aserve.config import ConfigError
 from aserve.server import protocol
 from tests.embedding_refs import PROMPTS, embedded, reference
 from tests.server_utils import ServerProcess, serving
@@ -171,3 +173,49 @@ def test_generation_routes_refuse_on_an_embedding_server(embedding_server: Serve
         status, reply = run(post(embedding_server.base_url + path, body))
         assert status == 400 and "/v1/embeddings" in reply["error"]["message"], (path, reply)
         assert reply["error"]["code"] == "generation_not_served"
+
+
+def sentence_transformers_files(folder: Path, pooling: dict[str, bool], dense: bool) -> None:
+    """modules.json and the Pooling module's config, as sentence-transformers saves them."""
+    kinds = ["Transformer", "Pooling", *(["Dense"] if dense else []), "Normalize"]
+    paths = {"Transformer": "", "Pooling": "1_Pooling", "Dense": "2_Dense", "Normalize": "3"}
+    modules = [
+        {"idx": i, "path": paths[kind], "type": f"sentence_transformers.models.{kind}"}
+        for i, kind in enumerate(kinds)
+    ]
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    settings = {f"pooling_mode_{mode}": on for mode, on in pooling.items()}
+    (folder / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": 64, **settings})
+    )
+
+
+LAST = {"cls_token": False, "mean_tokens": False, "lasttoken": True}
+
+
+@pytest.mark.parametrize(
+    ("pooling", "dense", "refusal"),
+    [
+        (LAST, False, None),
+        ({**LAST, "lasttoken": False, "mean_tokens": True}, False, "pools by mean_tokens"),
+        ({**LAST, "lasttoken": False, "cls_token": True}, False, "pools by cls_token"),
+        (LAST, True, "has a Dense module after the model"),
+    ],
+)
+def test_sentence_transformers_pooling_is_checked(
+    tmp_path: Path, pooling: dict[str, bool], dense: bool, refusal: str | None
+) -> None:
+    """A folder whose sentence-transformers modules pool at the last token and normalise
+    (Qwen3-Embedding's) serves; mean or CLS pooling, or a Dense layer after it, is refused
+    in one line (a generating server reads none of it)."""
+    folder = make_tiny_model("qwen3", tmp_path)
+    sentence_transformers_files(folder, pooling, dense)
+    if refusal is None:
+        with LLM(str(folder), is_embedding=True) as llm:
+            assert llm.embed([PROMPTS[0]])[0].embedding is not None
+        return
+    with pytest.raises(ConfigError, match=refusal):
+        LLM(str(folder), is_embedding=True)
+    with LLM(str(folder)) as llm:
+        assert llm.generate([PROMPTS[0]])[0].token_ids
