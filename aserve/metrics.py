@@ -253,6 +253,12 @@ class Metrics:
         self._request_prompt_tokens.observe(prompt_tokens)
         self._request_generation_tokens.observe(generation_tokens)
 
+    def on_embedding(self, e2e_s: float, prompt_tokens: int) -> None:
+        """One input of an embedding request, embedded `e2e_s` after submission: its tokens
+        are prefilled prompt tokens, its end a finish by "stop" that generated nothing."""
+        self._prompt_tokens.inc(prompt_tokens)
+        self.on_finish("stop", e2e_s, prompt_tokens, 0)
+
     def on_rejection(self, reason: str) -> None:
         """A request refused at the edge; `reason` comes from aserve's own error codes, so
         the label's values are few."""

@@ -21,7 +21,7 @@ from aserve.config import ConfigError
 from aserve.server import protocol
 from tests.embedding_refs import PROMPTS, embedded, reference
 from tests.server_utils import ServerProcess, serving
-from tests.test_server import post, run
+from tests.test_server import get, metric_value, post, run
 from tests.tiny_models import make_tiny_model
 
 
@@ -121,6 +121,9 @@ def test_embeddings_route(embedding_server: ServerProcess, smollm2_dir: Path) ->
     assert status == 200
     for item, vector in zip(by_ids["data"], vectors, strict=True):
         np.testing.assert_allclose(np.array(item["embedding"], np.float32), vector, atol=1e-6)
+    _, metrics = run(get(embedding_server.base_url + "/metrics"))
+    # both requests' inputs count as prompt tokens (the server embedded nothing else)
+    assert metric_value(metrics.decode(), "aserve:prompt_tokens_total") == 2 * sum(map(len, ids))
     status, packed = embeddings(embedding_server, input=texts[0], encoding_format="base64")
     assert status == 200
     decoded = np.frombuffer(base64.b64decode(packed["data"][0]["embedding"]), "<f4")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import time
 from typing import Any
 
 import torch
@@ -57,7 +58,11 @@ class Embeddings:
             places.resize(1 if isinstance(given, str) or isinstance(given[0], int) else len(given))
             prompts = await self._prompts(runtime, limits, given)
             reqs = [self._request(runtime, i, prompt) for i, prompt in enumerate(prompts)]
+            started = time.monotonic()
             vectors = await self._run(runtime, reqs)
+        elapsed = time.monotonic() - started
+        for prompt in prompts:
+            self.state.metrics.on_embedding(elapsed, len(prompt))
         data = [
             {"object": "embedding", "index": i, "embedding": encoded(v, parsed)}
             for i, v in enumerate(vectors)
