@@ -1,13 +1,15 @@
 """Embedding throughput: the same inputs through aserve's embedding engine (`--is-embedding`,
 `LLM.embed`) and, with `--peer transformers`, transformers' base model (batches padded on the
-left, the last token pooled and made unit length, as Qwen3-Embedding's model card runs it),
-in one process, engines alternating; prints a table and appends each engine's median run to
+left, the last token pooled and made unit length, as Qwen3-Embedding's model card runs it)
+or, with `--peer llamacpp` on a GGUF file, llama.cpp (bench/llamacpp_embedder.py), in one
+process, engines alternating; prints a table and appends each engine's median run to
 bench/results.jsonl. Input tokens a second are the figure; both engines count the inputs'
 own tokens (not the peer's padding), so equal totals show identical work. Each repeat draws
 new inputs (the same for both engines), and a draw of its own warms both up: inputs seen
 before would come from aserve's prefix cache.
 
     python bench/embed.py --model bench/models/qwen3-0.6b --dummy-weight --peer transformers
+    python bench/embed.py --model FILE.gguf --peer llamacpp --num-inputs 64 --dtype float32
 
 (Leave the peer room on the GPU: `--memory-ratio 0.5` beside an 8B model.)
 """
@@ -21,6 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -28,6 +31,7 @@ from aserve import LLM  # noqa: E402
 from bench.common import new_run_id, record  # noqa: E402
 
 Inputs = list[list[int]]
+Runner = Callable[[Inputs], tuple[float, np.ndarray]]
 
 
 def parse_args() -> argparse.Namespace:
@@ -37,7 +41,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num-inputs", type=int, default=1024)
     parser.add_argument("--input-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--peer", choices=["transformers"])
+    parser.add_argument("--peer", choices=["transformers", "llamacpp"])
+    parser.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
     parser.add_argument("--peer-batch", type=int, default=32, help="the peer's batch size")
     parser.add_argument(
         "--memory-ratio", type=float, default=0.9, help="aserve's share of GPU memory"
@@ -56,7 +61,7 @@ def draw(args: argparse.Namespace, seed: int) -> Inputs:
     ]
 
 
-def aserve_runner(args: argparse.Namespace) -> Callable[[Inputs], float]:
+def aserve_runner(args: argparse.Namespace) -> Runner:
     llm = LLM(
         args.model,
         dummy_weight=args.dummy_weight,
@@ -67,17 +72,31 @@ def aserve_runner(args: argparse.Namespace) -> Callable[[Inputs], float]:
     )
     llm.embed([[1, 2, 3]])
 
-    def run(inputs: Inputs) -> float:
+    def run(inputs: Inputs) -> tuple[float, np.ndarray]:
         started = time.perf_counter()
         outputs = llm.embed(inputs)
         seconds = time.perf_counter() - started
         assert all(out.embedding is not None for out in outputs)
-        return seconds
+        return seconds, np.array([out.embedding for out in outputs], np.float32)
 
     return run
 
 
-def transformers_runner(args: argparse.Namespace) -> Callable[[Inputs], float]:
+def llamacpp_runner(args: argparse.Namespace) -> Runner:
+    from bench.llamacpp_embedder import LlamaCppEmbedder
+
+    longest = args.input_len[1]
+    peer = LlamaCppEmbedder(Path(args.model), args.threads, 16, max(4096, longest))
+
+    def run(inputs: Inputs) -> tuple[float, np.ndarray]:
+        started = time.perf_counter()
+        vectors = peer.embed(inputs)
+        return time.perf_counter() - started, vectors
+
+    return run
+
+
+def transformers_runner(args: argparse.Namespace) -> Runner:
     import transformers
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -91,8 +110,9 @@ def transformers_runner(args: argparse.Namespace) -> Callable[[Inputs], float]:
     model.eval()
 
     @torch.inference_mode()
-    def run(inputs: Inputs) -> float:
+    def run(inputs: Inputs) -> tuple[float, np.ndarray]:
         started = time.perf_counter()
+        rows = []
         for start in range(0, len(inputs), args.peer_batch):
             chunk = inputs[start : start + args.peer_batch]
             longest = max(map(len, chunk))
@@ -102,8 +122,8 @@ def transformers_runner(args: argparse.Namespace) -> Callable[[Inputs], float]:
                 ids[row, longest - len(prompt) :] = torch.tensor(prompt)
                 mask[row, longest - len(prompt) :] = 1
             hidden = model(ids.to(device), attention_mask=mask.to(device)).last_hidden_state
-            torch.nn.functional.normalize(hidden[:, -1].float(), dim=-1).cpu()
-        return time.perf_counter() - started
+            rows.append(torch.nn.functional.normalize(hidden[:, -1].float(), dim=-1).cpu())
+        return time.perf_counter() - started, torch.cat(rows).numpy()
 
     return run
 
@@ -113,14 +133,18 @@ def main() -> None:
     engines = {"aserve": aserve_runner(args)}
     if args.peer == "transformers":
         engines["transformers"] = transformers_runner(args)
+    if args.peer == "llamacpp":
+        engines["llama.cpp"] = llamacpp_runner(args)
     for run in engines.values():
         run(draw(args, args.seed + args.repeat))
     draws = [draw(args, args.seed + r) for r in range(args.repeat)]
     counts = [sum(map(len, inputs)) for inputs in draws]
     runs: dict[str, list[float]] = {name: [] for name in engines}
+    vectors: dict[str, np.ndarray] = {}
     for inputs in draws:
         for name, run in engines.items():
-            runs[name].append(run(inputs))
+            seconds, vectors[name] = run(inputs)
+            runs[name].append(seconds)
     run_id = new_run_id()
     settings = {
         "num_inputs": args.num_inputs,
@@ -133,6 +157,14 @@ def main() -> None:
         f"{args.num_inputs} inputs a draw, {'/'.join(map(str, counts))} tokens; input tokens a "
         f"second, the median draw of {args.repeat}"
     )
+    if len(vectors) == 2 and not args.dummy_weight:  # the same weights: the same embeddings?
+        ours, theirs = vectors.values()
+        cosines = (ours * theirs).sum(axis=1)
+        low, mean = float(cosines.min()), float(cosines.mean())
+        print(
+            f"cosine of the last draw's embeddings, engine to engine: min {low:.4f}, "
+            f"mean {mean:.4f}"
+        )
     print(f"{'engine':14s} {'tokens':>8s} {'seconds':>9s} {'tok/s':>10s}  draws")
     for name, seconds in runs.items():
         rates = [n / s for n, s in zip(counts, seconds, strict=True)]

@@ -1,0 +1,87 @@
+"""llama.cpp as the CPU peer of bench/embed.py: the same GGUF file and inputs, each pooled at
+its last token and made unit length, as aserve's `--is-embedding` does.
+
+Through llama-cpp-python's low-level API, as bench/llamacpp_peer.py runs generation: up to
+`max_seqs` inputs share one `llama_decode` (llama.cpp's server batches embedding requests
+so), every token marked as an output, as llama.cpp asks in embedding mode. Installed for the
+benchmark only, never a dependency of aserve.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+
+
+class LlamaCppEmbedder:
+    def __init__(self, gguf: Path, threads: int, max_seqs: int, batch_tokens: int) -> None:
+        try:
+            import llama_cpp
+        except ImportError as error:
+            raise SystemExit(
+                f"--peer llamacpp needs llama-cpp-python ({error}): pip install llama-cpp-python"
+            ) from error
+        self.lib = llama_cpp
+        llama_cpp.llama_backend_init()
+        self.quiet = llama_cpp.llama_log_callback(lambda level, text, data: None)
+        llama_cpp.llama_log_set(self.quiet, ctypes.c_void_p())
+        self.model = llama_cpp.llama_model_load_from_file(
+            str(gguf).encode(), llama_cpp.llama_model_default_params()
+        )
+        if not self.model:
+            raise SystemExit(f"llama.cpp could not load {gguf}")
+        self.width = llama_cpp.llama_model_n_embd(self.model)
+        self.max_seqs, self.batch_tokens = max_seqs, batch_tokens
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = params.n_batch = params.n_ubatch = batch_tokens
+        params.n_seq_max = max_seqs
+        params.n_threads = params.n_threads_batch = threads
+        params.embeddings = True
+        params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_LAST
+        params.kv_unified = True
+        params.no_perf = True
+        self.context = llama_cpp.llama_init_from_model(self.model, params)
+        if not self.context:
+            raise SystemExit("llama.cpp could not create a context")
+        self.memory = llama_cpp.llama_get_memory(self.context)
+        self.batch = llama_cpp.llama_batch_init(batch_tokens, 0, 1)
+
+    def embed(self, inputs: list[list[int]]) -> np.ndarray:
+        """Each input's embedding, unit length, `[inputs, width]`."""
+        out = np.zeros((len(inputs), self.width), np.float32)
+        start = 0
+        while start < len(inputs):
+            self.batch.n_tokens = 0
+            end = start
+            while end < len(inputs) and end - start < self.max_seqs:
+                if self.batch.n_tokens + len(inputs[end]) > self.batch_tokens:
+                    break
+                for position, token in enumerate(inputs[end]):
+                    self._add(token, position, end - start)
+                end += 1
+            if end == start:
+                raise ValueError(f"input {start} is longer than {self.batch_tokens} tokens")
+            if self.lib.llama_decode(self.context, self.batch) != 0:
+                raise RuntimeError("llama_decode failed")
+            for i in range(start, end):
+                row = self.lib.llama_get_embeddings_seq(self.context, i - start)
+                out[i] = np.ctypeslib.as_array(row, shape=(self.width,))
+            self.lib.llama_memory_clear(self.memory, True)
+            start = end
+        return out / np.linalg.norm(out, axis=1, keepdims=True)
+
+    def _add(self, token: int, position: int, seq: int) -> None:
+        i = self.batch.n_tokens
+        self.batch.token[i] = token
+        self.batch.pos[i] = position
+        self.batch.n_seq_id[i] = 1
+        self.batch.seq_id[i][0] = seq
+        self.batch.logits[i] = True
+        self.batch.n_tokens = i + 1
+
+    def close(self) -> None:
+        self.lib.llama_batch_free(self.batch)
+        self.lib.llama_free(self.context)
+        self.lib.llama_model_free(self.model)
