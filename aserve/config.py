@@ -621,7 +621,8 @@ class ModelConfig:
     run as; `fp8_checkpoint`, `fp8_block` (the scales' block), `mxfp4_checkpoint` and
     `int_scheme` stay: they say how the file is to be read.
     `language_model_of`: the vision-language architecture (`VISION_LANGUAGE_ARCHITECTURES`)
-    whose language model this is, its vision encoder left unloaded; None for a text model.
+    whose language model this is; None for a text model. `image_token_id`: the token a
+    chat template writes for an image, in such a checkpoint (models/vision.py).
     """
 
     architecture: str
@@ -677,6 +678,7 @@ class ModelConfig:
     post_norms: bool = False
     qk_norm_across_heads: bool = False
     language_model_of: str | None = None
+    image_token_id: int | None = None
 
     def layer_window(self, layer: int) -> int:
         """Layer `layer`'s sliding window, 0 where it reads the whole context."""
@@ -701,7 +703,10 @@ class ModelConfig:
         )
         if vision_language is not None:
             text = cls.from_hf(language_model_config(config, vision_language), generation_config)
-            return dataclasses.replace(text, language_model_of=vision_language)
+            image_token = config.get("image_token_index", config.get("image_token_id"))
+            return dataclasses.replace(
+                text, language_model_of=vision_language, image_token_id=image_token
+            )
         arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ConfigError(

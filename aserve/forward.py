@@ -33,6 +33,8 @@ class ForwardBatch:
     `logit_indices`; where that holds more than each request's last token (prompt logprobs),
     `sample_rows` are the rows of those last tokens among them. `halfway`, where set, is
     recorded on the stream once half of the layers are queued (see Scheduler.run).
+    In a prefill with images, the tokens at `image_rows` take `image_embeds` (the image
+    encoder's features) in place of their ids' embeddings (models/vision.py).
     """
 
     mode: ForwardMode
@@ -49,6 +51,8 @@ class ForwardBatch:
     window_page_table: torch.Tensor | None = None
     attn_metadata: Any = None
     halfway: torch.cuda.Event | None = None
+    image_rows: torch.Tensor | None = None
+    image_embeds: torch.Tensor | None = None
 
     @property
     def input_ids(self) -> torch.Tensor:

@@ -11,13 +11,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from aserve.config import build_config
+from aserve.images import data_url_bytes, decoded, split_images
 from aserve.runtime import Runtime
 from aserve.scheduler.request import FinishReason, Req, SamplingParams, TokenLogprob
 from aserve.scheduler.scheduler import StepObserver
 from aserve.tokenizer import Tokenizer
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict[str, Any]
+"""Text, token ids, or vLLM's dict: `{"prompt": text}` or `{"prompt_token_ids": ids}` with
+`"multi_modal_data": {"image": image or [images]}` (Pillow images, or pixel tensors
+`[3, H, W]` as the checkpoint's image processor makes them), one image token an image."""
 Conversation = list[dict[str, Any]]
 
 
@@ -46,7 +52,7 @@ class EmbeddingOutput:
 
 
 def _is_single_prompt(prompts: Prompt | Sequence[Prompt]) -> bool:
-    return isinstance(prompts, str) or (
+    return isinstance(prompts, (str, dict)) or (
         isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)
     )
 
@@ -91,10 +97,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[GenerationOutput]:
         prompt_list = [prompts] if _is_single_prompt(prompts) else list(prompts)
-        ids = [self._encode(p) for p in prompt_list]
-        return self._run(
-            ids, _per_prompt(sampling_params, len(ids), self.default_sampling_params())
-        )
+        inputs = [self._inputs(p) for p in prompt_list]
+        ids, images = [i for i, _ in inputs], [m for _, m in inputs]
+        default = self.default_sampling_params()
+        return self._run(ids, _per_prompt(sampling_params, len(ids), default), images)
 
     def embed(self, prompts: Prompt | Sequence[Prompt]) -> list[EmbeddingOutput]:
         """Each prompt's embedding, as vLLM's `LLM.embed` (an LLM made with
@@ -133,27 +139,49 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[GenerationOutput]:
         """Apply the model's chat template to each conversation and generate the reply;
-        `chat_template_kwargs` are more variables for the template (vLLM's)."""
+        `chat_template_kwargs` are more variables for the template (vLLM's). Messages may
+        carry images as OpenAI's `image_url` parts (data URLs) or vLLM's `image_pil` parts."""
         tokenizer = self._require_tokenizer()
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
-        ids = [
-            tokenizer.apply_chat_template(c, template_kwargs=chat_template_kwargs)  # type: ignore[arg-type]
-            for c in conversations
-        ]
-        return self._run(
-            ids, _per_prompt(sampling_params, len(ids), self.default_sampling_params())
-        )
+        ids, images = [], []
+        for conversation in conversations:
+            messages, sources = split_images(list(conversation))  # type: ignore[arg-type]
+            ids.append(
+                tokenizer.apply_chat_template(messages, template_kwargs=chat_template_kwargs)
+            )
+            opened = [decoded(data_url_bytes(s)) if isinstance(s, str) else s for s in sources]
+            images.append(self._pixels(opened))
+        default = self.default_sampling_params()
+        return self._run(ids, _per_prompt(sampling_params, len(ids), default), images)
 
     def _require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             raise ValueError("this model folder has no tokenizer: pass token ids, not text")
         return self.tokenizer
 
-    def _encode(self, prompt: Prompt) -> list[int]:
+    def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return self._require_tokenizer().encode(prompt)
         return [int(t) for t in prompt]
+
+    def _inputs(self, prompt: Prompt) -> tuple[list[int], list[torch.Tensor]]:
+        """A prompt's token ids and its images' pixels."""
+        if not isinstance(prompt, dict):
+            return self._encode(prompt), []
+        text = prompt.get("prompt")
+        ids = self._encode(text if text is not None else prompt["prompt_token_ids"])
+        images = (prompt.get("multi_modal_data") or {}).get("image", [])
+        return ids, self._pixels(images if isinstance(images, list) else [images])
+
+    def _pixels(self, images: list[Any]) -> list[torch.Tensor]:
+        """Images made pixels by the checkpoint's image processor (tensors are pixels)."""
+        if all(isinstance(image, torch.Tensor) for image in images):
+            return images
+        processor = self.runtime.image_processor
+        if processor is None:
+            raise ValueError("this model has no image processor: it takes no images")
+        return processor.pixels(images)
 
     def start_scheduler(self, on_step: StepObserver | None = None) -> None:
         """Start the scheduler loop now, calling `on_step(batch, seconds)` after every step
@@ -162,14 +190,24 @@ class LLM:
             raise RuntimeError("the scheduler loop is already running")
         self._task = self._loop.create_task(self.scheduler.run(on_step))
 
-    def _run(self, ids: list[list[int]], params: list[SamplingParams]) -> list[GenerationOutput]:
-        """Raises the error that ended the engine (a dead tensor-parallel rank), if one did."""
+    def _run(
+        self,
+        ids: list[list[int]],
+        params: list[SamplingParams],
+        images: list[list[torch.Tensor]] | None = None,
+    ) -> list[GenerationOutput]:
+        """Raises the error that ended the engine (a dead tensor-parallel rank), if one did,
+        and a ValueError where a prompt's images and image tokens do not pair up."""
         if self.runtime.engine.pooling:
             raise ValueError("this LLM serves embeddings (is_embedding=True): call embed")
         self._raise_if_dead()
         if self._task is None:
             self.start_scheduler()
-        reqs = [self.scheduler.make_request(p, sp) for p, sp in zip(ids, params)]
+        each = images or [[] for _ in ids]
+        reqs = [
+            self.scheduler.make_request(p, sp, m)
+            for p, sp, m in zip(ids, params, each, strict=True)
+        ]
         outputs = self._loop.run_until_complete(self._collect_all(reqs))
         self._raise_if_dead()
         return outputs
@@ -199,7 +237,7 @@ class LLM:
             text_ids = token_ids[:-1]
         text = self.tokenizer.decode(text_ids) if self.tokenizer is not None else ""
         return GenerationOutput(
-            prompt_token_ids=req.prompt_ids,
+            prompt_token_ids=req.vocabulary_prompt_ids,
             token_ids=token_ids,
             text=text,
             finish_reason=out.finish_reason.value,

@@ -20,6 +20,7 @@ from aserve.constrained.grammar import GrammarCompiler
 from aserve.engine.followers import start_engine
 from aserve.engine.memory import GiB, free_device_memory
 from aserve.generation_defaults import describe, resolve_defaults
+from aserve.images import ImageProcessor
 from aserve.models.pooling import check_pooling
 from aserve.models.source import complete_tokenizer, resolve_model
 from aserve.models.weights import load_hf_config
@@ -98,6 +99,17 @@ def chosen_quantization(engine: EngineConfig, model: ModelConfig) -> str | None:
 
 
 class Runtime:
+    def _image_processor(self) -> ImageProcessor | None:
+        """The checkpoint's image processor where the engine runs its images; None where it
+        has none (preprocessor_config.json), with a log line: prompts then take pixels
+        alone (the offline API's tensors), not images."""
+        if self.engine.images is None:
+            return None
+        if not (self.model_dir / "preprocessor_config.json").is_file():
+            logger.warning("no preprocessor_config.json: images are taken as pixel tensors only")
+            return None
+        return ImageProcessor(self.model_dir)
+
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.model_dir = resolve_model(config.engine.model_path, tokenizer=False)
@@ -156,6 +168,7 @@ class Runtime:
             )
         )
         self.scheduler = Scheduler(self.engine, config.scheduler, self.followers, grammars)
+        self.image_processor = self._image_processor()
         if self.followers is not None:
             self.followers.on_failure = self.scheduler.fail
         freeze_startup_objects()

@@ -146,6 +146,16 @@ def light_model_config(model_dir: Path) -> Any | None:
     return config
 
 
+def processor_chat_template(model_dir: Path) -> str | None:
+    """A vision-language checkpoint's chat template where its processor keeps it
+    (chat_template.json, as LLaVA's were published), not its tokenizer."""
+    path = model_dir / "chat_template.json"
+    if not path.is_file():
+        return None
+    template = json.loads(path.read_text()).get("chat_template")
+    return template if isinstance(template, str) else None
+
+
 def load_hf_tokenizer(model_dir: Path) -> Any:
     """The fast tokenizer class that tokenizer_config.json names, imported by itself; any
     other folder through AutoTokenizer. AutoTokenizer's import pulls in transformers' model
@@ -173,6 +183,8 @@ class Tokenizer:
 
     def __init__(self, model_dir: Path, num_threads: int = 1) -> None:
         self.hf = load_hf_tokenizer(model_dir)
+        if not self.hf.chat_template:
+            self.hf.chat_template = processor_chat_template(model_dir)
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="aserve-tokenizer")
         # Texts waiting for the next batch, by add_special_tokens (plain prompts / chats).
         self._batches: dict[bool, list[tuple[str, asyncio.Future[list[int]]]]] = {

@@ -33,12 +33,19 @@ def hf_model(folder: Path) -> torch.nn.Module:
 
 
 @torch.inference_mode()
-def our_logits(llm: LLM, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+def our_logits(
+    llm: LLM,
+    prompt: list[int],
+    continuation: list[int],
+    images: list[torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Logits after the prompt and after each teacher-forced continuation token, computed
     through the planner, the page table and the attention backend as a real run would
-    (the prompt in chunks where `llm` cuts it: only the last one gives a row)."""
+    (the prompt in chunks where `llm` cuts it: only the last one gives a row; `images`, the
+    pixels of its image tokens, reach the model where a real run's would)."""
     scheduler, engine = llm.scheduler, llm.runtime.engine
-    req = scheduler.make_request(prompt, SamplingParams(max_tokens=len(continuation) + 1))
+    params = SamplingParams(max_tokens=len(continuation) + 1)
+    req = scheduler.make_request(prompt, params, images)
     scheduler.planner.add(req)
     rows = []
     tokens = iter([*continuation, None])
@@ -48,6 +55,8 @@ def our_logits(llm: LLM, prompt: list[int], continuation: list[int]) -> torch.Te
         batch = forward_batch(
             step_spec(planned, engine.page_table), engine.page_table, engine.device
         )
+        if not batch.is_decode and req.images:
+            engine.attach_images(batch, [req.images], planned.starts)
         engine.attn.prepare(batch)
         logits = engine.model(batch, engine.attn)[0]
         if not planned.samples[0]:  # a chunk short of the prompt's end

@@ -63,7 +63,17 @@ def refusal(parse: Any, body: dict[str, Any] | bytes) -> APIError:
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
             "messages",
-            "images, audio and files are not supported",
+            "image parts ({'type': 'image_url', 'image_url': {'url': ...}}) for models that",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
+            "messages",
+            "audio and files are not supported",
+        ),
+        (
+            {"messages": [{"role": "system", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages",
+            "in a user message of chat image parts",
         ),
         ({"messages": USER, "temperature": -1}, "temperature", "greater than or equal to 0"),
         ({"messages": USER, "temperature": "1"}, "temperature", "valid number"),

@@ -612,6 +612,18 @@ def test_flush_cache_empties_the_prefix_cache_only_when_idle(server: ServerProce
     assert status == 400 and refused["error"]["code"] == "server_busy"
 
 
+def test_images_are_refused_by_a_text_model(server: ServerProcess) -> None:
+    """An image part is a 400 where the model takes no images (tests/test_images.py runs
+    them); the image is not fetched first."""
+    content = [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/never-fetched.png"}},
+    ]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}]}
+    status, reply = run(post(server.base_url + "/v1/chat/completions", body))
+    assert status == 400 and "takes no images" in reply["error"]["message"]
+
+
 def test_embeddings_are_refused_by_a_generating_server(server: ServerProcess) -> None:
     """/v1/embeddings needs --is-embedding (tests/test_embeddings.py serves it)."""
     status, reply = run(post(server.base_url + "/v1/embeddings", {"input": "hi"}))

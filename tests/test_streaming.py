@@ -31,7 +31,10 @@ class StandInScheduler:
         self.aborted: list[Req] = []
         self.requests = 0
 
-    def make_request(self, prompt_ids: list[int], params: SamplingParams) -> Req:
+    def make_request(
+        self, prompt_ids: list[int], params: SamplingParams, images: object = None
+    ) -> Req:
+        assert not images
         self.requests += 1
         return Req(self.requests, prompt_ids, params, seed=0)
 

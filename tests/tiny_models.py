@@ -351,19 +351,52 @@ def make_tiny_vision_language(
     architecture: str, folder: Path, seed: int = 0, overrides: dict[str, Any] | None = None
 ) -> torch.nn.Module:
     """A tiny random vision-language checkpoint saved as transformers saves it (the names
-    its publishers use); returns the model, the reference for its language model. The
-    language model's matrices are drawn wider than transformers' default (std 0.02), whose
-    greedy tokens repeat one id."""
+    its publishers use); returns the model, the reference for its language model. Matrices
+    are drawn wider than transformers' default (std 0.02), with which the language model's
+    greedy tokens repeat one id and an image barely moves the logits."""
     import transformers
 
     torch.manual_seed(seed)
     model = getattr(transformers, architecture)(vision_language_config(architecture, overrides))
     with torch.no_grad():
         for name, param in model.named_parameters():
-            vision = any(part in name for part in ("vision", "visual", "projector"))
             if "norm" in name:
                 param.normal_(1.0, 0.1)
-            elif name.endswith("bias") or (param.dim() == 2 and not vision):
+            elif name.endswith("bias") or param.dim() == 2:
                 param.normal_(0.0, 0.1)
     model.save_pretrained(folder)
     return model.eval()
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} "
+    "{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<image> {% else %}{{ p['text'] }} {% endif %}"
+    "{% endfor %}{% endif %} </s> {% endfor %}{% if add_generation_prompt %}assistant {% endif %}"
+)
+"""A LLaVA-like template for the word-level tokenizer: an image part becomes `<image>`."""
+
+
+def write_word_tokenizer(folder: Path, vocab_size: int, image_token: int | None = None) -> None:
+    """A word-level tokenizer of `vocab_size` words `w0`... (`<s>` and `</s>` at the tiny
+    models' BOS and EOS ids 1 and 2, `<image>` at `image_token` and `user`, `assistant`,
+    `system` after it), words split at spaces, and `CHAT_TEMPLATE`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = [f"w{i}" for i in range(vocab_size)]
+    words[1], words[2] = "<s>", "</s>"
+    if image_token is not None:
+        words[image_token] = "<image>"
+        for offset, role in enumerate(("user", "assistant", "system"), start=1):
+            words[image_token + offset] = role
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="w0"
+    )
+    if image_token is not None:
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)

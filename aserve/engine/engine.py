@@ -55,7 +55,8 @@ from aserve.models.cpu_decode import use_decode_stacks
 from aserve.models.decoder import use_fp8_activations
 from aserve.models.multimodal import language_model_weights
 from aserve.models.registry import build_model
-from aserve.models.weights import fill_dummy_weights, iter_weights, torch_dtype
+from aserve.models.vision import ImageEncoder, ImageSpan, expand_images, image_support
+from aserve.models.weights import fill_dummy_weights, iter_weights, load_hf_config, torch_dtype
 from aserve.quant.cpu import FLOAT_ON_KERNELS, float_weights_on_kernels
 from aserve.quant.fp8 import pair_scales
 from aserve.quant.int_checkpoints import pair_int_weights
@@ -211,6 +212,7 @@ class Engine:
                 weights = pair_int_weights(weights, model_config.int_scheme, as_float)
             self.model.load_weights(weights)
         self.model.finalize_quantized(self.device, self.dtype)
+        self.images = self._image_encoder(model_config, model_dir)
         if self.device.type == "cuda":
             _warn_of_unfused_experts(self.model)
         self.model.eval()
@@ -312,6 +314,67 @@ class Engine:
         self._stand_in: AttentionBackend | None = None
         self._stand_in_since = 0.0
         self._warm_up()
+
+    def _image_encoder(
+        self, model_config: ModelConfig, model_dir: Path | None
+    ) -> ImageEncoder | None:
+        """The checkpoint's image encoder where its images run (models/vision.py) on one
+        rank of a generating engine with real weights; else None, and prompts take text."""
+        owner = model_config.language_model_of
+        self.no_images_because = "it is a text model"
+        if owner is None or model_dir is None or self.config.dummy_weight or self.pooling:
+            return None
+        hf_config, _ = load_hf_config(model_dir)
+        why_not = image_support(hf_config, owner)
+        if why_not is None and self.tp.size > 1:
+            why_not = "images run on one rank (--tp 1)"
+        if why_not is not None:
+            logger.info("prompts take text alone: %s", why_not)
+            self.no_images_because = why_not
+            return None
+        started = time.perf_counter()
+        encoder = ImageEncoder(hf_config, owner, model_dir, self.device, self.dtype)
+        logger.info(
+            "image encoder ready in %.1f s: %d positions an image",
+            time.perf_counter() - started,
+            encoder.tokens_per_image,
+        )
+        return encoder
+
+    def expand_images(
+        self, prompt: list[int], images: list[torch.Tensor]
+    ) -> tuple[list[int], list[ImageSpan]]:
+        """`prompt` with each image token made its image's positions (`expand_images`);
+        a ValueError where this engine takes no images or they do not pair up."""
+        image_token = self.model_config.image_token_id
+        if self.images is None or image_token is None:
+            raise ValueError(f"this model takes no images here: {self.no_images_because}")
+        tokens, vocab = self.images.tokens_per_image, self.model_config.vocab_size
+        return expand_images(prompt, images, image_token, tokens, vocab)
+
+    def attach_images(
+        self, batch: ForwardBatch, images: list[list[ImageSpan]], starts: list[int]
+    ) -> None:
+        """Give a prefill batch the features of the image positions its chunks compute
+        (`images[i]`: request i's, whose chunk starts at position `starts[i]`), each image
+        encoded the first time a chunk reaches it (kept on its span until the request ends)."""
+        assert self.images is not None
+        rows: list[torch.Tensor] = []
+        features: list[torch.Tensor] = []
+        offset = 0
+        for spans, start, length in zip(images, starts, batch.extend_lens, strict=True):
+            for span in spans:
+                first, last = max(start, span.start), min(start + length, span.end)
+                if first >= last:
+                    continue
+                if span.features is None:
+                    span.features = self.images.encode(span.pixels[None])[0]
+                rows.append(torch.arange(offset + first - start, offset + last - start))
+                features.append(span.features[first - span.start : last - span.start])
+            offset += length
+        if rows:
+            batch.image_rows = torch.cat(rows).to(self.device)
+            batch.image_embeds = torch.cat(features)
 
     def _create_attention_backend(self, name: str) -> AttentionBackend:
         names = self._backend_names(name)

@@ -386,9 +386,15 @@ class DecoderModel(nn.Module):
         self.decode_stack: DecodeStack | None = None
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        hidden = self.embed_tokens(batch.input_ids)
+        ids = batch.input_ids
+        if batch.image_rows is not None:  # image positions hold ids past the vocabulary
+            ids = ids.clamp(max=self.embed_tokens.vocab_size - 1)
+        hidden = self.embed_tokens(ids)
         if self.embedding_scale is not None:  # in the embeddings' dtype, as transformers does
             hidden = hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype)
+        if batch.image_rows is not None:  # unscaled, as transformers places them
+            assert batch.image_embeds is not None
+            hidden = hidden.index_copy(0, batch.image_rows, batch.image_embeds.to(hidden.dtype))
         residual: torch.Tensor | None = None
         if self.decode_stack is not None and self.decode_stack.takes(batch, attn):
             hidden, residual = self.decode_stack.run(hidden, batch, attn)

@@ -98,7 +98,7 @@ class SamplingBatches:
             params=params,
             seeds=[r.seed for r in reqs],
             steps=steps,
-            prompt_ids=[[] if c else r.prompt_ids for r, c in zip(reqs, carried)],
+            prompt_ids=[[] if c else r.vocabulary_prompt_ids for r, c in zip(reqs, carried)],
             output_ids=[[] if c else r.output_ids for r, c in zip(reqs, carried)],
             vocab_size=self.vocab_size,
             device=self.device,

@@ -215,6 +215,10 @@ class Req:
     gives it a `matcher` at submission and feeds it every sampled token, or with
     `grammar_after` (a reasoning model's `</think>` id) every token after that one: until
     it is sampled the request thinks freely.
+
+    A prompt with images holds, at each image's positions (`images`), an id past the
+    vocabulary that stands for its pixels (models/vision.py); their features replace those
+    positions' embeddings as they are prefilled.
     """
 
     rid: int
@@ -242,6 +246,7 @@ class Req:
     grammar: Any = None
     matcher: Any = None
     grammar_after: int | None = None
+    images: list[Any] = field(default_factory=list)  # models/vision.ImageSpan, by position
 
     @property
     def score_from(self) -> int:
@@ -277,6 +282,17 @@ class Req:
         if not self.scores_prompt:
             return 0
         return max(0, n - self.unscored_ahead)
+
+    @property
+    def vocabulary_prompt_ids(self) -> list[int]:
+        """The prompt as the vocabulary writes it, each image position its image token:
+        what transformers' repetition penalty counts there."""
+        if not self.images:
+            return self.prompt_ids
+        ids = list(self.prompt_ids)
+        for span in self.images:
+            ids[span.start : span.end] = [span.token] * span.length
+        return ids
 
     @property
     def all_ids(self) -> list[int]:

@@ -127,10 +127,22 @@ class Scheduler:
         gather tokens into fewer events (`StreamPace`)."""
         self.gpu_wait_share += (float(gpu_idle) - self.gpu_wait_share) / 8
 
-    def make_request(self, prompt_ids: list[int], params: SamplingParams) -> Req:
+    def make_request(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        images: list[torch.Tensor] | None = None,
+    ) -> Req:
+        """A request of `prompt_ids`; with `images` (pixels `[3, H, W]` as the checkpoint's
+        image processor makes them), each image token of the prompt takes an image's
+        positions (`Engine.expand_images`: a ValueError where they do not pair up)."""
         self._next_rid += 1
         seed = params.seed if params.seed is not None else random.getrandbits(63)
+        spans = []
+        if images:
+            prompt_ids, spans = self.engine.expand_images(prompt_ids, images)
         req = Req(rid=self._next_rid, prompt_ids=list(prompt_ids), params=params, seed=seed)
+        req.images = spans
         req.max_total_len = min(len(req.prompt_ids) + params.max_tokens, self.max_seq_len)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * (len(req.prompt_ids) - 1)
@@ -150,7 +162,12 @@ class Scheduler:
                 "(prompt plus at least one generated token)"
             )
         ids = req.prompt_ids
-        if min(ids) < 0 or max(ids) >= self.vocab_size:  # builtins: a burst checks 100k ids
+        if req.images:  # their positions hold ids past the vocabulary
+            inside = {i for span in req.images for i in range(span.start, span.end)}
+            ids = [t for i, t in enumerate(ids) if i not in inside]
+            if req.params.prompt_logprobs is not None:
+                return "prompt logprobs are not given for prompts with images"
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):  # builtins: 100k ids
             bad = next(t for t in ids if not 0 <= t < self.vocab_size)
             return f"token id {bad} is outside the vocabulary [0, {self.vocab_size})"
         biased = req.params.logit_bias
@@ -323,6 +340,8 @@ class Scheduler:
         if self.followers is not None:
             self.followers.send(spec)
         batch = forward_batch(spec, self.engine.page_table, self.engine.device)
+        if not batch.is_decode and any(r.images for r in planned.reqs):
+            self.engine.attach_images(batch, [r.images for r in planned.reqs], planned.starts)
         if self.engine.device.type == "cuda" and not batch.is_decode:
             batch.halfway = torch.cuda.Event()
         gpu_start = StepTimer.mark() if self.timer is not None else None

@@ -18,6 +18,7 @@ from aiohttp import web
 
 from aserve.config import ServerConfig
 from aserve.forward import ForwardMode
+from aserve.images import ImageError, split_images
 from aserve.metrics import StatsLogger
 from aserve.runtime import Runtime
 from aserve.scheduler.plan import ScheduledBatch
@@ -193,7 +194,11 @@ class Server:
             tokenizer = require_tokenizer(runtime)
             if body.messages is not None:
                 messages = [openai.message_dict(m) for m in body.messages]
-                limits.check_text(sum(len(m["content"]) for m in messages), None, "messages")
+                limits.check_text(sum(map(openai.text_chars, messages)), None, "messages")
+                try:  # an image counts as the template's one token for it
+                    messages, _ = split_images(messages)
+                except ImageError as error:
+                    raise APIError(str(error), param="messages") from None
                 tokens = await tokenizer.apply_chat_template_async(messages)
             else:
                 assert body.prompt is not None

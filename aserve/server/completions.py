@@ -17,6 +17,7 @@ from aiohttp import web
 from jinja2 import TemplateError
 
 from aserve.constrained.grammar import GrammarError
+from aserve.images import ImageError, split_images
 from aserve.runtime import Runtime
 from aserve.sampling_params import MAX_SEED, SamplingError
 from aserve.server import openai
@@ -24,6 +25,7 @@ from aserve.server.generation import Choice, Delta
 from aserve.server.harmony import forcing_tag as harmony_forcing_tag
 from aserve.server.harmony import is_harmony
 from aserve.server.http import json_response, sse
+from aserve.server.image_inputs import image_pixels
 from aserve.server.limits import InputLimits
 from aserve.server.native import NativeShaper
 from aserve.server.openai import APIError, GenerationRequest, ResponseHead
@@ -62,12 +64,19 @@ class Completions:
             self.state.check_model(parsed.model)
             places.resize(parsed.n)
             assert parsed.messages is not None
-            chars = sum(len(m["content"]) for m in parsed.messages)
+            chars = sum(openai.text_chars(m) for m in parsed.messages)
             limits.check_text(chars, parsed.max_tokens, "messages")
             tokenizer = require_tokenizer(runtime)
             try:
+                messages, sources = split_images(parsed.messages)
+            except ImageError as error:
+                raise APIError(str(error), param="messages") from None
+            if sources:
+                images = await image_pixels(runtime, tokenizer, sources)
+                parsed = dataclasses.replace(parsed, images=images)
+            try:
                 prompt = await tokenizer.apply_chat_template_async(
-                    parsed.messages, parsed.tools, parsed.chat_template_kwargs
+                    messages, parsed.tools, parsed.chat_template_kwargs
                 )
             except ValueError as error:
                 raise APIError(str(error), param="messages") from None
@@ -260,6 +269,7 @@ class Completions:
                     parsed.grammar_after,
                     grammar=grammar,
                     shown_special_ids=parsed.shown_special_ids,
+                    images=parsed.images,
                 )
                 problem = choice.prepare()
                 if problem is not None:

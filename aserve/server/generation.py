@@ -42,6 +42,7 @@ class Choice:
     prompt_only: bool = False  # max_tokens 0: the one token drawn is dropped
     grammar_after: int | None = None  # Req.grammar_after: a reasoning model's </think>
     shown_special_ids: frozenset[int] = frozenset()  # special tokens whose text is kept
+    images: list[Any] = field(default_factory=list)  # pixels, one image token of the prompt each
     req: Req | None = None
     grammar: Any = None
     completion_tokens: int = 0
@@ -53,8 +54,15 @@ class Choice:
     _stream: TextStream | None = field(default=None, repr=False)
 
     def prepare(self) -> str | None:
-        """Create the request; returns why it can never run (the caller answers 400)."""
-        self.req = self.scheduler.make_request(self.prompt_ids, self.params)
+        """Create the request; returns why it can never run (the caller answers 400). With
+        images, `prompt_ids` become the model's prompt, each image token its positions (as
+        the vocabulary writes them: they count in the usage, as vLLM counts them)."""
+        try:
+            self.req = self.scheduler.make_request(self.prompt_ids, self.params, self.images)
+        except ValueError as error:  # images and image tokens that do not pair up
+            return str(error)
+        if self.images:
+            self.prompt_ids = self.req.vocabulary_prompt_ids
         self.req.grammar = self.grammar
         self.req.grammar_after = self.grammar_after
         return self.scheduler.check_request(self.req)

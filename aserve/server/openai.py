@@ -87,6 +87,7 @@ class GenerationRequest:
     responses_api: dict[str, Any] | None = None  # /v1/responses: what its reply echoes
     grammar_after: int | None = None  # a constrained reply's grammar starts after this token
     prompt_field: str = "prompt"  # the field that held the prompt, for errors
+    images: list[Any] = field(default_factory=list)  # pixels, one image token of the prompt each
 
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -97,7 +98,9 @@ UNION_HINTS = {
     "prompt": "a string, a list of strings, a list of token ids or a list of such lists",
     "stop": f"a non-empty string or a list of at most {protocol.MAX_STOP_STRINGS} of them",
     "content": "a string or a list of text parts ({'type': 'text', 'text': ...}; the Responses "
-    "API's 'input_text' and 'output_text'); images, audio and files are not supported",
+    "API's 'input_text' and 'output_text'), and in a user message of chat image parts "
+    "({'type': 'image_url', 'image_url': {'url': ...}}) for models that take images; audio "
+    "and files are not supported",
 }
 
 
@@ -280,12 +283,22 @@ def _common(
     }
 
 
+def text_chars(message: dict[str, Any]) -> int:
+    """The characters of a message's text (its text parts' where it carries images)."""
+    content = message["content"]
+    if isinstance(content, str):
+        return len(content)
+    return sum(len(part.get("text", "")) for part in content)
+
+
 def message_dict(message: protocol.ChatMessage) -> dict[str, Any]:
     """A message as chat templates read it: text content, `developer` as `system`, and a
     previous reply's tool calls or a tool result's call id where there are some."""
-    content = message.content
-    if isinstance(content, list):
-        content = "".join(part.text for part in content)
+    content: Any = message.content
+    if isinstance(content, list) and any(part.type == "image_url" for part in content):
+        content = [part.model_dump(exclude_none=True) for part in content]  # images/split_images
+    elif isinstance(content, list):
+        content = "".join(part.text for part in content)  # type: ignore[union-attr]
     entry: dict[str, Any] = {
         "role": "system" if message.role == "developer" else message.role,
         "content": content or "",

@@ -80,6 +80,23 @@ class TextPart(Strict):
 Content = str | list[TextPart]
 
 
+class ImageUrl(Strict):
+    url: str = Field(
+        min_length=1, description="a data:image/...;base64 URL, or an http(s) URL to fetch"
+    )
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(Strict):
+    """An image of a user message, for vision-language models whose images aserve runs."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+UserContent = str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
+
+
 class FunctionCall(Strict):
     name: str
     arguments: str = Field(description="the arguments as a JSON text, as OpenAI sends them")
@@ -107,7 +124,7 @@ class DeveloperMessage(Strict):
 
 class UserMessage(Strict):
     role: Literal["user"]
-    content: Content
+    content: UserContent
     name: str | None = None
 
 

@@ -1,0 +1,162 @@
+"""The image side of a vision-language checkpoint: pixels in, one embedding a position of
+the prompt that the image takes out. aserve runs the language model with its own layers and
+leaves the encoder to transformers' own modules (`LlavaModel.get_image_features`: the
+vision tower, the layer and tokens its config selects, the projector), so the features are
+transformers' to the bit on the same device and dtype.
+
+Images run where every image takes the same number of positions and the language model
+attends to them causally at plain positions: LLaVA over a CLIP or SigLIP tower
+(`IMAGE_ARCHITECTURES`). Gemma 3 attends within an image both ways and Qwen-VL gives image
+positions three coordinates; their checkpoints serve text alone (models/multimodal.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from aserve.models.multimodal import VISION_PARTS
+
+logger = logging.getLogger(__name__)
+
+IMAGE_ARCHITECTURES = {"LlavaForConditionalGeneration": "LlavaModel"}
+"""Vision-language architectures whose images aserve runs -> transformers' base model class,
+whose `get_image_features` encodes them."""
+IMAGE_TOWERS = ("clip_vision_model", "siglip_vision_model")
+"""Vision towers whose every image takes one fixed number of positions."""
+PSEUDO_ID_RANGE = 1 << 30
+"""Image positions hold `vocab_size + (hash of the pixels) % PSEUDO_ID_RANGE` in a prompt's
+ids: the prefix cache then matches an image only to the same pixels (one id for all of an
+image's positions: where they sit in the prompt tells them apart), and the model reads an
+id past its vocabulary as "take the image's features here"."""
+
+
+@dataclass
+class ImageSpan:
+    """One image of a prompt: its pixels as the checkpoint's image processor makes them
+    `[3, H, W]`, the positions it takes, the image token it stands in for, and its
+    features once encoded."""
+
+    pixels: torch.Tensor
+    start: int
+    length: int
+    token: int
+    features: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+def pseudo_id(pixels: torch.Tensor, vocab_size: int) -> int:
+    """The id that an image's positions hold (`PSEUDO_ID_RANGE`): a hash of its pixels."""
+    digest = hashlib.sha256(pixels.detach().float().cpu().contiguous().numpy().tobytes())
+    return vocab_size + int.from_bytes(digest.digest()[:8], "little") % PSEUDO_ID_RANGE
+
+
+def image_support(hf_config: dict[str, Any], architecture: str | None) -> str | None:
+    """Why this checkpoint's images cannot run (None where they can)."""
+    if architecture not in IMAGE_ARCHITECTURES:
+        return f"{architecture or 'a text model'} takes no images in aserve"
+    tower = (hf_config.get("vision_config") or {}).get("model_type")
+    if tower not in IMAGE_TOWERS:
+        return f"a {tower!r} vision tower is not supported (aserve runs {', '.join(IMAGE_TOWERS)})"
+    return None
+
+
+class ImageEncoder:
+    """transformers' base model of the checkpoint with an empty language model (no layers,
+    a one-token vocabulary: aserve runs its own), whose vision tower and projector hold the
+    checkpoint's weights, on `device` in `dtype`."""
+
+    def __init__(
+        self,
+        hf_config: dict[str, Any],
+        architecture: str,
+        model_dir: Path,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        import transformers
+
+        settings = {key: value for key, value in hf_config.items() if key != "model_type"}
+        config = transformers.AutoConfig.for_model(str(hf_config["model_type"]), **settings)
+        self.config = config
+        hollow = copy.deepcopy(config)
+        hollow.text_config.num_hidden_layers = 0
+        hollow.text_config.vocab_size = 1
+        with torch.device(device):
+            base = getattr(transformers, IMAGE_ARCHITECTURES[architecture])(hollow)
+        del base.language_model
+        wanted = set(base.state_dict())
+        loaded = base.load_state_dict(vision_tensors(model_dir, wanted), strict=False)
+        if loaded.missing_keys:
+            missing = loaded.missing_keys
+            raise ValueError(f"the checkpoint lacks {len(missing)} vision tensors: {missing[:3]}")
+        self.base = base.to(dtype).eval()
+        self.device, self.dtype = device, dtype
+        size = config.vision_config.image_size
+        self.tokens_per_image = self.encode(torch.zeros(1, 3, size, size))[0].shape[0]
+
+    @torch.inference_mode()
+    def encode(self, pixels: torch.Tensor) -> list[torch.Tensor]:
+        """Each image's features `[tokens, hidden]` from pixels `[images, 3, H, W]`."""
+        out = self.base.get_image_features(
+            pixel_values=pixels.to(self.device, self.dtype),
+            vision_feature_layer=self.config.vision_feature_layer,
+            vision_feature_select_strategy=self.config.vision_feature_select_strategy,
+        )
+        features = getattr(out, "pooler_output", out)  # transformers 5 returns an output
+        return list(features)
+
+
+def vision_tensors(model_dir: Path, wanted: set[str]) -> dict[str, torch.Tensor]:
+    """The checkpoint's vision tower and projector tensors under the base model's names
+    (`wanted`), wherever the publisher filed them: at the top or under `model.`, the tower's
+    own model named (`vision_tower.vision_model.*`, as transformers 4 saved CLIP and SigLIP)
+    or not (transformers 5)."""
+    from aserve.models.weights import safetensors_files
+
+    tensors = {}
+    for file in safetensors_files(model_dir):
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for name in handle.keys():  # noqa: SIM118 (a safetensors handle is no dict)
+                local = name.removeprefix("model.")
+                if local.split(".")[0] not in VISION_PARTS:
+                    continue
+                unnamed = local.replace("vision_tower.vision_model.", "vision_tower.", 1)
+                named = unnamed.replace("vision_tower.", "vision_tower.vision_model.", 1)
+                target = next((n for n in (local, unnamed, named) if n in wanted), local)
+                tensors[target] = handle.get_tensor(name)
+    return tensors
+
+
+def expand_images(
+    prompt: list[int], images: list[torch.Tensor], image_token_id: int, tokens: int, vocab: int
+) -> tuple[list[int], list[ImageSpan]]:
+    """The prompt with each image token made `tokens` positions of its image's pseudo id
+    (`PSEUDO_ID_RANGE`), in the order the images come, and their spans. One image token a
+    image, as a chat template writes it; a count that differs from the images' is a
+    ValueError."""
+    marks = [i for i, token in enumerate(prompt) if token == image_token_id]
+    if len(marks) != len(images):
+        raise ValueError(
+            f"the prompt holds {len(marks)} image tokens (id {image_token_id}) for "
+            f"{len(images)} images: one a image"
+        )
+    ids: list[int] = []
+    spans = []
+    last = 0
+    for mark, pixels in zip(marks, images, strict=True):
+        ids += prompt[last:mark]
+        spans.append(ImageSpan(pixels, len(ids), tokens, image_token_id))
+        ids += [pseudo_id(pixels, vocab)] * tokens
+        last = mark + 1
+    return ids + prompt[last:], spans

@@ -1,0 +1,276 @@
+"""Images in prompts (LLaVA over CLIP): logits and greedy tokens against transformers' whole
+model given the same pixels; the same through prefix hits, chunks that split an image and
+batches; a cache that never mistakes one image for another; offline chat with a data URL;
+refusals."""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from aserve import LLM, SamplingParams
+from tests.server_utils import ServerProcess, serving
+from tests.test_models import our_logits
+from tests.test_server import post, run
+from tests.tiny_models import make_tiny_vision_language, write_word_tokenizer
+
+LLAVA = "LlavaForConditionalGeneration"
+IMAGE = 300  # the tiny LLaVA's image token
+PROMPTS = [[5, 17, IMAGE, 99, 4, 250], [IMAGE, 9, 8], [7, 8, 9, 10, 11, IMAGE]]
+"""One image each, at the middle, the start and the end of the prompt."""
+TOKENS = 4  # a 28-pixel image in patches of 14, the class token left out
+
+
+def picture(seed: int, size: tuple[int, int] = (40, 50)) -> object:
+    """A random RGB image (Pillow)."""
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    """A tiny LLaVA with CLIP's image processor (28 pixels) and a word-level tokenizer."""
+    import transformers
+
+    folder = tmp_path_factory.mktemp("llava")
+    hf = make_tiny_vision_language(LLAVA, folder)
+    size = {"shortest_edge": 28}
+    transformers.CLIPImageProcessor(
+        size=size, crop_size={"height": 28, "width": 28}
+    ).save_pretrained(folder)
+    write_word_tokenizer(folder, 320, IMAGE)
+    return folder, hf
+
+
+def pixels_of(folder: Path, image: object) -> torch.Tensor:
+    import transformers
+
+    processor = transformers.AutoImageProcessor.from_pretrained(folder)
+    return processor(images=[image], return_tensors="pt")["pixel_values"]
+
+
+def expanded(prompt: list[int]) -> list[int]:
+    """The prompt as transformers' processor gives it: each image token `TOKENS` times."""
+    return [t for token in prompt for t in ([token] * TOKENS if token == IMAGE else [token])]
+
+
+def hf_logits(hf: torch.nn.Module, ids: list[int], pixels: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf(torch.tensor([ids]), pixel_values=pixels).logits[0]
+
+
+def hf_greedy(hf: torch.nn.Module, prompt: list[int], pixels: torch.Tensor, n: int) -> list[int]:
+    ids = expanded(prompt)
+    with torch.inference_mode():
+        out = hf.generate(
+            torch.tensor([ids]),
+            pixel_values=pixels,
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(ids) :].tolist()
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+def image_prompt(prompt: list[int], image: object) -> dict[str, object]:
+    return {"prompt_token_ids": prompt, "multi_modal_data": {"image": image}}
+
+
+def test_logits_and_tokens_match_transformers(llava: tuple[Path, torch.nn.Module]) -> None:
+    """The prefill's and five decode steps' logits, in chunks of 3 tokens that cut the
+    images (pages of 4), and the greedy tokens, as transformers' whole model gives them
+    from the same pixels; another image moves them."""
+    folder, hf = llava
+    with LLM(str(folder), page_size=4, max_prefill_length=3) as llm:
+        assert llm.runtime.engine.images is not None
+        assert llm.runtime.engine.images.tokens_per_image == TOKENS
+        for seed, prompt in enumerate(PROMPTS):
+            image = picture(seed)
+            pixels = pixels_of(folder, image)
+            continuation = [7, 123, 45, 2, 99]
+            ours = our_logits(llm, prompt, continuation, [pixels[0]])
+            theirs = hf_logits(hf, expanded(prompt) + continuation, pixels)
+            torch.testing.assert_close(
+                ours, theirs[len(expanded(prompt)) - 1 :], atol=2e-4, rtol=1e-4
+            )
+            other = hf_logits(hf, expanded(prompt) + continuation, pixels_of(folder, picture(99)))
+            assert (other - theirs).abs().max() > 0.1  # the image matters to these logits
+            out = llm.generate(image_prompt(prompt, image), GREEDY)[0]
+            assert out.error is None
+            assert out.token_ids == hf_greedy(hf, prompt, pixels, 10)
+            assert out.prompt_token_ids == expanded(prompt)
+
+
+def test_prefix_cache_batches_and_images_told_apart(llava: tuple[Path, torch.nn.Module]) -> None:
+    """The same image again comes from the prefix cache with the same tokens; another image
+    behind the same text is computed, not taken from the cache, and gets its own tokens;
+    prompts with and without images batched give what each gives alone."""
+    folder, hf = llava
+    first, second = picture(1), picture(2)
+    prompt = [5, 17, 42, 9, IMAGE, 99, 4]
+    with LLM(str(folder), page_size=4) as llm:
+        planner = llm.scheduler.planner
+        alone = llm.generate(image_prompt(prompt, first), GREEDY)[0].token_ids
+        assert alone == hf_greedy(hf, prompt, pixels_of(folder, first), 10)
+        cached = planner.prompt_tokens_cached
+        again = llm.generate(image_prompt(prompt, first), GREEDY)[0].token_ids
+        assert again == alone and planner.prompt_tokens_cached - cached >= 8
+        cached = planner.prompt_tokens_cached
+        other = llm.generate(image_prompt(prompt, second), GREEDY)[0].token_ids
+        assert planner.prompt_tokens_cached - cached <= 4  # the text before the image alone
+        assert other == hf_greedy(hf, prompt, pixels_of(folder, second), 10) != alone
+        text = [5, 17, 42, 9, 99, 4]
+        text_alone = llm.generate([text], GREEDY)[0].token_ids
+    with LLM(str(folder), page_size=4, cache_type="naive") as llm:
+        batched = llm.generate(
+            [image_prompt(prompt, first), text, image_prompt(prompt, second)], GREEDY
+        )
+        assert [o.token_ids for o in batched] == [alone, text_alone, other]
+
+
+def test_repetition_penalty_counts_the_image_token(llava: tuple[Path, torch.nn.Module]) -> None:
+    """transformers' repetition penalty counts the image token at each image position, as
+    aserve's does."""
+    folder, hf = llava
+    image = picture(3)
+    prompt = PROMPTS[0]
+    ids = expanded(prompt)
+    with torch.inference_mode():
+        out = hf.generate(
+            torch.tensor([ids]),
+            pixel_values=pixels_of(folder, image),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=10,
+            do_sample=False,
+            repetition_penalty=1.5,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, repetition_penalty=1.5)
+    with LLM(str(folder)) as llm:
+        assert (
+            llm.generate(image_prompt(prompt, image), params)[0].token_ids
+            == out[0, len(ids) :].tolist()
+        )
+
+
+def data_url(image: object) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")  # type: ignore[attr-defined]
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_chat_with_a_data_url(llava: tuple[Path, torch.nn.Module]) -> None:
+    """An OpenAI `image_url` part (a PNG data URL) in LLM.chat: the template's image token,
+    the decoded PNG's pixels, the same tokens as the prompt written out."""
+    folder, hf = llava
+    image = picture(4)
+    message = {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "w5 w6"},
+            {"type": "image_url", "image_url": {"url": data_url(image)}},
+        ],
+    }
+    with LLM(str(folder)) as llm:
+        out = llm.chat([message], GREEDY)[0]
+        written = llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": [{"type": "text", "text": "w5 w6"}, {"type": "image"}]}]
+        )
+        assert written.count(IMAGE) == 1
+        assert out.token_ids == hf_greedy(hf, written, pixels_of(folder, image), 10)
+
+
+def test_refusals(llava: tuple[Path, torch.nn.Module], tmp_path: Path) -> None:
+    """Images without their image tokens (or tokens without images), prompt logprobs with
+    images, and images for a model that takes none: one-line errors."""
+    folder, _ = llava
+    image = picture(5)
+    with LLM(str(folder)) as llm:
+        with pytest.raises(ValueError, match="1 image tokens .* for 2 images"):
+            llm.generate(
+                {"prompt_token_ids": PROMPTS[0], "multi_modal_data": {"image": [image, image]}}
+            )
+        with pytest.raises(ValueError, match="0 image tokens"):
+            llm.generate(image_prompt([5, 6, 7], image))
+        scored = SamplingParams(max_tokens=2, prompt_logprobs=1)
+        out = llm.generate(image_prompt(PROMPTS[0], image), scored)[0]
+        assert out.finish_reason == "error" and "prompt logprobs" in (out.error or "")
+    gemma = tmp_path / "gemma"
+    make_tiny_vision_language("Gemma3ForConditionalGeneration", gemma)
+    with LLM(str(gemma)) as llm, pytest.raises(ValueError, match="takes no images"):
+        llm.generate(image_prompt([5, 300, 6], torch.zeros(3, 28, 28)))
+
+
+@pytest.fixture(scope="module")
+def llava_server(llava: tuple[Path, torch.nn.Module]) -> Iterator[ServerProcess]:
+    yield from serving(ServerProcess(["--model", str(llava[0]), "--served-model-name", "llava"]))
+
+
+def chat_with_image(server: ServerProcess, text: str, url: str) -> tuple[int, Any]:
+    content = [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}]
+    body = {
+        "model": "llava",
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0,
+        "max_tokens": 10,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    return run(post(server.base_url + "/v1/chat/completions", body))
+
+
+def test_server_chat_with_an_image(
+    llava_server: ServerProcess, llava: tuple[Path, torch.nn.Module]
+) -> None:
+    """A chat request with a PNG data URL: the offline API's tokens; usage counts the
+    image's positions; the same text with another image answers otherwise."""
+    folder, hf = llava
+    image = picture(6)
+    status, reply = chat_with_image(llava_server, "w5 w6", data_url(image))
+    assert status == 200, reply
+    message = {
+        "role": "user",
+        "content": [{"type": "text", "text": "w5 w6"}, {"type": "image"}],
+    }
+    with LLM(str(folder)) as llm:
+        written = llm.tokenizer.apply_chat_template([message])
+    assert reply["choices"][0]["token_ids"] == hf_greedy(hf, written, pixels_of(folder, image), 10)
+    assert reply["usage"]["prompt_tokens"] == len(written) - 1 + TOKENS
+    status, other = chat_with_image(llava_server, "w5 w6", data_url(picture(7)))
+    assert status == 200 and other["choices"][0]["token_ids"] != reply["choices"][0]["token_ids"]
+
+
+@pytest.mark.parametrize(
+    ("text", "url", "message"),
+    [
+        ("w5", "data:image/png;base64,!!!", "base64 does not decode"),
+        ("w5", "data:text/plain;base64,aGk=", "data:image/<type>;base64"),
+        ("w5", "data:image/png;base64,aGVsbG8=", "does not decode"),
+        ("w5", "ftp://example.com/a.png", "data: URL or an http(s) one"),
+        ("w5", "http://127.0.0.1:9/a.png", "fetching http://127.0.0.1:9/a.png failed"),
+        ("w5 <image>", "PNG", "2 image tokens (id 300) for 1 images"),
+    ],
+)
+def test_server_refuses_bad_images(
+    llava_server: ServerProcess, text: str, url: str, message: str
+) -> None:
+    if url == "PNG":
+        url = data_url(picture(8))
+    status, reply = chat_with_image(llava_server, text, url)
+    assert status == 400, reply
+    assert message in reply["error"]["message"]
