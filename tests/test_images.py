@@ -274,3 +274,55 @@ def test_server_refuses_bad_images(
     status, reply = chat_with_image(llava_server, text, url)
     assert status == 400, reply
     assert message in reply["error"]["message"]
+
+
+def test_siglip_tower_over_qwen2(tmp_path: Path) -> None:
+    """LLaVA-Interleave's layout: a SigLIP tower (no class token, its last layer, every
+    patch kept) before a Qwen2 language model; pixels given as a tensor."""
+    import transformers
+
+    from tests.tiny_models import COMMON, FAMILIES
+
+    text = {**COMMON, **FAMILIES["qwen2"], "model_type": "qwen2"}
+    vision = {
+        "model_type": "siglip_vision_model",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_attention_heads": 2,
+        "num_hidden_layers": 2,
+        "image_size": 28,
+        "patch_size": 7,
+    }
+    config = transformers.LlavaConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_index=IMAGE,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="full",
+    )
+    torch.manual_seed(0)
+    hf = transformers.LlavaForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if "norm" not in name and (param.dim() == 2 or name.endswith("bias")):
+                param.normal_(0.0, 0.1)
+    hf.save_pretrained(tmp_path)
+    hf.eval()
+    pixels = torch.randn(1, 3, 28, 28)
+    prompt = [5, 17, IMAGE, 99, 4]
+    ids = [t for token in prompt for t in ([token] * 16 if token == IMAGE else [token])]
+    with torch.inference_mode():
+        out = hf.generate(
+            torch.tensor([ids]),
+            pixel_values=pixels,
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=10,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    with LLM(str(tmp_path)) as llm:
+        assert llm.runtime.engine.images is not None
+        assert llm.runtime.engine.images.tokens_per_image == 16  # (28 / 7) ** 2 patches
+        got = llm.generate(image_prompt(prompt, pixels[0]), GREEDY)[0]
+    assert got.token_ids == out[0, len(ids) :].tolist()
