@@ -16,16 +16,15 @@ import pytest
 import torch
 
 from aserve import LLM, SamplingParams
+from tests.image_refs import IMAGE, TOKENS, expanded, image_prompt
 from tests.server_utils import ServerProcess, serving
 from tests.test_models import our_logits
 from tests.test_server import post, run
 from tests.tiny_models import make_tiny_vision_language, write_word_tokenizer
 
 LLAVA = "LlavaForConditionalGeneration"
-IMAGE = 300  # the tiny LLaVA's image token
 PROMPTS = [[5, 17, IMAGE, 99, 4, 250], [IMAGE, 9, 8], [7, 8, 9, 10, 11, IMAGE]]
 """One image each, at the middle, the start and the end of the prompt."""
-TOKENS = 4  # a 28-pixel image in patches of 14, the class token left out
 
 
 def picture(seed: int, size: tuple[int, int] = (40, 50)) -> object:
@@ -58,11 +57,6 @@ def pixels_of(folder: Path, image: object) -> torch.Tensor:
     return processor(images=[image], return_tensors="pt")["pixel_values"]
 
 
-def expanded(prompt: list[int]) -> list[int]:
-    """The prompt as transformers' processor gives it: each image token `TOKENS` times."""
-    return [t for token in prompt for t in ([token] * TOKENS if token == IMAGE else [token])]
-
-
 def hf_logits(hf: torch.nn.Module, ids: list[int], pixels: torch.Tensor) -> torch.Tensor:
     with torch.inference_mode():
         return hf(torch.tensor([ids]), pixel_values=pixels).logits[0]
@@ -84,10 +78,6 @@ def hf_greedy(hf: torch.nn.Module, prompt: list[int], pixels: torch.Tensor, n: i
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-
-
-def image_prompt(prompt: list[int], image: object) -> dict[str, object]:
-    return {"prompt_token_ids": prompt, "multi_modal_data": {"image": image}}
 
 
 def test_logits_and_tokens_match_transformers(llava: tuple[Path, torch.nn.Module]) -> None:

@@ -1,0 +1,61 @@
+"""Images in prompts on CUDA in bf16 (FlashInfer prefill, decode graphs) against
+transformers' whole model given the same pixels (run on the GPU machine; skipped without
+CUDA)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from aserve import LLM, SamplingParams
+from tests.image_refs import IMAGE, expanded, image_prompt
+from tests.test_gpu import KERNEL_SHAPES
+from tests.tiny_models import make_tiny_vision_language
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+PROMPTS = [[5, 17, IMAGE, 99, 4, 250], [IMAGE, 9, 8]]
+
+
+def test_llava_bf16_logprobs_close_to_transformers(
+    make_llm: Callable[..., LLM], tmp_path: Path
+) -> None:
+    """Greedy tokens' logprobs within 0.05 of transformers' bf16 whole model on the same
+    pixels; the same tokens in chunks of 3 that cut the image and from a prefix hit."""
+    hf = make_tiny_vision_language(
+        "LlavaForConditionalGeneration", tmp_path, overrides={**KERNEL_SHAPES, "head_dim": 64}
+    )
+    hf = hf.to(device="cuda", dtype=torch.bfloat16)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=True)
+    llm = make_llm(tmp_path, device="cuda", dtype="bfloat16")
+    chunked = make_llm(tmp_path, device="cuda", dtype="bfloat16", max_prefill_length=3)
+    assert type(llm.runtime.engine.attn).__name__ == "FlashInferBackend"
+    assert llm.runtime.engine.graphs is not None and llm.runtime.engine.images is not None
+    for seed, prompt in enumerate(PROMPTS):
+        torch.manual_seed(seed)
+        pixels = torch.randn(1, 3, 28, 28)
+        out = llm.generate(image_prompt(prompt, pixels[0]), params)[0]
+        ids = expanded(prompt) + out.token_ids
+        with torch.inference_mode():
+            logits = (
+                hf(
+                    torch.tensor([ids], device="cuda"),
+                    pixel_values=pixels.to("cuda", torch.bfloat16),
+                )
+                .logits[0]
+                .float()
+            )
+        expected = torch.log_softmax(logits, -1)[len(expanded(prompt)) - 1 : -1]
+        theirs = expected.gather(1, torch.tensor(out.token_ids, device="cuda")[:, None])[:, 0]
+        ours = torch.tensor([lp.logprob for lp in out.logprobs], device="cuda")
+        torch.testing.assert_close(ours, theirs, atol=0.05, rtol=0.05)
+        again = llm.generate(image_prompt(prompt, pixels[0]), params)[0]
+        assert again.token_ids == out.token_ids
+        assert chunked.generate(image_prompt(prompt, pixels[0]), params)[0].token_ids == (
+            out.token_ids
+        )
