@@ -13,6 +13,7 @@ import torch
 from aserve import LLM, SamplingParams
 from tests.image_refs import IMAGE, expanded, image_prompt
 from tests.test_gpu import KERNEL_SHAPES
+from tests.test_models import our_logits
 from tests.tiny_models import make_tiny_vision_language
 
 pytestmark = [
@@ -26,7 +27,8 @@ def test_llava_bf16_logprobs_close_to_transformers(
     make_llm: Callable[..., LLM], tmp_path: Path
 ) -> None:
     """Greedy tokens' logprobs within 0.05 of transformers' bf16 whole model on the same
-    pixels; the same tokens in chunks of 3 that cut the image and from a prefix hit."""
+    pixels; teacher-forced logits from a prefix hit and in chunks of 3 that cut the image
+    as a fresh prefill's, to bf16's rounding (the float32 test below asks the same tokens)."""
     hf = make_tiny_vision_language(
         "LlavaForConditionalGeneration", tmp_path, overrides={**KERNEL_SHAPES, "head_dim": 64}
     )
@@ -54,8 +56,32 @@ def test_llava_bf16_logprobs_close_to_transformers(
         theirs = expected.gather(1, torch.tensor(out.token_ids, device="cuda")[:, None])[:, 0]
         ours = torch.tensor([lp.logprob for lp in out.logprobs], device="cuda")
         torch.testing.assert_close(ours, theirs, atol=0.05, rtol=0.05)
-        again = llm.generate(image_prompt(prompt, pixels[0]), params)[0]
-        assert again.token_ids == out.token_ids
-        assert chunked.generate(image_prompt(prompt, pixels[0]), params)[0].token_ids == (
-            out.token_ids
-        )
+        continuation = [7, 123, 45, 2, 99]
+        fresh = our_logits(chunked, prompt, continuation, [pixels[0]])
+        cached = llm.scheduler.planner.prompt_tokens_cached
+        hit = our_logits(llm, prompt, continuation, [pixels[0]])
+        assert llm.scheduler.planner.prompt_tokens_cached > cached
+        torch.testing.assert_close(hit, fresh, atol=0.06, rtol=0.03)
+
+
+def test_llava_float32_prefix_hits_and_chunks_keep_tokens(
+    make_llm: Callable[..., LLM], tmp_path: Path
+) -> None:
+    """In float32 (torch attention on the GPU) the greedy tokens of an image prompt are the
+    same from a prefix hit, in chunks of 3 that cut the image, and batched beside text."""
+    make_tiny_vision_language(
+        "LlavaForConditionalGeneration", tmp_path, overrides={**KERNEL_SHAPES, "head_dim": 64}
+    )
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm = make_llm(tmp_path, device="cuda", dtype="float32", page_size=4)
+    chunked = make_llm(tmp_path, device="cuda", dtype="float32", max_prefill_length=3)
+    torch.manual_seed(0)
+    pixels = torch.randn(1, 3, 28, 28)
+    prompt = image_prompt(PROMPTS[0], pixels[0])
+    first = llm.generate(prompt, greedy)[0].token_ids
+    cached = llm.scheduler.planner.prompt_tokens_cached
+    assert llm.generate(prompt, greedy)[0].token_ids == first
+    assert llm.scheduler.planner.prompt_tokens_cached - cached >= 8
+    assert chunked.generate(prompt, greedy)[0].token_ids == first
+    batched = chunked.generate([[5, 6, 7, 8], prompt], greedy)
+    assert batched[1].token_ids == first
