@@ -9,29 +9,17 @@ benchmark only, never a dependency of aserve.
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import numpy as np
 
+from bench.llamacpp_peer import LlamaCppModel
 
-class LlamaCppEmbedder:
+
+class LlamaCppEmbedder(LlamaCppModel):
     def __init__(self, gguf: Path, threads: int, max_seqs: int, batch_tokens: int) -> None:
-        try:
-            import llama_cpp
-        except ImportError as error:
-            raise SystemExit(
-                f"--peer llamacpp needs llama-cpp-python ({error}): pip install llama-cpp-python"
-            ) from error
-        self.lib = llama_cpp
-        llama_cpp.llama_backend_init()
-        self.quiet = llama_cpp.llama_log_callback(lambda level, text, data: None)
-        llama_cpp.llama_log_set(self.quiet, ctypes.c_void_p())
-        self.model = llama_cpp.llama_model_load_from_file(
-            str(gguf).encode(), llama_cpp.llama_model_default_params()
-        )
-        if not self.model:
-            raise SystemExit(f"llama.cpp could not load {gguf}")
+        super().__init__(gguf)
+        llama_cpp = self.lib
         self.width = llama_cpp.llama_model_n_embd(self.model)
         self.max_seqs, self.batch_tokens = max_seqs, batch_tokens
         params = llama_cpp.llama_context_default_params()

@@ -34,8 +34,11 @@ class Sequence:
         return len(self.prompt) + len(self.produced) - 1
 
 
-class LlamaCppPeer:
-    def __init__(self, gguf: Path, threads: int, max_running: int, max_seq_len: int) -> None:
+class LlamaCppModel:
+    """llama-cpp-python's library and a GGUF file's model in it, its log lines silenced
+    (they would interleave with the benchmark's table)."""
+
+    def __init__(self, gguf: Path) -> None:
         try:
             import llama_cpp
         except ImportError as error:
@@ -44,13 +47,18 @@ class LlamaCppPeer:
             ) from error
         self.lib = llama_cpp
         llama_cpp.llama_backend_init()
-        # llama.cpp's log lines would interleave with the benchmark's table.
         self.quiet = llama_cpp.llama_log_callback(lambda level, text, data: None)
         llama_cpp.llama_log_set(self.quiet, ctypes.c_void_p())
         model_params = llama_cpp.llama_model_default_params()
         self.model = llama_cpp.llama_model_load_from_file(str(gguf).encode(), model_params)
         if not self.model:
             raise SystemExit(f"llama.cpp could not load {gguf}")
+
+
+class LlamaCppPeer(LlamaCppModel):
+    def __init__(self, gguf: Path, threads: int, max_running: int, max_seq_len: int) -> None:
+        super().__init__(gguf)
+        llama_cpp = self.lib
         vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.vocab_size = llama_cpp.llama_vocab_n_tokens(vocab)
         self.max_running = max_running

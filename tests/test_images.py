@@ -20,7 +20,7 @@ from tests.image_refs import IMAGE, TOKENS, expanded, image_prompt
 from tests.server_utils import ServerProcess, serving
 from tests.test_models import our_logits
 from tests.test_server import post, run
-from tests.tiny_models import make_tiny_vision_language, write_word_tokenizer
+from tests.tiny_models import hf_greedy_tokens, make_tiny_vision_language, write_word_tokenizer
 
 LLAVA = "LlavaForConditionalGeneration"
 PROMPTS = [[5, 17, IMAGE, 99, 4, 250], [IMAGE, 9, 8], [7, 8, 9, 10, 11, IMAGE]]
@@ -62,19 +62,12 @@ def hf_logits(hf: torch.nn.Module, ids: list[int], pixels: torch.Tensor) -> torc
         return hf(torch.tensor([ids]), pixel_values=pixels).logits[0]
 
 
-def hf_greedy(hf: torch.nn.Module, prompt: list[int], pixels: torch.Tensor, n: int) -> list[int]:
-    ids = expanded(prompt)
+def hf_greedy(
+    hf: torch.nn.Module, prompt: list[int], pixels: torch.Tensor, n: int, **inputs: Any
+) -> list[int]:
+    """transformers' greedy tokens of the prompt expanded as its processor expands it."""
     with torch.inference_mode():
-        out = hf.generate(
-            torch.tensor([ids]),
-            pixel_values=pixels,
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=n,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(ids) :].tolist()
+        return hf_greedy_tokens(hf, expanded(prompt), n, pixel_values=pixels, **inputs)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -138,24 +131,10 @@ def test_repetition_penalty_counts_the_image_token(llava: tuple[Path, torch.nn.M
     folder, hf = llava
     image = picture(3)
     prompt = PROMPTS[0]
-    ids = expanded(prompt)
-    with torch.inference_mode():
-        out = hf.generate(
-            torch.tensor([ids]),
-            pixel_values=pixels_of(folder, image),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=10,
-            do_sample=False,
-            repetition_penalty=1.5,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
+    expected = hf_greedy(hf, prompt, pixels_of(folder, image), 10, repetition_penalty=1.5)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, repetition_penalty=1.5)
     with LLM(str(folder)) as llm:
-        assert (
-            llm.generate(image_prompt(prompt, image), params)[0].token_ids
-            == out[0, len(ids) :].tolist()
-        )
+        assert llm.generate(image_prompt(prompt, image), params)[0].token_ids == expected
 
 
 def data_url(image: object) -> str:

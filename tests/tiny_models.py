@@ -272,8 +272,11 @@ def make_tiny_model(
     return folder
 
 
-def hf_greedy_tokens(hf: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Transformers' greedy continuation of one prompt, EOS ignored (the reference tokens)."""
+def hf_greedy_tokens(
+    hf: torch.nn.Module, prompt: list[int], max_new_tokens: int, **inputs: Any
+) -> list[int]:
+    """Transformers' greedy continuation of one prompt, EOS ignored (the reference tokens);
+    `inputs` go to `generate` too (a vision-language model's `pixel_values`, a penalty)."""
     out = hf.generate(  # type: ignore[operator]
         torch.tensor([prompt]),
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
@@ -281,13 +284,13 @@ def hf_greedy_tokens(hf: torch.nn.Module, prompt: list[int], max_new_tokens: int
         do_sample=False,
         eos_token_id=None,
         pad_token_id=0,
+        **inputs,
     )
     return out[0, len(prompt) :].tolist()
 
 
 VISION = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2}
-"""A one-layer vision encoder's shared settings (its weights are never read: the server
-takes text alone)."""
+"""A one-layer vision encoder's shared settings."""
 
 
 def vision_language_config(architecture: str, overrides: dict[str, Any] | None = None) -> Any:
