@@ -28,13 +28,7 @@ class LlamaCppEmbedder(LlamaCppModel):
         params.n_threads = params.n_threads_batch = threads
         params.embeddings = True
         params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_LAST
-        params.kv_unified = True
-        params.no_perf = True
-        self.context = llama_cpp.llama_init_from_model(self.model, params)
-        if not self.context:
-            raise SystemExit("llama.cpp could not create a context")
-        self.memory = llama_cpp.llama_get_memory(self.context)
-        self.batch = llama_cpp.llama_batch_init(batch_tokens, 0, 1)
+        self._open(params, batch_tokens)
 
     def embed(self, inputs: list[list[int]]) -> np.ndarray:
         """Each input's embedding, unit length, `[inputs, width]`."""
@@ -47,7 +41,7 @@ class LlamaCppEmbedder(LlamaCppModel):
                 if self.batch.n_tokens + len(inputs[end]) > self.batch_tokens:
                     break
                 for position, token in enumerate(inputs[end]):
-                    self._add(token, position, end - start)
+                    self._add(token, position, end - start, True)
                 end += 1
             if end == start:
                 raise ValueError(f"input {start} is longer than {self.batch_tokens} tokens")
@@ -59,17 +53,3 @@ class LlamaCppEmbedder(LlamaCppModel):
             self.lib.llama_memory_clear(self.memory, True)
             start = end
         return out / np.linalg.norm(out, axis=1, keepdims=True)
-
-    def _add(self, token: int, position: int, seq: int) -> None:
-        i = self.batch.n_tokens
-        self.batch.token[i] = token
-        self.batch.pos[i] = position
-        self.batch.n_seq_id[i] = 1
-        self.batch.seq_id[i][0] = seq
-        self.batch.logits[i] = True
-        self.batch.n_tokens = i + 1
-
-    def close(self) -> None:
-        self.lib.llama_batch_free(self.batch)
-        self.lib.llama_free(self.context)
-        self.lib.llama_model_free(self.model)

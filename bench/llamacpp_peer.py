@@ -15,6 +15,7 @@ import ctypes
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -53,6 +54,35 @@ class LlamaCppModel:
         self.model = llama_cpp.llama_model_load_from_file(str(gguf).encode(), model_params)
         if not self.model:
             raise SystemExit(f"llama.cpp could not load {gguf}")
+        self.context: Any = None  # `_open`'s
+        self.memory: Any = None
+        self.batch: Any = None
+
+    def _open(self, params: Any, batch_tokens: int) -> None:
+        """A context of `params` (one KV cache for all sequences) and a batch of
+        `batch_tokens` tokens."""
+        params.kv_unified = True
+        params.no_perf = True
+        self.context = self.lib.llama_init_from_model(self.model, params)
+        if not self.context:
+            raise SystemExit("llama.cpp could not create a context")
+        self.memory = self.lib.llama_get_memory(self.context)
+        self.batch = self.lib.llama_batch_init(batch_tokens, 0, 1)
+
+    def _add(self, token: int, position: int, seq: int, wants_logits: bool) -> None:
+        """One token of sequence `seq` into the batch."""
+        i = self.batch.n_tokens
+        self.batch.token[i] = token
+        self.batch.pos[i] = position
+        self.batch.n_seq_id[i] = 1
+        self.batch.seq_id[i][0] = seq
+        self.batch.logits[i] = wants_logits
+        self.batch.n_tokens = i + 1
+
+    def close(self) -> None:
+        self.lib.llama_batch_free(self.batch)
+        self.lib.llama_free(self.context)
+        self.lib.llama_model_free(self.model)
 
 
 class LlamaCppPeer(LlamaCppModel):
@@ -68,13 +98,7 @@ class LlamaCppPeer(LlamaCppModel):
         params.n_batch = self.batch_tokens
         params.n_seq_max = max_running
         params.n_threads = params.n_threads_batch = threads
-        params.kv_unified = True
-        params.no_perf = True
-        self.context = llama_cpp.llama_init_from_model(self.model, params)
-        if not self.context:
-            raise SystemExit("llama.cpp could not create a context")
-        self.memory = llama_cpp.llama_get_memory(self.context)
-        self.batch = llama_cpp.llama_batch_init(self.batch_tokens, 0, 1)
+        self._open(params, self.batch_tokens)
 
     def run(self, workload: Workload) -> tuple[int, float]:
         """Greedy decode of every (prompt, length) pair; returns (tokens made, seconds)."""
@@ -126,17 +150,3 @@ class LlamaCppPeer(LlamaCppModel):
 
     def _clear_batch(self) -> None:
         self.batch.n_tokens = 0
-
-    def _add(self, token: int, position: int, slot: int, wants_logits: bool) -> None:
-        i = self.batch.n_tokens
-        self.batch.token[i] = token
-        self.batch.pos[i] = position
-        self.batch.n_seq_id[i] = 1
-        self.batch.seq_id[i][0] = slot
-        self.batch.logits[i] = wants_logits
-        self.batch.n_tokens = i + 1
-
-    def close(self) -> None:
-        self.lib.llama_batch_free(self.batch)
-        self.lib.llama_free(self.context)
-        self.lib.llama_model_free(self.model)
