@@ -109,7 +109,9 @@ class LLM:
         if not self.runtime.engine.pooling:
             raise ValueError("this LLM generates text: make it with is_embedding=True to embed")
         prompt_list = [prompts] if _is_single_prompt(prompts) else list(prompts)
-        ids = [self._encode(p) for p in prompt_list]
+        if any(isinstance(p, dict) for p in prompt_list):
+            raise ValueError("embed takes text or token ids")
+        ids = [self._encode(p) for p in prompt_list]  # type: ignore[arg-type]
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         self._raise_if_dead()
         if self._task is None:

@@ -99,17 +99,6 @@ def chosen_quantization(engine: EngineConfig, model: ModelConfig) -> str | None:
 
 
 class Runtime:
-    def _image_processor(self) -> ImageProcessor | None:
-        """The checkpoint's image processor where the engine runs its images; None where it
-        has none (preprocessor_config.json), with a log line: prompts then take pixels
-        alone (the offline API's tensors), not images."""
-        if self.engine.images is None:
-            return None
-        if not (self.model_dir / "preprocessor_config.json").is_file():
-            logger.warning("no preprocessor_config.json: images are taken as pixel tensors only")
-            return None
-        return ImageProcessor(self.model_dir)
-
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.model_dir = resolve_model(config.engine.model_path, tokenizer=False)
@@ -179,6 +168,17 @@ class Runtime:
             describe(self.sampling_defaults),
             origin,
         )
+
+    def _image_processor(self) -> ImageProcessor | None:
+        """The checkpoint's image processor where the engine runs its images; None where it
+        has none (preprocessor_config.json), with a log line: prompts then take pixels
+        alone (the offline API's tensors), not images."""
+        if self.engine.images is None:
+            return None
+        if not (self.model_dir / "preprocessor_config.json").is_file():
+            logger.warning("no preprocessor_config.json: images are taken as pixel tensors only")
+            return None
+        return ImageProcessor(self.model_dir)
 
     def _load_tokenizer(self, num_threads: int) -> Tokenizer | None:
         started = time.perf_counter()

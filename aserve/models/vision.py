@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,8 +22,6 @@ import torch
 from safetensors import safe_open
 
 from aserve.models.multimodal import VISION_PARTS
-
-logger = logging.getLogger(__name__)
 
 IMAGE_ARCHITECTURES = {"LlavaForConditionalGeneration": "LlavaModel"}
 """Vision-language architectures whose images aserve runs -> transformers' base model class,
