@@ -295,3 +295,11 @@ def test_siglip_tower_over_qwen2(tmp_path: Path) -> None:
         assert llm.runtime.engine.images.tokens_per_image == 16  # (28 / 7) ** 2 patches
         got = llm.generate(image_prompt(prompt, pixels[0]), GREEDY)[0]
     assert got.token_ids == out[0, len(ids) :].tolist()
+
+
+def test_server_tokenize_counts_an_image_as_its_token(llava_server: ServerProcess) -> None:
+    """/tokenize renders the template: one image token an image (as vLLM's does)."""
+    content = [{"type": "text", "text": "w5"}, {"type": "image_url", "image_url": {"url": "x"}}]
+    body = {"messages": [{"role": "user", "content": content}]}
+    status, reply = run(post(llava_server.base_url + "/tokenize", body))
+    assert status == 200 and reply["tokens"].count(IMAGE) == 1

@@ -620,8 +620,9 @@ def test_images_are_refused_by_a_text_model(server: ServerProcess) -> None:
         {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/never-fetched.png"}},
     ]
     body = {"model": MODEL, "messages": [{"role": "user", "content": content}]}
-    status, reply = run(post(server.base_url + "/v1/chat/completions", body))
-    assert status == 400 and "takes no images" in reply["error"]["message"]
+    for route in ("/v1/chat/completions", "/tokenize"):
+        status, reply = run(post(server.base_url + route, body))
+        assert status == 400 and "takes no images" in reply["error"]["message"], route
 
 
 def test_embeddings_are_refused_by_a_generating_server(server: ServerProcess) -> None:

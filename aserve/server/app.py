@@ -196,9 +196,11 @@ class Server:
                 messages = [openai.message_dict(m) for m in body.messages]
                 limits.check_text(sum(map(openai.text_chars, messages)), None, "messages")
                 try:  # an image counts as the template's one token for it
-                    messages, _ = split_images(messages)
+                    messages, images = split_images(messages)
                 except ImageError as error:
                     raise APIError(str(error), param="messages") from None
+                if images and runtime.image_processor is None:
+                    raise APIError("this model takes no images: send text alone", param="messages")
                 tokens = await tokenizer.apply_chat_template_async(messages)
             else:
                 assert body.prompt is not None
