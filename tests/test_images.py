@@ -303,3 +303,30 @@ def test_server_tokenize_counts_an_image_as_its_token(llava_server: ServerProces
     body = {"messages": [{"role": "user", "content": content}]}
     status, reply = run(post(llava_server.base_url + "/tokenize", body))
     assert status == 200 and reply["tokens"].count(IMAGE) == 1
+
+
+def test_server_responses_api_with_an_input_image(llava_server: ServerProcess) -> None:
+    """The Responses API's `input_image` (a user turn's) answers as chat's `image_url`; in
+    another turn it is a 400."""
+    url = data_url(picture(9))
+    status, chat = chat_with_image(llava_server, "w5 w6", url)
+    assert status == 200, chat
+    content = [{"type": "input_text", "text": "w5 w6"}, {"type": "input_image", "image_url": url}]
+    body = {
+        "model": "llava",
+        "input": [{"role": "user", "content": content}],
+        "temperature": 0,
+        "max_output_tokens": 10,
+    }
+    status, reply = run(post(llava_server.base_url + "/v1/responses", body))
+    assert status == 200, reply
+    text = "".join(
+        part["text"]
+        for item in reply["output"]
+        if item["type"] == "message"
+        for part in item["content"]
+    )
+    assert text == chat["choices"][0]["message"]["content"]
+    body["input"] = [{"role": "system", "content": content}]
+    status, reply = run(post(llava_server.base_url + "/v1/responses", body))
+    assert status == 400 and "input_image parts go in user turns" in reply["error"]["message"]

@@ -63,7 +63,7 @@ def refusal(parse: Any, body: dict[str, Any] | bytes) -> APIError:
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
             "messages",
-            "image parts ({'type': 'image_url', 'image_url': {'url': ...}}) for models that",
+            "image parts ({'type': 'image_url', 'image_url': {'url': ...}}; the Responses API's",
         ),
         (
             {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},

@@ -99,8 +99,8 @@ UNION_HINTS = {
     "stop": f"a non-empty string or a list of at most {protocol.MAX_STOP_STRINGS} of them",
     "content": "a string or a list of text parts ({'type': 'text', 'text': ...}; the Responses "
     "API's 'input_text' and 'output_text'), and in a user message of chat image parts "
-    "({'type': 'image_url', 'image_url': {'url': ...}}) for models that take images; audio "
-    "and files are not supported",
+    "({'type': 'image_url', 'image_url': {'url': ...}}; the Responses API's 'input_image') "
+    "for models that take images; audio and files are not supported",
 }
 
 
@@ -385,6 +385,24 @@ def chat_request(
     )
 
 
+def _input_content(item: protocol.InputMessage) -> Any:
+    """A Responses turn's content as chat's: text, or with images (a user turn's) chat's
+    text and `image_url` parts (images.split_images reads them)."""
+    content = item.content
+    if isinstance(content, str):
+        return content
+    if not any(isinstance(part, protocol.InputImage) for part in content):
+        return "".join(part.text for part in content)  # type: ignore[union-attr]
+    if item.role != "user":
+        raise APIError("input_image parts go in user turns", param="input")
+    return [
+        {"type": "image_url", "image_url": {"url": part.image_url}}
+        if isinstance(part, protocol.InputImage)
+        else {"type": "text", "text": part.text}
+        for part in content
+    ]
+
+
 def parse_responses(raw: bytes, defaults: SamplingDefaults) -> GenerationRequest:
     """OpenAI's Responses API as the chat request it amounts to: the input items as
     messages (a run of function calls as one assistant turn, their outputs as tool
@@ -405,10 +423,7 @@ def parse_responses(raw: bytes, defaults: SamplingDefaults) -> GenerationRequest
     )
     for item in items:
         if isinstance(item, protocol.InputMessage):
-            content = item.content
-            if not isinstance(content, str):
-                content = "".join(part.text for part in content)
-            messages.append({"role": item.role, "content": content})
+            messages.append({"role": item.role, "content": _input_content(item)})
         elif isinstance(item, protocol.FunctionCallInput):
             call = {"id": item.call_id, "type": "function"}
             call["function"] = {"name": item.name, "arguments": item.arguments}

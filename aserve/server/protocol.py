@@ -287,12 +287,22 @@ class InputText(Strict):
     text: str
 
 
+class InputImage(Strict):
+    """An image of a user turn, for vision-language models whose images aserve runs."""
+
+    type: Literal["input_image"]
+    image_url: str = Field(
+        min_length=1, description="a data:image/...;base64 URL, or an http(s) URL to fetch"
+    )
+    detail: Literal["auto", "low", "high"] | None = None
+
+
 class InputMessage(Strict):
     """A turn of the conversation (`type` may be left out)."""
 
     type: Literal["message"] | None = None
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[InputText]
+    content: str | list[Annotated[InputText | InputImage, Field(discriminator="type")]]
 
 
 class FunctionCallInput(Strict):
