@@ -7,9 +7,9 @@ results are what the server would return for the same requests.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -25,6 +25,7 @@ Prompt = str | list[int] | dict[str, Any]
 `"multi_modal_data": {"image": image or [images]}` (Pillow images, or pixel tensors
 `[3, H, W]` as the checkpoint's image processor makes them), one image token an image."""
 Conversation = list[dict[str, Any]]
+T = TypeVar("T")
 
 
 @dataclass
@@ -113,26 +114,13 @@ class LLM:
             raise ValueError("embed takes text or token ids")
         ids = [self._encode(p) for p in prompt_list]  # type: ignore[arg-type]
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        self._raise_if_dead()
-        if self._task is None:
-            self.start_scheduler()
-        reqs = [self.scheduler.make_request(p, params) for p in ids]
-        outputs = self._loop.run_until_complete(self._embeddings(reqs))
-        self._raise_if_dead()
-        return outputs
+        return self._drive([self.scheduler.make_request(p, params) for p in ids], self._embedding)
 
-    async def _embeddings(self, reqs: list[Req]) -> list[EmbeddingOutput]:
-        for req in reqs:
-            self.scheduler.submit(req)
-        finals = await asyncio.gather(*(req.channel.get() for req in reqs))
-        return [
-            EmbeddingOutput(
-                req.prompt_ids,
-                None if out.embedding is None else out.embedding.tolist(),
-                out.error,
-            )
-            for req, out in zip(reqs, finals, strict=True)
-        ]
+    @staticmethod
+    async def _embedding(req: Req) -> EmbeddingOutput:
+        out = await req.channel.get()  # an embedding request's one output ends it
+        vector = None if out.embedding is None else out.embedding.tolist()
+        return EmbeddingOutput(req.prompt_ids, vector, out.error)
 
     def chat(
         self,
@@ -198,19 +186,23 @@ class LLM:
         params: list[SamplingParams],
         images: list[list[torch.Tensor]] | None = None,
     ) -> list[GenerationOutput]:
-        """Raises the error that ended the engine (a dead tensor-parallel rank), if one did,
-        and a ValueError where a prompt's images and image tokens do not pair up."""
+        """A ValueError where a prompt's images and image tokens do not pair up."""
         if self.runtime.engine.pooling:
             raise ValueError("this LLM serves embeddings (is_embedding=True): call embed")
-        self._raise_if_dead()
-        if self._task is None:
-            self.start_scheduler()
         each = images or [[] for _ in ids]
         reqs = [
             self.scheduler.make_request(p, sp, m)
             for p, sp, m in zip(ids, params, each, strict=True)
         ]
-        outputs = self._loop.run_until_complete(self._collect_all(reqs))
+        return self._drive(reqs, self._collect)
+
+    def _drive(self, reqs: list[Req], collect: Callable[[Req], Awaitable[T]]) -> list[T]:
+        """Submit `reqs` and `collect` each one's result; raises the error that ended the
+        engine (a dead tensor-parallel rank), if one did."""
+        self._raise_if_dead()
+        if self._task is None:
+            self.start_scheduler()
+        outputs = self._loop.run_until_complete(self._collect_all(reqs, collect))
         self._raise_if_dead()
         return outputs
 
@@ -218,10 +210,12 @@ class LLM:
         if self._task is not None and self._task.done() and self._task.exception() is not None:
             raise RuntimeError(f"the engine has stopped: {self._task.exception()}")
 
-    async def _collect_all(self, reqs: list[Req]) -> list[GenerationOutput]:
+    async def _collect_all(
+        self, reqs: list[Req], collect: Callable[[Req], Awaitable[T]]
+    ) -> list[T]:
         for req in reqs:
             self.scheduler.submit(req)
-        return list(await asyncio.gather(*(self._collect(r) for r in reqs)))
+        return list(await asyncio.gather(*(collect(r) for r in reqs)))
 
     async def _collect(self, req: Req) -> GenerationOutput:
         token_ids: list[int] = []
