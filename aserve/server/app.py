@@ -18,7 +18,6 @@ from aiohttp import web
 
 from aserve.config import ServerConfig
 from aserve.forward import ForwardMode
-from aserve.images import ImageError, split_images
 from aserve.metrics import StatsLogger
 from aserve.runtime import Runtime
 from aserve.scheduler.plan import ScheduledBatch
@@ -28,6 +27,7 @@ from aserve.server.completions import Completions
 from aserve.server.embeddings import Embeddings
 from aserve.server.fleet import FleetRoutes
 from aserve.server.http import error_response, json_response
+from aserve.server.image_inputs import template_messages
 from aserve.server.limits import MAX_BODY_BYTES
 from aserve.server.openai import APIError
 from aserve.server.openapi import OPERATIONS, openapi_spec
@@ -195,12 +195,7 @@ class Server:
             if body.messages is not None:
                 messages = [openai.message_dict(m) for m in body.messages]
                 limits.check_text(sum(map(openai.text_chars, messages)), None, "messages")
-                try:  # an image counts as the template's one token for it
-                    messages, images = split_images(messages)
-                except ImageError as error:
-                    raise APIError(str(error), param="messages") from None
-                if images and runtime.image_processor is None:
-                    raise APIError("this model takes no images: send text alone", param="messages")
+                messages, _ = template_messages(runtime, messages)  # an image: its one token
                 tokens = await tokenizer.apply_chat_template_async(messages)
             else:
                 assert body.prompt is not None

@@ -17,7 +17,6 @@ from aiohttp import web
 from jinja2 import TemplateError
 
 from aserve.constrained.grammar import GrammarError
-from aserve.images import ImageError, split_images
 from aserve.runtime import Runtime
 from aserve.sampling_params import MAX_SEED, SamplingError
 from aserve.server import openai
@@ -25,7 +24,7 @@ from aserve.server.generation import Choice, Delta
 from aserve.server.harmony import forcing_tag as harmony_forcing_tag
 from aserve.server.harmony import is_harmony
 from aserve.server.http import json_response, sse
-from aserve.server.image_inputs import image_pixels
+from aserve.server.image_inputs import image_pixels, template_messages
 from aserve.server.limits import InputLimits
 from aserve.server.native import NativeShaper
 from aserve.server.openai import APIError, GenerationRequest, ResponseHead
@@ -67,10 +66,7 @@ class Completions:
             chars = sum(openai.text_chars(m) for m in parsed.messages)
             limits.check_text(chars, parsed.max_tokens, "messages")
             tokenizer = require_tokenizer(runtime)
-            try:
-                messages, sources = split_images(parsed.messages)
-            except ImageError as error:
-                raise APIError(str(error), param="messages") from None
+            messages, sources = template_messages(runtime, parsed.messages)
             if sources:
                 images = await image_pixels(runtime, tokenizer, sources)
                 parsed = dataclasses.replace(parsed, images=images)

@@ -11,7 +11,14 @@ from typing import Any
 import aiohttp
 import torch
 
-from aserve.images import MAX_IMAGE_BYTES, ImageError, ImageProcessor, data_url_bytes, decoded
+from aserve.images import (
+    MAX_IMAGE_BYTES,
+    ImageError,
+    ImageProcessor,
+    data_url_bytes,
+    decoded,
+    split_images,
+)
 from aserve.runtime import Runtime
 from aserve.server.openai import APIError
 from aserve.tokenizer import Tokenizer
@@ -19,14 +26,27 @@ from aserve.tokenizer import Tokenizer
 FETCH_TIMEOUT_S = 20.0
 
 
+def template_messages(
+    runtime: Runtime, messages: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Chat messages as the template reads them and their images' URLs (`split_images`);
+    a 400 where they do not hold or this model takes no images (before any is fetched)."""
+    try:
+        shaped, sources = split_images(messages)
+    except ImageError as error:
+        raise APIError(str(error), param="messages") from None
+    if sources and runtime.image_processor is None:
+        raise APIError("this model takes no images: send text alone", param="messages")
+    return shaped, sources
+
+
 async def image_pixels(
     runtime: Runtime, tokenizer: Tokenizer, sources: list[Any]
 ) -> list[torch.Tensor]:
-    """Each image URL's pixels, in order; a 400 where this model takes no images or an
-    image cannot be had."""
+    """Each image URL's pixels, in order (`template_messages` has checked that this model
+    takes images); a 400 where an image cannot be had."""
     processor = runtime.image_processor
-    if processor is None:
-        raise APIError("this model takes no images: send text alone", param="messages")
+    assert processor is not None
     blobs = await asyncio.gather(*(_bytes_of(i, url) for i, url in enumerate(sources)))
     try:
         return await tokenizer.run_in_pool(_pixels, processor, blobs)
