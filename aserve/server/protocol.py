@@ -80,11 +80,16 @@ class TextPart(Strict):
 Content = str | list[TextPart]
 
 
+ImageURL = Annotated[
+    str,
+    Field(min_length=1, description="a data:image/...;base64 URL, or an http(s) URL to fetch"),
+]
+ImageDetail = Literal["auto", "low", "high"]
+
+
 class ImageUrl(Strict):
-    url: str = Field(
-        min_length=1, description="a data:image/...;base64 URL, or an http(s) URL to fetch"
-    )
-    detail: Literal["auto", "low", "high"] | None = None
+    url: ImageURL
+    detail: ImageDetail | None = None
 
 
 class ImagePart(Strict):
@@ -291,10 +296,8 @@ class InputImage(Strict):
     """An image of a user turn, for vision-language models whose images aserve runs."""
 
     type: Literal["input_image"]
-    image_url: str = Field(
-        min_length=1, description="a data:image/...;base64 URL, or an http(s) URL to fetch"
-    )
-    detail: Literal["auto", "low", "high"] | None = None
+    image_url: ImageURL
+    detail: ImageDetail | None = None
 
 
 class InputMessage(Strict):
