@@ -75,11 +75,8 @@ class CodesTensor:
             whole = (
                 self if (start, stop) == (0, self.shape[1]) else self._act_order_inputs(start, stop)
             )
-            rows_only = whole.codes
-            kept = Codes(
-                rows_only.codes[rows], rows_only.scales[rows], rows_only.offsets[rows],
-                rows_only.group, rows_only.bits,
-            )  # fmt: skip
+            c = whole.codes
+            kept = c._replace(codes=c.codes[rows], scales=c.scales[rows], offsets=c.offsets[rows])
             return CodesTensor(kept, whole.order, whole.inputs)
         group = c.group
         if group == self.shape[1]:
