@@ -148,6 +148,40 @@ def render_latency(lines: list[dict]) -> str:
     return LATENCY_HEADER + "\n".join(rows) + "\n"
 
 
+EMBED_HEADER = """
+## Embeddings
+
+From `python bench/embed.py`: input tokens a second, draw by draw (each draw the same inputs
+for aserve and the peer, one process, engines alternating, a new draw each repeat).
+
+| date | model | device | commit | inputs a draw | tokens | dtype | aserve tok/s | peer \
+| peer tok/s | note |
+|---|---|---|---|---|---|---|---|---|---|---|
+"""
+
+
+def render_embed(lines: list[dict]) -> str:
+    runs: dict[str, list[dict]] = {}
+    for x in lines:
+        runs.setdefault(x["run_id"], []).append(x)
+    rows = []
+    for group in runs.values():
+        ours = next(x for x in group if x["engine"] == "aserve")
+        peer = next((x for x in group if x["engine"] != "aserve"), None)
+        s = ours["settings"]
+
+        def draws(x: dict) -> str:
+            return " / ".join(f"{rate:,.0f}" for rate in x["runs_tok_s"])
+
+        rows.append(
+            f"| {ours['date']} | {ours['model']} | {ours['device']} | {ours['commit']} | "
+            f"{s['num_inputs']} | {s['input_len'][0]}-{s['input_len'][1]} | {s['dtype']} | "
+            f"{draws(ours)} | {peer['engine'] if peer else '-'} | "
+            f"{draws(peer) if peer else '-'} | {ours.get('note', '')} |"
+        )
+    return EMBED_HEADER + "\n".join(rows) + "\n" if rows else ""
+
+
 TRACE_HEADER = """
 ## Decode trace
 
@@ -236,9 +270,11 @@ def main() -> None:
     trace = [x for x in lines if x["bench"] == "trace"]
     perplexity = [x for x in lines if x["bench"] == "perplexity"]
     startup = [x for x in lines if x["bench"] == "startup"]
+    embed = [x for x in lines if x["bench"] == "embed"]
     text = (
         render(offline)
         + render_latency(latency)
+        + render_embed(embed)
         + render_perplexity(perplexity)
         + render_trace(trace)
         + render_serving(serving)
