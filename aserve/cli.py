@@ -13,6 +13,7 @@ from aserve.config import (
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
     REASONING_PARSERS,
+    SPECULATIVE_ALGORITHMS,
     TOOL_CALL_PARSERS,
     ConfigError,
     ServerConfig,
@@ -175,6 +176,35 @@ def build_parser() -> argparse.ArgumentParser:
         default="radix",
         choices=["radix", "naive"],
         help="prefix cache: radix reuses shared prompt prefixes",
+    )
+
+    speculative = p.add_argument_group("speculative decoding")
+    speculative.add_argument(
+        "--speculative-algorithm",
+        type=str.lower,
+        default=None,
+        choices=SPECULATIVE_ALGORITHMS,
+        help="ngram: draft a request's next tokens from where its last tokens occurred "
+        "before in its prompt and output, and check them in one forward (outputs that copy "
+        "from the prompt, code edits); the tokens are those of decoding without it",
+    )
+    speculative.add_argument(
+        "--speculative-num-draft-tokens",
+        type=_positive_int,
+        default=4,
+        help="drafted tokens a request checks in one step",
+    )
+    speculative.add_argument(
+        "--speculative-ngram-min-match-window-size",
+        type=_positive_int,
+        default=1,
+        help="fewest last tokens that must have occurred before for a draft",
+    )
+    speculative.add_argument(
+        "--speculative-ngram-max-match-window-size",
+        type=_positive_int,
+        default=12,
+        help="most last tokens matched when choosing among earlier occurrences",
     )
 
     kernels = p.add_argument_group("kernels")

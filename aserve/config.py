@@ -89,6 +89,7 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8", *CHECKPOINT_METHODS)
 # float16 / float32: a float32 model's cache on CPU in half the bytes, as llama.cpp keeps it
 # (what auto picks for quantized models there), or in full.
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8", "float16", "float32")
+SPECULATIVE_ALGORITHMS = ("ngram",)
 FREQ_FACTORS = "freq_factors"
 """The rope scaling of a config converted from a GGUF that holds llama.cpp's `rope_freqs`:
 each rotary frequency divided by its own factor (`factors`, head_dim / 2 of them), which is
@@ -822,6 +823,10 @@ class SchedulerConfig:
     max_prefill_length: int = 8192
     cache_type: str = "radix"
     page_size: int = 1
+    speculative_algorithm: str | None = None  # "ngram": drafts from the request's own text
+    speculative_num_draft_tokens: int = 4  # drafted tokens a request verifies in one step
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
 
 
 @dataclass(frozen=True)
@@ -935,6 +940,26 @@ def validate(config: ServerConfig) -> None:
         (engine.max_running_requests >= 1, "--max-running-requests must be at least 1"),
         (sched.max_prefill_length >= 1, "--max-prefill-length must be at least 1"),
         (sched.cache_type in ("radix", "naive"), "--cache-type must be radix or naive"),
+        (
+            sched.speculative_algorithm in (None, *SPECULATIVE_ALGORITHMS),
+            f"--speculative-algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}",
+        ),
+        (
+            sched.speculative_num_draft_tokens >= 1,
+            "--speculative-num-draft-tokens must be at least 1",
+        ),
+        (
+            1
+            <= sched.speculative_ngram_min_match_window_size
+            <= sched.speculative_ngram_max_match_window_size,
+            "--speculative-ngram-min-match-window-size must be at least 1 and at most "
+            "--speculative-ngram-max-match-window-size",
+        ),
+        (
+            sched.speculative_algorithm is None or not engine.is_embedding,
+            "--speculative-algorithm drafts generated tokens: an --is-embedding server "
+            "generates none",
+        ),
         (0.0 < engine.memory_ratio <= 1.0, "--memory-ratio must be in (0, 1]"),
         (engine.num_pages is None or engine.num_pages >= 2, "--num-pages must be at least 2"),
         (

@@ -56,8 +56,9 @@ class SchedulerSnapshot(NamedTuple):
     free, as in SGLang's token usage and vLLM's KV cache usage. The `*_window_tokens`
     fields count the sliding-window layers' own pool alike (0 where there is none). The
     `*_total` fields are the planner's monotonic counters passed as read
-    (`prompt_tokens_admitted`, `prompt_tokens_cached`, `num_retractions`), so the scheduler
-    keeps no reporting state.
+    (`prompt_tokens_admitted`, `prompt_tokens_cached`, `num_retractions`, and speculative
+    decoding's `draft_tokens`, `accepted_draft_tokens`), so the scheduler keeps no reporting
+    state.
     """
 
     running: int
@@ -69,6 +70,8 @@ class SchedulerSnapshot(NamedTuple):
     retractions_total: int
     used_window_tokens: int = 0
     total_window_tokens: int = 0
+    draft_tokens_total: int = 0
+    accepted_draft_tokens_total: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -192,6 +195,14 @@ class Metrics:
         self._preemptions = self._make(
             Counter, "num_preemptions", "Requests retracted to the queue for KV room."
         )
+        self._draft_tokens = self._make(
+            Counter, "spec_decode_num_draft_tokens", "Tokens drafted for speculative decoding."
+        )
+        self._accepted_tokens = self._make(
+            Counter,
+            "spec_decode_num_accepted_tokens",
+            "Drafted tokens the model agreed with (each a decode step saved).",
+        )
         self._ttft = self._make(
             Histogram,
             "time_to_first_token_seconds",
@@ -275,6 +286,9 @@ class Metrics:
         self._prefix_queries.inc(_increase(last.prompt_tokens_admitted_total, queries))
         self._prefix_hits.inc(_increase(last.prompt_tokens_cached_total, hits))
         self._preemptions.inc(_increase(last.retractions_total, snapshot.retractions_total))
+        self._draft_tokens.inc(_increase(last.draft_tokens_total, snapshot.draft_tokens_total))
+        accepted = snapshot.accepted_draft_tokens_total
+        self._accepted_tokens.inc(_increase(last.accepted_draft_tokens_total, accepted))
         self._hit_rate.set(hits / queries if queries else 0.0)
 
     def render(self) -> tuple[bytes, str]:
@@ -289,7 +303,9 @@ class StatsLogger:
     once at least `interval_s` seconds passed since the window opened (the start of the first
     step after the previous line). Its gen throughput is the decode tokens of the window over
     the seconds spent in steps, prefill included: idle time between requests does not dilute
-    it. `silent` (`--silent-output`) turns both lines off.
+    it. With speculative decoding a request may take several tokens a step: the line then
+    adds SGLang's `accept len`, the tokens a request took a step on average. `silent`
+    (`--silent-output`) turns both lines off.
     """
 
     def __init__(
@@ -303,6 +319,7 @@ class StatsLogger:
         self._clock = clock
         self._window_start: float | None = None
         self._tokens = 0
+        self._request_steps = 0
         self._busy_s = 0.0
 
     def on_step(
@@ -315,9 +332,11 @@ class StatsLogger:
         new_seqs: int = 0,
         cached_tokens: int = 0,
         cuda_graph: bool = False,
+        requests: int | None = None,
     ) -> None:
         """A step of `step_s` seconds just ended. `num_tokens` is what a prefill batch computed
-        or a decode batch generated; `new_seqs` and `cached_tokens` count the requests that a
+        or a decode batch generated, by `requests` requests (`num_tokens` unless some took
+        drafted tokens too); `new_seqs` and `cached_tokens` count the requests that a
         prefill batch admitted and their cached prefix; `cuda_graph` whether a decode batch
         replayed a graph."""
         if self.silent:
@@ -339,16 +358,22 @@ class StatsLogger:
             )
             return
         self._tokens += num_tokens
+        self._request_steps += num_tokens if requests is None else requests
         if now - self._window_start < self.interval_s:
             return
+        accepted = ""
+        if self._tokens != self._request_steps:
+            accepted = f"accept len: {self._tokens / self._request_steps:.2f}, "
         logger.info(
-            "Decode batch. #running-req: %d, #token: %d, %s, cuda graph: %s, "
+            "Decode batch. #running-req: %d, #token: %d, %s, %scuda graph: %s, "
             "gen throughput (token/s): %.2f, #queue-req: %d",
             snapshot.running,
             snapshot.used_kv_tokens,
             snapshot.usage_text(),
+            accepted,
             cuda_graph,
             self._tokens / self._busy_s if self._busy_s > 0 else 0.0,
             snapshot.waiting,
         )
         self._window_start, self._tokens, self._busy_s = None, 0, 0.0
+        self._request_steps = 0

@@ -553,3 +553,21 @@ def test_tp2_embeddings_equal_tp1(tmp_path: Path) -> None:
         for ours, theirs in zip(two.embed(PROMPTS), one.embed(PROMPTS), strict=True):
             assert ours.embedding is not None and theirs.embedding is not None
             assert ours.embedding == pytest.approx(theirs.embedding, abs=1e-5)
+
+
+def test_tp2_speculative_decoding_equals_tp1(tmp_path: Path) -> None:
+    """Verify steps over two ranks: rank 1 takes the drafted ids from the step's spec (only
+    rank 0's host knows them) and records the samples rank 0 broadcasts."""
+    model = make_tiny_model("llama", tmp_path, overrides={"num_key_value_heads": 2})
+    repeating = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10, 11, 9], PROMPTS[0]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=True)
+    ngram = {"speculative_algorithm": "ngram", "tensor_parallel_size": 2}
+    with LLM(str(model), **OPTIONS) as one, LLM(str(model), **ngram, **OPTIONS) as two:
+        want, got = one.generate(repeating, params), two.generate(repeating, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        for ours, theirs in zip(got, want, strict=True):
+            assert ours.logprobs is not None and theirs.logprobs is not None
+            assert [lp.logprob for lp in ours.logprobs] == pytest.approx(
+                [lp.logprob for lp in theirs.logprobs], abs=1e-4
+            )
+        assert two.scheduler.planner.accepted_draft_tokens > 0

@@ -6,7 +6,9 @@ followers receive the spec packed into one int64 array, so it holds only plain i
 which rows run, their lengths, which want logits at every position (prompt logprobs: every
 rank's LM head takes part), prefill token ids, and the page-table writes the planner made
 since the previous step (decode input ids are read from each rank's own token table, where
-every rank wrote the same sampled ids).
+every rank wrote the same sampled ids, except in a verify step of speculative decoding, whose
+drafted ids only rank 0's host knows: its rows are a request's last token and its drafts,
+each a decode row of the request's page-table row, their ids given).
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ _MODES = (ForwardMode.PREFILL, ForwardMode.DECODE)
 
 @dataclass(frozen=True)
 class StepSpec:
-    """`input_ids` is empty in decode; request i wants logits at the last `scored[i]`
-    positions of its chunk (prompt logprobs), at its last alone where that is 0.
-    `page_writes` are what rank 0's planner wrote into its page table since the previous
-    step; followers replay them before building the batch."""
+    """`input_ids` is empty in decode but for a verify step's rows; request i wants logits
+    at the last `scored[i]` positions of its chunk (prompt logprobs), at its last alone
+    where that is 0. `page_writes` are what rank 0's planner wrote into its page table since
+    the previous step; followers replay them before building the batch."""
 
     mode: ForwardMode
     rows: list[int]
@@ -74,18 +76,20 @@ def forward_batch(spec: StepSpec, page_table: PageTable, device: torch.device) -
     Everything but decode input ids is known on the host (KV slots from the page table's host
     mirror), so the batch's integers travel in one host-to-device copy. Decode input ids are
     the previous step's sampled ids, which only the device knows while that step is in
-    flight: one gather from the token table fetches them. Logits are taken at each request's
-    last token, and at the scored tokens of a chunk; `sample_rows` then picks the last ones.
+    flight: one gather from the token table fetches them (a verify step gives its own).
+    Logits are taken at each request's last token, and at the scored tokens of a chunk;
+    `sample_rows` then picks the last ones.
     """
     prefix_lens, extend_lens = spec.prefix_lens, spec.extend_lens
     seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
     rows = np.asarray(spec.rows, dtype=np.int64)
     size = len(rows)
     sample_rows = np.zeros(0, dtype=np.int64)
+    given_ids = bool(spec.input_ids)
     if spec.mode is ForwardMode.DECODE:
         positions = np.asarray(prefix_lens, dtype=np.int64)
         token_rows = rows
-        input_ids = np.zeros(size, dtype=np.int64)
+        input_ids = np.asarray(spec.input_ids if given_ids else [0] * size, dtype=np.int64)
         logit_indices = np.arange(size, dtype=np.int64)
     else:
         extends = np.asarray(extend_lens, dtype=np.int64)
@@ -118,7 +122,7 @@ def forward_batch(spec: StepSpec, page_table: PageTable, device: torch.device) -
     request_end = token_end + len(per_request) * size
     per_request_view = packed[token_end:request_end].view(-1, size)
     logits_end = request_end + len(logit_indices)
-    if spec.mode is ForwardMode.DECODE:
+    if spec.mode is ForwardMode.DECODE and not given_ids:
         torch.index_select(page_table.tokens.view(-1), 0, per_request_view[2], out=token_inputs[0])
     return ForwardBatch(
         mode=spec.mode,

@@ -9,13 +9,38 @@ from aserve.engine.step import StepSpec
 from aserve.forward import ForwardMode
 from aserve.kvcache.pages import PageTable
 from aserve.scheduler.plan import ScheduledBatch
+from aserve.scheduler.request import Req
 
 
 def step_spec(planned: ScheduledBatch, page_table: PageTable) -> StepSpec:
-    """The plan as plain integers: what every tensor-parallel rank needs to run the step."""
+    """The plan as plain integers: what every tensor-parallel rank needs to run the step.
+
+    A verify step (speculative decoding) is a decode step of one row per token: request i's
+    last token and each of its drafts, at consecutive positions of its page-table row. Each
+    row's attention reads the KV up to its own position, which the rows before it store in
+    the same layer first, so the rows see what one chunk would (causal attention), and run
+    on every decode path (the CPU's C++ layers, CUDA graphs)."""
     reqs = planned.reqs
+    if planned.drafts is not None:
+        rows: list[int] = []
+        positions: list[int] = []
+        input_ids: list[int] = []
+        for req, start, drafted in zip(reqs, planned.starts, planned.drafts):
+            rows.extend([req.slot] * (1 + len(drafted)))
+            positions.extend(range(start, start + 1 + len(drafted)))
+            input_ids.append(req.all_ids[start])
+            input_ids.extend(drafted)
+        return StepSpec(
+            mode=ForwardMode.DECODE,
+            rows=rows,
+            prefix_lens=positions,
+            extend_lens=[1] * len(rows),
+            scored=[0] * len(rows),
+            input_ids=input_ids,
+            page_writes=page_table.take_writes(),
+        )
     prefix_lens = planned.starts
-    input_ids: list[int] = []
+    input_ids = []
     if planned.mode is ForwardMode.PREFILL:
         for req, start, n in zip(reqs, prefix_lens, planned.extend_lens):
             input_ids.extend(req.all_ids[start : start + n])
@@ -112,6 +137,30 @@ class SamplingBatches:
         self._last, self._last_rids = (batch, rids) if reusable else (None, ())
         self._keep(batch, rids, steps)
         return batch
+
+    def build_verify(self, planned: ScheduledBatch) -> SamplingBatch:
+        """A verify step's batch: a row for each position of each request's chunk, at the
+        step its sample would be taken at when decoding one token a step (the seeded draw
+        keys on it, so the samples are those decoding would draw). Its rows differ from any
+        other step's; the next step packs afresh."""
+        assert planned.drafts is not None
+        reqs: list[Req] = []
+        steps: list[int] = []
+        for req, drafted in zip(planned.reqs, planned.drafts):
+            first = len(req.output_ids)
+            reqs.extend([req] * (1 + len(drafted)))
+            steps.extend(range(first, first + 1 + len(drafted)))
+        self._last, self._last_rids, self._counted = None, (), None
+        return SamplingBatch.build(
+            params=[r.params for r in reqs],
+            seeds=[r.seed for r in reqs],
+            steps=steps,
+            prompt_ids=[r.vocabulary_prompt_ids for r in reqs],
+            output_ids=[r.output_ids for r in reqs],
+            vocab_size=self.vocab_size,
+            device=self.device,
+            eos_token_ids=self.eos_token_ids,
+        )
 
     def _keep(self, batch: SamplingBatch, rids: tuple[int, ...], steps: list[int]) -> None:
         self._last_steps = steps

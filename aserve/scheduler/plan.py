@@ -25,6 +25,7 @@ from aserve.forward import ForwardMode
 from aserve.kvcache.base import PrefixCache
 from aserve.kvcache.pages import PageAllocator, PageTable, SlidingWindow, pages_needed
 from aserve.scheduler.request import FinishReason, Req, ReqStatus
+from aserve.speculative.ngram import NgramIndex
 
 PENDING_TOKEN = -1
 SCORED_ROWS_PER_STEP = 1024
@@ -40,7 +41,12 @@ class ScheduledBatch:
     sequence; `scored[i]` asks for logits at that many positions at the end of the chunk
     (prompt logprobs).
     `output_slots[i]` is where request i's sampled token goes in its `output_ids` (set at
-    launch)."""
+    launch).
+
+    A verify step (`drafts` set; speculative decoding) runs each decoding request's last
+    token and `drafts[i]` after it as one chunk and samples at every one of its positions:
+    the token after each draft is what decoding would have sampled there, so the drafts
+    up to the first that differs from it are accepted, and the sample after them too."""
 
     mode: ForwardMode
     reqs: list[Req]
@@ -49,6 +55,8 @@ class ScheduledBatch:
     starts: list[int]
     scored: list[int]
     output_slots: list[int] = field(default_factory=list)
+    drafts: list[list[int]] | None = None
+    accepted: int = 0  # drafts the model agreed with (set as the verify step's results come)
 
 
 class Planner:
@@ -73,6 +81,8 @@ class Planner:
         self._dropped_this_step = False
         self.prompt_tokens_admitted = 0
         self.prompt_tokens_cached = 0
+        self.draft_tokens = 0
+        self.accepted_draft_tokens = 0
 
     def add(self, req: Req) -> None:
         self.waiting.append(req)
@@ -241,9 +251,50 @@ class Planner:
             return None
         size = len(reqs)
         starts = [r.cached_len for r in reqs]
+        drafts = self._draft(reqs) if self.config.speculative_algorithm else None
+        if drafts is not None and any(drafts):
+            extends = [1 + len(d) for d in drafts]
+            return ScheduledBatch(
+                ForwardMode.DECODE, reqs, extends, [True] * size, starts, [0] * size, [], drafts
+            )
         return ScheduledBatch(
             ForwardMode.DECODE, reqs, [1] * size, [True] * size, starts, [0] * size
         )
+
+    def _draft(self, reqs: list[Req]) -> list[list[int]]:
+        """Each request's drafted tokens (speculative decoding), within its length limits,
+        the step's token budget and the pages free: a request short of pages for its drafts
+        (or whose sampling follows its tokens: penalties, a grammar) drafts none."""
+        config = self.config
+        budget = config.max_prefill_length - len(reqs)
+        drafts: list[list[int]] = []
+        for req in reqs:
+            room = min(
+                config.speculative_num_draft_tokens,
+                req.params.max_tokens - len(req.output_ids) - 1,
+                req.max_total_len - req.total_len - 1,
+                budget,
+            )
+            draft = self._lookup(req, room) if room > 0 and req.may_draft else []
+            if draft and not self._grow(req, req.total_len + len(draft)):
+                draft = []
+            budget -= len(draft)
+            drafts.append(draft)
+        return drafts
+
+    def _lookup(self, req: Req, count: int) -> list[int]:
+        index = req.ngram
+        if index is None:
+            config = self.config
+            index = req.ngram = NgramIndex(
+                config.speculative_ngram_min_match_window_size,
+                config.speculative_ngram_max_match_window_size,
+            )
+            index.extend(req.vocabulary_prompt_ids)
+        index.extend(req.output_ids[len(index.tokens) - len(req.prompt_ids) :])
+        drafted = index.propose(count)
+        self.draft_tokens += len(drafted)
+        return drafted
 
     @staticmethod
     def _wants_decode(req: Req) -> bool:
@@ -260,10 +311,12 @@ class Planner:
         sampling request gets a pending token, so the next step can be planned before this
         one's results are known (overlap scheduling)."""
         batch.output_slots = [-1] * len(batch.reqs)
+        verifies = batch.drafts is not None
         for i, (req, n, keep) in enumerate(zip(batch.reqs, batch.extend_lens, batch.samples)):
             if req.status is ReqStatus.FINISHED:  # ended while this step's forward ran
                 continue
-            req.cached_len += n
+            # a verify step's drafts count once accepted (`accept`)
+            req.cached_len += 1 if verifies else n
             if batch.scored[i]:
                 req.scored_len = max(req.scored_len, req.cached_len)
             if keep:
@@ -277,6 +330,13 @@ class Planner:
         for req, slot, token in zip(batch.reqs, batch.output_slots, next_ids):
             if slot >= 0:
                 req.output_ids[slot] = token
+
+    def accept(self, req: Req, tokens: list[int]) -> None:
+        """A verify step's tokens after the first (already in the output slot that launch
+        made): their drafts' KV, computed by the step, now counts."""
+        req.output_ids.extend(tokens)
+        req.cached_len += len(tokens)
+        self.accepted_draft_tokens += len(tokens)
 
     def _release(self, req: Req) -> None:
         """Hand the request's computed whole pages to the prefix cache, free the rest."""

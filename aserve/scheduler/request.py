@@ -247,6 +247,7 @@ class Req:
     matcher: Any = None
     grammar_after: int | None = None
     images: list[Any] = field(default_factory=list)  # models/vision.ImageSpan, by position
+    ngram: Any = None  # speculative/ngram.NgramIndex of its tokens, made when it first drafts
 
     @property
     def score_from(self) -> int:
@@ -293,6 +294,12 @@ class Req:
         for span in self.images:
             ids[span.start : span.end] = [span.token] * span.length
         return ids
+
+    @property
+    def may_draft(self) -> bool:
+        """Its next tokens may be drafted and verified several at once: its sampling does not
+        follow the tokens before (penalties count them, a grammar's mask follows them)."""
+        return not self.params.has_penalties and self.matcher is None
 
     @property
     def all_ids(self) -> list[int]:

@@ -4,7 +4,9 @@ It lives on the server's event loop and is the only owner of requests, pages and
 cache; handlers talk to it through `submit` and `abort` and read their request's channel.
 
 On CUDA, steps overlap: step N+1 is planned and launched before step N's results are read
-(`ASERVE_DISABLE_OVERLAP=1` turns it off; on CPU a step is synchronous, so it is off there).
+(`ASERVE_DISABLE_OVERLAP=1` turns it off; on CPU a step is synchronous, so it is off there;
+speculative decoding turns it off too, as SGLang's n-gram decoding does: drafts are looked up
+in the tokens the step before sampled).
 A step whose sampling needs step N's tokens (a grammar's mask, penalties) is launched in two
 parts: its forward, then, once step N is read while that forward runs, its sampling.
 On CPU the forward runs on the loop's own thread, and handlers run between steps. Running it
@@ -115,7 +117,11 @@ class Scheduler:
         self._fatal: Exception | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.sampling_batches = SamplingBatches(self.vocab_size, engine.device, self.eos_ids)
-        self.overlap = engine.device.type == "cuda" and not os.environ.get("ASERVE_DISABLE_OVERLAP")
+        self.overlap = (
+            engine.device.type == "cuda"
+            and not os.environ.get("ASERVE_DISABLE_OVERLAP")
+            and config.speculative_algorithm is None
+        )
         window = step_timing_window(engine.device)
         self.timer = None if window is None else StepTimer(window)
         self.gpu_wait_share = 0.0
@@ -352,7 +358,10 @@ class Scheduler:
         behind it, and a CUDA event marks when they are there. A request that ended while
         the forward ran samples unconstrained (its token is discarded)."""
         planned = step.planned
-        sampling = self.sampling_batches.build(planned)
+        if planned.drafts is None:
+            sampling = self.sampling_batches.build(planned)
+        else:
+            sampling = self.sampling_batches.build_verify(planned)
         scoring = prompt_scoring(planned, self.engine.device)
         matchers = [
             r.matcher
@@ -360,6 +369,8 @@ class Scheduler:
             else None
             for r, keep in zip(planned.reqs, planned.samples)
         ]
+        if planned.drafts is not None:  # a request with a grammar drafts nothing
+            matchers = [m for m, n in zip(matchers, planned.extend_lens) for _ in range(n)]
         masks = self.token_masks.build(matchers)
         out = self.engine.sample(step.batch, step.logits, sampling, scoring, masks)
         self.planner.launched(planned)
@@ -435,32 +446,44 @@ class Scheduler:
     def _process_results(
         self, planned: ScheduledBatch, out: SampleOutput, next_ids: list[int], rows: Iterable[int]
     ) -> None:
+        verified = _verified(planned.drafts, next_ids) if planned.drafts is not None else None
         for i in rows:
             req, slot = planned.reqs[i], planned.output_slots[i]
             if slot < 0 or req.status is ReqStatus.FINISHED:
                 continue
-            token = next_ids[i]
+            first_row, tokens = (i, [next_ids[i]]) if verified is None else verified[i]
             # An aborted request keeps its token too: it ends at the next loop turn, and a
             # step launched before then may read its tokens (penalties count them).
-            req.output_ids[slot] = token
+            req.output_ids[slot] = tokens[0]
             if req.aborted:
                 continue
-            logprobs = (
-                (out.to_token_logprobs(i, req.params.top_logprobs),) if req.params.logprobs else ()
-            )
+            reason = None
+            for j, token in enumerate(tokens):
+                reason = self._finish_reason(req, token, slot + 1 + j)
+                if req.matcher is not None and reason is None:
+                    if req.grammar_after is None:
+                        reason = self._advance_matcher(req, token)
+                    elif token == req.grammar_after:  # the thinking has ended: the grammar starts
+                        req.grammar_after = None
+                if reason is not None:
+                    del tokens[j + 1 :]
+                    break
+            if len(tokens) > 1:
+                self.planner.accept(req, tokens[1:])
+                planned.accepted += len(tokens) - 1
+            logprobs = ()
+            if req.params.logprobs:
+                top = req.params.top_logprobs
+                logprobs = tuple(
+                    out.to_token_logprobs(first_row + j, top) for j in range(len(tokens))
+                )
             prompt = self._prompt_logprobs(req) if slot == 0 else ()
-            reason = self._finish_reason(req, token, slot + 1)
-            if req.matcher is not None and reason is None:
-                if req.grammar_after is None:
-                    reason = self._advance_matcher(req, token)
-                elif token == req.grammar_after:  # the thinking has ended: the grammar starts
-                    req.grammar_after = None
             if reason is None:
-                req.channel.put_nowait(ReqOutput((token,), logprobs, prompt_logprobs=prompt))
+                req.channel.put_nowait(ReqOutput(tuple(tokens), logprobs, prompt_logprobs=prompt))
                 continue
-            del req.output_ids[slot + 1 :]
+            del req.output_ids[slot + len(tokens) :]
             embedding = out.embeddings[i] if out.embeddings is not None else None
-            self._finish(req, reason, None, (token,), logprobs, prompt, embedding)
+            self._finish(req, reason, None, tuple(tokens), logprobs, prompt, embedding)
 
     @staticmethod
     def _record_prompt_logprobs(planned: ScheduledBatch, out: SampleOutput) -> None:
@@ -553,3 +576,20 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         self.planner.check_integrity()
+
+
+def _verified(drafts: list[list[int]], next_ids: list[int]) -> list[tuple[int, list[int]]]:
+    """A verify step's tokens for each request, with the logits row of the first: its
+    samples up to the first whose draft it differs from (that one included). Each sample is
+    the token decoding would have taken after the drafts before it, so while they agree
+    the drafts were right."""
+    verified = []
+    row = 0
+    for drafted in drafts:
+        sampled = next_ids[row : row + 1 + len(drafted)]
+        kept = 1
+        while kept <= len(drafted) and sampled[kept - 1] == drafted[kept - 1]:
+            kept += 1
+        verified.append((row, sampled[:kept]))
+        row += 1 + len(drafted)
+    return verified

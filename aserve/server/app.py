@@ -88,13 +88,16 @@ class Server:
         snapshot = self.state.snapshot()
         self.metrics.update_scheduler(snapshot)
         if planned.mode is ForwardMode.DECODE:
+            size = len(planned.reqs)
             if self.runtime is not None:
-                self.state.pace.on_decode_step(
-                    len(planned.reqs), self.runtime.scheduler.gpu_wait_share
-                )
+                self.state.pace.on_decode_step(size, self.runtime.scheduler.gpu_wait_share)
             graphs = self.runtime.engine.graphs if self.runtime is not None else None
-            replayed = graphs is not None and len(planned.reqs) <= graphs.max_batch_size
-            self.stats.on_step("decode", snapshot, seconds, len(planned.reqs), cuda_graph=replayed)
+            rows = sum(planned.extend_lens)  # a verify step's drafts are rows too
+            replayed = graphs is not None and rows <= graphs.max_batch_size
+            generated = size + planned.accepted
+            self.stats.on_step(
+                "decode", snapshot, seconds, generated, cuda_graph=replayed, requests=size
+            )
             return
         admitted = newly_admitted(planned)
         self.stats.on_step(

@@ -112,6 +112,8 @@ def scheduler_snapshot(scheduler: Scheduler) -> SchedulerSnapshot:
         retractions_total=planner.num_retractions,
         used_window_tokens=used_window,
         total_window_tokens=total_window,
+        draft_tokens_total=planner.draft_tokens,
+        accepted_draft_tokens_total=planner.accepted_draft_tokens,
     )
 
 
