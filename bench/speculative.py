@@ -7,9 +7,11 @@ all in one process, engines alternating.
 
 Two kinds of prompt: `quote` ones, whose answers copy from the prompt (fix a text's
 spelling, rename a function in code, answer from a passage), where drafts should help, and
-`open` ones (a story, an explanation), where they mostly should not. aserve's greedy tokens
-with drafts must be those without (checked); each prompt's llama.cpp runs make exactly as
-many tokens as aserve's did, so every engine's token total is the same. The figure is
+`open` ones (a story, an explanation), where they mostly should not. A first aserve run
+without drafts sets each prompt's reply length (to its stop token or `--max-tokens`); every
+timed run of every engine then makes exactly that many tokens, so the token totals are the
+same. On a CPU aserve's greedy tokens with drafts must be those without (checked); on a GPU
+the share of them as decoding's is printed (16-bit products round by batch shape). The figure is
 milliseconds a token over the whole reply, prefill included.
 
     python bench/speculative.py                      # the embedded SmolLM2-135M on CPU
@@ -112,11 +114,19 @@ class AserveRunner:
                 "speculative_ngram_max_match_window_size": args.max_match,
             }
         self.llm = LLM(args.model, dtype=args.dtype, **options)
-        self.params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+        self.max_tokens = args.max_tokens
 
-    def run(self, prompts: list[list[int]]) -> tuple[list[list[int]], float]:
+    def run(
+        self, prompts: list[list[int]], lengths: list[int] | None = None
+    ) -> tuple[list[list[int]], float]:
+        """Replies up to the stop token or `max_tokens`, or exactly `lengths` long."""
+        params = [SamplingParams(temperature=0.0, max_tokens=self.max_tokens)] * len(prompts)
+        if lengths is not None:
+            params = [
+                SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths
+            ]
         started = time.perf_counter()
-        outputs = [self.llm.generate([p], self.params)[0].token_ids for p in prompts]
+        outputs = [self.llm.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
         return outputs, time.perf_counter() - started
 
     def counters(self) -> tuple[int, int]:
@@ -230,6 +240,14 @@ class TransformersRunner:
         return outputs, time.perf_counter() - started
 
 
+def shared_share(outputs: list[list[int]], reference: list[list[int]]) -> float:
+    """The share of tokens before each reply's first difference from the reference's."""
+    shared = 0
+    for ours, theirs in zip(outputs, reference, strict=True):
+        shared += next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(ours))
+    return shared / sum(map(len, reference))
+
+
 def counted(peer: object) -> bool:
     """A peer whose drafts this benchmark counts (llama.cpp's, drafted here)."""
     return isinstance(peer, LlamaCppRunner) and peer.drafter is not None
@@ -243,6 +261,11 @@ def main() -> None:
     args = parse_args()
     args.model = args.model or embedded_model()
     plain, drafting = AserveRunner(args, False), AserveRunner(args, True)
+    # The CPU's kernels give a row the same bits whatever the rows beside it, so drafting
+    # must not change a greedy token there; GPU products in 16 bits round by batch shape
+    # (a cached prefix moves them too), and a near tie may then part the replies.
+    engine = plain.llm.runtime.engine
+    exact = engine.device.type == "cpu"
     tokenizer = plain.llm.runtime.tokenizer
     assert tokenizer is not None
     prompts = {
@@ -274,21 +297,26 @@ def main() -> None:
         lengths = [len(out) for out in reference]
         tokens = sum(lengths)
         engines: dict[str, Callable[[], tuple[list[list[int]], float]]] = {
-            "aserve": partial(plain.run, ids),
-            "aserve ngram": partial(drafting.run, ids),
+            "aserve": partial(plain.run, ids, lengths),
+            "aserve ngram": partial(drafting.run, ids, lengths),
         }
         for name, peer in peers.items():
             engines[name] = partial(peer.run, ids, lengths)
         seconds: dict[str, list[float]] = {name: [] for name in engines}
         before = {"aserve ngram": drafting.counters()}
         before.update({name: (p.drafted, p.accepted) for name, p in peers.items() if counted(p)})
+        same = []
         for _ in range(args.repeat):
+            made = {}
             for name, run in engines.items():
-                outputs, took = run()
-                assert sum(map(len, outputs)) == tokens, f"{name} made other lengths"
-                if name == "aserve ngram":
-                    assert outputs == reference, "greedy tokens changed with drafts"
+                made[name], took = run()
+                assert sum(map(len, made[name])) == tokens, f"{name} made other lengths"
                 seconds[name].append(took)
+            same.append(shared_share(made["aserve ngram"], made["aserve"]))
+        if exact:
+            assert same == [1.0] * args.repeat, f"greedy tokens changed with drafts: {same}"
+        else:
+            print(f"{kind}: tokens as decoding's (before the first difference): {same}")
         after = {"aserve ngram": drafting.counters()}
         after.update({name: (p.drafted, p.accepted) for name, p in peers.items() if counted(p)})
         for name, runs in seconds.items():
