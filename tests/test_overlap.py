@@ -183,3 +183,32 @@ def test_random_aborts_spare_every_other_request(
                 assert tokens == expected[: len(tokens)]
     scheduler.check_integrity()
     assert (scheduler.planner.num_retractions > 0) == bool(pool)
+
+
+def test_overlap_with_speculative_decoding(make_llm: Callable[..., LLM], tiny: Path) -> None:
+    """Steps where no request may draft (its drafts kept missing) overlap; a step after a
+    verify step, or where a request may draft, waits for the one before."""
+    plain, overlapped = both(make_llm, tiny)
+    drafting = make_llm(tiny, speculative_algorithm="ngram")
+    drafting.scheduler.overlap = True
+    overlapped_steps: list[bool] = []
+    pending_then = drafting.scheduler._overlaps
+
+    def noted(pending: object) -> bool:
+        answer = pending_then(pending)  # type: ignore[arg-type]
+        overlapped_steps.append(answer)
+        return answer
+
+    drafting.scheduler._overlaps = noted  # type: ignore[method-assign]
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=5, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=1.2),
+        SamplingParams(temperature=0, max_tokens=12),
+    ]
+    expected = results(plain, params)
+    assert results(overlapped, params) == expected
+    assert results(drafting, params) == expected
+    planner = drafting.scheduler.planner
+    assert planner.draft_tokens > planner.accepted_draft_tokens > 0
+    assert any(overlapped_steps) and not all(overlapped_steps)

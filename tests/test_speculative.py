@@ -231,6 +231,37 @@ def test_the_planner_drafts_within_each_request_s_limits() -> None:
     assert planner.draft_tokens == 4 and planner.accepted_draft_tokens == 2
 
 
+def test_a_request_whose_drafts_miss_pauses_drafting() -> None:
+    planner = make_planner(speculative_num_draft_tokens=2)
+    req = decoding_request(1, [1, 2, 3, 1, 2], SamplingParams(max_tokens=30))
+    planner.add(req)
+    step = planner.schedule()
+    assert step is not None
+    planner.complete(step, [3])
+    pauses = []
+    for _ in range(4):  # every verify step takes none of its drafts
+        assert planner.may_draft()
+        step = planner.schedule()
+        assert step is not None and step.drafts is not None and step.drafts[0]
+        planner.launched(step)
+        req.output_ids[-1] = 9
+        planner.accept(req, [])
+        pauses.append(req.draft_pause)
+        while req.draft_pause:  # plain decode steps meanwhile
+            assert not planner.may_draft()
+            plain = planner.schedule()
+            assert plain is not None and plain.drafts is None
+            planner.complete(plain, [3])
+        # the last token 3 again: it occurred before, with tokens after it
+        req.output_ids[-1] = 3
+    assert pauses == [1, 2, 4, 8]
+    step = planner.schedule()
+    assert step is not None and step.drafts
+    planner.launched(step)
+    planner.accept(req, [step.drafts[0][0]])  # a hit: drafting goes on at once
+    assert req.draft_pause == 0 and req.draft_misses == 0
+
+
 def test_no_drafts_anywhere_plans_a_plain_decode_step() -> None:
     planner = make_planner()
     req = decoding_request(1, [1, 2, 3], SamplingParams(max_tokens=20))

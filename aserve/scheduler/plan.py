@@ -28,6 +28,7 @@ from aserve.scheduler.request import FinishReason, Req, ReqStatus
 from aserve.speculative.ngram import NgramIndex
 
 PENDING_TOKEN = -1
+MAX_DRAFT_PAUSE = 8  # steps a request whose drafts keep missing goes without (`accept`)
 SCORED_ROWS_PER_STEP = 1024
 """Prompt positions of requests asking for prompt logprobs that one step computes logits at:
 each is a float32 row of the vocabulary (1,024 x 152k is 0.6 GB), so their chunks are cut
@@ -261,6 +262,13 @@ class Planner:
             ForwardMode.DECODE, reqs, [1] * size, [True] * size, starts, [0] * size
         )
 
+    def may_draft(self) -> bool:
+        """Some decoding request may draft in the next step (speculative decoding): the step
+        in flight must be read first, for its tokens."""
+        return self.config.speculative_algorithm is not None and any(
+            r.decoding and not r.draft_pause and r.may_draft for r in self.running
+        )
+
     def _draft(self, reqs: list[Req]) -> list[list[int]]:
         """Each request's drafted tokens (speculative decoding), within its length limits,
         the step's token budget and the pages free: a request short of pages for its drafts
@@ -275,7 +283,11 @@ class Planner:
                 req.max_total_len - req.total_len - 1,
                 budget,
             )
-            draft = self._lookup(req, room) if room > 0 and req.may_draft else []
+            draft = []
+            if req.draft_pause:
+                req.draft_pause -= 1
+            elif room > 0 and req.may_draft and req.output_ids[-1] != PENDING_TOKEN:
+                draft = self._lookup(req, room)
             if draft and not self._grow(req, req.total_len + len(draft)):
                 draft = []
             budget -= len(draft)
@@ -332,11 +344,17 @@ class Planner:
                 req.output_ids[slot] = token
 
     def accept(self, req: Req, tokens: list[int]) -> None:
-        """A verify step's tokens after the first (already in the output slot that launch
-        made): their drafts' KV, computed by the step, now counts."""
+        """A verify step's result for a request that drafted: `tokens` are its drafts the
+        model agreed with, which follow the step's first token (already in the output slot
+        that launch made); their KV, computed by the step, now counts. A request none of
+        whose drafts are taken drafts nothing for its next 1, 2, 4, then 8 steps while that
+        goes on: each draft costs a verify row (on a CPU ~15% of a one-token step each)."""
         req.output_ids.extend(tokens)
         req.cached_len += len(tokens)
         self.accepted_draft_tokens += len(tokens)
+        req.draft_misses = 0 if tokens else req.draft_misses + 1
+        if req.draft_misses:
+            req.draft_pause = min(2 ** (req.draft_misses - 1), MAX_DRAFT_PAUSE)
 
     def _release(self, req: Req) -> None:
         """Hand the request's computed whole pages to the prefix cache, free the rest."""

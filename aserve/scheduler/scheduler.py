@@ -4,9 +4,11 @@ It lives on the server's event loop and is the only owner of requests, pages and
 cache; handlers talk to it through `submit` and `abort` and read their request's channel.
 
 On CUDA, steps overlap: step N+1 is planned and launched before step N's results are read
-(`ASERVE_DISABLE_OVERLAP=1` turns it off; on CPU a step is synchronous, so it is off there;
-speculative decoding turns it off too, as SGLang's n-gram decoding does: drafts are looked up
-in the tokens the step before sampled).
+(`ASERVE_DISABLE_OVERLAP=1` turns it off; on CPU a step is synchronous, so it is off there).
+With speculative decoding a step waits for the one before whenever a request may draft:
+drafts are looked up in the tokens it sampled, and how many of its drafts it accepts moves
+where the next step starts. Steps where no request drafts (their drafts kept missing) still
+overlap.
 A step whose sampling needs step N's tokens (a grammar's mask, penalties) is launched in two
 parts: its forward, then, once step N is read while that forward runs, its sampling.
 On CPU the forward runs on the loop's own thread, and handlers run between steps. Running it
@@ -117,11 +119,7 @@ class Scheduler:
         self._fatal: Exception | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.sampling_batches = SamplingBatches(self.vocab_size, engine.device, self.eos_ids)
-        self.overlap = (
-            engine.device.type == "cuda"
-            and not os.environ.get("ASERVE_DISABLE_OVERLAP")
-            and config.speculative_algorithm is None
-        )
+        self.overlap = engine.device.type == "cuda" and not os.environ.get("ASERVE_DISABLE_OVERLAP")
         window = step_timing_window(engine.device)
         self.timer = None if window is None else StepTimer(window)
         self.gpu_wait_share = 0.0
@@ -259,7 +257,7 @@ class Scheduler:
             while not self._stopping:
                 self._check_fatal()
                 self._apply_aborts()
-                if pending is not None and not self.overlap:
+                if pending is not None and not self._overlaps(pending):
                     await self._finish_step(pending, on_step)
                     pending = None
                 if pending is not None and pending.halfway is not None:
@@ -310,6 +308,11 @@ class Scheduler:
             raise
         finally:
             self._abort_everything()
+
+    def _overlaps(self, pending: InFlight) -> bool:
+        """The next step may be planned while `pending` runs: not after a verify step (where
+        each request goes on depends on what it accepts), nor while a request may draft."""
+        return self.overlap and pending.planned.drafts is None and not self.planner.may_draft()
 
     async def _idle(self) -> None:
         """Wait for work. While FlashInfer's modules still build (a server made ready before
@@ -468,7 +471,7 @@ class Scheduler:
                 if reason is not None:
                     del tokens[j + 1 :]
                     break
-            if len(tokens) > 1:
+            if planned.drafts is not None and planned.drafts[i]:
                 self.planner.accept(req, tokens[1:])
                 planned.accepted += len(tokens) - 1
             logprobs = ()
