@@ -182,6 +182,47 @@ def render_embed(lines: list[dict]) -> str:
     return EMBED_HEADER + "\n".join(rows) + "\n" if rows else ""
 
 
+SPECULATIVE_HEADER = """
+## Speculative decoding
+
+From `python bench/speculative.py`: one stream, greedy, the same chat prompts one at a time,
+milliseconds a token over each whole reply (prefill included), the median of the runs; every
+engine of a row makes the same tokens in total. `quote` prompts' replies copy from the
+prompt, `open` ones' do not. Each engine without drafts, then with n-gram drafts (aserve's
+`--speculative-algorithm ngram`, the peer's own prompt lookup), and the share of drafted
+tokens accepted where counted.
+
+| date | model | device | commit | prompts | tokens | drafts | aserve ms/token | aserve ngram \
+| accepted | peer | peer ms/token | peer lookup | note |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
+"""
+
+
+def render_speculative(lines: list[dict]) -> str:
+    runs: dict[tuple[str, str], dict[str, dict]] = {}
+    for x in lines:
+        runs.setdefault((x["run_id"], x["settings"]["prompts"]), {})[x["engine"]] = x
+    rows = []
+    for (_, prompts), engines in runs.items():
+        plain, drafting = engines["aserve"], engines["aserve ngram"]
+        peers = [name for name in engines if not name.startswith("aserve")]
+        peer = min(peers, key=len) if peers else None
+        lookup = next((n for n in peers if n != peer), None)
+
+        def ms(name: str | None, engines: dict[str, dict] = engines) -> str:
+            return f"{engines[name]['ms_per_token']:.2f}" if name else "-"
+
+        share = drafting.get("accepted_share")
+        rows.append(
+            f"| {plain['date']} | {plain['model']} | {plain['device']} | {plain['commit']} | "
+            f"{prompts} | {plain['output_tokens']} | "
+            f"{plain['settings']['num_draft_tokens']} | {ms('aserve')} | {ms('aserve ngram')} | "
+            f"{'-' if share is None else f'{share:.0%}'} | {peer or '-'} | {ms(peer)} | "
+            f"{ms(lookup)} | {plain.get('note', '')} |"
+        )
+    return SPECULATIVE_HEADER + "\n".join(rows) + "\n" if rows else ""
+
+
 TRACE_HEADER = """
 ## Decode trace
 
@@ -271,10 +312,12 @@ def main() -> None:
     perplexity = [x for x in lines if x["bench"] == "perplexity"]
     startup = [x for x in lines if x["bench"] == "startup"]
     embed = [x for x in lines if x["bench"] == "embed"]
+    speculative = [x for x in lines if x["bench"] == "speculative"]
     text = (
         render(offline)
         + render_latency(latency)
         + render_embed(embed)
+        + render_speculative(speculative)
         + render_perplexity(perplexity)
         + render_trace(trace)
         + render_serving(serving)
