@@ -231,6 +231,23 @@ def test_the_planner_drafts_within_each_request_s_limits() -> None:
     assert planner.draft_tokens == 4 and planner.accepted_draft_tokens == 2
 
 
+def test_a_verify_step_takes_at_most_max_verify_rows() -> None:
+    """On CUDA the largest decode graph: a bigger verify step would run eagerly."""
+    planner = make_planner(speculative_num_draft_tokens=3)
+    planner.max_verify_rows = 6
+    reqs = [
+        decoding_request(i, [1, 2, 3, 4, 1, 2], SamplingParams(max_tokens=20)) for i in (1, 2, 3)
+    ]
+    for req in reqs:
+        planner.add(req)
+    first = planner.schedule()
+    assert first is not None
+    planner.complete(first, [3, 3, 3])
+    batch = planner.schedule()
+    assert batch is not None and batch.drafts == [[4, 1, 2], [], []]
+    assert sum(batch.extend_lens) == 6
+
+
 def test_a_request_whose_drafts_miss_pauses_drafting() -> None:
     planner = make_planner(speculative_num_draft_tokens=2)
     req = decoding_request(1, [1, 2, 3, 1, 2], SamplingParams(max_tokens=30))

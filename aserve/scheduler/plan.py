@@ -45,9 +45,9 @@ class ScheduledBatch:
     launch).
 
     A verify step (`drafts` set; speculative decoding) runs each decoding request's last
-    token and `drafts[i]` after it as one chunk and samples at every one of its positions:
-    the token after each draft is what decoding would have sampled there, so the drafts
-    up to the first that differs from it are accepted, and the sample after them too."""
+    token and `drafts[i]` after it as decode rows (`batch.step_spec`) and samples every
+    row: the sample after each draft is what decoding would have taken there, so the drafts
+    up to the first that differs from its sample are accepted, and that sample too."""
 
     mode: ForwardMode
     reqs: list[Req]
@@ -84,6 +84,9 @@ class Planner:
         self.prompt_tokens_cached = 0
         self.draft_tokens = 0
         self.accepted_draft_tokens = 0
+        # rows a verify step may take: on CUDA the largest decode graph (the scheduler sets
+        # it), past which a step would run eagerly
+        self.max_verify_rows = config.max_prefill_length
 
     def add(self, req: Req) -> None:
         self.waiting.append(req)
@@ -271,10 +274,10 @@ class Planner:
 
     def _draft(self, reqs: list[Req]) -> list[list[int]]:
         """Each request's drafted tokens (speculative decoding), within its length limits,
-        the step's token budget and the pages free: a request short of pages for its drafts
-        (or whose sampling follows its tokens: penalties, a grammar) drafts none."""
+        the step's rows (`max_verify_rows`) and the pages free: a request short of pages for
+        its drafts (or whose sampling follows its tokens: penalties, a grammar) drafts none."""
         config = self.config
-        budget = config.max_prefill_length - len(reqs)
+        budget = self.max_verify_rows - len(reqs)
         drafts: list[list[int]] = []
         for req in reqs:
             room = min(

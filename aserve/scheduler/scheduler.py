@@ -109,6 +109,8 @@ class Scheduler:
             self.window = SlidingWindow(window_allocator, engine.kv_window)
         self.cache = make_prefix_cache(config.cache_type, self.allocator, self.window)
         self.planner = Planner(config, self.allocator, self.cache, engine.page_table, self.window)
+        if engine.graphs is not None:
+            self.planner.max_verify_rows = engine.graphs.max_batch_size
         self.eos_ids = frozenset(engine.model_config.eos_token_ids)
         self.vocab_size = engine.model_config.vocab_size
         self.max_seq_len = engine.max_seq_len
