@@ -73,8 +73,8 @@ def test_greedy_tokens_and_logprobs_are_decoding_s(make_llm: Callable[..., LLM])
         assert len(ours.logprobs) == len(ours.token_ids)
         for a, b in zip(ours.logprobs, theirs.logprobs):
             assert a.token_id == b.token_id
-            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
-            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            # the CPU's kernels give a row the same bits whatever rows are beside it
+            assert (a.logprob, a.top) == (b.logprob, b.top)
     planner = drafting.scheduler.planner
     assert planner.draft_tokens > 0 and accepted(drafting) > 10  # the copy is drafted well
     assert plain.scheduler.planner.draft_tokens == 0
