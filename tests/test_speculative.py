@@ -117,21 +117,67 @@ def test_stop_tokens_and_lengths_cut_the_accepted_drafts(make_llm: Callable[...,
     assert accepted(drafting) > 0
 
 
-def test_requests_whose_sampling_follows_their_tokens_draft_nothing(
+RECORD = '{"name": "lighthouse", "year": 1872, "keepers": 3, "automated": true}'
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "year": {"type": "integer"},
+        "keepers": {"type": "integer"},
+        "automated": {"type": "boolean"},
+    },
+    "required": ["name", "year", "keepers", "automated"],
+}
+
+
+def test_grammars_take_the_drafts_they_allow_and_penalties_none(
     make_llm: Callable[..., LLM],
 ) -> None:
-    """Penalties and grammars decode one token a step, beside requests that draft."""
+    """A constrained request drafts as far as its grammar allows and each verify row is
+    masked as the grammar stands after the drafts before it; a penalised one decodes one
+    token a step beside requests that draft."""
     plain, drafting = make_llm(), make_llm(**NGRAM)
     prompts = chat_ids(plain)
+    tokenizer = plain.runtime.tokenizer
+    assert tokenizer is not None
+    copy = f"Write this JSON again, exactly as it is:\n{RECORD}"
+    prompts.append(tokenizer.apply_chat_template([{"role": "user", "content": copy}]))
     params = [
         SamplingParams(temperature=0, max_tokens=50, repetition_penalty=1.3),
         SamplingParams(temperature=0, max_tokens=50),
         SamplingParams(temperature=0, max_tokens=40, regex="(yes|no), [a-z ]{5,30}"),
+        SamplingParams(temperature=0, max_tokens=60, json_schema=SCHEMA),
     ]
     want = [o.token_ids for o in generate(plain, prompts, params)]
-    got = [o.token_ids for o in generate(drafting, prompts, params)]
-    assert got == want
+    assert [o.token_ids for o in generate(drafting, prompts, params)] == want
     assert accepted(drafting) > 0
+    # the JSON reply alone: its drafts come through its grammar's masks
+    alone = make_llm(**NGRAM)
+    reply = generate(alone, prompts[3:], params[3:])[0]
+    assert reply.token_ids == want[3] and reply.finish_reason == "stop"
+    assert accepted(alone) > 5
+    assert reply.text.startswith("{") and '"year": 1872' in reply.text
+
+
+def test_drafts_stop_where_a_grammar_stops_allowing_them() -> None:
+    import xgrammar
+
+    from aserve.constrained.grammar import new_matcher
+    from aserve.scheduler.plan import grammar_allowed
+
+    info = xgrammar.TokenizerInfo([f"t{i}" for i in range(8)] + ["a", "b", "c"], stop_token_ids=[7])
+    grammar = xgrammar.GrammarCompiler(info).compile_regex("a+bc")
+    req = Req(rid=1, prompt_ids=[1], params=SamplingParams(), seed=0)
+    req.matcher = new_matcher(grammar)
+    assert req.matcher.accept_token(8)  # "a" so far
+    assert grammar_allowed(req, [8, 8, 9, 10, 8]) == [8, 8, 9, 10]  # "aabc", then nothing
+    assert grammar_allowed(req, [9, 9]) == [9]
+    assert grammar_allowed(req, [10]) == []
+    assert grammar_allowed(req, [9, 10, 7, 8]) == [9, 10]  # a stop token: sampled, not drafted
+    assert req.matcher.accept_token(9)  # the matcher stands where it stood: after "a"
+    thinking = Req(rid=2, prompt_ids=[1], params=SamplingParams(), seed=0)
+    thinking.matcher, thinking.grammar_after = new_matcher(grammar), 6
+    assert grammar_allowed(thinking, [1, 2, 6, 8]) == [1, 2]
 
 
 def test_prefix_hits_chunks_and_a_small_pool_change_nothing(

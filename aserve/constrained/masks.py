@@ -58,6 +58,37 @@ class TokenMasks:
             )
         return masks
 
+    def build_verify(self, matchers: list[Any], drafts: list[list[int]]) -> StepMasks | None:
+        """A verify step's masks (speculative decoding): request i's rows, its last token
+        then each of `drafts[i]`, where its matcher is not None, each masked as the matcher
+        stands after the drafts before that row (which its grammar allows: the planner
+        keeps only such drafts). The matchers are rolled back to where they were."""
+        rows: list[int] = []
+        first = 0
+        for matcher, drafted in zip(matchers, drafts, strict=True):
+            if matcher is not None:
+                rows.extend(range(first, first + 1 + len(drafted)))
+            first += 1 + len(drafted)
+        if not rows:
+            return None
+        n = len(rows)
+        buffer = torch.empty(n * self.words + n, dtype=torch.int32, pin_memory=self.pinned)
+        masks = StepMasks(buffer, n, self.words)
+        masks.rows.copy_(torch.tensor(rows, dtype=torch.int32))
+        index = 0
+        for matcher, drafted in zip(matchers, drafts):
+            if matcher is None:
+                continue
+            for token in drafted:
+                matcher.fill_next_token_bitmask(masks.bitmask, index)
+                index += 1
+                matcher.accept_token(token)
+            matcher.fill_next_token_bitmask(masks.bitmask, index)
+            index += 1
+            if drafted:
+                matcher.rollback(len(drafted))
+        return masks
+
     def _batch_matcher(self) -> Any:
         if self._batch is None:
             import xgrammar

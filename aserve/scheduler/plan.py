@@ -274,8 +274,8 @@ class Planner:
 
     def _draft(self, reqs: list[Req]) -> list[list[int]]:
         """Each request's drafted tokens (speculative decoding), within its length limits,
-        the step's rows (`max_verify_rows`) and the pages free: a request short of pages for
-        its drafts (or whose sampling follows its tokens: penalties, a grammar) drafts none."""
+        the step's rows (`max_verify_rows`), the pages free and its grammar: a request short
+        of pages for its drafts (or with penalties, which count every token) drafts none."""
         config = self.config
         budget = self.max_verify_rows - len(reqs)
         drafts: list[list[int]] = []
@@ -291,6 +291,8 @@ class Planner:
                 req.draft_pause -= 1
             elif room > 0 and req.may_draft and req.output_ids[-1] != PENDING_TOKEN:
                 draft = self._lookup(req, room)
+                if draft and req.matcher is not None:
+                    draft = grammar_allowed(req, draft)
             if draft and not self._grow(req, req.total_len + len(draft)):
                 draft = []
             budget -= len(draft)
@@ -420,6 +422,27 @@ class Planner:
                 list(self.cache.owned_window_pages()),
                 self.owned_window_pages(),
             )
+
+
+def grammar_allowed(req: Req, draft: list[int]) -> list[int]:
+    """The drafts' longest run that the request's grammar allows from where it stands, up
+    to a token that would end it (a stop token ends the reply: it is sampled, not drafted,
+    and no row after it could be masked). The matcher is left as it was. A request still
+    thinking before its grammar starts drafts up to the token that starts it, likewise."""
+    if req.grammar_after is not None:
+        return draft[: draft.index(req.grammar_after)] if req.grammar_after in draft else draft
+    matcher = req.matcher
+    taken = allowed = 0
+    for token in draft:
+        if not matcher.accept_token(token):
+            break
+        taken += 1
+        if matcher.is_terminated():
+            break
+        allowed += 1
+    if taken:
+        matcher.rollback(taken)
+    return draft[:allowed]
 
 
 def _check_pages(what: str, allocator: PageAllocator, cached: list[int], owned: list[int]) -> None:

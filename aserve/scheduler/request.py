@@ -299,9 +299,10 @@ class Req:
 
     @property
     def may_draft(self) -> bool:
-        """Its next tokens may be drafted and verified several at once: its sampling does not
-        follow the tokens before (penalties count them, a grammar's mask follows them)."""
-        return not self.params.has_penalties and self.matcher is None
+        """Its next tokens may be drafted and verified several at once: no penalties, which
+        count every token before the one they sample (a grammar's mask is built for each
+        verify row from the drafts before it: `TokenMasks.build_verify`)."""
+        return not self.params.has_penalties
 
     @property
     def all_ids(self) -> list[int]:

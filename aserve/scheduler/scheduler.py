@@ -374,9 +374,10 @@ class Scheduler:
             else None
             for r, keep in zip(planned.reqs, planned.samples)
         ]
-        if planned.drafts is not None:  # a request with a grammar drafts nothing
-            matchers = [m for m, n in zip(matchers, planned.extend_lens) for _ in range(n)]
-        masks = self.token_masks.build(matchers)
+        if planned.drafts is None:
+            masks = self.token_masks.build(matchers)
+        else:
+            masks = self.token_masks.build_verify(matchers, planned.drafts)
         out = self.engine.sample(step.batch, step.logits, sampling, scoring, masks)
         self.planner.launched(planned)
         if self.engine.device.type != "cuda":
