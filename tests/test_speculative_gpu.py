@@ -20,6 +20,16 @@ pytestmark = [
 ]
 NGRAM = {"speculative_algorithm": "ngram"}
 PASSAGE = "A heron stood in the reeds at dawn. It waited, still as a post, for the fish below."
+RECORD = '{"name": "heron", "legs": 2, "wading": true}'
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "legs": {"type": "integer"},
+        "wading": {"type": "boolean"},
+    },
+    "required": ["name", "legs", "wading"],
+}
 CHATS = [f"Repeat this text exactly:\n{PASSAGE}", f"{PASSAGE}\nWhat did the heron wait for?"]
 REPEATING = [
     [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],
@@ -32,11 +42,14 @@ REPEATING = [
 def test_embedded_model_float32_tokens_as_the_cpu_s_without_drafts(
     make_llm: Callable[..., LLM], smollm2_dir: Path
 ) -> None:
+    """Also a JSON schema's reply, whose verify rows take masks applied on the GPU."""
     cpu = make_llm(smollm2_dir, device="cpu", quantization="none")
     tokenizer = cpu.tokenizer
     assert tokenizer is not None
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
-    params = SamplingParams(temperature=0, max_tokens=64)
+    chats = [*CHATS, f"Write this JSON again, exactly as it is:\n{RECORD}"]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in chats]
+    params = [SamplingParams(temperature=0, max_tokens=64)] * len(CHATS)
+    params.append(SamplingParams(temperature=0, max_tokens=60, json_schema=SCHEMA))
     want = [o.token_ids for o in cpu.generate(prompts, params)]
     gpu = make_llm(smollm2_dir, device="cuda", dtype="float32", quantization="none", **NGRAM)
     assert [o.token_ids for o in gpu.generate(prompts, params)] == want
