@@ -39,17 +39,20 @@ REPEATING = [
 ]
 
 
+@pytest.mark.parametrize("constrained", [False, True], ids=["text", "with-json-schema"])
 def test_embedded_model_float32_tokens_as_the_cpu_s_without_drafts(
-    make_llm: Callable[..., LLM], smollm2_dir: Path
+    make_llm: Callable[..., LLM], smollm2_dir: Path, constrained: bool
 ) -> None:
-    """Also a JSON schema's reply, whose verify rows take masks applied on the GPU."""
+    """With a JSON schema's reply too, whose verify rows take masks applied on the GPU."""
+    chats, params = list(CHATS), [SamplingParams(temperature=0, max_tokens=64)] * len(CHATS)
+    if constrained:
+        pytest.importorskip("xgrammar", reason="constrained output needs xgrammar")
+        chats.append(f"Write this JSON again, exactly as it is:\n{RECORD}")
+        params.append(SamplingParams(temperature=0, max_tokens=60, json_schema=SCHEMA))
     cpu = make_llm(smollm2_dir, device="cpu", quantization="none")
     tokenizer = cpu.tokenizer
     assert tokenizer is not None
-    chats = [*CHATS, f"Write this JSON again, exactly as it is:\n{RECORD}"]
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in chats]
-    params = [SamplingParams(temperature=0, max_tokens=64)] * len(CHATS)
-    params.append(SamplingParams(temperature=0, max_tokens=60, json_schema=SCHEMA))
     want = [o.token_ids for o in cpu.generate(prompts, params)]
     gpu = make_llm(smollm2_dir, device="cuda", dtype="float32", quantization="none", **NGRAM)
     assert [o.token_ids for o in gpu.generate(prompts, params)] == want
