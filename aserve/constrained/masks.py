@@ -46,11 +46,8 @@ class TokenMasks:
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return None
-        n = len(rows)
-        buffer = torch.empty(n * self.words + n, dtype=torch.int32, pin_memory=self.pinned)
-        masks = StepMasks(buffer, n, self.words)
-        masks.rows.copy_(torch.tensor(rows, dtype=torch.int32))
-        if n == 1:
+        masks = self._masks_of(rows)
+        if len(rows) == 1:
             matchers[rows[0]].fill_next_token_bitmask(masks.bitmask, 0)
         else:
             self._batch_matcher().batch_fill_next_token_bitmask(
@@ -71,10 +68,7 @@ class TokenMasks:
             first += 1 + len(drafted)
         if not rows:
             return None
-        n = len(rows)
-        buffer = torch.empty(n * self.words + n, dtype=torch.int32, pin_memory=self.pinned)
-        masks = StepMasks(buffer, n, self.words)
-        masks.rows.copy_(torch.tensor(rows, dtype=torch.int32))
+        masks = self._masks_of(rows)
         index = 0
         for matcher, drafted in zip(matchers, drafts):
             if matcher is None:
@@ -87,6 +81,14 @@ class TokenMasks:
             index += 1
             if drafted:
                 matcher.rollback(len(drafted))
+        return masks
+
+    def _masks_of(self, rows: list[int]) -> StepMasks:
+        """Unfilled masks for batch rows `rows`."""
+        n = len(rows)
+        buffer = torch.empty(n * self.words + n, dtype=torch.int32, pin_memory=self.pinned)
+        masks = StepMasks(buffer, n, self.words)
+        masks.rows.copy_(torch.tensor(rows, dtype=torch.int32))
         return masks
 
     def _batch_matcher(self) -> Any:
