@@ -211,4 +211,10 @@ def test_overlap_with_speculative_decoding(make_llm: Callable[..., LLM], tiny: P
     assert results(drafting, params) == expected
     planner = drafting.scheduler.planner
     assert planner.draft_tokens > planner.accepted_draft_tokens > 0
+    assert not all(overlapped_steps)
+    # one request alone, whose drafts miss more often than not: paused, it overlaps
+    overlapped_steps.clear()
+    alone = [SamplingParams(temperature=0.9, seed=1, max_tokens=60, ignore_eos=True)]
+    want = [o.token_ids for o in plain.generate(PROMPTS[3:], alone)]
+    assert [o.token_ids for o in drafting.generate(PROMPTS[3:], alone)] == want
     assert any(overlapped_steps) and not all(overlapped_steps)

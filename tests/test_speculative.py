@@ -130,12 +130,10 @@ SCHEMA = {
 }
 
 
-def test_grammars_take_the_drafts_they_allow_and_penalties_none(
-    make_llm: Callable[..., LLM],
-) -> None:
+def test_grammars_and_penalties_with_drafts(make_llm: Callable[..., LLM]) -> None:
     """A constrained request drafts as far as its grammar allows and each verify row is
-    masked as the grammar stands after the drafts before it; a penalised one decodes one
-    token a step beside requests that draft."""
+    masked as the grammar stands after the drafts before it; a penalised one's rows count
+    the drafts before them as decoding would have counted those tokens."""
     plain, drafting = make_llm(), make_llm(**NGRAM)
     prompts = chat_ids(plain)
     tokenizer = plain.runtime.tokenizer
@@ -157,6 +155,20 @@ def test_grammars_take_the_drafts_they_allow_and_penalties_none(
     assert reply.token_ids == want[3] and reply.finish_reason == "stop"
     assert accepted(alone) > 5
     assert reply.text.startswith("{") and '"year": 1872' in reply.text
+    # penalties alone and together, on the copy that drafts well, then a batch of them
+    copying = chat_ids(plain)[:2]
+    for penalties in (
+        {"repetition_penalty": 1.1},
+        {"frequency_penalty": 0.3},
+        {"presence_penalty": 0.4, "repetition_penalty": 1.05},
+    ):
+        penalised = SamplingParams(temperature=0, max_tokens=60, **penalties)
+        want = [o.token_ids for o in generate(plain, copying, penalised)]
+        alone = make_llm(**NGRAM)
+        assert [o.token_ids for o in generate(alone, copying, penalised)] == want, penalties
+        assert accepted(alone) > 0, penalties
+        # one at a time too: each step's counts then carry on from the step before
+        assert generate(alone, copying[:1], penalised)[0].token_ids == want[0]
 
 
 def test_drafts_stop_where_a_grammar_stops_allowing_them() -> None:
@@ -251,6 +263,7 @@ def test_the_planner_drafts_within_each_request_s_limits() -> None:
         decoding_request(3, repeating, SamplingParams(max_tokens=20, presence_penalty=0.5)),
         decoding_request(4, [7, 8, 9], SamplingParams(max_tokens=20)),  # nothing matches
     ]
+    reqs[2].draft_pause = 1  # its drafts missed last time: this step it drafts none
     for req in reqs:
         planner.add(req)
     first = planner.schedule()
@@ -262,6 +275,7 @@ def test_the_planner_drafts_within_each_request_s_limits() -> None:
     # is drafted (the verify step's own sample is the second)
     assert batch.drafts == [[4, 5, 6], [4], [], []]
     assert batch.extend_lens == [4, 2, 1, 1]
+    assert reqs[2].draft_pause == 0
     assert all(len(r.pages) >= r.total_len + len(d) - 1 for r, d in zip(reqs, batch.drafts))
     spec = step_spec(batch, planner.page_table)
     assert spec.mode is ForwardMode.DECODE

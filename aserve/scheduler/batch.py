@@ -113,12 +113,7 @@ class SamplingBatches:
                     last.count_tokens(params, [[]] * len(reqs), new_ids)
                 self._keep(last, rids, steps)
                 return last.at_steps(steps)
-        # Each request's row in the last step's counts, where it has one and has only grown.
-        carried: list[tuple[int, int] | None] = [None] * len(reqs)
-        if self._counted is not None:
-            for i, (rid, n) in enumerate(zip(rids, steps)):
-                row = self._counted_rows.get(rid)
-                carried[i] = row if row is not None and n >= row[1] else None
+        carried = self._carried(reqs)
         batch = SamplingBatch.build(
             params=params,
             seeds=[r.seed for r in reqs],
@@ -139,28 +134,72 @@ class SamplingBatches:
         return batch
 
     def build_verify(self, planned: ScheduledBatch) -> SamplingBatch:
-        """A verify step's batch: a row for each position of each request's chunk, at the
-        step its sample would be taken at when decoding one token a step (the seeded draw
-        keys on it, so the samples are those decoding would draw). Its rows differ from any
-        other step's; the next step packs afresh."""
-        assert planned.drafts is not None
+        """A verify step's batch: a row for each of a request's rows (its last token, then
+        each draft), at the step its sample would be taken at when decoding one token a step
+        (the seeded draw keys on it, so the samples are those decoding would draw), and with
+        penalties counting what decoding would have counted there: the request's tokens and
+        the drafts before the row. A request's first row counts its history as `build` does
+        (kept from the last step where it can be); its other rows copy that on the device and
+        add their drafts. The next step packs afresh."""
+        drafts = planned.drafts
+        assert drafts is not None
         reqs: list[Req] = []
         steps: list[int] = []
-        for req, drafted in zip(planned.reqs, planned.drafts):
-            first = len(req.output_ids)
+        firsts: list[int] = []
+        for req, drafted in zip(planned.reqs, drafts):
+            firsts.append(len(reqs))
             reqs.extend([req] * (1 + len(drafted)))
-            steps.extend(range(first, first + 1 + len(drafted)))
-        self._last, self._last_rids, self._counted = None, (), None
-        return SamplingBatch.build(
-            params=[r.params for r in reqs],
+            steps.extend(range(len(req.output_ids), len(req.output_ids) + 1 + len(drafted)))
+        carried = self._carried(planned.reqs)
+        counts_history = [False] * len(reqs)
+        for first, kept in zip(firsts, carried):
+            counts_history[first] = kept is None
+        params = [r.params for r in reqs]
+        batch = SamplingBatch.build(
+            params=params,
             seeds=[r.seed for r in reqs],
             steps=steps,
-            prompt_ids=[r.vocabulary_prompt_ids for r in reqs],
-            output_ids=[r.output_ids for r in reqs],
+            prompt_ids=[r.vocabulary_prompt_ids if c else [] for r, c in zip(reqs, counts_history)],
+            output_ids=[r.output_ids if c else [] for r, c in zip(reqs, counts_history)],
             vocab_size=self.vocab_size,
             device=self.device,
             eos_token_ids=self.eos_token_ids,
         )
+        if batch.any_penalties:
+            size = len(reqs)
+            if self._counted is not None and any(carried):
+                from_last: list[int | None] = [None] * size
+                since: list[list[int]] = [[]] * size
+                for req, first, kept in zip(planned.reqs, firsts, carried):
+                    if kept is not None:
+                        from_last[first], since[first] = kept[0], req.output_ids[kept[1] :]
+                batch.carry_counts(self._counted, from_last)
+                batch.count_tokens(params, [[]] * size, since)
+            from_first: list[int | None] = [None] * size
+            drafted_before: list[list[int]] = [[]] * size
+            for first, drafted in zip(firsts, drafts):
+                for j in range(1, 1 + len(drafted)):
+                    from_first[first + j], drafted_before[first + j] = first, drafted[:j]
+            if any(drafted_before):
+                batch.carry_counts(batch, from_first)
+                batch.count_tokens(params, [[]] * size, drafted_before)
+        self._last, self._last_rids = None, ()
+        self._counted = batch if batch.any_penalties else None
+        self._counted_rows = {
+            req.rid: (first, len(req.output_ids)) for req, first in zip(planned.reqs, firsts)
+        }
+        self._last_steps = []
+        return batch
+
+    def _carried(self, reqs: list[Req]) -> list[tuple[int, int] | None]:
+        """Each request's (row, output length then) in the last step's counts, where it has
+        one and has only grown since."""
+        carried: list[tuple[int, int] | None] = [None] * len(reqs)
+        if self._counted is not None:
+            for i, req in enumerate(reqs):
+                row = self._counted_rows.get(req.rid)
+                carried[i] = row if row is not None and len(req.output_ids) >= row[1] else None
+        return carried
 
     def _keep(self, batch: SamplingBatch, rids: tuple[int, ...], steps: list[int]) -> None:
         self._last_steps = steps

@@ -269,13 +269,13 @@ class Planner:
         """Some decoding request may draft in the next step (speculative decoding): the step
         in flight must be read first, for its tokens."""
         return self.config.speculative_algorithm is not None and any(
-            r.decoding and not r.draft_pause and r.may_draft for r in self.running
+            r.decoding and not r.draft_pause for r in self.running
         )
 
     def _draft(self, reqs: list[Req]) -> list[list[int]]:
         """Each request's drafted tokens (speculative decoding), within its length limits,
-        the step's rows (`max_verify_rows`), the pages free and its grammar: a request short
-        of pages for its drafts (or with penalties, which count every token) drafts none."""
+        the step's rows (`max_verify_rows`), the pages free (a request short of them drafts
+        none) and its grammar."""
         config = self.config
         budget = self.max_verify_rows - len(reqs)
         drafts: list[list[int]] = []
@@ -289,7 +289,7 @@ class Planner:
             draft = []
             if req.draft_pause:
                 req.draft_pause -= 1
-            elif room > 0 and req.may_draft and req.output_ids[-1] != PENDING_TOKEN:
+            elif room > 0 and req.output_ids[-1] != PENDING_TOKEN:
                 draft = self._lookup(req, room)
                 if draft and req.matcher is not None:
                     draft = grammar_allowed(req, draft)

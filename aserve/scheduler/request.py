@@ -298,13 +298,6 @@ class Req:
         return ids
 
     @property
-    def may_draft(self) -> bool:
-        """Its next tokens may be drafted and verified several at once: no penalties, which
-        count every token before the one they sample (a grammar's mask is built for each
-        verify row from the drafts before it: `TokenMasks.build_verify`)."""
-        return not self.params.has_penalties
-
-    @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
