@@ -65,12 +65,19 @@ def test_verify_rows_in_graphs_as_decoding_one_token_a_step(
     make_llm: Callable[..., LLM], tmp_path: Path, backend: str, kv_cache_dtype: str
 ) -> None:
     """bf16 with graphs (verify steps of 1-20 rows replay graphs of 1-32) against the same
-    engine's decoding without drafts; `auto` decodes on the Triton kernels."""
+    engine's decoding without drafts, penalties counted on the device; `auto` decodes on the
+    Triton kernels."""
     folder = make_tiny_model("llama", tmp_path, overrides={**KERNEL_SHAPES, "head_dim": 64})
     options = small_gpu_engine(
         kv_cache_dtype=kv_cache_dtype, attention_backend=backend, cuda_graph_max_bs=32
     )
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=True)
+    greedy = {"temperature": 0, "max_tokens": 24, "ignore_eos": True, "logprobs": True}
+    params = [
+        SamplingParams(**greedy),
+        SamplingParams(**greedy, repetition_penalty=1.2),  # rows count the drafts before them
+        SamplingParams(**greedy, frequency_penalty=0.5, presence_penalty=0.2),
+        SamplingParams(**greedy),
+    ]
     plain = make_llm(folder, **options)
     drafting = make_llm(folder, **options, **NGRAM)
     assert drafting.runtime.engine.graphs is not None
