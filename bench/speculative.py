@@ -12,7 +12,8 @@ without drafts sets each prompt's reply length (to its stop token or `--max-toke
 timed run of every engine then makes exactly that many tokens, so the token totals are the
 same. On a CPU aserve's greedy tokens with drafts must be those without (checked); on a GPU
 the share of them as decoding's is printed (16-bit products round by batch shape). The figure is
-milliseconds a token over the whole reply, prefill included.
+milliseconds a token over the whole reply, prefill included (aserve's prefix cache is emptied
+before each run, so it prefills every prompt, as the peers do).
 
     python bench/speculative.py                      # the embedded SmolLM2-135M on CPU
     python bench/speculative.py --peer llamacpp --threads 2
@@ -102,7 +103,8 @@ def parse_args() -> argparse.Namespace:
 
 
 class AserveRunner:
-    """One LLM; `generate` runs the prompts one at a time (a single stream)."""
+    """One LLM; `run` gives it the prompts one at a time (a single stream), its prefix
+    cache emptied first: every run prefills its prompts, as the peers' runs do."""
 
     def __init__(self, args: argparse.Namespace, speculative: bool) -> None:
         options = {}
@@ -125,6 +127,7 @@ class AserveRunner:
             params = [
                 SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths
             ]
+        assert self.llm.scheduler.flush_cache()
         started = time.perf_counter()
         outputs = [self.llm.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
         return outputs, time.perf_counter() - started
