@@ -20,6 +20,7 @@ from aserve import LLM
 from aserve.config import ConfigError
 from aserve.server import protocol
 from tests.embedding_refs import PROMPTS, embedded, reference
+from tests.gguf_files import write_hf_as_gguf
 from tests.server_utils import ServerProcess, serving
 from tests.test_server import get, metric_value, post, run
 from tests.tiny_models import make_tiny_model
@@ -221,4 +222,34 @@ def test_sentence_transformers_pooling_is_checked(
     with pytest.raises(ConfigError, match=refusal):
         LLM(str(folder), is_embedding=True)
     with LLM(str(folder)) as llm:
+        assert llm.generate([PROMPTS[0]])[0].token_ids
+
+
+@pytest.mark.parametrize(
+    ("pooling_type", "refusal"),
+    [(None, None), (3, None), (1, "pools by mean"), (2, "pools by CLS"), (4, "pools by rank")],
+)
+def test_a_gguf_file_s_pooling_type_is_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pooling_type: int | None, refusal: str | None
+) -> None:
+    """llama.cpp writes `{arch}.pooling_type` into an embedding model's GGUF: the last
+    token's pooling (3) serves, as does a file without it; mean, CLS and rank are refused in
+    one line, and a generating server reads none of it."""
+    import gguf
+
+    folder = make_tiny_model("qwen3", tmp_path / "hf")
+
+    def pooling(writer: gguf.GGUFWriter) -> None:
+        if pooling_type is not None:
+            writer.add_uint32("qwen3.pooling_type", pooling_type)
+
+    path = write_hf_as_gguf(folder, tmp_path / "model.gguf", vocabulary=pooling)
+    monkeypatch.setenv("ASERVE_CACHE_DIR", str(tmp_path / "cache"))
+    if refusal is None:
+        with LLM(str(path), is_embedding=True) as llm:
+            assert llm.embed([PROMPTS[0]])[0].embedding is not None
+        return
+    with pytest.raises(ConfigError, match=refusal):
+        LLM(str(path), is_embedding=True)
+    with LLM(str(path)) as llm:
         assert llm.generate([PROMPTS[0]])[0].token_ids

