@@ -18,7 +18,6 @@ from aserve.engine.step import StepSpec
 from aserve.forward import ForwardMode
 from aserve.kvcache.naive import NaiveCache
 from aserve.kvcache.pages import PageAllocator, PageTable
-from aserve.llm import GenerationOutput
 from aserve.metrics import StatsLogger
 from aserve.scheduler.batch import step_spec
 from aserve.scheduler.plan import Planner
@@ -46,12 +45,6 @@ def chat_ids(llm: LLM) -> list[list[int]]:
     return [tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
 
 
-def generate(
-    llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
-) -> list[GenerationOutput]:
-    return llm.generate(prompts, params)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model("llama", tmp_path_factory.mktemp("llama"))
@@ -65,7 +58,7 @@ def test_greedy_tokens_and_logprobs_are_decoding_s(make_llm: Callable[..., LLM])
     plain, drafting = make_llm(), make_llm(**NGRAM)
     prompts = chat_ids(plain)
     params = SamplingParams(temperature=0, max_tokens=80, logprobs=True, top_logprobs=2)
-    want, got = generate(plain, prompts, params), generate(drafting, prompts, params)
+    want, got = plain.generate(prompts, params), drafting.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
     for ours, theirs in zip(got, want):
@@ -86,16 +79,16 @@ def test_one_at_a_time_and_seeded_sampling_as_decoding(make_llm: Callable[..., L
     seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=60)
     for prompt in prompts:  # alone: every step of a stream may verify drafts
         assert (
-            generate(drafting, [prompt], seeded)[0].token_ids
-            == generate(plain, [prompt], seeded)[0].token_ids
+            drafting.generate([prompt], seeded)[0].token_ids
+            == plain.generate([prompt], seeded)[0].token_ids
         )
     mixed = [
         seeded,
         SamplingParams(temperature=0, max_tokens=50),
         SamplingParams(temperature=1.2, seed=3, max_tokens=40, min_tokens=30),
     ]
-    want = [o.token_ids for o in generate(plain, prompts, mixed)]
-    assert [o.token_ids for o in generate(drafting, prompts, mixed)] == want
+    want = [o.token_ids for o in plain.generate(prompts, mixed)]
+    assert [o.token_ids for o in drafting.generate(prompts, mixed)] == want
     assert len(want[2]) >= 30
     assert accepted(drafting) > 0
 
@@ -103,15 +96,15 @@ def test_one_at_a_time_and_seeded_sampling_as_decoding(make_llm: Callable[..., L
 def test_stop_tokens_and_lengths_cut_the_accepted_drafts(make_llm: Callable[..., LLM]) -> None:
     plain, drafting = make_llm(), make_llm(**NGRAM)
     prompt = chat_ids(plain)[0]
-    full = generate(plain, [prompt], SamplingParams(temperature=0, max_tokens=60))[0].token_ids
+    full = plain.generate([prompt], SamplingParams(temperature=0, max_tokens=60))[0].token_ids
     stop = full[25]  # a token the copy makes (drafted, most likely, with those around it)
     for params in (
         SamplingParams(temperature=0, max_tokens=60, stop_token_ids=[stop]),
         SamplingParams(temperature=0, max_tokens=23),
         SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
     ):
-        want = generate(plain, [prompt], params)[0]
-        got = generate(drafting, [prompt], params)[0]
+        want = plain.generate([prompt], params)[0]
+        got = drafting.generate([prompt], params)[0]
         assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
         assert len(got.token_ids) <= params.max_tokens
     assert accepted(drafting) > 0
@@ -146,12 +139,12 @@ def test_grammars_and_penalties_with_drafts(make_llm: Callable[..., LLM]) -> Non
         SamplingParams(temperature=0, max_tokens=40, regex="(yes|no), [a-z ]{5,30}"),
         SamplingParams(temperature=0, max_tokens=60, json_schema=SCHEMA),
     ]
-    want = [o.token_ids for o in generate(plain, prompts, params)]
-    assert [o.token_ids for o in generate(drafting, prompts, params)] == want
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in drafting.generate(prompts, params)] == want
     assert accepted(drafting) > 0
     # the JSON reply alone: its drafts come through its grammar's masks
     alone = make_llm(**NGRAM)
-    reply = generate(alone, prompts[3:], params[3:])[0]
+    reply = alone.generate(prompts[3:], params[3:])[0]
     assert reply.token_ids == want[3] and reply.finish_reason == "stop"
     assert accepted(alone) > 5
     assert reply.text.startswith("{") and '"year": 1872' in reply.text
@@ -163,12 +156,12 @@ def test_grammars_and_penalties_with_drafts(make_llm: Callable[..., LLM]) -> Non
         {"presence_penalty": 0.4, "repetition_penalty": 1.05},
     ):
         penalised = SamplingParams(temperature=0, max_tokens=60, **penalties)
-        want = [o.token_ids for o in generate(plain, copying, penalised)]
+        want = [o.token_ids for o in plain.generate(copying, penalised)]
         alone = make_llm(**NGRAM)
-        assert [o.token_ids for o in generate(alone, copying, penalised)] == want, penalties
+        assert [o.token_ids for o in alone.generate(copying, penalised)] == want, penalties
         assert accepted(alone) > 0, penalties
         # one at a time too: each step's counts then carry on from the step before
-        assert generate(alone, copying[:1], penalised)[0].token_ids == want[0]
+        assert alone.generate(copying[:1], penalised)[0].token_ids == want[0]
 
 
 def test_drafts_stop_where_a_grammar_stops_allowing_them() -> None:
@@ -198,15 +191,15 @@ def test_prefix_hits_chunks_and_a_small_pool_change_nothing(
     plain = make_llm()
     prompts = chat_ids(plain)
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    want = [o.token_ids for o in generate(plain, prompts, params)]
+    want = [o.token_ids for o in plain.generate(prompts, params)]
     chunked = make_llm(**NGRAM, max_prefill_length=16)
-    assert [o.token_ids for o in generate(chunked, prompts, params)] == want
-    assert [o.token_ids for o in generate(chunked, prompts, params)] == want  # from the cache
+    assert [o.token_ids for o in chunked.generate(prompts, params)] == want
+    assert [o.token_ids for o in chunked.generate(prompts, params)] == want  # from the cache
     # a pool that holds one request's whole context and little more: drafts need pages,
     # requests are retracted and come back
     longest = max(len(p) for p in prompts) + 64
     small = make_llm(**NGRAM, num_pages=longest + 24)
-    assert [o.token_ids for o in generate(small, prompts, params)] == want
+    assert [o.token_ids for o in small.generate(prompts, params)] == want
     assert small.scheduler.planner.num_retractions > 0
     assert accepted(small) > 0
 
@@ -221,9 +214,9 @@ def test_a_float_model_through_the_modules(
     """A float32 model runs its layers as modules (not the quantized C++ stack)."""
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     plain = make_llm(tiny, page_size=page_size)
-    want = [o.token_ids for o in generate(plain, REPEATING, params)]
+    want = [o.token_ids for o in plain.generate(REPEATING, params)]
     drafting = make_llm(tiny, page_size=page_size, **NGRAM)
-    assert [o.token_ids for o in generate(drafting, REPEATING, params)] == want
+    assert [o.token_ids for o in drafting.generate(REPEATING, params)] == want
     assert drafting.scheduler.planner.draft_tokens > 0
 
 
@@ -235,9 +228,9 @@ def test_windowed_and_expert_layers(
     past it read only the window); Qwen3-MoE routes each row's token on its own."""
     folder = make_tiny_model(family, tmp_path)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    want = [o.token_ids for o in generate(make_llm(folder), REPEATING, params)]
+    want = [o.token_ids for o in make_llm(folder).generate(REPEATING, params)]
     drafting = make_llm(folder, **NGRAM)
-    assert [o.token_ids for o in generate(drafting, REPEATING, params)] == want
+    assert [o.token_ids for o in drafting.generate(REPEATING, params)] == want
     assert drafting.scheduler.planner.draft_tokens > 0
 
 
