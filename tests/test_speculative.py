@@ -301,6 +301,32 @@ def test_a_verify_step_takes_at_most_max_verify_rows() -> None:
     assert sum(batch.extend_lens) == 6
 
 
+class RefusingMatcher:
+    """A grammar that allows none of the drafts (the duck type `grammar_allowed` reads)."""
+
+    def accept_token(self, token: int) -> bool:
+        return False
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def rollback(self, count: int) -> None:
+        raise AssertionError("nothing was accepted")
+
+
+def test_drafts_a_grammar_refuses_are_neither_run_nor_counted() -> None:
+    planner = make_planner()
+    req = decoding_request(1, [1, 2, 3, 1, 2], SamplingParams(max_tokens=20))
+    req.matcher = RefusingMatcher()
+    planner.add(req)
+    first = planner.schedule()
+    assert first is not None
+    planner.complete(first, [3])
+    batch = planner.schedule()
+    assert batch is not None and batch.drafts is None  # a plain decode step
+    assert planner.draft_tokens == 0
+
+
 def test_a_request_whose_drafts_miss_pauses_drafting() -> None:
     planner = make_planner(speculative_num_draft_tokens=2)
     req = decoding_request(1, [1, 2, 3, 1, 2], SamplingParams(max_tokens=30))

@@ -296,6 +296,7 @@ class Planner:
             if draft and not self._grow(req, req.total_len + len(draft)):
                 draft = []
             budget -= len(draft)
+            self.draft_tokens += len(draft)
             drafts.append(draft)
         return drafts
 
@@ -309,9 +310,7 @@ class Planner:
             )
             index.extend(req.vocabulary_prompt_ids)
         index.extend(req.output_ids[len(index.tokens) - len(req.prompt_ids) :])
-        drafted = index.propose(count)
-        self.draft_tokens += len(drafted)
-        return drafted
+        return index.propose(count)
 
     @staticmethod
     def _wants_decode(req: Req) -> bool:
