@@ -89,7 +89,9 @@ def forward_batch(spec: StepSpec, page_table: PageTable, device: torch.device) -
     if spec.mode is ForwardMode.DECODE:
         positions = np.asarray(prefix_lens, dtype=np.int64)
         token_rows = rows
-        input_ids = np.asarray(spec.input_ids if given_ids else [0] * size, dtype=np.int64)
+        input_ids = (
+            np.asarray(spec.input_ids, dtype=np.int64) if given_ids else np.zeros(size, np.int64)
+        )
         logit_indices = np.arange(size, dtype=np.int64)
     else:
         extends = np.asarray(extend_lens, dtype=np.int64)
