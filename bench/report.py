@@ -198,6 +198,10 @@ tokens accepted where counted.
 """
 
 
+def _ms_per_token(engines: dict[str, dict], name: str | None) -> str:
+    return f"{engines[name]['ms_per_token']:.2f}" if name else "-"
+
+
 def render_speculative(lines: list[dict]) -> str:
     runs: dict[tuple[str, str], dict[str, dict]] = {}
     for x in lines:
@@ -209,16 +213,13 @@ def render_speculative(lines: list[dict]) -> str:
         peer = min(peers, key=len) if peers else None
         lookup = next((n for n in peers if n != peer), None)
 
-        def ms(name: str | None, engines: dict[str, dict] = engines) -> str:
-            return f"{engines[name]['ms_per_token']:.2f}" if name else "-"
-
         share = drafting.get("accepted_share")
         rows.append(
             f"| {plain['date']} | {plain['model']} | {plain['device']} | {plain['commit']} | "
             f"{prompts} | {plain['output_tokens']} | "
-            f"{plain['settings']['num_draft_tokens']} | {ms('aserve')} | {ms('aserve ngram')} | "
-            f"{'-' if share is None else f'{share:.0%}'} | {peer or '-'} | {ms(peer)} | "
-            f"{ms(lookup)} | {plain.get('note', '')} |"
+            f"{plain['settings']['num_draft_tokens']} | {_ms_per_token(engines, 'aserve')} | {_ms_per_token(engines, 'aserve ngram')} | "
+            f"{'-' if share is None else f'{share:.0%}'} | {peer or '-'} | {_ms_per_token(engines, peer)} | "
+            f"{_ms_per_token(engines, lookup)} | {plain.get('note', '')} |"
         )
     return SPECULATIVE_HEADER + "\n".join(rows) + "\n" if rows else ""
 
