@@ -212,14 +212,16 @@ def render_speculative(lines: list[dict]) -> str:
         peers = [name for name in engines if not name.startswith("aserve")]
         peer = min(peers, key=len) if peers else None
         lookup = next((n for n in peers if n != peer), None)
-
+        mine, drafted, theirs, looked_up = (
+            _ms_per_token(engines, name) for name in ("aserve", "aserve ngram", peer, lookup)
+        )
         share = drafting.get("accepted_share")
         rows.append(
             f"| {plain['date']} | {plain['model']} | {plain['device']} | {plain['commit']} | "
             f"{prompts} | {plain['output_tokens']} | "
-            f"{plain['settings']['num_draft_tokens']} | {_ms_per_token(engines, 'aserve')} | {_ms_per_token(engines, 'aserve ngram')} | "
-            f"{'-' if share is None else f'{share:.0%}'} | {peer or '-'} | {_ms_per_token(engines, peer)} | "
-            f"{_ms_per_token(engines, lookup)} | {plain.get('note', '')} |"
+            f"{plain['settings']['num_draft_tokens']} | {mine} | {drafted} | "
+            f"{'-' if share is None else f'{share:.0%}'} | {peer or '-'} | {theirs} | "
+            f"{looked_up} | {plain.get('note', '')} |"
         )
     return SPECULATIVE_HEADER + "\n".join(rows) + "\n" if rows else ""
 
