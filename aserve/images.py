@@ -9,10 +9,13 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from aserve.models.vision import GRID_TOKENS
 
 MAX_IMAGE_BYTES = 20 << 20
 """An image's encoded bytes at most (OpenAI's limit for image inputs)."""
@@ -52,12 +55,17 @@ def decoded(data: bytes) -> Any:
 
 class ImageProcessor:
     """The checkpoint's image processor (its preprocessor_config.json): resizing, cropping
-    and normalising as transformers' processor does for this model."""
+    and normalising as transformers' processor does for this model. A grid tower's images
+    are resized to whole cells of `grid_cell` pixels, as transformers' Pixtral processor
+    asks its image processor to."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, grid_cell: int | None = None) -> None:
         import transformers
 
         self.hf = transformers.AutoImageProcessor.from_pretrained(str(model_dir))
+        self.options: dict[str, Any] = {}
+        if grid_cell is not None:
+            self.options["patch_size"] = {"height": grid_cell, "width": grid_cell}
 
     def pixels(self, images: list[Any]) -> list[torch.Tensor]:
         """Each image's pixels `[3, H, W]` in float32 (a tensor given is taken as pixels
@@ -67,9 +75,21 @@ class ImageProcessor:
             if isinstance(image, torch.Tensor):
                 out.append(image)
                 continue
-            processed = self.hf(images=[image], return_tensors="pt")["pixel_values"]
+            processed = self.hf(images=[image], return_tensors="pt", **self.options)
+            processed = processed["pixel_values"]
             out.append(processed[0].float())
         return out
+
+
+def grid_token_names(model_dir: Path) -> tuple[str, str]:
+    """The tokens that close a row of an image's cells and the image, as the checkpoint's
+    processor_config.json names them (transformers' Pixtral processor's names without one)."""
+    path = model_dir / "processor_config.json"
+    settings = json.loads(path.read_text()) if path.is_file() else {}
+    return (
+        settings.get("image_break_token", GRID_TOKENS[0]),
+        settings.get("image_end_token", GRID_TOKENS[1]),
+    )
 
 
 def split_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:

@@ -20,7 +20,7 @@ from aserve.constrained.grammar import GrammarCompiler
 from aserve.engine.followers import start_engine
 from aserve.engine.memory import GiB, free_device_memory
 from aserve.generation_defaults import describe, resolve_defaults
-from aserve.images import ImageProcessor
+from aserve.images import ImageProcessor, grid_token_names
 from aserve.models.pooling import check_pooling
 from aserve.models.source import complete_tokenizer, resolve_model
 from aserve.models.weights import load_hf_config
@@ -172,13 +172,22 @@ class Runtime:
     def _image_processor(self) -> ImageProcessor | None:
         """The checkpoint's image processor where the engine runs its images; None where it
         has none (preprocessor_config.json), with a log line: prompts then take pixels
-        alone (the offline API's tensors), not images."""
-        if self.engine.images is None:
+        alone (the offline API's tensors), not images. A grid tower's row-end tokens are
+        looked up here, in the tokenizer."""
+        encoder = self.engine.images
+        if encoder is None:
             return None
+        if encoder.grid_cell is not None:
+            names = grid_token_names(self.model_dir)
+            vocab = {} if self.tokenizer is None else self.tokenizer.hf.get_vocab()
+            if all(name in vocab for name in names):
+                encoder.grid_token_ids = (vocab[names[0]], vocab[names[1]])
+            else:
+                logger.warning("the tokenizer lacks %s: images are refused", " or ".join(names))
         if not (self.model_dir / "preprocessor_config.json").is_file():
             logger.warning("no preprocessor_config.json: images are taken as pixel tensors only")
             return None
-        return ImageProcessor(self.model_dir)
+        return ImageProcessor(self.model_dir, encoder.grid_cell)
 
     def _load_tokenizer(self, num_threads: int) -> Tokenizer | None:
         started = time.perf_counter()

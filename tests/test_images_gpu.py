@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from aserve import LLM, SamplingParams
-from tests.image_refs import IMAGE, expanded, image_prompt
+from tests.image_refs import IMAGE, IMAGE_END, ROW_BREAK, expanded, grid_expanded, image_prompt
 from tests.test_gpu import KERNEL_SHAPES
 from tests.test_models import our_logits
-from tests.tiny_models import make_tiny_vision_language
+from tests.tiny_models import make_tiny_vision_language, write_word_tokenizer
 
 pytestmark = [
     pytest.mark.gpu,
@@ -85,3 +85,52 @@ def test_llava_float32_prefix_hits_and_chunks_keep_tokens(
     assert chunked.generate(prompt, greedy)[0].token_ids == first
     batched = chunked.generate([[5, 6, 7, 8], prompt], greedy)
     assert batched[1].token_ids == first
+
+
+def test_mistral3_bf16_logprobs_close_to_transformers(
+    make_llm: Callable[..., LLM], tmp_path: Path
+) -> None:
+    """Pixtral's tower (Mistral 3): two images of their own sizes (2 x 3 cells, then one
+    cell) in one prompt, greedy tokens' logprobs within 0.05 of transformers' bf16 whole
+    model; in chunks of 3 that cut the images and their row ends the same tokens' logits as
+    a fresh prefill's, to bf16's rounding."""
+    hf = make_tiny_vision_language(
+        "Mistral3ForConditionalGeneration", tmp_path, overrides={**KERNEL_SHAPES, "head_dim": 64}
+    )
+    write_word_tokenizer(tmp_path, 320, IMAGE, {ROW_BREAK: "[IMG_BREAK]", IMAGE_END: "[IMG_END]"})
+    hf = hf.to(device="cuda", dtype=torch.bfloat16)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=True)
+    llm = make_llm(tmp_path, device="cuda", dtype="bfloat16")
+    chunked = make_llm(tmp_path, device="cuda", dtype="bfloat16", max_prefill_length=3)
+    assert llm.runtime.engine.images is not None and llm.runtime.engine.images.grid_cell == 28
+    torch.manual_seed(0)
+    pixels = [torch.randn(3, 56, 84), torch.randn(3, 28, 28)]
+    prompt = [5, 17, IMAGE, 99, IMAGE, 4]
+    sizes = [list(p.shape[-2:]) for p in pixels]
+    out = llm.generate({"prompt_token_ids": prompt, "multi_modal_data": {"image": pixels}}, params)[
+        0
+    ]
+    expanded_prompt = grid_expanded(prompt, sizes, 28)
+    assert out.prompt_token_ids == expanded_prompt
+    batch = torch.zeros(2, 3, 56, 84)  # transformers' processor pads a batch to its largest
+    batch[0], batch[1, :, :28, :28] = pixels[0], pixels[1]
+    with torch.inference_mode():
+        logits = (
+            hf(
+                torch.tensor([expanded_prompt + out.token_ids], device="cuda"),
+                pixel_values=batch.to("cuda", torch.bfloat16),
+                image_sizes=torch.tensor(sizes, device="cuda"),
+            )
+            .logits[0]
+            .float()
+        )
+    expected = torch.log_softmax(logits, -1)[len(expanded_prompt) - 1 : -1]
+    theirs = expected.gather(1, torch.tensor(out.token_ids, device="cuda")[:, None])[:, 0]
+    ours = torch.tensor([lp.logprob for lp in out.logprobs], device="cuda")
+    torch.testing.assert_close(ours, theirs, atol=0.05, rtol=0.05)
+    continuation = [7, 123, 45, 2, 99]
+    fresh = our_logits(chunked, prompt, continuation, pixels)
+    cached = llm.scheduler.planner.prompt_tokens_cached
+    hit = our_logits(llm, prompt, continuation, pixels)
+    assert llm.scheduler.planner.prompt_tokens_cached > cached
+    torch.testing.assert_close(hit, fresh, atol=0.06, rtol=0.03)

@@ -381,10 +381,16 @@ CHAT_TEMPLATE = (
 """A LLaVA-like template for the word-level tokenizer: an image part becomes `<image>`."""
 
 
-def write_word_tokenizer(folder: Path, vocab_size: int, image_token: int | None = None) -> None:
+def write_word_tokenizer(
+    folder: Path,
+    vocab_size: int,
+    image_token: int | None = None,
+    specials: dict[int, str] | None = None,
+) -> None:
     """A word-level tokenizer of `vocab_size` words `w0`... (`<s>` and `</s>` at the tiny
     models' BOS and EOS ids 1 and 2, `<image>` at `image_token` and `user`, `assistant`,
-    `system` after it), words split at spaces, and `CHAT_TEMPLATE`."""
+    `system` after it, `specials` at their ids), words split at spaces, and
+    `CHAT_TEMPLATE`."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -394,12 +400,15 @@ def write_word_tokenizer(folder: Path, vocab_size: int, image_token: int | None 
         words[image_token] = "<image>"
         for offset, role in enumerate(("user", "assistant", "system"), start=1):
             words[image_token + offset] = role
+    for token, word in (specials or {}).items():
+        words[token] = word
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="w0"
     )
     if image_token is not None:
-        tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+        special = ["<image>", *(specials or {}).values()]
+        tokenizer.add_special_tokens({"additional_special_tokens": special})
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(folder)

@@ -335,9 +335,9 @@ class Engine:
         started = time.perf_counter()
         encoder = ImageEncoder(hf_config, owner, model_dir, self.device, self.dtype)
         logger.info(
-            "image encoder ready in %.1f s: %d positions an image",
+            "image encoder ready in %.1f s: %s",
             time.perf_counter() - started,
-            encoder.tokens_per_image,
+            encoder.describe(),
         )
         return encoder
 
@@ -349,8 +349,8 @@ class Engine:
         image_token = self.model_config.image_token_id
         if self.images is None or image_token is None:
             raise ValueError(f"this model takes no images here: {self.no_images_because}")
-        tokens, vocab = self.images.tokens_per_image, self.model_config.vocab_size
-        return expand_images(prompt, images, image_token, tokens, vocab)
+        vocab = self.model_config.vocab_size
+        return expand_images(prompt, images, image_token, self.images.layout, vocab)
 
     def attach_images(
         self, batch: ForwardBatch, images: list[list[ImageSpan]], starts: list[int]
@@ -367,10 +367,14 @@ class Engine:
                 first, last = max(start, span.start), min(start + length, span.end)
                 if first >= last:
                     continue
+                index = span.feature_index[first - span.start : last - span.start]
+                taken = index >= 0
+                if not taken.any():  # a grid's row ends alone
+                    continue
                 if span.features is None:
                     span.features = self.images.encode(span.pixels[None])[0]
-                rows.append(torch.arange(offset + first - start, offset + last - start))
-                features.append(span.features[first - span.start : last - span.start])
+                rows.append(torch.arange(offset + first - start, offset + last - start)[taken])
+                features.append(span.features[index[taken].to(span.features.device)])
             offset += length
         if rows:
             batch.image_rows = torch.cat(rows).to(self.device)

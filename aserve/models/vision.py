@@ -1,19 +1,23 @@
 """The image side of a vision-language checkpoint: pixels in, one embedding a position of
 the prompt that the image takes out. aserve runs the language model with its own layers and
-leaves the encoder to transformers' own modules (`LlavaModel.get_image_features`: the
+leaves the encoder to transformers' own modules (the base model's `get_image_features`: the
 vision tower, the layer and tokens its config selects, the projector), so the features are
 transformers' to the bit on the same device and dtype.
 
-Images run where every image takes the same number of positions and the language model
-attends to them causally at plain positions: LLaVA over a CLIP or SigLIP tower
-(`IMAGE_ARCHITECTURES`). Gemma 3 attends within an image both ways and Qwen-VL gives image
-positions three coordinates; their checkpoints serve text alone (models/multimodal.py).
+Images run where the language model attends to them causally at plain positions
+(`IMAGE_ARCHITECTURES`): LLaVA over a CLIP or SigLIP tower, whose every image takes one
+fixed number of positions, and Pixtral's tower (Mistral Small 3.1, Pixtral 12B), whose
+image takes a feature a cell of its grid, each row of cells closed by a row-break token and
+the last by an image-end token (`ImageEncoder.layout`). Gemma 3 attends within an image both
+ways and Qwen-VL gives image positions three coordinates; their checkpoints serve text alone
+(models/multimodal.py).
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,11 +27,20 @@ from safetensors import safe_open
 
 from aserve.models.multimodal import VISION_PARTS
 
-IMAGE_ARCHITECTURES = {"LlavaForConditionalGeneration": "LlavaModel"}
+IMAGE_ARCHITECTURES = {
+    "LlavaForConditionalGeneration": "LlavaModel",
+    "Mistral3ForConditionalGeneration": "Mistral3Model",
+}
 """Vision-language architectures whose images aserve runs -> transformers' base model class,
 whose `get_image_features` encodes them."""
-IMAGE_TOWERS = ("clip_vision_model", "siglip_vision_model")
+FIXED_TOWERS = ("clip_vision_model", "siglip_vision_model")
 """Vision towers whose every image takes one fixed number of positions."""
+GRID_TOWERS = ("pixtral",)
+"""Vision towers that take an image at its own size, one feature a grid cell."""
+IMAGE_TOWERS = FIXED_TOWERS + GRID_TOWERS
+GRID_TOKENS = ("[IMG_BREAK]", "[IMG_END]")
+"""What transformers' Pixtral processor names the tokens that close a row of an image's
+cells and the image (a checkpoint's processor_config.json may name others)."""
 PSEUDO_ID_RANGE = 1 << 30
 """Image positions hold `vocab_size + (hash of the pixels) % PSEUDO_ID_RANGE` in a prompt's
 ids: the prefix cache then matches an image only to the same pixels (one id for all of an
@@ -38,18 +51,28 @@ id past its vocabulary as "take the image's features here"."""
 @dataclass
 class ImageSpan:
     """One image of a prompt: its pixels as the checkpoint's image processor makes them
-    `[3, H, W]`, the positions it takes, the image token it stands in for, and its
-    features once encoded."""
+    `[3, H, W]`, the positions it takes, the image token it stands in for, which feature
+    each position takes (`feature_index`: -1 where a row-break or image-end token sits),
+    and its features once encoded."""
 
     pixels: torch.Tensor
     start: int
-    length: int
     token: int
+    feature_index: torch.Tensor
     features: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def length(self) -> int:
+        return len(self.feature_index)
 
     @property
     def end(self) -> int:
         return self.start + self.length
+
+    def feature_positions(self) -> list[int]:
+        """The prompt positions that take a feature (the image token's, to the vocabulary)."""
+        offsets = torch.nonzero(self.feature_index >= 0).flatten().tolist()
+        return [self.start + offset for offset in offsets]
 
 
 def pseudo_id(pixels: torch.Tensor, vocab_size: int) -> int:
@@ -71,7 +94,12 @@ def image_support(hf_config: dict[str, Any], architecture: str | None) -> str | 
 class ImageEncoder:
     """transformers' base model of the checkpoint with an empty language model (no layers,
     a one-token vocabulary: aserve runs its own), whose vision tower and projector hold the
-    checkpoint's weights, on `device` in `dtype`."""
+    checkpoint's weights, on `device` in `dtype`.
+
+    A fixed tower's images each take `tokens_per_image` positions; a grid tower's (Pixtral)
+    take one a `grid_cell`-pixel cell (its patch times the projector's merge) plus one a row
+    for the row-break and image-end tokens, whose ids (`grid_token_ids`) the runtime sets
+    from the tokenizer."""
 
     def __init__(
         self,
@@ -99,17 +127,64 @@ class ImageEncoder:
             raise ValueError(f"the checkpoint lacks {len(missing)} vision tensors: {missing[:3]}")
         self.base = base.to(dtype).eval()
         self.device, self.dtype = device, dtype
-        size = config.vision_config.image_size
-        self.tokens_per_image = self.encode(torch.zeros(1, 3, size, size))[0].shape[0]
+        self.grid_cell: int | None = None
+        self.grid_token_ids: tuple[int, int] | None = None
+        self.tokens_per_image: int | None = None
+        vision = config.vision_config
+        self.merges_cells = hasattr(config, "spatial_merge_size")  # Mistral 3's projector
+        if vision.model_type in GRID_TOWERS:
+            self.grid_cell = vision.patch_size * getattr(config, "spatial_merge_size", 1)
+        else:
+            size = vision.image_size
+            self.tokens_per_image = self.encode(torch.zeros(1, 3, size, size))[0].shape[0]
+
+    def describe(self) -> str:
+        if self.grid_cell is not None:
+            return f"a position a {self.grid_cell}-pixel cell of an image, one a row"
+        return f"{self.tokens_per_image} positions an image"
+
+    def layout(self, pixels: torch.Tensor) -> list[int | None]:
+        """What each position of an image of `pixels` `[3, H, W]` holds: None where a
+        feature goes, else a token's id (a grid tower's row ends, in row-major order, as
+        transformers' processor writes them). A ValueError for pixels a grid cannot take."""
+        if self.grid_cell is None:
+            assert self.tokens_per_image is not None
+            return [None] * self.tokens_per_image
+        if self.grid_token_ids is None:
+            raise ValueError(f"images need the tokenizer's ids of {' and '.join(GRID_TOKENS)}")
+        height, width = pixels.shape[-2:]
+        cell = self.grid_cell
+        if height % cell or width % cell or pixels.dim() != 3:
+            raise ValueError(
+                f"pixels [3, H, W] with H and W multiples of {cell} (got {list(pixels.shape)})"
+            )
+        row_break, image_end = self.grid_token_ids
+        positions: list[int | None] = ([None] * (width // cell) + [row_break]) * (height // cell)
+        positions[-1] = image_end
+        return positions
 
     @torch.inference_mode()
     def encode(self, pixels: torch.Tensor) -> list[torch.Tensor]:
-        """Each image's features `[tokens, hidden]` from pixels `[images, 3, H, W]`."""
-        out = self.base.get_image_features(
-            pixel_values=pixels.to(self.device, self.dtype),
-            vision_feature_layer=self.config.vision_feature_layer,
-            vision_feature_select_strategy=self.config.vision_feature_select_strategy,
-        )
+        """Each image's features `[tokens, hidden]` from pixels `[images, 3, H, W]` (a grid
+        tower's images all of one size)."""
+        layer = self.config.vision_feature_layer
+        options: dict[str, Any] = {"vision_feature_layer": layer}
+        if hasattr(self.config, "vision_feature_select_strategy"):
+            options["vision_feature_select_strategy"] = self.config.vision_feature_select_strategy
+        if self.grid_cell is not None:
+            options["image_sizes"] = torch.tensor([list(pixels.shape[-2:])] * len(pixels))
+        pixels = pixels.to(self.device, self.dtype)
+        if self.merges_cells and len(pixels) == 1:
+            # Mistral 3's get_image_features squeezes a one-cell image's one row away and
+            # then fails to split it: its tower and projector are called as it calls them.
+            sizes = options["image_sizes"]
+            tower = self.base.vision_tower(
+                pixels, image_sizes=sizes, output_hidden_states=True, return_dict=True
+            )
+            layers = layer if isinstance(layer, list) else [layer]
+            selected = torch.cat([tower.hidden_states[i][0] for i in layers], dim=-1)
+            return [self.base.multi_modal_projector(selected, sizes)]
+        out = self.base.get_image_features(pixel_values=pixels, **options)
         features = getattr(out, "pooler_output", out)  # transformers 5 returns an output
         return list(features)
 
@@ -136,12 +211,16 @@ def vision_tensors(model_dir: Path, wanted: set[str]) -> dict[str, torch.Tensor]
 
 
 def expand_images(
-    prompt: list[int], images: list[torch.Tensor], image_token_id: int, tokens: int, vocab: int
+    prompt: list[int],
+    images: list[torch.Tensor],
+    image_token_id: int,
+    layout: Callable[[torch.Tensor], list[int | None]],
+    vocab: int,
 ) -> tuple[list[int], list[ImageSpan]]:
-    """The prompt with each image token made `tokens` positions of its image's pseudo id
-    (`PSEUDO_ID_RANGE`), in the order the images come, and their spans. One image token a
-    image, as a chat template writes it; a count that differs from the images' is a
-    ValueError."""
+    """The prompt with each image token made its image's positions as `layout` places them,
+    a feature's holding its image's pseudo id (`PSEUDO_ID_RANGE`), in the order the images
+    come, and their spans. One image token a image, as a chat template writes it; a count
+    that differs from the images' is a ValueError."""
     marks = [i for i, token in enumerate(prompt) if token == image_token_id]
     if len(marks) != len(images):
         raise ValueError(
@@ -153,7 +232,11 @@ def expand_images(
     last = 0
     for mark, pixels in zip(marks, images, strict=True):
         ids += prompt[last:mark]
-        spans.append(ImageSpan(pixels, len(ids), tokens, image_token_id))
-        ids += [pseudo_id(pixels, vocab)] * tokens
+        positions = layout(pixels)
+        is_feature = torch.tensor([token is None for token in positions])
+        index = torch.where(is_feature, torch.cumsum(is_feature, 0) - 1, -1)
+        spans.append(ImageSpan(pixels, len(ids), image_token_id, index))
+        image_id = pseudo_id(pixels, vocab)
+        ids += [image_id if token is None else token for token in positions]
         last = mark + 1
     return ids + prompt[last:], spans

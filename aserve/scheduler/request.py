@@ -288,13 +288,14 @@ class Req:
 
     @property
     def vocabulary_prompt_ids(self) -> list[int]:
-        """The prompt as the vocabulary writes it, each image position its image token:
-        what transformers' repetition penalty counts there."""
+        """The prompt as the vocabulary writes it, each image feature's position its image
+        token: what transformers' repetition penalty counts there."""
         if not self.images:
             return self.prompt_ids
         ids = list(self.prompt_ids)
         for span in self.images:
-            ids[span.start : span.end] = [span.token] * span.length
+            for position in span.feature_positions():
+                ids[position] = span.token
         return ids
 
     @property
