@@ -624,6 +624,9 @@ class ModelConfig:
     `language_model_of`: the vision-language architecture (`VISION_LANGUAGE_ARCHITECTURES`)
     whose language model this is; None for a text model. `image_token_id`: the token a
     chat template writes for an image, in such a checkpoint (models/vision.py).
+    `mrope_section`: Qwen-VL's rotary pairs by position coordinate (time, height, width; in
+    runs of pairs, or taken in turn where `mrope_interleaved`): text positions give all three
+    the same value, so only image positions see them (layers/rotary.py).
     """
 
     architecture: str
@@ -680,6 +683,8 @@ class ModelConfig:
     qk_norm_across_heads: bool = False
     language_model_of: str | None = None
     image_token_id: int | None = None
+    mrope_section: tuple[int, ...] = ()
+    mrope_interleaved: bool = False
 
     def layer_window(self, layer: int) -> int:
         """Layer `layer`'s sliding window, 0 where it reads the whole context."""
@@ -703,10 +708,16 @@ class ModelConfig:
             (a for a in architectures if a in VISION_LANGUAGE_ARCHITECTURES), None
         )
         if vision_language is not None:
-            text = cls.from_hf(language_model_config(config, vision_language), generation_config)
+            text_config = language_model_config(config, vision_language)
+            text = cls.from_hf(text_config, generation_config)
+            rope = text_config.get("rope_parameters") or text_config.get("rope_scaling") or {}
             image_token = config.get("image_token_index", config.get("image_token_id"))
             return dataclasses.replace(
-                text, language_model_of=vision_language, image_token_id=image_token
+                text,
+                language_model_of=vision_language,
+                image_token_id=image_token,
+                mrope_section=tuple(rope.get("mrope_section") or ()),
+                mrope_interleaved=bool(rope.get("mrope_interleaved")),
             )
         arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:

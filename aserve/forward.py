@@ -34,7 +34,9 @@ class ForwardBatch:
     `sample_rows` are the rows of those last tokens among them. `halfway`, where set, is
     recorded on the stream once half of the layers are queued (see Scheduler.run).
     In a prefill with images, the tokens at `image_rows` take `image_embeds` (the image
-    encoder's features) in place of their ids' embeddings (models/vision.py).
+    encoder's features) in place of their ids' embeddings (models/vision.py); with Qwen-VL's
+    images, `mrope_positions` `[3, T]` are each token's three rotary coordinates
+    (models/mrope.py), whose cos/sin rows the model looks up once a step (`rope_rows`).
     """
 
     mode: ForwardMode
@@ -53,6 +55,8 @@ class ForwardBatch:
     halfway: torch.cuda.Event | None = None
     image_rows: torch.Tensor | None = None
     image_embeds: torch.Tensor | None = None
+    mrope_positions: torch.Tensor | None = None
+    rope_rows: Any = None  # layers/rotary.RopeRows, set by the model from mrope_positions
 
     @property
     def input_ids(self) -> torch.Tensor:

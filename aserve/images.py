@@ -68,16 +68,20 @@ class ImageProcessor:
             self.options["patch_size"] = {"height": grid_cell, "width": grid_cell}
 
     def pixels(self, images: list[Any]) -> list[torch.Tensor]:
-        """Each image's pixels `[3, H, W]` in float32 (a tensor given is taken as pixels
-        already)."""
+        """Each image's pixels `[3, H, W]` (Qwen-VL's patches `[T, H, W, values]`) in
+        float32 (a tensor given is taken as pixels already)."""
         out: list[torch.Tensor] = []
         for image in images:
             if isinstance(image, torch.Tensor):
                 out.append(image)
                 continue
             processed = self.hf(images=[image], return_tensors="pt", **self.options)
-            processed = processed["pixel_values"]
-            out.append(processed[0].float())
+            pixels = processed["pixel_values"]
+            if "image_grid_thw" in processed:  # Qwen-VL: patches, flattened, on their grid
+                times, height, width = processed["image_grid_thw"][0].tolist()
+                out.append(pixels.reshape(times, height, width, -1).float())
+            else:
+                out.append(pixels[0].float())
         return out
 
 

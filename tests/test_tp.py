@@ -274,10 +274,13 @@ def test_step_spec_survives_packing() -> None:
         scored=[0, 1],
         input_ids=[11, 12, 21, 22, 23],
         page_writes=[PageWrite(3, 2, [7]), PageWrite(0, 0, [4, 5, 9])],
+        rope_positions=[8, 9, 0, 0, 1, 8, 9, 0, 1, 1, 8, 9, 0, 0, 2],
     )
     assert StepSpec.unpack(spec.pack()) == spec
     decode = StepSpec(ForwardMode.DECODE, [1], [40], [1], [0], [], [])
     assert StepSpec.unpack(decode.pack()) == decode
+    shifted = StepSpec(ForwardMode.DECODE, [1, 2], [40, 7], [1, 1], [0, 0], [], [], [33, 7])
+    assert StepSpec.unpack(shifted.pack()) == shifted
 
 
 @dataclass(frozen=True)

@@ -327,16 +327,20 @@ def vision_language_config(architecture: str, overrides: dict[str, Any] | None =
         )
     if architecture == "Qwen2VLForConditionalGeneration":
         sections = {"type": "mrope", "mrope_section": [2, 3, 3]}  # heads of 16
+        language = text("qwen2", "qwen2_vl_text", rope_scaling=sections)
+        width = language["hidden_size"]  # the tower's features are the language model's width
         return transformers.Qwen2VLConfig(
-            text_config=text("qwen2", "qwen2_vl_text", rope_scaling=sections),
-            vision_config={"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2},
+            text_config=language,
+            vision_config={"depth": 1, "embed_dim": 32, "hidden_size": width, "num_heads": 2},
             **special,
         )
     if architecture == "Qwen2_5_VLForConditionalGeneration":
         sections = {"type": "mrope", "mrope_section": [2, 3, 3]}
+        language = text("qwen2", "qwen2_5_vl_text", rope_scaling=sections)
+        width = language["hidden_size"]
         return transformers.Qwen2_5_VLConfig(
-            text_config=text("qwen2", "qwen2_5_vl_text", rope_scaling=sections),
-            vision_config={**qwen_encoder, "out_hidden_size": 64, "fullatt_block_indexes": [0]},
+            text_config=language,
+            vision_config={**qwen_encoder, "out_hidden_size": width, "fullatt_block_indexes": [0]},
             **special,
         )
     if architecture == "Qwen3VLForConditionalGeneration":

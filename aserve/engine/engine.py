@@ -350,7 +350,7 @@ class Engine:
         if self.images is None or image_token is None:
             raise ValueError(f"this model takes no images here: {self.no_images_because}")
         vocab = self.model_config.vocab_size
-        return expand_images(prompt, images, image_token, self.images.layout, vocab)
+        return expand_images(prompt, images, image_token, self.images, vocab)
 
     def attach_images(
         self, batch: ForwardBatch, images: list[list[ImageSpan]], starts: list[int]

@@ -13,7 +13,7 @@ each a decode row of the request's page-table row, their ids given).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -29,7 +29,10 @@ class StepSpec:
     """`input_ids` is empty in decode but for a verify step's rows; request i wants logits
     at the last `scored[i]` positions of its chunk (prompt logprobs), at its last alone
     where that is 0. `page_writes` are what rank 0's planner wrote into its page table since
-    the previous step; followers replay them before building the batch."""
+    the previous step; followers replay them before building the batch. `rope_positions`
+    are the tokens' rotary positions where they are not their indices (Qwen-VL's requests
+    with images, models/mrope.py): one a token in decode, three a token in prefill (every
+    token's time, then height, then width coordinate); empty otherwise."""
 
     mode: ForwardMode
     rows: list[int]
@@ -38,14 +41,16 @@ class StepSpec:
     scored: list[int]
     input_ids: list[int]
     page_writes: list[PageWrite]
+    rope_positions: list[int] = field(default_factory=list)
 
     def pack(self) -> bytes:
-        """[mode, B, T, W, rows, prefix_lens, extend_lens, scored, input_ids, W x (row,
-        first, count, window), pages...] as int64 bytes."""
+        """[mode, B, T, W, R, rows, prefix_lens, extend_lens, scored, input_ids,
+        rope_positions, W x (row, first, count, window), pages...] as int64 bytes."""
         writes = self.page_writes
         header = [_MODES.index(self.mode), len(self.rows), len(self.input_ids), len(writes)]
+        header.append(len(self.rope_positions))
         fields = [header, self.rows, self.prefix_lens, self.extend_lens, self.scored]
-        fields.append(self.input_ids)
+        fields += [self.input_ids, self.rope_positions]
         fields += [[w.row, w.first_page_index, len(w.pages), int(w.window)] for w in writes]
         fields += [w.pages for w in writes]
         return np.fromiter(
@@ -55,19 +60,19 @@ class StepSpec:
     @classmethod
     def unpack(cls, data: bytes) -> StepSpec:
         values = np.frombuffer(data, dtype=np.int64).tolist()
-        mode, size, num_ids, num_writes = values[:4]
-        at = 4
+        mode, size, num_ids, num_writes, num_rope = values[:5]
+        at = 5
         parts = []
-        for length in (size, size, size, size, num_ids, 4 * num_writes):
+        for length in (size, size, size, size, num_ids, num_rope, 4 * num_writes):
             parts.append(values[at : at + length])
             at += length
-        rows, prefix_lens, extend_lens, scored, input_ids, write_heads = parts
+        rows, prefix_lens, extend_lens, scored, input_ids, rope, write_heads = parts
         writes = []
         for i in range(num_writes):
             row, first, count, window = write_heads[4 * i : 4 * i + 4]
             writes.append(PageWrite(row, first, values[at : at + count], bool(window)))
             at += count
-        return cls(_MODES[mode], rows, prefix_lens, extend_lens, scored, input_ids, writes)
+        return cls(_MODES[mode], rows, prefix_lens, extend_lens, scored, input_ids, writes, rope)
 
 
 def forward_batch(spec: StepSpec, page_table: PageTable, device: torch.device) -> ForwardBatch:
@@ -114,7 +119,13 @@ def forward_batch(spec: StepSpec, page_table: PageTable, device: torch.device) -
     per_request = [rows, record_index]
     if spec.mode is ForwardMode.DECODE:
         per_request.append(rows * page_table.width + positions)
-    per_token = [input_ids, slots[0], positions, *slots[1:]]
+    rope_positions, mrope = positions, None
+    if spec.rope_positions:
+        rope_positions = np.asarray(spec.rope_positions, dtype=np.int64)
+        if spec.mode is ForwardMode.PREFILL:
+            mrope = rope_positions.reshape(3, -1)
+            rope_positions = mrope[0]  # rope reads `mrope_positions` in this step
+    per_token = [input_ids, slots[0], rope_positions, *slots[1:]]
     parts = [*per_token, *per_request, logit_indices, sample_rows]
     packed = torch.from_numpy(np.concatenate(parts)).to(device, non_blocking=True)
     tokens = len(positions)
@@ -139,4 +150,5 @@ def forward_batch(spec: StepSpec, page_table: PageTable, device: torch.device) -
         page_table=page_table.slots,
         sample_rows=packed[logits_end:] if len(sample_rows) else None,
         window_page_table=page_table.window_slots,
+        mrope_positions=None if mrope is None else torch.from_numpy(mrope).to(device),
     )

@@ -14,6 +14,7 @@ for any model, and scores are unchanged: Q and K are reordered alike.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -123,6 +124,18 @@ def rope_frequencies(
     raise ValueError(f"rope scaling {kind!r} is not supported")  # ModelConfig refuses it first
 
 
+@dataclass
+class RopeRows:
+    """cos and sin rows of one step's tokens, one a token in the tables' layouts (Qwen-VL's
+    prefill steps with images, whose tokens' pairs rotate by three coordinates): every RoPE
+    path reads row i for token i (`positions`: 0 to tokens - 1)."""
+
+    positions: torch.Tensor
+    cos_sin: torch.Tensor
+    head_cos: torch.Tensor
+    head_sin: torch.Tensor
+
+
 class RotaryEmbedding(nn.Module):
     """With `ops` (FlashInfer), Q and K are rotated in place by one kernel reading a
     `[positions, head_dim]` cache of cos | sin halves. In plain torch `x * cos + half * sin`
@@ -136,9 +149,11 @@ class RotaryEmbedding(nn.Module):
         scaling: dict[str, Any] | None,
         ops: FusedOps | None = None,
         rotary_dim: int = 0,
+        mrope_section: tuple[int, ...] = (),
     ) -> None:
         """`rotary_dim`: the dimensions of a head that rotate (0: all), in the first
-        rotary_dim / 2 pairs (`partial_rotary_order`); the others keep cos 1 and sin 0."""
+        rotary_dim / 2 pairs (`partial_rotary_order`); the others keep cos 1 and sin 0.
+        `mrope_section`: Qwen-VL's pairs by coordinate (`rows_at`), in runs."""
         super().__init__()
         rotary_dim = rotary_dim or head_dim
         inv_freq, attention = rope_frequencies(rotary_dim, theta, scaling, max_positions)
@@ -151,20 +166,52 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("head_sin", torch.cat((-sin, sin), -1), persistent=False)
         self.head_dim = head_dim
         self.ops = ops
+        # Qwen-VL: the coordinate (time, height, width) that each column's pair rotates by
+        self.column_coordinate: torch.Tensor | None = None
+        if mrope_section:
+            runs = torch.repeat_interleave(torch.arange(3), torch.tensor(mrope_section))
+            pairs = torch.zeros(head_dim // 2, dtype=torch.int64)
+            pairs[: len(runs)] = runs
+            self.column_coordinate = pairs[torch.arange(head_dim) % (head_dim // 2)]
         self._table_positions: torch.Tensor | None = None
         self._tables: tuple[torch.Tensor, torch.Tensor] = (self.head_cos, self.head_sin)
 
-    def forward(self, positions: torch.Tensor, qk: torch.Tensor, q_size: int) -> None:
+    def rows_at(self, coordinates: torch.Tensor) -> RopeRows:
+        """Each token's rows from its three coordinates `[3, tokens]`, a column's value taken
+        at the position of its pair's coordinate (text tokens' three are equal: their rows
+        are the tables' own)."""
+        assert self.column_coordinate is not None
+        index = coordinates[self.column_coordinate.to(coordinates.device)].T.contiguous()
+        return RopeRows(
+            torch.arange(index.shape[0], device=index.device),
+            self.cos_sin.gather(0, index),
+            self.head_cos.gather(0, index),
+            self.head_sin.gather(0, index),
+        )
+
+    def forward(
+        self, positions: torch.Tensor, qk: torch.Tensor, q_size: int, rows: RopeRows | None = None
+    ) -> None:
         """Rotate Q and K in place: `qk` `[tokens, (heads + kv_heads) * head_dim]` holds them
         side by side (a strided view into the fused QKV output), Q in the first `q_size`
-        columns. Plain torch rotates all their heads in one pass."""
+        columns. Plain torch rotates all their heads in one pass. `rows`: the step's own
+        rows in place of the tables' rows at `positions`."""
         if self.ops is not None:
+            positions, cos_sin = (
+                (positions, self.cos_sin) if rows is None else (rows.positions, rows.cos_sin)
+            )
             self.ops.apply_rope_with_cos_sin_cache_inplace(
-                positions, qk[:, :q_size], qk[:, q_size:], self.head_dim, self.cos_sin, is_neox=True
+                positions, qk[:, :q_size], qk[:, q_size:], self.head_dim, cos_sin, is_neox=True
             )
             return
         heads = qk.unflatten(-1, (-1, self.head_dim))
-        cos, sin = self._position_tables(positions, qk.dtype)
+        if rows is None:
+            cos, sin = self._position_tables(positions, qk.dtype)
+        else:
+            cos, sin = (
+                rows.head_cos[:, None, :].to(qk.dtype),
+                rows.head_sin[:, None, :].to(qk.dtype),
+            )
         half = self.head_dim // 2
         swapped = torch.cat((heads[..., half:], heads[..., :half]), dim=-1)
         # In place: `heads * cos + swapped * sin` into a new tensor took 8x longer at prefill

@@ -139,12 +139,13 @@ class DecoderAttention(nn.Module):
             q_norm.norm_in_place(q)
             k_norm.norm_in_place(kv[:, : self.kv_size])
             head_norms = None, None
+        rows = batch.rope_rows
         if self.norm_rope_store is not None:
             self.norm_rope_store(
                 q,
                 kv,
-                positions,
-                self.rotary.cos_sin,
+                positions if rows is None else rows.positions,
+                self.rotary.cos_sin if rows is None else rows.cos_sin,
                 None if head_norms[0] is None else head_norms[0].weight,
                 None if head_norms[1] is None else head_norms[1].weight,
                 self.eps,
@@ -159,7 +160,7 @@ class DecoderAttention(nn.Module):
             if head_norms[0] is not None and head_norms[1] is not None:
                 head_norms[0].norm_heads(q, self.head_dim)
                 head_norms[1].norm_heads(k, self.head_dim)
-            self.rotary(positions, qkv[:, : self.q_size + self.kv_size], self.q_size)
+            self.rotary(positions, qkv[:, : self.q_size + self.kv_size], self.q_size, rows)
             new_kv = kv.view(tokens, 2, -1, self.head_dim)
         out = attn.forward(q.view(tokens, -1, self.head_dim), new_kv, self.layer, batch, self.sinks)
         return self.o_proj(out)
@@ -356,7 +357,9 @@ class DecoderModel(nn.Module):
             config.rope_scaling,
             ops,
             config.rotary_dim,
+            config.mrope_section,
         )
+        self.rotary = rotary
         local_rotary = rotary
         if config.local_rope_theta is not None:
             local_rotary = RotaryEmbedding(
@@ -400,6 +403,8 @@ class DecoderModel(nn.Module):
             hidden, residual = self.decode_stack.run(hidden, batch, attn)
         else:
             positions = batch.positions  # one tensor for all layers: rope looks tables up once
+            if batch.mrope_positions is not None:  # Qwen-VL images: each token's own rows
+                batch.rope_rows = self.rotary.rows_at(batch.mrope_positions)
             middle = len(self.layers) // 2
             for i, layer in enumerate(self.layers):
                 if i == middle and batch.halfway is not None:

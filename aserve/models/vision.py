@@ -4,20 +4,20 @@ leaves the encoder to transformers' own modules (the base model's `get_image_fea
 vision tower, the layer and tokens its config selects, the projector), so the features are
 transformers' to the bit on the same device and dtype.
 
-Images run where the language model attends to them causally at plain positions
-(`IMAGE_ARCHITECTURES`): LLaVA over a CLIP or SigLIP tower, whose every image takes one
-fixed number of positions, and Pixtral's tower (Mistral Small 3.1, Pixtral 12B), whose
-image takes a feature a cell of its grid, each row of cells closed by a row-break token and
-the last by an image-end token (`ImageEncoder.layout`). Gemma 3 attends within an image both
-ways and Qwen-VL gives image positions three coordinates; their checkpoints serve text alone
-(models/multimodal.py).
+Images run where the language model attends to them causally (`IMAGE_ARCHITECTURES`):
+LLaVA over a CLIP or SigLIP tower, whose every image takes one fixed number of positions;
+Pixtral's tower (Mistral Small 3.1, Pixtral 12B), whose image takes a feature a cell of its
+grid, each row of cells closed by a row-break token and the last by an image-end token
+(`ImageEncoder.layout`); and Qwen2-VL / Qwen2.5-VL, whose image takes a feature a 2 x 2
+block of its patches, each at three rotary coordinates (models/mrope.py). Gemma 3 attends
+within an image both ways and Qwen3-VL adds image features inside its first layers; their
+checkpoints serve text alone (models/multimodal.py).
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,9 +30,15 @@ from aserve.models.multimodal import VISION_PARTS
 IMAGE_ARCHITECTURES = {
     "LlavaForConditionalGeneration": "LlavaModel",
     "Mistral3ForConditionalGeneration": "Mistral3Model",
+    "Qwen2VLForConditionalGeneration": "Qwen2VLModel",
+    "Qwen2_5_VLForConditionalGeneration": "Qwen2_5_VLModel",
 }
 """Vision-language architectures whose images aserve runs -> transformers' base model class,
 whose `get_image_features` encodes them."""
+PATCH_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+"""Qwen-VL: the image processor gives an image's patches, flattened, and their grid (time,
+height, width); the tower merges 2 x 2 patches a feature; the language model places each
+feature at three position coordinates (models/mrope.py)."""
 FIXED_TOWERS = ("clip_vision_model", "siglip_vision_model")
 """Vision towers whose every image takes one fixed number of positions."""
 GRID_TOWERS = ("pixtral",)
@@ -51,14 +57,17 @@ id past its vocabulary as "take the image's features here"."""
 @dataclass
 class ImageSpan:
     """One image of a prompt: its pixels as the checkpoint's image processor makes them
-    `[3, H, W]`, the positions it takes, the image token it stands in for, which feature
-    each position takes (`feature_index`: -1 where a row-break or image-end token sits),
-    and its features once encoded."""
+    (`[3, H, W]`; Qwen-VL's patches `[T, H, W, values]` on their grid), the positions it
+    takes, the image token it stands in for, which feature each position takes
+    (`feature_index`: -1 where a row-break or image-end token sits), Qwen-VL's grid of
+    features (time, height, width: their rotary coordinates), and its features once
+    encoded."""
 
     pixels: torch.Tensor
     start: int
     token: int
     feature_index: torch.Tensor
+    grid: tuple[int, int, int] | None = None
     features: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -85,6 +94,8 @@ def image_support(hf_config: dict[str, Any], architecture: str | None) -> str | 
     """Why this checkpoint's images cannot run (None where they can)."""
     if architecture not in IMAGE_ARCHITECTURES:
         return f"{architecture or 'a text model'} takes no images in aserve"
+    if architecture in PATCH_ARCHITECTURES:  # one tower each
+        return None
     tower = (hf_config.get("vision_config") or {}).get("model_type")
     if tower not in IMAGE_TOWERS:
         return f"a {tower!r} vision tower is not supported (aserve runs {', '.join(IMAGE_TOWERS)})"
@@ -131,14 +142,20 @@ class ImageEncoder:
         self.grid_token_ids: tuple[int, int] | None = None
         self.tokens_per_image: int | None = None
         vision = config.vision_config
-        self.merges_cells = hasattr(config, "spatial_merge_size")  # Mistral 3's projector
-        if vision.model_type in GRID_TOWERS:
+        self.merges_cells = architecture == "Mistral3ForConditionalGeneration"
+        self.patch_merge: int | None = None
+        if architecture in PATCH_ARCHITECTURES:
+            self.patch_merge = vision.spatial_merge_size
+        elif vision.model_type in GRID_TOWERS:
             self.grid_cell = vision.patch_size * getattr(config, "spatial_merge_size", 1)
         else:
             size = vision.image_size
             self.tokens_per_image = self.encode(torch.zeros(1, 3, size, size))[0].shape[0]
 
     def describe(self) -> str:
+        if self.patch_merge is not None:
+            merge = self.patch_merge
+            return f"a position a {merge} x {merge} block of an image's patches"
         if self.grid_cell is not None:
             return f"a position a {self.grid_cell}-pixel cell of an image, one a row"
         return f"{self.tokens_per_image} positions an image"
@@ -147,6 +164,9 @@ class ImageEncoder:
         """What each position of an image of `pixels` `[3, H, W]` holds: None where a
         feature goes, else a token's id (a grid tower's row ends, in row-major order, as
         transformers' processor writes them). A ValueError for pixels a grid cannot take."""
+        if self.patch_merge is not None:
+            times, height, width = self.feature_grid(pixels)
+            return [None] * (times * height * width)
         if self.grid_cell is None:
             assert self.tokens_per_image is not None
             return [None] * self.tokens_per_image
@@ -163,10 +183,34 @@ class ImageEncoder:
         positions[-1] = image_end
         return positions
 
+    def feature_grid(self, pixels: torch.Tensor) -> tuple[int, int, int]:
+        """Qwen-VL: the grid of an image's features (time, height, width), from its patches
+        `[T, H, W, values]` (H and W even: the tower merges 2 x 2 patches a feature)."""
+        merge = self.patch_merge
+        assert merge is not None
+        vision = self.config.vision_config
+        values = 3 * vision.temporal_patch_size * vision.patch_size**2
+        if pixels.dim() != 4 or pixels.shape[1] % merge or pixels.shape[2] % merge:
+            raise ValueError(
+                f"Qwen-VL pixels are patches [T, H, W, {values}] with H and W multiples of "
+                f"{merge} (got {list(pixels.shape)})"
+            )
+        if pixels.shape[3] != values:
+            raise ValueError(f"Qwen-VL patches hold {values} values (got {pixels.shape[3]})")
+        if pixels.shape[0] != 1:
+            raise ValueError(f"an image is one frame of patches (got {pixels.shape[0]})")
+        times, height, width = pixels.shape[:3]
+        return times, height // merge, width // merge
+
     @torch.inference_mode()
     def encode(self, pixels: torch.Tensor) -> list[torch.Tensor]:
         """Each image's features `[tokens, hidden]` from pixels `[images, 3, H, W]` (a grid
         tower's images all of one size)."""
+        if self.patch_merge is not None:  # one image at a time: [1, T, H, W, values]
+            grid = torch.tensor([list(pixels.shape[1:4])])
+            flat = pixels.reshape(-1, pixels.shape[-1]).to(self.device, self.dtype)
+            out = self.base.get_image_features(pixel_values=flat, image_grid_thw=grid)
+            return list(out.pooler_output)
         layer = self.config.vision_feature_layer
         options: dict[str, Any] = {"vision_feature_layer": layer}
         if hasattr(self.config, "vision_feature_select_strategy"):
@@ -214,13 +258,13 @@ def expand_images(
     prompt: list[int],
     images: list[torch.Tensor],
     image_token_id: int,
-    layout: Callable[[torch.Tensor], list[int | None]],
+    encoder: ImageEncoder,
     vocab: int,
 ) -> tuple[list[int], list[ImageSpan]]:
-    """The prompt with each image token made its image's positions as `layout` places them,
-    a feature's holding its image's pseudo id (`PSEUDO_ID_RANGE`), in the order the images
-    come, and their spans. One image token a image, as a chat template writes it; a count
-    that differs from the images' is a ValueError."""
+    """The prompt with each image token made its image's positions as the encoder lays them
+    out, a feature's holding its image's pseudo id (`PSEUDO_ID_RANGE`), in the order the
+    images come, and their spans. One image token a image, as a chat template writes it; a
+    count that differs from the images' is a ValueError."""
     marks = [i for i, token in enumerate(prompt) if token == image_token_id]
     if len(marks) != len(images):
         raise ValueError(
@@ -232,10 +276,11 @@ def expand_images(
     last = 0
     for mark, pixels in zip(marks, images, strict=True):
         ids += prompt[last:mark]
-        positions = layout(pixels)
+        positions = encoder.layout(pixels)
         is_feature = torch.tensor([token is None for token in positions])
         index = torch.where(is_feature, torch.cumsum(is_feature, 0) - 1, -1)
-        spans.append(ImageSpan(pixels, len(ids), image_token_id, index))
+        grid = None if encoder.patch_merge is None else encoder.feature_grid(pixels)
+        spans.append(ImageSpan(pixels, len(ids), image_token_id, index, grid))
         image_id = pseudo_id(pixels, vocab)
         ids += [image_id if token is None else token for token in positions]
         last = mark + 1

@@ -30,6 +30,7 @@ def step_spec(planned: ScheduledBatch, page_table: PageTable) -> StepSpec:
             positions.extend(range(start, start + 1 + len(drafted)))
             input_ids.append(req.all_ids[start])
             input_ids.extend(drafted)
+        lens = [1 + len(drafted) for drafted in planned.drafts]
         return StepSpec(
             mode=ForwardMode.DECODE,
             rows=rows,
@@ -38,6 +39,7 @@ def step_spec(planned: ScheduledBatch, page_table: PageTable) -> StepSpec:
             scored=[0] * len(rows),
             input_ids=input_ids,
             page_writes=page_table.take_writes(),
+            rope_positions=_rope_positions(ForwardMode.DECODE, reqs, planned.starts, lens),
         )
     prefix_lens = planned.starts
     input_ids = []
@@ -52,7 +54,33 @@ def step_spec(planned: ScheduledBatch, page_table: PageTable) -> StepSpec:
         scored=list(planned.scored),
         input_ids=input_ids,
         page_writes=page_table.take_writes(),
+        rope_positions=_rope_positions(planned.mode, reqs, prefix_lens, planned.extend_lens),
     )
+
+
+def _rope_positions(
+    mode: ForwardMode, reqs: list[Req], starts: list[int], lens: list[int]
+) -> list[int]:
+    """`StepSpec.rope_positions`: empty unless a request's positions are not its indices
+    (Qwen-VL with images, `Req.mrope`); else one a token in decode (each request's rows
+    `lens[i]` tokens from `starts[i]`), three rows of them in prefill."""
+    if all(req.mrope is None for req in reqs):
+        return []
+    if mode is ForwardMode.DECODE:
+        decoded: list[int] = []
+        for req, start, n in zip(reqs, starts, lens):
+            shift = 0 if req.mrope is None else req.mrope.shift
+            decoded.extend(range(start + shift, start + n + shift))
+        return decoded
+    rows: tuple[list[int], list[int], list[int]] = ([], [], [])
+    for req, start, n in zip(reqs, starts, lens):
+        if req.mrope is None:
+            coordinates = (list(range(start, start + n)),) * 3
+        else:
+            coordinates = req.mrope.coordinates(start, n)
+        for row, values in zip(rows, coordinates):
+            row.extend(values)
+    return rows[0] + rows[1] + rows[2]
 
 
 def prompt_scoring(planned: ScheduledBatch, device: torch.device) -> PromptScoring | None:

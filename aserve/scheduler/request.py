@@ -247,6 +247,7 @@ class Req:
     matcher: Any = None
     grammar_after: int | None = None
     images: list[Any] = field(default_factory=list)  # models/vision.ImageSpan, by position
+    mrope: Any = None  # models/mrope.MropePositions: Qwen-VL's positions where images move them
     ngram: Any = None  # speculative/ngram.NgramIndex of its tokens, made when it first drafts
     draft_misses: int = 0  # verify steps in a row that took none of its drafts
     draft_pause: int = 0  # decode steps it goes without drafts (Planner.accept)

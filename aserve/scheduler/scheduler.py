@@ -41,6 +41,7 @@ from aserve.kvcache.base import PrefixCache
 from aserve.kvcache.naive import NaiveCache
 from aserve.kvcache.pages import PageAllocator, SlidingWindow
 from aserve.kvcache.radix import RadixCache
+from aserve.models.mrope import MropePositions
 from aserve.scheduler.batch import SamplingBatches, prompt_scoring, step_spec
 from aserve.scheduler.plan import Planner, ScheduledBatch
 from aserve.scheduler.request import (
@@ -149,6 +150,8 @@ class Scheduler:
             prompt_ids, spans = self.engine.expand_images(prompt_ids, images)
         req = Req(rid=self._next_rid, prompt_ids=list(prompt_ids), params=params, seed=seed)
         req.images = spans
+        if spans and spans[0].grid is not None:
+            req.mrope = MropePositions.of(spans)
         req.max_total_len = min(len(req.prompt_ids) + params.max_tokens, self.max_seq_len)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * (len(req.prompt_ids) - 1)

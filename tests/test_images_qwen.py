@@ -1,0 +1,198 @@
+"""Images in prompts for Qwen2-VL and Qwen2.5-VL: the image processor's patches on their grid,
+a feature a 2 x 2 block of patches, and M-RoPE (each image feature at its own time, height
+and width position, the text after an image moved back by what the image saves, generated
+tokens too). Logits and greedy tokens are checked against transformers' whole model given
+the same patches, through chunks that cut images, the prefix cache, batches beside text and
+speculative decoding's verify steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from aserve import LLM, SamplingParams
+from aserve.models.mrope import MropePositions
+from tests.image_refs import IMAGE, image_prompt
+from tests.test_models import our_logits
+from tests.tiny_models import hf_greedy_tokens, make_tiny_vision_language, write_word_tokenizer
+
+ARCHITECTURES = ["Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def picture(seed: int, size: tuple[int, int]) -> Any:
+    """A random RGB image (Pillow) of `size` (height, width)."""
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def qwen_vl(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, torch.nn.Module, Any]:
+    """A tiny Qwen-VL (patches of 14, merged 2 x 2) with Qwen's image processor (images of
+    28 x 28 to 112 x 112 pixels: 1 to 16 features) and a word-level tokenizer."""
+    import transformers
+
+    folder = tmp_path_factory.mktemp(request.param)
+    hf = make_tiny_vision_language(request.param, folder)
+    write_word_tokenizer(folder, 320, IMAGE)
+    image_processor = transformers.Qwen2VLImageProcessorPil(
+        min_pixels=28 * 28, max_pixels=112 * 112
+    )
+    image_processor.save_pretrained(folder)
+    return folder, hf, image_processor
+
+
+def processed(image_processor: Any, prompt: list[int], images: list[Any]) -> dict[str, Any]:
+    """transformers' inputs (what Qwen's processor gives, written out: it needs
+    torchvision): the image processor's patches and grids, each image token repeated once a
+    feature, and the token types that its M-RoPE reads."""
+    pixels = image_processor(images=images, return_tensors="pt")
+    features = iter((pixels["image_grid_thw"].prod(-1) // 4).tolist())
+    ids = [t for token in prompt for t in ([token] * next(features) if token == IMAGE else [token])]
+    types = torch.tensor([[int(t == IMAGE) for t in ids]])
+    return {"input_ids": torch.tensor([ids]), "mm_token_type_ids": types, **pixels}
+
+
+def hf_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in inputs.items() if k != "input_ids"}
+
+
+def hf_logits(hf: torch.nn.Module, inputs: dict[str, Any], continuation: list[int]) -> torch.Tensor:
+    ids = torch.cat([inputs["input_ids"][0], torch.tensor(continuation)])[None]
+    types = torch.cat([inputs["mm_token_type_ids"], torch.zeros(1, len(continuation))], 1)
+    extra = {**hf_inputs(inputs), "mm_token_type_ids": types.int()}
+    with torch.inference_mode():
+        return hf(ids, **extra).logits[0]
+
+
+def hf_greedy(hf: torch.nn.Module, inputs: dict[str, Any], n: int, **extra: Any) -> list[int]:
+    with torch.inference_mode():
+        ids = inputs["input_ids"][0].tolist()
+        return hf_greedy_tokens(hf, ids, n, **hf_inputs(inputs), **extra)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "sizes"),
+    [
+        ([5, 17, IMAGE, 99, 4], [(56, 84)]),  # 2 x 3 features
+        ([IMAGE, 9, 8], [(112, 28)]),  # 4 x 1
+        ([7, IMAGE, 8, IMAGE, 9, 10], [(28, 28), (84, 112)]),  # 1 x 1, then 3 x 4
+    ],
+)
+def test_logits_and_tokens_match_transformers(
+    qwen_vl: tuple[Path, torch.nn.Module, Any], prompt: list[int], sizes: list[tuple[int, int]]
+) -> None:
+    """Prefill and decode logits in chunks of 3 tokens that cut images (pages of 4), and
+    greedy tokens, as transformers' model gives them for the same patches: the decode steps'
+    logits hold only where the generated tokens keep the prompt's M-RoPE shift."""
+    folder, hf, image_processor = qwen_vl
+    images = [picture(seed, size) for seed, size in enumerate(sizes)]
+    inputs = processed(image_processor, prompt, images)
+    expected_prompt = inputs["input_ids"][0].tolist()
+    continuation = [7, 123, 45, 2]
+    with LLM(str(folder), page_size=4, max_prefill_length=3) as llm:
+        pixels = llm.runtime.image_processor.pixels(images)
+        ours = our_logits(llm, prompt, continuation, pixels)
+        theirs = hf_logits(hf, inputs, continuation)
+        torch.testing.assert_close(ours, theirs[len(expected_prompt) - 1 :], atol=2e-4, rtol=1e-4)
+        out = llm.generate(
+            {"prompt_token_ids": prompt, "multi_modal_data": {"image": images}}, GREEDY
+        )[0]
+    assert out.error is None
+    assert out.prompt_token_ids == expected_prompt
+    assert out.token_ids == hf_greedy(hf, inputs, 8)
+
+
+def test_positions_as_transformers_places_them(qwen_vl: tuple[Path, torch.nn.Module, Any]) -> None:
+    """Every token's three coordinates and the generated tokens' shift, against
+    transformers' `get_rope_index` for two images of different grids."""
+    folder, hf, image_processor = qwen_vl
+    prompt = [7, IMAGE, 8, 9, IMAGE, 10]
+    inputs = processed(image_processor, prompt, [picture(0, (56, 112)), picture(1, (84, 28))])
+    expected, delta = hf.model.get_rope_index(
+        inputs["input_ids"],
+        mm_token_type_ids=inputs["mm_token_type_ids"],
+        image_grid_thw=inputs["image_grid_thw"],
+    )
+    with LLM(str(folder)) as llm:
+        pixels = llm.runtime.image_processor.pixels([picture(0, (56, 112)), picture(1, (84, 28))])
+        req = llm.scheduler.make_request(prompt, SamplingParams(max_tokens=1), pixels)
+    positions: MropePositions = req.mrope
+    ours = torch.tensor(positions.coordinates(0, len(req.prompt_ids)))
+    assert torch.equal(ours, expected[:, 0])
+    assert positions.shift == int(delta)
+    assert positions.text_position(len(req.prompt_ids) + 5) == len(req.prompt_ids) + 5 + int(delta)
+
+
+def test_prefix_cache_batches_and_speculation(qwen_vl: tuple[Path, torch.nn.Module, Any]) -> None:
+    """The same image again comes from the prefix cache with the same tokens; another image
+    of the same size behind the same text is computed again; an image prompt decoded in one
+    batch with text prompts (shifted positions beside plain ones) and with n-gram drafts
+    (verify rows at shifted positions) gives what it gives alone."""
+    folder, hf, image_processor = qwen_vl
+    prompt = [5, 17, 42, 9, IMAGE, 99, 4, 5, 17, 42]
+    first, second = picture(1, (56, 56)), picture(2, (56, 56))
+    text = [5, 6, 7, 8, 5, 6, 7]
+    with LLM(str(folder), page_size=4) as llm:
+        planner = llm.scheduler.planner
+        alone = llm.generate(image_prompt(prompt, first), GREEDY)[0].token_ids
+        assert alone == hf_greedy(hf, processed(image_processor, prompt, [first]), 8)
+        cached = planner.prompt_tokens_cached
+        assert llm.generate(image_prompt(prompt, first), GREEDY)[0].token_ids == alone
+        assert planner.prompt_tokens_cached - cached >= 8
+        cached = planner.prompt_tokens_cached
+        other = llm.generate(image_prompt(prompt, second), GREEDY)[0].token_ids
+        assert planner.prompt_tokens_cached - cached <= 4  # the text before the image alone
+        assert other == hf_greedy(hf, processed(image_processor, prompt, [second]), 8) != alone
+        text_alone = llm.generate([text], GREEDY)[0].token_ids
+    with LLM(str(folder), page_size=4, cache_type="naive") as llm:
+        batched = llm.generate(
+            [image_prompt(prompt, first), text, image_prompt(prompt, second)], GREEDY
+        )
+        assert [o.token_ids for o in batched] == [alone, text_alone, other]
+    long = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    with LLM(str(folder)) as llm:
+        plain = llm.generate(image_prompt(prompt, first), long)[0].token_ids
+    with LLM(str(folder), speculative_algorithm="ngram") as llm:
+        drafted = llm.generate(image_prompt(prompt, first), long)[0].token_ids
+        assert llm.scheduler.planner.draft_tokens > 0
+    assert drafted == plain
+
+
+def test_chat_with_an_image_part(qwen_vl: tuple[Path, torch.nn.Module, Any]) -> None:
+    """LLM.chat with vLLM's offline `image_pil` part: the template's image token, the
+    processor's patches, transformers' tokens."""
+    folder, hf, image_processor = qwen_vl
+    image = picture(4, (40, 90))
+    content = [{"type": "text", "text": "w5 w6"}, {"type": "image_pil", "image_pil": image}]
+    with LLM(str(folder)) as llm:
+        out = llm.chat([{"role": "user", "content": content}], GREEDY)[0]
+        template = [
+            {"role": "user", "content": [{"type": "text", "text": "w5 w6"}, {"type": "image"}]}
+        ]
+        written = llm.tokenizer.apply_chat_template(template)
+    assert out.token_ids == hf_greedy(hf, processed(image_processor, written, [image]), 8)
+
+
+def test_refusals(qwen_vl: tuple[Path, torch.nn.Module, Any]) -> None:
+    """Pixels that are not patches on an even grid, or more than one frame: one-line
+    errors."""
+    folder, _, _ = qwen_vl
+    values = 3 * 2 * 14 * 14
+    with LLM(str(folder)) as llm:
+        for pixels, message in [
+            (torch.zeros(3, 28, 28), r"patches \[T, H, W, 1176\]"),
+            (torch.zeros(1, 2, 3, values), "multiples of 2"),
+            (torch.zeros(1, 2, 2, 7), "hold 1176 values"),
+            (torch.zeros(2, 2, 2, values), "one frame"),
+        ]:
+            with pytest.raises(ValueError, match=message):
+                llm.generate(image_prompt([5, IMAGE, 6], pixels))
