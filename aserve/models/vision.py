@@ -207,7 +207,7 @@ class ImageEncoder:
         """Each image's features `[tokens, hidden]` from pixels `[images, 3, H, W]` (a grid
         tower's images all of one size)."""
         if self.patch_merge is not None:  # one image at a time: [1, T, H, W, values]
-            grid = torch.tensor([list(pixels.shape[1:4])])
+            grid = torch.tensor([list(pixels.shape[1:4])], device=self.device)
             flat = pixels.reshape(-1, pixels.shape[-1]).to(self.device, self.dtype)
             out = self.base.get_image_features(pixel_values=flat, image_grid_thw=grid)
             return list(out.pooler_output)
