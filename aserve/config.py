@@ -46,9 +46,10 @@ VISION_LANGUAGE_ARCHITECTURES = (
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
 )
-"""Vision-language checkpoints whose language model aserve serves on its own, for text
-(`language_model_config`; models/multimodal.py reads its weights): Gemma 3 from 4B up, Mistral
-Small 3.1, LLaVA, Qwen2-VL, Qwen2.5-VL and Qwen3-VL publish their models only so."""
+"""Vision-language checkpoints whose language model aserve runs (`language_model_config`;
+models/multimodal.py reads its weights), with images where models/vision.py encodes them:
+Gemma 3 from 4B up, Mistral Small 3.1, LLaVA, Qwen2-VL, Qwen2.5-VL and Qwen3-VL publish their
+models only so."""
 LANGUAGE_MODEL_TYPES = {
     "gemma3_text": "Gemma3ForCausalLM",
     "llama": "LlamaForCausalLM",

@@ -34,7 +34,8 @@ class ForwardBatch:
     `sample_rows` are the rows of those last tokens among them. `halfway`, where set, is
     recorded on the stream once half of the layers are queued (see Scheduler.run).
     In a prefill with images, the tokens at `image_rows` take `image_embeds` (the image
-    encoder's features) in place of their ids' embeddings (models/vision.py); with Qwen-VL's
+    encoder's features) in place of their ids' embeddings (models/vision.py), and Qwen3-VL's
+    `image_layer_embeds[i]` join their hidden states after layer i; with Qwen-VL's
     images, `mrope_positions` `[3, T]` are each token's three rotary coordinates
     (models/mrope.py), whose cos/sin rows the model looks up once a step (`rope_rows`).
     """
@@ -55,6 +56,7 @@ class ForwardBatch:
     halfway: torch.cuda.Event | None = None
     image_rows: torch.Tensor | None = None
     image_embeds: torch.Tensor | None = None
+    image_layer_embeds: torch.Tensor | None = None
     mrope_positions: torch.Tensor | None = None
     rope_rows: Any = None  # layers/rotary.RopeRows, set by the model from mrope_positions
 

@@ -136,18 +136,28 @@ def test_mistral3_bf16_logprobs_close_to_transformers(
     torch.testing.assert_close(hit, fresh, atol=0.06, rtol=0.03)
 
 
-def test_qwen2_5_vl_bf16_logprobs_close_to_transformers(
-    make_llm: Callable[..., LLM], tmp_path: Path
+QWEN_VL_SECTIONS = {  # heads of 64: 32 pairs
+    "Qwen2_5_VLForConditionalGeneration": {"type": "mrope", "mrope_section": [8, 12, 12]},
+    "Qwen3VLForConditionalGeneration": {
+        "rope_type": "default",
+        "mrope_section": [8, 12, 12],
+        "mrope_interleaved": True,
+    },
+}
+
+
+@pytest.mark.parametrize("architecture", list(QWEN_VL_SECTIONS))
+def test_qwen_vl_bf16_logprobs_close_to_transformers(
+    make_llm: Callable[..., LLM], tmp_path: Path, architecture: str
 ) -> None:
-    """Qwen2.5-VL (M-RoPE): an image of 2 x 3 features then text, greedy tokens' logprobs
-    within 0.05 of transformers' bf16 whole model (decode graphs at shifted positions, the
-    fused norm/RoPE/KV-write kernel reading each prefill token's own rows); in chunks of 3
-    that cut the image, the same logits as a prefix hit, to bf16's rounding."""
-    sections = {"type": "mrope", "mrope_section": [8, 12, 12]}  # heads of 64
-    overrides = {**KERNEL_SHAPES, "head_dim": 64, "rope_scaling": sections}
-    hf = make_tiny_vision_language(
-        "Qwen2_5_VLForConditionalGeneration", tmp_path, overrides=overrides
-    )
+    """Qwen2.5-VL and Qwen3-VL (M-RoPE; Qwen3-VL's interleaved, and its tower's inner
+    features added after the first layers): an image of 2 x 3 features then text, greedy
+    tokens' logprobs within 0.05 of transformers' bf16 whole model (decode graphs at shifted
+    positions, the fused norm/RoPE/KV-write kernel reading each prefill token's own rows);
+    in chunks of 3 that cut the image, the same logits as a prefix hit, to bf16's
+    rounding."""
+    overrides = {**KERNEL_SHAPES, "head_dim": 64, "rope_scaling": QWEN_VL_SECTIONS[architecture]}
+    hf = make_tiny_vision_language(architecture, tmp_path, overrides=overrides)
     hf = hf.to(device="cuda", dtype=torch.bfloat16)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=True)
     llm = make_llm(tmp_path, device="cuda", dtype="bfloat16")

@@ -1,9 +1,11 @@
-"""Images in prompts for Qwen2-VL and Qwen2.5-VL: the image processor's patches on their grid,
-a feature a 2 x 2 block of patches, and M-RoPE (each image feature at its own time, height
-and width position, the text after an image moved back by what the image saves, generated
-tokens too). Logits and greedy tokens are checked against transformers' whole model given
-the same patches, through chunks that cut images, the prefix cache, batches beside text and
-speculative decoding's verify steps."""
+"""Images in prompts for Qwen2-VL, Qwen2.5-VL and Qwen3-VL: the image processor's patches on
+their grid, a feature a 2 x 2 block of patches, and M-RoPE (each image feature at its own
+time, height and width position, the text after an image moved back by what the image
+saves, generated tokens too; Qwen3-VL's coordinates interleaved over a head's pairs, and its
+tower's inner features added after the language model's first layers). Logits and greedy
+tokens are checked against transformers' whole model given the same patches, through
+chunks that cut images, the prefix cache, batches beside text and speculative decoding's
+verify steps."""
 
 from __future__ import annotations
 
@@ -20,7 +22,11 @@ from tests.image_refs import IMAGE, image_prompt
 from tests.test_models import our_logits
 from tests.tiny_models import hf_greedy_tokens, make_tiny_vision_language, write_word_tokenizer
 
-ARCHITECTURES = ["Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"]
+ARCHITECTURES = [
+    "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
+]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
@@ -139,7 +145,7 @@ def test_prefix_cache_batches_and_speculation(qwen_vl: tuple[Path, torch.nn.Modu
     (verify rows at shifted positions) gives what it gives alone."""
     folder, hf, image_processor = qwen_vl
     prompt = [5, 17, 42, 9, IMAGE, 99, 4, 5, 17, 42]
-    first, second = picture(1, (56, 56)), picture(2, (56, 56))
+    first, second = picture(1, (56, 56)), picture(4, (56, 56))
     text = [5, 6, 7, 8, 5, 6, 7]
     with LLM(str(folder), page_size=4) as llm:
         planner = llm.scheduler.planner

@@ -344,13 +344,18 @@ def vision_language_config(architecture: str, overrides: dict[str, Any] | None =
             **special,
         )
     if architecture == "Qwen3VLForConditionalGeneration":
-        sections = {"rope_type": "default", "mrope_section": [4, 6, 6], "mrope_interleaved": True}
-        # (heads of 32: FAMILIES' Qwen3)
-        return transformers.Qwen3VLConfig(
-            text_config=text("qwen3", "qwen3_vl_text", rope_scaling=sections),
-            vision_config={**qwen_encoder, "out_hidden_size": 64, "deepstack_visual_indexes": []},
-            **special,
-        )
+        # heads of 32 (FAMILIES' Qwen3): 16 pairs, 4 of each spatial coordinate in turn
+        sections = {"rope_type": "default", "mrope_section": [8, 4, 4], "mrope_interleaved": True}
+        language = text("qwen3", "qwen3_vl_text", rope_scaling=sections)
+        tower = {
+            **qwen_encoder,
+            "depth": 2,
+            "out_hidden_size": language["hidden_size"],
+            "patch_size": 14,  # (16 as published) the Qwen2-VL tests' image sizes
+            "num_position_embeddings": 64,  # an 8 x 8 grid, interpolated to each image's
+            "deepstack_visual_indexes": [0, 1],  # added after the language model's layers 0, 1
+        }
+        return transformers.Qwen3VLConfig(text_config=language, vision_config=tower, **special)
     raise ValueError(f"no tiny {architecture}")
 
 

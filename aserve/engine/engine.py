@@ -361,6 +361,7 @@ class Engine:
         assert self.images is not None
         rows: list[torch.Tensor] = []
         features: list[torch.Tensor] = []
+        layer_features: list[torch.Tensor] = []
         offset = 0
         for spans, start, length in zip(images, starts, batch.extend_lens, strict=True):
             for span in spans:
@@ -372,13 +373,18 @@ class Engine:
                 if not taken.any():  # a grid's row ends alone
                     continue
                 if span.features is None:
-                    span.features = self.images.encode(span.pixels[None])[0]
+                    span.features, span.layer_features = self.images.encode(span.pixels[None])[0]
                 rows.append(torch.arange(offset + first - start, offset + last - start)[taken])
-                features.append(span.features[index[taken].to(span.features.device)])
+                chosen = index[taken].to(span.features.device)
+                features.append(span.features[chosen])
+                if span.layer_features is not None:
+                    layer_features.append(span.layer_features[:, chosen])
             offset += length
         if rows:
             batch.image_rows = torch.cat(rows).to(self.device)
             batch.image_embeds = torch.cat(features)
+        if layer_features:  # Qwen3-VL: every image has them
+            batch.image_layer_embeds = torch.cat(layer_features, dim=1)
 
     def _create_attention_backend(self, name: str) -> AttentionBackend:
         names = self._backend_names(name)

@@ -124,6 +124,22 @@ def rope_frequencies(
     raise ValueError(f"rope scaling {kind!r} is not supported")  # ModelConfig refuses it first
 
 
+def mrope_pair_coordinates(pairs: int, section: tuple[int, ...], interleaved: bool) -> torch.Tensor:
+    """The coordinate (0 time, 1 height, 2 width) that each pair of a head rotates by:
+    Qwen2-VL's `section[0]` pairs of time, then `section[1]` of height and `section[2]` of
+    width; Qwen3-VL's in turn (time, height, width, time, ...) while a coordinate has pairs
+    left, time after. Pairs past the sections keep time."""
+    coordinates = torch.zeros(pairs, dtype=torch.int64)
+    if not interleaved:
+        runs = torch.repeat_interleave(torch.arange(3), torch.tensor(section))
+        coordinates[: len(runs)] = runs
+        return coordinates
+    for coordinate in (1, 2):
+        taken = torch.arange(coordinate, min(3 * section[coordinate], pairs), 3)
+        coordinates[taken] = coordinate
+    return coordinates
+
+
 @dataclass
 class RopeRows:
     """cos and sin rows of one step's tokens, one a token in the tables' layouts (Qwen-VL's
@@ -150,10 +166,12 @@ class RotaryEmbedding(nn.Module):
         ops: FusedOps | None = None,
         rotary_dim: int = 0,
         mrope_section: tuple[int, ...] = (),
+        mrope_interleaved: bool = False,
     ) -> None:
         """`rotary_dim`: the dimensions of a head that rotate (0: all), in the first
         rotary_dim / 2 pairs (`partial_rotary_order`); the others keep cos 1 and sin 0.
-        `mrope_section`: Qwen-VL's pairs by coordinate (`rows_at`), in runs."""
+        `mrope_section`: Qwen-VL's pairs by coordinate (`rows_at`), in runs, or taken in
+        turn where `mrope_interleaved` (`mrope_pair_coordinates`)."""
         super().__init__()
         rotary_dim = rotary_dim or head_dim
         inv_freq, attention = rope_frequencies(rotary_dim, theta, scaling, max_positions)
@@ -169,9 +187,7 @@ class RotaryEmbedding(nn.Module):
         # Qwen-VL: the coordinate (time, height, width) that each column's pair rotates by
         self.column_coordinate: torch.Tensor | None = None
         if mrope_section:
-            runs = torch.repeat_interleave(torch.arange(3), torch.tensor(mrope_section))
-            pairs = torch.zeros(head_dim // 2, dtype=torch.int64)
-            pairs[: len(runs)] = runs
+            pairs = mrope_pair_coordinates(head_dim // 2, mrope_section, mrope_interleaved)
             self.column_coordinate = pairs[torch.arange(head_dim) % (head_dim // 2)]
         self._table_positions: torch.Tensor | None = None
         self._tables: tuple[torch.Tensor, torch.Tensor] = (self.head_cos, self.head_sin)

@@ -358,6 +358,7 @@ class DecoderModel(nn.Module):
             ops,
             config.rotary_dim,
             config.mrope_section,
+            config.mrope_interleaved,
         )
         self.rotary = rotary
         local_rotary = rotary
@@ -406,10 +407,14 @@ class DecoderModel(nn.Module):
             if batch.mrope_positions is not None:  # Qwen-VL images: each token's own rows
                 batch.rope_rows = self.rotary.rows_at(batch.mrope_positions)
             middle = len(self.layers) // 2
+            inner = batch.image_layer_embeds
             for i, layer in enumerate(self.layers):
                 if i == middle and batch.halfway is not None:
                     batch.halfway.record()
                 hidden, residual = layer(positions, hidden, residual, batch, attn)
+                if inner is not None and i < len(inner):  # Qwen3-VL: into the residual stream
+                    assert batch.image_rows is not None
+                    hidden = hidden.index_add(0, batch.image_rows, inner[i].to(hidden.dtype))
         assert residual is not None
         hidden, _ = self.norm.add_and_norm(hidden, residual, self.final_group)
         return hidden

@@ -8,10 +8,11 @@ Images run where the language model attends to them causally (`IMAGE_ARCHITECTUR
 LLaVA over a CLIP or SigLIP tower, whose every image takes one fixed number of positions;
 Pixtral's tower (Mistral Small 3.1, Pixtral 12B), whose image takes a feature a cell of its
 grid, each row of cells closed by a row-break token and the last by an image-end token
-(`ImageEncoder.layout`); and Qwen2-VL / Qwen2.5-VL, whose image takes a feature a 2 x 2
-block of its patches, each at three rotary coordinates (models/mrope.py). Gemma 3 attends
-within an image both ways and Qwen3-VL adds image features inside its first layers; their
-checkpoints serve text alone (models/multimodal.py).
+(`ImageEncoder.layout`); and Qwen2-VL, Qwen2.5-VL and Qwen3-VL, whose image takes a feature
+a 2 x 2 block of its patches, each at three rotary coordinates (models/mrope.py). Qwen3-VL's
+tower also gives features of some of its inner layers ("DeepStack"), which the language
+model adds to the image positions' hidden states after its first layers. Gemma 3 attends
+within an image both ways: its checkpoints serve text alone (models/multimodal.py).
 """
 
 from __future__ import annotations
@@ -32,10 +33,15 @@ IMAGE_ARCHITECTURES = {
     "Mistral3ForConditionalGeneration": "Mistral3Model",
     "Qwen2VLForConditionalGeneration": "Qwen2VLModel",
     "Qwen2_5_VLForConditionalGeneration": "Qwen2_5_VLModel",
+    "Qwen3VLForConditionalGeneration": "Qwen3VLModel",
 }
 """Vision-language architectures whose images aserve runs -> transformers' base model class,
 whose `get_image_features` encodes them."""
-PATCH_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+PATCH_ARCHITECTURES = (
+    "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
+)
 """Qwen-VL: the image processor gives an image's patches, flattened, and their grid (time,
 height, width); the tower merges 2 x 2 patches a feature; the language model places each
 feature at three position coordinates (models/mrope.py)."""
@@ -61,7 +67,8 @@ class ImageSpan:
     takes, the image token it stands in for, which feature each position takes
     (`feature_index`: -1 where a row-break or image-end token sits), Qwen-VL's grid of
     features (time, height, width: their rotary coordinates), and its features once
-    encoded."""
+    encoded (`layer_features`: Qwen3-VL's `[layers, tokens, hidden]` for the language
+    model's first layers to add)."""
 
     pixels: torch.Tensor
     start: int
@@ -69,6 +76,7 @@ class ImageSpan:
     feature_index: torch.Tensor
     grid: tuple[int, int, int] | None = None
     features: torch.Tensor | None = field(default=None, repr=False)
+    layer_features: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def length(self) -> int:
@@ -150,7 +158,7 @@ class ImageEncoder:
             self.grid_cell = vision.patch_size * getattr(config, "spatial_merge_size", 1)
         else:
             size = vision.image_size
-            self.tokens_per_image = self.encode(torch.zeros(1, 3, size, size))[0].shape[0]
+            self.tokens_per_image = self.encode(torch.zeros(1, 3, size, size))[0][0].shape[0]
 
     def describe(self) -> str:
         if self.patch_merge is not None:
@@ -203,14 +211,19 @@ class ImageEncoder:
         return times, height // merge, width // merge
 
     @torch.inference_mode()
-    def encode(self, pixels: torch.Tensor) -> list[torch.Tensor]:
+    def encode(self, pixels: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Each image's features `[tokens, hidden]` from pixels `[images, 3, H, W]` (a grid
-        tower's images all of one size)."""
+        tower's images all of one size), with Qwen3-VL's features for the language model's
+        first layers `[layers, tokens, hidden]` (None for the other towers)."""
         if self.patch_merge is not None:  # one image at a time: [1, T, H, W, values]
             grid = torch.tensor([list(pixels.shape[1:4])], device=self.device)
             flat = pixels.reshape(-1, pixels.shape[-1]).to(self.device, self.dtype)
             out = self.base.get_image_features(pixel_values=flat, image_grid_thw=grid)
-            return list(out.pooler_output)
+            inner = getattr(out, "deepstack_features", None)  # per layer, per image
+            if not inner:
+                return [(features, None) for features in out.pooler_output]
+            by_image = [torch.stack(layers) for layers in zip(*inner, strict=True)]
+            return list(zip(out.pooler_output, by_image, strict=True))
         layer = self.config.vision_feature_layer
         options: dict[str, Any] = {"vision_feature_layer": layer}
         if hasattr(self.config, "vision_feature_select_strategy"):
@@ -227,10 +240,10 @@ class ImageEncoder:
             )
             layers = layer if isinstance(layer, list) else [layer]
             selected = torch.cat([tower.hidden_states[i][0] for i in layers], dim=-1)
-            return [self.base.multi_modal_projector(selected, sizes)]
+            return [(self.base.multi_modal_projector(selected, sizes), None)]
         out = self.base.get_image_features(pixel_values=pixels, **options)
         features = getattr(out, "pooler_output", out)  # transformers 5 returns an output
-        return list(features)
+        return [(image, None) for image in features]
 
 
 def vision_tensors(model_dir: Path, wanted: set[str]) -> dict[str, torch.Tensor]:
