@@ -45,6 +45,7 @@ VISION_LANGUAGE_ARCHITECTURES = (
     "Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration",
 )
 """Vision-language checkpoints whose language model aserve runs (`language_model_config`;
 models/multimodal.py reads its weights), with images where models/vision.py encodes them:
@@ -61,6 +62,7 @@ LANGUAGE_MODEL_TYPES = {
     "qwen2_5_vl_text": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_vl_text": "Qwen3ForCausalLM",
+    "qwen3_vl_moe_text": "Qwen3MoeForCausalLM",
 }
 """The language model's `model_type` in a vision-language config -> the text architecture
 that runs it. Qwen2-VL's and Qwen3-VL's rotary positions (M-RoPE) give each section of a
@@ -68,6 +70,9 @@ head's frequencies its own position (time, height, width); a text token has the 
 position in all three, which makes them the plain rotary embedding of Qwen2 and Qwen3.
 (Older transformers keep Qwen2-VL's and Qwen2.5-VL's text settings at the top of the config,
 under the model's own type.)"""
+LANGUAGE_MODEL_SETTINGS = {"qwen3_vl_moe_text": {"norm_topk_prob": True}}
+"""What a language model does that its config does not say: Qwen3-VL-MoE's router always
+renormalises the chosen experts' weights (its config has no `norm_topk_prob`)."""
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe")
 """Families whose experts `_moe_settings` reads (gpt-oss's are read with its own settings)."""
 MOE_BACKENDS = ("auto", "torch", "fused")
@@ -399,6 +404,7 @@ def language_model_config(config: dict[str, Any], architecture: str) -> dict[str
             f"the language models of types {', '.join(sorted(LANGUAGE_MODEL_TYPES))}"
         )
     text["architectures"] = [LANGUAGE_MODEL_TYPES[kind]]
+    text |= LANGUAGE_MODEL_SETTINGS.get(kind, {})
     for key in ("tie_word_embeddings", "torch_dtype", "dtype", "quantization_config"):
         if config.get(key) is not None:
             text[key] = config[key]

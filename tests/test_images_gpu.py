@@ -144,18 +144,21 @@ QWEN_VL_SECTIONS = {  # heads of 64: 32 pairs
         "mrope_interleaved": True,
     },
 }
+QWEN_VL_SECTIONS["Qwen3VLMoeForConditionalGeneration"] = QWEN_VL_SECTIONS[
+    "Qwen3VLForConditionalGeneration"
+]
 
 
 @pytest.mark.parametrize("architecture", list(QWEN_VL_SECTIONS))
 def test_qwen_vl_bf16_logprobs_close_to_transformers(
     make_llm: Callable[..., LLM], tmp_path: Path, architecture: str
 ) -> None:
-    """Qwen2.5-VL and Qwen3-VL (M-RoPE; Qwen3-VL's interleaved, and its tower's inner
-    features added after the first layers): an image of 2 x 3 features then text, greedy
-    tokens' logprobs within 0.05 of transformers' bf16 whole model (decode graphs at shifted
-    positions, the fused norm/RoPE/KV-write kernel reading each prefill token's own rows);
-    in chunks of 3 that cut the image, the same logits as a prefix hit, to bf16's
-    rounding."""
+    """Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE (M-RoPE; Qwen3-VL's interleaved, and its
+    tower's inner features added after the first layers): an image of 2 x 3 features then
+    text, greedy tokens' logprobs within 0.05 of transformers' bf16 whole model (decode
+    graphs at shifted positions, the fused norm/RoPE/KV-write kernel reading each prefill
+    token's own rows); in chunks of 3 that cut the image, the same logits as a prefix hit,
+    to bf16's rounding."""
     overrides = {**KERNEL_SHAPES, "head_dim": 64, "rope_scaling": QWEN_VL_SECTIONS[architecture]}
     hf = make_tiny_vision_language(architecture, tmp_path, overrides=overrides)
     hf = hf.to(device="cuda", dtype=torch.bfloat16)

@@ -20,12 +20,18 @@ from aserve import LLM, SamplingParams
 from aserve.models.mrope import MropePositions
 from tests.image_refs import IMAGE, image_prompt
 from tests.test_models import our_logits
-from tests.tiny_models import hf_greedy_tokens, make_tiny_vision_language, write_word_tokenizer
+from tests.tiny_models import (
+    hf_greedy_tokens,
+    make_tiny_vision_language,
+    publish_transposed_experts,
+    write_word_tokenizer,
+)
 
 ARCHITECTURES = [
     "Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration",
 ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -43,11 +49,14 @@ def qwen_vl(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, torch.nn.Module, Any]:
     """A tiny Qwen-VL (patches of 14, merged 2 x 2) with Qwen's image processor (images of
-    28 x 28 to 112 x 112 pixels: 1 to 16 features) and a word-level tokenizer."""
+    28 x 28 to 112 x 112 pixels: 1 to 16 features) and a word-level tokenizer; Qwen3-VL-MoE's
+    stacked experts in the layout Qwen publishes."""
     import transformers
 
     folder = tmp_path_factory.mktemp(request.param)
     hf = make_tiny_vision_language(request.param, folder)
+    if request.param == "Qwen3VLMoeForConditionalGeneration":
+        publish_transposed_experts(folder)
     write_word_tokenizer(folder, 320, IMAGE)
     image_processor = transformers.Qwen2VLImageProcessorPil(
         min_pixels=28 * 28, max_pixels=112 * 112

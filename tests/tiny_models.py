@@ -356,6 +356,17 @@ def vision_language_config(architecture: str, overrides: dict[str, Any] | None =
             "deepstack_visual_indexes": [0, 1],  # added after the language model's layers 0, 1
         }
         return transformers.Qwen3VLConfig(text_config=language, vision_config=tower, **special)
+    if architecture == "Qwen3VLMoeForConditionalGeneration":
+        base = vision_language_config("Qwen3VLForConditionalGeneration", overrides).to_dict()
+        experts = {k: v for k, v in FAMILIES["qwen3_moe"].items() if k != "norm_topk_prob"}
+        # experts of 16: gate_up [E, 32, 64] tells its orientation (publish_transposed_experts)
+        experts["moe_intermediate_size"] = 16
+        language = {**base["text_config"], **experts, "model_type": "qwen3_vl_moe_text"}
+        return transformers.Qwen3VLMoeConfig(
+            text_config={**language, **(overrides or {})},
+            vision_config=base["vision_config"],
+            **special,
+        )
     raise ValueError(f"no tiny {architecture}")
 
 
@@ -374,10 +385,24 @@ def make_tiny_vision_language(
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.normal_(1.0, 0.1)
-            elif name.endswith("bias") or param.dim() == 2:
+            elif name.endswith("bias") or param.dim() in (2, 3):  # 3: stacked experts
                 param.normal_(0.0, 0.1)
     model.save_pretrained(folder)
     return model.eval()
+
+
+def publish_transposed_experts(folder: Path) -> None:
+    """Rewrite a saved Qwen3-VL-MoE's stacked experts as Qwen publishes them: each expert's
+    products transposed (`gate_up_proj` `[E, H, 2I]`, `down_proj` `[E, I, H]`; transformers
+    saves its modules' `[E, 2I, H]` / `[E, H, I]` and loads either)."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    for name, tensor in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[name] = tensor.transpose(1, 2).contiguous()
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 CHAT_TEMPLATE = (

@@ -261,8 +261,9 @@ class ExpertWeights(nn.Module):
 
     Checkpoints name experts one by one (`E.gate_proj.weight`, ...), as transformers saves
     them, or stacked (`gate_up_proj` `[E, 2I, H]`, `down_proj` `[E, H, I]`), as its modules
-    hold them. `load_tensor` returns the per-expert parts a tensor filled, so the model can
-    tell a checkpoint that misses one expert.
+    hold them, or stacked with each expert's product transposed, as Qwen3-VL-MoE publishes
+    them (`held_layout`). `load_tensor` returns the per-expert parts a tensor filled, so the
+    model can tell a checkpoint that misses one expert.
 
     With `fp8` each expert row is kept in FP8 with a float32 scale of its own (`w13_scale`
     `[E, 2 * I / tp]`, `w2_scale` `[E, H]`), quantized as its part arrives: a float
@@ -281,6 +282,7 @@ class ExpertWeights(nn.Module):
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
+        self.hidden_size, self.inter_size = hidden_size, inter_size
         start, end = tp.shard(inter_size)
         self.inter_start, self.local_inter = start, end - start
         self.biases = (
@@ -314,8 +316,10 @@ class ExpertWeights(nn.Module):
             raise ValueError(f"stacked FP8 experts ({name}) are not supported")
         if self.biases is not None and name in STACKED_PARTS:
             return self._load_gpt_oss(name, read_whole(tensor))
+        if name in STACKED_PARTS:
+            tensor = self.held_layout(name, read_whole(tensor))
         if name == "gate_up_proj":
-            gate, up = tensor[:].chunk(2, dim=1)
+            gate, up = tensor.chunk(2, dim=1)
             self._fill("w13", (every, gate_rows), gate[:, shard])
             self._fill("w13", (every, up_rows), up[:, shard])
             return [p for p in self.parts() if not p.endswith("down_proj.weight")]
@@ -333,6 +337,19 @@ class ExpertWeights(nn.Module):
         else:
             self._fill("w2", (index,), tensor[:, shard])
         return [name]
+
+    def held_layout(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Stacked experts `[E, 2I, H]` / `[E, H, I]` from either orientation of each
+        expert's product, told apart by shape as transformers does (where 2I = H, the
+        modules' own is taken)."""
+        inter, hidden = self.inter_size, self.hidden_size
+        held = (2 * inter, hidden) if name == "gate_up_proj" else (hidden, inter)
+        shape = tuple(tensor.shape)
+        if shape == (self.num_experts, *held):
+            return tensor
+        if shape == (self.num_experts, *held[::-1]):
+            return tensor.transpose(1, 2)
+        raise ValueError(f"stacked experts {name} of shape {list(shape)}: expected {list(held)}")
 
     def _load_gpt_oss(self, name: str, tensor: torch.Tensor) -> list[str]:
         """gpt-oss's stacked experts as transformers holds them: each expert's products

@@ -1,5 +1,6 @@
-"""Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GraniteMoe and gpt-oss: the dense decoder of
-models/decoder.py with sparse expert MLPs (Qwen2-MoE's with a shared expert beside them).
+"""Qwen3-MoE (Qwen3-VL-MoE's language model too), Qwen2-MoE, Mixtral, OLMoE, GraniteMoe and
+gpt-oss: the dense decoder of models/decoder.py with sparse expert MLPs (Qwen2-MoE's with a
+shared expert beside them).
 
 Attention, norms, embedding and LM head are the dense decoder's (Qwen3's per-head Q/K norm,
 gpt-oss's biases, sinks and windows included). Layers that `ModelConfig.is_moe_layer` picks

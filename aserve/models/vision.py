@@ -34,6 +34,7 @@ IMAGE_ARCHITECTURES = {
     "Qwen2VLForConditionalGeneration": "Qwen2VLModel",
     "Qwen2_5_VLForConditionalGeneration": "Qwen2_5_VLModel",
     "Qwen3VLForConditionalGeneration": "Qwen3VLModel",
+    "Qwen3VLMoeForConditionalGeneration": "Qwen3VLMoeModel",
 }
 """Vision-language architectures whose images aserve runs -> transformers' base model class,
 whose `get_image_features` encodes them."""
@@ -41,6 +42,7 @@ PATCH_ARCHITECTURES = (
     "Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration",
 )
 """Qwen-VL: the image processor gives an image's patches, flattened, and their grid (time,
 height, width); the tower merges 2 x 2 patches a feature; the language model places each
