@@ -221,11 +221,9 @@ class ImageEncoder:
             grid = torch.tensor([list(pixels.shape[1:4])], device=self.device)
             flat = pixels.reshape(-1, pixels.shape[-1]).to(self.device, self.dtype)
             out = self.base.get_image_features(pixel_values=flat, image_grid_thw=grid)
-            inner = getattr(out, "deepstack_features", None)  # per layer, per image
-            if not inner:
-                return [(features, None) for features in out.pooler_output]
-            by_image = [torch.stack(layers) for layers in zip(*inner, strict=True)]
-            return list(zip(out.pooler_output, by_image, strict=True))
+            inner = getattr(out, "deepstack_features", None)  # a tensor a layer (Qwen3-VL)
+            layers = torch.stack([one_image(f) for f in inner]) if inner else None
+            return [(one_image(out.pooler_output), layers)]
         layer = self.config.vision_feature_layer
         options: dict[str, Any] = {"vision_feature_layer": layer}
         if hasattr(self.config, "vision_feature_select_strategy"):
@@ -246,6 +244,12 @@ class ImageEncoder:
         out = self.base.get_image_features(pixel_values=pixels, **options)
         features = getattr(out, "pooler_output", out)  # transformers 5 returns an output
         return [(image, None) for image in features]
+
+
+def one_image(features: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """One image's features `[tokens, hidden]`, whether transformers split them by image (a
+    tuple of one) or not (transformers 5.17 keeps Qwen3-VL's inner layers' whole)."""
+    return torch.cat(list(features)) if isinstance(features, (list, tuple)) else features
 
 
 def vision_tensors(model_dir: Path, wanted: set[str]) -> dict[str, torch.Tensor]:
