@@ -73,6 +73,10 @@ under the model's own type.)"""
 LANGUAGE_MODEL_SETTINGS = {"qwen3_vl_moe_text": {"norm_topk_prob": True}}
 """What a language model does that its config does not say: Qwen3-VL-MoE's router always
 renormalises the chosen experts' weights (its config has no `norm_topk_prob`)."""
+CLASSIFIER_SUFFIX = "ForSequenceClassification"
+"""A classifier's architecture is its language model's with this in place of `ForCausalLM`
+(transformers' `LlamaForSequenceClassification`, `Qwen3ForSequenceClassification`, ...): the
+same decoder, a `score` layer in place of the LM head."""
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe")
 """Families whose experts `_moe_settings` reads (gpt-oss's are read with its own settings)."""
 MOE_BACKENDS = ("auto", "torch", "fused")
@@ -413,6 +417,15 @@ def language_model_config(config: dict[str, Any], architecture: str) -> dict[str
     return text
 
 
+def _labels(config: dict[str, Any]) -> tuple[str, ...]:
+    """A classifier's label names in logit order: `id2label`, else `num_labels` named as
+    transformers names them."""
+    named = config.get("id2label") or {}
+    if named:
+        return tuple(str(named[key]) for key in sorted(named, key=int))
+    return tuple(f"LABEL_{i}" for i in range(int(config.get("num_labels", 2))))
+
+
 def _moe_settings(config: dict[str, Any], family: str) -> dict[str, Any]:
     """Transformers 5 writes `num_local_experts` where Qwen's own configs say `num_experts`;
     the defaults are Qwen3MoeConfig's. Mixtral's, OLMoE's and Granite's experts are
@@ -631,6 +644,9 @@ class ModelConfig:
     `language_model_of`: the vision-language architecture (`VISION_LANGUAGE_ARCHITECTURES`)
     whose language model this is; None for a text model. `image_token_id`: the token a
     chat template writes for an image, in such a checkpoint (models/vision.py).
+    `num_labels` and `labels`: a sequence classifier's (`*ForSequenceClassification`: its
+    decoder is the `*ForCausalLM`'s, then a `score` layer from the last token's final hidden
+    state to a logit a label, in `id2label`'s order); 0 and () for a language model.
     `mrope_section`: Qwen-VL's rotary pairs by position coordinate (time, height, width; in
     runs of pairs, or taken in turn where `mrope_interleaved`): text positions give all three
     the same value, so only image positions see them (layers/rotary.py).
@@ -692,6 +708,13 @@ class ModelConfig:
     image_token_id: int | None = None
     mrope_section: tuple[int, ...] = ()
     mrope_interleaved: bool = False
+    num_labels: int = 0
+    labels: tuple[str, ...] = ()
+
+    @property
+    def classifies(self) -> bool:
+        """Whether this is a sequence classifier (a reranker, a reward model)."""
+        return self.num_labels > 0
 
     def layer_window(self, layer: int) -> int:
         """Layer `layer`'s sliding window, 0 where it reads the whole context."""
@@ -726,6 +749,14 @@ class ModelConfig:
                 mrope_section=tuple(rope.get("mrope_section") or ()),
                 mrope_interleaved=bool(rope.get("mrope_interleaved")),
             )
+        classifier = next((a for a in architectures if a.endswith(CLASSIFIER_SUFFIX)), None)
+        # (Gemma 3's text classifier is `Gemma3TextForSequenceClassification`)
+        base = (classifier or "").removesuffix(CLASSIFIER_SUFFIX).removesuffix("Text")
+        causal = f"{base}ForCausalLM" if classifier else ""
+        if causal in SUPPORTED_ARCHITECTURES:
+            labels = _labels(config)
+            text = cls.from_hf({**config, "architectures": [causal]}, generation_config)
+            return dataclasses.replace(text, num_labels=len(labels), labels=labels)
         arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ConfigError(

@@ -18,6 +18,14 @@ from aserve.images import data_url_bytes, decoded, split_images
 from aserve.runtime import Runtime
 from aserve.scheduler.request import FinishReason, Req, SamplingParams, TokenLogprob
 from aserve.scheduler.scheduler import StepObserver
+from aserve.scoring import (
+    Classification,
+    classified,
+    classifying_refusal,
+    paired,
+    plan_pairs,
+    scoring_refusal,
+)
 from aserve.tokenizer import Tokenizer
 
 Prompt = str | list[int] | dict[str, Any]
@@ -49,6 +57,25 @@ class EmbeddingOutput:
 
     prompt_token_ids: list[int]
     embedding: list[float] | None
+    error: str | None = None
+
+
+@dataclass
+class ScoreOutput:
+    """One text pair's score (`LLM.score`): a reranker's sigmoid, or an embedding model's
+    cosine similarity."""
+
+    text_1: str
+    text_2: str
+    score: float
+
+
+@dataclass
+class ClassificationOutput:
+    """One input's classes (`LLM.classify`), or None with the `error` that refused it."""
+
+    prompt_token_ids: list[int]
+    classification: Classification | None
     error: str | None = None
 
 
@@ -109,17 +136,63 @@ class LLM:
         appends its end-of-text token)."""
         if not self.runtime.engine.pooling:
             raise ValueError("this LLM generates text: make it with is_embedding=True to embed")
+        if self.runtime.engine.model_config.classifies:
+            raise ValueError("this LLM is a classifier: call classify or score")
         prompt_list = [prompts] if _is_single_prompt(prompts) else list(prompts)
         if any(isinstance(p, dict) for p in prompt_list):
             raise ValueError("embed takes text or token ids")
-        ids = [self._encode(p) for p in prompt_list]  # type: ignore[arg-type]
+        return self._pool([self._encode(p) for p in prompt_list])  # type: ignore[arg-type]
+
+    def score(self, text_1: str | list[str], text_2: str | list[str]) -> list[ScoreOutput]:
+        """Scores of text pairs, as vLLM's `LLM.score`: one `text_1` against each `text_2`,
+        or the two lists side by side (aserve/scoring.py says how each model scores)."""
+        config = self.runtime.engine.model_config
+        refusal = scoring_refusal(config, self.runtime.engine.pooling)
+        if refusal is not None:
+            raise ValueError(refusal)
+        firsts = [text_1] if isinstance(text_1, str) else list(text_1)
+        pairs = paired(firsts, [text_2] if isinstance(text_2, str) else list(text_2))
+        tokenizer = self._require_tokenizer()
+        plan = plan_pairs(config, pairs, tokenizer.encode, tokenizer.encode_pair)
+        pooled = [out.embedding for out in self._pool(plan.prompts)]
+        vectors = []
+        for out in pooled:
+            if out is None:
+                raise ValueError("a pair's sequence could not run")
+            vectors.append(torch.tensor(out))
+        scores = plan.scores(vectors)
+        return [ScoreOutput(a, b, s) for (a, b), s in zip(pairs, scores, strict=True)]
+
+    def classify(self, prompts: Prompt | Sequence[Prompt]) -> list[ClassificationOutput]:
+        """Each prompt's label and class probabilities, as vLLM's `LLM.classify` (a
+        `*ForSequenceClassification` checkpoint)."""
+        config = self.runtime.engine.model_config
+        refusal = classifying_refusal(config)
+        if refusal is not None:
+            raise ValueError(refusal)
+        prompt_list = [prompts] if _is_single_prompt(prompts) else list(prompts)
+        if any(isinstance(p, dict) for p in prompt_list):
+            raise ValueError("classify takes text or token ids")
+        outs = self._pool([self._encode(p) for p in prompt_list])  # type: ignore[arg-type]
+        return [
+            ClassificationOutput(
+                out.prompt_token_ids,
+                None if out.embedding is None else classified(config, torch.tensor(out.embedding)),
+                out.error,
+            )
+            for out in outs
+        ]
+
+    def _pool(self, ids: list[list[int]]) -> list[EmbeddingOutput]:
+        """What a pooling model gives for each prompt (an embedding or a classifier's
+        logits, as a list of floats)."""
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         return self._drive([self.scheduler.make_request(p, params) for p in ids], self._embedding)
 
     @staticmethod
     async def _embedding(req: Req) -> EmbeddingOutput:
         out = await req.channel.get()  # an embedding request's one output ends it
-        vector = None if out.embedding is None else out.embedding.tolist()
+        vector = None if out.pooled is None else out.pooled.tolist()
         return EmbeddingOutput(req.prompt_ids, vector, out.error)
 
     def chat(
@@ -188,7 +261,9 @@ class LLM:
     ) -> list[GenerationOutput]:
         """A ValueError where a prompt's images and image tokens do not pair up."""
         if self.runtime.engine.pooling:
-            raise ValueError("this LLM serves embeddings (is_embedding=True): call embed")
+            raise ValueError(
+                "this LLM pools (an embedding model or a classifier): call embed, score or classify"
+            )
         each = images or [[] for _ in ids]
         reqs = [
             self.scheduler.make_request(p, sp, m)

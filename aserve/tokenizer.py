@@ -199,6 +199,11 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text))
 
+    def encode_pair(self, first: str, second: str) -> list[int]:
+        """Two texts as one sequence, the tokenizer's way of joining a pair (a
+        cross-encoder's query and document)."""
+        return list(self.hf(first, text_pair=second)["input_ids"])
+
     def apply_chat_template(
         self,
         messages: Sequence[dict[str, Any]],

@@ -135,6 +135,25 @@ def test_embeddings_route(embedding_server: ServerProcess, smollm2_dir: Path) ->
     np.testing.assert_allclose(short, vectors[0][:64] / np.linalg.norm(vectors[0][:64]), atol=1e-6)
 
 
+def test_pair_scores_of_an_embedding_server(embedding_server: ServerProcess) -> None:
+    """/v1/score and /v1/rerank on an embedding model: the cosine of /v1/embeddings'
+    vectors."""
+    query, documents = "Where is Paris?", ["Paris is in France.", "Bananas are yellow."]
+    _, body = embeddings(embedding_server, input=[query, *documents])
+    vectors = [np.array(item["embedding"], np.float64) for item in body["data"]]
+    cosines = [float(vectors[0] @ v) for v in vectors[1:]]
+    url = embedding_server.base_url
+    status, scored = run(post(url + "/v1/score", {"text_1": query, "text_2": documents}))
+    assert status == 200, scored
+    assert [d["score"] for d in scored["data"]] == pytest.approx(cosines, abs=1e-5)
+    status, ranked = run(post(url + "/v1/rerank", {"query": query, "documents": documents}))
+    assert status == 200, ranked
+    by_index = {r["index"]: r["relevance_score"] for r in ranked["results"]}
+    assert [by_index[0], by_index[1]] == pytest.approx(cosines, abs=1e-5)
+    status, refused = run(post(url + "/classify", {"input": query}))
+    assert status == 400 and "no classifier" in refused["error"]["message"]
+
+
 def test_openai_sdk_embeddings(embedding_server: ServerProcess) -> None:
     """The SDK asks for base64 unless told otherwise, and decodes it."""
     import openai

@@ -13,7 +13,7 @@ import torch
 from aserve import LLM
 from tests.embedding_refs import PROMPTS, embedded, reference
 from tests.test_gpu import KERNEL_SHAPES
-from tests.tiny_models import make_tiny_model
+from tests.tiny_models import make_tiny_model, write_word_tokenizer
 
 pytestmark = [
     pytest.mark.gpu,
@@ -42,3 +42,34 @@ def test_bf16_embeddings_close_to_transformers(
     for first, hit, piece in zip(got, again, embedded(chunked, PROMPTS), strict=True):
         assert torch.dot(first, hit).item() > 0.9999
         assert torch.dot(first, piece).item() > 0.999
+
+
+def test_bf16_classifier_close_to_transformers(
+    make_llm: Callable[..., LLM], tmp_path: Path
+) -> None:
+    """A classifier's probabilities within 0.02 of transformers' float32 classifier, and a
+    one-label reranker's scores within 0.02 of the float32 CPU engine's, on CUDA in bf16."""
+    import transformers
+
+    labels = {"id2label": {0: "no", 1: "maybe", 2: "yes"}}
+    shapes = {**KERNEL_SHAPES, "head_dim": 64}
+    folder = make_tiny_model("qwen3", tmp_path / "labels", overrides={**shapes, **labels})
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    with torch.inference_mode():
+        expected = [torch.softmax(model(torch.tensor([p])).logits[0], -1) for p in PROMPTS]
+    llm = make_llm(folder, device="cuda", dtype="bfloat16")
+    assert llm.runtime.engine.pooling and llm.runtime.engine.graphs is None
+    for out, theirs in zip(llm.classify(PROMPTS), expected, strict=True):
+        assert out.classification is not None
+        torch.testing.assert_close(
+            torch.tensor(out.classification.probs), theirs, atol=0.02, rtol=0
+        )
+    reranker = make_tiny_model(
+        "qwen3", tmp_path / "reranker", overrides={**shapes, "num_labels": 1}
+    )
+    write_word_tokenizer(reranker, 320)
+    on_gpu = make_llm(reranker, device="cuda", dtype="bfloat16")
+    query, documents = "w5 w17 w42", ["w9 w100 w3", "w5 w17 w77 w12", "w250"]
+    with LLM(str(reranker)) as cpu:
+        exact = [s.score for s in cpu.score(query, documents)]
+    assert [s.score for s in on_gpu.score(query, documents)] == pytest.approx(exact, abs=0.02)

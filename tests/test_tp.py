@@ -558,6 +558,21 @@ def test_tp2_embeddings_equal_tp1(tmp_path: Path) -> None:
             assert ours.embedding == pytest.approx(theirs.embedding, abs=1e-5)
 
 
+def test_tp2_classifier_equals_tp1(tmp_path: Path) -> None:
+    """A sequence classifier over two ranks: its score layer, whole on each rank, reads the
+    whole hidden state."""
+    labels = {"id2label": {0: "no", 1: "maybe", 2: "yes"}}
+    model = make_tiny_model("qwen3", tmp_path, overrides=labels)
+    with (
+        LLM(str(model), max_prefill_length=16, **OPTIONS) as one,
+        LLM(str(model), max_prefill_length=16, tensor_parallel_size=2, **OPTIONS) as two,
+    ):
+        for ours, theirs in zip(two.classify(PROMPTS), one.classify(PROMPTS), strict=True):
+            assert ours.classification is not None and theirs.classification is not None
+            assert ours.classification.probs == pytest.approx(theirs.classification.probs, abs=1e-5)
+            assert ours.classification.label == theirs.classification.label
+
+
 def test_tp2_speculative_decoding_equals_tp1(tmp_path: Path) -> None:
     """Verify steps over two ranks: rank 1 takes the drafted ids from the step's spec (only
     rank 0's host knows them) and records the samples rank 0 broadcasts."""

@@ -231,7 +231,8 @@ def make_tiny_model(
     family: str, folder: Path, seed: int = 0, overrides: dict[str, Any] | None = None
 ) -> Path:
     """Random weights for `family`, saved as safetensors with its config.json; `overrides`
-    change shapes (GPU kernels want head dims of 64 or more)."""
+    change shapes (GPU kernels want head dims of 64 or more). With `num_labels` or
+    `id2label` among them, transformers' `*ForSequenceClassification` of the family."""
     import transformers
 
     config_cls = {
@@ -257,13 +258,19 @@ def make_tiny_model(
     }[family]
     config = config_cls(**{**COMMON, **FAMILIES[family], **(overrides or {})})
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    if {"num_labels", "id2label"} & set(overrides or {}):  # a classifier's labels
+        kind = transformers.AutoModelForSequenceClassification
+    else:
+        kind = transformers.AutoModelForCausalLM
+    model = kind.from_config(config, torch_dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.normal_(1.0, 0.1)
             elif name.endswith("bias"):
                 param.normal_(0.0, 0.1)
+            elif name == "score.weight":  # a classifier's: logits that tell labels apart
+                param.normal_(0.0, 1.0)
             elif ".mlp.gate." in name or ".router." in name or name.endswith("sinks"):
                 param.normal_(0.0, 0.5)
             elif any(p in name for p in (".mlp.experts.", ".block_sparse_moe.experts.", "shared_")):

@@ -123,13 +123,14 @@ class Engine:
         model_dir: Path | None,
         tp: TPGroup | None = None,
     ) -> None:
-        if config.is_embedding:
+        if config.is_embedding or model_config.classifies:
             # An embedding server pools the last layer's output (`DecoderForCausalLM.embed`)
             # and never runs the LM head: tied to the embedding, an untied checkpoint's head
             # is neither read nor held. Nothing decodes, so no decode graph is captured.
             config = dataclasses.replace(config, cuda_graph_max_bs=0)
             model_config = dataclasses.replace(model_config, tie_word_embeddings=True)
-        self.pooling = config.is_embedding
+        # A classifier (reranker, reward model) pools its last token too, into its labels.
+        self.pooling = config.is_embedding or model_config.classifies
         self.config = config
         self.tp = tp or TPGroup()
         # This rank's query and KV heads (a KV head is replicated when there are fewer than ranks).
@@ -684,7 +685,7 @@ class Engine:
         if self.pooling:
             next_ids = torch.zeros(logits.sampled.shape[0], dtype=torch.long, device=self.device)
             self.record_tokens(batch, self.tp.broadcast(next_ids))
-            return SampleOutput(next_ids, None, None, None, embeddings=logits.sampled)
+            return SampleOutput(next_ids, None, None, None, pooled=logits.sampled)
         out = self.sampler.sample(logits.sampled, sampling, token_masks)
         self.record_tokens(batch, self.tp.broadcast(out.next_ids))
         if scoring is not None:
@@ -702,6 +703,8 @@ class Engine:
                 return self.graphs.run(batch, size)
         attn = self.attn if self._stand_in is None else self._stand_in
         attn.prepare(batch)
+        if self.model_config.classifies:
+            return self.model.classify(batch, attn)
         if self.pooling:
             return self.model.embed(batch, attn)
         return self.model(batch, attn)

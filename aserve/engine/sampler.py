@@ -331,7 +331,7 @@ class SampleOutput(NamedTuple):
     prompt_logprobs: torch.Tensor | None = None
     prompt_top_ids: torch.Tensor | None = None
     prompt_top_logprobs: torch.Tensor | None = None
-    embeddings: torch.Tensor | None = None  # [B, hidden] float32: an embedding server's
+    pooled: torch.Tensor | None = None  # [B, hidden | labels] float32: a pooling model's
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> SampleOutput:
         """Move every tensor, e.g. to pinned host memory before the scheduler reads it."""

@@ -443,6 +443,20 @@ _FUSED_IN_CHECKPOINT = {
 """Checkpoints that store a layer's projections fused (Phi-3's), split into Llama's names."""
 
 
+class ScoreHead(nn.Module):
+    """A classifier's `score` layer `[labels, hidden]`, whole on every rank (a few rows)."""
+
+    def __init__(self, labels: int, hidden: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(labels, hidden), requires_grad=False)
+
+    def load_weight(self, param: str, tensor: WeightSource, shard: int) -> None:
+        whole = read_whole(tensor)
+        if param != "weight" or whole.shape != self.weight.shape:
+            raise ValueError(f"score.{param} of shape {list(whole.shape)} does not fit")
+        self.weight.data.copy_(whole)
+
+
 class DecoderForCausalLM(nn.Module):
     """`ops` is FlashInfer's module for fused norm / rope / activation kernels, or None.
     `make_mlp` replaces the dense MLP of some layers (see models/moe.py)."""
@@ -477,6 +491,7 @@ class DecoderForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else ParallelLMHead(config.vocab_size, config.hidden_size, tp, config.quantization)
         )
+        self.score = ScoreHead(config.num_labels, config.hidden_size) if config.classifies else None
 
     def embed(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Embeddings `[batch, hidden]` in float32, unit length: the last layer's normalised
@@ -484,6 +499,14 @@ class DecoderForCausalLM(nn.Module):
         chunk), as Qwen3-Embedding, gte-Qwen2 and e5-mistral pool it."""
         hidden = self.model(batch, attn)[batch.logit_indices].float()
         return F.normalize(hidden, dim=-1)
+
+    def classify(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        """A sequence classifier's logits `[batch, labels]` in float32, from the last layer's
+        normalised output at each request's `logit_indices` token, as transformers'
+        `*ForSequenceClassification` scores the last token."""
+        assert self.score is not None
+        hidden = self.model(batch, attn)[batch.logit_indices].float()
+        return F.linear(hidden, self.score.weight.float())
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Logits `[batch, vocab]` at each request's `logit_indices` token, in the model's

@@ -23,8 +23,8 @@ class ReqOutput(NamedTuple):
 
     `finish_reason` is set on the last message only; `error` explains an "error" finish.
     `prompt_logprobs` (prompt tokens 1 to n-1) come with the first token, when asked for.
-    An embedding server's request ends with its one output, which holds its `embedding`
-    (float32, unit length, on the host).
+    A pooling model's request ends with its one output, which holds what was `pooled`
+    (float32, on the host): an embedding (unit length), or a classifier's logits.
     """
 
     token_ids: tuple[int, ...]
@@ -32,7 +32,7 @@ class ReqOutput(NamedTuple):
     finish_reason: FinishReason | None = None
     error: str | None = None
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
-    embedding: Any = None  # a torch.Tensor [hidden]
+    pooled: Any = None  # a torch.Tensor [hidden] or [labels]
 
 
 AUTO_MIN_STREAMS = 64
@@ -183,7 +183,7 @@ def _joined(outputs: list[ReqOutput]) -> ReqOutput:
         last.finish_reason,
         last.error,
         tuple(lp for out in outputs for lp in out.prompt_logprobs),
-        last.embedding,
+        last.pooled,
     )
 
 

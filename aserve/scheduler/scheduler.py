@@ -491,8 +491,8 @@ class Scheduler:
                 req.channel.put_nowait(ReqOutput(tuple(tokens), logprobs, prompt_logprobs=prompt))
                 continue
             del req.output_ids[slot + len(tokens) :]
-            embedding = out.embeddings[i] if out.embeddings is not None else None
-            self._finish(req, reason, None, tuple(tokens), logprobs, prompt, embedding)
+            pooled = out.pooled[i] if out.pooled is not None else None
+            self._finish(req, reason, None, tuple(tokens), logprobs, prompt, pooled)
 
     @staticmethod
     def _record_prompt_logprobs(planned: ScheduledBatch, out: SampleOutput) -> None:
@@ -566,10 +566,10 @@ class Scheduler:
         tokens: tuple[int, ...] = (),
         logprobs: tuple[TokenLogprob, ...] = (),
         prompt_logprobs: tuple[TokenLogprob, ...] = (),
-        embedding: torch.Tensor | None = None,
+        pooled: torch.Tensor | None = None,
     ) -> None:
         self.planner.finish(req, reason, error)
-        out = ReqOutput(tokens, logprobs, reason, error, prompt_logprobs, embedding)
+        out = ReqOutput(tokens, logprobs, reason, error, prompt_logprobs, pooled)
         req.channel.put_nowait(out)
 
     def _apply_aborts(self) -> None:

@@ -31,6 +31,7 @@ from aserve.server.image_inputs import template_messages
 from aserve.server.limits import MAX_BODY_BYTES
 from aserve.server.openai import APIError
 from aserve.server.openapi import OPERATIONS, openapi_spec
+from aserve.server.scoring import Scoring
 from aserve.server.state import ServerState, require_tokenizer
 
 logger = logging.getLogger("aserve.server")
@@ -241,6 +242,7 @@ class Server:
         app.router.add_post("/v1/completions", completions.completions)
         app.router.add_post("/v1/responses", completions.responses)
         app.router.add_post("/v1/embeddings", Embeddings(self.state).embeddings)
+        Scoring(self.state).add_to(app)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_endpoint)

@@ -40,9 +40,10 @@ class Embeddings:
 
     async def embeddings(self, request: web.Request) -> web.Response:
         runtime, limits = self.state.ready()
-        if not runtime.engine.pooling:
+        if not runtime.engine.pooling or runtime.engine.model_config.classifies:
             raise APIError(
-                "this server generates text; start it with --is-embedding to serve embeddings",
+                "this server generates text or classifies; start it with --is-embedding on an "
+                "embedding model to serve embeddings",
                 code="embeddings_not_served",
             )
         with self.state.admission.reserve() as places:
@@ -56,10 +57,10 @@ class Embeddings:
                 )
             given = parsed.input
             places.resize(1 if isinstance(given, str) or isinstance(given[0], int) else len(given))
-            prompts = await self._prompts(runtime, limits, given)
-            reqs = [self._request(runtime, i, prompt) for i, prompt in enumerate(prompts)]
+            prompts = await input_ids(runtime, limits, given)
+            reqs = [pooling_request(runtime, i, prompt) for i, prompt in enumerate(prompts)]
             started = time.monotonic()
-            vectors = await self._run(runtime, reqs)
+            vectors = await run_pooling(runtime, reqs)
         elapsed = time.monotonic() - started
         for prompt in prompts:
             self.state.metrics.on_embedding(elapsed, len(prompt))
@@ -77,55 +78,57 @@ class Embeddings:
             }
         )
 
-    @staticmethod
-    async def _prompts(runtime: Runtime, limits: InputLimits, given: Any) -> list[list[int]]:
-        """The inputs as token ids: text encoded in the tokenizer's pool."""
-        if isinstance(given, str):
-            given = [given]
-        if not isinstance(given[0], str):
-            return [given] if isinstance(given[0], int) else [list(ids) for ids in given]
-        for text in given:
-            limits.check_text(len(text), None, "input")
-        tokenizer = require_tokenizer(runtime)
-        return list(await asyncio.gather(*(tokenizer.encode_async(t) for t in given)))
 
-    @staticmethod
-    def _request(runtime: Runtime, index: int, prompt: list[int]) -> Req:
-        """Input `index`'s request, or a 400 that says why it cannot run."""
-        scheduler = runtime.scheduler
-        room = scheduler.max_seq_len - 1  # the position after the prompt takes its one token
-        if len(prompt) > room:
-            raise APIError(
-                f"input {index} has {len(prompt)} tokens, but this model's context holds "
-                f"{room} for an input",
-                param="input",
-                code="context_length_exceeded",
-            )
-        req = scheduler.make_request(prompt, ONE_TOKEN)
-        problem = scheduler.check_request(req)
-        if problem is not None:
-            raise APIError(f"input {index}: {problem}", param="input")
-        return req
+async def input_ids(runtime: Runtime, limits: InputLimits, given: Any) -> list[list[int]]:
+    """A pooling route's inputs as token ids: text encoded in the tokenizer's pool."""
+    if isinstance(given, str):
+        given = [given]
+    if not isinstance(given[0], str):
+        return [given] if isinstance(given[0], int) else [list(ids) for ids in given]
+    for text in given:
+        limits.check_text(len(text), None, "input")
+    tokenizer = require_tokenizer(runtime)
+    return list(await asyncio.gather(*(tokenizer.encode_async(t) for t in given)))
 
-    @staticmethod
-    async def _run(runtime: Runtime, reqs: list[Req]) -> list[torch.Tensor]:
-        """Every request's embedding; requests still running when the client goes (the
-        handler is cancelled) are aborted and free their pages."""
-        scheduler = runtime.scheduler
+
+def pooling_request(runtime: Runtime, index: int, prompt: list[int], param: str = "input") -> Req:
+    """Input `index`'s request on a pooling model, or a 400 (naming `param`) that says why
+    it cannot run."""
+    scheduler = runtime.scheduler
+    room = scheduler.max_seq_len - 1  # the position after the prompt takes its one token
+    if len(prompt) > room:
+        raise APIError(
+            f"input {index} has {len(prompt)} tokens, but this model's context holds "
+            f"{room} for an input",
+            param=param,
+            code="context_length_exceeded",
+        )
+    req = scheduler.make_request(prompt, ONE_TOKEN)
+    problem = scheduler.check_request(req)
+    if problem is not None:
+        raise APIError(f"input {index}: {problem}", param=param)
+    return req
+
+
+async def run_pooling(runtime: Runtime, reqs: list[Req]) -> list[torch.Tensor]:
+    """What the model pools for every request (an embedding, or a classifier's logits);
+    requests still running when the client goes (the handler is cancelled) are aborted and
+    free their pages."""
+    scheduler = runtime.scheduler
+    for req in reqs:
+        scheduler.submit(req)
+    try:
+        outs = await asyncio.gather(*(req.channel.get() for req in reqs))
+    finally:
         for req in reqs:
-            scheduler.submit(req)
-        try:
-            outs = await asyncio.gather(*(req.channel.get() for req in reqs))
-        finally:
-            for req in reqs:
-                if req.finish_reason is None:
-                    scheduler.abort(req)
-        vectors = []
-        for out in outs:
-            if out.finish_reason is FinishReason.ERROR or out.embedding is None:
-                raise APIError(out.error or "the embedding failed", 500, error_type="server_error")
-            vectors.append(out.embedding)
-        return vectors
+            if req.finish_reason is None:
+                scheduler.abort(req)
+    pooled = []
+    for out in outs:
+        if out.finish_reason is FinishReason.ERROR or out.pooled is None:
+            raise APIError(out.error or "the model failed", 500, error_type="server_error")
+        pooled.append(out.pooled)
+    return pooled
 
 
 def encoded(vector: torch.Tensor, parsed: protocol.EmbeddingRequest) -> list[float] | str:

@@ -49,6 +49,28 @@ FLEET_READS = (
     (("/health_generate",), "200 once the engine has produced a token", protocol.Health),
 )
 
+# vLLM's pooling routes (server/scoring.py), each under its paths.
+SCORING_ROUTES = (
+    (
+        ("/v1/score", "/score"),
+        "vLLM's pair scores: a reranker's sigmoid, or an embedding model's cosine similarity",
+        protocol.ScoreRequest,
+        protocol.ScoreList,
+    ),
+    (
+        ("/v1/rerank", "/rerank", "/v2/rerank"),
+        "Documents ordered by their score against a query (vLLM's and Cohere's shape)",
+        protocol.RerankRequest,
+        protocol.RerankList,
+    ),
+    (
+        ("/v1/classify", "/classify"),
+        "vLLM's classification, on a *ForSequenceClassification checkpoint",
+        protocol.ClassifyRequest,
+        protocol.ClassificationList,
+    ),
+)
+
 OPERATIONS = (
     Operation(
         "post",
@@ -82,6 +104,11 @@ OPERATIONS = (
         "refuse there)",
         protocol.EmbeddingRequest,
         protocol.EmbeddingList,
+    ),
+    *(
+        Operation("post", path, summary, request, reply)
+        for paths, summary, request, reply in SCORING_ROUTES
+        for path in paths
     ),
     Operation("get", "/v1/models", "The served model", reply=protocol.ModelList, errors=(401, 503)),
     Operation(

@@ -526,20 +526,24 @@ class CompletionRequest(GenerationFields):
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's bound on one request's inputs
 
 
+PoolingInput = Annotated[
+    Annotated[NonEmptyText, Tag("text")]
+    | Annotated[
+        list[NonEmptyText], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS), Tag("texts")
+    ]
+    | Annotated[PromptIds, Tag("ids")]
+    | Annotated[
+        list[PromptIds], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS), Tag("batch")
+    ],
+    Discriminator(_prompt_kind),
+]
+"""A pooling model's inputs: a string, strings, token ids or lists of them."""
+
+
 class EmbeddingRequest(Strict):
     """OpenAI's embeddings: `input` as a string, strings, token ids or lists of them."""
 
-    input: Annotated[
-        Annotated[NonEmptyText, Tag("text")]
-        | Annotated[
-            list[NonEmptyText], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS), Tag("texts")
-        ]
-        | Annotated[PromptIds, Tag("ids")]
-        | Annotated[
-            list[PromptIds], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS), Tag("batch")
-        ],
-        Discriminator(_prompt_kind),
-    ]
+    input: PoolingInput
     model: str | None = None
     encoding_format: Literal["float", "base64"] = Field(
         "float", description="base64: each embedding's float32 values, little-endian"
@@ -565,6 +569,93 @@ class EmbeddingList(BaseModel):
     object: Literal["list"]
     data: list[Embedding]
     model: str
+    usage: EmbeddingUsage
+
+
+ScoreTexts = (
+    NonEmptyText
+    | Annotated[list[NonEmptyText], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+)
+
+
+class ScoreRequest(Strict):
+    """vLLM's `/score`: `text_1` against each `text_2`, or the two lists side by side."""
+
+    text_1: ScoreTexts
+    text_2: ScoreTexts
+    model: str | None = None
+    user: str | None = None
+
+
+class Score(BaseModel):
+    index: int
+    object: Literal["score"]
+    score: float
+
+
+class ScoreList(BaseModel):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[Score]
+    usage: EmbeddingUsage
+
+
+class RerankRequest(Strict):
+    """vLLM's and Jina's / Cohere's `/rerank`: the documents ordered by their score against
+    the query, the best `top_n` of them (all when unset)."""
+
+    query: NonEmptyText
+    documents: Annotated[list[NonEmptyText], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+    top_n: Annotated[int, Field(ge=1), INTEGRAL] | None = None
+    return_documents: bool = True
+    model: str | None = None
+    user: str | None = None
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int
+
+
+class RerankList(BaseModel):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
+
+
+class ClassifyRequest(Strict):
+    """vLLM's `/classify`: `input` as a string, strings, token ids or lists of them."""
+
+    input: PoolingInput
+    model: str | None = None
+    user: str | None = None
+
+
+class ClassificationData(BaseModel):
+    index: int
+    label: str
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationList(BaseModel):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[ClassificationData]
     usage: EmbeddingUsage
 
 

@@ -64,6 +64,12 @@ class ServerState:
     def ready_to_generate(self) -> tuple[Runtime, InputLimits]:
         """As `ready`, and a 400 on an embedding server (`--is-embedding`)."""
         runtime, limits = self.ready()
+        if runtime.engine.model_config.classifies:
+            raise APIError(
+                "this server runs a classifier: send inputs to /classify, or text pairs to "
+                "/score and /rerank",
+                code="generation_not_served",
+            )
         if runtime.engine.pooling:
             raise APIError(
                 "this server serves embeddings (--is-embedding): send inputs to /v1/embeddings",
