@@ -6,10 +6,15 @@ process, engines alternating; prints a table and appends each engine's median ru
 bench/results.jsonl. Input tokens a second are the figure; both engines count the inputs'
 own tokens (not the peer's padding), so equal totals show identical work. Each repeat draws
 new inputs (the same for both engines), and a draw of its own warms both up: inputs seen
-before would come from aserve's prefix cache.
+before would come from aserve's prefix cache. With `--labels N` both engines run the model
+as a sequence classifier of N labels instead (its `*ForSequenceClassification`, a copy of
+the folder with that architecture; aserve's `LLM.classify`, transformers' classifier on
+the same left-padded batches), a reranker's work with `--labels 1`.
 
     python bench/embed.py --model bench/models/qwen3-0.6b --dummy-weight --peer transformers
     python bench/embed.py --model FILE.gguf --peer llamacpp --num-inputs 64 --dtype float32
+    python bench/embed.py --model bench/models/qwen3-0.6b --dummy-weight --peer transformers \
+        --labels 1
 
 (Leave the peer room on the GPU: `--memory-ratio 0.5` beside an 8B model.)
 """
@@ -17,8 +22,11 @@ before would come from aserve's prefix cache.
 from __future__ import annotations
 
 import argparse
+import json
 import random
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -47,16 +55,33 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--memory-ratio", type=float, default=0.9, help="aserve's share of GPU memory"
     )
+    parser.add_argument(
+        "--labels", type=int, default=0, help="run the model as a classifier of this many labels"
+    )
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--note", default="")
     return parser.parse_args()
 
 
+def classifier_folder(model: str, labels: int) -> str:
+    """A copy of the model folder as its `*ForSequenceClassification` of `labels` labels
+    (padding id: the vocabulary's last, which the draws never take)."""
+    folder = Path(tempfile.mkdtemp(prefix="aserve-classifier-"))
+    shutil.copytree(model, folder, dirs_exist_ok=True)
+    config = json.loads((folder / "config.json").read_text())
+    architecture = config["architectures"][0].replace("ForCausalLM", "ForSequenceClassification")
+    config["architectures"] = [architecture]
+    config["id2label"] = {str(i): f"LABEL_{i}" for i in range(labels)}
+    config["pad_token_id"] = config["vocab_size"] - 1
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
 def draw(args: argparse.Namespace, seed: int) -> Inputs:
     rng = random.Random(seed)
     return [
-        [rng.randint(0, 10000) for _ in range(rng.randint(*args.input_len))]
+        [rng.randint(1, 10000) for _ in range(rng.randint(*args.input_len))]
         for _ in range(args.num_inputs)
     ]
 
@@ -65,19 +90,25 @@ def aserve_runner(args: argparse.Namespace) -> Runner:
     llm = LLM(
         args.model,
         dummy_weight=args.dummy_weight,
-        is_embedding=True,
+        is_embedding=not args.labels,
         dtype=args.dtype,
         max_prefill_length=16384,
         memory_ratio=args.memory_ratio,
     )
-    llm.embed([[1, 2, 3]])
+
+    def pooled(inputs: Inputs) -> list[list[float] | None]:
+        if args.labels:
+            return [o.classification and o.classification.probs for o in llm.classify(inputs)]
+        return [out.embedding for out in llm.embed(inputs)]
+
+    pooled([[1, 2, 3]])
 
     def run(inputs: Inputs) -> tuple[float, np.ndarray]:
         started = time.perf_counter()
-        outputs = llm.embed(inputs)
+        outputs = pooled(inputs)
         seconds = time.perf_counter() - started
-        assert all(out.embedding is not None for out in outputs)
-        return seconds, np.array([out.embedding for out in outputs], np.float32)
+        assert all(out is not None for out in outputs)
+        return seconds, np.array(outputs, np.float32)
 
     return run
 
@@ -101,13 +132,17 @@ def transformers_runner(args: argparse.Namespace) -> Runner:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = getattr(torch, args.dtype)
+    kind = (
+        transformers.AutoModelForSequenceClassification if args.labels else transformers.AutoModel
+    )
     if args.dummy_weight:
         config = transformers.AutoConfig.from_pretrained(args.model)
         with torch.device(device):
-            model = transformers.AutoModel.from_config(config, dtype=dtype)
+            model = kind.from_config(config, dtype=dtype)
     else:
-        model = transformers.AutoModel.from_pretrained(args.model, dtype=dtype).to(device)
+        model = kind.from_pretrained(args.model, dtype=dtype).to(device)
     model.eval()
+    pad = model.config.pad_token_id or 0
 
     @torch.inference_mode()
     def run(inputs: Inputs) -> tuple[float, np.ndarray]:
@@ -116,12 +151,16 @@ def transformers_runner(args: argparse.Namespace) -> Runner:
         for start in range(0, len(inputs), args.peer_batch):
             chunk = inputs[start : start + args.peer_batch]
             longest = max(map(len, chunk))
-            ids = torch.zeros(len(chunk), longest, dtype=torch.long)
+            ids = torch.full((len(chunk), longest), pad, dtype=torch.long)
             mask = torch.zeros(len(chunk), longest, dtype=torch.long)
             for row, prompt in enumerate(chunk):
                 ids[row, longest - len(prompt) :] = torch.tensor(prompt)
                 mask[row, longest - len(prompt) :] = 1
-            hidden = model(ids.to(device), attention_mask=mask.to(device)).last_hidden_state
+            out = model(ids.to(device), attention_mask=mask.to(device))
+            if args.labels:  # the classifier scores the last token that is not padding
+                rows.append(torch.softmax(out.logits.float(), dim=-1).cpu())
+                continue
+            hidden = out.last_hidden_state
             rows.append(torch.nn.functional.normalize(hidden[:, -1].float(), dim=-1).cpu())
         return time.perf_counter() - started, torch.cat(rows).numpy()
 
@@ -130,6 +169,8 @@ def transformers_runner(args: argparse.Namespace) -> Runner:
 
 def main() -> None:
     args = parse_args()
+    if args.labels:
+        args.model = classifier_folder(args.model, args.labels)
     engines = {"aserve": aserve_runner(args)}
     if args.peer == "transformers":
         engines["transformers"] = transformers_runner(args)
@@ -152,10 +193,12 @@ def main() -> None:
         "dtype": args.dtype,
         "peer_batch": args.peer_batch,
         "dummy_weight": args.dummy_weight,
+        "labels": args.labels,
     }
+    task = f"a classifier of {args.labels} labels" if args.labels else "embeddings"
     print(
-        f"{args.num_inputs} inputs a draw, {'/'.join(map(str, counts))} tokens; input tokens a "
-        f"second, the median draw of {args.repeat}"
+        f"{task}: {args.num_inputs} inputs a draw, {'/'.join(map(str, counts))} tokens; input "
+        f"tokens a second, the median draw of {args.repeat}"
     )
     if len(vectors) == 2 and not args.dummy_weight:  # the same weights: the same embeddings?
         ours, theirs = vectors.values()
@@ -173,7 +216,7 @@ def main() -> None:
         figures = f"{counts[middle]:8d} {seconds[middle]:9.3f} {rates[middle]:10,.0f}"
         print(f"{name:14s} {figures}  {shown}")
         record(
-            "embed",
+            "classify" if args.labels else "embed",
             name,
             Path(args.model).name,
             settings,
