@@ -169,6 +169,7 @@ def transformers_runner(args: argparse.Namespace) -> Runner:
 
 def main() -> None:
     args = parse_args()
+    model_name = Path(args.model).name
     if args.labels:
         args.model = classifier_folder(args.model, args.labels)
     engines = {"aserve": aserve_runner(args)}
@@ -218,7 +219,7 @@ def main() -> None:
         record(
             "classify" if args.labels else "embed",
             name,
-            Path(args.model).name,
+            model_name,
             settings,
             counts[middle],
             seconds[middle],

@@ -149,14 +149,15 @@ def render_latency(lines: list[dict]) -> str:
 
 
 EMBED_HEADER = """
-## Embeddings
+## Embeddings and classifiers
 
 From `python bench/embed.py`: input tokens a second, draw by draw (each draw the same inputs
-for aserve and the peer, one process, engines alternating, a new draw each repeat).
+for aserve and the peer, one process, engines alternating, a new draw each repeat). `task`:
+embeddings, or a classifier of N labels (`--labels N`; 1: a reranker's work).
 
-| date | model | device | commit | inputs a draw | tokens | dtype | aserve tok/s | peer \
-| peer tok/s | note |
-|---|---|---|---|---|---|---|---|---|---|---|
+| date | model | task | device | commit | inputs a draw | tokens | dtype | aserve tok/s \
+| peer | peer tok/s | note |
+|---|---|---|---|---|---|---|---|---|---|---|---|
 """
 
 
@@ -173,8 +174,10 @@ def render_embed(lines: list[dict]) -> str:
         def draws(x: dict) -> str:
             return " / ".join(f"{rate:,.0f}" for rate in x["runs_tok_s"])
 
+        labels = s.get("labels", 0)
+        task = f"classifier of {labels}" if labels else "embeddings"
         rows.append(
-            f"| {ours['date']} | {ours['model']} | {ours['device']} | {ours['commit']} | "
+            f"| {ours['date']} | {ours['model']} | {task} | {ours['device']} | {ours['commit']} | "
             f"{s['num_inputs']} | {s['input_len'][0]}-{s['input_len'][1]} | {s['dtype']} | "
             f"{draws(ours)} | {peer['engine'] if peer else '-'} | "
             f"{draws(peer) if peer else '-'} | {ours.get('note', '')} |"
@@ -314,7 +317,7 @@ def main() -> None:
     trace = [x for x in lines if x["bench"] == "trace"]
     perplexity = [x for x in lines if x["bench"] == "perplexity"]
     startup = [x for x in lines if x["bench"] == "startup"]
-    embed = [x for x in lines if x["bench"] == "embed"]
+    embed = [x for x in lines if x["bench"] in ("embed", "classify")]
     speculative = [x for x in lines if x["bench"] == "speculative"]
     text = (
         render(offline)
