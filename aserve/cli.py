@@ -101,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
         "Qwen3-Embedding, gte-Qwen2, e5-mistral) instead of generating text",
     )
     model.add_argument(
+        "--hf-overrides",
+        default="",
+        help="a JSON object merged into the model's config.json (vLLM's option), e.g. "
+        '\'{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": '
+        '["no", "yes"], "is_original_qwen3_reranker": true}\' for Qwen3-Reranker',
+    )
+    model.add_argument(
         "--max-seq-len-override",
         "--context-length",
         "--max-model-len",

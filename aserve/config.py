@@ -417,13 +417,25 @@ def language_model_config(config: dict[str, Any], architecture: str) -> dict[str
     return text
 
 
-def _labels(config: dict[str, Any]) -> tuple[str, ...]:
-    """A classifier's label names in logit order: `id2label`, else `num_labels` named as
-    transformers names them."""
+def _classifier_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """A classifier's labels: its `id2label` (else `num_labels` named as transformers names
+    them), or vLLM's settings that make a causal LM one: `classifier_from_token` (a label a
+    token), `method: from_2_way_softmax` or Qwen3-Reranker's `is_original_qwen3_reranker`
+    (one label from the tokens "no" and "yes")."""
+    original = bool(config.get("is_original_qwen3_reranker"))
+    tokens = tuple(config.get("classifier_from_token") or (("no", "yes") if original else ()))
+    two_way = original or config.get("method") == "from_2_way_softmax"
+    if two_way and len(tokens) != 2:
+        raise ConfigError(f"a two-way softmax classifier takes two tokens, not {list(tokens)}")
+    if tokens:
+        labels = (tokens[1],) if two_way else tokens
+        return {"labels": labels, "classifier_tokens": tokens, "two_way_softmax": two_way}
     named = config.get("id2label") or {}
     if named:
-        return tuple(str(named[key]) for key in sorted(named, key=int))
-    return tuple(f"LABEL_{i}" for i in range(int(config.get("num_labels", 2))))
+        labels = tuple(str(named[key]) for key in sorted(named, key=int))
+    else:
+        labels = tuple(f"LABEL_{i}" for i in range(int(config.get("num_labels", 2))))
+    return {"labels": labels}
 
 
 def _moe_settings(config: dict[str, Any], family: str) -> dict[str, Any]:
@@ -644,9 +656,14 @@ class ModelConfig:
     `language_model_of`: the vision-language architecture (`VISION_LANGUAGE_ARCHITECTURES`)
     whose language model this is; None for a text model. `image_token_id`: the token a
     chat template writes for an image, in such a checkpoint (models/vision.py).
-    `num_labels` and `labels`: a sequence classifier's (`*ForSequenceClassification`: its
+    `labels`: a sequence classifier's, `num_labels` of them (`*ForSequenceClassification`: its
     decoder is the `*ForCausalLM`'s, then a `score` layer from the last token's final hidden
-    state to a logit a label, in `id2label`'s order); 0 and () for a language model.
+    state to a logit a label, in `id2label`'s order); 0 and () for a language model. A causal
+    LM made a classifier by vLLM's `classifier_from_token` (`--hf-overrides`) takes its
+    score rows from the LM head's rows of those tokens (`classifier_tokens`, whose ids the
+    runtime looks up: `classifier_token_ids`), a label a token, or with `two_way_softmax`
+    (Qwen3-Reranker's "no", "yes") one label, the second row minus the first: its sigmoid
+    is the softmax of the two tokens' logits at the second.
     `mrope_section`: Qwen-VL's rotary pairs by position coordinate (time, height, width; in
     runs of pairs, or taken in turn where `mrope_interleaved`): text positions give all three
     the same value, so only image positions see them (layers/rotary.py).
@@ -708,13 +725,19 @@ class ModelConfig:
     image_token_id: int | None = None
     mrope_section: tuple[int, ...] = ()
     mrope_interleaved: bool = False
-    num_labels: int = 0
     labels: tuple[str, ...] = ()
+    classifier_tokens: tuple[str, ...] = ()
+    classifier_token_ids: tuple[int, ...] = ()
+    two_way_softmax: bool = False
 
     @property
     def classifies(self) -> bool:
         """Whether this is a sequence classifier (a reranker, a reward model)."""
         return self.num_labels > 0
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.labels)
 
     def layer_window(self, layer: int) -> int:
         """Layer `layer`'s sliding window, 0 where it reads the whole context."""
@@ -754,9 +777,8 @@ class ModelConfig:
         base = (classifier or "").removesuffix(CLASSIFIER_SUFFIX).removesuffix("Text")
         causal = f"{base}ForCausalLM" if classifier else ""
         if causal in SUPPORTED_ARCHITECTURES:
-            labels = _labels(config)
             text = cls.from_hf({**config, "architectures": [causal]}, generation_config)
-            return dataclasses.replace(text, num_labels=len(labels), labels=labels)
+            return dataclasses.replace(text, **_classifier_settings(config))
         arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ConfigError(
@@ -862,6 +884,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     seed: int = 0
     is_embedding: bool = False  # serve embeddings (the last token's final hidden state)
+    hf_overrides: str = ""  # a JSON object merged into config.json (`with_overrides`)
 
 
 @dataclass(frozen=True)
@@ -936,6 +959,8 @@ def build_config(**options: Any) -> ServerConfig:
             value = sampling_overrides(value)
         if key == "chat_template" and value is not None:
             value = chat_template_text(value)
+        if key == "hf_overrides":
+            value = overrides_text(value)
         for part in targets:
             parts[part][key] = value
     config = ServerConfig(
@@ -945,6 +970,35 @@ def build_config(**options: Any) -> ServerConfig:
     )
     validate(config)
     return config
+
+
+def overrides_text(value: str | Mapping[str, Any] | None) -> str:
+    """`--hf-overrides` as JSON text (the CLI) or a mapping (`LLM(hf_overrides=...)`): checked
+    to be a JSON object, kept as text."""
+    if not value:
+        return ""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as error:
+            raise ConfigError(f"--hf-overrides is not valid JSON: {error}") from None
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            '--hf-overrides must be a JSON object, e.g. {"max_position_embeddings": 8192}'
+        )
+    return json.dumps(value)
+
+
+def with_overrides(config: dict[str, Any], overrides: str) -> dict[str, Any]:
+    """config.json with `--hf-overrides` merged in, as vLLM merges them: an object into the
+    object it replaces, key by key; anything else in place of the value."""
+    merged = dict(config)
+    for key, value in (json.loads(overrides) if overrides else {}).items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = with_overrides(merged[key], json.dumps(value))
+        else:
+            merged[key] = value
+    return merged
 
 
 def sampling_overrides(value: str | Mapping[str, Any] | None) -> tuple[tuple[str, float], ...]:

@@ -8,6 +8,7 @@ import gc
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from aserve.config import (
     CHECKPOINT_METHODS,
@@ -15,6 +16,7 @@ from aserve.config import (
     EngineConfig,
     ModelConfig,
     ServerConfig,
+    with_overrides,
 )
 from aserve.constrained.grammar import GrammarCompiler
 from aserve.engine.followers import start_engine
@@ -98,11 +100,29 @@ def chosen_quantization(engine: EngineConfig, model: ModelConfig) -> str | None:
     return chosen
 
 
+def classifier_token_ids(model_dir: Path, tokens: tuple[str, ...]) -> tuple[int, ...]:
+    """The vocabulary ids of `classifier_from_token`'s tokens (vLLM looks them up alike)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"classifier_from_token needs the model's tokenizer: {error}") from None
+    ids = []
+    for token in tokens:
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if token_id is None or token_id == tokenizer.unk_token_id:
+            raise ConfigError(f"classifier_from_token: {token!r} is not a token of this model")
+        ids.append(int(token_id))
+    return tuple(ids)
+
+
 class Runtime:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.model_dir = resolve_model(config.engine.model_path, tokenizer=False)
         hf_config, generation_config = load_hf_config(self.model_dir)
+        hf_config = with_overrides(hf_config, config.engine.hf_overrides)
         self.model_config = ModelConfig.from_hf(hf_config, generation_config)
         if self.model_config.language_model_of is not None:
             logger.info(
@@ -113,6 +133,13 @@ class Runtime:
             )
         if config.engine.is_embedding:
             check_pooling(self.model_dir)
+        if self.model_config.classifier_tokens:
+            self.model_config = dataclasses.replace(
+                self.model_config,
+                classifier_token_ids=classifier_token_ids(
+                    self.model_dir, self.model_config.classifier_tokens
+                ),
+            )
         quantization = chosen_quantization(config.engine, self.model_config)
         self.model_config = dataclasses.replace(self.model_config, quantization=quantization)
         self.sampling_defaults, origin = resolve_defaults(

@@ -224,3 +224,60 @@ def test_scores_refused_by_a_classifier_of_three_labels(classifier_server: Serve
     status, reply = run(post(classifier_server.base_url + "/score", {"text_1": "a", "text_2": "b"}))
     assert status == 400 and "has 3 labels" in reply["error"]["message"]
     assert reply["error"]["code"] == "scores_not_served"
+
+
+QWEN3_RERANKER = {
+    "architectures": ["Qwen3ForSequenceClassification"],
+    "classifier_from_token": ["no", "yes"],
+    "is_original_qwen3_reranker": True,
+}
+"""vLLM's `--hf-overrides` for Qwen3-Reranker as published (a causal LM)."""
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_causal_lm_as_a_classifier_of_its_tokens(tmp_path: Path, tied: bool) -> None:
+    """A causal LM made a classifier by vLLM's overrides: Qwen3-Reranker's score is the
+    softmax of the "no" and "yes" logits at "yes" (the head tied to the embedding or its
+    own); `classifier_from_token` alone gives a label a token, its logits' softmax."""
+    import transformers
+
+    folder = make_tiny_model("qwen3", tmp_path, overrides={"tie_word_embeddings": tied})
+    write_word_tokenizer(folder, 320, specials={310: "no", 311: "yes"})
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).float().eval()
+    with LLM(str(folder), hf_overrides=QWEN3_RERANKER) as llm:
+        assert llm.runtime.engine.model_config.classifier_token_ids == (310, 311)
+        assert llm.tokenizer is not None
+        pairs = [llm.tokenizer.encode_pair(QUERY, d) for d in DOCUMENTS]
+        scores = [s.score for s in llm.score(QUERY, DOCUMENTS)]
+    expected = [torch.softmax(hf_lm_logits(model, ids)[[310, 311]], -1)[1].item() for ids in pairs]
+    assert scores == pytest.approx(expected, abs=1e-5)
+    tokens = {"architectures": ["Qwen3ForSequenceClassification"]}
+    tokens["classifier_from_token"] = ["yes", "w7", "no"]  # type: ignore[assignment]
+    with LLM(str(folder), hf_overrides=tokens) as llm:
+        assert llm.runtime.engine.model_config.labels == ("yes", "w7", "no")
+        outs = llm.classify(PROMPTS)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        probs = torch.softmax(hf_lm_logits(model, prompt)[[311, 7, 310]], -1)
+        assert out.classification is not None
+        torch.testing.assert_close(torch.tensor(out.classification.probs), probs, atol=1e-5, rtol=0)
+
+
+def hf_lm_logits(model: Any, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0, -1]
+
+
+def test_hf_overrides_refusals(tmp_path: Path) -> None:
+    """Overrides that are no JSON object, and tokens the vocabulary lacks: one-line errors."""
+    from aserve.config import ConfigError
+
+    folder = make_tiny_model("qwen3", tmp_path)
+    write_word_tokenizer(folder, 320)
+    for overrides, message in [
+        ("[1, 2]", "must be a JSON object"),
+        ("{bad", "not valid JSON"),
+        ({**QWEN3_RERANKER, "classifier_from_token": ["yes"]}, "takes two tokens"),
+        (QWEN3_RERANKER, "'no' is not a token of this model"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            LLM(str(folder), hf_overrides=overrides)

@@ -456,6 +456,15 @@ class ScoreHead(nn.Module):
             raise ValueError(f"score.{param} of shape {list(whole.shape)} does not fit")
         self.weight.data.copy_(whole)
 
+    def load_token_rows(self, head: WeightSource, config: ModelConfig) -> None:
+        """A causal LM's head made a classifier (vLLM's `classifier_from_token`): its rows of
+        the classifier's tokens, or with a two-way softmax the second minus the first."""
+        if isinstance(head, (QuantizedTensor, CodesTensor)):
+            raise ValueError("classifier_from_token reads a float LM head (not a GGUF file's)")
+        rows = [read_whole(head[i : i + 1])[0].float() for i in config.classifier_token_ids]
+        weight = torch.stack([rows[1] - rows[0]] if config.two_way_softmax else rows)
+        self.weight.data.copy_(weight)
+
 
 class DecoderForCausalLM(nn.Module):
     """`ops` is FlashInfer's module for fused norm / rope / activation kernels, or None.
@@ -544,7 +553,13 @@ class DecoderForCausalLM(nn.Module):
         modules = dict(self.named_modules())
         loaded: set[str] = set()
         renamed = NORM_NAMES.get(self.config.model_type, {})
+        rows_from = None  # where a classifier's token rows came from: the head, or a tied one
         for name, tensor in weights:
+            if self._classifier_rows_in(name, rows_from):
+                assert self.score is not None
+                self.score.load_token_rows(tensor, self.config)
+                rows_from = name
+                loaded.add("score.weight")
             if "rotary_emb" in name or (
                 name == "lm_head.weight" and self.config.tie_word_embeddings
             ):
@@ -557,6 +572,14 @@ class DecoderForCausalLM(nn.Module):
         missing = self.expected_tensors() - loaded
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+    def _classifier_rows_in(self, name: str, rows_from: str | None) -> bool:
+        """Whether tensor `name` holds a `classifier_from_token` classifier's rows: the LM
+        head, or the embedding where the head is tied to it (none seen yet)."""
+        if self.score is None or not self.config.classifier_tokens:
+            return False
+        head = "lm_head.weight"
+        return name == head or (name == "model.embed_tokens.weight" and rows_from != head)
 
     def load_tensor(
         self, modules: dict[str, nn.Module], name: str, tensor: WeightSource
