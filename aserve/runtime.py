@@ -25,6 +25,7 @@ from aserve.generation_defaults import describe, resolve_defaults
 from aserve.images import ImageProcessor, grid_token_names
 from aserve.models.pooling import check_pooling
 from aserve.models.source import complete_tokenizer, resolve_model
+from aserve.models.vision import image_support
 from aserve.models.weights import load_hf_config
 from aserve.scheduler.scheduler import Scheduler
 from aserve.tokenizer import Tokenizer, has_tokenizer
@@ -124,7 +125,8 @@ class Runtime:
         hf_config, generation_config = load_hf_config(self.model_dir)
         hf_config = with_overrides(hf_config, config.engine.hf_overrides)
         self.model_config = ModelConfig.from_hf(hf_config, generation_config)
-        if self.model_config.language_model_of is not None:
+        owner = self.model_config.language_model_of
+        if owner is not None and image_support(hf_config, owner) is not None:
             logger.info(
                 "serving the language model of %s (%s) without its vision encoder: requests "
                 "take text alone",
