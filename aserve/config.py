@@ -765,6 +765,8 @@ class ModelConfig:
             text = cls.from_hf(text_config, generation_config)
             rope = text_config.get("rope_parameters") or text_config.get("rope_scaling") or {}
             image_token = config.get("image_token_index", config.get("image_token_id"))
+            if vision_language == "Gemma3ForConditionalGeneration":  # its template writes
+                image_token = config.get("boi_token_index", 255_999)  # the image's start
             return dataclasses.replace(
                 text,
                 language_model_of=vision_language,

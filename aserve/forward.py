@@ -35,7 +35,10 @@ class ForwardBatch:
     recorded on the stream once half of the layers are queued (see Scheduler.run).
     In a prefill with images, the tokens at `image_rows` take `image_embeds` (the image
     encoder's features) in place of their ids' embeddings (models/vision.py), and Qwen3-VL's
-    `image_layer_embeds[i]` join their hidden states after layer i; with Qwen-VL's
+    `image_layer_embeds[i]` join their hidden states after layer i, and Gemma 3's images
+    whose features the chunk computes are `both_ways[i]` (request i's `[first, last)`
+    positions, whose queries read the whole block: every backend widens its causal mask
+    so); with Qwen-VL's
     images, `mrope_positions` `[3, T]` are each token's three rotary coordinates
     (models/mrope.py), whose cos/sin rows the model looks up once a step (`rope_rows`).
     """
@@ -57,6 +60,7 @@ class ForwardBatch:
     image_rows: torch.Tensor | None = None
     image_embeds: torch.Tensor | None = None
     image_layer_embeds: torch.Tensor | None = None
+    both_ways: list[list[tuple[int, int]]] | None = None
     mrope_positions: torch.Tensor | None = None
     rope_rows: Any = None  # layers/rotary.RopeRows, set by the model from mrope_positions
 

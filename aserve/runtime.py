@@ -25,7 +25,7 @@ from aserve.generation_defaults import describe, resolve_defaults
 from aserve.images import ImageProcessor, grid_token_names
 from aserve.models.pooling import check_pooling
 from aserve.models.source import complete_tokenizer, resolve_model
-from aserve.models.vision import image_support
+from aserve.models.vision import frame_image, image_support
 from aserve.models.weights import load_hf_config
 from aserve.scheduler.scheduler import Scheduler
 from aserve.tokenizer import Tokenizer, has_tokenizer
@@ -213,6 +213,11 @@ class Runtime:
                 encoder.grid_token_ids = (vocab[names[0]], vocab[names[1]])
             else:
                 logger.warning("the tokenizer lacks %s: images are refused", " or ".join(names))
+        if encoder.both_ways:
+            vocab = {} if self.tokenizer is None else self.tokenizer.hf.get_vocab()
+            lacking = frame_image(encoder, vocab)
+            if lacking is not None:
+                logger.warning("the tokenizer lacks %s: images are refused", lacking)
         if not (self.model_dir / "preprocessor_config.json").is_file():
             logger.warning("no preprocessor_config.json: images are taken as pixel tensors only")
             return None

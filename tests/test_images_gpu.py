@@ -194,3 +194,49 @@ def test_qwen_vl_bf16_logprobs_close_to_transformers(
     hit = our_logits(llm, prompt, continuation, [patches])
     assert llm.scheduler.planner.prompt_tokens_cached > cached
     torch.testing.assert_close(hit, fresh, atol=0.06, rtol=0.03)
+
+
+def test_gemma3_bf16_logprobs_close_to_transformers(
+    make_llm: Callable[..., LLM], tmp_path: Path
+) -> None:
+    """Gemma 3 (image features attending to each other both ways: FlashInfer's prefill with
+    a mask, windowed layers included): greedy tokens' logprobs within 0.05 of transformers'
+    bf16 whole model; in chunks of 3 (each image whole in one) the same logits as a prefix
+    hit, to bf16's rounding."""
+    from tests.test_images_gemma3 import BOI, NEWLINES, SOFT, processed
+
+    hf = make_tiny_vision_language(
+        "Gemma3ForConditionalGeneration", tmp_path, overrides={**KERNEL_SHAPES, "head_dim": 64}
+    )
+    hf = hf.to(device="cuda", dtype=torch.bfloat16)
+    specials = {SOFT: "<image_soft_token>", 315: "<end_of_image>"}
+    specials |= {token: "\n" * count for token, count in NEWLINES.items()}
+    write_word_tokenizer(tmp_path, 320, BOI, specials)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=True)
+    llm = make_llm(tmp_path, device="cuda", dtype="bfloat16", page_size=4)
+    chunked = make_llm(tmp_path, device="cuda", dtype="bfloat16", max_prefill_length=3)
+    assert type(llm.runtime.engine.attn).__name__ == "FlashInferBackend"
+    torch.manual_seed(0)
+    pixels = torch.randn(1, 3, 28, 28)
+    prompt = [5, 17, 301, BOI, 99, 4, 250, 8]
+    out = llm.generate(image_prompt(prompt, pixels[0]), params)[0]
+    ids = processed(prompt)
+    assert out.prompt_token_ids == ids
+    whole = ids + out.token_ids
+    types = torch.tensor([[int(t == SOFT) for t in whole]], device="cuda")
+    with torch.inference_mode():
+        logits = hf(
+            torch.tensor([whole], device="cuda"),
+            pixel_values=pixels.to("cuda", torch.bfloat16),
+            token_type_ids=types,
+        ).logits[0]
+    expected = torch.log_softmax(logits.float(), -1)[len(ids) - 1 : -1]
+    theirs = expected.gather(1, torch.tensor(out.token_ids, device="cuda")[:, None])[:, 0]
+    ours = torch.tensor([lp.logprob for lp in out.logprobs], device="cuda")
+    torch.testing.assert_close(ours, theirs, atol=0.05, rtol=0.05)
+    continuation = [7, 123, 45, 2, 99]
+    fresh = our_logits(chunked, prompt, continuation, [pixels[0]])
+    cached = llm.scheduler.planner.prompt_tokens_cached
+    hit = our_logits(llm, prompt, continuation, [pixels[0]])
+    assert llm.scheduler.planner.prompt_tokens_cached > cached
+    torch.testing.assert_close(hit, fresh, atol=0.06, rtol=0.03)

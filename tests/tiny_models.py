@@ -314,11 +314,13 @@ def vision_language_config(architecture: str, overrides: dict[str, Any] | None =
     qwen_encoder = {"depth": 1, "num_heads": 2, "hidden_size": 32, "intermediate_size": 64}
     special = {"image_token_id": 300, "video_token_id": 301, "vision_start_token_id": 302}
     if architecture == "Gemma3ForConditionalGeneration":
-        return transformers.Gemma3Config(
+        return transformers.Gemma3Config(  # images of 2 x 2 patches, one feature each
             text_config=text("gemma3", "gemma3_text"),
             vision_config=encoder,
-            mm_tokens_per_image=1,
+            mm_tokens_per_image=4,
             image_token_index=300,
+            boi_token_index=310,
+            eoi_token_index=315,
         )
     if architecture == "Mistral3ForConditionalGeneration":
         return transformers.Mistral3Config(

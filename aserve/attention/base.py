@@ -60,3 +60,24 @@ class SplitBackend:
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return self._pick(batch).forward(q, kv, layer, batch, sinks)
+
+
+def visible_keys(
+    prefix: int,
+    total: int,
+    window: int,
+    device: torch.device,
+    both_ways: list[tuple[int, int]],
+) -> torch.Tensor:
+    """Which of a request's `total` positions each of its new queries (the last `total -
+    prefix`) reads, `[queries, total]`: up to itself (bottom-right aligned after a cached
+    prefix), or within a `both_ways` block `[first, last)` the whole block (Gemma 3's image
+    features), and with a window (0: none) only positions less than `window` behind the
+    query, as transformers composes the two."""
+    q_pos = torch.arange(prefix, total, device=device)[:, None]
+    k_pos = torch.arange(total, device=device)[None, :]
+    limits = torch.arange(prefix + 1, total + 1, device=device)
+    for first, last in both_ways:
+        limits[max(first, prefix) - prefix : max(last, prefix) - prefix] = last
+    mask = k_pos < limits[:, None]
+    return mask & (k_pos > q_pos - window) if 0 < window < total else mask

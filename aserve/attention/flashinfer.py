@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from aserve.attention.base import visible_keys
 from aserve.config import ConfigError
 from aserve.forward import ForwardBatch
 from aserve.kvcache.pages import PageTable, first_read_page
@@ -76,7 +77,12 @@ class FlashInferBackend:
 
     `softcap` (Gemma 2: the scaled scores soft-capped, 0 for none): prefill plans take it
     (FlashInfer's soft-cap variant), and every decode batch takes the Triton kernels, which
-    cap each block's scores."""
+    cap each block's scores.
+
+    A prefill whose chunks hold Gemma 3 images (`batch.both_ways`: features that attend to
+    each other both ways) is planned with a mask of each query's visible keys
+    (`visible_keys`), on wrappers of FlashInfer's own kernels (FlashAttention-3's take no
+    mask), without widening an FP8 pool's pages (`masked_prefill`)."""
 
     def __init__(
         self,
@@ -127,6 +133,7 @@ class FlashInferBackend:
             )
 
         self.prefill_wrapper = ByWindow(prefill(), prefill()) if self.window else prefill()
+        self.masked_prefill: Any = None  # made at the first prefill with Gemma 3 images
         self.decode_wrappers = {
             tensor_cores: ByWindow(decode(tensor_cores), decode(tensor_cores))
             if self.window
@@ -205,6 +212,9 @@ class FlashInferBackend:
         layouts = {False: self._page_layout(batch)}
         if self.split_pool:
             layouts[True] = self._page_layout(batch, windowed=True)
+        if batch.both_ways is not None:
+            self._plan_masked_prefill(batch, qo_indptr, layouts)
+            return
         slots = len(layouts[False][2]) * self.page_size
         widen = (
             self.pool.quantized
@@ -237,6 +247,52 @@ class FlashInferBackend:
             window_ids = layouts[True][2] if self.split_pool else None
             widened = WidenedPrefill(self.prefill_wrapper, layouts[False][2], window_ids)
             batch.attn_metadata = widened
+
+    def _plan_masked_prefill(
+        self,
+        batch: ForwardBatch,
+        qo_indptr: torch.Tensor,
+        layouts: dict[bool, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    ) -> None:
+        """Plan a prefill with Gemma 3 images: each query's visible keys as a mask over the
+        positions its plan's pages hold (the windowed layers' own pages may start later)."""
+        import flashinfer
+
+        if self.masked_prefill is None:  # each wrapper holds buffers: made where needed
+
+            def masked() -> Any:
+                return flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                    self.workspace, "NHD", backend="fa2"
+                )
+
+            self.masked_prefill = ByWindow(masked(), masked()) if self.window else masked()
+        blocks = batch.both_ways or []
+        for wrapper, window_left in self._by_window(self.masked_prefill):
+            indptr, last, indices = layouts[window_left >= 0 and self.split_pool]
+            window = window_left + 1 if window_left >= 0 else 0
+            pages = (indptr[1:] - indptr[:-1]).tolist()
+            masks = []
+            for i, (prefix, total) in enumerate(zip(batch.prefix_lens, batch.seq_lens)):
+                held = (pages[i] - 1) * self.page_size + int(last[i])
+                visible = visible_keys(prefix, total, window, torch.device("cpu"), blocks[i])
+                masks.append(visible[:, total - held :].flatten())
+            wrapper.plan(
+                qo_indptr,
+                indptr,
+                indices,
+                last,
+                num_qo_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads,
+                head_dim_qk=self.head_dim,
+                page_size=self.page_size,
+                custom_mask=torch.cat(masks).to(self.workspace.device),
+                q_data_type=self.dtype,
+                kv_data_type=self.kv_dtype,
+                window_left=window_left,
+                sm_scale=self.scale,
+                logits_soft_cap=self.softcap,
+            )
+        batch.attn_metadata = self.masked_prefill
 
     def _by_window(self, wrapper: Any) -> list[tuple[Any, int]]:
         """A plan's wrappers with the `window_left` each is planned for: FlashInfer reads the

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from aserve.attention.base import visible_keys
 from aserve.forward import ForwardBatch
 from aserve.kvcache.pages import PageTable
 from aserve.kvcache.pool import KVPool, zeros_on
@@ -158,7 +159,7 @@ class TorchNativeBackend:
     def prepare(self, batch: ForwardBatch) -> None:
         if batch.is_decode and self.native_decode:
             batch.attn_metadata = _NativeDecodeMetadata(torch.tensor(batch.seq_lens))
-        elif self.native_decode:
+        elif self.native_decode and batch.both_ways is None:
             batch.attn_metadata = self._prepare_native_prefill(batch)
         elif batch.is_decode:
             batch.attn_metadata = self._prepare_decode(batch)
@@ -167,12 +168,15 @@ class TorchNativeBackend:
 
     def _prepare_prefill(self, batch: ForwardBatch) -> _PrefillMetadata:
         seqs, q_start = [], 0
-        for row, prefix, extend, total in zip(
-            batch.row_ids, batch.prefix_lens, batch.extend_lens, batch.seq_lens
+        blocks = batch.both_ways or [[] for _ in batch.row_ids]
+        for row, prefix, extend, total, both_ways in zip(
+            batch.row_ids, batch.prefix_lens, batch.extend_lens, batch.seq_lens, blocks
         ):
             slots = {w: batch.table_of(w)[row, :total].long() for w in set(self.pool.windowed)}
             device = batch.page_table.device
-            masks = {w: _prefill_mask(prefix, total, w, device) for w in set(self.windows)}
+            masks = {
+                w: _prefill_mask(prefix, total, w, device, both_ways) for w in set(self.windows)
+            }
             seqs.append(_PrefillSeq(q_start, extend, slots, masks))
             q_start += extend
         return _PrefillMetadata(seqs)
@@ -251,8 +255,8 @@ class TorchNativeBackend:
         windowed = self.pool.windowed[layer]
         if kv is not None:
             self.pool.store(layer, batch.slots_of(windowed), kv)
-        if self.native_decode:
-            meta: _NativeDecodeMetadata = batch.attn_metadata
+        if isinstance(batch.attn_metadata, _NativeDecodeMetadata):
+            meta = batch.attn_metadata
             out = torch.ops.aserve_cpu.decode_attention(
                 q,
                 self.pool.kv[layer],
@@ -352,18 +356,16 @@ class TorchNativeBackend:
 
 
 def _prefill_mask(
-    prefix: int, total: int, window: int, device: torch.device
+    prefix: int,
+    total: int,
+    window: int,
+    device: torch.device,
+    both_ways: list[tuple[int, int]] | None = None,
 ) -> torch.Tensor | None:
-    """Which of a request's `total` positions each of its new queries (the last `total -
-    prefix`) reads: up to itself (bottom-right aligned after a cached prefix) and, with a
-    window, only its last `window`. None where SDPA's own causal mask is the same."""
-    windowed = 0 < window < total
-    if prefix == 0 and not windowed:
+    """`visible_keys`, or None where SDPA's own causal mask is the same."""
+    if prefix == 0 and not 0 < window < total and not both_ways:
         return None
-    q_pos = torch.arange(prefix, total, device=device)[:, None]
-    k_pos = torch.arange(total, device=device)[None, :]
-    mask = k_pos <= q_pos
-    return mask & (k_pos > q_pos - window) if windowed else mask
+    return visible_keys(prefix, total, window, device, both_ways or [])
 
 
 SCORES_BYTES = 64 << 20

@@ -363,12 +363,16 @@ class Engine:
         rows: list[torch.Tensor] = []
         features: list[torch.Tensor] = []
         layer_features: list[torch.Tensor] = []
+        blocks: list[list[tuple[int, int]]] = []
         offset = 0
         for spans, start, length in zip(images, starts, batch.extend_lens, strict=True):
+            blocks.append([])
             for span in spans:
                 first, last = max(start, span.start), min(start + length, span.end)
                 if first >= last:
                     continue
+                if span.both_ways:
+                    blocks[-1].append((span.features_start, span.features_end))
                 index = span.feature_index[first - span.start : last - span.start]
                 taken = index >= 0
                 if not taken.any():  # a grid's row ends alone
@@ -386,6 +390,8 @@ class Engine:
             batch.image_embeds = torch.cat(features)
         if layer_features:  # Qwen3-VL: every image has them
             batch.image_layer_embeds = torch.cat(layer_features, dim=1)
+        if any(blocks):  # Gemma 3
+            batch.both_ways = blocks
 
     def _create_attention_backend(self, name: str) -> AttentionBackend:
         names = self._backend_names(name)

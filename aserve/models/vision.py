@@ -11,8 +11,11 @@ grid, each row of cells closed by a row-break token and the last by an image-end
 (`ImageEncoder.layout`); and Qwen2-VL, Qwen2.5-VL and Qwen3-VL, whose image takes a feature
 a 2 x 2 block of its patches, each at three rotary coordinates (models/mrope.py). Qwen3-VL's
 tower also gives features of some of its inner layers ("DeepStack"), which the language
-model adds to the image positions' hidden states after its first layers. Gemma 3 attends
-within an image both ways: its checkpoints serve text alone (models/multimodal.py).
+model adds to the image positions' hidden states after its first layers. Gemma 3's image
+takes a fixed number of positions between its start and end tokens (and the blank lines
+its processor writes around them), whose features attend to each other both ways
+(`ImageSpan.both_ways`: every attention backend widens its causal mask over them, and the
+planner never cuts them between chunks).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from safetensors import safe_open
 from aserve.models.multimodal import VISION_PARTS
 
 IMAGE_ARCHITECTURES = {
+    "Gemma3ForConditionalGeneration": "Gemma3Model",
     "LlavaForConditionalGeneration": "LlavaModel",
     "Mistral3ForConditionalGeneration": "Mistral3Model",
     "Qwen2VLForConditionalGeneration": "Qwen2VLModel",
@@ -47,6 +51,9 @@ PATCH_ARCHITECTURES = (
 """Qwen-VL: the image processor gives an image's patches, flattened, and their grid (time,
 height, width); the tower merges 2 x 2 patches a feature; the language model places each
 feature at three position coordinates (models/mrope.py)."""
+BOTH_WAYS_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
+"""Whose image features attend to each other both ways (transformers' "blockwise" mask):
+each image's features are computed in one chunk, their queries reading the whole image."""
 FIXED_TOWERS = ("clip_vision_model", "siglip_vision_model")
 """Vision towers whose every image takes one fixed number of positions."""
 GRID_TOWERS = ("pixtral",)
@@ -70,13 +77,15 @@ class ImageSpan:
     (`feature_index`: -1 where a row-break or image-end token sits), Qwen-VL's grid of
     features (time, height, width: their rotary coordinates), and its features once
     encoded (`layer_features`: Qwen3-VL's `[layers, tokens, hidden]` for the language
-    model's first layers to add)."""
+    model's first layers to add). `both_ways`: its features attend to each other both ways
+    (Gemma 3); they are contiguous, `features_start` to `features_end`."""
 
     pixels: torch.Tensor
     start: int
     token: int
     feature_index: torch.Tensor
     grid: tuple[int, int, int] | None = None
+    both_ways: bool = False
     features: torch.Tensor | None = field(default=None, repr=False)
     layer_features: torch.Tensor | None = field(default=None, repr=False)
 
@@ -87,6 +96,14 @@ class ImageSpan:
     @property
     def end(self) -> int:
         return self.start + self.length
+
+    @property
+    def features_start(self) -> int:
+        return self.start + int(torch.nonzero(self.feature_index >= 0)[0])
+
+    @property
+    def features_end(self) -> int:
+        return self.start + int(torch.nonzero(self.feature_index >= 0)[-1]) + 1
 
     def feature_positions(self) -> list[int]:
         """The prompt positions that take a feature (the image token's, to the vocabulary)."""
@@ -151,6 +168,14 @@ class ImageEncoder:
         self.grid_cell: int | None = None
         self.grid_token_ids: tuple[int, int] | None = None
         self.tokens_per_image: int | None = None
+        # Gemma 3: what the vocabulary holds at feature positions (its soft image token),
+        # the tokens around an image's features and newline runs' ids by length (blank
+        # lines merge with their neighbours as the tokenizer merges them); set by the
+        # runtime from the tokenizer (`frame_image`).
+        self.both_ways = architecture in BOTH_WAYS_ARCHITECTURES
+        self.feature_token: int | None = getattr(config, "image_token_index", None)
+        self.frame: tuple[list[int], list[int]] | None = None
+        self.newline_ids: dict[int, int] = {}
         vision = config.vision_config
         self.merges_cells = architecture == "Mistral3ForConditionalGeneration"
         self.patch_merge: int | None = None
@@ -179,7 +204,12 @@ class ImageEncoder:
             return [None] * (times * height * width)
         if self.grid_cell is None:
             assert self.tokens_per_image is not None
-            return [None] * self.tokens_per_image
+            if not self.both_ways:
+                return [None] * self.tokens_per_image
+            if self.frame is None:
+                raise ValueError("images need the tokenizer's ids of the image's frame")
+            before, after = self.frame
+            return [*before, *[None] * self.tokens_per_image, *after]
         if self.grid_token_ids is None:
             raise ValueError(f"images need the tokenizer's ids of {' and '.join(GRID_TOKENS)}")
         height, width = pixels.shape[-2:]
@@ -224,8 +254,8 @@ class ImageEncoder:
             inner = getattr(out, "deepstack_features", None)  # a tensor a layer (Qwen3-VL)
             layers = torch.stack([one_image(f) for f in inner]) if inner else None
             return [(one_image(out.pooler_output), layers)]
-        layer = self.config.vision_feature_layer
-        options: dict[str, Any] = {"vision_feature_layer": layer}
+        layer = getattr(self.config, "vision_feature_layer", None)  # (Gemma 3: its last)
+        options: dict[str, Any] = {} if layer is None else {"vision_feature_layer": layer}
         if hasattr(self.config, "vision_feature_select_strategy"):
             options["vision_feature_select_strategy"] = self.config.vision_feature_select_strategy
         if self.grid_cell is not None:
@@ -250,6 +280,28 @@ def one_image(features: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor
     """One image's features `[tokens, hidden]`, whether transformers split them by image (a
     tuple of one) or not (transformers 5.17 keeps Qwen3-VL's inner layers' whole)."""
     return torch.cat(list(features)) if isinstance(features, (list, tuple)) else features
+
+
+def frame_image(encoder: ImageEncoder, vocab: dict[str, int]) -> str | None:
+    """Set a Gemma 3 encoder's frame from the tokenizer's vocabulary: a blank line, the
+    image's start token, its features, its end token, a blank line, as transformers'
+    processor writes it. Returns what the vocabulary lacks (None where nothing)."""
+    config = encoder.config
+    newlines = {count: vocab["\n" * count] for count in range(1, 32) if "\n" * count in vocab}
+    if 2 not in newlines:
+        return "a blank-line token"
+    encoder.newline_ids = newlines
+    blank = newlines[2]
+    encoder.frame = ([blank, config.boi_token_index], [config.eoi_token_index, blank])
+    return None
+
+
+def _merged_newlines(encoder: ImageEncoder, first: int, second: int) -> int | None:
+    """The one token of two adjacent newline runs, where the vocabulary has it."""
+    counts = {token: count for count, token in encoder.newline_ids.items()}
+    if first not in counts or second not in counts:
+        return None
+    return encoder.newline_ids.get(counts[first] + counts[second])
 
 
 def vision_tensors(model_dir: Path, wanted: set[str]) -> dict[str, torch.Tensor]:
@@ -293,14 +345,27 @@ def expand_images(
     ids: list[int] = []
     spans = []
     last = 0
+    feature_token = encoder.feature_token if encoder.both_ways else None
     for mark, pixels in zip(marks, images, strict=True):
         ids += prompt[last:mark]
+        last = mark + 1
         positions = encoder.layout(pixels)
+        if encoder.newline_ids:  # the frame's blank lines join the newlines beside them
+            assert positions[0] is not None and positions[-1] is not None
+            merged = _merged_newlines(encoder, ids[-1], positions[0]) if ids else None
+            if merged is not None:
+                ids.pop()
+                positions[0] = merged
+            after = prompt[last] if last < len(prompt) else None
+            merged = None if after is None else _merged_newlines(encoder, positions[-1], after)
+            if merged is not None:
+                positions[-1] = merged
+                last += 1
         is_feature = torch.tensor([token is None for token in positions])
         index = torch.where(is_feature, torch.cumsum(is_feature, 0) - 1, -1)
         grid = None if encoder.patch_merge is None else encoder.feature_grid(pixels)
-        spans.append(ImageSpan(pixels, len(ids), image_token_id, index, grid))
+        token = image_token_id if feature_token is None else feature_token
+        spans.append(ImageSpan(pixels, len(ids), token, index, grid, encoder.both_ways))
         image_id = pseudo_id(pixels, vocab)
         ids += [image_id if token is None else token for token in positions]
-        last = mark + 1
     return ids + prompt[last:], spans

@@ -161,15 +161,18 @@ class Planner:
         req.window_kept_from = end
 
     def _plan_prefill(self) -> ScheduledBatch | None:
+        """Prefill chunks within the step's token budget (one that holds an image whose
+        features attend both ways may run past it: `whole_images`)."""
         budget = self.config.max_prefill_length
         scored_budget = SCORED_ROWS_PER_STEP
         reqs: list[Req] = []
         extends: list[int] = []
         scored: list[int] = []
         for req in self.running:
-            if req.decoding or budget == 0:
+            if req.decoding or budget <= 0:
                 continue
             n = min(req.extend_len, budget, req.unscored_ahead + scored_budget)
+            n = whole_images(req, req.cached_len, n)
             if n == 0:
                 continue
             if not self._grow(req, req.cached_len + n):
@@ -207,12 +210,13 @@ class Planner:
         (0 when the budget is 0 or the pool cannot hold even the first chunk, leaving `req`
         waiting). A request scoring its prompt matches only what comes before the positions
         it scores: those need their logits."""
-        if budget == 0:
+        if budget <= 0:
             return 0
         match = self.cache.match(req.all_ids[: req.reusable_len])
         self.cache.lock(match.handle)
         req.cached_len = match.length  # what `unscored_ahead` counts from
         n = min(req.extend_len, budget, req.unscored_ahead + scored_budget)
+        n = whole_images(req, req.cached_len, n)
         need = pages_needed(match.length + n, self.page_size) - len(match.pages)
         if n == 0 or not self._reserve(need):
             self.cache.unlock(match.handle)
@@ -456,3 +460,15 @@ def _check_pages(what: str, allocator: PageAllocator, cached: list[int], owned: 
             f"{len(owned)} owned of {len(expected)}; doubly owned {sorted(doubles)[:8]}, "
             f"leaked {sorted(expected - set(everything))[:8]}"
         )
+
+
+def whole_images(req: Req, start: int, n: int) -> int:
+    """A chunk of `n` tokens from `start` that ends at no point inside an image whose
+    features attend to each other both ways (Gemma 3): cut before the image, or, where the
+    chunk starts within or at it, taken to its end (past the step's budget if need be)."""
+    end = start + n
+    for span in req.images:
+        if span.both_ways and span.features_start < end < span.features_end:
+            first, last = span.features_start, span.features_end
+            return first - start if first > start else last - start
+    return n
