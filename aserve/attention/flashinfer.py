@@ -276,16 +276,17 @@ class FlashInferBackend:
                 held = (pages[i] - 1) * self.page_size + int(last[i])
                 visible = visible_keys(prefix, total, window, torch.device("cpu"), blocks[i])
                 masks.append(visible[:, total - held :].flatten())
+            device = self.workspace.device  # FlashInfer packs the mask on the device
             wrapper.plan(
-                qo_indptr,
-                indptr,
+                qo_indptr.to(device),
+                indptr.to(device),
                 indices,
-                last,
+                last.to(device),
                 num_qo_heads=self.num_heads,
                 num_kv_heads=self.num_kv_heads,
                 head_dim_qk=self.head_dim,
                 page_size=self.page_size,
-                custom_mask=torch.cat(masks).to(self.workspace.device),
+                custom_mask=torch.cat(masks).to(device),
                 q_data_type=self.dtype,
                 kv_data_type=self.kv_dtype,
                 window_left=window_left,
