@@ -6,7 +6,7 @@ Mistral Small 3.1 and LLaVA as released: `language_model.model.layers.0...`,
 `language_model.lm_head.weight`), under `model.language_model.` beside a top-level
 `lm_head` (what transformers 5 names its modules; Qwen3-VL), or as a text model's own names
 beside a vision tower (Qwen2-VL, Qwen2.5-VL). The vision encoder and its projector are
-skipped unread: the server takes text alone.
+skipped here: models/vision.py reads them where the checkpoint's images run.
 """
 
 from __future__ import annotations
