@@ -154,12 +154,11 @@ class LLM:
         pairs = paired(firsts, [text_2] if isinstance(text_2, str) else list(text_2))
         tokenizer = self._require_tokenizer()
         plan = plan_pairs(config, pairs, tokenizer.encode, tokenizer.encode_pair)
-        pooled = [out.embedding for out in self._pool(plan.prompts)]
         vectors = []
-        for out in pooled:
-            if out is None:
-                raise ValueError("a pair's sequence could not run")
-            vectors.append(torch.tensor(out))
+        for out in self._pool(plan.prompts):
+            if out.embedding is None:
+                raise ValueError(f"a text of the pairs could not run: {out.error}")
+            vectors.append(torch.tensor(out.embedding))
         scores = plan.scores(vectors)
         return [ScoreOutput(a, b, s) for (a, b), s in zip(pairs, scores, strict=True)]
 

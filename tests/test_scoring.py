@@ -119,6 +119,10 @@ def test_offline_refusals(tmp_path: Path) -> None:
     folder = classifier_folder(tmp_path / "labels", "qwen3", LABELS)
     with LLM(str(folder)) as llm, pytest.raises(ValueError, match="has 3 labels"):
         llm.score(QUERY, DOCUMENTS)
+    reranker = classifier_folder(tmp_path / "reranker", "qwen3", RERANKER)
+    with LLM(str(reranker), max_seq_len_override=8) as llm:
+        with pytest.raises(ValueError, match="could not run: .*context"):
+            llm.score(QUERY, " ".join(DOCUMENTS))
     plain = make_tiny_model("qwen3", tmp_path / "plain")
     write_word_tokenizer(plain, 320)
     with LLM(str(plain)) as llm:
