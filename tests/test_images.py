@@ -228,6 +228,49 @@ def test_server_chat_with_an_image(
     assert status == 200 and other["choices"][0]["token_ids"] != reply["choices"][0]["token_ids"]
 
 
+def test_native_generate_with_image_data(
+    llava_server: ServerProcess, llava: tuple[Path, torch.nn.Module]
+) -> None:
+    """SGLang's /generate with `image_data`: token ids or text holding the image token, an
+    image as a data URL or bare base64, a batch with an entry a prompt; the offline API's
+    tokens; one-line refusals for a batch's count and nested lists."""
+    folder, _ = llava
+    first, second = picture(11), picture(12)
+    sampling = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    with LLM(str(folder)) as llm:
+        greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        expected = [
+            llm.generate(image_prompt(PROMPTS[0], image), greedy)[0].token_ids
+            for image in (first, second)
+        ]
+    url = llava_server.base_url + "/generate"
+    bare = data_url(second).partition(",")[2]
+    body = {"input_ids": PROMPTS[0], "image_data": data_url(first), "sampling_params": sampling}
+    status, reply = run(post(url, body))
+    assert status == 200, reply
+    assert reply["output_ids"] == expected[0]
+    text = " ".join(f"w{t}" if t != IMAGE else "<image>" for t in PROMPTS[0])
+    body = {"text": text, "image_data": [bare], "sampling_params": sampling}
+    status, reply = run(post(url, body))
+    assert status == 200, reply
+    assert reply["output_ids"] == expected[1]
+    batch = {
+        "input_ids": [PROMPTS[0], PROMPTS[0], [5, 6]],
+        "image_data": [data_url(first), [bare], None],
+        "sampling_params": sampling,
+    }
+    status, replies = run(post(url, batch))
+    assert status == 200, replies
+    assert [r["output_ids"] for r in replies[:2]] == expected
+    for bad, message in [
+        ({**batch, "image_data": [data_url(first)]}, "an entry (a string, a list or null)"),
+        ({**body, "image_data": [[bare]]}, "a string or strings"),
+        ({**body, "image_data": "@@@"}, "base64 does not decode"),
+    ]:
+        status, reply = run(post(url, bad))
+        assert status == 400 and message in reply["error"]["message"], reply
+
+
 @pytest.mark.parametrize(
     ("text", "url", "message"),
     [

@@ -164,8 +164,14 @@ class Completions:
             )
             choices: list[Choice] = []
             rids: list[str] = []
-            for parsed, (prompt,), rid in zip(native.prompts, prompts, native.rids):
+            for parsed, (prompt,), rid, sources in zip(
+                native.prompts, prompts, native.rids, native.image_sources, strict=True
+            ):
                 parsed = self._scored_from(native, parsed, prompt)
+                if sources:
+                    tokenizer = require_tokenizer(runtime)
+                    images = await image_pixels(runtime, tokenizer, sources, "image_data")
+                    parsed = dataclasses.replace(parsed, images=images)
                 grammar = await self._grammar(runtime, parsed)
                 made = self._make_choices(runtime, parsed, [prompt], grammar)
                 choices += made

@@ -41,24 +41,26 @@ def template_messages(
 
 
 async def image_pixels(
-    runtime: Runtime, tokenizer: Tokenizer, sources: list[Any]
+    runtime: Runtime, tokenizer: Tokenizer, sources: list[Any], param: str = "messages"
 ) -> list[torch.Tensor]:
-    """Each image URL's pixels, in order (`template_messages` has checked that this model
-    takes images); a 400 where an image cannot be had."""
+    """Each image URL's pixels, in order; a 400 (naming `param`) where this model takes no
+    images or an image cannot be had."""
     processor = runtime.image_processor
-    assert processor is not None
-    blobs = await asyncio.gather(*(_bytes_of(i, url) for i, url in enumerate(sources)))
+    if processor is None:
+        raise APIError("this model takes no images: send text alone", param=param)
+    fetched = (_bytes_of(i, url, param) for i, url in enumerate(sources))
+    blobs = await asyncio.gather(*fetched)
     try:
         return await tokenizer.run_in_pool(_pixels, processor, blobs)
     except ImageError as error:
-        raise APIError(str(error), param="messages") from None
+        raise APIError(str(error), param=param) from None
 
 
 def _pixels(processor: ImageProcessor, blobs: list[bytes]) -> list[torch.Tensor]:
     return processor.pixels([decoded(blob) for blob in blobs])
 
 
-async def _bytes_of(index: int, url: str) -> bytes:
+async def _bytes_of(index: int, url: str, param: str) -> bytes:
     """Image `index`'s bytes: a data URL's, or an http(s) URL's body."""
     try:
         if url.startswith("data:"):
@@ -67,7 +69,7 @@ async def _bytes_of(index: int, url: str) -> bytes:
             return await _fetched(url)
         raise ImageError("an image URL is a data: URL or an http(s) one")
     except ImageError as error:
-        raise APIError(f"image {index}: {error}", param="messages") from None
+        raise APIError(f"image {index}: {error}", param=param) from None
 
 
 async def _fetched(url: str) -> bytes:

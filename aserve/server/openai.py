@@ -559,6 +559,7 @@ class NativeRequest:
     return_logprob: bool
     logprob_start_len: int  # -1: the last prompt token's logprob alone
     return_text_in_logprobs: bool
+    image_sources: list[list[str]]  # each prompt's image URLs, in its image tokens' order
 
     @property
     def size(self) -> int:
@@ -600,6 +601,7 @@ def parse_generate(raw: bytes, defaults: SamplingDefaults) -> NativeRequest:
         for i, fields in enumerate(samplings)
     ]
     start = -1 if request.logprob_start_len is None else request.logprob_start_len
+    images = _native_images(request.image_data, count, listed)
     return NativeRequest(
         prompts=prompts,
         rids=list(rids),
@@ -608,7 +610,35 @@ def parse_generate(raw: bytes, defaults: SamplingDefaults) -> NativeRequest:
         return_logprob=logprobs,
         logprob_start_len=start,
         return_text_in_logprobs=bool(request.return_text_in_logprobs),
+        image_sources=images,
     )
+
+
+def _native_images(given: Any, count: int, listed: bool) -> list[list[str]]:
+    """SGLang's `image_data` as each prompt's image URLs (base64 made a data URL): one
+    prompt's a string or a list of them, a batch's a list with an entry each."""
+    if given is None:
+        return [[] for _ in range(count)]
+    if not listed:
+        one = [given] if isinstance(given, str) else given
+        if not all(isinstance(item, str) for item in one):
+            raise APIError("one prompt's 'image_data' is a string or strings", param="image_data")
+        return [[_image_url(item) for item in one]]
+    if not isinstance(given, list) or len(given) != count:
+        raise APIError(
+            f"'image_data' of a batch lists an entry (a string, a list or null) for each of "
+            f"its {count} prompts",
+            param="image_data",
+        )
+    entries = [[] if e is None else [e] if isinstance(e, str) else e for e in given]
+    return [[_image_url(item) for item in entry] for entry in entries]
+
+
+def _image_url(given: str) -> str:
+    """An image URL as the chat route reads them: base64 alone becomes a data URL."""
+    if given.startswith(("data:", "http://", "https://")):
+        return given
+    return f"data:image/unknown;base64,{given}"
 
 
 def _native_prompt(

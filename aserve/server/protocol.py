@@ -703,6 +703,14 @@ class GenerateRequest(Strict):
     )
     top_logprobs_num: TopLogprobs | None = None
     return_text_in_logprobs: bool | None = None
+    image_data: (
+        NonEmptyText
+        | Annotated[list[NonEmptyText | list[NonEmptyText] | None], Field(min_length=1)]
+    ) | None = Field(
+        None,
+        description="SGLang's: images as http(s) or data: URLs, or base64; one prompt's a "
+        "string or a list, a batch's a list with an entry (string, list or null) each",
+    )
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:
