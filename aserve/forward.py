@@ -60,6 +60,7 @@ class ForwardBatch:
     image_rows: torch.Tensor | None = None
     image_embeds: torch.Tensor | None = None
     image_layer_embeds: torch.Tensor | None = None
+    image_levels: int = 0
     both_ways: list[list[tuple[int, int]]] | None = None
     mrope_positions: torch.Tensor | None = None
     rope_rows: Any = None  # layers/rotary.RopeRows, set by the model from mrope_positions

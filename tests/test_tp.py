@@ -275,6 +275,9 @@ def test_step_spec_survives_packing() -> None:
         input_ids=[11, 12, 21, 22, 23],
         page_writes=[PageWrite(3, 2, [7]), PageWrite(0, 0, [4, 5, 9])],
         rope_positions=[8, 9, 0, 0, 1, 8, 9, 0, 1, 1, 8, 9, 0, 0, 2],
+        image_rows=[2, 3],
+        image_levels=3,
+        both_ways=[1, 0, 2],
     )
     assert StepSpec.unpack(spec.pack()) == spec
     decode = StepSpec(ForwardMode.DECODE, [1], [40], [1], [0], [], [])
@@ -589,3 +592,66 @@ def test_tp2_speculative_decoding_equals_tp1(tmp_path: Path) -> None:
                 [lp.logprob for lp in theirs.logprobs], abs=1e-4
             )
         assert two.scheduler.planner.accepted_draft_tokens > 0
+
+
+@pytest.mark.parametrize(
+    "architecture",
+    [
+        "LlavaForConditionalGeneration",
+        "Qwen2_5_VLForConditionalGeneration",
+        "Qwen3VLForConditionalGeneration",
+        "Gemma3ForConditionalGeneration",
+    ],
+)
+def test_tp2_images_equal_tp1(tmp_path: Path, architecture: str) -> None:
+    """Images over two ranks: rank 0's tower encodes them and broadcasts their features
+    (Qwen3-VL's inner layers' too) to the rows the step's spec names; rank 1 takes the
+    M-RoPE positions and Gemma 3's both-ways blocks from the spec. Chunks of 3 cut LLaVA's
+    and Qwen's images; a text prompt rides in the same batch."""
+    from tests.image_refs import image_prompt
+    from tests.tiny_models import make_tiny_vision_language, write_word_tokenizer
+
+    make_tiny_vision_language(architecture, tmp_path)
+    gemma = architecture.startswith("Gemma3")
+    image_token = 310 if gemma else 300
+    newlines = {300 + count: "\n" * count for count in range(1, 5)}  # Gemma 3's frames hold them
+    specials = {300: "<image_soft_token>", 315: "<end_of_image>", **newlines} if gemma else None
+    write_word_tokenizer(tmp_path, 320, image_token, specials)
+    if architecture.startswith("Qwen"):
+        import transformers
+
+        processor = transformers.Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 84)
+        processor.save_pretrained(tmp_path)
+    elif not gemma:
+        import transformers
+
+        crop = {"height": 28, "width": 28}
+        transformers.CLIPImageProcessor(size={"shortest_edge": 28}, crop_size=crop).save_pretrained(
+            tmp_path
+        )
+    generator = torch.Generator().manual_seed(0)
+    images = [torch.rand(3, 56, 84, generator=generator) for _ in range(2)]
+    if gemma:
+        images = [torch.randn(3, 28, 28, generator=generator) for _ in range(2)]
+    from PIL import Image
+
+    def shown(pixels: torch.Tensor) -> object:
+        return pixels if gemma else Image.fromarray((pixels * 255).byte().permute(1, 2, 0).numpy())
+
+    prompts = [
+        image_prompt([5, 17, image_token, 99, 4, 250], shown(images[0])),
+        PROMPTS[0],
+        {
+            "prompt_token_ids": [7, image_token, 8, image_token, 9],
+            "multi_modal_data": {"image": [shown(images[1]), shown(images[0])]},
+        },
+    ]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=True)
+    with (
+        LLM(str(tmp_path), max_prefill_length=3, **OPTIONS) as one,
+        LLM(str(tmp_path), max_prefill_length=3, tensor_parallel_size=2, **OPTIONS) as two,
+    ):
+        assert two.runtime.engine.tp.size == 2 and two.runtime.engine.images is not None
+        got, want = two.generate(prompts, params), one.generate(prompts, params)
+        assert all(o.error is None for o in got + want)
+        assert_same_generations(got, want)

@@ -55,7 +55,13 @@ from aserve.models.cpu_decode import use_decode_stacks
 from aserve.models.decoder import use_fp8_activations
 from aserve.models.multimodal import language_model_weights
 from aserve.models.registry import build_model
-from aserve.models.vision import ImageEncoder, ImageSpan, expand_images, image_support
+from aserve.models.vision import (
+    ImageEncoder,
+    ImageSpan,
+    expand_images,
+    image_pieces,
+    image_support,
+)
 from aserve.models.weights import fill_dummy_weights, iter_weights, load_hf_config, torch_dtype
 from aserve.quant.cpu import FLOAT_ON_KERNELS, float_weights_on_kernels
 from aserve.quant.fp8 import pair_scales
@@ -327,8 +333,8 @@ class Engine:
             return None
         hf_config, _ = load_hf_config(model_dir)
         why_not = image_support(hf_config, owner)
-        if why_not is None and self.tp.size > 1:
-            why_not = "images run on one rank (--tp 1)"
+        if why_not is None and self.tp.rank != 0:
+            return None  # rank 0 encodes the images and shares their features (`share_images`)
         if why_not is not None:
             logger.info("prompts take text alone: %s", why_not)
             self.no_images_because = why_not
@@ -357,41 +363,41 @@ class Engine:
         self, batch: ForwardBatch, images: list[list[ImageSpan]], starts: list[int]
     ) -> None:
         """Give a prefill batch the features of the image positions its chunks compute
-        (`images[i]`: request i's, whose chunk starts at position `starts[i]`), each image
+        (`images[i]`: request i's, whose chunk starts at position `starts[i]`), in the order
+        of `batch.image_rows` (the step's spec lists them: `image_pieces`), each image
         encoded the first time a chunk reaches it (kept on its span until the request ends)."""
         assert self.images is not None
-        rows: list[torch.Tensor] = []
         features: list[torch.Tensor] = []
         layer_features: list[torch.Tensor] = []
-        blocks: list[list[tuple[int, int]]] = []
-        offset = 0
-        for spans, start, length in zip(images, starts, batch.extend_lens, strict=True):
-            blocks.append([])
-            for span in spans:
-                first, last = max(start, span.start), min(start + length, span.end)
-                if first >= last:
-                    continue
-                if span.both_ways:
-                    blocks[-1].append((span.features_start, span.features_end))
-                index = span.feature_index[first - span.start : last - span.start]
-                taken = index >= 0
-                if not taken.any():  # a grid's row ends alone
-                    continue
-                if span.features is None:
-                    span.features, span.layer_features = self.images.encode(span.pixels[None])[0]
-                rows.append(torch.arange(offset + first - start, offset + last - start)[taken])
-                chosen = index[taken].to(span.features.device)
-                features.append(span.features[chosen])
-                if span.layer_features is not None:
-                    layer_features.append(span.layer_features[:, chosen])
-            offset += length
-        if rows:
-            batch.image_rows = torch.cat(rows).to(self.device)
-            batch.image_embeds = torch.cat(features)
+        for piece in image_pieces(images, starts, batch.extend_lens)[0]:
+            span = piece.span
+            if span.features is None:
+                span.features, span.layer_features = self.images.encode(span.pixels[None])[0]
+            chosen = piece.chosen.to(span.features.device)
+            features.append(span.features[chosen])
+            if span.layer_features is not None:
+                layer_features.append(span.layer_features[:, chosen])
+        if features:
+            batch.image_embeds = torch.cat(features).to(self.dtype)
         if layer_features:  # Qwen3-VL: every image has them
-            batch.image_layer_embeds = torch.cat(layer_features, dim=1)
-        if any(blocks):  # Gemma 3
-            batch.both_ways = blocks
+            batch.image_layer_embeds = torch.cat(layer_features, dim=1).to(self.dtype)
+
+    def share_images(self, batch: ForwardBatch) -> None:
+        """Under tensor parallelism, rank 0's image features (its encoder's) on every rank,
+        into tensors of the shapes the step's spec gives the followers."""
+        if self.tp.size == 1 or batch.image_rows is None:
+            return
+        rows, hidden = len(batch.image_rows), self.model_config.hidden_size
+        if self.tp.rank != 0:
+            empty = torch.empty
+            batch.image_embeds = empty(rows, hidden, dtype=self.dtype, device=self.device)
+            if batch.image_levels > 1:
+                inner = (batch.image_levels - 1, rows, hidden)
+                batch.image_layer_embeds = empty(inner, dtype=self.dtype, device=self.device)
+        assert batch.image_embeds is not None
+        self.tp.broadcast(batch.image_embeds)
+        if batch.image_layer_embeds is not None:
+            self.tp.broadcast(batch.image_layer_embeds)
 
     def _create_attention_backend(self, name: str) -> AttentionBackend:
         names = self._backend_names(name)
@@ -708,6 +714,7 @@ class Engine:
             if size is not None:
                 return self.graphs.run(batch, size)
         attn = self.attn if self._stand_in is None else self._stand_in
+        self.share_images(batch)
         attn.prepare(batch)
         if self.model_config.classifies:
             return self.model.classify(batch, attn)

@@ -32,7 +32,11 @@ class StepSpec:
     the previous step; followers replay them before building the batch. `rope_positions`
     are the tokens' rotary positions where they are not their indices (Qwen-VL's requests
     with images, models/mrope.py): one a token in decode, three a token in prefill (every
-    token's time, then height, then width coordinate); empty otherwise."""
+    token's time, then height, then width coordinate); empty otherwise. In a prefill with
+    images, `image_rows` are the step's tokens that take image features (rank 0's encoder's,
+    which every rank gets by a broadcast: `Engine.share_images`), `image_levels` how many
+    features each takes (Qwen3-VL's inner layers' beside its own), and `both_ways` the
+    `(request, first, last)` blocks of Gemma 3's images that attend both ways, flattened."""
 
     mode: ForwardMode
     rows: list[int]
@@ -42,15 +46,20 @@ class StepSpec:
     input_ids: list[int]
     page_writes: list[PageWrite]
     rope_positions: list[int] = field(default_factory=list)
+    image_rows: list[int] = field(default_factory=list)
+    image_levels: int = 0
+    both_ways: list[int] = field(default_factory=list)
 
     def pack(self) -> bytes:
-        """[mode, B, T, W, R, rows, prefix_lens, extend_lens, scored, input_ids,
-        rope_positions, W x (row, first, count, window), pages...] as int64 bytes."""
+        """[mode, B, T, W, R, I, L, O, rows, prefix_lens, extend_lens, scored, input_ids,
+        rope_positions, image_rows, both_ways, W x (row, first, count, window), pages...] as
+        int64 bytes."""
         writes = self.page_writes
         header = [_MODES.index(self.mode), len(self.rows), len(self.input_ids), len(writes)]
-        header.append(len(self.rope_positions))
+        header += [len(self.rope_positions), len(self.image_rows), self.image_levels]
+        header.append(len(self.both_ways))
         fields = [header, self.rows, self.prefix_lens, self.extend_lens, self.scored]
-        fields += [self.input_ids, self.rope_positions]
+        fields += [self.input_ids, self.rope_positions, self.image_rows, self.both_ways]
         fields += [[w.row, w.first_page_index, len(w.pages), int(w.window)] for w in writes]
         fields += [w.pages for w in writes]
         return np.fromiter(
@@ -60,19 +69,33 @@ class StepSpec:
     @classmethod
     def unpack(cls, data: bytes) -> StepSpec:
         values = np.frombuffer(data, dtype=np.int64).tolist()
-        mode, size, num_ids, num_writes, num_rope = values[:5]
-        at = 5
+        mode, size, num_ids, num_writes, num_rope, num_images, levels, num_blocks = values[:8]
+        at = 8
         parts = []
-        for length in (size, size, size, size, num_ids, num_rope, 4 * num_writes):
+        lengths = (size, size, size, size, num_ids, num_rope, num_images, num_blocks)
+        for length in (*lengths, 4 * num_writes):
             parts.append(values[at : at + length])
             at += length
-        rows, prefix_lens, extend_lens, scored, input_ids, rope, write_heads = parts
+        rows, prefix_lens, extend_lens, scored, input_ids, rope, images, blocks = parts[:8]
+        write_heads = parts[8]
         writes = []
         for i in range(num_writes):
             row, first, count, window = write_heads[4 * i : 4 * i + 4]
             writes.append(PageWrite(row, first, values[at : at + count], bool(window)))
             at += count
-        return cls(_MODES[mode], rows, prefix_lens, extend_lens, scored, input_ids, writes, rope)
+        return cls(
+            _MODES[mode],
+            rows,
+            prefix_lens,
+            extend_lens,
+            scored,
+            input_ids,
+            writes,
+            rope,
+            images,
+            levels,
+            blocks,
+        )
 
 
 def forward_batch(spec: StepSpec, page_table: PageTable, device: torch.device) -> ForwardBatch:
@@ -151,4 +174,18 @@ def forward_batch(spec: StepSpec, page_table: PageTable, device: torch.device) -
         sample_rows=packed[logits_end:] if len(sample_rows) else None,
         window_page_table=page_table.window_slots,
         mrope_positions=None if mrope is None else torch.from_numpy(mrope).to(device),
+        image_rows=torch.tensor(spec.image_rows, device=device) if spec.image_rows else None,
+        image_levels=spec.image_levels,
+        both_ways=_both_ways(spec.both_ways, size),
     )
+
+
+def _both_ways(flat: list[int], size: int) -> list[list[tuple[int, int]]] | None:
+    """`StepSpec.both_ways` as each request's `[first, last)` blocks (None: no such image)."""
+    if not flat:
+        return None
+    blocks: list[list[tuple[int, int]]] = [[] for _ in range(size)]
+    for i in range(0, len(flat), 3):
+        request, first, last = flat[i : i + 3]
+        blocks[request].append((first, last))
+    return blocks

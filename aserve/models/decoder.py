@@ -408,6 +408,8 @@ class DecoderModel(nn.Module):
                 batch.rope_rows = self.rotary.rows_at(batch.mrope_positions)
             middle = len(self.layers) // 2
             inner = batch.image_layer_embeds
+            if self.final_group is not None and self.tp.rank != 0:
+                inner = None  # a layer's output is a partial sum: rank 0's part takes them
             for i, layer in enumerate(self.layers):
                 if i == middle and batch.halfway is not None:
                     batch.halfway.record()

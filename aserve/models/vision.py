@@ -111,6 +111,42 @@ class ImageSpan:
         return [self.start + offset for offset in offsets]
 
 
+@dataclass
+class ImagePiece:
+    """What one chunk takes of one image: the batch rows of its features (`rows`, in the
+    step's flattened tokens) and which of the image's features they take (`chosen`)."""
+
+    span: ImageSpan
+    rows: list[int]
+    chosen: torch.Tensor
+
+
+def image_pieces(
+    images: list[list[ImageSpan]], starts: list[int], lengths: list[int]
+) -> tuple[list[ImagePiece], list[list[tuple[int, int]]]]:
+    """A prefill step's image features, chunk by chunk (request i's chunk `lengths[i]`
+    tokens from position `starts[i]`), and each request's images that attend both ways
+    whose positions the chunk holds (`[first, last)` of their features)."""
+    pieces: list[ImagePiece] = []
+    blocks: list[list[tuple[int, int]]] = []
+    offset = 0
+    for spans, start, length in zip(images, starts, lengths, strict=True):
+        blocks.append([])
+        for span in spans:
+            first, last = max(start, span.start), min(start + length, span.end)
+            if first >= last:
+                continue
+            if span.both_ways:
+                blocks[-1].append((span.features_start, span.features_end))
+            index = span.feature_index[first - span.start : last - span.start]
+            taken = index >= 0
+            if taken.any():  # (not where a grid's row ends alone are in the chunk)
+                rows = torch.arange(offset + first - start, offset + last - start)[taken]
+                pieces.append(ImagePiece(span, rows.tolist(), index[taken]))
+        offset += length
+    return pieces, blocks
+
+
 def pseudo_id(pixels: torch.Tensor, vocab_size: int) -> int:
     """The id that an image's positions hold (`PSEUDO_ID_RANGE`): a hash of its pixels."""
     digest = hashlib.sha256(pixels.detach().float().cpu().contiguous().numpy().tobytes())
@@ -173,6 +209,9 @@ class ImageEncoder:
         # lines merge with their neighbours as the tokenizer merges them); set by the
         # runtime from the tokenizer (`frame_image`).
         self.both_ways = architecture in BOTH_WAYS_ARCHITECTURES
+        # the features an image gives a position: its own, and Qwen3-VL's inner layers'
+        inner = getattr(config.vision_config, "deepstack_visual_indexes", None) or []
+        self.levels = 1 + len(inner)
         self.feature_token: int | None = getattr(config, "image_token_index", None)
         self.frame: tuple[list[int], list[int]] | None = None
         self.newline_ids: dict[int, int] = {}

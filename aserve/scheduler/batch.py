@@ -8,11 +8,12 @@ from aserve.engine.sampler import PromptScoring, SamplingBatch
 from aserve.engine.step import StepSpec
 from aserve.forward import ForwardMode
 from aserve.kvcache.pages import PageTable
+from aserve.models.vision import image_pieces
 from aserve.scheduler.plan import ScheduledBatch
 from aserve.scheduler.request import Req
 
 
-def step_spec(planned: ScheduledBatch, page_table: PageTable) -> StepSpec:
+def step_spec(planned: ScheduledBatch, page_table: PageTable, image_levels: int = 1) -> StepSpec:
     """The plan as plain integers: what every tensor-parallel rank needs to run the step.
 
     A verify step (speculative decoding) is a decode step of one row per token: request i's
@@ -43,9 +44,16 @@ def step_spec(planned: ScheduledBatch, page_table: PageTable) -> StepSpec:
         )
     prefix_lens = planned.starts
     input_ids = []
+    image_rows: list[int] = []
+    both_ways: list[int] = []
     if planned.mode is ForwardMode.PREFILL:
         for req, start, n in zip(reqs, prefix_lens, planned.extend_lens):
             input_ids.extend(req.all_ids[start : start + n])
+        if any(req.images for req in reqs):
+            spans = [req.images for req in reqs]
+            pieces, blocks = image_pieces(spans, prefix_lens, planned.extend_lens)
+            image_rows = [row for piece in pieces for row in piece.rows]
+            both_ways = [v for i, held in enumerate(blocks) for block in held for v in (i, *block)]
     return StepSpec(
         mode=planned.mode,
         rows=[r.slot for r in reqs],
@@ -55,6 +63,9 @@ def step_spec(planned: ScheduledBatch, page_table: PageTable) -> StepSpec:
         input_ids=input_ids,
         page_writes=page_table.take_writes(),
         rope_positions=_rope_positions(planned.mode, reqs, prefix_lens, planned.extend_lens),
+        image_rows=image_rows,
+        image_levels=image_levels if image_rows else 0,
+        both_ways=both_ways,
     )
 
 

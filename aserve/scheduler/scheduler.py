@@ -350,7 +350,8 @@ class Scheduler:
     def _launch_forward(self, planned: ScheduledBatch) -> Forwarded:
         """Queue the step's forward (the followers get its spec first)."""
         started = time.perf_counter()
-        spec = step_spec(planned, self.engine.page_table)
+        images = self.engine.images
+        spec = step_spec(planned, self.engine.page_table, 1 if images is None else images.levels)
         if self.followers is not None:
             self.followers.send(spec)
         batch = forward_batch(spec, self.engine.page_table, self.engine.device)
