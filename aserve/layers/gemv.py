@@ -48,15 +48,28 @@ from aserve.layers.pending_norm import PendingNorm
 
 
 @triton.jit
-def _summed(x, residual, new_residual, cols):
-    """The row `x + residual` at `cols` as the add-and-norm kernel stores it (rounded to
-    the row's dtype), in float32; the first program stores it, the new residual
+def _row_inv_rms(x, residual, new_residual, k, eps, BLOCK: tl.constexpr):
+    """1 / RMS of the row `x + residual` rounded to its dtype, as the add-and-norm kernel
+    computes it (layers/cuda_ops.py); the first program stores that sum, the new residual
     (layers/pending_norm.py)."""
-    total = tl.load(x + cols).to(tl.float32) + tl.load(residual + cols).to(tl.float32)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < k
+    total = tl.load(x + cols, mask=inside, other=0.0).to(tl.float32)
+    total += tl.load(residual + cols, mask=inside, other=0.0).to(tl.float32)
     rounded = total.to(new_residual.dtype.element_ty)
     if tl.program_id(0) == 0:
-        tl.store(new_residual + cols, rounded)
-    return rounded.to(tl.float32)
+        tl.store(new_residual + cols, rounded, mask=inside)
+    values = rounded.to(tl.float32)
+    return tl.rsqrt(tl.sum(values * values, axis=0) / k + eps)
+
+
+@triton.jit
+def _normed(x, residual, norm_weight, inv_rms, cols, dtype: tl.constexpr):
+    """The normalised row's values at `cols` (all inside it) in float32, each rounding as
+    the add-and-norm kernel stores: the sum, the normalised value, then the weighted one."""
+    total = tl.load(x + cols).to(tl.float32) + tl.load(residual + cols).to(tl.float32)
+    normed = (total.to(dtype).to(tl.float32) * inv_rms).to(dtype).to(tl.float32)
+    return (normed * tl.load(norm_weight + cols).to(tl.float32)).to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -70,18 +83,13 @@ def _inputs(
     NORM: tl.constexpr,
     residual,
     norm_weight,
-    new_residual,
-    squares,
+    inv_rms,
 ):
     """The input row's values at `cols` in float32; with GATED, SiLU(gate) * up rounded to
-    `dtype` as the separate activation kernel would store it. With NORM (EVEN only), the
-    row `x + residual` times the norm's weight, not yet divided by its RMS: the sum of its
-    squares, which `squares` gathers over the row, gives that at the end. Returns the values
-    and `squares`."""
+    `dtype` as the separate activation kernel would store it; with NORM (EVEN only), the
+    row `x + residual` normalised (`_normed`)."""
     if NORM:
-        summed = _summed(x, residual, new_residual, cols)
-        weighted = summed * tl.load(norm_weight + cols).to(tl.float32)
-        return weighted, squares + summed * summed
+        return _normed(x, residual, norm_weight, inv_rms, cols, dtype)
     if EVEN:
         v = tl.load(x + cols).to(tl.float32)
         if GATED:
@@ -92,7 +100,7 @@ def _inputs(
             up = tl.load(x + k + cols, mask=cols < k, other=0.0).to(tl.float32)
     if GATED:
         v = (v * tl.sigmoid(v) * up).to(dtype).to(tl.float32)
-    return v, squares
+    return v
 
 
 @triton.jit
@@ -114,6 +122,7 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr,
     EVEN: tl.constexpr,
     NORM: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRELOAD: tl.constexpr,
@@ -131,17 +140,15 @@ def _gemv_kernel(
     wait_for_previous(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     dtype = out.dtype.element_ty
-    squares = tl.zeros([BLOCK_K], dtype=tl.float32)  # NORM: the summed row's
+    inv_rms = 0.0
+    if NORM:
+        inv_rms = _row_inv_rms(x, residual, new_residual, k, eps, NORM_BLOCK)
     if PRELOAD >= 1:
-        v, squares = _inputs(
-            x, k, first_cols, EVEN, GATED, dtype, NORM, residual, norm_weight, new_residual, squares
-        )
+        v = _inputs(x, k, first_cols, EVEN, GATED, dtype, NORM, residual, norm_weight, inv_rms)
         acc += first.to(tl.float32) * v[None, :]
     if PRELOAD >= 2:
         cols = BLOCK_K + first_cols
-        v, squares = _inputs(
-            x, k, cols, EVEN, GATED, dtype, NORM, residual, norm_weight, new_residual, squares
-        )
+        v = _inputs(x, k, cols, EVEN, GATED, dtype, NORM, residual, norm_weight, inv_rms)
         acc += second.to(tl.float32) * v[None, :]
     for start in range(PRELOAD * BLOCK_K, k, BLOCK_K):
         cols = start + first_cols
@@ -155,13 +162,9 @@ def _gemv_kernel(
                 other=0.0,
                 eviction_policy="evict_first",
             )
-        v, squares = _inputs(
-            x, k, cols, EVEN, GATED, dtype, NORM, residual, norm_weight, new_residual, squares
-        )
+        v = _inputs(x, k, cols, EVEN, GATED, dtype, NORM, residual, norm_weight, inv_rms)
         acc += w.to(tl.float32) * v[None, :]
     y = tl.sum(acc, axis=1)
-    if NORM:  # the RMS of the whole row, now that the loop has read all of it
-        y *= tl.rsqrt(tl.sum(squares, axis=0) / k + eps)
     if SCALED:
         y *= tl.load(scales + rows, mask=rows < n, other=0.0)
     if HAS_BIAS:
@@ -179,43 +182,31 @@ def _bf16_halves(words):
 
 @triton.jit
 def _words_product(
-    acc, squares, w, x_words, cols, NORM: tl.constexpr, residual_words, weight_words, new_residual
+    acc, w, x_words, cols, NORM: tl.constexpr, norm_x, residual, norm_weight, inv_rms
 ):
     """`acc` plus the FP8 bytes of the 32-bit words `w` (as bf16 bits: times 2^-120) times
-    the activations of their columns; with NORM, those of the row `x + residual` times the
-    norm's weight, whose squares `squares` gathers (`_inputs`). Returns both."""
+    the activations of their columns (with NORM, the row `norm_x + residual` normalised:
+    `_normed`)."""
     # bf16 bits of bytes 1 and 3 (high byte of each half) and of bytes 0 and 2: sign to
     # the half's top bit, exponent and mantissa shifted under the bf16 exponent's.
     w = w.to(tl.uint32, bitcast=True)
     odd = (w & 0x80008000) | ((w >> 4) & 0x07F007F0)
     even = ((w << 8) & 0x80008000) | ((w << 4) & 0x07F007F0)
-    # Four activations: two bf16 pairs, a bf16 the top half of a float32.
-    x0, x1 = _bf16_halves(tl.load(x_words + 2 * cols).to(tl.uint32, bitcast=True))
-    x2, x3 = _bf16_halves(tl.load(x_words + 2 * cols + 1).to(tl.uint32, bitcast=True))
     if NORM:  # (bf16 rows only take this kernel)
-        r0, r1 = _bf16_halves(tl.load(residual_words + 2 * cols).to(tl.uint32, bitcast=True))
-        r2, r3 = _bf16_halves(tl.load(residual_words + 2 * cols + 1).to(tl.uint32, bitcast=True))
-        x0 = (x0 + r0).to(tl.bfloat16)
-        x1 = (x1 + r1).to(tl.bfloat16)
-        x2 = (x2 + r2).to(tl.bfloat16)
-        x3 = (x3 + r3).to(tl.bfloat16)
-        if tl.program_id(0) == 0:
-            tl.store(new_residual + 4 * cols, x0)
-            tl.store(new_residual + 4 * cols + 1, x1)
-            tl.store(new_residual + 4 * cols + 2, x2)
-            tl.store(new_residual + 4 * cols + 3, x3)
-        x0, x1, x2, x3 = x0.to(tl.float32), x1.to(tl.float32), x2.to(tl.float32), x3.to(tl.float32)
-        squares += x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3
-        w0, w1 = _bf16_halves(tl.load(weight_words + 2 * cols).to(tl.uint32, bitcast=True))
-        w2, w3 = _bf16_halves(tl.load(weight_words + 2 * cols + 1).to(tl.uint32, bitcast=True))
-        x0, x1, x2, x3 = x0 * w0, x1 * w1, x2 * w2, x3 * w3
+        x0 = _normed(norm_x, residual, norm_weight, inv_rms, 4 * cols, tl.bfloat16)
+        x1 = _normed(norm_x, residual, norm_weight, inv_rms, 4 * cols + 1, tl.bfloat16)
+        x2 = _normed(norm_x, residual, norm_weight, inv_rms, 4 * cols + 2, tl.bfloat16)
+        x3 = _normed(norm_x, residual, norm_weight, inv_rms, 4 * cols + 3, tl.bfloat16)
+    else:  # two bf16 pairs, a bf16 the top half of a float32
+        x0, x1 = _bf16_halves(tl.load(x_words + 2 * cols).to(tl.uint32, bitcast=True))
+        x2, x3 = _bf16_halves(tl.load(x_words + 2 * cols + 1).to(tl.uint32, bitcast=True))
     even_low, even_high = _bf16_halves(even)
     odd_low, odd_high = _bf16_halves(odd)
     acc += even_low * x0[None, :]
     acc += odd_low * x1[None, :]
     acc += even_high * x2[None, :]
     acc += odd_high * x3[None, :]
-    return acc, squares
+    return acc
 
 
 @triton.jit
@@ -228,13 +219,15 @@ def _fp8_words_kernel(
     word_count,
     word_stride,
     half_rows,
-    residual_words,
-    weight_words,
+    norm_x,
+    residual,
+    norm_weight,
     new_residual,
     eps,
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
     NORM: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_W: tl.constexpr,
     PDL: tl.constexpr,
@@ -248,21 +241,19 @@ def _fp8_words_kernel(
     tile = words + rows[:, None] * word_stride + first_cols[None, :]
     first = tl.load(tile, eviction_policy="evict_first")  # before the wait: `_gemv_kernel`
     wait_for_previous(PDL)
+    inv_rms = 0.0
+    if NORM:
+        inv_rms = _row_inv_rms(norm_x, residual, new_residual, 4 * word_count, eps, NORM_BLOCK)
     acc = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
-    squares = tl.zeros([BLOCK_W], dtype=tl.float32)  # NORM: the summed row's
-    acc, squares = _words_product(
-        acc, squares, first, x_words, first_cols, NORM, residual_words, weight_words, new_residual
+    acc = _words_product(
+        acc, first, x_words, first_cols, NORM, norm_x, residual, norm_weight, inv_rms
     )
     for start in range(BLOCK_W, word_count, BLOCK_W):
         cols = start + first_cols
         at = words + rows[:, None] * word_stride + cols[None, :]
         w = tl.load(at, eviction_policy="evict_first")
-        acc, squares = _words_product(
-            acc, squares, w, x_words, cols, NORM, residual_words, weight_words, new_residual
-        )
+        acc = _words_product(acc, w, x_words, cols, NORM, norm_x, residual, norm_weight, inv_rms)
     y = tl.sum(acc, axis=1) * (tl.load(scales + rows) * 1.329227995784916e36)  # 2^120
-    if NORM:  # the RMS of the whole row, now that the loop has read all of it
-        y *= tl.rsqrt(tl.sum(squares, axis=0) / (4 * word_count) + eps)
     if HAS_BIAS:
         y += tl.load(bias + rows).to(tl.float32)
     if SILU:
@@ -296,20 +287,20 @@ FP8_WORDS_MIN_ROWS = 16384
 gate_up (28,672 rows) and an LM head, and lost to the first kernel on qkv, o and down."""
 
 
-def _norm_arguments(x: torch.Tensor | PendingNorm, words: bool = False) -> dict[str, object]:
+def _norm_arguments(x: torch.Tensor | PendingNorm) -> dict[str, object]:
     """The kernels' arguments of a pending norm's row (`NORM` off for a plain row, whose
-    tensor then fills the unused pointers); `words` for `_fp8_words_kernel`, which reads the
-    rows as 32-bit words."""
+    tensor then fills the unused pointers)."""
     if not isinstance(x, PendingNorm):
-        unused = {"new_residual": x, "eps": 0.0, "NORM": False}
-        if words:
-            return {"residual_words": x, "weight_words": x, **unused}
-        return {"residual": x, "norm_weight": x, **unused}
-    norm = {"new_residual": x.new_residual, "eps": x.eps, "NORM": True}
-    if words:
-        residual, weight = x.residual.view(torch.int32), x.weight.view(torch.int32)
-        return {"residual_words": residual, "weight_words": weight, **norm}
-    return {"residual": x.residual, "norm_weight": x.weight, **norm}
+        unused = {"residual": x, "norm_weight": x, "new_residual": x, "eps": 0.0}
+        return {**unused, "NORM": False, "NORM_BLOCK": 1}
+    return {
+        "residual": x.residual,
+        "norm_weight": x.weight,
+        "new_residual": x.new_residual,
+        "eps": x.eps,
+        "NORM": True,
+        "NORM_BLOCK": triton.next_power_of_2(x.shape[1]),
+    }
 
 
 def _fp8_words(
@@ -334,7 +325,7 @@ def _fp8_words(
         return None
     out = torch.empty((1, n // 2 if silu else n), dtype=row.dtype, device=row.device)
     words = weight.view(torch.int32)
-    norm = _norm_arguments(x, words=True)
+    norm = _norm_arguments(x)
     _fp8_words_kernel[(n // block_n,)](
         row.view(torch.int32),
         words,
@@ -344,6 +335,7 @@ def _fp8_words(
         k // 4,
         words.stride(0),
         n // 2,
+        row,
         HAS_BIAS=bias is not None,
         SILU=silu,
         BLOCK_N=block_n,

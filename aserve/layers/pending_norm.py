@@ -2,14 +2,10 @@
 
 At batch 1 a decode step is a chain of dependent kernels, and each link costs about a
 microsecond or two of launch, wait and tail whatever the kernel's work. The add-and-norm
-before a layer's first product (QKV; gate|up) reads 16 KB. Each program of a one-row
-product reads the whole input row anyway: it can read `x` and `residual` in its place,
-multiply their sum by the norm's weight, gather the sum's squares as it goes, and divide
-its outputs by the RMS at the end (layers/gemv.py, `NORM`), so the chain has one kernel
-fewer a norm and no program waits for the statistics first. The first program stores the
-new residual into a tensor of its own: the others still read the old one. The normalised
-row is not rounded to the model's dtype before the product, as the norm's kernel stores it:
-the outputs differ from the two kernels' by such roundings.
+before a layer's first product (QKV; gate|up) reads 16 KB: each program of the one-row
+product can as well compute the row's statistics itself and normalise the inputs it reads,
+and the chain has one kernel fewer a norm (layers/gemv.py, `NORM`). The first program
+stores the new residual into a tensor of its own: the others still read the old one.
 """
 
 from __future__ import annotations
