@@ -15,7 +15,6 @@ import torch
 
 from aserve import LLM, SamplingParams
 from aserve.kvcache.pool import KVPool
-from aserve.layers.pending_norm import PendingNorm
 from aserve.models.decoder import DecoderLayer
 from aserve.quant.fp8 import Fp8Weight, quantize_rows
 from tests.test_gpu import KERNEL_SHAPES, plain_decode_attention, scattered_pages, two_gpus
@@ -488,88 +487,3 @@ def test_fp8_kv_cache_on_the_embedded_model(
         print(f"\nFP8 KV against bf16 KV, embedded model, first differing token of 20: {parted}")
     assert "Paris" in fp8.generate(TEXTS[0], greedy)[0].text
     assert sorted(parted)[len(parted) // 2] >= 8, parted
-
-
-def _pending(k: int, seed: int) -> tuple[PendingNorm, torch.Tensor, torch.Tensor]:
-    """A pending norm of a random row, and the add-and-norm kernel's (normalised, residual)
-    of the same row."""
-    from aserve.layers.cuda_ops import CudaKernels
-
-    generator = torch.Generator().manual_seed(seed)
-    x, residual = (torch.randn(1, k, generator=generator).to(CUDA, torch.bfloat16) for _ in "xr")
-    weight = (1 + 0.1 * torch.randn(k, generator=generator)).to(CUDA, torch.bfloat16)
-    normed, summed = x.clone(), residual.clone()
-    CudaKernels().fused_add_rmsnorm(normed, summed, weight, 1e-5)
-    pending = PendingNorm(x, residual, weight, 1e-5, torch.empty_like(residual))
-    return pending, normed, summed
-
-
-@pytest.mark.parametrize(
-    ("n", "k", "kind"),
-    [
-        (6144, 4096, "fp8"),  # QKV: 32 x 512 blocks
-        (2048, 1024, "fp8"),  # 8 x 1,024 blocks
-        (770, 1000, "fp8"),  # blocks that do not fill the row: normalised first
-        (2 * 14336, 4096, "fp8-silu"),  # gate|up with SiLU, the kernel that widens FP8 words
-        (6144, 4096, "bf16"),
-        (2048, 1000, "bf16"),
-    ],
-)
-def test_one_row_product_normalises_a_pending_norm(n: int, k: int, kind: str) -> None:
-    """A one-row product handed the add and norm before it (layers/pending_norm.py): the
-    new residual has the add-and-norm kernel's bits, the old one is left as it was, and
-    the product equals the product of that kernel's output (each program computes the same
-    statistics; within a bf16 rounding of an input where they differ in the last bit)."""
-    from aserve.layers.gemv import gemv
-
-    pending, normed, summed = _pending(k, seed=n + k)
-    old_residual = pending.residual.clone()
-    generator = torch.Generator().manual_seed(1)
-    float_weight = torch.randn(n, k, generator=generator) * 0.03
-    if kind == "bf16":
-        weight = float_weight.to(CUDA, torch.bfloat16)
-        folded, apart = gemv(pending, weight, None), gemv(normed, weight, None)
-    else:
-        fp8 = Fp8Weight(quantize_rows(float_weight), CUDA)
-        if kind == "fp8-silu":
-            folded, apart = fp8.silu(pending), fp8.silu(normed)
-            assert folded is not None and apart is not None
-        else:
-            folded, apart = fp8.linear(pending, None), fp8.linear(normed, None)
-    assert torch.equal(pending.new_residual, summed)
-    assert torch.equal(pending.residual, old_residual)
-    scale = apart.float().abs().max().item()
-    difference = (folded.float() - apart.float()).abs().max().item()
-    print(f"\n{kind} {n}x{k}: largest difference {difference:.2e} of {scale:.2e}")
-    assert difference <= 1e-2 * scale
-
-
-@pytest.mark.parametrize("quantization", ["fp8", None])
-def test_folded_norms_keep_greedy_tokens(
-    tmp_path: Path,
-    make_llm: Callable[..., LLM],
-    monkeypatch: pytest.MonkeyPatch,
-    quantization: str | None,
-) -> None:
-    """A tiny Llama (bf16, or FP8 weights) whose one-row products take the norms before
-    them (`fold_norms`), CUDA graphs on: the same greedy tokens, one prompt at a time and in
-    a batch, as with the norms' own kernels."""
-    import aserve.engine.engine as engine_module
-
-    shapes = {**SHAPES, "hidden_size": 1024, "intermediate_size": 8192, "num_attention_heads": 8}
-    folder = make_tiny_model("llama", tmp_path / "llama", overrides=shapes)
-    options: dict[str, object] = {"num_pages": 256, "dtype": "bfloat16"}
-    if quantization is not None:
-        options["quantization"] = quantization
-    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-
-    def generate(llm: LLM) -> list[list[int]]:
-        alone = [llm.generate([p], greedy)[0].token_ids for p in TINY_PROMPTS[:3]]
-        return alone + [o.token_ids for o in llm.generate(TINY_PROMPTS, greedy)]
-
-    folded = make_llm(folder, **options)
-    layer = next(m for m in folded.runtime.engine.model.modules() if isinstance(m, DecoderLayer))
-    assert layer.input_layernorm.fold_one_row and layer.post_attention_layernorm.fold_one_row
-    tokens = generate(folded)
-    monkeypatch.setattr(engine_module, "fold_norms", lambda model: None)
-    assert tokens == generate(make_llm(folder, **options))

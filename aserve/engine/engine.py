@@ -52,7 +52,7 @@ from aserve.layers.fused import fused_ops
 from aserve.layers.linear import pack_linear_weights, use_one_row_kernel
 from aserve.layers.moe import QuantizedExperts
 from aserve.models.cpu_decode import use_decode_stacks
-from aserve.models.decoder import fold_norms, use_fp8_activations
+from aserve.models.decoder import use_fp8_activations
 from aserve.models.multimodal import language_model_weights
 from aserve.models.registry import build_model
 from aserve.models.vision import (
@@ -227,7 +227,6 @@ class Engine:
             use_one_row_kernel(self.model)
             if model_config.quantization == "fp8":
                 use_fp8_activations(self.model)
-            fold_norms(self.model)
         if self.device.type == "cpu":
             pack_linear_weights(self.model)
             self.model.pack_lm_head(None if config.dummy_weight else model_dir)

@@ -44,52 +44,12 @@ import triton
 import triton.language as tl
 
 from aserve.layers.pdl import pdl_options, wait_for_previous
-from aserve.layers.pending_norm import PendingNorm
 
 
 @triton.jit
-def _row_inv_rms(x, residual, new_residual, k, eps, BLOCK: tl.constexpr):
-    """1 / RMS of the row `x + residual` rounded to its dtype, as the add-and-norm kernel
-    computes it (layers/cuda_ops.py); the first program stores that sum, the new residual
-    (layers/pending_norm.py)."""
-    cols = tl.arange(0, BLOCK)
-    inside = cols < k
-    total = tl.load(x + cols, mask=inside, other=0.0).to(tl.float32)
-    total += tl.load(residual + cols, mask=inside, other=0.0).to(tl.float32)
-    rounded = total.to(new_residual.dtype.element_ty)
-    if tl.program_id(0) == 0:
-        tl.store(new_residual + cols, rounded, mask=inside)
-    values = rounded.to(tl.float32)
-    return tl.rsqrt(tl.sum(values * values, axis=0) / k + eps)
-
-
-@triton.jit
-def _normed(x, residual, norm_weight, inv_rms, cols, dtype: tl.constexpr):
-    """The normalised row's values at `cols` (all inside it) in float32, each rounding as
-    the add-and-norm kernel stores: the sum, the normalised value, then the weighted one."""
-    total = tl.load(x + cols).to(tl.float32) + tl.load(residual + cols).to(tl.float32)
-    normed = (total.to(dtype).to(tl.float32) * inv_rms).to(dtype).to(tl.float32)
-    return (normed * tl.load(norm_weight + cols).to(tl.float32)).to(dtype).to(tl.float32)
-
-
-@triton.jit
-def _inputs(
-    x,
-    k,
-    cols,
-    EVEN: tl.constexpr,
-    GATED: tl.constexpr,
-    dtype: tl.constexpr,
-    NORM: tl.constexpr,
-    residual,
-    norm_weight,
-    inv_rms,
-):
+def _inputs(x, k, cols, EVEN: tl.constexpr, GATED: tl.constexpr, dtype: tl.constexpr):
     """The input row's values at `cols` in float32; with GATED, SiLU(gate) * up rounded to
-    `dtype` as the separate activation kernel would store it; with NORM (EVEN only), the
-    row `x + residual` normalised (`_normed`)."""
-    if NORM:
-        return _normed(x, residual, norm_weight, inv_rms, cols, dtype)
+    `dtype` as the separate activation kernel would store it."""
     if EVEN:
         v = tl.load(x + cols).to(tl.float32)
         if GATED:
@@ -113,16 +73,10 @@ def _gemv_kernel(
     n,
     k,
     weight_stride,
-    residual,
-    norm_weight,
-    new_residual,
-    eps,
     GATED: tl.constexpr,
     SCALED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN: tl.constexpr,
-    NORM: tl.constexpr,
-    NORM_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRELOAD: tl.constexpr,
@@ -140,15 +94,10 @@ def _gemv_kernel(
     wait_for_previous(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     dtype = out.dtype.element_ty
-    inv_rms = 0.0
-    if NORM:
-        inv_rms = _row_inv_rms(x, residual, new_residual, k, eps, NORM_BLOCK)
     if PRELOAD >= 1:
-        v = _inputs(x, k, first_cols, EVEN, GATED, dtype, NORM, residual, norm_weight, inv_rms)
-        acc += first.to(tl.float32) * v[None, :]
+        acc += first.to(tl.float32) * _inputs(x, k, first_cols, EVEN, GATED, dtype)[None, :]
     if PRELOAD >= 2:
-        cols = BLOCK_K + first_cols
-        v = _inputs(x, k, cols, EVEN, GATED, dtype, NORM, residual, norm_weight, inv_rms)
+        v = _inputs(x, k, BLOCK_K + first_cols, EVEN, GATED, dtype)
         acc += second.to(tl.float32) * v[None, :]
     for start in range(PRELOAD * BLOCK_K, k, BLOCK_K):
         cols = start + first_cols
@@ -162,8 +111,7 @@ def _gemv_kernel(
                 other=0.0,
                 eviction_policy="evict_first",
             )
-        v = _inputs(x, k, cols, EVEN, GATED, dtype, NORM, residual, norm_weight, inv_rms)
-        acc += w.to(tl.float32) * v[None, :]
+        acc += w.to(tl.float32) * _inputs(x, k, cols, EVEN, GATED, dtype)[None, :]
     y = tl.sum(acc, axis=1)
     if SCALED:
         y *= tl.load(scales + rows, mask=rows < n, other=0.0)
@@ -181,25 +129,17 @@ def _bf16_halves(words):
 
 
 @triton.jit
-def _words_product(
-    acc, w, x_words, cols, NORM: tl.constexpr, norm_x, residual, norm_weight, inv_rms
-):
+def _words_product(acc, w, x_words, cols):
     """`acc` plus the FP8 bytes of the 32-bit words `w` (as bf16 bits: times 2^-120) times
-    the activations of their columns (with NORM, the row `norm_x + residual` normalised:
-    `_normed`)."""
+    the activations of their columns."""
     # bf16 bits of bytes 1 and 3 (high byte of each half) and of bytes 0 and 2: sign to
     # the half's top bit, exponent and mantissa shifted under the bf16 exponent's.
     w = w.to(tl.uint32, bitcast=True)
     odd = (w & 0x80008000) | ((w >> 4) & 0x07F007F0)
     even = ((w << 8) & 0x80008000) | ((w << 4) & 0x07F007F0)
-    if NORM:  # (bf16 rows only take this kernel)
-        x0 = _normed(norm_x, residual, norm_weight, inv_rms, 4 * cols, tl.bfloat16)
-        x1 = _normed(norm_x, residual, norm_weight, inv_rms, 4 * cols + 1, tl.bfloat16)
-        x2 = _normed(norm_x, residual, norm_weight, inv_rms, 4 * cols + 2, tl.bfloat16)
-        x3 = _normed(norm_x, residual, norm_weight, inv_rms, 4 * cols + 3, tl.bfloat16)
-    else:  # two bf16 pairs, a bf16 the top half of a float32
-        x0, x1 = _bf16_halves(tl.load(x_words + 2 * cols).to(tl.uint32, bitcast=True))
-        x2, x3 = _bf16_halves(tl.load(x_words + 2 * cols + 1).to(tl.uint32, bitcast=True))
+    # Four activations: two bf16 pairs, a bf16 the top half of a float32.
+    x0, x1 = _bf16_halves(tl.load(x_words + 2 * cols).to(tl.uint32, bitcast=True))
+    x2, x3 = _bf16_halves(tl.load(x_words + 2 * cols + 1).to(tl.uint32, bitcast=True))
     even_low, even_high = _bf16_halves(even)
     odd_low, odd_high = _bf16_halves(odd)
     acc += even_low * x0[None, :]
@@ -219,15 +159,8 @@ def _fp8_words_kernel(
     word_count,
     word_stride,
     half_rows,
-    norm_x,
-    residual,
-    norm_weight,
-    new_residual,
-    eps,
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
-    NORM: tl.constexpr,
-    NORM_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_W: tl.constexpr,
     PDL: tl.constexpr,
@@ -241,18 +174,11 @@ def _fp8_words_kernel(
     tile = words + rows[:, None] * word_stride + first_cols[None, :]
     first = tl.load(tile, eviction_policy="evict_first")  # before the wait: `_gemv_kernel`
     wait_for_previous(PDL)
-    inv_rms = 0.0
-    if NORM:
-        inv_rms = _row_inv_rms(norm_x, residual, new_residual, 4 * word_count, eps, NORM_BLOCK)
-    acc = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
-    acc = _words_product(
-        acc, first, x_words, first_cols, NORM, norm_x, residual, norm_weight, inv_rms
-    )
+    acc = _words_product(tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32), first, x_words, first_cols)
     for start in range(BLOCK_W, word_count, BLOCK_W):
         cols = start + first_cols
         at = words + rows[:, None] * word_stride + cols[None, :]
-        w = tl.load(at, eviction_policy="evict_first")
-        acc = _words_product(acc, w, x_words, cols, NORM, norm_x, residual, norm_weight, inv_rms)
+        acc = _words_product(acc, tl.load(at, eviction_policy="evict_first"), x_words, cols)
     y = tl.sum(acc, axis=1) * (tl.load(scales + rows) * 1.329227995784916e36)  # 2^120
     if HAS_BIAS:
         y += tl.load(bias + rows).to(tl.float32)
@@ -287,24 +213,8 @@ FP8_WORDS_MIN_ROWS = 16384
 gate_up (28,672 rows) and an LM head, and lost to the first kernel on qkv, o and down."""
 
 
-def _norm_arguments(x: torch.Tensor | PendingNorm) -> dict[str, object]:
-    """The kernels' arguments of a pending norm's row (`NORM` off for a plain row, whose
-    tensor then fills the unused pointers)."""
-    if not isinstance(x, PendingNorm):
-        unused = {"residual": x, "norm_weight": x, "new_residual": x, "eps": 0.0}
-        return {**unused, "NORM": False, "NORM_BLOCK": 1}
-    return {
-        "residual": x.residual,
-        "norm_weight": x.weight,
-        "new_residual": x.new_residual,
-        "eps": x.eps,
-        "NORM": True,
-        "NORM_BLOCK": triton.next_power_of_2(x.shape[1]),
-    }
-
-
 def _fp8_words(
-    x: torch.Tensor | PendingNorm,
+    x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     scales: torch.Tensor,
@@ -314,20 +224,18 @@ def _fp8_words(
     `weight` holds gate rows then as many up rows, and the result is SiLU(gate) * up."""
     n, k = weight.shape
     block_n, block_w, warps = FP8_WORDS_SETTING
-    row = x.x if isinstance(x, PendingNorm) else x
     if (
-        row.dtype != torch.bfloat16
+        x.dtype != torch.bfloat16
         or n < FP8_WORDS_MIN_ROWS
         or n % block_n
         or k % (4 * block_w)
         or weight.stride(0) % 4
     ):
         return None
-    out = torch.empty((1, n // 2 if silu else n), dtype=row.dtype, device=row.device)
+    out = torch.empty((1, n // 2 if silu else n), dtype=x.dtype, device=x.device)
     words = weight.view(torch.int32)
-    norm = _norm_arguments(x)
     _fp8_words_kernel[(n // block_n,)](
-        row.view(torch.int32),
+        x.view(torch.int32),
         words,
         scales,
         weight if bias is None else bias,
@@ -335,33 +243,29 @@ def _fp8_words(
         k // 4,
         words.stride(0),
         n // 2,
-        row,
         HAS_BIAS=bias is not None,
         SILU=silu,
         BLOCK_N=block_n,
         BLOCK_W=block_w,
         num_warps=warps,
-        **norm,
         **pdl_options(out.device, 1),
     )
     return out
 
 
 def fp8_silu_gemv(
-    x: torch.Tensor | PendingNorm, weight: torch.Tensor, scales: torch.Tensor
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor
 ) -> torch.Tensor | None:
-    """SiLU(gate) * up for one row `x` `[1, K]` (or a pending norm's) and an FP8 gate|up
-    weight (gate rows, then up rows, one scale a row), in one kernel, or None where
-    `_fp8_words_kernel` does not apply. Where it does, the MLP's down projection then reads
-    the activation plainly: at one row the gated GEMV recomputed it in each of its programs."""
+    """SiLU(gate) * up for one row `x` `[1, K]` and an FP8 gate|up weight (gate rows, then up
+    rows, one scale a row), in one kernel, or None where `_fp8_words_kernel` does not apply.
+    Where it does, the MLP's down projection then reads the activation plainly: at one row
+    the gated GEMV recomputed it in each of its programs."""
     assert x.shape == (1, weight.shape[1]) and scales.numel() == weight.shape[0]
-    return _fp8_words(
-        x if isinstance(x, PendingNorm) else x.contiguous(), weight, None, scales, True
-    )
+    return _fp8_words(x.contiguous(), weight, None, scales, silu=True)
 
 
 def gemv(
-    x: torch.Tensor | PendingNorm,
+    x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     gated: bool = False,
@@ -372,19 +276,16 @@ def gemv(
     and the row multiplied is SiLU(gate) * up. With `scales` (an FP8 `weight`, one float32
     scale per row: quant/fp8.py) each output is scaled by its row's. `config` (rows and
     columns a program reads at a time, warps, stages) overrides the measured choice, for
-    bench/quant_kernels.py's sweep. A pending norm's row (layers/pending_norm.py) is
-    normalised in the kernel where its blocks fill the row, else first."""
+    bench/quant_kernels.py's sweep."""
     n, k = weight.shape
     assert x.shape == (1, 2 * k if gated else k) and weight.stride(1) == 1
     assert scales is None or scales.numel() == n
-    if not isinstance(x, PendingNorm):
-        x = x.contiguous()
+    x = x.contiguous()
     if scales is not None and config is None and not gated:
         words_out = _fp8_words(x, weight, bias, scales)
         if words_out is not None:
             return words_out
-    row = x.x if isinstance(x, PendingNorm) else x
-    out = torch.empty((1, n), dtype=row.dtype, device=row.device)
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     # Rows and columns a program reads at a time, warps and pipeline stages, measured on an
     # H200 (whole 8B steps: 2 x 2,048 took 4.37 ms where 8 x 1,024 took 4.41; narrow inputs,
     # Qwen3-0.6B's 1,024, do best with 2 x 512). `gated` keeps 8 rows: each program computes
@@ -408,10 +309,8 @@ def gemv(
     else:
         block_n, block_k, warps, stages = 2, 1024, 4, 2
     even = n % block_n == 0 and k % block_k == 0
-    if isinstance(x, PendingNorm) and not even:
-        x = row = x.resolve()
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        row,
+        x,
         weight,
         weight if scales is None else scales,
         weight if bias is None else bias,
@@ -419,7 +318,6 @@ def gemv(
         n,
         k,
         weight.stride(0),
-        **_norm_arguments(x),
         GATED=gated,
         SCALED=scales is not None,
         HAS_BIAS=bias is not None,
@@ -429,6 +327,6 @@ def gemv(
         PRELOAD=_preload_tiles(k, block_k, even),
         num_warps=warps,
         num_stages=stages,
-        **pdl_options(row.device, 1),
+        **pdl_options(x.device, 1),
     )
     return out

@@ -24,7 +24,6 @@ from aserve.layers.activation import silu_and_mul
 from aserve.layers.cpu_gemm import PackedWeight, can_pack
 from aserve.layers.embedding import VocabParallelEmbedding
 from aserve.layers.fused import FusedOps
-from aserve.layers.pending_norm import PendingNorm
 from aserve.layers.weight import WeightSource, read_whole
 from aserve.quant.fp8_activations import Fp8Activations
 from aserve.quant.method import QuantizedLinearWeight
@@ -67,16 +66,11 @@ class ColumnParallelLinear(nn.Module):
         self.packed: PackedWeight | None = None
         self.one_row: OneRowProduct | None = None
 
-    def forward(self, x: torch.Tensor | Fp8Activations | PendingNorm) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor:
         """`x` in FP8 only where an FP8 weight takes it (models/decoder.py,
-        use_fp8_activations); a pending norm only where a one-row kernel may take it
-        (`fold_norms`)."""
+        use_fp8_activations)."""
         if self.quantized is not None:
             return self.quantized.linear(x, self.bias)
-        if isinstance(x, PendingNorm):
-            if self.one_row is not None:
-                return self.one_row(x, self.weight, self.bias)
-            x = x.resolve()
         assert isinstance(x, torch.Tensor)
         if self.packed is not None:
             return self.packed.linear(x, self.bias)

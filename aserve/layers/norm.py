@@ -9,7 +9,6 @@ from torch import nn
 
 from aserve.distributed.group import TPGroup
 from aserve.layers.fused import FusedOps
-from aserve.layers.pending_norm import PendingNorm
 from aserve.layers.weight import WeightSource
 from aserve.quant.fp8_activations import Fp8Activations
 
@@ -29,9 +28,6 @@ class RMSNorm(nn.Module):
         # Set where an FP8 product follows on CUDA (models/decoder.py, use_fp8_activations):
         # batches of two rows or more are then normalised straight into FP8.
         self.fp8_norm: Fp8Norm | None = None
-        # Set where a one-row product kernel that normalises its input follows on CUDA
-        # (models/decoder.py, fold_norms): one row's add and norm are then left to it.
-        self.fold_one_row = False
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         """Hugging Face's formula, op for op (the same bits): normalised in float32, then
@@ -62,17 +58,11 @@ class RMSNorm(nn.Module):
 
     def add_and_norm(
         self, x: torch.Tensor, residual: torch.Tensor, tp: TPGroup | None = None
-    ) -> tuple[torch.Tensor | Fp8Activations | PendingNorm, torch.Tensor]:
+    ) -> tuple[torch.Tensor | Fp8Activations, torch.Tensor]:
         """`residual += x` then normalise it; returns (normalised, new residual). Either
         input may be overwritten (the torch path sums into `x`, saving an allocation).
         With `tp`, `x` is this rank's partial sum, all-reduced first: in the same kernel as
-        the add and norm where `tp` can (fused_norm.py; its output stays in float). One row
-        may be left to the product after (`fold_one_row`): the new residual is then that
-        product's to write."""
-        if self.fold_one_row and x.shape[0] == 1 and (tp is None or tp.size == 1):
-            new_residual = torch.empty_like(residual)
-            pending = PendingNorm(x, residual, self.weight, self.eps, new_residual)
-            return pending, new_residual
+        the add and norm where `tp` can (fused_norm.py; its output stays in float)."""
         if tp is not None and tp.size > 1:
             fused = tp.all_reduce_add_norm(x, residual, self.weight, self.eps)
             if fused is not None:

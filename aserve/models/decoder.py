@@ -33,7 +33,6 @@ from aserve.layers.fused import FusedOps
 from aserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from aserve.layers.moe import QuantizedExperts
 from aserve.layers.norm import AcrossHeadsNorm, Float32RMSNorm, GemmaRMSNorm, RMSNorm
-from aserve.layers.pending_norm import PendingNorm
 from aserve.layers.rotary import NO_ROPE, RotaryEmbedding, partial_rotary_order
 from aserve.layers.weight import WeightSource, read_whole
 from aserve.models.multimodal import checkpoint_names
@@ -197,31 +196,6 @@ def use_fp8_activations(model: nn.Module) -> None:
             module.post_attention_layernorm.fp8_norm = fp8_cuda.norm_fp8
 
 
-def fold_norms(model: nn.Module) -> None:
-    """Leave a one-row add-and-norm to the product after it where that product's one-row
-    kernel can normalise its input (layers/pending_norm.py): the QKV projection after a
-    layer's input norm, gate|up after its post-attention norm. Plain RMSNorm, one rank, a
-    product of one float weight or one FP8 product, on CUDA (the one-row kernels)."""
-
-    def takes_pending(linear: ColumnParallelLinear) -> bool:
-        if linear.quantized is None:
-            return linear.one_row is not None
-        fp8 = linear.quantized.fp8_product()
-        return fp8 is not None and fp8.has_one_row_kernel
-
-    for module in model.modules():
-        if not isinstance(module, DecoderLayer) or module.post_norms or module.sandwich:
-            continue
-        if module.tp.size > 1:
-            continue
-        if type(module.input_layernorm) is RMSNorm and takes_pending(module.self_attn.qkv_proj):
-            module.input_layernorm.fold_one_row = True
-        mlp = module.mlp
-        gated = isinstance(mlp, DecoderMLP) and not mlp.gelu
-        if gated and type(module.post_attention_layernorm) is RMSNorm:
-            module.post_attention_layernorm.fold_one_row = takes_pending(mlp.gate_up_proj)
-
-
 def _fused_norm_rope_store(ops: FusedOps | None, head_dim: int) -> Callable[..., None] | None:
     """The one-kernel Q/K norm, RoPE and KV write: `layers/rope_store.py` where the layers
     use the Triton kernels of layers/cuda_ops.py (CUDA, half precision), its C++ twin where
@@ -256,7 +230,7 @@ class DecoderMLP(nn.Module):
         )
         self.gelu = config.hidden_act == GELU_TANH
 
-    def forward(self, x: torch.Tensor | Fp8Activations | PendingNorm) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor:
         """Up to 16 rows of an FP8 model on CUDA take the activation from the gate|up
         kernel, the down projection then reads it plainly; otherwise the down projection's
         kernels take the activation over (`forward_gated`). Those gate with SiLU: Gemma's

@@ -33,7 +33,6 @@ from typing import Any
 import torch
 
 from aserve.engine.gpu import gpu_capability, shared_memory_limit
-from aserve.layers.pending_norm import PendingNorm
 from aserve.layers.weight import read_whole
 from aserve.quant.fp8_activations import Fp8Activations
 
@@ -218,12 +217,7 @@ class Fp8Weight:
     def nbytes(self) -> int:
         return self.values.nbytes + self.scales.nbytes
 
-    @property
-    def has_one_row_kernel(self) -> bool:
-        """Whether one row takes the one-row kernels (CUDA), which take pending norms too."""
-        return self._one_row is not None
-
-    def silu(self, x: torch.Tensor | Fp8Activations | PendingNorm) -> torch.Tensor | None:
+    def silu(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor | None:
         """SiLU(gate) * up of this gate|up weight's product with `x` in one kernel, or None
         where there is none (the caller multiplies, then activates): one row `x` in the
         one-row kernel; FP8 activations of 2 to `FEW_ROWS_MAX` rows in `token_scaled`,
@@ -254,13 +248,7 @@ class Fp8Weight:
             return self.linear(self._silu_fp8(gate_up), None)
         return None
 
-    def linear(
-        self, x: torch.Tensor | Fp8Activations | PendingNorm, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        if isinstance(x, PendingNorm):  # one row: the one-row kernel normalises it
-            if self._one_row is not None:
-                return self._one_row(x, self.values, bias, scales=self.scales)
-            x = x.resolve()
+    def linear(self, x: torch.Tensor | Fp8Activations, bias: torch.Tensor | None) -> torch.Tensor:
         if isinstance(x, Fp8Activations):  # only aligned weights take them (method.py)
             assert self.aligned
             values, scales, dtype = x.values, x.scales, x.dtype

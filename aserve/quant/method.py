@@ -14,7 +14,6 @@ from typing import Protocol
 import torch
 
 from aserve.config import ConfigError
-from aserve.layers.pending_norm import PendingNorm
 from aserve.quant.codes import Codes, quantize
 from aserve.quant.cpu import (
     FLOAT_ON_KERNELS,
@@ -136,13 +135,11 @@ class QuantizedLinearWeight:
         product = self._only_fp8()
         return product if product is not None and product.aligned else None
 
-    def silu(self, x: torch.Tensor | Fp8Activations | PendingNorm) -> torch.Tensor | None:
+    def silu(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor | None:
         """SiLU(gate) * up of a fused gate|up weight's product with `x` in one kernel
         (`Fp8Weight.silu`, `NativeWeight.silu` on CPU), or None (the caller multiplies, then
         activates)."""
         product = self.products[0] if len(self.products) == 1 else None
-        if isinstance(x, PendingNorm) and not isinstance(product, Fp8Weight):
-            return None
         if isinstance(product, NativeWeight) and isinstance(x, torch.Tensor):
             return product.silu(x)
         fp8 = self._only_fp8()
@@ -155,18 +152,11 @@ class QuantizedLinearWeight:
         product = self._only_fp8()
         return None if product is None else product.gated(gate_up)
 
-    def linear(
-        self, x: torch.Tensor | Fp8Activations | PendingNorm, bias: torch.Tensor | None
-    ) -> torch.Tensor:
+    def linear(self, x: torch.Tensor | Fp8Activations, bias: torch.Tensor | None) -> torch.Tensor:
         if isinstance(x, Fp8Activations):
             product = self.fp8_product()
             assert product is not None, "FP8 activations reach only an FP8 weight"
             return product.linear(x, bias)
-        if isinstance(x, PendingNorm):  # the one FP8 product's one-row kernel takes it
-            product = self._only_fp8()
-            if product is not None:
-                return product.linear(x, bias)
-            x = x.resolve()
         if len(self.products) == 1:
             return self.products[0].linear(x, bias)
         out = torch.cat([p.linear(x, None) for p in self.products], -1)
