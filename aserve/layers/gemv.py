@@ -293,14 +293,16 @@ def gemv(
     # rows: 8 x 1,024 with 4 warps was the fastest of seven settings on all of the 8B shape's
     # products and its LM head (bench/quant_kernels.py --fp8; gate_up 35.5 us, 3.3 TB/s,
     # where the bf16 GEMV takes 54.5); with weights read from memory and not L2, 32 x 512
-    # with 8 warps beat it above 4,096 rows (qkv 6144x4096 9.7 against 10.6 us), and 16 x 512
-    # beat that (8.30 against 8.76 us, PDL-chained in a graph; the 8B FP8 single stream
-    # 2.506 -> 2.495 ms/token, alternating in one command; programs over the whole row,
-    # 2 to 8 x 4,096, took 11.2-14.0).
+    # with 8 warps beat it above 4,096 rows (qkv 6144x4096 9.7 against 10.6 us), and 8 x 512
+    # with 8 warps beats that (8.10 against 8.76 us, weights rotating past L2, PDL-chained
+    # in a graph; 16 x 512 8.30, 4 x 512 11.3, rows whole in one tile 11.2-14.0; the 8B FP8
+    # single stream 2.506 -> 2.495 -> 2.488 ms/token, each step alternating in one command).
+    # The o projection (4,096 rows) keeps 8 x 1,024 with 4 warps (8 x 512 with 8: 7.39 us
+    # against 5.83).
     if config is not None:
         block_n, block_k, warps, stages = config
     elif scales is not None and n > 4096 and not gated:
-        block_n, block_k, warps, stages = 16, 512, 8, 2
+        block_n, block_k, warps, stages = 8, 512, 8, 2
     elif scales is not None:
         block_n, block_k, warps, stages = 8, 1024, 4, 2
     elif k < 2048:
