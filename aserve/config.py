@@ -979,16 +979,21 @@ def overrides_text(value: str | Mapping[str, Any] | None) -> str:
     to be a JSON object, kept as text."""
     if not value:
         return ""
+    example = '{"max_position_embeddings": 8192}'
+    return json.dumps(_json_object(value, "--hf-overrides", example))
+
+
+def _json_object(value: str | Mapping[str, Any], option: str, example: str) -> Mapping[str, Any]:
+    """An option's JSON object, from JSON text (the CLI) or a mapping (the offline API); a
+    one-line ConfigError (with `example`) for anything else."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except ValueError as error:
-            raise ConfigError(f"--hf-overrides is not valid JSON: {error}") from None
+            raise ConfigError(f"{option} is not valid JSON: {error}") from None
     if not isinstance(value, Mapping):
-        raise ConfigError(
-            '--hf-overrides must be a JSON object, e.g. {"max_position_embeddings": 8192}'
-        )
-    return json.dumps(value)
+        raise ConfigError(f"{option} must be a JSON object, e.g. {example}")
+    return value
 
 
 def with_overrides(config: dict[str, Any], overrides: str) -> dict[str, Any]:
@@ -1008,13 +1013,7 @@ def sampling_overrides(value: str | Mapping[str, Any] | None) -> tuple[tuple[str
     checked against the API's ranges, as sorted (field, value) pairs."""
     if value is None or value == "":
         return ()
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as error:
-            raise ConfigError(f"--default-sampling is not valid JSON: {error}") from None
-    if not isinstance(value, Mapping):
-        raise ConfigError('--default-sampling must be a JSON object, e.g. {"temperature": 0.7}')
+    value = _json_object(value, "--default-sampling", '{"temperature": 0.7}')
     pairs = []
     for name, number in sorted(value.items()):
         if name not in DEFAULTABLE_FIELDS:

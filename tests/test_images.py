@@ -16,14 +16,17 @@ import pytest
 import torch
 
 from aserve import LLM, SamplingParams
-from tests.image_refs import IMAGE, TOKENS, expanded, image_prompt
+from tests.image_refs import IMAGE, TOKENS, check_cache_and_batches, expanded, image_prompt
 from tests.server_utils import ServerProcess, serving
 from tests.test_models import our_logits
 from tests.test_server import post, run
 from tests.tiny_models import (
+    COMMON,
+    FAMILIES,
     hf_greedy_tokens,
     make_tiny_model,
     make_tiny_vision_language,
+    save_llava,
     write_word_tokenizer,
 )
 
@@ -108,26 +111,13 @@ def test_prefix_cache_batches_and_images_told_apart(llava: tuple[Path, torch.nn.
     behind the same text is computed, not taken from the cache, and gets its own tokens;
     prompts with and without images batched give what each gives alone."""
     folder, hf = llava
-    first, second = picture(1), picture(2)
     prompt = [5, 17, 42, 9, IMAGE, 99, 4]
-    with LLM(str(folder), page_size=4) as llm:
-        planner = llm.scheduler.planner
-        alone = llm.generate(image_prompt(prompt, first), GREEDY)[0].token_ids
-        assert alone == hf_greedy(hf, prompt, pixels_of(folder, first), 10)
-        cached = planner.prompt_tokens_cached
-        again = llm.generate(image_prompt(prompt, first), GREEDY)[0].token_ids
-        assert again == alone and planner.prompt_tokens_cached - cached >= 8
-        cached = planner.prompt_tokens_cached
-        other = llm.generate(image_prompt(prompt, second), GREEDY)[0].token_ids
-        assert planner.prompt_tokens_cached - cached <= 4  # the text before the image alone
-        assert other == hf_greedy(hf, prompt, pixels_of(folder, second), 10) != alone
-        text = [5, 17, 42, 9, 99, 4]
-        text_alone = llm.generate([text], GREEDY)[0].token_ids
-    with LLM(str(folder), page_size=4, cache_type="naive") as llm:
-        batched = llm.generate(
-            [image_prompt(prompt, first), text, image_prompt(prompt, second)], GREEDY
-        )
-        assert [o.token_ids for o in batched] == [alone, text_alone, other]
+
+    def expected(image: object) -> list[int]:
+        return hf_greedy(hf, prompt, pixels_of(folder, image), 10)
+
+    images = (picture(1), picture(2))
+    check_cache_and_batches(folder, prompt, images, [5, 17, 42, 9, 99, 4], GREEDY, expected)
 
 
 def test_repetition_penalty_counts_the_image_token(llava: tuple[Path, torch.nn.Module]) -> None:
@@ -295,9 +285,6 @@ def test_server_refuses_bad_images(
 def test_siglip_tower_over_qwen2(tmp_path: Path) -> None:
     """LLaVA-Interleave's layout: a SigLIP tower (no class token, its last layer, every
     patch kept) before a Qwen2 language model; pixels given as a tensor."""
-    import transformers
-
-    from tests.tiny_models import COMMON, FAMILIES
 
     text = {**COMMON, **FAMILIES["qwen2"], "model_type": "qwen2"}
     vision = {
@@ -309,21 +296,7 @@ def test_siglip_tower_over_qwen2(tmp_path: Path) -> None:
         "image_size": 28,
         "patch_size": 7,
     }
-    config = transformers.LlavaConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_index=IMAGE,
-        vision_feature_layer=-1,
-        vision_feature_select_strategy="full",
-    )
-    torch.manual_seed(0)
-    hf = transformers.LlavaForConditionalGeneration(config)
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if "norm" not in name and (param.dim() == 2 or name.endswith("bias")):
-                param.normal_(0.0, 0.1)
-    hf.save_pretrained(tmp_path)
-    hf.eval()
+    hf = save_llava(text, vision, tmp_path)
     pixels = torch.randn(1, 3, 28, 28)
     prompt = [5, 17, IMAGE, 99, 4]
     ids = [t for token in prompt for t in ([token] * 16 if token == IMAGE else [token])]

@@ -14,7 +14,7 @@ import torch
 
 from aserve import LLM, SamplingParams
 from aserve.scheduler.plan import whole_images
-from tests.image_refs import image_prompt
+from tests.image_refs import check_cache_and_batches
 from tests.test_models import our_logits
 from tests.tiny_models import hf_greedy_tokens, make_tiny_vision_language, write_word_tokenizer
 
@@ -129,21 +129,7 @@ def test_chunks_never_cut_an_image() -> None:
 def test_prefix_hits_and_batches(gemma3: tuple[Path, torch.nn.Module]) -> None:
     """The same image again comes from the prefix cache with the same tokens; another image
     does not; an image prompt decoded beside text prompts gives what it gives alone."""
-    folder, hf = gemma3
+    folder, _ = gemma3
     prompt = [5, 17, 42, 9, BOI, 99, 4, 5, 17, 42]
-    first, second = pixels(1, 1)[0], pixels(1, 2)[0]
-    text = [5, 6, 7, 8, 5, 6, 7]
-    with LLM(str(folder), page_size=4) as llm:
-        planner = llm.scheduler.planner
-        alone = llm.generate(image_prompt(prompt, first), GREEDY)[0].token_ids
-        cached = planner.prompt_tokens_cached
-        assert llm.generate(image_prompt(prompt, first), GREEDY)[0].token_ids == alone
-        assert planner.prompt_tokens_cached - cached >= 8
-        other = llm.generate(image_prompt(prompt, second), GREEDY)[0].token_ids
-        text_alone = llm.generate([text], GREEDY)[0].token_ids
-    assert other != alone
-    with LLM(str(folder), page_size=4, cache_type="naive") as llm:
-        batched = llm.generate(
-            [image_prompt(prompt, first), text, image_prompt(prompt, second)], GREEDY
-        )
-    assert [o.token_ids for o in batched] == [alone, text_alone, other]
+    images = (pixels(1, 1)[0], pixels(1, 2)[0])
+    check_cache_and_batches(folder, prompt, images, [5, 6, 7, 8, 5, 6, 7], GREEDY)

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from aserve import LLM, SamplingParams
+from aserve.llm import GenerationOutput
 from tests.image_refs import IMAGE, IMAGE_END, ROW_BREAK, expanded, grid_expanded, image_prompt
 from tests.test_gpu import KERNEL_SHAPES
 from tests.test_models import our_logits
@@ -21,6 +23,31 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 PROMPTS = [[5, 17, IMAGE, 99, 4, 250], [IMAGE, 9, 8]]
+
+
+def assert_as_transformers_and_cached(
+    out: GenerationOutput,
+    logits: torch.Tensor,
+    prompt_length: int,
+    llm: LLM,
+    chunked: LLM,
+    prompt: list[int],
+    images: list[Any],
+) -> None:
+    """The greedy tokens' logprobs within 0.05 of transformers' `logits` (over its prompt,
+    `prompt_length` tokens, then those tokens); teacher-forced logits after a prefix hit as
+    in `chunked`'s chunks of 3, to bf16's rounding."""
+    expected = torch.log_softmax(logits.float(), -1)[prompt_length - 1 : -1]
+    theirs = expected.gather(1, torch.tensor(out.token_ids, device="cuda")[:, None])[:, 0]
+    assert out.logprobs is not None
+    ours = torch.tensor([lp.logprob for lp in out.logprobs], device="cuda")
+    torch.testing.assert_close(ours, theirs, atol=0.05, rtol=0.05)
+    continuation = [7, 123, 45, 2, 99]
+    fresh = our_logits(chunked, prompt, continuation, images)
+    cached = llm.scheduler.planner.prompt_tokens_cached
+    hit = our_logits(llm, prompt, continuation, images)
+    assert llm.scheduler.planner.prompt_tokens_cached > cached
+    torch.testing.assert_close(hit, fresh, atol=0.06, rtol=0.03)
 
 
 def test_llava_bf16_logprobs_close_to_transformers(
@@ -52,16 +79,9 @@ def test_llava_bf16_logprobs_close_to_transformers(
                 .logits[0]
                 .float()
             )
-        expected = torch.log_softmax(logits, -1)[len(expanded(prompt)) - 1 : -1]
-        theirs = expected.gather(1, torch.tensor(out.token_ids, device="cuda")[:, None])[:, 0]
-        ours = torch.tensor([lp.logprob for lp in out.logprobs], device="cuda")
-        torch.testing.assert_close(ours, theirs, atol=0.05, rtol=0.05)
-        continuation = [7, 123, 45, 2, 99]
-        fresh = our_logits(chunked, prompt, continuation, [pixels[0]])
-        cached = llm.scheduler.planner.prompt_tokens_cached
-        hit = our_logits(llm, prompt, continuation, [pixels[0]])
-        assert llm.scheduler.planner.prompt_tokens_cached > cached
-        torch.testing.assert_close(hit, fresh, atol=0.06, rtol=0.03)
+        assert_as_transformers_and_cached(
+            out, logits, len(expanded(prompt)), llm, chunked, prompt, [pixels[0]]
+        )
 
 
 def test_llava_float32_prefix_hits_and_chunks_keep_tokens(
@@ -124,16 +144,9 @@ def test_mistral3_bf16_logprobs_close_to_transformers(
             .logits[0]
             .float()
         )
-    expected = torch.log_softmax(logits, -1)[len(expanded_prompt) - 1 : -1]
-    theirs = expected.gather(1, torch.tensor(out.token_ids, device="cuda")[:, None])[:, 0]
-    ours = torch.tensor([lp.logprob for lp in out.logprobs], device="cuda")
-    torch.testing.assert_close(ours, theirs, atol=0.05, rtol=0.05)
-    continuation = [7, 123, 45, 2, 99]
-    fresh = our_logits(chunked, prompt, continuation, pixels)
-    cached = llm.scheduler.planner.prompt_tokens_cached
-    hit = our_logits(llm, prompt, continuation, pixels)
-    assert llm.scheduler.planner.prompt_tokens_cached > cached
-    torch.testing.assert_close(hit, fresh, atol=0.06, rtol=0.03)
+    assert_as_transformers_and_cached(
+        out, logits, len(expanded_prompt), llm, chunked, prompt, pixels
+    )
 
 
 QWEN_VL_SECTIONS = {  # heads of 64: 32 pairs
@@ -184,16 +197,7 @@ def test_qwen_vl_bf16_logprobs_close_to_transformers(
             .logits[0]
             .float()
         )
-    expected = torch.log_softmax(logits, -1)[len(ids) - 1 : -1]
-    theirs = expected.gather(1, torch.tensor(out.token_ids, device="cuda")[:, None])[:, 0]
-    ours = torch.tensor([lp.logprob for lp in out.logprobs], device="cuda")
-    torch.testing.assert_close(ours, theirs, atol=0.05, rtol=0.05)
-    continuation = [7, 123, 45, 2, 99]
-    fresh = our_logits(chunked, prompt, continuation, [patches])
-    cached = llm.scheduler.planner.prompt_tokens_cached
-    hit = our_logits(llm, prompt, continuation, [patches])
-    assert llm.scheduler.planner.prompt_tokens_cached > cached
-    torch.testing.assert_close(hit, fresh, atol=0.06, rtol=0.03)
+    assert_as_transformers_and_cached(out, logits, len(ids), llm, chunked, prompt, [patches])
 
 
 def test_gemma3_bf16_logprobs_close_to_transformers(
@@ -230,13 +234,4 @@ def test_gemma3_bf16_logprobs_close_to_transformers(
             pixel_values=pixels.to("cuda", torch.bfloat16),
             token_type_ids=types,
         ).logits[0]
-    expected = torch.log_softmax(logits.float(), -1)[len(ids) - 1 : -1]
-    theirs = expected.gather(1, torch.tensor(out.token_ids, device="cuda")[:, None])[:, 0]
-    ours = torch.tensor([lp.logprob for lp in out.logprobs], device="cuda")
-    torch.testing.assert_close(ours, theirs, atol=0.05, rtol=0.05)
-    continuation = [7, 123, 45, 2, 99]
-    fresh = our_logits(chunked, prompt, continuation, [pixels[0]])
-    cached = llm.scheduler.planner.prompt_tokens_cached
-    hit = our_logits(llm, prompt, continuation, [pixels[0]])
-    assert llm.scheduler.planner.prompt_tokens_cached > cached
-    torch.testing.assert_close(hit, fresh, atol=0.06, rtol=0.03)
+    assert_as_transformers_and_cached(out, logits, len(ids), llm, chunked, prompt, [pixels[0]])

@@ -6,6 +6,7 @@ transformers' whole model, through chunks that cut images, the prefix cache and 
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +15,25 @@ import pytest
 import torch
 
 from aserve import LLM, SamplingParams
-from tests.image_refs import IMAGE, IMAGE_END, ROW_BREAK, grid_expanded, image_prompt
-from tests.test_models import our_logits
-from tests.tiny_models import hf_greedy_tokens, make_tiny_vision_language, write_word_tokenizer
+from tests.image_refs import (
+    IMAGE,
+    IMAGE_END,
+    ROW_BREAK,
+    chat_with_an_image,
+    check_cache_and_batches,
+    check_logits_and_tokens,
+    grid_expanded,
+    image_prompt,
+)
+from tests.tiny_models import (
+    COMMON,
+    FAMILIES,
+    VISION,
+    hf_greedy_tokens,
+    make_tiny_vision_language,
+    save_llava,
+    write_word_tokenizer,
+)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -105,22 +122,11 @@ def test_logits_and_tokens_match_transformers(
     folder, hf, processor = mistral3
     images = [picture(seed, size) for seed, size in enumerate(sizes)]
     inputs = processed(processor, prompt, images)
-    expected_prompt = inputs["input_ids"][0].tolist()
-    assert expected_prompt.count(IMAGE_END) == len(images)
-    continuation = [7, 123, 45, 2]
-    with LLM(str(folder), page_size=4, max_prefill_length=3) as llm:
-        pixels = llm.runtime.image_processor.pixels(images)
-        for ours_pixels, size in zip(pixels, inputs["image_sizes"].tolist(), strict=True):
-            assert list(ours_pixels.shape[-2:]) == size
-        ours = our_logits(llm, prompt, continuation, pixels)
-        theirs = hf_logits(hf, inputs, continuation)
-        torch.testing.assert_close(ours, theirs[len(expected_prompt) - 1 :], atol=2e-4, rtol=1e-4)
-        out = llm.generate(
-            {"prompt_token_ids": prompt, "multi_modal_data": {"image": images}}, GREEDY
-        )[0]
-        assert out.error is None
-        assert out.prompt_token_ids == expected_prompt
-        assert out.token_ids == hf_greedy(hf, inputs, 8)
+    assert inputs["input_ids"][0].tolist().count(IMAGE_END) == len(images)
+    theirs = (partial(hf_logits, hf, inputs), partial(hf_greedy, hf, inputs))
+    pixels = check_logits_and_tokens(folder, prompt, images, inputs, theirs, GREEDY)
+    for ours_pixels, size in zip(pixels, inputs["image_sizes"].tolist(), strict=True):
+        assert list(ours_pixels.shape[-2:]) == size
 
 
 def test_the_image_matters_and_the_cache_tells_images_apart(
@@ -131,25 +137,12 @@ def test_the_image_matters_and_the_cache_tells_images_apart(
     it; prompts with and without images batched give what each gives alone."""
     folder, hf, processor = mistral3
     prompt = [5, 17, 42, 9, IMAGE, 99, 4]
-    first, second = picture(1, (56, 84)), picture(2, (56, 84))
-    with LLM(str(folder), page_size=4) as llm:
-        planner = llm.scheduler.planner
-        alone = llm.generate(image_prompt(prompt, first), GREEDY)[0].token_ids
-        assert alone == hf_greedy(hf, processed(processor, prompt, [first]), 8)
-        cached = planner.prompt_tokens_cached
-        assert llm.generate(image_prompt(prompt, first), GREEDY)[0].token_ids == alone
-        assert planner.prompt_tokens_cached - cached >= 8
-        cached = planner.prompt_tokens_cached
-        other = llm.generate(image_prompt(prompt, second), GREEDY)[0].token_ids
-        assert planner.prompt_tokens_cached - cached <= 4  # the text before the image alone
-        assert other == hf_greedy(hf, processed(processor, prompt, [second]), 8) != alone
-        plain = [5, 17, 42, 9, 99, 4]
-        text_alone = llm.generate([plain], GREEDY)[0].token_ids
-    with LLM(str(folder), page_size=4, cache_type="naive") as llm:
-        batched = llm.generate(
-            [image_prompt(prompt, first), plain, image_prompt(prompt, second)], GREEDY
-        )
-        assert [o.token_ids for o in batched] == [alone, text_alone, other]
+
+    def expected(image: object) -> list[int]:
+        return hf_greedy(hf, processed(processor, prompt, [image]), 8)
+
+    images = (picture(1, (56, 84)), picture(2, (56, 84)))
+    check_cache_and_batches(folder, prompt, images, [5, 17, 42, 9, 99, 4], GREEDY, expected)
 
 
 def test_repetition_penalty_counts_as_transformers_does(
@@ -171,14 +164,9 @@ def test_chat_with_an_image_part(mistral3: tuple[Path, torch.nn.Module, Any]) ->
     processor's pixels, transformers' tokens."""
     folder, hf, processor = mistral3
     image = picture(4, (30, 60))
-    content = [{"type": "text", "text": "w5 w6"}, {"type": "image_pil", "image_pil": image}]
     with LLM(str(folder)) as llm:
-        out = llm.chat([{"role": "user", "content": content}], GREEDY)[0]
-        template = [
-            {"role": "user", "content": [{"type": "text", "text": "w5 w6"}, {"type": "image"}]}
-        ]
-        written = llm.tokenizer.apply_chat_template(template)
-    assert out.token_ids == hf_greedy(hf, processed(processor, written, [image]), 8)
+        tokens, written = chat_with_an_image(llm, image, GREEDY)
+    assert tokens == hf_greedy(hf, processed(processor, written, [image]), 8)
 
 
 def test_refusals(mistral3: tuple[Path, torch.nn.Module, Any], tmp_path: Path) -> None:
@@ -197,27 +185,10 @@ def test_refusals(mistral3: tuple[Path, torch.nn.Module, Any], tmp_path: Path) -
 def test_pixtral_12b_layout(tmp_path: Path) -> None:
     """Pixtral 12B's layout: LLaVA over a Pixtral tower, a feature a 14-pixel patch (no
     merge), every patch kept; greedy tokens as transformers' for an image of 2 x 3 patches."""
-    import transformers
-
-    from tests.tiny_models import COMMON, FAMILIES, VISION
 
     text = {**COMMON, **FAMILIES["mistral"], "model_type": "mistral"}
     vision = {**VISION, "model_type": "pixtral", "num_hidden_layers": 1, "head_dim": 16}
-    config = transformers.LlavaConfig(
-        text_config=text,
-        vision_config={**vision, "image_size": 42, "patch_size": 14},
-        image_token_index=IMAGE,
-        vision_feature_layer=-1,
-        vision_feature_select_strategy="full",
-    )
-    torch.manual_seed(0)
-    hf = transformers.LlavaForConditionalGeneration(config)
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if "norm" not in name and (param.dim() == 2 or name.endswith("bias")):
-                param.normal_(0.0, 0.1)
-    hf.save_pretrained(tmp_path)
-    hf.eval()
+    hf = save_llava(text, {**vision, "image_size": 42, "patch_size": 14}, tmp_path)
     write_word_tokenizer(tmp_path, 320, IMAGE, {ROW_BREAK: "[IMG_BREAK]", IMAGE_END: "[IMG_END]"})
     pixels = torch.randn(1, 3, 28, 42)
     prompt = [5, 17, IMAGE, 99, 4]

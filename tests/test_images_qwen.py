@@ -9,6 +9,7 @@ verify steps."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,13 @@ import torch
 
 from aserve import LLM, SamplingParams
 from aserve.models.mrope import MropePositions
-from tests.image_refs import IMAGE, image_prompt
-from tests.test_models import our_logits
+from tests.image_refs import (
+    IMAGE,
+    chat_with_an_image,
+    check_cache_and_batches,
+    check_logits_and_tokens,
+    image_prompt,
+)
 from tests.tiny_models import (
     hf_greedy_tokens,
     make_tiny_vision_language,
@@ -111,19 +117,8 @@ def test_logits_and_tokens_match_transformers(
     folder, hf, image_processor = qwen_vl
     images = [picture(seed, size) for seed, size in enumerate(sizes)]
     inputs = processed(image_processor, prompt, images)
-    expected_prompt = inputs["input_ids"][0].tolist()
-    continuation = [7, 123, 45, 2]
-    with LLM(str(folder), page_size=4, max_prefill_length=3) as llm:
-        pixels = llm.runtime.image_processor.pixels(images)
-        ours = our_logits(llm, prompt, continuation, pixels)
-        theirs = hf_logits(hf, inputs, continuation)
-        torch.testing.assert_close(ours, theirs[len(expected_prompt) - 1 :], atol=2e-4, rtol=1e-4)
-        out = llm.generate(
-            {"prompt_token_ids": prompt, "multi_modal_data": {"image": images}}, GREEDY
-        )[0]
-    assert out.error is None
-    assert out.prompt_token_ids == expected_prompt
-    assert out.token_ids == hf_greedy(hf, inputs, 8)
+    theirs = (partial(hf_logits, hf, inputs), partial(hf_greedy, hf, inputs))
+    check_logits_and_tokens(folder, prompt, images, inputs, theirs, GREEDY)
 
 
 def test_positions_as_transformers_places_them(qwen_vl: tuple[Path, torch.nn.Module, Any]) -> None:
@@ -154,25 +149,13 @@ def test_prefix_cache_batches_and_speculation(qwen_vl: tuple[Path, torch.nn.Modu
     (verify rows at shifted positions) gives what it gives alone."""
     folder, hf, image_processor = qwen_vl
     prompt = [5, 17, 42, 9, IMAGE, 99, 4, 5, 17, 42]
-    first, second = picture(1, (56, 56)), picture(4, (56, 56))
-    text = [5, 6, 7, 8, 5, 6, 7]
-    with LLM(str(folder), page_size=4) as llm:
-        planner = llm.scheduler.planner
-        alone = llm.generate(image_prompt(prompt, first), GREEDY)[0].token_ids
-        assert alone == hf_greedy(hf, processed(image_processor, prompt, [first]), 8)
-        cached = planner.prompt_tokens_cached
-        assert llm.generate(image_prompt(prompt, first), GREEDY)[0].token_ids == alone
-        assert planner.prompt_tokens_cached - cached >= 8
-        cached = planner.prompt_tokens_cached
-        other = llm.generate(image_prompt(prompt, second), GREEDY)[0].token_ids
-        assert planner.prompt_tokens_cached - cached <= 4  # the text before the image alone
-        assert other == hf_greedy(hf, processed(image_processor, prompt, [second]), 8) != alone
-        text_alone = llm.generate([text], GREEDY)[0].token_ids
-    with LLM(str(folder), page_size=4, cache_type="naive") as llm:
-        batched = llm.generate(
-            [image_prompt(prompt, first), text, image_prompt(prompt, second)], GREEDY
-        )
-        assert [o.token_ids for o in batched] == [alone, text_alone, other]
+    first = picture(1, (56, 56))
+
+    def expected(image: object) -> list[int]:
+        return hf_greedy(hf, processed(image_processor, prompt, [image]), 8)
+
+    images = (first, picture(4, (56, 56)))
+    check_cache_and_batches(folder, prompt, images, [5, 6, 7, 8, 5, 6, 7], GREEDY, expected)
     long = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     with LLM(str(folder)) as llm:
         plain = llm.generate(image_prompt(prompt, first), long)[0].token_ids
@@ -187,14 +170,9 @@ def test_chat_with_an_image_part(qwen_vl: tuple[Path, torch.nn.Module, Any]) -> 
     processor's patches, transformers' tokens."""
     folder, hf, image_processor = qwen_vl
     image = picture(4, (40, 90))
-    content = [{"type": "text", "text": "w5 w6"}, {"type": "image_pil", "image_pil": image}]
     with LLM(str(folder)) as llm:
-        out = llm.chat([{"role": "user", "content": content}], GREEDY)[0]
-        template = [
-            {"role": "user", "content": [{"type": "text", "text": "w5 w6"}, {"type": "image"}]}
-        ]
-        written = llm.tokenizer.apply_chat_template(template)
-    assert out.token_ids == hf_greedy(hf, processed(image_processor, written, [image]), 8)
+        tokens, written = chat_with_an_image(llm, image, GREEDY)
+    assert tokens == hf_greedy(hf, processed(image_processor, written, [image]), 8)
 
 
 def test_refusals(qwen_vl: tuple[Path, torch.nn.Module, Any]) -> None:

@@ -379,6 +379,29 @@ def vision_language_config(architecture: str, overrides: dict[str, Any] | None =
     raise ValueError(f"no tiny {architecture}")
 
 
+def save_llava(text: dict[str, Any], vision: dict[str, Any], folder: Path) -> torch.nn.Module:
+    """A tiny LLaVA of these language and vision settings, its tower's last layer and every
+    patch kept (LLaVA-Interleave's and Pixtral 12B's layouts), matrices and biases drawn
+    wide as `make_tiny_vision_language` draws them, saved; returns the model."""
+    import transformers
+
+    config = transformers.LlavaConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_index=300,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="full",
+    )
+    torch.manual_seed(0)
+    hf = transformers.LlavaForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if "norm" not in name and (param.dim() == 2 or name.endswith("bias")):
+                param.normal_(0.0, 0.1)
+    hf.save_pretrained(folder)
+    return hf.eval()
+
+
 def make_tiny_vision_language(
     architecture: str, folder: Path, seed: int = 0, overrides: dict[str, Any] | None = None
 ) -> torch.nn.Module:

@@ -56,16 +56,7 @@ class Scoring:
             raise APIError(str(error), param="text_1") from None
         scores, tokens = await self._scores(runtime, limits, pairs, "text_2")
         data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
-        return json_response(
-            {
-                "id": f"score-{uuid.uuid4().hex}",
-                "object": "list",
-                "created": int(time.time()),
-                "model": self.state.model_name,
-                "data": data,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-            }
-        )
+        return self._list_response("score", data, tokens)
 
     async def rerank(self, request: web.Request) -> web.Response:
         runtime, limits = self._scoring_runtime()
@@ -114,10 +105,13 @@ class Scoring:
                     "num_classes": len(classes.probs),
                 }
             )
-        tokens = sum(len(p) for p in prompts)
+        return self._list_response("classify", data, sum(len(p) for p in prompts))
+
+    def _list_response(self, kind: str, data: list[dict[str, Any]], tokens: int) -> web.Response:
+        """vLLM's list of `/score` or `/classify` results, with the prompt tokens used."""
         return json_response(
             {
-                "id": f"classify-{uuid.uuid4().hex}",
+                "id": f"{kind}-{uuid.uuid4().hex}",
                 "object": "list",
                 "created": int(time.time()),
                 "model": self.state.model_name,
