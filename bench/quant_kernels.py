@@ -8,6 +8,7 @@ against MKL float32, on CUDA against cuBLAS bfloat16.
     python bench/quant_kernels.py --device cuda --shapes 6144x4096 4096x4096 28672x4096 \
         4096x14336 --rows 1 16 64 256 1024 4096
     python bench/quant_kernels.py --fp8 --shapes 6144x4096 28672x4096 4096x14336 --rows 1 4 16
+    python bench/quant_kernels.py --fp8-one-row --shapes 6144x4096 4096x4096 28672x4096 4096x14336
 
 `--qtypes IQ2_XXS IQ3_XXS ...` (CUDA) times random weights of llama.cpp's formats: the
 engine's form (book entries for the formats of runs), the same weight in 4-bit codes, and
@@ -93,6 +94,21 @@ FP8_CONFIGS = [(8, 1024, 4, 2), (4, 2048, 8, 2), (16, 1024, 8, 2)]
 """(rows, columns a program reads at a time, warps, stages) of the one-row GEMV tried by
 `--fp8`."""
 
+ONE_ROW_SWEEP = [
+    (8, 512, 8, 2),
+    (16, 512, 8, 2),
+    (32, 512, 8, 2),
+    (8, 1024, 4, 2),
+    (8, 1024, 4, 3),
+    (16, 1024, 8, 2),
+    (4, 2048, 4, 2),
+    (8, 2048, 8, 2),
+    (2, 4096, 4, 1),
+    (4, 4096, 8, 1),
+]
+"""Settings of the one-row FP8 GEMV that `--fp8-one-row` times (those whose columns do not
+divide a shape's row are left out for it)."""
+
 FEW_ROWS_CONFIGS = [
     (64, 128, 1, 4, 4),
     (64, 128, 1, 4, 6),
@@ -147,6 +163,49 @@ class Rotating:
     def __call__(self) -> object:
         self.calls += 1
         return self.product(self.weights[self.calls % len(self.weights)])
+
+
+def fp8_one_row_sweep(shapes: list[str]) -> None:
+    """The one-row FP8 GEMV (a decode step at batch 1) in the engine's setting and in
+    `ONE_ROW_SWEEP`'s, the weights rotating past L2 (`Rotating`) and the 20 calls of a
+    graph chained by PDL as a decode step chains them; then gate|up with SiLU's kernel
+    (`fp8_silu_gemv`) for shapes of at least `FP8_WORDS_MIN_ROWS` rows."""
+    from aserve.layers.gemv import FP8_WORDS_MIN_ROWS, fp8_silu_gemv
+    from aserve.quant.fp8 import Fp8Weight, quantize_rows
+
+    print(f"{torch.cuda.get_device_name()}; us a one-row product with FP8 weights")
+    print("shape           engine  settings from the fastest (rows, columns, warps, stages)")
+    for shape in shapes:
+        out, cols = (int(v) for v in shape.split("x"))
+        weight = Fp8Weight(quantize_rows(torch.randn(out, cols) * 0.02), torch.device("cuda"))
+        copies = [weight.values] + [
+            weight.values.clone() for _ in range(max(1, 2**28 // weight.values.nbytes))
+        ]
+        x = torch.randn(1, cols, device="cuda", dtype=torch.bfloat16)
+        engine = us_per_cuda_call(Rotating(copies, partial(_one_row_with, x, weight.scales, None)))
+        timed = sorted(
+            (us_per_cuda_call(Rotating(copies, partial(_one_row_with, x, weight.scales, c))), c)
+            for c in ONE_ROW_SWEEP
+            if cols % c[1] == 0
+        )
+        cells = ", ".join(f"{c}: {us:.2f}" for us, c in timed)
+        print(f"{shape:<14}{engine:>8.2f}  {cells}", flush=True)
+        if out >= FP8_WORDS_MIN_ROWS and out % 2 == 0:
+            silu = us_per_cuda_call(
+                Rotating(copies, partial(fp8_silu_gemv, x, scales=weight.scales))
+            )
+            print(f"{shape:<14}{silu:>8.2f}  (gate|up with SiLU, `fp8_silu_gemv`)", flush=True)
+
+
+def _one_row_with(
+    x: torch.Tensor,
+    scales: torch.Tensor,
+    config: tuple[int, int, int, int] | None,
+    values: torch.Tensor,
+) -> torch.Tensor:
+    from aserve.layers.gemv import gemv
+
+    return gemv(x, values, None, scales=scales, config=config)
 
 
 def fp8_gemm_sweep(shapes: list[str], row_counts: list[int], chosen: bool = False) -> None:
@@ -389,6 +448,9 @@ def main() -> None:
     p.add_argument(
         "--fp8-feeds", action="store_true", help="FP8 norm/activation/quantization (CUDA)"
     )
+    p.add_argument(
+        "--fp8-one-row", action="store_true", help="the one-row FP8 GEMV's settings (CUDA)"
+    )
     args = p.parse_args()
     if args.qtypes:
         if not torch.cuda.is_available():
@@ -400,6 +462,9 @@ def main() -> None:
         return
     if args.fp8_gemm:
         fp8_gemm_sweep(args.shapes, args.rows, args.chosen)
+        return
+    if args.fp8_one_row:
+        fp8_one_row_sweep(args.shapes)
         return
     if args.fp8:
         fp8_few_rows(args.shapes, args.rows)
