@@ -77,6 +77,10 @@ CLASSIFIER_SUFFIX = "ForSequenceClassification"
 """A classifier's architecture is its language model's with this in place of `ForCausalLM`
 (transformers' `LlamaForSequenceClassification`, `Qwen3ForSequenceClassification`, ...): the
 same decoder, a `score` layer in place of the LM head."""
+BASE_MODEL_ARCHITECTURES = {"Gemma3TextModel": "Gemma3ForCausalLM"}
+"""A decoder published without its head, as an embedding model (EmbeddingGemma's Gemma 3
+text model, whose attention runs both ways: `bidirectional`) -> the architecture whose
+decoder it is."""
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe")
 """Families whose experts `_moe_settings` reads (gpt-oss's are read with its own settings)."""
 MOE_BACKENDS = ("auto", "torch", "fused")
@@ -664,6 +668,9 @@ class ModelConfig:
     runtime looks up: `classifier_token_ids`), a label a token, or with `two_way_softmax`
     (Qwen3-Reranker's "no", "yes") one label, the second row minus the first: its sigmoid
     is the softmax of the two tokens' logits at the second.
+    `bidirectional` (EmbeddingGemma, transformers' `use_bidirectional_attention`): every
+    position of a prompt attends to every other, in windowed layers to those less than the
+    window away on either side; such a model only embeds (`--is-embedding`).
     `mrope_section`: Qwen-VL's rotary pairs by position coordinate (time, height, width; in
     runs of pairs, or taken in turn where `mrope_interleaved`): text positions give all three
     the same value, so only image positions see them (layers/rotary.py).
@@ -729,6 +736,7 @@ class ModelConfig:
     classifier_tokens: tuple[str, ...] = ()
     classifier_token_ids: tuple[int, ...] = ()
     two_way_softmax: bool = False
+    bidirectional: bool = False
 
     @property
     def classifies(self) -> bool:
@@ -774,6 +782,15 @@ class ModelConfig:
                 mrope_section=tuple(rope.get("mrope_section") or ()),
                 mrope_interleaved=bool(rope.get("mrope_interleaved")),
             )
+        base_model = next((a for a in architectures if a in BASE_MODEL_ARCHITECTURES), None)
+        if base_model is not None:
+            decoder = {**config, "architectures": [BASE_MODEL_ARCHITECTURES[base_model]]}
+            text = cls.from_hf(decoder, generation_config)
+            if not config.get("use_bidirectional_attention", False):
+                return text
+            # transformers reads a window of w both ways as less than w // 2 + 1 away
+            windows = tuple(w // 2 + 1 if w else 0 for w in text.layer_windows)
+            return dataclasses.replace(text, bidirectional=True, layer_windows=windows)
         classifier = next((a for a in architectures if a.endswith(CLASSIFIER_SUFFIX)), None)
         # (Gemma 3's text classifier is `Gemma3TextForSequenceClassification`)
         base = (classifier or "").removesuffix(CLASSIFIER_SUFFIX).removesuffix("Text")

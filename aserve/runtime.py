@@ -23,7 +23,7 @@ from aserve.engine.followers import start_engine
 from aserve.engine.memory import GiB, free_device_memory
 from aserve.generation_defaults import describe, resolve_defaults
 from aserve.images import ImageProcessor, grid_token_names
-from aserve.models.pooling import check_pooling
+from aserve.models.pooling import read_pooling
 from aserve.models.source import complete_tokenizer, resolve_model
 from aserve.models.vision import frame_image, image_support
 from aserve.models.weights import load_hf_config
@@ -134,7 +134,12 @@ class Runtime:
                 self.model_config.architecture,
             )
         if config.engine.is_embedding:
-            check_pooling(self.model_dir)
+            read_pooling(self.model_dir)  # refuses a pooling aserve does not compute
+        elif self.model_config.bidirectional:
+            raise ConfigError(
+                f"{self.model_config.architecture.removesuffix('ForCausalLM')}'s text model "
+                "here attends both ways: it only embeds (start it with --is-embedding)"
+            )
         if self.model_config.classifier_tokens:
             self.model_config = dataclasses.replace(
                 self.model_config,

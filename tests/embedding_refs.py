@@ -3,9 +3,12 @@ model, and aserve's embeddings as tensors."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from aserve import LLM
 
@@ -27,3 +30,73 @@ def embedded(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
     outputs = llm.embed(prompts)
     assert all(out.error is None and out.embedding is not None for out in outputs)
     return [torch.tensor(out.embedding) for out in outputs]
+
+
+def sentence_transformers_files(
+    folder: Path, pooling: dict[str, bool], dense: list[torch.Tensor] | None = None
+) -> None:
+    """modules.json, the Pooling module's config and Dense modules of these weights
+    (`[out, in]`, no bias, no activation), as sentence-transformers saves them."""
+    kinds = ["Transformer", "Pooling", *["Dense"] * len(dense or []), "Normalize"]
+    paths = ["", "1_Pooling", *[f"{2 + i}_Dense" for i in range(len(dense or []))], "9"]
+    modules = [
+        {"idx": i, "path": path, "type": f"sentence_transformers.models.{kind}"}
+        for i, (kind, path) in enumerate(zip(kinds, paths, strict=True))
+    ]
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    settings = {f"pooling_mode_{mode}": on for mode, on in pooling.items()}
+    (folder / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": 64, **settings})
+    )
+    for path, weight in zip(paths[2:], dense or [], strict=False):
+        (folder / path).mkdir(exist_ok=True)
+        identity = "torch.nn.modules.linear.Identity"
+        settings = {"in_features": weight.shape[1], "out_features": weight.shape[0]}
+        settings |= {"bias": False, "activation_function": identity}
+        (folder / path / "config.json").write_text(json.dumps(settings))
+        save_file({"linear.weight": weight.contiguous()}, str(folder / path / "model.safetensors"))
+
+
+LAST = {"cls_token": False, "mean_tokens": False, "lasttoken": True}
+MEAN = {**LAST, "lasttoken": False, "mean_tokens": True}
+CLS = {**LAST, "lasttoken": False, "cls_token": True}
+DENSE = [torch.randn(96, 64, generator=torch.Generator().manual_seed(5)) / 8, torch.eye(96)[:48]]
+
+
+def pooled_reference(
+    hidden: torch.Tensor, mode: str, dense: list[torch.Tensor] | None
+) -> torch.Tensor:
+    """sentence-transformers' pooling of one prompt's final hidden states `[tokens, width]`
+    (the last token's, their mean or the first's), its Dense modules, then unit length."""
+    pooled = {"last": hidden[-1], "mean": hidden.mean(0), "cls": hidden[0]}[mode]
+    for weight in dense or []:
+        pooled = weight @ pooled
+    return torch.nn.functional.normalize(pooled, dim=0)
+
+
+def make_embedding_gemma(
+    folder: Path, overrides: dict[str, Any] | None = None
+) -> tuple[Any, list[torch.Tensor]]:
+    """A tiny EmbeddingGemma: Gemma 3's text model alone (`Gemma3TextModel`, its tensors
+    without `model.`), attending both ways, a window of 4 on its first layer (which
+    transformers reads as less than 3 away); its sentence-transformers files pool by the
+    mean, then two Dense modules. Returns the model and the Dense modules' weights."""
+    import transformers
+
+    from tests.tiny_models import COMMON, FAMILIES
+
+    settings = {**COMMON, **FAMILIES["gemma3"], **(overrides or {})}
+    settings["use_bidirectional_attention"] = True
+    torch.manual_seed(0)
+    model = transformers.Gemma3TextModel(transformers.Gemma3TextConfig(**settings))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or param.dim() == 2:
+                param.normal_(0.0, 0.1)
+    model.save_pretrained(folder)
+    width = settings["hidden_size"]
+    dense = [torch.randn(96, width, generator=torch.Generator().manual_seed(5)) / 8]
+    dense.append(torch.eye(96)[:48])
+    sentence_transformers_files(folder, MEAN, dense)
+    return model.eval(), dense

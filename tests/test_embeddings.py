@@ -19,7 +19,18 @@ from safetensors.torch import load_file, save_file
 from aserve import LLM
 from aserve.config import ConfigError
 from aserve.server import protocol
-from tests.embedding_refs import PROMPTS, embedded, reference
+from tests.embedding_refs import (
+    CLS,
+    DENSE,
+    LAST,
+    MEAN,
+    PROMPTS,
+    embedded,
+    make_embedding_gemma,
+    pooled_reference,
+    reference,
+    sentence_transformers_files,
+)
 from tests.gguf_files import write_hf_as_gguf
 from tests.server_utils import ServerProcess, serving
 from tests.test_server import get, metric_value, post, run
@@ -198,50 +209,58 @@ def test_generation_routes_refuse_on_an_embedding_server(embedding_server: Serve
         assert reply["error"]["code"] == "generation_not_served"
 
 
-def sentence_transformers_files(folder: Path, pooling: dict[str, bool], dense: bool) -> None:
-    """modules.json and the Pooling module's config, as sentence-transformers saves them."""
-    kinds = ["Transformer", "Pooling", *(["Dense"] if dense else []), "Normalize"]
-    paths = {"Transformer": "", "Pooling": "1_Pooling", "Dense": "2_Dense", "Normalize": "3"}
-    modules = [
-        {"idx": i, "path": paths[kind], "type": f"sentence_transformers.models.{kind}"}
-        for i, kind in enumerate(kinds)
-    ]
-    (folder / "modules.json").write_text(json.dumps(modules))
-    (folder / "1_Pooling").mkdir(exist_ok=True)
-    settings = {f"pooling_mode_{mode}": on for mode, on in pooling.items()}
-    (folder / "1_Pooling" / "config.json").write_text(
-        json.dumps({"word_embedding_dimension": 64, **settings})
-    )
+@pytest.mark.parametrize(("mode", "pooling"), [("last", LAST), ("mean", MEAN), ("cls", CLS)])
+@pytest.mark.parametrize("dense", [None, DENSE], ids=["plain", "dense"])
+def test_sentence_transformers_pooling_as_published(
+    tmp_path: Path, mode: str, pooling: dict[str, bool], dense: list[torch.Tensor] | None
+) -> None:
+    """A folder's sentence-transformers modules say how it pools (the last token, the mean
+    over the prompt, the first token) and what Dense modules follow: the embeddings are
+    theirs on transformers' hidden states, in chunks of 3 where the pooling allows (the
+    mean and the first token take each prompt whole, past the step's budget, and never from
+    the prefix cache); a generating server reads none of it."""
+    import transformers
 
-
-LAST = {"cls_token": False, "mean_tokens": False, "lasttoken": True}
+    folder = make_tiny_model("qwen3", tmp_path)
+    sentence_transformers_files(folder, pooling, dense)
+    model = transformers.AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+    prompts = [*PROMPTS, PROMPTS[0][:6], PROMPTS[0]]
+    with torch.inference_mode():
+        hidden = [model(torch.tensor([p])).last_hidden_state[0] for p in prompts]
+    expected = [pooled_reference(h, mode, dense) for h in hidden]
+    with LLM(str(folder), is_embedding=True, page_size=4, max_prefill_length=3) as llm:
+        assert llm.runtime.engine.whole_prompts == (mode != "last")
+        got = embedded(llm, prompts) + embedded(llm, prompts[-1:])
+        cached = llm.scheduler.planner.prompt_tokens_cached
+    assert (cached == 0) == (mode != "last")
+    for ours, theirs in zip(got, [*expected, expected[-1]], strict=True):
+        torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
+    with LLM(str(folder)) as llm:
+        assert llm.generate([PROMPTS[0]])[0].token_ids
 
 
 @pytest.mark.parametrize(
     ("pooling", "dense", "refusal"),
     [
-        (LAST, False, None),
-        ({**LAST, "lasttoken": False, "mean_tokens": True}, False, "pools by mean_tokens"),
-        ({**LAST, "lasttoken": False, "cls_token": True}, False, "pools by cls_token"),
-        (LAST, True, "has a Dense module after the model"),
+        ({**LAST, "lasttoken": False, "max_tokens": True}, False, "pools by max_tokens"),
+        ({**MEAN, "cls_token": True}, False, "pools by cls_token, mean_tokens"),
+        (LAST, True, "activation 'torch.nn.modules.activation.GELU'"),
     ],
 )
-def test_sentence_transformers_pooling_is_checked(
-    tmp_path: Path, pooling: dict[str, bool], dense: bool, refusal: str | None
+def test_sentence_transformers_pooling_refusals(
+    tmp_path: Path, pooling: dict[str, bool], dense: bool, refusal: str
 ) -> None:
-    """A folder whose sentence-transformers modules pool at the last token and normalise
-    (Qwen3-Embedding's) serves; mean or CLS pooling, or a Dense layer after it, is refused
-    in one line (a generating server reads none of it)."""
+    """Poolings aserve does not compute (the maximum, two at once) and a Dense module's
+    activation it does not apply: one-line errors."""
     folder = make_tiny_model("qwen3", tmp_path)
-    sentence_transformers_files(folder, pooling, dense)
-    if refusal is None:
-        with LLM(str(folder), is_embedding=True) as llm:
-            assert llm.embed([PROMPTS[0]])[0].embedding is not None
-        return
+    sentence_transformers_files(folder, pooling, DENSE[:1] if dense else None)
+    if dense:
+        settings_file = folder / "2_Dense" / "config.json"
+        settings = json.loads(settings_file.read_text())
+        settings["activation_function"] = "torch.nn.modules.activation.GELU"
+        settings_file.write_text(json.dumps(settings))
     with pytest.raises(ConfigError, match=refusal):
         LLM(str(folder), is_embedding=True)
-    with LLM(str(folder)) as llm:
-        assert llm.generate([PROMPTS[0]])[0].token_ids
 
 
 @pytest.mark.parametrize(
@@ -272,3 +291,33 @@ def test_a_gguf_file_s_pooling_type_is_checked(
         LLM(str(path), is_embedding=True)
     with LLM(str(path)) as llm:
         assert llm.generate([PROMPTS[0]])[0].token_ids
+
+
+def test_embedding_gemma_attends_both_ways(tmp_path: Path) -> None:
+    """EmbeddingGemma's layout: every position reads every other (the windowed layer those
+    less than 4 away on either side), the mean over the prompt, two Dense modules; equal to
+    transformers' model pooled so, each prompt whole in one step (past a budget of 3) and
+    none from the prefix cache, alone and in batches; a causal read would differ. It only
+    embeds: a generating server is refused in one line."""
+    hf, dense = make_embedding_gemma(tmp_path)
+    prompts = [*PROMPTS, PROMPTS[0][:6], list(range(3, 40))]
+    with torch.inference_mode():
+        hidden = [hf(torch.tensor([p])).last_hidden_state[0] for p in prompts]
+        hf.config.use_bidirectional_attention = False
+        for layer in hf.layers:
+            layer.self_attn.is_causal = True
+        causal = hf(torch.tensor([prompts[-1]])).last_hidden_state[0]
+    expected = [pooled_reference(h, "mean", dense) for h in hidden]
+    assert (pooled_reference(causal, "mean", dense) - expected[-1]).abs().max() > 1e-3
+    with LLM(str(tmp_path), is_embedding=True, page_size=4, max_prefill_length=3) as llm:
+        config = llm.runtime.engine.model_config
+        assert config.bidirectional and config.architecture == "Gemma3ForCausalLM"
+        got = embedded(llm, prompts)
+        alone = [embedded(llm, [p])[0] for p in prompts]
+        assert llm.scheduler.planner.prompt_tokens_cached == 0
+    for ours, single, theirs in zip(got, alone, expected, strict=True):
+        assert ours.shape == (48,)
+        torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(single, ours, atol=2e-6, rtol=0)
+    with pytest.raises(ConfigError, match="attends both ways: it only embeds"):
+        LLM(str(tmp_path))

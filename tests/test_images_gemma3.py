@@ -110,15 +110,21 @@ def test_logits_and_tokens_match_transformers(
 
 def test_chunks_never_cut_an_image() -> None:
     """A chunk that would end inside an image's features stops before them, or runs to
-    their end where it starts at or within them."""
+    their end where it starts at or within them; a prompt that runs whole (an embedding
+    model's that attends both ways) is taken whole."""
 
     class Span:
         both_ways, features_start, features_end = True, 10, 14
 
     class Request:
         images = [Span()]
+        prompt_ids = list(range(20))
+        whole_prompt = False
 
     req: Any = Request()
+    req.whole_prompt = True
+    assert whole_images(req, 0, 3) == 20
+    req.whole_prompt = False
     assert whole_images(req, 0, 8) == 8  # ends before the image
     assert whole_images(req, 0, 12) == 10  # would cut it: stops before
     assert whole_images(req, 10, 2) == 4  # starts at it: the whole image, past the budget

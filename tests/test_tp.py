@@ -545,15 +545,23 @@ def test_server_exits_with_one_line_when_a_worker_dies(tmp_path: Path) -> None:
         server.stop()
 
 
-def test_tp2_embeddings_equal_tp1(tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", ["qwen3", "embedding-gemma"])
+def test_tp2_embeddings_equal_tp1(tmp_path: Path, family: str) -> None:
     """An embedding server over two ranks: the last token's hidden state is whole after the
-    final norm's all-reduce, and rank 1 follows steps that sample nothing."""
-    model = make_tiny_model("qwen3", tmp_path)
+    final norm's all-reduce, and rank 1 follows steps that sample nothing; EmbeddingGemma's
+    prompts attend both ways on both ranks (the step's spec says so) and pool by the mean
+    before their Dense modules."""
+    from tests.embedding_refs import make_embedding_gemma
+
+    if family == "qwen3":
+        model = make_tiny_model("qwen3", tmp_path)
+    else:
+        make_embedding_gemma(tmp_path)
+        model = tmp_path
+    options = {"max_prefill_length": 16, "is_embedding": True, **OPTIONS}
     with (
-        LLM(str(model), max_prefill_length=16, is_embedding=True, **OPTIONS) as one,
-        LLM(
-            str(model), max_prefill_length=16, is_embedding=True, tensor_parallel_size=2, **OPTIONS
-        ) as two,
+        LLM(str(model), **options) as one,
+        LLM(str(model), tensor_parallel_size=2, **options) as two,
     ):
         assert two.runtime.engine.tp.size == 2
         for ours, theirs in zip(two.embed(PROMPTS), one.embed(PROMPTS), strict=True):

@@ -72,12 +72,16 @@ def visible_keys(
     """Which of a request's `total` positions each of its new queries (the last `total -
     prefix`) reads, `[queries, total]`: up to itself (bottom-right aligned after a cached
     prefix), or within a `both_ways` block `[first, last)` the whole block (Gemma 3's image
-    features), and with a window (0: none) only positions less than `window` behind the
-    query, as transformers composes the two."""
+    features, a bidirectional model's whole prompt), and with a window (0: none) only
+    positions less than `window` away on either side, as transformers composes the two
+    (its blocks of image features are shorter than the window; EmbeddingGemma's windowed
+    layers read less than the window away both ways)."""
     q_pos = torch.arange(prefix, total, device=device)[:, None]
     k_pos = torch.arange(total, device=device)[None, :]
     limits = torch.arange(prefix + 1, total + 1, device=device)
     for first, last in both_ways:
         limits[max(first, prefix) - prefix : max(last, prefix) - prefix] = last
     mask = k_pos < limits[:, None]
-    return mask & (k_pos > q_pos - window) if 0 < window < total else mask
+    if not 0 < window < total:
+        return mask
+    return mask & (k_pos > q_pos - window) & (k_pos < q_pos + window)

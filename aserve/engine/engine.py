@@ -53,7 +53,8 @@ from aserve.layers.linear import pack_linear_weights, use_one_row_kernel
 from aserve.layers.moe import QuantizedExperts
 from aserve.models.cpu_decode import use_decode_stacks
 from aserve.models.decoder import use_fp8_activations
-from aserve.models.multimodal import language_model_weights
+from aserve.models.multimodal import decoder_weights, language_model_weights
+from aserve.models.pooling import Pooler, Pooling, read_pooling
 from aserve.models.registry import build_model
 from aserve.models.vision import (
     ImageEncoder,
@@ -208,6 +209,7 @@ class Engine:
             weights = iter_weights(model_dir, self.tp.rank == 0, lazy=True, dequantize=dequantize)
             if model_config.language_model_of is not None:
                 weights = language_model_weights(weights)
+            weights = decoder_weights(weights)
             weights = kv_scales.take(weights)
             if model_config.fp8_checkpoint:
                 float_weights = model_config.quantization != "fp8"
@@ -220,6 +222,14 @@ class Engine:
             self.model.load_weights(weights)
         self.model.finalize_quantized(self.device, self.dtype)
         self.images = self._image_encoder(model_config, model_dir)
+        pooling = read_pooling(model_dir) if config.is_embedding and model_dir else Pooling()
+        if pooling != Pooling():
+            self.model.pooler = Pooler(pooling, self.device)
+        # Prompts whose every position a step must hold, never taken from the prefix cache:
+        # attention both ways, pooling by the mean or the first token.
+        self.whole_prompts = config.is_embedding and (
+            model_config.bidirectional or pooling.whole_prompt
+        )
         if self.device.type == "cuda":
             _warn_of_unfused_experts(self.model)
         self.model.eval()

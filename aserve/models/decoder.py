@@ -36,6 +36,7 @@ from aserve.layers.norm import AcrossHeadsNorm, Float32RMSNorm, GemmaRMSNorm, RM
 from aserve.layers.rotary import NO_ROPE, RotaryEmbedding, partial_rotary_order
 from aserve.layers.weight import WeightSource, read_whole
 from aserve.models.multimodal import checkpoint_names
+from aserve.models.pooling import Pooler
 from aserve.models.weights import map_checkpoint_tensor
 from aserve.quant.fp8_activations import Fp8Activations
 from aserve.quant.gguf import QuantizedTensor
@@ -503,13 +504,19 @@ class DecoderForCausalLM(nn.Module):
             else ParallelLMHead(config.vocab_size, config.hidden_size, tp, config.quantization)
         )
         self.score = ScoreHead(config.num_labels, config.hidden_size) if config.classifies else None
+        # An embedding model's pooling and Dense modules (models/pooling.py), set by the
+        # engine; None pools at the last token.
+        self.pooler: Pooler | None = None
 
     def embed(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        """Embeddings `[batch, hidden]` in float32, unit length: the last layer's normalised
+        """Embeddings `[batch, width]` in float32, unit length: the last layer's normalised
         output at each request's `logit_indices` token (its last one in the prompt's last
-        chunk), as Qwen3-Embedding, gte-Qwen2 and e5-mistral pool it."""
-        hidden = self.model(batch, attn)[batch.logit_indices].float()
-        return F.normalize(hidden, dim=-1)
+        chunk), as Qwen3-Embedding, gte-Qwen2 and e5-mistral pool it, or as `pooler` pools
+        (EmbeddingGemma's mean, then its Dense modules)."""
+        hidden = self.model(batch, attn)
+        if self.pooler is None:
+            return F.normalize(hidden[batch.logit_indices].float(), dim=-1)
+        return F.normalize(self.pooler(hidden, batch), dim=-1)
 
     def classify(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """A sequence classifier's logits `[batch, labels]` in float32, from the last layer's

@@ -52,3 +52,15 @@ def checkpoint_names(name: str, vision_language: bool) -> list[str]:
     if first == "model":
         filed.append(f"model.language_model.{rest}")
     return [name, *filed]
+
+
+DECODER_PARTS = frozenset({"embed_tokens", "layers", "norm"})
+"""A decoder's top-level modules, which a checkpoint of the decoder alone (a `*TextModel`,
+EmbeddingGemma's) files without the `model.` that a causal LM's checkpoint puts first."""
+
+
+def decoder_weights(weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+    """`weights` under a causal LM's names: a bare decoder's tensors moved under `model.`."""
+    for name, tensor in weights:
+        first = name.partition(".")[0]
+        yield (f"model.{name}" if first in DECODER_PARTS else name), tensor

@@ -13,7 +13,12 @@ from aserve.scheduler.plan import ScheduledBatch
 from aserve.scheduler.request import Req
 
 
-def step_spec(planned: ScheduledBatch, page_table: PageTable, image_levels: int = 1) -> StepSpec:
+def step_spec(
+    planned: ScheduledBatch,
+    page_table: PageTable,
+    image_levels: int = 1,
+    both_ways_prompts: bool = False,
+) -> StepSpec:
     """The plan as plain integers: what every tensor-parallel rank needs to run the step.
 
     A verify step (speculative decoding) is a decode step of one row per token: request i's
@@ -54,6 +59,9 @@ def step_spec(planned: ScheduledBatch, page_table: PageTable, image_levels: int 
             pieces, blocks = image_pieces(spans, prefix_lens, planned.extend_lens)
             image_rows = [row for piece in pieces for row in piece.rows]
             both_ways = [v for i, held in enumerate(blocks) for block in held for v in (i, *block)]
+        if both_ways_prompts:  # every prompt whole, attending both ways (`Req.whole_prompt`)
+            for i, (start, n) in enumerate(zip(prefix_lens, planned.extend_lens)):
+                both_ways += [i, start, start + n]
     return StepSpec(
         mode=planned.mode,
         rows=[r.slot for r in reqs],

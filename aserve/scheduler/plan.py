@@ -465,7 +465,10 @@ def _check_pages(what: str, allocator: PageAllocator, cached: list[int], owned: 
 def whole_images(req: Req, start: int, n: int) -> int:
     """A chunk of `n` tokens from `start` that ends at no point inside an image whose
     features attend to each other both ways (Gemma 3): cut before the image, or, where the
-    chunk starts within or at it, taken to its end (past the step's budget if need be)."""
+    chunk starts within or at it, taken to its end (past the step's budget if need be). A
+    prompt that runs whole (`Req.whole_prompt`) is one such block."""
+    if req.whole_prompt:
+        return len(req.prompt_ids) - start
     end = start + n
     for span in req.images:
         if span.both_ways and span.features_start < end < span.features_end:

@@ -251,6 +251,9 @@ class Req:
     ngram: Any = None  # speculative/ngram.NgramIndex of its tokens, made when it first drafts
     draft_misses: int = 0  # verify steps in a row that took none of its drafts
     draft_pause: int = 0  # decode steps it goes without drafts (Planner.accept)
+    # prefilled whole in one step, none of it from the prefix cache (an embedding model
+    # whose attention runs both ways or whose pooling reads every position: Engine)
+    whole_prompt: bool = False
 
     @property
     def score_from(self) -> int:
@@ -268,7 +271,10 @@ class Req:
     @property
     def reusable_len(self) -> int:
         """How much of the sequence the prefix cache may supply: all but the last token
-        (whose logits sample), and none of the positions still to be scored."""
+        (whose logits sample), and none of the positions still to be scored; nothing of a
+        prompt that runs whole."""
+        if self.whole_prompt:
+            return 0
         if self.scores_prompt:
             return min(self.total_len - 1, self.score_from)
         return self.total_len - 1

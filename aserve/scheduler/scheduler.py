@@ -150,6 +150,7 @@ class Scheduler:
             prompt_ids, spans = self.engine.expand_images(prompt_ids, images)
         req = Req(rid=self._next_rid, prompt_ids=list(prompt_ids), params=params, seed=seed)
         req.images = spans
+        req.whole_prompt = self.engine.whole_prompts
         if spans and spans[0].grid is not None:
             req.mrope = MropePositions.of(spans)
         req.max_total_len = min(len(req.prompt_ids) + params.max_tokens, self.max_seq_len)
@@ -350,8 +351,9 @@ class Scheduler:
     def _launch_forward(self, planned: ScheduledBatch) -> Forwarded:
         """Queue the step's forward (the followers get its spec first)."""
         started = time.perf_counter()
-        images = self.engine.images
-        spec = step_spec(planned, self.engine.page_table, 1 if images is None else images.levels)
+        images, both_ways = self.engine.images, self.engine.model_config.bidirectional
+        levels = 1 if images is None else images.levels
+        spec = step_spec(planned, self.engine.page_table, levels, both_ways)
         if self.followers is not None:
             self.followers.send(spec)
         batch = forward_batch(spec, self.engine.page_table, self.engine.device)
