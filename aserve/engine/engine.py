@@ -399,11 +399,11 @@ class Engine:
             return
         rows, hidden = len(batch.image_rows), self.model_config.hidden_size
         if self.tp.rank != 0:
-            empty = torch.empty
-            batch.image_embeds = empty(rows, hidden, dtype=self.dtype, device=self.device)
+            like = {"dtype": self.dtype, "device": self.device}
+            batch.image_embeds = torch.empty(rows, hidden, **like)
             if batch.image_levels > 1:
                 inner = (batch.image_levels - 1, rows, hidden)
-                batch.image_layer_embeds = empty(inner, dtype=self.dtype, device=self.device)
+                batch.image_layer_embeds = torch.empty(inner, **like)
         assert batch.image_embeds is not None
         self.tp.broadcast(batch.image_embeds)
         if batch.image_layer_embeds is not None:

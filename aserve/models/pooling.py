@@ -42,8 +42,9 @@ TAKEN = (
 """The modules whose work aserve does: the model, its pooling, dense layers, normalising."""
 MODES = {"lasttoken": "last", "mean_tokens": "mean", "cls_token": "cls"}
 """sentence-transformers' pooling modes aserve pools by (`pooling_mode_*`)."""
+IDENTITY = "torch.nn.modules.linear.Identity"
 ACTIVATIONS = {
-    "torch.nn.modules.linear.Identity": None,
+    IDENTITY: None,
     "torch.nn.modules.activation.Tanh": torch.tanh,
 }
 """A Dense module's activations aserve applies."""
@@ -54,10 +55,10 @@ GGUF_POOLING_TAKEN = (0, 3)  # none: a generative model's file, pooled at its la
 @dataclass(frozen=True)
 class Pooling:
     """An embedding model's pooling: `mode` "last", "mean" or "cls", then the Dense
-    modules' folders in order."""
+    modules in order, each its folder and its activation's name (`ACTIVATIONS`)."""
 
     mode: str = "last"
-    dense: tuple[Path, ...] = ()
+    dense: tuple[tuple[Path, str], ...] = ()
 
     @property
     def whole_prompt(self) -> bool:
@@ -92,8 +93,7 @@ def read_pooling(model_dir: Path) -> Pooling:
         if kind == POOLING:
             mode = _pooling_mode(folder / "config.json")
         elif kind == DENSE:
-            _check_dense(folder)
-            dense.append(folder)
+            dense.append((folder, _dense_activation(folder)))
     return Pooling(mode, tuple(dense))
 
 
@@ -112,21 +112,20 @@ def _pooling_mode(settings_file: Path) -> str:
     return MODES[modes[0]]
 
 
-def _check_dense(folder: Path) -> None:
-    settings = _dense_settings(folder)
-    activation = settings.get("activation_function", "torch.nn.modules.linear.Identity")
+def _dense_activation(folder: Path) -> str:
+    """A Dense module's activation, checked to be one aserve applies, and its weights to be
+    there."""
+    settings_file = folder / "config.json"
+    settings = json.loads(settings_file.read_text()) if settings_file.is_file() else {}
+    activation = str(settings.get("activation_function", IDENTITY))
     if activation not in ACTIVATIONS:
         raise ConfigError(
-            f"{folder / 'config.json'}: a Dense module's activation {activation!r} is not "
+            f"{settings_file}: a Dense module's activation {activation!r} is not "
             f"one aserve applies ({', '.join(ACTIVATIONS)})"
         )
     if not (folder / "model.safetensors").is_file():
         raise ConfigError(f"{folder} holds no model.safetensors for its Dense module")
-
-
-def _dense_settings(folder: Path) -> dict[str, object]:
-    settings_file = folder / "config.json"
-    return json.loads(settings_file.read_text()) if settings_file.is_file() else {}
+    return activation
 
 
 class Pooler(nn.Module):
@@ -140,8 +139,7 @@ class Pooler(nn.Module):
         self.mode = pooling.mode
         self.layers = nn.ModuleList()
         self.activations = []
-        for folder in pooling.dense:
-            settings = _dense_settings(folder)
+        for folder, activation in pooling.dense:
             tensors = load_file(folder / "model.safetensors", device=str(device))
             weight = tensors["linear.weight"].float()
             layer = nn.Linear(weight.shape[1], weight.shape[0], "linear.bias" in tensors)
@@ -150,8 +148,7 @@ class Pooler(nn.Module):
             if layer.bias is not None:
                 layer.bias.data.copy_(tensors["linear.bias"].float())
             self.layers.append(layer)
-            name = settings.get("activation_function", "torch.nn.modules.linear.Identity")
-            self.activations.append(ACTIVATIONS[str(name)])
+            self.activations.append(ACTIVATIONS[activation])
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """`[requests, width]` for the requests whose prompts end in this step (those at
