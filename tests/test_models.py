@@ -13,7 +13,7 @@ from aserve.engine import engine as engine_module
 from aserve.engine.step import forward_batch
 from aserve.layers.cpu_gemm import can_pack
 from aserve.quant.native import FloatWeight, native_kernels
-from aserve.scheduler.batch import step_spec
+from aserve.scheduler.batch import step_images, step_spec
 from aserve.scheduler.request import FinishReason
 from tests.tiny_models import FAMILIES, hf_greedy_tokens, make_tiny_model
 
@@ -52,11 +52,11 @@ def our_logits(
     while True:
         planned = scheduler.planner.schedule()
         assert planned is not None and planned.reqs == [req]
-        batch = forward_batch(
-            step_spec(planned, engine.page_table), engine.page_table, engine.device
-        )
-        if not batch.is_decode and req.images:
-            engine.attach_images(batch, [req.images], planned.starts)
+        images_taken = step_images(planned)
+        spec = step_spec(planned, engine.page_table, images=images_taken)
+        batch = forward_batch(spec, engine.page_table, engine.device)
+        if images_taken is not None:
+            engine.attach_images(batch, images_taken.pieces)
         engine.attn.prepare(batch)
         logits = engine.model(batch, engine.attn)[0]
         if not planned.samples[0]:  # a chunk short of the prompt's end

@@ -58,9 +58,9 @@ from aserve.models.pooling import Pooler, Pooling, read_pooling
 from aserve.models.registry import build_model
 from aserve.models.vision import (
     ImageEncoder,
+    ImagePiece,
     ImageSpan,
     expand_images,
-    image_pieces,
     image_support,
 )
 from aserve.models.weights import fill_dummy_weights, iter_weights, load_hf_config, torch_dtype
@@ -369,17 +369,15 @@ class Engine:
         vocab = self.model_config.vocab_size
         return expand_images(prompt, images, image_token, self.images, vocab)
 
-    def attach_images(
-        self, batch: ForwardBatch, images: list[list[ImageSpan]], starts: list[int]
-    ) -> None:
+    def attach_images(self, batch: ForwardBatch, pieces: list[ImagePiece]) -> None:
         """Give a prefill batch the features of the image positions its chunks compute
-        (`images[i]`: request i's, whose chunk starts at position `starts[i]`), in the order
-        of `batch.image_rows` (the step's spec lists them: `image_pieces`), each image
-        encoded the first time a chunk reaches it (kept on its span until the request ends)."""
+        (`pieces`, in the order of `batch.image_rows`: scheduler/batch.py's `step_images`),
+        each image encoded the first time a chunk reaches it (kept on its span until the
+        request ends)."""
         assert self.images is not None
         features: list[torch.Tensor] = []
         layer_features: list[torch.Tensor] = []
-        for piece in image_pieces(images, starts, batch.extend_lens)[0]:
+        for piece in pieces:
             span = piece.span
             if span.features is None:
                 span.features, span.layer_features = self.images.encode(span.pixels[None])[0]

@@ -121,30 +121,40 @@ class ImagePiece:
     chosen: torch.Tensor
 
 
+@dataclass
+class StepImages:
+    """What a prefill step's chunks take of their requests' images: the features, piece by
+    piece (`pieces`, in the order of the step's flattened tokens), and for each request the
+    images that attend both ways whose positions its chunk holds (`blocks`, `[first, last)`
+    of their features)."""
+
+    pieces: list[ImagePiece]
+    blocks: list[list[tuple[int, int]]]
+
+
 def image_pieces(
     images: list[list[ImageSpan]], starts: list[int], lengths: list[int]
-) -> tuple[list[ImagePiece], list[list[tuple[int, int]]]]:
-    """A prefill step's image features, chunk by chunk (request i's chunk `lengths[i]`
-    tokens from position `starts[i]`), and each request's images that attend both ways
-    whose positions the chunk holds (`[first, last)` of their features)."""
-    pieces: list[ImagePiece] = []
-    blocks: list[list[tuple[int, int]]] = []
+) -> StepImages:
+    """A prefill step's images, chunk by chunk (request i's chunk `lengths[i]` tokens from
+    position `starts[i]`)."""
+    step = StepImages([], [])
     offset = 0
     for spans, start, length in zip(images, starts, lengths, strict=True):
-        blocks.append([])
+        held: list[tuple[int, int]] = []
         for span in spans:
             first, last = max(start, span.start), min(start + length, span.end)
             if first >= last:
                 continue
             if span.both_ways:
-                blocks[-1].append((span.features_start, span.features_end))
+                held.append((span.features_start, span.features_end))
             index = span.feature_index[first - span.start : last - span.start]
             taken = index >= 0
             if taken.any():  # (not where a grid's row ends alone are in the chunk)
                 rows = torch.arange(offset + first - start, offset + last - start)[taken]
-                pieces.append(ImagePiece(span, rows.tolist(), index[taken]))
+                step.pieces.append(ImagePiece(span, rows.tolist(), index[taken]))
+        step.blocks.append(held)
         offset += length
-    return pieces, blocks
+    return step
 
 
 def pseudo_id(pixels: torch.Tensor, vocab_size: int) -> int:

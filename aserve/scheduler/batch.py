@@ -8,9 +8,18 @@ from aserve.engine.sampler import PromptScoring, SamplingBatch
 from aserve.engine.step import StepSpec
 from aserve.forward import ForwardMode
 from aserve.kvcache.pages import PageTable
-from aserve.models.vision import image_pieces
+from aserve.models.vision import StepImages, image_pieces
 from aserve.scheduler.plan import ScheduledBatch
 from aserve.scheduler.request import Req
+
+
+def step_images(planned: ScheduledBatch) -> StepImages | None:
+    """What a prefill step takes of its requests' images, or None where it takes none: for
+    the step's spec (`step_spec`) and then its features (`Engine.attach_images`)."""
+    if planned.mode is not ForwardMode.PREFILL or not any(req.images for req in planned.reqs):
+        return None
+    spans = [req.images for req in planned.reqs]
+    return image_pieces(spans, planned.starts, planned.extend_lens)
 
 
 def step_spec(
@@ -18,8 +27,10 @@ def step_spec(
     page_table: PageTable,
     image_levels: int = 1,
     both_ways_prompts: bool = False,
+    images: StepImages | None = None,
 ) -> StepSpec:
-    """The plan as plain integers: what every tensor-parallel rank needs to run the step.
+    """The plan as plain integers: what every tensor-parallel rank needs to run the step
+    (with `images`, `step_images` of a step whose prompts hold images).
 
     A verify step (speculative decoding) is a decode step of one row per token: request i's
     last token and each of its drafts, at consecutive positions of its page-table row. Each
@@ -54,11 +65,11 @@ def step_spec(
     if planned.mode is ForwardMode.PREFILL:
         for req, start, n in zip(reqs, prefix_lens, planned.extend_lens):
             input_ids.extend(req.all_ids[start : start + n])
-        if any(req.images for req in reqs):
-            spans = [req.images for req in reqs]
-            pieces, blocks = image_pieces(spans, prefix_lens, planned.extend_lens)
-            image_rows = [row for piece in pieces for row in piece.rows]
-            both_ways = [v for i, held in enumerate(blocks) for block in held for v in (i, *block)]
+        if images is not None:
+            image_rows = [row for piece in images.pieces for row in piece.rows]
+            both_ways = [
+                v for i, held in enumerate(images.blocks) for block in held for v in (i, *block)
+            ]
         if both_ways_prompts:  # every prompt whole, attending both ways (`Req.whole_prompt`)
             for i, (start, n) in enumerate(zip(prefix_lens, planned.extend_lens)):
                 both_ways += [i, start, start + n]

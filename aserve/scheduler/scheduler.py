@@ -42,7 +42,7 @@ from aserve.kvcache.naive import NaiveCache
 from aserve.kvcache.pages import PageAllocator, SlidingWindow
 from aserve.kvcache.radix import RadixCache
 from aserve.models.mrope import MropePositions
-from aserve.scheduler.batch import SamplingBatches, prompt_scoring, step_spec
+from aserve.scheduler.batch import SamplingBatches, prompt_scoring, step_images, step_spec
 from aserve.scheduler.plan import Planner, ScheduledBatch
 from aserve.scheduler.request import (
     FinishReason,
@@ -353,12 +353,13 @@ class Scheduler:
         started = time.perf_counter()
         images, both_ways = self.engine.images, self.engine.model_config.bidirectional
         levels = 1 if images is None else images.levels
-        spec = step_spec(planned, self.engine.page_table, levels, both_ways)
+        images = step_images(planned)
+        spec = step_spec(planned, self.engine.page_table, levels, both_ways, images)
         if self.followers is not None:
             self.followers.send(spec)
         batch = forward_batch(spec, self.engine.page_table, self.engine.device)
-        if not batch.is_decode and any(r.images for r in planned.reqs):
-            self.engine.attach_images(batch, [r.images for r in planned.reqs], planned.starts)
+        if images is not None:
+            self.engine.attach_images(batch, images.pieces)
         if self.engine.device.type == "cuda" and not batch.is_decode:
             batch.halfway = torch.cuda.Event()
         gpu_start = StepTimer.mark() if self.timer is not None else None
