@@ -65,6 +65,7 @@ def step_spec(
     if planned.mode is ForwardMode.PREFILL:
         for req, start, n in zip(reqs, prefix_lens, planned.extend_lens):
             input_ids.extend(req.all_ids[start : start + n])
+        assert images is not None or not any(req.images for req in reqs), "no step_images"
         if images is not None:
             image_rows = [row for piece in images.pieces for row in piece.rows]
             both_ways = [

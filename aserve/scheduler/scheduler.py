@@ -351,15 +351,15 @@ class Scheduler:
     def _launch_forward(self, planned: ScheduledBatch) -> Forwarded:
         """Queue the step's forward (the followers get its spec first)."""
         started = time.perf_counter()
-        images, both_ways = self.engine.images, self.engine.model_config.bidirectional
-        levels = 1 if images is None else images.levels
-        images = step_images(planned)
-        spec = step_spec(planned, self.engine.page_table, levels, both_ways, images)
+        encoder, both_ways = self.engine.images, self.engine.model_config.bidirectional
+        levels = 1 if encoder is None else encoder.levels
+        taken = step_images(planned)
+        spec = step_spec(planned, self.engine.page_table, levels, both_ways, taken)
         if self.followers is not None:
             self.followers.send(spec)
         batch = forward_batch(spec, self.engine.page_table, self.engine.device)
-        if images is not None:
-            self.engine.attach_images(batch, images.pieces)
+        if taken is not None:
+            self.engine.attach_images(batch, taken.pieces)
         if self.engine.device.type == "cuda" and not batch.is_decode:
             batch.halfway = torch.cuda.Event()
         gpu_start = StepTimer.mark() if self.timer is not None else None
