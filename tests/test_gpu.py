@@ -1185,7 +1185,7 @@ def test_cuda_mask_kernel_equals_the_torch_path(dtype: torch.dtype) -> None:
     """The Triton kernel's -inf masking equals the CPU path's on masked rows and leaves the
     others alone, for a vocabulary no multiple of 32 or of its block, mask words included."""
     from aserve.constrained.masks import apply_token_masks
-    from tests.test_structured import masks_of
+    from tests.step_masks import masks_of
 
     vocab, batch = 151_936 - 7, 6
     generator = torch.Generator().manual_seed(0)

@@ -18,8 +18,9 @@ import torch
 from pydantic import BaseModel, Field
 
 from aserve import LLM, SamplingParams
-from aserve.constrained.masks import StepMasks, apply_token_masks
+from aserve.constrained.masks import apply_token_masks
 from tests.server_utils import ServerProcess, serving
+from tests.step_masks import masks_of
 from tests.test_server import post, run
 
 MODEL = "smol"
@@ -275,15 +276,6 @@ def test_offline_api_takes_the_same_constraints(
     )
     assert bad.finish_reason == "error" and "invalid regex" in (bad.error or "")
     assert good.text.isdigit()
-
-
-def masks_of(full: torch.Tensor, rows: list[int]) -> StepMasks:
-    """A step's masks for `rows`, their bitmask rows taken from `full` (one row per batch row)."""
-    count, words = len(rows), full.shape[1]
-    masks = StepMasks(torch.empty(count * words + count, dtype=torch.int32), count, words)
-    masks.bitmask.copy_(full[rows])
-    masks.rows.copy_(torch.tensor(rows))
-    return masks
 
 
 def test_token_masks_equal_xgrammar_apply() -> None:
