@@ -177,6 +177,23 @@ def gpt_oss_experts(name: str, array: np.ndarray) -> dict[str, np.ndarray]:
     return {prefix + "ffn_down_exps.bias": array}
 
 
+def embedding_gemma_pooling(folder: Path, writer: gguf.GGUFWriter) -> dict[str, np.ndarray]:
+    """An EmbeddingGemma folder's pooling as llama.cpp's converter writes it with
+    `--sentence-transformers-dense-modules`: the pooling type (mean: 1) and its Dense
+    modules' weights as `dense_2` and `dense_3` with their sizes."""
+    modules = json.loads((folder / "modules.json").read_text())
+    dense_folders = [m["path"] for m in modules if m["type"].endswith(".Dense")]
+    assert len(dense_folders) == 2, "EmbeddingGemma's layout: two Dense modules"
+    writer.add_pooling_type(gguf.PoolingType.MEAN)
+    tensors = {}
+    for number, path in zip((2, 3), dense_folders, strict=True):
+        weight = load_file(folder / path / "model.safetensors")["linear.weight"].float().numpy()
+        tensors[f"dense_{number}.weight"] = weight
+        writer.add_uint32(f"gemma-embedding.dense_{number}_feat_in", weight.shape[1])
+        writer.add_uint32(f"gemma-embedding.dense_{number}_feat_out", weight.shape[0])
+    return tensors
+
+
 def write_hf_as_gguf(
     folder: Path,
     path: Path,
@@ -193,6 +210,7 @@ def write_hf_as_gguf(
     key's type instead (a Q4_K_M file's Q6_K `attn_v` beside Q4_K queries). `vocabulary`
     writes a tokenizer's metadata (all but the BOS and EOS ids, which come from the config)."""
     config = json.loads((folder / "config.json").read_text())
+    embedding_gemma = config.get("use_bidirectional_attention", False)
     gemma3 = config["model_type"] == "gemma3_text"
     gemma = gemma3 or config["model_type"] == "gemma2"
     gpt_oss = config["model_type"] == "gpt_oss"
@@ -204,7 +222,7 @@ def write_hf_as_gguf(
     config["rope_theta"] = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
     partial = config.get("partial_rotary_factor") or rope.pop("partial_rotary_factor", None)
     config["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
-    arch = GGUF_ARCH[config["model_type"]]
+    arch = "gemma-embedding" if embedding_gemma else GGUF_ARCH[config["model_type"]]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     writer = gguf.GGUFWriter(path, arch)
@@ -283,9 +301,11 @@ def write_hf_as_gguf(
     in_layer = OLMO2_IN_LAYER if post_norms else in_layer
     tensors: dict[str, np.ndarray] = {}
     experts: dict[str, dict[int, np.ndarray]] = {}
+    if embedding_gemma:
+        tensors |= embedding_gemma_pooling(folder, writer)
     for name, tensor in load_file(folder / "model.safetensors").items():
         array = tensor.float().numpy()
-        name = mixtral_as_qwen3_moe(name)
+        name = mixtral_as_qwen3_moe(f"model.{name}" if embedding_gemma else name)
         permuted = arch in ("llama", "smollm3", "granite", "granitemoe")  # as LlamaModel does
         if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             array = llama_cpp_permute(array, heads if "q_proj" in name else kv_heads)

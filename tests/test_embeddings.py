@@ -33,6 +33,7 @@ from tests.embedding_refs import (
 )
 from tests.gguf_files import write_hf_as_gguf
 from tests.server_utils import ServerProcess, serving
+from tests.test_gguf_models import GEMMA3_AS_LLAMA_CPP
 from tests.test_server import get, metric_value, post, run
 from tests.tiny_models import make_tiny_model
 
@@ -264,16 +265,18 @@ def test_sentence_transformers_pooling_refusals(
 
 
 @pytest.mark.parametrize(
-    ("pooling_type", "refusal"),
-    [(None, None), (3, None), (1, "pools by mean"), (2, "pools by CLS"), (4, "pools by rank")],
+    ("pooling_type", "mode"),
+    [(None, "last"), (3, "last"), (1, "mean"), (2, "cls"), (4, None)],
 )
-def test_a_gguf_file_s_pooling_type_is_checked(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pooling_type: int | None, refusal: str | None
+def test_a_gguf_file_s_pooling_type_is_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pooling_type: int | None, mode: str | None
 ) -> None:
-    """llama.cpp writes `{arch}.pooling_type` into an embedding model's GGUF: the last
-    token's pooling (3) serves, as does a file without it; mean, CLS and rank are refused in
-    one line, and a generating server reads none of it."""
+    """llama.cpp writes `{arch}.pooling_type` into an embedding model's GGUF: the last token
+    (3, or a file without it), the mean (1) and the first token (2) pool as transformers'
+    hidden states pooled so; rank (4) is refused in one line; a generating server reads
+    none of it."""
     import gguf
+    import transformers
 
     folder = make_tiny_model("qwen3", tmp_path / "hf")
 
@@ -283,14 +286,53 @@ def test_a_gguf_file_s_pooling_type_is_checked(
 
     path = write_hf_as_gguf(folder, tmp_path / "model.gguf", vocabulary=pooling)
     monkeypatch.setenv("ASERVE_CACHE_DIR", str(tmp_path / "cache"))
-    if refusal is None:
+    if mode is None:
+        with pytest.raises(ConfigError, match="pools by rank"):
+            LLM(str(path), is_embedding=True)
+    else:
+        model = transformers.AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+        with torch.inference_mode():
+            hidden = [model(torch.tensor([p])).last_hidden_state[0] for p in PROMPTS]
         with LLM(str(path), is_embedding=True) as llm:
-            assert llm.embed([PROMPTS[0]])[0].embedding is not None
-        return
-    with pytest.raises(ConfigError, match=refusal):
-        LLM(str(path), is_embedding=True)
+            got = embedded(llm, PROMPTS)
+        for ours, theirs in zip(got, hidden, strict=True):
+            expected = pooled_reference(theirs, mode, None)
+            torch.testing.assert_close(ours, expected, atol=2e-5, rtol=1e-4)
     with LLM(str(path)) as llm:
         assert llm.generate([PROMPTS[0]])[0].token_ids
+
+
+@pytest.mark.parametrize("qtype", [None, "Q8_0"], ids=["float", "q8_0"])
+def test_embedding_gemma_gguf_pools_as_its_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, qtype: str | None
+) -> None:
+    """EmbeddingGemma as llama.cpp's converter writes it (`gemma-embedding`, the mean's
+    pooling type, its Dense modules as `dense_2` and `dense_3`; five windowed layers of six,
+    as llama.cpp fixes them): it attends both ways and pools as its Hugging Face folder does
+    (float: to float32's noise; Q8_0, the Dense modules quantized too: a cosine past 0.99),
+    and only embeds."""
+    import gguf
+
+    hf, dense = make_embedding_gemma(tmp_path / "hf", GEMMA3_AS_LLAMA_CPP)
+    prompts = [*PROMPTS, list(range(3, 40))]
+    with torch.inference_mode():
+        hidden = [hf(torch.tensor([p])).last_hidden_state[0] for p in prompts]
+    expected = [pooled_reference(h, "mean", dense) for h in hidden]
+    kind = None if qtype is None else gguf.GGMLQuantizationType[qtype]
+    path = write_hf_as_gguf(tmp_path / "hf", tmp_path / "model.gguf", qtype=kind)
+    monkeypatch.setenv("ASERVE_CACHE_DIR", str(tmp_path / "cache"))
+    with LLM(str(path), is_embedding=True, page_size=4, max_prefill_length=3) as llm:
+        config = llm.runtime.engine.model_config
+        assert config.bidirectional and config.architecture == "Gemma3ForCausalLM"
+        got = embedded(llm, prompts)
+    for ours, theirs in zip(got, expected, strict=True):
+        assert ours.shape == (48,)
+        if qtype is None:
+            torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
+        else:
+            assert torch.dot(ours, theirs) > 0.99
+    with pytest.raises(ConfigError, match="attends both ways: it only embeds"):
+        LLM(str(path))
 
 
 def test_embedding_gemma_attends_both_ways(tmp_path: Path) -> None:

