@@ -81,6 +81,9 @@ BASE_MODEL_ARCHITECTURES = {"Gemma3TextModel": "Gemma3ForCausalLM"}
 """A decoder published without its head, as an embedding model (EmbeddingGemma's Gemma 3
 text model, whose attention runs both ways: `bidirectional`) -> the architecture whose
 decoder it is."""
+ENCODER_ARCHITECTURES = {"BertModel": 0, "RobertaModel": 1, "XLMRobertaModel": 1}
+"""BERT-style encoders (models/encoder.py), which only embed -> whether their positions count
+from the padding id + 1 (RoBERTa's, XLM-RoBERTa's) rather than from 0."""
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe")
 """Families whose experts `_moe_settings` reads (gpt-oss's are read with its own settings)."""
 MOE_BACKENDS = ("auto", "torch", "fused")
@@ -671,6 +674,10 @@ class ModelConfig:
     `bidirectional` (EmbeddingGemma, transformers' `use_bidirectional_attention`): every
     position of a prompt attends to every other, in windowed layers to those less than the
     window away on either side; such a model only embeds (`--is-embedding`).
+    An encoder (`ENCODER_ARCHITECTURES`) is `bidirectional` too; its learned positions start
+    at `position_offset` (RoBERTa's padding id + 1), its `type_vocab_size` token-type rows
+    are added to the word embeddings (row 0: one segment), `rms_norm_eps` is its LayerNorms'
+    eps.
     `mrope_section`: Qwen-VL's rotary pairs by position coordinate (time, height, width; in
     runs of pairs, or taken in turn where `mrope_interleaved`): text positions give all three
     the same value, so only image positions see them (layers/rotary.py).
@@ -737,6 +744,8 @@ class ModelConfig:
     classifier_token_ids: tuple[int, ...] = ()
     two_way_softmax: bool = False
     bidirectional: bool = False
+    position_offset: int = 0
+    type_vocab_size: int = 0
 
     @property
     def classifies(self) -> bool:
@@ -782,6 +791,9 @@ class ModelConfig:
                 mrope_section=tuple(rope.get("mrope_section") or ()),
                 mrope_interleaved=bool(rope.get("mrope_interleaved")),
             )
+        encoder = next((a for a in architectures if a in ENCODER_ARCHITECTURES), None)
+        if encoder is not None:
+            return _encoder_config(cls, config, encoder)
         base_model = next((a for a in architectures if a in BASE_MODEL_ARCHITECTURES), None)
         if base_model is not None:
             decoder = {**config, "architectures": [BASE_MODEL_ARCHITECTURES[base_model]]}
@@ -802,8 +814,9 @@ class ModelConfig:
         if arch is None:
             raise ConfigError(
                 f"unsupported architecture {architectures or config.get('model_type')!r}; "
-                f"aserve runs {', '.join(sorted(SUPPORTED_ARCHITECTURES))} and the language "
-                f"models of {', '.join(VISION_LANGUAGE_ARCHITECTURES)}"
+                f"aserve runs {', '.join(sorted(SUPPORTED_ARCHITECTURES))}, the language "
+                f"models of {', '.join(VISION_LANGUAGE_ARCHITECTURES)} and the encoders "
+                f"{', '.join(ENCODER_ARCHITECTURES)}"
             )
         family = SUPPORTED_ARCHITECTURES[arch]
         num_heads = int(config["num_attention_heads"])
@@ -877,6 +890,49 @@ class ModelConfig:
             **_moe_settings(config, family) if family in MOE_FAMILIES else {},
             **settings,
         )
+
+
+def _encoder_config(
+    cls: type[ModelConfig], config: dict[str, Any], architecture: str
+) -> ModelConfig:
+    """A BERT-style encoder's settings; what models/encoder.py does not compute is refused."""
+    kind = config.get("position_embedding_type", "absolute")
+    if kind != "absolute":
+        raise ConfigError(
+            f"{architecture} with {kind} position embeddings: aserve's encoders take learned "
+            "absolute ones"
+        )
+    if config.get("hidden_act", "gelu") != "gelu":
+        raise ConfigError(
+            f"{architecture} with the activation {config['hidden_act']!r}: aserve's encoders "
+            "take GELU"
+        )
+    heads, hidden = int(config["num_attention_heads"]), int(config["hidden_size"])
+    offset = int(config.get("pad_token_id") or 0) + 1 if ENCODER_ARCHITECTURES[architecture] else 0
+    return cls(
+        architecture=architecture,
+        model_type=str(config.get("model_type", "bert")),
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(config["intermediate_size"]),
+        num_layers=int(config["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        rms_norm_eps=float(config.get("layer_norm_eps", 1e-12)),
+        rope_theta=0.0,
+        max_position_embeddings=int(config["max_position_embeddings"]) - offset,
+        tie_word_embeddings=False,
+        qkv_bias=True,
+        qk_norm=False,
+        hidden_act="gelu",
+        o_bias=True,
+        torch_dtype=config.get("torch_dtype") or config.get("dtype"),
+        **_quantization_settings(config.get("quantization_config") or {}),
+        bidirectional=True,
+        position_offset=offset,
+        type_vocab_size=int(config.get("type_vocab_size", 2)),
+    )
 
 
 @dataclass(frozen=True)

@@ -100,3 +100,37 @@ def make_embedding_gemma(
     dense.append(torch.eye(96)[:48])
     sentence_transformers_files(folder, MEAN, dense)
     return model.eval(), dense
+
+
+ENCODERS = {"bert": "BertModel", "xlm-roberta": "XLMRobertaModel"}
+WORDS = ["the", "cat", "sat", "on", "mat", "a", "dog", "ran", "far", "away"]
+
+
+def make_tiny_encoder(family: str, folder: Path) -> Any:
+    """A tiny BERT (`bert`) or XLM-RoBERTa (`xlm-roberta`, positions from padding id 1 + 1),
+    its weights and LayerNorms random, with a WordPiece tokenizer of a few words that wraps
+    a text in [CLS] ... [SEP]. Returns transformers' model."""
+    import transformers
+
+    settings = {
+        "vocab_size": 120,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 96,
+        "max_position_embeddings": 80,
+    }
+    torch.manual_seed(0)
+    if family == "bert":
+        model = transformers.BertModel(transformers.BertConfig(**settings))
+    else:
+        config = transformers.XLMRobertaConfig(**settings, pad_token_id=1)
+        model = transformers.XLMRobertaModel(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.1) if param.dim() == 2 else param.uniform_(-0.5, 0.5)
+    model.save_pretrained(folder)
+    vocabulary = folder / "vocab.txt"
+    vocabulary.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]))
+    transformers.BertTokenizerFast(str(vocabulary)).save_pretrained(folder)
+    return model.eval()

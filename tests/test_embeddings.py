@@ -22,11 +22,14 @@ from aserve.server import protocol
 from tests.embedding_refs import (
     CLS,
     DENSE,
+    ENCODERS,
     LAST,
     MEAN,
     PROMPTS,
+    WORDS,
     embedded,
     make_embedding_gemma,
+    make_tiny_encoder,
     pooled_reference,
     reference,
     sentence_transformers_files,
@@ -363,3 +366,73 @@ def test_embedding_gemma_attends_both_ways(tmp_path: Path) -> None:
         torch.testing.assert_close(single, ours, atol=2e-6, rtol=0)
     with pytest.raises(ConfigError, match="attends both ways: it only embeds"):
         LLM(str(tmp_path))
+
+
+ENCODER_PROMPTS = [[2, 17, 42, 9, 100, 3, 77, 12, 110, 31, 8, 19, 60, 5, 88, 3], [2, 4, 4, 61, 3]]
+"""Token ids under the tiny encoders' vocabulary of 120, none the padding id (XLM-R's 1)."""
+
+
+@pytest.mark.parametrize("family", ENCODERS)
+@pytest.mark.parametrize("pooling", [None, "mean"], ids=["cls-default", "mean-files"])
+def test_encoders_embed_as_transformers(tmp_path: Path, family: str, pooling: str | None) -> None:
+    """BERT and XLM-RoBERTa (positions from padding id + 1) embed as transformers' encoder
+    pooled so: by the first token ([CLS]) without sentence-transformers files, as vLLM pools
+    an encoder, or as the files say (the mean, then a Dense module); each prompt whole in
+    one step past a budget of 3 and never from the prefix cache; text wrapped in [CLS] ...
+    [SEP] by its tokenizer. They only embed: a generating start is refused in one line."""
+    import transformers
+
+    model = make_tiny_encoder(family, tmp_path)
+    dense = None
+    if pooling == "mean":
+        dense = [torch.randn(32, 64, generator=torch.Generator().manual_seed(3)) / 8]
+        sentence_transformers_files(tmp_path, MEAN, dense)
+    text = " ".join(WORDS[:6])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    text_ids = tokenizer(text)["input_ids"]
+    assert text_ids[0] == tokenizer.cls_token_id and text_ids[-1] == tokenizer.sep_token_id
+    with torch.inference_mode():
+        hidden = [
+            model(torch.tensor([p])).last_hidden_state[0] for p in [*ENCODER_PROMPTS, text_ids]
+        ]
+    expected = [pooled_reference(h, pooling or "cls", dense) for h in hidden]
+    with LLM(str(tmp_path), is_embedding=True, page_size=4, max_prefill_length=3) as llm:
+        assert llm.runtime.engine.model_config.bidirectional
+        got = embedded(llm, ENCODER_PROMPTS) + embedded(llm, [text])
+        alone = embedded(llm, ENCODER_PROMPTS[:1])
+        assert llm.scheduler.planner.prompt_tokens_cached == 0
+    for ours, theirs in zip(got, expected, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(alone[0], got[0], atol=2e-6, rtol=0)
+    with pytest.raises(ConfigError, match="attends both ways: it only embeds"):
+        LLM(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("change", "refusal"),
+    [
+        ({"position_embedding_type": "relative_key"}, "relative_key position embeddings"),
+        ({"hidden_act": "relu"}, "activation 'relu'"),
+    ],
+)
+def test_encoders_aserve_does_not_compute_are_refused(
+    tmp_path: Path, change: dict[str, str], refusal: str
+) -> None:
+    make_tiny_encoder("bert", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ConfigError, match=refusal):
+        LLM(str(tmp_path), is_embedding=True)
+
+
+def test_a_quantized_encoder_on_cpu_stays_near_its_float_embeddings(tmp_path: Path) -> None:
+    """`--quantization int8` on an encoder: its linear layers quantized at load and
+    multiplied by the CPU kernels, the embeddings within a cosine of 0.999 of transformers'."""
+    model = make_tiny_encoder("bert", tmp_path)
+    with torch.inference_mode():
+        hidden = [model(torch.tensor([p])).last_hidden_state[0] for p in ENCODER_PROMPTS]
+    with LLM(str(tmp_path), is_embedding=True, quantization="int8") as llm:
+        assert llm.runtime.engine.model_config.quantization == "int8"
+        got = embedded(llm, ENCODER_PROMPTS)
+    for ours, theirs in zip(got, hidden, strict=True):
+        assert torch.dot(ours, pooled_reference(theirs, "cls", None)) > 0.999

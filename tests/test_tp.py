@@ -545,26 +545,30 @@ def test_server_exits_with_one_line_when_a_worker_dies(tmp_path: Path) -> None:
         server.stop()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "embedding-gemma"])
+@pytest.mark.parametrize("family", ["qwen3", "embedding-gemma", "xlm-roberta"])
 def test_tp2_embeddings_equal_tp1(tmp_path: Path, family: str) -> None:
     """An embedding server over two ranks: the last token's hidden state is whole after the
     final norm's all-reduce, and rank 1 follows steps that sample nothing; EmbeddingGemma's
     prompts attend both ways on both ranks (the step's spec says so) and pool by the mean
-    before their Dense modules."""
-    from tests.embedding_refs import make_embedding_gemma
+    before their Dense modules; an XLM-RoBERTa encoder's products are sharded as a
+    decoder's, its LayerNorms whole on each rank."""
+    from tests.embedding_refs import make_embedding_gemma, make_tiny_encoder
 
+    model, prompts = tmp_path, PROMPTS
     if family == "qwen3":
         model = make_tiny_model("qwen3", tmp_path)
-    else:
+    elif family == "embedding-gemma":
         make_embedding_gemma(tmp_path)
-        model = tmp_path
+    else:
+        make_tiny_encoder(family, tmp_path)
+        prompts = [[t % 120 for t in prompt] for prompt in PROMPTS]  # its vocabulary of 120
     options = {"max_prefill_length": 16, "is_embedding": True, **OPTIONS}
     with (
         LLM(str(model), **options) as one,
         LLM(str(model), tensor_parallel_size=2, **options) as two,
     ):
         assert two.runtime.engine.tp.size == 2
-        for ours, theirs in zip(two.embed(PROMPTS), one.embed(PROMPTS), strict=True):
+        for ours, theirs in zip(two.embed(prompts), one.embed(prompts), strict=True):
             assert ours.embedding is not None and theirs.embedding is not None
             assert ours.embedding == pytest.approx(theirs.embedding, abs=1e-5)
 

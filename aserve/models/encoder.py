@@ -1,0 +1,206 @@
+"""BERT-style encoders (BERT, RoBERTa, XLM-RoBERTa) for embeddings: all-MiniLM, bge, e5,
+mxbai-embed, bge-m3 and the other sentence-transformers models most embedding users run.
+
+An encoder differs from the decoders of models/decoder.py in every layer: learned absolute
+positions (RoBERTa's counted from its padding id + 1) and a token-type row added to the word
+embeddings, then a LayerNorm; attention both ways with biases on every projection; each
+sublayer's output added to its input and then normalised (post-norm); an MLP of one GELU.
+Attention runs through the same backends as a decoder's, each prompt one block that attends
+both ways (`ModelConfig.bidirectional`), so prompts run whole in one step and never from the
+prefix cache. A folder without sentence-transformers files pools by the first token ([CLS]),
+as vLLM pools an encoder; its files may say otherwise (models/pooling.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from aserve.attention.base import AttentionBackend
+from aserve.config import ModelConfig
+from aserve.distributed.group import TPGroup
+from aserve.forward import ForwardBatch
+from aserve.layers.embedding import VocabParallelEmbedding
+from aserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from aserve.layers.weight import WeightSource, read_whole
+from aserve.models.pooling import Pooler, Pooling
+from aserve.quant.native import Scratch
+
+CHECKPOINT_PREFIXES = ("bert.", "roberta.", "model.")
+"""What a task model's checkpoint puts before the encoder's names (`BertForMaskedLM`'s
+`bert.`, XLM-RoBERTa's `roberta.`); a bare `BertModel` has none."""
+UNUSED = ("pooler.", "lm_head.", "cls.", "classifier.", "embeddings.position_ids")
+"""Checkpoint tensors an embedding does not read: the [CLS] pooler's dense layer (not
+sentence-transformers' pooling), a masked-LM or classifier head, a buffer of positions."""
+
+
+class Parameter(nn.Module):
+    """A replicated tensor loaded whole (position and type embeddings, LayerNorms)."""
+
+    def __init__(self, *shape: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(*shape), False)
+
+    def load_weight(self, param: str, tensor: WeightSource, shard: int = 0) -> None:
+        self.weight.data.copy_(read_whole(tensor))
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, width: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(width), False)
+        self.bias = nn.Parameter(torch.empty(width), False)
+        self.eps = eps
+
+    def load_weight(self, param: str, tensor: WeightSource, shard: int = 0) -> None:
+        getattr(self, param).data.copy_(read_whole(tensor))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.layer = layer
+        self.head_dim = config.head_dim
+        hidden, quantization = config.hidden_size, config.quantization
+        self.qkv_proj = QKVParallelLinear(
+            hidden, config.head_dim, config.num_heads, config.num_heads, True, tp, quantization
+        )
+        self.q_size, self.kv_size = self.qkv_proj.local_sizes[0], self.qkv_proj.local_sizes[1]
+        width = config.num_heads * config.head_dim
+        self.o_proj = RowParallelLinear(width, hidden, True, tp, quantization=quantization)
+        self.attention_norm = LayerNorm(hidden, config.rms_norm_eps)
+        inter = config.intermediate_size
+        self.up_proj = ColumnParallelLinear(hidden, [inter], True, tp, quantization)
+        self.down_proj = RowParallelLinear(inter, hidden, True, tp, quantization=quantization)
+        self.output_norm = LayerNorm(hidden, config.rms_norm_eps)
+
+    def forward(
+        self, hidden: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, kv = qkv.split([self.q_size, 2 * self.kv_size], -1)
+        tokens = q.shape[0]
+        new_kv = kv.view(tokens, 2, -1, self.head_dim)
+        out = attn.forward(q.view(tokens, -1, self.head_dim), new_kv, self.layer, batch, None)
+        hidden = self.attention_norm(hidden + self.o_proj(out))
+        return self.output_norm(hidden + self.down_proj(F.gelu(self.up_proj(hidden))))
+
+
+class Encoder(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
+        super().__init__()
+        self.position_offset = config.position_offset
+        hidden = config.hidden_size
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, tp)
+        positions = config.max_position_embeddings + config.position_offset
+        self.position_embeddings = Parameter(positions, hidden)
+        self.token_type_embeddings = Parameter(config.type_vocab_size, hidden)
+        self.embedding_norm = LayerNorm(hidden, config.rms_norm_eps)
+        self.layers = nn.ModuleList(EncoderLayer(config, i, tp) for i in range(config.num_layers))
+
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        """Every token's final hidden state; each text is one segment (token type 0)."""
+        positions = batch.positions + self.position_offset
+        hidden = self.embed_tokens(batch.input_ids)
+        hidden = hidden + self.position_embeddings.weight[positions]
+        hidden = self.embedding_norm(hidden + self.token_type_embeddings.weight[0])
+        for layer in self.layers:
+            hidden = layer(hidden, batch, attn)
+        return hidden
+
+
+CHECKPOINT_NAMES = {
+    "embeddings.word_embeddings": "embed_tokens",
+    "embeddings.position_embeddings": "position_embeddings",
+    "embeddings.token_type_embeddings": "token_type_embeddings",
+    "embeddings.LayerNorm": "embedding_norm",
+}
+LAYER_NAMES = {
+    "attention.self.query": ("qkv_proj", 0),
+    "attention.self.key": ("qkv_proj", 1),
+    "attention.self.value": ("qkv_proj", 2),
+    "attention.output.dense": ("o_proj", 0),
+    "attention.output.LayerNorm": ("attention_norm", 0),
+    "intermediate.dense": ("up_proj", 0),
+    "output.dense": ("down_proj", 0),
+    "output.LayerNorm": ("output_norm", 0),
+}
+"""Hugging Face's names of an encoder's modules -> ours (and a fused layer's shard)."""
+
+
+class EncoderForEmbedding(nn.Module):
+    """The engine's model for an encoder: `embed` only (it neither generates nor
+    classifies), no CUDA graphs (a step is always a prefill)."""
+
+    graph_capturable = False
+    addresses_from_host = True
+
+    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Encoder(config, tp)
+        # The engine sets the folder's pooling (models/pooling.py); without one, [CLS]'s.
+        self.pooler: Pooler | None = None
+        self.first_token = Pooler(Pooling("cls"), torch.device("cpu"))
+
+    def embed(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        """Embeddings `[batch, width]` in float32, unit length."""
+        hidden = self.model(batch, attn)
+        pooler = self.first_token if self.pooler is None else self.pooler
+        return F.normalize(pooler(hidden, batch), dim=-1)
+
+    def pack_lm_head(self, checkpoint: Path | None) -> None:
+        """An encoder has no LM head to pack."""
+
+    def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> None:
+        modules = dict(self.named_modules())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = next((name[len(p) :] for p in CHECKPOINT_PREFIXES if name.startswith(p)), name)
+            if name.startswith(UNUSED):
+                continue
+            module_name, _, param = name.rpartition(".")
+            target, shard = self._target(module_name)
+            module = modules.get(f"model.{target}") if target else None
+            if module is None or not hasattr(module, "load_weight"):
+                raise ValueError(
+                    f"checkpoint tensor {name} has no place in {self.config.architecture}"
+                )
+            module.load_weight(param, tensor, shard)
+            loaded.add(f"model.{target}.{param}")
+        missing = self.expected_tensors() - loaded
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+    @staticmethod
+    def _target(module_name: str) -> tuple[str | None, int]:
+        """Our module for a checkpoint module's name, and the shard it fills."""
+        if module_name in CHECKPOINT_NAMES:
+            return CHECKPOINT_NAMES[module_name], 0
+        pieces = module_name.split(".", 3)
+        if len(pieces) == 4 and pieces[:2] == ["encoder", "layer"] and pieces[3] in LAYER_NAMES:
+            ours, shard = LAYER_NAMES[pieces[3]]
+            return f"layers.{pieces[2]}.{ours}", shard
+        return None, 0
+
+    def expected_tensors(self) -> set[str]:
+        quantized = {
+            f"{n}.weight" for n, m in self.named_modules() if getattr(m, "quantized", None)
+        }
+        return {n for n, _ in self.named_parameters()} | quantized
+
+    def finalize_quantized(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Pack the linear layers' quantized weights (`--quantization int8|int4`)."""
+        if self.config.quantization is None:
+            return
+        scratch = Scratch()
+        for module in self.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.quantized:
+                module.quantized.finalize(device, dtype, scratch)
