@@ -677,7 +677,10 @@ class ModelConfig:
     An encoder (`ENCODER_ARCHITECTURES`) is `bidirectional` too; its learned positions start
     at `position_offset` (RoBERTa's padding id + 1), its `type_vocab_size` token-type rows
     are added to the word embeddings (row 0: one segment), `rms_norm_eps` is its LayerNorms'
-    eps.
+    eps. An encoder's classifier (`BertForSequenceClassification`, ...: a cross-encoder)
+    reads a pair as its tokenizer joins it; where its types are more than one, the tokens
+    after a sequence's first `segment_separator_id` ([SEP], the runtime looks it up) are of
+    type 1, as the tokenizer's pair encoding types them.
     `mrope_section`: Qwen-VL's rotary pairs by position coordinate (time, height, width; in
     runs of pairs, or taken in turn where `mrope_interleaved`): text positions give all three
     the same value, so only image positions see them (layers/rotary.py).
@@ -746,6 +749,7 @@ class ModelConfig:
     bidirectional: bool = False
     position_offset: int = 0
     type_vocab_size: int = 0
+    segment_separator_id: int | None = None
 
     @property
     def classifies(self) -> bool:
@@ -804,6 +808,10 @@ class ModelConfig:
             windows = tuple(w // 2 + 1 if w else 0 for w in text.layer_windows)
             return dataclasses.replace(text, bidirectional=True, layer_windows=windows)
         classifier = next((a for a in architectures if a.endswith(CLASSIFIER_SUFFIX)), None)
+        encoder_of = f"{(classifier or '').removesuffix(CLASSIFIER_SUFFIX)}Model"
+        if encoder_of in ENCODER_ARCHITECTURES:  # a cross-encoder (bge-reranker, ms-marco)
+            encoder_config = _encoder_config(cls, config, encoder_of)
+            return dataclasses.replace(encoder_config, **_classifier_settings(config))
         # (Gemma 3's text classifier is `Gemma3TextForSequenceClassification`)
         base = (classifier or "").removesuffix(CLASSIFIER_SUFFIX).removesuffix("Text")
         causal = f"{base}ForCausalLM" if classifier else ""

@@ -118,6 +118,20 @@ def classifier_token_ids(model_dir: Path, tokens: tuple[str, ...]) -> tuple[int,
     return tuple(ids)
 
 
+def separator_id(model_dir: Path) -> int:
+    """The id of the token that ends a pair's first sequence ([SEP]), for an encoder's
+    classifier whose second sequence takes token type 1."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"a BERT classifier needs the model's tokenizer: {error}") from None
+    if tokenizer.sep_token_id is None:
+        raise ConfigError("a BERT classifier's tokenizer has no separator token ([SEP])")
+    return int(tokenizer.sep_token_id)
+
+
 class Runtime:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
@@ -135,10 +149,14 @@ class Runtime:
             )
         if config.engine.is_embedding:
             read_pooling(self.model_dir)  # refuses a pooling aserve does not compute
-        elif self.model_config.bidirectional:
+        elif self.model_config.bidirectional and not self.model_config.classifies:
             raise ConfigError(
                 f"{self.model_config.architecture.removesuffix('ForCausalLM')}'s text model "
                 "here attends both ways: it only embeds (start it with --is-embedding)"
+            )
+        if self.model_config.classifies and self.model_config.type_vocab_size > 1:
+            self.model_config = dataclasses.replace(
+                self.model_config, segment_separator_id=separator_id(self.model_dir)
             )
         if self.model_config.classifier_tokens:
             self.model_config = dataclasses.replace(

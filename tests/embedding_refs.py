@@ -106,10 +106,11 @@ ENCODERS = {"bert": "BertModel", "xlm-roberta": "XLMRobertaModel"}
 WORDS = ["the", "cat", "sat", "on", "mat", "a", "dog", "ran", "far", "away"]
 
 
-def make_tiny_encoder(family: str, folder: Path) -> Any:
+def make_tiny_encoder(family: str, folder: Path, labels: int = 0) -> Any:
     """A tiny BERT (`bert`) or XLM-RoBERTa (`xlm-roberta`, positions from padding id 1 + 1),
     its weights and LayerNorms random, with a WordPiece tokenizer of a few words that wraps
-    a text in [CLS] ... [SEP]. Returns transformers' model."""
+    a text in [CLS] ... [SEP] (a pair in [CLS] ... [SEP] ... [SEP], the second part of token
+    type 1); with `labels`, its `*ForSequenceClassification`. Returns transformers' model."""
     import transformers
 
     settings = {
@@ -121,11 +122,16 @@ def make_tiny_encoder(family: str, folder: Path) -> Any:
         "max_position_embeddings": 80,
     }
     torch.manual_seed(0)
+    if labels:
+        settings["num_labels"] = labels
     if family == "bert":
-        model = transformers.BertModel(transformers.BertConfig(**settings))
+        config = transformers.BertConfig(**settings)
+        kind = transformers.BertForSequenceClassification if labels else transformers.BertModel
     else:
         config = transformers.XLMRobertaConfig(**settings, pad_token_id=1)
-        model = transformers.XLMRobertaModel(config)
+        classifier = transformers.XLMRobertaForSequenceClassification
+        kind = classifier if labels else transformers.XLMRobertaModel
+    model = kind(config)
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.1) if param.dim() == 2 else param.uniform_(-0.5, 0.5)

@@ -15,7 +15,7 @@ import torch
 
 from aserve import LLM
 from aserve.server import protocol
-from tests.embedding_refs import PROMPTS
+from tests.embedding_refs import PROMPTS, WORDS, make_tiny_encoder
 from tests.server_utils import ServerProcess, serving
 from tests.test_server import post, run
 from tests.tiny_models import make_tiny_model, write_word_tokenizer
@@ -285,3 +285,53 @@ def test_hf_overrides_refusals(tmp_path: Path) -> None:
     ]:
         with pytest.raises(ConfigError, match=message):
             LLM(str(folder), hf_overrides=overrides)
+
+
+@pytest.mark.parametrize("family", ["bert", "xlm-roberta"])
+def test_cross_encoders_score_pairs_as_transformers(tmp_path: Path, family: str) -> None:
+    """A BERT or XLM-RoBERTa reranker (`*ForSequenceClassification`, one label) scores a
+    query and each document as transformers' classifier reads the tokenizer's pair: [CLS]'s
+    state through the pooler (BERT) or the classifier's dense layer (RoBERTa), the
+    second part of a BERT pair of token type 1; the logit's sigmoid. It serves without
+    --is-embedding, each pair whole in one step."""
+    import transformers
+
+    model = make_tiny_encoder(family, tmp_path, labels=1)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    query, documents = "the cat sat", ["on the mat", "a dog ran far away", "the cat sat"]
+    expected = []
+    with torch.inference_mode():
+        for document in documents:
+            pair = tokenizer(query, document, return_tensors="pt")
+            if family == "bert":
+                assert pair["token_type_ids"].any()
+            expected.append(torch.sigmoid(model(**pair).logits[0, 0]).item())
+    with LLM(str(tmp_path), page_size=4, max_prefill_length=3) as llm:
+        assert llm.runtime.engine.model_config.classifies
+        scores = llm.score(query, documents)
+        assert llm.scheduler.planner.prompt_tokens_cached == 0
+    torch.testing.assert_close(
+        torch.tensor([s.score for s in scores]), torch.tensor(expected), atol=2e-5, rtol=0
+    )
+    assert len({s.score for s in scores}) == len(documents)  # each document its own
+
+
+def test_an_encoder_classifier_s_labels_and_probabilities(tmp_path: Path) -> None:
+    """An XLM-RoBERTa classifier of three labels: each text's probabilities are transformers'
+    softmax, whole in one step alone and in a batch."""
+    import transformers
+
+    model = make_tiny_encoder("xlm-roberta", tmp_path, labels=3)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    texts = [" ".join(WORDS[:7]), "far away", "the dog"]
+    with torch.inference_mode():
+        expected = [
+            torch.softmax(model(**tokenizer(t, return_tensors="pt")).logits[0], -1) for t in texts
+        ]
+    with LLM(str(tmp_path)) as llm:
+        together, alone = llm.classify(texts), llm.classify(texts[:1])
+    for out, theirs in zip([*together, *alone], [*expected, expected[0]], strict=True):
+        assert out.classification is not None
+        torch.testing.assert_close(
+            torch.tensor(out.classification.probs), theirs, atol=1e-5, rtol=0
+        )

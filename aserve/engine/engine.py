@@ -227,8 +227,8 @@ class Engine:
             self.model.pooler = Pooler(pooling, self.device)
         # Prompts whose every position a step must hold, never taken from the prefix cache:
         # attention both ways, pooling by the mean or the first token.
-        self.whole_prompts = config.is_embedding and (
-            model_config.bidirectional or pooling.whole_prompt
+        self.whole_prompts = model_config.bidirectional or (
+            config.is_embedding and pooling.whole_prompt
         )
         if self.device.type == "cuda":
             _warn_of_unfused_experts(self.model)

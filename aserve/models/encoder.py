@@ -1,5 +1,6 @@
 """BERT-style encoders (BERT, RoBERTa, XLM-RoBERTa) for embeddings: all-MiniLM, bge, e5,
-mxbai-embed, bge-m3 and the other sentence-transformers models most embedding users run.
+mxbai-embed, bge-m3 and the other sentence-transformers models most embedding users run;
+and their classifiers, cross-encoder rerankers (bge-reranker, ms-marco-MiniLM).
 
 An encoder differs from the decoders of models/decoder.py in every layer: learned absolute
 positions (RoBERTa's counted from its padding id + 1) and a token-type row added to the word
@@ -33,9 +34,11 @@ from aserve.quant.native import Scratch
 CHECKPOINT_PREFIXES = ("bert.", "roberta.", "model.")
 """What a task model's checkpoint puts before the encoder's names (`BertForMaskedLM`'s
 `bert.`, XLM-RoBERTa's `roberta.`); a bare `BertModel` has none."""
-UNUSED = ("pooler.", "lm_head.", "cls.", "classifier.", "embeddings.position_ids")
-"""Checkpoint tensors an embedding does not read: the [CLS] pooler's dense layer (not
-sentence-transformers' pooling), a masked-LM or classifier head, a buffer of positions."""
+UNUSED = ("lm_head.", "cls.", "embeddings.position_ids")
+"""Checkpoint tensors no encoder here reads: a masked-LM head, a buffer of positions."""
+HEAD = ("pooler.", "classifier")
+"""A classifier's head (BERT's [CLS] pooler and classifier, RoBERTa's classifier); an
+embedding model passes over them (sentence-transformers pools otherwise)."""
 
 
 class Parameter(nn.Module):
@@ -47,6 +50,34 @@ class Parameter(nn.Module):
 
     def load_weight(self, param: str, tensor: WeightSource, shard: int = 0) -> None:
         self.weight.data.copy_(read_whole(tensor))
+
+
+class Dense(nn.Module):
+    """A replicated linear layer with a bias, computed in float32 (a classifier's head)."""
+
+    def __init__(self, outputs: int, inputs: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(outputs, inputs), False)
+        self.bias = nn.Parameter(torch.empty(outputs), False)
+
+    def load_weight(self, param: str, tensor: WeightSource, shard: int = 0) -> None:
+        getattr(self, param).data.copy_(read_whole(tensor))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float(), self.bias.float())
+
+
+class ClassifierHead(nn.Module):
+    """[CLS]'s final state through a dense layer and tanh, then a logit a label: BERT's
+    pooler then classifier, RoBERTa's classifier `dense` then `out_proj`, the same sums."""
+
+    def __init__(self, hidden: int, labels: int) -> None:
+        super().__init__()
+        self.dense = Dense(hidden, hidden)
+        self.out = Dense(labels, hidden)
+
+    def forward(self, first: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.dense(first)))
 
 
 class LayerNorm(nn.Module):
@@ -105,12 +136,17 @@ class Encoder(nn.Module):
         self.embedding_norm = LayerNorm(hidden, config.rms_norm_eps)
         self.layers = nn.ModuleList(EncoderLayer(config, i, tp) for i in range(config.num_layers))
 
-    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        """Every token's final hidden state; each text is one segment (token type 0)."""
+    def forward(
+        self, batch: ForwardBatch, attn: AttentionBackend, token_types: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Every token's final hidden state; without `token_types` each text is one segment
+        (type 0)."""
         positions = batch.positions + self.position_offset
         hidden = self.embed_tokens(batch.input_ids)
         hidden = hidden + self.position_embeddings.weight[positions]
-        hidden = self.embedding_norm(hidden + self.token_type_embeddings.weight[0])
+        types = self.token_type_embeddings.weight
+        hidden = hidden + (types[0] if token_types is None else types[token_types])
+        hidden = self.embedding_norm(hidden)
         for layer in self.layers:
             hidden = layer(hidden, batch, attn)
         return hidden
@@ -133,11 +169,18 @@ LAYER_NAMES = {
     "output.LayerNorm": ("output_norm", 0),
 }
 """Hugging Face's names of an encoder's modules -> ours (and a fused layer's shard)."""
+HEAD_NAMES = {
+    "pooler.dense": "head.dense",
+    "classifier": "head.out",
+    "classifier.dense": "head.dense",
+    "classifier.out_proj": "head.out",
+}
+"""BERT's and RoBERTa's classifier heads -> ours."""
 
 
-class EncoderForEmbedding(nn.Module):
-    """The engine's model for an encoder: `embed` only (it neither generates nor
-    classifies), no CUDA graphs (a step is always a prefill)."""
+class EncoderModel(nn.Module):
+    """The engine's model for an encoder: `embed`, or `classify` for a cross-encoder; it
+    never generates, and takes no CUDA graphs (a step is always a prefill)."""
 
     graph_capturable = False
     addresses_from_host = True
@@ -146,6 +189,8 @@ class EncoderForEmbedding(nn.Module):
         super().__init__()
         self.config = config
         self.model = Encoder(config, tp)
+        labels = config.num_labels
+        self.head = ClassifierHead(config.hidden_size, labels) if labels else None
         # The engine sets the folder's pooling (models/pooling.py); without one, [CLS]'s.
         self.pooler: Pooler | None = None
         self.first_token = Pooler(Pooling("cls"), torch.device("cpu"))
@@ -156,6 +201,28 @@ class EncoderForEmbedding(nn.Module):
         pooler = self.first_token if self.pooler is None else self.pooler
         return F.normalize(pooler(hidden, batch), dim=-1)
 
+    def classify(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        """A cross-encoder's logits `[batch, labels]` in float32, from [CLS]'s final state."""
+        assert self.head is not None
+        hidden = self.model(batch, attn, self._token_types(batch))
+        return self.head(self.first_token(hidden, batch))
+
+    def _token_types(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """Type 1 for the tokens of a prompt past its first separator (a pair's second
+        sequence, its closing [SEP] included), as BERT's tokenizer types a pair; None where
+        the model has one type."""
+        separator = self.config.segment_separator_id
+        if separator is None:
+            return None
+        assert not any(batch.prefix_lens), "token types are read from whole prompts"
+        ids = batch.input_ids
+        lengths = torch.tensor(batch.extend_lens, device=ids.device)
+        request = torch.repeat_interleave(torch.arange(len(lengths), device=ids.device), lengths)
+        is_separator = (ids == separator).long()
+        before = torch.cumsum(is_separator, 0) - is_separator  # separators before each token
+        starts = torch.cumsum(lengths, 0) - lengths
+        return (before - before[starts][request] > 0).long()
+
     def pack_lm_head(self, checkpoint: Path | None) -> None:
         """An encoder has no LM head to pack."""
 
@@ -164,17 +231,17 @@ class EncoderForEmbedding(nn.Module):
         loaded: set[str] = set()
         for name, tensor in weights:
             name = next((name[len(p) :] for p in CHECKPOINT_PREFIXES if name.startswith(p)), name)
-            if name.startswith(UNUSED):
+            if name.startswith(UNUSED) or (self.head is None and name.startswith(HEAD)):
                 continue
             module_name, _, param = name.rpartition(".")
             target, shard = self._target(module_name)
-            module = modules.get(f"model.{target}") if target else None
+            module = modules.get(target) if target else None
             if module is None or not hasattr(module, "load_weight"):
                 raise ValueError(
                     f"checkpoint tensor {name} has no place in {self.config.architecture}"
                 )
             module.load_weight(param, tensor, shard)
-            loaded.add(f"model.{target}.{param}")
+            loaded.add(f"{target}.{param}")
         missing = self.expected_tensors() - loaded
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
@@ -183,11 +250,13 @@ class EncoderForEmbedding(nn.Module):
     def _target(module_name: str) -> tuple[str | None, int]:
         """Our module for a checkpoint module's name, and the shard it fills."""
         if module_name in CHECKPOINT_NAMES:
-            return CHECKPOINT_NAMES[module_name], 0
+            return f"model.{CHECKPOINT_NAMES[module_name]}", 0
+        if module_name in HEAD_NAMES:
+            return HEAD_NAMES[module_name], 0
         pieces = module_name.split(".", 3)
         if len(pieces) == 4 and pieces[:2] == ["encoder", "layer"] and pieces[3] in LAYER_NAMES:
             ours, shard = LAYER_NAMES[pieces[3]]
-            return f"layers.{pieces[2]}.{ours}", shard
+            return f"model.layers.{pieces[2]}.{ours}", shard
         return None, 0
 
     def expected_tensors(self) -> set[str]:
