@@ -108,7 +108,8 @@ WORDS = ["the", "cat", "sat", "on", "mat", "a", "dog", "ran", "far", "away"]
 
 def make_tiny_encoder(family: str, folder: Path, labels: int = 0) -> Any:
     """A tiny BERT (`bert`) or XLM-RoBERTa (`xlm-roberta`, positions from padding id 1 + 1),
-    its weights and LayerNorms random, with a WordPiece tokenizer of a few words that wraps
+    its weights and LayerNorms random, with a WordPiece tokenizer of a few words (and a
+    plural's `##s`) that wraps
     a text in [CLS] ... [SEP] (a pair in [CLS] ... [SEP] ... [SEP], the second part of token
     type 1); with `labels`, its `*ForSequenceClassification`. Returns transformers' model."""
     import transformers
@@ -137,6 +138,7 @@ def make_tiny_encoder(family: str, folder: Path, labels: int = 0) -> Any:
             param.normal_(0.0, 0.1) if param.dim() == 2 else param.uniform_(-0.5, 0.5)
     model.save_pretrained(folder)
     vocabulary = folder / "vocab.txt"
-    vocabulary.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]))
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    vocabulary.write_text("\n".join([*specials, *WORDS, "##s"]))
     transformers.BertTokenizerFast(str(vocabulary)).save_pretrained(folder)
     return model.eval()

@@ -337,3 +337,83 @@ def write_hf_as_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+BERT_TOP_LEVEL = {
+    "embeddings.word_embeddings": "token_embd",
+    "embeddings.position_embeddings": "position_embd",
+    "embeddings.token_type_embeddings": "token_types",
+    "embeddings.LayerNorm": "token_embd_norm",
+}
+BERT_IN_LAYER = {
+    "attention.self.query": "attn_q",
+    "attention.self.key": "attn_k",
+    "attention.self.value": "attn_v",
+    "attention.output.dense": "attn_output",
+    "attention.output.LayerNorm": "attn_output_norm",
+    "intermediate.dense": "ffn_up",
+    "output.dense": "ffn_down",
+    "output.LayerNorm": "layer_output_norm",
+}
+"""gguf-py's names of BERT's tensors (MODEL_ARCH.BERT)."""
+
+
+def write_bert_as_gguf(
+    folder: Path,
+    path: Path,
+    pooling: gguf.PoolingType,
+    qtype: gguf.GGMLQuantizationType | None = None,
+) -> Path:
+    """A `BertModel` folder (config, weights, WordPiece vocab.txt) as llama.cpp's converter
+    writes it: arch `bert`, non-causal, its pooling type, the vocabulary in llama.cpp's
+    WordPiece spelling (a word start with a leading U+2581, a continuation without `##`,
+    control tokens as they are) with the special ids; `qtype` quantizes the matrices."""
+    config = json.loads((folder / "config.json").read_text())
+    writer = gguf.GGUFWriter(path, "bert")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_layer_norm_eps(config["layer_norm_eps"])
+    writer.add_causal_attention(False)
+    writer.add_pooling_type(pooling)
+    writer.add_token_type_count(config["type_vocab_size"])
+    words = (folder / "vocab.txt").read_text().splitlines()
+    words += [f"[unused{i}]" for i in range(config["vocab_size"] - len(words))]
+    control = [w.startswith("[") and w.endswith("]") for w in words]
+    spelled = [
+        w if c else w[2:] if w.startswith("##") else "\u2581" + w
+        for w, c in zip(words, control, strict=True)
+    ]
+    writer.add_tokenizer_model("bert")
+    writer.add_token_list(spelled)
+    kinds = [gguf.TokenType.CONTROL if c else gguf.TokenType.NORMAL for c in control]
+    writer.add_token_types(kinds)
+    for name, method in (("[CLS]", "add_bos_token_id"), ("[SEP]", "add_sep_token_id")):
+        getattr(writer, method)(words.index(name))
+    writer.add_pad_token_id(words.index("[PAD]"))
+    writer.add_unk_token_id(words.index("[UNK]"))
+    writer.add_mask_token_id(words.index("[MASK]"))
+    for name, tensor in load_file(folder / "model.safetensors").items():
+        module, _, kind = name.rpartition(".")
+        if module in BERT_TOP_LEVEL:
+            stored = BERT_TOP_LEVEL[module]
+        elif module.startswith("encoder.layer."):
+            layer, _, rest = module.removeprefix("encoder.layer.").partition(".")
+            stored = f"blk.{layer}.{BERT_IN_LAYER[rest]}"
+        else:
+            continue  # the [CLS] pooler's dense layer: llama.cpp's converter leaves it out
+        array = np.ascontiguousarray(tensor.float().numpy())
+        matrix = array.ndim == 2 and kind == "weight" and stored.startswith("blk.")
+        if qtype is not None and matrix:
+            writer.add_tensor(
+                f"{stored}.{kind}", gguf.quants.quantize(array, qtype), raw_dtype=qtype
+            )
+        else:
+            writer.add_tensor(f"{stored}.{kind}", array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -34,7 +34,7 @@ from tests.embedding_refs import (
     reference,
     sentence_transformers_files,
 )
-from tests.gguf_files import write_hf_as_gguf
+from tests.gguf_files import write_bert_as_gguf, write_hf_as_gguf
 from tests.server_utils import ServerProcess, serving
 from tests.test_gguf_models import GEMMA3_AS_LLAMA_CPP
 from tests.test_server import get, metric_value, post, run
@@ -436,3 +436,38 @@ def test_a_quantized_encoder_on_cpu_stays_near_its_float_embeddings(tmp_path: Pa
         got = embedded(llm, ENCODER_PROMPTS)
     for ours, theirs in zip(got, hidden, strict=True):
         assert torch.dot(ours, pooled_reference(theirs, "cls", None)) > 0.999
+
+
+@pytest.mark.parametrize("qtype", [None, "Q8_0"], ids=["float", "q8_0"])
+def test_a_bert_gguf_embeds_as_its_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, qtype: str | None
+) -> None:
+    """A BERT as llama.cpp's converter writes it (`bert`, pooling by the mean, its WordPiece
+    vocabulary respelled): the tokenizer built from the file gives the folder's ids (lower
+    case, a plural split into `cat ##s`, [CLS] ... [SEP]), and the embeddings are
+    transformers' mean-pooled states (float: to 2e-5; Q8_0: a cosine past 0.999)."""
+    import gguf
+    import transformers
+
+    model = make_tiny_encoder("bert", tmp_path / "hf")
+    kind = None if qtype is None else gguf.GGMLQuantizationType[qtype]
+    path = write_bert_as_gguf(tmp_path / "hf", tmp_path / "m.gguf", gguf.PoolingType.MEAN, kind)
+    texts = ["The cats sat on the mat", "a DOG ran far away"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ids = [tokenizer(text)["input_ids"] for text in texts]
+    assert tokenizer.convert_ids_to_tokens(ids[0])[:4] == ["[CLS]", "the", "cat", "##s"]
+    with torch.inference_mode():
+        expected = [
+            pooled_reference(model(torch.tensor([i])).last_hidden_state[0], "mean", None)
+            for i in ids
+        ]
+    monkeypatch.setenv("ASERVE_CACHE_DIR", str(tmp_path / "cache"))
+    with LLM(str(path), is_embedding=True) as llm:
+        assert llm.tokenizer is not None
+        assert [llm.tokenizer.encode(text) for text in texts] == ids
+        got = embedded(llm, texts)
+    for ours, theirs in zip(got, expected, strict=True):
+        if qtype is None:
+            torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
+        else:
+            assert torch.dot(ours, theirs) > 0.999

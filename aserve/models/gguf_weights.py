@@ -98,6 +98,24 @@ FAMILY_TENSORS = {
 }
 """The layer tensor names of the families (config.json's `model_type`) that differ from
 LAYER_TENSORS."""
+BERT_TOP_LEVEL = {
+    "token_embd": "embeddings.word_embeddings",
+    "position_embd": "embeddings.position_embeddings",
+    "token_types": "embeddings.token_type_embeddings",
+    "token_embd_norm": "embeddings.LayerNorm",
+}
+BERT_LAYER = {
+    "attn_q": "attention.self.query",
+    "attn_k": "attention.self.key",
+    "attn_v": "attention.self.value",
+    "attn_output": "attention.output.dense",
+    "attn_output_norm": "attention.output.LayerNorm",
+    "ffn_up": "intermediate.dense",
+    "ffn_down": "output.dense",
+    "layer_output_norm": "output.LayerNorm",
+}
+"""llama.cpp's `bert` files (BERT, and XLM-RoBERTa with its positions' offset cut off by
+the converter) under transformers' `BertModel` names (models/encoder.py loads them)."""
 EXPERT_TENSORS = {
     "ffn_gate_exps": "gate_proj",
     "ffn_up_exps": "up_proj",
@@ -133,6 +151,8 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str:
     """The Hugging Face name of a GGUF tensor of a `model_type` file; for a layer's stacked
     experts a pattern with `{}` where the expert's index goes."""
     stem, _, kind = name.rpartition(".")
+    if model_type == "bert":
+        return _bert_tensor_name(name, stem, kind)
     if stem in TOP_LEVEL_TENSORS:
         return f"{TOP_LEVEL_TENSORS[stem]}.{kind}"
     pieces = stem.split(".")
@@ -147,6 +167,16 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str:
     experts_of = prefix == "blk" and layer.isdigit() and part in EXPERT_TENSORS
     if experts_of and kind in ("weight", "bias"):
         return f"model.layers.{layer}.mlp.experts.{{}}.{EXPERT_TENSORS[part]}.{kind}"
+    raise GGUFTensorError(f"GGUF tensor {name!r} has no Hugging Face name that aserve knows")
+
+
+def _bert_tensor_name(name: str, stem: str, kind: str) -> str:
+    if stem in BERT_TOP_LEVEL:
+        return f"{BERT_TOP_LEVEL[stem]}.{kind}"
+    prefix, _, rest = stem.partition(".")
+    layer, _, part = rest.partition(".")
+    if prefix == "blk" and layer.isdigit() and part in BERT_LAYER:
+        return f"encoder.layer.{layer}.{BERT_LAYER[part]}.{kind}"
     raise GGUFTensorError(f"GGUF tensor {name!r} has no Hugging Face name that aserve knows")
 
 

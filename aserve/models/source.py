@@ -88,6 +88,7 @@ ARCHITECTURES = {
     "olmoe": "OlmoeForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
     "glm4": "Glm4ForCausalLM",
+    "bert": "BertModel",  # an encoder: embeddings only (models/encoder.py)
 }
 DENSE_TENSORS = ("dense_2.weight", "dense_3.weight")
 """EmbeddingGemma's Dense modules after its pooling, as llama.cpp's converter stores them
@@ -305,6 +306,8 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
             f"aserve converts {', '.join(ARCHITECTURES)}"
         )
     tensors = {tensor.name: tensor for tensor in stored}
+    if arch == "bert":
+        return bert_config(read, tensors, stored)
     hidden = read(f"{arch}.embedding_length", required=True)
     heads = read(f"{arch}.attention.head_count", required=True)
     experts = read(
@@ -379,6 +382,38 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
         config["quantization_config"] = {"quant_method": "gguf"}
     # how an embedding model's file says to pool (llama.cpp's enum; models/pooling.py)
     config[GGUF_POOLING_TYPE] = read(f"{arch}.pooling_type")
+    return {key: value for key, value in config.items() if value is not None}
+
+
+def bert_config(
+    read: Metadata, tensors: dict[str, StoredTensor], stored: list[StoredTensor]
+) -> dict[str, Any]:
+    """A `bert` file as transformers' `BertModel` config: its positions count from 0
+    (llama.cpp's converter cuts XLM-RoBERTa's offset rows off), its pooling as the file
+    says it (`GGUF_POOLING_TYPE`)."""
+    heads = read("bert.attention.head_count", required=True)
+    config = {
+        "architectures": ["BertModel"],
+        "model_type": "bert",
+        "hidden_size": read("bert.embedding_length", required=True),
+        "intermediate_size": read("bert.feed_forward_length", required=True),
+        "num_hidden_layers": read("bert.block_count", required=True),
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "layer_norm_eps": float32_decimal(read("bert.attention.layer_norm_epsilon", 1e-12)),
+        "max_position_embeddings": int(tensors["position_embd.weight"].shape[-1]),
+        "vocab_size": int(tensors["token_embd.weight"].shape[-1]),
+        "type_vocab_size": int(tensors["token_types.weight"].shape[-1])
+        if "token_types.weight" in tensors
+        else 1,
+        "hidden_act": "gelu",
+        "position_embedding_type": "absolute",
+        "pad_token_id": read("tokenizer.ggml.padding_token_id"),
+        "torch_dtype": matrix_dtype(stored),
+        GGUF_POOLING_TYPE: read("bert.pooling_type"),
+    }
+    if has_quantized_matrices(stored):
+        config["quantization_config"] = {"quant_method": "gguf"}
     return {key: value for key, value in config.items() if value is not None}
 
 
@@ -574,9 +609,50 @@ def _write_tokenizer_apart(gguf_file: Path, config: dict[str, Any], out: Path) -
         raise ModelSourceError(last.removeprefix(f"{__name__}.ModelSourceError: "))
 
 
+WORDPIECE_SPECIALS = {
+    "cls_token": ("tokenizer.ggml.cls_token_id", "tokenizer.ggml.bos_token_id", "[CLS]"),
+    "sep_token": ("tokenizer.ggml.seperator_token_id", "tokenizer.ggml.eos_token_id", "[SEP]"),
+    "pad_token": ("tokenizer.ggml.padding_token_id", None, "[PAD]"),
+    "unk_token": ("tokenizer.ggml.unknown_token_id", None, "[UNK]"),
+    "mask_token": ("tokenizer.ggml.mask_token_id", None, "[MASK]"),
+}
+"""A WordPiece tokenizer's special tokens: the metadata keys of their ids (llama.cpp's spelling
+of `seperator`; older converters filed [CLS] and [SEP] as BOS and EOS), else BERT's names."""
+
+
+def write_wordpiece_tokenizer(metadata: dict[str, Any], config: dict[str, Any], out: Path) -> None:
+    """A `bert` file's WordPiece vocabulary (`tokenizer.ggml.model` "bert") as transformers'
+    BertTokenizerFast, lower-casing as llama.cpp's WordPiece does. llama.cpp's converter
+    spells a word-start token with a leading U+2581 and a continuation without its `##`
+    (control tokens as they are); this spells them back."""
+    from transformers import BertTokenizerFast
+
+    tokens = [str(t) for t in metadata["tokenizer.ggml.tokens"]]
+    kinds = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    control = int(gguf.TokenType.CONTROL)
+    vocabulary = [
+        token if kind == control else token[1:] if token.startswith("\u2581") else f"##{token}"
+        for token, kind in zip(tokens, kinds, strict=True)
+    ]
+    (out / "vocab.txt").write_text("\n".join(vocabulary) + "\n")
+    specials = {}
+    for name, (key, fallback, default) in WORDPIECE_SPECIALS.items():
+        found = metadata.get(key, metadata.get(fallback) if fallback else None)
+        specials[name] = vocabulary[found] if found is not None else default
+    tokenizer = BertTokenizerFast(str(out / "vocab.txt"), do_lower_case=True, **specials)
+    tokenizer.model_max_length = config["max_position_embeddings"]
+    tokenizer.save_pretrained(out)
+
+
 def write_tokenizer(gguf_file: Path, config: dict[str, Any], out: Path) -> None:
     """transformers builds the tokenizer and keeps the chat template; imported here because
-    importing it is slow and a cached start never needs it."""
+    importing it is slow and a cached start never needs it. A `bert` file's WordPiece
+    vocabulary, which transformers does not read from a GGUF, is built here."""
+    if config.get("model_type") == "bert":
+        metadata = read_header(gguf_file).metadata
+        if metadata.get("tokenizer.ggml.model") == "bert":
+            write_wordpiece_tokenizer(metadata, config, out)
+            return
     try:
         loader = gguf_tokenizer_class()
         tokenizer = loader.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
