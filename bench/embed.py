@@ -3,8 +3,10 @@
 left, the last token pooled and made unit length, as Qwen3-Embedding's model card runs it)
 or, with `--peer llamacpp` on a GGUF file, llama.cpp (bench/llamacpp_embedder.py), in one
 process, engines alternating; prints a table and appends each engine's median run to
-bench/results.jsonl. Input tokens a second are the figure; both engines count the inputs'
-own tokens (not the peer's padding), so equal totals show identical work. Each repeat draws
+bench/results.jsonl. A BERT-style encoder's peer pads on the right and pools [CLS] (its
+first token), as sentence-transformers runs bge and all-MiniLM. Input tokens a second are
+the figure; both engines count the inputs' own tokens (not the peer's padding), so equal
+totals show identical work. Each repeat draws
 new inputs (the same for both engines), and a draw of its own warms both up: inputs seen
 before would come from aserve's prefix cache. With `--labels N` both engines run the model
 as a sequence classifier of N labels instead (its `*ForSequenceClassification`, a copy of
@@ -143,6 +145,7 @@ def transformers_runner(args: argparse.Namespace) -> Runner:
         model = kind.from_pretrained(args.model, dtype=dtype).to(device)
     model.eval()
     pad = model.config.pad_token_id or 0
+    encoder = model.config.model_type in ("bert", "roberta", "xlm-roberta")
 
     @torch.inference_mode()
     def run(inputs: Inputs) -> tuple[float, np.ndarray]:
@@ -154,14 +157,16 @@ def transformers_runner(args: argparse.Namespace) -> Runner:
             ids = torch.full((len(chunk), longest), pad, dtype=torch.long)
             mask = torch.zeros(len(chunk), longest, dtype=torch.long)
             for row, prompt in enumerate(chunk):
-                ids[row, longest - len(prompt) :] = torch.tensor(prompt)
-                mask[row, longest - len(prompt) :] = 1
+                start = 0 if encoder else longest - len(prompt)
+                ids[row, start : start + len(prompt)] = torch.tensor(prompt)
+                mask[row, start : start + len(prompt)] = 1
             out = model(ids.to(device), attention_mask=mask.to(device))
             if args.labels:  # the classifier scores the last token that is not padding
                 rows.append(torch.softmax(out.logits.float(), dim=-1).cpu())
                 continue
             hidden = out.last_hidden_state
-            rows.append(torch.nn.functional.normalize(hidden[:, -1].float(), dim=-1).cpu())
+            pooled = hidden[:, 0] if encoder else hidden[:, -1]
+            rows.append(torch.nn.functional.normalize(pooled.float(), dim=-1).cpu())
         return time.perf_counter() - started, torch.cat(rows).numpy()
 
     return run

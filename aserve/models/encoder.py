@@ -42,7 +42,7 @@ embedding model passes over them (sentence-transformers pools otherwise)."""
 
 
 class Parameter(nn.Module):
-    """A replicated tensor loaded whole (position and type embeddings, LayerNorms)."""
+    """A replicated tensor loaded whole (the position and token-type embeddings)."""
 
     def __init__(self, *shape: int) -> None:
         super().__init__()
