@@ -116,10 +116,13 @@ def aserve_runner(args: argparse.Namespace) -> Runner:
 
 
 def llamacpp_runner(args: argparse.Namespace) -> Runner:
+    from aserve.models.gguf_header import read_header
     from bench.llamacpp_embedder import LlamaCppEmbedder
 
     longest = args.input_len[1]
-    peer = LlamaCppEmbedder(Path(args.model), args.threads, 16, max(4096, longest))
+    metadata = read_header(Path(args.model)).metadata
+    file_pools = f"{metadata['general.architecture']}.pooling_type" in metadata
+    peer = LlamaCppEmbedder(Path(args.model), args.threads, 16, max(4096, longest), file_pools)
 
     def run(inputs: Inputs) -> tuple[float, np.ndarray]:
         started = time.perf_counter()

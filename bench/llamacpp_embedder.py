@@ -1,5 +1,6 @@
 """llama.cpp as the CPU peer of bench/embed.py: the same GGUF file and inputs, each pooled at
-its last token and made unit length, as aserve's `--is-embedding` does.
+its last token and made unit length, as aserve's `--is-embedding` does; a file that names
+its pooling (`{arch}.pooling_type`: a BERT's [CLS] or mean) pooled as it says, by both.
 
 Through llama-cpp-python's low-level API, as bench/llamacpp_peer.py runs generation: up to
 `max_seqs` inputs share one `llama_decode` (llama.cpp's server batches embedding requests
@@ -17,7 +18,9 @@ from bench.llamacpp_peer import LlamaCppModel
 
 
 class LlamaCppEmbedder(LlamaCppModel):
-    def __init__(self, gguf: Path, threads: int, max_seqs: int, batch_tokens: int) -> None:
+    def __init__(
+        self, gguf: Path, threads: int, max_seqs: int, batch_tokens: int, file_pools: bool
+    ) -> None:
         super().__init__(gguf)
         llama_cpp = self.lib
         self.width = llama_cpp.llama_model_n_embd(self.model)
@@ -27,7 +30,11 @@ class LlamaCppEmbedder(LlamaCppModel):
         params.n_seq_max = max_seqs
         params.n_threads = params.n_threads_batch = threads
         params.embeddings = True
-        params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_LAST
+        params.pooling_type = (
+            llama_cpp.LLAMA_POOLING_TYPE_UNSPECIFIED  # the file's own
+            if file_pools
+            else llama_cpp.LLAMA_POOLING_TYPE_LAST
+        )
         self._open(params, batch_tokens)
 
     def embed(self, inputs: list[list[int]]) -> np.ndarray:
@@ -50,6 +57,7 @@ class LlamaCppEmbedder(LlamaCppModel):
             for i in range(start, end):
                 row = self.lib.llama_get_embeddings_seq(self.context, i - start)
                 out[i] = np.ctypeslib.as_array(row, shape=(self.width,))
-            self.lib.llama_memory_clear(self.memory, True)
+            if self.memory:  # encoders (BERT) keep no cache
+                self.lib.llama_memory_clear(self.memory, True)
             start = end
         return out / np.linalg.norm(out, axis=1, keepdims=True)
