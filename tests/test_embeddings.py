@@ -471,3 +471,22 @@ def test_a_bert_gguf_embeds_as_its_folder(
             torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
         else:
             assert torch.dot(ours, theirs) > 0.999
+
+
+def test_an_encoder_input_may_fill_every_learned_position(tmp_path: Path) -> None:
+    """A BERT of 80 learned positions embeds an input of 80 tokens (transformers' own limit)
+    as transformers does and refuses 81 in one line; a context longer than its positions is
+    refused at start."""
+    model = make_tiny_encoder("bert", tmp_path)
+    full = [2, *range(5, 83), 3]
+    assert len(full) == 80
+    with torch.inference_mode():
+        hidden = model(torch.tensor([full])).last_hidden_state[0]
+    with LLM(str(tmp_path), is_embedding=True) as llm:
+        ours, longer = llm.embed([full, [*full, 3]])
+    assert ours.embedding is not None and longer.embedding is None
+    assert longer.error is not None and "81 tokens" in longer.error
+    expected = pooled_reference(hidden, "cls", None)
+    torch.testing.assert_close(torch.tensor(ours.embedding), expected, atol=2e-5, rtol=1e-4)
+    with pytest.raises(ConfigError, match="inputs of up to 80 tokens"):
+        LLM(str(tmp_path), is_embedding=True, max_seq_len_override=200)

@@ -21,7 +21,7 @@ import torch
 
 from aserve.attention.base import AttentionBackend, SplitBackend
 from aserve.attention.flashinfer import FLASHINFER_HEAD_DIMS, triton_decodes
-from aserve.config import ConfigError, EngineConfig, ModelConfig
+from aserve.config import ENCODER_ARCHITECTURES, ConfigError, EngineConfig, ModelConfig
 from aserve.constrained.masks import StepMasks
 from aserve.distributed.group import TPGroup
 from aserve.engine.gpu import gpu_capability, start_triton_hash
@@ -156,6 +156,16 @@ class Engine:
                 )
         self.model_config = model_config
         self.max_seq_len = model_config.max_position_embeddings
+        if model_config.architecture in ENCODER_ARCHITECTURES:
+            # A pooled request records one placeholder token after its prompt, which never
+            # runs: an input may fill every learned position (512 for BERT), none beyond.
+            self.max_seq_len += 1
+            override = config.max_seq_len_override
+            if override is not None and override > self.max_seq_len:
+                raise ConfigError(
+                    f"--context-length {override}: this encoder learned positions for inputs "
+                    f"of up to {self.max_seq_len - 1} tokens"
+                )
         if config.max_seq_len_override is not None:
             self.max_seq_len = config.max_seq_len_override
 
