@@ -12,6 +12,7 @@ from pathlib import Path
 
 from aserve.config import (
     CHECKPOINT_METHODS,
+    ENCODER_ARCHITECTURES,
     ConfigError,
     EngineConfig,
     ModelConfig,
@@ -150,9 +151,14 @@ class Runtime:
         if config.engine.is_embedding:
             read_pooling(self.model_dir)  # refuses a pooling aserve does not compute
         elif self.model_config.bidirectional and not self.model_config.classifies:
+            architecture = self.model_config.architecture
+            what = (
+                f"{architecture}, an encoder,"
+                if architecture in ENCODER_ARCHITECTURES
+                else f"{architecture.removesuffix('ForCausalLM')}'s text model here"
+            )
             raise ConfigError(
-                f"{self.model_config.architecture.removesuffix('ForCausalLM')}'s text model "
-                "here attends both ways: it only embeds (start it with --is-embedding)"
+                f"{what} attends both ways: it only embeds (start it with --is-embedding)"
             )
         if self.model_config.classifies and self.model_config.type_vocab_size > 1:
             self.model_config = dataclasses.replace(
