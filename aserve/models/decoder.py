@@ -37,7 +37,7 @@ from aserve.layers.rotary import NO_ROPE, RotaryEmbedding, partial_rotary_order
 from aserve.layers.weight import WeightSource, read_whole
 from aserve.models.multimodal import checkpoint_names
 from aserve.models.pooling import Pooler
-from aserve.models.weights import map_checkpoint_tensor
+from aserve.models.weights import expected_tensors, map_checkpoint_tensor
 from aserve.quant.fp8_activations import Fp8Activations
 from aserve.quant.gguf import QuantizedTensor
 from aserve.quant.huge_pages import WeightBlocks
@@ -638,10 +638,7 @@ class DecoderForCausalLM(nn.Module):
         return (starts[:, None] + self.rotary_order.cpu()).flatten().to(device)
 
     def expected_tensors(self) -> set[str]:
-        quantized = {
-            f"{n}.weight" for n, m in self.named_modules() if getattr(m, "quantized", None)
-        }
-        return {n for n, _ in self.named_parameters()} | quantized
+        return expected_tensors(self)
 
     def finalize_quantized(self, device: torch.device, dtype: torch.dtype) -> None:
         """Pack the quantized weights for products on `device` in `dtype` (embeddings and

@@ -29,6 +29,7 @@ from aserve.layers.embedding import VocabParallelEmbedding
 from aserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from aserve.layers.weight import WeightSource, read_whole
 from aserve.models.pooling import Pooler, Pooling
+from aserve.models.weights import expected_tensors
 from aserve.quant.native import Scratch
 
 CHECKPOINT_PREFIXES = ("bert.", "roberta.", "model.")
@@ -260,10 +261,7 @@ class EncoderModel(nn.Module):
         return None, 0
 
     def expected_tensors(self) -> set[str]:
-        quantized = {
-            f"{n}.weight" for n, m in self.named_modules() if getattr(m, "quantized", None)
-        }
-        return {n for n, _ in self.named_parameters()} | quantized
+        return expected_tensors(self)
 
     def finalize_quantized(self, device: torch.device, dtype: torch.dtype) -> None:
         """Pack the linear layers' quantized weights (`--quantization int8|int4`)."""

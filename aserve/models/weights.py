@@ -35,6 +35,13 @@ SEPARATE_QUANTIZATION_CONFIGS = {"quantize_config.json": "gptq", "quant_config.j
 `quantization_config`, and the method each file's settings are for."""
 
 
+def expected_tensors(model: torch.nn.Module) -> set[str]:
+    """What a checkpoint must fill in `model`: its parameters, and the weight of each layer
+    that keeps a quantized weight in place of a parameter."""
+    quantized = {f"{n}.weight" for n, m in model.named_modules() if getattr(m, "quantized", None)}
+    return {n for n, _ in model.named_parameters()} | quantized
+
+
 def load_hf_config(folder: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """config.json (with a separate quantization file's settings as its
     `quantization_config`), and generation_config.json or None (it holds extra eos ids when
