@@ -490,3 +490,35 @@ def test_an_encoder_input_may_fill_every_learned_position(tmp_path: Path) -> Non
     torch.testing.assert_close(torch.tensor(ours.embedding), expected, atol=2e-5, rtol=1e-4)
     with pytest.raises(ConfigError, match="inputs of up to 80 tokens"):
         LLM(str(tmp_path), is_embedding=True, max_seq_len_override=200)
+
+
+def test_an_encoder_server_embeds_text_and_tells_its_positions(tmp_path: Path) -> None:
+    """A BERT embedding server: /v1/models gives its learned positions as max_model_len (80),
+    text embeds as transformers' [CLS] of the tokenizer's ids, an input of 80 tokens is
+    taken and one of 81 is a 400 that names the context; /v1/score scores by cosine."""
+    import transformers
+
+    model = make_tiny_encoder("bert", tmp_path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    text = "the cats sat on a mat"
+    with torch.inference_mode():
+        hidden = model(**tokenizer(text, return_tensors="pt")).last_hidden_state[0]
+    expected = pooled_reference(hidden, "cls", None).numpy()
+    server = ServerProcess(
+        ["--model", str(tmp_path), "--served-model-name", MODEL, "--is-embedding"]
+    )
+    try:
+        server.wait_ready()
+        _, models = run(get(server.base_url + "/v1/models"))
+        assert json.loads(models)["data"][0]["max_model_len"] == 80
+        status, body = embeddings(server, input=text)
+        assert status == 200, body
+        np.testing.assert_allclose(np.array(body["data"][0]["embedding"]), expected, atol=2e-5)
+        status, body = embeddings(server, input=[[2, *range(5, 83), 3]])
+        assert status == 200 and body["usage"]["prompt_tokens"] == 80, body
+        status, body = embeddings(server, input=[[2, *range(5, 84), 3]])
+        assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+        status, body = run(post(server.base_url + "/v1/score", {"text_1": text, "text_2": text}))
+        assert status == 200 and body["data"][0]["score"] == pytest.approx(1.0, abs=1e-5)
+    finally:
+        assert server.stop() == 0, server.log()

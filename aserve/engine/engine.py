@@ -614,6 +614,13 @@ class Engine:
         )
 
     @property
+    def context_length(self) -> int:
+        """The context a client is told (`max_model_len`): `max_seq_len`, less an encoder's
+        placeholder slot after its input (an input fills its learned positions, no more)."""
+        encoder = self.model_config.architecture in ENCODER_ARCHITECTURES
+        return self.max_seq_len - 1 if encoder else self.max_seq_len
+
+    @property
     def awaits_kernels(self) -> bool:
         """True while the engine serves without FlashInfer's modules, which still build."""
         return self._stand_in is not None

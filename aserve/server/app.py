@@ -180,7 +180,7 @@ class Server:
             "object": "model",
             "created": int(time.time()),
             "owned_by": "aserve",
-            "max_model_len": runtime.engine.max_seq_len,
+            "max_model_len": runtime.engine.context_length,
             "default_sampling_params": dict(runtime.sampling_defaults),
         }
         return json_response({"object": "list", "data": [card]})
@@ -206,7 +206,7 @@ class Server:
                 limits.check_text(len(body.prompt), None, "prompt")
                 tokens = await tokenizer.encode_async(body.prompt)
         return json_response(
-            {"tokens": tokens, "count": len(tokens), "max_model_len": runtime.engine.max_seq_len}
+            {"tokens": tokens, "count": len(tokens), "max_model_len": runtime.engine.context_length}
         )
 
     async def detokenize(self, request: web.Request) -> web.Response:

@@ -52,7 +52,7 @@ class FleetRoutes:
                 "max_running_requests": config.scheduler.max_running_requests,
                 "max_total_num_tokens": snapshot.total_kv_tokens,
                 "max_prefill_tokens": config.scheduler.max_prefill_length,
-                "context_length": runtime.engine.max_seq_len,
+                "context_length": runtime.engine.context_length,
                 "page_size": config.scheduler.page_size,
                 "device": str(runtime.engine.device),
             }
