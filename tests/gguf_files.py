@@ -194,6 +194,32 @@ def embedding_gemma_pooling(folder: Path, writer: gguf.GGUFWriter) -> dict[str, 
     return tensors
 
 
+def add_sizes(writer: gguf.GGUFWriter, config: dict[str, Any]) -> None:
+    """A checkpoint's layers, positions, width and MLP width, as every architecture has them."""
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+
+
+def add_tensor(
+    writer: gguf.GGUFWriter, name: str, array: np.ndarray, kind: gguf.GGMLQuantizationType | None
+) -> None:
+    """`array` under `name`: float32, or quantized to `kind`."""
+    array = np.ascontiguousarray(array)
+    if kind is None:
+        writer.add_tensor(name, array)
+    else:
+        writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
+
+
+def write_and_close(writer: gguf.GGUFWriter) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def write_hf_as_gguf(
     folder: Path,
     path: Path,
@@ -228,10 +254,7 @@ def write_hf_as_gguf(
     writer = gguf.GGUFWriter(path, arch)
     if vocabulary is not None:
         vocabulary(writer)
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
+    add_sizes(writer, config)
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_key_length(head_dim)
@@ -327,15 +350,8 @@ def write_hf_as_gguf(
     for name, array in tensors.items():
         kind = next((t for key, t in (qtype_of or {}).items() if key in name), qtype)
         quantizable = name.endswith(".weight") and "ffn_gate_inp" not in name
-        if kind is not None and array.ndim >= 2 and quantizable:
-            quantized = gguf.quants.quantize(np.ascontiguousarray(array), kind)
-            writer.add_tensor(name, quantized, raw_dtype=kind)
-        else:
-            writer.add_tensor(name, np.ascontiguousarray(array))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        add_tensor(writer, name, array, kind if array.ndim >= 2 and quantizable else None)
+    write_and_close(writer)
     return path
 
 
@@ -370,10 +386,7 @@ def write_bert_as_gguf(
     control tokens as they are) with the special ids; `qtype` quantizes the matrices."""
     config = json.loads((folder / "config.json").read_text())
     writer = gguf.GGUFWriter(path, "bert")
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
+    add_sizes(writer, config)
     writer.add_head_count(config["num_attention_heads"])
     writer.add_layer_norm_eps(config["layer_norm_eps"])
     writer.add_causal_attention(False)
@@ -404,16 +417,8 @@ def write_bert_as_gguf(
             stored = f"blk.{layer}.{BERT_IN_LAYER[rest]}"
         else:
             continue  # the [CLS] pooler's dense layer: llama.cpp's converter leaves it out
-        array = np.ascontiguousarray(tensor.float().numpy())
+        array = tensor.float().numpy()
         matrix = array.ndim == 2 and kind == "weight" and stored.startswith("blk.")
-        if qtype is not None and matrix:
-            writer.add_tensor(
-                f"{stored}.{kind}", gguf.quants.quantize(array, qtype), raw_dtype=qtype
-            )
-        else:
-            writer.add_tensor(f"{stored}.{kind}", array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        add_tensor(writer, f"{stored}.{kind}", array, qtype if matrix else None)
+    write_and_close(writer)
     return path

@@ -119,7 +119,7 @@ def write_pooling_files(folder: Path, mode: str, dense: list[torch.Tensor]) -> N
     (folder / "1_Pooling").mkdir()
     settings = {f"pooling_mode_{name}": name == mode for name in MODES}
     (folder / "1_Pooling" / "config.json").write_text(json.dumps(settings, indent=2))
-    for path, weight in zip(paths[2:], dense, strict=False):
+    for path, weight in zip(paths[2:-1], dense, strict=True):
         (folder / path).mkdir()
         layer = {"in_features": weight.shape[1], "out_features": weight.shape[0], "bias": False}
         layer["activation_function"] = IDENTITY
