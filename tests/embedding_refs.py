@@ -103,15 +103,20 @@ def make_embedding_gemma(
 
 
 ENCODERS = {"bert": "BertModel", "xlm-roberta": "XLMRobertaModel"}
+ENCODER_PROMPTS = [[2, 17, 42, 9, 100, 3, 77, 12, 110, 31, 8, 19, 60, 5, 88, 3], [2, 4, 4, 61, 3]]
+"""Token ids under the tiny encoders' vocabulary of 120, none the padding id (XLM-R's 1)."""
 WORDS = ["the", "cat", "sat", "on", "mat", "a", "dog", "ran", "far", "away"]
 
 
-def make_tiny_encoder(family: str, folder: Path, labels: int = 0) -> Any:
+def make_tiny_encoder(
+    family: str, folder: Path, labels: int = 0, overrides: dict[str, Any] | None = None
+) -> Any:
     """A tiny BERT (`bert`) or XLM-RoBERTa (`xlm-roberta`, positions from padding id 1 + 1),
     its weights and LayerNorms random, with a WordPiece tokenizer of a few words (and a
     plural's `##s`) that wraps
     a text in [CLS] ... [SEP] (a pair in [CLS] ... [SEP] ... [SEP], the second part of token
-    type 1); with `labels`, its `*ForSequenceClassification`. Returns transformers' model."""
+    type 1); with `labels`, its `*ForSequenceClassification`; `overrides` change its
+    shapes. Returns transformers' model."""
     import transformers
 
     settings = {
@@ -121,6 +126,7 @@ def make_tiny_encoder(family: str, folder: Path, labels: int = 0) -> Any:
         "num_attention_heads": 4,
         "intermediate_size": 96,
         "max_position_embeddings": 80,
+        **(overrides or {}),
     }
     torch.manual_seed(0)
     if labels:

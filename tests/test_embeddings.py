@@ -22,6 +22,7 @@ from aserve.server import protocol
 from tests.embedding_refs import (
     CLS,
     DENSE,
+    ENCODER_PROMPTS,
     ENCODERS,
     LAST,
     MEAN,
@@ -366,10 +367,6 @@ def test_embedding_gemma_attends_both_ways(tmp_path: Path) -> None:
         torch.testing.assert_close(single, ours, atol=2e-6, rtol=0)
     with pytest.raises(ConfigError, match="attends both ways: it only embeds"):
         LLM(str(tmp_path))
-
-
-ENCODER_PROMPTS = [[2, 17, 42, 9, 100, 3, 77, 12, 110, 31, 8, 19, 60, 5, 88, 3], [2, 4, 4, 61, 3]]
-"""Token ids under the tiny encoders' vocabulary of 120, none the padding id (XLM-R's 1)."""
 
 
 @pytest.mark.parametrize("family", ENCODERS)

@@ -546,7 +546,8 @@ class Engine:
         if self._triton_hash is not None:
             self._triton_hash.join()
         self._compile_triton_kernels()
-        self._sample_each_way(self._dummy_forward(ForwardMode.DECODE, self.attn))
+        if not self.pooling:  # a pooling model's requests are prompts alone: nothing decodes
+            self._sample_each_way(self._dummy_forward(ForwardMode.DECODE, self.attn))
         if self.graphs is not None and self._kernel_builds:
             self.graphs.capture(self.graphs.sizes_without_flashinfer())
         # A first start: the builds go on. Not under TP, where every rank must run the same
@@ -588,7 +589,8 @@ class Engine:
             return
         stand_in = self._single_backend("torch")
         with KernelCensus() as census:
-            self._sample_each_way(self._dummy_forward(ForwardMode.DECODE, self.attn))
+            if not self.pooling:
+                self._sample_each_way(self._dummy_forward(ForwardMode.DECODE, self.attn))
             if self.graphs is not None:
                 self.graphs.forward_each_size()
             self._dummy_forward(ForwardMode.PREFILL, stand_in)
@@ -663,7 +665,7 @@ class Engine:
         spec = StepSpec(mode, [self.page_table.dummy_row], [0], [1], [0], prefill_ids, [])
         batch = forward_batch(spec, self.page_table, self.device)
         attn.prepare(batch)
-        return self.model(batch, attn)
+        return self._run_model(batch, attn)
 
     def _make_graphs(self) -> DecodeGraphs | None:
         """Decode graphs on CUDA when the decode backend is FlashInfer (the torch backend
@@ -741,6 +743,11 @@ class Engine:
         attn = self.attn if self._stand_in is None else self._stand_in
         self.share_images(batch)
         attn.prepare(batch)
+        return self._run_model(batch, attn)
+
+    def _run_model(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        """A classifier's logits, an embedding server's embeddings, else the LM's logits
+        (an encoder has only the first two)."""
         if self.model_config.classifies:
             return self.model.classify(batch, attn)
         if self.pooling:
