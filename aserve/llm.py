@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 import torch
@@ -130,10 +131,13 @@ class LLM:
         default = self.default_sampling_params()
         return self._run(ids, _per_prompt(sampling_params, len(ids), default), images)
 
-    def embed(self, prompts: Prompt | Sequence[Prompt]) -> list[EmbeddingOutput]:
+    def embed(
+        self, prompts: Prompt | Sequence[Prompt], truncate_prompt_tokens: int | None = None
+    ) -> list[EmbeddingOutput]:
         """Each prompt's embedding, as vLLM's `LLM.embed` (an LLM made with
         `is_embedding=True`); text is encoded as the tokenizer's defaults say (Qwen3-Embedding's
-        appends its end-of-text token)."""
+        appends its end-of-text token). `truncate_prompt_tokens` keeps each prompt's last N
+        tokens (text its special tokens too), -1 as many as the model takes."""
         if not self.runtime.engine.pooling:
             raise ValueError("this LLM generates text: make it with is_embedding=True to embed")
         if self.runtime.engine.model_config.classifies:
@@ -141,11 +145,18 @@ class LLM:
         prompt_list = [prompts] if _is_single_prompt(prompts) else list(prompts)
         if any(isinstance(p, dict) for p in prompt_list):
             raise ValueError("embed takes text or token ids")
-        return self._pool([self._encode(p) for p in prompt_list])  # type: ignore[arg-type]
+        keep = self._kept_tokens(truncate_prompt_tokens)
+        return self._pool([self._encode(p, keep) for p in prompt_list])  # type: ignore[arg-type]
 
-    def score(self, text_1: str | list[str], text_2: str | list[str]) -> list[ScoreOutput]:
+    def score(
+        self,
+        text_1: str | list[str],
+        text_2: str | list[str],
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ScoreOutput]:
         """Scores of text pairs, as vLLM's `LLM.score`: one `text_1` against each `text_2`,
-        or the two lists side by side (aserve/scoring.py says how each model scores)."""
+        or the two lists side by side (aserve/scoring.py says how each model scores); each
+        sequence the model runs cut as `embed` cuts it."""
         config = self.runtime.engine.model_config
         refusal = scoring_refusal(config, self.runtime.engine.pooling)
         if refusal is not None:
@@ -153,7 +164,12 @@ class LLM:
         firsts = [text_1] if isinstance(text_1, str) else list(text_1)
         pairs = paired(firsts, [text_2] if isinstance(text_2, str) else list(text_2))
         tokenizer = self._require_tokenizer()
-        plan = plan_pairs(config, pairs, tokenizer.encode, tokenizer.encode_pair)
+        keep = self._kept_tokens(truncate_prompt_tokens)
+        if keep is None:
+            plan = plan_pairs(config, pairs, tokenizer.encode, tokenizer.encode_pair)
+        else:  # the same call cuts a text or a pair
+            cut = partial(tokenizer.encode_keeping_last, keep)
+            plan = plan_pairs(config, pairs, cut, cut)
         vectors = []
         for out in self._pool(plan.prompts):
             if out.embedding is None:
@@ -162,9 +178,11 @@ class LLM:
         scores = plan.scores(vectors)
         return [ScoreOutput(a, b, s) for (a, b), s in zip(pairs, scores, strict=True)]
 
-    def classify(self, prompts: Prompt | Sequence[Prompt]) -> list[ClassificationOutput]:
+    def classify(
+        self, prompts: Prompt | Sequence[Prompt], truncate_prompt_tokens: int | None = None
+    ) -> list[ClassificationOutput]:
         """Each prompt's label and class probabilities, as vLLM's `LLM.classify` (a
-        `*ForSequenceClassification` checkpoint)."""
+        `*ForSequenceClassification` checkpoint); prompts cut as `embed` cuts them."""
         config = self.runtime.engine.model_config
         refusal = classifying_refusal(config)
         if refusal is not None:
@@ -172,7 +190,8 @@ class LLM:
         prompt_list = [prompts] if _is_single_prompt(prompts) else list(prompts)
         if any(isinstance(p, dict) for p in prompt_list):
             raise ValueError("classify takes text or token ids")
-        outs = self._pool([self._encode(p) for p in prompt_list])  # type: ignore[arg-type]
+        keep = self._kept_tokens(truncate_prompt_tokens)
+        outs = self._pool([self._encode(p, keep) for p in prompt_list])  # type: ignore[arg-type]
         return [
             ClassificationOutput(
                 out.prompt_token_ids,
@@ -222,10 +241,29 @@ class LLM:
             raise ValueError("this model folder has no tokenizer: pass token ids, not text")
         return self.tokenizer
 
-    def _encode(self, prompt: str | list[int]) -> list[int]:
+    def _encode(self, prompt: str | list[int], keep: int | None = None) -> list[int]:
+        """A prompt's token ids, its last `keep` where that is set."""
         if isinstance(prompt, str):
-            return self._require_tokenizer().encode(prompt)
-        return [int(t) for t in prompt]
+            tokenizer = self._require_tokenizer()
+            return (
+                tokenizer.encode(prompt)
+                if keep is None
+                else tokenizer.encode_keeping_last(keep, prompt)
+            )
+        ids = [int(t) for t in prompt]
+        return ids if keep is None else ids[-keep:]
+
+    def _kept_tokens(self, asked: int | None) -> int | None:
+        """How many tokens `truncate_prompt_tokens` keeps of a pooled prompt (-1: all that
+        the model takes)."""
+        if asked is None:
+            return None
+        room = self.runtime.scheduler.max_seq_len - 1  # the position after it takes a token
+        if asked == -1:
+            return room
+        if not 1 <= asked <= room:
+            raise ValueError(f"truncate_prompt_tokens is {asked}: -1, or 1 to {room}")
+        return asked
 
     def _inputs(self, prompt: Prompt) -> tuple[list[int], list[torch.Tensor]]:
         """A prompt's token ids and its images' pixels."""

@@ -75,6 +75,22 @@ def _groups(texts: Sequence[str], group_chars: int) -> list[tuple[int, int]]:
     return groups
 
 
+def _kept_lengths(lengths: list[int], room: int) -> list[int]:
+    """How many tokens each part of a text (one, or a pair) keeps in `room`: the longer part
+    is cut first, down to the other's length, then both alike (the second first on ties)."""
+    if len(lengths) == 1:
+        return [min(lengths[0], room)]
+    first, second = lengths
+    over = max(0, first + second - room)
+    gap = min(over, abs(first - second))
+    if first > second:
+        first -= gap
+    else:
+        second -= gap
+    over -= gap
+    return [first - over // 2, second - (over + 1) // 2]
+
+
 def has_tokenizer(model_dir: Path) -> bool:
     return any((model_dir / name).exists() for name in TOKENIZER_FILES)
 
@@ -203,6 +219,24 @@ class Tokenizer:
         """Two texts as one sequence, the tokenizer's way of joining a pair (a
         cross-encoder's query and document)."""
         return list(self.hf(first, text_pair=second)["input_ids"])
+
+    def encode_keeping_last(self, limit: int, *texts: str) -> list[int]:
+        """A text (or a pair, as `encode_pair` joins it) in at most `limit` tokens: cut from
+        its start, the special tokens the tokenizer adds kept (transformers' truncation from
+        the left); a pair's longer part loses tokens first. vLLM's `truncate_prompt_tokens`.
+        The backend's encodings are cut and joined here: transformers' own truncation is a
+        setting of the shared backend, which another thread of the pool could change."""
+        backend = self.hf.backend_tokenizer
+        parts = [backend.encode(text, add_special_tokens=False) for text in texts]
+        room = limit - backend.num_special_tokens_to_add(len(parts) == 2)
+        if room < len(parts):
+            raise ValueError(
+                f"keeping {limit} tokens leaves no room for the text beside the "
+                f"{limit - room} special tokens this tokenizer adds"
+            )
+        for part, kept in zip(parts, _kept_lengths([len(p) for p in parts], room), strict=True):
+            part.truncate(kept, direction="left")
+        return list(backend.post_process(*parts, add_special_tokens=True).ids)
 
     def apply_chat_template(
         self,

@@ -492,7 +492,10 @@ def test_an_encoder_input_may_fill_every_learned_position(tmp_path: Path) -> Non
 def test_an_encoder_server_embeds_text_and_tells_its_positions(tmp_path: Path) -> None:
     """A BERT embedding server: /v1/models gives its learned positions as max_model_len (80),
     text embeds as transformers' [CLS] of the tokenizer's ids, an input of 80 tokens is
-    taken and one of 81 is a 400 that names the context; /v1/score scores by cosine."""
+    taken and one of 81 is a 400 that names the context; /v1/score scores by cosine.
+    `truncate_prompt_tokens` cuts text as transformers does from the left ([CLS] and [SEP]
+    kept), ids to the 80 the model takes with -1, each of /v1/score's texts alike; a count
+    that leaves no room beside [CLS] and [SEP] is a 400."""
     import transformers
 
     model = make_tiny_encoder("bert", tmp_path)
@@ -517,5 +520,25 @@ def test_an_encoder_server_embeds_text_and_tells_its_positions(tmp_path: Path) -
         assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
         status, body = run(post(server.base_url + "/v1/score", {"text_1": text, "text_2": text}))
         assert status == 200 and body["data"][0]["score"] == pytest.approx(1.0, abs=1e-5)
+        long_text = " ".join(WORDS * 3)
+        tokenizer.truncation_side = "left"
+        kept = tokenizer(long_text, truncation=True, max_length=6, return_tensors="pt")
+        assert kept["input_ids"][0, 0] == tokenizer.cls_token_id
+        with torch.inference_mode():
+            hidden = model(**kept).last_hidden_state[0]
+        status, body = embeddings(server, input=long_text, truncate_prompt_tokens=6)
+        assert status == 200 and body["usage"]["prompt_tokens"] == 6, body
+        np.testing.assert_allclose(
+            np.array(body["data"][0]["embedding"]),
+            pooled_reference(hidden, "cls", None).numpy(),
+            atol=2e-5,
+        )
+        status, body = embeddings(server, input=[list(range(5, 105))], truncate_prompt_tokens=-1)
+        assert status == 200 and body["usage"]["prompt_tokens"] == 80, body
+        status, body = embeddings(server, input=text, truncate_prompt_tokens=1)
+        assert status == 400 and "2 special tokens" in body["error"]["message"], body
+        scored = {"text_1": long_text, "text_2": [text, long_text], "truncate_prompt_tokens": 6}
+        status, body = run(post(server.base_url + "/v1/score", scored))
+        assert status == 200 and body["usage"]["prompt_tokens"] == 12, body
     finally:
         assert server.stop() == 0, server.log()

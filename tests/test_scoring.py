@@ -293,7 +293,8 @@ def test_cross_encoders_score_pairs_as_transformers(tmp_path: Path, family: str)
     query and each document as transformers' classifier reads the tokenizer's pair: [CLS]'s
     state through the pooler (BERT) or the classifier's dense layer (RoBERTa), the
     second part of a BERT pair of token type 1; the logit's sigmoid. It serves without
-    --is-embedding, each pair whole in one step."""
+    --is-embedding, each pair whole in one step. Pairs cut by `truncate_prompt_tokens` score
+    as transformers' classifier reads them cut from the left."""
     import transformers
 
     model = make_tiny_encoder(family, tmp_path, labels=1)
@@ -306,14 +307,27 @@ def test_cross_encoders_score_pairs_as_transformers(tmp_path: Path, family: str)
             if family == "bert":
                 assert pair["token_type_ids"].any()
             expected.append(torch.sigmoid(model(**pair).logits[0, 0]).item())
+    tokenizer.truncation_side = "left"
+    cut_expected = []
+    with torch.inference_mode():
+        for document in documents:
+            pair = tokenizer(query, document, truncation=True, max_length=7, return_tensors="pt")
+            cut_expected.append(torch.sigmoid(model(**pair).logits[0, 0]).item())
     with LLM(str(tmp_path), page_size=4, max_prefill_length=3) as llm:
         assert llm.runtime.engine.model_config.classifies
         scores = llm.score(query, documents)
         assert llm.scheduler.planner.prompt_tokens_cached == 0
+        cut = llm.score(query, documents, truncate_prompt_tokens=7)
+        with pytest.raises(ValueError, match="truncate_prompt_tokens is 0"):
+            llm.score(query, documents, truncate_prompt_tokens=0)
     torch.testing.assert_close(
         torch.tensor([s.score for s in scores]), torch.tensor(expected), atol=2e-5, rtol=0
     )
     assert len({s.score for s in scores}) == len(documents)  # each document its own
+    torch.testing.assert_close(  # pairs cut from the left, the longer part first
+        torch.tensor([s.score for s in cut]), torch.tensor(cut_expected), atol=2e-5, rtol=0
+    )
+    assert cut[0].score != pytest.approx(scores[0].score, abs=1e-4)
 
 
 def test_an_encoder_classifier_s_labels_and_probabilities(tmp_path: Path) -> None:

@@ -751,3 +751,27 @@ def test_return_token_ids(server: ServerProcess) -> None:
         )
     )
     assert generated["output_ids"] == ids
+
+
+def test_truncate_prompt_tokens(server: ServerProcess) -> None:
+    """vLLM's `truncate_prompt_tokens`: a completion's text or token ids and a chat keep
+    their last N tokens (the usage counts them; greedy text as for those ids sent alone);
+    0 and more than the context are 400s that name the field."""
+    text = "The quick brown fox jumps over the lazy dog near the river bank"
+    _, tokens = run(post(server.base_url + "/tokenize", {"prompt": text}))
+
+    def complete(path: str = "/v1/completions", **body: Any) -> tuple[int, Any]:
+        greedy = {"model": MODEL, "temperature": 0, "max_tokens": 6}
+        return run(post(server.base_url + path, {**greedy, **body}))
+
+    _, alone = complete(prompt=tokens["tokens"][-5:])
+    for prompt in (text, tokens["tokens"]):
+        _, cut = complete(prompt=prompt, truncate_prompt_tokens=5)
+        assert cut["usage"]["prompt_tokens"] == alone["usage"]["prompt_tokens"] == 5
+        assert cut["choices"][0]["text"] == alone["choices"][0]["text"]
+    _, chat = complete("/v1/chat/completions", messages=HELLO, truncate_prompt_tokens=7)
+    assert chat["usage"]["prompt_tokens"] == 7
+    for wrong, fragment in ((0, "keep no token"), (9000, "context is 8192")):
+        status, reply = complete(prompt=text, truncate_prompt_tokens=wrong)
+        assert status == 400 and reply["error"]["param"] == "truncate_prompt_tokens", reply
+        assert fragment in reply["error"]["message"]

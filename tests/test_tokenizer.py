@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer as Backend
-from tokenizers import decoders, models, normalizers
+from tokenizers import decoders, models, normalizers, pre_tokenizers
 
 import aserve.tokenizer
 from aserve.textstream import StopStringMatcher, TextStream
@@ -694,3 +694,43 @@ def test_loading_a_named_class_leaves_transformers_auto_classes_unimported(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
     assert shown.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_keeping_the_last_tokens_is_transformers_left_truncation(tmp_path: Path) -> None:
+    """`encode_keeping_last` (vLLM's truncate_prompt_tokens) gives what transformers' own
+    truncation from the left gives, for a text ([CLS] and [SEP] kept) and for a pair
+    (longest part first, ties included), on a BERT tokenizer and on one that adds BOS and
+    EOS; a text that fits is `encode`'s, and a limit within the special tokens is refused."""
+    import transformers
+    from tokenizers import processors
+
+    words = ["the", "cat", "sat", "on", "mat", "a", "dog", "ran", "far", "away"]
+    bert = tmp_path / "bert"
+    bert.mkdir()
+    (bert / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", *words]))
+    transformers.BertTokenizerFast(str(bert / "vocab.txt")).save_pretrained(bert)
+    bos = tmp_path / "bos"
+    backend = Backend(models.WordLevel({w: i for i, w in enumerate(["<s>", "</s>", *words])}))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 1)]
+    )
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>"
+    )
+    fast.save_pretrained(bos)
+    first, second = " ".join(words + words[:3]), " ".join(words[2:8])
+    for folder in (bert, bos):
+        ours = Tokenizer(folder)
+        theirs = transformers.AutoTokenizer.from_pretrained(folder)
+        theirs.truncation_side = "left"
+        for limit in (3, 4, 9, 14, 15, 16, 40):
+            expected = theirs(first, truncation=True, max_length=limit)["input_ids"]
+            assert ours.encode_keeping_last(limit, first) == expected
+            assert len(expected) == min(limit, len(ours.encode(first)))
+            pair = theirs(first, second, truncation=True, max_length=limit + 2)["input_ids"]
+            assert ours.encode_keeping_last(limit + 2, first, second) == pair
+        assert ours.encode_keeping_last(100, first) == ours.encode(first)
+        assert ours.encode_keeping_last(100, first, second) == ours.encode_pair(first, second)
+        with pytest.raises(ValueError, match="2 special tokens"):
+            ours.encode_keeping_last(2, first)

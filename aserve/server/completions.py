@@ -34,10 +34,18 @@ from aserve.server.responses_api import ResponsesShaper, item_id
 from aserve.server.state import ServerState, require_tokenizer
 from aserve.server.streaming import ChoiceStream, EventWriter, Shaper
 from aserve.server.tools import special_marker_ids, tool_syntax
+from aserve.server.truncation import encode_keeping_last, keep_last, kept_tokens
 from aserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("aserve.server")
 THINK_TAIL_TOKENS = 4  # enough of a prompt's end to see whether it opens <think>
+
+
+def prompt_room(runtime: Runtime, parsed: GenerationRequest) -> tuple[int, int]:
+    """The model's context, and what it leaves a prompt: all but `max_tokens` (one token
+    where that is unset or 0)."""
+    context = runtime.engine.max_seq_len
+    return context, max(1, context - (parsed.max_tokens or 1))
 
 
 class Completions:
@@ -78,6 +86,7 @@ class Completions:
                 raise APIError(str(error), param="messages") from None
             except TemplateError as error:  # the template's own raise_exception, say
                 raise APIError(f"the chat template failed: {error}", param="messages") from None
+            prompt = self._chat_kept(runtime, parsed, prompt)
             if is_harmony(tokenizer.hf.chat_template):
                 parsed = await self._with_harmony(tokenizer, parsed)
             else:
@@ -88,6 +97,19 @@ class Completions:
                 if self.state.config.reasoning_parser is not None:
                     parsed = self._with_thinking(tokenizer, parsed, prompt)
             return await self._generate(request, runtime, parsed, [prompt])
+
+    @staticmethod
+    def _chat_kept(runtime: Runtime, parsed: GenerationRequest, prompt: list[int]) -> list[int]:
+        """A rendered chat cut to the last tokens `truncate_prompt_tokens` keeps; a cut
+        would drop images' tokens where the chat carries images, so there it is a 400."""
+        keep = kept_tokens(parsed.truncate_prompt_tokens, *prompt_room(runtime, parsed))
+        if keep is not None and len(prompt) > keep and parsed.images:
+            raise APIError(
+                f"{len(prompt)} tokens with images: truncate_prompt_tokens cuts no prompt "
+                "that holds images",
+                param="truncate_prompt_tokens",
+            )
+        return keep_last(prompt, keep)
 
     @staticmethod
     async def _with_harmony(tokenizer: Tokenizer, parsed: GenerationRequest) -> GenerationRequest:
@@ -202,11 +224,15 @@ class Completions:
     async def _tokenized(
         self, runtime: Runtime, limits: InputLimits, parsed: GenerationRequest
     ) -> list[list[int]]:
+        keep = kept_tokens(parsed.truncate_prompt_tokens, *prompt_room(runtime, parsed))
         if not parsed.texts:
-            return parsed.token_ids
+            return [keep_last(ids, keep) for ids in parsed.token_ids]
         for text in parsed.texts:
             limits.check_text(len(text), parsed.max_tokens, "prompt")
         tokenizer = require_tokenizer(runtime)
+        if keep is not None:
+            cut = (encode_keeping_last(tokenizer, text, keep) for text in parsed.texts)
+            return list(await asyncio.gather(*cut))
         return list(await asyncio.gather(*(tokenizer.encode_async(t) for t in parsed.texts)))
 
     @staticmethod

@@ -26,6 +26,7 @@ from aserve.server.http import json_response
 from aserve.server.limits import InputLimits
 from aserve.server.openai import APIError, parse_body
 from aserve.server.state import ServerState, require_tokenizer
+from aserve.server.truncation import encode_keeping_last, keep_last, kept_tokens
 
 ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 """An embedding request's one step: its prompt, whose output ends it."""
@@ -57,7 +58,8 @@ class Embeddings:
                 )
             given = parsed.input
             places.resize(1 if isinstance(given, str) or isinstance(given[0], int) else len(given))
-            prompts = await input_ids(runtime, limits, given)
+            keep = pooling_kept_tokens(runtime, parsed.truncate_prompt_tokens)
+            prompts = await input_ids(runtime, limits, given, keep)
             reqs = [pooling_request(runtime, i, prompt) for i, prompt in enumerate(prompts)]
             started = time.monotonic()
             vectors = await run_pooling(runtime, reqs)
@@ -79,15 +81,28 @@ class Embeddings:
         )
 
 
-async def input_ids(runtime: Runtime, limits: InputLimits, given: Any) -> list[list[int]]:
-    """A pooling route's inputs as token ids: text encoded in the tokenizer's pool."""
+def pooling_kept_tokens(runtime: Runtime, asked: int | None) -> int | None:
+    """What `truncate_prompt_tokens` keeps of a pooling route's input (-1: all that fits)."""
+    room = runtime.scheduler.max_seq_len - 1  # the position after the input takes its token
+    return kept_tokens(asked, runtime.engine.context_length, room)
+
+
+async def input_ids(
+    runtime: Runtime, limits: InputLimits, given: Any, keep: int | None = None
+) -> list[list[int]]:
+    """A pooling route's inputs as token ids: text encoded in the tokenizer's pool; each cut
+    to its last `keep` tokens where the request asks (`truncate_prompt_tokens`)."""
     if isinstance(given, str):
         given = [given]
     if not isinstance(given[0], str):
-        return [given] if isinstance(given[0], int) else [list(ids) for ids in given]
+        rows = [given] if isinstance(given[0], int) else [list(ids) for ids in given]
+        return [keep_last(ids, keep) for ids in rows]
     for text in given:
         limits.check_text(len(text), None, "input")
     tokenizer = require_tokenizer(runtime)
+    if keep is not None:
+        cut = (encode_keeping_last(tokenizer, text, keep) for text in given)
+        return list(await asyncio.gather(*cut))
     return list(await asyncio.gather(*(tokenizer.encode_async(t) for t in given)))
 
 

@@ -88,6 +88,7 @@ class GenerationRequest:
     grammar_after: int | None = None  # a constrained reply's grammar starts after this token
     prompt_field: str = "prompt"  # the field that held the prompt, for errors
     images: list[Any] = field(default_factory=list)  # pixels, one image token of the prompt each
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (-1: what fits)
 
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -280,6 +281,7 @@ def _common(
         "max_tokens": max_tokens,
         "skip_special_tokens": request.skip_special_tokens is not False,
         "include_stop": bool(request.include_stop_str_in_output),
+        "truncate_prompt_tokens": request.truncate_prompt_tokens,
     }
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -67,6 +68,19 @@ LogprobCount = Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS), INTEGRAL]
 MinTokens = Annotated[int, Field(**limits("min_tokens")), INTEGRAL]
 Bias = Annotated[float, Field(ge=LOGIT_BIAS.ge, le=LOGIT_BIAS.le)]
 NonEmptyText = Annotated[str, Field(min_length=1)]
+
+
+def _keeps_a_token(count: int) -> int:
+    if count == 0:
+        raise ValueError("0 would keep no token: -1 keeps what the context holds")
+    return count
+
+
+TruncatePromptTokens = Annotated[int, Field(ge=-1), INTEGRAL, AfterValidator(_keeps_a_token)]
+TRUNCATE_PROMPT_TOKENS = (
+    "vLLM's: keep the prompt's last N tokens (the tokenizer's special tokens kept); -1: as "
+    "many as the context holds"
+)
 
 
 # ---- chat messages ---------------------------------------------------------------------
@@ -240,6 +254,9 @@ class GenerationFields(SamplingFields):
         None, description="vLLM's: the text ends with the stop string (or token) that ended it"
     )
     response_format: ResponseFormat | None = None
+    truncate_prompt_tokens: TruncatePromptTokens | None = Field(
+        None, description=TRUNCATE_PROMPT_TOKENS
+    )
 
 
 class FunctionDefinition(Strict):
@@ -551,6 +568,9 @@ class EmbeddingRequest(Strict):
     dimensions: Annotated[int, Field(ge=1), INTEGRAL] | None = Field(
         None, description="keep the first this many values, made unit length again"
     )
+    truncate_prompt_tokens: TruncatePromptTokens | None = Field(
+        None, description=TRUNCATE_PROMPT_TOKENS
+    )
     user: str | None = None
 
 
@@ -584,6 +604,9 @@ class ScoreRequest(Strict):
     text_1: ScoreTexts
     text_2: ScoreTexts
     model: str | None = None
+    truncate_prompt_tokens: TruncatePromptTokens | None = Field(
+        None, description=TRUNCATE_PROMPT_TOKENS
+    )
     user: str | None = None
 
 
@@ -611,6 +634,9 @@ class RerankRequest(Strict):
     top_n: Annotated[int, Field(ge=1), INTEGRAL] | None = None
     return_documents: bool = True
     model: str | None = None
+    truncate_prompt_tokens: TruncatePromptTokens | None = Field(
+        None, description=TRUNCATE_PROMPT_TOKENS
+    )
     user: str | None = None
 
 
@@ -640,6 +666,9 @@ class ClassifyRequest(Strict):
 
     input: PoolingInput
     model: str | None = None
+    truncate_prompt_tokens: TruncatePromptTokens | None = Field(
+        None, description=TRUNCATE_PROMPT_TOKENS
+    )
     user: str | None = None
 
 

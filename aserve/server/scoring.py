@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from aiohttp import web
@@ -23,11 +25,17 @@ from aserve.scoring import (
     scoring_refusal,
 )
 from aserve.server import protocol
-from aserve.server.embeddings import input_ids, pooling_request, run_pooling
+from aserve.server.embeddings import (
+    input_ids,
+    pooling_kept_tokens,
+    pooling_request,
+    run_pooling,
+)
 from aserve.server.http import json_response
 from aserve.server.limits import InputLimits
 from aserve.server.openai import APIError, parse_body
 from aserve.server.state import ServerState, require_tokenizer
+from aserve.server.truncation import PARAM
 
 
 class Scoring:
@@ -54,7 +62,9 @@ class Scoring:
             pairs = paired(firsts, seconds)
         except ValueError as error:
             raise APIError(str(error), param="text_1") from None
-        scores, tokens = await self._scores(runtime, limits, pairs, "text_2")
+        scores, tokens = await self._scores(
+            runtime, limits, pairs, "text_2", parsed.truncate_prompt_tokens
+        )
         data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
         return self._list_response("score", data, tokens)
 
@@ -63,7 +73,9 @@ class Scoring:
         parsed = parse_body(protocol.RerankRequest, await limits.read_body(request))
         self.state.check_model(parsed.model or "")
         pairs = [(parsed.query, document) for document in parsed.documents]
-        scores, tokens = await self._scores(runtime, limits, pairs, "documents")
+        scores, tokens = await self._scores(
+            runtime, limits, pairs, "documents", parsed.truncate_prompt_tokens
+        )
         order = sorted(range(len(scores)), key=lambda i: scores[i], reverse=True)
         results: list[dict[str, Any]] = []
         for index in order[: parsed.top_n]:
@@ -91,7 +103,8 @@ class Scoring:
             self.state.check_model(parsed.model or "")
             given = parsed.input
             places.resize(1 if isinstance(given, str) or isinstance(given[0], int) else len(given))
-            prompts = await input_ids(runtime, limits, given)
+            keep = pooling_kept_tokens(runtime, parsed.truncate_prompt_tokens)
+            prompts = await input_ids(runtime, limits, given, keep)
             reqs = [pooling_request(runtime, i, prompt) for i, prompt in enumerate(prompts)]
             pooled = await run_pooling(runtime, reqs)
         data = []
@@ -128,17 +141,32 @@ class Scoring:
         return runtime, limits
 
     async def _scores(
-        self, runtime: Runtime, limits: InputLimits, pairs: list[tuple[str, str]], param: str
+        self,
+        runtime: Runtime,
+        limits: InputLimits,
+        pairs: list[tuple[str, str]],
+        param: str,
+        truncate: int | None,
     ) -> tuple[list[float], int]:
-        """Each pair's score, and the tokens the model ran for them."""
+        """Each pair's score, and the tokens the model ran for them; with `truncate`
+        (`truncate_prompt_tokens`) each sequence the model runs (a text, or a
+        cross-encoder's pair) is cut from its start to fit."""
         for first, second in pairs:
             limits.check_text(len(first) + len(second), None, param)
         tokenizer = require_tokenizer(runtime)
         config = runtime.engine.model_config
+        keep = pooling_kept_tokens(runtime, truncate)
+        encode: Callable[..., list[int]] = tokenizer.encode
+        encode_pair: Callable[..., list[int]] = tokenizer.encode_pair
+        if keep is not None:  # the same call cuts a text or a pair
+            encode = encode_pair = partial(tokenizer.encode_keeping_last, keep)
         with self.state.admission.reserve() as places:
-            plan: PairPlan = await asyncio.to_thread(
-                plan_pairs, config, pairs, tokenizer.encode, tokenizer.encode_pair
-            )
+            try:
+                plan: PairPlan = await asyncio.to_thread(
+                    plan_pairs, config, pairs, encode, encode_pair
+                )
+            except ValueError as error:
+                raise APIError(f"truncate_prompt_tokens is {keep}: {error}", param=PARAM) from None
             places.resize(len(plan.prompts))
             reqs = [pooling_request(runtime, i, p, param) for i, p in enumerate(plan.prompts)]
             pooled = await run_pooling(runtime, reqs)
