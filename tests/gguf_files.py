@@ -386,14 +386,42 @@ def write_bert_as_gguf(
     control tokens as they are) with the special ids; `qtype` quantizes the matrices."""
     config = json.loads((folder / "config.json").read_text())
     writer = gguf.GGUFWriter(path, "bert")
-    add_sizes(writer, config)
+    # XLM-RoBERTa's positions start past its padding id: the converter cuts those rows off
+    offset = config["pad_token_id"] + 1 if config["model_type"] == "xlm-roberta" else 0
+    add_sizes(
+        writer, {**config, "max_position_embeddings": config["max_position_embeddings"] - offset}
+    )
     writer.add_head_count(config["num_attention_heads"])
     writer.add_layer_norm_eps(config["layer_norm_eps"])
     writer.add_causal_attention(False)
     writer.add_pooling_type(pooling)
     writer.add_token_type_count(config["type_vocab_size"])
+    if offset:
+        add_unigram_vocabulary(writer, folder / "sentencepiece.bpe.model", config["vocab_size"])
+    else:
+        add_wordpiece_vocabulary(writer, folder, config["vocab_size"])
+    for name, tensor in load_file(folder / "model.safetensors").items():
+        module, _, kind = name.rpartition(".")
+        if module in BERT_TOP_LEVEL:
+            stored = BERT_TOP_LEVEL[module]
+        elif module.startswith("encoder.layer."):
+            layer, _, rest = module.removeprefix("encoder.layer.").partition(".")
+            stored = f"blk.{layer}.{BERT_IN_LAYER[rest]}"
+        else:
+            continue  # the [CLS] pooler's dense layer: llama.cpp's converter leaves it out
+        array = tensor.float().numpy()
+        if module == "embeddings.position_embeddings":
+            array = array[offset:]
+        matrix = array.ndim == 2 and kind == "weight" and stored.startswith("blk.")
+        add_tensor(writer, f"{stored}.{kind}", array, qtype if matrix else None)
+    write_and_close(writer)
+    return path
+
+
+def add_wordpiece_vocabulary(writer: gguf.GGUFWriter, folder: Path, size: int) -> None:
+    """A folder's vocab.txt in llama.cpp's WordPiece spelling, with BERT's special ids."""
     words = (folder / "vocab.txt").read_text().splitlines()
-    words += [f"[unused{i}]" for i in range(config["vocab_size"] - len(words))]
+    words += [f"[unused{i}]" for i in range(size - len(words))]
     control = [w.startswith("[") and w.endswith("]") for w in words]
     spelled = [
         w if c else w[2:] if w.startswith("##") else "\u2581" + w
@@ -408,17 +436,36 @@ def write_bert_as_gguf(
     writer.add_pad_token_id(words.index("[PAD]"))
     writer.add_unk_token_id(words.index("[UNK]"))
     writer.add_mask_token_id(words.index("[MASK]"))
-    for name, tensor in load_file(folder / "model.safetensors").items():
-        module, _, kind = name.rpartition(".")
-        if module in BERT_TOP_LEVEL:
-            stored = BERT_TOP_LEVEL[module]
-        elif module.startswith("encoder.layer."):
-            layer, _, rest = module.removeprefix("encoder.layer.").partition(".")
-            stored = f"blk.{layer}.{BERT_IN_LAYER[rest]}"
-        else:
-            continue  # the [CLS] pooler's dense layer: llama.cpp's converter leaves it out
-        array = tensor.float().numpy()
-        matrix = array.ndim == 2 and kind == "weight" and stored.startswith("blk.")
-        add_tensor(writer, f"{stored}.{kind}", array, qtype if matrix else None)
-    write_and_close(writer)
-    return path
+
+
+def add_unigram_vocabulary(writer: gguf.GGUFWriter, model: Path, size: int) -> None:
+    """A SentencePiece unigram model (XLM-RoBERTa's sentencepiece.bpe.model) as llama.cpp's
+    converter writes it (`t5`): fairseq's order (<s>, <pad>, </s>, <unk>, then the pieces
+    past the model's own three, one place later), scores, types, the normaliser's
+    precompiled character map and whitespace settings, XLM-R's special ids."""
+    import sentencepiece
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(model.read_bytes())
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(model))
+    pieces = [f"[PAD{i}]" for i in range(size)]
+    scores = [-10000.0] * size
+    kinds = [gguf.TokenType.UNUSED] * size
+    for i in range(processor.vocab_size()):
+        pieces[i], scores[i] = processor.id_to_piece(i), processor.get_score(i)
+        kinds[i] = gguf.TokenType.CONTROL if processor.is_control(i) else gguf.TokenType.NORMAL
+    control, unknown = gguf.TokenType.CONTROL, gguf.TokenType.UNKNOWN
+    pieces = ["<s>", "<pad>", "</s>", "<unk>", *pieces[3:-1]]
+    scores = [0.0] * 4 + scores[3:-1]
+    kinds = [control, control, control, unknown, *kinds[3:-1]]
+    writer.add_tokenizer_model("t5")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(pieces)
+    writer.add_token_scores(scores)
+    writer.add_token_types(kinds)
+    writer.add_add_space_prefix(proto.normalizer_spec.add_dummy_prefix)
+    writer.add_remove_extra_whitespaces(proto.normalizer_spec.remove_extra_whitespaces)
+    writer.add_precompiled_charsmap(proto.normalizer_spec.precompiled_charsmap)
+    for method, token in (("bos", 0), ("eos", 2), ("unk", 3), ("sep", 2), ("pad", 1)):
+        getattr(writer, f"add_{method}_token_id")(token)

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import base64
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -279,7 +281,6 @@ def test_a_gguf_file_s_pooling_type_is_taken(
     (3, or a file without it), the mean (1) and the first token (2) pool as transformers'
     hidden states pooled so; rank (4) is refused in one line; a generating server reads
     none of it."""
-    import gguf
     import transformers
 
     folder = make_tiny_model("qwen3", tmp_path / "hf")
@@ -468,6 +469,55 @@ def test_a_bert_gguf_embeds_as_its_folder(
             torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
         else:
             assert torch.dot(ours, theirs) > 0.999
+
+
+def test_an_xlm_roberta_gguf_embeds_as_its_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bge-m3's layout: an XLM-RoBERTa as llama.cpp's converter writes it (`bert`, the
+    positions before padding id + 1 cut off, its SentencePiece unigram vocabulary as `t5`
+    with the precompiled normaliser): the tokenizer built from the file gives the ids that
+    transformers gives from the sentencepiece model (full-width letters folded, runs of
+    spaces, accents, a pair with two separators between its parts), and the embeddings are
+    transformers' [CLS] states (to 2e-5)."""
+    import sentencepiece
+    import transformers
+
+    spm = tmp_path / "spm"
+    spm.mkdir()
+    corpus = [" ".join(WORDS), "Café naïve résumé", "ｆｕｌｌ ｗｉｄｔｈ", "hello world"] * 20
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus),
+        model_prefix=str(spm / "m"),
+        vocab_size=60,
+        model_type="unigram",
+        normalization_rule_name="nmt_nfkc",
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )
+    (spm / "m.model").rename(spm / "sentencepiece.bpe.model")
+    tokenizer = transformers.XLMRobertaTokenizer.from_pretrained(spm)
+    folder = tmp_path / "hf"
+    model = make_tiny_encoder("xlm-roberta", folder, overrides={"vocab_size": len(tokenizer)})
+    shutil.copy(spm / "sentencepiece.bpe.model", folder)
+    path = write_bert_as_gguf(folder, tmp_path / "m.gguf", gguf.PoolingType.CLS)
+    texts = ["ｆｕｌｌ  width: the cat sat", "Café  naïve résumé", "hello\tworld, a dog ran far"]
+    ids = [tokenizer(text)["input_ids"] for text in texts]
+    assert tokenizer.convert_ids_to_tokens(ids[0])[1:3] == ["\u2581f", "u"]
+    with torch.inference_mode():
+        expected = [
+            pooled_reference(model(torch.tensor([i])).last_hidden_state[0], "cls", None)
+            for i in ids
+        ]
+    monkeypatch.setenv("ASERVE_CACHE_DIR", str(tmp_path / "cache"))
+    with LLM(str(path), is_embedding=True) as llm:
+        assert llm.tokenizer is not None
+        assert [llm.tokenizer.encode(text) for text in texts] == ids
+        pair = tokenizer(texts[1], texts[2])["input_ids"]
+        assert llm.tokenizer.encode_pair(texts[1], texts[2]) == pair
+        got = embedded(llm, texts)
+    for ours, theirs in zip(got, expected, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
 
 
 def test_an_encoder_input_may_fill_every_learned_position(tmp_path: Path) -> None:

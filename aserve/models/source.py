@@ -644,14 +644,83 @@ def write_wordpiece_tokenizer(metadata: dict[str, Any], config: dict[str, Any], 
     tokenizer.save_pretrained(out)
 
 
+def write_unigram_tokenizer(metadata: dict[str, Any], config: dict[str, Any], out: Path) -> None:
+    """A `bert` file's SentencePiece unigram vocabulary (`tokenizer.ggml.model` "t5", as
+    llama.cpp's converter writes XLM-RoBERTa's: bge-m3, multilingual-e5, their rerankers)
+    built as transformers builds XLM-RoBERTa's tokenizer: the pieces and their scores, the
+    file's precompiled normaliser, words split at whitespace each with a leading U+2581
+    (where the file adds a space prefix), control pieces special; a text as
+    `<s> A </s>`, a pair as `<s> A </s></s> B </s>`."""
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+    )
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = [str(t) for t in metadata["tokenizer.ggml.tokens"]]
+    scores = metadata.get("tokenizer.ggml.scores") or [0.0] * len(pieces)
+    kinds = metadata.get("tokenizer.ggml.token_type") or [1] * len(pieces)
+    unknown = metadata.get("tokenizer.ggml.unknown_token_id")
+    if unknown is None:
+        unknown = next((i for i, k in enumerate(kinds) if k == gguf.TokenType.UNKNOWN), 0)
+    backend = Tokenizer(models.Unigram(list(zip(pieces, scores, strict=True)), unknown, False))
+    charsmap = metadata.get("tokenizer.ggml.precompiled_charsmap")
+    if charsmap:
+        backend.normalizer = normalizers.Precompiled(bytes(charsmap))
+    prefix = "always" if metadata.get("tokenizer.ggml.add_space_prefix", True) else "never"
+    metaspace = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=prefix)
+    if metadata.get("tokenizer.ggml.remove_extra_whitespaces", True):
+        metaspace = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), metaspace])
+    backend.pre_tokenizer = metaspace
+    backend.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme=prefix)
+    control = [p for p, k in zip(pieces, kinds, strict=True) if k == gguf.TokenType.CONTROL]
+    backend.add_special_tokens([AddedToken(p, special=True, normalized=False) for p in control])
+    specials = {}
+    for name, (key, fallback) in UNIGRAM_SPECIALS.items():
+        found = metadata.get(key, metadata.get(fallback) if fallback else None)
+        if found is not None:
+            specials[name] = pieces[found]
+    cls, sep = specials.get("cls_token", "<s>"), specials.get("sep_token", "</s>")
+    backend.post_processor = processors.TemplateProcessing(
+        single=[cls, "$A", sep],
+        pair=[cls, "$A", sep, sep, "$B", sep],
+        special_tokens=[(cls, pieces.index(cls)), (sep, pieces.index(sep))],
+    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, **specials)
+    tokenizer.model_max_length = config["max_position_embeddings"]
+    tokenizer.save_pretrained(out)
+
+
+UNIGRAM_SPECIALS = {
+    "bos_token": ("tokenizer.ggml.bos_token_id", None),
+    "eos_token": ("tokenizer.ggml.eos_token_id", None),
+    "cls_token": ("tokenizer.ggml.cls_token_id", "tokenizer.ggml.bos_token_id"),
+    "sep_token": ("tokenizer.ggml.seperator_token_id", "tokenizer.ggml.eos_token_id"),
+    "pad_token": ("tokenizer.ggml.padding_token_id", None),
+    "unk_token": ("tokenizer.ggml.unknown_token_id", None),
+    "mask_token": ("tokenizer.ggml.mask_token_id", None),
+}
+"""An XLM-RoBERTa vocabulary's special tokens: the metadata keys of their ids (and where an
+older file lacks [CLS] and [SEP]'s, its BOS and EOS)."""
+
+
 def write_tokenizer(gguf_file: Path, config: dict[str, Any], out: Path) -> None:
     """transformers builds the tokenizer and keeps the chat template; imported here because
-    importing it is slow and a cached start never needs it. A `bert` file's WordPiece
-    vocabulary, which transformers does not read from a GGUF, is built here."""
+    importing it is slow and a cached start never needs it. A `bert` file's WordPiece or
+    unigram vocabulary, which transformers does not read from a GGUF, is built here."""
     if config.get("model_type") == "bert":
         metadata = read_header(gguf_file).metadata
-        if metadata.get("tokenizer.ggml.model") == "bert":
+        vocabulary = metadata.get("tokenizer.ggml.model")
+        if vocabulary == "bert":
             write_wordpiece_tokenizer(metadata, config, out)
+            return
+        if vocabulary == "t5":
+            write_unigram_tokenizer(metadata, config, out)
             return
     try:
         loader = gguf_tokenizer_class()
