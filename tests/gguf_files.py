@@ -360,6 +360,9 @@ BERT_TOP_LEVEL = {
     "embeddings.position_embeddings": "position_embd",
     "embeddings.token_type_embeddings": "token_types",
     "embeddings.LayerNorm": "token_embd_norm",
+    "classifier.dense": "cls",  # a RoBERTa classifier's head
+    "classifier.out_proj": "cls.output",
+    "classifier": "cls.output",  # a BERT classifier's (its pooler left out)
 }
 BERT_IN_LAYER = {
     "attention.self.query": "attn_q",
@@ -383,7 +386,9 @@ def write_bert_as_gguf(
     """A `BertModel` folder (config, weights, WordPiece vocab.txt) as llama.cpp's converter
     writes it: arch `bert`, non-causal, its pooling type, the vocabulary in llama.cpp's
     WordPiece spelling (a word start with a leading U+2581, a continuation without `##`,
-    control tokens as they are) with the special ids; `qtype` quantizes the matrices."""
+    control tokens as they are) with the special ids; `qtype` quantizes the matrices. An
+    XLM-RoBERTa folder (its sentencepiece.bpe.model) goes likewise, its classifier's head
+    (`*ForSequenceClassification`) as `cls` and `cls.output`, the label names with it."""
     config = json.loads((folder / "config.json").read_text())
     writer = gguf.GGUFWriter(path, "bert")
     # XLM-RoBERTa's positions start past its padding id: the converter cuts those rows off
@@ -400,8 +405,13 @@ def write_bert_as_gguf(
         add_unigram_vocabulary(writer, folder / "sentencepiece.bpe.model", config["vocab_size"])
     else:
         add_wordpiece_vocabulary(writer, folder, config["vocab_size"])
+    if config["architectures"][0].endswith("ForSequenceClassification"):
+        labels = config["id2label"]
+        writer.add_array(
+            "bert.classifier.output_labels", [labels[str(i)] for i in range(len(labels))]
+        )
     for name, tensor in load_file(folder / "model.safetensors").items():
-        module, _, kind = name.rpartition(".")
+        module, _, kind = name.removeprefix("roberta.").removeprefix("bert.").rpartition(".")
         if module in BERT_TOP_LEVEL:
             stored = BERT_TOP_LEVEL[module]
         elif module.startswith("encoder.layer."):

@@ -471,20 +471,16 @@ def test_a_bert_gguf_embeds_as_its_folder(
             assert torch.dot(ours, theirs) > 0.999
 
 
-def test_an_xlm_roberta_gguf_embeds_as_its_folder(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """bge-m3's layout: an XLM-RoBERTa as llama.cpp's converter writes it (`bert`, the
-    positions before padding id + 1 cut off, its SentencePiece unigram vocabulary as `t5`
-    with the precompiled normaliser): the tokenizer built from the file gives the ids that
-    transformers gives from the sentencepiece model (full-width letters folded, runs of
-    spaces, accents, a pair with two separators between its parts), and the embeddings are
-    transformers' [CLS] states (to 2e-5)."""
+def make_sentencepiece_xlm_roberta(folder: Path, labels: int = 0) -> tuple[Any, Any]:
+    """A tiny XLM-RoBERTa (with `labels`, its classifier) whose vocabulary is a SentencePiece
+    unigram model trained here (NFKC rules: full-width letters folded), saved in `folder`
+    as sentencepiece.bpe.model, as bge-m3's is. Returns transformers' model and its
+    tokenizer of that sentencepiece model."""
     import sentencepiece
     import transformers
 
-    spm = tmp_path / "spm"
-    spm.mkdir()
+    spm = folder.parent / f"{folder.name}-spm"
+    spm.mkdir(parents=True)
     corpus = [" ".join(WORDS), "Café naïve résumé", "ｆｕｌｌ ｗｉｄｔｈ", "hello world"] * 20
     sentencepiece.SentencePieceTrainer.train(
         sentence_iterator=iter(corpus),
@@ -497,10 +493,23 @@ def test_an_xlm_roberta_gguf_embeds_as_its_folder(
     )
     (spm / "m.model").rename(spm / "sentencepiece.bpe.model")
     tokenizer = transformers.XLMRobertaTokenizer.from_pretrained(spm)
-    folder = tmp_path / "hf"
-    model = make_tiny_encoder("xlm-roberta", folder, overrides={"vocab_size": len(tokenizer)})
+    overrides = {"vocab_size": len(tokenizer)}
+    model = make_tiny_encoder("xlm-roberta", folder, labels=labels, overrides=overrides)
     shutil.copy(spm / "sentencepiece.bpe.model", folder)
-    path = write_bert_as_gguf(folder, tmp_path / "m.gguf", gguf.PoolingType.CLS)
+    return model, tokenizer
+
+
+def test_an_xlm_roberta_gguf_embeds_as_its_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bge-m3's layout: an XLM-RoBERTa as llama.cpp's converter writes it (`bert`, the
+    positions before padding id + 1 cut off, its SentencePiece unigram vocabulary as `t5`
+    with the precompiled normaliser): the tokenizer built from the file gives the ids that
+    transformers gives from the sentencepiece model (full-width letters folded, runs of
+    spaces, accents, a pair with two separators between its parts), and the embeddings are
+    transformers' [CLS] states (to 2e-5)."""
+    model, tokenizer = make_sentencepiece_xlm_roberta(tmp_path / "hf")
+    path = write_bert_as_gguf(tmp_path / "hf", tmp_path / "m.gguf", gguf.PoolingType.CLS)
     texts = ["ｆｕｌｌ  width: the cat sat", "Café  naïve résumé", "hello\tworld, a dog ran far"]
     ids = [tokenizer(text)["input_ids"] for text in texts]
     assert tokenizer.convert_ids_to_tokens(ids[0])[1:3] == ["\u2581f", "u"]
@@ -518,6 +527,34 @@ def test_an_xlm_roberta_gguf_embeds_as_its_folder(
         got = embedded(llm, texts)
     for ours, theirs in zip(got, expected, strict=True):
         torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
+
+
+def test_a_reranker_gguf_scores_as_its_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bge-reranker-v2-m3's layout: an XLM-RoBERTa classifier of one label as llama.cpp's
+    converter writes it (pooling rank, its head as `cls` and `cls.output`) serves as a
+    reranker without --is-embedding: each query-document pair scores transformers'
+    classifier's sigmoid (to 2e-5). A BERT classifier's file, whose converter left the
+    pooler out (`cls.output` alone), is refused in one line."""
+    model, tokenizer = make_sentencepiece_xlm_roberta(tmp_path / "hf", labels=1)
+    path = write_bert_as_gguf(tmp_path / "hf", tmp_path / "m.gguf", gguf.PoolingType.RANK)
+    query, documents = "the cat sat", ["on the mat", "ｆｕｌｌ ｗｉｄｔｈ dog", "the cat sat"]
+    with torch.inference_mode():
+        expected = [
+            torch.sigmoid(model(**tokenizer(query, d, return_tensors="pt")).logits[0, 0]).item()
+            for d in documents
+        ]
+    monkeypatch.setenv("ASERVE_CACHE_DIR", str(tmp_path / "cache"))
+    with LLM(str(path)) as llm:
+        assert llm.runtime.engine.model_config.classifies
+        scores = [s.score for s in llm.score(query, documents)]
+    torch.testing.assert_close(torch.tensor(scores), torch.tensor(expected), atol=2e-5, rtol=0)
+    assert len(set(scores)) == len(documents)
+    make_tiny_encoder("bert", tmp_path / "bert", labels=1)
+    bert = write_bert_as_gguf(tmp_path / "bert", tmp_path / "bert.gguf", gguf.PoolingType.RANK)
+    with pytest.raises(ConfigError, match="not the pooler before it"):
+        LLM(str(bert))
 
 
 def test_an_encoder_input_may_fill_every_learned_position(tmp_path: Path) -> None:

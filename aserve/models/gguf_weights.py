@@ -103,6 +103,8 @@ BERT_TOP_LEVEL = {
     "position_embd": "embeddings.position_embeddings",
     "token_types": "embeddings.token_type_embeddings",
     "token_embd_norm": "embeddings.LayerNorm",
+    "cls": "classifier.dense",  # a reranker's head (RoBERTa's dense, tanh, out_proj)
+    "cls.output": "classifier.out_proj",
 }
 BERT_LAYER = {
     "attn_q": "attention.self.query",

@@ -17,7 +17,8 @@ model's, pooled at its last token; the mean (1), the first token (2) and the las
 the conversion writing them as sentence-transformers files (`write_pooling_files`) with the
 Dense modules that llama.cpp's converter stores as `dense_2` and `dense_3` (EmbeddingGemma's,
 written when it is run with `--sentence-transformers-dense-modules`), so that a GGUF pools
-as llama.cpp pools it; rank (4, a reranker's score) is refused.
+as llama.cpp pools it. Rank (4) is a reranker's file, which serves as a classifier
+(models/source.py `reranker_settings`), not as embeddings.
 """
 
 from __future__ import annotations

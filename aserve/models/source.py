@@ -414,7 +414,30 @@ def bert_config(
     }
     if has_quantized_matrices(stored):
         config["quantization_config"] = {"quant_method": "gguf"}
+    if "cls.output.weight" in tensors:
+        config |= reranker_settings(read, tensors)
     return {key: value for key, value in config.items() if value is not None}
+
+
+def reranker_settings(read: Metadata, tensors: dict[str, StoredTensor]) -> dict[str, Any]:
+    """A `bert` reranker's classifier (bge-reranker-v2-m3's files): [CLS]'s state through
+    the `cls` dense layer and tanh, then `cls.output`, a logit a label, as transformers'
+    RoBERTa classifier computes it. A file with `cls.output` alone is refused: llama.cpp's
+    converter leaves a BERT classifier's pooler out, and without it the scores are not the
+    checkpoint's."""
+    if "cls.weight" not in tensors:
+        raise ModelSourceError(
+            "this reranker file holds its classifier but not the pooler before it (llama.cpp's "
+            "converter leaves a BERT classifier's pooler out): its scores would not be the "
+            "checkpoint's; serve the Hugging Face folder instead"
+        )
+    labels = read("bert.classifier.output_labels")
+    count = int(tensors["cls.output.weight"].shape[-1])
+    return {
+        "architectures": ["BertForSequenceClassification"],
+        "num_labels": count,
+        "id2label": {str(i): str(label) for i, label in enumerate(labels)} if labels else None,
+    }
 
 
 GEMMA3_WINDOW_PATTERN = 6
