@@ -81,9 +81,16 @@ BASE_MODEL_ARCHITECTURES = {"Gemma3TextModel": "Gemma3ForCausalLM"}
 """A decoder published without its head, as an embedding model (EmbeddingGemma's Gemma 3
 text model, whose attention runs both ways: `bidirectional`) -> the architecture whose
 decoder it is."""
-ENCODER_ARCHITECTURES = {"BertModel": 0, "RobertaModel": 1, "XLMRobertaModel": 1}
-"""BERT-style encoders (models/encoder.py), which only embed -> whether their positions count
-from the padding id + 1 (RoBERTa's, XLM-RoBERTa's) rather than from 0."""
+ENCODER_ARCHITECTURES = {
+    "BertModel": 0,
+    "RobertaModel": 1,
+    "XLMRobertaModel": 1,
+    "ModernBertModel": 0,
+}
+"""Encoders (models/encoder.py, models/modernbert.py), which only embed or classify ->
+whether their positions count from the padding id + 1 (RoBERTa's, XLM-RoBERTa's) rather
+than from 0."""
+MODERN_BERT = "ModernBertModel"
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe")
 """Families whose experts `_moe_settings` reads (gpt-oss's are read with its own settings)."""
 MOE_BACKENDS = ("auto", "torch", "fused")
@@ -750,6 +757,10 @@ class ModelConfig:
     position_offset: int = 0
     type_vocab_size: int = 0
     segment_separator_id: int | None = None
+    norm_bias: bool = True  # ModernBERT's LayerNorms may have no bias
+    mlp_bias: bool = True  # and its MLPs none
+    classifier_pooling: str = "cls"  # ModernBERT's classifier may pool by the mean
+    classifier_bias: bool = False  # and its dense layer may have a bias
 
     @property
     def classifies(self) -> bool:
@@ -900,10 +911,64 @@ class ModelConfig:
         )
 
 
+def _modern_bert_config(cls: type[ModelConfig], config: dict[str, Any]) -> ModelConfig:
+    """ModernBERT's settings: every `global_attn_every_n_layers`-th layer whole (from the
+    first), the others within `local_attention` // 2 tokens either way (transformers'
+    inclusive window: less than that + 1 away), each kind with its own RoPE base; what
+    models/modernbert.py does not compute is refused."""
+    for key in ("hidden_activation", "classifier_activation"):
+        if config.get(key, "gelu") != "gelu":
+            raise ConfigError(f"ModernBERT with {key} {config[key]!r}: aserve's takes GELU")
+    pooling = config.get("classifier_pooling", "cls")
+    if pooling not in ("cls", "mean"):
+        raise ConfigError(f"ModernBERT's classifier_pooling {pooling!r}: aserve's is cls or mean")
+    heads, hidden = int(config["num_attention_heads"]), int(config["hidden_size"])
+    layers = int(config["num_hidden_layers"])
+    every = int(config.get("global_attn_every_n_layers", 3))
+    kinds = config.get("layer_types") or [
+        "sliding_attention" if i % every else "full_attention" for i in range(layers)
+    ]
+    window = int(config.get("local_attention", 128)) // 2 + 1
+    rope = config.get("rope_parameters") or {}
+    global_theta = rope.get("full_attention", {}).get("rope_theta")
+    local_theta = rope.get("sliding_attention", {}).get("rope_theta")
+    attention_bias = bool(config.get("attention_bias", False))
+    return cls(
+        architecture=MODERN_BERT,
+        model_type="modernbert",
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(config["intermediate_size"]),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        rms_norm_eps=float(config.get("norm_eps", 1e-5)),
+        rope_theta=float(global_theta or config.get("global_rope_theta", 160000.0)),
+        local_rope_theta=float(local_theta or config.get("local_rope_theta", 10000.0)),
+        layer_windows=tuple(window if k == "sliding_attention" else 0 for k in kinds),
+        max_position_embeddings=int(config.get("max_position_embeddings", 8192)),
+        tie_word_embeddings=False,
+        qkv_bias=attention_bias,
+        o_bias=attention_bias,
+        qk_norm=False,
+        hidden_act="gelu",
+        torch_dtype=config.get("torch_dtype") or config.get("dtype"),
+        **_quantization_settings(config.get("quantization_config") or {}),
+        bidirectional=True,
+        norm_bias=bool(config.get("norm_bias", False)),
+        mlp_bias=bool(config.get("mlp_bias", False)),
+        classifier_pooling=pooling,
+        classifier_bias=bool(config.get("classifier_bias", False)),
+    )
+
+
 def _encoder_config(
     cls: type[ModelConfig], config: dict[str, Any], architecture: str
 ) -> ModelConfig:
     """A BERT-style encoder's settings; what models/encoder.py does not compute is refused."""
+    if architecture == MODERN_BERT:
+        return _modern_bert_config(cls, config)
     kind = config.get("position_embedding_type", "absolute")
     if kind != "absolute":
         raise ConfigError(

@@ -148,3 +148,42 @@ def make_tiny_encoder(
     vocabulary.write_text("\n".join([*specials, *WORDS, "##s"]))
     transformers.BertTokenizerFast(str(vocabulary)).save_pretrained(folder)
     return model.eval()
+
+
+def make_tiny_modern_bert(folder: Path, labels: int = 0, **settings: Any) -> Any:
+    """A tiny ModernBERT (`ModernBertModel`; with `labels`, its classifier) of 4 layers, the
+    first whole and the others windowed 4 tokens either way, random weights and norms, with
+    the tiny encoders' WordPiece tokenizer ([CLS] ... [SEP]). Returns transformers' model."""
+    import transformers
+
+    config = transformers.ModernBertConfig(
+        **{
+            "vocab_size": 120,
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "local_attention": 8,
+            "global_attn_every_n_layers": 3,
+            "max_position_embeddings": 80,
+            "pad_token_id": 0,
+            "cls_token_id": 2,
+            "sep_token_id": 3,
+            "num_labels": labels or 2,
+            **settings,
+        }
+    )
+    torch.manual_seed(0)
+    kind = (
+        transformers.ModernBertForSequenceClassification if labels else transformers.ModernBertModel
+    )
+    model = kind(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.1) if param.dim() == 2 else param.uniform_(0.5, 1.5)
+    model.save_pretrained(folder)
+    vocabulary = folder / "vocab.txt"
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    vocabulary.write_text("\n".join([*specials, *WORDS, "##s"]))
+    transformers.BertTokenizerFast(str(vocabulary)).save_pretrained(folder)
+    return model.eval()

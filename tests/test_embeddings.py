@@ -33,6 +33,7 @@ from tests.embedding_refs import (
     embedded,
     make_embedding_gemma,
     make_tiny_encoder,
+    make_tiny_modern_bert,
     pooled_reference,
     reference,
     sentence_transformers_files,
@@ -555,6 +556,66 @@ def test_a_reranker_gguf_scores_as_its_folder(
     bert = write_bert_as_gguf(tmp_path / "bert", tmp_path / "bert.gguf", gguf.PoolingType.RANK)
     with pytest.raises(ConfigError, match="not the pooler before it"):
         LLM(str(bert))
+
+
+MODERN_BERT_PROMPTS = [list(range(5, 40)), [2, 9, 17, 3], [2, *range(60, 70), 3]]
+"""Prompts longer and shorter than the tiny ModernBERT's window (4 tokens either way)."""
+
+
+@pytest.mark.parametrize("pooling", [None, "mean"], ids=["cls-default", "mean-files"])
+def test_modern_bert_embeds_as_transformers(tmp_path: Path, pooling: str | None) -> None:
+    """ModernBERT (rotary positions of two bases, windowed layers attending 4 tokens either
+    way beside whole ones, bias-free LayerNorms, GeGLU) embeds as transformers' model
+    pooled by [CLS] or as sentence-transformers files say, prompts longer than the window
+    included, in a batch and alone; the window matters (a wider one gives other vectors)."""
+    model = make_tiny_modern_bert(tmp_path)
+    if pooling == "mean":
+        sentence_transformers_files(tmp_path, MEAN)
+    with torch.inference_mode():
+        hidden = [model(torch.tensor([p])).last_hidden_state[0] for p in MODERN_BERT_PROMPTS]
+    expected = [pooled_reference(h, pooling or "cls", None) for h in hidden]
+    with LLM(str(tmp_path), is_embedding=True, page_size=4, max_prefill_length=8) as llm:
+        assert llm.runtime.engine.model_config.layer_windows == (0, 5, 5, 0)
+        got = embedded(llm, MODERN_BERT_PROMPTS)
+        alone = embedded(llm, MODERN_BERT_PROMPTS[:1])
+    for ours, theirs in zip(got, expected, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(alone[0], got[0], atol=2e-6, rtol=0)
+    with LLM(str(tmp_path), is_embedding=True, hf_overrides={"local_attention": 64}) as wide:
+        assert (embedded(wide, MODERN_BERT_PROMPTS[:1])[0] - expected[0]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_a_modern_bert_classifier_s_probabilities(tmp_path: Path, pooling: str) -> None:
+    """ModernBERT's classifier (the pooled state, [CLS]'s or the mean, through a dense
+    layer, GELU and a LayerNorm): each prompt's probabilities are transformers' (to 1e-5);
+    its one-label twin scores a pair as transformers' classifier reads the tokenizer's
+    pair."""
+    import transformers
+
+    model = make_tiny_modern_bert(tmp_path / "labels", 3, classifier_pooling=pooling)
+    with torch.inference_mode():
+        expected = [
+            torch.softmax(model(torch.tensor([p])).logits[0], -1) for p in MODERN_BERT_PROMPTS
+        ]
+    with LLM(str(tmp_path / "labels")) as llm:
+        outs = llm.classify(MODERN_BERT_PROMPTS)
+    for out, theirs in zip(outs, expected, strict=True):
+        assert out.classification is not None
+        torch.testing.assert_close(
+            torch.tensor(out.classification.probs), theirs, atol=1e-5, rtol=0
+        )
+    reranker = make_tiny_modern_bert(tmp_path / "rank", 1, classifier_pooling=pooling)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "rank")
+    query, documents = "the cat sat", ["on the mat", "a dog ran far away"]
+    with torch.inference_mode():
+        scores = [
+            torch.sigmoid(reranker(**tokenizer(query, d, return_tensors="pt")).logits[0, 0]).item()
+            for d in documents
+        ]
+    with LLM(str(tmp_path / "rank")) as llm:
+        got = [s.score for s in llm.score(query, documents)]
+    assert got == pytest.approx(scores, abs=1e-5)
 
 
 def test_an_encoder_input_may_fill_every_learned_position(tmp_path: Path) -> None:

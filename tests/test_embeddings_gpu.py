@@ -18,6 +18,7 @@ from tests.embedding_refs import (
     embedded,
     make_embedding_gemma,
     make_tiny_encoder,
+    make_tiny_modern_bert,
     pooled_reference,
     reference,
 )
@@ -130,3 +131,30 @@ def test_bf16_encoders_close_to_transformers(
     with LLM(str(tmp_path / "ranks")) as cpu:
         exact = [s.score for s in cpu.score(query, documents)]
     assert [s.score for s in on_gpu.score(query, documents)] == pytest.approx(exact, abs=0.02)
+
+
+def test_bf16_modern_bert_close_to_transformers(
+    make_llm: Callable[..., LLM], tmp_path: Path
+) -> None:
+    """ModernBERT on CUDA in bf16, heads of 64: windowed layers attending 4 tokens either
+    way beside whole ones, through FlashInfer's prefill; [CLS] embeddings within cosine
+    0.999 of transformers' float32 model for prompts longer than the window, and a
+    classifier's probabilities within 0.02."""
+    shapes = {"hidden_size": 256, "intermediate_size": 384}
+    model = make_tiny_modern_bert(tmp_path / "embeds", **shapes)
+    prompts = [list(range(5, 40)), [2, 9, 17, 3]]
+    with torch.inference_mode():
+        hidden = [model(torch.tensor([p])).last_hidden_state[0] for p in prompts]
+    llm = make_llm(tmp_path / "embeds", device="cuda", dtype="bfloat16", is_embedding=True)
+    assert type(llm.runtime.engine.attn).__name__ == "FlashInferBackend"
+    for ours, h in zip(embedded(llm, prompts), hidden, strict=True):
+        assert torch.dot(ours, pooled_reference(h, "cls", None)).item() > 0.999
+    classifier = make_tiny_modern_bert(tmp_path / "labels", 3, classifier_pooling="mean", **shapes)
+    with torch.inference_mode():
+        expected = [torch.softmax(classifier(torch.tensor([p])).logits[0], -1) for p in prompts]
+    on_gpu = make_llm(tmp_path / "labels", device="cuda", dtype="bfloat16")
+    for out, theirs in zip(on_gpu.classify(prompts), expected, strict=True):
+        assert out.classification is not None
+        torch.testing.assert_close(
+            torch.tensor(out.classification.probs), theirs, atol=0.02, rtol=0
+        )

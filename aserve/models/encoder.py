@@ -54,18 +54,20 @@ class Parameter(nn.Module):
 
 
 class Dense(nn.Module):
-    """A replicated linear layer with a bias, computed in float32 (a classifier's head)."""
+    """A replicated linear layer, with a bias unless told, computed in float32 (a
+    classifier's head)."""
 
-    def __init__(self, outputs: int, inputs: int) -> None:
+    def __init__(self, outputs: int, inputs: int, bias: bool = True) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(outputs, inputs), False)
-        self.bias = nn.Parameter(torch.empty(outputs), False)
+        self.bias = nn.Parameter(torch.empty(outputs), False) if bias else None
 
     def load_weight(self, param: str, tensor: WeightSource, shard: int = 0) -> None:
         getattr(self, param).data.copy_(read_whole(tensor))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight.float(), self.bias.float())
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), self.weight.float(), bias)
 
 
 class ClassifierHead(nn.Module):
@@ -82,17 +84,19 @@ class ClassifierHead(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    def __init__(self, width: int, eps: float) -> None:
+    def __init__(self, width: int, eps: float, bias: bool = True) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(width), False)
-        self.bias = nn.Parameter(torch.empty(width), False)
+        self.bias = nn.Parameter(torch.empty(width), False) if bias else None
         self.eps = eps
 
     def load_weight(self, param: str, tensor: WeightSource, shard: int = 0) -> None:
         getattr(self, param).data.copy_(read_whole(tensor))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        """In `x`'s dtype (a classifier head's float32 too)."""
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.layer_norm(x, x.shape[-1:], self.weight.to(x.dtype), bias, self.eps)
 
 
 class EncoderLayer(nn.Module):
@@ -235,17 +239,25 @@ class EncoderModel(nn.Module):
             if name.startswith(UNUSED) or (self.head is None and name.startswith(HEAD)):
                 continue
             module_name, _, param = name.rpartition(".")
-            target, shard = self._target(module_name)
-            module = modules.get(target) if target else None
-            if module is None or not hasattr(module, "load_weight"):
-                raise ValueError(
-                    f"checkpoint tensor {name} has no place in {self.config.architecture}"
-                )
-            module.load_weight(param, tensor, shard)
-            loaded.add(f"{target}.{param}")
+            for target, shard, part in self._parts(module_name, tensor):
+                module = modules.get(target) if target else None
+                if module is None or not hasattr(module, "load_weight"):
+                    raise ValueError(
+                        f"checkpoint tensor {name} has no place in {self.config.architecture}"
+                    )
+                module.load_weight(param, part, shard)
+                loaded.add(f"{target}.{param}")
         missing = self.expected_tensors() - loaded
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+    def _parts(
+        self, module_name: str, tensor: WeightSource
+    ) -> list[tuple[str | None, int, WeightSource]]:
+        """Where a checkpoint tensor goes: our module, the shard it fills, and its part of
+        the tensor (all of it here; ModernBERT's fused ones in parts)."""
+        target, shard = self._target(module_name)
+        return [(target, shard, tensor)]
 
     @staticmethod
     def _target(module_name: str) -> tuple[str | None, int]:
