@@ -148,7 +148,7 @@ def transformers_runner(args: argparse.Namespace) -> Runner:
         model = kind.from_pretrained(args.model, dtype=dtype).to(device)
     model.eval()
     pad = model.config.pad_token_id or 0
-    encoder = model.config.model_type in ("bert", "roberta", "xlm-roberta")
+    encoder = model.config.model_type in ("bert", "roberta", "xlm-roberta", "modernbert")
 
     @torch.inference_mode()
     def run(inputs: Inputs) -> tuple[float, np.ndarray]:
