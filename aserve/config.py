@@ -916,9 +916,17 @@ def _modern_bert_config(cls: type[ModelConfig], config: dict[str, Any]) -> Model
     first), the others within `local_attention` // 2 tokens either way (transformers'
     inclusive window: less than that + 1 away), each kind with its own RoPE base; what
     models/modernbert.py does not compute is refused."""
-    for key in ("hidden_activation", "classifier_activation"):
-        if config.get(key, "gelu") != "gelu":
-            raise ConfigError(f"ModernBERT with {key} {config[key]!r}: aserve's takes GELU")
+    activation = config.get("hidden_activation", "gelu")
+    if activation not in ("gelu", "silu"):
+        raise ConfigError(
+            f"ModernBERT with hidden_activation {activation!r}: aserve's gates by GELU or "
+            "SiLU (Granite Embedding R2's)"
+        )
+    if config.get("classifier_activation", "gelu") != "gelu":
+        raise ConfigError(
+            f"ModernBERT with classifier_activation {config['classifier_activation']!r}: "
+            "aserve's classifier takes GELU"
+        )
     pooling = config.get("classifier_pooling", "cls")
     if pooling not in ("cls", "mean"):
         raise ConfigError(f"ModernBERT's classifier_pooling {pooling!r}: aserve's is cls or mean")
@@ -952,7 +960,7 @@ def _modern_bert_config(cls: type[ModelConfig], config: dict[str, Any]) -> Model
         qkv_bias=attention_bias,
         o_bias=attention_bias,
         qk_norm=False,
-        hidden_act="gelu",
+        hidden_act=activation,
         torch_dtype=config.get("torch_dtype") or config.get("dtype"),
         **_quantization_settings(config.get("quantization_config") or {}),
         bidirectional=True,

@@ -562,13 +562,20 @@ MODERN_BERT_PROMPTS = [list(range(5, 40)), [2, 9, 17, 3], [2, *range(60, 70), 3]
 """Prompts longer and shorter than the tiny ModernBERT's window (4 tokens either way)."""
 
 
-@pytest.mark.parametrize("pooling", [None, "mean"], ids=["cls-default", "mean-files"])
-def test_modern_bert_embeds_as_transformers(tmp_path: Path, pooling: str | None) -> None:
+@pytest.mark.parametrize(
+    ("pooling", "activation"),
+    [(None, "gelu"), ("mean", "gelu"), (None, "silu")],
+    ids=["cls-default", "mean-files", "silu"],
+)
+def test_modern_bert_embeds_as_transformers(
+    tmp_path: Path, pooling: str | None, activation: str
+) -> None:
     """ModernBERT (rotary positions of two bases, windowed layers attending 4 tokens either
-    way beside whole ones, bias-free LayerNorms, GeGLU) embeds as transformers' model
-    pooled by [CLS] or as sentence-transformers files say, prompts longer than the window
-    included, in a batch and alone; the window matters (a wider one gives other vectors)."""
-    model = make_tiny_modern_bert(tmp_path)
+    way beside whole ones, bias-free LayerNorms, GeGLU, or SiLU's gate as in Granite
+    Embedding R2) embeds as transformers' model pooled by [CLS] or as sentence-transformers
+    files say, prompts longer than the window included, in a batch and alone; the window
+    matters (a wider one gives other vectors)."""
+    model = make_tiny_modern_bert(tmp_path, hidden_activation=activation)
     if pooling == "mean":
         sentence_transformers_files(tmp_path, MEAN)
     with torch.inference_mode():

@@ -5,7 +5,8 @@ It shares little with BERT beyond attending both ways: rotary positions (a base 
 whole layers, another for the windowed ones), every third layer whole and the others
 within 64 tokens either way, pre-norm LayerNorms without biases (none before the first
 layer's attention: the embeddings' own norm precedes it), a fused QKV and a GeGLU MLP
-(GELU of the first half times the second), no biases on the products, and a final norm.
+(GELU of the first half times the second; SiLU in Granite Embedding R2's smaller models),
+no biases on the products, and a final norm.
 Its classifier pools [CLS] or the mean, then a dense layer, GELU and a LayerNorm before the
 logits. Loading, pooling and the quantized products are `EncoderModel`'s.
 """
@@ -51,6 +52,7 @@ class ModernBertLayer(nn.Module):
         self.down_proj = RowParallelLinear(
             inter, hidden, config.mlp_bias, tp, quantization=quantization
         )
+        self.activation = F.silu if config.hidden_act == "silu" else F.gelu
 
     def forward(
         self, hidden: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend
@@ -64,7 +66,7 @@ class ModernBertLayer(nn.Module):
         out = attn.forward(q.view(tokens, -1, self.head_dim), new_kv, self.layer, batch, None)
         hidden = hidden + self.o_proj(out)
         gate, up = self.gate_up_proj(self.mlp_norm(hidden)).chunk(2, -1)
-        return hidden + self.down_proj(F.gelu(gate) * up)
+        return hidden + self.down_proj(self.activation(gate) * up)
 
 
 class ModernBert(nn.Module):
