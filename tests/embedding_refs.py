@@ -143,10 +143,7 @@ def make_tiny_encoder(
         for param in model.parameters():
             param.normal_(0.0, 0.1) if param.dim() == 2 else param.uniform_(-0.5, 0.5)
     model.save_pretrained(folder)
-    vocabulary = folder / "vocab.txt"
-    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    vocabulary.write_text("\n".join([*specials, *WORDS, "##s"]))
-    transformers.BertTokenizerFast(str(vocabulary)).save_pretrained(folder)
+    write_word_piece_tokenizer(folder)
     return model.eval()
 
 
@@ -182,8 +179,16 @@ def make_tiny_modern_bert(folder: Path, labels: int = 0, **settings: Any) -> Any
         for param in model.parameters():
             param.normal_(0.0, 0.1) if param.dim() == 2 else param.uniform_(0.5, 1.5)
     model.save_pretrained(folder)
+    write_word_piece_tokenizer(folder)
+    return model.eval()
+
+
+def write_word_piece_tokenizer(folder: Path) -> None:
+    """The tiny encoders' WordPiece tokenizer: BERT's special tokens, `WORDS` and a
+    plural's `##s`; a text as [CLS] ... [SEP]."""
+    import transformers
+
     vocabulary = folder / "vocab.txt"
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
     vocabulary.write_text("\n".join([*specials, *WORDS, "##s"]))
     transformers.BertTokenizerFast(str(vocabulary)).save_pretrained(folder)
-    return model.eval()

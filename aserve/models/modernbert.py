@@ -139,11 +139,6 @@ class ModernBertModel(EncoderModel):
         self.first_token = Pooler(Pooling("cls"), torch.device("cpu"))
         self.classifier_pooler = Pooler(Pooling(config.classifier_pooling), torch.device("cpu"))
 
-    def embed(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        hidden = self.model(batch, attn)
-        pooler = self.first_token if self.pooler is None else self.pooler
-        return F.normalize(pooler(hidden, batch), dim=-1)
-
     def classify(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Logits `[batch, labels]` in float32, from [CLS]'s final state or the mean."""
         assert self.head is not None
