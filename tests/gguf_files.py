@@ -479,3 +479,71 @@ def add_unigram_vocabulary(writer: gguf.GGUFWriter, model: Path, size: int) -> N
     writer.add_precompiled_charsmap(proto.normalizer_spec.precompiled_charsmap)
     for method, token in (("bos", 0), ("eos", 2), ("unk", 3), ("sep", 2), ("pad", 1)):
         getattr(writer, f"add_{method}_token_id")(token)
+
+
+MODERN_BERT_TOP_LEVEL = {
+    "embeddings.tok_embeddings": "token_embd",
+    "embeddings.norm": "token_embd_norm",
+    "final_norm": "output_norm",
+}
+MODERN_BERT_IN_LAYER = {
+    "attn_norm": "attn_norm",
+    "attn.Wqkv": "attn_qkv",
+    "attn.Wo": "attn_output",
+    "mlp_norm": "ffn_norm",
+    "mlp.Wi": "ffn_up",
+    "mlp.Wo": "ffn_down",
+}
+"""gguf-py's names of ModernBERT's tensors (MODEL_ARCH.MODERN_BERT)."""
+
+
+def write_modern_bert_as_gguf(
+    folder: Path,
+    path: Path,
+    pooling: gguf.PoolingType,
+    qtype: gguf.GGMLQuantizationType | None = None,
+) -> Path:
+    """A `ModernBertModel` folder (config, weights, a byte-level BPE tokenizer.json) as
+    llama.cpp's converter writes it: arch `modern-bert`, its window and pattern, both rope
+    bases, its activation, the vocabulary as `gpt2` pieces and merges (special tokens
+    CONTROL) with [CLS] as BOS and [SEP] as EOS and separator; `qtype` quantizes the
+    matrices."""
+    config = json.loads((folder / "config.json").read_text())
+    writer = gguf.GGUFWriter(path, "modern-bert")
+    add_sizes(writer, config)
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_attention_heads"])
+    writer.add_layer_norm_eps(config["norm_eps"])
+    writer.add_causal_attention(False)
+    writer.add_pooling_type(pooling)
+    writer.add_sliding_window(config["local_attention"])
+    writer.add_sliding_window_pattern(config["global_attn_every_n_layers"])
+    rope = config["rope_parameters"]
+    writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    writer.add_string("modern-bert.hidden_activation", config["hidden_activation"])
+    vocabulary = json.loads((folder / "tokenizer.json").read_text())
+    pieces = sorted(vocabulary["model"]["vocab"], key=vocabulary["model"]["vocab"].get)
+    specials = {t["content"]: t["id"] for t in vocabulary["added_tokens"] if t["special"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("modern-bert")
+    writer.add_token_list(pieces)
+    kinds = [gguf.TokenType.CONTROL if p in specials else gguf.TokenType.NORMAL for p in pieces]
+    writer.add_token_types(kinds)
+    merges = vocabulary["model"]["merges"]
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    for method, token in (("bos", "[CLS]"), ("eos", "[SEP]"), ("sep", "[SEP]"), ("pad", "[PAD]")):
+        getattr(writer, f"add_{method}_token_id")(specials[token])
+    writer.add_mask_token_id(specials["[MASK]"])
+    for name, tensor in load_file(folder / "model.safetensors").items():
+        module, _, kind = name.rpartition(".")
+        if module in MODERN_BERT_TOP_LEVEL:
+            stored = MODERN_BERT_TOP_LEVEL[module]
+        else:
+            _, layer, rest = module.split(".", 2)
+            stored = f"blk.{layer}.{MODERN_BERT_IN_LAYER[rest]}"
+        array = tensor.float().numpy()
+        matrix = array.ndim == 2 and stored.startswith("blk.")
+        add_tensor(writer, f"{stored}.{kind}", array, qtype if matrix else None)
+    write_and_close(writer)
+    return path

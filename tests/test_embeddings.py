@@ -38,7 +38,7 @@ from tests.embedding_refs import (
     reference,
     sentence_transformers_files,
 )
-from tests.gguf_files import write_bert_as_gguf, write_hf_as_gguf
+from tests.gguf_files import write_bert_as_gguf, write_hf_as_gguf, write_modern_bert_as_gguf
 from tests.server_utils import ServerProcess, serving
 from tests.test_gguf_models import GEMMA3_AS_LLAMA_CPP
 from tests.test_server import get, metric_value, post, run
@@ -623,6 +623,95 @@ def test_a_modern_bert_classifier_s_probabilities(tmp_path: Path, pooling: str) 
     with LLM(str(tmp_path / "rank")) as llm:
         got = [s.score for s in llm.score(query, documents)]
     assert got == pytest.approx(scores, abs=1e-5)
+
+
+def write_byte_level_bpe(folder: Path) -> Any:
+    """A byte-level BPE tokenizer trained here as ModernBERT's is built (NFC, GPT-2's split,
+    [CLS] A [SEP], a pair's second part of type 1), saved in `folder`; returned."""
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    specials = ["[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = [" ".join(WORDS), "Café naïve résumé", "numbers 1234 and 56", "hello, world!"] * 20
+    backend.train_from_iterator(corpus, trainer)
+    backend.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[
+            ("[CLS]", backend.token_to_id("[CLS]")),
+            ("[SEP]", backend.token_to_id("[SEP]")),
+        ],
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        pad_token="[PAD]",
+        mask_token="[MASK]",
+    )
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+@pytest.mark.parametrize("qtype", [None, "Q8_0"], ids=["float", "q8_0"])
+def test_a_modern_bert_gguf_embeds_as_its_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, qtype: str | None
+) -> None:
+    """A ModernBERT as llama.cpp's converter writes it (`modern-bert`: its window and
+    pattern, both rope bases, GELU's gate; a byte-level BPE as `gpt2` pieces and merges):
+    the tokenizer built from the file gives the folder's ids (accents composed by NFC,
+    digits, punctuation, a pair), and the embeddings are transformers' [CLS] states (float:
+    to 2e-5; Q8_0: a cosine past 0.999)."""
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    tokenizer = write_byte_level_bpe(folder)
+    model = make_tiny_modern_bert(
+        folder, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id
+    )
+    tokenizer.save_pretrained(folder)  # over the tiny model's WordPiece files
+    kind = None if qtype is None else gguf.GGMLQuantizationType[qtype]
+    path = write_modern_bert_as_gguf(folder, tmp_path / "m.gguf", gguf.PoolingType.CLS, kind)
+    texts = ["the cats sat on a mat, 1234!", "Cafe\u0301 naïve résumé", " ".join(WORDS * 3)]
+    ids = [tokenizer(text)["input_ids"] for text in texts]
+    with torch.inference_mode():
+        expected = [
+            pooled_reference(model(torch.tensor([i])).last_hidden_state[0], "cls", None)
+            for i in ids
+        ]
+    monkeypatch.setenv("ASERVE_CACHE_DIR", str(tmp_path / "cache"))
+    with LLM(str(path), is_embedding=True) as llm:
+        assert llm.tokenizer is not None
+        assert llm.runtime.engine.model_config.layer_windows == (0, 5, 5, 0)
+        assert [llm.tokenizer.encode(text) for text in texts] == ids
+        assert (
+            llm.tokenizer.encode_pair(texts[0], texts[1])
+            == tokenizer(texts[0], texts[1])["input_ids"]
+        )
+        got = embedded(llm, texts)
+    for ours, theirs in zip(got, expected, strict=True):
+        if qtype is None:
+            torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
+        else:
+            assert torch.dot(ours, theirs) > 0.999
 
 
 def test_an_encoder_input_may_fill_every_learned_position(tmp_path: Path) -> None:

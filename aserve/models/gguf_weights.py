@@ -155,6 +155,8 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str:
     stem, _, kind = name.rpartition(".")
     if model_type == "bert":
         return _bert_tensor_name(name, stem, kind)
+    if model_type == "modernbert":
+        return _modern_bert_tensor_name(name, stem, kind)
     if stem in TOP_LEVEL_TENSORS:
         return f"{TOP_LEVEL_TENSORS[stem]}.{kind}"
     pieces = stem.split(".")
@@ -169,6 +171,32 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str:
     experts_of = prefix == "blk" and layer.isdigit() and part in EXPERT_TENSORS
     if experts_of and kind in ("weight", "bias"):
         return f"model.layers.{layer}.mlp.experts.{{}}.{EXPERT_TENSORS[part]}.{kind}"
+    raise GGUFTensorError(f"GGUF tensor {name!r} has no Hugging Face name that aserve knows")
+
+
+MODERN_BERT_TOP_LEVEL = {
+    "token_embd": "embeddings.tok_embeddings",
+    "token_embd_norm": "embeddings.norm",
+    "output_norm": "final_norm",
+}
+MODERN_BERT_LAYER = {
+    "attn_norm": "attn_norm",
+    "attn_qkv": "attn.Wqkv",
+    "attn_output": "attn.Wo",
+    "ffn_norm": "mlp_norm",
+    "ffn_up": "mlp.Wi",  # GELU's half, then the other, as transformers stores it
+    "ffn_down": "mlp.Wo",
+}
+"""llama.cpp's `modern-bert` files under transformers' ModernBERT names."""
+
+
+def _modern_bert_tensor_name(name: str, stem: str, kind: str) -> str:
+    if stem in MODERN_BERT_TOP_LEVEL:
+        return f"{MODERN_BERT_TOP_LEVEL[stem]}.{kind}"
+    prefix, _, rest = stem.partition(".")
+    layer, _, part = rest.partition(".")
+    if prefix == "blk" and layer.isdigit() and part in MODERN_BERT_LAYER:
+        return f"layers.{layer}.{MODERN_BERT_LAYER[part]}.{kind}"
     raise GGUFTensorError(f"GGUF tensor {name!r} has no Hugging Face name that aserve knows")
 
 

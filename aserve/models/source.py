@@ -89,6 +89,7 @@ ARCHITECTURES = {
     "exaone4": "Exaone4ForCausalLM",
     "glm4": "Glm4ForCausalLM",
     "bert": "BertModel",  # an encoder: embeddings only (models/encoder.py)
+    "modern-bert": "ModernBertModel",  # an encoder (models/modernbert.py)
 }
 DENSE_TENSORS = ("dense_2.weight", "dense_3.weight")
 """EmbeddingGemma's Dense modules after its pooling, as llama.cpp's converter stores them
@@ -102,6 +103,7 @@ MODEL_TYPES = {
     "gemma3": "gemma3_text",
     "gemma-embedding": "gemma3_text",
     "gpt-oss": "gpt_oss",
+    "modern-bert": "modernbert",
 }
 """config.json's `model_type` of the GGUF architectures whose names differ. llama.cpp files
 the language models of Qwen2-VL and Qwen2.5-VL as `qwen2vl` and Qwen3-VL's as `qwen3vl`:
@@ -308,6 +310,8 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
     tensors = {tensor.name: tensor for tensor in stored}
     if arch == "bert":
         return bert_config(read, tensors, stored)
+    if arch == "modern-bert":
+        return modern_bert_config(read, tensors, stored)
     hidden = read(f"{arch}.embedding_length", required=True)
     heads = read(f"{arch}.attention.head_count", required=True)
     experts = read(
@@ -416,6 +420,60 @@ def bert_config(
         config["quantization_config"] = {"quant_method": "gguf"}
     if "cls.output.weight" in tensors:
         config |= reranker_settings(read, tensors)
+    return {key: value for key, value in config.items() if value is not None}
+
+
+def modern_bert_config(
+    read: Metadata, tensors: dict[str, StoredTensor], stored: list[StoredTensor]
+) -> dict[str, Any]:
+    """A `modern-bert` file as transformers' ModernBERT config: every `sliding_window_pattern`
+    -th layer whole from the first (or the file's flags), the others windowed
+    `sliding_window` wide, each kind with its rope base; GELU's gate unless the file says
+    SiLU (Granite Embedding R2's small models). A classifier's file is refused."""
+    if "cls.output.weight" in tensors:
+        raise ModelSourceError(
+            "this ModernBERT file is a classifier, whose GGUF head aserve does not read; serve "
+            "its Hugging Face folder"
+        )
+    arch = "modern-bert"
+    layers = read(f"{arch}.block_count", required=True)
+    window = read(f"{arch}.attention.sliding_window", 0)
+    pattern = read(f"{arch}.attention.sliding_window_pattern", 3)
+    if isinstance(pattern, list):
+        windowed = [bool(flag) for flag in pattern]
+    else:
+        windowed = [bool(i % pattern) for i in range(layers)]
+    eps = read(f"{arch}.attention.layer_norm_epsilon")
+    eps = read(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5) if eps is None else eps
+    theta = read(f"{arch}.rope.freq_base", 160000.0)
+    heads = read(f"{arch}.attention.head_count", required=True)
+    config = {
+        "architectures": ["ModernBertModel"],
+        "model_type": "modernbert",
+        "hidden_size": read(f"{arch}.embedding_length", required=True),
+        "intermediate_size": read(f"{arch}.feed_forward_length", required=True),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "max_position_embeddings": read(f"{arch}.context_length", 8192),
+        "vocab_size": int(tensors["token_embd.weight"].shape[-1]),
+        "layer_types": [
+            "sliding_attention" if window and w else "full_attention" for w in windowed
+        ],
+        "local_attention": window or 128,
+        "global_rope_theta": float32_decimal(theta),
+        "local_rope_theta": float32_decimal(read(f"{arch}.rope.freq_base_swa", theta)),
+        "norm_eps": float32_decimal(eps),
+        "norm_bias": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "hidden_activation": read(f"{arch}.hidden_activation", "gelu"),
+        "pad_token_id": read("tokenizer.ggml.padding_token_id"),
+        "torch_dtype": matrix_dtype(stored),
+        GGUF_POOLING_TYPE: read(f"{arch}.pooling_type"),
+    }
+    if has_quantized_matrices(stored):
+        config["quantization_config"] = {"quant_method": "gguf"}
     return {key: value for key, value in config.items() if value is not None}
 
 
@@ -732,10 +790,58 @@ UNIGRAM_SPECIALS = {
 older file lacks [CLS] and [SEP]'s, its BOS and EOS)."""
 
 
+def write_byte_level_tokenizer(metadata: dict[str, Any], config: dict[str, Any], out: Path) -> None:
+    """A `modern-bert` file's byte-level BPE vocabulary (`tokenizer.ggml.model` "gpt2", its
+    pieces and merges) as ModernBERT's own tokenizer: NFC, GPT-2's split, no space before
+    the first word, control pieces special, a text as `[CLS] A [SEP]` and a pair as
+    `[CLS] A [SEP] B [SEP]` (the second part of type 1)."""
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+    )
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = [str(t) for t in metadata["tokenizer.ggml.tokens"]]
+    merges = [tuple(str(m).split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges") or []]
+    kinds = metadata.get("tokenizer.ggml.token_type") or [1] * len(pieces)
+    vocabulary = {piece: i for i, piece in enumerate(pieces)}
+    backend = Tokenizer(models.BPE(vocabulary, merges, fuse_unk=False))
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    control, user = gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED
+    backend.add_tokens(
+        [AddedToken(p, normalized=False) for p, k in zip(pieces, kinds, strict=True) if k == user]
+    )
+    backend.add_special_tokens(
+        [AddedToken(p, special=True) for p, k in zip(pieces, kinds, strict=True) if k == control]
+    )
+    specials = {}
+    for name, (key, fallback) in UNIGRAM_SPECIALS.items():
+        found = metadata.get(key, metadata.get(fallback) if fallback else None)
+        if found is not None:
+            specials[name] = pieces[found]
+    cls, sep = specials.get("cls_token", "[CLS]"), specials.get("sep_token", "[SEP]")
+    backend.post_processor = processors.TemplateProcessing(
+        single=[cls, "$A", sep],
+        pair=[cls, "$A", sep, "$B:1", f"{sep}:1"],
+        special_tokens=[(cls, vocabulary[cls]), (sep, vocabulary[sep])],
+    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, **specials)
+    tokenizer.model_max_length = config["max_position_embeddings"]
+    tokenizer.save_pretrained(out)
+
+
 def write_tokenizer(gguf_file: Path, config: dict[str, Any], out: Path) -> None:
     """transformers builds the tokenizer and keeps the chat template; imported here because
     importing it is slow and a cached start never needs it. A `bert` file's WordPiece or
-    unigram vocabulary, which transformers does not read from a GGUF, is built here."""
+    unigram vocabulary and a `modern-bert` file's BPE, which transformers does not read
+    from a GGUF, are built here."""
     if config.get("model_type") == "bert":
         metadata = read_header(gguf_file).metadata
         vocabulary = metadata.get("tokenizer.ggml.model")
@@ -745,6 +851,9 @@ def write_tokenizer(gguf_file: Path, config: dict[str, Any], out: Path) -> None:
         if vocabulary == "t5":
             write_unigram_tokenizer(metadata, config, out)
             return
+    if config.get("model_type") == "modernbert":
+        write_byte_level_tokenizer(read_header(gguf_file).metadata, config, out)
+        return
     try:
         loader = gguf_tokenizer_class()
         tokenizer = loader.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
