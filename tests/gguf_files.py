@@ -471,6 +471,8 @@ def add_unigram_vocabulary(writer: gguf.GGUFWriter, model: Path, size: int) -> N
     kinds = [control, control, control, unknown, *kinds[3:-1]]
     writer.add_tokenizer_model("t5")
     writer.add_tokenizer_pre("default")
+    writer.add_add_bos_token(True)  # as the converter reads XLM-R's <s> ... </s>
+    writer.add_add_eos_token(True)
     writer.add_token_list(pieces)
     writer.add_token_scores(scores)
     writer.add_token_types(kinds)
@@ -527,6 +529,9 @@ def write_modern_bert_as_gguf(
     specials = {t["content"]: t["id"] for t in vocabulary["added_tokens"] if t["special"]}
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("modern-bert")
+    writer.add_add_bos_token(True)  # as the converter flags ModernBERT's [CLS] ... [SEP]
+    writer.add_add_eos_token(True)
+    writer.add_add_sep_token(True)
     writer.add_token_list(pieces)
     kinds = [gguf.TokenType.CONTROL if p in specials else gguf.TokenType.NORMAL for p in pieces]
     writer.add_token_types(kinds)
