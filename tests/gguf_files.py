@@ -487,6 +487,9 @@ MODERN_BERT_TOP_LEVEL = {
     "embeddings.tok_embeddings": "token_embd",
     "embeddings.norm": "token_embd_norm",
     "final_norm": "output_norm",
+    "head.dense": "cls",
+    "head.norm": "cls.norm",
+    "classifier": "cls.output",
 }
 MODERN_BERT_IN_LAYER = {
     "attn_norm": "attn_norm",
@@ -509,7 +512,8 @@ def write_modern_bert_as_gguf(
     llama.cpp's converter writes it: arch `modern-bert`, its window and pattern, both rope
     bases, its activation, the vocabulary as `gpt2` pieces and merges (special tokens
     CONTROL) with [CLS] as BOS and [SEP] as EOS and separator; `qtype` quantizes the
-    matrices."""
+    matrices. A classifier's head goes as `cls`, `cls.norm` and `cls.output`, with its
+    pooling and label names."""
     config = json.loads((folder / "config.json").read_text())
     writer = gguf.GGUFWriter(path, "modern-bert")
     add_sizes(writer, config)
@@ -540,8 +544,15 @@ def write_modern_bert_as_gguf(
     for method, token in (("bos", "[CLS]"), ("eos", "[SEP]"), ("sep", "[SEP]"), ("pad", "[PAD]")):
         getattr(writer, f"add_{method}_token_id")(specials[token])
     writer.add_mask_token_id(specials["[MASK]"])
+    if config["architectures"][0].endswith("ForSequenceClassification"):
+        pooling_types = {"mean": gguf.PoolingType.MEAN, "cls": gguf.PoolingType.CLS}
+        pooling_type = pooling_types[config["classifier_pooling"]]  # gguf 0.19 has no writer
+        writer.add_uint32("modern-bert.classifier.pooling_type", int(pooling_type))
+        labels = config["id2label"]
+        names = [labels[str(i)] for i in range(len(labels))]
+        writer.add_array("modern-bert.classifier.output_labels", names)
     for name, tensor in load_file(folder / "model.safetensors").items():
-        module, _, kind = name.rpartition(".")
+        module, _, kind = name.removeprefix("model.").rpartition(".")
         if module in MODERN_BERT_TOP_LEVEL:
             stored = MODERN_BERT_TOP_LEVEL[module]
         else:

@@ -714,6 +714,36 @@ def test_a_modern_bert_gguf_embeds_as_its_folder(
             assert torch.dot(ours, theirs) > 0.999
 
 
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_a_modern_bert_reranker_gguf_scores_as_its_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pooling: str
+) -> None:
+    """gte-reranker-modernbert's layout: a ModernBERT classifier of one label as llama.cpp's
+    converter writes it (pooling rank, its head as `cls`, `cls.norm` and `cls.output`, its
+    classifier pooling) serves as a reranker: pairs score transformers' sigmoid (to
+    2e-5)."""
+    import transformers
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    tokenizer = write_byte_level_bpe(folder)
+    model = make_tiny_modern_bert(folder, 1, vocab_size=len(tokenizer), classifier_pooling=pooling)
+    tokenizer.save_pretrained(folder)
+    path = write_modern_bert_as_gguf(folder, tmp_path / "m.gguf", gguf.PoolingType.RANK)
+    query, documents = "the cat sat", ["on the mat, 1234!", "Café naïve résumé", "the cat"]
+    with torch.inference_mode():
+        expected = [
+            torch.sigmoid(model(**tokenizer(query, d, return_tensors="pt")).logits[0, 0]).item()
+            for d in documents
+        ]
+    assert isinstance(tokenizer, transformers.PreTrainedTokenizerFast)
+    monkeypatch.setenv("ASERVE_CACHE_DIR", str(tmp_path / "cache"))
+    with LLM(str(path)) as llm:
+        assert llm.runtime.engine.model_config.classifier_pooling == pooling
+        scores = [s.score for s in llm.score(query, documents)]
+    torch.testing.assert_close(torch.tensor(scores), torch.tensor(expected), atol=2e-5, rtol=0)
+
+
 def test_an_encoder_input_may_fill_every_learned_position(tmp_path: Path) -> None:
     """A BERT of 80 learned positions embeds an input of 80 tokens (transformers' own limit)
     as transformers does and refuses 81 in one line; a context longer than its positions is

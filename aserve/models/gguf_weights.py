@@ -178,6 +178,9 @@ MODERN_BERT_TOP_LEVEL = {
     "token_embd": "embeddings.tok_embeddings",
     "token_embd_norm": "embeddings.norm",
     "output_norm": "final_norm",
+    "cls": "head.dense",  # a classifier's head: dense, GELU, LayerNorm, then its logits
+    "cls.norm": "head.norm",
+    "cls.output": "classifier",
 }
 MODERN_BERT_LAYER = {
     "attn_norm": "attn_norm",

@@ -429,12 +429,9 @@ def modern_bert_config(
     """A `modern-bert` file as transformers' ModernBERT config: every `sliding_window_pattern`
     -th layer whole from the first (or the file's flags), the others windowed
     `sliding_window` wide, each kind with its rope base; GELU's gate unless the file says
-    SiLU (Granite Embedding R2's small models). A classifier's file is refused."""
-    if "cls.output.weight" in tensors:
-        raise ModelSourceError(
-            "this ModernBERT file is a classifier, whose GGUF head aserve does not read; serve "
-            "its Hugging Face folder"
-        )
+    SiLU (Granite Embedding R2's small models). A classifier's file (gte-reranker-modernbert)
+    keeps its head as `cls`, `cls.norm` and `cls.output`, pooled as
+    `classifier.pooling_type` says (the mean where it is silent, as llama.cpp reads it)."""
     arch = "modern-bert"
     layers = read(f"{arch}.block_count", required=True)
     window = read(f"{arch}.attention.sliding_window", 0)
@@ -474,6 +471,17 @@ def modern_bert_config(
     }
     if has_quantized_matrices(stored):
         config["quantization_config"] = {"quant_method": "gguf"}
+    if "cls.output.weight" in tensors:
+        labels = read(f"{arch}.classifier.output_labels")
+        count = int(tensors["cls.output.weight"].shape[-1])
+        pooling = read(f"{arch}.classifier.pooling_type", 1)
+        config |= {
+            "architectures": ["ModernBertForSequenceClassification"],
+            "num_labels": count,
+            "id2label": {str(i): str(label) for i, label in enumerate(labels)} if labels else None,
+            "classifier_pooling": "cls" if pooling == 2 else "mean",
+            "classifier_bias": "cls.bias" in tensors,
+        }
     return {key: value for key, value in config.items() if value is not None}
 
 
