@@ -86,11 +86,13 @@ ENCODER_ARCHITECTURES = {
     "RobertaModel": 1,
     "XLMRobertaModel": 1,
     "ModernBertModel": 0,
+    "NomicBertModel": 0,
 }
 """Encoders (models/encoder.py, models/modernbert.py), which only embed or classify ->
 whether their positions count from the padding id + 1 (RoBERTa's, XLM-RoBERTa's) rather
 than from 0."""
 MODERN_BERT = "ModernBertModel"
+NOMIC_BERT = "NomicBertModel"
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe")
 """Families whose experts `_moe_settings` reads (gpt-oss's are read with its own settings)."""
 MOE_BACKENDS = ("auto", "torch", "fused")
@@ -971,12 +973,65 @@ def _modern_bert_config(cls: type[ModelConfig], config: dict[str, Any]) -> Model
     )
 
 
+NOMIC_BERT_FIXED = {
+    "activation_function": "swiglu",
+    "prenorm": False,
+    "qkv_proj_bias": False,
+    "mlp_fc1_bias": False,
+    "mlp_fc2_bias": False,
+    "rotary_emb_fraction": 1.0,
+    "rotary_emb_interleaved": False,
+    "rotary_scaling_factor": None,
+    "moe_every_n_layers": None,
+}
+"""nomic-bert's settings that models/encoder.py computes as nomic-embed-text v1 and v1.5
+set them (SwiGLU, post-norm, no biases, rotary over whole heads in halves, no scaling, no
+experts); another value is refused."""
+
+
+def _nomic_bert_config(cls: type[ModelConfig], config: dict[str, Any]) -> ModelConfig:
+    """nomic-bert (nomic-embed-text v1 and v1.5): BERT's post-norm layers with rotary
+    positions (`rotary_emb_base`), a fused QKV, SwiGLU, no biases, token type 0; its context
+    the `max_trained_positions` it was trained for, as llama.cpp and vLLM take it."""
+    for key, value in NOMIC_BERT_FIXED.items():
+        if config.get(key, value) != value:
+            raise ConfigError(
+                f"NomicBertModel with {key} {config[key]!r}: aserve's takes {value!r}"
+            )
+    heads, hidden = int(config["n_head"]), int(config["n_embd"])
+    positions = int(config.get("max_trained_positions") or config.get("n_positions", 2048))
+    return cls(
+        architecture=NOMIC_BERT,
+        model_type="nomic_bert",
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(config["n_inner"]),
+        num_layers=int(config["n_layer"]),
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        rms_norm_eps=float(config.get("layer_norm_epsilon", 1e-12)),
+        rope_theta=float(config.get("rotary_emb_base", 1000.0)),
+        max_position_embeddings=positions,
+        tie_word_embeddings=False,
+        qkv_bias=False,
+        qk_norm=False,
+        hidden_act="silu",
+        torch_dtype=config.get("torch_dtype") or config.get("dtype"),
+        **_quantization_settings(config.get("quantization_config") or {}),
+        bidirectional=True,
+        type_vocab_size=int(config.get("type_vocab_size", 2)),
+    )
+
+
 def _encoder_config(
     cls: type[ModelConfig], config: dict[str, Any], architecture: str
 ) -> ModelConfig:
     """A BERT-style encoder's settings; what models/encoder.py does not compute is refused."""
     if architecture == MODERN_BERT:
         return _modern_bert_config(cls, config)
+    if architecture == NOMIC_BERT:
+        return _nomic_bert_config(cls, config)
     kind = config.get("position_embedding_type", "absolute")
     if kind != "absolute":
         raise ConfigError(

@@ -192,3 +192,102 @@ def write_word_piece_tokenizer(folder: Path) -> None:
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
     vocabulary.write_text("\n".join([*specials, *WORDS, "##s"]))
     transformers.BertTokenizerFast(str(vocabulary)).save_pretrained(folder)
+
+
+def make_tiny_nomic_bert(folder: Path) -> Any:
+    """A tiny nomic-bert (nomic-embed-text's layout) as its Hugging Face folder: config.json
+    in nomic's keys, random weights under its names, the tiny encoders' WordPiece tokenizer.
+    transformers has no nomic-bert, so this returns the reference: its forward written here
+    from nomic's modeling code (token type 0 added to the word embeddings and normalised; per
+    layer a fused QKV, rotary positions over whole heads in halves of base 1000, attention
+    both ways, the output projection added and normalised, `fc2(fc11(x) * silu(fc12(x)))`
+    added and normalised; no biases but the LayerNorms'), ids -> final hidden states."""
+    folder.mkdir(parents=True, exist_ok=True)
+    hidden, heads, inter, layers, vocab = 64, 4, 96, 2, 120
+    generator = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * 0.1
+
+    weights = {
+        "embeddings.word_embeddings.weight": rand(vocab, hidden),
+        "embeddings.token_type_embeddings.weight": rand(2, hidden),
+        "emb_ln.weight": 1 + rand(hidden),
+        "emb_ln.bias": rand(hidden),
+    }
+    for i in range(layers):
+        at = f"encoder.layers.{i}."
+        weights |= {
+            at + "attn.Wqkv.weight": rand(3 * hidden, hidden),
+            at + "attn.out_proj.weight": rand(hidden, hidden),
+            at + "mlp.fc11.weight": rand(inter, hidden),
+            at + "mlp.fc12.weight": rand(inter, hidden),
+            at + "mlp.fc2.weight": rand(hidden, inter),
+            **{at + f"norm{n}.weight": 1 + rand(hidden) for n in (1, 2)},
+            **{at + f"norm{n}.bias": rand(hidden) for n in (1, 2)},
+        }
+    save_file(weights, str(folder / "model.safetensors"))
+    config = {
+        "architectures": ["NomicBertModel"],
+        "model_type": "nomic_bert",
+        "n_embd": hidden,
+        "n_head": heads,
+        "n_inner": inter,
+        "n_layer": layers,
+        "n_positions": 8192,
+        "max_trained_positions": 80,
+        "vocab_size": vocab,
+        "type_vocab_size": 2,
+        "layer_norm_epsilon": 1e-12,
+        "rotary_emb_base": 1000,
+        "rotary_emb_fraction": 1.0,
+        "rotary_emb_interleaved": False,
+        "rotary_scaling_factor": None,
+        "activation_function": "swiglu",
+        "prenorm": False,
+        "causal": False,
+        "qkv_proj_bias": False,
+        "mlp_fc1_bias": False,
+        "mlp_fc2_bias": False,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    write_word_piece_tokenizer(folder)
+    w = weights
+    size = hidden // heads
+
+    def norm(x: torch.Tensor, name: str) -> torch.Tensor:
+        return torch.nn.functional.layer_norm(
+            x, (hidden,), w[f"{name}.weight"], w[f"{name}.bias"], 1e-12
+        )
+
+    def forward(ids: list[int]) -> torch.Tensor:
+        x = norm(
+            w["embeddings.word_embeddings.weight"][ids]
+            + w["embeddings.token_type_embeddings.weight"][0],
+            "emb_ln",
+        )
+        inv_freq = 1.0 / (1000 ** (torch.arange(0, size, 2).float() / size))
+        angles = torch.outer(torch.arange(len(ids)).float(), inv_freq)
+        cos, sin = (
+            torch.cat((angles.cos(), angles.cos()), -1),
+            torch.cat((angles.sin(), angles.sin()), -1),
+        )
+
+        def rotate(t: torch.Tensor) -> torch.Tensor:  # [tokens, heads, size]
+            halves = torch.cat((-t[..., size // 2 :], t[..., : size // 2]), -1)
+            return t * cos[:, None] + halves * sin[:, None]
+
+        for i in range(layers):
+            at = f"encoder.layers.{i}."
+            q, k, v = (x @ w[at + "attn.Wqkv.weight"].T).view(len(ids), 3, heads, size).unbind(1)
+            q, k = rotate(q), rotate(k)
+            scores = torch.einsum("qhd,khd->hqk", q, k) / size**0.5
+            mixed = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(len(ids), hidden)
+            x = norm(x + mixed @ w[at + "attn.out_proj.weight"].T, at + "norm1")
+            up, gate = x @ w[at + "mlp.fc11.weight"].T, x @ w[at + "mlp.fc12.weight"].T
+            x = norm(
+                x + (up * torch.nn.functional.silu(gate)) @ w[at + "mlp.fc2.weight"].T, at + "norm2"
+            )
+        return x
+
+    return forward

@@ -563,3 +563,55 @@ def write_modern_bert_as_gguf(
         add_tensor(writer, f"{stored}.{kind}", array, qtype if matrix else None)
     write_and_close(writer)
     return path
+
+
+NOMIC_BERT_TENSORS = {
+    "embeddings.word_embeddings": "token_embd",
+    "embeddings.token_type_embeddings": "token_types",
+    "emb_ln": "token_embd_norm",
+    "attn.Wqkv": "attn_qkv",
+    "attn.out_proj": "attn_output",
+    "norm1": "attn_output_norm",
+    "mlp.fc11": "ffn_up",
+    "mlp.fc12": "ffn_gate",
+    "mlp.fc2": "ffn_down",
+    "norm2": "layer_output_norm",
+}
+"""gguf-py's names of nomic-bert's tensors (MODEL_ARCH.NOMIC_BERT)."""
+
+
+def write_nomic_bert_as_gguf(
+    folder: Path,
+    path: Path,
+    pooling: gguf.PoolingType,
+    qtype: gguf.GGMLQuantizationType | None = None,
+) -> Path:
+    """A nomic-bert folder (nomic's config and names, a WordPiece vocab.txt) as llama.cpp's
+    converter writes it: arch `nomic-bert`, its trained context, rotary base and epsilon,
+    non-causal, its pooling type, the WordPiece vocabulary in llama.cpp's spelling; `qtype`
+    quantizes the matrices."""
+    config = json.loads((folder / "config.json").read_text())
+    writer = gguf.GGUFWriter(path, "nomic-bert")
+    writer.add_block_count(config["n_layer"])
+    writer.add_context_length(config["max_trained_positions"])
+    writer.add_embedding_length(config["n_embd"])
+    writer.add_feed_forward_length(config["n_inner"])
+    writer.add_head_count(config["n_head"])
+    writer.add_layer_norm_eps(config["layer_norm_epsilon"])
+    writer.add_rope_freq_base(config["rotary_emb_base"])
+    writer.add_causal_attention(False)
+    writer.add_pooling_type(pooling)
+    writer.add_token_type_count(config["type_vocab_size"])
+    add_wordpiece_vocabulary(writer, folder, config["vocab_size"])
+    for name, tensor in load_file(folder / "model.safetensors").items():
+        module, _, kind = name.rpartition(".")
+        if module in NOMIC_BERT_TENSORS:
+            stored = NOMIC_BERT_TENSORS[module]
+        else:
+            _, _, layer, rest = module.split(".", 3)
+            stored = f"blk.{layer}.{NOMIC_BERT_TENSORS[rest]}"
+        array = tensor.float().numpy()
+        matrix = array.ndim == 2 and stored.startswith("blk.")
+        add_tensor(writer, f"{stored}.{kind}", array, qtype if matrix else None)
+    write_and_close(writer)
+    return path

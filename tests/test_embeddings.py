@@ -34,11 +34,17 @@ from tests.embedding_refs import (
     make_embedding_gemma,
     make_tiny_encoder,
     make_tiny_modern_bert,
+    make_tiny_nomic_bert,
     pooled_reference,
     reference,
     sentence_transformers_files,
 )
-from tests.gguf_files import write_bert_as_gguf, write_hf_as_gguf, write_modern_bert_as_gguf
+from tests.gguf_files import (
+    write_bert_as_gguf,
+    write_hf_as_gguf,
+    write_modern_bert_as_gguf,
+    write_nomic_bert_as_gguf,
+)
 from tests.server_utils import ServerProcess, serving
 from tests.test_gguf_models import GEMMA3_AS_LLAMA_CPP
 from tests.test_server import get, metric_value, post, run
@@ -742,6 +748,62 @@ def test_a_modern_bert_reranker_gguf_scores_as_its_folder(
         assert llm.runtime.engine.model_config.classifier_pooling == pooling
         scores = [s.score for s in llm.score(query, documents)]
     torch.testing.assert_close(torch.tensor(scores), torch.tensor(expected), atol=2e-5, rtol=0)
+
+
+def test_nomic_bert_embeds_as_its_reference(tmp_path: Path) -> None:
+    """nomic-bert (nomic-embed-text v1 / v1.5: BERT's post-norm layers with rotary positions,
+    a fused QKV, SwiGLU and no biases) embeds as the reference written from nomic's modeling
+    code (transformers has none), pooled by [CLS] or by the mean its sentence-transformers
+    files ask for, to 2e-5, prompts of up to the 80 positions it was trained for; settings
+    it does not compute (experts, pre-norm) are refused."""
+    reference = make_tiny_nomic_bert(tmp_path)
+    prompts = [*ENCODER_PROMPTS, [2, *range(5, 83), 3]]
+    with torch.inference_mode():
+        hidden = [reference(p) for p in prompts]
+    with LLM(str(tmp_path), is_embedding=True, page_size=4) as llm:
+        assert llm.runtime.engine.context_length == 80
+        got = embedded(llm, prompts)
+    for ours, h in zip(got, hidden, strict=True):
+        torch.testing.assert_close(ours, pooled_reference(h, "cls", None), atol=2e-5, rtol=1e-4)
+    sentence_transformers_files(tmp_path, MEAN)
+    with LLM(str(tmp_path), is_embedding=True) as llm:
+        means = embedded(llm, prompts[:2])
+    for ours, h in zip(means, hidden[:2], strict=True):
+        torch.testing.assert_close(ours, pooled_reference(h, "mean", None), atol=2e-5, rtol=1e-4)
+    for change in ({"moe_every_n_layers": 2}, {"prenorm": True}):
+        with pytest.raises(ConfigError, match=f"NomicBertModel with {next(iter(change))}"):
+            LLM(str(tmp_path), is_embedding=True, hf_overrides=change)
+
+
+@pytest.mark.parametrize("qtype", [None, "Q8_0"], ids=["float", "q8_0"])
+def test_a_nomic_bert_gguf_embeds_as_its_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, qtype: str | None
+) -> None:
+    """nomic-embed-text's GGUF layout (`nomic-bert`, pooling by the mean, its WordPiece
+    vocabulary): the tokenizer built from the file gives the folder's ids, and the
+    embeddings are the reference's mean (float: to 2e-5; Q8_0: a cosine past 0.999)."""
+    import transformers
+
+    reference = make_tiny_nomic_bert(tmp_path / "hf")
+    kind = None if qtype is None else gguf.GGMLQuantizationType[qtype]
+    path = write_nomic_bert_as_gguf(
+        tmp_path / "hf", tmp_path / "m.gguf", gguf.PoolingType.MEAN, kind
+    )
+    texts = ["The cats sat on the mat", "a DOG ran far away"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ids = [tokenizer(text)["input_ids"] for text in texts]
+    with torch.inference_mode():
+        expected = [pooled_reference(reference(i), "mean", None) for i in ids]
+    monkeypatch.setenv("ASERVE_CACHE_DIR", str(tmp_path / "cache"))
+    with LLM(str(path), is_embedding=True) as llm:
+        assert llm.tokenizer is not None
+        assert [llm.tokenizer.encode(text) for text in texts] == ids
+        got = embedded(llm, texts)
+    for ours, theirs in zip(got, expected, strict=True):
+        if qtype is None:
+            torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
+        else:
+            assert torch.dot(ours, theirs) > 0.999
 
 
 def test_an_encoder_input_may_fill_every_learned_position(tmp_path: Path) -> None:

@@ -545,18 +545,21 @@ def test_server_exits_with_one_line_when_a_worker_dies(tmp_path: Path) -> None:
         server.stop()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "embedding-gemma", "xlm-roberta", "modernbert"])
+@pytest.mark.parametrize(
+    "family", ["qwen3", "embedding-gemma", "xlm-roberta", "modernbert", "nomic-bert"]
+)
 def test_tp2_embeddings_equal_tp1(tmp_path: Path, family: str) -> None:
     """An embedding server over two ranks: the last token's hidden state is whole after the
     final norm's all-reduce, and rank 1 follows steps that sample nothing; EmbeddingGemma's
     prompts attend both ways on both ranks (the step's spec says so) and pool by the mean
     before their Dense modules; an XLM-RoBERTa encoder's products are sharded as a
     decoder's, its LayerNorms whole on each rank, as are ModernBERT's (its fused QKV and
-    GeGLU halves split before they are sharded)."""
+    GeGLU halves split before they are sharded), as are nomic-bert's (SwiGLU)."""
     from tests.embedding_refs import (
         make_embedding_gemma,
         make_tiny_encoder,
         make_tiny_modern_bert,
+        make_tiny_nomic_bert,
     )
 
     model, prompts = tmp_path, PROMPTS
@@ -566,6 +569,9 @@ def test_tp2_embeddings_equal_tp1(tmp_path: Path, family: str) -> None:
         make_embedding_gemma(tmp_path)
     elif family == "modernbert":
         make_tiny_modern_bert(tmp_path)
+        prompts = [[t % 120 for t in prompt] for prompt in PROMPTS]
+    elif family == "nomic-bert":
+        make_tiny_nomic_bert(tmp_path)
         prompts = [[t % 120 for t in prompt] for prompt in PROMPTS]
     else:
         make_tiny_encoder(family, tmp_path)

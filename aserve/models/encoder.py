@@ -27,6 +27,7 @@ from aserve.distributed.group import TPGroup
 from aserve.forward import ForwardBatch
 from aserve.layers.embedding import VocabParallelEmbedding
 from aserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from aserve.layers.rotary import RotaryEmbedding
 from aserve.layers.weight import WeightSource, read_whole
 from aserve.models.pooling import Pooler, Pooling
 from aserve.models.weights import expected_tensors
@@ -100,32 +101,44 @@ class LayerNorm(nn.Module):
 
 
 class EncoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, tp: TPGroup) -> None:
+    """BERT's layer; nomic-bert's (`rotary`) rotates Q and K, has no biases on its products
+    and gates its MLP by SiLU."""
+
+    def __init__(
+        self, config: ModelConfig, layer: int, tp: TPGroup, rotary: RotaryEmbedding | None
+    ) -> None:
         super().__init__()
-        self.layer = layer
-        self.head_dim = config.head_dim
+        self.layer, self.head_dim, self.rotary = layer, config.head_dim, rotary
         hidden, quantization = config.hidden_size, config.quantization
+        heads, bias = config.num_heads, config.qkv_bias
         self.qkv_proj = QKVParallelLinear(
-            hidden, config.head_dim, config.num_heads, config.num_heads, True, tp, quantization
+            hidden, config.head_dim, heads, heads, bias, tp, quantization
         )
         self.q_size, self.kv_size = self.qkv_proj.local_sizes[0], self.qkv_proj.local_sizes[1]
-        width = config.num_heads * config.head_dim
-        self.o_proj = RowParallelLinear(width, hidden, True, tp, quantization=quantization)
+        width = heads * config.head_dim
+        self.o_proj = RowParallelLinear(width, hidden, bias, tp, quantization=quantization)
         self.attention_norm = LayerNorm(hidden, config.rms_norm_eps)
         inter = config.intermediate_size
-        self.up_proj = ColumnParallelLinear(hidden, [inter], True, tp, quantization)
-        self.down_proj = RowParallelLinear(inter, hidden, True, tp, quantization=quantization)
+        self.gated = config.hidden_act == "silu"
+        parts = [inter, inter] if self.gated else [inter]
+        self.up_proj = ColumnParallelLinear(hidden, parts, bias, tp, quantization)
+        self.down_proj = RowParallelLinear(inter, hidden, bias, tp, quantization=quantization)
         self.output_norm = LayerNorm(hidden, config.rms_norm_eps)
 
     def forward(
         self, hidden: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
+        if self.rotary is not None:
+            self.rotary(batch.positions, qkv[:, : self.q_size + self.kv_size], self.q_size)
         q, kv = qkv.split([self.q_size, 2 * self.kv_size], -1)
         tokens = q.shape[0]
         new_kv = kv.view(tokens, 2, -1, self.head_dim)
         out = attn.forward(q.view(tokens, -1, self.head_dim), new_kv, self.layer, batch, None)
         hidden = self.attention_norm(hidden + self.o_proj(out))
+        if self.gated:  # SiLU of the gate (shard 0) times the up projection (shard 1)
+            gate, up = self.up_proj(hidden).chunk(2, -1)
+            return self.output_norm(hidden + self.down_proj(F.silu(gate) * up))
         return self.output_norm(hidden + self.down_proj(F.gelu(self.up_proj(hidden))))
 
 
@@ -136,10 +149,16 @@ class Encoder(nn.Module):
         hidden = config.hidden_size
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, tp)
         positions = config.max_position_embeddings + config.position_offset
-        self.position_embeddings = Parameter(positions, hidden)
+        rotary = None  # learned positions (BERT's), or rotary ones (nomic-bert's)
+        self.position_embeddings: Parameter | None = Parameter(positions, hidden)
+        if config.rope_theta:
+            rotary = RotaryEmbedding(config.head_dim, positions + 1, config.rope_theta, None)
+            self.position_embeddings = None
         self.token_type_embeddings = Parameter(config.type_vocab_size, hidden)
         self.embedding_norm = LayerNorm(hidden, config.rms_norm_eps)
-        self.layers = nn.ModuleList(EncoderLayer(config, i, tp) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            EncoderLayer(config, i, tp, rotary) for i in range(config.num_layers)
+        )
 
     def forward(
         self, batch: ForwardBatch, attn: AttentionBackend, token_types: torch.Tensor | None = None
@@ -148,7 +167,8 @@ class Encoder(nn.Module):
         (type 0)."""
         positions = batch.positions + self.position_offset
         hidden = self.embed_tokens(batch.input_ids)
-        hidden = hidden + self.position_embeddings.weight[positions]
+        if self.position_embeddings is not None:
+            hidden = hidden + self.position_embeddings.weight[positions]
         types = self.token_type_embeddings.weight
         hidden = hidden + (types[0] if token_types is None else types[token_types])
         hidden = self.embedding_norm(hidden)
@@ -162,6 +182,7 @@ CHECKPOINT_NAMES = {
     "embeddings.position_embeddings": "position_embeddings",
     "embeddings.token_type_embeddings": "token_type_embeddings",
     "embeddings.LayerNorm": "embedding_norm",
+    "emb_ln": "embedding_norm",  # nomic-bert's
 }
 LAYER_NAMES = {
     "attention.self.query": ("qkv_proj", 0),
@@ -173,7 +194,17 @@ LAYER_NAMES = {
     "output.dense": ("down_proj", 0),
     "output.LayerNorm": ("output_norm", 0),
 }
-"""Hugging Face's names of an encoder's modules -> ours (and a fused layer's shard)."""
+NOMIC_LAYER_NAMES = {
+    "attn.out_proj": ("o_proj", 0),
+    "norm1": ("attention_norm", 0),
+    "mlp.fc12": ("up_proj", 0),  # the gate
+    "mlp.fc11": ("up_proj", 1),
+    "mlp.fc2": ("down_proj", 0),
+    "norm2": ("output_norm", 0),
+}
+"""Hugging Face's names of an encoder's modules -> ours (and a fused layer's shard): BERT's
+under `encoder.layer.N.`, nomic-bert's under `encoder.layers.N.` (its `attn.Wqkv` split into
+Q, K and V)."""
 HEAD_NAMES = {
     "pooler.dense": "head.dense",
     "classifier": "head.out",
@@ -256,6 +287,11 @@ class EncoderModel(nn.Module):
     ) -> list[tuple[str | None, int, WeightSource]]:
         """Where a checkpoint tensor goes: our module, the shard it fills, and its part of
         the tensor (all of it here; ModernBERT's fused ones in parts)."""
+        pieces = module_name.split(".", 3)
+        if len(pieces) == 4 and pieces[:2] == ["encoder", "layers"] and pieces[3] == "attn.Wqkv":
+            rows = self.config.hidden_size  # Q, K and V of as many heads
+            target = f"model.layers.{pieces[2]}.qkv_proj"
+            return [(target, i, tensor[i * rows : (i + 1) * rows]) for i in range(3)]
         target, shard = self._target(module_name)
         return [(target, shard, tensor)]
 
@@ -270,6 +306,9 @@ class EncoderModel(nn.Module):
         if len(pieces) == 4 and pieces[:2] == ["encoder", "layer"] and pieces[3] in LAYER_NAMES:
             ours, shard = LAYER_NAMES[pieces[3]]
             return f"model.layers.{pieces[2]}.{ours}", shard
+        if len(pieces) == 4 and pieces[:2] == ["encoder", "layers"]:
+            ours, shard = NOMIC_LAYER_NAMES.get(pieces[3], (None, 0))
+            return (f"model.layers.{pieces[2]}.{ours}" if ours else None), shard
         return None, 0
 
     def expected_tensors(self) -> set[str]:

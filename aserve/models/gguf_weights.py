@@ -157,6 +157,8 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str:
         return _bert_tensor_name(name, stem, kind)
     if model_type == "modernbert":
         return _modern_bert_tensor_name(name, stem, kind)
+    if model_type == "nomic_bert":
+        return _nomic_bert_tensor_name(name, stem, kind)
     if stem in TOP_LEVEL_TENSORS:
         return f"{TOP_LEVEL_TENSORS[stem]}.{kind}"
     pieces = stem.split(".")
@@ -200,6 +202,33 @@ def _modern_bert_tensor_name(name: str, stem: str, kind: str) -> str:
     layer, _, part = rest.partition(".")
     if prefix == "blk" and layer.isdigit() and part in MODERN_BERT_LAYER:
         return f"layers.{layer}.{MODERN_BERT_LAYER[part]}.{kind}"
+    raise GGUFTensorError(f"GGUF tensor {name!r} has no Hugging Face name that aserve knows")
+
+
+NOMIC_BERT_TOP_LEVEL = {
+    "token_embd": "embeddings.word_embeddings",
+    "token_types": "embeddings.token_type_embeddings",
+    "token_embd_norm": "emb_ln",
+}
+NOMIC_BERT_LAYER = {
+    "attn_qkv": "attn.Wqkv",
+    "attn_output": "attn.out_proj",
+    "attn_output_norm": "norm1",
+    "ffn_up": "mlp.fc11",
+    "ffn_gate": "mlp.fc12",
+    "ffn_down": "mlp.fc2",
+    "layer_output_norm": "norm2",
+}
+"""llama.cpp's `nomic-bert` files under nomic's own names."""
+
+
+def _nomic_bert_tensor_name(name: str, stem: str, kind: str) -> str:
+    if stem in NOMIC_BERT_TOP_LEVEL:
+        return f"{NOMIC_BERT_TOP_LEVEL[stem]}.{kind}"
+    prefix, _, rest = stem.partition(".")
+    layer, _, part = rest.partition(".")
+    if prefix == "blk" and layer.isdigit() and part in NOMIC_BERT_LAYER:
+        return f"encoder.layers.{layer}.{NOMIC_BERT_LAYER[part]}.{kind}"
     raise GGUFTensorError(f"GGUF tensor {name!r} has no Hugging Face name that aserve knows")
 
 
@@ -271,13 +300,17 @@ def iter_gguf(
     `config` is the config.json built from the same file (head counts for the llama row
     order)."""
     tensors = stored_tensors(path, table)
-    heads = {
-        "self_attn.q_proj": config["num_attention_heads"],
-        "self_attn.k_proj": config["num_key_value_heads"],
-    }
     model_type = config["model_type"]
     # llama.cpp's converter permutes these families' query and key rows as Llama's
     permute = model_type in ("llama", "smollm3", "granite", "granitemoe", "mixtral")
+    heads = (
+        {
+            "self_attn.q_proj": config["num_attention_heads"],
+            "self_attn.k_proj": config["num_key_value_heads"],
+        }
+        if permute
+        else {}
+    )
     sandwich = model_type in SANDWICH_FAMILIES
     for tensor in tqdm(tensors, desc="Loading weights", unit="tensor", disable=not progress):
         if tensor.name in ROPE_TENSORS:

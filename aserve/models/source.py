@@ -90,6 +90,7 @@ ARCHITECTURES = {
     "glm4": "Glm4ForCausalLM",
     "bert": "BertModel",  # an encoder: embeddings only (models/encoder.py)
     "modern-bert": "ModernBertModel",  # an encoder (models/modernbert.py)
+    "nomic-bert": "NomicBertModel",  # an encoder (models/encoder.py): nomic-embed-text
 }
 DENSE_TENSORS = ("dense_2.weight", "dense_3.weight")
 """EmbeddingGemma's Dense modules after its pooling, as llama.cpp's converter stores them
@@ -104,6 +105,7 @@ MODEL_TYPES = {
     "gemma-embedding": "gemma3_text",
     "gpt-oss": "gpt_oss",
     "modern-bert": "modernbert",
+    "nomic-bert": "nomic_bert",
 }
 """config.json's `model_type` of the GGUF architectures whose names differ. llama.cpp files
 the language models of Qwen2-VL and Qwen2.5-VL as `qwen2vl` and Qwen3-VL's as `qwen3vl`:
@@ -312,6 +314,8 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
         return bert_config(read, tensors, stored)
     if arch == "modern-bert":
         return modern_bert_config(read, tensors, stored)
+    if arch == "nomic-bert":
+        return nomic_bert_config(read, tensors, stored)
     hidden = read(f"{arch}.embedding_length", required=True)
     heads = read(f"{arch}.attention.head_count", required=True)
     experts = read(
@@ -482,6 +486,37 @@ def modern_bert_config(
             "classifier_pooling": "cls" if pooling == 2 else "mean",
             "classifier_bias": "cls.bias" in tensors,
         }
+    return {key: value for key, value in config.items() if value is not None}
+
+
+def nomic_bert_config(
+    read: Metadata, tensors: dict[str, StoredTensor], stored: list[StoredTensor]
+) -> dict[str, Any]:
+    """A `nomic-bert` file (nomic-embed-text v1 and v1.5) as nomic's own config.json: its
+    trained context (the converter writes it), rotary base, LayerNorms' epsilon, pooling."""
+    arch = "nomic-bert"
+    context = read(f"{arch}.context_length", 2048)
+    config = {
+        "architectures": ["NomicBertModel"],
+        "model_type": "nomic_bert",
+        "n_embd": read(f"{arch}.embedding_length", required=True),
+        "n_inner": read(f"{arch}.feed_forward_length", required=True),
+        "n_layer": read(f"{arch}.block_count", required=True),
+        "n_head": read(f"{arch}.attention.head_count", required=True),
+        "max_trained_positions": context,
+        "max_position_embeddings": context,  # what the tokenizer's writer reads
+        "vocab_size": int(tensors["token_embd.weight"].shape[-1]),
+        "type_vocab_size": int(tensors["token_types.weight"].shape[-1])
+        if "token_types.weight" in tensors
+        else 1,
+        "layer_norm_epsilon": float32_decimal(read(f"{arch}.attention.layer_norm_epsilon", 1e-12)),
+        "rotary_emb_base": float32_decimal(read(f"{arch}.rope.freq_base", 1000.0)),
+        "pad_token_id": read("tokenizer.ggml.padding_token_id"),
+        "torch_dtype": matrix_dtype(stored),
+        GGUF_POOLING_TYPE: read(f"{arch}.pooling_type"),
+    }
+    if has_quantized_matrices(stored):
+        config["quantization_config"] = {"quant_method": "gguf"}
     return {key: value for key, value in config.items() if value is not None}
 
 
@@ -850,7 +885,7 @@ def write_tokenizer(gguf_file: Path, config: dict[str, Any], out: Path) -> None:
     importing it is slow and a cached start never needs it. A `bert` file's WordPiece or
     unigram vocabulary and a `modern-bert` file's BPE, which transformers does not read
     from a GGUF, are built here."""
-    if config.get("model_type") == "bert":
+    if config.get("model_type") in ("bert", "nomic_bert"):
         metadata = read_header(gguf_file).metadata
         vocabulary = metadata.get("tokenizer.ggml.model")
         if vocabulary == "bert":
