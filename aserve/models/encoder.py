@@ -1,6 +1,8 @@
-"""BERT-style encoders (BERT, RoBERTa, XLM-RoBERTa) for embeddings: all-MiniLM, bge, e5,
-mxbai-embed, bge-m3 and the other sentence-transformers models most embedding users run;
-and their classifiers, cross-encoder rerankers (bge-reranker, ms-marco-MiniLM).
+"""BERT-style encoders (BERT, RoBERTa, XLM-RoBERTa, nomic-bert) for embeddings: all-MiniLM,
+bge, e5, mxbai-embed, bge-m3, nomic-embed-text and the other sentence-transformers models
+most embedding users run; and their classifiers, cross-encoder rerankers (bge-reranker,
+ms-marco-MiniLM). nomic-bert's layers are BERT's with rotary positions in place of learned
+ones, no biases and a SwiGLU MLP.
 
 An encoder differs from the decoders of models/decoder.py in every layer: learned absolute
 positions (RoBERTa's counted from its padding id + 1) and a token-type row added to the word
