@@ -75,6 +75,11 @@ pays for de-quantizing the weight once a call, so its lead over the kernels grow
 rows, and the least of these where it leads is where it takes over."""
 NEVER = sys.maxsize
 BLAS_SLICE_BYTES = 2 << 20
+BLAS_WHOLE_BYTES = 32 << 20
+"""A weight whose float32 form fits this goes to BLAS whole, in one product that writes the
+output; slices each copy their columns into it, which cost 12% of a nomic-embed-text-shaped
+encoder's prefill at ~4,000 rows (9.4 against 10.9 s a draw, 2-core Xeon). Larger ones (a
+big model's, its LM head) go in slices of BLAS_SLICE_BYTES."""
 SAMPLE_SHAPE = (1024, 2048)
 """The weight that `time_products` times a format on, outputs by inputs: large enough that
 BLAS's de-quantization weighs as in a model's products (over 256 inputs the kernels lost to
@@ -91,7 +96,7 @@ _one_row_prefetch: dict[str, bool] = {}
 class Scratch:
     """The float32 buffer where a model's products expand slices of codes for BLAS, kept
     between calls and shared by them all (a model runs one product at a time); it grows to
-    the largest slice asked for, at most BLAS_SLICE_BYTES."""
+    the largest slice asked for, at most BLAS_WHOLE_BYTES."""
 
     def __init__(self) -> None:
         self.buffer = torch.empty(0)
@@ -684,7 +689,8 @@ class NativeWeight(KernelTensors):
         if self.rounds_activations():
             rows = rounded_like_the_kernels(rows)
         panels, cols = self.padded // LANES, self.shape[1]
-        step = min(panels, max(1, BLAS_SLICE_BYTES // (4 * LANES * cols)))
+        whole = 4 * LANES * cols * panels <= BLAS_WHOLE_BYTES
+        step = panels if whole else min(panels, max(1, BLAS_SLICE_BYTES // (4 * LANES * cols)))
         if step == panels:
             return rows @ self._dequantize(0, panels)
         out = rows.new_empty(rows.shape[0], panels * LANES)
