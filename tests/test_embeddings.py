@@ -443,6 +443,30 @@ def test_a_quantized_encoder_on_cpu_stays_near_its_float_embeddings(tmp_path: Pa
         assert torch.dot(ours, pooled_reference(theirs, "cls", None)) > 0.999
 
 
+def check_gguf_embeddings(
+    path: Path,
+    texts: list[str],
+    ids: list[list[int]],
+    expected: list[torch.Tensor],
+    quantized: bool = False,
+    pair: tuple[str, str, list[int]] | None = None,
+) -> None:
+    """A GGUF embedding file's tokenizer, built by the conversion, gives `ids` for `texts`
+    (and a pair's ids), and its embeddings are `expected`: to 2e-5, or past a cosine of
+    0.999 where the file is `quantized`."""
+    with LLM(str(path), is_embedding=True) as llm:
+        assert llm.tokenizer is not None
+        assert [llm.tokenizer.encode(text) for text in texts] == ids
+        if pair is not None:
+            assert llm.tokenizer.encode_pair(pair[0], pair[1]) == pair[2]
+        got = embedded(llm, texts)
+    for ours, theirs in zip(got, expected, strict=True):
+        if quantized:
+            assert torch.dot(ours, theirs) > 0.999
+        else:
+            torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("qtype", [None, "Q8_0"], ids=["float", "q8_0"])
 def test_a_bert_gguf_embeds_as_its_folder(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, qtype: str | None
@@ -467,15 +491,7 @@ def test_a_bert_gguf_embeds_as_its_folder(
             for i in ids
         ]
     monkeypatch.setenv("ASERVE_CACHE_DIR", str(tmp_path / "cache"))
-    with LLM(str(path), is_embedding=True) as llm:
-        assert llm.tokenizer is not None
-        assert [llm.tokenizer.encode(text) for text in texts] == ids
-        got = embedded(llm, texts)
-    for ours, theirs in zip(got, expected, strict=True):
-        if qtype is None:
-            torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
-        else:
-            assert torch.dot(ours, theirs) > 0.999
+    check_gguf_embeddings(path, texts, ids, expected, quantized=qtype is not None)
 
 
 def make_sentencepiece_xlm_roberta(folder: Path, labels: int = 0) -> tuple[Any, Any]:
@@ -526,14 +542,8 @@ def test_an_xlm_roberta_gguf_embeds_as_its_folder(
             for i in ids
         ]
     monkeypatch.setenv("ASERVE_CACHE_DIR", str(tmp_path / "cache"))
-    with LLM(str(path), is_embedding=True) as llm:
-        assert llm.tokenizer is not None
-        assert [llm.tokenizer.encode(text) for text in texts] == ids
-        pair = tokenizer(texts[1], texts[2])["input_ids"]
-        assert llm.tokenizer.encode_pair(texts[1], texts[2]) == pair
-        got = embedded(llm, texts)
-    for ours, theirs in zip(got, expected, strict=True):
-        torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
+    pair = (texts[1], texts[2], tokenizer(texts[1], texts[2])["input_ids"])
+    check_gguf_embeddings(path, texts, ids, expected, pair=pair)
 
 
 def test_a_reranker_gguf_scores_as_its_folder(
@@ -795,15 +805,7 @@ def test_a_nomic_bert_gguf_embeds_as_its_folder(
     with torch.inference_mode():
         expected = [pooled_reference(reference(i), "mean", None) for i in ids]
     monkeypatch.setenv("ASERVE_CACHE_DIR", str(tmp_path / "cache"))
-    with LLM(str(path), is_embedding=True) as llm:
-        assert llm.tokenizer is not None
-        assert [llm.tokenizer.encode(text) for text in texts] == ids
-        got = embedded(llm, texts)
-    for ours, theirs in zip(got, expected, strict=True):
-        if qtype is None:
-            torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
-        else:
-            assert torch.dot(ours, theirs) > 0.999
+    check_gguf_embeddings(path, texts, ids, expected, quantized=qtype is not None)
 
 
 def test_an_encoder_input_may_fill_every_learned_position(tmp_path: Path) -> None:

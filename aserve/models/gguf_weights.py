@@ -153,12 +153,8 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str:
     """The Hugging Face name of a GGUF tensor of a `model_type` file; for a layer's stacked
     experts a pattern with `{}` where the expert's index goes."""
     stem, _, kind = name.rpartition(".")
-    if model_type == "bert":
-        return _bert_tensor_name(name, stem, kind)
-    if model_type == "modernbert":
-        return _modern_bert_tensor_name(name, stem, kind)
-    if model_type == "nomic_bert":
-        return _nomic_bert_tensor_name(name, stem, kind)
+    if model_type in ENCODER_TENSORS:
+        return _encoder_tensor_name(name, stem, kind, model_type)
     if stem in TOP_LEVEL_TENSORS:
         return f"{TOP_LEVEL_TENSORS[stem]}.{kind}"
     pieces = stem.split(".")
@@ -195,16 +191,6 @@ MODERN_BERT_LAYER = {
 """llama.cpp's `modern-bert` files under transformers' ModernBERT names."""
 
 
-def _modern_bert_tensor_name(name: str, stem: str, kind: str) -> str:
-    if stem in MODERN_BERT_TOP_LEVEL:
-        return f"{MODERN_BERT_TOP_LEVEL[stem]}.{kind}"
-    prefix, _, rest = stem.partition(".")
-    layer, _, part = rest.partition(".")
-    if prefix == "blk" and layer.isdigit() and part in MODERN_BERT_LAYER:
-        return f"layers.{layer}.{MODERN_BERT_LAYER[part]}.{kind}"
-    raise GGUFTensorError(f"GGUF tensor {name!r} has no Hugging Face name that aserve knows")
-
-
 NOMIC_BERT_TOP_LEVEL = {
     "token_embd": "embeddings.word_embeddings",
     "token_types": "embeddings.token_type_embeddings",
@@ -220,25 +206,23 @@ NOMIC_BERT_LAYER = {
     "layer_output_norm": "norm2",
 }
 """llama.cpp's `nomic-bert` files under nomic's own names."""
+ENCODER_TENSORS = {
+    "bert": (BERT_TOP_LEVEL, BERT_LAYER, "encoder.layer"),
+    "modernbert": (MODERN_BERT_TOP_LEVEL, MODERN_BERT_LAYER, "layers"),
+    "nomic_bert": (NOMIC_BERT_TOP_LEVEL, NOMIC_BERT_LAYER, "encoder.layers"),
+}
+"""An encoder family's GGUF names -> Hugging Face's: its top-level tensors, its layers'
+and where its checkpoint puts layer N."""
 
 
-def _nomic_bert_tensor_name(name: str, stem: str, kind: str) -> str:
-    if stem in NOMIC_BERT_TOP_LEVEL:
-        return f"{NOMIC_BERT_TOP_LEVEL[stem]}.{kind}"
+def _encoder_tensor_name(name: str, stem: str, kind: str, model_type: str) -> str:
+    top, in_layer, layers = ENCODER_TENSORS[model_type]
+    if stem in top:
+        return f"{top[stem]}.{kind}"
     prefix, _, rest = stem.partition(".")
     layer, _, part = rest.partition(".")
-    if prefix == "blk" and layer.isdigit() and part in NOMIC_BERT_LAYER:
-        return f"encoder.layers.{layer}.{NOMIC_BERT_LAYER[part]}.{kind}"
-    raise GGUFTensorError(f"GGUF tensor {name!r} has no Hugging Face name that aserve knows")
-
-
-def _bert_tensor_name(name: str, stem: str, kind: str) -> str:
-    if stem in BERT_TOP_LEVEL:
-        return f"{BERT_TOP_LEVEL[stem]}.{kind}"
-    prefix, _, rest = stem.partition(".")
-    layer, _, part = rest.partition(".")
-    if prefix == "blk" and layer.isdigit() and part in BERT_LAYER:
-        return f"encoder.layer.{layer}.{BERT_LAYER[part]}.{kind}"
+    if prefix == "blk" and layer.isdigit() and part in in_layer:
+        return f"{layers}.{layer}.{in_layer[part]}.{kind}"
     raise GGUFTensorError(f"GGUF tensor {name!r} has no Hugging Face name that aserve knows")
 
 

@@ -804,11 +804,7 @@ def write_unigram_tokenizer(metadata: dict[str, Any], config: dict[str, Any], ou
     backend.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme=prefix)
     control = [p for p, k in zip(pieces, kinds, strict=True) if k == gguf.TokenType.CONTROL]
     backend.add_special_tokens([AddedToken(p, special=True, normalized=False) for p in control])
-    specials = {}
-    for name, (key, fallback) in UNIGRAM_SPECIALS.items():
-        found = metadata.get(key, metadata.get(fallback) if fallback else None)
-        if found is not None:
-            specials[name] = pieces[found]
+    specials = special_tokens(metadata, pieces)
     cls, sep = specials.get("cls_token", "<s>"), specials.get("sep_token", "</s>")
     backend.post_processor = processors.TemplateProcessing(
         single=[cls, "$A", sep],
@@ -820,7 +816,7 @@ def write_unigram_tokenizer(metadata: dict[str, Any], config: dict[str, Any], ou
     tokenizer.save_pretrained(out)
 
 
-UNIGRAM_SPECIALS = {
+ENCODER_SPECIALS = {
     "bos_token": ("tokenizer.ggml.bos_token_id", None),
     "eos_token": ("tokenizer.ggml.eos_token_id", None),
     "cls_token": ("tokenizer.ggml.cls_token_id", "tokenizer.ggml.bos_token_id"),
@@ -829,8 +825,18 @@ UNIGRAM_SPECIALS = {
     "unk_token": ("tokenizer.ggml.unknown_token_id", None),
     "mask_token": ("tokenizer.ggml.mask_token_id", None),
 }
-"""An XLM-RoBERTa vocabulary's special tokens: the metadata keys of their ids (and where an
-older file lacks [CLS] and [SEP]'s, its BOS and EOS)."""
+"""An encoder vocabulary's special tokens: the metadata keys of their ids (and where a file
+lacks [CLS] and [SEP]'s, its BOS and EOS)."""
+
+
+def special_tokens(metadata: dict[str, Any], pieces: list[str]) -> dict[str, str]:
+    """transformers' names of the special tokens the file gives ids for, as their pieces."""
+    specials = {}
+    for name, (key, fallback) in ENCODER_SPECIALS.items():
+        found = metadata.get(key, metadata.get(fallback) if fallback else None)
+        if found is not None:
+            specials[name] = pieces[found]
+    return specials
 
 
 def write_byte_level_tokenizer(metadata: dict[str, Any], config: dict[str, Any], out: Path) -> None:
@@ -864,11 +870,7 @@ def write_byte_level_tokenizer(metadata: dict[str, Any], config: dict[str, Any],
     backend.add_special_tokens(
         [AddedToken(p, special=True) for p, k in zip(pieces, kinds, strict=True) if k == control]
     )
-    specials = {}
-    for name, (key, fallback) in UNIGRAM_SPECIALS.items():
-        found = metadata.get(key, metadata.get(fallback) if fallback else None)
-        if found is not None:
-            specials[name] = pieces[found]
+    specials = special_tokens(metadata, pieces)
     cls, sep = specials.get("cls_token", "[CLS]"), specials.get("sep_token", "[SEP]")
     backend.post_processor = processors.TemplateProcessing(
         single=[cls, "$A", sep],
