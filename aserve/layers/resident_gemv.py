@@ -247,7 +247,8 @@ def resident_fp8_gemv(
     x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """`x W^T * scales + bias` for one bf16 row `x` `[1, K]` and an FP8 `weight` `[N, K]`
-    (contiguous, one float32 scale a row) where `applies`; a bf16 `[1, N]` result."""
+    (contiguous, one float32 scale a row) where `prepare` took its shape; a bf16 `[1, N]`
+    result."""
     n, k = weight.shape
     layout = _layout(n, k, x.device)
     assert layout is not None and x.shape == (1, k) and x.dtype == torch.bfloat16
