@@ -73,54 +73,6 @@ def test_fp8_one_row_kernel_equals_the_dequantized_product(n: int, k: int) -> No
     assert (out.cpu().double() - exact).abs().max() <= 0.01 * exact.abs().max()
 
 
-@pytest.mark.parametrize(
-    ("n", "k", "with_bias"),
-    [(6144, 4096, False), (4096, 4096, True), (1040, 2048, True), (64, 512, False)],
-)
-def test_resident_fp8_gemv_equals_the_dequantized_product(n: int, k: int, with_bias: bool) -> None:
-    """The one-row FP8 product that copies its weight into shared memory before the PDL wait
-    (layers/resident_gemv.py), against float64 on the de-quantized weight: eagerly, as the
-    second of two PDL-chained kernels in a CUDA graph (it must read the row the first one
-    wrote), and on a row of FP8 subnormals (tensor cores must not flush the widened bits)."""
-    from aserve.layers import resident_gemv
-    from aserve.layers.gemv import gemv
-
-    if not resident_gemv.prepare(n, k, CUDA):
-        pytest.skip("the resident kernel needs Hopper or newer (bulk copies, PDL) and NVRTC")
-    generator = torch.Generator().manual_seed(0)
-    dense = torch.randn(n, k, generator=generator) * 0.03
-    dense[0] = torch.randn(k, generator=generator) * 1e-6  # codes below 2^-6: subnormal
-    dense[0, 0] = 1.0
-    rows = quantize_rows(dense)
-    assert (rows.values[0, 1:].float().abs() < 2**-6).float().mean() > 0.9
-    weight = Fp8Weight(rows, CUDA)
-    assert weight._resident is not None
-    x = torch.randn(1, k, generator=generator).to(torch.bfloat16)
-    x[0, 0] = 0.0  # row 0's product is its subnormal codes alone
-    bias = torch.randn(n, generator=generator).to(torch.bfloat16) if with_bias else None
-    exact = x.double() @ rows.dequantize(torch.float64).T
-    if bias is not None:
-        exact += bias.double()
-    out = weight.linear(x.cuda(), None if bias is None else bias.cuda())
-    assert out.shape == (1, n) and out.dtype == torch.bfloat16
-    error = (out.cpu().double() - exact).abs()
-    assert error.max() <= 0.01 * exact.abs().max()
-    if bias is None:  # the subnormal row: relative to its own size
-        assert error[0, 0] <= 0.01 * exact[0, 0].abs() + 1e-12
-
-    # In a graph, after a PDL-launched Triton GEMV that writes its input row.
-    first = Fp8Weight(quantize_rows(torch.randn(k, k, generator=generator) * 0.03), CUDA)
-    source = torch.randn(1, k, generator=generator).to(CUDA, torch.bfloat16)
-    eager = weight.linear(gemv(source, first.values, None, scales=first.scales), None)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chained = weight.linear(gemv(source, first.values, None, scales=first.scales), None)
-    for _ in range(3):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(chained, eager)
-
-
 @pytest.mark.parametrize(("n", "k"), [(4096, 14336), (770, 1000)])
 def test_fp8_gated_equals_the_activation_then_the_product(n: int, k: int) -> None:
     """Gate|up rows through the FP8 down projection with a kernel fewer (`gated`): one row in

@@ -192,9 +192,7 @@ class Fp8Weight:
         self._silu_fp8: Callable[[torch.Tensor], Fp8Activations] | None = None
         self._silu_fp8_min_rows = 0
         self._choose: Callable[[int, int, int], tuple | None] | None = None
-        self._resident: Callable[..., torch.Tensor] | None = None
         if device.type == "cuda":
-            from aserve.layers import resident_gemv
             from aserve.layers.gemv import fp8_silu_gemv, gemv
             from aserve.layers.tickets import split_tickets
             from aserve.quant import fp8_cuda
@@ -214,8 +212,6 @@ class Fp8Weight:
                 fp8_cuda.token_scaled_config, shared_memory=shared_memory_limit(capability)
             )
             self._row_scales = self.scales.reshape(-1)
-            if self.values.is_contiguous() and resident_gemv.prepare(*self.shape, device):
-                self._resident = resident_gemv.resident_fp8_gemv
 
     @property
     def nbytes(self) -> int:
@@ -258,9 +254,6 @@ class Fp8Weight:
             values, scales, dtype = x.values, x.scales, x.dtype
         else:
             rows = x.reshape(-1, x.shape[-1])
-            if self._resident is not None and rows.shape[0] == 1 and rows.dtype == torch.bfloat16:
-                out = self._resident(rows, self.values, self.scales, bias)
-                return out.reshape(*x.shape[:-1], self.shape[0])
             if self._one_row is not None and rows.shape[0] == 1:
                 out = self._one_row(rows, self.values, bias, scales=self.scales)
                 return out.reshape(*x.shape[:-1], self.shape[0])
