@@ -1129,6 +1129,33 @@ def test_panels_asked_ahead_or_not_give_the_same_bits(qtype: QType) -> None:
 
 
 @needs_kernels
+@pytest.mark.skipif(
+    not torch.ops.aserve_cpu.amx_tiles(None) if native_kernels() else True,
+    reason="this CPU (or build) has no AMX integer tiles",
+)
+@pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_K], ids=str)
+def test_amx_tiles_give_the_vnni_tiles_bits(
+    qtype: QType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks of 16 rows of 4-bit codes go through AMX's integer tiles: every row count's
+    products, the rows and panels left to the VNNI tiles included, are bit for bit those
+    without."""
+    monkeypatch.setattr(native_module, "blas_rows", lambda weight: NEVER)
+    codes = decode(torch.from_numpy(random_blocks(qtype, 104, 512, seed=9)), qtype, 512)
+    native = NativeWeight(codes)
+    try:
+        for rows in (16, 17, 40, 64, 100):
+            x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+            both = []
+            for amx in (True, False):
+                torch.ops.aserve_cpu.amx_tiles(amx)
+                both.append(native.kernel_linear(x))
+            assert torch.equal(*both), rows
+    finally:
+        torch.ops.aserve_cpu.amx_tiles(True)
+
+
+@needs_kernels
 def test_a_process_settles_one_row_prefetch_once_at_its_first_weight(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

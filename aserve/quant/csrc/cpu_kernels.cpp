@@ -72,6 +72,11 @@
 #define ASERVE_AVX512 1
 #if defined(__AVX512VNNI__)
 #define ASERVE_VNNI 1  // activations as 16-bit integers (`IntActivations`)
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define ASERVE_AMX 1  // many rows of 4-bit codes through AMX's integer tiles (`amx_rows`)
+#endif
 #endif
 #else
 // the same integers in 256-bit registers (`int_tile`): `vpdpbusd` with AVX-VNNI, else
@@ -271,6 +276,9 @@ struct Rows {
   const int32_t* xq;
   const float* xscale;
   const int32_t* xisum;
+  // Where AMX's tiles take the product (4-bit codes, 16 rows or more): `xq` in the tiles'
+  // order (`tile_order`); else null.
+  const int32_t* xt = nullptr;
 
   int64_t blocks() const { return (cols + 31) / 32; }
 
@@ -1098,6 +1106,161 @@ void few_rows(const Weight& w, const Rows& a, int64_t first, int64_t last, int64
   }
   if (row < last) panels_at2<1, 4, K, kInt, kThree>(w, a, row, first_panel, last_panel);
 }
+#ifdef ASERVE_AMX
+// AMX's integer tiles for many rows of 4-bit codes (Sapphire Rapids and later Xeons). A tile
+// multiplies signed bytes by unsigned bytes into int32 sums exactly, as `vpdpbusd` does, so
+// each group's sums are `int_tile2`'s `hi` and `lo` to the bit, and the float steps after them
+// are its own: a row's outputs keep their bits whichever path takes them. On a 2-core Xeon
+// (bench/NOTES.md) a 512-row product of 8,192 x 2,048 Q4_K codes took 57-59 ms through the
+// VNNI tiles and 45 through these; the tiles alone 21 of it, the float steps alone 27, which
+// the tiles of the next group now overlap (49 ms when each group waited on its own tiles).
+// A first version, which made each tile's activation bytes and codes again for every 16 rows
+// and panel pair, gained nothing. The 1B Q4_K_M file's 16 x 128-token prefill: 15.0-15.7 ->
+// 12.9 s.
+bool amx_on = true;
+
+// Whether this process may use the tiles: Linux grants their state on request, once.
+bool amx_granted() {
+  static const bool granted = [] {
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return granted;
+}
+
+bool amx_tiles(std::optional<bool> enable) {
+  if (enable.has_value()) amx_on = *enable;
+  return amx_on && amx_granted();
+}
+
+struct TileShapes {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_a_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0 and 1: 16 rows' high and low activation bytes of a group; 2: a panel pair's codes
+// of the group, four inputs a row (16 lanes x 4 bytes); 3 and 4, or 5 and 6: the high and low
+// sums (`amx_sums`).
+void configure_tiles(int64_t group) {
+  TileShapes shapes;
+  for (int t : {0, 1}) shapes.rows[t] = 16, shapes.bytes_a_row[t] = static_cast<uint16_t>(group);
+  shapes.rows[2] = static_cast<uint8_t>(group / 4), shapes.bytes_a_row[2] = 64;
+  for (int t : {3, 4, 5, 6}) shapes.rows[t] = 16, shapes.bytes_a_row[t] = 64;
+  _tile_loadconfig(&shapes);
+}
+
+// A row's `xq` words in the order the tiles read them (`Rows::xt`): a row's words of a group
+// are (x0, x1, x2, x3) for each code word v, `int_tile2` adding even codes times x0 (high
+// bytes) and x1 (low), odd codes times x2 and x3; here each group's high words (x0, x2 of
+// every code word) come first, then its low ones, so 16 rows' high or low bytes of a group are
+// one tile. Made once a product, not once a tile.
+void tile_order(const int32_t* xq, int64_t words, int64_t group_words, int32_t* xt) {
+  for (int64_t g = 0; g < words; g += group_words)
+    for (int64_t i = 0; i < group_words / 2; ++i) {
+      xt[g + i] = xq[g + 2 * i];
+      xt[g + group_words / 2 + i] = xq[g + 2 * i + 1];
+    }
+}
+
+// A panel pair's codes of every group as tile 2 takes them: the code words' even and odd
+// nibbles (four inputs a lane each) as rows in turn, 64 bytes a row.
+void pair_codes(const Weight& w, int64_t p, uint8_t* codes) {
+  const int64_t code_words = w.code_words(), stride = w.panel_words();
+  const __m512i nibbles = _mm512_set1_epi8(15);
+  for (int64_t g = 0; g < w.groups; ++g) {
+    const uint32_t* low = w.words + p * stride + g * code_words * kLanes;
+    uint8_t* rows = codes + g * code_words * 128;
+    for (int64_t v = 0; v < code_words; ++v) {
+      const __m512i word =
+          join(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(low + v * kLanes)),
+               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(low + stride + v * kLanes)));
+      _mm512_storeu_si512(rows + 128 * v, _mm512_and_si512(word, nibbles));
+      _mm512_storeu_si512(rows + 128 * v + 64,
+                          _mm512_and_si512(_mm512_srli_epi32(word, 4), nibbles));
+    }
+  }
+}
+
+// Group g's tile products of rows [first, first + 16) into sums[0] (high) and sums[1] (low):
+// into C tiles 3 and 4, or 5 and 6 (`kSecond`), so that the next group's products run on the
+// tile unit while this group's float steps run on the vector units.
+template <bool kSecond>
+ASERVE_INLINE void amx_sums(const Weight& w, const int32_t* x, int64_t row_words,
+                            const uint8_t* codes, int64_t g, int32_t (*sums)[16][16]) {
+  const int64_t group_words = w.group / 2;
+  _tile_loadd(0, x + g * group_words, row_words * 4);
+  _tile_loadd(1, x + g * group_words + group_words / 2, row_words * 4);
+  _tile_loadd(2, codes + g * w.code_words() * 128, 64);
+  if constexpr (kSecond) {
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_dpbsud(5, 0, 2);
+    _tile_dpbsud(6, 1, 2);
+    _tile_stored(5, sums[0][0], 64);
+    _tile_stored(6, sums[1][0], 64);
+  } else {
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_dpbsud(3, 0, 2);
+    _tile_dpbsud(4, 1, 2);
+    _tile_stored(3, sums[0][0], 64);
+    _tile_stored(4, sums[1][0], 64);
+  }
+}
+
+// Rows [first, first + 16) against the panel pair p, its codes from `pair_codes`: each
+// group's sums are `int_tile2`'s `hi` and `lo` to the bit, closed by its float steps.
+void amx_block(const Weight& w, const Rows& a, int64_t first, int64_t p, const uint8_t* codes) {
+  const int64_t row_words = a.cols / 2;
+  const int32_t* x = a.xt + first * row_words;
+  alignas(64) int32_t sums[2][2][16][16];  // [group % 2][high, low][row][lane]
+  __m512 total[16][1];
+  for (int r = 0; r < 16; ++r) total[r][0] = _mm512_setzero_ps();
+  amx_sums<false>(w, x, row_words, codes, 0, sums[0]);
+  for (int64_t g = 0; g < w.groups; ++g) {
+    if (g + 1 < w.groups) {
+      if (g % 2 == 0) amx_sums<true>(w, x, row_words, codes, g + 1, sums[1]);
+      else amx_sums<false>(w, x, row_words, codes, g + 1, sums[0]);
+    }
+    const int32_t(*hi)[16] = sums[g % 2][0], (*lo)[16] = sums[g % 2][1];
+    __m512 part[16][1];
+    for (int r = 0; r < 16; ++r) {
+      const auto [sum_shift, scale] = group_shift_and_scale(a, first + r, g, w.group, 0);
+      const __m512i exact = _mm512_sub_epi32(
+          _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(hi[r]), 8),
+                           _mm512_load_si512(lo[r])),
+          _mm512_set1_epi32(sum_shift));
+      part[r][0] = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(scale));
+    }
+    close_pairs(w, a, first, p, g, false, part, total);
+  }
+  store_pairs(a, first, p, false, total);
+}
+
+// Rows [first, last) of 4-bit codes against panels [first_panel, last_panel): blocks of 16
+// rows and pairs of panels through the tiles, each pair's codes made once for all its row
+// blocks; the rest through `few_rows` as before.
+void amx_rows(const Weight& w, const Rows& a, int64_t first, int64_t last, int64_t first_panel,
+              int64_t last_panel) {
+  const int64_t blocks_end = first + (last - first) / 16 * 16;
+  const int64_t pairs_end = first_panel + (last_panel - first_panel) / 2 * 2;
+  thread_local std::vector<uint8_t> codes;
+  codes.resize(w.groups * w.code_words() * 128);
+  configure_tiles(w.group);
+  for (int64_t p = first_panel; p < pairs_end; p += 2) {
+    pair_codes(w, p, codes.data());
+    for (int64_t row = first; row < blocks_end; row += 16) amx_block(w, a, row, p, codes.data());
+  }
+  _tile_release();
+  if (pairs_end < last_panel)
+    few_rows<Kind::kNibbles, true>(w, a, first, blocks_end, pairs_end, last_panel);
+  if (blocks_end < last)
+    few_rows<Kind::kNibbles, true>(w, a, blocks_end, last, first_panel, last_panel);
+}
+#endif
+
 #else
 template <Kind K>
 void few_rows(const Weight& w, const Rows& a, int64_t first, int64_t last, int64_t first_panel,
@@ -1872,6 +2035,12 @@ void rows_against_panels_of(const Weight& w, const Rows& a, int64_t first, int64
     if (a.xq != nullptr && w.three_bit)
       return few_rows<K, true, true>(w, a, first, last, first_panel, last_panel);
   }
+#ifdef ASERVE_AMX
+  if constexpr (K == Kind::kNibbles) {
+    if (a.xt != nullptr && last - first >= 16)
+      return amx_rows(w, a, first, last, first_panel, last_panel);
+  }
+#endif
   if (a.xq != nullptr) return few_rows<K, true>(w, a, first, last, first_panel, last_panel);
 #elif defined(ASERVE_INT256)
   if constexpr (K == Kind::kNibbles || K == Kind::kLevels) {
@@ -2178,14 +2347,15 @@ struct Product {
   float* y;
   int64_t rows;
   std::vector<float> xsum;
-  std::vector<int32_t> xq, xisum;  // `IntActivations`, where they take this product
+  std::vector<int32_t> xq, xisum, xt;  // `IntActivations`, where they take this product
   std::vector<float> xscale;
 
   Rows operands() const {
     return Rows{x,       picked,  x_stride,
                 xsum.data(), y,   w.cols,
                 w.groups, w.panels * kLanes,
-                xq.empty() ? nullptr : xq.data(), xscale.data(), xisum.data()};
+                xq.empty() ? nullptr : xq.data(), xscale.data(), xisum.data(),
+                xt.empty() ? nullptr : xt.data()};
   }
 };
 
@@ -2264,6 +2434,16 @@ Product product_at(const float* x, int64_t rows, const Weight& w, float* y,
               static_cast<float>(sum) * p.xscale[m * a.blocks() + g * w.group / 32];
         }
     });
+#ifdef ASERVE_AMX
+    if (rows >= 16 && kind_of(w) == Kind::kNibbles && !w.widens() && amx_tiles(std::nullopt)) {
+      p.xt.resize(p.xq.size());
+      const int64_t words = w.cols / 2;
+      at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t m = begin; m < end; ++m)
+          tile_order(p.xq.data() + m * words, words, w.group / 2, p.xt.data() + m * words);
+      });
+    }
+#endif
     return p;
   }
 #endif
@@ -2860,6 +3040,10 @@ void norm_rope_store(at::Tensor query, const at::Tensor& kv, const at::Tensor& p
   }
 }
 
+#ifndef ASERVE_AMX
+bool amx_tiles(std::optional<bool>) { return false; }  // no AMX tiles in this build
+#endif
+
 }  // namespace
 
 TORCH_LIBRARY(aserve_cpu, m) {
@@ -2900,6 +3084,7 @@ TORCH_LIBRARY(aserve_cpu, m) {
       dequantize);
   m.def("int_activations(bool? enable=None, int code_bits=4) -> bool", int_activations);
   m.def("one_row_prefetch(bool? enable=None) -> bool", one_row_prefetch);
+  m.def("amx_tiles(bool? enable=None) -> bool", amx_tiles);
   m.def("three_bit_in_registers() -> bool", three_bit_in_registers);
   m.def("dot_products() -> bool", dot_products);
 }
