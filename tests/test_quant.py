@@ -1134,9 +1134,7 @@ def test_panels_asked_ahead_or_not_give_the_same_bits(qtype: QType) -> None:
     reason="this CPU (or build) has no AMX integer tiles",
 )
 @pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_K], ids=str)
-def test_amx_tiles_give_the_vnni_tiles_bits(
-    qtype: QType, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_amx_tiles_give_the_vnni_tiles_bits(qtype: QType, monkeypatch: pytest.MonkeyPatch) -> None:
     """Blocks of 16 rows of 4-bit codes go through AMX's integer tiles: every row count's
     products, the rows and panels left to the VNNI tiles included, are bit for bit those
     without."""
