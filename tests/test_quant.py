@@ -1133,11 +1133,13 @@ def test_panels_asked_ahead_or_not_give_the_same_bits(qtype: QType) -> None:
     not torch.ops.aserve_cpu.amx_tiles(None) if native_kernels() else True,
     reason="this CPU (or build) has no AMX integer tiles",
 )
-@pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_K], ids=str)
+@pytest.mark.parametrize(
+    "qtype", [QType.Q4_0, QType.Q4_K, QType.Q6_K, QType.IQ4_NL, QType.Q5_K], ids=str
+)
 def test_amx_tiles_give_the_vnni_tiles_bits(qtype: QType, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Blocks of 16 rows of 4-bit codes go through AMX's integer tiles: every row count's
-    products, the rows and panels left to the VNNI tiles included, are bit for bit those
-    without."""
+    """Blocks of 16 rows of 4-bit codes, level bytes and split codes (groups of 32 and 16) go
+    through AMX's integer tiles: every row count's products, the rows and panels left to
+    the VNNI tiles included, are bit for bit those without."""
     monkeypatch.setattr(native_module, "blas_rows", lambda weight: NEVER)
     codes = decode(torch.from_numpy(random_blocks(qtype, 104, 512, seed=9)), qtype, 512)
     native = NativeWeight(codes)

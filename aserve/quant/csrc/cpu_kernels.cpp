@@ -75,7 +75,7 @@
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
-#define ASERVE_AMX 1  // many rows of 4-bit codes through AMX's integer tiles (`amx_rows`)
+#define ASERVE_AMX 1  // many rows through AMX's integer tiles (`amx_rows`)
 #endif
 #endif
 #else
@@ -276,7 +276,7 @@ struct Rows {
   const int32_t* xq;
   const float* xscale;
   const int32_t* xisum;
-  // Where AMX's tiles take the product (4-bit codes, 16 rows or more): `xq` in the tiles'
+  // Where AMX's tiles take the product (16 rows or more; not 8-bit codes): `xq` in the tiles'
   // order (`tile_order`); else null.
   const int32_t* xt = nullptr;
 
@@ -1107,7 +1107,8 @@ void few_rows(const Weight& w, const Rows& a, int64_t first, int64_t last, int64
   if (row < last) panels_at2<1, 4, K, kInt, kThree>(w, a, row, first_panel, last_panel);
 }
 #ifdef ASERVE_AMX
-// AMX's integer tiles for many rows of 4-bit codes (Sapphire Rapids and later Xeons). A tile
+// AMX's integer tiles for many rows of 4-bit codes, level bytes and split codes (Sapphire
+// Rapids and later Xeons; not 8-bit codes, nor the codes widened from 3 bits or books). A tile
 // multiplies signed bytes by unsigned bytes into int32 sums exactly, as `vpdpbusd` does, so
 // each group's sums are `int_tile2`'s `hi` and `lo` to the bit, and the float steps after them
 // are its own: a row's outputs keep their bits whichever path takes them. On a 2-core Xeon
@@ -1148,7 +1149,9 @@ void configure_tiles(int64_t group) {
   for (int t : {0, 1}) shapes.rows[t] = 16, shapes.bytes_a_row[t] = static_cast<uint16_t>(group);
   shapes.rows[2] = static_cast<uint8_t>(group / 4), shapes.bytes_a_row[2] = 64;
   for (int t : {3, 4, 5, 6}) shapes.rows[t] = 16, shapes.bytes_a_row[t] = 64;
-  _tile_loadconfig(&shapes);
+  // as asm reading the whole struct: through `_tile_loadconfig` GCC 12 dropped the stores of
+  // the shapes (the intrinsic is not known to read them) and the instruction faulted
+  asm volatile("ldtilecfg %0" : : "m"(shapes));
 }
 
 // A row's `xq` words in the order the tiles read them (`Rows::xt`): a row's words of a group
@@ -1165,20 +1168,29 @@ void tile_order(const int32_t* xq, int64_t words, int64_t group_words, int32_t* 
 }
 
 // A panel pair's codes of every group as tile 2 takes them: the code words' even and odd
-// nibbles (four inputs a lane each) as rows in turn, 64 bytes a row.
+// inputs' unsigned code bytes (`code_bytes`: nibbles, level bytes, split codes with their
+// high bits; four inputs a lane each) as rows in turn, 64 bytes a row.
+template <Kind K>
 void pair_codes(const Weight& w, int64_t p, uint8_t* codes) {
-  const int64_t code_words = w.code_words(), stride = w.panel_words();
-  const __m512i nibbles = _mm512_set1_epi8(15);
+  const int64_t words = w.words_per_group(), code_words = w.code_words(), stride = w.panel_words();
+  const __m512i table =
+      K == Kind::kLevels
+          ? _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.levels)))
+          : _mm512_setzero_si512();
   for (int64_t g = 0; g < w.groups; ++g) {
-    const uint32_t* low = w.words + p * stride + g * code_words * kLanes;
+    const uint32_t* low = w.words + p * stride + g * words * kLanes;
+    auto pair_at = [&](int64_t word) {
+      return join(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(low + word * kLanes)),
+                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(low + stride + word * kLanes)));
+    };
     uint8_t* rows = codes + g * code_words * 128;
     for (int64_t v = 0; v < code_words; ++v) {
-      const __m512i word =
-          join(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(low + v * kLanes)),
-               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(low + stride + v * kLanes)));
-      _mm512_storeu_si512(rows + 128 * v, _mm512_and_si512(word, nibbles));
-      _mm512_storeu_si512(rows + 128 * v + 64,
-                          _mm512_and_si512(_mm512_srli_epi32(word, 4), nibbles));
+      const __m512i high = K == Kind::kSplit
+                               ? _mm512_srli_epi32(pair_at(code_words + v / 2), 16 * (v % 2))
+                               : _mm512_setzero_si512();
+      const CodeBytes bytes = code_bytes<K>(pair_at(v), high, table);
+      _mm512_storeu_si512(rows + 128 * v, bytes.even);
+      _mm512_storeu_si512(rows + 128 * v + 64, bytes.odd);
     }
   }
 }
@@ -1212,7 +1224,9 @@ ASERVE_INLINE void amx_sums(const Weight& w, const int32_t* x, int64_t row_words
 
 // Rows [first, first + 16) against the panel pair p, its codes from `pair_codes`: each
 // group's sums are `int_tile2`'s `hi` and `lo` to the bit, closed by its float steps.
+template <Kind K>
 void amx_block(const Weight& w, const Rows& a, int64_t first, int64_t p, const uint8_t* codes) {
+  const int bias = code_bias<K>(w);
   const int64_t row_words = a.cols / 2;
   const int32_t* x = a.xt + first * row_words;
   alignas(64) int32_t sums[2][2][16][16];  // [group % 2][high, low][row][lane]
@@ -1227,7 +1241,7 @@ void amx_block(const Weight& w, const Rows& a, int64_t first, int64_t p, const u
     const int32_t(*hi)[16] = sums[g % 2][0], (*lo)[16] = sums[g % 2][1];
     __m512 part[16][1];
     for (int r = 0; r < 16; ++r) {
-      const auto [sum_shift, scale] = group_shift_and_scale(a, first + r, g, w.group, 0);
+      const auto [sum_shift, scale] = group_shift_and_scale(a, first + r, g, w.group, bias);
       const __m512i exact = _mm512_sub_epi32(
           _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(hi[r]), 8),
                            _mm512_load_si512(lo[r])),
@@ -1239,9 +1253,10 @@ void amx_block(const Weight& w, const Rows& a, int64_t first, int64_t p, const u
   store_pairs(a, first, p, false, total);
 }
 
-// Rows [first, last) of 4-bit codes against panels [first_panel, last_panel): blocks of 16
+// Rows [first, last) against panels [first_panel, last_panel): blocks of 16
 // rows and pairs of panels through the tiles, each pair's codes made once for all its row
 // blocks; the rest through `few_rows` as before.
+template <Kind K>
 void amx_rows(const Weight& w, const Rows& a, int64_t first, int64_t last, int64_t first_panel,
               int64_t last_panel) {
   const int64_t blocks_end = first + (last - first) / 16 * 16;
@@ -1250,14 +1265,12 @@ void amx_rows(const Weight& w, const Rows& a, int64_t first, int64_t last, int64
   codes.resize(w.groups * w.code_words() * 128);
   configure_tiles(w.group);
   for (int64_t p = first_panel; p < pairs_end; p += 2) {
-    pair_codes(w, p, codes.data());
-    for (int64_t row = first; row < blocks_end; row += 16) amx_block(w, a, row, p, codes.data());
+    pair_codes<K>(w, p, codes.data());
+    for (int64_t row = first; row < blocks_end; row += 16) amx_block<K>(w, a, row, p, codes.data());
   }
   _tile_release();
-  if (pairs_end < last_panel)
-    few_rows<Kind::kNibbles, true>(w, a, first, blocks_end, pairs_end, last_panel);
-  if (blocks_end < last)
-    few_rows<Kind::kNibbles, true>(w, a, blocks_end, last, first_panel, last_panel);
+  if (pairs_end < last_panel) few_rows<K, true>(w, a, first, blocks_end, pairs_end, last_panel);
+  if (blocks_end < last) few_rows<K, true>(w, a, blocks_end, last, first_panel, last_panel);
 }
 #endif
 
@@ -2036,9 +2049,9 @@ void rows_against_panels_of(const Weight& w, const Rows& a, int64_t first, int64
       return few_rows<K, true, true>(w, a, first, last, first_panel, last_panel);
   }
 #ifdef ASERVE_AMX
-  if constexpr (K == Kind::kNibbles) {
+  if constexpr (K != Kind::kBytes) {
     if (a.xt != nullptr && last - first >= 16)
-      return amx_rows(w, a, first, last, first_panel, last_panel);
+      return amx_rows<K>(w, a, first, last, first_panel, last_panel);
   }
 #endif
   if (a.xq != nullptr) return few_rows<K, true>(w, a, first, last, first_panel, last_panel);
@@ -2435,7 +2448,7 @@ Product product_at(const float* x, int64_t rows, const Weight& w, float* y,
         }
     });
 #ifdef ASERVE_AMX
-    if (rows >= 16 && kind_of(w) == Kind::kNibbles && !w.widens() && amx_tiles(std::nullopt)) {
+    if (rows >= 16 && kind_of(w) != Kind::kBytes && !w.widens() && amx_tiles(std::nullopt)) {
       p.xt.resize(p.xq.size());
       const int64_t words = w.cols / 2;
       at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
