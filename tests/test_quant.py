@@ -1114,18 +1114,27 @@ def test_panels_asked_ahead_or_not_give_the_same_bits(qtype: QType) -> None:
     """Asking for the next panels ahead moves bytes earlier, never a float operation: every
     row count's products are bit for bit the same with one-row tiles asking or not."""
     codes = decode(torch.from_numpy(random_blocks(qtype, 96, 512, seed=5)), qtype, 512)
-    native = NativeWeight(codes)
     settled = torch.ops.aserve_cpu.one_row_prefetch(None)
     try:
-        for rows in (1, 3, 16, 40):
-            x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
-            both = []
-            for ahead in (True, False):
-                torch.ops.aserve_cpu.one_row_prefetch(ahead)
-                both.append(native.kernel_linear(x))
-            assert torch.equal(*both), rows
+        same_bits_either_way(
+            NativeWeight(codes), torch.ops.aserve_cpu.one_row_prefetch, (1, 3, 16, 40)
+        )
     finally:
         torch.ops.aserve_cpu.one_row_prefetch(settled)
+
+
+def same_bits_either_way(
+    native: NativeWeight, switch: Callable[[bool], object], rows: tuple[int, ...]
+) -> None:
+    """Every row count's product through `native`'s kernels is bit for bit the same with
+    `switch` on and off."""
+    for count in rows:
+        x = torch.randn(count, native.shape[1], generator=torch.Generator().manual_seed(count))
+        both = []
+        for on in (True, False):
+            switch(on)
+            both.append(native.kernel_linear(x))
+        assert torch.equal(*both), count
 
 
 @needs_kernels
@@ -1142,15 +1151,10 @@ def test_amx_tiles_give_the_vnni_tiles_bits(qtype: QType, monkeypatch: pytest.Mo
     the VNNI tiles included, are bit for bit those without."""
     monkeypatch.setattr(native_module, "blas_rows", lambda weight: NEVER)
     codes = decode(torch.from_numpy(random_blocks(qtype, 104, 512, seed=9)), qtype, 512)
-    native = NativeWeight(codes)
     try:
-        for rows in (16, 17, 40, 64, 100):
-            x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
-            both = []
-            for amx in (True, False):
-                torch.ops.aserve_cpu.amx_tiles(amx)
-                both.append(native.kernel_linear(x))
-            assert torch.equal(*both), rows
+        same_bits_either_way(
+            NativeWeight(codes), torch.ops.aserve_cpu.amx_tiles, (16, 17, 40, 64, 100)
+        )
     finally:
         torch.ops.aserve_cpu.amx_tiles(True)
 

@@ -1197,7 +1197,8 @@ void pair_codes(const Weight& w, int64_t p, uint8_t* codes) {
 
 // Group g's tile products of rows [first, first + 16) into sums[0] (high) and sums[1] (low):
 // into C tiles 3 and 4, or 5 and 6 (`kSecond`), so that the next group's products run on the
-// tile unit while this group's float steps run on the vector units.
+// tile unit while this group's float steps run on the vector units. (GCC's tile intrinsics
+// paste the tile's number into their asm text: it cannot be a template argument.)
 template <bool kSecond>
 ASERVE_INLINE void amx_sums(const Weight& w, const int32_t* x, int64_t row_words,
                             const uint8_t* codes, int64_t g, int32_t (*sums)[16][16]) {
