@@ -920,6 +920,13 @@ struct CodeBytes {
   __m512i even, odd;
 };
 
+// `code_bytes`' table: the 16 level bytes in each 128-bit lane for levels, else zeros.
+template <Kind K>
+inline __m512i level_table(const Weight& w) {
+  if (K != Kind::kLevels) return _mm512_setzero_si512();
+  return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.levels)));
+}
+
 template <Kind K>
 inline CodeBytes code_bytes(__m512i word, __m512i high, __m512i table) {
   const __m512i nibbles = _mm512_set1_epi8(15);
@@ -968,10 +975,7 @@ void int_tile2(const Weight& w, const Rows& a, int64_t first_row, int64_t first_
   const int64_t words = w.words_per_group(), code_words = w.code_words(), stride = w.panel_words();
   const int64_t low_words = w.group / 16;  // kThree: a group's low words
   const int bias = code_bias<K>(w);
-  const __m512i table =
-      K == Kind::kLevels
-          ? _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.levels)))
-          : _mm512_setzero_si512();
+  const __m512i table = level_table<K>(w);
   const int64_t row_words = a.cols / 2;
   const int64_t second = single ? 0 : stride;  // from a panel's words to its pair's
   __m512 total[R][Q];
@@ -1173,10 +1177,7 @@ void tile_order(const int32_t* xq, int64_t words, int64_t group_words, int32_t* 
 template <Kind K>
 void pair_codes(const Weight& w, int64_t p, uint8_t* codes) {
   const int64_t words = w.words_per_group(), code_words = w.code_words(), stride = w.panel_words();
-  const __m512i table =
-      K == Kind::kLevels
-          ? _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.levels)))
-          : _mm512_setzero_si512();
+  const __m512i table = level_table<K>(w);
   for (int64_t g = 0; g < w.groups; ++g) {
     const uint32_t* low = w.words + p * stride + g * words * kLanes;
     auto pair_at = [&](int64_t word) {
