@@ -26,7 +26,7 @@ PROCESS_OPTIONS = frozenset(
     {"drain_timeout", "drain_delay", "dp_size", "router_policy", "router_args"}
 )
 # vLLM's flags that aserve's behaviour already has: taken, and nothing to set.
-COMPATIBILITY_FLAGS = frozenset({"enable_auto_tool_choice"})
+COMPATIBILITY_FLAGS = frozenset({"enable_auto_tool_choice", "enable_lora"})
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -115,6 +115,30 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=None,
         help="context length to use instead of the model's",
+    )
+
+    lora = p.add_argument_group("LoRA adapters")
+    lora.add_argument(
+        "--lora-modules",
+        "--lora-paths",
+        dest="lora_modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters in PEFT's layout (a folder with adapter_config.json and "
+        "adapter_model.safetensors), served beside the base model: a request names one as "
+        'its "model"; also vLLM\'s JSON form \'{"name": "sql", "path": "/adapters/sql"}\'',
+    )
+    lora.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="accepted for vLLM's and SGLang's command lines: --lora-modules turns adapters on",
+    )
+    lora.add_argument(
+        "--max-lora-rank",
+        type=_positive_int,
+        default=None,
+        help="refuse adapters of a larger rank (default: any)",
     )
 
     parallel = p.add_argument_group("parallelism")

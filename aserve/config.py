@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -1096,6 +1096,8 @@ class EngineConfig:
     seed: int = 0
     is_embedding: bool = False  # serve embeddings (the last token's final hidden state)
     hf_overrides: str = ""  # a JSON object merged into config.json (`with_overrides`)
+    lora_modules: tuple[tuple[str, str], ...] = ()  # LoRA adapters' (name, folder) pairs
+    max_lora_rank: int | None = None  # adapters of a larger rank are refused
 
 
 @dataclass(frozen=True)
@@ -1172,6 +1174,8 @@ def build_config(**options: Any) -> ServerConfig:
             value = chat_template_text(value)
         if key == "hf_overrides":
             value = overrides_text(value)
+        if key == "lora_modules":
+            value = lora_module_pairs(value)
         for part in targets:
             parts[part][key] = value
     config = ServerConfig(
@@ -1181,6 +1185,40 @@ def build_config(**options: Any) -> ServerConfig:
     )
     validate(config)
     return config
+
+
+def lora_module_pairs(
+    values: Sequence[str] | Mapping[str, str] | None,
+) -> tuple[tuple[str, str], ...]:
+    """`--lora-modules` as (name, path) pairs: `name=path` each, or vLLM's JSON form
+    `{"name": ..., "path": ...}` (or, from the offline API, a mapping of names to paths);
+    names must be unique."""
+    if isinstance(values, Mapping):
+        values = [f"{name}={path}" for name, path in values.items()]
+    pairs: list[tuple[str, str]] = []
+    for value in values or ():
+        if value.lstrip().startswith("{"):
+            try:
+                spec = json.loads(value)
+            except ValueError as error:
+                raise ConfigError(f"--lora-modules: {value!r} is not valid JSON: {error}") from None
+            name = spec.get("name") if isinstance(spec, dict) else None
+            path = spec.get("path") if isinstance(spec, dict) else None
+            if not isinstance(name, str) or not isinstance(path, str):
+                raise ConfigError(
+                    '--lora-modules: a JSON entry needs "name" and "path" strings, e.g. '
+                    '{"name": "sql", "path": "/adapters/sql"}'
+                )
+        else:
+            name, sep, path = value.partition("=")
+            if not sep or not name or not path:
+                raise ConfigError(
+                    f"--lora-modules takes NAME=PATH entries, e.g. sql=/adapters/sql; got {value!r}"
+                )
+        if name in (n for n, _ in pairs):
+            raise ConfigError(f"--lora-modules names adapter {name!r} twice")
+        pairs.append((name, path))
+    return tuple(pairs)
 
 
 def overrides_text(value: str | Mapping[str, Any] | None) -> str:
@@ -1280,6 +1318,10 @@ def validate(config: ServerConfig) -> None:
             "--swa-full-tokens-ratio must be in (0, 1]",
         ),
         (engine.tensor_parallel_size >= 1, "--tp must be at least 1"),
+        (
+            engine.max_lora_rank is None or engine.max_lora_rank >= 1,
+            "--max-lora-rank must be at least 1",
+        ),
         (
             engine.max_seq_len_override is None or engine.max_seq_len_override >= 2,
             "--max-seq-len-override must be at least 2",

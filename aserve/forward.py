@@ -38,7 +38,8 @@ class ForwardBatch:
     `image_layer_embeds[i]` join their hidden states after layer i, and Gemma 3's images
     whose features the chunk computes are `both_ways[i]` (request i's `[first, last)`
     positions, whose queries read the whole block: every backend widens its causal mask
-    so); with Qwen-VL's
+    so); with LoRA adapters, `adapter_ids` `[T]` are each token's adapter (None where no
+    token takes one); with Qwen-VL's
     images, `mrope_positions` `[3, T]` are each token's three rotary coordinates
     (models/mrope.py), whose cos/sin rows the model looks up once a step (`rope_rows`).
     """
@@ -64,6 +65,7 @@ class ForwardBatch:
     both_ways: list[list[tuple[int, int]]] | None = None
     mrope_positions: torch.Tensor | None = None
     rope_rows: Any = None  # layers/rotary.RopeRows, set by the model from mrope_positions
+    adapter_ids: torch.Tensor | None = None  # each token's LoRA adapter (0: none; aserve/lora/)
 
     @property
     def input_ids(self) -> torch.Tensor:

@@ -124,12 +124,27 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[GenerationOutput]:
+        """`lora` names the LoRA adapter (one of `lora_modules`) of every prompt, or of each;
+        None is the model itself."""
         prompt_list = [prompts] if _is_single_prompt(prompts) else list(prompts)
         inputs = [self._inputs(p) for p in prompt_list]
         ids, images = [i for i, _ in inputs], [m for _, m in inputs]
         default = self.default_sampling_params()
-        return self._run(ids, _per_prompt(sampling_params, len(ids), default), images)
+        params = _per_prompt(sampling_params, len(ids), default)
+        return self._run(ids, params, images, self._adapters(lora, len(ids)))
+
+    def _adapters(self, lora: str | Sequence[str | None] | None, count: int) -> list[int]:
+        """`generate`'s and `chat`'s `lora` as adapter ids, one a prompt."""
+        names = [lora] * count if lora is None or isinstance(lora, str) else list(lora)
+        if len(names) != count:
+            raise ValueError(f"{len(names)} adapters for {count} prompts")
+        served = [name for name, _ in self.config.engine.lora_modules]
+        for name in names:
+            if name is not None and name not in served:
+                raise ValueError(f"no LoRA adapter {name!r}: this LLM has {served or 'none'}")
+        return [0 if name is None else served.index(name) + 1 for name in names]
 
     def embed(
         self, prompts: Prompt | Sequence[Prompt], truncate_prompt_tokens: int | None = None
@@ -218,10 +233,12 @@ class LLM:
         conversations: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[GenerationOutput]:
         """Apply the model's chat template to each conversation and generate the reply;
         `chat_template_kwargs` are more variables for the template (vLLM's). Messages may
-        carry images as OpenAI's `image_url` parts (data URLs) or vLLM's `image_pil` parts."""
+        carry images as OpenAI's `image_url` parts (data URLs) or vLLM's `image_pil` parts.
+        `lora` as `generate` takes it."""
         tokenizer = self._require_tokenizer()
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
@@ -234,7 +251,8 @@ class LLM:
             opened = [decoded(data_url_bytes(s)) if isinstance(s, str) else s for s in sources]
             images.append(self._pixels(opened))
         default = self.default_sampling_params()
-        return self._run(ids, _per_prompt(sampling_params, len(ids), default), images)
+        params = _per_prompt(sampling_params, len(ids), default)
+        return self._run(ids, params, images, self._adapters(lora, len(ids)))
 
     def _require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
@@ -295,6 +313,7 @@ class LLM:
         ids: list[list[int]],
         params: list[SamplingParams],
         images: list[list[torch.Tensor]] | None = None,
+        adapters: list[int] | None = None,
     ) -> list[GenerationOutput]:
         """A ValueError where a prompt's images and image tokens do not pair up."""
         if self.runtime.engine.pooling:
@@ -302,9 +321,10 @@ class LLM:
                 "this LLM pools (an embedding model or a classifier): call embed, score or classify"
             )
         each = images or [[] for _ in ids]
+        adapters = adapters or [0] * len(ids)
         reqs = [
-            self.scheduler.make_request(p, sp, m)
-            for p, sp, m in zip(ids, params, each, strict=True)
+            self.scheduler.make_request(p, sp, m, a)
+            for p, sp, m, a in zip(ids, params, each, adapters, strict=True)
         ]
         return self._drive(reqs, self._collect)
 

@@ -51,6 +51,8 @@ from aserve.layers.cpu_gemm import keep_activations_in_heap, return_freed_memory
 from aserve.layers.fused import fused_ops
 from aserve.layers.linear import pack_linear_weights, use_one_row_kernel
 from aserve.layers.moe import QuantizedExperts
+from aserve.lora.adapter import read_adapter
+from aserve.lora.layers import LoraRows, attach_adapters
 from aserve.models.cpu_decode import use_decode_stacks
 from aserve.models.decoder import use_fp8_activations
 from aserve.models.multimodal import decoder_weights, language_model_weights
@@ -231,6 +233,10 @@ class Engine:
                 weights = pair_int_weights(weights, model_config.int_scheme, as_float)
             self.model.load_weights(weights)
         self.model.finalize_quantized(self.device, self.dtype)
+        self.adapters: LoraRows | None = None  # LoRA adapters' ids and the step's rows
+        if config.lora_modules:
+            adapters = [read_adapter(*pair, config.max_lora_rank) for pair in config.lora_modules]
+            self.adapters = attach_adapters(self.model, adapters, self.device, self.dtype)
         self.images = self._image_encoder(model_config, model_dir)
         pooling = read_pooling(model_dir) if config.is_embedding and model_dir else Pooling()
         if pooling != Pooling():
@@ -245,8 +251,8 @@ class Engine:
         self.model.eval()
         if ops is not None and self.device.type == "cuda":
             use_one_row_kernel(self.model)
-            if model_config.quantization == "fp8":
-                use_fp8_activations(self.model)
+            if model_config.quantization == "fp8" and self.adapters is None:
+                use_fp8_activations(self.model)  # adapters multiply the unrounded rows
         if self.device.type == "cpu":
             pack_linear_weights(self.model)
             self.model.pack_lm_head(None if config.dummy_weight else model_dir)
@@ -737,14 +743,22 @@ class Engine:
         """Logits of `batch` (an embedding server's embeddings); decode batches that fit a
         captured graph replay it."""
         self.take_built_kernels()
-        if batch.is_decode and self.graphs is not None:
+        adapted = batch.adapter_ids is not None  # such steps run eagerly (aserve/lora/)
+        if batch.is_decode and self.graphs is not None and not adapted:
             size = self.graphs.size_for(batch.batch_size)
             if size is not None:
                 return self.graphs.run(batch, size)
         attn = self.attn if self._stand_in is None else self._stand_in
         self.share_images(batch)
         attn.prepare(batch)
-        return self._run_model(batch, attn)
+        if not adapted:
+            return self._run_model(batch, attn)
+        assert self.adapters is not None and batch.adapter_ids is not None
+        self.adapters.begin(batch.adapter_ids)
+        try:
+            return self._run_model(batch, attn)
+        finally:
+            self.adapters.end()
 
     def _run_model(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """A classifier's logits, an embedding server's embeddings, else the LM's logits

@@ -36,7 +36,9 @@ class StepSpec:
     images, `image_rows` are the step's tokens that take image features (rank 0's encoder's,
     which every rank gets by a broadcast: `Engine.share_images`), `image_levels` how many
     features each takes (Qwen3-VL's inner layers' beside its own), and `both_ways` the
-    `(request, first, last)` blocks of Gemma 3's images that attend both ways, flattened."""
+    `(request, first, last)` blocks of Gemma 3's images that attend both ways, flattened.
+    `adapters` holds each row's LoRA adapter id (0: none), or nothing where no row takes
+    one."""
 
     mode: ForwardMode
     rows: list[int]
@@ -49,17 +51,19 @@ class StepSpec:
     image_rows: list[int] = field(default_factory=list)
     image_levels: int = 0
     both_ways: list[int] = field(default_factory=list)
+    adapters: list[int] = field(default_factory=list)
 
     def pack(self) -> bytes:
-        """[mode, B, T, W, R, I, L, O, rows, prefix_lens, extend_lens, scored, input_ids,
-        rope_positions, image_rows, both_ways, W x (row, first, count, window), pages...] as
-        int64 bytes."""
+        """[mode, B, T, W, R, I, L, O, A, rows, prefix_lens, extend_lens, scored, input_ids,
+        rope_positions, image_rows, both_ways, adapters, W x (row, first, count, window),
+        pages...] as int64 bytes."""
         writes = self.page_writes
         header = [_MODES.index(self.mode), len(self.rows), len(self.input_ids), len(writes)]
         header += [len(self.rope_positions), len(self.image_rows), self.image_levels]
-        header.append(len(self.both_ways))
+        header += [len(self.both_ways), len(self.adapters)]
         fields = [header, self.rows, self.prefix_lens, self.extend_lens, self.scored]
         fields += [self.input_ids, self.rope_positions, self.image_rows, self.both_ways]
+        fields.append(self.adapters)
         fields += [[w.row, w.first_page_index, len(w.pages), int(w.window)] for w in writes]
         fields += [w.pages for w in writes]
         return np.fromiter(
@@ -69,15 +73,16 @@ class StepSpec:
     @classmethod
     def unpack(cls, data: bytes) -> StepSpec:
         values = np.frombuffer(data, dtype=np.int64).tolist()
-        mode, size, num_ids, num_writes, num_rope, num_images, levels, num_blocks = values[:8]
-        at = 8
+        mode, size, num_ids, num_writes, num_rope, num_images, levels = values[:7]
+        num_blocks, num_adapters = values[7:9]
+        at = 9
         parts = []
         lengths = (size, size, size, size, num_ids, num_rope, num_images, num_blocks)
-        for length in (*lengths, 4 * num_writes):
+        for length in (*lengths, num_adapters, 4 * num_writes):
             parts.append(values[at : at + length])
             at += length
         rows, prefix_lens, extend_lens, scored, input_ids, rope, images, blocks = parts[:8]
-        write_heads = parts[8]
+        adapters, write_heads = parts[8:]
         writes = []
         for i in range(num_writes):
             row, first, count, window = write_heads[4 * i : 4 * i + 4]
@@ -95,6 +100,7 @@ class StepSpec:
             images,
             levels,
             blocks,
+            adapters,
         )
 
 
@@ -149,7 +155,12 @@ def forward_batch(spec: StepSpec, page_table: PageTable, device: torch.device) -
             mrope = rope_positions.reshape(3, -1)
             rope_positions = mrope[0]  # rope reads `mrope_positions` in this step
     per_token = [input_ids, slots[0], rope_positions, *slots[1:]]
-    parts = [*per_token, *per_request, logit_indices, sample_rows]
+    adapters = np.zeros(0, dtype=np.int64)
+    if spec.adapters:  # one a row; a prefill's rows are requests of `extend_lens` tokens
+        adapters = np.asarray(spec.adapters, dtype=np.int64)
+        if spec.mode is ForwardMode.PREFILL:
+            adapters = np.repeat(adapters, np.asarray(extend_lens, dtype=np.int64))
+    parts = [*per_token, *per_request, logit_indices, sample_rows, adapters]
     packed = torch.from_numpy(np.concatenate(parts)).to(device, non_blocking=True)
     tokens = len(positions)
     token_end = len(per_token) * tokens
@@ -158,6 +169,7 @@ def forward_batch(spec: StepSpec, page_table: PageTable, device: torch.device) -
     request_end = token_end + len(per_request) * size
     per_request_view = packed[token_end:request_end].view(-1, size)
     logits_end = request_end + len(logit_indices)
+    samples_end = logits_end + len(sample_rows)
     if spec.mode is ForwardMode.DECODE and not given_ids:
         torch.index_select(page_table.tokens.view(-1), 0, per_request_view[2], out=token_inputs[0])
     return ForwardBatch(
@@ -171,12 +183,13 @@ def forward_batch(spec: StepSpec, page_table: PageTable, device: torch.device) -
         logit_indices=packed[request_end:logits_end],
         record_index=per_request_view[1],
         page_table=page_table.slots,
-        sample_rows=packed[logits_end:] if len(sample_rows) else None,
+        sample_rows=packed[logits_end:samples_end] if len(sample_rows) else None,
         window_page_table=page_table.window_slots,
         mrope_positions=None if mrope is None else torch.from_numpy(mrope).to(device),
         image_rows=torch.tensor(spec.image_rows, device=device) if spec.image_rows else None,
         image_levels=spec.image_levels,
         both_ways=_both_ways(spec.both_ways, size),
+        adapter_ids=packed[samples_end:] if len(adapters) else None,
     )
 
 

@@ -13,6 +13,7 @@ quantized as it arrives), packs and multiplies it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,9 @@ from aserve.layers.fused import FusedOps
 from aserve.layers.weight import WeightSource, read_whole
 from aserve.quant.fp8_activations import Fp8Activations
 from aserve.quant.method import QuantizedLinearWeight
+
+if TYPE_CHECKING:
+    from aserve.lora.layers import LoraWeights
 
 OneRowProduct = Callable[..., torch.Tensor]
 """`(x, weight, bias, gated=False) -> x W^T + bias` for one row (layers/gemv.py)."""
@@ -50,6 +54,7 @@ class ColumnParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = tp
+        self.input_size = input_size
         self.local_sizes = [size // tp.size for size in output_sizes]
         for size in output_sizes:
             tp.shard(size)
@@ -65,10 +70,18 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(sum(self.local_sizes)), False) if bias else None
         self.packed: PackedWeight | None = None
         self.one_row: OneRowProduct | None = None
+        self.lora: LoraWeights | None = None  # adapters on this layer (aserve/lora/)
 
     def forward(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor:
         """`x` in FP8 only where an FP8 weight takes it (models/decoder.py,
-        use_fp8_activations)."""
+        use_fp8_activations), which LoRA adapters rule out."""
+        y = self._product(x)
+        if self.lora is None:
+            return y
+        assert isinstance(x, torch.Tensor)
+        return self.lora.add_to(y, x)
+
+    def _product(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor:
         if self.quantized is not None:
             return self.quantized.linear(x, self.bias)
         assert isinstance(x, torch.Tensor)
@@ -78,13 +91,13 @@ class ColumnParallelLinear(nn.Module):
             return self.one_row(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
-    def _rank_rows(self, tensor: WeightSource, shard: int) -> torch.Tensor:
+    def rank_rows(self, tensor: WeightSource, shard: int) -> torch.Tensor:
         size = self.local_sizes[shard]
         return tensor[self.tp.rank * size : (self.tp.rank + 1) * size]
 
     def load_weight(self, name: str, tensor: WeightSource, shard: int = 0) -> None:
         if name == "weight" and self.quantized is not None:
-            self.quantized.load(shard, self._rank_rows(tensor, shard))
+            self.quantized.load(shard, self.rank_rows(tensor, shard))
             return
         if name == "bias" and self.bias is None:
             _zero_bias(tensor)
@@ -92,7 +105,7 @@ class ColumnParallelLinear(nn.Module):
         param = self.weight if name == "weight" else self.bias
         assert param is not None, f"checkpoint has a {name} this layer does not"
         offset = sum(self.local_sizes[:shard])
-        param.data.narrow(0, offset, self.local_sizes[shard]).copy_(self._rank_rows(tensor, shard))
+        param.data.narrow(0, offset, self.local_sizes[shard]).copy_(self.rank_rows(tensor, shard))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -114,7 +127,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         sizes = [num_heads * head_dim, kv_total, kv_total]
         super().__init__(hidden_size, sizes, bias, tp, quantization)
 
-    def _rank_rows(self, tensor: WeightSource, shard: int) -> torch.Tensor:
+    def rank_rows(self, tensor: WeightSource, shard: int) -> torch.Tensor:
         size = self.local_sizes[shard]
         index = self.tp.rank if shard == 0 else self.tp.rank // self.kv_replicas
         return tensor[index * size : (index + 1) * size]
@@ -137,6 +150,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp = tp
         self.reduce_results = reduce_results
+        self.input_size, self.output_size = input_size, output_size
         start, end = tp.shard(input_size)
         self.input_start, self.local_input = start, end - start
         self.quantized = (
@@ -151,6 +165,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size), False) if bias else None
         self.packed: PackedWeight | None = None
         self.one_row: OneRowProduct | None = None
+        self.lora: LoraWeights | None = None  # adapters on this layer (aserve/lora/)
 
     def forward(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor:
         bias = self._product_bias()
@@ -164,12 +179,17 @@ class RowParallelLinear(nn.Module):
                 partial = self.one_row(x, self.weight, bias)
             else:
                 partial = F.linear(x, self.weight, bias)
+        if self.lora is not None:
+            assert isinstance(x, torch.Tensor)
+            partial = self.lora.add_to(partial, x)
         return self._reduce(partial)
 
     def forward_gated(self, gate_up: torch.Tensor, ops: FusedOps | None) -> torch.Tensor:
         """The layer applied to SiLU(gate) * up of a fused gate|up output: at one row on CUDA
         one kernel does both (float or FP8 weights); FP8 weights take many rows' activation
         in FP8 from one kernel (`Fp8Weight.gated`)."""
+        if self.lora is not None and self.lora.active:  # the adapters take the activation
+            return self(silu_and_mul(gate_up, ops))
         bias = self._product_bias()
         if self.one_row is not None and self.weight is not None and gate_up.shape[0] == 1:
             return self._reduce(self.one_row(gate_up, self.weight, bias, gated=True))

@@ -35,7 +35,7 @@ from aserve.layers.moe import QuantizedExperts
 from aserve.layers.norm import AcrossHeadsNorm, Float32RMSNorm, GemmaRMSNorm, RMSNorm
 from aserve.layers.rotary import NO_ROPE, RotaryEmbedding, partial_rotary_order
 from aserve.layers.weight import WeightSource, read_whole
-from aserve.models.multimodal import checkpoint_names
+from aserve.models.multimodal import DECODER_PARTS, checkpoint_names, language_model_name
 from aserve.models.pooling import Pooler
 from aserve.models.weights import expected_tensors, map_checkpoint_tensor
 from aserve.quant.fp8_activations import Fp8Activations
@@ -244,7 +244,8 @@ class DecoderMLP(nn.Module):
             gate, up = gate_up.chunk(2, -1)
             return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         gate_up = self.gate_up_proj.quantized
-        if gate_up is not None:
+        adapted = self.gate_up_proj.lora is not None and self.gate_up_proj.lora.active
+        if gate_up is not None and not adapted:
             activation = gate_up.silu(x)
             if activation is not None:
                 return self.down_proj(activation)
@@ -401,8 +402,9 @@ class DecoderModel(nn.Module):
             assert batch.image_embeds is not None
             hidden = hidden.index_copy(0, batch.image_rows, batch.image_embeds.to(hidden.dtype))
         residual: torch.Tensor | None = None
-        if self.decode_stack is not None and self.decode_stack.takes(batch, attn):
-            hidden, residual = self.decode_stack.run(hidden, batch, attn)
+        stack = self.decode_stack
+        if stack is not None and batch.adapter_ids is None and stack.takes(batch, attn):
+            hidden, residual = stack.run(hidden, batch, attn)
         else:
             positions = batch.positions  # one tensor for all layers: rope looks tables up once
             if batch.mrope_positions is not None:  # Qwen-VL images: each token's own rows
@@ -612,6 +614,25 @@ class DecoderForCausalLM(nn.Module):
             raise ValueError(f"checkpoint tensor {name} has no place in {self.config.architecture}")
         module.load_weight(param, tensor, shard)
         return [f"{module_name}.{param}"]
+
+    def lora_targets(self, name: str, b: torch.Tensor) -> list[tuple[str, int, torch.Tensor]]:
+        """Where a LoRA adapter's B of checkpoint layer `name` goes (aserve/lora/): (our
+        layer, its part, the part's rows of B, ordered as `load_tensor` orders weights).
+        Names are the checkpoint's, a vision-language model's or a bare decoder's too."""
+        if self.config.language_model_of is not None:
+            name = language_model_name(name) or name
+        if name.partition(".")[0] in DECODER_PARTS:
+            name = f"model.{name}"
+        parent, _, leaf = name.rpartition(".")
+        if leaf in _FUSED_IN_CHECKPOINT:
+            places = []
+            for part, rows in zip(_FUSED_IN_CHECKPOINT[leaf], self._fused_rows(leaf), strict=True):
+                places += self.lora_targets(f"{parent}.{part}", b[rows])
+            return places
+        if leaf in ("q_proj", "k_proj") and self.rotary_order is not None:
+            b = read_whole(self._reorder_head_rows(b))
+        target, part = _FUSED.get(leaf, (leaf, 0))
+        return [(f"{parent}.{target}" if parent else target, part, b)]
 
     def _fused_rows(self, leaf: str) -> list[slice]:
         """The row ranges of a fused checkpoint tensor's parts (Q, K, V or gate, up)."""

@@ -57,6 +57,7 @@ def step_spec(
             input_ids=input_ids,
             page_writes=page_table.take_writes(),
             rope_positions=_rope_positions(ForwardMode.DECODE, reqs, planned.starts, lens),
+            adapters=_adapters(reqs, lens),
         )
     prefix_lens = planned.starts
     input_ids = []
@@ -86,7 +87,16 @@ def step_spec(
         image_rows=image_rows,
         image_levels=image_levels if image_rows else 0,
         both_ways=both_ways,
+        adapters=_adapters(reqs, [1] * len(reqs)),
     )
+
+
+def _adapters(reqs: list[Req], rows: list[int]) -> list[int]:
+    """`StepSpec.adapters`: each request's LoRA adapter id for each of its `rows[i]` rows,
+    or nothing where no request takes an adapter."""
+    if not any(req.adapter for req in reqs):
+        return []
+    return [req.adapter for req, n in zip(reqs, rows) for _ in range(n)]
 
 
 def _rope_positions(

@@ -212,7 +212,7 @@ class Planner:
         it scores: those need their logits."""
         if budget <= 0:
             return 0
-        match = self.cache.match(req.all_ids[: req.reusable_len])
+        match = self.cache.match(req.cache_key(req.all_ids[: req.reusable_len]))
         self.cache.lock(match.handle)
         req.cached_len = match.length  # what `unscored_ahead` counts from
         n = min(req.extend_len, budget, req.unscored_ahead + scored_budget)
@@ -367,7 +367,7 @@ class Planner:
     def _release(self, req: Req) -> None:
         """Hand the request's computed whole pages to the prefix cache, free the rest."""
         whole = req.cached_len // self.page_size
-        tokens = req.all_ids[: whole * self.page_size]
+        tokens = req.cache_key(req.all_ids[: whole * self.page_size])
         self.cache.insert(tokens, req.pages[:whole], req.window_pages[:whole])
         self.allocator.free(req.pages[whole:])
         if self.window is not None:

@@ -35,6 +35,9 @@ class ReqOutput(NamedTuple):
     pooled: Any = None  # a torch.Tensor [hidden] or [labels]
 
 
+# A LoRA adapter's prefix-cache keys are token ids plus its id times 2^40: past every
+# vocabulary and the ids that stand for images' pixels (models/vision.py, under 2^31).
+ADAPTER_KEY_SHIFT = 40
 AUTO_MIN_STREAMS = 64
 """`--stream-interval auto` gathers tokens only in decode batches of at least this many
 requests: below it a stream's events cost the loop little, and a step's own launch is what a
@@ -219,6 +222,10 @@ class Req:
     A prompt with images holds, at each image's positions (`images`), an id past the
     vocabulary that stands for its pixels (models/vision.py); their features replace those
     positions' embeddings as they are prefilled.
+
+    A request of a LoRA adapter (`adapter` > 0) computes KV of its own: its prefix-cache keys
+    (`cache_key`) are its ids moved into the adapter's range, so it shares cached prefixes
+    only with requests of the same adapter.
     """
 
     rid: int
@@ -251,6 +258,7 @@ class Req:
     ngram: Any = None  # speculative/ngram.NgramIndex of its tokens, made when it first drafts
     draft_misses: int = 0  # verify steps in a row that took none of its drafts
     draft_pause: int = 0  # decode steps it goes without drafts (Planner.accept)
+    adapter: int = 0  # its LoRA adapter's id (aserve/lora/; 0: the base model)
     # prefilled whole in one step, none of it from the prefix cache (an embedding model
     # whose attention runs both ways or whose pooling reads every position: Engine)
     whole_prompt: bool = False
@@ -304,6 +312,13 @@ class Req:
             for position in span.feature_positions():
                 ids[position] = span.token
         return ids
+
+    def cache_key(self, ids: list[int]) -> list[int]:
+        """`ids` (a prefix of `all_ids`) as the prefix cache keys them."""
+        if not self.adapter:
+            return ids
+        shift = self.adapter << ADAPTER_KEY_SHIFT
+        return [token + shift for token in ids]
 
     @property
     def all_ids(self) -> list[int]:

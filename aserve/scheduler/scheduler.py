@@ -139,16 +139,19 @@ class Scheduler:
         prompt_ids: list[int],
         params: SamplingParams,
         images: list[torch.Tensor] | None = None,
+        adapter: int = 0,
     ) -> Req:
         """A request of `prompt_ids`; with `images` (pixels `[3, H, W]` as the checkpoint's
         image processor makes them), each image token of the prompt takes an image's
-        positions (`Engine.expand_images`: a ValueError where they do not pair up)."""
+        positions (`Engine.expand_images`: a ValueError where they do not pair up); of LoRA
+        adapter `adapter` (its id, 1 for the first of `--lora-modules`) where not 0."""
         self._next_rid += 1
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         spans = []
         if images:
             prompt_ids, spans = self.engine.expand_images(prompt_ids, images)
         req = Req(rid=self._next_rid, prompt_ids=list(prompt_ids), params=params, seed=seed)
+        req.adapter = adapter
         req.images = spans
         req.whole_prompt = self.engine.whole_prompts
         if spans and spans[0].grid is not None:

@@ -175,15 +175,28 @@ class Server:
 
     async def models(self, request: web.Request) -> web.Response:
         runtime, _ = self.state.ready()
+        created = int(time.time())
         card = {
             "id": self.model_name,
             "object": "model",
-            "created": int(time.time()),
+            "created": created,
             "owned_by": "aserve",
             "max_model_len": runtime.engine.context_length,
             "default_sampling_params": dict(runtime.sampling_defaults),
         }
-        return json_response({"object": "list", "data": [card]})
+        adapters = [  # as vLLM lists them: the folder as `root`, the model as `parent`
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "aserve",
+                "root": path,
+                "parent": self.model_name,
+                "max_model_len": runtime.engine.context_length,
+            }
+            for name, path in self.state.config.engine.lora_modules
+        ]
+        return json_response({"object": "list", "data": [card, *adapters]})
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
         if self.runtime is not None:

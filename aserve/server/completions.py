@@ -68,7 +68,7 @@ class Completions:
         runtime, limits = self.state.ready_to_generate()
         with self.state.admission.reserve() as places:
             parsed = parse(await limits.read_body(request), runtime.sampling_defaults)
-            self.state.check_model(parsed.model)
+            parsed = dataclasses.replace(parsed, adapter=self.state.adapter_of(parsed.model))
             places.resize(parsed.n)
             assert parsed.messages is not None
             chars = sum(openai.text_chars(m) for m in parsed.messages)
@@ -167,7 +167,7 @@ class Completions:
         with self.state.admission.reserve() as places:
             raw = await limits.read_body(request)
             parsed = openai.parse_completion(raw, runtime.sampling_defaults)
-            self.state.check_model(parsed.model)
+            parsed = dataclasses.replace(parsed, adapter=self.state.adapter_of(parsed.model))
             places.resize(parsed.n * (len(parsed.texts) or len(parsed.token_ids)))
             prompts = await self._tokenized(runtime, limits, parsed)
             return await self._generate(request, runtime, parsed, prompts)
@@ -298,6 +298,7 @@ class Completions:
                     grammar=grammar,
                     shown_special_ids=parsed.shown_special_ids,
                     images=parsed.images,
+                    adapter=parsed.adapter,
                 )
                 problem = choice.prepare()
                 if problem is not None:
@@ -316,11 +317,11 @@ class Completions:
         grammar = await self._grammar(runtime, parsed)
         choices = self._make_choices(runtime, parsed, prompts, grammar)
         if parsed.responses_api is not None:
-            head = ResponseHead(item_id("resp"), self.state.model_name)
+            head = ResponseHead(item_id("resp"), self.state.name_of(parsed.adapter))
             shaper: Shaper = ResponsesShaper(parsed, head, choices[0])
         else:
             prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
-            head = ResponseHead(openai.new_id(prefix), self.state.model_name)
+            head = ResponseHead(openai.new_id(prefix), self.state.name_of(parsed.adapter))
             shaper = ResponseShaper(parsed, head, runtime, choices)
         return await self._respond(request, shaper, choices, parsed.stream)
 

@@ -43,6 +43,7 @@ class Choice:
     grammar_after: int | None = None  # Req.grammar_after: a reasoning model's </think>
     shown_special_ids: frozenset[int] = frozenset()  # special tokens whose text is kept
     images: list[Any] = field(default_factory=list)  # pixels, one image token of the prompt each
+    adapter: int = 0  # the LoRA adapter's id (0: the model itself)
     req: Req | None = None
     grammar: Any = None
     completion_tokens: int = 0
@@ -58,7 +59,9 @@ class Choice:
         images, `prompt_ids` become the model's prompt, each image token its positions (as
         the vocabulary writes them: they count in the usage, as vLLM counts them)."""
         try:
-            self.req = self.scheduler.make_request(self.prompt_ids, self.params, self.images)
+            self.req = self.scheduler.make_request(
+                self.prompt_ids, self.params, self.images, self.adapter
+            )
         except ValueError as error:  # images and image tokens that do not pair up
             return str(error)
         if self.images:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from aserve.config import ServerConfig
+from aserve.config import ConfigError, ServerConfig
 from aserve.kvcache.pages import PageAllocator
 from aserve.metrics import Metrics, SchedulerSnapshot
 from aserve.runtime import Runtime
@@ -38,6 +38,11 @@ class ServerState:
     @classmethod
     def create(cls, config: ServerConfig) -> ServerState:
         name = config.served_model_name or config.engine.model_path or DEFAULT_NAME
+        if any(adapter == name for adapter, _ in config.engine.lora_modules):
+            raise ConfigError(
+                f"--lora-modules: adapter name {name!r} is the model's own name; name it "
+                "otherwise (or set --served-model-name)"
+            )
         queued = config.max_queued_requests
         capacity = None if queued is None else config.scheduler.max_running_requests + queued
         pace = StreamPace(config.stream_interval)
@@ -82,16 +87,43 @@ class ServerState:
         assert self.runtime is not None
         return scheduler_snapshot(self.runtime.scheduler)
 
+    @property
+    def adapter_names(self) -> list[str]:
+        """The LoRA adapters served beside the model (`--lora-modules`), id 1 first."""
+        return [name for name, _ in self.config.engine.lora_modules]
+
+    def adapter_of(self, name: str) -> int:
+        """The LoRA adapter a request's `model` names (its id), or 0 for the model itself. A
+        request may leave the model out; SGLang's router, which sends every request through
+        its own typed schema, fills an omitted one with its placeholder name."""
+        if not name or name == self.model_name or name == ROUTER_PLACEHOLDER_MODEL:
+            return 0
+        adapters = self.adapter_names
+        if name in adapters:
+            return adapters.index(name) + 1
+        served = ", ".join(f"'{n}'" for n in [self.model_name, *adapters])
+        raise APIError(
+            f"model '{name}' does not exist; this server serves {served}",
+            400,
+            param="model",
+            code="model_not_found",
+        )
+
     def check_model(self, name: str) -> None:
-        """A request may leave the model out; SGLang's router, which sends every request
-        through its own typed schema, fills an omitted one with its placeholder name."""
-        if name and name != self.model_name and name != ROUTER_PLACEHOLDER_MODEL:
+        """A route that serves the model alone (embeddings, scores): an adapter's name is a
+        400 too."""
+        if self.adapter_of(name):
             raise APIError(
-                f"model '{name}' does not exist; this server serves '{self.model_name}'",
+                f"LoRA adapter '{name}' serves chat and text completions; this route serves "
+                f"'{self.model_name}'",
                 400,
                 param="model",
                 code="model_not_found",
             )
+
+    def name_of(self, adapter: int) -> str:
+        """What a reply calls the model of adapter id `adapter` (the model's own name for 0)."""
+        return self.adapter_names[adapter - 1] if adapter else self.model_name
 
 
 def require_tokenizer(runtime: Runtime) -> Tokenizer:
