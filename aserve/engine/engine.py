@@ -686,7 +686,9 @@ class Engine:
         if not isinstance(decode, FlashInferBackend):
             logger.info("CUDA graphs are off: they need the FlashInfer decode backend")
             return None
-        return DecodeGraphs(self.model, decode, self.page_table, max_bs, self.max_seq_len)
+        return DecodeGraphs(
+            self.model, decode, self.page_table, max_bs, self.max_seq_len, self.adapters
+        )
 
     def describe(self) -> str:
         """The start-up summary users look for: model, dtype, device, KV size and memory."""
@@ -743,15 +745,14 @@ class Engine:
         """Logits of `batch` (an embedding server's embeddings); decode batches that fit a
         captured graph replay it."""
         self.take_built_kernels()
-        adapted = batch.adapter_ids is not None  # such steps run eagerly (aserve/lora/)
-        if batch.is_decode and self.graphs is not None and not adapted:
+        if batch.is_decode and self.graphs is not None:
             size = self.graphs.size_for(batch.batch_size)
-            if size is not None:
+            if size is not None:  # with adapter rows, the graph that adds their products
                 return self.graphs.run(batch, size)
         attn = self.attn if self._stand_in is None else self._stand_in
         self.share_images(batch)
         attn.prepare(batch)
-        if not adapted:
+        if batch.adapter_ids is None:
             return self._run_model(batch, attn)
         assert self.adapters is not None and batch.adapter_ids is not None
         self.adapters.begin(batch.adapter_ids)

@@ -6,6 +6,11 @@ launches them all at once. The per-token inputs (ids, KV slots, positions) live 
 captured size, pad rows (zeros) reading and writing only the dummy page 0. Attention
 metadata is planned into a FlashInfer wrapper with static buffers per size. Sampling stays
 outside the graph.
+
+With LoRA adapters each size has a second graph whose layers add the adapters' products
+(aserve/lora/), their one-hot made inside it from a static buffer of the rows' adapter ids
+(pad rows 0: no adapter); steps with adapter rows replay it, the others the plain one, which
+costs them nothing for the adapters.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from aserve.attention.flashinfer import FlashInferBackend
 from aserve.config import EngineConfig
 from aserve.forward import ForwardBatch, ForwardMode
 from aserve.kvcache.pages import PageTable, pages_needed
+from aserve.lora.layers import LoraRows
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +59,10 @@ class DecodeGraphs:
         page_table: PageTable,
         max_batch_size: int,
         max_seq_len: int,
+        adapters: LoraRows | None = None,
     ) -> None:
         self.model = model
+        self.adapters = adapters
         self.attn = attn
         self.page_table = page_table
         self.sizes = capture_sizes(max_batch_size)
@@ -77,6 +85,9 @@ class DecodeGraphs:
         }
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.adapter_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.adapter_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.adapter_outputs: dict[int, torch.Tensor] = {}
         self._pool = torch.cuda.graph_pool_handle()
 
     def sizes_without_flashinfer(self) -> list[int]:
@@ -144,6 +155,8 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="relaxed"):
                 self.outputs[size] = self.model(batch, self.attn)
+            if self.adapters is not None:
+                self._capture_adapted(size, batch)
             self.graphs[size] = graph
         torch.cuda.synchronize()
         used = free_before - torch.cuda.mem_get_info()[0]
@@ -153,6 +166,18 @@ class DecodeGraphs:
             time.perf_counter() - started,
             used / (1 << 30),
         )
+
+    def _capture_adapted(self, size: int, batch: ForwardBatch) -> None:
+        """The graph of `size` with the adapters' products (their one-hot inside it)."""
+        assert self.adapters is not None
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="relaxed"):
+                self.adapters.begin(self.adapter_ids[:size])
+                self.adapter_outputs[size] = self.model(batch, self.attn)
+        finally:
+            self.adapters.end()
+        self.adapter_graphs[size] = graph
 
     def size_for(self, count: int) -> int | None:
         """The captured size that a decode batch of `count` requests replays, padded: the
@@ -173,5 +198,10 @@ class DecodeGraphs:
             batch.row_ids + [self.page_table.dummy_row] * padding,
         )
         self.attn.plan_decode(self.wrappers[size], padded)
-        self.graphs[size].replay()
-        return self.outputs[size][:count]
+        if batch.adapter_ids is None:
+            self.graphs[size].replay()
+            return self.outputs[size][:count]
+        self.adapter_ids[:count].copy_(batch.adapter_ids)
+        self.adapter_ids[count:size].zero_()
+        self.adapter_graphs[size].replay()
+        return self.adapter_outputs[size][:count]
