@@ -251,8 +251,8 @@ class Engine:
         self.model.eval()
         if ops is not None and self.device.type == "cuda":
             use_one_row_kernel(self.model)
-            if model_config.quantization == "fp8" and self.adapters is None:
-                use_fp8_activations(self.model)  # adapters multiply the unrounded rows
+            if model_config.quantization == "fp8":
+                use_fp8_activations(self.model, self.adapters)
         if self.device.type == "cpu":
             pack_linear_weights(self.model)
             self.model.pack_lm_head(None if config.dummy_weight else model_dir)

@@ -74,9 +74,9 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor:
         """`x` in FP8 only where an FP8 weight takes it (models/decoder.py,
-        use_fp8_activations), which LoRA adapters rule out."""
+        use_fp8_activations), never in a step of LoRA adapters."""
         y = self._product(x)
-        if self.lora is None:
+        if self.lora is None or not self.lora.active:
             return y
         assert isinstance(x, torch.Tensor)
         return self.lora.add_to(y, x)
@@ -179,7 +179,7 @@ class RowParallelLinear(nn.Module):
                 partial = self.one_row(x, self.weight, bias)
             else:
                 partial = F.linear(x, self.weight, bias)
-        if self.lora is not None:
+        if self.lora is not None and self.lora.active:
             assert isinstance(x, torch.Tensor)
             partial = self.lora.add_to(partial, x)
         return self._reduce(partial)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -11,6 +12,9 @@ from aserve.distributed.group import TPGroup
 from aserve.layers.fused import FusedOps
 from aserve.layers.weight import WeightSource
 from aserve.quant.fp8_activations import Fp8Activations
+
+if TYPE_CHECKING:
+    from aserve.lora.layers import LoraRows
 
 Fp8Norm = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, float], Fp8Activations]
 """quant/fp8_cuda.py's `norm_fp8(x, residual, weight, eps)`."""
@@ -26,8 +30,10 @@ class RMSNorm(nn.Module):
         self.ops = ops
         self.weight = nn.Parameter(torch.ones(size), False)
         # Set where an FP8 product follows on CUDA (models/decoder.py, use_fp8_activations):
-        # batches of two rows or more are then normalised straight into FP8.
+        # batches of two rows or more are then normalised straight into FP8, but for steps
+        # of LoRA adapters (`adapters` active), which multiply the row as it is.
         self.fp8_norm: Fp8Norm | None = None
+        self.adapters: LoraRows | None = None
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         """Hugging Face's formula, op for op (the same bits): normalised in float32, then
@@ -39,8 +45,14 @@ class RMSNorm(nn.Module):
             return (x * inv_rms).mul_(self.weight)
         return self.weight * (x32 * inv_rms).to(x.dtype)
 
+    def _in_fp8(self, x: torch.Tensor) -> bool:
+        if self.fp8_norm is None or x.shape[0] == 1:
+            return False
+        return self.adapters is None or self.adapters.onehot is None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor | Fp8Activations:
-        if self.fp8_norm is not None and x.shape[0] > 1:
+        if self._in_fp8(x):
+            assert self.fp8_norm is not None
             return self.fp8_norm(x, None, self.weight, self.eps)
         if self.ops is not None:
             return self.ops.rmsnorm(x.contiguous(), self.weight, self.eps)
@@ -68,7 +80,8 @@ class RMSNorm(nn.Module):
             if fused is not None:
                 return fused
             x = tp.all_reduce(x)
-        if self.fp8_norm is not None and x.shape[0] > 1:
+        if self._in_fp8(x):
+            assert self.fp8_norm is not None
             return self.fp8_norm(x, residual, self.weight, self.eps), residual
         if self.ops is not None:
             self.ops.fused_add_rmsnorm(x, residual, self.weight, self.eps)

@@ -14,8 +14,8 @@ adapters; many more would want grouped products (vLLM's Punica kernels).
 A step where no token takes an adapter leaves `LoraRows.onehot` None and the layers run as
 they do without adapters (their CUDA graphs, the CPU's C++ decode layers, fused kernels); one
 that has such tokens runs through the plain modules, decode steps in CUDA graphs of their own
-(engine/graph.py). FP8 weights then take bf16 rows (no FP8 norm output), which the adapters
-multiply.
+(engine/graph.py). There FP8 weights take the norms' rows in the model's dtype, not in FP8,
+as the adapters multiply them.
 
 Tensor parallelism: a column-parallel layer keeps A whole and its rank's rows of each B; a
 row-parallel one its rank's columns of A and all of B, so its partial sums add up over the

@@ -45,6 +45,7 @@ from aserve.quant.int_checkpoints import CodesTensor
 from aserve.quant.native import KernelTensors, Scratch
 
 if TYPE_CHECKING:
+    from aserve.lora.layers import LoraRows
     from aserve.models.cpu_decode import DecodeStack
 
 
@@ -173,11 +174,11 @@ def _norm_class(config: ModelConfig) -> type[RMSNorm]:
     return Float32RMSNorm if config.norms_in_float32 else RMSNorm
 
 
-def use_fp8_activations(model: nn.Module) -> None:
+def use_fp8_activations(model: nn.Module, adapters: LoraRows | None = None) -> None:
     """Where an FP8 weight follows a norm, have the norm write FP8 rows with their scales
     (quant/fp8_cuda.py) instead of bf16 rows that the product would quantize in a kernel of
     its own: two of a layer's four quantization kernels go. CUDA only; batches of one row
-    keep bf16 for the one-row GEMV."""
+    keep bf16 for the one-row GEMV, and steps of LoRA `adapters` too."""
     from aserve.quant import fp8_cuda
 
     def takes_fp8(layer: ColumnParallelLinear | RowParallelLinear) -> bool:
@@ -192,9 +193,11 @@ def use_fp8_activations(model: nn.Module) -> None:
             continue
         if takes_fp8(module.self_attn.qkv_proj):
             module.input_layernorm.fp8_norm = fp8_cuda.norm_fp8
+            module.input_layernorm.adapters = adapters
         mlp = module.mlp
         if isinstance(mlp, DecoderMLP) and takes_fp8(mlp.gate_up_proj):
             module.post_attention_layernorm.fp8_norm = fp8_cuda.norm_fp8
+            module.post_attention_layernorm.adapters = adapters
 
 
 def _fused_norm_rope_store(ops: FusedOps | None, head_dim: int) -> Callable[..., None] | None:
