@@ -281,6 +281,36 @@ def render_perplexity(lines: list[dict]) -> str:
     return PERPLEXITY_HEADER + "\n".join(rows) + "\n"
 
 
+LORA_HEADER = """
+## LoRA adapters
+
+From `python bench/lora.py`: one offline workload (`n` sequences, prompt and output lengths
+drawn in the ranges, greedy, equal token totals) on one model three ways, one engine after
+the other in one process: no adapters; random adapters of `rank` on all seven projections
+loaded, every request on the model; every request on an adapter, spread over them. Then one
+stream (1,000-token prompt, 256 tokens), the model or an adapter.
+
+| date | model | device | commit | adapters x rank | workload | mode | tok/s | one stream ms/token \
+| note |
+|---|---|---|---|---|---|---|---|---|---|
+"""
+
+
+def render_lora(lines: list[dict]) -> str:
+    if not lines:
+        return ""
+    rows = []
+    for x in lines:
+        s = x["settings"]
+        workload = f"{s['n']} x in {s['in'][0]}-{s['in'][1]} out {s['out'][0]}-{s['out'][1]}"
+        rows.append(
+            f"| {x['date']} | {x['model']} | {x['device']} | {x['commit']} | "
+            f"{s['adapters']} x {s['rank']} | {workload} | {s['mode']} | {x['tok_s']:,.1f} | "
+            f"{x['single_ms']:.2f} | {x.get('note', '')} |"
+        )
+    return LORA_HEADER + "\n".join(rows) + "\n"
+
+
 STARTUP_HEADER = """
 ## GPU start-up
 
@@ -319,11 +349,13 @@ def main() -> None:
     startup = [x for x in lines if x["bench"] == "startup"]
     embed = [x for x in lines if x["bench"] in ("embed", "classify")]
     speculative = [x for x in lines if x["bench"] == "speculative"]
+    lora = [x for x in lines if x["bench"] == "lora"]
     text = (
         render(offline)
         + render_latency(latency)
         + render_embed(embed)
         + render_speculative(speculative)
+        + render_lora(lora)
         + render_perplexity(perplexity)
         + render_trace(trace)
         + render_serving(serving)

@@ -426,3 +426,29 @@ def test_adapter_on_fp8_weights(wide_llama: dict[str, Path], make_llm: Callable[
     assert sum(a.token_ids[0] == b.token_ids[0] for a, b in zip(ours, theirs)) >= 2
     plain = make_llm(wide_llama["base"], quantization="fp8", **options).generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in fp8.generate(PROMPTS, GREEDY)] == [o.token_ids for o in plain]
+
+
+def test_native_generate_takes_sglangs_lora_path(server: ServerProcess, served: LLM) -> None:
+    """SGLang's /generate: `lora_path` names the adapter of every prompt or of each (null:
+    the model); an unknown one is a 400 naming the field."""
+
+    async def generate(body: dict) -> tuple[int, object]:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{server.base_url}/generate", json=body) as response:
+                return response.status, await response.json()
+
+    sampling = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    status, replies = asyncio.run(
+        generate(
+            {"input_ids": PROMPTS, "sampling_params": sampling, "lora_path": ["qv", None, "every"]}
+        )
+    )
+    assert status == 200, replies
+    expected = served.generate(PROMPTS, GREEDY, lora=["qv", None, "every"])
+    assert [r["output_ids"] for r in replies] == [o.token_ids for o in expected]
+    status, reply = asyncio.run(
+        generate({"input_ids": PROMPTS[0], "sampling_params": sampling, "lora_path": "every"})
+    )
+    assert reply["output_ids"] == served.generate(PROMPTS[:1], GREEDY, lora="every")[0].token_ids
+    status, reply = asyncio.run(generate({"input_ids": [5], "lora_path": "nope"}))
+    assert status == 400 and reply["error"]["param"] == "lora_path"

@@ -190,6 +190,8 @@ class Completions:
                 native.prompts, prompts, native.rids, native.image_sources, strict=True
             ):
                 parsed = self._scored_from(native, parsed, prompt)
+                adapter = self.state.adapter_of(parsed.model, "lora_path")
+                parsed = dataclasses.replace(parsed, adapter=adapter)
                 if sources:
                     tokenizer = require_tokenizer(runtime)
                     images = await image_pixels(runtime, tokenizer, sources, "image_data")

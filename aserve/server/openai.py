@@ -589,7 +589,9 @@ def parse_generate(raw: bytes, defaults: SamplingDefaults) -> NativeRequest:
     sampling = request.sampling_params or protocol.GenerateSampling()
     samplings = sampling if isinstance(sampling, list) else [sampling] * count
     rids = [request.rid] if isinstance(request.rid, str) else request.rid or [None] * count
-    for name, values in (("sampling_params", samplings), ("rid", rids)):
+    lora = request.lora_path
+    adapters = lora if isinstance(lora, list) else [lora or ""] * count
+    for name, values in (("sampling_params", samplings), ("rid", rids), ("lora_path", adapters)):
         if len(values) != count:
             raise APIError(
                 f"'{name}' lists {len(values)} entries for {count} prompt(s): give one each",
@@ -600,7 +602,10 @@ def parse_generate(raw: bytes, defaults: SamplingDefaults) -> NativeRequest:
     logprobs = bool(request.return_logprob)
     top = (request.top_logprobs_num or 0) if logprobs else 0
     prompts = [
-        _native_prompt(fields, defaults, logprobs, top, texts[i : i + 1], token_ids[i : i + 1])
+        dataclasses.replace(
+            _native_prompt(fields, defaults, logprobs, top, texts[i : i + 1], token_ids[i : i + 1]),
+            model=adapters[i] or "",
+        )
         for i, fields in enumerate(samplings)
     ]
     start = -1 if request.logprob_start_len is None else request.logprob_start_len

@@ -732,6 +732,13 @@ class GenerateRequest(Strict):
     )
     top_logprobs_num: TopLogprobs | None = None
     return_text_in_logprobs: bool | None = None
+    lora_path: (
+        NonEmptyText | Annotated[list[NonEmptyText | None], Field(min_length=1)]
+    ) | None = Field(
+        None,
+        description="SGLang's: the LoRA adapter (its --lora-modules name) of every prompt, or "
+        "a list with one (or null: the model) per prompt",
+    )
     image_data: (
         NonEmptyText
         | Annotated[list[NonEmptyText | list[NonEmptyText] | None], Field(min_length=1)]

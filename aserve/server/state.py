@@ -92,7 +92,7 @@ class ServerState:
         """The LoRA adapters served beside the model (`--lora-modules`), id 1 first."""
         return [name for name, _ in self.config.engine.lora_modules]
 
-    def adapter_of(self, name: str) -> int:
+    def adapter_of(self, name: str, param: str = "model") -> int:
         """The LoRA adapter a request's `model` names (its id), or 0 for the model itself. A
         request may leave the model out; SGLang's router, which sends every request through
         its own typed schema, fills an omitted one with its placeholder name."""
@@ -105,7 +105,7 @@ class ServerState:
         raise APIError(
             f"model '{name}' does not exist; this server serves {served}",
             400,
-            param="model",
+            param=param,
             code="model_not_found",
         )
 
