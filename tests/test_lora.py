@@ -452,3 +452,32 @@ def test_native_generate_takes_sglangs_lora_path(server: ServerProcess, served: 
     assert reply["output_ids"] == served.generate(PROMPTS[:1], GREEDY, lora="every")[0].token_ids
     status, reply = asyncio.run(generate({"input_ids": [5], "lora_path": "nope"}))
     assert status == 400 and reply["error"]["param"] == "lora_path"
+
+
+@pytest.mark.parametrize(("parts", "rank", "tokens"), [(3, 16, 5), (1, 8, 1), (2, 32, 3)])
+def test_gathered_kernels_equal_the_dense_products(parts: int, rank: int, tokens: int) -> None:
+    """The Triton shrink and expand (each token its own adapter's matrices; on CPU under
+    Triton's interpreter) against the dense form: a one-hot over every adapter's product.
+    Tokens of no adapter keep the base output bit for bit."""
+    pytest.importorskip("triton", reason="Triton is not installed (it comes with xgrammar)")
+    from aserve.lora.layers import LoraRows, LoraWeights
+    from aserve.lora.triton_ops import add_lora
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    generator = torch.Generator().manual_seed(parts * rank)
+    slots, k = 3, 200
+    sizes = [96, 32, 32][:parts]
+    offsets = [sum(sizes[:i]) for i in range(parts)]
+    a = torch.randn(parts * slots * rank, k, generator=generator).half().to(device)
+    b = torch.randn(sum(sizes), slots, rank, generator=generator).half().to(device)
+    x = torch.randn(tokens, k, generator=generator).half().to(device)
+    y = torch.randn(tokens, sum(sizes), generator=generator).half().to(device)
+    ids = torch.tensor([2, 0, 3, 1, 0][:tokens], device=device)
+    rows = LoraRows(["a", "b", "c"], torch.float32, device)
+    rows.begin(ids)
+    dense = LoraWeights(rows, a.float(), b.float(), offsets).add_to(y.float(), x.float())
+    got = add_lora(y.clone(), x, ids, a, b, offsets)
+    torch.testing.assert_close(got.float(), dense, atol=2e-2, rtol=2e-3)
+    plain = ids == 0
+    assert torch.equal(got[plain], y[plain])
+    assert not torch.equal(got[~plain], y[~plain])

@@ -1,17 +1,18 @@
 """LoRA adapters on the model's linear layers, many adapters in one batch.
 
 Every adapter stays resident. A layer stacks its adapters' matrices: A as
-`[parts * adapters * rank, in]` (parts: the fused layer's Q, K and V, or gate and up), one B
-`[out, adapters * rank]` a part, the rank the largest adapter's (smaller ones padded with
-zeros, which add nothing). A step multiplies its tokens by every adapter's A, zeroes the
-columns of the adapters a token does not take (a one-hot of the step's adapter ids), and adds
-the product with B to the base layer's output. That costs two thin products a layer whatever
-mix of adapters a batch holds, needs no gather and no kernel of its own, and gives a token of
-the base model exactly the base layer's output (its columns are all zero). The ranks of
-adapters summed over a layer stay small next to the layer's width, so this serves a handful of
-adapters; many more would want grouped products (vLLM's Punica kernels).
+`[parts * adapters * rank, in]` (parts: the fused layer's Q, K and V, or gate and up), B as
+`[out, adapters, rank]`, the rank the largest adapter's rounded up to a power of two (smaller
+ones padded with zeros, which add nothing). On CUDA, up to `GATHERED_TOKENS` tokens (decode
+steps, short prefills) take their own adapter's matrices by its id in two Triton kernels a
+layer (lora/triton_ops.py). Larger steps, and every step on CPU, multiply their tokens by
+every adapter's A, zero the columns of the adapters a token does not take (a one-hot of the
+step's adapter ids) and add the product with B a part: cuBLAS's or MKL's products, which
+cost little next to the layer's own at those sizes. Either way a token of the base model
+gets exactly the base layer's output (nothing is added to it). The adapters' ranks summed
+over a layer stay small next to its width, so the dense form serves a handful of adapters.
 
-A step where no token takes an adapter leaves `LoraRows.onehot` None and the layers run as
+A step where no token takes an adapter leaves `LoraRows.ids` None and the layers run as
 they do without adapters (their CUDA graphs, the CPU's C++ decode layers, fused kernels); one
 that has such tokens runs through the plain modules, decode steps in CUDA graphs of their own
 (engine/graph.py). There FP8 weights take the norms' rows in the model's dtype, not in FP8,
@@ -34,51 +35,74 @@ from aserve.config import ConfigError
 from aserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from aserve.lora.adapter import Adapter
 
+# Up to this many tokens a step on CUDA, each token multiplies its own adapter's matrices
+# (lora/triton_ops.py); past it, the dense products below.
+GATHERED_TOKENS = 256
+
 
 class LoraRows:
-    """Which adapter each token of the step being run takes, as the layers read it:
-    `onehot` `[tokens, adapters]` in the model's dtype (adapter ids count from 1; 0 is the
-    base model), or None in a step without adapter tokens."""
+    """Which adapter each token of the step being run takes, as the layers read it: `ids`
+    `[tokens]` (adapter ids count from 1; 0 is the base model), or None in a step without
+    adapter tokens."""
 
     def __init__(self, names: Sequence[str], dtype: torch.dtype, device: torch.device) -> None:
         self.names = list(names)
         self.dtype = dtype
         self._labels = torch.arange(1, len(names) + 1, device=device)
-        self.onehot: torch.Tensor | None = None
+        self.ids: torch.Tensor | None = None
+        self._onehot: torch.Tensor | None = None
 
     def begin(self, adapter_ids: torch.Tensor) -> None:
-        """The step's adapter id of each token (a comparison, no host sync)."""
-        self.onehot = (adapter_ids[:, None] == self._labels[None, :]).to(self.dtype)
+        self.ids = adapter_ids
+        self._onehot = None
 
     def end(self) -> None:
-        self.onehot = None
+        self.ids = self._onehot = None
+
+    def onehot(self) -> torch.Tensor:
+        """`[tokens, adapters]` in the model's dtype, made once a step (a comparison on the
+        device, no host sync)."""
+        assert self.ids is not None
+        if self._onehot is None:
+            self._onehot = (self.ids[:, None] == self._labels[None, :]).to(self.dtype)
+        return self._onehot
 
 
 class LoraWeights:
-    """A layer's stacked adapters (see the module's docstring)."""
+    """A layer's stacked adapters (see the module's docstring): `a` `[parts * adapters *
+    rank, in]`, `b` `[out, adapters, rank]` (every part's rows, at `offsets`)."""
 
     def __init__(
-        self, rows: LoraRows, a: torch.Tensor, b: list[torch.Tensor], offsets: list[int]
+        self, rows: LoraRows, a: torch.Tensor, b: torch.Tensor, offsets: list[int]
     ) -> None:
         self.rows = rows
         self.a = a
         self.b = b
         self.offsets = offsets
+        ends = [*offsets[1:], b.shape[0]]
+        self._parts = [b[start:end].flatten(1) for start, end in zip(offsets, ends, strict=True)]
 
     @property
     def active(self) -> bool:
-        return self.rows.onehot is not None
+        return self.rows.ids is not None
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """`y` (the base layer's output for input `x`) plus each token's adapter's product,
         in place; `y` itself where the step has no adapter tokens."""
-        onehot = self.rows.onehot
-        if onehot is None:
+        ids = self.rows.ids
+        if ids is None:
             return y
-        tokens, parts = x.shape[0], len(self.b)
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        if x.is_cuda and x.shape[0] <= GATHERED_TOKENS:
+            from aserve.lora.triton_ops import add_lora
+
+            return add_lora(y, x, ids, self.a, self.b, self.offsets)
+        onehot = self.rows.onehot()
+        tokens, parts = x.shape[0], len(self._parts)
         xa = F.linear(x, self.a).view(tokens, parts, onehot.shape[1], -1)
         xa = (xa * onehot[:, None, :, None]).view(tokens, parts, -1)
-        for part, (b, offset) in enumerate(zip(self.b, self.offsets, strict=True)):
+        for part, (b, offset) in enumerate(zip(self._parts, self.offsets, strict=True)):
             y.narrow(-1, offset, b.shape[0]).addmm_(xa[:, part], b.t())
         return y
 
@@ -108,7 +132,7 @@ def attach_adapters(
                     )
                 placed.setdefault(layer_name, {}).setdefault(part, {})[slot] = (pair.a, b)
     rows = LoraRows([adapter.name for adapter in adapters], dtype, device)
-    rank = max(adapter.rank for adapter in adapters)
+    rank = 1 << (max(adapter.rank for adapter in adapters) - 1).bit_length()  # a power of 2
     for layer_name, parts in placed.items():
         layer = modules[layer_name]
         weights = (
@@ -118,10 +142,7 @@ def attach_adapters(
         )
         a, b, offsets = weights
         layer.lora = LoraWeights(
-            rows,
-            a.flatten(0, 2).to(device, dtype),
-            [part.flatten(1).to(device, dtype) for part in b],
-            offsets,
+            rows, a.flatten(0, 2).to(device, dtype), torch.cat(b).to(device, dtype), offsets
         )
     return rows
 
