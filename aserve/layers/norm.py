@@ -48,7 +48,7 @@ class RMSNorm(nn.Module):
     def _in_fp8(self, x: torch.Tensor) -> bool:
         if self.fp8_norm is None or x.shape[0] == 1:
             return False
-        return self.adapters is None or self.adapters.onehot is None
+        return self.adapters is None or self.adapters.ids is None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | Fp8Activations:
         if self._in_fp8(x):
