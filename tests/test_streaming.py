@@ -32,9 +32,9 @@ class StandInScheduler:
         self.requests = 0
 
     def make_request(
-        self, prompt_ids: list[int], params: SamplingParams, images: object = None
+        self, prompt_ids: list[int], params: SamplingParams, images: object = None, adapter: int = 0
     ) -> Req:
-        assert not images
+        assert not images and not adapter
         self.requests += 1
         return Req(self.requests, prompt_ids, params, seed=0)
 
