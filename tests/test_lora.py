@@ -473,7 +473,7 @@ def test_gathered_kernels_equal_the_dense_products(parts: int, rank: int, tokens
     x = torch.randn(tokens, k, generator=generator).half().to(device)
     y = torch.randn(tokens, sum(sizes), generator=generator).half().to(device)
     ids = torch.tensor([2, 0, 3, 1, 0][:tokens], device=device)
-    rows = LoraRows(["a", "b", "c"], torch.float32, device)
+    rows = LoraRows(slots, torch.float32, device)
     rows.begin(ids)
     dense = LoraWeights(rows, a.float(), b.float(), offsets).add_to(y.float(), x.float())
     got = add_lora(y.clone(), x, ids, a, b, offsets)

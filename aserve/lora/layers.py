@@ -45,10 +45,9 @@ class LoraRows:
     `[tokens]` (adapter ids count from 1; 0 is the base model), or None in a step without
     adapter tokens."""
 
-    def __init__(self, names: Sequence[str], dtype: torch.dtype, device: torch.device) -> None:
-        self.names = list(names)
+    def __init__(self, count: int, dtype: torch.dtype, device: torch.device) -> None:
         self.dtype = dtype
-        self._labels = torch.arange(1, len(names) + 1, device=device)
+        self._labels = torch.arange(1, count + 1, device=device)
         self.ids: torch.Tensor | None = None
         self._onehot: torch.Tensor | None = None
 
@@ -131,7 +130,7 @@ def attach_adapters(
                         "projections take adapters)"
                     )
                 placed.setdefault(layer_name, {}).setdefault(part, {})[slot] = (pair.a, b)
-    rows = LoraRows([adapter.name for adapter in adapters], dtype, device)
+    rows = LoraRows(len(adapters), dtype, device)
     rank = 1 << (max(adapter.rank for adapter in adapters) - 1).bit_length()  # a power of 2
     for layer_name, parts in placed.items():
         layer = modules[layer_name]
