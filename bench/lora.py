@@ -3,10 +3,11 @@ engine after the other: no adapters; adapters loaded but every request on the mo
 steps keep the CUDA graphs); every request on an adapter, spread over them (those steps run
 eagerly, two thin products a targeted layer). Then one stream, the model against an adapter.
 Adapters are random, of rank `--rank` on the seven projections of every layer, written in
-PEFT's layout for the model's shapes (config.json alone, so `--dummy-weight` works). Token
-totals are equal by construction (`ignore_eos`), and checked.
+PEFT's layout for the model's shapes (read from the loaded model: `--dummy-weight` folders
+and GGUF files work). Token totals are equal by construction (`ignore_eos`), and checked.
 
     python bench/lora.py --model bench/models/llama-3.1-8b --dummy-weight --adapters 4
+    python bench/lora.py --num-seqs 16 --input-len 64 128 --output-len 32 64   # embedded, CPU
 """
 
 from __future__ import annotations
@@ -23,16 +24,14 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from aserve import LLM, SamplingParams  # noqa: E402
+from aserve.config import ModelConfig  # noqa: E402
 from bench.common import new_run_id, random_workload, record  # noqa: E402
 
 
-def write_random_adapter(model: Path, folder: Path, rank: int, seed: int) -> None:
-    """A rank-`rank` adapter on every layer's seven projections of the model in `model`."""
-    config = json.loads((model / "config.json").read_text())
-    hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    kv = config.get("num_key_value_heads", heads) * head_dim
-    inter = config["intermediate_size"]
+def write_random_adapter(config: ModelConfig, folder: Path, rank: int, seed: int) -> None:
+    """A rank-`rank` adapter on every layer's seven projections of a model of `config`."""
+    hidden, heads, head_dim = config.hidden_size, config.num_heads, config.head_dim
+    kv, inter = config.num_kv_heads * head_dim, config.intermediate_size
     shapes = {  # (out, in)
         "self_attn.q_proj": (heads * head_dim, hidden),
         "self_attn.k_proj": (kv, hidden),
@@ -44,14 +43,13 @@ def write_random_adapter(model: Path, folder: Path, rank: int, seed: int) -> Non
     }
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
-    for layer in range(config["num_hidden_layers"]):
+    for layer in range(config.num_layers):
         for module, (out, inputs) in shapes.items():
             key = f"base_model.model.model.layers.{layer}.{module}"
             a = torch.randn(rank, inputs, generator=generator) / inputs**0.5
             tensors[f"{key}.lora_A.weight"] = a.to(torch.bfloat16)
-            tensors[f"{key}.lora_B.weight"] = (
-                torch.randn(out, rank, generator=generator) * 0.01
-            ).to(torch.bfloat16)
+            b = torch.randn(out, rank, generator=generator) * 0.01
+            tensors[f"{key}.lora_B.weight"] = b.to(torch.bfloat16)
     folder.mkdir(parents=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"))
     targets = sorted({module.rpartition(".")[2] for module in shapes})
@@ -72,7 +70,7 @@ def timed(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True)
+    parser.add_argument("--model", help="a folder or a GGUF file (default: the embedded model)")
     parser.add_argument("--dummy-weight", action="store_true")
     parser.add_argument("--adapters", type=int, default=4)
     parser.add_argument("--rank", type=int, default=16)
@@ -84,9 +82,10 @@ def main() -> None:
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
 
-    model = Path(args.model)
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    limit = min(10000, vocab - 1)
+    name = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
+    llm = LLM(args.model, dummy_weight=args.dummy_weight)  # the model alone: the first mode
+    config = llm.runtime.model_config
+    limit = min(10000, config.vocab_size - 1)
     workload = random_workload(
         args.num_seqs, tuple(args.input_len), tuple(args.output_len), 0, limit
     )
@@ -100,21 +99,21 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         folders = {}
-        for i, name in enumerate(names):
-            folders[name] = str(Path(scratch) / name)
-            write_random_adapter(model, Path(folders[name]), args.rank, seed=i)
+        for i, adapter in enumerate(names):
+            folders[adapter] = str(Path(scratch) / adapter)
+            write_random_adapter(config, Path(folders[adapter]), args.rank, seed=i)
         modes = [("no adapters", {}, [None] * len(prompts), None)]
         modes.append(
             ("adapters loaded, requests on the model", folders, [None] * len(prompts), None)
         )
         modes.append((f"requests spread over {len(names)} adapters", folders, spread, names[0]))
         for label, modules, lora, single_lora in modes:
-            llm = LLM(args.model, dummy_weight=args.dummy_weight, lora_modules=modules)
+            if modules:
+                llm = LLM(args.model, dummy_weight=args.dummy_weight, lora_modules=modules)
             timed(llm, prompts[:4], params[:4], lora[:4])  # warm-up
             seconds, tokens = timed(llm, prompts, params, lora)
             one_seconds, one_tokens = timed(llm, single, single_params, [single_lora])
             llm.close()
-            del llm
             torch.cuda.empty_cache()
             ms = 1000 * one_seconds / one_tokens
             rows.append((label, tokens, seconds, ms))
@@ -127,11 +126,9 @@ def main() -> None:
                     "in": list(args.input_len),
                     "out": list(args.output_len),
                 }
-                record(
-                    "lora", "aserve", model.name, settings, tokens, seconds, run_id, single_ms=ms
-                )
+                record("lora", "aserve", name, settings, tokens, seconds, run_id, single_ms=ms)
     assert len({tokens for _, tokens, _, _ in rows}) == 1, "token totals differ"
-    print(f"| {model.name}, rank {args.rank} | output tokens | tok/s | one stream ms/token |")
+    print(f"| {name}, rank {args.rank} | output tokens | tok/s | one stream ms/token |")
     print("| --- | --- | --- | --- |")
     for label, tokens, seconds, ms in rows:
         print(f"| {label} | {tokens} | {tokens / seconds:,.1f} | {ms:.2f} |")

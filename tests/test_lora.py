@@ -206,6 +206,28 @@ def test_fused_checkpoint_names_and_partial_rotation(
     assert_same(llm.generate(PROMPTS, GREEDY, lora="fused"), twin.generate(PROMPTS, GREEDY))
 
 
+@pytest.mark.parametrize(
+    "family",
+    ["qwen2", "qwen3", "gemma3", "gemma2", "granite", "olmo2", "smollm3", "glm4", "qwen3_moe"],
+)
+def test_each_family_generates_as_its_merged_twin(
+    tmp_path: Path, make_llm: Callable[..., LLM], family: str
+) -> None:
+    """The families' differences around the projections (Qwen2's QKV bias, Qwen3's Q/K norms,
+    Gemma's sandwich norms and GELU, Granite's multipliers, OLMo 2's post norms, GLM-4's
+    fused gate|up, attention beside Qwen3-MoE's experts) leave an adapter's tokens those of
+    its merged twin."""
+    base = make_tiny_model(family, tmp_path / "base")
+    targets = (*ALL_TARGETS, "gate_up_proj")
+    if family == "qwen3_moe":  # experts take none (refused): attention takes the adapter
+        targets = ("q_proj", "k_proj", "v_proj", "o_proj")
+    deltas = write_adapter(base, tmp_path / "adapter", targets, alpha=4.0)
+    assert deltas
+    twin = make_llm(write_merged(base, tmp_path / "merged", deltas), **OPTIONS)
+    llm = make_llm(base, lora_modules={"a": str(tmp_path / "adapter")}, **OPTIONS)
+    assert_same(llm.generate(PROMPTS, GREEDY, lora="a"), twin.generate(PROMPTS, GREEDY))
+
+
 def test_adapter_on_a_quantized_base(llama: dict[str, Path], make_llm: Callable[..., LLM]) -> None:
     """On int8 base weights (the CPU kernels, their C++ decode layers for base-only steps)
     an adapter's tokens follow its merged twin's, as the int8 model follows the float one."""

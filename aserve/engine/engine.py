@@ -237,6 +237,14 @@ class Engine:
         if config.lora_modules:
             adapters = [read_adapter(*pair, config.max_lora_rank) for pair in config.lora_modules]
             self.adapters = attach_adapters(self.model, adapters, self.device, self.dtype)
+            for adapter in adapters:
+                logger.info(
+                    "LoRA adapter %s: rank %d on %d layers, from %s",
+                    adapter.name,
+                    adapter.rank,
+                    len(adapter.pairs),
+                    adapter.path,
+                )
         self.images = self._image_encoder(model_config, model_dir)
         pooling = read_pooling(model_dir) if config.is_embedding and model_dir else Pooling()
         if pooling != Pooling():
