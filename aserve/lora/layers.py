@@ -50,13 +50,19 @@ class LoraRows:
         self._labels = torch.arange(1, count + 1, device=device)
         self.ids: torch.Tensor | None = None
         self._onehot: torch.Tensor | None = None
+        # on CPU, the adapter id of a step whose every token takes that one (else None)
+        self.single: int | None = None
 
     def begin(self, adapter_ids: torch.Tensor) -> None:
         self.ids = adapter_ids
         self._onehot = None
+        self.single = None
+        if adapter_ids.device.type == "cpu":  # read without a device sync
+            taken = set(adapter_ids.tolist())
+            self.single = taken.pop() if len(taken) == 1 and 0 not in taken else None
 
     def end(self) -> None:
-        self.ids = self._onehot = None
+        self.ids = self._onehot = self.single = None
 
     def onehot(self) -> torch.Tensor:
         """`[tokens, adapters]` in the model's dtype, made once a step (a comparison on the
@@ -80,6 +86,9 @@ class LoraWeights:
         self.offsets = offsets
         ends = [*offsets[1:], b.shape[0]]
         self._parts = [b[start:end].flatten(1) for start, end in zip(offsets, ends, strict=True)]
+        self._alone: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if a.device.type == "cpu":
+            self._alone = self._one_adapter_each(ends)
 
     @property
     def active(self) -> bool:
@@ -97,6 +106,9 @@ class LoraWeights:
             from aserve.lora.triton_ops import add_lora
 
             return add_lora(y, x, ids, self.a, self.b, self.offsets)
+        if self.rows.single is not None:  # two products, where the dense form takes 2 + parts
+            a, b = self._alone[self.rows.single - 1]
+            return y.addmm_(F.linear(x, a), b.t())
         onehot = self.rows.onehot()
         tokens, parts = x.shape[0], len(self._parts)
         xa = F.linear(x, self.a).view(tokens, parts, onehot.shape[1], -1)
@@ -104,6 +116,22 @@ class LoraWeights:
         for part, (b, offset) in enumerate(zip(self._parts, self.offsets, strict=True)):
             y.narrow(-1, offset, b.shape[0]).addmm_(xa[:, part], b.t())
         return y
+
+    def _one_adapter_each(self, ends: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each adapter's A `[parts * rank, in]` and B `[out, parts * rank]`, each part's
+        rows of B in its own columns (zeros elsewhere): a CPU step of one adapter's tokens
+        (a single stream's decode, say) adds its product in two calls, where the op count,
+        not the arithmetic, is the cost of these thin products."""
+        out, slots, rank = self.b.shape
+        parts = len(self.offsets)
+        a = self.a.view(parts, slots, rank, -1)
+        alone = []
+        for slot in range(slots):
+            b = self.b.new_zeros(out, parts, rank)
+            for part, (start, end) in enumerate(zip(self.offsets, ends, strict=True)):
+                b[start:end, part] = self.b[start:end, slot]
+            alone.append((a[:, slot].reshape(parts * rank, -1).contiguous(), b.flatten(1)))
+        return alone
 
 
 def attach_adapters(
