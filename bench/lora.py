@@ -125,6 +125,7 @@ def main() -> None:
                     "n": args.num_seqs,
                     "in": list(args.input_len),
                     "out": list(args.output_len),
+                    "single": [args.single_input, args.single_output],
                 }
                 record("lora", "aserve", name, settings, tokens, seconds, run_id, single_ms=ms)
     assert len({tokens for _, tokens, _, _ in rows}) == 1, "token totals differ"

@@ -288,11 +288,11 @@ From `python bench/lora.py`: one offline workload (`n` sequences, prompt and out
 drawn in the ranges, greedy, equal token totals) on one model three ways, one engine after
 the other in one process: no adapters; random adapters of `rank` on all seven projections
 loaded, every request on the model; every request on an adapter, spread over them. Then one
-stream (1,000-token prompt, 256 tokens), the model or an adapter.
+stream (a prompt of `in` tokens, then `out`), the model or an adapter.
 
-| date | model | device | commit | adapters x rank | workload | mode | tok/s | one stream ms/token \
-| note |
-|---|---|---|---|---|---|---|---|---|---|
+| date | model | device | commit | adapters x rank | workload | mode | tok/s | one stream \
+| one stream ms/token | note |
+|---|---|---|---|---|---|---|---|---|---|---|
 """
 
 
@@ -303,10 +303,11 @@ def render_lora(lines: list[dict]) -> str:
     for x in lines:
         s = x["settings"]
         workload = f"{s['n']} x in {s['in'][0]}-{s['in'][1]} out {s['out'][0]}-{s['out'][1]}"
+        single = f"in {s['single'][0]} out {s['single'][1]}"
         rows.append(
             f"| {x['date']} | {x['model']} | {x['device']} | {x['commit']} | "
             f"{s['adapters']} x {s['rank']} | {workload} | {s['mode']} | {x['tok_s']:,.1f} | "
-            f"{x['single_ms']:.2f} | {x.get('note', '')} |"
+            f"{single} | {x['single_ms']:.2f} | {x.get('note', '')} |"
         )
     return LORA_HEADER + "\n".join(rows) + "\n"
 
