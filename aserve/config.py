@@ -17,6 +17,8 @@ from typing import Any
 
 from aserve.sampling_params import BOUNDS, DEFAULTABLE_FIELDS
 
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+"""What the API calls the embedded default model (no --model, no --served-model-name)."""
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -1136,6 +1138,12 @@ class ServerConfig:
     tool_call_parser: str = "auto"  # how replies write tool calls (server/tool_syntax.py)
     chat_template: str | None = None  # a Jinja template (text) in place of the model's
 
+    @property
+    def model_name(self) -> str:
+        """What the API calls the model: `--served-model-name`, else its path, else the
+        embedded model's name."""
+        return self.served_model_name or self.engine.model_path or EMBEDDED_MODEL_NAME
+
 
 _SHARED_KEYS = {"max_running_requests", "max_prefill_length", "page_size"}
 
@@ -1283,6 +1291,11 @@ def validate(config: ServerConfig) -> None:
     """Refuse option values that cannot work, with a message that names the option."""
     engine, sched = config.engine, config.scheduler
     checks = [
+        (
+            all(name != config.model_name for name, _ in engine.lora_modules),
+            f"--lora-modules: an adapter named {config.model_name!r} takes the model's own "
+            "name; name it otherwise (or set --served-model-name)",
+        ),
         (
             engine.dtype in ("auto", "float16", "bfloat16", "float32"),
             "--dtype must be auto, float16, bfloat16 or float32",

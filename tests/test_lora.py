@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from aserve import LLM, SamplingParams
 from aserve.cli import parse_config
-from aserve.config import ConfigError, lora_module_pairs
+from aserve.config import ConfigError, build_config, lora_module_pairs
 from aserve.engine.step import StepSpec
 from aserve.forward import ForwardMode
 from aserve.lora.adapter import read_adapter
@@ -300,6 +300,15 @@ def test_lora_options() -> None:
     config, _ = parse_config(["--enable-lora", "--lora-paths", "c=/z"])
     assert config.engine.lora_modules == (("c", "/z"),)
     assert lora_module_pairs({"d": "/w"}) == (("d", "/w"),)
+    own_names = (
+        ["--lora-modules", "SmolLM2-135M-Instruct=/x"],
+        ["--served-model-name", "m", "--lora-modules", "m=/x"],
+    )
+    for argv in own_names:  # the embedded model's name, or the served one
+        with pytest.raises(SystemExit):
+            parse_config(argv)
+    with pytest.raises(ConfigError, match="takes the model's own name"):
+        build_config(served_model_name="m", lora_modules=["m=/x"])
     for bad, message in [
         (["x"], "NAME=PATH"),
         (["a=/x", "a=/y"], "twice"),

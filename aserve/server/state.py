@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from aserve.config import ConfigError, ServerConfig
+from aserve.config import ServerConfig
 from aserve.kvcache.pages import PageAllocator
 from aserve.metrics import Metrics, SchedulerSnapshot
 from aserve.runtime import Runtime
@@ -18,7 +18,6 @@ from aserve.server.native import RunningRids
 from aserve.server.openai import APIError
 from aserve.tokenizer import Tokenizer
 
-DEFAULT_NAME = "SmolLM2-135M-Instruct"
 ROUTER_PLACEHOLDER_MODEL = "unknown"
 
 
@@ -37,12 +36,7 @@ class ServerState:
 
     @classmethod
     def create(cls, config: ServerConfig) -> ServerState:
-        name = config.served_model_name or config.engine.model_path or DEFAULT_NAME
-        if any(adapter == name for adapter, _ in config.engine.lora_modules):
-            raise ConfigError(
-                f"--lora-modules: adapter name {name!r} is the model's own name; name it "
-                "otherwise (or set --served-model-name)"
-            )
+        name = config.model_name
         queued = config.max_queued_requests
         capacity = None if queued is None else config.scheduler.max_running_requests + queued
         pace = StreamPace(config.stream_interval)
