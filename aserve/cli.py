@@ -26,7 +26,7 @@ PROCESS_OPTIONS = frozenset(
     {"drain_timeout", "drain_delay", "dp_size", "router_policy", "router_args"}
 )
 # vLLM's flags that aserve's behaviour already has: taken, and nothing to set.
-COMPATIBILITY_FLAGS = frozenset({"enable_auto_tool_choice", "enable_lora"})
+COMPATIBILITY_FLAGS = frozenset({"enable_auto_tool_choice"})
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -132,13 +132,22 @@ def build_parser() -> argparse.ArgumentParser:
     lora.add_argument(
         "--enable-lora",
         action="store_true",
-        help="accepted for vLLM's and SGLang's command lines: --lora-modules turns adapters on",
+        help="also make room for adapters loaded at run time (POST /v1/load_lora_adapter, "
+        "/v1/unload_lora_adapter) on every attention and dense-MLP projection",
+    )
+    lora.add_argument(
+        "--max-loras",
+        type=_positive_int,
+        default=None,
+        help="adapters held at once, every one usable in any batch (default: the "
+        "--lora-modules, or 4 with --enable-lora)",
     )
     lora.add_argument(
         "--max-lora-rank",
         type=_positive_int,
         default=None,
-        help="refuse adapters of a larger rank (default: any)",
+        help="refuse adapters of a larger rank (default: any at start; 16 for adapters "
+        "loaded at run time)",
     )
 
     parallel = p.add_argument_group("parallelism")

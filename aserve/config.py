@@ -1100,6 +1100,15 @@ class EngineConfig:
     hf_overrides: str = ""  # a JSON object merged into config.json (`with_overrides`)
     lora_modules: tuple[tuple[str, str], ...] = ()  # LoRA adapters' (name, folder) pairs
     max_lora_rank: int | None = None  # adapters of a larger rank are refused
+    enable_lora: bool = False  # room for adapters loaded at run time
+    max_loras: int | None = None  # adapter slots (default: --lora-modules', or 4 for room)
+
+    @property
+    def lora_slots(self) -> int:
+        """How many adapters the model holds at once."""
+        if self.max_loras is not None:
+            return self.max_loras
+        return max(len(self.lora_modules), 4 if self.enable_lora else 0)
 
 
 @dataclass(frozen=True)
@@ -1334,6 +1343,11 @@ def validate(config: ServerConfig) -> None:
         (
             engine.max_lora_rank is None or engine.max_lora_rank >= 1,
             "--max-lora-rank must be at least 1",
+        ),
+        (
+            engine.max_loras is None or engine.max_loras >= max(1, len(engine.lora_modules)),
+            f"--max-loras must be at least 1 and hold the {len(engine.lora_modules)} "
+            "--lora-modules",
         ),
         (
             engine.max_seq_len_override is None or engine.max_seq_len_override >= 2,

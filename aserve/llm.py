@@ -136,15 +136,16 @@ class LLM:
         return self._run(ids, params, images, self._adapters(lora, len(ids)))
 
     def _adapters(self, lora: str | Sequence[str | None] | None, count: int) -> list[int]:
-        """`generate`'s and `chat`'s `lora` as adapter ids, one a prompt."""
+        """`generate`'s and `chat`'s `lora` as the adapters' keys, one a prompt."""
         names = [lora] * count if lora is None or isinstance(lora, str) else list(lora)
         if len(names) != count:
             raise ValueError(f"{len(names)} adapters for {count} prompts")
-        served = [name for name, _ in self.config.engine.lora_modules]
+        slots = self.runtime.engine.adapters
+        served = {} if slots is None else slots.names
         for name in names:
             if name is not None and name not in served:
-                raise ValueError(f"no LoRA adapter {name!r}: this LLM has {served or 'none'}")
-        return [0 if name is None else served.index(name) + 1 for name in names]
+                raise ValueError(f"no LoRA adapter {name!r}: this LLM has {list(served) or 'none'}")
+        return [0 if name is None else served[name] for name in names]
 
     def embed(
         self, prompts: Prompt | Sequence[Prompt], truncate_prompt_tokens: int | None = None

@@ -166,7 +166,7 @@ def test_prefix_cache_is_shared_only_within_an_adapter(served: LLM) -> None:
     req = Req(rid=0, prompt_ids=[], params=GREEDY, seed=0)
     keys = set()
     for adapter in range(3):
-        req.adapter = adapter
+        req.adapter_key = adapter
         keys.add(tuple(req.cache_key([7, 8])))
     assert len(keys) == 3 and (7, 8) in keys
 
@@ -287,7 +287,7 @@ def test_unusable_adapters_are_refused_at_start(llama: dict[str, Path], tmp_path
 def test_adapters_on_experts_are_refused(tmp_path: Path) -> None:
     base = make_tiny_model("qwen3_moe", tmp_path / "moe", overrides={"mlp_only_layers": []})
     write_adapter(base, tmp_path / "experts", ("gate_proj",))
-    with pytest.raises(ConfigError, match="only attention's and dense MLPs' projections"):
+    with pytest.raises(ConfigError, match="attention's and dense MLPs' projections do"):
         LLM(str(base), lora_modules={"x": str(tmp_path / "experts")}, **OPTIONS)
 
 
@@ -512,3 +512,95 @@ def test_gathered_kernels_equal_the_dense_products(parts: int, rank: int, tokens
     plain = ids == 0
     assert torch.equal(got[plain], y[plain])
     assert not torch.equal(got[~plain], y[~plain])
+
+
+@pytest.fixture(scope="module")
+def roomy_server(
+    llama: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """A server with room for two adapters (`--enable-lora --max-loras 2`), one taken at
+    start."""
+    write_word_tokenizer(llama["base"], 320)
+    cache = cache_sharing_kernels(tmp_path_factory.mktemp("roomy"))
+    args = ["--model", str(llama["base"]), "--served-model-name", "tiny", "--device", "cpu"]
+    args += ["--enable-lora", "--max-loras", "2", "--lora-modules", f"every={llama['every']}"]
+    yield from serving(ServerProcess(args, env={"ASERVE_CACHE_DIR": str(cache)}))
+
+
+async def _post(url: str, body: dict) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url, json=body) as response:
+            return response.status, await response.json()
+
+
+def test_adapters_load_and_unload_at_run_time(
+    roomy_server: ServerProcess, server: ServerProcess, served: LLM, llama: dict[str, Path]
+) -> None:
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (and SGLang's paths): a
+    loaded adapter serves its tokens (those of the same adapter given at start elsewhere);
+    a full server, a taken name, an unknown one and a server without --enable-lora are
+    refused; an unloaded adapter's name is a 400, and an adapter loaded into its slot after
+    takes nothing of its prefix cache."""
+    url = roomy_server.base_url
+
+    def post(path: str, body: dict) -> tuple[int, dict]:
+        return asyncio.run(_post(url + path, body))
+
+    def tokens(model: str) -> list[int]:
+        body = {"model": model, "prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0}
+        body |= {"ignore_eos": True, "return_token_ids": True}
+        status, reply = post("/v1/completions", body)
+        assert status == 200, reply
+        return reply["choices"][0]["token_ids"]
+
+    expected = {
+        name: served.generate([PROMPTS[2]], GREEDY, lora=name)[0].token_ids
+        for name in ("every", "qv")
+    }
+    assert tokens("every") == expected["every"]
+    qv = {"lora_name": "qv", "lora_path": str(llama["qv"])}
+    status, reply = post("/v1/load_lora_adapter", qv)
+    assert status == 200 and set(reply["loaded_adapters"]) == {"every", "qv"}, reply
+    assert tokens("qv") == expected["qv"]  # its prompt's KV now cached under its key
+    third = {"lora_name": "more", "lora_path": str(llama["every"])}
+    status, reply = post("/load_lora_adapter", third)
+    assert status == 400 and "slots are taken" in reply["error"]["message"]
+    status, reply = post("/v1/load_lora_adapter", {"lora_name": "qv", "lora_path": "/x"})
+    assert status == 400 and "loaded already" in reply["error"]["message"]
+    assert post("/v1/unload_lora_adapter", {"lora_name": "nope"})[0] == 404
+    status, reply = post("/unload_lora_adapter", {"lora_name": "qv"})
+    assert status == 200 and set(reply["loaded_adapters"]) == {"every"}
+    status, reply = post("/v1/completions", {"model": "qv", "prompt": [5], "max_tokens": 1})
+    assert status == 400 and reply["error"]["code"] == "model_not_found"
+    # the every adapter again, in qv's old slot: nothing of qv's cached prompt is taken
+    assert post("/v1/load_lora_adapter", third)[0] == 200
+    assert tokens("more") == expected["every"]
+    status, reply = asyncio.run(_post(server.base_url + "/v1/load_lora_adapter", third))
+    assert status == 400 and "--enable-lora" in reply["error"]["message"]
+
+
+def test_a_request_whose_adapter_went_is_refused(
+    llama: dict[str, Path], served: LLM, make_llm: Callable[..., LLM]
+) -> None:
+    """A request made for an adapter that is unloaded before its submission fails there; an
+    adapter put into the emptied slot has a key of its own (and its tokens)."""
+    every = {"every": str(llama["every"])}
+    llm = make_llm(llama["base"], enable_lora=True, max_loras=2, lora_modules=every, **OPTIONS)
+    slots = llm.runtime.engine.adapters
+    assert slots is not None and slots.rank == 16
+    assert len(slots.layers) == 2 * 4  # qkv, o, gate|up and down of both layers
+    key = slots.names["every"]
+    req = llm.scheduler.make_request(PROMPTS[0], GREEDY, None, key)
+    assert llm.scheduler.check_request(req) is None
+    slots.remove("every")
+    assert llm.scheduler.check_request(req) == "the LoRA adapter of this request has been unloaded"
+    with pytest.raises(ValueError, match="unloaded"):
+        llm.scheduler.make_request(PROMPTS[0], GREEDY, None, key)
+    again = slots.place(read_adapter("again", llama["every"]))
+    assert again != key and slots.slot_of(again) == req.adapter
+    assert llm.scheduler.check_request(req) is not None
+    expected = served.generate(PROMPTS, GREEDY, lora="every")
+    assert_same(llm.generate(PROMPTS, GREEDY, lora="again"), expected)
+    with pytest.raises(ConfigError, match="rank 32; this server holds rank 16"):
+        write_adapter(llama["base"], llama["base"].parent / "wide_rank", ("o_proj",), rank=32)
+        slots.place(read_adapter("wide", llama["base"].parent / "wide_rank"))

@@ -52,7 +52,7 @@ from aserve.layers.fused import fused_ops
 from aserve.layers.linear import pack_linear_weights, use_one_row_kernel
 from aserve.layers.moe import QuantizedExperts
 from aserve.lora.adapter import read_adapter
-from aserve.lora.layers import LoraRows, attach_adapters
+from aserve.lora.layers import AdapterSlots, make_adapter_slots
 from aserve.models.cpu_decode import use_decode_stacks
 from aserve.models.decoder import use_fp8_activations
 from aserve.models.multimodal import decoder_weights, language_model_weights
@@ -233,10 +233,18 @@ class Engine:
                 weights = pair_int_weights(weights, model_config.int_scheme, as_float)
             self.model.load_weights(weights)
         self.model.finalize_quantized(self.device, self.dtype)
-        self.adapters: LoraRows | None = None  # LoRA adapters' ids and the step's rows
-        if config.lora_modules:
+        self.adapters: AdapterSlots | None = None  # LoRA adapters, and each step's rows
+        if config.lora_modules or config.enable_lora:
             adapters = [read_adapter(*pair, config.max_lora_rank) for pair in config.lora_modules]
-            self.adapters = attach_adapters(self.model, adapters, self.device, self.dtype)
+            self.adapters = make_adapter_slots(
+                self.model,
+                adapters,
+                self.device,
+                self.dtype,
+                config.lora_slots,
+                config.max_lora_rank,
+                every_layer=config.enable_lora,
+            )
             for adapter in adapters:
                 logger.info(
                     "LoRA adapter %s: rank %d on %d layers, from %s",
@@ -260,7 +268,8 @@ class Engine:
         if ops is not None and self.device.type == "cuda":
             use_one_row_kernel(self.model)
             if model_config.quantization == "fp8":
-                use_fp8_activations(self.model, self.adapters)
+                rows = None if self.adapters is None else self.adapters.rows
+                use_fp8_activations(self.model, rows)
         if self.device.type == "cpu":
             pack_linear_weights(self.model)
             self.model.pack_lm_head(None if config.dummy_weight else model_dir)
@@ -694,9 +703,8 @@ class Engine:
         if not isinstance(decode, FlashInferBackend):
             logger.info("CUDA graphs are off: they need the FlashInfer decode backend")
             return None
-        return DecodeGraphs(
-            self.model, decode, self.page_table, max_bs, self.max_seq_len, self.adapters
-        )
+        rows = None if self.adapters is None else self.adapters.rows
+        return DecodeGraphs(self.model, decode, self.page_table, max_bs, self.max_seq_len, rows)
 
     def describe(self) -> str:
         """The start-up summary users look for: model, dtype, device, KV size and memory."""
@@ -763,11 +771,11 @@ class Engine:
         if batch.adapter_ids is None:
             return self._run_model(batch, attn)
         assert self.adapters is not None and batch.adapter_ids is not None
-        self.adapters.begin(batch.adapter_ids)
+        self.adapters.rows.begin(batch.adapter_ids)
         try:
             return self._run_model(batch, attn)
         finally:
-            self.adapters.end()
+            self.adapters.rows.end()
 
     def _run_model(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """A classifier's logits, an embedding server's embeddings, else the LM's logits

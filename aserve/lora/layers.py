@@ -18,6 +18,11 @@ that has such tokens runs through the plain modules, decode steps in CUDA graphs
 (engine/graph.py). There FP8 weights take the norms' rows in the model's dtype, not in FP8,
 as the adapters multiply them.
 
+Adapters sit in slots (`AdapterSlots`): those of `--lora-modules` from the start, and with
+`--enable-lora` room for `--max-loras` of rank up to `--max-lora-rank` on every attention
+and dense-MLP projection, which adapters loaded at run time fill and unloading empties (in
+place: the CUDA graphs keep reading the same tensors).
+
 Tensor parallelism: a column-parallel layer keeps A whole and its rank's rows of each B; a
 row-parallel one its rank's columns of A and all of B, so its partial sums add up over the
 ranks with the base layer's.
@@ -25,7 +30,8 @@ ranks with the base layer's.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -88,7 +94,7 @@ class LoraWeights:
         self._parts = [b[start:end].flatten(1) for start, end in zip(offsets, ends, strict=True)]
         self._alone: list[tuple[torch.Tensor, torch.Tensor]] = []
         if a.device.type == "cpu":
-            self._alone = self._one_adapter_each(ends)
+            self._alone = [self._one_adapter(slot) for slot in range(b.shape[1])]
 
     @property
     def active(self) -> bool:
@@ -117,86 +123,200 @@ class LoraWeights:
             y.narrow(-1, offset, b.shape[0]).addmm_(xa[:, part], b.t())
         return y
 
-    def _one_adapter_each(self, ends: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each adapter's A `[parts * rank, in]` and B `[out, parts * rank]`, each part's
-        rows of B in its own columns (zeros elsewhere): a CPU step of one adapter's tokens
-        (a single stream's decode, say) adds its product in two calls, where the op count,
-        not the arithmetic, is the cost of these thin products."""
+    def write(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Put an adapter in `slot` (0-based): `parts` maps a part to its A `[r, in]` and
+        B `[part's outputs, r]` (this rank's shares); the parts it lacks, and the ranks past
+        its own, are zeros. An empty `parts` empties the slot."""
+        a, b = self.a.view(len(self.offsets), self.b.shape[1], self.b.shape[2], -1), self.b
+        a[:, slot].zero_()
+        b[:, slot].zero_()
+        for part, (a_part, b_part) in parts.items():
+            rank, start = a_part.shape[0], self.offsets[part]
+            a[part, slot, :rank].copy_(a_part)
+            b[start : start + b_part.shape[0], slot, :rank].copy_(b_part)
+        if self._alone:
+            self._alone[slot] = self._one_adapter(slot)
+
+    def _one_adapter(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The adapter in `slot` as A `[parts * rank, in]` and B `[out, parts * rank]`, each
+        part's rows of B in its own columns (zeros elsewhere): a CPU step of one adapter's
+        tokens (a single stream's decode, say) adds its product in two calls, where the op
+        count, not the arithmetic, is the cost of these thin products."""
         out, slots, rank = self.b.shape
         parts = len(self.offsets)
-        a = self.a.view(parts, slots, rank, -1)
-        alone = []
-        for slot in range(slots):
-            b = self.b.new_zeros(out, parts, rank)
-            for part, (start, end) in enumerate(zip(self.offsets, ends, strict=True)):
-                b[start:end, part] = self.b[start:end, slot]
-            alone.append((a[:, slot].reshape(parts * rank, -1).contiguous(), b.flatten(1)))
-        return alone
+        a = self.a.view(parts, slots, rank, -1)[:, slot].reshape(parts * rank, -1)
+        b = self.b.new_zeros(out, parts, rank)
+        ends = [*self.offsets[1:], out]
+        for part, (start, end) in enumerate(zip(self.offsets, ends, strict=True)):
+            b[start:end, part] = self.b[start:end, slot]
+        return a.contiguous(), b.flatten(1)
 
 
-def attach_adapters(
-    model: nn.Module, adapters: Sequence[Adapter], device: torch.device, dtype: torch.dtype
-) -> LoraRows:
-    """Give each linear layer of `model` that an adapter targets its `LoraWeights` (adapter
-    i gets id i + 1); returns the rows object the engine sets each step. The model places a
-    checkpoint layer's B rows (`lora_targets`: fused projections, rows it reorders)."""
-    targets = getattr(model, "lora_targets", None)
-    architecture = type(model).__name__
-    if targets is None:
-        raise ConfigError(f"LoRA adapters: {architecture} takes none")
+# The rank that adapters loaded at run time may have at most, unless --max-lora-rank says
+# (vLLM's default)
+DEFAULT_RUNTIME_RANK = 16
+# The layers that adapters loaded at run time may target (`--enable-lora`), by name.
+ADAPTABLE = re.compile(r"(^|\.)layers\.\d+\.(self_attn\.(qkv|o)_proj|mlp\.(gate_up|down)_proj)$")
+
+Placement = dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]]
+"""An adapter's matrices by our layer and part: (A, B) as this rank holds them."""
+
+
+class AdapterSlots:
+    """The adapters a model holds: `count` slots of rank `rank` (a power of two) on each
+    layer of `layers`, every slot in every step's products. A slot's adapter has a key of its
+    own, never reused (`keys`), by which requests name it and the prefix cache keeps its KV
+    apart, so a slot emptied and filled again at run time shares nothing with its past."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layers: Sequence[str],
+        count: int,
+        rank: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.model = model
+        self.rank = rank
+        self.rows = LoraRows(count, dtype, device)
+        self.keys = [0] * count  # each slot's adapter's key; 0: empty
+        self.names: dict[str, int] = {}  # adapter name -> key
+        self.paths: dict[str, str] = {}  # adapter name -> its folder
+        self._next_key = 1
+        modules = dict(model.named_modules())
+        self.layers: dict[str, LoraWeights] = {}
+        for name in layers:
+            weights = _empty_weights(modules[name], self.rows, count, rank, device, dtype)
+            modules[name].lora = self.layers[name] = weights
+
+    def place(self, adapter: Adapter) -> int:
+        """Put `adapter` in a free slot; returns its key. A ConfigError (one line) where it
+        cannot go: its name taken, no slot free, its rank too large, a layer it targets not
+        held."""
+        if adapter.name in self.names:
+            raise ConfigError(f"a LoRA adapter named {adapter.name!r} is loaded already")
+        if 0 not in self.keys:
+            raise ConfigError(
+                f"all {len(self.keys)} LoRA adapter slots are taken (--max-loras): unload one first"
+            )
+        if adapter.rank > self.rank:
+            raise ConfigError(
+                f"LoRA adapter {adapter.name!r} has rank {adapter.rank}; this server holds "
+                f"rank {self.rank} at most (--max-lora-rank)"
+            )
+        placement = place_adapter(self.model, adapter, self.layers)
+        slot = self.keys.index(0)
+        for name, weights in self.layers.items():
+            weights.write(slot, placement.get(name, {}))
+        key = self.keys[slot] = self._next_key
+        self._next_key += 1
+        self.names[adapter.name] = key
+        self.paths[adapter.name] = str(adapter.path)
+        return key
+
+    def remove(self, name: str) -> None:
+        """Empty the slot of adapter `name` (no request may still run on it)."""
+        key = self.names.pop(name)
+        del self.paths[name]
+        slot = self.keys.index(key)
+        for weights in self.layers.values():
+            weights.write(slot, {})
+        self.keys[slot] = 0
+
+    def slot_of(self, key: int) -> int:
+        """The slot id (from 1) that holds the adapter of `key`; a ValueError once it is
+        unloaded."""
+        if key not in self.keys:
+            raise ValueError("the LoRA adapter of this request has been unloaded")
+        return self.keys.index(key) + 1
+
+
+def make_adapter_slots(
+    model: nn.Module,
+    adapters: Sequence[Adapter],
+    device: torch.device,
+    dtype: torch.dtype,
+    count: int,
+    rank: int | None = None,
+    every_layer: bool = False,
+) -> AdapterSlots:
+    """`count` slots holding `adapters` (keys 1, 2, ... in order) on the layers they target,
+    or with `every_layer` on every layer adapters may target (room for adapters loaded at
+    run time, of rank `rank` at most)."""
+    if getattr(model, "lora_targets", None) is None:
+        raise ConfigError(f"LoRA adapters: {type(model).__name__} takes none")
     modules = dict(model.named_modules())
-    # layer -> part -> adapter slot -> (A, B rows of the part)
-    placed: dict[str, dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}
-    for slot, adapter in enumerate(adapters):
-        for name, pair in adapter.pairs.items():
-            for layer_name, part, b in targets(name, pair.b):
-                layer = modules.get(layer_name)
-                if not isinstance(layer, ColumnParallelLinear | RowParallelLinear):
-                    raise ConfigError(
-                        f"LoRA adapter {adapter.name!r} targets {name}, which is not a linear "
-                        f"layer of this {architecture} (only attention's and dense MLPs' "
-                        "projections take adapters)"
-                    )
-                placed.setdefault(layer_name, {}).setdefault(part, {})[slot] = (pair.a, b)
-    rows = LoraRows(len(adapters), dtype, device)
-    rank = 1 << (max(adapter.rank for adapter in adapters) - 1).bit_length()  # a power of 2
-    for layer_name, parts in placed.items():
-        layer = modules[layer_name]
-        weights = (
-            _column_weights(layer, parts, len(adapters), rank, layer_name)
-            if isinstance(layer, ColumnParallelLinear)
-            else _row_weights(layer, parts, len(adapters), rank, layer_name)
-        )
-        a, b, offsets = weights
-        layer.lora = LoraWeights(
-            rows, a.flatten(0, 2).to(device, dtype), torch.cat(b).to(device, dtype), offsets
-        )
-    return rows
+    held = set()
+    if every_layer:
+        linear = ColumnParallelLinear | RowParallelLinear
+        held = {n for n, m in modules.items() if ADAPTABLE.search(n) and isinstance(m, linear)}
+    placements = [place_adapter(model, adapter, modules) for adapter in adapters]
+    held |= {name for placement in placements for name in placement}
+    room = rank or (DEFAULT_RUNTIME_RANK if every_layer else 1)
+    largest = max([room, *(adapter.rank for adapter in adapters)])
+    slots = AdapterSlots(model, sorted(held), count, 1 << (largest - 1).bit_length(), device, dtype)
+    for adapter in adapters:
+        slots.place(adapter)
+    return slots
 
 
-Placed = dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]
-
-
-def _column_weights(
-    layer: ColumnParallelLinear, parts: Placed, count: int, rank: int, name: str
-) -> tuple[torch.Tensor, list[torch.Tensor], list[int]]:
-    sizes = layer.local_sizes
-    a = torch.zeros(len(sizes), count, rank, layer.input_size)
-    b = [torch.zeros(size, count, rank) for size in sizes]
-    for part, slots in parts.items():
-        for slot, (a_part, b_part) in slots.items():
-            expected = _checkpoint_rows(layer, part)
-            if a_part.shape[1] != layer.input_size or b_part.shape[0] != expected:
+def place_adapter(model: nn.Module, adapter: Adapter, layers: Mapping[str, object]) -> Placement:
+    """`adapter`'s matrices by our layer (of `layers`) and part, as this rank holds them: the
+    model places a checkpoint layer's B rows (`lora_targets`: fused projections, rows it
+    reorders); shapes are checked against the layer's."""
+    modules = dict(model.named_modules())
+    architecture = type(model).__name__
+    placement: Placement = {}
+    for name, pair in adapter.pairs.items():
+        for layer_name, part, b in model.lora_targets(name, pair.b):
+            layer = modules.get(layer_name)
+            if layer_name not in layers or not isinstance(
+                layer, ColumnParallelLinear | RowParallelLinear
+            ):
                 raise ConfigError(
-                    f"LoRA: {name} (part {part}) takes A [r, {layer.input_size}] and B "
-                    f"[{expected}, r]; the adapter has {tuple(a_part.shape)} and "
-                    f"{tuple(b_part.shape)}: an adapter of another model?"
+                    f"LoRA adapter {adapter.name!r} targets {name}, which is not a linear "
+                    f"layer of this {architecture} that takes adapters (attention's and dense "
+                    "MLPs' projections do)"
                 )
-            r = a_part.shape[0]
-            a[part, slot, :r] = a_part
-            b[part][:, slot, :r] = layer.rank_rows(b_part, part)
-    offsets = [sum(sizes[:part]) for part in range(len(sizes))]
-    return a, b, offsets
+            shares = (
+                _column_shares(layer, part, pair.a, b, layer_name)
+                if isinstance(layer, ColumnParallelLinear)
+                else _row_shares(layer, pair.a, b, layer_name)
+            )
+            placement.setdefault(layer_name, {})[part] = shares
+    return placement
+
+
+def _empty_weights(
+    layer: ColumnParallelLinear | RowParallelLinear,
+    rows: LoraRows,
+    count: int,
+    rank: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> LoraWeights:
+    zeros = {"device": device, "dtype": dtype}
+    if isinstance(layer, ColumnParallelLinear):
+        sizes = layer.local_sizes
+        a = torch.zeros(len(sizes) * count * rank, layer.input_size, **zeros)
+        offsets = [sum(sizes[:part]) for part in range(len(sizes))]
+        return LoraWeights(rows, a, torch.zeros(sum(sizes), count, rank, **zeros), offsets)
+    a = torch.zeros(count * rank, layer.local_input, **zeros)
+    return LoraWeights(rows, a, torch.zeros(layer.output_size, count, rank, **zeros), [0])
+
+
+def _column_shares(
+    layer: ColumnParallelLinear, part: int, a: torch.Tensor, b: torch.Tensor, name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    expected = _checkpoint_rows(layer, part)
+    if a.shape[1] != layer.input_size or b.shape[0] != expected:
+        raise ConfigError(
+            f"LoRA: {name} (part {part}) takes A [r, {layer.input_size}] and B "
+            f"[{expected}, r]; the adapter has {tuple(a.shape)} and {tuple(b.shape)}: an "
+            "adapter of another model?"
+        )
+    return a, layer.rank_rows(b, part)
 
 
 def _checkpoint_rows(layer: ColumnParallelLinear, part: int) -> int:
@@ -208,20 +328,14 @@ def _checkpoint_rows(layer: ColumnParallelLinear, part: int) -> int:
     return rows
 
 
-def _row_weights(
-    layer: RowParallelLinear, parts: Placed, count: int, rank: int, name: str
-) -> tuple[torch.Tensor, list[torch.Tensor], list[int]]:
-    start, width = layer.input_start, layer.local_input
-    a = torch.zeros(1, count, rank, width)
-    b = torch.zeros(layer.output_size, count, rank)
-    for slot, (a_full, b_full) in parts[0].items():
-        if a_full.shape[1] != layer.input_size or b_full.shape[0] != layer.output_size:
-            raise ConfigError(
-                f"LoRA: {name} takes A [r, {layer.input_size}] and B [{layer.output_size}, r]; "
-                f"the adapter has {tuple(a_full.shape)} and {tuple(b_full.shape)}: an adapter "
-                "of another model?"
-            )
-        r = a_full.shape[0]
-        a[0, slot, :r] = a_full[:, start : start + width]
-        b[:, slot, :r] = b_full
-    return a, [b], [0]
+def _row_shares(
+    layer: RowParallelLinear, a: torch.Tensor, b: torch.Tensor, name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if a.shape[1] != layer.input_size or b.shape[0] != layer.output_size:
+        raise ConfigError(
+            f"LoRA: {name} takes A [r, {layer.input_size}] and B [{layer.output_size}, r]; "
+            f"the adapter has {tuple(a.shape)} and {tuple(b.shape)}: an adapter of another "
+            "model?"
+        )
+    start = layer.input_start
+    return a[:, start : start + layer.local_input], b

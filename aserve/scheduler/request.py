@@ -223,9 +223,10 @@ class Req:
     vocabulary that stands for its pixels (models/vision.py); their features replace those
     positions' embeddings as they are prefilled.
 
-    A request of a LoRA adapter (`adapter` > 0) computes KV of its own: its prefix-cache keys
-    (`cache_key`) are its ids moved into the adapter's range, so it shares cached prefixes
-    only with requests of the same adapter.
+    A request of a LoRA adapter (`adapter_key` > 0) computes KV of its own: its prefix-cache
+    keys (`cache_key`) are its ids moved into the adapter's range, so it shares cached
+    prefixes only with requests of the same adapter (an adapter loaded again at run time has
+    a new key).
     """
 
     rid: int
@@ -258,7 +259,8 @@ class Req:
     ngram: Any = None  # speculative/ngram.NgramIndex of its tokens, made when it first drafts
     draft_misses: int = 0  # verify steps in a row that took none of its drafts
     draft_pause: int = 0  # decode steps it goes without drafts (Planner.accept)
-    adapter: int = 0  # its LoRA adapter's id (aserve/lora/; 0: the base model)
+    adapter: int = 0  # the slot of its LoRA adapter (aserve/lora/; 0: the base model)
+    adapter_key: int = 0  # that adapter's key, never reused (0: the base model)
     # prefilled whole in one step, none of it from the prefix cache (an embedding model
     # whose attention runs both ways or whose pooling reads every position: Engine)
     whole_prompt: bool = False
@@ -315,9 +317,9 @@ class Req:
 
     def cache_key(self, ids: list[int]) -> list[int]:
         """`ids` (a prefix of `all_ids`) as the prefix cache keys them."""
-        if not self.adapter:
+        if not self.adapter_key:
             return ids
-        shift = self.adapter << ADAPTER_KEY_SHIFT
+        shift = self.adapter_key << ADAPTER_KEY_SHIFT
         return [token + shift for token in ids]
 
     @property

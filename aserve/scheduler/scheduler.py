@@ -139,19 +139,22 @@ class Scheduler:
         prompt_ids: list[int],
         params: SamplingParams,
         images: list[torch.Tensor] | None = None,
-        adapter: int = 0,
+        adapter_key: int = 0,
     ) -> Req:
         """A request of `prompt_ids`; with `images` (pixels `[3, H, W]` as the checkpoint's
         image processor makes them), each image token of the prompt takes an image's
-        positions (`Engine.expand_images`: a ValueError where they do not pair up); of LoRA
-        adapter `adapter` (its id, 1 for the first of `--lora-modules`) where not 0."""
+        positions (`Engine.expand_images`: a ValueError where they do not pair up); of the
+        LoRA adapter of `adapter_key` where not 0 (a ValueError once it is unloaded)."""
         self._next_rid += 1
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         spans = []
         if images:
             prompt_ids, spans = self.engine.expand_images(prompt_ids, images)
         req = Req(rid=self._next_rid, prompt_ids=list(prompt_ids), params=params, seed=seed)
-        req.adapter = adapter
+        if adapter_key:
+            assert self.engine.adapters is not None
+            req.adapter = self.engine.adapters.slot_of(adapter_key)
+            req.adapter_key = adapter_key
         req.images = spans
         req.whole_prompt = self.engine.whole_prompts
         if spans and spans[0].grid is not None:
@@ -189,6 +192,9 @@ class Scheduler:
                 f"logit_bias names token {biased[-1][0]}, outside the vocabulary "
                 f"[0, {self.vocab_size})"
             )
+        slots = self.engine.adapters
+        if req.adapter_key and (slots is None or slots.keys[req.adapter - 1] != req.adapter_key):
+            return "the LoRA adapter of this request has been unloaded"
         if req.params.constraint is not None and self.grammars is None:
             return "constrained output needs the model's tokenizer, and this model has none"
         first_scored = req.params.prompt_logprobs_from
@@ -198,6 +204,11 @@ class Scheduler:
                 "(the last one's is the latest there is)"
             )
         return None
+
+    def holds_adapter(self, key: int) -> int:
+        """How many requests waiting or running take the LoRA adapter of `key`."""
+        planner = self.planner
+        return sum(req.adapter_key == key for req in (*planner.waiting, *planner.running))
 
     def submit(self, req: Req) -> None:
         problem = self.check_request(req)

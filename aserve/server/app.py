@@ -23,6 +23,7 @@ from aserve.runtime import Runtime
 from aserve.scheduler.plan import ScheduledBatch
 from aserve.scheduler.request import Req
 from aserve.server import openai, protocol
+from aserve.server.adapters import AdapterRoutes, adapter_folders
 from aserve.server.completions import Completions
 from aserve.server.embeddings import Embeddings
 from aserve.server.fleet import FleetRoutes
@@ -194,7 +195,7 @@ class Server:
                 "parent": self.model_name,
                 "max_model_len": runtime.engine.context_length,
             }
-            for name, path in self.state.config.engine.lora_modules
+            for name, path in adapter_folders(runtime).items()
         ]
         return json_response({"object": "list", "data": [card, *adapters]})
 
@@ -265,4 +266,5 @@ class Server:
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/openapi.json", self.openapi)
         FleetRoutes(self.state).add_to(app)
+        AdapterRoutes(self.state).add_to(app)
         return app

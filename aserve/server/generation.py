@@ -43,7 +43,7 @@ class Choice:
     grammar_after: int | None = None  # Req.grammar_after: a reasoning model's </think>
     shown_special_ids: frozenset[int] = frozenset()  # special tokens whose text is kept
     images: list[Any] = field(default_factory=list)  # pixels, one image token of the prompt each
-    adapter: int = 0  # the LoRA adapter's id (0: the model itself)
+    adapter: int = 0  # the LoRA adapter's key (0: the model itself)
     req: Req | None = None
     grammar: Any = None
     completion_tokens: int = 0

@@ -86,7 +86,7 @@ class GenerationRequest:
     harmony: bool = False  # a harmony reply (gpt-oss): split by server/harmony.py
     responses_api: dict[str, Any] | None = None  # /v1/responses: what its reply echoes
     grammar_after: int | None = None  # a constrained reply's grammar starts after this token
-    adapter: int = 0  # the LoRA adapter `model` names (its id; 0: the model itself)
+    adapter: int = 0  # the key of the LoRA adapter `model` names (0: the model itself)
     prompt_field: str = "prompt"  # the field that held the prompt, for errors
     images: list[Any] = field(default_factory=list)  # pixels, one image token of the prompt each
     truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (-1: what fits)

@@ -24,6 +24,7 @@ API_ERRORS = {
     500: "a fault in this request; other requests go on",
     503: "loading, shutting down, or full (--max-queued-requests); see Retry-After",
 }
+NOT_FOUND = {404: "no such thing (an adapter to unload)"}
 
 
 class Operation(NamedTuple):
@@ -150,6 +151,24 @@ OPERATIONS = (
         for path in paths
     ),
     *(
+        Operation("post", path, summary, request, protocol.LoraAdapters, errors=errors)
+        for prefix in ("/v1", "")
+        for path, summary, request, errors in (
+            (
+                f"{prefix}/load_lora_adapter",
+                "Load a LoRA adapter folder at run time (--enable-lora)",
+                protocol.LoadLoraAdapter,
+                tuple(API_ERRORS),
+            ),
+            (
+                f"{prefix}/unload_lora_adapter",
+                "Unload a LoRA adapter no request runs on (404: none of that name)",
+                protocol.UnloadLoraAdapter,
+                (*API_ERRORS, *NOT_FOUND),
+            ),
+        )
+    ),
+    *(
         Operation(
             method,
             "/flush_cache",
@@ -218,7 +237,8 @@ def _responses(op: Operation) -> dict[str, Any]:
     responses: dict[str, Any] = {"200": {"description": "OK", "content": content}}
     error = {"application/json": {"schema": _ref(protocol.ErrorResponse)}}
     for status in op.errors:
-        responses[str(status)] = {"description": API_ERRORS[status], "content": error}
+        description = (API_ERRORS | NOT_FOUND)[status]
+        responses[str(status)] = {"description": description, "content": error}
     return responses
 
 

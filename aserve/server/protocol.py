@@ -977,6 +977,26 @@ class Flushed(BaseModel):
     status: Literal["flushed"]
 
 
+class LoadLoraAdapter(Strict):
+    """vLLM's and SGLang's: load a PEFT adapter folder at run time (`--enable-lora`)."""
+
+    lora_name: NonEmptyText
+    lora_path: NonEmptyText
+
+
+class UnloadLoraAdapter(Strict):
+    """vLLM's and SGLang's: unload an adapter no request runs on."""
+
+    lora_name: NonEmptyText
+
+
+class LoraAdapters(BaseModel):
+    """What a load or unload leaves loaded (SGLang's shape): adapter names and folders."""
+
+    success: Literal[True]
+    loaded_adapters: dict[str, str]
+
+
 class TokenizeResponse(BaseModel):
     tokens: list[int]
     count: int

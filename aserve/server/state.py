@@ -82,19 +82,21 @@ class ServerState:
         return scheduler_snapshot(self.runtime.scheduler)
 
     @property
-    def adapter_names(self) -> list[str]:
-        """The LoRA adapters served beside the model (`--lora-modules`), id 1 first."""
-        return [name for name, _ in self.config.engine.lora_modules]
+    def adapters(self) -> dict[str, int]:
+        """The LoRA adapters served beside the model, by name: their keys (none while the
+        model loads)."""
+        slots = None if self.runtime is None else self.runtime.engine.adapters
+        return {} if slots is None else dict(slots.names)
 
     def adapter_of(self, name: str, param: str = "model") -> int:
-        """The LoRA adapter a request's `model` names (its id), or 0 for the model itself. A
-        request may leave the model out; SGLang's router, which sends every request through
-        its own typed schema, fills an omitted one with its placeholder name."""
+        """The key of the LoRA adapter a request's `model` names, or 0 for the model itself.
+        A request may leave the model out; SGLang's router, which sends every request
+        through its own typed schema, fills an omitted one with its placeholder name."""
         if not name or name == self.model_name or name == ROUTER_PLACEHOLDER_MODEL:
             return 0
-        adapters = self.adapter_names
+        adapters = self.adapters
         if name in adapters:
-            return adapters.index(name) + 1
+            return adapters[name]
         served = ", ".join(f"'{n}'" for n in [self.model_name, *adapters])
         raise APIError(
             f"model '{name}' does not exist; this server serves {served}",
@@ -115,9 +117,10 @@ class ServerState:
                 code="model_not_found",
             )
 
-    def name_of(self, adapter: int) -> str:
-        """What a reply calls the model of adapter id `adapter` (the model's own name for 0)."""
-        return self.adapter_names[adapter - 1] if adapter else self.model_name
+    def name_of(self, adapter_key: int) -> str:
+        """What a reply calls the model of an adapter's key (the model's own name for 0)."""
+        names = {key: name for name, key in self.adapters.items()}
+        return names.get(adapter_key, self.model_name)
 
 
 def require_tokenizer(runtime: Runtime) -> Tokenizer:
