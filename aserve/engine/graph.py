@@ -8,9 +8,9 @@ metadata is planned into a FlashInfer wrapper with static buffers per size. Samp
 outside the graph.
 
 With LoRA adapters each size has a second graph whose layers add the adapters' products
-(aserve/lora/), their one-hot made inside it from a static buffer of the rows' adapter ids
-(pad rows 0: no adapter); steps with adapter rows replay it, the others the plain one, which
-costs them nothing for the adapters.
+(aserve/lora/), reading the rows' adapter ids from a static buffer (pad rows 0: no adapter);
+steps with adapter rows replay it, the others the plain one, which costs them nothing for
+the adapters. Adapters loaded at run time are copied into the tensors both read.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ class DecodeGraphs:
         )
 
     def _capture_adapted(self, size: int, batch: ForwardBatch) -> None:
-        """The graph of `size` with the adapters' products (their one-hot inside it)."""
+        """The graph of `size` with the adapters' products."""
         assert self.adapters is not None
         graph = torch.cuda.CUDAGraph()
         try:
