@@ -190,10 +190,10 @@ class AdapterSlots:
             weights = _empty_weights(modules[name], self.rows, count, rank, device, dtype)
             modules[name].lora = self.layers[name] = weights
 
-    def place(self, adapter: Adapter) -> int:
-        """Put `adapter` in a free slot; returns its key. A ConfigError (one line) where it
-        cannot go: its name taken, no slot free, its rank too large, a layer it targets not
-        held."""
+    def place(self, adapter: Adapter, placement: Placement | None = None) -> int:
+        """Put `adapter` in a free slot (its `place_adapter` matrices, if already made);
+        returns its key. A ConfigError (one line) where it cannot go: its name taken, no slot
+        free, its rank too large, a layer it targets not held."""
         if adapter.name in self.names:
             raise ConfigError(f"a LoRA adapter named {adapter.name!r} is loaded already")
         if 0 not in self.keys:
@@ -205,7 +205,8 @@ class AdapterSlots:
                 f"LoRA adapter {adapter.name!r} has rank {adapter.rank}; this server holds "
                 f"rank {self.rank} at most (--max-lora-rank)"
             )
-        placement = place_adapter(self.model, adapter, self.layers)
+        if placement is None:
+            placement = place_adapter(self.model, adapter, self.layers)
         slot = self.keys.index(0)
         for name, weights in self.layers.items():
             weights.write(slot, placement.get(name, {}))
@@ -256,8 +257,8 @@ def make_adapter_slots(
     room = rank or (DEFAULT_RUNTIME_RANK if every_layer else 1)
     largest = max([room, *(adapter.rank for adapter in adapters)])
     slots = AdapterSlots(model, sorted(held), count, 1 << (largest - 1).bit_length(), device, dtype)
-    for adapter in adapters:
-        slots.place(adapter)
+    for adapter, placement in zip(adapters, placements, strict=True):
+        slots.place(adapter, placement)
     return slots
 
 

@@ -192,9 +192,12 @@ class Scheduler:
                 f"logit_bias names token {biased[-1][0]}, outside the vocabulary "
                 f"[0, {self.vocab_size})"
             )
-        slots = self.engine.adapters
-        if req.adapter_key and (slots is None or slots.keys[req.adapter - 1] != req.adapter_key):
-            return "the LoRA adapter of this request has been unloaded"
+        if req.adapter_key:
+            assert self.engine.adapters is not None
+            try:
+                self.engine.adapters.slot_of(req.adapter_key)  # slots never move
+            except ValueError as error:
+                return str(error)
         if req.params.constraint is not None and self.grammars is None:
             return "constrained output needs the model's tokenizer, and this model has none"
         first_scored = req.params.prompt_logprobs_from
