@@ -39,6 +39,7 @@ SUPPORTED_ARCHITECTURES = {
     "OlmoeForCausalLM": "olmoe",
     "Exaone4ForCausalLM": "exaone4",
     "Glm4ForCausalLM": "glm4",
+    "Glm4MoeForCausalLM": "glm4_moe",
 }
 VISION_LANGUAGE_ARCHITECTURES = (
     "Gemma3ForConditionalGeneration",
@@ -95,7 +96,7 @@ whether their positions count from the padding id + 1 (RoBERTa's, XLM-RoBERTa's)
 than from 0."""
 MODERN_BERT = "ModernBertModel"
 NOMIC_BERT = "NomicBertModel"
-MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "glm4_moe")
 """Families whose experts `_moe_settings` reads (gpt-oss's are read with its own settings)."""
 MOE_BACKENDS = ("auto", "torch", "fused")
 GELU_TANH = "gelu_pytorch_tanh"
@@ -166,6 +167,26 @@ class ExpertStyle:
 
 PLAIN_EXPERTS = ExpertStyle()
 """Qwen3-MoE's experts: no biases, SiLU(gate) * up."""
+
+
+@dataclass(frozen=True)
+class RouterStyle:
+    """How an MoE layer picks and weighs its experts where not by the softmax of the
+    router's logits (Qwen's, Mixtral's, gpt-oss's). DeepSeek-V3's way, which GLM-4.5 takes:
+    each expert's score is the sigmoid of its logit (`sigmoid`); a learned bias of each
+    expert (`e_score_correction_bias`, float32) is added to the scores only to choose the
+    experts, which come from the `top_groups` of `groups` equal groups whose two best biased
+    scores sum highest; the chosen scores, renormalised where the layer says so, are then
+    multiplied by `scaling` (`routed_scaling_factor`)."""
+
+    sigmoid: bool = False
+    groups: int = 1
+    top_groups: int = 1
+    scaling: float = 1.0
+
+
+SOFTMAX_ROUTER = RouterStyle()
+"""The softmax over every expert's logit, the chosen experts' probabilities as weights."""
 
 
 @dataclass(frozen=True)
@@ -358,11 +379,12 @@ def _gpt_oss_settings(config: dict[str, Any], num_layers: int) -> dict[str, Any]
     }
 
 
-def _rotary_dim(config: dict[str, Any], head_dim: int) -> int:
+def _rotary_dim(config: dict[str, Any], head_dim: int, default: float = 1.0) -> int:
     """How many of a head's dimensions rotate (Phi-4-mini's first three quarters, by
-    `partial_rotary_factor`, a config key or, in transformers 5, a rope parameter)."""
+    `partial_rotary_factor`, a config key or, in transformers 5, a rope parameter; GLM's
+    configs may leave it out for their half)."""
     params = config.get("rope_parameters") or {}
-    factor = config.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0
+    factor = config.get("partial_rotary_factor") or params.get("partial_rotary_factor") or default
     rotary = int(head_dim * float(factor))
     if rotary % 2 or rotary <= 0 or (head_dim - rotary) % 2:
         raise ConfigError(f"a rotary part of {rotary} of {head_dim} dimensions is not supported")
@@ -464,6 +486,8 @@ def _moe_settings(config: dict[str, Any], family: str) -> dict[str, Any]:
     logits, the same weights; Qwen3-MoE and OLMoE renormalise with `norm_topk_prob`).
     Qwen2-MoE adds a shared expert, `shared_expert_intermediate_size` wide, beside them."""
     mixtral = family in ("mixtral", "granitemoe")
+    if family == "glm4_moe":
+        return _deepseek_moe_settings(config)
     width = (
         config.get("moe_intermediate_size")
         if family in ("mixtral", "olmoe", "granitemoe")
@@ -477,6 +501,34 @@ def _moe_settings(config: dict[str, Any], family: str) -> dict[str, Any]:
         "decoder_sparse_step": int(config.get("decoder_sparse_step") or 1),
         "mlp_only_layers": _as_int_tuple(config.get("mlp_only_layers")),
         "shared_expert_intermediate_size": int(config.get("shared_expert_intermediate_size") or 0),
+    }
+
+
+def _deepseek_moe_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4.5's experts, as DeepSeek-V3 routes them (`RouterStyle`): the first
+    `first_k_dense_replace` layers keep a dense MLP of `intermediate_size`, the others take
+    `n_routed_experts` experts beside `n_shared_experts` shared ones, which are one dense MLP
+    as wide as that many experts, added without a gate."""
+    groups = int(config.get("n_group") or 1)
+    experts = int(config.get("n_routed_experts") or config.get("num_local_experts") or 0)
+    if experts % groups:
+        raise ConfigError(f"{experts} experts do not split into n_group={groups} groups")
+    width = int(config["moe_intermediate_size"])
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": int(config.get("num_experts_per_tok", 8)),
+        "moe_intermediate_size": width,
+        "norm_topk_prob": bool(config.get("norm_topk_prob", True)),
+        "mlp_only_layers": tuple(range(int(config.get("first_k_dense_replace") or 0))),
+        "shared_expert_intermediate_size": width * int(config.get("n_shared_experts") or 0),
+        "shared_expert_gated": False,
+        "router": RouterStyle(
+            sigmoid=True,
+            groups=groups,
+            top_groups=int(config.get("topk_group") or 1),
+            scaling=float(config.get("routed_scaling_factor") or 1.0),
+        ),
+        "mtp_layers": int(config.get("num_nextn_predict_layers") or 0),
     }
 
 
@@ -727,7 +779,11 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     # Qwen2-MoE: a dense MLP every token takes beside its experts, weighed by a sigmoid gate
+    # (GLM-4.5's shared experts: not weighed, `shared_expert_gated` False)
     shared_expert_intermediate_size: int = 0
+    shared_expert_gated: bool = True
+    router: RouterStyle = SOFTMAX_ROUTER
+    mtp_layers: int = 0  # GLM-4.5's next-token prediction layers after the last: not run
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     layer_windows: tuple[int, ...] = ()
@@ -875,6 +931,8 @@ class ModelConfig:
                 "rotary_dim": _rotary_dim(config, int(head_dim)),
                 "rotary_interleaved": True,
             }
+        if family == "glm4_moe":  # half of a head rotates, in halves (unlike GLM-4's pairs)
+            family_settings["rotary_dim"] = _rotary_dim(config, int(head_dim), 0.5)
         if family == "phi3":
             family_settings["rotary_dim"] = _rotary_dim(config, int(head_dim))
             _check_longrope(family_settings["rope_scaling"], family_settings["rotary_dim"])
@@ -903,9 +961,9 @@ class ModelConfig:
                 else config.get("attention_bias", family == "qwen2")
             ),
             o_bias=bool(config.get("attention_bias", False))
-            and family not in ("qwen2", "qwen2_moe", "glm4"),
-            qk_norm=family
-            in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "olmoe", "exaone4"),
+            and family not in ("qwen2", "qwen2_moe", "glm4", "glm4_moe"),
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "olmoe", "exaone4")
+            or (family == "glm4_moe" and bool(config.get("use_qk_norm"))),
             eos_token_ids=tuple(sorted(eos)),
             bos_token_id=config.get("bos_token_id"),
             torch_dtype=config.get("torch_dtype") or config.get("dtype"),

@@ -43,6 +43,7 @@ GGUF_ARCH = {
     "olmoe": "olmoe",
     "exaone4": "exaone4",
     "glm4": "glm4",
+    "glm4_moe": "glm4moe",
 }
 TOP_LEVEL = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -92,6 +93,17 @@ GLM4_IN_LAYER = IN_LAYER | {
     "mlp.gate_up_proj": "ffn_up",
 }
 """Phi-3's fused projections keep their checkpoint layout under llama.cpp's names."""
+GLM4_MOE_IN_LAYER = IN_LAYER | {
+    "post_attention_layernorm": "post_attention_norm",
+    "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_experts.up_proj": "ffn_up_shexp",
+    "mlp.shared_experts.down_proj": "ffn_down_shexp",
+    "mlp.gate.e_score_correction": "exp_probs_b",
+}
+"""GLM-4.5's names in llama.cpp's converter: the norm before the MLP is ATTN_POST_NORM, the
+router's bias FFN_EXP_PROBS_B (renamed `e_score_correction.bias` first)."""
+NEXTN_PARTS = ("eh_proj", "enorm", "hnorm", "shared_head_norm")
+"""A GLM-4.5 file's next-token prediction layer's own tensors (after a whole layer's)."""
 EXPERT_PARTS = {
     "gate_proj": "ffn_gate_exps",
     "up_proj": "ffn_up_exps",
@@ -177,6 +189,22 @@ def gpt_oss_experts(name: str, array: np.ndarray) -> dict[str, np.ndarray]:
     return {prefix + "ffn_down_exps.bias": array}
 
 
+def nextn_layer(tensors: dict[str, np.ndarray], layers: int, hidden: int) -> dict[str, np.ndarray]:
+    """A GLM-4.5 file's prediction layer, block `layers`: the last layer's tensors again, and
+    its own projection and norms (random; nothing reads them)."""
+    rng = np.random.default_rng(0)
+    last = f"blk.{layers - 1}."
+    copied = {
+        f"blk.{layers}.{name.removeprefix(last)}": array
+        for name, array in tensors.items()
+        if name.startswith(last)
+    }
+    for part in NEXTN_PARTS:
+        shape = (hidden, 2 * hidden) if part == "eh_proj" else (hidden,)
+        copied[f"blk.{layers}.nextn.{part}.weight"] = rng.standard_normal(shape, np.float32)
+    return copied
+
+
 def embedding_gemma_pooling(folder: Path, writer: gguf.GGUFWriter) -> dict[str, np.ndarray]:
     """An EmbeddingGemma folder's pooling as llama.cpp's converter writes it with
     `--sentence-transformers-dense-modules`: the pooling type (mean: 1) and its Dense
@@ -254,7 +282,9 @@ def write_hf_as_gguf(
     writer = gguf.GGUFWriter(path, arch)
     if vocabulary is not None:
         vocabulary(writer)
-    add_sizes(writer, config)
+    glm4_moe = config["model_type"] == "glm4_moe"
+    # GLM-4.5's files count its prediction layer after the last (`nextn_layer`)
+    add_sizes(writer, {**config, "num_hidden_layers": config["num_hidden_layers"] + glm4_moe})
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_key_length(head_dim)
@@ -306,7 +336,21 @@ def write_hf_as_gguf(
     if config["model_type"] == "gemma2":
         writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
         writer.add_final_logit_softcapping(config["final_logit_softcapping"])
-    num_experts = config.get("num_experts") or config.get("num_local_experts")
+    if glm4_moe:  # as Glm4MoeModel writes it, with one prediction layer after the last
+        writer.add_nextn_predict_layers(1)
+        writer.add_expert_shared_count(config["n_shared_experts"])
+        writer.add_leading_dense_block_count(config["first_k_dense_replace"])
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        writer.add_expert_weights_scale(config["routed_scaling_factor"])
+        writer.add_expert_weights_norm(config["norm_topk_prob"])
+    num_experts = next(
+        (
+            config[key]
+            for key in ("num_experts", "num_local_experts", "n_routed_experts")
+            if config.get(key)
+        ),
+        0,
+    )
     if num_experts:
         writer.add_expert_count(num_experts)
         writer.add_expert_used_count(config["num_experts_per_tok"])
@@ -320,6 +364,7 @@ def write_hf_as_gguf(
     in_layer = GEMMA_IN_LAYER if gemma else GPT_OSS_IN_LAYER if gpt_oss else IN_LAYER
     in_layer = PHI3_IN_LAYER if phi3 else in_layer
     in_layer = GLM4_IN_LAYER if config["model_type"] == "glm4" else in_layer
+    in_layer = GLM4_MOE_IN_LAYER if glm4_moe else in_layer
     post_norms = config["model_type"] in ("olmo2", "olmo3", "exaone4")
     in_layer = OLMO2_IN_LAYER if post_norms else in_layer
     tensors: dict[str, np.ndarray] = {}
@@ -334,6 +379,7 @@ def write_hf_as_gguf(
             array = llama_cpp_permute(array, heads if "q_proj" in name else kv_heads)
         if gemma and name.endswith("norm.weight"):  # Gemma's RMSNorm weighs by 1 + w
             array = array + 1
+        name = name.replace("e_score_correction_bias", "e_score_correction.bias")
         if gpt_oss and ".mlp.experts." in name:
             tensors |= gpt_oss_experts(name, array)
         elif name.endswith((".mlp.input_linear.weight", ".mlp.output_linear.weight")):
@@ -347,6 +393,8 @@ def write_hf_as_gguf(
             tensors[gguf_name(name, in_layer)] = array
     for name, by_index in experts.items():
         tensors[name] = np.stack([by_index[e] for e in sorted(by_index)])
+    if glm4_moe:
+        tensors |= nextn_layer(tensors, config["num_hidden_layers"], config["hidden_size"])
     for name, array in tensors.items():
         kind = next((t for key, t in (qtype_of or {}).items() if key in name), qtype)
         quantizable = name.endswith(".weight") and "ffn_gate_inp" not in name

@@ -86,19 +86,22 @@ def decode_both_ways(llm: LLM) -> tuple[list, list, int]:
         "olmoe",
         "exaone4",
         "glm4",
+        "glm4_moe",
     ],
 )
 def test_stack_gives_the_modules_bits(family: str, tmp_path: Path) -> None:
     """Llama's Q4_0 value projection beside its Q8_0 queries and keys makes Q|K|V two
-    products joined; Qwen2 adds their bias, Qwen3 its Q/K norms, Qwen3-MoE its experts,
-    Gemma 3 its norms after attention and the MLP, GELU, two ropes and windows of 4 over
-    prompts of up to 19 tokens, Gemma 2 its soft-capped scores, gpt-oss its sinks, biases
-    on every projection, the router and the MXFP4 experts, and its clamped SwiGLU, SmolLM3
-    a layer without rope, Phi-3 its fused Q|K|V and gate|up and a partly rotating head,
-    OLMo 2 its norms after attention and the MLP alone and Q/K norms across heads, Qwen2-MoE
-    a shared expert beside the routed ones, weighed by its sigmoid gate. The
-    float32 cache keeps a float16 rounding out of what is compared (both ways would share
-    it)."""
+        products joined; Qwen2 adds their bias, Qwen3 its Q/K norms, Qwen3-MoE its experts,
+        Gemma 3 its norms after attention and the MLP, GELU, two ropes and windows of 4 over
+        prompts of up to 19 tokens, Gemma 2 its soft-capped scores, gpt-oss its sinks, biases
+        on every projection, the router and the MXFP4 experts, and its clamped SwiGLU, SmolLM3
+        a layer without rope, Phi-3 its fused Q|K|V and gate|up and a partly rotating head,
+        OLMo 2 its norms after attention and the MLP alone and Q/K norms across heads, Qwen2-MoE
+        a shared expert beside the routed ones, weighed by its sigmoid gate, GLM-4.5 an ungated one
+    beside experts chosen by sigmoid scores plus a bias, and Q/K norms on a partly rotating
+    head. The
+        float32 cache keeps a float16 rounding out of what is compared (both ways would share
+        it)."""
     overrides = {
         "qwen3_moe": MOE_LAYERS,
         "qwen2_moe": MOE_LAYERS,

@@ -73,6 +73,7 @@ OVERRIDES = {
         "olmoe",
         "exaone4",
         "glm4",
+        "glm4_moe",
     ],
 )
 def test_gguf_of_each_family_matches_transformers(family: str, tmp_path: Path) -> None:
@@ -87,7 +88,10 @@ def test_gguf_of_each_family_matches_transformers(family: str, tmp_path: Path) -
     wide (llama.cpp writes no `expert_feed_forward_length` for it) and its chosen experts'
     weights are not renormalised; the GLM-4 file's four norms a layer are Gemma 2's names
     with plain weights, its gate|up fused, and half a head rotates in neighbouring pairs
-    (`rope.dimension_count`)."""
+    (`rope.dimension_count`); the GLM-4.5 file holds a prediction layer after the last
+    (`nextn_predict_layers`, counted in `block_count`), which is not loaded, its routing in
+    `expert_gating_func`, `expert_weights_scale` and `exp_probs_b`, and its first layer
+    dense (`leading_dense_block_count`)."""
     folder = make_tiny_model(family, tmp_path / family, overrides=OVERRIDES.get(family))
     model = write_hf_as_gguf(folder, tmp_path / f"{family}.gguf")
     hf = hf_model(folder)

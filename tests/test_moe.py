@@ -178,6 +178,49 @@ def test_moe_experts_run_quantized_as_stored_or_in_fp8() -> None:
     assert chosen_quantization(fused, gguf) == "gguf"  # the fused kernels over codes, on CUDA
 
 
+@pytest.mark.parametrize(
+    ("groups", "top_groups", "renormalize", "scaling"),
+    [(1, 1, True, 1.0), (4, 2, True, 2.5), (8, 3, False, 1.5)],
+)
+def test_sigmoid_routing_is_transformers(
+    groups: int, top_groups: int, renormalize: bool, scaling: float
+) -> None:
+    """`route_sigmoid` against transformers' GLM-4.5 router (DeepSeek-V3's): the same
+    experts (transformers leaves them unsorted) with the same weights, where the bias moves
+    the choice and groups bar experts outside the best."""
+    from transformers import Glm4MoeConfig
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
+
+    from aserve.config import RouterStyle
+    from aserve.layers.moe import route_sigmoid
+
+    experts, hidden, top_k = 32, 16, 6
+    config = Glm4MoeConfig(
+        hidden_size=hidden,
+        n_routed_experts=experts,
+        num_experts_per_tok=top_k,
+        n_group=groups,
+        topk_group=top_groups,
+        norm_topk_prob=renormalize,
+        routed_scaling_factor=scaling,
+    )
+    gen = torch.Generator().manual_seed(groups)
+    hf = Glm4MoeTopkRouter(config)
+    hf.weight.data = torch.randn(experts, hidden, generator=gen)
+    hf.e_score_correction_bias = torch.randn(experts, generator=gen) * 0.5
+    x = torch.randn(40, hidden, generator=gen)
+    logits, expected_weights, expected_ids = hf(x)
+    style = RouterStyle(sigmoid=True, groups=groups, top_groups=top_groups, scaling=scaling)
+    weights, ids = route_sigmoid(
+        logits, hf.e_score_correction_bias, top_k, renormalize, style, torch.float32
+    )
+    order, expected_order = ids.argsort(dim=1), expected_ids.argsort(dim=1)
+    assert torch.equal(ids.gather(1, order), expected_ids.gather(1, expected_order))
+    torch.testing.assert_close(weights.gather(1, order), expected_weights.gather(1, expected_order))
+    plain, _ = route_sigmoid(logits, torch.zeros(experts), top_k, renormalize, style, torch.float32)
+    assert not torch.equal(plain, weights)  # the bias chose other experts
+
+
 def test_group_by_expert_keeps_token_order_and_counts_empty_experts() -> None:
     ids = torch.tensor([[3, 0], [3, 5], [0, 3]])
     order, counts = group_by_expert(ids, 7)
@@ -304,6 +347,33 @@ def test_stacked_expert_checkpoint_loads_like_per_expert(tmp_path: Path) -> None
     ours.load_weights(iter_weights(stacked, progress=False))
     for (name, a), (_, b) in zip(reference.state_dict().items(), ours.state_dict().items()):
         torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
+
+
+def test_glm4_moe_prediction_layer_is_left_unread(tmp_path: Path) -> None:
+    """GLM-4.5's checkpoints hold a next-token prediction layer after the last
+    (`num_nextn_predict_layers`, as `model.layers.{num_layers}`, with its own projections and
+    norms); aserve does not run it, so it loads as the same model without it. A checkpoint
+    without the setting has no place for such a layer."""
+    folder = make_tiny_model("glm4_moe", tmp_path / "glm")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1  # transformers' default, GLM-4.5's own
+    layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    extra = {
+        f"model.layers.{layers}.eh_proj.weight": torch.randn(hidden, 2 * hidden),
+        f"model.layers.{layers}.enorm.weight": torch.ones(hidden),
+        f"model.layers.{layers}.mlp.experts.0.gate_proj.weight": torch.randn(32, hidden),
+        f"model.layers.{layers}.self_attn.q_proj.weight": torch.randn(64, hidden),
+    }
+    reference = build_tiny(folder)
+    reference.load_weights(iter_weights(folder, progress=False))
+    ours = build_tiny(folder)
+    ours.load_weights([*iter_weights(folder, progress=False), *extra.items()])
+    for (name, a), (_, b) in zip(reference.state_dict().items(), ours.state_dict().items()):
+        torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
+    config["num_nextn_predict_layers"] = 0
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="has no place"):
+        build_tiny(folder).load_weights([*iter_weights(folder, progress=False), *extra.items()])
 
 
 def test_checkpoint_missing_one_expert_is_refused(tmp_path: Path) -> None:
@@ -446,9 +516,13 @@ def test_fused_experts_in_wide_tiles_match_torch_backend(
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("stored", [False, True], ids=["quantized-at-load", "fp8-checkpoint"])
+@pytest.mark.parametrize(
+    ("family", "stored"),
+    [("qwen3_moe", False), ("qwen3_moe", True), ("glm4_moe", False)],
+    ids=["quantized-at-load", "fp8-checkpoint", "glm-4.5-quantized-at-load"],
+)
 def test_fp8_moe_model_in_cuda_graphs(
-    make_llm: Callable[..., LLM], tmp_path: Path, stored: bool
+    make_llm: Callable[..., LLM], tmp_path: Path, family: str, stored: bool
 ) -> None:
     """FP8 experts from `--quantization fp8` of a float checkpoint, or from a published FP8
     checkpoint (block scales): under graphs and eagerly the fused FP8 path gives the same
@@ -459,7 +533,7 @@ def test_fp8_moe_model_in_cuda_graphs(
     from tests.test_fp8 import write_fp8_checkpoint
     from tests.test_quant import first_tokens_agreeing
 
-    folder = make_tiny_model("qwen3_moe", tmp_path / "float", overrides=GPU_SHAPES)
+    folder = make_tiny_model(family, tmp_path / "float", overrides=GPU_SHAPES)
     quantization = "fp8"
     if stored:
         write_fp8_checkpoint(folder, tmp_path / "fp8", tmp_path / "twin", "fp8-block")
@@ -482,10 +556,12 @@ def test_fp8_moe_model_in_cuda_graphs(
 
 @pytest.mark.gpu
 @requires_cuda
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe"])
 def test_fused_backend_greedy_equals_torch_backend_in_float32(
-    make_llm: Callable[..., LLM], tmp_path: Path
+    make_llm: Callable[..., LLM], tmp_path: Path, family: str
 ) -> None:
-    folder = make_tiny_model("qwen3_moe", tmp_path, overrides=GPU_SHAPES)
+    """GLM-4.5's sigmoid routing: in one kernel in decode, in torch ops for prefill."""
+    folder = make_tiny_model(family, tmp_path, overrides=GPU_SHAPES)
     options = {"device": "cuda", "dtype": "float32", "attention_backend": "torch"}
     fused = make_llm(folder, moe_backend="fused", **options)
     reference = make_llm(folder, moe_backend="torch", **options)
@@ -524,11 +600,14 @@ def assert_graphs_generate_as_eager(graphed: LLM, eager: LLM) -> None:
 
 @pytest.mark.gpu
 @requires_cuda
-def test_fused_moe_runs_in_cuda_graphs(make_llm: Callable[..., LLM], tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe"])
+def test_fused_moe_runs_in_cuda_graphs(
+    make_llm: Callable[..., LLM], tmp_path: Path, family: str
+) -> None:
     """The fused path has no host sync, so decode is captured; the torch path turns graphs
     off rather than failing the capture."""
     pytest.importorskip("flashinfer")
-    folder = make_tiny_model("qwen3_moe", tmp_path, overrides=GPU_SHAPES)
+    folder = make_tiny_model(family, tmp_path, overrides=GPU_SHAPES)
     options = {"device": "cuda", "dtype": "bfloat16", "page_size": 16, "num_pages": 1024}
     graphed = make_llm(folder, moe_backend="fused", cuda_graph_max_bs=8, **options)
     eager = make_llm(folder, moe_backend="fused", cuda_graph_max_bs=0, **options)

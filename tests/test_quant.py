@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QType
 
 from aserve import LLM, SamplingParams
-from aserve.config import PLAIN_EXPERTS, ExpertStyle
+from aserve.config import PLAIN_EXPERTS, ExpertStyle, RouterStyle
 from aserve.engine import engine as engine_module
-from aserve.layers.moe import activate, grouped_experts, route
+from aserve.layers.moe import activate, grouped_experts, route, route_sigmoid
 from aserve.quant import iquants
 from aserve.quant import native as native_module
 from aserve.quant.codes import Codes, quantize
@@ -902,18 +902,20 @@ def test_a_product_group_calls_the_kernels_once_only_for_what_they_take_together
 
 @needs_kernels
 @pytest.mark.parametrize(
-    ("renormalize", "gpt_oss"),
-    [(True, False), (False, False), (True, True)],
-    ids=["renormalized", "softmax-weights", "gpt-oss"],
+    ("renormalize", "family"),
+    [(True, ""), (False, ""), (True, "gpt_oss"), (True, "glm4_moe"), (False, "glm4_moe")],
+    ids=["renormalized", "softmax-weights", "gpt-oss", "glm-4.5", "glm-4.5-unnormalized"],
 )
 def test_a_moe_layer_in_one_call_equals_routing_and_grouped_products(
-    renormalize: bool, gpt_oss: bool
+    renormalize: bool, family: str
 ) -> None:
     """`moe_layer` (decode's whole MoE layer, router included, in one call of the kernels)
     against layers/moe.route and the grouped Python path around the same products, for 1 to
     40 tokens; and a token's output does not depend on the tokens beside it (bit for bit).
     gpt-oss's experts: the router's bias, the experts' biases and the clamped SwiGLU (the
-    grouped path's `activate`), with and without the down biases."""
+    grouped path's `activate`), with and without the down biases. GLM-4.5's: sigmoid scores,
+    experts chosen with a bias of their own, weighed times a scaling (`route_sigmoid`)."""
+    gpt_oss = family == "gpt_oss"
     experts, hidden, inter, top_k = 6, 256, 64, 2
 
     def group(qtype: QType, rows: int, cols: int, seed: int) -> ProductGroup:
@@ -936,6 +938,8 @@ def test_a_moe_layer_in_one_call_equals_routing_and_grouped_products(
         router_bias = torch.randn(experts, generator=generator)
         b13 = torch.randn(experts, 2 * inter, generator=generator) * 100
         b2 = torch.randn(experts, hidden, generator=generator) * 100
+    glm = RouterStyle(sigmoid=True, scaling=2.5)
+    choice_bias = torch.randn(experts, generator=generator) if family == "glm4_moe" else None
 
     def grouped(x: torch.Tensor, down_bias: torch.Tensor | None) -> torch.Tensor:
         def mlp(chosen: list[int], parts: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -948,11 +952,15 @@ def test_a_moe_layer_in_one_call_equals_routing_and_grouped_products(
                 outs = [o + down_bias[e] for e, o in zip(chosen, outs)]
             return outs
 
-        weights, ids = route(F.linear(x, router, router_bias), top_k, renormalize)
+        logits = F.linear(x, router, router_bias)
+        if choice_bias is None:
+            weights, ids = route(logits, top_k, renormalize)
+        else:
+            weights, ids = route_sigmoid(logits, choice_bias, top_k, renormalize, glm, x.dtype)
         return grouped_experts(x, weights, ids, experts, mlp)
 
     for down_bias in (b2, None) if gpt_oss else (None,):
-        extra = (router_bias, b13, down_bias, style)
+        extra = (router_bias, b13, down_bias, style, choice_bias, glm.scaling)
         for tokens in (1, 5, 40, 300):
             x = torch.randn(tokens, hidden, generator=generator)
             together = moe_layer(x, router, top_k, renormalize, *stacks, inter, *extra)

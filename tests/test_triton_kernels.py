@@ -458,6 +458,35 @@ def test_one_kernel_routing_is_torchs(
     torch.testing.assert_close(weights.cpu(), expected_weights, rtol=step, atol=step)
 
 
+@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(1, 128, 8), (7, 160, 8), (64, 8, 2)])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_one_kernel_sigmoid_routing_is_torchs(
+    tokens: int, experts: int, top_k: int, renormalize: bool, dtype: torch.dtype
+) -> None:
+    """The kernel's sigmoid routing (GLM-4.5's, one group) against `moe.route_sigmoid`'s
+    torch ops: the same experts in descending order of score plus bias (float32 logits, as
+    the router makes them; no ties), weighed by the scores alone, times the scaling, in the
+    rows' dtype."""
+    from aserve.config import RouterStyle
+    from aserve.layers.moe import route_sigmoid
+    from aserve.layers.moe_route_triton import route_kernel
+
+    logits = torch.randn(tokens, experts, generator=gen(90 + tokens)) * 2
+    correction = torch.randn(experts, generator=gen(91)) * 0.5
+    style = RouterStyle(sigmoid=True, scaling=2.5)
+    weights, ids = route_kernel(
+        logits.to(DEVICE), top_k, renormalize, correction.to(DEVICE), 2.5, dtype
+    )
+    expected_weights, expected_ids = route_sigmoid(
+        logits, correction, top_k, renormalize, style, dtype
+    )
+    assert weights.dtype == dtype and ids.dtype == torch.int64
+    assert torch.equal(ids.cpu(), expected_ids)
+    step = 1e-6 if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(weights.cpu(), expected_weights, rtol=step, atol=step)
+
+
 @pytest.mark.parametrize(
     ("tokens", "experts", "top_k", "block", "used"),
     [(1, 128, 8, 16, None), (3, 8, 2, 16, 3), (64, 128, 8, 32, None), (37, 60, 4, 16, 20)],

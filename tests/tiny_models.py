@@ -7,8 +7,8 @@ layer (`mlp_only_layers`), Gemma 3's windowed and whole layers with their own ro
 scaled scores, sandwich norms and GELU, Gemma 2's soft-capped scores and logits, gpt-oss's
 attention sinks, biases, YaRN rope, windows and experts with biases and a clamped SwiGLU,
 SmolLM3's layers without rope, Phi-3's fused projections, partial rotation and LongRoPE, Granite's
-multipliers (on experts too, GraniteMoe's, stacked in the checkpoint), and Mixtral's experts under
-their own names.
+multipliers (on experts too, GraniteMoe's, stacked in the checkpoint), Mixtral's experts under
+their own names, and GLM-4.5's sigmoid-routed experts beside a shared one.
 """
 
 from __future__ import annotations
@@ -199,6 +199,26 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 2,
         "sliding_window": None,
     },
+    "glm4_moe": {
+        # GLM-4.5's layers: a dense first layer, then 8 experts (2 a token, chosen by sigmoid
+        # scores plus a bias, weighed by the scores times 2.5) beside an ungated shared one;
+        # Q/K/V biases, Q/K norms (GLM-4.5's, not Air's), half of a head rotating in halves
+        "head_dim": 16,
+        "num_hidden_layers": 3,
+        "partial_rotary_factor": 0.5,
+        "attention_bias": True,
+        "use_qk_norm": True,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "pad_token_id": 0,
+    },
     "qwen3_moe": {
         "rope_theta": 1000000.0,
         "tie_word_embeddings": False,
@@ -252,6 +272,7 @@ def make_tiny_model(
         "olmo2": transformers.Olmo2Config,
         "olmoe": transformers.OlmoeConfig,
         "glm4": transformers.Glm4Config,
+        "glm4_moe": transformers.Glm4MoeConfig,
         "olmo3": transformers.Olmo3Config,
         "exaone4": transformers.Exaone4Config,
         "gpt_oss": transformers.GptOssConfig,
@@ -275,6 +296,9 @@ def make_tiny_model(
                 param.normal_(0.0, 0.5)
             elif any(p in name for p in (".mlp.experts.", ".block_sparse_moe.experts.", "shared_")):
                 param.normal_(0.0, 0.2)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # moves the choice, not the weights
+                buffer.normal_(0.0, 0.3)
     model.save_pretrained(folder)
     return folder
 

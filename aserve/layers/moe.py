@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aserve.config import PLAIN_EXPERTS, ConfigError, ExpertStyle
+from aserve.config import PLAIN_EXPERTS, SOFTMAX_ROUTER, ConfigError, ExpertStyle, RouterStyle
 from aserve.distributed.group import TPGroup
 from aserve.layers.moe_layout import group_by_expert
 from aserve.layers.weight import WeightSource, read_whole
@@ -175,25 +175,91 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     return weights.to(logits.dtype), ids
 
 
+def route_sigmoid(
+    logits: torch.Tensor,
+    correction: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    style: RouterStyle,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`RouterStyle.sigmoid`'s top-k, as transformers' DeepSeek-V3 and GLM-4.5 routers
+    compute it from float32 `logits`: the choice by scores plus `correction` within the best
+    groups, the weights from the scores alone, in `dtype`. One group on CUDA in decode takes
+    one kernel (layers/moe_route_triton.py)."""
+    if logits.is_cuda and logits.shape[0] <= ROUTE_KERNEL_TOKENS and style.groups == 1:
+        try:
+            from aserve.layers.moe_route_triton import route_kernel
+        except ImportError:  # no Triton: the torch ops below
+            pass
+        else:
+            return route_kernel(logits, top_k, renormalize, correction, style.scaling, dtype)
+    scores = logits.sigmoid()
+    choice = scores + correction
+    if style.groups > 1:
+        tokens, experts = choice.shape
+        grouped = choice.view(tokens, style.groups, experts // style.groups)
+        best_two = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+        kept = best_two.topk(style.top_groups, dim=-1).indices
+        keep = torch.zeros_like(best_two, dtype=torch.bool).scatter_(1, kept, True)
+        choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(tokens, experts)
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return (weights * style.scaling).to(dtype), ids
+
+
 class Router(nn.Module):
     """The gate: one score per expert (plus a bias of its own with gpt-oss). Replicated on
-    every rank, so all ranks route alike."""
+    every rank, so all ranks route alike. A sigmoid router (`RouterStyle`) keeps its weight
+    and its experts' `e_score_correction_bias` in float32 and scores float32 rows, as
+    transformers keeps them."""
 
-    def __init__(self, num_experts: int, hidden_size: int, bias: bool = False) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        bias: bool = False,
+        style: RouterStyle = SOFTMAX_ROUTER,
+    ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), False)
+        self.style = style
+        wide = torch.float32 if style.sigmoid else None
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=wide), False)
         self.bias = nn.Parameter(torch.zeros(num_experts), False) if bias else None
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.zeros(num_experts, dtype=torch.float32), False)
+            if style.sigmoid
+            else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.style.sigmoid:
+            return F.linear(x.float(), self.weight)
         return F.linear(x, self.weight, self.bias)
+
+    def choose(
+        self, x: torch.Tensor, top_k: int, renormalize: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's `top_k` experts and their weights, in `x`'s dtype."""
+        if self.e_score_correction_bias is None:
+            return route(self(x), top_k, renormalize)
+        return route_sigmoid(
+            self(x), self.e_score_correction_bias, top_k, renormalize, self.style, x.dtype
+        )
 
     def load_weight(
         self, name: str, tensor: WeightSource | QuantizedTensor, shard: int = 0
     ) -> None:
         """GGUF files keep the router in float32; one that quantized it is widened here."""
-        param = self.bias if name == "bias" else self.weight
+        param = {
+            "bias": self.bias,
+            "weight": self.weight,
+            "e_score_correction_bias": self.e_score_correction_bias,
+        }.get(name)
         if param is None:
-            raise ValueError("checkpoint tensor mlp.gate.bias has no place in this model")
+            raise ValueError(f"checkpoint tensor mlp.gate.{name} has no place in this model")
         if isinstance(tensor, QuantizedTensor):
             param.data.copy_(tensor.decode().dequantize(torch.float32))
         else:
@@ -503,7 +569,8 @@ class QuantizedExperts(nn.Module):
     def whole_layer(
         self, x: torch.Tensor, router: Router, top_k: int, renormalize: bool
     ) -> torch.Tensor:
-        """Routing and experts in one call of the CPU kernels (`takes_whole_layer`)."""
+        """Routing and experts in one call of the CPU kernels (`takes_whole_layer`; a
+        sigmoid router's in one group)."""
         assert self.cpu_stacks is not None
         inter = self.gate_up.weights[0].shard_rows[0]
         return moe_layer(
@@ -516,6 +583,8 @@ class QuantizedExperts(nn.Module):
             router.bias,
             *bias_rows(self.biases),
             self.style,
+            router.e_score_correction_bias,
+            router.style.scaling,
         )
 
     def forward(
@@ -576,7 +645,8 @@ def _decode_experts(
 class SparseMoE(nn.Module):
     """Router plus experts, named as in Hugging Face checkpoints (`gate`, `experts`), and
     Qwen2-MoE's `shared_expert`, a dense MLP every token takes, weighed by the sigmoid of
-    `shared_expert_gate`. Under tensor parallelism the output is this rank's partial sum, as
+    `shared_expert_gate` (GLM-4.5's shared experts, `shared_gated` False, are not weighed).
+    Under tensor parallelism the output is this rank's partial sum, as
     the dense MLP's (the shared expert's too: its gate is a replicated scale): the decoder's
     next norm reduces it."""
 
@@ -593,15 +663,18 @@ class SparseMoE(nn.Module):
         gguf: bool = False,
         style: ExpertStyle = PLAIN_EXPERTS,
         shared: nn.Module | None = None,
+        shared_gated: bool = True,
+        router: RouterStyle = SOFTMAX_ROUTER,
     ) -> None:
         super().__init__()
         self.top_k = top_k
         self.renormalize = renormalize
         self.backend = backend
         self.style = style
-        self.gate = Router(num_experts, hidden_size, style.biases)
+        self.gate = Router(num_experts, hidden_size, style.biases, router)
         self.shared_expert = shared
-        self.shared_expert_gate = None if shared is None else Router(1, hidden_size)
+        gated = shared is not None and shared_gated
+        self.shared_expert_gate = Router(1, hidden_size) if gated else None
         fused = backend.name == "fused"
         self.experts: ExpertWeights | QuantizedExperts = (
             QuantizedExperts(num_experts, hidden_size, inter_size, tp, fused, style)
@@ -611,16 +684,19 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routed = self._routed(x)
-        if self.shared_expert is None or self.shared_expert_gate is None:
+        if self.shared_expert is None:
             return routed
-        shared = self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))
+        shared = self.shared_expert(x)
+        if self.shared_expert_gate is not None:
+            shared = shared * torch.sigmoid(self.shared_expert_gate(x))
         return routed + shared
 
     def _routed(self, x: torch.Tensor) -> torch.Tensor:
         experts = self.experts
-        if isinstance(experts, QuantizedExperts) and experts.takes_whole_layer(x):
+        whole = isinstance(experts, QuantizedExperts) and self.gate.style.groups == 1
+        if whole and experts.takes_whole_layer(x):
             return experts.whole_layer(x, self.gate, self.top_k, self.renormalize)
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        weights, ids = self.gate.choose(x, self.top_k, self.renormalize)
         if isinstance(experts, QuantizedExperts):
             return experts(x, weights, ids)
         return self.backend.experts(

@@ -118,29 +118,31 @@ def _add_layer(
         up_id, down_id = add(gate_up[0]), add(down[0])
         router, top_k, renormalize = None, 0, False
         router_bias, expert_biases, style = None, (None, None), PLAIN_EXPERTS
+        choice_bias, routed_scaling = None, 1.0
     elif isinstance(mlp, SparseMoE) and isinstance(mlp.experts, QuantizedExperts):
         stacks = mlp.experts.cpu_stacks
-        if stacks is None:
+        if stacks is None or mlp.gate.style.groups != 1:
             return False
-        if mlp.shared_expert is not None:  # Qwen2-MoE's, a dense MLP of its own
+        if mlp.shared_expert is not None:  # Qwen2-MoE's and GLM-4.5's, a dense MLP
             shared_up, shared_down = (
                 _products(mlp.shared_expert.gate_up_proj),
                 _products(mlp.shared_expert.down_proj),
             )
             if shared_up is None or shared_down is None or len(shared_up) + len(shared_down) != 2:
                 return False
-            assert mlp.shared_expert_gate is not None
+            gate = mlp.shared_expert_gate
             shared = (
                 add(shared_up[0]),
                 add(shared_down[0]),
                 shared_up[0].shape[0] // 2,
-                mlp.shared_expert_gate.weight,
+                None if gate is None else gate.weight,
             )
         up_id, down_id = add(stacks[0]), add(stacks[1])
         inter = mlp.experts.gate_up.weights[0].shard_rows[0]
         router, top_k, renormalize = mlp.gate.weight, mlp.top_k, mlp.renormalize
         router_bias, expert_biases = mlp.gate.bias, bias_rows(mlp.experts.biases)
         style = mlp.style
+        choice_bias, routed_scaling = mlp.gate.e_score_correction_bias, mlp.gate.style.scaling
     else:
         return False
     sandwich = layer.sandwich  # Gemma: the norm before the MLP is another, with two after
@@ -177,6 +179,8 @@ def _add_layer(
         style.swiglu_alpha,
         style.swiglu_limit or 0.0,
         *shared,
+        choice_bias,
+        routed_scaling,
     )
     return True
 

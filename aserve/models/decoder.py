@@ -217,6 +217,11 @@ MLPFactory = Callable[[int], nn.Module]
 """Builds the MLP of layer number `i`: families with expert layers swap some or all."""
 
 
+REORDERED_BY_ROTATION = ("q_proj", "k_proj", "q_norm", "k_norm")
+"""Layers whose rows (or weights) follow a head's dimensions: where part of a head rotates,
+loaded in `partial_rotary_order` (the Q/K norms' weights too, GLM-4.5's)."""
+
+
 class DecoderMLP(nn.Module):
     def __init__(
         self, config: ModelConfig, tp: TPGroup, ops: FusedOps | None, inter: int = 0
@@ -608,7 +613,7 @@ class DecoderForCausalLM(nn.Module):
                 part_name = f"{parent}.{part}.{param}"
                 loaded += self.load_tensor(modules, part_name, tensor[rows])
             return loaded
-        if leaf in ("q_proj", "k_proj") and self.rotary_order is not None:
+        if leaf in REORDERED_BY_ROTATION and self.rotary_order is not None:
             tensor = self._reorder_head_rows(tensor)
         target, shard = _FUSED.get(leaf, (leaf, 0))
         module_name = f"{parent}.{target}" if parent else target

@@ -85,8 +85,19 @@ QWEN2_MOE_TENSORS = LAYER_TENSORS | {
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 """Qwen2-MoE's shared expert (`_shexp`) and its gate, a `[hidden]` vector in the file."""
+GLM4_MOE_TENSORS = LAYER_TENSORS | {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+    "exp_probs_b": "mlp.gate.e_score_correction_bias",
+}
+"""GLM-4.5's norm before its MLP is llama.cpp's `post_attention_norm`; its shared experts
+are `_shexp` (no gate); `exp_probs_b` holds the router's choice bias (a parameter, not a
+`.bias`)."""
 FAMILY_TENSORS = {
     "qwen2_moe": QWEN2_MOE_TENSORS,
+    "glm4_moe": GLM4_MOE_TENSORS,
     "phi3": PHI3_TENSORS,
     "gemma2": SANDWICH_TENSORS,
     "gemma3_text": SANDWICH_TENSORS,
@@ -143,6 +154,9 @@ LONGROPE_FACTORS = {
 ROPE_TENSORS = (ROPE_FACTORS, *LONGROPE_FACTORS.values())
 
 GGUFWeight = torch.Tensor | QuantizedTensor
+WHOLE_PARAMETERS = ("attn_sinks", "exp_probs_b")
+"""Layer tensors whose Hugging Face name is a parameter of its own: no `.weight` or `.bias`
+after it."""
 
 
 class GGUFTensorError(ConfigError):
@@ -162,7 +176,7 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str:
         raise GGUFTensorError(f"GGUF tensor {name!r} has no Hugging Face name that aserve knows")
     prefix, layer, part = pieces
     in_layer = FAMILY_TENSORS.get(model_type, LAYER_TENSORS)
-    if prefix == "blk" and layer.isdigit() and part == "attn_sinks" and part in in_layer:
+    if prefix == "blk" and layer.isdigit() and part in WHOLE_PARAMETERS and part in in_layer:
         return f"model.layers.{layer}.{in_layer[part]}"
     if prefix == "blk" and layer.isdigit() and part in in_layer:
         return f"model.layers.{layer}.{in_layer[part]}.{kind}"
@@ -315,6 +329,13 @@ def iter_gguf(
                 weight.permute_rows(order) if isinstance(weight, QuantizedTensor) else weight[order]
             )
         yield name, weight
+
+
+def block_of(name: str) -> int:
+    """The layer a tensor name is of (`blk.N.`), -1 for the model's own."""
+    prefix, _, rest = name.partition(".")
+    layer = rest.partition(".")[0]
+    return int(layer) if prefix == "blk" and layer.isdigit() else -1
 
 
 def _expert(tensor: StoredTensor, index: int) -> StoredTensor:

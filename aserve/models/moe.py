@@ -1,6 +1,7 @@
-"""Qwen3-MoE (Qwen3-VL-MoE's language model too), Qwen2-MoE, Mixtral, OLMoE, GraniteMoe and
-gpt-oss: the dense decoder of models/decoder.py with sparse expert MLPs (Qwen2-MoE's with a
-shared expert beside them).
+"""Qwen3-MoE (Qwen3-VL-MoE's language model too), Qwen2-MoE, Mixtral, OLMoE, GraniteMoe,
+gpt-oss and GLM-4.5: the dense decoder of models/decoder.py with sparse expert MLPs (Qwen2-MoE's
+and GLM-4.5's with a shared expert beside them; GLM-4.5's routed by DeepSeek-V3's sigmoid
+scores, `RouterStyle`).
 
 Attention, norms, embedding and LM head are the dense decoder's (Qwen3's per-head Q/K norm,
 gpt-oss's biases, sinks and windows included). Layers that `ModelConfig.is_moe_layer` picks
@@ -65,6 +66,8 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
                 gguf=config.quantization == "gguf",
                 style=config.expert_style,
                 shared=DecoderMLP(config, tp, ops, shared) if shared else None,
+                shared_gated=config.shared_expert_gated,
+                router=config.router,
             )
 
         super().__init__(config, max_positions, tp, ops, make_mlp)
@@ -87,6 +90,9 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
         for granite, ours in GRANITE_NAMES.items():
             name = name.replace(granite, ours)
         name = name.replace(".mlp.router.", ".mlp.gate.")
+        name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
+        if self._in_mtp_layer(name):
+            return []
         layer, found, part = name.partition(EXPERTS)
         if not found:
             return super().load_tensor(modules, name, tensor)
@@ -99,6 +105,15 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
         if not isinstance(experts, (ExpertWeights, QuantizedExperts)):
             raise ValueError(f"checkpoint tensor {name} has no place in {self.config.architecture}")
         return [f"{prefix}.{filled}" for filled in experts.load_tensor(part, tensor)]
+
+    def _in_mtp_layer(self, name: str) -> bool:
+        """Whether `name` is of a next-token prediction layer after the last (GLM-4.5's
+        `model.layers.{num_layers}`, with its own embedding and head): speculative decoding
+        that aserve does not run, so it is not loaded."""
+        if not self.config.mtp_layers or not name.startswith("model.layers."):
+            return False
+        layer = name.removeprefix("model.layers.").partition(".")[0]
+        return layer.isdigit() and int(layer) >= self.config.num_layers
 
     def expected_tensors(self) -> set[str]:
         """Every expert's gate, up and down in place of the stacked parameters they fill."""

@@ -51,6 +51,7 @@ from aserve.models.gguf_weights import (
     ROPE_TENSORS,
     GGUFTensorError,
     StoredTensor,
+    block_of,
     has_quantized_matrices,
     hf_tensor_name,
     matrix_dtype,
@@ -88,6 +89,7 @@ ARCHITECTURES = {
     "olmoe": "OlmoeForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
     "glm4": "Glm4ForCausalLM",
+    "glm4moe": "Glm4MoeForCausalLM",
     "bert": "BertModel",  # an encoder: embeddings only (models/encoder.py)
     "modern-bert": "ModernBertModel",  # an encoder (models/modernbert.py)
     "nomic-bert": "NomicBertModel",  # an encoder (models/encoder.py): nomic-embed-text
@@ -101,6 +103,7 @@ MODEL_TYPES = {
     "qwen3vl": "qwen3",
     "qwen3moe": "qwen3_moe",
     "qwen2moe": "qwen2_moe",
+    "glm4moe": "glm4_moe",
     "gemma3": "gemma3_text",
     "gemma-embedding": "gemma3_text",
     "gpt-oss": "gpt_oss",
@@ -215,11 +218,13 @@ def convert_gguf(gguf_file: Path, out: Path) -> None:
             f"{gguf_file} is not a whole GGUF file (truncated or damaged: {error})"
         ) from None
     table = [entry for entry in header.table if entry["name"] not in DENSE_TENSORS]
-    tensors = stored_tensors(gguf_file, table)
+    config = hf_config(header.metadata, stored_tensors(gguf_file, table))
+    if config.get("num_nextn_predict_layers"):  # GLM-4.5's, after the last layer: not run,
+        layers = config["num_hidden_layers"]  # so neither checked nor read
+        table = [entry for entry in table if block_of(entry["name"]) < layers]
     arch = str(header.metadata.get("general.architecture"))
-    for tensor in tensors:
+    for tensor in stored_tensors(gguf_file, table):
         check_tensor(tensor, MODEL_TYPES.get(arch, arch))
-    config = hf_config(header.metadata, tensors)
     write_json(out / "config.json", config)
     pooling = config.get(GGUF_POOLING_TYPE)
     if pooling in GGUF_POOLING_MODES:
@@ -321,7 +326,7 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
     experts = read(
         f"{arch}.expert_count",
         0,
-        required=arch in ("qwen3moe", "qwen2moe", "gpt-oss", "olmoe", "granitemoe"),
+        required=arch in ("qwen3moe", "qwen2moe", "gpt-oss", "olmoe", "granitemoe", "glm4moe"),
     )
     if arch in ("olmoe", "granitemoe"):  # llama.cpp writes `feed_forward_length` for experts
         expert_rows = read(f"{arch}.feed_forward_length", required=True)
@@ -376,6 +381,8 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
     if arch == "glm4":  # half of a head rotating, in neighbouring pairs (the family's way)
         rotary = read("glm4.rope.dimension_count", config["head_dim"])
         config["partial_rotary_factor"] = rotary / config["head_dim"]
+    if arch == "glm4moe":
+        config |= glm4_moe_config(read, config, tensors)
     if arch in ("granite", "granitemoe"):  # its multipliers, under llama.cpp's names
         multipliers = {
             "embedding_multiplier": "embedding_scale",
@@ -671,6 +678,35 @@ def gpt_oss_config(read: Metadata, config: dict[str, Any]) -> dict[str, Any]:
         "sliding_window": read("gpt-oss.attention.sliding_window", required=True),
         "swiglu_limit": 7.0,
         "rope_scaling": scaling,
+    }
+
+
+def glm4_moe_config(
+    read: Metadata, config: dict[str, Any], tensors: dict[str, StoredTensor]
+) -> dict[str, Any]:
+    """GLM-4.5's settings under llama.cpp's names: `block_count` counts the prediction
+    layers after the last (`nextn_predict_layers`), the first layers are dense
+    (`leading_dense_block_count`), the experts are chosen by sigmoid scores
+    (`expert_gating_func` 2) and weighed times `expert_weights_scale`; half of a head
+    rotates, in halves (`rope.dimension_count`); Q/K norms where the file has them."""
+    gating = read("glm4moe.expert_gating_func", 2)
+    if gating != 2:
+        raise ModelSourceError(f"a glm4moe file whose expert_gating_func is {gating}, not sigmoid")
+    mtp = read("glm4moe.nextn_predict_layers", 0)
+    rotary = read("glm4moe.rope.dimension_count", config["head_dim"] // 2)
+    return {
+        "num_hidden_layers": config["num_hidden_layers"] - mtp,
+        "num_nextn_predict_layers": mtp,
+        "n_routed_experts": config.pop("num_experts"),
+        "n_shared_experts": read("glm4moe.expert_shared_count", 0),
+        "first_k_dense_replace": read("glm4moe.leading_dense_block_count", 0),
+        "routed_scaling_factor": float32_decimal(read("glm4moe.expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(read("glm4moe.expert_weights_norm", True)),
+        "n_group": read("glm4moe.expert_group_count", 1),
+        "topk_group": read("glm4moe.expert_group_used_count", 1),
+        "partial_rotary_factor": rotary / config["head_dim"],
+        "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors,
+        "mlp_only_layers": None,
     }
 
 

@@ -887,6 +887,8 @@ def moe_layer(
     up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
     style: ExpertStyle = PLAIN_EXPERTS,
+    choice_bias: torch.Tensor | None = None,
+    routed_scaling: float = 1.0,
 ) -> torch.Tensor:
     """A MoE layer for `x`'s tokens in one call of the kernels (`moe_layer` in
     csrc/cpu_kernels.cpp): float32 router logits, softmax, top-k and renormalisation as
@@ -894,7 +896,9 @@ def moe_layer(
     rows; `inter` each), its gate and down, and the routing-weighted sum. For fewer than
     the stacks' `blas_from` tokens, so that no expert gets more rows. gpt-oss's experts add
     the router's bias, each expert's gate|up and down biases (float32; no down biases on
-    tensor-parallel ranks after the first) and gate by `style`'s clamped SwiGLU."""
+    tensor-parallel ranks after the first) and gate by `style`'s clamped SwiGLU. GLM-4.5's
+    route by sigmoid scores, chosen with `choice_bias` and weighed times `routed_scaling`
+    (`moe.route_sigmoid` in one group)."""
     return torch.ops.aserve_cpu.moe_layer(
         x,
         router,
@@ -908,4 +912,6 @@ def moe_layer(
         down_bias,
         style.swiglu_alpha,
         style.swiglu_limit or 0.0,
+        choice_bias,
+        routed_scaling,
     )

@@ -40,7 +40,8 @@ struct Weight {
 // gpt-oss's add each head's sink to attention's softmax, a bias to the output projection, the
 // router and the experts (`expert_biases`: gate|up rows, down rows), and gate the experts by
 // a clamped SwiGLU (`swiglu`: alpha, limit; a limit of 0 is SiLU-and-mul). Qwen2-MoE's add a
-// shared expert to the routed ones.
+// shared expert to the routed ones, GLM-4.5's one without a gate, and route by sigmoid scores
+// (`choice_bias`, `routed_scaling`, as moe_layer takes them).
 struct Layer {
   Tensor input_norm, post_norm;
   std::vector<int64_t> qkv;  // weights whose outputs are joined into Q|K|V
@@ -57,9 +58,11 @@ struct Layer {
   MaybeTensor sinks, o_bias, router_bias, up_bias, down_bias;
   double swiglu_alpha, swiglu_limit;
   // Qwen2-MoE's shared expert beside the routed ones (a dense MLP, weighed by the sigmoid of
-  // `shared_gate`'s one score); without `shared_gate` the ids are -1
+  // `shared_gate`'s one score; GLM-4.5's without it); the ids are -1 where there is none
   int64_t shared_gate_up, shared_down, shared_inter;
   MaybeTensor shared_gate;
+  MaybeTensor choice_bias;
+  double routed_scaling;
 };
 
 template <typename Signature>
@@ -107,16 +110,16 @@ class DecodeStack : public torch::CustomClassHolder {
                  MaybeTensor o_bias, MaybeTensor router_bias, MaybeTensor up_bias,
                  MaybeTensor down_bias, double swiglu_alpha, double swiglu_limit,
                  int64_t shared_gate_up, int64_t shared_down, int64_t shared_inter,
-                 MaybeTensor shared_gate) {
+                 MaybeTensor shared_gate, MaybeTensor choice_bias, double routed_scaling) {
     const int64_t count = static_cast<int64_t>(weights_.size());
     for (int64_t w : qkv) TORCH_CHECK(w >= 0 && w < count, "no weight ", w);
     TORCH_CHECK(!qkv.empty() && o >= 0 && o < count && gate_up >= 0 && gate_up < count &&
                     down >= 0 && down < count,
                 "a layer names a weight not added");
-    TORCH_CHECK(!shared_gate.has_value() || (router.has_value() && shared_gate_up >= 0 &&
-                                             shared_gate_up < count && shared_down >= 0 &&
-                                             shared_down < count),
+    TORCH_CHECK(shared_gate_up < 0 || (router.has_value() && shared_gate_up < count &&
+                                       shared_down >= 0 && shared_down < count),
                 "a shared expert names a weight not added, or has no routed experts");
+    TORCH_CHECK(!shared_gate.has_value() || shared_gate_up >= 0, "a shared gate with no expert");
     layers_.push_back({std::move(input_norm), std::move(post_norm), std::move(qkv),
                        std::move(qkv_bias), std::move(q_norm), std::move(k_norm), o, gate_up,
                        down, inter, std::move(router), top_k, renormalize,
@@ -124,7 +127,7 @@ class DecodeStack : public torch::CustomClassHolder {
                        std::move(cos_sin), window, gelu, std::move(sinks), std::move(o_bias),
                        std::move(router_bias), std::move(up_bias), std::move(down_bias),
                        swiglu_alpha, swiglu_limit, shared_gate_up, shared_down, shared_inter,
-                       std::move(shared_gate)});
+                       std::move(shared_gate), std::move(choice_bias), routed_scaling});
   }
 
   // Every layer over the step's tokens `hidden` (their embeddings); returns the last layer's
@@ -244,7 +247,8 @@ class DecodeStack : public torch::CustomClassHolder {
                                 const MaybeTensor&, const Tensor&, const Tensor&, const Tensor&,
                                 const Tensor&, int64_t, int64_t, const MaybeTensor&, int64_t,
                                 const MaybeTensor&, const MaybeTensor&, const MaybeTensor&,
-                                double, double)>("aserve_cpu::moe_layer");
+                                double, double, const MaybeTensor&, double)>(
+        "aserve_cpu::moe_layer");
     const Weight& up = weights_[layer.gate_up];
     const Weight& down = weights_[layer.down];
     Tensor routed =
@@ -252,12 +256,11 @@ class DecodeStack : public torch::CustomClassHolder {
                  up.scales, up.offsets, up.bases, up.group, up.code_bits, up.levels, down.words,
                  down.scales, down.offsets, down.bases, down.group, down.code_bits, down.levels,
                  layer.inter, layer.router_bias, layer.up_bias, layer.down_bias,
-                 layer.swiglu_alpha, layer.swiglu_limit);
-    if (!layer.shared_gate.has_value()) return routed;
-    // as layers/moe.py's SparseMoE: shared_expert(x) * sigmoid(shared_expert_gate(x))
-    const Tensor shared = gated_mlp(x, layer.shared_gate_up, layer.shared_down,
-                                    layer.shared_inter)
-                              .mul_(at::linear(x, *layer.shared_gate).sigmoid_());
+                 layer.swiglu_alpha, layer.swiglu_limit, layer.choice_bias, layer.routed_scaling);
+    if (layer.shared_gate_up < 0) return routed;
+    // as layers/moe.py's SparseMoE: shared_expert(x), times sigmoid(shared_expert_gate(x))
+    Tensor shared = gated_mlp(x, layer.shared_gate_up, layer.shared_down, layer.shared_inter);
+    if (layer.shared_gate.has_value()) shared.mul_(at::linear(x, *layer.shared_gate).sigmoid_());
     return routed.add_(shared);
   }
 

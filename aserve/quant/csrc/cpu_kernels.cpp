@@ -2612,9 +2612,13 @@ std::vector<at::Tensor> linear_group(at::TensorList xs, at::TensorList words,
 // Each token's top_k experts and their weights as layers/moe.route chooses them: router logits
 // in float32 (one fixed order of operations a logit, so a token's logits do not depend on its
 // batch), softmax, the k largest in descending order (ties to the lower expert), renormalised
-// over the k if asked.
+// over the k if asked. With a `choice_bias` (GLM-4.5's, layers/moe.route_sigmoid in one group)
+// the scores are the logits' sigmoids, the k largest scores plus that bias are chosen, and
+// their scores, renormalised as transformers does (over their sum plus 1e-20), are multiplied
+// by `scaling`.
 void route(const at::Tensor& x, const at::Tensor& router, const float* bias, int64_t top_k,
-           bool renormalize, std::vector<int64_t>& ids, std::vector<float>& chosen_weights) {
+           bool renormalize, const float* choice_bias, float scaling, std::vector<int64_t>& ids,
+           std::vector<float>& chosen_weights) {
   TORCH_CHECK(router.dim() == 2 && router.size(1) == x.size(1) &&
                   router.scalar_type() == at::kFloat && router.is_contiguous(),
               "router: float32 [experts, hidden]");
@@ -2647,6 +2651,28 @@ void route(const at::Tensor& x, const at::Tensor& router, const float* bias, int
   ids.resize(tokens * top_k);
   chosen_weights.resize(tokens * top_k);
   std::vector<int64_t> order(experts);
+  if (choice_bias != nullptr) {
+    std::vector<float> choice(experts);
+    for (int64_t t = 0; t < tokens; ++t) {
+      float* scores = logits.data() + t * experts;
+      for (int64_t e = 0; e < experts; ++e) {
+        scores[e] = 1.f / (1.f + std::exp(-scores[e]));
+        choice[e] = scores[e] + choice_bias[e];
+        order[e] = e;
+      }
+      std::partial_sort(order.begin(), order.begin() + top_k, order.end(), [&](int64_t a, int64_t b) {
+        return choice[a] > choice[b] || (choice[a] == choice[b] && a < b);
+      });
+      float kept = 0;
+      for (int64_t j = 0; j < top_k; ++j) kept += scores[order[j]];
+      const float divisor = renormalize ? kept + 1e-20f : 1.f;
+      for (int64_t j = 0; j < top_k; ++j) {
+        ids[t * top_k + j] = order[j];
+        chosen_weights[t * top_k + j] = scores[order[j]] / divisor * scaling;
+      }
+    }
+    return;
+  }
   for (int64_t t = 0; t < tokens; ++t) {
     const float* row = logits.data() + t * experts;
     const float top = *std::max_element(row, row + experts);
@@ -2677,6 +2703,7 @@ void route(const at::Tensor& x, const at::Tensor& router, const float* bias, int
 // router's to its scores, each expert's gate|up and down rows to its products) and gate by
 // the clamped SwiGLU (`swiglu_limit` > 0): (up + 1) * gate * sigmoid(alpha * gate), gate
 // clamped above and up on both sides, in ATen's ops as layers/moe.activate writes them.
+// GLM-4.5's route by sigmoid scores (`choice_bias`, `routed_scaling`: `route`).
 at::Tensor moe_layer(
     const at::Tensor& x, const at::Tensor& router, int64_t top_k, bool renormalize,
     const at::Tensor& up_words, const at::Tensor& up_scales, const at::Tensor& up_offsets,
@@ -2686,10 +2713,11 @@ at::Tensor moe_layer(
     int64_t down_group, int64_t down_code_bits, const std::optional<at::Tensor>& down_levels,
     int64_t inter, const std::optional<at::Tensor>& router_bias,
     const std::optional<at::Tensor>& up_bias, const std::optional<at::Tensor>& down_bias,
-    double swiglu_alpha, double swiglu_limit) {
+    double swiglu_alpha, double swiglu_limit, const std::optional<at::Tensor>& choice_bias,
+    double routed_scaling) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 matrix");
-  for (const auto* bias : {&router_bias, &up_bias, &down_bias})
+  for (const auto* bias : {&router_bias, &up_bias, &down_bias, &choice_bias})
     TORCH_CHECK(!*bias || ((*bias)->scalar_type() == at::kFloat && (*bias)->is_contiguous()),
                 "biases: contiguous float32");
   const int64_t experts = router.size(0), hidden = x.size(1);
@@ -2706,6 +2734,7 @@ at::Tensor moe_layer(
               "gate|up weights need 2 x ", inter, " outputs of ", hidden, " inputs and downs ",
               hidden, " of ", inter);
   TORCH_CHECK(!router_bias || router_bias->numel() == experts, "one router bias an expert");
+  TORCH_CHECK(!choice_bias || choice_bias->numel() == experts, "one choice bias an expert");
   TORCH_CHECK(!up_bias || (up_bias->dim() == 2 && up_bias->size(0) == experts &&
                            up_bias->size(1) == 2 * inter),
               "gate|up biases: [experts, 2 x inter]");
@@ -2715,7 +2744,8 @@ at::Tensor moe_layer(
   std::vector<int64_t> id;
   std::vector<float> routing;
   route(x, router, router_bias ? router_bias->data_ptr<float>() : nullptr, top_k, renormalize,
-        id, routing);
+        choice_bias ? choice_bias->data_ptr<float>() : nullptr,
+        static_cast<float>(routed_scaling), id, routing);
 
   // Each chosen expert's pairs, in pair order: the tokens its gate|up reads, the rows of the
   // outputs that follow.
@@ -3080,7 +3110,8 @@ TORCH_LIBRARY(aserve_cpu, m) {
       "Tensor? up_levels, Tensor down_words, Tensor down_scales, Tensor down_offsets, "
       "Tensor down_bases, int down_group, int down_code_bits, Tensor? down_levels, int inter, "
       "Tensor? router_bias=None, Tensor? up_bias=None, Tensor? down_bias=None, "
-      "float swiglu_alpha=1.0, float swiglu_limit=0.0) -> Tensor",
+      "float swiglu_alpha=1.0, float swiglu_limit=0.0, Tensor? choice_bias=None, "
+      "float routed_scaling=1.0) -> Tensor",
       moe_layer);
   m.def("rmsnorm(Tensor x, Tensor weight, float eps) -> Tensor", rmsnorm);
   m.def("fused_add_rmsnorm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()",
