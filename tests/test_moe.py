@@ -565,7 +565,7 @@ def test_fused_backend_greedy_equals_torch_backend_in_float32(
     options = {"device": "cuda", "dtype": "float32", "attention_backend": "torch"}
     fused = make_llm(folder, moe_backend="fused", **options)
     reference = make_llm(folder, moe_backend="torch", **options)
-    assert fused.runtime.engine.model.model.layers[0].mlp.backend.name == "fused"
+    assert fused.runtime.engine.model.model.layers[-1].mlp.backend.name == "fused"
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     assert [o.token_ids for o in fused.generate(GPU_PROMPTS, params)] == [
         o.token_ids for o in reference.generate(GPU_PROMPTS, params)
