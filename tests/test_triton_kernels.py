@@ -569,6 +569,36 @@ def test_fused_experts_with_biases_and_clamped_swiglu(tokens: int, fp8: bool) ->
         assert (x @ w13[0].T).abs().max() > 3 * style.swiglu_limit
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["float", "fp8"])
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "inter"), [(1, 8, 2, 48), (3, 16, 4, 100), (4, 8, 8, 64)]
+)
+def test_gemv_experts_match_the_torch_backend(
+    tokens: int, experts: int, top_k: int, inter: int, fp8: bool
+) -> None:
+    """A few tokens' experts as matrix-vector products (layers/moe_gemv_triton.py), as
+    `fused_experts` runs them in decode: against the torch backend on the same weights
+    (float32, or FP8 rows with their scales), an expert width that no tile divides, tokens
+    that share experts, every expert a token's."""
+    from aserve.layers.moe import torch_experts
+    from aserve.layers.moe_gemv_triton import GEMV_TOKENS
+    from aserve.layers.moe_triton import fused_experts
+    from aserve.quant.fp8 import quantize_rows
+    from tests.test_moe import random_experts
+
+    assert tokens <= GEMV_TOKENS
+    x, w13, w2, weights, ids = random_experts(tokens, experts, top_k, hidden=96, inter=inter)
+    s13 = s2 = None
+    if fp8:
+        q13, q2 = quantize_rows(w13.flatten(0, 1)), quantize_rows(w2.flatten(0, 1))
+        w13, s13 = q13.values.view(w13.shape), q13.scales.view(w13.shape[:2])
+        w2, s2 = q2.values.view(w2.shape), q2.scales.view(w2.shape[:2])
+    args = [t if t is None else t.to(DEVICE) for t in (x, w13, w2, weights, ids, s13, s2)]
+    expected = torch_experts(*args)
+    actual = fused_experts(*args)
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize(("qtype", "inter", "tokens"), [("Q4_0", 64, 40), ("Q6_K", 256, 7)])
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 def test_fused_gguf_experts_in_wide_tiles_match_float64(

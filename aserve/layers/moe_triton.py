@@ -25,6 +25,7 @@ import triton.language as tl
 from aserve.config import PLAIN_EXPERTS, ExpertStyle
 from aserve.engine.gpu import HOPPER_SHARED_MEMORY, gpu_capability, shared_memory_limit
 from aserve.layers.moe_align_triton import device_layout
+from aserve.layers.moe_gemv_triton import GEMV_TOKENS, gemv_experts
 from aserve.layers.moe_layout import BlockLayout
 
 
@@ -289,7 +290,11 @@ def fused_experts(
     w2_bias: torch.Tensor | None = None,
     style: ExpertStyle = PLAIN_EXPERTS,
 ) -> torch.Tensor:
-    """The `MoEBackend.experts` contract (see aserve/layers/moe.py), on CUDA."""
+    """The `MoEBackend.experts` contract (see aserve/layers/moe.py), on CUDA; a few tokens
+    of plain experts as matrix-vector products (moe_gemv_triton.py)."""
+    plain = w13_bias is None and w2_bias is None and style == PLAIN_EXPERTS
+    if plain and topk_ids.shape[0] <= GEMV_TOKENS:
+        return gemv_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
 
     def launch(
         a: torch.Tensor,
