@@ -577,11 +577,11 @@ def test_gemv_experts_match_the_torch_backend(
     tokens: int, experts: int, top_k: int, inter: int, fp8: bool
 ) -> None:
     """A few tokens' experts as matrix-vector products (layers/moe_gemv_triton.py), as
-    `fused_experts` runs them in decode: against the torch backend on the same weights
+    `fused_experts` runs FP8 ones in decode: against the torch backend on the same weights
     (float32, or FP8 rows with their scales), an expert width that no tile divides, tokens
     that share experts, every expert a token's."""
     from aserve.layers.moe import torch_experts
-    from aserve.layers.moe_gemv_triton import GEMV_TOKENS
+    from aserve.layers.moe_gemv_triton import GEMV_TOKENS, gemv_experts
     from aserve.layers.moe_triton import fused_experts
     from aserve.quant.fp8 import quantize_rows
     from tests.test_moe import random_experts
@@ -595,8 +595,10 @@ def test_gemv_experts_match_the_torch_backend(
         w2, s2 = q2.values.view(w2.shape), q2.scales.view(w2.shape[:2])
     args = [t if t is None else t.to(DEVICE) for t in (x, w13, w2, weights, ids, s13, s2)]
     expected = torch_experts(*args)
-    actual = fused_experts(*args)
+    actual = gemv_experts(*args)
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+    if fp8:  # the path the backend takes for them
+        assert torch.equal(fused_experts(*args), actual)
 
 
 @pytest.mark.parametrize(("qtype", "inter", "tokens"), [("Q4_0", 64, 40), ("Q6_K", 256, 7)])

@@ -1,18 +1,21 @@
-"""A few tokens' experts as matrix-vector products: the fused MoE backend in decode.
+"""A few tokens' FP8 experts as matrix-vector products: the fused MoE backend in decode.
 
 At one token a layer's experts are top_k matrix-vector products, each streaming its expert's
-weight once. The grouped GEMM (moe_triton.py) pads every expert's one row into a tile of 16
-and runs a program per 64 columns, too few loads in flight to stream: on an H200 a
-GLM-4.5-Air FP8 layer's two passes took ~79 us against the ~29 its weight bytes need at the
-memory's rate. Here a program reads `BLOCK_N` rows of one pair's expert in long runs of
-columns, as the one-row GEMV does (layers/gemv.py): the gate|up pass writes each pair's
+weight once. The grouped GEMM (moe_triton.py) pads every expert's one row into a tile of 16,
+and with FP8 weights widens each tile for the tensor cores: on an H200 (bench/moe_kernels.py,
+weights from memory) a GLM-4.5-Air layer's FP8 experts took 85 us for one token, 1.6 TB/s,
+where its bf16 experts (twice the bytes) took 82. Here a program reads `BLOCK_N` rows of one
+pair's expert in long runs of columns, as the one-row GEMV does (layers/gemv.py): 51 us (2.7
+TB/s) for one token, 338 against 422 for 8, 626 against 609 for 16; Qwen3-30B-A3B's experts
+25 against 39 us for one. bf16 experts lost here from 2 tokens on (GLM-4.5-Air's from one:
+106 against 82 us), so they keep the grouped GEMM. The gate|up pass writes each pair's
 SiLU(gate) * up, rounded as the grouped kernel stores it; the down pass gives each program a
 token's `BLOCK_N` outputs and runs over its top_k experts, each product scaled by its
 routing weight and rounded as the grouped pass stores a pair's row, then summed in float32:
 the token's sum over its experts needs no kernel of its own.
 
-Plain experts only (SiLU(gate) * up, no biases); float weights or FP8 ones with a scale a
-row. The expert of each pair is the routing kernel's output, so nothing is loaded before
+Plain experts only (SiLU(gate) * up, no biases), FP8 with a scale a row (float weights too,
+as the tests run them). The expert of each pair is the routing kernel's output, so nothing is loaded before
 the PDL wait. Imported only on CUDA (it imports Triton).
 """
 
@@ -24,9 +27,9 @@ import triton.language as tl
 
 from aserve.layers.pdl import pdl_options, wait_for_previous
 
-GEMV_TOKENS = 4
+GEMV_TOKENS = 8
 """Batches of up to this many tokens take these kernels; larger ones the grouped GEMM, which
-reads an expert chosen by several tokens once."""
+reads an expert chosen by several tokens once (it won from 16 tokens on, above)."""
 
 
 @triton.jit

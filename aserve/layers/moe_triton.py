@@ -291,9 +291,9 @@ def fused_experts(
     style: ExpertStyle = PLAIN_EXPERTS,
 ) -> torch.Tensor:
     """The `MoEBackend.experts` contract (see aserve/layers/moe.py), on CUDA; a few tokens
-    of plain experts as matrix-vector products (moe_gemv_triton.py)."""
+    of plain FP8 experts as matrix-vector products (moe_gemv_triton.py)."""
     plain = w13_bias is None and w2_bias is None and style == PLAIN_EXPERTS
-    if plain and topk_ids.shape[0] <= GEMV_TOKENS:
+    if plain and w13_scale is not None and topk_ids.shape[0] <= GEMV_TOKENS:
         return gemv_experts(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
 
     def launch(
