@@ -15,8 +15,8 @@ routing weight and rounded as the grouped pass stores a pair's row, then summed 
 the token's sum over its experts needs no kernel of its own.
 
 Plain experts only (SiLU(gate) * up, no biases), FP8 with a scale a row (float weights too,
-as the tests run them). The expert of each pair is the routing kernel's output, so nothing is loaded before
-the PDL wait. Imported only on CUDA (it imports Triton).
+as the tests run them). The expert of each pair is the routing kernel's output, so nothing
+is loaded before the PDL wait. Imported only on CUDA (it imports Triton).
 """
 
 from __future__ import annotations
