@@ -22,6 +22,11 @@ granitemoe --layers 24 --hidden 1024 --heads 16 8 --head-dim 64 --experts 32 8
 --expert-rows 512`. `--arch qwen2moe` writes Qwen2-MoE's (QKV biases, a shared expert of
 `--shared-rows` and its gate); Qwen1.5-MoE-A2.7B's layers are `--arch qwen2moe --hidden 2048
 --heads 16 16 --head-dim 128 --experts 60 4 --expert-rows 1408 --shared-rows 5632`.
+`--arch glm4moe` writes GLM-4.5's (QKV biases, a dense first layer of `--dense-rows`, a
+shared expert as wide as the others beside them without a gate, experts chosen by sigmoid
+scores plus a bias of their own, half of each head rotating); GLM-4.5-Air's layers are
+`--arch glm4moe --hidden 4096 --heads 96 8 --head-dim 128 --experts 128 8 --expert-rows 1408
+--dense-rows 10944`.
 """
 
 from __future__ import annotations
@@ -44,9 +49,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--arch",
         default="qwen3moe",
-        choices=["qwen3moe", "qwen2moe", "gpt-oss", "olmoe", "granitemoe"],
+        choices=["qwen3moe", "qwen2moe", "gpt-oss", "olmoe", "granitemoe", "glm4moe"],
     )
     p.add_argument("--shared-rows", type=int, default=5632, help="qwen2moe: the shared expert")
+    p.add_argument("--dense-rows", type=int, default=1536, help="glm4moe: the first layer's MLP")
     p.add_argument("--qtype", default="Q4_0", help="GGUF type of the matrices: Q4_0, IQ4_XS, ...")
     p.add_argument("--expert-qtype", default=None, help="the experts' type (default: --qtype)")
     p.add_argument("--layers", type=int, default=8)
@@ -70,7 +76,7 @@ def main() -> None:
     args = parse_args()
     qtype = gguf.GGMLQuantizationType[args.qtype]
     expert_qtype = gguf.GGMLQuantizationType[args.expert_qtype or args.qtype]
-    oss = args.arch == "gpt-oss"
+    oss, glm = args.arch == "gpt-oss", args.arch == "glm4moe"
     heads, kv_heads = args.heads
     experts, used = args.experts
     writer = gguf.GGUFWriter(args.out, args.arch)
@@ -78,7 +84,7 @@ def main() -> None:
     writer.add_block_count(args.layers)
     writer.add_context_length(4096)
     writer.add_embedding_length(args.hidden)
-    writer.add_feed_forward_length(args.expert_rows)
+    writer.add_feed_forward_length(args.dense_rows if glm else args.expert_rows)
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_key_length(args.head_dim)
@@ -91,6 +97,14 @@ def main() -> None:
         writer.add_expert_feed_forward_length(args.expert_rows)
     if args.arch == "qwen2moe":
         writer.add_expert_shared_feed_forward_length(args.shared_rows)
+    if glm:  # GLM-4.5-Air's routing, without its prediction layer
+        writer.add_expert_shared_count(1)
+        writer.add_leading_dense_block_count(1)
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        writer.add_expert_weights_scale(1.0)
+        writer.add_expert_weights_norm(True)
+        writer.add_nextn_predict_layers(0)
+        writer.add_rope_dimension_count(args.head_dim // 2)
     if args.arch == "granitemoe":  # granite-3.1-1b-a400m's multipliers
         writer.add_embedding_scale(12.0)
         writer.add_attention_scale(0.015625)
@@ -116,6 +130,27 @@ def main() -> None:
     def small(*shape: int) -> np.ndarray:  # biases and sinks
         return rng.standard_normal(shape, dtype=np.float32) / 8
 
+    def glm_layer(blk: str, dense: bool) -> None:
+        """The rest of a GLM-4.5 layer: QKV biases, norms, a dense MLP or the experts."""
+        for name, rows in (("attn_q", q_rows), ("attn_k", kv_rows), ("attn_v", kv_rows)):
+            add(f"{blk}.{name}.bias", small(rows), quantized=False)
+        for norm in ("attn_norm", "post_attention_norm"):
+            add(f"{blk}.{norm}.weight", np.ones(args.hidden, np.float32), quantized=False)
+        mlps = [("", args.dense_rows)] if dense else [("_shexp", args.expert_rows)]
+        for suffix, rows in mlps:
+            add(f"{blk}.ffn_gate{suffix}.weight", matrix(rows, args.hidden))
+            add(f"{blk}.ffn_up{suffix}.weight", matrix(rows, args.hidden))
+            add(f"{blk}.ffn_down{suffix}.weight", matrix(args.hidden, rows))
+        if dense:
+            return
+        for part in ("gate", "up"):
+            shape = (experts, args.expert_rows, args.hidden)
+            add(f"{blk}.ffn_{part}_exps.weight", experts_of(*shape))
+        add(f"{blk}.ffn_down_exps.weight", experts_of(experts, args.hidden, args.expert_rows))
+        router = rng.standard_normal((experts, args.hidden), dtype=np.float32) / 32
+        add(f"{blk}.ffn_gate_inp.weight", router, quantized=False)
+        add(f"{blk}.exp_probs_b.bias", small(experts), quantized=False)
+
     add("token_embd.weight", matrix(vocab, args.hidden))
     add("output.weight", matrix(vocab, args.hidden))
     add("output_norm.weight", np.ones(args.hidden, np.float32), quantized=False)
@@ -126,6 +161,9 @@ def main() -> None:
         add(f"{blk}.attn_k.weight", matrix(kv_rows, args.hidden))
         add(f"{blk}.attn_v.weight", matrix(kv_rows, args.hidden))
         add(f"{blk}.attn_output.weight", matrix(args.hidden, q_rows))
+        if glm:
+            glm_layer(blk, layer == 0)
+            continue
         add(f"{blk}.ffn_gate_exps.weight", experts_of(experts, args.expert_rows, args.hidden))
         add(f"{blk}.ffn_up_exps.weight", experts_of(experts, args.expert_rows, args.hidden))
         add(f"{blk}.ffn_down_exps.weight", experts_of(experts, args.hidden, args.expert_rows))
