@@ -38,6 +38,7 @@ from aserve.layers.weight import WeightSource, read_whole
 from aserve.models.multimodal import DECODER_PARTS, checkpoint_names, language_model_name
 from aserve.models.pooling import Pooler
 from aserve.models.weights import expected_tensors, map_checkpoint_tensor
+from aserve.quant.fp8 import Fp8Tensor
 from aserve.quant.fp8_activations import Fp8Activations
 from aserve.quant.gguf import QuantizedTensor
 from aserve.quant.huge_pages import WeightBlocks
@@ -657,6 +658,8 @@ class DecoderForCausalLM(nn.Module):
             return tensor.permute_rows(self._head_order(tensor.shape[0], tensor.raw.device))
         if isinstance(tensor, CodesTensor):
             return tensor.permute_rows(self._head_order(tensor.shape[0], tensor.device))
+        if isinstance(tensor, Fp8Tensor):  # an FP8 checkpoint's (GLM-4.5-Air-FP8's)
+            return tensor.permute_rows(self._head_order(tensor.shape[0], torch.device("cpu")))
         whole = read_whole(tensor)  # on the weights' device where they load onto a GPU
         return whole[self._head_order(whole.shape[0], whole.device)]
 

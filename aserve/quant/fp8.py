@@ -107,6 +107,13 @@ class Fp8Tensor:
             scale = self.scale
         return Fp8Tensor(values, scale, self.block)
 
+    def permute_rows(self, order: torch.Tensor) -> Fp8Tensor:
+        """Its rows in `order` (a partly rotating head's Q/K rows), with one scale a row as
+        `rows()` gives them: what loading makes of them either way."""
+        rows = self.rows()
+        order = order.to(rows.values.device)
+        return Fp8Tensor(rows.values[order], rows.scales[order].reshape(-1, 1), None)
+
     def rows(self) -> Fp8Rows:
         """Per-row scales: exact for a tensor's or a row's scale; block scales are applied and
         the rows quantized again (one scale a row is what the FP8 GEMM here takes)."""
