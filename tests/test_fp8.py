@@ -353,6 +353,35 @@ def test_fp8_checkpoint_loads_as_published(
         LLM(str(fp8_folder), num_pages=256)
 
 
+def test_fp8_checkpoint_of_partly_rotating_heads_loads_as_its_twin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, make_llm: Callable[..., LLM]
+) -> None:
+    """Where half of a head rotates (GLM-4.5's; GLM-4.5-Air-FP8 publishes block scales),
+    the query and key rows load reordered; an FP8 checkpoint's are reordered with one scale
+    a row, which is what its de-quantized twin quantized at load holds: the same FP8 rows
+    and scales, and (on CPU, where the kernels are deterministic) the same greedy tokens."""
+    fp8_on_cpu(monkeypatch)
+    float_folder = make_tiny_model("glm4_moe", tmp_path / "float")
+    fp8_folder, twin_folder = tmp_path / "fp8", tmp_path / "twin"
+    write_fp8_checkpoint(float_folder, fp8_folder, twin_folder, "fp8-block")
+    fp8 = make_llm(fp8_folder, num_pages=256)
+    twin = make_llm(twin_folder, quantization="fp8", num_pages=256)
+    for layer in (0, 2):
+        ours, theirs = (
+            llm.runtime.engine.model.model.layers[layer].self_attn.qkv_proj.quantized.products
+            for llm in (fp8, twin)
+        )
+        for a, b in zip(ours, theirs, strict=True):
+            assert isinstance(a, Fp8Weight) and isinstance(b, Fp8Weight)
+            assert torch.equal(a.values.view(torch.uint8), b.values.view(torch.uint8))
+            assert torch.equal(a.scales, b.scales)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [[5, 17, 33, 9], list(range(3, 40, 2))]
+    assert [o.token_ids for o in fp8.generate(prompts, params)] == [
+        o.token_ids for o in twin.generate(prompts, params)
+    ]
+
+
 def test_fp8_tensor_slices_whole_blocks() -> None:
     """A rank's rows or columns of a block-scaled weight carry their blocks' scales; a shard
     that would start inside a block is refused."""
