@@ -131,7 +131,7 @@ ROPE_SCALINGS = {
     FREQ_FACTORS: ("factors",),
 }
 """The rope scalings aserve runs (aserve/layers/rotary.py), each with the keys it needs."""
-REASONING_PARSERS = ("qwen3", "qwen3-thinking", "deepseek-r1", "deepseek_r1", "qwq")
+REASONING_PARSERS = ("qwen3", "qwen3-thinking", "deepseek-r1", "deepseek_r1", "qwq", "glm45")
 # vLLM's names, and SGLang's where they differ (qwen25, llama3); auto reads the chat template.
 TOOL_CALL_PARSERS = (
     "auto",
@@ -144,6 +144,8 @@ TOOL_CALL_PARSERS = (
     "granite",
     "phi4_mini_json",
     "pythonic",
+    "glm45",
+    "glm47",
 )
 """SGLang's and vLLM's names for parsers of `<think>` blocks (aserve/server/reasoning.py);
 all read the same tags."""

@@ -28,6 +28,7 @@ OPTIONS = {
     "phi4_mini_json": ["--tool-call-parser", "phi4_mini_json"],
     "qwen3_coder": ["--tool-call-parser", "qwen3_coder"],
     "pythonic": ["--tool-call-parser", "pythonic"],
+    "glm45": ["--tool-call-parser", "glm45"],
 }
 
 
@@ -45,14 +46,14 @@ def server(request: pytest.FixtureRequest, smollm2_dir: Path) -> Iterator[Server
 
 def assert_valid_calls(server: ServerProcess, calls: Any, names: set[str]) -> None:
     """Each call names an offered function, its arguments follow that function's schema,
-    and its id is OpenAI's shape, or Mistral's nine letters and digits. qwen3_coder's free
-    strings are any text up to `</parameter>` in xgrammar's grammar, which bounds no length:
-    their maxLength is left out of the check."""
+    and its id is OpenAI's shape, or Mistral's nine letters and digits. qwen3_coder's and
+    glm45's free strings are any text up to `</parameter>` (`</arg_value>`) in xgrammar's
+    grammar, which bounds no length: their maxLength is left out of the check."""
     import jsonschema
 
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     syntax = server.syntax  # type: ignore[attr-defined]
-    if syntax == "qwen3_coder":
+    if syntax in ("qwen3_coder", "glm45"):
         schemas = json.loads(json.dumps(schemas).replace('"maxLength"', '"unbounded"'))
     mistral = syntax.startswith("mistral")
     assert calls
@@ -104,7 +105,8 @@ def test_streamed_calls_equal_the_reply(server: ServerProcess) -> None:
     the JSON syntaxes each call's index, id and name first, then its arguments in pieces as
     they are written (merged by index, as OpenAI's SDK does, the reply's calls: the same
     names and ids' shapes, the same arguments read as JSON, and where max_tokens cut the
-    last one, that one as far as it went); qwen3_coder's and pythonic calls a delta each."""
+    last one, that one as far as it went); qwen3_coder's, glm45's and pythonic calls a delta
+    each."""
     sdk = client(server)
     request = {
         "model": MODEL,
@@ -142,5 +144,6 @@ def test_streamed_calls_equal_the_reply(server: ServerProcess) -> None:
         assert sent["name"] == call.function.name
         assert json.loads(sent["arguments"]) == json.loads(call.function.arguments)
         assert (len(sent["id"]) == 9) == (len(call.id) == 9)
-    written = server.syntax not in ("qwen3_coder", "pythonic")  # type: ignore[attr-defined]
+    whole = ("qwen3_coder", "pythonic", "glm45")
+    written = server.syntax not in whole  # type: ignore[attr-defined]
     assert (max(pieces.values()) > 2) == written, pieces

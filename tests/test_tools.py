@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from aserve.server.tool_syntax import (
+    GLM45,
     GRANITE,
     HERMES,
     LLAMA3_JSON,
@@ -149,6 +150,35 @@ def test_qwen3_coder_values_are_read_by_their_schema_type() -> None:
     assert parse_tool_calls(look_alike, QWEN3_CODER, CODER_TOOLS) == (look_alike, [])
 
 
+def test_glm45_values_are_read_by_their_schema_type() -> None:
+    """GLM-4.5's calls, key and value pairs a line apart (GLM-4.7's back to back): each
+    value read as qwen3_coder's are (a string stays a string, other types as JSON or Python
+    literals); an unknown function's values as JSON where they parse. A call that
+    max_tokens cuts after whole ones is dropped; a name that is no function's name, or a
+    block that never closes with nothing before it, stays text."""
+    text = (
+        "Setting it.\n<tool_call>set_alarm\n<arg_key>label</arg_key>\n<arg_value>007"
+        "</arg_value>\n<arg_key>hour</arg_key>\n<arg_value>7</arg_value>\n"
+        "<arg_key>loud</arg_key>\n<arg_value>true</arg_value>\n<arg_key>days</arg_key>\n"
+        '<arg_value>["mon", "tue"]</arg_value>\n</tool_call>'
+        "<tool_call>other<arg_key>x</arg_key><arg_value>2.5</arg_value><arg_key>y</arg_key>"
+        "<arg_value>two lines\nof text</arg_value></tool_call>"
+    )
+    content, calls = parse_tool_calls(text, GLM45, CODER_TOOLS)
+    assert content == "Setting it." and names(calls) == ["set_alarm", "other"]
+    assert json.loads(calls[0].arguments) == {
+        "label": "007",
+        "hour": 7,
+        "loud": True,
+        "days": ["mon", "tue"],
+    }
+    assert json.loads(calls[1].arguments) == {"x": 2.5, "y": "two lines\nof text"}
+    cut = text[: text.index("<tool_call>other") + 16]
+    assert parse_tool_calls(cut, GLM45, CODER_TOOLS) == ("Setting it.", calls[:1])
+    for look_alike in ("Use <tool_call>two words</tool_call>.", "<tool_call>set_alarm\n<arg"):
+        assert parse_tool_calls(look_alike, GLM45, CODER_TOOLS) == (look_alike, [])
+
+
 def test_mistral_both_forms_and_nine_character_ids() -> None:
     """The JSON list after `[TOOL_CALLS]` (a space before it, as Mistral 7B v0.3 writes
     it) and the newer `NAME[ARGS]{...}` a call (with or without a `[CALL_ID]`); either
@@ -219,6 +249,8 @@ def test_pythonic_calls() -> None:
     [
         ("{% if tools %}<tool_call>{% endif %}", "auto", HERMES),
         ("<tool_call>\n<function=NAME>\n<parameter=KEY>", "auto", QWEN3_CODER),
+        ("<tool_call>{{ name }}\n<arg_key>{{ k }}</arg_key>", "auto", GLM45),
+        (None, "glm47", GLM45),
         ("<|start_header_id|>ipython<|end_header_id|>", "auto", LLAMA3_JSON),
         ("{{ '[TOOL_CALLS]' + tool_calls|tojson }}", "auto", MISTRAL),
         ("{{ '[TOOL_CALLS]' + name + '[ARGS]' + args }}", "auto", MISTRAL_NAMED_ARGS),
@@ -352,6 +384,7 @@ def test_arguments_cut_by_max_tokens_stay_as_sent() -> None:
         (GRANITE, ["Sure ", "<|tool", "_call|>", f"[{TIME}]"]),
         (PHI4_MINI_JSON, ["Sure ", "func", "tools[", f"{TIME}]"]),
         (QWEN3_CODER, ["Sure ", "<tool_", "call>\n<function=get_time>\n</function>\n</tool_call>"]),
+        (GLM45, ["Sure ", "<tool", "_call>get_time", "\n</tool_call>"]),
     ],
 )
 def test_each_marker_is_held_back_when_split(syntax: ToolSyntax, pieces: list[str]) -> None:
@@ -417,6 +450,8 @@ FORCED_ALARM = {
     "mistral_args": '[TOOL_CALLS]set_alarm[ARGS]{"hour": 7, "label": "up"}',
     "granite": '<|tool_call|>[{"name": "set_alarm", "arguments": {"hour": 7, "label": "up"}}]',
     "phi4_mini_json": 'functools[{"name": "set_alarm", "arguments": {"hour": 7, "label": "up"}}]',
+    "glm45": "<tool_call>set_alarm<arg_key>hour</arg_key><arg_value>7</arg_value>"
+    "<arg_key>label</arg_key><arg_value>up</arg_value></tool_call>",
 }
 SYNTAXES = {
     "hermes": HERMES,
@@ -427,6 +462,7 @@ SYNTAXES = {
     "mistral_args": MISTRAL_NAMED_ARGS,
     "granite": GRANITE,
     "phi4_mini_json": PHI4_MINI_JSON,
+    "glm45": GLM45,
 }
 TWO_CALLS_APART = {  # what stands between two calls of a parallel forced reply
     "hermes": "\n",
@@ -437,6 +473,7 @@ TWO_CALLS_APART = {  # what stands between two calls of a parallel forced reply
     "mistral_args": "",
     "granite": None,
     "phi4_mini_json": None,
+    "glm45": "\n",
 }
 
 

@@ -15,15 +15,19 @@ Names are vLLM's `--tool-call-parser` names:
 - granite: `<|tool_call|>` and a JSON list (Granite 3);
 - phi4_mini_json: `functools` and a JSON list (Phi-4-mini);
 - pythonic: the reply is a Python list of calls, `[get_weather(city="Paris"), ...]` (Llama
-  3.2's and Llama 4's pythonic templates).
+  3.2's and Llama 4's pythonic templates);
+- glm45 (glm47): `<tool_call>NAME` then `<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>`
+  pairs and `</tool_call>`, newlines between them or not, values read by their schema types
+  as qwen3_coder's are (GLM-4.5, 4.6, 4.7).
 A reply whose call syntax does not parse stays text; after whole calls, one cut short by
 max_tokens is dropped (a forced "required" reply keeps adding calls until stopped).
 
 The forcing grammars are xgrammar structural tags: each call names an offered function and
-its arguments follow that function's schema. xgrammar has the tags of hermes, qwen3_coder
-and llama3_json; the JSON-list ones are built here. Python's call syntax has no schema
-grammar in xgrammar, so a forced pythonic reply is written as llama3_json calls (vLLM forces
-every parser's calls as JSON), which the pythonic parser also reads.
+its arguments follow that function's schema. xgrammar has the tags of hermes, qwen3_coder,
+llama3_json and glm45 (GLM-4.7's, which writes no newlines); the JSON-list ones are built
+here. Python's call syntax has no schema grammar in xgrammar, so a forced pythonic reply is
+written as llama3_json calls (vLLM forces every parser's calls as JSON), which the pythonic
+parser also reads.
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ PHI4_CALLS = "functools"
 LLAMA4_PYTHON = ("<|python_start|>", "<|python_end|>")
 CODER_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.DOTALL)
 CODER_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+GLM_MARKERS = ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
+GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 FUNCTION_NAME = re.compile(r"[\w.\-]+")
 # A JSON call object up to its arguments: `{"name": "...", "arguments": ` (Llama's key is
 # "parameters"); `[TOOL_CALLS]NAME[ARGS]` (Mistral's newer form)
@@ -218,6 +224,29 @@ def _coder_reader(tools: Tools) -> CallReader:
             end = _skip_space(text, end + len(HERMES_END))
         elif HERMES_END.startswith(text[end:]):  # the closing tag cut short (max_tokens)
             end = len(text)
+        return [ParsedCall(name, json.dumps(arguments, ensure_ascii=False))], end
+
+    return read
+
+
+def _glm_reader(tools: Tools) -> CallReader:
+    schemas = _function_schemas(tools)
+
+    def read(text: str, at: int) -> tuple[list[ParsedCall], int | None]:
+        close = text.find(HERMES_END, at)
+        if close < 0:
+            return [], None
+        body = text[at:close]
+        first = body.find(GLM_MARKERS[0])
+        name = body[: len(body) if first < 0 else first].strip()
+        end = _skip_space(text, close + len(HERMES_END))
+        if FUNCTION_NAME.fullmatch(name) is None:
+            return [], end
+        properties = schemas.get(name, {})
+        arguments = {
+            key.strip(): _coder_value(raw, properties.get(key.strip(), {}))
+            for key, raw in GLM_ARGUMENT.findall(body, max(first, 0))
+        }
         return [ParsedCall(name, json.dumps(arguments, ensure_ascii=False))], end
 
     return read
@@ -437,6 +466,13 @@ QWEN3_CODER = ToolSyntax(
     lambda text, tools: _after_markers(text, HERMES_START, _coder_reader(tools)),
     lambda tools, choice, parallel: _xgrammar_tag("qwen_3_coder", tools, choice, parallel),
     kept_tokens=(HERMES_START, HERMES_END),
+)
+GLM45 = ToolSyntax(
+    "glm45",
+    (HERMES_START,),
+    lambda text, tools: _after_markers(text, HERMES_START, _glm_reader(tools)),
+    lambda tools, choice, parallel: _xgrammar_tag("glm_4_7", tools, choice, parallel),
+    kept_tokens=(HERMES_START, HERMES_END, *GLM_MARKERS),
 )
 LLAMA3_JSON = ToolSyntax(
     "llama3_json",

@@ -10,6 +10,8 @@ import json
 from typing import Any
 
 from aserve.server.tool_syntax import (
+    GLM45,
+    GLM_MARKERS,
     GRANITE,
     GRANITE_CALLS,
     HERMES,
@@ -38,6 +40,8 @@ _BY_NAME = {
     "granite": GRANITE,
     "phi4_mini_json": PHI4_MINI_JSON,
     "pythonic": PYTHONIC,
+    "glm45": GLM45,
+    "glm47": GLM45,
 }
 
 
@@ -45,6 +49,8 @@ def _from_template(template: str) -> ToolSyntax:
     """The syntax a chat template teaches, by the markers it writes (Hermes if none)."""
     if "<function=" in template and "<parameter=" in template:
         return QWEN3_CODER
+    if GLM_MARKERS[0] in template:
+        return GLM45
     if MISTRAL_CALLS in template:
         return MISTRAL_NAMED_ARGS if MISTRAL_ARGS in template else MISTRAL
     if "<|/tool|>" in template or "functools[" in template:
