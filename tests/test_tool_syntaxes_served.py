@@ -106,7 +106,8 @@ def test_streamed_calls_equal_the_reply(server: ServerProcess) -> None:
     they are written (merged by index, as OpenAI's SDK does, the reply's calls: the same
     names and ids' shapes, the same arguments read as JSON, and where max_tokens cut the
     last one, that one as far as it went); qwen3_coder's, glm45's and pythonic calls a delta
-    each."""
+    each. glm45's free strings run on in the 135M model's hands (any text but
+    `</arg_value>`): its first call closes only after 120 tokens, so it gets 300."""
     sdk = client(server)
     request = {
         "model": MODEL,
@@ -114,7 +115,7 @@ def test_streamed_calls_equal_the_reply(server: ServerProcess) -> None:
         "tools": TOOLS,
         "tool_choice": "required",
         "parallel_tool_calls": True,
-        "max_tokens": 120,
+        "max_tokens": 300 if server.syntax == "glm45" else 120,  # type: ignore[attr-defined]
         "temperature": 0,
     }
     reply = sdk.chat.completions.create(**request).choices[0]
