@@ -40,6 +40,7 @@ SUPPORTED_ARCHITECTURES = {
     "Exaone4ForCausalLM": "exaone4",
     "Glm4ForCausalLM": "glm4",
     "Glm4MoeForCausalLM": "glm4_moe",
+    "Dots1ForCausalLM": "dots1",
 }
 VISION_LANGUAGE_ARCHITECTURES = (
     "Gemma3ForConditionalGeneration",
@@ -96,9 +97,13 @@ whether their positions count from the padding id + 1 (RoBERTa's, XLM-RoBERTa's)
 than from 0."""
 MODERN_BERT = "ModernBertModel"
 NOMIC_BERT = "NomicBertModel"
-MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "glm4_moe")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "glm4_moe", "dots1")
+DEEPSEEK_MOE_FAMILIES = ("glm4_moe", "dots1")
+"""Families whose experts are routed as DeepSeek-V3's (`RouterStyle`)."""
 """Families whose experts `_moe_settings` reads (gpt-oss's are read with its own settings)."""
 MOE_BACKENDS = ("auto", "torch", "fused")
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "olmoe", "exaone4", "dots1")
+"""Families that normalise queries and keys (a head each, or across heads: OLMo's)."""
 GELU_TANH = "gelu_pytorch_tanh"
 ACTIVATIONS = ("silu", GELU_TANH)
 """The gated MLPs' activations: SiLU (Llama, Qwen, Mistral) and GELU's tanh form (Gemma)."""
@@ -488,8 +493,8 @@ def _moe_settings(config: dict[str, Any], family: str) -> dict[str, Any]:
     logits, the same weights; Qwen3-MoE and OLMoE renormalise with `norm_topk_prob`).
     Qwen2-MoE adds a shared expert, `shared_expert_intermediate_size` wide, beside them."""
     mixtral = family in ("mixtral", "granitemoe")
-    if family == "glm4_moe":
-        return _deepseek_moe_settings(config)
+    if family in DEEPSEEK_MOE_FAMILIES:
+        return _deepseek_moe_settings(config, family)
     width = (
         config.get("moe_intermediate_size")
         if family in ("mixtral", "olmoe", "granitemoe")
@@ -506,11 +511,12 @@ def _moe_settings(config: dict[str, Any], family: str) -> dict[str, Any]:
     }
 
 
-def _deepseek_moe_settings(config: dict[str, Any]) -> dict[str, Any]:
-    """GLM-4.5's experts, as DeepSeek-V3 routes them (`RouterStyle`): the first
-    `first_k_dense_replace` layers keep a dense MLP of `intermediate_size`, the others take
-    `n_routed_experts` experts beside `n_shared_experts` shared ones, which are one dense MLP
-    as wide as that many experts, added without a gate."""
+def _deepseek_moe_settings(config: dict[str, Any], family: str) -> dict[str, Any]:
+    """GLM-4.5's and dots.llm1's experts, as DeepSeek-V3 routes them (`RouterStyle`): the
+    first `first_k_dense_replace` layers keep a dense MLP of `intermediate_size`, the others
+    take `n_routed_experts` experts beside `n_shared_experts` shared ones, which are one dense
+    MLP as wide as that many experts, added without a gate. The chosen weights are
+    renormalised by default in GLM-4.5's config, not in dots.llm1's."""
     groups = int(config.get("n_group") or 1)
     experts = int(config.get("n_routed_experts") or config.get("num_local_experts") or 0)
     if experts % groups:
@@ -520,7 +526,7 @@ def _deepseek_moe_settings(config: dict[str, Any]) -> dict[str, Any]:
         "num_experts": experts,
         "num_experts_per_tok": int(config.get("num_experts_per_tok", 8)),
         "moe_intermediate_size": width,
-        "norm_topk_prob": bool(config.get("norm_topk_prob", True)),
+        "norm_topk_prob": bool(config.get("norm_topk_prob", family == "glm4_moe")),
         "mlp_only_layers": tuple(range(int(config.get("first_k_dense_replace") or 0))),
         "shared_expert_intermediate_size": width * int(config.get("n_shared_experts") or 0),
         "shared_expert_gated": False,
@@ -935,6 +941,8 @@ class ModelConfig:
             }
         if family == "glm4_moe":  # half of a head rotates, in halves (unlike GLM-4's pairs)
             family_settings["rotary_dim"] = _rotary_dim(config, int(head_dim), 0.5)
+        if family == "dots1" and config.get("layer_types"):  # Qwen2's windows past a layer
+            family_settings["layer_windows"] = _layer_windows(config, num_layers, 1)
         if family == "phi3":
             family_settings["rotary_dim"] = _rotary_dim(config, int(head_dim))
             _check_longrope(family_settings["rope_scaling"], family_settings["rotary_dim"])
@@ -964,7 +972,7 @@ class ModelConfig:
             ),
             o_bias=bool(config.get("attention_bias", False))
             and family not in ("qwen2", "qwen2_moe", "glm4", "glm4_moe"),
-            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "olmoe", "exaone4")
+            qk_norm=family in QK_NORM_FAMILIES
             or (family == "glm4_moe" and bool(config.get("use_qk_norm"))),
             eos_token_ids=tuple(sorted(eos)),
             bos_token_id=config.get("bos_token_id"),

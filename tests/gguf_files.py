@@ -44,6 +44,7 @@ GGUF_ARCH = {
     "exaone4": "exaone4",
     "glm4": "glm4",
     "glm4_moe": "glm4moe",
+    "dots1": "dots1",
 }
 TOP_LEVEL = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -93,15 +94,16 @@ GLM4_IN_LAYER = IN_LAYER | {
     "mlp.gate_up_proj": "ffn_up",
 }
 """Phi-3's fused projections keep their checkpoint layout under llama.cpp's names."""
-GLM4_MOE_IN_LAYER = IN_LAYER | {
-    "post_attention_layernorm": "post_attention_norm",
+DOTS1_IN_LAYER = IN_LAYER | {
     "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
     "mlp.shared_experts.up_proj": "ffn_up_shexp",
     "mlp.shared_experts.down_proj": "ffn_down_shexp",
     "mlp.gate.e_score_correction": "exp_probs_b",
 }
-"""GLM-4.5's names in llama.cpp's converter: the norm before the MLP is ATTN_POST_NORM, the
-router's bias FFN_EXP_PROBS_B (renamed `e_score_correction.bias` first)."""
+"""dots.llm1's names in llama.cpp's converter: the router's bias is FFN_EXP_PROBS_B (renamed
+`e_score_correction.bias` first)."""
+GLM4_MOE_IN_LAYER = DOTS1_IN_LAYER | {"post_attention_layernorm": "post_attention_norm"}
+"""GLM-4.5's: the norm before the MLP is ATTN_POST_NORM."""
 NEXTN_PARTS = ("eh_proj", "enorm", "hnorm", "shared_head_norm")
 """A GLM-4.5 file's next-token prediction layer's own tensors (after a whole layer's)."""
 EXPERT_PARTS = {
@@ -338,7 +340,8 @@ def write_hf_as_gguf(
         writer.add_final_logit_softcapping(config["final_logit_softcapping"])
     if glm4_moe:  # as Glm4MoeModel writes it, with one prediction layer after the last
         writer.add_nextn_predict_layers(1)
-        writer.add_expert_shared_count(config["n_shared_experts"])
+    if config["model_type"] in ("glm4_moe", "dots1"):  # and Dots1Model (llama.cpp's files
+        writer.add_expert_shared_count(config["n_shared_experts"])  # hold no expert groups)
         writer.add_leading_dense_block_count(config["first_k_dense_replace"])
         writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         writer.add_expert_weights_scale(config["routed_scaling_factor"])
@@ -365,6 +368,7 @@ def write_hf_as_gguf(
     in_layer = PHI3_IN_LAYER if phi3 else in_layer
     in_layer = GLM4_IN_LAYER if config["model_type"] == "glm4" else in_layer
     in_layer = GLM4_MOE_IN_LAYER if glm4_moe else in_layer
+    in_layer = DOTS1_IN_LAYER if config["model_type"] == "dots1" else in_layer
     post_norms = config["model_type"] in ("olmo2", "olmo3", "exaone4")
     in_layer = OLMO2_IN_LAYER if post_norms else in_layer
     tensors: dict[str, np.ndarray] = {}

@@ -15,6 +15,7 @@ from aserve.models.cpu_decode import DecodeStack
 from aserve.quant import native as native_module
 from tests.gguf_files import write_hf_as_gguf
 from tests.test_gguf_models import (
+    DOTS1_AS_LLAMA_CPP,
     GEMMA2_AS_LLAMA_CPP,
     GEMMA3_AS_LLAMA_CPP,
     MOE_LAYERS,
@@ -87,6 +88,7 @@ def decode_both_ways(llm: LLM) -> tuple[list, list, int]:
         "exaone4",
         "glm4",
         "glm4_moe",
+        "dots1",
     ],
 )
 def test_stack_gives_the_modules_bits(family: str, tmp_path: Path) -> None:
@@ -108,6 +110,7 @@ def test_stack_gives_the_modules_bits(family: str, tmp_path: Path) -> None:
         "gemma2": GEMMA2_AS_LLAMA_CPP,
         "gemma3": GEMMA3_AS_LLAMA_CPP,
         "smollm3": SMOLLM3_AS_LLAMA_CPP,
+        "dots1": DOTS1_AS_LLAMA_CPP,
     }.get(family)
     folder = make_tiny_model(family, tmp_path / family, overrides=overrides)
     mixed = {"attn_v": Q4_0} if family == "llama" else None

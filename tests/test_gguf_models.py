@@ -43,8 +43,11 @@ GEMMA2_AS_LLAMA_CPP = {"query_pre_attn_scalar": 32}
 other layer from the first, as the tiny model does)."""
 SMOLLM3_AS_LLAMA_CPP = {"num_hidden_layers": 4, "no_rope_layers": [1, 1, 1, 0]}
 """llama.cpp's SmolLM3 takes rope from every fourth layer, whatever the checkpoint said."""
+DOTS1_AS_LLAMA_CPP = {"n_group": 1, "topk_group": 1}
+"""llama.cpp's dots1 files hold no expert groups (dots.llm1's own config has one)."""
 OVERRIDES = {
     "qwen3_moe": MOE_LAYERS,
+    "dots1": DOTS1_AS_LLAMA_CPP,
     "qwen2_moe": MOE_LAYERS,
     "gemma2": GEMMA2_AS_LLAMA_CPP,
     "gemma3": GEMMA3_AS_LLAMA_CPP,
@@ -74,6 +77,7 @@ OVERRIDES = {
         "exaone4",
         "glm4",
         "glm4_moe",
+        "dots1",
     ],
 )
 def test_gguf_of_each_family_matches_transformers(family: str, tmp_path: Path) -> None:
@@ -91,7 +95,8 @@ def test_gguf_of_each_family_matches_transformers(family: str, tmp_path: Path) -
     (`rope.dimension_count`); the GLM-4.5 file holds a prediction layer after the last
     (`nextn_predict_layers`, counted in `block_count`), which is not loaded, its routing in
     `expert_gating_func`, `expert_weights_scale` and `exp_probs_b`, and its first layer
-    dense (`leading_dense_block_count`)."""
+    dense (`leading_dense_block_count`); the dots.llm1 file is the same without the
+    prediction layer and with Qwen3's attention."""
     folder = make_tiny_model(family, tmp_path / family, overrides=OVERRIDES.get(family))
     model = write_hf_as_gguf(folder, tmp_path / f"{family}.gguf")
     hf = hf_model(folder)

@@ -8,7 +8,8 @@ scaled scores, sandwich norms and GELU, Gemma 2's soft-capped scores and logits,
 attention sinks, biases, YaRN rope, windows and experts with biases and a clamped SwiGLU,
 SmolLM3's layers without rope, Phi-3's fused projections, partial rotation and LongRoPE, Granite's
 multipliers (on experts too, GraniteMoe's, stacked in the checkpoint), Mixtral's experts under
-their own names, and GLM-4.5's sigmoid-routed experts beside a shared one.
+their own names, and GLM-4.5's and dots.llm1's sigmoid-routed experts (in groups: dots.llm1's)
+beside shared ones.
 """
 
 from __future__ import annotations
@@ -219,6 +220,25 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
         "pad_token_id": 0,
     },
+    "dots1": {
+        # dots.llm1's layers: Qwen3's attention, a dense first layer, then 8 experts in 4
+        # groups (2 a token from the best 2 groups, by sigmoid scores plus a bias, weighed
+        # by the scores times 2.0, not renormalised) beside two shared ones, ungated
+        "head_dim": 16,
+        "num_hidden_layers": 3,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_group": 4,
+        "topk_group": 2,
+        "moe_intermediate_size": 32,
+        "n_shared_experts": 2,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.0,
+        "norm_topk_prob": False,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "pad_token_id": 0,
+    },
     "qwen3_moe": {
         "rope_theta": 1000000.0,
         "tie_word_embeddings": False,
@@ -273,6 +293,7 @@ def make_tiny_model(
         "olmoe": transformers.OlmoeConfig,
         "glm4": transformers.Glm4Config,
         "glm4_moe": transformers.Glm4MoeConfig,
+        "dots1": transformers.Dots1Config,
         "olmo3": transformers.Olmo3Config,
         "exaone4": transformers.Exaone4Config,
         "gpt_oss": transformers.GptOssConfig,

@@ -85,19 +85,21 @@ QWEN2_MOE_TENSORS = LAYER_TENSORS | {
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 """Qwen2-MoE's shared expert (`_shexp`) and its gate, a `[hidden]` vector in the file."""
-GLM4_MOE_TENSORS = LAYER_TENSORS | {
-    "post_attention_norm": "post_attention_layernorm",
+DOTS1_TENSORS = LAYER_TENSORS | {
     "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
     "ffn_up_shexp": "mlp.shared_experts.up_proj",
     "ffn_down_shexp": "mlp.shared_experts.down_proj",
     "exp_probs_b": "mlp.gate.e_score_correction_bias",
 }
-"""GLM-4.5's norm before its MLP is llama.cpp's `post_attention_norm`; its shared experts
-are `_shexp` (no gate); `exp_probs_b` holds the router's choice bias (a parameter, not a
-`.bias`)."""
+"""dots.llm1's shared experts are `_shexp` (no gate); `exp_probs_b` holds the router's choice
+bias (a parameter, not a `.bias`)."""
+GLM4_MOE_TENSORS = DOTS1_TENSORS | {"post_attention_norm": "post_attention_layernorm"}
+"""GLM-4.5's are dots.llm1's, but its norm before the MLP is llama.cpp's
+`post_attention_norm`."""
 FAMILY_TENSORS = {
     "qwen2_moe": QWEN2_MOE_TENSORS,
     "glm4_moe": GLM4_MOE_TENSORS,
+    "dots1": DOTS1_TENSORS,
     "phi3": PHI3_TENSORS,
     "gemma2": SANDWICH_TENSORS,
     "gemma3_text": SANDWICH_TENSORS,

@@ -1,7 +1,7 @@
 """Qwen3-MoE (Qwen3-VL-MoE's language model too), Qwen2-MoE, Mixtral, OLMoE, GraniteMoe,
-gpt-oss and GLM-4.5: the dense decoder of models/decoder.py with sparse expert MLPs (Qwen2-MoE's
-and GLM-4.5's with a shared expert beside them; GLM-4.5's routed by DeepSeek-V3's sigmoid
-scores, `RouterStyle`).
+gpt-oss, GLM-4.5 and dots.llm1: the dense decoder of models/decoder.py with sparse expert MLPs
+(Qwen2-MoE's, GLM-4.5's and dots.llm1's with a shared expert beside them; the last two routed
+by DeepSeek-V3's sigmoid scores, `RouterStyle`).
 
 Attention, norms, embedding and LM head are the dense decoder's (Qwen3's per-head Q/K norm,
 gpt-oss's biases, sinks and windows included). Layers that `ModelConfig.is_moe_layer` picks

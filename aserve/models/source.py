@@ -90,6 +90,7 @@ ARCHITECTURES = {
     "exaone4": "Exaone4ForCausalLM",
     "glm4": "Glm4ForCausalLM",
     "glm4moe": "Glm4MoeForCausalLM",
+    "dots1": "Dots1ForCausalLM",
     "bert": "BertModel",  # an encoder: embeddings only (models/encoder.py)
     "modern-bert": "ModernBertModel",  # an encoder (models/modernbert.py)
     "nomic-bert": "NomicBertModel",  # an encoder (models/encoder.py): nomic-embed-text
@@ -125,6 +126,8 @@ GGUF_SAMPLING_KEYS = {
 }
 
 Metadata = Callable[..., Any]
+DEEPSEEK_MOE = ("glm4moe", "dots1")
+"""GGUF architectures whose experts are routed as DeepSeek-V3's (config.py's `RouterStyle`)."""
 
 
 class ModelSourceError(ConfigError):
@@ -326,7 +329,7 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
     experts = read(
         f"{arch}.expert_count",
         0,
-        required=arch in ("qwen3moe", "qwen2moe", "gpt-oss", "olmoe", "granitemoe", "glm4moe"),
+        required=arch in ("qwen3moe", "qwen2moe", "gpt-oss", "olmoe", "granitemoe", *DEEPSEEK_MOE),
     )
     if arch in ("olmoe", "granitemoe"):  # llama.cpp writes `feed_forward_length` for experts
         expert_rows = read(f"{arch}.feed_forward_length", required=True)
@@ -381,8 +384,8 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
     if arch == "glm4":  # half of a head rotating, in neighbouring pairs (the family's way)
         rotary = read("glm4.rope.dimension_count", config["head_dim"])
         config["partial_rotary_factor"] = rotary / config["head_dim"]
-    if arch == "glm4moe":
-        config |= glm4_moe_config(read, config, tensors)
+    if arch in DEEPSEEK_MOE:
+        config |= deepseek_moe_config(read, config, tensors, arch)
     if arch in ("granite", "granitemoe"):  # its multipliers, under llama.cpp's names
         multipliers = {
             "embedding_multiplier": "embedding_scale",
@@ -681,33 +684,37 @@ def gpt_oss_config(read: Metadata, config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def glm4_moe_config(
-    read: Metadata, config: dict[str, Any], tensors: dict[str, StoredTensor]
+def deepseek_moe_config(
+    read: Metadata, config: dict[str, Any], tensors: dict[str, StoredTensor], arch: str
 ) -> dict[str, Any]:
-    """GLM-4.5's settings under llama.cpp's names: `block_count` counts the prediction
-    layers after the last (`nextn_predict_layers`), the first layers are dense
-    (`leading_dense_block_count`), the experts are chosen by sigmoid scores
-    (`expert_gating_func` 2) and weighed times `expert_weights_scale`; half of a head
-    rotates, in halves (`rope.dimension_count`); Q/K norms where the file has them."""
-    gating = read("glm4moe.expert_gating_func", 2)
+    """GLM-4.5's and dots.llm1's settings under llama.cpp's names: the first layers are
+    dense (`leading_dense_block_count`), the experts are chosen by sigmoid scores
+    (`expert_gating_func` 2, dots1's files may leave it out) and weighed times
+    `expert_weights_scale`, renormalised where `expert_weights_norm`. GLM-4.5's
+    `block_count` counts the prediction layers after the last (`nextn_predict_layers`);
+    half of its heads rotates, in halves (`rope.dimension_count`), and it has Q/K norms
+    where the file holds them (dots1 always)."""
+    gating = read(f"{arch}.expert_gating_func", 2)
     if gating != 2:
-        raise ModelSourceError(f"a glm4moe file whose expert_gating_func is {gating}, not sigmoid")
-    mtp = read("glm4moe.nextn_predict_layers", 0)
-    rotary = read("glm4moe.rope.dimension_count", config["head_dim"] // 2)
-    return {
+        raise ModelSourceError(f"a {arch} file whose expert_gating_func is {gating}, not sigmoid")
+    mtp = read(f"{arch}.nextn_predict_layers", 0)
+    settings = {
         "num_hidden_layers": config["num_hidden_layers"] - mtp,
         "num_nextn_predict_layers": mtp,
         "n_routed_experts": config.pop("num_experts"),
-        "n_shared_experts": read("glm4moe.expert_shared_count", 0),
-        "first_k_dense_replace": read("glm4moe.leading_dense_block_count", 0),
-        "routed_scaling_factor": float32_decimal(read("glm4moe.expert_weights_scale", 1.0)),
-        "norm_topk_prob": bool(read("glm4moe.expert_weights_norm", True)),
-        "n_group": read("glm4moe.expert_group_count", 1),
-        "topk_group": read("glm4moe.expert_group_used_count", 1),
-        "partial_rotary_factor": rotary / config["head_dim"],
-        "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors,
+        "n_shared_experts": read(f"{arch}.expert_shared_count", 0),
+        "first_k_dense_replace": read(f"{arch}.leading_dense_block_count", 0),
+        "routed_scaling_factor": float32_decimal(read(f"{arch}.expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(read(f"{arch}.expert_weights_norm", arch == "glm4moe")),
+        "n_group": read(f"{arch}.expert_group_count", 1),
+        "topk_group": read(f"{arch}.expert_group_used_count", 1),
         "mlp_only_layers": None,
     }
+    if arch == "glm4moe":
+        rotary = read("glm4moe.rope.dimension_count", config["head_dim"] // 2)
+        settings["partial_rotary_factor"] = rotary / config["head_dim"]
+        settings["use_qk_norm"] = "blk.0.attn_q_norm.weight" in tensors
+    return settings
 
 
 def rope_scaling(
