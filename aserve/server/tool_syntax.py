@@ -196,6 +196,15 @@ def _coder_value(raw: str, schema: dict[str, Any]) -> Any:
         return value
 
 
+def _typed_arguments(pairs: list[tuple[str, str]], properties: dict[str, Any]) -> str:
+    """Key and text pairs (qwen3_coder's parameters, GLM's arguments) as a JSON arguments
+    object, each value read by its schema (`_coder_value`)."""
+    arguments = {
+        key.strip(): _coder_value(raw, properties.get(key.strip(), {})) for key, raw in pairs
+    }
+    return json.dumps(arguments, ensure_ascii=False)
+
+
 def _function_schemas(tools: Tools) -> dict[str, dict[str, Any]]:
     """Each offered function's argument properties, by name."""
     schemas = {}
@@ -214,17 +223,14 @@ def _coder_reader(tools: Tools) -> CallReader:
         if function is None:
             return [], None
         name = function.group(1).strip()
-        properties = schemas.get(name, {})
-        arguments = {
-            key.strip(): _coder_value(raw, properties.get(key.strip(), {}))
-            for key, raw in CODER_PARAMETER.findall(function.group(2))
-        }
+        pairs = CODER_PARAMETER.findall(function.group(2))
+        arguments = _typed_arguments(pairs, schemas.get(name, {}))
         end = function.end()
         if text.startswith(HERMES_END, end):
             end = _skip_space(text, end + len(HERMES_END))
         elif HERMES_END.startswith(text[end:]):  # the closing tag cut short (max_tokens)
             end = len(text)
-        return [ParsedCall(name, json.dumps(arguments, ensure_ascii=False))], end
+        return [ParsedCall(name, arguments)], end
 
     return read
 
@@ -242,12 +248,8 @@ def _glm_reader(tools: Tools) -> CallReader:
         end = _skip_space(text, close + len(HERMES_END))
         if FUNCTION_NAME.fullmatch(name) is None:
             return [], end
-        properties = schemas.get(name, {})
-        arguments = {
-            key.strip(): _coder_value(raw, properties.get(key.strip(), {}))
-            for key, raw in GLM_ARGUMENT.findall(body, max(first, 0))
-        }
-        return [ParsedCall(name, json.dumps(arguments, ensure_ascii=False))], end
+        pairs = GLM_ARGUMENT.findall(body, max(first, 0))
+        return [ParsedCall(name, _typed_arguments(pairs, schemas.get(name, {})))], end
 
     return read
 
