@@ -181,6 +181,8 @@ def test_tp2_integer_checkpoint_equals_tp1(
         "olmoe",
         "exaone4",
         "glm4",
+        "glm4_moe",
+        "dots1",
     ],
 )
 def test_tp2_family_greedy_tokens_and_logprobs_equal_tp1(tmp_path: Path, family: str) -> None:
@@ -191,7 +193,9 @@ def test_tp2_family_greedy_tokens_and_logprobs_equal_tp1(tmp_path: Path, family:
     (their rows reordered within each head for the partial rotation); Granite scales the
     ranks' partial sums before they are reduced; Mixtral splits every expert. OLMo 2's Q
     and K norms span the heads of both ranks (their squares summed over ranks), also with
-    one KV head that both ranks hold (whose squares then count twice in that sum)."""
+    one KV head that both ranks hold (whose squares then count twice in that sum).
+    GLM-4.5's and dots.llm1's float32 routers are replicated, their shared experts split
+    as dense MLPs."""
     one_kv_head = family == "olmo2-one-kv-head"
     overrides = {"num_key_value_heads": 1} if one_kv_head else None
     model = make_tiny_model(family.removesuffix("-one-kv-head"), tmp_path, overrides=overrides)
