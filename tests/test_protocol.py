@@ -134,7 +134,13 @@ def test_valid_shapes_parse() -> None:
             "role": "assistant",
             "content": None,
             "tool_calls": [
-                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "[1"}},
+                {
+                    "id": "c3",
+                    "type": "function",
+                    "function": {"name": "h", "arguments": '{"a": 1}'},
+                },
             ],
         },
         {"role": "tool", "tool_call_id": "c1", "content": "42"},
@@ -144,7 +150,11 @@ def test_valid_shapes_parse() -> None:
     assert parsed.messages is not None
     assert [m["role"] for m in parsed.messages] == ["system", "user", "assistant", "tool"]
     assert parsed.messages[1]["content"] == "ab" and parsed.messages[2]["content"] == ""
-    assert parsed.messages[2]["tool_calls"][0]["function"]["name"] == "f"
+    calls = parsed.messages[2]["tool_calls"]
+    assert [call["function"]["name"] for call in calls] == ["f", "g", "h"]
+    # as templates take them (GLM-4.5's walks their items): objects, text that is none as is
+    assert [call["function"]["arguments"] for call in calls] == [{}, "[1", {"a": 1}]
+    assert calls[0]["id"] == "c1" and calls[0]["type"] == "function"
     assert parsed.messages[3]["tool_call_id"] == "c1"
     for prompt, texts, ids in [
         ("a", ["a"], []),

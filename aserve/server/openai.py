@@ -307,10 +307,26 @@ def message_dict(message: protocol.ChatMessage) -> dict[str, Any]:
         "content": content or "",
     }
     if isinstance(message, protocol.AssistantMessage) and message.tool_calls:
-        entry["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+        entry["tool_calls"] = [
+            template_call(call.id, call.function.name, call.function.arguments)
+            for call in message.tool_calls
+        ]
     if isinstance(message, protocol.ToolMessage):
         entry["tool_call_id"] = message.tool_call_id
     return entry
+
+
+def template_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    """A previous call as chat templates read it: its arguments as an object where their
+    text is a JSON object, as transformers' templates take them (GLM-4.5's walks their
+    items; Llama 3.1's writes them with `tojson`, which would quote the text again) and
+    vLLM passes them; other text stays as it came."""
+    try:
+        parsed = json.loads(arguments)
+    except (ValueError, RecursionError):
+        parsed = None
+    value = parsed if isinstance(parsed, dict) else arguments
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": value}}
 
 
 RESERVED_TEMPLATE_NAMES = frozenset(
@@ -428,8 +444,7 @@ def parse_responses(raw: bytes, defaults: SamplingDefaults) -> GenerationRequest
         if isinstance(item, protocol.InputMessage):
             messages.append({"role": item.role, "content": _input_content(item)})
         elif isinstance(item, protocol.FunctionCallInput):
-            call = {"id": item.call_id, "type": "function"}
-            call["function"] = {"name": item.name, "arguments": item.arguments}
+            call = template_call(item.call_id, item.name, item.arguments)
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and "tool_calls" in last:
                 last["tool_calls"].append(call)
