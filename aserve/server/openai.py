@@ -444,7 +444,8 @@ def parse_responses(raw: bytes, defaults: SamplingDefaults) -> GenerationRequest
         if isinstance(item, protocol.InputMessage):
             messages.append({"role": item.role, "content": _input_content(item)})
         elif isinstance(item, protocol.FunctionCallInput):
-            call = template_call(item.call_id, item.name, item.arguments)
+            call = {"id": item.call_id, "type": "function"}
+            call["function"] = {"name": item.name, "arguments": item.arguments}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and "tool_calls" in last:
                 last["tool_calls"].append(call)
