@@ -36,6 +36,12 @@ OneRowProduct = Callable[..., torch.Tensor]
 """`(x, weight, bias, gated=False) -> x W^T + bias` for one row (layers/gemv.py)."""
 
 
+def active_lora(lora: LoraWeights | None) -> LoraWeights | None:
+    """A layer's adapters where this step has rows on them (`LoraWeights.active`), else
+    None: the layer then runs as without adapters."""
+    return lora if lora is not None and lora.active else None
+
+
 class ColumnParallelLinear(nn.Module):
     """`y = x W^T + b` with W's rows (outputs) split over ranks.
 
@@ -76,10 +82,11 @@ class ColumnParallelLinear(nn.Module):
         """`x` in FP8 only where an FP8 weight takes it (models/decoder.py,
         use_fp8_activations), never in a step of LoRA adapters."""
         y = self._product(x)
-        if self.lora is None or not self.lora.active:
+        lora = active_lora(self.lora)
+        if lora is None:
             return y
         assert isinstance(x, torch.Tensor)
-        return self.lora.add_to(y, x)
+        return lora.add_to(y, x)
 
     def _product(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor:
         if self.quantized is not None:
@@ -179,16 +186,17 @@ class RowParallelLinear(nn.Module):
                 partial = self.one_row(x, self.weight, bias)
             else:
                 partial = F.linear(x, self.weight, bias)
-        if self.lora is not None and self.lora.active:
+        lora = active_lora(self.lora)
+        if lora is not None:
             assert isinstance(x, torch.Tensor)
-            partial = self.lora.add_to(partial, x)
+            partial = lora.add_to(partial, x)
         return self._reduce(partial)
 
     def forward_gated(self, gate_up: torch.Tensor, ops: FusedOps | None) -> torch.Tensor:
         """The layer applied to SiLU(gate) * up of a fused gate|up output: at one row on CUDA
         one kernel does both (float or FP8 weights); FP8 weights take many rows' activation
         in FP8 from one kernel (`Fp8Weight.gated`)."""
-        if self.lora is not None and self.lora.active:  # the adapters take the activation
+        if active_lora(self.lora) is not None:  # the adapters take the activation
             return self(silu_and_mul(gate_up, ops))
         bias = self._product_bias()
         if self.one_row is not None and self.weight is not None and gate_up.shape[0] == 1:

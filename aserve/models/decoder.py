@@ -30,7 +30,12 @@ from aserve.layers.cpu_gemm import can_pack
 from aserve.layers.cpu_ops import CpuKernels
 from aserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from aserve.layers.fused import FusedOps
-from aserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from aserve.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    active_lora,
+)
 from aserve.layers.moe import QuantizedExperts
 from aserve.layers.norm import AcrossHeadsNorm, Float32RMSNorm, GemmaRMSNorm, RMSNorm
 from aserve.layers.rotary import NO_ROPE, RotaryEmbedding, partial_rotary_order
@@ -253,7 +258,7 @@ class DecoderMLP(nn.Module):
             gate, up = gate_up.chunk(2, -1)
             return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         gate_up = self.gate_up_proj.quantized
-        adapted = self.gate_up_proj.lora is not None and self.gate_up_proj.lora.active
+        adapted = active_lora(self.gate_up_proj.lora) is not None
         if gate_up is not None and not adapted:
             activation = gate_up.silu(x)
             if activation is not None:
