@@ -1279,31 +1279,40 @@ def lora_module_pairs(
     `{"name": ..., "path": ...}` (or, from the offline API, a mapping of names to paths);
     names must be unique."""
     if isinstance(values, Mapping):
-        values = [f"{name}={path}" for name, path in values.items()]
+        entries = [(str(name), str(path)) for name, path in values.items()]
+    else:
+        entries = [_lora_entry(value) for value in values or ()]
     pairs: list[tuple[str, str]] = []
-    for value in values or ():
-        if value.lstrip().startswith("{"):
-            try:
-                spec = json.loads(value)
-            except ValueError as error:
-                raise ConfigError(f"--lora-modules: {value!r} is not valid JSON: {error}") from None
-            name = spec.get("name") if isinstance(spec, dict) else None
-            path = spec.get("path") if isinstance(spec, dict) else None
-            if not isinstance(name, str) or not isinstance(path, str):
-                raise ConfigError(
-                    '--lora-modules: a JSON entry needs "name" and "path" strings, e.g. '
-                    '{"name": "sql", "path": "/adapters/sql"}'
-                )
-        else:
-            name, sep, path = value.partition("=")
-            if not sep or not name or not path:
-                raise ConfigError(
-                    f"--lora-modules takes NAME=PATH entries, e.g. sql=/adapters/sql; got {value!r}"
-                )
+    for name, path in entries:
+        if not name or not path:
+            raise ConfigError(f"--lora-modules: adapter {name!r} needs a name and a path")
         if name in (n for n, _ in pairs):
             raise ConfigError(f"--lora-modules names adapter {name!r} twice")
         pairs.append((name, path))
     return tuple(pairs)
+
+
+def _lora_entry(value: str) -> tuple[str, str]:
+    """One `--lora-modules` entry: `name=path`, or vLLM's JSON object."""
+    if not value.lstrip().startswith("{"):
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(
+                f"--lora-modules takes NAME=PATH entries, e.g. sql=/adapters/sql; got {value!r}"
+            )
+        return name, path
+    try:
+        spec = json.loads(value)
+    except ValueError as error:
+        raise ConfigError(f"--lora-modules: {value!r} is not valid JSON: {error}") from None
+    name = spec.get("name") if isinstance(spec, dict) else None
+    path = spec.get("path") if isinstance(spec, dict) else None
+    if not isinstance(name, str) or not isinstance(path, str):
+        raise ConfigError(
+            '--lora-modules: a JSON entry needs "name" and "path" strings, e.g. '
+            '{"name": "sql", "path": "/adapters/sql"}'
+        )
+    return name, path
 
 
 def overrides_text(value: str | Mapping[str, Any] | None) -> str:
