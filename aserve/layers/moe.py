@@ -239,6 +239,12 @@ class Router(nn.Module):
             return F.linear(x.float(), self.weight)
         return F.linear(x, self.weight, self.bias)
 
+    @property
+    def cpu_kernels_route(self) -> bool:
+        """Whether the CPU kernels' one-call MoE layer (`moe_layer`) routes as this router
+        does: a softmax, or sigmoid scores in one group (no groups there)."""
+        return self.style.groups == 1
+
     def choose(
         self, x: torch.Tensor, top_k: int, renormalize: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -693,7 +699,7 @@ class SparseMoE(nn.Module):
 
     def _routed(self, x: torch.Tensor) -> torch.Tensor:
         experts = self.experts
-        whole = isinstance(experts, QuantizedExperts) and self.gate.style.groups == 1
+        whole = isinstance(experts, QuantizedExperts) and self.gate.cpu_kernels_route
         if whole and experts.takes_whole_layer(x):
             return experts.whole_layer(x, self.gate, self.top_k, self.renormalize)
         weights, ids = self.gate.choose(x, self.top_k, self.renormalize)

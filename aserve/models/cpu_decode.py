@@ -121,7 +121,7 @@ def _add_layer(
         choice_bias, routed_scaling = None, 1.0
     elif isinstance(mlp, SparseMoE) and isinstance(mlp.experts, QuantizedExperts):
         stacks = mlp.experts.cpu_stacks
-        if stacks is None or mlp.gate.style.groups != 1:
+        if stacks is None or not mlp.gate.cpu_kernels_route:
             return False
         if mlp.shared_expert is not None:  # Qwen2-MoE's and GLM-4.5's, a dense MLP
             shared_up, shared_down = (
