@@ -221,12 +221,14 @@ def convert_gguf(gguf_file: Path, out: Path) -> None:
             f"{gguf_file} is not a whole GGUF file (truncated or damaged: {error})"
         ) from None
     table = [entry for entry in header.table if entry["name"] not in DENSE_TENSORS]
-    config = hf_config(header.metadata, stored_tensors(gguf_file, table))
+    tensors = stored_tensors(gguf_file, table)
+    config = hf_config(header.metadata, tensors)
     if config.get("num_nextn_predict_layers"):  # GLM-4.5's, after the last layer: not run,
         layers = config["num_hidden_layers"]  # so neither checked nor read
         table = [entry for entry in table if block_of(entry["name"]) < layers]
+        tensors = [tensor for tensor in tensors if block_of(tensor.name) < layers]
     arch = str(header.metadata.get("general.architecture"))
-    for tensor in stored_tensors(gguf_file, table):
+    for tensor in tensors:
         check_tensor(tensor, MODEL_TYPES.get(arch, arch))
     write_json(out / "config.json", config)
     pooling = config.get(GGUF_POOLING_TYPE)
