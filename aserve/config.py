@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +42,8 @@ SUPPORTED_ARCHITECTURES = {
     "Glm4ForCausalLM": "glm4",
     "Glm4MoeForCausalLM": "glm4_moe",
     "Dots1ForCausalLM": "dots1",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 VISION_LANGUAGE_ARCHITECTURES = (
     "Gemma3ForConditionalGeneration",
@@ -97,10 +100,22 @@ whether their positions count from the padding id + 1 (RoBERTa's, XLM-RoBERTa's)
 than from 0."""
 MODERN_BERT = "ModernBertModel"
 NOMIC_BERT = "NomicBertModel"
-MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "glm4_moe", "dots1")
-DEEPSEEK_MOE_FAMILIES = ("glm4_moe", "dots1")
-"""Families whose experts are routed as DeepSeek-V3's (`RouterStyle`)."""
+MOE_FAMILIES = (
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "olmoe",
+    "granitemoe",
+    "glm4_moe",
+    "dots1",
+    "deepseek_v2",
+    "deepseek_v3",
+)
 """Families whose experts `_moe_settings` reads (gpt-oss's are read with its own settings)."""
+DEEPSEEK_MOE_FAMILIES = ("glm4_moe", "dots1", "deepseek_v2", "deepseek_v3")
+"""Families whose experts are routed as DeepSeek's (`RouterStyle`)."""
+LATENT_ATTENTION_FAMILIES = ("deepseek_v2", "deepseek_v3")
+"""Families whose attention is DeepSeek's multi-head latent attention (`LatentAttention`)."""
 MOE_BACKENDS = ("auto", "torch", "fused")
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "olmoe", "exaone4", "dots1")
 """Families that normalise queries and keys (a head each, or across heads: OLMo's)."""
@@ -179,21 +194,49 @@ PLAIN_EXPERTS = ExpertStyle()
 @dataclass(frozen=True)
 class RouterStyle:
     """How an MoE layer picks and weighs its experts where not by the softmax of the
-    router's logits (Qwen's, Mixtral's, gpt-oss's). DeepSeek-V3's way, which GLM-4.5 takes:
-    each expert's score is the sigmoid of its logit (`sigmoid`); a learned bias of each
-    expert (`e_score_correction_bias`, float32) is added to the scores only to choose the
-    experts, which come from the `top_groups` of `groups` equal groups whose two best biased
-    scores sum highest; the chosen scores, renormalised where the layer says so, are then
-    multiplied by `scaling` (`routed_scaling_factor`)."""
+    router's logits in the model's dtype (Qwen's, Mixtral's, gpt-oss's). DeepSeek's routers
+    (`in_float32`) keep their weight in float32 and score float32 rows. DeepSeek-V3's way,
+    which GLM-4.5 takes: each expert's score is the sigmoid of its logit (`sigmoid`); a
+    learned bias of each expert (`e_score_correction_bias`, float32) is added to the scores
+    only to choose the experts, which come from the `top_groups` of `groups` equal groups
+    whose `group_best` (two) best biased scores sum highest; the chosen scores, renormalised
+    where the layer says so, are then multiplied by `scaling` (`routed_scaling_factor`).
+    DeepSeek-V2's: softmax scores, no bias, groups ranked by their best score (one)."""
 
     sigmoid: bool = False
     groups: int = 1
     top_groups: int = 1
+    group_best: int = 2
     scaling: float = 1.0
+    in_float32: bool = False
 
 
 SOFTMAX_ROUTER = RouterStyle()
 """The softmax over every expert's logit, the chosen experts' probabilities as weights."""
+
+
+@dataclass(frozen=True)
+class LatentAttention:
+    """DeepSeek's multi-head latent attention (MLA). Keys and values come from one latent
+    row a token, `kv_lora_rank` wide and normalised, and a key part of `qk_rope_head_dim`
+    shared by every head, the only part that rotates. A head's query is `qk_nope_head_dim`
+    unrotated dimensions (matched against its key of the latent, `kv_b_proj`'s K rows)
+    and `qk_rope_head_dim` rotating ones; its value is `v_head_dim` wide. Queries come from
+    the hidden state directly, or through a `q_lora_rank`-wide normalised row (0: directly).
+    `rope_interleaved`: the rotating dimensions pair as neighbours (2i, 2i + 1), as V2's
+    always do and V3's unless `rope_interleave` is false."""
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleaved: bool = True
+
+    @property
+    def cache_width(self) -> int:
+        """A token's cached row: the latent, then its rotated key part."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -512,12 +555,21 @@ def _moe_settings(config: dict[str, Any], family: str) -> dict[str, Any]:
 
 
 def _deepseek_moe_settings(config: dict[str, Any], family: str) -> dict[str, Any]:
-    """GLM-4.5's and dots.llm1's experts, as DeepSeek-V3 routes them (`RouterStyle`): the
-    first `first_k_dense_replace` layers keep a dense MLP of `intermediate_size`, the others
-    take `n_routed_experts` experts beside `n_shared_experts` shared ones, which are one dense
-    MLP as wide as that many experts, added without a gate. The chosen weights are
-    renormalised by default in GLM-4.5's config, not in dots.llm1's."""
-    groups = int(config.get("n_group") or 1)
+    """DeepSeek-V2's and V3's experts, GLM-4.5's and dots.llm1's as V3 routes them
+    (`RouterStyle`): the first `first_k_dense_replace` layers keep a dense MLP of
+    `intermediate_size`, the others take `n_routed_experts` experts beside `n_shared_experts`
+    shared ones, which are one dense MLP as wide as that many experts, added without a gate.
+    The chosen weights are renormalised by default in GLM-4.5's and V3's configs, not in
+    dots.llm1's; V2's `scoring_func` is the softmax, its `topk_method` greedy (one group) or
+    `group_limited_greedy` (groups ranked by their best score)."""
+    softmax = config.get("scoring_func", "sigmoid" if family != "deepseek_v2" else "softmax")
+    if softmax not in ("softmax", "sigmoid"):
+        raise ConfigError(f"scoring_func {softmax!r} is not supported: softmax or sigmoid")
+    sigmoid = softmax == "sigmoid"
+    method = config.get("topk_method", "noaux_tc" if sigmoid else "greedy")
+    if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+        raise ConfigError(f"topk_method {method!r} is not supported")
+    groups = int(config.get("n_group") or 1) if method != "greedy" else 1
     experts = int(config.get("n_routed_experts") or config.get("num_local_experts") or 0)
     if experts % groups:
         raise ConfigError(f"{experts} experts do not split into n_group={groups} groups")
@@ -526,18 +578,43 @@ def _deepseek_moe_settings(config: dict[str, Any], family: str) -> dict[str, Any
         "num_experts": experts,
         "num_experts_per_tok": int(config.get("num_experts_per_tok", 8)),
         "moe_intermediate_size": width,
-        "norm_topk_prob": bool(config.get("norm_topk_prob", family == "glm4_moe")),
+        "norm_topk_prob": bool(config.get("norm_topk_prob", family in ("glm4_moe", "deepseek_v3"))),
         "mlp_only_layers": tuple(range(int(config.get("first_k_dense_replace") or 0))),
         "shared_expert_intermediate_size": width * int(config.get("n_shared_experts") or 0),
         "shared_expert_gated": False,
         "router": RouterStyle(
-            sigmoid=True,
+            sigmoid=sigmoid,
             groups=groups,
-            top_groups=int(config.get("topk_group") or 1),
+            top_groups=int(config.get("topk_group") or 1) if groups > 1 else 1,
+            group_best=2 if sigmoid else 1,
             scaling=float(config.get("routed_scaling_factor") or 1.0),
+            in_float32=True,
         ),
         "mtp_layers": int(config.get("num_nextn_predict_layers") or 0),
     }
+
+
+def _latent_settings(config: dict[str, Any], scaling: dict[str, Any] | None) -> dict[str, Any]:
+    """DeepSeek's latent attention (`LatentAttention`). The backends see one key head as
+    wide as the cached row and values that are its first `kv_lora_rank` columns (the
+    attention layer turns queries and outputs to and from the latent), and the scores'
+    scale of a whole query head, `qk_nope_head_dim + qk_rope_head_dim`, which YaRN's
+    `mscale_all_dim` sharpens twice (transformers' `yarn_apply_mscale`)."""
+    latent = LatentAttention(
+        q_lora_rank=int(config.get("q_lora_rank") or 0),
+        kv_lora_rank=int(config["kv_lora_rank"]),
+        qk_nope_head_dim=int(config["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(config["qk_rope_head_dim"]),
+        v_head_dim=int(config["v_head_dim"]),
+        rope_interleaved=bool(config.get("rope_interleave", True)),
+    )
+    scale = (latent.qk_nope_head_dim + latent.qk_rope_head_dim) ** -0.5
+    params = scaling or {}
+    weight_all, factor = params.get("mscale_all_dim"), float(params.get("factor") or 1.0)
+    if weight_all and factor > 1:
+        sharpness = 0.1 * float(weight_all) * math.log(factor) + 1.0
+        scale *= sharpness * sharpness
+    return {"latent": latent, "attention_scale": scale}
 
 
 def _as_block(value: Any) -> tuple[int, int] | None:
@@ -791,6 +868,7 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     shared_expert_gated: bool = True
     router: RouterStyle = SOFTMAX_ROUTER
+    latent: LatentAttention | None = None
     mtp_layers: int = 0  # GLM-4.5's next-token prediction layers after the last: not run
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
@@ -943,6 +1021,9 @@ class ModelConfig:
             family_settings["rotary_dim"] = _rotary_dim(config, int(head_dim), 0.5)
         if family == "dots1" and config.get("layer_types"):  # Qwen2's windows past a layer
             family_settings["layer_windows"] = _layer_windows(config, num_layers, 1)
+        if family in LATENT_ATTENTION_FAMILIES:
+            family_settings |= _latent_settings(config, family_settings.get("rope_scaling"))
+            head_dim = family_settings["latent"].cache_width
         if family == "phi3":
             family_settings["rotary_dim"] = _rotary_dim(config, int(head_dim))
             _check_longrope(family_settings["rope_scaling"], family_settings["rotary_dim"])
@@ -960,7 +1041,9 @@ class ModelConfig:
             intermediate_size=int(config["intermediate_size"]),
             num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+            num_kv_heads=1
+            if family in LATENT_ATTENTION_FAMILIES
+            else int(config.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=max_positions,

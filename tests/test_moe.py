@@ -185,14 +185,14 @@ def test_moe_experts_run_quantized_as_stored_or_in_fp8() -> None:
 def test_sigmoid_routing_is_transformers(
     groups: int, top_groups: int, renormalize: bool, scaling: float
 ) -> None:
-    """`route_sigmoid` against transformers' GLM-4.5 router (DeepSeek-V3's): the same
+    """`route_deepseek` against transformers' GLM-4.5 router (DeepSeek-V3's): the same
     experts (transformers leaves them unsorted) with the same weights, where the bias moves
     the choice and groups bar experts outside the best."""
     from transformers import Glm4MoeConfig
     from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
 
     from aserve.config import RouterStyle
-    from aserve.layers.moe import route_sigmoid
+    from aserve.layers.moe import route_deepseek
 
     experts, hidden, top_k = 32, 16, 6
     config = Glm4MoeConfig(
@@ -211,14 +211,64 @@ def test_sigmoid_routing_is_transformers(
     x = torch.randn(40, hidden, generator=gen)
     logits, expected_weights, expected_ids = hf(x)
     style = RouterStyle(sigmoid=True, groups=groups, top_groups=top_groups, scaling=scaling)
-    weights, ids = route_sigmoid(
+    weights, ids = route_deepseek(
         logits, hf.e_score_correction_bias, top_k, renormalize, style, torch.float32
     )
     order, expected_order = ids.argsort(dim=1), expected_ids.argsort(dim=1)
     assert torch.equal(ids.gather(1, order), expected_ids.gather(1, expected_order))
     torch.testing.assert_close(weights.gather(1, order), expected_weights.gather(1, expected_order))
-    plain, _ = route_sigmoid(logits, torch.zeros(experts), top_k, renormalize, style, torch.float32)
+    unbiased = torch.zeros(experts)
+    plain, _ = route_deepseek(logits, unbiased, top_k, renormalize, style, torch.float32)
     assert not torch.equal(plain, weights)  # the bias chose other experts
+
+
+@pytest.mark.parametrize(
+    ("method", "groups", "top_groups", "scaling"),
+    [
+        ("greedy", 1, 1, 1.0),
+        ("group_limited_greedy", 4, 2, 1.5),
+        ("group_limited_greedy", 8, 3, 16.0),
+    ],
+)
+def test_deepseek_v2_routing_is_transformers(
+    method: str, groups: int, top_groups: int, scaling: float
+) -> None:
+    """`route_deepseek` with softmax scores and groups ranked by their best score against
+    transformers' DeepSeek-V2 router: the same experts and weights (not renormalised)."""
+    from transformers import DeepseekV2Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    from aserve.config import ModelConfig
+    from aserve.layers.moe import route_deepseek
+
+    experts, hidden, top_k = 32, 16, 6
+    settings = {
+        "hidden_size": hidden,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "n_routed_experts": experts,
+        "num_experts_per_tok": top_k,
+        "n_group": groups,
+        "topk_group": top_groups,
+        "topk_method": method,
+        "routed_scaling_factor": scaling,
+    }
+    gen = torch.Generator().manual_seed(groups)
+    hf = DeepseekV2TopkRouter(DeepseekV2Config(**settings))
+    hf.weight.data = torch.randn(experts, hidden, generator=gen)
+    x = torch.randn(40, hidden, generator=gen)
+    logits, expected_weights, expected_ids = hf(x)
+    config = {
+        **DeepseekV2Config(**settings).to_dict(),
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "num_hidden_layers": 1,
+    }
+    style = ModelConfig.from_hf(config).router
+    assert (style.sigmoid, style.groups, style.group_best) == (False, groups, 1)
+    weights, ids = route_deepseek(logits, None, top_k, False, style, torch.float32)
+    order, expected_order = ids.argsort(dim=1), expected_ids.argsort(dim=1)
+    assert torch.equal(ids.gather(1, order), expected_ids.gather(1, expected_order))
+    torch.testing.assert_close(weights.gather(1, order), expected_weights.gather(1, expected_order))
 
 
 def test_group_by_expert_keeps_token_order_and_counts_empty_experts() -> None:

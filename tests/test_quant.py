@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as QType
 from aserve import LLM, SamplingParams
 from aserve.config import PLAIN_EXPERTS, ExpertStyle, RouterStyle
 from aserve.engine import engine as engine_module
-from aserve.layers.moe import activate, grouped_experts, route, route_sigmoid
+from aserve.layers.moe import activate, grouped_experts, route, route_deepseek
 from aserve.quant import iquants
 from aserve.quant import native as native_module
 from aserve.quant.codes import Codes, quantize
@@ -914,7 +914,7 @@ def test_a_moe_layer_in_one_call_equals_routing_and_grouped_products(
     40 tokens; and a token's output does not depend on the tokens beside it (bit for bit).
     gpt-oss's experts: the router's bias, the experts' biases and the clamped SwiGLU (the
     grouped path's `activate`), with and without the down biases. GLM-4.5's: sigmoid scores,
-    experts chosen with a bias of their own, weighed times a scaling (`route_sigmoid`)."""
+    experts chosen with a bias of their own, weighed times a scaling (`route_deepseek`)."""
     gpt_oss = family == "gpt_oss"
     experts, hidden, inter, top_k = 6, 256, 64, 2
 
@@ -956,7 +956,7 @@ def test_a_moe_layer_in_one_call_equals_routing_and_grouped_products(
         if choice_bias is None:
             weights, ids = route(logits, top_k, renormalize)
         else:
-            weights, ids = route_sigmoid(logits, choice_bias, top_k, renormalize, glm, x.dtype)
+            weights, ids = route_deepseek(logits, choice_bias, top_k, renormalize, glm, x.dtype)
         return grouped_experts(x, weights, ids, experts, mlp)
 
     for down_bias in (b2, None) if gpt_oss else (None,):

@@ -464,12 +464,12 @@ def test_one_kernel_routing_is_torchs(
 def test_one_kernel_sigmoid_routing_is_torchs(
     tokens: int, experts: int, top_k: int, renormalize: bool, dtype: torch.dtype
 ) -> None:
-    """The kernel's sigmoid routing (GLM-4.5's, one group) against `moe.route_sigmoid`'s
+    """The kernel's sigmoid routing (GLM-4.5's, one group) against `moe.route_deepseek`'s
     torch ops: the same experts in descending order of score plus bias (float32 logits, as
     the router makes them; no ties), weighed by the scores alone, times the scaling, in the
     rows' dtype."""
     from aserve.config import RouterStyle
-    from aserve.layers.moe import route_sigmoid
+    from aserve.layers.moe import route_deepseek
     from aserve.layers.moe_route_triton import route_kernel
 
     logits = torch.randn(tokens, experts, generator=gen(90 + tokens)) * 2
@@ -478,7 +478,7 @@ def test_one_kernel_sigmoid_routing_is_torchs(
     weights, ids = route_kernel(
         logits.to(DEVICE), top_k, renormalize, correction.to(DEVICE), 2.5, dtype
     )
-    expected_weights, expected_ids = route_sigmoid(
+    expected_weights, expected_ids = route_deepseek(
         logits, correction, top_k, renormalize, style, dtype
     )
     assert weights.dtype == dtype and ids.dtype == torch.int64

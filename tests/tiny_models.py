@@ -239,6 +239,65 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
         "pad_token_id": 0,
     },
+    "deepseek_v2": {
+        # DeepSeek-V2-Lite's layers: queries projected directly, a latent of 32 and a shared
+        # rotating key part of 8 (interleaved pairs, YaRN with mscale), heads of 12 + 8
+        # query dimensions and 16 of value; a dense first layer, then 8 experts (2 a token
+        # from the best 2 of 4 groups by their best softmax score, weights times 1.5, not
+        # renormalised) beside 2 shared ones
+        "num_hidden_layers": 3,
+        "num_key_value_heads": 4,  # transformers' MLA repeats keys by the ratio to the heads
+        "q_lora_rank": None,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 12,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_group": 4,
+        "topk_group": 2,
+        "topk_method": "group_limited_greedy",
+        "moe_intermediate_size": 32,
+        "n_shared_experts": 2,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 1.5,
+        "rope_theta": 10000.0,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        },
+        "tie_word_embeddings": False,
+        "pad_token_id": 0,
+    },
+    "deepseek_v3": {
+        # DeepSeek-V3's layers: queries through a normalised rank-24 row, the rest as V2's
+        # but routed by sigmoid scores plus a bias within the best 2 of 4 groups, weights
+        # renormalised then times 2.5, beside one shared expert
+        "num_hidden_layers": 3,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 24,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 12,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_group": 4,
+        "topk_group": 2,
+        "moe_intermediate_size": 32,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "pad_token_id": 0,
+    },
     "qwen3_moe": {
         "rope_theta": 1000000.0,
         "tie_word_embeddings": False,
@@ -294,6 +353,8 @@ def make_tiny_model(
         "glm4": transformers.Glm4Config,
         "glm4_moe": transformers.Glm4MoeConfig,
         "dots1": transformers.Dots1Config,
+        "deepseek_v2": transformers.DeepseekV2Config,
+        "deepseek_v3": transformers.DeepseekV3Config,
         "olmo3": transformers.Olmo3Config,
         "exaone4": transformers.Exaone4Config,
         "gpt_oss": transformers.GptOssConfig,

@@ -80,8 +80,8 @@ class _DecodeStage:
         self.seq_lens = seq_lens
         longest = max(seq_lens)
         self.capacity = longest + self.HEADROOM
-        two, kv_heads, head_dim = pool.kv[0].shape[1:]
-        shape = (len(seq_lens), two, kv_heads, self.capacity, head_dim)
+        parts, kv_heads, head_dim = pool.kv[0].shape[1:]
+        shape = (len(seq_lens), parts, kv_heads, self.capacity, head_dim)
         numel = math.prod(shape)
         if spare is not None:
             self.buffers = spare
@@ -152,7 +152,9 @@ class TorchNativeBackend:
             and on_cpu
             and pool.dtype == torch.float32
             and pool.storage_dtype in (torch.float32, torch.float16)
+            and pool.parts == 2
         )
+        self.value_dim = pool.value_dim
         self.use_stage = on_cpu and not self.native_decode
         self._stage: _DecodeStage | None = None
 
@@ -273,18 +275,18 @@ class TorchNativeBackend:
             out = self._decode(q, kv, layer, batch, sinks)
         else:
             out = self._prefill(q, layer, batch.attn_metadata, sinks)
-        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+        return out.reshape(q.shape[0], self.num_heads * self.value_dim)
 
     def _prefill(
         self, q: torch.Tensor, layer: int, meta: _PrefillMetadata, sinks: torch.Tensor | None
     ) -> torch.Tensor:
         """Inputs get a batch dimension: with three, SDPA on CPU takes its slow math path."""
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:2], self.value_dim)
         for seq in meta.seqs:
             q_seq = q[seq.q_start : seq.q_start + seq.q_len].transpose(0, 1)
             kv_seq = self.pool.gather(layer, seq.kv_slots[self.pool.windowed[layer]])
             mask = seq.masks[self.windows[layer]]
-            keys, values = kv_seq[None, :, 0].transpose(1, 2), kv_seq[None, :, 1].transpose(1, 2)
+            keys, values = (part[None].transpose(1, 2) for part in self.pool.split(kv_seq))
             if sinks is not None or self.softcap:
                 if mask is None:  # SDPA's causal mask: a whole prompt, nothing cached
                     mask = torch.ones(seq.q_len, seq.q_len, dtype=torch.bool, device=q.device)
@@ -337,22 +339,21 @@ class TorchNativeBackend:
                 token_major[:, :longest] = gathered.view(batch_size, longest, *slot_shape)
             kv = stage[:, :, :, :longest]
         mask = meta.masks[self.windows[layer]]
+        keys, values = self.pool.split(kv)
         if sinks is not None or self.softcap:
             q_heads = q.view(batch_size, self.num_heads, 1, self.head_dim)
-            o = _attend_in_float32(
-                q_heads, kv[:, 0], kv[:, 1], mask, self.scale, sinks, self.softcap
-            )
-            return o.reshape(batch_size, self.num_heads, self.head_dim)
+            o = _attend_in_float32(q_heads, keys, values, mask, self.scale, sinks, self.softcap)
+            return o.reshape(batch_size, self.num_heads, self.value_dim)
         # A KV head's group of query heads as its queries: K/V are read once per KV head.
         kv_heads = kv.shape[2]
         o = F.scaled_dot_product_attention(
             q.view(batch_size, kv_heads, -1, self.head_dim),
-            kv[:, 0],
-            kv[:, 1],
+            keys,
+            values,
             attn_mask=mask,
             scale=self.scale,
         )
-        return o.reshape(batch_size, self.num_heads, self.head_dim)
+        return o.reshape(batch_size, self.num_heads, self.value_dim)
 
 
 def _prefill_mask(
@@ -391,7 +392,7 @@ def _attend_in_float32(
     keys = k.float().repeat_interleave(group, 1).transpose(-1, -2)
     values = v.float().repeat_interleave(group, 1)
     block = max(1, SCORES_BYTES // (4 * batch * heads * k.shape[2]))
-    out = torch.empty(q.shape, dtype=v.dtype, device=q.device)
+    out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=v.dtype, device=q.device)
     for start in range(0, queries, block):
         rows = slice(start, start + block)
         scores = (q[:, :, rows].float() @ keys) * scale

@@ -333,6 +333,7 @@ class Engine:
             self.kv_dtype,
             tuple(window > 0 for window in model_config.layer_windows),
             self.window_pages,
+            None if model_config.latent is None else model_config.latent.kv_lora_rank,
         )
         kv_scales.apply(self.pool)
         self.kv_cache_bytes = sum(layer.nbytes for layer in self.pool.kv)

@@ -55,7 +55,8 @@ def kv_bytes_per_token(
     (sliding-window layers in their own pages, that many of theirs a token of the others'),
     those layers count that share."""
     local_kv_heads = max(1, model.num_kv_heads // tp.size)
-    per_layer = KVPool.bytes_per_token(1, local_kv_heads, model.head_dim, dtype)
+    parts = 1 if model.latent else 2  # latent attention's values are its keys' first columns
+    per_layer = KVPool.bytes_per_token(1, local_kv_heads, model.head_dim, dtype, parts)
     windowed = sum(1 for window in model.layer_windows if window) if window_share < 1 else 0
     return int(per_layer * (model.num_layers - windowed + window_share * windowed))
 

@@ -1,6 +1,7 @@
-"""The KV pool: per layer, one tensor indexed by KV slot that holds K and V side by side,
-in the model's dtype, in FP8 (`--kv-cache-dtype fp8_e4m3`, half a 16-bit model's bytes a
-token) or in float16 (`--kv-cache-dtype float16`, half a float32 model's: on CPU)."""
+"""The KV pool: per layer, one tensor indexed by KV slot that holds K and V side by side (or,
+for latent attention, one row whose first columns are the values too), in the model's
+dtype, in FP8 (`--kv-cache-dtype fp8_e4m3`, half a 16-bit model's bytes a token) or in
+float16 (`--kv-cache-dtype float16`, half a float32 model's: on CPU)."""
 
 from __future__ import annotations
 
@@ -61,6 +62,11 @@ class KVPool:
     With `window_pages`, the layers `windowed[layer]` says (Gemma 3's and gpt-oss's
     sliding-window ones) hold that many pages of their own, indexed by the page table's
     window slots (kvcache/pages.py: `SlidingWindow`).
+
+    With a `value_dim` (DeepSeek's latent attention) a slot holds one part, `[slots, 1,
+    kv_heads, head_dim]`: the keys, whose first `value_dim` columns are the values as well
+    (`v[layer]` is that view), so a token costs half the bytes; `parts` is 1 (else 2), and
+    the tensors that `store` takes and `gather` gives have one part too.
     """
 
     def __init__(
@@ -75,6 +81,7 @@ class KVPool:
         storage_dtype: torch.dtype | None = None,
         windowed: tuple[bool, ...] = (),
         window_pages: int = 0,
+        value_dim: int | None = None,
     ) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
@@ -83,14 +90,17 @@ class KVPool:
         self.quantized = self.storage_dtype != dtype
         self.scaled = self.storage_dtype == torch.float8_e4m3fn
         self.windowed = windowed if window_pages else (False,) * num_layers
+        self.parts = 1 if value_dim is not None else 2
+        self.value_dim = head_dim if value_dim is None else value_dim
 
         def layer_tensor(windowed: bool) -> torch.Tensor:
             slots = (window_pages if windowed else num_pages) * page_size
-            return zeros_on((slots, 2, num_kv_heads, head_dim), self.storage_dtype, device)
+            shape = (slots, self.parts, num_kv_heads, head_dim)
+            return zeros_on(shape, self.storage_dtype, device)
 
         self.kv = [layer_tensor(windowed) for windowed in self.windowed]
         self.k = [layer[:, 0] for layer in self.kv]
-        self.v = [layer[:, 1] for layer in self.kv]
+        self.v = [layer[:, -1, :, : self.value_dim] for layer in self.kv]
         self.scales = torch.ones(num_layers, 2, dtype=torch.float32, device=device)
         self.scale_pairs = [(1.0, 1.0)] * num_layers
 
@@ -100,9 +110,10 @@ class KVPool:
         self.scale_pairs[layer] = (k_scale, v_scale)
 
     def store(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
-        """Write `kv` `[tokens, 2, kv_heads, head_dim]` (K then V of each token) at `slots`."""
+        """Write `kv` `[tokens, parts, kv_heads, head_dim]` (K then V of each token) at
+        `slots`."""
         if self.scaled:
-            scaled = kv.float() / self.scales[layer][:, None, None]
+            scaled = kv.float() / self.scales[layer][: self.parts, None, None]
             fp8 = scaled.clamp_(-FP8_MAX, FP8_MAX).to(self.storage_dtype)
             # as bytes: indexed copies of float8 tensors are not implemented on every device
             self.kv[layer].view(torch.uint8).index_copy_(0, slots, fp8.view(torch.uint8))
@@ -110,16 +121,23 @@ class KVPool:
             self.kv[layer].index_copy_(0, slots, kv.to(self.storage_dtype))
 
     def gather(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """The K/V at `slots`, `[len(slots), 2, kv_heads, head_dim]`, in `dtype`."""
+        """The K/V at `slots`, `[len(slots), parts, kv_heads, head_dim]`, in `dtype`."""
         if not self.scaled:
             return self.kv[layer].index_select(0, slots).to(self.dtype)
         stored = self.kv[layer].view(torch.uint8).index_select(0, slots).view(self.storage_dtype)
-        return (stored.float() * self.scales[layer][:, None, None]).to(self.dtype)
+        return (stored.float() * self.scales[layer][: self.parts, None, None]).to(self.dtype)
+
+    def split(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of gathered or staged slots (`[..., parts, kv_heads, positions or head_dim]`
+        with the part at dimension 1): the values of one-part slots are the keys' first
+        `value_dim` columns."""
+        return kv[:, 0], kv[:, -1, ..., : self.value_dim]
 
     @staticmethod
     def bytes_per_token(
-        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, parts: int = 2
     ) -> int:
-        """Bytes of K and V a token takes over all layers, stored as `dtype`."""
+        """Bytes of K and V (`parts` 2; one part for latent attention) a token takes over
+        all layers, stored as `dtype`."""
         element = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * num_kv_heads * head_dim * element
+        return parts * num_layers * num_kv_heads * head_dim * element

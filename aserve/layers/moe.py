@@ -175,33 +175,36 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     return weights.to(logits.dtype), ids
 
 
-def route_sigmoid(
+def route_deepseek(
     logits: torch.Tensor,
-    correction: torch.Tensor,
+    correction: torch.Tensor | None,
     top_k: int,
     renormalize: bool,
     style: RouterStyle,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`RouterStyle.sigmoid`'s top-k, as transformers' DeepSeek-V3 and GLM-4.5 routers
-    compute it from float32 `logits`: the choice by scores plus `correction` within the best
-    groups, the weights from the scores alone, in `dtype`. One group on CUDA in decode takes
-    one kernel (layers/moe_route_triton.py)."""
-    if logits.is_cuda and logits.shape[0] <= ROUTE_KERNEL_TOKENS and style.groups == 1:
+    """`RouterStyle`'s top-k, as transformers' DeepSeek-V2, DeepSeek-V3 and GLM-4.5 routers
+    compute it from float32 `logits`: sigmoid (V3) or softmax (V2) scores, the choice by
+    scores plus `correction` (V3's; None: V2's, none) within the best groups, the weights
+    from the scores alone, in `dtype`. Sigmoid scores in one group on CUDA in decode take one
+    kernel (layers/moe_route_triton.py)."""
+    one_kernel = style.sigmoid and style.groups == 1 and correction is not None
+    if logits.is_cuda and logits.shape[0] <= ROUTE_KERNEL_TOKENS and one_kernel:
         try:
             from aserve.layers.moe_route_triton import route_kernel
         except ImportError:  # no Triton: the torch ops below
             pass
         else:
             return route_kernel(logits, top_k, renormalize, correction, style.scaling, dtype)
-    scores = logits.sigmoid()
-    choice = scores + correction
+    scores = logits.sigmoid() if style.sigmoid else logits.softmax(-1)
+    choice = scores if correction is None else scores + correction
     if style.groups > 1:
         tokens, experts = choice.shape
         grouped = choice.view(tokens, style.groups, experts // style.groups)
-        best_two = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
-        kept = best_two.topk(style.top_groups, dim=-1).indices
-        keep = torch.zeros_like(best_two, dtype=torch.bool).scatter_(1, kept, True)
+        best = min(style.group_best, grouped.shape[-1])
+        ranks = grouped.topk(best, dim=-1).values.sum(dim=-1)
+        kept = ranks.topk(style.top_groups, dim=-1).indices
+        keep = torch.zeros_like(ranks, dtype=torch.bool).scatter_(1, kept, True)
         choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(tokens, experts)
     ids = choice.topk(top_k, dim=-1).indices
     weights = scores.gather(1, ids)
@@ -212,9 +215,9 @@ def route_sigmoid(
 
 class Router(nn.Module):
     """The gate: one score per expert (plus a bias of its own with gpt-oss). Replicated on
-    every rank, so all ranks route alike. A sigmoid router (`RouterStyle`) keeps its weight
-    and its experts' `e_score_correction_bias` in float32 and scores float32 rows, as
-    transformers keeps them."""
+    every rank, so all ranks route alike. DeepSeek's routers (`RouterStyle.in_float32`) keep
+    their weight (and a sigmoid router its experts' `e_score_correction_bias`) in float32
+    and score float32 rows, as transformers keeps them."""
 
     def __init__(
         self,
@@ -225,7 +228,7 @@ class Router(nn.Module):
     ) -> None:
         super().__init__()
         self.style = style
-        wide = torch.float32 if style.sigmoid else None
+        wide = torch.float32 if style.in_float32 else None
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=wide), False)
         self.bias = nn.Parameter(torch.zeros(num_experts), False) if bias else None
         self.e_score_correction_bias = (
@@ -235,23 +238,25 @@ class Router(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.style.sigmoid:
+        if self.style.in_float32:
             return F.linear(x.float(), self.weight)
         return F.linear(x, self.weight, self.bias)
 
     @property
     def cpu_kernels_route(self) -> bool:
         """Whether the CPU kernels' one-call MoE layer (`moe_layer`) routes as this router
-        does: a softmax, or sigmoid scores in one group (no groups there)."""
-        return self.style.groups == 1
+        does: a softmax, or sigmoid scores in one group (no groups there); scaled weights
+        only with sigmoid scores."""
+        style = self.style
+        return style.groups == 1 and (style.sigmoid or style.scaling == 1.0)
 
     def choose(
         self, x: torch.Tensor, top_k: int, renormalize: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's `top_k` experts and their weights, in `x`'s dtype."""
-        if self.e_score_correction_bias is None:
+        if not self.style.in_float32:
             return route(self(x), top_k, renormalize)
-        return route_sigmoid(
+        return route_deepseek(
             self(x), self.e_score_correction_bias, top_k, renormalize, self.style, x.dtype
         )
 

@@ -79,7 +79,7 @@ def route_kernel(
     dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`moe.route(logits, top_k, renormalize)` in one launch, or with a float32
-    `correction` `moe.route_sigmoid`'s choice in one group: weights in `dtype` (default
+    `correction` `moe.route_deepseek`'s choice in one group: weights in `dtype` (default
     logits'), ids int64."""
     tokens, num_experts = logits.shape
     weights = torch.empty(tokens, top_k, dtype=dtype or logits.dtype, device=logits.device)

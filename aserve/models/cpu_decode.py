@@ -20,7 +20,13 @@ from aserve.forward import ForwardBatch
 from aserve.layers.cpu_ops import CpuKernels
 from aserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from aserve.layers.moe import QuantizedExperts, SparseMoE, bias_rows
-from aserve.models.decoder import DecoderForCausalLM, DecoderLayer, DecoderMLP, DecoderModel
+from aserve.models.decoder import (
+    DecoderAttention,
+    DecoderForCausalLM,
+    DecoderLayer,
+    DecoderMLP,
+    DecoderModel,
+)
 from aserve.quant.native import KernelTensors, NativeWeight
 
 
@@ -68,9 +74,10 @@ def build_decode_stack(model: DecoderModel, config: ModelConfig) -> DecodeStack 
     sinks, biases and clamped experts, OLMo 2's and EXAONE 4's with norms after attention and
     the MLP alone (`post_norms`; OLMo 2's Q/K norms across heads)."""
     layers = list(model.layers)
-    if not layers or model.tp.size != 1:
+    if not layers or model.tp.size != 1 or config.latent:  # no latent attention in C++
         return None
     attention = layers[0].self_attn
+    assert isinstance(attention, DecoderAttention)
     if not isinstance(layers[0].post_attention_layernorm.ops, CpuKernels):
         return None
     scale = config.attention_scale
@@ -103,6 +110,7 @@ def _add_layer(
         return stack.add_weight(*weight.kernel_args())
 
     attention, mlp = layer.self_attn, layer.mlp
+    assert isinstance(attention, DecoderAttention)
     shared: tuple[int, int, int, torch.Tensor | None] = (-1, -1, 0, None)  # no shared expert
     qkv = _products(attention.qkv_proj)
     o = _products(attention.o_proj)

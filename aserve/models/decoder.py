@@ -40,6 +40,7 @@ from aserve.layers.moe import QuantizedExperts
 from aserve.layers.norm import AcrossHeadsNorm, Float32RMSNorm, GemmaRMSNorm, RMSNorm
 from aserve.layers.rotary import NO_ROPE, RotaryEmbedding, partial_rotary_order
 from aserve.layers.weight import WeightSource, read_whole
+from aserve.models.mla import ROTATED_ROWS, LatentAttentionLayer, LatentHeads, rope_row_order
 from aserve.models.multimodal import DECODER_PARTS, checkpoint_names, language_model_name
 from aserve.models.pooling import Pooler
 from aserve.models.weights import expected_tensors, map_checkpoint_tensor
@@ -197,7 +198,8 @@ def use_fp8_activations(model: nn.Module, adapters: LoraRows | None = None) -> N
             continue  # no norm before the products (OLMo 2)
         if isinstance(module.input_layernorm, Float32RMSNorm):
             continue
-        if takes_fp8(module.self_attn.qkv_proj):
+        attention = module.self_attn
+        if isinstance(attention, DecoderAttention) and takes_fp8(attention.qkv_proj):
             module.input_layernorm.fp8_norm = fp8_cuda.norm_fp8
             module.input_layernorm.adapters = adapters
         mlp = module.mlp
@@ -277,7 +279,11 @@ class DecoderLayer(nn.Module):
         mlp: nn.Module,
     ) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(config, layer, rotary, tp, ops)
+        self.self_attn: DecoderAttention | LatentAttentionLayer = (
+            LatentAttentionLayer(config, layer, rotary, tp, ops)
+            if config.latent
+            else DecoderAttention(config, layer, rotary, tp, ops)
+        )
         self.mlp = mlp
         self.sandwich = config.sandwich_norms
         self.post_norms = config.post_norms
@@ -367,7 +373,7 @@ class DecoderModel(nn.Module):
         )
         self.embedding_scale = config.embedding_scale
         rotary = RotaryEmbedding(
-            config.head_dim,
+            config.latent.qk_rope_head_dim if config.latent else config.head_dim,
             max_positions,
             config.rope_theta,
             config.rope_scaling,
@@ -455,6 +461,8 @@ NORM_NAMES = {
 }
 """Families whose layers' norms are named otherwise than Gemma's four (before and after
 attention, before and after the MLP), in checkpoint name -> ours."""
+LATENT_FUSED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+"""`_FUSED` for latent attention, whose `q_proj` is a projection of its own."""
 _FUSED_IN_CHECKPOINT = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
@@ -508,6 +516,7 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.rotary_order: torch.Tensor | None = None  # a head's rows, where part rotates
+        self.fused = LATENT_FUSED if config.latent else _FUSED
         if config.rotary_dim and config.rotary_dim < config.head_dim:
             self.rotary_order = partial_rotary_order(
                 config.head_dim, config.rotary_dim, config.rotary_interleaved
@@ -619,14 +628,19 @@ class DecoderForCausalLM(nn.Module):
                 part_name = f"{parent}.{part}.{param}"
                 loaded += self.load_tensor(modules, part_name, tensor[rows])
             return loaded
+        latent = self.config.latent
         if leaf in REORDERED_BY_ROTATION and self.rotary_order is not None:
             tensor = self._reorder_head_rows(tensor)
-        target, shard = _FUSED.get(leaf, (leaf, 0))
+        elif latent and latent.rope_interleaved and leaf in ROTATED_ROWS and param == "weight":
+            tensor = _permute_rows(tensor, lambda rows: rope_row_order(latent, leaf, rows))
+        target, shard = self.fused.get(leaf, (leaf, 0))
         module_name = f"{parent}.{target}" if parent else target
         module = modules.get(module_name)
         if module is None or not hasattr(module, "load_weight"):
             raise ValueError(f"checkpoint tensor {name} has no place in {self.config.architecture}")
         module.load_weight(param, tensor, shard)
+        if isinstance(module, LatentHeads):
+            return [f"{module_name}.{filled}" for filled in module.FILLS[param]]
         return [f"{module_name}.{param}"]
 
     def lora_targets(self, name: str, b: torch.Tensor) -> list[tuple[str, int, torch.Tensor]]:
@@ -645,7 +659,7 @@ class DecoderForCausalLM(nn.Module):
             return places
         if leaf in ("q_proj", "k_proj") and self.rotary_order is not None:
             b = read_whole(self._reorder_head_rows(b))
-        target, part = _FUSED.get(leaf, (leaf, 0))
+        target, part = self.fused.get(leaf, (leaf, 0))
         return [(f"{parent}.{target}" if parent else target, part, b)]
 
     def _fused_rows(self, leaf: str) -> list[slice]:
@@ -659,20 +673,13 @@ class DecoderForCausalLM(nn.Module):
 
     def _reorder_head_rows(self, tensor: WeightSource) -> WeightSource:
         """A query or key projection's rows (or bias) in `rotary_order` within each head."""
-        if isinstance(tensor, QuantizedTensor):
-            return tensor.permute_rows(self._head_order(tensor.shape[0], tensor.raw.device))
-        if isinstance(tensor, CodesTensor):
-            return tensor.permute_rows(self._head_order(tensor.shape[0], tensor.device))
-        if isinstance(tensor, Fp8Tensor):  # an FP8 checkpoint's (GLM-4.5-Air-FP8's)
-            return tensor.permute_rows(self._head_order(tensor.shape[0], torch.device("cpu")))
-        whole = read_whole(tensor)  # on the weights' device where they load onto a GPU
-        return whole[self._head_order(whole.shape[0], whole.device)]
+        return _permute_rows(tensor, self._head_order)
 
-    def _head_order(self, rows: int, device: torch.device) -> torch.Tensor:
+    def _head_order(self, rows: int) -> torch.Tensor:
         assert self.rotary_order is not None
         # made on the host: the model may be built under a GPU default device, loaded apart
         starts = torch.arange(0, rows, self.config.head_dim, device="cpu")
-        return (starts[:, None] + self.rotary_order.cpu()).flatten().to(device)
+        return (starts[:, None] + self.rotary_order.cpu()).flatten()
 
     def expected_tensors(self) -> set[str]:
         return expected_tensors(self)
@@ -698,6 +705,20 @@ class DecoderForCausalLM(nn.Module):
             blocks = WeightBlocks()
             for weight in cpu_kernel_weights(self):
                 weight.move_to(blocks)
+
+
+def _permute_rows(tensor: WeightSource, order_of: Callable[[int], torch.Tensor]) -> WeightSource:
+    """`tensor`'s rows in `order_of(rows)` (made on the host), kept in the form it arrived
+    in: GGUF blocks, integer codes, FP8 with its scales (GLM-4.5-Air-FP8's), or floats on the
+    weights' device (where they load onto a GPU)."""
+    if isinstance(tensor, QuantizedTensor):
+        return tensor.permute_rows(order_of(tensor.shape[0]).to(tensor.raw.device))
+    if isinstance(tensor, CodesTensor):
+        return tensor.permute_rows(order_of(tensor.shape[0]).to(tensor.device))
+    if isinstance(tensor, Fp8Tensor):
+        return tensor.permute_rows(order_of(tensor.shape[0]))
+    whole = read_whole(tensor)
+    return whole[order_of(whole.shape[0]).to(whole.device)]
 
 
 def cpu_kernel_weights(model: nn.Module) -> list[KernelTensors]:

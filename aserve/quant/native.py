@@ -898,7 +898,7 @@ def moe_layer(
     the router's bias, each expert's gate|up and down biases (float32; no down biases on
     tensor-parallel ranks after the first) and gate by `style`'s clamped SwiGLU. GLM-4.5's
     route by sigmoid scores, chosen with `choice_bias` and weighed times `routed_scaling`
-    (`moe.route_sigmoid` in one group)."""
+    (`moe.route_deepseek` in one group)."""
     return torch.ops.aserve_cpu.moe_layer(
         x,
         router,

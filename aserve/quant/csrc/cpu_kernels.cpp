@@ -2612,7 +2612,7 @@ std::vector<at::Tensor> linear_group(at::TensorList xs, at::TensorList words,
 // Each token's top_k experts and their weights as layers/moe.route chooses them: router logits
 // in float32 (one fixed order of operations a logit, so a token's logits do not depend on its
 // batch), softmax, the k largest in descending order (ties to the lower expert), renormalised
-// over the k if asked. With a `choice_bias` (GLM-4.5's, layers/moe.route_sigmoid in one group)
+// over the k if asked. With a `choice_bias` (GLM-4.5's, layers/moe.route_deepseek in one group)
 // the scores are the logits' sigmoids, the k largest scores plus that bias are chosen, and
 // their scores, renormalised as transformers does (over their sum plus 1e-20), are multiplied
 // by `scaling`.

@@ -1,0 +1,184 @@
+"""DeepSeek's multi-head latent attention (MLA), DeepSeek-V2's and V3's (Kimi K2's, Moonlight's).
+
+A token's keys and values for every head come from one normalised latent row
+(`kv_lora_rank` wide) and one rotated key part shared by all heads; the cache keeps just that
+row (`LatentAttention.cache_width`, 576 columns for the published models, where a head's
+keys and values would be 16 x 320 for V2-Lite). Attention runs on the latent itself, as
+vLLM and SGLang run it in decode: each head's unrotated query is first multiplied by its
+slice of `kv_b_proj`'s key rows (`w_uk`), so its scores against the latent are its scores
+against the head's keys; the output, a mix of latent rows, is multiplied by the head's value
+rows (`w_uv`) afterwards. The backends see one key head of the cache's width whose first
+`kv_lora_rank` columns are the values (kvcache/pool.py, `value_dim`).
+
+Under tensor parallelism each rank holds its heads' query rows, `kv_b_proj` slices and
+output columns, and the whole latent projection: every rank caches the same latent rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from aserve.attention.base import AttentionBackend
+from aserve.config import LatentAttention, ModelConfig
+from aserve.distributed.group import TPGroup
+from aserve.forward import ForwardBatch
+from aserve.layers.fused import FusedOps
+from aserve.layers.linear import ColumnParallelLinear, RowParallelLinear
+from aserve.layers.norm import RMSNorm
+from aserve.layers.rotary import RotaryEmbedding
+from aserve.layers.weight import WeightSource, read_whole
+from aserve.quant.fp8 import Fp8Tensor
+from aserve.quant.gguf import QuantizedTensor
+from aserve.quant.int_checkpoints import CodesTensor
+
+ROTATED_ROWS = ("q_proj", "q_b_proj", "kv_a_proj_with_mqa")
+"""Projections with rows of the rotating dimensions, which load in `rope_row_order`."""
+
+
+def rope_row_order(latent: LatentAttention, leaf: str, rows: int) -> torch.Tensor:
+    """The order of projection `leaf`'s rows under which interleaved rotation (pairs (2i,
+    2i + 1) of the rotating dimensions, DeepSeek's) is rotate-half (pairs (i, i + rope / 2)),
+    what aserve's rope kernels compute: within each query head (`nope` then `rope` rows) and
+    within the latent projection's key part (after the latent's rows), the rotating rows'
+    even members first, then their odd ones. Scores are unchanged: queries and keys move
+    alike."""
+    rope = latent.qk_rope_head_dim
+    halves = torch.cat((torch.arange(0, rope, 2), torch.arange(1, rope, 2)))
+    if leaf == "kv_a_proj_with_mqa":
+        return torch.cat((torch.arange(latent.kv_lora_rank), latent.kv_lora_rank + halves))
+    head = latent.qk_nope_head_dim + rope
+    within = torch.cat((torch.arange(latent.qk_nope_head_dim), latent.qk_nope_head_dim + halves))
+    return (torch.arange(0, rows, head)[:, None] + within).flatten()
+
+
+def float_weight(tensor: WeightSource) -> torch.Tensor:
+    """A checkpoint tensor in float32 whatever it is stored as: GGUF blocks, integer codes,
+    FP8 with its scales, or floats."""
+    if isinstance(tensor, QuantizedTensor):
+        return tensor.decode().dequantize(torch.float32)
+    if isinstance(tensor, (CodesTensor, Fp8Tensor)):
+        return tensor.dequantize()
+    return read_whole(tensor).float()
+
+
+class LatentHeads(nn.Module):
+    """`kv_b_proj`, `[heads * (nope + v), kv_lora_rank]`, kept as this rank's heads' two
+    slices: `w_uk` `[heads, nope, kv_lora_rank]`, which takes queries into the latent, and
+    `w_uv` `[heads, v, kv_lora_rank]`, which takes latent outputs to values. Dense in the
+    model's dtype whatever the checkpoint stores them as (they are 1-2% of a layer)."""
+
+    def __init__(self, latent: LatentAttention, heads: tuple[int, int]) -> None:
+        super().__init__()
+        self.latent = latent
+        self.heads = heads
+        local = heads[1] - heads[0]
+        rank = latent.kv_lora_rank
+        self.w_uk = nn.Parameter(torch.empty(local, latent.qk_nope_head_dim, rank), False)
+        self.w_uv = nn.Parameter(torch.empty(local, latent.v_head_dim, rank), False)
+
+    FILLS = {"weight": ("w_uk", "w_uv"), "k_b": ("w_uk",), "v_b": ("w_uv",)}
+    """What each checkpoint tensor fills: Hugging Face's `kv_b_proj.weight` both slices;
+    llama.cpp's newer GGUF files store them apart, `attn_k_b` `[heads, kv_lora_rank, nope]`
+    (each head's key rows transposed) and `attn_v_b` `[heads, v, kv_lora_rank]`."""
+
+    def load_weight(self, name: str, tensor: WeightSource, shard: int = 0) -> None:
+        latent = self.latent
+        first, last = self.heads
+        if name == "weight":
+            per_head = latent.qk_nope_head_dim + latent.v_head_dim
+            rows = float_weight(tensor[first * per_head : last * per_head])
+            keys, values = rows.view(last - first, per_head, -1).split(
+                [latent.qk_nope_head_dim, latent.v_head_dim], 1
+            )
+            self.w_uk.data.copy_(keys)
+            self.w_uv.data.copy_(values)
+        elif name == "k_b":
+            keys = float_weight(tensor).view(-1, latent.kv_lora_rank, latent.qk_nope_head_dim)
+            self.w_uk.data.copy_(keys[first:last].transpose(1, 2))
+        elif name == "v_b":
+            values = float_weight(tensor).view(-1, latent.v_head_dim, latent.kv_lora_rank)
+            self.w_uv.data.copy_(values[first:last])
+        else:
+            raise ValueError(f"checkpoint tensor kv_b_proj.{name} has no place in this model")
+
+
+class LatentAttentionLayer(nn.Module):
+    """One layer's MLA, named as Hugging Face's checkpoints name it: `q_proj` (or
+    `q_a_proj`, `q_a_layernorm` and `q_b_proj`), `kv_a_proj_with_mqa`, `kv_a_layernorm`,
+    `kv_b_proj` and `o_proj`."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer: int,
+        rotary: RotaryEmbedding,
+        tp: TPGroup,
+        ops: FusedOps | None,
+    ) -> None:
+        super().__init__()
+        latent = config.latent
+        assert latent is not None
+        self.latent = latent
+        self.layer = layer
+        self.rotary = rotary
+        first, last = self.heads = tp.shard(config.num_heads)
+        self.local_heads = last - first
+        hidden, eps, quantization = config.hidden_size, config.rms_norm_eps, config.quantization
+        whole = TPGroup()  # replicated on every rank
+        query_width = config.num_heads * (latent.qk_nope_head_dim + latent.qk_rope_head_dim)
+        self.q_proj: ColumnParallelLinear | None = None
+        self.q_a_proj: ColumnParallelLinear | None = None
+        if latent.q_lora_rank:
+            self.q_a_proj = ColumnParallelLinear(
+                hidden, [latent.q_lora_rank], config.qkv_bias, whole, quantization
+            )
+            self.q_a_layernorm = RMSNorm(latent.q_lora_rank, eps, ops)
+            self.q_b_proj = ColumnParallelLinear(
+                latent.q_lora_rank, [query_width], False, tp, quantization
+            )
+        else:
+            self.q_proj = ColumnParallelLinear(hidden, [query_width], False, tp, quantization)
+        self.kv_a_proj_with_mqa = ColumnParallelLinear(
+            hidden, [latent.cache_width], config.qkv_bias, whole, quantization
+        )
+        self.kv_a_layernorm = RMSNorm(latent.kv_lora_rank, eps, ops)
+        self.kv_b_proj = LatentHeads(latent, self.heads)
+        self.o_proj = RowParallelLinear(
+            config.num_heads * latent.v_head_dim,
+            hidden,
+            config.o_bias,
+            tp,
+            reduce_results=False,
+            quantization=quantization,
+        )
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        batch: ForwardBatch,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        latent, heads = self.latent, self.local_heads
+        tokens = hidden.shape[0]
+        if self.q_a_proj is not None:
+            query = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        else:
+            assert self.q_proj is not None
+            query = self.q_proj(hidden)
+        query = query.view(tokens, heads, -1)
+        q_nope, q_rope = query.split([latent.qk_nope_head_dim, latent.qk_rope_head_dim], -1)
+        compressed = self.kv_a_proj_with_mqa(hidden)
+        rows = self.kv_a_layernorm(compressed[:, : latent.kv_lora_rank].contiguous())
+        # every head's rotating part, then the shared key's: rotated in one pass
+        rope = torch.cat((q_rope.reshape(tokens, -1), compressed[:, latent.kv_lora_rank :]), -1)
+        self.rotary(positions, rope, heads * latent.qk_rope_head_dim, batch.rope_rows)
+        q_latent = torch.bmm(q_nope.transpose(0, 1), self.kv_b_proj.w_uk).transpose(0, 1)
+        q_rope, k_rope = rope.split([heads * latent.qk_rope_head_dim, latent.qk_rope_head_dim], -1)
+        q = torch.cat((q_latent, q_rope.view(tokens, heads, -1)), -1)
+        new_kv = torch.cat((rows, k_rope), -1)
+        mixed = attn.forward(q, new_kv.view(tokens, 1, 1, -1), self.layer, batch)
+        mixed = mixed.view(tokens, heads, latent.kv_lora_rank).transpose(0, 1)
+        values = torch.bmm(mixed, self.kv_b_proj.w_uv.transpose(1, 2)).transpose(0, 1)
+        return self.o_proj(values.reshape(tokens, heads * latent.v_head_dim))
