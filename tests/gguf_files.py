@@ -45,6 +45,8 @@ GGUF_ARCH = {
     "glm4": "glm4",
     "glm4_moe": "glm4moe",
     "dots1": "dots1",
+    "deepseek_v2": "deepseek2",
+    "deepseek_v3": "deepseek2",
 }
 TOP_LEVEL = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -104,6 +106,15 @@ DOTS1_IN_LAYER = IN_LAYER | {
 `e_score_correction.bias` first)."""
 GLM4_MOE_IN_LAYER = DOTS1_IN_LAYER | {"post_attention_layernorm": "post_attention_norm"}
 """GLM-4.5's: the norm before the MLP is ATTN_POST_NORM."""
+DEEPSEEK2_IN_LAYER = DOTS1_IN_LAYER | {
+    "self_attn.q_a_proj": "attn_q_a",
+    "self_attn.q_a_layernorm": "attn_q_a_norm",
+    "self_attn.q_b_proj": "attn_q_b",
+    "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+    "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+    "self_attn.kv_b_proj": "attn_kv_b",
+}
+"""DeepSeek's latent attention under llama.cpp's names (its experts as dots.llm1's)."""
 NEXTN_PARTS = ("eh_proj", "enorm", "hnorm", "shared_head_norm")
 """A GLM-4.5 file's next-token prediction layer's own tensors (after a whole layer's)."""
 EXPERT_PARTS = {
@@ -224,6 +235,55 @@ def embedding_gemma_pooling(folder: Path, writer: gguf.GGUFWriter) -> dict[str, 
     return tensors
 
 
+def add_deepseek2(writer: gguf.GGUFWriter, config: dict[str, Any], split_kv_b: bool) -> None:
+    """DeepSeek's settings as llama.cpp's DeepseekV2Model writes them: since its MLA rework
+    (`split_kv_b`) one key head as wide as the latent and its rotating part, values the
+    latent's width, a query head's and a value's widths as `*_mla`; before it, those two as
+    the key and value lengths, one key head a query head. Experts by softmax (V2) or sigmoid
+    (V3) scores in groups, YaRN's `mscale_all_dim` times 0.1 as the log multiplier."""
+    rope, latent = config["qk_rope_head_dim"], config["kv_lora_rank"]
+    query, value = config["qk_nope_head_dim"] + rope, config["v_head_dim"]
+    writer.add_head_count_kv(1 if split_kv_b else config["num_attention_heads"])
+    if split_kv_b:
+        writer.add_key_length(latent + rope)
+        writer.add_value_length(latent)
+        writer.add_key_length_mla(query)
+        writer.add_value_length_mla(value)
+    else:
+        writer.add_key_length(query)
+        writer.add_value_length(value)
+    writer.add_kv_lora_rank(latent)
+    if config.get("q_lora_rank"):
+        writer.add_q_lora_rank(config["q_lora_rank"])
+    writer.add_rope_dimension_count(rope)
+    writer.add_leading_dense_block_count(config["first_k_dense_replace"])
+    writer.add_expert_shared_count(config["n_shared_experts"])
+    writer.add_expert_weights_scale(config["routed_scaling_factor"])
+    if config.get("norm_topk_prob"):
+        writer.add_expert_weights_norm(True)
+    v3 = config["model_type"] == "deepseek_v3"
+    gating = gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX
+    writer.add_expert_gating_func(gating)
+    if config.get("n_group"):
+        writer.add_expert_group_count(config["n_group"])
+        writer.add_expert_group_used_count(config["topk_group"])
+    mscale = (config.get("rope_scaling") or {}).get("mscale_all_dim")
+    if mscale:
+        writer.add_rope_scaling_yarn_log_mul(0.1 * mscale)
+
+
+def split_kv_b(name: str, array: np.ndarray, config: dict[str, Any]) -> dict[str, np.ndarray]:
+    """`kv_b_proj` as llama.cpp's converter splits it: each head's key rows transposed
+    (`attn_k_b` `[heads, latent, nope]`) and its value rows (`attn_v_b` `[heads, v, latent]`)."""
+    layer = name.split(".")[2]
+    nope, value = config["qk_nope_head_dim"], config["v_head_dim"]
+    heads = array.reshape(config["num_attention_heads"], nope + value, -1)
+    return {
+        f"blk.{layer}.attn_k_b.weight": heads[:, :nope].transpose(0, 2, 1),
+        f"blk.{layer}.attn_v_b.weight": heads[:, nope:],
+    }
+
+
 def add_sizes(writer: gguf.GGUFWriter, config: dict[str, Any]) -> None:
     """A checkpoint's layers, positions, width and MLP width, as every architecture has them."""
     writer.add_block_count(config["num_hidden_layers"])
@@ -257,6 +317,7 @@ def write_hf_as_gguf(
     qtype: gguf.GGMLQuantizationType | None = None,
     qtype_of: dict[str, gguf.GGMLQuantizationType] | None = None,
     vocabulary: Callable[[gguf.GGUFWriter], None] | None = None,
+    kv_b_apart: bool = True,
 ) -> Path:
     """`folder`'s checkpoint (config.json + model.safetensors) as a GGUF at `path`, without a
     tokenizer. `rope_factors=False` leaves a Llama-3 scaling's `rope_freqs` out, as files
@@ -288,11 +349,14 @@ def write_hf_as_gguf(
     # GLM-4.5's files count its prediction layer after the last (`nextn_layer`)
     add_sizes(writer, {**config, "num_hidden_layers": config["num_hidden_layers"] + glm4_moe})
     writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    rotary = int(head_dim * (partial or 1.0))
-    writer.add_rope_dimension_count(rotary)
+    deepseek = arch == "deepseek2"
+    if deepseek:
+        add_deepseek2(writer, config, kv_b_apart)
+    else:
+        writer.add_head_count_kv(kv_heads)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_rope_dimension_count(int(head_dim * (partial or 1.0)))
     writer.add_rope_freq_base(config["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_bos_token_id(config["bos_token_id"])
@@ -369,6 +433,7 @@ def write_hf_as_gguf(
     in_layer = GLM4_IN_LAYER if config["model_type"] == "glm4" else in_layer
     in_layer = GLM4_MOE_IN_LAYER if glm4_moe else in_layer
     in_layer = DOTS1_IN_LAYER if config["model_type"] == "dots1" else in_layer
+    in_layer = DEEPSEEK2_IN_LAYER if deepseek else in_layer
     post_norms = config["model_type"] in ("olmo2", "olmo3", "exaone4")
     in_layer = OLMO2_IN_LAYER if post_norms else in_layer
     tensors: dict[str, np.ndarray] = {}
@@ -393,6 +458,8 @@ def write_hf_as_gguf(
             experts.setdefault(f"blk.{layer}.{EXPERT_PARTS[part]}.weight", {})[int(expert)] = array
         elif name.endswith("shared_expert_gate.weight"):  # a [hidden] vector in the file
             tensors[gguf_name(name, in_layer)] = array.reshape(-1)
+        elif kv_b_apart and name.endswith("kv_b_proj.weight"):
+            tensors |= split_kv_b(name, array, config)
         else:
             tensors[gguf_name(name, in_layer)] = array
     for name, by_index in experts.items():
@@ -401,8 +468,10 @@ def write_hf_as_gguf(
         tensors |= nextn_layer(tensors, config["num_hidden_layers"], config["hidden_size"])
     for name, array in tensors.items():
         kind = next((t for key, t in (qtype_of or {}).items() if key in name), qtype)
-        quantizable = name.endswith(".weight") and "ffn_gate_inp" not in name
-        add_tensor(writer, name, array, kind if array.ndim >= 2 and quantizable else None)
+        quantizable = name.endswith(".weight") and "ffn_gate_inp" not in name and array.ndim >= 2
+        if kind is not None and array.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0]:
+            quantizable = False
+        add_tensor(writer, name, array, kind if quantizable else None)
     write_and_close(writer)
     return path
 

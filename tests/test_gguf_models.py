@@ -78,6 +78,8 @@ OVERRIDES = {
         "glm4",
         "glm4_moe",
         "dots1",
+        "deepseek_v2",
+        "deepseek_v3",
     ],
 )
 def test_gguf_of_each_family_matches_transformers(family: str, tmp_path: Path) -> None:
@@ -96,7 +98,11 @@ def test_gguf_of_each_family_matches_transformers(family: str, tmp_path: Path) -
     (`nextn_predict_layers`, counted in `block_count`), which is not loaded, its routing in
     `expert_gating_func`, `expert_weights_scale` and `exp_probs_b`, and its first layer
     dense (`leading_dense_block_count`); the dots.llm1 file is the same without the
-    prediction layer and with Qwen3's attention."""
+    prediction layer and with Qwen3's attention; the DeepSeek files hold latent attention
+    as llama.cpp's MLA rework writes it (`kv_b_proj` apart in `attn_k_b` and `attn_v_b`,
+    the widths of a query head and a value in `*_length_mla`, YaRN's `mscale_all_dim` as a
+    log multiplier), experts by softmax (V2) or sigmoid (V3, `exp_probs_b`) scores in
+    groups."""
     folder = make_tiny_model(family, tmp_path / family, overrides=OVERRIDES.get(family))
     model = write_hf_as_gguf(folder, tmp_path / f"{family}.gguf")
     hf = hf_model(folder)

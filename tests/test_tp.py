@@ -183,6 +183,8 @@ def test_tp2_integer_checkpoint_equals_tp1(
         "glm4",
         "glm4_moe",
         "dots1",
+        "deepseek_v2",
+        "deepseek_v3",
     ],
 )
 def test_tp2_family_greedy_tokens_and_logprobs_equal_tp1(tmp_path: Path, family: str) -> None:
@@ -195,7 +197,8 @@ def test_tp2_family_greedy_tokens_and_logprobs_equal_tp1(tmp_path: Path, family:
     and K norms span the heads of both ranks (their squares summed over ranks), also with
     one KV head that both ranks hold (whose squares then count twice in that sum).
     GLM-4.5's and dots.llm1's float32 routers are replicated, their shared experts split
-    as dense MLPs."""
+    as dense MLPs. DeepSeek's latent attention splits its heads (queries, `kv_b_proj`'s
+    slices, output columns) while both ranks compute and cache the whole latent row."""
     one_kv_head = family == "olmo2-one-kv-head"
     overrides = {"num_key_value_heads": 1} if one_kv_head else None
     model = make_tiny_model(family.removesuffix("-one-kv-head"), tmp_path, overrides=overrides)

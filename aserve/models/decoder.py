@@ -372,12 +372,15 @@ class DecoderModel(nn.Module):
             config.vocab_size, config.hidden_size, tp, config.quantization
         )
         self.embedding_scale = config.embedding_scale
+        # Latent attention rotates through this module, the CPU kernels' layers through
+        # their own one-kernel norm, RoPE and KV write: torch's rope for it there.
+        latent_on_cpu = config.latent is not None and isinstance(ops, CpuKernels)
         rotary = RotaryEmbedding(
             config.latent.qk_rope_head_dim if config.latent else config.head_dim,
             max_positions,
             config.rope_theta,
             config.rope_scaling,
-            ops,
+            None if latent_on_cpu else ops,
             config.rotary_dim,
             config.mrope_section,
             config.mrope_interleaved,

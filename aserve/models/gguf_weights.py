@@ -96,8 +96,23 @@ bias (a parameter, not a `.bias`)."""
 GLM4_MOE_TENSORS = DOTS1_TENSORS | {"post_attention_norm": "post_attention_layernorm"}
 """GLM-4.5's are dots.llm1's, but its norm before the MLP is llama.cpp's
 `post_attention_norm`."""
+DEEPSEEK2_TENSORS = DOTS1_TENSORS | {
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    "attn_k_b": "self_attn.kv_b_proj.k_b",
+    "attn_v_b": "self_attn.kv_b_proj.v_b",
+}
+"""DeepSeek's latent attention (models/mla.py), its experts as dots.llm1's. Newer files hold
+`kv_b_proj`'s key and value rows apart, `attn_k_b` and `attn_v_b` (parameters of their own,
+`LatentHeads.FILLS`)."""
 FAMILY_TENSORS = {
     "qwen2_moe": QWEN2_MOE_TENSORS,
+    "deepseek_v2": DEEPSEEK2_TENSORS,
+    "deepseek_v3": DEEPSEEK2_TENSORS,
     "glm4_moe": GLM4_MOE_TENSORS,
     "dots1": DOTS1_TENSORS,
     "phi3": PHI3_TENSORS,
@@ -156,7 +171,7 @@ LONGROPE_FACTORS = {
 ROPE_TENSORS = (ROPE_FACTORS, *LONGROPE_FACTORS.values())
 
 GGUFWeight = torch.Tensor | QuantizedTensor
-WHOLE_PARAMETERS = ("attn_sinks", "exp_probs_b")
+WHOLE_PARAMETERS = ("attn_sinks", "exp_probs_b", "attn_k_b", "attn_v_b")
 """Layer tensors whose Hugging Face name is a parameter of its own: no `.weight` or `.bias`
 after it."""
 
@@ -364,6 +379,10 @@ def _read(tensor: StoredTensor, dequantize: bool) -> GGUFWeight:
     if kind in FLOAT_TYPES:
         values = gguf.quants.dequantize(tensor.data, kind).astype(np.float32, copy=False)
         return torch.from_numpy(np.array(values, copy=True).reshape(shape))
+    if len(shape) == 3:  # DeepSeek's `attn_k_b` and `attn_v_b`: one matrix a head, stacked
+        rows = shape[0] * shape[1]
+        data = tensor.data.reshape(rows, -1)
+        return _read(StoredTensor(tensor.name, kind, [shape[2], rows], data), dequantize)
     if len(shape) != 2:
         raise GGUFTensorError(f"GGUF tensor {tensor.name}: a {kind.name} tensor of {shape}")
     try:

@@ -91,6 +91,7 @@ ARCHITECTURES = {
     "glm4": "Glm4ForCausalLM",
     "glm4moe": "Glm4MoeForCausalLM",
     "dots1": "Dots1ForCausalLM",
+    "deepseek2": "DeepseekV2ForCausalLM",  # V3's where its experts are chosen by sigmoid
     "bert": "BertModel",  # an encoder: embeddings only (models/encoder.py)
     "modern-bert": "ModernBertModel",  # an encoder (models/modernbert.py)
     "nomic-bert": "NomicBertModel",  # an encoder (models/encoder.py): nomic-embed-text
@@ -105,6 +106,7 @@ MODEL_TYPES = {
     "qwen3moe": "qwen3_moe",
     "qwen2moe": "qwen2_moe",
     "glm4moe": "glm4_moe",
+    "deepseek2": "deepseek_v2",
     "gemma3": "gemma3_text",
     "gemma-embedding": "gemma3_text",
     "gpt-oss": "gpt_oss",
@@ -126,8 +128,10 @@ GGUF_SAMPLING_KEYS = {
 }
 
 Metadata = Callable[..., Any]
-DEEPSEEK_MOE = ("glm4moe", "dots1")
-"""GGUF architectures whose experts are routed as DeepSeek-V3's (config.py's `RouterStyle`)."""
+DEEPSEEK_MOE = ("glm4moe", "dots1", "deepseek2")
+"""GGUF architectures whose experts are routed as DeepSeek's (config.py's `RouterStyle`)."""
+SOFTMAX_GATING, SIGMOID_GATING = 1, 2
+"""llama.cpp's `expert_gating_func` values."""
 
 
 class ModelSourceError(ConfigError):
@@ -689,17 +693,21 @@ def gpt_oss_config(read: Metadata, config: dict[str, Any]) -> dict[str, Any]:
 def deepseek_moe_config(
     read: Metadata, config: dict[str, Any], tensors: dict[str, StoredTensor], arch: str
 ) -> dict[str, Any]:
-    """GLM-4.5's and dots.llm1's settings under llama.cpp's names: the first layers are
-    dense (`leading_dense_block_count`), the experts are chosen by sigmoid scores
-    (`expert_gating_func` 2, dots1's files may leave it out) and weighed times
-    `expert_weights_scale`, renormalised where `expert_weights_norm`. GLM-4.5's
-    `block_count` counts the prediction layers after the last (`nextn_predict_layers`);
-    half of its heads rotates, in halves (`rope.dimension_count`), and it has Q/K norms
-    where the file holds them (dots1 always)."""
-    gating = read(f"{arch}.expert_gating_func", 2)
-    if gating != 2:
-        raise ModelSourceError(f"a {arch} file whose expert_gating_func is {gating}, not sigmoid")
+    """GLM-4.5's, dots.llm1's and DeepSeek's settings under llama.cpp's names: the first
+    layers are dense (`leading_dense_block_count`), the experts are chosen by sigmoid scores
+    (`expert_gating_func` 2, dots1's files may leave it out) or, in DeepSeek-V2's files,
+    by softmax ones (1, or nothing), within the best `expert_group_used_count` of
+    `expert_group_count` groups, and weighed times `expert_weights_scale`, renormalised where
+    `expert_weights_norm`. GLM-4.5's `block_count` counts the prediction layers after the
+    last (`nextn_predict_layers`); half of its heads rotates, in halves
+    (`rope.dimension_count`), and it has Q/K norms where the file holds them (dots1 always).
+    DeepSeek's latent attention: `deepseek2_attention`."""
+    gating = read(f"{arch}.expert_gating_func", SOFTMAX_GATING if arch == "deepseek2" else 2)
+    allowed = (SOFTMAX_GATING, SIGMOID_GATING) if arch == "deepseek2" else (SIGMOID_GATING,)
+    if gating not in allowed:
+        raise ModelSourceError(f"a {arch} file whose expert_gating_func is {gating}")
     mtp = read(f"{arch}.nextn_predict_layers", 0)
+    groups = read(f"{arch}.expert_group_count", 1)
     settings = {
         "num_hidden_layers": config["num_hidden_layers"] - mtp,
         "num_nextn_predict_layers": mtp,
@@ -708,7 +716,7 @@ def deepseek_moe_config(
         "first_k_dense_replace": read(f"{arch}.leading_dense_block_count", 0),
         "routed_scaling_factor": float32_decimal(read(f"{arch}.expert_weights_scale", 1.0)),
         "norm_topk_prob": bool(read(f"{arch}.expert_weights_norm", arch == "glm4moe")),
-        "n_group": read(f"{arch}.expert_group_count", 1),
+        "n_group": groups,
         "topk_group": read(f"{arch}.expert_group_used_count", 1),
         "mlp_only_layers": None,
     }
@@ -716,6 +724,46 @@ def deepseek_moe_config(
         rotary = read("glm4moe.rope.dimension_count", config["head_dim"] // 2)
         settings["partial_rotary_factor"] = rotary / config["head_dim"]
         settings["use_qk_norm"] = "blk.0.attn_q_norm.weight" in tensors
+    if arch == "deepseek2":
+        sigmoid = gating == SIGMOID_GATING
+        if sigmoid:
+            settings["architectures"] = ["DeepseekV3ForCausalLM"]
+            settings["model_type"] = "deepseek_v3"
+        settings["scoring_func"] = "sigmoid" if sigmoid else "softmax"
+        grouped = "noaux_tc" if sigmoid else "group_limited_greedy"
+        settings["topk_method"] = grouped if groups > 1 else "greedy"
+        settings |= deepseek2_attention(read, config)
+    return settings
+
+
+def deepseek2_attention(read: Metadata, config: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek's latent attention under llama.cpp's names. Files since llama.cpp's MLA
+    rework state a head's query and value widths as `key_length_mla` and `value_length_mla`
+    (their `key_length` and `value_length` are the latent's, and the key rows of
+    `kv_b_proj` are stored apart, `attn_k_b`, from its value rows, `attn_v_b`); older files
+    state them as `key_length` and `value_length`. The rotating part is
+    `rope.dimension_count` wide; `rope.scaling.yarn_log_multiplier` is YaRN's 0.1 *
+    `mscale_all_dim` (DeepSeek's `mscale` equals it: cos and sin keep their size)."""
+    arch = "deepseek2"
+    rope = read(f"{arch}.rope.dimension_count", required=True)
+    query = read(f"{arch}.attention.key_length_mla") or read(
+        f"{arch}.attention.key_length", required=True
+    )
+    settings = {
+        "q_lora_rank": read(f"{arch}.attention.q_lora_rank"),
+        "kv_lora_rank": read(f"{arch}.attention.kv_lora_rank", required=True),
+        "qk_rope_head_dim": rope,
+        "qk_nope_head_dim": query - rope,
+        "v_head_dim": read(f"{arch}.attention.value_length_mla")
+        or read(f"{arch}.attention.value_length", required=True),
+        "rope_interleave": True,  # llama.cpp rotates DeepSeek's heads in neighbouring pairs
+        "head_dim": rope,
+    }
+    log_multiplier = read(f"{arch}.rope.scaling.yarn_log_multiplier")
+    scaling = config.get("rope_scaling")
+    if scaling and scaling.get("rope_type") == "yarn" and log_multiplier:
+        weight = float32_decimal(log_multiplier / 0.1)
+        settings["rope_scaling"] = {**scaling, "mscale": weight, "mscale_all_dim": weight}
     return settings
 
 

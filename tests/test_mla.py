@@ -1,0 +1,106 @@
+"""DeepSeek's multi-head latent attention (models/mla.py) past the parity tests of
+test_models.py, test_gguf_models.py and test_tp.py: the one-part KV pool, greedy tokens
+through chunked prefill, radix-cache hits and batches, and quantized or older GGUF files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+
+from aserve import LLM, SamplingParams
+from aserve.engine.memory import kv_bytes_per_token
+from aserve.models.mla import LatentAttentionLayer
+from tests.gguf_files import write_hf_as_gguf
+from tests.test_models import PROMPTS, assert_logits_match, hf_model, our_logits
+from tests.tiny_models import hf_greedy_tokens, make_tiny_model
+
+LONG_PROMPT = list(range(3, 300, 7))
+
+
+@pytest.fixture(scope="module", params=["deepseek_v2", "deepseek_v3"])
+def tiny_mla(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def test_the_pool_holds_one_latent_row_a_token(tiny_mla: Path) -> None:
+    """A slot is the latent and the rotated key part, once: the values are its first
+    `kv_lora_rank` columns, a view, not a second copy (half a two-part pool's bytes)."""
+    with LLM(str(tiny_mla), page_size=4) as llm:
+        engine = llm.runtime.engine
+        latent = engine.model_config.latent
+        assert latent is not None
+        pool = engine.pool
+        assert pool.parts == 1 and pool.kv[0].shape[1:] == (1, 1, latent.cache_width)
+        assert pool.v[0].shape[-1] == latent.kv_lora_rank
+        assert pool.v[0].data_ptr() == pool.k[0].data_ptr()
+        layers = engine.model_config.num_layers
+        per_token = kv_bytes_per_token(engine.model_config, engine.tp, pool.storage_dtype)
+        assert per_token == layers * latent.cache_width * pool.kv[0].element_size()
+        attention = engine.model.model.layers[0].self_attn
+        assert isinstance(attention, LatentAttentionLayer)
+
+
+def test_chunks_cache_hits_and_batches_keep_transformers_greedy_tokens(tiny_mla: Path) -> None:
+    """Prompts prefilled in chunks of 7 tokens, together and one at a time, again after
+    they are cached, and continued from their first five generated tokens (those read back
+    from the cache): every time transformers' greedy tokens."""
+    hf = hf_model(tiny_mla)
+    prompts = [*PROMPTS, LONG_PROMPT]
+    expected = [hf_greedy_tokens(hf, prompt, 12) for prompt in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with LLM(str(tiny_mla), page_size=4, max_prefill_length=7) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+        cached = llm.scheduler.planner.prompt_tokens_cached
+        alone = [llm.generate([prompt], params)[0].token_ids for prompt in prompts]
+        assert alone == expected
+        assert llm.scheduler.planner.prompt_tokens_cached - cached > len(LONG_PROMPT) // 2
+        extended = [prompt + tokens[:5] for prompt, tokens in zip(prompts, expected)]
+        shorter = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
+        continued = [o.token_ids for o in llm.generate(extended, shorter)]
+        assert continued == [tokens[5:] for tokens in expected]
+        llm.scheduler.check_integrity()
+
+
+def test_older_gguf_with_kv_b_whole_matches_transformers(tmp_path: Path) -> None:
+    """Files from before llama.cpp's MLA rework: `attn_kv_b` whole, a query head's and a
+    value's widths as the key and value lengths, a key head a query head."""
+    folder = make_tiny_model("deepseek_v2", tmp_path / "v2")
+    model = write_hf_as_gguf(folder, tmp_path / "old.gguf", kv_b_apart=False)
+    with LLM(str(model), page_size=4) as llm:
+        assert_logits_match(llm, hf_model(folder))
+
+
+@pytest.mark.parametrize("kv_b_apart", [True, False], ids=["k_b-v_b", "kv_b"])
+def test_quantized_gguf_runs_its_blocks_close_to_its_float_twin(
+    tmp_path: Path, kv_b_apart: bool
+) -> None:
+    """A Q8_0 file keeps its projections and experts in blocks; `kv_b_proj`'s slices are
+    de-quantized at load (both layouts). Its logits stay within Q8_0's error of transformers'
+    on the same float weights, and equal its de-quantized twin's (`--quantization none`) up
+    to the order of float sums and the CPU kernels' 16-bit activations; the default KV cache
+    of a quantized model on CPU is float16, one part a token still."""
+    folder = make_tiny_model("deepseek_v3", tmp_path / "v3")
+    path = tmp_path / "q8.gguf"
+    model = write_hf_as_gguf(
+        folder, path, qtype=gguf.GGMLQuantizationType.Q8_0, kv_b_apart=kv_b_apart
+    )
+    prompt, continuation = PROMPTS[0], [7, 123, 45]
+    logits = {}
+    for quantization in ("auto", "none"):
+        with LLM(str(model), page_size=4, quantization=quantization) as llm:
+            engine = llm.runtime.engine
+            attention = engine.model.model.layers[1].self_attn
+            assert isinstance(attention, LatentAttentionLayer)
+            assert (attention.q_a_proj.quantized is not None) == (quantization == "auto")
+            if quantization == "auto":
+                assert engine.pool.storage_dtype == torch.float16 and engine.pool.parts == 1
+            logits[quantization] = our_logits(llm, prompt, continuation)
+    torch.testing.assert_close(logits["auto"], logits["none"], atol=5e-3, rtol=0)
+    with torch.inference_mode():
+        theirs = hf_model(folder)(torch.tensor([prompt + continuation])).logits[
+            0, len(prompt) - 1 :
+        ]
+    assert (logits["none"] - theirs).abs().max() < 0.05
