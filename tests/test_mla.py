@@ -4,6 +4,7 @@ through chunked prefill, radix-cache hits and batches, and quantized or older GG
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from aserve import LLM, SamplingParams
+from aserve.attention.flashinfer_mla import FlashInferMLABackend
 from aserve.engine.memory import kv_bytes_per_token
 from aserve.models.mla import LatentAttentionLayer
 from tests.gguf_files import write_hf_as_gguf
@@ -104,3 +106,52 @@ def test_quantized_gguf_runs_its_blocks_close_to_its_float_twin(
             0, len(prompt) - 1 :
         ]
     assert (logits["none"] - theirs).abs().max() < 0.05
+
+
+GPU_SHAPES = {
+    "hidden_size": 256,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 8,  # every expert: bf16 rounding cannot flip a routing
+}
+"""The published latent widths that FlashInfer's MLA kernels are built for, on a tiny model."""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_flashinfer_mla_matches_the_torch_backend(
+    make_llm: Callable[..., LLM], tmp_path: Path, family: str, page_size: int
+) -> None:
+    """bf16 on CUDA: FlashInfer's MLA kernels (the default there) against SDPA over the
+    same one-part cache, through chunked prefill (later chunks attend to a cached prefix)
+    and decode; then a batch's greedy tokens, and again from the radix cache."""
+    folder = make_tiny_model(family, tmp_path, overrides=GPU_SHAPES)
+    options = {
+        "device": "cuda",
+        "dtype": "bfloat16",
+        "page_size": page_size,
+        "max_prefill_length": 40,
+        "num_pages": 4096 // page_size + 2,
+    }
+    reference = make_llm(folder, attention_backend="torch", **options)
+    flashinfer = make_llm(folder, **options)
+    assert isinstance(flashinfer.runtime.engine.attn, FlashInferMLABackend)
+    prompt, continuation = list(range(3, 100)), [7, 123, 45, 2, 99, 5]
+    expected = our_logits(reference, prompt, continuation)
+    torch.testing.assert_close(
+        our_logits(flashinfer, prompt, continuation), expected, atol=0.06, rtol=0.03
+    )
+    prompts = [list(range(5, 5 + n)) for n in (3, 17, 64, 200)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=True)
+    first = flashinfer.generate(prompts, params)
+    for ours, theirs in zip(first, reference.generate(prompts, params)):
+        assert ours.logprobs[0].logprob == pytest.approx(theirs.logprobs[0].logprob, abs=0.05)
+    again = flashinfer.generate(prompts, params)
+    assert [o.token_ids for o in again] == [o.token_ids for o in first]

@@ -21,6 +21,7 @@ import torch
 
 from aserve.attention.base import AttentionBackend, SplitBackend
 from aserve.attention.flashinfer import FLASHINFER_HEAD_DIMS, triton_decodes
+from aserve.attention.flashinfer_mla import LATENT_WIDTHS, runs_latent
 from aserve.config import ENCODER_ARCHITECTURES, ConfigError, EngineConfig, ModelConfig
 from aserve.constrained.masks import StepMasks
 from aserve.distributed.group import TPGroup
@@ -459,6 +460,8 @@ class Engine:
         head_dim = self.model_config.head_dim
         if self.device.type != "cuda" or head_dim in FLASHINFER_HEAD_DIMS:
             return names
+        if self.model_config.latent is not None:  # one backend runs both phases of MLA
+            return names
         if names == ["auto"]:
             return ["torch", "fi"] if self._half_on_cuda and triton_decodes(head_dim) else names
         prefill, decode = self._resolved_backend(names[0]), self._resolved_backend(names[-1])
@@ -484,12 +487,21 @@ class Engine:
         if name != "auto":
             return name
         supported = self.model_config.head_dim in FLASHINFER_HEAD_DIMS
+        if self.model_config.latent is not None:
+            supported = self._flashinfer_runs_latent()
         return "fi" if self._half_on_cuda and supported else "torch"
+
+    def _flashinfer_runs_latent(self) -> bool:
+        latent = self.model_config.latent
+        assert latent is not None
+        return runs_latent(self.kv_dtype, latent.kv_lora_rank, latent.qk_rope_head_dim)
 
     def _start_kernel_builds(self) -> list[threading.Thread]:
         """FlashInfer's modules compile (or load) in threads while the weights load."""
         prefill = self._resolved_backend(self.config.attention_backend.split(",")[0])
         if self.device.type != "cuda" or prefill not in FLASHINFER_KERNELS:
+            return []
+        if self.model_config.latent is not None:  # the MLA module builds at its first plan
             return []
         from aserve.attention.flashinfer import build_kernels
 
@@ -522,6 +534,20 @@ class Engine:
                 self.model_config.layer_windows,
                 self.model_config.attention_scale,
                 self.model_config.attention_softcap,
+            )
+        latent = self.model_config.latent
+        if name in FLASHINFER_KERNELS and self.device.type == "cuda" and latent is not None:
+            if name != "fi" or not self._flashinfer_runs_latent():
+                raise ConfigError(
+                    f"latent attention runs on --attention-backend fi with a 16-bit KV cache "
+                    f"and latent widths {LATENT_WIDTHS}, else on torch"
+                )
+            from aserve.attention.flashinfer_mla import FlashInferMLABackend
+
+            scale = self.model_config.attention_scale
+            assert scale is not None
+            return FlashInferMLABackend(
+                self.pool, self.page_table, self.local_heads, scale, self.dtype
             )
         if name in FLASHINFER_KERNELS and self.device.type == "cuda":
             from aserve.attention.flashinfer import FlashInferBackend

@@ -1,0 +1,90 @@
+"""Latent attention (models/mla.py) through FlashInfer's MLA kernels (CUDA, 16-bit cache).
+
+The pool's one-part slots `[pages * page_size, 1, 1, kv_lora_rank + rope]` are FlashInfer's
+MLA page layout once viewed as `[pages, page_size, width]`: the latent columns are its
+`ckv` cache and the rest its `kpe` cache, two strided views the kernels read in place.
+One wrapper runs both phases: a prefill's queries causally after their request's cached
+prefix, a decode step's one query a request. Plans come from host data only (the page
+table's host mirror), as attention/flashinfer.py's do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from aserve.forward import ForwardBatch
+from aserve.kvcache.pages import PageTable
+from aserve.kvcache.pool import KVPool
+
+WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended split-k workspace for MLA
+LATENT_WIDTHS = (512, 64)
+"""The (latent, rotating key part) widths FlashInfer's MLA kernels are built for: DeepSeek-V2's
+and V3's (and so Kimi K2's and Moonlight's)."""
+
+
+def runs_latent(pool_dtype: torch.dtype, latent: int, rope: int) -> bool:
+    """Whether FlashInfer's MLA kernels take this cache: 16-bit, of the published widths."""
+    return pool_dtype in (torch.float16, torch.bfloat16) and (latent, rope) == LATENT_WIDTHS
+
+
+class FlashInferMLABackend:
+    """`scale`: the scores' scale of a whole query head (`ModelConfig.attention_scale`)."""
+
+    def __init__(
+        self, pool: KVPool, page_table: PageTable, num_heads: int, scale: float, dtype: torch.dtype
+    ) -> None:
+        import flashinfer
+
+        self.pool = pool
+        self.page_table = page_table
+        self.num_heads = num_heads
+        self.scale = scale
+        self.dtype = dtype
+        self.latent = pool.value_dim
+        self.width = pool.kv[0].shape[-1]
+        device = pool.kv[0].device
+        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.wrapper: Any = flashinfer.mla.BatchMLAPagedAttentionWrapper(self.workspace)
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        lens = torch.tensor(batch.extend_lens, dtype=torch.int32)
+        qo_indptr = torch.zeros(batch.batch_size + 1, dtype=torch.int32)
+        torch.cumsum(lens, 0, out=qo_indptr[1:])
+        indptr, _, pages = self.page_table.page_layout(batch.row_ids, batch.seq_lens)
+        device = self.workspace.device
+        self.wrapper.plan(
+            qo_indptr,
+            torch.from_numpy(indptr),
+            torch.from_numpy(pages).to(device, non_blocking=True),
+            torch.tensor(batch.seq_lens, dtype=torch.int32),
+            self.num_heads,
+            self.latent,
+            self.width - self.latent,
+            self.pool.page_size,
+            True,  # bottom-right aligned: each query sees its prefix and itself
+            self.scale,
+            self.dtype,
+            self.pool.storage_dtype,
+        )
+        batch.attn_metadata = self.wrapper
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor | None,
+        layer: int,
+        batch: ForwardBatch,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`q` `[tokens, heads, width]`: each head's query in the latent, then its rotated
+        part; returns the heads' mixes of latent rows, `[tokens, heads * kv_lora_rank]`."""
+        if kv is not None:
+            self.pool.store(layer, batch.slots_of(False), kv)
+        pages = self.pool.kv[layer].view(-1, self.pool.page_size, self.width)
+        latent = self.latent
+        out = batch.attn_metadata.run(
+            q[..., :latent], q[..., latent:], pages[..., :latent], pages[..., latent:]
+        )
+        return out.reshape(-1, self.num_heads * latent)
