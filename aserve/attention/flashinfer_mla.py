@@ -5,7 +5,9 @@ MLA page layout once viewed as `[pages, page_size, width]`: the latent columns a
 `ckv` cache and the rest its `kpe` cache, two strided views the kernels read in place.
 One wrapper runs both phases: a prefill's queries causally after their request's cached
 prefix, a decode step's one query a request. Plans come from host data only (the page
-table's host mirror), as attention/flashinfer.py's do.
+table's host mirror), as attention/flashinfer.py's do. Decode graphs (engine/graph.py) take
+a wrapper of their own a captured size, whose index buffers stay put: `plan_decode` fills
+them before each replay.
 """
 
 from __future__ import annotations
@@ -30,7 +32,11 @@ def runs_latent(pool_dtype: torch.dtype, latent: int, rope: int) -> bool:
 
 
 class FlashInferMLABackend:
-    """`scale`: the scores' scale of a whole query head (`ModelConfig.attention_scale`)."""
+    """`scale`: the scores' scale of a whole query head (`ModelConfig.attention_scale`).
+    The decode graphs' side of FlashInferBackend's interface: `graph_decode_wrapper`,
+    `plan_decode`, and no Triton kernels (`uses_triton`, `triton_wrapper`)."""
+
+    triton_wrapper = None
 
     def __init__(
         self, pool: KVPool, page_table: PageTable, num_heads: int, scale: float, dtype: torch.dtype
@@ -45,16 +51,46 @@ class FlashInferMLABackend:
         self.latent = pool.value_dim
         self.width = pool.kv[0].shape[-1]
         device = pool.kv[0].device
+        self.page_size = pool.page_size
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.wrapper: Any = flashinfer.mla.BatchMLAPagedAttentionWrapper(self.workspace)
 
+    def uses_triton(self, batch_size: int) -> bool:
+        return False
+
     def prepare(self, batch: ForwardBatch) -> None:
+        self.plan_decode(self.wrapper, batch)
+
+    def graph_decode_wrapper(
+        self, batch_size: int, page_ids: torch.Tensor, window_page_ids: torch.Tensor
+    ) -> Any:
+        """A wrapper whose index arrays are static buffers, for one captured size; `page_ids`
+        is the page-id buffer every size shares (no windows here: `window_page_ids` unused)."""
+        import flashinfer
+
+        device = self.workspace.device
+
+        def index_buffer(size: int) -> torch.Tensor:
+            return torch.zeros(size, dtype=torch.int32, device=device)
+
+        return flashinfer.mla.BatchMLAPagedAttentionWrapper(
+            self.workspace,
+            use_cuda_graph=True,
+            qo_indptr=index_buffer(batch_size + 1),
+            kv_indptr=index_buffer(batch_size + 1),
+            kv_indices=page_ids,
+            kv_len_arr=index_buffer(batch_size),
+        )
+
+    def plan_decode(self, wrapper: Any, batch: ForwardBatch) -> None:
+        """Plan `batch` (a prefill too, despite the name the graphs call it by) into
+        `wrapper`."""
         lens = torch.tensor(batch.extend_lens, dtype=torch.int32)
         qo_indptr = torch.zeros(batch.batch_size + 1, dtype=torch.int32)
         torch.cumsum(lens, 0, out=qo_indptr[1:])
         indptr, _, pages = self.page_table.page_layout(batch.row_ids, batch.seq_lens)
         device = self.workspace.device
-        self.wrapper.plan(
+        wrapper.plan(
             qo_indptr,
             torch.from_numpy(indptr),
             torch.from_numpy(pages).to(device, non_blocking=True),
@@ -68,7 +104,7 @@ class FlashInferMLABackend:
             self.dtype,
             self.pool.storage_dtype,
         )
-        batch.attn_metadata = self.wrapper
+        batch.attn_metadata = wrapper
 
     def forward(
         self,

@@ -726,8 +726,9 @@ class Engine:
         if self.device.type != "cuda" or max_bs == 0 or not self.model.graph_capturable:
             return None
         from aserve.attention.flashinfer import FlashInferBackend
+        from aserve.attention.flashinfer_mla import FlashInferMLABackend
 
-        if not isinstance(decode, FlashInferBackend):
+        if not isinstance(decode, (FlashInferBackend, FlashInferMLABackend)):
             logger.info("CUDA graphs are off: they need the FlashInfer decode backend")
             return None
         rows = None if self.adapters is None else self.adapters.rows

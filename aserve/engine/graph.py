@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from aserve.attention.flashinfer import FlashInferBackend
+from aserve.attention.flashinfer_mla import FlashInferMLABackend
 from aserve.config import EngineConfig
 from aserve.forward import ForwardBatch, ForwardMode
 from aserve.kvcache.pages import PageTable, pages_needed
@@ -55,7 +56,7 @@ class DecodeGraphs:
     def __init__(
         self,
         model: nn.Module,
-        attn: FlashInferBackend,
+        attn: FlashInferBackend | FlashInferMLABackend,
         page_table: PageTable,
         max_batch_size: int,
         max_seq_len: int,
