@@ -18,7 +18,7 @@ from aserve.scheduler.request import FinishReason
 from tests.gguf_files import write_hf_as_gguf
 from tests.scenarios import abort_one_of_two
 from tests.test_models import our_logits
-from tests.tiny_models import FAMILIES, make_tiny_model, phi3_rope
+from tests.tiny_models import FAMILIES, MLA_GPU_SHAPES, make_tiny_model, phi3_rope
 
 pytestmark = [
     pytest.mark.gpu,
@@ -88,6 +88,9 @@ def test_bf16_logprobs_close_to_transformers(
         shapes["rope_scaling"] = phi3_rope(64)
     if family == "gpt_oss":  # the published clamp: older transformers fix it at 7
         shapes |= EVERY_EXPERT | {"swiglu_limit": 7.0}
+    latent = family.startswith("deepseek")
+    if latent:  # the latent widths FlashInfer's MLA kernels take
+        shapes = MLA_GPU_SHAPES
     folder = make_tiny_model(family, tmp_path, overrides=shapes)
     if family == "gpt_oss":
         # transformers' gpt-oss softmaxes scores and sinks in the model dtype: its float32
@@ -98,7 +101,8 @@ def test_bf16_logprobs_close_to_transformers(
         hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
         hf = hf.cuda().eval()
     llm = make_llm(folder, device="cuda", dtype="bfloat16")
-    assert type(llm.runtime.engine.attn).__name__ == "FlashInferBackend"
+    backend = "FlashInferMLABackend" if latent else "FlashInferBackend"
+    assert type(llm.runtime.engine.attn).__name__ == backend
     assert llm.runtime.engine.graphs is not None
     assert_greedy_logprobs_close(llm, hf)
 

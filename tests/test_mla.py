@@ -17,7 +17,7 @@ from aserve.engine.memory import kv_bytes_per_token
 from aserve.models.mla import LatentAttentionLayer
 from tests.gguf_files import write_hf_as_gguf
 from tests.test_models import PROMPTS, assert_logits_match, hf_model, our_logits
-from tests.tiny_models import hf_greedy_tokens, make_tiny_model
+from tests.tiny_models import MLA_GPU_SHAPES, hf_greedy_tokens, make_tiny_model
 
 LONG_PROMPT = list(range(3, 300, 7))
 
@@ -108,20 +108,6 @@ def test_quantized_gguf_runs_its_blocks_close_to_its_float_twin(
     assert (logits["none"] - theirs).abs().max() < 0.05
 
 
-GPU_SHAPES = {
-    "hidden_size": 256,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 16,
-    "kv_lora_rank": 512,
-    "qk_rope_head_dim": 64,
-    "qk_nope_head_dim": 32,
-    "v_head_dim": 32,
-    "n_routed_experts": 8,
-    "num_experts_per_tok": 8,  # every expert: bf16 rounding cannot flip a routing
-}
-"""The published latent widths that FlashInfer's MLA kernels are built for, on a tiny model."""
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -132,7 +118,7 @@ def test_flashinfer_mla_matches_the_torch_backend(
     """bf16 on CUDA: FlashInfer's MLA kernels (the default there) against SDPA over the
     same one-part cache, through chunked prefill (later chunks attend to a cached prefix)
     and decode; then a batch's greedy tokens, and again from the radix cache."""
-    folder = make_tiny_model(family, tmp_path, overrides=GPU_SHAPES)
+    folder = make_tiny_model(family, tmp_path, overrides=MLA_GPU_SHAPES)
     options = {
         "device": "cuda",
         "dtype": "bfloat16",
@@ -165,7 +151,7 @@ def test_mla_decode_graphs_do_not_change_outputs(
     """FlashInfer's MLA decode captured in CUDA graphs (its index arrays in static buffers,
     planned before each replay): batches of 3, 5 and 20 pad to captured sizes 4, 8 and 32,
     40 runs eagerly; the tokens and logprobs of eager decoding."""
-    folder = make_tiny_model("deepseek_v2", tmp_path, overrides=GPU_SHAPES)
+    folder = make_tiny_model("deepseek_v2", tmp_path, overrides=MLA_GPU_SHAPES)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=True)
     options = {"device": "cuda", "dtype": "bfloat16", "page_size": 16, "num_pages": 1024}
     with_graphs = make_llm(folder, cuda_graph_max_bs=32, **options)

@@ -312,6 +312,20 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
+MLA_GPU_SHAPES = {
+    "hidden_size": 256,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 8,  # every expert: bf16 rounding cannot flip a routing
+}
+"""The published latent widths that FlashInfer's MLA kernels are built for, on a tiny model."""
+
+
 def phi3_rope(head_dim: int) -> dict[str, Any]:
     """LongRoPE factors for the tiny Phi-3's three quarters of a `head_dim` head, rising
     from 1 over the rotating pairs (short) and further (long)."""
