@@ -487,6 +487,25 @@ def test_one_kernel_sigmoid_routing_is_torchs(
     torch.testing.assert_close(weights.cpu(), expected_weights, rtol=step, atol=step)
 
 
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_one_kernel_softmax_routing_with_scaling_is_torchs(renormalize: bool) -> None:
+    """DeepSeek-V2's router in one group (V2-Lite's): softmax scores of float32 logits, the
+    k largest, times `routed_scaling_factor`, in the rows' dtype: the kernel against
+    `moe.route_deepseek`'s torch ops."""
+    from aserve.config import RouterStyle
+    from aserve.layers.moe import route_deepseek
+    from aserve.layers.moe_route_triton import route_kernel
+
+    logits = torch.randn(5, 64, generator=gen(95)) * 2
+    style = RouterStyle(group_best=1, scaling=1.5, in_float32=True)
+    weights, ids = route_kernel(logits.to(DEVICE), 6, renormalize, None, 1.5, torch.float16)
+    expected_weights, expected_ids = route_deepseek(
+        logits, None, 6, renormalize, style, torch.float16
+    )
+    assert torch.equal(ids.cpu(), expected_ids)
+    torch.testing.assert_close(weights.cpu(), expected_weights, rtol=1e-3, atol=1e-3)
+
+
 @pytest.mark.parametrize(
     ("tokens", "experts", "top_k", "block", "used"),
     [(1, 128, 8, 16, None), (3, 8, 2, 16, 3), (64, 128, 8, 32, None), (37, 60, 4, 16, 20)],

@@ -37,6 +37,25 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
+class LatentBackend(Protocol):
+    """A backend that runs DeepSeek's latent attention (models/mla.py): `prepare` as
+    `AttentionBackend`'s, then `forward_latent`
+    takes each head's query in the latent `[tokens, heads, kv_lora_rank]` and its rotated
+    part `[tokens, heads, rope]` apart (either may be a strided view), and the new tokens'
+    cache rows `[tokens, 1, 1, kv_lora_rank + rope]` (one part: kvcache/pool.py), and
+    returns each head's mix of latent rows `[tokens, heads, kv_lora_rank]` (perhaps a
+    strided view)."""
+
+    def forward_latent(
+        self,
+        q_latent: torch.Tensor,
+        q_rope: torch.Tensor,
+        kv: torch.Tensor,
+        layer: int,
+        batch: ForwardBatch,
+    ) -> torch.Tensor: ...
+
+
 class SplitBackend:
     """Prefill through one backend and decode through another (`--attention-backend a,b`)."""
 
@@ -60,6 +79,18 @@ class SplitBackend:
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return self._pick(batch).forward(q, kv, layer, batch, sinks)
+
+    def forward_latent(
+        self,
+        q_latent: torch.Tensor,
+        q_rope: torch.Tensor,
+        kv: torch.Tensor,
+        layer: int,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        backend = self._pick(batch)
+        assert hasattr(backend, "forward_latent"), "this backend runs no latent attention"
+        return backend.forward_latent(q_latent, q_rope, kv, layer, batch)
 
 
 def visible_keys(

@@ -33,8 +33,9 @@ def runs_latent(pool_dtype: torch.dtype, latent: int, rope: int) -> bool:
 
 class FlashInferMLABackend:
     """`scale`: the scores' scale of a whole query head (`ModelConfig.attention_scale`).
-    The decode graphs' side of FlashInferBackend's interface: `graph_decode_wrapper`,
-    `plan_decode`, and no Triton kernels (`uses_triton`, `triton_wrapper`)."""
+    A `LatentBackend` (attention/base.py), with the decode graphs' side of FlashInferBackend's
+    interface: `graph_decode_wrapper`, `plan_decode`, and no Triton kernels (`uses_triton`,
+    `triton_wrapper`)."""
 
     triton_wrapper = None
 
@@ -106,21 +107,21 @@ class FlashInferMLABackend:
         )
         batch.attn_metadata = wrapper
 
-    def forward(
+    def forward_latent(
         self,
-        q: torch.Tensor,
-        kv: torch.Tensor | None,
+        q_latent: torch.Tensor,
+        q_rope: torch.Tensor,
+        kv: torch.Tensor,
         layer: int,
         batch: ForwardBatch,
-        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`q` `[tokens, heads, width]`: each head's query in the latent, then its rotated
-        part; returns the heads' mixes of latent rows, `[tokens, heads * kv_lora_rank]`."""
-        if kv is not None:
-            self.pool.store(layer, batch.slots_of(False), kv)
+        """`LatentBackend`'s. The kernels take every operand with its strides: the queries
+        as the layer left them, the cache's two parts in place, and an output whose heads
+        are the outer dimension, as the layer's product with the value rows reads it."""
+        self.pool.store(layer, batch.slots_of(False), kv)
         pages = self.pool.kv[layer].view(-1, self.pool.page_size, self.width)
         latent = self.latent
-        out = batch.attn_metadata.run(
-            q[..., :latent], q[..., latent:], pages[..., :latent], pages[..., latent:]
-        )
-        return out.reshape(-1, self.num_heads * latent)
+        tokens = q_latent.shape[0]
+        out = q_latent.new_empty(self.num_heads, tokens, latent).transpose(0, 1)
+        batch.attn_metadata.run(q_latent, q_rope, pages[..., :latent], pages[..., latent:], out=out)
+        return out

@@ -277,6 +277,19 @@ class TorchNativeBackend:
             out = self._prefill(q, layer, batch.attn_metadata, sinks)
         return out.reshape(q.shape[0], self.num_heads * self.value_dim)
 
+    def forward_latent(
+        self,
+        q_latent: torch.Tensor,
+        q_rope: torch.Tensor,
+        kv: torch.Tensor,
+        layer: int,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """Latent attention (`LatentBackend`): one key head of the cache's width, whose first
+        `value_dim` columns are the values."""
+        q = torch.cat((q_latent, q_rope), -1)
+        return self.forward(q, kv, layer, batch).view(q.shape[0], self.num_heads, -1)
+
     def _prefill(
         self, q: torch.Tensor, layer: int, meta: _PrefillMetadata, sinks: torch.Tensor | None
     ) -> torch.Tensor:

@@ -186,9 +186,9 @@ def route_deepseek(
     """`RouterStyle`'s top-k, as transformers' DeepSeek-V2, DeepSeek-V3 and GLM-4.5 routers
     compute it from float32 `logits`: sigmoid (V3) or softmax (V2) scores, the choice by
     scores plus `correction` (V3's; None: V2's, none) within the best groups, the weights
-    from the scores alone, in `dtype`. Sigmoid scores in one group on CUDA in decode take one
-    kernel (layers/moe_route_triton.py)."""
-    one_kernel = style.sigmoid and style.groups == 1 and correction is not None
+    from the scores alone, in `dtype`. One group on CUDA in decode takes one kernel
+    (layers/moe_route_triton.py)."""
+    one_kernel = style.groups == 1 and style.sigmoid == (correction is not None)
     if logits.is_cuda and logits.shape[0] <= ROUTE_KERNEL_TOKENS and one_kernel:
         try:
             from aserve.layers.moe_route_triton import route_kernel

@@ -32,9 +32,10 @@ def _route_kernel(
     SLOTS: tl.constexpr,
 ):
     """One token: the TOP_K largest softmax probabilities of its row of logits and their
-    experts, in descending order (SLOTS: TOP_K rounded up to a power of two). With SIGMOID
-    the experts of the TOP_K largest sigmoid scores plus `correction`, weighed by the scores
-    alone, renormalised as transformers does it (a sum plus 1e-20), times `scaling`."""
+    experts, in descending order (SLOTS: TOP_K rounded up to a power of two), times `scaling`
+    (DeepSeek-V2's `routed_scaling_factor`; 1 elsewhere). With SIGMOID the experts of the
+    TOP_K largest sigmoid scores plus `correction`, weighed by the scores alone,
+    renormalised as transformers does it (a sum plus 1e-20), times `scaling`."""
     token = tl.program_id(0)
     expert = tl.arange(0, EXPERTS)
     ok = expert < num_experts
@@ -63,8 +64,7 @@ def _route_kernel(
             picked = picked / (tl.sum(picked, axis=0) + 1e-20)
         else:
             picked = picked / tl.sum(picked, axis=0)
-    if SIGMOID:
-        picked = picked * scaling
+    picked = picked * scaling
     out = token * TOP_K + slots
     tl.store(weights_ptr + out, picked.to(weights_ptr.dtype.element_ty), mask=slots < TOP_K)
     tl.store(ids_ptr + out, picked_ids, mask=slots < TOP_K)
@@ -78,9 +78,9 @@ def route_kernel(
     scaling: float = 1.0,
     dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`moe.route(logits, top_k, renormalize)` in one launch, or with a float32
-    `correction` `moe.route_deepseek`'s choice in one group: weights in `dtype` (default
-    logits'), ids int64."""
+    """`moe.route(logits, top_k, renormalize)` in one launch (its weights times `scaling`),
+    or with a float32 `correction` `moe.route_deepseek`'s sigmoid choice in one group:
+    weights in `dtype` (default logits'), ids int64."""
     tokens, num_experts = logits.shape
     weights = torch.empty(tokens, top_k, dtype=dtype or logits.dtype, device=logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)

@@ -213,20 +213,36 @@ class RotaryEmbedding(nn.Module):
         columns. Plain torch rotates all their heads in one pass. `rows`: the step's own
         rows in place of the tables' rows at `positions`."""
         if self.ops is not None:
-            positions, cos_sin = (
-                (positions, self.cos_sin) if rows is None else (rows.positions, rows.cos_sin)
-            )
-            self.ops.apply_rope_with_cos_sin_cache_inplace(
-                positions, qk[:, :q_size], qk[:, q_size:], self.head_dim, cos_sin, is_neox=True
-            )
+            self.rotate_apart(positions, qk[:, :q_size], qk[:, q_size:], rows)
+        else:
+            self._rotate_in_torch(positions, qk, rows)
+
+    def rotate_apart(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, rows: RopeRows | None
+    ) -> None:
+        """`forward` for Q `[tokens, heads * head_dim]` and K `[tokens, kv_heads * head_dim]`
+        in tensors of their own (latent attention's: each may be a strided view)."""
+        if self.ops is None:
+            self._rotate_in_torch(positions, q, rows)
+            self._rotate_in_torch(positions, k, rows)
             return
-        heads = qk.unflatten(-1, (-1, self.head_dim))
+        positions, cos_sin = (
+            (positions, self.cos_sin) if rows is None else (rows.positions, rows.cos_sin)
+        )
+        self.ops.apply_rope_with_cos_sin_cache_inplace(
+            positions, q, k, self.head_dim, cos_sin, is_neox=True
+        )
+
+    def _rotate_in_torch(
+        self, positions: torch.Tensor, x: torch.Tensor, rows: RopeRows | None
+    ) -> None:
+        heads = x.unflatten(-1, (-1, self.head_dim))
         if rows is None:
-            cos, sin = self._position_tables(positions, qk.dtype)
+            cos, sin = self._position_tables(positions, x.dtype)
         else:
             cos, sin = (
-                rows.head_cos[:, None, :].to(qk.dtype),
-                rows.head_sin[:, None, :].to(qk.dtype),
+                rows.head_cos[:, None, :].to(x.dtype),
+                rows.head_sin[:, None, :].to(x.dtype),
             )
         half = self.head_dim // 2
         swapped = torch.cat((heads[..., half:], heads[..., :half]), dim=-1)

@@ -40,7 +40,13 @@ from aserve.layers.moe import QuantizedExperts
 from aserve.layers.norm import AcrossHeadsNorm, Float32RMSNorm, GemmaRMSNorm, RMSNorm
 from aserve.layers.rotary import NO_ROPE, RotaryEmbedding, partial_rotary_order
 from aserve.layers.weight import WeightSource, read_whole
-from aserve.models.mla import ROTATED_ROWS, LatentAttentionLayer, LatentHeads, rope_row_order
+from aserve.models.mla import (
+    QUERY_PROJECTIONS,
+    REORDERED_ROWS,
+    LatentAttentionLayer,
+    LatentHeads,
+    latent_row_order,
+)
 from aserve.models.multimodal import DECODER_PARTS, checkpoint_names, language_model_name
 from aserve.models.pooling import Pooler
 from aserve.models.weights import expected_tensors, map_checkpoint_tensor
@@ -634,8 +640,13 @@ class DecoderForCausalLM(nn.Module):
         latent = self.config.latent
         if leaf in REORDERED_BY_ROTATION and self.rotary_order is not None:
             tensor = self._reorder_head_rows(tensor)
-        elif latent and latent.rope_interleaved and leaf in ROTATED_ROWS and param == "weight":
-            tensor = _permute_rows(tensor, lambda rows: rope_row_order(latent, leaf, rows))
+        elif latent and leaf in REORDERED_ROWS and param == "weight":
+            tensor = _permute_rows(tensor, lambda rows: latent_row_order(latent, leaf, rows))
+            if leaf in QUERY_PROJECTIONS:  # its two parts: `LatentAttentionLayer`'s
+                nope = self.config.num_heads * latent.qk_nope_head_dim
+                for shard, part in enumerate((tensor[:nope], tensor[nope:])):
+                    modules[f"{parent}.{leaf}"].load_weight(param, part, shard)
+                return [f"{parent}.{leaf}.{param}"]
         target, shard = self.fused.get(leaf, (leaf, 0))
         module_name = f"{parent}.{target}" if parent else target
         module = modules.get(module_name)

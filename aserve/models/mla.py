@@ -19,10 +19,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from aserve.attention.base import AttentionBackend
+from aserve.attention.base import LatentBackend
 from aserve.config import LatentAttention, ModelConfig
 from aserve.distributed.group import TPGroup
 from aserve.forward import ForwardBatch
+from aserve.layers.cpu_ops import CpuKernels
 from aserve.layers.fused import FusedOps
 from aserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from aserve.layers.norm import RMSNorm
@@ -32,24 +33,30 @@ from aserve.quant.fp8 import Fp8Tensor
 from aserve.quant.gguf import QuantizedTensor
 from aserve.quant.int_checkpoints import CodesTensor
 
-ROTATED_ROWS = ("q_proj", "q_b_proj", "kv_a_proj_with_mqa")
-"""Projections with rows of the rotating dimensions, which load in `rope_row_order`."""
+QUERY_PROJECTIONS = ("q_proj", "q_b_proj")
+REORDERED_ROWS = (*QUERY_PROJECTIONS, "kv_a_proj_with_mqa")
+"""Projections whose rows load in `latent_row_order`."""
 
 
-def rope_row_order(latent: LatentAttention, leaf: str, rows: int) -> torch.Tensor:
-    """The order of projection `leaf`'s rows under which interleaved rotation (pairs (2i,
-    2i + 1) of the rotating dimensions, DeepSeek's) is rotate-half (pairs (i, i + rope / 2)),
-    what aserve's rope kernels compute: within each query head (`nope` then `rope` rows) and
-    within the latent projection's key part (after the latent's rows), the rotating rows'
-    even members first, then their odd ones. Scores are unchanged: queries and keys move
-    alike."""
+def latent_row_order(latent: LatentAttention, leaf: str, rows: int) -> torch.Tensor:
+    """The order in which projection `leaf`'s rows load. A query projection's heads (`nope`
+    then `rope` rows each) become every head's unrotated rows, then every head's rotating
+    ones (`QUERY_PARTS` of the layer's projection, which tensor parallelism splits part by
+    part): each part is then one strided block, with no copy to gather it. With interleaved
+    rotation (DeepSeek's pairs (2i, 2i + 1)) the rotating rows also go even members first,
+    odd ones after, so that rotate-half (pairs (i, i + rope / 2)), what aserve's rope
+    kernels compute, is the same rotation; the latent projection's key part (after the
+    latent's rows) likewise. Scores are unchanged: queries and keys move alike."""
     rope = latent.qk_rope_head_dim
-    halves = torch.cat((torch.arange(0, rope, 2), torch.arange(1, rope, 2)))
+    rotating = torch.arange(rope)
+    if latent.rope_interleaved:
+        rotating = torch.cat((torch.arange(0, rope, 2), torch.arange(1, rope, 2)))
     if leaf == "kv_a_proj_with_mqa":
-        return torch.cat((torch.arange(latent.kv_lora_rank), latent.kv_lora_rank + halves))
+        return torch.cat((torch.arange(latent.kv_lora_rank), latent.kv_lora_rank + rotating))
     head = latent.qk_nope_head_dim + rope
-    within = torch.cat((torch.arange(latent.qk_nope_head_dim), latent.qk_nope_head_dim + halves))
-    return (torch.arange(0, rows, head)[:, None] + within).flatten()
+    starts = torch.arange(0, rows, head)[:, None]
+    nope = starts + torch.arange(latent.qk_nope_head_dim)
+    return torch.cat((nope.flatten(), (starts + latent.qk_nope_head_dim + rotating).flatten()))
 
 
 def float_weight(tensor: WeightSource) -> torch.Tensor:
@@ -126,23 +133,29 @@ class LatentAttentionLayer(nn.Module):
         self.local_heads = last - first
         hidden, eps, quantization = config.hidden_size, config.rms_norm_eps, config.quantization
         whole = TPGroup()  # replicated on every rank
-        query_width = config.num_heads * (latent.qk_nope_head_dim + latent.qk_rope_head_dim)
         self.q_proj: ColumnParallelLinear | None = None
         self.q_a_proj: ColumnParallelLinear | None = None
+        # every head's unrotated rows, then every head's rotating ones (`latent_row_order`)
+        query_parts = [
+            config.num_heads * latent.qk_nope_head_dim,
+            config.num_heads * latent.qk_rope_head_dim,
+        ]
         if latent.q_lora_rank:
             self.q_a_proj = ColumnParallelLinear(
                 hidden, [latent.q_lora_rank], config.qkv_bias, whole, quantization
             )
             self.q_a_layernorm = RMSNorm(latent.q_lora_rank, eps, ops)
             self.q_b_proj = ColumnParallelLinear(
-                latent.q_lora_rank, [query_width], False, tp, quantization
+                latent.q_lora_rank, query_parts, False, tp, quantization
             )
         else:
-            self.q_proj = ColumnParallelLinear(hidden, [query_width], False, tp, quantization)
+            self.q_proj = ColumnParallelLinear(hidden, query_parts, False, tp, quantization)
         self.kv_a_proj_with_mqa = ColumnParallelLinear(
             hidden, [latent.cache_width], config.qkv_bias, whole, quantization
         )
-        self.kv_a_layernorm = RMSNorm(latent.kv_lora_rank, eps, ops)
+        # normalised in place, a strided view: the CPU kernels' norm writes new rows only
+        in_place_ops = None if isinstance(ops, CpuKernels) else ops
+        self.kv_a_layernorm = RMSNorm(latent.kv_lora_rank, eps, in_place_ops)
         self.kv_b_proj = LatentHeads(latent, self.heads)
         self.o_proj = RowParallelLinear(
             config.num_heads * latent.v_head_dim,
@@ -158,8 +171,11 @@ class LatentAttentionLayer(nn.Module):
         positions: torch.Tensor,
         hidden: torch.Tensor,
         batch: ForwardBatch,
-        attn: AttentionBackend,
+        attn: LatentBackend,
     ) -> torch.Tensor:
+        """The latent row is normalised and its key part rotated in place, which makes the
+        projection's output the new tokens' cache rows as they are; the queries' two parts
+        are strided blocks of theirs (`latent_row_order`)."""
         latent, heads = self.latent, self.local_heads
         tokens = hidden.shape[0]
         if self.q_a_proj is not None:
@@ -167,18 +183,16 @@ class LatentAttentionLayer(nn.Module):
         else:
             assert self.q_proj is not None
             query = self.q_proj(hidden)
-        query = query.view(tokens, heads, -1)
-        q_nope, q_rope = query.split([latent.qk_nope_head_dim, latent.qk_rope_head_dim], -1)
-        compressed = self.kv_a_proj_with_mqa(hidden)
-        rows = self.kv_a_layernorm(compressed[:, : latent.kv_lora_rank].contiguous())
-        # every head's rotating part, then the shared key's: rotated in one pass
-        rope = torch.cat((q_rope.reshape(tokens, -1), compressed[:, latent.kv_lora_rank :]), -1)
-        self.rotary(positions, rope, heads * latent.qk_rope_head_dim, batch.rope_rows)
-        q_latent = torch.bmm(q_nope.transpose(0, 1), self.kv_b_proj.w_uk).transpose(0, 1)
-        q_rope, k_rope = rope.split([heads * latent.qk_rope_head_dim, latent.qk_rope_head_dim], -1)
-        q = torch.cat((q_latent, q_rope.view(tokens, heads, -1)), -1)
-        new_kv = torch.cat((rows, k_rope), -1)
-        mixed = attn.forward(q, new_kv.view(tokens, 1, 1, -1), self.layer, batch)
-        mixed = mixed.view(tokens, heads, latent.kv_lora_rank).transpose(0, 1)
-        values = torch.bmm(mixed, self.kv_b_proj.w_uv.transpose(1, 2)).transpose(0, 1)
-        return self.o_proj(values.reshape(tokens, heads * latent.v_head_dim))
+        q_nope, q_rope = query.split(
+            [heads * latent.qk_nope_head_dim, heads * latent.qk_rope_head_dim], -1
+        )
+        rows = self.kv_a_proj_with_mqa(hidden)
+        self.kv_a_layernorm.norm_heads(rows[:, : latent.kv_lora_rank], latent.kv_lora_rank)
+        self.rotary.rotate_apart(positions, q_rope, rows[:, latent.kv_lora_rank :], batch.rope_rows)
+        heads_first = q_nope.view(tokens, heads, -1).transpose(0, 1)
+        q_latent = torch.bmm(heads_first, self.kv_b_proj.w_uk).transpose(0, 1)
+        mixed = attn.forward_latent(
+            q_latent, q_rope.view(tokens, heads, -1), rows.view(tokens, 1, 1, -1), self.layer, batch
+        )
+        values = torch.bmm(mixed.transpose(0, 1), self.kv_b_proj.w_uv.transpose(1, 2))
+        return self.o_proj(values.transpose(0, 1).reshape(tokens, heads * latent.v_head_dim))
