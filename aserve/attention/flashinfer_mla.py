@@ -21,8 +21,6 @@ from aserve.kvcache.pages import PageTable
 from aserve.kvcache.pool import KVPool
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended split-k workspace for MLA
-KERNELS = "auto"
-"""FlashInfer's MLA kernels: `auto` takes its FlashAttention-3 ones on Hopper, "fa2" its own."""
 LATENT_WIDTHS = (512, 64)
 """The (latent, rotating key part) widths FlashInfer's MLA kernels are built for: DeepSeek-V2's
 and V3's (and so Kimi K2's and Moonlight's)."""
@@ -56,9 +54,7 @@ class FlashInferMLABackend:
         device = pool.kv[0].device
         self.page_size = pool.page_size
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.wrapper: Any = flashinfer.mla.BatchMLAPagedAttentionWrapper(
-            self.workspace, backend=KERNELS
-        )
+        self.wrapper: Any = flashinfer.mla.BatchMLAPagedAttentionWrapper(self.workspace)
 
     def uses_triton(self, batch_size: int) -> bool:
         return False
@@ -85,7 +81,6 @@ class FlashInferMLABackend:
             kv_indptr=index_buffer(batch_size + 1),
             kv_indices=page_ids,
             kv_len_arr=index_buffer(batch_size),
-            backend=KERNELS,
         )
 
     def plan_decode(self, wrapper: Any, batch: ForwardBatch) -> None:
