@@ -49,10 +49,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--arch",
         default="qwen3moe",
-        choices=["qwen3moe", "qwen2moe", "gpt-oss", "olmoe", "granitemoe", "glm4moe"],
+        choices=["qwen3moe", "qwen2moe", "gpt-oss", "olmoe", "granitemoe", "glm4moe", "deepseek2"],
     )
+    p.add_argument("--q-lora", type=int, default=384, help="deepseek2: the query row (0: none)")
+    p.add_argument("--kv-lora", type=int, default=512, help="deepseek2: the latent's width")
     p.add_argument("--shared-rows", type=int, default=5632, help="qwen2moe: the shared expert")
-    p.add_argument("--dense-rows", type=int, default=1536, help="glm4moe: the first layer's MLP")
+    p.add_argument(
+        "--dense-rows", type=int, default=1536, help="glm4moe, deepseek2: the first layer's MLP"
+    )
     p.add_argument("--qtype", default="Q4_0", help="GGUF type of the matrices: Q4_0, IQ4_XS, ...")
     p.add_argument("--expert-qtype", default=None, help="the experts' type (default: --qtype)")
     p.add_argument("--layers", type=int, default=8)
@@ -72,11 +76,29 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+ROPE = 64
+"""DeepSeek's rotating dimensions a head (llama.cpp's `rope.dimension_count`)."""
+
+
+def add_latent_sizes(writer: gguf.GGUFWriter, args: argparse.Namespace) -> None:
+    """DeepSeek's widths as llama.cpp's converter states them since its MLA rework: one key
+    head of the latent and its rotating part, values the latent's width, a query head's and
+    a value's widths as `*_mla`."""
+    writer.add_key_length(args.kv_lora + ROPE)
+    writer.add_value_length(args.kv_lora)
+    writer.add_key_length_mla(args.head_dim + ROPE)
+    writer.add_value_length_mla(args.head_dim)
+    writer.add_kv_lora_rank(args.kv_lora)
+    if args.q_lora:
+        writer.add_q_lora_rank(args.q_lora)
+    writer.add_rope_dimension_count(ROPE)
+
+
 def main() -> None:
     args = parse_args()
     qtype = gguf.GGMLQuantizationType[args.qtype]
     expert_qtype = gguf.GGMLQuantizationType[args.expert_qtype or args.qtype]
-    oss, glm = args.arch == "gpt-oss", args.arch == "glm4moe"
+    oss, glm, deepseek = args.arch == "gpt-oss", args.arch == "glm4moe", args.arch == "deepseek2"
     heads, kv_heads = args.heads
     experts, used = args.experts
     writer = gguf.GGUFWriter(args.out, args.arch)
@@ -84,11 +106,14 @@ def main() -> None:
     writer.add_block_count(args.layers)
     writer.add_context_length(4096)
     writer.add_embedding_length(args.hidden)
-    writer.add_feed_forward_length(args.dense_rows if glm else args.expert_rows)
+    writer.add_feed_forward_length(args.dense_rows if glm or deepseek else args.expert_rows)
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_key_length(args.head_dim)
-    writer.add_value_length(args.head_dim)
+    if deepseek:
+        add_latent_sizes(writer, args)
+    else:
+        writer.add_key_length(args.head_dim)
+        writer.add_value_length(args.head_dim)
     writer.add_rope_freq_base(1e6)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_expert_count(experts)
@@ -105,6 +130,11 @@ def main() -> None:
         writer.add_expert_weights_norm(True)
         writer.add_nextn_predict_layers(0)
         writer.add_rope_dimension_count(args.head_dim // 2)
+    if deepseek:  # DeepSeek-V2-Lite's routing: softmax scores, two shared experts
+        writer.add_expert_shared_count(2)
+        writer.add_leading_dense_block_count(1)
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
+        writer.add_expert_weights_scale(1.0)
     if args.arch == "granitemoe":  # granite-3.1-1b-a400m's multipliers
         writer.add_embedding_scale(12.0)
         writer.add_attention_scale(0.015625)
@@ -131,12 +161,15 @@ def main() -> None:
         return rng.standard_normal(shape, dtype=np.float32) / 8
 
     def glm_layer(blk: str, dense: bool) -> None:
-        """The rest of a GLM-4.5 layer: QKV biases, norms, a dense MLP or the experts."""
-        for name, rows in (("attn_q", q_rows), ("attn_k", kv_rows), ("attn_v", kv_rows)):
-            add(f"{blk}.{name}.bias", small(rows), quantized=False)
-        for norm in ("attn_norm", "post_attention_norm"):
+        """The rest of a GLM-4.5 layer: QKV biases, norms, a dense MLP or the experts (and
+        of a DeepSeek layer: no biases, `ffn_norm`, two shared experts, no choice bias)."""
+        if glm:
+            for name, rows in (("attn_q", q_rows), ("attn_k", kv_rows), ("attn_v", kv_rows)):
+                add(f"{blk}.{name}.bias", small(rows), quantized=False)
+        for norm in ("attn_norm", "ffn_norm" if deepseek else "post_attention_norm"):
             add(f"{blk}.{norm}.weight", np.ones(args.hidden, np.float32), quantized=False)
-        mlps = [("", args.dense_rows)] if dense else [("_shexp", args.expert_rows)]
+        shared = (1 + deepseek) * args.expert_rows
+        mlps = [("", args.dense_rows)] if dense else [("_shexp", shared)]
         for suffix, rows in mlps:
             add(f"{blk}.ffn_gate{suffix}.weight", matrix(rows, args.hidden))
             add(f"{blk}.ffn_up{suffix}.weight", matrix(rows, args.hidden))
@@ -149,7 +182,23 @@ def main() -> None:
         add(f"{blk}.ffn_down_exps.weight", experts_of(experts, args.hidden, args.expert_rows))
         router = rng.standard_normal((experts, args.hidden), dtype=np.float32) / 32
         add(f"{blk}.ffn_gate_inp.weight", router, quantized=False)
-        add(f"{blk}.exp_probs_b.bias", small(experts), quantized=False)
+        if glm:
+            add(f"{blk}.exp_probs_b.bias", small(experts), quantized=False)
+
+    def latent_attention(blk: str) -> None:
+        """DeepSeek's attention, as llama.cpp's converter writes it since its MLA rework."""
+        rank, nope = args.kv_lora, args.head_dim
+        if args.q_lora:
+            add(f"{blk}.attn_q_a.weight", matrix(args.q_lora, args.hidden))
+            add(f"{blk}.attn_q_a_norm.weight", np.ones(args.q_lora, np.float32), quantized=False)
+            add(f"{blk}.attn_q_b.weight", matrix(heads * (nope + ROPE), args.q_lora))
+        else:
+            add(f"{blk}.attn_q.weight", matrix(heads * (nope + ROPE), args.hidden))
+        add(f"{blk}.attn_kv_a_mqa.weight", matrix(rank + ROPE, args.hidden))
+        add(f"{blk}.attn_kv_a_norm.weight", np.ones(rank, np.float32), quantized=False)
+        add(f"{blk}.attn_k_b.weight", matrix(heads, rank, nope))
+        add(f"{blk}.attn_v_b.weight", matrix(heads, nope, rank))
+        add(f"{blk}.attn_output.weight", matrix(args.hidden, heads * nope))
 
     add("token_embd.weight", matrix(vocab, args.hidden))
     add("output.weight", matrix(vocab, args.hidden))
@@ -157,6 +206,10 @@ def main() -> None:
     q_rows, kv_rows = heads * args.head_dim, kv_heads * args.head_dim
     for layer in range(args.layers):
         blk = f"blk.{layer}"
+        if deepseek:  # GLM-4.5's kind of layer otherwise, without its biases
+            latent_attention(blk)
+            glm_layer(blk, layer == 0)
+            continue
         add(f"{blk}.attn_q.weight", matrix(q_rows, args.hidden))
         add(f"{blk}.attn_k.weight", matrix(kv_rows, args.hidden))
         add(f"{blk}.attn_v.weight", matrix(kv_rows, args.hidden))

@@ -300,13 +300,17 @@ class TorchNativeBackend:
             kv_seq = self.pool.gather(layer, seq.kv_slots[self.pool.windowed[layer]])
             mask = seq.masks[self.windows[layer]]
             keys, values = (part[None].transpose(1, 2) for part in self.pool.split(kv_seq))
-            if sinks is not None or self.softcap:
+            latent = self.pool.parts == 1
+            if sinks is not None or self.softcap or latent:
                 if mask is None:  # SDPA's causal mask: a whole prompt, nothing cached
                     mask = torch.ones(seq.q_len, seq.q_len, dtype=torch.bool, device=q.device)
                     mask = mask.tril_()
-                o = _attend_in_float32(
-                    q_seq[None], keys, values, mask, self.scale, sinks, self.softcap
-                )
+                if latent:
+                    o = _attend_latent(q_seq[None], keys, values, mask, self.scale)
+                else:
+                    o = _attend_in_float32(
+                        q_seq[None], keys, values, mask, self.scale, sinks, self.softcap
+                    )
             else:
                 o = F.scaled_dot_product_attention(
                     q_seq[None],
@@ -353,6 +357,10 @@ class TorchNativeBackend:
             kv = stage[:, :, :, :longest]
         mask = meta.masks[self.windows[layer]]
         keys, values = self.pool.split(kv)
+        if self.pool.parts == 1:
+            q_heads = q.view(batch_size, self.num_heads, 1, self.head_dim)
+            o = _attend_latent(q_heads, keys, values, mask, self.scale)
+            return o.reshape(batch_size, self.num_heads, self.value_dim)
         if sinks is not None or self.softcap:
             q_heads = q.view(batch_size, self.num_heads, 1, self.head_dim)
             o = _attend_in_float32(q_heads, keys, values, mask, self.scale, sinks, self.softcap)
@@ -423,4 +431,39 @@ def _attend_in_float32(
             sink = sinks.float().view(1, heads, 1, 1).expand(batch, heads, scores.shape[2], 1)
             weights = torch.cat((scores, sink), -1).softmax(-1)[..., :-1]
         out[:, :, rows] = (weights @ values).to(v.dtype)
+    return out
+
+
+def _attend_latent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """Latent attention's (one key head, keys wider than values): every query head against
+    the one key head, the heads folded into the rows of one product, a block of queries at
+    a time. SDPA takes its math path for keys wider than values, which scales a copy of the
+    keys at every call and repeats them for every head. `q` `[batch, heads, queries, dim]`,
+    `k` `[batch, 1, keys, dim]`, `v` `[batch, 1, keys, value_dim]`, `mask` as
+    `_attend_in_float32`'s. The softmax in float32, as transformers' eager attention."""
+    batch, heads, queries, _ = q.shape
+    keys, values = k[:, 0].transpose(1, 2), v[:, 0]
+    out = q.new_empty(batch, heads, queries, values.shape[-1])
+    block = max(1, SCORES_BYTES // (4 * batch * heads * keys.shape[-1]))
+    for start in range(0, queries, block):
+        rows = slice(start, start + block)
+        part = q[:, :, rows] * scale
+        count = part.shape[2]
+        scores = torch.bmm(part.reshape(batch, heads * count, -1), keys)
+        scores = scores.view(batch, heads, count, -1)
+        if mask is not None:
+            limit = mask[..., rows, :] if mask.shape[-2] > 1 else mask
+            if limit.dtype == torch.bool:
+                scores.masked_fill_(~limit, float("-inf"))
+            else:
+                scores += limit
+        weights = scores.softmax(-1, dtype=torch.float32).to(values.dtype)
+        mixed = torch.bmm(weights.view(batch, heads * count, -1), values)
+        out[:, :, rows] = mixed.view(batch, heads, count, -1)
     return out
