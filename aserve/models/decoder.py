@@ -696,7 +696,13 @@ class DecoderForCausalLM(nn.Module):
         return (starts[:, None] + self.rotary_order.cpu()).flatten()
 
     def expected_tensors(self) -> set[str]:
-        return expected_tensors(self)
+        """Latent attention's `kv_b_proj` slices too, which a quantized model keeps as
+        products rather than parameters."""
+        expected = expected_tensors(self)
+        for name, module in self.named_modules():
+            if isinstance(module, LatentHeads):
+                expected |= {f"{name}.{part}" for part in LatentHeads.FILLS["weight"]}
+        return expected
 
     def finalize_quantized(self, device: torch.device, dtype: torch.dtype) -> None:
         """Pack the quantized weights for products on `device` in `dtype` (embeddings and
@@ -708,7 +714,7 @@ class DecoderForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.quantized:
                 module.quantized.finalize(device, dtype, scratch)
-            elif isinstance(module, QuantizedExperts):
+            elif isinstance(module, (QuantizedExperts, LatentHeads)):
                 module.finalize(device, dtype, scratch)
         embed, head = self.model.embed_tokens, self.lm_head
         if embed.quantized:
@@ -748,5 +754,7 @@ def cpu_kernel_weights(model: nn.Module) -> list[KernelTensors]:
             held = [module.table.head, module.table.lookups]
         elif isinstance(module, QuantizedExperts) and module.cpu_stacks is not None:
             held = list(module.cpu_stacks)
+        elif isinstance(module, LatentHeads):
+            held = module.products()
         found.update((id(weight), weight) for weight in held if isinstance(weight, KernelTensors))
     return list(found.values())

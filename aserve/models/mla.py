@@ -29,9 +29,12 @@ from aserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from aserve.layers.norm import RMSNorm
 from aserve.layers.rotary import RotaryEmbedding
 from aserve.layers.weight import WeightSource, read_whole
-from aserve.quant.fp8 import Fp8Tensor
+from aserve.quant.codes import Codes
+from aserve.quant.fp8 import Fp8Rows, Fp8Tensor
 from aserve.quant.gguf import QuantizedTensor
 from aserve.quant.int_checkpoints import CodesTensor
+from aserve.quant.method import ProductGroup
+from aserve.quant.native import Scratch
 
 QUERY_PROJECTIONS = ("q_proj", "q_b_proj")
 REORDERED_ROWS = (*QUERY_PROJECTIONS, "kv_a_proj_with_mqa")
@@ -70,44 +73,127 @@ def float_weight(tensor: WeightSource) -> torch.Tensor:
 
 
 class LatentHeads(nn.Module):
-    """`kv_b_proj`, `[heads * (nope + v), kv_lora_rank]`, kept as this rank's heads' two
-    slices: `w_uk` `[heads, nope, kv_lora_rank]`, which takes queries into the latent, and
-    `w_uv` `[heads, v, kv_lora_rank]`, which takes latent outputs to values. Dense in the
-    model's dtype whatever the checkpoint stores them as (they are 1-2% of a layer)."""
-
-    def __init__(self, latent: LatentAttention, heads: tuple[int, int]) -> None:
-        super().__init__()
-        self.latent = latent
-        self.heads = heads
-        local = heads[1] - heads[0]
-        rank = latent.kv_lora_rank
-        self.w_uk = nn.Parameter(torch.empty(local, latent.qk_nope_head_dim, rank), False)
-        self.w_uv = nn.Parameter(torch.empty(local, latent.v_head_dim, rank), False)
+    """`kv_b_proj`, `[heads * (nope + v), kv_lora_rank]`, as this rank's heads' two slices:
+    the key rows `w_uk` `[heads, nope, kv_lora_rank]`, which take queries into the latent,
+    and the value rows `w_uv` `[heads, v, kv_lora_rank]`, which take latent outputs to
+    values. A float model keeps them dense in its dtype. A quantized one (`quantization`)
+    keeps each head's two matrices as weights of aserve's CPU kernels, in one `ProductGroup`
+    each (a step's heads in one call, as a MoE layer's experts): a GGUF file's blocks stay
+    as they are, where the float32 slices had been the largest bytes a CPU decode step read
+    after the experts; on a GPU they are made dense at `finalize`, for one batched product
+    each."""
 
     FILLS = {"weight": ("w_uk", "w_uv"), "k_b": ("w_uk",), "v_b": ("w_uv",)}
     """What each checkpoint tensor fills: Hugging Face's `kv_b_proj.weight` both slices;
     llama.cpp's newer GGUF files store them apart, `attn_k_b` `[heads, kv_lora_rank, nope]`
     (each head's key rows transposed) and `attn_v_b` `[heads, v, kv_lora_rank]`."""
 
+    def __init__(
+        self, latent: LatentAttention, heads: tuple[int, int], quantization: str | None
+    ) -> None:
+        super().__init__()
+        self.latent = latent
+        self.heads = heads
+        local = heads[1] - heads[0]
+        rank, nope, value = latent.kv_lora_rank, latent.qk_nope_head_dim, latent.v_head_dim
+        self.w_uk: torch.Tensor | None = None
+        self.w_uv: torch.Tensor | None = None
+        self.key_rows: ProductGroup | None = None
+        self.value_rows: ProductGroup | None = None
+        if quantization is None:
+            self.w_uk = nn.Parameter(torch.empty(local, nope, rank), False)
+            self.w_uv = nn.Parameter(torch.empty(local, value, rank), False)
+        else:  # each head's key rows transposed: `[rank, nope]`, as a product's `[out, in]`
+            self.key_rows = ProductGroup(local, [rank], nope, quantization)
+            self.value_rows = ProductGroup(local, [value], rank, quantization)
+
     def load_weight(self, name: str, tensor: WeightSource, shard: int = 0) -> None:
         latent = self.latent
-        first, last = self.heads
+        rank, nope, value = latent.kv_lora_rank, latent.qk_nope_head_dim, latent.v_head_dim
+        if isinstance(tensor, torch.Tensor):  # a float GGUF's stacked heads, as blocks' are
+            tensor = tensor.reshape(-1, tensor.shape[-1])
         if name == "weight":
-            per_head = latent.qk_nope_head_dim + latent.v_head_dim
-            rows = float_weight(tensor[first * per_head : last * per_head])
-            keys, values = rows.view(last - first, per_head, -1).split(
-                [latent.qk_nope_head_dim, latent.v_head_dim], 1
-            )
-            self.w_uk.data.copy_(keys)
-            self.w_uv.data.copy_(values)
+            for local, head in enumerate(range(*self.heads)):
+                rows = tensor[head * (nope + value) : (head + 1) * (nope + value)]
+                self._load_keys(local, float_weight(rows[:nope]).T)
+                self._load_values(local, rows[nope:])
         elif name == "k_b":
-            keys = float_weight(tensor).view(-1, latent.kv_lora_rank, latent.qk_nope_head_dim)
-            self.w_uk.data.copy_(keys[first:last].transpose(1, 2))
+            for local, head in enumerate(range(*self.heads)):
+                self._load_keys(local, tensor[head * rank : (head + 1) * rank])
         elif name == "v_b":
-            values = float_weight(tensor).view(-1, latent.v_head_dim, latent.kv_lora_rank)
-            self.w_uv.data.copy_(values[first:last])
+            for local, head in enumerate(range(*self.heads)):
+                self._load_values(local, tensor[head * value : (head + 1) * value])
         else:
             raise ValueError(f"checkpoint tensor kv_b_proj.{name} has no place in this model")
+
+    def _load_keys(self, local: int, rows: WeightSource) -> None:
+        """Head `local`'s key rows transposed, `[rank, nope]`."""
+        if self.key_rows is not None:
+            self.key_rows.weights[local].load(0, _loadable(rows))
+        else:
+            assert self.w_uk is not None
+            self.w_uk.data[local].copy_(float_weight(rows).T)
+
+    def _load_values(self, local: int, rows: WeightSource) -> None:
+        if self.value_rows is not None:
+            self.value_rows.weights[local].load(0, _loadable(rows))
+        else:
+            assert self.w_uv is not None
+            self.w_uv.data[local].copy_(float_weight(rows))
+
+    def finalize(self, device: torch.device, dtype: torch.dtype, scratch: Scratch) -> None:
+        """The quantized heads' products for `device`: the CPU kernels' there, dense
+        slices in `dtype` elsewhere."""
+        if self.key_rows is None or self.value_rows is None:
+            return
+        if device.type == "cpu":
+            self.key_rows.finalize(device, dtype, scratch)
+            self.value_rows.finalize(device, dtype, scratch)
+            return
+        keys = torch.stack([_dense(w.shards[0]) for w in self.key_rows.weights])
+        values = torch.stack([_dense(w.shards[0]) for w in self.value_rows.weights])
+        self.w_uk = keys.transpose(1, 2).to(device, dtype).contiguous()
+        self.w_uv = values.to(device, dtype)
+        self.key_rows = self.value_rows = None
+
+    def to_latent(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """Each head's unrotated query `[tokens, heads, nope]` in the latent, `[tokens,
+        heads, kv_lora_rank]` (perhaps a strided view)."""
+        if self.key_rows is None:
+            assert self.w_uk is not None
+            return torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
+        heads = range(q_nope.shape[1])
+        return torch.stack(self.key_rows.linear(list(heads), [q_nope[:, h] for h in heads]), 1)
+
+    def to_values(self, mixed: torch.Tensor) -> torch.Tensor:
+        """Each head's mix of latent rows `[tokens, heads, kv_lora_rank]` as its values,
+        `[tokens, heads * v]`."""
+        if self.value_rows is None:
+            assert self.w_uv is not None
+            values = torch.bmm(mixed.transpose(0, 1), self.w_uv.transpose(1, 2))
+            return values.transpose(0, 1).reshape(mixed.shape[0], -1)
+        heads = range(mixed.shape[1])
+        return torch.cat(self.value_rows.linear(list(heads), [mixed[:, h] for h in heads]), -1)
+
+    def products(self) -> list[object]:
+        """The CPU kernels' weights these heads hold (none where dense)."""
+        groups = [g for g in (self.key_rows, self.value_rows) if g is not None]
+        return [p for g in groups for w in g.weights for p in w.products]
+
+
+def _loadable(rows: WeightSource) -> QuantizedTensor | CodesTensor | Fp8Tensor | torch.Tensor:
+    """What `QuantizedLinearWeight.load` takes: a checkpoint's blocks as they are, or floats."""
+    if isinstance(rows, (QuantizedTensor, CodesTensor, Fp8Tensor, torch.Tensor)):
+        return rows
+    return read_whole(rows)
+
+
+def _dense(shard: object) -> torch.Tensor:
+    """A loaded shard in float32: decoded codes, FP8 rows times their scales, or floats."""
+    if isinstance(shard, (Codes, Fp8Rows)):
+        return shard.dequantize()
+    assert isinstance(shard, torch.Tensor)
+    return shard.float()
 
 
 class LatentAttentionLayer(nn.Module):
@@ -156,7 +242,7 @@ class LatentAttentionLayer(nn.Module):
         # normalised in place, a strided view: the CPU kernels' norm writes new rows only
         in_place_ops = None if isinstance(ops, CpuKernels) else ops
         self.kv_a_layernorm = RMSNorm(latent.kv_lora_rank, eps, in_place_ops)
-        self.kv_b_proj = LatentHeads(latent, self.heads)
+        self.kv_b_proj = LatentHeads(latent, self.heads, quantization)
         self.o_proj = RowParallelLinear(
             config.num_heads * latent.v_head_dim,
             hidden,
@@ -189,10 +275,8 @@ class LatentAttentionLayer(nn.Module):
         rows = self.kv_a_proj_with_mqa(hidden)
         self.kv_a_layernorm.norm_heads(rows[:, : latent.kv_lora_rank], latent.kv_lora_rank)
         self.rotary.rotate_apart(positions, q_rope, rows[:, latent.kv_lora_rank :], batch.rope_rows)
-        heads_first = q_nope.view(tokens, heads, -1).transpose(0, 1)
-        q_latent = torch.bmm(heads_first, self.kv_b_proj.w_uk).transpose(0, 1)
+        q_latent = self.kv_b_proj.to_latent(q_nope.view(tokens, heads, -1))
         mixed = attn.forward_latent(
             q_latent, q_rope.view(tokens, heads, -1), rows.view(tokens, 1, 1, -1), self.layer, batch
         )
-        values = torch.bmm(mixed.transpose(0, 1), self.kv_b_proj.w_uv.transpose(1, 2))
-        return self.o_proj(values.transpose(0, 1).reshape(tokens, heads * latent.v_head_dim))
+        return self.o_proj(self.kv_b_proj.to_values(mixed))
