@@ -166,3 +166,36 @@ def test_mla_decode_graphs_do_not_change_outputs(
         for a, b in zip(ours, reference):
             for x, y in zip(a.logprobs, b.logprobs):
                 assert x.logprob == pytest.approx(y.logprob, abs=0.02)
+
+
+def test_fp8_checkpoint_loads_as_its_twin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, make_llm: Callable[..., LLM]
+) -> None:
+    """DeepSeek-V3-FP8's layout (block scales, `weight_scale_inv`): the reordered query rows
+    keep a scale each, `kv_b_proj`'s heads are sliced by whole blocks and its key rows
+    de-quantized to be transposed; the same FP8 rows and greedy tokens as the de-quantized
+    twin quantized at load (on CPU, where the kernels are deterministic)."""
+    from tests.test_fp8 import fp8_on_cpu, write_fp8_checkpoint
+
+    fp8_on_cpu(monkeypatch)
+    shapes = {"qk_nope_head_dim": 32, "v_head_dim": 32, "q_lora_rank": 32}
+    float_folder = make_tiny_model("deepseek_v3", tmp_path / "float", overrides=shapes)
+    fp8_folder, twin_folder = tmp_path / "fp8", tmp_path / "twin"
+    write_fp8_checkpoint(float_folder, fp8_folder, twin_folder, "fp8-block")
+    fp8 = make_llm(fp8_folder, num_pages=256)
+    twin = make_llm(twin_folder, quantization="fp8", num_pages=256)
+    for llm in (fp8, twin):
+        attention = llm.runtime.engine.model.model.layers[1].self_attn
+        assert isinstance(attention, LatentAttentionLayer)
+        assert attention.kv_b_proj.value_rows is not None  # kept as the kernels' weights
+    ours, theirs = (
+        llm.runtime.engine.model.model.layers[1].self_attn.q_b_proj.quantized.products
+        for llm in (fp8, twin)
+    )
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a.values.view(torch.uint8), b.values.view(torch.uint8))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [[5, 17, 33, 9], list(range(3, 40, 2))]
+    assert [o.token_ids for o in fp8.generate(prompts, params)] == [
+        o.token_ids for o in twin.generate(prompts, params)
+    ]
