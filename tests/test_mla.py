@@ -199,3 +199,29 @@ def test_fp8_checkpoint_loads_as_its_twin(
     assert [o.token_ids for o in fp8.generate(prompts, params)] == [
         o.token_ids for o in twin.generate(prompts, params)
     ]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="an FP8 cache needs a CUDA device of compute capability 8.9 or newer",
+)
+def test_fp8_cache_takes_the_torch_backend_on_cuda(
+    make_llm: Callable[..., LLM], tmp_path: Path
+) -> None:
+    """FlashInfer's MLA kernels read 16-bit caches: an FP8 one runs latent attention through
+    the torch backend (no graphs), one part a slot, its logits near the bf16 cache's."""
+    folder = make_tiny_model("deepseek_v2", tmp_path, overrides=MLA_GPU_SHAPES)
+    options = {"device": "cuda", "dtype": "bfloat16", "page_size": 16, "num_pages": 1024}
+    fp8 = make_llm(folder, kv_cache_dtype="fp8_e4m3", **options)
+    reference = make_llm(folder, **options)
+    engine = fp8.runtime.engine
+    assert type(engine.attn).__name__ == "TorchNativeBackend" and engine.graphs is None
+    assert engine.pool.parts == 1 and engine.pool.storage_dtype == torch.float8_e4m3fn
+    prompt, continuation = list(range(3, 60)), [7, 123, 45, 2]
+    torch.testing.assert_close(
+        our_logits(fp8, prompt, continuation),
+        our_logits(reference, prompt, continuation),
+        atol=0.15,
+        rtol=0.05,
+    )

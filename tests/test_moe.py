@@ -399,14 +399,16 @@ def test_stacked_expert_checkpoint_loads_like_per_expert(tmp_path: Path) -> None
         torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
 
 
-def test_glm4_moe_prediction_layer_is_left_unread(tmp_path: Path) -> None:
-    """GLM-4.5's checkpoints hold a next-token prediction layer after the last
-    (`num_nextn_predict_layers`, as `model.layers.{num_layers}`, with its own projections and
-    norms); aserve does not run it, so it loads as the same model without it. A checkpoint
-    without the setting has no place for such a layer."""
-    folder = make_tiny_model("glm4_moe", tmp_path / "glm")
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
+def test_prediction_layer_is_left_unread(tmp_path: Path, family: str) -> None:
+    """GLM-4.5's and DeepSeek-V3's checkpoints hold a next-token prediction layer after the
+    last (`num_nextn_predict_layers`, as `model.layers.{num_layers}`, with its own
+    projections and norms); aserve does not run it, so it loads as the same model without
+    it. A checkpoint without the setting has no place for such a layer."""
+    folder = make_tiny_model(family, tmp_path / family)
     config = json.loads((folder / "config.json").read_text())
-    assert config["num_nextn_predict_layers"] == 1  # transformers' default, GLM-4.5's own
+    config["num_nextn_predict_layers"] = 1  # GLM-4.5's and DeepSeek-V3's own
+    (folder / "config.json").write_text(json.dumps(config))
     layers, hidden = config["num_hidden_layers"], config["hidden_size"]
     extra = {
         f"model.layers.{layers}.eh_proj.weight": torch.randn(hidden, 2 * hidden),
