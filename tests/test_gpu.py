@@ -711,9 +711,15 @@ def test_cuda_graphs_do_not_change_outputs(
     options = small_gpu_engine(kv_cache_dtype=kv_cache_dtype)
     with_graphs = make_llm(folder, cuda_graph_max_bs=32, **options)
     without = make_llm(folder, cuda_graph_max_bs=0, **options)
+    assert without.runtime.engine.graphs is None
+    assert_graphs_keep_outputs(with_graphs, without, params)
+
+
+def assert_graphs_keep_outputs(with_graphs: LLM, without: LLM, params: SamplingParams) -> None:
+    """Batches of 1, 3, 5, 20 and 40 (padded to captured sizes 1, 4, 8 and 32; 40 eagerly):
+    the tokens and logprobs of the engine without graphs."""
     graphs = with_graphs.runtime.engine.graphs
     assert graphs is not None and graphs.sizes == [1, 2, 4, 8, 16, 24, 32]
-    assert without.runtime.engine.graphs is None
     for count in (1, 3, 5, 20, 40):
         prompts = [list(range(7 + i, 7 + i + 5 + 3 * i)) for i in range(count)]
         ours = with_graphs.generate(prompts, params)
