@@ -217,3 +217,19 @@ def test_fp8_cache_takes_the_torch_backend_on_cuda(
         atol=0.15,
         rtol=0.05,
     )
+
+
+def test_dummy_weights_fill_a_quantized_models_heads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, make_llm: Callable[..., LLM]
+) -> None:
+    """`--dummy-weight` with `--quantization fp8` (the GPU benchmarks'): `kv_b_proj`'s heads,
+    kept as products rather than parameters, get random rows too."""
+    from tests.test_fp8 import fp8_on_cpu
+
+    fp8_on_cpu(monkeypatch)
+    folder = make_tiny_model("deepseek_v2", tmp_path)
+    llm = make_llm(folder, num_pages=256, dummy_weight=True, quantization="fp8")
+    heads = llm.runtime.engine.model.model.layers[0].self_attn.kv_b_proj
+    assert heads.key_rows is not None and all(w.products for w in heads.key_rows.weights)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    assert len(llm.generate([PROMPTS[0]], greedy)[0].token_ids) == 6

@@ -141,6 +141,13 @@ class LatentHeads(nn.Module):
             assert self.w_uv is not None
             self.w_uv.data[local].copy_(float_weight(rows))
 
+    def fill_random(self, std: float, generator: torch.Generator, device: torch.device) -> None:
+        """Random heads (dummy weights) of a quantized model, from normal floats on `device`."""
+        for group in (self.key_rows, self.value_rows):
+            for weight in [] if group is None else group.weights:
+                rows = torch.empty(weight.shard_rows[0], weight.cols, device=device)
+                weight.load(0, rows.normal_(0.0, std, generator=generator))
+
     def finalize(self, device: torch.device, dtype: torch.dtype, scratch: Scratch) -> None:
         """The quantized heads' products for `device`: the CPU kernels' there, dense
         slices in `dtype` elsewhere."""

@@ -21,6 +21,7 @@ from aserve.config import ConfigError
 from aserve.layers.moe import ExpertWeights
 from aserve.layers.weight import WeightSource
 from aserve.models.gguf_weights import GGUF_POINTER, iter_gguf
+from aserve.models.mla import LatentHeads
 from aserve.models.source import ModelSourceError
 from aserve.quant.fp8 import FP8
 from aserve.quant.gguf import QuantizedTensor
@@ -186,6 +187,8 @@ def fill_dummy_weights(module: torch.nn.Module, seed: int = 0) -> None:
                 quantized.load(shard, weight.normal_(0.0, 0.02, generator=generator))
         if isinstance(layer, ExpertWeights) and layer.fp8:
             layer.fill_random(0.02, generator)
+        if isinstance(layer, LatentHeads):  # a quantized model's heads (dense: parameters)
+            layer.fill_random(0.02, generator, device)
 
 
 def torch_dtype(name: str, device: torch.device, config_dtype: str | None) -> torch.dtype:
