@@ -291,6 +291,20 @@ def test_adapters_on_experts_are_refused(tmp_path: Path) -> None:
         LLM(str(base), lora_modules={"x": str(tmp_path / "experts")}, **OPTIONS)
 
 
+@pytest.mark.parametrize("target", ["q_proj", "kv_b_proj"])
+def test_adapters_on_latent_attention_projections_are_refused(tmp_path: Path, target: str) -> None:
+    """DeepSeek's query rows load reordered and `kv_b_proj` as heads' slices: an adapter
+    there is refused in one line (its o_proj takes them)."""
+    base = make_tiny_model("deepseek_v2", tmp_path / "deepseek")
+    write_adapter(base, tmp_path / "latent", (target,))
+    with pytest.raises(ConfigError, match=f"latent attention's {target} are not supported"):
+        LLM(str(base), lora_modules={"x": str(tmp_path / "latent")}, **OPTIONS)
+    write_adapter(base, tmp_path / "output", ("o_proj",))
+    with LLM(str(base), lora_modules={"x": str(tmp_path / "output")}, **OPTIONS) as llm:
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        assert len(llm.generate([[5, 17, 42]], params)[0].token_ids) == 4
+
+
 def test_lora_options() -> None:
     config, _ = parse_config(
         ["--lora-modules", "a=/x", '{"name": "b", "path": "/y"}', "--max-lora-rank", "32"]

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aserve.attention.base import AttentionBackend
-from aserve.config import GELU_TANH, ModelConfig
+from aserve.config import GELU_TANH, ConfigError, ModelConfig
 from aserve.distributed.group import TPGroup
 from aserve.forward import ForwardBatch
 from aserve.layers.cpu_gemm import can_pack
@@ -673,6 +673,11 @@ class DecoderForCausalLM(nn.Module):
             return places
         if leaf in ("q_proj", "k_proj") and self.rotary_order is not None:
             b = read_whole(self._reorder_head_rows(b))
+        if self.config.latent and leaf in (*REORDERED_ROWS, "q_a_proj", "kv_b_proj"):
+            raise ConfigError(
+                f"LoRA adapters on latent attention's {leaf} are not supported (its rows load "
+                "reordered or as heads' slices); its o_proj and the dense MLPs take them"
+            )
         target, part = self.fused.get(leaf, (leaf, 0))
         return [(f"{parent}.{target}" if parent else target, part, b)]
 

@@ -8,7 +8,8 @@ vLLM and SGLang run it in decode: each head's unrotated query is first multiplie
 slice of `kv_b_proj`'s key rows (`w_uk`), so its scores against the latent are its scores
 against the head's keys; the output, a mix of latent rows, is multiplied by the head's value
 rows (`w_uv`) afterwards. The backends see one key head of the cache's width whose first
-`kv_lora_rank` columns are the values (kvcache/pool.py, `value_dim`).
+`kv_lora_rank` columns are the values (kvcache/pool.py, `value_dim`), and take each head's
+query in two parts, its latent and its rotated part (`LatentBackend.forward_latent`).
 
 Under tensor parallelism each rank holds its heads' query rows, `kv_b_proj` slices and
 output columns, and the whole latent projection: every rank caches the same latent rows.
@@ -44,8 +45,9 @@ REORDERED_ROWS = (*QUERY_PROJECTIONS, "kv_a_proj_with_mqa")
 def latent_row_order(latent: LatentAttention, leaf: str, rows: int) -> torch.Tensor:
     """The order in which projection `leaf`'s rows load. A query projection's heads (`nope`
     then `rope` rows each) become every head's unrotated rows, then every head's rotating
-    ones (`QUERY_PARTS` of the layer's projection, which tensor parallelism splits part by
-    part): each part is then one strided block, with no copy to gather it. With interleaved
+    ones (the two parts of `LatentAttentionLayer`'s query projection, which tensor
+    parallelism splits part by part): each part is then one strided block, with no copy to
+    gather it. With interleaved
     rotation (DeepSeek's pairs (2i, 2i + 1)) the rotating rows also go even members first,
     odd ones after, so that rotate-half (pairs (i, i + rope / 2)), what aserve's rope
     kernels compute, is the same rotation; the latent projection's key part (after the
