@@ -99,7 +99,7 @@ class FlashInferMLABackend:
             self.num_heads,
             self.latent,
             self.width - self.latent,
-            self.pool.page_size,
+            self.page_size,
             True,  # bottom-right aligned: each query sees its prefix and itself
             self.scale,
             self.dtype,
@@ -119,7 +119,7 @@ class FlashInferMLABackend:
         as the layer left them, the cache's two parts in place, and an output whose heads
         are the outer dimension, as the layer's product with the value rows reads it."""
         self.pool.store(layer, batch.slots_of(False), kv)
-        pages = self.pool.kv[layer].view(-1, self.pool.page_size, self.width)
+        pages = self.pool.kv[layer].view(-1, self.page_size, self.width)
         latent = self.latent
         tokens = q_latent.shape[0]
         out = q_latent.new_empty(self.num_heads, tokens, latent).transpose(0, 1)

@@ -21,7 +21,7 @@ import torch
 
 from aserve.attention.base import AttentionBackend, SplitBackend
 from aserve.attention.flashinfer import FLASHINFER_HEAD_DIMS, triton_decodes
-from aserve.attention.flashinfer_mla import LATENT_WIDTHS, runs_latent
+from aserve.attention.flashinfer_mla import LATENT_WIDTHS, FlashInferMLABackend, runs_latent
 from aserve.config import ENCODER_ARCHITECTURES, ConfigError, EngineConfig, ModelConfig
 from aserve.constrained.masks import StepMasks
 from aserve.distributed.group import TPGroup
@@ -542,8 +542,6 @@ class Engine:
                     f"latent attention runs on --attention-backend fi with a 16-bit KV cache "
                     f"and latent widths {LATENT_WIDTHS}, else on torch"
                 )
-            from aserve.attention.flashinfer_mla import FlashInferMLABackend
-
             scale = self.model_config.attention_scale
             assert scale is not None
             return FlashInferMLABackend(
@@ -726,7 +724,6 @@ class Engine:
         if self.device.type != "cuda" or max_bs == 0 or not self.model.graph_capturable:
             return None
         from aserve.attention.flashinfer import FlashInferBackend
-        from aserve.attention.flashinfer_mla import FlashInferMLABackend
 
         if not isinstance(decode, (FlashInferBackend, FlashInferMLABackend)):
             logger.info("CUDA graphs are off: they need the FlashInfer decode backend")
