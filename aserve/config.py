@@ -562,10 +562,10 @@ def _deepseek_moe_settings(config: dict[str, Any], family: str) -> dict[str, Any
     The chosen weights are renormalised by default in GLM-4.5's and V3's configs, not in
     dots.llm1's; V2's `scoring_func` is the softmax, its `topk_method` greedy (one group) or
     `group_limited_greedy` (groups ranked by their best score)."""
-    softmax = config.get("scoring_func", "sigmoid" if family != "deepseek_v2" else "softmax")
-    if softmax not in ("softmax", "sigmoid"):
-        raise ConfigError(f"scoring_func {softmax!r} is not supported: softmax or sigmoid")
-    sigmoid = softmax == "sigmoid"
+    scoring = config.get("scoring_func", "softmax" if family == "deepseek_v2" else "sigmoid")
+    if scoring not in ("softmax", "sigmoid"):
+        raise ConfigError(f"scoring_func {scoring!r} is not supported: softmax or sigmoid")
+    sigmoid = scoring == "sigmoid"
     method = config.get("topk_method", "noaux_tc" if sigmoid else "greedy")
     if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
         raise ConfigError(f"topk_method {method!r} is not supported")

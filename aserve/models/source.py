@@ -702,7 +702,8 @@ def deepseek_moe_config(
     last (`nextn_predict_layers`); half of its heads rotates, in halves
     (`rope.dimension_count`), and it has Q/K norms where the file holds them (dots1 always).
     DeepSeek's latent attention: `deepseek2_attention`."""
-    gating = read(f"{arch}.expert_gating_func", SOFTMAX_GATING if arch == "deepseek2" else 2)
+    default = SOFTMAX_GATING if arch == "deepseek2" else SIGMOID_GATING
+    gating = read(f"{arch}.expert_gating_func", default)
     allowed = (SOFTMAX_GATING, SIGMOID_GATING) if arch == "deepseek2" else (SIGMOID_GATING,)
     if gating not in allowed:
         raise ModelSourceError(f"a {arch} file whose expert_gating_func is {gating}")
