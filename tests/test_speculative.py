@@ -224,12 +224,13 @@ def test_a_float_model_through_the_modules(
     assert drafting.scheduler.planner.draft_tokens > 0
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen3_moe"])
-def test_windowed_and_expert_layers(
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_moe", "deepseek_v2"])
+def test_windowed_latent_and_expert_layers(
     make_llm: Callable[..., LLM], tmp_path: Path, family: str
 ) -> None:
     """Gemma 3's windowed layers keep a pool of their own (a window of 4 here: verify rows
-    past it read only the window); Qwen3-MoE routes each row's token on its own."""
+    past it read only the window); Qwen3-MoE routes each row's token on its own; DeepSeek's
+    latent attention verifies its drafts over its one-part cache."""
     folder = make_tiny_model(family, tmp_path)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     want = [o.token_ids for o in make_llm(folder).generate(REPEATING, params)]
