@@ -360,6 +360,15 @@ class Engine:
             time.perf_counter() - pool_started,
         )
         self.attn = self._create_attention_backend(config.attention_backend)
+        latent = model_config.latent is not None
+        if latent and self._half_on_cuda and not self._flashinfer_runs_latent():
+            logger.warning(
+                "latent attention with a %s KV cache runs on the torch backend, without CUDA "
+                "graphs (FlashInfer's MLA kernels read 16-bit caches of widths %s): "
+                "--kv-cache-dtype auto is faster",
+                str(self.kv_dtype).removeprefix("torch."),
+                LATENT_WIDTHS,
+            )
         self.sampler = Sampler(race_kernel(self.device))
         self.graphs = self._make_graphs()
         # Attention for what FlashInfer's modules would run while they still build: set by
