@@ -39,12 +39,15 @@ class AttentionBackend(Protocol):
 
 class LatentBackend(Protocol):
     """A backend that runs DeepSeek's latent attention (models/mla.py): `prepare` as
-    `AttentionBackend`'s, then `forward_latent`
-    takes each head's query in the latent `[tokens, heads, kv_lora_rank]` and its rotated
-    part `[tokens, heads, rope]` apart (either may be a strided view), and the new tokens'
-    cache rows `[tokens, 1, 1, kv_lora_rank + rope]` (one part: kvcache/pool.py), and
-    returns each head's mix of latent rows `[tokens, heads, kv_lora_rank]` (perhaps a
-    strided view)."""
+    `AttentionBackend`'s, then `forward_latent` with each head's query in the latent
+    `[tokens, heads, kv_lora_rank]` and its rotated part `[tokens, heads, rope]` apart
+    (either may be a strided view) and the new tokens' cache rows `[tokens, 1, 1,
+    kv_lora_rank + rope]` (one part a slot: kvcache/pool.py); it returns each head's mix of
+    latent rows `[tokens, heads, kv_lora_rank]` (perhaps a strided view)."""
+
+    pool: KVPool
+
+    def prepare(self, batch: ForwardBatch) -> None: ...
 
     def forward_latent(
         self,
