@@ -83,7 +83,8 @@ def test_quantized_gguf_runs_its_blocks_close_to_its_float_twin(
     de-quantized at load (both layouts). Its logits stay within Q8_0's error of transformers'
     on the same float weights, and equal its de-quantized twin's (`--quantization none`) up
     to the order of float sums and the CPU kernels' 16-bit activations; the default KV cache
-    of a quantized model on CPU is float16, one part a token still."""
+    of a quantized model on CPU is float16, one part a token still, which the CPU kernels'
+    attention reads (its keys as the values too)."""
     folder = make_tiny_model("deepseek_v3", tmp_path / "v3")
     path = tmp_path / "q8.gguf"
     model = write_hf_as_gguf(
@@ -97,8 +98,9 @@ def test_quantized_gguf_runs_its_blocks_close_to_its_float_twin(
             attention = engine.model.model.layers[1].self_attn
             assert isinstance(attention, LatentAttentionLayer)
             assert (attention.q_a_proj.quantized is not None) == (quantization == "auto")
-            if quantization == "auto":
+            if quantization == "auto":  # the CPU kernels' attention reads the one-part pool
                 assert engine.pool.storage_dtype == torch.float16 and engine.pool.parts == 1
+                assert engine.attn.native_decode
             logits[quantization] = our_logits(llm, prompt, continuation)
     torch.testing.assert_close(logits["auto"], logits["none"], atol=5e-3, rtol=0)
     with torch.inference_mode():

@@ -152,7 +152,6 @@ class TorchNativeBackend:
             and on_cpu
             and pool.dtype == torch.float32
             and pool.storage_dtype in (torch.float32, torch.float16)
-            and pool.parts == 2
         )
         self.value_dim = pool.value_dim
         self.use_stage = on_cpu and not self.native_decode
@@ -270,7 +269,8 @@ class TorchNativeBackend:
                 sinks,
                 self.softcap,
             )
-            return out.view(q.shape[0], self.num_heads * self.head_dim)
+            # one-part slots (latent attention) read the keys as values: keep the values' width
+            return out[..., : self.value_dim].reshape(q.shape[0], self.num_heads * self.value_dim)
         if batch.is_decode:
             out = self._decode(q, kv, layer, batch, sinks)
         else:

@@ -484,20 +484,22 @@ void fold_block(float* scores, int64_t apart, const T* values, const int32_t* bl
 }
 
 // The query heads [head, head + group) of one request, all reading KV head `kv_head` of the
-// pool's layer `kv` ([slots, 2, kv_heads, head_dim]), block by block with a running softmax
+// pool's layer `kv` ([slots, kv_parts, kv_heads, head_dim]; one part: the values are the keys),
+// block by block with a running softmax
 // (each head's max, sum and weighted values rescaled when its max rises), so that a block's
 // K and V come from memory once for the group.
 // Leaves each head's weighted values unnormalised in `out`, its running max in `top` and its
 // sum of weights in `total`.
 template <typename T>
 void attend(const float* q, const T* kv, const int32_t* slots, int64_t length,
-            int64_t kv_head, int64_t kv_heads, int64_t group, int64_t head_dim, float scale,
-            float softcap, float* out, float* top, float* total, std::vector<float>& scratch) {
+            int64_t kv_head, int64_t kv_heads, int64_t kv_parts, int64_t group, int64_t head_dim,
+            float scale, float softcap, float* out, float* top, float* total,
+            std::vector<float>& scratch) {
   scratch.resize(group * kBlock);
   float* scores = scratch.data();
-  const int64_t stride = 2 * kv_heads * head_dim;
+  const int64_t stride = kv_parts * kv_heads * head_dim;
   const T* keys = kv + kv_head * head_dim;
-  const T* values = keys + kv_heads * head_dim;
+  const T* values = keys + (kv_parts - 1) * kv_heads * head_dim;
   clear_fold(out, top, total, group, head_dim);
   for (int64_t first = 0; first < length; first += kBlock) {
     const int64_t rows = std::min(kBlock, length - first);
@@ -567,12 +569,13 @@ void join_pieces(const float* parts, int64_t count, int64_t apart, int64_t group
 template <typename T>
 void attend_run(const float* queries, int64_t q_stride, const T* kv, const int32_t* context,
                 const int64_t* length, int64_t first, int64_t count, int64_t kv_head,
-                int64_t kv_heads, int64_t group, int64_t head_dim, float scale, int64_t window,
-                float softcap, const float* sinks, float* outputs, std::vector<float>& scratch) {
+                int64_t kv_heads, int64_t kv_parts, int64_t group, int64_t head_dim, float scale,
+                int64_t window, float softcap, const float* sinks, float* outputs,
+                std::vector<float>& scratch) {
   const int64_t pairs = count * group, longest = length[first + count - 1];
-  const int64_t stride = 2 * kv_heads * head_dim;
+  const int64_t stride = kv_parts * kv_heads * head_dim;
   const T* keys = kv + kv_head * head_dim;
-  const T* values = keys + kv_heads * head_dim;
+  const T* values = keys + (kv_parts - 1) * kv_heads * head_dim;
   // [pairs, head_dim] queries, [pairs, longest] their scores (folded where they lie), then a
   // token's pieces' parts
   const int64_t part_size = group * (head_dim + 2), most_pieces = (longest + kPiece - 1) / kPiece;
@@ -619,7 +622,9 @@ void attend_run(const float* queries, int64_t q_stride, const T* kv, const int32
 }
 
 // q: [batch, heads, head_dim]; this step's K/V are already in the pool (the CPU kernels'
-// norm_rope_store writes them). Request i attends to the first seq_lens[i] slots of
+// norm_rope_store writes them). A pool of one part a slot (latent attention's) reads its
+// keys as the values too: the output is then as wide as the keys, of which the caller keeps
+// the value columns. Request i attends to the first seq_lens[i] slots of
 // page-table row rows[i], or to the last `window` of them where `window` is not 0. `sinks`:
 // float32 [heads], each head's sink logit (its softmax's extra term), or none. `softcap`:
 // the scaled scores' soft cap (Gemma 2), 0 for none.
@@ -631,9 +636,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
                   q.stride(1) == q.size(2),
               "q: float32 [batch, heads, head_dim], each request's heads contiguous");
   const bool half = kv.scalar_type() == at::kHalf;
-  TORCH_CHECK(kv.dim() == 4 && kv.size(1) == 2 && (half || kv.scalar_type() == at::kFloat) &&
-                  kv.is_contiguous(),
-              "kv: the pool's contiguous float32 or float16 layer [slots, 2, kv_heads, head_dim]");
+  TORCH_CHECK(kv.dim() == 4 && (kv.size(1) == 2 || kv.size(1) == 1) &&
+                  (half || kv.scalar_type() == at::kFloat) && kv.is_contiguous(),
+              "kv: the pool's contiguous float32 or float16 layer [slots, parts, kv_heads, "
+              "head_dim], one or two parts");
+  const int64_t kv_parts = kv.size(1);
   TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kInt && table.stride(1) == 1,
               "table: int32 page table with contiguous rows");
   TORCH_CHECK(rows.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
@@ -696,11 +703,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
         const int32_t* context = slots + row[first] * width;
         if (half) {
           attend_run(queries, q_stride, static_cast<const Half*>(kv.data_ptr()), context, length,
-                     first, count, kv_head, kv_heads, group, head_dim, softmax_scale, window,
-                     cap, sink_logits, outputs, scratch);
+                     first, count, kv_head, kv_heads, kv_parts, group, head_dim, softmax_scale,
+                     window, cap, sink_logits, outputs, scratch);
         } else {
           attend_run(queries, q_stride, kv.data_ptr<float>(), context, length, first, count,
-                     kv_head, kv_heads, group, head_dim, softmax_scale, window, cap,
+                     kv_head, kv_heads, kv_parts, group, head_dim, softmax_scale, window, cap,
                      sink_logits, outputs, scratch);
         }
         continue;
@@ -714,10 +721,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
       const int32_t* context = slots + row[piece.request] * width + piece.first;
       if (half) {
         attend(query, static_cast<const Half*>(kv.data_ptr()), context, piece.length, kv_head,
-               kv_heads, group, head_dim, softmax_scale, cap, part, top, top + group, scratch);
+               kv_heads, kv_parts, group, head_dim, softmax_scale, cap, part, top, top + group,
+               scratch);
       } else {
-        attend(query, kv.data_ptr<float>(), context, piece.length, kv_head, kv_heads, group,
-               head_dim, softmax_scale, cap, part, top, top + group, scratch);
+        attend(query, kv.data_ptr<float>(), context, piece.length, kv_head, kv_heads, kv_parts,
+               group, head_dim, softmax_scale, cap, part, top, top + group, scratch);
       }
     }
   });
