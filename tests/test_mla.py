@@ -79,12 +79,13 @@ def test_older_gguf_with_kv_b_whole_matches_transformers(tmp_path: Path) -> None
 def test_quantized_gguf_runs_its_blocks_close_to_its_float_twin(
     tmp_path: Path, kv_b_apart: bool
 ) -> None:
-    """A Q8_0 file keeps its projections and experts in blocks; `kv_b_proj`'s slices are
-    de-quantized at load (both layouts). Its logits stay within Q8_0's error of transformers'
-    on the same float weights, and equal its de-quantized twin's (`--quantization none`) up
-    to the order of float sums and the CPU kernels' 16-bit activations; the default KV cache
-    of a quantized model on CPU is float16, one part a token still, which the CPU kernels'
-    attention reads (its keys as the values too)."""
+    """A Q8_0 file keeps its projections and experts in blocks, and `kv_b_proj`'s heads as
+    the CPU kernels' weights (its value rows in their blocks in both layouts; whole
+    `attn_kv_b`'s key rows de-quantized to be transposed). Its logits stay within Q8_0's
+    error of transformers' on the same float weights, and equal its de-quantized twin's
+    (`--quantization none`) up to the order of float sums and the CPU kernels' 16-bit
+    activations; the default KV cache of a quantized model on CPU is float16, one part a
+    token still, which the CPU kernels' attention reads (its keys as the values too)."""
     folder = make_tiny_model("deepseek_v3", tmp_path / "v3")
     path = tmp_path / "q8.gguf"
     model = write_hf_as_gguf(
@@ -101,6 +102,7 @@ def test_quantized_gguf_runs_its_blocks_close_to_its_float_twin(
             if quantization == "auto":  # the CPU kernels' attention reads the one-part pool
                 assert engine.pool.storage_dtype == torch.float16 and engine.pool.parts == 1
                 assert engine.attn.native_decode
+                assert attention.kv_b_proj.key_rows is not None
             logits[quantization] = our_logits(llm, prompt, continuation)
     torch.testing.assert_close(logits["auto"], logits["none"], atol=5e-3, rtol=0)
     with torch.inference_mode():

@@ -638,21 +638,22 @@ class DecoderForCausalLM(nn.Module):
                 loaded += self.load_tensor(modules, part_name, tensor[rows])
             return loaded
         latent = self.config.latent
+        target, shard = self.fused.get(leaf, (leaf, 0))
+        shards = [(tensor, shard)]
         if leaf in REORDERED_BY_ROTATION and self.rotary_order is not None:
-            tensor = self._reorder_head_rows(tensor)
+            shards = [(self._reorder_head_rows(tensor), shard)]
         elif latent and leaf in REORDERED_ROWS and param == "weight":
             tensor = _permute_rows(tensor, lambda rows: latent_row_order(latent, leaf, rows))
+            shards = [(tensor, 0)]
             if leaf in QUERY_PROJECTIONS:  # its two parts: `LatentAttentionLayer`'s
                 nope = self.config.num_heads * latent.qk_nope_head_dim
-                for shard, part in enumerate((tensor[:nope], tensor[nope:])):
-                    modules[f"{parent}.{leaf}"].load_weight(param, part, shard)
-                return [f"{parent}.{leaf}.{param}"]
-        target, shard = self.fused.get(leaf, (leaf, 0))
+                shards = [(tensor[:nope], 0), (tensor[nope:], 1)]
         module_name = f"{parent}.{target}" if parent else target
         module = modules.get(module_name)
         if module is None or not hasattr(module, "load_weight"):
             raise ValueError(f"checkpoint tensor {name} has no place in {self.config.architecture}")
-        module.load_weight(param, tensor, shard)
+        for part, part_shard in shards:
+            module.load_weight(param, part, part_shard)
         if isinstance(module, LatentHeads):
             return [f"{module_name}.{filled}" for filled in module.FILLS[param]]
         return [f"{module_name}.{param}"]
