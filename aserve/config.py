@@ -44,6 +44,7 @@ SUPPORTED_ARCHITECTURES = {
     "Dots1ForCausalLM": "dots1",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Qwen3_5ForCausalLM": "qwen3_5",
 }
 VISION_LANGUAGE_ARCHITECTURES = (
     "Gemma3ForConditionalGeneration",
@@ -53,6 +54,7 @@ VISION_LANGUAGE_ARCHITECTURES = (
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
     "Qwen3VLMoeForConditionalGeneration",
+    "Qwen3_5ForConditionalGeneration",
 )
 """Vision-language checkpoints whose language model aserve runs (`language_model_config`;
 models/multimodal.py reads its weights), with images where models/vision.py encodes them:
@@ -70,6 +72,7 @@ LANGUAGE_MODEL_TYPES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_vl_text": "Qwen3ForCausalLM",
     "qwen3_vl_moe_text": "Qwen3MoeForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
 }
 """The language model's `model_type` in a vision-language config -> the text architecture
 that runs it. Qwen2-VL's and Qwen3-VL's rotary positions (M-RoPE) give each section of a
@@ -116,8 +119,21 @@ DEEPSEEK_MOE_FAMILIES = ("glm4_moe", "dots1", "deepseek_v2", "deepseek_v3")
 """Families whose experts are routed as DeepSeek's (`RouterStyle`)."""
 LATENT_ATTENTION_FAMILIES = ("deepseek_v2", "deepseek_v3")
 """Families whose attention is DeepSeek's multi-head latent attention (`LatentAttention`)."""
+HYBRID_FAMILIES = ("qwen3_5",)
+"""Families whose layers are mostly linear attention with a recurrent state a request
+(`LinearAttention`), with whole-context attention in a few."""
 MOE_BACKENDS = ("auto", "torch", "fused")
-QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "olmoe", "exaone4", "dots1")
+QK_NORM_FAMILIES = (
+    "qwen3",
+    "qwen3_moe",
+    "gemma3",
+    "olmo2",
+    "olmo3",
+    "olmoe",
+    "exaone4",
+    "dots1",
+    "qwen3_5",
+)
 """Families that normalise queries and keys (a head each, or across heads: OLMo's)."""
 GELU_TANH = "gelu_pytorch_tanh"
 ACTIVATIONS = ("silu", GELU_TANH)
@@ -237,6 +253,36 @@ class LatentAttention:
     def cache_width(self) -> int:
         """A token's cached row: the latent, then its rotated key part."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class LinearAttention:
+    """Qwen3.5's linear attention layers (Gated DeltaNet, models/gated_deltanet.py): each
+    keeps, a request, a `[value_heads, key_head_dim, value_head_dim]` state that every token
+    decays and corrects (the gated delta rule), and the last `conv_kernel - 1` inputs of a
+    causal depthwise convolution over its queries, keys and values. A key head (queries
+    too) serves `value_heads // key_heads` value heads in turn. `layers`: the layers that
+    run it; the others run whole-context attention."""
+
+    layers: tuple[int, ...]
+    key_heads: int
+    value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def key_width(self) -> int:
+        return self.key_heads * self.key_head_dim
+
+    @property
+    def value_width(self) -> int:
+        return self.value_heads * self.value_head_dim
+
+    @property
+    def conv_width(self) -> int:
+        """Channels of the convolution: queries, keys, values."""
+        return 2 * self.key_width + self.value_width
 
 
 @dataclass(frozen=True)
@@ -617,6 +663,34 @@ def _latent_settings(config: dict[str, Any], scaling: dict[str, Any] | None) -> 
     return {"latent": latent, "attention_scale": scale}
 
 
+def _hybrid_settings(config: dict[str, Any], num_layers: int, head_dim: int) -> dict[str, Any]:
+    """Qwen3.5: `LinearAttention` in the layers `layer_types` names so (else in three of
+    every four), and in the others gated attention (`attention_output_gate`) whose first
+    quarter of a head rotates; every norm weighs by 1 + w."""
+    types = config.get("layer_types")
+    if not types:
+        interval = int(config.get("full_attention_interval", 4))
+        types = ["linear_attention" if (i + 1) % interval else "full" for i in range(num_layers)]
+    linear = LinearAttention(
+        layers=tuple(i for i, kind in enumerate(types[:num_layers]) if kind == "linear_attention"),
+        key_heads=int(config["linear_num_key_heads"]),
+        value_heads=int(config["linear_num_value_heads"]),
+        key_head_dim=int(config["linear_key_head_dim"]),
+        value_head_dim=int(config["linear_value_head_dim"]),
+        conv_kernel=int(config.get("linear_conv_kernel_dim", 4)),
+    )
+    if linear.value_heads % linear.key_heads:
+        raise ConfigError(
+            f"{linear.value_heads} value heads do not share {linear.key_heads} key heads evenly"
+        )
+    return {
+        "linear_attention": linear,
+        "attention_output_gate": True,
+        "gemma_norms": True,
+        "rotary_dim": _rotary_dim(config, head_dim, 0.25),
+    }
+
+
 def _as_block(value: Any) -> tuple[int, int] | None:
     if isinstance(value, str):  # early compressed-tensors wrote "128x128"
         value = value.lower().split("x")
@@ -829,6 +903,11 @@ class ModelConfig:
     reads a pair as its tokenizer joins it; where its types are more than one, the tokens
     after a sequence's first `segment_separator_id` ([SEP], the runtime looks it up) are of
     type 1, as the tokenizer's pair encoding types them.
+    `linear_attention` (Qwen3.5): the layers that keep a recurrent state a request in place
+    of a KV cache (`LinearAttention`); None where every layer attends over its KV.
+    `attention_output_gate` (Qwen3.5): `q_proj` gives each head a gate beside its query
+    (the head's query rows, then its gate rows), and the head's attention output is scaled
+    by the gate's sigmoid before `o_proj`.
     `mrope_section`: Qwen-VL's rotary pairs by position coordinate (time, height, width; in
     runs of pairs, or taken in turn where `mrope_interleaved`): text positions give all three
     the same value, so only image positions see them (layers/rotary.py).
@@ -869,6 +948,8 @@ class ModelConfig:
     shared_expert_gated: bool = True
     router: RouterStyle = SOFTMAX_ROUTER
     latent: LatentAttention | None = None
+    linear_attention: LinearAttention | None = None
+    attention_output_gate: bool = False
     mtp_layers: int = 0  # GLM-4.5's next-token prediction layers after the last: not run
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
@@ -916,6 +997,14 @@ class ModelConfig:
     @property
     def num_labels(self) -> int:
         return len(self.labels)
+
+    def keeps_kv(self, layer: int) -> bool:
+        """Whether layer `layer` attends over a KV cache (not a linear attention layer's)."""
+        return self.linear_attention is None or layer not in self.linear_attention.layers
+
+    @property
+    def kv_layers(self) -> int:
+        return sum(self.keeps_kv(layer) for layer in range(self.num_layers))
 
     def layer_window(self, layer: int) -> int:
         """Layer `layer`'s sliding window, 0 where it reads the whole context."""
@@ -1024,6 +1113,8 @@ class ModelConfig:
         if family in LATENT_ATTENTION_FAMILIES:
             family_settings |= _latent_settings(config, family_settings.get("rope_scaling"))
             head_dim = family_settings["latent"].cache_width
+        if family in HYBRID_FAMILIES:
+            family_settings |= _hybrid_settings(config, num_layers, int(head_dim))
         if family == "phi3":
             family_settings["rotary_dim"] = _rotary_dim(config, int(head_dim))
             _check_longrope(family_settings["rope_scaling"], family_settings["rotary_dim"])

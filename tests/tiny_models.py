@@ -298,6 +298,25 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
         "pad_token_id": 0,
     },
+    "qwen3_5": {
+        # linear attention (Gated DeltaNet) in two layers of three, its key heads each
+        # serving two value heads of another width; gated attention with a quarter of a
+        # head rotating in the third
+        "head_dim": 32,
+        "num_hidden_layers": 3,
+        "layer_types": ["linear_attention", "linear_attention", "full_attention"],
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 24,
+        "linear_conv_kernel_dim": 4,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
+        },
+        "tie_word_embeddings": False,
+    },
     "qwen3_moe": {
         "rope_theta": 1000000.0,
         "tie_word_embeddings": False,
@@ -372,6 +391,7 @@ def make_tiny_model(
         "olmo3": transformers.Olmo3Config,
         "exaone4": transformers.Exaone4Config,
         "gpt_oss": transformers.GptOssConfig,
+        "qwen3_5": transformers.Qwen3_5TextConfig,
     }[family]
     config = config_cls(**{**COMMON, **FAMILIES[family], **(overrides or {})})
     torch.manual_seed(seed)

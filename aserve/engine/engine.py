@@ -48,6 +48,7 @@ from aserve.forward import ForwardBatch, ForwardMode
 from aserve.kvcache.pages import PageTable
 from aserve.kvcache.pool import KVPool, kv_storage_dtype
 from aserve.kvcache.scales import KVScales
+from aserve.kvcache.states import RecurrentStates
 from aserve.layers.cpu_gemm import keep_activations_in_heap, return_freed_memory
 from aserve.layers.fused import fused_ops
 from aserve.layers.linear import pack_linear_weights, use_one_row_kernel
@@ -335,9 +336,23 @@ class Engine:
             tuple(window > 0 for window in model_config.layer_windows),
             self.window_pages,
             None if model_config.latent is None else model_config.latent.kv_lora_rank,
+            tuple(not model_config.keeps_kv(layer) for layer in range(model_config.num_layers)),
         )
         kv_scales.apply(self.pool)
         self.kv_cache_bytes = sum(layer.nbytes for layer in self.pool.kv)
+        if model_config.linear_attention is not None:
+            rows = config.max_running_requests + 1  # the page table's, its dummy row too
+            states = RecurrentStates(
+                model_config.linear_attention, rows, self.tp.size, self.dtype, self.device
+            )
+            self.pool.states = states
+            logger.info(
+                "recurrent states: %d rows of %.1f MiB (%d linear attention layers), %.2f GiB",
+                rows,
+                states.nbytes / rows / 2**20,
+                len(model_config.linear_attention.layers),
+                states.nbytes / GiB,
+            )
         self.page_table = PageTable(
             config.max_running_requests,
             self.max_seq_len,

@@ -13,6 +13,7 @@ from aserve.distributed.group import TPGroup
 from aserve.engine.graph import graph_batch_limit, graph_page_ids
 from aserve.kvcache.pages import PageTable
 from aserve.kvcache.pool import KVPool
+from aserve.kvcache.states import RecurrentStates
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ def kv_bytes_per_token(
     parts = 1 if model.latent else 2  # latent attention's values are its keys' first columns
     per_layer = KVPool.bytes_per_token(1, local_kv_heads, model.head_dim, dtype, parts)
     windowed = sum(1 for window in model.layer_windows if window) if window_share < 1 else 0
-    return int(per_layer * (model.num_layers - windowed + window_share * windowed))
+    return int(per_layer * (model.kv_layers - windowed + window_share * windowed))
 
 
 def plan_window_pages(
@@ -110,11 +111,14 @@ def working_memory_bytes(
 def step_bytes(
     config: EngineConfig, model: ModelConfig, tp: TPGroup, dtype: torch.dtype, max_seq_len: int
 ) -> int:
-    """What the KV pool must leave on CUDA: a step's working memory, the page table and
-    the decode graphs' page ids (int32)."""
+    """What the KV pool must leave on CUDA: a step's working memory, the page table (and
+    a hybrid model's recurrent states, a row each) and the decode graphs' page ids
+    (int32)."""
     rows = config.max_running_requests + 1
     windowed = sliding_window_pool(model, max_seq_len) > 0
     table = rows * PageTable.bytes_per_row(max_seq_len, config.page_size, windowed)
+    if model.linear_attention is not None:
+        table += rows * RecurrentStates.bytes_per_row(model.linear_attention, tp.size, dtype)
     graph_pages = graph_page_ids(graph_batch_limit(config), max_seq_len, config.page_size) * 4
     graph_pages *= 1 + windowed  # the windowed layers' plans have their own buffer
     return working_memory_bytes(config, model, tp, dtype) + table + graph_pages

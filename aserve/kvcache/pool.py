@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import math
 import mmap
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from aserve.kvcache.states import RecurrentStates
 
 KV_CACHE_DTYPES = {
     "fp8_e4m3": torch.float8_e4m3fn,
@@ -35,7 +39,7 @@ def kv_storage_dtype(
 def zeros_on(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zeros; on CPU backed by anonymous memory that the OS commits page by page when it is
     first written, so a large, mostly idle KV pool does not count in the resident memory."""
-    if device.type != "cpu":
+    if device.type != "cpu" or not math.prod(shape):
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
@@ -63,6 +67,9 @@ class KVPool:
     sliding-window ones) hold that many pages of their own, indexed by the page table's
     window slots (kvcache/pages.py: `SlidingWindow`).
 
+    The layers that `stateful` marks (Qwen3.5's linear attention layers) hold no slots:
+    they keep a recurrent state a request instead, in `states` (kvcache/states.py).
+
     With a `value_dim` (DeepSeek's latent attention) a slot holds one part, `[slots, 1,
     kv_heads, head_dim]`: the keys, whose first `value_dim` columns are the values as well
     (`v[layer]` is that view), so a token costs half the bytes; `parts` is 1 (else 2), and
@@ -82,6 +89,7 @@ class KVPool:
         windowed: tuple[bool, ...] = (),
         window_pages: int = 0,
         value_dim: int | None = None,
+        stateful: tuple[bool, ...] = (),
     ) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
@@ -93,16 +101,20 @@ class KVPool:
         self.parts = 1 if value_dim is not None else 2
         self.value_dim = head_dim if value_dim is None else value_dim
 
-        def layer_tensor(windowed: bool) -> torch.Tensor:
-            slots = (window_pages if windowed else num_pages) * page_size
+        stateful = stateful or (False,) * num_layers
+
+        def layer_tensor(layer: int) -> torch.Tensor:
+            pages = window_pages if self.windowed[layer] else num_pages
+            slots = 0 if stateful[layer] else pages * page_size
             shape = (slots, self.parts, num_kv_heads, head_dim)
             return zeros_on(shape, self.storage_dtype, device)
 
-        self.kv = [layer_tensor(windowed) for windowed in self.windowed]
+        self.kv = [layer_tensor(layer) for layer in range(num_layers)]
         self.k = [layer[:, 0] for layer in self.kv]
         self.v = [layer[:, -1, :, : self.value_dim] for layer in self.kv]
         self.scales = torch.ones(num_layers, 2, dtype=torch.float32, device=device)
         self.scale_pairs = [(1.0, 1.0)] * num_layers
+        self.states: RecurrentStates | None = None  # a hybrid model's (the engine sets them)
 
     def set_scales(self, layer: int, k_scale: float, v_scale: float) -> None:
         """Set a layer's FP8 scales (before anything is stored with the old ones)."""

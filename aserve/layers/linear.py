@@ -116,8 +116,9 @@ class ColumnParallelLinear(nn.Module):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """Q, K and V projections fused. With fewer KV heads than ranks, KV heads are
-    replicated so each rank keeps whole heads."""
+    """Q, K and V projections fused (and, where `gated`, a gate a query head after them:
+    Qwen3.5's). With fewer KV heads than ranks, KV heads are replicated so each rank keeps
+    whole heads."""
 
     def __init__(
         self,
@@ -128,15 +129,16 @@ class QKVParallelLinear(ColumnParallelLinear):
         bias: bool,
         tp: TPGroup,
         quantization: str | None = None,
+        gated: bool = False,
     ) -> None:
         self.kv_replicas = max(1, tp.size // num_kv_heads)
         kv_total = max(num_kv_heads, tp.size) * head_dim
-        sizes = [num_heads * head_dim, kv_total, kv_total]
+        sizes = [num_heads * head_dim, kv_total, kv_total] + [num_heads * head_dim] * gated
         super().__init__(hidden_size, sizes, bias, tp, quantization)
 
     def rank_rows(self, tensor: WeightSource, shard: int) -> torch.Tensor:
         size = self.local_sizes[shard]
-        index = self.tp.rank if shard == 0 else self.tp.rank // self.kv_replicas
+        index = self.tp.rank if shard in (0, 3) else self.tp.rank // self.kv_replicas
         return tensor[index * size : (index + 1) * size]
 
 

@@ -74,7 +74,8 @@ def build_decode_stack(model: DecoderModel, config: ModelConfig) -> DecodeStack 
     sinks, biases and clamped experts, OLMo 2's and EXAONE 4's with norms after attention and
     the MLP alone (`post_norms`; OLMo 2's Q/K norms across heads)."""
     layers = list(model.layers)
-    if not layers or model.tp.size != 1 or config.latent:  # no latent attention in C++
+    # no latent attention, linear attention or gated attention in C++
+    if not layers or model.tp.size != 1 or config.latent or config.linear_attention:
         return None
     attention = layers[0].self_attn
     assert isinstance(attention, DecoderAttention)

@@ -40,6 +40,7 @@ from aserve.layers.moe import QuantizedExperts
 from aserve.layers.norm import AcrossHeadsNorm, Float32RMSNorm, GemmaRMSNorm, RMSNorm
 from aserve.layers.rotary import NO_ROPE, RotaryEmbedding, partial_rotary_order
 from aserve.layers.weight import WeightSource, read_whole
+from aserve.models.gated_deltanet import GatedDeltaNet
 from aserve.models.mla import (
     QUERY_PROJECTIONS,
     REORDERED_ROWS,
@@ -83,8 +84,10 @@ class DecoderAttention(nn.Module):
             config.qkv_bias,
             tp,
             quantization=config.quantization,
+            gated=config.attention_output_gate,
         )
         self.q_size, self.kv_size = self.qkv_proj.local_sizes[0], self.qkv_proj.local_sizes[1]
+        self.gated = config.attention_output_gate
         self.o_proj = RowParallelLinear(
             config.num_heads * config.head_dim,
             config.hidden_size,
@@ -141,7 +144,7 @@ class DecoderAttention(nn.Module):
         (norms across heads, OLMo 2's, too, where one rank holds every head; else they go
         first)."""
         qkv = self.qkv_proj(hidden)
-        q, kv = qkv.split([self.q_size, 2 * self.kv_size], -1)
+        q, kv = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + 2 * self.kv_size]
         tokens = q.shape[0]
         new_kv: torch.Tensor | None = None  # None: already in the pool
         head_norms = q_norm, k_norm = self.q_norm, self.k_norm
@@ -178,6 +181,9 @@ class DecoderAttention(nn.Module):
             self.rotary(positions, qkv[:, : self.q_size + self.kv_size], self.q_size, rows)
             new_kv = kv.view(tokens, 2, -1, self.head_dim)
         out = attn.forward(q.view(tokens, -1, self.head_dim), new_kv, self.layer, batch, self.sinks)
+        if self.gated:  # Qwen3.5: each head's output scaled by its gate's sigmoid
+            gate = qkv[:, self.q_size + 2 * self.kv_size :]
+            out = out.reshape(tokens, -1) * torch.sigmoid(gate)
         return self.o_proj(out)
 
 
@@ -202,7 +208,7 @@ def use_fp8_activations(model: nn.Module, adapters: LoraRows | None = None) -> N
         # gpt-oss's)
         if not isinstance(module, DecoderLayer) or module.post_norms:
             continue  # no norm before the products (OLMo 2)
-        if isinstance(module.input_layernorm, Float32RMSNorm):
+        if isinstance(module.input_layernorm, Float32RMSNorm) or module.linear_attn is not None:
             continue
         attention = module.self_attn
         if isinstance(attention, DecoderAttention) and takes_fp8(attention.qkv_proj):
@@ -285,11 +291,15 @@ class DecoderLayer(nn.Module):
         mlp: nn.Module,
     ) -> None:
         super().__init__()
-        self.self_attn: DecoderAttention | LatentAttentionLayer = (
-            LatentAttentionLayer(config, layer, rotary, tp, ops)
-            if config.latent
-            else DecoderAttention(config, layer, rotary, tp, ops)
-        )
+        self.linear_attn: GatedDeltaNet | None = None
+        if config.keeps_kv(layer):
+            self.self_attn: DecoderAttention | LatentAttentionLayer = (
+                LatentAttentionLayer(config, layer, rotary, tp, ops)
+                if config.latent
+                else DecoderAttention(config, layer, rotary, tp, ops)
+            )
+        else:
+            self.linear_attn = GatedDeltaNet(config, layer, tp)
         self.mlp = mlp
         self.sandwich = config.sandwich_norms
         self.post_norms = config.post_norms
@@ -326,7 +336,8 @@ class DecoderLayer(nn.Module):
         else:
             group = None if self.sandwich else self.tp
             hidden, residual = self.input_layernorm.add_and_norm(hidden, residual, group)
-        hidden = self.self_attn(positions, hidden, batch, attn)
+        mixer = self.self_attn if self.linear_attn is None else self.linear_attn
+        hidden = mixer(positions, hidden, batch, attn)
         if not self.sandwich:
             hidden, residual = self.post_attention_layernorm.add_and_norm(
                 self._scaled(hidden), residual, self.tp
@@ -458,8 +469,17 @@ _FUSED = {
     "q_proj": ("qkv_proj", 0),
     "k_proj": ("qkv_proj", 1),
     "v_proj": ("qkv_proj", 2),
+    "q_gate_proj": ("qkv_proj", 3),  # Qwen3.5's gates, which its q_proj holds beside queries
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
+    # Qwen3.5's linear attention: one product for its queries, keys, values, gates,
+    # betas and decays
+    "in_proj_q": ("in_proj", 0),
+    "in_proj_k": ("in_proj", 1),
+    "in_proj_v": ("in_proj", 2),
+    "in_proj_z": ("in_proj", 3),
+    "in_proj_b": ("in_proj", 4),
+    "in_proj_a": ("in_proj", 5),
 }
 NORM_NAMES = {
     "glm4": {
@@ -475,8 +495,10 @@ LATENT_FUSED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)
 _FUSED_IN_CHECKPOINT = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
+    "in_proj_qkv": ("in_proj_q", "in_proj_k", "in_proj_v"),
 }
-"""Checkpoints that store a layer's projections fused (Phi-3's), split into Llama's names."""
+"""Checkpoints that store a layer's projections fused (Phi-3's, Qwen3.5's linear
+attention's), split into names of their own parts."""
 
 
 class ScoreHead(nn.Module):
@@ -603,8 +625,10 @@ class DecoderForCausalLM(nn.Module):
                 self.score.load_token_rows(tensor, self.config)
                 rows_from = name
                 loaded.add("score.weight")
-            if "rotary_emb" in name or (
-                name == "lm_head.weight" and self.config.tie_word_embeddings
+            if (
+                "rotary_emb" in name
+                or (name == "lm_head.weight" and self.config.tie_word_embeddings)
+                or name.startswith("mtp.")  # Qwen3.5's next-token prediction layer: not run
             ):
                 continue
             module, _, param = name.rpartition(".")
@@ -638,6 +662,10 @@ class DecoderForCausalLM(nn.Module):
                 loaded += self.load_tensor(modules, part_name, tensor[rows])
             return loaded
         latent = self.config.latent
+        gates: list[str] = []
+        if leaf == "q_proj" and self.config.attention_output_gate and param == "weight":
+            tensor, gate_rows = self._queries_and_gates(tensor)
+            gates = self.load_tensor(modules, f"{parent}.q_gate_proj.{param}", gate_rows)
         target, shard = self.fused.get(leaf, (leaf, 0))
         shards = [(tensor, shard)]
         if leaf in REORDERED_BY_ROTATION and self.rotary_order is not None:
@@ -656,7 +684,7 @@ class DecoderForCausalLM(nn.Module):
             module.load_weight(param, part, part_shard)
         if isinstance(module, LatentHeads):
             return [f"{module_name}.{filled}" for filled in module.FILLS[param]]
-        return [f"{module_name}.{param}"]
+        return [f"{module_name}.{param}", *gates]
 
     def lora_targets(self, name: str, b: torch.Tensor) -> list[tuple[str, int, torch.Tensor]]:
         """Where a LoRA adapter's B of checkpoint layer `name` goes (aserve/lora/): (our
@@ -674,6 +702,11 @@ class DecoderForCausalLM(nn.Module):
             return places
         if leaf in ("q_proj", "k_proj") and self.rotary_order is not None:
             b = read_whole(self._reorder_head_rows(b))
+        if self.config.attention_output_gate and leaf == "q_proj":
+            raise ConfigError(
+                "LoRA adapters on gated attention's q_proj are not supported (its rows load "
+                "as queries and gates apart); its other projections take them"
+            )
         if self.config.latent and leaf in (*REORDERED_ROWS, "q_a_proj", "kv_b_proj"):
             raise ConfigError(
                 f"LoRA adapters on latent attention's {leaf} are not supported (its rows load "
@@ -685,11 +718,31 @@ class DecoderForCausalLM(nn.Module):
     def _fused_rows(self, leaf: str) -> list[slice]:
         """The row ranges of a fused checkpoint tensor's parts (Q, K, V or gate, up)."""
         config = self.config
+        if leaf == "in_proj_qkv":
+            assert config.linear_attention is not None
+            keys = config.linear_attention.key_width
+            values = config.linear_attention.value_width
+            return [slice(0, keys), slice(keys, 2 * keys), slice(2 * keys, 2 * keys + values)]
         if leaf == "qkv_proj":
             q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
             return [slice(0, q), slice(q, q + kv), slice(q + kv, q + 2 * kv)]
         inter = config.intermediate_size
         return [slice(0, inter), slice(inter, 2 * inter)]
+
+    def _queries_and_gates(self, q_proj: WeightSource) -> tuple[WeightSource, WeightSource]:
+        """Qwen3.5's `q_proj` rows, a head's query then its gate, as every query row then
+        every gate row (each as `load_tensor` takes a query projection alone)."""
+        head_dim, heads = self.config.head_dim, self.config.num_heads
+
+        def order(rows: int) -> torch.Tensor:
+            assert rows == 2 * heads * head_dim
+            starts = torch.arange(heads, device="cpu")[:, None] * 2 * head_dim
+            within = torch.arange(head_dim, device="cpu")
+            queries = (starts + within).flatten()
+            return torch.cat([queries, queries + head_dim])
+
+        whole = _permute_rows(q_proj, order)
+        return whole[: heads * head_dim], whole[heads * head_dim :]
 
     def _reorder_head_rows(self, tensor: WeightSource) -> WeightSource:
         """A query or key projection's rows (or bias) in `rotary_order` within each head."""

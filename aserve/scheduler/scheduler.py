@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from aserve.config import SchedulerConfig
+from aserve.config import ConfigError, SchedulerConfig
 from aserve.constrained.grammar import GrammarCompiler, GrammarError, new_matcher
 from aserve.constrained.masks import TokenMasks
 from aserve.engine.engine import Engine, StepLogits
@@ -108,7 +108,20 @@ class Scheduler:
         if engine.window_pages:
             window_allocator = PageAllocator(engine.window_pages, config.page_size)
             self.window = SlidingWindow(window_allocator, engine.kv_window)
-        self.cache = make_prefix_cache(config.cache_type, self.allocator, self.window)
+        cache_type = config.cache_type
+        if engine.model_config.linear_attention is not None:
+            if config.speculative_algorithm is not None:
+                raise ConfigError(
+                    "speculative decoding is not supported for models with linear attention "
+                    "(a rejected draft would need their recurrent states rolled back)"
+                )
+            if cache_type == "radix":
+                logger.info(
+                    "prefix cache off: linear attention layers keep a state a request, not "
+                    "one a token, so no prompt prefix can be reused"
+                )
+            cache_type = "naive"
+        self.cache = make_prefix_cache(cache_type, self.allocator, self.window)
         self.planner = Planner(config, self.allocator, self.cache, engine.page_table, self.window)
         if engine.graphs is not None:
             self.planner.max_verify_rows = engine.graphs.max_batch_size
