@@ -185,6 +185,7 @@ def test_tp2_integer_checkpoint_equals_tp1(
         "dots1",
         "deepseek_v2",
         "deepseek_v3",
+        "qwen3_5",
     ],
 )
 def test_tp2_family_greedy_tokens_and_logprobs_equal_tp1(tmp_path: Path, family: str) -> None:
@@ -198,7 +199,10 @@ def test_tp2_family_greedy_tokens_and_logprobs_equal_tp1(tmp_path: Path, family:
     one KV head that both ranks hold (whose squares then count twice in that sum).
     GLM-4.5's and dots.llm1's float32 routers are replicated, their shared experts split
     as dense MLPs. DeepSeek's latent attention splits its heads (queries, `kv_b_proj`'s
-    slices, output columns) while both ranks compute and cache the whole latent row."""
+    slices, output columns) while both ranks compute and cache the whole latent row.
+    Qwen3.5's linear attention splits its key heads with the value heads they serve, the
+    convolution's channels with them, and each rank keeps its heads' recurrent states; its
+    gated attention splits queries and gates alike."""
     one_kv_head = family == "olmo2-one-kv-head"
     overrides = {"num_key_value_heads": 1} if one_kv_head else None
     model = make_tiny_model(family.removesuffix("-one-kv-head"), tmp_path, overrides=overrides)

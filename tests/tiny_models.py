@@ -516,6 +516,21 @@ def vision_language_config(architecture: str, overrides: dict[str, Any] | None =
             vision_config=base["vision_config"],
             **special,
         )
+    if architecture == "Qwen3_5ForConditionalGeneration":
+        # a quarter of each 32-wide head rotates: 4 pairs, 2 of time, 1 each of height, width
+        rope = {
+            **FAMILIES["qwen3_5"]["rope_parameters"],
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        }
+        language = text("qwen3_5", "qwen3_5_text", rope_parameters=rope)
+        tower = {
+            **qwen_encoder,
+            "out_hidden_size": language["hidden_size"],
+            "patch_size": 14,
+            "num_position_embeddings": 64,
+        }
+        return transformers.Qwen3_5Config(text_config=language, vision_config=tower, **special)
     raise ValueError(f"no tiny {architecture}")
 
 

@@ -83,21 +83,26 @@ class _DecodeStage:
         parts, kv_heads, head_dim = pool.kv[0].shape[1:]
         shape = (len(seq_lens), parts, kv_heads, self.capacity, head_dim)
         numel = math.prod(shape)
+        # (none for layers without KV: a hybrid model's linear attention layers)
         if spare is not None:
             self.buffers = spare
-            self.kv = [buffer[:numel].view(shape) for buffer in spare]
+            self.kv = [_stage_view(buffer, numel, shape) for buffer in spare]
             for layer in self.kv:
                 layer[:, :, :, longest:].zero_()  # the first step's gather fills the rest
         else:
             # Zeros (committed page by page as written): positions past a context are masked,
             # and a masked position must not hold a NaN that the softmax's zero weight keeps.
-            self.buffers = [zeros_on((numel,), pool.dtype, layer.device) for layer in pool.kv]
-            self.kv = [buffer.view(shape) for buffer in self.buffers]
+            self.buffers = [
+                zeros_on((numel if layer.shape[0] else 0,), pool.dtype, layer.device)
+                for layer in pool.kv
+            ]
+            self.kv = [_stage_view(buffer, numel, shape) for buffer in self.buffers]
 
     @staticmethod
     def numel(batch_size: int, longest: int, pool: KVPool) -> int:
         """Elements of one layer's stage."""
-        return batch_size * (longest + _DecodeStage.HEADROOM) * pool.kv[0][0].numel()
+        slot = math.prod(pool.kv[0].shape[1:])
+        return batch_size * (longest + _DecodeStage.HEADROOM) * slot
 
     def continues(self, key: tuple[int, ...], seq_lens: list[int]) -> bool:
         """True when `seq_lens` are this stage's requests one token further, within capacity."""
@@ -106,6 +111,13 @@ class _DecodeStage:
             and all(n == m + 1 for n, m in zip(seq_lens, self.seq_lens))
             and max(seq_lens) <= self.capacity
         )
+
+
+def _stage_view(buffer: torch.Tensor, numel: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """A layer's stage `shape` in `buffer`, or none of its requests where it is empty."""
+    if not buffer.numel():
+        return buffer.view(0, *shape[1:])
+    return buffer[:numel].view(shape)
 
 
 class TorchNativeBackend:
@@ -239,7 +251,8 @@ class TorchNativeBackend:
             return None, False
         # Reuse the old stage's memory when the new one needs between half and all of it;
         # otherwise it is freed here, before its successor is allocated.
-        spare = old if old is not None and numel <= old[0].numel() <= 2 * numel else None
+        held = 0 if old is None else max(buffer.numel() for buffer in old)
+        spare = old if old is not None and numel <= held <= 2 * numel else None
         del old
         self._stage = _DecodeStage(key, batch.seq_lens, self.pool, spare)
         return self._stage, False

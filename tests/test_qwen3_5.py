@@ -1,0 +1,141 @@
+"""Qwen3.5's hybrid layers (models/gated_deltanet.py, kvcache/states.py) past the parity
+tests of test_models.py, test_multimodal.py and test_tp.py: recurrent states that carry a
+prompt across chunks and batches and start from zeros for every request, prompts longer
+than one chunk of the delta rule's solve, the pool and sizing without KV for the linear
+layers, the prefix cache turned off, drafts refused, weights quantized at load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from aserve import LLM, SamplingParams
+from aserve.config import ConfigError
+from aserve.engine.memory import kv_bytes_per_token
+from aserve.kvcache.naive import NaiveCache
+from aserve.models.gated_deltanet import CHUNK, GatedDeltaNet, chunked_delta_rule
+from tests.test_models import PROMPTS, hf_model
+from tests.tiny_models import hf_greedy_tokens, make_tiny_model
+
+LONG_PROMPT = list(range(3, 310, 2))  # 154 tokens: three chunks of the delta rule
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_5(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model("qwen3_5", tmp_path_factory.mktemp("qwen3_5"))
+
+
+def step_by_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    decay: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule one token at a time, as its definition reads."""
+    outputs = []
+    for t in range(q.shape[0]):
+        state = state * decay[t].exp()[:, None, None]
+        remembered = torch.einsum("hk,hkv->hv", k[t], state)
+        correction = (v[t] - remembered) * beta[t][:, None]
+        state = state + k[t][:, :, None] * correction[:, None, :]
+        outputs.append(torch.einsum("hk,hkv->hv", q[t], state))
+    return torch.stack(outputs), state
+
+
+@pytest.mark.parametrize("tokens", [1, CHUNK - 1, CHUNK, 2 * CHUNK + 5])
+def test_chunked_rule_equals_the_recurrence(tokens: int) -> None:
+    """The chunks' triangular solve gives the token-by-token rule's outputs and final
+    state, from a state that is not zero, over whole chunks and a padded last one."""
+    torch.manual_seed(tokens)
+    heads, key_dim, value_dim = 3, 8, 5
+    q = torch.nn.functional.normalize(torch.randn(tokens, heads, key_dim), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(tokens, heads, key_dim), dim=-1)
+    v = torch.randn(tokens, heads, value_dim)
+    decay = -torch.rand(tokens, heads) * 0.5
+    beta = torch.rand(tokens, heads)
+    state = torch.randn(heads, key_dim, value_dim)
+    out, final = chunked_delta_rule(q, k, v, decay, beta, state)
+    expected_out, expected_final = step_by_step(q, k, v, decay, beta, state)
+    torch.testing.assert_close(out, expected_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final, expected_final, atol=1e-5, rtol=1e-5)
+
+
+def test_linear_layers_hold_states_not_kv(tiny_qwen3_5: Path) -> None:
+    """The two linear attention layers have no KV slots and a state a request row (the
+    page table's dummy row too); sizing counts the one attention layer's KV alone."""
+    with LLM(str(tiny_qwen3_5), page_size=4, max_running_requests=8) as llm:
+        engine = llm.runtime.engine
+        config = engine.model_config
+        assert config.linear_attention is not None and config.linear_attention.layers == (0, 1)
+        pool = engine.pool
+        assert [layer.shape[0] for layer in pool.kv[:2]] == [0, 0] and pool.kv[2].shape[0] > 0
+        assert pool.states is not None
+        conv, delta = pool.states.of(1)
+        assert conv.shape == (9, 2 * 2 * 16 + 4 * 24, 3)
+        assert delta.shape == (9, 4, 16, 24) and delta.dtype == torch.float32
+        one_layer = 2 * config.num_kv_heads * config.head_dim * pool.kv[2].element_size()
+        assert kv_bytes_per_token(config, engine.tp, pool.storage_dtype) == one_layer
+        assert isinstance(engine.model.model.layers[0].linear_attn, GatedDeltaNet)
+        assert isinstance(llm.scheduler.cache, NaiveCache)
+
+
+def test_states_carry_chunks_and_batches_to_transformers_greedy_tokens(
+    tiny_qwen3_5: Path,
+) -> None:
+    """Prompts in chunks of 7 tokens (each chunk continuing its request's states), all at
+    once and one at a time, then again (fresh states, nothing from a cache), and continued
+    from their first five tokens: every time transformers' greedy tokens."""
+    hf = hf_model(tiny_qwen3_5)
+    prompts = [*PROMPTS, LONG_PROMPT]
+    expected = [hf_greedy_tokens(hf, prompt, 12) for prompt in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with LLM(str(tiny_qwen3_5), page_size=4, max_prefill_length=7) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+        alone = [llm.generate([prompt], params)[0].token_ids for prompt in prompts]
+        assert alone == expected
+        assert llm.generate(prompts, params)[-1].token_ids == expected[-1]
+        assert llm.scheduler.planner.prompt_tokens_cached == 0
+        extended = [prompt + tokens[:5] for prompt, tokens in zip(prompts, expected)]
+        shorter = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
+        continued = [o.token_ids for o in llm.generate(extended, shorter)]
+        assert continued == [tokens[5:] for tokens in expected]
+        llm.scheduler.check_integrity()
+    with LLM(str(tiny_qwen3_5), page_size=4) as whole:  # the long prompt in one step
+        assert whole.generate([LONG_PROMPT], params)[0].token_ids == expected[-1]
+
+
+def test_retracted_requests_restart_from_fresh_states(tiny_qwen3_5: Path) -> None:
+    """A pool too small for every request at once retracts some mid-decode; they prefill
+    again from their first token, from zero states, and still give transformers' tokens."""
+    hf = hf_model(tiny_qwen3_5)
+    prompts = [[5 + i, 17, 42, 9, 100, 3, 77, 12 + i] for i in range(6)]
+    expected = [hf_greedy_tokens(hf, prompt, 24) for prompt in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    with LLM(str(tiny_qwen3_5), page_size=4, num_pages=40) as llm:
+        outputs = llm.generate(prompts, params)
+        assert llm.scheduler.planner.num_retractions > 0
+        llm.scheduler.check_integrity()
+    assert [o.token_ids for o in outputs] == expected
+
+
+def test_drafts_are_refused_in_one_line(tiny_qwen3_5: Path) -> None:
+    with pytest.raises(ConfigError, match="recurrent states rolled back"):
+        LLM(str(tiny_qwen3_5), speculative_algorithm="ngram")
+
+
+def test_int8_weights_at_load_stay_close_to_float(tiny_qwen3_5: Path) -> None:
+    """`--quantization int8` quantizes the linear layers' fused projection and output with
+    every other product; the greedy tokens of the float model, mostly."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LLM(str(tiny_qwen3_5), page_size=4) as float_llm:
+        expected = [o.token_ids for o in float_llm.generate(PROMPTS, params)]
+    with LLM(str(tiny_qwen3_5), page_size=4, quantization="int8") as llm:
+        linear = llm.runtime.engine.model.model.layers[0].linear_attn
+        assert linear is not None and linear.in_proj.quantized is not None
+        got = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    agree = sum(a == b for x, y in zip(got, expected) for a, b in zip(x, y))
+    assert agree >= 12, (got, expected)
