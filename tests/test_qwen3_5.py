@@ -6,6 +6,7 @@ layers, the prefix cache turned off, drafts refused, weights quantized at load."
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -139,3 +140,30 @@ def test_int8_weights_at_load_stay_close_to_float(tiny_qwen3_5: Path) -> None:
         got = [o.token_ids for o in llm.generate(PROMPTS, params)]
     agree = sum(a == b for x, y in zip(got, expected) for a, b in zip(x, y))
     assert agree >= 12, (got, expected)
+
+
+GPU_SHAPES = {"hidden_size": 256, "num_attention_heads": 4, "head_dim": 64}
+"""Heads that FlashInfer's kernels take, a quarter of each rotating."""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_decode_graphs_keep_outputs_on_gpu(make_llm: Callable[..., LLM], tmp_path: Path) -> None:
+    """Linear attention's decode step in CUDA graphs (its rows read from the static
+    buffer; padded entries update the dummy row's states): the tokens and logprobs of
+    eager decoding, batches of 1 to 40."""
+    from tests.test_gpu import assert_graphs_keep_outputs
+
+    folder = make_tiny_model("qwen3_5", tmp_path, overrides=GPU_SHAPES)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=True)
+    options = {"device": "cuda", "dtype": "bfloat16", "page_size": 16, "num_pages": 1024}
+    with_graphs = make_llm(folder, cuda_graph_max_bs=32, **options)
+    without = make_llm(folder, cuda_graph_max_bs=0, **options)
+    assert type(with_graphs.runtime.engine.attn).__name__ == "FlashInferBackend"
+    assert_graphs_keep_outputs(with_graphs, without, params)
+    # chunks of a long prompt continue its states as one whole prefill does
+    chunked = make_llm(folder, max_prefill_length=48, **options)
+    prompt = list(range(3, 300, 2))
+    whole = without.generate([prompt], params)[0]
+    parts = chunked.generate([prompt], params)[0]
+    assert parts.token_ids == whole.token_ids
