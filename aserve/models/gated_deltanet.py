@@ -122,18 +122,20 @@ class GatedDeltaNet(nn.Module):
         projected = self.in_proj(hidden)
         conv_width = self.conv1d.weight.shape[0]
         value_width = self.value_heads * self.value_dim
-        mixed, z, b, a = projected.split(
-            [conv_width, value_width, self.value_heads, self.value_heads], -1
-        )
-        beta = b.sigmoid().float()
-        decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        mixed, z, gates = projected.split([conv_width, value_width, 2 * self.value_heads], -1)
         states = attn.pool.states
         assert states is not None, "a hybrid model's pool holds recurrent states"
         conv_states, delta_states = states.of(self.layer)
-        if batch.is_decode:
-            out = self._decode(mixed, beta, decay, conv_states, delta_states, batch.rows)
+        if batch.is_decode and hidden.is_cuda:
+            out = self._decode_kernels(mixed, gates, conv_states, delta_states, batch.rows)
         else:
-            out = self._prefill(mixed, beta, decay, conv_states, delta_states, batch)
+            b, a = gates.float().split(self.value_heads, -1)
+            beta = b.sigmoid()
+            decay = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
+            if batch.is_decode:
+                out = self._decode(mixed, beta, decay, conv_states, delta_states, batch.rows)
+            else:
+                out = self._prefill(mixed, beta, decay, conv_states, delta_states, batch)
         tokens = hidden.shape[0]
         out = self.norm(out.to(hidden.dtype), z.reshape(tokens, self.value_heads, self.value_dim))
         return self.out_proj(out.reshape(tokens, value_width))
@@ -150,6 +152,22 @@ class GatedDeltaNet(nn.Module):
         if shared > 1:
             q, k = q.repeat_interleave(shared, 1), k.repeat_interleave(shared, 1)
         return q, k, v.reshape(tokens, self.value_heads, self.value_dim)
+
+    def _decode_kernels(
+        self,
+        mixed: torch.Tensor,
+        gates: torch.Tensor,
+        conv_states: torch.Tensor,
+        delta_states: torch.Tensor,
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """`_decode` in two Triton kernels that update the states where they live."""
+        from aserve.layers.delta_rule_triton import conv_step, delta_rule_step
+
+        convolved = conv_step(mixed, conv_states, rows, self.conv1d.weight)
+        return delta_rule_step(
+            convolved, gates, delta_states, rows, self.A_log, self.dt_bias, self.key_heads
+        )
 
     def _decode(
         self,
