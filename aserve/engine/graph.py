@@ -63,6 +63,7 @@ class DecodeGraphs:
         adapters: LoraRows | None = None,
     ) -> None:
         self.model = model
+        self.copies_rows = bool(getattr(model, "reads_rows", False))
         self.adapters = adapters
         self.attn = attn
         self.page_table = page_table
@@ -192,6 +193,9 @@ class DecodeGraphs:
         self.token_inputs[:, :count].copy_(batch.token_inputs)
         if size > count:
             self.token_inputs[:, count:size].zero_()
+        if self.copies_rows:  # padded entries take the dummy row, whatever ran there before
+            self.rows[:count].copy_(batch.rows)
+            self.rows[count:size].fill_(self.page_table.dummy_row)
         padding = size - count
         padded = self._static_batch(
             size,

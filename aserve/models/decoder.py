@@ -547,6 +547,9 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.rotary_order: torch.Tensor | None = None  # a head's rows, where part rotates
+        # Whether a forward reads `ForwardBatch.rows` on the device (linear attention's
+        # recurrent states are a row's): CUDA graphs then copy each step's rows into theirs.
+        self.reads_rows = config.linear_attention is not None
         self.fused = LATENT_FUSED if config.latent else _FUSED
         if config.rotary_dim and config.rotary_dim < config.head_dim:
             self.rotary_order = partial_rotary_order(
