@@ -173,8 +173,9 @@ def test_decode_graphs_keep_outputs_on_gpu(make_llm: Callable[..., LLM], tmp_pat
 
 def test_decode_kernels_equal_the_torch_step(tiny_qwen3_5: Path) -> None:
     """The Triton decode step (compiled on a GPU, under Triton's interpreter on CPU) against
-    the torch one: the same outputs, states and convolution windows at the rows it names,
-    the other rows untouched; the projection's gates read from its wider rows."""
+    the torch one: the same normed, gated outputs, states and convolution windows at the
+    rows it names, the other rows untouched; the projection's gates read from its wider
+    rows."""
     pytest.importorskip("triton", reason="Triton is not installed (it comes with xgrammar)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config = ModelConfig.from_hf(json.loads((tiny_qwen3_5 / "config.json").read_text()))
@@ -186,15 +187,17 @@ def test_decode_kernels_equal_the_torch_step(tiny_qwen3_5: Path) -> None:
     channels, value_width = layer.conv1d.weight.shape[0], 4 * 24
     heads = layer.value_heads
     projected = torch.randn(3, channels + value_width + 2 * heads, device=device)
-    mixed, _, gates = projected.split([channels, value_width, 2 * heads], -1)
+    mixed, z, gates = projected.split([channels, value_width, 2 * heads], -1)
     rows = torch.tensor([4, 0, 2], device=device)
     conv = torch.randn(6, channels, 3, device=device)
     delta = torch.randn(6, heads, 16, 24, device=device) * 0.3
     conv_ref, delta_ref = conv.clone(), delta.clone()
     b, a = gates.split(heads, -1)
     decay = -layer.A_log.exp() * torch.nn.functional.softplus(a + layer.dt_bias)
+    layer.norm.weight.data.normal_(1, 0.2)
     expected = layer._decode(mixed, b.sigmoid(), decay, conv_ref, delta_ref, rows)
-    out = layer._decode_kernels(mixed, gates, conv, delta, rows)
+    expected = layer.norm(expected, z.reshape(3, heads, 24)).reshape(3, value_width)
+    out = layer._decode_kernels(mixed, z, gates, conv, delta, rows)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(delta, delta_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(conv, conv_ref)

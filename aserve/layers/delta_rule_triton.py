@@ -1,11 +1,12 @@
-"""A linear attention layer's decode step (models/gated_deltanet.py) in two Triton kernels.
+"""A linear attention layer's decode step (models/gated_deltanet.py) in three Triton kernels.
 
 In torch ops the step gathers every row's convolution window and delta-rule state,
 computes in a dozen small kernels, and scatters both back: two copies of 64 KiB a head of
 float32 state each way. Here `conv_step` convolves each row's window and shifts it in
 place, and `delta_rule_step` reads a row's state once, decays and corrects it, writes it
 back where it lives and gives the output: the queries' and keys' L2 norms, the gate's
-decay and beta are computed in the same program. Imported only on CUDA and under Triton's
+decay and beta are computed in the same program; `gated_norm` norms and gates each head's
+output (ten small kernels in torch ops). Imported only on CUDA and under Triton's
 interpreter (it imports Triton).
 """
 
@@ -175,5 +176,56 @@ def delta_rule_step(
         VALUE_DIM=value_dim,
         BLOCK_K=triton.next_power_of_2(key_dim),
         BLOCK_V=VALUE_BLOCK,
+    )
+    return out
+
+
+@triton.jit
+def _gated_norm_kernel(
+    x_ptr,
+    gate_ptr,
+    gate_stride,
+    weight_ptr,
+    out_ptr,
+    value_heads,
+    eps,
+    VALUE_DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Row `b`, head `h`: RMS-normed, rounded to the output's dtype, weighed, gated by
+    SiLU(z), rounded again (where transformers rounds)."""
+    b = tl.program_id(0) // value_heads
+    h = tl.program_id(0) % value_heads
+    dim = tl.arange(0, BLOCK)
+    ok = dim < VALUE_DIM
+    x = tl.load(x_ptr + (b * value_heads + h) * VALUE_DIM + dim, mask=ok, other=0.0)
+    dtype = out_ptr.dtype.element_ty
+    normed = (x * tl.rsqrt(tl.sum(x * x, axis=0) / VALUE_DIM + eps)).to(dtype)
+    weight = tl.load(weight_ptr + dim, mask=ok, other=0.0)
+    weighed = (weight.to(tl.float32) * normed.to(tl.float32)).to(dtype).to(tl.float32)
+    z = tl.load(gate_ptr + b * gate_stride + h * VALUE_DIM + dim, mask=ok, other=0.0)
+    z = z.to(tl.float32)
+    gated = weighed * z / (1.0 + tl.exp(-z))
+    tl.store(out_ptr + (b * value_heads + h) * VALUE_DIM + dim, gated.to(dtype), mask=ok)
+
+
+def gated_norm(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """models/gated_deltanet.py's `GatedNorm` in one kernel: `x` `[B, heads, value_dim]`
+    float32, `gate` `[B, heads * value_dim]` (rows of a wider tensor), `weight`
+    `[value_dim]`; `[B, heads * value_dim]` in the gate's dtype."""
+    batch, heads, value_dim = x.shape
+    out = torch.empty(batch, heads * value_dim, dtype=gate.dtype, device=x.device)
+    _gated_norm_kernel[(batch * heads,)](
+        x,
+        gate,
+        gate.stride(0),
+        weight,
+        out,
+        heads,
+        eps,
+        VALUE_DIM=value_dim,
+        BLOCK=triton.next_power_of_2(value_dim),
     )
     return out

@@ -127,15 +127,15 @@ class GatedDeltaNet(nn.Module):
         assert states is not None, "a hybrid model's pool holds recurrent states"
         conv_states, delta_states = states.of(self.layer)
         if batch.is_decode and hidden.is_cuda:
-            out = self._decode_kernels(mixed, gates, conv_states, delta_states, batch.rows)
+            out = self._decode_kernels(mixed, z, gates, conv_states, delta_states, batch.rows)
+            return self.out_proj(out)
+        b, a = gates.float().split(self.value_heads, -1)
+        beta = b.sigmoid()
+        decay = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
+        if batch.is_decode:
+            out = self._decode(mixed, beta, decay, conv_states, delta_states, batch.rows)
         else:
-            b, a = gates.float().split(self.value_heads, -1)
-            beta = b.sigmoid()
-            decay = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
-            if batch.is_decode:
-                out = self._decode(mixed, beta, decay, conv_states, delta_states, batch.rows)
-            else:
-                out = self._prefill(mixed, beta, decay, conv_states, delta_states, batch)
+            out = self._prefill(mixed, beta, decay, conv_states, delta_states, batch)
         tokens = hidden.shape[0]
         out = self.norm(out.to(hidden.dtype), z.reshape(tokens, self.value_heads, self.value_dim))
         return self.out_proj(out.reshape(tokens, value_width))
@@ -156,18 +156,21 @@ class GatedDeltaNet(nn.Module):
     def _decode_kernels(
         self,
         mixed: torch.Tensor,
+        z: torch.Tensor,
         gates: torch.Tensor,
         conv_states: torch.Tensor,
         delta_states: torch.Tensor,
         rows: torch.Tensor,
     ) -> torch.Tensor:
-        """`_decode` in two Triton kernels that update the states where they live."""
-        from aserve.layers.delta_rule_triton import conv_step, delta_rule_step
+        """`_decode` and the gated norm in three Triton kernels that update the states
+        where they live: the normed, gated output `[B, value_width]`."""
+        from aserve.layers.delta_rule_triton import conv_step, delta_rule_step, gated_norm
 
         convolved = conv_step(mixed, conv_states, rows, self.conv1d.weight)
-        return delta_rule_step(
+        out = delta_rule_step(
             convolved, gates, delta_states, rows, self.A_log, self.dt_bias, self.key_heads
         )
+        return gated_norm(out, z, self.norm.weight, self.norm.eps)
 
     def _decode(
         self,
