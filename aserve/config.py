@@ -119,6 +119,9 @@ DEEPSEEK_MOE_FAMILIES = ("glm4_moe", "dots1", "deepseek_v2", "deepseek_v3")
 """Families whose experts are routed as DeepSeek's (`RouterStyle`)."""
 LATENT_ATTENTION_FAMILIES = ("deepseek_v2", "deepseek_v3")
 """Families whose attention is DeepSeek's multi-head latent attention (`LatentAttention`)."""
+LINEAR_HEADS_TILED = "linear_value_heads_tiled"
+"""The config.json key by which a GGUF conversion says its value heads are llama.cpp's
+order (`LinearAttention.tiled`)."""
 HYBRID_FAMILIES = ("qwen3_5",)
 """Families whose layers are mostly linear attention with a recurrent state a request
 (`LinearAttention`), with whole-context attention in a few."""
@@ -262,7 +265,10 @@ class LinearAttention:
     decays and corrects (the gated delta rule), and the last `conv_kernel - 1` inputs of a
     causal depthwise convolution over its queries, keys and values. A key head (queries
     too) serves `value_heads // key_heads` value heads in turn. `layers`: the layers that
-    run it; the others run whole-context attention."""
+    run it; the others run whole-context attention. `tiled`: the value heads come in
+    llama.cpp's order (GGUF files, where they differ in number from the key heads): value
+    head j is served by key head j % key_heads, not j // (value_heads // key_heads), in
+    every tensor that lists value heads alike."""
 
     layers: tuple[int, ...]
     key_heads: int
@@ -270,6 +276,7 @@ class LinearAttention:
     key_head_dim: int
     value_head_dim: int
     conv_kernel: int
+    tiled: bool = False
 
     @property
     def key_width(self) -> int:
@@ -678,6 +685,7 @@ def _hybrid_settings(config: dict[str, Any], num_layers: int, head_dim: int) -> 
         key_head_dim=int(config["linear_key_head_dim"]),
         value_head_dim=int(config["linear_value_head_dim"]),
         conv_kernel=int(config.get("linear_conv_kernel_dim", 4)),
+        tiled=bool(config.get(LINEAR_HEADS_TILED, False)),
     )
     if linear.value_heads % linear.key_heads:
         raise ConfigError(

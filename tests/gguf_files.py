@@ -47,6 +47,7 @@ GGUF_ARCH = {
     "dots1": "dots1",
     "deepseek_v2": "deepseek2",
     "deepseek_v3": "deepseek2",
+    "qwen3_5_text": "qwen35",
 }
 TOP_LEVEL = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -115,6 +116,17 @@ DEEPSEEK2_IN_LAYER = DOTS1_IN_LAYER | {
     "self_attn.kv_b_proj": "attn_kv_b",
 }
 """DeepSeek's latent attention under llama.cpp's names (its experts as dots.llm1's)."""
+QWEN35_IN_LAYER = IN_LAYER | {
+    "post_attention_layernorm": "post_attention_norm",
+    "linear_attn.in_proj_qkv": "attn_qkv",
+    "linear_attn.in_proj_z": "attn_gate",
+    "linear_attn.in_proj_b": "ssm_beta",
+    "linear_attn.in_proj_a": "ssm_alpha",
+    "linear_attn.conv1d": "ssm_conv1d",
+    "linear_attn.norm": "ssm_norm",
+    "linear_attn.out_proj": "ssm_out",
+}
+"""Qwen3.5's names in llama.cpp's converter (`A_log` and `dt_bias`: `qwen35_tensor`)."""
 NEXTN_PARTS = ("eh_proj", "enorm", "hnorm", "shared_head_norm")
 """A GLM-4.5 file's next-token prediction layer's own tensors (after a whole layer's)."""
 EXPERT_PARTS = {
@@ -284,6 +296,63 @@ def split_kv_b(name: str, array: np.ndarray, config: dict[str, Any]) -> dict[str
     }
 
 
+def add_qwen35(writer: gguf.GGUFWriter, config: dict[str, Any]) -> None:
+    """Qwen3.5's linear attention as llama.cpp's converter describes it (SSM keys)."""
+    value_heads = config["linear_num_value_heads"]
+    writer.add_ssm_conv_kernel(config["linear_conv_kernel_dim"])
+    writer.add_ssm_state_size(config["linear_key_head_dim"])
+    writer.add_ssm_group_count(config["linear_num_key_heads"])
+    writer.add_ssm_time_step_rank(value_heads)
+    writer.add_ssm_inner_size(config["linear_value_head_dim"] * value_heads)
+    full = [i for i, kind in enumerate(config["layer_types"]) if kind == "full_attention"]
+    writer.add_full_attention_interval(full[0] + 1)
+    writer.add_rope_dimension_sections([11, 11, 10, 0])  # what its converter writes for text
+
+
+def tiled_value_heads(
+    array: np.ndarray, axis: int, config: dict[str, Any], width: int
+) -> np.ndarray:
+    """`array`'s value heads (each `width` along `axis`) from the checkpoint's order, a key
+    head's value heads together, to llama.cpp's, the key heads' first value heads first."""
+    key_heads = config["linear_num_key_heads"]
+    shared = config["linear_num_value_heads"] // key_heads
+    moved = np.moveaxis(array, axis, 0)
+    rest = moved.shape[1:]
+    grouped = moved.reshape(key_heads, shared, width, *rest)
+    tiled = grouped.transpose(1, 0, *range(2, grouped.ndim)).reshape(moved.shape)
+    return np.moveaxis(tiled, 0, axis)
+
+
+def qwen35_tensor(name: str, array: np.ndarray, config: dict[str, Any]) -> tuple[str, np.ndarray]:
+    """A Qwen3.5 checkpoint tensor as llama.cpp's converter writes it: zero-centred norms as
+    1 + w (not the linear attention's own), `A_log` as -exp(A_log) (`ssm_a`), `dt_bias` as
+    `ssm_dt.bias`, the convolution `[channels, kernel]`, value heads in its order."""
+    keys = config["linear_num_key_heads"] * config["linear_key_head_dim"]
+    value_dim = config["linear_value_head_dim"]
+    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        array = array + 1
+    if ".linear_attn." not in name:
+        return gguf_name(name, QWEN35_IN_LAYER), array
+    layer = name.split(".")[2]
+    part = name.split(".linear_attn.")[1]
+    if part == "conv1d.weight":
+        array = array.reshape(array.shape[0], -1)
+    if part in ("in_proj_qkv.weight", "conv1d.weight"):
+        values = tiled_value_heads(array[2 * keys :], 0, config, value_dim)
+        array = np.concatenate([array[: 2 * keys], values])
+    elif part == "in_proj_z.weight":
+        array = tiled_value_heads(array, 0, config, value_dim)
+    elif part in ("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias"):
+        array = tiled_value_heads(array, 0, config, 1)
+    elif part == "out_proj.weight":
+        array = tiled_value_heads(array, 1, config, value_dim)
+    if part == "A_log":
+        return f"blk.{layer}.ssm_a", -np.exp(array)
+    if part == "dt_bias":
+        return f"blk.{layer}.ssm_dt.bias", array
+    return gguf_name(name, QWEN35_IN_LAYER), array
+
+
 def add_sizes(writer: gguf.GGUFWriter, config: dict[str, Any]) -> None:
     """A checkpoint's layers, positions, width and MLP width, as every architecture has them."""
     writer.add_block_count(config["num_hidden_layers"])
@@ -350,6 +419,8 @@ def write_hf_as_gguf(
     add_sizes(writer, {**config, "num_hidden_layers": config["num_hidden_layers"] + glm4_moe})
     writer.add_head_count(heads)
     deepseek = arch == "deepseek2"
+    if arch == "qwen35":
+        add_qwen35(writer, config)
     if deepseek:
         add_deepseek2(writer, config, kv_b_apart)
     else:
@@ -460,6 +531,9 @@ def write_hf_as_gguf(
             tensors[gguf_name(name, in_layer)] = array.reshape(-1)
         elif kv_b_apart and name.endswith("kv_b_proj.weight"):
             tensors |= split_kv_b(name, array, config)
+        elif arch == "qwen35":
+            stored, array = qwen35_tensor(name, array, config)
+            tensors[stored] = array
         else:
             tensors[gguf_name(name, in_layer)] = array
     for name, by_index in experts.items():

@@ -80,6 +80,7 @@ OVERRIDES = {
         "dots1",
         "deepseek_v2",
         "deepseek_v3",
+        "qwen3_5",
     ],
 )
 def test_gguf_of_each_family_matches_transformers(family: str, tmp_path: Path) -> None:
@@ -102,7 +103,9 @@ def test_gguf_of_each_family_matches_transformers(family: str, tmp_path: Path) -
     as llama.cpp's MLA rework writes it (`kv_b_proj` apart in `attn_k_b` and `attn_v_b`,
     the widths of a query head and a value in `*_length_mla`, YaRN's `mscale_all_dim` as a
     log multiplier), experts by softmax (V2) or sigmoid (V3, `exp_probs_b`) scores in
-    groups."""
+    groups; the Qwen3.5 file holds its linear attention under llama.cpp's SSM names and
+    keys, `A_log` as -exp(A_log), its zero-centred norms as 1 + w, and its value heads in
+    llama.cpp's order in every tensor that lists them."""
     folder = make_tiny_model(family, tmp_path / family, overrides=OVERRIDES.get(family))
     model = write_hf_as_gguf(folder, tmp_path / f"{family}.gguf")
     hf = hf_model(folder)

@@ -2,7 +2,8 @@
 tests of test_models.py, test_multimodal.py and test_tp.py: recurrent states that carry a
 prompt across chunks and batches and start from zeros for every request, prompts longer
 than one chunk of the delta rule's solve, the pool and sizing without KV for the linear
-layers, the prefix cache turned off, drafts refused, weights quantized at load."""
+layers, the prefix cache turned off, drafts refused, weights quantized at load or in a GGUF
+file's blocks."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 
@@ -19,7 +21,8 @@ from aserve.distributed.group import TPGroup
 from aserve.engine.memory import kv_bytes_per_token
 from aserve.kvcache.naive import NaiveCache
 from aserve.models.gated_deltanet import CHUNK, GatedDeltaNet, chunked_delta_rule
-from tests.test_models import PROMPTS, hf_model
+from tests.gguf_files import write_hf_as_gguf
+from tests.test_models import PROMPTS, hf_model, our_logits
 from tests.tiny_models import hf_greedy_tokens, make_tiny_model
 
 LONG_PROMPT = list(range(3, 310, 2))  # 154 tokens: three chunks of the delta rule
@@ -201,3 +204,28 @@ def test_decode_kernels_equal_the_torch_step(tiny_qwen3_5: Path) -> None:
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(delta, delta_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(conv, conv_ref)
+
+
+def test_quantized_gguf_keeps_its_blocks_close_to_its_float_twin(tmp_path: Path) -> None:
+    """A Q8_0 file (llama.cpp's order of value heads) runs its blocks on the CPU kernels,
+    the linear attention's fused projection and output too: greedy tokens of the float file,
+    mostly, and logits close to transformers'. Under --tp 2 its value heads could not split
+    as the key heads do: refused in one line."""
+    folder = make_tiny_model("qwen3_5", tmp_path / "hf")
+    float_file = write_hf_as_gguf(folder, tmp_path / "f32.gguf")
+    quantized = write_hf_as_gguf(folder, tmp_path / "q8.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LLM(str(float_file), page_size=4) as llm:
+        expected = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    with LLM(str(quantized), page_size=4) as llm:
+        linear = llm.runtime.engine.model.model.layers[0].linear_attn
+        assert linear is not None and linear.tiled and linear.in_proj.quantized is not None
+        got = [o.token_ids for o in llm.generate(PROMPTS, params)]
+        logits = our_logits(llm, PROMPTS[0], [])[0]
+    with torch.inference_mode():
+        reference = hf_model(folder)(torch.tensor([PROMPTS[0]])).logits[0, -1]
+    assert (logits.float() - reference).abs().max() < 0.05 * reference.abs().max()
+    agree = sum(a == b for x, y in zip(got, expected) for a, b in zip(x, y))
+    assert agree >= 12, (got, expected)
+    with pytest.raises(ConfigError, match="llama.cpp's order"):
+        LLM(str(quantized), tensor_parallel_size=2)

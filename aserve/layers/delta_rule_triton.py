@@ -98,6 +98,7 @@ def _delta_rule_step_kernel(
     key_width,
     value_heads,
     SHARED: tl.constexpr,
+    TILED: tl.constexpr,
     KEY_DIM: tl.constexpr,
     VALUE_DIM: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -113,7 +114,7 @@ def _delta_rule_step_kernel(
     in_key = dim < KEY_DIM
     row = tl.load(rows_ptr + b).to(tl.int64)
     width = 2 * key_width + value_heads * VALUE_DIM
-    key_head = h // SHARED
+    key_head = h % (value_heads // SHARED) if TILED else h // SHARED
     q = tl.load(qkv_ptr + b * width + key_head * KEY_DIM + dim, mask=in_key, other=0.0)
     k = tl.load(qkv_ptr + b * width + key_width + key_head * KEY_DIM + dim, mask=in_key, other=0.0)
     v_at = qkv_ptr + b * width + 2 * key_width + h * VALUE_DIM + column
@@ -150,8 +151,10 @@ def delta_rule_step(
     a_log: torch.Tensor,
     dt_bias: torch.Tensor,
     key_heads: int,
+    tiled: bool = False,
 ) -> torch.Tensor:
-    """One token a row of the gated delta rule. `convolved` `[B, 2 * key_width +
+    """One token a row of the gated delta rule (value heads in llama.cpp's order where
+    `tiled`: models/gated_deltanet.py). `convolved` `[B, 2 * key_width +
     value_width]` float32 (queries, keys, values of `key_heads` and the value heads),
     `gates` `[B, 2 * value_heads]` (beta's logits, then the decay's; rows of a wider
     tensor), `states` `[rows, value_heads, key_dim, value_dim]` float32, updated in place
@@ -172,6 +175,7 @@ def delta_rule_step(
         key_heads * key_dim,
         value_heads,
         SHARED=value_heads // key_heads,
+        TILED=tiled,
         KEY_DIM=key_dim,
         VALUE_DIM=value_dim,
         BLOCK_K=triton.next_power_of_2(key_dim),

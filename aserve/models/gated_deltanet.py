@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aserve.attention.base import AttentionBackend
-from aserve.config import ModelConfig
+from aserve.config import ConfigError, ModelConfig
 from aserve.distributed.group import TPGroup
 from aserve.forward import ForwardBatch
 from aserve.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -80,6 +80,12 @@ class GatedDeltaNet(nn.Module):
         assert linear is not None
         for heads in (linear.key_heads, linear.value_heads):
             tp.shard(heads)
+        if linear.tiled and tp.size > 1 and linear.value_heads != linear.key_heads:
+            raise ConfigError(
+                "a GGUF file's linear attention heads (llama.cpp's order) do not split over "
+                "tensor-parallel ranks; run it with --tp 1 or from its safetensors checkpoint"
+            )
+        self.tiled = linear.tiled
         self.layer = layer
         self.key_heads = linear.key_heads // tp.size
         self.value_heads = linear.value_heads // tp.size
@@ -149,7 +155,9 @@ class GatedDeltaNet(nn.Module):
         tokens, shared = q.shape[0], self.value_heads // self.key_heads
         q = _l2_normalised(q.view(tokens, self.key_heads, self.key_dim)) * self.key_dim**-0.5
         k = _l2_normalised(k.view(tokens, self.key_heads, self.key_dim))
-        if shared > 1:
+        if shared > 1 and self.tiled:
+            q, k = q.repeat(1, shared, 1), k.repeat(1, shared, 1)
+        elif shared > 1:
             q, k = q.repeat_interleave(shared, 1), k.repeat_interleave(shared, 1)
         return q, k, v.reshape(tokens, self.value_heads, self.value_dim)
 
@@ -168,7 +176,14 @@ class GatedDeltaNet(nn.Module):
 
         convolved = conv_step(mixed, conv_states, rows, self.conv1d.weight)
         out = delta_rule_step(
-            convolved, gates, delta_states, rows, self.A_log, self.dt_bias, self.key_heads
+            convolved,
+            gates,
+            delta_states,
+            rows,
+            self.A_log,
+            self.dt_bias,
+            self.key_heads,
+            self.tiled,
         )
         return gated_norm(out, z, self.norm.weight, self.norm.eps)
 

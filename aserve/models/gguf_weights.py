@@ -109,6 +109,20 @@ DEEPSEEK2_TENSORS = DOTS1_TENSORS | {
 """DeepSeek's latent attention (models/mla.py), its experts as dots.llm1's. Newer files hold
 `kv_b_proj`'s key and value rows apart, `attn_k_b` and `attn_v_b` (parameters of their own,
 `LatentHeads.FILLS`)."""
+QWEN35_TENSORS = LAYER_TENSORS | {
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_a": "linear_attn.A_log",  # as -exp(A_log): `iter_gguf` takes the log back
+    "ssm_dt": "linear_attn.dt_bias",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+}
+"""Qwen3.5's names in llama.cpp's converter (its gated attention's `attn_q` holds queries and
+gates as the checkpoint's `q_proj` does)."""
 FAMILY_TENSORS = {
     "qwen2_moe": QWEN2_MOE_TENSORS,
     "deepseek_v2": DEEPSEEK2_TENSORS,
@@ -123,6 +137,7 @@ FAMILY_TENSORS = {
     "olmo3": OLMO2_TENSORS,
     "exaone4": OLMO2_TENSORS,
     "glm4": GLM4_TENSORS,
+    "qwen3_5_text": QWEN35_TENSORS,
 }
 """The layer tensor names of the families (config.json's `model_type`) that differ from
 LAYER_TENSORS."""
@@ -171,7 +186,7 @@ LONGROPE_FACTORS = {
 ROPE_TENSORS = (ROPE_FACTORS, *LONGROPE_FACTORS.values())
 
 GGUFWeight = torch.Tensor | QuantizedTensor
-WHOLE_PARAMETERS = ("attn_sinks", "exp_probs_b", "attn_k_b", "attn_v_b")
+WHOLE_PARAMETERS = ("attn_sinks", "exp_probs_b", "attn_k_b", "attn_v_b", "ssm_a", "ssm_dt")
 """Layer tensors whose Hugging Face name is a parameter of its own: no `.weight` or `.bias`
 after it."""
 
@@ -184,6 +199,8 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str:
     """The Hugging Face name of a GGUF tensor of a `model_type` file; for a layer's stacked
     experts a pattern with `{}` where the expert's index goes."""
     stem, _, kind = name.rpartition(".")
+    if kind in WHOLE_PARAMETERS:  # named without `.weight` (Qwen3.5's `ssm_a`)
+        stem, kind = name, ""
     if model_type in ENCODER_TENSORS:
         return _encoder_tensor_name(name, stem, kind, model_type)
     if stem in TOP_LEVEL_TENSORS:
@@ -326,7 +343,8 @@ def iter_gguf(
         if permute
         else {}
     )
-    sandwich = model_type in SANDWICH_FAMILIES
+    # norms weighing by 1 + w, stored as that sum (Qwen3.5's linear attention's own excepted)
+    centred = model_type in SANDWICH_FAMILIES or model_type == "qwen3_5_text"
     for tensor in tqdm(tensors, desc="Loading weights", unit="tensor", disable=not progress):
         if tensor.name in ROPE_TENSORS:
             continue
@@ -336,9 +354,13 @@ def iter_gguf(
                 yield name.format(expert), _read(_expert(tensor, expert), dequantize)
             continue
         weight = _read(tensor, dequantize)
-        if sandwich and name.endswith("norm.weight"):
+        own_weight = name.endswith("linear_attn.norm.weight")  # weighs by w
+        if centred and name.endswith("norm.weight") and not own_weight:
             assert isinstance(weight, torch.Tensor)  # norms are float in every file
             weight = weight.float() - 1
+        if name.endswith("linear_attn.A_log"):  # llama.cpp stores the decay rate, -exp(A_log)
+            assert isinstance(weight, torch.Tensor)
+            weight = (-weight.float()).log()
         module = ".".join(name.split(".")[-3:-1])
         if permute and module in heads and weight.shape[0] % (2 * heads[module]) == 0:
             order = rope_row_order(weight.shape[0], heads[module])

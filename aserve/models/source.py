@@ -38,6 +38,7 @@ import numpy as np
 from aserve.config import (
     FREQ_FACTORS,
     GELU_TANH,
+    LINEAR_HEADS_TILED,
     ConfigError,
     cache_root,
     missing_model_message,
@@ -92,6 +93,7 @@ ARCHITECTURES = {
     "glm4moe": "Glm4MoeForCausalLM",
     "dots1": "Dots1ForCausalLM",
     "deepseek2": "DeepseekV2ForCausalLM",  # V3's where its experts are chosen by sigmoid
+    "qwen35": "Qwen3_5ForCausalLM",
     "bert": "BertModel",  # an encoder: embeddings only (models/encoder.py)
     "modern-bert": "ModernBertModel",  # an encoder (models/modernbert.py)
     "nomic-bert": "NomicBertModel",  # an encoder (models/encoder.py): nomic-embed-text
@@ -107,6 +109,7 @@ MODEL_TYPES = {
     "qwen2moe": "qwen2_moe",
     "glm4moe": "glm4_moe",
     "deepseek2": "deepseek_v2",
+    "qwen35": "qwen3_5_text",
     "gemma3": "gemma3_text",
     "gemma-embedding": "gemma3_text",
     "gpt-oss": "gpt_oss",
@@ -392,6 +395,8 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
         config["partial_rotary_factor"] = rotary / config["head_dim"]
     if arch in DEEPSEEK_MOE:
         config |= deepseek_moe_config(read, config, tensors, arch)
+    if arch == "qwen35":
+        config |= qwen35_config(read, config)
     if arch in ("granite", "granitemoe"):  # its multipliers, under llama.cpp's names
         multipliers = {
             "embedding_multiplier": "embedding_scale",
@@ -766,6 +771,26 @@ def deepseek2_attention(read: Metadata, config: dict[str, Any]) -> dict[str, Any
         weight = float32_decimal(log_multiplier / 0.1)
         settings["rope_scaling"] = {**scaling, "mscale": weight, "mscale_all_dim": weight}
     return settings
+
+
+def qwen35_config(read: Metadata, config: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5's linear attention under llama.cpp's SSM keys (the key heads its group count,
+    the value heads its time-step rank, a key head's width its state size), every
+    `full_attention_interval`-th layer gated attention whose first `rope.dimension_count`
+    dimensions of a head rotate. The converter lists value heads in its own order
+    (`LinearAttention.tiled`)."""
+    value_heads = read("qwen35.ssm.time_step_rank", required=True)
+    rotary = read("qwen35.rope.dimension_count", config["head_dim"] // 4)
+    return {
+        "linear_num_key_heads": read("qwen35.ssm.group_count", required=True),
+        "linear_num_value_heads": value_heads,
+        "linear_key_head_dim": read("qwen35.ssm.state_size", required=True),
+        "linear_value_head_dim": read("qwen35.ssm.inner_size", required=True) // value_heads,
+        "linear_conv_kernel_dim": read("qwen35.ssm.conv_kernel", 4),
+        "full_attention_interval": read("qwen35.full_attention_interval", 4),
+        "partial_rotary_factor": rotary / config["head_dim"],
+        LINEAR_HEADS_TILED: True,
+    }
 
 
 def rope_scaling(
