@@ -45,6 +45,7 @@ SUPPORTED_ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
 }
 VISION_LANGUAGE_ARCHITECTURES = (
     "Gemma3ForConditionalGeneration",
@@ -55,6 +56,7 @@ VISION_LANGUAGE_ARCHITECTURES = (
     "Qwen3VLForConditionalGeneration",
     "Qwen3VLMoeForConditionalGeneration",
     "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
 )
 """Vision-language checkpoints whose language model aserve runs (`language_model_config`;
 models/multimodal.py reads its weights), with images where models/vision.py encodes them:
@@ -73,6 +75,7 @@ LANGUAGE_MODEL_TYPES = {
     "qwen3_vl_text": "Qwen3ForCausalLM",
     "qwen3_vl_moe_text": "Qwen3MoeForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
 """The language model's `model_type` in a vision-language config -> the text architecture
 that runs it. Qwen2-VL's and Qwen3-VL's rotary positions (M-RoPE) give each section of a
@@ -113,6 +116,7 @@ MOE_FAMILIES = (
     "dots1",
     "deepseek_v2",
     "deepseek_v3",
+    "qwen3_5_moe",
 )
 """Families whose experts `_moe_settings` reads (gpt-oss's are read with its own settings)."""
 DEEPSEEK_MOE_FAMILIES = ("glm4_moe", "dots1", "deepseek_v2", "deepseek_v3")
@@ -122,7 +126,7 @@ LATENT_ATTENTION_FAMILIES = ("deepseek_v2", "deepseek_v3")
 LINEAR_HEADS_TILED = "linear_value_heads_tiled"
 """The config.json key by which a GGUF conversion says its value heads are llama.cpp's
 order (`LinearAttention.tiled`)."""
-HYBRID_FAMILIES = ("qwen3_5",)
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")
 """Families whose layers are mostly linear attention with a recurrent state a request
 (`LinearAttention`), with whole-context attention in a few."""
 MOE_BACKENDS = ("auto", "torch", "fused")
@@ -136,6 +140,7 @@ QK_NORM_FAMILIES = (
     "exaone4",
     "dots1",
     "qwen3_5",
+    "qwen3_5_moe",
 )
 """Families that normalise queries and keys (a head each, or across heads: OLMo's)."""
 GELU_TANH = "gelu_pytorch_tanh"
@@ -587,7 +592,8 @@ def _moe_settings(config: dict[str, Any], family: str) -> dict[str, Any]:
     `intermediate_size` wide and every layer is sparse; Mixtral's and Granite's chosen
     experts' softmax weights are renormalised (Granite takes the softmax of the chosen
     logits, the same weights; Qwen3-MoE and OLMoE renormalise with `norm_topk_prob`).
-    Qwen2-MoE adds a shared expert, `shared_expert_intermediate_size` wide, beside them."""
+    Qwen2-MoE adds a shared expert, `shared_expert_intermediate_size` wide, beside them, as
+    Qwen3.5-MoE does, which always renormalises (its configs have no `norm_topk_prob`)."""
     mixtral = family in ("mixtral", "granitemoe")
     if family in DEEPSEEK_MOE_FAMILIES:
         return _deepseek_moe_settings(config, family)
@@ -600,7 +606,9 @@ def _moe_settings(config: dict[str, Any], family: str) -> dict[str, Any]:
         "num_experts": int(config.get("num_experts") or config.get("num_local_experts") or 0),
         "num_experts_per_tok": int(config.get("num_experts_per_tok", 8)),
         "moe_intermediate_size": int(width or config["intermediate_size"]),
-        "norm_topk_prob": mixtral or bool(config.get("norm_topk_prob", False)),
+        "norm_topk_prob": mixtral
+        or family == "qwen3_5_moe"
+        or bool(config.get("norm_topk_prob", False)),
         "decoder_sparse_step": int(config.get("decoder_sparse_step") or 1),
         "mlp_only_layers": _as_int_tuple(config.get("mlp_only_layers")),
         "shared_expert_intermediate_size": int(config.get("shared_expert_intermediate_size") or 0),
@@ -1137,7 +1145,9 @@ class ModelConfig:
             model_type=family,
             vocab_size=int(config["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(config["intermediate_size"]),
+            intermediate_size=int(
+                config.get("intermediate_size") or config["moe_intermediate_size"]
+            ),
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=1

@@ -48,6 +48,7 @@ GGUF_ARCH = {
     "deepseek_v2": "deepseek2",
     "deepseek_v3": "deepseek2",
     "qwen3_5_text": "qwen35",
+    "qwen3_5_moe_text": "qwen35moe",
 }
 TOP_LEVEL = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -419,7 +420,7 @@ def write_hf_as_gguf(
     add_sizes(writer, {**config, "num_hidden_layers": config["num_hidden_layers"] + glm4_moe})
     writer.add_head_count(heads)
     deepseek = arch == "deepseek2"
-    if arch == "qwen35":
+    if arch in ("qwen35", "qwen35moe"):
         add_qwen35(writer, config)
     if deepseek:
         add_deepseek2(writer, config, kv_b_apart)
@@ -531,7 +532,7 @@ def write_hf_as_gguf(
             tensors[gguf_name(name, in_layer)] = array.reshape(-1)
         elif kv_b_apart and name.endswith("kv_b_proj.weight"):
             tensors |= split_kv_b(name, array, config)
-        elif arch == "qwen35":
+        elif arch in ("qwen35", "qwen35moe"):
             stored, array = qwen35_tensor(name, array, config)
             tensors[stored] = array
         else:

@@ -81,6 +81,7 @@ OVERRIDES = {
         "deepseek_v2",
         "deepseek_v3",
         "qwen3_5",
+        "qwen3_5_moe",
     ],
 )
 def test_gguf_of_each_family_matches_transformers(family: str, tmp_path: Path) -> None:

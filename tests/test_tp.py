@@ -186,6 +186,7 @@ def test_tp2_integer_checkpoint_equals_tp1(
         "deepseek_v2",
         "deepseek_v3",
         "qwen3_5",
+        "qwen3_5_moe",
     ],
 )
 def test_tp2_family_greedy_tokens_and_logprobs_equal_tp1(tmp_path: Path, family: str) -> None:

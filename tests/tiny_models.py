@@ -331,6 +331,15 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
+FAMILIES["qwen3_5_moe"] = {
+    **FAMILIES["qwen3_5"],
+    # Qwen3.5's layers with Qwen2-MoE's kind of experts (renormalised) in each
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+}
+
 MLA_GPU_SHAPES = {
     "hidden_size": 256,
     "num_attention_heads": 16,
@@ -392,6 +401,7 @@ def make_tiny_model(
         "exaone4": transformers.Exaone4Config,
         "gpt_oss": transformers.GptOssConfig,
         "qwen3_5": transformers.Qwen3_5TextConfig,
+        "qwen3_5_moe": transformers.Qwen3_5MoeTextConfig,
     }[family]
     config = config_cls(**{**COMMON, **FAMILIES[family], **(overrides or {})})
     torch.manual_seed(seed)
@@ -516,21 +526,24 @@ def vision_language_config(architecture: str, overrides: dict[str, Any] | None =
             vision_config=base["vision_config"],
             **special,
         )
-    if architecture == "Qwen3_5ForConditionalGeneration":
+    if architecture in ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"):
         # a quarter of each 32-wide head rotates: 4 pairs, 2 of time, 1 each of height, width
         rope = {
             **FAMILIES["qwen3_5"]["rope_parameters"],
             "mrope_section": [2, 1, 1],
             "mrope_interleaved": True,
         }
-        language = text("qwen3_5", "qwen3_5_text", rope_parameters=rope)
+        moe = architecture.startswith("Qwen3_5Moe")
+        family, kind = ("qwen3_5_moe", "qwen3_5_moe_text") if moe else ("qwen3_5", "qwen3_5_text")
+        language = text(family, kind, rope_parameters=rope)
         tower = {
             **qwen_encoder,
             "out_hidden_size": language["hidden_size"],
             "patch_size": 14,
             "num_position_embeddings": 64,
         }
-        return transformers.Qwen3_5Config(text_config=language, vision_config=tower, **special)
+        whole = transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config
+        return whole(text_config=language, vision_config=tower, **special)
     raise ValueError(f"no tiny {architecture}")
 
 

@@ -138,6 +138,7 @@ FAMILY_TENSORS = {
     "exaone4": OLMO2_TENSORS,
     "glm4": GLM4_TENSORS,
     "qwen3_5_text": QWEN35_TENSORS,
+    "qwen3_5_moe_text": QWEN35_TENSORS | QWEN2_MOE_TENSORS,
 }
 """The layer tensor names of the families (config.json's `model_type`) that differ from
 LAYER_TENSORS."""
@@ -344,7 +345,7 @@ def iter_gguf(
         else {}
     )
     # norms weighing by 1 + w, stored as that sum (Qwen3.5's linear attention's own excepted)
-    centred = model_type in SANDWICH_FAMILIES or model_type == "qwen3_5_text"
+    centred = model_type in (*SANDWICH_FAMILIES, "qwen3_5_text", "qwen3_5_moe_text")
     for tensor in tqdm(tensors, desc="Loading weights", unit="tensor", disable=not progress):
         if tensor.name in ROPE_TENSORS:
             continue

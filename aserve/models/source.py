@@ -94,6 +94,7 @@ ARCHITECTURES = {
     "dots1": "Dots1ForCausalLM",
     "deepseek2": "DeepseekV2ForCausalLM",  # V3's where its experts are chosen by sigmoid
     "qwen35": "Qwen3_5ForCausalLM",
+    "qwen35moe": "Qwen3_5MoeForCausalLM",
     "bert": "BertModel",  # an encoder: embeddings only (models/encoder.py)
     "modern-bert": "ModernBertModel",  # an encoder (models/modernbert.py)
     "nomic-bert": "NomicBertModel",  # an encoder (models/encoder.py): nomic-embed-text
@@ -110,6 +111,7 @@ MODEL_TYPES = {
     "glm4moe": "glm4_moe",
     "deepseek2": "deepseek_v2",
     "qwen35": "qwen3_5_text",
+    "qwen35moe": "qwen3_5_moe_text",
     "gemma3": "gemma3_text",
     "gemma-embedding": "gemma3_text",
     "gpt-oss": "gpt_oss",
@@ -338,7 +340,8 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
     experts = read(
         f"{arch}.expert_count",
         0,
-        required=arch in ("qwen3moe", "qwen2moe", "gpt-oss", "olmoe", "granitemoe", *DEEPSEEK_MOE),
+        required=arch
+        in ("qwen3moe", "qwen2moe", "qwen35moe", "gpt-oss", "olmoe", "granitemoe", *DEEPSEEK_MOE),
     )
     if arch in ("olmoe", "granitemoe"):  # llama.cpp writes `feed_forward_length` for experts
         expert_rows = read(f"{arch}.feed_forward_length", required=True)
@@ -377,8 +380,8 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
         }
-    if arch == "qwen2moe":  # a shared expert beside the routed ones in every layer
-        shared = read("qwen2moe.expert_shared_feed_forward_length", required=True)
+    if arch in ("qwen2moe", "qwen35moe"):  # a shared expert beside the routed ones
+        shared = read(f"{arch}.expert_shared_feed_forward_length", required=True)
         config["shared_expert_intermediate_size"] = shared
     if arch in GEMMA_ARCHITECTURES:
         config |= gemma_config(read, config, arch)
@@ -395,8 +398,8 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
         config["partial_rotary_factor"] = rotary / config["head_dim"]
     if arch in DEEPSEEK_MOE:
         config |= deepseek_moe_config(read, config, tensors, arch)
-    if arch == "qwen35":
-        config |= qwen35_config(read, config)
+    if arch in ("qwen35", "qwen35moe"):
+        config |= qwen35_config(read, config, arch)
     if arch in ("granite", "granitemoe"):  # its multipliers, under llama.cpp's names
         multipliers = {
             "embedding_multiplier": "embedding_scale",
@@ -773,21 +776,21 @@ def deepseek2_attention(read: Metadata, config: dict[str, Any]) -> dict[str, Any
     return settings
 
 
-def qwen35_config(read: Metadata, config: dict[str, Any]) -> dict[str, Any]:
-    """Qwen3.5's linear attention under llama.cpp's SSM keys (the key heads its group count,
-    the value heads its time-step rank, a key head's width its state size), every
-    `full_attention_interval`-th layer gated attention whose first `rope.dimension_count`
-    dimensions of a head rotate. The converter lists value heads in its own order
-    (`LinearAttention.tiled`)."""
-    value_heads = read("qwen35.ssm.time_step_rank", required=True)
-    rotary = read("qwen35.rope.dimension_count", config["head_dim"] // 4)
+def qwen35_config(read: Metadata, config: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Qwen3.5's (and Qwen3.5-MoE's) linear attention under llama.cpp's SSM keys (the key
+    heads its group count, the value heads its time-step rank, a key head's width its state
+    size), every `full_attention_interval`-th layer gated attention whose first
+    `rope.dimension_count` dimensions of a head rotate. The converter lists value heads in
+    its own order (`LinearAttention.tiled`)."""
+    value_heads = read(f"{arch}.ssm.time_step_rank", required=True)
+    rotary = read(f"{arch}.rope.dimension_count", config["head_dim"] // 4)
     return {
-        "linear_num_key_heads": read("qwen35.ssm.group_count", required=True),
+        "linear_num_key_heads": read(f"{arch}.ssm.group_count", required=True),
         "linear_num_value_heads": value_heads,
-        "linear_key_head_dim": read("qwen35.ssm.state_size", required=True),
-        "linear_value_head_dim": read("qwen35.ssm.inner_size", required=True) // value_heads,
-        "linear_conv_kernel_dim": read("qwen35.ssm.conv_kernel", 4),
-        "full_attention_interval": read("qwen35.full_attention_interval", 4),
+        "linear_key_head_dim": read(f"{arch}.ssm.state_size", required=True),
+        "linear_value_head_dim": read(f"{arch}.ssm.inner_size", required=True) // value_heads,
+        "linear_conv_kernel_dim": read(f"{arch}.ssm.conv_kernel", 4),
+        "full_attention_interval": read(f"{arch}.full_attention_interval", 4),
         "partial_rotary_factor": rotary / config["head_dim"],
         LINEAR_HEADS_TILED: True,
     }
