@@ -7,6 +7,7 @@ file's blocks."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -16,9 +17,9 @@ import pytest
 import torch
 
 from aserve import LLM, SamplingParams
-from aserve.config import ConfigError, ModelConfig
+from aserve.config import ConfigError, EngineConfig, ModelConfig
 from aserve.distributed.group import TPGroup
-from aserve.engine.memory import kv_bytes_per_token
+from aserve.engine.memory import kv_bytes_per_token, working_memory_bytes
 from aserve.kvcache.naive import NaiveCache
 from aserve.models.gated_deltanet import CHUNK, GatedDeltaNet, chunked_delta_rule
 from tests.gguf_files import write_hf_as_gguf
@@ -55,19 +56,21 @@ def step_by_step(
 @pytest.mark.parametrize("tokens", [1, CHUNK - 1, CHUNK, 2 * CHUNK + 5])
 def test_chunked_rule_equals_the_recurrence(tokens: int) -> None:
     """The chunks' triangular solve gives the token-by-token rule's outputs and final
-    state, from a state that is not zero, over whole chunks and a padded last one."""
+    states, from states that are not zero, over whole chunks and a padded last one, two
+    sequences at once."""
     torch.manual_seed(tokens)
     heads, key_dim, value_dim = 3, 8, 5
-    q = torch.nn.functional.normalize(torch.randn(tokens, heads, key_dim), dim=-1)
-    k = torch.nn.functional.normalize(torch.randn(tokens, heads, key_dim), dim=-1)
-    v = torch.randn(tokens, heads, value_dim)
-    decay = -torch.rand(tokens, heads) * 0.5
-    beta = torch.rand(tokens, heads)
-    state = torch.randn(heads, key_dim, value_dim)
+    q = torch.nn.functional.normalize(torch.randn(2, tokens, heads, key_dim), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(2, tokens, heads, key_dim), dim=-1)
+    v = torch.randn(2, tokens, heads, value_dim)
+    decay = -torch.rand(2, tokens, heads) * 0.5
+    beta = torch.rand(2, tokens, heads)
+    state = torch.randn(2, heads, key_dim, value_dim)
     out, final = chunked_delta_rule(q, k, v, decay, beta, state)
-    expected_out, expected_final = step_by_step(q, k, v, decay, beta, state)
-    torch.testing.assert_close(out, expected_out, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(final, expected_final, atol=1e-5, rtol=1e-5)
+    for i in range(2):
+        expected_out, expected_final = step_by_step(q[i], k[i], v[i], decay[i], beta[i], state[i])
+        torch.testing.assert_close(out[i], expected_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(final[i], expected_final, atol=1e-5, rtol=1e-5)
 
 
 def test_linear_layers_hold_states_not_kv(tiny_qwen3_5: Path) -> None:
@@ -229,3 +232,14 @@ def test_quantized_gguf_keeps_its_blocks_close_to_its_float_twin(tmp_path: Path)
     assert agree >= 12, (got, expected)
     with pytest.raises(ConfigError, match="llama.cpp's order"):
         LLM(str(quantized), tensor_parallel_size=2)
+
+
+def test_working_memory_holds_the_chunk_matrices(tiny_qwen3_5: Path) -> None:
+    """On a GPU a step's working memory, kept out of the KV pool, counts the delta rule's
+    chunk matrices of a whole prefill: more than the same model without linear attention."""
+    config = ModelConfig.from_hf(json.loads((tiny_qwen3_5 / "config.json").read_text()))
+    engine = EngineConfig(max_prefill_length=4096)
+    dense = dataclasses.replace(config, linear_attention=None)
+    hybrid_bytes = working_memory_bytes(engine, config, TPGroup(), torch.bfloat16)
+    dense_bytes = working_memory_bytes(engine, dense, TPGroup(), torch.bfloat16)
+    assert hybrid_bytes - dense_bytes == 4096 * 2 * 4 * 3 * CHUNK * 4

@@ -14,6 +14,7 @@ from aserve.engine.graph import graph_batch_limit, graph_page_ids
 from aserve.kvcache.pages import PageTable
 from aserve.kvcache.pool import KVPool
 from aserve.kvcache.states import RecurrentStates
+from aserve.models.gated_deltanet import CHUNK
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,8 @@ def working_memory_bytes(
 ) -> int:
     """What a step needs besides weights and KV, kept out of the pool on CUDA: the largest
     prefill chunk's activations (residual, normed input, Q/K/V, attention output, and the
-    MLP's gate/up and product, all alive at once at worst), the sampler's float32 [B, vocab]
+    MLP's gate/up and product, all alive at once at worst; linear attention's chunk
+    matrices, models/gated_deltanet.py), the sampler's float32 [B, vocab]
     tensors (logits, probabilities, filtered copies: four at once), and the decode CUDA
     graphs' own pool, which holds one such activation set at the largest captured batch."""
     size = torch.finfo(dtype).bits // 8
@@ -103,6 +105,10 @@ def working_memory_bytes(
     attention = (2 * local_q + 2 * local_kv) * model.head_dim
     width = 3 * model.hidden_size + attention + 3 * inter // tp.size
     prefill = config.max_prefill_length * width * size
+    if model.linear_attention is not None:  # the delta rule's chunk matrices, three alive at
+        # once, for every place of a prefill's grid of sequences (at most twice its tokens)
+        value_heads = model.linear_attention.value_heads // tp.size
+        prefill += config.max_prefill_length * 2 * value_heads * 3 * CHUNK * 4
     graphs = config.max_running_requests * (width * size + model.vocab_size * size)
     sampling = 4 * config.max_running_requests * model.vocab_size * 4
     return prefill + graphs + sampling

@@ -9,14 +9,15 @@ u = beta (v - S^T k), S becomes S + k u^T (the delta rule), and the output is S^
 RMS-normed and gated by SiLU(z) a head.
 
 A decode step runs that recurrence once for every row at once. A prefill runs it in chunks
-of `CHUNK` tokens a sequence, where the corrections of a chunk's tokens are a triangular
-system (each u_t subtracts what the earlier u_j of the chunk already wrote): solved once,
-what is left a chunk is two products with the state it starts from. Prefixes of 0 tokens
-start from a zero state; others from the state their last step stored.
+of `CHUNK` tokens, every sequence's together, where the corrections of a chunk's tokens are
+a triangular system (each u_t subtracts what the earlier u_j of the chunk already wrote):
+solved once, what is left a chunk is two products with the state it starts from. Prefixes
+of 0 tokens start from a zero state; others from the state their last step stored.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -217,26 +218,41 @@ class GatedDeltaNet(nn.Module):
         delta_states: torch.Tensor,
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        """Each sequence's tokens in turn, from its stored states (zeros for a first step)."""
-        outputs = []
+        """Every sequence at once, each from its stored states (zeros for a first step), its
+        tokens laid out in a row of a `[sequences, longest]` grid: the places after a
+        sequence's end hold tokens that neither decay nor write (beta and decay 0), so the
+        states each row ends with are its sequence's."""
+        lengths = batch.extend_lens
+        count, longest, channels = len(lengths), max(lengths), mixed.shape[-1]
+        starts = np.arange(count) * longest
+        places = np.concatenate([start + np.arange(n) for start, n in zip(starts, lengths)])
+        places_t = torch.from_numpy(places).to(mixed.device)
+        carried = torch.tensor([prefix > 0 for prefix in batch.prefix_lens], device=mixed.device)
+        rows = batch.rows
+
+        def gridded(values: torch.Tensor) -> torch.Tensor:
+            grid = values.new_zeros(count * longest, *values.shape[1:])
+            return grid.index_copy_(0, places_t, values).view(count, longest, *values.shape[1:])
+
+        earlier = conv_states.index_select(0, rows) * carried[:, None, None]
+        window = torch.cat([earlier.transpose(1, 2), gridded(mixed)], 1)
+        tail = torch.tensor(lengths, device=mixed.device)[:, None] + torch.arange(
+            self.kernel - 1, device=mixed.device
+        )
+        last_inputs = window.gather(1, tail[..., None].expand(-1, -1, channels))
+        conv_states.index_copy_(0, rows, last_inputs.transpose(1, 2))
         weight = self.conv1d.weight.float()
-        start = 0
-        for row, prefix, length in zip(batch.row_ids, batch.prefix_lens, batch.extend_lens):
-            end = start + length
-            if prefix == 0:
-                conv_states[row].zero_()
-                delta_states[row].zero_()
-            window = torch.cat([conv_states[row].T, mixed[start:end]])  # [kernel - 1 + n, C]
-            conv_states[row].copy_(window[-(self.kernel - 1) :].T)
-            convolved = F.conv1d(window.T.float()[None], weight[:, None, :], groups=weight.shape[0])
-            q, k, v = self._heads(F.silu(convolved[0].T))
-            out, state = chunked_delta_rule(
-                q, k, v, decay[start:end], beta[start:end], delta_states[row]
-            )
-            delta_states[row].copy_(state)
-            outputs.append(out)
-            start = end
-        return torch.cat(outputs)
+        convolved = F.conv1d(window.transpose(1, 2).float(), weight[:, None, :], groups=channels)
+        q, k, v = self._heads(F.silu(convolved).transpose(1, 2).reshape(count * longest, -1))
+        states = delta_states.index_select(0, rows) * carried[:, None, None, None]
+        out, states = chunked_delta_rule(
+            *(x.view(count, longest, *x.shape[1:]) for x in (q, k, v)),
+            gridded(decay),
+            gridded(beta),
+            states,
+        )
+        delta_states.index_copy_(0, rows, states)
+        return out.reshape(count * longest, *out.shape[2:]).index_select(0, places_t)
 
 
 def _l2_normalised(x: torch.Tensor) -> torch.Tensor:
@@ -251,11 +267,11 @@ def chunked_delta_rule(
     beta: torch.Tensor,
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule over one sequence's `n` tokens, float32 throughout.
+    """The gated delta rule over `n` tokens of each of `b` sequences, float32 throughout.
 
-    `q`, `k` `[n, heads, key_dim]`, `v` `[n, heads, value_dim]`, `decay` (log space) and
-    `beta` `[n, heads]`, `state` `[heads, key_dim, value_dim]`. Returns the outputs
-    `[n, heads, value_dim]` and the state after the last token.
+    `q`, `k` `[b, n, heads, key_dim]`, `v` `[b, n, heads, value_dim]`, `decay` (log space)
+    and `beta` `[b, n, heads]`, `state` `[b, heads, key_dim, value_dim]`. Returns the outputs
+    `[b, n, heads, value_dim]` and the states after the last token.
 
     Within a chunk, with G the running sum of the decays, token t's correction is
     u_t = beta_t (v_t - e^{G_t} S0^T k_t - sum_{j<t} e^{G_t - G_j} (k_j . k_t) u_j), a unit
@@ -263,33 +279,40 @@ def chunked_delta_rule(
     e^{G_t} S0^T q_t + sum_{j<=t} e^{G_t - G_j} (q_t . k_j) u_j, and the state it leaves
     e^{G_L} S0 + sum_j e^{G_L - G_j} k_j u_j^T.
     """
-    n = q.shape[0]
+    b, n, heads = q.shape[:3]
     pad = -n % CHUNK
-    # heads first, padded to whole chunks with tokens that neither decay nor write
-    q, k, v = (F.pad(x.transpose(0, 1), (0, 0, 0, pad)) for x in (q, k, v))
-    decay, beta = (F.pad(x.T, (0, pad)) for x in (decay, beta))
-    heads, chunks = q.shape[0], (n + pad) // CHUNK
-    q, k, v = (x.reshape(heads, chunks, CHUNK, -1) for x in (q, k, v))
-    decay, beta = decay.reshape(heads, chunks, CHUNK), beta.reshape(heads, chunks, CHUNK)
+    chunks, streams = (n + pad) // CHUNK, b * heads
+
+    def by_stream(x: torch.Tensor) -> torch.Tensor:
+        """`[b, n, heads, ...]` as `[b * heads, chunks, CHUNK, ...]`, padded with tokens
+        that neither decay nor write."""
+        moved = x.transpose(1, 2)
+        widths = (0, 0) * (moved.dim() - 3) + (0, pad)
+        return F.pad(moved, widths).reshape(streams, chunks, CHUNK, *moved.shape[3:])
+
+    q, k, v, decay, beta = (by_stream(x) for x in (q, k, v, decay, beta))
     running = decay.cumsum(-1)
     causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
     between = (running[..., :, None] - running[..., None, :]).masked_fill(~causal, -torch.inf).exp()
-    lower = (beta[..., None] * (k @ k.transpose(-1, -2)) * between).tril(-1)
-    system = lower + torch.eye(CHUNK, device=q.device)
+    system = (beta[..., None] * (k @ k.transpose(-1, -2)) * between).tril_(-1)
+    system.diagonal(dim1=-2, dim2=-1).fill_(1.0)
     written = torch.linalg.solve_triangular(
         system, beta[..., None] * v, upper=False, unitriangular=True
     )
     read_back = torch.linalg.solve_triangular(
         system, (beta * running.exp())[..., None] * k, upper=False, unitriangular=True
     )
-    scores = (q @ k.transpose(-1, -2)) * between
+    del system
+    scores = (q @ k.transpose(-1, -2)).mul_(between)
+    del between
     q_from_start = running.exp()[..., None] * q
     k_to_end = (running[..., -1:] - running).exp()[..., None] * k
     chunk_decay = running[..., -1].exp()[..., None, None]
     out = torch.empty_like(v)
-    state = state.clone()
+    state = state.reshape(streams, *state.shape[2:])
     for c in range(chunks):
         corrections = written[:, c] - read_back[:, c] @ state
         out[:, c] = q_from_start[:, c] @ state + scores[:, c] @ corrections
         state = state * chunk_decay[:, c] + k_to_end[:, c].transpose(-1, -2) @ corrections
-    return out.reshape(heads, -1, v.shape[-1])[:, :n].transpose(0, 1), state
+    out = out.reshape(b, heads, chunks * CHUNK, -1)[:, :, :n].transpose(1, 2)
+    return out, state.reshape(b, heads, *state.shape[1:])
