@@ -24,7 +24,11 @@ writes EXAONE 4's (OLMo 2's norms, Q/K norms a head; no window, as in its 1.2B, 
 is about `--arch exaone4 --layers 30 --hidden 2048 --intermediate 4096 --heads 32 8`);
 `--arch glm4` writes GLM-4's (Gemma's four norms a layer with plain weights, Q/K/V biases,
 gate|up fused, half of a head rotating; GLM-4-9B's shape is `--arch glm4 --layers 40
---hidden 4096 --intermediate 13696 --heads 32 2 --head-dim 128`). The
+--hidden 4096 --intermediate 13696 --heads 32 2 --head-dim 128`). `--arch qwen35` writes
+Qwen3.5's (Gated DeltaNet linear attention in three layers of four, with `--linear-heads`
+key and value heads of 128; gated attention in every fourth, a quarter of a head rotating;
+a tied head); the 9B's shape is `--arch qwen35 --layers 32 --hidden 4096 --intermediate
+12288 --heads 16 4 --head-dim 256 --linear-heads 16 32`. The
 layers' matrices take `--qtype`; the embedding and the LM head are Q8_0, as llama.cpp keeps
 them wider than the layers in its low-bit files. Formats the `gguf` package quantizes
 (Q4_0, Q8_0, ...) quantize normal weights; for llama.cpp's codebook formats (IQ1_S to IQ3_S),
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -57,10 +62,28 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=None, help="default: hidden / Q heads")
     p.add_argument(
         "--arch",
-        choices=("llama", "gemma2", "gemma3", "phi3", "granite", "olmo2", "exaone4", "glm4"),
+        choices=(
+            "llama",
+            "gemma2",
+            "gemma3",
+            "phi3",
+            "granite",
+            "olmo2",
+            "exaone4",
+            "glm4",
+            "qwen35",
+        ),
         default="llama",
     )
     p.add_argument("--window", type=int, default=512, help="Gemma's sliding window")
+    p.add_argument(
+        "--linear-heads",
+        type=int,
+        nargs=2,
+        default=(16, 16),
+        metavar=("KEY", "VALUE"),
+        help="Qwen3.5's linear attention heads (of 128)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--vocab",
@@ -70,6 +93,53 @@ def parse_args() -> argparse.Namespace:
         "installed, e.g. the GPU machine)",
     )
     return p.parse_args()
+
+
+LINEAR_HEAD = 128
+"""Qwen3.5's linear attention heads' width (keys and values)."""
+
+
+def qwen35_layer(
+    add: Callable[[str, np.ndarray, gguf.GGMLQuantizationType | None], None],
+    matrix: Callable[[int, int], np.ndarray],
+    blk: str,
+    layer: int,
+    args: argparse.Namespace,
+    rng: np.random.Generator,
+) -> None:
+    """A Qwen3.5 layer as llama.cpp stores it: Gated DeltaNet in three of four (its SSM
+    names; `ssm_a` negative, the decay rate), gated attention in every fourth (`attn_q`
+    holds a gate beside each query head), norms weighing by 1 + w stored as that sum."""
+    qtype = gguf.GGMLQuantizationType[args.qtype]
+    hidden = args.hidden
+    ones = np.ones(hidden, np.float32)
+    add(f"{blk}.attn_norm.weight", ones, None)
+    add(f"{blk}.post_attention_norm.weight", ones, None)
+    add(f"{blk}.ffn_gate.weight", matrix(args.intermediate, hidden), qtype)
+    add(f"{blk}.ffn_up.weight", matrix(args.intermediate, hidden), qtype)
+    add(f"{blk}.ffn_down.weight", matrix(hidden, args.intermediate), qtype)
+    if (layer + 1) % 4 == 0:
+        heads, kv_heads = args.heads
+        head_dim = args.head_dim or hidden // heads
+        add(f"{blk}.attn_q.weight", matrix(2 * heads * head_dim, hidden), qtype)
+        add(f"{blk}.attn_k.weight", matrix(kv_heads * head_dim, hidden), qtype)
+        add(f"{blk}.attn_v.weight", matrix(kv_heads * head_dim, hidden), qtype)
+        add(f"{blk}.attn_output.weight", matrix(hidden, heads * head_dim), qtype)
+        for norm in ("attn_q_norm", "attn_k_norm"):
+            add(f"{blk}.{norm}.weight", np.ones(head_dim, np.float32), None)
+        return
+    key_heads, value_heads = args.linear_heads
+    keys, values = key_heads * LINEAR_HEAD, value_heads * LINEAR_HEAD
+    add(f"{blk}.attn_qkv.weight", matrix(2 * keys + values, hidden), qtype)
+    add(f"{blk}.attn_gate.weight", matrix(values, hidden), qtype)
+    add(f"{blk}.ssm_beta.weight", matrix(value_heads, hidden), qtype)
+    add(f"{blk}.ssm_alpha.weight", matrix(value_heads, hidden), qtype)
+    conv = rng.standard_normal((2 * keys + values, 4), dtype=np.float32) / 2
+    add(f"{blk}.ssm_conv1d.weight", conv, None)
+    add(f"{blk}.ssm_a", -rng.uniform(0.5, 8, value_heads).astype(np.float32), None)
+    add(f"{blk}.ssm_dt.bias", rng.standard_normal(value_heads, dtype=np.float32), None)
+    add(f"{blk}.ssm_norm.weight", np.ones(LINEAR_HEAD, np.float32), None)
+    add(f"{blk}.ssm_out.weight", matrix(hidden, values), qtype)
 
 
 def main() -> None:
@@ -87,15 +157,25 @@ def main() -> None:
     writer.add_feed_forward_length(args.intermediate)
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    phi3, glm4 = args.arch == "phi3", args.arch == "glm4"
+    phi3, glm4, qwen35 = args.arch == "phi3", args.arch == "glm4", args.arch == "qwen35"
     rotating = head_dim * 3 // 4 if phi3 else head_dim // 2 if glm4 else head_dim
+    rotating = head_dim // 4 if qwen35 else rotating
     writer.add_rope_dimension_count(rotating)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_freq_base(
         1e4 if args.arch in ("gemma2", "phi3", "glm4") else 1e6 if gemma3 else 5e5
     )
-    writer.add_layer_norm_rms_eps(1e-6 if gemma else 1e-5)
+    writer.add_layer_norm_rms_eps(1e-6 if gemma or qwen35 else 1e-5)
+    key_heads, value_heads = args.linear_heads
+    if qwen35:  # as llama.cpp's converter describes Qwen3.5's linear attention
+        writer.add_ssm_conv_kernel(4)
+        writer.add_ssm_state_size(LINEAR_HEAD)
+        writer.add_ssm_group_count(key_heads)
+        writer.add_ssm_time_step_rank(value_heads)
+        writer.add_ssm_inner_size(value_heads * LINEAR_HEAD)
+        writer.add_full_attention_interval(4)
+        writer.add_rope_dimension_sections([11, 11, 10, 0])
     if gemma:
         writer.add_sliding_window(args.window)
     if args.arch == "granite":
@@ -116,12 +196,15 @@ def main() -> None:
 
     wide = gguf.GGMLQuantizationType.Q8_0
     add("token_embd.weight", matrix(vocab, args.hidden, wide), wide)
-    if not (gemma or phi3 or args.arch == "granite"):  # these tie their head to the embedding
+    if not (gemma or phi3 or args.arch == "granite" or qwen35):  # these tie it to the embedding
         add("output.weight", matrix(vocab, args.hidden, wide), wide)
     add("output_norm.weight", np.ones(args.hidden, np.float32), None)
     q_rows, kv_rows = heads * head_dim, kv_heads * head_dim
     for layer in range(args.layers):
         blk = f"blk.{layer}"
+        if qwen35:
+            qwen35_layer(add, matrix, blk, layer, args, rng)
+            continue
         if phi3:  # fused, as llama.cpp's converter keeps Phi-3's checkpoints
             add(f"{blk}.attn_qkv.weight", matrix(q_rows + 2 * kv_rows, args.hidden), qtype)
         else:
