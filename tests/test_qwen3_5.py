@@ -201,7 +201,7 @@ def test_decode_kernels_equal_the_torch_step(tiny_qwen3_5: Path) -> None:
     b, a = gates.split(heads, -1)
     decay = -layer.A_log.exp() * torch.nn.functional.softplus(a + layer.dt_bias)
     layer.norm.weight.data.normal_(1, 0.2)
-    expected = layer._decode(mixed, b.sigmoid(), decay, conv_ref, delta_ref, rows)
+    expected = layer._decode(mixed, b.sigmoid(), decay, conv_ref, delta_ref, rows, [4, 0, 2])
     expected = layer.norm(expected, z.reshape(3, heads, 24)).reshape(3, value_width)
     out = layer._decode_kernels(mixed, z, gates, conv, delta, rows)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)

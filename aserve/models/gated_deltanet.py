@@ -140,7 +140,8 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid()
         decay = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
         if batch.is_decode:
-            out = self._decode(mixed, beta, decay, conv_states, delta_states, batch.rows)
+            rows = batch.rows
+            out = self._decode(mixed, beta, decay, conv_states, delta_states, rows, batch.row_ids)
         else:
             out = self._prefill(mixed, beta, decay, conv_states, delta_states, batch)
         tokens = hidden.shape[0]
@@ -196,18 +197,32 @@ class GatedDeltaNet(nn.Module):
         conv_states: torch.Tensor,
         delta_states: torch.Tensor,
         rows: torch.Tensor,
+        row_ids: list[int],
     ) -> torch.Tensor:
-        """One token a row: the convolution over its stored window, one step of the rule."""
-        window = torch.cat([conv_states.index_select(0, rows), mixed.unsqueeze(-1)], -1)
-        conv_states.index_copy_(0, rows, window[..., 1:])
+        """One token a row: the convolution over its stored window, one step of the rule.
+        One row's states are worked on where they live; several rows' are gathered and
+        written back (a copy of 64 KiB a head each way)."""
+        alone = len(row_ids) == 1
+        if alone:
+            conv = conv_states[row_ids[0]][None]
+            state = delta_states[row_ids[0]][None]
+        else:
+            conv = conv_states.index_select(0, rows)
+            state = delta_states.index_select(0, rows)
+        window = torch.cat([conv, mixed.unsqueeze(-1)], -1)
         convolved = F.silu((window.float() * self.conv1d.weight.float()).sum(-1))
         q, k, v = self._heads(convolved)
-        state = delta_states.index_select(0, rows)
         state.mul_(decay.exp()[..., None, None])
-        correction = (v - torch.einsum("thk,thkv->thv", k, state)) * beta[..., None]
-        state.add_(k[..., :, None] * correction[..., None, :])
-        delta_states.index_copy_(0, rows, state)
-        return torch.einsum("thk,thkv->thv", q, state)
+        flat = state.view(-1, self.key_dim, self.value_dim)
+        remembered = torch.bmm(k.reshape(-1, 1, self.key_dim), flat).view_as(v)
+        correction = (v - remembered) * beta[..., None]
+        flat.baddbmm_(k.reshape(-1, self.key_dim, 1), correction.reshape(-1, 1, self.value_dim))
+        if alone:
+            conv.copy_(window[..., 1:])
+        else:
+            conv_states.index_copy_(0, rows, window[..., 1:])
+            delta_states.index_copy_(0, rows, state)
+        return torch.bmm(q.reshape(-1, 1, self.key_dim), flat).view_as(v)
 
     def _prefill(
         self,
