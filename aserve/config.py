@@ -46,6 +46,7 @@ SUPPORTED_ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
 VISION_LANGUAGE_ARCHITECTURES = (
     "Gemma3ForConditionalGeneration",
@@ -117,6 +118,7 @@ MOE_FAMILIES = (
     "deepseek_v2",
     "deepseek_v3",
     "qwen3_5_moe",
+    "qwen3_next",
 )
 """Families whose experts `_moe_settings` reads (gpt-oss's are read with its own settings)."""
 DEEPSEEK_MOE_FAMILIES = ("glm4_moe", "dots1", "deepseek_v2", "deepseek_v3")
@@ -126,7 +128,7 @@ LATENT_ATTENTION_FAMILIES = ("deepseek_v2", "deepseek_v3")
 LINEAR_HEADS_TILED = "linear_value_heads_tiled"
 """The config.json key by which a GGUF conversion says its value heads are llama.cpp's
 order (`LinearAttention.tiled`)."""
-HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 """Families whose layers are mostly linear attention with a recurrent state a request
 (`LinearAttention`), with whole-context attention in a few."""
 MOE_BACKENDS = ("auto", "torch", "fused")
@@ -141,6 +143,7 @@ QK_NORM_FAMILIES = (
     "dots1",
     "qwen3_5",
     "qwen3_5_moe",
+    "qwen3_next",
 )
 """Families that normalise queries and keys (a head each, or across heads: OLMo's)."""
 GELU_TANH = "gelu_pytorch_tanh"

@@ -49,6 +49,7 @@ GGUF_ARCH = {
     "deepseek_v3": "deepseek2",
     "qwen3_5_text": "qwen35",
     "qwen3_5_moe_text": "qwen35moe",
+    "qwen3_next": "qwen3next",
 }
 TOP_LEVEL = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -126,6 +127,7 @@ QWEN35_IN_LAYER = IN_LAYER | {
     "linear_attn.conv1d": "ssm_conv1d",
     "linear_attn.norm": "ssm_norm",
     "linear_attn.out_proj": "ssm_out",
+    "linear_attn.in_proj_ba": "ssm_ba",
 }
 """Qwen3.5's names in llama.cpp's converter (`A_log` and `dt_bias`: `qwen35_tensor`)."""
 NEXTN_PARTS = ("eh_proj", "enorm", "hnorm", "shared_head_norm")
@@ -324,12 +326,29 @@ def tiled_value_heads(
     return np.moveaxis(tiled, 0, axis)
 
 
-def qwen35_tensor(name: str, array: np.ndarray, config: dict[str, Any]) -> tuple[str, np.ndarray]:
+def qwen3_next_qkvz(name: str, array: np.ndarray, config: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Qwen3-Next's `in_proj_qkvz` (a key head's query, key, values and gates, then the next
+    key head's) as llama.cpp's converter splits it: every query, key and value row in
+    `attn_qkv`, every gate row in `attn_gate`."""
+    key_heads, key_dim = config["linear_num_key_heads"], config["linear_key_head_dim"]
+    values = config["linear_num_value_heads"] // key_heads * config["linear_value_head_dim"]
+    grouped = array.reshape(key_heads, 2 * key_dim + 2 * values, -1)
+    q, k, v, z = np.split(grouped, np.cumsum([key_dim, key_dim, values]), axis=1)
+    layer = name.split(".")[2]
+    qkv = np.concatenate([part.reshape(-1, array.shape[-1]) for part in (q, k, v)])
+    return {
+        f"blk.{layer}.attn_qkv.weight": qkv,
+        f"blk.{layer}.attn_gate.weight": z.reshape(-1, array.shape[-1]),
+    }
+
+
+def qwen35_tensor(
+    name: str, array: np.ndarray, config: dict[str, Any], tiled: bool = True
+) -> tuple[str, np.ndarray]:
     """A Qwen3.5 checkpoint tensor as llama.cpp's converter writes it: zero-centred norms as
     1 + w (not the linear attention's own), `A_log` as -exp(A_log) (`ssm_a`), `dt_bias` as
-    `ssm_dt.bias`, the convolution `[channels, kernel]`, value heads in its order."""
-    keys = config["linear_num_key_heads"] * config["linear_key_head_dim"]
-    value_dim = config["linear_value_head_dim"]
+    `ssm_dt.bias`, the convolution `[channels, kernel]`, value heads in its order where
+    `tiled` (Qwen3.5's, not Qwen3-Next's, whose `in_proj_ba` stays grouped: `ssm_ba`)."""
     if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
         array = array + 1
     if ".linear_attn." not in name:
@@ -338,20 +357,30 @@ def qwen35_tensor(name: str, array: np.ndarray, config: dict[str, Any]) -> tuple
     part = name.split(".linear_attn.")[1]
     if part == "conv1d.weight":
         array = array.reshape(array.shape[0], -1)
-    if part in ("in_proj_qkv.weight", "conv1d.weight"):
-        values = tiled_value_heads(array[2 * keys :], 0, config, value_dim)
-        array = np.concatenate([array[: 2 * keys], values])
-    elif part == "in_proj_z.weight":
-        array = tiled_value_heads(array, 0, config, value_dim)
-    elif part in ("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias"):
-        array = tiled_value_heads(array, 0, config, 1)
-    elif part == "out_proj.weight":
-        array = tiled_value_heads(array, 1, config, value_dim)
+    if tiled:
+        array = in_tiled_order(part, array, config)
     if part == "A_log":
         return f"blk.{layer}.ssm_a", -np.exp(array)
     if part == "dt_bias":
         return f"blk.{layer}.ssm_dt.bias", array
     return gguf_name(name, QWEN35_IN_LAYER), array
+
+
+def in_tiled_order(part: str, array: np.ndarray, config: dict[str, Any]) -> np.ndarray:
+    """A linear attention tensor (`part` of `linear_attn.`) with its value heads, wherever
+    it lists them, in llama.cpp's order."""
+    keys = config["linear_num_key_heads"] * config["linear_key_head_dim"]
+    value_dim = config["linear_value_head_dim"]
+    if part in ("in_proj_qkv.weight", "conv1d.weight"):
+        values = tiled_value_heads(array[2 * keys :], 0, config, value_dim)
+        return np.concatenate([array[: 2 * keys], values])
+    if part == "in_proj_z.weight":
+        return tiled_value_heads(array, 0, config, value_dim)
+    if part in ("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias"):
+        return tiled_value_heads(array, 0, config, 1)
+    if part == "out_proj.weight":
+        return tiled_value_heads(array, 1, config, value_dim)
+    return array
 
 
 def add_sizes(writer: gguf.GGUFWriter, config: dict[str, Any]) -> None:
@@ -420,7 +449,7 @@ def write_hf_as_gguf(
     add_sizes(writer, {**config, "num_hidden_layers": config["num_hidden_layers"] + glm4_moe})
     writer.add_head_count(heads)
     deepseek = arch == "deepseek2"
-    if arch in ("qwen35", "qwen35moe"):
+    if arch in ("qwen35", "qwen35moe", "qwen3next"):
         add_qwen35(writer, config)
     if deepseek:
         add_deepseek2(writer, config, kv_b_apart)
@@ -532,8 +561,10 @@ def write_hf_as_gguf(
             tensors[gguf_name(name, in_layer)] = array.reshape(-1)
         elif kv_b_apart and name.endswith("kv_b_proj.weight"):
             tensors |= split_kv_b(name, array, config)
-        elif arch in ("qwen35", "qwen35moe"):
-            stored, array = qwen35_tensor(name, array, config)
+        elif arch == "qwen3next" and name.endswith("in_proj_qkvz.weight"):
+            tensors |= qwen3_next_qkvz(name, array, config)
+        elif arch in ("qwen35", "qwen35moe", "qwen3next"):
+            stored, array = qwen35_tensor(name, array, config, tiled=arch != "qwen3next")
             tensors[stored] = array
         else:
             tensors[gguf_name(name, in_layer)] = array

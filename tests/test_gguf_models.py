@@ -82,6 +82,7 @@ OVERRIDES = {
         "deepseek_v3",
         "qwen3_5",
         "qwen3_5_moe",
+        "qwen3_next",
     ],
 )
 def test_gguf_of_each_family_matches_transformers(family: str, tmp_path: Path) -> None:
@@ -106,7 +107,9 @@ def test_gguf_of_each_family_matches_transformers(family: str, tmp_path: Path) -
     log multiplier), experts by softmax (V2) or sigmoid (V3, `exp_probs_b`) scores in
     groups; the Qwen3.5 file holds its linear attention under llama.cpp's SSM names and
     keys, `A_log` as -exp(A_log), its zero-centred norms as 1 + w, and its value heads in
-    llama.cpp's order in every tensor that lists them."""
+    llama.cpp's order in every tensor that lists them (Qwen3-Next's in its checkpoint's
+    order, its queries, keys and values split from `in_proj_qkvz` into `attn_qkv` and its
+    gates into `attn_gate`, its betas and decays grouped by key head in `ssm_ba`)."""
     folder = make_tiny_model(family, tmp_path / family, overrides=OVERRIDES.get(family))
     model = write_hf_as_gguf(folder, tmp_path / f"{family}.gguf")
     hf = hf_model(folder)

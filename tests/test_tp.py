@@ -187,6 +187,7 @@ def test_tp2_integer_checkpoint_equals_tp1(
         "deepseek_v3",
         "qwen3_5",
         "qwen3_5_moe",
+        "qwen3_next",
     ],
 )
 def test_tp2_family_greedy_tokens_and_logprobs_equal_tp1(tmp_path: Path, family: str) -> None:
@@ -203,7 +204,8 @@ def test_tp2_family_greedy_tokens_and_logprobs_equal_tp1(tmp_path: Path, family:
     slices, output columns) while both ranks compute and cache the whole latent row.
     Qwen3.5's linear attention splits its key heads with the value heads they serve, the
     convolution's channels with them, and each rank keeps its heads' recurrent states; its
-    gated attention splits queries and gates alike."""
+    gated attention splits queries and gates alike (Qwen3-Next's projections grouped by key
+    head are ungrouped at load, then split the same way)."""
     one_kv_head = family == "olmo2-one-kv-head"
     overrides = {"num_key_value_heads": 1} if one_kv_head else None
     model = make_tiny_model(family.removesuffix("-one-kv-head"), tmp_path, overrides=overrides)

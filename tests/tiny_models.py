@@ -340,6 +340,14 @@ FAMILIES["qwen3_5_moe"] = {
     "shared_expert_intermediate_size": 48,
 }
 
+FAMILIES["qwen3_next"] = {
+    # Qwen3.5-MoE's layers with the linear attention's projections grouped by key head
+    **{k: v for k, v in FAMILIES["qwen3_5_moe"].items() if k != "rope_parameters"},
+    "rope_theta": 10000000.0,
+    "partial_rotary_factor": 0.25,
+    "norm_topk_prob": True,
+}
+
 MLA_GPU_SHAPES = {
     "hidden_size": 256,
     "num_attention_heads": 16,
@@ -402,6 +410,7 @@ def make_tiny_model(
         "gpt_oss": transformers.GptOssConfig,
         "qwen3_5": transformers.Qwen3_5TextConfig,
         "qwen3_5_moe": transformers.Qwen3_5MoeTextConfig,
+        "qwen3_next": transformers.Qwen3NextConfig,
     }[family]
     config = config_cls(**{**COMMON, **FAMILIES[family], **(overrides or {})})
     torch.manual_seed(seed)

@@ -14,6 +14,7 @@ their parts by shard.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -496,6 +497,8 @@ _FUSED_IN_CHECKPOINT = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
     "in_proj_qkv": ("in_proj_q", "in_proj_k", "in_proj_v"),
+    "in_proj_qkvz": ("in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z"),  # Qwen3-Next's,
+    "in_proj_ba": ("in_proj_b", "in_proj_a"),  # each grouped by key head (`_key_head_order`)
 }
 """Checkpoints that store a layer's projections fused (Phi-3's, Qwen3.5's linear
 attention's), split into names of their own parts."""
@@ -658,6 +661,8 @@ class DecoderForCausalLM(nn.Module):
         `expected_tensors` must cover once every tensor is in."""
         module_name, _, param = name.rpartition(".")
         parent, _, leaf = module_name.rpartition(".")
+        if leaf in ("in_proj_qkvz", "in_proj_ba") and param == "weight":
+            tensor = _permute_rows(tensor, lambda rows: self._key_head_order(leaf, rows))
         if leaf in _FUSED_IN_CHECKPOINT and param in ("weight", "bias"):
             loaded: list[str] = []
             for part, rows in zip(_FUSED_IN_CHECKPOINT[leaf], self._fused_rows(leaf), strict=True):
@@ -721,16 +726,38 @@ class DecoderForCausalLM(nn.Module):
     def _fused_rows(self, leaf: str) -> list[slice]:
         """The row ranges of a fused checkpoint tensor's parts (Q, K, V or gate, up)."""
         config = self.config
-        if leaf == "in_proj_qkv":
-            assert config.linear_attention is not None
-            keys = config.linear_attention.key_width
-            values = config.linear_attention.value_width
-            return [slice(0, keys), slice(keys, 2 * keys), slice(2 * keys, 2 * keys + values)]
+        if leaf in ("in_proj_qkv", "in_proj_qkvz", "in_proj_ba"):
+            linear = config.linear_attention
+            assert linear is not None
+            if leaf == "in_proj_ba":
+                return [slice(0, linear.value_heads), slice(linear.value_heads, None)]
+            keys, values = linear.key_width, linear.value_width
+            ends = [keys, 2 * keys, 2 * keys + values, 2 * keys + 2 * values]
+            parts = len(_FUSED_IN_CHECKPOINT[leaf])
+            return [slice(start, end) for start, end in zip([0, *ends], ends[:parts])]
         if leaf == "qkv_proj":
             q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
             return [slice(0, q), slice(q, q + kv), slice(q + kv, q + 2 * kv)]
         inter = config.intermediate_size
         return [slice(0, inter), slice(inter, 2 * inter)]
+
+    def _key_head_order(self, leaf: str, rows: int) -> torch.Tensor:
+        """Qwen3-Next's `in_proj_qkvz` (a key head's query, key, its value heads' values and
+        gates, then the next key head's) and `in_proj_ba` (a key head's value heads' betas,
+        then their decays) as each part whole, in `_fused_rows`' order."""
+        linear = self.config.linear_attention
+        assert linear is not None
+        shared = linear.value_heads // linear.key_heads
+        widths = [shared, shared]
+        if leaf == "in_proj_qkvz":
+            values = shared * linear.value_head_dim
+            widths = [linear.key_head_dim, linear.key_head_dim, values, values]
+        assert rows == linear.key_heads * sum(widths)
+        starts = torch.arange(linear.key_heads, device="cpu")[:, None] * sum(widths)
+        offsets = [0, *itertools.accumulate(widths)][:-1]
+        return torch.cat(
+            [(starts + offset + torch.arange(w)).flatten() for offset, w in zip(offsets, widths)]
+        )
 
     def _queries_and_gates(self, q_proj: WeightSource) -> tuple[WeightSource, WeightSource]:
         """Qwen3.5's `q_proj` rows, a head's query then its gate, as every query row then

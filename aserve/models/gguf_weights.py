@@ -139,6 +139,8 @@ FAMILY_TENSORS = {
     "glm4": GLM4_TENSORS,
     "qwen3_5_text": QWEN35_TENSORS,
     "qwen3_5_moe_text": QWEN35_TENSORS | QWEN2_MOE_TENSORS,
+    # Qwen3-Next's betas and decays in one tensor, grouped by key head as its checkpoint has them
+    "qwen3_next": QWEN35_TENSORS | QWEN2_MOE_TENSORS | {"ssm_ba": "linear_attn.in_proj_ba"},
 }
 """The layer tensor names of the families (config.json's `model_type`) that differ from
 LAYER_TENSORS."""
@@ -345,7 +347,7 @@ def iter_gguf(
         else {}
     )
     # norms weighing by 1 + w, stored as that sum (Qwen3.5's linear attention's own excepted)
-    centred = model_type in (*SANDWICH_FAMILIES, "qwen3_5_text", "qwen3_5_moe_text")
+    centred = model_type in (*SANDWICH_FAMILIES, "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
     for tensor in tqdm(tensors, desc="Loading weights", unit="tensor", disable=not progress):
         if tensor.name in ROPE_TENSORS:
             continue

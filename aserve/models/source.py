@@ -95,6 +95,7 @@ ARCHITECTURES = {
     "deepseek2": "DeepseekV2ForCausalLM",  # V3's where its experts are chosen by sigmoid
     "qwen35": "Qwen3_5ForCausalLM",
     "qwen35moe": "Qwen3_5MoeForCausalLM",
+    "qwen3next": "Qwen3NextForCausalLM",
     "bert": "BertModel",  # an encoder: embeddings only (models/encoder.py)
     "modern-bert": "ModernBertModel",  # an encoder (models/modernbert.py)
     "nomic-bert": "NomicBertModel",  # an encoder (models/encoder.py): nomic-embed-text
@@ -112,6 +113,7 @@ MODEL_TYPES = {
     "deepseek2": "deepseek_v2",
     "qwen35": "qwen3_5_text",
     "qwen35moe": "qwen3_5_moe_text",
+    "qwen3next": "qwen3_next",
     "gemma3": "gemma3_text",
     "gemma-embedding": "gemma3_text",
     "gpt-oss": "gpt_oss",
@@ -341,7 +343,8 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
         f"{arch}.expert_count",
         0,
         required=arch
-        in ("qwen3moe", "qwen2moe", "qwen35moe", "gpt-oss", "olmoe", "granitemoe", *DEEPSEEK_MOE),
+        in ("qwen3moe", "qwen2moe", "qwen35moe", "qwen3next", "gpt-oss", "olmoe", "granitemoe")
+        + DEEPSEEK_MOE,
     )
     if arch in ("olmoe", "granitemoe"):  # llama.cpp writes `feed_forward_length` for experts
         expert_rows = read(f"{arch}.feed_forward_length", required=True)
@@ -380,7 +383,7 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
         }
-    if arch in ("qwen2moe", "qwen35moe"):  # a shared expert beside the routed ones
+    if arch in ("qwen2moe", "qwen35moe", "qwen3next"):  # a shared expert beside the routed
         shared = read(f"{arch}.expert_shared_feed_forward_length", required=True)
         config["shared_expert_intermediate_size"] = shared
     if arch in GEMMA_ARCHITECTURES:
@@ -398,7 +401,7 @@ def hf_config(metadata: dict[str, Any], stored: list[StoredTensor]) -> dict[str,
         config["partial_rotary_factor"] = rotary / config["head_dim"]
     if arch in DEEPSEEK_MOE:
         config |= deepseek_moe_config(read, config, tensors, arch)
-    if arch in ("qwen35", "qwen35moe"):
+    if arch in ("qwen35", "qwen35moe", "qwen3next"):
         config |= qwen35_config(read, config, arch)
     if arch in ("granite", "granitemoe"):  # its multipliers, under llama.cpp's names
         multipliers = {
@@ -780,8 +783,8 @@ def qwen35_config(read: Metadata, config: dict[str, Any], arch: str) -> dict[str
     """Qwen3.5's (and Qwen3.5-MoE's) linear attention under llama.cpp's SSM keys (the key
     heads its group count, the value heads its time-step rank, a key head's width its state
     size), every `full_attention_interval`-th layer gated attention whose first
-    `rope.dimension_count` dimensions of a head rotate. The converter lists value heads in
-    its own order (`LinearAttention.tiled`)."""
+    `rope.dimension_count` dimensions of a head rotate. The converter lists Qwen3.5's value
+    heads in its own order (`LinearAttention.tiled`), Qwen3-Next's in the checkpoint's."""
     value_heads = read(f"{arch}.ssm.time_step_rank", required=True)
     rotary = read(f"{arch}.rope.dimension_count", config["head_dim"] // 4)
     return {
@@ -792,7 +795,7 @@ def qwen35_config(read: Metadata, config: dict[str, Any], arch: str) -> dict[str
         "linear_conv_kernel_dim": read(f"{arch}.ssm.conv_kernel", 4),
         "full_attention_interval": read(f"{arch}.full_attention_interval", 4),
         "partial_rotary_factor": rotary / config["head_dim"],
-        LINEAR_HEADS_TILED: True,
+        LINEAR_HEADS_TILED: arch != "qwen3next",
     }
 
 
