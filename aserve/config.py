@@ -688,7 +688,10 @@ def _hybrid_settings(config: dict[str, Any], num_layers: int, head_dim: int) -> 
     types = config.get("layer_types")
     if not types:
         interval = int(config.get("full_attention_interval", 4))
-        types = ["linear_attention" if (i + 1) % interval else "full" for i in range(num_layers)]
+        types = [
+            "linear_attention" if (i + 1) % interval else "full_attention"
+            for i in range(num_layers)
+        ]
     linear = LinearAttention(
         layers=tuple(i for i, kind in enumerate(types[:num_layers]) if kind == "linear_attention"),
         key_heads=int(config["linear_num_key_heads"]),

@@ -753,11 +753,7 @@ class DecoderForCausalLM(nn.Module):
             values = shared * linear.value_head_dim
             widths = [linear.key_head_dim, linear.key_head_dim, values, values]
         assert rows == linear.key_heads * sum(widths)
-        starts = torch.arange(linear.key_heads, device="cpu")[:, None] * sum(widths)
-        offsets = [0, *itertools.accumulate(widths)][:-1]
-        return torch.cat(
-            [(starts + offset + torch.arange(w)).flatten() for offset, w in zip(offsets, widths)]
-        )
+        return _parts_apart(linear.key_heads, widths)
 
     def _queries_and_gates(self, q_proj: WeightSource) -> tuple[WeightSource, WeightSource]:
         """Qwen3.5's `q_proj` rows, a head's query then its gate, as every query row then
@@ -766,10 +762,7 @@ class DecoderForCausalLM(nn.Module):
 
         def order(rows: int) -> torch.Tensor:
             assert rows == 2 * heads * head_dim
-            starts = torch.arange(heads, device="cpu")[:, None] * 2 * head_dim
-            within = torch.arange(head_dim, device="cpu")
-            queries = (starts + within).flatten()
-            return torch.cat([queries, queries + head_dim])
+            return _parts_apart(heads, [head_dim, head_dim])
 
         whole = _permute_rows(q_proj, order)
         return whole[: heads * head_dim], whole[heads * head_dim :]
@@ -814,6 +807,16 @@ class DecoderForCausalLM(nn.Module):
             blocks = WeightBlocks()
             for weight in cpu_kernel_weights(self):
                 weight.move_to(blocks)
+
+
+def _parts_apart(groups: int, widths: list[int]) -> torch.Tensor:
+    """The row order that takes rows stored as `groups` blocks, each block its parts of
+    `widths` rows one after another, to each part's rows of every block, part after part
+    (made on the host)."""
+    starts = torch.arange(groups, device="cpu")[:, None] * sum(widths)
+    offsets = [0, *itertools.accumulate(widths)][:-1]
+    parts = [starts + offset + torch.arange(width) for offset, width in zip(offsets, widths)]
+    return torch.cat([part.flatten() for part in parts])
 
 
 def _permute_rows(tensor: WeightSource, order_of: Callable[[int], torch.Tensor]) -> WeightSource:
